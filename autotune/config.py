@@ -1,0 +1,211 @@
+"""Launch-config mechanism shared by every operator.
+
+* Each kernel variant's launch config is a frozen dataclass; an analytical heuristic gives
+  the default.
+* Tuned configs are data: one JSON file per GPU (`autotune/configs/<gpu-slug>.json`, or the
+  folder named by SPECPILOT_CONFIG_DIR), keyed ``op/variant/<shape bucket>``, with M bucketed
+  to powers of two.
+* `force(...)` is a scoped context manager that pins a variant or a config (tests, tuning).
+
+Mismatch policy: a tuned file records the GPU, torch, Triton and library versions it was
+tuned with. Entries are used when the GPU name matches. When the Triton major.minor differs
+the file is ignored (configs may not even compile) and a warning is emitted once; set
+SPECPILOT_TUNED_CONFIGS=any to use it anyway, or =off to never use tuned configs.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import contextvars
+import dataclasses
+import functools
+import json
+import os
+import warnings
+from pathlib import Path
+from typing import Any, Callable, TypeVar
+
+from .hardware import compute_capability, gpu_name, gpu_slug, has_cuda, is_interpreter
+
+__all__ = [
+    "bucket_m",
+    "shape_key",
+    "force",
+    "forced",
+    "select_variant",
+    "get_config",
+    "tuned_file",
+    "load_tuned",
+    "store_tuned",
+    "versions",
+]
+
+T = TypeVar("T")
+
+_FORCED: contextvars.ContextVar[dict] = contextvars.ContextVar("specpilot_forced", default={})
+
+
+def bucket_m(m: int) -> int:
+    """Round M up to a power of two (1, 2, 4, ...)."""
+    if m < 1:
+        raise ValueError(f"M must be >= 1, got {m}")
+    return 1 << (int(m) - 1).bit_length()
+
+
+def shape_key(**dims: int) -> str:
+    """Canonical shape bucket: M is bucketed, other dims kept, keys sorted. `M1-K5120-N17408`."""
+    parts = []
+    for k in sorted(dims):
+        v = bucket_m(dims[k]) if k == "M" else int(dims[k])
+        parts.append(f"{k}{v}")
+    return "-".join(parts)
+
+
+@contextlib.contextmanager
+def force(op: str, *, variant: str | None = None, config: Any = None):
+    """Pin `op` to `variant` and/or `config` inside the `with` block (thread/task local)."""
+    if variant is None and config is None:
+        raise ValueError("force() needs a variant, a config, or both")
+    cur = dict(_FORCED.get())
+    cur[op] = (variant, config)
+    token = _FORCED.set(cur)
+    try:
+        yield
+    finally:
+        _FORCED.reset(token)
+
+
+def forced(op: str) -> tuple[str | None, Any]:
+    return _FORCED.get().get(op, (None, None))
+
+
+def select_variant(op: str, table: dict[int, str], *, device=None, fallback: str = "reference") -> str:
+    """Pick a variant by GPU generation from `table` ({9: "tc", 8: "gemv"}), honouring `force`.
+
+    The key is the compute-capability major; the largest key not above the device's major
+    wins, except that Hopper-only variants (key 9) are never chosen for other majors. Under
+    the Triton interpreter, the generation is taken as the smallest key (portable variant).
+    """
+    v, _ = forced(op)
+    if v is not None:
+        return v
+    if is_interpreter():
+        return table[min(table)] if table else fallback
+    if not has_cuda():
+        return fallback
+    major = compute_capability()[0]
+    if major in table:
+        return table[major]
+    ok = [k for k in table if k <= major and k != 9]
+    return table[max(ok)] if ok else fallback
+
+
+# --------------------------------------------------------------------------------------
+# Tuned configs as data.
+# --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def versions() -> dict[str, str]:
+    import torch
+
+    try:
+        import triton
+
+        tv = triton.__version__
+    except ImportError:  # pragma: no cover - triton is a hard dependency on GPU machines
+        tv = "none"
+    try:
+        from importlib.metadata import version
+
+        pv = version("specpilot")
+    except Exception:
+        pv = "0+unknown"
+    return {"torch": torch.__version__, "triton": tv, "cuda": str(torch.version.cuda), "specpilot": pv}
+
+
+def _config_dir() -> Path:
+    return Path(os.environ.get("SPECPILOT_CONFIG_DIR") or Path(__file__).parent / "configs")
+
+
+def tuned_file(device=None) -> Path:
+    return _config_dir() / f"{gpu_slug(device)}.json"
+
+
+_WARNED: set[str] = set()
+
+
+@functools.cache
+def _load_cached(path: str, mtime: float) -> dict:
+    data = json.loads(Path(path).read_text())
+    if "meta" not in data or "entries" not in data:
+        raise ValueError(f"{path}: not a tuned-config file (needs 'meta' and 'entries')")
+    return data
+
+
+_TUNED: dict[tuple[str, str], dict] = {}
+
+
+def load_tuned(device=None) -> dict:
+    """Entries of the tuned file for this GPU after the mismatch policy; {} when none apply.
+
+    Read once per (GPU, policy) and process; `store_tuned` invalidates it."""
+    k = (gpu_slug(device) if has_cuda() else "cpu", os.environ.get("SPECPILOT_TUNED_CONFIGS", "match"))
+    if k not in _TUNED:
+        _TUNED[k] = _read_tuned(device)
+    return _TUNED[k]
+
+
+def _read_tuned(device=None) -> dict:
+    policy = os.environ.get("SPECPILOT_TUNED_CONFIGS", "match")
+    if policy == "off" or not has_cuda() or is_interpreter():
+        return {}
+    path = tuned_file(device)
+    if not path.exists():
+        return {}
+    data = _load_cached(str(path), path.stat().st_mtime)
+    meta = data["meta"]
+    if meta.get("gpu") and meta["gpu"] != gpu_name(device):
+        return {}
+    mine = versions()["triton"].split(".")[:2]
+    theirs = str(meta.get("triton", "")).split(".")[:2]
+    if policy != "any" and mine != theirs:
+        if str(path) not in _WARNED:
+            _WARNED.add(str(path))
+            warnings.warn(
+                f"{path} was tuned with Triton {meta.get('triton')}, this is {versions()['triton']}: "
+                "ignoring it (set SPECPILOT_TUNED_CONFIGS=any to use it anyway)",
+                stacklevel=3,
+            )
+        return {}
+    return data["entries"]
+
+
+def store_tuned(op: str, variant: str, key: str, config: Any, *, device=None, extra: dict | None = None) -> Path:
+    """Write one tuned entry (a dataclass) into this GPU's file, stamping versions in `meta`."""
+    path = tuned_file(device)
+    data = json.loads(path.read_text()) if path.exists() else {"meta": {}, "entries": {}}
+    data["meta"] = {"gpu": gpu_name(device), **versions()}
+    entry = dataclasses.asdict(config)
+    if extra:
+        entry["_"] = extra
+    data["entries"][f"{op}/{variant}/{key}"] = entry
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    _load_cached.cache_clear()
+    _TUNED.clear()
+    return path
+
+
+def get_config(op: str, variant: str, cls: type[T], heuristic: Callable[[], T], *, key: str, device=None) -> T:
+    """The launch config for one call: forced > tuned JSON entry > analytical heuristic."""
+    _, cfg = forced(op)
+    if cfg is not None:
+        if not isinstance(cfg, cls):
+            raise TypeError(f"force({op!r}, config=...) expects a {cls.__name__}, got {type(cfg).__name__}")
+        return cfg
+    entry = load_tuned(device).get(f"{op}/{variant}/{key}")
+    if entry is not None:
+        fields = {f.name for f in dataclasses.fields(cls)}
+        return cls(**{k: v for k, v in entry.items() if k in fields})
+    return heuristic()

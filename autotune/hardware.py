@@ -1,0 +1,291 @@
+"""Hardware model: datasheet table, measured ceilings, byte floors, capability predicates.
+
+Nothing here touches a device at import time. Predicates are computed lazily and cached.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import torch
+
+__all__ = [
+    "GpuSpec",
+    "GPUS",
+    "Ceilings",
+    "gpu_name",
+    "gpu_spec",
+    "measure_ceilings",
+    "cached_ceilings",
+    "byte_floor",
+    "peak_rates",
+    "has_cuda",
+    "compute_capability",
+    "has_wgmma",
+    "is_interpreter",
+]
+
+# Fractions of peak used by the byte floor (SpecPilot paper, section on the cost model).
+COMPUTE_FRACTION = 0.60
+BANDWIDTH_FRACTION = 0.90
+
+
+@dataclass(frozen=True)
+class GpuSpec:
+    """Datasheet figures (dense, no sparsity). Rates in TFLOP/s or TOP/s, bandwidth in TB/s."""
+
+    name: str
+    bandwidth_tbs: float
+    bf16_tflops: float
+    int8_tops: float
+    fp8_tflops: float
+    sm_count: int
+    capability: tuple[int, int]
+    has_wgmma: bool
+
+
+# Keyed by a lower-case slug; `gpu_spec` matches torch's device name against `aliases`.
+GPUS: dict[str, GpuSpec] = {
+    "h100-sxm": GpuSpec("H100 SXM", 3.35, 989.0, 1979.0, 1979.0, 132, (9, 0), True),
+    "h200": GpuSpec("H200", 4.8, 989.0, 1979.0, 1979.0, 132, (9, 0), True),
+    "a100": GpuSpec("A100 SXM 80GB", 2.039, 312.0, 624.0, 0.0, 108, (8, 0), False),
+    "l40s": GpuSpec("L40S", 0.864, 362.0, 733.0, 733.0, 142, (8, 9), False),
+    "rtx-pro-6000": GpuSpec("RTX PRO 6000 Blackwell", 1.792, 503.8, 1007.0, 1007.0, 188, (12, 0), False),
+    "b200": GpuSpec("B200", 8.0, 2250.0, 4500.0, 4500.0, 148, (10, 0), False),
+}
+
+_ALIASES = (
+    ("h200", "h200"),
+    ("h100", "h100-sxm"),
+    ("a100", "a100"),
+    ("l40s", "l40s"),
+    ("rtx pro 6000", "rtx-pro-6000"),
+    ("b200", "b200"),
+)
+
+
+@dataclass(frozen=True)
+class Ceilings:
+    """Measured roofs of one device. copy_tbs counts bytes read plus bytes written."""
+
+    device: str
+    copy_tbs: float
+    bf16_tflops: float
+    measured_at: str = ""
+
+
+def has_cuda() -> bool:
+    return torch.cuda.is_available()
+
+
+def is_interpreter() -> bool:
+    return os.environ.get("TRITON_INTERPRET", "0") == "1"
+
+
+def _index(device) -> int:
+    if device is None:
+        return torch.cuda.current_device()
+    device = torch.device(device)
+    return device.index if device.index is not None else torch.cuda.current_device()
+
+
+@functools.cache
+def _name_of(index: int) -> str:
+    return torch.cuda.get_device_name(index)
+
+
+def gpu_name(device=None) -> str:
+    """Marketing name of a CUDA device, or "cpu" when there is none (or `device` is a CPU)."""
+    if device is not None and torch.device(device).type != "cuda":
+        return "cpu"
+    if not has_cuda():
+        return "cpu"
+    return _name_of(_index(device))
+
+
+def gpu_slug(device=None) -> str:
+    """File-system friendly name used for per-GPU results and tuned configs."""
+    name = gpu_name(device).lower()
+    for needle, slug in _ALIASES:
+        if needle in name:
+            return slug
+    return "".join(c if c.isalnum() else "-" for c in name).strip("-") or "unknown"
+
+
+def gpu_spec(device=None) -> GpuSpec | None:
+    """Datasheet entry for `device` (a torch device, a GPU name or a slug); None if unknown."""
+    if isinstance(device, GpuSpec):
+        return device
+    if isinstance(device, str) and device.lower() in GPUS:
+        return GPUS[device.lower()]
+    if isinstance(device, str) and not device.startswith(("cuda", "cpu")):
+        name = device.lower()
+    else:
+        name = gpu_name(device).lower()
+    for needle, slug in _ALIASES:
+        if needle in name:
+            return GPUS[slug]
+    return None
+
+
+@functools.cache
+def compute_capability(index: int | None = None) -> tuple[int, int]:
+    if not has_cuda():
+        return (0, 0)
+    return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
+
+
+def has_wgmma(device=None) -> bool:
+    """True on sm_90 (Hopper), the only generation with wgmma. False on CPU and under the interpreter."""
+    if is_interpreter() or not has_cuda():
+        return False
+    if device is not None and torch.device(device).type != "cuda":
+        return False
+    return compute_capability(_index(device)) == (9, 0)
+
+
+# --------------------------------------------------------------------------------------
+# Measured ceilings, cached per device name in memory and on disk.
+# --------------------------------------------------------------------------------------
+
+_CEILINGS: dict[str, Ceilings] = {}
+
+
+def _cache_file() -> Path:
+    root = os.environ.get("SPECPILOT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specpilot"
+    )
+    return Path(root) / "ceilings.json"
+
+
+def _load_disk() -> dict:
+    try:
+        return json.loads(_cache_file().read_text())
+    except (OSError, ValueError):
+        return {}
+
+
+def cached_ceilings(device=None) -> Ceilings | None:
+    """Ceilings measured earlier for this device name (this process or the disk cache)."""
+    name = gpu_name(device)
+    if name in _CEILINGS:
+        return _CEILINGS[name]
+    entry = _load_disk().get(name)
+    if entry:
+        _CEILINGS[name] = Ceilings(**entry)
+        return _CEILINGS[name]
+    return None
+
+
+def _median(xs):
+    xs = sorted(xs)
+    return xs[len(xs) // 2]
+
+
+def _time_cuda(fn, reps: int) -> float:
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        fn()
+        ends[i].record()
+    torch.cuda.synchronize()
+    return _median([s.elapsed_time(e) for s, e in zip(starts, ends)]) * 1e-3
+
+
+def _time_cpu(fn, reps: int) -> float:
+    out = []
+    for _ in range(reps):
+        t0 = time.perf_counter()
+        fn()
+        out.append(time.perf_counter() - t0)
+    return _median(out)
+
+
+def measure_ceilings(device=None, *, refresh: bool = False, copy_bytes: int | None = None,
+                     matmul_n: int | None = None) -> Ceilings:
+    """Measure copy bandwidth (read + write) and a large BF16 matmul rate on `device`.
+
+    Results are cached per device name, in memory and in `~/.cache/specpilot/ceilings.json`
+    (override the folder with SPECPILOT_CACHE_DIR). On a machine without CUDA the CPU is
+    measured at a small scale, so the figures stay real but are the CPU's.
+    """
+    cuda = has_cuda() and (device is None or torch.device(device).type == "cuda")
+    dev = torch.device("cuda", _index(device)) if cuda else torch.device("cpu")
+    name = gpu_name(dev)
+    if not refresh:
+        hit = cached_ceilings(dev)
+        if hit is not None:
+            return hit
+    gen = torch.Generator(device=dev).manual_seed(0)
+    if cuda:
+        nbytes = copy_bytes or 2 << 30  # 2 GiB, far past L2
+        n = matmul_n or 8192
+        timer, reps = _time_cuda, 20
+    else:
+        nbytes = copy_bytes or 64 << 20
+        n = matmul_n or 1024
+        timer, reps = _time_cpu, 5
+    src = torch.rand(nbytes // 4, device=dev, generator=gen)
+    dst = torch.empty_like(src)
+    dst.copy_(src)
+    copy_s = timer(lambda: dst.copy_(src), reps)
+    del src, dst
+    # Random data: zeros run measurably faster on tensor cores (METHOD.md).
+    a = torch.randn(n, n, device=dev, generator=gen).to(torch.bfloat16)
+    b = torch.randn(n, n, device=dev, generator=gen).to(torch.bfloat16)
+    for _ in range(3):
+        a @ b
+    mm_s = timer(lambda: a @ b, reps)
+    del a, b
+    if cuda:
+        torch.cuda.synchronize()
+    c = Ceilings(
+        device=name,
+        copy_tbs=2 * nbytes / copy_s / 1e12,
+        bf16_tflops=2 * n**3 / mm_s / 1e12,
+        measured_at=time.strftime("%Y-%m-%dT%H:%M:%S"),
+    )
+    _CEILINGS[name] = c
+    disk = _load_disk()
+    disk[name] = asdict(c)
+    try:
+        _cache_file().parent.mkdir(parents=True, exist_ok=True)
+        _cache_file().write_text(json.dumps(disk, indent=1))
+    except OSError:
+        pass  # a read-only home is not an error; the in-process cache still holds
+    return c
+
+
+def peak_rates(device=None) -> tuple[float, float, str]:
+    """(bandwidth in B/s, BF16 rate in FLOP/s, source) for `device`: measured ceilings when
+    cached, else the datasheet. Raises for an unknown device with nothing measured."""
+    spec = gpu_spec(device) if isinstance(device, (str, GpuSpec)) and not str(device).startswith(("cuda", "cpu")) else None
+    if spec is None:
+        measured = cached_ceilings(device)
+        if measured is not None:
+            return measured.copy_tbs * 1e12, measured.bf16_tflops * 1e12, "measured"
+        spec = gpu_spec(device)
+    if spec is None:
+        raise ValueError(
+            f"no ceilings known for {gpu_name(device)!r}: call autotune.measure_ceilings() first, "
+            f"or pass one of {sorted(GPUS)} as `device`"
+        )
+    return spec.bandwidth_tbs * 1e12, spec.bf16_tflops * 1e12, "datasheet"
+
+
+def byte_floor(flops: float, bytes: float, device=None) -> float:
+    """Seconds: the slower of `flops` at 60% of peak compute and `bytes` at 90% of peak bandwidth.
+
+    Uses measured ceilings where they exist (see `measure_ceilings`), else the datasheet.
+    `device` may be a torch device, a GPU name such as "H200", a slug from `GPUS`, or a GpuSpec.
+    """
+    if flops < 0 or bytes < 0:
+        raise ValueError(f"flops and bytes must be non-negative, got {flops}, {bytes}")
+    bw, rate, _ = peak_rates(device)
+    return max(flops / (COMPUTE_FRACTION * rate), bytes / (BANDWIDTH_FRACTION * bw))

@@ -1,0 +1,1 @@
+"""Benchmark case providers, one module per operator; each registers itself on import."""

@@ -1,0 +1,101 @@
+"""One registry of benchmark cases.
+
+An operator package adds cases by decorating a provider in `specpilot/bench/cases/<op>.py`:
+
+    @register("w12.matmul")
+    def _cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
+        ...
+
+A `Case` is lazy: nothing is allocated until the runner calls `case.setup()`, which returns a
+`Prepared` holding `fns` (callables over *rotated* input sets, so timing does not read from
+L2) and `check` (raises if the op's output is wrong on those inputs). The runner reports a
+case only when its `check` passed in the same run. Cases with the same `group` are timed
+side by side; `baseline` names the variant in the group that ratios are taken against.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Any, Callable
+
+import torch
+
+from .shapes import ModelShapes
+
+__all__ = ["Case", "Prepared", "register", "providers", "collect", "rotations"]
+
+
+@dataclass
+class Prepared:
+    fns: list[Callable[[], Any]]  # one per rotated input set; each runs the op once
+    check: Callable[[], None] | None = None  # raises AssertionError on a wrong result
+    graph_safe: bool = True  # may be captured in a CUDA graph for timing
+    teardown: Callable[[], None] | None = None
+
+
+@dataclass
+class Case:
+    op: str  # e.g. "linear", "lm_head", "gdn.tree_verify"
+    variant: str  # e.g. "cublas", "w12.tc", "w12.gemv", "recurrent"
+    shape: str  # readable id, e.g. "mlp.down_proj-M4" (also the JSON "shape")
+    dims: dict[str, int]
+    flops: float  # useful FLOPs of one call
+    bytes: float  # fewest bytes one call must move (each input read once, output written once)
+    setup: Callable[[], Prepared]
+    group: str = ""  # cases timed side by side; defaults to shape
+    baseline: str | None = None  # variant in the group to take ratios against
+    extra: dict[str, Any] = field(default_factory=dict)
+
+    def __post_init__(self):
+        if not self.group:
+            self.group = self.shape
+
+
+_PROVIDERS: dict[str, Callable[[ModelShapes, torch.device], list[Case]]] = {}
+
+
+def register(op: str):
+    """Register a case provider for `op` (the name `--ops` selects)."""
+
+    def deco(fn):
+        _PROVIDERS[op] = fn
+        return fn
+
+    return deco
+
+
+def providers() -> dict[str, Callable]:
+    _load_builtin()
+    return dict(_PROVIDERS)
+
+
+def collect(shapes: ModelShapes, device: torch.device, ops: list[str] | None = None) -> list[Case]:
+    provs = providers()
+    if ops:
+        unknown = [o for o in ops if o not in provs]
+        if unknown:
+            raise ValueError(f"unknown ops {unknown}; registered: {sorted(provs)}")
+    out: list[Case] = []
+    for name, fn in provs.items():
+        if ops and name not in ops:
+            continue
+        out.extend(fn(shapes, device))
+    return out
+
+
+def _load_builtin() -> None:
+    import importlib
+    import pkgutil
+
+    from . import cases
+
+    for m in pkgutil.iter_modules(cases.__path__):
+        importlib.import_module(f"{cases.__name__}.{m.name}")
+
+
+def rotations(bytes_per_set: float, device: torch.device, l2_multiple: float = 3.0, cap: int = 16) -> int:
+    """How many input sets to rotate so each call reads cold data (sets x bytes > 3 x L2)."""
+    if device.type != "cuda":
+        return 1
+    l2 = getattr(torch.cuda.get_device_properties(device), "L2_cache_size", 50 << 20)
+    return int(min(cap, max(1, -(-l2_multiple * l2 // max(bytes_per_set, 1)))))

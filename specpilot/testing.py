@@ -1,0 +1,105 @@
+"""Checking helpers used by the test suites and by the benchmark runner's correctness gates.
+
+* `assert_bitwise_equal`: compares bit patterns, not values: -0.0 != +0.0 and NaN payloads count.
+* `error_bound` / `assert_close`: tolerances derived, not guessed. The kernel's error against an
+  fp64 reference may be at most `factor` x the error of the same-precision PyTorch computation
+  (plus a floor of a few ulps, for the case where PyTorch happens to be exact).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+__all__ = ["assert_bitwise_equal", "bits_of", "error_bound", "assert_close", "rel_err", "Closeness"]
+
+_INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
+
+
+def bits_of(t: torch.Tensor) -> torch.Tensor:
+    """Reinterpret a tensor's storage as same-width integers (contiguous copy if needed)."""
+    if t.dtype == torch.bool:
+        return t.to(torch.uint8)
+    return t.contiguous().view(_INT_OF[t.element_size()])
+
+
+def assert_bitwise_equal(actual: torch.Tensor, expected: torch.Tensor, msg: str = "") -> None:
+    """Exact equality of shape, dtype and every bit. Reports the first mismatches."""
+    if actual.shape != expected.shape:
+        raise AssertionError(f"{msg} shape {tuple(actual.shape)} != {tuple(expected.shape)}")
+    if actual.dtype != expected.dtype:
+        raise AssertionError(f"{msg} dtype {actual.dtype} != {expected.dtype}")
+    a, e = bits_of(actual).cpu(), bits_of(expected).cpu()
+    bad = a != e
+    if bad.any():
+        idx = bad.nonzero()[:5].tolist()
+        n = int(bad.sum())
+        width = actual.element_size() * 2
+        mask = (1 << (8 * actual.element_size())) - 1
+        show = ", ".join(
+            f"{tuple(i)}: 0x{int(a[tuple(i)]) & mask:0{width}x} != 0x{int(e[tuple(i)]) & mask:0{width}x}" for i in idx
+        )
+        raise AssertionError(f"{msg} {n}/{a.numel()} elements differ bitwise; first: {show}")
+
+
+def rel_err(x: torch.Tensor, ref: torch.Tensor) -> float:
+    """Normwise relative error ||x - ref|| / ||ref|| over finite reference entries, in fp64."""
+    x, ref = x.double(), ref.double()
+    fin = torch.isfinite(ref)
+    d = torch.linalg.vector_norm((x - ref)[fin])
+    r = torch.linalg.vector_norm(ref[fin])
+    return float(d / r) if r > 0 else float(d)
+
+
+@dataclass(frozen=True)
+class Closeness:
+    err: float  # normwise relative error of the candidate
+    base_err: float  # same for the same-precision PyTorch computation
+    max_abs: float  # elementwise max |candidate - ref|
+    base_max_abs: float
+    bound: float
+    max_abs_bound: float
+
+
+def error_bound(actual: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tensor, *, factor: float = 2.0,
+                ulps: float = 4.0) -> Closeness:
+    """Measure `actual` and `baseline` against an fp64 `ref64` and derive the bound."""
+    eps = torch.finfo(baseline.dtype).eps if baseline.is_floating_point() else 0.0
+    fin = torch.isfinite(ref64)
+    a, b, r = actual.double(), baseline.double(), ref64.double()
+    base_err, err = rel_err(b, r), rel_err(a, r)
+    base_max = float((b - r)[fin].abs().max()) if fin.any() else 0.0
+    act_max = float((a - r)[fin].abs().max()) if fin.any() else 0.0
+    scale = float(r[fin].abs().max()) if fin.any() else 0.0
+    return Closeness(
+        err=err,
+        base_err=base_err,
+        max_abs=act_max,
+        base_max_abs=base_max,
+        bound=factor * base_err + ulps * eps,
+        max_abs_bound=factor * base_max + ulps * eps * scale,
+    )
+
+
+def assert_close(actual: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tensor, *, factor: float = 2.0,
+                 ulps: float = 4.0, msg: str = "") -> Closeness:
+    """`actual` must be within `factor` x the error of `baseline` (same-precision PyTorch), both
+    normwise and elementwise, against the fp64 reference; non-finite entries must match in kind
+    (NaN where the reference is NaN, the same infinity where it is infinite)."""
+    if actual.shape != ref64.shape:
+        raise AssertionError(f"{msg} shape {tuple(actual.shape)} != {tuple(ref64.shape)}")
+    a, r = actual.double().cpu(), ref64.double().cpu()
+    nan_a, nan_r = torch.isnan(a), torch.isnan(r)
+    if not torch.equal(nan_a, nan_r):
+        raise AssertionError(f"{msg} NaN pattern differs: {int((nan_a != nan_r).sum())} positions")
+    inf_r = torch.isinf(r)
+    if not torch.equal(a[inf_r], r[inf_r]) or torch.isinf(a[~inf_r & ~nan_r]).any():
+        raise AssertionError(f"{msg} infinities differ from the reference")
+    c = error_bound(a, r, baseline.cpu(), factor=factor, ulps=ulps)
+    if not (c.err <= c.bound and c.max_abs <= c.max_abs_bound):
+        raise AssertionError(
+            f"{msg} error {c.err:.3e} (max {c.max_abs:.3e}) exceeds {factor}x PyTorch's "
+            f"{c.base_err:.3e} (max {c.base_max_abs:.3e}): bounds {c.bound:.3e} / {c.max_abs_bound:.3e}"
+        )
+    return c
