@@ -1,0 +1,36 @@
+"""W12: lossless 12-bit storage for BF16 weights (docs/w12-format.md) and its GEMM kernels.
+
+`matmul` and `matmul_q8` live in `w12.ops` (the kernels) and are imported on first use.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from .errors import W12CorruptFileError, W12Error, W12FormatError, W12VerificationError
+from .format import FORMAT_VERSION, W12Weight, pack, unpack
+
+torch.serialization.add_safe_globals([W12Weight])
+
+__all__ = [
+    "FORMAT_VERSION",
+    "W12Weight",
+    "pack",
+    "unpack",
+    "W12Error",
+    "W12FormatError",
+    "W12VerificationError",
+    "W12CorruptFileError",
+    "matmul",
+    "matmul_q8",
+]
+
+_LAZY_OPS = ("matmul", "matmul_q8")
+
+
+def __getattr__(name):
+    if name in _LAZY_OPS:
+        from . import ops
+
+        return getattr(ops, name)
+    raise AttributeError(f"module 'w12' has no attribute {name!r}")
