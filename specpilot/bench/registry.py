@@ -22,7 +22,7 @@ import torch
 
 from .shapes import ModelShapes
 
-__all__ = ["Case", "Prepared", "register", "providers", "collect", "rotations"]
+__all__ = ["Case", "Prepared", "register", "providers", "collect", "rotations", "load_errors"]
 
 
 @dataclass
@@ -83,6 +83,16 @@ def collect(shapes: ModelShapes, device: torch.device, ops: list[str] | None = N
     return out
 
 
+_LOAD_ERRORS: dict[str, str] = {}
+
+
+def load_errors() -> dict[str, str]:
+    """Case modules that failed to import (module -> error), so one broken operator package
+    does not take the other benchmarks down with it. Callers should print these."""
+    _load_builtin()
+    return dict(_LOAD_ERRORS)
+
+
 def _load_builtin() -> None:
     import importlib
     import pkgutil
@@ -90,7 +100,12 @@ def _load_builtin() -> None:
     from . import cases
 
     for m in pkgutil.iter_modules(cases.__path__):
-        importlib.import_module(f"{cases.__name__}.{m.name}")
+        name = f"{cases.__name__}.{m.name}"
+        try:
+            importlib.import_module(name)
+            _LOAD_ERRORS.pop(name, None)
+        except Exception as e:
+            _LOAD_ERRORS[name] = f"{type(e).__name__}: {e}"
 
 
 def rotations(bytes_per_set: float, device: torch.device, l2_multiple: float = 3.0, cap: int = 16) -> int:

@@ -1,0 +1,360 @@
+"""Benchmark runner: check, then time side by side, then write one JSON file per run.
+
+For each group of cases (`Case.group`), every case is set up and its `check()` runs first. A
+case is timed and reported only if its check passed in this run; otherwise its row carries
+`status` "check_failed" (or "setup_failed", "no_check", "error") and the error, and no time.
+
+Timing:
+
+* CUDA, `Prepared.graph_safe`: one CUDA graph holds `calls` launches that cycle through the
+  rotated input sets (`Prepared.fns`); each replay is timed with CUDA events and divided by
+  `calls`. Rotation keeps reads past L2; the graph removes launch overhead.
+* CUDA, not graph safe: CUDA events around one pass over the rotated sets, divided.
+* CPU: `time.perf_counter` around each call.
+
+The sample median is reported with the 10th and 90th percentiles. Floors come from
+`autotune.byte_floor` with the ceilings measured once at the start of the run.
+"""
+
+from __future__ import annotations
+
+import gc
+import json
+import math
+import re
+import time
+import traceback
+from dataclasses import asdict
+from pathlib import Path
+from typing import Callable, Sequence
+
+import torch
+
+import autotune
+
+from .registry import Case, Prepared
+
+__all__ = ["run", "Results", "default_out_dir", "summarize_errors"]
+
+# Target duration of one timed sample (one graph replay) on CUDA, in seconds.
+_SAMPLE_S = 200e-6
+_MAX_CALLS_PER_GRAPH = 256
+
+
+class Results(list):
+    """The rows of one run (a list of dicts), plus `meta` and the JSON `path` written (or None)."""
+
+    meta: dict
+    path: Path | None
+
+    def __init__(self, rows=(), meta=None, path=None):
+        super().__init__(rows)
+        self.meta = meta or {}
+        self.path = path
+
+
+def default_out_dir(device: torch.device) -> Path:
+    """perf/results/<gpu_slug> in the repository checkout (or under the working directory)."""
+    repo = Path(__file__).resolve().parents[2]
+    root = repo / "perf" / "results" if (repo / "perf").is_dir() else Path.cwd() / "perf" / "results"
+    return root / autotune.gpu_slug(device)
+
+
+def _quantile(xs: Sequence[float], q: float) -> float:
+    xs = sorted(xs)
+    if not xs:
+        return math.nan
+    pos = q * (len(xs) - 1)
+    lo, hi = int(math.floor(pos)), int(math.ceil(pos))
+    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _time_cpu(fns, reps: int, warmup: int) -> tuple[list[float], str, int]:
+    n = len(fns)
+    for i in range(max(warmup, 1)):
+        fns[i % n]()
+    out = []
+    for i in range(reps):
+        t0 = time.perf_counter()
+        fns[i % n]()
+        out.append(time.perf_counter() - t0)
+    return out, "perf_counter", 1
+
+
+def _events_once(fns, calls: int) -> float:
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    n = len(fns)
+    start.record()
+    for i in range(calls):
+        fns[i % n]()
+    end.record()
+    end.synchronize()
+    return start.elapsed_time(end) * 1e-3 / calls
+
+
+def _time_cuda_events(fns, reps: int, warmup: int) -> tuple[list[float], str, int]:
+    n = len(fns)
+    for i in range(max(warmup, 1) * n):
+        fns[i % n]()
+    torch.cuda.synchronize()
+    return [_events_once(fns, n) for _ in range(reps)], "cuda_events", n
+
+
+def _time_cuda_graph(fns, reps: int, warmup: int) -> tuple[list[float], str, int]:
+    n = len(fns)
+    # Warm up on a side stream (cuBLAS picks its workspace there), as graph capture requires.
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        for i in range(max(warmup, 1) * n):
+            fns[i % n]()
+    torch.cuda.current_stream().wait_stream(side)
+    torch.cuda.synchronize()
+    est = min(_events_once(fns, n) for _ in range(3))
+    calls = max(1, math.ceil(_SAMPLE_S / max(est, 1e-7)))
+    calls = min(_MAX_CALLS_PER_GRAPH, max(n, calls))
+    calls = n * math.ceil(calls / n)  # whole passes over the rotated sets
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for i in range(calls):
+            fns[i % n]()
+    graph.replay()
+    torch.cuda.synchronize()
+    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
+    for i in range(reps):
+        starts[i].record()
+        graph.replay()
+        ends[i].record()
+    torch.cuda.synchronize()
+    samples = [s.elapsed_time(e) * 1e-3 / calls for s, e in zip(starts, ends)]
+    del graph
+    return samples, "cuda_graph", calls
+
+
+def _time(prep: Prepared, device: torch.device, reps: int, warmup: int) -> tuple[list[float], str, int]:
+    if not prep.fns:
+        raise ValueError("Prepared.fns is empty: nothing to time")
+    if device.type != "cuda":
+        return _time_cpu(prep.fns, reps, warmup)
+    if prep.graph_safe:
+        try:
+            return _time_cuda_graph(prep.fns, reps, warmup)
+        except Exception:  # capture refused (e.g. a host sync): time eagerly instead
+            torch.cuda.synchronize()
+    return _time_cuda_events(prep.fns, reps, warmup)
+
+
+def _floor_s(case: Case, device: torch.device) -> float | None:
+    try:
+        return autotune.byte_floor(case.flops, case.bytes, device)
+    except ValueError:
+        return None
+
+
+def _base_row(case: Case, common: dict) -> dict:
+    return {
+        **common,
+        "op": case.op,
+        "variant": case.variant,
+        "shape": case.shape,
+        "group": case.group,
+        "dims": dict(case.dims),
+        "flops": case.flops,
+        "bytes": case.bytes,
+        "status": "ok",
+        "error": None,
+        "median_us": None,
+        "p10_us": None,
+        "p90_us": None,
+        "samples": 0,
+        "method": None,
+        "calls_per_sample": None,
+        "rotations": None,
+        "tbs": None,
+        "tflops": None,
+        "floor_us": None,
+        "over_floor": None,
+        "baseline": case.baseline,
+        "baseline_us": None,
+        "speedup": None,
+        "extra": dict(case.extra),
+    }
+
+
+def _short_error(e: BaseException) -> str:
+    msg = f"{type(e).__name__}: {e}".strip()
+    return msg if len(msg) <= 2000 else msg[:2000] + " ..."
+
+
+def _free(device: torch.device) -> None:
+    gc.collect()
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+        torch.cuda.empty_cache()
+
+
+def _run_group(cases: list[Case], device: torch.device, reps: int, warmup: int, common: dict,
+               log: Callable[[str], None]) -> list[dict]:
+    rows: list[dict] = []
+    prepared: list[Prepared | None] = []
+    for case in cases:
+        row = _base_row(case, common)
+        rows.append(row)
+        try:
+            prep = case.setup()
+        except Exception as e:
+            row.update(status="setup_failed", error=_short_error(e))
+            log(f"  {case.op}/{case.variant} {case.shape}: setup failed: {row['error']}")
+            prepared.append(None)
+            _free(device)
+            continue
+        prepared.append(prep)
+        if prep.check is None:
+            row.update(status="no_check", error="case has no check(); not timed")
+            continue
+        try:
+            prep.check()
+            _sync(device)
+        except Exception as e:
+            row.update(status="check_failed", error=_short_error(e))
+            log(f"  {case.op}/{case.variant} {case.shape}: CHECK FAILED: {row['error']}")
+    # Time side by side: every checked case of the group, one after the other.
+    try:
+        for case, prep, row in zip(cases, prepared, rows):
+            if prep is None or row["status"] != "ok":
+                continue
+            try:
+                samples, method, calls = _time(prep, device, reps, warmup)
+            except Exception as e:
+                row.update(status="error", error=_short_error(e))
+                log(f"  {case.op}/{case.variant} {case.shape}: timing failed: {row['error']}")
+                if device.type == "cuda":
+                    log(traceback.format_exc(limit=3))
+                continue
+            med = _quantile(samples, 0.5)
+            row.update(
+                median_us=med * 1e6,
+                p10_us=_quantile(samples, 0.1) * 1e6,
+                p90_us=_quantile(samples, 0.9) * 1e6,
+                samples=len(samples),
+                method=method,
+                calls_per_sample=calls,
+                rotations=len(prep.fns),
+                tbs=case.bytes / med / 1e12 if med > 0 else None,
+                tflops=case.flops / med / 1e12 if med > 0 else None,
+            )
+            floor = _floor_s(case, device)
+            if floor is not None and floor > 0:
+                row.update(floor_us=floor * 1e6, over_floor=med / floor)
+    finally:
+        for prep in prepared:
+            if prep is not None and prep.teardown is not None:
+                try:
+                    prep.teardown()
+                except Exception as e:  # teardown trouble must not hide results
+                    log(f"  teardown failed: {_short_error(e)}")
+        prepared.clear()
+        _free(device)
+    # Ratios against the group's baseline variant, when it was timed.
+    by_variant = {r["variant"]: r for r in rows if r["status"] == "ok" and r["median_us"]}
+    for row in rows:
+        base = by_variant.get(row["baseline"]) if row["baseline"] else None
+        if base is not None and row["status"] == "ok" and row["median_us"]:
+            row.update(baseline_us=base["median_us"], speedup=base["median_us"] / row["median_us"])
+    return rows
+
+
+def _ceilings(device: torch.device, measure: bool, log) -> tuple[dict | None, str]:
+    try:
+        if measure:
+            if device.type == "cuda":
+                c = autotune.measure_ceilings(device)
+            else:  # the CPU's own roofs, small and quick; cached per name like a GPU's
+                c = autotune.cached_ceilings(device) or autotune.measure_ceilings(
+                    device, copy_bytes=16 << 20, matmul_n=512)
+        else:
+            c = autotune.cached_ceilings(device)
+    except Exception as e:
+        log(f"measuring ceilings failed: {_short_error(e)}")
+        c = None
+    if c is not None:
+        return asdict(c), "measured"
+    spec = autotune.gpu_spec(device)
+    if spec is not None:
+        return {"device": spec.name, "copy_tbs": spec.bandwidth_tbs, "bf16_tflops": spec.bf16_tflops}, "datasheet"
+    return None, "none"
+
+
+def _slug(s: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]+", "-", s).strip("-")
+
+
+def run(cases: Sequence[Case], device, out_dir=None, reps: int | None = None, warmup: int | None = None, *,
+        shapes: str | None = None, measure: bool = True, write: bool = True,
+        log: Callable[[str], None] | None = print) -> Results:
+    """Check and time `cases` on `device`; return the rows (a `Results` list).
+
+    `out_dir`: where the JSON goes (default perf/results/<gpu_slug>/); `write=False` writes
+    nothing. `reps`: timed samples per case (default 100 on CUDA, 20 on CPU). `warmup`: passes
+    over the rotated inputs before timing. `measure`: measure the roofs once at the start
+    (cached per device name) so floors use measured ceilings.
+    """
+    device = torch.device(device)
+    if device.type == "cuda" and device.index is None:
+        device = torch.device("cuda", torch.cuda.current_device())
+    log = log or (lambda s: None)
+    reps = reps if reps is not None else (100 if device.type == "cuda" else 20)
+    warmup = warmup if warmup is not None else (5 if device.type == "cuda" else 2)
+    if reps < 1 or warmup < 0:
+        raise ValueError(f"reps must be >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
+    ceilings, source = _ceilings(device, measure, log)
+    ver = autotune.versions()
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    common = {
+        "gpu": autotune.gpu_name(device),
+        "gpu_slug": autotune.gpu_slug(device),
+        **ver,
+        "timestamp": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    }
+    groups: dict[str, list[Case]] = {}
+    for c in cases:
+        groups.setdefault(c.group, []).append(c)
+    rows: list[dict] = []
+    t0 = time.perf_counter()
+    for i, (name, group) in enumerate(groups.items()):
+        log(f"[{i + 1}/{len(groups)}] {name}: " + ", ".join(f"{c.op}/{c.variant}" for c in group))
+        rows.extend(_run_group(group, device, reps, warmup, common, log))
+    ops = sorted({c.op for c in cases})
+    meta = {
+        **common,
+        "device": str(device),
+        "ceilings": ceilings,
+        "ceilings_source": source,
+        "shapes": shapes,
+        "ops": ops,
+        "reps": reps,
+        "warmup": warmup,
+        "cases": len(cases),
+        "ok": sum(r["status"] == "ok" for r in rows),
+        "failed": sum(r["status"] != "ok" for r in rows),
+        "wall_s": round(time.perf_counter() - t0, 3),
+    }
+    path = None
+    if write:
+        out = Path(out_dir) if out_dir is not None else default_out_dir(device)
+        out.mkdir(parents=True, exist_ok=True)
+        tag = _slug("-".join(ops))[:60] or "none"
+        path = out / f"{stamp}-{tag}.json"
+        path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
+    return Results(rows, meta, path)
+
+
+def summarize_errors(rows: Sequence[dict]) -> list[str]:
+    """One line per row that was not timed, for printing after the table."""
+    return [f"{r['op']}/{r['variant']} {r['shape']}: {r['status']}: {r['error']}" for r in rows if r["status"] != "ok"]

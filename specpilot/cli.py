@@ -1,0 +1,301 @@
+"""The `specpilot` command line: info, bench, demo, pack.
+
+    specpilot info                      device, versions, measured roofs, variants per op
+    specpilot bench [--shapes S] [--ops OP ...] [--out DIR] [--reps N]
+    specpilot demo                      roofs + benchmark table (tiny on CPU, hybrid-27b on GPU)
+    specpilot pack IN.safetensors OUT.safetensors [--device cpu] [--include PATTERN]
+
+Without CUDA, Triton kernels run under the interpreter: TRITON_INTERPRET=1 is set before
+anything imports Triton, and the interpreter repairs of `autotune.interpreter` are applied.
+"""
+
+from __future__ import annotations
+
+import argparse
+import os
+import sys
+import tempfile
+import time
+from pathlib import Path
+
+OPERATOR_PACKAGES = ("w12", "gdn", "tree_attn", "lmhead")
+
+
+class UsageError(Exception):
+    """A bad argument: printed as `specpilot: error: ...`, exit status 2."""
+
+
+def _prepare_backend():
+    """Import torch; on a machine without CUDA switch Triton to its (repaired) interpreter."""
+    import torch
+
+    if not torch.cuda.is_available():
+        os.environ["TRITON_INTERPRET"] = "1"
+        from autotune import interpreter
+
+        interpreter.apply()
+    return torch
+
+
+def _device(torch, name: str | None):
+    if name in (None, "auto"):
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    try:
+        dev = torch.device(name)
+    except RuntimeError as e:
+        raise UsageError(f"bad --device {name!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise UsageError(f"--device {name}: CUDA is not available on this machine")
+    return dev
+
+
+def _version(mod: str) -> str:
+    try:
+        from importlib.metadata import version
+
+        return version(mod)
+    except Exception:
+        try:
+            return getattr(__import__(mod), "__version__", "?")
+        except Exception:
+            return "not installed"
+
+
+# --------------------------------------------------------------------------------------
+# info
+# --------------------------------------------------------------------------------------
+
+
+def _variants(shapes, device) -> tuple[dict[str, list[str]], dict[str, str]]:
+    """op -> variants the registry would benchmark here; plus errors (module or provider)."""
+    from specpilot.bench import registry
+
+    errors = dict(registry.load_errors())
+    variants: dict[str, list[str]] = {}
+    for name, provider in registry.providers().items():
+        try:
+            cases = provider(shapes, device)
+        except Exception as e:
+            errors[f"provider {name}"] = f"{type(e).__name__}: {e}"
+            continue
+        for c in cases:
+            vs = variants.setdefault(c.op, [])
+            if c.variant not in vs:
+                vs.append(c.variant)
+        if not cases:
+            variants.setdefault(f"({name})", []).append(f"no cases for shapes {shapes.name!r} on {device.type}")
+    return variants, errors
+
+
+def cmd_info(args) -> int:
+    torch = _prepare_backend()
+    import autotune
+    from specpilot.bench import get_shape_set
+
+    dev = _device(torch, args.device)
+    ver = autotune.versions()
+    print(f"device      : {autotune.gpu_name(dev)} ({dev})")
+    if dev.type == "cuda":
+        cap = torch.cuda.get_device_capability(dev)
+        props = torch.cuda.get_device_properties(dev)
+        print(f"capability  : sm_{cap[0]}{cap[1]}, {props.multi_processor_count} SMs, "
+              f"{props.total_memory / 2**30:.1f} GiB")
+    print(f"versions    : torch {ver['torch']}, triton {ver['triton']}, CUDA {ver['cuda']}, "
+          f"numba {_version('numba')}, specpilot {ver['specpilot']}")
+    print(f"interpreter : TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+    t0 = time.perf_counter()
+    cached = autotune.cached_ceilings(dev) is not None
+    kw = {} if dev.type == "cuda" else {"copy_bytes": 16 << 20, "matmul_n": 512}
+    c = autotune.measure_ceilings(dev, refresh=args.refresh, **({} if cached and not args.refresh else kw))
+    how = "cached" if cached and not args.refresh else f"measured in {time.perf_counter() - t0:.1f} s"
+    print(f"ceilings    : copy {c.copy_tbs * 1e3:.1f} GB/s (read+write), BF16 matmul {c.bf16_tflops:.3f} TFLOP/s "
+          f"[{how}, {c.measured_at}]")
+    spec = autotune.gpu_spec(dev)
+    if spec is not None:
+        print(f"datasheet   : {spec.name}: {spec.bandwidth_tbs} TB/s, {spec.bf16_tflops} BF16 TFLOP/s, "
+              f"{spec.int8_tops} INT8 TOP/s, {spec.fp8_tflops} FP8 TFLOP/s, {spec.sm_count} SMs, "
+              f"sm_{spec.capability[0]}{spec.capability[1]}")
+        print(f"measured/ds : bandwidth {c.copy_tbs / spec.bandwidth_tbs:.0%}, "
+              f"BF16 {c.bf16_tflops / spec.bf16_tflops:.0%}")
+    else:
+        print("datasheet   : no entry (known: " + ", ".join(sorted(autotune.GPUS)) + ")")
+    print(f"has_wgmma   : {autotune.has_wgmma(dev)}")
+    for pkg in OPERATOR_PACKAGES:
+        try:
+            __import__(pkg)
+            state = "importable"
+        except Exception as e:
+            state = f"not available ({type(e).__name__}: {e})"
+        print(f"package     : {pkg}: {state}")
+    shapes = get_shape_set("hybrid-27b" if dev.type == "cuda" else "tiny")
+    variants, errors = _variants(shapes, dev)
+    print(f"variants    : (shape set {shapes.name})")
+    for op, vs in sorted(variants.items()):
+        print(f"  {op}: {', '.join(vs)}")
+    for where, err in errors.items():
+        print(f"  unavailable: {where}: {err}")
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+# bench / demo
+# --------------------------------------------------------------------------------------
+
+
+def _collect(shapes, device, ops):
+    from specpilot.bench import registry
+
+    provs = registry.providers()
+    for mod, err in registry.load_errors().items():
+        print(f"warning: case module {mod} failed to import: {err}", file=sys.stderr)
+    if ops:
+        unknown = [o for o in ops if o not in provs]
+        if unknown:
+            raise UsageError(f"unknown op(s) {', '.join(unknown)}; registered: {', '.join(sorted(provs))}")
+    cases = []
+    for name, provider in provs.items():
+        if ops and name not in ops:
+            continue
+        try:
+            cases.extend(provider(shapes, device))
+        except Exception as e:
+            print(f"warning: cases for {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+    return cases
+
+
+def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet=False) -> int:
+    from specpilot.bench import get_shape_set, report, runner
+
+    if shapes_name is None:
+        shapes_name = "hybrid-27b" if device.type == "cuda" else "tiny"
+    try:
+        shapes = get_shape_set(shapes_name)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    if reps is not None and reps < 1:
+        raise UsageError(f"--reps must be >= 1, got {reps}")
+    cases = _collect(shapes, device, ops)
+    if not cases:
+        print(f"no benchmark cases for shapes {shapes.name!r} on {device.type}"
+              + (f" (ops {', '.join(ops)})" if ops else ""))
+        return 1
+    print(f"benchmarking {len(cases)} cases, shapes {shapes.name}, on {device}")
+    res = runner.run(cases, device, out_dir=out, reps=reps, warmup=warmup, shapes=shapes.name,
+                     log=(lambda s: None) if quiet else (lambda s: print(s, flush=True)))
+    md, png = report.write(res, res.meta, res.path)
+    print()
+    print(md.read_text())
+    print(f"results: {res.path}\ntable  : {md}\nplot   : {png}")
+    failed = [r for r in res if r["status"] != "ok"]
+    return 3 if failed else 0
+
+
+def cmd_bench(args) -> int:
+    torch = _prepare_backend()
+    dev = _device(torch, args.device)
+    return _bench(torch, args.shapes, args.ops, args.out, args.reps, args.warmup, dev)
+
+
+def cmd_demo(args) -> int:
+    torch = _prepare_backend()
+    import autotune
+
+    dev = _device(torch, args.device)
+    print(f"SpecPilot demo on {autotune.gpu_name(dev)} ({dev})")
+    t0 = time.perf_counter()
+    kw = {} if dev.type == "cuda" else {"copy_bytes": 16 << 20, "matmul_n": 512}
+    c = autotune.measure_ceilings(dev, refresh=True, **kw)
+    print(f"measured roofs: copy {c.copy_tbs * 1e3:.1f} GB/s (read+write), BF16 matmul {c.bf16_tflops:.3f} TFLOP/s "
+          f"({time.perf_counter() - t0:.2f} s)")
+    out = args.out or tempfile.mkdtemp(prefix="specpilot-demo-")
+    reps = args.reps or (None if dev.type == "cuda" else 10)
+    warmup = None if dev.type == "cuda" else 1
+    shapes = args.shapes or ("hybrid-27b" if dev.type == "cuda" else "tiny")
+    return _bench(torch, shapes, args.ops, out, reps, warmup, dev, quiet=dev.type != "cuda")
+
+
+# --------------------------------------------------------------------------------------
+# pack
+# --------------------------------------------------------------------------------------
+
+
+def cmd_pack(args) -> int:
+    src, dst = Path(args.input), Path(args.output)
+    if not src.is_file():
+        raise UsageError(f"input checkpoint {src} does not exist")
+    for p in (src, dst):
+        if p.suffix != ".safetensors":
+            raise UsageError(f"{p}: expected a .safetensors file")
+    if src.resolve() == dst.resolve():
+        raise UsageError("output must differ from input (packing never overwrites the source)")
+    if not dst.parent.is_dir():
+        raise UsageError(f"output folder {dst.parent} does not exist")
+    torch = _prepare_backend()
+    dev = _device(torch, args.device)
+    try:
+        from w12.checkpoint import pack_checkpoint
+    except ImportError as e:
+        print(f"specpilot: error: the w12 packer is not available: {e}", file=sys.stderr)
+        return 1
+    include = args.include if args.include is None or len(args.include) > 1 else args.include[0]
+    result = pack_checkpoint(str(src), str(dst), device=str(dev), include=include, progress=True)
+    if isinstance(result, dict):
+        for k, v in result.items():
+            print(f"{k}: {v}")
+    elif result is not None:
+        print(result)
+    return 0
+
+
+# --------------------------------------------------------------------------------------
+
+
+def build_parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="specpilot", description="SpecPilot: kernels for lossless speculative decoding")
+    sub = p.add_subparsers(dest="cmd", metavar="{info,bench,demo,pack}")
+    sub.required = True
+
+    s = sub.add_parser("info", help="device, versions, measured roofs, variants per op")
+    s.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if present)")
+    s.add_argument("--refresh", action="store_true", help="re-measure the roofs instead of using the cache")
+    s.set_defaults(fn=cmd_info)
+
+    def bench_args(s, shapes_help):
+        s.add_argument("--shapes", default=None, help=shapes_help)
+        s.add_argument("--ops", nargs="+", default=None, metavar="OP", help="registered ops to run (default: all)")
+        s.add_argument("--out", default=None, metavar="DIR", help="folder for the JSON, markdown and PNG")
+        s.add_argument("--reps", type=int, default=None, metavar="N", help="timed samples per case")
+        s.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if present)")
+
+    s = sub.add_parser("bench", help="run the benchmark registry, print the table, write JSON + PNG")
+    bench_args(s, "shape set (hybrid-27b, llama-3.1-8b, tiny; default hybrid-27b on a GPU, tiny on CPU)")
+    s.add_argument("--warmup", type=int, default=None, metavar="N", help="warm-up passes per case")
+    s.set_defaults(fn=cmd_bench)
+
+    s = sub.add_parser("demo", help="measure roofs, then the benchmark table at the scale this machine suits")
+    bench_args(s, "override the shape set (default tiny on CPU, hybrid-27b on a GPU)")
+    s.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("pack", help="pack a BF16 checkpoint into W12 (w12.checkpoint.pack_checkpoint)")
+    s.add_argument("input", metavar="IN.safetensors")
+    s.add_argument("output", metavar="OUT.safetensors")
+    s.add_argument("--device", default="cpu", help="device that does the packing (default cpu)")
+    s.add_argument("--include", action="append", default=None, metavar="PATTERN",
+                   help="only pack tensors whose names match (repeatable)")
+    s.set_defaults(fn=cmd_pack)
+    return p
+
+
+def main(argv=None) -> int:
+    parser = build_parser()
+    args = parser.parse_args(argv)
+    try:
+        return args.fn(args)
+    except UsageError as e:
+        parser.exit(2, f"specpilot: error: {e}\n")
+    except KeyboardInterrupt:
+        return 130
+
+
+if __name__ == "__main__":
+    sys.exit(main())
