@@ -9,6 +9,13 @@ import torch
 
 from .errors import W12CorruptFileError, W12Error, W12FormatError, W12VerificationError
 from .format import FORMAT_VERSION, W12Weight, pack, unpack
+from .reference import (
+    decode_q8,
+    matmul_q8_reference,
+    matmul_reference,
+    pack_reference,
+    unpack_reference,
+)
 
 torch.serialization.add_safe_globals([W12Weight])
 
@@ -21,6 +28,11 @@ __all__ = [
     "W12FormatError",
     "W12VerificationError",
     "W12CorruptFileError",
+    "pack_reference",
+    "unpack_reference",
+    "decode_q8",
+    "matmul_reference",
+    "matmul_q8_reference",
     "matmul",
     "matmul_q8",
 ]
