@@ -119,8 +119,11 @@ def versions() -> dict[str, str]:
         from importlib.metadata import version
 
         pv = version("specpilot")
-    except Exception:
-        pv = "0+unknown"
+    except Exception:  # not pip-installed (e.g. PYTHONPATH=repo on the GPU machine)
+        try:
+            from specpilot import __version__ as pv
+        except Exception:
+            pv = "0+unknown"
     return {"torch": torch.__version__, "triton": tv, "cuda": str(torch.version.cuda), "specpilot": pv}
 
 
