@@ -1,0 +1,17 @@
+"""Gated DeltaNet tree verification for speculative decoding.
+
+* `build_tree_plan` / `TreePlan`: topology of a batch of token trees, built once per step.
+* `tree_verify`: outputs of every tree node from the committed fp32 state (WY form on tensor cores).
+* `tree_conv1d`: causal depthwise conv along each node's root path.
+* `commit`: advance recurrent and conv states along the accepted path, all layers in one launch.
+* `recurrent_reference` and friends: pure PyTorch oracles.
+"""
+
+from .ops import commit, tree_conv1d, tree_verify, validate_accepted
+from .plan import MAX_NODES, TreePlan, build_tree_plan
+from .reference import chunk_reference, commit_reference, conv_reference, recurrent_reference, tree_reference
+
+__all__ = [
+    "TreePlan", "build_tree_plan", "MAX_NODES", "tree_verify", "tree_conv1d", "commit", "validate_accepted",
+    "recurrent_reference", "chunk_reference", "tree_reference", "conv_reference", "commit_reference",
+]

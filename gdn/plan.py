@@ -1,0 +1,141 @@
+"""Tree plan: built once per decoding step from parent indices, shared by every GDN layer.
+
+Plan step (may sync the host when `validate=True`): checks the topology, derives per-node
+ancestor bitmasks, depths and request maps with a handful of device ops (pointer jumping, no
+per-node host loop). Run steps (`tree_verify`, `tree_conv1d`, `commit`) only read these
+fixed-size buffers, so they never sync and can be captured in a CUDA graph.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Sequence
+
+import torch
+
+__all__ = ["TreePlan", "build_tree_plan", "MAX_NODES"]
+
+MAX_NODES = 64  # one int64 ancestor bitmask per node
+
+
+@dataclass(frozen=True)
+class TreePlan:
+    """Topology of a batch of ragged token trees (nodes packed request after request).
+
+    Local index = position inside the request; parents are local, -1 = child of the committed
+    state. Nodes are topologically ordered (parent < child).
+    """
+
+    cu_seqlens: torch.Tensor  # int32 [B+1] request offsets into the packed tokens
+    parent: torch.Tensor  # int32 [T] packed index of the parent, -1 for roots
+    parent_local: torch.Tensor  # int32 [T] local parent index, -1 for roots
+    anc: torch.Tensor  # int64 [T] bit j set <=> local node j is an ancestor-or-self
+    depth: torch.Tensor  # int32 [T] 0 for roots
+    node_req: torch.Tensor  # int32 [T] request of each node
+    max_depth: torch.Tensor  # int32 [B] deepest node per request (0 when empty)
+    batch: int
+    total_nodes: int
+    max_nodes: int  # static bound on nodes per request (sets tile sizes), <= 64
+
+    @property
+    def device(self) -> torch.device:
+        return self.cu_seqlens.device
+
+    @classmethod
+    def build(cls, parents, cu_seqlens=None, device=None, **kw) -> "TreePlan":
+        return build_tree_plan(parents, cu_seqlens, device, **kw)
+
+
+def _check_host(parents: Sequence[Sequence[int]]) -> None:
+    for r, ps in enumerate(parents):
+        if len(ps) > MAX_NODES:
+            raise ValueError(
+                f"request {r} has {len(ps)} nodes; at most {MAX_NODES} per request are supported "
+                "(one int64 ancestor bitmask per node): prune the tree or split the request"
+            )
+        for i, p in enumerate(ps):
+            p = int(p)
+            if p < -1 or p >= len(ps):
+                raise ValueError(
+                    f"request {r} node {i}: parent {p} points outside the request (valid: -1 for a child "
+                    f"of the committed state, or a local index in [0, {len(ps)}))"
+                )
+            if p >= i:
+                raise ValueError(
+                    f"request {r} node {i}: parent {p} >= {i}; nodes must be topologically ordered "
+                    "(parent before child): sort the tree breadth- or depth-first and remap the indices"
+                )
+
+
+def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | None = None,
+                    validate: bool = True) -> TreePlan:
+    """Plan for a batch of trees.
+
+    parents: a list (one per request) of local parent lists, or a flat int tensor of local
+    parents for packed nodes together with `cu_seqlens` [B+1]. With a device tensor and
+    `validate=False` plus an explicit `max_nodes`, the plan is built without any host sync.
+    """
+    if isinstance(parents, torch.Tensor):
+        if cu_seqlens is None:
+            raise ValueError("a flat parents tensor needs cu_seqlens [B+1] (request offsets); "
+                             "or pass a list of per-request parent lists")
+        dev = torch.device(device) if device is not None else parents.device
+        p = parents.to(dev, torch.int32)
+        cu = torch.as_tensor(cu_seqlens).to(dev, torch.int32)
+        if p.dim() != 1 or cu.dim() != 1:
+            raise ValueError(f"parents must be 1-D [T] and cu_seqlens 1-D [B+1], got {tuple(p.shape)}, {tuple(cu.shape)}")
+        if validate or max_nodes is None:
+            cu_h, p_h = cu.cpu().tolist(), p.cpu().tolist()  # plan step: host sync allowed
+            if cu_h[0] != 0 or cu_h[-1] != len(p_h) or any(b < a for a, b in zip(cu_h, cu_h[1:])):
+                raise ValueError(f"cu_seqlens must rise from 0 to T={len(p_h)}, got {cu_h}")
+            lists = [p_h[a:b] for a, b in zip(cu_h, cu_h[1:])]
+            if validate:
+                _check_host(lists)
+            if max_nodes is None:
+                max_nodes = max([len(x) for x in lists] + [1])
+        batch, total = cu.numel() - 1, p.numel()
+    else:
+        lists = [[int(x) for x in ps] for ps in parents]
+        if validate:
+            _check_host(lists)
+        dev = torch.device(device) if device is not None else torch.device("cpu")
+        lens = [len(x) for x in lists]
+        cu_h = [0]
+        for n in lens:
+            cu_h.append(cu_h[-1] + n)
+        flat = [x for ps in lists for x in ps]
+        p = torch.tensor(flat, dtype=torch.int32).to(dev)
+        cu = torch.tensor(cu_h, dtype=torch.int32).to(dev)
+        batch, total = len(lists), len(flat)
+        if max_nodes is None:
+            max_nodes = max(lens + [1])
+    if max_nodes > MAX_NODES:
+        raise ValueError(f"max_nodes={max_nodes} > {MAX_NODES}: at most {MAX_NODES} nodes per request")
+    anc, depth, gpar, req, max_depth = _derive(p, cu, batch)
+    return TreePlan(cu_seqlens=cu, parent=gpar, parent_local=p, anc=anc, depth=depth, node_req=req,
+                    max_depth=max_depth, batch=batch, total_nodes=total, max_nodes=int(max_nodes))
+
+
+def _derive(p: torch.Tensor, cu: torch.Tensor, batch: int):
+    """Ancestor bitmasks and depths by pointer jumping: 6 rounds cover paths of 64 nodes."""
+    dev, T = p.device, p.numel()
+    idx = torch.arange(T, device=dev, dtype=torch.int64)
+    req = torch.searchsorted(cu[1:].to(torch.int64), idx, right=True)
+    bos = cu.to(torch.int64)[req.clamp(max=max(batch - 1, 0))] if T else idx
+    local = idx - bos
+    p64 = p.to(torch.int64)
+    up = torch.where(p64 >= 0, p64 + bos, torch.full_like(p64, -1))
+    gpar = up.to(torch.int32)
+    anc = torch.bitwise_left_shift(torch.ones_like(local), local)
+    seg = torch.ones_like(local)
+    for _ in range(6):
+        has = up >= 0
+        upc = up.clamp(min=0)
+        anc = torch.where(has, anc | anc[upc], anc)
+        seg = torch.where(has, seg + seg[upc], seg)
+        up = torch.where(has, up[upc], up)
+    depth = seg - 1
+    max_depth = torch.zeros(batch, dtype=torch.int64, device=dev)
+    if T:
+        max_depth = max_depth.scatter_reduce(0, req, depth, "amax", include_self=True)
+    return anc, depth.to(torch.int32), gpar, req.to(torch.int32), max_depth.to(torch.int32)
