@@ -9,6 +9,7 @@ import torch
 
 from .errors import W12CorruptFileError, W12Error, W12FormatError, W12VerificationError
 from .format import FORMAT_VERSION, W12Weight, pack, unpack
+from .io import load_file, save_file
 from .reference import (
     decode_q8,
     matmul_q8_reference,
@@ -28,6 +29,8 @@ __all__ = [
     "W12FormatError",
     "W12VerificationError",
     "W12CorruptFileError",
+    "save_file",
+    "load_file",
     "pack_reference",
     "unpack_reference",
     "decode_q8",
