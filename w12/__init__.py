@@ -10,6 +10,7 @@ import torch
 from .errors import W12CorruptFileError, W12Error, W12FormatError, W12VerificationError
 from .format import FORMAT_VERSION, W12Weight, pack, unpack
 from .io import load_file, save_file
+from .nn import ConversionReport, W12Linear, convert
 from .reference import (
     decode_q8,
     matmul_q8_reference,
@@ -31,6 +32,9 @@ __all__ = [
     "W12CorruptFileError",
     "save_file",
     "load_file",
+    "W12Linear",
+    "convert",
+    "ConversionReport",
     "pack_reference",
     "unpack_reference",
     "decode_q8",
