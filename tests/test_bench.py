@@ -1,0 +1,147 @@
+"""Bench runner and report on the CPU, with tiny fake cases; and the cuBLAS baseline cases."""
+
+import json
+
+import pytest
+import torch
+
+from autotune import hardware as hw
+from specpilot.bench import Case, Prepared, collect, get_shape_set, report, runner
+from specpilot.bench.cases import linear as linear_cases
+
+ROW_FIELDS = {
+    "gpu", "gpu_slug", "torch", "triton", "cuda", "specpilot", "op", "variant", "shape", "dims", "status",
+    "error", "median_us", "p10_us", "p90_us", "tbs", "tflops", "floor_us", "over_floor", "baseline",
+    "baseline_us", "speedup", "timestamp", "method",
+}
+
+
+@pytest.fixture(autouse=True)
+def tmp_cache(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPILOT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.setattr(hw, "_CEILINGS", {})
+    # Known CPU roofs, so the runner does not spend test time measuring.
+    hw._CEILINGS["cpu"] = hw.Ceilings(device="cpu", copy_tbs=0.02, bf16_tflops=0.5, measured_at="test")
+
+
+def _case(variant, *, n=256, fail=False, calls=None, check=True, setup_error=False):
+    calls = calls if calls is not None else []
+
+    def setup():
+        if setup_error:
+            raise RuntimeError("out of memory (pretend)")
+        xs = [torch.randn(n, n, generator=torch.Generator().manual_seed(i)) for i in range(2)]
+
+        def fn(x):
+            calls.append(variant)
+            return x @ x
+
+        def chk():
+            if fail:
+                raise AssertionError("wrong answer (on purpose)")
+
+        return Prepared(fns=[lambda x=x: fn(x) for x in xs], check=chk if check else None)
+
+    return Case(op="fake", variant=variant, shape=f"N{n}", dims={"N": n}, flops=2.0 * n**3,
+                bytes=3 * 4.0 * n * n, setup=setup, baseline="ref")
+
+
+def test_runner_rows_json_and_report(tmp_path):
+    calls = []
+    cases = [_case("ref", calls=calls), _case("fast", calls=calls), _case("broken", fail=True, calls=calls),
+             _case("ref", n=63, calls=calls)]
+    res = runner.run(cases, "cpu", out_dir=tmp_path, reps=5, warmup=1, shapes="fake", log=None)
+    assert len(res) == 4
+    by = {(r["variant"], r["shape"]): r for r in res}
+    ok = by[("fast", "N256")]
+    assert ROW_FIELDS <= set(ok)
+    assert ok["status"] == "ok" and ok["method"] == "perf_counter"
+    assert ok["p10_us"] <= ok["median_us"] <= ok["p90_us"]
+    assert ok["tflops"] == pytest.approx(ok["flops"] / ok["median_us"] / 1e6)
+    assert ok["tbs"] == pytest.approx(ok["bytes"] / ok["median_us"] / 1e6)
+    assert ok["floor_us"] == pytest.approx(hw.byte_floor(ok["flops"], ok["bytes"], "cpu") * 1e6)
+    assert ok["over_floor"] == pytest.approx(ok["median_us"] / ok["floor_us"])
+    assert ok["baseline_us"] == by[("ref", "N256")]["median_us"]
+    assert ok["speedup"] == pytest.approx(ok["baseline_us"] / ok["median_us"])
+    assert by[("ref", "N256")]["speedup"] == 1.0
+    assert ok["gpu"] == "cpu" and ok["torch"] == torch.__version__
+    # A failed check: reported as such, never timed.
+    bad = by[("broken", "N256")]
+    assert bad["status"] == "check_failed" and "on purpose" in bad["error"]
+    assert bad["median_us"] is None and bad["speedup"] is None
+    assert "broken" not in calls
+    # One JSON file per run, with meta and rows.
+    assert res.path.parent == tmp_path and res.path.name.endswith("-fake.json")
+    data = json.loads(res.path.read_text())
+    assert data["meta"]["ceilings"]["copy_tbs"] == 0.02 and data["meta"]["ceilings_source"] == "measured"
+    assert data["meta"]["ok"] == 3 and data["meta"]["failed"] == 1 and data["meta"]["shapes"] == "fake"
+    assert [r["variant"] for r in data["rows"]] == [r["variant"] for r in res]
+    # Report: markdown table + geomean + PNG, and render() regenerates both from the JSON.
+    md, png = report.write(res, res.meta, res.path)
+    text = md.read_text()
+    assert "| fake | fast | N256 |" in text and "geomean" in text
+    assert "check_failed" in text and "| fake | broken |" not in text
+    assert png.stat().st_size > 1000 and png.read_bytes()[:4] == b"\x89PNG"
+    md.unlink()
+    png.unlink()
+    md2, png2 = report.render(res.path)
+    assert md2.read_text() == text and png2.exists()
+
+
+def test_runner_setup_failure_and_missing_check(tmp_path):
+    res = runner.run([_case("ref", setup_error=True), _case("nocheck", check=False)], torch.device("cpu"),
+                     out_dir=tmp_path, reps=2, warmup=0, measure=False, write=False, log=None)
+    assert [r["status"] for r in res] == ["setup_failed", "no_check"]
+    assert all(r["median_us"] is None for r in res)
+    assert res.path is None and not list(tmp_path.iterdir())
+
+
+def test_runner_rejects_bad_reps():
+    with pytest.raises(ValueError):
+        runner.run([], "cpu", reps=0, write=False, measure=False, log=None)
+
+
+def test_geomean():
+    rows = [{"op": "a", "variant": "v", "status": "ok", "speedup": s} for s in (2.0, 8.0)]
+    rows.append({"op": "a", "variant": "v", "status": "check_failed", "speedup": None})
+    assert report.geomeans(rows) == {("a", "v"): (pytest.approx(4.0), 2)}
+
+
+def test_linear_cases_cpu_tiny_only():
+    cpu = torch.device("cpu")
+    assert collect(get_shape_set("hybrid-27b"), cpu, ["linear"]) == []
+    cases = collect(get_shape_set("tiny"), cpu, ["linear"])
+    tiny = get_shape_set("tiny")
+    assert len(cases) == 6 * (len(tiny.linears) + 1)
+    assert {c.op for c in cases} == {"linear", "lm_head"}
+    c = next(c for c in cases if c.shape == "mlp.down_proj-M4")
+    n, k = tiny.linears["mlp.down_proj"]
+    assert c.dims == {"M": 4, "N": n, "K": k} and c.flops == 2 * 4 * n * k
+    assert c.bytes == 2 * (4 * k + n * k + 4 * n) and c.baseline == "cublas"
+
+
+def test_linear_case_checks_pass_and_catch_errors():
+    cases = collect(get_shape_set("tiny"), torch.device("cpu"), ["linear"])
+    for shape in ("gdn.in_proj-M32", "lm_head-M8"):
+        prep = next(c for c in cases if c.shape == shape).setup()
+        prep.check()
+        assert prep.graph_safe and len(prep.fns) == 1
+    # The argmax check rejects a wrong pick but accepts a tie within rounding.
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(4, 64, generator=g).bfloat16()
+    w = torch.randn(100, 64, generator=g).bfloat16()
+    good = (x.float() @ w.float().T).argmax(-1)
+    linear_cases.check_argmax(good, x, w)
+    with pytest.raises(AssertionError, match="argmax row"):
+        linear_cases.check_argmax((x.float() @ w.float().T).argmin(-1), x, w)
+    w_tie = torch.cat([w, w[good[0]][None]])  # a duplicate of row 0's winner at the end
+    linear_cases.check_argmax(torch.tensor([100, *good[1:].tolist()]), x, w_tie)
+    with pytest.raises(AssertionError, match="int64"):
+        linear_cases.check_argmax(good.int(), x, w)
+
+
+def test_bench_on_tiny_linear(tmp_path):
+    cases = [c for c in collect(get_shape_set("tiny"), torch.device("cpu"), ["linear"]) if c.dims["M"] == 4]
+    res = runner.run(cases, "cpu", out_dir=tmp_path, reps=3, warmup=1, log=None)
+    assert all(r["status"] == "ok" and r["median_us"] > 0 for r in res), [r["error"] for r in res]
+    assert res.path.name.endswith("-linear-lm_head.json")
