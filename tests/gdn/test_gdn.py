@@ -1,0 +1,383 @@
+"""CPU (interpreter) tests of the gdn op: plan, tree verify (wy, recurrent), tree conv, commit.
+
+Tolerances are derived: every kernel result is compared with an fp64 reference and must be within
+2x the error of the same-precision PyTorch computation (the fp32 sequential oracle, rounded to
+the output dtype), via specpilot.testing.assert_close. For the "wy" variant the baseline is the
+same WY algorithm in torch fp32 (gdn.chunk_reference); for "recurrent" and commit it is the
+sequential recurrence in fp32.
+"""
+
+import random
+
+import pytest
+import torch
+
+import gdn
+from autotune import force
+from gdn.reference import commit_reference, conv_reference, recurrent_reference, root_path, tree_reference
+from specpilot.testing import assert_close
+
+H, HV, K, V = 2, 4, 16, 32
+
+
+def rand_tree(n, rng, max_children=None):
+    return [-1] + [rng.randrange(-1, i) for i in range(1, n)]
+
+
+def chain(n):
+    return list(range(-1, n - 1))
+
+
+def star(n):
+    return [-1] + [0] * (n - 1)
+
+
+def make_inputs(T, dtype=torch.float32, pool=4, seed=0, l2=True, h=H, hv=HV, k=K, v=V):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randn(T, h, k, generator=gen)
+    kk = torch.randn(T, h, k, generator=gen)
+    if not l2:  # realistic norms without the in-kernel L2 norm
+        q, kk = q / k ** 0.5, kk / k ** 0.5
+    vv = torch.randn(T, hv, v, generator=gen)
+    g = -torch.rand(T, hv, generator=gen) * 0.5
+    beta = torch.rand(T, hv, generator=gen)
+    state = torch.randn(pool, hv, k, v, generator=gen) * 0.3
+    return [t.to(dtype) for t in (q, kk, vv, g, beta)] + [state]
+
+
+def check_verify(trees, variant, dtype=torch.float32, l2=True, layout="kv", h=H, hv=HV, k=K, v=V, seed=0):
+    plan = gdn.build_tree_plan(trees)
+    q, kk, vv, g, beta, pool = make_inputs(plan.total_nodes, dtype, pool=len(trees) + 2, seed=seed, l2=l2, h=h,
+                                           hv=hv, k=k, v=v)
+    idx = torch.randperm(len(trees) + 2, generator=torch.Generator().manual_seed(seed))[: len(trees)]
+    pool_k = pool.transpose(-1, -2).contiguous() if layout == "vk" else pool
+    o = gdn.tree_verify(q, kk, vv, g, beta, pool_k, idx, plan, use_qk_l2norm=l2, state_layout=layout,
+                        variant=variant)
+    assert o.dtype == vv.dtype and o.shape == vv.shape
+    r64 = tree_reference(q, kk, vv, g, beta, pool.double(), idx, trees, use_qk_l2norm=l2, dtype=torch.float64)
+    # same-precision torch computation of the same algorithm: the WY form for "wy" (its triangular
+    # solve over 64 levels is ~3x less accurate than the recurrence, in torch as in the kernel)
+    fn = gdn.chunk_reference if variant == "wy" else recurrent_reference
+    r32 = tree_reference(q, kk, vv, g, beta, pool, idx, trees, use_qk_l2norm=l2, dtype=torch.float32, fn=fn)
+    return assert_close(o, r64, r32.to(vv.dtype), msg=f"{variant}")
+
+
+# ----------------------------------------------------------------------------------- plan
+
+
+def test_plan_bitmasks_and_depth():
+    rng = random.Random(1)
+    trees = [rand_tree(13, rng), chain(5), [-1], star(4), rand_tree(64, rng)]
+    plan = gdn.build_tree_plan(trees)
+    anc, depth = plan.anc.tolist(), plan.depth.tolist()
+    t0 = 0
+    for r, ps in enumerate(trees):
+        for i in range(len(ps)):
+            path = root_path(ps, i)
+            want = sum(1 << j for j in path)
+            want = want - (1 << 64) if want >= 1 << 63 else want
+            assert anc[t0 + i] == want and depth[t0 + i] == len(path) - 1
+            assert plan.node_req[t0 + i] == r
+            assert plan.parent[t0 + i] == (t0 + ps[i] if ps[i] >= 0 else -1)
+        assert plan.max_depth[r] == max(depth[t0:t0 + len(ps)])
+        t0 += len(ps)
+    assert plan.max_nodes == 64 and plan.batch == 5
+    flat = torch.tensor([p for ps in trees for p in ps])
+    plan2 = gdn.TreePlan.build(flat, plan.cu_seqlens, max_nodes=64, validate=False)
+    for f in ("anc", "depth", "parent", "node_req", "max_depth"):
+        assert torch.equal(getattr(plan, f), getattr(plan2, f)), f
+
+
+@pytest.mark.parametrize("trees,match", [
+    ([[-1, 1]], "topologically"),
+    ([[-1, 0, 2]], "topologically"),
+    ([[-1, 5]], "outside"),
+    ([[-1, -2]], "outside"),
+    ([chain(65)], "at most 64"),
+], ids=["self-parent", "forward-parent", "outside", "below-minus-one", "65-nodes"])
+def test_plan_rejects(trees, match):
+    with pytest.raises(ValueError, match=match):
+        gdn.build_tree_plan(trees)
+
+
+# ------------------------------------------------------------------------------ reference
+
+
+def test_chunk_form_equals_sequential_fp64():
+    """The tree WY derivation itself: chunk form == per-path recurrence to fp64 rounding."""
+    rng = random.Random(2)
+    for n in (1, 7, 20, 64):
+        ps = rand_tree(n, rng)
+        q, k, v, g, beta, pool = make_inputs(n, seed=n)
+        a = recurrent_reference(q, k, v, g, beta, pool[0], parents=ps, use_qk_l2norm=True, dtype=torch.float64)
+        b = gdn.chunk_reference(q, k, v, g, beta, pool[0], parents=ps, use_qk_l2norm=True, dtype=torch.float64)
+        assert (a - b).abs().max() < 1e-12
+
+
+# --------------------------------------------------------------------------------- verify
+
+_rng = random.Random(3)
+TREES = {
+    "chain7": [chain(7)],
+    "rand13": [rand_tree(13, _rng)],
+    "star9": [star(9)],
+    "single": [[-1]],
+    "chain64": [chain(64)],
+    "rand64": [rand_tree(64, _rng)],
+    "batch-rand33-chain5-single-star3": [rand_tree(33, _rng), chain(5), [-1], star(3)],
+    "forest-multi-root": [[-1, -1, 0, 1, -1, 2]],
+}
+
+
+@pytest.mark.parametrize("variant", ["wy", "recurrent"])
+@pytest.mark.parametrize("name", list(TREES))
+def test_verify_trees(variant, name):
+    if variant == "recurrent" and name in ("chain64", "rand64"):
+        check_verify(TREES[name], variant, h=1, hv=2, k=16, v=16)  # the interpreter is slow on 64 x 64 walks
+    else:
+        check_verify(TREES[name], variant)
+
+
+def test_chain_tree_matches_sequential_chain():
+    """A chain-shaped tree is plain sequential decoding (parents=None in the reference)."""
+    n = 11
+    q, k, v, g, beta, pool = make_inputs(n, seed=5)
+    plan = gdn.build_tree_plan([chain(n)])
+    idx = torch.tensor([2])
+    o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="wy")
+    r64 = recurrent_reference(q, k, v, g, beta, pool[2].double(), use_qk_l2norm=True, dtype=torch.float64)
+    r32 = recurrent_reference(q, k, v, g, beta, pool[2], use_qk_l2norm=True)
+    assert_close(o, r64, r32)
+
+
+@pytest.mark.parametrize("variant", ["wy", "recurrent"])
+def test_verify_bf16_inputs(variant):
+    check_verify([rand_tree(21, random.Random(4)), chain(3)], variant, dtype=torch.bfloat16)
+
+
+@pytest.mark.parametrize("variant", ["wy", "recurrent"])
+def test_verify_no_l2norm_vk_layout_odd_dims(variant):
+    # SGLang pool layout [pool, HV, V, K], K != V, odd head dims, H=1 grouped over 3 value heads
+    check_verify([rand_tree(10, random.Random(5)), star(4)], variant, l2=False, layout="vk", h=1, hv=3, k=24, v=20)
+
+
+def test_verify_auto_layout_and_scale():
+    plan = gdn.build_tree_plan([rand_tree(6, random.Random(6))])
+    q, k, v, g, beta, pool = make_inputs(6, k=16, v=32)
+    idx = torch.tensor([1])
+    a = gdn.tree_verify(q, k, v, g, beta, pool.transpose(-1, -2).contiguous(), idx, plan, scale=0.3,
+                        state_layout="auto", variant="wy")
+    b = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, scale=0.3, variant="wy")
+    r64 = tree_reference(q, k, v, g, beta, pool.double(), idx, [plan.parent_local.tolist()], scale=0.3,
+                         dtype=torch.float64)
+    r32 = tree_reference(q, k, v, g, beta, pool, idx, [plan.parent_local.tolist()], scale=0.3)
+    assert_close(a, r64, r32)
+    assert_close(b, r64, r32)
+
+
+def test_force_variant_and_default():
+    plan = gdn.build_tree_plan([chain(4)])
+    q, k, v, g, beta, pool = make_inputs(4)
+    idx = torch.tensor([0])
+    with force("gdn.tree_verify", variant="recurrent"):
+        a = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan)
+    b = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan)  # interpreter: portable variant "wy"
+    r64 = tree_reference(q, k, v, g, beta, pool.double(), idx, [chain(4)], dtype=torch.float64)
+    r32 = tree_reference(q, k, v, g, beta, pool, idx, [chain(4)])
+    assert_close(a, r64, r32)
+    assert_close(b, r64, r32)
+
+
+# ---------------------------------------------------------------------------------- conv
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_tree_conv1d(dtype):
+    rng = random.Random(7)
+    # depths 0..>3 so paths shorter than the width read 3, 2 or 1 committed columns
+    trees = [rand_tree(17, rng), [-1], chain(2), chain(6), star(5)]
+    plan = gdn.build_tree_plan(trees)
+    D, W = 45, 4
+    gen = torch.Generator().manual_seed(7)
+    x = torch.randn(plan.total_nodes, D, generator=gen).to(dtype)
+    cs = torch.randn(7, D, W - 1, generator=gen).to(dtype)
+    w = torch.randn(D, 1, W, generator=gen).to(dtype)
+    bias = torch.randn(D, generator=gen).to(dtype)
+    ci = torch.tensor([6, 0, 3, 2, 5])
+    y = gdn.tree_conv1d(x, cs, w, plan, bias=bias, conv_state_indices=ci)
+    r64 = conv_reference(x, cs, w, trees, bias=bias, conv_state_indices=ci, dtype=torch.float64)
+    r32 = conv_reference(x, cs, w, trees, bias=bias, conv_state_indices=ci)
+    assert_close(y, r64, r32.to(dtype))
+    y2 = gdn.tree_conv1d(x, cs, w[:, 0], plan, activation=None, conv_state_indices=ci)
+    r64 = conv_reference(x, cs, w, trees, activation=None, conv_state_indices=ci, dtype=torch.float64)
+    r32 = conv_reference(x, cs, w, trees, activation=None, conv_state_indices=ci)
+    assert_close(y2, r64, r32.to(dtype))
+
+
+# -------------------------------------------------------------------------------- commit
+
+
+def _random_root_path(ps, rng):
+    if rng.random() < 0.1:
+        return []
+    return root_path(ps, rng.randrange(len(ps)))
+
+
+def _acc_tensors(paths):
+    ml = max([len(p) for p in paths] + [1])
+    acc = torch.tensor([p + [0] * (ml - len(p)) for p in paths], dtype=torch.int32)
+    return acc, torch.tensor([len(p) for p in paths], dtype=torch.int32)
+
+
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_commit_then_second_step(layout):
+    rng = random.Random(8)
+    trees = [rand_tree(12, rng), chain(6), star(5)]
+    plan = gdn.build_tree_plan(trees)
+    T, L, D, W, P = plan.total_nodes, 2, 24, 4, 5
+    gen = torch.Generator().manual_seed(8)
+    k = torch.randn(L, T, H, K, generator=gen)
+    v = torch.randn(L, T, HV, V, generator=gen)
+    g = -torch.rand(L, T, HV, generator=gen)
+    beta = torch.rand(L, T, HV, generator=gen)
+    x = torch.randn(L, T, D, generator=gen)
+    pool = torch.randn(L, P, HV, K, V, generator=gen) * 0.3
+    cst = torch.randn(L, P, D, W - 1, generator=gen)
+    idx = torch.tensor([4, 0, 2])
+    paths = [root_path(trees[0], 11), root_path(trees[1], 5), [0, 3]]
+    acc, acc_len = _acc_tensors(paths)
+    pk = pool.transpose(-1, -2).contiguous() if layout == "vk" else pool.clone()
+    c = cst.clone()
+    gdn.commit(pk, c, idx, plan, acc, acc_len, k, v, g, beta, x, use_qk_l2norm=True, state_layout=layout,
+               validate=True)
+    got = pk.transpose(-1, -2) if layout == "vk" else pk
+    cu = plan.cu_seqlens.tolist()
+    for li in range(L):
+        for r in range(3):
+            toks = [cu[r] + j for j in paths[r]]
+            S64, C = commit_reference(pool[li, idx[r]].double(), cst[li, idx[r]], k[li], v[li], g[li], beta[li],
+                                      x[li], toks, use_qk_l2norm=True, dtype=torch.float64)
+            S32, _ = commit_reference(pool[li, idx[r]], cst[li, idx[r]], k[li], v[li], g[li], beta[li], x[li], toks,
+                                      use_qk_l2norm=True)
+            assert_close(got[li, idx[r]], S64, S32)
+            assert torch.equal(c[li, idx[r]], C.float())  # conv commit is a pure copy: exact
+    # untouched pool rows stay bitwise
+    for other in (1, 3):
+        assert torch.equal(got[:, other], pool[:, other]) and torch.equal(c[:, other], cst[:, other])
+    # second step from the committed state (layer 0): verify a new tree
+    trees2 = [rand_tree(9, rng), [-1], chain(4)]
+    plan2 = gdn.build_tree_plan(trees2)
+    q2, k2, v2, g2, b2, _ = make_inputs(plan2.total_nodes, seed=9)
+    o = gdn.tree_verify(q2, k2, v2, g2, b2, pk[0], idx, plan2, use_qk_l2norm=True, state_layout=layout, variant="wy")
+    base = pool[0].clone().double()
+    for r in range(3):  # fp64 committed states from the fp64 reference
+        base[idx[r]], _ = commit_reference(pool[0, idx[r]].double(), cst[0, idx[r]], k[0], v[0], g[0], beta[0],
+                                           x[0], [cu[r] + j for j in paths[r]], use_qk_l2norm=True,
+                                           dtype=torch.float64)
+    r64 = tree_reference(q2, k2, v2, g2, b2, base, idx, trees2, use_qk_l2norm=True, dtype=torch.float64)
+    r32 = tree_reference(q2, k2, v2, g2, b2, got[0], idx, trees2, use_qk_l2norm=True)
+    assert_close(o, r64, r32)
+
+
+def test_commit_single_layer_and_state_only():
+    plan = gdn.build_tree_plan([star(4), chain(3)])
+    q, k, v, g, beta, pool = make_inputs(plan.total_nodes, pool=3)
+    acc, acc_len = _acc_tensors([[0, 2], [0, 1, 2]])
+    idx = torch.tensor([2, 0])
+    p = pool.clone()
+    gdn.commit(p, None, idx, plan, acc, acc_len, k, v, g, beta, use_qk_l2norm=True)
+    for r, toks in enumerate([[0, 2], [4, 5, 6]]):
+        S64, _ = commit_reference(pool[idx[r]].double(), torch.zeros(1, 3), k, v, g, beta, torch.zeros(7, 1), toks,
+                                  use_qk_l2norm=True, dtype=torch.float64)
+        S32, _ = commit_reference(pool[idx[r]], torch.zeros(1, 3), k, v, g, beta, torch.zeros(7, 1), toks,
+                                  use_qk_l2norm=True)
+        assert_close(p[idx[r]], S64, S32)
+    assert torch.equal(p[1], pool[1])
+
+
+def test_full_cycle_equals_sequential_decoding():
+    """Many verify + commit steps with random acceptance == sequential decoding of the accepted
+    tokens: same outputs for accepted nodes, same final recurrent and conv state. bf16 inputs,
+    fp32 state, 24 steps (drift)."""
+    rng = random.Random(10)
+    gen = torch.Generator().manual_seed(10)
+    D, W = 20, 4
+    pool = torch.randn(1, 2, HV, K, V, generator=gen) * 0.3
+    cst = torch.randn(1, 2, D, W - 1, generator=gen)
+    weight = torch.randn(D, W, generator=gen)
+    S0, C0 = pool[0, 1].clone(), cst[0, 1].clone()
+    idx = torch.tensor([1])
+    stream = {n: [] for n in ("q", "k", "v", "g", "beta", "x")}
+    outs, conv_outs = [], []
+    for step in range(24):
+        n = rng.choice([1, 3, 8, 16])
+        ps = rand_tree(n, rng)
+        plan = gdn.build_tree_plan([ps])
+        q, k, v, g, beta, _ = make_inputs(n, torch.bfloat16, seed=100 + step)
+        x = torch.randn(n, D, generator=gen).to(torch.bfloat16)
+        o = gdn.tree_verify(q, k, v, g, beta, pool[0], idx, plan, use_qk_l2norm=True, variant="wy")
+        y = gdn.tree_conv1d(x, cst[0], weight, plan, conv_state_indices=idx)
+        path = root_path(ps, rng.randrange(n)) if rng.random() > 0.15 else []
+        acc, acc_len = _acc_tensors([path])
+        gdn.commit(pool, cst, idx, plan, acc, acc_len, k[None], v[None], g[None], beta[None], x[None],
+                   use_qk_l2norm=True, validate=True)
+        for name, t in zip(("q", "k", "v", "g", "beta", "x"), (q, k, v, g, beta, x)):
+            stream[name].append(t[path])
+        outs.append(o[path])
+        conv_outs.append(y[path])
+    s = {n: torch.cat(ts) for n, ts in stream.items()}
+    got = torch.cat(outs)
+    r64, st64 = recurrent_reference(s["q"], s["k"], s["v"], s["g"], s["beta"], S0.double(), use_qk_l2norm=True,
+                                    return_states=True, dtype=torch.float64)
+    r32, st32 = recurrent_reference(s["q"], s["k"], s["v"], s["g"], s["beta"], S0, use_qk_l2norm=True,
+                                    return_states=True)
+    assert got.shape[0] == s["q"].shape[0] > 30
+    assert_close(got, r64, r32.to(torch.bfloat16), msg="outputs")
+    assert_close(pool[0, 1], st64[-1], st32[-1], msg="final state")
+    chain_ps = [chain(s["x"].shape[0])]
+    c64 = conv_reference(s["x"], C0[None], weight, chain_ps, dtype=torch.float64)
+    c32 = conv_reference(s["x"], C0[None], weight, chain_ps)
+    assert_close(torch.cat(conv_outs), c64, c32.to(torch.bfloat16), msg="conv outputs")
+    assert torch.equal(cst[0, 1], s["x"][-(W - 1):].float().T)
+
+
+# ---------------------------------------------------------------------------- bad inputs
+
+
+def test_bad_inputs():
+    plan = gdn.build_tree_plan([chain(3)])
+    q, k, v, g, beta, pool = make_inputs(3)
+    idx = torch.tensor([0])
+    with pytest.raises(ValueError, match="multiple of key heads"):
+        gdn.tree_verify(q, k, v[:, :3], g[:, :3], beta[:, :3], pool[:, :3], idx, plan)
+    with pytest.raises(TypeError, match="float32"):
+        gdn.tree_verify(q, k, v, g, beta, pool.bfloat16(), idx, plan)
+    with pytest.raises(ValueError, match="q and k"):
+        gdn.tree_verify(q, k[:, :1], v, g, beta, pool, idx, plan)
+    with pytest.raises(ValueError, match="g must be"):
+        gdn.tree_verify(q, k, v, g[:, :2], beta, pool, idx, plan)
+    with pytest.raises(ValueError, match="rebuild the plan"):
+        gdn.tree_verify(q[:2], k[:2], v[:2], g[:2], beta[:2], pool, idx, plan)
+    with pytest.raises(ValueError, match="state pool must be"):
+        gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, state_layout="vk")
+    with pytest.raises(ValueError, match="ambiguous"):
+        gdn.tree_verify(q, k, v[..., :16], g, beta, pool[..., :16], idx, plan, state_layout="auto")
+    with pytest.raises(ValueError, match="state_indices"):
+        gdn.tree_verify(q, k, v, g, beta, pool, torch.tensor([0, 1]), plan)
+    with pytest.raises(ValueError, match="unknown"):
+        gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, variant="nope")
+    with pytest.raises(TypeError, match="TreePlan"):
+        gdn.tree_verify(q, k, v, g, beta, pool, idx, [-1, 0, 1])
+    x = torch.randn(3, 8)
+    with pytest.raises(ValueError, match="conv_state must be"):
+        gdn.tree_conv1d(x, torch.zeros(1, 8, 4), torch.randn(8, 4), plan)
+    with pytest.raises(ValueError, match="weight must be"):
+        gdn.tree_conv1d(x, torch.zeros(1, 8, 3), torch.randn(7, 4), plan)
+    plan2 = gdn.build_tree_plan([[-1, 0, 0]])
+    for path, match in (([0, 2, 1], "root path"), ([1], "root path"), ([0, 5], "outside")):
+        acc, acc_len = _acc_tensors([path])
+        with pytest.raises(ValueError, match=match):
+            gdn.commit(pool.clone(), None, idx, plan2, acc, acc_len, k, v, g, beta, validate=True)
+    acc, acc_len = _acc_tensors([[0, 1]])
+    with pytest.raises(ValueError, match="needs k, v, g and beta"):
+        gdn.commit(pool.clone(), None, idx, plan2, acc, acc_len, k, None, g, beta)
