@@ -237,8 +237,7 @@ def cmd_pack(args) -> int:
     except ImportError as e:
         print(f"specpilot: error: the w12 packer is not available: {e}", file=sys.stderr)
         return 1
-    include = args.include if args.include is None or len(args.include) > 1 else args.include[0]
-    result = pack_checkpoint(str(src), str(dst), device=str(dev), include=include, progress=True)
+    result = pack_checkpoint(str(src), str(dst), device=str(dev), include=args.include, progress=True)
     if isinstance(result, dict):
         for k, v in result.items():
             print(f"{k}: {v}")
@@ -280,8 +279,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("input", metavar="IN.safetensors")
     s.add_argument("output", metavar="OUT.safetensors")
     s.add_argument("--device", default="cpu", help="device that does the packing (default cpu)")
-    s.add_argument("--include", action="append", default=None, metavar="PATTERN",
-                   help="only pack tensors whose names match (repeatable)")
+    s.add_argument("--include", default=None, metavar="PATTERN",
+                   help="only pack tensors whose names match PATTERN (passed to pack_checkpoint as is)")
     s.set_defaults(fn=cmd_pack)
     return p
 

@@ -1,0 +1,111 @@
+"""The `specpilot` command line, on the CPU: info and demo print real numbers; bad args fail clearly."""
+
+import os
+import re
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from specpilot import cli
+
+cpu_only = pytest.mark.skipif(torch.cuda.is_available(), reason="checks the CPU path of the CLI")
+
+NUM = r"[0-9]+(?:\.[0-9]+)?(?:e[-+]?[0-9]+)?"
+
+
+def _run(args, tmp_path, timeout=240):
+    env = {**os.environ, "SPECPILOT_CACHE_DIR": str(tmp_path / "cache"), "PYTHONUNBUFFERED": "1"}
+    env.pop("TRITON_INTERPRET", None)  # the CLI must set it by itself on a CPU machine
+    return subprocess.run([sys.executable, "-m", "specpilot", *args], capture_output=True, text=True,
+                          timeout=timeout, env=env, cwd=tmp_path)
+
+
+@cpu_only
+def test_info(tmp_path):
+    r = _run(["info"], tmp_path)
+    assert r.returncode == 0, r.stderr
+    out = r.stdout
+    assert re.search(r"^device\s+: cpu", out, re.M)
+    assert re.search(r"versions\s+: torch \S+, triton \S+, CUDA \S+, numba \S+, specpilot \S+", out)
+    m = re.search(rf"ceilings\s+: copy ({NUM}) GB/s .* BF16 matmul ({NUM}) TFLOP/s", out)
+    assert m and float(m.group(1)) > 0 and float(m.group(2)) > 0, out
+    assert "has_wgmma   : False" in out
+    assert "TRITON_INTERPRET=1" in out
+    assert re.search(r"^\s+linear: cublas", out, re.M) and re.search(r"^\s+lm_head: cublas", out, re.M)
+    # Measured once, then cached on disk.
+    assert (tmp_path / "cache" / "ceilings.json").exists()
+    assert "[cached" in _run(["info"], tmp_path).stdout
+
+
+@cpu_only
+def test_demo(tmp_path):
+    out = tmp_path / "demo"
+    r = _run(["demo", "--out", str(out)], tmp_path)
+    assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
+    text = r.stdout
+    assert re.search(rf"measured roofs: copy {NUM} GB/s", text)
+    rows = re.findall(rf"^\| linear \| cublas \| mlp\.down_proj-M(\d+) \| ({NUM}) \|", text, re.M)
+    assert len(rows) == 6 and all(float(us) > 0 for _, us in rows), text
+    assert re.search(rf"^\| lm_head \| cublas \| lm_head-M32 \| {NUM} \|", text, re.M)
+    assert "geomean" in text
+    files = sorted(p.suffix for p in out.iterdir())
+    assert files == [".json", ".md", ".png"]
+
+
+def _main(argv, capsys):
+    with pytest.raises(SystemExit) as e:
+        cli.main(argv)
+    return e.value.code, capsys.readouterr().err
+
+
+@pytest.mark.parametrize("argv, message", [
+    ([], "required"),
+    (["frobnicate"], "invalid choice"),
+    (["bench", "--reps", "many"], "invalid int"),
+    (["bench", "--shapes", "gpt-5"], "unknown shape set 'gpt-5'"),
+    (["bench", "--shapes", "tiny", "--ops", "nonsense"], "unknown op(s) nonsense"),
+    (["bench", "--shapes", "tiny", "--reps", "0"], "--reps must be >= 1"),
+    pytest.param(["bench", "--device", "cuda:0"], "CUDA is not available", marks=cpu_only),
+    (["pack", "missing.safetensors", "out.safetensors"], "does not exist"),
+    (["pack"], "required"),
+], ids=["none", "unknown-cmd", "reps-not-int", "bad-shapes", "bad-ops", "reps-zero", "no-cuda", "pack-missing",
+        "pack-no-args"])
+def test_bad_args(argv, message, capsys):
+    code, err = _main(argv, capsys)
+    assert code == 2
+    assert message in err
+
+
+def test_pack_validates_paths(tmp_path, capsys):
+    src = tmp_path / "in.safetensors"
+    src.write_bytes(b"")
+    code, err = _main(["pack", str(src), str(src)], capsys)
+    assert code == 2 and "must differ" in err
+    code, err = _main(["pack", str(src), str(tmp_path / "out.bin")], capsys)
+    assert code == 2 and ".safetensors" in err
+    code, err = _main(["pack", str(src), str(tmp_path / "nope" / "out.safetensors")], capsys)
+    assert code == 2 and "does not exist" in err
+
+
+def test_pack_calls_packer_and_prints_report(tmp_path, capsys, monkeypatch):
+    import types
+
+    seen = {}
+
+    def pack_checkpoint(in_path, out_path, *, device, include, progress):
+        seen.update(in_path=in_path, out_path=out_path, device=device, include=include, progress=progress)
+        return {"tensors_packed": 3, "ratio": 0.75}
+
+    monkeypatch.setitem(sys.modules, "w12.checkpoint", types.SimpleNamespace(pack_checkpoint=pack_checkpoint))
+    src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    src.write_bytes(b"")
+    assert cli.main(["pack", str(src), str(dst), "--include", "*.mlp.*"]) == 0
+    assert seen == {"in_path": str(src), "out_path": str(dst), "device": "cpu", "include": "*.mlp.*",
+                    "progress": True}
+    out = capsys.readouterr().out
+    assert "tensors_packed: 3" in out and "ratio: 0.75" in out
+    monkeypatch.setitem(sys.modules, "w12.checkpoint", None)  # the packer is missing
+    assert cli.main(["pack", str(src), str(dst)]) == 1
+    assert "w12 packer is not available" in capsys.readouterr().err
