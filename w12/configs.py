@@ -1,0 +1,186 @@
+"""Launch configs of the W12 GEMMs: frozen dataclasses, an analytical default, tuned entries as data.
+
+Lookup (autotune.get_config): forced config > tuned JSON entry `w12.matmul/<variant>/M<b>-K<K>-N<N>`
+> the heuristic below. Variants and the kernel each one runs:
+
+| variant   | kernel                         | config     | used for                              |
+| --------- | ------------------------------ | ---------- | ------------------------------------- |
+| `tc`      | `w12_matmul_tc_kernel`         | TcConfig   | sm_90 (wgmma), every M                |
+| `gemv`    | `w12_matmul_gemv_kernel`       | GemvConfig | no-wgmma GPUs, M <= GEMV_MAX_M        |
+| `gemv`    | `w12_matmul_tc_kernel` (mma)   | TcConfig   | no-wgmma GPUs, M > GEMV_MAX_M; tuned  |
+|           |                                |            | entries under variant `gemv.mma`      |
+
+A forced config picks its kernel: `force("w12.matmul", config=GemvConfig(...))` runs the CUDA-core
+kernel at any M, `config=TcConfig(...)` the tensor-core one. `matmul_q8` looks configs up under
+op `w12.matmul_q8` (its bytes per weight differ), with the same variants.
+
+The heuristic is written in bytes in flight. Decode at small M is memory-bound: the kernel must
+keep about bandwidth x latency = 4.8 TB/s x ~1 us ~ 5 MB in flight on an H200, i.e. ~36 KB per
+SM. A tensor-core CTA holds `(num_stages - 1) x BN x BK x bytes/weight` in its cp.async ring; a
+CUDA-core CTA holds one tile per iteration (its loads are not software-pipelined) so it relies on
+several CTAs per SM. Then split-K is chosen so that the grid fills the machine in whole waves.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from dataclasses import dataclass
+
+import torch
+
+import autotune
+
+__all__ = ["TcConfig", "GemvConfig", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "candidates", "sm_count",
+           "pick_split_k"]
+
+GEMV_MAX_M = 4  # the no-wgmma variant runs the CUDA-core kernel up to this M
+_TARGET_INFLIGHT = 40 << 10  # bytes per SM the loads should keep in flight (see module doc)
+_SMEM_PER_SM = 227 << 10
+_MIN_ITERS_PER_SPLIT = 4  # below this a split's pipeline never reaches steady state
+
+
+@dataclass(frozen=True)
+class TcConfig:
+    """Tensor-core kernel: tile [block_n weight rows] x [block_t tokens] x [block_k columns]."""
+
+    block_n: int = 128  # MMA M (weight rows): 64 per warpgroup on wgmma
+    block_t: int = 16  # MMA N (tokens): >= 16 for tl.dot
+    block_k: int = 128  # multiple of 64 (one `lo` interleave group); >= 128 gives 16-byte loads
+    split_k: int = 1
+    num_warps: int = 8
+    num_stages: int = 4
+    select_zero: bool = False  # spec-literal `code 0 -> 0` select per weight (see kernels/tc.py)
+
+    def __post_init__(self):
+        _check_common(self)
+        if self.block_t < 16 or self.block_n < 16:
+            raise ValueError(f"TcConfig needs block_n, block_t >= 16 (tl.dot), got {self}")
+
+
+@dataclass(frozen=True)
+class GemvConfig:
+    """CUDA-core kernel: fp32 FMA over a [block_n, block_k/2, block_t] accumulator."""
+
+    block_n: int = 32
+    block_t: int = 1  # tokens per program (power of two)
+    block_k: int = 256
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 2
+    select_zero: bool = False
+
+    def __post_init__(self):
+        _check_common(self)
+
+
+def _check_common(c) -> None:
+    if c.block_k < 64 or c.block_k % 64:
+        raise ValueError(f"block_k must be a multiple of 64 (the lo-plane group), got {c.block_k}")
+    for f in ("block_n", "block_t", "block_k"):
+        v = getattr(c, f)
+        if v < 1 or v & (v - 1):
+            raise ValueError(f"{f} must be a power of two, got {v}")
+    if c.split_k < 1 or c.num_warps < 1 or c.num_stages < 1:
+        raise ValueError(f"split_k, num_warps and num_stages must be >= 1, got {c}")
+
+
+@functools.cache
+def _sm_count(index: int) -> int:
+    return torch.cuda.get_device_properties(index).multi_processor_count
+
+
+def sm_count(device: torch.device) -> int:
+    """SMs of `device`; 4 under the interpreter / on CPU (keeps test grids small but split)."""
+    if device.type != "cuda" or autotune.is_interpreter():
+        return 4
+    return _sm_count(device.index if device.index is not None else torch.cuda.current_device())
+
+
+def _pow2(m: int) -> int:
+    return 1 << (max(1, int(m)) - 1).bit_length()
+
+
+def pick_split_k(tiles: int, n_iters: int, slots: int) -> int:
+    """Split-K that fills `slots` concurrent CTAs in whole waves, each split keeping at least
+    _MIN_ITERS_PER_SPLIT K iterations. Smallest split within 5% of the best wave efficiency."""
+    s_max = max(1, min(64, n_iters // _MIN_ITERS_PER_SPLIT))
+    if tiles >= 4 * slots or s_max == 1:
+        return 1
+
+    def eff(s: int) -> float:
+        per = math.ceil(n_iters / s)
+        s_real = math.ceil(n_iters / per)  # splits that actually get work
+        total = tiles * s_real
+        waves = math.ceil(total / slots)
+        return total / (waves * slots)
+
+    scores = {s: eff(s) for s in range(1, s_max + 1)}
+    best = max(scores.values())
+    return min(s for s, e in scores.items() if e >= 0.95 * best)
+
+
+def tc_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = False, mma_only: bool = False) -> TcConfig:
+    """Tensor-core default. BT covers M (16..64); BN=128 x BK=128 (8 warps) for tall weights,
+    BN=64 x BK=256 (4 warps) when N is small so more row tiles exist before splitting K."""
+    bpw = 1.0 if q8 else 1.5
+    bt = min(64, max(16, _pow2(M)))
+    sms = sm_count(device)
+    if N >= 64 * sms or mma_only:
+        bn, bk, warps = 128, 128, 8
+    else:
+        bn, bk, warps = 64, 256, 4
+    if mma_only:  # sm_80-class: mma.sync wants smaller register tiles
+        bn, bk, warps = 64, 128, 4
+    kp = -(-K // 64) * 64
+    stage = bn * bk * bpw + bk * bt * 2
+    stages = 4 if stage <= 32 << 10 else 3
+    ctas_per_sm = max(1, min(_SMEM_PER_SM // int(stages * stage), 64 // warps, 2))
+    tiles = -(-N // bn) * -(-M // bt)
+    split = pick_split_k(tiles, -(-kp // bk), sms * ctas_per_sm)
+    return TcConfig(block_n=bn, block_t=bt, block_k=bk, split_k=split, num_warps=warps, num_stages=stages)
+
+
+def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = False) -> GemvConfig:
+    """CUDA-core default: ~12-16 KB of weights per CTA iteration, accumulator <= 64 fp32 registers
+    per thread (BN x BK/2 x BT <= 8192 with 128 threads), ~4 CTAs per SM."""
+    bt = _pow2(M)
+    if bt > 16:
+        bt = 16
+    bk = 256
+    bn = max(8, min(64, 8192 // (bk // 2 * bt)))
+    kp = -(-K // 64) * 64
+    tiles = -(-N // bn) * -(-M // bt)
+    ctas_per_sm = 4
+    split = pick_split_k(tiles, -(-kp // bk), sm_count(device) * ctas_per_sm)
+    return GemvConfig(block_n=bn, block_t=bt, block_k=bk, split_k=split, num_warps=4, num_stages=2)
+
+
+def candidates(kind: str, M: int, N: int, K: int) -> list:
+    """Configs worth timing on the GPU for one shape (for tuning scripts). `kind`: "tc" or "gemv"."""
+    kp = -(-K // 64) * 64
+    out = []
+    if kind == "tc":
+        bts = sorted({min(64, max(16, _pow2(M))), 16 if M <= 16 else 32})
+        for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
+            for bk in (128, 256, 512):
+                for stages in (2, 3, 4, 5):
+                    for bt in bts:
+                        if (bn * bk * 1.5 + bk * bt * 2) * stages > 200 << 10:
+                            continue
+                        for split in (1, 2, 3, 4, 6, 8, 12, 16):
+                            if kp // bk >= 2 * split or split == 1:
+                                out.append(TcConfig(bn, bt, bk, split, warps, stages))
+    elif kind == "gemv":
+        bt = _pow2(M)
+        for bn in (8, 16, 32, 64, 128):
+            for bk in (128, 256, 512):
+                if bn * bk // 2 * bt > 16384:
+                    continue
+                for warps in (2, 4, 8):
+                    for split in (1, 2, 4, 8, 16):
+                        if kp // bk >= 2 * split or split == 1:
+                            out.append(GemvConfig(bn, bt, bk, split, warps, 2))
+    else:
+        raise ValueError(f"kind must be 'tc' or 'gemv', got {kind!r}")
+    return out

@@ -1,0 +1,10 @@
+"""Triton kernels of the W12 GEMMs, one file per variant (see each module's docstring).
+
+* `tc.py`: tensor cores, swap-AB (wgmma on sm_90, mma.sync on sm_80/89); also the split-K reduce.
+* `gemv.py`: CUDA-core fp32 GEMV for tiny M (no tensor cores).
+"""
+
+from .gemv import w12_matmul_gemv_kernel
+from .tc import w12_matmul_tc_kernel, w12_splitk_reduce_kernel
+
+__all__ = ["w12_matmul_tc_kernel", "w12_matmul_gemv_kernel", "w12_splitk_reduce_kernel"]

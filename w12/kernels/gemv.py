@@ -1,0 +1,74 @@
+"""W12 GEMV on CUDA cores for tiny M (the decode step): no tensor cores, no wgmma.
+
+Each program owns BLOCK_N weight rows and a K range (split-K). Per K tile it loads the two
+halves of `hi` and the shared `lo` plane exactly like the tensor-core kernel (16-byte vector
+loads, see `tc.py`), decodes straight to fp32 (bits << 16), and does fp32 FMAs against x
+broadcast over the rows: `acc[BN, BKH, BT] += w[BN, BKH, 1] * x[1, BKH, BT]`. The K reduction
+across threads happens once, after the loop. Escapes, bias, the split-K partials and the
+output rounding are shared with `tc.py`.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .tc import _apply_escapes, _bits_to_f32, _decode_bits, _decode_bits_q8, _store_tile
+
+__all__ = ["w12_matmul_gemv_kernel"]
+
+
+@triton.jit(do_not_specialize=["M"])
+def w12_matmul_gemv_kernel(
+    x_ptr, hi_ptr, lo_ptr, e0_ptr, rowptr_ptr, col_ptr, val_ptr, bias_ptr, out_ptr, ws_ptr,
+    M, N, K, Kp, stride_xm, stride_xk,
+    HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    BKH: tl.constexpr = BLOCK_K // 2
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    tok_ok = toks < M
+    j = tl.arange(0, BKH)
+    col_a = (j // 32) * 64 + j % 32  # [BKH] column of half "a"; half "b" is +32
+
+    n_it = tl.cdiv(Kp, BLOCK_K)
+    per = tl.cdiv(n_it, SPLIT_K)
+    it0 = pid_k * per
+    it1 = tl.minimum(it0 + per, n_it)
+
+    E = (tl.load(e0_ptr + rows, mask=row_ok, other=0).to(tl.int32) << 7)[:, None]  # [BN, 1]
+    rows64 = rows.to(tl.int64)
+    hi_p = hi_ptr + rows64[:, None] * Kp + (it0 * BLOCK_K + col_a)[None, :]  # [BN, BKH]
+    lo_p = lo_ptr + rows64[:, None] * (Kp // 2) + (it0 * BKH + j)[None, :]  # [BN, BKH]
+    x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * BLOCK_K + col_a)[:, None] * stride_xk  # [BKH, BT]
+
+    acc3 = tl.zeros((BLOCK_N, BKH, BLOCK_T), dtype=tl.float32)
+    for it in range(it0, it1):
+        ka = it * BLOCK_K + col_a
+        wm = row_ok[:, None] & (ka < Kp)[None, :]
+        h_a = tl.load(hi_p, mask=wm, other=0).to(tl.int32)
+        h_b = tl.load(hi_p + 32, mask=wm, other=0).to(tl.int32)
+        xa = tl.load(x_p, mask=(ka < K)[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)  # [BKH, BT]
+        xb = tl.load(x_p + 32 * stride_xk, mask=(ka + 32 < K)[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)
+        if Q8:
+            wa = _bits_to_f32(_decode_bits_q8(h_a, E))
+            wb = _bits_to_f32(_decode_bits_q8(h_b, E))
+        else:
+            lo = tl.load(lo_p, mask=wm, other=0).to(tl.int32)
+            wa = _bits_to_f32(_decode_bits(h_a, lo & 0xF, E, SELECT_ZERO))
+            wb = _bits_to_f32(_decode_bits(h_b, lo >> 4, E, SELECT_ZERO))
+        acc3 += wa[:, :, None] * xa[None, :, :] + wb[:, :, None] * xb[None, :, :]
+        hi_p += BLOCK_K
+        lo_p += BKH
+        x_p += BLOCK_K * stride_xk
+
+    acc = tl.sum(acc3, axis=1)  # [BN, BT]
+    if pid_k == 0:
+        acc = _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr,
+                             col_ptr, val_ptr, Q8 or SELECT_ZERO)
+    _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT_K, HAS_BIAS)

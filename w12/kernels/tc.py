@@ -1,0 +1,196 @@
+"""W12 GEMM on tensor cores, swap-AB: `out[M, N] = x[M, K] @ W[N, K]^T` computed as
+`acc[BN, BT] = W_tile[BN, BK] @ xT_tile[BK, BT]`, so the weight rows fill the MMA M dimension
+(64/128 on wgmma) and the few decode tokens sit on the MMA N dimension (16..64).
+
+On sm_90 Triton lowers `tl.dot` to wgmma, on sm_80/sm_89 to mma.sync; the same kernel serves
+both (the "gemv" variant uses it for M > 4).
+
+Decode happens in registers, from two byte planes read with 16-byte vector loads:
+
+* Each 64-column group of `lo` holds the nibbles of columns `64g + i` (low nibble) and
+  `64g + 32 + i` (high nibble). The kernel therefore walks a BK tile as two halves "a"
+  (columns 64g + i) and "b" (64g + 32 + i), each `[BN, BK/2]`, paired element for element
+  with the same `lo` tile. Both halves are 32-byte contiguous runs; no register shuffles.
+* bits16 = ((c & 0x7FF) + (e0 << 7)) | ((c & 0x800) << 4) with c = hi << 4 | nib, rewritten
+  as `hi*16 + 240*(hi & 0x80) + nib + (e0 << 7)` (the two are equal for 12-bit c).
+* Code 0 is *not* special-cased on the hot path (unless SELECT_ZERO: the spec-literal decode).
+  With e0 == 0 the formula already gives +0.0; with e0 != 0 a dense element never has code 0
+  (the spec reserves it), so code 0 is an escape or padding. Padding meets x == 0. An escape decodes to v0 = 2^(e0-127) (bits e0 << 7)
+  instead of +0.0, and the escape epilogue adds `x*esc - x*v0` (both products exact in fp32).
+  This saves the compare+select per weight; the price is one extra fp32 rounding of a term
+  2^-15 below the row's largest weights, far under the bf16 output rounding. Only contrived
+  inputs notice (a one-hot x reading a tiny escape next to v0); SELECT_ZERO=True restores the
+  bit-exact escape path at the cost of a compare+select per weight.
+* The 8-bit view (Q8) keeps the spec's `hi == 0 -> 0` select (non-escapes can have hi == 0).
+
+Escapes: the tile's rows own a contiguous range of the CSR list. The epilogue walks it row-parallel:
+step j adds escape j of every row in the tile (rows with fewer escapes are masked), so the
+cost is (max escapes of a row in the tile) x [BN, BT] FMAs, paid once per tile (split 0 only).
+
+Split-K: program (pid_n, pid_t, pid_k) handles K iterations [it0, it1); with SPLIT_K > 1 it
+writes fp32 partials to `ws[SPLIT_K, M, N]` and `w12_splitk_reduce_kernel` sums them in a fixed
+order (deterministic), adds the bias and rounds once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+__all__ = ["w12_matmul_tc_kernel", "w12_splitk_reduce_kernel"]
+
+
+@triton.jit
+def _decode_bits(h, nib, E, SELECT_ZERO: tl.constexpr):
+    # h, nib: [BN, BKH] int32; E: [BN, 1] int32 (e0 << 7) -> bf16 bit patterns as int32 (0..0xFFFF)
+    bits = h * 16 + (h & 0x80) * 240 + nib + E
+    if SELECT_ZERO:
+        bits = tl.where((h | nib) == 0, 0, bits)
+    return bits
+
+
+@triton.jit
+def _decode_bits_q8(h, E):
+    # The 8-bit view: midpoint of the 16 codes sharing `hi`; hi == 0 reads as +0.0.
+    bits = h * 16 + (h & 0x80) * 240 + 8 + E
+    return tl.where(h == 0, 0, bits)
+
+
+@triton.jit
+def _bits_to_bf16(bits):
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def _bits_to_f32(bits):
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def _to_out(acc, out_ty: tl.constexpr):
+    # fp32 -> output dtype, round-to-nearest-even. bf16 by integer rounding: the same bits as the
+    # GPU's cvt.rn, and the interpreter (which truncates fp32 -> bf16) agrees with the GPU.
+    if out_ty == tl.bfloat16:
+        b = acc.to(tl.uint32, bitcast=True)
+        r = (b + 0x7FFF + ((b >> 16) & 1)) >> 16
+        r = tl.where((b & 0x7FFFFFFF) > 0x7F800000, (b >> 16) | 0x40, r)  # NaN stays (quiet) NaN
+        return r.to(tl.uint16).to(tl.bfloat16, bitcast=True)
+    else:
+        return acc.to(out_ty)
+
+
+@triton.jit
+def _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr, col_ptr,
+                   val_ptr, ZERO_DENSE: tl.constexpr):
+    # acc: [BN, BT] fp32; rows: [BN]; toks: [BT]
+    rp0 = tl.load(rowptr_ptr + rows, mask=row_ok, other=0)
+    cnt = tl.load(rowptr_ptr + rows + 1, mask=row_ok, other=0) - rp0
+    e0 = tl.load(e0_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+    v0 = ((e0 << 23).to(tl.float32, bitcast=True))[:, None]  # [BN, 1] what the dense decode gave
+    x_row = x_ptr + toks.to(tl.int64)[None, :] * stride_xm  # [1, BT]
+    n_max = tl.max(cnt, axis=0)
+    for j in range(0, n_max):
+        has = (j < cnt) & row_ok
+        idx = rp0 + j
+        col = tl.load(col_ptr + idx, mask=has, other=0)
+        val = _bits_to_f32(tl.load(val_ptr + idx, mask=has, other=0).to(tl.int32))[:, None]  # [BN, 1]
+        ok = has[:, None] & tok_ok[None, :]
+        xv = tl.load(x_row + col.to(tl.int64)[:, None] * stride_xk, mask=ok, other=0.0).to(tl.float32)  # [BN, BT]
+        if ZERO_DENSE:  # the dense decode gave +0.0 at escapes
+            corr = xv * val
+        else:
+            corr = xv * val - xv * v0
+        # where, not multiply-by-mask: 0 * Inf would turn masked lanes into NaN
+        acc += tl.where(ok, corr, 0.0)
+    return acc
+
+
+@triton.jit
+def _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N,
+                SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # acc: [BN, BT] -> out[M, N] (rounded once) or ws[SPLIT_K, M, N] fp32 partials
+    offs = toks.to(tl.int64)[None, :] * N + rows[:, None]
+    ok = row_ok[:, None] & tok_ok[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs, _to_out(acc, out_ptr.dtype.element_ty), mask=ok)
+    else:
+        tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=ok)
+
+
+@triton.jit(do_not_specialize=["M"])
+def w12_matmul_tc_kernel(
+    x_ptr, hi_ptr, lo_ptr, e0_ptr, rowptr_ptr, col_ptr, val_ptr, bias_ptr, out_ptr, ws_ptr,
+    M, N, K, Kp, stride_xm, stride_xk,
+    HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, X_F16: tl.constexpr,
+    SPLIT_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    BKH: tl.constexpr = BLOCK_K // 2
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    tok_ok = toks < M
+    j = tl.arange(0, BKH)
+    col_a = (j // 32) * 64 + j % 32  # [BKH] column of half "a" inside a BK tile; half "b" is +32
+
+    n_it = tl.cdiv(Kp, BLOCK_K)
+    per = tl.cdiv(n_it, SPLIT_K)
+    it0 = pid_k * per
+    it1 = tl.minimum(it0 + per, n_it)
+
+    E = (tl.load(e0_ptr + rows, mask=row_ok, other=0).to(tl.int32) << 7)[:, None]  # [BN, 1]
+    rows64 = rows.to(tl.int64)
+    hi_p = hi_ptr + rows64[:, None] * Kp + (it0 * BLOCK_K + col_a)[None, :]  # [BN, BKH]
+    lo_p = lo_ptr + rows64[:, None] * (Kp // 2) + (it0 * BKH + j)[None, :]  # [BN, BKH]
+    x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * BLOCK_K + col_a)[:, None] * stride_xk  # [BKH, BT]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for it in range(it0, it1):
+        ka = it * BLOCK_K + col_a  # [BKH]
+        wm = row_ok[:, None] & (ka < Kp)[None, :]
+        h_a = tl.load(hi_p, mask=wm, other=0).to(tl.int32)
+        h_b = tl.load(hi_p + 32, mask=wm, other=0).to(tl.int32)
+        xa = tl.load(x_p, mask=(ka < K)[:, None] & tok_ok[None, :], other=0.0)  # [BKH, BT]
+        xb = tl.load(x_p + 32 * stride_xk, mask=(ka + 32 < K)[:, None] & tok_ok[None, :], other=0.0)
+        if Q8:
+            ba = _decode_bits_q8(h_a, E)
+            bb = _decode_bits_q8(h_b, E)
+        else:
+            lo = tl.load(lo_p, mask=wm, other=0).to(tl.int32)
+            ba = _decode_bits(h_a, lo & 0xF, E, SELECT_ZERO)
+            bb = _decode_bits(h_b, lo >> 4, E, SELECT_ZERO)
+        if X_F16:
+            # bf16 weights and fp16 activations are both exact in tf32: exact products, fp32 sums
+            acc = tl.dot(_bits_to_f32(ba), xa.to(tl.float32), acc, input_precision="tf32")
+            acc = tl.dot(_bits_to_f32(bb), xb.to(tl.float32), acc, input_precision="tf32")
+        else:
+            acc = tl.dot(_bits_to_bf16(ba), xa, acc)
+            acc = tl.dot(_bits_to_bf16(bb), xb, acc)
+        hi_p += BLOCK_K
+        lo_p += BKH
+        x_p += BLOCK_K * stride_xk
+
+    if pid_k == 0:
+        acc = _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr,
+                             col_ptr, val_ptr, Q8 or SELECT_ZERO)
+    _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT_K, HAS_BIAS)
+
+
+@triton.jit(do_not_specialize=["M"])
+def w12_splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
+                             BLOCK: tl.constexpr):
+    # out[M, N] = sum_s ws[s, M, N] (fixed order) + bias, rounded once
+    offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+    MN = M.to(tl.int64) * N
+    ok = offs < MN
+    acc = tl.zeros((BLOCK,), dtype=tl.float32)
+    for s in tl.static_range(SPLIT_K):
+        acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, _to_out(acc, out_ptr.dtype.element_ty), mask=ok)
