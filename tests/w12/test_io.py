@@ -133,3 +133,75 @@ def test_bad_arguments(tmp_path):
 def test_load_to_device_cpu(saved):
     out = w12.load_file(saved[0], device="cpu")
     assert out["layer.a"].device == torch.device("cpu")
+
+
+# --- w12.checkpoint.pack_checkpoint ----------------------------------------------------------
+
+def _checkpoint(tmp_path):
+    g = torch.Generator().manual_seed(7)
+    t = {
+        "layers.0.q.weight": (torch.randn(63, 75, generator=g) * 0.02).bfloat16(),
+        "layers.0.k.weight": (torch.randn(33, 64, generator=g) * 0.02).bfloat16(),
+        "layers.0.norm.weight": torch.ones(75, dtype=torch.bfloat16),  # 1-D: copied
+        "embed.weight": torch.randn(10, 8, generator=g),  # fp32: copied
+        "conv.weight": torch.randn(2, 3, 4, generator=g).bfloat16(),  # 3-D: copied
+        "steps": torch.arange(5),
+        "empty": torch.zeros(0, 4, dtype=torch.bfloat16),
+    }
+    t["layers.0.q.weight"][1, 1] = float("-inf")
+    path = tmp_path / "in.safetensors"
+    st_save(t, str(path), metadata={"format": "pt"})
+    return path, t
+
+
+@pytest.mark.parametrize("include", [None, "layers.*.q.*"], ids=["all", "q-only"])
+def test_pack_checkpoint_round_trip(tmp_path, include):
+    from w12.checkpoint import pack_checkpoint
+
+    src, t = _checkpoint(tmp_path)
+    dst = tmp_path / "out.safetensors"
+    report = pack_checkpoint(src, dst, include=include, progress=False)
+    out = w12.load_file(dst)
+    assert set(out) == set(t)
+    packed = {"layers.0.q.weight"} | ({"layers.0.k.weight"} if include is None else set())
+    for name, v in t.items():
+        got = out[name]
+        if name in packed:
+            assert isinstance(got, w12.W12Weight)
+            assert_bitwise_equal(got.unpack(), v)
+        else:
+            assert isinstance(got, torch.Tensor)
+            assert_bitwise_equal(got, v)
+    assert len(report.packed) == len(packed) and len(report.copied) == len(t) - len(packed)
+    assert report.escapes >= 1 and report.bits_per_weight > 12
+    assert "bits per weight" in str(report)
+    from w12.io import read_metadata
+
+    assert read_metadata(dst)["format"] == "pt"
+    # a flipped byte in the packed output is caught too
+    off = _plane_offset(dst, "layers.0.q.weight.lo")
+    with open(dst, "r+b") as f:
+        f.seek(off + 3)
+        b = f.read(1)
+        f.seek(off + 3)
+        f.write(bytes([b[0] ^ 0x80]))
+    with pytest.raises(w12.W12CorruptFileError, match="checksum"):
+        w12.load_file(dst)
+
+
+def test_pack_checkpoint_refuses_overwrite(tmp_path):
+    from w12.checkpoint import pack_checkpoint
+
+    src, _ = _checkpoint(tmp_path)
+    with pytest.raises(ValueError, match="differ"):
+        pack_checkpoint(src, src, progress=False)
+
+
+def test_measure_helpers(tmp_path):
+    from w12.checkpoint import measure_gaussian, measure_real_weights
+
+    src, _ = _checkpoint(tmp_path)
+    m = measure_real_weights(src, min_numel=64)
+    assert m["matrices"] == 3 and m["weights"] == 63 * 75 + 33 * 64 + 80
+    g = measure_gaussian(64, 128, layers=2)
+    assert g["weights"] == 2 * 64 * 128 and 12.3125 <= g["bits_per_weight"] < 12.5  # 40 bits of row metadata per 128 weights
