@@ -163,7 +163,8 @@ def _collect(shapes, device, ops):
     return cases
 
 
-def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet=False) -> int:
+def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet=False, strict=True) -> int:
+    """Run and report. Exit status 3 when a case was not reported (strict), else 0 if any was."""
     from specpilot.bench import get_shape_set, report, runner
 
     if shapes_name is None:
@@ -187,7 +188,11 @@ def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet
     print(md.read_text())
     print(f"results: {res.path}\ntable  : {md}\nplot   : {png}")
     failed = [r for r in res if r["status"] != "ok"]
-    return 3 if failed else 0
+    if failed:
+        print(f"{len(failed)} of {len(res)} cases not reported (failed check or setup): see the list above")
+    if strict:
+        return 3 if failed else 0
+    return 0 if len(failed) < len(res) else 3
 
 
 def cmd_bench(args) -> int:
@@ -211,7 +216,11 @@ def cmd_demo(args) -> int:
     reps = args.reps or (None if dev.type == "cuda" else 10)
     warmup = None if dev.type == "cuda" else 1
     shapes = args.shapes or ("hybrid-27b" if dev.type == "cuda" else "tiny")
-    return _bench(torch, shapes, args.ops, out, reps, warmup, dev, quiet=dev.type != "cuda")
+    if dev.type != "cuda":
+        print("(no GPU: the 'cublas' baseline rows are torch's CPU F.linear, at the 'tiny' scale; "
+              "Triton variants run under the interpreter)")
+    # The demo shows what works: it succeeds if any case was reported, and lists the rest.
+    return _bench(torch, shapes, args.ops, out, reps, warmup, dev, quiet=dev.type != "cuda", strict=False)
 
 
 # --------------------------------------------------------------------------------------

@@ -145,3 +145,36 @@ def test_bench_on_tiny_linear(tmp_path):
     res = runner.run(cases, "cpu", out_dir=tmp_path, reps=3, warmup=1, log=None)
     assert all(r["status"] == "ok" and r["median_us"] > 0 for r in res), [r["error"] for r in res]
     assert res.path.name.endswith("-linear-lm_head.json")
+
+
+# --------------------------------------------------------------------------------------
+# GPU: the CUDA-graph timing path and its fallbacks (run by perf/gpu_check.sh).
+# --------------------------------------------------------------------------------------
+
+
+@pytest.mark.gpu
+def test_runner_cuda_graph_and_fallbacks(tmp_path):
+    dev = torch.device("cuda")
+    cases = [c for c in collect(get_shape_set("llama-3.1-8b"), dev, ["linear"]) if c.shape == "attn.o_proj-M4"]
+    assert len(cases) == 1
+
+    def syncing_case(variant, graph_safe):
+        def setup():
+            x = torch.randn(1024, device=dev)
+            return Prepared(fns=[lambda: float(x.sum().item())], check=lambda: None, graph_safe=graph_safe)
+
+        return Case(op="sync", variant=variant, shape="N1024", dims={"N": 1024}, flops=1024.0, bytes=4096.0,
+                    setup=setup)
+
+    cases += [syncing_case("declared", False), syncing_case("undeclared", True)]
+    res = runner.run(cases, dev, out_dir=tmp_path, reps=10, warmup=2, log=None)
+    by = {r["variant"]: r for r in res}
+    lin = by["cublas"]
+    assert lin["status"] == "ok", lin["error"]
+    assert lin["method"] == "cuda_graph" and lin["calls_per_sample"] >= lin["rotations"] >= 1
+    assert 0 < lin["median_us"] < 1e4 and lin["floor_us"] > 0 and lin["over_floor"] > 0.5
+    assert lin["speedup"] == 1.0 and lin["gpu"] != "cpu"
+    # A host sync cannot be captured: eager CUDA events instead, declared or not.
+    assert by["declared"]["method"] == "cuda_events" and by["declared"]["status"] == "ok"
+    assert by["undeclared"]["method"] == "cuda_events" and by["undeclared"]["status"] == "ok"
+    assert res.meta["ceilings_source"] == "measured"

@@ -4,7 +4,8 @@ Op "linear" (variant "cublas") at M in {1, 2, 4, 8, 16, 32} for each entry of
 `shapes.linears`, and op "lm_head" (variant "cublas": `F.linear(x, W_head).argmax(-1)`).
 Other operators put their variants in the same group (`<layer>-M<m>`, `lm_head-M<m>`) with
 `baseline="cublas"` to be timed side by side against these.
-On a CPU only the "tiny" shape set yields cases (demo scale).
+On a CPU only the "tiny" shape set yields cases (demo scale); the variant keeps the name
+"cublas" there (it is torch's CPU matmul) so other ops' `baseline="cublas"` still resolves.
 """
 
 from __future__ import annotations
