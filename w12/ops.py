@@ -93,6 +93,8 @@ def _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, *, op: str, variant: s
     N, Kp = hi.shape
     if M == 0:
         return
+    if wrap is not None and autotune.is_interpreter() and _is_fake(x2d):
+        return  # wrap_triton passes interpreter kernels through untraced; fake tensors need no launch
     kernel_name, cfg = _plan(op, variant, M, N, K, x2d.device)
     q8 = op == OP_Q8
     bt = cfg.block_t
@@ -113,6 +115,12 @@ def _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, *, op: str, variant: s
         r = w12_splitk_reduce_kernel if wrap is None else wrap(w12_splitk_reduce_kernel)
         r[(triton.cdiv(M * N, _REDUCE_BLOCK),)](ws, b, out, M, N, SPLIT_K=cfg.split_k, HAS_BIAS=has_bias,
                                                 BLOCK=_REDUCE_BLOCK, num_warps=4)
+
+
+def _is_fake(t: torch.Tensor) -> bool:
+    from torch._subclasses.fake_tensor import is_fake
+
+    return is_fake(t)
 
 
 def _torch_fallback(x2d, hi, lo, e0, rowptr, col, val, bias, *, K: int, q8: bool) -> torch.Tensor:
@@ -146,7 +154,10 @@ def _run(x2d, hi, lo, e0, rowptr, col, val, bias, op: str, variant: str, wrap=No
 def _matmul_op(x2d: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, e0: torch.Tensor, esc_rowptr: torch.Tensor,
                esc_col: torch.Tensor, esc_val: torch.Tensor, bias: Optional[torch.Tensor], q8: bool,
                variant: str) -> torch.Tensor:
-    """[M, K] x W12 [N, Kp] -> [M, N] in x's dtype. `variant` is resolved by the caller."""
+    """[M, K] x W12 [N, Kp] -> [M, N] in x's dtype. `variant` "auto" is resolved here, at trace
+    time under torch.compile (dynamo cannot read the `autotune.force` context variable)."""
+    if variant == "auto":
+        variant = _select(OP_Q8 if q8 else OP, x2d.device)
     return _run(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, OP_Q8 if q8 else OP, variant, wrap=wrap_triton)
 
 
@@ -186,12 +197,11 @@ def _call(x, packed: W12Weight, bias, op: str) -> torch.Tensor:
     x2d = x.reshape(-1, K)  # a view when possible; the kernels take any strides
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    variant = _select(op, x.device)
     args = (x2d, packed.hi, packed.lo, packed.e0, packed.esc_rowptr, packed.esc_col, packed.esc_val, bias)
     if torch.compiler.is_compiling():
-        out = torch.ops.specpilot_w12.matmul(*args, op == OP_Q8, variant)
+        out = torch.ops.specpilot_w12.matmul(*args, op == OP_Q8, "auto")
     else:
-        out = _run(*args, op, variant)
+        out = _run(*args, op, _select(op, x.device))
     return out.reshape(*x.shape[:-1], packed.N)
 
 

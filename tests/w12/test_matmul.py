@@ -1,0 +1,244 @@
+"""w12.matmul / w12.matmul_q8 on the CPU: the Triton kernels under the interpreter vs the fp64 oracle.
+
+Tolerances are derived (specpilot.testing.assert_close): the kernel's error against fp64 may be
+at most 2x that of a same-precision F.linear on the unpacked weight. Exactness claims (escapes,
+one-hot inputs) are checked bitwise.
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autotune
+import w12
+from specpilot.testing import assert_bitwise_equal, assert_close
+from w12.configs import GemvConfig, TcConfig, pick_split_k
+
+VARIANTS = ("tc", "gemv")
+# Small forced configs: keep the interpreter quick and exercise split-K, several row and token tiles.
+TC_SMALL = TcConfig(block_n=32, block_t=16, block_k=64, split_k=2, num_warps=4, num_stages=2)
+GEMV_SMALL = GemvConfig(block_n=16, block_t=2, block_k=64, split_k=3, num_warps=4, num_stages=1)
+
+
+def _weight(n, k, seed, escapes=True):
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(n, k, generator=g) * k**-0.5
+    if escapes and n * k > 4:
+        flat = w.view(-1)
+        idx = torch.randperm(n * k, generator=g)[: max(2, n * k // 40)]
+        vals = torch.tensor([0.0, 1e-30, -3e-25, 2.0**20, -(2.0**-40), 0.0, 5e8, -0.0])
+        flat[idx] = vals[torch.arange(idx.numel()) % vals.numel()]
+    return w.to(torch.bfloat16)
+
+
+def _x(shape, seed, dtype=torch.bfloat16):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randn(*shape, generator=g).to(dtype)
+
+
+def _check(out, x, w, packed, bias=None, q8=False):
+    ref = (w12.matmul_q8_reference if q8 else w12.matmul_reference)(x, packed, bias)
+    wd = (w12.decode_q8(packed) if q8 else w).to(x.dtype)
+    base = F.linear(x, wd, None if bias is None else bias.to(x.dtype))
+    assert out.dtype == x.dtype and out.shape == ref.shape
+    return assert_close(out, ref, base)
+
+
+SHAPES = [(1, 1, 1), (1, 63, 75), (3, 130, 256), (16, 63, 130), (33, 130, 75), (1, 130, 256)]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("M,N,K", SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
+def test_matmul_matches_reference(variant, M, N, K):
+    w = _weight(N, K, seed=N + K)
+    p = w12.pack(w)
+    x = _x((M, K), seed=M)
+    with autotune.force("w12.matmul", variant=variant):
+        out = w12.matmul(x, p)
+    _check(out, x, w, p)
+
+
+@pytest.mark.parametrize("cfg", [TC_SMALL, GEMV_SMALL,
+                                 TcConfig(block_n=16, block_t=16, block_k=128, split_k=1, num_warps=4, num_stages=1,
+                                          select_zero=True),
+                                 GemvConfig(block_n=64, block_t=4, block_k=128, split_k=1, select_zero=True)],
+                         ids=["tc-split2", "gemv-split3", "tc-select", "gemv-select"])
+@pytest.mark.parametrize("M", [1, 5, 20])
+def test_forced_configs(cfg, M):
+    N, K = 70, 300
+    w = _weight(N, K, seed=7)
+    p = w12.pack(w)
+    x = _x((M, K), seed=3)
+    bias = _x((N,), seed=4)
+    with autotune.force("w12.matmul", config=cfg):
+        out = w12.matmul(x, p, bias)
+    _check(out, x, w, p, bias)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_batch_dims_bias_noncontiguous(variant):
+    N, K = 40, 130
+    w = _weight(N, K, seed=11)
+    p = w12.pack(w)
+    bias = _x((N,), seed=12)
+    big = _x((2, 3, 2 * K), seed=13)
+    x = big[..., ::2]  # non-contiguous along K
+    xt = _x((K, 3), seed=14).t()  # [3, K] with stride (1, 3)
+    with autotune.force("w12.matmul", variant=variant):
+        out = w12.matmul(x, p, bias)
+        out_t = w12.matmul(xt, p)
+    assert out.shape == (2, 3, N)
+    _check(out, x, w, p, bias)
+    _check(out_t, xt, w, p)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_fp16_activations(variant):
+    N, K = 63, 130
+    w = _weight(N, K, seed=21, escapes=False)
+    p = w12.pack(w)
+    x = _x((3, K), seed=22, dtype=torch.float16)
+    bias = _x((N,), seed=23, dtype=torch.float16)
+    with autotune.force("w12.matmul", variant=variant):
+        out = w12.matmul(x, p, bias)
+    assert out.dtype == torch.float16
+    _check(out, x, w, p, bias)
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+def test_nonfinite_and_zero_rows(variant):
+    N, K = 12, 75
+    w = _weight(N, K, seed=31)
+    w[0] = 0.0  # zero row
+    w[1] = -0.0
+    w[2, 5] = float("inf")
+    w[3, 7] = float("-inf")
+    w[4, 9] = float("nan")
+    w[5, 1], w[5, 2] = float("inf"), float("-inf")  # NaN or +-Inf, by the signs of x
+    w[6, :] = 3e-39  # subnormal row (e0 = 0)
+    w[7, :] = 2.0**100
+    p = w12.pack(w)
+    x = _x((4, K), seed=32)
+    x[1, 5] = 0.0  # 0 * Inf -> NaN, as in F.linear
+    with autotune.force("w12.matmul", variant=variant):
+        out = w12.matmul(x, p)
+    ref = w12.matmul_reference(x, p)
+    assert torch.isnan(out[:, 4]).all() and torch.isnan(out[1, 2]) and torch.isinf(out[:, 3]).all()
+    assert torch.isnan(ref).any() and torch.isinf(ref).any()
+    _check(out, x, w, p)  # NaN and Inf positions must match the fp64 reference exactly
+    assert_bitwise_equal(out[:, 0], ref[:, 0].to(torch.bfloat16), "zero row")
+
+
+@pytest.mark.parametrize("cfg", [TcConfig(block_n=16, block_t=16, block_k=64, num_warps=4, select_zero=True),
+                                 GemvConfig(block_n=16, block_t=16, block_k=64, select_zero=True),
+                                 TcConfig(block_n=16, block_t=16, block_k=64, num_warps=4, split_k=2,
+                                          select_zero=True)],
+                         ids=["tc", "gemv", "tc-split2"])
+def test_one_hot_rows_recover_weight_bitwise(cfg):
+    """x = I: every output is one product w*1 (plus zeros), so the result is W^T bit for bit,
+    escapes included (with select_zero; the default decode trades this for a cheaper hot path)."""
+    N, K = 20, 16
+    w = _weight(N, K, seed=41)
+    w[3, 4] = 1e-30  # tiny escape beside normal weights
+    w[5, :] = 0.0
+    p = w12.pack(w)
+    assert p.num_escapes > 0
+    x = torch.eye(K, dtype=torch.bfloat16)
+    with autotune.force("w12.matmul", config=cfg):
+        out = w12.matmul(x, p)
+    # + 0.0 maps -0.0 to +0.0: a sum of zero products is +0.0 in F.linear too
+    assert_bitwise_equal(out + 0.0, w.t().contiguous() + 0.0, "one-hot")
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
+@pytest.mark.parametrize("M,N,K", [(1, 63, 130), (5, 130, 75)], ids=["M1-N63-K130", "M5-N130-K75"])
+def test_matmul_q8(variant, M, N, K):
+    w = _weight(N, K, seed=51)
+    p = w12.pack(w)
+    x = _x((M, K), seed=52)
+    with autotune.force("w12.matmul", variant=variant):
+        out = w12.matmul_q8(x, p)
+    _check(out, x, w, p, q8=True)
+    # and the documented distance to the exact product: <= 2^-4 * sum |x| |w| (+ rounding)
+    exact = w12.matmul_reference(x, p)
+    bound = 2.0**-4 * (x.double().abs() @ w.double().abs().T) + 2.0**-7 * exact.abs() + 1e-30
+    assert bool(((out.double() - exact).abs() <= bound).all())
+
+
+def test_q8_forced_config_and_split():
+    N, K = 33, 260
+    w = _weight(N, K, seed=61)
+    p = w12.pack(w)
+    x = _x((2, K), seed=62)
+    bias = _x((N,), seed=63)
+    for cfg in (TC_SMALL, GEMV_SMALL):
+        with autotune.force("w12.matmul_q8", config=cfg):
+            out = w12.matmul_q8(x, p, bias)
+        _check(out, x, w, p, bias, q8=True)
+
+
+def test_default_dispatch_and_empty():
+    w = _weight(10, 64, seed=71)
+    p = w12.pack(w)
+    x = _x((2, 64), seed=72)
+    _check(w12.matmul(x, p), x, w, p)  # interpreter -> the portable variant
+    out = w12.matmul(torch.empty(0, 64, dtype=torch.bfloat16), p)
+    assert out.shape == (0, 10)
+
+
+def test_torch_fallback_variant():
+    w = _weight(10, 70, seed=81)
+    p = w12.pack(w)
+    x = _x((3, 70), seed=82)
+    with autotune.force("w12.matmul", variant="torch"):
+        _check(w12.matmul(x, p), x, w, p)
+        _check(w12.matmul_q8(x, p), x, w, p, q8=True)
+
+
+def test_bad_inputs_say_how_to_fix():
+    w = _weight(8, 64, seed=91)
+    p = w12.pack(w)
+    x = _x((2, 64), seed=92)
+    with pytest.raises(ValueError, match="last dim of x must be K=64"):
+        w12.matmul(_x((2, 63), seed=1), p)
+    with pytest.raises(TypeError, match=r"x.to\(torch.bfloat16\)"):
+        w12.matmul(x.float(), p)
+    with pytest.raises(TypeError, match=r"w12.pack"):
+        w12.matmul(x, w)
+    with pytest.raises(ValueError, match="packed.to"):
+        w12.matmul(torch.empty(2, 64, dtype=torch.bfloat16, device="meta"), p)
+    with pytest.raises(ValueError, match="bias must be a tensor of shape"):
+        w12.matmul(x, p, torch.zeros(9, dtype=torch.bfloat16))
+    bad = w12.pack(w)
+    bad.lo = bad.lo[:, :-1].contiguous()
+    with pytest.raises(w12.W12FormatError, match="lo has shape"):
+        w12.matmul(x, bad)
+    bad = w12.pack(w)
+    bad.e0 = bad.e0.int()
+    with pytest.raises(w12.W12FormatError, match="re-pack"):
+        w12.matmul_q8(x, bad)
+    with pytest.raises(ValueError, match="unknown w12.matmul variant"):
+        with autotune.force("w12.matmul", variant="nope"):
+            w12.matmul(x, p)
+
+
+def test_registered_op_and_compile():
+    """The torch op (triton_op) gives the eager result; dynamo traces matmul with fullgraph=True.
+    (Backend "eager": under the interpreter wrap_triton leaves kernels untraced, so AOT/inductor
+    tracing is checked on the GPU, tests/w12/test_matmul_gpu.py.)"""
+    w = _weight(20, 64, seed=101)
+    p = w12.pack(w)
+    x = _x((3, 64), seed=102)
+    eager = w12.matmul(x, p)
+    via_op = torch.ops.specpilot_w12.matmul(x, p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, None, False,
+                                            "gemv")
+    assert_bitwise_equal(via_op, eager)
+    torch._dynamo.reset()
+    f = torch.compile(lambda a: w12.matmul(a, p), fullgraph=True, backend="eager")
+    assert_bitwise_equal(f(x), eager)
+
+
+def test_pick_split_k():
+    assert pick_split_k(tiles=1000, n_iters=100, slots=132) == 1
+    s = pick_split_k(tiles=40, n_iters=136, slots=264)  # down_proj-like: 40 row tiles, K=17408/128
+    assert 2 <= s <= 34 and 40 * s >= 0.8 * 264
