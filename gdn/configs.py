@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import triton
 
-from autotune import get_config, shape_key
+from autotune import get_config, has_wgmma, shape_key
 
 __all__ = ["WYConfig", "RecurrentConfig", "ConvConfig", "CommitConfig", "wy_config", "recurrent_config",
            "conv_config", "commit_config", "VARIANTS"]
@@ -23,6 +23,7 @@ class WYConfig:
     num_warps: int = 4
     num_stages: int = 1
     dot_precision: str = "tf32x3"  # fp32 operands: "ieee" (no tensor cores), "tf32x3" (~fp32), "tf32"
+    min_bt: int = 16  # node tile floor; 64 on sm_90 so every tl.dot has M=64 and lowers to wgmma
 
 
 @dataclass(frozen=True)
@@ -48,12 +49,15 @@ def _bv(V: int) -> int:
     return max(16, min(32, triton.next_power_of_2(V)))
 
 
-def wy_config(BT: int, K: int, V: int, device=None) -> WYConfig:
+def wy_config(max_nodes: int, K: int, V: int, device=None) -> WYConfig:
     def heuristic():
+        min_bt = 64 if has_wgmma(device) else 16
+        bt = max(min_bt, triton.next_power_of_2(max_nodes))
         # [BT, K] q and k tiles live in registers next to the [K, BV] state tile.
-        return WYConfig(BV=_bv(V), num_warps=8 if BT * K >= 64 * 128 else 4)
+        return WYConfig(BV=_bv(V), num_warps=8 if bt * K >= 64 * 128 else 4, min_bt=min_bt)
 
-    return get_config("gdn.tree_verify", "wy", WYConfig, heuristic, key=shape_key(M=BT, K=K, V=V), device=device)
+    return get_config("gdn.tree_verify", "wy", WYConfig, heuristic, key=shape_key(M=max_nodes, K=K, V=V),
+                      device=device)
 
 
 def recurrent_config(K: int, V: int, device=None) -> RecurrentConfig:

@@ -16,6 +16,10 @@ __all__ = ["tree_verify", "tree_conv1d", "commit", "validate_accepted", "VARIANT
 VARIANTS = ("wy", "recurrent", "reference")
 
 
+def _default_variant() -> str:
+    return select_variant("gdn.tree_verify", configs.VARIANTS, fallback="reference")
+
+
 # --------------------------------------------------------------------------------------------
 # 1. Launch-only functions.
 # --------------------------------------------------------------------------------------------
@@ -33,14 +37,16 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
     B = cu.numel() - 1
     if T == 0 or B == 0:
         return
+    if variant == "auto":
+        variant = _default_variant()
     BK = max(16, triton.next_power_of_2(K))
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
               g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), *_state_strides(pool, vk))
     if variant == "wy":
         from .kernels.wy import gdn_tree_wy_kernel
 
-        BT = max(16, triton.next_power_of_2(max_nodes))
-        cfg = configs.wy_config(BT, K, V, q.device)
+        cfg = configs.wy_config(max_nodes, K, V, q.device)
+        BT = max(16, cfg.min_bt, triton.next_power_of_2(max_nodes))
         grid = (B, HV, triton.cdiv(V, cfg.BV))
         gdn_tree_wy_kernel[grid](q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, scale, *common,
                                  H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg.BV, USE_L2=use_l2,
@@ -221,9 +227,9 @@ def tree_verify(q, k, v, g, beta, state_pool, state_indices, tree: TreePlan, sca
     _check_same_device(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices,
                        tree=tree.cu_seqlens)
     scale = float(K ** -0.5 if scale is None else scale)
-    if variant is None:
-        variant = select_variant("gdn.tree_verify", configs.VARIANTS, fallback="reference")
-    if variant not in VARIANTS:
+    if variant is None:  # under torch.compile the op resolves it at launch ("auto")
+        variant = "auto" if torch.compiler.is_compiling() else _default_variant()
+    if variant not in VARIANTS + ("auto",):
         raise ValueError(f"unknown gdn.tree_verify variant {variant!r}; choose one of {VARIANTS}")
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
     if out is None:

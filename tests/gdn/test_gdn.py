@@ -188,6 +188,37 @@ def test_force_variant_and_default():
     assert_close(b, r64, r32)
 
 
+def test_registered_ops_match_eager():
+    """The torch custom ops (what torch.compile sees) give the same bits as the eager launches."""
+    trees = [rand_tree(7, random.Random(11))]
+    plan = gdn.build_tree_plan(trees)
+    q, k, v, g, beta, pool = make_inputs(7)
+    idx = torch.tensor([1])
+    want = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="wy")
+    got = torch.empty_like(v)
+    torch.ops.specpilot_gdn.tree_verify(q, k, v, g, beta, got, pool, idx, plan.cu_seqlens, plan.anc, plan.depth,
+                                        plan.max_depth, plan.node_req, K ** -0.5, True, False, "auto", 7)
+    assert torch.equal(got, want)
+    x, cs, w = torch.randn(7, 8), torch.randn(2, 8, 3), torch.randn(8, 4)
+    y = torch.empty_like(x)
+    torch.ops.specpilot_gdn.tree_conv1d(x, w, None, y, cs, idx, plan.node_req, plan.parent, plan.depth, True)
+    assert torch.equal(y, gdn.tree_conv1d(x, cs, w, plan, conv_state_indices=idx))
+    acc, acc_len = _acc_tensors([root_path(trees[0], 6)])
+    p1, p2, c1, c2 = pool.clone()[None], pool.clone()[None], cs.clone()[None], cs.clone()[None]
+    gdn.commit(p1, c1, idx, plan, acc, acc_len, k[None], v[None], g[None], beta[None], x[None], use_qk_l2norm=True)
+    torch.ops.specpilot_gdn.commit(p2, k[None], v[None], g[None], beta[None], idx, plan.cu_seqlens, acc, acc_len,
+                                   True, False, c2, x[None], idx)
+    assert torch.equal(p1, p2) and torch.equal(c1, c2)
+
+
+def test_wy_padded_tiles_ieee():
+    """Tiles padded to 64 rows (the sm_90 default) and the no-tensor-core precision."""
+    from gdn.configs import WYConfig
+
+    with force("gdn.tree_verify", config=WYConfig(BV=16, min_bt=64, dot_precision="ieee")):
+        check_verify([rand_tree(9, random.Random(12)), [-1]], "wy")
+
+
 # ---------------------------------------------------------------------------------- conv
 
 

@@ -1,0 +1,228 @@
+"""GPU tests of the gdn op at real hybrid-27b GDN dims (H=16, HV=48, K=V=128, conv width 4).
+
+Run on the GPU machine: `python -m pytest tests/gdn/test_gdn_gpu.py -q`.
+"""
+
+import random
+
+import pytest
+import torch
+
+import gdn
+from autotune import force
+from gdn.configs import WYConfig
+from gdn.reference import chunk_reference, conv_reference, recurrent_reference, root_path, tree_reference
+from specpilot.bench.shapes import get_shape_set
+from specpilot.testing import assert_close, rel_err
+
+pytestmark = pytest.mark.gpu
+
+S = get_shape_set("hybrid-27b")
+H, HV, K, V, W = S.gdn_k_heads, S.gdn_v_heads, S.gdn_head_dim, S.gdn_head_dim, S.conv_width
+C = 2 * H * K + HV * V
+DEV = "cuda"
+
+
+def draft_tree(n, rng):
+    return [-1] + [rng.randrange(max(0, i - 5), i) for i in range(1, n)]
+
+
+def chain(n):
+    return list(range(-1, n - 1))
+
+
+def inputs(T, B, seed, dtype=torch.bfloat16):
+    gen = torch.Generator(device=DEV).manual_seed(seed)
+    q = torch.randn(T, H, K, device=DEV, generator=gen).to(dtype)
+    k = torch.randn(T, H, K, device=DEV, generator=gen).to(dtype)
+    v = torch.randn(T, HV, V, device=DEV, generator=gen).to(dtype)
+    g = -torch.rand(T, HV, device=DEV, generator=gen) * 0.5
+    beta = torch.rand(T, HV, device=DEV, generator=gen).to(dtype)
+    pool = torch.randn(B + 1, HV, K, V, device=DEV, generator=gen) * 0.05
+    return q, k, v, g, beta, pool
+
+
+def _trees():
+    rng = random.Random(0)
+    return [draft_tree(32, rng), chain(64), [-1], draft_tree(8, rng), [-1, 0, 0, 0, 1, 2, 3], draft_tree(63, rng)]
+
+
+@pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
+@pytest.mark.parametrize("variant", ["wy", "recurrent"])
+def test_verify_hybrid_dims(variant, precision):
+    if variant == "recurrent" and precision != "tf32x3":
+        pytest.skip("precision only applies to wy")
+    trees = _trees()
+    plan = gdn.build_tree_plan(trees, device=DEV)
+    q, k, v, g, beta, pool = inputs(plan.total_nodes, len(trees), 1)
+    idx = torch.arange(1, len(trees) + 1, device=DEV)
+    out = torch.empty(plan.total_nodes, HV, V, device=DEV)  # fp32 output: see the kernel's own error
+    with force("gdn.tree_verify", config=WYConfig(dot_precision=precision, min_bt=64)):
+        o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant=variant, out=out)
+    fn = chunk_reference if variant == "wy" else recurrent_reference
+    r64 = tree_reference(q, k, v, g, beta, pool.double(), idx.tolist(), trees, use_qk_l2norm=True,
+                         dtype=torch.float64)
+    r32 = tree_reference(q, k, v, g, beta, pool, idx.tolist(), trees, use_qk_l2norm=True, fn=fn)
+    assert_close(o, r64, r32, msg=f"{variant}/{precision}")
+
+
+def test_verify_vk_layout_bf16_out():
+    trees = _trees()[:4]
+    plan = gdn.build_tree_plan(trees, device=DEV)
+    q, k, v, g, beta, pool = inputs(plan.total_nodes, len(trees), 2)
+    idx = torch.arange(len(trees), device=DEV)
+    o = gdn.tree_verify(q, k, v, g, beta, pool.transpose(-1, -2).contiguous(), idx, plan, use_qk_l2norm=True,
+                        state_layout="vk")
+    r64 = tree_reference(q, k, v, g, beta, pool.double(), idx.tolist(), trees, use_qk_l2norm=True,
+                         dtype=torch.float64)
+    r32 = tree_reference(q, k, v, g, beta, pool, idx.tolist(), trees, use_qk_l2norm=True, fn=chunk_reference)
+    assert o.dtype == torch.bfloat16
+    assert_close(o, r64, r32.to(torch.bfloat16))
+
+
+def _compiled_asm(kernel):
+    caches = getattr(kernel, "device_caches", None)
+    found = []
+    if caches:
+        for entry in caches.values():
+            found += list(entry[0].values())
+    found += list(getattr(kernel, "cache", {}).get(torch.cuda.current_device(), {}).values())
+    return [ck.asm.get("ptx", "") for ck in found]
+
+
+@pytest.mark.hopper
+def test_wy_kernel_uses_wgmma():
+    from gdn.kernels.wy import gdn_tree_wy_kernel
+
+    plan = gdn.build_tree_plan([draft_tree(32, random.Random(1))], device=DEV)
+    q, k, v, g, beta, pool = inputs(32, 1, 3)
+    assert gdn.configs.wy_config(32, K, V).min_bt == 64  # default on sm_90: M=64 tiles for wgmma
+    gdn.tree_verify(q, k, v, g, beta, pool, torch.zeros(1, dtype=torch.int32, device=DEV), plan,
+                    use_qk_l2norm=True, variant="wy")
+    torch.cuda.synchronize()
+    ptx = _compiled_asm(gdn_tree_wy_kernel)
+    assert ptx, "no compiled WY kernel found in Triton's cache"
+    assert any("wgmma" in p for p in ptx), "the WY kernel's PTX has no wgmma instruction on sm_90"
+
+
+def test_cuda_graph_verify_conv_commit():
+    rng = random.Random(4)
+    trees = [draft_tree(32, rng), draft_tree(8, rng)]
+    plan = gdn.build_tree_plan(trees, device=DEV)
+    T, L = plan.total_nodes, 2
+    gen = torch.Generator(device=DEV).manual_seed(5)
+    q, k, v, g, beta, _ = inputs(T, 2, 5)
+    kL, vL, gL, bL = (torch.stack([t, t.flip(0)]) for t in (k, v, g, beta))
+    pool = torch.randn(L, 3, HV, K, V, device=DEV, generator=gen) * 0.05
+    x = torch.randn(L, T, C, device=DEV, generator=gen).to(torch.bfloat16)
+    cs = torch.randn(L, 3, C, W - 1, device=DEV, generator=gen).to(torch.bfloat16)
+    w = torch.randn(C, W, device=DEV, generator=gen).to(torch.bfloat16)
+    idx = torch.tensor([2, 0], device=DEV, dtype=torch.int32)
+    paths = [root_path(trees[0], 31), root_path(trees[1], 5)]
+    ml = max(len(p) for p in paths)
+    acc = torch.tensor([p + [0] * (ml - len(p)) for p in paths], device=DEV, dtype=torch.int32)
+    acc_len = torch.tensor([len(p) for p in paths], device=DEV, dtype=torch.int32)
+    o = torch.empty(T, HV, V, device=DEV, dtype=torch.bfloat16)
+    y = torch.empty(T, C, device=DEV, dtype=torch.bfloat16)
+    pool0, cs0 = pool.clone(), cs.clone()
+
+    def step():
+        gdn.tree_verify(q, k, v, g, beta, pool[0], idx, plan, use_qk_l2norm=True, out=o)
+        gdn.tree_conv1d(x[0], cs[0], w, plan, conv_state_indices=idx, out=y)
+        gdn.commit(pool, cs, idx, plan, acc, acc_len, kL, vL, gL, bL, x, use_qk_l2norm=True)
+
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        step()  # warm up (compiles) outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    o_eager, y_eager, p_eager, c_eager = o.clone(), y.clone(), pool.clone(), cs.clone()
+    pool.copy_(pool0)
+    cs.copy_(cs0)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        step()
+    pool.copy_(pool0)
+    cs.copy_(cs0)
+    o.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(o, o_eager) and torch.equal(y, y_eager)
+    assert torch.equal(pool, p_eager) and torch.equal(cs, c_eager)
+    r64 = conv_reference(x[0], cs0[0], w, trees, conv_state_indices=idx.tolist(), dtype=torch.float64)
+    r32 = conv_reference(x[0], cs0[0], w, trees, conv_state_indices=idx.tolist())
+    assert_close(y, r64, r32.to(y.dtype))
+
+
+def test_torch_compile_fullgraph():
+    trees = [draft_tree(16, random.Random(6))]
+    plan = gdn.build_tree_plan(trees, device=DEV)
+    q, k, v, g, beta, pool = inputs(16, 1, 6)
+    idx = torch.zeros(1, dtype=torch.int32, device=DEV)
+
+    @torch.compile(fullgraph=True)
+    def f(q, k, v, g, beta, pool):
+        return gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True) * 2
+
+    got = f(q, k, v, g, beta, pool)
+    want = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True) * 2
+    torch.testing.assert_close(got, want, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("n", [8, 32, 64])
+def test_chain_vs_fla(n):
+    fla = pytest.importorskip("fla.ops.gated_delta_rule")
+    q, k, v, g, beta, pool = inputs(n, 1, 7 + n)
+    plan = gdn.build_tree_plan([chain(n)], device=DEV)
+    idx = torch.zeros(1, dtype=torch.int32, device=DEV)
+    out = torch.empty(n, HV, V, device=DEV)
+    o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, out=out)
+    r64, st64 = recurrent_reference(q, k, v, g, beta, pool[0].double(), use_qk_l2norm=True, return_states=True,
+                                    dtype=torch.float64)
+    r32 = chunk_reference(q, k, v, g, beta, pool[0], use_qk_l2norm=True)
+    assert_close(o, r64, r32)
+    for f in (fla.chunk_gated_delta_rule, fla.fused_recurrent_gated_delta_rule):
+        of, sf = f(q[None], k[None], v[None], g[None], beta[None], initial_state=pool[:1].clone(),
+                   output_final_state=True, use_qk_l2norm_in_kernel=True)
+        # at least as accurate as fla on the same call (both against fp64)
+        assert rel_err(o, r64) <= 2 * rel_err(of[0], r64) + 1e-6, f.__name__
+        # commit along the whole chain reproduces fla's final state
+        p = pool[None].clone()
+        acc = torch.arange(n, device=DEV, dtype=torch.int32)[None]
+        gdn.commit(p, None, idx, plan, acc, torch.tensor([n], device=DEV, dtype=torch.int32), k[None], v[None],
+                   g[None], beta[None], use_qk_l2norm=True)
+        assert rel_err(p[0, 0], st64[-1]) <= 2 * rel_err(sf[0], st64[-1]) + 1e-6, f.__name__
+
+
+def test_commit_hybrid_dims_vs_sequential():
+    rng = random.Random(9)
+    trees = [draft_tree(32, rng), draft_tree(8, rng), chain(5)]
+    plan = gdn.build_tree_plan(trees, device=DEV)
+    T, L = plan.total_nodes, 3
+    gen = torch.Generator(device=DEV).manual_seed(9)
+    k = torch.randn(L, T, H, K, device=DEV, generator=gen).to(torch.bfloat16)
+    v = torch.randn(L, T, HV, V, device=DEV, generator=gen).to(torch.bfloat16)
+    g = -torch.rand(L, T, HV, device=DEV, generator=gen)
+    beta = torch.rand(L, T, HV, device=DEV, generator=gen).to(torch.bfloat16)
+    x = torch.randn(L, T, C, device=DEV, generator=gen).to(torch.bfloat16)
+    pool = torch.randn(L, 4, HV, V, K, device=DEV, generator=gen) * 0.05  # SGLang layout
+    cs = torch.randn(L, 4, C, W - 1, device=DEV, generator=gen).to(torch.bfloat16)
+    idx = torch.tensor([3, 1, 0], device=DEV, dtype=torch.int32)
+    paths = [root_path(trees[0], 30), [0], root_path(trees[2], 4)]
+    ml = max(len(p) for p in paths)
+    acc = torch.tensor([p + [0] * (ml - len(p)) for p in paths], device=DEV, dtype=torch.int32)
+    acc_len = torch.tensor([len(p) for p in paths], device=DEV, dtype=torch.int32)
+    p0, c0 = pool.clone(), cs.clone()
+    gdn.commit(pool, cs, idx, plan, acc, acc_len, k, v, g, beta, x, use_qk_l2norm=True, state_layout="vk",
+               validate=True)
+    cu = plan.cu_seqlens.tolist()
+    for li in range(L):
+        for r in range(3):
+            toks = [cu[r] + j for j in paths[r]]
+            a = (k[li], v[li], g[li], beta[li], x[li], toks)
+            S64, C64 = gdn.commit_reference(p0[li, idx[r]].transpose(-1, -2).double(), c0[li, idx[r]], *a,
+                                            use_qk_l2norm=True, dtype=torch.float64)
+            S32, _ = gdn.commit_reference(p0[li, idx[r]].transpose(-1, -2), c0[li, idx[r]], *a, use_qk_l2norm=True)
+            assert_close(pool[li, idx[r]].transpose(-1, -2), S64, S32)
+            assert torch.equal(cs[li, idx[r]], C64.to(cs.dtype))
+    assert torch.equal(pool[:, 2], p0[:, 2]) and torch.equal(cs[:, 2], c0[:, 2])
