@@ -12,7 +12,7 @@
 #   BENCH_TIMEOUT  seconds for the bench stage (default 300)
 #
 # At most 8 files land in $OUT, flat, named with letters, digits, '.', '_' and '-' only:
-#   pytest.log info.txt bench.log <stamp>-<ops>.{json,md,png} summary.txt
+#   pytest.log info.txt bench.log <stamp>-<ops or "all">.{json,md,png} summary.txt
 # A failing test never stops the bench: every stage's exit status is recorded in summary.txt.
 set -u -o pipefail
 export PYTHONUNBUFFERED=1

@@ -163,7 +163,8 @@ def _collect(shapes, device, ops):
     return cases
 
 
-def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet=False, strict=True) -> int:
+def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet=False, strict=True,
+           case_budget_s: float | None = None) -> int:
     """Run and report. Exit status 3 when a case was not reported (strict), else 0 if any was."""
     from specpilot.bench import get_shape_set, report, runner
 
@@ -182,6 +183,7 @@ def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet
         return 1
     print(f"benchmarking {len(cases)} cases, shapes {shapes.name}, on {device}")
     res = runner.run(cases, device, out_dir=out, reps=reps, warmup=warmup, shapes=shapes.name,
+                     tag="-".join(ops) if ops else "all", case_budget_s=case_budget_s,
                      log=(lambda s: None) if quiet else (lambda s: print(s, flush=True)))
     md, png = report.write(res, res.meta, res.path)
     print()
@@ -220,7 +222,8 @@ def cmd_demo(args) -> int:
         print("(no GPU: the 'cublas' baseline rows are torch's CPU F.linear, at the 'tiny' scale; "
               "Triton variants run under the interpreter)")
     # The demo shows what works: it succeeds if any case was reported, and lists the rest.
-    return _bench(torch, shapes, args.ops, out, reps, warmup, dev, quiet=dev.type != "cuda", strict=False)
+    return _bench(torch, shapes, args.ops, out, reps, warmup, dev, quiet=dev.type != "cuda", strict=False,
+                  case_budget_s=None if dev.type == "cuda" else 1.5)
 
 
 # --------------------------------------------------------------------------------------

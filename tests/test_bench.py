@@ -147,6 +147,17 @@ def test_bench_on_tiny_linear(tmp_path):
     assert res.path.name.endswith("-linear-lm_head.json")
 
 
+def test_cpu_case_budget(tmp_path):
+    import time
+
+    def setup():
+        return Prepared(fns=[lambda: time.sleep(0.02)], check=lambda: None)
+
+    case = Case(op="slow", variant="v", shape="s", dims={}, flops=1.0, bytes=1.0, setup=setup)
+    res = runner.run([case], "cpu", reps=1000, warmup=0, case_budget_s=0.05, write=False, log=None)
+    assert 3 <= res[0]["samples"] < 10
+
+
 # --------------------------------------------------------------------------------------
 # GPU: the CUDA-graph timing path and its fallbacks (run by perf/gpu_check.sh).
 # --------------------------------------------------------------------------------------

@@ -74,15 +74,18 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-def _time_cpu(fns, reps: int, warmup: int) -> tuple[list[float], str, int]:
+def _time_cpu(fns, reps: int, warmup: int, budget_s: float | None = None) -> tuple[list[float], str, int]:
     n = len(fns)
     for i in range(max(warmup, 1)):
         fns[i % n]()
     out = []
+    start = time.perf_counter()
     for i in range(reps):
         t0 = time.perf_counter()
         fns[i % n]()
         out.append(time.perf_counter() - t0)
+        if budget_s is not None and len(out) >= 3 and time.perf_counter() - start > budget_s:
+            break  # slow (interpreted) case: enough samples for a median
     return out, "perf_counter", 1
 
 
@@ -137,11 +140,12 @@ def _time_cuda_graph(fns, reps: int, warmup: int) -> tuple[list[float], str, int
     return samples, "cuda_graph", calls
 
 
-def _time(prep: Prepared, device: torch.device, reps: int, warmup: int) -> tuple[list[float], str, int]:
+def _time(prep: Prepared, device: torch.device, reps: int, warmup: int,
+          budget_s: float | None = None) -> tuple[list[float], str, int]:
     if not prep.fns:
         raise ValueError("Prepared.fns is empty: nothing to time")
     if device.type != "cuda":
-        return _time_cpu(prep.fns, reps, warmup)
+        return _time_cpu(prep.fns, reps, warmup, budget_s)
     if prep.graph_safe:
         try:
             return _time_cuda_graph(prep.fns, reps, warmup)
@@ -200,7 +204,7 @@ def _free(device: torch.device) -> None:
 
 
 def _run_group(cases: list[Case], device: torch.device, reps: int, warmup: int, common: dict,
-               log: Callable[[str], None]) -> list[dict]:
+               log: Callable[[str], None], budget_s: float | None = None) -> list[dict]:
     rows: list[dict] = []
     prepared: list[Prepared | None] = []
     for case in cases:
@@ -230,7 +234,7 @@ def _run_group(cases: list[Case], device: torch.device, reps: int, warmup: int, 
             if prep is None or row["status"] != "ok":
                 continue
             try:
-                samples, method, calls = _time(prep, device, reps, warmup)
+                samples, method, calls = _time(prep, device, reps, warmup, budget_s)
             except Exception as e:
                 row.update(status="error", error=_short_error(e))
                 log(f"  {case.op}/{case.variant} {case.shape}: timing failed: {row['error']}")
@@ -296,14 +300,16 @@ def _slug(s: str) -> str:
 
 
 def run(cases: Sequence[Case], device, out_dir=None, reps: int | None = None, warmup: int | None = None, *,
-        shapes: str | None = None, measure: bool = True, write: bool = True,
-        log: Callable[[str], None] | None = print) -> Results:
+        shapes: str | None = None, measure: bool = True, write: bool = True, tag: str | None = None,
+        case_budget_s: float | None = None, log: Callable[[str], None] | None = print) -> Results:
     """Check and time `cases` on `device`; return the rows (a `Results` list).
 
     `out_dir`: where the JSON goes (default perf/results/<gpu_slug>/); `write=False` writes
     nothing. `reps`: timed samples per case (default 100 on CUDA, 20 on CPU). `warmup`: passes
     over the rotated inputs before timing. `measure`: measure the roofs once at the start
-    (cached per device name) so floors use measured ceilings.
+    (cached per device name) so floors use measured ceilings. `tag`: the file name's suffix
+    (default: the ops of the cases). `case_budget_s`: on CPU, stop sampling a case after this
+    many seconds once it has 3 samples (interpreted Triton kernels take ~1 s a call).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -329,7 +335,7 @@ def run(cases: Sequence[Case], device, out_dir=None, reps: int | None = None, wa
     t0 = time.perf_counter()
     for i, (name, group) in enumerate(groups.items()):
         log(f"[{i + 1}/{len(groups)}] {name}: " + ", ".join(f"{c.op}/{c.variant}" for c in group))
-        rows.extend(_run_group(group, device, reps, warmup, common, log))
+        rows.extend(_run_group(group, device, reps, warmup, common, log, case_budget_s))
     ops = sorted({c.op for c in cases})
     meta = {
         **common,
@@ -340,6 +346,7 @@ def run(cases: Sequence[Case], device, out_dir=None, reps: int | None = None, wa
         "ops": ops,
         "reps": reps,
         "warmup": warmup,
+        "case_budget_s": case_budget_s,
         "cases": len(cases),
         "ok": sum(r["status"] == "ok" for r in rows),
         "failed": sum(r["status"] != "ok" for r in rows),
@@ -349,8 +356,8 @@ def run(cases: Sequence[Case], device, out_dir=None, reps: int | None = None, wa
     if write:
         out = Path(out_dir) if out_dir is not None else default_out_dir(device)
         out.mkdir(parents=True, exist_ok=True)
-        tag = _slug("-".join(ops))[:60] or "none"
-        path = out / f"{stamp}-{tag}.json"
+        name = _slug(tag if tag is not None else "-".join(ops))[:60] or "none"
+        path = out / f"{stamp}-{name}.json"
         path.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1, default=str) + "\n")
     return Results(rows, meta, path)
 
