@@ -1,0 +1,185 @@
+"""w12.matmul / matmul_q8 on a GPU: real shapes, wgmma in the compiled kernel, CUDA graphs, torch.compile.
+
+Run on the GPU machine:  python -m pytest tests/w12/test_matmul_gpu.py -q
+"""
+
+import pytest
+import torch
+import torch.nn.functional as F
+import triton
+
+import autotune
+import w12
+from specpilot.bench.shapes import get_shape_set
+from specpilot.testing import assert_bitwise_equal, assert_close
+from w12 import ops as wops
+from w12.configs import GemvConfig, TcConfig
+from w12.kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel
+
+pytestmark = pytest.mark.gpu
+
+_S = get_shape_set("hybrid-27b")
+REAL = [("mlp.down_proj", *_S.linears["mlp.down_proj"]), ("gdn.in_proj", *_S.linears["gdn.in_proj"]),
+        ("attn.o_proj", *_S.linears["attn.o_proj"])]
+
+
+def _dev():
+    return torch.device("cuda")
+
+
+def _weight(n, k, seed):
+    g = torch.Generator(device=_dev()).manual_seed(seed)
+    w = torch.randn(n, k, device=_dev(), generator=g) * k**-0.5
+    w.view(-1)[:: 997] = 0.0  # zero escapes (e0 != 0 rows)
+    w.view(-1)[5::1999] = 1e-30  # tiny out-of-window escapes
+    return w.to(torch.bfloat16)
+
+
+def _x(m, k, seed, dtype=torch.bfloat16):
+    g = torch.Generator(device=_dev()).manual_seed(seed)
+    return torch.randn(m, k, device=_dev(), generator=g).to(dtype)
+
+
+def _check(out, x, w, p, bias=None, q8=False):
+    ref = (w12.matmul_q8_reference if q8 else w12.matmul_reference)(x, p, bias)
+    wd = w12.decode_q8(p) if q8 else w
+    base = F.linear(x, wd.to(x.dtype), None if bias is None else bias.to(x.dtype))
+    return assert_close(out, ref, base)
+
+
+@pytest.fixture(scope="module")
+def packed_real():
+    out = {}
+    for i, (name, n, k) in enumerate(REAL):
+        w = _weight(n, k, seed=i)
+        out[name] = (w, w12.pack(w))
+    return out
+
+
+@pytest.mark.parametrize("variant", ["tc", "gemv"])
+@pytest.mark.parametrize("M", [1, 2, 4, 8, 16, 32])
+@pytest.mark.parametrize("name", [r[0] for r in REAL])
+def test_real_shapes(packed_real, name, M, variant):
+    w, p = packed_real[name]
+    x = _x(M, p.K, seed=M)
+    with autotune.force("w12.matmul", variant=variant):
+        out = w12.matmul(x, p)
+        out_q8 = w12.matmul_q8(x, p)
+    _check(out, x, w, p)
+    _check(out_q8, x, w, p, q8=True)
+
+
+@pytest.mark.parametrize("variant", ["tc", "gemv"])
+def test_lm_head_and_prefill(variant):
+    n, k = 32768 + 77, _S.hidden  # a vocab slice with an odd tail
+    w = _weight(n, k, seed=5)
+    p = w12.pack(w)
+    for M in (1, 100):
+        x = _x(M, k, seed=M)
+        with autotune.force("w12.matmul", variant=variant):
+            _check(w12.matmul(x, p), x, w, p)
+
+
+@pytest.mark.parametrize("variant", ["tc", "gemv"])
+def test_nonfinite_fp16_bias_strides(variant):
+    n, k = 1000, 4160
+    w = _weight(n, k, seed=9)
+    w[3, 17], w[4, 99], w[5, 1000] = float("inf"), float("-inf"), float("nan")
+    p = w12.pack(w)
+    bias = _x(1, n, seed=10)[0]
+    x = _x(3, 2 * k, seed=11)[:, ::2]
+    with autotune.force("w12.matmul", variant=variant):
+        _check(w12.matmul(x, p, bias), x, w, p, bias)
+        xh = x.half()
+        _check(w12.matmul(xh, p, bias.half()), xh, w, p, bias.half())
+
+
+def test_default_variant_by_generation():
+    v = wops._select(wops.OP, _dev())
+    assert v == ("tc" if autotune.has_wgmma() else "gemv")
+
+
+def _launch_direct(kernel, cfg, x, p, **extra):
+    M, K = x.shape
+    out = torch.empty(M, p.N, device=x.device, dtype=x.dtype)
+    grid = (triton.cdiv(p.N, cfg.block_n), triton.cdiv(M, cfg.block_t), 1)
+    return kernel[grid](x, p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, out, out, out, M, p.N, K, p.Kp,
+                        x.stride(0), x.stride(1), HAS_BIAS=False, Q8=False, SELECT_ZERO=False, SPLIT_K=1,
+                        BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
+                        num_stages=cfg.num_stages, **extra)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("cfg", [TcConfig(128, 16, 128, 1, 8, 4), TcConfig(64, 16, 256, 1, 4, 3),
+                                 TcConfig(128, 32, 128, 1, 8, 3)], ids=str)
+def test_tc_kernel_uses_wgmma(cfg):
+    p = w12.pack(_weight(512, 1024, seed=1))
+    x = _x(cfg.block_t, 1024, seed=2)
+    ck = _launch_direct(w12_matmul_tc_kernel, cfg, x, p, X_F16=False)
+    ptx = ck.asm["ptx"]
+    if "wgmma" not in ptx:  # SASS needs nvdisasm; only consulted when the PTX lacks it
+        assert "HGMMA" in ck.asm["sass"], f"tl.dot did not lower to wgmma on sm_90 for {cfg}"
+
+
+def test_gemv_kernel_uses_no_tensor_cores():
+    p = w12.pack(_weight(256, 1024, seed=1))
+    x = _x(1, 1024, seed=2)
+    ck = _launch_direct(w12_matmul_gemv_kernel, GemvConfig(32, 1, 256, 1, 4, 2), x, p)
+    ptx = ck.asm["ptx"]
+    assert "wgmma" not in ptx and "mma.sync" not in ptx
+
+
+@pytest.mark.parametrize("cfg", [None, TcConfig(64, 16, 128, 4, 4, 3), GemvConfig(32, 1, 256, 5, 4, 2)],
+                         ids=["default", "tc-split4", "gemv-split5"])
+def test_cuda_graph_replay_equals_eager(cfg):
+    n, k = _S.linears["mlp.down_proj"]
+    w = _weight(n, k, seed=3)
+    p = w12.pack(w)
+    x = _x(1, k, seed=4)
+    bias = _x(1, n, seed=5)[0]
+    def ctx():
+        if cfg is not None:
+            return autotune.force("w12.matmul", config=cfg)
+        return autotune.force("w12.matmul", variant="tc" if autotune.has_wgmma() else "gemv")
+
+    with ctx():
+        eager = w12.matmul(x, p, bias)
+        s = torch.cuda.Stream()
+        s.wait_stream(torch.cuda.current_stream())
+        with torch.cuda.stream(s):
+            w12.matmul(x, p, bias)  # warm up: compile outside capture
+        torch.cuda.current_stream().wait_stream(s)
+        g = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(g):
+            static_out = w12.matmul(x, p, bias)
+    g.replay()
+    torch.cuda.synchronize()
+    assert_bitwise_equal(static_out, eager)
+    x.copy_(_x(1, k, seed=6))  # new input, same graph
+    g.replay()
+    torch.cuda.synchronize()
+    with ctx():
+        assert_bitwise_equal(static_out, w12.matmul(x, p, bias))
+
+
+@pytest.mark.parametrize("q8", [False, True])
+def test_torch_compile_fullgraph_equals_eager(q8):
+    n, k = 4096, 2048
+    w = _weight(n, k, seed=7)
+    p = w12.pack(w)
+    bias = _x(1, n, seed=8)[0]
+    fn = w12.matmul_q8 if q8 else w12.matmul
+
+    def f(x):
+        return torch.relu(fn(x, p, bias)) * 2
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True)
+    for M in (1, 16):
+        x = _x(M, k, seed=M)
+        assert_bitwise_equal(cf(x), f(x))
+    cg = torch.compile(f, fullgraph=True, mode="reduce-overhead")
+    x = _x(4, k, seed=9)
+    for _ in range(3):
+        got = cg(x)
+    assert_bitwise_equal(got, f(x))
