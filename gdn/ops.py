@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from autotune import forced, select_variant
+from autotune import select_variant
 
 from . import configs
 from .plan import TreePlan
