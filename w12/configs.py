@@ -101,23 +101,21 @@ def _pow2(m: int) -> int:
     return 1 << (max(1, int(m)) - 1).bit_length()
 
 
-def pick_split_k(tiles: int, n_iters: int, slots: int) -> int:
-    """Split-K that fills `slots` concurrent CTAs in whole waves, each split keeping at least
-    _MIN_ITERS_PER_SPLIT K iterations. Smallest split within 5% of the best wave efficiency."""
+def pick_split_k(tiles: int, n_iters: int, slots: int, overhead_iters: float = 2.0) -> int:
+    """Split-K minimising a wave model of the run time: waves x (K iterations per split + a fixed
+    per-CTA cost of `overhead_iters` for prologue, epilogue and the reduce), where a wave is
+    `slots` co-resident CTAs. Each split keeps >= _MIN_ITERS_PER_SPLIT iterations; ties within
+    3% go to the smaller split (less partial-sum traffic)."""
     s_max = max(1, min(64, n_iters // _MIN_ITERS_PER_SPLIT))
-    if tiles >= 4 * slots or s_max == 1:
-        return 1
 
-    def eff(s: int) -> float:
+    def cost(s: int) -> float:
         per = math.ceil(n_iters / s)
         s_real = math.ceil(n_iters / per)  # splits that actually get work
-        total = tiles * s_real
-        waves = math.ceil(total / slots)
-        return total / (waves * slots)
+        return math.ceil(tiles * s_real / slots) * (per + overhead_iters)
 
-    scores = {s: eff(s) for s in range(1, s_max + 1)}
-    best = max(scores.values())
-    return min(s for s, e in scores.items() if e >= 0.95 * best)
+    costs = {s: cost(s) for s in range(1, s_max + 1)}
+    best = min(costs.values())
+    return min(s for s, c in costs.items() if c <= 1.03 * best)
 
 
 def tc_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = False, mma_only: bool = False) -> TcConfig:
@@ -126,12 +124,12 @@ def tc_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = Fal
     bpw = 1.0 if q8 else 1.5
     bt = min(64, max(16, _pow2(M)))
     sms = sm_count(device)
-    if N >= 64 * sms or mma_only:
+    if mma_only:  # sm_80-class mma.sync: smaller register tiles
+        bn, bk, warps = 64, 128, 4
+    elif N >= 64 * sms:
         bn, bk, warps = 128, 128, 8
     else:
         bn, bk, warps = 64, 256, 4
-    if mma_only:  # sm_80-class: mma.sync wants smaller register tiles
-        bn, bk, warps = 64, 128, 4
     kp = -(-K // 64) * 64
     stage = bn * bk * bpw + bk * bt * 2
     stages = 4 if stage <= 32 << 10 else 3

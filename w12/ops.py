@@ -102,7 +102,8 @@ def _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, *, op: str, variant: s
     ws = out if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), device=out.device, dtype=torch.float32)
     has_bias = bias is not None
     b = bias if has_bias else out
-    common = dict(HAS_BIAS=has_bias, Q8=q8, SELECT_ZERO=bool(cfg.select_zero), SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_T=bt,
+    common = dict(HAS_BIAS=has_bias, Q8=q8, SELECT_ZERO=bool(cfg.select_zero),
+                  ZERO_DENSE=q8 or bool(cfg.select_zero), SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_T=bt,
                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2d, hi, lo, e0, rowptr, col, val, b, out, ws, M, N, K, Kp, x2d.stride(0), x2d.stride(1))
     if kernel_name == "tc":

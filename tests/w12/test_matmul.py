@@ -242,3 +242,4 @@ def test_pick_split_k():
     assert pick_split_k(tiles=1000, n_iters=100, slots=132) == 1
     s = pick_split_k(tiles=40, n_iters=136, slots=264)  # down_proj-like: 40 row tiles, K=17408/128
     assert 2 <= s <= 34 and 40 * s >= 0.8 * 264
+    assert pick_split_k(tiles=40, n_iters=3, slots=264) == 1  # too few iterations to split

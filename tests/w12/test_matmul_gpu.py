@@ -104,7 +104,7 @@ def _launch_direct(kernel, cfg, x, p, **extra):
     out = torch.empty(M, p.N, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(p.N, cfg.block_n), triton.cdiv(M, cfg.block_t), 1)
     return kernel[grid](x, p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, out, out, out, M, p.N, K, p.Kp,
-                        x.stride(0), x.stride(1), HAS_BIAS=False, Q8=False, SELECT_ZERO=False, SPLIT_K=1,
+                        x.stride(0), x.stride(1), HAS_BIAS=False, Q8=False, SELECT_ZERO=False, ZERO_DENSE=False, SPLIT_K=1,
                         BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages, **extra)
 

@@ -22,7 +22,7 @@ __all__ = ["w12_matmul_gemv_kernel"]
 def w12_matmul_gemv_kernel(
     x_ptr, hi_ptr, lo_ptr, e0_ptr, rowptr_ptr, col_ptr, val_ptr, bias_ptr, out_ptr, ws_ptr,
     M, N, K, Kp, stride_xm, stride_xk,
-    HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, ZERO_DENSE: tl.constexpr, SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     BKH: tl.constexpr = BLOCK_K // 2
@@ -70,5 +70,5 @@ def w12_matmul_gemv_kernel(
     acc = tl.sum(acc3, axis=1)  # [BN, BT]
     if pid_k == 0:
         acc = _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr,
-                             col_ptr, val_ptr, Q8 or SELECT_ZERO)
+                             col_ptr, val_ptr, ZERO_DENSE)
     _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT_K, HAS_BIAS)

@@ -123,7 +123,7 @@ def _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_
 def w12_matmul_tc_kernel(
     x_ptr, hi_ptr, lo_ptr, e0_ptr, rowptr_ptr, col_ptr, val_ptr, bias_ptr, out_ptr, ws_ptr,
     M, N, K, Kp, stride_xm, stride_xk,
-    HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, X_F16: tl.constexpr,
+    HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, ZERO_DENSE: tl.constexpr, X_F16: tl.constexpr,
     SPLIT_K: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
@@ -177,7 +177,7 @@ def w12_matmul_tc_kernel(
 
     if pid_k == 0:
         acc = _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr,
-                             col_ptr, val_ptr, Q8 or SELECT_ZERO)
+                             col_ptr, val_ptr, ZERO_DENSE)
     _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT_K, HAS_BIAS)
 
 
