@@ -75,6 +75,10 @@ class _Weights:
                 v["w12"].append(w12.pack(v["bf16"][len(v["w12"])]))
         return v
 
+    @classmethod
+    def release(cls) -> None:
+        cls._key, cls._val = None, {}
+
 
 def _inputs(m: int, k: int, sets: int, device: torch.device) -> list[torch.Tensor]:
     g = torch.Generator(device=device).manual_seed(_SEED + m + k)
@@ -186,6 +190,7 @@ def _step_case(shapes: ModelShapes, variant: str, device: torch.device) -> Case:
     def setup() -> Prepared:
         import w12
 
+        _Weights.release()  # the per-layer sets (up to the LM head's) are not needed any more
         v = _StepWeights.get(shapes, device, packed=variant == "w12")
         layers = v["layers"]
         if variant == "w12":
@@ -209,7 +214,11 @@ def _step_case(shapes: ModelShapes, variant: str, device: torch.device) -> Case:
                 ref64 = (x.double() @ w[cols].double().T).cpu()
                 assert_close(outs[i][:, cols], ref64, F.linear(x, w)[:, cols], msg=f"decode-step {variant} layer {i}")
 
-        return Prepared(fns=[step], check=check, graph_safe=True)
+        def teardown() -> None:
+            pairs.clear()
+            _StepWeights.release()  # ~90 GB on hybrid-27b: do not hold it into later groups
+
+        return Prepared(fns=[step], check=check, graph_safe=True, teardown=teardown)
 
     case = Case(op="decode_step", variant=variant, shape="decode-step", dims={"M": 1, "linears": len(linears)},
                 flops=flops, bytes=wb + xo, setup=setup, group="decode-step", baseline="cublas",
