@@ -14,6 +14,8 @@ import w12
 from specpilot.testing import assert_bitwise_equal, assert_close
 from w12.configs import GemvConfig, TcConfig, pick_split_k
 
+# The kernels run under the interpreter on CPU, compiled where CUDA exists (same tests).
+DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 VARIANTS = ("tc", "gemv")
 # Small forced configs: keep the interpreter quick and exercise split-K, several row and token tiles.
 TC_SMALL = TcConfig(block_n=32, block_t=16, block_k=64, split_k=2, num_warps=4, num_stages=2)
@@ -28,12 +30,12 @@ def _weight(n, k, seed, escapes=True):
         idx = torch.randperm(n * k, generator=g)[: max(2, n * k // 40)]
         vals = torch.tensor([0.0, 1e-30, -3e-25, 2.0**20, -(2.0**-40), 0.0, 5e8, -0.0])
         flat[idx] = vals[torch.arange(idx.numel()) % vals.numel()]
-    return w.to(torch.bfloat16)
+    return w.to(torch.bfloat16).to(DEV)
 
 
 def _x(shape, seed, dtype=torch.bfloat16):
     g = torch.Generator().manual_seed(seed)
-    return torch.randn(*shape, generator=g).to(dtype)
+    return torch.randn(*shape, generator=g).to(dtype).to(DEV)
 
 
 def _check(out, x, w, packed, bias=None, q8=False):
@@ -143,7 +145,7 @@ def test_one_hot_rows_recover_weight_bitwise(cfg):
     w[5, :] = 0.0
     p = w12.pack(w)
     assert p.num_escapes > 0
-    x = torch.eye(K, dtype=torch.bfloat16)
+    x = torch.eye(K, dtype=torch.bfloat16, device=DEV)
     with autotune.force("w12.matmul", config=cfg):
         out = w12.matmul(x, p)
     # + 0.0 maps -0.0 to +0.0: a sum of zero products is +0.0 in F.linear too
@@ -182,7 +184,7 @@ def test_default_dispatch_and_empty():
     p = w12.pack(w)
     x = _x((2, 64), seed=72)
     _check(w12.matmul(x, p), x, w, p)  # interpreter -> the portable variant
-    out = w12.matmul(torch.empty(0, 64, dtype=torch.bfloat16), p)
+    out = w12.matmul(torch.empty(0, 64, dtype=torch.bfloat16, device=DEV), p)
     assert out.shape == (0, 10)
 
 
@@ -208,7 +210,7 @@ def test_bad_inputs_say_how_to_fix():
     with pytest.raises(ValueError, match="packed.to"):
         w12.matmul(torch.empty(2, 64, dtype=torch.bfloat16, device="meta"), p)
     with pytest.raises(ValueError, match="bias must be a tensor of shape"):
-        w12.matmul(x, p, torch.zeros(9, dtype=torch.bfloat16))
+        w12.matmul(x, p, torch.zeros(9, dtype=torch.bfloat16, device=DEV))
     bad = w12.pack(w)
     bad.lo = bad.lo[:, :-1].contiguous()
     with pytest.raises(w12.W12FormatError, match="lo has shape"):
