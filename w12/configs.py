@@ -32,7 +32,7 @@ import torch
 import autotune
 
 __all__ = ["TcConfig", "GemvConfig", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "candidates", "sm_count",
-           "pick_split_k"]
+           "pick_split_k", "explore_candidates"]
 
 GEMV_MAX_M = 4  # the no-wgmma variant runs the CUDA-core kernel up to this M
 _TARGET_INFLIGHT = 40 << 10  # bytes per SM the loads should keep in flight (see module doc)
@@ -119,39 +119,59 @@ def pick_split_k(tiles: int, n_iters: int, slots: int, overhead_iters: float = 2
 
 
 def tc_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = False, mma_only: bool = False) -> TcConfig:
-    """Tensor-core default. BT covers M (16..64); BN=128 x BK=128 (8 warps) for tall weights,
-    BN=64 x BK=256 (4 warps) when N is small so more row tiles exist before splitting K."""
+    """Tensor-core default. BT covers M (16..64). A small W tile (BN=64 x BK=128, 4 warps): the
+    decoded tile lives in registers before the MMA, so [64, 64] int32 halves per 128 threads keep
+    ~32 live values per thread (the first H200 run's 128x128 / 8-warp tiles read at ~1.6 TB/s).
+    Bytes in flight come from stages and from several CTAs per SM; split-K fills whole waves."""
     bpw = 1.0 if q8 else 1.5
     bt = min(64, max(16, _pow2(M)))
     sms = sm_count(device)
-    if mma_only:  # sm_80-class mma.sync: smaller register tiles
-        bn, bk, warps = 64, 128, 4
-    elif N >= 64 * sms:
-        bn, bk, warps = 128, 128, 8
-    else:
-        bn, bk, warps = 64, 256, 4
+    bn, bk, warps = 64, 128, 4
     kp = -(-K // 64) * 64
     stage = bn * bk * bpw + bk * bt * 2
-    stages = 4 if stage <= 32 << 10 else 3
-    ctas_per_sm = max(1, min(_SMEM_PER_SM // int(stages * stage), 64 // warps, 2))
+    stages = 4
+    ctas_per_sm = max(1, min(_SMEM_PER_SM // int(stages * stage), 4))
     tiles = -(-N // bn) * -(-M // bt)
     split = pick_split_k(tiles, -(-kp // bk), sms * ctas_per_sm)
     return TcConfig(block_n=bn, block_t=bt, block_k=bk, split_k=split, num_warps=warps, num_stages=stages)
 
 
+_GEMV_LIVE = 16  # fp32 accumulator elements per thread (BN x BK/2 x BT / threads)
+
+
 def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = False) -> GemvConfig:
-    """CUDA-core default: ~12-16 KB of weights per CTA iteration, accumulator <= 64 fp32 registers
-    per thread (BN x BK/2 x BT <= 8192 with 128 threads), ~4 CTAs per SM."""
-    bt = _pow2(M)
-    if bt > 16:
-        bt = 16
-    bk = 256
-    bn = max(8, min(64, 8192 // (bk // 2 * bt)))
+    """CUDA-core default: per thread <= _GEMV_LIVE accumulators and <= 32 bytes of hi per iteration
+    (no spills), 4 warps, many CTAs per SM (~8) to keep bytes in flight; split-K fills waves."""
+    bt = min(16, _pow2(M))
+    bk = 256 if bt <= 2 else 128
+    threads = 128
+    bn = max(4, min(64, _GEMV_LIVE * threads // (bk // 2 * bt)))
     kp = -(-K // 64) * 64
     tiles = -(-N // bn) * -(-M // bt)
-    ctas_per_sm = 4
-    split = pick_split_k(tiles, -(-kp // bk), sm_count(device) * ctas_per_sm)
+    split = pick_split_k(tiles, -(-kp // bk), sm_count(device) * 8)
     return GemvConfig(block_n=bn, block_t=bt, block_k=bk, split_k=split, num_warps=4, num_stages=2)
+
+
+def explore_candidates(kind: str, M: int) -> list:
+    """Kernel shapes (split_k left at 1: the caller sets it per shape) for perf/w12_explore.py.
+    Few on purpose: every entry is one compile per op."""
+    bt_tc = min(64, max(16, _pow2(M)))
+    if kind == "tc":
+        return [TcConfig(bn, bt_tc, bk, 1, w, st) for bn, bk, w, st in
+                ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (64, 64, 4, 8), (128, 128, 4, 4),
+                 (128, 128, 8, 4), (128, 256, 8, 3))]
+    if kind == "gemv":
+        bt = min(16, _pow2(M))
+        out = []
+        for bn, bk, w in ((16, 256, 4), (8, 256, 4), (32, 256, 8), (16, 128, 4), (32, 128, 4), (64, 128, 8),
+                          (64, 256, 4)):
+            if bn * bk // 2 * bt // (32 * w) > 64:  # > 64 accumulators per thread: spills for sure
+                continue
+            out.append(GemvConfig(bn, bt, bk, 1, w, 2))
+        if not out:
+            out.append(GemvConfig(4, bt, 128, 1, 4, 2))
+        return out
+    raise ValueError(f"kind must be 'tc' or 'gemv', got {kind!r}")
 
 
 def candidates(kind: str, M: int, N: int, K: int) -> list:

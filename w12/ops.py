@@ -87,14 +87,15 @@ def _plan(op: str, variant: str, M: int, N: int, K: int, device: torch.device) -
     return plan
 
 
-def _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, *, op: str, variant: str, wrap=None) -> None:
-    """out[M, N] = x2d[M, K] @ W^T (+ bias). `wrap` is `wrap_triton` when traced by torch."""
+def _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, *, op: str, variant: str, wrap=None):
+    """out[M, N] = x2d[M, K] @ W^T (+ bias). `wrap` is `wrap_triton` when traced by torch.
+    Returns the main kernel's launch handle (eager: the compiled kernel, for n_regs / n_spills)."""
     M, K = x2d.shape
     N, Kp = hi.shape
     if M == 0:
-        return
+        return None
     if wrap is not None and autotune.is_interpreter() and _is_fake(x2d):
-        return  # wrap_triton passes interpreter kernels through untraced; fake tensors need no launch
+        return None  # wrap_triton passes interpreter kernels through untraced; fake tensors need no launch
     kernel_name, cfg = _plan(op, variant, M, N, K, x2d.device)
     q8 = op == OP_Q8
     bt = cfg.block_t
@@ -103,19 +104,20 @@ def _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, *, op: str, variant: s
     has_bias = bias is not None
     b = bias if has_bias else out
     common = dict(HAS_BIAS=has_bias, Q8=q8, SELECT_ZERO=bool(cfg.select_zero),
-                  ZERO_DENSE=q8 or bool(cfg.select_zero), SPLIT_K=cfg.split_k, BLOCK_N=cfg.block_n, BLOCK_T=bt,
+                  ZERO_DENSE=q8 or bool(cfg.select_zero), SPLIT_K=cfg.split_k, SPLIT=cfg.split_k > 1, BLOCK_N=cfg.block_n, BLOCK_T=bt,
                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2d, hi, lo, e0, rowptr, col, val, b, out, ws, M, N, K, Kp, x2d.stride(0), x2d.stride(1))
     if kernel_name == "tc":
         k = w12_matmul_tc_kernel if wrap is None else wrap(w12_matmul_tc_kernel)
-        k[grid](*args, X_F16=x2d.dtype == torch.float16, **common)
+        ck = k[grid](*args, X_F16=x2d.dtype == torch.float16, **common)
     else:
         k = w12_matmul_gemv_kernel if wrap is None else wrap(w12_matmul_gemv_kernel)
-        k[grid](*args, **common)
+        ck = k[grid](*args, **common)
     if cfg.split_k > 1:
         r = w12_splitk_reduce_kernel if wrap is None else wrap(w12_splitk_reduce_kernel)
         r[(triton.cdiv(M * N, _REDUCE_BLOCK),)](ws, b, out, M, N, SPLIT_K=cfg.split_k, HAS_BIAS=has_bias,
                                                 BLOCK=_REDUCE_BLOCK, num_warps=4)
+    return ck
 
 
 def _is_fake(t: torch.Tensor) -> bool:

@@ -18,11 +18,11 @@ from .tc import _apply_escapes, _bits_to_f32, _decode_bits, _decode_bits_q8, _st
 __all__ = ["w12_matmul_gemv_kernel"]
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def w12_matmul_gemv_kernel(
     x_ptr, hi_ptr, lo_ptr, e0_ptr, rowptr_ptr, col_ptr, val_ptr, bias_ptr, out_ptr, ws_ptr,
     M, N, K, Kp, stride_xm, stride_xk,
-    HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, ZERO_DENSE: tl.constexpr, SPLIT_K: tl.constexpr,
+    HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, ZERO_DENSE: tl.constexpr, SPLIT_K, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     BKH: tl.constexpr = BLOCK_K // 2
@@ -41,8 +41,11 @@ def w12_matmul_gemv_kernel(
     it0 = pid_k * per
     it1 = tl.minimum(it0 + per, n_it)
 
-    E = (tl.load(e0_ptr + rows, mask=row_ok, other=0).to(tl.int32) << 7)[:, None]  # [BN, 1]
-    rows64 = rows.to(tl.int64)
+    # rows past N read row N-1 (results masked at the store): weight loads need no mask, so
+    # they stay 16-byte vectors and the pipeliner sees plain loads
+    rows_c = tl.minimum(rows, N - 1)
+    E = (tl.load(e0_ptr + rows_c).to(tl.int32) << 7)[:, None]  # [BN, 1]
+    rows64 = rows_c.to(tl.int64)
     hi_p = hi_ptr + rows64[:, None] * Kp + (it0 * BLOCK_K + col_a)[None, :]  # [BN, BKH]
     lo_p = lo_ptr + rows64[:, None] * (Kp // 2) + (it0 * BKH + j)[None, :]  # [BN, BKH]
     x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * BLOCK_K + col_a)[:, None] * stride_xk  # [BKH, BT]
@@ -50,16 +53,15 @@ def w12_matmul_gemv_kernel(
     acc3 = tl.zeros((BLOCK_N, BKH, BLOCK_T), dtype=tl.float32)
     for it in range(it0, it1):
         ka = it * BLOCK_K + col_a
-        wm = row_ok[:, None] & (ka < Kp)[None, :]
-        h_a = tl.load(hi_p, mask=wm, other=0).to(tl.int32)
-        h_b = tl.load(hi_p + 32, mask=wm, other=0).to(tl.int32)
+        h_a = tl.load(hi_p).to(tl.int32)
+        h_b = tl.load(hi_p + 32).to(tl.int32)
         xa = tl.load(x_p, mask=(ka < K)[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)  # [BKH, BT]
         xb = tl.load(x_p + 32 * stride_xk, mask=(ka + 32 < K)[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)
         if Q8:
             wa = _bits_to_f32(_decode_bits_q8(h_a, E))
             wb = _bits_to_f32(_decode_bits_q8(h_b, E))
         else:
-            lo = tl.load(lo_p, mask=wm, other=0).to(tl.int32)
+            lo = tl.load(lo_p).to(tl.int32)
             wa = _bits_to_f32(_decode_bits(h_a, lo & 0xF, E, SELECT_ZERO))
             wb = _bits_to_f32(_decode_bits(h_b, lo >> 4, E, SELECT_ZERO))
         acc3 += wa[:, :, None] * xa[None, :, :] + wb[:, :, None] * xb[None, :, :]
@@ -71,4 +73,4 @@ def w12_matmul_gemv_kernel(
     if pid_k == 0:
         acc = _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr,
                              col_ptr, val_ptr, ZERO_DENSE)
-    _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT_K, HAS_BIAS)
+    _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT, HAS_BIAS)

@@ -27,7 +27,8 @@ Escapes: the tile's rows own a contiguous range of the CSR list. The epilogue wa
 step j adds escape j of every row in the tile (rows with fewer escapes are masked), so the
 cost is (max escapes of a row in the tile) x [BN, BT] FMAs, paid once per tile (split 0 only).
 
-Split-K: program (pid_n, pid_t, pid_k) handles K iterations [it0, it1); with SPLIT_K > 1 it
+Split-K: program (pid_n, pid_t, pid_k) handles K iterations [it0, it1); SPLIT_K is a runtime
+argument (one compiled kernel serves every split; SPLIT is the constexpr "split_k > 1"). With SPLIT it
 writes fp32 partials to `ws[SPLIT_K, M, N]` and `w12_splitk_reduce_kernel` sums them in a fixed
 order (deterministic), adds the bias and rounds once.
 """
@@ -107,11 +108,11 @@ def _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk,
 
 @triton.jit
 def _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N,
-                SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr):
-    # acc: [BN, BT] -> out[M, N] (rounded once) or ws[SPLIT_K, M, N] fp32 partials
+                SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr):
+    # acc: [BN, BT] -> out[M, N] (rounded once) or, with SPLIT, ws[SPLIT_K, M, N] fp32 partials
     offs = toks.to(tl.int64)[None, :] * N + rows[:, None]
     ok = row_ok[:, None] & tok_ok[None, :]
-    if SPLIT_K == 1:
+    if not SPLIT:
         if HAS_BIAS:
             acc += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
         tl.store(out_ptr + offs, _to_out(acc, out_ptr.dtype.element_ty), mask=ok)
@@ -119,12 +120,12 @@ def _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_
         tl.store(ws_ptr + pid_k.to(tl.int64) * M * N + offs, acc, mask=ok)
 
 
-@triton.jit(do_not_specialize=["M"])
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def w12_matmul_tc_kernel(
     x_ptr, hi_ptr, lo_ptr, e0_ptr, rowptr_ptr, col_ptr, val_ptr, bias_ptr, out_ptr, ws_ptr,
     M, N, K, Kp, stride_xm, stride_xk,
     HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, ZERO_DENSE: tl.constexpr, X_F16: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     BKH: tl.constexpr = BLOCK_K // 2
@@ -143,8 +144,11 @@ def w12_matmul_tc_kernel(
     it0 = pid_k * per
     it1 = tl.minimum(it0 + per, n_it)
 
-    E = (tl.load(e0_ptr + rows, mask=row_ok, other=0).to(tl.int32) << 7)[:, None]  # [BN, 1]
-    rows64 = rows.to(tl.int64)
+    # rows past N read row N-1 (results masked at the store): weight loads need no mask, so
+    # they stay 16-byte vectors and the pipeliner sees plain loads
+    rows_c = tl.minimum(rows, N - 1)
+    E = (tl.load(e0_ptr + rows_c).to(tl.int32) << 7)[:, None]  # [BN, 1]
+    rows64 = rows_c.to(tl.int64)
     hi_p = hi_ptr + rows64[:, None] * Kp + (it0 * BLOCK_K + col_a)[None, :]  # [BN, BKH]
     lo_p = lo_ptr + rows64[:, None] * (Kp // 2) + (it0 * BKH + j)[None, :]  # [BN, BKH]
     x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * BLOCK_K + col_a)[:, None] * stride_xk  # [BKH, BT]
@@ -152,16 +156,15 @@ def w12_matmul_tc_kernel(
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for it in range(it0, it1):
         ka = it * BLOCK_K + col_a  # [BKH]
-        wm = row_ok[:, None] & (ka < Kp)[None, :]
-        h_a = tl.load(hi_p, mask=wm, other=0).to(tl.int32)
-        h_b = tl.load(hi_p + 32, mask=wm, other=0).to(tl.int32)
+        h_a = tl.load(hi_p).to(tl.int32)
+        h_b = tl.load(hi_p + 32).to(tl.int32)
         xa = tl.load(x_p, mask=(ka < K)[:, None] & tok_ok[None, :], other=0.0)  # [BKH, BT]
         xb = tl.load(x_p + 32 * stride_xk, mask=(ka + 32 < K)[:, None] & tok_ok[None, :], other=0.0)
         if Q8:
             ba = _decode_bits_q8(h_a, E)
             bb = _decode_bits_q8(h_b, E)
         else:
-            lo = tl.load(lo_p, mask=wm, other=0).to(tl.int32)
+            lo = tl.load(lo_p).to(tl.int32)
             ba = _decode_bits(h_a, lo & 0xF, E, SELECT_ZERO)
             bb = _decode_bits(h_b, lo >> 4, E, SELECT_ZERO)
         if X_F16:
@@ -178,18 +181,17 @@ def w12_matmul_tc_kernel(
     if pid_k == 0:
         acc = _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr,
                              col_ptr, val_ptr, ZERO_DENSE)
-    _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT_K, HAS_BIAS)
+    _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT, HAS_BIAS)
 
 
-@triton.jit(do_not_specialize=["M"])
-def w12_splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, SPLIT_K: tl.constexpr, HAS_BIAS: tl.constexpr,
-                             BLOCK: tl.constexpr):
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def w12_splitk_reduce_kernel(ws_ptr, bias_ptr, out_ptr, M, N, SPLIT_K, HAS_BIAS: tl.constexpr, BLOCK: tl.constexpr):
     # out[M, N] = sum_s ws[s, M, N] (fixed order) + bias, rounded once
     offs = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-    MN = M.to(tl.int64) * N
+    MN = tl.cast(M, tl.int64) * N  # tl.cast: M may arrive as a Python int (torch.compile specialises M == 1)
     ok = offs < MN
     acc = tl.zeros((BLOCK,), dtype=tl.float32)
-    for s in tl.static_range(SPLIT_K):
+    for s in range(SPLIT_K):  # fixed order: deterministic
         acc += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0)
     if HAS_BIAS:
         acc += tl.load(bias_ptr + offs % N, mask=ok, other=0.0).to(tl.float32)
