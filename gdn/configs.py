@@ -7,7 +7,7 @@ from dataclasses import dataclass
 
 import triton
 
-from autotune import get_config, has_wgmma, shape_key
+from autotune import get_config, shape_key
 
 __all__ = ["WYConfig", "RecurrentConfig", "ConvConfig", "CommitConfig", "wy_config", "recurrent_config",
            "conv_config", "commit_config", "VARIANTS"]
@@ -22,8 +22,13 @@ class WYConfig:
     BV: int = 32
     num_warps: int = 4
     num_stages: int = 1
-    dot_precision: str = "tf32x3"  # fp32 operands: "ieee" (no tensor cores), "tf32x3" (~fp32), "tf32"
-    min_bt: int = 16  # node tile floor; 64 on sm_90 so every tl.dot has M=64 and lowers to wgmma
+    # fp32-operand products when q/k are not bf16: "ieee" (fp32 FMA), "tf32x3" (~2-4x fp32's
+    # rounding: over the derived 2x bound at hybrid-27b dims on H200), "tf32"
+    dot_precision: str = "ieee"
+    small_precision: str = "ieee"  # [BT,BT] inverse, T.rhs and (q.k).U products: tiny, fp32 FMA
+    split: bool = True  # bf16 q/k: exact bf16 tensor-core products, fp32 state split in 3 bf16
+    inverse: str = "square"  # "square": log2(depth) rounds; "levels": one product per depth level
+    min_bt: int = 16  # node tile floor; 64 makes the tensor-core dots M=64 (wgmma on sm_90)
 
 
 @dataclass(frozen=True)
@@ -51,10 +56,10 @@ def _bv(V: int) -> int:
 
 def wy_config(max_nodes: int, K: int, V: int, device=None) -> WYConfig:
     def heuristic():
-        min_bt = 64 if has_wgmma(device) else 16
-        bt = max(min_bt, triton.next_power_of_2(max_nodes))
-        # [BT, K] q and k tiles live in registers next to the [K, BV] state tile.
-        return WYConfig(BV=_bv(V), num_warps=8 if bt * K >= 64 * 128 else 4, min_bt=min_bt)
+        # node tile from the plan's largest request (an 8-node tree padded to 64 rows did 64x the
+        # [BT,BT] work); bf16 [BT, K] q/k tiles sit in registers next to the [K, BV] fp32 state.
+        bt = max(16, triton.next_power_of_2(max_nodes))
+        return WYConfig(BV=_bv(V), num_warps=8 if bt >= 64 else 4)
 
     return get_config("gdn.tree_verify", "wy", WYConfig, heuristic, key=shape_key(M=max_nodes, K=K, V=V),
                       device=device)

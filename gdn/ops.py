@@ -47,10 +47,15 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
 
         cfg = configs.wy_config(max_nodes, K, V, q.device)
         BT = max(16, cfg.min_bt, triton.next_power_of_2(max_nodes))
+        split = cfg.split and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
+        if cfg.inverse not in ("square", "levels"):
+            raise ValueError(f"WYConfig.inverse must be 'square' or 'levels', got {cfg.inverse!r}")
         grid = (B, HV, triton.cdiv(V, cfg.BV))
         gdn_tree_wy_kernel[grid](q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, scale, *common,
                                  H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg.BV, USE_L2=use_l2,
-                                 PREC=cfg.dot_precision, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                                 PREC=cfg.dot_precision, PREC_S=cfg.small_precision, SPLIT=split,
+                                 INV=1 if cfg.inverse == "square" else 0, num_warps=cfg.num_warps,
+                                 num_stages=cfg.num_stages)
     elif variant == "recurrent":
         from .kernels.recurrent import gdn_tree_recurrent_kernel
 
@@ -126,6 +131,25 @@ def _(*args, **kwargs) -> None:
     return None
 
 
+# Functional twin for `out=None` under torch.compile: allocating inside the op keeps the graph
+# free of a fresh `empty` that is then mutated (functionalization rejects that pattern, e.g. when
+# deterministic mode fills uninitialized memory with a copy_).
+@torch.library.custom_op("specpilot_gdn::tree_verify_out", mutates_args=())
+def _verify_alloc_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
+                     pool: torch.Tensor, state_idx: torch.Tensor, cu: torch.Tensor, anc: torch.Tensor,
+                     depth: torch.Tensor, max_depth: torch.Tensor, node_req: torch.Tensor, scale: float,
+                     use_l2: bool, vk: bool, variant: str, max_nodes: int) -> torch.Tensor:
+    o = torch.empty_like(v)
+    _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, scale, use_l2, vk,
+                   variant, max_nodes)
+    return o
+
+
+@_verify_alloc_op.register_fake
+def _(q, k, v, *args, **kwargs):
+    return torch.empty_like(v)
+
+
 @torch.library.custom_op("specpilot_gdn::tree_conv1d", mutates_args=("out",))
 def _conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
              cstate: torch.Tensor, cidx: torch.Tensor, node_req: torch.Tensor, parent: torch.Tensor,
@@ -136,6 +160,20 @@ def _conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, o
 @_conv_op.register_fake
 def _(*args, **kwargs) -> None:
     return None
+
+
+@torch.library.custom_op("specpilot_gdn::tree_conv1d_out", mutates_args=())
+def _conv_alloc_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cstate: torch.Tensor,
+                   cidx: torch.Tensor, node_req: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
+                   silu: bool) -> torch.Tensor:
+    out = torch.empty_like(x)
+    _launch_conv(x, weight, bias, out, cstate, cidx, node_req, parent, depth, silu)
+    return out
+
+
+@_conv_alloc_op.register_fake
+def _(x, *args, **kwargs):
+    return torch.empty_like(x)
 
 
 @torch.library.custom_op("specpilot_gdn::commit", mutates_args=("pool", "cstate"))
@@ -232,6 +270,10 @@ def tree_verify(q, k, v, g, beta, state_pool, state_indices, tree: TreePlan, sca
     if variant not in VARIANTS + ("auto",):
         raise ValueError(f"unknown gdn.tree_verify variant {variant!r}; choose one of {VARIANTS}")
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
+    if out is None and variant != "reference" and torch.compiler.is_compiling():
+        return _verify_alloc_op(q, k, v, g, beta, state_pool, state_indices, tree.cu_seqlens, tree.anc, tree.depth,
+                                tree.max_depth, tree.node_req, scale, bool(use_qk_l2norm), vk, variant,
+                                tree.max_nodes)
     if out is None:
         out = torch.empty_like(v)
     if variant == "reference":
@@ -281,6 +323,9 @@ def tree_conv1d(x, conv_state, weight, tree: TreePlan, bias=None, activation="si
         raise ValueError(f"conv_state_indices must be [B={tree.batch}], got {tuple(conv_state_indices.shape)}")
     _check_same_device(x=x, conv_state=conv_state, weight=weight, tree=tree.cu_seqlens)
     x = _last_contig(x)
+    if out is None and torch.compiler.is_compiling():
+        return _conv_alloc_op(x, weight, bias, conv_state, conv_state_indices, tree.node_req, tree.parent,
+                              tree.depth, activation is not None)
     if out is None:
         out = torch.empty_like(x)
     _call(_conv_op, _launch_conv, x, weight, bias, out, conv_state, conv_state_indices, tree.node_req, tree.parent,

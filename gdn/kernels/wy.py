@@ -1,14 +1,32 @@
 """Tree verification in WY form: one program per (request, value head, V block).
 
 The chain's strictly-lower causal mask becomes the proper-ancestor mask and the cumulative gate
-the root-path sum G. With nodes topologically ordered, (I + A) stays unit lower triangular; it is
-inverted level by level (all nodes of one depth at once, one tensor-core product per level), which
-is forward substitution batched over siblings. On sm_90 every tl.dot lowers to wgmma, on sm_80 to
-mma.sync (fp32 operands at DOT_PRECISION, "tf32x3" by default: about fp32 accuracy).
+the root-path sum G. With nodes topologically ordered, A (proper-ancestor part) is nilpotent:
+A^(d+1) = 0 for a tree of depth d. Two ways to invert I + A:
+* INV=1 (default) "square": (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...; floor(log2(depth)) rounds
+  of two [BT,BT] products each, independent of the node count (5 rounds at most for 64 nodes).
+* INV=0 "levels": forward substitution batched over siblings, one product per depth level.
+
+Precision. fp32 accuracy is the contract (the state is fp32). SPLIT=True (bf16 q/k): q.k^T and
+k.k^T are bf16 tensor-core products of the raw inputs (exact products, fp32 sums) with the L2
+norms and the scale applied afterwards; K.S0 and Q.S0 split the fp32 state into three bf16
+pieces (8+8+8 mantissa bits), so every tensor-core product is exact. Small [BT,BT]/[BT,BV]
+products (inverse, T.rhs, (q.k).U) run at PREC_S ("ieee": plain fp32 FMA, cheap at these sizes).
+SPLIT=False (fp32 inputs): every product at PREC.
 """
 
 import triton
 import triton.language as tl
+
+
+@triton.jit
+def _split3(x):
+    # fp32 [M, N] -> three bf16 pieces with x == hi + mid + lo to fp32 accuracy
+    hi = x.to(tl.bfloat16)
+    r = x - hi.to(tl.float32)
+    mid = r.to(tl.bfloat16)
+    lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
+    return hi, mid, lo
 
 
 @triton.jit(do_not_specialize=["scale"])
@@ -19,7 +37,7 @@ def gdn_tree_wy_kernel(
     s_pn, s_ph, s_pk, s_pv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
-    USE_L2: tl.constexpr, PREC: tl.constexpr,
+    USE_L2: tl.constexpr, PREC: tl.constexpr, PREC_S: tl.constexpr, SPLIT: tl.constexpr, INV: tl.constexpr,
 ):
     i_r, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -34,16 +52,40 @@ def gdn_tree_wy_kernel(
     rows = bos + o_t.to(tl.int64)
 
     m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
-    b_k = tl.load(k + rows[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.).to(tl.float32)
-    if USE_L2:
-        b_q = b_q * tl.rsqrt(tl.sum(b_q * b_q, 1) + 1e-6)[:, None]
-        b_k = b_k * tl.rsqrt(tl.sum(b_k * b_k, 1) + 1e-6)[:, None]
-    b_q = b_q * scale
+    b_q = tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
+    b_k = tl.load(k + rows[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
+    idx = tl.load(state_idx + i_r).to(tl.int64)
+    b_S = tl.load(pool + idx * s_pn + i_hv * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv,
+                  mask=m_k[:, None] & m_v[None, :], other=0.)  # [BK, BV] fp32
     b_g = tl.load(g + rows * s_gt + i_hv * s_gh, mask=m_t, other=0.).to(tl.float32)  # [BT]
     b_b = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=m_t, other=0.).to(tl.float32)  # [BT]
     b_anc = tl.load(anc + rows, mask=m_t, other=0)  # [BT] int64
-    b_dep = tl.load(depth + rows, mask=m_t, other=-1)  # [BT]
+    b_v = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                  other=0.).to(tl.float32)  # [BT, BV]
+
+    # per-row scales applied after the products: l2 norms and the softmax-free q scale
+    if USE_L2:
+        qf = b_q.to(tl.float32)
+        kf = b_k.to(tl.float32)
+        r_q = tl.rsqrt(tl.sum(qf * qf, 1) + 1e-6) * scale  # [BT]
+        r_k = tl.rsqrt(tl.sum(kf * kf, 1) + 1e-6)  # [BT]
+    else:
+        r_q = tl.full([BT], 1., tl.float32) * scale
+        r_k = tl.full([BT], 1., tl.float32)
+    if SPLIT:
+        # raw bf16 operands: exact products on tensor cores
+        b_kk = tl.dot(b_k, tl.trans(b_k))  # [BT, BT]
+        b_qk = tl.dot(b_q, tl.trans(b_k))  # [BT, BT]
+        s_hi, s_mid, s_lo = _split3(b_S)
+        b_kS = tl.dot(b_k, s_hi) + tl.dot(b_k, s_mid) + tl.dot(b_k, s_lo)  # [BT, BV]
+        b_qS = tl.dot(b_q, s_hi) + tl.dot(b_q, s_mid) + tl.dot(b_q, s_lo)  # [BT, BV]
+    else:
+        qf = b_q.to(tl.float32)
+        kf = b_k.to(tl.float32)
+        b_kk = tl.dot(kf, tl.trans(kf), input_precision=PREC)
+        b_qk = tl.dot(qf, tl.trans(kf), input_precision=PREC)
+        b_kS = tl.dot(kf, b_S, input_precision=PREC)
+        b_qS = tl.dot(qf, b_S, input_precision=PREC)
 
     # [BT, BT] ancestor-or-self and proper-ancestor masks
     m_self = ((b_anc[:, None] >> o_t[None, :].to(tl.int64)) & 1) != 0
@@ -51,24 +93,27 @@ def gdn_tree_wy_kernel(
     b_G = tl.sum(tl.where(m_self, b_g[None, :], 0.), 1)  # [BT] root-path gate sums
     # masked before exp: G_i - G_j is only bounded when j is an ancestor of i
     b_decay = tl.where(m_self, tl.exp(tl.where(m_self, b_G[:, None] - b_G[None, :], 0.)), 0.)  # [BT, BT]
+    b_A = tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
 
-    b_A = tl.dot(b_k, tl.trans(b_k), input_precision=PREC) * b_decay * b_b[:, None]
-    b_A = tl.where(m_strict, b_A, 0.)  # [BT, BT]
     eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
-    b_T = eye  # rows of depth d are final once all shallower rows are
     d_max = tl.load(max_depth + i_r)
-    for d in range(1, d_max + 1):
-        b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC), b_T)
+    if INV == 1:
+        b_T = eye - b_A
+        b_P = b_A
+        for i in tl.static_range(1, 6):  # A^(2^i) = 0 once 2^i > depth
+            if (1 << i) <= d_max:
+                b_P = tl.dot(b_P, b_P, input_precision=PREC_S)
+                b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_S)
+    else:
+        b_dep = tl.load(depth + rows, mask=m_t, other=-1)  # [BT]
+        b_T = eye  # rows of depth d are final once all shallower rows are
+        for d in range(1, d_max + 1):
+            b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC_S), b_T)
 
-    idx = tl.load(state_idx + i_r).to(tl.int64)
-    b_S = tl.load(pool + idx * s_pn + i_hv * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv,
-                  mask=m_k[:, None] & m_v[None, :], other=0.)  # [BK, BV]
-    b_v = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                  other=0.).to(tl.float32)  # [BT, BV]
     b_eG = tl.exp(b_G)
-    b_rhs = b_b[:, None] * (b_v - b_eG[:, None] * tl.dot(b_k, b_S, input_precision=PREC))
-    b_u = tl.dot(b_T, b_rhs, input_precision=PREC)  # [BT, BV]
-    b_qk = tl.dot(b_q, tl.trans(b_k), input_precision=PREC) * b_decay  # [BT, BT]
-    b_o = b_eG[:, None] * tl.dot(b_q, b_S, input_precision=PREC) + tl.dot(b_qk, b_u, input_precision=PREC)
+    b_rhs = b_b[:, None] * (b_v - (b_eG * r_k)[:, None] * b_kS)  # [BT, BV]
+    b_u = tl.dot(b_T, b_rhs, input_precision=PREC_S)  # [BT, BV]
+    b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
+    b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_qkd, b_u, input_precision=PREC_S)
     tl.store(o + rows[:, None] * s_ot + i_hv * s_oh + o_v[None, :], b_o.to(o.dtype.element_ty),
              mask=m_t[:, None] & m_v[None, :])

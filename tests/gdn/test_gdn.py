@@ -412,3 +412,47 @@ def test_bad_inputs():
     acc, acc_len = _acc_tensors([[0, 1]])
     with pytest.raises(ValueError, match="needs k, v, g and beta"):
         gdn.commit(pool.clone(), None, idx, plan2, acc, acc_len, k, None, g, beta)
+
+
+# ------------------------------------------------------------------------ wy configurations
+
+
+@pytest.mark.parametrize("inverse", ["square", "levels"])
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+def test_wy_inverse_and_split(inverse, split):
+    """Both inverses ('square': log2(depth) rounds; 'levels') and both product modes (bf16 split of
+    the state vs fp32 products), on bf16 inputs, deep chains and bushy trees."""
+    from gdn.configs import WYConfig
+
+    rng = random.Random(21)
+    with force("gdn.tree_verify", config=WYConfig(BV=16, inverse=inverse, split=split)):
+        check_verify([chain(33), rand_tree(20, rng), star(5), [-1]], "wy", dtype=torch.bfloat16, seed=3)
+
+
+def test_wy_node_tile_follows_plan():
+    from gdn.configs import wy_config
+
+    assert wy_config(8, 128, 128).min_bt == 16 and wy_config(64, 128, 128).num_warps == 8
+
+
+def test_compile_fullgraph_out_none():
+    """torch.compile(fullgraph) with out=None (allocating twins of the ops), deterministic mode on:
+    its NaN-filled `empty` is the pattern that broke functionalization on the GPU."""
+    trees = [rand_tree(6, random.Random(5))]
+    plan = gdn.build_tree_plan(trees)
+    q, k, v, g, beta, pool = make_inputs(6)
+    idx = torch.tensor([2])
+    x, cs, w = torch.randn(6, 8), torch.randn(4, 8, 3), torch.randn(8, 4)
+
+    def f(q, k, v, g, beta, pool, x):
+        o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="wy")
+        return o * 2, gdn.tree_conv1d(x, cs, w, plan, conv_state_indices=idx) + 1
+
+    prev = torch.are_deterministic_algorithms_enabled()
+    torch.use_deterministic_algorithms(True)
+    try:
+        got = torch.compile(f, fullgraph=True, backend="aot_eager")(q, k, v, g, beta, pool, x)
+    finally:
+        torch.use_deterministic_algorithms(prev)
+    want = f(q, k, v, g, beta, pool, x)
+    assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])

@@ -48,17 +48,28 @@ def _trees():
     return [draft_tree(32, rng), chain(64), [-1], draft_tree(8, rng), [-1, 0, 0, 0, 1, 2, 3], draft_tree(63, rng)]
 
 
-@pytest.mark.parametrize("precision", ["tf32x3", "ieee"])
+WY_CONFIGS = {
+    "default": WYConfig(),
+    "levels": WYConfig(inverse="levels"),
+    "bt64-w4": WYConfig(min_bt=64, num_warps=4),
+    "bv64-w8": WYConfig(BV=64, num_warps=8),
+    "bv16": WYConfig(BV=16),
+    "nosplit-ieee": WYConfig(split=False, dot_precision="ieee"),
+}
+
+
+@pytest.mark.parametrize("cfg", list(WY_CONFIGS))
 @pytest.mark.parametrize("variant", ["wy", "recurrent"])
-def test_verify_hybrid_dims(variant, precision):
-    if variant == "recurrent" and precision != "tf32x3":
-        pytest.skip("precision only applies to wy")
+def test_verify_hybrid_dims(variant, cfg):
+    if variant == "recurrent" and cfg != "default":
+        pytest.skip("configs only apply to wy")
     trees = _trees()
     plan = gdn.build_tree_plan(trees, device=DEV)
     q, k, v, g, beta, pool = inputs(plan.total_nodes, len(trees), 1)
     idx = torch.arange(1, len(trees) + 1, device=DEV)
     out = torch.empty(plan.total_nodes, HV, V, device=DEV)  # fp32 output: see the kernel's own error
-    pin = force("gdn.tree_verify", config=WYConfig(dot_precision=precision, min_bt=64)) if variant == "wy" else None
+    precision = cfg
+    pin = force("gdn.tree_verify", config=WY_CONFIGS[cfg]) if variant == "wy" else None
     with pin or contextlib.nullcontext():
         o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant=variant, out=out)
     fn = chunk_reference if variant == "wy" else recurrent_reference
@@ -94,17 +105,25 @@ def _compiled_asm(kernel):
 
 @pytest.mark.hopper
 def test_wy_kernel_uses_wgmma():
+    """wgmma needs M >= 64 per warpgroup: 64-node tiles (min_bt=64, 4 warps) put every bf16
+    tensor-core product (q.k^T, k.k^T, K.S0 and Q.S0 pieces) at M=64. The default tile follows the
+    plan's node count (32 rows for a 32-node tree) and lowers to mma.sync instead."""
     from gdn.kernels.wy import gdn_tree_wy_kernel
 
-    plan = gdn.build_tree_plan([draft_tree(32, random.Random(1))], device=DEV)
-    q, k, v, g, beta, pool = inputs(32, 1, 3)
-    assert gdn.configs.wy_config(32, K, V).min_bt == 64  # default on sm_90: M=64 tiles for wgmma
-    gdn.tree_verify(q, k, v, g, beta, pool, torch.zeros(1, dtype=torch.int32, device=DEV), plan,
-                    use_qk_l2norm=True, variant="wy")
+    plan = gdn.build_tree_plan([draft_tree(48, random.Random(1))], device=DEV)
+    q, k, v, g, beta, pool = inputs(48, 1, 3)
+    idx = torch.zeros(1, dtype=torch.int32, device=DEV)
+    with force("gdn.tree_verify", config=WYConfig(min_bt=64, num_warps=4)):
+        o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="wy",
+                            out=torch.empty(48, HV, V, device=DEV))
     torch.cuda.synchronize()
     ptx = _compiled_asm(gdn_tree_wy_kernel)
     assert ptx, "no compiled WY kernel found in Triton's cache"
     assert any("wgmma" in p for p in ptx), "the WY kernel's PTX has no wgmma instruction on sm_90"
+    trees = [draft_tree(48, random.Random(1))]
+    r64 = tree_reference(q, k, v, g, beta, pool.double(), [0], trees, use_qk_l2norm=True, dtype=torch.float64)
+    r32 = tree_reference(q, k, v, g, beta, pool, [0], trees, use_qk_l2norm=True, fn=chunk_reference)
+    assert_close(o, r64, r32, msg="wgmma config")
 
 
 def test_cuda_graph_verify_conv_commit():
@@ -183,9 +202,13 @@ def test_chain_vs_fla(n):
                                     dtype=torch.float64)
     r32 = chunk_reference(q, k, v, g, beta, pool[0], use_qk_l2norm=True)
     assert_close(o, r64, r32)
+    # fla: [B, T, heads, D] layout, g = log decay, keyword arguments (fused_recurrent's positional
+    # order differs from chunk's); q/k expanded to the HV value heads (grouped heads, h // (HV // H))
+    qe, ke = (t.repeat_interleave(HV // H, 1)[None] for t in (q, k))
     for f in (fla.chunk_gated_delta_rule, fla.fused_recurrent_gated_delta_rule):
-        of, sf = f(q[None], k[None], v[None], g[None], beta[None], initial_state=pool[:1].clone(),
-                   output_final_state=True, use_qk_l2norm_in_kernel=True)
+        of, sf = f(q=qe, k=ke, v=v[None], g=g[None], beta=beta[None], scale=K ** -0.5,
+                   initial_state=pool[:1].clone(), output_final_state=True, use_qk_l2norm_in_kernel=True)
+        assert torch.isfinite(of).all() and torch.isfinite(sf).all(), f"{f.__name__}: non-finite output"
         # at least as accurate as fla on the same call (both against fp64)
         assert rel_err(o, r64) <= 2 * rel_err(of[0], r64) + 1e-6, f.__name__
         # commit along the whole chain reproduces fla's final state

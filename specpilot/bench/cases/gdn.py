@@ -3,8 +3,8 @@ them on chains.
 
 Every case runs all `gdn_layers` layers in one call (so one CUDA graph holds the whole model's
 GDN verify for a step), with per-layer inputs and per-layer state pools.
-* `tree_verify-B1-N32-L48`: batch 1, one 32-node tree; variants "wy", "wy-bt16" (same kernel,
-  16-row node tiles: mma.sync rather than wgmma on sm_90) and "recurrent" (baseline).
+* `tree_verify-B1-N32-L48`: batch 1, one 32-node tree; variants "wy" (default config), "wy-bt64"
+  (64-row node tiles: wgmma on sm_90), "wy-levels" (level-by-level inverse) and "recurrent" (baseline).
   `tree_conv1d-B1-N32-L48` and `commit-B1-N32-L48` report the other two ops of the step.
 * `tree_verify-B24-N8-L48`: batch 24, 8-node trees (compare with the floor).
 * `chain-B1-T{8,16,32}-L48`: chain-shaped trees beside fla's chunk_gated_delta_rule and
@@ -73,6 +73,13 @@ def _check_verify(o, q, k, v, g, beta, pool, trees, variant, layers, msg):
         assert_close(o[li], r64, r32.to(o.dtype), msg=f"{msg} layer {li}")
 
 
+# pinned WY configs beside the default (node tile from the plan, 'square' inverse, bf16-split products)
+_PINNED = {
+    "wy-bt64": WYConfig(min_bt=64, num_warps=4),  # M=64 tiles: wgmma on sm_90
+    "wy-levels": WYConfig(inverse="levels"),  # level-by-level inverse (the first version's)
+}
+
+
 def _verify_case(variant, trees, d, device, group, tag):
     B, ns = len(trees), [len(t) for t in trees]
     T, L = sum(ns), d["L"]
@@ -84,7 +91,7 @@ def _verify_case(variant, trees, d, device, group, tag):
         o = torch.empty(L, T, d["HV"], d["V"], device=device, dtype=torch.bfloat16)
 
         kernel = "wy" if variant.startswith("wy") else variant
-        pinned = WYConfig(BV=32, num_warps=4, min_bt=16) if variant == "wy-bt16" else None
+        pinned = _PINNED.get(variant)
 
         def run():
             with force("gdn.tree_verify", config=pinned) if pinned else contextlib.nullcontext():
@@ -113,12 +120,16 @@ def _fla_case(variant, n, d, device, group, tag):
         f = chunk_gated_delta_rule if variant == "fla.chunk" else fused_recurrent_gated_delta_rule
         q, k, v, g, beta, pool = _inputs(L, n, d["H"], d["HV"], d["K"], d["V"], 1, device, _SEED + n)
         outs = [None] * L
+        qe, ke = (t.repeat_interleave(d["HV"] // d["H"], 2) for t in (q, k))
 
         def run():
             with torch.inference_mode():
                 for li in range(L):
-                    outs[li] = f(q[li, None], k[li, None], v[li, None], g[li, None], beta[li, None],
-                                 initial_state=pool[li], output_final_state=False, use_qk_l2norm_in_kernel=True)[0]
+                    # keyword arguments (fused_recurrent's positional order differs from chunk's);
+                    # q/k expanded to the value heads
+                    outs[li] = f(q=qe[li, None], k=ke[li, None], v=v[li, None], g=g[li, None], beta=beta[li, None],
+                                 scale=d["K"] ** -0.5, initial_state=pool[li], output_final_state=False,
+                                 use_qk_l2norm_in_kernel=True)[0]
 
         def check():
             run()
@@ -221,8 +232,7 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     small = [_tree(8, rng) for _ in range(24)]
     if device.type != "cuda":  # tiny demo scale on the interpreter
         big, small = [_tree(6, rng)], [_tree(3, rng) for _ in range(2)]
-    # "wy-bt16": the same kernel pinned to 16-row node tiles (mma.sync instead of wgmma on sm_90)
-    variants = ("wy", "wy-bt16", "recurrent") if device.type == "cuda" else ("wy", "recurrent")
+    variants = ("wy", "wy-bt64", "wy-levels", "recurrent") if device.type == "cuda" else ("wy", "recurrent")
     out = []
     for trees in (big, small):
         tag = f"B{len(trees)}-N{len(trees[0])}-L{d['L']}"
