@@ -279,7 +279,8 @@ def main(argv=None) -> int:
                     except Exception as e:  # noqa: BLE001 - a config that fails is reported and skipped
                         msg = f"{name} M={M} {opn} {_tag_full(cfg)}: {type(e).__name__}: {str(e)[:160]}"
                         bad.append(msg)
-                        print("SKIP", msg, flush=True)
+                        if len(bad) <= 8:
+                            print("SKIP", msg, flush=True)
                         continue
                     rows.append(dict(shape=name, N=N, K=K, M=M, op=opn, kind=kind, src=src, cfg=_tag_full(cfg),
                                      tile=_tag(cfg), split=cfg.split_k, bt=cfg.block_t, us=t * 1e6,
@@ -293,16 +294,21 @@ def main(argv=None) -> int:
 
 
 def _report(rows, kstats, bad, a, wall, stopped) -> None:
-    print(f"\n# kernels compiled (tile op BT split: regs spills smem) [{len(kstats)}]")
-    line = []
-    for (tile, opn, bt, sp), st in sorted(kstats.items()):
-        line.append(f"{tile}/{opn}/t{bt}{'/S' if sp else ''}:{st.get('n_regs', '-')}r{st.get('n_spills', '-')}sp"
-                    f"{st.get('smem', 0) >> 10}K")
-    for i in range(0, len(line), 4):
-        print("  " + "  ".join(line[i:i + 4]))
+    # compact: one entry per (tile, op), regs range over BT/split variants; all details in the JSON
+    agg = {}
+    for (tile, opn, bt, sp), st in kstats.items():
+        e = agg.setdefault((tile, opn), [1 << 30, 0, 0, 0])
+        e[0] = min(e[0], st.get("n_regs", 0))
+        e[1] = max(e[1], st.get("n_regs", 0))
+        e[2] = max(e[2], st.get("n_spills", 0))
+        e[3] = max(e[3], st.get("smem", 0) >> 10)
+    print(f"\n# compiled kernels: tile/op regs(min-max) spills(max) smemKB(max) [{len(kstats)} kernels]")
+    line = [f"{t}/{o}:{e[0]}-{e[1]}r{e[2]}sp{e[3]}K" for (t, o), e in sorted(agg.items())]
+    for i in range(0, len(line), 5):
+        print("  " + " ".join(line[i:i + 5]))
     print("\n# best per cell: us (x vs cuBLAS) cfg; TB/s on W12 bytes. T=tensor-core kernel, G=CUDA-core gemv")
-    print(f"{'shape':11s} {'M':>2s} op  {'cuBLAS':>7s} {'TB/s':>4s} | {'best T':>7s} {'x':>5s} {'cfg':17s} | "
-          f"{'best G':>7s} {'x':>5s} {'cfg':16s} | {'H(def)':>6s} {'TB/s':>4s}")
+    print(f"{'shape':11s} {'M':>2s} op {'cuBLAS':>7s} {'TB/s':>4s}|{'best T':>7s} {'x':>5s} {'cfg':17s}|"
+          f"{'best G':>7s} {'x':>5s} {'cfg':16s}|{'H(def)':>6s} {'TB/s':>4s} bestTB/s")
     cells = {}
     for r in rows:
         cells.setdefault((r["shape"], r["M"], r["op"]), []).append(r)
@@ -319,8 +325,8 @@ def _report(rows, kstats, bad, a, wall, stopped) -> None:
             return f"{r['us']:7.1f} {cub / r['us']:5.2f} {r['cfg']:{w}s}" if r else f"{'-':>7s} {'-':>5s} {'':{w}s}"
 
         hs = f"{h['us']:6.1f} {h['tbs']:4.2f}" if h else f"{'-':>6s} {'-':>4s}"
-        print(f"{shape:11s} {M:2d} {opn}  {cub:7.1f} {rs[0]['cublas_tbs']:4.2f} | {f(bt, 17)} | {f(bg, 16)} | {hs}"
-              f"  best {best['tbs']:.2f} TB/s")
+        print(f"{shape:11s} {M:2d} {opn} {cub:7.1f} {rs[0]['cublas_tbs']:4.2f}|{f(bt, 17)}|{f(bg, 16)}|{hs}"
+              f" {best['tbs']:.2f}")
     for opn, v in speed.items():
         if v:
             g = math.exp(sum(map(math.log, v)) / len(v))
