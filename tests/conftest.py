@@ -43,6 +43,10 @@ _real_empty_like = torch.empty_like
 
 
 def _poison(t):
+    # Leave tensors alone while torch.compile traces (a fill_ would enter the graph) and
+    # tensors that require grad (inductor's own helpers allocate those).
+    if torch.compiler.is_compiling() or t.requires_grad:
+        return t
     if t.is_floating_point() or t.is_complex():
         t.fill_(float("nan"))
     elif t.dtype == torch.bool:
