@@ -23,36 +23,10 @@ import torch.nn.functional as F
 
 import autotune
 import w12
+from specpilot.bench.runner import time_fns
 from specpilot.bench.shapes import get_shape_set
 from w12 import configs as wc
 from w12 import ops as wops
-
-
-def _graph_time(fns, reps: int = 30) -> float:
-    """Median seconds of one call, from replays of a graph holding each rotated fn once."""
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3 / len(fns))
-    del g
-    ts.sort()
-    return ts[len(ts) // 2]
 
 
 def _subset(kind: str, M: int, N: int, K: int, limit: int) -> list:
@@ -116,7 +90,7 @@ def main(argv=None) -> int:
                                 err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
                                 if not err < 1e-2:
                                     raise AssertionError(f"wrong result, rel max err {err:.2e}")
-                                t = _graph_time([lambda p=p: fn(x, p) for p in packs])
+                                t = time_fns([lambda p=p: fn(x, p) for p in packs], reps=30)
                         except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
                             log.append(dict(op=op, variant=variant, shape=name, M=M, cfg=str(cfg), error=str(e)[:200]))
                             continue

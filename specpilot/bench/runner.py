@@ -154,6 +154,14 @@ def _time(prep: Prepared, device: torch.device, reps: int, warmup: int,
     return _time_cuda_events(prep.fns, reps, warmup)
 
 
+def time_fns(fns, device=None, *, reps: int = 50, warmup: int = 3, graph: bool = True) -> float:
+    """Median seconds of one call over rotated callables `fns`, timed as the runner times a case
+    (CUDA graph replays, else CUDA events; perf_counter on CPU). For tuning and exploration scripts."""
+    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    samples, _, _ = _time(Prepared(fns=list(fns), graph_safe=graph), device, reps, warmup)
+    return _quantile(samples, 0.5)
+
+
 def _floor_s(case: Case, device: torch.device) -> float | None:
     try:
         return autotune.byte_floor(case.flops, case.bytes, device)
