@@ -67,6 +67,16 @@ def test_assert_close_fails_10x_error():
     assert c.base_err < c.bound < c.err
 
 
+def test_assert_close_fails_10x_error_bf16_output():
+    """With a bf16 output the floor (one unit roundoff) must not swallow the 2x rule."""
+    ref64, same = _matmul_case()
+    same16 = same.to(torch.bfloat16)  # PyTorch's bf16 result: error ~ bf16 output rounding
+    cand = (ref64 + 10 * (same16.double() - ref64)).to(torch.bfloat16)
+    with pytest.raises(AssertionError, match="exceeds 2.0x"):
+        assert_close(cand, ref64, same16)
+    assert_close(same16, ref64, same16)
+
+
 def test_assert_close_nan_and_inf_patterns():
     ref = torch.tensor([1.0, float("nan"), float("inf"), -float("inf"), 2.0], dtype=torch.float64)
     base = ref.float()
