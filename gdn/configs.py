@@ -8,6 +8,7 @@ from dataclasses import dataclass
 import triton
 
 from autotune import get_config, shape_key
+from autotune.hardware import has_wgmma
 
 __all__ = ["WYConfig", "RecurrentConfig", "ConvConfig", "CommitConfig", "wy_config", "recurrent_config",
            "conv_config", "commit_config", "VARIANTS"]
@@ -29,6 +30,9 @@ class WYConfig:
     split: bool = True  # bf16 q/k: exact bf16 tensor-core products, fp32 state split in 3 bf16
     inverse: str = "square"  # "square": log2(depth) rounds; "levels": one product per depth level
     min_bt: int = 16  # node tile floor; 64 makes the tensor-core dots M=64 (wgmma on sm_90)
+    # transposed orientation: the big products are [BV, K] x [K, BT], M = BV (64: wgmma on sm_90
+    # at any node count, no 64-row padding)
+    trans: bool = False
 
 
 @dataclass(frozen=True)
@@ -59,6 +63,9 @@ def wy_config(max_nodes: int, K: int, V: int, device=None) -> WYConfig:
         # node tile from the plan's largest request (an 8-node tree padded to 64 rows did 64x the
         # [BT,BT] work); bf16 [BT, K] q/k tiles sit in registers next to the [K, BV] fp32 state.
         bt = max(16, triton.next_power_of_2(max_nodes))
+        if has_wgmma(device) and V >= 64:
+            # sm_90: transposed products with M = BV = 64, one warpgroup (4 warps) per program
+            return WYConfig(BV=64, num_warps=4, trans=True)
         return WYConfig(BV=_bv(V), num_warps=8 if bt >= 64 else 4)
 
     return get_config("gdn.tree_verify", "wy", WYConfig, heuristic, key=shape_key(M=max_nodes, K=K, V=V),

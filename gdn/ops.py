@@ -54,7 +54,7 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
         gdn_tree_wy_kernel[grid](q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, scale, *common,
                                  H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg.BV, USE_L2=use_l2,
                                  PREC=cfg.dot_precision, PREC_S=cfg.small_precision, SPLIT=split,
-                                 INV=1 if cfg.inverse == "square" else 0, num_warps=cfg.num_warps,
+                                 INV=1 if cfg.inverse == "square" else 0, TRANS=cfg.trans, num_warps=cfg.num_warps,
                                  num_stages=cfg.num_stages)
     elif variant == "recurrent":
         from .kernels.recurrent import gdn_tree_recurrent_kernel

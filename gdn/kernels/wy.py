@@ -13,6 +13,11 @@ norms and the scale applied afterwards; K.S0 and Q.S0 split the fp32 state into 
 pieces (8+8+8 mantissa bits), so every tensor-core product is exact. Small [BT,BT]/[BT,BV]
 products (inverse, T.rhs, (q.k).U) run at PREC_S ("ieee": plain fp32 FMA, cheap at these sizes).
 SPLIT=False (fp32 inputs): every product at PREC.
+
+Orientation. TRANS=True computes everything transposed, [BV, BT] instead of [BT, BV]:
+(K S0)^T = S0^T K^T is [BV, K] x [K, BT], so the big products have M = BV (64 on sm_90: one
+wgmma warpgroup tile) however few nodes the tree has; likewise (Q S0)^T, U^T = rhs^T T^T and
+O^T = (eG q S0)^T + U^T (q k^T d)^T. TRANS=False keeps M = BT (mma.sync unless BT >= 64).
 """
 
 import triton
@@ -38,6 +43,7 @@ def gdn_tree_wy_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2: tl.constexpr, PREC: tl.constexpr, PREC_S: tl.constexpr, SPLIT: tl.constexpr, INV: tl.constexpr,
+    TRANS: tl.constexpr = False,
 ):
     i_r, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -55,13 +61,22 @@ def gdn_tree_wy_kernel(
     b_q = tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
     b_k = tl.load(k + rows[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
     idx = tl.load(state_idx + i_r).to(tl.int64)
-    b_S = tl.load(pool + idx * s_pn + i_hv * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv,
-                  mask=m_k[:, None] & m_v[None, :], other=0.)  # [BK, BV] fp32
+    p_S = pool + idx * s_pn + i_hv * s_ph
+    if TRANS:
+        b_S = tl.load(p_S + o_v[:, None] * s_pv + o_k[None, :] * s_pk,
+                      mask=m_v[:, None] & m_k[None, :], other=0.)  # [BV, BK] fp32 (S0^T)
+    else:
+        b_S = tl.load(p_S + o_k[:, None] * s_pk + o_v[None, :] * s_pv,
+                      mask=m_k[:, None] & m_v[None, :], other=0.)  # [BK, BV] fp32
     b_g = tl.load(g + rows * s_gt + i_hv * s_gh, mask=m_t, other=0.).to(tl.float32)  # [BT]
     b_b = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=m_t, other=0.).to(tl.float32)  # [BT]
     b_anc = tl.load(anc + rows, mask=m_t, other=0)  # [BT] int64
-    b_v = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                  other=0.).to(tl.float32)  # [BT, BV]
+    if TRANS:
+        b_v = tl.load(v + rows[None, :] * s_vt + i_hv * s_vh + o_v[:, None], mask=m_v[:, None] & m_t[None, :],
+                      other=0.).to(tl.float32)  # [BV, BT]
+    else:
+        b_v = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
+                      other=0.).to(tl.float32)  # [BT, BV]
 
     # per-row scales applied after the products: l2 norms and the softmax-free q scale
     if USE_L2:
@@ -77,15 +92,25 @@ def gdn_tree_wy_kernel(
         b_kk = tl.dot(b_k, tl.trans(b_k))  # [BT, BT]
         b_qk = tl.dot(b_q, tl.trans(b_k))  # [BT, BT]
         s_hi, s_mid, s_lo = _split3(b_S)
-        b_kS = tl.dot(b_k, s_hi) + tl.dot(b_k, s_mid) + tl.dot(b_k, s_lo)  # [BT, BV]
-        b_qS = tl.dot(b_q, s_hi) + tl.dot(b_q, s_mid) + tl.dot(b_q, s_lo)  # [BT, BV]
+        if TRANS:
+            b_kT = tl.trans(b_k)  # [BK, BT]
+            b_qT = tl.trans(b_q)  # [BK, BT]
+            b_kS = tl.dot(s_hi, b_kT) + tl.dot(s_mid, b_kT) + tl.dot(s_lo, b_kT)  # [BV, BT]
+            b_qS = tl.dot(s_hi, b_qT) + tl.dot(s_mid, b_qT) + tl.dot(s_lo, b_qT)  # [BV, BT]
+        else:
+            b_kS = tl.dot(b_k, s_hi) + tl.dot(b_k, s_mid) + tl.dot(b_k, s_lo)  # [BT, BV]
+            b_qS = tl.dot(b_q, s_hi) + tl.dot(b_q, s_mid) + tl.dot(b_q, s_lo)  # [BT, BV]
     else:
         qf = b_q.to(tl.float32)
         kf = b_k.to(tl.float32)
         b_kk = tl.dot(kf, tl.trans(kf), input_precision=PREC)
         b_qk = tl.dot(qf, tl.trans(kf), input_precision=PREC)
-        b_kS = tl.dot(kf, b_S, input_precision=PREC)
-        b_qS = tl.dot(qf, b_S, input_precision=PREC)
+        if TRANS:
+            b_kS = tl.dot(b_S, tl.trans(kf), input_precision=PREC)  # [BV, BT]
+            b_qS = tl.dot(b_S, tl.trans(qf), input_precision=PREC)  # [BV, BT]
+        else:
+            b_kS = tl.dot(kf, b_S, input_precision=PREC)  # [BT, BV]
+            b_qS = tl.dot(qf, b_S, input_precision=PREC)  # [BT, BV]
 
     # [BT, BT] ancestor-or-self and proper-ancestor masks
     m_self = ((b_anc[:, None] >> o_t[None, :].to(tl.int64)) & 1) != 0
@@ -111,9 +136,16 @@ def gdn_tree_wy_kernel(
             b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC_S), b_T)
 
     b_eG = tl.exp(b_G)
-    b_rhs = b_b[:, None] * (b_v - (b_eG * r_k)[:, None] * b_kS)  # [BT, BV]
-    b_u = tl.dot(b_T, b_rhs, input_precision=PREC_S)  # [BT, BV]
     b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
-    b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_qkd, b_u, input_precision=PREC_S)
-    tl.store(o + rows[:, None] * s_ot + i_hv * s_oh + o_v[None, :], b_o.to(o.dtype.element_ty),
-             mask=m_t[:, None] & m_v[None, :])
+    if TRANS:
+        b_rhs = b_b[None, :] * (b_v - (b_eG * r_k)[None, :] * b_kS)  # [BV, BT]
+        b_u = tl.dot(b_rhs, tl.trans(b_T), input_precision=PREC_S)  # [BV, BT]
+        b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_u, tl.trans(b_qkd), input_precision=PREC_S)  # [BV, BT]
+        tl.store(o + rows[None, :] * s_ot + i_hv * s_oh + o_v[:, None], b_o.to(o.dtype.element_ty),
+                 mask=m_v[:, None] & m_t[None, :])
+    else:
+        b_rhs = b_b[:, None] * (b_v - (b_eG * r_k)[:, None] * b_kS)  # [BT, BV]
+        b_u = tl.dot(b_T, b_rhs, input_precision=PREC_S)  # [BT, BV]
+        b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_qkd, b_u, input_precision=PREC_S)
+        tl.store(o + rows[:, None] * s_ot + i_hv * s_oh + o_v[None, :], b_o.to(o.dtype.element_ty),
+                 mask=m_t[:, None] & m_v[None, :])

@@ -429,6 +429,25 @@ def test_wy_inverse_and_split(inverse, split):
         check_verify([chain(33), rand_tree(20, rng), star(5), [-1]], "wy", dtype=torch.bfloat16, seed=3)
 
 
+@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+@pytest.mark.parametrize("inverse", ["square", "levels"])
+def test_wy_transposed(split, inverse):
+    """trans=True (products as [BV, K] x [K, BT], M = BV: the sm_90 default) gives the same function
+    within the derived bound: deep chains, bushy trees, a one-node tree, odd V (masked V block)."""
+    from gdn.configs import WYConfig
+
+    rng = random.Random(22)
+    with force("gdn.tree_verify", config=WYConfig(BV=16, inverse=inverse, split=split, trans=True)):
+        check_verify([chain(33), rand_tree(20, rng), star(5), [-1]], "wy", dtype=torch.bfloat16, seed=4)
+
+
+def test_wy_transposed_odd_dims_vk():
+    from gdn.configs import WYConfig
+
+    with force("gdn.tree_verify", config=WYConfig(BV=16, trans=True)):
+        check_verify([rand_tree(10, random.Random(5)), star(4)], "wy", l2=False, layout="vk", h=1, hv=3, k=24, v=20)
+
+
 def test_wy_node_tile_follows_plan():
     from gdn.configs import wy_config
 
