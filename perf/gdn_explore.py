@@ -28,7 +28,9 @@ def parse():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="folder for results.json")
     ap.add_argument("--smoke", action="store_true", help="tiny dims on CPU (interpreter)")
-    ap.add_argument("--budget", type=float, default=175.0, help="hard wall budget in seconds")
+    ap.add_argument("--budget", type=float, default=190.0, help="hard wall budget in seconds (all of it)")
+    ap.add_argument("--fla-budget", type=float, default=75.0,
+                    help="share of the budget for fla (run first: its first-call autotune is ~60 s)")
     ap.add_argument("--layers", type=int, default=None)
     return ap.parse_args()
 
@@ -60,23 +62,20 @@ if ARGS.layers:
     L = ARGS.layers
 C = 2 * H * K + HV * V if GPU else 24
 
-WY = {  # name -> pinned config (None = the default heuristic)
-    "wy": None,
-    "wy-bv16": WYConfig(BV=16),
-    "wy-bv64": WYConfig(BV=64),
-    "wy-bv64-w8": WYConfig(BV=64, num_warps=8),
-    "wy-bv16-w2": WYConfig(BV=16, num_warps=2),
-    "wy-bv32-w2": WYConfig(BV=32, num_warps=2),
-    "wy-bv32-w8": WYConfig(BV=32, num_warps=8),
-    "wy-levels": WYConfig(inverse="levels"),
-    "wy-bt64": WYConfig(min_bt=64, num_warps=4),
-    "wy-small-tf32x3": WYConfig(small_precision="tf32x3"),
-    "wy-nosplit-ieee": WYConfig(split=False, dot_precision="ieee"),
-    "wy-nosplit-tf32x3": WYConfig(split=False, dot_precision="tf32x3"),
+WY = {  # name -> pinned config (None = the default heuristic); most promising first (budget)
+    "wy": None,  # sm_90 default: trans=True, BV=64, 4 warps (wgmma products)
+    "r1-bv64-w8": WYConfig(BV=64, num_warps=8),  # round 1 best (B1-N32, chain32)
+    "r1-bv64": WYConfig(BV=64),  # round 1 best (B24-N8, chain16)
+    "t-bv64-w8": WYConfig(BV=64, num_warps=8, trans=True),
+    "t-bv32": WYConfig(BV=32, trans=True),  # 2x the programs; M=32 (mma.sync)
+    "t-bv128": WYConfig(BV=128, trans=True),  # one program per head, M=128
+    "t-bv64-tf32x3": WYConfig(BV=64, trans=True, small_precision="tf32x3"),  # inverse + U/O on tensor cores
+    "t-bv64-levels": WYConfig(BV=64, trans=True, inverse="levels"),
+    "t-bv128-w8": WYConfig(BV=128, num_warps=8, trans=True),
 }
 if not GPU:
     WY = {"wy": WYConfig(BV=16), "wy-levels": WYConfig(BV=16, inverse="levels"),
-          "wy-nosplit": WYConfig(BV=16, split=False)}
+          "wy-nosplit": WYConfig(BV=16, split=False), "t-bv16": WYConfig(BV=16, trans=True)}
 
 ROWS: list[dict] = []
 LOG: list[str] = []
@@ -260,32 +259,49 @@ def main():
     say(f"device={torch.cuda.get_device_name() if GPU else 'cpu'} torch={torch.__version__} "
         f"L={L} H={H} HV={HV} K={K} V={V} budget={ARGS.budget}s")
     best: dict[str, list] = {}
+    cases = {}
     for sname, trees in specs:
         T = sum(len(t) for t in trees)
-        plan = gdn.build_tree_plan(trees, device=DEV)
-        case = dict(trees=trees, T=T, plan=plan, inputs=inputs(T, len(trees), 7 + T), refs={})
+        cases[sname] = dict(trees=trees, T=T, plan=gdn.build_tree_plan(trees, device=DEV),
+                            inputs=inputs(T, len(trees), 7 + T), refs={})
+    # fla first, on its own share of the budget: warm-up call (autotune) untimed, then timed
+    fla_end = time.time() + (ARGS.fla_budget if GPU else 0.0)
+    for sname, _ in specs:
+        for name in (["fla.chunk", "fla.fused_recurrent"] if GPU and sname.startswith("chain") else []):
+            if time.time() > fla_end or left() < 100:
+                say(f"  (fla budget) skipped {sname} {name}")
+                continue
+            t = time.time()
+            try:
+                us, note = run_fla(cases[sname], name)
+            except Exception as e:  # noqa: BLE001
+                us, note = None, f"ERROR {type(e).__name__}: {str(e)[:160]}"
+            us = float("nan") if us is None else us
+            say(f"== {sname} {name:<20} {us:9.1f} us  {note}  ({time.time() - t:.1f}s incl. warm-up)")
+            ROWS.append(dict(case=sname, variant=name, us=us, ok=us == us, note=note))
+            if us == us:
+                best.setdefault(sname, []).append((us, name))
+    for sname, trees in specs:
+        case = cases[sname]
+        T, plan = case["T"], case["plan"]
         floor = L * (2 * T * H * K * 2 + T * HV * V * 2 + T * HV * 6 + len(trees) * HV * K * V * 4 + T * HV * V * 2)
         floor_us = floor / 3.3e12 * 1e6  # at ~3.3 TB/s measured-ish H200 copy bandwidth
         say(f"== {sname}: T={T} depth<= {max(len(root_path(t, i)) for t in trees for i in range(len(t))) - 1} "
             f"byte floor {floor / 1e6:.1f} MB ~ {floor_us:.0f} us")
         # essentials first (default wy, baselines), then the other configs within this case's share
-        fla = ["fla.chunk", "fla.fused_recurrent"] if sname.startswith("chain") else []
-        names = ["wy", "recurrent"] + fla + [n for n in WY if n != "wy"]
+        names = ["wy", "recurrent"] + [n for n in WY if n != "wy"]
         cases_left = len(specs) - [s_ for s_, _ in specs].index(sname)
         case_end = time.time() + max(10.0, (left() - 20) / cases_left)
         for name in names:
-            essential = name in ("wy", "recurrent") or name.startswith("fla")
-            if left() < (40 if name.startswith("fla") else 12) or (not essential and time.time() > case_end):
+            essential = name in ("wy", "recurrent", "r1-bv64-w8")
+            if left() < 12 or (not essential and time.time() > case_end):
                 say(f"  (budget) skipped {name}")
                 continue
             t = time.time()
             try:
-                if name.startswith("fla"):
-                    us, note = run_fla(case, name) if GPU else (None, "skipped on cpu")
-                    ok, ratio = us is not None, float("nan")
-                else:
-                    ok, ratio, us = run_verify(case, name, WY.get(name), "wy" if name.startswith("wy") else "recurrent")
-                    note = f"err/torch32={ratio:.2f}" + ("" if ok else " FAILED CHECK")
+                kern = "recurrent" if name == "recurrent" else "wy"
+                ok, ratio, us = run_verify(case, name, WY.get(name), kern)
+                note = f"err/torch32={ratio:.2f}" + ("" if ok else " FAILED CHECK")
             except Exception as e:  # noqa: BLE001
                 ok, us, note = False, float("nan"), f"ERROR {type(e).__name__}: {str(e)[:160]}"
             if us is None:
@@ -306,8 +322,12 @@ def main():
         rows = sorted(best.get(sname, []))
         rec = next((u for u, n in rows if n == "recurrent"), float("nan"))
         fla = min([u for u, n in rows if n.startswith("fla")] or [float("nan")])
-        top = ", ".join(f"{n} {u:.0f}" for u, n in rows[:3])
-        say(f"  {sname:<8} best: {top} | recurrent {rec:.0f} | fla {fla:.0f}")
+        top = ", ".join(f"{n} {u:.0f}" for u, n in rows if not n.startswith(("fla", "recurrent")))
+        top = ", ".join(top.split(", ")[:3])
+        new = next((u for u, n in rows if n == "wy"), float("nan"))
+        r1 = min([u for u, n in rows if n.startswith("r1-")] or [float("nan")])
+        say(f"  {sname:<8} best: {top} | default wy {new:.0f} vs round-1 best {r1:.0f} ({r1 / new:.2f}x) "
+            f"| recurrent {rec:.0f} | fla {fla:.0f}")
     if ARGS.out:
         os.makedirs(ARGS.out, exist_ok=True)
         with open(os.path.join(ARGS.out, "gdn_explore.json"), "w") as f:

@@ -55,6 +55,12 @@ WY_CONFIGS = {
     "bv64-w8": WYConfig(BV=64, num_warps=8),
     "bv16": WYConfig(BV=16),
     "nosplit-ieee": WYConfig(split=False, dot_precision="ieee"),
+    "t-bv64": WYConfig(BV=64, trans=True),  # the sm_90 heuristic default
+    "t-bv64-w8": WYConfig(BV=64, num_warps=8, trans=True),
+    "t-bv128": WYConfig(BV=128, trans=True),
+    "t-bv32": WYConfig(BV=32, trans=True),
+    "t-tf32x3": WYConfig(BV=64, trans=True, small_precision="tf32x3"),
+    "t-nosplit-ieee": WYConfig(BV=64, trans=True, split=False, dot_precision="ieee"),
 }
 
 
@@ -105,25 +111,30 @@ def _compiled_asm(kernel):
 
 @pytest.mark.hopper
 def test_wy_kernel_uses_wgmma():
-    """wgmma needs M >= 64 per warpgroup: 64-node tiles (min_bt=64, 4 warps) put every bf16
-    tensor-core product (q.k^T, k.k^T, K.S0 and Q.S0 pieces) at M=64. The default tile follows the
-    plan's node count (32 rows for a 32-node tree) and lowers to mma.sync instead."""
+    """The sm_90 DEFAULT config emits wgmma at the B1-N32 shape: with trans=True the big bf16
+    products are [BV, K] x [K, BT] (S0^T K^T, S0^T Q^T), M = BV = 64, one warpgroup, whatever the
+    node count (the old way, 64-row node tiles, spilled 630 registers)."""
+    from gdn.configs import wy_config
     from gdn.kernels.wy import gdn_tree_wy_kernel
 
-    plan = gdn.build_tree_plan([draft_tree(48, random.Random(1))], device=DEV)
-    q, k, v, g, beta, pool = inputs(48, 1, 3)
+    assert wy_config(32, K, V, DEV).trans, "sm_90 default should be the transposed (wgmma) orientation"
+    trees = [draft_tree(32, random.Random(1))]
+    plan = gdn.build_tree_plan(trees, device=DEV)
+    q, k, v, g, beta, pool = inputs(32, 1, 3)
     idx = torch.zeros(1, dtype=torch.int32, device=DEV)
-    with force("gdn.tree_verify", config=WYConfig(min_bt=64, num_warps=4)):
+    before = set(_compiled_asm(gdn_tree_wy_kernel))
+    with force("gdn.tree_verify", config=wy_config(32, K, V, DEV)):  # pins the heuristic default
         o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="wy",
-                            out=torch.empty(48, HV, V, device=DEV))
+                            out=torch.empty(32, HV, V, device=DEV))
     torch.cuda.synchronize()
     ptx = _compiled_asm(gdn_tree_wy_kernel)
     assert ptx, "no compiled WY kernel found in Triton's cache"
-    assert any("wgmma" in p for p in ptx), "the WY kernel's PTX has no wgmma instruction on sm_90"
-    trees = [draft_tree(48, random.Random(1))]
+    # the kernels this call compiled (all of them if an earlier test already compiled this one)
+    new = [p for p in ptx if p not in before] or ptx
+    assert any("wgmma" in p for p in new), "the default WY kernel's PTX has no wgmma instruction on sm_90"
     r64 = tree_reference(q, k, v, g, beta, pool.double(), [0], trees, use_qk_l2norm=True, dtype=torch.float64)
     r32 = tree_reference(q, k, v, g, beta, pool, [0], trees, use_qk_l2norm=True, fn=chunk_reference)
-    assert_close(o, r64, r32, msg="wgmma config")
+    assert_close(o, r64, r32, msg="wgmma default config")
 
 
 def test_cuda_graph_verify_conv_commit():
