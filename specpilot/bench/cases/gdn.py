@@ -3,8 +3,8 @@ them on chains.
 
 Every case runs all `gdn_layers` layers in one call (so one CUDA graph holds the whole model's
 GDN verify for a step), with per-layer inputs and per-layer state pools.
-* `tree_verify-B1-N32-L48`: batch 1, one 32-node tree; variants "wy" (default config), "wy-bt64"
-  (64-row node tiles: wgmma on sm_90), "wy-levels" (level-by-level inverse) and "recurrent" (baseline).
+* `tree_verify-B1-N32-L48`: batch 1, one 32-node tree; variants "wy" (default config; on sm_90
+  transposed products, M = BV = 64: wgmma), "wy-r1" (H200 round-1 best, BV=64, 8 warps), "wy-levels" (level-by-level inverse) and "recurrent" (baseline).
   `tree_conv1d-B1-N32-L48` and `commit-B1-N32-L48` report the other two ops of the step.
 * `tree_verify-B24-N8-L48`: batch 24, 8-node trees (compare with the floor).
 * `chain-B1-T{8,16,32}-L48`: chain-shaped trees beside fla's chunk_gated_delta_rule and
@@ -75,7 +75,7 @@ def _check_verify(o, q, k, v, g, beta, pool, trees, variant, layers, msg):
 
 # pinned WY configs beside the default (node tile from the plan, 'square' inverse, bf16-split products)
 _PINNED = {
-    "wy-bt64": WYConfig(min_bt=64, num_warps=4),  # M=64 tiles: wgmma on sm_90
+    "wy-r1": WYConfig(BV=64, num_warps=8),  # H200 round 1 best (M = BT, mma.sync); default is now trans
     "wy-levels": WYConfig(inverse="levels"),  # level-by-level inverse (the first version's)
 }
 
@@ -232,7 +232,7 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     small = [_tree(8, rng) for _ in range(24)]
     if device.type != "cuda":  # tiny demo scale on the interpreter
         big, small = [_tree(6, rng)], [_tree(3, rng) for _ in range(2)]
-    variants = ("wy", "wy-bt64", "wy-levels", "recurrent") if device.type == "cuda" else ("wy", "recurrent")
+    variants = ("wy", "wy-r1", "wy-levels", "recurrent") if device.type == "cuda" else ("wy", "recurrent")
     out = []
     for trees in (big, small):
         tag = f"B{len(trees)}-N{len(trees[0])}-L{d['L']}"
