@@ -22,6 +22,7 @@ import argparse
 import json
 import math
 import os
+import re
 import statistics
 import sys
 import time
@@ -53,8 +54,27 @@ GEMV_MAX_M_TRY = 8
 
 
 def _tag(cfg) -> str:
+    """T/G + BNxBK + warps + stages, then the design switches: A = packed PTX decode, D = 2-D
+    per-token GEMV accumulators (round 2; round-1 tags have neither)."""
     k = "T" if isinstance(cfg, wc.TcConfig) else "G"
-    return f"{k}{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}"
+    sw = ("A" if cfg.asm else "") + ("D" if getattr(cfg, "tok2d", False) else "")
+    return f"{k}{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}{sw}"
+
+
+_TAG_RE = re.compile(r"^([TG])(\d+)x(\d+)w(\d+)s(\d+)(A?)(D?)k(\d+)$")
+
+
+def parse_tag(tag: str, block_t: int):
+    """Inverse of _tag_full (plus the row's block_t): the config a row was timed with."""
+    m = _TAG_RE.match(tag)
+    if not m:
+        raise ValueError(f"not an explore config tag: {tag!r}")
+    kind, bn, bk, w, st, a, d, sp = m.groups()
+    common = dict(block_n=int(bn), block_t=int(block_t), block_k=int(bk), split_k=int(sp), num_warps=int(w),
+                  num_stages=int(st), asm=bool(a))
+    if kind == "T":
+        return wc.TcConfig(**common)
+    return wc.GemvConfig(**common, tok2d=bool(d))
 
 
 def _tag_full(cfg) -> str:
@@ -146,7 +166,26 @@ def _candidates(opn: str, M: int, N: int, K: int, dev, sms: int, smoke: bool) ->
         for c in tiles[:1] if smoke else tiles:
             for sp in _splits(c, M, N, K, sms):
                 cands.append(("X", c.__class__(**{**c.__dict__, "split_k": sp})))
+    # round 2: the new designs on round 1's best tiles (A = packed PTX decode, D = per-token 2-D GEMV)
+    for c in _new_designs(M)[::3] if smoke else _new_designs(M):  # smoke: a T and a G design
+        for sp in _splits(c, M, N, K, sms):
+            cands.append(("N", c.__class__(**{**c.__dict__, "split_k": sp})))
     return cands
+
+
+def _new_designs(M: int) -> list:
+    bt_tc = min(64, max(16, wc._pow2(M)))
+    out = [wc.TcConfig(64, bt_tc, 128, 1, 4, 4, asm=True), wc.TcConfig(64, bt_tc, 256, 1, 4, 3, asm=True)]
+    if M <= GEMV_MAX_M_TRY:
+        bt = min(16, wc._pow2(M))
+        for bn, bk in ((8, 256), (16, 256), (16, 128)):
+            if bn * bk // 2 * bt // 128 > 64:
+                continue
+            out.append(wc.GemvConfig(bn, bt, bk, 1, 4, 2, asm=True))
+            if bt <= 4:
+                out.append(wc.GemvConfig(bn, bt, bk, 1, 4, 2, tok2d=True))
+                out.append(wc.GemvConfig(bn, bt, bk, 1, 4, 2, asm=True, tok2d=True))
+    return out
 
 
 def _warm_one(job) -> str:
@@ -195,7 +234,12 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=20)
     ap.add_argument("--workers", type=int, default=min(14, os.cpu_count() or 1), help="parallel compile processes")
     ap.add_argument("--smoke", action="store_true", help="CPU interpreter, tiny shapes, one config per kind")
+    ap.add_argument("--emit-tuned", metavar="EXPLORE_JSON",
+                    help="no timing: turn an explore JSON into tuned entries (autotune/configs/<gpu>.json)")
+    ap.add_argument("--tuned-out", help="with --emit-tuned: write here instead of autotune/configs/<gpu>.json")
     a = ap.parse_args(argv)
+    if a.emit_tuned:
+        return emit_tuned(a.emit_tuned, a.tuned_out)
     t_start = time.time()
     t_end = t_start + a.budget_s
     if a.smoke:
@@ -293,6 +337,45 @@ def main(argv=None) -> int:
     return 0
 
 
+_SLUGS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("l40s", "l40s"), ("4090", "rtx4090"))
+
+
+def emit_tuned(src: str, dst: str | None = None) -> int:
+    """Best measured config per (op, shape, M bucket) as tuned entries in `autotune.store_tuned`'s
+    format: variant "tc" = best tensor-core row, variant "gemv" = best CUDA-core row for
+    M <= GEMV_MAX_M (the "tc" variant also reads it at M <= ops.TC_GEMV_MAX_M). Meta (GPU, torch,
+    Triton, CUDA) comes from the explore JSON, so the lookup accepts the file only on that GPU
+    and Triton major.minor. Entries carry the measurement under "_"."""
+    import dataclasses
+
+    data = json.loads(Path(src).read_text())
+    meta = {k: v for k, v in data["meta"].items() if k in ("gpu", "torch", "triton", "cuda", "specpilot")}
+    if not meta.get("gpu"):
+        raise SystemExit(f"{src}: meta has no 'gpu'; cannot say which GPU the configs are for")
+    if dst is None:
+        name = meta["gpu"].lower()
+        slug = next((sl for needle, sl in _SLUGS if needle in name),
+                    "".join(c if c.isalnum() else "-" for c in name).strip("-"))
+        dst = str(Path(__file__).resolve().parents[1] / "autotune" / "configs" / f"{slug}.json")
+    best: dict[str, dict] = {}
+    for r in data["rows"]:
+        op = wops.OP if r["op"] == "mm" else wops.OP_Q8
+        variants = ["tc"] if r["kind"] == "tc" else (["gemv"] if r["M"] <= wc.GEMV_MAX_M else [])
+        for v in variants:
+            k = f"{op}/{v}/{autotune.shape_key(M=r['M'], N=r['N'], K=r['K'])}"
+            if k not in best or r["us"] < best[k]["us"]:
+                best[k] = r
+    entries = {}
+    for k, r in sorted(best.items()):
+        e = dataclasses.asdict(parse_tag(r["cfg"], r["bt"]))
+        e["_"] = {"us": round(r["us"], 2), "cublas_us": round(r["cublas_us"], 2), "src": Path(src).name}
+        entries[k] = e
+    Path(dst).parent.mkdir(parents=True, exist_ok=True)
+    Path(dst).write_text(json.dumps({"meta": meta, "entries": entries}, indent=1, sort_keys=True) + "\n")
+    print(f"{len(entries)} tuned entries -> {dst}")
+    return 0
+
+
 def _report(rows, kstats, bad, a, wall, stopped) -> None:
     # compact: one entry per (tile, op), regs range over BT/split variants; all details in the JSON
     agg = {}
@@ -349,6 +432,28 @@ def _report(rows, kstats, bad, a, wall, stopped) -> None:
                          reverse=True)[:4]
             if top:
                 print(f"  {opn} M{lo_m}-{hi_m}: " + "  ".join(f"{t} {g:.2f}[{n}]" for g, t, n in top))
+    # round 2: each new design vs the best round-1 design of its kind, same cell
+    print("\n# new designs: geomean over cells of (best round-1 same kind us / best design us) [n]; >1 = faster")
+    for opn in ("mm", "q8"):
+        for lo_m, hi_m in ((1, 1), (2, 4), (8, 8), (16, 32)):
+            agg = {}
+            for (shape, M, o), rs in cells.items():
+                if o != opn or not lo_m <= M <= hi_m:
+                    continue
+                for kind, letter in (("tc", "T"), ("gemv", "G")):
+                    old_best = min((r["us"] for r in rs if r["kind"] == kind and r["src"] != "N"), default=None)
+                    if old_best is None:
+                        continue
+                    by = {}
+                    for r in rs:
+                        if r["kind"] == kind and r["src"] == "N":
+                            d = letter + (re.sub(r"[^AD]", "", r["tile"].split("s", 1)[1]) or "-")
+                            by[d] = min(by.get(d, 1e30), r["us"])
+                    for d, us in by.items():
+                        agg.setdefault(d, []).append(old_best / us)
+            if agg:
+                print(f"  {opn} M{lo_m}-{hi_m}: " + "  ".join(
+                    f"{d} {math.exp(sum(map(math.log, v)) / len(v)):.2f}[{len(v)}]" for d, v in sorted(agg.items())))
     if bad:
         print(f"\n# {len(bad)} candidates skipped (first 6):")
         for b in bad[:6]:

@@ -5,7 +5,8 @@ Lookup (autotune.get_config): forced config > tuned JSON entry `w12.matmul/<vari
 
 | variant   | kernel                         | config     | used for                              |
 | --------- | ------------------------------ | ---------- | ------------------------------------- |
-| `tc`      | `w12_matmul_tc_kernel`         | TcConfig   | sm_90 (wgmma), every M                |
+| `tc`      | `w12_matmul_tc_kernel`         | TcConfig   | sm_90 (wgmma), M > TC_GEMV_MAX_M (1)  |
+| `tc`      | `w12_matmul_gemv_kernel`       | GemvConfig | sm_90, M = 1; tuned under `gemv`      |
 | `gemv`    | `w12_matmul_gemv_kernel`       | GemvConfig | no-wgmma GPUs, M <= GEMV_MAX_M        |
 | `gemv`    | `w12_matmul_tc_kernel` (mma)   | TcConfig   | no-wgmma GPUs, M > GEMV_MAX_M; tuned  |
 |           |                                |            | entries under variant `gemv.mma`      |
@@ -51,6 +52,7 @@ class TcConfig:
     num_warps: int = 8
     num_stages: int = 4
     select_zero: bool = False  # spec-literal `code 0 -> 0` select per weight (see kernels/tc.py)
+    asm: bool = False  # packed PTX decode (kernels/pk_decode.py); GPU only, the interpreter ignores it
 
     def __post_init__(self):
         _check_common(self)
@@ -69,9 +71,13 @@ class GemvConfig:
     num_warps: int = 4
     num_stages: int = 2
     select_zero: bool = False
+    asm: bool = False  # packed PTX decode (kernels/pk_decode.py); GPU only, the interpreter ignores it
+    tok2d: bool = False  # one 2-D accumulator per token (block_t <= 4), see kernels/gemv.py
 
     def __post_init__(self):
         _check_common(self)
+        if self.tok2d and self.block_t > 4:
+            raise ValueError(f"GemvConfig(tok2d=True) needs block_t <= 4, got {self}")
 
 
 def _check_common(c) -> None:

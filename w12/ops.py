@@ -30,6 +30,7 @@ OP = "w12.matmul"
 OP_Q8 = "w12.matmul_q8"
 # GPU generation -> variant (autotune.select_variant); "torch" is the no-Triton fallback.
 VARIANTS: dict[int, str] = {9: "tc", 8: "gemv"}
+TC_GEMV_MAX_M = 1  # the "tc" variant runs the CUDA-core GEMV up to this M (see _plan)
 _KNOWN = ("tc", "gemv", "torch")
 _REDUCE_BLOCK = 1024
 
@@ -73,7 +74,12 @@ def _plan(op: str, variant: str, M: int, N: int, K: int, device: torch.device) -
     if hit is not None:
         return hit
     key = autotune.shape_key(M=M, N=N, K=K)
-    if variant == "tc":
+    if variant == "tc" and M <= TC_GEMV_MAX_M:
+        # H200 round 1: the CUDA-core GEMV beat every tensor-core tile at M=1 in all 10 cells
+        # (mm 0.84-1.14x cuBLAS vs 0.58-0.76x); tuned entries live under variant "gemv"
+        plan = ("gemv", autotune.get_config(op, "gemv", GemvConfig, lambda: gemv_heuristic(M, N, K, device, q8=q8),
+                                            key=key, device=device))
+    elif variant == "tc":
         plan = ("tc", autotune.get_config(op, "tc", TcConfig, lambda: tc_heuristic(M, N, K, device, q8=q8),
                                           key=key, device=device))
     elif M <= GEMV_MAX_M:
@@ -107,12 +113,14 @@ def _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, *, op: str, variant: s
                   ZERO_DENSE=q8 or bool(cfg.select_zero), SPLIT_K=cfg.split_k, SPLIT=cfg.split_k > 1, BLOCK_N=cfg.block_n, BLOCK_T=bt,
                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2d, hi, lo, e0, rowptr, col, val, b, out, ws, M, N, K, Kp, x2d.stride(0), x2d.stride(1))
+    # the packed PTX decode needs a real GPU (the interpreter runs no inline asm)
+    use_asm = bool(cfg.asm) and x2d.is_cuda and not autotune.is_interpreter()
     if kernel_name == "tc":
         k = w12_matmul_tc_kernel if wrap is None else wrap(w12_matmul_tc_kernel)
-        ck = k[grid](*args, X_F16=x2d.dtype == torch.float16, **common)
+        ck = k[grid](*args, X_F16=x2d.dtype == torch.float16, USE_ASM=use_asm, **common)
     else:
         k = w12_matmul_gemv_kernel if wrap is None else wrap(w12_matmul_gemv_kernel)
-        ck = k[grid](*args, **common)
+        ck = k[grid](*args, USE_ASM=use_asm, TOK2D=bool(cfg.tok2d), **common)
     if cfg.split_k > 1:
         r = w12_splitk_reduce_kernel if wrap is None else wrap(w12_splitk_reduce_kernel)
         r[(triton.cdiv(M * N, _REDUCE_BLOCK),)](ws, b, out, M, N, SPLIT_K=cfg.split_k, HAS_BIAS=has_bias,

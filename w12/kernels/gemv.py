@@ -6,6 +6,13 @@ loads, see `tc.py`), decodes straight to fp32 (bits << 16), and does fp32 FMAs a
 broadcast over the rows: `acc[BN, BKH, BT] += w[BN, BKH, 1] * x[1, BKH, BT]`. The K reduction
 across threads happens once, after the loop. Escapes, bias, the split-K partials and the
 output rounding are shared with `tc.py`.
+
+Two switches (round 2 of the H200 exploration measures them against the above):
+
+* USE_ASM: the packed PTX decode of `pk_decode.py` (two weights per integer op), fp32 out.
+* TOK2D (BLOCK_T <= 4): decode the [BN, BK/2] tile once and keep one 2-D accumulator per token,
+  `acc_t[BN, BKH] += w * x_t[None, :]`, instead of the 3-D broadcast (round 1: M=2 ran at half
+  the M=1 speed with it). x_t is a [BKH] vector load per token.
 """
 
 from __future__ import annotations
@@ -13,6 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pk_decode import decode_pk
 from .tc import _apply_escapes, _bits_to_f32, _decode_bits, _decode_bits_q8, _store_tile
 
 __all__ = ["w12_matmul_gemv_kernel"]
@@ -24,6 +32,7 @@ def w12_matmul_gemv_kernel(
     M, N, K, Kp, stride_xm, stride_xk,
     HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, ZERO_DENSE: tl.constexpr, SPLIT_K, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_ASM: tl.constexpr = False, TOK2D: tl.constexpr = False,
 ):
     BKH: tl.constexpr = BLOCK_K // 2
     pid_n = tl.program_id(0)
@@ -50,26 +59,78 @@ def w12_matmul_gemv_kernel(
     lo_p = lo_ptr + rows64[:, None] * (Kp // 2) + (it0 * BKH + j)[None, :]  # [BN, BKH]
     x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * BLOCK_K + col_a)[:, None] * stride_xk  # [BKH, BT]
 
-    acc3 = tl.zeros((BLOCK_N, BKH, BLOCK_T), dtype=tl.float32)
+    E16 = E.to(tl.int16)
+    if TOK2D:
+        tl.static_assert(BLOCK_T <= 4, "TOK2D keeps one accumulator per token: BLOCK_T <= 4")
+        t0 = pid_t * BLOCK_T
+        xr = x_ptr + t0.to(tl.int64) * stride_xm + (it0 * BLOCK_K + col_a) * stride_xk  # [BKH] token t0
+        acc0 = tl.zeros((BLOCK_N, BKH), dtype=tl.float32)
+        acc1 = tl.zeros((BLOCK_N, BKH), dtype=tl.float32)
+        acc2 = tl.zeros((BLOCK_N, BKH), dtype=tl.float32)
+        acc3 = tl.zeros((BLOCK_N, BKH), dtype=tl.float32)
+    else:
+        acc3 = tl.zeros((BLOCK_N, BKH, BLOCK_T), dtype=tl.float32)
     for it in range(it0, it1):
         ka = it * BLOCK_K + col_a
-        h_a = tl.load(hi_p).to(tl.int32)
-        h_b = tl.load(hi_p + 32).to(tl.int32)
-        xa = tl.load(x_p, mask=(ka < K)[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)  # [BKH, BT]
-        xb = tl.load(x_p + 32 * stride_xk, mask=(ka + 32 < K)[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)
-        if Q8:
-            wa = _bits_to_f32(_decode_bits_q8(h_a, E))
-            wb = _bits_to_f32(_decode_bits_q8(h_b, E))
+        h_a8 = tl.load(hi_p)
+        h_b8 = tl.load(hi_p + 32)
+        if USE_ASM and not SELECT_ZERO:
+            if Q8:
+                wa = decode_pk(h_a8, h_a8, E16, 2, True)
+                wb = decode_pk(h_b8, h_b8, E16, 2, True)
+            else:
+                lo8 = tl.load(lo_p)
+                wa = decode_pk(h_a8, lo8, E16, 0, True)
+                wb = decode_pk(h_b8, lo8, E16, 1, True)
         else:
-            lo = tl.load(lo_p).to(tl.int32)
-            wa = _bits_to_f32(_decode_bits(h_a, lo & 0xF, E, SELECT_ZERO))
-            wb = _bits_to_f32(_decode_bits(h_b, lo >> 4, E, SELECT_ZERO))
-        acc3 += wa[:, :, None] * xa[None, :, :] + wb[:, :, None] * xb[None, :, :]
+            h_a = h_a8.to(tl.int32)
+            h_b = h_b8.to(tl.int32)
+            if Q8:
+                wa = _bits_to_f32(_decode_bits_q8(h_a, E))
+                wb = _bits_to_f32(_decode_bits_q8(h_b, E))
+            else:
+                lo = tl.load(lo_p).to(tl.int32)
+                wa = _bits_to_f32(_decode_bits(h_a, lo & 0xF, E, SELECT_ZERO))
+                wb = _bits_to_f32(_decode_bits(h_b, lo >> 4, E, SELECT_ZERO))
+        if TOK2D:
+            ma = ka < K
+            mb = ka + 32 < K
+            xa = tl.load(xr, mask=ma, other=0.0).to(tl.float32)
+            xb = tl.load(xr + 32 * stride_xk, mask=mb, other=0.0).to(tl.float32)
+            acc0 += wa * xa[None, :] + wb * xb[None, :]
+            if BLOCK_T > 1:
+                ok = t0 + 1 < M
+                xa = tl.load(xr + stride_xm, mask=ma & ok, other=0.0).to(tl.float32)
+                xb = tl.load(xr + stride_xm + 32 * stride_xk, mask=mb & ok, other=0.0).to(tl.float32)
+                acc1 += wa * xa[None, :] + wb * xb[None, :]
+            if BLOCK_T > 2:
+                ok = t0 + 2 < M
+                xa = tl.load(xr + 2 * stride_xm, mask=ma & ok, other=0.0).to(tl.float32)
+                xb = tl.load(xr + 2 * stride_xm + 32 * stride_xk, mask=mb & ok, other=0.0).to(tl.float32)
+                acc2 += wa * xa[None, :] + wb * xb[None, :]
+                ok = t0 + 3 < M
+                xa = tl.load(xr + 3 * stride_xm, mask=ma & ok, other=0.0).to(tl.float32)
+                xb = tl.load(xr + 3 * stride_xm + 32 * stride_xk, mask=mb & ok, other=0.0).to(tl.float32)
+                acc3 += wa * xa[None, :] + wb * xb[None, :]
+            xr += BLOCK_K * stride_xk
+        else:
+            xa = tl.load(x_p, mask=(ka < K)[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)  # [BKH, BT]
+            xb = tl.load(x_p + 32 * stride_xk, mask=(ka + 32 < K)[:, None] & tok_ok[None, :], other=0.0).to(tl.float32)
+            acc3 += wa[:, :, None] * xa[None, :, :] + wb[:, :, None] * xb[None, :, :]
+            x_p += BLOCK_K * stride_xk
         hi_p += BLOCK_K
         lo_p += BKH
-        x_p += BLOCK_K * stride_xk
 
-    acc = tl.sum(acc3, axis=1)  # [BN, BT]
+    if TOK2D:
+        tc_ = tl.arange(0, BLOCK_T)[None, :]
+        acc = tl.where(tc_ == 0, tl.sum(acc0, axis=1)[:, None], 0.0)
+        if BLOCK_T > 1:
+            acc = tl.where(tc_ == 1, tl.sum(acc1, axis=1)[:, None], acc)
+        if BLOCK_T > 2:
+            acc = tl.where(tc_ == 2, tl.sum(acc2, axis=1)[:, None], acc)
+            acc = tl.where(tc_ == 3, tl.sum(acc3, axis=1)[:, None], acc)
+    else:
+        acc = tl.sum(acc3, axis=1)  # [BN, BT]
     if pid_k == 0:
         acc = _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr,
                              col_ptr, val_ptr, ZERO_DENSE)

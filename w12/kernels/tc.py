@@ -38,6 +38,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
+from .pk_decode import decode_pk
+
 __all__ = ["w12_matmul_tc_kernel", "w12_splitk_reduce_kernel"]
 
 
@@ -126,7 +128,7 @@ def w12_matmul_tc_kernel(
     M, N, K, Kp, stride_xm, stride_xk,
     HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, ZERO_DENSE: tl.constexpr, X_F16: tl.constexpr,
     SPLIT_K, SPLIT: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr = False,
 ):
     BKH: tl.constexpr = BLOCK_K // 2
     pid_n = tl.program_id(0)
@@ -153,27 +155,46 @@ def w12_matmul_tc_kernel(
     lo_p = lo_ptr + rows64[:, None] * (Kp // 2) + (it0 * BKH + j)[None, :]  # [BN, BKH]
     x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * BLOCK_K + col_a)[:, None] * stride_xk  # [BKH, BT]
 
+    E16 = E.to(tl.int16)  # for the packed decode (USE_ASM; SELECT_ZERO keeps the plain one)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for it in range(it0, it1):
         ka = it * BLOCK_K + col_a  # [BKH]
-        h_a = tl.load(hi_p).to(tl.int32)
-        h_b = tl.load(hi_p + 32).to(tl.int32)
+        h_a8 = tl.load(hi_p)
+        h_b8 = tl.load(hi_p + 32)
         xa = tl.load(x_p, mask=(ka < K)[:, None] & tok_ok[None, :], other=0.0)  # [BKH, BT]
         xb = tl.load(x_p + 32 * stride_xk, mask=(ka + 32 < K)[:, None] & tok_ok[None, :], other=0.0)
-        if Q8:
-            ba = _decode_bits_q8(h_a, E)
-            bb = _decode_bits_q8(h_b, E)
+        if USE_ASM and not SELECT_ZERO:
+            # packed PTX decode (kernels/pk_decode.py), straight to the MMA operand dtype
+            if Q8:
+                wa = decode_pk(h_a8, h_a8, E16, 2, X_F16)
+                wb = decode_pk(h_b8, h_b8, E16, 2, X_F16)
+            else:
+                lo8 = tl.load(lo_p)
+                wa = decode_pk(h_a8, lo8, E16, 0, X_F16)
+                wb = decode_pk(h_b8, lo8, E16, 1, X_F16)
         else:
-            lo = tl.load(lo_p).to(tl.int32)
-            ba = _decode_bits(h_a, lo & 0xF, E, SELECT_ZERO)
-            bb = _decode_bits(h_b, lo >> 4, E, SELECT_ZERO)
+            h_a = h_a8.to(tl.int32)
+            h_b = h_b8.to(tl.int32)
+            if Q8:
+                ba = _decode_bits_q8(h_a, E)
+                bb = _decode_bits_q8(h_b, E)
+            else:
+                lo = tl.load(lo_p).to(tl.int32)
+                ba = _decode_bits(h_a, lo & 0xF, E, SELECT_ZERO)
+                bb = _decode_bits(h_b, lo >> 4, E, SELECT_ZERO)
+            if X_F16:
+                wa = _bits_to_f32(ba)
+                wb = _bits_to_f32(bb)
+            else:
+                wa = _bits_to_bf16(ba)
+                wb = _bits_to_bf16(bb)
         if X_F16:
             # bf16 weights and fp16 activations are both exact in tf32: exact products, fp32 sums
-            acc = tl.dot(_bits_to_f32(ba), xa.to(tl.float32), acc, input_precision="tf32")
-            acc = tl.dot(_bits_to_f32(bb), xb.to(tl.float32), acc, input_precision="tf32")
+            acc = tl.dot(wa, xa.to(tl.float32), acc, input_precision="tf32")
+            acc = tl.dot(wb, xb.to(tl.float32), acc, input_precision="tf32")
         else:
-            acc = tl.dot(_bits_to_bf16(ba), xa, acc)
-            acc = tl.dot(_bits_to_bf16(bb), xb, acc)
+            acc = tl.dot(wa, xa, acc)
+            acc = tl.dot(wb, xb, acc)
         hi_p += BLOCK_K
         lo_p += BKH
         x_p += BLOCK_K * stride_xk

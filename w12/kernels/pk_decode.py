@@ -1,0 +1,133 @@
+"""Packed W12 decode in PTX: two weights per 32-bit register op (bf16x2 lanes).
+
+The plain decode (`tc._decode_bits`) spends ~7 integer ops per weight on int32 lanes. Round 1
+on the H200 showed the CUDA-core GEMV no faster for 1 byte per weight (q8) than for 1.5, so
+decode instructions, not bytes, bound it. Here one `inline_asm_elementwise` call (pack=4)
+takes 4 `hi` bytes and 4 `lo` bytes in one register each and builds two 16-bit lanes at once:
+
+    t = prmt(h, 0, {h0, 0, h1, 0})                      # lanes = hi bytes 0..255
+    n = prmt(lo, 0, {l0, 0, l1, 0}) [>> 4] & 0x000F000F  # lanes = nibbles
+    bits = (((t << 4) & 0x07F007F0) | n) + E2 | ((t << 8) & 0x80008000)
+
+which equals `((c & 0x7FF) + E) | ((c & 0x800) << 4)` per lane (c = hi << 4 | nib). No carry
+crosses a lane: the sum is at most 0x7FF + 0x7800 (e0 <= 240, the format's bound) < 0x8000.
+E2 comes as int16 elements, so each pair of lanes gets its own rows' `e0 << 7` (the asm is
+purely lane-wise: which elements a pack holds does not matter). The q8 view uses nib = 8 and
+zeroes lanes with hi == 0: ((t + 0x00FF00FF) >> 8) & 0x00010001 is 1 per non-zero lane, times
+0xFFFF is the lane mask.
+
+Outputs: bf16 (two bf16x2 registers, the tensor-core operand) or fp32 (bf16 bits << 16, for the
+GEMV and the tf32 path). The interpreter cannot run PTX: callers switch on a constexpr
+(USE_ASM) and keep the plain decode for CPU; `emulate` below is the same op sequence in
+torch, tested bit-exactly against the plain decode for every code and e0 (tests/w12).
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+__all__ = ["decode_pk", "asm_text", "emulate"]
+
+_SEL = ("0x4140", "0x4342")  # prmt selectors: bytes {0,1} / {2,3} into the low byte of each 16-bit lane
+
+
+def asm_text(mode: str, out: str) -> str:
+    """PTX for 4 weights. mode: 'lo' (low nibble), 'hi' (high nibble), 'q8'. out: 'bf16' | 'f32'.
+    Registers: outputs first ($0,$1 for bf16; $0..$3 for f32), then h, lo, E pair 0, E pair 1."""
+    n_out = 2 if out == "bf16" else 4
+    h, lo, e = f"${n_out}", f"${n_out + 1}", (f"${n_out + 2}", f"${n_out + 3}")
+    s = ["{", ".reg .b32 z, t, n, s, w;", "mov.b32 z, 0;"]
+    for p in range(2):
+        s.append(f"prmt.b32 t, {h}, z, {_SEL[p]};")
+        s.append("shl.b32 s, t, 8;")
+        s.append("and.b32 s, s, 0x80008000;")
+        s.append("shl.b32 w, t, 4;")
+        s.append("and.b32 w, w, 0x07F007F0;")
+        if mode == "q8":
+            s.append("or.b32 w, w, 0x00080008;")
+        else:
+            s.append(f"prmt.b32 n, {lo}, z, {_SEL[p]};")
+            if mode == "hi":
+                s.append("shr.b32 n, n, 4;")
+            s.append("and.b32 n, n, 0x000F000F;")
+            s.append("or.b32 w, w, n;")
+        s.append(f"add.u32 w, w, {e[p]};")
+        s.append("or.b32 w, w, s;")
+        if mode == "q8":
+            s.append("add.u32 n, t, 0x00FF00FF;")
+            s.append("shr.b32 n, n, 8;")
+            s.append("and.b32 n, n, 0x00010001;")
+            s.append("mul.lo.u32 n, n, 0xFFFF;")
+            s.append("and.b32 w, w, n;")
+        if out == "bf16":
+            s.append(f"mov.b32 ${p}, w;")
+        else:
+            s.append(f"shl.b32 ${2 * p}, w, 16;")
+            s.append(f"and.b32 ${2 * p + 1}, w, 0xFFFF0000;")
+    s.append("}")
+    return "\n".join(s)
+
+
+_ASM = {(m, o): asm_text(m, o) for m in ("lo", "hi", "q8") for o in ("bf16", "f32")}
+
+
+@triton.jit
+def decode_pk(h, lo, E16, MODE: tl.constexpr, F32: tl.constexpr):
+    """h, lo: uint8 [BN, BKH] (lo ignored for q8); E16: int16 [BN, 1] = e0 << 7.
+    MODE: 0 low nibble, 1 high nibble, 2 q8. Returns bf16 (F32=False) or fp32 [BN, BKH]."""
+    if F32:
+        if MODE == 0:
+            w = tl.inline_asm_elementwise(_ASM_LO_F32, "=r,=r,=r,=r,r,r,r,r", [h, lo, E16], tl.float32, True, 4)
+        elif MODE == 1:
+            w = tl.inline_asm_elementwise(_ASM_HI_F32, "=r,=r,=r,=r,r,r,r,r", [h, lo, E16], tl.float32, True, 4)
+        else:
+            w = tl.inline_asm_elementwise(_ASM_Q8_F32, "=r,=r,=r,=r,r,r,r,r", [h, lo, E16], tl.float32, True, 4)
+    else:
+        if MODE == 0:
+            w = tl.inline_asm_elementwise(_ASM_LO_BF16, "=r,=r,r,r,r,r", [h, lo, E16], tl.bfloat16, True, 4)
+        elif MODE == 1:
+            w = tl.inline_asm_elementwise(_ASM_HI_BF16, "=r,=r,r,r,r,r", [h, lo, E16], tl.bfloat16, True, 4)
+        else:
+            w = tl.inline_asm_elementwise(_ASM_Q8_BF16, "=r,=r,r,r,r,r", [h, lo, E16], tl.bfloat16, True, 4)
+    return w
+
+
+# module-level constexprs: the jit reads globals by name
+_ASM_LO_BF16 = tl.constexpr(_ASM[("lo", "bf16")])
+_ASM_HI_BF16 = tl.constexpr(_ASM[("hi", "bf16")])
+_ASM_Q8_BF16 = tl.constexpr(_ASM[("q8", "bf16")])
+_ASM_LO_F32 = tl.constexpr(_ASM[("lo", "f32")])
+_ASM_HI_F32 = tl.constexpr(_ASM[("hi", "f32")])
+_ASM_Q8_F32 = tl.constexpr(_ASM[("q8", "f32")])
+
+
+def emulate(h: torch.Tensor, lo: torch.Tensor, e0: torch.Tensor, mode: str) -> torch.Tensor:
+    """The PTX op sequence of `asm_text(mode, 'bf16')` on int64 torch tensors (32-bit wrap), for
+    the CPU test. h, lo, e0: integer tensors of one shape, 4 elements per pack along the last dim
+    (length divisible by 4). Returns the bf16 bit patterns (int64 0..0xFFFF) per element."""
+    M32 = 0xFFFFFFFF
+    h4 = h.long().reshape(-1, 4)
+    l4 = lo.long().reshape(-1, 4)
+    e4 = (e0.long() << 7).reshape(-1, 4)
+    outs = []
+    for p in range(2):
+        t = h4[:, 2 * p] | (h4[:, 2 * p + 1] << 16)  # prmt {b, 0, b', 0}
+        n = l4[:, 2 * p] | (l4[:, 2 * p + 1] << 16)
+        e2 = e4[:, 2 * p] | (e4[:, 2 * p + 1] << 16)  # two int16 elements in one register
+        s = ((t << 8) & M32) & 0x80008000
+        w = ((t << 4) & M32) & 0x07F007F0
+        if mode == "q8":
+            w |= 0x00080008
+        else:
+            if mode == "hi":
+                n = n >> 4
+            w |= n & 0x000F000F
+        w = ((w + e2) & M32) | s
+        if mode == "q8":
+            m = (((t + 0x00FF00FF) & M32) >> 8) & 0x00010001
+            w &= (m * 0xFFFF) & M32
+        outs += [w & 0xFFFF, w >> 16]
+    o = torch.stack([outs[0], outs[1], outs[2], outs[3]], dim=1)
+    return o.reshape(h.shape)
