@@ -343,7 +343,9 @@ _SLUGS = (("h200", "h200"), ("h100", "h100"), ("a100", "a100"), ("l40s", "l40s")
 def emit_tuned(src: str, dst: str | None = None) -> int:
     """Best measured config per (op, shape, M bucket) as tuned entries in `autotune.store_tuned`'s
     format: variant "tc" = best tensor-core row, variant "gemv" = best CUDA-core row for
-    M <= GEMV_MAX_M (the "tc" variant also reads it at M <= ops.TC_GEMV_MAX_M). Meta (GPU, torch,
+    M <= GEMV_MAX_M (the "tc" variant also reads it at M <= ops.TC_GEMV_MAX_M), and "tc.gemv" = that
+    GEMV row again for TC_GEMV_MAX_M < M <= GEMV_MAX_M where it beat the best tensor-core row (the
+    "tc" variant then runs the GEMV at that shape). Meta (GPU, torch,
     Triton, CUDA) comes from the explore JSON, so the lookup accepts the file only on that GPU
     and Triton major.minor. Entries carry the measurement under "_"."""
     import dataclasses
@@ -365,6 +367,13 @@ def emit_tuned(src: str, dst: str | None = None) -> int:
             k = f"{op}/{v}/{autotune.shape_key(M=r['M'], N=r['N'], K=r['K'])}"
             if k not in best or r["us"] < best[k]["us"]:
                 best[k] = r
+    # "tc.gemv": the sm_90 variant runs the GEMV at TC_GEMV_MAX_M < M <= GEMV_MAX_M only where it won
+    for k, r in list(best.items()):
+        op, v, key = k.split("/")
+        if v == "gemv" and wops.TC_GEMV_MAX_M < r["M"] <= wc.GEMV_MAX_M:
+            t = best.get(f"{op}/tc/{key}")
+            if t is not None and r["us"] < t["us"]:
+                best[f"{op}/tc.gemv/{key}"] = r
     entries = {}
     for k, r in sorted(best.items()):
         e = dataclasses.asdict(parse_tag(r["cfg"], r["bt"]))

@@ -7,6 +7,8 @@ Lookup (autotune.get_config): forced config > tuned JSON entry `w12.matmul/<vari
 | --------- | ------------------------------ | ---------- | ------------------------------------- |
 | `tc`      | `w12_matmul_tc_kernel`         | TcConfig   | sm_90 (wgmma), M > TC_GEMV_MAX_M (1)  |
 | `tc`      | `w12_matmul_gemv_kernel`       | GemvConfig | sm_90, M = 1; tuned under `gemv`      |
+| `tc`      | `w12_matmul_gemv_kernel`       | GemvConfig | sm_90, 1 < M <= GEMV_MAX_M only where |
+|           |                                |            | a `tc.gemv` entry exists (GEMV won)   |
 | `gemv`    | `w12_matmul_gemv_kernel`       | GemvConfig | no-wgmma GPUs, M <= GEMV_MAX_M        |
 | `gemv`    | `w12_matmul_tc_kernel` (mma)   | TcConfig   | no-wgmma GPUs, M > GEMV_MAX_M; tuned  |
 |           |                                |            | entries under variant `gemv.mma`      |

@@ -30,7 +30,7 @@ OP = "w12.matmul"
 OP_Q8 = "w12.matmul_q8"
 # GPU generation -> variant (autotune.select_variant); "torch" is the no-Triton fallback.
 VARIANTS: dict[int, str] = {9: "tc", 8: "gemv"}
-TC_GEMV_MAX_M = 1  # the "tc" variant runs the CUDA-core GEMV up to this M (see _plan)
+TC_GEMV_MAX_M = 1  # the "tc" variant runs the CUDA-core GEMV up to this M, and above it where tuned (see _plan)
 _KNOWN = ("tc", "gemv", "torch")
 _REDUCE_BLOCK = 1024
 
@@ -78,6 +78,10 @@ def _plan(op: str, variant: str, M: int, N: int, K: int, device: torch.device) -
         # H200 round 1: the CUDA-core GEMV beat every tensor-core tile at M=1 in all 10 cells
         # (mm 0.84-1.14x cuBLAS vs 0.58-0.76x); tuned entries live under variant "gemv"
         plan = ("gemv", autotune.get_config(op, "gemv", GemvConfig, lambda: gemv_heuristic(M, N, K, device, q8=q8),
+                                            key=key, device=device))
+    elif variant == "tc" and M <= GEMV_MAX_M and f"{op}/tc.gemv/{key}" in autotune.load_tuned(device):
+        # a tuned entry says the GEMV beat every tensor-core tile at this shape (H200 round 2: tok2d at M=2)
+        plan = ("gemv", autotune.get_config(op, "tc.gemv", GemvConfig, lambda: gemv_heuristic(M, N, K, device, q8=q8),
                                             key=key, device=device))
     elif variant == "tc":
         plan = ("tc", autotune.get_config(op, "tc", TcConfig, lambda: tc_heuristic(M, N, K, device, q8=q8),

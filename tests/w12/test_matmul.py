@@ -285,3 +285,40 @@ def test_asm_configs_run_plain_decode_on_cpu():
             _check(w12.matmul_q8(x, p), x, w, p, q8=True)
     with pytest.raises(ValueError, match="tok2d"):
         GemvConfig(block_t=8, tok2d=True)
+
+
+def test_h200_tuned_file_is_accepted_and_dispatches(monkeypatch):
+    """autotune/configs/h200.json as the H200 sees it (GPU name and Triton major.minor match): the
+    sm_90 "tc" variant runs the tuned GEMV at M=1, the GEMV at M=2 only where a `tc.gemv` entry
+    says it won, and the tensor-core kernel above."""
+    from autotune import config as ac
+    from w12 import ops as wops
+
+    data = __import__("json").loads(ac.Path(ac.__file__).parent.joinpath("configs", "h200.json").read_text())
+    monkeypatch.setattr(ac, "has_cuda", lambda: True)
+    monkeypatch.setattr(ac, "is_interpreter", lambda: False)
+    monkeypatch.setattr(ac, "gpu_name", lambda device=None: data["meta"]["gpu"])
+    monkeypatch.setattr(ac, "gpu_slug", lambda device=None: "h200")
+    monkeypatch.delenv("SPECPILOT_TUNED_CONFIGS", raising=False)
+    monkeypatch.delenv("SPECPILOT_CONFIG_DIR", raising=False)
+    ac._TUNED.clear()
+    wops.clear_config_cache()
+    try:
+        if autotune.versions()["triton"].split(".")[:2] != str(data["meta"]["triton"]).split(".")[:2]:
+            pytest.skip("this Triton's major.minor differs from the tuned file's: the policy ignores it")
+        entries = autotune.load_tuned()
+        assert entries, "the H200 file was rejected"
+        dev = torch.device("cuda")
+        kname, cfg = wops._plan(wops.OP, "tc", 1, 5120, 17408, dev)
+        assert kname == "gemv" and cfg == GemvConfig(**{k: v for k, v in
+                                                        entries["w12.matmul/gemv/K17408-M1-N5120"].items() if k != "_"})
+        for (M, N, K) in ((2, 248320, 5120), (2, 5120, 6144), (4, 248320, 5120), (16, 5120, 17408)):
+            key = autotune.shape_key(M=M, N=N, K=K)
+            for op in (wops.OP, wops.OP_Q8):
+                kname, cfg = wops._plan(op, "tc", M, N, K, dev)
+                want = "gemv" if f"{op}/tc.gemv/{key}" in entries else "tc"
+                assert kname == want and isinstance(cfg, GemvConfig if want == "gemv" else TcConfig), (op, key)
+        assert any("/tc.gemv/" in k for k in entries)
+    finally:
+        ac._TUNED.clear()
+        wops.clear_config_cache()
