@@ -7,11 +7,11 @@ from dataclasses import dataclass
 
 import triton
 
-from autotune import get_config, shape_key
+from autotune import bucket_m, get_config, shape_key
 from autotune.hardware import has_wgmma
 
 __all__ = ["WYConfig", "RecurrentConfig", "ConvConfig", "CommitConfig", "wy_config", "recurrent_config",
-           "conv_config", "commit_config", "VARIANTS"]
+           "conv_config", "commit_config", "VARIANTS", "WY_WGMMA"]
 
 # GPU-generation dispatch. The same WY kernel serves both: tl.dot lowers to wgmma on sm_90 and
 # to mma.sync on sm_80. "recurrent" (no tensor cores) is the stock baseline, forced by name.
@@ -58,18 +58,33 @@ def _bv(V: int) -> int:
     return max(16, min(32, triton.next_power_of_2(V)))
 
 
-def wy_config(max_nodes: int, K: int, V: int, device=None) -> WYConfig:
+# The transposed orientation, M = BV = 64: the config whose big products are wgmma on sm_90.
+# Not a default: slower than mma.sync untransposed on H200 in round 2 (B1-N32 933 vs 682 us).
+WY_WGMMA = WYConfig(BV=64, num_warps=4, trans=True)
+
+
+def _sm_count(device) -> int:
+    import torch
+
+    return torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch
+
+
+def wy_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV: int = 1) -> WYConfig:
     def heuristic():
         # node tile from the plan's largest request (an 8-node tree padded to 64 rows did 64x the
         # [BT,BT] work); bf16 [BT, K] q/k tiles sit in registers next to the [K, BV] fp32 state.
         bt = max(16, triton.next_power_of_2(max_nodes))
         if has_wgmma(device) and V >= 64:
-            # sm_90: transposed products with M = BV = 64, one warpgroup (4 warps) per program
-            return WYConfig(BV=64, num_warps=4, trans=True)
+            # sm_90, H200 round 2 (48 layers): untransposed BV=64 was fastest everywhere. Less than
+            # one wave of programs (B1: 96 on 132 SMs) is latency-bound: 8 warps (B1-N32 682 vs 709
+            # us, chain8 375 vs 396); many programs (B24: 2304) are throughput-bound: 4 warps
+            # (3301 vs 4948 us).
+            programs = batch * HV * triton.cdiv(V, 64)
+            return WYConfig(BV=64, num_warps=8 if programs <= _sm_count(device) else 4)
         return WYConfig(BV=_bv(V), num_warps=8 if bt >= 64 else 4)
 
-    return get_config("gdn.tree_verify", "wy", WYConfig, heuristic, key=shape_key(M=max_nodes, K=K, V=V),
-                      device=device)
+    key = shape_key(B=bucket_m(batch), M=max_nodes, K=K, V=V)
+    return get_config("gdn.tree_verify", "wy", WYConfig, heuristic, key=key, device=device)
 
 
 def recurrent_config(K: int, V: int, device=None) -> RecurrentConfig:

@@ -45,7 +45,7 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
     if variant == "wy":
         from .kernels.wy import gdn_tree_wy_kernel
 
-        cfg = configs.wy_config(max_nodes, K, V, q.device)
+        cfg = configs.wy_config(max_nodes, K, V, q.device, batch=B, HV=HV)
         BT = max(16, cfg.min_bt, triton.next_power_of_2(max_nodes))
         split = cfg.split and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
         if cfg.inverse not in ("square", "levels"):

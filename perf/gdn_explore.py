@@ -63,7 +63,7 @@ if ARGS.layers:
 C = 2 * H * K + HV * V if GPU else 24
 
 WY = {  # name -> pinned config (None = the default heuristic); most promising first (budget)
-    "wy": None,  # sm_90 default: trans=True, BV=64, 4 warps (wgmma products)
+    "wy": None,  # sm_90 default: untransposed BV=64, 8 warps for B1 (= r1-bv64-w8), 4 for B24 (= r1-bv64)
     "r1-bv64-w8": WYConfig(BV=64, num_warps=8),  # round 1 best (B1-N32, chain32)
     "r1-bv64": WYConfig(BV=64),  # round 1 best (B24-N8, chain16)
     "t-bv64-w8": WYConfig(BV=64, num_warps=8, trans=True),

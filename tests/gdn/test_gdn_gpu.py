@@ -55,7 +55,7 @@ WY_CONFIGS = {
     "bv64-w8": WYConfig(BV=64, num_warps=8),
     "bv16": WYConfig(BV=16),
     "nosplit-ieee": WYConfig(split=False, dot_precision="ieee"),
-    "t-bv64": WYConfig(BV=64, trans=True),  # the sm_90 heuristic default
+    "t-bv64": WYConfig(BV=64, trans=True),  # configs.WY_WGMMA (wgmma on sm_90)
     "t-bv64-w8": WYConfig(BV=64, num_warps=8, trans=True),
     "t-bv128": WYConfig(BV=128, trans=True),
     "t-bv32": WYConfig(BV=32, trans=True),
@@ -110,20 +110,23 @@ def _compiled_asm(kernel):
 
 
 @pytest.mark.hopper
-def test_wy_kernel_uses_wgmma():
-    """The sm_90 DEFAULT config emits wgmma at the B1-N32 shape: with trans=True the big bf16
-    products are [BV, K] x [K, BT] (S0^T K^T, S0^T Q^T), M = BV = 64, one warpgroup, whatever the
-    node count (the old way, 64-row node tiles, spilled 630 registers)."""
-    from gdn.configs import wy_config
+def test_wy_wgmma_config_uses_wgmma():
+    """The explicit transposed config (configs.WY_WGMMA: trans=True, BV=64, 4 warps) emits wgmma at
+    the B1-N32 shape: the big bf16 products are [BV, K] x [K, BT] (S0^T K^T, S0^T Q^T), M = BV = 64,
+    whatever the node count. It is NOT the sm_90 default: the untransposed mma.sync kernel was
+    faster on H200 in round 2 (B1-N32 682 vs 933 us for 48 layers)."""
+    from gdn.configs import WY_WGMMA, wy_config
     from gdn.kernels.wy import gdn_tree_wy_kernel
 
-    assert wy_config(32, K, V, DEV).trans, "sm_90 default should be the transposed (wgmma) orientation"
+    dflt = wy_config(32, K, V, DEV, batch=1, HV=HV)
+    assert not dflt.trans and dflt.BV == 64 and dflt.num_warps == 8, f"sm_90 B1 default changed: {dflt}"
+    assert wy_config(8, K, V, DEV, batch=24, HV=HV).num_warps == 4
     trees = [draft_tree(32, random.Random(1))]
     plan = gdn.build_tree_plan(trees, device=DEV)
     q, k, v, g, beta, pool = inputs(32, 1, 3)
     idx = torch.zeros(1, dtype=torch.int32, device=DEV)
     before = set(_compiled_asm(gdn_tree_wy_kernel))
-    with force("gdn.tree_verify", config=wy_config(32, K, V, DEV)):  # pins the heuristic default
+    with force("gdn.tree_verify", config=WY_WGMMA):
         o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="wy",
                             out=torch.empty(32, HV, V, device=DEV))
     torch.cuda.synchronize()
@@ -131,10 +134,10 @@ def test_wy_kernel_uses_wgmma():
     assert ptx, "no compiled WY kernel found in Triton's cache"
     # the kernels this call compiled (all of them if an earlier test already compiled this one)
     new = [p for p in ptx if p not in before] or ptx
-    assert any("wgmma" in p for p in new), "the default WY kernel's PTX has no wgmma instruction on sm_90"
+    assert any("wgmma" in p for p in new), "the WY_WGMMA config's PTX has no wgmma instruction on sm_90"
     r64 = tree_reference(q, k, v, g, beta, pool.double(), [0], trees, use_qk_l2norm=True, dtype=torch.float64)
     r32 = tree_reference(q, k, v, g, beta, pool, [0], trees, use_qk_l2norm=True, fn=chunk_reference)
-    assert_close(o, r64, r32, msg="wgmma default config")
+    assert_close(o, r64, r32, msg="WY_WGMMA config")
 
 
 def test_cuda_graph_verify_conv_commit():

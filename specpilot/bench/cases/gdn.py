@@ -4,7 +4,9 @@ them on chains.
 Every case runs all `gdn_layers` layers in one call (so one CUDA graph holds the whole model's
 GDN verify for a step), with per-layer inputs and per-layer state pools.
 * `tree_verify-B1-N32-L48`: batch 1, one 32-node tree; variants "wy" (default config; on sm_90
-  transposed products, M = BV = 64: wgmma), "wy-r1" (H200 round-1 best, BV=64, 8 warps), "wy-levels" (level-by-level inverse) and "recurrent" (baseline).
+  untransposed BV=64, 8 warps below one wave of programs, else 4: the H200 round-2 best),
+  "wy-wgmma" (configs.WY_WGMMA: transposed, M = BV = 64, wgmma on sm_90), "wy-levels"
+  (level-by-level inverse) and "recurrent" (baseline).
   `tree_conv1d-B1-N32-L48` and `commit-B1-N32-L48` report the other two ops of the step.
 * `tree_verify-B24-N8-L48`: batch 24, 8-node trees (compare with the floor).
 * `chain-B1-T{8,16,32}-L48`: chain-shaped trees beside fla's chunk_gated_delta_rule and
@@ -22,7 +24,7 @@ import torch
 
 import gdn
 from autotune import force
-from gdn.configs import WYConfig
+from gdn.configs import WY_WGMMA, WYConfig
 from gdn.reference import chunk_reference, conv_reference, recurrent_reference, root_path, tree_reference
 from specpilot.testing import assert_close
 
@@ -75,7 +77,7 @@ def _check_verify(o, q, k, v, g, beta, pool, trees, variant, layers, msg):
 
 # pinned WY configs beside the default (node tile from the plan, 'square' inverse, bf16-split products)
 _PINNED = {
-    "wy-r1": WYConfig(BV=64, num_warps=8),  # H200 round 1 best (M = BT, mma.sync); default is now trans
+    "wy-wgmma": WY_WGMMA,  # transposed, wgmma on sm_90 (round 2: slower than the mma.sync default)
     "wy-levels": WYConfig(inverse="levels"),  # level-by-level inverse (the first version's)
 }
 
@@ -232,7 +234,7 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     small = [_tree(8, rng) for _ in range(24)]
     if device.type != "cuda":  # tiny demo scale on the interpreter
         big, small = [_tree(6, rng)], [_tree(3, rng) for _ in range(2)]
-    variants = ("wy", "wy-r1", "wy-levels", "recurrent") if device.type == "cuda" else ("wy", "recurrent")
+    variants = ("wy", "wy-wgmma", "wy-levels", "recurrent") if device.type == "cuda" else ("wy", "recurrent")
     out = []
     for trees in (big, small):
         tag = f"B{len(trees)}-N{len(trees[0])}-L{d['L']}"
