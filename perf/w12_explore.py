@@ -1,6 +1,6 @@
 """Which W12 kernel design / launch config wins on this GPU? One bounded run, compact output.
 
-    python3 perf/w12_explore.py --out $OUT [--budget-s 250]      # on the GPU (<= ~4.5 min)
+    python3 perf/w12_explore.py --out $OUT [--budget-s 150]      # on the GPU (<= ~3 min)
     python3 perf/w12_explore.py --smoke                           # CPU, interpreter, tiny: no Python errors
 
 For representative hybrid-27b projections x M in {1,2,4,8,16,32} it times cuBLAS `F.linear`
@@ -55,13 +55,15 @@ GEMV_MAX_M_TRY = 8
 
 def _tag(cfg) -> str:
     """T/G + BNxBK + warps + stages, then the design switches: A = packed PTX decode, D = 2-D
-    per-token GEMV accumulators (round 2; round-1 tags have neither)."""
+    per-token GEMV accumulators (round 2), F = one joined [BN, BK] operand and one tl.dot per K
+    iteration (round 3; earlier tags have none)."""
     k = "T" if isinstance(cfg, wc.TcConfig) else "G"
-    sw = ("A" if cfg.asm else "") + ("D" if getattr(cfg, "tok2d", False) else "")
+    sw = ("A" if cfg.asm else "") + ("D" if getattr(cfg, "tok2d", False) else "") + \
+        ("F" if getattr(cfg, "fuse", False) else "")
     return f"{k}{cfg.block_n}x{cfg.block_k}w{cfg.num_warps}s{cfg.num_stages}{sw}"
 
 
-_TAG_RE = re.compile(r"^([TG])(\d+)x(\d+)w(\d+)s(\d+)(A?)(D?)k(\d+)$")
+_TAG_RE = re.compile(r"^([TG])(\d+)x(\d+)w(\d+)s(\d+)(A?)(D?)(F?)k(\d+)$")
 
 
 def parse_tag(tag: str, block_t: int):
@@ -69,11 +71,11 @@ def parse_tag(tag: str, block_t: int):
     m = _TAG_RE.match(tag)
     if not m:
         raise ValueError(f"not an explore config tag: {tag!r}")
-    kind, bn, bk, w, st, a, d, sp = m.groups()
+    kind, bn, bk, w, st, a, d, f, sp = m.groups()
     common = dict(block_n=int(bn), block_t=int(block_t), block_k=int(bk), split_k=int(sp), num_warps=int(w),
                   num_stages=int(st), asm=bool(a))
     if kind == "T":
-        return wc.TcConfig(**common)
+        return wc.TcConfig(**common, fuse=bool(f))
     return wc.GemvConfig(**common, tok2d=bool(d))
 
 
@@ -166,14 +168,27 @@ def _candidates(opn: str, M: int, N: int, K: int, dev, sms: int, smoke: bool) ->
         for c in tiles[:1] if smoke else tiles:
             for sp in _splits(c, M, N, K, sms):
                 cands.append(("X", c.__class__(**{**c.__dict__, "split_k": sp})))
-    # round 2: the new designs on round 1's best tiles (A = packed PTX decode, D = per-token 2-D GEMV)
-    for c in _new_designs(M)[::3] if smoke else _new_designs(M):  # smoke: a T and a G design
+    # round 2's designs (A = packed PTX decode, D = per-token 2-D GEMV): now the baseline ("X")
+    for c in _r2_designs(M)[::3] if smoke else _r2_designs(M):  # smoke: a T and a G design
+        for sp in _splits(c, M, N, K, sms):
+            cands.append(("X", c.__class__(**{**c.__dict__, "split_k": sp})))
+    # round 3: F = one joined [BN, BK] operand, one tl.dot per K iteration ("N", compared with all above)
+    for c in _new_designs(M)[:1] if smoke else _new_designs(M):
         for sp in _splits(c, M, N, K, sms):
             cands.append(("N", c.__class__(**{**c.__dict__, "split_k": sp})))
     return cands
 
 
 def _new_designs(M: int) -> list:
+    """Round 3: the fused-operand tensor-core kernel on round 2's best tiles (64x128/s4, 64x256/s3),
+    with and without the PTX decode, plus deeper pipelines for the winner's tile."""
+    bt = min(64, max(16, wc._pow2(M)))
+    return [wc.TcConfig(64, bt, 128, 1, 4, 4, asm=True, fuse=True), wc.TcConfig(64, bt, 256, 1, 4, 3, asm=True, fuse=True),
+            wc.TcConfig(64, bt, 128, 1, 4, 4, fuse=True), wc.TcConfig(64, bt, 128, 1, 4, 6, asm=True, fuse=True),
+            wc.TcConfig(128, bt, 128, 1, 8, 4, asm=True, fuse=True)]
+
+
+def _r2_designs(M: int) -> list:
     bt_tc = min(64, max(16, wc._pow2(M)))
     out = [wc.TcConfig(64, bt_tc, 128, 1, 4, 4, asm=True), wc.TcConfig(64, bt_tc, 256, 1, 4, 3, asm=True)]
     if M <= GEMV_MAX_M_TRY:
@@ -228,7 +243,7 @@ def precompile(jobs, workers: int, deadline: float) -> None:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/out"))
-    ap.add_argument("--budget-s", type=float, default=250.0, help="hard wall budget (stops timing, still reports)")
+    ap.add_argument("--budget-s", type=float, default=150.0, help="hard wall budget (stops timing, still reports)")
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
     ap.add_argument("--reps", type=int, default=20)
@@ -442,7 +457,7 @@ def _report(rows, kstats, bad, a, wall, stopped) -> None:
             if top:
                 print(f"  {opn} M{lo_m}-{hi_m}: " + "  ".join(f"{t} {g:.2f}[{n}]" for g, t, n in top))
     # round 2: each new design vs the best round-1 design of its kind, same cell
-    print("\n# new designs: geomean over cells of (best round-1 same kind us / best design us) [n]; >1 = faster")
+    print("\n# new designs (round 3): geomean over cells of (best earlier same-kind us / best design us) [n]; >1 = faster")
     for opn in ("mm", "q8"):
         for lo_m, hi_m in ((1, 1), (2, 4), (8, 8), (16, 32)):
             agg = {}
@@ -456,7 +471,7 @@ def _report(rows, kstats, bad, a, wall, stopped) -> None:
                     by = {}
                     for r in rs:
                         if r["kind"] == kind and r["src"] == "N":
-                            d = letter + (re.sub(r"[^AD]", "", r["tile"].split("s", 1)[1]) or "-")
+                            d = letter + (re.sub(r"[^ADF]", "", r["tile"].split("s", 1)[1]) or "-")
                             by[d] = min(by.get(d, 1e30), r["us"])
                     for d, us in by.items():
                         agg.setdefault(d, []).append(old_best / us)

@@ -116,12 +116,12 @@ def _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, *, op: str, variant: s
     common = dict(HAS_BIAS=has_bias, Q8=q8, SELECT_ZERO=bool(cfg.select_zero),
                   ZERO_DENSE=q8 or bool(cfg.select_zero), SPLIT_K=cfg.split_k, SPLIT=cfg.split_k > 1, BLOCK_N=cfg.block_n, BLOCK_T=bt,
                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    args = (x2d, hi, lo, e0, rowptr, col, val, b, out, ws, M, N, K, Kp, x2d.stride(0), x2d.stride(1))
+    args = (x2d, hi, lo, e0, rowptr, col, val, b, out, ws, M, N, K, Kp, Kp // 2, x2d.stride(0), x2d.stride(1))
     # the packed PTX decode needs a real GPU (the interpreter runs no inline asm)
     use_asm = bool(cfg.asm) and x2d.is_cuda and not autotune.is_interpreter()
     if kernel_name == "tc":
         k = w12_matmul_tc_kernel if wrap is None else wrap(w12_matmul_tc_kernel)
-        ck = k[grid](*args, X_F16=x2d.dtype == torch.float16, USE_ASM=use_asm, **common)
+        ck = k[grid](*args, X_F16=x2d.dtype == torch.float16, USE_ASM=use_asm, FUSE=bool(cfg.fuse), **common)
     else:
         k = w12_matmul_gemv_kernel if wrap is None else wrap(w12_matmul_gemv_kernel)
         ck = k[grid](*args, USE_ASM=use_asm, TOK2D=bool(cfg.tok2d), **common)

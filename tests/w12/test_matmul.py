@@ -60,11 +60,11 @@ def test_matmul_matches_reference(variant, M, N, K):
     _check(out, x, w, p)
 
 
-@pytest.mark.parametrize("cfg", [TC_SMALL, GEMV_SMALL,
+@pytest.mark.parametrize("cfg", [TC_SMALL, GEMV_SMALL, TcConfig(32, 16, 128, 2, 4, 2, fuse=True),
                                  TcConfig(block_n=16, block_t=16, block_k=128, split_k=1, num_warps=4, num_stages=1,
                                           select_zero=True),
                                  GemvConfig(block_n=64, block_t=4, block_k=128, split_k=1, select_zero=True)],
-                         ids=["tc-split2", "gemv-split3", "tc-select", "gemv-select"])
+                         ids=["tc-split2", "gemv-split3", "tc-fuse-split2", "tc-select", "gemv-select"])
 @pytest.mark.parametrize("M", [1, 5, 20])
 def test_forced_configs(cfg, M):
     N, K = 70, 300
@@ -105,6 +105,8 @@ def test_fp16_activations(variant):
         out = w12.matmul(x, p, bias)
     assert out.dtype == torch.float16
     _check(out, x, w, p, bias)
+    with autotune.force("w12.matmul", config=TcConfig(32, 16, 128, 1, 4, 2, fuse=True)):  # tf32 path, one dot
+        _check(w12.matmul(x, p, bias), x, w, p, bias)
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
@@ -134,8 +136,10 @@ def test_nonfinite_and_zero_rows(variant):
 @pytest.mark.parametrize("cfg", [TcConfig(block_n=16, block_t=16, block_k=64, num_warps=4, select_zero=True),
                                  GemvConfig(block_n=16, block_t=16, block_k=64, select_zero=True),
                                  TcConfig(block_n=16, block_t=16, block_k=64, num_warps=4, split_k=2,
-                                          select_zero=True)],
-                         ids=["tc", "gemv", "tc-split2"])
+                                          select_zero=True),
+                                 TcConfig(block_n=16, block_t=16, block_k=128, num_warps=4, select_zero=True,
+                                          fuse=True)],
+                         ids=["tc", "gemv", "tc-split2", "tc-fuse"])
 def test_one_hot_rows_recover_weight_bitwise(cfg):
     """x = I: every output is one product w*1 (plus zeros), so the result is W^T bit for bit,
     escapes included (with select_zero; the default decode trades this for a cheaper hot path)."""
@@ -278,7 +282,8 @@ def test_asm_configs_run_plain_decode_on_cpu():
     for M, cfg in ((3, GemvConfig(16, 4, 64, 2, 4, 1, asm=True, tok2d=True)),
                    (2, GemvConfig(16, 2, 64, 1, 4, 1, tok2d=True)),
                    (1, GemvConfig(8, 1, 128, 1, 4, 1, tok2d=True)),
-                   (5, TcConfig(32, 16, 64, 2, 4, 2, asm=True))):
+                   (5, TcConfig(32, 16, 64, 2, 4, 2, asm=True)),
+                   (5, TcConfig(32, 16, 128, 2, 4, 2, asm=True, fuse=True))):
         x = _x((M, 130), seed=M + 90)
         with autotune.force("w12.matmul", config=cfg):
             _check(w12.matmul(x, p), x, w, p)

@@ -29,7 +29,7 @@ __all__ = ["w12_matmul_gemv_kernel"]
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def w12_matmul_gemv_kernel(
     x_ptr, hi_ptr, lo_ptr, e0_ptr, rowptr_ptr, col_ptr, val_ptr, bias_ptr, out_ptr, ws_ptr,
-    M, N, K, Kp, stride_xm, stride_xk,
+    M, N, K, Kp, stride_lo, stride_xm, stride_xk,
     HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, ZERO_DENSE: tl.constexpr, SPLIT_K, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr,
     USE_ASM: tl.constexpr = False, TOK2D: tl.constexpr = False,
@@ -56,7 +56,7 @@ def w12_matmul_gemv_kernel(
     E = (tl.load(e0_ptr + rows_c).to(tl.int32) << 7)[:, None]  # [BN, 1]
     rows64 = rows_c.to(tl.int64)
     hi_p = hi_ptr + rows64[:, None] * Kp + (it0 * BLOCK_K + col_a)[None, :]  # [BN, BKH]
-    lo_p = lo_ptr + rows64[:, None] * (Kp // 2) + (it0 * BKH + j)[None, :]  # [BN, BKH]
+    lo_p = lo_ptr + rows64[:, None] * stride_lo + (it0 * BKH + j)[None, :]  # [BN, BKH] (stride_lo: see tc.py)
     x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * BLOCK_K + col_a)[:, None] * stride_xk  # [BKH, BT]
 
     E16 = E.to(tl.int16)

@@ -27,6 +27,10 @@ Escapes: the tile's rows own a contiguous range of the CSR list. The epilogue wa
 step j adds escape j of every row in the tile (rows with fewer escapes are masked), so the
 cost is (max escapes of a row in the tile) x [BN, BT] FMAs, paid once per tile (split 0 only).
 
+FUSE (round 3): instead of two MMAs of depth BK/2 per iteration (one per half), the decoded halves
+are joined into one [BN, BK] operand in the tile-local K order k' = h * BK/2 + j, and x is loaded
+in that same order (runs of 32 contiguous columns), so each iteration issues one MMA chain.
+
 Split-K: program (pid_n, pid_t, pid_k) handles K iterations [it0, it1); SPLIT_K is a runtime
 argument (one compiled kernel serves every split; SPLIT is the constexpr "split_k > 1"). With SPLIT it
 writes fp32 partials to `ws[SPLIT_K, M, N]` and `w12_splitk_reduce_kernel` sums them in a fixed
@@ -41,6 +45,12 @@ import triton.language as tl
 from .pk_decode import decode_pk
 
 __all__ = ["w12_matmul_tc_kernel", "w12_splitk_reduce_kernel"]
+
+
+@triton.jit
+def col_a_of(j):
+    # pair index j in a BK tile -> column of half "a" (64g + i); half "b" is +32 (docs/w12-format.md)
+    return (j // 32) * 64 + j % 32
 
 
 @triton.jit
@@ -125,10 +135,11 @@ def _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def w12_matmul_tc_kernel(
     x_ptr, hi_ptr, lo_ptr, e0_ptr, rowptr_ptr, col_ptr, val_ptr, bias_ptr, out_ptr, ws_ptr,
-    M, N, K, Kp, stride_xm, stride_xk,
+    M, N, K, Kp, stride_lo, stride_xm, stride_xk,
     HAS_BIAS: tl.constexpr, Q8: tl.constexpr, SELECT_ZERO: tl.constexpr, ZERO_DENSE: tl.constexpr, X_F16: tl.constexpr,
     SPLIT_K, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr, USE_ASM: tl.constexpr = False,
+    FUSE: tl.constexpr = False,
 ):
     BKH: tl.constexpr = BLOCK_K // 2
     pid_n = tl.program_id(0)
@@ -139,7 +150,7 @@ def w12_matmul_tc_kernel(
     row_ok = rows < N
     tok_ok = toks < M
     j = tl.arange(0, BKH)
-    col_a = (j // 32) * 64 + j % 32  # [BKH] column of half "a" inside a BK tile; half "b" is +32
+    col_a = col_a_of(j)  # [BKH] column of half "a" inside a BK tile; half "b" is +32
 
     n_it = tl.cdiv(Kp, BLOCK_K)
     per = tl.cdiv(n_it, SPLIT_K)
@@ -152,8 +163,13 @@ def w12_matmul_tc_kernel(
     E = (tl.load(e0_ptr + rows_c).to(tl.int32) << 7)[:, None]  # [BN, 1]
     rows64 = rows_c.to(tl.int64)
     hi_p = hi_ptr + rows64[:, None] * Kp + (it0 * BLOCK_K + col_a)[None, :]  # [BN, BKH]
-    lo_p = lo_ptr + rows64[:, None] * (Kp // 2) + (it0 * BKH + j)[None, :]  # [BN, BKH]
+    # stride_lo (= Kp // 2) comes from the host so the compiler sees it divisible by 16: 16-byte lo loads
+    lo_p = lo_ptr + rows64[:, None] * stride_lo + (it0 * BKH + j)[None, :]  # [BN, BKH]
     x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * BLOCK_K + col_a)[:, None] * stride_xk  # [BKH, BT]
+    # FUSE: the K order inside a tile is k' = h * BKH + j (half h, pair j), the order of the joined tile below
+    kf = tl.arange(0, BLOCK_K)
+    col_f = col_a_of(kf % BKH) + 32 * (kf // BKH)  # [BK] runs of 32 contiguous columns: vector loads
+    xf_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * BLOCK_K + col_f)[:, None] * stride_xk  # [BK, BT]
 
     E16 = E.to(tl.int16)  # for the packed decode (USE_ASM; SELECT_ZERO keeps the plain one)
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
@@ -161,8 +177,11 @@ def w12_matmul_tc_kernel(
         ka = it * BLOCK_K + col_a  # [BKH]
         h_a8 = tl.load(hi_p)
         h_b8 = tl.load(hi_p + 32)
-        xa = tl.load(x_p, mask=(ka < K)[:, None] & tok_ok[None, :], other=0.0)  # [BKH, BT]
-        xb = tl.load(x_p + 32 * stride_xk, mask=(ka + 32 < K)[:, None] & tok_ok[None, :], other=0.0)
+        if FUSE:
+            xf = tl.load(xf_p, mask=(it * BLOCK_K + col_f < K)[:, None] & tok_ok[None, :], other=0.0)  # [BK, BT]
+        else:
+            xa = tl.load(x_p, mask=(ka < K)[:, None] & tok_ok[None, :], other=0.0)  # [BKH, BT]
+            xb = tl.load(x_p + 32 * stride_xk, mask=(ka + 32 < K)[:, None] & tok_ok[None, :], other=0.0)
         if USE_ASM and not SELECT_ZERO:
             # packed PTX decode (kernels/pk_decode.py), straight to the MMA operand dtype
             if Q8:
@@ -188,7 +207,14 @@ def w12_matmul_tc_kernel(
             else:
                 wa = _bits_to_bf16(ba)
                 wb = _bits_to_bf16(bb)
-        if X_F16:
+        if FUSE:
+            # one [BN, BK] operand, one MMA chain of depth BK per iteration (not two of BK/2)
+            w = tl.reshape(tl.permute(tl.join(wa, wb), (0, 2, 1)), (BLOCK_N, BLOCK_K))  # [BN, BK] in k' order
+            if X_F16:
+                acc = tl.dot(w, xf.to(tl.float32), acc, input_precision="tf32")
+            else:
+                acc = tl.dot(w, xf, acc)
+        elif X_F16:
             # bf16 weights and fp16 activations are both exact in tf32: exact products, fp32 sums
             acc = tl.dot(wa, xa.to(tl.float32), acc, input_precision="tf32")
             acc = tl.dot(wb, xb.to(tl.float32), acc, input_precision="tf32")
@@ -198,6 +224,7 @@ def w12_matmul_tc_kernel(
         hi_p += BLOCK_K
         lo_p += BKH
         x_p += BLOCK_K * stride_xk
+        xf_p += BLOCK_K * stride_xk
 
     if pid_k == 0:
         acc = _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr,
