@@ -104,7 +104,7 @@ def _launch_direct(kernel, cfg, x, p, **extra):
     out = torch.empty(M, p.N, device=x.device, dtype=x.dtype)
     grid = (triton.cdiv(p.N, cfg.block_n), triton.cdiv(M, cfg.block_t), 1)
     return kernel[grid](x, p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, out, out, out, M, p.N, K, p.Kp,
-                        x.stride(0), x.stride(1), HAS_BIAS=False, Q8=False, SELECT_ZERO=False, ZERO_DENSE=False, SPLIT_K=1,
+                        p.Kp // 2, x.stride(0), x.stride(1), HAS_BIAS=False, Q8=False, SELECT_ZERO=False, ZERO_DENSE=False, SPLIT_K=1,
                         SPLIT=False,
                         BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, BLOCK_K=cfg.block_k, num_warps=cfg.num_warps,
                         num_stages=cfg.num_stages, **extra)
@@ -112,11 +112,11 @@ def _launch_direct(kernel, cfg, x, p, **extra):
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("cfg", [TcConfig(128, 16, 128, 1, 8, 4), TcConfig(64, 16, 256, 1, 4, 3),
-                                 TcConfig(128, 32, 128, 1, 8, 3)], ids=str)
+                                 TcConfig(128, 32, 128, 1, 8, 3), TcConfig(64, 16, 128, 1, 4, 4, fuse=True)], ids=str)
 def test_tc_kernel_uses_wgmma(cfg):
     p = w12.pack(_weight(512, 1024, seed=1))
     x = _x(cfg.block_t, 1024, seed=2)
-    ck = _launch_direct(w12_matmul_tc_kernel, cfg, x, p, X_F16=False)
+    ck = _launch_direct(w12_matmul_tc_kernel, cfg, x, p, X_F16=False, FUSE=cfg.fuse)
     ptx = ck.asm["ptx"]
     if "wgmma" not in ptx:  # SASS needs nvdisasm; only consulted when the PTX lacks it
         assert "HGMMA" in ck.asm["sass"], f"tl.dot did not lower to wgmma on sm_90 for {cfg}"
