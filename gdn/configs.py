@@ -28,11 +28,16 @@ class WYConfig:
     dot_precision: str = "ieee"
     small_precision: str = "ieee"  # [BT,BT] inverse, T.rhs and (q.k).U products: tiny, fp32 FMA
     split: bool = True  # bf16 q/k: exact bf16 tensor-core products, fp32 state split in 3 bf16
-    inverse: str = "square"  # "square": log2(depth) rounds; "levels": one product per depth level
+    # "square": floor(log2(depth)) rounds, unrolled (5 guarded copies); "loop": the same rounds as a
+    # runtime loop (one copy); "levels": one product per depth level
+    inverse: str = "square"
     min_bt: int = 16  # node tile floor; 64 makes the tensor-core dots M=64 (wgmma on sm_90)
     # transposed orientation: the big products are [BV, K] x [K, BT], M = BV (64: wgmma on sm_90
     # at any node count, no 64-row padding)
     trans: bool = False
+    # untransposed bf16 path: q rows stacked over k rows, one set of [2BT, K] x [K, BV] state
+    # products (M = 64 at 32 nodes) and one [2BT, K] x [K, BT] for q.k^T / k.k^T
+    stack: bool = False
 
 
 @dataclass(frozen=True)

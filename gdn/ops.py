@@ -48,13 +48,14 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
         cfg = configs.wy_config(max_nodes, K, V, q.device, batch=B, HV=HV)
         BT = max(16, cfg.min_bt, triton.next_power_of_2(max_nodes))
         split = cfg.split and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
-        if cfg.inverse not in ("square", "levels"):
-            raise ValueError(f"WYConfig.inverse must be 'square' or 'levels', got {cfg.inverse!r}")
+        inv = {"levels": 0, "square": 1, "loop": 2}.get(cfg.inverse)
+        if inv is None:
+            raise ValueError(f"WYConfig.inverse must be 'square', 'loop' or 'levels', got {cfg.inverse!r}")
         grid = (B, HV, triton.cdiv(V, cfg.BV))
         gdn_tree_wy_kernel[grid](q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, scale, *common,
                                  H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg.BV, USE_L2=use_l2,
                                  PREC=cfg.dot_precision, PREC_S=cfg.small_precision, SPLIT=split,
-                                 INV=1 if cfg.inverse == "square" else 0, TRANS=cfg.trans, num_warps=cfg.num_warps,
+                                 INV=inv, TRANS=cfg.trans, STACK=cfg.stack, num_warps=cfg.num_warps,
                                  num_stages=cfg.num_stages)
     elif variant == "recurrent":
         from .kernels.recurrent import gdn_tree_recurrent_kernel

@@ -43,7 +43,7 @@ def gdn_tree_wy_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2: tl.constexpr, PREC: tl.constexpr, PREC_S: tl.constexpr, SPLIT: tl.constexpr, INV: tl.constexpr,
-    TRANS: tl.constexpr = False,
+    TRANS: tl.constexpr = False, STACK: tl.constexpr = False,
 ):
     i_r, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -71,6 +71,8 @@ def gdn_tree_wy_kernel(
     b_g = tl.load(g + rows * s_gt + i_hv * s_gh, mask=m_t, other=0.).to(tl.float32)  # [BT]
     b_b = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=m_t, other=0.).to(tl.float32)  # [BT]
     b_anc = tl.load(anc + rows, mask=m_t, other=0)  # [BT] int64
+    d_max = tl.load(max_depth + i_r)
+    b_dep = tl.load(depth + rows, mask=m_t, other=-1)  # [BT]
     if TRANS:
         b_v = tl.load(v + rows[None, :] * s_vt + i_hv * s_vh + o_v[:, None], mask=m_v[:, None] & m_t[None, :],
                       other=0.).to(tl.float32)  # [BV, BT]
@@ -87,7 +89,20 @@ def gdn_tree_wy_kernel(
     else:
         r_q = tl.full([BT], 1., tl.float32) * scale
         r_k = tl.full([BT], 1., tl.float32)
-    if SPLIT:
+    if SPLIT and STACK and not TRANS:
+        # q rows over k rows, [2BT, BK]: one set of products with M = 2BT (64 at 32 nodes)
+        o_2 = tl.arange(0, 2 * BT)
+        rows2 = bos + (o_2 % BT).to(tl.int64)
+        m_2 = (o_2 % BT) < n
+        p_qk = tl.where((o_2 < BT)[:, None], q + rows2[:, None] * s_qt + i_h * s_qh,
+                        k + rows2[:, None] * s_kt + i_h * s_kh)
+        b_qk2 = tl.load(p_qk + o_k[None, :], mask=m_2[:, None] & m_k[None, :], other=0.)  # [2BT, BK]
+        s_hi, s_mid, s_lo = _split3(b_S)
+        b_x = tl.dot(b_qk2, tl.trans(b_k))  # [2BT, BT]: q.k^T over k.k^T
+        b_qk, b_kk = tl.split(tl.permute(tl.reshape(b_x, [2, BT, BT]), (1, 2, 0)))
+        b_y = tl.dot(b_qk2, s_hi) + tl.dot(b_qk2, s_mid) + tl.dot(b_qk2, s_lo)  # [2BT, BV]
+        b_qS, b_kS = tl.split(tl.permute(tl.reshape(b_y, [2, BT, BV]), (1, 2, 0)))
+    elif SPLIT:
         # raw bf16 operands: exact products on tensor cores
         b_kk = tl.dot(b_k, tl.trans(b_k))  # [BT, BT]
         b_qk = tl.dot(b_q, tl.trans(b_k))  # [BT, BT]
@@ -121,7 +136,6 @@ def gdn_tree_wy_kernel(
     b_A = tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
 
     eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
-    d_max = tl.load(max_depth + i_r)
     if INV == 1:
         b_T = eye - b_A
         b_P = b_A
@@ -129,8 +143,16 @@ def gdn_tree_wy_kernel(
             if (1 << i) <= d_max:
                 b_P = tl.dot(b_P, b_P, input_precision=PREC_S)
                 b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_S)
+    elif INV == 2:
+        # the same rounds as a runtime loop: one copy of the two products in the code
+        b_T = eye - b_A
+        b_P = b_A
+        p2 = d_max * 0 + 2
+        while p2 <= d_max:
+            b_P = tl.dot(b_P, b_P, input_precision=PREC_S)
+            b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_S)
+            p2 = p2 * 2
     else:
-        b_dep = tl.load(depth + rows, mask=m_t, other=-1)  # [BT]
         b_T = eye  # rows of depth d are final once all shallower rows are
         for d in range(1, d_max + 1):
             b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC_S), b_T)

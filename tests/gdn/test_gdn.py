@@ -432,7 +432,7 @@ def test_wy_inverse_and_split(inverse, split):
 @pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
 @pytest.mark.parametrize("inverse", ["square", "levels"])
 def test_wy_transposed(split, inverse):
-    """trans=True (products as [BV, K] x [K, BT], M = BV: the sm_90 default) gives the same function
+    """trans=True (products as [BV, K] x [K, BT], M = BV: configs.WY_WGMMA on sm_90) gives the same function
     within the derived bound: deep chains, bushy trees, a one-node tree, odd V (masked V block)."""
     from gdn.configs import WYConfig
 
@@ -446,6 +446,22 @@ def test_wy_transposed_odd_dims_vk():
 
     with force("gdn.tree_verify", config=WYConfig(BV=16, trans=True)):
         check_verify([rand_tree(10, random.Random(5)), star(4)], "wy", l2=False, layout="vk", h=1, hv=3, k=24, v=20)
+
+
+@pytest.mark.parametrize("inverse", ["square", "loop"])
+def test_wy_stacked_qk_and_loop_inverse(inverse):
+    """stack=True (q rows over k rows: one [2BT, K] set of state products) and inverse='loop' (the
+    squaring rounds as a runtime loop) give the same function within the derived bound: deep
+    chains (many rounds), bushy trees, a one-node tree, odd K and V (masked tiles), both layouts."""
+    from gdn.configs import WYConfig
+
+    rng = random.Random(23)
+    with force("gdn.tree_verify", config=WYConfig(BV=16, inverse=inverse, stack=True)):
+        check_verify([chain(33), rand_tree(20, rng), star(5), [-1]], "wy", dtype=torch.bfloat16, seed=5)
+        check_verify([rand_tree(10, rng), star(4)], "wy", dtype=torch.bfloat16, l2=False, layout="vk", h=1, hv=3,
+                     k=24, v=20, seed=6)
+    with force("gdn.tree_verify", config=WYConfig(BV=16, inverse="loop")):
+        check_verify([chain(33), rand_tree(20, rng), [-1]], "wy", dtype=torch.bfloat16, seed=7)
 
 
 def test_wy_node_tile_follows_plan():
