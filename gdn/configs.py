@@ -84,8 +84,13 @@ def wy_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV
             # one wave of programs (B1: 96 on 132 SMs) is latency-bound: 8 warps (B1-N32 682 vs 709
             # us, chain8 375 vs 396); many programs (B24: 2304) are throughput-bound: 4 warps
             # (3301 vs 4948 us).
+            # Round 3: under one wave, stacking q over k (one [2BT, K] set of state products, M = 64
+            # at 32 nodes: wgmma, 0 spills) is faster still (B1-N32 586 vs 694 us, chain32 627 vs
+            # 737); at B24 it is a tie (3006 vs 2999), so the many-program case keeps plain BV=64.
             programs = batch * HV * triton.cdiv(V, 64)
-            return WYConfig(BV=64, num_warps=8 if programs <= _sm_count(device) else 4)
+            if programs <= _sm_count(device):
+                return WYConfig(BV=64, num_warps=8, stack=True)
+            return WYConfig(BV=64, num_warps=4)
         return WYConfig(BV=_bv(V), num_warps=8 if bt >= 64 else 4)
 
     key = shape_key(B=bucket_m(batch), M=max_nodes, K=K, V=V)

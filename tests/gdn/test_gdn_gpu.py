@@ -119,7 +119,7 @@ def test_wy_wgmma_config_uses_wgmma():
     from gdn.kernels.wy import gdn_tree_wy_kernel
 
     dflt = wy_config(32, K, V, DEV, batch=1, HV=HV)
-    assert not dflt.trans and dflt.BV == 64 and dflt.num_warps == 8, f"sm_90 B1 default changed: {dflt}"
+    assert not dflt.trans and dflt.stack and dflt.BV == 64 and dflt.num_warps == 8, f"sm_90 B1 default changed: {dflt}"
     assert wy_config(8, K, V, DEV, batch=24, HV=HV).num_warps == 4
     trees = [draft_tree(32, random.Random(1))]
     plan = gdn.build_tree_plan(trees, device=DEV)
