@@ -67,7 +67,9 @@ def asm_text(mode: str, out: str) -> str:
             s.append(f"shl.b32 ${2 * p}, w, 16;")
             s.append(f"and.b32 ${2 * p + 1}, w, 0xFFFF0000;")
     s.append("}")
-    return "\n".join(s)
+    # One line: torch.compile (inductor) re-emits these globals into generated Python source,
+    # where an embedded newline became an unterminated string literal (H200, torch 2.11).
+    return " ".join(s)
 
 
 _ASM = {(m, o): asm_text(m, o) for m in ("lo", "hi", "q8") for o in ("bf16", "f32")}
