@@ -153,10 +153,17 @@ def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = F
     """CUDA-core default: per thread <= _GEMV_LIVE accumulators and <= 32 bytes of hi per iteration
     (no spills), 4 warps, many CTAs per SM (~8) to keep bytes in flight; split-K fills waves."""
     bt = min(16, _pow2(M))
+    kp = -(-K // 64) * 64
+    if M == 1:
+        # H200 round 2: 8x256 tiles with the packed PTX decode and a 2-D accumulator won every M=1
+        # cell of the explore set (G8x256w4s2AD, mm and q8); untuned shapes get the same shape.
+        tiles = -(-N // 8)
+        split = pick_split_k(tiles, -(-kp // 256), sm_count(device) * 8)
+        return GemvConfig(block_n=8, block_t=1, block_k=256, split_k=split, num_warps=4, num_stages=2,
+                          asm=True, tok2d=True)
     bk = 256 if bt <= 2 else 128
     threads = 128
     bn = max(4, min(64, _GEMV_LIVE * threads // (bk // 2 * bt)))
-    kp = -(-K // 64) * 64
     tiles = -(-N // bn) * -(-M // bt)
     split = pick_split_k(tiles, -(-kp // bk), sm_count(device) * 8)
     return GemvConfig(block_n=bn, block_t=bt, block_k=bk, split_k=split, num_warps=4, num_stages=2)
