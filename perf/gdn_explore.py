@@ -16,7 +16,6 @@ import argparse
 import json
 import os
 import random
-import statistics
 import sys
 import time
 
@@ -50,6 +49,7 @@ import gdn  # noqa: E402
 from autotune import force  # noqa: E402
 from gdn.configs import WY_WGMMA, WYConfig  # noqa: E402
 from gdn.reference import chunk_reference, recurrent_reference, root_path, tree_reference  # noqa: E402
+from specpilot.bench.runner import time_fns  # noqa: E402
 from specpilot.testing import error_bound  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and not ARGS.smoke else "cpu"
@@ -116,32 +116,9 @@ def inputs(T, B, seed):
 
 
 def time_fn(fn, reps=20):
-    """Median microseconds of one call of fn (all layers), replayed from a CUDA graph on the GPU."""
-    if not GPU:
-        t = time.perf_counter()
-        fn()
-        return (time.perf_counter() - t) * 1e6
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        fn()
-        fn()
-    torch.cuda.current_stream().wait_stream(s)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        fn()
-    graph.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        graph.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e3)
-    del graph
-    return statistics.median(ts)
+    """Median microseconds of one call of fn (all layers): the benchmark runner's timing
+    (CUDA-graph replays on the GPU; one pass of perf_counter on the CPU)."""
+    return time_fns([fn], reps=reps if GPU else 1, warmup=1) * 1e6
 
 
 _SEEN: set = set()

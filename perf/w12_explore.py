@@ -23,7 +23,6 @@ import json
 import math
 import os
 import re
-import statistics
 import sys
 import time
 from pathlib import Path
@@ -42,6 +41,7 @@ import w12  # noqa: E402
 from w12 import configs as wc  # noqa: E402
 from w12 import ops as wops  # noqa: E402
 from w12.format import W12Weight  # noqa: E402
+from specpilot.bench.runner import time_fns  # noqa: E402
 
 SHAPES = {  # name: (N, K)
     "down_proj": (5120, 17408),
@@ -109,34 +109,9 @@ def synthetic(N: int, K: int, dev, gen) -> W12Weight:
 
 
 def _time(fns, reps: int) -> float:
-    """Median seconds per call: CUDA-graph replays of all rotated fns (CPU: plain wall clock)."""
-    if not torch.cuda.is_available():
-        t0 = time.perf_counter()
-        for f in fns:
-            f()
-        return (time.perf_counter() - t0) / len(fns)
-    s = torch.cuda.Stream()
-    s.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(s):
-        for f in fns:
-            f()
-    torch.cuda.current_stream().wait_stream(s)
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for f in fns:
-            f()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(reps):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1e-3 / len(fns))
-    del g
-    return statistics.median(ts)
+    """Median seconds per call over the rotated fns: the benchmark runner's timing (CUDA-graph
+    replays on the GPU; one pass of perf_counter on the CPU)."""
+    return time_fns(fns, reps=reps if torch.cuda.is_available() else 1, warmup=1)
 
 
 def _run(x, p, cfg, op):
