@@ -20,8 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pk_decode import decode_pk
-from .tc import _apply_escapes, _bits_to_f32, _decode_bits, _decode_bits_q8, _store_tile
+from .tc import _apply_escapes, _decode_halves, _store_tile
 
 __all__ = ["w12_matmul_gemv_kernel"]
 
@@ -74,24 +73,7 @@ def w12_matmul_gemv_kernel(
         ka = it * BLOCK_K + col_a
         h_a8 = tl.load(hi_p)
         h_b8 = tl.load(hi_p + 32)
-        if USE_ASM and not SELECT_ZERO:
-            if Q8:
-                wa = decode_pk(h_a8, h_a8, E16, 2, True)
-                wb = decode_pk(h_b8, h_b8, E16, 2, True)
-            else:
-                lo8 = tl.load(lo_p)
-                wa = decode_pk(h_a8, lo8, E16, 0, True)
-                wb = decode_pk(h_b8, lo8, E16, 1, True)
-        else:
-            h_a = h_a8.to(tl.int32)
-            h_b = h_b8.to(tl.int32)
-            if Q8:
-                wa = _bits_to_f32(_decode_bits_q8(h_a, E))
-                wb = _bits_to_f32(_decode_bits_q8(h_b, E))
-            else:
-                lo = tl.load(lo_p).to(tl.int32)
-                wa = _bits_to_f32(_decode_bits(h_a, lo & 0xF, E, SELECT_ZERO))
-                wb = _bits_to_f32(_decode_bits(h_b, lo >> 4, E, SELECT_ZERO))
+        wa, wb = _decode_halves(h_a8, h_b8, lo_p, E16, E, Q8, USE_ASM, SELECT_ZERO, True)  # fp32 [BN, BKH]
         if TOK2D:
             ma = ka < K
             mb = ka + 32 < K

@@ -80,6 +80,39 @@ def _bits_to_f32(bits):
 
 
 @triton.jit
+def _decode_halves(h_a8, h_b8, lo_p, E16, E, Q8: tl.constexpr, USE_ASM: tl.constexpr, SELECT_ZERO: tl.constexpr,
+                   F32: tl.constexpr):
+    # h_a8, h_b8: uint8 [BN, BKH] hi bytes of the "a" / "b" half; lo_p: [BN, BKH] pointers to the
+    # shared lo bytes (not read for Q8) -> weights (fp32 if F32 else bf16), both [BN, BKH]
+    if USE_ASM and not SELECT_ZERO:
+        # packed PTX decode (kernels/pk_decode.py), straight to the operand dtype
+        if Q8:
+            wa = decode_pk(h_a8, h_a8, E16, 2, F32)
+            wb = decode_pk(h_b8, h_b8, E16, 2, F32)
+        else:
+            lo8 = tl.load(lo_p)
+            wa = decode_pk(h_a8, lo8, E16, 0, F32)
+            wb = decode_pk(h_b8, lo8, E16, 1, F32)
+    else:
+        h_a = h_a8.to(tl.int32)
+        h_b = h_b8.to(tl.int32)
+        if Q8:
+            ba = _decode_bits_q8(h_a, E)
+            bb = _decode_bits_q8(h_b, E)
+        else:
+            lo = tl.load(lo_p).to(tl.int32)
+            ba = _decode_bits(h_a, lo & 0xF, E, SELECT_ZERO)
+            bb = _decode_bits(h_b, lo >> 4, E, SELECT_ZERO)
+        if F32:
+            wa = _bits_to_f32(ba)
+            wb = _bits_to_f32(bb)
+        else:
+            wa = _bits_to_bf16(ba)
+            wb = _bits_to_bf16(bb)
+    return wa, wb
+
+
+@triton.jit
 def _to_out(acc, out_ty: tl.constexpr):
     # fp32 -> output dtype, round-to-nearest-even. bf16 by integer rounding: the same bits as the
     # GPU's cvt.rn, and the interpreter (which truncates fp32 -> bf16) agrees with the GPU.
@@ -182,31 +215,7 @@ def w12_matmul_tc_kernel(
         else:
             xa = tl.load(x_p, mask=(ka < K)[:, None] & tok_ok[None, :], other=0.0)  # [BKH, BT]
             xb = tl.load(x_p + 32 * stride_xk, mask=(ka + 32 < K)[:, None] & tok_ok[None, :], other=0.0)
-        if USE_ASM and not SELECT_ZERO:
-            # packed PTX decode (kernels/pk_decode.py), straight to the MMA operand dtype
-            if Q8:
-                wa = decode_pk(h_a8, h_a8, E16, 2, X_F16)
-                wb = decode_pk(h_b8, h_b8, E16, 2, X_F16)
-            else:
-                lo8 = tl.load(lo_p)
-                wa = decode_pk(h_a8, lo8, E16, 0, X_F16)
-                wb = decode_pk(h_b8, lo8, E16, 1, X_F16)
-        else:
-            h_a = h_a8.to(tl.int32)
-            h_b = h_b8.to(tl.int32)
-            if Q8:
-                ba = _decode_bits_q8(h_a, E)
-                bb = _decode_bits_q8(h_b, E)
-            else:
-                lo = tl.load(lo_p).to(tl.int32)
-                ba = _decode_bits(h_a, lo & 0xF, E, SELECT_ZERO)
-                bb = _decode_bits(h_b, lo >> 4, E, SELECT_ZERO)
-            if X_F16:
-                wa = _bits_to_f32(ba)
-                wb = _bits_to_f32(bb)
-            else:
-                wa = _bits_to_bf16(ba)
-                wb = _bits_to_bf16(bb)
+        wa, wb = _decode_halves(h_a8, h_b8, lo_p, E16, E, Q8, USE_ASM, SELECT_ZERO, X_F16)
         if FUSE:
             # one [BN, BK] operand, one MMA chain of depth BK per iteration (not two of BK/2)
             w = tl.reshape(tl.permute(tl.join(wa, wb), (0, 2, 1)), (BLOCK_N, BLOCK_K))  # [BN, BK] in k' order
