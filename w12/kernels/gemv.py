@@ -20,7 +20,7 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .tc import _apply_escapes, _decode_halves, _store_tile
+from .tc import _apply_escapes, _decode_halves, _store_tile, _tile_setup
 
 __all__ = ["w12_matmul_gemv_kernel"]
 
@@ -34,29 +34,10 @@ def w12_matmul_gemv_kernel(
     USE_ASM: tl.constexpr = False, TOK2D: tl.constexpr = False,
 ):
     BKH: tl.constexpr = BLOCK_K // 2
-    pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < N
-    tok_ok = toks < M
-    j = tl.arange(0, BKH)
-    col_a = (j // 32) * 64 + j % 32  # [BKH] column of half "a"; half "b" is +32
-
-    n_it = tl.cdiv(Kp, BLOCK_K)
-    per = tl.cdiv(n_it, SPLIT_K)
-    it0 = pid_k * per
-    it1 = tl.minimum(it0 + per, n_it)
-
-    # rows past N read row N-1 (results masked at the store): weight loads need no mask, so
-    # they stay 16-byte vectors and the pipeliner sees plain loads
-    rows_c = tl.minimum(rows, N - 1)
-    E = (tl.load(e0_ptr + rows_c).to(tl.int32) << 7)[:, None]  # [BN, 1]
-    rows64 = rows_c.to(tl.int64)
-    hi_p = hi_ptr + rows64[:, None] * Kp + (it0 * BLOCK_K + col_a)[None, :]  # [BN, BKH]
-    lo_p = lo_ptr + rows64[:, None] * stride_lo + (it0 * BKH + j)[None, :]  # [BN, BKH] (stride_lo: see tc.py)
-    x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * BLOCK_K + col_a)[:, None] * stride_xk  # [BKH, BT]
+    rows, toks, row_ok, tok_ok, j, col_a, it0, it1, E, hi_p, lo_p, x_p = _tile_setup(
+        x_ptr, hi_ptr, lo_ptr, e0_ptr, M, N, Kp, stride_lo, stride_xm, stride_xk, SPLIT_K, BLOCK_N, BLOCK_T, BLOCK_K)
 
     E16 = E.to(tl.int16)
     if TOK2D:

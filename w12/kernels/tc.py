@@ -54,6 +54,39 @@ def col_a_of(j):
 
 
 @triton.jit
+def _tile_setup(x_ptr, hi_ptr, lo_ptr, e0_ptr, M, N, Kp, stride_lo, stride_xm, stride_xk, SPLIT_K,
+                BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
+    # Shared prologue of the tc and gemv kernels: this program's rows/tokens, its K range under
+    # split-K, the row exponent bases and the first-tile pointers of hi, lo and x.
+    BKH: tl.constexpr = BLOCK_K // 2
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    tok_ok = toks < M
+    j = tl.arange(0, BKH)
+    col_a = col_a_of(j)  # [BKH] column of half "a" inside a BK tile; half "b" is +32
+
+    n_it = tl.cdiv(Kp, BLOCK_K)
+    per = tl.cdiv(n_it, SPLIT_K)
+    it0 = pid_k * per
+    it1 = tl.minimum(it0 + per, n_it)
+
+    # rows past N read row N-1 (results masked at the store): weight loads need no mask, so
+    # they stay 16-byte vectors and the pipeliner sees plain loads
+    rows_c = tl.minimum(rows, N - 1)
+    E = (tl.load(e0_ptr + rows_c).to(tl.int32) << 7)[:, None]  # [BN, 1]
+    rows64 = rows_c.to(tl.int64)
+    hi_p = hi_ptr + rows64[:, None] * Kp + (it0 * BLOCK_K + col_a)[None, :]  # [BN, BKH]
+    # stride_lo (= Kp // 2) comes from the host so the compiler sees it divisible by 16: 16-byte lo loads
+    lo_p = lo_ptr + rows64[:, None] * stride_lo + (it0 * BKH + j)[None, :]  # [BN, BKH]
+    x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * BLOCK_K + col_a)[:, None] * stride_xk  # [BKH, BT]
+    return rows, toks, row_ok, tok_ok, j, col_a, it0, it1, E, hi_p, lo_p, x_p
+
+
+@triton.jit
 def _decode_bits(h, nib, E, SELECT_ZERO: tl.constexpr):
     # h, nib: [BN, BKH] int32; E: [BN, 1] int32 (e0 << 7) -> bf16 bit patterns as int32 (0..0xFFFF)
     bits = h * 16 + (h & 0x80) * 240 + nib + E
@@ -175,30 +208,9 @@ def w12_matmul_tc_kernel(
     FUSE: tl.constexpr = False,
 ):
     BKH: tl.constexpr = BLOCK_K // 2
-    pid_n = tl.program_id(0)
-    pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < N
-    tok_ok = toks < M
-    j = tl.arange(0, BKH)
-    col_a = col_a_of(j)  # [BKH] column of half "a" inside a BK tile; half "b" is +32
-
-    n_it = tl.cdiv(Kp, BLOCK_K)
-    per = tl.cdiv(n_it, SPLIT_K)
-    it0 = pid_k * per
-    it1 = tl.minimum(it0 + per, n_it)
-
-    # rows past N read row N-1 (results masked at the store): weight loads need no mask, so
-    # they stay 16-byte vectors and the pipeliner sees plain loads
-    rows_c = tl.minimum(rows, N - 1)
-    E = (tl.load(e0_ptr + rows_c).to(tl.int32) << 7)[:, None]  # [BN, 1]
-    rows64 = rows_c.to(tl.int64)
-    hi_p = hi_ptr + rows64[:, None] * Kp + (it0 * BLOCK_K + col_a)[None, :]  # [BN, BKH]
-    # stride_lo (= Kp // 2) comes from the host so the compiler sees it divisible by 16: 16-byte lo loads
-    lo_p = lo_ptr + rows64[:, None] * stride_lo + (it0 * BKH + j)[None, :]  # [BN, BKH]
-    x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * BLOCK_K + col_a)[:, None] * stride_xk  # [BKH, BT]
+    rows, toks, row_ok, tok_ok, j, col_a, it0, it1, E, hi_p, lo_p, x_p = _tile_setup(
+        x_ptr, hi_ptr, lo_ptr, e0_ptr, M, N, Kp, stride_lo, stride_xm, stride_xk, SPLIT_K, BLOCK_N, BLOCK_T, BLOCK_K)
     # FUSE: the K order inside a tile is k' = h * BKH + j (half h, pair j), the order of the joined tile below
     kf = tl.arange(0, BLOCK_K)
     col_f = col_a_of(kf % BKH) + 32 * (kf // BKH)  # [BK] runs of 32 contiguous columns: vector loads
