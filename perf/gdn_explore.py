@@ -49,6 +49,7 @@ import gdn  # noqa: E402
 from autotune import force  # noqa: E402
 from gdn.configs import WY_WGMMA, WYConfig  # noqa: E402
 from gdn.reference import chunk_reference, recurrent_reference, root_path, tree_reference  # noqa: E402
+from specpilot.bench.cases.gdn import _inputs as bench_inputs  # noqa: E402
 from specpilot.bench.runner import time_fns  # noqa: E402
 from specpilot.testing import error_bound  # noqa: E402
 
@@ -104,15 +105,8 @@ def chain(n):
 
 
 def inputs(T, B, seed):
-    gen = torch.Generator(device=DEV).manual_seed(seed)
-    bf = torch.bfloat16
-    q = torch.randn(L, T, H, K, device=DEV, generator=gen).to(bf)
-    k = torch.randn(L, T, H, K, device=DEV, generator=gen).to(bf)
-    v = torch.randn(L, T, HV, V, device=DEV, generator=gen).to(bf)
-    g = -torch.rand(L, T, HV, device=DEV, generator=gen) * 0.5
-    beta = torch.rand(L, T, HV, device=DEV, generator=gen).to(bf)
-    pool = torch.randn(L, B, HV, K, V, device=DEV, generator=gen) * 0.05
-    return q, k, v, g, beta, pool
+    """Stacked per-layer q, k, v, g, beta and state pool: the benchmark case's own inputs."""
+    return bench_inputs(L, T, H, HV, K, V, B, DEV, seed)
 
 
 def time_fn(fn, reps=20):
