@@ -138,9 +138,8 @@ def tuned_file(device=None) -> Path:
 _WARNED: set[str] = set()
 
 
-@functools.cache
-def _load_cached(path: str, mtime: float) -> dict:
-    data = json.loads(Path(path).read_text())
+def _read_file(path: Path) -> dict:
+    data = json.loads(path.read_text())
     if "meta" not in data or "entries" not in data:
         raise ValueError(f"{path}: not a tuned-config file (needs 'meta' and 'entries')")
     return data
@@ -166,7 +165,7 @@ def _read_tuned(device=None) -> dict:
     path = tuned_file(device)
     if not path.exists():
         return {}
-    data = _load_cached(str(path), path.stat().st_mtime)
+    data = _read_file(path)
     meta = data["meta"]
     if meta.get("gpu") and meta["gpu"] != gpu_name(device):
         return {}
@@ -195,7 +194,6 @@ def store_tuned(op: str, variant: str, key: str, config: Any, *, device=None, ex
     data["entries"][f"{op}/{variant}/{key}"] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    _load_cached.cache_clear()
     _TUNED.clear()
     return path
 

@@ -246,9 +246,7 @@ def fake_h200(tmp_path, monkeypatch):
     monkeypatch.setattr(cfgmod, "gpu_slug", lambda device=None: "h200")
     monkeypatch.setattr(cfgmod, "_TUNED", {})
     monkeypatch.setattr(cfgmod, "_WARNED", set())
-    cfgmod._load_cached.cache_clear()
     yield tmp_path
-    cfgmod._load_cached.cache_clear()
 
 
 def _heuristic():
