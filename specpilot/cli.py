@@ -145,22 +145,16 @@ def cmd_info(args) -> int:
 def _collect(shapes, device, ops):
     from specpilot.bench import registry
 
-    provs = registry.providers()
     for mod, err in registry.load_errors().items():
         print(f"warning: case module {mod} failed to import: {err}", file=sys.stderr)
-    if ops:
-        unknown = [o for o in ops if o not in provs]
-        if unknown:
-            raise UsageError(f"unknown op(s) {', '.join(unknown)}; registered: {', '.join(sorted(provs))}")
-    cases = []
-    for name, provider in provs.items():
-        if ops and name not in ops:
-            continue
-        try:
-            cases.extend(provider(shapes, device))
-        except Exception as e:
-            print(f"warning: cases for {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
-    return cases
+
+    def warn(name, e):
+        print(f"warning: cases for {name} failed: {type(e).__name__}: {e}", file=sys.stderr)
+
+    try:
+        return registry.collect(shapes, device, ops, on_error=warn)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
 
 
 def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet=False, strict=True,

@@ -189,3 +189,25 @@ def test_runner_cuda_graph_and_fallbacks(tmp_path):
     assert by["declared"]["method"] == "cuda_events" and by["declared"]["status"] == "ok"
     assert by["undeclared"]["method"] == "cuda_events" and by["undeclared"]["status"] == "ok"
     assert res.meta["ceilings_source"] == "measured"
+
+
+def test_collect_keeps_one_case_per_op_variant_shape(monkeypatch):
+    """Two providers registering the same baseline (as "linear" and "w12" both do for cuBLAS)
+    yield it once; a provider that raises goes to on_error and the others still run."""
+    from specpilot.bench import registry
+
+    def mk(variant):
+        return Case(op="linear", variant=variant, shape="s-M1", dims={"M": 1}, flops=1.0, bytes=1.0,
+                    setup=lambda: Prepared(fns=[lambda: None]))
+
+    provs = {"a": lambda s, d: [mk("cublas"), mk("x")], "b": lambda s, d: [mk("cublas"), mk("y")],
+             "bad": lambda s, d: 1 / 0}
+    monkeypatch.setattr(registry, "providers", lambda: provs)
+    errors = []
+    cases = registry.collect(get_shape_set("tiny"), torch.device("cpu"), on_error=lambda n, e: errors.append(n))
+    assert [c.variant for c in cases] == ["cublas", "x", "y"]
+    assert errors == ["bad"]
+    with pytest.raises(ZeroDivisionError):
+        registry.collect(get_shape_set("tiny"), torch.device("cpu"))
+    with pytest.raises(ValueError, match=r"unknown op\(s\) nope"):
+        registry.collect(get_shape_set("tiny"), torch.device("cpu"), ["nope"])

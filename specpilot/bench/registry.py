@@ -69,17 +69,34 @@ def providers() -> dict[str, Callable]:
     return dict(_PROVIDERS)
 
 
-def collect(shapes: ModelShapes, device: torch.device, ops: list[str] | None = None) -> list[Case]:
+def collect(shapes: ModelShapes, device: torch.device, ops: list[str] | None = None,
+            on_error: Callable[[str, Exception], None] | None = None) -> list[Case]:
+    """Cases of the selected providers (all when `ops` is empty). A provider that raises is
+    reported to `on_error(name, exc)` and skipped, or re-raised when `on_error` is None.
+    Cases with the same (op, variant, shape) from two providers (e.g. the cuBLAS baseline that
+    both "linear" and "w12" register) are kept once, the first provider's."""
     provs = providers()
     if ops:
         unknown = [o for o in ops if o not in provs]
         if unknown:
-            raise ValueError(f"unknown ops {unknown}; registered: {sorted(provs)}")
+            raise ValueError(f"unknown op(s) {', '.join(unknown)}; registered: {', '.join(sorted(provs))}")
     out: list[Case] = []
+    seen: set[tuple[str, str, str]] = set()
     for name, fn in provs.items():
         if ops and name not in ops:
             continue
-        out.extend(fn(shapes, device))
+        try:
+            cases = fn(shapes, device)
+        except Exception as e:
+            if on_error is None:
+                raise
+            on_error(name, e)
+            continue
+        for c in cases:
+            key = (c.op, c.variant, c.shape)
+            if key not in seen:
+                seen.add(key)
+                out.append(c)
     return out
 
 
