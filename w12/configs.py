@@ -34,7 +34,7 @@ import torch
 
 import autotune
 
-__all__ = ["TcConfig", "GemvConfig", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "candidates", "sm_count",
+__all__ = ["TcConfig", "GemvConfig", "MmaConfig", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "candidates", "sm_count",
            "pick_split_k", "explore_candidates"]
 
 GEMV_MAX_M = 4  # the no-wgmma variant runs the CUDA-core kernel up to this M
@@ -81,6 +81,24 @@ class GemvConfig:
         _check_common(self)
         if self.tok2d and self.block_t > 4:
             raise ValueError(f"GemvConfig(tok2d=True) needs block_t <= 4, got {self}")
+
+
+@dataclass(frozen=True)
+class MmaConfig:
+    """CUDA C++ kernel (csrc/w12_mma.cu): a CTA of `wk` warps owns 16 * `mt` weight rows, its
+    warps split K; each warp keeps `pipe` 64-column chunks in registers (pipe - 1 in flight).
+    Token tiles (8 tokens each) follow from M, they are not part of the config."""
+
+    mt: int = 1
+    wk: int = 4
+    pipe: int = 2
+
+    def __post_init__(self):
+        if self.mt not in (1, 2, 4) or self.wk not in (1, 2, 4, 8, 16) or self.pipe not in (2, 3, 4):
+            raise ValueError(f"MmaConfig needs mt in (1, 2, 4), wk in (1, 2, 4, 8, 16), pipe in (2, 3, 4); got {self}")
+
+    def tag(self) -> str:
+        return f"mt{self.mt}-wk{self.wk}-p{self.pipe}"
 
 
 def _check_common(c) -> None:

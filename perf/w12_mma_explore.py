@@ -1,0 +1,172 @@
+"""Sweep the CUDA W12 kernel (w12/csrc/w12_mma.cu) against cuBLAS on one GPU, in one bounded run.
+
+    python3 perf/w12_mma_explore.py --out $OUT [--budget-s 240]
+
+For every hybrid-27b linear shape and the LM head, at M in {1, 2, 4, 8, 16, 32}: real packed
+weights (Gaussian, so with escapes, plus a few hostile values), every MmaConfig of the grid for
+`matmul` and `matmul_q8`, each checked against the fp64 product before it is timed (a wrong one
+is printed and skipped), and cuBLAS `F.linear` on the unpacked weight in the same process.
+Timing: median of CUDA-graph replays over rotated weight copies (>= 3x L2). Also dumps the
+SASS instruction histogram of one cubin (cuobjdump, when present). Writes <out>/w12_mma_explore.json.
+"""
+
+from __future__ import annotations
+
+import argparse
+import collections
+import json
+import math
+import re
+import shutil
+import subprocess
+import sys
+import time
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+import autotune  # noqa: E402
+import w12  # noqa: E402
+from w12 import cuda as wcuda  # noqa: E402
+from w12.configs import MmaConfig  # noqa: E402
+from specpilot.bench.runner import time_fns  # noqa: E402
+from specpilot.bench.shapes import get_shape_set  # noqa: E402
+
+MS = (1, 2, 4, 8, 16, 32)
+GRID_MM = [MmaConfig(mt, wk, p) for mt in (1, 2, 4) for wk in (2, 4, 8) for p in (2, 3)]
+GRID_Q8 = [MmaConfig(mt, wk, p) for mt in (1, 2, 4) for wk in (4, 8) for p in (2, 3, 4)]
+
+
+def shapes() -> dict[str, tuple[int, int]]:
+    s = get_shape_set("hybrid-27b")
+    out = dict(s.linears)
+    out["lm_head"] = s.lm_head
+    return out
+
+
+def weight(N: int, K: int, gen) -> torch.Tensor:
+    w = (torch.randn(N, K, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    flat = w.view(torch.int16).view(-1)
+    idx = torch.randint(0, flat.numel(), (64,), device="cuda", generator=gen)
+    flat[idx[:16]] = 0
+    flat[idx[16:24]] = 1  # subnormal
+    flat[idx[24:32]] = 0x4700  # out of window
+    return w
+
+
+def rel_err(out: torch.Tensor, ref: torch.Tensor) -> float:
+    return ((out.double() - ref).norm() / ref.norm()).item()
+
+
+def launch_fn(cfg, x, p, out, q8):
+    def f():
+        wcuda.launch(cfg, x, p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, None, out, q8=q8)
+    return f
+
+
+def sass_histogram(path: Path) -> dict[str, int]:
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        return {}
+    txt = subprocess.run([tool, "-sass", str(path)], capture_output=True, text=True).stdout
+    ops = collections.Counter()
+    for line in txt.splitlines():
+        m = re.search(r"/\*[0-9a-f]{4}\*/\s+(?:@!?U?P\w+\s+)?([A-Z][A-Z0-9_]*)(\.[A-Z0-9_.]+)?", line)
+        if m:
+            ops[m.group(1)] += 1
+    return dict(ops.most_common())
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="perf/results/local")
+    ap.add_argument("--budget-s", type=float, default=240.0)
+    ap.add_argument("--reps", type=int, default=15)
+    a = ap.parse_args()
+    t0 = time.time()
+    out_dir = Path(a.out)
+    out_dir.mkdir(parents=True, exist_ok=True)
+    dev = torch.device("cuda")
+    arch = torch.cuda.get_device_capability()
+    # build every cubin up front, in parallel
+    jobs = [(c, nt, False) for c in GRID_MM for nt in (1, 2, 4)] + [(c, nt, True) for c in GRID_Q8 for nt in (1, 2, 4)]
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda j: wcuda.build(j[0], j[1], j[2], arch), jobs))
+    print(f"built {len(jobs)} cubins in {time.time() - t0:.1f}s", flush=True)
+    sass = sass_histogram(wcuda.build(MmaConfig(1, 4, 2), 1, False, arch))
+    print("SASS mt1-wk4-p2 nt1 mm:", json.dumps(sass), flush=True)
+    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    rows, bad = [], []
+    stopped = False
+    for name, (N, K) in shapes().items():
+        w = weight(N, K, gen)
+        p = w12.pack(w)
+        wb = p.nbytes
+        copies = max(1, math.ceil(3 * l2 / wb))
+        ps = [p] + [w12.W12Weight(**{k: v.clone() for k, v in p.planes().items()}, K=K) for _ in range(copies - 1)]
+        ws = [w] + [w.clone() for _ in range(max(1, math.ceil(3 * l2 / w.nbytes)) - 1)]
+        for M in MS:
+            if time.time() - t0 > a.budget_s:
+                stopped = True
+                break
+            x = torch.randn(M, K, device=dev, generator=gen).to(torch.bfloat16)
+            ref = x.double() @ w.double().T
+            refq = x.double() @ w12.decode_q8(p).double().T
+            e_cublas = rel_err(F.linear(x, w), ref)
+            outs_b = [torch.empty(M, N, device=dev, dtype=torch.bfloat16) for _ in ws]
+            t_cub = time_fns([lambda i=i: torch.mm(x, ws[i].T, out=outs_b[i]) for i in range(len(ws))], reps=a.reps)
+            row = dict(shape=name, N=N, K=K, M=M, cublas_us=t_cub * 1e6, cublas_err=e_cublas, w12_bytes=wb,
+                       bf16_bytes=w.nbytes, mm={}, q8={})
+            for q8, grid in ((False, GRID_MM), (True, GRID_Q8)):
+                r = refq if q8 else ref
+                for cfg in grid:
+                    o = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
+                    launch_fn(cfg, x, p, o, q8)()
+                    torch.cuda.synchronize()
+                    err = rel_err(o, r)
+                    if not (err <= max(2 * e_cublas, 4e-3)):
+                        bad.append(f"{name} M{M} {cfg.tag()} q8={q8}: rel err {err:.3g} (cuBLAS {e_cublas:.3g})")
+                        print("BAD", bad[-1], flush=True)
+                        continue
+                    outs = [torch.empty(M, N, device=dev, dtype=torch.bfloat16) for _ in ps]
+                    t = time_fns([launch_fn(cfg, x, ps[i], outs[i], q8) for i in range(len(ps))], reps=a.reps)
+                    row["q8" if q8 else "mm"][cfg.tag()] = dict(us=t * 1e6, err=err)
+            for k in ("mm", "q8"):
+                best = min(row[k].items(), key=lambda kv: kv[1]["us"]) if row[k] else None
+                row[f"best_{k}"] = best[0] if best else None
+                row[f"speedup_{k}"] = (t_cub / (best[1]["us"] * 1e-6)) if best else None
+                row[f"tbps_{k}"] = ((wb * (2 / 3 if k == "q8" else 1)) / (best[1]["us"] * 1e-6) / 1e12) if best else None
+            rows.append(row)
+            print(f"{name:18s} M{M:<3d} cuBLAS {t_cub * 1e6:7.1f}us {w.nbytes / t_cub / 1e12:4.2f}TB/s | "
+                  f"mm {row['best_mm']} {row['speedup_mm'] or 0:.2f}x {row['tbps_mm'] or 0:.2f}TB/s | "
+                  f"q8 {row['best_q8']} {row['speedup_q8'] or 0:.2f}x", flush=True)
+        del ps, ws, p, w
+        torch.cuda.empty_cache()
+        if stopped:
+            break
+    meta = dict(gpu=torch.cuda.get_device_name(), versions=autotune.versions(), nvcc=wcuda._nvcc_version(wcuda.nvcc_path()),
+                wall_s=time.time() - t0, stopped_by_budget=stopped, bad=bad, sass_mt1_wk4_p2_nt1=sass)
+    (out_dir / "w12_mma_explore.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
+    for k in ("mm", "q8"):
+        sp = [r[f"speedup_{k}"] for r in rows if r[f"speedup_{k}"]]
+        if sp:
+            print(f"{k}: best-per-cell geomean {math.exp(sum(map(math.log, sp)) / len(sp)):.3f}x, min {min(sp):.3f}x "
+                  f"over {len(sp)} cells")
+        tags = collections.defaultdict(list)
+        for r in rows:
+            for tag, v in r[k].items():
+                tags[tag].append(r["cublas_us"] / v["us"])
+        full = {t: math.exp(sum(map(math.log, v)) / len(v)) for t, v in tags.items() if len(v) == len(rows)}
+        top = sorted(full.items(), key=lambda kv: -kv[1])[:5]
+        print(f"{k}: best single configs (geomean):", ", ".join(f"{t} {g:.3f}x" for t, g in top))
+    print(f"bad: {len(bad)}; wall {time.time() - t0:.0f}s", flush=True)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,223 @@
+"""CPU checks of the CUDA W12 kernel (w12/csrc/w12_mma.cu) without a GPU.
+
+1. `emulate` replays the kernel's integer decode, its thread -> column mapping, the mma.sync
+   m16n8k16 fragment layouts (PTX ISA) and its epilogue indexing, lane by lane, in numpy; the
+   result must match the fp64 reference product. This pins down the bit tricks and the
+   slot/column bookkeeping before any GPU time is spent; the GPU tests then check the real thing.
+2. nvcc (when present) compiles every shipped shape of the kernel for sm_80 and sm_90 to PTX:
+   mma.sync must be there and no local memory (a register array indexed at run time).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import w12
+from w12.configs import MmaConfig
+from w12.reference import matmul_q8_reference, matmul_reference
+
+# --------------------------------------------------------------------------------------
+# integer helpers, as the CUDA intrinsics define them
+# --------------------------------------------------------------------------------------
+
+U32 = np.uint32
+
+
+def byte_perm(x, y, s: int):
+    """__byte_perm(x, y, s) on uint32 arrays (prmt default mode, with sign replication)."""
+    src = [(x >> U32(8 * i)) & U32(0xFF) for i in range(4)] + [(y >> U32(8 * i)) & U32(0xFF) for i in range(4)]
+    out = np.zeros_like(x, dtype=U32)
+    for i in range(4):
+        sel = (s >> (4 * i)) & 0xF
+        b = src[sel & 7]
+        if sel & 8:
+            b = np.where(b & U32(0x80), U32(0xFF), U32(0))
+        out |= (b.astype(U32) << U32(8 * i))
+    return out
+
+
+def dec_pair(y, e0x):
+    return ((y & U32(0x800F800F)) + ((y >> U32(4)) & U32(0x07F007F0)) + e0x).astype(U32)
+
+
+def dec_pair_q8(y, e0x):
+    bits = ((y & U32(0x80008000)) + ((y >> U32(4)) & U32(0x07F007F0)) + e0x + U32(0x00080008)).astype(U32)
+    nz = (((y & U32(0x7F007F00)) + U32(0x7F007F00)) | y).astype(U32)
+    return bits & byte_perm(nz, np.zeros_like(nz), 0xBB99)
+
+
+def words(b: np.ndarray) -> np.ndarray:
+    """[..., 16] uint8 -> [..., 4] little-endian uint32 (what a uint4 load gives)."""
+    return b.astype(U32).reshape(*b.shape[:-1], 4, 4) @ (U32(1) << (U32(8) * np.arange(4, dtype=U32)))
+
+
+def bf16_pair(r):
+    """bf16x2 register -> (low lane, high lane) as float64."""
+    lo = ((r & U32(0xFFFF)) << U32(16)).view(np.float32).astype(np.float64)
+    hi = (r & U32(0xFFFF0000)).view(np.float32).astype(np.float64)
+    return lo, hi
+
+
+# --------------------------------------------------------------------------------------
+# the kernel, lane by lane
+# --------------------------------------------------------------------------------------
+
+
+def emulate(x: torch.Tensor, p: w12.W12Weight, *, mt: int, wk: int, q8: bool = False) -> torch.Tensor:
+    M = x.shape[0]
+    N, Kp = p.hi.shape
+    nt = 1 if M <= 8 else 2 if M <= 16 else 4
+    hi = p.hi.numpy()
+    lo = p.lo.numpy()
+    e0 = p.e0.numpy().astype(U32)
+    rowptr, ecol = p.esc_rowptr.numpy(), p.esc_col.numpy()
+    ev = p.esc_val.numpy().view(np.uint16)
+    xb = torch.zeros((M, Kp), dtype=torch.bfloat16)
+    xb[:, : x.shape[1]] = x
+    xbytes = xb.view(torch.uint8).numpy()  # [M, 2 Kp]
+    lane = np.arange(32)
+    g, q = lane // 4, lane % 4
+    sh = U32(4) * (q >> 1).astype(U32)
+    nch = Kp // 64
+    rows_cta = 16 * mt
+    out = np.full((M, N), np.nan)
+    for r0 in range(0, N, rows_cta):
+        red = np.zeros((wk, mt, nt, 4, 32))
+        for w in range(wk):
+            acc = red[w]
+            for c in range(w, nch, wk):
+                for t in range(mt):
+                    regs = []  # per m-tile half h: (hi words [32, 4], lo words, e0x)
+                    for h in range(2):
+                        row = np.minimum(r0 + 16 * t + 8 * h + g, N - 1)
+                        hw = words(np.stack([hi[row[i], 64 * c + 16 * q[i]: 64 * c + 16 * q[i] + 16] for i in lane]))
+                        lw = words(np.stack([lo[row[i], 32 * c + 16 * (q[i] & 1): 32 * c + 16 * (q[i] & 1) + 16]
+                                             for i in lane]))
+                        e = e0[row]
+                        regs.append((hw, lw, ((e << U32(7)) | (e << U32(23))).astype(U32)))
+                    xw = []
+                    for j in range(nt):
+                        tok = 8 * j + g
+                        xwj = np.zeros((32, 8), dtype=U32)
+                        for i in lane:
+                            if tok[i] < M:
+                                seg = xbytes[tok[i], 2 * (64 * c + 16 * q[i]): 2 * (64 * c + 16 * q[i] + 16)]
+                                xwj[i] = words(seg.reshape(2, 16)).reshape(8)
+                        xw.append(xwj)
+                    for s in range(4):
+                        (ha, la, ea), (hb, lb, eb) = [(r[0][:, s], (r[1][:, s] >> sh) & U32(0x0F0F0F0F), r[2])
+                                                      for r in regs]
+                        if q8:
+                            z = np.zeros(32, dtype=U32)
+                            a0 = dec_pair_q8(byte_perm(ha, z, 0x1404), ea)
+                            a2 = dec_pair_q8(byte_perm(ha, z, 0x3424), ea)
+                            a1 = dec_pair_q8(byte_perm(hb, z, 0x1404), eb)
+                            a3 = dec_pair_q8(byte_perm(hb, z, 0x3424), eb)
+                        else:
+                            a0 = dec_pair(byte_perm(ha, la, 0x1504), ea)
+                            a2 = dec_pair(byte_perm(ha, la, 0x3726), ea)
+                            a1 = dec_pair(byte_perm(hb, lb, 0x1504), eb)
+                            a3 = dec_pair(byte_perm(hb, lb, 0x3726), eb)
+                        # mma.sync m16n8k16 operand layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16")
+                        A = np.zeros((16, 16))
+                        for reg, (dr, dk) in zip((a0, a1, a2, a3), ((0, 0), (8, 0), (0, 8), (8, 8))):
+                            l0, l1 = bf16_pair(reg)
+                            A[g + dr, 2 * q + dk] = l0
+                            A[g + dr, 2 * q + dk + 1] = l1
+                        for j in range(nt):
+                            B = np.zeros((16, 8))
+                            for reg, dk in ((xw[j][:, 2 * s], 0), (xw[j][:, 2 * s + 1], 8)):
+                                l0, l1 = bf16_pair(reg)
+                                B[2 * q + dk, g] = l0
+                                B[2 * q + dk + 1, g] = l1
+                            D = A @ B
+                            acc[t, j, 0] += D[g, 2 * q]
+                            acc[t, j, 1] += D[g, 2 * q + 1]
+                            acc[t, j, 2] += D[g + 8, 2 * q]
+                            acc[t, j, 3] += D[g + 8, 2 * q + 1]
+        flat = red.reshape(wk, mt * nt * 4 * 32)
+        for o in range(rows_cta * 8 * nt):
+            rl, tok = o % rows_cta, o // rows_cta
+            row = r0 + rl
+            if row >= N or tok >= M:
+                continue
+            t, gg, hh = rl >> 4, rl & 7, (rl >> 3) & 1
+            j, tt = tok >> 3, tok & 7
+            idx = ((t * nt + j) * 4 + hh * 2 + (tt & 1)) * 32 + gg * 4 + (tt >> 1)
+            s_ = flat[:, idx].sum()
+            v0 = 0.0 if q8 else float(np.array([e0[row] << U32(23)], dtype=U32).view(np.float32)[0])
+            for pp in range(rowptr[row], rowptr[row + 1]):
+                xv = float(xb[tok, ecol[pp]].float())
+                evf = float(np.array([U32(ev[pp]) << U32(16)], dtype=U32).view(np.float32)[0])
+                s_ += xv * evf - (0.0 if q8 else xv * v0)
+            out[tok, row] = s_
+    return torch.from_numpy(out)
+
+
+def _weight(N: int, K: int, seed: int) -> torch.Tensor:
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
+    bits = w.view(torch.int16)
+    # hostile values: zeros (both signs), subnormals, out-of-window, Inf-free (x is finite)
+    flat = bits.view(-1)
+    idx = torch.randperm(flat.numel(), generator=g)[:12]
+    flat[idx[:3]] = 0
+    flat[idx[3:5]] = torch.tensor([-0x8000, 0x0001], dtype=torch.int16)
+    flat[idx[5:8]] = torch.tensor([0x4700, -0x3900, 0x0081], dtype=torch.int16)  # huge, huge negative, tiny
+    return bits.view(torch.bfloat16)
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["mm", "q8"])
+@pytest.mark.parametrize("M,N,K,mt,wk", [(3, 40, 192, 2, 2), (11, 24, 128, 1, 4), (20, 17, 100, 1, 1)],
+                         ids=["M3-N40-K192", "M11-N24-K128", "M20-N17-K100"])
+def test_emulated_kernel_matches_reference(M, N, K, mt, wk, q8):
+    w = _weight(N, K, seed=N * K + M)
+    p = w12.pack(w)
+    assert p.num_escapes > 0
+    x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 2).to(torch.bfloat16)
+    got = emulate(x, p, mt=mt, wk=wk, q8=q8)
+    want = (matmul_q8_reference if q8 else matmul_reference)(x, p).double()
+    assert not torch.isnan(got).any(), "unwritten outputs"
+    err = (got - want).abs().max().item()
+    scale = (x.double().abs() @ w.double().abs().nan_to_num().T).max().item()
+    assert err <= 1e-12 * scale, (err, scale)  # fp64 sums of exact bf16 products: only reassociation
+
+
+def test_decode_pair_all_codes():
+    """Every (code, e0) pair: the 5-op decode equals the format's decode (code 0 -> 2^(e0-127))."""
+    codes = np.arange(4096, dtype=U32)
+    for e0 in (0, 1, 100, 127, 200, 240):
+        h, nib = codes >> U32(4), codes & U32(0xF)
+        y = (h << U32(8)) | nib | (((h << U32(8)) | nib) << U32(16))  # both lanes
+        got = dec_pair(y, U32(e0 << 7 | e0 << 23))
+        want = ((codes & U32(0x7FF)) + U32(e0 << 7)) | ((codes & U32(0x800)) << U32(4))
+        assert np.array_equal(got & U32(0xFFFF), want) and np.array_equal(got >> U32(16), want)
+        yq = (h << U32(8)) | (h << U32(24))
+        gq = dec_pair_q8(yq, U32(e0 << 7 | e0 << 23))
+        wq = np.where(h == 0, 0, (((h & U32(0x7F)) << U32(4)) | U32(8)) + U32(e0 << 7) | ((h & U32(0x80)) << U32(8)))
+        assert np.array_equal(gq & U32(0xFFFF), wq) and np.array_equal(gq >> U32(16), wq)
+
+
+# --------------------------------------------------------------------------------------
+# nvcc: the kernel builds for every shipped shape, with mma.sync and no local memory
+# --------------------------------------------------------------------------------------
+
+
+def _nvcc_or_skip():
+    from w12 import cuda
+
+    if cuda.nvcc_path() is None:
+        pytest.skip("nvcc not installed")
+    return cuda
+
+
+@pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+def test_kernel_builds_with_mma_and_no_local_memory(arch, tmp_path, monkeypatch):
+    cuda = _nvcc_or_skip()
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    for cfg, nt, q8 in [(MmaConfig(1, 4, 2), 1, False), (MmaConfig(2, 8, 2), 4, False), (MmaConfig(1, 4, 3), 2, True)]:
+        ptx = cuda.build(cfg, nt, q8, arch, out="ptx").read_text()
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+        assert ".local" not in ptx, f"{cfg} nt={nt}: a register array went to local memory"

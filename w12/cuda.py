@@ -1,0 +1,219 @@
+"""The CUDA C++ W12 kernel (`csrc/w12_mma.cu`): build with nvcc, load and launch through the driver API.
+
+One cubin per `MmaConfig` (its fields become -D defines), compiled on first use into
+`$SPECPILOT_CACHE/w12_cuda` (default `~/.cache/specpilot/w12_cuda`) under a key made of the
+source, the flags and the nvcc version, so an edited kernel or another compiler never reuses a
+stale binary. Loading and launching go through `libcuda` with ctypes: no C++ extension build,
+no extra Python package. Launches go to torch's current stream, so CUDA-graph capture works;
+`torch.compile` sees the launch as the opaque custom op `specpilot_w12::matmul_mma` (w12/ops.py).
+
+Requirements: an NVIDIA GPU of compute capability >= 8.0 (mma.sync with bf16) and nvcc on the
+machine (`SPECPILOT_NVCC`, `PATH`, `$CUDA_HOME/bin` or `/usr/local/cuda/bin`). `available()`
+says whether both hold; w12.ops falls back to the Triton kernels otherwise.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import functools
+import hashlib
+import os
+import shutil
+import subprocess
+import tempfile
+import threading
+from pathlib import Path
+
+import torch
+
+from .configs import MmaConfig
+
+__all__ = ["available", "nvcc_path", "build", "launch", "n_tiles", "supports", "SOURCE", "KERNEL", "MAX_M"]
+
+SOURCE = Path(__file__).with_name("csrc") / "w12_mma.cu"
+KERNEL = b"w12_matmul_mma_kernel"
+MAX_M = 32  # 4 n-tiles of 8 tokens
+_SMEM_DEFAULT_MAX = 48 << 10
+_BIAS_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+
+
+class CudaBuildError(RuntimeError):
+    """nvcc failed on csrc/w12_mma.cu (the message holds its output)."""
+
+
+# --------------------------------------------------------------------------------------
+# Build
+# --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def nvcc_path() -> str | None:
+    cands = [os.environ.get("SPECPILOT_NVCC"), shutil.which("nvcc")]
+    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
+    if home:
+        cands.append(str(Path(home) / "bin" / "nvcc"))
+    cands.append("/usr/local/cuda/bin/nvcc")
+    for c in cands:
+        if c and Path(c).is_file() and os.access(c, os.X_OK):
+            return c
+    return None
+
+
+@functools.cache
+def _nvcc_version(nvcc: str) -> str:
+    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout.strip()
+
+
+def _cache_dir() -> Path:
+    root = os.environ.get("SPECPILOT_CACHE") or str(Path.home() / ".cache" / "specpilot")
+    return Path(root) / "w12_cuda"
+
+
+def n_tiles(M: int) -> int:
+    """Token tiles of 8 compiled for M (1, 2 or 4)."""
+    if not 0 < M <= MAX_M:
+        raise ValueError(f"the CUDA W12 kernel takes 1 <= M <= {MAX_M}, got M={M}")
+    return 1 if M <= 8 else 2 if M <= 16 else 4
+
+
+def _flags(cfg: MmaConfig, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
+    sm = f"{arch[0]}{arch[1]}"
+    return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", f"-DW12_MT={cfg.mt}",
+            f"-DW12_NT={nt}", f"-DW12_WK={cfg.wk}", f"-DW12_PIPE={cfg.pipe}", f"-DW12_Q8={int(q8)}"]
+
+
+def build(cfg: MmaConfig, nt: int, q8: bool, arch: tuple[int, int], *, out: str = "cubin") -> Path:
+    """Compile `cfg` for `nt` token tiles, the exact or 8-bit view (`q8`) and compute capability
+    `arch` (`out` "cubin" or "ptx"); cached on disk."""
+    nvcc = nvcc_path()
+    if nvcc is None:
+        raise CudaBuildError("nvcc not found: set SPECPILOT_NVCC or put CUDA's bin directory on PATH")
+    flags = _flags(cfg, nt, q8, arch)
+    src = SOURCE.read_bytes()
+    key = hashlib.sha256(src + "\0".join(flags + [out, _nvcc_version(nvcc)]).encode()).hexdigest()[:20]
+    path = _cache_dir() / f"w12_mma-{cfg.tag()}-nt{nt}-q{int(q8)}-sm{arch[0]}{arch[1]}-{key}.{out}"
+    if path.is_file():
+        return path
+    path.parent.mkdir(parents=True, exist_ok=True)
+    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
+        dst = Path(tmp) / path.name
+        r = subprocess.run([nvcc, f"-{out}", *flags, str(SOURCE), "-o", str(dst)], capture_output=True, text=True)
+        if r.returncode != 0:
+            raise CudaBuildError(f"nvcc failed for {cfg} on sm_{arch[0]}{arch[1]}:\n{r.stderr[-4000:]}")
+        os.replace(dst, path)  # atomic: concurrent builders never see half a file
+    return path
+
+
+# --------------------------------------------------------------------------------------
+# Driver API
+# --------------------------------------------------------------------------------------
+
+
+@functools.cache
+def _libcuda():
+    lib = ctypes.CDLL("libcuda.so.1")
+    vp, u32 = ctypes.c_void_p, ctypes.c_uint
+    lib.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
+    lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
+    lib.cuFuncSetAttribute.argtypes = [vp, ctypes.c_int, ctypes.c_int]
+    lib.cuLaunchKernel.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
+    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    return lib
+
+
+def _check(res: int, what: str) -> None:
+    if res != 0:
+        msg = ctypes.c_char_p()
+        _libcuda().cuGetErrorString(res, ctypes.byref(msg))
+        raise RuntimeError(f"{what} failed: CUDA error {res} ({(msg.value or b'?').decode()})")
+
+
+_LOCK = threading.Lock()
+_FUNCS: dict[tuple, tuple[ctypes.c_void_p, int]] = {}
+
+
+def _smem_bytes(cfg: MmaConfig, nt: int) -> int:
+    return cfg.wk * cfg.mt * nt * 4 * 32 * 4
+
+
+def _function(cfg: MmaConfig, nt: int, q8: bool, device: torch.device) -> tuple[ctypes.c_void_p, int]:
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    key = (cfg, nt, q8, idx)
+    hit = _FUNCS.get(key)
+    if hit is not None:
+        return hit
+    with _LOCK:
+        if key in _FUNCS:
+            return _FUNCS[key]
+        arch = torch.cuda.get_device_capability(idx)
+        image = build(cfg, nt, q8, arch).read_bytes()
+        lib = _libcuda()
+        with torch.cuda.device(idx):
+            torch.cuda.current_stream()  # make torch's primary context current on this thread
+            torch.empty(1, device=device)
+            mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+            _check(lib.cuModuleLoadData(ctypes.byref(mod), image), "cuModuleLoadData")
+            _check(lib.cuModuleGetFunction(ctypes.byref(fn), mod, KERNEL), "cuModuleGetFunction")
+            smem = _smem_bytes(cfg, nt)
+            if smem > _SMEM_DEFAULT_MAX:
+                _check(lib.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+        _FUNCS[key] = (fn, smem)
+        return _FUNCS[key]
+
+
+@functools.cache
+def _device_ok(index: int) -> bool:
+    return torch.cuda.get_device_capability(index)[0] >= 8
+
+
+def available(device: torch.device | None = None) -> bool:
+    """A CUDA device of compute capability >= 8.0, nvcc and libcuda are all there."""
+    if not torch.cuda.is_available() or nvcc_path() is None:
+        return False
+    if device is not None and device.type != "cuda":
+        return False
+    idx = torch.cuda.current_device() if device is None or device.index is None else device.index
+    if not _device_ok(idx):
+        return False
+    try:
+        _libcuda()
+    except OSError:
+        return False
+    return True
+
+
+def supports(x2d: torch.Tensor, hi: torch.Tensor) -> bool:
+    """Inputs this kernel takes as they are: bf16 x with M <= 32 (anything else: Triton)."""
+    return x2d.dtype == torch.bfloat16 and 0 < x2d.shape[0] <= MAX_M and hi.is_contiguous()
+
+
+def _x_operand(x2d: torch.Tensor, Kp: int) -> tuple[torch.Tensor, int]:
+    """x as the kernel reads it: 16-byte aligned rows with Kp readable columns, zero past K."""
+    M, K = x2d.shape
+    ok = (K == Kp and x2d.stride(1) == 1 and x2d.stride(0) % 8 == 0 and x2d.data_ptr() % 16 == 0)
+    if ok:
+        return x2d, x2d.stride(0)
+    xp = torch.zeros((M, Kp), device=x2d.device, dtype=x2d.dtype)
+    xp[:, :K] = x2d
+    return xp, Kp
+
+
+def launch(cfg: MmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False) -> None:
+    """out[M, N] = x2d @ W^T (+ bias), W exact or its 8-bit view (`q8`), on torch's current stream."""
+    M = x2d.shape[0]
+    N, Kp = hi.shape
+    fn, smem = _function(cfg, n_tiles(M), q8, x2d.device)
+    xk, ldx = _x_operand(x2d, Kp)
+    kind = 0 if bias is None else _BIAS_KIND[bias.dtype]
+    vals = [
+        ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), ctypes.c_void_p(hi.data_ptr()),
+        ctypes.c_void_p(lo.data_ptr()), ctypes.c_void_p(e0.data_ptr()), ctypes.c_void_p(rowptr.data_ptr()),
+        ctypes.c_void_p(col.data_ptr()), ctypes.c_void_p(val.data_ptr()),
+        ctypes.c_void_p(0 if bias is None else bias.data_ptr()), ctypes.c_int(kind),
+        ctypes.c_void_p(out.data_ptr()), ctypes.c_int(M), ctypes.c_int(N), ctypes.c_int(Kp),
+    ]
+    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
+    grid = -(-N // (16 * cfg.mt))
+    stream = ctypes.c_void_p(torch.cuda.current_stream(x2d.device).cuda_stream)
+    _check(_libcuda().cuLaunchKernel(fn, grid, 1, 1, 32 * cfg.wk, 1, 1, smem, stream, params, None),
+           "cuLaunchKernel(w12_matmul_mma_kernel)")
