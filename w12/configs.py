@@ -35,7 +35,7 @@ import torch
 import autotune
 
 __all__ = ["TcConfig", "GemvConfig", "MmaConfig", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "candidates", "sm_count",
-           "pick_split_k", "explore_candidates"]
+           "pick_split_k", "explore_candidates", "mma_heuristic"]
 
 GEMV_MAX_M = 4  # the no-wgmma variant runs the CUDA-core kernel up to this M
 _TARGET_INFLIGHT = 40 << 10  # bytes per SM the loads should keep in flight (see module doc)
@@ -85,20 +85,24 @@ class GemvConfig:
 
 @dataclass(frozen=True)
 class MmaConfig:
-    """CUDA C++ kernel (csrc/w12_mma.cu): a CTA of `wk` warps owns 16 * `mt` weight rows, its
-    warps split K; each warp keeps `pipe` 64-column chunks in registers (pipe - 1 in flight).
-    Token tiles (8 tokens each) follow from M, they are not part of the config."""
+    """CUDA C++ kernel (csrc/w12_mma.cu): a CTA of `wr` x `wk` warps owns 16 * `mt` * `wr` weight
+    rows; `wk` warp groups split K, `wr` split the rows (and share x through L1). Each warp keeps
+    `pipe` 64-column chunks in registers (pipe - 1 loading while one computes). Token tiles
+    (8 tokens each) follow from M; they are not part of the config."""
 
     mt: int = 1
     wk: int = 4
     pipe: int = 2
+    wr: int = 1
 
     def __post_init__(self):
-        if self.mt not in (1, 2, 4) or self.wk not in (1, 2, 4, 8, 16) or self.pipe not in (2, 3, 4):
-            raise ValueError(f"MmaConfig needs mt in (1, 2, 4), wk in (1, 2, 4, 8, 16), pipe in (2, 3, 4); got {self}")
+        if self.mt not in (1, 2, 4) or self.wk not in (1, 2, 4, 8, 16) or self.pipe not in (2, 3, 4) \
+                or self.wr not in (1, 2, 4, 8) or self.wk * self.wr > 16 or self.mt > 2 * self.wk:
+            raise ValueError("MmaConfig needs mt in (1, 2, 4), wk in (1, 2, 4, 8, 16), wr in (1, 2, 4, 8), "
+                             f"wk * wr <= 16 (512 threads), mt <= 2 * wk and pipe in (2, 3, 4); got {self}")
 
     def tag(self) -> str:
-        return f"mt{self.mt}-wk{self.wk}-p{self.pipe}"
+        return f"mt{self.mt}-wk{self.wk}-p{self.pipe}" + (f"-wr{self.wr}" if self.wr > 1 else "")
 
 
 def _check_common(c) -> None:
@@ -165,6 +169,15 @@ def tc_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = Fal
 
 
 _GEMV_LIVE = 16  # fp32 accumulator elements per thread (BN x BK/2 x BT / threads)
+
+
+def mma_heuristic(M: int, N: int, K: int, device: torch.device) -> MmaConfig:
+    """CUDA kernel default (H200 sweep, perf/results/h200/*w12_mma_explore*): 32 rows per CTA and
+    4 warps along K when that still gives >= 3 CTAs per SM, else 16 rows and 8 warps along K
+    (more warps, hence more loads in flight, for the N = 5120 projections)."""
+    if -(-N // 32) >= 3 * sm_count(device):
+        return MmaConfig(mt=2, wk=4, pipe=2)
+    return MmaConfig(mt=1, wk=8, pipe=2)
 
 
 def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = False) -> GemvConfig:

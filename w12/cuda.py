@@ -79,7 +79,7 @@ def n_tiles(M: int) -> int:
 def _flags(cfg: MmaConfig, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
     sm = f"{arch[0]}{arch[1]}"
     return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", f"-DW12_MT={cfg.mt}",
-            f"-DW12_NT={nt}", f"-DW12_WK={cfg.wk}", f"-DW12_PIPE={cfg.pipe}", f"-DW12_Q8={int(q8)}"]
+            f"-DW12_NT={nt}", f"-DW12_WK={cfg.wk}", f"-DW12_WR={cfg.wr}", f"-DW12_PIPE={cfg.pipe}", f"-DW12_Q8={int(q8)}"]
 
 
 def build(cfg: MmaConfig, nt: int, q8: bool, arch: tuple[int, int], *, out: str = "cubin") -> Path:
@@ -133,7 +133,7 @@ _FUNCS: dict[tuple, tuple[ctypes.c_void_p, int]] = {}
 
 
 def _smem_bytes(cfg: MmaConfig, nt: int) -> int:
-    return cfg.wk * cfg.mt * nt * 4 * 32 * 4
+    return cfg.wk * cfg.wr * cfg.mt * nt * 4 * 32 * 4 + 16 * cfg.mt * cfg.wr * 2 * 4
 
 
 def _function(cfg: MmaConfig, nt: int, q8: bool, device: torch.device) -> tuple[ctypes.c_void_p, int]:
@@ -213,7 +213,7 @@ def launch(cfg: MmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: 
         ctypes.c_void_p(out.data_ptr()), ctypes.c_int(M), ctypes.c_int(N), ctypes.c_int(Kp),
     ]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-    grid = -(-N // (16 * cfg.mt))
+    grid = -(-N // (16 * cfg.mt * cfg.wr))
     stream = ctypes.c_void_p(torch.cuda.current_stream(x2d.device).cuda_stream)
-    _check(_libcuda().cuLaunchKernel(fn, grid, 1, 1, 32 * cfg.wk, 1, 1, smem, stream, params, None),
+    _check(_libcuda().cuLaunchKernel(fn, grid, 1, 1, 32 * cfg.wk * cfg.wr, 1, 1, smem, stream, params, None),
            "cuLaunchKernel(w12_matmul_mma_kernel)")

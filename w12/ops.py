@@ -3,8 +3,10 @@
 1. Launch-only: `_plan` picks (kernel, config) per shape (cached) and `_launch` composes the
    kernel launches into a preallocated `out`.
 2. Torch registration: `torch.ops.specpilot_w12.matmul` via `torch.library.triton_op` +
-   `wrap_triton`, so `torch.compile(fullgraph=True)` sees the Triton kernels. Eager calls skip
-   the dispatcher and launch directly (it costs ~10 us, a whole small kernel at M=1).
+   `wrap_triton`, so `torch.compile(fullgraph=True)` sees the Triton kernels, and
+   `torch.ops.specpilot_w12.matmul_mma` (`custom_op` + `register_fake`) for the CUDA C++ kernel.
+   Eager calls skip the dispatcher and launch directly (it costs ~10 us, a whole small kernel
+   at M=1).
 3. Public `matmul` / `matmul_q8`: check shapes, dtypes and devices and say how to fix a bad call.
 
 Nothing here syncs the host or allocates by data, so every call is CUDA-graph capturable.
@@ -20,7 +22,8 @@ from torch.library import triton_op, wrap_triton
 
 import autotune
 
-from .configs import GEMV_MAX_M, GemvConfig, TcConfig, gemv_heuristic, tc_heuristic
+from . import cuda as wcuda
+from .configs import GEMV_MAX_M, GemvConfig, MmaConfig, TcConfig, gemv_heuristic, mma_heuristic, tc_heuristic
 from .format import W12Weight, unpack
 from .kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel, w12_splitk_reduce_kernel
 
@@ -29,9 +32,12 @@ __all__ = ["matmul", "matmul_q8", "VARIANTS", "OP", "OP_Q8", "clear_config_cache
 OP = "w12.matmul"
 OP_Q8 = "w12.matmul_q8"
 # GPU generation -> variant (autotune.select_variant); "torch" is the no-Triton fallback.
-VARIANTS: dict[int, str] = {9: "tc", 8: "gemv"}
+# "mma" is the CUDA C++ kernel (w12/cuda.py, sm_80+, needs nvcc): bf16 x with M <= 32. Other calls,
+# and machines without nvcc, run the generation's Triton variant (TRITON_VARIANTS).
+VARIANTS: dict[int, str] = {9: "mma", 8: "mma"}
+TRITON_VARIANTS: dict[int, str] = {9: "tc", 8: "gemv"}
 TC_GEMV_MAX_M = 1  # the "tc" variant runs the CUDA-core GEMV up to this M, and above it where tuned (see _plan)
-_KNOWN = ("tc", "gemv", "torch")
+_KNOWN = ("mma", "tc", "gemv", "torch")
 _REDUCE_BLOCK = 1024
 
 # --------------------------------------------------------------------------------------
@@ -56,7 +62,18 @@ def _select(op: str, device: torch.device) -> str:
         v = autotune.select_variant(op, VARIANTS, device=device, fallback="torch")
     if v not in _KNOWN:
         raise ValueError(f"unknown {op} variant {v!r}; choose one of {_KNOWN}")
+    if v == "mma" and not wcuda.available(device):
+        v = autotune.select_variant(op, TRITON_VARIANTS, device=device, fallback="torch")
+        if v == "mma":  # forced, but this machine cannot build or run it
+            raise RuntimeError(f"{op}: variant 'mma' needs an sm_80+ GPU and nvcc (see w12/cuda.py)")
     return v
+
+
+def _triton_variant(device: torch.device) -> str:
+    """The generation's Triton variant: what "mma" falls back to for inputs it does not take."""
+    if device.type != "cuda" and not autotune.is_interpreter():
+        return "torch"
+    return autotune.select_variant("w12.triton", TRITON_VARIANTS, device=device, fallback="torch")
 
 
 def _plan(op: str, variant: str, M: int, N: int, K: int, device: torch.device) -> tuple[str, object]:
@@ -68,13 +85,19 @@ def _plan(op: str, variant: str, M: int, N: int, K: int, device: torch.device) -
             return "gemv", forced_cfg
         if isinstance(forced_cfg, TcConfig):
             return "tc", forced_cfg
-        raise TypeError(f"force({op!r}, config=...) expects a TcConfig or GemvConfig, got {type(forced_cfg).__name__}")
+        if isinstance(forced_cfg, MmaConfig):
+            return "mma", forced_cfg
+        raise TypeError(f"force({op!r}, config=...) expects a MmaConfig, TcConfig or GemvConfig, "
+                        f"got {type(forced_cfg).__name__}")
     ck = (op, variant, autotune.bucket_m(M), N, K, device)
     hit = _PLANS.get(ck)
     if hit is not None:
         return hit
     key = autotune.shape_key(M=M, N=N, K=K)
-    if variant == "tc" and M <= TC_GEMV_MAX_M:
+    if variant == "mma":
+        plan = ("mma", autotune.get_config(op, "mma", MmaConfig, lambda: mma_heuristic(M, N, K, device),
+                                           key=key, device=device))
+    elif variant == "tc" and M <= TC_GEMV_MAX_M:
         # H200 round 1: the CUDA-core GEMV beat every tensor-core tile at M=1 in all 10 cells
         # (mm 0.84-1.14x cuBLAS vs 0.58-0.76x); tuned entries live under variant "gemv"
         plan = ("gemv", autotune.get_config(op, "gemv", GemvConfig, lambda: gemv_heuristic(M, N, K, device, q8=q8),
@@ -108,6 +131,12 @@ def _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, *, op: str, variant: s
         return None  # wrap_triton passes interpreter kernels through untraced; fake tensors need no launch
     kernel_name, cfg = _plan(op, variant, M, N, K, x2d.device)
     q8 = op == OP_Q8
+    if kernel_name == "mma":
+        if not wcuda.supports(x2d, hi):
+            raise ValueError(f"{op}: the CUDA kernel (MmaConfig) takes bfloat16 x with 1 <= M <= {wcuda.MAX_M}, "
+                             f"got {x2d.dtype} with M={M}; force a TcConfig or GemvConfig instead")
+        wcuda.launch(cfg, x2d, hi, lo, e0, rowptr, col, val, bias, out, q8=q8)
+        return None
     bt = cfg.block_t
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, bt), cfg.split_k)
     ws = out if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), device=out.device, dtype=torch.float32)
@@ -149,6 +178,8 @@ def _torch_fallback(x2d, hi, lo, e0, rowptr, col, val, bias, *, K: int, q8: bool
 
 
 def _run(x2d, hi, lo, e0, rowptr, col, val, bias, op: str, variant: str, wrap=None) -> torch.Tensor:
+    if variant == "mma" and not wcuda.supports(x2d, hi):
+        variant = _triton_variant(x2d.device)  # fp16 x, M > 32: the Triton kernels
     if variant == "torch":
         return _torch_fallback(x2d, hi, lo, e0, rowptr, col, val, bias, K=x2d.shape[1], q8=op == OP_Q8)
     out = torch.empty((x2d.shape[0], hi.shape[0]), device=x2d.device, dtype=x2d.dtype)
@@ -173,7 +204,23 @@ def _matmul_op(x2d: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, e0: torch.
     time under torch.compile (dynamo cannot read the `autotune.force` context variable)."""
     if variant == "auto":
         variant = _select(OP_Q8 if q8 else OP, x2d.device)
+    if variant == "mma":
+        if wcuda.supports(x2d, hi):  # traced as the opaque CUDA op, not decomposed
+            return torch.ops.specpilot_w12.matmul_mma(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8)
+        variant = _triton_variant(x2d.device)
     return _run(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, OP_Q8 if q8 else OP, variant, wrap=wrap_triton)
+
+
+@torch.library.custom_op("specpilot_w12::matmul_mma", mutates_args=())
+def _matmul_mma_op(x2d: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, e0: torch.Tensor, esc_rowptr: torch.Tensor,
+                   esc_col: torch.Tensor, esc_val: torch.Tensor, bias: Optional[torch.Tensor], q8: bool) -> torch.Tensor:
+    """The CUDA C++ kernel as an opaque op for torch.compile (inductor cannot trace a driver-API launch)."""
+    return _run(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, OP_Q8 if q8 else OP, "mma")
+
+
+@_matmul_mma_op.register_fake
+def _(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8):
+    return x2d.new_empty((x2d.shape[0], hi.shape[0]))
 
 
 # --------------------------------------------------------------------------------------
@@ -230,8 +277,10 @@ def matmul(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] = No
     One known difference: where x itself is +-Inf/NaN and the weight column holds an escape,
     the result may be NaN where F.linear gives +-Inf.
 
-    Variant by GPU (`w12.ops.VARIANTS`): "tc" (sm_90, wgmma, swap-AB) or "gemv" (CUDA cores for
-    M <= 4, mma above); pin one with `autotune.force("w12.matmul", variant="gemv")`.
+    Variant by GPU (`w12.ops.VARIANTS`): "mma", the CUDA C++ kernel (mma.sync, decode in registers,
+    sm_80+, built with nvcc on first use) for bf16 x with M <= 32; otherwise the Triton variants
+    "tc" (sm_90, wgmma, swap-AB) or "gemv" (CUDA cores for M <= 4, mma above). Pin one with
+    `autotune.force("w12.matmul", variant="tc")`.
     """
     _check(x, packed, bias, "matmul")
     return _call(x, packed, bias, OP)

@@ -13,7 +13,8 @@ import w12
 from specpilot.bench.shapes import get_shape_set
 from specpilot.testing import assert_bitwise_equal, assert_close
 from w12 import ops as wops
-from w12.configs import GemvConfig, TcConfig
+from w12 import cuda as wcuda
+from w12.configs import GemvConfig, MmaConfig, TcConfig
 from w12.kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel
 
 pytestmark = pytest.mark.gpu
@@ -56,7 +57,10 @@ def packed_real():
     return out
 
 
-@pytest.mark.parametrize("variant", ["tc", "gemv"])
+VARIANTS = ["mma", "tc", "gemv"]
+
+
+@pytest.mark.parametrize("variant", VARIANTS)
 @pytest.mark.parametrize("M", [1, 2, 4, 8, 16, 32])
 @pytest.mark.parametrize("name", [r[0] for r in REAL])
 def test_real_shapes(packed_real, name, M, variant):
@@ -69,7 +73,7 @@ def test_real_shapes(packed_real, name, M, variant):
     _check(out_q8, x, w, p, q8=True)
 
 
-@pytest.mark.parametrize("variant", ["tc", "gemv"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_lm_head_and_prefill(variant):
     n, k = 32768 + 77, _S.hidden  # a vocab slice with an odd tail
     w = _weight(n, k, seed=5)
@@ -80,7 +84,7 @@ def test_lm_head_and_prefill(variant):
             _check(w12.matmul(x, p), x, w, p)
 
 
-@pytest.mark.parametrize("variant", ["tc", "gemv"])
+@pytest.mark.parametrize("variant", VARIANTS)
 def test_nonfinite_fp16_bias_strides(variant):
     n, k = 1000, 4160
     w = _weight(n, k, seed=9)
@@ -96,7 +100,41 @@ def test_nonfinite_fp16_bias_strides(variant):
 
 def test_default_variant_by_generation():
     v = wops._select(wops.OP, _dev())
-    assert v == ("tc" if autotune.has_wgmma() else "gemv")
+    assert v == ("mma" if wcuda.available(_dev()) else "tc" if autotune.has_wgmma() else "gemv")
+
+
+@pytest.mark.parametrize("cfg", [MmaConfig(1, 1, 2), MmaConfig(2, 4, 3), MmaConfig(4, 2, 2), MmaConfig(1, 2, 4, wr=4),
+                                 MmaConfig(2, 8, 2, wr=2), MmaConfig(1, 16, 2)], ids=lambda c: c.tag())
+@pytest.mark.parametrize("N,K", [(75, 4100), (1000, 4160), (4099, 64)], ids=lambda v: str(v))
+def test_mma_configs_odd_shapes(cfg, N, K):
+    """Every kernel shape on ragged N (rows past N), K not a multiple of 64 (x padded), all M tiles,
+    bias in three dtypes, escapes incl. -0.0 and non-finite weights; outputs fully written."""
+    w = _weight(N, K, seed=N + K)
+    w[1, 3], w[2, 7], w[min(4, N - 1), 1] = float("inf"), float("nan"), -0.0
+    p = w12.pack(w)
+    for M, bdt in ((1, torch.bfloat16), (5, torch.float32), (8, torch.float16), (13, None), (32, torch.bfloat16)):
+        x = _x(M, K, seed=M)
+        bias = None if bdt is None else _x(1, N, seed=M + 1)[0].to(bdt)
+        with autotune.force("w12.matmul", config=cfg):
+            out = w12.matmul(x, p, bias)
+            out_q8 = w12.matmul_q8(x, p, bias)
+        _check(out, x, w, p, bias)
+        _check(out_q8, x, w, p, bias, q8=True)
+
+
+def test_mma_signed_zero_and_bad_input():
+    """An all -0.0 row (escapes only) gives F.linear's zeros bit for bit; fp16 x and M > 32 fall back
+    to Triton under the default variant, but a forced MmaConfig says why it cannot run them."""
+    w = _weight(64, 128, seed=1)
+    w[5] = -0.0
+    p = w12.pack(w)
+    x = _x(2, 128, seed=2).abs()
+    out = w12.matmul(x, p)
+    assert_bitwise_equal(out[:, 5].contiguous(), F.linear(x, w)[:, 5].contiguous())
+    assert w12.matmul(x.half(), p).dtype == torch.float16
+    assert w12.matmul(_x(40, 128, seed=3), p).shape == (40, 64)
+    with autotune.force("w12.matmul", config=MmaConfig()), pytest.raises(ValueError, match="bfloat16 x with 1 <= M <= 32"):
+        w12.matmul(x.half(), p)
 
 
 def _launch_direct(kernel, cfg, x, p, **extra):
@@ -130,8 +168,9 @@ def test_gemv_kernel_uses_no_tensor_cores():
     assert "wgmma" not in ptx and "mma.sync" not in ptx
 
 
-@pytest.mark.parametrize("cfg", [None, TcConfig(64, 16, 128, 4, 4, 3), GemvConfig(32, 1, 256, 5, 4, 2)],
-                         ids=["default", "tc-split4", "gemv-split5"])
+@pytest.mark.parametrize("cfg", [None, TcConfig(64, 16, 128, 4, 4, 3), GemvConfig(32, 1, 256, 5, 4, 2),
+                                 MmaConfig(2, 4, 2), MmaConfig(1, 8, 3, wr=2)],
+                         ids=["default", "tc-split4", "gemv-split5", "mma", "mma-wr2"])
 def test_cuda_graph_replay_equals_eager(cfg):
     n, k = _S.linears["mlp.down_proj"]
     w = _weight(n, k, seed=3)
@@ -141,7 +180,7 @@ def test_cuda_graph_replay_equals_eager(cfg):
     def ctx():
         if cfg is not None:
             return autotune.force("w12.matmul", config=cfg)
-        return autotune.force("w12.matmul", variant="tc" if autotune.has_wgmma() else "gemv")
+        return autotune.force("w12.matmul", variant=wops._select(wops.OP, _dev()))
 
     with ctx():
         eager = w12.matmul(x, p, bias)

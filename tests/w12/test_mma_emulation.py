@@ -26,7 +26,9 @@ U32 = np.uint32
 
 
 def byte_perm(x, y, s: int):
-    """__byte_perm(x, y, s) on uint32 arrays (prmt default mode, with sign replication)."""
+    """PTX `prmt.b32` (default mode: a selector nibble with bit 3 set replicates the sign of the
+    byte) on uint32 arrays. CUDA's `__byte_perm` drops bit 3, so the kernel calls it only with
+    selectors below 8 per nibble (test_byte_perm_selectors) and uses inline prmt otherwise."""
     src = [(x >> U32(8 * i)) & U32(0xFF) for i in range(4)] + [(y >> U32(8 * i)) & U32(0xFF) for i in range(4)]
     out = np.zeros_like(x, dtype=U32)
     for i in range(4):
@@ -65,7 +67,7 @@ def bf16_pair(r):
 # --------------------------------------------------------------------------------------
 
 
-def emulate(x: torch.Tensor, p: w12.W12Weight, *, mt: int, wk: int, q8: bool = False) -> torch.Tensor:
+def emulate(x: torch.Tensor, p: w12.W12Weight, *, mt: int, wk: int, wr: int = 1, q8: bool = False) -> torch.Tensor:
     M = x.shape[0]
     N, Kp = p.hi.shape
     nt = 1 if M <= 8 else 2 if M <= 16 else 4
@@ -81,17 +83,17 @@ def emulate(x: torch.Tensor, p: w12.W12Weight, *, mt: int, wk: int, q8: bool = F
     g, q = lane // 4, lane % 4
     sh = U32(4) * (q >> 1).astype(U32)
     nch = Kp // 64
-    rows_cta = 16 * mt
+    rows_cta = 16 * mt * wr
     out = np.full((M, N), np.nan)
     for r0 in range(0, N, rows_cta):
-        red = np.zeros((wk, mt, nt, 4, 32))
-        for w in range(wk):
-            acc = red[w]
+        red = np.zeros((wk, wr, mt, nt, 4, 32))
+        for w, wr_i in [(a, b) for a in range(wk) for b in range(wr)]:
+            acc = red[w, wr_i]
             for c in range(w, nch, wk):
                 for t in range(mt):
                     regs = []  # per m-tile half h: (hi words [32, 4], lo words, e0x)
                     for h in range(2):
-                        row = np.minimum(r0 + 16 * t + 8 * h + g, N - 1)
+                        row = np.minimum(r0 + 16 * (mt * wr_i + t) + 8 * h + g, N - 1)
                         hw = words(np.stack([hi[row[i], 64 * c + 16 * q[i]: 64 * c + 16 * q[i] + 16] for i in lane]))
                         lw = words(np.stack([lo[row[i], 32 * c + 16 * (q[i] & 1): 32 * c + 16 * (q[i] & 1) + 16]
                                              for i in lane]))
@@ -137,15 +139,16 @@ def emulate(x: torch.Tensor, p: w12.W12Weight, *, mt: int, wk: int, q8: bool = F
                             acc[t, j, 1] += D[g, 2 * q + 1]
                             acc[t, j, 2] += D[g + 8, 2 * q]
                             acc[t, j, 3] += D[g + 8, 2 * q + 1]
-        flat = red.reshape(wk, mt * nt * 4 * 32)
+        acc_n = mt * nt * 4
+        flat = red.reshape(wk, wr * acc_n * 32)
         for o in range(rows_cta * 8 * nt):
             rl, tok = o % rows_cta, o // rows_cta
             row = r0 + rl
             if row >= N or tok >= M:
                 continue
-            t, gg, hh = rl >> 4, rl & 7, (rl >> 3) & 1
+            tw, gg, hh = rl >> 4, rl & 7, (rl >> 3) & 1
             j, tt = tok >> 3, tok & 7
-            idx = ((t * nt + j) * 4 + hh * 2 + (tt & 1)) * 32 + gg * 4 + (tt >> 1)
+            idx = ((tw // mt) * acc_n + ((tw % mt) * nt + j) * 4 + hh * 2 + (tt & 1)) * 32 + gg * 4 + (tt >> 1)
             s_ = flat[:, idx].sum()
             v0 = 0.0 if q8 else float(np.array([e0[row] << U32(23)], dtype=U32).view(np.float32)[0])
             for pp in range(rowptr[row], rowptr[row + 1]):
@@ -170,19 +173,33 @@ def _weight(N: int, K: int, seed: int) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("q8", [False, True], ids=["mm", "q8"])
-@pytest.mark.parametrize("M,N,K,mt,wk", [(3, 40, 192, 2, 2), (11, 24, 128, 1, 4), (20, 17, 100, 1, 1)],
-                         ids=["M3-N40-K192", "M11-N24-K128", "M20-N17-K100"])
-def test_emulated_kernel_matches_reference(M, N, K, mt, wk, q8):
+@pytest.mark.parametrize("M,N,K,mt,wk,wr", [(3, 40, 192, 2, 2, 1), (11, 24, 128, 1, 4, 1), (20, 17, 100, 1, 1, 1),
+                                            (5, 75, 192, 1, 2, 2)],
+                         ids=["M3-N40-K192", "M11-N24-K128", "M20-N17-K100", "M5-N75-K192-wr2"])
+def test_emulated_kernel_matches_reference(M, N, K, mt, wk, wr, q8):
     w = _weight(N, K, seed=N * K + M)
     p = w12.pack(w)
     assert p.num_escapes > 0
     x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 2).to(torch.bfloat16)
-    got = emulate(x, p, mt=mt, wk=wk, q8=q8)
+    got = emulate(x, p, mt=mt, wk=wk, wr=wr, q8=q8)
     want = (matmul_q8_reference if q8 else matmul_reference)(x, p).double()
     assert not torch.isnan(got).any(), "unwritten outputs"
     err = (got - want).abs().max().item()
     scale = (x.double().abs() @ w.double().abs().nan_to_num().T).max().item()
     assert err <= 1e-12 * scale, (err, scale)  # fp64 sums of exact bf16 products: only reassociation
+
+
+def test_byte_perm_selectors():
+    """__byte_perm ignores a selector's sign bit: every selector given to it must have none."""
+    import re
+
+    from w12 import cuda
+
+    src = cuda.SOURCE.read_text()
+    sels = re.findall(r"__byte_perm\([^;]*?,\s*(0x[0-9A-Fa-f]+)\)", src)
+    assert sels, "no __byte_perm calls found: update this test"
+    for sel in sels:
+        assert all(((int(sel, 16) >> (4 * i)) & 8) == 0 for i in range(4)), f"__byte_perm selector {sel} has a sign bit"
 
 
 def test_decode_pair_all_codes():
@@ -217,7 +234,8 @@ def _nvcc_or_skip():
 def test_kernel_builds_with_mma_and_no_local_memory(arch, tmp_path, monkeypatch):
     cuda = _nvcc_or_skip()
     monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
-    for cfg, nt, q8 in [(MmaConfig(1, 4, 2), 1, False), (MmaConfig(2, 8, 2), 4, False), (MmaConfig(1, 4, 3), 2, True)]:
+    for cfg, nt, q8 in [(MmaConfig(1, 4, 2), 1, False), (MmaConfig(2, 8, 2), 4, False), (MmaConfig(1, 4, 3), 2, True),
+                        (MmaConfig(1, 2, 2, wr=4), 2, False)]:
         ptx = cuda.build(cfg, nt, q8, arch, out="ptx").read_text()
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
         assert ".local" not in ptx, f"{cfg} nt={nt}: a register array went to local memory"

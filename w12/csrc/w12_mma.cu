@@ -19,8 +19,10 @@
 // carry crosses a lane because e0 + 15 <= 255). Code 0 decodes to 2^(e0 - 127), not +0.0; the
 // epilogue adds x * (escape - 2^(e0 - 127)) for every escape, as the Triton kernels do.
 //
-// Warps of a CTA share its rows and split K (chunks w, w + WK, ...); their partial sums meet in
-// shared memory, and the epilogue applies escapes and bias and stores bf16, coalesced along N.
+// A CTA has WR x WK warps: warp (wr, wk) owns rows r0 + 16 MT wr + [0, 16 MT) and chunks wk, wk + WK,
+// ...; warps with the same wk read the same x columns at about the same time (L1 hits). The WK
+// partial sums of a row meet in shared memory, and the epilogue applies escapes and bias and
+// stores bf16, coalesced along N. rowptr of the CTA's rows is loaded before the main loop.
 // Configuration comes from -D defines (w12/cuda.py compiles one cubin per config).
 
 #include <cuda_bf16.h>
@@ -36,6 +38,9 @@
 #ifndef W12_WK
 #define W12_WK 4
 #endif
+#ifndef W12_WR
+#define W12_WR 1
+#endif
 #ifndef W12_PIPE
 #define W12_PIPE 2
 #endif
@@ -47,13 +52,16 @@ namespace {
 
 constexpr int MT = W12_MT;      // m-tiles (16 weight rows each) per warp
 constexpr int NT = W12_NT;      // n-tiles (8 tokens each)
-constexpr int WK = W12_WK;      // warps per CTA, splitting K
+constexpr int WK = W12_WK;      // warp groups per CTA splitting K
+constexpr int WR = W12_WR;      // warp groups per CTA splitting rows (they read the same x, via L1)
+constexpr int WARPS = WK * WR;
 constexpr int PIPE = W12_PIPE;  // chunks in registers per warp (PIPE - 1 loading while one computes)
 constexpr bool Q8 = W12_Q8 != 0;
-constexpr int ROWS = 16 * MT;
+constexpr int ROWS = 16 * MT * WR;
 constexpr int TOKS = 8 * NT;
 constexpr int CHUNK = 64;
 constexpr int ACC = MT * NT * 4;  // accumulators per thread
+static_assert(ROWS <= 32 * WARPS, "one thread per CTA row loads its escape range: need MT <= 2 * WK");
 
 struct Frag {
   uint4 h[MT][2];  // hi bytes: rows g, g + 8 of each m-tile, 16 columns
@@ -79,11 +87,18 @@ __device__ __forceinline__ uint32_t dec_pair(uint32_t y, uint32_t e0x) {
   return (y & 0x800F800Fu) + ((y >> 4) & 0x07F007F0u) + e0x;
 }
 
+__device__ __forceinline__ uint32_t prmt_sign(uint32_t a, uint32_t sel) {
+  // PTX prmt with the selector's sign-replicate bit (__byte_perm drops that bit)
+  uint32_t r;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
+  return r;
+}
+
 __device__ __forceinline__ uint32_t dec_pair_q8(uint32_t y, uint32_t e0x) {
   // y lanes: hi << 8 -> bf16 bits of the bin midpoint; hi == 0 reads as +0.0
   uint32_t bits = (y & 0x80008000u) + ((y >> 4) & 0x07F007F0u) + e0x + 0x00080008u;
   uint32_t nz = ((y & 0x7F007F00u) + 0x7F007F00u) | y;  // bit 15 of a lane set iff hi != 0
-  return bits & __byte_perm(nz, 0u, 0xBB99);             // sign-replicate bytes 1 and 3
+  return bits & prmt_sign(nz, 0xBB99);                   // bytes 1 and 3 sign-replicated: lane masks
 }
 
 __device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -104,7 +119,7 @@ __device__ __forceinline__ float bias_at(const void* bias, int kind, int row) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(32 * WK) w12_matmul_mma_kernel(
+extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     const __nv_bfloat16* __restrict__ x,  // [M, >= Kp], row stride ldx, 16-byte aligned rows
     long long ldx,
     const uint8_t* __restrict__ hi,       // [N, Kp]
@@ -117,13 +132,21 @@ extern "C" __global__ void __launch_bounds__(32 * WK) w12_matmul_mma_kernel(
     int bias_kind,                        // 0 none, 1 bf16, 2 fp16, 3 fp32
     __nv_bfloat16* __restrict__ out,      // [M, N]
     int M, int N, int Kp) {
-  extern __shared__ float red[];  // [WK][ACC][32]
+  extern __shared__ float red[];  // [WK][WR][ACC][32], then rowptr pairs [ROWS][2] (as int)
+  int* rp_s = reinterpret_cast<int*>(red + WARPS * ACC * 32);
   const int lane = threadIdx.x & 31;
-  const int w = threadIdx.x >> 5;
+  const int w = (threadIdx.x >> 5) % WK;
+  const int wr = (threadIdx.x >> 5) / WK;
   const int g = lane >> 2;
   const int q = lane & 3;
   const int r0 = blockIdx.x * ROWS;
   const int nch = Kp / CHUNK;
+  // escape ranges of the CTA's rows: issued now, consumed after the main loop
+  int rp0 = 0, rp1 = 0;
+  if (threadIdx.x < ROWS && r0 + (int)threadIdx.x < N) {
+    rp0 = rowptr[r0 + threadIdx.x];
+    rp1 = rowptr[r0 + threadIdx.x + 1];
+  }
 
   const uint8_t* hp[MT][2];
   const uint8_t* lp[MT][2];
@@ -132,7 +155,7 @@ extern "C" __global__ void __launch_bounds__(32 * WK) w12_matmul_mma_kernel(
   for (int t = 0; t < MT; ++t) {
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
-      const int row = min(r0 + 16 * t + 8 * h + g, N - 1);  // rows past N compute garbage, never stored
+      const int row = min(r0 + 16 * (MT * wr + t) + 8 * h + g, N - 1);  // rows past N compute garbage, never stored
       hp[t][h] = hi + (long long)row * Kp + 16 * q;
       lp[t][h] = lo + (long long)row * (Kp / 2) + 16 * (q & 1);
       const uint32_t e = e0[row];
@@ -226,21 +249,25 @@ extern "C" __global__ void __launch_bounds__(32 * WK) w12_matmul_mma_kernel(
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int i = 0; i < 4; ++i) red[(w * ACC + (t * NT + j) * 4 + i) * 32 + lane] = acc[t][j][i];
+      for (int i = 0; i < 4; ++i) red[((w * WR + wr) * ACC + (t * NT + j) * 4 + i) * 32 + lane] = acc[t][j][i];
+  if (threadIdx.x < ROWS) {
+    rp_s[2 * threadIdx.x] = rp0;
+    rp_s[2 * threadIdx.x + 1] = rp1;
+  }
   __syncthreads();
 
   // epilogue: one output per thread and step, consecutive threads on consecutive rows
-  for (int o = threadIdx.x; o < ROWS * TOKS; o += 32 * WK) {
+  for (int o = threadIdx.x; o < ROWS * TOKS; o += 32 * WARPS) {
     const int rl = o % ROWS, tok = o / ROWS;
     const int row = r0 + rl;
     if (row >= N || tok >= M) continue;
-    const int t = rl >> 4, gg = rl & 7, hh = (rl >> 3) & 1;
+    const int tw = rl >> 4, gg = rl & 7, hh = (rl >> 3) & 1;  // 16-row tile tw = MT * wr + t
     const int j = tok >> 3, tt = tok & 7;
-    const int idx = ((t * NT + j) * 4 + hh * 2 + (tt & 1)) * 32 + gg * 4 + (tt >> 1);
+    const int idx = (((tw / MT) * ACC) + ((tw % MT) * NT + j) * 4 + hh * 2 + (tt & 1)) * 32 + gg * 4 + (tt >> 1);
     float sum = 0.0f;
 #pragma unroll
-    for (int w2 = 0; w2 < WK; ++w2) sum += red[w2 * ACC * 32 + idx];
-    const int p0 = rowptr[row], p1 = rowptr[row + 1];
+    for (int w2 = 0; w2 < WK; ++w2) sum += red[w2 * WR * ACC * 32 + idx];
+    const int p0 = rp_s[2 * rl], p1 = rp_s[2 * rl + 1];
     if (p1 > p0) {
       // the dense decode gave 2^(e0 - 127) (Q8: +0.0) where an escape sits
       const float v0 = Q8 ? 0.0f : __uint_as_float((uint32_t)e0[row] << 23);

@@ -5,6 +5,7 @@ Per `<layer>-M<m>` group (baseline "cublas"):
   * "cublas"  F.linear on the BF16 weight (2 B/weight)
   * "w12.tc"   w12.matmul with the sm_90 variant forced (wgmma; the CUDA-core GEMV at M = 1, see w12/ops.py)
   * "w12.gemv" w12.matmul with the no-wgmma variant forced (CUDA cores for M <= 4, mma above)
+  * "w12.mma"  w12.matmul with the CUDA C++ kernel forced (w12/cuda.py; the default where nvcc is there)
   * "w12.q8"   w12.matmul_q8 (hi plane + escapes, 1 B/weight), default variant
 The LM head appears as layer "lm_head.linear" (a plain projection; `lm_head-M<m>` is the
 argmax group of the linear/lm_head providers).
@@ -90,7 +91,11 @@ def _cols(n: int, device) -> torch.Tensor:
 
 
 def _kernel_variants(device: torch.device) -> list[str]:
-    if device.type == "cuda" or autotune.is_interpreter():
+    if device.type == "cuda":
+        from w12 import cuda as wcuda
+
+        return ["w12.tc", "w12.gemv", *(["w12.mma"] if wcuda.available(device) else []), "w12.q8"]
+    if autotune.is_interpreter():
         return ["w12.tc", "w12.gemv", "w12.q8"]
     return ["w12.q8"]  # CPU without the interpreter: the torch fallback only
 
@@ -117,7 +122,7 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
             packs = ws["w12"][:sets]
             case.bytes = _read_bytes(packs[0], q8) + xo
             fn = w12.matmul_q8 if q8 else w12.matmul
-            forced = {"w12.tc": "tc", "w12.gemv": "gemv"}.get(variant)
+            forced = {"w12.tc": "tc", "w12.gemv": "gemv", "w12.mma": "mma"}.get(variant)
 
             def call(x, p, fn=fn, forced=forced):
                 if forced is None:
