@@ -94,15 +94,18 @@ class MmaConfig:
     wk: int = 4
     pipe: int = 2
     wr: int = 1
+    async_copy: bool = False  # pipe-stage cp.async ring in shared memory (loads in flight hold no registers)
 
     def __post_init__(self):
-        if self.mt not in (1, 2, 4) or self.wk not in (1, 2, 4, 8, 16) or self.pipe not in (2, 3, 4) \
+        pipes = (2, 3, 4, 6, 8) if self.async_copy else (2, 3, 4)
+        if self.mt not in (1, 2, 4) or self.wk not in (1, 2, 4, 8, 16) or self.pipe not in pipes \
                 or self.wr not in (1, 2, 4, 8) or self.wk * self.wr > 16 or self.mt > 2 * self.wk:
             raise ValueError("MmaConfig needs mt in (1, 2, 4), wk in (1, 2, 4, 8, 16), wr in (1, 2, 4, 8), "
-                             f"wk * wr <= 16 (512 threads), mt <= 2 * wk and pipe in (2, 3, 4); got {self}")
+                             f"wk * wr <= 16 (512 threads), mt <= 2 * wk and pipe in {pipes}; got {self}")
 
     def tag(self) -> str:
-        return f"mt{self.mt}-wk{self.wk}-p{self.pipe}" + (f"-wr{self.wr}" if self.wr > 1 else "")
+        return f"mt{self.mt}-wk{self.wk}-p{self.pipe}" + (f"-wr{self.wr}" if self.wr > 1 else "") + \
+            ("-a" if self.async_copy else "")
 
 
 def _check_common(c) -> None:

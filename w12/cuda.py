@@ -79,7 +79,7 @@ def n_tiles(M: int) -> int:
 def _flags(cfg: MmaConfig, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
     sm = f"{arch[0]}{arch[1]}"
     return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", f"-DW12_MT={cfg.mt}",
-            f"-DW12_NT={nt}", f"-DW12_WK={cfg.wk}", f"-DW12_WR={cfg.wr}", f"-DW12_PIPE={cfg.pipe}", f"-DW12_Q8={int(q8)}"]
+            f"-DW12_NT={nt}", f"-DW12_WK={cfg.wk}", f"-DW12_WR={cfg.wr}", f"-DW12_PIPE={cfg.pipe}", f"-DW12_Q8={int(q8)}", f"-DW12_ASYNC={int(cfg.async_copy)}"]
 
 
 def build(cfg: MmaConfig, nt: int, q8: bool, arch: tuple[int, int], *, out: str = "cubin") -> Path:
@@ -132,8 +132,15 @@ _LOCK = threading.Lock()
 _FUNCS: dict[tuple, tuple[ctypes.c_void_p, int]] = {}
 
 
-def _smem_bytes(cfg: MmaConfig, nt: int) -> int:
-    return cfg.wk * cfg.wr * cfg.mt * nt * 4 * 32 * 4 + 16 * cfg.mt * cfg.wr * 2 * 4
+def smem_bytes(cfg: MmaConfig, nt: int, q8: bool) -> int:
+    """Dynamic shared memory of one CTA: the partial sums (and escape ranges), or the cp.async
+    ring when that is larger (they share the memory)."""
+    threads = 32 * cfg.wk * cfg.wr
+    red = threads * cfg.mt * nt * 4 * 4 + 16 * cfg.mt * cfg.wr * 2 * 4
+    if not cfg.async_copy:
+        return red
+    pieces = 2 * cfg.mt * (1 if q8 else 2) + 2 * nt
+    return max(red, cfg.pipe * pieces * 16 * threads)
 
 
 def _function(cfg: MmaConfig, nt: int, q8: bool, device: torch.device) -> tuple[ctypes.c_void_p, int]:
@@ -154,7 +161,11 @@ def _function(cfg: MmaConfig, nt: int, q8: bool, device: torch.device) -> tuple[
             mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
             _check(lib.cuModuleLoadData(ctypes.byref(mod), image), "cuModuleLoadData")
             _check(lib.cuModuleGetFunction(ctypes.byref(fn), mod, KERNEL), "cuModuleGetFunction")
-            smem = _smem_bytes(cfg, nt)
+            smem = smem_bytes(cfg, nt, q8)
+            limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
+            if smem > limit:
+                raise ValueError(f"{cfg} needs {smem} bytes of shared memory per CTA at nt={nt}; this GPU allows "
+                                 f"{limit}: use fewer pipe stages or warps")
             if smem > _SMEM_DEFAULT_MAX:
                 _check(lib.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
         _FUNCS[key] = (fn, smem)

@@ -104,7 +104,9 @@ def test_default_variant_by_generation():
 
 
 @pytest.mark.parametrize("cfg", [MmaConfig(1, 1, 2), MmaConfig(2, 4, 3), MmaConfig(4, 2, 2), MmaConfig(1, 2, 4, wr=4),
-                                 MmaConfig(2, 8, 2, wr=2), MmaConfig(1, 16, 2)], ids=lambda c: c.tag())
+                                 MmaConfig(2, 8, 2, wr=2), MmaConfig(1, 16, 2), MmaConfig(2, 4, 4, async_copy=True),
+                                 MmaConfig(1, 8, 3, wr=2, async_copy=True), MmaConfig(4, 2, 6, async_copy=True)],
+                         ids=lambda c: c.tag())
 @pytest.mark.parametrize("N,K", [(75, 4100), (1000, 4160), (4099, 64)], ids=lambda v: str(v))
 def test_mma_configs_odd_shapes(cfg, N, K):
     """Every kernel shape on ragged N (rows past N), K not a multiple of 64 (x padded), all M tiles,
@@ -169,8 +171,8 @@ def test_gemv_kernel_uses_no_tensor_cores():
 
 
 @pytest.mark.parametrize("cfg", [None, TcConfig(64, 16, 128, 4, 4, 3), GemvConfig(32, 1, 256, 5, 4, 2),
-                                 MmaConfig(2, 4, 2), MmaConfig(1, 8, 3, wr=2)],
-                         ids=["default", "tc-split4", "gemv-split5", "mma", "mma-wr2"])
+                                 MmaConfig(2, 4, 2), MmaConfig(1, 8, 3, wr=2), MmaConfig(1, 8, 4, async_copy=True)],
+                         ids=["default", "tc-split4", "gemv-split5", "mma", "mma-wr2", "mma-async"])
 def test_cuda_graph_replay_equals_eager(cfg):
     n, k = _S.linears["mlp.down_proj"]
     w = _weight(n, k, seed=3)

@@ -47,6 +47,9 @@
 #ifndef W12_Q8
 #define W12_Q8 0
 #endif
+#ifndef W12_ASYNC
+#define W12_ASYNC 0
+#endif
 
 namespace {
 
@@ -57,6 +60,7 @@ constexpr int WR = W12_WR;      // warp groups per CTA splitting rows (they read
 constexpr int WARPS = WK * WR;
 constexpr int PIPE = W12_PIPE;  // chunks in registers per warp (PIPE - 1 loading while one computes)
 constexpr bool Q8 = W12_Q8 != 0;
+constexpr bool ASYNC = W12_ASYNC != 0;  // PIPE-stage cp.async ring in shared memory instead of registers
 constexpr int ROWS = 16 * MT * WR;
 constexpr int TOKS = 8 * NT;
 constexpr int CHUNK = 64;
@@ -76,6 +80,18 @@ __device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
       : "=r"(r.x), "=r"(r.y), "=r"(r.z), "=r"(r.w)
       : "l"(p));
   return r;
+}
+
+__device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, uint32_t src_bytes) {
+  // 16 bytes global -> shared, bypassing L1; src_bytes = 0 writes zeros
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(src_bytes));
+}
+
+__device__ __forceinline__ void cp_async_commit() { asm volatile("cp.async.commit_group;"); }
+
+template <int N>
+__device__ __forceinline__ void cp_async_wait() {
+  asm volatile("cp.async.wait_group %0;" ::"n"(N));
 }
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
@@ -228,19 +244,71 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     }
   };
 
-  // register pipeline: PIPE chunks per warp, one computing while the others load
-  Frag f[PIPE];
+  if constexpr (!ASYNC) {
+    // register pipeline: PIPE chunks per warp, one computing while the others load
+    Frag f[PIPE];
 #pragma unroll
-  for (int p = 0; p < PIPE - 1; ++p)
-    if (w + p * WK < nch) load(f[p], w + p * WK);
-  for (int c0 = w; c0 < nch; c0 += PIPE * WK) {
+    for (int p = 0; p < PIPE - 1; ++p)
+      if (w + p * WK < nch) load(f[p], w + p * WK);
+    for (int c0 = w; c0 < nch; c0 += PIPE * WK) {
 #pragma unroll
-    for (int p = 0; p < PIPE; ++p) {
-      const int c = c0 + p * WK;
-      const int cn = c + (PIPE - 1) * WK;
-      if (cn < nch) load(f[(p + PIPE - 1) % PIPE], cn);
-      if (c < nch) compute(f[p]);
+      for (int p = 0; p < PIPE; ++p) {
+        const int c = c0 + p * WK;
+        const int cn = c + (PIPE - 1) * WK;
+        if (cn < nch) load(f[(p + PIPE - 1) % PIPE], cn);
+        if (c < nch) compute(f[p]);
+      }
     }
+  } else {
+    // cp.async ring: each thread copies exactly the 16-byte pieces it reads back itself, so a
+    // per-thread wait_group is all the synchronisation the main loop needs. Slot layout
+    // [stage][piece][thread]: a warp's LDS.128 of one piece is 512 contiguous bytes.
+    constexpr int VH = 2 * MT, VL = Q8 ? 0 : 2 * MT, VX = 2 * NT, V = VH + VL + VX;
+    constexpr int NTHR = 32 * WARPS;
+    uint4* ring = reinterpret_cast<uint4*>(red);
+    const uint32_t ring_s = static_cast<uint32_t>(__cvta_generic_to_shared(ring)) + 16u * threadIdx.x;
+    auto issue = [&](int stage, int c) {
+      const uint32_t base = ring_s + 16u * NTHR * V * stage;
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          cp_async16(base + 16u * NTHR * (2 * t + h), hp[t][h] + (long long)c * CHUNK, 16);
+          if (!Q8) cp_async16(base + 16u * NTHR * (VH + 2 * t + h), lp[t][h] + (long long)c * (CHUNK / 2), 16);
+        }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int i = 0; i < 2; ++i)
+          cp_async16(base + 16u * NTHR * (VH + VL + 2 * j + i), xp[j] + (long long)c * CHUNK + 8 * i, xok[j] ? 16 : 0);
+    };
+    const int mine = nch > w ? (nch - w + WK - 1) / WK : 0;  // chunks of this warp: w, w + WK, ...
+#pragma unroll
+    for (int p = 0; p < PIPE - 1; ++p) {
+      if (p < mine) issue(p, w + p * WK);
+      cp_async_commit();  // empty groups keep the count uniform
+    }
+    for (int i = 0; i < mine; ++i) {
+      cp_async_wait<PIPE - 2>();  // chunk i has landed
+      if (i + PIPE - 1 < mine) issue((i + PIPE - 1) % PIPE, w + (i + PIPE - 1) * WK);
+      cp_async_commit();
+      const uint4* slot = ring + (size_t)NTHR * V * (i % PIPE) + threadIdx.x;
+      Frag f;
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          f.h[t][h] = slot[NTHR * (2 * t + h)];
+          if (!Q8) f.l[t][h] = slot[NTHR * (VH + 2 * t + h)];
+        }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int k = 0; k < 2; ++k) f.x[j][k] = slot[NTHR * (VH + VL + 2 * j + k)];
+      compute(f);
+    }
+    cp_async_wait<0>();
+    __syncthreads();  // the partial sums below reuse the ring's memory
   }
 
   // K-split partials meet in shared memory
