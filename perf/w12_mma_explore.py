@@ -44,8 +44,15 @@ _REG = [MmaConfig(1, 8, 2), MmaConfig(2, 4, 2), MmaConfig(2, 4, 3), MmaConfig(2,
         MmaConfig(4, 8, 2), MmaConfig(2, 4, 4)]
 _ASYNC = [MmaConfig(mt, wk, p, wr, async_copy=True) for mt in (1, 2, 4) for wk, wr in
           ((4, 1), (8, 1), (16, 1), (4, 2), (2, 4), (8, 2)) for p in (3, 4, 6) if mt <= 2 * wk]
-GRID_MM = _REG + _ASYNC
-GRID_Q8 = _REG + _ASYNC
+# round 4: the small-N layers have too few row blocks to balance 132 SMs: split K across CTAs
+_SPLIT = [MmaConfig(mt, wk, p, wr, async_copy=a, split=s) for mt, wk, p, wr, a in
+          ((1, 8, 2, 1, False), (2, 4, 2, 1, False), (1, 4, 2, 1, False), (2, 4, 3, 1, False), (1, 4, 4, 1, True),
+           (2, 4, 4, 1, True), (1, 8, 3, 1, True), (4, 8, 2, 1, False), (2, 8, 2, 1, False))
+          for s in (2, 3, 4, 6, 8)]
+_ASYNC_TOP = [c for c in _ASYNC if c.tag() in ("mt4-wk4-p3-wr2-a", "mt2-wk8-p4-a", "mt1-wk16-p3-a", "mt4-wk4-p3-a",
+                                               "mt1-wk8-p3-a")]
+GRID_MM = _REG + _ASYNC_TOP + _SPLIT
+GRID_Q8 = _REG + _ASYNC_TOP + _SPLIT
 
 
 def shapes() -> dict[str, tuple[int, int]]:

@@ -95,17 +95,19 @@ class MmaConfig:
     pipe: int = 2
     wr: int = 1
     async_copy: bool = False  # pipe-stage cp.async ring in shared memory (loads in flight hold no registers)
+    split: int = 1  # CTAs along K per row block (fp32 partials, the last CTA finishes; one launch)
 
     def __post_init__(self):
         pipes = (2, 3, 4, 6, 8) if self.async_copy else (2, 3, 4)
         if self.mt not in (1, 2, 4) or self.wk not in (1, 2, 4, 8, 16) or self.pipe not in pipes \
-                or self.wr not in (1, 2, 4, 8) or self.wk * self.wr > 16 or self.mt > 2 * self.wk:
+                or self.wr not in (1, 2, 4, 8) or self.wk * self.wr > 16 or self.mt > 2 * self.wk \
+                or not 1 <= self.split <= 64:
             raise ValueError("MmaConfig needs mt in (1, 2, 4), wk in (1, 2, 4, 8, 16), wr in (1, 2, 4, 8), "
-                             f"wk * wr <= 16 (512 threads), mt <= 2 * wk and pipe in {pipes}; got {self}")
+                             f"wk * wr <= 16 (512 threads), mt <= 2 * wk, 1 <= split <= 64 and pipe in {pipes}; got {self}")
 
     def tag(self) -> str:
         return f"mt{self.mt}-wk{self.wk}-p{self.pipe}" + (f"-wr{self.wr}" if self.wr > 1 else "") + \
-            ("-a" if self.async_copy else "")
+            ("-a" if self.async_copy else "") + (f"-s{self.split}" if self.split > 1 else "")
 
 
 def _check_common(c) -> None:

@@ -209,11 +209,34 @@ def _x_operand(x2d: torch.Tensor, Kp: int) -> tuple[torch.Tensor, int]:
     return xp, Kp
 
 
+_WS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+
+
+def _workspace(device: torch.device, floats: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """Split-K partials and arrival counters, one pair per (device, stream) so that launches on
+    different streams never share them; grown on demand. The counters start at zero and every
+    launch leaves them at zero, so CUDA-graph replays need no memset."""
+    stream = torch.cuda.current_stream(device)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
+    hit = _WS.get(key)
+    if hit is None or hit[0].numel() < floats or hit[1].numel() < blocks:
+        old = (0, 0) if hit is None else (hit[0].numel(), hit[1].numel())
+        hit = (torch.empty(max(floats, old[0]), device=device, dtype=torch.float32),
+               torch.zeros(max(blocks, old[1]), device=device, dtype=torch.int32))
+        _WS[key] = hit
+    return hit
+
+
 def launch(cfg: MmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False) -> None:
     """out[M, N] = x2d @ W^T (+ bias), W exact or its 8-bit view (`q8`), on torch's current stream."""
     M = x2d.shape[0]
     N, Kp = hi.shape
-    fn, smem = _function(cfg, n_tiles(M), q8, x2d.device)
+    nt = n_tiles(M)
+    fn, smem = _function(cfg, nt, q8, x2d.device)
+    grid = -(-N // (16 * cfg.mt * cfg.wr))
+    ws, cnt = (None, None)
+    if cfg.split > 1:
+        ws, cnt = _workspace(x2d.device, grid * cfg.split * 16 * cfg.mt * cfg.wr * 8 * nt, grid)
     xk, ldx = _x_operand(x2d, Kp)
     kind = 0 if bias is None else _BIAS_KIND[bias.dtype]
     vals = [
@@ -222,9 +245,9 @@ def launch(cfg: MmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: 
         ctypes.c_void_p(col.data_ptr()), ctypes.c_void_p(val.data_ptr()),
         ctypes.c_void_p(0 if bias is None else bias.data_ptr()), ctypes.c_int(kind),
         ctypes.c_void_p(out.data_ptr()), ctypes.c_int(M), ctypes.c_int(N), ctypes.c_int(Kp),
+        ctypes.c_void_p(0 if ws is None else ws.data_ptr()), ctypes.c_void_p(0 if cnt is None else cnt.data_ptr()),
     ]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-    grid = -(-N // (16 * cfg.mt * cfg.wr))
     stream = ctypes.c_void_p(torch.cuda.current_stream(x2d.device).cuda_stream)
-    _check(_libcuda().cuLaunchKernel(fn, grid, 1, 1, 32 * cfg.wk * cfg.wr, 1, 1, smem, stream, params, None),
+    _check(_libcuda().cuLaunchKernel(fn, grid, cfg.split, 1, 32 * cfg.wk * cfg.wr, 1, 1, smem, stream, params, None),
            "cuLaunchKernel(w12_matmul_mma_kernel)")

@@ -105,7 +105,8 @@ def test_default_variant_by_generation():
 
 @pytest.mark.parametrize("cfg", [MmaConfig(1, 1, 2), MmaConfig(2, 4, 3), MmaConfig(4, 2, 2), MmaConfig(1, 2, 4, wr=4),
                                  MmaConfig(2, 8, 2, wr=2), MmaConfig(1, 16, 2), MmaConfig(2, 4, 4, async_copy=True),
-                                 MmaConfig(1, 8, 3, wr=2, async_copy=True), MmaConfig(4, 2, 6, async_copy=True)],
+                                 MmaConfig(1, 4, 3, wr=2, async_copy=True), MmaConfig(4, 2, 6, async_copy=True),
+                                 MmaConfig(1, 4, 2, split=3), MmaConfig(2, 4, 4, async_copy=True, split=7)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("N,K", [(75, 4100), (1000, 4160), (4099, 64)], ids=lambda v: str(v))
 def test_mma_configs_odd_shapes(cfg, N, K):
@@ -171,8 +172,9 @@ def test_gemv_kernel_uses_no_tensor_cores():
 
 
 @pytest.mark.parametrize("cfg", [None, TcConfig(64, 16, 128, 4, 4, 3), GemvConfig(32, 1, 256, 5, 4, 2),
-                                 MmaConfig(2, 4, 2), MmaConfig(1, 8, 3, wr=2), MmaConfig(1, 8, 4, async_copy=True)],
-                         ids=["default", "tc-split4", "gemv-split5", "mma", "mma-wr2", "mma-async"])
+                                 MmaConfig(2, 4, 2), MmaConfig(1, 8, 3, wr=2), MmaConfig(1, 8, 4, async_copy=True),
+                                 MmaConfig(1, 4, 2, split=4)],
+                         ids=["default", "tc-split4", "gemv-split5", "mma", "mma-wr2", "mma-async", "mma-split4"])
 def test_cuda_graph_replay_equals_eager(cfg):
     n, k = _S.linears["mlp.down_proj"]
     w = _weight(n, k, seed=3)

@@ -234,7 +234,7 @@ def _nvcc_or_skip():
 def test_kernel_builds_with_mma_and_no_local_memory(arch, tmp_path, monkeypatch):
     cuda = _nvcc_or_skip()
     monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
-    for cfg, nt, q8 in [(MmaConfig(1, 4, 2), 1, False), (MmaConfig(2, 8, 2), 4, False), (MmaConfig(1, 4, 3), 2, True),
+    for cfg, nt, q8 in [(MmaConfig(1, 4, 2, split=3), 1, False), (MmaConfig(2, 8, 2), 4, False), (MmaConfig(1, 4, 3), 2, True),
                         (MmaConfig(1, 2, 2, wr=4), 2, False), (MmaConfig(2, 4, 4, async_copy=True), 4, False),
                         (MmaConfig(1, 8, 6, async_copy=True), 1, True)]:
         ptx = cuda.build(cfg, nt, q8, arch, out="ptx").read_text()

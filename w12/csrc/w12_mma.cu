@@ -19,6 +19,9 @@
 // carry crosses a lane because e0 + 15 <= 255). Code 0 decodes to 2^(e0 - 127), not +0.0; the
 // epilogue adds x * (escape - 2^(e0 - 127)) for every escape, as the Triton kernels do.
 //
+// Optional split-K across CTAs (gridDim.y): fp32 partials in a workspace, the last CTA of a row
+// block (atomic counter) adds them in split order and finishes; it spreads N = 5120 layers, which
+// have too few row blocks to balance the SMs, over more CTAs.
 // A CTA has WR x WK warps: warp (wr, wk) owns rows r0 + 16 MT wr + [0, 16 MT) and chunks wk, wk + WK,
 // ...; warps with the same wk read the same x columns at about the same time (L1 hits). The WK
 // partial sums of a row meet in shared memory, and the epilogue applies escapes and bias and
@@ -147,7 +150,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     const void* __restrict__ bias,        // [N] or null
     int bias_kind,                        // 0 none, 1 bf16, 2 fp16, 3 fp32
     __nv_bfloat16* __restrict__ out,      // [M, N]
-    int M, int N, int Kp) {
+    int M, int N, int Kp,
+    float* __restrict__ ws,               // splits > 1: [gridDim.x, splits, ROWS * TOKS] fp32 partials
+    int* __restrict__ counters) {         // splits > 1: [gridDim.x], zero between launches (self-resetting)
   extern __shared__ float red[];  // [WK][WR][ACC][32], then rowptr pairs [ROWS][2] (as int)
   int* rp_s = reinterpret_cast<int*>(red + WARPS * ACC * 32);
   const int lane = threadIdx.x & 31;
@@ -156,7 +161,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
   const int g = lane >> 2;
   const int q = lane & 3;
   const int r0 = blockIdx.x * ROWS;
-  const int nch = Kp / CHUNK;
+  // split s = blockIdx.y of gridDim.y takes chunks [c_begin, c_begin + nch) of the Kp / 64
+  const int splits = gridDim.y;
+  const int per_split = (Kp / CHUNK + splits - 1) / splits;
+  const int c_begin = blockIdx.y * per_split;
+  const int nch = max(0, min(Kp / CHUNK - c_begin, per_split));
   // escape ranges of the CTA's rows: issued now, consumed after the main loop
   int rp0 = 0, rp1 = 0;
   if (threadIdx.x < ROWS && r0 + (int)threadIdx.x < N) {
@@ -249,13 +258,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     Frag f[PIPE];
 #pragma unroll
     for (int p = 0; p < PIPE - 1; ++p)
-      if (w + p * WK < nch) load(f[p], w + p * WK);
+      if (w + p * WK < nch) load(f[p], c_begin + w + p * WK);
     for (int c0 = w; c0 < nch; c0 += PIPE * WK) {
 #pragma unroll
       for (int p = 0; p < PIPE; ++p) {
         const int c = c0 + p * WK;
         const int cn = c + (PIPE - 1) * WK;
-        if (cn < nch) load(f[(p + PIPE - 1) % PIPE], cn);
+        if (cn < nch) load(f[(p + PIPE - 1) % PIPE], c_begin + cn);
         if (c < nch) compute(f[p]);
       }
     }
@@ -285,12 +294,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     const int mine = nch > w ? (nch - w + WK - 1) / WK : 0;  // chunks of this warp: w, w + WK, ...
 #pragma unroll
     for (int p = 0; p < PIPE - 1; ++p) {
-      if (p < mine) issue(p, w + p * WK);
+      if (p < mine) issue(p, c_begin + w + p * WK);
       cp_async_commit();  // empty groups keep the count uniform
     }
     for (int i = 0; i < mine; ++i) {
       cp_async_wait<PIPE - 2>();  // chunk i has landed
-      if (i + PIPE - 1 < mine) issue((i + PIPE - 1) % PIPE, w + (i + PIPE - 1) * WK);
+      if (i + PIPE - 1 < mine) issue((i + PIPE - 1) % PIPE, c_begin + w + (i + PIPE - 1) * WK);
       cp_async_commit();
       const uint4* slot = ring + (size_t)NTHR * V * (i % PIPE) + threadIdx.x;
       Frag f;
@@ -324,17 +333,43 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
   }
   __syncthreads();
 
-  // epilogue: one output per thread and step, consecutive threads on consecutive rows
-  for (int o = threadIdx.x; o < ROWS * TOKS; o += 32 * WARPS) {
+  auto cta_sum = [&](int o) {
     const int rl = o % ROWS, tok = o / ROWS;
-    const int row = r0 + rl;
-    if (row >= N || tok >= M) continue;
     const int tw = rl >> 4, gg = rl & 7, hh = (rl >> 3) & 1;  // 16-row tile tw = MT * wr + t
     const int j = tok >> 3, tt = tok & 7;
     const int idx = (((tw / MT) * ACC) + ((tw % MT) * NT + j) * 4 + hh * 2 + (tt & 1)) * 32 + gg * 4 + (tt >> 1);
     float sum = 0.0f;
 #pragma unroll
     for (int w2 = 0; w2 < WK; ++w2) sum += red[w2 * WR * ACC * 32 + idx];
+    return sum;
+  };
+  if (splits > 1) {
+    // publish this split's partials; the last CTA of the row block to arrive adds all of them in
+    // split order (deterministic) and runs the epilogue
+    float* mine = ws + ((size_t)blockIdx.x * splits + blockIdx.y) * (ROWS * TOKS);
+    for (int o = threadIdx.x; o < ROWS * TOKS; o += 32 * WARPS) __stcg(mine + o, cta_sum(o));
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+  }
+
+  // epilogue: one output per thread and step, consecutive threads on consecutive rows
+  for (int o = threadIdx.x; o < ROWS * TOKS; o += 32 * WARPS) {
+    const int rl = o % ROWS, tok = o / ROWS;
+    const int row = r0 + rl;
+    if (row >= N || tok >= M) continue;
+    float sum;
+    if (splits > 1) {
+      const float* all = ws + (size_t)blockIdx.x * splits * (ROWS * TOKS) + o;
+      sum = 0.0f;
+      for (int s2 = 0; s2 < splits; ++s2) sum += __ldcg(all + (size_t)s2 * (ROWS * TOKS));
+    } else {
+      sum = cta_sum(o);
+    }
     const int p0 = rp_s[2 * rl], p1 = rp_s[2 * rl + 1];
     if (p1 > p0) {
       // the dense decode gave 2^(e0 - 127) (Q8: +0.0) where an escape sits
@@ -349,4 +384,5 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     if (bias_kind != 0) sum += bias_at(bias, bias_kind, row);  // no +0.0: it would turn -0.0 into +0.0
     out[(long long)tok * N + row] = __float2bfloat16_rn(sum);
   }
+  if (splits > 1 && threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (graph replays)
 }
