@@ -79,8 +79,8 @@ def n_tiles(M: int) -> int:
 
 def _flags(cfg: MmaConfig, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
     sm = f"{arch[0]}{arch[1]}"
-    return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", f"-DW12_MT={cfg.mt}",
-            f"-DW12_NT={nt}", f"-DW12_WK={cfg.wk}", f"-DW12_WR={cfg.wr}", f"-DW12_PIPE={cfg.pipe}", f"-DW12_Q8={int(q8)}", f"-DW12_ASYNC={int(cfg.async_copy)}"]
+    defines = dict(MT=cfg.mt, NT=nt, WK=cfg.wk, WR=cfg.wr, PIPE=cfg.pipe, Q8=int(q8), ASYNC=int(cfg.async_copy))
+    return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", *(f"-DW12_{k}={v}" for k, v in defines.items())]
 
 
 def build(cfg: MmaConfig, nt: int, q8: bool, arch: tuple[int, int], *, out: str = "cubin") -> Path:
@@ -213,12 +213,11 @@ def _x_operand(x2d: torch.Tensor, Kp: int) -> tuple[torch.Tensor, int]:
 _WS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 
 
-def _workspace(device: torch.device, floats: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
+def _workspace(device: torch.device, stream: int, floats: int, blocks: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Split-K partials and arrival counters, one pair per (device, stream) so that launches on
     different streams never share them; grown on demand. The counters start at zero and every
     launch leaves them at zero, so CUDA-graph replays need no memset."""
-    stream = torch.cuda.current_stream(device)
-    key = (device.index if device.index is not None else torch.cuda.current_device(), stream.cuda_stream)
+    key = (device.index if device.index is not None else torch.cuda.current_device(), stream)
     hit = _WS.get(key)
     if hit is None or hit[0].numel() < floats or hit[1].numel() < blocks:
         old = (0, 0) if hit is None else (hit[0].numel(), hit[1].numel())
@@ -235,9 +234,10 @@ def launch(cfg: MmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: 
     nt = n_tiles(M)
     fn, smem = _function(cfg, nt, q8, x2d.device)
     grid = -(-N // (16 * cfg.mt * cfg.wr))
+    stream = torch.cuda.current_stream(x2d.device).cuda_stream
     ws, cnt = (None, None)
     if cfg.split > 1:
-        ws, cnt = _workspace(x2d.device, grid * cfg.split * 16 * cfg.mt * cfg.wr * 8 * nt, grid)
+        ws, cnt = _workspace(x2d.device, stream, grid * cfg.split * 16 * cfg.mt * cfg.wr * 8 * nt, grid)
     xk, ldx = _x_operand(x2d, Kp)
     kind = 0 if bias is None else _BIAS_KIND[bias.dtype]
     vals = [
@@ -249,6 +249,6 @@ def launch(cfg: MmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: 
         ctypes.c_void_p(0 if ws is None else ws.data_ptr()), ctypes.c_void_p(0 if cnt is None else cnt.data_ptr()),
     ]
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-    stream = ctypes.c_void_p(torch.cuda.current_stream(x2d.device).cuda_stream)
-    _check(_libcuda().cuLaunchKernel(fn, grid, cfg.split, 1, 32 * cfg.wk * cfg.wr, 1, 1, smem, stream, params, None),
+    _check(_libcuda().cuLaunchKernel(fn, grid, cfg.split, 1, 32 * cfg.wk * cfg.wr, 1, 1, smem, ctypes.c_void_p(stream),
+                                     params, None),
            "cuLaunchKernel(w12_matmul_mma_kernel)")

@@ -56,6 +56,7 @@ def _select(op: str, device: torch.device) -> str:
     v, _ = autotune.forced(op)
     if v is None and op == OP_Q8:
         v, _ = autotune.forced(OP)  # forcing w12.matmul also pins matmul_q8
+    forced = v is not None
     if v is None:
         if device.type != "cuda" and not autotune.is_interpreter():
             return "torch"
@@ -63,9 +64,9 @@ def _select(op: str, device: torch.device) -> str:
     if v not in _KNOWN:
         raise ValueError(f"unknown {op} variant {v!r}; choose one of {_KNOWN}")
     if v == "mma" and not wcuda.available(device):
-        v = autotune.select_variant(op, TRITON_VARIANTS, device=device, fallback="torch")
-        if v == "mma":  # forced, but this machine cannot build or run it
+        if forced:
             raise RuntimeError(f"{op}: variant 'mma' needs an sm_80+ GPU and nvcc (see w12/cuda.py)")
+        v = _triton_variant(device)
     return v
 
 
@@ -204,10 +205,8 @@ def _matmul_op(x2d: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, e0: torch.
     time under torch.compile (dynamo cannot read the `autotune.force` context variable)."""
     if variant == "auto":
         variant = _select(OP_Q8 if q8 else OP, x2d.device)
-    if variant == "mma":
-        if wcuda.supports(x2d, hi):  # traced as the opaque CUDA op, not decomposed
-            return torch.ops.specpilot_w12.matmul_mma(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8)
-        variant = _triton_variant(x2d.device)
+    if variant == "mma" and wcuda.supports(x2d, hi):  # traced as the opaque CUDA op, not decomposed
+        return torch.ops.specpilot_w12.matmul_mma(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8)
     return _run(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, OP_Q8 if q8 else OP, variant, wrap=wrap_triton)
 
 
