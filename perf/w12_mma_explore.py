@@ -32,7 +32,7 @@ import torch.nn.functional as F  # noqa: E402
 import autotune  # noqa: E402
 import w12  # noqa: E402
 from w12 import cuda as wcuda  # noqa: E402
-from w12.configs import MmaConfig  # noqa: E402
+from w12.configs import MmaConfig, TmaConfig  # noqa: E402
 from specpilot.bench.runner import time_fns  # noqa: E402
 from specpilot.bench.shapes import get_shape_set  # noqa: E402
 
@@ -53,6 +53,18 @@ _ASYNC_TOP = [c for c in _ASYNC if c.tag() in ("mt4-wk4-p3-wr2-a", "mt2-wk8-p4-a
                                                "mt1-wk8-p3-a")]
 GRID_MM = _REG + _ASYNC_TOP + _SPLIT
 GRID_Q8 = _REG + _ASYNC_TOP + _SPLIT
+# session 3: the TMA kernel (csrc/w12_tma.cu, sm_90), beside the round-4 best register-pipelined configs
+_TMA_BASE = [(1, 4, 8), (2, 4, 4), (2, 4, 6), (2, 4, 8), (1, 8, 6), (2, 8, 4), (4, 4, 4), (1, 8, 10)]
+GRID_TMA = [TmaConfig(mt, cw, st, s) for mt, cw, st in _TMA_BASE for s in (1, 2, 3, 4, 6, 8)] + \
+    [MmaConfig(2, 4, 2), MmaConfig(1, 8, 2), MmaConfig(2, 4, 2, split=3), MmaConfig(2, 4, 2, split=4)]
+
+
+def useful(cfg, N: int, K: int) -> bool:
+    """Skip splits that leave a CTA fewer than 6 chunks or make more than 8 CTAs per SM."""
+    if cfg.split == 1:
+        return True
+    rows = cfg.rows if isinstance(cfg, TmaConfig) else 16 * cfg.mt * cfg.wr
+    return K // 64 // cfg.split >= 6 and -(-N // rows) * cfg.split <= 8 * 132
 
 
 def shapes() -> dict[str, tuple[int, int]]:
@@ -100,6 +112,8 @@ def main() -> int:
     ap.add_argument("--out", default="perf/results/local")
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--reps", type=int, default=15)
+    ap.add_argument("--grid", choices=("mma", "tma"), default="tma")
+    ap.add_argument("--only", default="", help="comma-separated shape names (default: all)")
     ap.add_argument("--emit", action="store_true", help="store each cell's best config as a tuned entry "
                     "(autotune/configs/<gpu>.json, variant 'mma')")
     a = ap.parse_args()
@@ -108,6 +122,9 @@ def main() -> int:
     out_dir.mkdir(parents=True, exist_ok=True)
     dev = torch.device("cuda")
     arch = torch.cuda.get_device_capability()
+    global GRID_MM, GRID_Q8
+    if a.grid == "tma":
+        GRID_MM = GRID_Q8 = GRID_TMA
     # build every cubin up front, in parallel
     jobs = [(c, nt, False) for c in GRID_MM for nt in (1, 2, 4)] + [(c, nt, True) for c in GRID_Q8 for nt in (1, 2, 4)]
     limit = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
@@ -123,6 +140,8 @@ def main() -> int:
     rows, bad = [], []
     stopped = False
     for name, (N, K) in shapes().items():
+        if a.only and name not in a.only.split(","):
+            continue
         w = weight(N, K, gen)
         p = w12.pack(w)
         wb = p.nbytes
@@ -145,7 +164,7 @@ def main() -> int:
             for q8, grid in ((False, GRID_MM), (True, GRID_Q8)):
                 r, e_ok = (refq, e_cublas_q8) if q8 else (ref, e_cublas)
                 for cfg in grid:
-                    if (cfg, wcuda.n_tiles(M), q8) not in fits:
+                    if (cfg, wcuda.n_tiles(M), q8) not in fits or not useful(cfg, N, K):
                         continue
                     o = torch.full((M, N), float("nan"), device=dev, dtype=torch.bfloat16)
                     try:
@@ -182,7 +201,7 @@ def main() -> int:
             for k, op in (("mm", "w12.matmul"), ("q8", "w12.matmul_q8")):
                 if r[f"best_{k}"]:
                     cfg = next(c for c in (GRID_Q8 if k == "q8" else GRID_MM) if c.tag() == r[f"best_{k}"])
-                    path = autotune.store_tuned(op, "mma", key, cfg, extra={
+                    path = autotune.store_tuned(op, "tma" if isinstance(cfg, TmaConfig) else "mma", key, cfg, extra={
                         "us": round(r[k][cfg.tag()]["us"], 2), "cublas_us": round(r["cublas_us"], 2),
                         "src": "w12_mma_explore"})
         print(f"tuned entries stored in {path}")

@@ -112,6 +112,32 @@ class MmaConfig:
             ("-a" if self.async_copy else "") + (f"-s{self.split}" if self.split > 1 else "")
 
 
+@dataclass(frozen=True)
+class TmaConfig:
+    """CUDA C++ kernel for sm_90 (csrc/w12_tma.cu): one producer warp streams 64-column chunks of
+    the planes (2-D TMA) and of x (1-D bulk copies) into a `stages`-deep shared-memory ring; `cw`
+    consumer warps, each owning 16 * `mt` rows, decode them in registers into mma.sync. A CTA owns
+    16 * `mt` * `cw` rows (<= 256, one TMA box); `split` CTAs share a row block along K."""
+
+    mt: int = 2
+    cw: int = 4
+    stages: int = 6
+    split: int = 1
+
+    def __post_init__(self):
+        if self.mt not in (1, 2, 4) or self.cw not in (1, 2, 4, 8) or 16 * self.mt * self.cw > 256 \
+                or not 2 <= self.stages <= 16 or not 1 <= self.split <= 64:
+            raise ValueError("TmaConfig needs mt in (1, 2, 4), cw in (1, 2, 4, 8), 16 * mt * cw <= 256 rows, "
+                             f"2 <= stages <= 16 and 1 <= split <= 64; got {self}")
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.mt * self.cw
+
+    def tag(self) -> str:
+        return f"tma-mt{self.mt}-cw{self.cw}-st{self.stages}" + (f"-s{self.split}" if self.split > 1 else "")
+
+
 def _check_common(c) -> None:
     if c.block_k < 64 or c.block_k % 64:
         raise ValueError(f"block_k must be a multiple of 64 (the lo-plane group), got {c.block_k}")

@@ -26,12 +26,15 @@ from pathlib import Path
 
 import torch
 
-from .configs import MmaConfig
+from .configs import MmaConfig, TmaConfig
 
-__all__ = ["available", "nvcc_path", "build", "launch", "n_tiles", "supports", "SOURCE", "KERNEL", "MAX_M"]
+__all__ = ["available", "tma_available", "nvcc_path", "build", "launch", "n_tiles", "supports", "SOURCE", "KERNEL",
+           "TMA_SOURCE", "TMA_KERNEL", "MAX_M"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_mma.cu"
 KERNEL = b"w12_matmul_mma_kernel"
+TMA_SOURCE = Path(__file__).with_name("csrc") / "w12_tma.cu"  # sm_90: TMA ring + warp specialisation
+TMA_KERNEL = b"w12_matmul_tma_kernel"
 MAX_M = 32  # 4 n-tiles of 8 tokens
 _SMEM_DEFAULT_MAX = 48 << 10
 _STATIC_SMEM = 64  # the kernel's own __shared__ variables (16 bytes today), with room to spare
@@ -77,28 +80,38 @@ def n_tiles(M: int) -> int:
     return 1 if M <= 8 else 2 if M <= 16 else 4
 
 
-def _flags(cfg: MmaConfig, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
+def _source(cfg) -> tuple[Path, bytes]:
+    return (TMA_SOURCE, TMA_KERNEL) if isinstance(cfg, TmaConfig) else (SOURCE, KERNEL)
+
+
+def _flags(cfg, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
     sm = f"{arch[0]}{arch[1]}"
-    defines = dict(MT=cfg.mt, NT=nt, WK=cfg.wk, WR=cfg.wr, PIPE=cfg.pipe, Q8=int(q8), ASYNC=int(cfg.async_copy))
+    if isinstance(cfg, TmaConfig):
+        if arch[0] != 9:
+            raise ValueError(f"{cfg}: the TMA kernel needs an sm_90 GPU, got sm_{sm}")
+        defines = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8))
+    else:
+        defines = dict(MT=cfg.mt, NT=nt, WK=cfg.wk, WR=cfg.wr, PIPE=cfg.pipe, Q8=int(q8), ASYNC=int(cfg.async_copy))
     return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", *(f"-DW12_{k}={v}" for k, v in defines.items())]
 
 
-def build(cfg: MmaConfig, nt: int, q8: bool, arch: tuple[int, int], *, out: str = "cubin") -> Path:
+def build(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], *, out: str = "cubin") -> Path:
     """Compile `cfg` for `nt` token tiles, the exact or 8-bit view (`q8`) and compute capability
     `arch` (`out` "cubin" or "ptx"); cached on disk."""
     nvcc = nvcc_path()
     if nvcc is None:
         raise CudaBuildError("nvcc not found: set SPECPILOT_NVCC or put CUDA's bin directory on PATH")
     flags = _flags(cfg, nt, q8, arch)
-    src = SOURCE.read_bytes()
+    source, _ = _source(cfg)
+    src = source.read_bytes()
     key = hashlib.sha256(src + "\0".join(flags + [out, _nvcc_version(nvcc)]).encode()).hexdigest()[:20]
-    path = _cache_dir() / f"w12_mma-{cfg.tag()}-nt{nt}-q{int(q8)}-sm{arch[0]}{arch[1]}-{key}.{out}"
+    path = _cache_dir() / f"{source.stem}-{cfg.tag()}-nt{nt}-q{int(q8)}-sm{arch[0]}{arch[1]}-{key}.{out}"
     if path.is_file():
         return path
     path.parent.mkdir(parents=True, exist_ok=True)
     with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
         dst = Path(tmp) / path.name
-        r = subprocess.run([nvcc, f"-{out}", *flags, str(SOURCE), "-o", str(dst)], capture_output=True, text=True)
+        r = subprocess.run([nvcc, f"-{out}", *flags, str(source), "-o", str(dst)], capture_output=True, text=True)
         if r.returncode != 0:
             raise CudaBuildError(f"nvcc failed for {cfg} on sm_{arch[0]}{arch[1]}:\n{r.stderr[-4000:]}")
         os.replace(dst, path)  # atomic: concurrent builders never see half a file
@@ -119,6 +132,9 @@ def _libcuda():
     lib.cuFuncSetAttribute.argtypes = [vp, ctypes.c_int, ctypes.c_int]
     lib.cuLaunchKernel.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
+    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+    lib.cuTensorMapEncodeTiled.argtypes = [vp, ctypes.c_int, u32, vp, u64p, u64p, u32p, u32p, ctypes.c_int, ctypes.c_int,
+                                           ctypes.c_int, ctypes.c_int]
     return lib
 
 
@@ -133,9 +149,17 @@ _LOCK = threading.Lock()
 _FUNCS: dict[tuple, tuple[ctypes.c_void_p, int]] = {}
 
 
-def smem_bytes(cfg: MmaConfig, nt: int, q8: bool) -> int:
-    """Dynamic shared memory of one CTA: the partial sums (and escape ranges), or the cp.async
-    ring when that is larger (they share the memory)."""
+def _tma_stage_bytes(cfg: TmaConfig, nt: int, q8: bool) -> int:
+    raw = cfg.rows * 64 + (0 if q8 else cfg.rows * 32) + 8 * nt * 144
+    return -(-raw // 1024) * 1024
+
+
+def smem_bytes(cfg: MmaConfig | TmaConfig, nt: int, q8: bool) -> int:
+    """Dynamic shared memory of one CTA. MmaConfig: the partial sums (and escape ranges), or the
+    cp.async ring when that is larger (they share the memory). TmaConfig: the ring (1024-byte
+    aligned stages, plus 1024 bytes of alignment slack) and two mbarriers per stage."""
+    if isinstance(cfg, TmaConfig):
+        return cfg.stages * _tma_stage_bytes(cfg, nt, q8) + 1024 + 16 * cfg.stages
     threads = 32 * cfg.wk * cfg.wr
     red = threads * cfg.mt * nt * 4 * 4 + 16 * cfg.mt * cfg.wr * 2 * 4
     if not cfg.async_copy:
@@ -155,13 +179,14 @@ def _function(cfg: MmaConfig, nt: int, q8: bool, device: torch.device) -> tuple[
             return _FUNCS[key]
         arch = torch.cuda.get_device_capability(idx)
         image = build(cfg, nt, q8, arch).read_bytes()
+        kernel = _source(cfg)[1]
         lib = _libcuda()
         with torch.cuda.device(idx):
             torch.cuda.current_stream()  # make torch's primary context current on this thread
             torch.empty(1, device=device)
             mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
             _check(lib.cuModuleLoadData(ctypes.byref(mod), image), "cuModuleLoadData")
-            _check(lib.cuModuleGetFunction(ctypes.byref(fn), mod, KERNEL), "cuModuleGetFunction")
+            _check(lib.cuModuleGetFunction(ctypes.byref(fn), mod, kernel), "cuModuleGetFunction")
             smem = smem_bytes(cfg, nt, q8)
             limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
             if smem + _STATIC_SMEM > limit:
@@ -227,28 +252,62 @@ def _workspace(device: torch.device, stream: int, floats: int, blocks: int) -> t
     return hit
 
 
-def launch(cfg: MmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False) -> None:
+_TMAPS: dict[tuple, ctypes.Array] = {}
+
+
+def _tensor_map(t: torch.Tensor, box_cols: int, box_rows: int) -> ctypes.Array:
+    """2-D uint8 tensor map (TMA descriptor, 128 bytes) of a contiguous plane [rows, cols], box
+    `box_cols` x `box_rows`, no swizzle, out-of-bounds rows read as zeros. It depends only on
+    (address, shape, box), so it is cached under that key."""
+    rows, cols = t.shape
+    key = (t.data_ptr(), rows, cols, box_cols, box_rows)
+    m = _TMAPS.get(key)
+    if m is None:
+        m = (ctypes.c_uint64 * 16)()
+        dims = (ctypes.c_uint64 * 2)(cols, rows)
+        strides = (ctypes.c_uint64 * 1)(cols)
+        box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
+        unit = (ctypes.c_uint32 * 2)(1, 1)
+        # dtype UINT8 (0), interleave none (0), swizzle none (0), L2 promotion 256 B (3), no NaN fill (0)
+        _check(_libcuda().cuTensorMapEncodeTiled(ctypes.byref(m), 0, 2, ctypes.c_void_p(t.data_ptr()), dims, strides, box,
+                                                 unit, 0, 0, 3, 0), "cuTensorMapEncodeTiled")
+        if len(_TMAPS) >= 4096:
+            _TMAPS.clear()
+        _TMAPS[key] = m
+    return m
+
+
+def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False) -> None:
     """out[M, N] = x2d @ W^T (+ bias), W exact or its 8-bit view (`q8`), on torch's current stream."""
     M = x2d.shape[0]
     N, Kp = hi.shape
     nt = n_tiles(M)
     fn, smem = _function(cfg, nt, q8, x2d.device)
-    grid = -(-N // (16 * cfg.mt * cfg.wr))
+    tma = isinstance(cfg, TmaConfig)
+    rows = cfg.rows if tma else 16 * cfg.mt * cfg.wr
+    grid = -(-N // rows)
     stream = torch.cuda.current_stream(x2d.device).cuda_stream
     ws, cnt = (None, None)
     if cfg.split > 1:
-        ws, cnt = _workspace(x2d.device, stream, grid * cfg.split * 16 * cfg.mt * cfg.wr * 8 * nt, grid)
+        ws, cnt = _workspace(x2d.device, stream, grid * cfg.split * rows * 8 * nt, grid)
     xk, ldx = _x_operand(x2d, Kp)
     kind = 0 if bias is None else _BIAS_KIND[bias.dtype]
-    vals = [
-        ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), ctypes.c_void_p(hi.data_ptr()),
-        ctypes.c_void_p(lo.data_ptr()), ctypes.c_void_p(e0.data_ptr()), ctypes.c_void_p(rowptr.data_ptr()),
-        ctypes.c_void_p(col.data_ptr()), ctypes.c_void_p(val.data_ptr()),
+    tail = [
         ctypes.c_void_p(0 if bias is None else bias.data_ptr()), ctypes.c_int(kind),
         ctypes.c_void_p(out.data_ptr()), ctypes.c_int(M), ctypes.c_int(N), ctypes.c_int(Kp),
         ctypes.c_void_p(0 if ws is None else ws.data_ptr()), ctypes.c_void_p(0 if cnt is None else cnt.data_ptr()),
     ]
+    esc = [ctypes.c_void_p(e0.data_ptr()), ctypes.c_void_p(rowptr.data_ptr()), ctypes.c_void_p(col.data_ptr()),
+           ctypes.c_void_p(val.data_ptr())]
+    if tma:
+        tm_hi = _tensor_map(hi, 64, rows)
+        tm_lo = tm_hi if q8 else _tensor_map(lo, 32, rows)
+        vals = [tm_hi, tm_lo, ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), *esc, *tail]
+        threads = 32 * (cfg.cw + 1)
+    else:
+        vals = [ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), ctypes.c_void_p(hi.data_ptr()),
+                ctypes.c_void_p(lo.data_ptr()), *esc, *tail]
+        threads = 32 * cfg.wk * cfg.wr
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-    _check(_libcuda().cuLaunchKernel(fn, grid, cfg.split, 1, 32 * cfg.wk * cfg.wr, 1, 1, smem, ctypes.c_void_p(stream),
-                                     params, None),
-           "cuLaunchKernel(w12_matmul_mma_kernel)")
+    _check(_libcuda().cuLaunchKernel(fn, grid, cfg.split, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), params, None),
+           f"cuLaunchKernel({_source(cfg)[1].decode()})")

@@ -23,7 +23,7 @@ from torch.library import triton_op, wrap_triton
 import autotune
 
 from . import cuda as wcuda
-from .configs import GEMV_MAX_M, GemvConfig, MmaConfig, TcConfig, gemv_heuristic, mma_heuristic, tc_heuristic
+from .configs import GEMV_MAX_M, GemvConfig, MmaConfig, TcConfig, TmaConfig, gemv_heuristic, mma_heuristic, tc_heuristic
 from .format import W12Weight, unpack
 from .kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel, w12_splitk_reduce_kernel
 
@@ -86,9 +86,9 @@ def _plan(op: str, variant: str, M: int, N: int, K: int, device: torch.device) -
             return "gemv", forced_cfg
         if isinstance(forced_cfg, TcConfig):
             return "tc", forced_cfg
-        if isinstance(forced_cfg, MmaConfig):
+        if isinstance(forced_cfg, (MmaConfig, TmaConfig)):
             return "mma", forced_cfg
-        raise TypeError(f"force({op!r}, config=...) expects a MmaConfig, TcConfig or GemvConfig, "
+        raise TypeError(f"force({op!r}, config=...) expects a TmaConfig, MmaConfig, TcConfig or GemvConfig, "
                         f"got {type(forced_cfg).__name__}")
     ck = (op, variant, autotune.bucket_m(M), N, K, device)
     hit = _PLANS.get(ck)

@@ -14,12 +14,13 @@ from specpilot.bench.shapes import get_shape_set
 from specpilot.testing import assert_bitwise_equal, assert_close
 from w12 import ops as wops
 from w12 import cuda as wcuda
-from w12.configs import GemvConfig, MmaConfig, TcConfig
+from w12.configs import GemvConfig, MmaConfig, TcConfig, TmaConfig
 from w12.kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel
 
 pytestmark = pytest.mark.gpu
 
 _S = get_shape_set("hybrid-27b")
+_HOPPER = torch.cuda.is_available() and torch.cuda.get_device_capability()[0] == 9
 REAL = [("mlp.down_proj", *_S.linears["mlp.down_proj"]), ("gdn.in_proj", *_S.linears["gdn.in_proj"]),
         ("attn.o_proj", *_S.linears["attn.o_proj"])]
 
@@ -112,6 +113,21 @@ def test_default_variant_by_generation():
 def test_mma_configs_odd_shapes(cfg, N, K):
     """Every kernel shape on ragged N (rows past N), K not a multiple of 64 (x padded), all M tiles,
     bias in three dtypes, escapes incl. -0.0 and non-finite weights; outputs fully written."""
+    _odd_shapes(cfg, N, K)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("cfg", [TmaConfig(2, 4, 6), TmaConfig(1, 8, 8), TmaConfig(4, 4, 3), TmaConfig(1, 1, 2),
+                                 TmaConfig(2, 8, 4, split=3), TmaConfig(1, 4, 5, split=7), TmaConfig(2, 4, 2, split=64)],
+                         ids=lambda c: c.tag())
+@pytest.mark.parametrize("N,K", [(75, 4100), (1000, 4160), (4099, 64)], ids=lambda v: str(v))
+def test_tma_configs_odd_shapes(cfg, N, K):
+    """The sm_90 TMA kernel on the same cases: rows past N come from TMA's zero fill, a ring shorter
+    or longer than the K loop, splits with no chunk at all (K = 64 with split 3..64)."""
+    _odd_shapes(cfg, N, K)
+
+
+def _odd_shapes(cfg, N, K):
     w = _weight(N, K, seed=N + K)
     w[1, 3], w[2, 7], w[min(4, N - 1), 1] = float("inf"), float("nan"), -0.0
     p = w12.pack(w)
@@ -173,8 +189,10 @@ def test_gemv_kernel_uses_no_tensor_cores():
 
 @pytest.mark.parametrize("cfg", [None, TcConfig(64, 16, 128, 4, 4, 3), GemvConfig(32, 1, 256, 5, 4, 2),
                                  MmaConfig(2, 4, 2), MmaConfig(1, 8, 3, wr=2), MmaConfig(1, 8, 4, async_copy=True),
-                                 MmaConfig(1, 4, 2, split=4)],
-                         ids=["default", "tc-split4", "gemv-split5", "mma", "mma-wr2", "mma-async", "mma-split4"])
+                                 MmaConfig(1, 4, 2, split=4)] + ([TmaConfig(2, 4, 6), TmaConfig(1, 8, 6, split=4)]
+                                                                 if _HOPPER else []),
+                         ids=["default", "tc-split4", "gemv-split5", "mma", "mma-wr2", "mma-async", "mma-split4"]
+                         + (["tma", "tma-split4"] if _HOPPER else []))
 def test_cuda_graph_replay_equals_eager(cfg):
     n, k = _S.linears["mlp.down_proj"]
     w = _weight(n, k, seed=3)

@@ -240,3 +240,41 @@ def test_kernel_builds_with_mma_and_no_local_memory(arch, tmp_path, monkeypatch)
         ptx = cuda.build(cfg, nt, q8, arch, out="ptx").read_text()
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
         assert ".local" not in ptx, f"{cfg} nt={nt}: a register array went to local memory"
+
+
+def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(tmp_path, monkeypatch):
+    """csrc/w12_tma.cu: TMA tensor copies of the planes, bulk copies of x, mbarrier waits, mma.sync
+    and no local memory, for several shapes of the CTA; it refuses other generations."""
+    from w12.configs import TmaConfig
+
+    cuda = _nvcc_or_skip()
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    for cfg, nt in [(TmaConfig(2, 4, 6), 1), (TmaConfig(1, 8, 8, split=3), 4), (TmaConfig(4, 4, 4), 2),
+                    (TmaConfig(2, 8, 4), 4), (TmaConfig(1, 1, 2), 1)]:
+        tensor_copies = {}
+        for q8 in (False, True):
+            ptx = cuda.build(cfg, nt, q8, (9, 0), out="ptx").read_text()
+            assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+            assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+            assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+            assert "mbarrier.try_wait.parity" in ptx
+            assert ".local" not in ptx, f"{cfg} nt={nt} q8={q8}: a register array went to local memory"
+            tensor_copies[q8] = ptx.count("cp.async.bulk.tensor")
+        assert tensor_copies[False] == 2 * tensor_copies[True], "the 8-bit view must copy the hi plane only"
+    with pytest.raises(ValueError, match="needs an sm_90 GPU"):
+        cuda.build(TmaConfig(), 1, False, (8, 0), out="ptx")
+
+
+def test_tma_config_validation_and_smem():
+    from w12 import cuda
+    from w12.configs import TmaConfig
+
+    with pytest.raises(ValueError, match="16 \\* mt \\* cw <= 256"):
+        TmaConfig(mt=4, cw=8)
+    with pytest.raises(ValueError, match="stages"):
+        TmaConfig(stages=1)
+    c = TmaConfig(2, 4, 6)
+    assert c.rows == 128 and c.tag() == "tma-mt2-cw4-st6"
+    # stage = hi 128 x 64 + lo 128 x 32 + x 8 tokens x 144 B, rounded up to 1 KiB; + slack + barriers
+    assert cuda.smem_bytes(c, 1, False) == 6 * 14336 + 1024 + 96
+    assert cuda.smem_bytes(c, 1, True) == 6 * 10240 + 1024 + 96

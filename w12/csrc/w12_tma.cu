@@ -1,0 +1,394 @@
+// W12 skinny GEMM for sm_90: TMA streams the weight planes into a shared-memory ring, mma.sync
+// decodes them in registers. Warp-specialised: one producer warp, CW consumer warps.
+//
+//   out[M, N] = x[M, Kp] @ W[N, Kp]^T (+ bias), W read from the W12 planes (docs/w12-format.md),
+//   fp32 accumulation, one rounding to bf16 at the end. M <= 8 * NT <= 32.
+//
+// Why: the register-pipelined kernel (w12_mma.cu) keeps its loads in flight in registers, which
+// caps it at ~16 warps and ~50% of DRAM bandwidth on an H200 (ncu: 0.5 eligible warps per
+// scheduler). Here the bytes in flight live in shared memory: a CTA owns R = 16 * MT * CW weight
+// rows and a range of 64-column chunks; per chunk the producer issues one 2-D TMA copy of the hi
+// plane (R x 64 bytes), one of the lo plane (R x 32 bytes; none for the 8-bit view) and one 1-D
+// bulk copy of 128 bytes per token of x, all completing on the stage's "full" mbarrier. STAGES
+// chunks are in flight per CTA; the consumers release a stage through its "empty" mbarrier as
+// soon as they have copied their fragments into registers.
+//
+// Fragments (same k-slot assignment as w12_mma.cu): thread (g = lane / 4, q = lane % 4) reads
+// columns 16q .. 16q + 15 of a chunk for rows g and g + 8 of each of its m-tiles (one 16-byte LDS
+// per row and plane) and of token g of each n-tile; A and B use the same permuted k slots, so the
+// dot products are exact reorderings. Shared-memory pitches (64 B hi, 32 B lo, 144 B x) make every
+// quarter-warp phase of those LDS.128 conflict-free.
+//
+// Consumers split the CTA's rows, not K, so there is no cross-warp reduction. Optional split-K
+// across CTAs (gridDim.y) as in w12_mma.cu: fp32 partials in a workspace, the last CTA of a row
+// block adds them in split order (deterministic), applies escapes and bias and stores; counters
+// reset themselves for the next launch (CUDA-graph replays need no memset).
+//
+// Escapes: the dense decode gives 2^(e0 - 127) (8-bit view: +0.0) at an escape; the epilogue adds
+// x * escape - x * 2^(e0 - 127) for each, in CSR order. Each thread fetches its rows' escape range
+// and first escape before the main loop, so most rows (0 or 1 escape) pay one dependent load.
+
+#include <cuda.h>
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#include <stdint.h>
+
+#ifndef W12_MT
+#define W12_MT 2
+#endif
+#ifndef W12_NT
+#define W12_NT 1
+#endif
+#ifndef W12_CW
+#define W12_CW 4
+#endif
+#ifndef W12_STAGES
+#define W12_STAGES 6
+#endif
+#ifndef W12_Q8
+#define W12_Q8 0
+#endif
+
+namespace {
+
+constexpr int MT = W12_MT;          // m-tiles (16 weight rows) per consumer warp
+constexpr int NT = W12_NT;          // n-tiles (8 tokens)
+constexpr int CW = W12_CW;          // consumer warps
+constexpr int STAGES = W12_STAGES;  // chunks in flight per CTA
+constexpr bool Q8 = W12_Q8 != 0;
+constexpr int R = 16 * MT * CW;     // weight rows per CTA (TMA box height)
+constexpr int TOKS = 8 * NT;
+constexpr int XP = 144;             // shared pitch of one token's 128 bytes of x (+16: no bank conflicts)
+constexpr int HB = R * 64;          // hi bytes per stage
+constexpr int LB = Q8 ? 0 : R * 32; // lo bytes per stage
+constexpr int XB = TOKS * XP;
+constexpr int SB = (HB + LB + XB + 1023) / 1024 * 1024;  // stage stride (TMA destinations 1024-aligned)
+static_assert(R <= 256, "a TMA box is at most 256 rows");
+constexpr int ESC = 2 * MT;         // rows per consumer thread
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "W12_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra W12_WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+  asm volatile(
+      "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];" ::"r"(dst),
+      "l"(map), "r"(c0), "r"(c1), "r"(bar)
+      : "memory");
+}
+
+__device__ __forceinline__ void bulk_1d(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
+}
+
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+
+__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
+  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
+}
+
+__device__ __forceinline__ uint32_t dec_pair(uint32_t y, uint32_t e0x) {
+  // y lanes: hi << 8 | nib -> bf16 bits (see w12_mma.cu)
+  return (y & 0x800F800Fu) + ((y >> 4) & 0x07F007F0u) + e0x;
+}
+
+__device__ __forceinline__ uint32_t prmt_sign(uint32_t a, uint32_t sel) {
+  uint32_t r;
+  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
+  return r;
+}
+
+__device__ __forceinline__ uint32_t dec_pair_q8(uint32_t y, uint32_t e0x) {
+  // y lanes: hi << 8 -> bf16 bits of the bin midpoint; hi == 0 reads as +0.0
+  uint32_t bits = (y & 0x80008000u) + ((y >> 4) & 0x07F007F0u) + e0x + 0x00080008u;
+  uint32_t nz = ((y & 0x7F007F00u) + 0x7F007F00u) | y;
+  return bits & prmt_sign(nz, 0xBB99);
+}
+
+__device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
+                                         uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
+      "{%0, %1, %2, %3};"
+      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ float bias_at(const void* bias, int kind, int row) {
+  if (kind == 1) return __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[row]);
+  if (kind == 2) return __half2float(static_cast<const __half*>(bias)[row]);
+  if (kind == 3) return static_cast<const float*>(bias)[row];
+  return 0.0f;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_kernel(
+    const __grid_constant__ CUtensorMap tm_hi,  // uint8 [N, Kp], box 64 x R
+    const __grid_constant__ CUtensorMap tm_lo,  // uint8 [N, Kp / 2], box 32 x R (unused for Q8)
+    const __nv_bfloat16* __restrict__ x,        // [M, >= Kp], row stride ldx, 16-byte aligned rows
+    long long ldx,
+    const uint8_t* __restrict__ e0,             // [N]
+    const int* __restrict__ rowptr,             // [N + 1]
+    const int* __restrict__ ecol,               // [E]
+    const uint16_t* __restrict__ eval,          // [E]
+    const void* __restrict__ bias,              // [N] or null
+    int bias_kind,                              // 0 none, 1 bf16, 2 fp16, 3 fp32
+    __nv_bfloat16* __restrict__ out,            // [M, N]
+    int M, int N, int Kp,
+    float* __restrict__ ws,                     // splits > 1: [gridDim.x, splits, R * TOKS] fp32 partials
+    int* __restrict__ counters) {               // splits > 1: [gridDim.x], zero between launches
+  extern __shared__ uint8_t smem_raw[];
+  const uint32_t raw = smem_u32(smem_raw);
+  const uint32_t base = (raw + 1023u) & ~1023u;
+  const uint32_t bars = base + STAGES * SB;  // full[STAGES], empty[STAGES], 8 bytes each
+  uint8_t* const base_g = smem_raw + (base - raw);
+  auto full = [&](int s) { return bars + 8u * s; };
+  auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
+
+  const int lane = threadIdx.x & 31;
+  const int warp = threadIdx.x >> 5;
+  const int g = lane >> 2;
+  const int q = lane & 3;
+  const int r0 = blockIdx.x * R;
+  const int splits = gridDim.y;
+  const int per_split = (Kp / 64 + splits - 1) / splits;
+  const int c_begin = blockIdx.y * per_split;
+  const int nch = max(0, min(Kp / 64 - c_begin, per_split));
+
+  if (threadIdx.x == 0) {
+    for (int s = 0; s < STAGES; ++s) {
+      mbar_init(full(s), 1);
+      mbar_init(empty(s), CW);
+    }
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  // tokens past M read zeros: their x rows are never written by the copies
+  for (int i = threadIdx.x; i < STAGES * (TOKS - M) * 8; i += blockDim.x) {
+    const int s = i / ((TOKS - M) * 8), r = i % ((TOKS - M) * 8);
+    *reinterpret_cast<uint4*>(base_g + s * SB + HB + LB + (M + r / 8) * XP + 16 * (r % 8)) = make_uint4(0, 0, 0, 0);
+  }
+  __syncthreads();
+
+  float acc[MT][NT][4];
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.0f;
+
+  // escape ranges (and the first escape) of this thread's rows: row(e) = 16 (MT warp + e / 2) + 8 (e % 2) + g
+  int ep0[ESC], ep1[ESC], ec[ESC];
+  uint32_t ev[ESC];
+
+  if (warp == CW) {
+    // producer: lane 0 arms the stage and copies the planes, lanes < M copy their token's x
+    for (int i = 0; i < nch; ++i) {
+      const int s = i % STAGES;
+      if (i >= STAGES) mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
+      const int c = c_begin + i;
+      const uint32_t st = base + s * SB;
+      if (lane == 0) {
+        mbar_expect_tx(full(s), HB + LB + 128u * M);
+        tma_2d(st, &tm_hi, 64 * c, r0, full(s));
+        if (!Q8) tma_2d(st + HB, &tm_lo, 32 * c, r0, full(s));
+      }
+      __syncwarp();
+      if (lane < M) bulk_1d(st + HB + LB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
+    }
+  } else {
+#pragma unroll
+    for (int e = 0; e < ESC; ++e) {
+      const int row = r0 + 16 * (MT * warp + e / 2) + 8 * (e % 2) + g;
+      ep0[e] = ep1[e] = 0;
+      ec[e] = 0;
+      ev[e] = 0;
+      if (row < N) {
+        ep0[e] = rowptr[row];
+        ep1[e] = rowptr[row + 1];
+      }
+    }
+    uint32_t e0x[MT][2];
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t e = e0[min(r0 + 16 * (MT * warp + t) + 8 * h + g, N - 1)];
+        e0x[t][h] = (e << 7) | (e << 23);
+      }
+    const int sh = (q >> 1) * 4;  // columns 32..63 of a chunk sit in the high nibbles
+    for (int i = 0; i < nch; ++i) {
+      const int s = i % STAGES;
+      mbar_wait(full(s), (i / STAGES) & 1);
+      const uint32_t st = base + s * SB;
+      uint4 fh[MT][2], fl[MT][2], fx[NT][2];
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int rl = 16 * (MT * warp + t) + 8 * h + g;
+          fh[t][h] = lds128(st + rl * 64 + 16 * q);
+          if (!Q8) fl[t][h] = lds128(st + HB + rl * 32 + 16 * (q & 1));
+        }
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        fx[j][0] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q);
+        fx[j][1] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q + 16);
+      }
+      __syncwarp();
+      if (lane == 0) mbar_arrive(empty(s));
+#pragma unroll
+      for (int t = 0; t < MT; ++t) {
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t ha = word(fh[t][0], k), hb = word(fh[t][1], k);
+          uint32_t a0, a1, a2, a3;
+          if (Q8) {
+            a0 = dec_pair_q8(__byte_perm(ha, 0u, 0x1404), e0x[t][0]);
+            a2 = dec_pair_q8(__byte_perm(ha, 0u, 0x3424), e0x[t][0]);
+            a1 = dec_pair_q8(__byte_perm(hb, 0u, 0x1404), e0x[t][1]);
+            a3 = dec_pair_q8(__byte_perm(hb, 0u, 0x3424), e0x[t][1]);
+          } else {
+            const uint32_t la = (word(fl[t][0], k) >> sh) & 0x0F0F0F0Fu;
+            const uint32_t lb = (word(fl[t][1], k) >> sh) & 0x0F0F0F0Fu;
+            a0 = dec_pair(__byte_perm(ha, la, 0x1504), e0x[t][0]);
+            a2 = dec_pair(__byte_perm(ha, la, 0x3726), e0x[t][0]);
+            a1 = dec_pair(__byte_perm(hb, lb, 0x1504), e0x[t][1]);
+            a3 = dec_pair(__byte_perm(hb, lb, 0x3726), e0x[t][1]);
+          }
+#pragma unroll
+          for (int j = 0; j < NT; ++j) {
+            const uint4& xv = fx[j][k >> 1];
+            mma_bf16(acc[t][j], a0, a1, a2, a3, (k & 1) ? xv.z : xv.x, (k & 1) ? xv.w : xv.y);
+          }
+        }
+      }
+      if (i == 0) {
+        // the escape lists are needed only at the end: fetch the first escape of each row now
+#pragma unroll
+        for (int e = 0; e < ESC; ++e)
+          if (ep1[e] > ep0[e]) {
+            ec[e] = ecol[ep0[e]];
+            ev[e] = eval[ep0[e]];
+          }
+      }
+    }
+  }
+
+  if (splits > 1) {
+    // publish this split's partials (fragment order, coalesced); the last CTA of the row block
+    // adds all of them in split order and runs the epilogue
+    float* mine = ws + ((size_t)blockIdx.x * splits + blockIdx.y) * (R * TOKS);
+    if (warp < CW) {
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) __stcg(mine + (((warp * MT + t) * NT + j) * 4 + i) * 32 + lane, acc[t][j][i]);
+    }
+    __threadfence();
+    __syncthreads();
+    __shared__ int last;
+    if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == splits - 1;
+    __syncthreads();
+    if (!last) return;
+    __threadfence();
+    if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (graph replays)
+    if (warp < CW) {
+      const float* all = ws + (size_t)blockIdx.x * splits * (R * TOKS);
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int i = 0; i < 4; ++i) {
+            const int o = (((warp * MT + t) * NT + j) * 4 + i) * 32 + lane;
+            float sum = 0.0f;
+            for (int s2 = 0; s2 < splits; ++s2) sum += __ldcg(all + (size_t)s2 * (R * TOKS) + o);
+            acc[t][j][i] = sum;
+          }
+    }
+  }
+  if (warp == CW) return;
+  if (splits > 1 && nch == 0) {
+    // this CTA computed nothing itself: its escapes were not prefetched
+#pragma unroll
+    for (int e = 0; e < ESC; ++e)
+      if (ep1[e] > ep0[e]) {
+        ec[e] = ecol[ep0[e]];
+        ev[e] = eval[ep0[e]];
+      }
+  }
+
+  // epilogue: escapes (CSR order), bias, one rounding. acc[t][j][i] is row
+  // r0 + 16 (MT warp + t) + 8 (i / 2) + g and token 8 j + 2 q + i % 2.
+#pragma unroll
+  for (int t = 0; t < MT; ++t)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int e = 2 * t + h;
+      const int row = r0 + 16 * (MT * warp + t) + 8 * h + g;
+      if (row >= N) continue;
+      if (ep1[e] > ep0[e]) {
+        const float v0 = Q8 ? 0.0f : __uint_as_float((uint32_t)e0[row] << 23);
+        for (int p = ep0[e]; p < ep1[e]; ++p) {
+          const int col = p == ep0[e] ? ec[e] : ecol[p];
+          const float val = __uint_as_float((p == ep0[e] ? ev[e] : (uint32_t)eval[p]) << 16);
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int u = 0; u < 2; ++u) {
+              const int tok = 8 * j + 2 * q + u;
+              if (tok < M) {
+                const float xv = __bfloat162float(x[(long long)tok * ldx + col]);
+                acc[t][j][2 * h + u] += Q8 ? xv * val : xv * val - xv * v0;
+              }
+            }
+        }
+      }
+      const float b = bias_kind != 0 ? bias_at(bias, bias_kind, row) : 0.0f;
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int u = 0; u < 2; ++u) {
+          const int tok = 8 * j + 2 * q + u;
+          if (tok < M) {
+            float sum = acc[t][j][2 * h + u];
+            if (bias_kind != 0) sum += b;  // no +0.0: it would turn -0.0 into +0.0
+            out[(long long)tok * N + row] = __float2bfloat16_rn(sum);
+          }
+        }
+    }
+}
