@@ -1,6 +1,6 @@
 """Hardware ceilings, byte floors and the launch-config mechanism every operator uses."""
 
-from .config import bucket_m, force, forced, get_config, load_tuned, select_variant, shape_key, store_tuned, versions
+from .config import bucket_m, force, forced, get_config, drop_tuned, load_tuned, select_variant, shape_key, store_tuned, versions
 from .hardware import (
     GPUS,
     Ceilings,
@@ -21,6 +21,6 @@ from .hardware import (
 __all__ = [
     "GPUS", "Ceilings", "GpuSpec", "bucket_m", "byte_floor", "cached_ceilings", "compute_capability",
     "force", "forced", "get_config", "gpu_name", "gpu_slug", "gpu_spec", "has_cuda", "has_wgmma",
-    "is_interpreter", "load_tuned", "measure_ceilings", "peak_rates", "select_variant", "shape_key",
+    "drop_tuned", "is_interpreter", "load_tuned", "measure_ceilings", "peak_rates", "select_variant", "shape_key",
     "store_tuned", "versions",
 ]

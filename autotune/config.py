@@ -198,6 +198,19 @@ def store_tuned(op: str, variant: str, key: str, config: Any, *, device=None, ex
     return path
 
 
+def drop_tuned(op: str, variant: str, key: str, *, device=None) -> bool:
+    """Remove one tuned entry from this GPU's file; False if it was not there."""
+    path = tuned_file(device)
+    if not path.exists():
+        return False
+    data = json.loads(path.read_text())
+    if data.get("entries", {}).pop(f"{op}/{variant}/{key}", None) is None:
+        return False
+    path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
+    _TUNED.clear()
+    return True
+
+
 def get_config(op: str, variant: str, cls: type[T], heuristic: Callable[[], T], *, key: str, device=None) -> T:
     """The launch config for one call: forced > tuned JSON entry > analytical heuristic."""
     _, cfg = forced(op)

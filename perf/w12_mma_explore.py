@@ -59,6 +59,15 @@ GRID_TMA = [TmaConfig(mt, cw, st, s) for mt, cw, st in _TMA_BASE for s in (1, 2,
     [MmaConfig(2, 4, 2), MmaConfig(1, 8, 2), MmaConfig(2, 4, 2, split=3), MmaConfig(2, 4, 2, split=4)]
 
 
+# session 3, final: the best of both kernels from the two sweeps above, per cell (--grid final --emit)
+GRID_FINAL = [MmaConfig(2, 4, 2), MmaConfig(2, 4, 3), MmaConfig(1, 8, 2), MmaConfig(2, 8, 2), MmaConfig(2, 4, 4),
+              MmaConfig(4, 8, 2)] + \
+    [MmaConfig(2, 4, 2, split=s) for s in (2, 3, 4, 6)] + [MmaConfig(1, 8, 2, split=s) for s in (2, 3, 4)] + \
+    [MmaConfig(2, 8, 2, split=s) for s in (3, 4)] + [MmaConfig(2, 4, 3, split=2)] + \
+    [TmaConfig(mt, cw, st) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 8, 4), (1, 8, 10), (2, 4, 6), (2, 4, 4))] + \
+    [TmaConfig(mt, cw, st, s) for mt, cw, st in ((1, 8, 6), (1, 4, 8)) for s in (2, 3, 4, 6)]
+
+
 def useful(cfg, N: int, K: int) -> bool:
     """Skip splits that leave a CTA fewer than 6 chunks or make more than 8 CTAs per SM."""
     if cfg.split == 1:
@@ -112,7 +121,7 @@ def main() -> int:
     ap.add_argument("--out", default="perf/results/local")
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--grid", choices=("mma", "tma"), default="tma")
+    ap.add_argument("--grid", choices=("mma", "tma", "final"), default="final")
     ap.add_argument("--only", default="", help="comma-separated shape names (default: all)")
     ap.add_argument("--emit", action="store_true", help="store each cell's best config as a tuned entry "
                     "(autotune/configs/<gpu>.json, variant 'mma')")
@@ -123,8 +132,8 @@ def main() -> int:
     dev = torch.device("cuda")
     arch = torch.cuda.get_device_capability()
     global GRID_MM, GRID_Q8
-    if a.grid == "tma":
-        GRID_MM = GRID_Q8 = GRID_TMA
+    if a.grid in ("tma", "final"):
+        GRID_MM = GRID_Q8 = GRID_TMA if a.grid == "tma" else GRID_FINAL
     # build every cubin up front, in parallel
     jobs = [(c, nt, False) for c in GRID_MM for nt in (1, 2, 4)] + [(c, nt, True) for c in GRID_Q8 for nt in (1, 2, 4)]
     limit = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
@@ -196,12 +205,15 @@ def main() -> int:
         if stopped:
             break
     if a.emit:
+        # one entry per cell and op: the winner's kernel ("tma" or "mma"); the other kernel's stale entry goes
         for r in rows:
             key = autotune.shape_key(M=r["M"], N=r["N"], K=r["K"])
             for k, op in (("mm", "w12.matmul"), ("q8", "w12.matmul_q8")):
                 if r[f"best_{k}"]:
                     cfg = next(c for c in (GRID_Q8 if k == "q8" else GRID_MM) if c.tag() == r[f"best_{k}"])
-                    path = autotune.store_tuned(op, "tma" if isinstance(cfg, TmaConfig) else "mma", key, cfg, extra={
+                    variant = "tma" if isinstance(cfg, TmaConfig) else "mma"
+                    autotune.drop_tuned(op, "mma" if variant == "tma" else "tma", key)
+                    path = autotune.store_tuned(op, variant, key, cfg, extra={
                         "us": round(r[k][cfg.tag()]["us"], 2), "cublas_us": round(r["cublas_us"], 2),
                         "src": "w12_mma_explore"})
         print(f"tuned entries stored in {path}")

@@ -269,6 +269,42 @@ def test_tuned_lookup(fake_h200):
         assert autotune.get_config("w12", "gemv", Cfg, _heuristic, key=key) == Cfg(16, 1)
 
 
+def test_drop_tuned(fake_h200):
+    key = autotune.shape_key(M=1, N=5120, K=6144)
+    assert not autotune.drop_tuned("w12", "gemv", key)  # no file yet
+    autotune.store_tuned("w12", "gemv", key, Cfg(256, 8))
+    autotune.store_tuned("w12", "tc", key, Cfg(32, 2))
+    assert autotune.drop_tuned("w12", "gemv", key)
+    assert not autotune.drop_tuned("w12", "gemv", key)
+    assert autotune.get_config("w12", "gemv", Cfg, _heuristic, key=key) == Cfg(64, 4)
+    assert autotune.get_config("w12", "tc", Cfg, _heuristic, key=key) == Cfg(32, 2)
+
+
+def test_w12_mma_variant_runs_a_tuned_tma_entry_only_where_tma_runs(fake_h200, monkeypatch):
+    """variant 'mma' on sm_90: a tuned 'tma' entry (the TMA kernel won that cell) beats the
+    register-pipelined kernel's entry or heuristic; where TMA cannot run, the 'mma' path stays."""
+    from w12 import cuda as wcuda
+    from w12 import ops as wops
+    from w12.configs import MmaConfig, TmaConfig
+
+    key = autotune.shape_key(M=1, N=5120, K=6144)
+    autotune.store_tuned("w12.matmul", "tma", key, TmaConfig(1, 8, 6, split=3))
+    autotune.store_tuned("w12.matmul", "mma", autotune.shape_key(M=8, N=5120, K=6144), MmaConfig(2, 4, 3))
+    monkeypatch.setattr(wops, "_PLANS", {})
+    dev = torch.device("cpu")
+    for tma_ok in (True, False):
+        wops._PLANS.clear()
+        monkeypatch.setattr(wcuda, "tma_available", lambda device=None, ok=tma_ok: ok)
+        kernel, cfg = wops._plan("w12.matmul", "mma", 1, 5120, 6144, dev)
+        assert kernel == "mma"
+        if tma_ok:
+            assert cfg == TmaConfig(1, 8, 6, split=3)
+        else:
+            assert isinstance(cfg, MmaConfig)
+        assert wops._plan("w12.matmul", "mma", 8, 5120, 6144, dev) == ("mma", MmaConfig(2, 4, 3))
+        assert isinstance(wops._plan("w12.matmul_q8", "mma", 1, 5120, 6144, dev)[1], MmaConfig)  # per op
+
+
 def test_tuned_file_of_another_gpu_is_ignored(fake_h200):
     (fake_h200 / "h200.json").write_text(json.dumps({
         "meta": {"gpu": "NVIDIA H100 80GB HBM3", "triton": autotune.versions()["triton"]},

@@ -161,7 +161,7 @@ def smem_bytes(cfg: MmaConfig | TmaConfig, nt: int, q8: bool) -> int:
     if isinstance(cfg, TmaConfig):
         return cfg.stages * _tma_stage_bytes(cfg, nt, q8) + 1024 + 16 * cfg.stages
     threads = 32 * cfg.wk * cfg.wr
-    red = threads * cfg.mt * nt * 4 * 4 + 16 * cfg.mt * cfg.wr * 2 * 4
+    red = threads * cfg.mt * nt * 4 * 4 + 16 * cfg.mt * cfg.wr * 4 * 4
     if not cfg.async_copy:
         return red
     pieces = 2 * cfg.mt * (1 if q8 else 2) + 2 * nt
@@ -217,6 +217,14 @@ def available(device: torch.device | None = None) -> bool:
     except OSError:
         return False
     return True
+
+
+def tma_available(device: torch.device | None = None) -> bool:
+    """`available()` on an sm_90 GPU: the TMA kernel (TmaConfig) can run."""
+    if not available(device):
+        return False
+    idx = torch.cuda.current_device() if device is None or device.index is None else device.index
+    return torch.cuda.get_device_capability(idx)[0] == 9
 
 
 def supports(x2d: torch.Tensor, hi: torch.Tensor) -> bool:

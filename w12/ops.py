@@ -95,7 +95,10 @@ def _plan(op: str, variant: str, M: int, N: int, K: int, device: torch.device) -
     if hit is not None:
         return hit
     key = autotune.shape_key(M=M, N=N, K=K)
-    if variant == "mma":
+    if variant == "mma" and f"{op}/tma/{key}" in autotune.load_tuned(device) and wcuda.tma_available(device):
+        # the sm_90 TMA kernel won this cell in the sweep (perf/w12_mma_explore.py stores one of the two)
+        plan = ("mma", autotune.get_config(op, "tma", TmaConfig, TmaConfig, key=key, device=device))
+    elif variant == "mma":
         plan = ("mma", autotune.get_config(op, "mma", MmaConfig, lambda: mma_heuristic(M, N, K, device),
                                            key=key, device=device))
     elif variant == "tc" and M <= TC_GEMV_MAX_M:
