@@ -173,11 +173,15 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_CTAS) w12_matmul_mm
   if (threadIdx.x < ROWS && r0 + (int)threadIdx.x < N) {
     rp0 = rowptr[r0 + threadIdx.x];
     rp1 = rowptr[r0 + threadIdx.x + 1];
-    if (rp1 > rp0) {  // most rows hold 0 or 1 escape: fetch the first now, use it after the main loop
+  }
+  // most rows hold 0 or 1 escape: their first is fetched once the first weight loads are in flight
+  // (waiting for rowptr here would delay the main loop by a memory latency)
+  auto first_escape = [&]() {
+    if (rp1 > rp0) {
       ec0 = ecol[rp0];
       ev0 = eval[rp0];
     }
-  }
+  };
 
   const uint8_t* hp[MT][2];
   const uint8_t* lp[MT][2];
@@ -265,6 +269,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_CTAS) w12_matmul_mm
 #pragma unroll
     for (int p = 0; p < PIPE - 1; ++p)
       if (w + p * WK < nch) load(f[p], c_begin + w + p * WK);
+    first_escape();
     for (int c0 = w; c0 < nch; c0 += PIPE * WK) {
 #pragma unroll
       for (int p = 0; p < PIPE; ++p) {
@@ -303,6 +308,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_CTAS) w12_matmul_mm
       if (p < mine) issue(p, c_begin + w + p * WK);
       cp_async_commit();  // empty groups keep the count uniform
     }
+    first_escape();
     for (int i = 0; i < mine; ++i) {
       cp_async_wait<PIPE - 2>();  // chunk i has landed
       if (i + PIPE - 1 < mine) issue((i + PIPE - 1) % PIPE, c_begin + w + (i + PIPE - 1) * WK);
