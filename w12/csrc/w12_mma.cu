@@ -68,8 +68,10 @@ constexpr int ROWS = 16 * MT * WR;
 constexpr int TOKS = 8 * NT;
 constexpr int CHUNK = 64;
 constexpr int ACC = MT * NT * 4;  // accumulators per thread
-// small tiles: ask ptxas for <= 128 registers (>= 16 warps per SM), which it does not pick by itself
-constexpr int MIN_CTAS = (MT * NT <= 2 && PIPE == 2 && !ASYNC) ? (512 + 32 * WARPS - 1) / (32 * WARPS) : 1;
+// M > 8: batch the escape loads of a thread's tokens (H200, perf/results/h200/*w12_ab*: ~10% at M = 32).
+// M <= 8 keeps the per-output loop: the batched form made ptxas schedule the main loop worse there
+// (in_proj M=1 40 -> 48 us), and with one token per row it has nothing to batch.
+constexpr bool BATCH_ESC = NT > 1;
 static_assert(ROWS <= 32 * WARPS, "one thread per CTA row loads its escape range: need MT <= 2 * WK");
 
 struct Frag {
@@ -140,7 +142,7 @@ __device__ __forceinline__ float bias_at(const void* bias, int kind, int row) {
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_CTAS) w12_matmul_mma_kernel(
+extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     const __nv_bfloat16* __restrict__ x,  // [M, >= Kp], row stride ldx, 16-byte aligned rows
     long long ldx,
     const uint8_t* __restrict__ hi,       // [N, Kp]
@@ -177,7 +179,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_CTAS) w12_matmul_mm
   // most rows hold 0 or 1 escape: their first is fetched once the first weight loads are in flight
   // (waiting for rowptr here would delay the main loop by a memory latency)
   auto first_escape = [&]() {
-    if (rp1 > rp0) {
+    if (BATCH_ESC && rp1 > rp0) {
       ec0 = ecol[rp0];
       ev0 = eval[rp0];
     }
@@ -371,50 +373,81 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, MIN_CTAS) w12_matmul_mm
     __threadfence();
   }
 
-  // epilogue: thread t owns row rl = t % ROWS and tokens t / ROWS + k * TSTEP (consecutive threads on
-  // consecutive rows: coalesced stores). Escapes are the outer loop, so the x loads of all the
-  // thread's tokens for one escape are independent and in flight together.
-  constexpr int NTHR = 32 * WARPS;
-  constexpr int TSTEP = NTHR / ROWS;  // exact: ROWS divides NTHR (MT <= 2 WK)
-  constexpr int KO = (ROWS * TOKS + NTHR - 1) / NTHR;
-  const int rl = threadIdx.x % ROWS, tok0 = threadIdx.x / ROWS;
-  const int row = r0 + rl;
-  float sum[KO];
-#pragma unroll
-  for (int k = 0; k < KO; ++k) {
-    const int tok = tok0 + k * TSTEP, o = tok * ROWS + rl;
-    sum[k] = 0.0f;
-    if (tok >= TOKS) continue;
-    if (splits > 1) {
-      const float* all = ws + (size_t)blockIdx.x * splits * (ROWS * TOKS) + o;
-      for (int s2 = 0; s2 < splits; ++s2) sum[k] += __ldcg(all + (size_t)s2 * (ROWS * TOKS));
-    } else {
-      sum[k] = cta_sum(o);
+  // epilogue (M <= 8): one output per thread and step, consecutive threads on consecutive rows
+  if constexpr (!BATCH_ESC) {
+    for (int o = threadIdx.x; o < ROWS * TOKS; o += 32 * WARPS) {
+      const int rl = o % ROWS, tok = o / ROWS;
+      const int row = r0 + rl;
+      if (row >= N || tok >= M) continue;
+      float sum;
+      if (splits > 1) {
+        const float* all = ws + (size_t)blockIdx.x * splits * (ROWS * TOKS) + o;
+        sum = 0.0f;
+        for (int s2 = 0; s2 < splits; ++s2) sum += __ldcg(all + (size_t)s2 * (ROWS * TOKS));
+      } else {
+        sum = cta_sum(o);
+      }
+      const int p0 = rp_s[4 * rl], p1 = rp_s[4 * rl + 1];
+      if (p1 > p0) {
+        // the dense decode gave 2^(e0 - 127) (Q8: +0.0) where an escape sits
+        const float v0 = Q8 ? 0.0f : __uint_as_float((uint32_t)e0[row] << 23);
+        const __nv_bfloat16* xr = x + (long long)tok * ldx;
+        for (int p = p0; p < p1; ++p) {
+          const float xv = __bfloat162float(xr[ecol[p]]);
+          const float ev = __uint_as_float((uint32_t)eval[p] << 16);
+          sum += Q8 ? xv * ev : xv * ev - xv * v0;
+        }
+      }
+      if (bias_kind != 0) sum += bias_at(bias, bias_kind, row);  // no +0.0: it would turn -0.0 into +0.0
+      out[(long long)tok * N + row] = __float2bfloat16_rn(sum);
     }
   }
-  if (row < N) {
-    const int p0 = rp_s[4 * rl], p1 = rp_s[4 * rl + 1];
-    if (p1 > p0) {
-      // the dense decode gave 2^(e0 - 127) (Q8: +0.0) where an escape sits
-      const float v0 = Q8 ? 0.0f : __uint_as_float((uint32_t)e0[row] << 23);
-      for (int p = p0; p < p1; ++p) {
-        const int col = p == p0 ? rp_s[4 * rl + 2] : ecol[p];  // the first escape was fetched up front
-        const float ev = __uint_as_float((uint32_t)(p == p0 ? rp_s[4 * rl + 3] : eval[p]) << 16);
+  // epilogue (M > 8): thread t owns row rl = t % ROWS and tokens t / ROWS + k * TSTEP (consecutive threads on
+  // consecutive rows: coalesced stores). Escapes are the outer loop, so the x loads of all the
+  // thread's tokens for one escape are independent and in flight together.
+  if constexpr (BATCH_ESC) {
+    constexpr int NTHR = 32 * WARPS;
+    constexpr int TSTEP = NTHR / ROWS;  // exact: ROWS divides NTHR (MT <= 2 WK)
+    constexpr int KO = (ROWS * TOKS + NTHR - 1) / NTHR;
+    const int rl = threadIdx.x % ROWS, tok0 = threadIdx.x / ROWS;
+    const int row = r0 + rl;
+    float sum[KO];
 #pragma unroll
-        for (int k = 0; k < KO; ++k) {
-          const int tok = tok0 + k * TSTEP;
-          if (tok < M) {
-            const float xv = __bfloat162float(x[(long long)tok * ldx + col]);
-            sum[k] += Q8 ? xv * ev : xv * ev - xv * v0;
+    for (int k = 0; k < KO; ++k) {
+      const int tok = tok0 + k * TSTEP, o = tok * ROWS + rl;
+      sum[k] = 0.0f;
+      if (tok >= TOKS) continue;
+      if (splits > 1) {
+        const float* all = ws + (size_t)blockIdx.x * splits * (ROWS * TOKS) + o;
+        for (int s2 = 0; s2 < splits; ++s2) sum[k] += __ldcg(all + (size_t)s2 * (ROWS * TOKS));
+      } else {
+        sum[k] = cta_sum(o);
+      }
+    }
+    if (row < N) {
+      const int p0 = rp_s[4 * rl], p1 = rp_s[4 * rl + 1];
+      if (p1 > p0) {
+        // the dense decode gave 2^(e0 - 127) (Q8: +0.0) where an escape sits
+        const float v0 = Q8 ? 0.0f : __uint_as_float((uint32_t)e0[row] << 23);
+        for (int p = p0; p < p1; ++p) {
+          const int col = p == p0 ? rp_s[4 * rl + 2] : ecol[p];  // the first escape was fetched up front
+          const float ev = __uint_as_float((uint32_t)(p == p0 ? rp_s[4 * rl + 3] : eval[p]) << 16);
+#pragma unroll
+          for (int k = 0; k < KO; ++k) {
+            const int tok = tok0 + k * TSTEP;
+            if (tok < M) {
+              const float xv = __bfloat162float(x[(long long)tok * ldx + col]);
+              sum[k] += Q8 ? xv * ev : xv * ev - xv * v0;
+            }
           }
         }
       }
-    }
-    const float b = bias_kind != 0 ? bias_at(bias, bias_kind, row) : 0.0f;
+      const float b = bias_kind != 0 ? bias_at(bias, bias_kind, row) : 0.0f;
 #pragma unroll
-    for (int k = 0; k < KO; ++k) {
-      const int tok = tok0 + k * TSTEP;
-      if (tok < M) out[(long long)tok * N + row] = __float2bfloat16_rn(bias_kind != 0 ? sum[k] + b : sum[k]);  // no +0.0: -0.0 stays
+      for (int k = 0; k < KO; ++k) {
+        const int tok = tok0 + k * TSTEP;
+        if (tok < M) out[(long long)tok * N + row] = __float2bfloat16_rn(bias_kind != 0 ? sum[k] + b : sum[k]);  // no +0.0: -0.0 stays
+      }
     }
   }
   if (splits > 1 && threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (graph replays)
