@@ -7,6 +7,8 @@ Lookup (autotune.get_config): forced config > tuned JSON entry `w12.matmul/<vari
 | --------- | ------------------------------ | ---------- | ------------------------------------- |
 | `mma`     | `w12_matmul_mma_kernel` (CUDA  | MmaConfig  | default on sm_80+ with nvcc: bf16 x,  |
 |           | C++, csrc/w12_mma.cu)          |            | M <= 32; else the Triton rows below   |
+| `mma`     | `w12_matmul_tma_kernel` (CUDA  | TmaConfig  | sm_90, where a tuned entry under      |
+|           | C++, csrc/w12_tma.cu)          |            | variant `tma` exists (it won there)   |
 | `tc`      | `w12_matmul_tc_kernel`         | TcConfig   | sm_90 (wgmma), M > TC_GEMV_MAX_M (1)  |
 | `tc`      | `w12_matmul_gemv_kernel`       | GemvConfig | sm_90, M = 1; tuned under `gemv`      |
 | `tc`      | `w12_matmul_gemv_kernel`       | GemvConfig | sm_90, 1 < M <= GEMV_MAX_M only where |
@@ -16,7 +18,7 @@ Lookup (autotune.get_config): forced config > tuned JSON entry `w12.matmul/<vari
 |           |                                |            | entries under variant `gemv.mma`      |
 
 A forced config picks its kernel: `force("w12.matmul", config=GemvConfig(...))` runs the CUDA-core
-kernel at any M, `config=TcConfig(...)` the tensor-core one, `config=MmaConfig(...)` the CUDA C++ one. `matmul_q8` looks configs up under
+kernel at any M, `config=TcConfig(...)` the tensor-core one, `config=MmaConfig(...)` / `TmaConfig(...)` the CUDA C++ ones. `matmul_q8` looks configs up under
 op `w12.matmul_q8` (its bytes per weight differ), with the same variants.
 
 The heuristic is written in bytes in flight. Decode at small M is memory-bound: the kernel must

@@ -1,6 +1,11 @@
-"""The CUDA C++ W12 kernel (`csrc/w12_mma.cu`): build with nvcc, load and launch through the driver API.
+"""The CUDA C++ W12 kernels: build with nvcc, load and launch through the driver API.
 
-One cubin per `MmaConfig` (its fields become -D defines), compiled on first use into
+`csrc/w12_mma.cu` (`MmaConfig`, sm_80+): register-pipelined, weights read straight from the planes.
+`csrc/w12_tma.cu` (`TmaConfig`, sm_90): warp-specialised, TMA streams the planes into an mbarrier
+ring; its 2-D tensor maps (`cuTensorMapEncodeTiled`) are built on the host and cached per
+(address, shape, box).
+
+One cubin per config (its fields become -D defines), compiled on first use into
 `$SPECPILOT_CACHE/w12_cuda` (default `~/.cache/specpilot/w12_cuda`) under a key made of the
 source, the flags and the nvcc version, so an edited kernel or another compiler never reuses a
 stale binary. Loading and launching go through `libcuda` with ctypes: no C++ extension build,
