@@ -2,8 +2,10 @@
 
     python3 perf/w12_ab.py --out $OUT
 
-Sources: the committed w12/csrc/w12_mma.cu and the files under perf/ab/ (earlier or edited copies).
-Each (source, config, shape, M) is checked against fp64 before it is timed.
+Sources: the committed w12/csrc/w12_mma.cu and the files under perf/ab/ (not tracked: earlier or
+edited copies, e.g. `git show b25d610:w12/csrc/w12_mma.cu > perf/ab/w12_mma_s2.cu`; pass
+`carry=["perf/ab"]` to the GPU machine). A copy that includes "w12_common.cuh" finds it through
+-I w12/csrc. Each (source, config, shape, M) is checked against fp64 before it is timed.
 """
 
 from __future__ import annotations
@@ -57,7 +59,9 @@ def main() -> int:
                     f(0)
                     torch.cuda.synchronize()
                     err = ((outs[0].double() - ref).norm() / ref.norm()).item()
-                    us = time_fns([lambda i=i: f(i) for i in range(len(ps))], reps=20) * 1e6 if err < 1e-2 else float("nan")
+                    us = float("nan")
+                    if err < 1e-2:  # a wrong kernel is reported, not timed
+                        us = time_fns([lambda i=i: f(i) for i in range(len(ps))], reps=20) * 1e6
                     rows.append(dict(shape=name, M=M, cfg=cfg.tag(), src=src_name, us=us, err=err))
                     line += f" | {cfg.tag()}:{src_name[:8]} {us:5.1f}"
             print(line, flush=True)

@@ -148,7 +148,8 @@ def main() -> int:
                 w = weight(N, K, gen, e)
                 p = w12.pack(w)
                 copies = max(1, math.ceil(3 * l2 / p.nbytes))
-                ps = [p] + [w12.W12Weight(**{k: v.clone() for k, v in p.planes().items()}, K=K) for _ in range(copies - 1)]
+                ps = [p] + [w12.W12Weight(**{k: v.clone() for k, v in p.planes().items()}, K=K)
+                            for _ in range(copies - 1)]
                 row[f"{tag}_escapes"] = int(p.esc_col.numel())
                 row[f"{tag}_us"] = time_fns([lambda q=q: w12.matmul(x, q) for q in ps], reps=20) * 1e6
                 if tag == "esc":

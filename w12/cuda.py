@@ -39,6 +39,7 @@ __all__ = ["available", "tma_available", "nvcc_path", "build", "launch", "n_tile
 SOURCE = Path(__file__).with_name("csrc") / "w12_mma.cu"
 KERNEL = b"w12_matmul_mma_kernel"
 TMA_SOURCE = Path(__file__).with_name("csrc") / "w12_tma.cu"  # sm_90: TMA ring + warp specialisation
+COMMON = Path(__file__).with_name("csrc") / "w12_common.cuh"  # device helpers included by both
 TMA_KERNEL = b"w12_matmul_tma_kernel"
 MAX_M = 32  # 4 n-tiles of 8 tokens
 _SMEM_DEFAULT_MAX = 48 << 10
@@ -97,7 +98,8 @@ def _flags(cfg, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
         defines = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8))
     else:
         defines = dict(MT=cfg.mt, NT=nt, WK=cfg.wk, WR=cfg.wr, PIPE=cfg.pipe, Q8=int(q8), ASYNC=int(cfg.async_copy))
-    return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", *(f"-DW12_{k}={v}" for k, v in defines.items())]
+    return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", f"-I{COMMON.parent}",
+            *(f"-DW12_{k}={v}" for k, v in defines.items())]
 
 
 def build(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], *, out: str = "cubin") -> Path:
@@ -108,7 +110,7 @@ def build(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], 
         raise CudaBuildError("nvcc not found: set SPECPILOT_NVCC or put CUDA's bin directory on PATH")
     flags = _flags(cfg, nt, q8, arch)
     source, _ = _source(cfg)
-    src = source.read_bytes()
+    src = source.read_bytes() + COMMON.read_bytes()  # the shared header is part of every kernel
     key = hashlib.sha256(src + "\0".join(flags + [out, _nvcc_version(nvcc)]).encode()).hexdigest()[:20]
     path = _cache_dir() / f"{source.stem}-{cfg.tag()}-nt{nt}-q{int(q8)}-sm{arch[0]}{arch[1]}-{key}.{out}"
     if path.is_file():
@@ -138,8 +140,8 @@ def _libcuda():
     lib.cuLaunchKernel.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
-    lib.cuTensorMapEncodeTiled.argtypes = [vp, ctypes.c_int, u32, vp, u64p, u64p, u32p, u32p, ctypes.c_int, ctypes.c_int,
-                                           ctypes.c_int, ctypes.c_int]
+    i32 = ctypes.c_int
+    lib.cuTensorMapEncodeTiled.argtypes = [vp, i32, u32, vp, u64p, u64p, u32p, u32p, i32, i32, i32, i32]
     return lib
 
 
@@ -282,8 +284,8 @@ def _tensor_map(t: torch.Tensor, box_cols: int, box_rows: int) -> ctypes.Array:
         box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
         unit = (ctypes.c_uint32 * 2)(1, 1)
         # dtype UINT8 (0), interleave none (0), swizzle none (0), L2 promotion 256 B (3), no NaN fill (0)
-        _check(_libcuda().cuTensorMapEncodeTiled(ctypes.byref(m), 0, 2, ctypes.c_void_p(t.data_ptr()), dims, strides, box,
-                                                 unit, 0, 0, 3, 0), "cuTensorMapEncodeTiled")
+        _check(_libcuda().cuTensorMapEncodeTiled(ctypes.byref(m), 0, 2, ctypes.c_void_p(t.data_ptr()), dims, strides,
+                                                 box, unit, 0, 0, 3, 0), "cuTensorMapEncodeTiled")
         if len(_TMAPS) >= 4096:
             _TMAPS.clear()
         _TMAPS[key] = m
@@ -322,5 +324,5 @@ def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, 
                 ctypes.c_void_p(lo.data_ptr()), *esc, *tail]
         threads = 32 * cfg.wk * cfg.wr
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-    _check(_libcuda().cuLaunchKernel(fn, grid, cfg.split, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), params, None),
-           f"cuLaunchKernel({_source(cfg)[1].decode()})")
+    res = _libcuda().cuLaunchKernel(fn, grid, cfg.split, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), params, None)
+    _check(res, f"cuLaunchKernel({_source(cfg)[1].decode()})")

@@ -33,6 +33,8 @@
 #include <cuda_fp16.h>
 #include <stdint.h>
 
+#include "w12_common.cuh"
+
 #ifndef W12_MT
 #define W12_MT 2
 #endif
@@ -111,44 +113,6 @@ __device__ __forceinline__ uint4 lds128(uint32_t a) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
   return v;
-}
-
-__device__ __forceinline__ uint32_t word(const uint4& v, int i) {
-  return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
-}
-
-__device__ __forceinline__ uint32_t dec_pair(uint32_t y, uint32_t e0x) {
-  // y lanes: hi << 8 | nib -> bf16 bits (see w12_mma.cu)
-  return (y & 0x800F800Fu) + ((y >> 4) & 0x07F007F0u) + e0x;
-}
-
-__device__ __forceinline__ uint32_t prmt_sign(uint32_t a, uint32_t sel) {
-  uint32_t r;
-  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
-  return r;
-}
-
-__device__ __forceinline__ uint32_t dec_pair_q8(uint32_t y, uint32_t e0x) {
-  // y lanes: hi << 8 -> bf16 bits of the bin midpoint; hi == 0 reads as +0.0
-  uint32_t bits = (y & 0x80008000u) + ((y >> 4) & 0x07F007F0u) + e0x + 0x00080008u;
-  uint32_t nz = ((y & 0x7F007F00u) + 0x7F007F00u) | y;
-  return bits & prmt_sign(nz, 0xBB99);
-}
-
-__device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
-                                         uint32_t b0, uint32_t b1) {
-  asm volatile(
-      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0, %1, %2, %3}, {%4, %5, %6, %7}, {%8, %9}, "
-      "{%0, %1, %2, %3};"
-      : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
-      : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
-}
-
-__device__ __forceinline__ float bias_at(const void* bias, int kind, int row) {
-  if (kind == 1) return __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[row]);
-  if (kind == 2) return __half2float(static_cast<const __half*>(bias)[row]);
-  if (kind == 3) return static_cast<const float*>(bias)[row];
-  return 0.0f;
 }
 
 }  // namespace
