@@ -158,7 +158,8 @@ def main() -> int:
                     row["variant"] = wops._select("w12.matmul", x.device)
                 del ps
             esc[f"{name}-M{M}"] = row
-            print(name, M, json.dumps({k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)
+            shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}
+            print(name, M, json.dumps(shown), flush=True)
     result["escapes"] = esc
 
     # C. ncu
