@@ -130,6 +130,33 @@ def build(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], 
 # --------------------------------------------------------------------------------------
 
 
+class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte value union
+    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
+
+
+class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
+    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
+                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
+                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
+                ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
+
+
+_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+
+
+def pdl_enabled(device: torch.device) -> bool:
+    """Programmatic dependent launch for the W12 kernels: sm_90+, unless SPECPILOT_PDL=0. The
+    kernels then overlap their start (the TMA kernel: its first weight stages) with the previous
+    kernel's tail, and read x / write out / touch the split-K workspace only after
+    `griddepcontrol.wait`. Precondition: the weight planes are not written by the kernel launched
+    immediately before (they never are in inference; re-packing in place right before a call is the
+    one way to break it; set SPECPILOT_PDL=0 for that)."""
+    if os.environ.get("SPECPILOT_PDL", "1") == "0":
+        return False
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_capability(idx)[0] >= 9
+
+
 @functools.cache
 def _libcuda():
     lib = ctypes.CDLL("libcuda.so.1")
@@ -140,6 +167,7 @@ def _libcuda():
     lib.cuLaunchKernel.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
     lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
     u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
+    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
     i32 = ctypes.c_int
     lib.cuTensorMapEncodeTiled.argtypes = [vp, i32, u32, vp, u64p, u64p, u32p, u32p, i32, i32, i32, i32]
     return lib
@@ -324,5 +352,10 @@ def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, 
                 ctypes.c_void_p(lo.data_ptr()), *esc, *tail]
         threads = 32 * cfg.wk * cfg.wr
     params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-    res = _libcuda().cuLaunchKernel(fn, grid, cfg.split, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), params, None)
+    if pdl_enabled(x2d.device):
+        attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
+        conf = _LaunchConfig(grid, cfg.split, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
+        res = _libcuda().cuLaunchKernelEx(ctypes.byref(conf), fn, params, None)
+    else:
+        res = _libcuda().cuLaunchKernel(fn, grid, cfg.split, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), params, None)
     _check(res, f"cuLaunchKernel({_source(cfg)[1].decode()})")

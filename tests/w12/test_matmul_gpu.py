@@ -267,3 +267,47 @@ def test_torch_compile_fullgraph_equals_eager(q8, poison_outside_compile):
     for _ in range(3):
         got = cg(x)
     assert_bitwise_equal(got, f(x))
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("cfg", [TmaConfig(1, 8, 6, split=3), TmaConfig(2, 4, 4), MmaConfig(2, 4, 2, split=3),
+                                 MmaConfig(1, 8, 2)], ids=lambda c: c.tag())
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_pdl_chain_waits_for_the_previous_kernel(cfg, graph, monkeypatch):
+    """Programmatic dependent launch (sm_90): each kernel of a 6-layer chain reads the output of the
+    one before, which a fill has just set to NaN, and the split-K workspace is shared. A kernel that
+    read x, the workspace or its output before griddepcontrol.wait would see NaN or stale partials.
+    With PDL the chain equals the same chain launched without it, bit for bit, and the reference."""
+    n, m = 1024, 4
+    ps = [w12.pack(_weight(n, n, seed=20 + i)) for i in range(6)]
+    x = _x(m, n, seed=7)
+    ys = [x] + [torch.empty(m, n, device=_dev(), dtype=torch.bfloat16) for _ in ps]
+
+    def chain():
+        for y in ys[1:]:
+            y.fill_(float("nan"))
+        for i, p in enumerate(ps):
+            wcuda.launch(cfg, ys[i], p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, None, ys[i + 1])
+
+    results = {}
+    for pdl in ("0", "1"):
+        monkeypatch.setenv("SPECPILOT_PDL", pdl)
+        assert wcuda.pdl_enabled(_dev()) == (pdl == "1")
+        if graph:
+            chain()  # warm up: build and load outside capture
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain()
+            for _ in range(3):
+                g.replay()
+        else:
+            for _ in range(3):
+                chain()
+        torch.cuda.synchronize()
+        results[pdl] = [y.clone() for y in ys[1:]]
+    for a, b in zip(results["0"], results["1"]):
+        assert_bitwise_equal(b, a)
+    y = x
+    for p, out in zip(ps, results["1"]):
+        _check(out, y, w12.unpack(p), p)
+        y = out

@@ -261,8 +261,19 @@ def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(t
             assert ".local" not in ptx, f"{cfg} nt={nt} q8={q8}: a register array went to local memory"
             tensor_copies[q8] = ptx.count("cp.async.bulk.tensor")
         assert tensor_copies[False] == 2 * tensor_copies[True], "the 8-bit view must copy the hi plane only"
+        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     with pytest.raises(ValueError, match="needs an sm_90 GPU"):
         cuda.build(TmaConfig(), 1, False, (8, 0), out="ptx")
+
+
+@pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+def test_mma_kernel_programmatic_launch_only_on_sm90(arch, tmp_path, monkeypatch):
+    """griddepcontrol exists from sm_90 on: the mma kernel waits / triggers there and has neither on sm_80."""
+    cuda = _nvcc_or_skip()
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    ptx = cuda.build(MmaConfig(2, 4, 2, split=3), 1, False, arch, out="ptx").read_text()
+    assert ("griddepcontrol.wait" in ptx) == (arch[0] >= 9)
+    assert ("griddepcontrol.launch_dependents" in ptx) == (arch[0] >= 9)
 
 
 def test_tma_config_validation_and_smem():

@@ -41,6 +41,22 @@ __device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uin
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
 }
 
+// Programmatic dependent launch (sm_90; w12/cuda.py launches with the attribute there). Before
+// grid_dep_wait() a kernel may read only what no earlier kernel in the stream writes (the weight
+// planes and their metadata); grid_dep_launch() lets the next kernel's CTAs start early. Both are
+// no-ops on a launch without the attribute, and compiled out below sm_90.
+__device__ __forceinline__ void grid_dep_wait() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.wait;" ::: "memory");
+#endif
+}
+
+__device__ __forceinline__ void grid_dep_launch() {
+#if __CUDA_ARCH__ >= 900
+  asm volatile("griddepcontrol.launch_dependents;" ::: "memory");
+#endif
+}
+
 __device__ __forceinline__ float bias_at(const void* bias, int kind, int row) {
   if (kind == 1) return __bfloat162float(static_cast<const __nv_bfloat16*>(bias)[row]);
   if (kind == 2) return __half2float(static_cast<const __half*>(bias)[row]);

@@ -228,6 +228,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     }
   };
 
+  // x, the workspace, the counters and out may be the previous kernel's (programmatic dependent
+  // launch): wait for it before the first load of x
+  grid_dep_wait();
   if constexpr (!ASYNC) {
     // register pipeline: PIPE chunks per warp, one computing while the others load
     Frag f[PIPE];
@@ -297,6 +300,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     __syncthreads();  // the partial sums below reuse the ring's memory
   }
 
+  grid_dep_launch();  // the main loop is done: the next kernel's CTAs may start
   // K-split partials meet in shared memory
 #pragma unroll
   for (int t = 0; t < MT; ++t)

@@ -177,20 +177,36 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   uint32_t ev[ESC];
 
   if (warp == CW) {
-    // producer: lane 0 arms the stage and copies the planes, lanes < M copy their token's x
+    // producer: lane 0 arms the stage and copies the planes, lanes < M copy their token's x. The
+    // planes of the first STAGES chunks go out before waiting for the previous kernel (x may be its
+    // output; the weights are not), so under programmatic dependent launch they stream in while it
+    // finishes.
+    const int pre = min(nch, STAGES);
+    if (lane == 0) {
+      for (int i = 0; i < pre; ++i) {
+        mbar_expect_tx(full(i), HB + LB + 128u * M);
+        tma_2d(base + i * SB, &tm_hi, 64 * (c_begin + i), r0, full(i));
+        if (!Q8) tma_2d(base + i * SB + HB, &tm_lo, 32 * (c_begin + i), r0, full(i));
+      }
+    }
+    grid_dep_wait();
+    __syncwarp();
     for (int i = 0; i < nch; ++i) {
       const int s = i % STAGES;
-      if (i >= STAGES) mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
       const int c = c_begin + i;
       const uint32_t st = base + s * SB;
-      if (lane == 0) {
-        mbar_expect_tx(full(s), HB + LB + 128u * M);
-        tma_2d(st, &tm_hi, 64 * c, r0, full(s));
-        if (!Q8) tma_2d(st + HB, &tm_lo, 32 * c, r0, full(s));
+      if (i >= pre) {
+        mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
+        if (lane == 0) {
+          mbar_expect_tx(full(s), HB + LB + 128u * M);
+          tma_2d(st, &tm_hi, 64 * c, r0, full(s));
+          if (!Q8) tma_2d(st + HB, &tm_lo, 32 * c, r0, full(s));
+        }
+        __syncwarp();
       }
-      __syncwarp();
       if (lane < M) bulk_1d(st + HB + LB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
     }
+    grid_dep_launch();  // every copy is issued: the next kernel's CTAs may start
   } else {
 #pragma unroll
     for (int e = 0; e < ESC; ++e) {
@@ -270,6 +286,8 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     }
   }
 
+  // the workspace, the counters, x (escapes) and out may be the previous kernel's: wait for it
+  grid_dep_wait();
   if (splits > 1) {
     // publish this split's partials (fragment order, coalesced); the last CTA of the row block
     // adds all of them in split order and runs the epilogue
