@@ -145,13 +145,13 @@ _PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREA
 
 
 def pdl_enabled(device: torch.device) -> bool:
-    """Programmatic dependent launch for the W12 kernels: sm_90+, unless SPECPILOT_PDL=0. The
-    kernels then overlap their start (the TMA kernel: its first weight stages) with the previous
+    """Programmatic dependent launch for the W12 kernels: opt-in with SPECPILOT_PDL=1, sm_90+ only.
+    The kernels then overlap their start (the TMA kernel: its first weight stages) with the previous
     kernel's tail, and read x / write out / touch the split-K workspace only after
-    `griddepcontrol.wait`. Precondition: the weight planes are not written by the kernel launched
-    immediately before (they never are in inference; re-packing in place right before a call is the
-    one way to break it; set SPECPILOT_PDL=0 for that)."""
-    if os.environ.get("SPECPILOT_PDL", "1") == "0":
+    `griddepcontrol.wait`. Off by default: on the H200 it made the 64-layer decode step slower
+    (12.70 vs 11.55 ms, perf/results/h200/20261130T191401-linear-w12-pdl.*). Precondition when on:
+    the kernel launched immediately before does not write the weight planes."""
+    if os.environ.get("SPECPILOT_PDL", "0") != "1":
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(idx)[0] >= 9
