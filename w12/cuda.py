@@ -357,5 +357,6 @@ def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, 
         conf = _LaunchConfig(grid, cfg.split, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
         res = _libcuda().cuLaunchKernelEx(ctypes.byref(conf), fn, params, None)
     else:
-        res = _libcuda().cuLaunchKernel(fn, grid, cfg.split, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), params, None)
+        res = _libcuda().cuLaunchKernel(fn, grid, cfg.split, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), params,
+                                        None)
     _check(res, f"cuLaunchKernel({_source(cfg)[1].decode()})")

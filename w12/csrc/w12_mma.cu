@@ -413,7 +413,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
 #pragma unroll
       for (int k = 0; k < KO; ++k) {
         const int tok = tok0 + k * TSTEP;
-        if (tok < M) out[(long long)tok * N + row] = __float2bfloat16_rn(bias_kind != 0 ? sum[k] + b : sum[k]);  // no +0.0: -0.0 stays
+        // no +0.0 without a bias: it would turn -0.0 into +0.0
+        if (tok < M) out[(long long)tok * N + row] = __float2bfloat16_rn(bias_kind != 0 ? sum[k] + b : sum[k]);
       }
     }
   }
