@@ -1,9 +1,10 @@
-"""CPU checks of the CUDA W12 kernel (w12/csrc/w12_mma.cu) without a GPU.
+"""CPU checks of the CUDA W12 kernels (w12/csrc/w12_mma.cu, w12/csrc/w12_tma.cu) without a GPU.
 
 1. `emulate` replays the kernel's integer decode, its thread -> column mapping, the mma.sync
    m16n8k16 fragment layouts (PTX ISA) and its epilogue indexing, lane by lane, in numpy; the
    result must match the fp64 reference product. This pins down the bit tricks and the
    slot/column bookkeeping before any GPU time is spent; the GPU tests then check the real thing.
+   `emulate_tma` does the same for the TMA kernel's stage images, shared-memory offsets and epilogue.
 2. nvcc (when present) compiles every shipped shape of the kernel for sm_80 and sm_90 to PTX:
    mma.sync must be there and no local memory (a register array indexed at run time).
 """
@@ -67,6 +68,50 @@ def bf16_pair(r):
 # --------------------------------------------------------------------------------------
 
 
+def _decode_mma(fh, fl, fx, e0x, s, sh, q8, nt):
+    """One k-step of one m-tile, as both kernels run it: decode the A registers of rows g / g + 8
+    from the hi/lo words, then mma.sync with each n-tile's B registers. Returns [nt, 4, 32]."""
+    (ha, la, ea), (hb, lb, eb) = [(fh[h][:, s], (fl[h][:, s] >> sh) & U32(0x0F0F0F0F), e0x[h]) for h in range(2)]
+    if q8:
+        z = np.zeros(32, dtype=U32)
+        regs = (dec_pair_q8(byte_perm(ha, z, 0x1404), ea), dec_pair_q8(byte_perm(hb, z, 0x1404), eb),
+                dec_pair_q8(byte_perm(ha, z, 0x3424), ea), dec_pair_q8(byte_perm(hb, z, 0x3424), eb))
+    else:
+        regs = (dec_pair(byte_perm(ha, la, 0x1504), ea), dec_pair(byte_perm(hb, lb, 0x1504), eb),
+                dec_pair(byte_perm(ha, la, 0x3726), ea), dec_pair(byte_perm(hb, lb, 0x3726), eb))
+    lane = np.arange(32)
+    g, q = lane // 4, lane % 4
+    A = np.zeros((16, 16))
+    for reg, (dr, dk) in zip(regs, ((0, 0), (8, 0), (0, 8), (8, 8))):
+        l0, l1 = bf16_pair(reg)
+        A[g + dr, 2 * q + dk] = l0
+        A[g + dr, 2 * q + dk + 1] = l1
+    out = np.zeros((nt, 4, 32))
+    for j in range(nt):
+        xv = fx[j][s >> 1]
+        B = np.zeros((16, 8))
+        for reg, dk in ((xv[:, 2 * (s & 1)], 0), (xv[:, 2 * (s & 1) + 1], 8)):
+            l0, l1 = bf16_pair(reg)
+            B[2 * q + dk, g] = l0
+            B[2 * q + dk + 1, g] = l1
+        D = A @ B
+        out[j] = np.stack([D[g, 2 * q], D[g, 2 * q + 1], D[g + 8, 2 * q], D[g + 8, 2 * q + 1]])
+    return out
+
+
+def _add_escapes(s_, p: w12.W12Weight, xb: torch.Tensor, row: int, tok: int, q8: bool) -> float:
+    """The epilogue's escape correction for one output, in CSR order: + x * escape, minus x * 2^(e0 - 127)
+    (what the dense decode gave there; the 8-bit view gave +0.0)."""
+    e0 = int(p.e0[row])
+    v0 = 0.0 if q8 else float(np.array([e0 << 23], dtype=U32).view(np.float32)[0])
+    ev = p.esc_val.numpy().view(np.uint16)
+    for pp in range(int(p.esc_rowptr[row]), int(p.esc_rowptr[row + 1])):
+        xv = float(xb[tok, int(p.esc_col[pp])].float())
+        evf = float(np.array([U32(ev[pp]) << U32(16)], dtype=U32).view(np.float32)[0])
+        s_ += xv * evf - (0.0 if q8 else xv * v0)
+    return s_
+
+
 def emulate(x: torch.Tensor, p: w12.W12Weight, *, mt: int, wk: int, wr: int = 1, q8: bool = False) -> torch.Tensor:
     M = x.shape[0]
     N, Kp = p.hi.shape
@@ -74,8 +119,6 @@ def emulate(x: torch.Tensor, p: w12.W12Weight, *, mt: int, wk: int, wr: int = 1,
     hi = p.hi.numpy()
     lo = p.lo.numpy()
     e0 = p.e0.numpy().astype(U32)
-    rowptr, ecol = p.esc_rowptr.numpy(), p.esc_col.numpy()
-    ev = p.esc_val.numpy().view(np.uint16)
     xb = torch.zeros((M, Kp), dtype=torch.bfloat16)
     xb[:, : x.shape[1]] = x
     xbytes = xb.view(torch.uint8).numpy()  # [M, 2 Kp]
@@ -108,37 +151,10 @@ def emulate(x: torch.Tensor, p: w12.W12Weight, *, mt: int, wk: int, wr: int = 1,
                                 seg = xbytes[tok[i], 2 * (64 * c + 16 * q[i]): 2 * (64 * c + 16 * q[i] + 16)]
                                 xwj[i] = words(seg.reshape(2, 16)).reshape(8)
                         xw.append(xwj)
+                    fx = [[xw[j][:, :4], xw[j][:, 4:]] for j in range(nt)]
                     for s in range(4):
-                        (ha, la, ea), (hb, lb, eb) = [(r[0][:, s], (r[1][:, s] >> sh) & U32(0x0F0F0F0F), r[2])
-                                                      for r in regs]
-                        if q8:
-                            z = np.zeros(32, dtype=U32)
-                            a0 = dec_pair_q8(byte_perm(ha, z, 0x1404), ea)
-                            a2 = dec_pair_q8(byte_perm(ha, z, 0x3424), ea)
-                            a1 = dec_pair_q8(byte_perm(hb, z, 0x1404), eb)
-                            a3 = dec_pair_q8(byte_perm(hb, z, 0x3424), eb)
-                        else:
-                            a0 = dec_pair(byte_perm(ha, la, 0x1504), ea)
-                            a2 = dec_pair(byte_perm(ha, la, 0x3726), ea)
-                            a1 = dec_pair(byte_perm(hb, lb, 0x1504), eb)
-                            a3 = dec_pair(byte_perm(hb, lb, 0x3726), eb)
-                        # mma.sync m16n8k16 operand layouts (PTX ISA, "Matrix Fragments for mma.m16n8k16")
-                        A = np.zeros((16, 16))
-                        for reg, (dr, dk) in zip((a0, a1, a2, a3), ((0, 0), (8, 0), (0, 8), (8, 8))):
-                            l0, l1 = bf16_pair(reg)
-                            A[g + dr, 2 * q + dk] = l0
-                            A[g + dr, 2 * q + dk + 1] = l1
-                        for j in range(nt):
-                            B = np.zeros((16, 8))
-                            for reg, dk in ((xw[j][:, 2 * s], 0), (xw[j][:, 2 * s + 1], 8)):
-                                l0, l1 = bf16_pair(reg)
-                                B[2 * q + dk, g] = l0
-                                B[2 * q + dk + 1, g] = l1
-                            D = A @ B
-                            acc[t, j, 0] += D[g, 2 * q]
-                            acc[t, j, 1] += D[g, 2 * q + 1]
-                            acc[t, j, 2] += D[g + 8, 2 * q]
-                            acc[t, j, 3] += D[g + 8, 2 * q + 1]
+                        acc[t] += _decode_mma([r[0] for r in regs], [r[1] for r in regs], fx, [r[2] for r in regs],
+                                              s, sh, q8, nt)
         acc_n = mt * nt * 4
         flat = red.reshape(wk, wr * acc_n * 32)
         for o in range(rows_cta * 8 * nt):
@@ -149,13 +165,65 @@ def emulate(x: torch.Tensor, p: w12.W12Weight, *, mt: int, wk: int, wr: int = 1,
             tw, gg, hh = rl >> 4, rl & 7, (rl >> 3) & 1
             j, tt = tok >> 3, tok & 7
             idx = ((tw // mt) * acc_n + ((tw % mt) * nt + j) * 4 + hh * 2 + (tt & 1)) * 32 + gg * 4 + (tt >> 1)
-            s_ = flat[:, idx].sum()
-            v0 = 0.0 if q8 else float(np.array([e0[row] << U32(23)], dtype=U32).view(np.float32)[0])
-            for pp in range(rowptr[row], rowptr[row + 1]):
-                xv = float(xb[tok, ecol[pp]].float())
-                evf = float(np.array([U32(ev[pp]) << U32(16)], dtype=U32).view(np.float32)[0])
-                s_ += xv * evf - (0.0 if q8 else xv * v0)
-            out[tok, row] = s_
+            out[tok, row] = _add_escapes(flat[:, idx].sum(), p, xb, row, tok, q8)
+    return torch.from_numpy(out)
+
+
+def emulate_tma(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, splits: int = 1, q8: bool = False):
+    """csrc/w12_tma.cu, lane by lane: the stage images the TMA / bulk copies write (row-major boxes,
+    rows past N zero, tokens past M zero, pitches 64 / 32 / 144 bytes), the consumers' LDS offsets,
+    split-K partials added in split order, and the epilogue's (acc -> row, token) mapping."""
+    M = x.shape[0]
+    N, Kp = p.hi.shape
+    nt = 1 if M <= 8 else 2 if M <= 16 else 4
+    R = 16 * mt * cw
+    hi, lo = p.hi.numpy(), p.lo.numpy()
+    e0 = p.e0.numpy().astype(U32)
+    xb = torch.zeros((M, Kp), dtype=torch.bfloat16)
+    xb[:, : x.shape[1]] = x
+    xbytes = xb.view(torch.uint8).numpy()
+    lane = np.arange(32)
+    g, q = lane // 4, lane % 4
+    sh = U32(4) * (q >> 1).astype(U32)
+    nch_all = Kp // 64
+    per = -(-nch_all // splits)
+    out = np.full((M, N), np.nan)
+    for r0 in range(0, N, R):
+        acc = np.zeros((cw, mt, nt, 4, 32))
+        for y in range(splits):
+            for c in range(y * per, min(nch_all, (y + 1) * per)):
+                st_hi = np.zeros((R, 64), dtype=np.uint8)
+                st_lo = np.zeros((R, 32), dtype=np.uint8)
+                st_x = np.zeros((8 * nt, 144), dtype=np.uint8)
+                n_in = min(R, N - r0)
+                st_hi[:n_in] = hi[r0:r0 + n_in, 64 * c:64 * c + 64]
+                st_lo[:n_in] = lo[r0:r0 + n_in, 32 * c:32 * c + 32]
+                st_x[:M, :128] = xbytes[:, 128 * c:128 * c + 128]
+                for w in range(cw):
+                    fx = [[words(np.stack([st_x[8 * j + g[i], 32 * q[i] + 16 * k:32 * q[i] + 16 * k + 16] for i in lane]))
+                           for k in range(2)] for j in range(nt)]
+                    for t in range(mt):
+                        rl = [16 * (mt * w + t) + 8 * h + g for h in range(2)]
+                        fh = [words(np.stack([st_hi[rl[h][i], 16 * q[i]:16 * q[i] + 16] for i in lane])) for h in range(2)]
+                        fl = [words(np.stack([st_lo[rl[h][i], 16 * (q[i] & 1):16 * (q[i] & 1) + 16] for i in lane]))
+                              for h in range(2)]
+                        e0x = []
+                        for h in range(2):
+                            e = e0[np.minimum(r0 + rl[h], N - 1)]
+                            e0x.append(((e << U32(7)) | (e << U32(23))).astype(U32))
+                        for s in range(4):
+                            acc[w, t] += _decode_mma(fh, fl, fx, e0x, s, sh, q8, nt)
+        for w in range(cw):
+            for t in range(mt):
+                for j in range(nt):
+                    for i4 in range(4):
+                        h, u = i4 // 2, i4 % 2
+                        for ln in lane:
+                            row = r0 + 16 * (mt * w + t) + 8 * h + g[ln]
+                            tok = 8 * j + 2 * q[ln] + u
+                            if row >= N or tok >= M:
+                                continue
+                            out[tok, row] = _add_escapes(acc[w, t, j, i4, ln], p, xb, row, tok, q8)
     return torch.from_numpy(out)
 
 
@@ -289,3 +357,21 @@ def test_tma_config_validation_and_smem():
     # stage = hi 128 x 64 + lo 128 x 32 + x 8 tokens x 144 B, rounded up to 1 KiB; + slack + barriers
     assert cuda.smem_bytes(c, 1, False) == 6 * 14336 + 1024 + 96
     assert cuda.smem_bytes(c, 1, True) == 6 * 10240 + 1024 + 96
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["mm", "q8"])
+@pytest.mark.parametrize("M,N,K,mt,cw,splits", [(3, 40, 192, 1, 2, 1), (11, 50, 128, 2, 1, 2), (20, 17, 100, 1, 1, 3)],
+                         ids=["M3-N40-K192", "M11-N50-K128-split2", "M20-N17-K100-split3"])
+def test_emulated_tma_kernel_matches_reference(M, N, K, mt, cw, splits, q8):
+    """The TMA kernel's shared-memory addressing and epilogue mapping (rows past N, tokens past M,
+    splits, one with no chunk at all) give the reference product."""
+    w = _weight(N, K, seed=N * K + M + 1)
+    p = w12.pack(w)
+    assert p.num_escapes > 0
+    x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M + 1)) * 2).to(torch.bfloat16)
+    got = emulate_tma(x, p, mt=mt, cw=cw, splits=splits, q8=q8)
+    want = (matmul_q8_reference if q8 else matmul_reference)(x, p).double()
+    assert not torch.isnan(got).any(), "unwritten outputs"
+    err = (got - want).abs().max().item()
+    scale = (x.double().abs() @ w.double().abs().nan_to_num().T).max().item()
+    assert err <= 1e-12 * scale, (err, scale)
