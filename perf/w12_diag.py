@@ -7,7 +7,8 @@ A. Read ceiling at each layer's size: a plain streaming-read kernel (16-byte loa
    shape and the LM head, timed like the benchmarks (CUDA-graph replays, rotated buffers). The
    ratio cuBLAS / read(W12 bytes) is the most any W12 kernel can gain at that size.
 B. The default kernel on weights with escapes vs. the same distribution with none (escape cost).
-C. `--ncu-child`: launches a few kernels once each, for `ncu` to profile (run by the parent).
+C. `ncu` over a few launches (default dispatch, cuBLAS, and the configs named by `--ncu-configs`);
+   the parent runs itself under ncu with `--ncu-child`. `--no-ncu` skips it.
 """
 
 from __future__ import annotations
@@ -27,7 +28,9 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
+import autotune  # noqa: E402
 import w12  # noqa: E402
+from w12.configs import MmaConfig, TmaConfig  # noqa: E402
 from w12 import ops as wops  # noqa: E402
 from specpilot.bench.runner import time_fns  # noqa: E402
 from specpilot.bench.shapes import get_shape_set  # noqa: E402
@@ -94,7 +97,15 @@ def weight(N, K, gen, escapes=True):
     return w.to(torch.bfloat16)
 
 
-def ncu_child():
+# --ncu-configs: the kernels to profile by name, beside the default dispatch and cuBLAS (session 3
+# left the TMA kernel unprofiled: it wins on the LM head but not on the one-wave 47-130 MB layers)
+NCU_CONFIGS = {
+    "tma-s3": TmaConfig(1, 8, 6, split=3), "tma": TmaConfig(2, 4, 6), "tma-cw4": TmaConfig(1, 4, 8),
+    "mma-s3": MmaConfig(2, 4, 2, split=3), "mma": MmaConfig(2, 4, 2),
+}
+
+
+def ncu_child(configs: list[str]):
     gen = torch.Generator(device="cuda").manual_seed(0)
     for name, (N, K) in (("o_proj", (5120, 6144)), ("in_proj", (16480, 5120))):
         w = weight(N, K, gen)
@@ -104,6 +115,9 @@ def ncu_child():
             for _ in range(2):
                 w12.matmul(x, p)
                 F.linear(x, w)
+                for tag in configs:  # profiled in this order; ncu's kernel names do not carry the config
+                    with autotune.force("w12.matmul", config=NCU_CONFIGS[tag]):
+                        w12.matmul(x, p)
     torch.cuda.synchronize()
 
 
@@ -112,9 +126,15 @@ def main() -> int:
     ap.add_argument("--out", default="perf/results/local")
     ap.add_argument("--ncu-child", action="store_true")
     ap.add_argument("--no-ncu", action="store_true")
+    ap.add_argument("--ncu-only", action="store_true", help="skip A and B (read ceilings, escape cost)")
+    ap.add_argument("--ncu-configs", default="", help=f"comma-separated, from {sorted(NCU_CONFIGS)}")
     a = ap.parse_args()
+    configs = [c for c in a.ncu_configs.split(",") if c]
+    unknown = sorted(set(configs) - set(NCU_CONFIGS))
+    if unknown:
+        ap.error(f"unknown --ncu-configs {unknown}; known: {sorted(NCU_CONFIGS)}")
     if a.ncu_child:
-        ncu_child()
+        ncu_child(configs)
         return 0
     t0 = time.time()
     out = Path(a.out)
@@ -122,53 +142,56 @@ def main() -> int:
     l2 = torch.cuda.get_device_properties(0).L2_cache_size
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
 
-    # A. read ceilings
-    sizes = {}
-    for name, (N, K) in shapes().items():
-        kp = -(-K // 64) * 64
-        sizes[f"{name}.w12"] = N * kp * 3 // 2
-        sizes[f"{name}.q8"] = N * kp
-        sizes[f"{name}.bf16"] = N * K * 2
-    try:
-        result["read"] = read_ceiling(sizes, l2)
-    except Exception as e:  # noqa: BLE001
-        result["read_error"] = f"{type(e).__name__}: {e}"
-        print("read ceiling failed:", result["read_error"], flush=True)
+    if not a.ncu_only:  # A and B
+        # A. read ceilings
+        sizes = {}
+        for name, (N, K) in shapes().items():
+            kp = -(-K // 64) * 64
+            sizes[f"{name}.w12"] = N * kp * 3 // 2
+            sizes[f"{name}.q8"] = N * kp
+            sizes[f"{name}.bf16"] = N * K * 2
+        try:
+            result["read"] = read_ceiling(sizes, l2)
+        except Exception as e:  # noqa: BLE001
+            result["read_error"] = f"{type(e).__name__}: {e}"
+            print("read ceiling failed:", result["read_error"], flush=True)
 
-    # B. escape cost and cuBLAS, side by side
-    gen = torch.Generator(device="cuda").manual_seed(1)
-    esc = {}
-    for name, (N, K) in shapes().items():
-        if name == "lm_head":
-            continue
-        for M in (1, 32):
-            x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
-            row = {}
-            for tag, e in (("esc", True), ("noesc", False)):
-                w = weight(N, K, gen, e)
-                p = w12.pack(w)
-                copies = max(1, math.ceil(3 * l2 / p.nbytes))
-                ps = [p] + [w12.W12Weight(**{k: v.clone() for k, v in p.planes().items()}, K=K)
-                            for _ in range(copies - 1)]
-                row[f"{tag}_escapes"] = int(p.esc_col.numel())
-                row[f"{tag}_us"] = time_fns([lambda q=q: w12.matmul(x, q) for q in ps], reps=20) * 1e6
-                if tag == "esc":
-                    ws = [w] + [w.clone() for _ in range(max(1, math.ceil(3 * l2 / w.nbytes)) - 1)]
-                    row["cublas_us"] = time_fns([lambda v=v: F.linear(x, v) for v in ws], reps=20) * 1e6
-                    row["variant"] = wops._select("w12.matmul", x.device)
-                del ps
-            esc[f"{name}-M{M}"] = row
-            shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}
-            print(name, M, json.dumps(shown), flush=True)
-    result["escapes"] = esc
+        # B. escape cost and cuBLAS, side by side
+        gen = torch.Generator(device="cuda").manual_seed(1)
+        esc = {}
+        for name, (N, K) in shapes().items():
+            if name == "lm_head":
+                continue
+            for M in (1, 32):
+                x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
+                row = {}
+                for tag, e in (("esc", True), ("noesc", False)):
+                    w = weight(N, K, gen, e)
+                    p = w12.pack(w)
+                    copies = max(1, math.ceil(3 * l2 / p.nbytes))
+                    ps = [p] + [w12.W12Weight(**{k: v.clone() for k, v in p.planes().items()}, K=K)
+                                for _ in range(copies - 1)]
+                    row[f"{tag}_escapes"] = int(p.esc_col.numel())
+                    row[f"{tag}_us"] = time_fns([lambda q=q: w12.matmul(x, q) for q in ps], reps=20) * 1e6
+                    if tag == "esc":
+                        ws = [w] + [w.clone() for _ in range(max(1, math.ceil(3 * l2 / w.nbytes)) - 1)]
+                        row["cublas_us"] = time_fns([lambda v=v: F.linear(x, v) for v in ws], reps=20) * 1e6
+                        row["variant"] = wops._select("w12.matmul", x.device)
+                    del ps
+                esc[f"{name}-M{M}"] = row
+                shown = {k: (round(v, 2) if isinstance(v, float) else v) for k, v in row.items()}
+                print(name, M, json.dumps(shown), flush=True)
+        result["escapes"] = esc
 
     # C. ncu
     ncu = shutil.which("ncu")
     if ncu and not a.no_ncu:
         cmd = [ncu, "--clock-control", "none", "--target-processes", "all", "-k", "regex:w12|gemm|gemv|nvjet|sm90",
                "--section", "SpeedOfLight", "--section", "Occupancy", "--section", "LaunchStats", "--section",
-               "WarpStateStats", "--section", "MemoryWorkloadAnalysis", "--section", "SchedulerStats", "--csv",
-               "--page", "details", sys.executable, __file__, "--ncu-child"]
+               "WarpStateStats", "--section", "MemoryWorkloadAnalysis", "--section", "SchedulerStats",
+               # per-reason stall cycles per issued instruction (the breakdown WarpStateStats summarises)
+               "--metrics", r"regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio", "--csv",
+               "--page", "details", sys.executable, __file__, "--ncu-child", "--ncu-configs", a.ncu_configs]
         r = subprocess.run(cmd, capture_output=True, text=True, timeout=300, env=dict(os.environ))
         (out / "ncu.csv").write_text(r.stdout)
         (out / "ncu.err").write_text(r.stderr[-20000:])
