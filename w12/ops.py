@@ -279,10 +279,11 @@ def matmul(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] = No
     One known difference: where x itself is +-Inf/NaN and the weight column holds an escape,
     the result may be NaN where F.linear gives +-Inf.
 
-    Variant by GPU (`w12.ops.VARIANTS`): "mma", the CUDA C++ kernel (mma.sync, decode in registers,
-    sm_80+, built with nvcc on first use) for bf16 x with M <= 32; otherwise the Triton variants
+    Variant by GPU (`w12.ops.VARIANTS`): "mma", the CUDA C++ kernels (mma.sync, decode in
+    registers, built with nvcc on first use) for bf16 x with M <= 32: the register-pipelined kernel
+    (sm_80+), or on sm_90 the TMA kernel where a tuned entry chose it; otherwise the Triton variants
     "tc" (sm_90, wgmma, swap-AB) or "gemv" (CUDA cores for M <= 4, mma above). Pin one with
-    `autotune.force("w12.matmul", variant="tc")`.
+    `autotune.force("w12.matmul", variant="tc")` or `config=MmaConfig(...)` / `TmaConfig(...)`.
     """
     _check(x, packed, bias, "matmul")
     return _call(x, packed, bias, OP)
