@@ -125,6 +125,7 @@ class TmaConfig:
     cw: int = 4
     stages: int = 6
     split: int = 1
+    ahead: bool = False  # consumers read stage i + 1's fragments before computing stage i (not yet measured)
 
     def __post_init__(self):
         if self.mt not in (1, 2, 4) or self.cw not in (1, 2, 4, 8) or 16 * self.mt * self.cw > 256 \
@@ -137,7 +138,8 @@ class TmaConfig:
         return 16 * self.mt * self.cw
 
     def tag(self) -> str:
-        return f"tma-mt{self.mt}-cw{self.cw}-st{self.stages}" + (f"-s{self.split}" if self.split > 1 else "")
+        return f"tma-mt{self.mt}-cw{self.cw}-st{self.stages}" + (f"-s{self.split}" if self.split > 1 else "") + \
+            ("-ah" if self.ahead else "")
 
 
 def _check_common(c) -> None:

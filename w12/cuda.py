@@ -95,7 +95,7 @@ def _flags(cfg, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
     if isinstance(cfg, TmaConfig):
         if arch[0] != 9:
             raise ValueError(f"{cfg}: the TMA kernel needs an sm_90 GPU, got sm_{sm}")
-        defines = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8))
+        defines = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8), AHEAD=int(cfg.ahead))
     else:
         defines = dict(MT=cfg.mt, NT=nt, WK=cfg.wk, WR=cfg.wr, PIPE=cfg.pipe, Q8=int(q8), ASYNC=int(cfg.async_copy))
     return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", f"-I{COMMON.parent}",

@@ -318,7 +318,8 @@ def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(t
     cuda = _nvcc_or_skip()
     monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
     for cfg, nt in [(TmaConfig(2, 4, 6), 1), (TmaConfig(1, 8, 8, split=3), 4), (TmaConfig(4, 4, 4), 2),
-                    (TmaConfig(2, 8, 4), 4), (TmaConfig(1, 1, 2), 1)]:
+                    (TmaConfig(2, 8, 4), 4), (TmaConfig(1, 1, 2), 1), (TmaConfig(1, 8, 6, ahead=True), 1),
+                    (TmaConfig(2, 4, 4, split=3, ahead=True), 4)]:
         tensor_copies = {}
         for q8 in (False, True):
             ptx = cuda.build(cfg, nt, q8, (9, 0), out="ptx").read_text()

@@ -50,6 +50,9 @@
 #ifndef W12_Q8
 #define W12_Q8 0
 #endif
+#ifndef W12_AHEAD
+#define W12_AHEAD 0
+#endif
 
 namespace {
 
@@ -58,6 +61,7 @@ constexpr int NT = W12_NT;          // n-tiles (8 tokens)
 constexpr int CW = W12_CW;          // consumer warps
 constexpr int STAGES = W12_STAGES;  // chunks in flight per CTA
 constexpr bool Q8 = W12_Q8 != 0;
+constexpr bool AHEAD = W12_AHEAD != 0;  // consumers read stage i + 1 before computing stage i
 constexpr int R = 16 * MT * CW;     // weight rows per CTA (TMA box height)
 constexpr int TOKS = 8 * NT;
 constexpr int XP = 144;             // shared pitch of one token's 128 bytes of x (+16: no bank conflicts)
@@ -66,6 +70,10 @@ constexpr int LB = Q8 ? 0 : R * 32; // lo bytes per stage
 constexpr int XB = TOKS * XP;
 constexpr int SB = (HB + LB + XB + 1023) / 1024 * 1024;  // stage stride (TMA destinations 1024-aligned)
 static_assert(R <= 256, "a TMA box is at most 256 rows");
+
+struct Frag {  // one consumer warp's registers for one chunk
+  uint4 h[MT][2], l[MT][2], x[NT][2];
+};
 constexpr int ESC = 2 * MT;         // rows per consumer thread
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -228,31 +236,33 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         e0x[t][h] = (e << 7) | (e << 23);
       }
     const int sh = (q >> 1) * 4;  // columns 32..63 of a chunk sit in the high nibbles
-    for (int i = 0; i < nch; ++i) {
+    // copy this warp's fragments of stage i out of shared memory, then release the stage
+    auto fetch = [&](Frag& f, int i) {
       const int s = i % STAGES;
       mbar_wait(full(s), (i / STAGES) & 1);
       const uint32_t st = base + s * SB;
-      uint4 fh[MT][2], fl[MT][2], fx[NT][2];
 #pragma unroll
       for (int t = 0; t < MT; ++t)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
           const int rl = 16 * (MT * warp + t) + 8 * h + g;
-          fh[t][h] = lds128(st + rl * 64 + 16 * q);
-          if (!Q8) fl[t][h] = lds128(st + HB + rl * 32 + 16 * (q & 1));
+          f.h[t][h] = lds128(st + rl * 64 + 16 * q);
+          if (!Q8) f.l[t][h] = lds128(st + HB + rl * 32 + 16 * (q & 1));
         }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        fx[j][0] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q);
-        fx[j][1] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q + 16);
+        f.x[j][0] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q);
+        f.x[j][1] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q + 16);
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(empty(s));
+    };
+    auto compute = [&](const Frag& f) {
 #pragma unroll
       for (int t = 0; t < MT; ++t) {
 #pragma unroll
         for (int k = 0; k < 4; ++k) {
-          const uint32_t ha = word(fh[t][0], k), hb = word(fh[t][1], k);
+          const uint32_t ha = word(f.h[t][0], k), hb = word(f.h[t][1], k);
           uint32_t a0, a1, a2, a3;
           if (Q8) {
             a0 = dec_pair_q8(__byte_perm(ha, 0u, 0x1404), e0x[t][0]);
@@ -260,8 +270,8 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
             a1 = dec_pair_q8(__byte_perm(hb, 0u, 0x1404), e0x[t][1]);
             a3 = dec_pair_q8(__byte_perm(hb, 0u, 0x3424), e0x[t][1]);
           } else {
-            const uint32_t la = (word(fl[t][0], k) >> sh) & 0x0F0F0F0Fu;
-            const uint32_t lb = (word(fl[t][1], k) >> sh) & 0x0F0F0F0Fu;
+            const uint32_t la = (word(f.l[t][0], k) >> sh) & 0x0F0F0F0Fu;
+            const uint32_t lb = (word(f.l[t][1], k) >> sh) & 0x0F0F0F0Fu;
             a0 = dec_pair(__byte_perm(ha, la, 0x1504), e0x[t][0]);
             a2 = dec_pair(__byte_perm(ha, la, 0x3726), e0x[t][0]);
             a1 = dec_pair(__byte_perm(hb, lb, 0x1504), e0x[t][1]);
@@ -269,19 +279,40 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
           }
 #pragma unroll
           for (int j = 0; j < NT; ++j) {
-            const uint4& xv = fx[j][k >> 1];
+            const uint4& xv = f.x[j][k >> 1];
             mma_bf16(acc[t][j], a0, a1, a2, a3, (k & 1) ? xv.z : xv.x, (k & 1) ? xv.w : xv.y);
           }
         }
       }
-      if (i == 0) {
-        // the escape lists are needed only at the end: fetch the first escape of each row now
+    };
+    // the escape lists are needed only at the end: fetch the first escape of each row early
+    auto first_escapes = [&]() {
 #pragma unroll
-        for (int e = 0; e < ESC; ++e)
-          if (ep1[e] > ep0[e]) {
-            ec[e] = ecol[ep0[e]];
-            ev[e] = eval[ep0[e]];
-          }
+      for (int e = 0; e < ESC; ++e)
+        if (ep1[e] > ep0[e]) {
+          ec[e] = ecol[ep0[e]];
+          ev[e] = eval[ep0[e]];
+        }
+    };
+    if constexpr (!AHEAD) {
+      for (int i = 0; i < nch; ++i) {
+        Frag f;
+        fetch(f, i);
+        compute(f);
+        if (i == 0) first_escapes();
+      }
+    } else {
+      // look-ahead: stage i + 1's fragments are read (and its wait paid) before stage i is computed
+      Frag f[2];
+      if (nch > 0) fetch(f[0], 0);
+      first_escapes();
+      for (int i = 0; i < nch; i += 2) {
+        if (i + 1 < nch) fetch(f[1], i + 1);
+        compute(f[0]);
+        if (i + 1 < nch) {
+          if (i + 2 < nch) fetch(f[0], i + 2);
+          compute(f[1]);
+        }
       }
     }
   }
