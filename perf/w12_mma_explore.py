@@ -66,7 +66,8 @@ GRID_FINAL = [MmaConfig(2, 4, 2), MmaConfig(2, 4, 3), MmaConfig(1, 8, 2), MmaCon
     [MmaConfig(2, 8, 2, split=s) for s in (3, 4)] + [MmaConfig(2, 4, 3, split=2)] + \
     [TmaConfig(mt, cw, st) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 8, 4), (1, 8, 10), (2, 4, 6), (2, 4, 4))] + \
     [TmaConfig(mt, cw, st, s) for mt, cw, st in ((1, 8, 6), (1, 4, 8)) for s in (2, 3, 4, 6)] + \
-    [TmaConfig(mt, cw, st, s, ahead=True) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 4, 6)) for s in (1, 3, 6)]
+    [TmaConfig(mt, cw, st, s, ahead=True) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 4, 6)) for s in (1, 3, 6)] + \
+    [TmaConfig(1, cw, st, s, wg=True) for cw, st in ((4, 6), (8, 4), (8, 6)) for s in (1, 2, 3, 6)]
 
 
 def useful(cfg, N: int, K: int) -> bool:

@@ -119,19 +119,26 @@ class TmaConfig:
     """CUDA C++ kernel for sm_90 (csrc/w12_tma.cu): one producer warp streams 64-column chunks of
     the planes (2-D TMA) and of x (1-D bulk copies) into a `stages`-deep shared-memory ring; `cw`
     consumer warps, each owning 16 * `mt` rows, decode them in registers into mma.sync. A CTA owns
-    16 * `mt` * `cw` rows (<= 256, one TMA box); `split` CTAs share a row block along K."""
+    16 * `mt` * `cw` rows (<= 256, one TMA box); `split` CTAs share a row block along K.
+    Two options are built and checked on the CPU (numpy replay, PTX) but have NOT run on a GPU yet:
+    `ahead` (consumers read stage i + 1 before computing stage i) and `wg` (each warpgroup of 4
+    consumer warps issues one wgmma m64 x n(8 NT) x k16 per k-step with the decoded A from
+    registers and x permuted into a K-major shared-memory B; sm_90a)."""
 
     mt: int = 2
     cw: int = 4
     stages: int = 6
     split: int = 1
     ahead: bool = False  # consumers read stage i + 1's fragments before computing stage i (not yet measured)
+    wg: bool = False  # wgmma (sm_90a) with the decoded A from registers; needs mt = 1, cw % 4 == 0 (not yet run)
 
     def __post_init__(self):
         if self.mt not in (1, 2, 4) or self.cw not in (1, 2, 4, 8) or 16 * self.mt * self.cw > 256 \
-                or not 2 <= self.stages <= 16 or not 1 <= self.split <= 64:
+                or not 2 <= self.stages <= 16 or not 1 <= self.split <= 64 \
+                or (self.wg and (self.mt != 1 or self.cw % 4 or self.ahead)):
             raise ValueError("TmaConfig needs mt in (1, 2, 4), cw in (1, 2, 4, 8), 16 * mt * cw <= 256 rows, "
-                             f"2 <= stages <= 16 and 1 <= split <= 64; got {self}")
+                             "2 <= stages <= 16, 1 <= split <= 64, and for wg=True mt = 1, cw in (4, 8) and no "
+                             f"look-ahead; got {self}")
 
     @property
     def rows(self) -> int:
@@ -139,7 +146,7 @@ class TmaConfig:
 
     def tag(self) -> str:
         return f"tma-mt{self.mt}-cw{self.cw}-st{self.stages}" + (f"-s{self.split}" if self.split > 1 else "") + \
-            ("-ah" if self.ahead else "")
+            ("-ah" if self.ahead else "") + ("-wg" if self.wg else "")
 
 
 def _check_common(c) -> None:

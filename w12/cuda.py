@@ -95,7 +95,9 @@ def _flags(cfg, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
     if isinstance(cfg, TmaConfig):
         if arch[0] != 9:
             raise ValueError(f"{cfg}: the TMA kernel needs an sm_90 GPU, got sm_{sm}")
-        defines = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8), AHEAD=int(cfg.ahead))
+        defines = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8), AHEAD=int(cfg.ahead), WG=int(cfg.wg))
+        if cfg.wg:
+            sm = "90a"  # wgmma is an sm_90a feature
     else:
         defines = dict(MT=cfg.mt, NT=nt, WK=cfg.wk, WR=cfg.wr, PIPE=cfg.pipe, Q8=int(q8), ASYNC=int(cfg.async_copy))
     return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", f"-I{COMMON.parent}",
@@ -194,7 +196,10 @@ def smem_bytes(cfg: MmaConfig | TmaConfig, nt: int, q8: bool) -> int:
     cp.async ring when that is larger (they share the memory). TmaConfig: the ring (1024-byte
     aligned stages, plus 1024 bytes of alignment slack) and two mbarriers per stage."""
     if isinstance(cfg, TmaConfig):
-        return cfg.stages * _tma_stage_bytes(cfg, nt, q8) + 1024 + 16 * cfg.stages
+        ring = cfg.stages * _tma_stage_bytes(cfg, nt, q8) + 1024
+        if cfg.wg:  # barriers in a 1 KiB slot, then two permuted-x buffers per warpgroup
+            return ring + 1024 + (cfg.cw // 4) * 2 * 8 * nt * 128
+        return ring + 16 * cfg.stages
     threads = 32 * cfg.wk * cfg.wr
     red = threads * cfg.mt * nt * 4 * 4 + 16 * cfg.mt * cfg.wr * 4 * 4
     if not cfg.async_copy:

@@ -120,7 +120,8 @@ def test_mma_configs_odd_shapes(cfg, N, K):
 @pytest.mark.parametrize("cfg", [TmaConfig(2, 4, 6), TmaConfig(1, 8, 8), TmaConfig(4, 4, 3), TmaConfig(1, 1, 2),
                                  TmaConfig(2, 8, 4, split=3), TmaConfig(1, 4, 5, split=7), TmaConfig(2, 4, 2, split=64),
                                  TmaConfig(1, 8, 6, ahead=True), TmaConfig(2, 4, 2, split=3, ahead=True),
-                                 TmaConfig(1, 4, 3, split=64, ahead=True)],
+                                 TmaConfig(1, 4, 3, split=64, ahead=True), TmaConfig(1, 4, 6, wg=True),
+                                 TmaConfig(1, 8, 4, split=3, wg=True), TmaConfig(1, 4, 2, split=64, wg=True)],
                          ids=lambda c: c.tag())
 @pytest.mark.parametrize("N,K", [(75, 4100), (1000, 4160), (4099, 64)], ids=lambda v: str(v))
 def test_tma_configs_odd_shapes(cfg, N, K):

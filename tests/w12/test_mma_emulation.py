@@ -68,9 +68,9 @@ def bf16_pair(r):
 # --------------------------------------------------------------------------------------
 
 
-def _decode_mma(fh, fl, fx, e0x, s, sh, q8, nt):
-    """One k-step of one m-tile, as both kernels run it: decode the A registers of rows g / g + 8
-    from the hi/lo words, then mma.sync with each n-tile's B registers. Returns [nt, 4, 32]."""
+def _decode_a(fh, fl, e0x, s, sh, q8):
+    """k-step s of one m-tile as the kernels decode it: the A operand (16 rows x 16 k slots) that
+    the lanes' registers form under the mma.m16n8k16 fragment layout."""
     (ha, la, ea), (hb, lb, eb) = [(fh[h][:, s], (fl[h][:, s] >> sh) & U32(0x0F0F0F0F), e0x[h]) for h in range(2)]
     if q8:
         z = np.zeros(32, dtype=U32)
@@ -86,6 +86,23 @@ def _decode_mma(fh, fl, fx, e0x, s, sh, q8, nt):
         l0, l1 = bf16_pair(reg)
         A[g + dr, 2 * q + dk] = l0
         A[g + dr, 2 * q + dk + 1] = l1
+    return A
+
+
+def _accumulate(D, nt):
+    """D [16, 8 nt] -> the lanes' accumulators [nt, 4, 32] (mma.m16n8 C layout per n-tile)."""
+    lane = np.arange(32)
+    g, q = lane // 4, lane % 4
+    return np.stack([np.stack([D[g, 8 * j + 2 * q], D[g, 8 * j + 2 * q + 1], D[g + 8, 8 * j + 2 * q],
+                               D[g + 8, 8 * j + 2 * q + 1]]) for j in range(nt)])
+
+
+def _decode_mma(fh, fl, fx, e0x, s, sh, q8, nt):
+    """One k-step of one m-tile with mma.sync: the decoded A times each n-tile's B registers
+    (token g, k slots 2q, 2q + 1, 2q + 8, 2q + 9). Returns [nt, 4, 32]."""
+    A = _decode_a(fh, fl, e0x, s, sh, q8)
+    lane = np.arange(32)
+    g, q = lane // 4, lane % 4
     out = np.zeros((nt, 4, 32))
     for j in range(nt):
         xv = fx[j][s >> 1]
@@ -94,8 +111,32 @@ def _decode_mma(fh, fl, fx, e0x, s, sh, q8, nt):
             l0, l1 = bf16_pair(reg)
             B[2 * q + dk, g] = l0
             B[2 * q + dk + 1, g] = l1
-        D = A @ B
-        out[j] = np.stack([D[g, 2 * q], D[g, 2 * q + 1], D[g + 8, 2 * q], D[g + 8, 2 * q + 1]])
+        out[j] = _accumulate(A @ B, 1)[0]
+    return out
+
+
+def _wg_b_operand(st_x: np.ndarray, toks: int) -> list[np.ndarray]:
+    """The TMA kernel's wgmma path: its threads copy the stage's x (rows of 144 bytes) into the
+    permuted buffer (piece at byte 16 pc = k-step ks, token, half ph; four 4-byte words from byte
+    32 q' + 8 ks + 4 ph of the token's row), and wgmma reads that buffer through the no-swizzle
+    K-major descriptor (core matrix of 8 tokens x 8 k at ks * toks * 32 + (n / 8) * 256 + (k / 8) * 128,
+    LBO 128, SBO 256). Returns B [16 k slots, toks] per k-step, as the tensor core would see it."""
+    buf = np.zeros(toks * 128, dtype=np.uint8)
+    for pc in range(toks * 8):
+        off = 16 * pc
+        ks, rem = off // (toks * 32), off % (toks * 32)
+        tok, ph = (rem // 256) * 8 + (rem % 128) // 16, (rem % 256) // 128
+        src = 8 * ks + 4 * ph
+        buf[off:off + 16] = np.concatenate([st_x[tok, src + 32 * w4:src + 32 * w4 + 4] for w4 in range(4)])
+    vals = buf.view(np.uint16).astype(U32) << U32(16)
+    bf = vals.view(np.float32).astype(np.float64)
+    out = []
+    for ks in range(4):
+        B = np.zeros((16, toks))
+        for n in range(toks):
+            for k in range(16):
+                B[k, n] = bf[(ks * toks * 32 + (n // 8) * 256 + (k // 8) * 128 + (n % 8) * 16 + (k % 8) * 2) // 2]
+        out.append(B)
     return out
 
 
@@ -169,10 +210,12 @@ def emulate(x: torch.Tensor, p: w12.W12Weight, *, mt: int, wk: int, wr: int = 1,
     return torch.from_numpy(out)
 
 
-def emulate_tma(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, splits: int = 1, q8: bool = False):
+def emulate_tma(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, splits: int = 1, q8: bool = False,
+                wg: bool = False):
     """csrc/w12_tma.cu, lane by lane: the stage images the TMA / bulk copies write (row-major boxes,
     rows past N zero, tokens past M zero, pitches 64 / 32 / 144 bytes), the consumers' LDS offsets,
-    split-K partials added in split order, and the epilogue's (acc -> row, token) mapping."""
+    split-K partials added in split order, and the epilogue's (acc -> row, token) mapping. `wg`:
+    the wgmma path (x permuted into the K-major B layout, read through the descriptor)."""
     M = x.shape[0]
     N, Kp = p.hi.shape
     nt = 1 if M <= 8 else 2 if M <= 16 else 4
@@ -199,6 +242,7 @@ def emulate_tma(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, splits: 
                 st_hi[:n_in] = hi[r0:r0 + n_in, 64 * c:64 * c + 64]
                 st_lo[:n_in] = lo[r0:r0 + n_in, 32 * c:32 * c + 32]
                 st_x[:M, :128] = xbytes[:, 128 * c:128 * c + 128]
+                bw = _wg_b_operand(st_x, 8 * nt) if wg else None
                 for w in range(cw):
                     fx = [[words(np.stack([st_x[8 * j + g[i], 32 * q[i] + 16 * k:32 * q[i] + 16 * k + 16] for i in lane]))
                            for k in range(2)] for j in range(nt)]
@@ -212,7 +256,10 @@ def emulate_tma(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, splits: 
                             e = e0[np.minimum(r0 + rl[h], N - 1)]
                             e0x.append(((e << U32(7)) | (e << U32(23))).astype(U32))
                         for s in range(4):
-                            acc[w, t] += _decode_mma(fh, fl, fx, e0x, s, sh, q8, nt)
+                            if wg:  # this warp's 16 rows of the m64 tile times the descriptor's B
+                                acc[w, t] += _accumulate(_decode_a(fh, fl, e0x, s, sh, q8) @ bw[s], nt)
+                            else:
+                                acc[w, t] += _decode_mma(fh, fl, fx, e0x, s, sh, q8, nt)
         for w in range(cw):
             for t in range(mt):
                 for j in range(nt):
@@ -345,6 +392,24 @@ def test_mma_kernel_programmatic_launch_only_on_sm90(arch, tmp_path, monkeypatch
     assert ("griddepcontrol.launch_dependents" in ptx) == (arch[0] >= 9)
 
 
+def test_tma_wgmma_path_builds_for_sm90a(tmp_path, monkeypatch):
+    """TmaConfig(wg=True): wgmma with A from registers (sm_90a), the proxy fence before it reads the
+    buffers the threads wrote, immediate named-barrier ids, no local memory, every n-tile count."""
+    from w12.configs import TmaConfig
+
+    cuda = _nvcc_or_skip()
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    for cfg, nt, q8 in [(TmaConfig(1, 4, 6, wg=True), 1, False), (TmaConfig(1, 8, 4, split=3, wg=True), 2, False),
+                        (TmaConfig(1, 4, 6, wg=True), 4, True), (TmaConfig(1, 8, 6, wg=True), 4, False)]:
+        ptx = cuda.build(cfg, nt, q8, (9, 0), out="ptx").read_text()
+        assert f"wgmma.mma_async.sync.aligned.m64n{8 * nt}k16.f32.bf16.bf16" in ptx
+        assert "mma.sync" not in ptx
+        assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned" in ptx
+        assert "bar.sync \t1, 128" in ptx or "bar.sync 1, 128" in ptx
+        assert ".local" not in ptx, f"{cfg} nt={nt}: a register array went to local memory"
+        assert ".target sm_90a" in ptx
+
+
 def test_tma_config_validation_and_smem():
     from w12 import cuda
     from w12.configs import TmaConfig
@@ -353,6 +418,12 @@ def test_tma_config_validation_and_smem():
         TmaConfig(mt=4, cw=8)
     with pytest.raises(ValueError, match="stages"):
         TmaConfig(stages=1)
+    for bad in (dict(mt=2, cw=4), dict(mt=1, cw=2), dict(mt=1, cw=4, ahead=True)):
+        with pytest.raises(ValueError, match="wg=True"):
+            TmaConfig(wg=True, **bad)
+    assert TmaConfig(1, 8, 4, wg=True).tag() == "tma-mt1-cw8-st4-wg"
+    # wgmma: the ring, a 1 KiB barrier slot, two permuted-x buffers (32 tokens x 128 B) per warpgroup
+    assert cuda.smem_bytes(TmaConfig(1, 8, 4, wg=True), 4, False) == 4 * 17408 + 1024 + 1024 + 2 * 2 * 4096
     c = TmaConfig(2, 4, 6)
     assert c.rows == 128 and c.tag() == "tma-mt2-cw4-st6"
     # stage = hi 128 x 64 + lo 128 x 32 + x 8 tokens x 144 B, rounded up to 1 KiB; + slack + barriers
@@ -361,16 +432,21 @@ def test_tma_config_validation_and_smem():
 
 
 @pytest.mark.parametrize("q8", [False, True], ids=["mm", "q8"])
-@pytest.mark.parametrize("M,N,K,mt,cw,splits", [(3, 40, 192, 1, 2, 1), (11, 50, 128, 2, 1, 2), (20, 17, 100, 1, 1, 3)],
-                         ids=["M3-N40-K192", "M11-N50-K128-split2", "M20-N17-K100-split3"])
-def test_emulated_tma_kernel_matches_reference(M, N, K, mt, cw, splits, q8):
+@pytest.mark.parametrize("M,N,K,mt,cw,splits,wg", [(3, 40, 192, 1, 2, 1, False), (11, 50, 128, 2, 1, 2, False),
+                                                   (20, 17, 100, 1, 1, 3, False), (5, 70, 128, 1, 4, 1, True),
+                                                   (13, 40, 192, 1, 4, 2, True), (29, 130, 100, 1, 8, 3, True)],
+                         ids=["M3-N40-K192", "M11-N50-K128-split2", "M20-N17-K100-split3", "M5-N70-K128-wg",
+                              "M13-N40-K192-wg-split2", "M29-N130-K100-wg2-split3"])
+def test_emulated_tma_kernel_matches_reference(M, N, K, mt, cw, splits, wg, q8):
     """The TMA kernel's shared-memory addressing and epilogue mapping (rows past N, tokens past M,
-    splits, one with no chunk at all) give the reference product."""
+    splits, one with no chunk at all) give the reference product; also on its wgmma path, whose
+    permuted B layout and descriptor strides are modelled from the PTX ISA (checked on a GPU by
+    the odd-shape tests)."""
     w = _weight(N, K, seed=N * K + M + 1)
     p = w12.pack(w)
     assert p.num_escapes > 0
     x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M + 1)) * 2).to(torch.bfloat16)
-    got = emulate_tma(x, p, mt=mt, cw=cw, splits=splits, q8=q8)
+    got = emulate_tma(x, p, mt=mt, cw=cw, splits=splits, q8=q8, wg=wg)
     want = (matmul_q8_reference if q8 else matmul_reference)(x, p).double()
     assert not torch.isnan(got).any(), "unwritten outputs"
     err = (got - want).abs().max().item()

@@ -53,6 +53,9 @@
 #ifndef W12_AHEAD
 #define W12_AHEAD 0
 #endif
+#ifndef W12_WG
+#define W12_WG 0
+#endif
 
 namespace {
 
@@ -62,6 +65,7 @@ constexpr int CW = W12_CW;          // consumer warps
 constexpr int STAGES = W12_STAGES;  // chunks in flight per CTA
 constexpr bool Q8 = W12_Q8 != 0;
 constexpr bool AHEAD = W12_AHEAD != 0;  // consumers read stage i + 1 before computing stage i
+constexpr bool WG = W12_WG != 0;        // wgmma (sm_90a) with A from registers instead of mma.sync
 constexpr int R = 16 * MT * CW;     // weight rows per CTA (TMA box height)
 constexpr int TOKS = 8 * NT;
 constexpr int XP = 144;             // shared pitch of one token's 128 bytes of x (+16: no bank conflicts)
@@ -75,6 +79,13 @@ struct Frag {  // one consumer warp's registers for one chunk
   uint4 h[MT][2], l[MT][2], x[NT][2];
 };
 constexpr int ESC = 2 * MT;         // rows per consumer thread
+// wgmma path: per warpgroup two buffers (alternating by chunk) of x in the permuted k order the A
+// registers use, laid out as the canonical no-swizzle K-major B operand: per k-step s, core
+// matrices of 8 tokens x 8 k (128 bytes) at s * TOKS * 32 + (token / 8) * 256 + (k / 8) * 128.
+constexpr int BB = TOKS * 128;      // bytes of one chunk's permuted x
+static_assert(!WG || (MT == 1 && (CW == 4 || CW == 8)), "the wgmma path takes MT = 1 and one or two warpgroups");
+static_assert(!WG || !AHEAD, "the wgmma path has no look-ahead variant");
+static_assert(NT == 1 || NT == 2 || NT == 4, "n-tiles: 1, 2 or 4");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -117,6 +128,57 @@ __device__ __forceinline__ void bulk_1d(uint32_t dst, const void* src, uint32_t 
                : "memory");
 }
 
+__device__ __forceinline__ uint32_t lds32(uint32_t a) {
+  uint32_t v;
+  asm volatile("ld.shared.u32 %0, [%1];" : "=r"(v) : "r"(a));
+  return v;
+}
+
+__device__ __forceinline__ void sts128(uint32_t a, uint4 v) {
+  asm volatile("st.shared.v4.u32 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(v.x), "r"(v.y), "r"(v.z), "r"(v.w) : "memory");
+}
+
+// named barrier of one warpgroup (ids 1, 2; 0 is __syncthreads): immediate ids keep ptxas from
+// reserving all 16 barriers
+__device__ __forceinline__ void wg_bar_sync(int wg) {
+  if (wg == 0)
+    asm volatile("bar.sync 1, 128;" ::: "memory");
+  else
+    asm volatile("bar.sync 2, 128;" ::: "memory");
+}
+
+// canonical no-swizzle K-major operand descriptor: start, LBO = 128 B (next 8 k), SBO = 256 B (next 8 rows)
+__device__ __forceinline__ uint64_t wg_desc(uint32_t addr) {
+  return (uint64_t)((addr & 0x3FFFF) >> 4) | ((uint64_t)(128 >> 4) << 16) | ((uint64_t)(256 >> 4) << 32);
+}
+
+// d[64 x 8 NT] += A[64 x 16] (registers: this warp's 16 rows, laid out as for mma.m16n8k16) * B[16 x 8 NT]
+// (shared memory, descriptor); d holds this thread's 4 NT accumulators in mma.m16n8 order per n-tile
+__device__ __forceinline__ void wgmma_rs(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3, uint64_t desc) {
+  if constexpr (NT == 1) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+  } else if constexpr (NT == 2) {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, {%8, %9, %10, %11}, "
+        "%12, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+  } else {
+    asm volatile(
+        "{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+        "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, "
+        "%12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}\n"
+        : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3]), "+f"(d[4]), "+f"(d[5]), "+f"(d[6]), "+f"(d[7]), "+f"(d[8]),
+          "+f"(d[9]), "+f"(d[10]), "+f"(d[11]), "+f"(d[12]), "+f"(d[13]), "+f"(d[14]), "+f"(d[15])
+        : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "l"(desc));
+  }
+}
+
 __device__ __forceinline__ uint4 lds128(uint32_t a) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
@@ -149,7 +211,9 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
 
   const int lane = threadIdx.x & 31;
-  const int warp = threadIdx.x >> 5;
+  // wgmma path: a warp index read through shfl is provably warp-uniform, so ptxas does not serialise
+  // the wgmma instructions behind the producer / consumer branch
+  const int warp = WG ? __shfl_sync(0xffffffffu, threadIdx.x >> 5, 0) : threadIdx.x >> 5;
   const int g = lane >> 2;
   const int q = lane & 3;
   const int r0 = blockIdx.x * R;
@@ -294,7 +358,74 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
           ev[e] = eval[ep0[e]];
         }
     };
-    if constexpr (!AHEAD) {
+    if constexpr (WG) {
+      // wgmma: the warpgroup's 128 threads copy x into the permuted K-major layout, then each
+      // k-step is one m64 x n(8 NT) x k16 wgmma with this warp's decoded rows as A
+      const int wg = warp >> 2;
+      const int wt = threadIdx.x - 128 * wg;
+      const uint32_t wbase = base + STAGES * SB + 1024;
+      for (int i = 0; i < nch; ++i) {
+        const int s = i % STAGES;
+        mbar_wait(full(s), (i / STAGES) & 1);
+        const uint32_t st = base + s * SB;
+        uint4 fh[2], fl[2];
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int rl = 16 * warp + 8 * h + g;
+          fh[h] = lds128(st + rl * 64 + 16 * q);
+          if (!Q8) fl[h] = lds128(st + HB + rl * 32 + 16 * (q & 1));
+        }
+        const uint32_t bbuf = wbase + (2 * wg + (i & 1)) * BB;
+        for (int pc = wt; pc < TOKS * 8; pc += 128) {
+          const int off = 16 * pc;
+          const int ks = off / (TOKS * 32), rem = off % (TOKS * 32);
+          const int tok = (rem / 256) * 8 + (rem % 128) / 16, ph = (rem % 256) / 128;
+          const uint32_t src = st + HB + LB + tok * XP + 8 * ks + 4 * ph;  // k slots 8 ph .. 8 ph + 7 of step ks
+          sts128(bbuf + off, make_uint4(lds32(src), lds32(src + 32), lds32(src + 64), lds32(src + 96)));
+        }
+        asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic stores -> wgmma's reads
+        wg_bar_sync(wg);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
+        // the accumulators stay in place while wgmma owns them (no compiler copies across the async span)
+        auto pin_acc = [&]() {
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int e = 0; e < 4; ++e) asm volatile("" : "+f"(acc[0][j][e])::"memory");
+        };
+        // decode all four k-steps first, so one fence covers the A registers of the four wgmmas
+        uint32_t a[4][4];
+#pragma unroll
+        for (int k = 0; k < 4; ++k) {
+          const uint32_t ha = word(fh[0], k), hb = word(fh[1], k);
+          if (Q8) {
+            a[k][0] = dec_pair_q8(__byte_perm(ha, 0u, 0x1404), e0x[0][0]);
+            a[k][2] = dec_pair_q8(__byte_perm(ha, 0u, 0x3424), e0x[0][0]);
+            a[k][1] = dec_pair_q8(__byte_perm(hb, 0u, 0x1404), e0x[0][1]);
+            a[k][3] = dec_pair_q8(__byte_perm(hb, 0u, 0x3424), e0x[0][1]);
+          } else {
+            const uint32_t la = (word(fl[0], k) >> sh) & 0x0F0F0F0Fu;
+            const uint32_t lb = (word(fl[1], k) >> sh) & 0x0F0F0F0Fu;
+            a[k][0] = dec_pair(__byte_perm(ha, la, 0x1504), e0x[0][0]);
+            a[k][2] = dec_pair(__byte_perm(ha, la, 0x3726), e0x[0][0]);
+            a[k][1] = dec_pair(__byte_perm(hb, lb, 0x1504), e0x[0][1]);
+            a[k][3] = dec_pair(__byte_perm(hb, lb, 0x3726), e0x[0][1]);
+          }
+        }
+        pin_acc();
+        asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+        for (int k = 0; k < 4; ++k)
+          wgmma_rs(&acc[0][0][0], a[k][0], a[k][1], a[k][2], a[k][3], wg_desc(bbuf + k * TOKS * 32));
+        asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+        pin_acc();
+        asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+        pin_acc();
+        if (i == 0) first_escapes();
+      }
+      if (nch == 0) first_escapes();
+    } else if constexpr (!AHEAD) {
       for (int i = 0; i < nch; ++i) {
         Frag f;
         fetch(f, i);
