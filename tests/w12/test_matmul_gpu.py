@@ -3,6 +3,8 @@
 Run on the GPU machine:  python -m pytest tests/w12/test_matmul_gpu.py -q
 """
 
+from concurrent.futures import ThreadPoolExecutor
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -104,11 +106,29 @@ def test_default_variant_by_generation():
     assert v == ("mma" if wcuda.available(_dev()) else "tc" if autotune.has_wgmma() else "gemv")
 
 
-@pytest.mark.parametrize("cfg", [MmaConfig(1, 1, 2), MmaConfig(2, 4, 3), MmaConfig(4, 2, 2), MmaConfig(1, 2, 4, wr=4),
-                                 MmaConfig(2, 8, 2, wr=2), MmaConfig(1, 16, 2), MmaConfig(2, 4, 4, async_copy=True),
-                                 MmaConfig(1, 4, 3, wr=2, async_copy=True), MmaConfig(4, 2, 6, async_copy=True),
-                                 MmaConfig(1, 4, 2, split=3), MmaConfig(2, 4, 4, async_copy=True, split=7)],
-                         ids=lambda c: c.tag())
+MMA_ODD = [MmaConfig(1, 1, 2), MmaConfig(2, 4, 3), MmaConfig(4, 2, 2), MmaConfig(1, 2, 4, wr=4), MmaConfig(2, 8, 2, wr=2),
+           MmaConfig(1, 16, 2), MmaConfig(2, 4, 4, async_copy=True), MmaConfig(1, 4, 3, wr=2, async_copy=True),
+           MmaConfig(4, 2, 6, async_copy=True), MmaConfig(1, 4, 2, split=3), MmaConfig(2, 4, 4, async_copy=True, split=7)]
+TMA_ODD = [TmaConfig(2, 4, 6), TmaConfig(1, 8, 8), TmaConfig(4, 4, 3), TmaConfig(1, 1, 2), TmaConfig(2, 8, 4, split=3),
+           TmaConfig(1, 4, 5, split=7), TmaConfig(2, 4, 2, split=64), TmaConfig(1, 8, 6, ahead=True),
+           TmaConfig(2, 4, 2, split=3, ahead=True), TmaConfig(1, 4, 3, split=64, ahead=True), TmaConfig(1, 4, 6, wg=True),
+           TmaConfig(1, 8, 4, split=3, wg=True), TmaConfig(1, 4, 2, split=64, wg=True)]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def _prebuild_cuda_kernels():
+    """Compile every CUDA config this module launches in parallel up front (nvcc takes ~1 s per
+    cubin; one at a time the odd-shape tests would spend minutes compiling on a fresh machine)."""
+    if not wcuda.available(_dev()):
+        return
+    arch = torch.cuda.get_device_capability()
+    cfgs = MMA_ODD + (TMA_ODD if arch[0] == 9 else [])
+    jobs = [(c, nt, q8) for c in cfgs for nt in (1, 2, 4) for q8 in (False, True)]
+    with ThreadPoolExecutor(16) as ex:
+        list(ex.map(lambda j: wcuda.build(j[0], j[1], j[2], arch), jobs))
+
+
+@pytest.mark.parametrize("cfg", MMA_ODD, ids=lambda c: c.tag())
 @pytest.mark.parametrize("N,K", [(75, 4100), (1000, 4160), (4099, 64)], ids=lambda v: str(v))
 def test_mma_configs_odd_shapes(cfg, N, K):
     """Every kernel shape on ragged N (rows past N), K not a multiple of 64 (x padded), all M tiles,
@@ -117,12 +137,7 @@ def test_mma_configs_odd_shapes(cfg, N, K):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("cfg", [TmaConfig(2, 4, 6), TmaConfig(1, 8, 8), TmaConfig(4, 4, 3), TmaConfig(1, 1, 2),
-                                 TmaConfig(2, 8, 4, split=3), TmaConfig(1, 4, 5, split=7), TmaConfig(2, 4, 2, split=64),
-                                 TmaConfig(1, 8, 6, ahead=True), TmaConfig(2, 4, 2, split=3, ahead=True),
-                                 TmaConfig(1, 4, 3, split=64, ahead=True), TmaConfig(1, 4, 6, wg=True),
-                                 TmaConfig(1, 8, 4, split=3, wg=True), TmaConfig(1, 4, 2, split=64, wg=True)],
-                         ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", TMA_ODD, ids=lambda c: c.tag())
 @pytest.mark.parametrize("N,K", [(75, 4100), (1000, 4160), (4099, 64)], ids=lambda v: str(v))
 def test_tma_configs_odd_shapes(cfg, N, K):
     """The sm_90 TMA kernel on the same cases: rows past N come from TMA's zero fill, a ring shorter
