@@ -1,0 +1,51 @@
+#!/usr/bin/env bash
+# The W12 kernels in one device call: sweep (and tune), GPU tests, ncu profile, benchmark.
+#
+#   bash perf/w12_session.sh            (OUT defaults to perf/out)
+#
+# Stages, each under its own timeout so a hung kernel costs one stage, not the call:
+#   1. perf/w12_mma_explore.py --grid final --emit: builds every cubin in parallel, checks each
+#      config against fp64 before timing it (a wrong one is reported and skipped), stores the
+#      per-cell winners in autotune/configs/<gpu>.json (copied to $OUT: copy it back).
+#   2. the W12 GPU tests (tests/w12, test_sm90_codegen) with the warm cubin cache.
+#   3. ncu on the default dispatch, cuBLAS and NCU_CONFIGS (perf/w12_diag.py), one line per kernel.
+#   4. the benchmark (linear + w12 cases, hybrid-27b) with the new tuned file, and its summary.
+# Files in $OUT (<= 8): explore.log h200.json pytest.log ncu-summary.txt <stamp>-linear-w12.{json,md,png}
+# summary.txt
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/perf/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PYTEST_OPTS=()
+python3 -c "import pytest_benchmark" 2>/dev/null || PYTEST_OPTS=(-o "addopts=-ra" -p no:cacheprovider)
+SCRATCH=$(mktemp -d)
+
+timeout "${EXPLORE_TIMEOUT:-240}" python3 perf/w12_mma_explore.py --grid final --emit --out "$SCRATCH/explore" \
+  --budget-s "${EXPLORE_BUDGET:-170}" >"$OUT/explore.log" 2>&1
+EXPLORE_RC=$?
+cp autotune/configs/*.json "$OUT/" 2>/dev/null
+
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/w12 tests/test_sm90_codegen.py -m "gpu or hopper" -q \
+  "${PYTEST_OPTS[@]}" >"$OUT/pytest.log" 2>&1
+TEST_RC=$?
+
+timeout "${NCU_TIMEOUT:-150}" python3 perf/w12_diag.py --out "$SCRATCH/diag" --ncu-only \
+  --ncu-configs "${NCU_CONFIGS:-tma-s3,tma,mma-s3}" >/dev/null 2>&1
+NCU_RC=$?
+[ -f "$SCRATCH/diag/ncu.csv" ] && python3 perf/ncu_summary.py "$SCRATCH/diag/ncu.csv" >"$OUT/ncu-summary.txt" 2>&1
+
+timeout "${BENCH_TIMEOUT:-180}" python3 -m specpilot bench --shapes hybrid-27b --ops linear w12 --out "$OUT" \
+  >/dev/null 2>&1
+BENCH_RC=$?
+LATEST=$(ls -t "$OUT"/2*-linear-w12.json 2>/dev/null | head -n 1)
+
+{
+  echo "explore rc=$EXPLORE_RC: $(grep -E 'geomean|^bad' "$OUT/explore.log" | tr '\n' ' ')"
+  echo "tests   rc=$TEST_RC: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)"
+  echo "ncu     rc=$NCU_RC"
+  echo "bench   rc=$BENCH_RC ${LATEST:-no result}"
+  [ -n "$LATEST" ] && python3 perf/w12_bench_summary.py "$LATEST"
+} 2>&1 | tee "$OUT/summary.txt"
+rm -rf "$SCRATCH"
