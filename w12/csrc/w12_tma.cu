@@ -247,6 +247,15 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   // escape ranges (and the first escape) of this thread's rows: row(e) = 16 (MT warp + e / 2) + 8 (e % 2) + g
   int ep0[ESC], ep1[ESC], ec[ESC];
   uint32_t ev[ESC];
+  // the escape lists are needed only at the end: the first escape of each row is fetched early
+  auto first_escapes = [&]() {
+#pragma unroll
+    for (int e = 0; e < ESC; ++e)
+      if (ep1[e] > ep0[e]) {
+        ec[e] = ecol[ep0[e]];
+        ev[e] = eval[ep0[e]];
+      }
+  };
 
   if (warp == CW) {
     // producer: lane 0 arms the stage and copies the planes, lanes < M copy their token's x. The
@@ -349,15 +358,6 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         }
       }
     };
-    // the escape lists are needed only at the end: fetch the first escape of each row early
-    auto first_escapes = [&]() {
-#pragma unroll
-      for (int e = 0; e < ESC; ++e)
-        if (ep1[e] > ep0[e]) {
-          ec[e] = ecol[ep0[e]];
-          ev[e] = eval[ep0[e]];
-        }
-    };
     if constexpr (WG) {
       // wgmma: the warpgroup's 128 threads copy x into the permuted K-major layout, then each
       // k-step is one m64 x n(8 NT) x k16 wgmma with this warp's decoded rows as A
@@ -424,7 +424,6 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         pin_acc();
         if (i == 0) first_escapes();
       }
-      if (nch == 0) first_escapes();
     } else if constexpr (!AHEAD) {
       for (int i = 0; i < nch; ++i) {
         Frag f;
@@ -486,15 +485,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     }
   }
   if (warp == CW) return;
-  if (splits > 1 && nch == 0) {
-    // this CTA computed nothing itself: its escapes were not prefetched
-#pragma unroll
-    for (int e = 0; e < ESC; ++e)
-      if (ep1[e] > ep0[e]) {
-        ec[e] = ecol[ep0[e]];
-        ev[e] = eval[ep0[e]];
-      }
-  }
+  if (splits > 1 && nch == 0) first_escapes();  // this CTA computed nothing: nothing was prefetched
 
   // epilogue: escapes (CSR order), bias, one rounding. acc[t][j][i] is row
   // r0 + 16 (MT warp + t) + 8 (i / 2) + g and token 8 j + 2 q + i % 2.
