@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import sys
 from pathlib import Path
 
@@ -24,6 +23,7 @@ import w12  # noqa: E402
 from w12 import cuda as wcuda  # noqa: E402
 from w12.configs import MmaConfig  # noqa: E402
 from specpilot.bench.runner import time_fns  # noqa: E402
+from specpilot.bench.registry import rotations  # noqa: E402
 
 ROOT = Path(__file__).resolve().parents[1]
 SOURCES = {"current": ROOT / "w12/csrc/w12_mma.cu", **{p.stem: p for p in sorted((ROOT / "perf/ab").glob("*.cu"))}}
@@ -36,12 +36,11 @@ def main() -> int:
     ap.add_argument("--out", default="perf/results/local")
     a = ap.parse_args()
     gen = torch.Generator(device="cuda").manual_seed(0)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     rows = []
     for name, (N, K) in SHAPES.items():
         w = (torch.randn(N, K, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
         p = w12.pack(w)
-        copies = max(1, math.ceil(3 * l2 / p.nbytes))
+        copies = rotations(p.nbytes, torch.device("cuda"))
         ps = [p] + [w12.W12Weight(**{k: v.clone() for k, v in p.planes().items()}, K=K) for _ in range(copies - 1)]
         for M in (1, 8, 32):
             x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import os
 import shutil
 import subprocess
@@ -33,6 +32,7 @@ import w12  # noqa: E402
 from w12.configs import MmaConfig, TmaConfig  # noqa: E402
 from w12 import ops as wops  # noqa: E402
 from specpilot.bench.runner import time_fns  # noqa: E402
+from specpilot.bench.registry import rotations  # noqa: E402
 from specpilot.bench.shapes import get_shape_set  # noqa: E402
 
 READ_SRC = r"""
@@ -62,7 +62,7 @@ def shapes() -> dict[str, tuple[int, int]]:
     return out
 
 
-def read_ceiling(sizes: dict[str, int], l2: int) -> dict:
+def read_ceiling(sizes: dict[str, int]) -> dict:
     import cupy as cp
 
     kern = cp.RawKernel(READ_SRC, "stream_read")
@@ -71,7 +71,7 @@ def read_ceiling(sizes: dict[str, int], l2: int) -> dict:
     res = {}
     for name, nbytes in sizes.items():
         n16 = nbytes // 16
-        copies = max(1, math.ceil(3 * l2 / nbytes))
+        copies = rotations(nbytes, torch.device("cuda"))
         bufs = [torch.randint(0, 255, (n16 * 16,), dtype=torch.uint8, device="cuda") for _ in range(copies)]
         best = None
         for per_sm, threads in ((4, 256), (8, 256), (16, 256), (4, 512), (8, 512)):
@@ -139,7 +139,6 @@ def main() -> int:
     t0 = time.time()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    l2 = torch.cuda.get_device_properties(0).L2_cache_size
     result = dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__)
 
     if not a.ncu_only:  # A and B
@@ -151,7 +150,7 @@ def main() -> int:
             sizes[f"{name}.q8"] = N * kp
             sizes[f"{name}.bf16"] = N * K * 2
         try:
-            result["read"] = read_ceiling(sizes, l2)
+            result["read"] = read_ceiling(sizes)
         except Exception as e:  # noqa: BLE001
             result["read_error"] = f"{type(e).__name__}: {e}"
             print("read ceiling failed:", result["read_error"], flush=True)
@@ -168,13 +167,13 @@ def main() -> int:
                 for tag, e in (("esc", True), ("noesc", False)):
                     w = weight(N, K, gen, e)
                     p = w12.pack(w)
-                    copies = max(1, math.ceil(3 * l2 / p.nbytes))
+                    copies = rotations(p.nbytes, torch.device("cuda"))
                     ps = [p] + [w12.W12Weight(**{k: v.clone() for k, v in p.planes().items()}, K=K)
                                 for _ in range(copies - 1)]
                     row[f"{tag}_escapes"] = int(p.esc_col.numel())
                     row[f"{tag}_us"] = time_fns([lambda q=q: w12.matmul(x, q) for q in ps], reps=20) * 1e6
                     if tag == "esc":
-                        ws = [w] + [w.clone() for _ in range(max(1, math.ceil(3 * l2 / w.nbytes)) - 1)]
+                        ws = [w] + [w.clone() for _ in range(rotations(w.nbytes, torch.device("cuda")) - 1)]
                         row["cublas_us"] = time_fns([lambda v=v: F.linear(x, v) for v in ws], reps=20) * 1e6
                         row["variant"] = wops._select("w12.matmul", x.device)
                     del ps

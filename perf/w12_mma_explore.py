@@ -34,6 +34,7 @@ import w12  # noqa: E402
 from w12 import cuda as wcuda  # noqa: E402
 from w12.configs import MmaConfig, TmaConfig  # noqa: E402
 from specpilot.bench.runner import time_fns  # noqa: E402
+from specpilot.bench.registry import rotations  # noqa: E402
 from specpilot.bench.shapes import get_shape_set  # noqa: E402
 
 MS = (1, 2, 4, 8, 16, 32)
@@ -146,7 +147,6 @@ def main() -> int:
     print(f"built {len(jobs)} cubins in {time.time() - t0:.1f}s", flush=True)
     sass = sass_histogram(wcuda.build(MmaConfig(1, 4, 2), 1, False, arch))
     print("SASS mt1-wk4-p2 nt1 mm:", json.dumps(sass), flush=True)
-    l2 = torch.cuda.get_device_properties(dev).L2_cache_size
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows, bad = [], []
     stopped = False
@@ -156,9 +156,9 @@ def main() -> int:
         w = weight(N, K, gen)
         p = w12.pack(w)
         wb = p.nbytes
-        copies = max(1, math.ceil(3 * l2 / wb))
+        copies = rotations(wb, dev)
         ps = [p] + [w12.W12Weight(**{k: v.clone() for k, v in p.planes().items()}, K=K) for _ in range(copies - 1)]
-        ws = [w] + [w.clone() for _ in range(max(1, math.ceil(3 * l2 / w.nbytes)) - 1)]
+        ws = [w] + [w.clone() for _ in range(rotations(w.nbytes, dev) - 1)]
         for M in MS:
             if time.time() - t0 > a.budget_s:
                 stopped = True
