@@ -102,6 +102,8 @@ def weight(N, K, gen, escapes=True):
 NCU_CONFIGS = {
     "tma-s3": TmaConfig(1, 8, 6, split=3), "tma": TmaConfig(2, 4, 6), "tma-cw4": TmaConfig(1, 4, 8),
     "mma-s3": MmaConfig(2, 4, 2, split=3), "mma": MmaConfig(2, 4, 2),
+    "tma-wg": TmaConfig(1, 8, 6, wg=True), "tma-wg-s3": TmaConfig(1, 8, 6, split=3, wg=True),
+    "tma-ah": TmaConfig(1, 8, 6, ahead=True),
 }
 
 

@@ -70,6 +70,12 @@ GRID_FINAL = [MmaConfig(2, 4, 2), MmaConfig(2, 4, 3), MmaConfig(1, 8, 2), MmaCon
     [TmaConfig(mt, cw, st, s, ahead=True) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 4, 6)) for s in (1, 3, 6)] + \
     [TmaConfig(1, cw, st, s, wg=True) for cw, st in ((4, 6), (8, 4), (8, 6)) for s in (1, 2, 3, 6)]
 
+# session 4 probe: the look-ahead and wgmma TMA configs against the session-3 winners, first GPU run
+GRID_PROBE = [MmaConfig(2, 4, 2), MmaConfig(2, 4, 2, split=3), MmaConfig(1, 8, 2, split=3), TmaConfig(1, 8, 6),
+              TmaConfig(1, 8, 6, 3), TmaConfig(2, 4, 6)] + \
+    [TmaConfig(mt, cw, st, s, ahead=True) for mt, cw, st in ((1, 8, 6), (2, 4, 6)) for s in (1, 3)] + \
+    [TmaConfig(1, cw, st, s, wg=True) for cw, st in ((4, 6), (8, 4), (8, 6)) for s in (1, 2, 3, 6)]
+
 
 def useful(cfg, N: int, K: int) -> bool:
     """Skip splits that leave a CTA fewer than 6 chunks or make more than 8 CTAs per SM."""
@@ -124,7 +130,7 @@ def main() -> int:
     ap.add_argument("--out", default="perf/results/local")
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--grid", choices=("mma", "tma", "final"), default="final")
+    ap.add_argument("--grid", choices=("mma", "tma", "final", "probe"), default="final")
     ap.add_argument("--only", default="", help="comma-separated shape names (default: all)")
     ap.add_argument("--emit", action="store_true", help="store each cell's best config as a tuned entry "
                     "(autotune/configs/<gpu>.json, variant 'mma')")
@@ -135,8 +141,8 @@ def main() -> int:
     dev = torch.device("cuda")
     arch = torch.cuda.get_device_capability()
     global GRID_MM, GRID_Q8
-    if a.grid in ("tma", "final"):
-        GRID_MM = GRID_Q8 = GRID_TMA if a.grid == "tma" else GRID_FINAL
+    if a.grid in ("tma", "final", "probe"):
+        GRID_MM = GRID_Q8 = dict(tma=GRID_TMA, final=GRID_FINAL, probe=GRID_PROBE)[a.grid]
     # build every cubin up front, in parallel
     jobs = [(c, nt, False) for c in GRID_MM for nt in (1, 2, 4)] + [(c, nt, True) for c in GRID_Q8 for nt in (1, 2, 4)]
     limit = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin

@@ -5,6 +5,9 @@ Run on the GPU machine:  python -m pytest tests/w12/test_matmul_gpu.py -q
 
 from concurrent.futures import ThreadPoolExecutor
 
+import shutil
+import subprocess
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -195,6 +198,18 @@ def test_tc_kernel_uses_wgmma(cfg):
     ptx = ck.asm["ptx"]
     if "wgmma" not in ptx:  # SASS needs nvdisasm; only consulted when the PTX lacks it
         assert "HGMMA" in ck.asm["sass"], f"tl.dot did not lower to wgmma on sm_90 for {cfg}"
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("nt", [1, 2, 4])
+def test_tma_wg_kernel_uses_wgmma(nt):
+    """TmaConfig(wg=True) must reach the tensor cores through wgmma (HGMMA in SASS), not mma.sync."""
+    tool = shutil.which("cuobjdump")
+    if tool is None:
+        pytest.skip("cuobjdump not on PATH")
+    cubin = wcuda.build(TmaConfig(1, 8, 6, wg=True), nt, False, torch.cuda.get_device_capability())
+    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    assert "HGMMA" in sass and "HMMA" not in sass.replace("HGMMA", "")
 
 
 def test_gemv_kernel_uses_no_tensor_cores():
