@@ -8,16 +8,19 @@
 // caps it at ~16 warps and ~50% of DRAM bandwidth on an H200 (ncu: 0.5 eligible warps per
 // scheduler). Here the bytes in flight live in shared memory: a CTA owns R = 16 * MT * CW weight
 // rows and a range of 64-column chunks; per chunk the producer issues one 2-D TMA copy of the hi
-// plane (R x 64 bytes), one of the lo plane (R x 32 bytes; none for the 8-bit view) and one 1-D
-// bulk copy of 128 bytes per token of x, all completing on the stage's "full" mbarrier. STAGES
+// plane (R x 64 bytes), one of the lo plane (R x 32 bytes; none for the 8-bit view) and one of x
+// (8 NT tokens x 128 bytes, 128-byte swizzle, tokens past M zero-filled), all completing on the
+// stage's "full" mbarrier. (Session 3 copied x with one 128-byte bulk copy per token: at M = 32
+// the 34 copies per stage made the TMA kernel 2.5x slower than at M = 1 on an H200.) STAGES
 // chunks are in flight per CTA; the consumers release a stage through its "empty" mbarrier as
 // soon as they have copied their fragments into registers.
 //
 // Fragments (same k-slot assignment as w12_mma.cu): thread (g = lane / 4, q = lane % 4) reads
 // columns 16q .. 16q + 15 of a chunk for rows g and g + 8 of each of its m-tiles (one 16-byte LDS
 // per row and plane) and of token g of each n-tile; A and B use the same permuted k slots, so the
-// dot products are exact reorderings. Shared-memory pitches (64 B hi, 32 B lo, 144 B x) make every
-// quarter-warp phase of those LDS.128 conflict-free.
+// dot products are exact reorderings. Shared-memory pitches (64 B hi, 32 B lo) and x's swizzle
+// (16-byte unit u of token t at unit u ^ (t % 8)) make every quarter-warp phase of those LDS.128
+// conflict-free.
 //
 // Consumers split the CTA's rows, not K, so there is no cross-warp reduction. Optional split-K
 // across CTAs (gridDim.y) as in w12_mma.cu: fp32 partials in a workspace, the last CTA of a row
@@ -56,6 +59,9 @@
 #ifndef W12_WG
 #define W12_WG 0
 #endif
+#ifndef W12_NULL
+#define W12_NULL 0  // diagnostic (perf/w12_tma_probe.py): consumers only wait for and release each stage
+#endif
 
 namespace {
 
@@ -66,12 +72,14 @@ constexpr int STAGES = W12_STAGES;  // chunks in flight per CTA
 constexpr bool Q8 = W12_Q8 != 0;
 constexpr bool AHEAD = W12_AHEAD != 0;  // consumers read stage i + 1 before computing stage i
 constexpr bool WG = W12_WG != 0;        // wgmma (sm_90a) with A from registers instead of mma.sync
+constexpr bool NULL_CONSUMER = W12_NULL != 0;
 constexpr int R = 16 * MT * CW;     // weight rows per CTA (TMA box height)
 constexpr int TOKS = 8 * NT;
-constexpr int XP = 144;             // shared pitch of one token's 128 bytes of x (+16: no bank conflicts)
+// stage layout: hi [R x 64 B] | x [TOKS x 128 B, 128-byte swizzle] | lo [R x 32 B]; x's swizzle
+// pattern repeats every 1024 bytes, so it sits at a 1024-aligned offset (HB is a multiple of 1024)
 constexpr int HB = R * 64;          // hi bytes per stage
+constexpr int XB = TOKS * 128;      // x bytes per stage
 constexpr int LB = Q8 ? 0 : R * 32; // lo bytes per stage
-constexpr int XB = TOKS * XP;
 constexpr int SB = (HB + LB + XB + 1023) / 1024 * 1024;  // stage stride (TMA destinations 1024-aligned)
 static_assert(R <= 256, "a TMA box is at most 256 rows");
 
@@ -86,6 +94,11 @@ constexpr int BB = TOKS * 128;      // bytes of one chunk's permuted x
 static_assert(!WG || (MT == 1 && (CW == 4 || CW == 8)), "the wgmma path takes MT = 1 and one or two warpgroups");
 static_assert(!WG || !AHEAD, "the wgmma path has no look-ahead variant");
 static_assert(NT == 1 || NT == 2 || NT == 4, "n-tiles: 1, 2 or 4");
+
+// byte b of token t in a stage's x (TMA's 128-byte swizzle: 16-byte unit b / 16 moves to (b / 16) ^ (t % 8))
+__device__ __forceinline__ uint32_t x_off(int t, int b) {
+  return HB + t * 128 + ((((b >> 4) ^ t) & 7) << 4) + (b & 15);
+}
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -120,12 +133,6 @@ __device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
       ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
-}
-
-__device__ __forceinline__ void bulk_1d(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
-  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
-               "l"(src), "r"(bytes), "r"(bar)
-               : "memory");
 }
 
 __device__ __forceinline__ uint32_t lds32(uint32_t a) {
@@ -190,7 +197,8 @@ __device__ __forceinline__ uint4 lds128(uint32_t a) {
 extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_kernel(
     const __grid_constant__ CUtensorMap tm_hi,  // uint8 [N, Kp], box 64 x R
     const __grid_constant__ CUtensorMap tm_lo,  // uint8 [N, Kp / 2], box 32 x R (unused for Q8)
-    const __nv_bfloat16* __restrict__ x,        // [M, >= Kp], row stride ldx, 16-byte aligned rows
+    const __grid_constant__ CUtensorMap tm_x,   // 16-bit [M, Kp] (row stride ldx), box 64 x 8 NT, 128 B swizzle
+    const __nv_bfloat16* __restrict__ x,        // the same x (escapes), 16-byte aligned rows
     long long ldx,
     const uint8_t* __restrict__ e0,             // [N]
     const int* __restrict__ rowptr,             // [N + 1]
@@ -206,7 +214,6 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   const uint32_t bars = base + STAGES * SB;  // full[STAGES], empty[STAGES], 8 bytes each
-  uint8_t* const base_g = smem_raw + (base - raw);
   auto full = [&](int s) { return bars + 8u * s; };
   auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
 
@@ -228,11 +235,6 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       mbar_init(empty(s), CW);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
-  }
-  // tokens past M read zeros: their x rows are never written by the copies
-  for (int i = threadIdx.x; i < STAGES * (TOKS - M) * 8; i += blockDim.x) {
-    const int s = i / ((TOKS - M) * 8), r = i % ((TOKS - M) * 8);
-    *reinterpret_cast<uint4*>(base_g + s * SB + HB + LB + (M + r / 8) * XP + 16 * (r % 8)) = make_uint4(0, 0, 0, 0);
   }
   __syncthreads();
 
@@ -258,35 +260,31 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   };
 
   if (warp == CW) {
-    // producer: lane 0 arms the stage and copies the planes, lanes < M copy their token's x. The
-    // planes of the first STAGES chunks go out before waiting for the previous kernel (x may be its
-    // output; the weights are not), so under programmatic dependent launch they stream in while it
-    // finishes.
-    const int pre = min(nch, STAGES);
+    // producer: lane 0 arms each stage and issues its three copies. The planes of the first STAGES
+    // chunks go out before waiting for the previous kernel (x may be its output; the weights are
+    // not), so under programmatic dependent launch they stream in while it finishes.
     if (lane == 0) {
+      const int pre = min(nch, STAGES);
       for (int i = 0; i < pre; ++i) {
-        mbar_expect_tx(full(i), HB + LB + 128u * M);
+        mbar_expect_tx(full(i), HB + LB + XB);
         tma_2d(base + i * SB, &tm_hi, 64 * (c_begin + i), r0, full(i));
-        if (!Q8) tma_2d(base + i * SB + HB, &tm_lo, 32 * (c_begin + i), r0, full(i));
+        if (!Q8) tma_2d(base + i * SB + HB + XB, &tm_lo, 32 * (c_begin + i), r0, full(i));
       }
-    }
-    grid_dep_wait();
-    __syncwarp();
-    for (int i = 0; i < nch; ++i) {
-      const int s = i % STAGES;
-      const int c = c_begin + i;
-      const uint32_t st = base + s * SB;
-      if (i >= pre) {
-        mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
-        if (lane == 0) {
-          mbar_expect_tx(full(s), HB + LB + 128u * M);
+      grid_dep_wait();
+      for (int i = 0; i < nch; ++i) {
+        const int s = i % STAGES;
+        const int c = c_begin + i;
+        const uint32_t st = base + s * SB;
+        if (i >= pre) {
+          mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
+          mbar_expect_tx(full(s), HB + LB + XB);
           tma_2d(st, &tm_hi, 64 * c, r0, full(s));
-          if (!Q8) tma_2d(st + HB, &tm_lo, 32 * c, r0, full(s));
+          if (!Q8) tma_2d(st + HB + XB, &tm_lo, 32 * c, r0, full(s));
         }
-        __syncwarp();
+        tma_2d(st + HB, &tm_x, 64 * c, 0, full(s));
       }
-      if (lane < M) bulk_1d(st + HB + LB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
     }
+    __syncwarp();
     grid_dep_launch();  // every copy is issued: the next kernel's CTAs may start
   } else {
 #pragma unroll
@@ -320,12 +318,12 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         for (int h = 0; h < 2; ++h) {
           const int rl = 16 * (MT * warp + t) + 8 * h + g;
           f.h[t][h] = lds128(st + rl * 64 + 16 * q);
-          if (!Q8) f.l[t][h] = lds128(st + HB + rl * 32 + 16 * (q & 1));
+          if (!Q8) f.l[t][h] = lds128(st + HB + XB + rl * 32 + 16 * (q & 1));
         }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        f.x[j][0] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q);
-        f.x[j][1] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q + 16);
+        f.x[j][0] = lds128(st + x_off(8 * j + g, 32 * q));
+        f.x[j][1] = lds128(st + x_off(8 * j + g, 32 * q + 16));
       }
       __syncwarp();
       if (lane == 0) mbar_arrive(empty(s));
@@ -358,7 +356,13 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         }
       }
     };
-    if constexpr (WG) {
+    if constexpr (NULL_CONSUMER) {  // the ring's streaming rate alone: outputs are garbage
+      for (int i = 0; i < nch; ++i) {
+        mbar_wait(full(i % STAGES), (i / STAGES) & 1);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(i % STAGES));
+      }
+    } else if constexpr (WG) {
       // wgmma: the warpgroup's 128 threads copy x into the permuted K-major layout, then each
       // k-step is one m64 x n(8 NT) x k16 wgmma with this warp's decoded rows as A
       const int wg = warp >> 2;
@@ -373,15 +377,16 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         for (int h = 0; h < 2; ++h) {
           const int rl = 16 * warp + 8 * h + g;
           fh[h] = lds128(st + rl * 64 + 16 * q);
-          if (!Q8) fl[h] = lds128(st + HB + rl * 32 + 16 * (q & 1));
+          if (!Q8) fl[h] = lds128(st + HB + XB + rl * 32 + 16 * (q & 1));
         }
         const uint32_t bbuf = wbase + (2 * wg + (i & 1)) * BB;
         for (int pc = wt; pc < TOKS * 8; pc += 128) {
           const int off = 16 * pc;
           const int ks = off / (TOKS * 32), rem = off % (TOKS * 32);
           const int tok = (rem / 256) * 8 + (rem % 128) / 16, ph = (rem % 256) / 128;
-          const uint32_t src = st + HB + LB + tok * XP + 8 * ks + 4 * ph;  // k slots 8 ph .. 8 ph + 7 of step ks
-          sts128(bbuf + off, make_uint4(lds32(src), lds32(src + 32), lds32(src + 64), lds32(src + 96)));
+          const int b = 8 * ks + 4 * ph;  // k slots 8 ph .. 8 ph + 7 of step ks: bytes b + 32 w of the token
+          sts128(bbuf + off, make_uint4(lds32(st + x_off(tok, b)), lds32(st + x_off(tok, b + 32)),
+                                        lds32(st + x_off(tok, b + 64)), lds32(st + x_off(tok, b + 96))));
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic stores -> wgmma's reads
         wg_bar_sync(wg);
