@@ -1,7 +1,9 @@
 """Where the TMA kernel's time goes, side by side in one process: per (shape, M, TmaConfig) the
 kernel as built, the same kernel with W12_NULL=1 (consumers only wait for and release each stage:
-the streaming rate of the ring and its TMA box geometry alone), the register-pipelined kernel and
-cuBLAS, plus a plain streaming read of the same bytes (perf/w12_diag.py's read ceiling).
+the streaming rate of the ring and its TMA box geometry alone), with W12_NULL=1 W12_CM=1 (the same
+bytes read as if the planes were stored chunk-major, [Kp / 64][N][64]: every box one contiguous
+range), the register-pipelined kernel and cuBLAS, plus a plain streaming read of the same bytes
+(perf/w12_diag.py's read ceiling). `--quick`: M = 1 and the null builds only.
 
     python3 perf/w12_tma_probe.py --out $OUT
 """
@@ -34,7 +36,12 @@ MMA = MmaConfig(2, 4, 2)
 def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="perf/results/local")
+    ap.add_argument("--quick", action="store_true")
     a = ap.parse_args()
+    tmap = wcuda._tensor_map
+
+    def cm_map(t, box_cols, box_rows, **kw):  # planes as chunk-major rows of one chunk each
+        return tmap(t.reshape(-1, box_cols) if t.dtype == torch.uint8 else t, box_cols, box_rows, **kw)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     flags = wcuda._flags
@@ -52,7 +59,7 @@ def main() -> int:
         copies = rotations(p.nbytes, torch.device("cuda"))
         ps = [p] + [w12.W12Weight(**{k: v.clone() for k, v in p.planes().items()}, K=K) for _ in range(copies - 1)]
         ws = [w] + [w.clone() for _ in range(rotations(w.nbytes, torch.device("cuda")) - 1)]
-        for M in (1, 8, 32):
+        for M in ((1,) if a.quick else (1, 8, 32)):
             x = torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16)
             ref = x.double() @ w.double().T
             outs = [torch.empty(M, N, device="cuda", dtype=torch.bfloat16) for _ in ps]
@@ -62,9 +69,13 @@ def main() -> int:
             def fns(cfg):
                 return [lambda i=i: wcuda.launch(cfg, x, ps[i].hi, ps[i].lo, ps[i].e0, ps[i].esc_rowptr, ps[i].esc_col,
                                                  ps[i].esc_val, None, outs[i]) for i in range(len(ps))]
-            for cfg in [MMA] + CFGS:
-                for null in ((False, True) if isinstance(cfg, TmaConfig) else (False,)):
-                    wcuda._flags = (lambda c, nt, q8, arch, _n=null: flags(c, nt, q8, arch) + (["-DW12_NULL=1"] if _n else []))
+            for cfg in ([] if a.quick else [MMA]) + CFGS:
+                modes = ("null", "cm") if a.quick else ("", "null", "cm")
+                for mode in (modes if isinstance(cfg, TmaConfig) else ("",)):
+                    null = mode != ""
+                    extra = {"": [], "null": ["-DW12_NULL=1"], "cm": ["-DW12_NULL=1", "-DW12_CM=1"]}[mode]
+                    wcuda._flags = (lambda c, nt, q8, arch, _e=extra: flags(c, nt, q8, arch) + _e)
+                    wcuda._tensor_map = cm_map if mode == "cm" else tmap
                     wcuda._FUNCS.clear()
                     try:
                         f = fns(cfg)
@@ -75,10 +86,11 @@ def main() -> int:
                         if not null and not err < 1e-2:
                             row[cfg.tag()] = f"BAD err {err:.3g}"
                             continue
-                        row[cfg.tag() + ("-null" if null else "")] = time_fns(f, reps=20) * 1e6
+                        row[cfg.tag() + (f"-{mode}" if mode else "")] = time_fns(f, reps=20) * 1e6
                     except Exception as e:  # noqa: BLE001
-                        row[cfg.tag() + ("-null" if null else "")] = f"{type(e).__name__}: {str(e)[:100]}"
+                        row[cfg.tag() + (f"-{mode}" if mode else "")] = f"{type(e).__name__}: {str(e)[:100]}"
             wcuda._flags = flags
+            wcuda._tensor_map = tmap
             wcuda._FUNCS.clear()
             rows.append(row)
             print(json.dumps({k: (round(v, 1) if isinstance(v, float) else v) for k, v in row.items()}), flush=True)

@@ -59,6 +59,9 @@
 #ifndef W12_WG
 #define W12_WG 0
 #endif
+#ifndef W12_CM
+#define W12_CM 0  // diagnostic: plane boxes addressed as chunk-major [Kp / 64][N][64] (tensor maps of the probe)
+#endif
 #ifndef W12_NULL
 #define W12_NULL 0  // diagnostic (perf/w12_tma_probe.py): consumers only wait for and release each stage
 #endif
@@ -263,12 +266,16 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     // producer: lane 0 arms each stage and issues its three copies. The planes of the first STAGES
     // chunks go out before waiting for the previous kernel (x may be its output; the weights are
     // not), so under programmatic dependent launch they stream in while it finishes.
+    auto plane_copies = [&](uint32_t st, int c, uint32_t bar) {
+      const int cx = W12_CM ? 0 : 64 * c, cy = W12_CM ? c * N + r0 : r0;
+      tma_2d(st, &tm_hi, cx, cy, bar);
+      if (!Q8) tma_2d(st + HB + XB, &tm_lo, cx / 2, cy, bar);
+    };
     if (lane == 0) {
       const int pre = min(nch, STAGES);
       for (int i = 0; i < pre; ++i) {
         mbar_expect_tx(full(i), HB + LB + XB);
-        tma_2d(base + i * SB, &tm_hi, 64 * (c_begin + i), r0, full(i));
-        if (!Q8) tma_2d(base + i * SB + HB + XB, &tm_lo, 32 * (c_begin + i), r0, full(i));
+        plane_copies(base + i * SB, c_begin + i, full(i));
       }
       grid_dep_wait();
       for (int i = 0; i < nch; ++i) {
@@ -278,8 +285,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         if (i >= pre) {
           mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
           mbar_expect_tx(full(s), HB + LB + XB);
-          tma_2d(st, &tm_hi, 64 * c, r0, full(s));
-          if (!Q8) tma_2d(st + HB + XB, &tm_lo, 32 * c, r0, full(s));
+          plane_copies(st, c, full(s));
         }
         tma_2d(st + HB, &tm_x, 64 * c, 0, full(s));
       }
