@@ -28,8 +28,7 @@ from specpilot.bench.runner import time_fns  # noqa: E402
 from specpilot.bench.registry import rotations  # noqa: E402
 
 SHAPES = {"attn.o_proj": (5120, 6144), "gdn.in_proj": (16480, 5120), "mlp.gate_up_proj": (34816, 5120)}
-CFGS = [TmaConfig(1, 8, 6), TmaConfig(1, 8, 6, split=3), TmaConfig(2, 4, 6), TmaConfig(1, 8, 10),
-        TmaConfig(1, 8, 6, split=3, wg=True), TmaConfig(2, 8, 4)]
+CFGS = [TmaConfig(1, 8, 6), TmaConfig(1, 8, 6, split=3), TmaConfig(2, 4, 6), TmaConfig(1, 8, 10), TmaConfig(2, 8, 4)]
 MMA = MmaConfig(2, 4, 2)
 
 
@@ -42,6 +41,9 @@ def main() -> int:
 
     def cm_map(t, box_cols, box_rows, **kw):  # planes as chunk-major rows of one chunk each
         return tmap(t.reshape(-1, box_cols) if t.dtype == torch.uint8 else t, box_cols, box_rows, **kw)
+
+    def wide_map(w):  # plane boxes w times wider, w times fewer rows (W12_WIDE=w)
+        return lambda t, bc, br, **kw: tmap(t, bc * w, br // w, **kw) if t.dtype == torch.uint8 else tmap(t, bc, br, **kw)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     flags = wcuda._flags
@@ -70,12 +72,13 @@ def main() -> int:
                 return [lambda i=i: wcuda.launch(cfg, x, ps[i].hi, ps[i].lo, ps[i].e0, ps[i].esc_rowptr, ps[i].esc_col,
                                                  ps[i].esc_val, None, outs[i]) for i in range(len(ps))]
             for cfg in ([] if a.quick else [MMA]) + CFGS:
-                modes = ("null", "cm") if a.quick else ("", "null", "cm")
+                modes = ("null", "cm", "w2", "w4") if a.quick else ("", "null", "cm")
                 for mode in (modes if isinstance(cfg, TmaConfig) else ("",)):
                     null = mode != ""
-                    extra = {"": [], "null": ["-DW12_NULL=1"], "cm": ["-DW12_NULL=1", "-DW12_CM=1"]}[mode]
+                    extra = {"": [], "null": ["-DW12_NULL=1"], "cm": ["-DW12_NULL=1", "-DW12_CM=1"],
+                             "w2": ["-DW12_NULL=1", "-DW12_WIDE=2"], "w4": ["-DW12_NULL=1", "-DW12_WIDE=4"]}[mode]
                     wcuda._flags = (lambda c, nt, q8, arch, _e=extra: flags(c, nt, q8, arch) + _e)
-                    wcuda._tensor_map = cm_map if mode == "cm" else tmap
+                    wcuda._tensor_map = {"cm": cm_map, "w2": wide_map(2), "w4": wide_map(4)}.get(mode, tmap)
                     wcuda._FUNCS.clear()
                     try:
                         f = fns(cfg)

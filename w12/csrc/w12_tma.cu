@@ -62,6 +62,9 @@
 #ifndef W12_CM
 #define W12_CM 0  // diagnostic: plane boxes addressed as chunk-major [Kp / 64][N][64] (tensor maps of the probe)
 #endif
+#ifndef W12_WIDE
+#define W12_WIDE 1  // diagnostic (with W12_NULL): boxes of 64 W columns x R / W rows, same bytes per stage
+#endif
 #ifndef W12_NULL
 #define W12_NULL 0  // diagnostic (perf/w12_tma_probe.py): consumers only wait for and release each stage
 #endif
@@ -267,7 +270,8 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     // chunks go out before waiting for the previous kernel (x may be its output; the weights are
     // not), so under programmatic dependent launch they stream in while it finishes.
     auto plane_copies = [&](uint32_t st, int c, uint32_t bar) {
-      const int cx = W12_CM ? 0 : 64 * c, cy = W12_CM ? c * N + r0 : r0;
+      constexpr int W = W12_WIDE;
+      const int cx = W12_CM ? 0 : 64 * W * (c / W), cy = W12_CM ? c * N + r0 : r0 + (c % W) * (R / W);
       tma_2d(st, &tm_hi, cx, cy, bar);
       if (!Q8) tma_2d(st + HB + XB, &tm_lo, cx / 2, cy, bar);
     };
