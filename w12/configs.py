@@ -117,26 +117,27 @@ class MmaConfig:
 @dataclass(frozen=True)
 class TmaConfig:
     """CUDA C++ kernel for sm_90 (csrc/w12_tma.cu): one producer warp streams 64-column chunks of
-    the planes (2-D TMA) and of x (1-D bulk copies) into a `stages`-deep shared-memory ring; `cw`
-    consumer warps, each owning 16 * `mt` rows, decode them in registers into mma.sync. A CTA owns
+    the planes and of x (2-D TMA boxes) into a `stages`-deep shared-memory ring; `cw` consumer
+    warps, each owning 16 * `mt` rows, decode them in registers into mma.sync. A CTA owns
     16 * `mt` * `cw` rows (<= 256, one TMA box); `split` CTAs share a row block along K.
-    Two options are built and checked on the CPU (numpy replay, PTX) but have NOT run on a GPU yet:
-    `ahead` (consumers read stage i + 1 before computing stage i) and `wg` (each warpgroup of 4
-    consumer warps issues one wgmma m64 x n(8 NT) x k16 per k-step with the decoded A from
-    registers and x permuted into a K-major shared-memory B; sm_90a)."""
+    Options, both correct on the H200 and both opt-in (session-4 probe, perf/results/h200):
+    `ahead` (consumers read stage i + 1 before computing stage i; within noise of the default) and
+    `wg` (each warpgroup of 4 consumer warps issues one wgmma m64 x n(8 NT) x k16 per k-step with
+    the decoded A from registers and x permuted into a K-major shared-memory B; sm_90a; slower
+    than mma.sync on every measured cell: the per-stage permutation copy costs more than it saves)."""
 
     mt: int = 2
     cw: int = 4
     stages: int = 6
     split: int = 1
-    ahead: bool = False  # consumers read stage i + 1's fragments before computing stage i (not yet measured)
-    wg: bool = False  # wgmma (sm_90a) with the decoded A from registers; needs mt = 1, cw % 4 == 0 (not yet run)
+    ahead: bool = False  # consumers read stage i + 1's fragments before computing stage i
+    wg: bool = False  # wgmma (sm_90a) with the decoded A from registers; needs mt = 1, cw in (4, 8)
 
     def __post_init__(self):
-        if self.mt not in (1, 2, 4) or self.cw not in (1, 2, 4, 8) or 16 * self.mt * self.cw > 256 \
+        if self.mt not in (1, 2, 4) or self.cw not in (1, 2, 4, 8, 16) or 16 * self.mt * self.cw > 256 \
                 or not 2 <= self.stages <= 16 or not 1 <= self.split <= 64 \
-                or (self.wg and (self.mt != 1 or self.cw % 4 or self.ahead)):
-            raise ValueError("TmaConfig needs mt in (1, 2, 4), cw in (1, 2, 4, 8), 16 * mt * cw <= 256 rows, "
+                or (self.wg and (self.mt != 1 or self.cw not in (4, 8) or self.ahead)):
+            raise ValueError("TmaConfig needs mt in (1, 2, 4), cw in (1, 2, 4, 8, 16), 16 * mt * cw <= 256 rows, "
                              "2 <= stages <= 16, 1 <= split <= 64, and for wg=True mt = 1, cw in (4, 8) and no "
                              f"look-ahead; got {self}")
 

@@ -115,7 +115,8 @@ MMA_ODD = [MmaConfig(1, 1, 2), MmaConfig(2, 4, 3), MmaConfig(4, 2, 2), MmaConfig
 TMA_ODD = [TmaConfig(2, 4, 6), TmaConfig(1, 8, 8), TmaConfig(4, 4, 3), TmaConfig(1, 1, 2), TmaConfig(2, 8, 4, split=3),
            TmaConfig(1, 4, 5, split=7), TmaConfig(2, 4, 2, split=64), TmaConfig(1, 8, 6, ahead=True),
            TmaConfig(2, 4, 2, split=3, ahead=True), TmaConfig(1, 4, 3, split=64, ahead=True), TmaConfig(1, 4, 6, wg=True),
-           TmaConfig(1, 8, 4, split=3, wg=True), TmaConfig(1, 4, 2, split=64, wg=True)]
+           TmaConfig(1, 8, 4, split=3, wg=True), TmaConfig(1, 4, 2, split=64, wg=True), TmaConfig(1, 16, 3),
+           TmaConfig(1, 16, 4, split=3, ahead=True)]
 
 
 @pytest.fixture(scope="module", autouse=True)

@@ -379,7 +379,7 @@ def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(t
     cuda = _nvcc_or_skip()
     monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
     for cfg, nt in [(TmaConfig(2, 4, 6), 1), (TmaConfig(1, 8, 8, split=3), 4), (TmaConfig(4, 4, 4), 2),
-                    (TmaConfig(2, 8, 4), 4), (TmaConfig(1, 1, 2), 1), (TmaConfig(1, 8, 6, ahead=True), 1),
+                    (TmaConfig(2, 8, 4), 4), (TmaConfig(1, 1, 2), 1), (TmaConfig(1, 16, 4), 4), (TmaConfig(1, 8, 6, ahead=True), 1),
                     (TmaConfig(2, 4, 4, split=3, ahead=True), 4)]:
         tensor_copies = {}
         for q8 in (False, True):
@@ -433,7 +433,7 @@ def test_tma_config_validation_and_smem():
         TmaConfig(mt=4, cw=8)
     with pytest.raises(ValueError, match="stages"):
         TmaConfig(stages=1)
-    for bad in (dict(mt=2, cw=4), dict(mt=1, cw=2), dict(mt=1, cw=4, ahead=True)):
+    for bad in (dict(mt=2, cw=4), dict(mt=1, cw=2), dict(mt=1, cw=16), dict(mt=1, cw=4, ahead=True)):
         with pytest.raises(ValueError, match="wg=True"):
             TmaConfig(wg=True, **bad)
     assert TmaConfig(1, 8, 4, wg=True).tag() == "tma-mt1-cw8-st4-wg"
