@@ -149,6 +149,23 @@ def test_tma_configs_odd_shapes(cfg, N, K):
     _odd_shapes(cfg, N, K)
 
 
+@pytest.mark.hopper
+@pytest.mark.parametrize("cfg", [TmaConfig(1, 4, 8, ahead=True), TmaConfig(1, 4, 8), TmaConfig(1, 8, 6),
+                                 TmaConfig(1, 8, 6, split=3, ahead=True)], ids=lambda c: c.tag())
+def test_tma_ring_reuse_is_race_free(cfg):
+    """Many CTAs per SM, each refilling its ring ~40 times: every launch must give the same bits
+    (and the reference). Session 4 saw one wrong LM-head result (M = 16, cw4 st8 look-ahead) while
+    stages were released with their loads still outstanding."""
+    w = _weight(16384, 5120, seed=7)
+    p = w12.pack(w)
+    x = _x(16, 5120, seed=8)
+    with autotune.force("w12.matmul", config=cfg):
+        first = w12.matmul(x, p)
+        _check(first, x, w, p)
+        for _ in range(20):
+            assert_bitwise_equal(w12.matmul(x, p), first)
+
+
 def _odd_shapes(cfg, N, K):
     w = _weight(N, K, seed=N + K)
     w[1, 3], w[2, 7], w[min(4, N - 1), 1] = float("inf"), float("nan"), -0.0

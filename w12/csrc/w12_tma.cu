@@ -12,8 +12,8 @@
 // (8 NT tokens x 128 bytes, 128-byte swizzle, tokens past M zero-filled), all completing on the
 // stage's "full" mbarrier. (Session 3 copied x with one 128-byte bulk copy per token: at M = 32
 // the 34 copies per stage made the TMA kernel 2.5x slower than at M = 1 on an H200.) STAGES
-// chunks are in flight per CTA; the consumers release a stage through its "empty" mbarrier as
-// soon as they have copied their fragments into registers.
+// chunks are in flight per CTA; a consumer warp releases a stage through its "empty" mbarrier
+// once the fragments it loaded from it have been used (mma issued), never with loads outstanding.
 //
 // Fragments (same k-slot assignment as w12_mma.cu): thread (g = lane / 4, q = lane % 4) reads
 // columns 16q .. 16q + 15 of a chunk for rows g and g + 8 of each of its m-tiles (one 16-byte LDS
@@ -317,7 +317,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         e0x[t][h] = (e << 7) | (e << 23);
       }
     const int sh = (q >> 1) * 4;  // columns 32..63 of a chunk sit in the high nibbles
-    // copy this warp's fragments of stage i out of shared memory, then release the stage
+    // copy this warp's fragments of stage i out of shared memory (released by `release` once used)
     auto fetch = [&](Frag& f, int i) {
       const int s = i % STAGES;
       mbar_wait(full(s), (i / STAGES) & 1);
@@ -335,8 +335,13 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         f.x[j][0] = lds128(st + x_off(8 * j + g, 32 * q));
         f.x[j][1] = lds128(st + x_off(8 * j + g, 32 * q + 16));
       }
+    };
+    // stage i may be refilled once this warp's loads from it have been consumed: an arrive right
+    // after the LDS (session 3) let the TMA overwrite a stage whose loads were still outstanding
+    // under look-ahead (one wrong LM-head result at M = 16 in the session-4 sweep, rel. err 3e-4)
+    auto release = [&](int i) {
       __syncwarp();
-      if (lane == 0) mbar_arrive(empty(s));
+      if (lane == 0) mbar_arrive(empty(i % STAGES));
     };
     auto compute = [&](const Frag& f) {
 #pragma unroll
@@ -400,8 +405,6 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic stores -> wgmma's reads
         wg_bar_sync(wg);
-        __syncwarp();
-        if (lane == 0) mbar_arrive(empty(s));
         // the accumulators stay in place while wgmma owns them (no compiler copies across the async span)
         auto pin_acc = [&]() {
 #pragma unroll
@@ -437,6 +440,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         pin_acc();
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         pin_acc();
+        release(i);  // fh / fl and the stage's x are consumed
         if (i == 0) first_escapes();
       }
     } else if constexpr (!AHEAD) {
@@ -444,6 +448,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         Frag f;
         fetch(f, i);
         compute(f);
+        release(i);
         if (i == 0) first_escapes();
       }
     } else {
@@ -454,9 +459,11 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       for (int i = 0; i < nch; i += 2) {
         if (i + 1 < nch) fetch(f[1], i + 1);
         compute(f[0]);
+        release(i);
         if (i + 1 < nch) {
           if (i + 2 < nch) fetch(f[0], i + 2);
           compute(f[1]);
+          release(i + 1);
         }
       }
     }
