@@ -103,7 +103,11 @@ static_assert(NT == 1 || NT == 2 || NT == 4, "n-tiles: 1, 2 or 4");
 
 // byte b of token t in a stage's x (TMA's 128-byte swizzle: 16-byte unit b / 16 moves to (b / 16) ^ (t % 8))
 __device__ __forceinline__ uint32_t x_off(int t, int b) {
+#if defined(W12_XSWZ) && W12_XSWZ == 0  // diagnostic: x box copied unswizzled (host map without swizzle)
+  return HB + t * 128 + b;
+#else
   return HB + t * 128 + ((((b >> 4) ^ t) & 7) << 4) + (b & 15);
+#endif
 }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {

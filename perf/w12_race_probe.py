@@ -1,0 +1,78 @@
+"""Hunting an intermittent wrong result of the TMA kernel (session 4: LM head / 16384-row weights at
+M = 16, 32, after x moved to one swizzled 2-D TMA box per stage). Per variant, 40 launches that
+alternate between two x tensors, each checked against an fp32 reference; prints how many launches
+and output rows were wrong.
+
+Variants: as built; one CTA per SM (dynamic smem inflated); x box unswizzled (W12_XSWZ=0);
+a 3 us sleep kernel between launches.
+
+    python3 perf/w12_race_probe.py --out $OUT
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+
+import w12  # noqa: E402
+from w12 import cuda as wcuda  # noqa: E402
+from w12.configs import TmaConfig  # noqa: E402
+
+
+def main() -> int:
+    ap = argparse.ArgumentParser()
+    ap.add_argument("--out", default="perf/results/local")
+    ap.add_argument("--launches", type=int, default=40)
+    a = ap.parse_args()
+    out = Path(a.out)
+    out.mkdir(parents=True, exist_ok=True)
+    flags, smem, tmap = wcuda._flags, wcuda.smem_bytes, wcuda._tensor_map
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    N, K = 16384, 5120
+    w = (torch.randn(N, K, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
+    p = w12.pack(w)
+    wf = w.float()
+    res = []
+    for M in (8, 16, 32):
+        xs = [torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2)]
+        refs = [x.float() @ wf.T for x in xs]
+        for cfg in (TmaConfig(1, 4, 8), TmaConfig(1, 8, 6), TmaConfig(2, 4, 6)):
+            for var in ("base", "1cta", "noswz", "gap"):
+                wcuda._flags = (lambda c, nt, q8, arch, _v=var: flags(c, nt, q8, arch) +
+                                (["-DW12_XSWZ=0"] if _v == "noswz" else []))
+                wcuda.smem_bytes = (lambda c, nt, q8, _v=var: max(smem(c, nt, q8), 120 << 10) if _v == "1cta"
+                                    else smem(c, nt, q8))
+                wcuda._tensor_map = (lambda t, bc, br, _v=var, **kw: tmap(t, bc, br, **{**kw, "swizzle": False})
+                                     if _v == "noswz" else tmap(t, bc, br, **kw))
+                wcuda._FUNCS.clear()
+                bad_launch, bad_rows, worst = 0, 0, 0.0
+                o = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+                for i in range(a.launches):
+                    x = xs[i % 2]
+                    o.fill_(float("nan"))
+                    if var == "gap":
+                        torch.cuda._sleep(5000)
+                    wcuda.launch(cfg, x, p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, None, o)
+                    d = (o.float() - refs[i % 2]).abs()
+                    tol = 1e-2 * refs[i % 2].abs().amax() + 1e-3
+                    rows = int(((d > tol) | d.isnan()).any(0).sum())
+                    if rows:
+                        bad_launch += 1
+                        bad_rows += rows
+                    worst = max(worst, float(d.nan_to_num(1e9).max()))
+                r = dict(M=M, cfg=cfg.tag(), var=var, bad_launches=bad_launch, bad_rows=bad_rows, worst=worst)
+                res.append(r)
+                print(json.dumps(r), flush=True)
+    wcuda._flags, wcuda.smem_bytes, wcuda._tensor_map = flags, smem, tmap
+    (out / "w12_race_probe.json").write_text(json.dumps(res, indent=1))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
