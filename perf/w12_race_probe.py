@@ -29,6 +29,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="perf/results/local")
     ap.add_argument("--launches", type=int, default=40)
+    ap.add_argument("--focus", action="store_true", help="M = 16, tma-mt1-cw4-st8, the gap variants only "
+                    "(as built, unswizzled x, x by per-token bulk copies as in session 3)")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -39,24 +41,25 @@ def main() -> int:
     p = w12.pack(w)
     wf = w.float()
     res = []
-    for M in (8, 16, 32):
+    for M in ((16,) if a.focus else (8, 16, 32)):
         xs = [torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2)]
         refs = [x.float() @ wf.T for x in xs]
-        for cfg in (TmaConfig(1, 4, 8), TmaConfig(1, 8, 6), TmaConfig(2, 4, 6)):
-            for var in ("base", "1cta", "noswz", "gap"):
+        for cfg in ((TmaConfig(1, 4, 8),) if a.focus else (TmaConfig(1, 4, 8), TmaConfig(1, 8, 6), TmaConfig(2, 4, 6))):
+            for var in (("gap", "gap-noswz", "gap-xbulk") if a.focus else ("base", "1cta", "noswz", "gap")):
                 wcuda._flags = (lambda c, nt, q8, arch, _v=var: flags(c, nt, q8, arch) +
-                                (["-DW12_XSWZ=0"] if _v == "noswz" else []))
+                                (["-DW12_XSWZ=0"] if "noswz" in _v or "xbulk" in _v else []) +
+                                (["-DW12_XBULK=1"] if "xbulk" in _v else []))
                 wcuda.smem_bytes = (lambda c, nt, q8, _v=var: max(smem(c, nt, q8), 120 << 10) if _v == "1cta"
                                     else smem(c, nt, q8))
                 wcuda._tensor_map = (lambda t, bc, br, _v=var, **kw: tmap(t, bc, br, **{**kw, "swizzle": False})
-                                     if _v == "noswz" else tmap(t, bc, br, **kw))
+                                     if "noswz" in _v or "xbulk" in _v else tmap(t, bc, br, **kw))
                 wcuda._FUNCS.clear()
                 bad_launch, bad_rows, worst = 0, 0, 0.0
                 o = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
                 for i in range(a.launches):
                     x = xs[i % 2]
                     o.fill_(float("nan"))
-                    if var == "gap":
+                    if var.startswith("gap"):
                         torch.cuda._sleep(5000)
                     wcuda.launch(cfg, x, p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, None, o)
                     d = (o.float() - refs[i % 2]).abs()

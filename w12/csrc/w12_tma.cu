@@ -65,6 +65,9 @@
 #ifndef W12_WIDE
 #define W12_WIDE 1  // diagnostic (with W12_NULL): boxes of 64 W columns x R / W rows, same bytes per stage
 #endif
+#ifndef W12_XBULK
+#define W12_XBULK 0  // diagnostic (needs W12_XSWZ=0): x copied with one 128-byte bulk copy per token (session 3)
+#endif
 #ifndef W12_NULL
 #define W12_NULL 0  // diagnostic (perf/w12_tma_probe.py): consumers only wait for and release each stage
 #endif
@@ -282,7 +285,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     if (lane == 0) {
       const int pre = min(nch, STAGES);
       for (int i = 0; i < pre; ++i) {
-        mbar_expect_tx(full(i), HB + LB + XB);
+        mbar_expect_tx(full(i), HB + LB + (W12_XBULK ? 128 * M : XB));
         plane_copies(base + i * SB, c_begin + i, full(i));
       }
       grid_dep_wait();
@@ -292,10 +295,16 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         const uint32_t st = base + s * SB;
         if (i >= pre) {
           mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
-          mbar_expect_tx(full(s), HB + LB + XB);
+          mbar_expect_tx(full(s), HB + LB + (W12_XBULK ? 128 * M : XB));
           plane_copies(st, c, full(s));
         }
+#if W12_XBULK
+        for (int t = 0; t < M; ++t)
+          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 128, [%2];"
+                       ::"r"(st + HB + 128 * t), "l"(x + (long long)t * ldx + 64 * c), "r"(full(s)) : "memory");
+#else
         tma_2d(st + HB, &tm_x, 64 * c, 0, full(s));
+#endif
       }
     }
     __syncwarp();
