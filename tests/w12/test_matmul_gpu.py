@@ -150,20 +150,27 @@ def test_tma_configs_odd_shapes(cfg, N, K):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("cfg", [TmaConfig(1, 4, 8, ahead=True), TmaConfig(1, 4, 8), TmaConfig(1, 8, 6),
+@pytest.mark.parametrize("cfg", [TmaConfig(1, 4, 8), TmaConfig(1, 4, 8, ahead=True), TmaConfig(1, 8, 6),
                                  TmaConfig(1, 8, 6, split=3, ahead=True)], ids=lambda c: c.tag())
-def test_tma_ring_reuse_is_race_free(cfg):
-    """Many CTAs per SM, each refilling its ring ~40 times: every launch must give the same bits
-    (and the reference). Session 4 saw one wrong LM-head result (M = 16, cw4 st8 look-ahead) while
-    stages were released with their loads still outstanding."""
-    w = _weight(16384, 5120, seed=7)
-    p = w12.pack(w)
-    x = _x(16, 5120, seed=8)
+def test_tma_launches_with_changing_tensor_maps(cfg):
+    """Launches alternating two weights and two x (so every tensor map changes between launches),
+    each queued behind a short sleep kernel, many CTAs per SM refilling their rings ~40 times: every
+    result must equal that pair's first result bit for bit, and the reference. Before the tensor-map
+    acquire fence (session 4), ~10% of such launches at M = 16 read a stale x map."""
+    ws = [_weight(16384, 5120, seed=7 + i) for i in range(2)]
+    ps = [w12.pack(w) for w in ws]
+    xs = [_x(16, 5120, seed=8 + i) for i in range(2)]
+    firsts = {}
     with autotune.force("w12.matmul", config=cfg):
-        first = w12.matmul(x, p)
-        _check(first, x, w, p)
-        for _ in range(20):
-            assert_bitwise_equal(w12.matmul(x, p), first)
+        for it in range(48):
+            a, b = it % 2, (it // 2) % 2
+            torch.cuda._sleep(5000)
+            out = w12.matmul(xs[a], ps[b])
+            if (a, b) not in firsts:
+                _check(out, xs[a], ws[b], ps[b])
+                firsts[a, b] = out
+            else:
+                assert_bitwise_equal(out, firsts[a, b])
 
 
 def _odd_shapes(cfg, N, K):

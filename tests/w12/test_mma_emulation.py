@@ -392,6 +392,8 @@ def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(t
         # hi and x copies (the ring fill is unrolled), plus lo's: the 8-bit view copies fewer
         assert tensor_copies[False] > tensor_copies[True] > 0, tensor_copies
         assert "w12_matmul_tma_kernel_param_2" in ptx  # x's tensor map is used
+        # each map is acquired for the async proxy before use (a reused parameter address must not serve a stale map)
+        assert ptx.count("fence.proxy.tensormap::generic.acquire.gpu") == (2 if q8 else 3)
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     with pytest.raises(ValueError, match="needs an sm_90 GPU"):
         cuda.build(TmaConfig(), 1, False, (8, 0), out="ptx")

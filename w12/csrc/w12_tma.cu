@@ -283,6 +283,13 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       if (!Q8) tma_2d(st + HB + XB, &tm_lo, cx / 2, cy, bar);
     };
     if (lane == 0) {
+      // the tensor maps are kernel parameters whose address the next launch may reuse with other
+      // contents (another x, another layer's planes): without this acquire the TMA unit can keep
+      // using a cached copy of the previous launch's map (seen on the H200: ~10% of launches wrong
+      // when launches alternating two x tensors each queued behind another kernel)
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&tm_hi) : "memory");
+      if (!Q8) asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&tm_lo) : "memory");
+      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&tm_x) : "memory");
       const int pre = min(nch, STAGES);
       for (int i = 0; i < pre; ++i) {
         mbar_expect_tx(full(i), HB + LB + (W12_XBULK ? 128 * M : XB));
