@@ -187,7 +187,7 @@ _FUNCS: dict[tuple, tuple[ctypes.c_void_p, int]] = {}
 
 
 def _tma_stage_bytes(cfg: TmaConfig, nt: int, q8: bool) -> int:
-    raw = cfg.rows * 64 + (0 if q8 else cfg.rows * 32) + 8 * nt * 128
+    raw = cfg.rows * 64 + (0 if q8 else cfg.rows * 32) + 8 * nt * 144
     return -(-raw // 1024) * 1024
 
 
@@ -355,8 +355,7 @@ def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, 
     if tma:
         tm_hi = _tensor_map(hi, 64, rows)
         tm_lo = tm_hi if q8 else _tensor_map(lo, 32, rows)
-        tm_x = _tensor_map(xk[:, :Kp], 64, 8 * nt, swizzle=True)
-        vals = [tm_hi, tm_lo, tm_x, ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), *esc, *tail]
+        vals = [tm_hi, tm_lo, ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), *esc, *tail]
         threads = 32 * (cfg.cw + 1)
     else:
         vals = [ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), ctypes.c_void_p(hi.data_ptr()),

@@ -8,19 +8,20 @@
 // caps it at ~16 warps and ~50% of DRAM bandwidth on an H200 (ncu: 0.5 eligible warps per
 // scheduler). Here the bytes in flight live in shared memory: a CTA owns R = 16 * MT * CW weight
 // rows and a range of 64-column chunks; per chunk the producer issues one 2-D TMA copy of the hi
-// plane (R x 64 bytes), one of the lo plane (R x 32 bytes; none for the 8-bit view) and one of x
-// (8 NT tokens x 128 bytes, 128-byte swizzle, tokens past M zero-filled), all completing on the
-// stage's "full" mbarrier. (Session 3 copied x with one 128-byte bulk copy per token: at M = 32
-// the 34 copies per stage made the TMA kernel 2.5x slower than at M = 1 on an H200.) STAGES
+// plane (R x 64 bytes), one of the lo plane (R x 32 bytes; none for the 8-bit view) and one 1-D
+// bulk copy of 128 bytes per token of x, all completing on the stage's "full" mbarrier. (The M
+// copies of x per stage make M = 32 ~2.5x slower than M = 1. Session 4 tried one swizzled 2-D
+// TMA box of x per stage instead: fast, but on the H200 it gave wrong results in 16-45 of 400
+// launches queued behind another kernel, and deterministically on some LM-head cells, while this
+// path gave none; cause not found, so it was taken out. See perf/w12_race_probe.py.) STAGES
 // chunks are in flight per CTA; a consumer warp releases a stage through its "empty" mbarrier
 // once the fragments it loaded from it have been used (mma issued), never with loads outstanding.
 //
 // Fragments (same k-slot assignment as w12_mma.cu): thread (g = lane / 4, q = lane % 4) reads
 // columns 16q .. 16q + 15 of a chunk for rows g and g + 8 of each of its m-tiles (one 16-byte LDS
 // per row and plane) and of token g of each n-tile; A and B use the same permuted k slots, so the
-// dot products are exact reorderings. Shared-memory pitches (64 B hi, 32 B lo) and x's swizzle
-// (16-byte unit u of token t at unit u ^ (t % 8)) make every quarter-warp phase of those LDS.128
-// conflict-free.
+// dot products are exact reorderings. Shared-memory pitches (64 B hi, 32 B lo, 144 B x) make every
+// quarter-warp phase of those LDS.128 conflict-free.
 //
 // Consumers split the CTA's rows, not K, so there is no cross-warp reduction. Optional split-K
 // across CTAs (gridDim.y) as in w12_mma.cu: fp32 partials in a workspace, the last CTA of a row
@@ -65,9 +66,6 @@
 #ifndef W12_WIDE
 #define W12_WIDE 1  // diagnostic (with W12_NULL): boxes of 64 W columns x R / W rows, same bytes per stage
 #endif
-#ifndef W12_XBULK
-#define W12_XBULK 0  // diagnostic (needs W12_XSWZ=0): x copied with one 128-byte bulk copy per token (session 3)
-#endif
 #ifndef W12_NULL
 #define W12_NULL 0  // diagnostic (perf/w12_tma_probe.py): consumers only wait for and release each stage
 #endif
@@ -84,10 +82,10 @@ constexpr bool WG = W12_WG != 0;        // wgmma (sm_90a) with A from registers 
 constexpr bool NULL_CONSUMER = W12_NULL != 0;
 constexpr int R = 16 * MT * CW;     // weight rows per CTA (TMA box height)
 constexpr int TOKS = 8 * NT;
-// stage layout: hi [R x 64 B] | x [TOKS x 128 B, 128-byte swizzle] | lo [R x 32 B]; x's swizzle
-// pattern repeats every 1024 bytes, so it sits at a 1024-aligned offset (HB is a multiple of 1024)
+// stage layout: hi [R x 64 B] | x [TOKS rows of 128 B at pitch 144 B] | lo [R x 32 B]
 constexpr int HB = R * 64;          // hi bytes per stage
-constexpr int XB = TOKS * 128;      // x bytes per stage
+constexpr int XP = 144;             // shared pitch of one token's 128 bytes of x (+16: no bank conflicts)
+constexpr int XB = TOKS * XP;       // x bytes per stage (a multiple of 128: lo's TMA destination stays aligned)
 constexpr int LB = Q8 ? 0 : R * 32; // lo bytes per stage
 constexpr int SB = (HB + LB + XB + 1023) / 1024 * 1024;  // stage stride (TMA destinations 1024-aligned)
 static_assert(R <= 256, "a TMA box is at most 256 rows");
@@ -104,14 +102,8 @@ static_assert(!WG || (MT == 1 && (CW == 4 || CW == 8)), "the wgmma path takes MT
 static_assert(!WG || !AHEAD, "the wgmma path has no look-ahead variant");
 static_assert(NT == 1 || NT == 2 || NT == 4, "n-tiles: 1, 2 or 4");
 
-// byte b of token t in a stage's x (TMA's 128-byte swizzle: 16-byte unit b / 16 moves to (b / 16) ^ (t % 8))
-__device__ __forceinline__ uint32_t x_off(int t, int b) {
-#if defined(W12_XSWZ) && W12_XSWZ == 0  // diagnostic: x box copied unswizzled (host map without swizzle)
-  return HB + t * 128 + b;
-#else
-  return HB + t * 128 + ((((b >> 4) ^ t) & 7) << 4) + (b & 15);
-#endif
-}
+// byte b of token t in a stage's x
+__device__ __forceinline__ uint32_t x_off(int t, int b) { return HB + t * XP + b; }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -146,6 +138,12 @@ __device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
       ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar)
       : "memory");
+}
+
+__device__ __forceinline__ void bulk_1d(uint32_t dst, const void* src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];" ::"r"(dst),
+               "l"(src), "r"(bytes), "r"(bar)
+               : "memory");
 }
 
 __device__ __forceinline__ uint32_t lds32(uint32_t a) {
@@ -210,8 +208,7 @@ __device__ __forceinline__ uint4 lds128(uint32_t a) {
 extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_kernel(
     const __grid_constant__ CUtensorMap tm_hi,  // uint8 [N, Kp], box 64 x R
     const __grid_constant__ CUtensorMap tm_lo,  // uint8 [N, Kp / 2], box 32 x R (unused for Q8)
-    const __grid_constant__ CUtensorMap tm_x,   // 16-bit [M, Kp] (row stride ldx), box 64 x 8 NT, 128 B swizzle
-    const __nv_bfloat16* __restrict__ x,        // the same x (escapes), 16-byte aligned rows
+    const __nv_bfloat16* __restrict__ x,        // [M, >= Kp], row stride ldx, 16-byte aligned rows
     long long ldx,
     const uint8_t* __restrict__ e0,             // [N]
     const int* __restrict__ rowptr,             // [N + 1]
@@ -249,6 +246,11 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  // tokens past M read zeros: their x rows are never written by the copies
+  for (int i = threadIdx.x; i < STAGES * (TOKS - M) * 8; i += blockDim.x) {
+    const int s = i / ((TOKS - M) * 8), r = i % ((TOKS - M) * 8);
+    *reinterpret_cast<uint4*>(smem_raw + (base - raw) + s * SB + x_off(M + r / 8, 16 * (r % 8))) = make_uint4(0, 0, 0, 0);
+  }
   __syncthreads();
 
   float acc[MT][NT][4];
@@ -273,7 +275,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   };
 
   if (warp == CW) {
-    // producer: lane 0 arms each stage and issues its three copies. The planes of the first STAGES
+    // producer: lane 0 arms each stage and copies the planes, lanes < M copy their token's x. The planes of the first STAGES
     // chunks go out before waiting for the previous kernel (x may be its output; the weights are
     // not), so under programmatic dependent launch they stream in while it finishes.
     auto plane_copies = [&](uint32_t st, int c, uint32_t bar) {
@@ -282,37 +284,32 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       tma_2d(st, &tm_hi, cx, cy, bar);
       if (!Q8) tma_2d(st + HB + XB, &tm_lo, cx / 2, cy, bar);
     };
+    const int pre = min(nch, STAGES);
     if (lane == 0) {
-      // the tensor maps are kernel parameters whose address the next launch may reuse with other
-      // contents (another x, another layer's planes): without this acquire the TMA unit can keep
-      // using a cached copy of the previous launch's map (seen on the H200: ~10% of launches wrong
-      // when launches alternating two x tensors each queued behind another kernel)
+      // the plane maps are kernel parameters; acquire them for the async proxy before the first copy
+      // (cheap insurance: no failure has been traced to its absence)
       asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&tm_hi) : "memory");
       if (!Q8) asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&tm_lo) : "memory");
-      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&tm_x) : "memory");
-      const int pre = min(nch, STAGES);
       for (int i = 0; i < pre; ++i) {
-        mbar_expect_tx(full(i), HB + LB + (W12_XBULK ? 128 * M : XB));
+        mbar_expect_tx(full(i), HB + LB + 128u * M);
         plane_copies(base + i * SB, c_begin + i, full(i));
       }
-      grid_dep_wait();
-      for (int i = 0; i < nch; ++i) {
-        const int s = i % STAGES;
-        const int c = c_begin + i;
-        const uint32_t st = base + s * SB;
-        if (i >= pre) {
+    }
+    grid_dep_wait();
+    __syncwarp();
+    for (int i = 0; i < nch; ++i) {
+      const int s = i % STAGES;
+      const int c = c_begin + i;
+      const uint32_t st = base + s * SB;
+      if (i >= pre) {
+        if (lane == 0) {
           mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
-          mbar_expect_tx(full(s), HB + LB + (W12_XBULK ? 128 * M : XB));
+          mbar_expect_tx(full(s), HB + LB + 128u * M);
           plane_copies(st, c, full(s));
         }
-#if W12_XBULK
-        for (int t = 0; t < M; ++t)
-          asm volatile("cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1], 128, [%2];"
-                       ::"r"(st + HB + 128 * t), "l"(x + (long long)t * ldx + 64 * c), "r"(full(s)) : "memory");
-#else
-        tma_2d(st + HB, &tm_x, 64 * c, 0, full(s));
-#endif
+        __syncwarp();
       }
+      if (lane < M) bulk_1d(st + HB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
     }
     __syncwarp();
     grid_dep_launch();  // every copy is issued: the next kernel's CTAs may start
