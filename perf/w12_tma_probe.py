@@ -39,11 +39,11 @@ def main() -> int:
     a = ap.parse_args()
     tmap = wcuda._tensor_map
 
-    def cm_map(t, box_cols, box_rows, **kw):  # planes as chunk-major rows of one chunk each
-        return tmap(t.reshape(-1, box_cols) if t.dtype == torch.uint8 else t, box_cols, box_rows, **kw)
+    def cm_map(t, box_cols, box_rows):  # planes as chunk-major rows of one chunk each
+        return tmap(t.reshape(-1, box_cols), box_cols, box_rows)
 
     def wide_map(w):  # plane boxes w times wider, w times fewer rows (W12_WIDE=w)
-        return lambda t, bc, br, **kw: tmap(t, bc * w, br // w, **kw) if t.dtype == torch.uint8 else tmap(t, bc, br, **kw)
+        return lambda t, bc, br: tmap(t, bc * w, br // w)
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
     flags = wcuda._flags

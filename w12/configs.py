@@ -117,7 +117,7 @@ class MmaConfig:
 @dataclass(frozen=True)
 class TmaConfig:
     """CUDA C++ kernel for sm_90 (csrc/w12_tma.cu): one producer warp streams 64-column chunks of
-    the planes and of x (2-D TMA boxes) into a `stages`-deep shared-memory ring; `cw` consumer
+    the planes (2-D TMA boxes) and of x (one bulk copy per token) into a `stages`-deep ring; `cw` consumer
     warps, each owning 16 * `mt` rows, decode them in registers into mma.sync. A CTA owns
     16 * `mt` * `cw` rows (<= 256, one TMA box); `split` CTAs share a row block along K.
     Options, both correct on the H200 and both opt-in (session-4 probe, perf/results/h200):

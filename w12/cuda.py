@@ -303,27 +303,22 @@ def _workspace(device: torch.device, stream: int, floats: int, blocks: int) -> t
 _TMAPS: dict[tuple, ctypes.Array] = {}
 
 
-def _tensor_map(t: torch.Tensor, box_cols: int, box_rows: int, *, swizzle: bool = False) -> ctypes.Array:
-    """2-D tensor map (TMA descriptor, 128 bytes) of `t` [rows, cols] (uint8, or 16-bit elements
-    for x; rows may be strided, columns contiguous), box `box_cols` x `box_rows`, out-of-bounds
-    rows read as zeros; `swizzle`: TMA's 128-byte swizzle (box rows of 128 bytes). It depends only
-    on (address, shape, row stride, box), so it is cached under that key."""
+def _tensor_map(t: torch.Tensor, box_cols: int, box_rows: int) -> ctypes.Array:
+    """2-D uint8 tensor map (TMA descriptor, 128 bytes) of a plane [rows, cols] with contiguous
+    columns, box `box_cols` x `box_rows`, no swizzle, out-of-bounds rows read as zeros. It depends
+    only on (address, shape, row stride, box), so it is cached under that key."""
     rows, cols = t.shape
-    elem = t.element_size()
-    key = (t.data_ptr(), rows, cols, t.stride(0), elem, box_cols, box_rows, swizzle)
+    key = (t.data_ptr(), rows, cols, t.stride(0), box_cols, box_rows)
     m = _TMAPS.get(key)
     if m is None:
         m = (ctypes.c_uint64 * 16)()
         dims = (ctypes.c_uint64 * 2)(cols, rows)
-        strides = (ctypes.c_uint64 * 1)(t.stride(0) * elem)
+        strides = (ctypes.c_uint64 * 1)(t.stride(0))
         box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
         unit = (ctypes.c_uint32 * 2)(1, 1)
-        # dtype UINT8 (0) / UINT16 (1), interleave none (0), swizzle none (0) / 128 B (3), L2 promotion
-        # 256 B (3), no NaN fill (0)
-        dtype = {1: 0, 2: 1}[elem]
-        _check(_libcuda().cuTensorMapEncodeTiled(ctypes.byref(m), dtype, 2, ctypes.c_void_p(t.data_ptr()), dims,
-                                                 strides, box, unit, 0, 3 if swizzle else 0, 3, 0),
-               "cuTensorMapEncodeTiled")
+        # dtype UINT8 (0), interleave none (0), swizzle none (0), L2 promotion 256 B (3), no NaN fill (0)
+        _check(_libcuda().cuTensorMapEncodeTiled(ctypes.byref(m), 0, 2, ctypes.c_void_p(t.data_ptr()), dims, strides,
+                                                 box, unit, 0, 0, 3, 0), "cuTensorMapEncodeTiled")
         if len(_TMAPS) >= 4096:
             _TMAPS.clear()
         _TMAPS[key] = m
