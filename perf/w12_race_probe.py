@@ -31,7 +31,7 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="perf/results/local")
     ap.add_argument("--launches", type=int, default=40)
-    ap.add_argument("--focus", action="store_true", help="M = 16, tma-mt1-cw4-st8, the gap variant only")
+    ap.add_argument("--focus", action="store_true", help="M = 16, the default x path and the xcp path, the gap variant only")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -45,7 +45,8 @@ def main() -> int:
     for M in ((16,) if a.focus else (8, 16, 32)):
         xs = [torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2)]
         refs = [x.float() @ wf.T for x in xs]
-        for cfg in ((TmaConfig(1, 4, 8),) if a.focus else (TmaConfig(1, 4, 8), TmaConfig(1, 8, 6), TmaConfig(2, 4, 6))):
+        focus = (TmaConfig(1, 4, 8), TmaConfig(1, 4, 8, xcp=True), TmaConfig(1, 8, 6, split=3, xcp=True))
+        for cfg in (focus if a.focus else focus + (TmaConfig(1, 8, 6), TmaConfig(2, 4, 6))):
             for var in (("gap",) if a.focus else ("base", "1cta", "gap")):
                 wcuda.smem_bytes = (lambda c, nt, q8, _v=var: max(smem(c, nt, q8), 120 << 10) if _v == "1cta"
                                     else smem(c, nt, q8))

@@ -124,7 +124,11 @@ class TmaConfig:
     `ahead` (consumers read stage i + 1 before computing stage i; within noise of the default) and
     `wg` (each warpgroup of 4 consumer warps issues one wgmma m64 x n(8 NT) x k16 per k-step with
     the decoded A from registers and x permuted into a K-major shared-memory B; sm_90a; slower
-    than mma.sync on every measured cell: the per-stage permutation copy costs more than it saves)."""
+    than mma.sync on every measured cell: the per-stage permutation copy costs more than it saves).
+    `xcp` (written after the session-4 device time ran out, checked on the CPU only): x copied
+    by cp.async from all 32 producer lanes (M / 4 instructions per stage) instead of M bulk copies,
+    which make M = 32 ~2.5x slower than M = 1. (A 2-D TMA box of x, tried first, was fast but gave
+    wrong results on the H200; see perf/w12_race_probe.py.)"""
 
     mt: int = 2
     cw: int = 4
@@ -132,6 +136,7 @@ class TmaConfig:
     split: int = 1
     ahead: bool = False  # consumers read stage i + 1's fragments before computing stage i
     wg: bool = False  # wgmma (sm_90a) with the decoded A from registers; needs mt = 1, cw in (4, 8)
+    xcp: bool = False  # x by cp.async from the whole producer warp, not one bulk copy per token (not yet run)
 
     def __post_init__(self):
         if self.mt not in (1, 2, 4) or self.cw not in (1, 2, 4, 8, 16) or 16 * self.mt * self.cw > 256 \
@@ -147,7 +152,7 @@ class TmaConfig:
 
     def tag(self) -> str:
         return f"tma-mt{self.mt}-cw{self.cw}-st{self.stages}" + (f"-s{self.split}" if self.split > 1 else "") + \
-            ("-ah" if self.ahead else "") + ("-wg" if self.wg else "")
+            ("-ah" if self.ahead else "") + ("-wg" if self.wg else "") + ("-xcp" if self.xcp else "")
 
 
 def _check_common(c) -> None:

@@ -95,7 +95,8 @@ def _flags(cfg, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
     if isinstance(cfg, TmaConfig):
         if arch[0] != 9:
             raise ValueError(f"{cfg}: the TMA kernel needs an sm_90 GPU, got sm_{sm}")
-        defines = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8), AHEAD=int(cfg.ahead), WG=int(cfg.wg))
+        defines = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8), AHEAD=int(cfg.ahead), WG=int(cfg.wg),
+                       XCP=int(cfg.xcp))
         if cfg.wg:
             sm = "90a"  # wgmma is an sm_90a feature
     else:

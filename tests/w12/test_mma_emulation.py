@@ -409,6 +409,27 @@ def test_mma_kernel_programmatic_launch_only_on_sm90(arch, tmp_path, monkeypatch
     assert ("griddepcontrol.launch_dependents" in ptx) == (arch[0] >= 9)
 
 
+def test_tma_xcp_path_builds_with_cp_async_and_barrier_arrivals(tmp_path, monkeypatch):
+    """TmaConfig(xcp=True): x by 16-byte cp.async from the producer lanes, each completing on the
+    stage's full barrier (arrive.noinc, counted in its init), no per-token bulk copies; planes
+    still by TMA; no local memory."""
+    from w12.configs import TmaConfig
+
+    cuda = _nvcc_or_skip()
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    for cfg, nt, q8 in [(TmaConfig(1, 8, 6, xcp=True), 4, False), (TmaConfig(2, 4, 4, split=3, xcp=True), 1, True),
+                        (TmaConfig(1, 8, 6, ahead=True, xcp=True), 2, False)]:
+        ptx = cuda.build(cfg, nt, q8, (9, 0), out="ptx").read_text()
+        assert "cp.async.cg.shared.global" in ptx
+        assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx
+        assert "mbarrier.init.shared::cta.b64" in ptx and ", 33;" in ptx  # 1 expect_tx + 32 lanes
+        assert "cp.async.bulk.shared::cluster.global" not in ptx
+        assert "cp.async.bulk.tensor.2d" in ptx
+        assert ".local" not in ptx
+    plain = cuda.build(TmaConfig(1, 8, 6), 4, False, (9, 0), out="ptx").read_text()
+    assert "cp.async.mbarrier.arrive" not in plain and "cp.async.bulk.shared::cluster.global" in plain
+
+
 def test_tma_wgmma_path_builds_for_sm90a(tmp_path, monkeypatch):
     """TmaConfig(wg=True): wgmma with A from registers (sm_90a), the proxy fence before it reads the
     buffers the threads wrote, immediate named-barrier ids, no local memory, every n-tile count."""
@@ -439,6 +460,7 @@ def test_tma_config_validation_and_smem():
         with pytest.raises(ValueError, match="wg=True"):
             TmaConfig(wg=True, **bad)
     assert TmaConfig(1, 8, 4, wg=True).tag() == "tma-mt1-cw8-st4-wg"
+    assert TmaConfig(1, 8, 6, split=3, xcp=True).tag() == "tma-mt1-cw8-st6-s3-xcp"
     # wgmma: the ring, a 1 KiB barrier slot, two permuted-x buffers (32 tokens x 128 B) per warpgroup
     assert cuda.smem_bytes(TmaConfig(1, 8, 4, wg=True), 4, False) == 4 * 17408 + 1024 + 1024 + 2 * 2 * 4096
     c = TmaConfig(2, 4, 6)

@@ -60,6 +60,9 @@
 #ifndef W12_WG
 #define W12_WG 0
 #endif
+#ifndef W12_XCP
+#define W12_XCP 0
+#endif
 #ifndef W12_CM
 #define W12_CM 0  // diagnostic: plane boxes addressed as chunk-major [Kp / 64][N][64] (tensor maps of the probe)
 #endif
@@ -80,6 +83,10 @@ constexpr bool Q8 = W12_Q8 != 0;
 constexpr bool AHEAD = W12_AHEAD != 0;  // consumers read stage i + 1 before computing stage i
 constexpr bool WG = W12_WG != 0;        // wgmma (sm_90a) with A from registers instead of mma.sync
 constexpr bool NULL_CONSUMER = W12_NULL != 0;
+// x by cp.async (16 bytes per lane, the whole producer warp) completing on the stage's full barrier
+// through cp.async.mbarrier.arrive.noinc, instead of one bulk copy per token: M / 4 instructions per
+// stage instead of M bulk copies (which make M = 32 ~2.5x slower than M = 1)
+constexpr bool XCP = W12_XCP != 0;
 constexpr int R = 16 * MT * CW;     // weight rows per CTA (TMA box height)
 constexpr int TOKS = 8 * NT;
 // stage layout: hi [R x 64 B] | x [TOKS rows of 128 B at pitch 144 B] | lo [R x 32 B]
@@ -241,7 +248,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full(s), 1);
+      mbar_init(full(s), XCP ? 1 + 32 : 1);  // XCP: the producer lanes' cp.async arrivals too
       mbar_init(empty(s), CW);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -291,7 +298,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&tm_hi) : "memory");
       if (!Q8) asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&tm_lo) : "memory");
       for (int i = 0; i < pre; ++i) {
-        mbar_expect_tx(full(i), HB + LB + 128u * M);
+        mbar_expect_tx(full(i), HB + LB + (XCP ? 0u : 128u * M));
         plane_copies(base + i * SB, c_begin + i, full(i));
       }
     }
@@ -304,12 +311,21 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       if (i >= pre) {
         if (lane == 0) {
           mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
-          mbar_expect_tx(full(s), HB + LB + 128u * M);
+          mbar_expect_tx(full(s), HB + LB + (XCP ? 0u : 128u * M));
           plane_copies(st, c, full(s));
         }
         __syncwarp();
       }
-      if (lane < M) bulk_1d(st + HB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
+      if constexpr (XCP) {
+        for (int p = lane; p < 8 * M; p += 32) {
+          const int t = p >> 3, u = p & 7;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(st + x_off(t, 16 * u)),
+                       "l"(x + (long long)t * ldx + 64 * c + 8 * u) : "memory");
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full(s)) : "memory");
+      } else if (lane < M) {
+        bulk_1d(st + HB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
+      }
     }
     __syncwarp();
     grid_dep_launch();  // every copy is issued: the next kernel's CTAs may start
