@@ -38,16 +38,17 @@ def main() -> int:
     smem = wcuda.smem_bytes
     gen = torch.Generator(device="cuda").manual_seed(0)
     N, K = 16384, 5120
-    w = (torch.randn(N, K, device="cuda", generator=gen) * 0.02).to(torch.bfloat16)
-    p = w12.pack(w)
-    wf = w.float()
+    ws = [(torch.randn(N, K, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) for _ in range(2)]
+    ps = [w12.pack(w) for w in ws]
     res = []
     for M in ((16,) if a.focus else (8, 16, 32)):
         xs = [torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2)]
-        refs = [x.float() @ wf.T for x in xs]
+        refs = [[x.float() @ w.float().T for w in ws] for x in xs]
         focus = (TmaConfig(1, 4, 8), TmaConfig(1, 4, 8, xcp=True), TmaConfig(1, 8, 6, split=3, xcp=True))
         for cfg in (focus if a.focus else focus + (TmaConfig(1, 8, 6), TmaConfig(2, 4, 6))):
-            for var in (("gap",) if a.focus else ("base", "1cta", "gap")):
+            # "wswap": the weights alternate too (launch i uses x i % 2 and weight (i // 2) % 2), so the
+            # plane tensor maps change between launches as in a decode step
+            for var in (("gap", "gap-wswap") if a.focus else ("base", "1cta", "gap", "gap-wswap")):
                 wcuda.smem_bytes = (lambda c, nt, q8, _v=var: max(smem(c, nt, q8), 120 << 10) if _v == "1cta"
                                     else smem(c, nt, q8))
                 wcuda._FUNCS.clear()
@@ -55,12 +56,14 @@ def main() -> int:
                 o = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
                 for i in range(a.launches):
                     x = xs[i % 2]
+                    wi = (i // 2) % 2 if var.endswith("wswap") else 0
+                    p, ref = ps[wi], refs[i % 2][wi]
                     o.fill_(float("nan"))
                     if var.startswith("gap"):
                         torch.cuda._sleep(5000)
                     wcuda.launch(cfg, x, p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, None, o)
-                    d = (o.float() - refs[i % 2]).abs()
-                    tol = 1e-2 * refs[i % 2].abs().amax() + 1e-3
+                    d = (o.float() - ref).abs()
+                    tol = 1e-2 * ref.abs().amax() + 1e-3
                     rows = int(((d > tol) | d.isnan()).any(0).sum())
                     if rows:
                         bad_launch += 1
