@@ -35,7 +35,7 @@ def main() -> int:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    smem = wcuda.smem_bytes
+    smem, flags = wcuda.smem_bytes, wcuda._flags
     gen = torch.Generator(device="cuda").manual_seed(0)
     N, K = 16384, 5120
     ws = [(torch.randn(N, K, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) for _ in range(2)]
@@ -48,9 +48,12 @@ def main() -> int:
         for cfg in (focus if a.focus else focus + (TmaConfig(1, 8, 6), TmaConfig(2, 4, 6))):
             # "wswap": the weights alternate too (launch i uses x i % 2 and weight (i // 2) % 2), so the
             # plane tensor maps change between launches as in a decode step
-            for var in (("gap", "gap-wswap") if a.focus else ("base", "1cta", "gap", "gap-wswap")):
+            # "relfence": W12_RELFENCE=1 (a proxy fence before each stage release)
+            for var in (("gap", "gap-wswap", "gap-relfence") if a.focus else ("base", "1cta", "gap", "gap-wswap")):
                 wcuda.smem_bytes = (lambda c, nt, q8, _v=var: max(smem(c, nt, q8), 120 << 10) if _v == "1cta"
                                     else smem(c, nt, q8))
+                wcuda._flags = (lambda c, nt, q8, arch, _v=var: flags(c, nt, q8, arch) +
+                                (["-DW12_RELFENCE=1"] if _v.endswith("relfence") else []))
                 wcuda._FUNCS.clear()
                 bad_launch, bad_rows, worst = 0, 0, 0.0
                 o = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
@@ -72,7 +75,7 @@ def main() -> int:
                 r = dict(M=M, cfg=cfg.tag(), var=var, bad_launches=bad_launch, bad_rows=bad_rows, worst=worst)
                 res.append(r)
                 print(json.dumps(r), flush=True)
-    wcuda.smem_bytes = smem
+    wcuda.smem_bytes, wcuda._flags = smem, flags
     (out / "w12_race_probe.json").write_text(json.dumps(res, indent=1))
     return 0
 

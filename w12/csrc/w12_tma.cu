@@ -15,7 +15,7 @@
 // launches queued behind another kernel, and deterministically on some LM-head cells, while this
 // path gave none; cause not found, so it was taken out. See perf/w12_race_probe.py.) STAGES
 // chunks are in flight per CTA; a consumer warp releases a stage through its "empty" mbarrier
-// once the fragments it loaded from it have been used (mma issued), never with loads outstanding.
+// after its loads from it (see `release` for what the compiled code actually orders).
 //
 // Fragments (same k-slot assignment as w12_mma.cu): thread (g = lane / 4, q = lane % 4) reads
 // columns 16q .. 16q + 15 of a chunk for rows g and g + 8 of each of its m-tiles (one 16-byte LDS
@@ -62,6 +62,9 @@
 #endif
 #ifndef W12_XCP
 #define W12_XCP 0
+#endif
+#ifndef W12_RELFENCE
+#define W12_RELFENCE 0  // diagnostic: a generic->async proxy fence before each stage release (race probe)
 #endif
 #ifndef W12_CM
 #define W12_CM 0  // diagnostic: plane boxes addressed as chunk-major [Kp / 64][N][64] (tensor maps of the probe)
@@ -369,10 +372,13 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         f.x[j][1] = lds128(st + x_off(8 * j + g, 32 * q + 16));
       }
     };
-    // stage i may be refilled once this warp's loads from it have been consumed: an arrive right
-    // after the LDS (session 3) let the TMA overwrite a stage whose loads were still outstanding
-    // under look-ahead (one wrong LM-head result at M = 16 in the session-4 sweep, rel. err 3e-4)
+    // release stage i for refilling. Written after the mma that use its fragments, but ptxas still
+    // places the arrive right after the stage's last LDS, ahead of those mma, with no scoreboard
+    // wait (cuobjdump of the sm_90 cubin): the LDS / arrive order in the shared-memory pipe is what
+    // keeps the refill from overtaking the reads, as in session 3's kernel. W12_RELFENCE=1 adds a
+    // generic -> async proxy fence before the arrive (diagnostic, perf/w12_race_probe.py).
     auto release = [&](int i) {
+      if constexpr (W12_RELFENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       __syncwarp();
       if (lane == 0) mbar_arrive(empty(i % STAGES));
     };
