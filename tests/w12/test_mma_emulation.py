@@ -392,8 +392,7 @@ def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(t
             tensor_copies[q8] = ptx.count("cp.async.bulk.tensor")
         # hi and lo copies (the ring fill is unrolled): the 8-bit view copies half
         assert tensor_copies[False] == 2 * tensor_copies[True] > 0, tensor_copies
-        # each plane map is acquired for the async proxy before its first copy
-        assert ptx.count("fence.proxy.tensormap::generic.acquire.gpu") == (1 if q8 else 2)
+
         assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     with pytest.raises(ValueError, match="needs an sm_90 GPU"):
         cuda.build(TmaConfig(), 1, False, (8, 0), out="ptx")

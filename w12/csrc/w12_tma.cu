@@ -9,13 +9,17 @@
 // scheduler). Here the bytes in flight live in shared memory: a CTA owns R = 16 * MT * CW weight
 // rows and a range of 64-column chunks; per chunk the producer issues one 2-D TMA copy of the hi
 // plane (R x 64 bytes), one of the lo plane (R x 32 bytes; none for the 8-bit view) and one 1-D
-// bulk copy of 128 bytes per token of x, all completing on the stage's "full" mbarrier. (The M
-// copies of x per stage make M = 32 ~2.5x slower than M = 1. Session 4 tried one swizzled 2-D
-// TMA box of x per stage instead: fast, but on the H200 it gave wrong results in 16-45 of 400
-// launches queued behind another kernel, and deterministically on some LM-head cells, while this
-// path gave none; cause not found, so it was taken out. See perf/w12_race_probe.py.) STAGES
-// chunks are in flight per CTA; a consumer warp releases a stage through its "empty" mbarrier
-// after its loads from it (see `release` for what the compiled code actually orders).
+// bulk copy of 128 bytes per token of x, all completing on the stage's "full" mbarrier. STAGES
+// chunks are in flight per CTA; the consumers release a stage through its "empty" mbarrier as
+// soon as they have issued the loads of their fragments (ptxas puts no scoreboard wait on that
+// arrive: the LDS / arrive order in the shared-memory pipe keeps the refill behind the reads).
+//
+// The M bulk copies of x per stage make M = 32 ~2.5x slower than M = 1. Session 4 tried one
+// swizzled 2-D TMA box of x per stage: fast, but on the H200 it gave wrong results in 16-45 of
+// 400 launches queued behind another kernel (and on some LM-head cells every time) while the bulk
+// copies gave none, cause not found, so it was withdrawn (perf/w12_race_probe.py). The opt-in
+// W12_XCP path copies x with cp.async from the whole producer warp instead (not yet run on a GPU).
+// The default build's PTX is session 3's, the configuration the committed numbers measured.
 //
 // Fragments (same k-slot assignment as w12_mma.cu): thread (g = lane / 4, q = lane % 4) reads
 // columns 16q .. 16q + 15 of a chunk for rows g and g + 8 of each of its m-tiles (one 16-byte LDS
@@ -61,13 +65,13 @@
 #define W12_WG 0
 #endif
 #ifndef W12_XCP
-#define W12_XCP 0
+#define W12_XCP 0  // x by cp.async from the producer warp (TmaConfig.xcp)
 #endif
 #ifndef W12_RELFENCE
-#define W12_RELFENCE 0  // diagnostic: a generic->async proxy fence before each stage release (race probe)
+#define W12_RELFENCE 0  // diagnostic: a generic -> async proxy fence before each stage release (race probe)
 #endif
 #ifndef W12_CM
-#define W12_CM 0  // diagnostic: plane boxes addressed as chunk-major [Kp / 64][N][64] (tensor maps of the probe)
+#define W12_CM 0  // diagnostic: plane boxes addressed as chunk-major [Kp / 64][N][64] (perf/w12_tma_probe.py)
 #endif
 #ifndef W12_WIDE
 #define W12_WIDE 1  // diagnostic (with W12_NULL): boxes of 64 W columns x R / W rows, same bytes per stage
@@ -86,17 +90,15 @@ constexpr bool Q8 = W12_Q8 != 0;
 constexpr bool AHEAD = W12_AHEAD != 0;  // consumers read stage i + 1 before computing stage i
 constexpr bool WG = W12_WG != 0;        // wgmma (sm_90a) with A from registers instead of mma.sync
 constexpr bool NULL_CONSUMER = W12_NULL != 0;
-// x by cp.async (16 bytes per lane, the whole producer warp) completing on the stage's full barrier
-// through cp.async.mbarrier.arrive.noinc, instead of one bulk copy per token: M / 4 instructions per
-// stage instead of M bulk copies (which make M = 32 ~2.5x slower than M = 1)
+// x by 16-byte cp.async from all 32 producer lanes, completing on the stage's full barrier through
+// cp.async.mbarrier.arrive.noinc (counted in its init): M / 4 instructions per stage, not M bulk copies
 constexpr bool XCP = W12_XCP != 0;
 constexpr int R = 16 * MT * CW;     // weight rows per CTA (TMA box height)
 constexpr int TOKS = 8 * NT;
-// stage layout: hi [R x 64 B] | x [TOKS rows of 128 B at pitch 144 B] | lo [R x 32 B]
-constexpr int HB = R * 64;          // hi bytes per stage
 constexpr int XP = 144;             // shared pitch of one token's 128 bytes of x (+16: no bank conflicts)
-constexpr int XB = TOKS * XP;       // x bytes per stage (a multiple of 128: lo's TMA destination stays aligned)
+constexpr int HB = R * 64;          // hi bytes per stage
 constexpr int LB = Q8 ? 0 : R * 32; // lo bytes per stage
+constexpr int XB = TOKS * XP;
 constexpr int SB = (HB + LB + XB + 1023) / 1024 * 1024;  // stage stride (TMA destinations 1024-aligned)
 static_assert(R <= 256, "a TMA box is at most 256 rows");
 
@@ -111,9 +113,6 @@ constexpr int BB = TOKS * 128;      // bytes of one chunk's permuted x
 static_assert(!WG || (MT == 1 && (CW == 4 || CW == 8)), "the wgmma path takes MT = 1 and one or two warpgroups");
 static_assert(!WG || !AHEAD, "the wgmma path has no look-ahead variant");
 static_assert(NT == 1 || NT == 2 || NT == 4, "n-tiles: 1, 2 or 4");
-
-// byte b of token t in a stage's x
-__device__ __forceinline__ uint32_t x_off(int t, int b) { return HB + t * XP + b; }
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -234,6 +233,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
   const uint32_t bars = base + STAGES * SB;  // full[STAGES], empty[STAGES], 8 bytes each
+  uint8_t* const base_g = smem_raw + (base - raw);
   auto full = [&](int s) { return bars + 8u * s; };
   auto empty = [&](int s) { return bars + 8u * (STAGES + s); };
 
@@ -251,7 +251,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
 
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
-      mbar_init(full(s), XCP ? 1 + 32 : 1);  // XCP: the producer lanes' cp.async arrivals too
+      mbar_init(full(s), XCP ? 1 + 32 : 1);
       mbar_init(empty(s), CW);
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -259,7 +259,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   // tokens past M read zeros: their x rows are never written by the copies
   for (int i = threadIdx.x; i < STAGES * (TOKS - M) * 8; i += blockDim.x) {
     const int s = i / ((TOKS - M) * 8), r = i % ((TOKS - M) * 8);
-    *reinterpret_cast<uint4*>(smem_raw + (base - raw) + s * SB + x_off(M + r / 8, 16 * (r % 8))) = make_uint4(0, 0, 0, 0);
+    *reinterpret_cast<uint4*>(base_g + s * SB + HB + LB + (M + r / 8) * XP + 16 * (r % 8)) = make_uint4(0, 0, 0, 0);
   }
   __syncthreads();
 
@@ -285,21 +285,18 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   };
 
   if (warp == CW) {
-    // producer: lane 0 arms each stage and copies the planes, lanes < M copy their token's x. The planes of the first STAGES
-    // chunks go out before waiting for the previous kernel (x may be its output; the weights are
-    // not), so under programmatic dependent launch they stream in while it finishes.
+    // producer: lane 0 arms the stage and copies the planes, lanes < M copy their token's x. The
+    // planes of the first STAGES chunks go out before waiting for the previous kernel (x may be its
+    // output; the weights are not), so under programmatic dependent launch they stream in while it
+    // finishes.
     auto plane_copies = [&](uint32_t st, int c, uint32_t bar) {
       constexpr int W = W12_WIDE;
       const int cx = W12_CM ? 0 : 64 * W * (c / W), cy = W12_CM ? c * N + r0 : r0 + (c % W) * (R / W);
       tma_2d(st, &tm_hi, cx, cy, bar);
-      if (!Q8) tma_2d(st + HB + XB, &tm_lo, cx / 2, cy, bar);
+      if (!Q8) tma_2d(st + HB, &tm_lo, cx / 2, cy, bar);
     };
     const int pre = min(nch, STAGES);
     if (lane == 0) {
-      // the plane maps are kernel parameters; acquire them for the async proxy before the first copy
-      // (cheap insurance: no failure has been traced to its absence)
-      asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&tm_hi) : "memory");
-      if (!Q8) asm volatile("fence.proxy.tensormap::generic.acquire.gpu [%0], 128;" ::"l"(&tm_lo) : "memory");
       for (int i = 0; i < pre; ++i) {
         mbar_expect_tx(full(i), HB + LB + (XCP ? 0u : 128u * M));
         plane_copies(base + i * SB, c_begin + i, full(i));
@@ -312,8 +309,8 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       const int c = c_begin + i;
       const uint32_t st = base + s * SB;
       if (i >= pre) {
+        mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
         if (lane == 0) {
-          mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
           mbar_expect_tx(full(s), HB + LB + (XCP ? 0u : 128u * M));
           plane_copies(st, c, full(s));
         }
@@ -322,15 +319,14 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       if constexpr (XCP) {
         for (int p = lane; p < 8 * M; p += 32) {
           const int t = p >> 3, u = p & 7;
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(st + x_off(t, 16 * u)),
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(st + HB + LB + t * XP + 16 * u),
                        "l"(x + (long long)t * ldx + 64 * c + 8 * u) : "memory");
         }
         asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full(s)) : "memory");
       } else if (lane < M) {
-        bulk_1d(st + HB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
+        bulk_1d(st + HB + LB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
       }
     }
-    __syncwarp();
     grid_dep_launch();  // every copy is issued: the next kernel's CTAs may start
   } else {
 #pragma unroll
@@ -353,7 +349,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         e0x[t][h] = (e << 7) | (e << 23);
       }
     const int sh = (q >> 1) * 4;  // columns 32..63 of a chunk sit in the high nibbles
-    // copy this warp's fragments of stage i out of shared memory (released by `release` once used)
+    // copy this warp's fragments of stage i out of shared memory, then release the stage
     auto fetch = [&](Frag& f, int i) {
       const int s = i % STAGES;
       mbar_wait(full(s), (i / STAGES) & 1);
@@ -364,23 +360,16 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         for (int h = 0; h < 2; ++h) {
           const int rl = 16 * (MT * warp + t) + 8 * h + g;
           f.h[t][h] = lds128(st + rl * 64 + 16 * q);
-          if (!Q8) f.l[t][h] = lds128(st + HB + XB + rl * 32 + 16 * (q & 1));
+          if (!Q8) f.l[t][h] = lds128(st + HB + rl * 32 + 16 * (q & 1));
         }
 #pragma unroll
       for (int j = 0; j < NT; ++j) {
-        f.x[j][0] = lds128(st + x_off(8 * j + g, 32 * q));
-        f.x[j][1] = lds128(st + x_off(8 * j + g, 32 * q + 16));
+        f.x[j][0] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q);
+        f.x[j][1] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q + 16);
       }
-    };
-    // release stage i for refilling. Written after the mma that use its fragments, but ptxas still
-    // places the arrive right after the stage's last LDS, ahead of those mma, with no scoreboard
-    // wait (cuobjdump of the sm_90 cubin): the LDS / arrive order in the shared-memory pipe is what
-    // keeps the refill from overtaking the reads, as in session 3's kernel. W12_RELFENCE=1 adds a
-    // generic -> async proxy fence before the arrive (diagnostic, perf/w12_race_probe.py).
-    auto release = [&](int i) {
       if constexpr (W12_RELFENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
       __syncwarp();
-      if (lane == 0) mbar_arrive(empty(i % STAGES));
+      if (lane == 0) mbar_arrive(empty(s));
     };
     auto compute = [&](const Frag& f) {
 #pragma unroll
@@ -431,19 +420,20 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         for (int h = 0; h < 2; ++h) {
           const int rl = 16 * warp + 8 * h + g;
           fh[h] = lds128(st + rl * 64 + 16 * q);
-          if (!Q8) fl[h] = lds128(st + HB + XB + rl * 32 + 16 * (q & 1));
+          if (!Q8) fl[h] = lds128(st + HB + rl * 32 + 16 * (q & 1));
         }
         const uint32_t bbuf = wbase + (2 * wg + (i & 1)) * BB;
         for (int pc = wt; pc < TOKS * 8; pc += 128) {
           const int off = 16 * pc;
           const int ks = off / (TOKS * 32), rem = off % (TOKS * 32);
           const int tok = (rem / 256) * 8 + (rem % 128) / 16, ph = (rem % 256) / 128;
-          const int b = 8 * ks + 4 * ph;  // k slots 8 ph .. 8 ph + 7 of step ks: bytes b + 32 w of the token
-          sts128(bbuf + off, make_uint4(lds32(st + x_off(tok, b)), lds32(st + x_off(tok, b + 32)),
-                                        lds32(st + x_off(tok, b + 64)), lds32(st + x_off(tok, b + 96))));
+          const uint32_t src = st + HB + LB + tok * XP + 8 * ks + 4 * ph;  // k slots 8 ph .. 8 ph + 7 of step ks
+          sts128(bbuf + off, make_uint4(lds32(src), lds32(src + 32), lds32(src + 64), lds32(src + 96)));
         }
         asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic stores -> wgmma's reads
         wg_bar_sync(wg);
+        __syncwarp();
+        if (lane == 0) mbar_arrive(empty(s));
         // the accumulators stay in place while wgmma owns them (no compiler copies across the async span)
         auto pin_acc = [&]() {
 #pragma unroll
@@ -479,7 +469,6 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         pin_acc();
         asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
         pin_acc();
-        release(i);  // fh / fl and the stage's x are consumed
         if (i == 0) first_escapes();
       }
     } else if constexpr (!AHEAD) {
@@ -487,7 +476,6 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         Frag f;
         fetch(f, i);
         compute(f);
-        release(i);
         if (i == 0) first_escapes();
       }
     } else {
@@ -498,11 +486,9 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       for (int i = 0; i < nch; i += 2) {
         if (i + 1 < nch) fetch(f[1], i + 1);
         compute(f[0]);
-        release(i);
         if (i + 1 < nch) {
           if (i + 2 < nch) fetch(f[0], i + 2);
           compute(f[1]);
-          release(i + 1);
         }
       }
     }
