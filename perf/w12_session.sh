@@ -4,6 +4,7 @@
 #   bash perf/w12_session.sh            (OUT defaults to perf/out)
 #
 # Stages, each under its own timeout so a hung kernel costs one stage, not the call:
+#   0. perf/w12_race_probe.py --focus (its lines go into summary.txt): must show 0 bad launches.
 #   1. perf/w12_mma_explore.py --grid final --emit: builds every cubin in parallel, checks each
 #      config against fp64 before timing it (a wrong one is reported and skipped), stores the
 #      per-cell winners in autotune/configs/<gpu>.json (copied to $OUT: copy it back).
@@ -21,6 +22,11 @@ export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
 PYTEST_OPTS=()
 python3 -c "import pytest_benchmark" 2>/dev/null || PYTEST_OPTS=(-o "addopts=-ra" -p no:cacheprovider)
 SCRATCH=$(mktemp -d)
+
+# 0. the race probe (session 4): launches alternating x / weights behind sleep kernels, every result checked
+timeout "${RACE_TIMEOUT:-90}" python3 perf/w12_race_probe.py --focus --launches "${RACE_LAUNCHES:-400}" \
+  --out "$SCRATCH/race" >"$SCRATCH/race.log" 2>&1
+RACE_RC=$?
 
 timeout "${EXPLORE_TIMEOUT:-240}" python3 perf/w12_mma_explore.py --grid final --emit --out "$SCRATCH/explore" \
   --budget-s "${EXPLORE_BUDGET:-170}" >"$OUT/explore.log" 2>&1
@@ -42,6 +48,7 @@ BENCH_RC=$?
 LATEST=$(ls -t "$OUT"/2*-linear-w12.json 2>/dev/null | head -n 1)
 
 {
+  echo "race    rc=$RACE_RC:"; grep '^{' "$SCRATCH/race.log"
   echo "explore rc=$EXPLORE_RC: $(grep -E 'geomean|^bad' "$OUT/explore.log" | tr '\n' ' ')"
   echo "tests   rc=$TEST_RC: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)"
   echo "ncu     rc=$NCU_RC"
