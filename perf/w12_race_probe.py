@@ -1,10 +1,12 @@
 """Hunting an intermittent wrong result of the TMA kernel (session 4: LM head / 16384-row weights at
-M = 16, 32, after x moved to one swizzled 2-D TMA box per stage). Per variant, 40 launches that
-alternate between two x tensors, each checked against an fp32 reference; prints how many launches
-and output rows were wrong.
+M = 16, 32, after x moved to one swizzled 2-D TMA box per stage). Per config and variant,
+`--launches` launches that alternate between two x tensors, each checked against an fp32
+reference; prints how many launches and output rows were wrong.
 
-Variants: as built; one CTA per SM (dynamic smem inflated); a ~3 us sleep kernel queued before
-each launch. Session 4 (H200), kernel with x as one swizzled 2-D TMA box per stage: "gap" wrong in
+Variants: "base" (as built); "1cta" (one CTA per SM, dynamic smem inflated); "gap" (a ~3 us sleep
+kernel queued before each launch); "gap-wswap" (the weights alternate too, so the plane tensor
+maps change between launches); "gap-relfence" (W12_RELFENCE=1). `--focus`: M = 16, the default x
+path and the xcp path, the gap variants only. Session 4 (H200), kernel with x as one swizzled 2-D TMA box per stage: "gap" wrong in
 45 and 16 of 400 launches (M = 16, tma-mt1-cw4-st8), also with the box unswizzled (29 / 26), none
 with x by per-token bulk copies (0 / 0): the bulk copies are the kernel's x path again.
 

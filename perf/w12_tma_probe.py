@@ -2,8 +2,10 @@
 kernel as built, the same kernel with W12_NULL=1 (consumers only wait for and release each stage:
 the streaming rate of the ring and its TMA box geometry alone), with W12_NULL=1 W12_CM=1 (the same
 bytes read as if the planes were stored chunk-major, [Kp / 64][N][64]: every box one contiguous
-range), the register-pipelined kernel and cuBLAS, plus a plain streaming read of the same bytes
-(perf/w12_diag.py's read ceiling). `--quick`: M = 1 and the null builds only.
+range), with W12_NULL=1 W12_WIDE=2 / 4 (boxes 2 / 4 times wider and shorter), the register-pipelined
+kernel and cuBLAS, plus a plain streaming read of the same bytes (perf/w12_diag.py's read ceiling).
+`--quick`: M = 1 and the null builds only (null, chunk-major, wide); otherwise M = 1, 8, 32 with the
+kernel as built, null and chunk-major.
 
     python3 perf/w12_tma_probe.py --out $OUT
 """

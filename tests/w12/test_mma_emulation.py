@@ -115,24 +115,10 @@ def _decode_mma(fh, fl, fx, e0x, s, sh, q8, nt):
     return out
 
 
-def x_off(t, b):
-    """Byte b of token t in a TMA stage's x (rows of 128 bytes at a pitch of 144)."""
-    return t * 144 + b
-
-
-def _x_stage(xbytes: np.ndarray, c: int, toks: int) -> np.ndarray:
-    """The image the bulk copies write for chunk c of x: tokens of 128 bytes, tokens past M zero."""
-    st = np.zeros(toks * 144, dtype=np.uint8)
-    for t in range(xbytes.shape[0]):
-        for b in range(0, 128, 16):
-            st[x_off(t, b):x_off(t, b) + 16] = xbytes[t, 128 * c + b:128 * c + b + 16]
-    return st
-
-
 def _wg_b_operand(st_x: np.ndarray, toks: int) -> list[np.ndarray]:
-    """The TMA kernel's wgmma path: its threads copy the stage's x (see `x_off`) into the
+    """The TMA kernel's wgmma path: its threads copy the stage's x (rows of 144 bytes) into the
     permuted buffer (piece at byte 16 pc = k-step ks, token, half ph; four 4-byte words from byte
-    32 q' + 8 ks + 4 ph of the token), and wgmma reads that buffer through the no-swizzle
+    32 q' + 8 ks + 4 ph of the token's row), and wgmma reads that buffer through the no-swizzle
     K-major descriptor (core matrix of 8 tokens x 8 k at ks * toks * 32 + (n / 8) * 256 + (k / 8) * 128,
     LBO 128, SBO 256). Returns B [16 k slots, toks] per k-step, as the tensor core would see it."""
     buf = np.zeros(toks * 128, dtype=np.uint8)
@@ -141,8 +127,7 @@ def _wg_b_operand(st_x: np.ndarray, toks: int) -> list[np.ndarray]:
         ks, rem = off // (toks * 32), off % (toks * 32)
         tok, ph = (rem // 256) * 8 + (rem % 128) // 16, (rem % 256) // 128
         src = 8 * ks + 4 * ph
-        buf[off:off + 16] = np.concatenate([st_x[x_off(tok, src + 32 * w4):x_off(tok, src + 32 * w4) + 4]
-                                            for w4 in range(4)])
+        buf[off:off + 16] = np.concatenate([st_x[tok, src + 32 * w4:src + 32 * w4 + 4] for w4 in range(4)])
     vals = buf.view(np.uint16).astype(U32) << U32(16)
     bf = vals.view(np.float32).astype(np.float64)
     out = []
@@ -255,10 +240,11 @@ def emulate_tma(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, splits: 
                 n_in = min(R, N - r0)
                 st_hi[:n_in] = hi[r0:r0 + n_in, 64 * c:64 * c + 64]
                 st_lo[:n_in] = lo[r0:r0 + n_in, 32 * c:32 * c + 32]
-                st_x = _x_stage(xbytes, c, 8 * nt)
+                st_x = np.zeros((8 * nt, 144), dtype=np.uint8)
+                st_x[:M, :128] = xbytes[:, 128 * c:128 * c + 128]
                 bw = _wg_b_operand(st_x, 8 * nt) if wg else None
                 for w in range(cw):
-                    fx = [[words(np.stack([st_x[x_off(8 * j + g[i], 32 * q[i] + 16 * k):][:16] for i in lane]))
+                    fx = [[words(np.stack([st_x[8 * j + g[i], 32 * q[i] + 16 * k:32 * q[i] + 16 * k + 16] for i in lane]))
                            for k in range(2)] for j in range(nt)]
                     for t in range(mt):
                         rl = [16 * (mt * w + t) + 8 * h + g for h in range(2)]
@@ -379,8 +365,8 @@ def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(t
     cuda = _nvcc_or_skip()
     monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
     for cfg, nt in [(TmaConfig(2, 4, 6), 1), (TmaConfig(1, 8, 8, split=3), 4), (TmaConfig(4, 4, 4), 2),
-                    (TmaConfig(2, 8, 4), 4), (TmaConfig(1, 1, 2), 1), (TmaConfig(1, 16, 4), 4), (TmaConfig(1, 8, 6, ahead=True), 1),
-                    (TmaConfig(2, 4, 4, split=3, ahead=True), 4)]:
+                    (TmaConfig(2, 8, 4), 4), (TmaConfig(1, 1, 2), 1), (TmaConfig(1, 16, 4), 4),
+                    (TmaConfig(1, 8, 6, ahead=True), 1), (TmaConfig(2, 4, 4, split=3, ahead=True), 4)]:
         tensor_copies = {}
         for q8 in (False, True):
             ptx = cuda.build(cfg, nt, q8, (9, 0), out="ptx").read_text()
