@@ -5,13 +5,14 @@
 #
 # Stages, each under its own timeout so a hung kernel costs one stage, not the call:
 #   0. perf/w12_race_probe.py --focus (its lines go into summary.txt): must show 0 bad launches.
+#   0b. perf/w12_step_probe.py: a quarter of the decode step in one graph, dispatch variants side by side.
 #   1. perf/w12_mma_explore.py --grid final --emit: builds every cubin in parallel, checks each
 #      config against fp64 before timing it (a wrong one is reported and skipped), stores the
 #      per-cell winners in autotune/configs/<gpu>.json (copied to $OUT: copy it back).
 #   2. the W12 GPU tests (tests/w12, test_sm90_codegen) with the warm cubin cache.
 #   3. ncu on the default dispatch, cuBLAS and NCU_CONFIGS (perf/w12_diag.py), one line per kernel.
 #   4. the benchmark (linear + w12 cases, hybrid-27b) with the new tuned file, and its summary.
-# Files in $OUT (<= 8): explore.log h200.json pytest.log ncu-summary.txt <stamp>-linear-w12.{json,md,png}
+# Files in $OUT (<= 9): step_probe.json explore.log h200.json pytest.log ncu-summary.txt <stamp>-linear-w12.{json,md,png}
 # summary.txt
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -27,6 +28,12 @@ SCRATCH=$(mktemp -d)
 timeout "${RACE_TIMEOUT:-90}" python3 perf/w12_race_probe.py --focus --launches "${RACE_LAUNCHES:-400}" \
   --out "$SCRATCH/race" >"$SCRATCH/race.log" 2>&1
 RACE_RC=$?
+
+# 0b. a quarter of the decode step as one CUDA graph: cuBLAS, W12 as dispatched, with PDL, all-TMA
+timeout "${STEP_TIMEOUT:-150}" python3 perf/w12_step_probe.py --out "$SCRATCH/step" ${STEP_ARGS:-} \
+  >"$SCRATCH/step.log" 2>&1
+STEP_RC=$?
+cp "$SCRATCH/step/step_probe.json" "$OUT/" 2>/dev/null
 
 timeout "${EXPLORE_TIMEOUT:-240}" python3 perf/w12_mma_explore.py --grid final --emit --out "$SCRATCH/explore" \
   --budget-s "${EXPLORE_BUDGET:-170}" >"$OUT/explore.log" 2>&1
@@ -49,6 +56,7 @@ LATEST=$(ls -t "$OUT"/2*-linear-w12.json 2>/dev/null | head -n 1)
 
 {
   echo "race    rc=$RACE_RC:"; grep '^{' "$SCRATCH/race.log"
+  echo "step    rc=$STEP_RC:"; grep '^{' "$SCRATCH/step.log"; grep -E 'Error|error' "$SCRATCH/step.log" | tail -n 3
   echo "explore rc=$EXPLORE_RC: $(grep -E 'geomean|^bad' "$OUT/explore.log" | tr '\n' ' ')"
   echo "tests   rc=$TEST_RC: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)"
   echo "ncu     rc=$NCU_RC"
