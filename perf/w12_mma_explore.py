@@ -72,6 +72,9 @@ GRID_FINAL = [MmaConfig(2, 4, 2), MmaConfig(2, 4, 3), MmaConfig(1, 8, 2), MmaCon
     [TmaConfig(mt, cw, st, s, ahead=True) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 4, 6)) for s in (1, 3, 6)] + \
     [TmaConfig(mt, cw, st, s, xcp=True) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 4, 6), (1, 16, 4))
      for s in (1, 2, 3, 6)]
+# session 5: stream-K (a persistent grid of sk CTAs per SM, equal shares of the row-block x chunk units)
+GRID_FINAL += [TmaConfig(mt, cw, st, sk=k, xcp=x) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 4, 6), (1, 16, 4))
+               for k in (1, 2) for x in (False, True)]
 
 
 # session 4 probe: the look-ahead and wgmma TMA configs against the session-3 winners, first GPU run

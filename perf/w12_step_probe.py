@@ -12,6 +12,7 @@ case times it). Variants:
                     early-launched CTA of the next layer cannot share an SM with one of this layer)
   tma               every layer on the TMA kernel (TmaConfig(1, 8, 6), split 3 for the N = 5120 layers)
   tma-pdl, tma-pdl-1cta
+  sk                every layer on the stream-K TMA kernel, TmaConfig(1, 8, 6, sk=2)
 Rounds interleave the variants (one replay of each per round) so that drift hits all alike.
 
     python3 perf/w12_step_probe.py --out $OUT [--blocks 4] [--rounds 15]
@@ -44,7 +45,9 @@ BLOCK = ["gdn.in_proj", "gdn.out_proj"] * 3 + ["attn.qkv_proj", "attn.o_proj"] +
     ["mlp.gate_up_proj", "mlp.down_proj"] * 4
 
 
-def tma_cfg(n: int, k: int) -> TmaConfig:
+def tma_cfg(n: int, k: int, sk: bool = False) -> TmaConfig:
+    if sk:
+        return TmaConfig(1, 8, 6, sk=2)
     return TmaConfig(1, 8, 6, split=3 if n <= 8192 else 1)
 
 
@@ -53,7 +56,7 @@ def main() -> int:
     ap.add_argument("--out", default="perf/results/local")
     ap.add_argument("--blocks", type=int, default=4)
     ap.add_argument("--rounds", type=int, default=15)
-    ap.add_argument("--variants", default="cublas,w12,w12-pdl,w12-pdl-1cta,tma,tma-pdl,tma-pdl-1cta")
+    ap.add_argument("--variants", default="cublas,w12,tma,sk,w12-pdl-1cta")
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
@@ -79,7 +82,7 @@ def main() -> int:
         def tma_step():
             outs = []
             for name, x, p in zip(names, xs, ps):
-                with autotune.force("w12.matmul", config=tma_cfg(*LAYERS[name])):
+                with autotune.force("w12.matmul", config=tma_cfg(*LAYERS[name], sk=kind == "sk")):
                     outs.append(w12.matmul(x, p))
             return outs
         return tma_step

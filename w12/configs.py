@@ -125,9 +125,13 @@ class TmaConfig:
     `wg` (each warpgroup of 4 consumer warps issues one wgmma m64 x n(8 NT) x k16 per k-step with
     the decoded A from registers and x permuted into a K-major shared-memory B; sm_90a; slower
     than mma.sync on every measured cell: the per-stage permutation copy costs more than it saves).
-    `xcp` (written after the session-4 device time ran out, checked on the CPU only): x copied
-    by cp.async from all 32 producer lanes (M / 4 instructions per stage) instead of M bulk copies,
-    which make M = 32 ~2.5x slower than M = 1. (A 2-D TMA box of x, tried first, was fast but gave
+    `xcp`: x copied by cp.async from all 32 producer lanes (M / 4 instructions per stage) instead of
+    M bulk copies, which make M = 32 ~2.5x slower than M = 1 (session 5, H200: correct in 400
+    launches of the race probe; the LM head at M = 32 went from 0.90x to 1.20x cuBLAS).
+    `sk` (stream-K, session 5): the grid is sk CTAs per SM and each CTA takes an equal contiguous
+    range of the (row block, 64-column chunk) units, crossing row blocks, so no SM idles in a last
+    partial wave; a row block shared by several CTAs is summed in the workspace in CTA order
+    (deterministic) by the last of them to arrive. (A 2-D TMA box of x, tried in session 4, was fast but gave
     wrong results on the H200; see perf/w12_race_probe.py.)"""
 
     mt: int = 2
@@ -136,15 +140,18 @@ class TmaConfig:
     split: int = 1
     ahead: bool = False  # consumers read stage i + 1's fragments before computing stage i
     wg: bool = False  # wgmma (sm_90a) with the decoded A from registers; needs mt = 1, cw in (4, 8)
-    xcp: bool = False  # x by cp.async from the whole producer warp, not one bulk copy per token (not yet run)
+    xcp: bool = False  # x by cp.async from the whole producer warp, not one bulk copy per token
+    sk: int = 0  # stream-K: a grid of sk CTAs per SM, each an equal contiguous range of (row block, chunk) units
 
     def __post_init__(self):
         if self.mt not in (1, 2, 4) or self.cw not in (1, 2, 4, 8, 16) or 16 * self.mt * self.cw > 256 \
                 or not 2 <= self.stages <= 16 or not 1 <= self.split <= 64 \
-                or (self.wg and (self.mt != 1 or self.cw not in (4, 8) or self.ahead)):
+                or (self.wg and (self.mt != 1 or self.cw not in (4, 8) or self.ahead)) \
+                or self.sk not in (0, 1, 2, 3, 4) or (self.sk and (self.split != 1 or self.wg or self.ahead)):
             raise ValueError("TmaConfig needs mt in (1, 2, 4), cw in (1, 2, 4, 8, 16), 16 * mt * cw <= 256 rows, "
-                             "2 <= stages <= 16, 1 <= split <= 64, and for wg=True mt = 1, cw in (4, 8) and no "
-                             f"look-ahead; got {self}")
+                             "2 <= stages <= 16, 1 <= split <= 64, for wg=True mt = 1, cw in (4, 8) and no "
+                             "look-ahead, and sk in 0..4 (CTAs per SM) with split = 1, no wg and no look-ahead; "
+                             f"got {self}")
 
     @property
     def rows(self) -> int:
@@ -152,7 +159,8 @@ class TmaConfig:
 
     def tag(self) -> str:
         return f"tma-mt{self.mt}-cw{self.cw}-st{self.stages}" + (f"-s{self.split}" if self.split > 1 else "") + \
-            ("-ah" if self.ahead else "") + ("-wg" if self.wg else "") + ("-xcp" if self.xcp else "")
+            ("-ah" if self.ahead else "") + ("-wg" if self.wg else "") + ("-xcp" if self.xcp else "") + \
+            (f"-sk{self.sk}" if self.sk else "")
 
 
 def _check_common(c) -> None:

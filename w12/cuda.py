@@ -96,7 +96,7 @@ def _flags(cfg, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
         if arch[0] != 9:
             raise ValueError(f"{cfg}: the TMA kernel needs an sm_90 GPU, got sm_{sm}")
         defines = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8), AHEAD=int(cfg.ahead), WG=int(cfg.wg),
-                       XCP=int(cfg.xcp))
+                       XCP=int(cfg.xcp), SK=int(cfg.sk > 0))
         if cfg.wg:
             sm = "90a"  # wgmma is an sm_90a feature
     else:
@@ -207,6 +207,12 @@ def smem_bytes(cfg: MmaConfig | TmaConfig, nt: int, q8: bool) -> int:
         return red
     pieces = 2 * cfg.mt * (1 if q8 else 2) + 2 * nt
     return max(red, cfg.pipe * pieces * 16 * threads)
+
+
+def sk_sm_count(device: torch.device) -> int:
+    """Multiprocessors a stream-K grid is sized for (TmaConfig.sk CTAs per SM)."""
+    idx = device.index if device.index is not None else torch.cuda.current_device()
+    return torch.cuda.get_device_properties(idx).multi_processor_count
 
 
 def _function(cfg: MmaConfig, nt: int, q8: bool, device: torch.device) -> tuple[ctypes.c_void_p, int]:
@@ -339,6 +345,11 @@ def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, 
     ws, cnt = (None, None)
     if cfg.split > 1:
         ws, cnt = _workspace(x2d.device, stream, grid * cfg.split * rows * 8 * nt, grid)
+    elif tma and cfg.sk:
+        # stream-K: sk CTAs per SM share the grid * Kp / 64 units; two partial slots per CTA, a counter per row block
+        ctas = min(grid * (Kp // 64), cfg.sk * sk_sm_count(x2d.device))
+        ws, cnt = _workspace(x2d.device, stream, ctas * 2 * rows * 8 * nt, grid)
+        grid = ctas
     xk, ldx = _x_operand(x2d, Kp)
     kind = 0 if bias is None else _BIAS_KIND[bias.dtype]
     tail = [

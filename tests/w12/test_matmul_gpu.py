@@ -117,7 +117,8 @@ TMA_ODD = [TmaConfig(2, 4, 6), TmaConfig(1, 8, 8), TmaConfig(4, 4, 3), TmaConfig
            TmaConfig(2, 4, 2, split=3, ahead=True), TmaConfig(1, 4, 3, split=64, ahead=True), TmaConfig(1, 4, 6, wg=True),
            TmaConfig(1, 8, 4, split=3, wg=True), TmaConfig(1, 4, 2, split=64, wg=True), TmaConfig(1, 16, 3),
            TmaConfig(1, 16, 4, split=3, ahead=True), TmaConfig(1, 8, 6, xcp=True), TmaConfig(2, 4, 3, split=7, xcp=True),
-           TmaConfig(1, 4, 6, wg=True, xcp=True)]
+           TmaConfig(1, 4, 6, wg=True, xcp=True), TmaConfig(1, 8, 6, sk=2), TmaConfig(2, 4, 3, sk=1, xcp=True),
+           TmaConfig(1, 4, 2, sk=4)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -153,7 +154,8 @@ def test_tma_configs_odd_shapes(cfg, N, K):
 @pytest.mark.hopper
 @pytest.mark.parametrize("cfg", [TmaConfig(1, 4, 8), TmaConfig(1, 4, 8, ahead=True), TmaConfig(1, 8, 6),
                                  TmaConfig(1, 8, 6, split=3, ahead=True), TmaConfig(1, 4, 8, xcp=True),
-                                 TmaConfig(1, 8, 6, split=3, xcp=True)], ids=lambda c: c.tag())
+                                 TmaConfig(1, 8, 6, split=3, xcp=True), TmaConfig(1, 8, 6, sk=2),
+                                 TmaConfig(1, 4, 8, xcp=True, sk=2)], ids=lambda c: c.tag())
 def test_tma_launches_with_changing_tensor_maps(cfg):
     """Launches alternating two weights and two x (so every tensor map changes between launches),
     each queued behind a short sleep kernel, many CTAs per SM refilling their rings ~40 times: every
@@ -249,10 +251,10 @@ def test_gemv_kernel_uses_no_tensor_cores():
 
 @pytest.mark.parametrize("cfg", [None, TcConfig(64, 16, 128, 4, 4, 3), GemvConfig(32, 1, 256, 5, 4, 2),
                                  MmaConfig(2, 4, 2), MmaConfig(1, 8, 3, wr=2), MmaConfig(1, 8, 4, async_copy=True),
-                                 MmaConfig(1, 4, 2, split=4)] + ([TmaConfig(2, 4, 6), TmaConfig(1, 8, 6, split=4)]
-                                                                 if _HOPPER else []),
+                                 MmaConfig(1, 4, 2, split=4)] + ([TmaConfig(2, 4, 6), TmaConfig(1, 8, 6, split=4),
+                                                                  TmaConfig(1, 8, 6, sk=2)] if _HOPPER else []),
                          ids=["default", "tc-split4", "gemv-split5", "mma", "mma-wr2", "mma-async", "mma-split4"]
-                         + (["tma", "tma-split4"] if _HOPPER else []))
+                         + (["tma", "tma-split4", "tma-sk2"] if _HOPPER else []))
 def test_cuda_graph_replay_equals_eager(cfg):
     n, k = _S.linears["mlp.down_proj"]
     w = _weight(n, k, seed=3)
@@ -330,7 +332,8 @@ def test_torch_compile_fullgraph_equals_eager(q8, poison_outside_compile):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("cfg", [TmaConfig(1, 8, 6, split=3), TmaConfig(2, 4, 4), MmaConfig(2, 4, 2, split=3),
+@pytest.mark.parametrize("cfg", [TmaConfig(1, 8, 6, split=3), TmaConfig(2, 4, 4), TmaConfig(1, 8, 6, sk=2),
+                                 MmaConfig(2, 4, 2, split=3),
                                  MmaConfig(1, 8, 2)], ids=lambda c: c.tag())
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_pdl_chain_waits_for_the_previous_kernel(cfg, graph, monkeypatch):

@@ -210,67 +210,138 @@ def emulate(x: torch.Tensor, p: w12.W12Weight, *, mt: int, wk: int, wr: int = 1,
     return torch.from_numpy(out)
 
 
-def emulate_tma(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, splits: int = 1, q8: bool = False,
-                wg: bool = False):
-    """csrc/w12_tma.cu, lane by lane: the stage images the TMA / bulk copies write (row-major boxes,
-    rows past N zero, tokens past M zero, pitches 64 / 32 / 144 bytes), the consumers' LDS offsets,
-    split-K partials added in split order, and the epilogue's (acc -> row, token) mapping. `wg`:
-    the wgmma path (x permuted into the K-major B layout, read through the descriptor)."""
-    M = x.shape[0]
-    N, Kp = p.hi.shape
-    nt = 1 if M <= 8 else 2 if M <= 16 else 4
-    R = 16 * mt * cw
-    hi, lo = p.hi.numpy(), p.lo.numpy()
-    e0 = p.e0.numpy().astype(U32)
-    xb = torch.zeros((M, Kp), dtype=torch.bfloat16)
-    xb[:, : x.shape[1]] = x
-    xbytes = xb.view(torch.uint8).numpy()
-    lane = np.arange(32)
-    g, q = lane // 4, lane % 4
-    sh = U32(4) * (q >> 1).astype(U32)
-    nch_all = Kp // 64
-    per = -(-nch_all // splits)
-    out = np.full((M, N), np.nan)
-    for r0 in range(0, N, R):
+class _TmaImage:
+    """The operands of csrc/w12_tma.cu as its copies leave them: planes, x padded to Kp, lane maps."""
+
+    def __init__(self, x: torch.Tensor, p: w12.W12Weight, mt: int, cw: int, q8: bool, wg: bool):
+        self.M = x.shape[0]
+        self.N, self.Kp = p.hi.shape
+        self.nt = 1 if self.M <= 8 else 2 if self.M <= 16 else 4
+        self.mt, self.cw, self.q8, self.wg, self.p = mt, cw, q8, wg, p
+        self.R = 16 * mt * cw
+        self.hi, self.lo = p.hi.numpy(), p.lo.numpy()
+        self.e0 = p.e0.numpy().astype(U32)
+        self.xb = torch.zeros((self.M, self.Kp), dtype=torch.bfloat16)
+        self.xb[:, : x.shape[1]] = x
+        self.xbytes = self.xb.view(torch.uint8).numpy()
+        self.lane = np.arange(32)
+        self.g, self.q = self.lane // 4, self.lane % 4
+        self.sh = U32(4) * (self.q >> 1).astype(U32)
+
+    def chunk(self, r0: int, c: int) -> np.ndarray:
+        """One stage (row block r0, chunk c): the image the TMA / bulk copies write (row-major boxes,
+        rows past N zero, tokens past M zero, pitches 64 / 32 / 144 bytes), read back at the
+        consumers' LDS offsets; returns the accumulator increments [cw, mt, nt, 4, 32]."""
+        mt, cw, nt, R, N, M = self.mt, self.cw, self.nt, self.R, self.N, self.M
+        lane, g, q = self.lane, self.g, self.q
+        st_hi = np.zeros((R, 64), dtype=np.uint8)
+        st_lo = np.zeros((R, 32), dtype=np.uint8)
+        n_in = min(R, N - r0)
+        st_hi[:n_in] = self.hi[r0:r0 + n_in, 64 * c:64 * c + 64]
+        st_lo[:n_in] = self.lo[r0:r0 + n_in, 32 * c:32 * c + 32]
+        st_x = np.zeros((8 * nt, 144), dtype=np.uint8)
+        st_x[:M, :128] = self.xbytes[:, 128 * c:128 * c + 128]
+        bw = _wg_b_operand(st_x, 8 * nt) if self.wg else None
         acc = np.zeros((cw, mt, nt, 4, 32))
-        for y in range(splits):
-            for c in range(y * per, min(nch_all, (y + 1) * per)):
-                st_hi = np.zeros((R, 64), dtype=np.uint8)
-                st_lo = np.zeros((R, 32), dtype=np.uint8)
-                n_in = min(R, N - r0)
-                st_hi[:n_in] = hi[r0:r0 + n_in, 64 * c:64 * c + 64]
-                st_lo[:n_in] = lo[r0:r0 + n_in, 32 * c:32 * c + 32]
-                st_x = np.zeros((8 * nt, 144), dtype=np.uint8)
-                st_x[:M, :128] = xbytes[:, 128 * c:128 * c + 128]
-                bw = _wg_b_operand(st_x, 8 * nt) if wg else None
-                for w in range(cw):
-                    fx = [[words(np.stack([st_x[8 * j + g[i], 32 * q[i] + 16 * k:32 * q[i] + 16 * k + 16] for i in lane]))
-                           for k in range(2)] for j in range(nt)]
-                    for t in range(mt):
-                        rl = [16 * (mt * w + t) + 8 * h + g for h in range(2)]
-                        fh = [words(np.stack([st_hi[rl[h][i], 16 * q[i]:16 * q[i] + 16] for i in lane])) for h in range(2)]
-                        fl = [words(np.stack([st_lo[rl[h][i], 16 * (q[i] & 1):16 * (q[i] & 1) + 16] for i in lane]))
-                              for h in range(2)]
-                        e0x = []
-                        for h in range(2):
-                            e = e0[np.minimum(r0 + rl[h], N - 1)]
-                            e0x.append(((e << U32(7)) | (e << U32(23))).astype(U32))
-                        for s in range(4):
-                            if wg:  # this warp's 16 rows of the m64 tile times the descriptor's B
-                                acc[w, t] += _accumulate(_decode_a(fh, fl, e0x, s, sh, q8) @ bw[s], nt)
-                            else:
-                                acc[w, t] += _decode_mma(fh, fl, fx, e0x, s, sh, q8, nt)
         for w in range(cw):
+            fx = [[words(np.stack([st_x[8 * j + g[i], 32 * q[i] + 16 * k:32 * q[i] + 16 * k + 16] for i in lane]))
+                   for k in range(2)] for j in range(nt)]
             for t in range(mt):
-                for j in range(nt):
+                rl = [16 * (mt * w + t) + 8 * h + g for h in range(2)]
+                fh = [words(np.stack([st_hi[rl[h][i], 16 * q[i]:16 * q[i] + 16] for i in lane])) for h in range(2)]
+                fl = [words(np.stack([st_lo[rl[h][i], 16 * (q[i] & 1):16 * (q[i] & 1) + 16] for i in lane]))
+                      for h in range(2)]
+                e0x = []
+                for h in range(2):
+                    e = self.e0[np.minimum(r0 + rl[h], N - 1)]
+                    e0x.append(((e << U32(7)) | (e << U32(23))).astype(U32))
+                for s in range(4):
+                    if self.wg:  # this warp's 16 rows of the m64 tile times the descriptor's B
+                        acc[w, t] += _accumulate(_decode_a(fh, fl, e0x, s, self.sh, self.q8) @ bw[s], nt)
+                    else:
+                        acc[w, t] += _decode_mma(fh, fl, fx, e0x, s, self.sh, self.q8, nt)
+        return acc
+
+    def epilogue(self, out: np.ndarray, acc: np.ndarray, r0: int) -> None:
+        """acc[w, t, j, i, lane] -> (row, token); escapes and the rounding as the kernel applies them."""
+        for w in range(self.cw):
+            for t in range(self.mt):
+                for j in range(self.nt):
                     for i4 in range(4):
                         h, u = i4 // 2, i4 % 2
-                        for ln in lane:
-                            row = r0 + 16 * (mt * w + t) + 8 * h + g[ln]
-                            tok = 8 * j + 2 * q[ln] + u
-                            if row >= N or tok >= M:
+                        for ln in self.lane:
+                            row = r0 + 16 * (self.mt * w + t) + 8 * h + self.g[ln]
+                            tok = 8 * j + 2 * self.q[ln] + u
+                            if row >= self.N or tok >= self.M:
                                 continue
-                            out[tok, row] = _add_escapes(acc[w, t, j, i4, ln], p, xb, row, tok, q8)
+                            assert np.isnan(out[tok, row]), f"output ({tok}, {row}) written twice"
+                            out[tok, row] = _add_escapes(acc[w, t, j, i4, ln], self.p, self.xb, row, tok, self.q8)
+
+
+def emulate_tma(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, splits: int = 1, q8: bool = False,
+                wg: bool = False):
+    """csrc/w12_tma.cu, lane by lane (_TmaImage): split-K partials added in split order, and the
+    epilogue's (acc -> row, token) mapping. `wg`: the wgmma path (x permuted into the K-major B
+    layout, read through the descriptor)."""
+    im = _TmaImage(x, p, mt, cw, q8, wg)
+    nch_all = im.Kp // 64
+    per = -(-nch_all // splits)
+    out = np.full((im.M, im.N), np.nan)
+    for r0 in range(0, im.N, im.R):
+        acc = np.zeros((cw, mt, im.nt, 4, 32))
+        for y in range(splits):
+            for c in range(y * per, min(nch_all, (y + 1) * per)):
+                acc += im.chunk(r0, c)
+        im.epilogue(out, acc, r0)
+    return torch.from_numpy(out)
+
+
+def emulate_tma_sk(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, ctas: int, q8: bool = False,
+                   seed: int = 0):
+    """The stream-K path of csrc/w12_tma.cu (TmaConfig.sk), with its index arithmetic ported line by
+    line: CTA b takes units [b U / P, (b + 1) U / P) of the U = row blocks x chunks; a row block it
+    covers only in part goes to workspace slot 0 (its first row block) or 1, and the arrival that
+    brings the row block's counter to its CTA count adds the slots of CTAs b0..b1 in CTA order and
+    runs the epilogue. CTAs run one after another in a random order (`seed`), so any of them can be
+    the last to arrive; checks that no slot is written twice and every counter ends at zero."""
+    im = _TmaImage(x, p, mt, cw, q8, False)
+    nch_all = im.Kp // 64
+    nrb = -(-im.N // im.R)
+    U, P = nrb * nch_all, ctas
+    assert P <= U, "the launcher never makes more CTAs than units"
+
+    def cta_of(u):
+        return ((u + 1) * P - 1) // U
+
+    ws, counters = {}, np.zeros(nrb, dtype=np.int64)
+    out = np.full((im.M, im.N), np.nan)
+    for b in np.random.default_rng(seed).permutation(P):
+        ub, ue = b * U // P, (b + 1) * U // P
+        assert ue > ub, "every CTA has a unit"
+        u = ub
+        while u < ue:
+            rb, c0 = u // nch_all, u % nch_all
+            ln = min(nch_all - c0, ue - u)
+            acc = np.zeros((cw, mt, im.nt, 4, 32))
+            for c in range(c0, c0 + ln):
+                acc += im.chunk(rb * im.R, c)
+            finish = True
+            if ln < nch_all:
+                key = (b, 0 if u == ub else 1)
+                assert key not in ws, f"workspace slot {key} written twice"
+                ws[key] = acc
+                b0, b1 = cta_of(rb * nch_all), cta_of(rb * nch_all + nch_all - 1)
+                finish = counters[rb] == b1 - b0
+                counters[rb] += 1
+                if finish:
+                    counters[rb] = 0
+                    acc = np.zeros_like(acc)
+                    for bb in range(b0, b1 + 1):
+                        acc = acc + ws[(bb, 0 if (bb * U // P) // nch_all == rb else 1)]
+            if finish:
+                im.epilogue(out, acc, rb * im.R)
+            u += ln
+    assert not counters.any(), "a row block's counter was left non-zero"
     return torch.from_numpy(out)
 
 
@@ -301,7 +372,29 @@ def test_emulated_kernel_matches_reference(M, N, K, mt, wk, wr, q8):
     assert not torch.isnan(got).any(), "unwritten outputs"
     err = (got - want).abs().max().item()
     scale = (x.double().abs() @ w.double().abs().nan_to_num().T).max().item()
-    assert err <= 1e-12 * scale, (err, scale)  # fp64 sums of exact bf16 products: only reassociation
+    assert err <= 1e-12 * scale, (err, scale)
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["mm", "q8"])
+@pytest.mark.parametrize("M,N,K,mt,cw,ctas", [(3, 40, 192, 1, 1, 2), (11, 50, 256, 1, 1, 5), (20, 17, 100, 1, 1, 2),
+                                              (5, 70, 192, 1, 2, 7), (29, 130, 256, 1, 2, 20), (1, 33, 64, 1, 1, 3)],
+                         ids=["M3-N40-K192-P2", "M11-N50-K256-P5", "M20-N17-K100-P2", "M5-N70-K192-P7",
+                              "M29-N130-K256-P20-one-unit-each", "M1-N33-K64-P3-no-split"])
+def test_emulated_tma_stream_k_matches_reference(M, N, K, mt, cw, ctas, q8):
+    """Stream-K (TmaConfig.sk): CTA ranges that start and end inside row blocks, cover one row block
+    only in part, span three row blocks, or hold one unit each; every output written exactly once,
+    and equal, bit for bit, whichever CTA arrives last."""
+    w = _weight(N, K, seed=N * K + M + 2)
+    p = w12.pack(w)
+    x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M + 3)) * 2).to(torch.bfloat16)
+    got = emulate_tma_sk(x, p, mt=mt, cw=cw, ctas=ctas, q8=q8, seed=0)
+    want = (matmul_q8_reference if q8 else matmul_reference)(x, p).double()
+    assert not torch.isnan(got).any(), "unwritten outputs"
+    err = (got - want).abs().max().item()
+    scale = (x.double().abs() @ w.double().abs().nan_to_num().T).max().item()
+    assert err <= 1e-12 * scale, (err, scale)
+    again = emulate_tma_sk(x, p, mt=mt, cw=cw, ctas=ctas, q8=q8, seed=1)  # another arrival order
+    assert torch.equal(got, again)  # fp64 sums of exact bf16 products: only reassociation
 
 
 def test_byte_perm_selectors():
@@ -415,6 +508,29 @@ def test_tma_xcp_path_builds_with_cp_async_and_barrier_arrivals(tmp_path, monkey
     assert "cp.async.mbarrier.arrive" not in plain and "cp.async.bulk.shared::cluster.global" in plain
 
 
+def test_tma_stream_k_path_builds_with_consumer_barrier_and_counters(tmp_path, monkeypatch):
+    """TmaConfig(sk=...): the consumers' named barrier (the producer is not in it), the per-row-block
+    arrival counter, the workspace's L2-only stores and loads; no local memory; the plain build has
+    no named barrier."""
+    from w12.configs import TmaConfig
+
+    cuda = _nvcc_or_skip()
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    for cfg, nt, q8 in [(TmaConfig(1, 8, 6, sk=2), 1, False), (TmaConfig(2, 4, 4, sk=1, xcp=True), 4, True)]:
+        ptx = cuda.build(cfg, nt, q8, (9, 0), out="ptx").read_text()
+        assert f"bar.sync 1, {32 * cfg.cw};" in ptx
+        assert "atom.global.add" in ptx and "st.global.cg.f32" in ptx and "ld.global.cg.f32" in ptx
+        assert "cp.async.bulk.tensor.2d" in ptx
+        assert ".local" not in ptx
+    plain = cuda.build(TmaConfig(1, 8, 6), 1, False, (9, 0), out="ptx").read_text()
+    assert "bar.sync 1," not in plain  # (its split-K path has the counter too)
+    with pytest.raises(ValueError, match="sk in 0..4"):
+        TmaConfig(1, 8, 6, split=3, sk=2)
+    with pytest.raises(ValueError, match="sk in 0..4"):
+        TmaConfig(1, 8, 6, sk=5)
+    assert TmaConfig(1, 8, 6, xcp=True, sk=2).tag() == "tma-mt1-cw8-st6-xcp-sk2"
+
+
 def test_tma_wgmma_path_builds_for_sm90a(tmp_path, monkeypatch):
     """TmaConfig(wg=True): wgmma with A from registers (sm_90a), the proxy fence before it reads the
     buffers the threads wrote, immediate named-barrier ids, no local memory, every n-tile count."""
@@ -476,3 +592,25 @@ def test_emulated_tma_kernel_matches_reference(M, N, K, mt, cw, splits, wg, q8):
     err = (got - want).abs().max().item()
     scale = (x.double().abs() @ w.double().abs().nan_to_num().T).max().item()
     assert err <= 1e-12 * scale, (err, scale)
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["mm", "q8"])
+@pytest.mark.parametrize("M,N,K,mt,cw,ctas", [(3, 40, 192, 1, 1, 2), (11, 50, 256, 1, 1, 5), (20, 17, 100, 1, 1, 2),
+                                              (5, 70, 192, 1, 2, 7), (29, 130, 256, 1, 2, 20), (1, 33, 64, 1, 1, 3)],
+                         ids=["M3-N40-K192-P2", "M11-N50-K256-P5", "M20-N17-K100-P2", "M5-N70-K192-P7",
+                              "M29-N130-K256-P20-one-unit-each", "M1-N33-K64-P3-no-split"])
+def test_emulated_tma_stream_k_matches_reference(M, N, K, mt, cw, ctas, q8):
+    """Stream-K (TmaConfig.sk): CTA ranges that start and end inside row blocks, cover one row block
+    only in part, span three row blocks, or hold one unit each; every output written exactly once,
+    and equal, bit for bit, whichever CTA arrives last."""
+    w = _weight(N, K, seed=N * K + M + 2)
+    p = w12.pack(w)
+    x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M + 3)) * 2).to(torch.bfloat16)
+    got = emulate_tma_sk(x, p, mt=mt, cw=cw, ctas=ctas, q8=q8, seed=0)
+    want = (matmul_q8_reference if q8 else matmul_reference)(x, p).double()
+    assert not torch.isnan(got).any(), "unwritten outputs"
+    err = (got - want).abs().max().item()
+    scale = (x.double().abs() @ w.double().abs().nan_to_num().T).max().item()
+    assert err <= 1e-12 * scale, (err, scale)
+    again = emulate_tma_sk(x, p, mt=mt, cw=cw, ctas=ctas, q8=q8, seed=1)  # another arrival order
+    assert torch.equal(got, again)

@@ -67,6 +67,9 @@
 #ifndef W12_XCP
 #define W12_XCP 0  // x by cp.async from the producer warp (TmaConfig.xcp)
 #endif
+#ifndef W12_SK
+#define W12_SK 0  // stream-K: a persistent grid of equal contiguous ranges of (row block, chunk) units (TmaConfig.sk)
+#endif
 #ifndef W12_RELFENCE
 #define W12_RELFENCE 0  // diagnostic: a generic -> async proxy fence before each stage release (race probe)
 #endif
@@ -93,6 +96,9 @@ constexpr bool NULL_CONSUMER = W12_NULL != 0;
 // x by 16-byte cp.async from all 32 producer lanes, completing on the stage's full barrier through
 // cp.async.mbarrier.arrive.noinc (counted in its init): M / 4 instructions per stage, not M bulk copies
 constexpr bool XCP = W12_XCP != 0;
+// stream-K: gridDim.x CTAs each take an equal contiguous range of the N / R x Kp / 64 units (row block,
+// chunk), crossing row blocks; a row block split between CTAs meets in the workspace (fixed order)
+constexpr bool SK = W12_SK != 0;
 constexpr int R = 16 * MT * CW;     // weight rows per CTA (TMA box height)
 constexpr int TOKS = 8 * NT;
 constexpr int XP = 144;             // shared pitch of one token's 128 bytes of x (+16: no bank conflicts)
@@ -113,6 +119,7 @@ constexpr int BB = TOKS * 128;      // bytes of one chunk's permuted x
 static_assert(!WG || (MT == 1 && (CW == 4 || CW == 8)), "the wgmma path takes MT = 1 and one or two warpgroups");
 static_assert(!WG || !AHEAD, "the wgmma path has no look-ahead variant");
 static_assert(NT == 1 || NT == 2 || NT == 4, "n-tiles: 1, 2 or 4");
+static_assert(!SK || (!WG && !AHEAD && !NULL_CONSUMER), "stream-K runs the plain mma.sync consumers");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -283,6 +290,120 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         ev[e] = eval[ep0[e]];
       }
   };
+  // escape ranges of this thread's rows (and their window bases) for the row block at rbase
+  auto row_meta = [&](int rbase, uint32_t(&e0x)[MT][2]) {
+#pragma unroll
+    for (int e = 0; e < ESC; ++e) {
+      const int row = rbase + 16 * (MT * warp + e / 2) + 8 * (e % 2) + g;
+      ep0[e] = ep1[e] = 0;
+      ec[e] = 0;
+      ev[e] = 0;
+      if (row < N) {
+        ep0[e] = rowptr[row];
+        ep1[e] = rowptr[row + 1];
+      }
+    }
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const uint32_t e = e0[min(rbase + 16 * (MT * warp + t) + 8 * h + g, N - 1)];
+        e0x[t][h] = (e << 7) | (e << 23);
+      }
+  };
+  // epilogue of the row block at rbase: escapes (CSR order), bias, one rounding. acc[t][j][i] is row
+  // rbase + 16 (MT warp + t) + 8 (i / 2) + g and token 8 j + 2 q + i % 2.
+  // copy this warp's fragments of stage i out of shared memory, then release the stage
+  auto fetch = [&](Frag& f, int i) {
+    const int s = i % STAGES;
+    mbar_wait(full(s), (i / STAGES) & 1);
+    const uint32_t st = base + s * SB;
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int rl = 16 * (MT * warp + t) + 8 * h + g;
+        f.h[t][h] = lds128(st + rl * 64 + 16 * q);
+        if (!Q8) f.l[t][h] = lds128(st + HB + rl * 32 + 16 * (q & 1));
+      }
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      f.x[j][0] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q);
+      f.x[j][1] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q + 16);
+    }
+    if constexpr (W12_RELFENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    __syncwarp();
+    if (lane == 0) mbar_arrive(empty(s));
+  };
+  // one chunk's decode and mma.sync work of a consumer warp
+  auto mma_chunk = [&](const Frag& f, const uint32_t(&e0x)[MT][2], int sh) {
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int k = 0; k < 4; ++k) {
+        const uint32_t ha = word(f.h[t][0], k), hb = word(f.h[t][1], k);
+        uint32_t a0, a1, a2, a3;
+        if (Q8) {
+          a0 = dec_pair_q8(__byte_perm(ha, 0u, 0x1404), e0x[t][0]);
+          a2 = dec_pair_q8(__byte_perm(ha, 0u, 0x3424), e0x[t][0]);
+          a1 = dec_pair_q8(__byte_perm(hb, 0u, 0x1404), e0x[t][1]);
+          a3 = dec_pair_q8(__byte_perm(hb, 0u, 0x3424), e0x[t][1]);
+        } else {
+          const uint32_t la = (word(f.l[t][0], k) >> sh) & 0x0F0F0F0Fu;
+          const uint32_t lb = (word(f.l[t][1], k) >> sh) & 0x0F0F0F0Fu;
+          a0 = dec_pair(__byte_perm(ha, la, 0x1504), e0x[t][0]);
+          a2 = dec_pair(__byte_perm(ha, la, 0x3726), e0x[t][0]);
+          a1 = dec_pair(__byte_perm(hb, lb, 0x1504), e0x[t][1]);
+          a3 = dec_pair(__byte_perm(hb, lb, 0x3726), e0x[t][1]);
+        }
+#pragma unroll
+        for (int j = 0; j < NT; ++j) {
+          const uint4& xv = f.x[j][k >> 1];
+          mma_bf16(acc[t][j], a0, a1, a2, a3, (k & 1) ? xv.z : xv.x, (k & 1) ? xv.w : xv.y);
+        }
+      }
+  };
+  // a barrier of the consumer warps only (stream-K: the producer runs ahead into the next row block)
+  auto consumer_sync = [&]() { asm volatile("bar.sync 1, %0;" ::"n"(32 * CW) : "memory"); };
+  auto epilogue = [&](int rbase) {
+#pragma unroll
+    for (int t = 0; t < MT; ++t)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int e = 2 * t + h;
+        const int row = rbase + 16 * (MT * warp + t) + 8 * h + g;
+        if (row >= N) continue;
+        if (ep1[e] > ep0[e]) {
+          const float v0 = Q8 ? 0.0f : __uint_as_float((uint32_t)e0[row] << 23);
+          for (int p = ep0[e]; p < ep1[e]; ++p) {
+            const int col = p == ep0[e] ? ec[e] : ecol[p];
+            const float val = __uint_as_float((p == ep0[e] ? ev[e] : (uint32_t)eval[p]) << 16);
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+              for (int u = 0; u < 2; ++u) {
+                const int tok = 8 * j + 2 * q + u;
+                if (tok < M) {
+                  const float xv = __bfloat162float(x[(long long)tok * ldx + col]);
+                  acc[t][j][2 * h + u] += Q8 ? xv * val : xv * val - xv * v0;
+                }
+              }
+          }
+        }
+        const float b = bias_kind != 0 ? bias_at(bias, bias_kind, row) : 0.0f;
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int u = 0; u < 2; ++u) {
+            const int tok = 8 * j + 2 * q + u;
+            if (tok < M) {
+              float sum = acc[t][j][2 * h + u];
+              if (bias_kind != 0) sum += b;  // no +0.0: it would turn -0.0 into +0.0
+              out[(long long)tok * N + row] = __float2bfloat16_rn(sum);
+            }
+          }
+      }
+  };
 
   if (warp == CW) {
     // producer: lane 0 arms the stage and copies the planes, lanes < M copy their token's x. The
@@ -295,6 +416,50 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       tma_2d(st, &tm_hi, cx, cy, bar);
       if (!Q8) tma_2d(st + HB, &tm_lo, cx / 2, cy, bar);
     };
+    if constexpr (SK) {
+      // the CTA's units u in [ub, ue): row block u / nch_all, chunk u % nch_all; the ring index runs on
+      // across row blocks, so the next block's planes stream in while the consumers finish this one
+      const int nch_all = Kp / 64;
+      const long long U = (long long)((N + R - 1) / R) * nch_all;
+      const int ub = (int)(blockIdx.x * U / gridDim.x), ue = (int)((blockIdx.x + 1) * U / gridDim.x);
+      const int n = ue - ub;
+      auto issue = [&](int i) {
+        const int s = i % STAGES, u = ub + i, rb = u / nch_all, c = u - rb * nch_all;
+        const uint32_t st = base + s * SB;
+        if (lane == 0) {
+          mbar_expect_tx(full(s), HB + LB + (XCP ? 0u : 128u * M));
+          tma_2d(st, &tm_hi, 64 * c, rb * R, full(s));
+          if (!Q8) tma_2d(st + HB, &tm_lo, 32 * c, rb * R, full(s));
+        }
+        return c;
+      };
+      const int pre = min(n, STAGES);
+      for (int i = 0; i < pre; ++i) issue(i);
+      grid_dep_wait();
+      __syncwarp();
+      for (int i = 0; i < n; ++i) {
+        const int s = i % STAGES;
+        const uint32_t st = base + s * SB;
+        int c = (ub + i) % nch_all;
+        if (i >= pre) {
+          mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
+          c = issue(i);
+          __syncwarp();
+        }
+        if constexpr (XCP) {
+          for (int p = lane; p < 8 * M; p += 32) {
+            const int t = p >> 3, u = p & 7;
+            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(st + HB + LB + t * XP + 16 * u),
+                         "l"(x + (long long)t * ldx + 64 * c + 8 * u) : "memory");
+          }
+          asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full(s)) : "memory");
+        } else if (lane < M) {
+          bulk_1d(st + HB + LB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
+        }
+      }
+      grid_dep_launch();
+      return;
+    }
     const int pre = min(nch, STAGES);
     if (lane == 0) {
       for (int i = 0; i < pre; ++i) {
@@ -328,77 +493,78 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       }
     }
     grid_dep_launch();  // every copy is issued: the next kernel's CTAs may start
-  } else {
-#pragma unroll
-    for (int e = 0; e < ESC; ++e) {
-      const int row = r0 + 16 * (MT * warp + e / 2) + 8 * (e % 2) + g;
-      ep0[e] = ep1[e] = 0;
-      ec[e] = 0;
-      ev[e] = 0;
-      if (row < N) {
-        ep0[e] = rowptr[row];
-        ep1[e] = rowptr[row + 1];
-      }
-    }
-    uint32_t e0x[MT][2];
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t e = e0[min(r0 + 16 * (MT * warp + t) + 8 * h + g, N - 1)];
-        e0x[t][h] = (e << 7) | (e << 23);
-      }
-    const int sh = (q >> 1) * 4;  // columns 32..63 of a chunk sit in the high nibbles
-    // copy this warp's fragments of stage i out of shared memory, then release the stage
-    auto fetch = [&](Frag& f, int i) {
-      const int s = i % STAGES;
-      mbar_wait(full(s), (i / STAGES) & 1);
-      const uint32_t st = base + s * SB;
+  } else if constexpr (SK) {
+    const int nch_all = Kp / 64;
+    const long long U = (long long)((N + R - 1) / R) * nch_all;
+    const int P = gridDim.x;
+    const int ub = (int)(blockIdx.x * U / P), ue = (int)((blockIdx.x + 1) * U / P);
+    auto cta_of = [&](long long u) { return (int)(((u + 1) * P - 1) / U); };  // the CTA whose range holds u
+    const int sh = (q >> 1) * 4;
+    __shared__ int sk_last;
+    grid_dep_wait();  // the workspace, the counters, x and out may be the previous kernel's
+    int i = 0;        // ring index, continuous across row blocks
+    for (int u = ub; u < ue;) {
+      const int rb = u / nch_all, c0 = u - rb * nch_all, len = min(nch_all - c0, ue - u);
+      uint32_t e0x[MT][2];
+      row_meta(rb * R, e0x);
 #pragma unroll
       for (int t = 0; t < MT; ++t)
 #pragma unroll
-        for (int h = 0; h < 2; ++h) {
-          const int rl = 16 * (MT * warp + t) + 8 * h + g;
-          f.h[t][h] = lds128(st + rl * 64 + 16 * q);
-          if (!Q8) f.l[t][h] = lds128(st + HB + rl * 32 + 16 * (q & 1));
-        }
+        for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        f.x[j][0] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q);
-        f.x[j][1] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q + 16);
+          for (int k = 0; k < 4; ++k) acc[t][j][k] = 0.0f;
+      for (int k = 0; k < len; ++k, ++i) {
+        Frag f;
+        fetch(f, i);
+        mma_chunk(f, e0x, sh);
+        if (k == 0) first_escapes();
       }
-      if constexpr (W12_RELFENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-      __syncwarp();
-      if (lane == 0) mbar_arrive(empty(s));
-    };
-    auto compute = [&](const Frag& f) {
+      bool finish = true;
+      if (len < nch_all) {
+        // a share of the row block: publish it (slot 0: the CTA's first row block, 1: its last); the
+        // last of the row block's CTAs to arrive adds all shares in CTA order and runs the epilogue
+        float* mine = ws + ((size_t)blockIdx.x * 2 + (u == ub ? 0 : 1)) * (R * TOKS);
 #pragma unroll
-      for (int t = 0; t < MT; ++t) {
+        for (int t = 0; t < MT; ++t)
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const uint32_t ha = word(f.h[t][0], k), hb = word(f.h[t][1], k);
-          uint32_t a0, a1, a2, a3;
-          if (Q8) {
-            a0 = dec_pair_q8(__byte_perm(ha, 0u, 0x1404), e0x[t][0]);
-            a2 = dec_pair_q8(__byte_perm(ha, 0u, 0x3424), e0x[t][0]);
-            a1 = dec_pair_q8(__byte_perm(hb, 0u, 0x1404), e0x[t][1]);
-            a3 = dec_pair_q8(__byte_perm(hb, 0u, 0x3424), e0x[t][1]);
-          } else {
-            const uint32_t la = (word(f.l[t][0], k) >> sh) & 0x0F0F0F0Fu;
-            const uint32_t lb = (word(f.l[t][1], k) >> sh) & 0x0F0F0F0Fu;
-            a0 = dec_pair(__byte_perm(ha, la, 0x1504), e0x[t][0]);
-            a2 = dec_pair(__byte_perm(ha, la, 0x3726), e0x[t][0]);
-            a1 = dec_pair(__byte_perm(hb, lb, 0x1504), e0x[t][1]);
-            a3 = dec_pair(__byte_perm(hb, lb, 0x3726), e0x[t][1]);
-          }
+          for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            const uint4& xv = f.x[j][k >> 1];
-            mma_bf16(acc[t][j], a0, a1, a2, a3, (k & 1) ? xv.z : xv.x, (k & 1) ? xv.w : xv.y);
-          }
+            for (int k = 0; k < 4; ++k) __stcg(mine + (((warp * MT + t) * NT + j) * 4 + k) * 32 + lane, acc[t][j][k]);
+        const long long u_first = (long long)rb * nch_all;
+        const int b0 = cta_of(u_first), b1 = cta_of(u_first + nch_all - 1);
+        __threadfence();
+        consumer_sync();
+        if (threadIdx.x == 0) sk_last = atomicAdd(counters + rb, 1) == b1 - b0;
+        consumer_sync();
+        finish = sk_last;
+        if (finish) {
+          __threadfence();
+          if (threadIdx.x == 0) counters[rb] = 0;  // ready for the next launch (graph replays)
+#pragma unroll
+          for (int t = 0; t < MT; ++t)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+              for (int k = 0; k < 4; ++k) {
+                const int o = (((warp * MT + t) * NT + j) * 4 + k) * 32 + lane;
+                float sum = 0.0f;
+                for (int b = b0; b <= b1; ++b) {
+                  const int slot = (int)((b * U / P) / nch_all) == rb ? 0 : 1;  // rb is b's first block?
+                  sum += __ldcg(ws + ((size_t)b * 2 + slot) * (R * TOKS) + o);
+                }
+                acc[t][j][k] = sum;
+              }
         }
       }
-    };
+      if (finish) epilogue(rb * R);
+      u += len;
+    }
+    return;
+  } else {
+    uint32_t e0x[MT][2];
+    row_meta(r0, e0x);
+    const int sh = (q >> 1) * 4;  // columns 32..63 of a chunk sit in the high nibbles
+    auto compute = [&](const Frag& f) { mma_chunk(f, e0x, sh); };
     if constexpr (NULL_CONSUMER) {  // the ring's streaming rate alone: outputs are garbage
       for (int i = 0; i < nch; ++i) {
         mbar_wait(full(i % STAGES), (i / STAGES) & 1);
@@ -534,43 +700,5 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   if (warp == CW) return;
   if (splits > 1 && nch == 0) first_escapes();  // this CTA computed nothing: nothing was prefetched
 
-  // epilogue: escapes (CSR order), bias, one rounding. acc[t][j][i] is row
-  // r0 + 16 (MT warp + t) + 8 (i / 2) + g and token 8 j + 2 q + i % 2.
-#pragma unroll
-  for (int t = 0; t < MT; ++t)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int e = 2 * t + h;
-      const int row = r0 + 16 * (MT * warp + t) + 8 * h + g;
-      if (row >= N) continue;
-      if (ep1[e] > ep0[e]) {
-        const float v0 = Q8 ? 0.0f : __uint_as_float((uint32_t)e0[row] << 23);
-        for (int p = ep0[e]; p < ep1[e]; ++p) {
-          const int col = p == ep0[e] ? ec[e] : ecol[p];
-          const float val = __uint_as_float((p == ep0[e] ? ev[e] : (uint32_t)eval[p]) << 16);
-#pragma unroll
-          for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int u = 0; u < 2; ++u) {
-              const int tok = 8 * j + 2 * q + u;
-              if (tok < M) {
-                const float xv = __bfloat162float(x[(long long)tok * ldx + col]);
-                acc[t][j][2 * h + u] += Q8 ? xv * val : xv * val - xv * v0;
-              }
-            }
-        }
-      }
-      const float b = bias_kind != 0 ? bias_at(bias, bias_kind, row) : 0.0f;
-#pragma unroll
-      for (int j = 0; j < NT; ++j)
-#pragma unroll
-        for (int u = 0; u < 2; ++u) {
-          const int tok = 8 * j + 2 * q + u;
-          if (tok < M) {
-            float sum = acc[t][j][2 * h + u];
-            if (bias_kind != 0) sum += b;  // no +0.0: it would turn -0.0 into +0.0
-            out[(long long)tok * N + row] = __float2bfloat16_rn(sum);
-          }
-        }
-    }
+  epilogue(r0);
 }
