@@ -332,8 +332,11 @@ def _tensor_map(t: torch.Tensor, box_cols: int, box_rows: int) -> ctypes.Array:
     return m
 
 
-def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False) -> None:
-    """out[M, N] = x2d @ W^T (+ bias), W exact or its 8-bit view (`q8`), on torch's current stream."""
+def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False,
+           trace: torch.Tensor | None = None) -> None:
+    """out[M, N] = x2d @ W^T (+ bias), W exact or its 8-bit view (`q8`), on torch's current stream.
+    `trace` (diagnostic, perf/w12_trace_probe.py): an int64 tensor of 8 per CTA that a TMA cubin
+    built with -DW12_TRACE=1 fills with %globaltimer stamps; plain TmaConfig with split = 1 only."""
     M = x2d.shape[0]
     N, Kp = hi.shape
     nt = n_tiles(M)
@@ -350,6 +353,12 @@ def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, 
         ctas = min(grid * (Kp // 64), cfg.sk * sk_sm_count(x2d.device))
         ws, cnt = _workspace(x2d.device, stream, ctas * 2 * rows * 8 * nt, grid)
         grid = ctas
+    if trace is not None:
+        if not tma or cfg.split > 1 or cfg.sk or cfg.wg or cfg.ahead:
+            raise ValueError(f"trace takes a plain TmaConfig with split=1, got {cfg}")
+        if trace.dtype != torch.int64 or trace.numel() < 8 * grid:
+            raise ValueError(f"trace needs an int64 tensor of >= {8 * grid} elements")
+        ws = trace
     xk, ldx = _x_operand(x2d, Kp)
     kind = 0 if bias is None else _BIAS_KIND[bias.dtype]
     tail = [

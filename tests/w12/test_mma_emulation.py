@@ -531,6 +531,20 @@ def test_tma_stream_k_path_builds_with_consumer_barrier_and_counters(tmp_path, m
     assert TmaConfig(1, 8, 6, xcp=True, sk=2).tag() == "tma-mt1-cw8-st6-xcp-sk2"
 
 
+def test_tma_trace_build_stamps_globaltimer_only_when_asked(tmp_path, monkeypatch):
+    """W12_TRACE=1 (perf/w12_trace_probe.py) reads %globaltimer and %smid; the shipped build does not."""
+    from w12.configs import TmaConfig
+
+    cuda = _nvcc_or_skip()
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    plain = cuda.build(TmaConfig(1, 8, 6), 1, False, (9, 0), out="ptx").read_text()
+    assert "%globaltimer" not in plain
+    flags = cuda._flags
+    monkeypatch.setattr(cuda, "_flags", lambda c, nt, q8, arch: flags(c, nt, q8, arch) + ["-DW12_TRACE=1"])
+    traced = cuda.build(TmaConfig(1, 8, 6), 1, False, (9, 0), out="ptx").read_text()
+    assert "%globaltimer" in traced and "%smid" in traced and ".local" not in traced
+
+
 def test_tma_wgmma_path_builds_for_sm90a(tmp_path, monkeypatch):
     """TmaConfig(wg=True): wgmma with A from registers (sm_90a), the proxy fence before it reads the
     buffers the threads wrote, immediate named-barrier ids, no local memory, every n-tile count."""

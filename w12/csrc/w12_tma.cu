@@ -79,6 +79,9 @@
 #ifndef W12_WIDE
 #define W12_WIDE 1  // diagnostic (with W12_NULL): boxes of 64 W columns x R / W rows, same bytes per stage
 #endif
+#ifndef W12_TRACE
+#define W12_TRACE 0  // diagnostic (perf/w12_trace_probe.py): per-CTA %globaltimer stamps into ws (split = 1 only)
+#endif
 #ifndef W12_NULL
 #define W12_NULL 0  // diagnostic (perf/w12_tma_probe.py): consumers only wait for and release each stage
 #endif
@@ -120,6 +123,7 @@ static_assert(!WG || (MT == 1 && (CW == 4 || CW == 8)), "the wgmma path takes MT
 static_assert(!WG || !AHEAD, "the wgmma path has no look-ahead variant");
 static_assert(NT == 1 || NT == 2 || NT == 4, "n-tiles: 1, 2 or 4");
 static_assert(!SK || (!WG && !AHEAD && !NULL_CONSUMER), "stream-K runs the plain mma.sync consumers");
+static_assert(!W12_TRACE || (!SK && !WG && !AHEAD), "the trace stamps the plain path");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -213,6 +217,20 @@ __device__ __forceinline__ void wgmma_rs(float* d, uint32_t a0, uint32_t a1, uin
   }
 }
 
+// W12_TRACE: slot k of this CTA's 8 stamps in ws (u64 nanoseconds of %globaltimer; slot 1: the SM id)
+__device__ __forceinline__ void trace(float* ws, int k) {
+  if constexpr (W12_TRACE != 0) {
+    uint64_t t;
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+    reinterpret_cast<unsigned long long*>(ws)[8 * blockIdx.x + k] = k == 1 ? 0ull : t;
+    if (k == 1) {
+      uint32_t sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      reinterpret_cast<unsigned long long*>(ws)[8 * blockIdx.x + 1] = sm;
+    }
+  }
+}
+
 __device__ __forceinline__ uint4 lds128(uint32_t a) {
   uint4 v;
   asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
@@ -256,6 +274,12 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   const int c_begin = blockIdx.y * per_split;
   const int nch = max(0, min(Kp / 64 - c_begin, per_split));
 
+  if constexpr (W12_TRACE != 0) {
+    if (threadIdx.x == 0) {
+      trace(ws, 0);  // entry
+      trace(ws, 1);
+    }
+  }
   if (threadIdx.x == 0) {
     for (int s = 0; s < STAGES; ++s) {
       mbar_init(full(s), XCP ? 1 + 32 : 1);
@@ -492,6 +516,9 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         bulk_1d(st + HB + LB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
       }
     }
+    if constexpr (W12_TRACE != 0) {
+      if (lane == 0) trace(ws, 6);  // every copy issued
+    }
     grid_dep_launch();  // every copy is issued: the next kernel's CTAs may start
   } else if constexpr (SK) {
     const int nch_all = Kp / 64;
@@ -641,8 +668,14 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       for (int i = 0; i < nch; ++i) {
         Frag f;
         fetch(f, i);
+        if constexpr (W12_TRACE != 0) {
+          if (threadIdx.x == 0 && (i == 0 || i == nch - 1)) trace(ws, i == 0 ? 2 : 3);  // first / last stage in
+        }
         compute(f);
         if (i == 0) first_escapes();
+      }
+      if constexpr (W12_TRACE != 0) {
+        if (threadIdx.x == 0) trace(ws, 4);  // main loop done
       }
     } else {
       // look-ahead: stage i + 1's fragments are read (and its wait paid) before stage i is computed
@@ -701,4 +734,8 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   if (splits > 1 && nch == 0) first_escapes();  // this CTA computed nothing: nothing was prefetched
 
   epilogue(r0);
+  if constexpr (W12_TRACE != 0) {
+    __syncwarp();
+    if (threadIdx.x == 0) trace(ws, 5);  // warp 0's epilogue done
+  }
 }
