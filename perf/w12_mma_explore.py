@@ -75,6 +75,10 @@ GRID_FINAL = [MmaConfig(2, 4, 2), MmaConfig(2, 4, 3), MmaConfig(1, 8, 2), MmaCon
 # session 5: stream-K (a persistent grid of sk CTAs per SM, equal shares of the row-block x chunk units)
 GRID_FINAL += [TmaConfig(mt, cw, st, sk=k, xcp=x) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 4, 6), (1, 16, 4))
                for k in (1, 2) for x in (False, True)]
+# session 5, after the timeline trace (one CTA per SM ingests <= ~33 GB/s, SMs with two CTAs ~40 GB/s, and
+# the CTAs' ends spread by several us): small CTAs (16-64 rows), several resident per SM
+GRID_FINAL += [TmaConfig(mt, cw, st) for mt, cw in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1)) for st in (4, 8, 12)] + \
+    [TmaConfig(mt, cw, st, xcp=True) for mt, cw in ((1, 2), (2, 2), (2, 1)) for st in (6, 10)]
 
 
 # session 4 probe: the look-ahead and wgmma TMA configs against the session-3 winners, first GPU run
