@@ -155,12 +155,15 @@ def test_tma_configs_odd_shapes(cfg, N, K):
 @pytest.mark.parametrize("cfg", [TmaConfig(1, 4, 8), TmaConfig(1, 4, 8, ahead=True), TmaConfig(1, 8, 6),
                                  TmaConfig(1, 8, 6, split=3, ahead=True), TmaConfig(1, 4, 8, xcp=True),
                                  TmaConfig(1, 8, 6, split=3, xcp=True), TmaConfig(1, 8, 6, sk=2),
-                                 TmaConfig(1, 4, 8, xcp=True, sk=2)], ids=lambda c: c.tag())
+                                 TmaConfig(1, 4, 8, xcp=True, sk=2), TmaConfig(1, 1, 4), TmaConfig(1, 2, 4),
+                                 TmaConfig(1, 4, 8, xcp=True)], ids=lambda c: c.tag())
 def test_tma_launches_with_changing_tensor_maps(cfg):
     """Launches alternating two weights and two x (so every tensor map changes between launches),
     each queued behind a short sleep kernel, many CTAs per SM refilling their rings ~40 times: every
     result must equal that pair's first result bit for bit, and the reference. Session 4's 2-D TMA
-    box of x failed this in up to ~10% of launches at M = 16 (withdrawn; per-token bulk copies: 0 of 400)."""
+    box of x failed this in up to ~10% of launches at M = 16; in session 5, 16- and 32-row CTAs and
+    cw4-st8-xcp failed it (up to every launch) until the consumers fenced the proxies before each
+    stage release."""
     ws = [_weight(16384, 5120, seed=7 + i) for i in range(2)]
     ps = [w12.pack(w) for w in ws]
     xs = [_x(16, 5120, seed=8 + i) for i in range(2)]

@@ -451,8 +451,9 @@ def test_kernel_builds_with_mma_and_no_local_memory(arch, tmp_path, monkeypatch)
 
 
 def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(tmp_path, monkeypatch):
-    """csrc/w12_tma.cu: TMA tensor copies of the planes, bulk copies of x, mbarrier waits, mma.sync
-    and no local memory, for several shapes of the CTA; it refuses other generations."""
+    """csrc/w12_tma.cu: TMA tensor copies of the planes, bulk copies of x, mbarrier waits, the
+    consumers' proxy fence before each stage release, mma.sync and no local memory, for several
+    shapes of the CTA; it refuses other generations."""
     from w12.configs import TmaConfig
 
     cuda = _nvcc_or_skip()
@@ -467,6 +468,8 @@ def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(t
             assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
             assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
             assert "mbarrier.try_wait.parity" in ptx
+            # the consumers' reads are ordered before the next async-proxy refill (session 5's race)
+            assert "fence.proxy.async.shared::cta" in ptx
             assert ".local" not in ptx, f"{cfg} nt={nt} q8={q8}: a register array went to local memory"
             tensor_copies[q8] = ptx.count("cp.async.bulk.tensor")
         # hi and lo copies (the ring fill is unrolled): the 8-bit view copies half

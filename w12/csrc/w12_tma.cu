@@ -11,15 +11,16 @@
 // plane (R x 64 bytes), one of the lo plane (R x 32 bytes; none for the 8-bit view) and one 1-D
 // bulk copy of 128 bytes per token of x, all completing on the stage's "full" mbarrier. STAGES
 // chunks are in flight per CTA; the consumers release a stage through its "empty" mbarrier as
-// soon as they have issued the loads of their fragments (ptxas puts no scoreboard wait on that
-// arrive: the LDS / arrive order in the shared-memory pipe keeps the refill behind the reads).
+// soon as they have read their fragments, after a generic -> async proxy fence: the LDS must be
+// performed before the producer's next copy rewrites the stage. (Sessions 3-4 relied on the LDS /
+// arrive order instead; session 5 showed the refill overtaking the reads on the H200 whenever x, hot
+// in L2, lands fast and many small CTAs queue their LDS: see perf/w12_race_probe.py --small.)
 //
 // The M bulk copies of x per stage make M = 32 ~2.5x slower than M = 1. Session 4 tried one
 // swizzled 2-D TMA box of x per stage: fast, but on the H200 it gave wrong results in 16-45 of
-// 400 launches queued behind another kernel (and on some LM-head cells every time) while the bulk
-// copies gave none, cause not found, so it was withdrawn (perf/w12_race_probe.py). The opt-in
-// W12_XCP path copies x with cp.async from the whole producer warp instead (not yet run on a GPU).
-// The default build's PTX is session 3's, the configuration the committed numbers measured.
+// 400 launches queued behind another kernel, without the release fence above (most likely the same
+// race; not re-tested), so it was withdrawn. TmaConfig(xcp=True) copies x with cp.async from the
+// whole producer warp instead (correct with the fence; the LM head at M = 16 / 32 gains from it).
 //
 // Fragments (same k-slot assignment as w12_mma.cu): thread (g = lane / 4, q = lane % 4) reads
 // columns 16q .. 16q + 15 of a chunk for rows g and g + 8 of each of its m-tiles (one 16-byte LDS
@@ -71,7 +72,7 @@
 #define W12_SK 0  // stream-K: a persistent grid of equal contiguous ranges of (row block, chunk) units (TmaConfig.sk)
 #endif
 #ifndef W12_RELFENCE
-#define W12_RELFENCE 0  // diagnostic: a generic -> async proxy fence before each stage release (race probe)
+#define W12_RELFENCE 1  // the generic -> async proxy fence before each stage release; 0 only to reproduce the race
 #endif
 #ifndef W12_CM
 #define W12_CM 0  // diagnostic: plane boxes addressed as chunk-major [Kp / 64][N][64] (perf/w12_tma_probe.py)
@@ -81,6 +82,9 @@
 #endif
 #ifndef W12_TRACE
 #define W12_TRACE 0  // diagnostic (perf/w12_trace_probe.py): per-CTA %globaltimer stamps into ws (split = 1 only)
+#endif
+#ifndef W12_POISON
+#define W12_POISON 0  // diagnostic (race probe): every stage's bytes set to 0xFF (x: NaN) before the first copy
 #endif
 #ifndef W12_NULL
 #define W12_NULL 0  // diagnostic (perf/w12_tma_probe.py): consumers only wait for and release each stage
@@ -287,6 +291,11 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
+  if constexpr (W12_POISON != 0) {  // a read of a stage before its copies land now shows up as NaN
+    for (int i = threadIdx.x; i < STAGES * SB / 16; i += blockDim.x)
+      reinterpret_cast<uint4*>(base_g)[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic stores before the async writes
+  }
   // tokens past M read zeros: their x rows are never written by the copies
   for (int i = threadIdx.x; i < STAGES * (TOKS - M) * 8; i += blockDim.x) {
     const int s = i / ((TOKS - M) * 8), r = i % ((TOKS - M) * 8);
@@ -355,6 +364,9 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       f.x[j][0] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q);
       f.x[j][1] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q + 16);
     }
+    // the LDS above (generic proxy) must be performed before the producer's next TMA / bulk copy
+    // (async proxy) rewrites this stage: without this fence the H200 let the refill overtake the reads
+    // (session 5: wrong in 150 of 150 launches at M = 16 with 16- and 32-row CTAs, perf/w12_race_probe.py --small)
     if constexpr (W12_RELFENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
     if (lane == 0) mbar_arrive(empty(s));
