@@ -4,7 +4,7 @@
 #   bash perf/w12_session.sh            (OUT defaults to perf/out)
 #
 # Stages, each under its own timeout so a hung kernel costs one stage, not the call:
-#   0. perf/w12_race_probe.py --focus (its lines go into summary.txt): must show 0 bad launches.
+#   0. perf/w12_race_probe.py --small and --focus (lines in summary.txt): 0 bad launches except the nofence rows.
 #   0b. perf/w12_step_probe.py: a quarter of the decode step in one graph, dispatch variants side by side.
 #   1. perf/w12_mma_explore.py --grid final --emit: builds every cubin in parallel, checks each
 #      config against fp64 before timing it (a wrong one is reported and skipped), stores the
@@ -12,7 +12,7 @@
 #   2. the W12 GPU tests (tests/w12, test_sm90_codegen) with the warm cubin cache.
 #   3. ncu on the default dispatch, cuBLAS and NCU_CONFIGS (perf/w12_diag.py), one line per kernel.
 #   4. the benchmark (linear + w12 cases, hybrid-27b) with the new tuned file, and its summary.
-# Files in $OUT (<= 9): step_probe.json explore.log h200.json pytest.log ncu-summary.txt <stamp>-linear-w12.{json,md,png}
+# Files in $OUT (<= 10): race_probe_small.json step_probe.json explore.log h200.json pytest.log ncu-summary.txt <stamp>-linear-w12.{json,md,png}
 # summary.txt
 set -u -o pipefail
 export PYTHONUNBUFFERED=1
@@ -24,10 +24,15 @@ PYTEST_OPTS=()
 python3 -c "import pytest_benchmark" 2>/dev/null || PYTEST_OPTS=(-o "addopts=-ra" -p no:cacheprovider)
 SCRATCH=$(mktemp -d)
 
-# 0. the race probe (session 4): launches alternating x / weights behind sleep kernels, every result checked
-timeout "${RACE_TIMEOUT:-90}" python3 perf/w12_race_probe.py --focus --launches "${RACE_LAUNCHES:-400}" \
+# 0. the race probes: launches alternating x / weights behind sleep kernels, every result checked;
+#    --small: session 5's failing configs with and without the consumers' proxy fence
+timeout "${RACE_TIMEOUT:-120}" python3 perf/w12_race_probe.py --small --launches "${RACE_SMALL_LAUNCHES:-150}" \
   --out "$SCRATCH/race" >"$SCRATCH/race.log" 2>&1
 RACE_RC=$?
+cp "$SCRATCH/race/race_probe_small.json" "$OUT/" 2>/dev/null
+timeout "${RACE_TIMEOUT:-120}" python3 perf/w12_race_probe.py --focus --launches "${RACE_LAUNCHES:-400}" \
+  --out "$SCRATCH/race" >>"$SCRATCH/race.log" 2>&1
+RACE_RC=$((RACE_RC + $?))
 
 # 0b. a quarter of the decode step as one CUDA graph: cuBLAS, W12 as dispatched, with PDL, all-TMA
 timeout "${STEP_TIMEOUT:-150}" python3 perf/w12_step_probe.py --out "$SCRATCH/step" ${STEP_ARGS:-} \
