@@ -300,9 +300,9 @@ def emulate_tma_sk(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, ctas:
                    seed: int = 0):
     """The stream-K path of csrc/w12_tma.cu (TmaConfig.sk), with its index arithmetic ported line by
     line: CTA b takes units [b U / P, (b + 1) U / P) of the U = row blocks x chunks; a row block it
-    covers only in part goes to workspace slot 0 (its first row block) or 1, and the arrival that
-    brings the row block's counter to its CTA count adds the slots of CTAs b0..b1 in CTA order and
-    runs the epilogue. CTAs run one after another in a random order (`seed`), so any of them can be
+    covers only in part goes to workspace slot 0 (its first row block) or 1 as it finishes; after
+    its last unit the CTA arrives once per such row block, and the arrival that brings a counter to
+    the row block's CTA count adds the slots of CTAs b0..b1 in CTA order and runs the epilogue. CTAs run one after another in a random order (`seed`), so any of them can be
     the last to arrive; checks that no slot is written twice and every counter ends at zero."""
     im = _TmaImage(x, p, mt, cw, q8, False)
     nch_all = im.Kp // 64
@@ -318,6 +318,7 @@ def emulate_tma_sk(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, ctas:
     for b in np.random.default_rng(seed).permutation(P):
         ub, ue = b * U // P, (b + 1) * U // P
         assert ue > ub, "every CTA has a unit"
+        shared = [-1, -1]  # rb_first / rb_last: row blocks this CTA covers only in part
         u = ub
         while u < ue:
             rb, c0 = u // nch_all, u % nch_all
@@ -325,22 +326,28 @@ def emulate_tma_sk(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, ctas:
             acc = np.zeros((cw, mt, im.nt, 4, 32))
             for c in range(c0, c0 + ln):
                 acc += im.chunk(rb * im.R, c)
-            finish = True
-            if ln < nch_all:
-                key = (b, 0 if u == ub else 1)
-                assert key not in ws, f"workspace slot {key} written twice"
-                ws[key] = acc
-                b0, b1 = cta_of(rb * nch_all), cta_of(rb * nch_all + nch_all - 1)
-                finish = counters[rb] == b1 - b0
-                counters[rb] += 1
-                if finish:
-                    counters[rb] = 0
-                    acc = np.zeros_like(acc)
-                    for bb in range(b0, b1 + 1):
-                        acc = acc + ws[(bb, 0 if (bb * U // P) // nch_all == rb else 1)]
-            if finish:
+            if ln == nch_all:
                 im.epilogue(out, acc, rb * im.R)
+            else:
+                slot = 0 if u == ub else 1
+                assert shared[slot] < 0 and (b, slot) not in ws, f"workspace slot {(b, slot)} written twice"
+                shared[slot] = rb
+                ws[(b, slot)] = acc
             u += ln
+        # after the CTA's last unit: one arrival per shared row block; the last to arrive adds the
+        # shares of CTAs b0..b1 in CTA order and runs the epilogue
+        for rb in shared:
+            if rb < 0:
+                continue
+            b0, b1 = cta_of(rb * nch_all), cta_of(rb * nch_all + nch_all - 1)
+            last = counters[rb] == b1 - b0
+            counters[rb] += 1
+            if last:
+                counters[rb] = 0
+                acc = np.zeros((cw, mt, im.nt, 4, 32))
+                for bb in range(b0, b1 + 1):
+                    acc = acc + ws[(bb, 0 if (bb * U // P) // nch_all == rb else 1)]
+                im.epilogue(out, acc, rb * im.R)
     assert not counters.any(), "a row block's counter was left non-zero"
     return torch.from_numpy(out)
 

@@ -539,9 +539,13 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     const int ub = (int)(blockIdx.x * U / P), ue = (int)((blockIdx.x + 1) * U / P);
     auto cta_of = [&](long long u) { return (int)(((u + 1) * P - 1) / U); };  // the CTA whose range holds u
     const int sh = (q >> 1) * 4;
-    __shared__ int sk_last;
+    __shared__ int sk_last[2];
     grid_dep_wait();  // the workspace, the counters, x and out may be the previous kernel's
-    int i = 0;        // ring index, continuous across row blocks
+    // Only the first and the last row block of a CTA's range can be shared with other CTAs. Their
+    // sums go to workspace slots 0 / 1 as they finish, without waiting; the fences, the arrival
+    // counters and the fix-ups run once, after the last unit, so the ring never stalls mid-range.
+    int rb_first = -1, rb_last = -1;  // the shared row blocks (workspace slots 0 and 1), -1: none
+    int i = 0;  // ring index, continuous across row blocks
     for (int u = ub; u < ue;) {
       const int rb = u / nch_all, c0 = u - rb * nch_all, len = min(nch_all - c0, ue - u);
       uint32_t e0x[MT][2];
@@ -558,46 +562,69 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         mma_chunk(f, e0x, sh);
         if (k == 0) first_escapes();
       }
-      bool finish = true;
-      if (len < nch_all) {
-        // a share of the row block: publish it (slot 0: the CTA's first row block, 1: its last); the
-        // last of the row block's CTAs to arrive adds all shares in CTA order and runs the epilogue
-        float* mine = ws + ((size_t)blockIdx.x * 2 + (u == ub ? 0 : 1)) * (R * TOKS);
+      if (len == nch_all) {
+        epilogue(rb * R);  // the whole row block is this CTA's
+      } else {
+        const int slot = u == ub ? 0 : 1;
+        (slot == 0 ? rb_first : rb_last) = rb;
+        float* mine = ws + ((size_t)blockIdx.x * 2 + slot) * (R * TOKS);
 #pragma unroll
         for (int t = 0; t < MT; ++t)
 #pragma unroll
           for (int j = 0; j < NT; ++j)
 #pragma unroll
             for (int k = 0; k < 4; ++k) __stcg(mine + (((warp * MT + t) * NT + j) * 4 + k) * 32 + lane, acc[t][j][k]);
-        const long long u_first = (long long)rb * nch_all;
-        const int b0 = cta_of(u_first), b1 = cta_of(u_first + nch_all - 1);
-        __threadfence();
-        consumer_sync();
-        if (threadIdx.x == 0) sk_last = atomicAdd(counters + rb, 1) == b1 - b0;
-        consumer_sync();
-        finish = sk_last;
-        if (finish) {
-          __threadfence();
-          if (threadIdx.x == 0) counters[rb] = 0;  // ready for the next launch (graph replays)
-#pragma unroll
-          for (int t = 0; t < MT; ++t)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-              for (int k = 0; k < 4; ++k) {
-                const int o = (((warp * MT + t) * NT + j) * 4 + k) * 32 + lane;
-                float sum = 0.0f;
-                for (int b = b0; b <= b1; ++b) {
-                  const int slot = (int)((b * U / P) / nch_all) == rb ? 0 : 1;  // rb is b's first block?
-                  sum += __ldcg(ws + ((size_t)b * 2 + slot) * (R * TOKS) + o);
-                }
-                acc[t][j][k] = sum;
-              }
-        }
       }
-      if (finish) epilogue(rb * R);
       u += len;
     }
+    if (rb_first < 0 && rb_last < 0) return;  // uniform across the consumer warps
+    auto rb_ctas = [&](int rb, int& b0, int& b1) {
+      const long long u_first = (long long)rb * nch_all;
+      b0 = cta_of(u_first);
+      b1 = cta_of(u_first + nch_all - 1);
+    };
+    __threadfence();
+    consumer_sync();
+    if (threadIdx.x == 0) {
+      int b0, b1;
+      sk_last[0] = sk_last[1] = 0;
+      if (rb_first >= 0) {
+        rb_ctas(rb_first, b0, b1);
+        sk_last[0] = atomicAdd(counters + rb_first, 1) == b1 - b0;
+      }
+      if (rb_last >= 0) {
+        rb_ctas(rb_last, b0, b1);
+        sk_last[1] = atomicAdd(counters + rb_last, 1) == b1 - b0;
+      }
+    }
+    consumer_sync();
+    // the last of a row block's CTAs to arrive adds every share in CTA order, then runs the epilogue
+    auto fix_up = [&](int rb) {
+      __threadfence();
+      if (threadIdx.x == 0) counters[rb] = 0;  // ready for the next launch (graph replays)
+      int b0, b1;
+      rb_ctas(rb, b0, b1);
+#pragma unroll
+      for (int t = 0; t < MT; ++t)
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int k = 0; k < 4; ++k) {
+            const int o = (((warp * MT + t) * NT + j) * 4 + k) * 32 + lane;
+            float sum = 0.0f;
+            for (int b = b0; b <= b1; ++b) {
+              const int bs = (int)((b * U / P) / nch_all) == rb ? 0 : 1;  // rb is b's first row block?
+              sum += __ldcg(ws + ((size_t)b * 2 + bs) * (R * TOKS) + o);
+            }
+            acc[t][j][k] = sum;
+          }
+      uint32_t e0x[MT][2];
+      row_meta(rb * R, e0x);
+      first_escapes();
+      epilogue(rb * R);
+    };
+    if (rb_first >= 0 && sk_last[0]) fix_up(rb_first);
+    if (rb_last >= 0 && sk_last[1]) fix_up(rb_last);
     return;
   } else {
     uint32_t e0x[MT][2];
