@@ -17,12 +17,14 @@ import sys
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+sys.path.insert(0, str(Path(__file__).resolve().parent))
 
 import torch  # noqa: E402
 
 import w12  # noqa: E402
 from w12 import cuda as wcuda  # noqa: E402
 from w12.configs import TmaConfig  # noqa: E402
+from w12_trace_probe import traced_builds  # noqa: E402
 
 SHAPES = {"gdn.in_proj": (16480, 5120), "attn.o_proj": (5120, 6144)}
 CFGS = {"gdn.in_proj": TmaConfig(1, 8, 6), "attn.o_proj": TmaConfig(1, 4, 8)}
@@ -35,9 +37,14 @@ def main() -> int:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    flags = wcuda._flags
-    wcuda._flags = lambda c, nt, q8, arch: flags(c, nt, q8, arch) + ["-DW12_TRACE=1"]
-    wcuda._FUNCS.clear()
+    with traced_builds():
+        rows = run(a.chain)
+    os.environ["SPECPILOT_PDL"] = "0"
+    (out / "pdl_trace.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
+    return 0
+
+
+def run(chain_len: int) -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -46,15 +53,16 @@ def main() -> int:
         grid = -(-N // cfg.rows)
         ws = [(torch.randn(N, K, device="cuda", generator=gen) * 0.02).to(torch.bfloat16) for _ in range(2)]
         ps = [w12.pack(w) for w in ws]
-        xs = [torch.randn(1, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(a.chain)]
-        os_ = [torch.empty(1, N, device="cuda", dtype=torch.bfloat16) for _ in range(a.chain)]
-        trs = [torch.zeros(8 * grid, device="cuda", dtype=torch.int64) for _ in range(a.chain)]
-        refs = [xs[i].float() @ ws[i % 2].float().T for i in range(a.chain)]
+        xs = [torch.randn(1, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(chain_len)]
+        os_ = [torch.empty(1, N, device="cuda", dtype=torch.bfloat16) for _ in range(chain_len)]
+        trs = [torch.zeros(8 * grid, device="cuda", dtype=torch.int64) for _ in range(chain_len)]
+        refs = [xs[i].float() @ ws[i % 2].float().T for i in range(chain_len)]
 
         def chain():
-            for i in range(a.chain):
+            for i in range(chain_len):
                 p = ps[i % 2]
-                wcuda.launch(cfg, xs[i], p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, None, os_[i], trace=trs[i])
+                wcuda.launch(cfg, xs[i], p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, None, os_[i],
+                             trace=trs[i])
 
         for mode in ("eager", "graph"):
             for pdl in ("0", "1"):
@@ -79,7 +87,7 @@ def main() -> int:
                 base = int(t[0, :, 0].min())
                 per = []
                 prev_end = None
-                for i in range(a.chain):
+                for i in range(chain_len):
                     entry, first, end = t[i, :, 0] - base, t[i, :, 2] - base, t[i, :, 5] - base
                     e0, e1, f50, end1 = int(entry.min()), int(entry.max()), int(first.median()), int(end.max())
                     per.append(dict(entry_min=e0 / 1e3, entry_max=e1 / 1e3, first_p50=f50 / 1e3, end_max=end1 / 1e3,
@@ -89,7 +97,7 @@ def main() -> int:
                 mid = per[1:]
                 r = dict(shape=name, cfg=cfg.tag(), mode=mode, pdl=pdl == "1", bad_outputs=bad,
                          chain_us=round(statistics.median(times), 1),
-                         per_launch_us=round(statistics.median(times) / a.chain, 2),
+                         per_launch_us=round(statistics.median(times) / chain_len, 2),
                          traced_span_us=round(per[-1]["end_max"], 1),
                          gap_after_prev_p50=round(statistics.median(p["gap_after_prev"] for p in mid), 2),
                          first_after_prev_p50=round(statistics.median(p["first_after_prev"] for p in mid), 2),
@@ -97,12 +105,7 @@ def main() -> int:
                          per_launch=per)
                 rows.append(r)
                 print(json.dumps({k: v for k, v in r.items() if k != "per_launch"}), flush=True)
-        del ws, ps
-    os.environ["SPECPILOT_PDL"] = "0"
-    (out / "pdl_trace.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
-    wcuda._flags = flags
-    wcuda._FUNCS.clear()
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

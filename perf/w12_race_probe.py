@@ -1,5 +1,4 @@
-"""Hunting an intermittent wrong result of the TMA kernel (session 4: LM head / 16384-row weights at
-M = 16, 32, after x moved to one swizzled 2-D TMA box per stage). Per config and variant,
+"""Hunting wrong results of the TMA kernel. Per config and variant,
 `--launches` launches that alternate between two x tensors, each checked against an fp32
 reference; prints how many launches and output rows were wrong.
 
@@ -7,9 +6,10 @@ Variants: "base" (as built); "1cta" (one CTA per SM, dynamic smem inflated); "ga
 kernel queued before each launch); "gap-wswap" (the weights alternate too, so the plane tensor
 maps change between launches); "gap-nofence" (W12_RELFENCE=0: without the consumers' proxy fence
 before each stage release, the race found in session 5). `--focus`: M = 16, the stream-K
-configs (session 5; session 5's first run had the bulk-x and xcp configs: 0 of 400 wrong), the gap variants only. Session 4 (H200), kernel with x as one swizzled 2-D TMA box per stage: "gap" wrong in
-45 and 16 of 400 launches (M = 16, tma-mt1-cw4-st8), also with the box unswizzled (29 / 26), none
-with x by per-token bulk copies (0 / 0): the bulk copies are the kernel's x path again.
+configs, the gap variants only. `--small`: session 5's race (see small()).
+History: session 4 (H200, no fence), x as one swizzled 2-D TMA box per stage: "gap" wrong in 45 and
+16 of 400 launches (M = 16, tma-mt1-cw4-st8), none with x by per-token bulk copies, so the box was
+withdrawn; session 5 found the missing proxy fence (most likely the box's failure too).
 
     python3 perf/w12_race_probe.py --out $OUT
 """
@@ -34,8 +34,8 @@ def main() -> int:
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default="perf/results/local")
     ap.add_argument("--launches", type=int, default=40)
-    ap.add_argument("--small", action="store_true", help="the sweep's failures of session 5: LM head and gate_up at "
-                    "M = 16 with small CTAs (cw1 / cw2, st4) and cw4-st8-xcp; variants gap, poison (W12_POISON), nofence")
+    ap.add_argument("--small", action="store_true", help="the sweep's failures of session 5: LM head and gate_up "
+                    "at M = 16 with small CTAs (cw1 / cw2, st4) and cw4-st8-xcp; variants gap, poison, nofence")
     ap.add_argument("--focus", action="store_true", help="M = 16, the stream-K configs, the gap variants only")
     a = ap.parse_args()
     out = Path(a.out)

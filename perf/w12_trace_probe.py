@@ -13,6 +13,7 @@ layer pays ~6-9 us more than its bytes at the LM head's 4.2 TB/s.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import statistics
 import sys
@@ -31,6 +32,19 @@ SHAPES = {"attn.o_proj": (5120, 6144), "gdn.in_proj": (16480, 5120), "mlp.gate_u
 CFGS = [TmaConfig(1, 8, 6), TmaConfig(1, 4, 8), TmaConfig(1, 8, 10)]
 
 
+@contextlib.contextmanager
+def traced_builds():
+    """Inside: every W12 cubin is built with -DW12_TRACE=1 (and loaded afresh); restored on exit."""
+    flags = wcuda._flags
+    wcuda._flags = lambda c, nt, q8, arch: flags(c, nt, q8, arch) + ["-DW12_TRACE=1"]
+    wcuda._FUNCS.clear()
+    try:
+        yield
+    finally:
+        wcuda._flags = flags
+        wcuda._FUNCS.clear()
+
+
 def q(v, f):
     v = sorted(v)
     return v[min(len(v) - 1, int(f * len(v)))]
@@ -42,9 +56,13 @@ def main() -> int:
     a = ap.parse_args()
     out = Path(a.out)
     out.mkdir(parents=True, exist_ok=True)
-    flags = wcuda._flags
-    wcuda._flags = lambda c, nt, q8, arch: flags(c, nt, q8, arch) + ["-DW12_TRACE=1"]
-    wcuda._FUNCS.clear()
+    with traced_builds():
+        rows = run()
+    (out / "trace_probe.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
+    return 0
+
+
+def run() -> list[dict]:
     gen = torch.Generator(device="cuda").manual_seed(0)
     rows = []
     ev = [torch.cuda.Event(enable_timing=True) for _ in range(2)]
@@ -83,10 +101,7 @@ def main() -> int:
             rows.append(r)
             print(json.dumps(r), flush=True)
         del w, p
-    (out / "trace_probe.json").write_text(json.dumps(dict(device=torch.cuda.get_device_name(), rows=rows), indent=1))
-    wcuda._flags = flags
-    wcuda._FUNCS.clear()
-    return 0
+    return rows
 
 
 if __name__ == "__main__":

@@ -132,8 +132,9 @@ class TmaConfig:
     range of the (row block, 64-column chunk) units, crossing row blocks, so no SM idles in a last
     partial wave; a row block shared by several CTAs is summed in the workspace in CTA order
     (deterministic) by the last of them to arrive; each CTA publishes its shares as it goes and
-    arrives (fence, counters, fix-ups) only after its last unit, so its ring never stalls mid-range. (A 2-D TMA box of x, tried in session 4, was fast but gave
-    wrong results on the H200; see perf/w12_race_probe.py.)"""
+    arrives (fence, counters, fix-ups) only after its last unit, so its ring never stalls mid-range.
+    (A 2-D TMA box of x, tried in session 4, was fast but gave wrong results on the H200 before the
+    consumers' proxy fence existed; see perf/w12_race_probe.py.)"""
 
     mt: int = 2
     cw: int = 4
