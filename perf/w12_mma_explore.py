@@ -79,6 +79,10 @@ GRID_FINAL += [TmaConfig(mt, cw, st, sk=k, xcp=x) for mt, cw, st in ((1, 8, 6), 
 # the CTAs' ends spread by several us): small CTAs (16-64 rows), several resident per SM
 GRID_FINAL += [TmaConfig(mt, cw, st) for mt, cw in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1)) for st in (4, 8, 12)] + \
     [TmaConfig(mt, cw, st, xcp=True) for mt, cw in ((1, 2), (2, 2), (2, 1)) for st in (6, 10)]
+# session 5, written for session 6: x as one swizzled 2-D TMA box per stage (session 4's fast x path, now
+# with the consumers' proxy fence); race-probe it before trusting the sweep
+GRID_FINAL += [TmaConfig(mt, cw, st, s, xbox=True) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 4, 6), (1, 16, 4),
+                                                                       (1, 2, 4)) for s in (1, 2, 3, 6)]
 
 
 # session 4 probe: the look-ahead and wgmma TMA configs against the session-3 winners, first GPU run

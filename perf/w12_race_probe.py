@@ -6,7 +6,8 @@ Variants: "base" (as built); "1cta" (one CTA per SM, dynamic smem inflated); "ga
 kernel queued before each launch); "gap-wswap" (the weights alternate too, so the plane tensor
 maps change between launches); "gap-nofence" (W12_RELFENCE=0: without the consumers' proxy fence
 before each stage release, the race found in session 5). `--focus`: M = 16, the stream-K
-configs, the gap variants only. `--small`: session 5's race (see small()).
+configs and the x-box configs (session 5, not yet run), the gap variants only. `--small`: session
+5's race (see small()), plus the x box.
 History: session 4 (H200, no fence), x as one swizzled 2-D TMA box per stage: "gap" wrong in 45 and
 16 of 400 launches (M = 16, tma-mt1-cw4-st8), none with x by per-token bulk copies, so the box was
 withdrawn; session 5 found the missing proxy fence (most likely the box's failure too).
@@ -51,7 +52,8 @@ def main() -> int:
     for M in ((16,) if a.focus else (8, 16, 32)):
         xs = [torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2)]
         refs = [[x.float() @ w.float().T for w in ws] for x in xs]
-        focus = (TmaConfig(1, 4, 8, sk=2), TmaConfig(1, 8, 6, sk=2, xcp=True), TmaConfig(1, 8, 6, sk=1))
+        focus = (TmaConfig(1, 4, 8, xbox=True), TmaConfig(1, 8, 6, split=3, xbox=True), TmaConfig(1, 4, 8, sk=2),
+                 TmaConfig(1, 8, 6, sk=2, xcp=True))
         for cfg in (focus if a.focus else focus + (TmaConfig(1, 8, 6), TmaConfig(2, 4, 6))):
             # "wswap": the weights alternate too (launch i uses x i % 2 and weight (i // 2) % 2), so the
             # plane tensor maps change between launches as in a decode step
@@ -101,8 +103,8 @@ def small(a, out, flags, gen) -> int:
         p = w12.pack(w)
         xs = [torch.randn(M, K, device="cuda", generator=gen).to(torch.bfloat16) for _ in range(2)]
         refs = [x.float() @ w.float().T for x in xs]
-        for cfg in (TmaConfig(1, 1, 4), TmaConfig(1, 2, 4), TmaConfig(1, 4, 8, xcp=True), TmaConfig(1, 1, 8),
-                    TmaConfig(1, 8, 6)):
+        for cfg in (TmaConfig(1, 1, 4), TmaConfig(1, 2, 4), TmaConfig(1, 4, 8, xcp=True), TmaConfig(1, 8, 6),
+                    TmaConfig(1, 2, 4, xbox=True), TmaConfig(1, 4, 8, xbox=True)):
             for var in ("gap", "poison", "nofence"):
                 extra = {"poison": ["-DW12_POISON=1"], "nofence": ["-DW12_RELFENCE=0"]}.get(var, [])
                 wcuda._flags = (lambda c, nt, q8, arch, _e=extra: flags(c, nt, q8, arch) + _e)

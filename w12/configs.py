@@ -133,8 +133,9 @@ class TmaConfig:
     partial wave; a row block shared by several CTAs is summed in the workspace in CTA order
     (deterministic) by the last of them to arrive; each CTA publishes its shares as it goes and
     arrives (fence, counters, fix-ups) only after its last unit, so its ring never stalls mid-range.
-    (A 2-D TMA box of x, tried in session 4, was fast but gave wrong results on the H200 before the
-    consumers' proxy fence existed; see perf/w12_race_probe.py.)"""
+    `xbox` (written in session 5, NOT yet run on a GPU): x as one 2-D TMA box per stage with the
+    128-byte swizzle, the fast x path session 4 measured (M = 32 2x faster) and withdrew for wrong
+    results before the consumers' proxy fence existed; to be race-probed (perf/w12_race_probe.py)."""
 
     mt: int = 2
     cw: int = 4
@@ -144,16 +145,18 @@ class TmaConfig:
     wg: bool = False  # wgmma (sm_90a) with the decoded A from registers; needs mt = 1, cw in (4, 8)
     xcp: bool = False  # x by cp.async from the whole producer warp, not one bulk copy per token
     sk: int = 0  # stream-K: a grid of sk CTAs per SM, each an equal contiguous range of (row block, chunk) units
+    xbox: bool = False  # x by one 2-D TMA box per stage (128-byte swizzle); not yet run with the consumers' fence
 
     def __post_init__(self):
         if self.mt not in (1, 2, 4) or self.cw not in (1, 2, 4, 8, 16) or 16 * self.mt * self.cw > 256 \
                 or not 2 <= self.stages <= 16 or not 1 <= self.split <= 64 \
                 or (self.wg and (self.mt != 1 or self.cw not in (4, 8) or self.ahead)) \
-                or self.sk not in (0, 1, 2, 3, 4) or (self.sk and (self.split != 1 or self.wg or self.ahead)):
+                or self.sk not in (0, 1, 2, 3, 4) or (self.sk and (self.split != 1 or self.wg or self.ahead)) \
+                or (self.xbox and (self.xcp or self.wg)):
             raise ValueError("TmaConfig needs mt in (1, 2, 4), cw in (1, 2, 4, 8, 16), 16 * mt * cw <= 256 rows, "
                              "2 <= stages <= 16, 1 <= split <= 64, for wg=True mt = 1, cw in (4, 8) and no "
-                             "look-ahead, and sk in 0..4 (CTAs per SM) with split = 1, no wg and no look-ahead; "
-                             f"got {self}")
+                             "look-ahead, sk in 0..4 (CTAs per SM) with split = 1, no wg and no look-ahead, and "
+                             f"xbox without xcp or wg; got {self}")
 
     @property
     def rows(self) -> int:
@@ -162,7 +165,7 @@ class TmaConfig:
     def tag(self) -> str:
         return f"tma-mt{self.mt}-cw{self.cw}-st{self.stages}" + (f"-s{self.split}" if self.split > 1 else "") + \
             ("-ah" if self.ahead else "") + ("-wg" if self.wg else "") + ("-xcp" if self.xcp else "") + \
-            (f"-sk{self.sk}" if self.sk else "")
+            (f"-sk{self.sk}" if self.sk else "") + ("-xbox" if self.xbox else "")
 
 
 def _check_common(c) -> None:

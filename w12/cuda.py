@@ -96,7 +96,7 @@ def _flags(cfg, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
         if arch[0] != 9:
             raise ValueError(f"{cfg}: the TMA kernel needs an sm_90 GPU, got sm_{sm}")
         defines = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8), AHEAD=int(cfg.ahead), WG=int(cfg.wg),
-                       XCP=int(cfg.xcp), SK=int(cfg.sk > 0))
+                       XCP=int(cfg.xcp), SK=int(cfg.sk > 0), XBOX=int(cfg.xbox))
         if cfg.wg:
             sm = "90a"  # wgmma is an sm_90a feature
     else:
@@ -188,7 +188,7 @@ _FUNCS: dict[tuple, tuple[ctypes.c_void_p, int]] = {}
 
 
 def _tma_stage_bytes(cfg: TmaConfig, nt: int, q8: bool) -> int:
-    raw = cfg.rows * 64 + (0 if q8 else cfg.rows * 32) + 8 * nt * 144
+    raw = cfg.rows * 64 + (0 if q8 else cfg.rows * 32) + 8 * nt * (128 if cfg.xbox else 144)
     return -(-raw // 1024) * 1024
 
 
@@ -310,22 +310,26 @@ def _workspace(device: torch.device, stream: int, floats: int, blocks: int) -> t
 _TMAPS: dict[tuple, ctypes.Array] = {}
 
 
-def _tensor_map(t: torch.Tensor, box_cols: int, box_rows: int) -> ctypes.Array:
-    """2-D uint8 tensor map (TMA descriptor, 128 bytes) of a plane [rows, cols] with contiguous
-    columns, box `box_cols` x `box_rows`, no swizzle, out-of-bounds rows read as zeros. It depends
-    only on (address, shape, row stride, box), so it is cached under that key."""
+def _tensor_map(t: torch.Tensor, box_cols: int, box_rows: int, *, swizzle: bool = False) -> ctypes.Array:
+    """2-D tensor map (TMA descriptor, 128 bytes) of `t` [rows, cols] (a uint8 plane, or 16-bit x;
+    columns contiguous, rows may be strided), box `box_cols` x `box_rows`, out-of-bounds rows read
+    as zeros; `swizzle`: TMA's 128-byte swizzle (box rows of 128 bytes). It depends only on
+    (address, shape, row stride, element size, box, swizzle), so it is cached under that key."""
     rows, cols = t.shape
-    key = (t.data_ptr(), rows, cols, t.stride(0), box_cols, box_rows)
+    elem = t.element_size()
+    key = (t.data_ptr(), rows, cols, t.stride(0), elem, box_cols, box_rows, swizzle)
     m = _TMAPS.get(key)
     if m is None:
         m = (ctypes.c_uint64 * 16)()
         dims = (ctypes.c_uint64 * 2)(cols, rows)
-        strides = (ctypes.c_uint64 * 1)(t.stride(0))
+        strides = (ctypes.c_uint64 * 1)(t.stride(0) * elem)
         box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
         unit = (ctypes.c_uint32 * 2)(1, 1)
-        # dtype UINT8 (0), interleave none (0), swizzle none (0), L2 promotion 256 B (3), no NaN fill (0)
-        _check(_libcuda().cuTensorMapEncodeTiled(ctypes.byref(m), 0, 2, ctypes.c_void_p(t.data_ptr()), dims, strides,
-                                                 box, unit, 0, 0, 3, 0), "cuTensorMapEncodeTiled")
+        # dtype UINT8 (0) / UINT16 (1), interleave none (0), swizzle none (0) / 128 B (3), L2 promotion
+        # 256 B (3), no NaN fill (0)
+        _check(_libcuda().cuTensorMapEncodeTiled(ctypes.byref(m), {1: 0, 2: 1}[elem], 2, ctypes.c_void_p(t.data_ptr()),
+                                                 dims, strides, box, unit, 0, 3 if swizzle else 0, 3, 0),
+               "cuTensorMapEncodeTiled")
         if len(_TMAPS) >= 4096:
             _TMAPS.clear()
         _TMAPS[key] = m
@@ -371,7 +375,8 @@ def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, 
     if tma:
         tm_hi = _tensor_map(hi, 64, rows)
         tm_lo = tm_hi if q8 else _tensor_map(lo, 32, rows)
-        vals = [tm_hi, tm_lo, ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), *esc, *tail]
+        tm_x = [_tensor_map(xk[:, :Kp], 64, 8 * nt, swizzle=True)] if cfg.xbox else []
+        vals = [tm_hi, tm_lo, *tm_x, ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), *esc, *tail]
         threads = 32 * (cfg.cw + 1)
     else:
         vals = [ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), ctypes.c_void_p(hi.data_ptr()),

@@ -118,7 +118,8 @@ TMA_ODD = [TmaConfig(2, 4, 6), TmaConfig(1, 8, 8), TmaConfig(4, 4, 3), TmaConfig
            TmaConfig(1, 8, 4, split=3, wg=True), TmaConfig(1, 4, 2, split=64, wg=True), TmaConfig(1, 16, 3),
            TmaConfig(1, 16, 4, split=3, ahead=True), TmaConfig(1, 8, 6, xcp=True), TmaConfig(2, 4, 3, split=7, xcp=True),
            TmaConfig(1, 4, 6, wg=True, xcp=True), TmaConfig(1, 8, 6, sk=2), TmaConfig(2, 4, 3, sk=1, xcp=True),
-           TmaConfig(1, 4, 2, sk=4)]
+           TmaConfig(1, 4, 2, sk=4), TmaConfig(1, 8, 6, xbox=True), TmaConfig(2, 4, 3, split=7, xbox=True),
+           TmaConfig(1, 2, 4, xbox=True), TmaConfig(1, 4, 4, sk=2, xbox=True)]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -156,7 +157,8 @@ def test_tma_configs_odd_shapes(cfg, N, K):
                                  TmaConfig(1, 8, 6, split=3, ahead=True), TmaConfig(1, 4, 8, xcp=True),
                                  TmaConfig(1, 8, 6, split=3, xcp=True), TmaConfig(1, 8, 6, sk=2),
                                  TmaConfig(1, 4, 8, xcp=True, sk=2), TmaConfig(1, 1, 4), TmaConfig(1, 2, 4),
-                                 TmaConfig(1, 4, 8, xcp=True)], ids=lambda c: c.tag())
+                                 TmaConfig(1, 4, 8, xcp=True), TmaConfig(1, 4, 8, xbox=True), TmaConfig(1, 2, 4, xbox=True),
+                                 TmaConfig(1, 8, 6, split=3, xbox=True)], ids=lambda c: c.tag())
 def test_tma_launches_with_changing_tensor_maps(cfg):
     """Launches alternating two weights and two x (so every tensor map changes between launches),
     each queued behind a short sleep kernel, many CTAs per SM refilling their rings ~40 times: every

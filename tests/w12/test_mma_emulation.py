@@ -213,11 +213,11 @@ def emulate(x: torch.Tensor, p: w12.W12Weight, *, mt: int, wk: int, wr: int = 1,
 class _TmaImage:
     """The operands of csrc/w12_tma.cu as its copies leave them: planes, x padded to Kp, lane maps."""
 
-    def __init__(self, x: torch.Tensor, p: w12.W12Weight, mt: int, cw: int, q8: bool, wg: bool):
+    def __init__(self, x: torch.Tensor, p: w12.W12Weight, mt: int, cw: int, q8: bool, wg: bool, xbox: bool = False):
         self.M = x.shape[0]
         self.N, self.Kp = p.hi.shape
         self.nt = 1 if self.M <= 8 else 2 if self.M <= 16 else 4
-        self.mt, self.cw, self.q8, self.wg, self.p = mt, cw, q8, wg, p
+        self.mt, self.cw, self.q8, self.wg, self.p, self.xbox = mt, cw, q8, wg, p, xbox
         self.R = 16 * mt * cw
         self.hi, self.lo = p.hi.numpy(), p.lo.numpy()
         self.e0 = p.e0.numpy().astype(U32)
@@ -242,9 +242,25 @@ class _TmaImage:
         st_x = np.zeros((8 * nt, 144), dtype=np.uint8)
         st_x[:M, :128] = self.xbytes[:, 128 * c:128 * c + 128]
         bw = _wg_b_operand(st_x, 8 * nt) if self.wg else None
+        if self.xbox:
+            # TMA's 128-byte swizzle writes 16-byte unit u of token t at unit u ^ (t % 8) of its 128-byte
+            # row; the consumers read byte b of token t at x_at(t, b) (csrc/w12_tma.cu, W12_XBOX)
+            sw = np.zeros(8 * nt * 128, dtype=np.uint8)
+            for tok in range(8 * nt):
+                for u in range(8):
+                    sw[tok * 128 + 16 * ((u ^ tok) & 7):][:16] = st_x[tok, 16 * u:16 * u + 16]
+
+            def x_at(tok, b):
+                return tok * 128 + ((((b >> 4) ^ tok) & 7) << 4) + (b & 15)
+
+            def xread(tok, b):
+                return sw[x_at(tok, b):x_at(tok, b) + 16]
+        else:
+            def xread(tok, b):
+                return st_x[tok, b:b + 16]
         acc = np.zeros((cw, mt, nt, 4, 32))
         for w in range(cw):
-            fx = [[words(np.stack([st_x[8 * j + g[i], 32 * q[i] + 16 * k:32 * q[i] + 16 * k + 16] for i in lane]))
+            fx = [[words(np.stack([xread(8 * j + g[i], 32 * q[i] + 16 * k) for i in lane]))
                    for k in range(2)] for j in range(nt)]
             for t in range(mt):
                 rl = [16 * (mt * w + t) + 8 * h + g for h in range(2)]
@@ -279,11 +295,11 @@ class _TmaImage:
 
 
 def emulate_tma(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, splits: int = 1, q8: bool = False,
-                wg: bool = False):
+                wg: bool = False, xbox: bool = False):
     """csrc/w12_tma.cu, lane by lane (_TmaImage): split-K partials added in split order, and the
     epilogue's (acc -> row, token) mapping. `wg`: the wgmma path (x permuted into the K-major B
-    layout, read through the descriptor)."""
-    im = _TmaImage(x, p, mt, cw, q8, wg)
+    layout, read through the descriptor); `xbox`: x as one swizzled 2-D box per stage."""
+    im = _TmaImage(x, p, mt, cw, q8, wg, xbox)
     nch_all = im.Kp // 64
     per = -(-nch_all // splits)
     out = np.full((im.M, im.N), np.nan)
@@ -540,6 +556,28 @@ def test_tma_trace_build_stamps_globaltimer_only_when_asked(tmp_path, monkeypatc
     assert "%globaltimer" in traced and "%smid" in traced and ".local" not in traced
 
 
+def test_tma_x_box_path_builds_with_three_tensor_copies(tmp_path, monkeypatch):
+    """TmaConfig(xbox=True): x arrives by a third 2-D tensor copy per stage (no per-token bulk copies,
+    no zero-fill loop: TMA fills tokens past M), the consumers still fence before each release; the
+    shipped build's kernel has no x tensor-map parameter."""
+    from w12.configs import TmaConfig
+
+    cuda = _nvcc_or_skip()
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    for cfg, nt, q8 in [(TmaConfig(1, 8, 6, xbox=True), 4, False), (TmaConfig(2, 4, 4, split=3, xbox=True), 2, True),
+                        (TmaConfig(1, 4, 8, sk=2, xbox=True), 1, False)]:
+        ptx = cuda.build(cfg, nt, q8, (9, 0), out="ptx").read_text()
+        plain = cuda.build(TmaConfig(cfg.mt, cfg.cw, cfg.stages, cfg.split, sk=cfg.sk), nt, q8, (9, 0), out="ptx").read_text()
+        assert "cp.async.bulk.shared::cluster.global" not in ptx and "cp.async.bulk.shared::cluster.global" in plain
+        assert ptx.count("cp.async.bulk.tensor.2d") > plain.count("cp.async.bulk.tensor.2d")
+        assert "fence.proxy.async.shared::cta" in ptx and ".local" not in ptx
+        assert "w12_matmul_tma_kernel_param_16" in ptx and "w12_matmul_tma_kernel_param_16" not in plain
+    with pytest.raises(ValueError, match="xbox without xcp or wg"):
+        TmaConfig(1, 8, 6, xcp=True, xbox=True)
+    assert TmaConfig(1, 8, 6, xbox=True).tag() == "tma-mt1-cw8-st6-xbox"
+    assert cuda.smem_bytes(TmaConfig(2, 4, 6, xbox=True), 1, False) == 6 * 13312 + 1024 + 96
+
+
 def test_tma_wgmma_path_builds_for_sm90a(tmp_path, monkeypatch):
     """TmaConfig(wg=True): wgmma with A from registers (sm_90a), the proxy fence before it reads the
     buffers the threads wrote, immediate named-barrier ids, no local memory, every n-tile count."""
@@ -596,6 +634,19 @@ def test_emulated_tma_kernel_matches_reference(M, N, K, mt, cw, splits, wg, q8):
     assert p.num_escapes > 0
     x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M + 1)) * 2).to(torch.bfloat16)
     got = emulate_tma(x, p, mt=mt, cw=cw, splits=splits, q8=q8, wg=wg)
+    _assert_emulation_exact(got, x, w, p, q8)
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["mm", "q8"])
+@pytest.mark.parametrize("M,N,K,mt,cw,splits", [(3, 40, 192, 1, 2, 1), (13, 50, 128, 2, 1, 2), (29, 17, 100, 1, 1, 3)],
+                         ids=["M3-N40-K192", "M13-N50-K128-split2", "M29-N17-K100-split3"])
+def test_emulated_tma_x_box_matches_reference(M, N, K, mt, cw, splits, q8):
+    """TmaConfig(xbox=True): the consumers' swizzled x addresses (x_at) read back exactly what TMA's
+    128-byte swizzle wrote, for 1, 2 and 4 token tiles (tokens past M zero)."""
+    w = _weight(N, K, seed=N * K + M + 5)
+    p = w12.pack(w)
+    x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M + 5)) * 2).to(torch.bfloat16)
+    got = emulate_tma(x, p, mt=mt, cw=cw, splits=splits, q8=q8, xbox=True)
     _assert_emulation_exact(got, x, w, p, q8)
 
 

@@ -68,6 +68,9 @@
 #ifndef W12_XCP
 #define W12_XCP 0  // x by cp.async from the producer warp (TmaConfig.xcp)
 #endif
+#ifndef W12_XBOX
+#define W12_XBOX 0  // x by one 2-D TMA box per stage, 128-byte swizzle (TmaConfig.xbox; not yet run with the fence)
+#endif
 #ifndef W12_SK
 #define W12_SK 0  // stream-K: a persistent grid of equal contiguous ranges of (row block, chunk) units (TmaConfig.sk)
 #endif
@@ -108,10 +111,21 @@ constexpr bool XCP = W12_XCP != 0;
 constexpr bool SK = W12_SK != 0;
 constexpr int R = 16 * MT * CW;     // weight rows per CTA (TMA box height)
 constexpr int TOKS = 8 * NT;
-constexpr int XP = 144;             // shared pitch of one token's 128 bytes of x (+16: no bank conflicts)
 constexpr int HB = R * 64;          // hi bytes per stage
 constexpr int LB = Q8 ? 0 : R * 32; // lo bytes per stage
+#if W12_XBOX
+// x by one 2-D TMA box of TOKS tokens x 128 bytes per stage (128-byte swizzle: 16-byte unit u of token
+// t lands at unit u ^ (t % 8); tokens past M zero-filled by TMA) instead of per-token copies. Stage
+// layout hi | x | lo, so x sits 1024-aligned (the swizzle's period). Session 4 ran this path without
+// the consumers' proxy fence and got wrong results; with the fence it has not run yet.
+constexpr int XP = 128;
 constexpr int XB = TOKS * XP;
+constexpr int X_OFF = HB, LO_OFF = HB + XB;
+__device__ __forceinline__ uint32_t x_at(int t, int b) { return X_OFF + t * 128 + ((((b >> 4) ^ t) & 7) << 4) + (b & 15); }
+#else
+constexpr int XP = 144;             // shared pitch of one token's 128 bytes of x (+16: no bank conflicts)
+constexpr int XB = TOKS * XP;
+#endif
 constexpr int SB = (HB + LB + XB + 1023) / 1024 * 1024;  // stage stride (TMA destinations 1024-aligned)
 static_assert(R <= 256, "a TMA box is at most 256 rows");
 
@@ -127,6 +141,7 @@ static_assert(!WG || (MT == 1 && (CW == 4 || CW == 8)), "the wgmma path takes MT
 static_assert(!WG || !AHEAD, "the wgmma path has no look-ahead variant");
 static_assert(NT == 1 || NT == 2 || NT == 4, "n-tiles: 1, 2 or 4");
 static_assert(!SK || (!WG && !AHEAD && !NULL_CONSUMER), "stream-K runs the plain mma.sync consumers");
+static_assert(!W12_XBOX || (!XCP && !WG), "the x box replaces the per-token and cp.async copies; no wgmma path");
 static_assert(!W12_TRACE || (!SK && !WG && !AHEAD), "the trace stamps the plain path");
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
@@ -246,6 +261,9 @@ __device__ __forceinline__ uint4 lds128(uint32_t a) {
 extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_kernel(
     const __grid_constant__ CUtensorMap tm_hi,  // uint8 [N, Kp], box 64 x R
     const __grid_constant__ CUtensorMap tm_lo,  // uint8 [N, Kp / 2], box 32 x R (unused for Q8)
+#if W12_XBOX
+    const __grid_constant__ CUtensorMap tm_x,   // 16-bit [M, Kp] (row stride ldx), box 64 x 8 NT, 128 B swizzle
+#endif
     const __nv_bfloat16* __restrict__ x,        // [M, >= Kp], row stride ldx, 16-byte aligned rows
     long long ldx,
     const uint8_t* __restrict__ e0,             // [N]
@@ -296,11 +314,13 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       reinterpret_cast<uint4*>(base_g)[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic stores before the async writes
   }
+#if !W12_XBOX
   // tokens past M read zeros: their x rows are never written by the copies
   for (int i = threadIdx.x; i < STAGES * (TOKS - M) * 8; i += blockDim.x) {
     const int s = i / ((TOKS - M) * 8), r = i % ((TOKS - M) * 8);
     *reinterpret_cast<uint4*>(base_g + s * SB + HB + LB + (M + r / 8) * XP + 16 * (r % 8)) = make_uint4(0, 0, 0, 0);
   }
+#endif
   __syncthreads();
 
   float acc[MT][NT][4];
@@ -357,12 +377,21 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       for (int h = 0; h < 2; ++h) {
         const int rl = 16 * (MT * warp + t) + 8 * h + g;
         f.h[t][h] = lds128(st + rl * 64 + 16 * q);
+#if W12_XBOX
+        if (!Q8) f.l[t][h] = lds128(st + LO_OFF + rl * 32 + 16 * (q & 1));
+#else
         if (!Q8) f.l[t][h] = lds128(st + HB + rl * 32 + 16 * (q & 1));
+#endif
       }
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
+#if W12_XBOX
+      f.x[j][0] = lds128(st + x_at(8 * j + g, 32 * q));
+      f.x[j][1] = lds128(st + x_at(8 * j + g, 32 * q + 16));
+#else
       f.x[j][0] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q);
       f.x[j][1] = lds128(st + HB + LB + (8 * j + g) * XP + 32 * q + 16);
+#endif
     }
     // the LDS above (generic proxy) must be performed before the producer's next TMA / bulk copy
     // (async proxy) rewrites this stage: without this fence the H200 let the refill overtake the reads
@@ -450,7 +479,11 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       constexpr int W = W12_WIDE;
       const int cx = W12_CM ? 0 : 64 * W * (c / W), cy = W12_CM ? c * N + r0 : r0 + (c % W) * (R / W);
       tma_2d(st, &tm_hi, cx, cy, bar);
+#if W12_XBOX
+      if (!Q8) tma_2d(st + LO_OFF, &tm_lo, cx / 2, cy, bar);
+#else
       if (!Q8) tma_2d(st + HB, &tm_lo, cx / 2, cy, bar);
+#endif
     };
     if constexpr (SK) {
       // the CTA's units u in [ub, ue): row block u / nch_all, chunk u % nch_all; the ring index runs on
@@ -463,9 +496,13 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         const int s = i % STAGES, u = ub + i, rb = u / nch_all, c = u - rb * nch_all;
         const uint32_t st = base + s * SB;
         if (lane == 0) {
-          mbar_expect_tx(full(s), HB + LB + (XCP ? 0u : 128u * M));
+          mbar_expect_tx(full(s), HB + LB + (W12_XBOX ? XB : XCP ? 0u : 128u * M));
           tma_2d(st, &tm_hi, 64 * c, rb * R, full(s));
+#if W12_XBOX
+          if (!Q8) tma_2d(st + LO_OFF, &tm_lo, 32 * c, rb * R, full(s));
+#else
           if (!Q8) tma_2d(st + HB, &tm_lo, 32 * c, rb * R, full(s));
+#endif
         }
         return c;
       };
@@ -482,6 +519,9 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
           c = issue(i);
           __syncwarp();
         }
+#if W12_XBOX
+        if (lane == 0) tma_2d(st + X_OFF, &tm_x, 64 * c, 0, full(s));
+#else
         if constexpr (XCP) {
           for (int p = lane; p < 8 * M; p += 32) {
             const int t = p >> 3, u = p & 7;
@@ -492,6 +532,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         } else if (lane < M) {
           bulk_1d(st + HB + LB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
         }
+#endif
       }
       grid_dep_launch();
       return;
@@ -499,7 +540,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     const int pre = min(nch, STAGES);
     if (lane == 0) {
       for (int i = 0; i < pre; ++i) {
-        mbar_expect_tx(full(i), HB + LB + (XCP ? 0u : 128u * M));
+        mbar_expect_tx(full(i), HB + LB + (W12_XBOX ? XB : XCP ? 0u : 128u * M));
         plane_copies(base + i * SB, c_begin + i, full(i));
       }
     }
@@ -512,11 +553,14 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       if (i >= pre) {
         mbar_wait(empty(s), ((i / STAGES) & 1) ^ 1);
         if (lane == 0) {
-          mbar_expect_tx(full(s), HB + LB + (XCP ? 0u : 128u * M));
+          mbar_expect_tx(full(s), HB + LB + (W12_XBOX ? XB : XCP ? 0u : 128u * M));
           plane_copies(st, c, full(s));
         }
         __syncwarp();
       }
+#if W12_XBOX
+      if (lane == 0) tma_2d(st + X_OFF, &tm_x, 64 * c, 0, full(s));  // x may be the previous kernel's: after the wait
+#else
       if constexpr (XCP) {
         for (int p = lane; p < 8 * M; p += 32) {
           const int t = p >> 3, u = p & 7;
@@ -527,6 +571,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       } else if (lane < M) {
         bulk_1d(st + HB + LB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
       }
+#endif
     }
     if constexpr (W12_TRACE != 0) {
       if (lane == 0) trace(ws, 6);  // every copy issued
