@@ -239,14 +239,15 @@ __device__ __forceinline__ void wgmma_rs(float* d, uint32_t a0, uint32_t a1, uin
 // W12_TRACE: slot k of this CTA's 8 stamps in ws (u64 nanoseconds of %globaltimer; slot 1: the SM id)
 __device__ __forceinline__ void trace(float* ws, int k) {
   if constexpr (W12_TRACE != 0) {
-    uint64_t t;
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-    reinterpret_cast<unsigned long long*>(ws)[8 * blockIdx.x + k] = k == 1 ? 0ull : t;
+    uint64_t v;
     if (k == 1) {
       uint32_t sm;
       asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      reinterpret_cast<unsigned long long*>(ws)[8 * blockIdx.x + 1] = sm;
+      v = sm;
+    } else {
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
     }
+    reinterpret_cast<unsigned long long*>(ws)[8 * blockIdx.x + k] = v;
   }
 }
 
