@@ -27,6 +27,7 @@ __all__ = [
     "has_cuda",
     "compute_capability",
     "has_wgmma",
+    "has_pdl",
     "is_interpreter",
 ]
 
@@ -147,6 +148,15 @@ def has_wgmma(device=None) -> bool:
     if device is not None and torch.device(device).type != "cuda":
         return False
     return compute_capability(_index(device)) == (9, 0)
+
+
+def has_pdl(device=None) -> bool:
+    """True where programmatic dependent launch exists (sm_90+). False on CPU and under the interpreter."""
+    if is_interpreter() or not has_cuda():
+        return False
+    if device is not None and torch.device(device).type != "cuda":
+        return False
+    return compute_capability(_index(device))[0] >= 9
 
 
 # --------------------------------------------------------------------------------------

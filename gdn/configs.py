@@ -38,6 +38,13 @@ class WYConfig:
     # untransposed bf16 path: q rows stacked over k rows, one set of [2BT, K] x [K, BV] state
     # products (M = 64 at 32 nodes) and one [2BT, K] x [K, BT] for q.k^T / k.k^T
     stack: bool = False
+    # precision of the inverse's rounds alone (None: small_precision); "tf32x3" puts them on tensor cores
+    inverse_precision: str | None = None
+    # programmatic dependent launch (sm_90): the kernel waits on the previous grid before its first
+    # load and lets the next kernel's programs be placed early; hides launch gaps in a graph
+    pdl: bool = False
+    # diagnostic only, WRONG outputs: bit mask of phases removed for timing (see gdn/kernels/wy.py)
+    skip: int = 0
 
 
 @dataclass(frozen=True)

@@ -7,6 +7,7 @@ import torch
 import triton
 
 from autotune import select_variant
+from autotune.hardware import has_pdl
 
 from . import configs
 from .plan import TreePlan
@@ -52,11 +53,14 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
         if inv is None:
             raise ValueError(f"WYConfig.inverse must be 'square', 'loop' or 'levels', got {cfg.inverse!r}")
         grid = (B, HV, triton.cdiv(V, cfg.BV))
+        pdl = cfg.pdl and has_pdl(q.device)
+        extra = {"launch_pdl": True} if pdl else {}
         gdn_tree_wy_kernel[grid](q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, scale, *common,
                                  H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg.BV, USE_L2=use_l2,
                                  PREC=cfg.dot_precision, PREC_S=cfg.small_precision, SPLIT=split,
-                                 INV=inv, TRANS=cfg.trans, STACK=cfg.stack, num_warps=cfg.num_warps,
-                                 num_stages=cfg.num_stages)
+                                 INV=inv, TRANS=cfg.trans, STACK=cfg.stack,
+                                 PREC_I=cfg.inverse_precision or cfg.small_precision, PDL=pdl, SKIP=cfg.skip,
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
     elif variant == "recurrent":
         from .kernels.recurrent import gdn_tree_recurrent_kernel
 

@@ -31,6 +31,10 @@ def parse():
     ap.add_argument("--fla-budget", type=float, default=75.0,
                     help="share of the budget for fla (run first: its first-call autotune is ~60 s)")
     ap.add_argument("--layers", type=int, default=None)
+    ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    ap.add_argument("--ablate", action="store_true",
+                    help="also time the default B1 config with phases removed (WYConfig.skip: wrong outputs, "
+                         "timing only, never checked or ranked)")
     return ap.parse_args()
 
 
@@ -75,9 +79,21 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
     "r3-bv64-stack": WYConfig(BV=64, stack=True),
     "r3-bv32-w4": WYConfig(BV=32),
     "wgmma": WY_WGMMA,  # transposed, the config that emits wgmma (round 2: B1-N32 933)
+    # round 4 (session 6): the [BT,BT] products on tensor cores (tf32x3, ~fp32 accuracy; in round 2
+    # the transposed kernel gained 30% from it at chain32), the inverse's rounds alone, and PDL
+    "r4-stack-tf32x3": WYConfig(BV=64, num_warps=8, stack=True, small_precision="tf32x3"),
+    "r4-stack-inv-tf32x3": WYConfig(BV=64, num_warps=8, stack=True, inverse_precision="tf32x3"),
+    "r4-stack-pdl": WYConfig(BV=64, num_warps=8, stack=True, pdl=True),
+    "r4-stack-tf32x3-pdl": WYConfig(BV=64, num_warps=8, stack=True, small_precision="tf32x3", pdl=True),
+    "r4-stack-inv-tf32x3-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse_precision="tf32x3", pdl=True),
+    "r4-bv64-tf32x3": WYConfig(BV=64, small_precision="tf32x3"),  # B24: 4 warps, many programs
+    "r4-bv64-pdl": WYConfig(BV=64, pdl=True),
 }
+# --ablate: the B1 default with phases removed (gdn/kernels/wy.py SKIP bits); wrong outputs, timed only
+ABLATE = {f"ablate-skip{b}": WYConfig(BV=64, num_warps=8, stack=True, skip=b) for b in (1, 2, 4, 5, 7)}
 # run even past the case's budget share (the table's point in that case)
-ESSENTIAL = {"B1-N32": ("r3-bv64-w8-stack", "r3-bv32-w8"), "B24-N8": ("r1-bv64", "r3-bv64-stack")}
+ESSENTIAL = {"B1-N32": ("r3-bv64-w8-stack", "r4-stack-tf32x3", "r4-stack-inv-tf32x3", "r4-stack-pdl"),
+             "B24-N8": ("r1-bv64", "r4-bv64-tf32x3")}
 if not GPU:
     WY = {"wy": WYConfig(BV=16), "r3-stack": WYConfig(BV=16, stack=True), "r3-loop": WYConfig(BV=16, inverse="loop"),
           "wy-levels": WYConfig(BV=16, inverse="levels"), "t-bv16": WYConfig(BV=16, trans=True)}
@@ -188,6 +204,11 @@ def run_verify(case, name, cfg, kernel):
         return f
 
     call(o32)()
+    if cfg is not None and cfg.skip:
+        ok, ratio = False, float("nan")  # an ablation: wrong by design, timed and never ranked
+        us = time_fn(call(o))
+        kernel_report(name)
+        return ok, ratio, us
     ok, ratio = check(o32, case, chunk_reference if kernel == "wy" else recurrent_reference,
                       (0, L - 1) if L > 1 else (0,))
     us = time_fn(call(o)) if ok else float("nan")
@@ -231,6 +252,14 @@ def main():
     else:
         specs = [("B1-N6", [draft_tree(6, rng)]), ("B3-N3", [draft_tree(3, rng) for _ in range(3)]),
                  ("chain4", [chain(4)])]
+    if ARGS.cases:
+        keep = ARGS.cases.split(",")
+        unknown = sorted(set(keep) - {n for n, _ in specs})
+        if unknown:
+            raise SystemExit(f"unknown --cases {unknown}; known: {[n for n, _ in specs]}")
+        specs = [sp for sp in specs if sp[0] in keep]
+    if ARGS.ablate:
+        WY.update(ABLATE if GPU else {f"ablate-skip{b}": WYConfig(BV=16, stack=True, skip=b) for b in (1, 7)})
     say(f"device={torch.cuda.get_device_name() if GPU else 'cpu'} torch={torch.__version__} "
         f"L={L} H={H} HV={HV} K={K} V={V} budget={ARGS.budget}s")
     best: dict[str, list] = {}
@@ -268,7 +297,9 @@ def main():
         cases_left = len(specs) - [s_ for s_, _ in specs].index(sname)
         case_end = time.time() + max(10.0, (left() - 20) / cases_left)
         for name in names:
-            essential = name in ("wy", "recurrent", "r1-bv64-w8") + ESSENTIAL.get(sname, ())
+            if name.startswith("ablate-") and not sname.startswith("B1"):
+                continue
+            essential = name in ("wy", "recurrent", "r1-bv64-w8") + ESSENTIAL.get(sname, ()) or name.startswith("ablate-")
             if left() < 12 or (not essential and time.time() > case_end):
                 say(f"  (budget) skipped {name}")
                 continue
@@ -276,7 +307,10 @@ def main():
             try:
                 kern = "recurrent" if name == "recurrent" else "wy"
                 ok, ratio, us = run_verify(case, name, WY.get(name), kern)
-                note = f"err/torch32={ratio:.2f}" + ("" if ok else " FAILED CHECK")
+                if name.startswith("ablate-"):
+                    note = "ABLATION: phases removed, wrong outputs, timing only"
+                else:
+                    note = f"err/torch32={ratio:.2f}" + ("" if ok else " FAILED CHECK")
             except Exception as e:  # noqa: BLE001
                 ok, us, note = False, float("nan"), f"ERROR {type(e).__name__}: {str(e)[:160]}"
             if us is None:
@@ -300,10 +334,10 @@ def main():
         top = ", ".join(f"{n} {u:.0f}" for u, n in rows if not n.startswith(("fla", "recurrent")))
         top = ", ".join(top.split(", ")[:3])
         new = next((u for u, n in rows if n == "wy"), float("nan"))
-        r2 = min([u for u, n in rows if n.startswith("r1-")] or [float("nan")])
-        r3 = min([(u, n) for u, n in rows if n.startswith("r3-")] or [(float("nan"), "-")])
-        say(f"  {sname:<8} best: {top} | default wy {new:.0f} | round-2 best (r1-*) {r2:.0f} | new r3 best "
-            f"{r3[1]} {r3[0]:.0f} ({r3[0] / r2:.2f}x r2) | recurrent {rec:.0f} | fla {fla:.0f}")
+        r3 = min([u for u, n in rows if n.startswith(("r1-", "r3-"))] or [float("nan")])
+        r4 = min([(u, n) for u, n in rows if n.startswith("r4-")] or [(float("nan"), "-")])
+        say(f"  {sname:<8} best: {top} | default wy {new:.0f} | rounds 1-3 best {r3:.0f} | round-4 best "
+            f"{r4[1]} {r4[0]:.0f} ({r4[0] / r3:.2f}x) | recurrent {rec:.0f} | fla {fla:.0f}")
     if ARGS.out:
         os.makedirs(ARGS.out, exist_ok=True)
         with open(os.path.join(ARGS.out, "gdn_explore.json"), "w") as f:

@@ -14,6 +14,17 @@ pieces (8+8+8 mantissa bits), so every tensor-core product is exact. Small [BT,B
 products (inverse, T.rhs, (q.k).U) run at PREC_S ("ieee": plain fp32 FMA, cheap at these sizes).
 SPLIT=False (fp32 inputs): every product at PREC.
 
+PREC_I is the precision of the inverse's rounds alone (PREC_S by default): "tf32x3" runs them on
+tensor cores (three tf32 products, ~fp32 accuracy) while T.rhs and (q.k).U stay at PREC_S.
+
+PDL=True (sm_90, launched with launch_pdl): griddepcontrol.wait before the first load (so every
+input may come from the kernel just before), then launch_dependents, which lets the next kernel's
+programs be placed while this one runs; it hides the launch gap only, no load moves before the wait.
+
+SKIP (diagnostic only, wrong outputs; perf/gdn_explore.py --ablate) removes phases to time them:
+bit 1 the state products (and with them the state load), bit 2 the inverse's rounds, bit 4 the
+T.rhs and (q.k).U products (and the inverse with them: nothing reads T then).
+
 Orientation. TRANS=True computes everything transposed, [BV, BT] instead of [BT, BV]:
 (K S0)^T = S0^T K^T is [BV, K] x [K, BT], so the big products have M = BV (64 on sm_90: one
 wgmma warpgroup tile) however few nodes the tree has; likewise (Q S0)^T, U^T = rhs^T T^T and
@@ -22,6 +33,7 @@ O^T = (eG q S0)^T + U^T (q k^T d)^T. TRANS=False keeps M = BT (mma.sync unless B
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -43,8 +55,12 @@ def gdn_tree_wy_kernel(
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2: tl.constexpr, PREC: tl.constexpr, PREC_S: tl.constexpr, SPLIT: tl.constexpr, INV: tl.constexpr,
-    TRANS: tl.constexpr = False, STACK: tl.constexpr = False,
+    TRANS: tl.constexpr = False, STACK: tl.constexpr = False, PREC_I: tl.constexpr = "ieee", PDL: tl.constexpr = False,
+    SKIP: tl.constexpr = 0,
 ):
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     i_r, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
     bos = tl.load(cu + i_r).to(tl.int64)
@@ -127,6 +143,10 @@ def gdn_tree_wy_kernel(
             b_kS = tl.dot(kf, b_S, input_precision=PREC)  # [BT, BV]
             b_qS = tl.dot(qf, b_S, input_precision=PREC)  # [BT, BV]
 
+    if SKIP & 1:
+        b_kS = tl.zeros_like(b_v)
+        b_qS = tl.zeros_like(b_v)
+
     # [BT, BT] ancestor-or-self and proper-ancestor masks
     m_self = ((b_anc[:, None] >> o_t[None, :].to(tl.int64)) & 1) != 0
     m_strict = m_self & (o_t[:, None] != o_t[None, :])
@@ -136,38 +156,46 @@ def gdn_tree_wy_kernel(
     b_A = tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
 
     eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
-    if INV == 1:
+    if SKIP & 2:
+        b_T = eye - b_A
+    elif INV == 1:
         b_T = eye - b_A
         b_P = b_A
         for i in tl.static_range(1, 6):  # A^(2^i) = 0 once 2^i > depth
             if (1 << i) <= d_max:
-                b_P = tl.dot(b_P, b_P, input_precision=PREC_S)
-                b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_S)
+                b_P = tl.dot(b_P, b_P, input_precision=PREC_I)
+                b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_I)
     elif INV == 2:
         # the same rounds as a runtime loop: one copy of the two products in the code
         b_T = eye - b_A
         b_P = b_A
         p2 = d_max * 0 + 2
         while p2 <= d_max:
-            b_P = tl.dot(b_P, b_P, input_precision=PREC_S)
-            b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_S)
+            b_P = tl.dot(b_P, b_P, input_precision=PREC_I)
+            b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_I)
             p2 = p2 * 2
     else:
         b_T = eye  # rows of depth d are final once all shallower rows are
         for d in range(1, d_max + 1):
-            b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC_S), b_T)
+            b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC_I), b_T)
 
     b_eG = tl.exp(b_G)
     b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
     if TRANS:
         b_rhs = b_b[None, :] * (b_v - (b_eG * r_k)[None, :] * b_kS)  # [BV, BT]
-        b_u = tl.dot(b_rhs, tl.trans(b_T), input_precision=PREC_S)  # [BV, BT]
-        b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_u, tl.trans(b_qkd), input_precision=PREC_S)  # [BV, BT]
+        if SKIP & 4:
+            b_o = (b_eG * r_q)[None, :] * b_qS + b_rhs
+        else:
+            b_u = tl.dot(b_rhs, tl.trans(b_T), input_precision=PREC_S)  # [BV, BT]
+            b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_u, tl.trans(b_qkd), input_precision=PREC_S)  # [BV, BT]
         tl.store(o + rows[None, :] * s_ot + i_hv * s_oh + o_v[:, None], b_o.to(o.dtype.element_ty),
                  mask=m_v[:, None] & m_t[None, :])
     else:
         b_rhs = b_b[:, None] * (b_v - (b_eG * r_k)[:, None] * b_kS)  # [BT, BV]
-        b_u = tl.dot(b_T, b_rhs, input_precision=PREC_S)  # [BT, BV]
-        b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_qkd, b_u, input_precision=PREC_S)
+        if SKIP & 4:
+            b_o = (b_eG * r_q)[:, None] * b_qS + b_rhs
+        else:
+            b_u = tl.dot(b_T, b_rhs, input_precision=PREC_S)  # [BT, BV]
+            b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_qkd, b_u, input_precision=PREC_S)
         tl.store(o + rows[:, None] * s_ot + i_hv * s_oh + o_v[None, :], b_o.to(o.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])

@@ -61,6 +61,11 @@ WY_CONFIGS = {
     "t-bv32": WYConfig(BV=32, trans=True),
     "t-tf32x3": WYConfig(BV=64, trans=True, small_precision="tf32x3"),
     "t-nosplit-ieee": WYConfig(BV=64, trans=True, split=False, dot_precision="ieee"),
+    "stack-w8": WYConfig(BV=64, num_warps=8, stack=True),
+    "stack-tf32x3": WYConfig(BV=64, num_warps=8, stack=True, small_precision="tf32x3"),
+    "stack-inv-tf32x3": WYConfig(BV=64, num_warps=8, stack=True, inverse_precision="tf32x3"),
+    "stack-pdl": WYConfig(BV=64, num_warps=8, stack=True, pdl=True),
+    "levels-inv-tf32x3": WYConfig(inverse="levels", inverse_precision="tf32x3"),
 }
 
 
@@ -187,6 +192,49 @@ def test_cuda_graph_verify_conv_commit():
     r64 = conv_reference(x[0], cs0[0], w, trees, conv_state_indices=idx.tolist(), dtype=torch.float64)
     r32 = conv_reference(x[0], cs0[0], w, trees, conv_state_indices=idx.tolist())
     assert_close(y, r64, r32.to(y.dtype))
+
+
+@pytest.mark.parametrize("pdl", [False, True])
+def test_pdl_chain_in_graph(pdl):
+    """Each launch reads, as v, the output the launch just before it wrote: with PDL the kernel must
+    wait on the previous grid before its first load. The graph replay equals plain eager launches."""
+    if pdl and torch.cuda.get_device_capability()[0] < 9:
+        pytest.skip("programmatic dependent launch needs sm_90+")
+    trees = [draft_tree(32, random.Random(8))]
+    plan = gdn.build_tree_plan(trees, device=DEV)
+    q, k, v, g, beta, pool = inputs(plan.total_nodes, 1, 8)
+    idx = torch.zeros(1, dtype=torch.int32, device=DEV)
+    n = 6
+    outs = [torch.empty(plan.total_nodes, HV, V, device=DEV, dtype=torch.bfloat16) for _ in range(n)]
+    cfg = WYConfig(BV=64, num_warps=8, stack=True, pdl=pdl)
+
+    def chain_launches():
+        src = v
+        with force("gdn.tree_verify", config=cfg):
+            for o in outs:
+                gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True, out=o)
+                src = o
+
+    with force("gdn.tree_verify", config=WYConfig(BV=64, num_warps=8, stack=True)):
+        want, src = [], v
+        for _ in range(n):
+            src = gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True)
+            want.append(src)
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        chain_launches()  # compiles outside capture
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        chain_launches()
+    for rep in range(20):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (o, w_) in enumerate(zip(outs, want)):
+            assert torch.equal(o, w_), f"replay {rep}, launch {i}: differs from the eager chain"
 
 
 def test_torch_compile_fullgraph():

@@ -1,0 +1,39 @@
+#!/usr/bin/env bash
+# The GDN kernels in one device call: the exploration sweep (with --ablate: the default B1 config
+# with phases removed, timed only), then the GDN GPU tests, then (BENCH=1) the benchmark.
+#
+#   bash perf/gdn_session.sh            (OUT defaults to perf/out)
+#
+# Files in $OUT: gdn_explore.json explore.log pytest.log [<stamp>-gdn.{json,md,png}] summary.txt
+set -u -o pipefail
+export PYTHONUNBUFFERED=1
+cd "$(dirname "$0")/.."
+OUT=${OUT:-$PWD/perf/out}
+mkdir -p "$OUT"
+export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
+PYTEST_OPTS=()
+python3 -c "import pytest_benchmark" 2>/dev/null || PYTEST_OPTS=(-o "addopts=-ra" -p no:cacheprovider)
+
+timeout "${EXPLORE_TIMEOUT:-260}" python3 perf/gdn_explore.py ${EXPLORE_ARGS:---ablate} --budget "${EXPLORE_BUDGET:-230}" \
+  --fla-budget "${FLA_BUDGET:-0}" --out "$OUT" >"$OUT/explore.log" 2>&1
+EXPLORE_RC=$?
+
+timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/gdn tests/test_sm90_codegen.py -m "gpu or hopper" -q \
+  "${PYTEST_OPTS[@]}" >"$OUT/pytest.log" 2>&1
+TEST_RC=$?
+
+BENCH_RC=skipped
+if [ "${BENCH:-0}" = 1 ]; then
+  timeout "${BENCH_TIMEOUT:-200}" python3 -m specpilot bench --shapes hybrid-27b --ops gdn --out "$OUT" >/dev/null 2>&1
+  BENCH_RC=$?
+fi
+LATEST=$(ls -t "$OUT"/2*-gdn.md 2>/dev/null | head -n 1)
+
+{
+  echo "explore rc=$EXPLORE_RC"; sed -n '/== best per case/,$p' "$OUT/explore.log"
+  grep -E "ABLATION|FAILED|ERROR" "$OUT/explore.log" | head -n 20
+  echo "tests   rc=$TEST_RC: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)"
+  grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head -n 10
+  echo "bench   rc=$BENCH_RC ${LATEST:-no result}"
+  [ -n "$LATEST" ] && grep -E "gdn" "$LATEST" | head -n 40
+} 2>&1 | tee "$OUT/summary.txt"
