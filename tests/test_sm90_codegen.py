@@ -63,7 +63,8 @@ def _gdn_b1_ptx() -> str:
                  state_idx="*i32", cu="*i32", anc="*i64", depth="*i32", max_depth="*i32", scale="fp32")
     inv = {"levels": 0, "square": 1, "loop": 2}[cfg.inverse]
     ce = dict(H=16, HV=48, K=128, V=128, BT=32, BK=128, BV=cfg.BV, USE_L2=True, PREC=cfg.dot_precision,
-              PREC_S=cfg.small_precision, SPLIT=True, INV=inv, TRANS=cfg.trans, STACK=cfg.stack)
+              PREC_S=cfg.small_precision, SPLIT=True, INV=inv, TRANS=cfg.trans, STACK=cfg.stack,
+              PREC_I=cfg.inverse_precision or cfg.small_precision, PDL=cfg.pdl, SKIP=cfg.skip)
     return repr(cfg) + "\n" + _ptx(gdn_tree_wy_kernel, types, ce, cfg.num_warps, cfg.num_stages)
 
 
