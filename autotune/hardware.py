@@ -141,22 +141,23 @@ def compute_capability(index: int | None = None) -> tuple[int, int]:
     return torch.cuda.get_device_capability(index if index is not None else torch.cuda.current_device())
 
 
+def _kernel_cc(device=None) -> tuple[int, int]:
+    """Compute capability that compiled kernels target on `device`; (0, 0) on CPU and under the interpreter."""
+    if is_interpreter() or not has_cuda():
+        return (0, 0)
+    if device is not None and torch.device(device).type != "cuda":
+        return (0, 0)
+    return compute_capability(_index(device))
+
+
 def has_wgmma(device=None) -> bool:
     """True on sm_90 (Hopper), the only generation with wgmma. False on CPU and under the interpreter."""
-    if is_interpreter() or not has_cuda():
-        return False
-    if device is not None and torch.device(device).type != "cuda":
-        return False
-    return compute_capability(_index(device)) == (9, 0)
+    return _kernel_cc(device) == (9, 0)
 
 
 def has_pdl(device=None) -> bool:
     """True where programmatic dependent launch exists (sm_90+). False on CPU and under the interpreter."""
-    if is_interpreter() or not has_cuda():
-        return False
-    if device is not None and torch.device(device).type != "cuda":
-        return False
-    return compute_capability(_index(device))[0] >= 9
+    return _kernel_cc(device)[0] >= 9
 
 
 # --------------------------------------------------------------------------------------

@@ -11,7 +11,7 @@ from autotune import bucket_m, get_config, shape_key
 from autotune.hardware import has_wgmma
 
 __all__ = ["WYConfig", "RecurrentConfig", "ConvConfig", "CommitConfig", "wy_config", "recurrent_config",
-           "conv_config", "commit_config", "VARIANTS", "WY_WGMMA"]
+           "conv_config", "commit_config", "wy_constexprs", "VARIANTS", "WY_WGMMA"]
 
 # GPU-generation dispatch. The same WY kernel serves both: tl.dot lowers to wgmma on sm_90 and
 # to mma.sync on sm_80. "recurrent" (no tensor cores) is the stock baseline, forced by name.
@@ -64,6 +64,20 @@ class CommitConfig:
     BV: int = 32
     BD: int = 256
     num_warps: int = 4
+
+
+_INVERSE = {"levels": 0, "square": 1, "loop": 2}  # WYConfig.inverse -> the kernel's INV
+
+
+def wy_constexprs(cfg: WYConfig) -> dict:
+    """The WY kernel's compile-time arguments that come from the config alone (the launcher adds the
+    shape ones, SPLIT from the input dtype and PDL from the device)."""
+    inv = _INVERSE.get(cfg.inverse)
+    if inv is None:
+        raise ValueError(f"WYConfig.inverse must be one of {sorted(_INVERSE)}, got {cfg.inverse!r}")
+    return dict(BV=cfg.BV, PREC=cfg.dot_precision, PREC_S=cfg.small_precision,
+                PREC_I=cfg.inverse_precision or cfg.small_precision, INV=inv, TRANS=cfg.trans, STACK=cfg.stack,
+                SKIP=cfg.skip)
 
 
 def _bv(V: int) -> int:

@@ -49,17 +49,12 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
         cfg = configs.wy_config(max_nodes, K, V, q.device, batch=B, HV=HV)
         BT = max(16, cfg.min_bt, triton.next_power_of_2(max_nodes))
         split = cfg.split and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
-        inv = {"levels": 0, "square": 1, "loop": 2}.get(cfg.inverse)
-        if inv is None:
-            raise ValueError(f"WYConfig.inverse must be 'square', 'loop' or 'levels', got {cfg.inverse!r}")
+        ce = configs.wy_constexprs(cfg)
         grid = (B, HV, triton.cdiv(V, cfg.BV))
         pdl = cfg.pdl and has_pdl(q.device)
         extra = {"launch_pdl": True} if pdl else {}
         gdn_tree_wy_kernel[grid](q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, scale, *common,
-                                 H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg.BV, USE_L2=use_l2,
-                                 PREC=cfg.dot_precision, PREC_S=cfg.small_precision, SPLIT=split,
-                                 INV=inv, TRANS=cfg.trans, STACK=cfg.stack,
-                                 PREC_I=cfg.inverse_precision or cfg.small_precision, PDL=pdl, SKIP=cfg.skip,
+                                 H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_L2=use_l2, SPLIT=split, PDL=pdl, **ce,
                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
     elif variant == "recurrent":
         from .kernels.recurrent import gdn_tree_recurrent_kernel

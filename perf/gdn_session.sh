@@ -5,14 +5,8 @@
 #   bash perf/gdn_session.sh            (OUT defaults to perf/out)
 #
 # Files in $OUT: gdn_explore.json explore.log pytest.log [<stamp>-gdn.{json,md,png}] summary.txt
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/perf/out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-PYTEST_OPTS=()
-python3 -c "import pytest_benchmark" 2>/dev/null || PYTEST_OPTS=(-o "addopts=-ra" -p no:cacheprovider)
+. perf/session_env.sh
 
 timeout "${EXPLORE_TIMEOUT:-260}" python3 perf/gdn_explore.py ${EXPLORE_ARGS:---ablate} --budget "${EXPLORE_BUDGET:-230}" \
   --fla-budget "${FLA_BUDGET:-0}" --out "$OUT" >"$OUT/explore.log" 2>&1

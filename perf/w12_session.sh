@@ -14,14 +14,8 @@
 #   4. the benchmark (linear + w12 cases, hybrid-27b) with the new tuned file, and its summary.
 # Files in $OUT (<= 10): race_probe_small.json step_probe.json explore.log h200.json pytest.log ncu-summary.txt <stamp>-linear-w12.{json,md,png}
 # summary.txt
-set -u -o pipefail
-export PYTHONUNBUFFERED=1
 cd "$(dirname "$0")/.."
-OUT=${OUT:-$PWD/perf/out}
-mkdir -p "$OUT"
-export PYTHONPATH=$PWD${PYTHONPATH:+:$PYTHONPATH}
-PYTEST_OPTS=()
-python3 -c "import pytest_benchmark" 2>/dev/null || PYTEST_OPTS=(-o "addopts=-ra" -p no:cacheprovider)
+. perf/session_env.sh
 SCRATCH=$(mktemp -d)
 
 # 0. the race probes: launches alternating x / weights behind sleep kernels, every result checked;

@@ -61,10 +61,8 @@ def _gdn_b1_ptx() -> str:
     cfg = configs.wy_config(32, 128, 128, torch.device("cpu"), batch=1, HV=48)
     types = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*fp32", o="*bf16", pool="*fp32",
                  state_idx="*i32", cu="*i32", anc="*i64", depth="*i32", max_depth="*i32", scale="fp32")
-    inv = {"levels": 0, "square": 1, "loop": 2}[cfg.inverse]
-    ce = dict(H=16, HV=48, K=128, V=128, BT=32, BK=128, BV=cfg.BV, USE_L2=True, PREC=cfg.dot_precision,
-              PREC_S=cfg.small_precision, SPLIT=True, INV=inv, TRANS=cfg.trans, STACK=cfg.stack,
-              PREC_I=cfg.inverse_precision or cfg.small_precision, PDL=cfg.pdl, SKIP=cfg.skip)
+    ce = dict(H=16, HV=48, K=128, V=128, BT=32, BK=128, USE_L2=True, SPLIT=True, PDL=cfg.pdl,
+              **configs.wy_constexprs(cfg))
     return repr(cfg) + "\n" + _ptx(gdn_tree_wy_kernel, types, ce, cfg.num_warps, cfg.num_stages)
 
 
