@@ -29,7 +29,8 @@ class WYConfig:
     small_precision: str = "ieee"  # [BT,BT] inverse, T.rhs and (q.k).U products: tiny, fp32 FMA
     split: bool = True  # bf16 q/k: exact bf16 tensor-core products, fp32 state split in 3 bf16
     # "square": floor(log2(depth)) rounds, unrolled (5 guarded copies); "loop": the same rounds as a
-    # runtime loop (one copy); "levels": one product per depth level
+    # runtime loop (one copy); "levels": one product per depth level; "fold": (q.k^T d).T built directly,
+    # its rounds stacked over the powers' (r + 2 products instead of 2r + 2; gdn/kernels/wy.py)
     inverse: str = "square"
     min_bt: int = 16  # node tile floor; 64 makes the tensor-core dots M=64 (wgmma on sm_90)
     # transposed orientation: the big products are [BV, K] x [K, BT], M = BV (64: wgmma on sm_90
@@ -66,7 +67,7 @@ class CommitConfig:
     num_warps: int = 4
 
 
-_INVERSE = {"levels": 0, "square": 1, "loop": 2}  # WYConfig.inverse -> the kernel's INV
+_INVERSE = {"levels": 0, "square": 1, "loop": 2, "fold": 3}  # WYConfig.inverse -> the kernel's INV
 
 
 def wy_constexprs(cfg: WYConfig) -> dict:

@@ -6,6 +6,12 @@ A^(d+1) = 0 for a tree of depth d. Two ways to invert I + A:
 * INV=1 (default) "square": (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...; floor(log2(depth)) rounds
   of two [BT,BT] products each, independent of the node count (5 rounds at most for 64 nodes).
 * INV=0 "levels": forward substitution batched over siblings, one product per depth level.
+* INV=3 "fold": the output needs T only as (q.k^T d) T, so that product N is built directly, with
+  the power stacked under it: [qkd; A].A = [qkd.A; A^2], then per round [N; P].P = [N.P; P^2], and
+  O = eG q S0 + N rhs. r + 2 products (M = 2BT for r + 1 of them) instead of the 2r + 2 of "square",
+  and T is never formed.
+The inverse needs only k.k^T and q.k^T, so it runs before the state products: the state's load is
+issued first and stays in flight while the inverse runs.
 
 Precision. fp32 accuracy is the contract (the state is fp32). SPLIT=True (bf16 q/k): q.k^T and
 k.k^T are bf16 tensor-core products of the raw inputs (exact products, fp32 sums) with the L2
@@ -44,6 +50,20 @@ def _split3(x):
     mid = r.to(tl.bfloat16)
     lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
     return hi, mid, lo
+
+
+@triton.jit
+def _stack(top, bot):
+    # two [M, N] tiles -> [2M, N], top rows first
+    M: tl.constexpr = top.shape[0]
+    N: tl.constexpr = top.shape[1]
+    return tl.reshape(tl.permute(tl.join(top, bot), (2, 0, 1)), [2 * M, N])
+
+
+@triton.jit
+def _unstack(x, M: tl.constexpr, N: tl.constexpr):
+    # [2M, N] -> its top and bottom [M, N] halves
+    return tl.split(tl.permute(tl.reshape(x, [2, M, N]), (1, 2, 0)))
 
 
 @triton.jit(do_not_specialize=["scale"])
@@ -105,6 +125,8 @@ def gdn_tree_wy_kernel(
     else:
         r_q = tl.full([BT], 1., tl.float32) * scale
         r_k = tl.full([BT], 1., tl.float32)
+    # q.k^T and k.k^T first: the inverse needs nothing else, and the state products come after it,
+    # so the state's load (issued above) is in flight while the inverse runs
     if SPLIT and STACK and not TRANS:
         # q rows over k rows, [2BT, BK]: one set of products with M = 2BT (64 at 32 nodes)
         o_2 = tl.arange(0, 2 * BT)
@@ -113,39 +135,17 @@ def gdn_tree_wy_kernel(
         p_qk = tl.where((o_2 < BT)[:, None], q + rows2[:, None] * s_qt + i_h * s_qh,
                         k + rows2[:, None] * s_kt + i_h * s_kh)
         b_qk2 = tl.load(p_qk + o_k[None, :], mask=m_2[:, None] & m_k[None, :], other=0.)  # [2BT, BK]
-        s_hi, s_mid, s_lo = _split3(b_S)
         b_x = tl.dot(b_qk2, tl.trans(b_k))  # [2BT, BT]: q.k^T over k.k^T
-        b_qk, b_kk = tl.split(tl.permute(tl.reshape(b_x, [2, BT, BT]), (1, 2, 0)))
-        b_y = tl.dot(b_qk2, s_hi) + tl.dot(b_qk2, s_mid) + tl.dot(b_qk2, s_lo)  # [2BT, BV]
-        b_qS, b_kS = tl.split(tl.permute(tl.reshape(b_y, [2, BT, BV]), (1, 2, 0)))
+        b_qk, b_kk = _unstack(b_x, BT, BT)
     elif SPLIT:
         # raw bf16 operands: exact products on tensor cores
         b_kk = tl.dot(b_k, tl.trans(b_k))  # [BT, BT]
         b_qk = tl.dot(b_q, tl.trans(b_k))  # [BT, BT]
-        s_hi, s_mid, s_lo = _split3(b_S)
-        if TRANS:
-            b_kT = tl.trans(b_k)  # [BK, BT]
-            b_qT = tl.trans(b_q)  # [BK, BT]
-            b_kS = tl.dot(s_hi, b_kT) + tl.dot(s_mid, b_kT) + tl.dot(s_lo, b_kT)  # [BV, BT]
-            b_qS = tl.dot(s_hi, b_qT) + tl.dot(s_mid, b_qT) + tl.dot(s_lo, b_qT)  # [BV, BT]
-        else:
-            b_kS = tl.dot(b_k, s_hi) + tl.dot(b_k, s_mid) + tl.dot(b_k, s_lo)  # [BT, BV]
-            b_qS = tl.dot(b_q, s_hi) + tl.dot(b_q, s_mid) + tl.dot(b_q, s_lo)  # [BT, BV]
     else:
         qf = b_q.to(tl.float32)
         kf = b_k.to(tl.float32)
         b_kk = tl.dot(kf, tl.trans(kf), input_precision=PREC)
         b_qk = tl.dot(qf, tl.trans(kf), input_precision=PREC)
-        if TRANS:
-            b_kS = tl.dot(b_S, tl.trans(kf), input_precision=PREC)  # [BV, BT]
-            b_qS = tl.dot(b_S, tl.trans(qf), input_precision=PREC)  # [BV, BT]
-        else:
-            b_kS = tl.dot(kf, b_S, input_precision=PREC)  # [BT, BV]
-            b_qS = tl.dot(qf, b_S, input_precision=PREC)  # [BT, BV]
-
-    if SKIP & 1:
-        b_kS = tl.zeros_like(b_v)
-        b_qS = tl.zeros_like(b_v)
 
     # [BT, BT] ancestor-or-self and proper-ancestor masks
     m_self = ((b_anc[:, None] >> o_t[None, :].to(tl.int64)) & 1) != 0
@@ -155,9 +155,22 @@ def gdn_tree_wy_kernel(
     b_decay = tl.where(m_self, tl.exp(tl.where(m_self, b_G[:, None] - b_G[None, :], 0.)), 0.)  # [BT, BT]
     b_A = tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
 
+    b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
     eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
     if SKIP & 2:
         b_T = eye - b_A
+        b_N = b_qkd
+    elif INV == 3:
+        # fold: N = qkd.T with T never formed. [qkd; A].A gives qkd.A and A^2 in one product; each
+        # round [N; P].P gives N.P and P^2 in one: r + 1 products of M = 2BT instead of 2r + 1
+        b_y = tl.dot(_stack(b_qkd, b_A), b_A, input_precision=PREC_I)  # [2BT, BT]
+        b_na, b_P = _unstack(b_y, BT, BT)
+        b_N = b_qkd - b_na  # qkd (I - A)
+        for i in tl.static_range(1, 6):
+            if (1 << i) <= d_max:
+                b_y = tl.dot(_stack(b_N, b_P), b_P, input_precision=PREC_I)
+                b_np, b_P = _unstack(b_y, BT, BT)
+                b_N = b_N + b_np  # N (I + A^(2^i))
     elif INV == 1:
         b_T = eye - b_A
         b_P = b_A
@@ -179,12 +192,39 @@ def gdn_tree_wy_kernel(
         for d in range(1, d_max + 1):
             b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC_I), b_T)
 
+    # the state products, after the inverse (see above)
+    if SPLIT and STACK and not TRANS:
+        s_hi, s_mid, s_lo = _split3(b_S)
+        b_y = tl.dot(b_qk2, s_hi) + tl.dot(b_qk2, s_mid) + tl.dot(b_qk2, s_lo)  # [2BT, BV]
+        b_qS, b_kS = _unstack(b_y, BT, BV)
+    elif SPLIT:
+        s_hi, s_mid, s_lo = _split3(b_S)
+        if TRANS:
+            b_kT = tl.trans(b_k)  # [BK, BT]
+            b_qT = tl.trans(b_q)  # [BK, BT]
+            b_kS = tl.dot(s_hi, b_kT) + tl.dot(s_mid, b_kT) + tl.dot(s_lo, b_kT)  # [BV, BT]
+            b_qS = tl.dot(s_hi, b_qT) + tl.dot(s_mid, b_qT) + tl.dot(s_lo, b_qT)  # [BV, BT]
+        else:
+            b_kS = tl.dot(b_k, s_hi) + tl.dot(b_k, s_mid) + tl.dot(b_k, s_lo)  # [BT, BV]
+            b_qS = tl.dot(b_q, s_hi) + tl.dot(b_q, s_mid) + tl.dot(b_q, s_lo)  # [BT, BV]
+    else:
+        if TRANS:
+            b_kS = tl.dot(b_S, tl.trans(kf), input_precision=PREC)  # [BV, BT]
+            b_qS = tl.dot(b_S, tl.trans(qf), input_precision=PREC)  # [BV, BT]
+        else:
+            b_kS = tl.dot(kf, b_S, input_precision=PREC)  # [BT, BV]
+            b_qS = tl.dot(qf, b_S, input_precision=PREC)  # [BT, BV]
+    if SKIP & 1:
+        b_kS = tl.zeros_like(b_v)
+        b_qS = tl.zeros_like(b_v)
+
     b_eG = tl.exp(b_G)
-    b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
     if TRANS:
         b_rhs = b_b[None, :] * (b_v - (b_eG * r_k)[None, :] * b_kS)  # [BV, BT]
         if SKIP & 4:
             b_o = (b_eG * r_q)[None, :] * b_qS + b_rhs
+        elif INV == 3:
+            b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_rhs, tl.trans(b_N), input_precision=PREC_S)  # [BV, BT]
         else:
             b_u = tl.dot(b_rhs, tl.trans(b_T), input_precision=PREC_S)  # [BV, BT]
             b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_u, tl.trans(b_qkd), input_precision=PREC_S)  # [BV, BT]
@@ -194,6 +234,8 @@ def gdn_tree_wy_kernel(
         b_rhs = b_b[:, None] * (b_v - (b_eG * r_k)[:, None] * b_kS)  # [BT, BV]
         if SKIP & 4:
             b_o = (b_eG * r_q)[:, None] * b_qS + b_rhs
+        elif INV == 3:
+            b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_N, b_rhs, input_precision=PREC_S)  # [BT, BV]
         else:
             b_u = tl.dot(b_T, b_rhs, input_precision=PREC_S)  # [BT, BV]
             b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_qkd, b_u, input_precision=PREC_S)
