@@ -66,6 +66,11 @@ WY_CONFIGS = {
     "stack-inv-tf32x3": WYConfig(BV=64, num_warps=8, stack=True, inverse_precision="tf32x3"),
     "stack-pdl": WYConfig(BV=64, num_warps=8, stack=True, pdl=True),
     "levels-inv-tf32x3": WYConfig(inverse="levels", inverse_precision="tf32x3"),
+    "stack-fold-w8": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold"),
+    "stack-fold-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", pdl=True),
+    "stack-fold-inv-tf32x3": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", inverse_precision="tf32x3"),
+    "fold-bv64": WYConfig(BV=64, inverse="fold"),
+    "t-fold": WYConfig(BV=64, trans=True, inverse="fold"),
 }
 
 
@@ -194,8 +199,9 @@ def test_cuda_graph_verify_conv_commit():
     assert_close(y, r64, r32.to(y.dtype))
 
 
+@pytest.mark.parametrize("inverse", ["square", "fold"])
 @pytest.mark.parametrize("pdl", [False, True])
-def test_pdl_chain_in_graph(pdl):
+def test_pdl_chain_in_graph(pdl, inverse):
     """Each launch reads, as v, the output the launch just before it wrote: with PDL the kernel must
     wait on the previous grid before its first load. The graph replay equals plain eager launches."""
     if pdl and torch.cuda.get_device_capability()[0] < 9:
@@ -206,7 +212,7 @@ def test_pdl_chain_in_graph(pdl):
     idx = torch.zeros(1, dtype=torch.int32, device=DEV)
     n = 6
     outs = [torch.empty(plan.total_nodes, HV, V, device=DEV, dtype=torch.bfloat16) for _ in range(n)]
-    cfg = WYConfig(BV=64, num_warps=8, stack=True, pdl=pdl)
+    cfg = WYConfig(BV=64, num_warps=8, stack=True, inverse=inverse, pdl=pdl)
 
     def chain_launches():
         src = v
@@ -215,7 +221,7 @@ def test_pdl_chain_in_graph(pdl):
                 gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True, out=o)
                 src = o
 
-    with force("gdn.tree_verify", config=WYConfig(BV=64, num_warps=8, stack=True)):
+    with force("gdn.tree_verify", config=WYConfig(BV=64, num_warps=8, stack=True, inverse=inverse)):
         want, src = [], v
         for _ in range(n):
             src = gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True)
