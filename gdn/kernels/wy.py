@@ -22,6 +22,9 @@ SPLIT=False (fp32 inputs): every product at PREC.
 
 PREC_I is the precision of the inverse's rounds alone (PREC_S by default): "tf32x3" runs them on
 tensor cores (three tf32 products, ~fp32 accuracy) while T.rhs and (q.k).U stay at PREC_S.
+PREC_S/PREC_I = "fp64" widens the fp32 operands to fp64 (exact) and runs the small products on the
+fp64 tensor cores (DMMA), rounding each result once to fp32: more accurate than fp32 FMA, and far
+fewer instructions than the FMA loops that Triton emits for an fp32 "ieee" dot.
 
 PDL=True (sm_90, launched with launch_pdl): griddepcontrol.wait before the first load (so every
 input may come from the kernel just before), then launch_dependents, which lets the next kernel's
@@ -50,6 +53,30 @@ def _split3(x):
     mid = r.to(tl.bfloat16)
     lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
     return hi, mid, lo
+
+
+@triton.jit
+def _f64(x, live):
+    # widen to fp64 behind a run-time branch that is always taken (live is true): Triton 3.6 sizes a
+    # dot operand's registers from the narrowest type in its elementwise history, and its fp64
+    # mma.sync rejects the width that a bf16 origin gives ("fp64 don't support largeK MMA"); the
+    # branch ends that history
+    x64 = x.to(tl.float64)
+    if live:
+        y = x64
+    else:
+        y = -x64
+    return y
+
+
+@triton.jit
+def _dot(a, b, PREC: tl.constexpr, live):
+    # the small fp32 products; "fp64": operands widened (exactly) to fp64, products on the fp64
+    # tensor cores (mma.sync f64 on sm_80/90) with fp64 sums, the result rounded once to fp32
+    if PREC == "fp64":
+        return tl.dot(_f64(a, live), _f64(b, live)).to(tl.float32)
+    else:
+        return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -92,6 +119,7 @@ def gdn_tree_wy_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     rows = bos + o_t.to(tl.int64)
+    live = n >= 0  # always true, opaque to the compiler (see _f64)
 
     m_tk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
@@ -163,12 +191,12 @@ def gdn_tree_wy_kernel(
     elif INV == 3:
         # fold: N = qkd.T with T never formed. [qkd; A].A gives qkd.A and A^2 in one product; each
         # round [N; P].P gives N.P and P^2 in one: r + 1 products of M = 2BT instead of 2r + 1
-        b_y = tl.dot(_stack(b_qkd, b_A), b_A, input_precision=PREC_I)  # [2BT, BT]
+        b_y = _dot(_stack(b_qkd, b_A), b_A, PREC_I, live)  # [2BT, BT]
         b_na, b_P = _unstack(b_y, BT, BT)
         b_N = b_qkd - b_na  # qkd (I - A)
         for i in tl.static_range(1, 6):
             if (1 << i) <= d_max:
-                b_y = tl.dot(_stack(b_N, b_P), b_P, input_precision=PREC_I)
+                b_y = _dot(_stack(b_N, b_P), b_P, PREC_I, live)
                 b_np, b_P = _unstack(b_y, BT, BT)
                 b_N = b_N + b_np  # N (I + A^(2^i))
     elif INV == 1:
@@ -176,21 +204,21 @@ def gdn_tree_wy_kernel(
         b_P = b_A
         for i in tl.static_range(1, 6):  # A^(2^i) = 0 once 2^i > depth
             if (1 << i) <= d_max:
-                b_P = tl.dot(b_P, b_P, input_precision=PREC_I)
-                b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_I)
+                b_P = _dot(b_P, b_P, PREC_I, live)
+                b_T = b_T + _dot(b_T, b_P, PREC_I, live)
     elif INV == 2:
         # the same rounds as a runtime loop: one copy of the two products in the code
         b_T = eye - b_A
         b_P = b_A
         p2 = d_max * 0 + 2
         while p2 <= d_max:
-            b_P = tl.dot(b_P, b_P, input_precision=PREC_I)
-            b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_I)
+            b_P = _dot(b_P, b_P, PREC_I, live)
+            b_T = b_T + _dot(b_T, b_P, PREC_I, live)
             p2 = p2 * 2
     else:
         b_T = eye  # rows of depth d are final once all shallower rows are
         for d in range(1, d_max + 1):
-            b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC_I), b_T)
+            b_T = tl.where((b_dep == d)[:, None], eye - _dot(b_A, b_T, PREC_I, live), b_T)
 
     # the state products, after the inverse (see above)
     if SPLIT and STACK and not TRANS:
@@ -224,10 +252,10 @@ def gdn_tree_wy_kernel(
         if SKIP & 4:
             b_o = (b_eG * r_q)[None, :] * b_qS + b_rhs
         elif INV == 3:
-            b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_rhs, tl.trans(b_N), input_precision=PREC_S)  # [BV, BT]
+            b_o = (b_eG * r_q)[None, :] * b_qS + _dot(b_rhs, tl.trans(b_N), PREC_S, live)  # [BV, BT]
         else:
-            b_u = tl.dot(b_rhs, tl.trans(b_T), input_precision=PREC_S)  # [BV, BT]
-            b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_u, tl.trans(b_qkd), input_precision=PREC_S)  # [BV, BT]
+            b_u = _dot(b_rhs, tl.trans(b_T), PREC_S, live)  # [BV, BT]
+            b_o = (b_eG * r_q)[None, :] * b_qS + _dot(b_u, tl.trans(b_qkd), PREC_S, live)  # [BV, BT]
         tl.store(o + rows[None, :] * s_ot + i_hv * s_oh + o_v[:, None], b_o.to(o.dtype.element_ty),
                  mask=m_v[:, None] & m_t[None, :])
     else:
@@ -235,9 +263,9 @@ def gdn_tree_wy_kernel(
         if SKIP & 4:
             b_o = (b_eG * r_q)[:, None] * b_qS + b_rhs
         elif INV == 3:
-            b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_N, b_rhs, input_precision=PREC_S)  # [BT, BV]
+            b_o = (b_eG * r_q)[:, None] * b_qS + _dot(b_N, b_rhs, PREC_S, live)  # [BT, BV]
         else:
-            b_u = tl.dot(b_T, b_rhs, input_precision=PREC_S)  # [BT, BV]
-            b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_qkd, b_u, input_precision=PREC_S)
+            b_u = _dot(b_T, b_rhs, PREC_S, live)  # [BT, BV]
+            b_o = (b_eG * r_q)[:, None] * b_qS + _dot(b_qkd, b_u, PREC_S, live)
         tl.store(o + rows[:, None] * s_ot + i_hv * s_oh + o_v[None, :], b_o.to(o.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])

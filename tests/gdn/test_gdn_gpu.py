@@ -71,6 +71,12 @@ WY_CONFIGS = {
     "stack-fold-inv-tf32x3": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", inverse_precision="tf32x3"),
     "fold-bv64": WYConfig(BV=64, inverse="fold"),
     "t-fold": WYConfig(BV=64, trans=True, inverse="fold"),
+    "stack-fold64-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", small_precision="fp64", pdl=True),
+    "stack-sq64": WYConfig(BV=64, num_warps=8, stack=True, small_precision="fp64"),
+    "fold64-bv64-w8": WYConfig(BV=64, num_warps=8, inverse="fold", small_precision="fp64"),
+    "fold64-bv64": WYConfig(BV=64, inverse="fold", small_precision="fp64"),
+    "t-fold64": WYConfig(BV=64, trans=True, inverse="fold", small_precision="fp64"),
+    "levels-inv64": WYConfig(inverse="levels", inverse_precision="fp64"),
 }
 
 
@@ -199,7 +205,7 @@ def test_cuda_graph_verify_conv_commit():
     assert_close(y, r64, r32.to(y.dtype))
 
 
-@pytest.mark.parametrize("inverse", ["square", "fold"])
+@pytest.mark.parametrize("inverse", ["square", "fold", "fold64"])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_pdl_chain_in_graph(pdl, inverse):
     """Each launch reads, as v, the output the launch just before it wrote: with PDL the kernel must
@@ -212,7 +218,8 @@ def test_pdl_chain_in_graph(pdl, inverse):
     idx = torch.zeros(1, dtype=torch.int32, device=DEV)
     n = 6
     outs = [torch.empty(plan.total_nodes, HV, V, device=DEV, dtype=torch.bfloat16) for _ in range(n)]
-    cfg = WYConfig(BV=64, num_warps=8, stack=True, inverse=inverse, pdl=pdl)
+    prec = dict(inverse="fold", small_precision="fp64") if inverse == "fold64" else dict(inverse=inverse)
+    cfg = WYConfig(BV=64, num_warps=8, stack=True, pdl=pdl, **prec)
 
     def chain_launches():
         src = v
@@ -221,7 +228,7 @@ def test_pdl_chain_in_graph(pdl, inverse):
                 gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True, out=o)
                 src = o
 
-    with force("gdn.tree_verify", config=WYConfig(BV=64, num_warps=8, stack=True, inverse=inverse)):
+    with force("gdn.tree_verify", config=WYConfig(BV=64, num_warps=8, stack=True, **prec)):
         want, src = [], v
         for _ in range(n):
             src = gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True)
