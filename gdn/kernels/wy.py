@@ -10,8 +10,8 @@ A^(d+1) = 0 for a tree of depth d. Two ways to invert I + A:
   the power stacked under it: [qkd; A].A = [qkd.A; A^2], then per round [N; P].P = [N.P; P^2], and
   O = eG q S0 + N rhs. r + 2 products (M = 2BT for r + 1 of them) instead of the 2r + 2 of "square",
   and T is never formed.
-The inverse needs only k.k^T and q.k^T, so it runs before the state products: the state's load is
-issued first and stays in flight while the inverse runs.
+"fold" does the same FMA work as "square" (its stacked products are twice as tall): on H200 it was
+slower at B1-N32 (620 vs 572 us with PDL, 48 layers) and chain32, a little faster at chain16.
 
 Precision. fp32 accuracy is the contract (the state is fp32). SPLIT=True (bf16 q/k): q.k^T and
 k.k^T are bf16 tensor-core products of the raw inputs (exact products, fp32 sums) with the L2
@@ -22,9 +22,10 @@ SPLIT=False (fp32 inputs): every product at PREC.
 
 PREC_I is the precision of the inverse's rounds alone (PREC_S by default): "tf32x3" runs them on
 tensor cores (three tf32 products, ~fp32 accuracy) while T.rhs and (q.k).U stay at PREC_S.
-PREC_S/PREC_I = "fp64" widens the fp32 operands to fp64 (exact) and runs the small products on the
-fp64 tensor cores (DMMA), rounding each result once to fp32: more accurate than fp32 FMA, and far
-fewer instructions than the FMA loops that Triton emits for an fp32 "ieee" dot.
+(Session 7 also tried the small products on the fp64 tensor cores, operands widened exactly and one
+rounding to fp32: 32 DMMA instead of ~1800 FFMA per thread, yet slower on H200, B1-N32 739 vs 620 us
+with fold and PDL; not kept. Triton 3.6's fp64 mma.sync also asserts on operands with a bf16
+origin, "fp64 don't support largeK MMA", unless a run-time branch ends their elementwise history.)
 
 PDL=True (sm_90, launched with launch_pdl): griddepcontrol.wait before the first load (so every
 input may come from the kernel just before), then launch_dependents, which lets the next kernel's
@@ -53,30 +54,6 @@ def _split3(x):
     mid = r.to(tl.bfloat16)
     lo = (r - mid.to(tl.float32)).to(tl.bfloat16)
     return hi, mid, lo
-
-
-@triton.jit
-def _f64(x, live):
-    # widen to fp64 behind a run-time branch that is always taken (live is true): Triton 3.6 sizes a
-    # dot operand's registers from the narrowest type in its elementwise history, and its fp64
-    # mma.sync rejects the width that a bf16 origin gives ("fp64 don't support largeK MMA"); the
-    # branch ends that history
-    x64 = x.to(tl.float64)
-    if live:
-        y = x64
-    else:
-        y = -x64
-    return y
-
-
-@triton.jit
-def _dot(a, b, PREC: tl.constexpr, live):
-    # the small fp32 products; "fp64": operands widened (exactly) to fp64, products on the fp64
-    # tensor cores (mma.sync f64 on sm_80/90) with fp64 sums, the result rounded once to fp32
-    if PREC == "fp64":
-        return tl.dot(_f64(a, live), _f64(b, live)).to(tl.float32)
-    else:
-        return tl.dot(a, b, input_precision=PREC)
 
 
 @triton.jit
@@ -119,7 +96,6 @@ def gdn_tree_wy_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     rows = bos + o_t.to(tl.int64)
-    live = n >= 0  # always true, opaque to the compiler (see _f64)
 
     m_tk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
@@ -153,8 +129,9 @@ def gdn_tree_wy_kernel(
     else:
         r_q = tl.full([BT], 1., tl.float32) * scale
         r_k = tl.full([BT], 1., tl.float32)
-    # q.k^T and k.k^T first: the inverse needs nothing else, and the state products come after it,
-    # so the state's load (issued above) is in flight while the inverse runs
+    # (Session 7 tried the state products after the inverse, to keep the state's load in flight
+    # during it: slower on H200, B1-N32 593 vs 580 us and B24-N8 3115 vs 2966, the state tile
+    # staying live in registers across the inverse.)
     if SPLIT and STACK and not TRANS:
         # q rows over k rows, [2BT, BK]: one set of products with M = 2BT (64 at 32 nodes)
         o_2 = tl.arange(0, 2 * BT)
@@ -163,69 +140,15 @@ def gdn_tree_wy_kernel(
         p_qk = tl.where((o_2 < BT)[:, None], q + rows2[:, None] * s_qt + i_h * s_qh,
                         k + rows2[:, None] * s_kt + i_h * s_kh)
         b_qk2 = tl.load(p_qk + o_k[None, :], mask=m_2[:, None] & m_k[None, :], other=0.)  # [2BT, BK]
+        s_hi, s_mid, s_lo = _split3(b_S)
         b_x = tl.dot(b_qk2, tl.trans(b_k))  # [2BT, BT]: q.k^T over k.k^T
         b_qk, b_kk = _unstack(b_x, BT, BT)
+        b_y = tl.dot(b_qk2, s_hi) + tl.dot(b_qk2, s_mid) + tl.dot(b_qk2, s_lo)  # [2BT, BV]
+        b_qS, b_kS = _unstack(b_y, BT, BV)
     elif SPLIT:
         # raw bf16 operands: exact products on tensor cores
         b_kk = tl.dot(b_k, tl.trans(b_k))  # [BT, BT]
         b_qk = tl.dot(b_q, tl.trans(b_k))  # [BT, BT]
-    else:
-        qf = b_q.to(tl.float32)
-        kf = b_k.to(tl.float32)
-        b_kk = tl.dot(kf, tl.trans(kf), input_precision=PREC)
-        b_qk = tl.dot(qf, tl.trans(kf), input_precision=PREC)
-
-    # [BT, BT] ancestor-or-self and proper-ancestor masks
-    m_self = ((b_anc[:, None] >> o_t[None, :].to(tl.int64)) & 1) != 0
-    m_strict = m_self & (o_t[:, None] != o_t[None, :])
-    b_G = tl.sum(tl.where(m_self, b_g[None, :], 0.), 1)  # [BT] root-path gate sums
-    # masked before exp: G_i - G_j is only bounded when j is an ancestor of i
-    b_decay = tl.where(m_self, tl.exp(tl.where(m_self, b_G[:, None] - b_G[None, :], 0.)), 0.)  # [BT, BT]
-    b_A = tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
-
-    b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
-    eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
-    if SKIP & 2:
-        b_T = eye - b_A
-        b_N = b_qkd
-    elif INV == 3:
-        # fold: N = qkd.T with T never formed. [qkd; A].A gives qkd.A and A^2 in one product; each
-        # round [N; P].P gives N.P and P^2 in one: r + 1 products of M = 2BT instead of 2r + 1
-        b_y = _dot(_stack(b_qkd, b_A), b_A, PREC_I, live)  # [2BT, BT]
-        b_na, b_P = _unstack(b_y, BT, BT)
-        b_N = b_qkd - b_na  # qkd (I - A)
-        for i in tl.static_range(1, 6):
-            if (1 << i) <= d_max:
-                b_y = _dot(_stack(b_N, b_P), b_P, PREC_I, live)
-                b_np, b_P = _unstack(b_y, BT, BT)
-                b_N = b_N + b_np  # N (I + A^(2^i))
-    elif INV == 1:
-        b_T = eye - b_A
-        b_P = b_A
-        for i in tl.static_range(1, 6):  # A^(2^i) = 0 once 2^i > depth
-            if (1 << i) <= d_max:
-                b_P = _dot(b_P, b_P, PREC_I, live)
-                b_T = b_T + _dot(b_T, b_P, PREC_I, live)
-    elif INV == 2:
-        # the same rounds as a runtime loop: one copy of the two products in the code
-        b_T = eye - b_A
-        b_P = b_A
-        p2 = d_max * 0 + 2
-        while p2 <= d_max:
-            b_P = _dot(b_P, b_P, PREC_I, live)
-            b_T = b_T + _dot(b_T, b_P, PREC_I, live)
-            p2 = p2 * 2
-    else:
-        b_T = eye  # rows of depth d are final once all shallower rows are
-        for d in range(1, d_max + 1):
-            b_T = tl.where((b_dep == d)[:, None], eye - _dot(b_A, b_T, PREC_I, live), b_T)
-
-    # the state products, after the inverse (see above)
-    if SPLIT and STACK and not TRANS:
-        s_hi, s_mid, s_lo = _split3(b_S)
-        b_y = tl.dot(b_qk2, s_hi) + tl.dot(b_qk2, s_mid) + tl.dot(b_qk2, s_lo)  # [2BT, BV]
-        b_qS, b_kS = _unstack(b_y, BT, BV)
-    elif SPLIT:
         s_hi, s_mid, s_lo = _split3(b_S)
         if TRANS:
             b_kT = tl.trans(b_k)  # [BK, BT]
@@ -236,26 +159,80 @@ def gdn_tree_wy_kernel(
             b_kS = tl.dot(b_k, s_hi) + tl.dot(b_k, s_mid) + tl.dot(b_k, s_lo)  # [BT, BV]
             b_qS = tl.dot(b_q, s_hi) + tl.dot(b_q, s_mid) + tl.dot(b_q, s_lo)  # [BT, BV]
     else:
+        qf = b_q.to(tl.float32)
+        kf = b_k.to(tl.float32)
+        b_kk = tl.dot(kf, tl.trans(kf), input_precision=PREC)
+        b_qk = tl.dot(qf, tl.trans(kf), input_precision=PREC)
         if TRANS:
             b_kS = tl.dot(b_S, tl.trans(kf), input_precision=PREC)  # [BV, BT]
             b_qS = tl.dot(b_S, tl.trans(qf), input_precision=PREC)  # [BV, BT]
         else:
             b_kS = tl.dot(kf, b_S, input_precision=PREC)  # [BT, BV]
             b_qS = tl.dot(qf, b_S, input_precision=PREC)  # [BT, BV]
+
     if SKIP & 1:
         b_kS = tl.zeros_like(b_v)
         b_qS = tl.zeros_like(b_v)
 
+    # [BT, BT] ancestor-or-self and proper-ancestor masks
+    m_self = ((b_anc[:, None] >> o_t[None, :].to(tl.int64)) & 1) != 0
+    m_strict = m_self & (o_t[:, None] != o_t[None, :])
+    b_G = tl.sum(tl.where(m_self, b_g[None, :], 0.), 1)  # [BT] root-path gate sums
+    # masked before exp: G_i - G_j is only bounded when j is an ancestor of i
+    b_decay = tl.where(m_self, tl.exp(tl.where(m_self, b_G[:, None] - b_G[None, :], 0.)), 0.)  # [BT, BT]
+    b_A = tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
+
+    if INV == 3:
+        b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
+    if SKIP & 2:
+        b_T = eye - b_A
+        if INV == 3:
+            b_N = b_qkd
+    elif INV == 3:
+        # fold: N = qkd.T with T never formed. [qkd; A].A gives qkd.A and A^2 in one product; each
+        # round [N; P].P gives N.P and P^2 in one: r + 1 products of M = 2BT instead of 2r + 1
+        b_y = tl.dot(_stack(b_qkd, b_A), b_A, input_precision=PREC_I)  # [2BT, BT]
+        b_na, b_P = _unstack(b_y, BT, BT)
+        b_N = b_qkd - b_na  # qkd (I - A)
+        for i in tl.static_range(1, 6):
+            if (1 << i) <= d_max:
+                b_y = tl.dot(_stack(b_N, b_P), b_P, input_precision=PREC_I)
+                b_np, b_P = _unstack(b_y, BT, BT)
+                b_N = b_N + b_np  # N (I + A^(2^i))
+    elif INV == 1:
+        b_T = eye - b_A
+        b_P = b_A
+        for i in tl.static_range(1, 6):  # A^(2^i) = 0 once 2^i > depth
+            if (1 << i) <= d_max:
+                b_P = tl.dot(b_P, b_P, input_precision=PREC_I)
+                b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_I)
+    elif INV == 2:
+        # the same rounds as a runtime loop: one copy of the two products in the code
+        b_T = eye - b_A
+        b_P = b_A
+        p2 = d_max * 0 + 2
+        while p2 <= d_max:
+            b_P = tl.dot(b_P, b_P, input_precision=PREC_I)
+            b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_I)
+            p2 = p2 * 2
+    else:
+        b_T = eye  # rows of depth d are final once all shallower rows are
+        for d in range(1, d_max + 1):
+            b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC_I), b_T)
+
     b_eG = tl.exp(b_G)
+    if INV != 3:
+        b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
     if TRANS:
         b_rhs = b_b[None, :] * (b_v - (b_eG * r_k)[None, :] * b_kS)  # [BV, BT]
         if SKIP & 4:
             b_o = (b_eG * r_q)[None, :] * b_qS + b_rhs
         elif INV == 3:
-            b_o = (b_eG * r_q)[None, :] * b_qS + _dot(b_rhs, tl.trans(b_N), PREC_S, live)  # [BV, BT]
+            b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_rhs, tl.trans(b_N), input_precision=PREC_S)  # [BV, BT]
         else:
-            b_u = _dot(b_rhs, tl.trans(b_T), PREC_S, live)  # [BV, BT]
-            b_o = (b_eG * r_q)[None, :] * b_qS + _dot(b_u, tl.trans(b_qkd), PREC_S, live)  # [BV, BT]
+            b_u = tl.dot(b_rhs, tl.trans(b_T), input_precision=PREC_S)  # [BV, BT]
+            b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_u, tl.trans(b_qkd), input_precision=PREC_S)  # [BV, BT]
         tl.store(o + rows[None, :] * s_ot + i_hv * s_oh + o_v[:, None], b_o.to(o.dtype.element_ty),
                  mask=m_v[:, None] & m_t[None, :])
     else:
@@ -263,9 +240,9 @@ def gdn_tree_wy_kernel(
         if SKIP & 4:
             b_o = (b_eG * r_q)[:, None] * b_qS + b_rhs
         elif INV == 3:
-            b_o = (b_eG * r_q)[:, None] * b_qS + _dot(b_N, b_rhs, PREC_S, live)  # [BT, BV]
+            b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_N, b_rhs, input_precision=PREC_S)  # [BT, BV]
         else:
-            b_u = _dot(b_T, b_rhs, PREC_S, live)  # [BT, BV]
-            b_o = (b_eG * r_q)[:, None] * b_qS + _dot(b_qkd, b_u, PREC_S, live)
+            b_u = tl.dot(b_T, b_rhs, input_precision=PREC_S)  # [BT, BV]
+            b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_qkd, b_u, input_precision=PREC_S)
         tl.store(o + rows[:, None] * s_ot + i_hv * s_oh + o_v[None, :], b_o.to(o.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])

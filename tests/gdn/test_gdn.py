@@ -464,25 +464,6 @@ def test_wy_stacked_qk_and_loop_inverse(inverse):
         check_verify([chain(33), rand_tree(20, rng), [-1]], "wy", dtype=torch.bfloat16, seed=7)
 
 
-@pytest.mark.parametrize("inverse", ["square", "fold", "levels"])
-@pytest.mark.parametrize("where", ["all", "inverse"])
-def test_wy_fp64_small_products(inverse, where):
-    """small_precision / inverse_precision = "fp64" (operands widened to fp64, products on the fp64
-    tensor cores on the GPU, each result rounded once to fp32) gives the same function within the
-    derived bound, in both orientations and with bf16 and fp32 inputs."""
-    from gdn.configs import WYConfig
-
-    rng = random.Random(25)
-    kw = dict(small_precision="fp64") if where == "all" else dict(inverse_precision="fp64")
-    trees = [chain(33), rand_tree(20, rng), star(5), [-1]]
-    with force("gdn.tree_verify", config=WYConfig(BV=16, inverse=inverse, stack=True, **kw)):
-        check_verify(trees, "wy", dtype=torch.bfloat16, seed=10)
-    with force("gdn.tree_verify", config=WYConfig(BV=16, inverse=inverse, trans=True, **kw)):
-        check_verify(trees, "wy", dtype=torch.bfloat16, seed=11)
-    with force("gdn.tree_verify", config=WYConfig(BV=16, inverse=inverse, split=False, **kw)):
-        check_verify(trees[:2], "wy", seed=12)
-
-
 def test_wy_fold_depth64_and_ragged():
     """inverse='fold' on a depth-63 chain (all 5 rounds, 64-row tile), a batch mixing depths (each
     request stops its rounds at its own depth) and a star (no rounds at all), against the per-path

@@ -71,12 +71,7 @@ WY_CONFIGS = {
     "stack-fold-inv-tf32x3": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", inverse_precision="tf32x3"),
     "fold-bv64": WYConfig(BV=64, inverse="fold"),
     "t-fold": WYConfig(BV=64, trans=True, inverse="fold"),
-    "stack-fold64-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", small_precision="fp64", pdl=True),
-    "stack-sq64": WYConfig(BV=64, num_warps=8, stack=True, small_precision="fp64"),
-    "fold64-bv64-w8": WYConfig(BV=64, num_warps=8, inverse="fold", small_precision="fp64"),
-    "fold64-bv64": WYConfig(BV=64, inverse="fold", small_precision="fp64"),
-    "t-fold64": WYConfig(BV=64, trans=True, inverse="fold", small_precision="fp64"),
-    "levels-inv64": WYConfig(inverse="levels", inverse_precision="fp64"),
+    "stack-fold-bv32": WYConfig(BV=32, num_warps=8, stack=True, inverse="fold"),
 }
 
 
@@ -205,7 +200,40 @@ def test_cuda_graph_verify_conv_commit():
     assert_close(y, r64, r32.to(y.dtype))
 
 
-@pytest.mark.parametrize("inverse", ["square", "fold", "fold64"])
+SMALL_TILE_CONFIGS = {
+    "default": None,
+    "stack-w8": WYConfig(BV=64, num_warps=8, stack=True),
+    "stack-bv32": WYConfig(BV=32, num_warps=8, stack=True),
+    "stack-fold-bv32": WYConfig(BV=32, num_warps=8, stack=True, inverse="fold"),
+    "stack-fold-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", pdl=True),
+    "bv64-w4": WYConfig(BV=64),
+}
+
+
+@pytest.mark.parametrize("cfg", list(SMALL_TILE_CONFIGS))
+@pytest.mark.parametrize("shape", ["chain8", "b3-n8", "n32"])
+def test_verify_small_node_tiles(shape, cfg):
+    """The node tile follows the plan's largest request (16 rows for 8-node trees, 32 for 32), so
+    the M = 2BT stacked products are 32 or 64 rows: the shapes the 64-node batch of
+    test_verify_hybrid_dims never reaches. (Session 7: BV=32 with stack hit an illegal address at
+    chain8 in a kernel order since reverted; this pins those shapes.)"""
+    rng = random.Random(3)
+    trees = {"chain8": [chain(8)], "b3-n8": [draft_tree(8, rng) for _ in range(3)], "n32": [draft_tree(32, rng)]}[shape]
+    plan = gdn.build_tree_plan(trees, device=DEV)
+    q, k, v, g, beta, pool = inputs(plan.total_nodes, len(trees), 4)
+    idx = torch.arange(len(trees), device=DEV)
+    out = torch.full((plan.total_nodes, HV, V), float("nan"), device=DEV)
+    pinned = SMALL_TILE_CONFIGS[cfg]
+    with force("gdn.tree_verify", config=pinned) if pinned else contextlib.nullcontext():
+        o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, out=out)
+    torch.cuda.synchronize()
+    r64 = tree_reference(q, k, v, g, beta, pool.double(), idx.tolist(), trees, use_qk_l2norm=True,
+                         dtype=torch.float64)
+    r32 = tree_reference(q, k, v, g, beta, pool, idx.tolist(), trees, use_qk_l2norm=True, fn=chunk_reference)
+    assert_close(o, r64, r32, msg=f"{cfg} {shape}")
+
+
+@pytest.mark.parametrize("inverse", ["square", "fold"])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_pdl_chain_in_graph(pdl, inverse):
     """Each launch reads, as v, the output the launch just before it wrote: with PDL the kernel must
@@ -218,8 +246,7 @@ def test_pdl_chain_in_graph(pdl, inverse):
     idx = torch.zeros(1, dtype=torch.int32, device=DEV)
     n = 6
     outs = [torch.empty(plan.total_nodes, HV, V, device=DEV, dtype=torch.bfloat16) for _ in range(n)]
-    prec = dict(inverse="fold", small_precision="fp64") if inverse == "fold64" else dict(inverse=inverse)
-    cfg = WYConfig(BV=64, num_warps=8, stack=True, pdl=pdl, **prec)
+    cfg = WYConfig(BV=64, num_warps=8, stack=True, inverse=inverse, pdl=pdl)
 
     def chain_launches():
         src = v
@@ -228,7 +255,7 @@ def test_pdl_chain_in_graph(pdl, inverse):
                 gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True, out=o)
                 src = o
 
-    with force("gdn.tree_verify", config=WYConfig(BV=64, num_warps=8, stack=True, **prec)):
+    with force("gdn.tree_verify", config=WYConfig(BV=64, num_warps=8, stack=True, inverse=inverse)):
         want, src = [], v
         for _ in range(n):
             src = gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True)
