@@ -74,16 +74,8 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
     # First call: fold 650 / fold+pdl 623 vs default 595: the FMA work is the same (the stacked
     # products are twice as tall), so fewer dot calls bought nothing.
     "r5-fold-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", pdl=True),
-    # round 6: the small products on the fp64 tensor cores (DMMA; more accurate than fp32 FMA, and
-    # 32 DMMA instead of ~1800 FFMA per thread in the fold kernel's SASS)
-    "r6-fold64-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", small_precision="fp64", pdl=True),
-    "r6-fold64": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", small_precision="fp64"),
-    "r6-sq64-pdl": WYConfig(BV=64, num_warps=8, stack=True, small_precision="fp64", pdl=True),
-    "r6-fold64i-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", inverse_precision="fp64", pdl=True),
-    "r6-b24-fold64-w8": WYConfig(BV=64, num_warps=8, inverse="fold", small_precision="fp64"),
-    "r6-b24-fold64-w8-pdl": WYConfig(BV=64, num_warps=8, inverse="fold", small_precision="fp64", pdl=True),
-    "r6-b24-fold64": WYConfig(BV=64, inverse="fold", small_precision="fp64"),
-    "r6-b24-sq64": WYConfig(BV=64, small_precision="fp64"),
+    # round 6 (fp64 small products on the DMMA tensor cores) measured slower (B1-N32 739 us with fold
+    # and PDL) and was removed from the kernel; its rows stay in perf/results/h200/*-s7-*
     "r1-bv64-w8": WYConfig(BV=64, num_warps=8),  # round 2 best (B1-N32 682, chains 375/400/729)
     # round 3: shorter critical path at B1 (96 programs on 132 SMs, ~14 us per layer)
     "r3-bv64-w8-stack": WYConfig(BV=64, num_warps=8, stack=True),  # q over k: M = 2BT products
@@ -102,20 +94,15 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
     "r4-stack-inv-tf32x3-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse_precision="tf32x3", pdl=True),
     "r4-bv64-tf32x3": WYConfig(BV=64, small_precision="tf32x3"),  # B24: 4 warps, many programs
     "r4-bv64-pdl": WYConfig(BV=64, pdl=True),
-    # last: in the first call of session 7 this one hit an illegal memory access (sticky: every case
-    # after it failed); the square one beside it tells whether BV=32 with the new ordering is the cause
+    # last: with the session-7 reorder (since reverted) BV=32 stacked hit an illegal address at chain8
     "r3-bv32-w8-stack-last": WYConfig(BV=32, num_warps=8, stack=True),
-    "r5-fold-bv32-pdl": WYConfig(BV=32, num_warps=8, stack=True, inverse="fold", pdl=True),
 }
 # --ablate: the B1 default with phases removed (gdn/kernels/wy.py SKIP bits); wrong outputs, timed only
-ABLATE = {f"ablate-skip{b}": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", small_precision="fp64",
-                                      pdl=True, skip=b)
+ABLATE = {f"ablate-skip{b}": WYConfig(BV=64, num_warps=8, stack=True, pdl=True, skip=b)
           for b in (1, 2, 4, 5, 7)}
 # run even past the case's budget share (the table's point in that case)
-ESSENTIAL = {"B1-N32": ("r4-stack-pdl", "r5-fold-pdl", "r6-fold64-pdl", "r6-fold64", "r6-sq64-pdl", "r6-fold64i-pdl"),
-             "B24-N8": ("r1-bv64", "r6-b24-fold64-w8", "r6-b24-fold64-w8-pdl", "r6-b24-fold64", "r6-b24-sq64"),
-             "chain8": ("r4-stack-pdl", "r6-fold64-pdl"), "chain16": ("r4-stack-pdl", "r6-fold64-pdl"),
-             "chain32": ("r4-stack-pdl", "r6-fold64-pdl")}
+ESSENTIAL = {"B1-N32": ("r3-bv64-w8-stack", "r5-fold-pdl"), "B24-N8": ("r1-bv64",),
+             "chain16": ("r3-bv64-w8-stack", "r5-fold-pdl")}
 if not GPU:
     WY = {"wy": WYConfig(BV=16), "r3-stack": WYConfig(BV=16, stack=True), "r3-loop": WYConfig(BV=16, inverse="loop"),
           "wy-levels": WYConfig(BV=16, inverse="levels"), "t-bv16": WYConfig(BV=16, trans=True),
@@ -359,9 +346,9 @@ def main():
         new = next((u for u, n in rows if n == "wy"), float("nan"))
         r3 = min([u for u, n in rows if n.startswith(("r1-", "r3-"))] or [float("nan")])
         r4 = min([(u, n) for u, n in rows if n.startswith("r4-")] or [(float("nan"), "-")])
-        r5 = min([(u, n) for u, n in rows if n.startswith(("r5-", "r6-"))] or [(float("nan"), "-")])
+        r5 = min([(u, n) for u, n in rows if n.startswith("r5-")] or [(float("nan"), "-")])
         say(f"  {sname:<8} best: {top} | default wy {new:.0f} | rounds 1-3 best {r3:.0f} | round-4 best "
-            f"{r4[1]} {r4[0]:.0f} | rounds 5-6 best {r5[1]} {r5[0]:.0f} ({r5[0] / r4[0]:.2f}x r4) | recurrent {rec:.0f} "
+            f"{r4[1]} {r4[0]:.0f} | round-5 best {r5[1]} {r5[0]:.0f} ({r5[0] / r4[0]:.2f}x r4) | recurrent {rec:.0f} "
             f"| fla {fla:.0f}")
     if ARGS.out:
         os.makedirs(ARGS.out, exist_ok=True)
