@@ -70,7 +70,8 @@ C = 2 * H * K + HV * V if GPU else 24
 WY = {  # name -> pinned config (None = the default heuristic); most promising first (budget)
     "wy": None,
     # round 7 (session 7, last call): 16 warps, 4 per scheduler instead of 2 (Nsight Compute: 0.44
-    # eligible warps per scheduler at 8); the sm_90 compile gives 128 registers and a small spill
+    # eligible warps per scheduler at 8); 128 registers, 8 spilled. Measured much slower: B1-N32
+    # 806 / 869 (fold) vs 555 us, chain32 856 / 939 vs 597
     "r7-w16-stack-pdl": WYConfig(BV=64, num_warps=16, stack=True, pdl=True),
     "r7-w16-fold-pdl": WYConfig(BV=64, num_warps=16, stack=True, inverse="fold", pdl=True),
     # round 5 (session 7): inverse="fold" ((q.k^T d).T built directly, r + 2 products instead of
@@ -105,7 +106,7 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
 ABLATE = {f"ablate-skip{b}": WYConfig(BV=64, num_warps=8, stack=True, pdl=True, skip=b)
           for b in (1, 2, 4, 5, 7)}
 # run even past the case's budget share (the table's point in that case)
-ESSENTIAL = {"B1-N32": ("r7-w16-stack-pdl", "r7-w16-fold-pdl", "r3-bv64-w8-stack"), "B24-N8": ("r1-bv64",),
+ESSENTIAL = {"B1-N32": ("r3-bv64-w8-stack", "r5-fold-pdl"), "B24-N8": ("r1-bv64",),
              "chain16": ("r3-bv64-w8-stack", "r5-fold-pdl")}
 if not GPU:
     WY = {"wy": WYConfig(BV=16), "r3-stack": WYConfig(BV=16, stack=True), "r3-loop": WYConfig(BV=16, inverse="loop"),
