@@ -109,9 +109,9 @@ def wy_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV
             # Round 3: under one wave, stacking q over k (one [2BT, K] set of state products, M = 64
             # at 32 nodes: wgmma, 0 spills) is faster still (B1-N32 586 vs 694 us, chain32 627 vs
             # 737); at B24 it is a tie (3006 vs 2999), so the many-program case keeps plain BV=64.
-            # Session 7: PDL on by default (the chained-graph GPU test passed; B1-N32 572 vs 593 us,
-            # chains 8/16/32 333/365/610 vs 361/390/633 in the same run). "fold" and fp64 small
-            # products were slower (gdn/kernels/wy.py).
+            # Session 7: PDL on by default (the chained-graph GPU test passed). Same runs, with vs
+            # without: B1-N32 554 vs 581 us, chain8 325 vs 352, chain32 597 vs 622. "fold", fp64
+            # small products and 16 warps were slower (gdn/kernels/wy.py, docs/gdn.md).
             programs = batch * HV * triton.cdiv(V, 64)
             if programs <= _sm_count(device):
                 return WYConfig(BV=64, num_warps=8, stack=True, pdl=True)

@@ -68,16 +68,16 @@ if ARGS.layers:
 C = 2 * H * K + HV * V if GPU else 24
 
 WY = {  # name -> pinned config (None = the default heuristic); most promising first (budget)
-    "wy": None,
+    "wy": None,  # sm_90 default: one wave -> BV=64, 8 warps, stack, PDL; more programs -> BV=64, 4 warps, PDL
     # round 7 (session 7, last call): 16 warps, 4 per scheduler instead of 2 (Nsight Compute: 0.44
     # eligible warps per scheduler at 8); 128 registers, 8 spilled. Measured much slower: B1-N32
     # 806 / 869 (fold) vs 555 us, chain32 856 / 939 vs 597
     "r7-w16-stack-pdl": WYConfig(BV=64, num_warps=16, stack=True, pdl=True),
     "r7-w16-fold-pdl": WYConfig(BV=64, num_warps=16, stack=True, inverse="fold", pdl=True),
     # round 5 (session 7): inverse="fold" ((q.k^T d).T built directly, r + 2 products instead of
-    # 2r + 2) and, in every config now, the state products after the inverse (load in flight).
-    # First call: fold 650 / fold+pdl 623 vs default 595: the FMA work is the same (the stacked
-    # products are twice as tall), so fewer dot calls bought nothing.
+    # 2r + 2): the FMA work is the same (the stacked products are twice as tall); B1-N32 600 vs 554,
+    # chain8 319 vs 325, chain32 652 vs 597 (the final kernel; an earlier kernel order, reverted,
+    # had the state products after the inverse)
     "r5-fold-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", pdl=True),
     # round 6 (fp64 small products on the DMMA tensor cores) measured slower (B1-N32 739 us with fold
     # and PDL) and was removed from the kernel; its rows stay in perf/results/h200/*-s7-*

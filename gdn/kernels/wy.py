@@ -10,8 +10,9 @@ A^(d+1) = 0 for a tree of depth d. Two ways to invert I + A:
   the power stacked under it: [qkd; A].A = [qkd.A; A^2], then per round [N; P].P = [N.P; P^2], and
   O = eG q S0 + N rhs. r + 2 products (M = 2BT for r + 1 of them) instead of the 2r + 2 of "square",
   and T is never formed.
-"fold" does the same FMA work as "square" (its stacked products are twice as tall): on H200 it was
-slower at B1-N32 (620 vs 572 us with PDL, 48 layers) and chain32, a little faster at chain16.
+"fold" does the same FMA work as "square" (its stacked products are twice as tall): on H200, with
+PDL, 48 layers, it was slower at B1-N32 (600 vs 554 us) and chain32 (652 vs 597), a little faster
+at chain8 (319 vs 325).
 
 Precision. fp32 accuracy is the contract (the state is fp32). SPLIT=True (bf16 q/k): q.k^T and
 k.k^T are bf16 tensor-core products of the raw inputs (exact products, fp32 sums) with the L2
@@ -24,7 +25,7 @@ PREC_I is the precision of the inverse's rounds alone (PREC_S by default): "tf32
 tensor cores (three tf32 products, ~fp32 accuracy) while T.rhs and (q.k).U stay at PREC_S.
 (Session 7 also tried the small products on the fp64 tensor cores, operands widened exactly and one
 rounding to fp32: 32 DMMA instead of ~1800 FFMA per thread, yet slower on H200, B1-N32 739 vs 620 us
-with fold and PDL; not kept. Triton 3.6's fp64 mma.sync also asserts on operands with a bf16
+for fold with PDL in one run; not kept. Triton 3.6's fp64 mma.sync also asserts on operands with a bf16
 origin, "fp64 don't support largeK MMA", unless a run-time branch ends their elementwise history.)
 
 PDL=True (sm_90, launched with launch_pdl): griddepcontrol.wait before the first load (so every

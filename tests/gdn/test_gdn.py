@@ -420,8 +420,9 @@ def test_bad_inputs():
 @pytest.mark.parametrize("inverse", ["square", "levels", "fold"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
 def test_wy_inverse_and_split(inverse, split):
-    """The inverses ('square': log2(depth) rounds; 'levels'; 'fold': (q.k^T d).T built directly) and both product modes (bf16 split of
-    the state vs fp32 products), on bf16 inputs, deep chains and bushy trees."""
+    """The inverses ('square': log2(depth) rounds; 'levels'; 'fold': (q.k^T d).T built directly) and
+    both product modes (bf16 split of the state vs fp32 products), on bf16 inputs, deep chains and
+    bushy trees."""
     from gdn.configs import WYConfig
 
     rng = random.Random(21)
