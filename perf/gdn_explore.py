@@ -86,6 +86,7 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
     "r3-bv64-w8-stack": WYConfig(BV=64, num_warps=8, stack=True),  # q over k: M = 2BT products
     "r3-bv32-w8": WYConfig(BV=32, num_warps=8),  # 192 programs, half the state per program
     "r3-bv64-w8-loop": WYConfig(BV=64, num_warps=8, inverse="loop"),  # runtime-loop inverse rounds
+    "r3-bv32-w8-stack": WYConfig(BV=32, num_warps=8, stack=True),
     "r1-bv64": WYConfig(BV=64),  # round 2 best at B24-N8 (3301)
     "r3-bv64-stack": WYConfig(BV=64, stack=True),
     "r3-bv32-w4": WYConfig(BV=32),
@@ -99,8 +100,6 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
     "r4-stack-inv-tf32x3-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse_precision="tf32x3", pdl=True),
     "r4-bv64-tf32x3": WYConfig(BV=64, small_precision="tf32x3"),  # B24: 4 warps, many programs
     "r4-bv64-pdl": WYConfig(BV=64, pdl=True),
-    # last: with the session-7 reorder (since reverted) BV=32 stacked hit an illegal address at chain8
-    "r3-bv32-w8-stack-last": WYConfig(BV=32, num_warps=8, stack=True),
 }
 # --ablate: the B1 default with phases removed (gdn/kernels/wy.py SKIP bits); wrong outputs, timed only
 ABLATE = {f"ablate-skip{b}": WYConfig(BV=64, num_warps=8, stack=True, pdl=True, skip=b)
@@ -314,7 +313,8 @@ def main():
         for name in names:
             if name.startswith("ablate-") and not sname.startswith("B1"):
                 continue
-            essential = name in ("wy", "recurrent", "r1-bv64-w8") + ESSENTIAL.get(sname, ()) or name.startswith("ablate-")
+            essential = (name in ("wy", "recurrent", "r1-bv64-w8") + ESSENTIAL.get(sname, ())
+                         or name.startswith("ablate-"))
             if left() < 12 or (not essential and time.time() > case_end):
                 say(f"  (budget) skipped {name}")
                 continue

@@ -183,6 +183,8 @@ def gdn_tree_wy_kernel(
     b_decay = tl.where(m_self, tl.exp(tl.where(m_self, b_G[:, None] - b_G[None, :], 0.)), 0.)  # [BT, BT]
     b_A = tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
 
+    # q.k^T d: before the inverse for "fold" (which starts from it), after it otherwise. One place for
+    # all changes the measured kernels' code (sm_90 SASS differs; B24 config spills 808 vs 760 bytes)
     if INV == 3:
         b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
     eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
