@@ -30,8 +30,16 @@ class WYConfig:
     split: bool = True  # bf16 q/k: exact bf16 tensor-core products, fp32 state split in 3 bf16
     # "square": floor(log2(depth)) rounds, unrolled (5 guarded copies); "loop": the same rounds as a
     # runtime loop (one copy); "levels": one product per depth level; "fold": (q.k^T d).T built directly,
-    # its rounds stacked over the powers' (r + 2 products instead of 2r + 2; gdn/kernels/wy.py)
+    # its rounds stacked over the powers' (r + 2 products instead of 2r + 2; gdn/kernels/wy.py); "split":
+    # fold's N built by a first launch, the state products overlapping it (PDL on sm_90)
     inverse: str = "square"
+    # inverse="split": warps of the first launch (gdn_tree_split_kernel, one program per request and
+    # value head, the inverse alone)
+    inverse_warps: int = 4
+    # register caps (ptxas .maxnreg; None: the compiler's choice). With "split" the two launches' programs
+    # must fit one SM together for the state phase to overlap the inverse: 8 warps x 168 + 4 x 168 <= 64K
+    maxnreg: int | None = None
+    inverse_maxnreg: int | None = None
     min_bt: int = 16  # node tile floor; 64 makes the tensor-core dots M=64 (wgmma on sm_90)
     # transposed orientation: the big products are [BV, K] x [K, BT], M = BV (64: wgmma on sm_90
     # at any node count, no 64-row padding)
@@ -67,7 +75,7 @@ class CommitConfig:
     num_warps: int = 4
 
 
-_INVERSE = {"levels": 0, "square": 1, "loop": 2, "fold": 3}  # WYConfig.inverse -> the kernel's INV
+_INVERSE = {"levels": 0, "square": 1, "loop": 2, "fold": 3, "split": 4}  # WYConfig.inverse -> the kernel's INV
 
 
 def wy_constexprs(cfg: WYConfig) -> dict:

@@ -53,9 +53,22 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
         grid = (B, HV, triton.cdiv(V, cfg.BV))
         pdl = cfg.pdl and has_pdl(q.device)
         extra = {"launch_pdl": True} if pdl else {}
-        gdn_tree_wy_kernel[grid](q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, scale, *common,
+        nbuf = o  # read only with inverse="split"
+        cap = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
+        if ce["INV"] == 4:
+            from .kernels.wy import gdn_tree_split_kernel
+
+            # the fold's N per (request, value head): 4 BT^2 bytes each, written by the first launch and read
+            # by the second; a fresh buffer per call (stream-ordered reuse by the caching allocator)
+            nbuf = torch.empty(B, HV, BT, BT, device=q.device, dtype=torch.float32)
+            gdn_tree_split_kernel[(B, HV)](q, k, g, beta, nbuf, cu, anc, max_depth, scale, *common[:4],
+                                           *common[6:10], H=H, HV=HV, K=K, BT=BT, BK=BK, USE_L2=use_l2,
+                                           PREC=ce["PREC"], SPLIT=split, PREC_I=ce["PREC_I"], PDL=pdl,
+                                           num_warps=cfg.inverse_warps, num_stages=1, **extra,
+                                           **({"maxnreg": cfg.inverse_maxnreg} if cfg.inverse_maxnreg else {}))
+        gdn_tree_wy_kernel[grid](q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, scale, *common,
                                  H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_L2=use_l2, SPLIT=split, PDL=pdl, **ce,
-                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra)
+                                 num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **cap)
     elif variant == "recurrent":
         from .kernels.recurrent import gdn_tree_recurrent_kernel
 

@@ -32,6 +32,8 @@ def parse():
                     help="share of the budget for fla (run first: its first-call autotune is ~60 s)")
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
+    ap.add_argument("--configs", default=None,
+                    help="comma-separated name prefixes of the WY configs to run beside wy and recurrent (default: all)")
     ap.add_argument("--ablate", action="store_true",
                     help="also time the default B1 config with phases removed (WYConfig.skip: wrong outputs, "
                          "timing only, never checked or ranked)")
@@ -69,6 +71,18 @@ C = 2 * H * K + HV * V if GPU else 24
 
 WY = {  # name -> pinned config (None = the default heuristic); most promising first (budget)
     "wy": None,  # sm_90 default: one wave -> BV=64, 8 warps, stack, PDL; more programs -> BV=64, 4 warps, PDL
+    # round 8 (session 8): inverse="split", fold's N from a first launch (one program per request and
+    # value head) while the second does the state products, PDL between them. Both grids must fit the
+    # SMs together (48 + 96 programs on 132 SMs at B1): register caps, smaller or larger V blocks
+    "r8-split": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True),
+    "r8-split-r168": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True, maxnreg=168,
+                              inverse_maxnreg=168),
+    "r8-split-r128-iw8": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True, maxnreg=128,
+                                  inverse_warps=8, inverse_maxnreg=128),
+    "r8-split-bv32-w4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True),
+    "r8-split-bv32-r128": WYConfig(BV=32, num_warps=8, stack=True, inverse="split", pdl=True, maxnreg=128),
+    "r8-split-bv128": WYConfig(BV=128, num_warps=8, stack=True, inverse="split", pdl=True),
+    "r8-split-bv64-w4": WYConfig(BV=64, num_warps=4, inverse="split", pdl=True),
     # round 7 (session 7, last call): 16 warps, 4 per scheduler instead of 2 (Nsight Compute: 0.44
     # eligible warps per scheduler at 8); 128 registers, 8 spilled. Measured much slower: B1-N32
     # 806 / 869 (fold) vs 555 us, chain32 856 / 939 vs 597
@@ -110,7 +124,8 @@ ESSENTIAL = {"B1-N32": ("r3-bv64-w8-stack", "r5-fold-pdl"), "B24-N8": ("r1-bv64"
 if not GPU:
     WY = {"wy": WYConfig(BV=16), "r3-stack": WYConfig(BV=16, stack=True), "r3-loop": WYConfig(BV=16, inverse="loop"),
           "wy-levels": WYConfig(BV=16, inverse="levels"), "t-bv16": WYConfig(BV=16, trans=True),
-          "r5-fold": WYConfig(BV=16, stack=True, inverse="fold")}
+          "r5-fold": WYConfig(BV=16, stack=True, inverse="fold"),
+          "r8-split": WYConfig(BV=16, stack=True, inverse="split", maxnreg=128, inverse_maxnreg=128)}
 
 ROWS: list[dict] = []
 LOG: list[str] = []
@@ -155,9 +170,9 @@ def kernel_report(tag):
     from gdn.kernels.commit import gdn_commit_conv_kernel, gdn_commit_state_kernel
     from gdn.kernels.conv import gdn_tree_conv_kernel
     from gdn.kernels.recurrent import gdn_tree_recurrent_kernel
-    from gdn.kernels.wy import gdn_tree_wy_kernel
+    from gdn.kernels.wy import gdn_tree_split_kernel, gdn_tree_wy_kernel
 
-    for kern in (gdn_tree_wy_kernel, gdn_tree_recurrent_kernel, gdn_tree_conv_kernel, gdn_commit_state_kernel,
+    for kern in (gdn_tree_wy_kernel, gdn_tree_split_kernel, gdn_tree_recurrent_kernel, gdn_tree_conv_kernel, gdn_commit_state_kernel,
                  gdn_commit_conv_kernel):
         for entry in getattr(kern, "device_caches", {}).values():
             for key, ck in entry[0].items():
@@ -308,6 +323,8 @@ def main():
             f"byte floor {floor / 1e6:.1f} MB ~ {floor_us:.0f} us")
         # essentials first (default wy, baselines), then the other configs within this case's share
         names = ["wy", "recurrent"] + [n for n in WY if n != "wy"]
+        if ARGS.configs:
+            names = names[:2] + [n for n in names[2:] if n.startswith(tuple(ARGS.configs.split(",")))]
         cases_left = len(specs) - [s_ for s_, _ in specs].index(sname)
         case_end = time.time() + max(10.0, (left() - 20) / cases_left)
         for name in names:

@@ -10,6 +10,10 @@ A^(d+1) = 0 for a tree of depth d. Two ways to invert I + A:
   the power stacked under it: [qkd; A].A = [qkd.A; A^2], then per round [N; P].P = [N.P; P^2], and
   O = eG q S0 + N rhs. r + 2 products (M = 2BT for r + 1 of them) instead of the 2r + 2 of "square",
   and T is never formed.
+* INV=4 "split": "fold" in two launches. gdn_tree_split_kernel, one program per (request, value
+  head), builds N into a [B, HV, BT, BT] fp32 workspace; this kernel then does everything that
+  needs no N (loads, state products, rhs) while that grid still runs, and with PDL waits on it
+  only to read N. The inverse runs beside the state phase instead of after it, on other SMs.
 "fold" does the same FMA work as "square" (its stacked products are twice as tall): on H200, with
 PDL, 48 layers, it was slower at B1-N32 (600 vs 554 us) and chain32 (652 vs 597), a little faster
 at chain8 (319 vs 325).
@@ -71,9 +75,107 @@ def _unstack(x, M: tl.constexpr, N: tl.constexpr):
     return tl.split(tl.permute(tl.reshape(x, [2, M, N]), (1, 2, 0)))
 
 
+@triton.jit
+def _row_scales(b_q, b_k, scale, USE_L2: tl.constexpr, BT: tl.constexpr):
+    # per-row scales applied after the products: l2 norms and the softmax-free q scale
+    if USE_L2:
+        qf = b_q.to(tl.float32)
+        kf = b_k.to(tl.float32)
+        r_q = tl.rsqrt(tl.sum(qf * qf, 1) + 1e-6) * scale  # [BT]
+        r_k = tl.rsqrt(tl.sum(kf * kf, 1) + 1e-6)  # [BT]
+    else:
+        r_q = tl.full([BT], 1., tl.float32) * scale
+        r_k = tl.full([BT], 1., tl.float32)
+    return r_q, r_k
+
+
+@triton.jit
+def _path_masks(b_anc, b_g, BT: tl.constexpr):
+    # [BT, BT] ancestor-or-self and proper-ancestor masks from the plan's bitmasks, the root-path
+    # gate sums G and the decays exp(G_i - G_j), masked before exp: only bounded for ancestors j of i
+    o_t = tl.arange(0, BT)
+    m_self = ((b_anc[:, None] >> o_t[None, :].to(tl.int64)) & 1) != 0
+    m_strict = m_self & (o_t[:, None] != o_t[None, :])
+    b_G = tl.sum(tl.where(m_self, b_g[None, :], 0.), 1)  # [BT]
+    b_decay = tl.where(m_self, tl.exp(tl.where(m_self, b_G[:, None] - b_G[None, :], 0.)), 0.)  # [BT, BT]
+    return m_self, m_strict, b_G, b_decay
+
+
+@triton.jit
+def _fold_rounds(b_qkd, b_A, d_max, BT: tl.constexpr, PREC_I: tl.constexpr):
+    # N = qkd (I + A)^-1 = qkd (I - A)(I + A^2)(I + A^4)..., T never formed. [qkd; A].A gives qkd.A
+    # and A^2 in one product; each round [N; P].P gives N.P and P^2 in one: r + 1 products of
+    # M = 2BT, the rounds stopping at the request's depth (A^(2^i) = 0 once 2^i > depth)
+    b_y = tl.dot(_stack(b_qkd, b_A), b_A, input_precision=PREC_I)  # [2BT, BT]
+    b_na, b_P = _unstack(b_y, BT, BT)
+    b_N = b_qkd - b_na  # qkd (I - A)
+    for i in tl.static_range(1, 6):
+        if (1 << i) <= d_max:
+            b_y = tl.dot(_stack(b_N, b_P), b_P, input_precision=PREC_I)
+            b_np, b_P = _unstack(b_y, BT, BT)
+            b_N = b_N + b_np  # N (I + A^(2^i))
+    return b_N
+
+
+@triton.jit
+def _load_n(nbuf, i_r, i_hv, HV: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr):
+    # INV=4: N [BT, BT] of this (request, value head), written by gdn_tree_split_kernel
+    if PDL:
+        gdc_wait()  # that grid has finished and its stores are visible
+    o_t = tl.arange(0, BT)
+    return tl.load(nbuf + ((i_r * HV + i_hv) * BT + o_t[:, None]).to(tl.int64) * BT + o_t[None, :])
+
+
+@triton.jit(do_not_specialize=["scale"])
+def gdn_tree_split_kernel(
+    q, k, g, beta, nbuf, cu, anc, max_depth,
+    scale,
+    s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    USE_L2: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, PREC_I: tl.constexpr, PDL: tl.constexpr = False,
+):
+    """inverse="split", the first of two launches: N = (q.k^T d)(I + A)^-1 of one (request, value
+    head), [BT, BT] fp32 into nbuf[B, HV, BT, BT], by the fold rounds. gdn_tree_wy_kernel (INV=4)
+    runs next: its state products need no N, so it does them while this grid runs and waits on it
+    only to read N for O = eG q S0 + N rhs. The inverse leaves the critical path of the state phase."""
+    if PDL:
+        gdc_wait()
+        # only after the wait: the next grid reads this one's inputs (q, k, v, ..., the pool) before
+        # its own wait, which is safe because the grid before this one has finished
+        gdc_launch_dependents()
+    i_r, i_hv = tl.program_id(0), tl.program_id(1)
+    i_h = i_hv // (HV // H)
+    bos = tl.load(cu + i_r).to(tl.int64)
+    n = tl.load(cu + i_r + 1).to(tl.int64) - bos
+    o_t = tl.arange(0, BT)
+    m_t = o_t < n
+    o_k = tl.arange(0, BK)
+    rows = bos + o_t.to(tl.int64)
+    m_tk = m_t[:, None] & (o_k < K)[None, :]
+    b_q = tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
+    b_k = tl.load(k + rows[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
+    b_g = tl.load(g + rows * s_gt + i_hv * s_gh, mask=m_t, other=0.).to(tl.float32)  # [BT]
+    b_b = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=m_t, other=0.).to(tl.float32)  # [BT]
+    b_anc = tl.load(anc + rows, mask=m_t, other=0)  # [BT] int64
+    d_max = tl.load(max_depth + i_r)
+    r_q, r_k = _row_scales(b_q, b_k, scale, USE_L2, BT)
+    if SPLIT:  # raw bf16 operands: exact products on tensor cores, norms applied after
+        b_kk = tl.dot(b_k, tl.trans(b_k))  # [BT, BT]
+        b_qk = tl.dot(b_q, tl.trans(b_k))  # [BT, BT]
+    else:
+        kf = b_k.to(tl.float32)
+        b_kk = tl.dot(kf, tl.trans(kf), input_precision=PREC)
+        b_qk = tl.dot(b_q.to(tl.float32), tl.trans(kf), input_precision=PREC)
+    m_self, m_strict, b_G, b_decay = _path_masks(b_anc, b_g, BT)
+    b_A = tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
+    b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
+    b_N = _fold_rounds(b_qkd, b_A, d_max, BT, PREC_I)
+    tl.store(nbuf + ((i_r * HV + i_hv) * BT + o_t[:, None]).to(tl.int64) * BT + o_t[None, :], b_N)
+
+
 @triton.jit(do_not_specialize=["scale"])
 def gdn_tree_wy_kernel(
-    q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth,
+    q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf,
     scale,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_pn, s_ph, s_pk, s_pv,
@@ -84,7 +186,11 @@ def gdn_tree_wy_kernel(
     SKIP: tl.constexpr = 0,
 ):
     if PDL:
-        gdc_wait()
+        if INV != 4:
+            gdc_wait()
+        # INV=4: no wait here. gdn_tree_split_kernel, launched just before, waited on the previous
+        # grid before it let this one start, so every input but nbuf is final; nbuf is read after
+        # the wait below
         gdc_launch_dependents()
     i_r, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
@@ -121,15 +227,7 @@ def gdn_tree_wy_kernel(
         b_v = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
                       other=0.).to(tl.float32)  # [BT, BV]
 
-    # per-row scales applied after the products: l2 norms and the softmax-free q scale
-    if USE_L2:
-        qf = b_q.to(tl.float32)
-        kf = b_k.to(tl.float32)
-        r_q = tl.rsqrt(tl.sum(qf * qf, 1) + 1e-6) * scale  # [BT]
-        r_k = tl.rsqrt(tl.sum(kf * kf, 1) + 1e-6)  # [BT]
-    else:
-        r_q = tl.full([BT], 1., tl.float32) * scale
-        r_k = tl.full([BT], 1., tl.float32)
+    r_q, r_k = _row_scales(b_q, b_k, scale, USE_L2, BT)
     # (Session 7 tried the state products after the inverse, to keep the state's load in flight
     # during it: slower on H200, B1-N32 593 vs 580 us and B24-N8 3115 vs 2966, the state tile
     # staying live in registers across the inverse.)
@@ -175,12 +273,7 @@ def gdn_tree_wy_kernel(
         b_kS = tl.zeros_like(b_v)
         b_qS = tl.zeros_like(b_v)
 
-    # [BT, BT] ancestor-or-self and proper-ancestor masks
-    m_self = ((b_anc[:, None] >> o_t[None, :].to(tl.int64)) & 1) != 0
-    m_strict = m_self & (o_t[:, None] != o_t[None, :])
-    b_G = tl.sum(tl.where(m_self, b_g[None, :], 0.), 1)  # [BT] root-path gate sums
-    # masked before exp: G_i - G_j is only bounded when j is an ancestor of i
-    b_decay = tl.where(m_self, tl.exp(tl.where(m_self, b_G[:, None] - b_G[None, :], 0.)), 0.)  # [BT, BT]
+    m_self, m_strict, b_G, b_decay = _path_masks(b_anc, b_g, BT)
     b_A = tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
 
     # q.k^T d: before the inverse for "fold" (which starts from it), after it otherwise. One place for
@@ -193,16 +286,9 @@ def gdn_tree_wy_kernel(
         if INV == 3:
             b_N = b_qkd
     elif INV == 3:
-        # fold: N = qkd.T with T never formed. [qkd; A].A gives qkd.A and A^2 in one product; each
-        # round [N; P].P gives N.P and P^2 in one: r + 1 products of M = 2BT instead of 2r + 1
-        b_y = tl.dot(_stack(b_qkd, b_A), b_A, input_precision=PREC_I)  # [2BT, BT]
-        b_na, b_P = _unstack(b_y, BT, BT)
-        b_N = b_qkd - b_na  # qkd (I - A)
-        for i in tl.static_range(1, 6):
-            if (1 << i) <= d_max:
-                b_y = tl.dot(_stack(b_N, b_P), b_P, input_precision=PREC_I)
-                b_np, b_P = _unstack(b_y, BT, BT)
-                b_N = b_N + b_np  # N (I + A^(2^i))
+        b_N = _fold_rounds(b_qkd, b_A, d_max, BT, PREC_I)  # fold: N = qkd.T with T never formed
+    elif INV == 4:
+        b_T = eye  # unused: N comes from nbuf (the products above that only fed A are dead code)
     elif INV == 1:
         b_T = eye - b_A
         b_P = b_A
@@ -225,13 +311,15 @@ def gdn_tree_wy_kernel(
             b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC_I), b_T)
 
     b_eG = tl.exp(b_G)
-    if INV != 3:
+    if INV < 3:
         b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
     if TRANS:
         b_rhs = b_b[None, :] * (b_v - (b_eG * r_k)[None, :] * b_kS)  # [BV, BT]
         if SKIP & 4:
             b_o = (b_eG * r_q)[None, :] * b_qS + b_rhs
-        elif INV == 3:
+        elif INV >= 3:
+            if INV == 4:
+                b_N = _load_n(nbuf, i_r, i_hv, HV, BT, PDL)
             b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_rhs, tl.trans(b_N), input_precision=PREC_S)  # [BV, BT]
         else:
             b_u = tl.dot(b_rhs, tl.trans(b_T), input_precision=PREC_S)  # [BV, BT]
@@ -242,7 +330,9 @@ def gdn_tree_wy_kernel(
         b_rhs = b_b[:, None] * (b_v - (b_eG * r_k)[:, None] * b_kS)  # [BT, BV]
         if SKIP & 4:
             b_o = (b_eG * r_q)[:, None] * b_qS + b_rhs
-        elif INV == 3:
+        elif INV >= 3:
+            if INV == 4:
+                b_N = _load_n(nbuf, i_r, i_hv, HV, BT, PDL)
             b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_N, b_rhs, input_precision=PREC_S)  # [BT, BV]
         else:
             b_u = tl.dot(b_T, b_rhs, input_precision=PREC_S)  # [BT, BV]

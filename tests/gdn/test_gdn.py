@@ -417,10 +417,11 @@ def test_bad_inputs():
 # ------------------------------------------------------------------------ wy configurations
 
 
-@pytest.mark.parametrize("inverse", ["square", "levels", "fold"])
+@pytest.mark.parametrize("inverse", ["square", "levels", "fold", "split"])
 @pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
 def test_wy_inverse_and_split(inverse, split):
-    """The inverses ('square': log2(depth) rounds; 'levels'; 'fold': (q.k^T d).T built directly) and
+    """The inverses ('square': log2(depth) rounds; 'levels'; 'fold': (q.k^T d).T built directly;
+    'split': fold's N from a first launch, read by the second) and
     both product modes (bf16 split of the state vs fp32 products), on bf16 inputs, deep chains and
     bushy trees."""
     from gdn.configs import WYConfig
@@ -431,7 +432,7 @@ def test_wy_inverse_and_split(inverse, split):
 
 
 @pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
-@pytest.mark.parametrize("inverse", ["square", "levels", "fold"])
+@pytest.mark.parametrize("inverse", ["square", "levels", "fold", "split"])
 def test_wy_transposed(split, inverse):
     """trans=True (products as [BV, K] x [K, BT], M = BV: configs.WY_WGMMA on sm_90) gives the same function
     within the derived bound: deep chains, bushy trees, a one-node tree, odd V (masked V block)."""
@@ -449,7 +450,7 @@ def test_wy_transposed_odd_dims_vk():
         check_verify([rand_tree(10, random.Random(5)), star(4)], "wy", l2=False, layout="vk", h=1, hv=3, k=24, v=20)
 
 
-@pytest.mark.parametrize("inverse", ["square", "loop", "fold"])
+@pytest.mark.parametrize("inverse", ["square", "loop", "fold", "split"])
 def test_wy_stacked_qk_and_loop_inverse(inverse):
     """stack=True (q rows over k rows: one [2BT, K] set of state products) and inverse='loop' (the
     squaring rounds as a runtime loop) give the same function within the derived bound: deep
@@ -465,16 +466,19 @@ def test_wy_stacked_qk_and_loop_inverse(inverse):
         check_verify([chain(33), rand_tree(20, rng), [-1]], "wy", dtype=torch.bfloat16, seed=7)
 
 
-def test_wy_fold_depth64_and_ragged():
-    """inverse='fold' on a depth-63 chain (all 5 rounds, 64-row tile), a batch mixing depths (each
+@pytest.mark.parametrize("inverse", ["fold", "split"])
+def test_wy_fold_depth64_and_ragged(inverse):
+    """inverse='fold' (and 'split', its two-launch form) on a depth-63 chain (all 5 rounds, 64-row tile), a batch mixing depths (each
     request stops its rounds at its own depth) and a star (no rounds at all), against the per-path
     sequential reference."""
     from gdn.configs import WYConfig
 
     rng = random.Random(24)
-    with force("gdn.tree_verify", config=WYConfig(BV=16, inverse="fold", stack=True)):
+    with force("gdn.tree_verify", config=WYConfig(BV=16, inverse=inverse, stack=True)):
         check_verify([chain(64)], "wy", dtype=torch.bfloat16, seed=8)
         check_verify([chain(2), rand_tree(17, rng), star(9), chain(9)], "wy", dtype=torch.bfloat16, seed=9)
+        # fp32 inputs and output: the bound is the fp32 algorithm's own, so a 1e-3 error in N shows
+        check_verify([rand_tree(20, rng), chain(9)], "wy", seed=10)
 
 
 def test_wy_node_tile_follows_plan():

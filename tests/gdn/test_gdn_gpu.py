@@ -72,6 +72,9 @@ WY_CONFIGS = {
     "fold-bv64": WYConfig(BV=64, inverse="fold"),
     "t-fold": WYConfig(BV=64, trans=True, inverse="fold"),
     "stack-fold-bv32": WYConfig(BV=32, num_warps=8, stack=True, inverse="fold"),
+    "stack-split-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True),
+    "split-nopdl-r128": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", maxnreg=128, inverse_maxnreg=128),
+    "t-split": WYConfig(BV=64, trans=True, inverse="split", pdl=True),
 }
 
 
@@ -207,6 +210,9 @@ SMALL_TILE_CONFIGS = {
     "stack-fold-bv32": WYConfig(BV=32, num_warps=8, stack=True, inverse="fold"),
     "stack-fold-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", pdl=True),
     "bv64-w4": WYConfig(BV=64),
+    "split-bv32-w4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True),
+    "split-r168": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True, maxnreg=168,
+                           inverse_maxnreg=168),
 }
 
 
@@ -233,11 +239,13 @@ def test_verify_small_node_tiles(shape, cfg):
     assert_close(o, r64, r32, msg=f"{cfg} {shape}")
 
 
-@pytest.mark.parametrize("inverse", ["square", "fold"])
+@pytest.mark.parametrize("inverse", ["square", "fold", "split"])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_pdl_chain_in_graph(pdl, inverse):
     """Each launch reads, as v, the output the launch just before it wrote: with PDL the kernel must
-    wait on the previous grid before its first load. The graph replay equals plain eager launches."""
+    wait on the previous grid before its first load. The graph replay equals plain eager launches.
+    With "split" the second launch reads v before its own wait: it relies on the first launch letting
+    it start only after that launch's wait on the previous grid."""
     if pdl and torch.cuda.get_device_capability()[0] < 9:
         pytest.skip("programmatic dependent launch needs sm_90+")
     trees = [draft_tree(32, random.Random(8))]
