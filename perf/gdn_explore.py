@@ -83,6 +83,15 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
     "r8-split-bv32-r128": WYConfig(BV=32, num_warps=8, stack=True, inverse="split", pdl=True, maxnreg=128),
     "r8-split-bv128": WYConfig(BV=128, num_warps=8, stack=True, inverse="split", pdl=True),
     "r8-split-bv64-w4": WYConfig(BV=64, num_warps=4, inverse="split", pdl=True),
+    # round 8, second call: the first launch's width and precision, with the best second launch of the
+    # first call (BV=32, 4 warps: B1-N32 530 vs 555 us default, chain32 588 vs 596, chain8 416 vs 322)
+    "r8b-split-bv32-w4-itf32x3": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True,
+                                          inverse_precision="tf32x3"),
+    "r8b-split-bv32-w4-iw2": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_warps=2),
+    "r8b-split-bv32-w4-iw8": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_warps=8),
+    "r8b-split-itf32x3": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True,
+                                  inverse_precision="tf32x3"),
+    "r8b-split-bv32-w4-nostack": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True),
     # round 7 (session 7, last call): 16 warps, 4 per scheduler instead of 2 (Nsight Compute: 0.44
     # eligible warps per scheduler at 8); 128 registers, 8 spilled. Measured much slower: B1-N32
     # 806 / 869 (fold) vs 555 us, chain32 856 / 939 vs 597
@@ -118,6 +127,9 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
 # --ablate: the B1 default with phases removed (gdn/kernels/wy.py SKIP bits); wrong outputs, timed only
 ABLATE = {f"ablate-skip{b}": WYConfig(BV=64, num_warps=8, stack=True, pdl=True, skip=b)
           for b in (1, 2, 4, 5, 7)}
+# the split config's phases (first launch's rounds; bit 4: the second launch no longer waits on the first)
+ABLATE.update({f"ablate-split-skip{b}": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, skip=b)
+               for b in (1, 2, 4)})
 # run even past the case's budget share (the table's point in that case)
 ESSENTIAL = {"B1-N32": ("r3-bv64-w8-stack", "r5-fold-pdl"), "B24-N8": ("r1-bv64",),
              "chain16": ("r3-bv64-w8-stack", "r5-fold-pdl")}

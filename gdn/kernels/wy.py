@@ -38,7 +38,8 @@ programs be placed while this one runs; it hides the launch gap only, no load mo
 
 SKIP (diagnostic only, wrong outputs; perf/gdn_explore.py --ablate) removes phases to time them:
 bit 1 the state products (and with them the state load), bit 2 the inverse's rounds, bit 4 the
-T.rhs and (q.k).U products (and the inverse with them: nothing reads T then).
+T.rhs and (q.k).U products (and the inverse with them: nothing reads T then; with "split" the second
+launch then neither waits on the first nor reads N, so the first leaves the critical path).
 
 Orientation. TRANS=True computes everything transposed, [BV, BT] instead of [BT, BV]:
 (K S0)^T = S0^T K^T is [BV, K] x [K, BT], so the big products have M = BV (64 on sm_90: one
@@ -133,6 +134,7 @@ def gdn_tree_split_kernel(
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     USE_L2: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, PREC_I: tl.constexpr, PDL: tl.constexpr = False,
+    SKIP: tl.constexpr = 0,
 ):
     """inverse="split", the first of two launches: N = (q.k^T d)(I + A)^-1 of one (request, value
     head), [BT, BT] fp32 into nbuf[B, HV, BT, BT], by the fold rounds. gdn_tree_wy_kernel (INV=4)
@@ -169,7 +171,10 @@ def gdn_tree_split_kernel(
     m_self, m_strict, b_G, b_decay = _path_masks(b_anc, b_g, BT)
     b_A = tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
     b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
-    b_N = _fold_rounds(b_qkd, b_A, d_max, BT, PREC_I)
+    if SKIP & 2:  # diagnostic (see SKIP below): no rounds
+        b_N = b_qkd - b_A
+    else:
+        b_N = _fold_rounds(b_qkd, b_A, d_max, BT, PREC_I)
     tl.store(nbuf + ((i_r * HV + i_hv) * BT + o_t[:, None]).to(tl.int64) * BT + o_t[None, :], b_N)
 
 
