@@ -120,8 +120,15 @@ def wy_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV
             # Session 7: PDL on by default (the chained-graph GPU test passed). Same runs, with vs
             # without: B1-N32 554 vs 581 us, chain8 325 vs 352, chain32 597 vs 622. "fold", fp64
             # small products and 16 warps were slower (gdn/kernels/wy.py, docs/gdn.md).
+            # Session 8: inverse="split" (fold's N from a first launch of one program per request and value
+            # head; the second launch's state products overlap it). Same run on H200, vs the config above:
+            # B1-N32 530 vs 555 us and chain32 588 vs 597 (BV=32, 4 warps, stack); chain8 285 vs 323 and
+            # chain16 296 vs 342 (the same without stack, which is slower at 32 nodes: 665 and 751). Not
+            # measured beyond 32 nodes, where the config above stays.
             programs = batch * HV * triton.cdiv(V, 64)
             if programs <= _sm_count(device):
+                if bt <= 32:
+                    return WYConfig(BV=32, num_warps=4, stack=bt == 32, inverse="split", pdl=True)
                 return WYConfig(BV=64, num_warps=8, stack=True, pdl=True)
             return WYConfig(BV=64, num_warps=4, pdl=True)
         return WYConfig(BV=_bv(V), num_warps=8 if bt >= 64 else 4)

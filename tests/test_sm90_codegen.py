@@ -60,7 +60,8 @@ def _gdn_b1_ptx() -> str:
     configs.get_config = lambda op, v, cls, heuristic, **kw: heuristic()
     cfg = configs.wy_config(32, 128, 128, torch.device("cpu"), batch=1, HV=48)
     types = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*fp32", o="*bf16", pool="*fp32",
-                 state_idx="*i32", cu="*i32", anc="*i64", depth="*i32", max_depth="*i32", scale="fp32")
+                 state_idx="*i32", cu="*i32", anc="*i64", depth="*i32", max_depth="*i32", nbuf="*fp32",
+                 scale="fp32")
     ce = dict(H=16, HV=48, K=128, V=128, BT=32, BK=128, USE_L2=True, SPLIT=True, PDL=cfg.pdl,
               **configs.wy_constexprs(cfg))
     return repr(cfg) + "\n" + _ptx(gdn_tree_wy_kernel, types, ce, cfg.num_warps, cfg.num_stages)
@@ -68,7 +69,7 @@ def _gdn_b1_ptx() -> str:
 
 def _features(ptx: str) -> dict:
     return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "pk_asm": "0x07F007F0" in ptx,
-            "fma_f32": "fma.rn.f32" in ptx, "head": ptx.splitlines()[0][:200]}
+            "fma_f32": "fma.rn.f32" in ptx, "head": ptx.splitlines()[0][:400]}
 
 
 def _worker() -> None:
@@ -110,10 +111,11 @@ def test_w12_gemv_kernel_uses_no_tensor_cores():
 
 
 def test_gdn_default_b1_config_emits_wgmma():
-    """sm_90 default for B1 with a 32-node tree: stacked q/k, BV=64, 8 warps, wgmma."""
+    """sm_90 default for B1 with a 32-node tree: inverse="split", stacked q/k, BV=32, 4 warps; the
+    second launch's state products ([2BT, K] x [K, BV], M = 64) are wgmma."""
     f = _results()["gdn-b1"]
-    assert "stack=True" in f["head"] and "trans=False" in f["head"] and "BV=64" in f["head"], f["head"]
-    assert "num_warps=8" in f["head"], f["head"]
+    assert "stack=True" in f["head"] and "trans=False" in f["head"] and "BV=32" in f["head"], f["head"]
+    assert "num_warps=4" in f["head"] and "inverse='split'" in f["head"], f["head"]
     assert f["wgmma"]
 
 

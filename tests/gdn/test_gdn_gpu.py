@@ -133,7 +133,8 @@ def test_wy_wgmma_config_uses_wgmma():
     from gdn.kernels.wy import gdn_tree_wy_kernel
 
     dflt = wy_config(32, K, V, DEV, batch=1, HV=HV)
-    assert not dflt.trans and dflt.stack and dflt.BV == 64 and dflt.num_warps == 8, f"sm_90 B1 default changed: {dflt}"
+    assert (not dflt.trans and dflt.stack and dflt.BV == 32 and dflt.num_warps == 4
+            and dflt.inverse == "split"), f"sm_90 B1 default changed: {dflt}"
     assert wy_config(8, K, V, DEV, batch=24, HV=HV).num_warps == 4
     trees = [draft_tree(32, random.Random(1))]
     plan = gdn.build_tree_plan(trees, device=DEV)
@@ -213,6 +214,7 @@ SMALL_TILE_CONFIGS = {
     "split-bv32-w4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True),
     "split-r168": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True, maxnreg=168,
                            inverse_maxnreg=168),
+    "split-bv32-w4-nostack": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True),  # the <= 16-node default
 }
 
 
