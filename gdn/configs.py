@@ -36,6 +36,7 @@ class WYConfig:
     # inverse="split": warps of the first launch (gdn_tree_split_kernel, one program per request and
     # value head, the inverse alone)
     inverse_warps: int = 4
+    inverse_stack: bool = False  # the first launch's q.k^T and k.k^T as one [2BT, K] x [K, BT] product
     # register caps (ptxas .maxnreg; None: the compiler's choice). With "split" the two launches' programs
     # must fit one SM together for the state phase to overlap the inverse: 8 warps x 168 + 4 x 168 <= 64K
     maxnreg: int | None = None

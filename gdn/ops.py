@@ -63,7 +63,8 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
             nbuf = torch.empty(B, HV, BT, BT, device=q.device, dtype=torch.float32)
             gdn_tree_split_kernel[(B, HV)](q, k, g, beta, nbuf, cu, anc, max_depth, scale, *common[:4],
                                            *common[6:10], H=H, HV=HV, K=K, BT=BT, BK=BK, USE_L2=use_l2,
-                                           PREC=ce["PREC"], SPLIT=split, PREC_I=ce["PREC_I"], PDL=pdl, SKIP=ce["SKIP"],
+                                           PREC=ce["PREC"], SPLIT=split, PREC_I=ce["PREC_I"], PDL=pdl,
+                                           STACK=cfg.inverse_stack, SKIP=ce["SKIP"],
                                            num_warps=cfg.inverse_warps, num_stages=1, **extra,
                                            **({"maxnreg": cfg.inverse_maxnreg} if cfg.inverse_maxnreg else {}))
         gdn_tree_wy_kernel[grid](q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, scale, *common,

@@ -92,6 +92,17 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
     "r8b-split-itf32x3": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True,
                                   inverse_precision="tf32x3"),
     "r8b-split-bv32-w4-nostack": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True),
+    # round 9 (session 8, after the default became split; its last fold round now N.P alone): the first
+    # launch at 8 warps capped to 128 registers (the same register file as 4 x 255, so it still shares
+    # an SM with the second launch's programs), and its q.k^T / k.k^T as one stacked product
+    "r9-split-iw8-r128": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_warps=8,
+                                  inverse_maxnreg=128),
+    "r9-split-istack": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True),
+    "r9-split-istack-iw8-r128": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True,
+                                         inverse_stack=True, inverse_warps=8, inverse_maxnreg=128),
+    "r9-split16-iw8-r128": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_warps=8,
+                                    inverse_maxnreg=128),
+    "r9-split16-istack": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_stack=True),
     # round 7 (session 7, last call): 16 warps, 4 per scheduler instead of 2 (Nsight Compute: 0.44
     # eligible warps per scheduler at 8); 128 registers, 8 spilled. Measured much slower: B1-N32
     # 806 / 869 (fold) vs 555 us, chain32 856 / 939 vs 597
@@ -137,7 +148,8 @@ if not GPU:
     WY = {"wy": WYConfig(BV=16), "r3-stack": WYConfig(BV=16, stack=True), "r3-loop": WYConfig(BV=16, inverse="loop"),
           "wy-levels": WYConfig(BV=16, inverse="levels"), "t-bv16": WYConfig(BV=16, trans=True),
           "r5-fold": WYConfig(BV=16, stack=True, inverse="fold"),
-          "r8-split": WYConfig(BV=16, stack=True, inverse="split", maxnreg=128, inverse_maxnreg=128)}
+          "r8-split": WYConfig(BV=16, stack=True, inverse="split", maxnreg=128, inverse_maxnreg=128),
+          "r9-split-istack": WYConfig(BV=16, inverse="split", inverse_stack=True)}
 
 ROWS: list[dict] = []
 LOG: list[str] = []

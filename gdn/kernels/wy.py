@@ -77,6 +77,16 @@ def _unstack(x, M: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _load_stacked(q, k, bos, n, i_h, s_qt, s_qh, s_kt, s_kh, o_k, m_k, BT: tl.constexpr):
+    # q rows over k rows of one request and key head, [2BT, BK], in one load
+    o_2 = tl.arange(0, 2 * BT)
+    rows2 = bos + (o_2 % BT).to(tl.int64)
+    m_2 = (o_2 % BT) < n
+    p_qk = tl.where((o_2 < BT)[:, None], q + rows2[:, None] * s_qt + i_h * s_qh, k + rows2[:, None] * s_kt + i_h * s_kh)
+    return tl.load(p_qk + o_k[None, :], mask=m_2[:, None] & m_k[None, :], other=0.)
+
+
+@triton.jit
 def _row_scales(b_q, b_k, scale, USE_L2: tl.constexpr, BT: tl.constexpr):
     # per-row scales applied after the products: l2 norms and the softmax-free q scale
     if USE_L2:
@@ -106,15 +116,18 @@ def _path_masks(b_anc, b_g, BT: tl.constexpr):
 def _fold_rounds(b_qkd, b_A, d_max, BT: tl.constexpr, PREC_I: tl.constexpr):
     # N = qkd (I + A)^-1 = qkd (I - A)(I + A^2)(I + A^4)..., T never formed. [qkd; A].A gives qkd.A
     # and A^2 in one product; each round [N; P].P gives N.P and P^2 in one: r + 1 products of
-    # M = 2BT, the rounds stopping at the request's depth (A^(2^i) = 0 once 2^i > depth)
+    # M = 2BT, the rounds stopping at the request's depth (A^(2^i) = 0 once 2^i > depth); the last
+    # round needs no next power, so it is N.P alone (M = BT)
     b_y = tl.dot(_stack(b_qkd, b_A), b_A, input_precision=PREC_I)  # [2BT, BT]
     b_na, b_P = _unstack(b_y, BT, BT)
     b_N = b_qkd - b_na  # qkd (I - A)
     for i in tl.static_range(1, 6):
-        if (1 << i) <= d_max:
+        if (2 << i) <= d_max:  # another round follows: it needs P^2
             b_y = tl.dot(_stack(b_N, b_P), b_P, input_precision=PREC_I)
             b_np, b_P = _unstack(b_y, BT, BT)
             b_N = b_N + b_np  # N (I + A^(2^i))
+        elif (1 << i) <= d_max:
+            b_N = b_N + tl.dot(b_N, b_P, input_precision=PREC_I)
     return b_N
 
 
@@ -134,7 +147,7 @@ def gdn_tree_split_kernel(
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
     USE_L2: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, PREC_I: tl.constexpr, PDL: tl.constexpr = False,
-    SKIP: tl.constexpr = 0,
+    STACK: tl.constexpr = False, SKIP: tl.constexpr = 0,
 ):
     """inverse="split", the first of two launches: N = (q.k^T d)(I + A)^-1 of one (request, value
     head), [BT, BT] fp32 into nbuf[B, HV, BT, BT], by the fold rounds. gdn_tree_wy_kernel (INV=4)
@@ -161,7 +174,10 @@ def gdn_tree_split_kernel(
     b_anc = tl.load(anc + rows, mask=m_t, other=0)  # [BT] int64
     d_max = tl.load(max_depth + i_r)
     r_q, r_k = _row_scales(b_q, b_k, scale, USE_L2, BT)
-    if SPLIT:  # raw bf16 operands: exact products on tensor cores, norms applied after
+    if SPLIT and STACK:  # q.k^T over k.k^T in one product, M = 2BT
+        b_x = tl.dot(_load_stacked(q, k, bos, n, i_h, s_qt, s_qh, s_kt, s_kh, o_k, o_k < K, BT), tl.trans(b_k))
+        b_qk, b_kk = _unstack(b_x, BT, BT)
+    elif SPLIT:  # raw bf16 operands: exact products on tensor cores, norms applied after
         b_kk = tl.dot(b_k, tl.trans(b_k))  # [BT, BT]
         b_qk = tl.dot(b_q, tl.trans(b_k))  # [BT, BT]
     else:
@@ -238,12 +254,7 @@ def gdn_tree_wy_kernel(
     # staying live in registers across the inverse.)
     if SPLIT and STACK and not TRANS:
         # q rows over k rows, [2BT, BK]: one set of products with M = 2BT (64 at 32 nodes)
-        o_2 = tl.arange(0, 2 * BT)
-        rows2 = bos + (o_2 % BT).to(tl.int64)
-        m_2 = (o_2 % BT) < n
-        p_qk = tl.where((o_2 < BT)[:, None], q + rows2[:, None] * s_qt + i_h * s_qh,
-                        k + rows2[:, None] * s_kt + i_h * s_kh)
-        b_qk2 = tl.load(p_qk + o_k[None, :], mask=m_2[:, None] & m_k[None, :], other=0.)  # [2BT, BK]
+        b_qk2 = _load_stacked(q, k, bos, n, i_h, s_qt, s_qh, s_kt, s_kh, o_k, m_k, BT)  # [2BT, BK]
         s_hi, s_mid, s_lo = _split3(b_S)
         b_x = tl.dot(b_qk2, tl.trans(b_k))  # [2BT, BT]: q.k^T over k.k^T
         b_qk, b_kk = _unstack(b_x, BT, BT)

@@ -468,13 +468,14 @@ def test_wy_stacked_qk_and_loop_inverse(inverse):
 
 @pytest.mark.parametrize("inverse", ["fold", "split"])
 def test_wy_fold_depth64_and_ragged(inverse):
-    """inverse='fold' (and 'split', its two-launch form) on a depth-63 chain (all 5 rounds, 64-row tile), a batch mixing depths (each
-    request stops its rounds at its own depth) and a star (no rounds at all), against the per-path
-    sequential reference."""
+    """inverse='fold' (and 'split', its two-launch form) on a depth-63 chain (all 5 rounds, 64-row
+    tile), a batch mixing depths (each request stops its rounds at its own depth; the last one is
+    N.P alone) and a star (no rounds at all), against the per-path sequential reference."""
     from gdn.configs import WYConfig
 
     rng = random.Random(24)
-    with force("gdn.tree_verify", config=WYConfig(BV=16, inverse=inverse, stack=True)):
+    cfg = WYConfig(BV=16, inverse=inverse, stack=True, inverse_stack=inverse == "split")
+    with force("gdn.tree_verify", config=cfg):
         check_verify([chain(64)], "wy", dtype=torch.bfloat16, seed=8)
         check_verify([chain(2), rand_tree(17, rng), star(9), chain(9)], "wy", dtype=torch.bfloat16, seed=9)
         # fp32 inputs and output: the bound is the fp32 algorithm's own, so a 1e-3 error in N shows

@@ -215,6 +215,8 @@ SMALL_TILE_CONFIGS = {
     "split-r168": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True, maxnreg=168,
                            inverse_maxnreg=168),
     "split-bv32-w4-nostack": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True),  # the <= 16-node default
+    "split-istack-iw8-r128": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                      inverse_warps=8, inverse_maxnreg=128),
 }
 
 
