@@ -61,7 +61,7 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
             # the fold's N per (request, value head): 4 BT^2 bytes each, written by the first launch and read
             # by the second; a fresh buffer per call (stream-ordered reuse by the caching allocator)
             nbuf = torch.empty(B, HV, BT, BT, device=q.device, dtype=torch.float32)
-            gdn_tree_split_kernel[(B, HV)](q, k, g, beta, nbuf, cu, anc, max_depth, scale, *common[:4],
+            gdn_tree_split_kernel[(B, HV)](q, k, g, beta, nbuf, cu, anc, depth, max_depth, scale, *common[:4],
                                            *common[6:10], H=H, HV=HV, K=K, BT=BT, BK=BK, USE_L2=use_l2,
                                            PREC=ce["PREC"], SPLIT=split, PREC_I=ce["PREC_I"], PDL=pdl,
                                            STACK=cfg.inverse_stack, SKIP=ce["SKIP"],

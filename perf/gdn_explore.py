@@ -33,7 +33,8 @@ def parse():
     ap.add_argument("--layers", type=int, default=None)
     ap.add_argument("--cases", default=None, help="comma-separated case names (default: all)")
     ap.add_argument("--configs", default=None,
-                    help="comma-separated name prefixes of the WY configs to run beside wy and recurrent (default: all)")
+                    help="comma-separated name prefixes of the WY configs to run beside wy and recurrent "
+                         "(default: all)")
     ap.add_argument("--ablate", action="store_true",
                     help="also time the default B1 config with phases removed (WYConfig.skip: wrong outputs, "
                          "timing only, never checked or ranked)")

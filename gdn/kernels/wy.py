@@ -52,6 +52,27 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
+# Guard of the doubling inverses ("square", "loop", "fold", "split"). Their powers A^(2^i) grow when
+# the keys along a path are strongly correlated with large beta (A's row sums above 1): T's entries
+# stay O(1) but the partial products cancel, and fp32 loses digits (CPU sweep, 32-node chains: rho 0.7
+# and beta 1 gave 2.4e-4 relative error in T against 5e-8 for substitution; rho 0.9, 8e-2). While
+# max |A^(2^i)| <= GROWTH_MAX the sweep stayed within 10x substitution's error (~1e-6); above it the
+# program recomputes T by substitution, one product per depth level ("levels", exact order).
+GROWTH_MAX = tl.constexpr(1.0)
+
+
+@triton.jit
+def _levels_T(b_A, b_dep, d_max, BT: tl.constexpr, PREC_I: tl.constexpr):
+    # (I + A)^-1 by forward substitution batched over siblings: rows of depth d are final once all
+    # shallower rows are (one product per depth level)
+    o_t = tl.arange(0, BT)
+    eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
+    b_T = eye
+    for d in range(1, d_max + 1):
+        b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC_I), b_T)
+    return b_T
+
+
 @triton.jit
 def _split3(x):
     # fp32 [M, N] -> three bf16 pieces with x == hi + mid + lo to fp32 accuracy
@@ -113,7 +134,7 @@ def _path_masks(b_anc, b_g, BT: tl.constexpr):
 
 
 @triton.jit
-def _fold_rounds(b_qkd, b_A, d_max, BT: tl.constexpr, PREC_I: tl.constexpr):
+def _fold_rounds(b_qkd, b_A, b_dep, d_max, BT: tl.constexpr, PREC_I: tl.constexpr):
     # N = qkd (I + A)^-1 = qkd (I - A)(I + A^2)(I + A^4)..., T never formed. [qkd; A].A gives qkd.A
     # and A^2 in one product; each round [N; P].P gives N.P and P^2 in one: r + 1 products of
     # M = 2BT, the rounds stopping at the request's depth (A^(2^i) = 0 once 2^i > depth); the last
@@ -121,13 +142,17 @@ def _fold_rounds(b_qkd, b_A, d_max, BT: tl.constexpr, PREC_I: tl.constexpr):
     b_y = tl.dot(_stack(b_qkd, b_A), b_A, input_precision=PREC_I)  # [2BT, BT]
     b_na, b_P = _unstack(b_y, BT, BT)
     b_N = b_qkd - b_na  # qkd (I - A)
+    b_M = tl.abs(b_P)  # elementwise max of the powers' magnitudes (one reduction at the end)
     for i in tl.static_range(1, 6):
         if (2 << i) <= d_max:  # another round follows: it needs P^2
             b_y = tl.dot(_stack(b_N, b_P), b_P, input_precision=PREC_I)
             b_np, b_P = _unstack(b_y, BT, BT)
             b_N = b_N + b_np  # N (I + A^(2^i))
+            b_M = tl.maximum(b_M, tl.abs(b_P))
         elif (1 << i) <= d_max:
             b_N = b_N + tl.dot(b_N, b_P, input_precision=PREC_I)
+    if tl.max(tl.maximum(b_M, tl.abs(b_A))) > GROWTH_MAX:
+        b_N = tl.dot(b_qkd, _levels_T(b_A, b_dep, d_max, BT, PREC_I), input_precision=PREC_I)
     return b_N
 
 
@@ -142,7 +167,7 @@ def _load_n(nbuf, i_r, i_hv, HV: tl.constexpr, BT: tl.constexpr, PDL: tl.constex
 
 @triton.jit(do_not_specialize=["scale"])
 def gdn_tree_split_kernel(
-    q, k, g, beta, nbuf, cu, anc, max_depth,
+    q, k, g, beta, nbuf, cu, anc, depth, max_depth,
     scale,
     s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
@@ -173,6 +198,7 @@ def gdn_tree_split_kernel(
     b_b = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=m_t, other=0.).to(tl.float32)  # [BT]
     b_anc = tl.load(anc + rows, mask=m_t, other=0)  # [BT] int64
     d_max = tl.load(max_depth + i_r)
+    b_dep = tl.load(depth + rows, mask=m_t, other=-1)  # [BT]
     r_q, r_k = _row_scales(b_q, b_k, scale, USE_L2, BT)
     if SPLIT and STACK:  # q.k^T over k.k^T in one product, M = 2BT
         b_x = tl.dot(_load_stacked(q, k, bos, n, i_h, s_qt, s_qh, s_kt, s_kh, o_k, o_k < K, BT), tl.trans(b_k))
@@ -190,7 +216,7 @@ def gdn_tree_split_kernel(
     if SKIP & 2:  # diagnostic (see SKIP below): no rounds
         b_N = b_qkd - b_A
     else:
-        b_N = _fold_rounds(b_qkd, b_A, d_max, BT, PREC_I)
+        b_N = _fold_rounds(b_qkd, b_A, b_dep, d_max, BT, PREC_I)
     tl.store(nbuf + ((i_r * HV + i_hv) * BT + o_t[:, None]).to(tl.int64) * BT + o_t[None, :], b_N)
 
 
@@ -302,29 +328,35 @@ def gdn_tree_wy_kernel(
         if INV == 3:
             b_N = b_qkd
     elif INV == 3:
-        b_N = _fold_rounds(b_qkd, b_A, d_max, BT, PREC_I)  # fold: N = qkd.T with T never formed
+        b_N = _fold_rounds(b_qkd, b_A, b_dep, d_max, BT, PREC_I)  # fold: N = qkd.T with T never formed
     elif INV == 4:
         b_T = eye  # unused: N comes from nbuf (the products above that only fed A are dead code)
     elif INV == 1:
         b_T = eye - b_A
         b_P = b_A
+        b_M = tl.abs(b_A)
         for i in tl.static_range(1, 6):  # A^(2^i) = 0 once 2^i > depth
             if (1 << i) <= d_max:
                 b_P = tl.dot(b_P, b_P, input_precision=PREC_I)
                 b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_I)
+                b_M = tl.maximum(b_M, tl.abs(b_P))
+        if tl.max(b_M) > GROWTH_MAX:
+            b_T = _levels_T(b_A, b_dep, d_max, BT, PREC_I)
     elif INV == 2:
         # the same rounds as a runtime loop: one copy of the two products in the code
         b_T = eye - b_A
         b_P = b_A
+        b_M = tl.abs(b_A)
         p2 = d_max * 0 + 2
         while p2 <= d_max:
             b_P = tl.dot(b_P, b_P, input_precision=PREC_I)
             b_T = b_T + tl.dot(b_T, b_P, input_precision=PREC_I)
+            b_M = tl.maximum(b_M, tl.abs(b_P))
             p2 = p2 * 2
+        if tl.max(b_M) > GROWTH_MAX:
+            b_T = _levels_T(b_A, b_dep, d_max, BT, PREC_I)
     else:
-        b_T = eye  # rows of depth d are final once all shallower rows are
-        for d in range(1, d_max + 1):
-            b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC_I), b_T)
+        b_T = _levels_T(b_A, b_dep, d_max, BT, PREC_I)
 
     b_eG = tl.exp(b_G)
     if INV < 3:

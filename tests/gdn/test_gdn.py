@@ -32,23 +32,28 @@ def star(n):
     return [-1] + [0] * (n - 1)
 
 
-def make_inputs(T, dtype=torch.float32, pool=4, seed=0, l2=True, h=H, hv=HV, k=K, v=V):
+def make_inputs(T, dtype=torch.float32, pool=4, seed=0, l2=True, h=H, hv=HV, k=K, v=V, corr=0.0):
+    """corr > 0: every key is corr * (one shared direction per head) + noise, beta in [0.9, 1] and gates
+    near 0, so A's entries approach 1 and the doubling inverses' powers grow (the hostile case)."""
     gen = torch.Generator().manual_seed(seed)
     q = torch.randn(T, h, k, generator=gen)
     kk = torch.randn(T, h, k, generator=gen)
+    if corr:
+        kk = corr * torch.randn(1, h, k, generator=gen) + (1 - corr ** 2) ** 0.5 * kk
     if not l2:  # realistic norms without the in-kernel L2 norm
         q, kk = q / k ** 0.5, kk / k ** 0.5
     vv = torch.randn(T, hv, v, generator=gen)
-    g = -torch.rand(T, hv, generator=gen) * 0.5
-    beta = torch.rand(T, hv, generator=gen)
+    g = -torch.rand(T, hv, generator=gen) * (0.02 if corr else 0.5)
+    beta = 0.9 + 0.1 * torch.rand(T, hv, generator=gen) if corr else torch.rand(T, hv, generator=gen)
     state = torch.randn(pool, hv, k, v, generator=gen) * 0.3
     return [t.to(dtype) for t in (q, kk, vv, g, beta)] + [state]
 
 
-def check_verify(trees, variant, dtype=torch.float32, l2=True, layout="kv", h=H, hv=HV, k=K, v=V, seed=0):
+def check_verify(trees, variant, dtype=torch.float32, l2=True, layout="kv", h=H, hv=HV, k=K, v=V, seed=0,
+                 corr=0.0):
     plan = gdn.build_tree_plan(trees)
     q, kk, vv, g, beta, pool = make_inputs(plan.total_nodes, dtype, pool=len(trees) + 2, seed=seed, l2=l2, h=h,
-                                           hv=hv, k=k, v=v)
+                                           hv=hv, k=k, v=v, corr=corr)
     idx = torch.randperm(len(trees) + 2, generator=torch.Generator().manual_seed(seed))[: len(trees)]
     pool_k = pool.transpose(-1, -2).contiguous() if layout == "vk" else pool
     o = gdn.tree_verify(q, kk, vv, g, beta, pool_k, idx, plan, use_qk_l2norm=l2, state_layout=layout,
@@ -480,6 +485,20 @@ def test_wy_fold_depth64_and_ragged(inverse):
         check_verify([chain(2), rand_tree(17, rng), star(9), chain(9)], "wy", dtype=torch.bfloat16, seed=9)
         # fp32 inputs and output: the bound is the fp32 algorithm's own, so a 1e-3 error in N shows
         check_verify([rand_tree(20, rng), chain(9)], "wy", seed=10)
+
+
+@pytest.mark.parametrize("inverse", ["square", "loop", "fold", "split", "levels"])
+def test_wy_correlated_keys_stay_accurate(inverse):
+    """Hostile inverse: keys along each path nearly parallel (corr 0.95), beta near 1, gates near 0, so
+    A's entries approach 1 and its powers grow far past 1 on a 32-node chain and a deep tree. The
+    doubling inverses must notice (max |A^(2^i)| > GROWTH_MAX) and fall back to substitution: fp32
+    inputs and output, within the derived bound of torch's fp32 WY form (a triangular solve)."""
+    from gdn.configs import WYConfig
+
+    rng = random.Random(25)
+    deep = [-1] + [max(0, i - 1 - rng.randrange(2)) for i in range(1, 24)]  # depth ~16, a few branches
+    with force("gdn.tree_verify", config=WYConfig(BV=16, inverse=inverse, stack=inverse in ("fold", "split"))):
+        check_verify([chain(32), deep, star(4)], "wy", seed=11, corr=0.95)
 
 
 def test_wy_node_tile_follows_plan():
