@@ -43,6 +43,43 @@ def inputs(T, B, seed, dtype=torch.bfloat16):
     return q, k, v, g, beta, pool
 
 
+HOSTILE_CONFIGS = {
+    "default": None,
+    "split-istack-iw8-r128": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                      inverse_warps=8, inverse_maxnreg=128),
+    "stack-fold-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", pdl=True),
+    "square-bv64-w4": WYConfig(BV=64, pdl=True),  # the many-program default
+    "levels": WYConfig(inverse="levels"),
+}
+
+
+@pytest.mark.parametrize("cfg", list(HOSTILE_CONFIGS))
+@pytest.mark.parametrize("shape", ["chain32", "n32"])
+def test_verify_correlated_keys(shape, cfg):
+    """The doubling inverses' guard at real dims (gdn/kernels/wy.py, GROWTH_MAX): keys nearly parallel
+    along every path (corr 0.95), beta near 1, gates near 0, so A's powers grow past 1 and the
+    programs must recompute T by substitution. bf16 inputs, fp32 output, derived bound."""
+    rng = random.Random(9)
+    trees = {"chain32": [chain(32)], "n32": [draft_tree(32, rng)]}[shape]
+    plan = gdn.build_tree_plan(trees, device=DEV)
+    T = plan.total_nodes
+    q, k, v, g, beta, pool = inputs(T, 1, 10)
+    gen = torch.Generator(device=DEV).manual_seed(11)
+    base = torch.randn(1, H, K, device=DEV, generator=gen)
+    k = (0.95 * base + 0.31 * torch.randn(T, H, K, device=DEV, generator=gen)).to(torch.bfloat16)
+    g = -0.02 * torch.rand(T, HV, device=DEV, generator=gen)
+    beta = (0.9 + 0.1 * torch.rand(T, HV, device=DEV, generator=gen)).to(torch.bfloat16)
+    idx = torch.zeros(1, dtype=torch.int32, device=DEV)
+    out = torch.full((T, HV, V), float("nan"), device=DEV)
+    pinned = HOSTILE_CONFIGS[cfg]
+    with force("gdn.tree_verify", config=pinned) if pinned else contextlib.nullcontext():
+        o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, out=out)
+    torch.cuda.synchronize()
+    r64 = tree_reference(q, k, v, g, beta, pool.double(), [0], trees, use_qk_l2norm=True, dtype=torch.float64)
+    r32 = tree_reference(q, k, v, g, beta, pool, [0], trees, use_qk_l2norm=True, fn=chunk_reference)
+    assert_close(o, r64, r32, msg=f"{cfg} {shape}")
+
+
 def _trees():
     rng = random.Random(0)
     return [draft_tree(32, rng), chain(64), [-1], draft_tree(8, rng), [-1, 0, 0, 0, 1, 2, 3], draft_tree(63, rng)]
