@@ -125,7 +125,10 @@ def wy_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV
             # head; the second launch's state products overlap it). Same run on H200, vs the config above:
             # B1-N32 530 vs 555 us and chain32 588 vs 597 (BV=32, 4 warps, stack); chain8 285 vs 323 and
             # chain16 296 vs 342 (the same without stack, which is slower at 32 nodes: 665 and 751). Not
-            # measured beyond 32 nodes, where the config above stays.
+            # measured beyond 32 nodes, where the config above stays. After the inverse's guard
+            # (gdn/kernels/wy.py, GROWTH_MAX) this config measured 594 us at B1-N32 and 672 at chain32;
+            # BV=32, 4 warps, stack, inverse_stack, inverse_warps=8, inverse_maxnreg=128 measured 529 and
+            # 580 in the same run: the candidate, not yet through the GPU test suite.
             programs = batch * HV * triton.cdiv(V, 64)
             if programs <= _sm_count(device):
                 if bt <= 32:
