@@ -102,6 +102,15 @@ def _unstack(x, M: tl.constexpr, N: tl.constexpr):
 
 
 @triton.jit
+def _request_rows(cu, i_r, BT: tl.constexpr):
+    # request i_r's first packed row, node count, node tile offsets, its mask and the packed rows
+    bos = tl.load(cu + i_r).to(tl.int64)
+    n = tl.load(cu + i_r + 1).to(tl.int64) - bos
+    o_t = tl.arange(0, BT)
+    return bos, n, o_t, o_t < n, bos + o_t.to(tl.int64)
+
+
+@triton.jit
 def _load_stacked(q, k, bos, n, i_h, s_qt, s_qh, s_kt, s_kh, o_k, m_k, BT: tl.constexpr):
     # q rows over k rows of one request and key head, [2BT, BK], in one load
     o_2 = tl.arange(0, 2 * BT)
@@ -189,12 +198,8 @@ def gdn_tree_split_kernel(
         gdc_launch_dependents()
     i_r, i_hv = tl.program_id(0), tl.program_id(1)
     i_h = i_hv // (HV // H)
-    bos = tl.load(cu + i_r).to(tl.int64)
-    n = tl.load(cu + i_r + 1).to(tl.int64) - bos
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n
+    bos, n, o_t, m_t, rows = _request_rows(cu, i_r, BT)
     o_k = tl.arange(0, BK)
-    rows = bos + o_t.to(tl.int64)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
     b_q = tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
     b_k = tl.load(k + rows[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
@@ -245,15 +250,11 @@ def gdn_tree_wy_kernel(
         gdc_launch_dependents()
     i_r, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
     i_h = i_hv // (HV // H)
-    bos = tl.load(cu + i_r).to(tl.int64)
-    n = tl.load(cu + i_r + 1).to(tl.int64) - bos
-    o_t = tl.arange(0, BT)
-    m_t = o_t < n
+    bos, n, o_t, m_t, rows = _request_rows(cu, i_r, BT)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
-    rows = bos + o_t.to(tl.int64)
 
     m_tk = m_t[:, None] & m_k[None, :]
     b_q = tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
