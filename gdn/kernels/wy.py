@@ -2,10 +2,14 @@
 
 The chain's strictly-lower causal mask becomes the proper-ancestor mask and the cumulative gate
 the root-path sum G. With nodes topologically ordered, A (proper-ancestor part) is nilpotent:
-A^(d+1) = 0 for a tree of depth d. Two ways to invert I + A:
-* INV=1 (default) "square": (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...; floor(log2(depth)) rounds
-  of two [BT,BT] products each, independent of the node count (5 rounds at most for 64 nodes).
+A^(d+1) = 0 for a tree of depth d. Ways to invert I + A (WYConfig.inverse; configs.wy_config picks
+"split" on sm_90 for one wave of programs at <= 32 nodes, "square" otherwise):
+* INV=1 "square": (I + A)^-1 = (I - A)(I + A^2)(I + A^4)...; floor(log2(depth)) rounds of two
+  [BT,BT] products each, independent of the node count (5 rounds at most for 64 nodes).
+* INV=2 "loop": the same rounds as a runtime loop.
 * INV=0 "levels": forward substitution batched over siblings, one product per depth level.
+The doubling forms ("square", "loop", "fold", "split") fall back to "levels" when A's powers grow
+(GROWTH_MAX below): their fp32 products cancel then.
 * INV=3 "fold": the output needs T only as (q.k^T d) T, so that product N is built directly, with
   the power stacked under it: [qkd; A].A = [qkd.A; A^2], then per round [N; P].P = [N.P; P^2], and
   O = eG q S0 + N rhs. r + 2 products (M = 2BT for r + 1 of them) instead of the 2r + 2 of "square",
