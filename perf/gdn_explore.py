@@ -174,9 +174,18 @@ def chain(n):
     return list(range(-1, n - 1))
 
 
-def inputs(T, B, seed):
-    """Stacked per-layer q, k, v, g, beta and state pool: the benchmark case's own inputs."""
-    return bench_inputs(L, T, H, HV, K, V, B, DEV, seed)
+def inputs(T, B, seed, hostile=False):
+    """Stacked per-layer q, k, v, g, beta and state pool: the benchmark case's own inputs. hostile:
+    keys nearly parallel within each layer and head (corr 0.95), beta in [0.9, 1], gates near 0, so
+    the doubling inverses' guard sends every program to its substitution fallback (its cost)."""
+    q, k, v, g, beta, pool = bench_inputs(L, T, H, HV, K, V, B, DEV, seed)
+    if hostile:
+        gen = torch.Generator(device=DEV).manual_seed(seed + 1)
+        shared = torch.randn(L, 1, H, K, device=DEV, generator=gen)
+        k = (0.95 * shared + 0.31 * torch.randn(L, T, H, K, device=DEV, generator=gen)).to(k.dtype)
+        g = -0.02 * torch.rand(L, T, HV, device=DEV, generator=gen)
+        beta = (0.9 + 0.1 * torch.rand(L, T, HV, device=DEV, generator=gen)).to(beta.dtype)
+    return q, k, v, g, beta, pool
 
 
 def time_fn(fn, reps=20):
@@ -302,10 +311,11 @@ def main():
     rng = random.Random(4321)
     if GPU:
         specs = [("B1-N32", [draft_tree(32, rng)]), ("B24-N8", [draft_tree(8, rng) for _ in range(24)]),
-                 ("chain8", [chain(8)]), ("chain16", [chain(16)]), ("chain32", [chain(32)])]
+                 ("chain8", [chain(8)]), ("chain16", [chain(16)]), ("chain32", [chain(32)]),
+                 ("B1-N32-hostile", [draft_tree(32, random.Random(4321))]), ("chain32-hostile", [chain(32)])]
     else:
         specs = [("B1-N6", [draft_tree(6, rng)]), ("B3-N3", [draft_tree(3, rng) for _ in range(3)]),
-                 ("chain4", [chain(4)])]
+                 ("chain4", [chain(4)]), ("chain8-hostile", [chain(8)])]
     if ARGS.cases:
         keep = ARGS.cases.split(",")
         unknown = sorted(set(keep) - {n for n, _ in specs})
@@ -321,7 +331,7 @@ def main():
     for sname, trees in specs:
         T = sum(len(t) for t in trees)
         cases[sname] = dict(trees=trees, T=T, plan=gdn.build_tree_plan(trees, device=DEV),
-                            inputs=inputs(T, len(trees), 7 + T), refs={})
+                            inputs=inputs(T, len(trees), 7 + T, hostile=sname.endswith("-hostile")), refs={})
     # fla first, on its own share of the budget: warm-up call (autotune) untimed, then timed
     fla_end = time.time() + (ARGS.fla_budget if GPU else 0.0)
     for sname, _ in specs:
