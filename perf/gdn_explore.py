@@ -36,8 +36,8 @@ def parse():
                     help="comma-separated name prefixes of the WY configs to run beside wy and recurrent "
                          "(default: all)")
     ap.add_argument("--ablate", action="store_true",
-                    help="also time the default B1 config with phases removed (WYConfig.skip: wrong outputs, "
-                         "timing only, never checked or ranked)")
+                    help="also time B1 configs with phases removed (session 7's default and session 8's split; "
+                         "WYConfig.skip: wrong outputs, timing only, never checked or ranked)")
     return ap.parse_args()
 
 
@@ -71,7 +71,8 @@ if ARGS.layers:
 C = 2 * H * K + HV * V if GPU else 24
 
 WY = {  # name -> pinned config (None = the default heuristic); most promising first (budget)
-    "wy": None,  # sm_90 default: one wave -> BV=64, 8 warps, stack, PDL; more programs -> BV=64, 4 warps, PDL
+    "wy": None,  # sm_90 default (configs.wy_config): one wave at <= 32 nodes -> split, BV=32, 4 warps;
+    # one wave beyond -> BV=64, 8 warps, stack, PDL; more programs -> BV=64, 4 warps, PDL
     # round 8 (session 8): inverse="split", fold's N from a first launch (one program per request and
     # value head) while the second does the state products, PDL between them. Both grids must fit the
     # SMs together (48 + 96 programs on 132 SMs at B1): register caps, smaller or larger V blocks
@@ -136,7 +137,8 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
     "r4-bv64-tf32x3": WYConfig(BV=64, small_precision="tf32x3"),  # B24: 4 warps, many programs
     "r4-bv64-pdl": WYConfig(BV=64, pdl=True),
 }
-# --ablate: the B1 default with phases removed (gdn/kernels/wy.py SKIP bits); wrong outputs, timed only
+# --ablate: the session-7 B1 default (BV=64, 8 warps, stack, square) with phases removed (gdn/kernels/wy.py
+# SKIP bits); wrong outputs, timed only
 ABLATE = {f"ablate-skip{b}": WYConfig(BV=64, num_warps=8, stack=True, pdl=True, skip=b)
           for b in (1, 2, 4, 5, 7)}
 # the split config's phases (first launch's rounds; bit 4: the second launch no longer waits on the first)
