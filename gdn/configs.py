@@ -85,6 +85,17 @@ def wy_constexprs(cfg: WYConfig) -> dict:
     inv = _INVERSE.get(cfg.inverse)
     if inv is None:
         raise ValueError(f"WYConfig.inverse must be one of {sorted(_INVERSE)}, got {cfg.inverse!r}")
+    if cfg.inverse != "split" and (cfg.inverse_stack or cfg.inverse_maxnreg is not None or cfg.inverse_warps != 4):
+        raise ValueError(f"WYConfig.inverse_stack, inverse_warps and inverse_maxnreg configure the first launch of "
+                         f"inverse='split' and do nothing with inverse={cfg.inverse!r}: leave them at their defaults")
+    for name in ("num_warps", "inverse_warps"):
+        w = getattr(cfg, name)
+        if w not in (1, 2, 4, 8, 16):
+            raise ValueError(f"WYConfig.{name} must be 1, 2, 4, 8 or 16, got {w!r}")
+    for name in ("maxnreg", "inverse_maxnreg"):
+        r = getattr(cfg, name)
+        if r is not None and not 24 <= r <= 255:
+            raise ValueError(f"WYConfig.{name} is a per-thread register cap between 24 and 255 (or None), got {r!r}")
     return dict(BV=cfg.BV, PREC=cfg.dot_precision, PREC_S=cfg.small_precision,
                 PREC_I=cfg.inverse_precision or cfg.small_precision, INV=inv, TRANS=cfg.trans, STACK=cfg.stack,
                 SKIP=cfg.skip)

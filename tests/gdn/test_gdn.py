@@ -501,6 +501,25 @@ def test_wy_correlated_keys_stay_accurate(inverse):
         check_verify([chain(32), deep, star(4)], "wy", seed=11, corr=0.95)
 
 
+@pytest.mark.parametrize("fields, match", [
+    (dict(inverse="cubic"), "must be one of"),
+    (dict(inverse_stack=True), "do nothing with inverse='square'"),
+    (dict(inverse="fold", inverse_warps=8), "do nothing with inverse='fold'"),
+    (dict(inverse="split", inverse_warps=3), "inverse_warps must be"),
+    (dict(inverse="split", maxnreg=300), "maxnreg is a per-thread register cap"),
+    (dict(inverse="split", inverse_maxnreg=8), "inverse_maxnreg is a per-thread register cap"),
+])
+def test_wy_config_rejects(fields, match):
+    """A pinned WYConfig that cannot mean what it says fails at the call with the field named."""
+    from gdn.configs import WYConfig
+
+    plan = gdn.build_tree_plan([[-1, 0]])
+    q, k, v, g, beta, pool = make_inputs(2)
+    with force("gdn.tree_verify", config=WYConfig(BV=16, **fields)):
+        with pytest.raises(ValueError, match=match):
+            gdn.tree_verify(q, k, v, g, beta, pool, torch.tensor([0]), plan, variant="wy")
+
+
 def test_wy_node_tile_follows_plan():
     from gdn.configs import wy_config
 
