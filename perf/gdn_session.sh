@@ -3,7 +3,7 @@
 # with phases removed, timed only), then the GDN GPU tests, then (BENCH=1) the benchmark.
 #
 #   bash perf/gdn_session.sh            (OUT defaults to perf/out)
-#   env: EXPLORE_ARGS EXPLORE_BUDGET EXPLORE_TIMEOUT FLA_BUDGET TEST_K TEST_TIMEOUT BENCH BENCH_TIMEOUT
+#   env: EXPLORE_ARGS EXPLORE_BUDGET EXPLORE_TIMEOUT FLA_BUDGET TEST_K TEST_SHARD TEST_TIMEOUT BENCH BENCH_TIMEOUT
 #
 # Files in $OUT: gdn_explore.json explore.log pytest.log [<stamp>-gdn.{json,md,png}] summary.txt
 cd "$(dirname "$0")/.."
@@ -13,9 +13,16 @@ timeout "${EXPLORE_TIMEOUT:-260}" python3 perf/gdn_explore.py ${EXPLORE_ARGS:---
   --fla-budget "${FLA_BUDGET:-0}" --out "$OUT" >"$OUT/explore.log" 2>&1
 EXPLORE_RC=$?
 
-# TEST_K: a pytest -k expression to run a subset (compiles of the many configs dominate the full run)
-timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/gdn tests/test_sm90_codegen.py -m "gpu or hopper" -q \
-  ${TEST_K:+-k "$TEST_K"} "${PYTEST_OPTS[@]}" >"$OUT/pytest.log" 2>&1
+# TEST_K: a pytest -k expression to run a subset (compiles of the many configs dominate the full run);
+# TEST_SHARD=i/n: the i-th of n round-robin shards of that selection (perf/pytest_shard.py), so n calls
+# run the whole GPU suite once
+if [ -n "${TEST_SHARD:-}" ]; then
+  timeout "${TEST_TIMEOUT:-240}" python3 perf/pytest_shard.py "$TEST_SHARD" tests/gdn tests/test_sm90_codegen.py \
+    -m "gpu or hopper" -q ${TEST_K:+-k "$TEST_K"} "${PYTEST_OPTS[@]}" >"$OUT/pytest.log" 2>&1
+else
+  timeout "${TEST_TIMEOUT:-240}" python3 -m pytest tests/gdn tests/test_sm90_codegen.py -m "gpu or hopper" -q \
+    ${TEST_K:+-k "$TEST_K"} "${PYTEST_OPTS[@]}" >"$OUT/pytest.log" 2>&1
+fi
 TEST_RC=$?
 
 BENCH_RC=skipped
