@@ -57,6 +57,7 @@ from autotune import force  # noqa: E402
 from gdn.configs import WY_WGMMA, WYConfig  # noqa: E402
 from gdn.reference import chunk_reference, recurrent_reference, root_path, tree_reference  # noqa: E402
 from specpilot.bench.cases.gdn import _inputs as bench_inputs  # noqa: E402
+from specpilot.bench.cases.gdn import hostile as bench_hostile  # noqa: E402
 from specpilot.bench.runner import time_fns  # noqa: E402
 from specpilot.testing import error_bound  # noqa: E402
 
@@ -182,11 +183,7 @@ def inputs(T, B, seed, hostile=False):
     the doubling inverses' guard sends every program to its substitution fallback (its cost)."""
     q, k, v, g, beta, pool = bench_inputs(L, T, H, HV, K, V, B, DEV, seed)
     if hostile:
-        gen = torch.Generator(device=DEV).manual_seed(seed + 1)
-        shared = torch.randn(L, 1, H, K, device=DEV, generator=gen)
-        k = (0.95 * shared + 0.31 * torch.randn(L, T, H, K, device=DEV, generator=gen)).to(k.dtype)
-        g = -0.02 * torch.rand(L, T, HV, device=DEV, generator=gen)
-        beta = (0.9 + 0.1 * torch.rand(L, T, HV, device=DEV, generator=gen)).to(beta.dtype)
+        k, g, beta = bench_hostile(k, g, beta, seed + 1)
     return q, k, v, g, beta, pool
 
 

@@ -56,6 +56,19 @@ def _inputs(L, T, H, HV, K, V, B, device, seed):
     return q, k, v, g, beta, pool
 
 
+def hostile(k, g, beta, seed):
+    """The doubling inverse's hostile inputs from stacked [L, T, ...] k, g, beta: keys nearly parallel
+    within each layer and key head (correlation 0.95), beta in [0.9, 1], gates near 0. A's entries
+    approach 1, its powers grow and the WY kernel's guard takes the substitution fallback."""
+    L, T, H, K = k.shape
+    gen = torch.Generator(device=k.device).manual_seed(seed)
+    shared = torch.randn(L, 1, H, K, device=k.device, generator=gen)
+    k = (0.95 * shared + 0.31 * torch.randn(L, T, H, K, device=k.device, generator=gen)).to(k.dtype)
+    g = -0.02 * torch.rand(g.shape, device=g.device, generator=gen)
+    beta = (0.9 + 0.1 * torch.rand(beta.shape, device=beta.device, generator=gen)).to(beta.dtype)
+    return k, g, beta
+
+
 def _verify_bytes(T, B, H, HV, K, V):
     return 2 * T * H * K * 2 + T * HV * V * 2 + T * HV * (4 + 2) + B * HV * K * V * 4 + T * HV * V * 2
 
