@@ -3,15 +3,19 @@
 # with phases removed, timed only), then the GDN GPU tests, then (BENCH=1) the benchmark.
 #
 #   bash perf/gdn_session.sh            (OUT defaults to perf/out)
-#   env: EXPLORE_ARGS EXPLORE_BUDGET EXPLORE_TIMEOUT FLA_BUDGET TEST_K TEST_SHARD TEST_TIMEOUT BENCH BENCH_TIMEOUT
+#   env: EXPLORE (0: skip) EXPLORE_ARGS EXPLORE_BUDGET EXPLORE_TIMEOUT FLA_BUDGET TEST_K TEST_SHARD TEST_TIMEOUT
+#        BENCH BENCH_TIMEOUT
 #
 # Files in $OUT: gdn_explore.json explore.log pytest.log [<stamp>-gdn.{json,md,png}] summary.txt
 cd "$(dirname "$0")/.."
 . perf/session_env.sh
 
-timeout "${EXPLORE_TIMEOUT:-260}" python3 perf/gdn_explore.py ${EXPLORE_ARGS:---ablate} --budget "${EXPLORE_BUDGET:-230}" \
-  --fla-budget "${FLA_BUDGET:-0}" --out "$OUT" >"$OUT/explore.log" 2>&1
-EXPLORE_RC=$?
+EXPLORE_RC=skipped
+if [ "${EXPLORE:-1}" != 0 ]; then
+  timeout "${EXPLORE_TIMEOUT:-260}" python3 perf/gdn_explore.py ${EXPLORE_ARGS:---ablate} --budget "${EXPLORE_BUDGET:-230}" \
+    --fla-budget "${FLA_BUDGET:-0}" --out "$OUT" >"$OUT/explore.log" 2>&1
+  EXPLORE_RC=$?
+fi
 
 # TEST_K: a pytest -k expression to run a subset (compiles of the many configs dominate the full run);
 # TEST_SHARD=i/n: the i-th of n round-robin shards of that selection (perf/pytest_shard.py), so n calls
@@ -33,8 +37,11 @@ fi
 LATEST=$(ls -t "$OUT"/2*-gdn.md 2>/dev/null | head -n 1)
 
 {
-  echo "explore rc=$EXPLORE_RC"; sed -n '/== best per case/,$p' "$OUT/explore.log"
-  grep -E "ABLATION|FAILED|ERROR" "$OUT/explore.log" | head -n 20
+  echo "explore rc=$EXPLORE_RC"
+  if [ -f "$OUT/explore.log" ]; then
+    sed -n '/== best per case/,$p' "$OUT/explore.log"
+    grep -E "ABLATION|FAILED|ERROR" "$OUT/explore.log" | head -n 20
+  fi
   echo "tests   rc=$TEST_RC: $(grep -E '(passed|failed|error)' "$OUT/pytest.log" | tail -n 1)"
   grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head -n 10
   echo "bench   rc=$BENCH_RC ${LATEST:-no result}"
