@@ -237,7 +237,7 @@ def check(o32, case, fnref, layers):
             case["refs"][key] = (r64, r32)
         r64, r32 = case["refs"][key]
         c = error_bound(o32[li].double(), r64, r32, factor=2.0)
-        ok = c.err <= c.bound and c.max_abs <= c.max_abs_bound
+        ok = c.ok
         worst = max(worst, c.err / max(c.base_err, 1e-30), c.max_abs / max(c.base_max_abs, 1e-30))
         if not ok:
             return False, worst

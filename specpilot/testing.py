@@ -62,6 +62,11 @@ class Closeness:
     bound: float
     max_abs_bound: float
 
+    @property
+    def ok(self) -> bool:
+        """Within both derived bounds (what assert_close asserts)."""
+        return self.err <= self.bound and self.max_abs <= self.max_abs_bound
+
 
 def error_bound(actual: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tensor, *, factor: float = 2.0,
                 ulps: float = 1.0) -> Closeness:
@@ -99,7 +104,7 @@ def assert_close(actual: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tens
     if not torch.equal(a[inf_r], r[inf_r]) or torch.isinf(a[~inf_r & ~nan_r]).any():
         raise AssertionError(f"{msg} infinities differ from the reference")
     c = error_bound(a, r, baseline.cpu(), factor=factor, ulps=ulps)
-    if not (c.err <= c.bound and c.max_abs <= c.max_abs_bound):
+    if not c.ok:
         raise AssertionError(
             f"{msg} error {c.err:.3e} (max {c.max_abs:.3e}) exceeds {factor}x PyTorch's "
             f"{c.base_err:.3e} (max {c.base_max_abs:.3e}): bounds {c.bound:.3e} / {c.max_abs_bound:.3e}"

@@ -13,6 +13,7 @@ import gdn
 from autotune import force
 from gdn.configs import WYConfig
 from gdn.reference import chunk_reference, conv_reference, recurrent_reference, root_path, tree_reference
+from specpilot.bench.cases.gdn import hostile
 from specpilot.bench.shapes import get_shape_set
 from specpilot.testing import assert_close, rel_err
 
@@ -64,11 +65,7 @@ def test_verify_correlated_keys(shape, cfg):
     plan = gdn.build_tree_plan(trees, device=DEV)
     T = plan.total_nodes
     q, k, v, g, beta, pool = inputs(T, 1, 10)
-    gen = torch.Generator(device=DEV).manual_seed(11)
-    base = torch.randn(1, H, K, device=DEV, generator=gen)
-    k = (0.95 * base + 0.31 * torch.randn(T, H, K, device=DEV, generator=gen)).to(torch.bfloat16)
-    g = -0.02 * torch.rand(T, HV, device=DEV, generator=gen)
-    beta = (0.9 + 0.1 * torch.rand(T, HV, device=DEV, generator=gen)).to(torch.bfloat16)
+    k, g, beta = (x[0] for x in hostile(k[None], g[None], beta[None], 11))
     idx = torch.zeros(1, dtype=torch.int32, device=DEV)
     out = torch.full((T, HV, V), float("nan"), device=DEV)
     pinned = HOSTILE_CONFIGS[cfg]
