@@ -37,6 +37,13 @@ class WYConfig:
     # value head, the inverse alone)
     inverse_warps: int = 4
     inverse_stack: bool = False  # the first launch's q.k^T and k.k^T as one [2BT, K] x [K, BT] product
+    inverse_loop: bool = False  # the first launch's fold rounds as a runtime loop (one copy of the code)
+    # inverse="split": how N reaches the state programs. "grid": two launches, the second waiting on the
+    # first grid (PDL); "flag": one launch, the B * HV inverse programs first, each raising a flag in
+    # TreePlan.sync that its head's state programs poll (no grid boundary). "flag" runs only where the
+    # whole grid fits on the GPU at once (else the launcher uses "grid") and takes num_warps/maxnreg
+    # for both roles (inverse_warps and inverse_maxnreg are the "grid" first launch's)
+    handoff: str = "grid"
     # register caps (ptxas .maxnreg; None: the compiler's choice). With "split" the two launches' programs
     # must fit one SM together for the state phase to overlap the inverse: 8 warps x 168 + 4 x 168 <= 64K
     maxnreg: int | None = None
@@ -85,9 +92,16 @@ def wy_constexprs(cfg: WYConfig) -> dict:
     inv = _INVERSE.get(cfg.inverse)
     if inv is None:
         raise ValueError(f"WYConfig.inverse must be one of {sorted(_INVERSE)}, got {cfg.inverse!r}")
-    if cfg.inverse != "split" and (cfg.inverse_stack or cfg.inverse_maxnreg is not None or cfg.inverse_warps != 4):
-        raise ValueError(f"WYConfig.inverse_stack, inverse_warps and inverse_maxnreg configure the first launch of "
-                         f"inverse='split' and do nothing with inverse={cfg.inverse!r}: leave them at their defaults")
+    if cfg.inverse != "split" and (cfg.inverse_stack or cfg.inverse_loop or cfg.inverse_maxnreg is not None
+                                   or cfg.inverse_warps != 4):
+        raise ValueError(f"WYConfig.inverse_stack, inverse_loop, inverse_warps and inverse_maxnreg configure the first "
+                         f"launch of inverse='split' and do nothing with inverse={cfg.inverse!r}: leave them at their "
+                         f"defaults")
+    if cfg.handoff not in ("grid", "flag"):
+        raise ValueError(f"WYConfig.handoff must be 'grid' or 'flag', got {cfg.handoff!r}")
+    if cfg.handoff == "flag" and cfg.inverse != "split":
+        raise ValueError(f"WYConfig.handoff='flag' hands the inverse of inverse='split' over inside one launch; "
+                         f"with inverse={cfg.inverse!r} there is nothing to hand over: leave handoff='grid'")
     for name in ("num_warps", "inverse_warps"):
         w = getattr(cfg, name)
         if w not in (1, 2, 4, 8, 16):
@@ -139,11 +153,19 @@ def wy_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV
             # measured beyond 32 nodes, where the config above stays. After the inverse's guard
             # (gdn/kernels/wy.py, GROWTH_MAX) this config measured 594 us at B1-N32 and 672 at chain32;
             # BV=32, 4 warps, stack, inverse_stack, inverse_warps=8, inverse_maxnreg=128 measured 529 and
-            # 580 in the same run: the candidate, not yet through the GPU test suite.
+            # 580 in the same run.
+            # Session 9: the first launch's rounds as a runtime loop (inverse_loop: ~5K SASS instructions
+            # instead of ~10-16K run once per program). Same run (perf/results/h200/20261201-s9-call3-*),
+            # vs the session-8 default: 32 nodes with inverse_stack and 8 uncapped warps, B1-N32 524 vs
+            # 600 us, chain32 582 vs 684 (the 128-register cap: 559 / 630); <= 16 nodes, no stack, 4 warps,
+            # chain8 281 vs 332, chain16 314 vs 362. The one-launch form (handoff="flag") was slower.
             programs = batch * HV * triton.cdiv(V, 64)
             if programs <= _sm_count(device):
+                if bt <= 16:
+                    return WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_loop=True)
                 if bt <= 32:
-                    return WYConfig(BV=32, num_warps=4, stack=bt == 32, inverse="split", pdl=True)
+                    return WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                    inverse_warps=8, inverse_loop=True)
                 return WYConfig(BV=64, num_warps=8, stack=True, pdl=True)
             return WYConfig(BV=64, num_warps=4, pdl=True)
         return WYConfig(BV=_bv(V), num_warps=8 if bt >= 64 else 4)

@@ -7,7 +7,7 @@ import torch
 import triton
 
 from autotune import select_variant
-from autotune.hardware import has_pdl
+from autotune.hardware import has_pdl, is_interpreter
 
 from . import configs
 from .plan import TreePlan
@@ -31,7 +31,35 @@ def _state_strides(pool: torch.Tensor, vk: bool):
     return (s[-4], s[-3], s[-1], s[-2]) if vk else (s[-4], s[-3], s[-2], s[-1])
 
 
-def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, scale, use_l2,
+_RESIDENT: dict = {}
+
+
+def _all_resident(kernel, programs, args, kw, device) -> bool:
+    """Whether `programs` programs of `kernel` (as compiled for these arguments) all fit on the GPU at
+    once: the one-launch split inverse spins its consumers on flags that producers of the same grid
+    raise, so it runs only where no program can be left waiting for a slot (registers, shared memory
+    and threads per SM, times the SM count). The interpreter runs programs in order: always true."""
+    if is_interpreter():
+        return True
+    key = (device, programs, tuple(a.dtype if isinstance(a, torch.Tensor) else type(a) for a in args),
+           tuple(sorted(kw.items())))
+    hit = _RESIDENT.get(key)
+    if hit is None:
+        ck = kernel.warmup(*args, grid=(programs,), **kw)
+        ck._init_handles()
+        props = torch.cuda.get_device_properties(device)
+        warps = kw["num_warps"]
+        per_warp = -(-ck.n_regs * 32 // 256) * 256  # registers are allocated per warp, 256 at a time
+        by_regs = getattr(props, "regs_per_multiprocessor", 65536) // (per_warp * warps)
+        smem = getattr(props, "shared_memory_per_multiprocessor", 233472)
+        by_smem = smem // (ck.metadata.shared + 1024)  # 1 KB reserved per block
+        by_threads = props.max_threads_per_multi_processor // (32 * warps)
+        hit = programs <= props.multi_processor_count * min(by_regs, by_smem, by_threads, 32)
+        _RESIDENT[key] = hit
+    return hit
+
+
+def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, sync, scale, use_l2,
                    vk, variant, max_nodes):
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
@@ -56,15 +84,28 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
         nbuf = o  # read only with inverse="split"
         cap = {"maxnreg": cfg.maxnreg} if cfg.maxnreg else {}
         if ce["INV"] == 4:
-            from .kernels.wy import gdn_tree_split_kernel
+            from .kernels.wy import gdn_tree_flag_kernel, gdn_tree_split_kernel
 
             # the fold's N per (request, value head): 4 BT^2 bytes each, written by the first launch and read
             # by the second; a fresh buffer per call (stream-ordered reuse by the caching allocator)
             nbuf = torch.empty(B, HV, BT, BT, device=q.device, dtype=torch.float32)
+            if cfg.handoff == "flag" and HV <= sync.shape[-1]:
+                # one launch: B * HV producer programs first, then the (request, value head, V block) ones
+                n_prod = B * HV
+                fgrid = (n_prod * (1 + triton.cdiv(V, cfg.BV)),)
+                args = (q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, sync, scale, n_prod,
+                        *common)
+                kw = dict(H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, BV=cfg.BV, USE_L2=use_l2, PREC=ce["PREC"],
+                          PREC_S=ce["PREC_S"], SPLIT=split, STACK=cfg.stack, ISTACK=cfg.inverse_stack,
+                          ILOOP=cfg.inverse_loop, PREC_I=ce["PREC_I"], PDL=pdl, SKIP=ce["SKIP"],
+                          num_warps=cfg.num_warps, num_stages=cfg.num_stages, **cap)
+                if _all_resident(gdn_tree_flag_kernel, fgrid[0], args, kw, q.device):
+                    gdn_tree_flag_kernel[fgrid](*args, **kw, **extra)
+                    return
             gdn_tree_split_kernel[(B, HV)](q, k, g, beta, nbuf, cu, anc, depth, max_depth, scale, *common[:4],
                                            *common[6:10], H=H, HV=HV, K=K, BT=BT, BK=BK, USE_L2=use_l2,
                                            PREC=ce["PREC"], SPLIT=split, PREC_I=ce["PREC_I"], PDL=pdl,
-                                           STACK=cfg.inverse_stack, SKIP=ce["SKIP"],
+                                           STACK=cfg.inverse_stack, ILOOP=cfg.inverse_loop, SKIP=ce["SKIP"],
                                            num_warps=cfg.inverse_warps, num_stages=1, **extra,
                                            **({"maxnreg": cfg.inverse_maxnreg} if cfg.inverse_maxnreg else {}))
         gdn_tree_wy_kernel[grid](q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, scale, *common,
@@ -134,10 +175,10 @@ def _launch_commit(pool, k, v, g, beta, state_idx, cu, accepted, acc_len, use_l2
 @torch.library.custom_op("specpilot_gdn::tree_verify", mutates_args=("o",))
 def _verify_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                o: torch.Tensor, pool: torch.Tensor, state_idx: torch.Tensor, cu: torch.Tensor, anc: torch.Tensor,
-               depth: torch.Tensor, max_depth: torch.Tensor, node_req: torch.Tensor, scale: float, use_l2: bool,
-               vk: bool, variant: str, max_nodes: int) -> None:
-    _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, scale, use_l2, vk,
-                   variant, max_nodes)
+               depth: torch.Tensor, max_depth: torch.Tensor, node_req: torch.Tensor, sync: torch.Tensor, scale: float,
+               use_l2: bool, vk: bool, variant: str, max_nodes: int) -> None:
+    _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, sync, scale, use_l2,
+                   vk, variant, max_nodes)
 
 
 @_verify_op.register_fake
@@ -151,11 +192,11 @@ def _(*args, **kwargs) -> None:
 @torch.library.custom_op("specpilot_gdn::tree_verify_out", mutates_args=())
 def _verify_alloc_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tensor, beta: torch.Tensor,
                      pool: torch.Tensor, state_idx: torch.Tensor, cu: torch.Tensor, anc: torch.Tensor,
-                     depth: torch.Tensor, max_depth: torch.Tensor, node_req: torch.Tensor, scale: float,
-                     use_l2: bool, vk: bool, variant: str, max_nodes: int) -> torch.Tensor:
+                     depth: torch.Tensor, max_depth: torch.Tensor, node_req: torch.Tensor, sync: torch.Tensor,
+                     scale: float, use_l2: bool, vk: bool, variant: str, max_nodes: int) -> torch.Tensor:
     o = torch.empty_like(v)
-    _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, scale, use_l2, vk,
-                   variant, max_nodes)
+    _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, sync, scale, use_l2,
+                   vk, variant, max_nodes)
     return o
 
 
@@ -286,14 +327,14 @@ def tree_verify(q, k, v, g, beta, state_pool, state_indices, tree: TreePlan, sca
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
     if out is None and variant != "reference" and torch.compiler.is_compiling():
         return _verify_alloc_op(q, k, v, g, beta, state_pool, state_indices, tree.cu_seqlens, tree.anc, tree.depth,
-                                tree.max_depth, tree.node_req, scale, bool(use_qk_l2norm), vk, variant,
-                                tree.max_nodes)
+                                tree.max_depth, tree.node_req, tree.sync, scale, bool(use_qk_l2norm), vk,
+                                variant, tree.max_nodes)
     if out is None:
         out = torch.empty_like(v)
     if variant == "reference":
         return _reference_verify(q, k, v, g, beta, state_pool, state_indices, tree, scale, use_qk_l2norm, vk, out)
     _call(_verify_op, _launch_verify, q, k, v, g, beta, out, state_pool, state_indices, tree.cu_seqlens, tree.anc,
-          tree.depth, tree.max_depth, tree.node_req, scale, bool(use_qk_l2norm), vk, variant, tree.max_nodes)
+          tree.depth, tree.max_depth, tree.node_req, tree.sync, scale, bool(use_qk_l2norm), vk, variant, tree.max_nodes)
     return out
 
 

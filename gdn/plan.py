@@ -13,9 +13,10 @@ from typing import Sequence
 
 import torch
 
-__all__ = ["TreePlan", "build_tree_plan", "MAX_NODES"]
+__all__ = ["TreePlan", "build_tree_plan", "MAX_NODES", "SYNC_HEADS"]
 
 MAX_NODES = 64  # one int64 ancestor bitmask per node
+SYNC_HEADS = 256  # value heads covered by TreePlan.sync (more: tree_verify uses two launches)
 
 
 @dataclass(frozen=True)
@@ -33,6 +34,10 @@ class TreePlan:
     depth: torch.Tensor  # int32 [T] 0 for roots
     node_req: torch.Tensor  # int32 [T] request of each node
     max_depth: torch.Tensor  # int32 [B] deepest node per request (0 when empty)
+    # int32 [B, SYNC_HEADS] zeros: the hand-over flags of tree_verify's one-launch split inverse
+    # (WYConfig.handoff="flag", gdn/kernels/wy.py). Every call leaves them at 0 again; so a plan
+    # serves one stream at a time (layers run one after another), never two kernels at once.
+    sync: torch.Tensor
     batch: int
     total_nodes: int
     max_nodes: int  # static bound on nodes per request (sets tile sizes), <= 64
@@ -112,8 +117,9 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
     if max_nodes > MAX_NODES:
         raise ValueError(f"max_nodes={max_nodes} > {MAX_NODES}: at most {MAX_NODES} nodes per request")
     anc, depth, gpar, req, max_depth = _derive(p, cu, batch)
+    sync = torch.zeros(batch, SYNC_HEADS, dtype=torch.int32, device=dev)
     return TreePlan(cu_seqlens=cu, parent=gpar, parent_local=p, anc=anc, depth=depth, node_req=req,
-                    max_depth=max_depth, batch=batch, total_nodes=total, max_nodes=int(max_nodes))
+                    max_depth=max_depth, sync=sync, batch=batch, total_nodes=total, max_nodes=int(max_nodes))
 
 
 def _derive(p: torch.Tensor, cu: torch.Tensor, batch: int):

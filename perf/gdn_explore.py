@@ -106,6 +106,34 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
     "r9-split16-iw8-r128": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_warps=8,
                                     inverse_maxnreg=128),
     "r9-split16-istack": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_stack=True),
+    # round 10 (session 9): split in one launch (handoff="flag"): the inverse programs hand N to their head's
+    # state programs through a flag in the plan instead of a grid boundary (one launch per layer, not two);
+    # one num_warps for both roles
+    "r10-flag-w4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                            handoff="flag"),
+    "r10-flag-w8": WYConfig(BV=32, num_warps=8, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                            handoff="flag"),
+    "r10-flag-w4-r168": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                 handoff="flag", maxnreg=168),
+    "r10-flag-bv64-w8": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                 handoff="flag"),
+    "r10-flag16-w4": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, handoff="flag"),
+    "r10-flag16-w8": WYConfig(BV=32, num_warps=8, inverse="split", pdl=True, handoff="flag"),
+    # round 11 (session 9): the first launch's fold rounds as a runtime loop (inverse_loop: one copy of the
+    # round's code; the unrolled first launch is ~10K SASS instructions at 8 warps, 16-18K at 4, each run once
+    # per program). Round 10 measured the one-launch form slower with rounds (B1-N32 775-805 vs 534 us) but
+    # faster without them (ablation 354 vs 391): the instruction footprint of both roles in one kernel is the
+    # suspect
+    "r11-loop-iw8": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                             inverse_warps=8, inverse_loop=True),
+    "r11-loop-iw8-r128": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                  inverse_warps=8, inverse_maxnreg=128, inverse_loop=True),
+    "r11-loop-iw4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                             inverse_loop=True),
+    "r11-loop16": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_loop=True),
+    "r11-loop16-iw8": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_warps=8, inverse_loop=True),
+    "r11-flag-loop-w8": WYConfig(BV=32, num_warps=8, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                 handoff="flag", inverse_loop=True),
     # round 7 (session 7, last call): 16 warps, 4 per scheduler instead of 2 (Nsight Compute: 0.44
     # eligible warps per scheduler at 8); 128 registers, 8 spilled. Measured much slower: B1-N32
     # 806 / 869 (fold) vs 555 us, chain32 856 / 939 vs 597
@@ -145,6 +173,9 @@ ABLATE = {f"ablate-skip{b}": WYConfig(BV=64, num_warps=8, stack=True, pdl=True, 
 # the split config's phases (first launch's rounds; bit 4: the second launch no longer waits on the first)
 ABLATE.update({f"ablate-split-skip{b}": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, skip=b)
                for b in (1, 2, 4)})
+# the one-launch split's phases (bit 2: no rounds; bit 4: consumers read no N, producers raise no flag)
+ABLATE.update({f"ablate-flag-skip{b}": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True,
+                                                  inverse_stack=True, handoff="flag", skip=b) for b in (2, 4)})
 # run even past the case's budget share (the table's point in that case)
 ESSENTIAL = {"B1-N32": ("r3-bv64-w8-stack", "r5-fold-pdl"), "B24-N8": ("r1-bv64",),
              "chain16": ("r3-bv64-w8-stack", "r5-fold-pdl")}
@@ -153,7 +184,8 @@ if not GPU:
           "wy-levels": WYConfig(BV=16, inverse="levels"), "t-bv16": WYConfig(BV=16, trans=True),
           "r5-fold": WYConfig(BV=16, stack=True, inverse="fold"),
           "r8-split": WYConfig(BV=16, stack=True, inverse="split", maxnreg=128, inverse_maxnreg=128),
-          "r9-split-istack": WYConfig(BV=16, inverse="split", inverse_stack=True)}
+          "r9-split-istack": WYConfig(BV=16, inverse="split", inverse_stack=True),
+          "r10-flag": WYConfig(BV=16, stack=True, inverse="split", inverse_stack=True, handoff="flag")}
 
 ROWS: list[dict] = []
 LOG: list[str] = []

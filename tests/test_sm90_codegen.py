@@ -111,11 +111,13 @@ def test_w12_gemv_kernel_uses_no_tensor_cores():
 
 
 def test_gdn_default_b1_config_emits_wgmma():
-    """sm_90 default for B1 with a 32-node tree: inverse="split", stacked q/k, BV=32, 4 warps; the
-    second launch's state products ([2BT, K] x [K, BV], M = 64) are wgmma."""
+    """sm_90 default for B1 with a 32-node tree: inverse="split" (its first launch's rounds looped),
+    stacked q/k, BV=32, 4 warps; the second launch's state products ([2BT, K] x [K, BV], M = 64) are
+    wgmma."""
     f = _results()["gdn-b1"]
     assert "stack=True" in f["head"] and "trans=False" in f["head"] and "BV=32" in f["head"], f["head"]
     assert "num_warps=4" in f["head"] and "inverse='split'" in f["head"], f["head"]
+    assert "inverse_loop=True" in f["head"] and "inverse_warps=8" in f["head"], f["head"]
     assert f["wgmma"]
 
 

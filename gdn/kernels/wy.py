@@ -174,33 +174,59 @@ def _fold_rounds(b_qkd, b_A, b_dep, d_max, BT: tl.constexpr, PREC_I: tl.constexp
 
 
 @triton.jit
-def _load_n(nbuf, i_r, i_hv, HV: tl.constexpr, BT: tl.constexpr, PDL: tl.constexpr):
-    # INV=4: N [BT, BT] of this (request, value head), written by gdn_tree_split_kernel
-    if PDL:
-        gdc_wait()  # that grid has finished and its stores are visible
-    o_t = tl.arange(0, BT)
-    return tl.load(nbuf + ((i_r * HV + i_hv) * BT + o_t[:, None]).to(tl.int64) * BT + o_t[None, :])
+def _fold_rounds_loop(b_qkd, b_A, b_dep, d_max, BT: tl.constexpr, PREC_I: tl.constexpr):
+    # _fold_rounds with its stacked rounds as a runtime loop: one copy of the round's code instead of
+    # up to five unrolled ones (each [2BT, BT] x [BT, BT] FMA product is ~500 straight-line instructions
+    # per thread; the unrolled first launch is ~10-18K instructions, fetched once per program)
+    b_y = tl.dot(_stack(b_qkd, b_A), b_A, input_precision=PREC_I)  # [2BT, BT]
+    b_na, b_P = _unstack(b_y, BT, BT)
+    b_N = b_qkd - b_na  # qkd (I - A)
+    b_M = tl.abs(b_P)
+    p2 = d_max * 0 + 4  # 2 << i for round i = 1
+    while p2 <= d_max:  # another round follows: N (I + P) and P^2 together
+        b_y = tl.dot(_stack(b_N, b_P), b_P, input_precision=PREC_I)
+        b_np, b_P = _unstack(b_y, BT, BT)
+        b_N = b_N + b_np
+        b_M = tl.maximum(b_M, tl.abs(b_P))
+        p2 = p2 * 2
+    if p2 // 2 <= d_max:  # the last round: N (I + P) alone
+        b_N = b_N + tl.dot(b_N, b_P, input_precision=PREC_I)
+    if tl.max(tl.maximum(b_M, tl.abs(b_A))) > GROWTH_MAX:
+        b_N = tl.dot(b_qkd, _levels_T(b_A, b_dep, d_max, BT, PREC_I), input_precision=PREC_I)
+    return b_N
 
 
-@triton.jit(do_not_specialize=["scale"])
-def gdn_tree_split_kernel(
-    q, k, g, beta, nbuf, cu, anc, depth, max_depth,
-    scale,
-    s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
-    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
-    USE_L2: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, PREC_I: tl.constexpr, PDL: tl.constexpr = False,
-    STACK: tl.constexpr = False, SKIP: tl.constexpr = 0,
-):
-    """inverse="split", the first of two launches: N = (q.k^T d)(I + A)^-1 of one (request, value
-    head), [BT, BT] fp32 into nbuf[B, HV, BT, BT], by the fold rounds. gdn_tree_wy_kernel (INV=4)
-    runs next: its state products need no N, so it does them while this grid runs and waits on it
-    only to read N for O = eG q S0 + N rhs. The inverse leaves the critical path of the state phase."""
-    if PDL:
+@triton.jit
+def _load_n(nbuf, flags, i_r, i_hv, HV: tl.constexpr, BT: tl.constexpr, SYNC: tl.constexpr):
+    # INV=4: N [BT, BT] of this (request, value head), written by the program that built it. SYNC=1:
+    # gdn_tree_split_kernel, the grid before (PDL: wait until it has finished and its stores are
+    # visible); SYNC=2: a producer program of the same grid (gdn_tree_flag_kernel), which raises
+    # flags[i_r, i_hv] to the number of consumers once N is stored. Thread 0 polls it with acquire
+    # loads (the scalar atomic is one thread's, broadcast through a barrier), N is read past L1 (.cg),
+    # and each consumer takes one off the flag, so the last leaves it at 0 for the next call.
+    if SYNC == 1:
         gdc_wait()
-        # only after the wait: the next grid reads this one's inputs (q, k, v, ..., the pool) before
-        # its own wait, which is safe because the grid before this one has finished
-        gdc_launch_dependents()
-    i_r, i_hv = tl.program_id(0), tl.program_id(1)
+    p_f = flags + i_r * HV + i_hv
+    if SYNC == 2:
+        ready = tl.atomic_add(p_f, 0, sem="acquire", scope="gpu")
+        while ready == 0:
+            ready = tl.atomic_add(p_f, 0, sem="acquire", scope="gpu")
+        tl.debug_barrier()
+    o_t = tl.arange(0, BT)
+    b_N = tl.load(nbuf + ((i_r * HV + i_hv) * BT + o_t[:, None]).to(tl.int64) * BT + o_t[None, :],
+                  cache_modifier=".cg")
+    if SYNC == 2:
+        tl.atomic_add(p_f, -1, sem="relaxed", scope="gpu")
+    return b_N
+
+
+@triton.jit
+def _build_n(q, k, g, beta, nbuf, cu, anc, depth, max_depth, scale, i_r, i_hv,
+             s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
+             H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+             USE_L2: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, PREC_I: tl.constexpr,
+             STACK: tl.constexpr, SKIP: tl.constexpr, ILOOP: tl.constexpr):
+    # N = (q.k^T d)(I + A)^-1 of one (request, value head) into nbuf, by the fold rounds (ILOOP: as a loop)
     i_h = i_hv // (HV // H)
     bos, n, o_t, m_t, rows = _request_rows(cu, i_r, BT)
     o_k = tl.arange(0, BK)
@@ -228,31 +254,47 @@ def gdn_tree_split_kernel(
     b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
     if SKIP & 2:  # diagnostic (see SKIP below): no rounds
         b_N = b_qkd - b_A
+    elif ILOOP:
+        b_N = _fold_rounds_loop(b_qkd, b_A, b_dep, d_max, BT, PREC_I)
     else:
         b_N = _fold_rounds(b_qkd, b_A, b_dep, d_max, BT, PREC_I)
     tl.store(nbuf + ((i_r * HV + i_hv) * BT + o_t[:, None]).to(tl.int64) * BT + o_t[None, :], b_N)
 
 
 @triton.jit(do_not_specialize=["scale"])
-def gdn_tree_wy_kernel(
-    q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf,
+def gdn_tree_split_kernel(
+    q, k, g, beta, nbuf, cu, anc, depth, max_depth,
     scale,
-    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
-    s_pn, s_ph, s_pk, s_pv,
+    s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, BT: tl.constexpr, BK: tl.constexpr,
+    USE_L2: tl.constexpr, PREC: tl.constexpr, SPLIT: tl.constexpr, PREC_I: tl.constexpr, PDL: tl.constexpr = False,
+    STACK: tl.constexpr = False, SKIP: tl.constexpr = 0, ILOOP: tl.constexpr = False,
+):
+    """inverse="split", the first of two launches: N = (q.k^T d)(I + A)^-1 of one (request, value
+    head), [BT, BT] fp32 into nbuf[B, HV, BT, BT], by the fold rounds. gdn_tree_wy_kernel (INV=4)
+    runs next: its state products need no N, so it does them while this grid runs and waits on it
+    only to read N for O = eG q S0 + N rhs. The inverse leaves the critical path of the state phase."""
+    if PDL:
+        gdc_wait()
+        # only after the wait: the next grid reads this one's inputs (q, k, v, ..., the pool) before
+        # its own wait, which is safe because the grid before this one has finished
+        gdc_launch_dependents()
+    _build_n(q, k, g, beta, nbuf, cu, anc, depth, max_depth, scale, tl.program_id(0), tl.program_id(1),
+             s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, H, HV, K, BT, BK, USE_L2, PREC, SPLIT, PREC_I, STACK, SKIP,
+             ILOOP)
+
+
+@triton.jit
+def _wy_program(
+    q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, flags, scale, i_r, i_hv, i_v,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, s_pn, s_ph, s_pk, s_pv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2: tl.constexpr, PREC: tl.constexpr, PREC_S: tl.constexpr, SPLIT: tl.constexpr, INV: tl.constexpr,
-    TRANS: tl.constexpr = False, STACK: tl.constexpr = False, PREC_I: tl.constexpr = "ieee", PDL: tl.constexpr = False,
-    SKIP: tl.constexpr = 0,
+    TRANS: tl.constexpr, STACK: tl.constexpr, PREC_I: tl.constexpr, SYNC: tl.constexpr, SKIP: tl.constexpr,
 ):
-    if PDL:
-        if INV != 4:
-            gdc_wait()
-        # INV=4: no wait here. gdn_tree_split_kernel, launched just before, waited on the previous
-        # grid before it let this one start, so every input but nbuf is final; nbuf is read after
-        # the wait below
-        gdc_launch_dependents()
-    i_r, i_hv, i_v = tl.program_id(0), tl.program_id(1), tl.program_id(2)
+    # one (request i_r, value head i_hv, V block i_v): the state products, the inverse (INV < 4) or N
+    # from its producer (INV=4, read as SYNC says: see _load_n), and O
     i_h = i_hv // (HV // H)
     bos, n, o_t, m_t, rows = _request_rows(cu, i_r, BT)
     o_k = tl.arange(0, BK)
@@ -376,7 +418,7 @@ def gdn_tree_wy_kernel(
             b_o = (b_eG * r_q)[None, :] * b_qS + b_rhs
         elif INV >= 3:
             if INV == 4:
-                b_N = _load_n(nbuf, i_r, i_hv, HV, BT, PDL)
+                b_N = _load_n(nbuf, flags, i_r, i_hv, HV, BT, SYNC)
             b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_rhs, tl.trans(b_N), input_precision=PREC_S)  # [BV, BT]
         else:
             b_u = tl.dot(b_rhs, tl.trans(b_T), input_precision=PREC_S)  # [BV, BT]
@@ -389,10 +431,77 @@ def gdn_tree_wy_kernel(
             b_o = (b_eG * r_q)[:, None] * b_qS + b_rhs
         elif INV >= 3:
             if INV == 4:
-                b_N = _load_n(nbuf, i_r, i_hv, HV, BT, PDL)
+                b_N = _load_n(nbuf, flags, i_r, i_hv, HV, BT, SYNC)
             b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_N, b_rhs, input_precision=PREC_S)  # [BT, BV]
         else:
             b_u = tl.dot(b_T, b_rhs, input_precision=PREC_S)  # [BT, BV]
             b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_qkd, b_u, input_precision=PREC_S)
         tl.store(o + rows[:, None] * s_ot + i_hv * s_oh + o_v[None, :], b_o.to(o.dtype.element_ty),
                  mask=m_t[:, None] & m_v[None, :])
+
+
+@triton.jit(do_not_specialize=["scale"])
+def gdn_tree_wy_kernel(
+    q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf,
+    scale,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
+    s_pn, s_ph, s_pk, s_pv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_L2: tl.constexpr, PREC: tl.constexpr, PREC_S: tl.constexpr, SPLIT: tl.constexpr, INV: tl.constexpr,
+    TRANS: tl.constexpr = False, STACK: tl.constexpr = False, PREC_I: tl.constexpr = "ieee", PDL: tl.constexpr = False,
+    SKIP: tl.constexpr = 0,
+):
+    if PDL:
+        if INV != 4:
+            gdc_wait()
+        # INV=4: no wait here. gdn_tree_split_kernel, launched just before, waited on the previous
+        # grid before it let this one start, so every input but nbuf is final; nbuf is read after
+        # the wait below
+        gdc_launch_dependents()
+    _wy_program(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, nbuf, scale,
+                tl.program_id(0), tl.program_id(1), tl.program_id(2),
+                s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, s_pn, s_ph, s_pk, s_pv,
+                H, HV, K, V, BT, BK, BV, USE_L2, PREC, PREC_S, SPLIT, INV, TRANS, STACK, PREC_I, PDL, SKIP)
+
+
+@triton.jit(do_not_specialize=["scale", "n_prod"])
+def gdn_tree_flag_kernel(
+    q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, flags,
+    scale, n_prod,
+    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
+    s_pn, s_ph, s_pk, s_pv,
+    H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
+    BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
+    USE_L2: tl.constexpr, PREC: tl.constexpr, PREC_S: tl.constexpr, SPLIT: tl.constexpr,
+    STACK: tl.constexpr = False, ISTACK: tl.constexpr = False, PREC_I: tl.constexpr = "ieee",
+    PDL: tl.constexpr = False, SKIP: tl.constexpr = 0, ILOOP: tl.constexpr = False,
+):
+    """inverse="split" in one launch (WYConfig.handoff="flag"): the first n_prod = B * HV programs
+    build N as gdn_tree_split_kernel does and raise flags[i_r, i_hv]; the rest are gdn_tree_wy_kernel's
+    (request, value head, V block) programs, which do their state products and then wait on that flag
+    alone instead of on a whole grid. No grid boundary between the two halves.
+
+    Forward progress: consumers spin, producers never wait. The producers have the lowest program
+    ids, so they are placed first, and the launcher (gdn/ops.py) uses this kernel only when the whole
+    grid fits on the GPU at once (all programs resident), otherwise the two-launch form."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
+    pid = tl.program_id(0)
+    NV: tl.constexpr = (V + BV - 1) // BV
+    if pid < n_prod:
+        _build_n(q, k, g, beta, nbuf, cu, anc, depth, max_depth, scale, pid // HV, pid % HV,
+                 s_qt, s_qh, s_kt, s_kh, s_gt, s_gh, s_bt, s_bh, H, HV, K, BT, BK, USE_L2, PREC, SPLIT, PREC_I,
+                 ISTACK, SKIP, ILOOP)
+        if not (SKIP & 4):  # (SKIP & 4: the consumers read no N, so nothing would take the flag back)
+            tl.debug_barrier()  # every thread's part of N is stored before thread 0 publishes it
+            tl.atomic_xchg(flags + pid, NV, sem="release", scope="gpu")
+    else:
+        c = pid - n_prod
+        i_r = c // (HV * NV)
+        i_hv = (c // NV) % HV
+        i_v = c % NV
+        _wy_program(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, flags, scale, i_r, i_hv,
+                    i_v, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, s_pn, s_ph, s_pk, s_pv,
+                    H, HV, K, V, BT, BK, BV, USE_L2, PREC, PREC_S, SPLIT, 4, False, STACK, PREC_I, 2, SKIP)

@@ -202,7 +202,7 @@ def test_registered_ops_match_eager():
     want = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="wy")
     got = torch.empty_like(v)
     torch.ops.specpilot_gdn.tree_verify(q, k, v, g, beta, got, pool, idx, plan.cu_seqlens, plan.anc, plan.depth,
-                                        plan.max_depth, plan.node_req, K ** -0.5, True, False, "auto", 7)
+                                        plan.max_depth, plan.node_req, plan.sync, K ** -0.5, True, False, "auto", 7)
     assert torch.equal(got, want)
     x, cs, w = torch.randn(7, 8), torch.randn(2, 8, 3), torch.randn(8, 4)
     y = torch.empty_like(x)
@@ -471,7 +471,7 @@ def test_wy_stacked_qk_and_loop_inverse(inverse):
         check_verify([chain(33), rand_tree(20, rng), [-1]], "wy", dtype=torch.bfloat16, seed=7)
 
 
-@pytest.mark.parametrize("inverse", ["fold", "split"])
+@pytest.mark.parametrize("inverse", ["fold", "split", "split-loop"])
 def test_wy_fold_depth64_and_ragged(inverse):
     """inverse='fold' (and 'split', its two-launch form) on a depth-63 chain (all 5 rounds, 64-row
     tile), a batch mixing depths (each request stops its rounds at its own depth; the last one is
@@ -479,12 +479,51 @@ def test_wy_fold_depth64_and_ragged(inverse):
     from gdn.configs import WYConfig
 
     rng = random.Random(24)
-    cfg = WYConfig(BV=16, inverse=inverse, stack=True, inverse_stack=inverse == "split")
+    # "split-loop": the first launch's rounds as a runtime loop (inverse_loop), which must stop where the
+    # unrolled rounds do for every depth: 63, 2 (N.P alone), 16, 8, 0
+    loop = inverse == "split-loop"
+    inverse = "split" if loop else inverse
+    cfg = WYConfig(BV=16, inverse=inverse, stack=True, inverse_stack=inverse == "split", inverse_loop=loop)
     with force("gdn.tree_verify", config=cfg):
         check_verify([chain(64)], "wy", dtype=torch.bfloat16, seed=8)
         check_verify([chain(2), rand_tree(17, rng), star(9), chain(9)], "wy", dtype=torch.bfloat16, seed=9)
         # fp32 inputs and output: the bound is the fp32 algorithm's own, so a 1e-3 error in N shows
         check_verify([rand_tree(20, rng), chain(9)], "wy", seed=10)
+        # keys correlated 0.5: A's powers are large enough that a missing round shows (a last round skipped at
+        # depth 2 is a 1e-1 error here; random keys hide it under the bound), small enough for no fallback
+        check_verify([chain(3), rand_tree(17, random.Random(1)), chain(9)], "wy", seed=10, corr=0.5)
+
+
+def test_wy_split_flag_handoff(monkeypatch):
+    """inverse='split' in one launch (handoff='flag'): the B * HV inverse programs raise a flag per
+    (request, value head) that the state programs of that head poll. Same function as the two-launch
+    form within the derived bound, on ragged batches (every request its own depth and flag), odd
+    dims, both layouts; the flags are all back at 0 after each call, so the plan's next call (a second
+    layer) is right too. The two-launch kernel must not run: the flag path is the one tested."""
+    import gdn.kernels.wy as wy
+    from gdn.configs import WYConfig
+
+    def no_split(*a, **kw):
+        raise AssertionError("handoff='flag' fell back to the two-launch form")
+
+    monkeypatch.setattr(wy, "gdn_tree_split_kernel", type("NoSplit", (), {"__getitem__": lambda self, g: no_split})())
+    rng = random.Random(26)
+    cfg = WYConfig(BV=16, inverse="split", stack=True, inverse_stack=True, handoff="flag")
+    with force("gdn.tree_verify", config=cfg):
+        for seed in (12, 13):
+            check_verify([chain(33), rand_tree(20, rng), star(5), [-1]], "wy", dtype=torch.bfloat16, seed=seed)
+        check_verify([rand_tree(10, rng), star(4)], "wy", dtype=torch.bfloat16, l2=False, layout="vk", h=1, hv=3,
+                     k=24, v=20, seed=14)
+        check_verify([chain(32), star(4)], "wy", seed=15, corr=0.95)  # the guard's fallback inside a producer
+    plan = gdn.build_tree_plan([chain(5), rand_tree(9, rng)])
+    q, k, v, g, beta, pool = make_inputs(plan.total_nodes, hv=3, h=1)
+    idx = torch.tensor([0, 1])
+    with force("gdn.tree_verify", config=cfg):
+        o1 = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, variant="wy")
+        assert not plan.sync.any(), "a flag was left raised"
+        o2 = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, variant="wy")
+    assert not plan.sync.any()
+    assert torch.equal(o1, o2)
 
 
 @pytest.mark.parametrize("inverse", ["square", "loop", "fold", "split", "levels"])
@@ -508,6 +547,9 @@ def test_wy_correlated_keys_stay_accurate(inverse):
     (dict(inverse="split", inverse_warps=3), "inverse_warps must be"),
     (dict(inverse="split", maxnreg=300), "maxnreg is a per-thread register cap"),
     (dict(inverse="split", inverse_maxnreg=8), "inverse_maxnreg is a per-thread register cap"),
+    (dict(inverse="square", handoff="flag"), "nothing to hand over"),
+    (dict(inverse="fold", inverse_loop=True), "do nothing with inverse='fold'"),
+    (dict(inverse="split", handoff="spin"), "handoff must be"),
 ])
 def test_wy_config_rejects(fields, match):
     """A pinned WYConfig that cannot mean what it says fails at the call with the field named."""

@@ -48,6 +48,8 @@ HOSTILE_CONFIGS = {
     "default": None,
     "split-istack-iw8-r128": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
                                       inverse_warps=8, inverse_maxnreg=128),
+    "flag-w4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                        handoff="flag"),
     "stack-fold-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", pdl=True),
     "square-bv64-w4": WYConfig(BV=64, pdl=True),  # the many-program default
     "levels": WYConfig(inverse="levels"),
@@ -168,7 +170,7 @@ def test_wy_wgmma_config_uses_wgmma():
 
     dflt = wy_config(32, K, V, DEV, batch=1, HV=HV)
     assert (not dflt.trans and dflt.stack and dflt.BV == 32 and dflt.num_warps == 4
-            and dflt.inverse == "split"), f"sm_90 B1 default changed: {dflt}"
+            and dflt.inverse == "split" and dflt.inverse_loop), f"sm_90 B1 default changed: {dflt}"
     assert wy_config(8, K, V, DEV, batch=24, HV=HV).num_warps == 4
     trees = [draft_tree(32, random.Random(1))]
     plan = gdn.build_tree_plan(trees, device=DEV)
@@ -251,6 +253,9 @@ SMALL_TILE_CONFIGS = {
     "split-bv32-w4-nostack": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True),  # the <= 16-node default
     "split-istack-iw8-r128": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
                                       inverse_warps=8, inverse_maxnreg=128),
+    "flag-w4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                        handoff="flag"),
+    "flag16-w4": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, handoff="flag"),
 }
 
 
@@ -277,7 +282,32 @@ def test_verify_small_node_tiles(shape, cfg):
     assert_close(o, r64, r32, msg=f"{cfg} {shape}")
 
 
-@pytest.mark.parametrize("inverse", ["square", "fold", "split"])
+@pytest.mark.parametrize("cfg", ["flag-w4", "flag16-w4"])
+def test_flag_handoff_runs_in_one_launch(cfg, monkeypatch):
+    """At hybrid-27b dims, batch 1, the one-launch split's grid fits on the GPU at once, so the flag
+    path runs (not the two-launch fallback), twice on one plan, right both times; flags end at 0."""
+    import gdn.kernels.wy as wy
+
+    def no_split(*a, **kw):
+        raise AssertionError("handoff='flag' fell back to the two-launch form")
+
+    monkeypatch.setattr(wy, "gdn_tree_split_kernel", type("NoSplit", (), {"__getitem__": lambda self, g: no_split})())
+    trees = [draft_tree(32, random.Random(12))]
+    plan = gdn.build_tree_plan(trees, device=DEV)
+    q, k, v, g, beta, pool = inputs(plan.total_nodes, 1, 12)
+    idx = torch.zeros(1, dtype=torch.int32, device=DEV)
+    r64 = tree_reference(q, k, v, g, beta, pool.double(), [0], trees, use_qk_l2norm=True, dtype=torch.float64)
+    r32 = tree_reference(q, k, v, g, beta, pool, [0], trees, use_qk_l2norm=True, fn=chunk_reference)
+    with force("gdn.tree_verify", config=SMALL_TILE_CONFIGS[cfg]):
+        for _ in range(2):
+            out = torch.full((plan.total_nodes, HV, V), float("nan"), device=DEV)
+            o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, out=out)
+            torch.cuda.synchronize()
+            assert_close(o, r64, r32, msg=cfg)
+            assert not plan.sync.any()
+
+
+@pytest.mark.parametrize("inverse", ["square", "fold", "split", "split-flag"])
 @pytest.mark.parametrize("pdl", [False, True])
 def test_pdl_chain_in_graph(pdl, inverse):
     """Each launch reads, as v, the output the launch just before it wrote: with PDL the kernel must
@@ -292,7 +322,9 @@ def test_pdl_chain_in_graph(pdl, inverse):
     idx = torch.zeros(1, dtype=torch.int32, device=DEV)
     n = 6
     outs = [torch.empty(plan.total_nodes, HV, V, device=DEV, dtype=torch.bfloat16) for _ in range(n)]
-    cfg = WYConfig(BV=64, num_warps=8, stack=True, inverse=inverse, pdl=pdl)
+    # "split-flag": the one-launch split (its flags in the plan go back to 0 after every launch, 20 replays)
+    inverse, handoff = (inverse, "grid") if inverse != "split-flag" else ("split", "flag")
+    cfg = WYConfig(BV=64, num_warps=8, stack=True, inverse=inverse, pdl=pdl, handoff=handoff)
 
     def chain_launches():
         src = v
@@ -301,7 +333,7 @@ def test_pdl_chain_in_graph(pdl, inverse):
                 gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True, out=o)
                 src = o
 
-    with force("gdn.tree_verify", config=WYConfig(BV=64, num_warps=8, stack=True, inverse=inverse)):
+    with force("gdn.tree_verify", config=WYConfig(BV=64, num_warps=8, stack=True, inverse=inverse, handoff=handoff)):
         want, src = [], v
         for _ in range(n):
             src = gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True)
@@ -321,6 +353,7 @@ def test_pdl_chain_in_graph(pdl, inverse):
         torch.cuda.synchronize()
         for i, (o, w_) in enumerate(zip(outs, want)):
             assert torch.equal(o, w_), f"replay {rep}, launch {i}: differs from the eager chain"
+    assert not plan.sync.any(), "a hand-over flag was left raised"
 
 
 def test_torch_compile_fullgraph():
