@@ -18,6 +18,10 @@ The doubling forms ("square", "loop", "fold", "split") fall back to "levels" whe
   head), builds N into a [B, HV, BT, BT] fp32 workspace; this kernel then does everything that
   needs no N (loads, state products, rhs) while that grid still runs, and with PDL waits on it
   only to read N. The inverse runs beside the state phase instead of after it, on other SMs.
+  inverse_loop (ILOOP) runs the first launch's rounds as a runtime loop (_fold_rounds_loop): one copy of
+  the round's code, ~5K SASS instructions instead of ~10-18K executed once per program (the sm_90
+  default since session 9: B1-N32 524 vs 600 us on H200). handoff="flag" (gdn_tree_flag_kernel) puts
+  both halves in one grid, handing N over through flags in TreePlan.sync: opt-in, measured slower.
 "fold" does the same FMA work as "square" (its stacked products are twice as tall): on H200, with
 PDL, 48 layers, it was slower at B1-N32 (600 vs 554 us) and chain32 (652 vs 597), a little faster
 at chain8 (319 vs 325).
