@@ -134,6 +134,19 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
     "r11-loop16-iw8": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_warps=8, inverse_loop=True),
     "r11-flag-loop-w8": WYConfig(BV=32, num_warps=8, stack=True, inverse="split", pdl=True, inverse_stack=True,
                                  handoff="flag", inverse_loop=True),
+    # round 12 (prepared in session 9, not yet measured): runtime-loop rounds where the defaults still unroll
+    # them. Many programs (B24: the default is BV=64, 4 warps, square unrolled): "loop" (square as a runtime
+    # loop; in round 3 it beat its unrolled twin at B1-N32, 668 vs 694 us, but was only timed at 8 warps) and
+    # split with looped rounds (split unrolled was 3105 vs 2946 there). Over 32 nodes (default BV=64, 8
+    # warps, stack, square): stack + loop. The one-launch form with 8-warp programs of BV=64 (the best
+    # chain16 row of round 10, never timed at B1-N32) and looped rounds
+    "r12-bv64-w4-loop": WYConfig(BV=64, num_warps=4, pdl=True, inverse="loop"),
+    "r12-bv64-w4-split-loop": WYConfig(BV=64, num_warps=4, inverse="split", pdl=True, inverse_loop=True),
+    "r12-bv64-w4-split-loop-iw8": WYConfig(BV=64, num_warps=4, inverse="split", pdl=True, inverse_loop=True,
+                                           inverse_warps=8),
+    "r12-stack-w8-loop": WYConfig(BV=64, num_warps=8, stack=True, pdl=True, inverse="loop"),
+    "r12-flag-loop-bv64-w8": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                      handoff="flag", inverse_loop=True),
     # round 7 (session 7, last call): 16 warps, 4 per scheduler instead of 2 (Nsight Compute: 0.44
     # eligible warps per scheduler at 8); 128 registers, 8 spilled. Measured much slower: B1-N32
     # 806 / 869 (fold) vs 555 us, chain32 856 / 939 vs 597
@@ -343,7 +356,8 @@ def main():
     if GPU:
         specs = [("B1-N32", [draft_tree(32, rng)]), ("B24-N8", [draft_tree(8, rng) for _ in range(24)]),
                  ("chain8", [chain(8)]), ("chain16", [chain(16)]), ("chain32", [chain(32)]),
-                 ("B1-N32-hostile", [draft_tree(32, random.Random(4321))]), ("chain32-hostile", [chain(32)])]
+                 ("B1-N32-hostile", [draft_tree(32, random.Random(4321))]), ("chain32-hostile", [chain(32)]),
+                 ("B1-N64", [draft_tree(64, random.Random(64))])]
     else:
         specs = [("B1-N6", [draft_tree(6, rng)]), ("B3-N3", [draft_tree(3, rng) for _ in range(3)]),
                  ("chain4", [chain(4)]), ("chain8-hostile", [chain(8)])]

@@ -494,7 +494,8 @@ def test_wy_fold_depth64_and_ragged(inverse):
         check_verify([chain(3), rand_tree(17, random.Random(1)), chain(9)], "wy", seed=10, corr=0.5)
 
 
-def test_wy_split_flag_handoff(monkeypatch):
+@pytest.mark.parametrize("loop", [False, True], ids=["unrolled", "loop"])
+def test_wy_split_flag_handoff(loop, monkeypatch):
     """inverse='split' in one launch (handoff='flag'): the B * HV inverse programs raise a flag per
     (request, value head) that the state programs of that head poll. Same function as the two-launch
     form within the derived bound, on ragged batches (every request its own depth and flag), odd
@@ -508,7 +509,7 @@ def test_wy_split_flag_handoff(monkeypatch):
 
     monkeypatch.setattr(wy, "gdn_tree_split_kernel", type("NoSplit", (), {"__getitem__": lambda self, g: no_split})())
     rng = random.Random(26)
-    cfg = WYConfig(BV=16, inverse="split", stack=True, inverse_stack=True, handoff="flag")
+    cfg = WYConfig(BV=16, inverse="split", stack=True, inverse_stack=True, handoff="flag", inverse_loop=loop)
     with force("gdn.tree_verify", config=cfg):
         for seed in (12, 13):
             check_verify([chain(33), rand_tree(20, rng), star(5), [-1]], "wy", dtype=torch.bfloat16, seed=seed)
