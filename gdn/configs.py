@@ -42,7 +42,8 @@ class WYConfig:
     # first grid (PDL); "flag": one launch, the B * HV inverse programs first, each raising a flag in
     # TreePlan.sync that its head's state programs poll (no grid boundary). "flag" runs only where the
     # whole grid fits on the GPU at once (else the launcher uses "grid") and takes num_warps/maxnreg
-    # for both roles (inverse_warps and inverse_maxnreg are the "grid" first launch's)
+    # for both roles (inverse_warps and inverse_maxnreg are the "grid" first launch's). Opt-in: slower on
+    # H200 (docs/gdn.md), and with other kernels sharing the GPU its progress rests on in-order dispatch
     handoff: str = "grid"
     # register caps (ptxas .maxnreg; None: the compiler's choice). With "split" the two launches' programs
     # must fit one SM together for the state phase to overlap the inverse: 8 warps x 168 + 4 x 168 <= 64K

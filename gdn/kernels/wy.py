@@ -488,7 +488,10 @@ def gdn_tree_flag_kernel(
 
     Forward progress: consumers spin, producers never wait. The producers have the lowest program
     ids, so they are placed first, and the launcher (gdn/ops.py) uses this kernel only when the whole
-    grid fits on the GPU at once (all programs resident), otherwise the two-launch form."""
+    grid fits on the GPU at once (all programs resident), otherwise the two-launch form. That check
+    assumes the GPU to itself: with other kernels beside it (other streams, MPS) progress rests on the
+    producers being dispatched first, which hardware does in id order but CUDA does not promise. One
+    reason the config is opt-in (the other: on H200 it measured slower, docs/gdn.md)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
