@@ -23,6 +23,9 @@ def main(argv: list[str]) -> int:
         raise SystemExit(f"shard {i}/{n}: I must be between 1 and N")
     args = argv[1:]
     quiet = [a for a in args if a not in ("-q", "-v", "-qq", "-vv")]  # one -q: a test id per line
+    if "-n" in quiet:  # pytest-xdist workers: collect in one process (the run keeps them)
+        j = quiet.index("-n")
+        del quiet[j:j + 2]
     listing = subprocess.run([sys.executable, "-m", "pytest", "--collect-only", "-q", *quiet],
                              capture_output=True, text=True)
     ids = [line.strip() for line in listing.stdout.splitlines() if "::" in line and not line.startswith(" ")]
@@ -33,7 +36,7 @@ def main(argv: list[str]) -> int:
     # the options without the paths (the ids replace them); "-m EXPR"-style options keep their value
     opts, rest = [], iter(args)
     for a in rest:
-        if a in ("-m", "-k", "-o", "-p", "-c", "--rootdir"):
+        if a in ("-m", "-k", "-o", "-p", "-c", "-n", "--rootdir"):
             opts += [a, next(rest)]
         elif a.startswith("-"):
             opts.append(a)
