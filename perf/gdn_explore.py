@@ -145,6 +145,13 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
     "r12-bv64-w4-split-loop-iw8": WYConfig(BV=64, num_warps=4, inverse="split", pdl=True, inverse_loop=True,
                                            inverse_warps=8),
     "r12-stack-w8-loop": WYConfig(BV=64, num_warps=8, stack=True, pdl=True, inverse="loop"),
+    # the looped rounds on tensor cores: the unrolled tf32x3 rounds were slower (850 vs 530 us, session 8), but
+    # that build was the largest of all; bf16x6 (six bf16 products, ~fp32) is Triton 3.6's other fp32 emulation
+    # (not in the CPU interpreter: GPU only)
+    "r12-loop-iw8-tf32x3": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                    inverse_warps=8, inverse_loop=True, inverse_precision="tf32x3"),
+    "r12-loop-iw8-bf16x6": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                    inverse_warps=8, inverse_loop=True, inverse_precision="bf16x6"),
     "r12-flag-loop-bv64-w8": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True, inverse_stack=True,
                                       handoff="flag", inverse_loop=True),
     # round 7 (session 7, last call): 16 warps, 4 per scheduler instead of 2 (Nsight Compute: 0.44
