@@ -145,6 +145,14 @@ WY = {  # name -> pinned config (None = the default heuristic); most promising f
     "r12-bv64-w4-split-loop-iw8": WYConfig(BV=64, num_warps=4, inverse="split", pdl=True, inverse_loop=True,
                                            inverse_warps=8),
     "r12-stack-w8-loop": WYConfig(BV=64, num_warps=8, stack=True, pdl=True, inverse="loop"),
+    # the looped first launch at 16 warps (local sm_90 compile: 119 registers, no spills, 3.4K instructions,
+    # half the FFMA per thread of 8 warps; its program then fills an SM's register file, so the state programs
+    # go to the other SMs) and at 8 warps capped to 168 (no spills; room for a state program beside it)
+    "r12-loop-iw16": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                              inverse_warps=16, inverse_loop=True),
+    "r12-loop-iw8-r168": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                  inverse_warps=8, inverse_maxnreg=168, inverse_loop=True),
+    "r12-loop16-iw16": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_warps=16, inverse_loop=True),
     # the looped rounds on tensor cores: the unrolled tf32x3 rounds were slower (850 vs 530 us, session 8), but
     # that build was the largest of all; bf16x6 (six bf16 products, ~fp32) is Triton 3.6's other fp32 emulation
     # (not in the CPU interpreter: GPU only)
