@@ -18,7 +18,7 @@ The doubling forms ("square", "loop", "fold", "split") fall back to "levels" whe
   head), builds N into a [B, HV, BT, BT] fp32 workspace; this kernel then does everything that
   needs no N (loads, state products, rhs) while that grid still runs, and with PDL waits on it
   only to read N. The inverse runs beside the state phase instead of after it, on other SMs.
-  inverse_loop (ILOOP) runs the first launch's rounds as a runtime loop (_fold_rounds_loop): one copy of
+  inverse_loop (ILOOP) runs the first launch's rounds as a runtime loop (_fold_rounds with LOOP): one copy of
   the round's code, ~5K SASS instructions instead of ~10-18K executed once per program (the sm_90
   default since session 9: B1-N32 524 vs 600 us on H200). handoff="flag" (gdn_tree_flag_kernel) puts
   both halves in one grid, handing N over through flags in TreePlan.sync: opt-in, measured slower.
@@ -155,46 +155,37 @@ def _path_masks(b_anc, b_g, BT: tl.constexpr):
 
 
 @triton.jit
-def _fold_rounds(b_qkd, b_A, b_dep, d_max, BT: tl.constexpr, PREC_I: tl.constexpr):
+def _fold_rounds(b_qkd, b_A, b_dep, d_max, BT: tl.constexpr, PREC_I: tl.constexpr, LOOP: tl.constexpr = False):
     # N = qkd (I + A)^-1 = qkd (I - A)(I + A^2)(I + A^4)..., T never formed. [qkd; A].A gives qkd.A
     # and A^2 in one product; each round [N; P].P gives N.P and P^2 in one: r + 1 products of
     # M = 2BT, the rounds stopping at the request's depth (A^(2^i) = 0 once 2^i > depth); the last
-    # round needs no next power, so it is N.P alone (M = BT)
+    # round needs no next power, so it is N.P alone (M = BT).
+    # LOOP: the stacked rounds as a runtime loop, one copy of the round's code instead of up to five
+    # unrolled ones (each [2BT, BT] x [BT, BT] FMA product is ~500 straight-line instructions per
+    # thread; the unrolled first launch is ~10-18K instructions, fetched once per program)
     b_y = tl.dot(_stack(b_qkd, b_A), b_A, input_precision=PREC_I)  # [2BT, BT]
     b_na, b_P = _unstack(b_y, BT, BT)
     b_N = b_qkd - b_na  # qkd (I - A)
     b_M = tl.abs(b_P)  # elementwise max of the powers' magnitudes (one reduction at the end)
-    for i in tl.static_range(1, 6):
-        if (2 << i) <= d_max:  # another round follows: it needs P^2
+    if LOOP:
+        p2 = d_max * 0 + 4  # 2 << i for round i = 1
+        while p2 <= d_max:  # another round follows: N (I + P) and P^2 together
             b_y = tl.dot(_stack(b_N, b_P), b_P, input_precision=PREC_I)
             b_np, b_P = _unstack(b_y, BT, BT)
-            b_N = b_N + b_np  # N (I + A^(2^i))
+            b_N = b_N + b_np
             b_M = tl.maximum(b_M, tl.abs(b_P))
-        elif (1 << i) <= d_max:
+            p2 = p2 * 2
+        if p2 // 2 <= d_max:  # the last round: N (I + P) alone
             b_N = b_N + tl.dot(b_N, b_P, input_precision=PREC_I)
-    if tl.max(tl.maximum(b_M, tl.abs(b_A))) > GROWTH_MAX:
-        b_N = tl.dot(b_qkd, _levels_T(b_A, b_dep, d_max, BT, PREC_I), input_precision=PREC_I)
-    return b_N
-
-
-@triton.jit
-def _fold_rounds_loop(b_qkd, b_A, b_dep, d_max, BT: tl.constexpr, PREC_I: tl.constexpr):
-    # _fold_rounds with its stacked rounds as a runtime loop: one copy of the round's code instead of
-    # up to five unrolled ones (each [2BT, BT] x [BT, BT] FMA product is ~500 straight-line instructions
-    # per thread; the unrolled first launch is ~10-18K instructions, fetched once per program)
-    b_y = tl.dot(_stack(b_qkd, b_A), b_A, input_precision=PREC_I)  # [2BT, BT]
-    b_na, b_P = _unstack(b_y, BT, BT)
-    b_N = b_qkd - b_na  # qkd (I - A)
-    b_M = tl.abs(b_P)
-    p2 = d_max * 0 + 4  # 2 << i for round i = 1
-    while p2 <= d_max:  # another round follows: N (I + P) and P^2 together
-        b_y = tl.dot(_stack(b_N, b_P), b_P, input_precision=PREC_I)
-        b_np, b_P = _unstack(b_y, BT, BT)
-        b_N = b_N + b_np
-        b_M = tl.maximum(b_M, tl.abs(b_P))
-        p2 = p2 * 2
-    if p2 // 2 <= d_max:  # the last round: N (I + P) alone
-        b_N = b_N + tl.dot(b_N, b_P, input_precision=PREC_I)
+    else:
+        for i in tl.static_range(1, 6):
+            if (2 << i) <= d_max:  # another round follows: it needs P^2
+                b_y = tl.dot(_stack(b_N, b_P), b_P, input_precision=PREC_I)
+                b_np, b_P = _unstack(b_y, BT, BT)
+                b_N = b_N + b_np  # N (I + A^(2^i))
+                b_M = tl.maximum(b_M, tl.abs(b_P))
+            elif (1 << i) <= d_max:
+                b_N = b_N + tl.dot(b_N, b_P, input_precision=PREC_I)
     if tl.max(tl.maximum(b_M, tl.abs(b_A))) > GROWTH_MAX:
         b_N = tl.dot(b_qkd, _levels_T(b_A, b_dep, d_max, BT, PREC_I), input_precision=PREC_I)
     return b_N
@@ -258,10 +249,8 @@ def _build_n(q, k, g, beta, nbuf, cu, anc, depth, max_depth, scale, i_r, i_hv,
     b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
     if SKIP & 2:  # diagnostic (see SKIP below): no rounds
         b_N = b_qkd - b_A
-    elif ILOOP:
-        b_N = _fold_rounds_loop(b_qkd, b_A, b_dep, d_max, BT, PREC_I)
     else:
-        b_N = _fold_rounds(b_qkd, b_A, b_dep, d_max, BT, PREC_I)
+        b_N = _fold_rounds(b_qkd, b_A, b_dep, d_max, BT, PREC_I, ILOOP)
     tl.store(nbuf + ((i_r * HV + i_hv) * BT + o_t[:, None]).to(tl.int64) * BT + o_t[None, :], b_N)
 
 
