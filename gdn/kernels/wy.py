@@ -192,6 +192,13 @@ def _fold_rounds(b_qkd, b_A, b_dep, d_max, BT: tl.constexpr, PREC_I: tl.constexp
 
 
 @triton.jit
+def _n_ptrs(nbuf, i_r, i_hv, HV: tl.constexpr, BT: tl.constexpr):
+    # the split inverse's workspace nbuf [B, HV, BT, BT] fp32: this (request, value head)'s N, row-major
+    o_t = tl.arange(0, BT)
+    return nbuf + ((i_r * HV + i_hv) * BT + o_t[:, None]).to(tl.int64) * BT + o_t[None, :]
+
+
+@triton.jit
 def _load_n(nbuf, flags, i_r, i_hv, HV: tl.constexpr, BT: tl.constexpr, SYNC: tl.constexpr):
     # INV=4: N [BT, BT] of this (request, value head), written by the program that built it. SYNC=1:
     # gdn_tree_split_kernel, the grid before (PDL: wait until it has finished and its stores are
@@ -207,9 +214,7 @@ def _load_n(nbuf, flags, i_r, i_hv, HV: tl.constexpr, BT: tl.constexpr, SYNC: tl
         while ready == 0:
             ready = tl.atomic_add(p_f, 0, sem="acquire", scope="gpu")
         tl.debug_barrier()
-    o_t = tl.arange(0, BT)
-    b_N = tl.load(nbuf + ((i_r * HV + i_hv) * BT + o_t[:, None]).to(tl.int64) * BT + o_t[None, :],
-                  cache_modifier=".cg")
+    b_N = tl.load(_n_ptrs(nbuf, i_r, i_hv, HV, BT), cache_modifier=".cg")
     if SYNC == 2:
         tl.atomic_add(p_f, -1, sem="relaxed", scope="gpu")
     return b_N
@@ -251,7 +256,7 @@ def _build_n(q, k, g, beta, nbuf, cu, anc, depth, max_depth, scale, i_r, i_hv,
         b_N = b_qkd - b_A
     else:
         b_N = _fold_rounds(b_qkd, b_A, b_dep, d_max, BT, PREC_I, ILOOP)
-    tl.store(nbuf + ((i_r * HV + i_hv) * BT + o_t[:, None]).to(tl.int64) * BT + o_t[None, :], b_N)
+    tl.store(_n_ptrs(nbuf, i_r, i_hv, HV, BT), b_N)
 
 
 @triton.jit(do_not_specialize=["scale"])

@@ -495,19 +495,14 @@ def test_wy_fold_depth64_and_ragged(inverse):
 
 
 @pytest.mark.parametrize("loop", [False, True], ids=["unrolled", "loop"])
-def test_wy_split_flag_handoff(loop, monkeypatch):
+def test_wy_split_flag_handoff(loop, no_two_launch_split):
     """inverse='split' in one launch (handoff='flag'): the B * HV inverse programs raise a flag per
     (request, value head) that the state programs of that head poll. Same function as the two-launch
     form within the derived bound, on ragged batches (every request its own depth and flag), odd
     dims, both layouts; the flags are all back at 0 after each call, so the plan's next call (a second
     layer) is right too. The two-launch kernel must not run: the flag path is the one tested."""
-    import gdn.kernels.wy as wy
     from gdn.configs import WYConfig
 
-    def no_split(*a, **kw):
-        raise AssertionError("handoff='flag' fell back to the two-launch form")
-
-    monkeypatch.setattr(wy, "gdn_tree_split_kernel", type("NoSplit", (), {"__getitem__": lambda self, g: no_split})())
     rng = random.Random(26)
     cfg = WYConfig(BV=16, inverse="split", stack=True, inverse_stack=True, handoff="flag", inverse_loop=loop)
     with force("gdn.tree_verify", config=cfg):

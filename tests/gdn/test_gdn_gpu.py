@@ -283,15 +283,9 @@ def test_verify_small_node_tiles(shape, cfg):
 
 
 @pytest.mark.parametrize("cfg", ["flag-w4", "flag16-w4"])
-def test_flag_handoff_runs_in_one_launch(cfg, monkeypatch):
+def test_flag_handoff_runs_in_one_launch(cfg, no_two_launch_split):
     """At hybrid-27b dims, batch 1, the one-launch split's grid fits on the GPU at once, so the flag
     path runs (not the two-launch fallback), twice on one plan, right both times; flags end at 0."""
-    import gdn.kernels.wy as wy
-
-    def no_split(*a, **kw):
-        raise AssertionError("handoff='flag' fell back to the two-launch form")
-
-    monkeypatch.setattr(wy, "gdn_tree_split_kernel", type("NoSplit", (), {"__getitem__": lambda self, g: no_split})())
     trees = [draft_tree(32, random.Random(12))]
     plan = gdn.build_tree_plan(trees, device=DEV)
     q, k, v, g, beta, pool = inputs(plan.total_nodes, 1, 12)
