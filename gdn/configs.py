@@ -10,7 +10,7 @@ import triton
 from autotune import bucket_m, get_config, shape_key
 from autotune.hardware import has_wgmma
 
-__all__ = ["WYConfig", "RecurrentConfig", "ConvConfig", "CommitConfig", "wy_config", "recurrent_config",
+__all__ = ["WYConfig", "CudaConfig", "RecurrentConfig", "cuda_config", "ConvConfig", "CommitConfig", "wy_config", "recurrent_config",
            "conv_config", "commit_config", "wy_constexprs", "VARIANTS", "WY_WGMMA"]
 
 # GPU-generation dispatch. The same WY kernel serves both: tl.dot lowers to wgmma on sm_90 and
@@ -63,6 +63,28 @@ class WYConfig:
     pdl: bool = False
     # diagnostic only, WRONG outputs: bit mask of phases removed for timing (see gdn/kernels/wy.py)
     skip: int = 0
+
+
+@dataclass(frozen=True)
+class CudaConfig:
+    """The CUDA C++ kernel (gdn/csrc/gdn_tree.cu): one CTA per (V block, value head, request), BV / 8 mma
+    warps (one 8-column tile of the state each) beside one warp that solves for N by substitution."""
+
+    BV: int = 32  # state columns per CTA (8 to 64, a multiple of 8)
+    pieces: int = 3  # bf16 pieces of the fp32 state in the state products (3: exact, 2: 16 mantissa bits)
+    pdl: bool = True  # sm_90: programmatic dependent launch, state rows prefetched into L2 before the wait
+    min_blocks: int = 2  # __launch_bounds__ CTAs per SM (caps registers)
+
+    def __post_init__(self):
+        if self.BV % 8 or not 8 <= self.BV <= 64:
+            raise ValueError(f"CudaConfig.BV must be a multiple of 8 between 8 and 64, got {self.BV!r}")
+        if self.pieces not in (2, 3):
+            raise ValueError(f"CudaConfig.pieces must be 2 or 3, got {self.pieces!r}")
+        if self.min_blocks not in (1, 2, 3, 4):
+            raise ValueError(f"CudaConfig.min_blocks must be 1 to 4, got {self.min_blocks!r}")
+
+    def tag(self) -> str:
+        return f"bv{self.BV}-p{self.pieces}-m{self.min_blocks}"
 
 
 @dataclass(frozen=True)
@@ -173,6 +195,12 @@ def wy_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV
 
     key = shape_key(B=bucket_m(batch), M=max_nodes, K=K, V=V)
     return get_config("gdn.tree_verify", "wy", WYConfig, heuristic, key=key, device=device)
+
+
+def cuda_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV: int = 1) -> CudaConfig:
+    # not measured yet: BV=32 (4 mma warps + the solver, 160 threads)
+    key = shape_key(B=bucket_m(batch), M=max_nodes, K=K, V=V)
+    return get_config("gdn.tree_verify", "cuda", CudaConfig, lambda: CudaConfig(), key=key, device=device)
 
 
 def recurrent_config(K: int, V: int, device=None) -> RecurrentConfig:

@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 import triton
 
-from autotune import select_variant
+from autotune import forced, select_variant
 from autotune.hardware import has_pdl, is_interpreter
 
 from . import configs
@@ -14,7 +14,7 @@ from .plan import TreePlan
 
 __all__ = ["tree_verify", "tree_conv1d", "commit", "validate_accepted", "VARIANTS"]
 
-VARIANTS = ("wy", "recurrent", "reference")
+VARIANTS = ("cuda", "wy", "recurrent", "reference")
 
 
 def _default_variant() -> str:
@@ -66,8 +66,23 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
     B = cu.numel() - 1
     if T == 0 or B == 0:
         return
-    if variant == "auto":
+    soft = variant == "auto"  # the default, not asked for by name: fall back to the Triton kernel when needed
+    if soft:
         variant = _default_variant()
+    if variant == "cuda":
+        from . import cuda as gcuda
+
+        cfg = configs.cuda_config(max_nodes, K, V, q.device, batch=B, HV=HV) if not soft or not isinstance(
+            forced("gdn.tree_verify")[1], configs.WYConfig) else None
+        why = "a WYConfig is forced" if cfg is None else gcuda.unsupported(q, k, v, g, beta, o, pool, state_idx, vk,
+                                                                           max_nodes, cfg)
+        if why is None:
+            gcuda.run(cfg, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale, use_l2, vk, max_nodes,
+                      _state_strides(pool, vk), cfg.pdl and has_pdl(q.device))
+            return
+        if not soft:
+            raise ValueError(f"gdn.tree_verify variant 'cuda' cannot take this call: {why}; use variant='wy'")
+        variant = "wy"
     BK = max(16, triton.next_power_of_2(K))
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
               g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), *_state_strides(pool, vk))
@@ -320,8 +335,8 @@ def tree_verify(q, k, v, g, beta, state_pool, state_indices, tree: TreePlan, sca
     _check_same_device(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices,
                        tree=tree.cu_seqlens)
     scale = float(K ** -0.5 if scale is None else scale)
-    if variant is None:  # under torch.compile the op resolves it at launch ("auto")
-        variant = "auto" if torch.compiler.is_compiling() else _default_variant()
+    if variant is None:  # resolved at launch ("auto"), falling back to "wy" where "cuda" cannot run
+        variant = "auto" if torch.compiler.is_compiling() or _default_variant() != "reference" else "reference"
     if variant not in VARIANTS + ("auto",):
         raise ValueError(f"unknown gdn.tree_verify variant {variant!r}; choose one of {VARIANTS}")
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)

@@ -21,15 +21,18 @@ from __future__ import annotations
 
 import ctypes
 import functools
-import hashlib
 import os
-import shutil
-import subprocess
-import tempfile
 import threading
 from pathlib import Path
 
 import torch
+
+from autotune.cudadrv import LaunchAttr as _LaunchAttr
+from autotune.cudadrv import LaunchConfig as _LaunchConfig
+from autotune.cudadrv import check as _check
+from autotune.cudadrv import libcuda as _libcuda
+from autotune.cudadrv import compile_cached, nvcc_path
+from autotune.cudadrv import nvcc_version as _nvcc_version
 
 from .configs import MmaConfig, TmaConfig
 
@@ -54,29 +57,6 @@ class CudaBuildError(RuntimeError):
 # --------------------------------------------------------------------------------------
 # Build
 # --------------------------------------------------------------------------------------
-
-
-@functools.cache
-def nvcc_path() -> str | None:
-    cands = [os.environ.get("SPECPILOT_NVCC"), shutil.which("nvcc")]
-    home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-    if home:
-        cands.append(str(Path(home) / "bin" / "nvcc"))
-    cands.append("/usr/local/cuda/bin/nvcc")
-    for c in cands:
-        if c and Path(c).is_file() and os.access(c, os.X_OK):
-            return c
-    return None
-
-
-@functools.cache
-def _nvcc_version(nvcc: str) -> str:
-    return subprocess.run([nvcc, "--version"], capture_output=True, text=True, check=True).stdout.strip()
-
-
-def _cache_dir() -> Path:
-    root = os.environ.get("SPECPILOT_CACHE") or str(Path.home() / ".cache" / "specpilot")
-    return Path(root) / "w12_cuda"
 
 
 def n_tiles(M: int) -> int:
@@ -108,24 +88,11 @@ def _flags(cfg, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
 def build(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], *, out: str = "cubin") -> Path:
     """Compile `cfg` for `nt` token tiles, the exact or 8-bit view (`q8`) and compute capability
     `arch` (`out` "cubin" or "ptx"); cached on disk."""
-    nvcc = nvcc_path()
-    if nvcc is None:
-        raise CudaBuildError("nvcc not found: set SPECPILOT_NVCC or put CUDA's bin directory on PATH")
     flags = _flags(cfg, nt, q8, arch)
     source, _ = _source(cfg)
-    src = source.read_bytes() + COMMON.read_bytes()  # the shared header is part of every kernel
-    key = hashlib.sha256(src + "\0".join(flags + [out, _nvcc_version(nvcc)]).encode()).hexdigest()[:20]
-    path = _cache_dir() / f"{source.stem}-{cfg.tag()}-nt{nt}-q{int(q8)}-sm{arch[0]}{arch[1]}-{key}.{out}"
-    if path.is_file():
-        return path
-    path.parent.mkdir(parents=True, exist_ok=True)
-    with tempfile.TemporaryDirectory(dir=path.parent) as tmp:
-        dst = Path(tmp) / path.name
-        r = subprocess.run([nvcc, f"-{out}", *flags, str(source), "-o", str(dst)], capture_output=True, text=True)
-        if r.returncode != 0:
-            raise CudaBuildError(f"nvcc failed for {cfg} on sm_{arch[0]}{arch[1]}:\n{r.stderr[-4000:]}")
-        os.replace(dst, path)  # atomic: concurrent builders never see half a file
-    return path
+    # the shared header is part of every kernel's cache key
+    return compile_cached(source, flags, subdir="w12_cuda", name=f"{source.stem}-{cfg.tag()}-nt{nt}-q{int(q8)}-sm{arch[0]}{arch[1]}",
+                          extra=COMMON.read_bytes(), out=out, error=CudaBuildError)
 
 
 # --------------------------------------------------------------------------------------
@@ -133,18 +100,7 @@ def build(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], 
 # --------------------------------------------------------------------------------------
 
 
-class _LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte value union
-    _fields_ = [("id", ctypes.c_int), ("pad", ctypes.c_char * 4), ("value", ctypes.c_int), ("rest", ctypes.c_char * 60)]
-
-
-class _LaunchConfig(ctypes.Structure):  # CUlaunchConfig
-    _fields_ = [("gridDimX", ctypes.c_uint), ("gridDimY", ctypes.c_uint), ("gridDimZ", ctypes.c_uint),
-                ("blockDimX", ctypes.c_uint), ("blockDimY", ctypes.c_uint), ("blockDimZ", ctypes.c_uint),
-                ("sharedMemBytes", ctypes.c_uint), ("hStream", ctypes.c_void_p),
-                ("attrs", ctypes.POINTER(_LaunchAttr)), ("numAttrs", ctypes.c_uint)]
-
-
-_PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
+from autotune.cudadrv import PROGRAMMATIC_STREAM_SERIALIZATION as _PROGRAMMATIC_STREAM_SERIALIZATION  # noqa: E402
 
 
 def pdl_enabled(device: torch.device) -> bool:
@@ -158,29 +114,6 @@ def pdl_enabled(device: torch.device) -> bool:
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(idx)[0] >= 9
-
-
-@functools.cache
-def _libcuda():
-    lib = ctypes.CDLL("libcuda.so.1")
-    vp, u32 = ctypes.c_void_p, ctypes.c_uint
-    lib.cuModuleLoadData.argtypes = [ctypes.POINTER(vp), ctypes.c_char_p]
-    lib.cuModuleGetFunction.argtypes = [ctypes.POINTER(vp), vp, ctypes.c_char_p]
-    lib.cuFuncSetAttribute.argtypes = [vp, ctypes.c_int, ctypes.c_int]
-    lib.cuLaunchKernel.argtypes = [vp, u32, u32, u32, u32, u32, u32, u32, vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
-    lib.cuGetErrorString.argtypes = [ctypes.c_int, ctypes.POINTER(ctypes.c_char_p)]
-    u64p, u32p = ctypes.POINTER(ctypes.c_uint64), ctypes.POINTER(ctypes.c_uint32)
-    lib.cuLaunchKernelEx.argtypes = [ctypes.POINTER(_LaunchConfig), vp, ctypes.POINTER(vp), ctypes.POINTER(vp)]
-    i32 = ctypes.c_int
-    lib.cuTensorMapEncodeTiled.argtypes = [vp, i32, u32, vp, u64p, u64p, u32p, u32p, i32, i32, i32, i32]
-    return lib
-
-
-def _check(res: int, what: str) -> None:
-    if res != 0:
-        msg = ctypes.c_char_p()
-        _libcuda().cuGetErrorString(res, ctypes.byref(msg))
-        raise RuntimeError(f"{what} failed: CUDA error {res} ({(msg.value or b'?').decode()})")
 
 
 _LOCK = threading.Lock()

@@ -1,0 +1,455 @@
+// Tree verification for Gated DeltaNet layers in WY form, one CTA per (V block, value head, request).
+//
+// Per value head, nodes topologically ordered, D_ij = exp(G_i - G_j) over ancestors (docs/gdn.md):
+//   M = scale (q k^T o D) on ancestors-or-self, A = beta (k k^T o D) on proper ancestors,
+//   N = M (I + A)^-1,  rhs = beta (V - exp(G) (K S0)),  O = exp(G) scale (Q S0) + N rhs.
+// Warps 0..NWM-1 do the tensor-core products (mma.sync m16n8k16, bf16 q/k exact, the fp32 state
+// split into PIECES bf16 pieces); warp NWM (the solver) builds N by substitution, one row per lane:
+//   N[i][j] = M[i][j] - sum_{l > j} N[i][l] A[l][j]   (columns right to left; rows independent).
+// Substitution is as accurate as a triangular solve for any keys (no growing powers), and the
+// solve runs beside the state products. With GDN_PDL the CTA prefetches its state rows into L2
+// before griddepcontrol.wait (a hint only: nothing is read before the wait).
+#include <cuda_bf16.h>
+#include <stdint.h>
+
+#ifndef GDN_NT
+#define GDN_NT 32  // node tile (16 or 32): nodes per request <= NT
+#endif
+#ifndef GDN_K
+#define GDN_K 128
+#endif
+#ifndef GDN_BV
+#define GDN_BV 32  // state columns per CTA: one 8-column n-tile per mma warp
+#endif
+#ifndef GDN_PIECES
+#define GDN_PIECES 3  // bf16 pieces of the fp32 state (3: all 24 mantissa bits)
+#endif
+#ifndef GDN_L2
+#define GDN_L2 1
+#endif
+#ifndef GDN_VK
+#define GDN_VK 0  // state layout: 0 [K, V] (fla), 1 [V, K] (SGLang)
+#endif
+#ifndef GDN_GDT
+#define GDN_GDT 0  // g dtype: 0 fp32, 1 bf16, 2 fp16
+#endif
+#ifndef GDN_BDT
+#define GDN_BDT 1  // beta dtype, same codes
+#endif
+#ifndef GDN_ODT
+#define GDN_ODT 1  // output dtype: 0 fp32, 1 bf16
+#endif
+#ifndef GDN_IDX64
+#define GDN_IDX64 0
+#endif
+#ifndef GDN_PDL
+#define GDN_PDL 0
+#endif
+#ifndef GDN_MINB
+#define GDN_MINB 2
+#endif
+
+namespace {
+
+constexpr int NT = GDN_NT, K = GDN_K, BV = GDN_BV, PIECES = GDN_PIECES;
+constexpr bool VK = GDN_VK != 0;
+constexpr int NWM = BV / 8;           // mma warps
+constexpr int NTHR = 32 * (NWM + 1);  // + the solver warp
+constexpr int MMA_THR = 32 * NWM;
+constexpr int MT = 2 * NT / 16;  // m-tiles of the stacked [Q; K] rows
+constexpr int KS = K / 16;       // k-steps
+constexpr int QK_LD = K + 8;     // bf16; 16-byte pad: conflict-free ldmatrix
+constexpr int S_ROWS = VK ? BV : K;
+constexpr int S_LD = VK ? K + 8 : BV + 4;  // fp32; conflict-free fragment loads
+constexpr int G_LD = NT + 1;               // gram, M/N (scalar accesses)
+constexpr int A_LD = NT + 4;               // A^T rows read as float4 broadcasts
+constexpr int R_LD = BV + 8;               // rhs and the scaled Q S0
+constexpr int V_LD = BV + 8;               // bf16
+
+static_assert(NT == 16 || NT == 32, "node tile 16 or 32");
+static_assert(K % 32 == 0 && K <= 256, "K: a multiple of 32, at most 256");
+static_assert(BV % 8 == 0 && NWM >= 1 && NWM <= 8, "BV: 8 to 64, a multiple of 8");
+static_assert(PIECES == 2 || PIECES == 3, "2 or 3 bf16 pieces");
+
+constexpr int al16(int x) { return (x + 15) & ~15; }
+constexpr int OFF_QK = 0;
+constexpr int OFF_S = al16(OFF_QK + 2 * NT * QK_LD * 2);
+constexpr int OFF_GRAM = al16(OFF_S + S_ROWS * S_LD * 4);
+constexpr int OFF_MN = al16(OFF_GRAM + 2 * NT * G_LD * 4);
+constexpr int OFF_AT = al16(OFF_MN + NT * G_LD * 4);
+constexpr int OFF_R = al16(OFF_AT + NT * A_LD * 4);
+constexpr int OFF_QS = al16(OFF_R + NT * R_LD * 4);
+constexpr int OFF_V = al16(OFF_QS + NT * R_LD * 4);
+constexpr int OFF_ANC = al16(OFF_V + NT * V_LD * 2);
+constexpr int OFF_VEC = al16(OFF_ANC + NT * 4);  // G, exp(G), beta, rq (scale folded in), rk
+constexpr int SMEM_BYTES = al16(OFF_VEC + 5 * NT * 4);
+
+__device__ __forceinline__ float ld_real(const void* p, long long off, int dt) {
+  if (dt == 0) return static_cast<const float*>(p)[off];
+  if (dt == 1) return __bfloat162float(static_cast<const __nv_bfloat16*>(p)[off]);
+  return __half2float(static_cast<const __half*>(p)[off]);
+}
+
+__device__ __forceinline__ long long ld_index(const void* p, int b) {
+#if GDN_IDX64
+  return static_cast<const long long*>(p)[b];
+#else
+  return static_cast<const int*>(p)[b];
+#endif
+}
+
+__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(full ? 16 : 0));
+}
+
+__device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
+               : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
+               : "r"(s));
+}
+
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
+  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+  asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(s));
+}
+
+__device__ __forceinline__ void mma_bf16(float (&c)[4], const uint32_t (&a)[4], uint32_t b0, uint32_t b1) {
+  asm volatile(
+      "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32 {%0,%1,%2,%3}, {%4,%5,%6,%7}, {%8,%9}, "
+      "{%0,%1,%2,%3};\n"
+      : "+f"(c[0]), "+f"(c[1]), "+f"(c[2]), "+f"(c[3])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "r"(b0), "r"(b1));
+}
+
+__device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
+  __nv_bfloat162 t = __floats2bfloat162_rn(lo, hi);  // .x (low half) = lo
+  return *reinterpret_cast<uint32_t*>(&t);
+}
+
+// x = hi + mid (+ lo) exactly: each residual is exact in fp32, each piece holds 8 mantissa bits
+__device__ __forceinline__ void split_pair(float x0, float x1, uint32_t (&p)[3]) {
+  const float h0 = __bfloat162float(__float2bfloat16_rn(x0)), h1 = __bfloat162float(__float2bfloat16_rn(x1));
+  const float r0 = x0 - h0, r1 = x1 - h1;
+  const float m0 = __bfloat162float(__float2bfloat16_rn(r0)), m1 = __bfloat162float(__float2bfloat16_rn(r1));
+  p[0] = pack_bf16(h0, h1);
+  p[1] = pack_bf16(m0, m1);
+  p[2] = pack_bf16(r0 - m0, r1 - m1);
+}
+
+__device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
+__device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
+
+
+// Column J of N for one row (lane): N[J] = M[J] - sum_{l > J} N[l] A[l][J], then columns J-1 .. 0.
+// Compile-time recursion keeps nr[] in registers (a run-time index would move it to local memory).
+template <int J>
+__device__ __forceinline__ void solve_columns(float (&nr)[NT], const float* __restrict__ at) {
+  if constexpr (J >= 0) {
+    float acc = nr[J];
+    const float4* row = reinterpret_cast<const float4*>(at + J * A_LD);
+#pragma unroll
+    for (int c4 = NT / 4 - 1; c4 >= (J + 1) / 4; --c4) {
+      const float4 t = row[c4];
+      const float av[4] = {t.x, t.y, t.z, t.w};
+#pragma unroll
+      for (int e = 3; e >= 0; --e)
+        if (4 * c4 + e > J) acc = fmaf(-nr[4 * c4 + e], av[e], acc);
+    }
+    nr[J] = acc;
+    solve_columns<J - 1>(nr, at);
+  }
+}
+
+}  // namespace
+
+extern "C" __device__ unsigned int gdn_tree_smem_bytes = SMEM_BYTES;  // read by the launcher
+
+extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kernel(
+    const __nv_bfloat16* __restrict__ q, const __nv_bfloat16* __restrict__ k, const __nv_bfloat16* __restrict__ v,
+    const void* __restrict__ g, const void* __restrict__ beta, void* __restrict__ o,
+    const float* __restrict__ pool, const void* __restrict__ state_idx, const int* __restrict__ cu,
+    const long long* __restrict__ anc, float scale, int hv_per_h, int total_nodes, int pool_rows, long long s_qt,
+    long long s_qh, long long s_kt, long long s_kh, long long s_vt, long long s_vh, long long s_gt, long long s_gh,
+    long long s_bt, long long s_bh, long long s_ot, long long s_oh, long long s_sp, long long s_sh, long long s_sk,
+    long long s_sv) {
+  extern __shared__ __align__(16) unsigned char smem[];
+  __nv_bfloat16* sQK = reinterpret_cast<__nv_bfloat16*>(smem + OFF_QK);  // [2NT, QK_LD]: q rows, then k rows
+  float* sS = reinterpret_cast<float*>(smem + OFF_S);                     // [K, S_LD] or [BV, S_LD] (VK)
+  float* sGram = reinterpret_cast<float*>(smem + OFF_GRAM);               // [2NT, G_LD]: q.k^T, then k.k^T
+  float* sMN = reinterpret_cast<float*>(smem + OFF_MN);                   // [NT, G_LD]: M, then N in place
+  float* sAt = reinterpret_cast<float*>(smem + OFF_AT);                   // [NT, A_LD]: A^T
+  float* sR = reinterpret_cast<float*>(smem + OFF_R);                     // [NT, R_LD]: rhs
+  float* sQS = reinterpret_cast<float*>(smem + OFF_QS);                   // [NT, R_LD]: exp(G) rq (Q S0)
+  __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + OFF_V);    // [NT, V_LD]
+  unsigned* sAnc = reinterpret_cast<unsigned*>(smem + OFF_ANC);          // [NT] ancestor-or-self bits
+  float* sG = reinterpret_cast<float*>(smem + OFF_VEC);                   // [NT] root-path gate sums
+  float* sEG = sG + NT;                                                   // [NT] exp(G)
+  float* sBeta = sEG + NT;                                                // [NT]
+  float* sRq = sBeta + NT;                                                // [NT] scale / |q|
+  float* sRk = sRq + NT;                                                  // [NT] 1 / |k|
+
+  const int vb = blockIdx.x, hv = blockIdx.y, b = blockIdx.z;
+  const int h = hv / hv_per_h;
+  const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+
+  {
+    unsigned dyn;
+    asm("mov.u32 %0, %%dynamic_smem_size;" : "=r"(dyn));
+    if (dyn < SMEM_BYTES) __trap();  // launched with less shared memory than the layout needs
+  }
+
+#if GDN_PDL
+  {
+    // L2 prefetch of the state rows (and q/k/v rows) while the previous kernel finishes. Values read
+    // here may be stale; they only pick addresses, clamped to stay inside the tensors.
+    long long si = ld_index(state_idx, b);
+    si = si < 0 ? 0 : (si >= pool_rows ? pool_rows - 1 : si);
+    const float* s0 = pool + si * s_sp + hv * s_sh + static_cast<long long>(vb) * BV * s_sv;
+    constexpr int ROW_BYTES = (VK ? K : BV) * 4, LINES = (ROW_BYTES + 127) / 128;
+    for (int t = tid; t < S_ROWS * LINES; t += NTHR) {
+      const int r = t / LINES, c = (t % LINES) * 32;
+      prefetch_l2(VK ? s0 + r * s_sv + c : s0 + r * s_sk + c);
+    }
+    int bos = cu[b], n = cu[b + 1] - bos;
+    bos = bos < 0 ? 0 : (bos >= total_nodes ? total_nodes - 1 : bos);
+    n = n < 0 ? 0 : (n > NT ? NT : n);
+    n = bos + n > total_nodes ? total_nodes - bos : n;
+    for (int t = tid; t < n * 3; t += NTHR) {
+      const int i = t / 3, w = t % 3;
+      if (w == 0) prefetch_l2(q + (bos + i) * s_qt + h * s_qh);
+      else if (w == 1) prefetch_l2(k + (bos + i) * s_kt + h * s_kh);
+      else prefetch_l2(v + (bos + i) * s_vt + hv * s_vh + vb * BV);
+    }
+  }
+  asm volatile("griddepcontrol.wait;\n" ::: "memory");
+  asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
+#endif
+
+  const int bos = cu[b], n = cu[b + 1] - bos;  // n <= NT: the launcher sizes NT from the plan
+  if (n <= 0) return;
+  const long long si = ld_index(state_idx, b);
+
+  // ---- loads: q, k rows [2NT, K]; the state tile; v [NT, BV] (rows past n zero-filled)
+  {
+    constexpr int CH = K / 8;
+    for (int t = tid; t < 2 * NT * CH; t += NTHR) {
+      const int r = t / CH, c = (t % CH) * 8;
+      const int i = r < NT ? r : r - NT;
+      const bool ok = i < n;
+      const long long node = bos + (ok ? i : 0);
+      const __nv_bfloat16* src = r < NT ? q + node * s_qt + h * s_qh + c : k + node * s_kt + h * s_kh + c;
+      cp_async16(sQK + r * QK_LD + c, src, ok);
+    }
+    const float* s0 = pool + si * s_sp + hv * s_sh;
+    constexpr int SCH = (VK ? K : BV) / 4;
+    for (int t = tid; t < S_ROWS * SCH; t += NTHR) {
+      const int r = t / SCH, c = (t % SCH) * 4;
+      const float* src = VK ? s0 + (static_cast<long long>(vb) * BV + r) * s_sv + c
+                            : s0 + r * s_sk + static_cast<long long>(vb) * BV + c;
+      cp_async16(sS + r * S_LD + c, src, true);
+    }
+    constexpr int VCH = BV / 8;
+    for (int t = tid; t < NT * VCH; t += NTHR) {
+      const int i = t / VCH, c = (t % VCH) * 8;
+      const bool ok = i < n;
+      cp_async16(sV + i * V_LD + c, v + (bos + (ok ? i : 0)) * s_vt + hv * s_vh + vb * BV + c, ok);
+    }
+    asm volatile("cp.async.commit_group;\n" ::);
+  }
+
+  if (warp == NWM) {
+    // gates along root paths: G_i = sum of g_j over ancestors-or-self j (lane i = node i)
+    float gi = 0.f, bi = 0.f;
+    long long ai = 0;
+    if (lane < n) {
+      gi = ld_real(g, (bos + lane) * s_gt + hv * s_gh, GDN_GDT);
+      bi = ld_real(beta, (bos + lane) * s_bt + hv * s_bh, GDN_BDT);
+      ai = anc[bos + lane];
+    }
+    float G = 0.f;
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      const float gj = __shfl_sync(0xffffffffu, gi, j);
+      if ((ai >> j) & 1) G += gj;
+    }
+    if (lane < NT) {
+      sAnc[lane] = static_cast<unsigned>(ai);  // NT <= 32: the low word holds every bit
+      sG[lane] = G;
+      sEG[lane] = expf(G);
+      sBeta[lane] = bi;
+    }
+  }
+  asm volatile("cp.async.wait_all;\n" ::: "memory");
+  __syncthreads();
+
+  if (warp < NWM) {
+    // ---- gram: [Q; K] K^T, lower-triangular tiles only (q rows: j <= i; k rows: j < i)
+    constexpr int NTN = NT / 8;
+    int cnt = 0;
+#pragma unroll
+    for (int t = 0; t < MT * NTN; ++t) {
+      const int mt = t / NTN, nt = t % NTN, row0 = mt * 16;
+      const bool need = row0 < NT ? nt * 8 <= row0 + 15 : nt * 8 <= row0 - NT + 14;
+      if (!need) continue;
+      if (cnt++ % NWM != warp) continue;
+      float c[4] = {0.f, 0.f, 0.f, 0.f};
+#pragma unroll
+      for (int ks = 0; ks < KS; ++ks) {
+        uint32_t a[4], bb[2];
+        ldsm_x4(a, sQK + (row0 + (lane & 15)) * QK_LD + ks * 16 + (lane >> 4) * 8);
+        ldsm_x2(bb, sQK + (NT + nt * 8 + (lane & 7)) * QK_LD + ks * 16 + ((lane >> 3) & 1) * 8);
+        mma_bf16(c, a, bb[0], bb[1]);
+      }
+      const int r = row0 + (lane >> 2), col = nt * 8 + 2 * (lane & 3);
+      sGram[r * G_LD + col] = c[0];
+      sGram[r * G_LD + col + 1] = c[1];
+      sGram[(r + 8) * G_LD + col] = c[2];
+      sGram[(r + 8) * G_LD + col + 1] = c[3];
+    }
+  } else {
+    // ---- row norms (lane i: q_i and k_i), scale folded into rq
+    const int i = lane < NT ? lane : NT - 1;
+    float sq[4] = {0.f, 0.f, 0.f, 0.f}, sk[4] = {0.f, 0.f, 0.f, 0.f};
+    if (GDN_L2) {
+      const uint4* qr = reinterpret_cast<const uint4*>(sQK + i * QK_LD);
+      const uint4* kr = reinterpret_cast<const uint4*>(sQK + (NT + i) * QK_LD);
+#pragma unroll
+      for (int c = 0; c < K / 8; ++c) {
+        const uint4 a = qr[c], bk = kr[c];
+        const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {bk.x, bk.y, bk.z, bk.w};
+#pragma unroll
+        for (int e = 0; e < 4; ++e) {
+          sq[e] = fmaf(bf_lo(aw[e]), bf_lo(aw[e]), sq[e]);
+          sq[e] = fmaf(bf_hi(aw[e]), bf_hi(aw[e]), sq[e]);
+          sk[e] = fmaf(bf_lo(bw[e]), bf_lo(bw[e]), sk[e]);
+          sk[e] = fmaf(bf_hi(bw[e]), bf_hi(bw[e]), sk[e]);
+        }
+      }
+    }
+    if (lane < NT) {
+      sRq[lane] = GDN_L2 ? scale / sqrtf((sq[0] + sq[1]) + (sq[2] + sq[3]) + 1e-6f) : scale;
+      sRk[lane] = GDN_L2 ? 1.f / sqrtf((sk[0] + sk[1]) + (sk[2] + sk[3]) + 1e-6f) : 1.f;
+    }
+  }
+  __syncthreads();
+
+  // ---- M (ancestors-or-self) and A^T (proper ancestors), masked before exp
+  for (int e = tid; e < NT * NT; e += NTHR) {
+    const int i = e / NT, j = e % NT;
+    const bool on = (sAnc[i] >> j) & 1u;
+    const float d = expf(on ? sG[i] - sG[j] : 0.f);
+    const float rkj = sRk[j] * d;
+    const float mv = sRq[i] * rkj * sGram[i * G_LD + j];
+    const float av = sBeta[i] * sRk[i] * rkj * sGram[(NT + i) * G_LD + j];
+    sMN[i * G_LD + j] = on ? mv : 0.f;
+    sAt[j * A_LD + i] = on && j != i ? av : 0.f;
+  }
+  __syncthreads();
+
+  if (warp == NWM) {
+    // ---- N = M (I + A)^-1, lane i = row i, columns right to left
+    const int i = lane < NT ? lane : NT - 1;
+    float nr[NT];
+#pragma unroll
+    for (int j = 0; j < NT; ++j) nr[j] = sMN[i * G_LD + j];
+    solve_columns<NT - 2>(nr, sAt);
+    __syncwarp();
+    if (lane < NT) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) sMN[i * G_LD + j] = nr[j];
+    }
+  } else {
+    // ---- state products [Q; K] S0 for n-tile `warp` (8 state columns), fp32 state in PIECES bf16 pieces
+    float hi[MT][4], lo[MT][4];
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt)
+#pragma unroll
+      for (int e = 0; e < 4; ++e) hi[mt][e] = lo[mt][e] = 0.f;
+    const int bn = warp * 8 + (lane >> 2), bk = 2 * (lane & 3);
+#pragma unroll
+    for (int ks = 0; ks < KS; ++ks) {
+      const int k0 = ks * 16 + bk;
+      float x[4];
+      if (VK) {
+        const float2 u = *reinterpret_cast<const float2*>(sS + bn * S_LD + k0);
+        const float2 w = *reinterpret_cast<const float2*>(sS + bn * S_LD + k0 + 8);
+        x[0] = u.x, x[1] = u.y, x[2] = w.x, x[3] = w.y;
+      } else {
+        x[0] = sS[k0 * S_LD + bn], x[1] = sS[(k0 + 1) * S_LD + bn];
+        x[2] = sS[(k0 + 8) * S_LD + bn], x[3] = sS[(k0 + 9) * S_LD + bn];
+      }
+      uint32_t p0[3], p1[3];
+      split_pair(x[0], x[1], p0);
+      split_pair(x[2], x[3], p1);
+#pragma unroll
+      for (int mt = 0; mt < MT; ++mt) {
+        uint32_t a[4];
+        ldsm_x4(a, sQK + (mt * 16 + (lane & 15)) * QK_LD + ks * 16 + (lane >> 4) * 8);
+        mma_bf16(hi[mt], a, p0[0], p1[0]);
+        mma_bf16(lo[mt], a, p0[1], p1[1]);
+        if (PIECES == 3) mma_bf16(lo[mt], a, p0[2], p1[2]);
+      }
+    }
+    const int col = warp * 8 + 2 * (lane & 3);
+#pragma unroll
+    for (int mt = 0; mt < MT; ++mt) {
+#pragma unroll
+      for (int half = 0; half < 2; ++half) {
+        const int r = mt * 16 + (lane >> 2) + 8 * half;
+        const float p0 = hi[mt][2 * half] + lo[mt][2 * half], p1 = hi[mt][2 * half + 1] + lo[mt][2 * half + 1];
+        if (mt * 16 < NT) {
+          const float f = sEG[r] * sRq[r];
+          *reinterpret_cast<float2*>(sQS + r * R_LD + col) = make_float2(f * p0, f * p1);
+        } else {
+          const int i = r - NT;
+          const float f = sEG[i] * sRk[i], bt = sBeta[i];
+          const uint32_t vw = *reinterpret_cast<const uint32_t*>(sV + i * V_LD + col);
+          *reinterpret_cast<float2*>(sR + i * R_LD + col) =
+              make_float2(bt * (bf_lo(vw) - f * p0), bt * (bf_hi(vw) - f * p1));
+        }
+      }
+    }
+  }
+  __syncthreads();
+
+  // ---- O = exp(G) rq (Q S0) + N rhs, 8 columns per thread, one 16-byte store
+  constexpr int CG = BV / 8;
+  for (int t = tid; t < NT * CG && t < MMA_THR * ((NT * CG + MMA_THR - 1) / MMA_THR); t += MMA_THR) {
+    if (tid >= MMA_THR) break;
+    const int i = t / CG, c = (t % CG) * 8;
+    if (i >= n) continue;
+    float acc[8];
+    {
+      const float4 u = *reinterpret_cast<const float4*>(sQS + i * R_LD + c);
+      const float4 w = *reinterpret_cast<const float4*>(sQS + i * R_LD + c + 4);
+      acc[0] = u.x, acc[1] = u.y, acc[2] = u.z, acc[3] = u.w, acc[4] = w.x, acc[5] = w.y, acc[6] = w.z, acc[7] = w.w;
+    }
+#pragma unroll
+    for (int l = 0; l < NT; ++l) {
+      if (l > i) break;
+      const float nl = sMN[i * G_LD + l];
+      const float4 u = *reinterpret_cast<const float4*>(sR + l * R_LD + c);
+      const float4 w = *reinterpret_cast<const float4*>(sR + l * R_LD + c + 4);
+      acc[0] = fmaf(nl, u.x, acc[0]), acc[1] = fmaf(nl, u.y, acc[1]), acc[2] = fmaf(nl, u.z, acc[2]);
+      acc[3] = fmaf(nl, u.w, acc[3]), acc[4] = fmaf(nl, w.x, acc[4]), acc[5] = fmaf(nl, w.y, acc[5]);
+      acc[6] = fmaf(nl, w.z, acc[6]), acc[7] = fmaf(nl, w.w, acc[7]);
+    }
+    const long long off = (bos + i) * s_ot + hv * s_oh + vb * BV + c;
+#if GDN_ODT == 1
+    uint4 out;
+    out.x = pack_bf16(acc[0], acc[1]);
+    out.y = pack_bf16(acc[2], acc[3]);
+    out.z = pack_bf16(acc[4], acc[5]);
+    out.w = pack_bf16(acc[6], acc[7]);
+    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(o) + off) = out;
+#else
+    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(o) + off);
+    dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
+    dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+#endif
+  }
+}

@@ -1,0 +1,158 @@
+"""The CUDA C++ tree-verify kernel (`csrc/gdn_tree.cu`): build with nvcc, load and launch through the
+driver API (autotune.cudadrv), on torch's current stream (CUDA graphs capture it).
+
+One cubin per (config, node tile, K, dtypes, layout, arch), compiled on first use into
+`$SPECPILOT_CACHE/gdn_cuda`. What it takes (`unsupported()` names the first thing that fails, and
+`gdn.tree_verify` then runs the Triton WY kernel instead): an sm_80+ GPU with nvcc, bf16 q/k/v,
+g and beta in fp32/bf16/fp16, at most 32 nodes per request, K a multiple of 32 up to 256, V a multiple
+of the config's BV, 16-byte aligned rows.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import threading
+from pathlib import Path
+
+import torch
+
+from autotune.cudadrv import check, compile_cached, launch, libcuda, nvcc_path, read_global_u32
+
+from .configs import CudaConfig
+
+__all__ = ["available", "unsupported", "build", "run", "SOURCE", "KERNEL", "MAX_NODES"]
+
+SOURCE = Path(__file__).with_name("csrc") / "gdn_tree.cu"
+KERNEL = b"gdn_tree_cuda_kernel"
+MAX_NODES = 32
+_DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
+_LOCK = threading.Lock()
+_FUNCS: dict[tuple, tuple[ctypes.c_void_p, int]] = {}
+
+
+class CudaBuildError(RuntimeError):
+    """nvcc failed on csrc/gdn_tree.cu (the message holds its output)."""
+
+
+def available(device: torch.device | None = None) -> bool:
+    """An sm_80+ CUDA device, nvcc and libcuda are all there."""
+    if not torch.cuda.is_available() or nvcc_path() is None:
+        return False
+    if device is not None and torch.device(device).type != "cuda":
+        return False
+    idx = torch.cuda.current_device() if device is None or torch.device(device).index is None else torch.device(device).index
+    if torch.cuda.get_device_capability(idx)[0] < 8:
+        return False
+    try:
+        libcuda()
+    except OSError:
+        return False
+    return True
+
+
+def _aligned(t: torch.Tensor, elems: int, *strides: int) -> bool:
+    return t.data_ptr() % 16 == 0 and all(s % elems == 0 for s in strides)
+
+
+def unsupported(q, k, v, g, beta, o, pool, state_idx, vk: bool, max_nodes: int, cfg: CudaConfig) -> str | None:
+    """Why this call cannot run on the CUDA kernel (None: it can)."""
+    if not available(q.device):
+        return "needs an sm_80+ CUDA GPU and nvcc"
+    if any(t.dtype != torch.bfloat16 for t in (q, k, v)):
+        return "q, k and v must be bf16"
+    if o.dtype not in (torch.bfloat16, torch.float32):
+        return "the output must be bf16 or fp32"
+    if g.dtype not in _DT or beta.dtype not in _DT:
+        return "g and beta must be fp32, bf16 or fp16"
+    if state_idx.dtype not in (torch.int32, torch.int64):
+        return "state_indices must be int32 or int64"
+    if max_nodes > MAX_NODES:
+        return f"at most {MAX_NODES} nodes per request (the plan allows {max_nodes})"
+    K, V = q.shape[-1], v.shape[-1]
+    if K % 32 or K > 256:
+        return f"K={K}: a multiple of 32, at most 256"
+    if V % cfg.BV:
+        return f"V={V}: a multiple of BV={cfg.BV}"
+    if any(t.stride(-1) != 1 for t in (q, k, v, o)):
+        return "q, k, v and the output need unit stride in the last dimension"
+    oe = 8 if o.dtype == torch.bfloat16 else 4
+    rows = [(q, 8, q.stride(0), q.stride(1)), (k, 8, k.stride(0), k.stride(1)), (v, 8, v.stride(0), v.stride(1)),
+            (o, oe, o.stride(0), o.stride(1))]
+    if not all(_aligned(t, e, *s) for t, e, *s in rows):
+        return "q, k, v and the output rows must be 16-byte aligned"
+    if pool.stride(-1) != 1 or not _aligned(pool, 4, *pool.stride()[:-1]):
+        return "the state pool must be contiguous in its last dimension with 16-byte aligned rows"
+    if q.shape[0] > 2**31 - 1 or pool.shape[0] > 2**31 - 1:
+        return "too many nodes or pool rows for int32 indexing"
+    return None
+
+
+def _flags(cfg: CudaConfig, nt: int, K: int, l2: bool, vk: bool, gdt: int, bdt: int, odt: int, idx64: bool, pdl: bool,
+           arch: tuple[int, int]) -> list[str]:
+    sm = f"{arch[0]}{arch[1]}"
+    defines = dict(NT=nt, K=K, BV=cfg.BV, PIECES=cfg.pieces, L2=int(l2), VK=int(vk), GDT=gdt, BDT=bdt, ODT=odt,
+                   IDX64=int(idx64), PDL=int(pdl), MINB=cfg.min_blocks)
+    flags = [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", *(f"-DGDN_{k}={v}" for k, v in defines.items())]
+    if arch[0] == 9 and nt == 16:
+        flags.append("-Xptxas=-O1")  # ptxas 13.0 fails register allocation (C7600) on the NT=16 sm_90 build at -O2+
+    return flags
+
+
+def build(cfg: CudaConfig, nt: int, K: int, *, l2: bool = True, vk: bool = False, gdt: int = 0, bdt: int = 1,
+          odt: int = 1, idx64: bool = False, pdl: bool = False, arch: tuple[int, int] = (9, 0), out: str = "cubin") -> Path:
+    """Compile the kernel for one specialisation (`out` "cubin" or "ptx"); cached on disk."""
+    flags = _flags(cfg, nt, K, l2, vk, gdt, bdt, odt, idx64, pdl, arch)
+    name = f"gdn_tree-{cfg.tag()}-nt{nt}-k{K}-l{int(l2)}-vk{int(vk)}-g{gdt}b{bdt}o{odt}-i{int(idx64)}-p{int(pdl)}-sm{arch[0]}{arch[1]}"
+    return compile_cached(SOURCE, flags, subdir="gdn_cuda", name=name, out=out, error=CudaBuildError)
+
+
+def _function(key: tuple, device: torch.device) -> tuple[ctypes.c_void_p, int]:
+    hit = _FUNCS.get(key)
+    if hit is not None:
+        return hit
+    with _LOCK:
+        if key in _FUNCS:
+            return _FUNCS[key]
+        cfg, nt, K, l2, vk, gdt, bdt, odt, idx64, pdl, idx = key
+        arch = torch.cuda.get_device_capability(idx)
+        image = build(cfg, nt, K, l2=l2, vk=vk, gdt=gdt, bdt=bdt, odt=odt, idx64=idx64, pdl=pdl, arch=arch).read_bytes()
+        lib = libcuda()
+        with torch.cuda.device(idx):
+            torch.cuda.current_stream()  # make torch's primary context current on this thread
+            torch.empty(1, device=device)
+            mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+            check(lib.cuModuleLoadData(ctypes.byref(mod), image), "cuModuleLoadData")
+            check(lib.cuModuleGetFunction(ctypes.byref(fn), mod, KERNEL), "cuModuleGetFunction")
+            smem = read_global_u32(mod, b"gdn_tree_smem_bytes")
+            limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
+            if smem > limit:
+                raise ValueError(f"{cfg} needs {smem} bytes of shared memory per CTA (node tile {nt}, K={K}); this "
+                                 f"GPU allows {limit}: use a smaller BV")
+            if smem > 48 << 10:
+                check(lib.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
+        _FUNCS[key] = (fn, smem)
+        return _FUNCS[key]
+
+
+def run(cfg: CudaConfig, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale: float, use_l2: bool, vk: bool,
+        max_nodes: int, strides: tuple[int, int, int, int], pdl: bool) -> None:
+    """o = tree_verify(...) on torch's current stream; inputs already checked by `unsupported`.
+    `strides`: the pool's (slot, head, k, v) element strides."""
+    T, H, K = q.shape
+    HV, V = v.shape[1], v.shape[2]
+    B = cu.numel() - 1
+    nt = 16 if max_nodes <= 16 else 32
+    dev = q.device
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    key = (cfg, nt, K, bool(use_l2), bool(vk), _DT[g.dtype], _DT[beta.dtype], _DT[o.dtype], state_idx.dtype == torch.int64,
+           pdl, idx)
+    fn, smem = _function(key, dev)
+    P, LL, I, F = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
+    vals = [P(q.data_ptr()), P(k.data_ptr()), P(v.data_ptr()), P(g.data_ptr()), P(beta.data_ptr()), P(o.data_ptr()),
+            P(pool.data_ptr()), P(state_idx.data_ptr()), P(cu.data_ptr()), P(anc.data_ptr()), F(scale), I(HV // H),
+            I(T), I(pool.shape[0]),
+            *(LL(s) for s in (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
+                              g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1))),
+            *(LL(s) for s in strides)]
+    stream = torch.cuda.current_stream(dev).cuda_stream
+    launch(fn, (V // cfg.BV, HV, B), 32 * (cfg.BV // 8 + 1), smem, stream, vals, pdl=pdl, what="gdn_tree_cuda_kernel")
