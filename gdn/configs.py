@@ -74,6 +74,7 @@ class CudaConfig:
     pieces: int = 3  # bf16 pieces of the fp32 state in the state products (3: exact, 2: 16 mantissa bits)
     pdl: bool = True  # sm_90: programmatic dependent launch, state rows prefetched into L2 before the wait
     min_blocks: int = 2  # __launch_bounds__ CTAs per SM (caps registers)
+    skip: int = 0  # diagnostic only, WRONG outputs: bit mask of phases removed for timing (GDN_SKIP in the source)
 
     def __post_init__(self):
         if self.BV % 8 or not 8 <= self.BV <= 64:
@@ -84,7 +85,7 @@ class CudaConfig:
             raise ValueError(f"CudaConfig.min_blocks must be 1 to 4, got {self.min_blocks!r}")
 
     def tag(self) -> str:
-        return f"bv{self.BV}-p{self.pieces}-m{self.min_blocks}"
+        return f"bv{self.BV}-p{self.pieces}-m{self.min_blocks}" + (f"-skip{self.skip}" if self.skip else "")
 
 
 @dataclass(frozen=True)

@@ -32,6 +32,15 @@ if [ "${BENCH:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-200}" python3 -m specpilot bench --shapes hybrid-27b --ops gdn --out "$OUT" >"$OUT/bench.log" 2>&1
   BENCH_RC=$?
 fi
+NCU_RC=skipped
+if [ "${NCU:-0}" = 1 ]; then
+  for bv in ${NCU_BV:-32}; do
+    BV=$bv timeout 120 ncu --clock-control none --kernel-name gdn_tree_cuda_kernel --launch-skip 5 --launch-count 1 \
+      --section SpeedOfLight --section LaunchStats --section Occupancy --section WarpStateStats --section SchedulerStats \
+      python3 perf/gdn_cuda_one.py >"$OUT/ncu-bv$bv.txt" 2>&1
+    NCU_RC=$?
+  done
+fi
 LATEST=$(ls -t "$OUT"/2*-gdn.md 2>/dev/null | head -n 1)
 {
   cat "$OUT/env.txt"
@@ -40,7 +49,9 @@ LATEST=$(ls -t "$OUT"/2*-gdn.md 2>/dev/null | head -n 1)
   echo "gpu suite rc=$SUITE_RC: $(grep -E '(passed|failed|error)' "$OUT/pytest-gpu-suite.log" 2>/dev/null | tail -n 1)"
   grep -E "^FAILED|^ERROR" "$OUT/pytest-gpu-suite.log" 2>/dev/null | head -n 12
   echo "explore rc=$EXPLORE_RC"
-  grep -E "^== |^  (wy|recurrent|cuda)" "$OUT/explore.log" 2>/dev/null | head -n 60
+  grep -E "^== |^  (wy|recurrent|cuda|ablate-cuda)" "$OUT/explore.log" 2>/dev/null | head -n 80
+  echo "ncu rc=$NCU_RC"
+  for f in "$OUT"/ncu-bv*.txt; do [ -f "$f" ] && { echo "$f"; grep -E "Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Dynamic Shared|No Eligible|Block Limit" "$f" | head -n 14; }; done
   echo "bench rc=$BENCH_RC ${LATEST:-no result}"
   [ -n "$LATEST" ] && grep -E "gdn" "$LATEST" | head -n 40
 } 2>&1 | tee "$OUT/summary.txt"

@@ -75,7 +75,9 @@ C = 2 * H * K + HV * V if GPU else 24
 # the mma.sync state products, one launch per layer. Timed beside the Triton default; all essential.
 CUDA = {"cuda": None, "cuda-bv64": CudaConfig(BV=64), "cuda-p2": CudaConfig(pieces=2),
         "cuda-bv64-p2": CudaConfig(BV=64, pieces=2), "cuda-bv16": CudaConfig(BV=16), "cuda-nopdl": CudaConfig(pdl=False),
-        "cuda-bv64-m1": CudaConfig(BV=64, min_blocks=1)}
+        "cuda-bv64-m1": CudaConfig(BV=64, min_blocks=1),
+        # ablations (wrong outputs, timing only): exit after the wait, exit after the loads, no solve, no products
+        **{f"ablate-cuda-skip{b}": CudaConfig(skip=b) for b in (1, 8, 2, 4, 6)}}
 
 WY = {  # name -> pinned config (None = the default heuristic); most promising first (budget)
     "wy": None,  # sm_90 default (configs.wy_config): one wave at <= 32 nodes -> split, BV=32, 4 warps;
@@ -333,7 +335,7 @@ def run_verify(case, name, cfg, kernel):
         return f
 
     call(o32)()
-    if cfg is not None and cfg.skip:
+    if cfg is not None and getattr(cfg, "skip", 0):
         ok, ratio = False, float("nan")  # an ablation: wrong by design, timed and never ranked
         us = time_fn(call(o))
         kernel_report(name)
