@@ -13,9 +13,10 @@ from autotune.hardware import has_wgmma
 __all__ = ["WYConfig", "CudaConfig", "RecurrentConfig", "cuda_config", "ConvConfig", "CommitConfig", "wy_config", "recurrent_config",
            "conv_config", "commit_config", "wy_constexprs", "VARIANTS", "WY_WGMMA"]
 
-# GPU-generation dispatch. The same WY kernel serves both: tl.dot lowers to wgmma on sm_90 and
-# to mma.sync on sm_80. "recurrent" (no tensor cores) is the stock baseline, forced by name.
-VARIANTS = {8: "wy", 9: "wy"}
+# GPU-generation dispatch. "cuda" (gdn/csrc/gdn_tree.cu, mma.sync, sm_80+) where nvcc is present and the call fits
+# it (bf16 q/k/v, <= 32 nodes per request, gdn/cuda.py: unsupported), else the Triton WY kernel ("wy": tl.dot
+# lowers to wgmma on sm_90 and to mma.sync on sm_80). "recurrent" (no tensor cores) is the stock baseline.
+VARIANTS = {8: "cuda", 9: "cuda"}
 
 
 @dataclass(frozen=True)
@@ -70,7 +71,7 @@ class CudaConfig:
     """The CUDA C++ kernel (gdn/csrc/gdn_tree.cu): one CTA per (V block, value head, request), BV / 8 mma
     warps (one 8-column tile of the state each) beside one warp that solves for N by substitution."""
 
-    BV: int = 32  # state columns per CTA (8 to 64, a multiple of 8)
+    BV: int = 64  # state columns per CTA (8 to 64, a multiple of 8)
     pieces: int = 3  # bf16 pieces of the fp32 state in the state products (3: exact, 2: 16 mantissa bits)
     pdl: bool = True  # sm_90: programmatic dependent launch, state rows prefetched into L2 before the wait
     min_blocks: int = 2  # __launch_bounds__ CTAs per SM (caps registers)
@@ -199,9 +200,12 @@ def wy_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV
 
 
 def cuda_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV: int = 1) -> CudaConfig:
-    # not measured yet: BV=32 (4 mma warps + the solver, 160 threads)
+    # H200, session 10 (perf/results/h200/20261201-s10-call2-explore.log, same run): BV=64 (8 mma warps + the solver)
+    # beat BV=32 at B1-N32 (420 vs 441 us), chain32 (422 vs 441), chain8 (280 vs 289) and B24-N8 (2779 vs 4797);
+    # BV=16 was slower everywhere, and so were 2 state pieces at B1 (431) and min_blocks=1 at B1 and B24
+    bv = 64 if V % 64 == 0 else 32 if V % 32 == 0 else 16 if V % 16 == 0 else 8
     key = shape_key(B=bucket_m(batch), M=max_nodes, K=K, V=V)
-    return get_config("gdn.tree_verify", "cuda", CudaConfig, lambda: CudaConfig(), key=key, device=device)
+    return get_config("gdn.tree_verify", "cuda", CudaConfig, lambda: CudaConfig(BV=bv), key=key, device=device)
 
 
 def recurrent_config(K: int, V: int, device=None) -> RecurrentConfig:

@@ -297,66 +297,98 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   if (GDN_SKIP & 8) return;
 
   if (warp < NWM) {
-    // ---- gram: [Q; K] K^T, lower-triangular tiles only (q rows: j <= i; k rows: j < i)
-    constexpr int NTN = NT / 8;
-    int cnt = 0;
-#pragma unroll
-    for (int t = 0; t < MT * NTN; ++t) {
-      const int mt = t / NTN, nt = t % NTN, row0 = mt * 16;
-      const bool need = row0 < NT ? nt * 8 <= row0 + 15 : nt * 8 <= row0 - NT + 14;
-      if (!need) continue;
-      if (cnt++ % NWM != warp) continue;
-      float c[4] = {0.f, 0.f, 0.f, 0.f};
-#pragma unroll
-      for (int ks = 0; ks < KS; ++ks) {
-        uint32_t a[4], bb[2];
-        ldsm_x4(a, sQK + (row0 + (lane & 15)) * QK_LD + ks * 16 + (lane >> 4) * 8);
-        ldsm_x2(bb, sQK + (NT + nt * 8 + (lane & 7)) * QK_LD + ks * 16 + ((lane >> 3) & 1) * 8);
-        mma_bf16(c, a, bb[0], bb[1]);
-      }
-      const int r = row0 + (lane >> 2), col = nt * 8 + 2 * (lane & 3);
-      sGram[r * G_LD + col] = c[0];
-      sGram[r * G_LD + col + 1] = c[1];
-      sGram[(r + 8) * G_LD + col] = c[2];
-      sGram[(r + 8) * G_LD + col + 1] = c[3];
-    }
-  } else {
-    // ---- row norms (lane i: q_i and k_i), scale folded into rq
-    const int i = lane < NT ? lane : NT - 1;
-    float sq[4] = {0.f, 0.f, 0.f, 0.f}, sk[4] = {0.f, 0.f, 0.f, 0.f};
+    // ---- row norms (TPR threads per row of [Q; K]), scale folded into rq
     if (GDN_L2) {
-      const uint4* qr = reinterpret_cast<const uint4*>(sQK + i * QK_LD);
-      const uint4* kr = reinterpret_cast<const uint4*>(sQK + (NT + i) * QK_LD);
+      constexpr int TPR0 = MMA_THR / (2 * NT) > 0 ? MMA_THR / (2 * NT) : 1;
+      constexpr int TPR = TPR0 < K / 8 ? TPR0 : K / 8;  // threads per row, each K / TPR columns
+      constexpr int RSTEP = MMA_THR / TPR;
+      for (int r = tid / TPR; r < 2 * NT; r += RSTEP) {
+        const uint4* row = reinterpret_cast<const uint4*>(sQK + r * QK_LD) + (tid % TPR) * (K / TPR / 8);
+        float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-      for (int c = 0; c < K / 8; ++c) {
-        const uint4 a = qr[c], bk = kr[c];
-        const uint32_t aw[4] = {a.x, a.y, a.z, a.w}, bw[4] = {bk.x, bk.y, bk.z, bk.w};
+        for (int c = 0; c < K / TPR / 8; ++c) {
+          const uint4 u = row[c];
+          const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-        for (int e = 0; e < 4; ++e) {
-          sq[e] = fmaf(bf_lo(aw[e]), bf_lo(aw[e]), sq[e]);
-          sq[e] = fmaf(bf_hi(aw[e]), bf_hi(aw[e]), sq[e]);
-          sk[e] = fmaf(bf_lo(bw[e]), bf_lo(bw[e]), sk[e]);
-          sk[e] = fmaf(bf_hi(bw[e]), bf_hi(bw[e]), sk[e]);
+          for (int e = 0; e < 4; ++e) {
+            acc[e] = fmaf(bf_lo(w[e]), bf_lo(w[e]), acc[e]);
+            acc[e] = fmaf(bf_hi(w[e]), bf_hi(w[e]), acc[e]);
+          }
+        }
+        float ss = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+#pragma unroll
+        for (int m = 1; m < TPR; m <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+        if (tid % TPR == 0) {
+          if (r < NT) sRq[r] = scale / sqrtf(ss + 1e-6f);
+          else sRk[r - NT] = 1.f / sqrtf(ss + 1e-6f);
         }
       }
+    } else if (tid < NT) {
+      sRq[tid] = scale;
+      sRk[tid] = 1.f;
     }
-    if (lane < NT) {
-      sRq[lane] = GDN_L2 ? scale / sqrtf((sq[0] + sq[1]) + (sq[2] + sq[3]) + 1e-6f) : scale;
-      sRk[lane] = GDN_L2 ? 1.f / sqrtf((sk[0] + sk[1]) + (sk[2] + sk[3]) + 1e-6f) : 1.f;
+    // ---- gram: [Q; K] K^T, lower-triangular tiles only (q rows: j <= i; k rows: j < i); each warp one
+    // m-tile and NTW n-tiles, all in flight together
+    constexpr int NTN = NT / 8;
+    constexpr int NGRP0 = NWM >= MT ? NWM / MT : 1;
+    constexpr int NGRP = NGRP0 < NTN ? NGRP0 : NTN;  // warps sharing an m-tile
+    constexpr int NTW = NTN / NGRP;                  // n-tiles per warp
+    const int grp = NWM >= MT ? warp / MT : 0;
+    if (grp < NGRP) {
+      for (int mt = NWM >= MT ? warp % MT : warp; mt < MT; mt += NWM >= MT ? MT : NWM) {
+        const int row0 = mt * 16;
+        float c[NTW][4];
+        bool need[NTW];
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+          const int nt = grp + NGRP * j;
+          need[j] = row0 < NT ? nt * 8 <= row0 + 15 : nt * 8 <= row0 - NT + 14;
+          c[j][0] = c[j][1] = c[j][2] = c[j][3] = 0.f;
+        }
+#pragma unroll
+        for (int ks = 0; ks < KS; ++ks) {
+          uint32_t a[4];
+          ldsm_x4(a, sQK + (row0 + (lane & 15)) * QK_LD + ks * 16 + (lane >> 4) * 8);
+#pragma unroll
+          for (int j = 0; j < NTW; ++j) {
+            if (!need[j]) continue;
+            uint32_t bb[2];
+            ldsm_x2(bb, sQK + (NT + (grp + NGRP * j) * 8 + (lane & 7)) * QK_LD + ks * 16 + ((lane >> 3) & 1) * 8);
+            mma_bf16(c[j], a, bb[0], bb[1]);
+          }
+        }
+        const int r = row0 + (lane >> 2);
+#pragma unroll
+        for (int j = 0; j < NTW; ++j) {
+          if (!need[j]) continue;
+          const int col = (grp + NGRP * j) * 8 + 2 * (lane & 3);
+          sGram[r * G_LD + col] = c[j][0];
+          sGram[r * G_LD + col + 1] = c[j][1];
+          sGram[(r + 8) * G_LD + col] = c[j][2];
+          sGram[(r + 8) * G_LD + col + 1] = c[j][3];
+        }
+      }
     }
   }
   __syncthreads();
 
-  // ---- M (ancestors-or-self) and A^T (proper ancestors), masked before exp
-  for (int e = tid; e < NT * NT; e += NTHR) {
-    const int i = e / NT, j = e % NT;
-    const bool on = (sAnc[i] >> j) & 1u;
-    const float d = expf(on ? sG[i] - sG[j] : 0.f);
-    const float rkj = sRk[j] * d;
-    const float mv = sRq[i] * rkj * sGram[i * G_LD + j];
-    const float av = sBeta[i] * sRk[i] * rkj * sGram[(NT + i) * G_LD + j];
-    sMN[i * G_LD + j] = on ? mv : 0.f;
-    sAt[j * A_LD + i] = on && j != i ? av : 0.f;
+  // ---- M (ancestors-or-self) and A^T (proper ancestors), masked before exp; thread: row i, JPT columns
+  static_assert(MMA_THR % NT == 0 && (NT * NT) % MMA_THR == 0, "build split");
+  if (tid < MMA_THR) {
+    constexpr int JPT = NT * NT / MMA_THR;
+    const int i = tid % NT, j0 = (tid / NT) * JPT;
+    const unsigned ai = sAnc[i];
+    const float gi = sG[i], rqi = sRq[i], brk = sBeta[i] * sRk[i];
+#pragma unroll
+    for (int u = 0; u < JPT; ++u) {
+      const int j = j0 + u;
+      const bool on = (ai >> j) & 1u;
+      const float rkj = sRk[j] * expf(on ? gi - sG[j] : 0.f);
+      const float mv = rqi * rkj * sGram[i * G_LD + j];
+      const float av = brk * rkj * sGram[(NT + i) * G_LD + j];
+      sMN[i * G_LD + j] = on ? mv : 0.f;
+      sAt[j * A_LD + i] = on && j != i ? av : 0.f;
+    }
   }
   __syncthreads();
 
@@ -439,8 +471,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
       acc[0] = u.x, acc[1] = u.y, acc[2] = u.z, acc[3] = u.w, acc[4] = w.x, acc[5] = w.y, acc[6] = w.z, acc[7] = w.w;
     }
 #pragma unroll
-    for (int l = 0; l < NT; ++l) {
-      if (l > i) break;
+    for (int l = 0; l < NT; ++l) {  // N[i][l] = 0 for l > i
       const float nl = sMN[i * G_LD + l];
       const float4 u = *reinterpret_cast<const float4*>(sR + l * R_LD + c);
       const float4 w = *reinterpret_cast<const float4*>(sR + l * R_LD + c + 4);
