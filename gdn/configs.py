@@ -76,6 +76,7 @@ class CudaConfig:
     pdl: bool = True  # sm_90: programmatic dependent launch, state rows prefetched into L2 before the wait
     min_blocks: int = 2  # __launch_bounds__ CTAs per SM (caps registers)
     skip: int = 0  # diagnostic only, WRONG outputs: bit mask of phases removed for timing (GDN_SKIP in the source)
+    trace: bool = False  # diagnostic: phase stamps per CTA into gdn.cuda.TRACE (perf/gdn_cuda_trace.py)
 
     def __post_init__(self):
         if self.BV % 8 or not 8 <= self.BV <= 64:
@@ -86,7 +87,8 @@ class CudaConfig:
             raise ValueError(f"CudaConfig.min_blocks must be 1 to 4, got {self.min_blocks!r}")
 
     def tag(self) -> str:
-        return f"bv{self.BV}-p{self.pieces}-m{self.min_blocks}" + (f"-skip{self.skip}" if self.skip else "")
+        return f"bv{self.BV}-p{self.pieces}-m{self.min_blocks}" + (f"-skip{self.skip}" if self.skip else "") + (
+            "-trace" if self.trace else "")
 
 
 @dataclass(frozen=True)

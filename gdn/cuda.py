@@ -91,7 +91,8 @@ def _flags(cfg: CudaConfig, nt: int, K: int, l2: bool, vk: bool, gdt: int, bdt: 
            arch: tuple[int, int]) -> list[str]:
     sm = f"{arch[0]}{arch[1]}"
     defines = dict(NT=nt, K=K, BV=cfg.BV, PIECES=cfg.pieces, L2=int(l2), VK=int(vk), GDT=gdt, BDT=bdt, ODT=odt,
-                   IDX64=int(idx64), PDL=int(pdl), MINB=cfg.min_blocks, SKIP=cfg.skip)
+                   IDX64=int(idx64), PDL=int(pdl), MINB=cfg.min_blocks, SKIP=cfg.skip,
+                   TRACE=int(cfg.trace))
     return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", *(f"-DGDN_{k}={v}" for k, v in defines.items())]
 
 
@@ -139,10 +140,32 @@ def _function(key: tuple, device: torch.device) -> tuple[ctypes.c_void_p, int]:
         return _FUNCS[key]
 
 
+class _Trace:
+    """Diagnostic stamps (10 int64 per CTA): `pool` is an int64 [rows, 10] tensor the caller allocates; each traced
+    launch takes the next rows from `pos` on (no allocation, so a traced CUDA graph holds only the kernels)."""
+
+    pool: torch.Tensor | None = None
+    pos: int = 0
+
+
+TRACE = _Trace()
+
+
+def _trace_ptr(cfg: CudaConfig, ctas: int, dev) -> int:
+    if not cfg.trace:
+        return 0
+    if TRACE.pool is None or TRACE.pos + ctas > TRACE.pool.shape[0]:
+        raise ValueError("a traced CudaConfig needs gdn.cuda.TRACE.pool: an int64 [rows, 10] tensor with room for every CTA")
+    ptr = TRACE.pool[TRACE.pos].data_ptr()
+    TRACE.pos += ctas
+    return ptr
+
+
 def run(cfg: CudaConfig, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale: float, use_l2: bool, vk: bool,
         max_nodes: int, strides: tuple[int, int, int, int], pdl: bool) -> None:
     """o = tree_verify(...) on torch's current stream; inputs already checked by `unsupported`.
-    `strides`: the pool's (slot, head, k, v) element strides."""
+    `strides`: the pool's (slot, head, k, v) element strides. A config with `trace` writes 10 stamps per CTA
+    into `TRACE.pool` (perf/gdn_cuda_trace.py)."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = cu.numel() - 1
@@ -158,6 +181,6 @@ def run(cfg: CudaConfig, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale: f
             I(T), I(pool.shape[0]),
             *(LL(s) for s in (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
                               g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1))),
-            *(LL(s) for s in strides)]
+            *(LL(s) for s in strides), P(_trace_ptr(cfg, (V // cfg.BV) * HV * B, dev))]
     stream = torch.cuda.current_stream(dev).cuda_stream
     launch(fn, (V // cfg.BV, HV, B), 32 * (cfg.BV // 8 + 1), smem, stream, vals, pdl=pdl, what="gdn_tree_cuda_kernel")

@@ -32,6 +32,15 @@ if [ "${BENCH:-0}" = 1 ]; then
   timeout "${BENCH_TIMEOUT:-200}" python3 -m specpilot bench --shapes hybrid-27b --ops gdn --out "$OUT" >"$OUT/bench.log" 2>&1
   BENCH_RC=$?
 fi
+TRACE_RC=skipped
+if [ -n "${TRACE:-}" ]; then  # TRACE="--bv 64;--bv 64 --nopdl;...": perf/gdn_cuda_trace.py runs, ';'-separated
+  IFS=';' read -ra TR <<<"$TRACE"
+  for t in "${TR[@]}"; do
+    echo "== trace $t" >>"$OUT/trace.log"
+    timeout 120 python3 perf/gdn_cuda_trace.py $t --out "$OUT" >>"$OUT/trace.log" 2>&1
+    TRACE_RC=$?
+  done
+fi
 NCU_RC=skipped
 if [ "${NCU:-0}" = 1 ]; then
   for bv in ${NCU_BV:-32}; do
@@ -50,6 +59,8 @@ LATEST=$(ls -t "$OUT"/2*-gdn.md 2>/dev/null | head -n 1)
   grep -E "^FAILED|^ERROR" "$OUT/pytest-gpu-suite.log" 2>/dev/null | head -n 12
   echo "explore rc=$EXPLORE_RC"
   grep -E "^== |^  (wy|recurrent|cuda|ablate-cuda)" "$OUT/explore.log" 2>/dev/null | head -n 80
+  echo "trace rc=$TRACE_RC"
+  [ -f "$OUT/trace.log" ] && cat "$OUT/trace.log"
   echo "ncu rc=$NCU_RC"
   for f in "$OUT"/ncu-bv*.txt; do [ -f "$f" ] && { echo "$f"; grep -E "Duration|Registers Per|Achieved Occupancy|Issue Slots Busy|Warp Cycles Per Issued|Dynamic Shared|No Eligible|Block Limit" "$f" | head -n 14; }; done
   echo "bench rc=$BENCH_RC ${LATEST:-no result}"

@@ -48,6 +48,9 @@
 #ifndef GDN_SKIP
 #define GDN_SKIP 0  // diagnostic, WRONG outputs: 1 exit after the wait, 8 exit after the loads, 2 no solve, 4 no state products
 #endif
+#ifndef GDN_TRACE
+#define GDN_TRACE 0  // diagnostic: thread 0 stamps %globaltimer / clock64 at the phase boundaries into `trace`
+#endif
 #ifndef GDN_MINB
 #define GDN_MINB 2
 #endif
@@ -143,6 +146,12 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t (&p)[3])
   p[2] = pack_bf16(r0 - m0, r1 - m1);
 }
 
+__device__ __forceinline__ long long gtimer() {
+  long long t;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+  return t;
+}
+
 __device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
@@ -178,7 +187,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     const long long* __restrict__ anc, float scale, int hv_per_h, int total_nodes, int pool_rows, long long s_qt,
     long long s_qh, long long s_kt, long long s_kh, long long s_vt, long long s_vh, long long s_gt, long long s_gh,
     long long s_bt, long long s_bh, long long s_ot, long long s_oh, long long s_sp, long long s_sh, long long s_sk,
-    long long s_sv) {
+    long long s_sv, long long* __restrict__ trace) {
   extern __shared__ __align__(16) unsigned char smem[];
   __nv_bfloat16* sQK = reinterpret_cast<__nv_bfloat16*>(smem + OFF_QK);  // [2NT, QK_LD]: q rows, then k rows
   float* sS = reinterpret_cast<float*>(smem + OFF_S);                     // [K, S_LD] or [BV, S_LD] (VK)
@@ -198,6 +207,14 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   const int vb = blockIdx.x, hv = blockIdx.y, b = blockIdx.z;
   const int h = hv / hv_per_h;
   const int tid = threadIdx.x, warp = tid >> 5, lane = tid & 31;
+#if GDN_TRACE
+  long long* tr = trace + ((static_cast<long long>(b) * gridDim.y + hv) * gridDim.x + vb) * 10;
+#define GDN_STAMP(slot, expr) \
+  if (tid == 0) tr[slot] = (expr)
+#else
+#define GDN_STAMP(slot, expr)
+#endif
+  GDN_STAMP(0, gtimer());
 
   {
     unsigned dyn;
@@ -236,6 +253,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   asm volatile("griddepcontrol.wait;\n" ::: "memory");
   asm volatile("griddepcontrol.launch_dependents;\n" ::: "memory");
 #endif
+  GDN_STAMP(1, gtimer());
+  GDN_STAMP(2, clock64());
 
   if (GDN_SKIP & 1) return;
   const int bos = cu[b], n = cu[b + 1] - bos;  // n <= NT: the launcher sizes NT from the plan
@@ -294,6 +313,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
+  GDN_STAMP(3, clock64());
   if (GDN_SKIP & 8) return;
 
   if (warp < NWM) {
@@ -371,6 +391,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     }
   }
   __syncthreads();
+  GDN_STAMP(4, clock64());
 
   // ---- M (ancestors-or-self) and A^T (proper ancestors), masked before exp; thread: row i, JPT columns
   static_assert(MMA_THR % NT == 0 && (NT * NT) % MMA_THR == 0, "build split");
@@ -391,6 +412,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     }
   }
   __syncthreads();
+  GDN_STAMP(5, clock64());
 
   if (warp == NWM) {
     // ---- N = M (I + A)^-1, lane i = row i, columns right to left
@@ -457,6 +479,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     }
   }
   __syncthreads();
+  GDN_STAMP(6, clock64());
 
   // ---- O = exp(G) rq (Q S0) + N rhs, 8 columns per thread, one 16-byte store
   constexpr int CG = BV / 8;
@@ -493,4 +516,6 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
 #endif
   }
+  GDN_STAMP(7, gtimer());
+  GDN_STAMP(8, clock64());
 }
