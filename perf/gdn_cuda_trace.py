@@ -27,6 +27,8 @@ ap = argparse.ArgumentParser()
 ap.add_argument("--bv", type=int, default=64)
 ap.add_argument("--pieces", type=int, default=3)
 ap.add_argument("--nopdl", action="store_true")
+ap.add_argument("--uo", type=int, default=4, help="CudaConfig.unroll_out")
+ap.add_argument("--uk", type=int, default=8, help="CudaConfig.unroll_ks")
 ap.add_argument("--nodes", type=int, default=32)
 ap.add_argument("--batch", type=int, default=1)
 ap.add_argument("--out", default=None)
@@ -40,7 +42,7 @@ T = plan.total_nodes
 q, k, v, g, beta, pool = _inputs(L, T, H, HV, K, V, a.batch, "cuda", 7)
 idx = torch.arange(a.batch, dtype=torch.int32, device="cuda")
 o = torch.empty(L, T, HV, V, device="cuda", dtype=torch.bfloat16)
-cfg = CudaConfig(BV=a.bv, pieces=a.pieces, pdl=not a.nopdl, trace=True)
+cfg = CudaConfig(BV=a.bv, pieces=a.pieces, pdl=not a.nopdl, unroll_out=a.uo, unroll_ks=a.uk, trace=True)
 ctas = (V // a.bv) * HV * a.batch
 gcuda.TRACE.pool = torch.zeros(L * ctas, 10, dtype=torch.int64, device="cuda")
 
@@ -94,5 +96,5 @@ for key in ("cyc_loads", "cyc_norms_gram", "cyc_build", "cyc_solve_products", "c
 print(f"  wait->end (ns)       {med['cyc_output_ns']:8.0f}")
 if a.out:
     os.makedirs(a.out, exist_ok=True)
-    with open(os.path.join(a.out, f"gdn_cuda_trace-bv{a.bv}{'-nopdl' if a.nopdl else ''}.json"), "w") as f:
+    with open(os.path.join(a.out, f"gdn_cuda_trace-{cfg.tag()}{'-nopdl' if a.nopdl else ''}-b{a.batch}n{a.nodes}.json"), "w") as f:
         json.dump(dict(total_us=total_us, median=med, rows=rows, cfg=str(cfg)), f, indent=1)

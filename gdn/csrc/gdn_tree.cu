@@ -48,6 +48,12 @@
 #ifndef GDN_SKIP
 #define GDN_SKIP 0  // diagnostic, WRONG outputs: 1 exit after the wait, 8 exit after the loads, 2 no solve, 4 no state products
 #endif
+#ifndef GDN_UNROLL_OUT
+#define GDN_UNROLL_OUT 4  // unroll of the N.rhs loop (code size: each CTA runs its code once, so fetching it counts)
+#endif
+#ifndef GDN_UNROLL_KS
+#define GDN_UNROLL_KS 8  // unroll of the state products' k-steps
+#endif
 #ifndef GDN_TRACE
 #define GDN_TRACE 0  // diagnostic: thread 0 stamps %globaltimer / clock64 at the phase boundaries into `trace`
 #endif
@@ -58,6 +64,7 @@
 namespace {
 
 constexpr int NT = GDN_NT, K = GDN_K, BV = GDN_BV, PIECES = GDN_PIECES;
+constexpr int UNROLL_OUT = GDN_UNROLL_OUT, UNROLL_KS = GDN_UNROLL_KS;
 constexpr bool VK = GDN_VK != 0;
 constexpr int NWM = BV / 8;           // mma warps
 constexpr int NTHR = 32 * (NWM + 1);  // + the solver warp
@@ -156,23 +163,24 @@ __device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w <<
 __device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
 
-// Column J of N for one row (lane): N[J] = M[J] - sum_{l > J} N[l] A[l][J], then columns J-1 .. 0.
+// One row of N (a lane): columns right to left. Once column L is final, every column j < L takes its term
+// N[L] A[L][j] (row L of A); the updates of one step are independent, so the FMA pipeline stays full while the
+// chain N[L] -> N[L-1] is one FMA per column. Same summation order as N[j] = M[j] - sum_{l > j} N[l] A[l][j].
 // Compile-time recursion keeps nr[] in registers (a run-time index would move it to local memory).
-template <int J>
-__device__ __forceinline__ void solve_columns(float (&nr)[NT], const float* __restrict__ at) {
-  if constexpr (J >= 0) {
-    float acc = nr[J];
-    const float4* row = reinterpret_cast<const float4*>(at + J * A_LD);
+template <int L>
+__device__ __forceinline__ void solve_columns(float (&nr)[NT], const float* __restrict__ a) {
+  if constexpr (L >= 1) {
+    const float4* row = reinterpret_cast<const float4*>(a + L * A_LD);
+    const float nl = -nr[L];
 #pragma unroll
-    for (int c4 = NT / 4 - 1; c4 >= (J + 1) / 4; --c4) {
+    for (int c4 = (L - 1) / 4; c4 >= 0; --c4) {
       const float4 t = row[c4];
       const float av[4] = {t.x, t.y, t.z, t.w};
 #pragma unroll
       for (int e = 3; e >= 0; --e)
-        if (4 * c4 + e > J) acc = fmaf(-nr[4 * c4 + e], av[e], acc);
+        if (4 * c4 + e < L) nr[4 * c4 + e] = fmaf(nl, av[e], nr[4 * c4 + e]);
     }
-    nr[J] = acc;
-    solve_columns<J - 1>(nr, at);
+    solve_columns<L - 1>(nr, a);
   }
 }
 
@@ -193,7 +201,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   float* sS = reinterpret_cast<float*>(smem + OFF_S);                     // [K, S_LD] or [BV, S_LD] (VK)
   float* sGram = reinterpret_cast<float*>(smem + OFF_GRAM);               // [2NT, G_LD]: q.k^T, then k.k^T
   float* sMN = reinterpret_cast<float*>(smem + OFF_MN);                   // [NT, G_LD]: M, then N in place
-  float* sAt = reinterpret_cast<float*>(smem + OFF_AT);                   // [NT, A_LD]: A^T
+  float* sA = reinterpret_cast<float*>(smem + OFF_AT);                    // [NT, A_LD]: A (rows read as float4)
   float* sR = reinterpret_cast<float*>(smem + OFF_R);                     // [NT, R_LD]: rhs
   float* sQS = reinterpret_cast<float*>(smem + OFF_QS);                   // [NT, R_LD]: exp(G) rq (Q S0)
   __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + OFF_V);    // [NT, V_LD]
@@ -230,6 +238,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     si = si < 0 ? 0 : (si >= pool_rows ? pool_rows - 1 : si);
     const float* s0 = pool + si * s_sp + hv * s_sh + static_cast<long long>(vb) * BV * s_sv;
     constexpr int ROW_BYTES = (VK ? K : BV) * 4, LINES = (ROW_BYTES + 127) / 128;
+#pragma unroll 1
     for (int t = tid; t < S_ROWS * LINES; t += NTHR) {
       const int r = t / LINES, c = (t % LINES) * 32;
       prefetch_l2(VK ? s0 + r * s_sv + c : s0 + r * s_sk + c);
@@ -238,6 +247,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     bos = bos < 0 ? 0 : (bos >= total_nodes ? total_nodes - 1 : bos);
     n = n < 0 ? 0 : (n > NT ? NT : n);
     n = bos + n > total_nodes ? total_nodes - bos : n;
+#pragma unroll 1
     for (int t = tid; t < n * 4; t += NTHR) {
       const int i = t / 4, w = t % 4;
       if (w == 0) prefetch_l2(q + (bos + i) * s_qt + h * s_qh);
@@ -261,30 +271,32 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   if (n <= 0) return;
   const long long si = ld_index(state_idx, b);
 
-  // ---- loads: q, k rows [2NT, K]; the state tile; v [NT, BV] (rows past n zero-filled)
-  {
-    constexpr int CH = K / 8;
-    for (int t = tid; t < 2 * NT * CH; t += NTHR) {
-      const int r = t / CH, c = (t % CH) * 8;
-      const int i = r < NT ? r : r - NT;
-      const bool ok = i < n;
-      const long long node = bos + (ok ? i : 0);
-      const __nv_bfloat16* src = r < NT ? q + node * s_qt + h * s_qh + c : k + node * s_kt + h * s_kh + c;
-      cp_async16(sQK + r * QK_LD + c, src, ok);
+  // ---- loads (the mma threads): q, k rows [2NT, K]; the state tile; v [NT, BV] (rows past n zero-filled)
+  if (tid < MMA_THR) {
+    constexpr int CH = K / 8, RPQ = MMA_THR / CH;  // 16-byte chunks per q/k row, rows per pass
+    static_assert(MMA_THR % CH == 0 && NT % RPQ == 0, "q/k load split");
+    const int c = (tid % CH) * 8, r0 = tid / CH;
+#pragma unroll
+    for (int r = r0; r < NT; r += RPQ) {
+      const bool ok = r < n;
+      const long long node = bos + (ok ? r : 0);
+      cp_async16(sQK + r * QK_LD + c, q + node * s_qt + h * s_qh + c, ok);
+      cp_async16(sQK + (NT + r) * QK_LD + c, k + node * s_kt + h * s_kh + c, ok);
     }
-    const float* s0 = pool + si * s_sp + hv * s_sh;
-    constexpr int SCH = (VK ? K : BV) / 4;
-    for (int t = tid; t < S_ROWS * SCH; t += NTHR) {
-      const int r = t / SCH, c = (t % SCH) * 4;
-      const float* src = VK ? s0 + (static_cast<long long>(vb) * BV + r) * s_sv + c
-                            : s0 + r * s_sk + static_cast<long long>(vb) * BV + c;
-      cp_async16(sS + r * S_LD + c, src, true);
-    }
-    constexpr int VCH = BV / 8;
-    for (int t = tid; t < NT * VCH; t += NTHR) {
-      const int i = t / VCH, c = (t % VCH) * 8;
+    constexpr int SCH = (VK ? K : BV) / 4, RPS = MMA_THR / SCH;
+    static_assert(MMA_THR % SCH == 0 && S_ROWS % RPS == 0, "state load split");
+    const int sc = (tid % SCH) * 4, sr = tid / SCH;
+    const long long rstride = VK ? s_sv : s_sk;
+    const float* src = pool + si * s_sp + hv * s_sh + static_cast<long long>(vb) * BV * (VK ? s_sv : 1) + sr * rstride + sc;
+#pragma unroll
+    for (int r = sr; r < S_ROWS; r += RPS, src += RPS * rstride) cp_async16(sS + r * S_LD + sc, src, true);
+    constexpr int VCH = BV / 8, RPV = MMA_THR / VCH;
+    static_assert(MMA_THR % VCH == 0, "v load split");
+    const int vc = (tid % VCH) * 8;
+#pragma unroll
+    for (int i = tid / VCH; i < NT; i += RPV) {
       const bool ok = i < n;
-      cp_async16(sV + i * V_LD + c, v + (bos + (ok ? i : 0)) * s_vt + hv * s_vh + vb * BV + c, ok);
+      cp_async16(sV + i * V_LD + vc, v + (bos + (ok ? i : 0)) * s_vt + hv * s_vh + vb * BV + vc, ok);
     }
     asm volatile("cp.async.commit_group;\n" ::);
   }
@@ -292,20 +304,20 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   if (warp == NWM) {
     // gates along root paths: G_i = sum of g_j over ancestors-or-self j (lane i = node i)
     float gi = 0.f, bi = 0.f;
-    long long ai = 0;
+    unsigned ai = 0;
     if (lane < n) {
       gi = ld_real(g, (bos + lane) * s_gt + hv * s_gh, GDN_GDT);
       bi = ld_real(beta, (bos + lane) * s_bt + hv * s_bh, GDN_BDT);
-      ai = anc[bos + lane];
+      ai = static_cast<unsigned>(anc[bos + lane]);  // NT <= 32: the low word holds every bit
     }
+    if (lane < NT) sG[lane] = gi;
+    __syncwarp();
     float G = 0.f;
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      const float gj = __shfl_sync(0xffffffffu, gi, j);
-      if ((ai >> j) & 1) G += gj;
-    }
+    for (int j = 0; j < NT; ++j) G += (ai >> j) & 1u ? sG[j] : 0.f;
+    __syncwarp();
     if (lane < NT) {
-      sAnc[lane] = static_cast<unsigned>(ai);  // NT <= 32: the low word holds every bit
+      sAnc[lane] = ai;
       sG[lane] = G;
       sEG[lane] = expf(G);
       sBeta[lane] = bi;
@@ -393,7 +405,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   __syncthreads();
   GDN_STAMP(4, clock64());
 
-  // ---- M (ancestors-or-self) and A^T (proper ancestors), masked before exp; thread: row i, JPT columns
+  // ---- M (ancestors-or-self) and A (proper ancestors), masked before exp; thread: row i, JPT columns
   static_assert(MMA_THR % NT == 0 && (NT * NT) % MMA_THR == 0, "build split");
   if (tid < MMA_THR) {
     constexpr int JPT = NT * NT / MMA_THR;
@@ -408,7 +420,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
       const float mv = rqi * rkj * sGram[i * G_LD + j];
       const float av = brk * rkj * sGram[(NT + i) * G_LD + j];
       sMN[i * G_LD + j] = on ? mv : 0.f;
-      sAt[j * A_LD + i] = on && j != i ? av : 0.f;
+      sA[i * A_LD + j] = on && j != i ? av : 0.f;
     }
   }
   __syncthreads();
@@ -420,7 +432,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     float nr[NT];
 #pragma unroll
     for (int j = 0; j < NT; ++j) nr[j] = sMN[i * G_LD + j];
-    if (!(GDN_SKIP & 2)) solve_columns<NT - 2>(nr, sAt);
+    if (!(GDN_SKIP & 2)) solve_columns<NT - 1>(nr, sA);
     __syncwarp();
     if (lane < NT) {
 #pragma unroll
@@ -434,7 +446,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
 #pragma unroll
       for (int e = 0; e < 4; ++e) hi[mt][e] = lo[mt][e] = 0.f;
     const int bn = warp * 8 + (lane >> 2), bk = 2 * (lane & 3);
-#pragma unroll
+#pragma unroll UNROLL_KS
     for (int ks = 0; ks < ((GDN_SKIP & 4) ? 0 : KS); ++ks) {
       const int k0 = ks * 16 + bk;
       float x[4];
@@ -481,41 +493,38 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   __syncthreads();
   GDN_STAMP(6, clock64());
 
-  // ---- O = exp(G) rq (Q S0) + N rhs, 8 columns per thread, one 16-byte store
-  constexpr int CG = BV / 8;
-  for (int t = tid; t < NT * CG && t < MMA_THR * ((NT * CG + MMA_THR - 1) / MMA_THR); t += MMA_THR) {
-    if (tid >= MMA_THR) break;
-    const int i = t / CG, c = (t % CG) * 8;
-    if (i >= n) continue;
-    float acc[8];
-    {
-      const float4 u = *reinterpret_cast<const float4*>(sQS + i * R_LD + c);
-      const float4 w = *reinterpret_cast<const float4*>(sQS + i * R_LD + c + 4);
-      acc[0] = u.x, acc[1] = u.y, acc[2] = u.z, acc[3] = u.w, acc[4] = w.x, acc[5] = w.y, acc[6] = w.z, acc[7] = w.w;
-    }
-#pragma unroll
-    for (int l = 0; l < NT; ++l) {  // N[i][l] = 0 for l > i
-      const float nl = sMN[i * G_LD + l];
-      const float4 u = *reinterpret_cast<const float4*>(sR + l * R_LD + c);
-      const float4 w = *reinterpret_cast<const float4*>(sR + l * R_LD + c + 4);
-      acc[0] = fmaf(nl, u.x, acc[0]), acc[1] = fmaf(nl, u.y, acc[1]), acc[2] = fmaf(nl, u.z, acc[2]);
-      acc[3] = fmaf(nl, u.w, acc[3]), acc[4] = fmaf(nl, w.x, acc[4]), acc[5] = fmaf(nl, w.y, acc[5]);
-      acc[6] = fmaf(nl, w.z, acc[6]), acc[7] = fmaf(nl, w.w, acc[7]);
-    }
-    const long long off = (bos + i) * s_ot + hv * s_oh + vb * BV + c;
+  // ---- O = exp(G) rq (Q S0) + N rhs; thread: row i, columns 4c..4c+3 and BV/2+4c..: a quarter warp's float4
+  // reads of a rhs row are 128 contiguous bytes (no bank conflicts)
+  constexpr int CG = BV / 8, HB = BV / 2;
+  static_assert(MMA_THR >= NT * CG || (NT * CG) % MMA_THR == 0, "output split");
+  if (tid < MMA_THR) {
+#pragma unroll 1
+    for (int t = tid; t < NT * CG; t += MMA_THR) {
+      const int i = t / CG, c = (t % CG) * 4;
+      if (i >= n) continue;
+      float4 a0 = *reinterpret_cast<const float4*>(sQS + i * R_LD + c);
+      float4 a1 = *reinterpret_cast<const float4*>(sQS + i * R_LD + HB + c);
+#pragma unroll UNROLL_OUT
+      for (int l = 0; l < NT; ++l) {  // N[i][l] = 0 for l > i
+        const float nl = sMN[i * G_LD + l];
+        const float4 u = *reinterpret_cast<const float4*>(sR + l * R_LD + c);
+        const float4 w = *reinterpret_cast<const float4*>(sR + l * R_LD + HB + c);
+        a0.x = fmaf(nl, u.x, a0.x), a0.y = fmaf(nl, u.y, a0.y), a0.z = fmaf(nl, u.z, a0.z), a0.w = fmaf(nl, u.w, a0.w);
+        a1.x = fmaf(nl, w.x, a1.x), a1.y = fmaf(nl, w.y, a1.y), a1.z = fmaf(nl, w.z, a1.z), a1.w = fmaf(nl, w.w, a1.w);
+      }
+      const long long off = (bos + i) * s_ot + hv * s_oh + vb * BV + c;
 #if GDN_ODT == 1
-    uint4 out;
-    out.x = pack_bf16(acc[0], acc[1]);
-    out.y = pack_bf16(acc[2], acc[3]);
-    out.z = pack_bf16(acc[4], acc[5]);
-    out.w = pack_bf16(acc[6], acc[7]);
-    *reinterpret_cast<uint4*>(static_cast<__nv_bfloat16*>(o) + off) = out;
+      __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(o) + off;
+      *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16(a0.x, a0.y), pack_bf16(a0.z, a0.w));
+      *reinterpret_cast<uint2*>(dst + HB) = make_uint2(pack_bf16(a1.x, a1.y), pack_bf16(a1.z, a1.w));
 #else
-    float4* dst = reinterpret_cast<float4*>(static_cast<float*>(o) + off);
-    dst[0] = make_float4(acc[0], acc[1], acc[2], acc[3]);
-    dst[1] = make_float4(acc[4], acc[5], acc[6], acc[7]);
+      float* dst = static_cast<float*>(o) + off;
+      *reinterpret_cast<float4*>(dst) = a0;
+      *reinterpret_cast<float4*>(dst + HB) = a1;
 #endif
+    }
   }
-  GDN_STAMP(7, gtimer());
   GDN_STAMP(8, clock64());
+
+  GDN_STAMP(7, gtimer());
 }
