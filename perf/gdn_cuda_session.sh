@@ -7,6 +7,12 @@ cd "$(dirname "$0")/.."
 . perf/session_env.sh
 { nvidia-smi --query-gpu=name,driver_version,clocks.sm,clocks.mem --format=csv; nvcc --version | tail -n 2;
   python3 -c "import torch, triton; print('torch', torch.__version__, 'triton', triton.__version__)"; } >"$OUT/env.txt" 2>&1
+WHEELS="no .whl"
+if compgen -G ".whl/*.whl" >/dev/null; then  # fla for the benchmark's chains (../shared/tools/device-wheels)
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    >"$OUT/wheels.log" 2>&1 && export PYTHONPATH=/tmp/site:$PYTHONPATH && WHEELS="installed $(ls .whl/*.whl | wc -l) wheels"
+fi
+echo "wheels: $WHEELS" >>"$OUT/env.txt"
 XDIST=()
 python3 -c "import xdist" 2>/dev/null && XDIST=(-n "${TEST_WORKERS:-8}")
 TEST_RC=skipped

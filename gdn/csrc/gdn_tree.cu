@@ -153,6 +153,14 @@ __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t (&p)[3])
   p[2] = pack_bf16(r0 - m0, r1 - m1);
 }
 
+__device__ __forceinline__ void store_out4(void* o, long long off, float4 a) {
+#if GDN_ODT == 1
+  *reinterpret_cast<uint2*>(static_cast<__nv_bfloat16*>(o) + off) = make_uint2(pack_bf16(a.x, a.y), pack_bf16(a.z, a.w));
+#else
+  *reinterpret_cast<float4*>(static_cast<float*>(o) + off) = a;
+#endif
+}
+
 __device__ __forceinline__ long long gtimer() {
   long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
@@ -493,35 +501,34 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   __syncthreads();
   GDN_STAMP(6, clock64());
 
-  // ---- O = exp(G) rq (Q S0) + N rhs; thread: row i, columns 4c..4c+3 and BV/2+4c..: a quarter warp's float4
-  // reads of a rhs row are 128 contiguous bytes (no bank conflicts)
-  constexpr int CG = BV / 8, HB = BV / 2;
-  static_assert(MMA_THR >= NT * CG || (NT * CG) % MMA_THR == 0, "output split");
+  // ---- O = exp(G) rq (Q S0) + N rhs; thread: rows i and i + NT/2, columns 4c..4c+3 and BV/2+4c..+3 (each rhs
+  // float4 serves two rows; a quarter warp's float4 reads of a rhs row are 128 contiguous bytes: no bank conflicts)
+  constexpr int CG = BV / 8, HB = BV / 2, HN = NT / 2;
   if (tid < MMA_THR) {
 #pragma unroll 1
-    for (int t = tid; t < NT * CG; t += MMA_THR) {
-      const int i = t / CG, c = (t % CG) * 4;
-      if (i >= n) continue;
-      float4 a0 = *reinterpret_cast<const float4*>(sQS + i * R_LD + c);
-      float4 a1 = *reinterpret_cast<const float4*>(sQS + i * R_LD + HB + c);
+    for (int t = tid; t < HN * CG; t += MMA_THR) {
+      const int i0 = t / CG, i1 = i0 + HN, c = (t % CG) * 4;
+      if (i0 >= n) continue;
+      float4 a0 = *reinterpret_cast<const float4*>(sQS + i0 * R_LD + c);
+      float4 a1 = *reinterpret_cast<const float4*>(sQS + i0 * R_LD + HB + c);
+      float4 b0 = *reinterpret_cast<const float4*>(sQS + i1 * R_LD + c);
+      float4 b1 = *reinterpret_cast<const float4*>(sQS + i1 * R_LD + HB + c);
 #pragma unroll UNROLL_OUT
       for (int l = 0; l < NT; ++l) {  // N[i][l] = 0 for l > i
-        const float nl = sMN[i * G_LD + l];
+        const float n0 = sMN[i0 * G_LD + l], n1 = sMN[i1 * G_LD + l];
         const float4 u = *reinterpret_cast<const float4*>(sR + l * R_LD + c);
         const float4 w = *reinterpret_cast<const float4*>(sR + l * R_LD + HB + c);
-        a0.x = fmaf(nl, u.x, a0.x), a0.y = fmaf(nl, u.y, a0.y), a0.z = fmaf(nl, u.z, a0.z), a0.w = fmaf(nl, u.w, a0.w);
-        a1.x = fmaf(nl, w.x, a1.x), a1.y = fmaf(nl, w.y, a1.y), a1.z = fmaf(nl, w.z, a1.z), a1.w = fmaf(nl, w.w, a1.w);
+        a0.x = fmaf(n0, u.x, a0.x), a0.y = fmaf(n0, u.y, a0.y), a0.z = fmaf(n0, u.z, a0.z), a0.w = fmaf(n0, u.w, a0.w);
+        a1.x = fmaf(n0, w.x, a1.x), a1.y = fmaf(n0, w.y, a1.y), a1.z = fmaf(n0, w.z, a1.z), a1.w = fmaf(n0, w.w, a1.w);
+        b0.x = fmaf(n1, u.x, b0.x), b0.y = fmaf(n1, u.y, b0.y), b0.z = fmaf(n1, u.z, b0.z), b0.w = fmaf(n1, u.w, b0.w);
+        b1.x = fmaf(n1, w.x, b1.x), b1.y = fmaf(n1, w.y, b1.y), b1.z = fmaf(n1, w.z, b1.z), b1.w = fmaf(n1, w.w, b1.w);
       }
-      const long long off = (bos + i) * s_ot + hv * s_oh + vb * BV + c;
-#if GDN_ODT == 1
-      __nv_bfloat16* dst = static_cast<__nv_bfloat16*>(o) + off;
-      *reinterpret_cast<uint2*>(dst) = make_uint2(pack_bf16(a0.x, a0.y), pack_bf16(a0.z, a0.w));
-      *reinterpret_cast<uint2*>(dst + HB) = make_uint2(pack_bf16(a1.x, a1.y), pack_bf16(a1.z, a1.w));
-#else
-      float* dst = static_cast<float*>(o) + off;
-      *reinterpret_cast<float4*>(dst) = a0;
-      *reinterpret_cast<float4*>(dst + HB) = a1;
-#endif
+      store_out4(o, (bos + i0) * s_ot + hv * s_oh + vb * BV + c, a0);
+      store_out4(o, (bos + i0) * s_ot + hv * s_oh + vb * BV + HB + c, a1);
+      if (i1 < n) {
+        store_out4(o, (bos + i1) * s_ot + hv * s_oh + vb * BV + c, b0);
+        store_out4(o, (bos + i1) * s_ot + hv * s_oh + vb * BV + HB + c, b1);
+      }
     }
   }
   GDN_STAMP(8, clock64());

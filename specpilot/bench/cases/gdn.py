@@ -3,8 +3,8 @@ them on chains.
 
 Every case runs all `gdn_layers` layers in one call (so one CUDA graph holds the whole model's
 GDN verify for a step), with per-layer inputs and per-layer state pools.
-* `tree_verify-B1-N32-L48`: batch 1, one 32-node tree; variants "wy" (default config; on sm_90
-  untransposed BV=64, 8 warps below one wave of programs, else 4: the H200 round-2 best),
+* `tree_verify-B1-N32-L48`: batch 1, one 32-node tree; variants "cuda" (the default where nvcc is present:
+  the CUDA C++ kernel gdn/csrc/gdn_tree.cu), "wy" (the Triton kernel's default config),
   "wy-wgmma" (configs.WY_WGMMA: transposed, M = BV = 64, wgmma on sm_90), "wy-levels"
   (level-by-level inverse) and "recurrent" (baseline).
   `tree_conv1d-B1-N32-L48` and `commit-B1-N32-L48` report the other two ops of the step.
@@ -79,7 +79,7 @@ def _verify_flops(ns, HV, K, V):
 
 
 def _check_verify(o, q, k, v, g, beta, pool, trees, variant, layers, msg):
-    fn = chunk_reference if variant.startswith("wy") else recurrent_reference
+    fn = recurrent_reference if variant == "recurrent" else chunk_reference
     idx = list(range(len(trees)))
     for li in layers:
         args = (q[li], k[li], v[li], g[li], beta[li])
@@ -248,6 +248,10 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     if device.type != "cuda":  # tiny demo scale on the interpreter
         big, small = [_tree(6, rng)], [_tree(3, rng) for _ in range(2)]
     variants = ("wy", "wy-wgmma", "wy-levels", "recurrent") if device.type == "cuda" else ("wy", "recurrent")
+    from gdn import cuda as gdn_cuda
+
+    if device.type == "cuda" and gdn_cuda.available(device):
+        variants = ("cuda",) + variants  # the default where it runs (gdn/csrc/gdn_tree.cu)
     out = []
     for trees in (big, small):
         tag = f"B{len(trees)}-N{len(trees[0])}-L{d['L']}"
