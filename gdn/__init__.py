@@ -1,7 +1,8 @@
 """Gated DeltaNet tree verification for speculative decoding.
 
 * `build_tree_plan` / `TreePlan`: topology of a batch of token trees, built once per step.
-* `tree_verify`: outputs of every tree node from the committed fp32 state (WY form on tensor cores).
+* `tree_verify`: outputs of every tree node from the committed fp32 state (WY form on tensor cores: the CUDA C++
+  kernel `csrc/gdn_tree.cu` where it runs, the Triton kernel otherwise).
 * `tree_conv1d`: causal depthwise conv along each node's root path.
 * `commit`: advance recurrent and conv states along the accepted path, all layers in one launch.
 * `recurrent_reference` and friends: pure PyTorch oracles.

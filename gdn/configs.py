@@ -76,6 +76,9 @@ class CudaConfig:
     pdl: bool = True  # sm_90: programmatic dependent launch, state rows prefetched into L2 before the wait
     min_blocks: int = 2  # __launch_bounds__ CTAs per SM (caps registers)
     skip: int = 0  # diagnostic only, WRONG outputs: bit mask of phases removed for timing (GDN_SKIP in the source)
+    # half the mma warps do the norms, gram and M/A build while the other half do the state products (two 8-column
+    # tiles each), so the products overlap the inverse's chain instead of following it; needs BV >= 16
+    split_warps: bool = False
     unroll_out: int = 4  # unroll of the N.rhs loop over nodes (each CTA runs its code once: code size costs fetches)
     unroll_ks: int = 8  # unroll of the state products' k-steps (K / 16 of them)
     trace: bool = False  # diagnostic: phase stamps per CTA into gdn.cuda.TRACE (perf/gdn_cuda_trace.py)
@@ -88,11 +91,14 @@ class CudaConfig:
         if self.unroll_out not in (1, 2, 4, 8, 16, 32) or self.unroll_ks not in (1, 2, 4, 8, 16):
             raise ValueError(f"CudaConfig.unroll_out (1-32) and unroll_ks (1-16) must be powers of two, got "
                              f"{self.unroll_out!r}, {self.unroll_ks!r}")
+        if self.split_warps and self.BV < 16:
+            raise ValueError(f"CudaConfig.split_warps needs BV >= 16 (two groups of mma warps), got BV={self.BV}")
         if self.min_blocks not in (1, 2, 3, 4):
             raise ValueError(f"CudaConfig.min_blocks must be 1 to 4, got {self.min_blocks!r}")
 
     def tag(self) -> str:
-        return f"bv{self.BV}-p{self.pieces}-m{self.min_blocks}-u{self.unroll_out}k{self.unroll_ks}" + (f"-skip{self.skip}" if self.skip else "") + (
+        return f"bv{self.BV}-p{self.pieces}-m{self.min_blocks}-u{self.unroll_out}k{self.unroll_ks}" + (
+            "-sw" if self.split_warps else "") + (f"-skip{self.skip}" if self.skip else "") + (
             "-trace" if self.trace else "")
 
 

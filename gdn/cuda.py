@@ -92,7 +92,7 @@ def _flags(cfg: CudaConfig, nt: int, K: int, l2: bool, vk: bool, gdt: int, bdt: 
     sm = f"{arch[0]}{arch[1]}"
     defines = dict(NT=nt, K=K, BV=cfg.BV, PIECES=cfg.pieces, L2=int(l2), VK=int(vk), GDT=gdt, BDT=bdt, ODT=odt,
                    IDX64=int(idx64), PDL=int(pdl), MINB=cfg.min_blocks, SKIP=cfg.skip,
-                   UNROLL_OUT=cfg.unroll_out, UNROLL_KS=cfg.unroll_ks,
+                   UNROLL_OUT=cfg.unroll_out, UNROLL_KS=cfg.unroll_ks, SPLITW=int(cfg.split_warps),
                    TRACE=int(cfg.trace))
     return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", *(f"-DGDN_{k}={v}" for k, v in defines.items())]
 

@@ -28,6 +28,7 @@ ap.add_argument("--bv", type=int, default=64)
 ap.add_argument("--pieces", type=int, default=3)
 ap.add_argument("--nopdl", action="store_true")
 ap.add_argument("--uo", type=int, default=4, help="CudaConfig.unroll_out")
+ap.add_argument("--sw", action="store_true", help="CudaConfig.split_warps")
 ap.add_argument("--uk", type=int, default=8, help="CudaConfig.unroll_ks")
 ap.add_argument("--nodes", type=int, default=32)
 ap.add_argument("--batch", type=int, default=1)
@@ -42,7 +43,8 @@ T = plan.total_nodes
 q, k, v, g, beta, pool = _inputs(L, T, H, HV, K, V, a.batch, "cuda", 7)
 idx = torch.arange(a.batch, dtype=torch.int32, device="cuda")
 o = torch.empty(L, T, HV, V, device="cuda", dtype=torch.bfloat16)
-cfg = CudaConfig(BV=a.bv, pieces=a.pieces, pdl=not a.nopdl, unroll_out=a.uo, unroll_ks=a.uk, trace=True)
+cfg = CudaConfig(BV=a.bv, pieces=a.pieces, pdl=not a.nopdl, unroll_out=a.uo, unroll_ks=a.uk, split_warps=a.sw,
+                 trace=True)
 ctas = (V // a.bv) * HV * a.batch
 gcuda.TRACE.pool = torch.zeros(L * ctas, 10, dtype=torch.int64, device="cuda")
 

@@ -76,6 +76,8 @@ C = 2 * H * K + HV * V if GPU else 24
 CUDA = {"cuda": None, "cuda-bv64": CudaConfig(BV=64), "cuda-p2": CudaConfig(pieces=2),
         "cuda-bv64-p2": CudaConfig(BV=64, pieces=2), "cuda-bv16": CudaConfig(BV=16), "cuda-nopdl": CudaConfig(pdl=False),
         "cuda-bv64-m1": CudaConfig(BV=64, min_blocks=1),
+        "cuda-sw": CudaConfig(split_warps=True), "cuda-sw-p2": CudaConfig(split_warps=True, pieces=2),
+        "cuda-sw-bv32": CudaConfig(BV=32, split_warps=True),
         # ablations (wrong outputs, timing only): exit after the wait, exit after the loads, no solve, no products
         **{f"ablate-cuda-skip{b}": CudaConfig(skip=b) for b in (1, 8, 2, 4, 6)}}
 

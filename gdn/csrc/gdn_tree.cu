@@ -54,6 +54,9 @@
 #ifndef GDN_UNROLL_KS
 #define GDN_UNROLL_KS 8  // unroll of the state products' k-steps
 #endif
+#ifndef GDN_SPLITW
+#define GDN_SPLITW 0  // 1: half the mma warps do norms/gram/M,A while the other half do the state products
+#endif
 #ifndef GDN_TRACE
 #define GDN_TRACE 0  // diagnostic: thread 0 stamps %globaltimer / clock64 at the phase boundaries into `trace`
 #endif
@@ -69,6 +72,11 @@ constexpr bool VK = GDN_VK != 0;
 constexpr int NWM = BV / 8;           // mma warps
 constexpr int NTHR = 32 * (NWM + 1);  // + the solver warp
 constexpr int MMA_THR = 32 * NWM;
+constexpr bool SW = GDN_SPLITW != 0;
+constexpr int NWG = SW ? NWM / 2 : NWM;  // warps doing norms, gram and the M/A build
+constexpr int G_THR = 32 * NWG;
+constexpr int NTPW = SW ? 2 : 1;         // 8-column state tiles per product warp
+static_assert(!SW || (NWM >= 2 && NWM % 2 == 0), "split warps need an even number of mma warps");
 constexpr int MT = 2 * NT / 16;  // m-tiles of the stacked [Q; K] rows
 constexpr int KS = K / 16;       // k-steps
 constexpr int QK_LD = K + 8;     // bf16; 16-byte pad: conflict-free ldmatrix
@@ -143,7 +151,8 @@ __device__ __forceinline__ uint32_t pack_bf16(float lo, float hi) {
   return *reinterpret_cast<uint32_t*>(&t);
 }
 
-// x = hi + mid (+ lo) exactly: each residual is exact in fp32, each piece holds 8 mantissa bits
+// x = hi + mid + lo exactly for |x| in [2^-110, 3.39e38] (bf16's largest finite; tests/gdn/test_gdn_cuda.py): each
+// residual is exact in fp32, each piece holds 8 significant bits; two pieces keep 16 (relative error <= 2^-16)
 __device__ __forceinline__ void split_pair(float x0, float x1, uint32_t (&p)[3]) {
   const float h0 = __bfloat162float(__float2bfloat16_rn(x0)), h1 = __bfloat162float(__float2bfloat16_rn(x1));
   const float r0 = x0 - h0, r1 = x1 - h1;
@@ -159,6 +168,14 @@ __device__ __forceinline__ void store_out4(void* o, long long off, float4 a) {
 #else
   *reinterpret_cast<float4*>(static_cast<float*>(o) + off) = a;
 #endif
+}
+
+__device__ __forceinline__ void bar_sync(int id, int count) {
+  asm volatile("bar.sync %0, %1;\n" ::"r"(id), "r"(count) : "memory");
+}
+
+__device__ __forceinline__ void bar_arrive(int id, int count) {
+  asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
 __device__ __forceinline__ long long gtimer() {
@@ -336,12 +353,12 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   GDN_STAMP(3, clock64());
   if (GDN_SKIP & 8) return;
 
-  if (warp < NWM) {
+  if (warp < NWG) {
     // ---- row norms (TPR threads per row of [Q; K]), scale folded into rq
     if (GDN_L2) {
-      constexpr int TPR0 = MMA_THR / (2 * NT) > 0 ? MMA_THR / (2 * NT) : 1;
+      constexpr int TPR0 = G_THR / (2 * NT) > 0 ? G_THR / (2 * NT) : 1;
       constexpr int TPR = TPR0 < K / 8 ? TPR0 : K / 8;  // threads per row, each K / TPR columns
-      constexpr int RSTEP = MMA_THR / TPR;
+      constexpr int RSTEP = G_THR / TPR;
       for (int r = tid / TPR; r < 2 * NT; r += RSTEP) {
         const uint4* row = reinterpret_cast<const uint4*>(sQK + r * QK_LD) + (tid % TPR) * (K / TPR / 8);
         float acc[4] = {0.f, 0.f, 0.f, 0.f};
@@ -367,15 +384,16 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
       sRq[tid] = scale;
       sRk[tid] = 1.f;
     }
+    if (SW) bar_arrive(3, G_THR + 32 * (NWM - NWG));  // norms ready for the product warps' epilogue
     // ---- gram: [Q; K] K^T, lower-triangular tiles only (q rows: j <= i; k rows: j < i); each warp one
     // m-tile and NTW n-tiles, all in flight together
     constexpr int NTN = NT / 8;
-    constexpr int NGRP0 = NWM >= MT ? NWM / MT : 1;
+    constexpr int NGRP0 = NWG >= MT ? NWG / MT : 1;
     constexpr int NGRP = NGRP0 < NTN ? NGRP0 : NTN;  // warps sharing an m-tile
     constexpr int NTW = NTN / NGRP;                  // n-tiles per warp
-    const int grp = NWM >= MT ? warp / MT : 0;
+    const int grp = NWG >= MT ? warp / MT : 0;
     if (grp < NGRP) {
-      for (int mt = NWM >= MT ? warp % MT : warp; mt < MT; mt += NWM >= MT ? MT : NWM) {
+      for (int mt = NWG >= MT ? warp % MT : warp; mt < MT; mt += NWG >= MT ? MT : NWG) {
         const int row0 = mt * 16;
         float c[NTW][4];
         bool need[NTW];
@@ -410,13 +428,17 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
       }
     }
   }
-  __syncthreads();
+  if (SW) {
+    if (warp < NWG) bar_sync(1, G_THR);  // the gram warps' tiles
+  } else {
+    __syncthreads();
+  }
   GDN_STAMP(4, clock64());
 
   // ---- M (ancestors-or-self) and A (proper ancestors), masked before exp; thread: row i, JPT columns
-  static_assert(MMA_THR % NT == 0 && (NT * NT) % MMA_THR == 0, "build split");
-  if (tid < MMA_THR) {
-    constexpr int JPT = NT * NT / MMA_THR;
+  static_assert(G_THR % NT == 0 && (NT * NT) % G_THR == 0, "build split");
+  if (tid < G_THR) {
+    constexpr int JPT = NT * NT / G_THR;
     const int i = tid % NT, j0 = (tid / NT) * JPT;
     const unsigned ai = sAnc[i];
     const float gi = sG[i], rqi = sRq[i], brk = sBeta[i] * sRk[i];
@@ -431,7 +453,12 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
       sA[i * A_LD + j] = on && j != i ? av : 0.f;
     }
   }
-  __syncthreads();
+  if (SW) {  // M and A to the solver warp; the product warps never wait here
+    if (warp < NWG) bar_arrive(2, G_THR + 32);
+    else if (warp == NWM) bar_sync(2, G_THR + 32);
+  } else {
+    __syncthreads();
+  }
   GDN_STAMP(5, clock64());
 
   if (warp == NWM) {
@@ -446,54 +473,60 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
 #pragma unroll
       for (int j = 0; j < NT; ++j) sMN[i * G_LD + j] = nr[j];
     }
-  } else {
-    // ---- state products [Q; K] S0 for n-tile `warp` (8 state columns), fp32 state in PIECES bf16 pieces
-    float hi[MT][4], lo[MT][4];
+  } else if (warp >= NWM - NWM / NTPW) {
+    // ---- state products [Q; K] S0 for NTPW 8-column tiles of the state, fp32 state in PIECES bf16 pieces
+    const int pw = warp - (NWM - NWM / NTPW);
+#pragma unroll 1
+    for (int u = 0; u < NTPW; ++u) {
+      const int nt = pw + (NWM / NTPW) * u;
+      float hi[MT][4], lo[MT][4];
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt)
+      for (int mt = 0; mt < MT; ++mt)
 #pragma unroll
-      for (int e = 0; e < 4; ++e) hi[mt][e] = lo[mt][e] = 0.f;
-    const int bn = warp * 8 + (lane >> 2), bk = 2 * (lane & 3);
+        for (int e = 0; e < 4; ++e) hi[mt][e] = lo[mt][e] = 0.f;
+      const int bn = nt * 8 + (lane >> 2), bk = 2 * (lane & 3);
 #pragma unroll UNROLL_KS
-    for (int ks = 0; ks < ((GDN_SKIP & 4) ? 0 : KS); ++ks) {
-      const int k0 = ks * 16 + bk;
-      float x[4];
-      if (VK) {
-        const float2 u = *reinterpret_cast<const float2*>(sS + bn * S_LD + k0);
-        const float2 w = *reinterpret_cast<const float2*>(sS + bn * S_LD + k0 + 8);
-        x[0] = u.x, x[1] = u.y, x[2] = w.x, x[3] = w.y;
-      } else {
-        x[0] = sS[k0 * S_LD + bn], x[1] = sS[(k0 + 1) * S_LD + bn];
-        x[2] = sS[(k0 + 8) * S_LD + bn], x[3] = sS[(k0 + 9) * S_LD + bn];
+      for (int ks = 0; ks < ((GDN_SKIP & 4) ? 0 : KS); ++ks) {
+        const int k0 = ks * 16 + bk;
+        float x[4];
+        if (VK) {
+          const float2 p = *reinterpret_cast<const float2*>(sS + bn * S_LD + k0);
+          const float2 w = *reinterpret_cast<const float2*>(sS + bn * S_LD + k0 + 8);
+          x[0] = p.x, x[1] = p.y, x[2] = w.x, x[3] = w.y;
+        } else {
+          x[0] = sS[k0 * S_LD + bn], x[1] = sS[(k0 + 1) * S_LD + bn];
+          x[2] = sS[(k0 + 8) * S_LD + bn], x[3] = sS[(k0 + 9) * S_LD + bn];
+        }
+        uint32_t p0[3], p1[3];
+        split_pair(x[0], x[1], p0);
+        split_pair(x[2], x[3], p1);
+#pragma unroll
+        for (int mt = 0; mt < MT; ++mt) {
+          uint32_t a[4];
+          ldsm_x4(a, sQK + (mt * 16 + (lane & 15)) * QK_LD + ks * 16 + (lane >> 4) * 8);
+          mma_bf16(hi[mt], a, p0[0], p1[0]);
+          mma_bf16(lo[mt], a, p0[1], p1[1]);
+          if (PIECES == 3) mma_bf16(lo[mt], a, p0[2], p1[2]);
+        }
       }
-      uint32_t p0[3], p1[3];
-      split_pair(x[0], x[1], p0);
-      split_pair(x[2], x[3], p1);
+      if (SW && u == 0) bar_sync(3, G_THR + 32 * (NWM - NWG));  // the norms (rq, rk)
+      const int col = nt * 8 + 2 * (lane & 3);
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
-        uint32_t a[4];
-        ldsm_x4(a, sQK + (mt * 16 + (lane & 15)) * QK_LD + ks * 16 + (lane >> 4) * 8);
-        mma_bf16(hi[mt], a, p0[0], p1[0]);
-        mma_bf16(lo[mt], a, p0[1], p1[1]);
-        if (PIECES == 3) mma_bf16(lo[mt], a, p0[2], p1[2]);
-      }
-    }
-    const int col = warp * 8 + 2 * (lane & 3);
 #pragma unroll
-    for (int mt = 0; mt < MT; ++mt) {
-#pragma unroll
-      for (int half = 0; half < 2; ++half) {
-        const int r = mt * 16 + (lane >> 2) + 8 * half;
-        const float p0 = hi[mt][2 * half] + lo[mt][2 * half], p1 = hi[mt][2 * half + 1] + lo[mt][2 * half + 1];
-        if (mt * 16 < NT) {
-          const float f = sEG[r] * sRq[r];
-          *reinterpret_cast<float2*>(sQS + r * R_LD + col) = make_float2(f * p0, f * p1);
-        } else {
-          const int i = r - NT;
-          const float f = sEG[i] * sRk[i], bt = sBeta[i];
-          const uint32_t vw = *reinterpret_cast<const uint32_t*>(sV + i * V_LD + col);
-          *reinterpret_cast<float2*>(sR + i * R_LD + col) =
-              make_float2(bt * (bf_lo(vw) - f * p0), bt * (bf_hi(vw) - f * p1));
+        for (int half = 0; half < 2; ++half) {
+          const int r = mt * 16 + (lane >> 2) + 8 * half;
+          const float p0 = hi[mt][2 * half] + lo[mt][2 * half], p1 = hi[mt][2 * half + 1] + lo[mt][2 * half + 1];
+          if (mt * 16 < NT) {
+            const float f = sEG[r] * sRq[r];
+            *reinterpret_cast<float2*>(sQS + r * R_LD + col) = make_float2(f * p0, f * p1);
+          } else {
+            const int i = r - NT;
+            const float f = sEG[i] * sRk[i], bt = sBeta[i];
+            const uint32_t vw = *reinterpret_cast<const uint32_t*>(sV + i * V_LD + col);
+            *reinterpret_cast<float2*>(sR + i * R_LD + col) =
+                make_float2(bt * (bf_lo(vw) - f * p0), bt * (bf_hi(vw) - f * p1));
+          }
         }
       }
     }

@@ -79,7 +79,8 @@ class _null:
 
 
 CONFIGS = {"bv32": CudaConfig(), "bv64": CudaConfig(BV=64), "bv16": CudaConfig(BV=16), "p2": CudaConfig(pieces=2),
-           "nopdl": CudaConfig(pdl=False), "bv64-m1": CudaConfig(BV=64, min_blocks=1)}
+           "nopdl": CudaConfig(pdl=False), "bv64-m1": CudaConfig(BV=64, min_blocks=1),
+           "sw": CudaConfig(split_warps=True), "sw-bv32-vk": CudaConfig(BV=32, split_warps=True)}
 
 
 @pytest.mark.parametrize("cfg", list(CONFIGS))
@@ -88,13 +89,14 @@ def test_cuda_matches_reference(shape, cfg):
     rng = random.Random(5)
     trees = {"n32": [draft_tree(32, rng)], "chain32": [chain(32)], "chain16": [chain(16)],
              "b3-ragged": [draft_tree(29, rng), [-1], chain(7)]}[shape]
-    plan, q, k, v, g, beta, pool = make(trees, 3)
+    vk = cfg.endswith("-vk")
+    plan, q, k, v, g, beta, pool = make(trees, 3, vk=vk)
     idx = torch.arange(len(trees), device=DEV, dtype=torch.int32).flip(0) + 1
     c = CONFIGS[cfg]
     if cfg == "p2":  # 16 mantissa bits of the state: checked at the bf16 output it serves
         check(plan, trees, q, k, v, g, beta, pool, idx, cfg=c, out_dtype=torch.bfloat16, msg=f"{cfg} {shape}")
     else:
-        check(plan, trees, q, k, v, g, beta, pool, idx, cfg=c, msg=f"{cfg} {shape}")
+        check(plan, trees, q, k, v, g, beta, pool, idx, cfg=c, vk=vk, msg=f"{cfg} {shape}")
 
 
 @pytest.mark.parametrize("case", ["vk", "nol2", "gbf16-bfp32", "idx64", "bf16out", "star16", "single", "b24-n8"])
