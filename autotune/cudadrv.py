@@ -16,10 +16,12 @@ import os
 import shutil
 import subprocess
 import tempfile
+import threading
 from pathlib import Path
 
 __all__ = ["nvcc_path", "nvcc_version", "libcuda", "check", "LaunchAttr", "LaunchConfig", "compile_cached",
-           "cache_root", "launch", "read_global_u32", "PROGRAMMATIC_STREAM_SERIALIZATION"]
+           "cache_root", "launch", "load_kernel", "allow_dynamic_smem", "read_global_u32", "FunctionCache",
+           "PROGRAMMATIC_STREAM_SERIALIZATION"]
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
 
@@ -101,6 +103,43 @@ def check(res: int, what: str) -> None:
         msg = ctypes.c_char_p()
         libcuda().cuGetErrorString(res, ctypes.byref(msg))
         raise RuntimeError(f"{what} failed: CUDA error {res} ({(msg.value or b'?').decode()})")
+
+
+class FunctionCache(dict):
+    """Loaded kernels by key; `get_or_make` builds each once, also when threads race for it (checked again under
+    a lock). A dict, so `clear()` drops every loaded kernel."""
+
+    def __init__(self):
+        super().__init__()
+        self._lock = threading.Lock()
+
+    def get_or_make(self, key, make):
+        hit = self.get(key)
+        if hit is not None:
+            return hit
+        with self._lock:
+            if key not in self:
+                self[key] = make()
+            return self[key]
+
+
+def load_kernel(image: bytes, name: bytes, index: int):
+    """(module, function) of kernel `name` in the cubin `image`, loaded into torch's primary context of device
+    `index` (made current on this thread first)."""
+    import torch
+
+    with torch.cuda.device(index):
+        torch.cuda.current_stream()
+        torch.empty(1, device=f"cuda:{index}")
+        mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
+        check(libcuda().cuModuleLoadData(ctypes.byref(mod), image), "cuModuleLoadData")
+        check(libcuda().cuModuleGetFunction(ctypes.byref(fn), mod, name), "cuModuleGetFunction")
+    return mod, fn
+
+
+def allow_dynamic_smem(fn, nbytes: int) -> None:
+    """Raise `fn`'s dynamic shared-memory limit to `nbytes` (needed above the default 48 KB)."""
+    check(libcuda().cuFuncSetAttribute(fn, 8, nbytes), "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
 
 
 def read_global_u32(module: ctypes.c_void_p, name: bytes) -> int:

@@ -11,12 +11,11 @@ of the config's BV, 16-byte aligned rows.
 from __future__ import annotations
 
 import ctypes
-import threading
 from pathlib import Path
 
 import torch
 
-from autotune.cudadrv import check, compile_cached, launch, libcuda, nvcc_path, read_global_u32
+from autotune.cudadrv import FunctionCache, allow_dynamic_smem, compile_cached, launch, libcuda, load_kernel, nvcc_path, read_global_u32
 
 from .configs import CudaConfig
 
@@ -26,8 +25,7 @@ SOURCE = Path(__file__).with_name("csrc") / "gdn_tree.cu"
 KERNEL = b"gdn_tree_cuda_kernel"
 MAX_NODES = 32
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_LOCK = threading.Lock()
-_FUNCS: dict[tuple, tuple[ctypes.c_void_p, int]] = {}
+_FUNCS = FunctionCache()
 
 
 class CudaBuildError(RuntimeError):
@@ -113,32 +111,22 @@ def build(cfg: CudaConfig, nt: int, K: int, *, l2: bool = True, vk: bool = False
                               error=CudaBuildError)
 
 
-def _function(key: tuple, device: torch.device) -> tuple[ctypes.c_void_p, int]:
-    hit = _FUNCS.get(key)
-    if hit is not None:
-        return hit
-    with _LOCK:
-        if key in _FUNCS:
-            return _FUNCS[key]
-        cfg, nt, K, l2, vk, gdt, bdt, odt, idx64, pdl, idx = key
-        arch = torch.cuda.get_device_capability(idx)
-        image = build(cfg, nt, K, l2=l2, vk=vk, gdt=gdt, bdt=bdt, odt=odt, idx64=idx64, pdl=pdl, arch=arch).read_bytes()
-        lib = libcuda()
-        with torch.cuda.device(idx):
-            torch.cuda.current_stream()  # make torch's primary context current on this thread
-            torch.empty(1, device=device)
-            mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-            check(lib.cuModuleLoadData(ctypes.byref(mod), image), "cuModuleLoadData")
-            check(lib.cuModuleGetFunction(ctypes.byref(fn), mod, KERNEL), "cuModuleGetFunction")
-            smem = read_global_u32(mod, b"gdn_tree_smem_bytes")
-            limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
-            if smem > limit:
-                raise ValueError(f"{cfg} needs {smem} bytes of shared memory per CTA (node tile {nt}, K={K}); this "
-                                 f"GPU allows {limit}: use a smaller BV")
-            if smem > 48 << 10:
-                check(lib.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
-        _FUNCS[key] = (fn, smem)
-        return _FUNCS[key]
+def _function(key: tuple) -> tuple[ctypes.c_void_p, int]:
+    return _FUNCS.get_or_make(key, lambda: _load(*key))
+
+
+def _load(cfg, nt, K, l2, vk, gdt, bdt, odt, idx64, pdl, idx) -> tuple[ctypes.c_void_p, int]:
+    arch = torch.cuda.get_device_capability(idx)
+    image = build(cfg, nt, K, l2=l2, vk=vk, gdt=gdt, bdt=bdt, odt=odt, idx64=idx64, pdl=pdl, arch=arch).read_bytes()
+    mod, fn = load_kernel(image, KERNEL, idx)
+    smem = read_global_u32(mod, b"gdn_tree_smem_bytes")
+    limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
+    if smem > limit:
+        raise ValueError(f"{cfg} needs {smem} bytes of shared memory per CTA (node tile {nt}, K={K}); this GPU "
+                         f"allows {limit}: use a smaller BV")
+    if smem > 48 << 10:
+        allow_dynamic_smem(fn, smem)
+    return fn, smem
 
 
 class _Trace:
@@ -175,7 +163,7 @@ def run(cfg: CudaConfig, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale: f
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     key = (cfg, nt, K, bool(use_l2), bool(vk), _DT[g.dtype], _DT[beta.dtype], _DT[o.dtype], state_idx.dtype == torch.int64,
            pdl, idx)
-    fn, smem = _function(key, dev)
+    fn, smem = _function(key)
     P, LL, I, F = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
     vals = [P(q.data_ptr()), P(k.data_ptr()), P(v.data_ptr()), P(g.data_ptr()), P(beta.data_ptr()), P(o.data_ptr()),
             P(pool.data_ptr()), P(state_idx.data_ptr()), P(cu.data_ptr()), P(anc.data_ptr()), F(scale), I(HV // H),

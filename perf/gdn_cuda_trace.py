@@ -22,6 +22,7 @@ from autotune import force  # noqa: E402
 from gdn import cuda as gcuda  # noqa: E402
 from gdn.configs import CudaConfig  # noqa: E402
 from specpilot.bench.cases.gdn import _inputs  # noqa: E402
+from specpilot.testing import capture_graph  # noqa: E402
 
 ap = argparse.ArgumentParser()
 ap.add_argument("--bv", type=int, default=64)
@@ -57,14 +58,7 @@ def run():
                             variant="cuda", out=o[li])
 
 
-side = torch.cuda.Stream()
-side.wait_stream(torch.cuda.current_stream())
-with torch.cuda.stream(side):
-    run()
-torch.cuda.current_stream().wait_stream(side)
-graph = torch.cuda.CUDAGraph()
-with torch.cuda.graph(graph):
-    run()
+graph = capture_graph(run)
 for _ in range(5):
     graph.replay()
 torch.cuda.synchronize()

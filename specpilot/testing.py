@@ -13,7 +13,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["assert_bitwise_equal", "bits_of", "error_bound", "assert_close", "rel_err", "Closeness"]
+__all__ = ["assert_bitwise_equal", "bits_of", "error_bound", "assert_close", "rel_err", "Closeness", "capture_graph",
+           "assert_replays_equal"]
 
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -110,3 +111,29 @@ def assert_close(actual: torch.Tensor, ref64: torch.Tensor, baseline: torch.Tens
             f"{c.base_err:.3e} (max {c.base_max_abs:.3e}): bounds {c.bound:.3e} / {c.max_abs_bound:.3e}"
         )
     return c
+
+
+def capture_graph(fn) -> "torch.cuda.CUDAGraph":
+    """A CUDA graph of `fn()`: one warm-up call on a side stream (compiles and allocates outside the capture), then
+    the capture on the current stream."""
+    side = torch.cuda.Stream()
+    side.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(side):
+        fn()
+    torch.cuda.current_stream().wait_stream(side)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        fn()
+    return graph
+
+
+def assert_replays_equal(graph, outs, want, reps: int = 20) -> None:
+    """Replay `graph` `reps` times, its outputs `outs` poisoned with NaN before each, and compare them bitwise with
+    `want` (the same launches run eagerly)."""
+    for rep in range(reps):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (o, w) in enumerate(zip(outs, want)):
+            assert torch.equal(o, w), f"replay {rep}, launch {i}: differs from the eager launches"

@@ -22,7 +22,6 @@ from __future__ import annotations
 import ctypes
 import functools
 import os
-import threading
 from pathlib import Path
 
 import torch
@@ -31,8 +30,8 @@ from autotune.cudadrv import LaunchAttr as _LaunchAttr
 from autotune.cudadrv import LaunchConfig as _LaunchConfig
 from autotune.cudadrv import check as _check
 from autotune.cudadrv import libcuda as _libcuda
-from autotune.cudadrv import compile_cached, nvcc_path
-from autotune.cudadrv import nvcc_version as _nvcc_version
+from autotune.cudadrv import FunctionCache, allow_dynamic_smem, compile_cached, load_kernel, nvcc_path
+from autotune.cudadrv import nvcc_version as _nvcc_version  # noqa: F401 (perf/w12_mma_explore.py records it)
 
 from .configs import MmaConfig, TmaConfig
 
@@ -116,8 +115,7 @@ def pdl_enabled(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(idx)[0] >= 9
 
 
-_LOCK = threading.Lock()
-_FUNCS: dict[tuple, tuple[ctypes.c_void_p, int]] = {}
+_FUNCS = FunctionCache()  # loaded kernels by (config, n-tiles, q8, device)
 
 
 def _tma_stage_bytes(cfg: TmaConfig, nt: int, q8: bool) -> int:
@@ -150,32 +148,21 @@ def sk_sm_count(device: torch.device) -> int:
 
 def _function(cfg: MmaConfig, nt: int, q8: bool, device: torch.device) -> tuple[ctypes.c_void_p, int]:
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (cfg, nt, q8, idx)
-    hit = _FUNCS.get(key)
-    if hit is not None:
-        return hit
-    with _LOCK:
-        if key in _FUNCS:
-            return _FUNCS[key]
-        arch = torch.cuda.get_device_capability(idx)
-        image = build(cfg, nt, q8, arch).read_bytes()
-        kernel = _source(cfg)[1]
-        lib = _libcuda()
-        with torch.cuda.device(idx):
-            torch.cuda.current_stream()  # make torch's primary context current on this thread
-            torch.empty(1, device=device)
-            mod, fn = ctypes.c_void_p(), ctypes.c_void_p()
-            _check(lib.cuModuleLoadData(ctypes.byref(mod), image), "cuModuleLoadData")
-            _check(lib.cuModuleGetFunction(ctypes.byref(fn), mod, kernel), "cuModuleGetFunction")
-            smem = smem_bytes(cfg, nt, q8)
-            limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
-            if smem + _STATIC_SMEM > limit:
-                raise ValueError(f"{cfg} needs {smem} bytes of shared memory per CTA at nt={nt}; this GPU allows "
-                                 f"{limit}: use fewer pipe stages or warps")
-            if smem + _STATIC_SMEM > _SMEM_DEFAULT_MAX:  # dynamic + static must fit the raised limit
-                _check(lib.cuFuncSetAttribute(fn, 8, smem), "cuFuncSetAttribute(MAX_DYNAMIC_SHARED_SIZE_BYTES)")
-        _FUNCS[key] = (fn, smem)
-        return _FUNCS[key]
+    return _FUNCS.get_or_make((cfg, nt, q8, idx), lambda: _load(cfg, nt, q8, idx))
+
+
+def _load(cfg: MmaConfig, nt: int, q8: bool, idx: int) -> tuple[ctypes.c_void_p, int]:
+    arch = torch.cuda.get_device_capability(idx)
+    image = build(cfg, nt, q8, arch).read_bytes()
+    smem = smem_bytes(cfg, nt, q8)
+    limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
+    if smem + _STATIC_SMEM > limit:
+        raise ValueError(f"{cfg} needs {smem} bytes of shared memory per CTA at nt={nt}; this GPU allows "
+                         f"{limit}: use fewer pipe stages or warps")
+    _, fn = load_kernel(image, _source(cfg)[1], idx)
+    if smem + _STATIC_SMEM > _SMEM_DEFAULT_MAX:  # dynamic + static must fit the raised limit
+        allow_dynamic_smem(fn, smem)
+    return fn, smem
 
 
 @functools.cache

@@ -14,7 +14,7 @@ from gdn import cuda as gcuda
 from gdn.configs import CudaConfig
 from gdn.reference import chunk_reference, tree_reference
 from specpilot.bench.cases.gdn import hostile
-from specpilot.testing import assert_close
+from specpilot.testing import assert_close, assert_replays_equal, capture_graph
 
 pytestmark = pytest.mark.gpu
 H, HV, K, V = 16, 48, 128, 128
@@ -165,18 +165,4 @@ def test_cuda_pdl_chain_in_graph(pdl):
         for _ in outs:
             src = gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="cuda")
             want.append(src)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain_launches()
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain_launches()
-    for rep in range(20):
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (o, w_) in enumerate(zip(outs, want)):
-            assert torch.equal(o, w_), f"replay {rep}, launch {i}: differs from the eager chain"
+    assert_replays_equal(capture_graph(chain_launches), outs, want)

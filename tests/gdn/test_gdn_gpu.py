@@ -15,7 +15,7 @@ from gdn.configs import WYConfig
 from gdn.reference import chunk_reference, conv_reference, recurrent_reference, root_path, tree_reference
 from specpilot.bench.cases.gdn import hostile
 from specpilot.bench.shapes import get_shape_set
-from specpilot.testing import assert_close, rel_err
+from specpilot.testing import assert_close, assert_replays_equal, capture_graph, rel_err
 
 pytestmark = pytest.mark.gpu
 
@@ -332,21 +332,7 @@ def test_pdl_chain_in_graph(pdl, inverse):
         for _ in range(n):
             src = gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True)
             want.append(src)
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        chain_launches()  # compiles outside capture
-    torch.cuda.current_stream().wait_stream(side)
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        chain_launches()
-    for rep in range(20):
-        for o in outs:
-            o.fill_(float("nan"))
-        graph.replay()
-        torch.cuda.synchronize()
-        for i, (o, w_) in enumerate(zip(outs, want)):
-            assert torch.equal(o, w_), f"replay {rep}, launch {i}: differs from the eager chain"
+    assert_replays_equal(capture_graph(chain_launches), outs, want)
     assert not plan.sync.any(), "a hand-over flag was left raised"
 
 
