@@ -306,9 +306,10 @@ def tree_verify(q, k, v, g, beta, state_pool, state_indices, tree: TreePlan, sca
 
     q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV] (packed, request after request, as in `tree`);
     state_pool fp32 [pool, HV, K, V] ("kv", fla) or [pool, HV, V, K] ("vk", SGLang);
-    state_indices [B]: pool row of each request. Returns o [T, HV, V] in v's dtype. Writes no
-    states. Variants: "cuda" (default on sm_80/sm_90 where nvcc is present and the call fits it, gdn/cuda.py;
-    otherwise the default runs "wy"), "wy" (Triton), "recurrent" (baseline), "reference" (torch)."""
+    state_indices [B]: pool row of each request (each in [0, pool): not checked on the device).
+    Returns o [T, HV, V] in v's dtype. Writes no states. Variants: "cuda" (default on sm_80/sm_90 where nvcc is
+    present and the call fits it, gdn/cuda.py; otherwise the default runs "wy"), "wy" (Triton), "recurrent"
+    (baseline), "reference" (torch)."""
     if not isinstance(tree, TreePlan):
         raise TypeError("tree must be a gdn.TreePlan: build it once per step with gdn.build_tree_plan(parents)")
     if q.dim() != 3 or k.shape != q.shape:
