@@ -7,8 +7,9 @@
 // split into PIECES bf16 pieces); warp NWM (the solver) builds N by substitution, one row per lane:
 //   N[i][j] = M[i][j] - sum_{l > j} N[i][l] A[l][j]   (columns right to left; rows independent).
 // Substitution is as accurate as a triangular solve for any keys (no growing powers), and the
-// solve runs beside the state products. With GDN_PDL the CTA prefetches its state rows into L2
-// before griddepcontrol.wait (a hint only: nothing is read before the wait).
+// solve runs beside the state products. With GDN_PDL the CTA prefetches its rows into L2 before
+// griddepcontrol.wait: only the prefetches' addresses (cu, state_indices, clamped into the tensors)
+// are read before the wait, and every value the kernel computes with is loaded after it.
 #include <cuda_bf16.h>
 #include <stdint.h>
 
@@ -83,7 +84,7 @@ constexpr int QK_LD = K + 8;     // bf16; 16-byte pad: conflict-free ldmatrix
 constexpr int S_ROWS = VK ? BV : K;
 constexpr int S_LD = VK ? K + 8 : BV + 4;  // fp32; conflict-free fragment loads
 constexpr int G_LD = NT + 1;               // gram, M/N (scalar accesses)
-constexpr int A_LD = NT + 4;               // A^T rows read as float4 broadcasts
+constexpr int A_LD = NT + 4;               // A rows read as float4 broadcasts by the solver
 constexpr int R_LD = BV + 8;               // rhs and the scaled Q S0
 constexpr int V_LD = BV + 8;               // bf16
 
@@ -178,11 +179,13 @@ __device__ __forceinline__ void bar_arrive(int id, int count) {
   asm volatile("bar.arrive %0, %1;\n" ::"r"(id), "r"(count) : "memory");
 }
 
+#if GDN_TRACE
 __device__ __forceinline__ long long gtimer() {
   long long t;
   asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
   return t;
 }
+#endif
 
 __device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
