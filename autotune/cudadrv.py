@@ -20,7 +20,7 @@ import threading
 from pathlib import Path
 
 __all__ = ["nvcc_path", "nvcc_version", "libcuda", "check", "LaunchAttr", "LaunchConfig", "compile_cached",
-           "cache_root", "launch", "load_kernel", "allow_dynamic_smem", "read_global_u32", "FunctionCache",
+           "cache_root", "available", "launch", "load_kernel", "allow_dynamic_smem", "read_global_u32", "FunctionCache",
            "PROGRAMMATIC_STREAM_SERIALIZATION"]
 
 PROGRAMMATIC_STREAM_SERIALIZATION = 6  # CU_LAUNCH_ATTRIBUTE_PROGRAMMATIC_STREAM_SERIALIZATION
@@ -67,6 +67,25 @@ def compile_cached(source: Path, flags: list[str], *, subdir: str, name: str, ex
             raise error(f"nvcc failed for {name}:\n{r.stderr[-4000:]}")
         os.replace(dst, path)  # atomic: concurrent builders never see half a file
     return path
+
+
+def available(device=None) -> bool:
+    """A CUDA device of compute capability >= 8.0 (`device`, or the current one), nvcc and libcuda are all
+    there: what the CUDA C++ kernels need (mma.sync with bf16)."""
+    import torch
+
+    if not torch.cuda.is_available() or nvcc_path() is None:
+        return False
+    if device is not None and torch.device(device).type != "cuda":
+        return False
+    index = None if device is None else torch.device(device).index
+    if torch.cuda.get_device_capability(torch.cuda.current_device() if index is None else index)[0] < 8:
+        return False
+    try:
+        libcuda()
+    except OSError:
+        return False
+    return True
 
 
 class LaunchAttr(ctypes.Structure):  # CUlaunchAttribute: id, pad to 8, a 64-byte value union

@@ -15,7 +15,8 @@ from pathlib import Path
 
 import torch
 
-from autotune.cudadrv import FunctionCache, allow_dynamic_smem, compile_cached, launch, libcuda, load_kernel, nvcc_path, read_global_u32
+from autotune.cudadrv import (FunctionCache, allow_dynamic_smem, available, compile_cached, launch, load_kernel,
+                              read_global_u32)
 
 from .configs import CudaConfig
 
@@ -30,22 +31,6 @@ _FUNCS = FunctionCache()
 
 class CudaBuildError(RuntimeError):
     """nvcc failed on csrc/gdn_tree.cu (the message holds its output)."""
-
-
-def available(device: torch.device | None = None) -> bool:
-    """An sm_80+ CUDA device, nvcc and libcuda are all there."""
-    if not torch.cuda.is_available() or nvcc_path() is None:
-        return False
-    if device is not None and torch.device(device).type != "cuda":
-        return False
-    idx = torch.cuda.current_device() if device is None or torch.device(device).index is None else torch.device(device).index
-    if torch.cuda.get_device_capability(idx)[0] < 8:
-        return False
-    try:
-        libcuda()
-    except OSError:
-        return False
-    return True
 
 
 def _aligned(t: torch.Tensor, elems: int, *strides: int) -> bool:

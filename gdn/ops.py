@@ -72,17 +72,18 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
     if variant == "cuda":
         from . import cuda as gcuda
 
-        cfg = configs.cuda_config(max_nodes, K, V, q.device, batch=B, HV=HV) if not soft or not isinstance(
-            forced("gdn.tree_verify")[1], configs.WYConfig) else None
-        why = "a WYConfig is forced" if cfg is None else gcuda.unsupported(q, k, v, g, beta, o, pool, state_idx, vk,
-                                                                           max_nodes, cfg)
-        if why is None:
-            gcuda.run(cfg, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale, use_l2, vk, max_nodes,
-                      _state_strides(pool, vk), cfg.pdl and has_pdl(q.device))
-            return
-        if not soft:
-            raise ValueError(f"gdn.tree_verify variant 'cuda' cannot take this call: {why}; use variant='wy'")
-        variant = "wy"
+        if soft and isinstance(forced("gdn.tree_verify")[1], configs.WYConfig):
+            variant = "wy"  # a pinned Triton config keeps the Triton kernel
+        else:
+            cfg = configs.cuda_config(max_nodes, K, V, q.device, batch=B, HV=HV)
+            why = gcuda.unsupported(q, k, v, g, beta, o, pool, state_idx, vk, max_nodes, cfg)
+            if why is None:
+                gcuda.run(cfg, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale, use_l2, vk, max_nodes,
+                          _state_strides(pool, vk), cfg.pdl and has_pdl(q.device))
+                return
+            if not soft:
+                raise ValueError(f"gdn.tree_verify variant 'cuda' cannot take this call: {why}; use variant='wy'")
+            variant = "wy"
     BK = max(16, triton.next_power_of_2(K))
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
               g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), *_state_strides(pool, vk))

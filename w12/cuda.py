@@ -20,17 +20,15 @@ says whether both hold; w12.ops falls back to the Triton kernels otherwise.
 from __future__ import annotations
 
 import ctypes
-import functools
 import os
 from pathlib import Path
 
 import torch
 
-from autotune.cudadrv import LaunchAttr as _LaunchAttr
-from autotune.cudadrv import LaunchConfig as _LaunchConfig
 from autotune.cudadrv import check as _check
+from autotune.cudadrv import launch as _launch_kernel
 from autotune.cudadrv import libcuda as _libcuda
-from autotune.cudadrv import FunctionCache, allow_dynamic_smem, compile_cached, load_kernel, nvcc_path
+from autotune.cudadrv import FunctionCache, allow_dynamic_smem, available, compile_cached, load_kernel, nvcc_path
 from autotune.cudadrv import nvcc_version as _nvcc_version  # noqa: F401 (perf/w12_mma_explore.py records it)
 
 from .configs import MmaConfig, TmaConfig
@@ -99,9 +97,6 @@ def build(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], 
 # --------------------------------------------------------------------------------------
 
 
-from autotune.cudadrv import PROGRAMMATIC_STREAM_SERIALIZATION as _PROGRAMMATIC_STREAM_SERIALIZATION  # noqa: E402
-
-
 def pdl_enabled(device: torch.device) -> bool:
     """Programmatic dependent launch for the W12 kernels: opt-in with SPECPILOT_PDL=1, sm_90+ only.
     The kernels then overlap their start (the TMA kernel: its first weight stages) with the previous
@@ -163,27 +158,6 @@ def _load(cfg: MmaConfig, nt: int, q8: bool, idx: int) -> tuple[ctypes.c_void_p,
     if smem + _STATIC_SMEM > _SMEM_DEFAULT_MAX:  # dynamic + static must fit the raised limit
         allow_dynamic_smem(fn, smem)
     return fn, smem
-
-
-@functools.cache
-def _device_ok(index: int) -> bool:
-    return torch.cuda.get_device_capability(index)[0] >= 8
-
-
-def available(device: torch.device | None = None) -> bool:
-    """A CUDA device of compute capability >= 8.0, nvcc and libcuda are all there."""
-    if not torch.cuda.is_available() or nvcc_path() is None:
-        return False
-    if device is not None and device.type != "cuda":
-        return False
-    idx = torch.cuda.current_device() if device is None or device.index is None else device.index
-    if not _device_ok(idx):
-        return False
-    try:
-        _libcuda()
-    except OSError:
-        return False
-    return True
 
 
 def tma_available(device: torch.device | None = None) -> bool:
@@ -302,12 +276,5 @@ def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, 
         vals = [ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), ctypes.c_void_p(hi.data_ptr()),
                 ctypes.c_void_p(lo.data_ptr()), *esc, *tail]
         threads = 32 * cfg.wk * cfg.wr
-    params = (ctypes.c_void_p * len(vals))(*[ctypes.cast(ctypes.byref(v), ctypes.c_void_p) for v in vals])
-    if pdl_enabled(x2d.device):
-        attr = _LaunchAttr(id=_PROGRAMMATIC_STREAM_SERIALIZATION, value=1)
-        conf = _LaunchConfig(grid, cfg.split, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), ctypes.pointer(attr), 1)
-        res = _libcuda().cuLaunchKernelEx(ctypes.byref(conf), fn, params, None)
-    else:
-        res = _libcuda().cuLaunchKernel(fn, grid, cfg.split, 1, threads, 1, 1, smem, ctypes.c_void_p(stream), params,
-                                        None)
-    _check(res, f"cuLaunchKernel({_source(cfg)[1].decode()})")
+    _launch_kernel(fn, (grid, cfg.split, 1), threads, smem, stream, vals, pdl=pdl_enabled(x2d.device),
+                   what=f"cuLaunchKernel({_source(cfg)[1].decode()})")
