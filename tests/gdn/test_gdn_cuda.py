@@ -60,7 +60,7 @@ def solve_rows(M: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     return N
 
 
-def emulate(q, k, v, g, beta, pool, idx, trees, scale, l2, pieces=3):
+def emulate(q, k, v, g, beta, pool, idx, trees, scale, l2, pieces=3, solve=solve_rows):
     T, Hq, Kd = q.shape
     HVd, Vd = v.shape[1], v.shape[2]
     out = torch.zeros(T, HVd, Vd)
@@ -85,7 +85,7 @@ def emulate(q, k, v, g, beta, pool, idx, trees, scale, l2, pieces=3):
             D = torch.exp(torch.where(mask_incl, G[:, None] - G[None, :], torch.zeros(())))
             M = torch.where(mask_incl, rq[:, None] * (rk[None, :] * D) * QK, torch.zeros(()))
             A = torch.where(mask, (bb * rk)[:, None] * (rk[None, :] * D) * KK, torch.zeros(()))
-            N = solve_rows(M, A)
+            N = solve(M, A)
             parts = split_state(S, pieces)
             P_q = qq @ parts[0] + sum((qq @ p for p in parts[1:]), torch.zeros(n, Vd))
             P_k = kk @ parts[0] + sum((kk @ p for p in parts[1:]), torch.zeros(n, Vd))
@@ -150,16 +150,13 @@ def test_emulation_fails_when_a_substitution_term_is_dropped():
     q, k, v, g, beta, pool = inputs(trees, 11, corr=0.95)
     r64 = tree_reference(q, k, v, g, beta, pool.double(), [0], trees, use_qk_l2norm=True, dtype=torch.float64)
     r32 = tree_reference(q, k, v, g, beta, pool, [0], trees, use_qk_l2norm=True, fn=chunk_reference)
-    real = solve_rows
-    try:
-        def broken(M, A):
-            A = A.clone()
-            A[-1] = 0
-            return real(M, A)
-        globals()["solve_rows"] = broken
-        o = emulate(q, k, v, g, beta, pool, [0], trees, K ** -0.5, True)
-    finally:
-        globals()["solve_rows"] = real
+
+    def broken(M, A):
+        A = A.clone()
+        A[-1] = 0
+        return solve_rows(M, A)
+
+    o = emulate(q, k, v, g, beta, pool, [0], trees, K ** -0.5, True, solve=broken)
     with pytest.raises(AssertionError):
         assert_close(o, r64, r32)
 
