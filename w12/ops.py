@@ -67,15 +67,15 @@ def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: 
     variant, by_name = VARIANTS.choose(variant, device, where=op)
     M, K = x2d.shape
     N = hi.shape[0]
+    # the only capability questions of the call: is there a CUDA C++ toolchain and GPU, can its kernels take x
+    if variant == "mma" and not wcuda.available(device):
+        if by_name:
+            raise RuntimeError(f"{op}: variant 'mma' needs an sm_80+ GPU and nvcc (w12/cuda.py); "
+                               "use variant='tc' or 'gemv'")
+        variant = _TRITON.default(device)  # no CUDA C++ on this machine: the generation's Triton variant
     kernel = variant
-    if variant == "mma":
-        # the only capability question of the call: can the CUDA C++ kernels take it
-        why = "needs an sm_80+ GPU and nvcc (w12/cuda.py)" if not wcuda.available(device) else None
-        if why is not None and by_name:
-            raise RuntimeError(f"{op}: variant 'mma' {why}; use variant='tc' or 'gemv'")
-        why = why or wcuda.unsupported(x2d, hi)
-        if forced_cfg is None and why is not None:
-            kernel = _TRITON.default(device)  # fp16 x, M > 32, no nvcc: the generation's Triton kernel
+    if variant == "mma" and forced_cfg is None and wcuda.unsupported(x2d, hi) is not None:
+        kernel = _TRITON.default(device)  # fp16 x or M > 32: the generation's Triton kernel
     if forced_cfg is not None:
         kernel = next((k for cls, k in _FORCED_KERNEL if isinstance(forced_cfg, cls)), None)
         if kernel is None:

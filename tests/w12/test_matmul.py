@@ -282,7 +282,9 @@ def test_plan_is_cached_per_shape_key():
     w12.matmul(_x((4, K), seed=97), p)  # same bucket (M -> 4)
     plan = next(iter(wops._PLANS._plans.values()))
     assert len(wops._PLANS) == 1 and isinstance(plan, autotune.Plan)
-    assert plan.variant == wops.VARIANTS.default(DEV) and plan.kernel in ("tc", "gemv", "mma")
+    # no CUDA C++ kernels on this machine: the automatic choice is the generation's Triton variant
+    want = wops.VARIANTS.default(DEV) if wops.wcuda.available(DEV) else wops._TRITON.default(DEV)
+    assert plan.variant == want and plan.kernel in ("tc", "gemv", "mma")
     with autotune.force("w12.matmul", config=GEMV_SMALL):
         w12.matmul(_x((3, K), seed=96), p)
     assert len(wops._PLANS) == 2
