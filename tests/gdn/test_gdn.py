@@ -647,3 +647,30 @@ def test_compile_fullgraph_out_none():
         torch.use_deterministic_algorithms(prev)
     want = f(q, k, v, g, beta, pool, x)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_cpu_tensors_without_the_interpreter_run_the_references(monkeypatch):
+    """No Triton backend for CPU tensors: every op's automatic variant is "reference", and a Triton variant
+    asked for by name says how to fix the call."""
+    import autotune.dispatch
+    from gdn import ops as gops
+
+    monkeypatch.setattr(autotune.dispatch, "is_interpreter", lambda: False)
+    monkeypatch.setattr(gops, "is_interpreter", lambda: False)
+    trees = [rand_tree(6, random.Random(3)), chain(3)]
+    plan = gdn.build_tree_plan(trees)
+    q, k, v, g, beta, pool = make_inputs(plan.total_nodes, pool=3)
+    idx = torch.tensor([2, 0])
+    o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True)
+    r64 = tree_reference(q, k, v, g, beta, pool.double(), idx, trees, use_qk_l2norm=True, dtype=torch.float64)
+    assert_close(o, r64, tree_reference(q, k, v, g, beta, pool, idx, trees, use_qk_l2norm=True, fn=gdn.chunk_reference))
+    assert {p.kernel for p in gops._PLANS._plans.values()} == {"reference"}
+    with pytest.raises(RuntimeError, match=r"gdn.tree_verify: the 'wy' kernel is a Triton kernel.*; use variant='reference'"):
+        gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, variant="wy")
+    x, cs, w = torch.randn(plan.total_nodes, 8), torch.randn(3, 8, 3), torch.randn(8, 4)
+    assert torch.equal(gdn.tree_conv1d(x, cs, w, plan, conv_state_indices=idx),
+                       conv_reference(x, cs, w, trees, conv_state_indices=idx))
+    acc, acc_len = _acc_tensors([root_path(trees[0], 5), [0, 1]])
+    p = pool.clone()
+    gdn.commit(p, None, idx, plan, acc, acc_len, k, v, g, beta, use_qk_l2norm=True)
+    assert not torch.equal(p[2], pool[2]) and torch.equal(p[1], pool[1])

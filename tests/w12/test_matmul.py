@@ -394,3 +394,18 @@ def test_h200_tuned_file_is_accepted_and_dispatches(monkeypatch):
     finally:
         ac._TUNED.clear()
         autotune.clear_plans()
+
+
+def test_cpu_tensors_without_the_interpreter_use_the_torch_variant(monkeypatch):
+    """No Triton backend for CPU tensors: the automatic variant is "torch"; a Triton one asked for by name
+    says how to fix the call."""
+    import autotune.dispatch
+
+    monkeypatch.setattr(autotune.dispatch, "is_interpreter", lambda: False)
+    monkeypatch.setattr(autotune, "is_interpreter", lambda: False)
+    w = _weight(10, 70, seed=83).cpu()
+    p = w12.pack(w)
+    x = _x((3, 70), seed=84).cpu()
+    _check(w12.matmul(x, p), x, w, p)
+    with pytest.raises(RuntimeError, match=r"w12.matmul: variant 'tc' runs Triton kernels.*; use variant='torch'"):
+        w12.matmul(x, p, variant="tc")
