@@ -306,6 +306,10 @@ def test_registered_op_and_compile():
     torch._dynamo.reset()
     f = torch.compile(lambda a: w12.matmul(a, p), fullgraph=True, backend="eager")
     assert_bitwise_equal(f(x), eager)
+    out = torch.empty_like(eager)
+    g = torch.compile(lambda a, o: w12.matmul(a, p, variant="gemv", out=o), fullgraph=True, backend="eager")
+    g(x, out)
+    assert_bitwise_equal(out, via_op)
 
 
 def test_pick_split_k():
