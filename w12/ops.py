@@ -81,8 +81,9 @@ def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: 
         if kernel is None:
             raise TypeError(f"{op}: force({op!r}, config=...) takes a TmaConfig, MmaConfig, TcConfig or GemvConfig, "
                             f"got {type(forced_cfg).__name__}; pass one of those")
-        why = "needs an sm_80+ GPU and nvcc" if not wcuda.available(device) else wcuda.unsupported(x2d, hi)
-        if kernel == "mma" and why is not None:
+        why = None if kernel != "mma" else (
+            "needs an sm_80+ GPU and nvcc" if not wcuda.available(device) else wcuda.unsupported(x2d, hi))
+        if why is not None:
             raise ValueError(f"{op}: the CUDA kernel ({type(forced_cfg).__name__}) cannot take this call: {why}; "
                              "force a TcConfig or GemvConfig instead")
     if kernel in ("tc", "gemv") and device.type == "cpu" and not autotune.is_interpreter():
