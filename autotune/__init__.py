@@ -1,6 +1,15 @@
-"""Hardware ceilings, byte floors and the launch-config mechanism every operator uses."""
+"""The ground floor: hardware table and measured ceilings, byte floors, launch configs (tuned
+configs as data), the dispatch types (`Variants`, `Plan`) and the interpreter repairs.
 
-from .config import bucket_m, force, forced, get_config, drop_tuned, load_tuned, select_variant, shape_key, store_tuned, versions
+Imports nothing of this project: operators build on it, never the other way round
+(docs/architecture.md). With TRITON_INTERPRET=1 set, importing it applies the repairs of
+`autotune.interpreter`, so every operator runs under the interpreter without a setup call.
+"""
+
+import os
+
+from .config import bucket_m, drop_tuned, force, forced, get_config, load_tuned, shape_key, store_tuned, versions
+from .dispatch import Plan, PlanCache, Variants, clear_plans
 from .hardware import (
     GPUS,
     Ceilings,
@@ -19,8 +28,13 @@ from .hardware import (
 )
 
 __all__ = [
-    "GPUS", "Ceilings", "GpuSpec", "bucket_m", "byte_floor", "cached_ceilings", "compute_capability",
-    "force", "forced", "get_config", "gpu_name", "gpu_slug", "gpu_spec", "has_cuda", "has_wgmma",
-    "drop_tuned", "is_interpreter", "load_tuned", "measure_ceilings", "peak_rates", "select_variant", "shape_key",
+    "GPUS", "Ceilings", "GpuSpec", "Plan", "PlanCache", "Variants", "bucket_m", "byte_floor", "cached_ceilings",
+    "clear_plans", "compute_capability", "drop_tuned", "force", "forced", "get_config", "gpu_name", "gpu_slug",
+    "gpu_spec", "has_cuda", "has_wgmma", "is_interpreter", "load_tuned", "measure_ceilings", "peak_rates", "shape_key",
     "store_tuned", "versions",
 ]
+
+if os.environ.get("TRITON_INTERPRET") == "1":
+    from . import interpreter as _interpreter
+
+    _interpreter.apply()

@@ -20,19 +20,19 @@ import contextvars
 import dataclasses
 import functools
 import json
+from importlib import metadata
 import os
 import warnings
 from pathlib import Path
 from typing import Any, Callable, TypeVar
 
-from .hardware import compute_capability, gpu_name, gpu_slug, has_cuda, is_interpreter
+from .hardware import gpu_name, gpu_slug, has_cuda, is_interpreter
 
 __all__ = [
     "bucket_m",
     "shape_key",
     "force",
     "forced",
-    "select_variant",
     "get_config",
     "tuned_file",
     "load_tuned",
@@ -79,27 +79,6 @@ def forced(op: str) -> tuple[str | None, Any]:
     return _FORCED.get().get(op, (None, None))
 
 
-def select_variant(op: str, table: dict[int, str], *, device=None, fallback: str = "reference") -> str:
-    """Pick a variant by GPU generation from `table` ({9: "tc", 8: "gemv"}), honouring `force`.
-
-    The key is the compute-capability major; the largest key not above the device's major
-    wins, except that Hopper-only variants (key 9) are never chosen for other majors. Under
-    the Triton interpreter, the generation is taken as the smallest key (portable variant).
-    """
-    v, _ = forced(op)
-    if v is not None:
-        return v
-    if is_interpreter():
-        return table[min(table)] if table else fallback
-    if not has_cuda():
-        return fallback
-    major = compute_capability()[0]
-    if major in table:
-        return table[major]
-    ok = [k for k in table if k <= major and k != 9]
-    return table[max(ok)] if ok else fallback
-
-
 # --------------------------------------------------------------------------------------
 # Tuned configs as data.
 # --------------------------------------------------------------------------------------
@@ -116,14 +95,9 @@ def versions() -> dict[str, str]:
     except ImportError:  # pragma: no cover - triton is a hard dependency on GPU machines
         tv = "none"
     try:
-        from importlib.metadata import version
-
-        pv = version("specpilot")
-    except Exception:  # not pip-installed (e.g. PYTHONPATH=repo on the GPU machine)
-        try:
-            from specpilot import __version__ as pv
-        except Exception:
-            pv = "0+unknown"
+        pv = metadata.version("specpilot")  # the distribution, not the package: autotune imports nothing above it
+    except metadata.PackageNotFoundError:  # run from a checkout that was never installed
+        pv = "0+unknown"
     return {"torch": torch.__version__, "triton": tv, "cuda": str(torch.version.cuda), "specpilot": pv}
 
 
@@ -194,7 +168,7 @@ def store_tuned(op: str, variant: str, key: str, config: Any, *, device=None, ex
     data["entries"][f"{op}/{variant}/{key}"] = entry
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    _TUNED.clear()
+    _forget_tuned()
     return path
 
 
@@ -207,8 +181,16 @@ def drop_tuned(op: str, variant: str, key: str, *, device=None) -> bool:
     if data.get("entries", {}).pop(f"{op}/{variant}/{key}", None) is None:
         return False
     path.write_text(json.dumps(data, indent=1, sort_keys=True) + "\n")
-    _TUNED.clear()
+    _forget_tuned()
     return True
+
+
+def _forget_tuned() -> None:
+    """The tuned file changed: re-read it, and re-plan every operator (plans hold configs)."""
+    from .dispatch import clear_plans  # dispatch imports this module
+
+    _TUNED.clear()
+    clear_plans()
 
 
 def get_config(op: str, variant: str, cls: type[T], heuristic: Callable[[], T], *, key: str, device=None) -> T:

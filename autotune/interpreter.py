@@ -7,7 +7,9 @@
    `tensor.__index__` does exactly that, so `for i in range(n)` over a tensor bound fails
    (Triton 3.6). We index with `.item()` instead.
 
-`apply()` is idempotent; each repair is checked by `tests/test_interpreter_fixes.py`.
+`import autotune` calls `apply()` when TRITON_INTERPRET=1 is set, and every operator imports
+autotune before it launches a kernel, so no caller needs to. `apply()` is idempotent; each repair
+is checked by `tests/test_interpreter_fixes.py`.
 Only the interpreter module is touched: compiled GPU kernels are unaffected.
 """
 

@@ -20,11 +20,11 @@ from autotune.cudadrv import (FunctionCache, allow_dynamic_smem, available, comp
 
 from .configs import CudaConfig
 
-__all__ = ["available", "unsupported", "build", "run", "SOURCE", "KERNEL", "MAX_NODES"]
+__all__ = ["available", "unsupported", "build", "run", "SOURCE", "KERNEL", "MAX_CUDA_NODES"]
 
 SOURCE = Path(__file__).with_name("csrc") / "gdn_tree.cu"
 KERNEL = b"gdn_tree_cuda_kernel"
-MAX_NODES = 32
+MAX_CUDA_NODES = 32  # nodes per request the kernel takes (gdn.MAX_NODES, the plan's bound, is larger)
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
 _FUNCS = FunctionCache()
 
@@ -49,8 +49,8 @@ def unsupported(q, k, v, g, beta, o, pool, state_idx, vk: bool, max_nodes: int, 
         return "g and beta must be fp32, bf16 or fp16"
     if state_idx.dtype not in (torch.int32, torch.int64):
         return "state_indices must be int32 or int64"
-    if max_nodes > MAX_NODES:
-        return f"at most {MAX_NODES} nodes per request (the plan allows {max_nodes})"
+    if max_nodes > MAX_CUDA_NODES:
+        return f"at most {MAX_CUDA_NODES} nodes per request (the plan allows {max_nodes})"
     K, V = q.shape[-1], v.shape[-1]
     if K % 32 or K > 256:
         return f"K={K}: a multiple of 32, at most 256"

@@ -1,24 +1,30 @@
-"""gdn ops in three layers: launch-only functions, torch custom-op registration, and public
-functions that validate inputs and say how to fix a bad call. Run steps never sync the host."""
+"""gdn ops in three layers: launch-only functions (`_plan_*` makes the one decision of a call, an
+`autotune.Plan` cached per shape key, and `_launch_*` runs it), torch custom-op registration, and
+public functions that validate inputs and say how to fix a bad call. Run steps never sync the host
+(the "reference" variants, host loops for CPU tensors without the Triton interpreter, do)."""
 
 from __future__ import annotations
 
 import torch
 import triton
 
-from autotune import forced, select_variant
+import autotune
 from autotune.hardware import has_pdl, is_interpreter
 
 from . import configs
 from .plan import TreePlan
 
-__all__ = ["tree_verify", "tree_conv1d", "commit", "validate_accepted", "VARIANTS"]
+__all__ = ["tree_verify", "tree_conv1d", "commit", "validate_accepted", "VARIANTS", "CONV_VARIANTS", "COMMIT_VARIANTS"]
 
-VARIANTS = ("cuda", "wy", "recurrent", "reference")
-
-
-def _default_variant() -> str:
-    return select_variant("gdn.tree_verify", configs.VARIANTS, fallback="reference")
+OP_VERIFY, OP_CONV, OP_COMMIT = "gdn.tree_verify", "gdn.tree_conv1d", "gdn.commit"
+# "cuda": gdn/csrc/gdn_tree.cu (mma.sync, sm_80+) where it takes the call (gdn/cuda.py: unsupported), else the
+# Triton WY kernel "wy" (tl.dot: wgmma on sm_90, mma.sync on sm_80). "recurrent" (no tensor cores) is the
+# stock baseline; "reference" the torch code of gdn/reference.py (CPU tensors without the interpreter).
+VARIANTS = autotune.Variants(OP_VERIFY, by_arch={9: "cuda", 8: "cuda"}, known=("cuda", "wy", "recurrent", "reference"),
+                             fallback="reference")
+CONV_VARIANTS = autotune.Variants(OP_CONV, by_arch={8: "triton"}, known=("triton", "reference"), fallback="reference")
+COMMIT_VARIANTS = autotune.Variants(OP_COMMIT, by_arch={8: "triton"}, known=("triton", "reference"), fallback="reference")
+_PLANS = autotune.PlanCache()
 
 
 # --------------------------------------------------------------------------------------------
@@ -59,38 +65,85 @@ def _all_resident(kernel, programs, args, kw, device) -> bool:
     return hit
 
 
-def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, sync, scale, use_l2,
-                   vk, variant, max_nodes):
+def _facts(*ts: torch.Tensor) -> tuple:
+    """What a plan may read of its tensors: dtype, shape and strides of each, and whether all are 16-byte aligned."""
+    return (*((t.dtype, tuple(t.shape), t.stride()) for t in ts), all(t.data_ptr() % 16 == 0 for t in ts))
+
+
+def _plan_verify(variant: str | None, q, k, v, g, beta, o, pool, state_idx, vk: bool, max_nodes: int) -> autotune.Plan:
+    """The one decision of a tree_verify call (T, B >= 1), cached per shape key: the tensors' facts, the layout,
+    the plan's node bound, and what `autotune.force` pins. Variant: the `variant=` keyword > `force` >
+    `VARIANTS` by GPU; an automatic "cuda" runs "wy" where the CUDA kernel cannot take the call."""
+    forced = autotune.forced(OP_VERIFY)
+    key = (variant, forced, vk, max_nodes, state_idx.dtype, state_idx.numel(), q.device,
+           _facts(q, k, v, g, beta, o, pool))
+    return _PLANS.get(key, lambda: _make_verify_plan(variant, forced[1], q, k, v, g, beta, o, pool, state_idx, vk,
+                                                     max_nodes))
+
+
+def _make_verify_plan(variant, forced_cfg, q, k, v, g, beta, o, pool, state_idx, vk, max_nodes) -> autotune.Plan:
+    device = q.device
+    variant, by_name = VARIANTS.choose(variant, device)
+    K, HV, V, B = q.shape[-1], v.shape[1], v.shape[2], state_idx.numel()
+    kernel = variant
+    if variant == "cuda" and not by_name and isinstance(forced_cfg, configs.WYConfig):
+        kernel = "wy"  # a pinned Triton config keeps the Triton kernel
+    elif variant == "cuda":
+        from . import cuda as gcuda
+
+        cfg = configs.cuda_config(max_nodes, K, V, device, batch=B, HV=HV)
+        # the only capability question of the call: can the CUDA kernel take it
+        why = gcuda.unsupported(q, k, v, g, beta, o, pool, state_idx, vk, max_nodes, cfg)
+        if why is None:
+            return autotune.Plan(variant, "cuda", cfg)
+        if by_name:
+            raise ValueError(f"{OP_VERIFY}: variant 'cuda' cannot take this call: {why}; use variant='wy'")
+        kernel = "wy"
+    _check_triton_device(OP_VERIFY, kernel, device)
+    if kernel == "wy":
+        return autotune.Plan(variant, "wy", configs.wy_config(max_nodes, K, V, device, batch=B, HV=HV))
+    if kernel == "recurrent":
+        return autotune.Plan(variant, "recurrent", configs.recurrent_config(K, V, device))
+    return autotune.Plan(variant, "reference")
+
+
+def _check_triton_device(fn: str, kernel: str, device: torch.device) -> None:
+    if kernel in ("wy", "recurrent", "triton") and device.type == "cpu" and not is_interpreter():
+        raise RuntimeError(f"{fn}: the {kernel!r} kernel is a Triton kernel, which needs a CUDA tensor or "
+                           "TRITON_INTERPRET=1; use variant='reference' for CPU tensors")
+
+
+def _verify(variant: str | None, q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, sync,
+            scale, use_l2, vk, max_nodes) -> None:
+    """o = tree_verify(...): plan, then launch (the body of eager calls and of the registered ops)."""
+    if q.shape[0] == 0 or cu.numel() == 1:
+        return
+    plan = _plan_verify(variant, q, k, v, g, beta, o, pool, state_idx, vk, max_nodes)
+    _launch_verify(plan, q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, sync, scale,
+                   use_l2, vk, max_nodes)
+
+
+def _launch_verify(plan: autotune.Plan, q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req,
+                   sync, scale, use_l2, vk, max_nodes):
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = cu.numel() - 1
-    if T == 0 or B == 0:
+    cfg = plan.config
+    if plan.kernel == "reference":
+        _reference_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, scale, use_l2, vk)
         return
-    soft = variant == "auto"  # the default, not asked for by name: fall back to the Triton kernel when needed
-    if soft:
-        variant = _default_variant()
-    if variant == "cuda":
+    if plan.kernel == "cuda":
         from . import cuda as gcuda
 
-        if soft and isinstance(forced("gdn.tree_verify")[1], configs.WYConfig):
-            variant = "wy"  # a pinned Triton config keeps the Triton kernel
-        else:
-            cfg = configs.cuda_config(max_nodes, K, V, q.device, batch=B, HV=HV)
-            why = gcuda.unsupported(q, k, v, g, beta, o, pool, state_idx, vk, max_nodes, cfg)
-            if why is None:
-                gcuda.run(cfg, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale, use_l2, vk, max_nodes,
-                          _state_strides(pool, vk), cfg.pdl and has_pdl(q.device))
-                return
-            if not soft:
-                raise ValueError(f"gdn.tree_verify variant 'cuda' cannot take this call: {why}; use variant='wy'")
-            variant = "wy"
+        gcuda.run(cfg, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale, use_l2, vk, max_nodes,
+                  _state_strides(pool, vk), cfg.pdl and has_pdl(q.device))
+        return
     BK = max(16, triton.next_power_of_2(K))
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
               g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), *_state_strides(pool, vk))
-    if variant == "wy":
+    if plan.kernel == "wy":
         from .kernels.wy import gdn_tree_wy_kernel
 
-        cfg = configs.wy_config(max_nodes, K, V, q.device, batch=B, HV=HV)
         BT = max(16, cfg.min_bt, triton.next_power_of_2(max_nodes))
         split = cfg.split and q.dtype == torch.bfloat16 and k.dtype == torch.bfloat16
         ce = configs.wy_constexprs(cfg)
@@ -127,26 +180,42 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
         gdn_tree_wy_kernel[grid](q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, scale, *common,
                                  H=H, HV=HV, K=K, V=V, BT=BT, BK=BK, USE_L2=use_l2, SPLIT=split, PDL=pdl, **ce,
                                  num_warps=cfg.num_warps, num_stages=cfg.num_stages, **extra, **cap)
-    elif variant == "recurrent":
+    else:
         from .kernels.recurrent import gdn_tree_recurrent_kernel
 
-        cfg = configs.recurrent_config(K, V, q.device)
         grid = (T, HV, triton.cdiv(V, cfg.BV))
         gdn_tree_recurrent_kernel[grid](q, k, v, g, beta, o, pool, state_idx, cu, anc, node_req, scale, *common,
                                         H=H, HV=HV, K=K, V=V, BK=BK, BV=cfg.BV, USE_L2=use_l2,
                                         num_warps=cfg.num_warps)
-    else:
-        raise ValueError(f"unknown gdn.tree_verify variant {variant!r}; choose one of {VARIANTS}")
 
 
-def _launch_conv(x, weight, bias, out, cstate, cidx, node_req, parent, depth, silu):
+def _plan_conv(variant: str | None, x: torch.Tensor) -> autotune.Plan:
+    """The one decision of a tree_conv1d call, cached per (D, dtype, device, forced variant and config)."""
+    forced = autotune.forced(OP_CONV)
+    return _PLANS.get((OP_CONV, variant, forced, x.shape[1], x.dtype, x.device), lambda: _make_conv_plan(variant, x))
+
+
+def _make_conv_plan(variant: str | None, x: torch.Tensor) -> autotune.Plan:
+    variant, _ = CONV_VARIANTS.choose(variant, x.device)
+    _check_triton_device(OP_CONV, variant, x.device)
+    return autotune.Plan(variant, variant, configs.conv_config(x.shape[1], x.device) if variant == "triton" else None)
+
+
+def _conv(variant: str | None, x, weight, bias, out, cstate, cidx, node_req, parent, depth, silu) -> None:
+    """out = tree_conv1d(...): plan, then launch (the body of eager calls and of the registered ops)."""
+    if x.shape[0]:
+        _launch_conv(_plan_conv(variant, x), x, weight, bias, out, cstate, cidx, node_req, parent, depth, silu)
+
+
+def _launch_conv(plan: autotune.Plan, x, weight, bias, out, cstate, cidx, node_req, parent, depth, silu):
     T, D = x.shape
-    if T == 0:
+    if plan.kernel == "reference":
+        _reference_conv(x, weight, bias, out, cstate, cidx, node_req, parent, silu)
         return
     from .kernels.conv import gdn_tree_conv_kernel
 
     W = weight.shape[-1]
-    cfg = configs.conv_config(D, x.device)
+    cfg = plan.config
     grid = (T, triton.cdiv(D, cfg.BD))
     gdn_tree_conv_kernel[grid](x, weight, bias if bias is not None else x, out, cstate, cidx, node_req, parent,
                                depth, x.stride(0), out.stride(0), weight.stride(0), weight.stride(-1),
@@ -154,9 +223,36 @@ def _launch_conv(x, weight, bias, out, cstate, cidx, node_req, parent, depth, si
                                HAS_BIAS=bias is not None, SILU=silu, num_warps=cfg.num_warps)
 
 
-def _launch_commit(pool, k, v, g, beta, state_idx, cu, accepted, acc_len, use_l2, vk, cstate, x, cidx):
+def _plan_commit(variant: str | None, k, v, x, device: torch.device) -> autotune.Plan:
+    """The one decision of a commit call, cached per (K, V, D, device, forced variant and config). The config is
+    the pair (state kernel's, conv kernel's)."""
+    K, V = (k.shape[-1], v.shape[-1]) if k is not None else (1, 1)
+    D = x.shape[-1] if x is not None else 1
+    forced = autotune.forced(OP_COMMIT)
+    return _PLANS.get((OP_COMMIT, variant, forced, K, V, D, device), lambda: _make_commit_plan(variant, K, V, D, device))
+
+
+def _make_commit_plan(variant: str | None, K: int, V: int, D: int, device: torch.device) -> autotune.Plan:
+    variant, _ = COMMIT_VARIANTS.choose(variant, device)
+    _check_triton_device(OP_COMMIT, variant, device)
+    if variant == "reference":
+        return autotune.Plan(variant, variant)
+    return autotune.Plan(variant, variant, (configs.commit_config(K, V, D, device), configs.commit_config(1, 1, D, device)))
+
+
+def _commit(variant: str | None, pool, k, v, g, beta, state_idx, cu, accepted, acc_len, use_l2, vk, cstate, x,
+            cidx) -> None:
+    """Advance the states in place: plan, then launch (the body of eager calls and of the registered op)."""
+    if cu.numel() > 1:
+        plan = _plan_commit(variant, k, v, x, (pool if pool is not None else cstate).device)
+        _launch_commit(plan, pool, k, v, g, beta, state_idx, cu, accepted, acc_len, use_l2, vk, cstate, x, cidx)
+
+
+def _launch_commit(plan: autotune.Plan, pool, k, v, g, beta, state_idx, cu, accepted, acc_len, use_l2, vk, cstate, x,
+                   cidx):
     B = cu.numel() - 1
-    if B == 0:
+    if plan.kernel == "reference":
+        _reference_commit(pool, k, v, g, beta, state_idx, cu, accepted, acc_len, use_l2, vk, cstate, x, cidx)
         return
     from .kernels.commit import gdn_commit_conv_kernel, gdn_commit_state_kernel
 
@@ -164,7 +260,7 @@ def _launch_commit(pool, k, v, g, beta, state_idx, cu, accepted, acc_len, use_l2
     if pool is not None:
         L, _, H, K = k.shape
         HV, V = v.shape[2], v.shape[3]
-        cfg = configs.commit_config(K, V, D, pool.device)
+        cfg = plan.config[0]
         BK = max(16, triton.next_power_of_2(K))
         grid = (B, L * HV, triton.cdiv(V, cfg.BV))
         gdn_commit_state_kernel[grid](
@@ -175,7 +271,7 @@ def _launch_commit(pool, k, v, g, beta, state_idx, cu, accepted, acc_len, use_l2
             H=H, HV=HV, K=K, V=V, BK=BK, BV=cfg.BV, USE_L2=use_l2, num_warps=cfg.num_warps)
     if cstate is not None:
         L, W1 = x.shape[0], cstate.shape[-1]
-        cfg = configs.commit_config(1, 1, D, cstate.device)
+        cfg = plan.config[1]
         grid = (B, L, triton.cdiv(D, cfg.BD))
         gdn_commit_conv_kernel[grid](
             x, cstate, cidx, cu, accepted, acc_len, x.stride(0), x.stride(1), cstate.stride(0), cstate.stride(1),
@@ -183,9 +279,65 @@ def _launch_commit(pool, k, v, g, beta, state_idx, cu, accepted, acc_len, use_l2
             D=D, W=W1 + 1, BD=cfg.BD, BW=max(2, triton.next_power_of_2(W1)), num_warps=cfg.num_warps)
 
 
+def _local_parents(cu, anc) -> list[list[int]]:
+    """Each request's local parent list, from the ancestor bitmasks: a node's parent is its deepest strict
+    ancestor, the highest set bit of its mask without its own (nodes are topologically ordered)."""
+    cu_h, anc_h = cu.tolist(), anc.tolist()
+    return [[((a & (2**64 - 1)) & ~(1 << i)).bit_length() - 1 for i, a in enumerate(anc_h[s:e])]
+            for s, e in zip(cu_h, cu_h[1:])]
+
+
+def _reference_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, scale, use_l2, vk) -> None:
+    from .reference import chunk_reference, tree_reference
+
+    r = tree_reference(q, k, v, g, beta, pool, state_idx.tolist(), _local_parents(cu, anc), scale=scale,
+                       use_qk_l2norm=use_l2, state_layout="vk" if vk else "kv", fn=chunk_reference)
+    o.copy_(r)
+
+
+def _reference_conv(x, weight, bias, out, cstate, cidx, node_req, parent, silu) -> None:
+    from .reference import conv_reference
+
+    lists: list[list[int]] = [[] for _ in range(cidx.numel())]
+    first: dict[int, int] = {}  # request -> packed index of its first node
+    for t, (p, r) in enumerate(zip(parent.tolist(), node_req.tolist())):
+        start = first.setdefault(r, t)
+        lists[r].append(p - start if p >= 0 else -1)
+    out.copy_(conv_reference(x, cstate, weight, lists, bias, "silu" if silu else None, cidx.tolist()))
+
+
+def _reference_commit(pool, k, v, g, beta, state_idx, cu, accepted, acc_len, use_l2, vk, cstate, x, cidx) -> None:
+    from .reference import commit_reference
+
+    cu_h, acc, n = cu.tolist(), accepted.tolist(), acc_len.tolist()
+    layers = (pool if pool is not None else cstate).shape[0]
+    for r, (start, path) in enumerate(zip(cu_h, acc)):
+        path = [start + j for j in path[: n[r]]]
+        for layer in range(layers if path else 0):
+            if pool is not None:
+                row = pool[layer, int(state_idx[r])]
+                s0 = row.transpose(-1, -2) if vk else row
+                no_conv = s0.new_zeros(1, 1), s0.new_zeros(k.shape[1], 1)  # commit_reference also steps a conv state
+                s1, _ = commit_reference(s0, no_conv[0], k[layer], v[layer], g[layer], beta[layer], no_conv[1], path,
+                                         use_qk_l2norm=use_l2)
+                row.copy_(s1.transpose(-1, -2) if vk else s1)
+            if cstate is not None:
+                c = cstate[layer, int(cidx[r])]
+                seq = torch.cat([c, x[layer, path].T], 1)
+                c.copy_(seq[:, seq.shape[1] - c.shape[1]:])
+
+
 # --------------------------------------------------------------------------------------------
 # 2. Torch registration (mutate a preallocated out: the fakes are trivial).
 # --------------------------------------------------------------------------------------------
+
+
+# `variant` in the registered ops: a name of the op's Variants, or "auto" (the automatic choice, planned inside the
+# op, where `autotune.force` is readable: dynamo cannot read that context variable).
+
+
+def _named(variant: str) -> str | None:
+    return None if variant == "auto" else variant
 
 
 @torch.library.custom_op("specpilot_gdn::tree_verify", mutates_args=("o",))
@@ -193,8 +345,8 @@ def _verify_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch.Tenso
                o: torch.Tensor, pool: torch.Tensor, state_idx: torch.Tensor, cu: torch.Tensor, anc: torch.Tensor,
                depth: torch.Tensor, max_depth: torch.Tensor, node_req: torch.Tensor, sync: torch.Tensor, scale: float,
                use_l2: bool, vk: bool, variant: str, max_nodes: int) -> None:
-    _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, sync, scale, use_l2,
-                   vk, variant, max_nodes)
+    _verify(_named(variant), q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, sync, scale,
+            use_l2, vk, max_nodes)
 
 
 @_verify_op.register_fake
@@ -211,8 +363,8 @@ def _verify_alloc_op(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, g: torch
                      depth: torch.Tensor, max_depth: torch.Tensor, node_req: torch.Tensor, sync: torch.Tensor,
                      scale: float, use_l2: bool, vk: bool, variant: str, max_nodes: int) -> torch.Tensor:
     o = torch.empty_like(v)
-    _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, sync, scale, use_l2,
-                   vk, variant, max_nodes)
+    _verify(_named(variant), q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, sync, scale,
+            use_l2, vk, max_nodes)
     return o
 
 
@@ -224,8 +376,8 @@ def _(q, k, v, *args, **kwargs):
 @torch.library.custom_op("specpilot_gdn::tree_conv1d", mutates_args=("out",))
 def _conv_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor,
              cstate: torch.Tensor, cidx: torch.Tensor, node_req: torch.Tensor, parent: torch.Tensor,
-             depth: torch.Tensor, silu: bool) -> None:
-    _launch_conv(x, weight, bias, out, cstate, cidx, node_req, parent, depth, silu)
+             depth: torch.Tensor, silu: bool, variant: str) -> None:
+    _conv(_named(variant), x, weight, bias, out, cstate, cidx, node_req, parent, depth, silu)
 
 
 @_conv_op.register_fake
@@ -236,9 +388,9 @@ def _(*args, **kwargs) -> None:
 @torch.library.custom_op("specpilot_gdn::tree_conv1d_out", mutates_args=())
 def _conv_alloc_op(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None, cstate: torch.Tensor,
                    cidx: torch.Tensor, node_req: torch.Tensor, parent: torch.Tensor, depth: torch.Tensor,
-                   silu: bool) -> torch.Tensor:
+                   silu: bool, variant: str) -> torch.Tensor:
     out = torch.empty_like(x)
-    _launch_conv(x, weight, bias, out, cstate, cidx, node_req, parent, depth, silu)
+    _conv(_named(variant), x, weight, bias, out, cstate, cidx, node_req, parent, depth, silu)
     return out
 
 
@@ -251,8 +403,8 @@ def _(x, *args, **kwargs):
 def _commit_op(pool: torch.Tensor | None, k: torch.Tensor | None, v: torch.Tensor | None, g: torch.Tensor | None,
                beta: torch.Tensor | None, state_idx: torch.Tensor, cu: torch.Tensor, accepted: torch.Tensor,
                acc_len: torch.Tensor, use_l2: bool, vk: bool, cstate: torch.Tensor | None, x: torch.Tensor | None,
-               cidx: torch.Tensor) -> None:
-    _launch_commit(pool, k, v, g, beta, state_idx, cu, accepted, acc_len, use_l2, vk, cstate, x, cidx)
+               cidx: torch.Tensor, variant: str) -> None:
+    _commit(_named(variant), pool, k, v, g, beta, state_idx, cu, accepted, acc_len, use_l2, vk, cstate, x, cidx)
 
 
 @_commit_op.register_fake
@@ -260,15 +412,9 @@ def _(*args, **kwargs) -> None:
     return None
 
 
-def _call(op, launch, *args):
-    # Eager calls skip the custom-op dispatcher (~10 us); compiled graphs see the registered op.
-    if torch.compiler.is_compiling():
-        return op(*args)
-    return launch(*args)
-
-
 # --------------------------------------------------------------------------------------------
-# 3. Public functions.
+# 3. Public functions. Eager calls skip the custom-op dispatcher (~10 us); compiled graphs see the
+# registered ops.
 # --------------------------------------------------------------------------------------------
 
 
@@ -276,132 +422,147 @@ def _last_contig(x):
     return x if x is None or x.stride(-1) == 1 else x.contiguous()
 
 
-def _resolve_layout(state_layout, pool, HV, K, V, lead):
+def _resolve_layout(fn, state_layout, pool, HV, K, V, lead):
     if state_layout == "auto":
         if K == V:
-            raise ValueError("state_layout='auto' is ambiguous when K == V: pass 'kv' ([..., HV, K, V], fla) "
+            raise ValueError(f"{fn}: state_layout='auto' is ambiguous when K == V; pass 'kv' ([..., HV, K, V], fla) "
                              "or 'vk' ([..., HV, V, K], SGLang's pool)")
         state_layout = "kv" if tuple(pool.shape[-2:]) == (K, V) else "vk"
     if state_layout not in ("kv", "vk"):
-        raise ValueError(f"state_layout must be 'kv', 'vk' or 'auto', got {state_layout!r}")
+        raise ValueError(f"{fn}: state_layout must be 'kv', 'vk' or 'auto', got {state_layout!r}; pass one of those")
     want = (HV, K, V) if state_layout == "kv" else (HV, V, K)
     if pool.dim() != lead + 3 or tuple(pool.shape[-3:]) != want:
         pre = "[L, pool, " if lead == 2 else "[pool, "
-        raise ValueError(f"state pool must be {pre}{', '.join(map(str, want))}] for state_layout={state_layout!r}, "
-                         f"got {tuple(pool.shape)}")
+        raise ValueError(f"{fn}: state pool must be {pre}{', '.join(map(str, want))}] for "
+                         f"state_layout={state_layout!r}, got {tuple(pool.shape)}; check the layout and head dims")
     if pool.dtype != torch.float32:
-        raise TypeError(f"recurrent state must be float32 (got {pool.dtype}): keep the state pool in fp32, "
+        raise TypeError(f"{fn}: recurrent state must be float32, got {pool.dtype}; keep the state pool in fp32, "
                         "e.g. allocate it with dtype=torch.float32")
     return state_layout == "vk"
 
 
-def _check_same_device(**ts):
+def _check_same_device(fn, **ts):
     devs = {n: t.device for n, t in ts.items() if t is not None}
     if len(set(devs.values())) > 1:
-        raise ValueError(f"all tensors must be on one device, got {devs}")
+        raise ValueError(f"{fn}: all tensors must be on one device, got {devs}; move them to one device")
+
+
+def _check_plan(fn, tree) -> None:
+    if not isinstance(tree, TreePlan):
+        raise TypeError(f"{fn}: tree must be a gdn.TreePlan, got {type(tree).__name__}; build it once per step "
+                        "with gdn.build_tree_plan(parents)")
 
 
 def tree_verify(q, k, v, g, beta, state_pool, state_indices, tree: TreePlan, scale=None, use_qk_l2norm=False,
-                state_layout="kv", variant=None, out=None):
+                state_layout="kv", *, variant: str | None = None, out: torch.Tensor | None = None):
     """Outputs of every node of a batch of token trees, from each request's committed state.
 
     q, k [T, H, K]; v [T, HV, V]; g, beta [T, HV] (packed, request after request, as in `tree`);
     state_pool fp32 [pool, HV, K, V] ("kv", fla) or [pool, HV, V, K] ("vk", SGLang);
     state_indices [B]: pool row of each request (each in [0, pool): not checked on the device).
-    Returns o [T, HV, V] in v's dtype. Writes no states. Variants: "cuda" (default on sm_80/sm_90 where nvcc is
-    present and the call fits it, gdn/cuda.py; otherwise the default runs "wy"), "wy" (Triton), "recurrent"
-    (baseline), "reference" (torch)."""
-    if not isinstance(tree, TreePlan):
-        raise TypeError("tree must be a gdn.TreePlan: build it once per step with gdn.build_tree_plan(parents)")
+    Returns o [T, HV, V] in v's dtype (written into `out` when given). Writes no states.
+
+    `variant` (None: by GPU, `gdn.ops.VARIANTS`): "cuda" (the default on sm_80/sm_90 with nvcc, gdn/cuda.py; where
+    it cannot take the call the default runs "wy", while asking for it by name raises with the reason), "wy"
+    (Triton), "recurrent" (baseline), "reference" (torch; the default for CPU tensors without the interpreter)."""
+    fn = OP_VERIFY
+    _check_plan(fn, tree)
     if q.dim() != 3 or k.shape != q.shape:
-        raise ValueError(f"q and k must both be [T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}")
+        raise ValueError(f"{fn}: q and k must both be [T, H, K], got {tuple(q.shape)} and {tuple(k.shape)}; "
+                         "pass packed tokens (one row per tree node)")
     T, H, K = q.shape
     if v.dim() != 3 or v.shape[0] != T:
-        raise ValueError(f"v must be [T={T}, HV, V], got {tuple(v.shape)}")
+        raise ValueError(f"{fn}: v must be [T={T}, HV, V], got {tuple(v.shape)}; pass one row per tree node")
     HV, V = v.shape[1], v.shape[2]
     if HV % H:
-        raise ValueError(f"value heads HV={HV} must be a multiple of key heads H={H} (grouped heads: value head h "
-                         f"reads key head h // (HV // H)); check the head split of q/k vs v")
+        raise ValueError(f"{fn}: value heads HV={HV} must be a multiple of key heads H={H} (grouped heads: value "
+                         f"head h reads key head h // (HV // H)); check the head split of q/k vs v")
     for name, t in (("g", g), ("beta", beta)):
         if tuple(t.shape) != (T, HV):
-            raise ValueError(f"{name} must be [T, HV] = {(T, HV)} (one gate per token and value head), "
-                             f"got {tuple(t.shape)}")
+            raise ValueError(f"{fn}: {name} must be [T, HV] = {(T, HV)} (one gate per token and value head), "
+                             f"got {tuple(t.shape)}; pass one value per node and value head")
     if T != tree.total_nodes:
-        raise ValueError(f"the plan has {tree.total_nodes} nodes but the inputs have T={T}: rebuild the plan "
+        raise ValueError(f"{fn}: the plan has {tree.total_nodes} nodes but the inputs have T={T}; rebuild the plan "
                          "for this step's trees")
-    vk = _resolve_layout(state_layout, state_pool, HV, K, V, 1)
+    vk = _resolve_layout(fn, state_layout, state_pool, HV, K, V, 1)
     if state_indices.dim() != 1 or state_indices.numel() != tree.batch:
-        raise ValueError(f"state_indices must be [B={tree.batch}], got {tuple(state_indices.shape)}")
+        raise ValueError(f"{fn}: state_indices must be [B={tree.batch}], got {tuple(state_indices.shape)}; "
+                         "pass one pool row per request")
     if state_indices.dtype.is_floating_point:
-        raise TypeError("state_indices must be an integer tensor")
-    _check_same_device(q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices,
+        raise TypeError(f"{fn}: state_indices must be an integer tensor, got {state_indices.dtype}; "
+                        "use state_indices.to(torch.int32)")
+    _check_same_device(fn, q=q, k=k, v=v, g=g, beta=beta, state_pool=state_pool, state_indices=state_indices,
                        tree=tree.cu_seqlens)
+    if variant is not None:
+        VARIANTS.check(variant)
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != v.shape or out.device != v.device
+                            or out.dtype not in (v.dtype, torch.float32) or out.stride(-1) != 1):
+        got = f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{fn}: out must be [T, HV, V] = {tuple(v.shape)} in v's dtype or float32 on {v.device}, "
+                         f"unit stride in the last dim, got {got}; allocate it with torch.empty_like(v)")
     scale = float(K ** -0.5 if scale is None else scale)
-    if variant is None:  # resolved at launch ("auto"), falling back to "wy" where "cuda" cannot run
-        variant = "auto" if torch.compiler.is_compiling() or _default_variant() != "reference" else "reference"
-    if variant not in VARIANTS + ("auto",):
-        raise ValueError(f"unknown gdn.tree_verify variant {variant!r}; choose one of {VARIANTS}")
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
-    if out is None and variant != "reference" and torch.compiler.is_compiling():
-        return _verify_alloc_op(q, k, v, g, beta, state_pool, state_indices, tree.cu_seqlens, tree.anc, tree.depth,
-                                tree.max_depth, tree.node_req, tree.sync, scale, bool(use_qk_l2norm), vk,
-                                variant, tree.max_nodes)
-    if out is None:
-        out = torch.empty_like(v)
-    if variant == "reference":
-        return _reference_verify(q, k, v, g, beta, state_pool, state_indices, tree, scale, use_qk_l2norm, vk, out)
-    _call(_verify_op, _launch_verify, q, k, v, g, beta, out, state_pool, state_indices, tree.cu_seqlens, tree.anc,
-          tree.depth, tree.max_depth, tree.node_req, tree.sync, scale, bool(use_qk_l2norm), vk, variant, tree.max_nodes)
+    args = (state_pool, state_indices, tree.cu_seqlens, tree.anc, tree.depth, tree.max_depth, tree.node_req,
+            tree.sync, scale, bool(use_qk_l2norm), vk)
+    if torch.compiler.is_compiling():
+        if out is None:
+            return _verify_alloc_op(q, k, v, g, beta, *args, variant or "auto", tree.max_nodes)
+        _verify_op(q, k, v, g, beta, out, *args, variant or "auto", tree.max_nodes)
+        return out
+    out = torch.empty_like(v) if out is None else out
+    _verify(variant, q, k, v, g, beta, out, *args, tree.max_nodes)
     return out
 
 
-def _reference_verify(q, k, v, g, beta, pool, idx, tree, scale, l2, vk, out):
-    from .reference import chunk_reference, tree_reference
-
-    cu = tree.cu_seqlens.tolist()  # host fallback only (no Triton device)
-    par = tree.parent_local.tolist()
-    lists = [par[a:b] for a, b in zip(cu, cu[1:])]
-    o = tree_reference(q, k, v, g, beta, pool, idx.tolist(), lists, scale=scale, use_qk_l2norm=l2,
-                       state_layout="vk" if vk else "kv", fn=chunk_reference)
-    return out.copy_(o)
-
-
-def tree_conv1d(x, conv_state, weight, tree: TreePlan, bias=None, activation="silu", conv_state_indices=None,
-                out=None):
+def tree_conv1d(x, conv_state, weight, tree: TreePlan, bias=None, activation="silu", conv_state_indices=None, *,
+                variant: str | None = None, out: torch.Tensor | None = None):
     """Causal depthwise conv over each node's root path. x [T, D]; conv_state [pool, D, W-1]
     (column W-2 = most recent committed token, SGLang's layout); weight [D, W] or [D, 1, W].
     Row i of the result is conv(..., grandparent, parent, node) with committed columns filling in
-    past the root. conv_state_indices [B] (default: request r uses row r). Does not write conv_state."""
-    if not isinstance(tree, TreePlan):
-        raise TypeError("tree must be a gdn.TreePlan: build it with gdn.build_tree_plan(parents)")
+    past the root. conv_state_indices [B] (default: request r uses row r). Does not write conv_state.
+    `variant` (None: by GPU, `gdn.ops.CONV_VARIANTS`): "triton", or "reference" (torch; the default for CPU
+    tensors without the interpreter). `out`: a preallocated [T, D] tensor of x's dtype, written and returned."""
+    fn = OP_CONV
+    _check_plan(fn, tree)
     if x.dim() != 2 or x.shape[0] != tree.total_nodes:
-        raise ValueError(f"x must be [T={tree.total_nodes}, D], got {tuple(x.shape)}")
+        raise ValueError(f"{fn}: x must be [T={tree.total_nodes}, D], got {tuple(x.shape)}; pass one row per tree "
+                         "node")
     D = x.shape[1]
     if weight.dim() == 3 and weight.shape[1] == 1:
         weight = weight[:, 0]
     if weight.dim() != 2 or weight.shape[0] != D:
-        raise ValueError(f"weight must be [D={D}, W] (or nn.Conv1d's [D, 1, W]), got {tuple(weight.shape)}")
+        raise ValueError(f"{fn}: weight must be [D={D}, W] (or nn.Conv1d's [D, 1, W]), got {tuple(weight.shape)}; "
+                         "pass the depthwise conv weight")
     W = weight.shape[1]
     if conv_state.dim() != 3 or conv_state.shape[1] != D or conv_state.shape[2] != W - 1:
-        raise ValueError(f"conv_state must be [pool, D={D}, W-1={W - 1}] (last column = most recent token), "
-                         f"got {tuple(conv_state.shape)}")
+        raise ValueError(f"{fn}: conv_state must be [pool, D={D}, W-1={W - 1}] (last column = most recent token), "
+                         f"got {tuple(conv_state.shape)}; check D and the kernel width")
     if bias is not None and tuple(bias.shape) != (D,):
-        raise ValueError(f"bias must be [D={D}], got {tuple(bias.shape)}")
+        raise ValueError(f"{fn}: bias must be [D={D}], got {tuple(bias.shape)}; pass the conv bias or None")
     if activation not in (None, "silu", "swish"):
-        raise ValueError(f"activation must be None or 'silu', got {activation!r}")
+        raise ValueError(f"{fn}: activation must be None or 'silu', got {activation!r}; pass one of those")
     if conv_state_indices is None:
         conv_state_indices = torch.arange(tree.batch, device=x.device, dtype=torch.int32)
     if conv_state_indices.numel() != tree.batch:
-        raise ValueError(f"conv_state_indices must be [B={tree.batch}], got {tuple(conv_state_indices.shape)}")
-    _check_same_device(x=x, conv_state=conv_state, weight=weight, tree=tree.cu_seqlens)
+        raise ValueError(f"{fn}: conv_state_indices must be [B={tree.batch}], got "
+                         f"{tuple(conv_state_indices.shape)}; pass one conv-state row per request")
+    _check_same_device(fn, x=x, conv_state=conv_state, weight=weight, tree=tree.cu_seqlens)
+    if variant is not None:
+        CONV_VARIANTS.check(variant)
+    if out is not None and (not isinstance(out, torch.Tensor) or out.shape != x.shape or out.dtype != x.dtype
+                            or out.device != x.device or out.stride(-1) != 1):
+        got = f"{tuple(out.shape)} {out.dtype} on {out.device}" if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{fn}: out must be [T, D] = {tuple(x.shape)} {x.dtype} on {x.device}, unit stride in the "
+                         f"last dim, got {got}; allocate it with torch.empty_like(x)")
     x = _last_contig(x)
-    if out is None and torch.compiler.is_compiling():
-        return _conv_alloc_op(x, weight, bias, conv_state, conv_state_indices, tree.node_req, tree.parent,
-                              tree.depth, activation is not None)
-    if out is None:
-        out = torch.empty_like(x)
-    _call(_conv_op, _launch_conv, x, weight, bias, out, conv_state, conv_state_indices, tree.node_req, tree.parent,
-          tree.depth, activation is not None)
+    args = (conv_state, conv_state_indices, tree.node_req, tree.parent, tree.depth, activation is not None)
+    if torch.compiler.is_compiling():
+        if out is None:
+            return _conv_alloc_op(x, weight, bias, *args, variant or "auto")
+        _conv_op(x, weight, bias, out, *args, variant or "auto")
+        return out
+    out = torch.empty_like(x) if out is None else out
+    _conv(variant, x, weight, bias, out, *args)
     return out
 
 
@@ -429,7 +590,8 @@ def validate_accepted(tree: TreePlan, accepted, accepted_len) -> None:
 
 
 def commit(state_pool, conv_state, state_indices, tree: TreePlan, accepted, accepted_len, k=None, v=None, g=None,
-           beta=None, x=None, use_qk_l2norm=False, state_layout="kv", conv_state_indices=None, validate=False):
+           beta=None, x=None, use_qk_l2norm=False, state_layout="kv", conv_state_indices=None, validate=False, *,
+           variant: str | None = None):
     """Advance recurrent and conv states in place along each request's accepted root path.
 
     Nothing is stashed by verify: the caller passes this step's inputs, stacked per layer for a
@@ -438,12 +600,14 @@ def commit(state_pool, conv_state, state_indices, tree: TreePlan, accepted, acce
     Without the leading L (one layer) the same shapes minus L. accepted [B, max_len] holds local node
     indices (root first), accepted_len [B]. Pass state_pool=None or conv_state=None to skip one.
     `validate=True` checks the paths on the host (syncs); leave it off in captured graphs.
+    `variant` (None: by GPU, `gdn.ops.COMMIT_VARIANTS`): "triton", or "reference" (torch, a host loop; the
+    default for CPU tensors without the interpreter). No `out`: the states are updated in place.
     """
-    if not isinstance(tree, TreePlan):
-        raise TypeError("tree must be a gdn.TreePlan: build it with gdn.build_tree_plan(parents)")
+    fn = OP_COMMIT
+    _check_plan(fn, tree)
     if accepted.dim() != 2 or accepted.shape[0] != tree.batch or tuple(accepted_len.shape) != (tree.batch,):
-        raise ValueError(f"accepted must be [B={tree.batch}, max_len] and accepted_len [B], got "
-                         f"{tuple(accepted.shape)} and {tuple(accepted_len.shape)}")
+        raise ValueError(f"{fn}: accepted must be [B={tree.batch}, max_len] and accepted_len [B], got "
+                         f"{tuple(accepted.shape)} and {tuple(accepted_len.shape)}; pass one row per request")
     if validate:
         validate_accepted(tree, accepted, accepted_len)
     single = (k.dim() == 3) if k is not None else (conv_state is not None and conv_state.dim() == 3)
@@ -452,31 +616,42 @@ def commit(state_pool, conv_state, state_indices, tree: TreePlan, accepted, acce
     vk = False
     if state_pool is not None:
         if any(t is None for t in (k, v, g, beta)):
-            raise ValueError("committing the recurrent state needs k, v, g and beta of this step")
+            raise ValueError(f"{fn}: committing the recurrent state needs k, v, g and beta of this step; pass them, "
+                             "or state_pool=None to commit the conv state only")
         if k.dim() != 4 or v.dim() != 4:
-            raise ValueError(f"k must be [L, T, H, K] and v [L, T, HV, V], got {tuple(k.shape)}, {tuple(v.shape)}")
+            raise ValueError(f"{fn}: k must be [L, T, H, K] and v [L, T, HV, V], got {tuple(k.shape)}, "
+                             f"{tuple(v.shape)}; stack the layers' inputs (or pass one layer without L)")
         L, T, H, K = k.shape
         HV, V = v.shape[2], v.shape[3]
         if v.shape[:2] != (L, T) or T != tree.total_nodes or HV % H:
-            raise ValueError(f"k {tuple(k.shape)} and v {tuple(v.shape)} disagree with each other or with the "
-                             f"plan's {tree.total_nodes} nodes (HV must be a multiple of H)")
+            raise ValueError(f"{fn}: k {tuple(k.shape)} and v {tuple(v.shape)} disagree with each other or with the "
+                             f"plan's {tree.total_nodes} nodes; pass this step's inputs (HV a multiple of H)")
         for name, t in (("g", g), ("beta", beta)):
             if tuple(t.shape) != (L, T, HV):
-                raise ValueError(f"{name} must be [L, T, HV] = {(L, T, HV)}, got {tuple(t.shape)}")
-        vk = _resolve_layout(state_layout, state_pool, HV, K, V, 2)
+                raise ValueError(f"{fn}: {name} must be [L, T, HV] = {(L, T, HV)}, got {tuple(t.shape)}; "
+                                 "pass one value per layer, node and value head")
+        vk = _resolve_layout(fn, state_layout, state_pool, HV, K, V, 2)
         if state_pool.shape[0] != L:
-            raise ValueError(f"state_pool has {state_pool.shape[0]} layers, inputs have {L}")
+            raise ValueError(f"{fn}: state_pool has {state_pool.shape[0]} layers, inputs have {L}; pass the pools "
+                             "of the same layers")
         k, v = _last_contig(k), _last_contig(v)
     if conv_state is not None:
         if x is None or x.dim() != 3 or x.shape[1] != tree.total_nodes:
-            raise ValueError("committing the conv state needs x [L, T, D], the conv inputs of this step")
+            raise ValueError(f"{fn}: committing the conv state needs x [L, T, D], the conv inputs of this step; "
+                             "pass them, or conv_state=None to commit the recurrent state only")
         if conv_state.dim() != 4 or conv_state.shape[0] != x.shape[0] or conv_state.shape[2] != x.shape[2]:
-            raise ValueError(f"conv_state must be [L, pool, D, W-1] matching x {tuple(x.shape)}, "
-                             f"got {tuple(conv_state.shape)}")
+            raise ValueError(f"{fn}: conv_state must be [L, pool, D, W-1] matching x {tuple(x.shape)}, "
+                             f"got {tuple(conv_state.shape)}; check L and D")
         x = _last_contig(x)
-        if conv_state_indices is None:
-            conv_state_indices = state_indices
     cidx = conv_state_indices if conv_state_indices is not None else state_indices
-    _check_same_device(state_pool=state_pool, conv_state=conv_state, accepted=accepted, tree=tree.cu_seqlens)
-    _call(_commit_op, _launch_commit, state_pool, k, v, g, beta, state_indices, tree.cu_seqlens, accepted,
-          accepted_len, bool(use_qk_l2norm), vk, conv_state, x, cidx)
+    _check_same_device(fn, state_pool=state_pool, conv_state=conv_state, accepted=accepted, tree=tree.cu_seqlens)
+    if variant is not None:
+        COMMIT_VARIANTS.check(variant)
+    if state_pool is None and conv_state is None:
+        return
+    args = (state_pool, k, v, g, beta, state_indices, tree.cu_seqlens, accepted, accepted_len, bool(use_qk_l2norm),
+            vk, conv_state, x, cidx)
+    if torch.compiler.is_compiling():
+        _commit_op(*args, variant or "auto")
+    else:
+        _commit(variant, *args)

@@ -1,10 +1,12 @@
 """Test setup shared by every suite.
 
 * Without CUDA, Triton runs under its interpreter (TRITON_INTERPRET=1, set before any
-  Triton import) and the two interpreter traps are repaired (autotune/interpreter.py).
+  Triton import); importing autotune then repairs the two interpreter traps (autotune/interpreter.py).
 * `gpu` marker: skipped where CUDA is missing; `hopper` marker: skipped unless sm_90.
 * `torch.empty` / `empty_like` fill floating outputs with NaN (integers with a sentinel)
   so unwritten elements are caught.
+* Every test starts with no cached dispatch plans, so a test that stubs a capability check or
+  a launch sees its own stubs (autotune.clear_plans).
 """
 
 import os
@@ -15,11 +17,7 @@ import torch
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
-from autotune import has_cuda, has_wgmma  # noqa: E402
-from autotune import interpreter as _interp  # noqa: E402
-
-if os.environ.get("TRITON_INTERPRET") == "1":
-    _interp.apply()
+from autotune import clear_plans, has_cuda, has_wgmma  # noqa: E402
 
 
 def pytest_configure(config):
@@ -69,6 +67,12 @@ def poison_empty(monkeypatch):
     """Every `torch.empty`/`empty_like` made during a test comes back full of NaN."""
     monkeypatch.setattr(torch, "empty", _poisoned_empty)
     monkeypatch.setattr(torch, "empty_like", _poisoned_empty_like)
+    yield
+
+
+@pytest.fixture(autouse=True)
+def fresh_plans():
+    clear_plans()
     yield
 
 

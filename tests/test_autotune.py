@@ -222,17 +222,54 @@ def test_force_is_context_local():
     assert seen == [(None, None)]
 
 
-def test_select_variant_and_forced_config():
-    table = {9: "tc_sm90", 8: "gemv"}
+def test_variants_choose_and_forced_config():
+    v = autotune.Variants("w", by_arch={9: "tc_sm90", 8: "gemv"}, known=("tc_sm90", "gemv", "torch"))
     # Under the interpreter (the CPU test session) the portable (smallest-key) variant wins.
-    assert autotune.select_variant("w", table) == "gemv"
+    assert v.default() == "gemv" and v.choose(None) == ("gemv", False)
+    assert v.choose("tc_sm90") == ("tc_sm90", True)  # the keyword
     with autotune.force("w", variant="tc_sm90"):
-        assert autotune.select_variant("w", table) == "tc_sm90"
+        assert v.choose(None) == ("tc_sm90", True)
+        assert v.choose("gemv") == ("gemv", True)  # the keyword beats force
+    with pytest.raises(ValueError, match=r"w.f: unknown variant 'x'; choose one of \('tc_sm90', 'gemv', 'torch'\)"):
+        v.choose("x", where="w.f")
+    with pytest.raises(ValueError, match="not in known"):
+        autotune.Variants("w", by_arch={9: "tc"}, known=("gemv", "torch"))
     with autotune.force("w", config=Cfg(32, 2)):
         assert autotune.get_config("w", "gemv", Cfg, Cfg, key="M1") == Cfg(32, 2)
     with autotune.force("w", config={"block_n": 1}):
         with pytest.raises(TypeError):
             autotune.get_config("w", "gemv", Cfg, Cfg, key="M1")
+
+
+def test_variants_default_by_generation(monkeypatch):
+    """The device's major; else the largest major below it, never the sm_90-only 9; CPU tensors and
+    GPUs below every key get the fallback."""
+    import autotune.dispatch as dispatch
+
+    v = autotune.Variants("w", by_arch={9: "hopper", 8: "ampere"}, known=("hopper", "ampere", "torch"))
+    monkeypatch.setattr(dispatch, "is_interpreter", lambda: False)
+    monkeypatch.setattr(dispatch, "has_cuda", lambda: True)
+    for major, want in ((9, "hopper"), (8, "ampere"), (10, "ampere"), (12, "ampere"), (7, "torch")):
+        monkeypatch.setattr(dispatch, "compute_capability", lambda index=None, m=major: (m, 0))
+        assert v.default(torch.device("cuda", 0)) == want, major
+    assert v.default(torch.device("cpu")) == "torch"
+
+
+def test_plan_cache_keys_and_clear(fake_h200):
+    made = []
+
+    def make(tag):
+        made.append(tag)
+        return autotune.Plan("v", tag, None)
+
+    cache = autotune.PlanCache(limit=2)
+    assert cache.get(("a",), lambda: make("a")) == autotune.Plan("v", "a")
+    assert cache.get(("a",), lambda: make("again")).kernel == "a" and made == ["a"]
+    cache.get(("b",), lambda: make("b"))
+    cache.get(("c",), lambda: make("c"))  # past the limit: starts over
+    assert len(cache) == 1
+    autotune.store_tuned("w", "v", "M1", Cfg(1, 1))  # a tuned entry changed: every plan is made again
+    assert len(cache) == 0
 
 
 @pytest.fixture
@@ -290,19 +327,24 @@ def test_w12_mma_variant_runs_a_tuned_tma_entry_only_where_tma_runs(fake_h200, m
     key = autotune.shape_key(M=1, N=5120, K=6144)
     autotune.store_tuned("w12.matmul", "tma", key, TmaConfig(1, 8, 6, split=3))
     autotune.store_tuned("w12.matmul", "mma", autotune.shape_key(M=8, N=5120, K=6144), MmaConfig(2, 4, 3))
-    monkeypatch.setattr(wops, "_PLANS", {})
-    dev = torch.device("cpu")
+    monkeypatch.setattr(wcuda, "available", lambda device=None: True)
+
+    def plan(op, M):  # meta tensors: a plan reads shapes, dtypes and the device only
+        x = torch.empty(M, 6144, dtype=torch.bfloat16, device="meta")
+        return wops._plan(op, "mma", x, torch.empty(5120, 6144, dtype=torch.uint8, device="meta"))
+
     for tma_ok in (True, False):
-        wops._PLANS.clear()
+        autotune.clear_plans()
         monkeypatch.setattr(wcuda, "tma_available", lambda device=None, ok=tma_ok: ok)
-        kernel, cfg = wops._plan("w12.matmul", "mma", 1, 5120, 6144, dev)
+        _, kernel, cfg = plan("w12.matmul", 1)
         assert kernel == "mma"
         if tma_ok:
             assert cfg == TmaConfig(1, 8, 6, split=3)
         else:
             assert isinstance(cfg, MmaConfig)
-        assert wops._plan("w12.matmul", "mma", 8, 5120, 6144, dev) == ("mma", MmaConfig(2, 4, 3))
-        assert isinstance(wops._plan("w12.matmul_q8", "mma", 1, 5120, 6144, dev)[1], MmaConfig)  # per op
+        assert plan("w12.matmul", 8) == ("mma", "mma", MmaConfig(2, 4, 3))
+        assert isinstance(plan("w12.matmul_q8", 1).config, MmaConfig)  # per op
+    autotune.clear_plans()
 
 
 def test_tuned_file_of_another_gpu_is_ignored(fake_h200):

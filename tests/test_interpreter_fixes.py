@@ -1,8 +1,14 @@
-"""Proofs that the two interpreter repairs in autotune/interpreter.py are in force.
+"""Proofs that the two interpreter repairs in autotune/interpreter.py are in force, and that
+importing autotune (which every operator does) applies them: conftest.py only sets TRITON_INTERPRET.
 
-Each test runs a kernel that is wrong (or raises) under an unrepaired Triton 3.6 interpreter.
+Each kernel test runs a kernel that is wrong (or raises) under an unrepaired Triton 3.6 interpreter.
 On a GPU they run compiled, where they must pass as well.
 """
+
+import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 import torch
@@ -52,3 +58,23 @@ def test_loop_over_tensor_bound(device):
 
 def test_apply_is_idempotent():
     assert interpreter.apply() is interpreter.apply()
+
+
+def test_repairs_apply_on_import_of_an_operator():
+    """A fresh process with TRITON_INTERPRET=1 and no setup call: w12.matmul on bf16 (the loop over a
+    tensor bound, and bf16 tl.dot in "tc") matches its fp64 reference."""
+    code = """
+import torch, w12
+g = torch.Generator().manual_seed(0)
+p = w12.pack(torch.randn(40, 130, generator=g).bfloat16())
+x = torch.randn(3, 130, generator=g).bfloat16()
+ref = w12.matmul_reference(x, p)
+for variant in (None, "tc"):
+    err = (w12.matmul(x, p, variant=variant).double() - ref).abs().max().item()
+    assert err <= 0.02 * ref.abs().max().item(), (variant, err)
+print("repaired")
+"""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
+    r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
+    assert r.returncode == 0 and "repaired" in r.stdout, r.stderr[-3000:]

@@ -33,7 +33,7 @@ from autotune.cudadrv import nvcc_version as _nvcc_version  # noqa: F401 (perf/w
 
 from .configs import MmaConfig, TmaConfig
 
-__all__ = ["available", "tma_available", "nvcc_path", "build", "launch", "n_tiles", "supports", "SOURCE", "KERNEL",
+__all__ = ["available", "tma_available", "nvcc_path", "build", "launch", "n_tiles", "unsupported", "SOURCE", "KERNEL",
            "TMA_SOURCE", "TMA_KERNEL", "MAX_M"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_mma.cu"
@@ -168,9 +168,16 @@ def tma_available(device: torch.device | None = None) -> bool:
     return torch.cuda.get_device_capability(idx)[0] == 9
 
 
-def supports(x2d: torch.Tensor, hi: torch.Tensor) -> bool:
-    """Inputs this kernel takes as they are: bf16 x with M <= 32 (anything else: Triton)."""
-    return x2d.dtype == torch.bfloat16 and 0 < x2d.shape[0] <= MAX_M and hi.is_contiguous()
+def unsupported(x2d: torch.Tensor, hi: torch.Tensor) -> str | None:
+    """Why these inputs cannot run on the CUDA kernels as they are (None: they can). Device and
+    toolchain are `available()`'s question."""
+    if x2d.dtype != torch.bfloat16:
+        return f"x must be bfloat16, got {x2d.dtype}"
+    if not 0 < x2d.shape[0] <= MAX_M:
+        return f"1 <= M <= {MAX_M} rows of x, got M={x2d.shape[0]}"
+    if not hi.is_contiguous():
+        return "the hi plane must be contiguous"
+    return None
 
 
 def _x_operand(x2d: torch.Tensor, Kp: int) -> tuple[torch.Tensor, int]:

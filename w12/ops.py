@@ -1,7 +1,8 @@
 """W12 GEMMs: `matmul` (exact weights) and `matmul_q8` (the 8-bit view), in three layers.
 
-1. Launch-only: `_plan` picks (kernel, config) per shape (cached) and `_launch` composes the
-   kernel launches into a preallocated `out`.
+1. Launch-only: `_plan` makes the one decision of a call, an `autotune.Plan` (variant, kernel,
+   config) cached per shape key, and `_launch` composes that plan's kernel launches into a
+   preallocated `out`.
 2. Torch registration: `torch.ops.specpilot_w12.matmul` via `torch.library.triton_op` +
    `wrap_triton`, so `torch.compile(fullgraph=True)` sees the Triton kernels, and
    `torch.ops.specpilot_w12.matmul_mma` (`custom_op` + `register_fake`) for the CUDA C++ kernel.
@@ -27,120 +28,117 @@ from .configs import GEMV_MAX_M, GemvConfig, MmaConfig, TcConfig, TmaConfig, gem
 from .format import W12Weight, unpack
 from .kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel, w12_splitk_reduce_kernel
 
-__all__ = ["matmul", "matmul_q8", "VARIANTS", "OP", "OP_Q8", "clear_config_cache"]
+__all__ = ["matmul", "matmul_q8", "VARIANTS", "OP", "OP_Q8"]
 
 OP = "w12.matmul"
 OP_Q8 = "w12.matmul_q8"
-# GPU generation -> variant (autotune.select_variant); "torch" is the no-Triton fallback.
-# "mma" is the CUDA C++ kernel (w12/cuda.py, sm_80+, needs nvcc): bf16 x with M <= 32. Other calls,
-# and machines without nvcc, run the generation's Triton variant (TRITON_VARIANTS).
-VARIANTS: dict[int, str] = {9: "mma", 8: "mma"}
-TRITON_VARIANTS: dict[int, str] = {9: "tc", 8: "gemv"}
-TC_GEMV_MAX_M = 1  # the "tc" variant runs the CUDA-core GEMV up to this M, and above it where tuned (see _plan)
-_KNOWN = ("mma", "tc", "gemv", "torch")
+# "mma": the CUDA C++ kernels (w12/cuda.py, sm_80+ with nvcc) where they take the call (bf16 x, M <= 32),
+# the generation's Triton variant (_TRITON) for the other calls. "tc" (wgmma, sm_90) and "gemv" are the
+# Triton kernels; "torch" decodes the weight and calls F.linear (CPU tensors without the interpreter).
+VARIANTS = autotune.Variants(OP, by_arch={9: "mma", 8: "mma"}, known=("mma", "tc", "gemv", "torch"), fallback="torch")
+_TRITON = autotune.Variants(OP, by_arch={9: "tc", 8: "gemv"}, known=VARIANTS.known, fallback="torch")
+TC_GEMV_MAX_M = 1  # the "tc" variant runs the CUDA-core GEMV up to this M, and above it where tuned (see _make_plan)
 _REDUCE_BLOCK = 1024
+_FORCED_KERNEL = ((GemvConfig, "gemv"), (TcConfig, "tc"), (MmaConfig, "mma"), (TmaConfig, "mma"))
+_PLANS = autotune.PlanCache()
 
 # --------------------------------------------------------------------------------------
 # 1. Launch-only
 # --------------------------------------------------------------------------------------
 
-_PLANS: dict[tuple, tuple[str, object]] = {}
+
+def _plan(op: str, variant: str | None, x2d: torch.Tensor, hi: torch.Tensor) -> autotune.Plan:
+    """The one decision of a call (M >= 1), cached per shape key: M bucketed to a power of two, N, K,
+    x's dtype, the hi plane's contiguity, the device, and what `autotune.force` pins.
+
+    Variant: the `variant=` keyword > `force(op, variant=)` > `force("w12.matmul", variant=)` (it pins
+    matmul_q8 too) > `VARIANTS` by GPU. A forced config picks its kernel."""
+    if variant is None and op == OP_Q8:
+        variant = autotune.forced(OP_Q8)[0]
+    forced_cfg = autotune.forced(op)[1]
+    M, K = x2d.shape
+    key = (op, variant, autotune.forced(OP)[0], forced_cfg, autotune.bucket_m(M), hi.shape[0], K, x2d.dtype,
+           hi.is_contiguous(), x2d.device)
+    return _PLANS.get(key, lambda: _make_plan(op, variant, forced_cfg, x2d, hi))
 
 
-def clear_config_cache() -> None:
-    """Forget cached per-shape configs (after storing new tuned entries)."""
-    _PLANS.clear()
-
-
-def _select(op: str, device: torch.device) -> str:
-    v, _ = autotune.forced(op)
-    if v is None and op == OP_Q8:
-        v, _ = autotune.forced(OP)  # forcing w12.matmul also pins matmul_q8
-    forced = v is not None
-    if v is None:
-        if device.type != "cuda" and not autotune.is_interpreter():
-            return "torch"
-        v = autotune.select_variant(op, VARIANTS, device=device, fallback="torch")
-    if v not in _KNOWN:
-        raise ValueError(f"unknown {op} variant {v!r}; choose one of {_KNOWN}")
-    if v == "mma" and not wcuda.available(device):
-        if forced:
-            raise RuntimeError(f"{op}: variant 'mma' needs an sm_80+ GPU and nvcc (see w12/cuda.py)")
-        v = _triton_variant(device)
-    return v
-
-
-def _triton_variant(device: torch.device) -> str:
-    """The generation's Triton variant: what "mma" falls back to for inputs it does not take."""
-    if device.type != "cuda" and not autotune.is_interpreter():
-        return "torch"
-    return autotune.select_variant("w12.triton", TRITON_VARIANTS, device=device, fallback="torch")
-
-
-def _plan(op: str, variant: str, M: int, N: int, K: int, device: torch.device) -> tuple[str, object]:
-    """(kernel name, config) for one call: forced config > per-shape cache > get_config."""
-    _, forced_cfg = autotune.forced(op)
-    q8 = op == OP_Q8
+def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: torch.Tensor) -> autotune.Plan:
+    device = x2d.device
+    variant, by_name = VARIANTS.choose(variant, device, where=op)
+    M, K = x2d.shape
+    N = hi.shape[0]
+    # the only capability questions of the call: is there a CUDA C++ toolchain and GPU, can its kernels take x
+    if variant == "mma" and not wcuda.available(device):
+        if by_name:
+            raise RuntimeError(f"{op}: variant 'mma' needs an sm_80+ GPU and nvcc (w12/cuda.py); "
+                               "use variant='tc' or 'gemv'")
+        variant = _TRITON.default(device)  # no CUDA C++ on this machine: the generation's Triton variant
+    kernel = variant
+    if variant == "mma" and forced_cfg is None and wcuda.unsupported(x2d, hi) is not None:
+        kernel = _TRITON.default(device)  # fp16 x or M > 32: the generation's Triton kernel
     if forced_cfg is not None:
-        if isinstance(forced_cfg, GemvConfig):
-            return "gemv", forced_cfg
-        if isinstance(forced_cfg, TcConfig):
-            return "tc", forced_cfg
-        if isinstance(forced_cfg, (MmaConfig, TmaConfig)):
-            return "mma", forced_cfg
-        raise TypeError(f"force({op!r}, config=...) expects a TmaConfig, MmaConfig, TcConfig or GemvConfig, "
-                        f"got {type(forced_cfg).__name__}")
-    ck = (op, variant, autotune.bucket_m(M), N, K, device)
-    hit = _PLANS.get(ck)
-    if hit is not None:
-        return hit
+        kernel = next((k for cls, k in _FORCED_KERNEL if isinstance(forced_cfg, cls)), None)
+        if kernel is None:
+            raise TypeError(f"{op}: force({op!r}, config=...) takes a TmaConfig, MmaConfig, TcConfig or GemvConfig, "
+                            f"got {type(forced_cfg).__name__}; pass one of those")
+        why = None if kernel != "mma" else (
+            "needs an sm_80+ GPU and nvcc" if not wcuda.available(device) else wcuda.unsupported(x2d, hi))
+        if why is not None:
+            raise ValueError(f"{op}: the CUDA kernel ({type(forced_cfg).__name__}) cannot take this call: {why}; "
+                             "force a TcConfig or GemvConfig instead")
+    if kernel in ("tc", "gemv") and device.type == "cpu" and not autotune.is_interpreter():
+        raise RuntimeError(f"{op}: variant {variant!r} runs Triton kernels, which need a CUDA tensor or "
+                           "TRITON_INTERPRET=1; use variant='torch' for CPU tensors")
+    if forced_cfg is not None or kernel == "torch":
+        return autotune.Plan(variant, kernel, forced_cfg)
+    # configs are looked up and built at the bucketed M, so a plan never depends on which M came first
+    Mb = autotune.bucket_m(M)
     key = autotune.shape_key(M=M, N=N, K=K)
-    if variant == "mma" and f"{op}/tma/{key}" in autotune.load_tuned(device) and wcuda.tma_available(device):
+    tuned = autotune.load_tuned(device)
+    q8 = op == OP_Q8
+
+    def config(entry: str, cls, heuristic):
+        return autotune.get_config(op, entry, cls, heuristic, key=key, device=device)
+
+    def gemv(entry: str) -> autotune.Plan:
+        return autotune.Plan(variant, "gemv", config(entry, GemvConfig, lambda: gemv_heuristic(Mb, N, K, device, q8=q8)))
+
+    if kernel == "mma" and f"{op}/tma/{key}" in tuned and wcuda.tma_available(device):
         # the sm_90 TMA kernel won this cell in the sweep (perf/w12_mma_explore.py stores one of the two)
-        plan = ("mma", autotune.get_config(op, "tma", TmaConfig, TmaConfig, key=key, device=device))
-    elif variant == "mma":
-        plan = ("mma", autotune.get_config(op, "mma", MmaConfig, lambda: mma_heuristic(M, N, K, device),
-                                           key=key, device=device))
-    elif variant == "tc" and M <= TC_GEMV_MAX_M:
-        # H200 round 1: the CUDA-core GEMV beat every tensor-core tile at M=1 in all 10 cells
-        # (mm 0.84-1.14x cuBLAS vs 0.58-0.76x); tuned entries live under variant "gemv"
-        plan = ("gemv", autotune.get_config(op, "gemv", GemvConfig, lambda: gemv_heuristic(M, N, K, device, q8=q8),
-                                            key=key, device=device))
-    elif variant == "tc" and M <= GEMV_MAX_M and f"{op}/tc.gemv/{key}" in autotune.load_tuned(device):
-        # a tuned entry says the GEMV beat every tensor-core tile at this shape (H200 round 2: tok2d at M=2)
-        plan = ("gemv", autotune.get_config(op, "tc.gemv", GemvConfig, lambda: gemv_heuristic(M, N, K, device, q8=q8),
-                                            key=key, device=device))
-    elif variant == "tc":
-        plan = ("tc", autotune.get_config(op, "tc", TcConfig, lambda: tc_heuristic(M, N, K, device, q8=q8),
-                                          key=key, device=device))
-    elif M <= GEMV_MAX_M:
-        plan = ("gemv", autotune.get_config(op, "gemv", GemvConfig, lambda: gemv_heuristic(M, N, K, device, q8=q8),
-                                            key=key, device=device))
-    else:
-        plan = ("tc", autotune.get_config(op, "gemv.mma", TcConfig,
-                                          lambda: tc_heuristic(M, N, K, device, q8=q8, mma_only=True),
-                                          key=key, device=device))
-    _PLANS[ck] = plan
-    return plan
+        return autotune.Plan(variant, "mma", config("tma", TmaConfig, TmaConfig))
+    if kernel == "mma":
+        return autotune.Plan(variant, "mma", config("mma", MmaConfig, lambda: mma_heuristic(Mb, N, K, device)))
+    if kernel == "tc" and Mb <= TC_GEMV_MAX_M:
+        # H200: the CUDA-core GEMV beat every tensor-core tile at M=1 in all 10 cells (mm 0.84-1.14x cuBLAS
+        # vs 0.58-0.76x); its tuned entries live under variant "gemv"
+        return gemv("gemv")
+    if kernel == "tc" and Mb <= GEMV_MAX_M and f"{op}/tc.gemv/{key}" in tuned:
+        return gemv("tc.gemv")  # a tuned entry says the GEMV beat every tensor-core tile here (tok2d at M=2)
+    if kernel == "tc":
+        return autotune.Plan(variant, "tc", config("tc", TcConfig, lambda: tc_heuristic(Mb, N, K, device, q8=q8)))
+    if Mb <= GEMV_MAX_M:
+        return gemv("gemv")
+    return autotune.Plan(variant, "tc", config("gemv.mma", TcConfig,
+                                               lambda: tc_heuristic(Mb, N, K, device, q8=q8, mma_only=True)))
 
 
-def _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, *, op: str, variant: str, wrap=None):
-    """out[M, N] = x2d[M, K] @ W^T (+ bias). `wrap` is `wrap_triton` when traced by torch.
-    Returns the main kernel's launch handle (eager: the compiled kernel, for n_regs / n_spills)."""
+def _launch(plan: autotune.Plan, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool, wrap=None):
+    """out[M, N] = x2d[M, K] @ W^T (+ bias) as `plan` says. `wrap` is `wrap_triton` when traced by torch.
+    Returns the main Triton kernel's launch handle (eager: the compiled kernel, for n_regs / n_spills)."""
+    if x2d.is_cuda and x2d.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x2d.device):
+            return _launch(plan, x2d, hi, lo, e0, rowptr, col, val, bias, out, q8=q8, wrap=wrap)
     M, K = x2d.shape
     N, Kp = hi.shape
-    if M == 0:
+    cfg = plan.config
+    if plan.kernel == "torch":
+        out.copy_(_torch_fallback(x2d, hi, lo, e0, rowptr, col, val, bias, K=K, q8=q8))
+        return None
+    if plan.kernel == "mma":
+        wcuda.launch(cfg, x2d, hi, lo, e0, rowptr, col, val, bias, out, q8=q8)
         return None
     if wrap is not None and autotune.is_interpreter() and _is_fake(x2d):
         return None  # wrap_triton passes interpreter kernels through untraced; fake tensors need no launch
-    kernel_name, cfg = _plan(op, variant, M, N, K, x2d.device)
-    q8 = op == OP_Q8
-    if kernel_name == "mma":
-        if not wcuda.supports(x2d, hi):
-            raise ValueError(f"{op}: the CUDA kernel (MmaConfig) takes bfloat16 x with 1 <= M <= {wcuda.MAX_M}, "
-                             f"got {x2d.dtype} with M={M}; force a TcConfig or GemvConfig instead")
-        wcuda.launch(cfg, x2d, hi, lo, e0, rowptr, col, val, bias, out, q8=q8)
-        return None
     bt = cfg.block_t
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, bt), cfg.split_k)
     ws = out if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), device=out.device, dtype=torch.float32)
@@ -152,7 +150,7 @@ def _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, *, op: str, variant: s
     args = (x2d, hi, lo, e0, rowptr, col, val, b, out, ws, M, N, K, Kp, Kp // 2, x2d.stride(0), x2d.stride(1))
     # the packed PTX decode needs a real GPU (the interpreter runs no inline asm)
     use_asm = bool(cfg.asm) and x2d.is_cuda and not autotune.is_interpreter()
-    if kernel_name == "tc":
+    if plan.kernel == "tc":
         k = w12_matmul_tc_kernel if wrap is None else wrap(w12_matmul_tc_kernel)
         ck = k[grid](*args, X_F16=x2d.dtype == torch.float16, USE_ASM=use_asm, FUSE=bool(cfg.fuse), **common)
     else:
@@ -181,18 +179,8 @@ def _torch_fallback(x2d, hi, lo, e0, rowptr, col, val, bias, *, K: int, q8: bool
     return out.to(x2d.dtype)
 
 
-def _run(x2d, hi, lo, e0, rowptr, col, val, bias, op: str, variant: str, wrap=None) -> torch.Tensor:
-    if variant == "mma" and not wcuda.supports(x2d, hi):
-        variant = _triton_variant(x2d.device)  # fp16 x, M > 32: the Triton kernels
-    if variant == "torch":
-        return _torch_fallback(x2d, hi, lo, e0, rowptr, col, val, bias, K=x2d.shape[1], q8=op == OP_Q8)
-    out = torch.empty((x2d.shape[0], hi.shape[0]), device=x2d.device, dtype=x2d.dtype)
-    if x2d.is_cuda and x2d.device.index != torch.cuda.current_device():
-        with torch.cuda.device(x2d.device):
-            _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, op=op, variant=variant, wrap=wrap)
-    else:
-        _launch(x2d, hi, lo, e0, rowptr, col, val, bias, out, op=op, variant=variant, wrap=wrap)
-    return out
+def _empty_out(x2d: torch.Tensor, hi: torch.Tensor) -> torch.Tensor:
+    return torch.empty((x2d.shape[0], hi.shape[0]), device=x2d.device, dtype=x2d.dtype)
 
 
 # --------------------------------------------------------------------------------------
@@ -204,20 +192,25 @@ def _run(x2d, hi, lo, e0, rowptr, col, val, bias, op: str, variant: str, wrap=No
 def _matmul_op(x2d: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, e0: torch.Tensor, esc_rowptr: torch.Tensor,
                esc_col: torch.Tensor, esc_val: torch.Tensor, bias: Optional[torch.Tensor], q8: bool,
                variant: str) -> torch.Tensor:
-    """[M, K] x W12 [N, Kp] -> [M, N] in x's dtype. `variant` "auto" is resolved here, at trace
-    time under torch.compile (dynamo cannot read the `autotune.force` context variable)."""
-    if variant == "auto":
-        variant = _select(OP_Q8 if q8 else OP, x2d.device)
-    if variant == "mma" and wcuda.supports(x2d, hi):  # traced as the opaque CUDA op, not decomposed
+    """[M, K] x W12 [N, Kp] -> [M, N] in x's dtype. `variant` "auto" is the automatic choice, planned here,
+    at trace time under torch.compile (dynamo cannot read the `autotune.force` context variable)."""
+    if x2d.shape[0] == 0:
+        return _empty_out(x2d, hi)
+    plan = _plan(OP_Q8 if q8 else OP, None if variant == "auto" else variant, x2d, hi)
+    if plan.kernel == "mma":  # traced as the opaque CUDA op, not decomposed
         return torch.ops.specpilot_w12.matmul_mma(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8)
-    return _run(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, OP_Q8 if q8 else OP, variant, wrap=wrap_triton)
+    out = _empty_out(x2d, hi)
+    _launch(plan, x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, out, q8=q8, wrap=wrap_triton)
+    return out
 
 
 @torch.library.custom_op("specpilot_w12::matmul_mma", mutates_args=())
 def _matmul_mma_op(x2d: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, e0: torch.Tensor, esc_rowptr: torch.Tensor,
                    esc_col: torch.Tensor, esc_val: torch.Tensor, bias: Optional[torch.Tensor], q8: bool) -> torch.Tensor:
     """The CUDA C++ kernel as an opaque op for torch.compile (inductor cannot trace a driver-API launch)."""
-    return _run(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, OP_Q8 if q8 else OP, "mma")
+    out = _empty_out(x2d, hi)
+    _launch(_plan(OP_Q8 if q8 else OP, "mma", x2d, hi), x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, out, q8=q8)
+    return out
 
 
 @_matmul_mma_op.register_fake
@@ -230,46 +223,61 @@ def _(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8):
 # --------------------------------------------------------------------------------------
 
 
-def _check(x, packed, bias, name: str) -> None:
+def _check(x, packed, bias, variant, out, name: str) -> None:
+    fn = f"w12.{name}"
     if not isinstance(packed, W12Weight):
-        raise TypeError(f"w12.{name} expects a W12Weight as `packed` (build one with w12.pack(weight)), "
-                        f"got {type(packed).__name__}")
+        raise TypeError(f"{fn}: packed must be a W12Weight, got {type(packed).__name__}; "
+                        "build one with w12.pack(weight)")
     packed.validate(deep=False)
     if not isinstance(x, torch.Tensor):
-        raise TypeError(f"w12.{name} expects x to be a torch.Tensor, got {type(x).__name__}")
+        raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}; pass the activations as a tensor")
     if x.dtype not in (torch.bfloat16, torch.float16):
-        raise TypeError(f"w12.{name} takes bfloat16 or float16 activations, got x.dtype={x.dtype}; "
-                        f"convert with x.to(torch.bfloat16)")
+        raise TypeError(f"{fn}: x must be bfloat16 or float16, got x.dtype={x.dtype}; convert with x.to(torch.bfloat16)")
     if x.dim() < 1 or x.shape[-1] != packed.K:
-        raise ValueError(f"w12.{name}: x has shape {tuple(x.shape)} but the weight is [N={packed.N}, K={packed.K}]; "
+        raise ValueError(f"{fn}: x has shape {tuple(x.shape)} but the weight is [N={packed.N}, K={packed.K}]; "
                          f"the last dim of x must be K={packed.K} (F.linear semantics: out = x @ W.T)")
     if x.device != packed.device:
-        raise ValueError(f"w12.{name}: x is on {x.device} but the weight is on {packed.device}; "
+        raise ValueError(f"{fn}: x is on {x.device} but the weight is on {packed.device}; "
                          f"move one of them, e.g. packed = packed.to(x.device)")
     if bias is not None:
         if not isinstance(bias, torch.Tensor) or bias.shape != (packed.N,):
             shape = tuple(bias.shape) if isinstance(bias, torch.Tensor) else type(bias).__name__
-            raise ValueError(f"w12.{name}: bias must be a tensor of shape ({packed.N},), got {shape}")
+            raise ValueError(f"{fn}: bias must be a tensor of shape ({packed.N},), got {shape}; "
+                             "pass the layer's bias vector or None")
         if not bias.is_floating_point():
-            raise TypeError(f"w12.{name}: bias must be floating point, got {bias.dtype}; use bias.to(x.dtype)")
+            raise TypeError(f"{fn}: bias must be floating point, got {bias.dtype}; use bias.to(x.dtype)")
         if bias.device != x.device:
-            raise ValueError(f"w12.{name}: bias is on {bias.device} but x is on {x.device}; use bias.to(x.device)")
+            raise ValueError(f"{fn}: bias is on {bias.device} but x is on {x.device}; use bias.to(x.device)")
+    if variant is not None:
+        VARIANTS.check(variant, fn)
+    if out is not None:
+        want = (*x.shape[:-1], packed.N)
+        if (not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != x.dtype
+                or out.device != x.device or not out.is_contiguous()):
+            got = (f"{tuple(out.shape)} {out.dtype} on {out.device}" + ("" if out.is_contiguous() else ", strided")
+                   if isinstance(out, torch.Tensor) else type(out).__name__)
+            raise ValueError(f"{fn}: out must be a contiguous {x.dtype} tensor of shape {want} on {x.device}, "
+                             f"got {got}; allocate it with torch.empty({want}, dtype=x.dtype, device=x.device)")
 
 
-def _call(x, packed: W12Weight, bias, op: str) -> torch.Tensor:
-    K = packed.K
+def _call(x, packed: W12Weight, bias, op: str, variant: str | None, out: torch.Tensor | None) -> torch.Tensor:
+    N, K = packed.N, packed.K
     x2d = x.reshape(-1, K)  # a view when possible; the kernels take any strides
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
-    args = (x2d, packed.hi, packed.lo, packed.e0, packed.esc_rowptr, packed.esc_col, packed.esc_val, bias)
+    planes = (packed.hi, packed.lo, packed.e0, packed.esc_rowptr, packed.esc_col, packed.esc_val)
     if torch.compiler.is_compiling():
-        out = torch.ops.specpilot_w12.matmul(*args, op == OP_Q8, "auto")
-    else:
-        out = _run(*args, op, _select(op, x.device))
-    return out.reshape(*x.shape[:-1], packed.N)
+        y = torch.ops.specpilot_w12.matmul(x2d, *planes, bias, op == OP_Q8, variant or "auto")
+        y = y.reshape(*x.shape[:-1], N)
+        return y if out is None else out.copy_(y)
+    out2d = _empty_out(x2d, packed.hi) if out is None else out.view(-1, N)
+    if x2d.shape[0]:
+        _launch(_plan(op, variant, x2d, packed.hi), x2d, *planes, bias, out2d, q8=op == OP_Q8)
+    return out2d.reshape(*x.shape[:-1], N) if out is None else out
 
 
-def matmul(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] = None, *, variant: str | None = None,
+           out: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w12.unpack(packed), bias)` without unpacking: x [..., K] (bf16 or fp16) -> [..., N]
     in x's dtype, fp32 accumulation, one rounding at the end.
 
@@ -279,17 +287,20 @@ def matmul(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] = No
     One known difference: where x itself is +-Inf/NaN and the weight column holds an escape,
     the result may be NaN where F.linear gives +-Inf.
 
-    Variant by GPU (`w12.ops.VARIANTS`): "mma", the CUDA C++ kernels (mma.sync, decode in
-    registers, built with nvcc on first use) for bf16 x with M <= 32: the register-pipelined kernel
-    (sm_80+), or on sm_90 the TMA kernel where a tuned entry chose it; otherwise the Triton variants
-    "tc" (sm_90, wgmma, swap-AB) or "gemv" (CUDA cores for M <= 4, mma above). Pin one with
-    `autotune.force("w12.matmul", variant="tc")` or `config=MmaConfig(...)` / `TmaConfig(...)`.
+    `variant` (None: by GPU, `w12.ops.VARIANTS`): "mma", the CUDA C++ kernels (mma.sync, decode in
+    registers, built on first use) for bf16 x with M <= 32: the register-pipelined kernel (sm_80+), or on
+    sm_90 the TMA kernel where a tuned entry chose it; other calls run the generation's Triton variant.
+    "tc" (Triton, sm_90: wgmma, swap-AB; the CUDA-core GEMV at M = 1), "gemv" (Triton: CUDA cores for
+    M <= 4, mma above), "torch" (decode + F.linear; the default for CPU tensors without the Triton
+    interpreter). `autotune.force("w12.matmul", variant=..., config=MmaConfig(...))` pins one in a scope.
+    `out`: a preallocated contiguous [..., N] tensor of x's dtype, written and returned.
     """
-    _check(x, packed, bias, "matmul")
-    return _call(x, packed, bias, OP)
+    _check(x, packed, bias, variant, out, "matmul")
+    return _call(x, packed, bias, OP, variant, out)
 
 
-def matmul_q8(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
+def matmul_q8(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] = None, *, variant: str | None = None,
+              out: torch.Tensor | None = None) -> torch.Tensor:
     """Like `matmul`, but reads only the `hi` plane (1 byte per weight) plus the escapes: the
     product with the 8-bit view `w12.decode_q8(packed)` (docs/w12-format.md).
 
@@ -297,8 +308,9 @@ def matmul_q8(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] =
     per-weight error of at most 2^-4 (6.25%, half a bin); weights whose hi byte is 0 (the
     row's smallest positive bin, mantissa < 16) read as 0. Escapes are exact. So the result
     differs from `matmul` by up to 2^-4 * sum_k |x_k w_k| per output, and matches the fp64
-    product with `decode_q8` to within same-precision F.linear error. Variants and configs
-    as for `matmul` (op name "w12.matmul_q8"; forcing "w12.matmul" also applies here).
+    product with `decode_q8` to within same-precision F.linear error. `variant` and `out` as for
+    `matmul`; configs are looked up under op "w12.matmul_q8", and forcing a variant of "w12.matmul"
+    also applies here.
     """
-    _check(x, packed, bias, "matmul_q8")
-    return _call(x, packed, bias, OP_Q8)
+    _check(x, packed, bias, variant, out, "matmul_q8")
+    return _call(x, packed, bias, OP_Q8, variant, out)

@@ -8,6 +8,7 @@ sequential recurrence in fp32.
 """
 
 import random
+import re
 
 import pytest
 import torch
@@ -62,7 +63,7 @@ def check_verify(trees, variant, dtype=torch.float32, l2=True, layout="kv", h=H,
     r64 = tree_reference(q, kk, vv, g, beta, pool.double(), idx, trees, use_qk_l2norm=l2, dtype=torch.float64)
     # same-precision torch computation of the same algorithm: the WY form for "wy" (its triangular
     # solve over 64 levels is ~3x less accurate than the recurrence, in torch as in the kernel)
-    fn = gdn.chunk_reference if variant == "wy" else recurrent_reference
+    fn = gdn.chunk_reference if variant in ("wy", "reference") else recurrent_reference
     r32 = tree_reference(q, kk, vv, g, beta, pool, idx, trees, use_qk_l2norm=l2, dtype=torch.float32, fn=fn)
     return assert_close(o, r64, r32.to(vv.dtype), msg=f"{variant}")
 
@@ -134,7 +135,7 @@ TREES = {
 }
 
 
-@pytest.mark.parametrize("variant", ["wy", "recurrent"])
+@pytest.mark.parametrize("variant", ["wy", "recurrent", "reference"])
 @pytest.mark.parametrize("name", list(TREES))
 def test_verify_trees(variant, name):
     if variant == "recurrent" and name in ("chain64", "rand64"):
@@ -155,12 +156,12 @@ def test_chain_tree_matches_sequential_chain():
     assert_close(o, r64, r32)
 
 
-@pytest.mark.parametrize("variant", ["wy", "recurrent"])
+@pytest.mark.parametrize("variant", ["wy", "recurrent", "reference"])
 def test_verify_bf16_inputs(variant):
     check_verify([rand_tree(21, random.Random(4)), chain(3)], variant, dtype=torch.bfloat16)
 
 
-@pytest.mark.parametrize("variant", ["wy", "recurrent"])
+@pytest.mark.parametrize("variant", ["wy", "recurrent", "reference"])
 def test_verify_no_l2norm_vk_layout_odd_dims(variant):
     # SGLang pool layout [pool, HV, V, K], K != V, odd head dims, H=1 grouped over 3 value heads
     check_verify([rand_tree(10, random.Random(5)), star(4)], variant, l2=False, layout="vk", h=1, hv=3, k=24, v=20)
@@ -206,13 +207,13 @@ def test_registered_ops_match_eager():
     assert torch.equal(got, want)
     x, cs, w = torch.randn(7, 8), torch.randn(2, 8, 3), torch.randn(8, 4)
     y = torch.empty_like(x)
-    torch.ops.specpilot_gdn.tree_conv1d(x, w, None, y, cs, idx, plan.node_req, plan.parent, plan.depth, True)
+    torch.ops.specpilot_gdn.tree_conv1d(x, w, None, y, cs, idx, plan.node_req, plan.parent, plan.depth, True, "auto")
     assert torch.equal(y, gdn.tree_conv1d(x, cs, w, plan, conv_state_indices=idx))
     acc, acc_len = _acc_tensors([root_path(trees[0], 6)])
     p1, p2, c1, c2 = pool.clone()[None], pool.clone()[None], cs.clone()[None], cs.clone()[None]
     gdn.commit(p1, c1, idx, plan, acc, acc_len, k[None], v[None], g[None], beta[None], x[None], use_qk_l2norm=True)
     torch.ops.specpilot_gdn.commit(p2, k[None], v[None], g[None], beta[None], idx, plan.cu_seqlens, acc, acc_len,
-                                   True, False, c2, x[None], idx)
+                                   True, False, c2, x[None], idx, "auto")
     assert torch.equal(p1, p2) and torch.equal(c1, c2)
 
 
@@ -227,8 +228,9 @@ def test_wy_padded_tiles_ieee():
 # ---------------------------------------------------------------------------------- conv
 
 
+@pytest.mark.parametrize("variant", ["triton", "reference"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_tree_conv1d(dtype):
+def test_tree_conv1d(dtype, variant):
     rng = random.Random(7)
     # depths 0..>3 so paths shorter than the width read 3, 2 or 1 committed columns
     trees = [rand_tree(17, rng), [-1], chain(2), chain(6), star(5)]
@@ -240,11 +242,12 @@ def test_tree_conv1d(dtype):
     w = torch.randn(D, 1, W, generator=gen).to(dtype)
     bias = torch.randn(D, generator=gen).to(dtype)
     ci = torch.tensor([6, 0, 3, 2, 5])
-    y = gdn.tree_conv1d(x, cs, w, plan, bias=bias, conv_state_indices=ci)
+    y = gdn.tree_conv1d(x, cs, w, plan, bias=bias, conv_state_indices=ci, variant=variant)
     r64 = conv_reference(x, cs, w, trees, bias=bias, conv_state_indices=ci, dtype=torch.float64)
     r32 = conv_reference(x, cs, w, trees, bias=bias, conv_state_indices=ci)
     assert_close(y, r64, r32.to(dtype))
-    y2 = gdn.tree_conv1d(x, cs, w[:, 0], plan, activation=None, conv_state_indices=ci)
+    y2 = torch.empty_like(x)
+    assert gdn.tree_conv1d(x, cs, w[:, 0], plan, activation=None, conv_state_indices=ci, variant=variant, out=y2) is y2
     r64 = conv_reference(x, cs, w, trees, activation=None, conv_state_indices=ci, dtype=torch.float64)
     r32 = conv_reference(x, cs, w, trees, activation=None, conv_state_indices=ci)
     assert_close(y2, r64, r32.to(dtype))
@@ -265,8 +268,9 @@ def _acc_tensors(paths):
     return acc, torch.tensor([len(p) for p in paths], dtype=torch.int32)
 
 
+@pytest.mark.parametrize("variant", ["triton", "reference"])
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_commit_then_second_step(layout):
+def test_commit_then_second_step(layout, variant):
     rng = random.Random(8)
     trees = [rand_tree(12, rng), chain(6), star(5)]
     plan = gdn.build_tree_plan(trees)
@@ -285,7 +289,7 @@ def test_commit_then_second_step(layout):
     pk = pool.transpose(-1, -2).contiguous() if layout == "vk" else pool.clone()
     c = cst.clone()
     gdn.commit(pk, c, idx, plan, acc, acc_len, k, v, g, beta, x, use_qk_l2norm=True, state_layout=layout,
-               validate=True)
+               validate=True, variant=variant)
     got = pk.transpose(-1, -2) if layout == "vk" else pk
     cu = plan.cu_seqlens.tolist()
     for li in range(L):
@@ -315,13 +319,14 @@ def test_commit_then_second_step(layout):
     assert_close(o, r64, r32)
 
 
-def test_commit_single_layer_and_state_only():
+@pytest.mark.parametrize("variant", ["triton", "reference"])
+def test_commit_single_layer_and_state_only(variant):
     plan = gdn.build_tree_plan([star(4), chain(3)])
     q, k, v, g, beta, pool = make_inputs(plan.total_nodes, pool=3)
     acc, acc_len = _acc_tensors([[0, 2], [0, 1, 2]])
     idx = torch.tensor([2, 0])
     p = pool.clone()
-    gdn.commit(p, None, idx, plan, acc, acc_len, k, v, g, beta, use_qk_l2norm=True)
+    gdn.commit(p, None, idx, plan, acc, acc_len, k, v, g, beta, use_qk_l2norm=True, variant=variant)
     for r, toks in enumerate([[0, 2], [4, 5, 6]]):
         S64, _ = commit_reference(pool[idx[r]].double(), torch.zeros(1, 3), k, v, g, beta, torch.zeros(7, 1), toks,
                                   use_qk_l2norm=True, dtype=torch.float64)
@@ -417,6 +422,63 @@ def test_bad_inputs():
     acc, acc_len = _acc_tensors([[0, 1]])
     with pytest.raises(ValueError, match="needs k, v, g and beta"):
         gdn.commit(pool.clone(), None, idx, plan2, acc, acc_len, k, None, g, beta)
+
+
+def test_errors_share_one_prefix_style():
+    """Every public gdn error reads `gdn.<function>: <what is wrong>; <how to fix>`."""
+    plan = gdn.build_tree_plan([chain(3)])
+    q, k, v, g, beta, pool = make_inputs(3)
+    idx = torch.tensor([0])
+    x, cs, w = torch.randn(3, 8), torch.zeros(1, 8, 3), torch.randn(8, 4)
+    acc, acc_len = _acc_tensors([[0, 1]])
+    calls = {
+        "gdn.tree_verify": [lambda: gdn.tree_verify(q, k, v[:, :3], g[:, :3], beta[:, :3], pool[:, :3], idx, plan),
+                            lambda: gdn.tree_verify(q, k, v, g, beta, pool.bfloat16(), idx, plan),
+                            lambda: gdn.tree_verify(q, k, v, g, beta, pool, idx, [-1, 0, 1]),
+                            lambda: gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, variant="nope"),
+                            lambda: gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, out=v[:2]),
+                            lambda: gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, variant="cuda")],
+        "gdn.tree_conv1d": [lambda: gdn.tree_conv1d(x, torch.zeros(1, 8, 4), w, plan),
+                            lambda: gdn.tree_conv1d(x, cs, w, plan, variant="wy"),
+                            lambda: gdn.tree_conv1d(x, cs, w, plan, out=x.double())],
+        "gdn.commit": [lambda: gdn.commit(pool.clone(), None, idx, plan, acc, acc_len, k, None, g, beta),
+                       lambda: gdn.commit(pool.clone(), None, idx, plan, acc, acc_len, k, v, g, beta, variant="x")],
+    }
+    for fn, bad in calls.items():
+        for call in bad:
+            with pytest.raises((TypeError, ValueError)) as e:
+                call()
+            assert re.match(re.escape(fn) + r": [^;]+; \S", str(e.value)), str(e.value)
+
+
+def test_plans_are_cached_per_shape_key():
+    """One plan per key: a second call of the same shapes reuses it, a forced config is part of the key,
+    and the Plan names the variant asked for beside the kernel that runs (an automatic "cuda" runs "wy"
+    where the CUDA kernel cannot)."""
+    from gdn import ops as gops
+
+    plan = gdn.build_tree_plan([chain(4)])
+    q, k, v, g, beta, pool = make_inputs(4)
+    idx = torch.tensor([0])
+    for _ in range(2):
+        gdn.tree_verify(q, k, v, g, beta, pool, idx, plan)
+    (got,) = gops._PLANS._plans.values()
+    assert got.variant == gops.VARIANTS.default() and got.kernel == "wy" and got.config is not None
+    from gdn.configs import WYConfig
+
+    with force("gdn.tree_verify", config=WYConfig(BV=16)):
+        gdn.tree_verify(q, k, v, g, beta, pool, idx, plan)
+    assert len(gops._PLANS) == 2
+
+
+def test_max_nodes_is_the_plan_bound():
+    """gdn.MAX_NODES is what a TreePlan takes; the CUDA kernel's own, smaller bound has its own name."""
+    from gdn import cuda as gcuda
+
+    assert gdn.MAX_NODES == 64 and gcuda.MAX_CUDA_NODES == 32 and not hasattr(gcuda, "MAX_NODES")
+    gdn.build_tree_plan([chain(gdn.MAX_NODES)])
+    with pytest.raises(ValueError, match="at most 64"):
+        gdn.build_tree_plan([chain(gdn.MAX_NODES + 1)])
 
 
 # ------------------------------------------------------------------------ wy configurations
@@ -585,3 +647,30 @@ def test_compile_fullgraph_out_none():
         torch.use_deterministic_algorithms(prev)
     want = f(q, k, v, g, beta, pool, x)
     assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+
+
+def test_cpu_tensors_without_the_interpreter_run_the_references(monkeypatch):
+    """No Triton backend for CPU tensors: every op's automatic variant is "reference", and a Triton variant
+    asked for by name says how to fix the call."""
+    import autotune.dispatch
+    from gdn import ops as gops
+
+    monkeypatch.setattr(autotune.dispatch, "is_interpreter", lambda: False)
+    monkeypatch.setattr(gops, "is_interpreter", lambda: False)
+    trees = [rand_tree(6, random.Random(3)), chain(3)]
+    plan = gdn.build_tree_plan(trees)
+    q, k, v, g, beta, pool = make_inputs(plan.total_nodes, pool=3)
+    idx = torch.tensor([2, 0])
+    o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True)
+    r64 = tree_reference(q, k, v, g, beta, pool.double(), idx, trees, use_qk_l2norm=True, dtype=torch.float64)
+    assert_close(o, r64, tree_reference(q, k, v, g, beta, pool, idx, trees, use_qk_l2norm=True, fn=gdn.chunk_reference))
+    assert {p.kernel for p in gops._PLANS._plans.values()} == {"reference"}
+    with pytest.raises(RuntimeError, match=r"gdn.tree_verify: the 'wy' kernel is a Triton kernel.*; use variant='reference'"):
+        gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, variant="wy")
+    x, cs, w = torch.randn(plan.total_nodes, 8), torch.randn(3, 8, 3), torch.randn(8, 4)
+    assert torch.equal(gdn.tree_conv1d(x, cs, w, plan, conv_state_indices=idx),
+                       conv_reference(x, cs, w, trees, conv_state_indices=idx))
+    acc, acc_len = _acc_tensors([root_path(trees[0], 5), [0, 1]])
+    p = pool.clone()
+    gdn.commit(p, None, idx, plan, acc, acc_len, k, v, g, beta, use_qk_l2norm=True)
+    assert not torch.equal(p[2], pool[2]) and torch.equal(p[1], pool[1])

@@ -252,13 +252,13 @@ def test_default_falls_back_to_the_triton_kernel():
 
 
 def test_dispatch_picks_cuda_when_supported_and_wy_when_a_wyconfig_is_forced(monkeypatch):
-    """With the support check and the launch stubbed, the default takes the CUDA kernel (with its config),
-    and a forced WYConfig keeps the Triton kernel."""
+    """With the support check and the launch stubbed, the default ("cuda" by GPU; under the interpreter the
+    smallest key of gdn.ops.VARIANTS, also "cuda") takes the CUDA kernel with its config, and a forced WYConfig
+    keeps the Triton kernel."""
     plan, (q, k, v, g, beta, pool, idx) = _small_call()
     calls = []
     monkeypatch.setattr(gcuda, "unsupported", lambda *a, **kw: None)
     monkeypatch.setattr(gcuda, "run", lambda cfg, *a, **kw: calls.append(cfg))
-    monkeypatch.setattr(gdn.ops, "_default_variant", lambda: "cuda")
     gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True)
     assert calls == [CudaConfig(BV=16)], calls  # V=16: the largest BV that divides it
     with force("gdn.tree_verify", config=CudaConfig(BV=8, pieces=2)):

@@ -5,6 +5,8 @@ at most 2x that of a same-precision F.linear on the unpacked weight. Exactness c
 one-hot inputs) are checked bitwise.
 """
 
+import re
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -223,9 +225,71 @@ def test_bad_inputs_say_how_to_fix():
     bad.e0 = bad.e0.int()
     with pytest.raises(w12.W12FormatError, match="re-pack"):
         w12.matmul_q8(x, bad)
-    with pytest.raises(ValueError, match="unknown w12.matmul variant"):
+    with pytest.raises(ValueError, match="w12.matmul: unknown variant 'nope'"):
         with autotune.force("w12.matmul", variant="nope"):
             w12.matmul(x, p)
+    with pytest.raises(ValueError, match=r"w12.matmul_q8: unknown variant 'nope'; choose one of"):
+        w12.matmul_q8(x, p, variant="nope")
+    with pytest.raises(ValueError, match=r"w12.matmul: out must be a contiguous .* shape \(2, 8\)"):
+        w12.matmul(x, p, out=torch.empty(2, 9, dtype=torch.bfloat16, device=DEV))
+    with pytest.raises(ValueError, match=r"w12.matmul: out must be .*torch.bfloat16"):
+        w12.matmul(x, p, out=torch.empty(2, 8, dtype=torch.float16, device=DEV))
+
+
+def test_error_messages_share_one_prefix_style():
+    """Every public w12 error reads `w12.<function>: <what is wrong>; <how to fix>`."""
+    w = _weight(8, 64, seed=91)
+    p = w12.pack(w)
+    x = _x((2, 64), seed=92)
+    bad_calls = [lambda: w12.matmul(_x((2, 63), seed=1), p), lambda: w12.matmul(x.float(), p),
+                 lambda: w12.matmul(x, w), lambda: w12.matmul(x, p, torch.zeros(9, device=DEV)),
+                 lambda: w12.matmul(x, p, torch.zeros(8, dtype=torch.int32, device=DEV)),
+                 lambda: w12.matmul(x, p, variant="nope"), lambda: w12.matmul_q8(x, p, out=x)]
+    for call in bad_calls:
+        with pytest.raises((TypeError, ValueError)) as e:
+            call()
+        assert re.match(r"w12\.matmul(_q8)?: [^;]+; \S", str(e.value)), str(e.value)
+
+
+@pytest.mark.parametrize("variant", VARIANTS + ("torch",))
+def test_variant_and_out_keywords(variant):
+    """`variant=` picks the kernel like `autotune.force`; `out=` is written in place and returned."""
+    N, K = 24, 130
+    w = _weight(N, K, seed=93)
+    p = w12.pack(w)
+    x = _x((2, 3, K), seed=94)
+    with autotune.force("w12.matmul", variant=variant):
+        want = w12.matmul(x, p)
+        want_q8 = w12.matmul_q8(x, p)
+    out = torch.empty(2, 3, N, dtype=torch.bfloat16, device=DEV)
+    assert w12.matmul(x, p, variant=variant, out=out) is out
+    assert_bitwise_equal(out, want)
+    assert_bitwise_equal(w12.matmul_q8(x, p, variant=variant), want_q8)
+    with autotune.force("w12.matmul", variant="gemv" if variant != "gemv" else "tc"):  # the keyword wins
+        assert_bitwise_equal(w12.matmul(x, p, variant=variant), want)
+
+
+def test_plan_is_cached_per_shape_key():
+    """One plan per (op, bucketed M, N, K, dtype, ...): a second call of the bucket reuses it, a forced
+    config is part of the key, and autotune.clear_plans() (store_tuned calls it) forgets them."""
+    from w12 import ops as wops
+
+    N, K = 24, 130
+    p = w12.pack(_weight(N, K, seed=95))
+    autotune.clear_plans()
+    w12.matmul(_x((3, K), seed=96), p)
+    assert len(wops._PLANS) == 1
+    w12.matmul(_x((4, K), seed=97), p)  # same bucket (M -> 4)
+    plan = next(iter(wops._PLANS._plans.values()))
+    assert len(wops._PLANS) == 1 and isinstance(plan, autotune.Plan)
+    # no CUDA C++ kernels on this machine: the automatic choice is the generation's Triton variant
+    want = wops.VARIANTS.default(DEV) if wops.wcuda.available(DEV) else wops._TRITON.default(DEV)
+    assert plan.variant == want and plan.kernel in ("tc", "gemv", "mma")
+    with autotune.force("w12.matmul", config=GEMV_SMALL):
+        w12.matmul(_x((3, K), seed=96), p)
+    assert len(wops._PLANS) == 2
+    autotune.clear_plans()
+    assert len(wops._PLANS) == 0
 
 
 def test_registered_op_and_compile():
@@ -242,6 +306,10 @@ def test_registered_op_and_compile():
     torch._dynamo.reset()
     f = torch.compile(lambda a: w12.matmul(a, p), fullgraph=True, backend="eager")
     assert_bitwise_equal(f(x), eager)
+    out = torch.empty_like(eager)
+    g = torch.compile(lambda a, o: w12.matmul(a, p, variant="gemv", out=o), fullgraph=True, backend="eager")
+    g(x, out)
+    assert_bitwise_equal(out, via_op)
 
 
 def test_pick_split_k():
@@ -307,23 +375,41 @@ def test_h200_tuned_file_is_accepted_and_dispatches(monkeypatch):
     monkeypatch.delenv("SPECPILOT_TUNED_CONFIGS", raising=False)
     monkeypatch.delenv("SPECPILOT_CONFIG_DIR", raising=False)
     ac._TUNED.clear()
-    wops.clear_config_cache()
+    autotune.clear_plans()
     try:
         if autotune.versions()["triton"].split(".")[:2] != str(data["meta"]["triton"]).split(".")[:2]:
             pytest.skip("this Triton's major.minor differs from the tuned file's: the policy ignores it")
         entries = autotune.load_tuned()
         assert entries, "the H200 file was rejected"
-        dev = torch.device("cuda")
-        kname, cfg = wops._plan(wops.OP, "tc", 1, 5120, 17408, dev)
+        def plan(op, M, N, K):  # meta tensors: the plan reads shapes, dtypes and the device only
+            x = torch.empty(M, K, dtype=torch.bfloat16, device="meta")
+            return wops._plan(op, "tc", x, torch.empty(N, K, dtype=torch.uint8, device="meta"))[1:]
+
+        kname, cfg = plan(wops.OP, 1, 5120, 17408)
         assert kname == "gemv" and cfg == GemvConfig(**{k: v for k, v in
                                                         entries["w12.matmul/gemv/K17408-M1-N5120"].items() if k != "_"})
         for (M, N, K) in ((2, 248320, 5120), (2, 5120, 6144), (4, 248320, 5120), (16, 5120, 17408)):
             key = autotune.shape_key(M=M, N=N, K=K)
             for op in (wops.OP, wops.OP_Q8):
-                kname, cfg = wops._plan(op, "tc", M, N, K, dev)
+                kname, cfg = plan(op, M, N, K)
                 want = "gemv" if f"{op}/tc.gemv/{key}" in entries else "tc"
                 assert kname == want and isinstance(cfg, GemvConfig if want == "gemv" else TcConfig), (op, key)
         assert any("/tc.gemv/" in k for k in entries)
     finally:
         ac._TUNED.clear()
-        wops.clear_config_cache()
+        autotune.clear_plans()
+
+
+def test_cpu_tensors_without_the_interpreter_use_the_torch_variant(monkeypatch):
+    """No Triton backend for CPU tensors: the automatic variant is "torch"; a Triton one asked for by name
+    says how to fix the call."""
+    import autotune.dispatch
+
+    monkeypatch.setattr(autotune.dispatch, "is_interpreter", lambda: False)
+    monkeypatch.setattr(autotune, "is_interpreter", lambda: False)
+    w = _weight(10, 70, seed=83).cpu()
+    p = w12.pack(w)
+    x = _x((3, 70), seed=84).cpu()
+    _check(w12.matmul(x, p), x, w, p)
+    with pytest.raises(RuntimeError, match=r"w12.matmul: variant 'tc' runs Triton kernels.*; use variant='torch'"):
+        w12.matmul(x, p, variant="tc")

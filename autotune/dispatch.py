@@ -1,0 +1,117 @@
+"""The dispatch types every operator shares: `Variants` (the registry), `Plan` (one call's decision)
+and `PlanCache` (plans by shape key).
+
+An operator's `ops.py` declares `VARIANTS = autotune.Variants(...)`, turns each call into one
+`Plan` in a single `_plan(...)` function, caches it in a `PlanCache` under a key that holds
+everything the decision reads (shape bucket, dtypes, device, the forced variant and config), and
+launches from the plan alone. `clear_plans()` empties every cache; `store_tuned` and `drop_tuned`
+call it, so a newly tuned entry is used by the next call.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import weakref
+from typing import Any, Callable, Hashable, NamedTuple
+
+import torch
+
+from .config import forced
+from .hardware import compute_capability, has_cuda, is_interpreter
+
+__all__ = ["Variants", "Plan", "PlanCache", "clear_plans"]
+
+
+class Plan(NamedTuple):
+    """What one call runs. `variant`: the variant asked for or chosen by GPU generation ("mma", "cuda");
+    `kernel`: what the launch runs for it ("tc", "gemv", "wy", "reference"); `config`: that kernel's
+    launch config (a frozen dataclass), None where it has none."""
+
+    variant: str
+    kernel: str
+    config: Any = None
+
+
+@dataclasses.dataclass(frozen=True)
+class Variants:
+    """An operator's kernel variants. `by_arch` maps a compute-capability major to the default variant,
+    `known` lists every name a caller may ask for, `fallback` runs where no GPU kernel can (CPU tensors
+    without the Triton interpreter)."""
+
+    op: str
+    by_arch: dict[int, str]
+    known: tuple[str, ...]
+    fallback: str = "torch"
+
+    def __post_init__(self):
+        stray = [v for v in (*self.by_arch.values(), self.fallback) if v not in self.known]
+        if stray:
+            raise ValueError(f"autotune.Variants({self.op!r}): {stray} are not in known={self.known}")
+
+    def check(self, variant: str, where: str | None = None) -> str:
+        """`variant` itself, or a ValueError (prefixed `where`, default `op`) that lists the known ones."""
+        if variant not in self.known:
+            raise ValueError(f"{where or self.op}: unknown variant {variant!r}; choose one of {self.known}")
+        return variant
+
+    def default(self, device: torch.device | None = None) -> str:
+        """The variant for `device` (a torch device; None: the current CUDA device) by GPU generation.
+
+        The entry of the device's compute-capability major; else the largest major below it, never 9
+        (sm_90 variants use Hopper-only instructions). Under the interpreter the smallest key (the
+        portable variant); `fallback` for CPU tensors without the interpreter and where no key fits."""
+        if is_interpreter():
+            return self.by_arch[min(self.by_arch)] if self.by_arch else self.fallback
+        if not has_cuda() or (device is not None and torch.device(device).type != "cuda"):
+            return self.fallback
+        index = None if device is None else torch.device(device).index
+        major = compute_capability(index)[0]
+        if major in self.by_arch:
+            return self.by_arch[major]
+        below = [k for k in self.by_arch if k <= major and k != 9]
+        return self.by_arch[max(below)] if below else self.fallback
+
+    def choose(self, variant: str | None, device: torch.device | None = None, where: str | None = None
+               ) -> tuple[str, bool]:
+        """(variant, by_name): the `variant=` keyword, else the variant `autotune.force(op, ...)` pins,
+        else `default(device)`. `by_name` is True when the caller named it: a named variant that cannot
+        take the call raises, an automatic one may fall back to another kernel."""
+        if variant is None:
+            variant = forced(self.op)[0]
+        if variant is None:
+            return self.default(device), False
+        return self.check(variant, where), True
+
+
+_CACHES: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()
+
+
+class PlanCache:
+    """Plans of one operator by key. The key must hold everything `make` reads, so a hit is the plan
+    that `make` would build again; at `limit` entries the cache starts over (shape sets are small)."""
+
+    def __init__(self, limit: int = 4096):
+        self._plans: dict[Hashable, Plan] = {}
+        self._limit = limit
+        _CACHES.add(self)
+
+    def get(self, key: Hashable, make: Callable[[], Plan]) -> Plan:
+        plan = self._plans.get(key)
+        if plan is None:
+            plan = make()
+            if len(self._plans) >= self._limit:
+                self._plans.clear()
+            self._plans[key] = plan
+        return plan
+
+    def clear(self) -> None:
+        self._plans.clear()
+
+    def __len__(self) -> int:
+        return len(self._plans)
+
+
+def clear_plans() -> None:
+    """Forget every cached plan of every operator (after tuned configs change, or in tests)."""
+    for cache in list(_CACHES):
+        cache.clear()

@@ -1,0 +1,148 @@
+"""The floors of docs/architecture.md, checked: what may import what, and the operator template.
+
+The import graph is read with `ast` from every .py file of the shipped packages, function-level
+imports and `importlib.import_module("...")` / `__import__("...")` with a literal name included.
+"""
+
+from __future__ import annotations
+
+import ast
+import inspect
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+import autotune
+
+ROOT = Path(__file__).resolve().parents[1]
+GROUND = {"autotune"}
+OPERATORS = {"w12", "gdn", "tree_attn", "lmhead"}
+TOP = {"specpilot"}
+ALLOWED_SIBLINGS = {("lmhead", "w12")}  # the LM head may reuse the W12 GEMM
+IN_PLACE = {"gdn.commit"}  # public ops that update their inputs in place: `variant=` without `out=`
+
+
+def packages(root: Path) -> list[str]:
+    return sorted(p.name for p in root.iterdir() if (p / "__init__.py").is_file() and p.name not in ("tests", "perf"))
+
+
+def imports(path: Path, root: Path):
+    """(line, imported module) for every import in one file, relative ones resolved."""
+    package = list(path.relative_to(root).with_suffix("").parts[:-1])  # a/b/c.py and a/b/__init__.py: a.b
+    for node in ast.walk(ast.parse(path.read_text(), filename=str(path))):
+        if isinstance(node, ast.Import):
+            for alias in node.names:
+                yield node.lineno, alias.name
+        elif isinstance(node, ast.ImportFrom):
+            base = package[: len(package) - node.level + 1] if node.level else []
+            if node.module:
+                yield node.lineno, ".".join(base + [node.module])
+            else:  # `from . import x`: x is a module of the package
+                for alias in node.names:
+                    yield node.lineno, ".".join(base + [alias.name])
+        elif (isinstance(node, ast.Call) and node.args and isinstance(node.args[0], ast.Constant)
+              and isinstance(node.args[0].value, str)
+              and ((isinstance(node.func, ast.Name) and node.func.id == "__import__")
+                   or (isinstance(node.func, ast.Attribute) and node.func.attr == "import_module"))):
+            yield node.lineno, node.args[0].value
+
+
+def allowed(src: str, dst: str) -> bool:
+    if src == dst or dst in GROUND or src in TOP:
+        return True
+    if src in OPERATORS:
+        return (src, dst) in ALLOWED_SIBLINGS
+    return False  # the ground imports nothing of the project
+
+
+def violations(root: Path) -> list[str]:
+    pkgs = set(packages(root))
+    found = []
+    unknown = pkgs - GROUND - OPERATORS - TOP
+    if unknown:
+        found.append(f"packages on no floor: {sorted(unknown)} (add them to docs/architecture.md and this test)")
+    for pkg in sorted(pkgs):
+        for path in sorted((root / pkg).rglob("*.py")):
+            for line, name in imports(path, root):
+                dst = name.split(".")[0]
+                if dst in pkgs and not allowed(pkg, dst):
+                    found.append(f"{path.relative_to(root)}:{line}: {pkg} imports {name}")
+    return found
+
+
+def test_no_upward_or_sibling_imports():
+    assert violations(ROOT) == []
+
+
+def test_the_checker_sees_every_kind_of_import(tmp_path):
+    """A tree with one forbidden import of each kind: top-level, inside a function, relative, dynamic."""
+    for pkg in ("autotune", "w12", "gdn", "lmhead", "specpilot"):
+        (tmp_path / pkg).mkdir()
+        (tmp_path / pkg / "__init__.py").write_text("")
+    (tmp_path / "autotune" / "a.py").write_text("def f():\n    import specpilot.cli\n")
+    (tmp_path / "w12" / "b.py").write_text("from gdn import ops\n")
+    (tmp_path / "w12" / "sub").mkdir()
+    (tmp_path / "w12" / "sub" / "c.py").write_text("from ... import specpilot\nfrom .. import ops\n")
+    (tmp_path / "gdn" / "d.py").write_text("import importlib\nm = importlib.import_module('w12.ops')\n")
+    (tmp_path / "lmhead" / "e.py").write_text("import w12\nimport autotune\n")
+    (tmp_path / "specpilot" / "f.py").write_text("import w12, gdn, autotune\n")
+    got = violations(tmp_path)
+    assert got == ["autotune/a.py:2: autotune imports specpilot.cli", "gdn/d.py:2: gdn imports w12.ops",
+                   "w12/b.py:1: w12 imports gdn", "w12/sub/c.py:1: w12 imports specpilot"], got
+
+
+@pytest.mark.parametrize("op", sorted(OPERATORS))
+def test_each_operator_imports_alone(op):
+    """Importing an operator (and its ops module, where it has one) loads no other operator and no specpilot."""
+    others = sorted((OPERATORS | TOP) - {op} - {b for a, b in ALLOWED_SIBLINGS if a == op})
+    code = (f"import importlib, importlib.util, sys\nimport {op}\n"
+            f"if importlib.util.find_spec('{op}.ops'):\n    importlib.import_module('{op}.ops')\n"
+            f"print(sorted(m for m in sys.modules if m.split('.')[0] in {others!r}))")
+    r = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    assert r.stdout.strip() == "[]", r.stdout
+
+
+# --------------------------------------------------------------------------- operator template
+
+
+def _with_ops() -> list[str]:
+    return [p for p in sorted(OPERATORS) if (ROOT / p / "ops.py").is_file()]
+
+
+def test_operators_with_kernels_follow_the_template():
+    assert _with_ops(), "no operator package has an ops.py"
+    for op in _with_ops():
+        for f in ("reference.py", "ops.py", "configs.py", "kernels/__init__.py"):
+            assert (ROOT / op / f).is_file(), f"{op}/{f} is missing (docs/architecture.md: the operator template)"
+        ref = ast.parse((ROOT / op / "reference.py").read_text())
+        refs = [n.name for n in ref.body if isinstance(n, ast.FunctionDef) and n.name.endswith("_reference")]
+        mod = __import__(op)
+        assert refs and not set(refs) - set(mod.__all__), f"{op}/__init__.py must re-export {refs}"
+
+
+@pytest.mark.parametrize("op", _with_ops())
+def test_ops_module_shape(op):
+    """VARIANTS is an autotune.Variants, a `_plan` step exists, and every public op function takes
+    keyword-only `variant=None` and `out=None` (in-place ops: `variant=None` only)."""
+    ops = __import__(f"{op}.ops", fromlist=["_"])
+    assert isinstance(ops.VARIANTS, autotune.Variants), f"{op}.ops.VARIANTS"
+    assert any(n == "_plan" or n.startswith("_plan_") for n in vars(ops)), f"{op}.ops has no _plan step"
+    public = [getattr(ops, n) for n in ops.__all__ if inspect.isfunction(getattr(ops, n))]
+    takes = [f for f in public if "variant" in inspect.signature(f).parameters]
+    assert takes, f"{op}.ops has no public function with variant="
+    for f in takes:
+        params = inspect.signature(f).parameters
+        want = ("variant",) if f"{op}.{f.__name__}" in IN_PLACE else ("variant", "out")
+        for name in want:
+            p = params.get(name)
+            assert p is not None and p.kind is p.KEYWORD_ONLY and p.default is None, f"{op}.{f.__name__}: {name}"
+
+
+def test_operators_without_kernels_are_documented_packages():
+    """tree_attn / lmhead before their kernels: an importable package with a docstring, nothing pretending."""
+    for op in sorted(OPERATORS - set(_with_ops())):
+        tree = ast.parse((ROOT / op / "__init__.py").read_text())
+        assert ast.get_docstring(tree), f"{op}/__init__.py needs a docstring saying what the package will hold"
