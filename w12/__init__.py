@@ -7,10 +7,10 @@ from __future__ import annotations
 
 import torch
 
-from .errors import W12CorruptFileError, W12Error, W12FormatError, W12VerificationError
+from .errors import W12CheckpointError, W12CorruptFileError, W12Error, W12FormatError, W12VerificationError
 from .format import FORMAT_VERSION, W12Weight, pack, unpack
 from .io import load_file, save_file
-from .nn import ConversionReport, W12Linear, convert
+from .nn import ConversionReport, W12Linear, convert, load_model_weights
 from .reference import (
     decode_q8,
     matmul_q8_reference,
@@ -30,10 +30,12 @@ __all__ = [
     "W12FormatError",
     "W12VerificationError",
     "W12CorruptFileError",
+    "W12CheckpointError",
     "save_file",
     "load_file",
     "W12Linear",
     "convert",
+    "load_model_weights",
     "ConversionReport",
     "pack_reference",
     "unpack_reference",

@@ -53,10 +53,74 @@ def test_buffers_follow_module(exact_ops):
     assert wl.w_hi.dtype == torch.uint8 and wl.bias.dtype == torch.float16
     sd = wl.state_dict()
     assert set(sd) == names | {"bias"}
-    wl2 = w12.W12Linear.from_linear(nn.Linear(64, 8).to(torch.bfloat16))
-    if wl2.w_esc_col.shape == wl.w_esc_col.shape:
-        wl2.load_state_dict(sd)
-        assert_bitwise_equal(wl2.weight.unpack(), before.unpack())
+    wl2 = w12.W12Linear.from_linear(nn.Linear(64, 8).to(torch.bfloat16)).to(torch.float16)
+    wl2.load_state_dict(sd)
+    assert_bitwise_equal(wl2.weight.unpack(), before.unpack())
+
+
+def _escape_heavy_mlp(seed, n_escapes):
+    """A converted MLP whose first layer has `n_escapes` escapes (so two of them differ in escape count)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(75, 63), nn.GELU(), nn.Linear(63, 33, bias=False)).to(torch.bfloat16)
+    special = torch.tensor([1e30, -1e-30, float("inf"), float("nan"), -3e20, 0.0, -0.0], dtype=torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.view(-1)[: n_escapes] = special.repeat(n_escapes // len(special) + 1)[:n_escapes] * 1
+    w12.convert(model)
+    return model
+
+
+@pytest.mark.parametrize("n_src, n_dst", [(40, 0), (0, 40), (7, 300)], ids=["more-escapes", "fewer", "many"])
+def test_state_dict_round_trip_between_converted_models(exact_ops, n_src, n_dst):
+    src, dst = _escape_heavy_mlp(0, n_src), _escape_heavy_mlp(1, n_dst)
+    assert src[0].weight.num_escapes != dst[0].weight.num_escapes
+    x = torch.randn(3, 75).bfloat16()
+    want = src(x)
+    result = dst.load_state_dict(src.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    for a, b in ((src[0], dst[0]), (src[2], dst[2])):
+        assert_bitwise_equal(b.weight.unpack(), a.weight.unpack())
+        assert b.weight.num_escapes == a.weight.num_escapes
+    assert_bitwise_equal(dst(x), want)
+    # torch.save / torch.load(weights_only=True) of the state dict goes the same way
+    import io
+
+    buf = io.BytesIO()
+    torch.save(src.state_dict(), buf)
+    buf.seek(0)
+    dst2 = _escape_heavy_mlp(2, n_dst)
+    dst2.load_state_dict(torch.load(buf, weights_only=True))
+    assert_bitwise_equal(dst2(x), want)
+
+
+def test_load_state_dict_rejects_bad_planes(exact_ops):
+    src, dst = _escape_heavy_mlp(0, 10), _escape_heavy_mlp(1, 0)
+    sd = src.state_dict()
+    bad = dict(sd)
+    bad["0.w_esc_col"] = sd["0.w_esc_col"][:-1].clone()  # no longer matches esc_val / esc_rowptr
+    with pytest.raises(RuntimeError, match="esc_col .* and esc_val .* must be 1-D of equal length"):
+        dst.load_state_dict(bad)
+    bad = dict(sd)
+    bad["0.w_esc_col"] = sd["0.w_esc_col"].flip(0).contiguous()  # columns out of order
+    bad["0.w_esc_col"][0] = 1000
+    with pytest.raises(RuntimeError, match=r"0 is invalid after loading: esc_col\[0\] = 1000 is outside"):
+        dst.load_state_dict(bad)
+    bad = dict(sd)
+    bad["0.w_hi"] = torch.zeros(63, 64, dtype=torch.uint8)  # K padded to 64, not 128
+    with pytest.raises(RuntimeError, match="size mismatch for 0.w_hi"):
+        dst.load_state_dict(bad)
+    partial = {k: v for k, v in sd.items() if k != "0.w_esc_val"}
+    with pytest.raises(RuntimeError, match=r"planes \['0.w_esc_val'\] are missing"):
+        dst.load_state_dict(partial, strict=False)
+
+
+def test_empty_shell_loads_on_meta(exact_ops):
+    src = _escape_heavy_mlp(0, 9)
+    with torch.device("meta"):
+        shell = nn.Sequential(w12.W12Linear.empty(75, 63), nn.GELU(), w12.W12Linear.empty(63, 33, bias=False))
+    assert shell[0].w_hi.is_meta and shell[0].w_esc_col.shape == (0,)
+    shell.load_state_dict(src.state_dict(), assign=True)
+    x = torch.randn(2, 75).bfloat16()
+    assert_bitwise_equal(shell(x), src(x))
 
 
 def test_convert_mlp(exact_ops):
