@@ -15,7 +15,8 @@ import torch
 
 from .errors import W12FormatError, W12VerificationError
 
-__all__ = ["W12Weight", "pack", "unpack", "FORMAT_VERSION", "GROUP", "WINDOW", "E0_MAX"]
+__all__ = ["W12Weight", "pack", "unpack", "FORMAT_VERSION", "GROUP", "WINDOW", "E0_MAX", "compact_planes",
+           "from_compact_planes", "compact_nbytes"]
 
 FORMAT_VERSION = 1
 GROUP = 64  # K is padded to a multiple of this; `lo` interleaves the two halves of a group
@@ -346,6 +347,65 @@ def pack(weight: torch.Tensor, verify: bool = True) -> W12Weight:
     if verify:
         verify_packed(packed, w)
     return packed
+
+
+# --- compact storage (files) -------------------------------------------------------------------
+# Files store the planes without the kernels' row padding: `hi` as [N, K] and `lo` as [N, ceil(K/2)]
+# with the low nibbles in column order (byte j = lo4(2j) | lo4(2j+1) << 4), and `esc_rowptr`
+# without its leading 0 ([N] row ends). That is 12 bits per weight for any K plus 40 bits per row
+# (the padded in-memory layout takes 12 * Kp / K: 17.7 for K = 130); loading re-pads and
+# re-interleaves. The escape lists and e0 are stored as they are.
+
+
+def compact_nbytes(N: int, K: int, escapes: int = 0) -> int:
+    """Bytes of a W12 weight [N, K] in compact (file) form."""
+    return N * K + N * ((K + 1) // 2) + N + 4 * N + 6 * escapes
+
+
+def compact_planes(packed: W12Weight) -> dict[str, torch.Tensor]:
+    """The planes of `packed` in compact (file) form, on its device."""
+    N, K = packed.N, packed.K
+    nib = _lo_nibbles(packed.lo)[:, :K]
+    if K % 2:
+        nib = torch.nn.functional.pad(nib, (0, 1))
+    lo = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
+    out = packed.planes()
+    out["hi"] = packed.hi[:, :K].contiguous()
+    out["lo"] = lo.contiguous()
+    out["esc_rowptr"] = packed.esc_rowptr[1:].contiguous()
+    return out
+
+
+def from_compact_planes(planes: dict[str, torch.Tensor], K: int) -> W12Weight:
+    """Rebuild a `W12Weight` (the kernels' padded layout) from compact planes; raises
+    `W12FormatError` if their shapes or dtypes do not fit K (content is checked by `validate(deep=True)`)."""
+    hi_c, lo_c = planes["hi"], planes["lo"]
+    K = int(K)
+    for name, t in (("hi", hi_c), ("lo", lo_c)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
+            raise W12FormatError(f"compact plane {name} must be a 2-D uint8 tensor, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    N = hi_c.shape[0]
+    if K < 1 or tuple(hi_c.shape) != (N, K) or tuple(lo_c.shape) != (N, (K + 1) // 2):
+        raise W12FormatError(f"compact planes hi {tuple(hi_c.shape)} and lo {tuple(lo_c.shape)} do not fit K={K}: "
+                             f"expected [N, {K}] and [N, {(K + 1) // 2}]")
+    if K % 2 and N and bool((lo_c[:, -1] >> 4).any()):
+        raise W12FormatError(f"compact lo: the padding nibble after column {K - 1} must be 0")
+    Kp = padded_k(K)
+    dev = hi_c.device
+    hi = torch.zeros(N, Kp, dtype=torch.uint8, device=dev)
+    hi[:, :K] = hi_c
+    nib = torch.zeros(N, Kp, dtype=torch.uint8, device=dev)
+    pairs = torch.stack((lo_c & 0xF, lo_c >> 4), dim=2).reshape(N, -1)
+    nib[:, :K] = pairs[:, :K]
+    g = nib.view(N, Kp // GROUP, 2, 32)
+    lo = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N, Kp // 2).contiguous()
+    ends = planes["esc_rowptr"]
+    if not isinstance(ends, torch.Tensor) or ends.dtype != torch.int32 or tuple(ends.shape) != (N,):
+        raise W12FormatError(f"compact esc_rowptr must be int32 [N={N}] (row ends), got "
+                             f"{getattr(ends, 'dtype', type(ends).__name__)} {tuple(getattr(ends, 'shape', ()))}")
+    rowptr = torch.cat((torch.zeros(1, dtype=torch.int32, device=ends.device), ends))
+    return W12Weight(hi, lo, planes["e0"], rowptr, planes["esc_col"], planes["esc_val"], K=K)
 
 
 def verify_packed(packed: W12Weight, weight: torch.Tensor) -> None:

@@ -6,6 +6,11 @@ a plain tensor is stored under its own name. The safetensors metadata holds:
 * `w12.format_version`: the W12 format version (`1`),
 * `w12.index`: JSON `{name: {"kind": "w12", "N": N, "K": K} | {"kind": "tensor"}}`,
 * `w12.checksums`: JSON `{stored tensor name: blake2b-128 hex of its raw bytes}`,
+* `w12.layout`: `compact`: `hi` is stored as `[N, K]` and `lo` as `[N, ceil(K/2)]` with the low
+  nibbles in column order, without the kernels' row padding to a multiple of 64 columns
+  (`w12.format.compact_planes`), so a file takes 12 bits per weight for any K plus row metadata
+  and escapes; loading rebuilds the padded, interleaved planes. Files without the key hold the
+  padded planes as they are in memory,
 * the caller's own `metadata` (keys must not start with `w12.`).
 
 `load_file` checks all of it: a truncated file, a flipped byte, a missing tensor or bad metadata
@@ -24,13 +29,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file as _st_save_file
 
 from .errors import W12CorruptFileError, W12FormatError
-from .format import FORMAT_VERSION, PLANES, W12Weight
+from .format import FORMAT_VERSION, PLANES, W12Weight, compact_planes, from_compact_planes
 
 __all__ = ["save_file", "load_file", "tensor_checksum"]
 
 _VERSION_KEY = "w12.format_version"
 _INDEX_KEY = "w12.index"
 _SUM_KEY = "w12.checksums"
+_LAYOUT_KEY = "w12.layout"
+_LAYOUTS = ("padded", "compact")
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
@@ -46,8 +53,8 @@ def _flatten(tensors: Mapping[str, W12Weight | torch.Tensor]):
             raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
         if isinstance(v, W12Weight):
             index[name] = {"kind": "w12", "N": v.N, "K": v.K}
-            for p in PLANES:
-                flat[f"{name}.{p}"] = getattr(v, p)
+            for p, t in compact_planes(v).items():
+                flat[f"{name}.{p}"] = t
         elif isinstance(v, torch.Tensor):
             index[name] = {"kind": "tensor"}
             flat[name] = v
@@ -71,6 +78,7 @@ def save_file(path, tensors: Mapping[str, W12Weight | torch.Tensor], metadata: M
     flat, index = _flatten(tensors)
     flat = {k: t.detach().contiguous().cpu() for k, t in flat.items()}
     meta[_VERSION_KEY] = str(FORMAT_VERSION)
+    meta[_LAYOUT_KEY] = "compact"
     meta[_INDEX_KEY] = json.dumps(index, sort_keys=True)
     meta[_SUM_KEY] = json.dumps({k: tensor_checksum(t) for k, t in flat.items()}, sort_keys=True)
     path = os.fspath(path)
@@ -115,6 +123,9 @@ def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
                     f"{path}: W12 format version {meta[_VERSION_KEY]!r}, this w12 reads version {FORMAT_VERSION}; "
                     f"upgrade specpilot or re-pack the weights"
                 )
+            layout = meta.get(_LAYOUT_KEY, "padded")
+            if layout not in _LAYOUTS:
+                raise _corrupt(path, f"unknown plane layout {layout!r} (this w12 reads {list(_LAYOUTS)})")
             try:
                 index = json.loads(meta[_INDEX_KEY])
                 sums = json.loads(meta[_SUM_KEY])
@@ -152,7 +163,11 @@ def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
             out[name] = raw[name].to(device)
             continue
         try:
-            w = W12Weight(**{p: raw[f"{name}.{p}"] for p in PLANES}, K=int(entry["K"]))
+            planes = {p: raw[f"{name}.{p}"] for p in PLANES}
+            if layout == "compact":
+                w = from_compact_planes(planes, int(entry["K"]))
+            else:
+                w = W12Weight(**planes, K=int(entry["K"]))
             w.validate(deep=True)
         except (W12FormatError, KeyError, TypeError, ValueError) as e:
             raise _corrupt(path, f"W12 weight {name!r} is invalid: {e}") from e

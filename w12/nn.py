@@ -253,8 +253,9 @@ def load_model_weights(model: nn.Module, path, *, device=None) -> ConversionRepo
     config, with random or meta weights).
 
     Every W12 entry `X.weight` replaces the `nn.Linear` module `X` by a `W12Linear` (its bias, if
-    any, is loaded from `X.bias` like any other tensor); every plain tensor is copied into the
-    parameter or buffer of that name (assigned, where the model's tensor is on the meta device).
+    any, is loaded from `X.bias` like any other tensor); a W12 entry for anything else (an
+    embedding, a weight tied to another parameter) is decoded, exactly, and loaded as BF16; every
+    plain tensor is copied into the parameter or buffer of that name (assigned, where the model's tensor is on the meta device).
     The load is strict: a parameter or persistent buffer of the model that the file lacks (tied
     parameters count once), an entry the model has no place for, or a shape or dtype mismatch
     raises `W12CheckpointError` listing them, before the model is changed.
@@ -268,29 +269,31 @@ def load_model_weights(model: nn.Module, path, *, device=None) -> ConversionRepo
         raise TypeError(f"w12.load_model_weights expects an nn.Module, got {type(model).__name__}")
     entries = load_file(path)  # checksummed and deep-validated
     current = model.state_dict(keep_vars=True)
+    aliases: dict[int, int] = {}
+    for t in current.values():
+        aliases[id(t)] = aliases.get(id(t), 0) + 1
     problems: list[str] = []
     swaps: list[tuple[str, nn.Module, W12Weight]] = []
+    plain: dict[str, torch.Tensor] = {}
     for name, v in entries.items():
         if not isinstance(v, W12Weight):
+            plain[name] = v
             continue
         mod_name, _, leaf = name.rpartition(".")
         try:
             mod = model.get_submodule(mod_name) if leaf == "weight" else None
         except AttributeError:
             mod = None
-        if isinstance(mod, W12Linear):
-            dims = (mod.out_features, mod.in_features)
-        elif type(mod) is nn.Linear:
-            dims = (mod.out_features, mod.in_features)
+        if isinstance(mod, W12Linear) or type(mod) is nn.Linear and aliases.get(id(mod.weight)) == 1:
+            if (mod.out_features, mod.in_features) != (v.N, v.K):
+                problems.append(f"{name}: W12 weight is [{v.N}, {v.K}], the model's layer is "
+                                f"[{mod.out_features}, {mod.in_features}]")
+                continue
+            swaps.append((mod_name, mod, v))
         else:
-            problems.append(f"{name}: W12 weight with no nn.Linear module {mod_name!r} in the model")
-            continue
-        if dims != (v.N, v.K):
-            problems.append(f"{name}: W12 weight is [{v.N}, {v.K}], the model's layer is {list(dims)}")
-            continue
-        swaps.append((mod_name, mod, v))
+            # Not a plain (untied) nn.Linear weight, e.g. an embedding: W12 is lossless, so load it decoded.
+            plain[name] = v.unpack()
     replaced = {f"{m}.weight" for m, _, _ in swaps} | {f"{m}.w_{p}" for m, _, _ in swaps for p in PLANES}
-    plain = {k: v for k, v in entries.items() if not isinstance(v, W12Weight)}
     for k, t in plain.items():
         ref = current.get(k)
         if ref is None:
