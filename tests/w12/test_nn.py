@@ -1,6 +1,7 @@
 """W12Linear and convert(): in-place conversion of plain and HF transformers models (built offline)."""
 
 import importlib.util
+import json
 import sys
 import types
 
@@ -206,3 +207,162 @@ def test_w12linear_real_ops_small():
     x = torch.randn(2, 64).bfloat16()
     ref = w12.matmul_reference(x, wl.weight, wl.bias)
     assert_close(wl(x), ref, lin(x).detach())
+
+
+# --- Hugging Face save_pretrained / from_pretrained through the registered "w12" quantizer -----------
+
+
+def _llama_with_escapes(seed=0):
+    model = _tiny_llama()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+        model.model.layers[0].mlp.down_proj.weight[0, :4] = torch.tensor([1e30, float("nan"), -1e-30, float("inf")])
+    return model
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+IDS = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+def test_hf_save_and_load_pretrained_bitwise(exact_ops, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import w12.hf
+
+    model = _llama_with_escapes()
+    report = w12.hf.quantize(model, exclude="lm_head")
+    assert report.num_converted == 14 and model.model.layers[0].mlp.down_proj.weight.num_escapes >= 4
+    want = _logits(model, IDS)
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "w12" and len(cfg["modules"]) == 14 and "lm_head" not in cfg["modules"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(loaded.model.layers[1].self_attn.q_proj, w12.W12Linear)
+    assert isinstance(loaded.lm_head, nn.Linear)
+    down = loaded.model.layers[0].mlp.down_proj.weight
+    assert down.num_escapes == model.model.layers[0].mlp.down_proj.weight.num_escapes
+    assert_bitwise_equal(_logits(loaded, IDS), want)
+    # saved again from the loaded model, loaded again: still the same
+    loaded.save_pretrained(tmp_path / "again")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+    assert_bitwise_equal(_logits(again, IDS), want)
+
+
+def test_hf_convert_while_loading_bf16_checkpoint(exact_ops, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import w12.hf
+
+    model = _llama_with_escapes(1)
+    want = _logits(model, IDS)
+    model.save_pretrained(tmp_path / "bf16")
+    q = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "bf16", dtype=torch.bfloat16, quantization_config=w12.hf.W12Config(exclude=["lm_head"]))
+    assert isinstance(q.model.layers[0].mlp.up_proj, w12.W12Linear) and isinstance(q.lm_head, nn.Linear)
+    assert_bitwise_equal(_logits(q, IDS), want)  # exact_ops: the lossless weights give the BF16 model's logits
+    q.save_pretrained(tmp_path / "w12")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "w12")
+    assert_bitwise_equal(_logits(back, IDS), want)
+
+
+def _edit_checkpoint(path, fn):
+    from safetensors.torch import load_file, save_file
+
+    f = path / "model.safetensors"
+    sd = load_file(str(f))
+    fn(sd)
+    save_file(sd, str(f), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda sd: sd.pop("model.layers.0.mlp.down_proj.w_esc_val"), r"not loaded .*down_proj\.w_esc_val"),
+    (lambda sd: sd.pop("model.layers.1.self_attn.q_proj.w_hi"), r"not loaded .*q_proj\.w_hi"),
+    (lambda sd: sd.pop("model.norm.weight"), r"not loaded .*model\.norm\.weight"),
+    (lambda sd: sd.update({"model.layers.0.mlp.up_proj.w_lo": torch.zeros(96, 16, dtype=torch.uint8)}),
+     r"ignore_mismatched_sizes"),  # transformers' own size check raises (RuntimeError)
+    (lambda sd: sd.update({"model.layers.0.mlp.down_proj.w_esc_col":
+                           sd["model.layers.0.mlp.down_proj.w_esc_col"][:-1].clone()}),
+     "down_proj' is invalid"),
+    (lambda sd: sd["model.layers.0.mlp.down_proj.w_esc_col"].fill_(500), "down_proj' is invalid: esc_col"),
+], ids=["missing-escapes", "missing-hi", "missing-norm", "wrong-shape-lo", "short-escape-list", "bad-escape-col"])
+def test_hf_load_refuses_missing_or_bad_weights(exact_ops, tmp_path, edit, match):
+    transformers = pytest.importorskip("transformers")
+    import w12.hf
+
+    model = _llama_with_escapes()
+    w12.hf.quantize(model, exclude="lm_head")
+    model.save_pretrained(tmp_path)
+    _edit_checkpoint(tmp_path, edit)
+    with pytest.raises((w12.W12CheckpointError, RuntimeError), match=match):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_hf_config_checks(tmp_path):
+    pytest.importorskip("transformers")
+    import w12.hf
+
+    assert w12.hf.W12Config.from_dict(w12.hf.W12Config(exclude="x", modules=["b", "a"]).to_dict()).modules == ["a", "b"]
+    with pytest.raises(w12.W12CheckpointError, match="format version 9"):
+        w12.hf.W12Config(format_version=9)
+    with pytest.raises(ValueError, match="unknown fields"):
+        w12.hf.W12Config(bits=4)
+    with pytest.raises(w12.W12CheckpointError, match="no 'modules' list"):
+        w12.hf.W12HfQuantizer(w12.hf.W12Config(), pre_quantized=True)
+
+
+# --- a `specpilot pack` output loads into a runnable model -------------------------------------------
+
+
+def test_pack_output_loads_into_model(exact_ops, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from specpilot import cli
+
+    model = _llama_with_escapes(2)
+    want = _logits(model, IDS)
+    model.save_pretrained(tmp_path / "bf16")
+    src, dst = tmp_path / "bf16" / "model.safetensors", tmp_path / "packed.safetensors"
+    assert cli.main(["pack", str(src), str(dst)]) == 0
+    fresh = transformers.LlamaForCausalLM(model.config).to(torch.bfloat16).eval()  # other random weights
+    report = w12.load_model_weights(fresh, dst)
+    assert report.num_converted == 15  # 7 per layer and lm_head; the embedding is decoded to BF16
+    assert isinstance(fresh.model.layers[0].mlp.down_proj, w12.W12Linear) and isinstance(fresh.lm_head, w12.W12Linear)
+    assert_bitwise_equal(fresh.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert_bitwise_equal(_logits(fresh, IDS), want)
+
+
+def test_load_model_weights_is_strict(exact_ops, tmp_path):
+    model = _mlp()
+    w12.save_file(tmp_path / "ok.safetensors", {"0.weight": w12.pack(model[0].weight.detach()),
+                                               "0.bias": model[0].bias.detach(),
+                                               "2.weight": w12.pack(model[2].weight.detach())})
+    x = torch.randn(3, 75).bfloat16()
+    want = model(x).detach()
+    fresh = nn.Sequential(nn.Linear(75, 63), nn.GELU(), nn.Linear(63, 33, bias=False)).to(torch.bfloat16)
+    w12.load_model_weights(fresh, tmp_path / "ok.safetensors")
+    assert_bitwise_equal(fresh(x), want)
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(75, 63), nn.GELU(), nn.Linear(63, 33, bias=False)).to(torch.bfloat16)
+    w12.load_model_weights(meta, tmp_path / "ok.safetensors")
+    assert_bitwise_equal(meta(x), want)
+    cases = {
+        "missing": ({"0.weight": w12.pack(model[0].weight.detach()), "2.weight": w12.pack(model[2].weight.detach())},
+                    r"not in the file: \['0.bias'\]"),
+        "unexpected": ({"0.weight": model[0].weight.detach(), "0.bias": model[0].bias.detach(),
+                        "2.weight": model[2].weight.detach(), "9.weight": torch.zeros(2)}, "'9.weight'|9.weight: in the file"),
+        "shape": ({"0.weight": w12.pack(model[0].weight.detach()[:, :70].contiguous()), "0.bias": model[0].bias.detach(),
+                   "2.weight": w12.pack(model[2].weight.detach())}, r"0.weight: W12 weight is \[63, 70\]"),
+        "dtype": ({"0.weight": model[0].weight.detach().float(), "0.bias": model[0].bias.detach(),
+                   "2.weight": model[2].weight.detach()}, "file has dtype torch.float32"),
+    }
+    for name, (tensors, match) in cases.items():
+        w12.save_file(tmp_path / f"{name}.safetensors", tensors)
+        fresh = nn.Sequential(nn.Linear(75, 63), nn.GELU(), nn.Linear(63, 33, bias=False)).to(torch.bfloat16)
+        before = {k: v.clone() for k, v in fresh.state_dict().items()}
+        with pytest.raises(w12.W12CheckpointError, match=match):
+            w12.load_model_weights(fresh, tmp_path / f"{name}.safetensors")
+        for k, v in fresh.state_dict().items():  # nothing changed
+            assert_bitwise_equal(v, before[k])
