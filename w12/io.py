@@ -19,6 +19,7 @@ raises `W12CorruptFileError` (a `W12FormatError`, hence a `ValueError`); it neve
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -50,7 +51,7 @@ def _flatten(tensors: Mapping[str, W12Weight | torch.Tensor]):
     flat, index = {}, {}
     for name, v in tensors.items():
         if not isinstance(name, str) or not name:
-            raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
+            raise TypeError(f"w12.save_file: tensor names must be non-empty strings, got {name!r}")
         if isinstance(v, W12Weight):
             index[name] = {"kind": "w12", "N": v.N, "K": v.K}
             for p, t in compact_planes(v).items():
@@ -59,21 +60,24 @@ def _flatten(tensors: Mapping[str, W12Weight | torch.Tensor]):
             index[name] = {"kind": "tensor"}
             flat[name] = v
         else:
-            raise TypeError(f"{name!r}: expected a W12Weight or torch.Tensor, got {type(v).__name__}")
+            raise TypeError(f"w12.save_file: {name!r}: expected a W12Weight or torch.Tensor, got {type(v).__name__}")
     clash = set(index) & {f"{n}.{p}" for n, e in index.items() if e["kind"] == "w12" for p in PLANES}
     if clash or len(flat) != sum(len(PLANES) if e["kind"] == "w12" else 1 for e in index.values()):
-        raise ValueError(f"tensor names collide with W12 plane names ({sorted(clash)}); rename them")
+        raise ValueError(f"w12.save_file: tensor names collide with W12 plane names ({sorted(clash)}); rename them")
     return flat, index
 
 
 def save_file(path, tensors: Mapping[str, W12Weight | torch.Tensor], metadata: Mapping[str, str] | None = None):
     """Write `tensors` (W12Weight or plain tensors) to a safetensors file at `path` (atomically)."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"w12.save_file: tensors must be a mapping of names to W12Weight or torch.Tensor, "
+                        f"got {type(tensors).__name__}")
     meta = {}
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise TypeError(f"metadata must map str to str, got {k!r}: {type(v).__name__}")
+            raise TypeError(f"w12.save_file: metadata must map str to str, got {k!r}: {type(v).__name__}")
         if k.startswith("w12."):
-            raise ValueError(f"metadata key {k!r} is reserved (keys starting with 'w12.' belong to the format)")
+            raise ValueError(f"w12.save_file: metadata key {k!r} is reserved (keys starting with 'w12.' belong to the format)")
         meta[k] = v
     flat, index = _flatten(tensors)
     flat = {k: t.detach().contiguous().cpu() for k, t in flat.items()}
@@ -99,11 +103,11 @@ def read_metadata(path) -> dict[str, str]:
     except FileNotFoundError:
         raise
     except Exception as e:  # safetensors raises its own error type for bad headers
-        raise W12CorruptFileError(f"{path}: not a readable safetensors file ({e}); the file is truncated or corrupt") from e
+        raise W12CorruptFileError(f"w12.load_file: {path}: not a readable safetensors file ({e}); the file is truncated or corrupt") from e
 
 
 def _corrupt(path, what: str) -> W12CorruptFileError:
-    return W12CorruptFileError(f"{path}: {what}; the file is corrupt or was not written by w12.save_file - re-create it")
+    return W12CorruptFileError(f"w12.load_file: {path}: {what}; the file is corrupt or was not written by w12.save_file - re-create it")
 
 
 def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
@@ -111,7 +115,7 @@ def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
     validated (deep) before it is moved to `device`."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(path)
+        raise FileNotFoundError(errno.ENOENT, "w12.load_file: no such file", path)
     try:
         with safe_open(path, framework="pt") as f:
             meta = dict(f.metadata() or {})
@@ -120,7 +124,7 @@ def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
                 raise _corrupt(path, f"missing W12 metadata ({_VERSION_KEY}, {_INDEX_KEY}, {_SUM_KEY})")
             if meta[_VERSION_KEY] != str(FORMAT_VERSION):
                 raise W12CorruptFileError(
-                    f"{path}: W12 format version {meta[_VERSION_KEY]!r}, this w12 reads version {FORMAT_VERSION}; "
+                    f"w12.load_file: {path}: W12 format version {meta[_VERSION_KEY]!r}, this w12 reads version {FORMAT_VERSION}; "
                     f"upgrade specpilot or re-pack the weights"
                 )
             layout = meta.get(_LAYOUT_KEY, "padded")
@@ -155,7 +159,7 @@ def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
         raise
     except Exception as e:
         raise W12CorruptFileError(
-            f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); it is truncated or corrupt"
+            f"w12.load_file: {path}: not a readable safetensors file ({type(e).__name__}: {e}); it is truncated or corrupt"
         ) from e
     out = {}
     for name, entry in index.items():

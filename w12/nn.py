@@ -43,9 +43,9 @@ class W12Linear(nn.Module):
     def __init__(self, weight: W12Weight, bias: torch.Tensor | None = None):
         super().__init__()
         if not isinstance(weight, W12Weight):
-            raise TypeError(f"W12Linear needs a W12Weight (from w12.pack), got {type(weight).__name__}")
+            raise TypeError(f"w12.W12Linear: needs a W12Weight (from w12.pack), got {type(weight).__name__}")
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.N):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.N},)")
+            raise ValueError(f"w12.W12Linear: bias has shape {tuple(bias.shape)}, expected ({weight.N},)")
         self.in_features = weight.K
         self.out_features = weight.N
         for p in PLANES:
@@ -57,10 +57,10 @@ class W12Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, verify: bool = True) -> "W12Linear":
         """Pack `linear.weight` (must be BF16) on its own device; the bias is kept as is."""
         if not isinstance(linear, nn.Linear):
-            raise TypeError(f"W12Linear.from_linear expects an nn.Linear, got {type(linear).__name__}")
+            raise TypeError(f"w12.W12Linear.from_linear: expected an nn.Linear, got {type(linear).__name__}")
         if linear.weight.dtype != torch.bfloat16:
             raise TypeError(
-                f"W12Linear.from_linear needs a BF16 weight, got {linear.weight.dtype}; convert the layer "
+                f"w12.W12Linear.from_linear: needs a BF16 weight, got {linear.weight.dtype}; convert the layer "
                 f"with .to(torch.bfloat16) first"
             )
         return cls(pack(linear.weight.detach(), verify=verify), linear.bias)
@@ -71,7 +71,7 @@ class W12Linear(nn.Module):
         """A layer holding the all-zero weight (valid planes, no escapes), to load a state dict into.
         `dtype` is the bias's; `device` may be "meta"."""
         if in_features < 1 or out_features < 1:
-            raise ValueError(f"W12Linear.empty needs in_features, out_features >= 1, got {in_features}, {out_features}")
+            raise ValueError(f"w12.W12Linear.empty: needs in_features, out_features >= 1, got {in_features}, {out_features}")
         N, Kp = out_features, padded_k(in_features)
         z = {
             "hi": torch.zeros(N, Kp, dtype=torch.uint8, device=device),
@@ -206,7 +206,11 @@ def convert(model: nn.Module, include=None, exclude=None, verify: bool = True) -
     tied to another parameter (packing would keep both copies).
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"w12.convert expects an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"w12.convert: expected an nn.Module, got {type(model).__name__}")
+    for arg, val in (("include", include), ("exclude", exclude)):
+        if val is not None and not isinstance(val, str) and not (
+                isinstance(val, (list, tuple, set, frozenset)) and all(isinstance(v, str) for v in val)):
+            raise TypeError(f"w12.convert: {arg} must be a pattern string or a list of them, got {val!r}")
     report = ConversionReport()
     owners: dict[int, list[str]] = {}
     for pname, prm in model.named_parameters(remove_duplicate=False):
@@ -266,7 +270,7 @@ def load_model_weights(model: nn.Module, path, *, device=None) -> ConversionRepo
     from .io import load_file
 
     if not isinstance(model, nn.Module):
-        raise TypeError(f"w12.load_model_weights expects an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"w12.load_model_weights: expected an nn.Module, got {type(model).__name__}")
     entries = load_file(path)  # checksummed and deep-validated
     current = model.state_dict(keep_vars=True)
     aliases: dict[int, int] = {}

@@ -103,7 +103,7 @@ def test_load_state_dict_rejects_bad_planes(exact_ops):
     bad = dict(sd)
     bad["0.w_esc_col"] = sd["0.w_esc_col"].flip(0).contiguous()  # columns out of order
     bad["0.w_esc_col"][0] = 1000
-    with pytest.raises(RuntimeError, match=r"0 is invalid after loading: esc_col\[0\] = 1000 is outside"):
+    with pytest.raises(RuntimeError, match=r"0 is invalid after loading: w12.W12Weight: esc_col\[0\] = 1000 is outside"):
         dst.load_state_dict(bad)
     bad = dict(sd)
     bad["0.w_hi"] = torch.zeros(63, 64, dtype=torch.uint8)  # K padded to 64, not 128
@@ -287,7 +287,7 @@ def _edit_checkpoint(path, fn):
     (lambda sd: sd.update({"model.layers.0.mlp.down_proj.w_esc_col":
                            sd["model.layers.0.mlp.down_proj.w_esc_col"][:-1].clone()}),
      "down_proj' is invalid"),
-    (lambda sd: sd["model.layers.0.mlp.down_proj.w_esc_col"].fill_(500), "down_proj' is invalid: esc_col"),
+    (lambda sd: sd["model.layers.0.mlp.down_proj.w_esc_col"].fill_(500), "down_proj' is invalid: w12.W12Weight: esc_col"),
 ], ids=["missing-escapes", "missing-hi", "missing-norm", "wrong-shape-lo", "short-escape-list", "bad-escape-col"])
 def test_hf_load_refuses_missing_or_bad_weights(exact_ops, tmp_path, edit, match):
     transformers = pytest.importorskip("transformers")
