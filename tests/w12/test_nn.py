@@ -366,3 +366,57 @@ def test_load_model_weights_is_strict(exact_ops, tmp_path):
             w12.load_model_weights(fresh, tmp_path / f"{name}.safetensors")
         for k, v in fresh.state_dict().items():  # nothing changed
             assert_bitwise_equal(v, before[k])
+
+
+# --- torch.compile (inductor) on the CPU --------------------------------------------------------------
+# Cause of the 1-ulp difference (found here): on the "torch" variant, w12.ops computes F.linear in
+# fp32 and casts to the activation dtype inside the triton_op, which inductor decomposes; inductor
+# then fuses that cast with the next pointwise op (GELU) and the next layer's upcast, and skips the
+# BF16 rounding in between (torch._inductor.config.emulate_precision_casts is False by default).
+# Calling the torch variant through an opaque custom op (outside the decomposed triton_op) keeps
+# the rounding; that change belongs in w12/ops.py.
+
+
+def _compile_case():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 160), nn.GELU(), nn.Linear(160, 64)).to(torch.bfloat16).eval()
+    x = torch.randn(8, 96).bfloat16()
+    return model, x
+
+
+def _eager_and_compiled(model, x):
+    import autotune
+
+    torch._dynamo.reset()
+    with torch.no_grad(), autotune.force("w12.matmul", variant="torch"):
+        return model(x), torch.compile(model)(x)
+
+
+@pytest.mark.slow
+def test_compile_plain_linear_model_bitwise():
+    model, x = _compile_case()
+    eager, compiled = _eager_and_compiled(model, x)
+    assert_bitwise_equal(compiled, eager)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, raises=AssertionError,
+                   reason="w12.ops runs the torch variant inside the triton_op that inductor decomposes: the fp32->bf16 "
+                          "cast of its output is fused with the next op and not rounded (see the comment above)")
+def test_compile_converted_model_bitwise():
+    model, x = _compile_case()
+    w12.convert(model)
+    eager, compiled = _eager_and_compiled(model, x)
+    assert_bitwise_equal(compiled, eager)
+
+
+@pytest.mark.slow
+def test_compile_converted_model_bitwise_when_inductor_keeps_casts():
+    """The exact cause: with inductor emulating every eager cast, compiled == eager bit for bit."""
+    import torch._inductor.config as inductor_config
+
+    model, x = _compile_case()
+    w12.convert(model)
+    with inductor_config.patch(emulate_precision_casts=True):
+        eager, compiled = _eager_and_compiled(model, x)
+    assert_bitwise_equal(compiled, eager)
