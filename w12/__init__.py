@@ -5,6 +5,8 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
 from .errors import W12CheckpointError, W12CorruptFileError, W12Error, W12FormatError, W12VerificationError
@@ -20,6 +22,12 @@ from .reference import (
 )
 
 torch.serialization.add_safe_globals([W12Weight])
+
+if "transformers" in sys.modules:
+    # transformers is already loaded: register the "w12" quantization method (w12/hf.py) so that
+    # from_pretrained on a W12 checkpoint cannot fall back to a model with re-initialised linears.
+    # Without transformers, nothing is imported; `import w12.hf` registers it explicitly.
+    from . import hf as _hf  # noqa: F401
 
 __all__ = [
     "FORMAT_VERSION",

@@ -220,6 +220,9 @@ def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=T
         shape, dt = ent["shape"], ent["dtype"]
         cand = dt == "BF16" and len(shape) == 2 and shape[0] * shape[1] > 0 and _matches(name, include)
         plan.append((name, ent, cand))
+    if not any(c for *_, c in plan) and _INDEX_KEY in in_meta:
+        raise W12CheckpointError(f"{in_path}: nothing to pack: it is already a W12 file (load it with "
+                                 f"w12.load_file or w12.load_model_weights)")
     if not any(c for *_, c in plan):
         kinds = sorted({f"{e['dtype']} {len(e['shape'])}-D" for _, e, _ in plan})
         what = f"no tensor matches --include {include!r} among the 2-D BF16 ones" if include is not None and any(

@@ -310,6 +310,9 @@ def test_pack_checkpoint_truncated_and_unwritable(tmp_path):
         pack_checkpoint(cut, tmp_path / "out.safetensors", progress=False)
     with pytest.raises(w12.W12CheckpointError, match="nothing to pack: no tensor matches --include 'nope'"):
         pack_checkpoint(src, tmp_path / "out.safetensors", include="nope", progress=False)
+    pack_checkpoint(src, tmp_path / "packed.safetensors", progress=False)
+    with pytest.raises(w12.W12CheckpointError, match="already a W12 file"):
+        pack_checkpoint(tmp_path / "packed.safetensors", tmp_path / "again.safetensors", progress=False)
     (tmp_path / "adir").mkdir()
     with pytest.raises(w12.W12CheckpointError, match="cannot write .*adir"):
         pack_checkpoint(src, tmp_path / "adir", progress=False)

@@ -420,3 +420,14 @@ def test_compile_converted_model_bitwise_when_inductor_keeps_casts():
     with inductor_config.patch(emulate_precision_casts=True):
         eager, compiled = _eager_and_compiled(model, x)
     assert_bitwise_equal(compiled, eager)
+
+
+def test_importing_w12_after_transformers_registers_the_method():
+    import subprocess
+    import sys as _sys
+
+    code = ("import transformers, w12; from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m; "
+            "print('w12' in m)")
+    root = __file__.rsplit("/tests/", 1)[0]
+    r = subprocess.run([_sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=240)
+    assert r.stdout.strip() == "True", r.stderr[-2000:]
