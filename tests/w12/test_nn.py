@@ -253,6 +253,29 @@ def test_hf_save_and_load_pretrained_bitwise(exact_ops, tmp_path):
     assert_bitwise_equal(_logits(again, IDS), want)
 
 
+def test_hf_round_trip_qwen2_biases_and_tied_head(exact_ops, tmp_path):
+    """q/k/v carry biases; lm_head is tied to the embedding (skipped by convert, restored by tying)."""
+    transformers = pytest.importorskip("transformers")
+    import w12.hf
+
+    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    # built in BF16 (not cast afterwards: a cast also rounds the rotary inv_freq buffer, which loading does not)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    report = w12.hf.quantize(model)
+    assert report.num_converted == 14 and "tied to" in dict(report.skipped)["lm_head"]
+    want = _logits(model, IDS)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    q = loaded.model.layers[1].self_attn.q_proj
+    assert isinstance(q, w12.W12Linear) and q.bias is not None
+    assert_bitwise_equal(q.bias, model.model.layers[1].self_attn.q_proj.bias)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert_bitwise_equal(_logits(loaded, IDS), want)
+
+
 def test_hf_convert_while_loading_bf16_checkpoint(exact_ops, tmp_path):
     transformers = pytest.importorskip("transformers")
     import w12.hf
