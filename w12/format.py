@@ -363,15 +363,19 @@ def compact_nbytes(N: int, K: int, escapes: int = 0) -> int:
 
 
 def compact_planes(packed: W12Weight) -> dict[str, torch.Tensor]:
-    """The planes of `packed` in compact (file) form, on its device."""
-    N, K = packed.N, packed.K
-    nib = _lo_nibbles(packed.lo)[:, :K]
-    if K % 2:
-        nib = torch.nn.functional.pad(nib, (0, 1))
-    lo = (nib[:, 0::2] | (nib[:, 1::2] << 4)).to(torch.uint8)
+    """The planes of `packed` in compact (file) form, on its device (uint8 temporaries, row chunks)."""
+    N, K, Kp = packed.N, packed.K, packed.Kp
+    lo = torch.empty(N, (K + 1) // 2, dtype=torch.uint8, device=packed.device)
+    step = max(1, _CHUNK_ELEMS // Kp)
+    for r0 in range(0, N, step):
+        g = packed.lo[r0 : r0 + step].view(-1, Kp // GROUP, 1, 32)
+        nib = torch.cat((g & 0xF, g >> 4), dim=2).reshape(-1, Kp)[:, :K]  # column order
+        if K % 2:
+            nib = torch.nn.functional.pad(nib, (0, 1))
+        lo[r0 : r0 + step] = nib[:, 0::2] | (nib[:, 1::2] << 4)
     out = packed.planes()
     out["hi"] = packed.hi[:, :K].contiguous()
-    out["lo"] = lo.contiguous()
+    out["lo"] = lo
     out["esc_rowptr"] = packed.esc_rowptr[1:].contiguous()
     return out
 
@@ -395,11 +399,15 @@ def from_compact_planes(planes: dict[str, torch.Tensor], K: int) -> W12Weight:
     dev = hi_c.device
     hi = torch.zeros(N, Kp, dtype=torch.uint8, device=dev)
     hi[:, :K] = hi_c
-    nib = torch.zeros(N, Kp, dtype=torch.uint8, device=dev)
-    pairs = torch.stack((lo_c & 0xF, lo_c >> 4), dim=2).reshape(N, -1)
-    nib[:, :K] = pairs[:, :K]
-    g = nib.view(N, Kp // GROUP, 2, 32)
-    lo = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(N, Kp // 2).contiguous()
+    lo = torch.empty(N, Kp // 2, dtype=torch.uint8, device=dev)
+    step = max(1, _CHUNK_ELEMS // Kp)
+    for r0 in range(0, N, step):
+        part = lo_c[r0 : r0 + step]
+        n = part.shape[0]
+        nib = torch.zeros(n, Kp, dtype=torch.uint8, device=dev)
+        nib[:, :K] = torch.stack((part & 0xF, part >> 4), dim=2).reshape(n, -1)[:, :K]
+        g = nib.view(n, Kp // GROUP, 2, 32)
+        lo[r0 : r0 + step] = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, Kp // 2)
     ends = planes["esc_rowptr"]
     if not isinstance(ends, torch.Tensor) or ends.dtype != torch.int32 or tuple(ends.shape) != (N,):
         raise W12FormatError(f"w12.W12Weight: compact esc_rowptr must be int32 [N={N}] (row ends), got "
