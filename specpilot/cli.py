@@ -226,9 +226,11 @@ def cmd_demo(args) -> int:
 
 
 def cmd_pack(args) -> int:
+    """Bad input (missing, truncated or malformed file, nothing to pack, unwritable output): one line
+    on stderr and exit status 2, from `UsageError` in `main`."""
     src, dst = Path(args.input), Path(args.output)
     if not src.is_file():
-        raise UsageError(f"input checkpoint {src} does not exist")
+        raise UsageError(f"input checkpoint {src} does not exist" if not src.exists() else f"input {src} is not a file")
     for p in (src, dst):
         if p.suffix != ".safetensors":
             raise UsageError(f"{p}: expected a .safetensors file")
@@ -236,19 +238,27 @@ def cmd_pack(args) -> int:
         raise UsageError("output must differ from input (packing never overwrites the source)")
     if not dst.parent.is_dir():
         raise UsageError(f"output folder {dst.parent} does not exist")
+    if dst.is_dir():
+        raise UsageError(f"output {dst} is a folder")
     torch = _prepare_backend()
     dev = _device(torch, args.device)
     try:
         from w12.checkpoint import pack_checkpoint
+        from w12.errors import W12CheckpointError
     except ImportError as e:
         print(f"specpilot: error: the w12 packer is not available: {e}", file=sys.stderr)
         return 1
-    result = pack_checkpoint(str(src), str(dst), device=str(dev), include=args.include, progress=True)
+    try:
+        result = pack_checkpoint(str(src), str(dst), device=str(dev), include=args.include, progress=True)
+    except (W12CheckpointError, OSError) as e:
+        raise UsageError(" ".join(str(e).split())) from None
     if isinstance(result, dict):
         for k, v in result.items():
             print(f"{k}: {v}")
     elif result is not None:
         print(result)
+    for w in getattr(result, "warnings", ()):
+        print(f"specpilot: warning: {w}", file=sys.stderr)
     return 0
 
 

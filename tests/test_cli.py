@@ -110,3 +110,86 @@ def test_pack_calls_packer_and_prints_report(tmp_path, capsys, monkeypatch):
     monkeypatch.setitem(sys.modules, "w12.checkpoint", None)  # the packer is missing
     assert cli.main(["pack", str(src), str(dst)]) == 1
     assert "w12 packer is not available" in capsys.readouterr().err
+
+
+# --- pack: every bad input is one line on stderr and exit status 2 ---------------------------------
+
+
+def _bad_inputs(tmp_path):
+    """name -> (input path, output path) of inputs `specpilot pack` must refuse."""
+    from safetensors.torch import save_file
+
+    good = tmp_path / "good.safetensors"
+    g = torch.Generator().manual_seed(0)
+    save_file({"a.weight": (torch.randn(16, 128, generator=g) * 0.02).bfloat16(),
+               "b.weight": torch.randn(4, 4, generator=g)}, str(good))
+    raw = good.read_bytes()
+    cases = {}
+
+    def write(name, data):
+        p = tmp_path / f"{name}.safetensors"
+        p.write_bytes(data)
+        cases[name] = (p, tmp_path / f"{name}-out.safetensors")
+
+    write("empty", b"")
+    write("truncated-header", raw[:20])
+    write("truncated-data", raw[:-7])
+    write("garbage", b"\x10\x00\x00\x00\x00\x00\x00\x00not json at all!")
+    n = int.from_bytes(raw[:8], "little")
+    write("bad-dtype", raw[:8] + raw[8:8 + n].replace(b'"BF16"', b'"XX16"') + raw[8 + n:])
+    fp32 = tmp_path / "fp32.safetensors"
+    save_file({"w": torch.randn(4, 128, generator=g)}, str(fp32))
+    cases["only-fp32"] = (fp32, tmp_path / "fp32-out.safetensors")
+    cases["missing"] = (tmp_path / "missing.safetensors", tmp_path / "x.safetensors")
+    cases["input-is-folder"] = (tmp_path, tmp_path / "y.safetensors")
+    (tmp_path / "outdir.safetensors").mkdir()
+    cases["output-is-folder"] = (good, tmp_path / "outdir.safetensors")
+    cases["output-unwritable"] = (good, "/proc/specpilot-test-out.safetensors")
+    return cases
+
+
+BAD_PACK = ["empty", "truncated-header", "truncated-data", "garbage", "bad-dtype", "only-fp32", "missing",
+            "input-is-folder", "output-is-folder", "output-unwritable"]
+
+
+@pytest.mark.parametrize("case", BAD_PACK, ids=BAD_PACK)
+def test_pack_bad_input_one_line_exit_2(tmp_path, capsys, case):
+    src, dst = _bad_inputs(tmp_path)[case]
+    code, err = _main(["pack", str(src), str(dst)], capsys)
+    assert code == 2, err
+    lines = err.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("specpilot: error: "), err
+    assert "Traceback" not in err
+
+
+def test_pack_bad_input_subprocess_no_traceback(tmp_path):
+    src, dst = _bad_inputs(tmp_path)["truncated-data"]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = {**os.environ, "PYTHONPATH": root, "SPECPILOT_CACHE_DIR": str(tmp_path / "cache")}
+    r = subprocess.run([sys.executable, "-m", "specpilot", "pack", str(src), str(dst)], capture_output=True,
+                       text=True, timeout=240, env=env, cwd=tmp_path)
+    assert r.returncode == 2, r.stderr
+    assert r.stderr.strip().splitlines()[-1].startswith("specpilot: error: ") and "Traceback" not in r.stderr
+    assert len(r.stderr.strip().splitlines()) == 1, r.stderr
+
+
+def test_pack_real_run_lists_worst_and_warns(tmp_path, capsys):
+    from safetensors.torch import save_file
+
+    import w12
+
+    g = torch.Generator().manual_seed(1)
+    t = {"wide.weight": (torch.randn(1000, 130, generator=g) * 0.02).bfloat16(),
+         "k64.weight": (torch.randn(30, 64, generator=g) * 0.02).bfloat16(),
+         "tiny.weight": (torch.randn(4, 8, generator=g) * 0.02).bfloat16()}
+    src, dst = tmp_path / "in.safetensors", tmp_path / "out.safetensors"
+    save_file(t, str(src))
+    assert cli.main(["pack", str(src), str(dst)]) == 0
+    cap = capsys.readouterr()
+    assert re.search(r"worst tensors \(bits per weight\):\n\s+12\.6\d+\s+k64\.weight \[30 x 64\]\n\s+12\.3\d+\s+wide\.weight",
+                     cap.out), cap.out
+    assert "tiny.weight: kept in BF16" in cap.out
+    assert "specpilot: warning: k64.weight [30 x 64]: 12.6" in cap.err
+    assert "specpilot: warning: wide.weight [1000 x 130]: larger than BF16 once loaded: 18.03" in cap.err
+    out = w12.load_file(dst)
+    assert isinstance(out["wide.weight"], w12.W12Weight) and out["wide.weight"].unpack().equal(t["wide.weight"])

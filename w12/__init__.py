@@ -5,12 +5,14 @@
 
 from __future__ import annotations
 
+import sys
+
 import torch
 
-from .errors import W12CorruptFileError, W12Error, W12FormatError, W12VerificationError
+from .errors import W12CheckpointError, W12CorruptFileError, W12Error, W12FormatError, W12VerificationError
 from .format import FORMAT_VERSION, W12Weight, pack, unpack
 from .io import load_file, save_file
-from .nn import ConversionReport, W12Linear, convert
+from .nn import ConversionReport, W12Linear, convert, load_model_weights
 from .reference import (
     decode_q8,
     matmul_q8_reference,
@@ -21,6 +23,12 @@ from .reference import (
 
 torch.serialization.add_safe_globals([W12Weight])
 
+if "transformers" in sys.modules:
+    # transformers is already loaded: register the "w12" quantization method (w12/hf.py) so that
+    # from_pretrained on a W12 checkpoint cannot fall back to a model with re-initialised linears.
+    # Without transformers, nothing is imported; `import w12.hf` registers it explicitly.
+    from . import hf as _hf  # noqa: F401
+
 __all__ = [
     "FORMAT_VERSION",
     "W12Weight",
@@ -30,10 +38,12 @@ __all__ = [
     "W12FormatError",
     "W12VerificationError",
     "W12CorruptFileError",
+    "W12CheckpointError",
     "save_file",
     "load_file",
     "W12Linear",
     "convert",
+    "load_model_weights",
     "ConversionReport",
     "pack_reference",
     "unpack_reference",

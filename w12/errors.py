@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["W12Error", "W12FormatError", "W12VerificationError", "W12CorruptFileError"]
+__all__ = ["W12Error", "W12FormatError", "W12VerificationError", "W12CorruptFileError", "W12CheckpointError"]
 
 
 class W12Error(Exception):
@@ -19,3 +19,9 @@ class W12VerificationError(W12Error, RuntimeError):
 
 class W12CorruptFileError(W12FormatError):
     """A W12 safetensors file is truncated, has bad metadata, or fails a checksum."""
+
+
+class W12CheckpointError(W12Error, ValueError):
+    """A checkpoint cannot be packed or loaded into a model: the input is not a well-formed safetensors
+    file, the output cannot be written, or the file's tensors do not match the model's (missing,
+    unexpected, wrong shape or dtype)."""

@@ -15,7 +15,8 @@ import torch
 
 from .errors import W12FormatError, W12VerificationError
 
-__all__ = ["W12Weight", "pack", "unpack", "FORMAT_VERSION", "GROUP", "WINDOW", "E0_MAX"]
+__all__ = ["W12Weight", "pack", "unpack", "FORMAT_VERSION", "GROUP", "WINDOW", "E0_MAX", "compact_planes",
+           "from_compact_planes", "compact_nbytes"]
 
 FORMAT_VERSION = 1
 GROUP = 64  # K is padded to a multiple of this; `lo` interleaves the two halves of a group
@@ -144,33 +145,33 @@ class W12Weight:
         for p in PLANES:
             t = getattr(self, p)
             if not isinstance(t, torch.Tensor):
-                raise W12FormatError(f"W12Weight.{p} is {type(t).__name__}, expected a torch.Tensor; {fix}")
+                raise W12FormatError(f"w12.W12Weight: {p} is {type(t).__name__}, expected a torch.Tensor; {fix}")
             if t.dtype != PLANE_DTYPES[p]:
-                raise W12FormatError(f"W12Weight.{p} has dtype {t.dtype}, expected {PLANE_DTYPES[p]}; {fix}")
+                raise W12FormatError(f"w12.W12Weight: {p} has dtype {t.dtype}, expected {PLANE_DTYPES[p]}; {fix}")
             if not t.is_contiguous():
-                raise W12FormatError(f"W12Weight.{p} is not contiguous; call .contiguous() on it or {fix}")
+                raise W12FormatError(f"w12.W12Weight: {p} is not contiguous; call .contiguous() on it or {fix}")
             if t.device != self.hi.device:
                 raise W12FormatError(
-                    f"W12Weight.{p} is on {t.device} but hi is on {self.hi.device}; move the whole weight "
+                    f"w12.W12Weight: {p} is on {t.device} but hi is on {self.hi.device}; move the whole weight "
                     f"with W12Weight.to(device), not plane by plane"
                 )
         if self.hi.dim() != 2 or self.e0.dim() != 1:
-            raise W12FormatError(f"hi must be 2-D and e0 1-D, got {tuple(self.hi.shape)} and {tuple(self.e0.shape)}; {fix}")
+            raise W12FormatError(f"w12.W12Weight: hi must be 2-D and e0 1-D, got {tuple(self.hi.shape)} and {tuple(self.e0.shape)}; {fix}")
         N, Kp, K = self.e0.shape[0], self.hi.shape[1], self.K
         if K < 1 or Kp != padded_k(K):
-            raise W12FormatError(f"hi has {Kp} columns but K={K} pads to {padded_k(K)} (multiple of {GROUP}); {fix}")
+            raise W12FormatError(f"w12.W12Weight: hi has {Kp} columns but K={K} pads to {padded_k(K)} (multiple of {GROUP}); {fix}")
         if self.hi.shape[0] != N or N < 1:
-            raise W12FormatError(f"hi has {self.hi.shape[0]} rows, e0 has {N}; they must agree and be >= 1; {fix}")
+            raise W12FormatError(f"w12.W12Weight: hi has {self.hi.shape[0]} rows, e0 has {N}; they must agree and be >= 1; {fix}")
         if tuple(self.lo.shape) != (N, Kp // 2):
-            raise W12FormatError(f"lo has shape {tuple(self.lo.shape)}, expected {(N, Kp // 2)}; {fix}")
+            raise W12FormatError(f"w12.W12Weight: lo has shape {tuple(self.lo.shape)}, expected {(N, Kp // 2)}; {fix}")
         if tuple(self.esc_rowptr.shape) != (N + 1,):
-            raise W12FormatError(f"esc_rowptr has shape {tuple(self.esc_rowptr.shape)}, expected {(N + 1,)}; {fix}")
+            raise W12FormatError(f"w12.W12Weight: esc_rowptr has shape {tuple(self.esc_rowptr.shape)}, expected {(N + 1,)}; {fix}")
         if self.esc_col.dim() != 1 or self.esc_val.dim() != 1 or self.esc_col.shape != self.esc_val.shape:
             raise W12FormatError(
-                f"esc_col {tuple(self.esc_col.shape)} and esc_val {tuple(self.esc_val.shape)} must be 1-D of equal length; {fix}"
+                f"w12.W12Weight: esc_col {tuple(self.esc_col.shape)} and esc_val {tuple(self.esc_val.shape)} must be 1-D of equal length; {fix}"
             )
         if self.esc_col.shape[0] >= 2**31:
-            raise W12FormatError("2^31 or more escapes cannot be indexed by int32 esc_rowptr; split the weight")
+            raise W12FormatError("w12.W12Weight: 2^31 or more escapes cannot be indexed by int32 esc_rowptr; split the weight")
         if deep:
             self._validate_content(fix)
         return self
@@ -179,26 +180,26 @@ class W12Weight:
         N, K, E = self.N, self.K, self.num_escapes
         rp = self.esc_rowptr.long()
         if int(rp[0]) != 0 or int(rp[-1]) != E:
-            raise W12FormatError(f"esc_rowptr must start at 0 and end at E={E}, got {int(rp[0])}..{int(rp[-1])}; {fix}")
+            raise W12FormatError(f"w12.W12Weight: esc_rowptr must start at 0 and end at E={E}, got {int(rp[0])}..{int(rp[-1])}; {fix}")
         cnt = rp[1:] - rp[:-1]
         if bool((cnt < 0).any()):
             r = int((cnt < 0).nonzero()[0])
-            raise W12FormatError(f"esc_rowptr decreases at row {r}; it must be monotone non-decreasing; {fix}")
+            raise W12FormatError(f"w12.W12Weight: esc_rowptr decreases at row {r}; it must be monotone non-decreasing; {fix}")
         if bool((self.e0 > E0_MAX).any()):
             r = int((self.e0 > E0_MAX).nonzero()[0])
-            raise W12FormatError(f"e0[{r}] = {int(self.e0[r])} > {E0_MAX}; {fix}")
+            raise W12FormatError(f"w12.W12Weight: e0[{r}] = {int(self.e0[r])} > {E0_MAX}; {fix}")
         if E:
             col = self.esc_col.long()
             if bool(((col < 0) | (col >= K)).any()):
                 i = int(((col < 0) | (col >= K)).nonzero()[0])
-                raise W12FormatError(f"esc_col[{i}] = {int(col[i])} is outside [0, {K}); {fix}")
+                raise W12FormatError(f"w12.W12Weight: esc_col[{i}] = {int(col[i])} is outside [0, {K}); {fix}")
             row = _escape_rows(self.esc_rowptr, E)
             same_row = row[1:] == row[:-1]
             bad = same_row & (col[1:] <= col[:-1])
             if bool(bad.any()):
                 i = int(bad.nonzero()[0]) + 1
                 raise W12FormatError(
-                    f"esc_col is not strictly increasing within row {int(row[i])} (entry {i}); columns must be "
+                    f"w12.W12Weight: esc_col is not strictly increasing within row {int(row[i])} (entry {i}); columns must be "
                     f"sorted and unique per row; {fix}"
                 )
             code = _codes(self.hi, self.lo)
@@ -206,7 +207,7 @@ class W12Weight:
             if bool(nz.any()):
                 i = int(nz.nonzero()[0])
                 raise W12FormatError(
-                    f"escape {i} at ({int(row[i])}, {int(col[i])}) has a non-zero dense code; escape positions "
+                    f"w12.W12Weight: escape {i} at ({int(row[i])}, {int(col[i])}) has a non-zero dense code; escape positions "
                     f"must hold code 0; {fix}"
                 )
         else:
@@ -214,7 +215,7 @@ class W12Weight:
         if self.Kp > K:
             code = _codes(self.hi, self.lo) if code is None else code
             if bool((code[:, K:] != 0).any()):
-                raise W12FormatError(f"padding columns [{K}, {self.Kp}) must hold code 0; {fix}")
+                raise W12FormatError(f"w12.W12Weight: padding columns [{K}, {self.Kp}) must hold code 0; {fix}")
 
 
 # --- helpers shared with reference.py and the kernels' tests ---------------------------------
@@ -261,28 +262,28 @@ def _decode(packed: W12Weight) -> torch.Tensor:
 def unpack(packed: W12Weight) -> torch.Tensor:
     """Decode a `W12Weight` to its exact BF16 `[N, K]` tensor, on the weight's device. No host sync."""
     if not isinstance(packed, W12Weight):
-        raise TypeError(f"w12.unpack expects a W12Weight (from w12.pack), got {type(packed).__name__}")
+        raise TypeError(f"w12.unpack: expected a W12Weight (from w12.pack), got {type(packed).__name__}")
     return _decode(packed)
 
 
 def check_pack_input(weight) -> None:
     """Raise TypeError / ValueError with a fix for anything `pack` cannot take."""
     if not isinstance(weight, torch.Tensor):
-        raise TypeError(f"w12.pack expects a torch.Tensor, got {type(weight).__name__}; wrap it with torch.as_tensor(...)")
+        raise TypeError(f"w12.pack: expected a torch.Tensor, got {type(weight).__name__}; wrap it with torch.as_tensor(...)")
     if weight.dtype != torch.bfloat16:
         raise TypeError(
-            f"w12.pack expects a bfloat16 weight, got {weight.dtype}; convert with .to(torch.bfloat16) "
+            f"w12.pack: expected a bfloat16 weight, got {weight.dtype}; convert with .to(torch.bfloat16) "
             f"(W12 is lossless only for BF16 input)"
         )
     if weight.dim() != 2:
         raise ValueError(
-            f"w12.pack expects a 2-D [N, K] weight (nn.Linear layout), got shape {tuple(weight.shape)}; "
+            f"w12.pack: expected a 2-D [N, K] weight (nn.Linear layout), got shape {tuple(weight.shape)}; "
             f"reshape it, e.g. weight.reshape(weight.shape[0], -1)"
         )
     if weight.numel() == 0:
-        raise ValueError(f"w12.pack got an empty weight of shape {tuple(weight.shape)}; N and K must both be >= 1")
+        raise ValueError(f"w12.pack: got an empty weight of shape {tuple(weight.shape)}; N and K must both be >= 1")
     if weight.is_complex() or weight.is_sparse or weight.is_meta:
-        raise ValueError(f"w12.pack needs a dense, materialised tensor, got layout {weight.layout} on {weight.device}")
+        raise ValueError(f"w12.pack: needs a dense, materialised tensor, got layout {weight.layout} on {weight.device}")
 
 
 def choose_e0(e: torch.Tensor) -> torch.Tensor:
@@ -341,11 +342,78 @@ def pack(weight: torch.Tensor, verify: bool = True) -> W12Weight:
         vals.append(_to_int16(bits[rc[:, 0], rc[:, 1]]))
     rowptr = torch.nn.functional.pad(counts.cumsum(0), (1, 0))
     if int(rowptr[-1]) >= 2**31:
-        raise ValueError(f"{int(rowptr[-1])} escapes overflow int32 esc_rowptr; split the weight into row blocks")
+        raise ValueError(f"w12.pack: {int(rowptr[-1])} escapes overflow int32 esc_rowptr; split the weight into row blocks")
     packed = W12Weight(hi, lo, e0, rowptr.to(torch.int32), torch.cat(cols), torch.cat(vals), K)
     if verify:
         verify_packed(packed, w)
     return packed
+
+
+# --- compact storage (files) -------------------------------------------------------------------
+# Files store the planes without the kernels' row padding: `hi` as [N, K] and `lo` as [N, ceil(K/2)]
+# with the low nibbles in column order (byte j = lo4(2j) | lo4(2j+1) << 4), and `esc_rowptr`
+# without its leading 0 ([N] row ends). That is 12 bits per weight for any K plus 40 bits per row
+# (the padded in-memory layout takes 12 * Kp / K: 17.7 for K = 130); loading re-pads and
+# re-interleaves. The escape lists and e0 are stored as they are.
+
+
+def compact_nbytes(N: int, K: int, escapes: int = 0) -> int:
+    """Bytes of a W12 weight [N, K] in compact (file) form."""
+    return N * K + N * ((K + 1) // 2) + N + 4 * N + 6 * escapes
+
+
+def compact_planes(packed: W12Weight) -> dict[str, torch.Tensor]:
+    """The planes of `packed` in compact (file) form, on its device (uint8 temporaries, row chunks)."""
+    N, K, Kp = packed.N, packed.K, packed.Kp
+    lo = torch.empty(N, (K + 1) // 2, dtype=torch.uint8, device=packed.device)
+    step = max(1, _CHUNK_ELEMS // Kp)
+    for r0 in range(0, N, step):
+        g = packed.lo[r0 : r0 + step].view(-1, Kp // GROUP, 1, 32)
+        nib = torch.cat((g & 0xF, g >> 4), dim=2).reshape(-1, Kp)[:, :K]  # column order
+        if K % 2:
+            nib = torch.nn.functional.pad(nib, (0, 1))
+        lo[r0 : r0 + step] = nib[:, 0::2] | (nib[:, 1::2] << 4)
+    out = packed.planes()
+    out["hi"] = packed.hi[:, :K].contiguous()
+    out["lo"] = lo
+    out["esc_rowptr"] = packed.esc_rowptr[1:].contiguous()
+    return out
+
+
+def from_compact_planes(planes: dict[str, torch.Tensor], K: int) -> W12Weight:
+    """Rebuild a `W12Weight` (the kernels' padded layout) from compact planes; raises
+    `W12FormatError` if their shapes or dtypes do not fit K (content is checked by `validate(deep=True)`)."""
+    hi_c, lo_c = planes["hi"], planes["lo"]
+    K = int(K)
+    for name, t in (("hi", hi_c), ("lo", lo_c)):
+        if not isinstance(t, torch.Tensor) or t.dtype != torch.uint8 or t.dim() != 2:
+            raise W12FormatError(f"w12.W12Weight: compact plane {name} must be a 2-D uint8 tensor, got "
+                                 f"{getattr(t, 'dtype', type(t).__name__)} {tuple(getattr(t, 'shape', ()))}")
+    N = hi_c.shape[0]
+    if K < 1 or tuple(hi_c.shape) != (N, K) or tuple(lo_c.shape) != (N, (K + 1) // 2):
+        raise W12FormatError(f"w12.W12Weight: compact planes hi {tuple(hi_c.shape)} and lo {tuple(lo_c.shape)} do not fit K={K}: "
+                             f"expected [N, {K}] and [N, {(K + 1) // 2}]")
+    if K % 2 and N and bool((lo_c[:, -1] >> 4).any()):
+        raise W12FormatError(f"w12.W12Weight: compact lo: the padding nibble after column {K - 1} must be 0")
+    Kp = padded_k(K)
+    dev = hi_c.device
+    hi = torch.zeros(N, Kp, dtype=torch.uint8, device=dev)
+    hi[:, :K] = hi_c
+    lo = torch.empty(N, Kp // 2, dtype=torch.uint8, device=dev)
+    step = max(1, _CHUNK_ELEMS // Kp)
+    for r0 in range(0, N, step):
+        part = lo_c[r0 : r0 + step]
+        n = part.shape[0]
+        nib = torch.zeros(n, Kp, dtype=torch.uint8, device=dev)
+        nib[:, :K] = torch.stack((part & 0xF, part >> 4), dim=2).reshape(n, -1)[:, :K]
+        g = nib.view(n, Kp // GROUP, 2, 32)
+        lo[r0 : r0 + step] = (g[:, :, 0] | (g[:, :, 1] << 4)).reshape(n, Kp // 2)
+    ends = planes["esc_rowptr"]
+    if not isinstance(ends, torch.Tensor) or ends.dtype != torch.int32 or tuple(ends.shape) != (N,):
+        raise W12FormatError(f"w12.W12Weight: compact esc_rowptr must be int32 [N={N}] (row ends), got "
+                             f"{getattr(ends, 'dtype', type(ends).__name__)} {tuple(getattr(ends, 'shape', ()))}")
+    rowptr = torch.cat((torch.zeros(1, dtype=torch.int32, device=ends.device), ends))
+    return W12Weight(hi, lo, planes["e0"], rowptr, planes["esc_col"], planes["esc_val"], K=K)
 
 
 def verify_packed(packed: W12Weight, weight: torch.Tensor) -> None:

@@ -6,6 +6,11 @@ a plain tensor is stored under its own name. The safetensors metadata holds:
 * `w12.format_version`: the W12 format version (`1`),
 * `w12.index`: JSON `{name: {"kind": "w12", "N": N, "K": K} | {"kind": "tensor"}}`,
 * `w12.checksums`: JSON `{stored tensor name: blake2b-128 hex of its raw bytes}`,
+* `w12.layout`: `compact`: `hi` is stored as `[N, K]` and `lo` as `[N, ceil(K/2)]` with the low
+  nibbles in column order, without the kernels' row padding to a multiple of 64 columns
+  (`w12.format.compact_planes`), so a file takes 12 bits per weight for any K plus row metadata
+  and escapes; loading rebuilds the padded, interleaved planes. Files without the key hold the
+  padded planes as they are in memory,
 * the caller's own `metadata` (keys must not start with `w12.`).
 
 `load_file` checks all of it: a truncated file, a flipped byte, a missing tensor or bad metadata
@@ -14,6 +19,7 @@ raises `W12CorruptFileError` (a `W12FormatError`, hence a `ValueError`); it neve
 
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -24,13 +30,15 @@ from safetensors import safe_open
 from safetensors.torch import save_file as _st_save_file
 
 from .errors import W12CorruptFileError, W12FormatError
-from .format import FORMAT_VERSION, PLANES, W12Weight
+from .format import FORMAT_VERSION, PLANES, W12Weight, compact_planes, from_compact_planes
 
 __all__ = ["save_file", "load_file", "tensor_checksum"]
 
 _VERSION_KEY = "w12.format_version"
 _INDEX_KEY = "w12.index"
 _SUM_KEY = "w12.checksums"
+_LAYOUT_KEY = "w12.layout"
+_LAYOUTS = ("padded", "compact")
 
 
 def tensor_checksum(t: torch.Tensor) -> str:
@@ -43,34 +51,38 @@ def _flatten(tensors: Mapping[str, W12Weight | torch.Tensor]):
     flat, index = {}, {}
     for name, v in tensors.items():
         if not isinstance(name, str) or not name:
-            raise TypeError(f"tensor names must be non-empty strings, got {name!r}")
+            raise TypeError(f"w12.save_file: tensor names must be non-empty strings, got {name!r}")
         if isinstance(v, W12Weight):
             index[name] = {"kind": "w12", "N": v.N, "K": v.K}
-            for p in PLANES:
-                flat[f"{name}.{p}"] = getattr(v, p)
+            for p, t in compact_planes(v).items():
+                flat[f"{name}.{p}"] = t
         elif isinstance(v, torch.Tensor):
             index[name] = {"kind": "tensor"}
             flat[name] = v
         else:
-            raise TypeError(f"{name!r}: expected a W12Weight or torch.Tensor, got {type(v).__name__}")
+            raise TypeError(f"w12.save_file: {name!r}: expected a W12Weight or torch.Tensor, got {type(v).__name__}")
     clash = set(index) & {f"{n}.{p}" for n, e in index.items() if e["kind"] == "w12" for p in PLANES}
     if clash or len(flat) != sum(len(PLANES) if e["kind"] == "w12" else 1 for e in index.values()):
-        raise ValueError(f"tensor names collide with W12 plane names ({sorted(clash)}); rename them")
+        raise ValueError(f"w12.save_file: tensor names collide with W12 plane names ({sorted(clash)}); rename them")
     return flat, index
 
 
 def save_file(path, tensors: Mapping[str, W12Weight | torch.Tensor], metadata: Mapping[str, str] | None = None):
     """Write `tensors` (W12Weight or plain tensors) to a safetensors file at `path` (atomically)."""
+    if not isinstance(tensors, Mapping):
+        raise TypeError(f"w12.save_file: tensors must be a mapping of names to W12Weight or torch.Tensor, "
+                        f"got {type(tensors).__name__}")
     meta = {}
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
-            raise TypeError(f"metadata must map str to str, got {k!r}: {type(v).__name__}")
+            raise TypeError(f"w12.save_file: metadata must map str to str, got {k!r}: {type(v).__name__}")
         if k.startswith("w12."):
-            raise ValueError(f"metadata key {k!r} is reserved (keys starting with 'w12.' belong to the format)")
+            raise ValueError(f"w12.save_file: metadata key {k!r} is reserved (keys starting with 'w12.' belong to the format)")
         meta[k] = v
     flat, index = _flatten(tensors)
     flat = {k: t.detach().contiguous().cpu() for k, t in flat.items()}
     meta[_VERSION_KEY] = str(FORMAT_VERSION)
+    meta[_LAYOUT_KEY] = "compact"
     meta[_INDEX_KEY] = json.dumps(index, sort_keys=True)
     meta[_SUM_KEY] = json.dumps({k: tensor_checksum(t) for k, t in flat.items()}, sort_keys=True)
     path = os.fspath(path)
@@ -91,11 +103,11 @@ def read_metadata(path) -> dict[str, str]:
     except FileNotFoundError:
         raise
     except Exception as e:  # safetensors raises its own error type for bad headers
-        raise W12CorruptFileError(f"{path}: not a readable safetensors file ({e}); the file is truncated or corrupt") from e
+        raise W12CorruptFileError(f"w12.load_file: {path}: not a readable safetensors file ({e}); the file is truncated or corrupt") from e
 
 
 def _corrupt(path, what: str) -> W12CorruptFileError:
-    return W12CorruptFileError(f"{path}: {what}; the file is corrupt or was not written by w12.save_file - re-create it")
+    return W12CorruptFileError(f"w12.load_file: {path}: {what}; the file is corrupt or was not written by w12.save_file - re-create it")
 
 
 def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
@@ -103,7 +115,7 @@ def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
     validated (deep) before it is moved to `device`."""
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(path)
+        raise FileNotFoundError(errno.ENOENT, "w12.load_file: no such file", path)
     try:
         with safe_open(path, framework="pt") as f:
             meta = dict(f.metadata() or {})
@@ -112,9 +124,12 @@ def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
                 raise _corrupt(path, f"missing W12 metadata ({_VERSION_KEY}, {_INDEX_KEY}, {_SUM_KEY})")
             if meta[_VERSION_KEY] != str(FORMAT_VERSION):
                 raise W12CorruptFileError(
-                    f"{path}: W12 format version {meta[_VERSION_KEY]!r}, this w12 reads version {FORMAT_VERSION}; "
+                    f"w12.load_file: {path}: W12 format version {meta[_VERSION_KEY]!r}, this w12 reads version {FORMAT_VERSION}; "
                     f"upgrade specpilot or re-pack the weights"
                 )
+            layout = meta.get(_LAYOUT_KEY, "padded")
+            if layout not in _LAYOUTS:
+                raise _corrupt(path, f"unknown plane layout {layout!r} (this w12 reads {list(_LAYOUTS)})")
             try:
                 index = json.loads(meta[_INDEX_KEY])
                 sums = json.loads(meta[_SUM_KEY])
@@ -144,7 +159,7 @@ def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
         raise
     except Exception as e:
         raise W12CorruptFileError(
-            f"{path}: not a readable safetensors file ({type(e).__name__}: {e}); it is truncated or corrupt"
+            f"w12.load_file: {path}: not a readable safetensors file ({type(e).__name__}: {e}); it is truncated or corrupt"
         ) from e
     out = {}
     for name, entry in index.items():
@@ -152,7 +167,11 @@ def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
             out[name] = raw[name].to(device)
             continue
         try:
-            w = W12Weight(**{p: raw[f"{name}.{p}"] for p in PLANES}, K=int(entry["K"]))
+            planes = {p: raw[f"{name}.{p}"] for p in PLANES}
+            if layout == "compact":
+                w = from_compact_planes(planes, int(entry["K"]))
+            else:
+                w = W12Weight(**planes, K=int(entry["K"]))
             w.validate(deep=True)
         except (W12FormatError, KeyError, TypeError, ValueError) as e:
             raise _corrupt(path, f"W12 weight {name!r} is invalid: {e}") from e

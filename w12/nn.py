@@ -4,8 +4,20 @@
     print(report)
 
 The planes are registered as integer buffers (`w_hi`, `w_lo`, ...), so `model.to(device)`,
-`state_dict()` and dtype casts behave (casts leave integer buffers alone). `forward` calls
-`w12.matmul` from `w12.ops`, imported on first use.
+`state_dict()` and dtype casts behave (casts leave integer buffers alone). `load_state_dict`
+between converted models takes each weight's own escape count (the escape lists differ in
+length per weight) and validates the planes it loaded. `forward` calls `w12.matmul` from
+`w12.ops`, imported on first use.
+
+`load_model_weights(model, path)` loads a file written by `specpilot pack` (or `w12.save_file`)
+into a model built from its config: W12 entries replace their `nn.Linear`, plain tensors are
+copied, and anything missing, unexpected or mismatched is an error.
+
+Why buffers and not a tensor subclass (torchao's pattern): the planes are what the kernels and
+the safetensors files take, under the names they already have, and an escape list's length is
+data, so a subclass's `copy_` would have to replace its inner tensors exactly as
+`_load_from_state_dict` does here; a subclass also needs dispatch rules for every op that
+touches a parameter (`to`, `detach`, `copy_`, FSDP, compile tracing) for no gain here.
 """
 
 from __future__ import annotations
@@ -16,9 +28,13 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from .format import PLANES, W12Weight, pack
+from .errors import W12CheckpointError, W12FormatError
+from .format import PLANE_DTYPES, PLANES, W12Weight, pack, padded_k
 
-__all__ = ["W12Linear", "convert", "ConversionReport", "LayerRecord"]
+__all__ = ["W12Linear", "convert", "ConversionReport", "LayerRecord", "load_model_weights"]
+
+# Planes whose length is data (the escape count) and so may differ between two weights of one shape.
+_RESIZABLE = ("esc_col", "esc_val")
 
 
 class W12Linear(nn.Module):
@@ -27,9 +43,9 @@ class W12Linear(nn.Module):
     def __init__(self, weight: W12Weight, bias: torch.Tensor | None = None):
         super().__init__()
         if not isinstance(weight, W12Weight):
-            raise TypeError(f"W12Linear needs a W12Weight (from w12.pack), got {type(weight).__name__}")
+            raise TypeError(f"w12.W12Linear: needs a W12Weight (from w12.pack), got {type(weight).__name__}")
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.N):
-            raise ValueError(f"bias has shape {tuple(bias.shape)}, expected ({weight.N},)")
+            raise ValueError(f"w12.W12Linear: bias has shape {tuple(bias.shape)}, expected ({weight.N},)")
         self.in_features = weight.K
         self.out_features = weight.N
         for p in PLANES:
@@ -41,13 +57,56 @@ class W12Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, verify: bool = True) -> "W12Linear":
         """Pack `linear.weight` (must be BF16) on its own device; the bias is kept as is."""
         if not isinstance(linear, nn.Linear):
-            raise TypeError(f"W12Linear.from_linear expects an nn.Linear, got {type(linear).__name__}")
+            raise TypeError(f"w12.W12Linear.from_linear: expected an nn.Linear, got {type(linear).__name__}")
         if linear.weight.dtype != torch.bfloat16:
             raise TypeError(
-                f"W12Linear.from_linear needs a BF16 weight, got {linear.weight.dtype}; convert the layer "
+                f"w12.W12Linear.from_linear: needs a BF16 weight, got {linear.weight.dtype}; convert the layer "
                 f"with .to(torch.bfloat16) first"
             )
         return cls(pack(linear.weight.detach(), verify=verify), linear.bias)
+
+    @classmethod
+    def empty(cls, in_features: int, out_features: int, bias: bool = True, *, device=None,
+              dtype: torch.dtype = torch.bfloat16) -> "W12Linear":
+        """A layer holding the all-zero weight (valid planes, no escapes), to load a state dict into.
+        `dtype` is the bias's; `device` may be "meta"."""
+        if in_features < 1 or out_features < 1:
+            raise ValueError(f"w12.W12Linear.empty: needs in_features, out_features >= 1, got {in_features}, {out_features}")
+        N, Kp = out_features, padded_k(in_features)
+        z = {
+            "hi": torch.zeros(N, Kp, dtype=torch.uint8, device=device),
+            "lo": torch.zeros(N, Kp // 2, dtype=torch.uint8, device=device),
+            "e0": torch.zeros(N, dtype=torch.uint8, device=device),
+            "esc_rowptr": torch.zeros(N + 1, dtype=torch.int32, device=device),
+            "esc_col": torch.zeros(0, dtype=PLANE_DTYPES["esc_col"], device=device),
+            "esc_val": torch.zeros(0, dtype=PLANE_DTYPES["esc_val"], device=device),
+        }
+        b = torch.zeros(N, dtype=dtype, device=device) if bias else None
+        return cls(W12Weight(**z, K=in_features), b)
+
+    def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                              error_msgs):
+        # The escape lists' length is the weight's escape count: take the incoming one.
+        for p in _RESIZABLE:
+            cur, new = self._buffers.get(f"w_{p}"), state_dict.get(f"{prefix}w_{p}")
+            if isinstance(new, torch.Tensor) and cur is not None and new.dim() == 1 and new.shape != cur.shape:
+                self._buffers[f"w_{p}"] = torch.empty(new.shape, dtype=cur.dtype, device=cur.device)
+        n_err = len(error_msgs)
+        super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
+                                      error_msgs)
+        present = [p for p in PLANES if f"{prefix}w_{p}" in state_dict]
+        if not present or len(error_msgs) > n_err:
+            return
+        if len(present) != len(PLANES):
+            absent = [f"{prefix}w_{p}" for p in PLANES if p not in present]
+            error_msgs.append(f"W12 weight {prefix[:-1] or '(root)'}: planes {absent} are missing from the state dict; "
+                              f"a W12 weight loads whole (all of {list(PLANES)})")
+            return
+        try:
+            w = self.weight
+            w.validate(deep=w.device.type != "meta")
+        except W12FormatError as e:
+            error_msgs.append(f"W12 weight {prefix[:-1] or '(root)'} is invalid after loading: {e}")
 
     @property
     def weight(self) -> W12Weight:
@@ -147,7 +206,11 @@ def convert(model: nn.Module, include=None, exclude=None, verify: bool = True) -
     tied to another parameter (packing would keep both copies).
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"w12.convert expects an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"w12.convert: expected an nn.Module, got {type(model).__name__}")
+    for arg, val in (("include", include), ("exclude", exclude)):
+        if val is not None and not isinstance(val, str) and not (
+                isinstance(val, (list, tuple, set, frozenset)) and all(isinstance(v, str) for v in val)):
+            raise TypeError(f"w12.convert: {arg} must be a pattern string or a list of them, got {val!r}")
     report = ConversionReport()
     owners: dict[int, list[str]] = {}
     for pname, prm in model.named_parameters(remove_duplicate=False):
@@ -185,4 +248,104 @@ def convert(model: nn.Module, include=None, exclude=None, verify: bool = True) -
             LayerRecord(name, (new.out_features, new.in_features), mod.weight.nbytes, new.weight.nbytes,
                         new.weight.num_escapes)
         )
+    return report
+
+
+def load_model_weights(model: nn.Module, path, *, device=None) -> ConversionReport:
+    """Load a W12 safetensors file (from `specpilot pack`, `w12.checkpoint.pack_checkpoint` or
+    `w12.save_file`) into `model`, a model of the checkpoint's architecture (e.g. built from its
+    config, with random or meta weights).
+
+    Every W12 entry `X.weight` replaces the `nn.Linear` module `X` by a `W12Linear` (its bias, if
+    any, is loaded from `X.bias` like any other tensor); a W12 entry for anything else (an
+    embedding, a weight tied to another parameter) is decoded, exactly, and loaded as BF16; every
+    plain tensor is copied into the parameter or buffer of that name (assigned, where the model's tensor is on the meta device).
+    The load is strict: a parameter or persistent buffer of the model that the file lacks (tied
+    parameters count once), an entry the model has no place for, or a shape or dtype mismatch
+    raises `W12CheckpointError` listing them, before the model is changed.
+
+    `device`: where the loaded tensors go; default: the device of the model tensor each replaces
+    (CPU where that is meta). Returns a `ConversionReport` of the layers replaced.
+    """
+    from .io import load_file
+
+    if not isinstance(model, nn.Module):
+        raise TypeError(f"w12.load_model_weights: expected an nn.Module, got {type(model).__name__}")
+    entries = load_file(path)  # checksummed and deep-validated
+    current = model.state_dict(keep_vars=True)
+    aliases: dict[int, int] = {}
+    for t in current.values():
+        aliases[id(t)] = aliases.get(id(t), 0) + 1
+    problems: list[str] = []
+    swaps: list[tuple[str, nn.Module, W12Weight]] = []
+    plain: dict[str, torch.Tensor] = {}
+    for name, v in entries.items():
+        if not isinstance(v, W12Weight):
+            plain[name] = v
+            continue
+        mod_name, _, leaf = name.rpartition(".")
+        try:
+            mod = model.get_submodule(mod_name) if leaf == "weight" else None
+        except AttributeError:
+            mod = None
+        if isinstance(mod, W12Linear) or type(mod) is nn.Linear and aliases.get(id(mod.weight)) == 1:
+            if (mod.out_features, mod.in_features) != (v.N, v.K):
+                problems.append(f"{name}: W12 weight is [{v.N}, {v.K}], the model's layer is "
+                                f"[{mod.out_features}, {mod.in_features}]")
+                continue
+            swaps.append((mod_name, mod, v))
+        else:
+            # Not a plain (untied) nn.Linear weight, e.g. an embedding: W12 is lossless, so load it decoded.
+            plain[name] = v.unpack()
+    replaced = {f"{m}.weight" for m, _, _ in swaps} | {f"{m}.w_{p}" for m, _, _ in swaps for p in PLANES}
+    for k, t in plain.items():
+        ref = current.get(k)
+        if ref is None:
+            problems.append(f"{k}: in the file, but the model has no parameter or buffer of that name")
+        elif tuple(ref.shape) != tuple(t.shape):
+            problems.append(f"{k}: file has shape {tuple(t.shape)}, the model {tuple(ref.shape)}")
+        elif ref.dtype != t.dtype:
+            problems.append(f"{k}: file has dtype {t.dtype}, the model {ref.dtype}; cast the model first "
+                            f"(e.g. model.to({t.dtype}))")
+    provided = set(plain) | replaced
+    loaded_ids = {id(current[k]) for k in plain if k in current}
+    missing = [k for k, t in current.items() if k not in provided and id(t) not in loaded_ids]
+    if missing:
+        problems.append(f"{len(missing)} model tensors are not in the file: {missing[:8]}")
+    if problems:
+        raise W12CheckpointError(f"w12.load_model_weights: {path} does not match the model: " + "; ".join(problems[:10]))
+
+    def dest(ref: torch.Tensor):
+        if device is not None:
+            return torch.device(device)
+        return torch.device("cpu") if ref.device.type == "meta" else ref.device
+
+    report = ConversionReport()
+    for mod_name, mod, w in swaps:
+        ref = current[f"{mod_name}.weight"] if f"{mod_name}.weight" in current else current[f"{mod_name}.w_hi"]
+        w = w.to(dest(ref))
+        bias = None
+        if mod.bias is not None:
+            bias = torch.zeros(w.N, dtype=mod.bias.dtype, device=w.device)  # filled from the file below
+        new = W12Linear(w, bias)
+        parent_name, _, child = mod_name.rpartition(".")
+        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        report.converted.append(LayerRecord(mod_name, (w.N, w.K), 2 * w.N * w.K, w.nbytes, w.num_escapes))
+    targets = model.state_dict(keep_vars=True)
+    by_id: dict[int, list[str]] = {}
+    for k, t in targets.items():
+        by_id.setdefault(id(t), []).append(k)
+    with torch.no_grad():
+        for k, t in plain.items():
+            ref = targets[k]
+            if ref.device.type == "meta" or device is not None and ref.device != torch.device(device):
+                value = t.to(dest(ref))
+                if isinstance(ref, nn.Parameter):
+                    value = nn.Parameter(value, requires_grad=ref.requires_grad and value.is_floating_point())
+                for alias in by_id[id(ref)]:  # tied names share the new tensor
+                    mod_name, _, leaf = alias.rpartition(".")
+                    mod = model.get_submodule(mod_name) if mod_name else model
+                    (mod._parameters if leaf in mod._parameters else mod._buffers)[leaf] = value
+            else:
+                ref.copy_(t)
     return report

@@ -205,3 +205,137 @@ def test_measure_helpers(tmp_path):
     assert m["matrices"] == 3 and m["weights"] == 63 * 75 + 33 * 64 + 80
     g = measure_gaussian(64, 128, layers=2)
     assert g["weights"] == 2 * 64 * 128 and 12.3125 <= g["bits_per_weight"] < 12.5  # 40 bits of row metadata per 128 weights
+
+
+# --- compact files and bits per weight --------------------------------------------------------
+
+SHAPES = [(1000, 130), (3, 129), (1, 128), (1, 191), (2, 161), (7, 1000), (64, 256)]
+
+
+@pytest.mark.parametrize("shape", SHAPES, ids=lambda s: f"N{s[0]}-K{s[1]}")
+def test_file_bits_per_weight_k_ge_128(tmp_path, shape):
+    """Any K >= 128 stays <= 12.5 bits per weight in a file (Gaussian weights, few escapes)."""
+    from w12.checkpoint import pack_checkpoint
+    from w12.format import compact_nbytes
+
+    N, K = shape
+    w = (torch.randn(N, K, generator=torch.Generator().manual_seed(N * K)) * 0.02).bfloat16()
+    st_save({"w": w}, str(tmp_path / "in.safetensors"))
+    report = pack_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors", progress=False)
+    (name, got_shape, nbytes, esc), = report.packed
+    assert got_shape == shape and nbytes == compact_nbytes(N, K, esc)
+    assert report.bits_per_weight <= 12.5, str(report)
+    assert report.worst()[0][0] == "w" and "worst tensors (bits per weight)" in str(report)
+    assert not [m for m in report.warnings if "in the file" in m]
+    assert_bitwise_equal(w12.load_file(tmp_path / "out.safetensors")["w"].unpack(), w)
+    # w12.save_file writes the same compact planes
+    w12.save_file(tmp_path / "saved.safetensors", {"w": w12.pack(w)})
+    assert os.path.getsize(tmp_path / "saved.safetensors") < 12.5 / 8 * N * K + 2048  # planes + header
+
+
+def test_pack_keeps_bf16_where_w12_is_not_smaller(tmp_path):
+    from w12.checkpoint import pack_checkpoint
+
+    g = torch.Generator().manual_seed(3)
+    t = {"tiny_k": (torch.randn(4, 8, generator=g) * 0.02).bfloat16(),          # 17.1 bits in W12: kept
+         "k96": (torch.randn(10, 96, generator=g) * 0.02).bfloat16(),           # 12.4 in the file, 16.4 in memory
+         "k64": (torch.randn(30, 64, generator=g) * 0.02).bfloat16(),           # 12.6 in the file
+         "big": (torch.randn(16, 256, generator=g) * 0.02).bfloat16()}
+    st_save(t, str(tmp_path / "in.safetensors"))
+    report = pack_checkpoint(tmp_path / "in.safetensors", tmp_path / "out.safetensors", progress=False)
+    assert sorted(n for n, *_ in report.packed) == ["big", "k64", "k96"]
+    (name, why), = report.copied
+    assert name == "tiny_k" and why.startswith("kept in BF16: W12 would take at least 17.")
+    warn = "\n".join(report.warnings)
+    assert "k64 [30 x 64]: 12.6" in warn and "> 12.5 in the file" in warn
+    assert "k96 [10 x 96]: larger than BF16 once loaded: 16.45 bits per weight in memory" in warn and "Kp=128" in warn
+    assert [r[0] for r in report.worst(2)] == ["k64", "k96"]
+    text = str(report)
+    assert "kept in BF16 (1):" in text and "tiny_k" in text
+    out = w12.load_file(tmp_path / "out.safetensors")
+    for k, v in t.items():
+        got = out[k].unpack() if isinstance(out[k], w12.W12Weight) else out[k]
+        assert_bitwise_equal(got, v)
+
+
+def _write_raw(path, header: bytes, data: bytes = b"", n=None):
+    with open(path, "wb") as f:
+        f.write((len(header) if n is None else n).to_bytes(8, "little") + header + data)
+
+
+def _hdr(**entries):
+    return json.dumps(entries).encode()
+
+
+BAD_INPUTS = {
+    "empty": (b"", None, None, "too short"),
+    "header-past-end": (b"{}", b"", 1000, "exceeds the file"),
+    "not-json": (b"{nope", b"", None, "not JSON"),
+    "json-list": (b"[1, 2]", b"", None, "not an object"),
+    "unknown-dtype": (_hdr(w={"dtype": "Q7", "shape": [2, 2], "data_offsets": [0, 8]}), b"\0" * 8, None,
+                      "unknown dtype 'Q7'"),
+    "bad-shape": (_hdr(w={"dtype": "BF16", "shape": [2, -2], "data_offsets": [0, 8]}), b"\0" * 8, None,
+                  "non-negative ints"),
+    "offsets-past-data": (_hdr(w={"dtype": "BF16", "shape": [64, 128], "data_offsets": [0, 16384]}), b"\0" * 100,
+                          None, "outside the 100-byte data section"),
+    "size-mismatch": (_hdr(w={"dtype": "BF16", "shape": [2, 3], "data_offsets": [0, 8]}), b"\0" * 8, None,
+                      "needs 12"),
+    "bad-metadata": (_hdr(__metadata__={"a": 1}), b"", None, "must map strings to strings"),
+    "only-fp32": (_hdr(w={"dtype": "F32", "shape": [2, 2], "data_offsets": [0, 16]}), b"\0" * 16, None,
+                  r"nothing to pack: no non-empty 2-D BF16 tensor \(found F32 2-D\)"),
+}
+
+
+@pytest.mark.parametrize("case", list(BAD_INPUTS), ids=list(BAD_INPUTS))
+def test_pack_checkpoint_bad_input(tmp_path, case):
+    from w12.checkpoint import pack_checkpoint
+
+    header, data, n, match = BAD_INPUTS[case]
+    src = tmp_path / "in.safetensors"
+    _write_raw(src, header, data or b"", n) if header else src.write_bytes(b"")
+    with pytest.raises(w12.W12CheckpointError, match=match):
+        pack_checkpoint(src, tmp_path / "out.safetensors", progress=False)
+    assert not (tmp_path / "out.safetensors").exists()
+    assert [p.name for p in tmp_path.iterdir()] == ["in.safetensors"]  # no temporary left behind
+
+
+def test_pack_checkpoint_truncated_and_unwritable(tmp_path):
+    from w12.checkpoint import pack_checkpoint
+
+    src, _ = _checkpoint(tmp_path)
+    raw = src.read_bytes()
+    cut = tmp_path / "cut.safetensors"
+    cut.write_bytes(raw[: len(raw) - 100])
+    with pytest.raises(w12.W12CheckpointError, match="outside the .*-byte data section"):
+        pack_checkpoint(cut, tmp_path / "out.safetensors", progress=False)
+    with pytest.raises(w12.W12CheckpointError, match="nothing to pack: no tensor matches --include 'nope'"):
+        pack_checkpoint(src, tmp_path / "out.safetensors", include="nope", progress=False)
+    pack_checkpoint(src, tmp_path / "packed.safetensors", progress=False)
+    with pytest.raises(w12.W12CheckpointError, match="already a W12 file"):
+        pack_checkpoint(tmp_path / "packed.safetensors", tmp_path / "again.safetensors", progress=False)
+    (tmp_path / "adir").mkdir()
+    with pytest.raises(w12.W12CheckpointError, match="cannot write .*adir"):
+        pack_checkpoint(src, tmp_path / "adir", progress=False)
+    with pytest.raises(w12.W12CheckpointError, match="cannot write /proc/"):
+        pack_checkpoint(src, "/proc/w12-test-out.safetensors", progress=False)
+
+
+def test_compact_planes_round_trip_and_checks():
+    from w12.format import compact_nbytes, compact_planes, from_compact_planes
+
+    for K in (1, 2, 63, 64, 65, 127, 130):
+        w = (torch.randn(5, K, generator=torch.Generator().manual_seed(K)) * 0.02).bfloat16()
+        w[0, 0] = float("nan")
+        p = w12.pack(w)
+        c = compact_planes(p)
+        assert c["hi"].shape == (5, K) and c["lo"].shape == (5, (K + 1) // 2) and c["esc_rowptr"].shape == (5,)
+        assert sum(t.nbytes for t in c.values()) == compact_nbytes(5, K, p.num_escapes)
+        q = from_compact_planes(c, K).validate(deep=True)
+        for name in PLANES:
+            assert torch.equal(getattr(q, name), getattr(p, name)), (K, name)
+    c = compact_planes(w12.pack(torch.ones(3, 5, dtype=torch.bfloat16)))
+    with pytest.raises(w12.W12FormatError, match="do not fit K=6"):
+        from_compact_planes(c, 6)
+    c["lo"][0, -1] |= 0x10
+    with pytest.raises(w12.W12FormatError, match="padding nibble after column 4"):
+        from_compact_planes(c, 5)

@@ -1,6 +1,7 @@
 """W12Linear and convert(): in-place conversion of plain and HF transformers models (built offline)."""
 
 import importlib.util
+import json
 import sys
 import types
 
@@ -53,10 +54,74 @@ def test_buffers_follow_module(exact_ops):
     assert wl.w_hi.dtype == torch.uint8 and wl.bias.dtype == torch.float16
     sd = wl.state_dict()
     assert set(sd) == names | {"bias"}
-    wl2 = w12.W12Linear.from_linear(nn.Linear(64, 8).to(torch.bfloat16))
-    if wl2.w_esc_col.shape == wl.w_esc_col.shape:
-        wl2.load_state_dict(sd)
-        assert_bitwise_equal(wl2.weight.unpack(), before.unpack())
+    wl2 = w12.W12Linear.from_linear(nn.Linear(64, 8).to(torch.bfloat16)).to(torch.float16)
+    wl2.load_state_dict(sd)
+    assert_bitwise_equal(wl2.weight.unpack(), before.unpack())
+
+
+def _escape_heavy_mlp(seed, n_escapes):
+    """A converted MLP whose first layer has `n_escapes` escapes (so two of them differ in escape count)."""
+    torch.manual_seed(seed)
+    model = nn.Sequential(nn.Linear(75, 63), nn.GELU(), nn.Linear(63, 33, bias=False)).to(torch.bfloat16)
+    special = torch.tensor([1e30, -1e-30, float("inf"), float("nan"), -3e20, 0.0, -0.0], dtype=torch.bfloat16)
+    with torch.no_grad():
+        model[0].weight.view(-1)[: n_escapes] = special.repeat(n_escapes // len(special) + 1)[:n_escapes] * 1
+    w12.convert(model)
+    return model
+
+
+@pytest.mark.parametrize("n_src, n_dst", [(40, 0), (0, 40), (7, 300)], ids=["more-escapes", "fewer", "many"])
+def test_state_dict_round_trip_between_converted_models(exact_ops, n_src, n_dst):
+    src, dst = _escape_heavy_mlp(0, n_src), _escape_heavy_mlp(1, n_dst)
+    assert src[0].weight.num_escapes != dst[0].weight.num_escapes
+    x = torch.randn(3, 75).bfloat16()
+    want = src(x)
+    result = dst.load_state_dict(src.state_dict())
+    assert not result.missing_keys and not result.unexpected_keys
+    for a, b in ((src[0], dst[0]), (src[2], dst[2])):
+        assert_bitwise_equal(b.weight.unpack(), a.weight.unpack())
+        assert b.weight.num_escapes == a.weight.num_escapes
+    assert_bitwise_equal(dst(x), want)
+    # torch.save / torch.load(weights_only=True) of the state dict goes the same way
+    import io
+
+    buf = io.BytesIO()
+    torch.save(src.state_dict(), buf)
+    buf.seek(0)
+    dst2 = _escape_heavy_mlp(2, n_dst)
+    dst2.load_state_dict(torch.load(buf, weights_only=True))
+    assert_bitwise_equal(dst2(x), want)
+
+
+def test_load_state_dict_rejects_bad_planes(exact_ops):
+    src, dst = _escape_heavy_mlp(0, 10), _escape_heavy_mlp(1, 0)
+    sd = src.state_dict()
+    bad = dict(sd)
+    bad["0.w_esc_col"] = sd["0.w_esc_col"][:-1].clone()  # no longer matches esc_val / esc_rowptr
+    with pytest.raises(RuntimeError, match="esc_col .* and esc_val .* must be 1-D of equal length"):
+        dst.load_state_dict(bad)
+    bad = dict(sd)
+    bad["0.w_esc_col"] = sd["0.w_esc_col"].flip(0).contiguous()  # columns out of order
+    bad["0.w_esc_col"][0] = 1000
+    with pytest.raises(RuntimeError, match=r"0 is invalid after loading: w12.W12Weight: esc_col\[0\] = 1000 is outside"):
+        dst.load_state_dict(bad)
+    bad = dict(sd)
+    bad["0.w_hi"] = torch.zeros(63, 64, dtype=torch.uint8)  # K padded to 64, not 128
+    with pytest.raises(RuntimeError, match="size mismatch for 0.w_hi"):
+        dst.load_state_dict(bad)
+    partial = {k: v for k, v in sd.items() if k != "0.w_esc_val"}
+    with pytest.raises(RuntimeError, match=r"planes \['0.w_esc_val'\] are missing"):
+        dst.load_state_dict(partial, strict=False)
+
+
+def test_empty_shell_loads_on_meta(exact_ops):
+    src = _escape_heavy_mlp(0, 9)
+    with torch.device("meta"):
+        shell = nn.Sequential(w12.W12Linear.empty(75, 63), nn.GELU(), w12.W12Linear.empty(63, 33, bias=False))
+    assert shell[0].w_hi.is_meta and shell[0].w_esc_col.shape == (0,)
+    shell.load_state_dict(src.state_dict(), assign=True)
+    x = torch.randn(2, 75).bfloat16()
+    assert_bitwise_equal(shell(x), src(x))
 
 
 def test_convert_mlp(exact_ops):
@@ -142,3 +207,250 @@ def test_w12linear_real_ops_small():
     x = torch.randn(2, 64).bfloat16()
     ref = w12.matmul_reference(x, wl.weight, wl.bias)
     assert_close(wl(x), ref, lin(x).detach())
+
+
+# --- Hugging Face save_pretrained / from_pretrained through the registered "w12" quantizer -----------
+
+
+def _llama_with_escapes(seed=0):
+    model = _tiny_llama()
+    torch.manual_seed(seed)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.normal_(0, 0.05)
+        model.model.layers[0].mlp.down_proj.weight[0, :4] = torch.tensor([1e30, float("nan"), -1e-30, float("inf")])
+    return model
+
+
+def _logits(model, ids):
+    with torch.no_grad():
+        return model(ids).logits
+
+
+IDS = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))
+
+
+def test_hf_save_and_load_pretrained_bitwise(exact_ops, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import w12.hf
+
+    model = _llama_with_escapes()
+    report = w12.hf.quantize(model, exclude="lm_head")
+    assert report.num_converted == 14 and model.model.layers[0].mlp.down_proj.weight.num_escapes >= 4
+    want = _logits(model, IDS)
+    model.save_pretrained(tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())["quantization_config"]
+    assert cfg["quant_method"] == "w12" and len(cfg["modules"]) == 14 and "lm_head" not in cfg["modules"]
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    assert isinstance(loaded.model.layers[1].self_attn.q_proj, w12.W12Linear)
+    assert isinstance(loaded.lm_head, nn.Linear)
+    down = loaded.model.layers[0].mlp.down_proj.weight
+    assert down.num_escapes == model.model.layers[0].mlp.down_proj.weight.num_escapes
+    assert_bitwise_equal(_logits(loaded, IDS), want)
+    # saved again from the loaded model, loaded again: still the same
+    loaded.save_pretrained(tmp_path / "again")
+    again = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "again")
+    assert_bitwise_equal(_logits(again, IDS), want)
+
+
+def test_hf_round_trip_qwen2_biases_and_tied_head(exact_ops, tmp_path):
+    """q/k/v carry biases; lm_head is tied to the embedding (skipped by convert, restored by tying)."""
+    transformers = pytest.importorskip("transformers")
+    import w12.hf
+
+    cfg = transformers.Qwen2Config(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=2,
+                                   num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
+                                   tie_word_embeddings=True)
+    torch.manual_seed(0)
+    # built in BF16 (not cast afterwards: a cast also rounds the rotary inv_freq buffer, which loading does not)
+    model = transformers.AutoModelForCausalLM.from_config(cfg, dtype=torch.bfloat16).eval()
+    report = w12.hf.quantize(model)
+    assert report.num_converted == 14 and "tied to" in dict(report.skipped)["lm_head"]
+    want = _logits(model, IDS)
+    model.save_pretrained(tmp_path)
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+    q = loaded.model.layers[1].self_attn.q_proj
+    assert isinstance(q, w12.W12Linear) and q.bias is not None
+    assert_bitwise_equal(q.bias, model.model.layers[1].self_attn.q_proj.bias)
+    assert loaded.lm_head.weight is loaded.model.embed_tokens.weight
+    assert_bitwise_equal(_logits(loaded, IDS), want)
+
+
+def test_hf_convert_while_loading_bf16_checkpoint(exact_ops, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    import w12.hf
+
+    model = _llama_with_escapes(1)
+    want = _logits(model, IDS)
+    model.save_pretrained(tmp_path / "bf16")
+    q = transformers.AutoModelForCausalLM.from_pretrained(
+        tmp_path / "bf16", dtype=torch.bfloat16, quantization_config=w12.hf.W12Config(exclude=["lm_head"]))
+    assert isinstance(q.model.layers[0].mlp.up_proj, w12.W12Linear) and isinstance(q.lm_head, nn.Linear)
+    assert_bitwise_equal(_logits(q, IDS), want)  # exact_ops: the lossless weights give the BF16 model's logits
+    q.save_pretrained(tmp_path / "w12")
+    back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "w12")
+    assert_bitwise_equal(_logits(back, IDS), want)
+
+
+def _edit_checkpoint(path, fn):
+    from safetensors.torch import load_file, save_file
+
+    f = path / "model.safetensors"
+    sd = load_file(str(f))
+    fn(sd)
+    save_file(sd, str(f), metadata={"format": "pt"})
+
+
+@pytest.mark.parametrize("edit, match", [
+    (lambda sd: sd.pop("model.layers.0.mlp.down_proj.w_esc_val"), r"not loaded .*down_proj\.w_esc_val"),
+    (lambda sd: sd.pop("model.layers.1.self_attn.q_proj.w_hi"), r"not loaded .*q_proj\.w_hi"),
+    (lambda sd: sd.pop("model.norm.weight"), r"not loaded .*model\.norm\.weight"),
+    (lambda sd: sd.update({"model.layers.0.mlp.up_proj.w_lo": torch.zeros(96, 16, dtype=torch.uint8)}),
+     r"ignore_mismatched_sizes"),  # transformers' own size check raises (RuntimeError)
+    (lambda sd: sd.update({"model.layers.0.mlp.down_proj.w_esc_col":
+                           sd["model.layers.0.mlp.down_proj.w_esc_col"][:-1].clone()}),
+     "down_proj' is invalid"),
+    (lambda sd: sd["model.layers.0.mlp.down_proj.w_esc_col"].fill_(500), "down_proj' is invalid: w12.W12Weight: esc_col"),
+], ids=["missing-escapes", "missing-hi", "missing-norm", "wrong-shape-lo", "short-escape-list", "bad-escape-col"])
+def test_hf_load_refuses_missing_or_bad_weights(exact_ops, tmp_path, edit, match):
+    transformers = pytest.importorskip("transformers")
+    import w12.hf
+
+    model = _llama_with_escapes()
+    w12.hf.quantize(model, exclude="lm_head")
+    model.save_pretrained(tmp_path)
+    _edit_checkpoint(tmp_path, edit)
+    with pytest.raises((w12.W12CheckpointError, RuntimeError), match=match):
+        transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
+
+
+def test_hf_config_checks(tmp_path):
+    pytest.importorskip("transformers")
+    import w12.hf
+
+    assert w12.hf.W12Config.from_dict(w12.hf.W12Config(exclude="x", modules=["b", "a"]).to_dict()).modules == ["a", "b"]
+    with pytest.raises(w12.W12CheckpointError, match="format version 9"):
+        w12.hf.W12Config(format_version=9)
+    with pytest.raises(ValueError, match="unknown fields"):
+        w12.hf.W12Config(bits=4)
+    with pytest.raises(w12.W12CheckpointError, match="no 'modules' list"):
+        w12.hf.W12HfQuantizer(w12.hf.W12Config(), pre_quantized=True)
+
+
+# --- a `specpilot pack` output loads into a runnable model -------------------------------------------
+
+
+def test_pack_output_loads_into_model(exact_ops, tmp_path):
+    transformers = pytest.importorskip("transformers")
+    from specpilot import cli
+
+    model = _llama_with_escapes(2)
+    want = _logits(model, IDS)
+    model.save_pretrained(tmp_path / "bf16")
+    src, dst = tmp_path / "bf16" / "model.safetensors", tmp_path / "packed.safetensors"
+    assert cli.main(["pack", str(src), str(dst)]) == 0
+    fresh = transformers.LlamaForCausalLM(model.config).to(torch.bfloat16).eval()  # other random weights
+    report = w12.load_model_weights(fresh, dst)
+    assert report.num_converted == 15  # 7 per layer and lm_head; the embedding is decoded to BF16
+    assert isinstance(fresh.model.layers[0].mlp.down_proj, w12.W12Linear) and isinstance(fresh.lm_head, w12.W12Linear)
+    assert_bitwise_equal(fresh.model.embed_tokens.weight, model.model.embed_tokens.weight)
+    assert_bitwise_equal(_logits(fresh, IDS), want)
+
+
+def test_load_model_weights_is_strict(exact_ops, tmp_path):
+    model = _mlp()
+    w12.save_file(tmp_path / "ok.safetensors", {"0.weight": w12.pack(model[0].weight.detach()),
+                                               "0.bias": model[0].bias.detach(),
+                                               "2.weight": w12.pack(model[2].weight.detach())})
+    x = torch.randn(3, 75).bfloat16()
+    want = model(x).detach()
+    fresh = nn.Sequential(nn.Linear(75, 63), nn.GELU(), nn.Linear(63, 33, bias=False)).to(torch.bfloat16)
+    w12.load_model_weights(fresh, tmp_path / "ok.safetensors")
+    assert_bitwise_equal(fresh(x), want)
+    with torch.device("meta"):
+        meta = nn.Sequential(nn.Linear(75, 63), nn.GELU(), nn.Linear(63, 33, bias=False)).to(torch.bfloat16)
+    w12.load_model_weights(meta, tmp_path / "ok.safetensors")
+    assert_bitwise_equal(meta(x), want)
+    cases = {
+        "missing": ({"0.weight": w12.pack(model[0].weight.detach()), "2.weight": w12.pack(model[2].weight.detach())},
+                    r"not in the file: \['0.bias'\]"),
+        "unexpected": ({"0.weight": model[0].weight.detach(), "0.bias": model[0].bias.detach(),
+                        "2.weight": model[2].weight.detach(), "9.weight": torch.zeros(2)}, "'9.weight'|9.weight: in the file"),
+        "shape": ({"0.weight": w12.pack(model[0].weight.detach()[:, :70].contiguous()), "0.bias": model[0].bias.detach(),
+                   "2.weight": w12.pack(model[2].weight.detach())}, r"0.weight: W12 weight is \[63, 70\]"),
+        "dtype": ({"0.weight": model[0].weight.detach().float(), "0.bias": model[0].bias.detach(),
+                   "2.weight": model[2].weight.detach()}, "file has dtype torch.float32"),
+    }
+    for name, (tensors, match) in cases.items():
+        w12.save_file(tmp_path / f"{name}.safetensors", tensors)
+        fresh = nn.Sequential(nn.Linear(75, 63), nn.GELU(), nn.Linear(63, 33, bias=False)).to(torch.bfloat16)
+        before = {k: v.clone() for k, v in fresh.state_dict().items()}
+        with pytest.raises(w12.W12CheckpointError, match=match):
+            w12.load_model_weights(fresh, tmp_path / f"{name}.safetensors")
+        for k, v in fresh.state_dict().items():  # nothing changed
+            assert_bitwise_equal(v, before[k])
+
+
+# --- torch.compile (inductor) on the CPU --------------------------------------------------------------
+# Cause of the 1-ulp difference (found here): on the "torch" variant, w12.ops computes F.linear in
+# fp32 and casts to the activation dtype inside the triton_op, which inductor decomposes; inductor
+# then fuses that cast with the next pointwise op (GELU) and the next layer's upcast, and skips the
+# BF16 rounding in between (torch._inductor.config.emulate_precision_casts is False by default).
+# Calling the torch variant through an opaque custom op (outside the decomposed triton_op) keeps
+# the rounding; that change belongs in w12/ops.py.
+
+
+def _compile_case():
+    torch.manual_seed(0)
+    model = nn.Sequential(nn.Linear(96, 160), nn.GELU(), nn.Linear(160, 64)).to(torch.bfloat16).eval()
+    x = torch.randn(8, 96).bfloat16()
+    return model, x
+
+
+def _eager_and_compiled(model, x):
+    import autotune
+
+    torch._dynamo.reset()
+    with torch.no_grad(), autotune.force("w12.matmul", variant="torch"):
+        return model(x), torch.compile(model)(x)
+
+
+@pytest.mark.slow
+def test_compile_plain_linear_model_bitwise():
+    model, x = _compile_case()
+    eager, compiled = _eager_and_compiled(model, x)
+    assert_bitwise_equal(compiled, eager)
+
+
+@pytest.mark.slow
+@pytest.mark.xfail(strict=False, raises=AssertionError,
+                   reason="w12.ops runs the torch variant inside the triton_op that inductor decomposes: the fp32->bf16 "
+                          "cast of its output is fused with the next op and not rounded (see the comment above)")
+def test_compile_converted_model_bitwise():
+    model, x = _compile_case()
+    w12.convert(model)
+    eager, compiled = _eager_and_compiled(model, x)
+    assert_bitwise_equal(compiled, eager)
+
+
+@pytest.mark.slow
+def test_compile_converted_model_bitwise_when_inductor_keeps_casts():
+    """The exact cause: with inductor emulating every eager cast, compiled == eager bit for bit."""
+    import torch._inductor.config as inductor_config
+
+    model, x = _compile_case()
+    w12.convert(model)
+    with inductor_config.patch(emulate_precision_casts=True):
+        eager, compiled = _eager_and_compiled(model, x)
+    assert_bitwise_equal(compiled, eager)
+
+
+def test_importing_w12_after_transformers_registers_the_method():
+    import subprocess
+    import sys as _sys
+
+    code = ("import transformers, w12; from transformers.quantizers.auto import AUTO_QUANTIZER_MAPPING as m; "
+            "print('w12' in m)")
+    root = __file__.rsplit("/tests/", 1)[0]
+    r = subprocess.run([_sys.executable, "-c", code], capture_output=True, text=True, cwd=root, timeout=240)
+    assert r.stdout.strip() == "True", r.stderr[-2000:]

@@ -1,0 +1,180 @@
+"""Hugging Face `transformers` integration: the quantization method "w12" (config + `HfQuantizer`).
+
+Importing this module registers both with transformers (`register_quantization_config`,
+`register_quantizer`); import it before `from_pretrained` on a W12 checkpoint, or transformers
+does not know the method.
+
+    import w12.hf
+
+    # convert while loading a BF16 checkpoint (packs after the weights are loaded)
+    model = AutoModelForCausalLM.from_pretrained(bf16_dir, dtype=torch.bfloat16,
+                                                 quantization_config=w12.hf.W12Config(exclude="lm_head"))
+    # or convert a model in memory
+    w12.hf.quantize(model, exclude="lm_head")
+
+    model.save_pretrained(out_dir)                      # planes as buffers, config names the W12 modules
+    model = AutoModelForCausalLM.from_pretrained(out_dir)
+
+Loading a W12 checkpoint is strict: the config lists the converted modules, which are replaced by
+`W12Linear` shells before loading; every parameter and persistent buffer of the model must come
+from the checkpoint (a missing or mismatched one raises `W12CheckpointError` instead of being
+re-initialised), and every W12 weight is validated (deep) after loading. The escape lists are the
+only tensors whose shape is data; the loader is told so (`param_needs_quantization`) and replaces
+their placeholders whatever their length.
+"""
+
+from __future__ import annotations
+
+import re
+
+import torch
+from torch import nn
+from transformers.quantizers.auto import (
+    AUTO_QUANTIZATION_CONFIG_MAPPING,
+    AUTO_QUANTIZER_MAPPING,
+    register_quantization_config,
+    register_quantizer,
+)
+from transformers.quantizers.base import HfQuantizer
+from transformers.utils.quantization_config import QuantizationConfigMixin
+
+from .errors import W12CheckpointError, W12FormatError
+from .format import FORMAT_VERSION
+from .nn import ConversionReport, W12Linear, convert
+
+__all__ = ["QUANT_METHOD", "W12Config", "W12HfQuantizer", "quantize"]
+
+QUANT_METHOD = "w12"
+_RESIZABLE_BUFFERS = ("w_esc_col", "w_esc_val")
+
+
+def _patterns(p) -> list[str] | None:
+    if p is None:
+        return None
+    return [p] if isinstance(p, str) else list(p)
+
+
+class W12Config(QuantizationConfigMixin):
+    """`quantization_config` for W12. `include` / `exclude`: fnmatch patterns on module names for
+    converting while loading a BF16 checkpoint (as `w12.convert`); `modules`: the converted
+    modules, filled in by the conversion and read when a W12 checkpoint is loaded."""
+
+    def __init__(self, include=None, exclude=None, modules=None, format_version: int = FORMAT_VERSION,
+                 quant_method: str = QUANT_METHOD, **kwargs):
+        if quant_method != QUANT_METHOD:
+            raise ValueError(f"W12Config: quant_method must be {QUANT_METHOD!r}, got {quant_method!r}")
+        if int(format_version) != FORMAT_VERSION:
+            raise W12CheckpointError(f"W12Config: checkpoint has W12 format version {format_version}, this w12 reads "
+                                     f"{FORMAT_VERSION}; upgrade specpilot or re-convert the model")
+        if kwargs:
+            raise ValueError(f"W12Config: unknown fields {sorted(kwargs)}")
+        self.quant_method = QUANT_METHOD
+        self.include = _patterns(include)
+        self.exclude = _patterns(exclude)
+        self.modules = None if modules is None else sorted(modules)
+        self.format_version = FORMAT_VERSION
+
+    def to_dict(self) -> dict:
+        return {"quant_method": QUANT_METHOD, "include": self.include, "exclude": self.exclude,
+                "modules": self.modules, "format_version": self.format_version}
+
+
+class W12HfQuantizer(HfQuantizer):
+    """Loads W12 checkpoints strictly (`pre_quantized`), or converts a BF16 model after loading."""
+
+    requires_calibration = False
+
+    def __init__(self, quantization_config: W12Config, **kwargs):
+        super().__init__(quantization_config, **kwargs)
+        if self.pre_quantized and quantization_config.modules is None:
+            raise W12CheckpointError("the checkpoint's W12 quantization_config has no 'modules' list; it was not "
+                                     "written by w12 (save with model.save_pretrained after w12.hf.quantize)")
+
+    def _process_model_before_weight_loading(self, model, **kwargs):
+        if not self.pre_quantized:
+            return model
+        for name in self.quantization_config.modules:
+            try:
+                mod = model.get_submodule(name)
+            except AttributeError:
+                raise W12CheckpointError(f"W12 checkpoint lists module {name!r}, which the model does not have; "
+                                         f"the config and the architecture disagree") from None
+            if type(mod) is not nn.Linear:
+                raise W12CheckpointError(f"W12 checkpoint lists {name!r}, but it is a {type(mod).__name__}, not "
+                                         f"an nn.Linear")
+            shell = W12Linear.empty(mod.in_features, mod.out_features, bias=mod.bias is not None,
+                                    device=mod.weight.device, dtype=mod.weight.dtype)
+            parent, _, child = name.rpartition(".")
+            setattr(model.get_submodule(parent) if parent else model, child, shell)
+        return model
+
+    def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
+        # Read by the loader to allow a shape that differs from the placeholder: only the escape
+        # lists, whose length is the weight's escape count.
+        mod_name, _, leaf = param_name.rpartition(".")
+        if not self.pre_quantized or leaf not in _RESIZABLE_BUFFERS:
+            return False
+        try:
+            return isinstance(model.get_submodule(mod_name), W12Linear)
+        except AttributeError:
+            return False
+
+    def _process_model_after_weight_loading(self, model, **kwargs):
+        if not self.pre_quantized:
+            report = convert(model, include=self.quantization_config.include, exclude=self.quantization_config.exclude)
+            self.quantization_config.modules = _w12_modules(model)
+            model._w12_report = report
+            return model
+        ignore = list(getattr(model, "_keys_to_ignore_on_load_missing", None) or [])
+        # The loader flags each tensor it set (and tied ones); anything else was created empty and
+        # would be initialised at random.
+        not_loaded = [k for k, t in model.state_dict(keep_vars=True).items()
+                      if not getattr(t, "_is_hf_initialized", False)
+                      and not any(re.search(p, k) for p in ignore)]
+        if not_loaded:
+            raise W12CheckpointError(
+                f"W12 checkpoint: {len(not_loaded)} model tensors were not loaded (missing from the checkpoint or "
+                f"of the wrong shape): {not_loaded[:8]}; refusing to initialise them at random")
+        for name, mod in model.named_modules():
+            if isinstance(mod, W12Linear):
+                try:
+                    mod.weight.validate(deep=True)
+                except W12FormatError as e:
+                    raise W12CheckpointError(f"W12 checkpoint: weight {name!r} is invalid: {e}") from e
+        return model
+
+    def is_serializable(self, safe_serialization=None) -> bool:
+        return True
+
+    @property
+    def is_trainable(self) -> bool:
+        return False
+
+    @property
+    def is_compileable(self) -> bool:
+        return True
+
+
+def _w12_modules(model: nn.Module) -> list[str]:
+    return sorted(n for n, m in model.named_modules() if isinstance(m, W12Linear))
+
+
+def quantize(model, include=None, exclude=None, verify: bool = True) -> ConversionReport:
+    """`w12.convert` a transformers model in place and attach the W12 quantization config and
+    quantizer, so `model.save_pretrained` writes a checkpoint that `from_pretrained` loads back."""
+    if not hasattr(model, "config"):
+        raise TypeError(f"w12.hf.quantize expects a transformers PreTrainedModel, got {type(model).__name__}; "
+                        f"use w12.convert for other modules")
+    report = convert(model, include=include, exclude=exclude, verify=verify)
+    cfg = W12Config(include=include, exclude=exclude, modules=_w12_modules(model))
+    model.config.quantization_config = cfg
+    model.hf_quantizer = W12HfQuantizer(cfg, pre_quantized=True)
+    model.is_quantized = True
+    model.quantization_method = QUANT_METHOD
+    return report
+
+
+if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
+    register_quantization_config(QUANT_METHOD)(W12Config)
+if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:
+    register_quantizer(QUANT_METHOD)(W12HfQuantizer)
