@@ -199,6 +199,8 @@ def _matmul_op(x2d: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, e0: torch.
     plan = _plan(OP_Q8 if q8 else OP, None if variant == "auto" else variant, x2d, hi)
     if plan.kernel == "mma":  # traced as the opaque CUDA op, not decomposed
         return torch.ops.specpilot_w12.matmul_mma(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8)
+    if plan.kernel == "torch":  # opaque too: inductor would fuse its fp32 -> x.dtype cast away (see _matmul_torch_op)
+        return torch.ops.specpilot_w12.matmul_torch(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8)
     out = _empty_out(x2d, hi)
     _launch(plan, x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, out, q8=q8, wrap=wrap_triton)
     return out
@@ -214,6 +216,21 @@ def _matmul_mma_op(x2d: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, e0: to
 
 
 @_matmul_mma_op.register_fake
+def _(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8):
+    return x2d.new_empty((x2d.shape[0], hi.shape[0]))
+
+
+@torch.library.custom_op("specpilot_w12::matmul_torch", mutates_args=())
+def _matmul_torch_op(x2d: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, e0: torch.Tensor,
+                     esc_rowptr: torch.Tensor, esc_col: torch.Tensor, esc_val: torch.Tensor, bias: Optional[torch.Tensor],
+                     q8: bool) -> torch.Tensor:
+    """The decode + fp32 F.linear path as an opaque op. Traced inside the `triton_op`, inductor fuses its final
+    cast to x's dtype with the consumer and skips that rounding, so a compiled model would differ from eager by
+    an ulp; opaque, the rounding stays where eager has it."""
+    return _torch_fallback(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, K=x2d.shape[1], q8=q8)
+
+
+@_matmul_torch_op.register_fake
 def _(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8):
     return x2d.new_empty((x2d.shape[0], hi.shape[0]))
 
