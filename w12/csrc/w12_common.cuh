@@ -5,7 +5,15 @@
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#ifdef __CUDACC_RTC__
+// NVRTC has no C library headers: the fixed-width types the kernels use (LP64 / LLP64 agree on these)
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+#else
 #include <stdint.h>
+#endif
 
 namespace {
 

@@ -28,10 +28,6 @@
 // stores bf16, coalesced along N. rowptr of the CTA's rows is loaded before the main loop.
 // Configuration comes from -D defines (w12/cuda.py compiles one cubin per config).
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
-
 #include "w12_common.cuh"
 
 #ifndef W12_MT

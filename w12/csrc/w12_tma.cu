@@ -37,11 +37,6 @@
 // x * escape - x * 2^(e0 - 127) for each, in CSR order. Each thread fetches its rows' escape range
 // and first escape before the main loop, so most rows (0 or 1 escape) pay one dependent load.
 
-#include <cuda.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
-
 #include "w12_common.cuh"
 
 #ifndef W12_MT
@@ -94,6 +89,12 @@
 #endif
 
 namespace {
+
+// CUtensorMap's size and alignment (cuda.h, which NVRTC cannot include): 128 opaque bytes that
+// cuTensorMapEncodeTiled fills on the host (autotune.jit.tensor_map_2d)
+struct alignas(64) TensorMap {
+  unsigned long long opaque[16];
+};
 
 constexpr int MT = W12_MT;          // m-tiles (16 weight rows) per consumer warp
 constexpr int NT = W12_NT;          // n-tiles (8 tokens)
@@ -172,7 +173,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
-__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+__device__ __forceinline__ void tma_2d(uint32_t dst, const TensorMap* map, int c0, int c1, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
       ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar)
@@ -260,10 +261,10 @@ __device__ __forceinline__ uint4 lds128(uint32_t a) {
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_kernel(
-    const __grid_constant__ CUtensorMap tm_hi,  // uint8 [N, Kp], box 64 x R
-    const __grid_constant__ CUtensorMap tm_lo,  // uint8 [N, Kp / 2], box 32 x R (unused for Q8)
+    const __grid_constant__ TensorMap tm_hi,  // uint8 [N, Kp], box 64 x R
+    const __grid_constant__ TensorMap tm_lo,  // uint8 [N, Kp / 2], box 32 x R (unused for Q8)
 #if W12_XBOX
-    const __grid_constant__ CUtensorMap tm_x,   // 16-bit [M, Kp] (row stride ldx), box 64 x 8 NT, 128 B swizzle
+    const __grid_constant__ TensorMap tm_x,   // 16-bit [M, Kp] (row stride ldx), box 64 x 8 NT, 128 B swizzle
 #endif
     const __nv_bfloat16* __restrict__ x,        // [M, >= Kp], row stride ldx, 16-byte aligned rows
     long long ldx,
