@@ -1,4 +1,5 @@
-"""Hardware ceilings, byte floors and the launch-config mechanism every operator uses."""
+"""Hardware ceilings, byte floors, the launch-config mechanism every operator uses, and the JIT builds and
+launches of the CUDA C++ kernels (`autotune.jit`)."""
 
 from .config import bucket_m, force, forced, get_config, drop_tuned, load_tuned, select_variant, shape_key, store_tuned, versions
 from .hardware import (
@@ -17,9 +18,10 @@ from .hardware import (
     measure_ceilings,
     peak_rates,
 )
+from .jit import BuildError
 
 __all__ = [
-    "GPUS", "Ceilings", "GpuSpec", "bucket_m", "byte_floor", "cached_ceilings", "compute_capability",
+    "BuildError", "GPUS", "Ceilings", "GpuSpec", "bucket_m", "byte_floor", "cached_ceilings", "compute_capability",
     "force", "forced", "get_config", "gpu_name", "gpu_slug", "gpu_spec", "has_cuda", "has_wgmma",
     "drop_tuned", "is_interpreter", "load_tuned", "measure_ceilings", "peak_rates", "select_variant", "shape_key",
     "store_tuned", "versions",
