@@ -124,8 +124,9 @@ TMA_ODD = [TmaConfig(2, 4, 6), TmaConfig(1, 8, 8), TmaConfig(4, 4, 3), TmaConfig
 
 @pytest.fixture(scope="module", autouse=True)
 def _prebuild_cuda_kernels():
-    """Compile every CUDA config this module launches in parallel up front (nvcc takes ~1 s per
-    cubin; one at a time the odd-shape tests would spend minutes compiling on a fresh machine)."""
+    """Compile every CUDA config this module launches in parallel up front (NVRTC takes ~1-2 s per
+    cubin and releases the GIL; one at a time the odd-shape tests would spend minutes compiling on a
+    fresh machine)."""
     if not wcuda.available(_dev()):
         return
     arch = torch.cuda.get_device_capability()
