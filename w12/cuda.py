@@ -62,7 +62,8 @@ def spec(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], *
     `arch`; `defines` add to (or override) the config's W12_* defines."""
     if isinstance(cfg, TmaConfig):
         if arch[0] != 9:
-            raise ValueError(f"w12.cuda.spec: {cfg} is the TMA kernel, which needs an sm_90 GPU, got sm_{arch[0]}{arch[1]}")
+            raise ValueError(f"w12.cuda.spec: {cfg} is the TMA kernel, which needs an sm_90 GPU, "
+                             f"got sm_{arch[0]}{arch[1]}")
         base = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8), AHEAD=int(cfg.ahead), WG=int(cfg.wg),
                     XCP=int(cfg.xcp), SK=int(cfg.sk > 0), XBOX=int(cfg.xbox))
         source, kernel = TMA_SOURCE, TMA_KERNEL

@@ -252,7 +252,8 @@ def test_pick_split_k():
 
 
 def _emulate_pk_decode(h: torch.Tensor, lo: torch.Tensor, e0: torch.Tensor, mode: str) -> torch.Tensor:
-    """The PTX op sequence of `pk_decode.asm_text(mode, 'bf16')` on int64 torch tensors (32-bit wrap). h, lo, e0: integer tensors of one shape, 4 elements per pack along the last dim
+    """The PTX op sequence of `pk_decode.asm_text(mode, 'bf16')` on int64 torch tensors (32-bit wrap).
+    h, lo, e0: integer tensors of one shape, 4 elements per pack along the last dim
     (length divisible by 4). Returns the bf16 bit patterns (int64 0..0xFFFF) per element."""
     M32 = 0xFFFFFFFF
     h4 = h.long().reshape(-1, 4)
