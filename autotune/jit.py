@@ -88,10 +88,15 @@ def include_dirs() -> tuple[str, ...]:
         found = find_nvidia_header_directory("cudart")
     except ImportError:
         pass
-    if found is None:
+    if found is None:  # an older cuda-pathfinder: the runtime wheel's layouts, then CUDA_HOME
+        import site
+        import sysconfig
+
         home = os.environ.get("CUDA_HOME") or os.environ.get("CUDA_PATH")
-        cand = Path(home) / "include" if home else None
-        found = str(cand) if cand is not None and (cand / "cuda_bf16.h").is_file() else None
+        roots = [sysconfig.get_paths()["purelib"], *site.getsitepackages()]
+        cands = [Path(r) / "nvidia" / sub / "include" for r in roots for sub in ("cu13", "cuda_runtime")]
+        cands += [Path(home) / "include"] if home else []
+        found = next((str(c) for c in cands if (c / "cuda_bf16.h").is_file()), None)
     if found is None or not (Path(found) / "cuda_bf16.h").is_file():
         raise BuildError(f"autotune.jit: the CUDA headers (cuda_bf16.h) were not found; {_INSTALL}, or set CUDA_HOME")
     return (found,)
