@@ -1,5 +1,6 @@
 """The ground floor: hardware table and measured ceilings, byte floors, launch configs (tuned
-configs as data), the dispatch types (`Variants`, `Plan`) and the interpreter repairs.
+configs as data), the dispatch types (`Variants`, `Plan`), the JIT builds and launches of the CUDA C++
+kernels (`autotune.jit`) and the interpreter repairs.
 
 Imports nothing of this project: operators build on it, never the other way round
 (docs/architecture.md). With TRITON_INTERPRET=1 set, importing it applies the repairs of
@@ -26,9 +27,10 @@ from .hardware import (
     measure_ceilings,
     peak_rates,
 )
+from .jit import BuildError
 
 __all__ = [
-    "GPUS", "Ceilings", "GpuSpec", "Plan", "PlanCache", "Variants", "bucket_m", "byte_floor", "cached_ceilings",
+    "BuildError", "GPUS", "Ceilings", "GpuSpec", "Plan", "PlanCache", "Variants", "bucket_m", "byte_floor", "cached_ceilings",
     "clear_plans", "compute_capability", "drop_tuned", "force", "forced", "get_config", "gpu_name", "gpu_slug",
     "gpu_spec", "has_cuda", "has_wgmma", "is_interpreter", "load_tuned", "measure_ceilings", "peak_rates", "shape_key",
     "store_tuned", "versions",

@@ -1,36 +1,33 @@
-"""The CUDA C++ tree-verify kernel (`csrc/gdn_tree.cu`): build with nvcc, load and launch through the
-driver API (autotune.cudadrv), on torch's current stream (CUDA graphs capture it).
+"""The CUDA C++ tree-verify kernel (`csrc/gdn_tree.cu`): built with NVRTC, loaded and launched through the
+driver API (autotune.jit), on torch's current stream (CUDA graphs capture it).
 
-One cubin per (config, node tile, K, dtypes, layout, arch), compiled on first use into
-`$SPECPILOT_CACHE/gdn_cuda`. What it takes (`unsupported()` names the first thing that fails, and
-`gdn.tree_verify` then runs the Triton WY kernel instead): an sm_80+ GPU with nvcc, bf16 q/k/v,
-g and beta in fp32/bf16/fp16, at most 32 nodes per request, K a multiple of 32 up to 256, V a multiple
-of the config's BV, 16-byte aligned rows.
+One CUBIN per (config, node tile, K, dtypes, layout, PDL, arch) (`spec()`), compiled on first use and cached on
+disk by autotune.jit. What it takes (`unsupported()` names the first thing that fails, and `gdn.tree_verify`
+then runs the Triton WY kernel instead): an sm_80+ GPU with its driver and cuda-python's NVRTC, bf16 q/k/v,
+g and beta in fp32/bf16/fp16, at most MAX_CUDA_NODES nodes per request, K a multiple of 32 up to 256, V a
+multiple of the config's BV, 16-byte aligned rows.
 """
 
 from __future__ import annotations
 
-import ctypes
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from autotune.cudadrv import (FunctionCache, allow_dynamic_smem, available, compile_cached, launch, load_kernel,
-                              read_global_u32)
+from autotune import jit
+from autotune.jit import BuildError, available, unavailable
 
 from .configs import CudaConfig
 
-__all__ = ["available", "unsupported", "build", "run", "SOURCE", "KERNEL", "MAX_CUDA_NODES"]
+__all__ = ["available", "unavailable", "unsupported", "spec", "build", "run", "BuildError", "SOURCE", "KERNEL",
+           "MAX_CUDA_NODES"]
 
 SOURCE = Path(__file__).with_name("csrc") / "gdn_tree.cu"
-KERNEL = b"gdn_tree_cuda_kernel"
-MAX_CUDA_NODES = 32  # nodes per request the kernel takes (gdn.MAX_NODES, the plan's bound, is larger)
+KERNEL = "gdn_tree_cuda_kernel"
+MAX_CUDA_NODES = 32  # the kernel's node tile; gdn.MAX_NODES (the plan's limit) is larger
 _DT = {torch.float32: 0, torch.bfloat16: 1, torch.float16: 2}
-_FUNCS = FunctionCache()
-
-
-class CudaBuildError(RuntimeError):
-    """nvcc failed on csrc/gdn_tree.cu (the message holds its output)."""
+_KERNELS = jit.FunctionCache()  # (kernel, dynamic smem) by specialisation and device
 
 
 def _aligned(t: torch.Tensor, elems: int, *strides: int) -> bool:
@@ -39,8 +36,9 @@ def _aligned(t: torch.Tensor, elems: int, *strides: int) -> bool:
 
 def unsupported(q, k, v, g, beta, o, pool, state_idx, vk: bool, max_nodes: int, cfg: CudaConfig) -> str | None:
     """Why this call cannot run on the CUDA kernel (None: it can)."""
-    if not available(q.device):
-        return "needs an sm_80+ CUDA GPU and nvcc"
+    why = unavailable(q.device)
+    if why is not None:
+        return why
     if any(t.dtype != torch.bfloat16 for t in (q, k, v)):
         return "q, k and v must be bf16"
     if o.dtype not in (torch.bfloat16, torch.float32):
@@ -70,48 +68,43 @@ def unsupported(q, k, v, g, beta, o, pool, state_idx, vk: bool, max_nodes: int, 
     return None
 
 
-def _flags(cfg: CudaConfig, nt: int, K: int, l2: bool, vk: bool, gdt: int, bdt: int, odt: int, idx64: bool, pdl: bool,
-           arch: tuple[int, int]) -> list[str]:
-    sm = f"{arch[0]}{arch[1]}"
-    defines = dict(NT=nt, K=K, BV=cfg.BV, PIECES=cfg.pieces, L2=int(l2), VK=int(vk), GDT=gdt, BDT=bdt, ODT=odt,
-                   IDX64=int(idx64), PDL=int(pdl), MINB=cfg.min_blocks, SKIP=cfg.skip,
-                   UNROLL_OUT=cfg.unroll_out, UNROLL_KS=cfg.unroll_ks, SPLITW=int(cfg.split_warps),
-                   TRACE=int(cfg.trace))
-    return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", *(f"-DGDN_{k}={v}" for k, v in defines.items())]
+def spec(cfg: CudaConfig, nt: int, K: int, *, l2: bool = True, vk: bool = False, gdt: int = 0, bdt: int = 1,
+         odt: int = 1, idx64: bool = False, pdl: bool = False, arch: tuple[int, int] = (9, 0),
+         defines: Mapping[str, object] | None = None) -> jit.Spec:
+    """The build of one specialisation; `defines` add to (or override) its GDN_* defines."""
+    base = dict(NT=nt, K=K, BV=cfg.BV, PIECES=cfg.pieces, L2=int(l2), VK=int(vk), GDT=gdt, BDT=bdt, ODT=odt,
+                IDX64=int(idx64), PDL=int(pdl), MINB=cfg.min_blocks, SKIP=cfg.skip, UNROLL_OUT=cfg.unroll_out,
+                UNROLL_KS=cfg.unroll_ks, SPLITW=int(cfg.split_warps), TRACE=int(cfg.trace))
+    target = jit.arch_name(arch)
+    name = (f"gdn_tree-{cfg.tag()}-nt{nt}-k{K}-l{int(l2)}-vk{int(vk)}-g{gdt}b{bdt}o{odt}-i{int(idx64)}-p{int(pdl)}-"
+            f"{target}")
+    return jit.Spec(SOURCE, KERNEL, target, {f"GDN_{k}": v for k, v in base.items()} | dict(defines or {}), name=name)
 
 
 def build(cfg: CudaConfig, nt: int, K: int, *, l2: bool = True, vk: bool = False, gdt: int = 0, bdt: int = 1,
-          odt: int = 1, idx64: bool = False, pdl: bool = False, arch: tuple[int, int] = (9, 0), out: str = "cubin") -> Path:
-    """Compile the kernel for one specialisation (`out` "cubin" or "ptx"); cached on disk."""
-    flags = _flags(cfg, nt, K, l2, vk, gdt, bdt, odt, idx64, pdl, arch)
-    name = f"gdn_tree-{cfg.tag()}-nt{nt}-k{K}-l{int(l2)}-vk{int(vk)}-g{gdt}b{bdt}o{odt}-i{int(idx64)}-p{int(pdl)}-sm{arch[0]}{arch[1]}"
-    try:
-        return compile_cached(SOURCE, flags, subdir="gdn_cuda", name=name, out=out, error=CudaBuildError)
-    except CudaBuildError as e:
-        # ptxas 13.0 fails register allocation (C7600, "register count of '7'") on some sm_90 specialisations
-        # (node tile 16, 2 state pieces) at -O2 and above; its -O1 assembles them (no spills, local compile)
-        if "C7600" not in str(e):
-            raise
-        return compile_cached(SOURCE, flags + ["-Xptxas=-O1"], subdir="gdn_cuda", name=name + "-O1", out=out,
-                              error=CudaBuildError)
+          odt: int = 1, idx64: bool = False, pdl: bool = False, arch: tuple[int, int] = (9, 0), out: str = "cubin",
+          defines: Mapping[str, object] | None = None) -> Path:
+    """Compile one specialisation (cached on disk) and return its file `out`: "cubin", "ptx" or "log"
+    (NVRTC's log with ptxas's resource report). Raises autotune.BuildError."""
+    s = spec(cfg, nt, K, l2=l2, vk=vk, gdt=gdt, bdt=bdt, odt=odt, idx64=idx64, pdl=pdl, arch=arch, defines=defines)
+    return getattr(s.compile(), out)
 
 
-def _function(key: tuple) -> tuple[ctypes.c_void_p, int]:
-    return _FUNCS.get_or_make(key, lambda: _load(*key))
+def _kernel(key: tuple) -> tuple[jit.Kernel, int]:
+    return _KERNELS.get_or_make(key, lambda: _load(*key))
 
 
-def _load(cfg, nt, K, l2, vk, gdt, bdt, odt, idx64, pdl, idx) -> tuple[ctypes.c_void_p, int]:
+def _load(cfg, nt, K, l2, vk, gdt, bdt, odt, idx64, pdl, idx) -> tuple[jit.Kernel, int]:
     arch = torch.cuda.get_device_capability(idx)
-    image = build(cfg, nt, K, l2=l2, vk=vk, gdt=gdt, bdt=bdt, odt=odt, idx64=idx64, pdl=pdl, arch=arch).read_bytes()
-    mod, fn = load_kernel(image, KERNEL, idx)
-    smem = read_global_u32(mod, b"gdn_tree_smem_bytes")
+    kernel = spec(cfg, nt, K, l2=l2, vk=vk, gdt=gdt, bdt=bdt, odt=odt, idx64=idx64, pdl=pdl, arch=arch).load(idx)
+    smem = kernel.read_global_u32("gdn_tree_smem_bytes")
     limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
     if smem > limit:
-        raise ValueError(f"{cfg} needs {smem} bytes of shared memory per CTA (node tile {nt}, K={K}); this GPU "
-                         f"allows {limit}: use a smaller BV")
+        raise ValueError(f"gdn.cuda: {cfg} needs {smem} bytes of shared memory per CTA (node tile {nt}, K={K}); this "
+                         f"GPU allows {limit}: use a smaller BV")
     if smem > 48 << 10:
-        allow_dynamic_smem(fn, smem)
-    return fn, smem
+        kernel.set_max_dynamic_smem(smem)
+    return kernel, smem
 
 
 class _Trace:
@@ -148,13 +141,16 @@ def run(cfg: CudaConfig, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale: f
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     key = (cfg, nt, K, bool(use_l2), bool(vk), _DT[g.dtype], _DT[beta.dtype], _DT[o.dtype], state_idx.dtype == torch.int64,
            pdl, idx)
-    fn, smem = _function(key)
-    P, LL, I, F = ctypes.c_void_p, ctypes.c_longlong, ctypes.c_int, ctypes.c_float
-    vals = [P(q.data_ptr()), P(k.data_ptr()), P(v.data_ptr()), P(g.data_ptr()), P(beta.data_ptr()), P(o.data_ptr()),
-            P(pool.data_ptr()), P(state_idx.data_ptr()), P(cu.data_ptr()), P(anc.data_ptr()), F(scale), I(HV // H),
-            I(T), I(pool.shape[0]),
-            *(LL(s) for s in (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1),
-                              g.stride(0), g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1))),
-            *(LL(s) for s in strides), P(_trace_ptr(cfg, (V // cfg.BV) * HV * B, dev))]
+    kernel, smem = _kernel(key)
+    values = (q.data_ptr(), k.data_ptr(), v.data_ptr(), g.data_ptr(), beta.data_ptr(), o.data_ptr(), pool.data_ptr(),
+              state_idx.data_ptr(), cu.data_ptr(), anc.data_ptr(), scale, HV // H, T, pool.shape[0],
+              q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
+              beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), *strides,
+              _trace_ptr(cfg, (V // cfg.BV) * HV * B, dev))
     stream = torch.cuda.current_stream(dev).cuda_stream
-    launch(fn, (V // cfg.BV, HV, B), 32 * (cfg.BV // 8 + 1), smem, stream, vals, pdl=pdl, what="gdn_tree_cuda_kernel")
+    kernel.launch((V // cfg.BV, HV, B), 32 * (cfg.BV // 8 + 1), smem, stream, values, _TYPES, pdl=pdl)
+
+
+_P, _L, _I, _F = jit.PTR, jit.I64, jit.I32, jit.F32
+# q k v g beta o pool state_idx cu anc, scale, HV / H, T, pool rows, 12 strides, 4 pool strides, trace
+_TYPES = (_P,) * 10 + (_F, _I, _I, _I) + (_L,) * 16 + (_P,)

@@ -462,7 +462,7 @@ def tree_verify(q, k, v, g, beta, state_pool, state_indices, tree: TreePlan, sca
     state_indices [B]: pool row of each request (each in [0, pool): not checked on the device).
     Returns o [T, HV, V] in v's dtype (written into `out` when given). Writes no states.
 
-    `variant` (None: by GPU, `gdn.ops.VARIANTS`): "cuda" (the default on sm_80/sm_90 with nvcc, gdn/cuda.py; where
+    `variant` (None: by GPU, `gdn.ops.VARIANTS`): "cuda" (the default on sm_80/sm_90, gdn/cuda.py; where
     it cannot take the call the default runs "wy", while asking for it by name raises with the reason), "wy"
     (Triton), "recurrent" (baseline), "reference" (torch; the default for CPU tensors without the interpreter)."""
     fn = OP_VERIFY

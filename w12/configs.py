@@ -5,7 +5,7 @@ Lookup (autotune.get_config): forced config > tuned JSON entry `w12.matmul/<vari
 
 | variant   | kernel                         | config     | used for                              |
 | --------- | ------------------------------ | ---------- | ------------------------------------- |
-| `mma`     | `w12_matmul_mma_kernel` (CUDA  | MmaConfig  | default on sm_80+ with nvcc: bf16 x,  |
+| `mma`     | `w12_matmul_mma_kernel` (CUDA  | MmaConfig  | default on sm_80+ GPUs: bf16 x,      |
 |           | C++, csrc/w12_mma.cu)          |            | M <= 32; else the Triton rows below   |
 | `mma`     | `w12_matmul_tma_kernel` (CUDA  | TmaConfig  | sm_90, where a tuned entry under      |
 |           | C++, csrc/w12_tma.cu)          |            | variant `tma` exists (it won there)   |

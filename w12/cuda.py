@@ -1,54 +1,47 @@
-"""The CUDA C++ W12 kernels: build with nvcc, load and launch through the driver API.
+"""The CUDA C++ W12 kernels: built with NVRTC and launched through the driver API (autotune.jit).
 
 `csrc/w12_mma.cu` (`MmaConfig`, sm_80+): register-pipelined, weights read straight from the planes.
 `csrc/w12_tma.cu` (`TmaConfig`, sm_90): warp-specialised, TMA streams the planes into an mbarrier
-ring; its 2-D tensor maps (`cuTensorMapEncodeTiled`) are built on the host and cached per
-(address, shape, box).
+ring; its 2-D tensor maps are encoded on the host and cached per (address, shape, box).
+Both include `csrc/w12_common.cuh` (the decode, the mma.sync step, PDL and bias helpers).
 
-One cubin per config (its fields become -D defines), compiled on first use into
-`$SPECPILOT_CACHE/w12_cuda` (default `~/.cache/specpilot/w12_cuda`) under a key made of the
-source, the flags and the nvcc version, so an edited kernel or another compiler never reuses a
-stale binary. Loading and launching go through `libcuda` with ctypes: no C++ extension build,
-no extra Python package. Launches go to torch's current stream, so CUDA-graph capture works;
-`torch.compile` sees the launch as the opaque custom op `specpilot_w12::matmul_mma` (w12/ops.py).
+One CUBIN per specialisation (`spec()`: the config's fields and the token tiles become -D defines),
+compiled on first use and cached on disk by autotune.jit (keyed by the sources, defines, options and
+NVRTC version, so an edited kernel never reuses a stale binary). `defines=` adds or overrides
+defines (diagnostic builds, e.g. {"W12_TRACE": 1}). Launches go to torch's current stream, so
+CUDA-graph capture works; `torch.compile` sees the launch as the opaque custom op
+`specpilot_w12::matmul_mma` (w12/ops.py).
 
-Requirements: an NVIDIA GPU of compute capability >= 8.0 (mma.sync with bf16) and nvcc on the
-machine (`SPECPILOT_NVCC`, `PATH`, `$CUDA_HOME/bin` or `/usr/local/cuda/bin`). `available()`
-says whether both hold; w12.ops falls back to the Triton kernels otherwise.
+Requirements: an NVIDIA GPU of compute capability >= 8.0 (mma.sync with bf16), its driver, and
+cuda-python's NVRTC with the CUDA headers (pip wheels; no CUDA toolkit). `available()` says whether
+they hold; w12.ops falls back to the Triton kernels otherwise.
 """
 
 from __future__ import annotations
 
-import ctypes
 import os
+from collections.abc import Mapping
 from pathlib import Path
 
 import torch
 
-from autotune.cudadrv import check as _check
-from autotune.cudadrv import launch as _launch_kernel
-from autotune.cudadrv import libcuda as _libcuda
-from autotune.cudadrv import FunctionCache, allow_dynamic_smem, available, compile_cached, load_kernel, nvcc_path
-from autotune.cudadrv import nvcc_version as _nvcc_version  # noqa: F401 (perf/w12_mma_explore.py records it)
+from autotune import jit
+from autotune.jit import BuildError, available, unavailable
 
 from .configs import MmaConfig, TmaConfig
 
-__all__ = ["available", "tma_available", "nvcc_path", "build", "launch", "n_tiles", "unsupported", "SOURCE", "KERNEL",
-           "TMA_SOURCE", "TMA_KERNEL", "MAX_M"]
+__all__ = ["available", "unavailable", "tma_available", "spec", "build", "launch", "n_tiles", "unsupported",
+           "smem_bytes", "pdl_enabled", "BuildError", "SOURCE", "KERNEL", "TMA_SOURCE", "TMA_KERNEL", "COMMON", "MAX_M"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_mma.cu"
-KERNEL = b"w12_matmul_mma_kernel"
+KERNEL = "w12_matmul_mma_kernel"
 TMA_SOURCE = Path(__file__).with_name("csrc") / "w12_tma.cu"  # sm_90: TMA ring + warp specialisation
-COMMON = Path(__file__).with_name("csrc") / "w12_common.cuh"  # device helpers included by both
-TMA_KERNEL = b"w12_matmul_tma_kernel"
+TMA_KERNEL = "w12_matmul_tma_kernel"
+COMMON = Path(__file__).with_name("csrc") / "w12_common.cuh"  # device code included by both
 MAX_M = 32  # 4 n-tiles of 8 tokens
 _SMEM_DEFAULT_MAX = 48 << 10
-_STATIC_SMEM = 64  # the kernel's own __shared__ variables (16 bytes today), with room to spare
+_STATIC_SMEM = 64  # the kernel's own __shared__ variables (16 bytes), with room to spare
 _BIAS_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
-
-
-class CudaBuildError(RuntimeError):
-    """nvcc failed on csrc/w12_mma.cu (the message holds its output)."""
 
 
 # --------------------------------------------------------------------------------------
@@ -59,41 +52,39 @@ class CudaBuildError(RuntimeError):
 def n_tiles(M: int) -> int:
     """Token tiles of 8 compiled for M (1, 2 or 4)."""
     if not 0 < M <= MAX_M:
-        raise ValueError(f"the CUDA W12 kernel takes 1 <= M <= {MAX_M}, got M={M}")
+        raise ValueError(f"w12.cuda.n_tiles: the CUDA W12 kernel takes 1 <= M <= {MAX_M}, got M={M}")
     return 1 if M <= 8 else 2 if M <= 16 else 4
 
 
-def _source(cfg) -> tuple[Path, bytes]:
-    return (TMA_SOURCE, TMA_KERNEL) if isinstance(cfg, TmaConfig) else (SOURCE, KERNEL)
-
-
-def _flags(cfg, nt: int, q8: bool, arch: tuple[int, int]) -> list[str]:
-    sm = f"{arch[0]}{arch[1]}"
+def spec(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], *,
+         defines: Mapping[str, object] | None = None) -> jit.Spec:
+    """The build of `cfg` for `nt` token tiles, the exact or 8-bit view (`q8`) and compute capability
+    `arch`; `defines` add to (or override) the config's W12_* defines."""
     if isinstance(cfg, TmaConfig):
         if arch[0] != 9:
-            raise ValueError(f"{cfg}: the TMA kernel needs an sm_90 GPU, got sm_{sm}")
-        defines = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8), AHEAD=int(cfg.ahead), WG=int(cfg.wg),
-                       XCP=int(cfg.xcp), SK=int(cfg.sk > 0), XBOX=int(cfg.xbox))
-        if cfg.wg:
-            sm = "90a"  # wgmma is an sm_90a feature
+            raise ValueError(f"w12.cuda.spec: {cfg} is the TMA kernel, which needs an sm_90 GPU, "
+                             f"got sm_{arch[0]}{arch[1]}")
+        base = dict(MT=cfg.mt, NT=nt, CW=cfg.cw, STAGES=cfg.stages, Q8=int(q8), AHEAD=int(cfg.ahead), WG=int(cfg.wg),
+                    XCP=int(cfg.xcp), SK=int(cfg.sk > 0), XBOX=int(cfg.xbox))
+        source, kernel = TMA_SOURCE, TMA_KERNEL
     else:
-        defines = dict(MT=cfg.mt, NT=nt, WK=cfg.wk, WR=cfg.wr, PIPE=cfg.pipe, Q8=int(q8), ASYNC=int(cfg.async_copy))
-    return [f"-gencode=arch=compute_{sm},code=sm_{sm}", "-O3", "-std=c++17", f"-I{COMMON.parent}",
-            *(f"-DW12_{k}={v}" for k, v in defines.items())]
+        base = dict(MT=cfg.mt, NT=nt, WK=cfg.wk, WR=cfg.wr, PIPE=cfg.pipe, Q8=int(q8), ASYNC=int(cfg.async_copy))
+        source, kernel = SOURCE, KERNEL
+    merged = {f"W12_{k}": v for k, v in base.items()} | dict(defines or {})
+    target = jit.arch_name(arch, wgmma=isinstance(cfg, TmaConfig) and cfg.wg)
+    return jit.Spec(source, kernel, target, merged,
+                    name=f"{source.stem}-{cfg.tag()}-nt{nt}-q{int(q8)}-{target}")
 
 
-def build(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], *, out: str = "cubin") -> Path:
-    """Compile `cfg` for `nt` token tiles, the exact or 8-bit view (`q8`) and compute capability
-    `arch` (`out` "cubin" or "ptx"); cached on disk."""
-    flags = _flags(cfg, nt, q8, arch)
-    source, _ = _source(cfg)
-    # the shared header is part of every kernel's cache key
-    return compile_cached(source, flags, subdir="w12_cuda", name=f"{source.stem}-{cfg.tag()}-nt{nt}-q{int(q8)}-sm{arch[0]}{arch[1]}",
-                          extra=COMMON.read_bytes(), out=out, error=CudaBuildError)
+def build(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], *, out: str = "cubin",
+          defines: Mapping[str, object] | None = None) -> Path:
+    """Compile `spec(cfg, nt, q8, arch, defines=defines)` (cached on disk) and return its file `out`:
+    "cubin", "ptx" or "log" (NVRTC's log with ptxas's resource report). Raises autotune.BuildError."""
+    return getattr(spec(cfg, nt, q8, arch, defines=defines).compile(), out)
 
 
 # --------------------------------------------------------------------------------------
-# Driver API
+# Launch
 # --------------------------------------------------------------------------------------
 
 
@@ -110,7 +101,7 @@ def pdl_enabled(device: torch.device) -> bool:
     return torch.cuda.get_device_capability(idx)[0] >= 9
 
 
-_FUNCS = FunctionCache()  # loaded kernels by (config, n-tiles, q8, device)
+_KERNELS = jit.FunctionCache()  # (kernel, dynamic smem) by (config, n-tiles, q8, device, defines, smem)
 
 
 def _tma_stage_bytes(cfg: TmaConfig, nt: int, q8: bool) -> int:
@@ -141,23 +132,22 @@ def sk_sm_count(device: torch.device) -> int:
     return torch.cuda.get_device_properties(idx).multi_processor_count
 
 
-def _function(cfg: MmaConfig, nt: int, q8: bool, device: torch.device) -> tuple[ctypes.c_void_p, int]:
+def _kernel(cfg, nt: int, q8: bool, device: torch.device, defines: tuple, smem: int | None) -> tuple[jit.Kernel, int]:
     idx = device.index if device.index is not None else torch.cuda.current_device()
-    return _FUNCS.get_or_make((cfg, nt, q8, idx), lambda: _load(cfg, nt, q8, idx))
+    return _KERNELS.get_or_make((cfg, nt, q8, idx, defines, smem), lambda: _load(cfg, nt, q8, idx, defines, smem))
 
 
-def _load(cfg: MmaConfig, nt: int, q8: bool, idx: int) -> tuple[ctypes.c_void_p, int]:
-    arch = torch.cuda.get_device_capability(idx)
-    image = build(cfg, nt, q8, arch).read_bytes()
-    smem = smem_bytes(cfg, nt, q8)
+def _load(cfg, nt: int, q8: bool, idx: int, defines: tuple, smem: int | None) -> tuple[jit.Kernel, int]:
+    need = smem_bytes(cfg, nt, q8)
+    smem = need if smem is None else max(smem, need)
     limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
     if smem + _STATIC_SMEM > limit:
-        raise ValueError(f"{cfg} needs {smem} bytes of shared memory per CTA at nt={nt}; this GPU allows "
+        raise ValueError(f"w12.cuda: {cfg} needs {smem} bytes of shared memory per CTA at nt={nt}; this GPU allows "
                          f"{limit}: use fewer pipe stages or warps")
-    _, fn = load_kernel(image, _source(cfg)[1], idx)
+    kernel = spec(cfg, nt, q8, torch.cuda.get_device_capability(idx), defines=dict(defines)).load(idx)
     if smem + _STATIC_SMEM > _SMEM_DEFAULT_MAX:  # dynamic + static must fit the raised limit
-        allow_dynamic_smem(fn, smem)
-    return fn, smem
+        kernel.set_max_dynamic_smem(smem)
+    return kernel, smem
 
 
 def tma_available(device: torch.device | None = None) -> bool:
@@ -169,14 +159,14 @@ def tma_available(device: torch.device | None = None) -> bool:
 
 
 def unsupported(x2d: torch.Tensor, hi: torch.Tensor) -> str | None:
-    """Why these inputs cannot run on the CUDA kernels as they are (None: they can). Device and
-    toolchain are `available()`'s question."""
+    """Why the CUDA kernels cannot take these inputs as they are (None: they can): bf16 x with
+    1 <= M <= 32 and contiguous planes. The machine is `unavailable()`'s question."""
     if x2d.dtype != torch.bfloat16:
         return f"x must be bfloat16, got {x2d.dtype}"
     if not 0 < x2d.shape[0] <= MAX_M:
-        return f"1 <= M <= {MAX_M} rows of x, got M={x2d.shape[0]}"
+        return f"1 <= M <= {MAX_M} tokens, got M={x2d.shape[0]}"
     if not hi.is_contiguous():
-        return "the hi plane must be contiguous"
+        return "the weight planes must be contiguous"
     return None
 
 
@@ -208,44 +198,44 @@ def _workspace(device: torch.device, stream: int, floats: int, blocks: int) -> t
     return hit
 
 
-_TMAPS: dict[tuple, ctypes.Array] = {}
+_TMAPS: dict[tuple, object] = {}
 
 
-def _tensor_map(t: torch.Tensor, box_cols: int, box_rows: int, *, swizzle: bool = False) -> ctypes.Array:
-    """2-D tensor map (TMA descriptor, 128 bytes) of `t` [rows, cols] (a uint8 plane, or 16-bit x;
-    columns contiguous, rows may be strided), box `box_cols` x `box_rows`, out-of-bounds rows read
-    as zeros; `swizzle`: TMA's 128-byte swizzle (box rows of 128 bytes). It depends only on
-    (address, shape, row stride, element size, box, swizzle), so it is cached under that key."""
+def _tensor_map(t: torch.Tensor, box_cols: int, box_rows: int, *, swizzle: bool = False):
+    """2-D tensor map of `t` [rows, cols] (a uint8 plane, or 16-bit x; columns contiguous, rows may be
+    strided), box `box_cols` x `box_rows` (autotune.jit.tensor_map_2d). It depends only on (address,
+    shape, row stride, element size, box, swizzle), so it is cached under that key."""
     rows, cols = t.shape
     elem = t.element_size()
     key = (t.data_ptr(), rows, cols, t.stride(0), elem, box_cols, box_rows, swizzle)
     m = _TMAPS.get(key)
     if m is None:
-        m = (ctypes.c_uint64 * 16)()
-        dims = (ctypes.c_uint64 * 2)(cols, rows)
-        strides = (ctypes.c_uint64 * 1)(t.stride(0) * elem)
-        box = (ctypes.c_uint32 * 2)(box_cols, box_rows)
-        unit = (ctypes.c_uint32 * 2)(1, 1)
-        # dtype UINT8 (0) / UINT16 (1), interleave none (0), swizzle none (0) / 128 B (3), L2 promotion
-        # 256 B (3), no NaN fill (0)
-        _check(_libcuda().cuTensorMapEncodeTiled(ctypes.byref(m), {1: 0, 2: 1}[elem], 2, ctypes.c_void_p(t.data_ptr()),
-                                                 dims, strides, box, unit, 0, 3 if swizzle else 0, 3, 0),
-               "cuTensorMapEncodeTiled")
+        m = jit.tensor_map_2d(t.data_ptr(), elem, rows, cols, t.stride(0) * elem, box_cols, box_rows, swizzle=swizzle)
         if len(_TMAPS) >= 4096:
             _TMAPS.clear()
         _TMAPS[key] = m
     return m
 
 
+_P, _I, _L, _T = jit.PTR, jit.I32, jit.I64, jit.BY_ADDRESS
+_TAIL = (_P, _I, _P, _I, _I, _I, _P, _P)  # bias, kind, out, M, N, Kp, ws, counters
+_ESC = (_P, _P, _P, _P)                    # e0, rowptr, col, val
+_MMA_TYPES = (_P, _L, _P, _P) + _ESC + _TAIL
+_TMA_TYPES = {xbox: (_T, _T) + (_T,) * xbox + (_P, _L) + _ESC + _TAIL for xbox in (0, 1)}
+
+
 def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False,
-           trace: torch.Tensor | None = None) -> None:
+           trace: torch.Tensor | None = None, defines: Mapping[str, object] | None = None,
+           smem: int | None = None) -> None:
     """out[M, N] = x2d @ W^T (+ bias), W exact or its 8-bit view (`q8`), on torch's current stream.
-    `trace` (diagnostic, perf/w12_trace_probe.py): an int64 tensor of 8 per CTA that a TMA cubin
-    built with -DW12_TRACE=1 fills with %globaltimer stamps; plain TmaConfig with split = 1 only."""
+    `defines`: extra build defines (see `spec`). `smem`: dynamic shared memory per CTA, at least what
+    the config needs (more leaves fewer CTAs per SM). `trace` (diagnostic): an int64 tensor of 8 per CTA
+    that a TMA build with defines={"W12_TRACE": 1} fills with %globaltimer stamps; plain TmaConfig with
+    split = 1 only."""
     M = x2d.shape[0]
     N, Kp = hi.shape
     nt = n_tiles(M)
-    fn, smem = _function(cfg, nt, q8, x2d.device)
+    kernel, smem = _kernel(cfg, nt, q8, x2d.device, () if not defines else tuple(sorted(defines.items())), smem)
     tma = isinstance(cfg, TmaConfig)
     rows = cfg.rows if tma else 16 * cfg.mt * cfg.wr
     grid = -(-N // rows)
@@ -260,28 +250,23 @@ def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, 
         grid = ctas
     if trace is not None:
         if not tma or cfg.split > 1 or cfg.sk or cfg.wg or cfg.ahead:
-            raise ValueError(f"trace takes a plain TmaConfig with split=1, got {cfg}")
+            raise ValueError(f"w12.cuda.launch: trace takes a plain TmaConfig with split=1, got {cfg}")
         if trace.dtype != torch.int64 or trace.numel() < 8 * grid:
-            raise ValueError(f"trace needs an int64 tensor of >= {8 * grid} elements")
+            raise ValueError(f"w12.cuda.launch: trace needs an int64 tensor of >= {8 * grid} elements")
         ws = trace
     xk, ldx = _x_operand(x2d, Kp)
-    kind = 0 if bias is None else _BIAS_KIND[bias.dtype]
-    tail = [
-        ctypes.c_void_p(0 if bias is None else bias.data_ptr()), ctypes.c_int(kind),
-        ctypes.c_void_p(out.data_ptr()), ctypes.c_int(M), ctypes.c_int(N), ctypes.c_int(Kp),
-        ctypes.c_void_p(0 if ws is None else ws.data_ptr()), ctypes.c_void_p(0 if cnt is None else cnt.data_ptr()),
-    ]
-    esc = [ctypes.c_void_p(e0.data_ptr()), ctypes.c_void_p(rowptr.data_ptr()), ctypes.c_void_p(col.data_ptr()),
-           ctypes.c_void_p(val.data_ptr())]
+    tail = (0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype], out.data_ptr(), M, N,
+            Kp, 0 if ws is None else ws.data_ptr(), 0 if cnt is None else cnt.data_ptr())
+    esc = (e0.data_ptr(), rowptr.data_ptr(), col.data_ptr(), val.data_ptr())
     if tma:
         tm_hi = _tensor_map(hi, 64, rows)
         tm_lo = tm_hi if q8 else _tensor_map(lo, 32, rows)
-        tm_x = [_tensor_map(xk[:, :Kp], 64, 8 * nt, swizzle=True)] if cfg.xbox else []
-        vals = [tm_hi, tm_lo, *tm_x, ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), *esc, *tail]
+        tm_x = (_tensor_map(xk[:, :Kp], 64, 8 * nt, swizzle=True),) if cfg.xbox else ()
+        values = (tm_hi, tm_lo, *tm_x, xk.data_ptr(), ldx, *esc, *tail)
+        types = _TMA_TYPES[int(cfg.xbox)]
         threads = 32 * (cfg.cw + 1)
     else:
-        vals = [ctypes.c_void_p(xk.data_ptr()), ctypes.c_longlong(ldx), ctypes.c_void_p(hi.data_ptr()),
-                ctypes.c_void_p(lo.data_ptr()), *esc, *tail]
+        values = (xk.data_ptr(), ldx, hi.data_ptr(), lo.data_ptr(), *esc, *tail)
+        types = _MMA_TYPES
         threads = 32 * cfg.wk * cfg.wr
-    _launch_kernel(fn, (grid, cfg.split, 1), threads, smem, stream, vals, pdl=pdl_enabled(x2d.device),
-                   what=f"cuLaunchKernel({_source(cfg)[1].decode()})")
+    kernel.launch((grid, cfg.split, 1), threads, smem, stream, values, types, pdl=pdl_enabled(x2d.device))

@@ -32,7 +32,7 @@ __all__ = ["matmul", "matmul_q8", "VARIANTS", "OP", "OP_Q8"]
 
 OP = "w12.matmul"
 OP_Q8 = "w12.matmul_q8"
-# "mma": the CUDA C++ kernels (w12/cuda.py, sm_80+ with nvcc) where they take the call (bf16 x, M <= 32),
+# "mma": the CUDA C++ kernels (w12/cuda.py, sm_80+, built with NVRTC) where they take the call (bf16 x, M <= 32),
 # the generation's Triton variant (_TRITON) for the other calls. "tc" (wgmma, sm_90) and "gemv" are the
 # Triton kernels; "torch" decodes the weight and calls F.linear (CPU tensors without the interpreter).
 VARIANTS = autotune.Variants(OP, by_arch={9: "mma", 8: "mma"}, known=("mma", "tc", "gemv", "torch"), fallback="torch")
@@ -67,11 +67,11 @@ def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: 
     variant, by_name = VARIANTS.choose(variant, device, where=op)
     M, K = x2d.shape
     N = hi.shape[0]
-    # the only capability questions of the call: is there a CUDA C++ toolchain and GPU, can its kernels take x
-    if variant == "mma" and not wcuda.available(device):
+    # the only capability questions of the call: can the CUDA C++ kernels run here, can they take x
+    missing = wcuda.unavailable(device) if variant == "mma" or forced_cfg is not None else None
+    if variant == "mma" and missing is not None:
         if by_name:
-            raise RuntimeError(f"{op}: variant 'mma' needs an sm_80+ GPU and nvcc (w12/cuda.py); "
-                               "use variant='tc' or 'gemv'")
+            raise RuntimeError(f"{op}: variant 'mma' {missing}; use variant='tc' or 'gemv'")
         variant = _TRITON.default(device)  # no CUDA C++ on this machine: the generation's Triton variant
     kernel = variant
     if variant == "mma" and forced_cfg is None and wcuda.unsupported(x2d, hi) is not None:
@@ -82,7 +82,7 @@ def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: 
             raise TypeError(f"{op}: force({op!r}, config=...) takes a TmaConfig, MmaConfig, TcConfig or GemvConfig, "
                             f"got {type(forced_cfg).__name__}; pass one of those")
         why = None if kernel != "mma" else (
-            "needs an sm_80+ GPU and nvcc" if not wcuda.available(device) else wcuda.unsupported(x2d, hi))
+            missing if missing is not None else wcuda.unsupported(x2d, hi))
         if why is not None:
             raise ValueError(f"{op}: the CUDA kernel ({type(forced_cfg).__name__}) cannot take this call: {why}; "
                              "force a TcConfig or GemvConfig instead")

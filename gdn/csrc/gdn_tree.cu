@@ -11,7 +11,11 @@
 // griddepcontrol.wait: only the prefetches' addresses (cu, state_indices, clamped into the tensors)
 // are read before the wait, and every value the kernel computes with is loaded after it.
 #include <cuda_bf16.h>
+#ifdef __CUDACC_RTC__
+typedef unsigned int uint32_t;  // NVRTC has no C library headers
+#else
 #include <stdint.h>
+#endif
 
 #ifndef GDN_NT
 #define GDN_NT 32  // node tile (16 or 32): nodes per request <= NT
@@ -93,7 +97,7 @@ static_assert(K % 32 == 0 && K <= 256, "K: a multiple of 32, at most 256");
 static_assert(BV % 8 == 0 && NWM >= 1 && NWM <= 8, "BV: 8 to 64, a multiple of 8");
 static_assert(PIECES == 2 || PIECES == 3, "2 or 3 bf16 pieces");
 
-constexpr int al16(int x) { return (x + 15) & ~15; }
+__host__ __device__ constexpr int al16(int x) { return (x + 15) & ~15; }
 constexpr int OFF_QK = 0;
 constexpr int OFF_S = al16(OFF_QK + 2 * NT * QK_LD * 2);
 constexpr int OFF_GRAM = al16(OFF_S + S_ROWS * S_LD * 4);
@@ -125,7 +129,9 @@ __device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(full ? 16 : 0));
 }
 
+#if GDN_PDL  // used only before griddepcontrol.wait
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
+#endif
 
 __device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
   const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));

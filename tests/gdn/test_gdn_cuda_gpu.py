@@ -23,8 +23,9 @@ DEV = "cuda"
 
 @pytest.fixture(autouse=True)
 def _need_cuda_kernel():
-    if not gcuda.available():
-        pytest.skip("needs nvcc and an sm_80+ GPU")
+    why = gcuda.unavailable()
+    if why is not None:
+        pytest.skip(why)
 
 
 def draft_tree(n, rng):

@@ -130,8 +130,9 @@ TMA_ODD = [TmaConfig(2, 4, 6), TmaConfig(1, 8, 8), TmaConfig(4, 4, 3), TmaConfig
 
 @pytest.fixture(scope="module", autouse=True)
 def _prebuild_cuda_kernels():
-    """Compile every CUDA config this module launches in parallel up front (nvcc takes ~1 s per
-    cubin; one at a time the odd-shape tests would spend minutes compiling on a fresh machine)."""
+    """Compile every CUDA config this module launches in parallel up front (NVRTC takes ~1-2 s per
+    cubin and releases the GIL; one at a time the odd-shape tests would spend minutes compiling on a
+    fresh machine)."""
     if not wcuda.available(_dev()):
         return
     arch = torch.cuda.get_device_capability()
@@ -168,10 +169,9 @@ def test_tma_configs_odd_shapes(cfg, N, K):
 def test_tma_launches_with_changing_tensor_maps(cfg):
     """Launches alternating two weights and two x (so every tensor map changes between launches),
     each queued behind a short sleep kernel, many CTAs per SM refilling their rings ~40 times: every
-    result must equal that pair's first result bit for bit, and the reference. Session 4's 2-D TMA
-    box of x failed this in up to ~10% of launches at M = 16; in session 5, 16- and 32-row CTAs and
-    cw4-st8-xcp failed it (up to every launch) until the consumers fenced the proxies before each
-    stage release."""
+    result must equal that pair's first result bit for bit, and the reference. Without the consumers'
+    proxy fence before each stage release, the 2-D TMA box of x failed this in up to ~10% of launches
+    at M = 16, and 16- and 32-row CTAs and cw4-st8-xcp up to every launch."""
     ws = [_weight(16384, 5120, seed=7 + i) for i in range(2)]
     ps = [w12.pack(w) for w in ws]
     xs = [_x(16, 5120, seed=8 + i) for i in range(2)]

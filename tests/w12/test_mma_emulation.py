@@ -5,8 +5,9 @@
    result must match the fp64 reference product. This pins down the bit tricks and the
    slot/column bookkeeping before any GPU time is spent; the GPU tests then check the real thing.
    `emulate_tma` does the same for the TMA kernel's stage images, shared-memory offsets and epilogue.
-2. nvcc (when present) compiles every shipped shape of the kernel for sm_80 and sm_90 to PTX:
-   mma.sync must be there and no local memory (a register array indexed at run time).
+2. NVRTC (autotune.jit, no GPU needed) compiles every shipped shape of the kernels for sm_80 and sm_90
+   (sm_90a for wgmma): the PTX has the instructions each path needs (mma.sync, TMA, mbarriers,
+   griddepcontrol, wgmma) and no local memory (a register array indexed at run time).
 """
 
 from __future__ import annotations
@@ -434,51 +435,72 @@ def test_decode_pair_all_codes():
 
 
 # --------------------------------------------------------------------------------------
-# nvcc: the kernel builds for every shipped shape, with mma.sync and no local memory
+# NVRTC (no GPU needed): every shipped shape builds, with the instructions its path needs and no
+# local memory
 # --------------------------------------------------------------------------------------
 
 
-def _nvcc_or_skip():
-    from w12 import cuda
+@pytest.fixture(scope="module")
+def cuda(tmp_path_factory):
+    """w12.cuda with the JIT cache in a fresh directory shared by this module's build tests: every build is
+    a real NVRTC compilation, each one once."""
+    from w12 import cuda as c
 
-    if cuda.nvcc_path() is None:
-        pytest.skip("nvcc not installed")
-    return cuda
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECPILOT_CACHE", str(tmp_path_factory.mktemp("jit")))
+    yield c
+    mp.undo()
 
 
+def _ptx(cuda, cfg, nt, q8, arch, **kw) -> str:
+    return cuda.build(cfg, nt, q8, arch, out="ptx", **kw).read_text()
+
+
+def _sass(cubin) -> str:
+    """The SASS of a cubin, by the cuobjdump shipped in Triton's package."""
+    import subprocess
+    from pathlib import Path
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    return subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+
+
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
-def test_kernel_builds_with_mma_and_no_local_memory(arch, tmp_path, monkeypatch):
-    cuda = _nvcc_or_skip()
-    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+def test_kernel_builds_with_mma_and_no_local_memory(arch, cuda):
     for cfg, nt, q8 in [(MmaConfig(1, 4, 2, split=3), 1, False), (MmaConfig(2, 8, 2), 4, False), (MmaConfig(1, 4, 3), 2, True),
                         (MmaConfig(1, 2, 2, wr=4), 2, False), (MmaConfig(2, 4, 4, async_copy=True), 4, False),
                         (MmaConfig(1, 8, 6, async_copy=True), 1, True)]:
-        ptx = cuda.build(cfg, nt, q8, arch, out="ptx").read_text()
+        ptx = _ptx(cuda, cfg, nt, q8, arch)
         assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
         assert ".local" not in ptx, f"{cfg} nt={nt}: a register array went to local memory"
+        assert f".target sm_{arch[0]}{arch[1]}\n" in ptx
 
 
-def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(cuda):
     """csrc/w12_tma.cu: TMA tensor copies of the planes, bulk copies of x, mbarrier waits, the
     consumers' proxy fence before each stage release, mma.sync and no local memory, for several
     shapes of the CTA; it refuses other generations."""
     from w12.configs import TmaConfig
 
-    cuda = _nvcc_or_skip()
-    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
     for cfg, nt in [(TmaConfig(2, 4, 6), 1), (TmaConfig(1, 8, 8, split=3), 4), (TmaConfig(4, 4, 4), 2),
                     (TmaConfig(2, 8, 4), 4), (TmaConfig(1, 1, 2), 1), (TmaConfig(1, 16, 4), 4),
                     (TmaConfig(1, 8, 6, ahead=True), 1), (TmaConfig(2, 4, 4, split=3, ahead=True), 4)]:
         tensor_copies = {}
         for q8 in (False, True):
-            ptx = cuda.build(cfg, nt, q8, (9, 0), out="ptx").read_text()
+            ptx = _ptx(cuda, cfg, nt, q8, (9, 0))
             assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
             assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
             assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
             assert "mbarrier.try_wait.parity" in ptx
-            # the consumers' reads are ordered before the next async-proxy refill (session 5's race)
+            # the consumers' reads are ordered before the next async-proxy refill of the stage
             assert "fence.proxy.async.shared::cta" in ptx
             assert ".local" not in ptx, f"{cfg} nt={nt} q8={q8}: a register array went to local memory"
+            # the tensor maps arrive as 128-byte, 128-aligned kernel parameters (CUtensorMap's layout)
+            assert ".param .align 128 .b8 w12_matmul_tma_kernel_param_0[128]" in ptx
             tensor_copies[q8] = ptx.count("cp.async.bulk.tensor")
         # hi and lo copies (the ring fill is unrolled): the 8-bit view copies half
         assert tensor_copies[False] == 2 * tensor_copies[True] > 0, tensor_copies
@@ -489,51 +511,47 @@ def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(t
 
 
 @pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
-def test_mma_kernel_programmatic_launch_only_on_sm90(arch, tmp_path, monkeypatch):
+def test_mma_kernel_programmatic_launch_only_on_sm90(arch, cuda):
     """griddepcontrol exists from sm_90 on: the mma kernel waits / triggers there and has neither on sm_80."""
-    cuda = _nvcc_or_skip()
-    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
-    ptx = cuda.build(MmaConfig(2, 4, 2, split=3), 1, False, arch, out="ptx").read_text()
+    ptx = _ptx(cuda, MmaConfig(2, 4, 2, split=3), 1, False, arch)
     assert ("griddepcontrol.wait" in ptx) == (arch[0] >= 9)
     assert ("griddepcontrol.launch_dependents" in ptx) == (arch[0] >= 9)
 
 
-def test_tma_xcp_path_builds_with_cp_async_and_barrier_arrivals(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_tma_xcp_path_builds_with_cp_async_and_barrier_arrivals(cuda):
     """TmaConfig(xcp=True): x by 16-byte cp.async from the producer lanes, each completing on the
     stage's full barrier (arrive.noinc, counted in its init), no per-token bulk copies; planes
     still by TMA; no local memory."""
     from w12.configs import TmaConfig
 
-    cuda = _nvcc_or_skip()
-    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
     for cfg, nt, q8 in [(TmaConfig(1, 8, 6, xcp=True), 4, False), (TmaConfig(2, 4, 4, split=3, xcp=True), 1, True),
                         (TmaConfig(1, 8, 6, ahead=True, xcp=True), 2, False)]:
-        ptx = cuda.build(cfg, nt, q8, (9, 0), out="ptx").read_text()
+        ptx = _ptx(cuda, cfg, nt, q8, (9, 0))
         assert "cp.async.cg.shared.global" in ptx
         assert "cp.async.mbarrier.arrive.noinc.shared::cta.b64" in ptx
         assert "mbarrier.init.shared::cta.b64" in ptx and ", 33;" in ptx  # 1 expect_tx + 32 lanes
         assert "cp.async.bulk.shared::cluster.global" not in ptx
         assert "cp.async.bulk.tensor.2d" in ptx
         assert ".local" not in ptx
-    plain = cuda.build(TmaConfig(1, 8, 6), 4, False, (9, 0), out="ptx").read_text()
+    plain = _ptx(cuda, TmaConfig(1, 8, 6), 4, False, (9, 0))
     assert "cp.async.mbarrier.arrive" not in plain and "cp.async.bulk.shared::cluster.global" in plain
 
 
-def test_tma_stream_k_path_builds_with_consumer_barrier_and_counters(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_tma_stream_k_path_builds_with_consumer_barrier_and_counters(cuda):
     """TmaConfig(sk=...): the consumers' named barrier (the producer is not in it), the per-row-block
     arrival counter, the workspace's L2-only stores and loads; no local memory; the plain build has
     no named barrier."""
     from w12.configs import TmaConfig
 
-    cuda = _nvcc_or_skip()
-    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
     for cfg, nt, q8 in [(TmaConfig(1, 8, 6, sk=2), 1, False), (TmaConfig(2, 4, 4, sk=1, xcp=True), 4, True)]:
-        ptx = cuda.build(cfg, nt, q8, (9, 0), out="ptx").read_text()
+        ptx = _ptx(cuda, cfg, nt, q8, (9, 0))
         assert f"bar.sync 1, {32 * cfg.cw};" in ptx
         assert "atom.global.add" in ptx and "st.global.cg.f32" in ptx and "ld.global.cg.f32" in ptx
         assert "cp.async.bulk.tensor.2d" in ptx
         assert ".local" not in ptx
-    plain = cuda.build(TmaConfig(1, 8, 6), 1, False, (9, 0), out="ptx").read_text()
+    plain = _ptx(cuda, TmaConfig(1, 8, 6), 1, False, (9, 0))
     assert "bar.sync 1," not in plain  # (its split-K path has the counter too)
     with pytest.raises(ValueError, match="sk in 0..4"):
         TmaConfig(1, 8, 6, split=3, sk=2)
@@ -542,32 +560,27 @@ def test_tma_stream_k_path_builds_with_consumer_barrier_and_counters(tmp_path, m
     assert TmaConfig(1, 8, 6, xcp=True, sk=2).tag() == "tma-mt1-cw8-st6-xcp-sk2"
 
 
-def test_tma_trace_build_stamps_globaltimer_only_when_asked(tmp_path, monkeypatch):
-    """W12_TRACE=1 (perf/w12_trace_probe.py) reads %globaltimer and %smid; the shipped build does not."""
+def test_tma_trace_build_stamps_globaltimer_only_when_asked(cuda):
+    """defines={"W12_TRACE": 1} (a diagnostic build) reads %globaltimer and %smid; the shipped build does not."""
     from w12.configs import TmaConfig
 
-    cuda = _nvcc_or_skip()
-    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
-    plain = cuda.build(TmaConfig(1, 8, 6), 1, False, (9, 0), out="ptx").read_text()
+    plain = _ptx(cuda, TmaConfig(1, 8, 6), 1, False, (9, 0))
     assert "%globaltimer" not in plain
-    flags = cuda._flags
-    monkeypatch.setattr(cuda, "_flags", lambda c, nt, q8, arch: flags(c, nt, q8, arch) + ["-DW12_TRACE=1"])
-    traced = cuda.build(TmaConfig(1, 8, 6), 1, False, (9, 0), out="ptx").read_text()
+    traced = _ptx(cuda, TmaConfig(1, 8, 6), 1, False, (9, 0), defines={"W12_TRACE": 1})
     assert "%globaltimer" in traced and "%smid" in traced and ".local" not in traced
 
 
-def test_tma_x_box_path_builds_with_three_tensor_copies(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_tma_x_box_path_builds_with_three_tensor_copies(cuda):
     """TmaConfig(xbox=True): x arrives by a third 2-D tensor copy per stage (no per-token bulk copies,
     no zero-fill loop: TMA fills tokens past M), the consumers still fence before each release; the
-    shipped build's kernel has no x tensor-map parameter."""
+    other builds' kernel has no x tensor-map parameter."""
     from w12.configs import TmaConfig
 
-    cuda = _nvcc_or_skip()
-    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
     for cfg, nt, q8 in [(TmaConfig(1, 8, 6, xbox=True), 4, False), (TmaConfig(2, 4, 4, split=3, xbox=True), 2, True),
                         (TmaConfig(1, 4, 8, sk=2, xbox=True), 1, False)]:
-        ptx = cuda.build(cfg, nt, q8, (9, 0), out="ptx").read_text()
-        plain = cuda.build(TmaConfig(cfg.mt, cfg.cw, cfg.stages, cfg.split, sk=cfg.sk), nt, q8, (9, 0), out="ptx").read_text()
+        ptx = _ptx(cuda, cfg, nt, q8, (9, 0))
+        plain = _ptx(cuda, TmaConfig(cfg.mt, cfg.cw, cfg.stages, cfg.split, sk=cfg.sk), nt, q8, (9, 0))
         assert "cp.async.bulk.shared::cluster.global" not in ptx and "cp.async.bulk.shared::cluster.global" in plain
         assert ptx.count("cp.async.bulk.tensor.2d") > plain.count("cp.async.bulk.tensor.2d")
         assert "fence.proxy.async.shared::cta" in ptx and ".local" not in ptx
@@ -578,22 +591,35 @@ def test_tma_x_box_path_builds_with_three_tensor_copies(tmp_path, monkeypatch):
     assert cuda.smem_bytes(TmaConfig(2, 4, 6, xbox=True), 1, False) == 6 * 13312 + 1024 + 96
 
 
-def test_tma_wgmma_path_builds_for_sm90a(tmp_path, monkeypatch):
+@pytest.mark.slow
+def test_tma_wgmma_path_builds_for_sm90a(cuda):
     """TmaConfig(wg=True): wgmma with A from registers (sm_90a), the proxy fence before it reads the
-    buffers the threads wrote, immediate named-barrier ids, no local memory, every n-tile count."""
+    buffers the threads wrote, immediate named-barrier ids, no local memory, every n-tile count; the
+    SASS has HGMMA and no HMMA."""
     from w12.configs import TmaConfig
 
-    cuda = _nvcc_or_skip()
-    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
     for cfg, nt, q8 in [(TmaConfig(1, 4, 6, wg=True), 1, False), (TmaConfig(1, 8, 4, split=3, wg=True), 2, False),
                         (TmaConfig(1, 4, 6, wg=True), 4, True), (TmaConfig(1, 8, 6, wg=True), 4, False)]:
-        ptx = cuda.build(cfg, nt, q8, (9, 0), out="ptx").read_text()
+        ptx = _ptx(cuda, cfg, nt, q8, (9, 0))
         assert f"wgmma.mma_async.sync.aligned.m64n{8 * nt}k16.f32.bf16.bf16" in ptx
         assert "mma.sync" not in ptx
         assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned" in ptx
         assert "bar.sync \t1, 128" in ptx or "bar.sync 1, 128" in ptx
         assert ".local" not in ptx, f"{cfg} nt={nt}: a register array went to local memory"
         assert ".target sm_90a" in ptx
+    sass = _sass(cuda.build(TmaConfig(1, 8, 6, wg=True), 4, False, (9, 0)))
+    assert "HGMMA" in sass and "HMMA" not in sass.replace("HGMMA", "")
+
+
+def test_build_options_are_parameters_and_part_of_the_cache_key(cuda):
+    """Extra defines give another specialisation (another cache file); the same call is one cached build."""
+    from w12.configs import TmaConfig
+
+    a = cuda.spec(TmaConfig(1, 8, 6), 1, False, (9, 0))
+    b = cuda.spec(TmaConfig(1, 8, 6), 1, False, (9, 0), defines={"W12_TRACE": 1})
+    assert a != b and dict(b.defines)["W12_TRACE"] == "1" and a.arch == "sm_90"
+    assert cuda.spec(TmaConfig(1, 8, 6, wg=True), 1, False, (9, 0)).arch == "sm_90a"
+    assert a.compile() == a.compile() and a.compile().cubin != b.compile().cubin
 
 
 def test_tma_config_validation_and_smem():

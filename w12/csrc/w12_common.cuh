@@ -1,11 +1,20 @@
-// Device helpers shared by the W12 CUDA kernels (w12_mma.cu, w12_tma.cu): the in-register decode
-// of a bf16 pair from its hi byte and lo nibble, the mma.sync wrapper and the bias read.
-// Included into each kernel's translation unit; w12/cuda.py keys its cubin cache on this file too.
+// Device code shared by the W12 CUDA kernels (w12_mma.cu, w12_tma.cu): the in-register decode of a
+// bf16 pair from its hi byte and lo nibble, a chunk's fragments, their decode into mma.m16n8k16 A
+// registers and the mma.sync step, programmatic-dependent-launch helpers and the bias read.
+// Included into each kernel's translation unit (autotune.jit keys its cache on the headers beside it).
 #pragma once
 
 #include <cuda_bf16.h>
 #include <cuda_fp16.h>
+#ifdef __CUDACC_RTC__
+// NVRTC has no C library headers: the fixed-width types the kernels use (LP64 / LLP64 agree on these)
+typedef unsigned char uint8_t;
+typedef unsigned short uint16_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+#else
 #include <stdint.h>
+#endif
 
 namespace {
 
@@ -39,6 +48,57 @@ __device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uin
       "{%0, %1, %2, %3};"
       : "+f"(d[0]), "+f"(d[1]), "+f"(d[2]), "+f"(d[3])
       : "r"(a0), "r"(a1), "r"(a2), "r"(a3), "r"(b0), "r"(b1));
+}
+
+// One chunk (64 columns) of a warp's fragments: thread (g = lane / 4, q = lane % 4) holds 16 columns of
+// rows g and g + 8 of each m-tile and of token g of each n-tile; A and B use the same permuted k slots
+// (w12_mma.cu's header), so the dot products are exact reorderings.
+template <int MT, int NT>
+struct Fragments {
+  uint4 h[MT][2];  // hi bytes: rows g, g + 8 of each m-tile, 16 columns
+  uint4 l[MT][2];  // lo bytes holding those columns' nibbles (low or high nibble, by q; unused for Q8)
+  uint4 x[NT][2];  // x[token g of each n-tile, same 16 columns] as bf16
+};
+
+// k-step s (0..3) of one m-tile decoded into the A registers {a0, a1, a2, a3} of mma.m16n8k16: h / l the
+// hi and lo words of rows g and g + 8, e0x their window bases, sh the nibble shift (columns 32..63 of a
+// chunk sit in the high nibbles)
+template <bool Q8>
+__device__ __forceinline__ void decode_a(uint32_t (&a)[4], const uint4 (&h)[2], const uint4 (&l)[2],
+                                         const uint32_t (&e0x)[2], int s, int sh) {
+  const uint32_t ha = word(h[0], s), hb = word(h[1], s);
+  if (Q8) {
+    a[0] = dec_pair_q8(__byte_perm(ha, 0u, 0x1404), e0x[0]);
+    a[2] = dec_pair_q8(__byte_perm(ha, 0u, 0x3424), e0x[0]);
+    a[1] = dec_pair_q8(__byte_perm(hb, 0u, 0x1404), e0x[1]);
+    a[3] = dec_pair_q8(__byte_perm(hb, 0u, 0x3424), e0x[1]);
+  } else {
+    const uint32_t la = (word(l[0], s) >> sh) & 0x0F0F0F0Fu;
+    const uint32_t lb = (word(l[1], s) >> sh) & 0x0F0F0F0Fu;
+    a[0] = dec_pair(__byte_perm(ha, la, 0x1504), e0x[0]);  // lanes: cols p = 0, 1 of row g
+    a[2] = dec_pair(__byte_perm(ha, la, 0x3726), e0x[0]);  // p = 2, 3
+    a[1] = dec_pair(__byte_perm(hb, lb, 0x1504), e0x[1]);  // row g + 8
+    a[3] = dec_pair(__byte_perm(hb, lb, 0x3726), e0x[1]);
+  }
+}
+
+// one chunk's decode and mma.sync work of a warp: acc[t][j] += A(m-tile t) B(n-tile j) over the 4 k-steps
+template <bool Q8, int MT, int NT>
+__device__ __forceinline__ void mma_chunk(float (&acc)[MT][NT][4], const Fragments<MT, NT>& f,
+                                          const uint32_t (&e0x)[MT][2], int sh) {
+#pragma unroll
+  for (int t = 0; t < MT; ++t) {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) {
+      uint32_t a[4];
+      decode_a<Q8>(a, f.h[t], f.l[t], e0x[t], s, sh);
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        const uint4& xv = f.x[j][s >> 1];
+        mma_bf16(acc[t][j], a[0], a[1], a[2], a[3], (s & 1) ? xv.z : xv.x, (s & 1) ? xv.w : xv.y);
+      }
+    }
+  }
 }
 
 // Programmatic dependent launch (sm_90; w12/cuda.py launches with the attribute there). Before

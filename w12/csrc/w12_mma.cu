@@ -28,10 +28,6 @@
 // stores bf16, coalesced along N. rowptr of the CTA's rows is loaded before the main loop.
 // Configuration comes from -D defines (w12/cuda.py compiles one cubin per config).
 
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
-
 #include "w12_common.cuh"
 
 #ifndef W12_MT
@@ -76,11 +72,7 @@ constexpr int ACC = MT * NT * 4;  // accumulators per thread
 constexpr bool BATCH_ESC = NT > 1;
 static_assert(ROWS <= 32 * WARPS, "one thread per CTA row loads its escape range: need MT <= 2 * WK");
 
-struct Frag {
-  uint4 h[MT][2];  // hi bytes: rows g, g + 8 of each m-tile, 16 columns
-  uint4 l[MT][2];  // lo bytes holding those columns' nibbles (low or high nibble, by q)
-  uint4 x[NT][2];  // x[token g of each n-tile, same 16 columns] as bf16
-};
+using Frag = Fragments<MT, NT>;
 
 __device__ __forceinline__ uint4 ld_stream(const uint8_t* p) {
   // weights are read once: keep them out of L1
@@ -133,7 +125,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
   const int per_split = (Kp / CHUNK + splits - 1) / splits;
   const int c_begin = blockIdx.y * per_split;
   const int nch = max(0, min(Kp / CHUNK - c_begin, per_split));
-  // escape ranges of the CTA's rows: issued now, consumed after the main loop
+  // escape ranges of the CTA's rows: issued here, consumed after the main loop
   int rp0 = 0, rp1 = 0, ec0 = 0, ev0 = 0;
   if (threadIdx.x < ROWS && r0 + (int)threadIdx.x < N) {
     rp0 = rowptr[r0 + threadIdx.x];
@@ -197,36 +189,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     }
   };
 
-  auto compute = [&](const Frag& f) {
-#pragma unroll
-    for (int t = 0; t < MT; ++t) {
-#pragma unroll
-      for (int s = 0; s < 4; ++s) {
-        const uint32_t ha = word(f.h[t][0], s), hb = word(f.h[t][1], s);
-        uint32_t a0, a1, a2, a3;
-        if (Q8) {
-          a0 = dec_pair_q8(__byte_perm(ha, 0u, 0x1404), e0x[t][0]);
-          a2 = dec_pair_q8(__byte_perm(ha, 0u, 0x3424), e0x[t][0]);
-          a1 = dec_pair_q8(__byte_perm(hb, 0u, 0x1404), e0x[t][1]);
-          a3 = dec_pair_q8(__byte_perm(hb, 0u, 0x3424), e0x[t][1]);
-        } else {
-          const uint32_t la = (word(f.l[t][0], s) >> sh) & 0x0F0F0F0Fu;
-          const uint32_t lb = (word(f.l[t][1], s) >> sh) & 0x0F0F0F0Fu;
-          a0 = dec_pair(__byte_perm(ha, la, 0x1504), e0x[t][0]);  // lanes: cols p = 0, 1 of row g
-          a2 = dec_pair(__byte_perm(ha, la, 0x3726), e0x[t][0]);  // p = 2, 3
-          a1 = dec_pair(__byte_perm(hb, lb, 0x1504), e0x[t][1]);  // row g + 8
-          a3 = dec_pair(__byte_perm(hb, lb, 0x3726), e0x[t][1]);
-        }
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const uint4& xv = f.x[j][s >> 1];
-          const uint32_t b0 = (s & 1) ? xv.z : xv.x;
-          const uint32_t b1 = (s & 1) ? xv.w : xv.y;
-          mma_bf16(acc[t][j], a0, a1, a2, a3, b0, b1);
-        }
-      }
-    }
-  };
+  auto compute = [&](const Frag& f) { mma_chunk<Q8>(acc, f, e0x, sh); };
 
   // x, the workspace, the counters and out may be the previous kernel's (programmatic dependent
   // launch): wait for it before the first load of x

@@ -12,15 +12,15 @@
 // bulk copy of 128 bytes per token of x, all completing on the stage's "full" mbarrier. STAGES
 // chunks are in flight per CTA; the consumers release a stage through its "empty" mbarrier as
 // soon as they have read their fragments, after a generic -> async proxy fence: the LDS must be
-// performed before the producer's next copy rewrites the stage. (Sessions 3-4 relied on the LDS /
-// arrive order instead; session 5 showed the refill overtaking the reads on the H200 whenever x, hot
-// in L2, lands fast and many small CTAs queue their LDS: see perf/w12_race_probe.py --small.)
+// performed before the producer's next copy rewrites the stage. The LDS / arrive order alone does
+// not order them: without the fence the H200 let the refill overtake the reads whenever x, hot in
+// L2, landed fast and many small CTAs queued their LDS.
 //
-// The M bulk copies of x per stage make M = 32 ~2.5x slower than M = 1. Session 4 tried one
-// swizzled 2-D TMA box of x per stage: fast, but on the H200 it gave wrong results in 16-45 of
-// 400 launches queued behind another kernel, without the release fence above (most likely the same
-// race; not re-tested), so it was withdrawn. TmaConfig(xcp=True) copies x with cp.async from the
-// whole producer warp instead (correct with the fence; the LM head at M = 16 / 32 gains from it).
+// The M bulk copies of x per stage make M = 32 ~2.5x slower than M = 1. Two alternatives:
+// TmaConfig(xcp=True) copies x with cp.async from the whole producer warp, TmaConfig(xbox=True) as
+// one swizzled 2-D TMA box per stage. Without the release fence above the x box gave wrong results
+// in 16-45 of 400 launches queued behind another kernel on the H200 (the same race); with it, both
+// are in the GPU tests (tests/w12/test_matmul_gpu.py) and in tuned configs.
 //
 // Fragments (same k-slot assignment as w12_mma.cu): thread (g = lane / 4, q = lane % 4) reads
 // columns 16q .. 16q + 15 of a chunk for rows g and g + 8 of each of its m-tiles (one 16-byte LDS
@@ -36,11 +36,6 @@
 // Escapes: the dense decode gives 2^(e0 - 127) (8-bit view: +0.0) at an escape; the epilogue adds
 // x * escape - x * 2^(e0 - 127) for each, in CSR order. Each thread fetches its rows' escape range
 // and first escape before the main loop, so most rows (0 or 1 escape) pay one dependent load.
-
-#include <cuda.h>
-#include <cuda_bf16.h>
-#include <cuda_fp16.h>
-#include <stdint.h>
 
 #include "w12_common.cuh"
 
@@ -69,7 +64,7 @@
 #define W12_XCP 0  // x by cp.async from the producer warp (TmaConfig.xcp)
 #endif
 #ifndef W12_XBOX
-#define W12_XBOX 0  // x by one 2-D TMA box per stage, 128-byte swizzle (TmaConfig.xbox; not yet run with the fence)
+#define W12_XBOX 0  // x by one 2-D TMA box per stage, 128-byte swizzle (TmaConfig.xbox)
 #endif
 #ifndef W12_SK
 #define W12_SK 0  // stream-K: a persistent grid of equal contiguous ranges of (row block, chunk) units (TmaConfig.sk)
@@ -95,6 +90,12 @@
 
 namespace {
 
+// CUtensorMap's size and alignment (cuda.h, which NVRTC cannot include): 128 opaque bytes that
+// cuTensorMapEncodeTiled fills on the host (autotune.jit.tensor_map_2d)
+struct alignas(128) TensorMap {
+  unsigned long long opaque[16];
+};
+
 constexpr int MT = W12_MT;          // m-tiles (16 weight rows) per consumer warp
 constexpr int NT = W12_NT;          // n-tiles (8 tokens)
 constexpr int CW = W12_CW;          // consumer warps
@@ -116,8 +117,8 @@ constexpr int LB = Q8 ? 0 : R * 32; // lo bytes per stage
 #if W12_XBOX
 // x by one 2-D TMA box of TOKS tokens x 128 bytes per stage (128-byte swizzle: 16-byte unit u of token
 // t lands at unit u ^ (t % 8); tokens past M zero-filled by TMA) instead of per-token copies. Stage
-// layout hi | x | lo, so x sits 1024-aligned (the swizzle's period). Session 4 ran this path without
-// the consumers' proxy fence and got wrong results; with the fence it has not run yet.
+// layout hi | x | lo, so x sits 1024-aligned (the swizzle's period). It needs the consumers' proxy
+// fence like the other paths.
 constexpr int XP = 128;
 constexpr int XB = TOKS * XP;
 constexpr int X_OFF = HB, LO_OFF = HB + XB;
@@ -129,9 +130,7 @@ constexpr int XB = TOKS * XP;
 constexpr int SB = (HB + LB + XB + 1023) / 1024 * 1024;  // stage stride (TMA destinations 1024-aligned)
 static_assert(R <= 256, "a TMA box is at most 256 rows");
 
-struct Frag {  // one consumer warp's registers for one chunk
-  uint4 h[MT][2], l[MT][2], x[NT][2];
-};
+using Frag = Fragments<MT, NT>;  // one consumer warp's registers for one chunk
 constexpr int ESC = 2 * MT;         // rows per consumer thread
 // wgmma path: per warpgroup two buffers (alternating by chunk) of x in the permuted k order the A
 // registers use, laid out as the canonical no-swizzle K-major B operand: per k-step s, core
@@ -172,7 +171,7 @@ __device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
       : "memory");
 }
 
-__device__ __forceinline__ void tma_2d(uint32_t dst, const CUtensorMap* map, int c0, int c1, uint32_t bar) {
+__device__ __forceinline__ void tma_2d(uint32_t dst, const TensorMap* map, int c0, int c1, uint32_t bar) {
   asm volatile(
       "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes [%0], [%1, {%2, %3}], [%4];"
       ::"r"(dst), "l"(map), "r"(c0), "r"(c1), "r"(bar)
@@ -260,10 +259,10 @@ __device__ __forceinline__ uint4 lds128(uint32_t a) {
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_kernel(
-    const __grid_constant__ CUtensorMap tm_hi,  // uint8 [N, Kp], box 64 x R
-    const __grid_constant__ CUtensorMap tm_lo,  // uint8 [N, Kp / 2], box 32 x R (unused for Q8)
+    const __grid_constant__ TensorMap tm_hi,  // uint8 [N, Kp], box 64 x R
+    const __grid_constant__ TensorMap tm_lo,  // uint8 [N, Kp / 2], box 32 x R (unused for Q8)
 #if W12_XBOX
-    const __grid_constant__ CUtensorMap tm_x,   // 16-bit [M, Kp] (row stride ldx), box 64 x 8 NT, 128 B swizzle
+    const __grid_constant__ TensorMap tm_x,   // 16-bit [M, Kp] (row stride ldx), box 64 x 8 NT, 128 B swizzle
 #endif
     const __nv_bfloat16* __restrict__ x,        // [M, >= Kp], row stride ldx, 16-byte aligned rows
     long long ldx,
@@ -310,7 +309,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     }
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
-  if constexpr (W12_POISON != 0) {  // a read of a stage before its copies land now shows up as NaN
+  if constexpr (W12_POISON != 0) {  // a read of a stage before its copies land shows up as NaN
     for (int i = threadIdx.x; i < STAGES * SB / 16; i += blockDim.x)
       reinterpret_cast<uint4*>(base_g)[i] = make_uint4(~0u, ~0u, ~0u, ~0u);
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // generic stores before the async writes
@@ -396,38 +395,10 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     }
     // the LDS above (generic proxy) must be performed before the producer's next TMA / bulk copy
     // (async proxy) rewrites this stage: without this fence the H200 let the refill overtake the reads
-    // (session 5: wrong in 150 of 150 launches at M = 16 with 16- and 32-row CTAs, perf/w12_race_probe.py --small)
+    // (wrong in 150 of 150 launches at M = 16 with 16- and 32-row CTAs)
     if constexpr (W12_RELFENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
     __syncwarp();
     if (lane == 0) mbar_arrive(empty(s));
-  };
-  // one chunk's decode and mma.sync work of a consumer warp
-  auto mma_chunk = [&](const Frag& f, const uint32_t(&e0x)[MT][2], int sh) {
-#pragma unroll
-    for (int t = 0; t < MT; ++t)
-#pragma unroll
-      for (int k = 0; k < 4; ++k) {
-        const uint32_t ha = word(f.h[t][0], k), hb = word(f.h[t][1], k);
-        uint32_t a0, a1, a2, a3;
-        if (Q8) {
-          a0 = dec_pair_q8(__byte_perm(ha, 0u, 0x1404), e0x[t][0]);
-          a2 = dec_pair_q8(__byte_perm(ha, 0u, 0x3424), e0x[t][0]);
-          a1 = dec_pair_q8(__byte_perm(hb, 0u, 0x1404), e0x[t][1]);
-          a3 = dec_pair_q8(__byte_perm(hb, 0u, 0x3424), e0x[t][1]);
-        } else {
-          const uint32_t la = (word(f.l[t][0], k) >> sh) & 0x0F0F0F0Fu;
-          const uint32_t lb = (word(f.l[t][1], k) >> sh) & 0x0F0F0F0Fu;
-          a0 = dec_pair(__byte_perm(ha, la, 0x1504), e0x[t][0]);
-          a2 = dec_pair(__byte_perm(ha, la, 0x3726), e0x[t][0]);
-          a1 = dec_pair(__byte_perm(hb, lb, 0x1504), e0x[t][1]);
-          a3 = dec_pair(__byte_perm(hb, lb, 0x3726), e0x[t][1]);
-        }
-#pragma unroll
-        for (int j = 0; j < NT; ++j) {
-          const uint4& xv = f.x[j][k >> 1];
-          mma_bf16(acc[t][j], a0, a1, a2, a3, (k & 1) ? xv.z : xv.x, (k & 1) ? xv.w : xv.y);
-        }
-      }
   };
   // a barrier of the consumer warps only (stream-K: the producer runs ahead into the next row block)
   auto consumer_sync = [&]() { asm volatile("bar.sync 1, %0;" ::"n"(32 * CW) : "memory"); };
@@ -605,7 +576,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       for (int k = 0; k < len; ++k, ++i) {
         Frag f;
         fetch(f, i);
-        mma_chunk(f, e0x, sh);
+        mma_chunk<Q8>(acc, f, e0x, sh);
         if (k == 0) first_escapes();
       }
       if (len == nch_all) {
@@ -676,7 +647,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     uint32_t e0x[MT][2];
     row_meta(r0, e0x);
     const int sh = (q >> 1) * 4;  // columns 32..63 of a chunk sit in the high nibbles
-    auto compute = [&](const Frag& f) { mma_chunk(f, e0x, sh); };
+    auto compute = [&](const Frag& f) { mma_chunk<Q8>(acc, f, e0x, sh); };
     if constexpr (NULL_CONSUMER) {  // the ring's streaming rate alone: outputs are garbage
       for (int i = 0; i < nch; ++i) {
         mbar_wait(full(i % STAGES), (i / STAGES) & 1);
@@ -722,22 +693,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         // decode all four k-steps first, so one fence covers the A registers of the four wgmmas
         uint32_t a[4][4];
 #pragma unroll
-        for (int k = 0; k < 4; ++k) {
-          const uint32_t ha = word(fh[0], k), hb = word(fh[1], k);
-          if (Q8) {
-            a[k][0] = dec_pair_q8(__byte_perm(ha, 0u, 0x1404), e0x[0][0]);
-            a[k][2] = dec_pair_q8(__byte_perm(ha, 0u, 0x3424), e0x[0][0]);
-            a[k][1] = dec_pair_q8(__byte_perm(hb, 0u, 0x1404), e0x[0][1]);
-            a[k][3] = dec_pair_q8(__byte_perm(hb, 0u, 0x3424), e0x[0][1]);
-          } else {
-            const uint32_t la = (word(fl[0], k) >> sh) & 0x0F0F0F0Fu;
-            const uint32_t lb = (word(fl[1], k) >> sh) & 0x0F0F0F0Fu;
-            a[k][0] = dec_pair(__byte_perm(ha, la, 0x1504), e0x[0][0]);
-            a[k][2] = dec_pair(__byte_perm(ha, la, 0x3726), e0x[0][0]);
-            a[k][1] = dec_pair(__byte_perm(hb, lb, 0x1504), e0x[0][1]);
-            a[k][3] = dec_pair(__byte_perm(hb, lb, 0x3726), e0x[0][1]);
-          }
-        }
+        for (int k = 0; k < 4; ++k) decode_a<Q8>(a[k], fh, fl, e0x[0], k, sh);
         pin_acc();
         asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
 #pragma unroll

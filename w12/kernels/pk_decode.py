@@ -1,8 +1,8 @@
 """Packed W12 decode in PTX: two weights per 32-bit register op (bf16x2 lanes).
 
-The plain decode (`tc._decode_bits`) spends ~7 integer ops per weight on int32 lanes. Round 1
-on the H200 showed the CUDA-core GEMV no faster for 1 byte per weight (q8) than for 1.5, so
-decode instructions, not bytes, bound it. Here one `inline_asm_elementwise` call (pack=4)
+The plain decode (`tc._decode_bits`) spends ~7 integer ops per weight on int32 lanes. On the
+H200 the CUDA-core GEMV was no faster for 1 byte per weight (q8) than for 1.5, so decode
+instructions, not bytes, bound it. Here one `inline_asm_elementwise` call (pack=4)
 takes 4 `hi` bytes and 4 `lo` bytes in one register each and builds two 16-bit lanes at once:
 
     t = prmt(h, 0, {h0, 0, h1, 0})                      # lanes = hi bytes 0..255
@@ -18,8 +18,8 @@ zeroes lanes with hi == 0: ((t + 0x00FF00FF) >> 8) & 0x00010001 is 1 per non-zer
 
 Outputs: bf16 (two bf16x2 registers, the tensor-core operand) or fp32 (bf16 bits << 16, for the
 GEMV and the tf32 path). The interpreter cannot run PTX: callers switch on a constexpr
-(USE_ASM) and keep the plain decode for CPU; `emulate` below is the same op sequence in
-torch, tested bit-exactly against the plain decode for every code and e0 (tests/w12).
+(USE_ASM) and keep the plain decode for CPU; tests/w12/test_matmul.py replays the same op
+sequence in torch, bit-exactly against the plain decode for every code and e0.
 """
 
 from __future__ import annotations
@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["decode_pk", "asm_text", "emulate"]
+__all__ = ["decode_pk", "asm_text"]
 
 _SEL = ("0x4140", "0x4342")  # prmt selectors: bytes {0,1} / {2,3} into the low byte of each 16-bit lane
 
@@ -103,33 +103,3 @@ _ASM_Q8_BF16 = tl.constexpr(_ASM[("q8", "bf16")])
 _ASM_LO_F32 = tl.constexpr(_ASM[("lo", "f32")])
 _ASM_HI_F32 = tl.constexpr(_ASM[("hi", "f32")])
 _ASM_Q8_F32 = tl.constexpr(_ASM[("q8", "f32")])
-
-
-def emulate(h: torch.Tensor, lo: torch.Tensor, e0: torch.Tensor, mode: str) -> torch.Tensor:
-    """The PTX op sequence of `asm_text(mode, 'bf16')` on int64 torch tensors (32-bit wrap), for
-    the CPU test. h, lo, e0: integer tensors of one shape, 4 elements per pack along the last dim
-    (length divisible by 4). Returns the bf16 bit patterns (int64 0..0xFFFF) per element."""
-    M32 = 0xFFFFFFFF
-    h4 = h.long().reshape(-1, 4)
-    l4 = lo.long().reshape(-1, 4)
-    e4 = (e0.long() << 7).reshape(-1, 4)
-    outs = []
-    for p in range(2):
-        t = h4[:, 2 * p] | (h4[:, 2 * p + 1] << 16)  # prmt {b, 0, b', 0}
-        n = l4[:, 2 * p] | (l4[:, 2 * p + 1] << 16)
-        e2 = e4[:, 2 * p] | (e4[:, 2 * p + 1] << 16)  # two int16 elements in one register
-        s = ((t << 8) & M32) & 0x80008000
-        w = ((t << 4) & M32) & 0x07F007F0
-        if mode == "q8":
-            w |= 0x00080008
-        else:
-            if mode == "hi":
-                n = n >> 4
-            w |= n & 0x000F000F
-        w = ((w + e2) & M32) | s
-        if mode == "q8":
-            m = (((t + 0x00FF00FF) & M32) >> 8) & 0x00010001
-            w &= (m * 0xFFFF) & M32
-        outs += [w & 0xFFFF, w >> 16]
-    o = torch.stack([outs[0], outs[1], outs[2], outs[3]], dim=1)
-    return o.reshape(h.shape)

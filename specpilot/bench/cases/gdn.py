@@ -3,7 +3,7 @@ them on chains.
 
 Every case runs all `gdn_layers` layers in one call (so one CUDA graph holds the whole model's
 GDN verify for a step), with per-layer inputs and per-layer state pools.
-* `tree_verify-B1-N32-L48`: batch 1, one 32-node tree; variants "cuda" (the default where nvcc is present:
+* `tree_verify-B1-N32-L48`: batch 1, one 32-node tree; variants "cuda" (the default on sm_80+ GPUs:
   the CUDA C++ kernel gdn/csrc/gdn_tree.cu), "wy" (the Triton kernel's default config),
   "wy-wgmma" (configs.WY_WGMMA: transposed, M = BV = 64, wgmma on sm_90), "wy-levels"
   (level-by-level inverse) and "recurrent" (baseline).

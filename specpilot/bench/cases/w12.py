@@ -5,7 +5,7 @@ Per `<layer>-M<m>` group (baseline "cublas"):
   * "cublas"  F.linear on the BF16 weight (2 B/weight)
   * "w12.tc"   w12.matmul with the sm_90 variant forced (wgmma; the CUDA-core GEMV at M = 1, see w12/ops.py)
   * "w12.gemv" w12.matmul with the no-wgmma variant forced (CUDA cores for M <= 4, mma above)
-  * "w12.mma"  w12.matmul with the CUDA C++ kernel forced (w12/cuda.py; the default where nvcc is there)
+  * "w12.mma"  w12.matmul with the CUDA C++ kernel forced (w12/cuda.py; the default on sm_80+ GPUs)
   * "w12.q8"   w12.matmul_q8 (hi plane + escapes, 1 B/weight), default variant
 The LM head appears as layer "lm_head.linear" (a plain projection; `lm_head-M<m>` is the
 argmax group of the linear/lm_head providers).

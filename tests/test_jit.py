@@ -1,0 +1,163 @@
+"""autotune.jit on the CPU: NVRTC builds (no GPU needed), the disk cache and its key, errors, availability.
+
+Loading and launching need a GPU: tests/w12/test_matmul_gpu.py and tests/gdn/test_gdn_cuda_gpu.py run them."""
+
+import subprocess
+import sys
+import threading
+
+import pytest
+
+import autotune
+from autotune import jit
+
+KERNEL = r"""
+#include <cuda_bf16.h>
+#include "helper.cuh"
+#ifndef SCALE
+#define SCALE 2
+#endif
+extern "C" __device__ unsigned int tiny_smem_bytes = 64;
+extern "C" __global__ void tiny_kernel(const __nv_bfloat16* x, float* y, int n) {
+  const int i = blockIdx.x * blockDim.x + threadIdx.x;
+  if (i < n) y[i] = twice(__bfloat162float(x[i])) * SCALE;
+}
+"""
+HELPER = "__device__ __forceinline__ float twice(float v) { return 2.0f * v; }\n"
+
+
+@pytest.fixture()
+def src(tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path / "cache"))
+    d = tmp_path / "csrc"
+    d.mkdir()
+    (d / "helper.cuh").write_text(HELPER)
+    (d / "tiny.cu").write_text(KERNEL)
+    return d / "tiny.cu"
+
+
+def _count_compiles(monkeypatch) -> list:
+    calls = []
+    real = jit._nvrtc_compile
+
+    def counting(*a):
+        calls.append(a)
+        return real(*a)
+
+    monkeypatch.setattr(jit, "_nvrtc_compile", counting)
+    return calls
+
+
+def test_compile_gives_cubin_ptx_and_resources(src, tmp_path):
+    b = jit.compile(src, arch="sm_80", defines={"SCALE": 3})
+    assert b.cubin.read_bytes()[:4] == b"\x7fELF"
+    ptx = b.ptx.read_text()
+    assert ".target sm_80" in ptx and ".entry tiny_kernel" in ptx and "tiny_smem_bytes" in ptx
+    res = b.resources()
+    assert res["registers"] > 0 and res["stack"] == res["spill_stores"] == res["spill_loads"] == 0
+    assert b.cubin.parent == tmp_path / "cache" / "jit"
+    assert not list(b.cubin.parent.glob(".tmp-*")), "temporary files left behind"
+
+
+def test_cache_hits_and_its_key(src, monkeypatch):
+    calls = _count_compiles(monkeypatch)
+    a = jit.compile(src, arch="sm_90")
+    assert jit.compile(src, arch="sm_90") == a and len(calls) == 1  # a hit: no second compilation
+    variants = [jit.compile(src, arch="sm_90", defines={"SCALE": 5}), jit.compile(src, arch="sm_80"),
+                jit.compile(src, arch="sm_90", options=["-Xptxas=-O1"])]
+    (src.parent / "helper.cuh").write_text(HELPER.replace("2.0f", "3.0f"))  # a header beside the source
+    variants.append(jit.compile(src, arch="sm_90"))
+    assert len({v.cubin for v in [a, *variants]}) == 5 and len(calls) == 5
+
+
+def test_concurrent_builders_of_one_spec_agree(src):
+    out, errs = [], []
+
+    def build():
+        try:
+            out.append(jit.compile(src, arch="sm_90", defines={"SCALE": 7}))
+        except Exception as e:  # pragma: no cover - reported below
+            errs.append(e)
+
+    threads = [threading.Thread(target=build) for _ in range(3)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert not errs and len(set(out)) == 1
+    assert out[0].cubin.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_wgmma_targets_sm90a(src):
+    assert jit.arch_name((9, 0), wgmma=True) == "sm_90a" and jit.arch_name((8, 6)) == "sm_86"
+    with pytest.raises(ValueError, match="wgmma needs sm_90"):
+        jit.arch_name((8, 0), wgmma=True)
+    assert ".target sm_90a" in jit.compile(src, arch="sm_90a").ptx.read_text()
+    with pytest.raises(ValueError, match="real target"):
+        jit.compile(src, arch="compute_90")
+
+
+def test_build_error_holds_the_log(src):
+    src.write_text(KERNEL.replace("y[i] =", "y[i] = undefined_name +"))
+    with pytest.raises(autotune.BuildError, match="undefined_name") as e:
+        jit.compile(src, arch="sm_80")
+    assert isinstance(e.value, RuntimeError) and autotune.BuildError is jit.BuildError
+
+
+def test_one_build_error_type():
+    from gdn import cuda as gcuda
+    from w12 import cuda as wcuda
+
+    assert wcuda.BuildError is gcuda.BuildError is autotune.BuildError
+    assert not hasattr(wcuda, "CudaBuildError") and not hasattr(gcuda, "CudaBuildError")
+
+
+def test_spec_is_a_hashable_key(src):
+    a = jit.Spec(src, "tiny_kernel", "sm_90", {"SCALE": 3, "B": True})
+    b = jit.Spec(str(src), "tiny_kernel", "sm_90", {"B": 1, "SCALE": "3"}, name="other")
+    assert a == b and hash(a) == hash(b) and a.defines == (("B", "1"), ("SCALE", "3"))
+    with pytest.raises(ValueError, match="C identifier"):
+        jit.Spec(src, "tiny_kernel", "sm_90", {"A-B": 1})
+    assert a.compile().cubin.is_file()
+
+
+def test_unavailable_without_a_gpu_says_why():
+    import torch
+
+    if torch.cuda.is_available():
+        pytest.skip("a CUDA device is present")
+    why = jit.unavailable()
+    assert why.startswith("needs an sm_80+ CUDA GPU") and not jit.available()
+    assert "cpu" in jit.unavailable(torch.device("cpu"))
+
+
+def test_nvrtc_version_and_headers():
+    assert jit.nvrtc_version() >= (12, 0)
+    (inc,) = jit.include_dirs()
+    assert (__import__("pathlib").Path(inc) / "cuda_bf16.h").is_file()
+
+
+def test_function_cache_makes_each_once():
+    cache = jit.FunctionCache()
+    made = []
+    barrier = threading.Barrier(4)
+
+    def get():
+        barrier.wait()
+        cache.get_or_make("k", lambda: made.append(1) or object())
+
+    threads = [threading.Thread(target=get) for _ in range(4)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    assert len(made) == 1 and len(cache) == 1
+
+
+def test_import_builds_and_probes_nothing():
+    """Importing the packages neither loads NVRTC nor initialises the driver nor asks about a device."""
+    code = ("import sys, autotune, w12, gdn, w12.cuda, gdn.cuda; from autotune import jit; "
+            "print('cuda.bindings.nvrtc' in sys.modules, jit._nvrtc.cache_info().currsize, "
+            "jit._driver.cache_info().currsize, jit._device_reason.cache_info().currsize)")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.split() == ["False", "0", "0", "0"], out
