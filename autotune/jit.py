@@ -358,8 +358,10 @@ def tensor_map_2d(ptr: int, elem_bytes: int, rows: int, cols: int, row_stride_by
     dtype = {1: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT8,
              2: driver.CUtensorMapDataType.CU_TENSOR_MAP_DATA_TYPE_UINT16}[elem_bytes]
     sw = driver.CUtensorMapSwizzle
+    u64, u32 = driver.cuuint64_t, driver.cuuint32_t  # the bindings take their own integer types in these lists
     err, tmap = driver.cuTensorMapEncodeTiled(
-        dtype, 2, ptr, [cols, rows], [row_stride_bytes], [box_cols, box_rows], [1, 1],
+        dtype, 2, ptr, [u64(cols), u64(rows)], [u64(row_stride_bytes)], [u32(box_cols), u32(box_rows)],
+        [u32(1), u32(1)],
         driver.CUtensorMapInterleave.CU_TENSOR_MAP_INTERLEAVE_NONE,
         sw.CU_TENSOR_MAP_SWIZZLE_128B if swizzle else sw.CU_TENSOR_MAP_SWIZZLE_NONE,
         driver.CUtensorMapL2promotion.CU_TENSOR_MAP_L2_PROMOTION_L2_256B,
