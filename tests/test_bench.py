@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from autotune import hardware as hw
-from specpilot.bench import Case, Prepared, collect, get_shape_set, report, runner
+from specpilot.bench import Case, Prepared, collect, get_shape_set, report, runner, timing
 from specpilot.bench.cases import linear as linear_cases
 
 ROW_FIELDS = {
@@ -156,6 +156,32 @@ def test_cpu_case_budget(tmp_path):
     case = Case(op="slow", variant="v", shape="s", dims={}, flops=1.0, bytes=1.0, setup=setup)
     res = runner.run([case], "cpu", reps=1000, warmup=0, case_budget_s=0.05, write=False, log=None)
     assert 3 <= res[0]["samples"] < 10
+
+
+def test_timing_cpu_rotates_and_reports_quantiles():
+    calls = []
+    t = timing.time_fns([lambda: calls.append(0), lambda: calls.append(1)], "cpu", reps=6, warmup=2)
+    assert t.method == "perf_counter" and t.calls == 1 and len(t.samples) == 6
+    assert calls == [0, 1] * 4  # warm-up and timed calls cycle through the rotated inputs
+    assert t.p10 <= t.median <= t.p90
+    assert timing.quantile([3.0, 1.0, 2.0], 0.5) == 2.0 and timing.quantile([1.0, 2.0], 0.25) == 1.25
+    assert timing.time_cpu(lambda: None, reps=2, warmup=0).samples.__len__() == 2  # one callable is fine
+    with pytest.raises(ValueError, match="empty"):
+        timing.time_cpu([])
+    with pytest.raises(ValueError, match="reps"):
+        timing.time_cpu(lambda: None, reps=0)
+
+
+def test_one_cuda_event_timing_loop():
+    """CUDA events are read in one place above the ground floor: specpilot/bench/timing.py (autotune/hardware.py
+    times its roofs itself: the ground floor imports nothing of specpilot)."""
+    from pathlib import Path
+
+    root = Path(__file__).resolve().parents[1]
+    needle = "elapsed" + "_time("
+    users = sorted(str(p.relative_to(root)) for d in ("specpilot", "perf", "tests", "w12", "gdn", "tree_attn", "lmhead")
+                   for p in (root / d).rglob("*.py") if needle in p.read_text())
+    assert users == ["specpilot/bench/timing.py"], users
 
 
 # --------------------------------------------------------------------------------------
