@@ -101,6 +101,23 @@ def test_runner_rejects_bad_reps():
         runner.run([], "cpu", reps=0, write=False, measure=False, log=None)
 
 
+def test_report_shows_floors_only_where_they_hold():
+    row = {"op": "a", "variant": "v", "shape": "s", "status": "ok", "median_us": 10.0, "tbs": 1.0, "tflops": 1.0,
+           "floor_us": 5.0, "over_floor": 2.0, "speedup": None, "baseline": None}
+    gpu = {"device": "cuda:0", "ceilings_source": "measured", "ceilings": {"copy_tbs": 4.0, "bf16_tflops": 700.0}}
+    text = report.markdown([row], gpu)
+    assert "| floor µs | ×floor |" in text and "| 5 | 2 |" in text and report.floor_note([row], gpu) is None
+    for c in report.LEGEND:  # every column is explained under the table
+        assert f"- **{c}**: " in text
+    beaten = dict(row, median_us=4.0, over_floor=0.8)
+    text = report.markdown([row, beaten], gpu)
+    assert "floor µs" not in text.split("\n\n")[1] and "1 rows ran faster than their floor" in text
+    cpu = dict(gpu, device="cpu")
+    text = report.markdown([row], cpu)
+    assert "×floor" not in text and "No floor column: on the CPU" in text
+    assert report.floor_note([row], dict(gpu, ceilings_source="datasheet")).startswith("No floor column")
+
+
 def test_geomean():
     rows = [{"op": "a", "variant": "v", "status": "ok", "speedup": s} for s in (2.0, 8.0)]
     rows.append({"op": "a", "variant": "v", "status": "check_failed", "speedup": None})

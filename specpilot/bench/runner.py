@@ -246,7 +246,8 @@ def run(cases: Sequence[Case], device, out_dir=None, reps: int | None = None, wa
     rows: list[dict] = []
     t0 = time.perf_counter()
     for i, (name, group) in enumerate(groups.items()):
-        log(f"[{i + 1}/{len(groups)}] {name}: " + ", ".join(f"{c.op}/{c.variant}" for c in group))
+        log(f"[{i + 1}/{len(groups)} {time.perf_counter() - t0:5.0f} s] {name}: "
+            + ", ".join(f"{c.op}/{c.variant}" for c in group))
         rows.extend(_run_group(group, device, reps, warmup, common, log, case_budget_s))
     ops = sorted({c.op for c in cases})
     meta = {
