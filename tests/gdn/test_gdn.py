@@ -135,7 +135,7 @@ TREES = {
 
 
 @pytest.mark.parametrize("variant", ["wy", "recurrent"])
-@pytest.mark.parametrize("name", list(TREES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.endswith("64") else n for n in TREES])
 def test_verify_trees(variant, name):
     if variant == "recurrent" and name in ("chain64", "rand64"):
         check_verify(TREES[name], variant, h=1, hv=2, k=16, v=16)  # the interpreter is slow on 64 x 64 walks
@@ -331,6 +331,7 @@ def test_commit_single_layer_and_state_only():
     assert torch.equal(p[1], pool[1])
 
 
+@pytest.mark.slow
 def test_full_cycle_equals_sequential_decoding():
     """Many verify + commit steps with random acceptance == sequential decoding of the accepted
     tokens: same outputs for accepted nodes, same final recurrent and conv state. bf16 inputs,
@@ -423,7 +424,7 @@ def test_bad_inputs():
 
 
 @pytest.mark.parametrize("inverse", ["square", "levels", "fold", "split"])
-@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+@pytest.mark.parametrize("split", [pytest.param(True, marks=pytest.mark.slow), False], ids=["split", "nosplit"])
 def test_wy_inverse_and_split(inverse, split):
     """The inverses ('square': log2(depth) rounds; 'levels'; 'fold': (q.k^T d).T built directly;
     'split': fold's N from a first launch, read by the second) and
@@ -494,6 +495,7 @@ def test_wy_fold_depth64_and_ragged(inverse):
         check_verify([chain(3), rand_tree(17, random.Random(1)), chain(9)], "wy", seed=10, corr=0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", [False, True], ids=["unrolled", "loop"])
 def test_wy_split_flag_handoff(loop, no_two_launch_split):
     """inverse='split' in one launch (handoff='flag'): the B * HV inverse programs raise a flag per

@@ -2,6 +2,7 @@
 at tiny sizes apart from the library, so that a broken tool is found before a device call is spent on it."""
 
 import json
+import os
 import re
 import subprocess
 import sys
@@ -32,22 +33,29 @@ def test_tune_gdn_smoke(tmp_path):
     assert r.returncode != 0 and "needs a GPU run" in r.stderr
 
 
-def test_pytest_shard_partitions_the_selection():
-    """perf/pytest_shard.py: shards 1..n of a selection run every collected test exactly once."""
-    sel = ["tests/gdn/test_gdn.py", "-k", "plan", "-q", "-p", "no:cacheprovider"]
-    listing = _run("-m", "pytest", "--collect-only", "-q", *sel[:3], "-p", "no:cacheprovider")
-    ids = [x for x in listing.stdout.splitlines() if "::" in x]
-    assert len(ids) >= 3
+def test_pytest_shard_partitions_the_selection(tmp_path):
+    """perf/pytest_shard.py: shards 1..n of a selection run every collected test exactly once, with the
+    selection's options (-k here) kept."""
+    (tmp_path / "test_many.py").write_text(
+        "import pytest\n\n@pytest.mark.parametrize('i', range(7))\ndef test_a(i):\n    pass\n\n"
+        "def test_b():\n    pass\n\ndef test_other():\n    pass\n")
+    sel = ["test_many.py", "-k", "not other", "-q", "-p", "no:cacheprovider"]
+
+    def shard(spec):
+        env = {**os.environ, "PYTEST_DISABLE_PLUGIN_AUTOLOAD": "1"}  # plugins' imports cost ~10 s a process here
+        return subprocess.run([sys.executable, str(PERF / "pytest_shard.py"), spec, *sel], cwd=tmp_path,
+                              capture_output=True, text=True, timeout=300, env=env)
+
     counts = []
     for i in (1, 2, 3):
-        r = _run("perf/pytest_shard.py", f"{i}/3", *sel)
-        assert r.returncode == 0, r.stdout[-2000:]
+        r = shard(f"{i}/3")
+        assert r.returncode == 0, r.stdout[-2000:] + r.stderr[-2000:]
         head = next(x for x in r.stdout.splitlines() if x.startswith("shard"))
         counts.append(int(head.split(": ")[1].split(" of ")[0]))
-        assert int(head.split(" of ")[1].split()[0]) == len(ids)
+        assert int(head.split(" of ")[1].split()[0]) == 8
         assert f"{counts[-1]} passed" in r.stdout
-    assert sum(counts) == len(ids)
-    assert _run("perf/pytest_shard.py", "4/3", *sel).returncode != 0
+    assert counts == [3, 3, 2]
+    assert shard("4/3").returncode != 0
 
 
 def _row(op, variant, shape, M, us, baseline="cublas", status="ok"):

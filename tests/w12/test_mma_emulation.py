@@ -446,6 +446,7 @@ def _nvcc_or_skip():
     return cuda
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
 def test_kernel_builds_with_mma_and_no_local_memory(arch, tmp_path, monkeypatch):
     cuda = _nvcc_or_skip()
@@ -458,6 +459,7 @@ def test_kernel_builds_with_mma_and_no_local_memory(arch, tmp_path, monkeypatch)
         assert ".local" not in ptx, f"{cfg} nt={nt}: a register array went to local memory"
 
 
+@pytest.mark.slow
 def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(tmp_path, monkeypatch):
     """csrc/w12_tma.cu: TMA tensor copies of the planes, bulk copies of x, mbarrier waits, the
     consumers' proxy fence before each stage release, mma.sync and no local memory, for several
@@ -488,6 +490,7 @@ def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(t
         cuda.build(TmaConfig(), 1, False, (8, 0), out="ptx")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
 def test_mma_kernel_programmatic_launch_only_on_sm90(arch, tmp_path, monkeypatch):
     """griddepcontrol exists from sm_90 on: the mma kernel waits / triggers there and has neither on sm_80."""
@@ -498,6 +501,7 @@ def test_mma_kernel_programmatic_launch_only_on_sm90(arch, tmp_path, monkeypatch
     assert ("griddepcontrol.launch_dependents" in ptx) == (arch[0] >= 9)
 
 
+@pytest.mark.slow
 def test_tma_xcp_path_builds_with_cp_async_and_barrier_arrivals(tmp_path, monkeypatch):
     """TmaConfig(xcp=True): x by 16-byte cp.async from the producer lanes, each completing on the
     stage's full barrier (arrive.noinc, counted in its init), no per-token bulk copies; planes
@@ -519,6 +523,7 @@ def test_tma_xcp_path_builds_with_cp_async_and_barrier_arrivals(tmp_path, monkey
     assert "cp.async.mbarrier.arrive" not in plain and "cp.async.bulk.shared::cluster.global" in plain
 
 
+@pytest.mark.slow
 def test_tma_stream_k_path_builds_with_consumer_barrier_and_counters(tmp_path, monkeypatch):
     """TmaConfig(sk=...): the consumers' named barrier (the producer is not in it), the per-row-block
     arrival counter, the workspace's L2-only stores and loads; no local memory; the plain build has
@@ -542,6 +547,7 @@ def test_tma_stream_k_path_builds_with_consumer_barrier_and_counters(tmp_path, m
     assert TmaConfig(1, 8, 6, xcp=True, sk=2).tag() == "tma-mt1-cw8-st6-xcp-sk2"
 
 
+@pytest.mark.slow
 def test_tma_trace_build_stamps_globaltimer_only_when_asked(tmp_path, monkeypatch):
     """W12_TRACE=1 (perf/w12_trace_probe.py) reads %globaltimer and %smid; the shipped build does not."""
     from w12.configs import TmaConfig
@@ -556,6 +562,7 @@ def test_tma_trace_build_stamps_globaltimer_only_when_asked(tmp_path, monkeypatc
     assert "%globaltimer" in traced and "%smid" in traced and ".local" not in traced
 
 
+@pytest.mark.slow
 def test_tma_x_box_path_builds_with_three_tensor_copies(tmp_path, monkeypatch):
     """TmaConfig(xbox=True): x arrives by a third 2-D tensor copy per stage (no per-token bulk copies,
     no zero-fill loop: TMA fills tokens past M), the consumers still fence before each release; the
@@ -578,6 +585,7 @@ def test_tma_x_box_path_builds_with_three_tensor_copies(tmp_path, monkeypatch):
     assert cuda.smem_bytes(TmaConfig(2, 4, 6, xbox=True), 1, False) == 6 * 13312 + 1024 + 96
 
 
+@pytest.mark.slow
 def test_tma_wgmma_path_builds_for_sm90a(tmp_path, monkeypatch):
     """TmaConfig(wg=True): wgmma with A from registers (sm_90a), the proxy fence before it reads the
     buffers the threads wrote, immediate named-barrier ids, no local memory, every n-tile count."""
