@@ -206,12 +206,27 @@ def cmd_bench(args) -> int:
 
 
 def _demo_cases(cases):
-    """The CPU demo's short selection: per op, the cases at its smallest and largest M, and those without M."""
-    ms: dict[str, set] = {}
+    """The CPU demo's short selection, each op once: its first shape at its smallest M and at the largest M that
+    every op on that shape has (so the baseline is beside each kernel); an op without M in its first group; no
+    decode step (64 layers of interpreted kernels take minutes)."""
+    def base(c):
+        return c.shape.rsplit("-M", 1)[0] if "M" in c.dims else c.group
+
+    first: dict[str, str] = {}
+    ms: dict[tuple[str, str], set] = {}
     for c in cases:
+        first.setdefault(c.op, base(c))
         if "M" in c.dims:
-            ms.setdefault(c.op, set()).add(c.dims["M"])
-    return [c for c in cases if "M" not in c.dims or c.dims["M"] in (min(ms[c.op]), max(ms[c.op]))]
+            ms.setdefault((c.op, base(c)), set()).add(c.dims["M"])
+
+    def wanted(op):
+        shape = first[op]
+        mine = ms[(op, shape)]
+        common = set.intersection(*(v for (o, b), v in ms.items() if b == shape and first.get(o) == shape))
+        return {min(mine), max(common or mine)}
+
+    return [c for c in cases if c.op != "decode_step" and base(c) == first[c.op]
+            and ("M" not in c.dims or c.dims["M"] in wanted(c.op))]
 
 
 def cmd_demo(args) -> int:
@@ -235,7 +250,8 @@ def cmd_demo(args) -> int:
         print("(no GPU: the 'cublas' baseline rows are torch's CPU F.linear at the 'tiny' scale; Triton kernels run "
               "under the interpreter, so their times say nothing about a GPU; the table shows no floors)")
         if not args.ops:
-            keep = (_demo_cases, "CPU demo: the smallest and largest M of each op (--ops or `specpilot bench`: every M)")
+            keep = (_demo_cases, "CPU demo: each op on one shape at its smallest and largest M, no decode step "
+                                 "(`specpilot bench` runs every case)")
     # The demo shows what works: it succeeds if any case was reported, and lists the rest.
     return _bench(torch, shapes, args.ops, out, reps, warmup, dev, strict=False,
                   case_budget_s=0.5 if cpu else None, keep=keep)

@@ -172,7 +172,7 @@ def test_cpu_case_budget(tmp_path):
 
     case = Case(op="slow", variant="v", shape="s", dims={}, flops=1.0, bytes=1.0, setup=setup)
     res = runner.run([case], "cpu", reps=1000, warmup=0, case_budget_s=0.05, write=False, log=None)
-    assert 3 <= res[0]["samples"] < 10
+    assert 1 <= res[0]["samples"] <= 3 and res[0]["status"] == "ok"
 
 
 def test_timing_cpu_rotates_and_reports_quantiles():

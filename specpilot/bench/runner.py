@@ -221,7 +221,7 @@ def run(cases: Sequence[Case], device, out_dir=None, reps: int | None = None, wa
     over the rotated inputs before timing. `measure`: measure the roofs once at the start
     (cached per device name) so floors use measured ceilings. `tag`: the file name's suffix
     (default: the ops of the cases). `case_budget_s`: on CPU, stop sampling a case after this
-    many seconds once it has 3 samples (interpreted Triton kernels take ~1 s a call).
+    many seconds, with at least one sample (interpreted Triton kernels take seconds a call).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:

@@ -1,8 +1,8 @@
 """The one timing loop: every benchmark, tuner and exploration script times through this module.
 
-* `time_cuda(fns)`: warm-up on a side stream, then a CUDA graph holding enough calls over the
-  rotated inputs `fns` that one replay lasts ~200 µs; each replay is timed with CUDA events and
-  divided by its calls. Without a graph (`graph=False`, or when capture is refused, e.g. by a
+* `time_cuda(fns)`: warm-up passes, then a CUDA graph (`specpilot.testing.capture_graph`) holding
+  enough calls over the rotated inputs `fns` that one replay lasts ~200 µs; each replay is timed
+  with CUDA events and divided by its calls. Without a graph (`graph=False`, or when capture is refused, e.g. by a
   host sync): CUDA events around one eager pass over the rotated inputs.
 * `time_cpu(fns)`: `time.perf_counter` around each call.
 * `time_fns(fns, device)`: the one that suits the device.
@@ -21,6 +21,8 @@ from dataclasses import dataclass
 from typing import Callable, Sequence
 
 import torch
+
+from specpilot.testing import capture_graph
 
 __all__ = ["Timing", "time_cuda", "time_cpu", "time_fns", "quantile"]
 
@@ -86,22 +88,19 @@ def _time_events(fns, reps: int, warmup: int) -> Timing:
 
 def _time_graph(fns, reps: int, warmup: int, sample_s: float) -> Timing:
     n = len(fns)
-    # Warm up on a side stream (compiles, allocations and cuBLAS's workspace happen outside the capture).
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(max(warmup, 1) * n):
-            fns[i % n]()
-    torch.cuda.current_stream().wait_stream(side)
+    for i in range(max(warmup, 1) * n):
+        fns[i % n]()
     torch.cuda.synchronize()
     est = min(_events_once(fns, n) for _ in range(3))
     calls = max(1, math.ceil(sample_s / max(est, 1e-7)))
     calls = min(MAX_CALLS_PER_GRAPH, max(n, calls))
     calls = n * math.ceil(calls / n)  # whole passes over the rotated inputs
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
+
+    def many():
         for i in range(calls):
             fns[i % n]()
+
+    graph = capture_graph(many)  # its warm-up pass runs on a side stream (cuBLAS picks its workspace there)
     graph.replay()
     torch.cuda.synchronize()
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
@@ -131,8 +130,8 @@ def time_cuda(fns, *, reps: int = 100, warmup: int = 5, graph: bool = True, samp
 
 
 def time_cpu(fns, *, reps: int = 20, warmup: int = 2, budget_s: float | None = None) -> Timing:
-    """`time.perf_counter` around each call. `budget_s`: stop once this many seconds passed and 3 samples
-    exist (Triton kernels under the interpreter take ~1 s a call)."""
+    """`time.perf_counter` around each call. `budget_s`: stop sampling once this many seconds have passed
+    (Triton kernels under the interpreter take seconds a call; at least one sample is taken)."""
     fns = _as_list(fns)
     if reps < 1 or warmup < 0:
         raise ValueError(f"reps must be >= 1 and warmup >= 0, got reps={reps}, warmup={warmup}")
@@ -145,7 +144,7 @@ def time_cpu(fns, *, reps: int = 20, warmup: int = 2, budget_s: float | None = N
         t0 = time.perf_counter()
         fns[i % n]()
         out.append(time.perf_counter() - t0)
-        if budget_s is not None and len(out) >= 3 and time.perf_counter() - start > budget_s:
+        if budget_s is not None and time.perf_counter() - start > budget_s:
             break
     return Timing(tuple(out), "perf_counter", 1)
 
