@@ -29,7 +29,8 @@ def summary(data: dict, op_prefix: str = "") -> list[str]:
         if r["op"] == "decode_step":
             lines.append(f"  decode_step {r['variant']}: {r['median_us']:.1f} us, {r['speedup']:.3f}x")
             continue
-        cells[(r["op"], r["variant"])].append((r["speedup"], r["shape"], r.get("tbs"), (r.get("dims") or {}).get("M")))
+        m = (r.get("dims") or {}).get("M")
+        cells[(r["op"], r["variant"])].append((r["speedup"], r["shape"], r.get("tbs"), m))
     for (op, v), xs in sorted(cells.items()):
         by_m = collections.defaultdict(list)
         for s, _, _, m in xs:
@@ -44,7 +45,8 @@ def summary(data: dict, op_prefix: str = "") -> list[str]:
             lines.append("    lm_head: " + "  ".join(f"{s:.2f}x@{(tb or 0):.2f}TB/s" for s, _, tb, _ in lm))
     for r in rows:
         if r["status"] != "ok":
-            lines.append(f"  NOT REPORTED {r['op']}/{r['variant']} {r['shape']}: {r['status']}: {str(r['error'])[:160]}")
+            err = str(r["error"])[:160]
+            lines.append(f"  NOT REPORTED {r['op']}/{r['variant']} {r['shape']}: {r['status']}: {err}")
     return lines
 
 

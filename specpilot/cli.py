@@ -2,7 +2,8 @@
 
     specpilot info                      device, versions, measured roofs, variants per op
     specpilot bench [--shapes S] [--ops OP ...] [--out DIR] [--reps N]
-    specpilot demo                      roofs + benchmark table (tiny on CPU, hybrid-27b on GPU)
+    specpilot demo                      roofs, a line per benchmark group, the table and its legend
+                                        (hybrid-27b on a GPU; a short tiny selection on the CPU)
     specpilot pack IN.safetensors OUT.safetensors [--device cpu] [--include PATTERN]
 
 Without CUDA, Triton kernels run under the interpreter: TRITON_INTERPRET=1 is set before
@@ -314,7 +315,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup", type=int, default=None, metavar="N", help="warm-up passes per case")
     s.set_defaults(fn=cmd_bench)
 
-    s = sub.add_parser("demo", help="measure roofs, then the benchmark table at the scale this machine suits")
+    s = sub.add_parser("demo", help="measure roofs, then the benchmark table at the scale this machine suits "
+                                    "(on the CPU: each op once, no floors)")
     bench_args(s, "override the shape set (default tiny on CPU, hybrid-27b on a GPU)")
     s.set_defaults(fn=cmd_demo)
 

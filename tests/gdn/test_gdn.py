@@ -437,8 +437,8 @@ def test_wy_inverse_and_split(inverse, split):
         check_verify([chain(33), rand_tree(20, rng), star(5), [-1]], "wy", dtype=torch.bfloat16, seed=3)
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
-@pytest.mark.parametrize("inverse", ["square", "levels", "fold", "split"])
+@pytest.mark.parametrize("split", [pytest.param(True, marks=pytest.mark.slow), False], ids=["split", "nosplit"])
+@pytest.mark.parametrize("inverse", ["square", "levels", pytest.param("fold", marks=pytest.mark.slow), "split"])
 def test_wy_transposed(split, inverse):
     """trans=True (products as [BV, K] x [K, BT], M = BV: configs.WY_WGMMA on sm_90) gives the same function
     within the derived bound: deep chains, bushy trees, a one-node tree, odd V (masked V block)."""
@@ -456,7 +456,8 @@ def test_wy_transposed_odd_dims_vk():
         check_verify([rand_tree(10, random.Random(5)), star(4)], "wy", l2=False, layout="vk", h=1, hv=3, k=24, v=20)
 
 
-@pytest.mark.parametrize("inverse", ["square", "loop", "fold", "split"])
+@pytest.mark.parametrize("inverse", ["square"] + [pytest.param(i, marks=pytest.mark.slow)
+                                                 for i in ("loop", "fold", "split")])
 def test_wy_stacked_qk_and_loop_inverse(inverse):
     """stack=True (q rows over k rows: one [2BT, K] set of state products) and inverse='loop' (the
     squaring rounds as a runtime loop) give the same function within the derived bound: deep
@@ -472,6 +473,7 @@ def test_wy_stacked_qk_and_loop_inverse(inverse):
         check_verify([chain(33), rand_tree(20, rng), [-1]], "wy", dtype=torch.bfloat16, seed=7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inverse", ["fold", "split", "split-loop"])
 def test_wy_fold_depth64_and_ragged(inverse):
     """inverse='fold' (and 'split', its two-launch form) on a depth-63 chain (all 5 rounds, 64-row
@@ -524,7 +526,8 @@ def test_wy_split_flag_handoff(loop, no_two_launch_split):
     assert torch.equal(o1, o2)
 
 
-@pytest.mark.parametrize("inverse", ["square", "loop", "fold", "split", "levels"])
+@pytest.mark.parametrize("inverse", ["square"] + [pytest.param(i, marks=pytest.mark.slow)
+                                                 for i in ("loop", "fold", "split", "levels")])
 def test_wy_correlated_keys_stay_accurate(inverse):
     """Hostile inverse: keys along each path nearly parallel (corr 0.95), beta near 1, gates near 0, so
     A's entries approach 1 and its powers grow far past 1 on a 32-node chain and a deep tree. The

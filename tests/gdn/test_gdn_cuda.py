@@ -196,6 +196,7 @@ SPECS = [  # (cfg, node tile, K, build keywords)
 ]
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
 @pytest.mark.parametrize("spec", range(len(SPECS)))
 def test_kernel_builds_with_mma_and_no_local_memory(spec, arch, tmp_path, monkeypatch):

@@ -75,7 +75,8 @@ def test_bench_summary(tmp_path):
     assert r.returncode == 0, r.stderr
     out = r.stdout
     # geomean of 2x, 0.5x and 1x = 1x; the baseline's own rows are not summarised
-    assert re.search(r"w12\.matmul/mma: geomean 1\.000x over 3 shapes, min 0\.50x \(a-M4\) \| M1 1\.41\s+M4 0\.50", out), out
+    want = r"w12\.matmul/mma: geomean 1\.000x over 3 shapes, min 0\.50x \(a-M4\) \| M1 1\.41\s+M4 0\.50"
+    assert re.search(want, out), out
     assert "lm_head: 1.00x@1.00TB/s" in out and "linear/cublas" not in out
     assert "NOT REPORTED w12.matmul/tma a-M1: check_failed" in out
     assert "w12.matmul" not in _run("perf/bench_summary.py", str(path), "--op", "gdn").stdout
@@ -86,8 +87,8 @@ def test_ncu_summary(tmp_path):
     head = '"ID","Kernel Name","Section Name","Metric Name","Metric Unit","Metric Value"\n'
     body = ['"0","w12_tma_kernel","SOL","Duration","us","12.5"',
             '"0","w12_tma_kernel","SOL","DRAM Throughput","%","80.1"',
-            '"0","w12_tma_kernel","","smsp__average_warps_issue_stalled_long_scoreboard_per_issue_active.ratio","","3.2"',
-            '"0","w12_tma_kernel","","smsp__average_warps_issue_stalled_barrier_per_issue_active.ratio","","1.1"']
+            *(f'"0","w12_tma_kernel","","smsp__average_warps_issue_stalled_{r}_per_issue_active.ratio","","{v}"'
+              for r, v in (("long_scoreboard", 3.2), ("barrier", 1.1)))]
     csv.write_text("==PROF== noise before the table\n" + head + "\n".join(body) + "\n")
     r = _run("perf/ncu_summary.py", str(csv))
     assert r.returncode == 0, r.stderr
