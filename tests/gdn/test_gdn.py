@@ -135,7 +135,8 @@ TREES = {
 
 
 @pytest.mark.parametrize("variant", ["wy", "recurrent"])
-@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.endswith("64") else n for n in TREES])
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.endswith("64") or n.startswith("batch")
+                                  else n for n in TREES])
 def test_verify_trees(variant, name):
     if variant == "recurrent" and name in ("chain64", "rand64"):
         check_verify(TREES[name], variant, h=1, hv=2, k=16, v=16)  # the interpreter is slow on 64 x 64 walks
@@ -155,7 +156,7 @@ def test_chain_tree_matches_sequential_chain():
     assert_close(o, r64, r32)
 
 
-@pytest.mark.parametrize("variant", ["wy", "recurrent"])
+@pytest.mark.parametrize("variant", ["wy", pytest.param("recurrent", marks=pytest.mark.slow)])
 def test_verify_bf16_inputs(variant):
     check_verify([rand_tree(21, random.Random(4)), chain(3)], variant, dtype=torch.bfloat16)
 
