@@ -16,17 +16,20 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, not an installed copy
 
-import autotune
-import w12
-from specpilot.bench.timing import time_fns
-from specpilot.bench.shapes import get_shape_set
-from w12 import configs as wc
-from w12 import ops as wops
+import torch  # noqa: E402
+
+import autotune  # noqa: E402
+import w12  # noqa: E402
+from specpilot.bench.shapes import get_shape_set  # noqa: E402
+from specpilot.bench.timing import time_fns  # noqa: E402
+from w12 import configs as wc  # noqa: E402
+from w12 import ops as wops  # noqa: E402
 
 
 def _subset(kind: str, M: int, N: int, K: int, limit: int) -> list:

@@ -96,6 +96,14 @@ def test_ncu_summary(tmp_path):
     assert "stalls: long_scoreboard 3.20, barrier 1.10" in r.stdout
 
 
+@pytest.mark.slow
+@pytest.mark.parametrize("tool", sorted(p.name for p in PERF.glob("*.py") if p.name not in ("ncu_summary.py", "pytest_shard.py")))
+def test_python_tools_import_and_parse_args(tool):
+    """Each tool imports what it uses from the checkout (not an installed copy) and parses its options."""
+    r = _run(f"perf/{tool}", "--help", timeout=300)
+    assert r.returncode == 0 and "usage:" in r.stdout, r.stderr[-2000:]
+
+
 @pytest.mark.parametrize("script", sorted(p.name for p in PERF.glob("*.sh")))
 def test_shell_scripts_parse(script):
     r = subprocess.run(["bash", "-n", str(PERF / script)], capture_output=True, text=True)
