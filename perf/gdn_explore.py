@@ -387,8 +387,8 @@ def main():
     for sname, _ in specs:
         rows = sorted(best.get(sname, []))
         rec = next((u for u, n in rows if n == "recurrent"), float("nan"))
-        fla = min([u for u, n in rows if n.startswith("fla")] or [float("nan")])
-        top = ", ".join(f"{n} {u:.0f}" for u, n in rows if not n.startswith(("fla", "recurrent")))
+        fla = min([u for u, n in rows if n.startswith("fla.")] or [float("nan")])
+        top = ", ".join(f"{n} {u:.0f}" for u, n in rows if not n.startswith(("fla.", "recurrent")))
         top = ", ".join(top.split(", ")[:3])
         new = next((u for u, n in rows if n == "wy"), float("nan"))
         cuda = next((u for u, n in rows if n == "cuda"), float("nan"))
