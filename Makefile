@@ -26,6 +26,8 @@ demo: $(STAMP)
 test: $(STAMP)
 	$(PY) -m pytest $(PYTEST_ARGS)
 
+# The edit loop: every test not marked slow (CUDA builds, sm_90 codegen, CLI subprocesses, deep trees,
+# exhaustive sweeps run only in `make test`).
 test-fast: $(STAMP)
 	$(PY) -m pytest -m "not slow" -x -q $(PYTEST_ARGS)
 
@@ -35,7 +37,8 @@ info: $(STAMP)
 bench: $(STAMP)
 	$(VENV)/bin/specpilot bench
 
-# On the GPU machine: GPU tests + benchmarks in one call, results under $$OUT (or perf/out).
+# On the GPU machine: GPU tests, info and benchmarks in one call, results under $$OUT (or perf/out).
+# Per operator: perf/w12_gpu.sh, perf/gdn_gpu.sh (perf/README.md).
 gpu-check:
 	bash perf/gpu_check.sh
 

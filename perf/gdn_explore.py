@@ -36,8 +36,8 @@ def parse():
                     help="comma-separated name prefixes of the WY configs to run beside wy and recurrent "
                          "(default: all)")
     ap.add_argument("--ablate", action="store_true",
-                    help="also time B1 configs with phases removed (session 7's default and session 8's split; "
-                         "WYConfig.skip: wrong outputs, timing only, never checked or ranked)")
+                    help="also time B1 configs with phases removed (the stacked, split and one-launch configs; "
+                         "WYConfig.skip / CudaConfig.skip: wrong outputs, timing only, never checked or ranked)")
     return ap.parse_args()
 
 
@@ -58,7 +58,7 @@ from gdn.configs import WY_WGMMA, CudaConfig, WYConfig  # noqa: E402
 from gdn.reference import chunk_reference, recurrent_reference, root_path, tree_reference  # noqa: E402
 from specpilot.bench.cases.gdn import _inputs as bench_inputs  # noqa: E402
 from specpilot.bench.cases.gdn import hostile as bench_hostile  # noqa: E402
-from specpilot.bench.runner import time_fns  # noqa: E402
+from specpilot.bench.timing import time_fns  # noqa: E402
 from specpilot.testing import error_bound  # noqa: E402
 
 DEV = "cuda" if torch.cuda.is_available() and not ARGS.smoke else "cpu"
@@ -71,8 +71,8 @@ if ARGS.layers:
     L = ARGS.layers
 C = 2 * H * K + HV * V if GPU else 24
 
-# session 10: the CUDA C++ kernel (gdn/csrc/gdn_tree.cu, variant "cuda"): substitution for N on one warp beside
-# the mma.sync state products, one launch per layer. Timed beside the Triton default; all essential.
+# The CUDA C++ kernel (gdn/csrc/gdn_tree.cu, variant "cuda"): substitution for N on one warp beside the
+# mma.sync state products, one launch per layer.
 CUDA = {"cuda": None, "cuda-bv64": CudaConfig(BV=64), "cuda-p2": CudaConfig(pieces=2),
         "cuda-bv64-p2": CudaConfig(BV=64, pieces=2), "cuda-bv16": CudaConfig(BV=16), "cuda-nopdl": CudaConfig(pdl=False),
         "cuda-bv64-m1": CudaConfig(BV=64, min_blocks=1),
@@ -81,131 +81,46 @@ CUDA = {"cuda": None, "cuda-bv64": CudaConfig(BV=64), "cuda-p2": CudaConfig(piec
         # ablations (wrong outputs, timing only): exit after the wait, exit after the loads, no solve, no products
         **{f"ablate-cuda-skip{b}": CudaConfig(skip=b) for b in (1, 8, 2, 4, 6)}}
 
-WY = {  # name -> pinned config (None = the default heuristic); most promising first (budget)
-    "wy": None,  # sm_90 default (configs.wy_config): one wave at <= 32 nodes -> split, BV=32, 4 warps;
-    # one wave beyond -> BV=64, 8 warps, stack, PDL; more programs -> BV=64, 4 warps, PDL
-    # round 8 (session 8): inverse="split", fold's N from a first launch (one program per request and
-    # value head) while the second does the state products, PDL between them. Both grids must fit the
-    # SMs together (48 + 96 programs on 132 SMs at B1): register caps, smaller or larger V blocks
-    "r8-split": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True),
-    "r8-split-r168": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True, maxnreg=168,
-                              inverse_maxnreg=168),
-    "r8-split-r128-iw8": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True, maxnreg=128,
-                                  inverse_warps=8, inverse_maxnreg=128),
-    "r8-split-bv32-w4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True),
-    "r8-split-bv32-r128": WYConfig(BV=32, num_warps=8, stack=True, inverse="split", pdl=True, maxnreg=128),
-    "r8-split-bv128": WYConfig(BV=128, num_warps=8, stack=True, inverse="split", pdl=True),
-    "r8-split-bv64-w4": WYConfig(BV=64, num_warps=4, inverse="split", pdl=True),
-    # round 8, second call: the first launch's width and precision, with the best second launch of the
-    # first call (BV=32, 4 warps: B1-N32 530 vs 555 us default, chain32 588 vs 596, chain8 416 vs 322)
-    "r8b-split-bv32-w4-itf32x3": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True,
-                                          inverse_precision="tf32x3"),
-    "r8b-split-bv32-w4-iw2": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_warps=2),
-    "r8b-split-bv32-w4-iw8": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_warps=8),
-    "r8b-split-itf32x3": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True,
-                                  inverse_precision="tf32x3"),
-    "r8b-split-bv32-w4-nostack": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True),
-    # round 9 (session 8, after the default became split; its last fold round now N.P alone): the first
-    # launch at 8 warps capped to 128 registers (the same register file as 4 x 255, so it still shares
-    # an SM with the second launch's programs), and its q.k^T / k.k^T as one stacked product
-    "r9-split-iw8-r128": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_warps=8,
-                                  inverse_maxnreg=128),
-    "r9-split-istack": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True),
-    "r9-split-istack-iw8-r128": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True,
-                                         inverse_stack=True, inverse_warps=8, inverse_maxnreg=128),
-    "r9-split16-iw8-r128": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_warps=8,
-                                    inverse_maxnreg=128),
-    "r9-split16-istack": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_stack=True),
-    # round 10 (session 9): split in one launch (handoff="flag"): the inverse programs hand N to their head's
-    # state programs through a flag in the plan instead of a grid boundary (one launch per layer, not two);
-    # one num_warps for both roles
-    "r10-flag-w4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                            handoff="flag"),
-    "r10-flag-w8": WYConfig(BV=32, num_warps=8, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                            handoff="flag"),
-    "r10-flag-w4-r168": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                                 handoff="flag", maxnreg=168),
-    "r10-flag-bv64-w8": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                                 handoff="flag"),
-    "r10-flag16-w4": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, handoff="flag"),
-    "r10-flag16-w8": WYConfig(BV=32, num_warps=8, inverse="split", pdl=True, handoff="flag"),
-    # round 11 (session 9): the first launch's fold rounds as a runtime loop (inverse_loop: one copy of the
-    # round's code; the unrolled first launch is ~10K SASS instructions at 8 warps, 16-18K at 4, each run once
-    # per program). Round 10 measured the one-launch form slower with rounds (B1-N32 775-805 vs 534 us) but
-    # faster without them (ablation 354 vs 391): the instruction footprint of both roles in one kernel is the
-    # suspect
-    "r11-loop-iw8": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                             inverse_warps=8, inverse_loop=True),
-    "r11-loop-iw8-r128": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                                  inverse_warps=8, inverse_maxnreg=128, inverse_loop=True),
-    "r11-loop-iw4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                             inverse_loop=True),
-    "r11-loop16": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_loop=True),
-    "r11-loop16-iw8": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_warps=8, inverse_loop=True),
-    "r11-flag-loop-w8": WYConfig(BV=32, num_warps=8, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                                 handoff="flag", inverse_loop=True),
-    # round 12 (prepared in session 9, not yet measured): runtime-loop rounds where the defaults still unroll
-    # them. Many programs (B24: the default is BV=64, 4 warps, square unrolled): "loop" (square as a runtime
-    # loop; in round 3 it beat its unrolled twin at B1-N32, 668 vs 694 us, but was only timed at 8 warps) and
-    # split with looped rounds (split unrolled was 3105 vs 2946 there). Over 32 nodes (default BV=64, 8
-    # warps, stack, square): stack + loop. The one-launch form with 8-warp programs of BV=64 (the best
-    # chain16 row of round 10, never timed at B1-N32) and looped rounds
-    "r12-bv64-w4-loop": WYConfig(BV=64, num_warps=4, pdl=True, inverse="loop"),
-    "r12-bv64-w4-split-loop": WYConfig(BV=64, num_warps=4, inverse="split", pdl=True, inverse_loop=True),
-    "r12-bv64-w4-split-loop-iw8": WYConfig(BV=64, num_warps=4, inverse="split", pdl=True, inverse_loop=True,
-                                           inverse_warps=8),
-    "r12-stack-w8-loop": WYConfig(BV=64, num_warps=8, stack=True, pdl=True, inverse="loop"),
-    # the looped first launch at 16 warps (local sm_90 compile: 119 registers, no spills, 3.4K instructions,
-    # half the FFMA per thread of 8 warps; its program then fills an SM's register file, so the state programs
-    # go to the other SMs) and at 8 warps capped to 168 (no spills; room for a state program beside it)
-    "r12-loop-iw16": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                              inverse_warps=16, inverse_loop=True),
-    "r12-loop-iw8-r168": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                                  inverse_warps=8, inverse_maxnreg=168, inverse_loop=True),
-    "r12-loop16-iw16": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_warps=16, inverse_loop=True),
-    # the looped rounds on tensor cores: the unrolled tf32x3 rounds were slower (850 vs 530 us, session 8), but
-    # that build was the largest of all; bf16x6 (six bf16 products, ~fp32) is Triton 3.6's other fp32 emulation
-    # (not in the CPU interpreter: GPU only)
-    "r12-loop-iw8-tf32x3": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                                    inverse_warps=8, inverse_loop=True, inverse_precision="tf32x3"),
-    "r12-loop-iw8-bf16x6": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                                    inverse_warps=8, inverse_loop=True, inverse_precision="bf16x6"),
-    "r12-flag-loop-bv64-w8": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                                      handoff="flag", inverse_loop=True),
-    # round 7 (session 7, last call): 16 warps, 4 per scheduler instead of 2 (Nsight Compute: 0.44
-    # eligible warps per scheduler at 8); 128 registers, 8 spilled. Measured much slower: B1-N32
-    # 806 / 869 (fold) vs 555 us, chain32 856 / 939 vs 597
-    "r7-w16-stack-pdl": WYConfig(BV=64, num_warps=16, stack=True, pdl=True),
-    "r7-w16-fold-pdl": WYConfig(BV=64, num_warps=16, stack=True, inverse="fold", pdl=True),
-    # round 5 (session 7): inverse="fold" ((q.k^T d).T built directly, r + 2 products instead of
-    # 2r + 2): the FMA work is the same (the stacked products are twice as tall); B1-N32 600 vs 554,
-    # chain8 319 vs 325, chain32 652 vs 597 (the final kernel; an earlier kernel order, reverted,
-    # had the state products after the inverse)
-    "r5-fold-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", pdl=True),
-    # round 6 (fp64 small products on the DMMA tensor cores) measured slower (B1-N32 739 us with fold
-    # and PDL) and was removed from the kernel; its rows stay in perf/results/h200/*-s7-*
-    "r1-bv64-w8": WYConfig(BV=64, num_warps=8),  # round 2 best (B1-N32 682, chains 375/400/729)
-    # round 3: shorter critical path at B1 (96 programs on 132 SMs, ~14 us per layer)
-    "r3-bv64-w8-stack": WYConfig(BV=64, num_warps=8, stack=True),  # q over k: M = 2BT products
-    "r3-bv32-w8": WYConfig(BV=32, num_warps=8),  # 192 programs, half the state per program
-    "r3-bv64-w8-loop": WYConfig(BV=64, num_warps=8, inverse="loop"),  # runtime-loop inverse rounds
-    "r3-bv32-w8-stack": WYConfig(BV=32, num_warps=8, stack=True),
-    "r1-bv64": WYConfig(BV=64),  # round 2 best at B24-N8 (3301)
-    "r3-bv64-stack": WYConfig(BV=64, stack=True),
-    "r3-bv32-w4": WYConfig(BV=32),
-    "wgmma": WY_WGMMA,  # transposed, the config that emits wgmma (round 2: B1-N32 933)
-    # round 4 (session 6): the [BT,BT] products on tensor cores (tf32x3, ~fp32 accuracy; in round 2
-    # the transposed kernel gained 30% from it at chain32), the inverse's rounds alone, and PDL
-    "r4-stack-tf32x3": WYConfig(BV=64, num_warps=8, stack=True, small_precision="tf32x3"),
-    "r4-stack-inv-tf32x3": WYConfig(BV=64, num_warps=8, stack=True, inverse_precision="tf32x3"),
-    "r4-stack-pdl": WYConfig(BV=64, num_warps=8, stack=True, pdl=True),
-    "r4-stack-tf32x3-pdl": WYConfig(BV=64, num_warps=8, stack=True, small_precision="tf32x3", pdl=True),
-    "r4-stack-inv-tf32x3-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse_precision="tf32x3", pdl=True),
-    "r4-bv64-tf32x3": WYConfig(BV=64, small_precision="tf32x3"),  # B24: 4 warps, many programs
-    "r4-bv64-pdl": WYConfig(BV=64, pdl=True),
+# The Triton WY kernel: name -> pinned config (None = the default heuristic, configs.wy_config), most
+# promising first (the budget may cut the tail). Timings of these on the H200 are in docs/gdn.md.
+WY = {
+    # sm_90 default: one wave at <= 32 nodes -> split, BV=32, 4 warps; one wave beyond -> BV=64, 8 warps,
+    # stack, PDL; more programs -> BV=64, 4 warps, PDL
+    "wy": None,
+    # inverse="split": fold's N from a first launch (one program per request and value head) while the second
+    # does the state products, PDL between them; both grids must fit the SMs together (48 + 96 programs on
+    # 132 SMs at B1)
+    "split-bv32-w4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True),
+    "split-bv64-w8": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True),
+    # the first launch at 8 warps capped to 128 registers (the register file of 4 x 255, so it still shares an
+    # SM with the second launch's programs), its q.k^T / k.k^T as one stacked product
+    "split-istack-iw8-r128": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True,
+                                      inverse_stack=True, inverse_warps=8, inverse_maxnreg=128),
+    "split-itf32x3": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_precision="tf32x3"),
+    # split in one launch (handoff="flag"): the inverse programs hand N to their head's state programs through a
+    # flag in the plan instead of a grid boundary
+    "flag-w4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                        handoff="flag"),
+    # the first launch's fold rounds as a runtime loop (one copy of the round's code instead of ~10K unrolled
+    # SASS instructions)
+    "loop-iw8": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                         inverse_warps=8, inverse_loop=True),
+    "loop-iw8-bf16x6": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                inverse_warps=8, inverse_loop=True, inverse_precision="bf16x6"),  # GPU only
+    "bv64-w4-loop": WYConfig(BV=64, num_warps=4, pdl=True, inverse="loop"),
+    # one program per (request, value head, BV block), the inverse by repeated squaring
+    "stack-w8-pdl": WYConfig(BV=64, num_warps=8, stack=True, pdl=True),
+    "bv64-w4-pdl": WYConfig(BV=64, pdl=True),
+    "bv64-w8": WYConfig(BV=64, num_warps=8),
+    "bv32-w8": WYConfig(BV=32, num_warps=8),  # 192 programs, half the state per program
+    # inverse="fold": (q.k^T d) T built directly, r + 2 products instead of 2r + 2 (twice as tall: same FMA work)
+    "fold-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", pdl=True),
+    # the [BT,BT] products on tensor cores in tf32x3 (~fp32 accuracy)
+    "stack-tf32x3-pdl": WYConfig(BV=64, num_warps=8, stack=True, small_precision="tf32x3", pdl=True),
+    "levels": WYConfig(BV=32, num_warps=4, inverse="levels"),  # substitution: the guard's fallback, alone
+    "wgmma": WY_WGMMA,  # transposed, the config that emits wgmma
 }
-# --ablate: the session-7 B1 default (BV=64, 8 warps, stack, square) with phases removed (gdn/kernels/wy.py
-# SKIP bits); wrong outputs, timed only
+# --ablate (wrong outputs, timed only; gdn/kernels/wy.py SKIP bits): the stacked square config's phases
 ABLATE = {f"ablate-skip{b}": WYConfig(BV=64, num_warps=8, stack=True, pdl=True, skip=b)
           for b in (1, 2, 4, 5, 7)}
 # the split config's phases (first launch's rounds; bit 4: the second launch no longer waits on the first)
@@ -214,16 +129,16 @@ ABLATE.update({f"ablate-split-skip{b}": WYConfig(BV=32, num_warps=4, stack=True,
 # the one-launch split's phases (bit 2: no rounds; bit 4: consumers read no N, producers raise no flag)
 ABLATE.update({f"ablate-flag-skip{b}": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True,
                                                   inverse_stack=True, handoff="flag", skip=b) for b in (2, 4)})
-# run even past the case's budget share (the table's point in that case)
-ESSENTIAL = {"B1-N32": ("r3-bv64-w8-stack", "r5-fold-pdl"), "B24-N8": ("r1-bv64",),
-             "chain16": ("r3-bv64-w8-stack", "r5-fold-pdl")}
+# run even past the case's budget share
+ESSENTIAL = {"B1-N32": ("stack-w8-pdl", "fold-pdl"), "B24-N8": ("bv64-w4-pdl",),
+             "chain16": ("stack-w8-pdl", "fold-pdl")}
 if not GPU:
-    WY = {"wy": WYConfig(BV=16), "r3-stack": WYConfig(BV=16, stack=True), "r3-loop": WYConfig(BV=16, inverse="loop"),
-          "wy-levels": WYConfig(BV=16, inverse="levels"), "t-bv16": WYConfig(BV=16, trans=True),
-          "r5-fold": WYConfig(BV=16, stack=True, inverse="fold"),
-          "r8-split": WYConfig(BV=16, stack=True, inverse="split", maxnreg=128, inverse_maxnreg=128),
-          "r9-split-istack": WYConfig(BV=16, inverse="split", inverse_stack=True),
-          "r10-flag": WYConfig(BV=16, stack=True, inverse="split", inverse_stack=True, handoff="flag")}
+    WY = {"wy": WYConfig(BV=16), "stack": WYConfig(BV=16, stack=True), "loop": WYConfig(BV=16, inverse="loop"),
+          "levels": WYConfig(BV=16, inverse="levels"), "t-bv16": WYConfig(BV=16, trans=True),
+          "fold": WYConfig(BV=16, stack=True, inverse="fold"),
+          "split": WYConfig(BV=16, stack=True, inverse="split", maxnreg=128, inverse_maxnreg=128),
+          "split-istack": WYConfig(BV=16, inverse="split", inverse_stack=True),
+          "flag": WYConfig(BV=16, stack=True, inverse="split", inverse_stack=True, handoff="flag")}
 
 ROWS: list[dict] = []
 LOG: list[str] = []
@@ -258,9 +173,9 @@ def inputs(T, B, seed, hostile=False):
 
 
 def time_fn(fn, reps=20):
-    """Median microseconds of one call of fn (all layers): the benchmark runner's timing
-    (CUDA-graph replays on the GPU; one pass of perf_counter on the CPU)."""
-    return time_fns([fn], reps=reps if GPU else 1, warmup=1) * 1e6
+    """Median microseconds of one call of fn (all layers), timed by specpilot.bench.timing
+    (CUDA-graph replays on the GPU; one call under perf_counter on the CPU)."""
+    return time_fns([fn], reps=reps if GPU else 1, warmup=1).median * 1e6
 
 
 _SEEN: set = set()
@@ -440,7 +355,7 @@ def main():
         for name in names:
             if name.startswith("ablate-") and not sname.startswith("B1"):
                 continue
-            essential = (name in ("wy", "recurrent", "r1-bv64-w8") + ESSENTIAL.get(sname, ())
+            essential = (name in ("wy", "recurrent") + ESSENTIAL.get(sname, ())
                          or name.startswith(("ablate-", "cuda")))
             if left() < 12 or (not essential and time.time() > case_end):
                 say(f"  (budget) skipped {name}")
@@ -472,15 +387,12 @@ def main():
     for sname, _ in specs:
         rows = sorted(best.get(sname, []))
         rec = next((u for u, n in rows if n == "recurrent"), float("nan"))
-        fla = min([u for u, n in rows if n.startswith("fla")] or [float("nan")])
-        top = ", ".join(f"{n} {u:.0f}" for u, n in rows if not n.startswith(("fla", "recurrent")))
+        fla = min([u for u, n in rows if n.startswith("fla.")] or [float("nan")])
+        top = ", ".join(f"{n} {u:.0f}" for u, n in rows if not n.startswith(("fla.", "recurrent")))
         top = ", ".join(top.split(", ")[:3])
         new = next((u for u, n in rows if n == "wy"), float("nan"))
-        r3 = min([u for u, n in rows if n.startswith(("r1-", "r3-"))] or [float("nan")])
-        r4 = min([(u, n) for u, n in rows if n.startswith("r4-")] or [(float("nan"), "-")])
-        r5 = min([(u, n) for u, n in rows if n.startswith("r5-")] or [(float("nan"), "-")])
-        say(f"  {sname:<8} best: {top} | default wy {new:.0f} | rounds 1-3 best {r3:.0f} | round-4 best "
-            f"{r4[1]} {r4[0]:.0f} | round-5 best {r5[1]} {r5[0]:.0f} ({r5[0] / r4[0]:.2f}x r4) | recurrent {rec:.0f} "
+        cuda = next((u for u, n in rows if n == "cuda"), float("nan"))
+        say(f"  {sname:<8} best: {top} | default wy {new:.0f} | default cuda {cuda:.0f} | recurrent {rec:.0f} "
             f"| fla {fla:.0f}")
     if ARGS.out:
         os.makedirs(ARGS.out, exist_ok=True)

@@ -61,7 +61,7 @@ from gdn.configs import WYConfig, wy_config  # noqa: E402
 from gdn.reference import chunk_reference, tree_reference  # noqa: E402
 from specpilot.bench.cases.gdn import _inputs, hostile  # noqa: E402
 from specpilot.bench.cases.gdn import _tree as draft_tree  # noqa: E402
-from specpilot.bench.runner import time_fns  # noqa: E402
+from specpilot.bench.timing import time_fns  # noqa: E402
 from specpilot.testing import error_bound  # noqa: E402
 
 GPU = torch.cuda.is_available() and not ARGS.smoke
@@ -166,7 +166,7 @@ def tune_group(name, cases, deadline, log) -> dict:
                 for cname, p, _ in prepared:
                     o = torch.empty(L, p["T"], HV, V, device=DEV, dtype=torch.bfloat16)
                     row["us"][cname] = time_fns([lambda p=p, o=o: run_layers(p, o)], reps=20 if GPU else 1,
-                                                warmup=1) * 1e6
+                                                warmup=1).median * 1e6
         except Exception as e:  # noqa: BLE001 (a config that does not compile or launch)
             row["error"] = f"{type(e).__name__}: {str(e)[:200]}"
             return math.inf

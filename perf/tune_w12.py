@@ -1,4 +1,4 @@
-"""Grid sweep of W12 GEMM launch configs on the current GPU; stores winners as tuned JSON.
+"""Grid sweep of the Triton W12 kernels' launch configs (tc, gemv) on the current GPU; stores winners as tuned JSON.
 
     python3 perf/tune_w12.py [--shapes hybrid-27b] [--ms 1 2 4 8 16 32] [--budget-s 240]
                              [--out DIR] [--ops w12.matmul w12.matmul_q8] [--variants tc gemv]
@@ -7,7 +7,7 @@ Every candidate is checked against the heuristic config's output (bitwise-identi
 required: split-K changes the summation order) before it is timed. Timing: median of CUDA
 graph replays over rotated weight copies (cold L2). Winners are written through
 `autotune.store_tuned` into autotune/configs/<gpu>.json (or SPECPILOT_CONFIG_DIR) and a log
-of every timing is written as JSON to --out. Optuna-driven tuning replaces this grid later.
+of every timing is written as JSON to --out.
 """
 
 from __future__ import annotations
@@ -16,17 +16,20 @@ import argparse
 import json
 import math
 import os
+import sys
 import time
+from pathlib import Path
 
-import torch
-import torch.nn.functional as F
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # the checkout, not an installed copy
 
-import autotune
-import w12
-from specpilot.bench.runner import time_fns
-from specpilot.bench.shapes import get_shape_set
-from w12 import configs as wc
-from w12 import ops as wops
+import torch  # noqa: E402
+
+import autotune  # noqa: E402
+import w12  # noqa: E402
+from specpilot.bench.shapes import get_shape_set  # noqa: E402
+from specpilot.bench.timing import time_fns  # noqa: E402
+from w12 import configs as wc  # noqa: E402
+from w12 import ops as wops  # noqa: E402
 
 
 def _subset(kind: str, M: int, N: int, K: int, limit: int) -> list:
@@ -77,7 +80,7 @@ def main(argv=None) -> int:
                     tv = variant if kind == "tc" or variant == "tc" else "gemv"
                     if variant == "gemv" and kind == "tc":
                         tv = "gemv.mma"
-                    wops.clear_config_cache()
+                    autotune.clear_plans()
                     with autotune.force(op, variant=variant):
                         ref = fn(x, p0).float()
                     best = None
@@ -90,7 +93,7 @@ def main(argv=None) -> int:
                                 err = float((out - ref).abs().max() / ref.abs().max().clamp_min(1e-30))
                                 if not err < 1e-2:
                                     raise AssertionError(f"wrong result, rel max err {err:.2e}")
-                                t = time_fns([lambda p=p: fn(x, p) for p in packs], reps=30)
+                                t = time_fns([lambda p=p: fn(x, p) for p in packs], reps=30).median
                         except Exception as e:  # noqa: BLE001 - a config that fails to compile is skipped
                             log.append(dict(op=op, variant=variant, shape=name, M=M, cfg=str(cfg), error=str(e)[:200]))
                             continue

@@ -3,11 +3,13 @@
     python3 perf/w12_mma_explore.py --out $OUT [--budget-s 240]
 
 For every hybrid-27b linear shape and the LM head, at M in {1, 2, 4, 8, 16, 32}: real packed
-weights (Gaussian, so with escapes, plus a few hostile values), every MmaConfig of the grid for
+weights (Gaussian, so with escapes, plus a few hostile values), every config of the grid (MmaConfig,
+and TmaConfig on sm_90; `--grid final` is the tuning grid) for
 `matmul` and `matmul_q8`, each checked against the fp64 product before it is timed (a wrong one
 is printed and skipped), and cuBLAS `F.linear` on the unpacked weight in the same process.
 Timing: median of CUDA-graph replays over rotated weight copies (>= 3x L2). Also dumps the
-SASS instruction histogram of one cubin (cuobjdump, when present). Writes <out>/w12_mma_explore.json.
+SASS instruction histogram of one cubin (cuobjdump, when present). Writes <out>/w12_mma_explore.json;
+with --emit, each cell's winner goes into autotune/configs/<gpu>.json (the shipped tuned CUDA configs).
 """
 
 from __future__ import annotations
@@ -33,19 +35,19 @@ import autotune  # noqa: E402
 import w12  # noqa: E402
 from w12 import cuda as wcuda  # noqa: E402
 from w12.configs import MmaConfig, TmaConfig  # noqa: E402
-from specpilot.bench.runner import time_fns  # noqa: E402
+from specpilot.bench.timing import time_fns  # noqa: E402
 from specpilot.bench.registry import rotations  # noqa: E402
 from specpilot.bench.shapes import get_shape_set  # noqa: E402
 
 MS = (1, 2, 4, 8, 16, 32)
-# round 1 (mt x wk x pipe) found 8 warps along K best for N = 5120 and mt=2/wk=4 for large N; round 2
-# (16 warps along K, warps along rows sharing x through L1) changed little: the register pipeline
-# cannot keep enough bytes in flight (Little's law). Round 3: the cp.async shared-memory ring.
+# The register-pipelined kernel: mt row tiles x wk warps along K x pipe depth. 8 warps along K suit N = 5120,
+# mt=2/wk=4 large N; 16 warps along K change little (the register pipeline cannot keep enough bytes in flight:
+# Little's law), hence the cp.async shared-memory ring (async_copy).
 _REG = [MmaConfig(1, 8, 2), MmaConfig(2, 4, 2), MmaConfig(2, 4, 3), MmaConfig(2, 8, 2), MmaConfig(1, 16, 2),
         MmaConfig(4, 8, 2), MmaConfig(2, 4, 4)]
 _ASYNC = [MmaConfig(mt, wk, p, wr, async_copy=True) for mt in (1, 2, 4) for wk, wr in
           ((4, 1), (8, 1), (16, 1), (4, 2), (2, 4), (8, 2)) for p in (3, 4, 6) if mt <= 2 * wk]
-# round 4: the small-N layers have too few row blocks to balance 132 SMs: split K across CTAs
+# The small-N layers have too few row blocks to balance 132 SMs: split K across CTAs.
 _SPLIT = [MmaConfig(mt, wk, p, wr, async_copy=a, split=s) for mt, wk, p, wr, a in
           ((1, 8, 2, 1, False), (2, 4, 2, 1, False), (1, 4, 2, 1, False), (2, 4, 3, 1, False), (1, 4, 4, 1, True),
            (2, 4, 4, 1, True), (1, 8, 3, 1, True), (4, 8, 2, 1, False), (2, 8, 2, 1, False))
@@ -54,14 +56,14 @@ _ASYNC_TOP = [c for c in _ASYNC if c.tag() in ("mt4-wk4-p3-wr2-a", "mt2-wk8-p4-a
                                                "mt1-wk8-p3-a")]
 GRID_MM = _REG + _ASYNC_TOP + _SPLIT
 GRID_Q8 = _REG + _ASYNC_TOP + _SPLIT
-# session 3: the TMA kernel (csrc/w12_tma.cu, sm_90), beside the round-4 best register-pipelined configs
+# The TMA kernel (csrc/w12_tma.cu, sm_90) beside the best split register-pipelined configs.
 _TMA_BASE = [(1, 4, 8), (2, 4, 4), (2, 4, 6), (2, 4, 8), (1, 8, 6), (2, 8, 4), (4, 4, 4), (1, 8, 10)]
 GRID_TMA = [TmaConfig(mt, cw, st, s) for mt, cw, st in _TMA_BASE for s in (1, 2, 3, 4, 6, 8)] + \
     [MmaConfig(2, 4, 2), MmaConfig(1, 8, 2), MmaConfig(2, 4, 2, split=3), MmaConfig(2, 4, 2, split=4)]
 
 
-# session 4, final: the best of both kernels per cell (--grid final --emit); the wgmma path (slower on
-# every cell of the session-4 probe) is left out, cw16 configs are in (not yet measured)
+# The tuning grid (--grid final --emit): the candidates of both kernels per cell. The wgmma TMA path
+# (TmaConfig(wg=True)) is left out: it was slower than mma.sync on every cell it ran.
 GRID_FINAL = [MmaConfig(2, 4, 2), MmaConfig(2, 4, 3), MmaConfig(1, 8, 2), MmaConfig(2, 8, 2), MmaConfig(2, 4, 4),
               MmaConfig(4, 8, 2)] + \
     [MmaConfig(2, 4, 2, split=s) for s in (2, 3, 4, 6)] + [MmaConfig(1, 8, 2, split=s) for s in (2, 3, 4)] + \
@@ -72,24 +74,16 @@ GRID_FINAL = [MmaConfig(2, 4, 2), MmaConfig(2, 4, 3), MmaConfig(1, 8, 2), MmaCon
     [TmaConfig(mt, cw, st, s, ahead=True) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 4, 6)) for s in (1, 3, 6)] + \
     [TmaConfig(mt, cw, st, s, xcp=True) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 4, 6), (1, 16, 4))
      for s in (1, 2, 3, 6)]
-# session 5: stream-K (a persistent grid of sk CTAs per SM, equal shares of the row-block x chunk units)
+# Stream-K: a persistent grid of sk CTAs per SM, equal shares of the row-block x chunk units.
 GRID_FINAL += [TmaConfig(mt, cw, st, sk=k, xcp=x) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 4, 6), (1, 16, 4))
                for k in (1, 2) for x in (False, True)]
-# session 5, after the timeline trace (one CTA per SM ingests <= ~33 GB/s, SMs with two CTAs ~40 GB/s, and
-# the CTAs' ends spread by several us): small CTAs (16-64 rows), several resident per SM
+# Small CTAs (16-64 rows), several resident per SM: one CTA per SM ingests at most ~33 GB/s, an SM with two
+# CTAs ~40 GB/s (per-CTA %globaltimer trace).
 GRID_FINAL += [TmaConfig(mt, cw, st) for mt, cw in ((1, 1), (1, 2), (2, 1), (2, 2), (4, 1)) for st in (4, 8, 12)] + \
     [TmaConfig(mt, cw, st, xcp=True) for mt, cw in ((1, 2), (2, 2), (2, 1)) for st in (6, 10)]
-# session 5, written for session 6: x as one swizzled 2-D TMA box per stage (session 4's fast x path, now
-# with the consumers' proxy fence); race-probe it before trusting the sweep
+# x as one 128-byte-swizzled 2-D TMA box per stage (TmaConfig(xbox=True)).
 GRID_FINAL += [TmaConfig(mt, cw, st, s, xbox=True) for mt, cw, st in ((1, 8, 6), (1, 4, 8), (2, 4, 6), (1, 16, 4),
                                                                        (1, 2, 4)) for s in (1, 2, 3, 6)]
-
-
-# session 4 probe: the look-ahead and wgmma TMA configs against the session-3 winners, first GPU run
-GRID_PROBE = [MmaConfig(2, 4, 2), MmaConfig(2, 4, 2, split=3), MmaConfig(1, 8, 2, split=3), TmaConfig(1, 8, 6),
-              TmaConfig(1, 8, 6, 3), TmaConfig(2, 4, 6)] + \
-    [TmaConfig(mt, cw, st, s, ahead=True) for mt, cw, st in ((1, 8, 6), (2, 4, 6)) for s in (1, 3)] + \
-    [TmaConfig(1, cw, st, s, wg=True) for cw, st in ((4, 6), (8, 4), (8, 6)) for s in (1, 2, 3, 6)]
 
 
 def useful(cfg, N: int, K: int) -> bool:
@@ -145,10 +139,10 @@ def main() -> int:
     ap.add_argument("--out", default="perf/results/local")
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--reps", type=int, default=15)
-    ap.add_argument("--grid", choices=("mma", "tma", "final", "probe"), default="final")
+    ap.add_argument("--grid", choices=("mma", "tma", "final"), default="final")
     ap.add_argument("--only", default="", help="comma-separated shape names (default: all)")
     ap.add_argument("--emit", action="store_true", help="store each cell's best config as a tuned entry "
-                    "(autotune/configs/<gpu>.json, variant 'mma')")
+                    "(autotune/configs/<gpu>.json, variant 'mma' or 'tma'; the other variant's entry is dropped)")
     a = ap.parse_args()
     t0 = time.time()
     out_dir = Path(a.out)
@@ -156,8 +150,8 @@ def main() -> int:
     dev = torch.device("cuda")
     arch = torch.cuda.get_device_capability()
     global GRID_MM, GRID_Q8
-    if a.grid in ("tma", "final", "probe"):
-        GRID_MM = GRID_Q8 = dict(tma=GRID_TMA, final=GRID_FINAL, probe=GRID_PROBE)[a.grid]
+    if a.grid in ("tma", "final"):
+        GRID_MM = GRID_Q8 = dict(tma=GRID_TMA, final=GRID_FINAL)[a.grid]
     # build every cubin up front, in parallel
     jobs = [(c, nt, False) for c in GRID_MM for nt in (1, 2, 4)] + [(c, nt, True) for c in GRID_Q8 for nt in (1, 2, 4)]
     limit = torch.cuda.get_device_properties(dev).shared_memory_per_block_optin
@@ -190,7 +184,7 @@ def main() -> int:
             e_cublas = rel_err(F.linear(x, w), ref)
             e_cublas_q8 = rel_err(F.linear(x, w12.decode_q8(p)), refq)
             outs_b = [torch.empty(M, N, device=dev, dtype=torch.bfloat16) for _ in ws]
-            t_cub = time_fns([lambda i=i: torch.mm(x, ws[i].T, out=outs_b[i]) for i in range(len(ws))], reps=a.reps)
+            t_cub = time_fns([lambda i=i: torch.mm(x, ws[i].T, out=outs_b[i]) for i in range(len(ws))], reps=a.reps).median
             row = dict(shape=name, N=N, K=K, M=M, cublas_us=t_cub * 1e6, cublas_err=e_cublas, cublas_err_q8=e_cublas_q8, w12_bytes=wb,
                        bf16_bytes=w.nbytes, mm={}, q8={})
             for q8, grid in ((False, GRID_MM), (True, GRID_Q8)):
@@ -212,7 +206,7 @@ def main() -> int:
                             print("BAD", bad[-1], flush=True)
                         continue
                     outs = [torch.empty(M, N, device=dev, dtype=torch.bfloat16) for _ in ps]
-                    t = time_fns([launch_fn(cfg, x, ps[i], outs[i], q8) for i in range(len(ps))], reps=a.reps)
+                    t = time_fns([launch_fn(cfg, x, ps[i], outs[i], q8) for i in range(len(ps))], reps=a.reps).median
                     row["q8" if q8 else "mm"][cfg.tag()] = dict(us=t * 1e6, err=err)
             for k in ("mm", "q8"):
                 best = min(row[k].items(), key=lambda kv: kv[1]["us"]) if row[k] else None
@@ -240,7 +234,7 @@ def main() -> int:
                         "us": round(r[k][cfg.tag()]["us"], 2), "cublas_us": round(r["cublas_us"], 2),
                         "src": "w12_mma_explore"})
         print(f"tuned entries stored in {path}")
-    meta = dict(gpu=torch.cuda.get_device_name(), versions=autotune.versions(), nvcc=wcuda._nvcc_version(wcuda.nvcc_path()),
+    meta = dict(gpu=torch.cuda.get_device_name(), versions=autotune.versions(),
                 wall_s=time.time() - t0, stopped_by_budget=stopped, bad=bad, sass_mt1_wk4_p2_nt1=sass)
     (out_dir / "w12_mma_explore.json").write_text(json.dumps(dict(meta=meta, rows=rows), indent=1))
     for k in ("mm", "q8"):

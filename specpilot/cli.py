@@ -2,7 +2,8 @@
 
     specpilot info                      device, versions, measured roofs, variants per op
     specpilot bench [--shapes S] [--ops OP ...] [--out DIR] [--reps N]
-    specpilot demo                      roofs + benchmark table (tiny on CPU, hybrid-27b on GPU)
+    specpilot demo                      roofs, a line per benchmark group, the table and its legend
+                                        (hybrid-27b on a GPU; a short tiny selection on the CPU)
     specpilot pack IN.safetensors OUT.safetensors [--device cpu] [--include PATTERN]
 
 Without CUDA, Triton kernels run under the interpreter: TRITON_INTERPRET=1 is set before
@@ -108,7 +109,7 @@ def cmd_info(args) -> int:
     kw = {} if dev.type == "cuda" else {"copy_bytes": 16 << 20, "matmul_n": 512}
     c = autotune.measure_ceilings(dev, refresh=args.refresh, **({} if cached and not args.refresh else kw))
     how = "cached" if cached and not args.refresh else f"measured in {time.perf_counter() - t0:.1f} s"
-    print(f"ceilings    : copy {c.copy_tbs * 1e3:.1f} GB/s (read+write), BF16 matmul {c.bf16_tflops:.3f} TFLOP/s "
+    print(f"ceilings    : copy {c.copy_tbs * 1e3:.1f} GB/s (read+write), BF16 matmul {c.bf16_tflops:.3g} TFLOP/s "
           f"[{how}, {c.measured_at}]")
     spec = autotune.gpu_spec(dev)
     if spec is not None:
@@ -158,8 +159,9 @@ def _collect(shapes, device, ops):
 
 
 def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet=False, strict=True,
-           case_budget_s: float | None = None) -> int:
-    """Run and report. Exit status 3 when a case was not reported (strict), else 0 if any was."""
+           case_budget_s: float | None = None, keep=None) -> int:
+    """Run and report. Exit status 3 when a case was not reported (strict), else 0 if any was.
+    `keep`: (a function that selects from the cases, the line that says what it keeps): the CPU demo's selection."""
     from specpilot.bench import get_shape_set, report, runner
 
     if shapes_name is None:
@@ -171,11 +173,18 @@ def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet
     if reps is not None and reps < 1:
         raise UsageError(f"--reps must be >= 1, got {reps}")
     cases = _collect(shapes, device, ops)
+    if keep is not None and cases:
+        select, why = keep
+        n = len(cases)
+        cases = select(cases)
+        print(f"{why}: {len(cases)} of {n} cases")
     if not cases:
         print(f"no benchmark cases for shapes {shapes.name!r} on {device.type}"
               + (f" (ops {', '.join(ops)})" if ops else ""))
         return 1
-    print(f"benchmarking {len(cases)} cases, shapes {shapes.name}, on {device}")
+    groups = len({c.group for c in cases})
+    print(f"benchmarking {len(cases)} cases in {groups} groups, shapes {shapes.name}, on {device}"
+          + ("" if quiet else "; a line per group as it starts"), flush=True)
     res = runner.run(cases, device, out_dir=out, reps=reps, warmup=warmup, shapes=shapes.name,
                      tag="-".join(ops) if ops else "all", case_budget_s=case_budget_s,
                      log=(lambda s: None) if quiet else (lambda s: print(s, flush=True)))
@@ -197,6 +206,30 @@ def cmd_bench(args) -> int:
     return _bench(torch, args.shapes, args.ops, args.out, args.reps, args.warmup, dev)
 
 
+def _demo_cases(cases):
+    """The CPU demo's short selection, each op once: its first shape at its smallest M and at the largest M that
+    every op on that shape has (so the baseline is beside each kernel); an op without M in its first group; no
+    decode step (64 layers of interpreted kernels take minutes)."""
+    def base(c):
+        return c.shape.rsplit("-M", 1)[0] if "M" in c.dims else c.group
+
+    first: dict[str, str] = {}
+    ms: dict[tuple[str, str], set] = {}
+    for c in cases:
+        first.setdefault(c.op, base(c))
+        if "M" in c.dims:
+            ms.setdefault((c.op, base(c)), set()).add(c.dims["M"])
+
+    def wanted(op):
+        shape = first[op]
+        mine = ms[(op, shape)]
+        common = set.intersection(*(v for (o, b), v in ms.items() if b == shape and first.get(o) == shape))
+        return {min(mine), max(common or mine)}
+
+    return [c for c in cases if c.op != "decode_step" and base(c) == first[c.op]
+            and ("M" not in c.dims or c.dims["M"] in wanted(c.op))]
+
+
 def cmd_demo(args) -> int:
     torch = _prepare_backend()
     import autotune
@@ -206,18 +239,23 @@ def cmd_demo(args) -> int:
     t0 = time.perf_counter()
     kw = {} if dev.type == "cuda" else {"copy_bytes": 16 << 20, "matmul_n": 512}
     c = autotune.measure_ceilings(dev, refresh=True, **kw)
-    print(f"measured roofs: copy {c.copy_tbs * 1e3:.1f} GB/s (read+write), BF16 matmul {c.bf16_tflops:.3f} TFLOP/s "
-          f"({time.perf_counter() - t0:.2f} s)")
+    print(f"measured roofs: copy {c.copy_tbs * 1e3:.1f} GB/s (read+write), BF16 matmul {c.bf16_tflops:.3g} TFLOP/s "
+          f"({time.perf_counter() - t0:.2f} s)", flush=True)
     out = args.out or tempfile.mkdtemp(prefix="specpilot-demo-")
-    reps = args.reps or (None if dev.type == "cuda" else 10)
-    warmup = None if dev.type == "cuda" else 1
-    shapes = args.shapes or ("hybrid-27b" if dev.type == "cuda" else "tiny")
-    if dev.type != "cuda":
-        print("(no GPU: the 'cublas' baseline rows are torch's CPU F.linear, at the 'tiny' scale; "
-              "Triton variants run under the interpreter)")
+    cpu = dev.type != "cuda"
+    reps = args.reps or (3 if cpu else None)
+    warmup = 0 if cpu else None  # on the CPU each case's check() has run it once already
+    shapes = args.shapes or ("hybrid-27b" if not cpu else "tiny")
+    keep = None
+    if cpu:
+        print("(no GPU: the 'cublas' baseline rows are torch's CPU F.linear at the 'tiny' scale; Triton kernels run "
+              "under the interpreter, so their times say nothing about a GPU; the table shows no floors)")
+        if not args.ops:
+            keep = (_demo_cases, "CPU demo: each op on one shape at its smallest and largest M, no decode step "
+                                 "(`specpilot bench` runs every case)")
     # The demo shows what works: it succeeds if any case was reported, and lists the rest.
-    return _bench(torch, shapes, args.ops, out, reps, warmup, dev, quiet=dev.type != "cuda", strict=False,
-                  case_budget_s=None if dev.type == "cuda" else 1.5)
+    return _bench(torch, shapes, args.ops, out, reps, warmup, dev, strict=False,
+                  case_budget_s=0.5 if cpu else None, keep=keep)
 
 
 # --------------------------------------------------------------------------------------
@@ -287,7 +325,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--warmup", type=int, default=None, metavar="N", help="warm-up passes per case")
     s.set_defaults(fn=cmd_bench)
 
-    s = sub.add_parser("demo", help="measure roofs, then the benchmark table at the scale this machine suits")
+    s = sub.add_parser("demo", help="measure roofs, then the benchmark table at the scale this machine suits "
+                                    "(on the CPU: each op once, no floors)")
     bench_args(s, "override the shape set (default tiny on CPU, hybrid-27b on a GPU)")
     s.set_defaults(fn=cmd_demo)
 

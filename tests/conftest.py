@@ -20,12 +20,6 @@ if not torch.cuda.is_available():
 from autotune import clear_plans, has_cuda, has_wgmma  # noqa: E402
 
 
-def pytest_configure(config):
-    config.addinivalue_line("markers", "gpu: needs a CUDA device (skipped without one)")
-    config.addinivalue_line("markers", "hopper: needs an sm_90 GPU with wgmma")
-    config.addinivalue_line("markers", "slow: long-running; deselect with -m 'not slow'")
-
-
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_hopper = pytest.mark.skip(reason="needs sm_90 (wgmma)")

@@ -100,6 +100,7 @@ def test_byte_floor_measured_vs_datasheet(fresh_ceilings):
 # --------------------------------------------------------------------------------------
 
 
+@pytest.mark.slow
 def test_import_does_not_touch_cuda():
     code = """
 import torch

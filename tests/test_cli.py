@@ -22,6 +22,7 @@ def _run(args, tmp_path, timeout=240):
                           timeout=timeout, env=env, cwd=tmp_path)
 
 
+@pytest.mark.slow
 @cpu_only
 def test_info(tmp_path):
     r = _run(["info"], tmp_path)
@@ -39,6 +40,7 @@ def test_info(tmp_path):
     assert "[cached" in _run(["info"], tmp_path).stdout
 
 
+@pytest.mark.slow
 @cpu_only
 def test_demo(tmp_path):
     out = tmp_path / "demo"

@@ -97,6 +97,7 @@ def _results() -> dict:
     return json.loads(line[len("RESULT "):])
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("q8", [False, True], ids=["mm", "q8"])
 @pytest.mark.parametrize("asm", [False, True], ids=["plain", "asm"])
 def test_w12_tc_kernel_emits_wgmma(q8, asm):
@@ -105,11 +106,13 @@ def test_w12_tc_kernel_emits_wgmma(q8, asm):
     assert f["pk_asm"] == asm  # the packed PTX decode (its mask constant) is there exactly when asked for
 
 
+@pytest.mark.slow
 def test_w12_gemv_kernel_uses_no_tensor_cores():
     f = _results()["gemv"]
     assert not f["wgmma"] and not f["mma_sync"] and f["fma_f32"]
 
 
+@pytest.mark.slow
 def test_gdn_default_b1_config_emits_wgmma():
     """sm_90 default for B1 with a 32-node tree: inverse="split" (its first launch's rounds looped),
     stacked q/k, BV=32, 4 warps; the second launch's state products ([2BT, K] x [K, BV], M = 64) are

@@ -1,6 +1,10 @@
-"""Reports from benchmark rows: a markdown table, geomean speedups, and a roofline PNG.
+"""Reports from benchmark rows: a markdown table with its legend, geomean speedups, and a roofline PNG.
 
 `render(json_path)` regenerates both from a results file written by the runner.
+
+Floors are shown only where they are floors: from roofs measured on a GPU, and only if no timed row ran
+faster than its floor. Otherwise the table has no floor columns and says why in one line (`floor_note`);
+the JSON rows keep `floor_us` either way.
 """
 
 from __future__ import annotations
@@ -10,7 +14,18 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["markdown", "geomeans", "roofline", "render", "write"]
+__all__ = ["markdown", "geomeans", "roofline", "render", "write", "floor_note", "LEGEND"]
+
+LEGEND = {
+    "median µs": "median time of one call over the timed samples (CUDA-graph replays on a GPU)",
+    "TB/s": "bytes the call must move (inputs, weights, outputs once) / median time",
+    "TFLOP/s": "useful floating-point operations / median time",
+    "floor µs": "the least time the call can take at this machine's measured roofs: max(bytes / copy bandwidth, "
+                "FLOPs / BF16 matmul rate)",
+    "×floor": "median / floor: 1.0 would run at the roof",
+    "speedup vs baseline": "the baseline's median / this row's median, in the same run (baseline in brackets: "
+                           "cuBLAS F.linear for the linears)",
+}
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -33,9 +48,25 @@ def geomeans(rows: Sequence[dict]) -> dict[tuple[str, str], tuple[float, int]]:
     return {k: (math.exp(sum(v) / len(v)), len(v)) for k, v in sorted(acc.items())}
 
 
+def floor_note(rows: Sequence[dict], meta: dict | None) -> str | None:
+    """Why the table shows no floors (None: it shows them)."""
+    meta = meta or {}
+    if not str(meta.get("device", "")).startswith("cuda"):
+        return ("No floor column: on the CPU the measured roofs (a 16 MB copy, a 512³ matmul) are not upper bounds "
+                "(caches and other kernels beat them), so a floor from them would not be a floor.")
+    if meta.get("ceilings_source") != "measured":
+        return f"No floor column: the roofs were not measured in this run ({meta.get('ceilings_source')})."
+    beat = [r for r in rows if r.get("status") == "ok" and r.get("over_floor") is not None and r["over_floor"] < 1]
+    if beat:
+        return (f"No floor column: {len(beat)} rows ran faster than their floor (e.g. {beat[0]['op']}/"
+                f"{beat[0]['variant']} {beat[0]['shape']}), so the measured roofs are not roofs for them.")
+    return None
+
+
 def markdown(rows: Sequence[dict], meta: dict | None = None) -> str:
-    """The results table, the geomean speedups and the cases that were not timed."""
+    """The results table and its legend, the geomean speedups and the cases that were not timed."""
     lines = []
+    note = floor_note(rows, meta)
     if meta:
         c = meta.get("ceilings") or {}
         roofs = (f"; roofs ({meta.get('ceilings_source')}): {_fmt(c.get('copy_tbs'))} TB/s copy, "
@@ -43,17 +74,21 @@ def markdown(rows: Sequence[dict], meta: dict | None = None) -> str:
         lines.append(f"**{meta.get('gpu')}**, torch {meta.get('torch')}, triton {meta.get('triton')}, "
                      f"CUDA {meta.get('cuda')}, specpilot {meta.get('specpilot')}{roofs}")
         lines.append("")
-    lines.append("| op | variant | shape | median µs | TB/s | TFLOP/s | floor µs | ×floor | speedup vs baseline |")
-    lines.append("|---|---|---|---:|---:|---:|---:|---:|---:|")
+    cols = [c for c in LEGEND if note is None or c not in ("floor µs", "×floor")]
+    lines.append("| op | variant | shape | " + " | ".join(cols) + " |")
+    lines.append("|---|---|---|" + "---:|" * len(cols))
     for r in rows:
         if r.get("status") != "ok":
             continue
         sp = r.get("speedup")
-        sp_s = f"{sp:.2f}× ({r['baseline']})" if sp else "-"
-        lines.append(
-            f"| {r['op']} | {r['variant']} | {r['shape']} | {_fmt(r.get('median_us'))} | {_fmt(r.get('tbs'))} | "
-            f"{_fmt(r.get('tflops'))} | {_fmt(r.get('floor_us'))} | {_fmt(r.get('over_floor'))} | {sp_s} |"
-        )
+        cell = {"median µs": _fmt(r.get("median_us")), "TB/s": _fmt(r.get("tbs")), "TFLOP/s": _fmt(r.get("tflops")),
+                "floor µs": _fmt(r.get("floor_us")), "×floor": _fmt(r.get("over_floor")),
+                "speedup vs baseline": f"{sp:.2f}× ({r['baseline']})" if sp else "-"}
+        lines.append(f"| {r['op']} | {r['variant']} | {r['shape']} | " + " | ".join(cell[c] for c in cols) + " |")
+    lines.append("")
+    lines += [f"- **{c}**: {LEGEND[c]}" for c in cols]
+    if note is not None:
+        lines += ["", note]
     gm = geomeans(rows)
     if gm:
         lines += ["", "| op | variant | geomean speedup vs baseline | shapes |", "|---|---|---:|---:|"]
@@ -79,6 +114,8 @@ def roofline(rows: Sequence[dict], meta: dict | None, path) -> Path:
     ok = [r for r in rows if r.get("status") == "ok" and r.get("tflops") and r.get("bytes")]
     c = (meta or {}).get("ceilings") or {}
     bw, peak = c.get("copy_tbs"), c.get("bf16_tflops")
+    if floor_note(rows, meta) is not None:  # roofs that the rows may beat are not drawn
+        bw = peak = None
     fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
     series: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in ok:
@@ -103,7 +140,7 @@ def roofline(rows: Sequence[dict], meta: dict | None, path) -> Path:
         ax.set_ylim(min(ys) / 3, max(ys) * 2)
     ax.set_xlabel("arithmetic intensity (FLOP / byte)")
     ax.set_ylabel("achieved TFLOP/s")
-    ax.set_title(f"Roofline: {(meta or {}).get('gpu', '?')}")
+    ax.set_title(f"Roofline: {(meta or {}).get('gpu', '?')}" + ("" if bw and peak else " (no roofs: see the table)"))
     ax.grid(True, which="both", lw=0.3, alpha=0.5)
     if series or (bw and peak):
         ax.legend(fontsize=7, loc="lower right")

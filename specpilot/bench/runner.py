@@ -4,13 +4,9 @@ For each group of cases (`Case.group`), every case is set up and its `check()` r
 case is timed and reported only if its check passed in this run; otherwise its row carries
 `status` "check_failed" (or "setup_failed", "no_check", "error") and the error, and no time.
 
-Timing:
-
-* CUDA, `Prepared.graph_safe`: one CUDA graph holds `calls` launches that cycle through the
-  rotated input sets (`Prepared.fns`); each replay is timed with CUDA events and divided by
-  `calls`. Rotation keeps reads past L2; the graph removes launch overhead.
-* CUDA, not graph safe: CUDA events around one pass over the rotated sets, divided.
-* CPU: `time.perf_counter` around each call.
+Timing: `specpilot.bench.timing` (CUDA-graph replays over the rotated input sets
+`Prepared.fns`, timed with CUDA events; eager CUDA events for cases with `graph_safe=False` or
+whose capture fails; `time.perf_counter` on the CPU).
 
 The sample median is reported with the 10th and 90th percentiles. Floors come from
 `autotune.byte_floor` with the ceilings measured once at the start of the run.
@@ -20,7 +16,6 @@ from __future__ import annotations
 
 import gc
 import json
-import math
 import re
 import time
 import traceback
@@ -32,13 +27,10 @@ import torch
 
 import autotune
 
+from . import timing
 from .registry import Case, Prepared
 
 __all__ = ["run", "Results", "default_out_dir", "summarize_errors"]
-
-# Target duration of one timed sample (one graph replay) on CUDA, in seconds.
-_SAMPLE_S = 200e-6
-_MAX_CALLS_PER_GRAPH = 256
 
 
 class Results(list):
@@ -60,106 +52,18 @@ def default_out_dir(device: torch.device) -> Path:
     return root / autotune.gpu_slug(device)
 
 
-def _quantile(xs: Sequence[float], q: float) -> float:
-    xs = sorted(xs)
-    if not xs:
-        return math.nan
-    pos = q * (len(xs) - 1)
-    lo, hi = int(math.floor(pos)), int(math.ceil(pos))
-    return xs[lo] + (xs[hi] - xs[lo]) * (pos - lo)
-
-
 def _sync(device: torch.device) -> None:
     if device.type == "cuda":
         torch.cuda.synchronize(device)
 
 
-def _time_cpu(fns, reps: int, warmup: int, budget_s: float | None = None) -> tuple[list[float], str, int]:
-    n = len(fns)
-    for i in range(max(warmup, 1)):
-        fns[i % n]()
-    out = []
-    start = time.perf_counter()
-    for i in range(reps):
-        t0 = time.perf_counter()
-        fns[i % n]()
-        out.append(time.perf_counter() - t0)
-        if budget_s is not None and len(out) >= 3 and time.perf_counter() - start > budget_s:
-            break  # slow (interpreted) case: enough samples for a median
-    return out, "perf_counter", 1
-
-
-def _events_once(fns, calls: int) -> float:
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-    n = len(fns)
-    start.record()
-    for i in range(calls):
-        fns[i % n]()
-    end.record()
-    end.synchronize()
-    return start.elapsed_time(end) * 1e-3 / calls
-
-
-def _time_cuda_events(fns, reps: int, warmup: int) -> tuple[list[float], str, int]:
-    n = len(fns)
-    for i in range(max(warmup, 1) * n):
-        fns[i % n]()
-    torch.cuda.synchronize()
-    return [_events_once(fns, n) for _ in range(reps)], "cuda_events", n
-
-
-def _time_cuda_graph(fns, reps: int, warmup: int) -> tuple[list[float], str, int]:
-    n = len(fns)
-    # Warm up on a side stream (cuBLAS picks its workspace there), as graph capture requires.
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        for i in range(max(warmup, 1) * n):
-            fns[i % n]()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    est = min(_events_once(fns, n) for _ in range(3))
-    calls = max(1, math.ceil(_SAMPLE_S / max(est, 1e-7)))
-    calls = min(_MAX_CALLS_PER_GRAPH, max(n, calls))
-    calls = n * math.ceil(calls / n)  # whole passes over the rotated sets
-    graph = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(graph):
-        for i in range(calls):
-            fns[i % n]()
-    graph.replay()
-    torch.cuda.synchronize()
-    starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
-    for i in range(reps):
-        starts[i].record()
-        graph.replay()
-        ends[i].record()
-    torch.cuda.synchronize()
-    samples = [s.elapsed_time(e) * 1e-3 / calls for s, e in zip(starts, ends)]
-    del graph
-    return samples, "cuda_graph", calls
-
-
 def _time(prep: Prepared, device: torch.device, reps: int, warmup: int,
-          budget_s: float | None = None) -> tuple[list[float], str, int]:
+          budget_s: float | None = None) -> timing.Timing:
     if not prep.fns:
         raise ValueError("Prepared.fns is empty: nothing to time")
     if device.type != "cuda":
-        return _time_cpu(prep.fns, reps, warmup, budget_s)
-    if prep.graph_safe:
-        try:
-            return _time_cuda_graph(prep.fns, reps, warmup)
-        except Exception:  # capture refused (e.g. a host sync): time eagerly instead
-            torch.cuda.synchronize()
-    return _time_cuda_events(prep.fns, reps, warmup)
-
-
-def time_fns(fns, device=None, *, reps: int = 50, warmup: int = 3, graph: bool = True) -> float:
-    """Median seconds of one call over rotated callables `fns`, timed as the runner times a case
-    (CUDA graph replays, else CUDA events; perf_counter on CPU). For tuning and exploration scripts."""
-    device = torch.device(device) if device is not None else torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    samples, _, _ = _time(Prepared(fns=list(fns), graph_safe=graph), device, reps, warmup)
-    return _quantile(samples, 0.5)
+        return timing.time_cpu(prep.fns, reps=reps, warmup=warmup, budget_s=budget_s)
+    return timing.time_cuda(prep.fns, reps=reps, warmup=warmup, graph=prep.graph_safe)
 
 
 def _floor_s(case: Case, device: torch.device) -> float | None:
@@ -242,21 +146,21 @@ def _run_group(cases: list[Case], device: torch.device, reps: int, warmup: int, 
             if prep is None or row["status"] != "ok":
                 continue
             try:
-                samples, method, calls = _time(prep, device, reps, warmup, budget_s)
+                t = _time(prep, device, reps, warmup, budget_s)
             except Exception as e:
                 row.update(status="error", error=_short_error(e))
                 log(f"  {case.op}/{case.variant} {case.shape}: timing failed: {row['error']}")
                 if device.type == "cuda":
                     log(traceback.format_exc(limit=3))
                 continue
-            med = _quantile(samples, 0.5)
+            med = t.median
             row.update(
                 median_us=med * 1e6,
-                p10_us=_quantile(samples, 0.1) * 1e6,
-                p90_us=_quantile(samples, 0.9) * 1e6,
-                samples=len(samples),
-                method=method,
-                calls_per_sample=calls,
+                p10_us=t.p10 * 1e6,
+                p90_us=t.p90 * 1e6,
+                samples=len(t.samples),
+                method=t.method,
+                calls_per_sample=t.calls,
                 rotations=len(prep.fns),
                 tbs=case.bytes / med / 1e12 if med > 0 else None,
                 tflops=case.flops / med / 1e12 if med > 0 else None,
@@ -317,7 +221,7 @@ def run(cases: Sequence[Case], device, out_dir=None, reps: int | None = None, wa
     over the rotated inputs before timing. `measure`: measure the roofs once at the start
     (cached per device name) so floors use measured ceilings. `tag`: the file name's suffix
     (default: the ops of the cases). `case_budget_s`: on CPU, stop sampling a case after this
-    many seconds once it has 3 samples (interpreted Triton kernels take ~1 s a call).
+    many seconds, with at least one sample (interpreted Triton kernels take seconds a call).
     """
     device = torch.device(device)
     if device.type == "cuda" and device.index is None:
@@ -342,7 +246,8 @@ def run(cases: Sequence[Case], device, out_dir=None, reps: int | None = None, wa
     rows: list[dict] = []
     t0 = time.perf_counter()
     for i, (name, group) in enumerate(groups.items()):
-        log(f"[{i + 1}/{len(groups)}] {name}: " + ", ".join(f"{c.op}/{c.variant}" for c in group))
+        log(f"[{i + 1}/{len(groups)} {time.perf_counter() - t0:5.0f} s] {name}: "
+            + ", ".join(f"{c.op}/{c.variant}" for c in group))
         rows.extend(_run_group(group, device, reps, warmup, common, log, case_budget_s))
     ops = sorted({c.op for c in cases})
     meta = {

@@ -136,7 +136,8 @@ TREES = {
 
 
 @pytest.mark.parametrize("variant", ["wy", "recurrent", "reference"])
-@pytest.mark.parametrize("name", list(TREES))
+@pytest.mark.parametrize("name", [pytest.param(n, marks=pytest.mark.slow) if n.endswith("64") or n.startswith("batch")
+                                  else n for n in TREES])
 def test_verify_trees(variant, name):
     if variant == "recurrent" and name in ("chain64", "rand64"):
         check_verify(TREES[name], variant, h=1, hv=2, k=16, v=16)  # the interpreter is slow on 64 x 64 walks
@@ -156,7 +157,7 @@ def test_chain_tree_matches_sequential_chain():
     assert_close(o, r64, r32)
 
 
-@pytest.mark.parametrize("variant", ["wy", "recurrent", "reference"])
+@pytest.mark.parametrize("variant", ["wy", pytest.param("recurrent", marks=pytest.mark.slow), "reference"])
 def test_verify_bf16_inputs(variant):
     check_verify([rand_tree(21, random.Random(4)), chain(3)], variant, dtype=torch.bfloat16)
 
@@ -336,6 +337,7 @@ def test_commit_single_layer_and_state_only(variant):
     assert torch.equal(p[1], pool[1])
 
 
+@pytest.mark.slow
 def test_full_cycle_equals_sequential_decoding():
     """Many verify + commit steps with random acceptance == sequential decoding of the accepted
     tokens: same outputs for accepted nodes, same final recurrent and conv state. bf16 inputs,
@@ -485,7 +487,7 @@ def test_max_nodes_is_the_plan_bound():
 
 
 @pytest.mark.parametrize("inverse", ["square", "levels", "fold", "split"])
-@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
+@pytest.mark.parametrize("split", [pytest.param(True, marks=pytest.mark.slow), False], ids=["split", "nosplit"])
 def test_wy_inverse_and_split(inverse, split):
     """The inverses ('square': log2(depth) rounds; 'levels'; 'fold': (q.k^T d).T built directly;
     'split': fold's N from a first launch, read by the second) and
@@ -498,8 +500,8 @@ def test_wy_inverse_and_split(inverse, split):
         check_verify([chain(33), rand_tree(20, rng), star(5), [-1]], "wy", dtype=torch.bfloat16, seed=3)
 
 
-@pytest.mark.parametrize("split", [True, False], ids=["split", "nosplit"])
-@pytest.mark.parametrize("inverse", ["square", "levels", "fold", "split"])
+@pytest.mark.parametrize("split", [pytest.param(True, marks=pytest.mark.slow), False], ids=["split", "nosplit"])
+@pytest.mark.parametrize("inverse", ["square", "levels", pytest.param("fold", marks=pytest.mark.slow), "split"])
 def test_wy_transposed(split, inverse):
     """trans=True (products as [BV, K] x [K, BT], M = BV: configs.WY_WGMMA on sm_90) gives the same function
     within the derived bound: deep chains, bushy trees, a one-node tree, odd V (masked V block)."""
@@ -517,7 +519,8 @@ def test_wy_transposed_odd_dims_vk():
         check_verify([rand_tree(10, random.Random(5)), star(4)], "wy", l2=False, layout="vk", h=1, hv=3, k=24, v=20)
 
 
-@pytest.mark.parametrize("inverse", ["square", "loop", "fold", "split"])
+@pytest.mark.parametrize("inverse", ["square"] + [pytest.param(i, marks=pytest.mark.slow)
+                                                 for i in ("loop", "fold", "split")])
 def test_wy_stacked_qk_and_loop_inverse(inverse):
     """stack=True (q rows over k rows: one [2BT, K] set of state products) and inverse='loop' (the
     squaring rounds as a runtime loop) give the same function within the derived bound: deep
@@ -533,6 +536,7 @@ def test_wy_stacked_qk_and_loop_inverse(inverse):
         check_verify([chain(33), rand_tree(20, rng), [-1]], "wy", dtype=torch.bfloat16, seed=7)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("inverse", ["fold", "split", "split-loop"])
 def test_wy_fold_depth64_and_ragged(inverse):
     """inverse='fold' (and 'split', its two-launch form) on a depth-63 chain (all 5 rounds, 64-row
@@ -556,6 +560,7 @@ def test_wy_fold_depth64_and_ragged(inverse):
         check_verify([chain(3), rand_tree(17, random.Random(1)), chain(9)], "wy", seed=10, corr=0.5)
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("loop", [False, True], ids=["unrolled", "loop"])
 def test_wy_split_flag_handoff(loop, no_two_launch_split):
     """inverse='split' in one launch (handoff='flag'): the B * HV inverse programs raise a flag per
@@ -584,7 +589,8 @@ def test_wy_split_flag_handoff(loop, no_two_launch_split):
     assert torch.equal(o1, o2)
 
 
-@pytest.mark.parametrize("inverse", ["square", "loop", "fold", "split", "levels"])
+@pytest.mark.parametrize("inverse", ["square"] + [pytest.param(i, marks=pytest.mark.slow)
+                                                 for i in ("loop", "fold", "split", "levels")])
 def test_wy_correlated_keys_stay_accurate(inverse):
     """Hostile inverse: keys along each path nearly parallel (corr 0.95), beta near 1, gates near 0, so
     A's entries approach 1 and its powers grow far past 1 on a 32-node chain and a deep tree. The

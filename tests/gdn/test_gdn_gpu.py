@@ -114,11 +114,9 @@ WY_CONFIGS = {
 }
 
 
-@pytest.mark.parametrize("cfg", list(WY_CONFIGS))
-@pytest.mark.parametrize("variant", ["wy", "recurrent"])
+@pytest.mark.parametrize("variant, cfg", [("wy", c) for c in WY_CONFIGS] + [("recurrent", "default")],
+                         ids=[f"wy-{c}" for c in WY_CONFIGS] + ["recurrent-default"])
 def test_verify_hybrid_dims(variant, cfg):
-    if variant == "recurrent" and cfg != "default":
-        pytest.skip("configs only apply to wy")
     trees = _trees()
     plan = gdn.build_tree_plan(trees, device=DEV)
     q, k, v, g, beta, pool = inputs(plan.total_nodes, len(trees), 1)
@@ -163,8 +161,8 @@ def _compiled_asm(kernel):
 def test_wy_wgmma_config_uses_wgmma():
     """The explicit transposed config (configs.WY_WGMMA: trans=True, BV=64, 4 warps) emits wgmma at
     the B1-N32 shape: the big bf16 products are [BV, K] x [K, BT] (S0^T K^T, S0^T Q^T), M = BV = 64,
-    whatever the node count. It is NOT the sm_90 default: the untransposed mma.sync kernel was
-    faster on H200 in round 2 (B1-N32 682 vs 933 us for 48 layers)."""
+    whatever the node count. It is NOT the sm_90 default: the untransposed mma.sync kernel is
+    faster on the H200 (B1-N32 682 vs 933 us for 48 layers)."""
     from gdn.configs import WY_WGMMA, wy_config
     from gdn.kernels.wy import gdn_tree_wy_kernel
 
@@ -264,8 +262,8 @@ SMALL_TILE_CONFIGS = {
 def test_verify_small_node_tiles(shape, cfg):
     """The node tile follows the plan's largest request (16 rows for 8-node trees, 32 for 32), so
     the M = 2BT stacked products are 32 or 64 rows: the shapes the 64-node batch of
-    test_verify_hybrid_dims never reaches. (Session 7: BV=32 with stack hit an illegal address at
-    chain8 in a kernel order since reverted; this pins those shapes.)"""
+    test_verify_hybrid_dims never reaches. (BV=32 with stack once hit an illegal address at chain8, in
+    a kernel order since reverted; this pins those shapes.)"""
     rng = random.Random(3)
     trees = {"chain8": [chain(8)], "b3-n8": [draft_tree(8, rng) for _ in range(3)], "n32": [draft_tree(32, rng)]}[shape]
     plan = gdn.build_tree_plan(trees, device=DEV)
@@ -302,14 +300,12 @@ def test_flag_handoff_runs_in_one_launch(cfg, no_two_launch_split):
 
 
 @pytest.mark.parametrize("inverse", ["square", "fold", "split", "split-flag"])
-@pytest.mark.parametrize("pdl", [False, True])
+@pytest.mark.parametrize("pdl", [False, pytest.param(True, marks=pytest.mark.hopper)])
 def test_pdl_chain_in_graph(pdl, inverse):
     """Each launch reads, as v, the output the launch just before it wrote: with PDL the kernel must
     wait on the previous grid before its first load. The graph replay equals plain eager launches.
     With "split" the second launch reads v before its own wait: it relies on the first launch letting
     it start only after that launch's wait on the previous grid."""
-    if pdl and torch.cuda.get_device_capability()[0] < 9:
-        pytest.skip("programmatic dependent launch needs sm_90+")
     trees = [draft_tree(32, random.Random(8))]
     plan = gdn.build_tree_plan(trees, device=DEV)
     q, k, v, g, beta, pool = inputs(plan.total_nodes, 1, 8)

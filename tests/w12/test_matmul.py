@@ -67,7 +67,7 @@ def test_matmul_matches_reference(variant, M, N, K):
                                           select_zero=True),
                                  GemvConfig(block_n=64, block_t=4, block_k=128, split_k=1, select_zero=True)],
                          ids=["tc-split2", "gemv-split3", "tc-fuse-split2", "tc-select", "gemv-select"])
-@pytest.mark.parametrize("M", [1, 5, 20])
+@pytest.mark.parametrize("M", [1, 5, pytest.param(20, marks=pytest.mark.slow)])
 def test_forced_configs(cfg, M):
     N, K = 70, 300
     w = _weight(N, K, seed=7)
@@ -373,6 +373,7 @@ def test_packed_asm_decode_logic_bitexact(mode):
     assert pk_decode.asm_text(mode, "bf16").count("add.u32 w, w,") == 2
 
 
+@pytest.mark.slow
 def test_asm_configs_run_plain_decode_on_cpu():
     """asm=True / tok2d=True configs are valid everywhere; off-GPU the plain decode runs."""
     w = _weight(40, 130, seed=91)

@@ -510,6 +510,7 @@ def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(c
         cuda.build(TmaConfig(), 1, False, (8, 0), out="ptx")
 
 
+@pytest.mark.slow
 @pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
 def test_mma_kernel_programmatic_launch_only_on_sm90(arch, cuda):
     """griddepcontrol exists from sm_90 on: the mma kernel waits / triggers there and has neither on sm_80."""
@@ -560,6 +561,7 @@ def test_tma_stream_k_path_builds_with_consumer_barrier_and_counters(cuda):
     assert TmaConfig(1, 8, 6, xcp=True, sk=2).tag() == "tma-mt1-cw8-st6-xcp-sk2"
 
 
+@pytest.mark.slow
 def test_tma_trace_build_stamps_globaltimer_only_when_asked(cuda):
     """defines={"W12_TRACE": 1} (a diagnostic build) reads %globaltimer and %smid; the shipped build does not."""
     from w12.configs import TmaConfig

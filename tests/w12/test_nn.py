@@ -172,6 +172,7 @@ def _tiny_llama():
     return transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
 
 
+@pytest.mark.slow
 def test_convert_hf_llama(exact_ops):
     model = _tiny_llama()
     ids = torch.randint(0, 128, (2, 7), generator=torch.Generator().manual_seed(0))

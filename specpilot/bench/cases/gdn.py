@@ -90,7 +90,7 @@ def _check_verify(o, q, k, v, g, beta, pool, trees, variant, layers, msg):
 
 # pinned WY configs beside the default (node tile from the plan, 'square' inverse, bf16-split products)
 _PINNED = {
-    "wy-wgmma": WY_WGMMA,  # transposed, wgmma on sm_90 (round 2: slower than the mma.sync default)
+    "wy-wgmma": WY_WGMMA,  # transposed, wgmma on sm_90 (slower than the mma.sync default on the H200)
     "wy-levels": WYConfig(inverse="levels"),  # level-by-level inverse (the first version's)
 }
 

@@ -1,0 +1,72 @@
+#!/usr/bin/env bash
+# The GDN operator on the GPU machine in one device call (<= 10 minutes): explore, tune, test, profile, benchmark.
+#
+#   bash perf/gdn_gpu.sh                                   (OUT defaults to perf/out)
+#   STAGES="explore bench" bash perf/gdn_gpu.sh            (a subset, in this order)
+#   TEST_SHARD=2/3 STAGES=tests bash perf/gdn_gpu.sh       (the whole GPU suite takes ~20 minutes: 3 calls)
+#
+# Stages (STAGES, default "tests bench"), each under its own timeout; keep their sum under the call's 600 s:
+#   explore perf/gdn_explore.py: the CUDA and Triton configs beside recurrent (and fla with FLA_BUDGET > 0),
+#           48 layers per CUDA graph, each checked before it is timed. EXPLORE_ARGS (default
+#           "--cases B1-N32,chain8,chain16,chain32,B24-N8 --configs none": the defaults only; "--ablate" adds
+#           the phase ablations), EXPLORE_BUDGET (230 s), EXPLORE_TIMEOUT (260 s).
+#   tune    perf/tune_gdn.py --store (TUNE_ARGS, default "--groups B1-M32 --trials 16"; TUNE_BUDGET 420 s):
+#           autotune/configs/<gpu>.json is copied to $OUT (copy it back to ship it).
+#   tests   the GDN GPU tests (tests/gdn, tests/test_sm90_codegen.py; TEST_K, TEST_SHARD, TEST_TIMEOUT 300 s,
+#           TEST_WORKERS pytest-xdist processes when its wheels travel in .whl).
+#   ncu     Nsight Compute on NCU_COUNT GDN kernel launches of the benchmark, one line per kernel
+#           (perf/ncu_summary.py) in summary.txt.
+#   bench   specpilot bench --ops gdn (BENCH_SHAPES, default hybrid-27b; BENCH_TIMEOUT 240 s), and its summary.
+# Files in $OUT (<= 8): summary.txt explore.log gdn_explore.json tune_gdn.json pytest.log <stamp>-gdn.{json,md,png}
+cd "$(dirname "$0")/.."
+STAGES=${STAGES:-tests bench}
+. perf/gpu_env.sh
+SCRATCH=$(mktemp -d)
+declare -A RC
+
+if has_stage explore; then
+  timeout "${EXPLORE_TIMEOUT:-260}" python3 perf/gdn_explore.py \
+    ${EXPLORE_ARGS:---cases B1-N32,chain8,chain16,chain32,B24-N8 --configs none} \
+    --budget "${EXPLORE_BUDGET:-230}" --fla-budget "${FLA_BUDGET:-0}" --out "$OUT" >"$OUT/explore.log" 2>&1
+  RC[explore]=$?
+fi
+if has_stage tune; then
+  timeout "$(( ${TUNE_BUDGET:-420} + 60 ))" python3 perf/tune_gdn.py ${TUNE_ARGS:---groups B1-M32 --trials 16} \
+    --budget-s "${TUNE_BUDGET:-420}" --store --out "$OUT" >"$SCRATCH/tune.log" 2>&1
+  RC[tune]=$?
+  cp autotune/configs/*.json "$OUT/" 2>/dev/null
+fi
+if has_stage tests; then
+  TEST_TIMEOUT=${TEST_TIMEOUT:-300} run_tests "$OUT/pytest.log" tests/gdn tests/test_sm90_codegen.py
+  RC[tests]=$?
+fi
+if has_stage ncu; then
+  run_ncu "$SCRATCH/ncu.csv" "gdn" python3 -m specpilot bench --shapes "${BENCH_SHAPES:-hybrid-27b}" --ops gdn \
+    --reps 1 --out "$SCRATCH/ncu-bench"
+  RC[ncu]=$?
+fi
+if has_stage bench; then
+  timeout "${BENCH_TIMEOUT:-240}" python3 -m specpilot bench --shapes "${BENCH_SHAPES:-hybrid-27b}" --ops gdn \
+    --out "$OUT" >"$SCRATCH/bench.log" 2>&1
+  RC[bench]=$?
+fi
+LATEST=$(ls -t "$OUT"/2*-gdn.json 2>/dev/null | head -n 1)
+
+{
+  echo "wheels  : $WHEELS"
+  for s in $STAGES; do echo "$s rc=${RC[$s]:-?}"; done
+  if has_stage explore && [ -f "$OUT/explore.log" ]; then
+    sed -n '/== best per case/,$p' "$OUT/explore.log"
+    grep -E "ABLATION|FAILED|ERROR" "$OUT/explore.log" | head -n 20
+  fi
+  has_stage tune && tail -n 12 "$SCRATCH/tune.log"
+  has_stage tests && { echo "tests: $(tests_line "$OUT/pytest.log")"; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head -n 10; }
+  has_stage ncu && [ -s "$SCRATCH/ncu.csv" ] && python3 perf/ncu_summary.py "$SCRATCH/ncu.csv"
+  if has_stage bench; then
+    grep -E "CHECK FAILED|setup failed|timing failed" "$SCRATCH/bench.log" | head -n 10
+    [ -n "$LATEST" ] && python3 perf/bench_summary.py "$LATEST"
+  fi
+} 2>&1 | tee "$OUT/summary.txt"
+rm -rf "$SCRATCH"
+for s in $STAGES; do [ "${RC[$s]:-1}" -eq 0 ] || [ "$s:${RC[$s]:-1}" = "tests:5" ] || exit 1; done
+exit 0
