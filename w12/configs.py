@@ -39,7 +39,7 @@ import torch
 import autotune
 
 __all__ = ["TcConfig", "GemvConfig", "MmaConfig", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "candidates", "sm_count",
-           "pick_split_k", "explore_candidates", "mma_heuristic"]
+           "pick_split_k", "mma_heuristic"]
 
 GEMV_MAX_M = 4  # the no-wgmma variant runs the CUDA-core kernel up to this M
 _TARGET_INFLIGHT = 40 << 10  # bytes per SM the loads should keep in flight (see module doc)
@@ -120,22 +120,22 @@ class TmaConfig:
     the planes (2-D TMA boxes) and of x (one bulk copy per token) into a `stages`-deep ring; `cw` consumer
     warps, each owning 16 * `mt` rows, decode them in registers into mma.sync. A CTA owns
     16 * `mt` * `cw` rows (<= 256, one TMA box); `split` CTAs share a row block along K.
-    Options, both correct on the H200 and both opt-in (session-4 probe, perf/results/h200):
+    Options, both correct on the H200 and both opt-in (perf/results/h200/20261130-w12-tma-wg-ahead-probe.json):
     `ahead` (consumers read stage i + 1 before computing stage i; within noise of the default) and
     `wg` (each warpgroup of 4 consumer warps issues one wgmma m64 x n(8 NT) x k16 per k-step with
     the decoded A from registers and x permuted into a K-major shared-memory B; sm_90a; slower
     than mma.sync on every measured cell: the per-stage permutation copy costs more than it saves).
     `xcp`: x copied by cp.async from all 32 producer lanes (M / 4 instructions per stage) instead of
-    M bulk copies, which make M = 32 ~2.5x slower than M = 1 (session 5, H200: correct in 400
-    launches of the race probe; the LM head at M = 32 went from 0.90x to 1.20x cuBLAS).
-    `sk` (stream-K, session 5): the grid is sk CTAs per SM and each CTA takes an equal contiguous
+    M bulk copies, which make M = 32 ~2.5x slower than M = 1 (H200: correct in 400 launches of the
+    race probe; the LM head at M = 32 went from 0.90x to 1.20x cuBLAS).
+    `sk` (stream-K): the grid is sk CTAs per SM and each CTA takes an equal contiguous
     range of the (row block, 64-column chunk) units, crossing row blocks, so no SM idles in a last
     partial wave; a row block shared by several CTAs is summed in the workspace in CTA order
     (deterministic) by the last of them to arrive; each CTA publishes its shares as it goes and
     arrives (fence, counters, fix-ups) only after its last unit, so its ring never stalls mid-range.
-    `xbox` (written in session 5, NOT yet run on a GPU): x as one 2-D TMA box per stage with the
-    128-byte swizzle, the fast x path session 4 measured (M = 32 2x faster) and withdrew for wrong
-    results before the consumers' proxy fence existed; to be race-probed (perf/w12_race_probe.py)."""
+    `xbox`: x as one 2-D TMA box per stage with the 128-byte swizzle (no per-token bulk copies); with
+    the consumers' proxy fence it is correct on the H200 (0 of 1200 race-probe launches wrong,
+    perf/results/h200/20261130-w12-tma-race-xbox.json) and 16 tuned entries use it, mostly at M = 16-32."""
 
     mt: int = 2
     cw: int = 4
@@ -227,7 +227,7 @@ def tc_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = Fal
     ctas_per_sm = max(1, min(_SMEM_PER_SM // int(stages * stage), 4))
     tiles = -(-N // bn) * -(-M // bt)
     split = pick_split_k(tiles, -(-kp // bk), sms * ctas_per_sm)
-    # asm: H200 round 2, the packed PTX decode won 1.10x (geomean) on this tile at every M (ignored off-GPU)
+    # asm: on the H200 the packed PTX decode won 1.10x (geomean) on this tile at every M (ignored off-GPU)
     return TcConfig(block_n=bn, block_t=bt, block_k=bk, split_k=split, num_warps=warps, num_stages=stages, asm=True)
 
 
@@ -235,7 +235,8 @@ _GEMV_LIVE = 16  # fp32 accumulator elements per thread (BN x BK/2 x BT / thread
 
 
 def mma_heuristic(M: int, N: int, K: int, device: torch.device) -> MmaConfig:
-    """CUDA kernel default (H200 sweep, perf/results/h200/*w12_mma_explore*): 32 rows per CTA and
+    """CUDA kernel default (the H200 sweep of perf/w12_mma_explore.py, perf/results/h200/20261130T225618-explore.log):
+    32 rows per CTA and
     4 warps along K when that still gives >= 3 CTAs per SM, else 16 rows and 8 warps along K
     (more warps, hence more loads in flight, for the N = 5120 projections)."""
     if -(-N // 32) >= 3 * sm_count(device):
@@ -249,7 +250,7 @@ def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = F
     bt = min(16, _pow2(M))
     kp = -(-K // 64) * 64
     if M == 1:
-        # H200 round 2: 8x256 tiles with the packed PTX decode and a 2-D accumulator won every M=1
+        # H200 sweep: 8x256 tiles with the packed PTX decode and a 2-D accumulator won every M=1
         # cell of the explore set (G8x256w4s2AD, mm and q8); untuned shapes get the same shape.
         tiles = -(-N // 8)
         split = pick_split_k(tiles, -(-kp // 256), sm_count(device) * 8)
@@ -261,28 +262,6 @@ def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = F
     tiles = -(-N // bn) * -(-M // bt)
     split = pick_split_k(tiles, -(-kp // bk), sm_count(device) * 8)
     return GemvConfig(block_n=bn, block_t=bt, block_k=bk, split_k=split, num_warps=4, num_stages=2)
-
-
-def explore_candidates(kind: str, M: int) -> list:
-    """Kernel shapes (split_k left at 1: the caller sets it per shape) for perf/w12_explore.py.
-    Few on purpose: every entry is one compile per op."""
-    bt_tc = min(64, max(16, _pow2(M)))
-    if kind == "tc":
-        return [TcConfig(bn, bt_tc, bk, 1, w, st) for bn, bk, w, st in
-                ((64, 128, 4, 4), (64, 128, 4, 6), (64, 256, 4, 3), (64, 64, 4, 8), (128, 128, 4, 4),
-                 (128, 128, 8, 4), (128, 256, 8, 3))]
-    if kind == "gemv":
-        bt = min(16, _pow2(M))
-        out = []
-        for bn, bk, w in ((16, 256, 4), (8, 256, 4), (32, 256, 8), (16, 128, 4), (32, 128, 4), (64, 128, 8),
-                          (64, 256, 4)):
-            if bn * bk // 2 * bt // (32 * w) > 64:  # > 64 accumulators per thread: spills for sure
-                continue
-            out.append(GemvConfig(bn, bt, bk, 1, w, 2))
-        if not out:
-            out.append(GemvConfig(4, bt, 128, 1, 4, 2))
-        return out
-    raise ValueError(f"kind must be 'tc' or 'gemv', got {kind!r}")
 
 
 def candidates(kind: str, M: int, N: int, K: int) -> list:

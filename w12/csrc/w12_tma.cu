@@ -73,19 +73,19 @@
 #define W12_RELFENCE 1  // the generic -> async proxy fence before each stage release; 0 only to reproduce the race
 #endif
 #ifndef W12_CM
-#define W12_CM 0  // diagnostic: plane boxes addressed as chunk-major [Kp / 64][N][64] (perf/w12_tma_probe.py)
+#define W12_CM 0  // diagnostic (defines=): plane boxes addressed as chunk-major [Kp / 64][N][64]
 #endif
 #ifndef W12_WIDE
 #define W12_WIDE 1  // diagnostic (with W12_NULL): boxes of 64 W columns x R / W rows, same bytes per stage
 #endif
 #ifndef W12_TRACE
-#define W12_TRACE 0  // diagnostic (perf/w12_trace_probe.py): per-CTA %globaltimer stamps into ws (split = 1 only)
+#define W12_TRACE 0  // diagnostic (defines=, launch(trace=)): per-CTA %globaltimer stamps (split = 1 only)
 #endif
 #ifndef W12_POISON
-#define W12_POISON 0  // diagnostic (race probe): every stage's bytes set to 0xFF (x: NaN) before the first copy
+#define W12_POISON 0  // diagnostic (defines=): every stage's bytes set to 0xFF (x: NaN) before the first copy
 #endif
 #ifndef W12_NULL
-#define W12_NULL 0  // diagnostic (perf/w12_tma_probe.py): consumers only wait for and release each stage
+#define W12_NULL 0  // diagnostic (defines=): consumers only wait for and release each stage
 #endif
 
 namespace {

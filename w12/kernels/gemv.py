@@ -7,12 +7,12 @@ broadcast over the rows: `acc[BN, BKH, BT] += w[BN, BKH, 1] * x[1, BKH, BT]`. Th
 across threads happens once, after the loop. Escapes, bias, the split-K partials and the
 output rounding are shared with `tc.py`.
 
-Two switches (round 2 of the H200 exploration measures them against the above):
+Two switches (the H200 tile sweep measures them against the above; tuned entries pick them):
 
 * USE_ASM: the packed PTX decode of `pk_decode.py` (two weights per integer op), fp32 out.
 * TOK2D (BLOCK_T <= 4): decode the [BN, BK/2] tile once and keep one 2-D accumulator per token,
-  `acc_t[BN, BKH] += w * x_t[None, :]`, instead of the 3-D broadcast (round 1: M=2 ran at half
-  the M=1 speed with it). x_t is a [BKH] vector load per token.
+  `acc_t[BN, BKH] += w * x_t[None, :]`, instead of the 3-D broadcast (with the broadcast, M=2 ran at
+  half the M=1 speed on the H200). x_t is a [BKH] vector load per token.
 """
 
 from __future__ import annotations

@@ -27,7 +27,7 @@ Escapes: the tile's rows own a contiguous range of the CSR list. The epilogue wa
 step j adds escape j of every row in the tile (rows with fewer escapes are masked), so the
 cost is (max escapes of a row in the tile) x [BN, BT] FMAs, paid once per tile (split 0 only).
 
-FUSE (round 3): instead of two MMAs of depth BK/2 per iteration (one per half), the decoded halves
+FUSE: instead of two MMAs of depth BK/2 per iteration (one per half), the decoded halves
 are joined into one [BN, BK] operand in the tile-local K order k' = h * BK/2 + j, and x is loaded
 in that same order (runs of 32 contiguous columns), so each iteration issues one MMA chain.
 
