@@ -236,9 +236,8 @@ _GEMV_LIVE = 16  # fp32 accumulator elements per thread (BN x BK/2 x BT / thread
 
 def mma_heuristic(M: int, N: int, K: int, device: torch.device) -> MmaConfig:
     """CUDA kernel default (the H200 sweep of perf/w12_mma_explore.py, perf/results/h200/20261130T225618-explore.log):
-    32 rows per CTA and
-    4 warps along K when that still gives >= 3 CTAs per SM, else 16 rows and 8 warps along K
-    (more warps, hence more loads in flight, for the N = 5120 projections)."""
+    32 rows per CTA and 4 warps along K when that still gives >= 3 CTAs per SM, else 16 rows and 8 warps
+    along K (more warps, hence more loads in flight, for the N = 5120 projections)."""
     if -(-N // 32) >= 3 * sm_count(device):
         return MmaConfig(mt=2, wk=4, pipe=2)
     return MmaConfig(mt=1, wk=8, pipe=2)
