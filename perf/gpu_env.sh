@@ -60,3 +60,21 @@ run_ncu() {
     --metrics 'regex:smsp__average_warps_issue_stalled_.*_per_issue_active\.ratio' \
     --csv --page details "$@" >"$out" 2>/dev/null
 }
+
+# summary_common: the lines every script's summary ends with: the tests, ncu and the benchmark ($LATEST: its JSON)
+summary_common() {
+  has_stage tests && { echo "tests: $(tests_line "$OUT/pytest.log")"; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head -n 10; }
+  has_stage ncu && [ -s "$SCRATCH/ncu.csv" ] && python3 perf/ncu_summary.py "$SCRATCH/ncu.csv"
+  if has_stage bench; then
+    grep -E "CHECK FAILED|setup failed|timing failed" "$SCRATCH/bench.log" | head -n 10
+    [ -n "${LATEST:-}" ] && python3 perf/bench_summary.py "$LATEST"
+  fi
+  return 0
+}
+
+# finish: drop $SCRATCH, then exit 1 if a stage failed (the tests' status 5, nothing selected, counts as passed)
+finish() {
+  rm -rf "$SCRATCH"
+  for s in $STAGES; do [ "${RC[$s]:-1}" -eq 0 ] || [ "$s:${RC[$s]:-1}" = "tests:5" ] || exit 1; done
+  exit 0
+}

@@ -54,13 +54,6 @@ LATEST=$(ls -t "$OUT"/2*-linear-w12.json 2>/dev/null | head -n 1)
   for s in $STAGES; do echo "$s rc=${RC[$s]:-?}"; done
   has_stage sweep && grep -E 'geomean|^bad|Error' "$OUT/explore.log" | tail -n 8
   has_stage triton && tail -n 12 "$SCRATCH/tune_w12.log"
-  has_stage tests && { echo "tests: $(tests_line "$OUT/pytest.log")"; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head -n 10; }
-  has_stage ncu && [ -s "$SCRATCH/ncu.csv" ] && python3 perf/ncu_summary.py "$SCRATCH/ncu.csv"
-  if has_stage bench; then
-    grep -E "CHECK FAILED|setup failed|timing failed" "$SCRATCH/bench.log" | head -n 10
-    [ -n "$LATEST" ] && python3 perf/bench_summary.py "$LATEST"
-  fi
+  summary_common
 } 2>&1 | tee "$OUT/summary.txt"
-rm -rf "$SCRATCH"
-for s in $STAGES; do [ "${RC[$s]:-1}" -eq 0 ] || [ "$s:${RC[$s]:-1}" = "tests:5" ] || exit 1; done
-exit 0
+finish

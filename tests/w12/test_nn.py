@@ -415,29 +415,12 @@ def _eager_and_compiled(model, x):
 
 
 @pytest.mark.slow
-def test_compile_plain_linear_model_bitwise():
+@pytest.mark.parametrize("converted", [False, True], ids=["nn-linear", "w12-converted"])
+def test_compile_bitwise_equals_eager(converted):
     model, x = _compile_case()
+    if converted:
+        w12.convert(model)
     eager, compiled = _eager_and_compiled(model, x)
-    assert_bitwise_equal(compiled, eager)
-
-
-@pytest.mark.slow
-def test_compile_converted_model_bitwise():
-    model, x = _compile_case()
-    w12.convert(model)
-    eager, compiled = _eager_and_compiled(model, x)
-    assert_bitwise_equal(compiled, eager)
-
-
-@pytest.mark.slow
-def test_compile_converted_model_bitwise_when_inductor_keeps_casts():
-    """The exact cause: with inductor emulating every eager cast, compiled == eager bit for bit."""
-    import torch._inductor.config as inductor_config
-
-    model, x = _compile_case()
-    w12.convert(model)
-    with inductor_config.patch(emulate_precision_casts=True):
-        eager, compiled = _eager_and_compiled(model, x)
     assert_bitwise_equal(compiled, eager)
 
 
