@@ -11,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import operator
+
 import torch
+
+from .guard import new_error_word
 
 __all__ = ["TreePlan", "build_tree_plan", "MAX_NODES", "SYNC_HEADS"]
 
@@ -41,6 +45,13 @@ class TreePlan:
     batch: int
     total_nodes: int
     max_nodes: int  # static bound on nodes per request (sets tile sizes), <= 64
+    # int32 [1] error word of the kernels' index guards (gdn/guard.py): bits OR-ed on the device when a
+    # request is skipped; gdn.check_errors(plan) reads, clears and raises
+    err: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.err is None:
+            object.__setattr__(self, "err", new_error_word(self.cu_seqlens.device))
 
     @property
     def device(self) -> torch.device:
@@ -49,6 +60,17 @@ class TreePlan:
     @classmethod
     def build(cls, parents, cu_seqlens=None, device=None, **kw) -> "TreePlan":
         return build_tree_plan(parents, cu_seqlens, device, **kw)
+
+
+def _as_int(r: int, i: int, p) -> int:
+    # parents are indices: 0.7 must not become 0 silently
+    if isinstance(p, torch.Tensor) and p.numel() == 1 and not p.dtype.is_floating_point:
+        return int(p)
+    try:
+        return operator.index(p)
+    except TypeError:
+        raise TypeError(f"gdn.build_tree_plan: request {r} node {i}: parent {p!r} is not an integer; "
+                        "pass integer local parent indices (-1 for a root)") from None
 
 
 def _check_host(parents: Sequence[Sequence[int]]) -> None:
@@ -85,6 +107,9 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
             raise ValueError("a flat parents tensor needs cu_seqlens [B+1] (request offsets); "
                              "or pass a list of per-request parent lists")
         dev = torch.device(device) if device is not None else parents.device
+        if parents.dtype.is_floating_point or parents.dtype.is_complex or parents.dtype == torch.bool:
+            raise TypeError(f"gdn.build_tree_plan: parents must be an integer tensor, got {parents.dtype}; "
+                            "pass integer local parent indices (-1 for a root)")
         p = parents.to(dev, torch.int32)
         cu = torch.as_tensor(cu_seqlens).to(dev, torch.int32)
         if p.dim() != 1 or cu.dim() != 1:
@@ -100,7 +125,7 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
                 max_nodes = max([len(x) for x in lists] + [1])
         batch, total = cu.numel() - 1, p.numel()
     else:
-        lists = [[int(x) for x in ps] for ps in parents]
+        lists = [[_as_int(r, i, x) for i, x in enumerate(ps)] for r, ps in enumerate(parents)]
         if validate:
             _check_host(lists)
         dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -119,7 +144,8 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
     anc, depth, gpar, req, max_depth = _derive(p, cu, batch)
     sync = torch.zeros(batch, SYNC_HEADS, dtype=torch.int32, device=dev)
     return TreePlan(cu_seqlens=cu, parent=gpar, parent_local=p, anc=anc, depth=depth, node_req=req,
-                    max_depth=max_depth, sync=sync, batch=batch, total_nodes=total, max_nodes=int(max_nodes))
+                    max_depth=max_depth, sync=sync, batch=batch, total_nodes=total, max_nodes=int(max_nodes),
+                    err=new_error_word(dev))
 
 
 def _derive(p: torch.Tensor, cu: torch.Tensor, batch: int):

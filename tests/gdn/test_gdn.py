@@ -202,17 +202,19 @@ def test_registered_ops_match_eager():
     want = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="wy")
     got = torch.empty_like(v)
     torch.ops.specpilot_gdn.tree_verify(q, k, v, g, beta, got, pool, idx, plan.cu_seqlens, plan.anc, plan.depth,
-                                        plan.max_depth, plan.node_req, plan.sync, K ** -0.5, True, False, "auto", 7)
+                                        plan.max_depth, plan.node_req, plan.sync, plan.err, K ** -0.5, True, False, "auto",
+                                        7)
     assert torch.equal(got, want)
     x, cs, w = torch.randn(7, 8), torch.randn(2, 8, 3), torch.randn(8, 4)
     y = torch.empty_like(x)
-    torch.ops.specpilot_gdn.tree_conv1d(x, w, None, y, cs, idx, plan.node_req, plan.parent, plan.depth, True)
+    torch.ops.specpilot_gdn.tree_conv1d(x, w, None, y, cs, idx, plan.node_req, plan.parent, plan.depth, plan.err,
+                                        True)
     assert torch.equal(y, gdn.tree_conv1d(x, cs, w, plan, conv_state_indices=idx))
     acc, acc_len = _acc_tensors([root_path(trees[0], 6)])
     p1, p2, c1, c2 = pool.clone()[None], pool.clone()[None], cs.clone()[None], cs.clone()[None]
     gdn.commit(p1, c1, idx, plan, acc, acc_len, k[None], v[None], g[None], beta[None], x[None], use_qk_l2norm=True)
     torch.ops.specpilot_gdn.commit(p2, k[None], v[None], g[None], beta[None], idx, plan.cu_seqlens, acc, acc_len,
-                                   True, False, c2, x[None], idx)
+                                   plan.parent_local, plan.err, True, False, c2, x[None], idx)
     assert torch.equal(p1, p2) and torch.equal(c1, c2)
 
 
