@@ -436,3 +436,47 @@ print("ok")
     r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env,
                        cwd=os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))), timeout=300)
     assert r.returncode == 0 and r.stdout.strip() == "ok", r.stderr[-3000:]
+
+
+# ------------------------------------------------------------------- the CUDA C++ kernel, through its emulator
+
+
+def test_cuda_emulator_skips_a_bad_state_index_and_flags():
+    from test_gdn_cuda import emulate, inputs
+
+    trees = [TREE, [-1, 0], [-1]]
+    q, k, v, g, beta, pool = inputs(trees, 3)
+    Kd = q.shape[-1]
+    want = emulate(q, k, v, g, beta, pool, [0, 1, 2], trees, Kd ** -0.5, True)
+    for bad in (-1, pool.shape[0], 10**6):
+        out = torch.full_like(want, 7.0)
+        err = torch.zeros(1, dtype=torch.int32)
+        emulate(q, k, v, g, beta, pool, [0, bad, 2], trees, Kd ** -0.5, True, out=out, err=err)
+        assert err.item() == guard.VERIFY_STATE_INDEX
+        assert torch.equal(out[7:9], torch.full_like(out[7:9], 7.0))
+        assert torch.equal(out[:7], want[:7]) and torch.equal(out[9:], want[9:])
+    g2 = g.clone()
+    g2[2, 0] = 0.5
+    err = torch.zeros(1, dtype=torch.int32)
+    emulate(q, k, v, g2, beta, pool, [0, 1, 2], trees, Kd ** -0.5, True, err=err)
+    assert err.item() == guard.POSITIVE_GATE
+
+
+def test_cuda_emulator_keeps_nan_in_its_subtree():
+    from test_gdn_cuda import emulate, inputs
+
+    trees = [TREE, [-1, 0, 1]]
+    q, k, v, g, beta, pool = inputs(trees, 5)
+    Kd, HVd = q.shape[-1], v.shape[1]
+    clean = emulate(q, k, v, g, beta, pool, [1, 2], trees, Kd ** -0.5, True)
+    assert torch.isfinite(clean).all()
+    names = ["q", "k", "v", "g", "beta"]
+    for field, node, bad in PLACEMENTS:
+        dirty = [t.clone() for t in (q, k, v, g, beta)]
+        dirty[names.index(field)][node, 1] = bad
+        o = emulate(*dirty, pool, [1, 2], trees, Kd ** -0.5, True)
+        hit = [node] if field == "q" else descendants(TREE, node)
+        rest = [i for i in range(o.shape[0]) if i not in hit]
+        assert torch.equal(o[rest], clean[rest]), f"{field}[{node}] = {bad}: a non-descendant changed"
+        heads = [h for h in range(HVd) if (h // (HVd // q.shape[1]) == 1 if field in ("q", "k") else h == 1)]
+        assert torch.isnan(o[hit][:, heads]).all()
