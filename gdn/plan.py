@@ -77,19 +77,19 @@ def _check_host(parents: Sequence[Sequence[int]]) -> None:
     for r, ps in enumerate(parents):
         if len(ps) > MAX_NODES:
             raise ValueError(
-                f"request {r} has {len(ps)} nodes; at most {MAX_NODES} per request are supported "
+                f"gdn.build_tree_plan: request {r} has {len(ps)} nodes; at most {MAX_NODES} per request are supported "
                 "(one int64 ancestor bitmask per node): prune the tree or split the request"
             )
         for i, p in enumerate(ps):
             p = int(p)
             if p < -1 or p >= len(ps):
                 raise ValueError(
-                    f"request {r} node {i}: parent {p} points outside the request (valid: -1 for a child "
-                    f"of the committed state, or a local index in [0, {len(ps)}))"
+                    f"gdn.build_tree_plan: request {r} node {i}: parent {p} points outside the request; pass -1 for "
+                    f"a child of the committed state, or a local index in [0, {len(ps)})"
                 )
             if p >= i:
                 raise ValueError(
-                    f"request {r} node {i}: parent {p} >= {i}; nodes must be topologically ordered "
+                    f"gdn.build_tree_plan: request {r} node {i}: parent {p} >= {i}; nodes must be topologically ordered "
                     "(parent before child): sort the tree breadth- or depth-first and remap the indices"
                 )
 
@@ -104,7 +104,7 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
     """
     if isinstance(parents, torch.Tensor):
         if cu_seqlens is None:
-            raise ValueError("a flat parents tensor needs cu_seqlens [B+1] (request offsets); "
+            raise ValueError("gdn.build_tree_plan: a flat parents tensor needs cu_seqlens [B+1] (request offsets); "
                              "or pass a list of per-request parent lists")
         dev = torch.device(device) if device is not None else parents.device
         if parents.dtype.is_floating_point or parents.dtype.is_complex or parents.dtype == torch.bool:
@@ -113,11 +113,13 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
         p = parents.to(dev, torch.int32)
         cu = torch.as_tensor(cu_seqlens).to(dev, torch.int32)
         if p.dim() != 1 or cu.dim() != 1:
-            raise ValueError(f"parents must be 1-D [T] and cu_seqlens 1-D [B+1], got {tuple(p.shape)}, {tuple(cu.shape)}")
+            raise ValueError(f"gdn.build_tree_plan: parents must be 1-D [T] and cu_seqlens 1-D [B+1], got "
+                             f"{tuple(p.shape)}, {tuple(cu.shape)}; flatten the packed parents")
         if validate or max_nodes is None:
             cu_h, p_h = cu.cpu().tolist(), p.cpu().tolist()  # plan step: host sync allowed
             if cu_h[0] != 0 or cu_h[-1] != len(p_h) or any(b < a for a, b in zip(cu_h, cu_h[1:])):
-                raise ValueError(f"cu_seqlens must rise from 0 to T={len(p_h)}, got {cu_h}")
+                raise ValueError(f"gdn.build_tree_plan: cu_seqlens must rise from 0 to T={len(p_h)}, got {cu_h}; "
+                                 "pass request offsets [0, n0, n0 + n1, ...]")
             lists = [p_h[a:b] for a, b in zip(cu_h, cu_h[1:])]
             if validate:
                 _check_host(lists)
@@ -140,7 +142,8 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
         if max_nodes is None:
             max_nodes = max(lens + [1])
     if max_nodes > MAX_NODES:
-        raise ValueError(f"max_nodes={max_nodes} > {MAX_NODES}: at most {MAX_NODES} nodes per request")
+        raise ValueError(f"gdn.build_tree_plan: max_nodes={max_nodes} > {MAX_NODES}; at most {MAX_NODES} nodes per "
+                         "request: prune the tree or split the request")
     anc, depth, gpar, req, max_depth = _derive(p, cu, batch)
     sync = torch.zeros(batch, SYNC_HEADS, dtype=torch.int32, device=dev)
     return TreePlan(cu_seqlens=cu, parent=gpar, parent_local=p, anc=anc, depth=depth, node_req=req,
