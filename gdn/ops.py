@@ -502,7 +502,7 @@ def tree_conv1d(x, conv_state, weight, tree: TreePlan, bias=None, activation="si
         raise ValueError(f"gdn.{fn}: activation must be None or 'silu', got {activation!r}")
     _check_same_device(fn, x=x, conv_state=conv_state, weight=weight, bias=bias, tree=tree.cu_seqlens)
     if conv_state_indices is None:
-        conv_state_indices = torch.arange(tree.batch, dtype=torch.int32)
+        conv_state_indices = torch.arange(tree.batch, dtype=torch.int32, device=x.device)  # (graph-capturable)
     conv_state_indices = _indices(fn, "conv_state_indices", conv_state_indices, tree.batch, conv_state.shape[0],
                                   x.device)
     if out is not None:

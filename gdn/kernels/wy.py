@@ -20,7 +20,7 @@ The doubling forms ("square", "loop", "fold", "split") fall back to "levels" whe
   only to read N. The inverse runs beside the state phase instead of after it, on other SMs.
   inverse_loop (ILOOP) runs the first launch's rounds as a runtime loop (_fold_rounds with LOOP): one copy of
   the round's code, ~5K SASS instructions instead of ~10-18K executed once per program (the sm_90
-  default since session 9: B1-N32 524 vs 600 us on H200). handoff="flag" (gdn_tree_flag_kernel) puts
+  default: B1-N32 524 vs 600 us on H200). handoff="flag" (gdn_tree_flag_kernel) puts
   both halves in one grid, handing N over through flags in TreePlan.sync: opt-in, measured slower.
 "fold" does the same FMA work as "square" (its stacked products are twice as tall): on H200, with
 PDL, 48 layers, it was slower at B1-N32 (600 vs 554 us) and chain32 (652 vs 597), a little faster
@@ -35,7 +35,7 @@ SPLIT=False (fp32 inputs): every product at PREC.
 
 PREC_I is the precision of the inverse's rounds alone (PREC_S by default): "tf32x3" runs them on
 tensor cores (three tf32 products, ~fp32 accuracy) while T.rhs and (q.k).U stay at PREC_S.
-(Session 7 also tried the small products on the fp64 tensor cores, operands widened exactly and one
+(The small products were also tried on the fp64 tensor cores, operands widened exactly and one
 rounding to fp32: 32 DMMA instead of ~1800 FFMA per thread, yet slower on H200, B1-N32 739 vs 620 us
 for fold with PDL in one run; not kept. Triton 3.6's fp64 mma.sync also asserts on operands with a bf16
 origin, "fp64 don't support largeK MMA", unless a run-time branch ends their elementwise history.)
@@ -78,7 +78,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # substitution, one product per depth level ("levels"). Without this guard the kernels' outputs were
 # off by 12-27% on hostile inputs (tests test_wy_correlated_keys_stay_accurate, GPU
 # test_verify_correlated_keys). The guard costs one reduction and a branch; on H200 the default
-# split config went from 530 to 594 us at B1-N32 (different runs, same session).
+# split config went from 530 to 594 us at B1-N32 (different runs on one machine).
 GROWTH_MAX = tl.constexpr(1.0)
 
 
@@ -355,7 +355,7 @@ def _wy_program(
     bad_q = _row_any(nf_q, 1)  # [BT]
 
     r_q, r_k = _row_scales(b_q, b_k, scale, USE_L2, BT)
-    # (Session 7 tried the state products after the inverse, to keep the state's load in flight
+    # (The state products after the inverse were tried, to keep the state's load in flight
     # during it: slower on H200, B1-N32 593 vs 580 us and B24-N8 3115 vs 2966, the state tile
     # staying live in registers across the inverse.)
     if SPLIT and STACK and not TRANS:
