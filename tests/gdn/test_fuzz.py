@@ -8,7 +8,8 @@ NaN/+-Inf placed in one node's input. The oracle for every example:
   non-finite input reaches are NaN (the dense forms) or, for the sequential form, what the fp64 recurrence gives.
 Most examples run the torch path (TRITON_INTERPRET unset, as on a machine without a GPU); `test_fuzz_kernels`
 runs a few through the Triton kernels under the interpreter. Examples are derandomized (fixed seeds).
-Counts: FUZZ_EXAMPLES below (635 examples; `--hypothesis-show-statistics` shows how many were rejected calls).
+`test_fuzz_device_guards` calls the commit kernels through the registered op (no host checks) with wild rows,
+lengths and nodes. Counts: FUZZ_EXAMPLES below (660 examples; `--hypothesis-show-statistics` shows how many were rejected calls).
 """
 
 import contextlib
@@ -26,7 +27,7 @@ from hypothesis import strategies as st  # noqa: E402
 import gdn  # noqa: E402
 from gdn.reference import commit_reference, conv_reference, recurrent_reference, root_path  # noqa: E402
 
-FUZZ_EXAMPLES = {"plan": 150, "verify": 200, "conv": 120, "commit": 150, "kernels": 15}  # 635 examples
+FUZZ_EXAMPLES = {"plan": 150, "verify": 200, "conv": 120, "commit": 150, "kernels": 15, "device": 25}  # 660
 MESSAGE = re.compile(r"^gdn\.[a-z_0-9]+: .+; .+", re.S)
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
 
@@ -364,3 +365,67 @@ def test_fuzz_kernels(vc, cc, mc, variant):
     run_conv(cc)
     run_commit(mc)
 
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton kernels need the interpreter or a GPU")
+@settings(max_examples=FUZZ_EXAMPLES["device"], **SETTINGS)
+@given(mc=commit_case(), rows=st.lists(st.integers(-(2**40), 2**40), min_size=2, max_size=2),
+       lens=st.lists(st.integers(-3, 12), min_size=1, max_size=3), nodes=st.lists(st.integers(-70, 70), min_size=3,
+                                                                                    max_size=3))
+def test_fuzz_device_guards(mc, rows, lens, nodes):
+    """Indices that only the kernels see (the registered ops hold no host checks): wild pool rows, accepted
+    lengths and nodes. Every request whose row or path is bad keeps its states; the others match the reference;
+    check_errors raises exactly when some request was bad."""
+    ts, B = mc["trees"], len(mc["trees"])
+    plan = gdn.build_tree_plan(ts)
+    gen = torch.Generator().manual_seed(mc["seed"])
+    T, L, D, W = plan.total_nodes, 1, 4, 3
+    k, v = torch.randn(L, T, 1, 4, generator=gen), torch.randn(L, T, 2, 4, generator=gen)
+    g, beta = -torch.rand(L, T, 2, generator=gen), torch.rand(L, T, 2, generator=gen)
+    x = torch.randn(L, T, D, generator=gen)
+    P = B + 1
+    pool, cs = torch.randn(L, P, 2, 4, 4, generator=gen), torch.randn(L, P, D, W - 1, generator=gen)
+    idx = list(range(B))
+    acc = torch.zeros(B, 4, dtype=torch.int64)
+    n = torch.zeros(B, dtype=torch.int64)
+    for r, p in enumerate(mc["paths"]):
+        acc[r, :len(p[:4])] = torch.tensor(p[:4], dtype=torch.int64)
+        n[r] = len(p[:4])
+    r = mc["which"] % B
+    kind = mc["which"] % 3
+    if kind == 0:
+        idx[r] = rows[0] if not 0 <= rows[0] < P else -1
+    elif kind == 1:
+        n[r] = lens[0]  # in or out of [0, max_len]
+    else:
+        acc[r, 0] = nodes[0]
+        n[r] = max(int(n[r]), 1)
+    good = [0 <= idx[i] < P for i in range(B)]
+    for i, ps in enumerate(ts):
+        m = int(n[i])
+        path_ok = 0 <= m <= 4 and all(0 <= int(acc[i, j]) < len(ps) for j in range(m))
+        if path_ok and m:  # the root path of its last node, whole
+            path_ok = [int(a) for a in acc[i, :m]] == root_path(ps, int(acc[i, m - 1]))
+        good[i] = good[i] and path_ok
+    p0, c0 = pool.clone(), cs.clone()
+    idx_t = torch.tensor(idx, dtype=torch.int64)
+    torch.ops.specpilot_gdn.commit(pool, k, v, g, beta, idx_t, plan.cu_seqlens, acc, n, plan.parent_local, plan.err,
+                                   True, False, cs, x, idx_t)
+    if all(good):
+        gdn.check_errors(plan)
+    else:
+        with pytest.raises(gdn.GuardError, match="gdn.commit"):
+            gdn.check_errors(plan)
+    cu = plan.cu_seqlens.tolist()
+    for i in range(B):
+        if not 0 <= idx[i] < P:
+            continue
+        if good[i]:
+            S, C = commit_reference(p0[0, idx[i]], c0[0, idx[i]], k[0], v[0], g[0], beta[0], x[0],
+                                    [cu[i] + int(a) for a in acc[i, :int(n[i])]], use_qk_l2norm=True)
+            torch.testing.assert_close(pool[0, idx[i]], S, rtol=1e-5, atol=1e-5)
+            assert torch.equal(cs[0, idx[i]], C)
+        else:
+            assert torch.equal(pool[0, idx[i]], p0[0, idx[i]]) and torch.equal(cs[0, idx[i]], c0[0, idx[i]])
+    assert torch.equal(pool[0, B:], p0[0, B:]) and torch.equal(cs[0, B:], c0[0, B:])

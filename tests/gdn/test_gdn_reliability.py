@@ -377,7 +377,7 @@ def test_nan_stays_in_its_subtree(path):
         assert torch.isnan(o[hit][:, heads]).all(), f"{field}[{node}] = {bad}: the affected outputs must be NaN"
 
 
-def test_nan_in_conv_and_commit_stays_on_its_path():
+def test_nan_in_conv_stays_on_its_path():
     plan = gdn.build_tree_plan([TREE])
     x, cs, w = torch.randn(7, 8), torch.randn(1, 8, 3), torch.randn(8, 4)
     clean = gdn.tree_conv1d(x, cs, w, plan)
