@@ -600,8 +600,8 @@ def commit(state_pool, conv_state, state_indices, tree: TreePlan, accepted, acce
     Guards: the kernels check every request's pool rows and accepted path on the device (accepted_len in
     [0, max_len], nodes inside the request, a root path); a request that fails is skipped (its states are
     not written) and flagged for gdn.check_errors(tree). `validate`: None (default) checks the path on the
-    host when accepted and accepted_len are host tensors (no sync); True always (syncs, then raises from
-    the guard word); False never (the device guards stay on).
+    host when accepted, accepted_len and the plan are host tensors (no sync); True always (syncs, then raises
+    from the guard word); False never (the device guards stay on).
     """
     fn = "commit"
     _check_plan(fn, tree)
@@ -613,7 +613,8 @@ def commit(state_pool, conv_state, state_indices, tree: TreePlan, accepted, acce
     _check_float(fn, k=k, v=v, g=g, beta=beta, x=x, conv_state=conv_state)
     if state_pool is None and conv_state is None:
         return
-    if validate or (validate is None and accepted.device.type == "cpu" and accepted_len.device.type == "cpu"):
+    on_host = all(t.device.type == "cpu" for t in (accepted, accepted_len, tree.cu_seqlens))
+    if validate or (validate is None and on_host and not torch.compiler.is_compiling()):
         validate_accepted(tree, accepted, accepted_len)
     single = (k.dim() == 3) if k is not None else (conv_state is not None and conv_state.dim() == 3)
     up = (lambda t: None if t is None else t.unsqueeze(0)) if single else (lambda t: t)
