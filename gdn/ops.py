@@ -85,7 +85,7 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
                           _state_strides(pool, vk), cfg.pdl and has_pdl(q.device), err)
                 return
             if not soft:
-                raise ValueError(f"gdn.tree_verify variant 'cuda' cannot take this call: {why}; use variant='wy'")
+                raise ValueError(f"gdn.tree_verify: variant 'cuda' cannot take this call: {why}; use variant='wy'")
             variant = "wy"
     BK = max(16, triton.next_power_of_2(K))
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
@@ -141,7 +141,7 @@ def _launch_verify(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_dep
                                         H=H, HV=HV, K=K, V=V, BK=BK, BV=cfg.BV, USE_L2=use_l2,
                                         num_warps=cfg.num_warps)
     else:
-        raise ValueError(f"unknown gdn.tree_verify variant {variant!r}; choose one of {VARIANTS}")
+        raise ValueError(f"gdn.tree_verify: unknown variant {variant!r}; choose one of {VARIANTS}")
 
 
 def _launch_conv(x, weight, bias, out, cstate, cidx, node_req, parent, depth, err, silu):

@@ -426,7 +426,7 @@ q, k, v = torch.randn(T, H, K), torch.randn(T, H, K), torch.randn(T, HV, V)
 g, beta, pool = -torch.rand(T, HV), torch.rand(T, HV), torch.randn(2, HV, K, V)
 for vr in (None, "wy", "recurrent", "reference"):
     assert torch.isfinite(gdn.tree_verify(q, k, v, g, beta, pool, [1], plan, variant=vr)).all()
-x, cs, w = torch.randn(T, 4), torch.randn(1, 4, 2), torch.randn(4, 3)
+x, cs, w = torch.randn(T, 4), torch.randn(2, 4, 2), torch.randn(4, 3)
 assert torch.isfinite(gdn.tree_conv1d(x, cs, w, plan)).all()
 gdn.commit(pool, cs, torch.tensor([1]), plan, torch.tensor([[0, 2]]), torch.tensor([2]), k, v, g, beta, x)
 print("ok")
