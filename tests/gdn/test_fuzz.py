@@ -8,8 +8,8 @@ NaN/+-Inf placed in one node's input. The oracle for every example:
   non-finite input reaches are NaN (the dense forms) or, for the sequential form, what the fp64 recurrence gives.
 Most examples run the torch path (TRITON_INTERPRET unset, as on a machine without a GPU); `test_fuzz_kernels`
 runs a few through the Triton kernels under the interpreter. Examples are derandomized (fixed seeds).
-`test_fuzz_device_guards` calls the commit kernels through the registered op (no host checks) with wild rows,
-lengths and nodes. Counts: FUZZ_EXAMPLES below (660 examples; `--hypothesis-show-statistics` shows how many were rejected calls).
+`test_fuzz_device_guards*` call the kernels through the registered ops (no host checks) with wild rows,
+lengths and nodes. Counts: FUZZ_EXAMPLES below (670 examples; `--hypothesis-show-statistics` shows how many were rejected calls).
 """
 
 import contextlib
@@ -27,7 +27,8 @@ from hypothesis import strategies as st  # noqa: E402
 import gdn  # noqa: E402
 from gdn.reference import commit_reference, conv_reference, recurrent_reference, root_path  # noqa: E402
 
-FUZZ_EXAMPLES = {"plan": 150, "verify": 200, "conv": 120, "commit": 150, "kernels": 15, "device": 25}  # 660
+FUZZ_EXAMPLES = {"plan": 150, "verify": 200, "conv": 120, "commit": 150, "kernels": 15, "device": 25,
+                 "device_verify": 10}  # 670 examples
 MESSAGE = re.compile(r"^gdn\.[a-z_0-9]+: .+; .+", re.S)
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
 
@@ -429,3 +430,48 @@ def test_fuzz_device_guards(mc, rows, lens, nodes):
         else:
             assert torch.equal(pool[0, idx[i]], p0[0, idx[i]]) and torch.equal(cs[0, idx[i]], c0[0, idx[i]])
     assert torch.equal(pool[0, B:], p0[0, B:]) and torch.equal(cs[0, B:], c0[0, B:])
+
+
+@pytest.mark.skipif(os.environ.get("TRITON_INTERPRET") != "1" and not torch.cuda.is_available(),
+                    reason="the Triton kernels need the interpreter or a GPU")
+@settings(max_examples=FUZZ_EXAMPLES["device_verify"], **SETTINGS)
+@given(ts=trees(max_b=2, max_n=4, allow_empty=False), rows=st.lists(st.integers(-(2**40), 2**40), min_size=2,
+                                                                    max_size=2),
+       variant=st.sampled_from(["wy", "recurrent"]), seed=st.integers(0, 2**16))
+def test_fuzz_device_guards_verify_conv(ts, rows, variant, seed):
+    """tree_verify's and tree_conv1d's kernels through the registered ops with wild pool rows: a request with a
+    bad row keeps its output rows, the others are as with a valid row there, and the word names the op."""
+    plan = gdn.build_tree_plan(ts)
+    B, T = len(ts), plan.total_nodes
+    gen = torch.Generator().manual_seed(seed)
+    q, k = torch.randn(T, 1, 8, generator=gen), torch.randn(T, 1, 8, generator=gen)
+    v, g, beta = torch.randn(T, 2, 8, generator=gen), -torch.rand(T, 2, generator=gen), torch.rand(T, 2, generator=gen)
+    pool = torch.randn(B, 2, 8, 8, generator=gen)
+    x, cs, w = torch.randn(T, 8, generator=gen), torch.randn(B, 8, 2, generator=gen), torch.randn(8, 3, generator=gen)
+    idx = torch.arange(B, dtype=torch.int64)
+    bad = idx.clone()
+    bad[-1] = rows[0] if not 0 <= rows[0] < B else -1 - rows[0] % 7
+    cu = plan.cu_seqlens.tolist()
+    last = slice(cu[-2], cu[-1])
+
+    def verify(ix):
+        o = torch.full_like(v, 7.0)
+        torch.ops.specpilot_gdn.tree_verify(q, k, v, g, beta, o, pool, ix, plan.cu_seqlens, plan.anc, plan.depth,
+                                            plan.max_depth, plan.node_req, plan.sync, plan.err, 8 ** -0.5, True,
+                                            False, variant, plan.max_nodes)
+        return o
+
+    def conv(ix):
+        y = torch.full_like(x, 7.0)
+        torch.ops.specpilot_gdn.tree_conv1d(x, w, None, y, cs, ix, plan.node_req, plan.parent, plan.depth, plan.err,
+                                            True)
+        return y
+
+    for op, name in ((verify, "tree_verify"), (conv, "tree_conv1d")):
+        want = op(idx)
+        gdn.check_errors(plan)
+        got = op(bad)
+        with pytest.raises(gdn.GuardError, match=f"gdn.{name}"):
+            gdn.check_errors(plan)
+        assert torch.equal(got[:cu[-2]], want[:cu[-2]])
+        assert torch.equal(got[last], torch.full_like(got[last], 7.0))

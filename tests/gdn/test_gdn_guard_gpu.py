@@ -105,7 +105,8 @@ def test_nan_stays_in_its_subtree_gpu(path):
         rest = [i for i in range(plan.total_nodes) if i not in hit]
         assert torch.equal(o[rest], clean[rest]), f"{path}: {field}[{node}] = {bad} reached a non-descendant"
         heads = [2, 3] if field in ("q", "k") else [1]
-        assert torch.isnan(o[hit][:, heads]).all()
+        # NaN from the WY forms (by selection); the sequential form may also give +-Inf (an Inf v)
+        assert (~torch.isfinite(o[hit][:, heads])).all()
 
 
 def test_conv_guard_gpu():
