@@ -16,7 +16,7 @@ from __future__ import annotations
 import torch
 
 __all__ = ["GuardError", "check_errors", "ERR_BITS", "VERIFY_STATE_INDEX", "CONV_STATE_INDEX",
-           "COMMIT_STATE_INDEX", "ACCEPTED_NODE", "ACCEPTED_PATH", "ACCEPTED_LEN", "POSITIVE_GATE"]
+           "COMMIT_STATE_INDEX", "ACCEPTED_NODE", "ACCEPTED_PATH", "ACCEPTED_LEN", "POSITIVE_GATE", "PLAN_NODES"]
 
 VERIFY_STATE_INDEX = 1
 CONV_STATE_INDEX = 2
@@ -25,6 +25,7 @@ ACCEPTED_NODE = 8
 ACCEPTED_PATH = 16
 ACCEPTED_LEN = 32
 POSITIVE_GATE = 64
+PLAN_NODES = 128
 
 ERR_BITS = {
     VERIFY_STATE_INDEX: ("gdn.tree_verify: a state index is outside [0, pool rows); that request's outputs were "
@@ -41,6 +42,8 @@ ERR_BITS = {
                    "written; accepted_len[r] counts the accepted nodes of request r"),
     POSITIVE_GATE: ("gdn.tree_verify: some gate g > 0 (g is a log-decay, <= 0; exp(g) > 1 overflows the WY "
                     "form); the outputs were computed but are not reliable; pass g = -exp(A_log) * softplus(...)"),
+    PLAN_NODES: ("gdn.tree_verify: a request has more nodes than the plan's max_nodes; its outputs were not written; "
+                 "build the plan with max_nodes >= the largest request (build_tree_plan(..., max_nodes=...))"),
 }
 
 

@@ -94,6 +94,13 @@ def _check_host(parents: Sequence[Sequence[int]]) -> None:
                 )
 
 
+def _check_max_nodes(max_nodes, lists) -> None:
+    big = max([len(x) for x in lists] + [0])
+    if max_nodes < big:
+        raise ValueError(f"gdn.build_tree_plan: max_nodes={max_nodes} but a request has {big} nodes; pass "
+                         f"max_nodes >= {big} (or leave it None)")
+
+
 def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | None = None,
                     validate: bool = True) -> TreePlan:
     """Plan for a batch of trees.
@@ -125,6 +132,7 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
                 _check_host(lists)
             if max_nodes is None:
                 max_nodes = max([len(x) for x in lists] + [1])
+            _check_max_nodes(max_nodes, lists)
         batch, total = cu.numel() - 1, p.numel()
     else:
         lists = [[_as_int(r, i, x) for i, x in enumerate(ps)] for r, ps in enumerate(parents)]
@@ -141,6 +149,7 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
         batch, total = len(lists), len(flat)
         if max_nodes is None:
             max_nodes = max(lens + [1])
+        _check_max_nodes(max_nodes, lists)
     if max_nodes > MAX_NODES:
         raise ValueError(f"gdn.build_tree_plan: max_nodes={max_nodes} > {MAX_NODES}; at most {MAX_NODES} nodes per "
                          "request: prune the tree or split the request")

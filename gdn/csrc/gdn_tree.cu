@@ -226,7 +226,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     long long s_sv, int* __restrict__ err, long long* __restrict__ trace) {
   extern __shared__ __align__(16) unsigned char smem[];
   // Guards (gdn/guard.py): a state index outside [0, pool_rows) skips the CTA (outputs not written) and ORs 1
-  // into err; a gate g > 0 ORs 64. Non-finite entries of q, k, v, g, beta become 0 before any product (0 x NaN
+  // into err, more nodes than NT ORs 128 (skipped too); a gate g > 0 ORs 64. Non-finite entries of q, k, v, g, beta become 0 before any product (0 x NaN
   // would carry them to every node through the dense products); the nodes they reach get NaN outputs:
   // sBad[0] bit i: q row i held one (that node alone), sBad[1] bit i: k, v, g or beta of node i (its subtree).
   __shared__ unsigned sBad[2];
@@ -300,11 +300,11 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   GDN_STAMP(2, clock64());
 
   if (GDN_SKIP & 1) return;
-  const int bos = cu[b], n = cu[b + 1] - bos;  // n <= NT: the launcher sizes NT from the plan
+  const int bos = cu[b], n = cu[b + 1] - bos;  // the launcher sizes NT from the plan's max_nodes (n > NT: skipped)
   if (n <= 0) return;
   const long long si = ld_index(state_idx, b);
-  if (si < 0 || si >= pool_rows) {
-    if (tid == 0 && vb == 0 && hv == 0) atomicOr(err, 1);
+  if (si < 0 || si >= pool_rows || n > NT) {  // n > NT: a plan built with too small a max_nodes
+    if (tid == 0 && vb == 0 && hv == 0) atomicOr(err, (si < 0 || si >= pool_rows ? 1 : 0) | (n > NT ? 128 : 0));
     return;
   }
 

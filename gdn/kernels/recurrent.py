@@ -5,7 +5,8 @@ first, since parents precede children) from the committed state. Each node reads
 root path, so a NaN/Inf in one node's inputs reaches its descendants and no other node.
 
 Guards (gdn/guard.py): a state index outside [0, pool_rows) skips the node (its output row is not
-written) and ORs VERIFY_STATE_INDEX (1) into err; a gate g > 0 ORs POSITIVE_GATE (64).
+written) and ORs VERIFY_STATE_INDEX (1) into err; a local index >= 64 (a plan built unvalidated) ORs
+PLAN_NODES (128) and is skipped too; a gate g > 0 ORs POSITIVE_GATE (64).
 """
 
 import triton
@@ -32,11 +33,12 @@ def gdn_tree_recurrent_kernel(
     o_v = i_v * BV + tl.arange(0, BV)
     m_v = o_v < V
     idx = tl.load(state_idx + i_r).to(tl.int64)
-    ok = (idx >= 0) & (idx < pool_rows)
-    tl.atomic_or(err, 1, mask=(~ok) & (i_v == 0))
-    b_S = tl.load(pool + tl.where(ok, idx, 0) * s_pn + i_hv * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv,
+    ok_idx = (idx >= 0) & (idx < pool_rows)
+    ok = ok_idx & (loc < 64)  # one int64 ancestor bitmask per node: a deeper local index is a bad plan
+    tl.atomic_or(err, tl.where(ok_idx, 0, 1) | tl.where(loc < 64, 0, 128), mask=(~ok) & (i_v == 0))
+    b_S = tl.load(pool + tl.where(ok_idx, idx, 0) * s_pn + i_hv * s_ph + o_k[:, None] * s_pk + o_v[None, :] * s_pv,
                   mask=m_k[:, None] & m_v[None, :] & ok, other=0.)  # [BK, BV]
-    for j in range(0, loc + 1):
+    for j in range(0, tl.where(ok, loc + 1, 0)):
         if ((my_anc >> j) & 1) != 0:
             tok = bos + j
             b_k = tl.load(k + tok * s_kt + i_h * s_kh + o_k, mask=m_k, other=0.).to(tl.float32)  # [BK]

@@ -55,8 +55,8 @@ wgmma warpgroup tile) however few nodes the tree has; likewise (Q S0)^T, U^T = r
 O^T = (eG q S0)^T + U^T (q k^T d)^T. TRANS=False keeps M = BT (mma.sync unless BT >= 64).
 
 Guards and NaN containment (gdn/guard.py). A state index outside [0, pool_rows) skips the program's
-stores (the request's outputs are not written) and ORs VERIFY_STATE_INDEX (1) into err; a gate g > 0
-ORs POSITIVE_GATE (64). The dense products multiply every node's row by every other's, and 0 x NaN is
+stores (the request's outputs are not written) and ORs VERIFY_STATE_INDEX (1) into err, a request with
+more nodes than the node tile ORs PLAN_NODES (128) and is skipped too; a gate g > 0 ORs POSITIVE_GATE (64). The dense products multiply every node's row by every other's, and 0 x NaN is
 NaN, so a non-finite input would reach nodes outside its subtree. So non-finite entries of q, k, v, g,
 beta (and of the derived rows of A and rhs) are replaced by 0 by selection before any product, which
 keeps every other node's result bitwise as without them (their rows meet that node's only through exact
@@ -327,9 +327,10 @@ def _wy_program(
     b_q, nf_q = _finite(tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.))  # [BT, BK]
     b_k, nf_k = _finite(tl.load(k + rows[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.))  # [BT, BK]
     idx = tl.load(state_idx + i_r).to(tl.int64)
-    ok = (idx >= 0) & (idx < pool_rows)
-    tl.atomic_or(err, 1, mask=(~ok) & (i_v == 0))
-    p_S = pool + tl.where(ok, idx, 0) * s_pn + i_hv * s_ph
+    ok_idx = (idx >= 0) & (idx < pool_rows)
+    ok = ok_idx & (n <= BT)  # more nodes than the tile (a plan built with too small a max_nodes): skipped
+    tl.atomic_or(err, tl.where(ok_idx, 0, 1) | tl.where(n <= BT, 0, 128), mask=(~ok) & (i_v == 0))
+    p_S = pool + tl.where(ok_idx, idx, 0) * s_pn + i_hv * s_ph
     if TRANS:
         b_S = tl.load(p_S + o_v[:, None] * s_pv + o_k[None, :] * s_pk,
                       mask=m_v[:, None] & m_k[None, :] & ok, other=0.)  # [BV, BK] fp32 (S0^T)

@@ -168,3 +168,20 @@ def test_commit_guard_gpu(case):
     assert torch.equal(got_p[:, 1], pool[:, 1]) and torch.equal(got_c[:, 1], cs[:, 1])
     assert case == "index" or case == "huge-index" or torch.equal(got_c[:, 0], cs[:, 0])
     assert case == "conv-index" or torch.equal(got_p[:, 0], pool[:, 0])
+
+
+@pytest.mark.parametrize("path", ["cuda", "wy"])
+def test_plan_nodes_guard_gpu(path):
+    """A plan built on the device without a host look, max_nodes below a request's size: that request is skipped
+    (node tile 16 < 18 nodes), the other is right."""
+    par = torch.tensor(list(range(-1, 17)) + [-1, 0], dtype=torch.int32, device="cuda")
+    plan = gdn.build_tree_plan(par, torch.tensor([0, 18, 20], device="cuda"), validate=False, max_nodes=4)
+    small = gdn.build_tree_plan([[-1, 0]], device="cuda")
+    q, k, v, g, beta, pool = _inputs(plan)
+    out = torch.full_like(v, 7.0)
+    _verify(path, plan, q, k, v, g, beta, pool, torch.tensor([0, 1], device="cuda"), out=out)
+    with pytest.raises(gdn.GuardError, match="more nodes than the plan's max_nodes"):
+        gdn.check_errors(plan)
+    assert torch.equal(out[:18], torch.full_like(out[:18], 7.0))
+    want = _verify(path, small, q[18:], k[18:], v[18:], g[18:], beta[18:], pool, torch.tensor([1], device="cuda"))
+    assert torch.equal(out[18:], want)

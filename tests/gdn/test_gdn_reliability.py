@@ -480,3 +480,17 @@ def test_cuda_emulator_keeps_nan_in_its_subtree():
         assert torch.equal(o[rest], clean[rest]), f"{field}[{node}] = {bad}: a non-descendant changed"
         heads = [h for h in range(HVd) if (h // (HVd // q.shape[1]) == 1 if field in ("q", "k") else h == 1)]
         assert torch.isnan(o[hit][:, heads]).all()
+
+
+def test_plan_max_nodes_too_small():
+    """The host rejects max_nodes below the largest request; where the plan is built without a host look (a tensor,
+    validate=False), the WY kernel skips the request whose nodes exceed its tile and flags PLAN_NODES."""
+    with pytest.raises(ValueError, match=r"gdn\.build_tree_plan: max_nodes=4 but a request has 6 nodes"):
+        gdn.build_tree_plan([[-1, 0, 1, 2, 3, 4]], max_nodes=4)
+    par = torch.tensor([-1, 0, 1, 2, 3, 4, 5, 6, 7, 8, 9, 10, 11, 12, 13, 14, 15, 16, -1], dtype=torch.int32)
+    plan = gdn.build_tree_plan(par, torch.tensor([0, 18, 19]), validate=False, max_nodes=4)  # tile 16 < 18 nodes
+    q, k, v, g, beta, pool = make_inputs(19)
+    out = torch.full_like(v, 7.0)
+    with pytest.raises(gdn.GuardError, match="more nodes than the plan's max_nodes"):
+        gdn.tree_verify(q, k, v, g, beta, pool, [0, 1], plan, variant="wy", out=out)
+    assert torch.equal(out[:18], torch.full_like(out[:18], 7.0)) and torch.isfinite(out[18]).all()
