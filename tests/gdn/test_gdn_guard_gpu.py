@@ -184,4 +184,4 @@ def test_plan_nodes_guard_gpu(path):
         gdn.check_errors(plan)
     assert torch.equal(out[:18], torch.full_like(out[:18], 7.0))
     want = _verify(path, small, q[18:], k[18:], v[18:], g[18:], beta[18:], pool, torch.tensor([1], device="cuda"))
-    assert torch.equal(out[18:], want)
+    torch.testing.assert_close(out[18:], want)  # (the two plans may pick different configs: bf16 tolerance)
