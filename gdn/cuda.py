@@ -129,10 +129,11 @@ def _trace_ptr(cfg: CudaConfig, ctas: int, dev) -> int:
 
 
 def run(cfg: CudaConfig, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale: float, use_l2: bool, vk: bool,
-        max_nodes: int, strides: tuple[int, int, int, int], pdl: bool) -> None:
+        max_nodes: int, strides: tuple[int, int, int, int], pdl: bool, err: torch.Tensor) -> None:
     """o = tree_verify(...) on torch's current stream; inputs already checked by `unsupported`.
     `strides`: the pool's (slot, head, k, v) element strides. A config with `trace` writes 10 stamps per CTA
-    into `TRACE.pool` (perf/gdn_cuda_trace.py)."""
+    into `TRACE.pool` (perf/gdn_cuda_trace.py). `err`: the plan's int32 error word (gdn/guard.py): a request whose
+    state index is outside the pool is skipped and flagged there."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]
     B = cu.numel() - 1
@@ -146,11 +147,11 @@ def run(cfg: CudaConfig, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale: f
               state_idx.data_ptr(), cu.data_ptr(), anc.data_ptr(), scale, HV // H, T, pool.shape[0],
               q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0), g.stride(1),
               beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), *strides,
-              _trace_ptr(cfg, (V // cfg.BV) * HV * B, dev))
+              err.data_ptr(), _trace_ptr(cfg, (V // cfg.BV) * HV * B, dev))
     stream = torch.cuda.current_stream(dev).cuda_stream
     kernel.launch((V // cfg.BV, HV, B), 32 * (cfg.BV // 8 + 1), smem, stream, values, _TYPES, pdl=pdl)
 
 
 _P, _L, _I, _F = jit.PTR, jit.I64, jit.I32, jit.F32
-# q k v g beta o pool state_idx cu anc, scale, HV / H, T, pool rows, 12 strides, 4 pool strides, trace
-_TYPES = (_P,) * 10 + (_F, _I, _I, _I) + (_L,) * 16 + (_P,)
+# q k v g beta o pool state_idx cu anc, scale, HV / H, T, pool rows, 12 strides, 4 pool strides, err, trace
+_TYPES = (_P,) * 10 + (_F, _I, _I, _I) + (_L,) * 16 + (_P, _P)

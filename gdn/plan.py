@@ -11,7 +11,11 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import Sequence
 
+import operator
+
 import torch
+
+from .guard import new_error_word
 
 __all__ = ["TreePlan", "build_tree_plan", "MAX_NODES", "SYNC_HEADS"]
 
@@ -41,6 +45,13 @@ class TreePlan:
     batch: int
     total_nodes: int
     max_nodes: int  # static bound on nodes per request (sets tile sizes), <= 64
+    # int32 [1] error word of the kernels' index guards (gdn/guard.py): bits OR-ed on the device when a
+    # request is skipped; gdn.check_errors(plan) reads, clears and raises
+    err: torch.Tensor | None = None
+
+    def __post_init__(self):
+        if self.err is None:
+            object.__setattr__(self, "err", new_error_word(self.cu_seqlens.device))
 
     @property
     def device(self) -> torch.device:
@@ -51,25 +62,43 @@ class TreePlan:
         return build_tree_plan(parents, cu_seqlens, device, **kw)
 
 
+def _as_int(r: int, i: int, p) -> int:
+    # parents are indices: 0.7 must not become 0 silently
+    if isinstance(p, torch.Tensor) and p.numel() == 1 and not p.dtype.is_floating_point:
+        return int(p)
+    try:
+        return operator.index(p)
+    except TypeError:
+        raise TypeError(f"gdn.build_tree_plan: request {r} node {i}: parent {p!r} is not an integer; "
+                        "pass integer local parent indices (-1 for a root)") from None
+
+
 def _check_host(parents: Sequence[Sequence[int]]) -> None:
     for r, ps in enumerate(parents):
         if len(ps) > MAX_NODES:
             raise ValueError(
-                f"request {r} has {len(ps)} nodes; at most {MAX_NODES} per request are supported "
+                f"gdn.build_tree_plan: request {r} has {len(ps)} nodes; at most {MAX_NODES} per request are supported "
                 "(one int64 ancestor bitmask per node): prune the tree or split the request"
             )
         for i, p in enumerate(ps):
             p = int(p)
             if p < -1 or p >= len(ps):
                 raise ValueError(
-                    f"request {r} node {i}: parent {p} points outside the request (valid: -1 for a child "
-                    f"of the committed state, or a local index in [0, {len(ps)}))"
+                    f"gdn.build_tree_plan: request {r} node {i}: parent {p} points outside the request; pass -1 for "
+                    f"a child of the committed state, or a local index in [0, {len(ps)})"
                 )
             if p >= i:
                 raise ValueError(
-                    f"request {r} node {i}: parent {p} >= {i}; nodes must be topologically ordered "
+                    f"gdn.build_tree_plan: request {r} node {i}: parent {p} >= {i}; nodes must be topologically ordered "
                     "(parent before child): sort the tree breadth- or depth-first and remap the indices"
                 )
+
+
+def _check_max_nodes(max_nodes, lists) -> None:
+    big = max([len(x) for x in lists] + [0])
+    if max_nodes < big:
+        raise ValueError(f"gdn.build_tree_plan: max_nodes={max_nodes} but a request has {big} nodes; pass "
+                         f"max_nodes >= {big} (or leave it None)")
 
 
 def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | None = None,
@@ -82,25 +111,31 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
     """
     if isinstance(parents, torch.Tensor):
         if cu_seqlens is None:
-            raise ValueError("a flat parents tensor needs cu_seqlens [B+1] (request offsets); "
+            raise ValueError("gdn.build_tree_plan: a flat parents tensor needs cu_seqlens [B+1] (request offsets); "
                              "or pass a list of per-request parent lists")
         dev = torch.device(device) if device is not None else parents.device
+        if parents.dtype.is_floating_point or parents.dtype.is_complex or parents.dtype == torch.bool:
+            raise TypeError(f"gdn.build_tree_plan: parents must be an integer tensor, got {parents.dtype}; "
+                            "pass integer local parent indices (-1 for a root)")
         p = parents.to(dev, torch.int32)
         cu = torch.as_tensor(cu_seqlens).to(dev, torch.int32)
         if p.dim() != 1 or cu.dim() != 1:
-            raise ValueError(f"parents must be 1-D [T] and cu_seqlens 1-D [B+1], got {tuple(p.shape)}, {tuple(cu.shape)}")
+            raise ValueError(f"gdn.build_tree_plan: parents must be 1-D [T] and cu_seqlens 1-D [B+1], got "
+                             f"{tuple(p.shape)}, {tuple(cu.shape)}; flatten the packed parents")
         if validate or max_nodes is None:
             cu_h, p_h = cu.cpu().tolist(), p.cpu().tolist()  # plan step: host sync allowed
             if cu_h[0] != 0 or cu_h[-1] != len(p_h) or any(b < a for a, b in zip(cu_h, cu_h[1:])):
-                raise ValueError(f"cu_seqlens must rise from 0 to T={len(p_h)}, got {cu_h}")
+                raise ValueError(f"gdn.build_tree_plan: cu_seqlens must rise from 0 to T={len(p_h)}, got {cu_h}; "
+                                 "pass request offsets [0, n0, n0 + n1, ...]")
             lists = [p_h[a:b] for a, b in zip(cu_h, cu_h[1:])]
             if validate:
                 _check_host(lists)
             if max_nodes is None:
                 max_nodes = max([len(x) for x in lists] + [1])
+            _check_max_nodes(max_nodes, lists)
         batch, total = cu.numel() - 1, p.numel()
     else:
-        lists = [[int(x) for x in ps] for ps in parents]
+        lists = [[_as_int(r, i, x) for i, x in enumerate(ps)] for r, ps in enumerate(parents)]
         if validate:
             _check_host(lists)
         dev = torch.device(device) if device is not None else torch.device("cpu")
@@ -114,12 +149,15 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
         batch, total = len(lists), len(flat)
         if max_nodes is None:
             max_nodes = max(lens + [1])
+        _check_max_nodes(max_nodes, lists)
     if max_nodes > MAX_NODES:
-        raise ValueError(f"max_nodes={max_nodes} > {MAX_NODES}: at most {MAX_NODES} nodes per request")
+        raise ValueError(f"gdn.build_tree_plan: max_nodes={max_nodes} > {MAX_NODES}; at most {MAX_NODES} nodes per "
+                         "request: prune the tree or split the request")
     anc, depth, gpar, req, max_depth = _derive(p, cu, batch)
     sync = torch.zeros(batch, SYNC_HEADS, dtype=torch.int32, device=dev)
     return TreePlan(cu_seqlens=cu, parent=gpar, parent_local=p, anc=anc, depth=depth, node_req=req,
-                    max_depth=max_depth, sync=sync, batch=batch, total_nodes=total, max_nodes=int(max_nodes))
+                    max_depth=max_depth, sync=sync, batch=batch, total_nodes=total, max_nodes=int(max_nodes),
+                    err=new_error_word(dev))
 
 
 def _derive(p: torch.Tensor, cu: torch.Tensor, batch: int):

@@ -4,6 +4,11 @@ Recurrence per value head (fla conventions), state S [K, V]:
     S_t = exp(g_t) (I - beta_t k_t k_t^T) S_{t-1} + beta_t k_t v_t^T,   o_t = S_t^T (scale q_t)
 Value head h reads key head h // (HV // H). A tree node's state is the sequential state after
 its root path (ancestors root first, then itself).
+
+Non-finite inputs: the sequential forms see only a node's root path, so a NaN/Inf reaches its
+descendants and no other node. The dense WY form (`chunk_reference`) would spread it through 0 x NaN
+in its products; it replaces non-finite entries by 0 before the products (selection) and sets the
+outputs of the affected subtree to NaN, as the kernels do.
 """
 
 from __future__ import annotations
@@ -84,16 +89,26 @@ def chunk_reference(q, k, v, g, beta, initial_state, scale=None, parents=None, u
     M = M.to(q.device)
     strict = M & ~torch.eye(T, dtype=torch.bool, device=q.device)
     q, k, v, g, beta = (x.transpose(0, 1) for x in (q, k, v, g, beta))  # head-major
-    G = (M.to(dtype)[None] * g[:, None, :]).sum(-1)  # [HV, T]
-    dG = torch.where(M, G[:, :, None] - G[:, None, :], torch.zeros((), dtype=dtype, device=q.device))
-    decay = torch.where(M, torch.exp(dG), torch.zeros((), dtype=dtype, device=q.device))  # masked before exp
-    A = torch.where(strict, beta[:, :, None] * (k @ k.transpose(1, 2)) * decay, torch.zeros((), dtype=dtype,
-                                                                                            device=q.device))
+    zero = torch.zeros((), dtype=dtype, device=q.device)
+    # non-finite entries: 0 before the products, and which rows held them (state inputs / the query)
+    bad_q = ~torch.isfinite(q).all(-1)  # [HV, T]
+    bad_s = ~(torch.isfinite(k).all(-1) & torch.isfinite(v).all(-1) & torch.isfinite(g) & torch.isfinite(beta))
+    q, k, v, g, beta = (torch.where(torch.isfinite(x), x, zero) for x in (q, k, v, g, beta))
+    G = torch.where(M[None], g[:, None, :], zero).sum(-1)  # [HV, T]
+    dG = torch.where(M, G[:, :, None] - G[:, None, :], zero)
+    decay = torch.where(M, torch.exp(dG), zero)  # masked before exp
+    A = torch.where(strict, beta[:, :, None] * (k @ k.transpose(1, 2)) * decay, zero)
     eG = torch.exp(G)
     rhs = beta[..., None] * (v - eG[..., None] * (k @ S0))
+    bad_s = bad_s | ~torch.isfinite(A).all(-1) | ~torch.isfinite(rhs).all(-1)
+    A, rhs = torch.where(torch.isfinite(A), A, zero), torch.where(torch.isfinite(rhs), rhs, zero)
     eye = torch.eye(T, dtype=dtype, device=q.device)
     U = torch.linalg.solve_triangular(eye + A, rhs, upper=False, unitriangular=True)
-    o = eG[..., None] * (q @ S0) + ((q @ k.transpose(1, 2)) * decay) @ U
+    U = torch.where(torch.isfinite(U), U, zero)
+    o = eG[..., None] * (q @ S0) + torch.where(M, q @ k.transpose(1, 2) * decay, zero) @ U
+    # a node whose own q, or whose own or an ancestor's state inputs, held a non-finite entry
+    poison = bad_q | (M[None] & bad_s[:, None, :]).any(-1)  # [HV, T]
+    o = torch.where(poison[..., None], torch.full((), float("nan"), dtype=dtype, device=q.device), o)
     return o.transpose(0, 1)
 
 
@@ -103,7 +118,11 @@ def tree_reference(q, k, v, g, beta, state_pool, state_indices, parents_list, sc
     out, t0 = [], 0
     for r, ps in enumerate(parents_list):
         n = len(ps)
-        S0 = state_pool[int(state_indices[r])]
+        si = int(state_indices[r])
+        if not 0 <= si < state_pool.shape[0]:
+            raise ValueError(f"gdn.tree_reference: state_indices[{r}] = {si} is outside the pool's rows "
+                             f"[0, {state_pool.shape[0]}); pass a valid pool row for every request")
+        S0 = state_pool[si]
         if state_layout == "vk":
             S0 = S0.transpose(-1, -2)
         sl = slice(t0, t0 + n)
@@ -123,6 +142,9 @@ def conv_reference(x, conv_state, weight, parents_list, bias=None, activation="s
     out, t0 = [], 0
     for r, ps in enumerate(parents_list):
         si = r if conv_state_indices is None else int(conv_state_indices[r])
+        if not 0 <= si < conv_state.shape[0]:
+            raise ValueError(f"gdn.conv_reference: conv state index {si} of request {r} is outside the conv state's "
+                             f"rows [0, {conv_state.shape[0]}); pass a valid row for every request")
         hist = conv_state[si].to(dtype)  # [D, W-1]
         for i in range(len(ps)):
             path = [t0 + j for j in root_path(ps, i)]

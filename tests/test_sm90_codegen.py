@@ -61,7 +61,7 @@ def _gdn_b1_ptx() -> str:
     cfg = configs.wy_config(32, 128, 128, torch.device("cpu"), batch=1, HV=48)
     types = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*fp32", o="*bf16", pool="*fp32",
                  state_idx="*i32", cu="*i32", anc="*i64", depth="*i32", max_depth="*i32", nbuf="*fp32",
-                 scale="fp32")
+                 err="*i32", scale="fp32", pool_rows="i32")
     ce = dict(H=16, HV=48, K=128, V=128, BT=32, BK=128, USE_L2=True, SPLIT=True, PDL=cfg.pdl,
               **configs.wy_constexprs(cfg))
     return repr(cfg) + "\n" + _ptx(gdn_tree_wy_kernel, types, ce, cfg.num_warps, cfg.num_stages)

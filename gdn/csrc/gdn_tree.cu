@@ -229,8 +229,14 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     const long long* __restrict__ anc, float scale, int hv_per_h, int total_nodes, int pool_rows, long long s_qt,
     long long s_qh, long long s_kt, long long s_kh, long long s_vt, long long s_vh, long long s_gt, long long s_gh,
     long long s_bt, long long s_bh, long long s_ot, long long s_oh, long long s_sp, long long s_sh, long long s_sk,
-    long long s_sv, long long* __restrict__ trace) {
+    long long s_sv, int* __restrict__ err, long long* __restrict__ trace) {
   extern __shared__ __align__(16) unsigned char smem[];
+  // Guards (gdn/guard.py): a state index outside [0, pool_rows) skips the CTA (outputs not written) and ORs 1
+  // into err, more nodes than NT ORs 128 (skipped too); a gate g > 0 ORs 64. Non-finite entries of q, k, v, g,
+  // beta become 0 before any product (0 x NaN would carry them to every node through the dense products); the
+  // nodes they reach get NaN outputs:
+  // sBad[0] bit i: q row i held one (that node alone), sBad[1] bit i: k, v, g or beta of node i (its subtree).
+  __shared__ unsigned sBad[2];
   __nv_bfloat16* sQK = reinterpret_cast<__nv_bfloat16*>(smem + OFF_QK);  // [2NT, QK_LD]: q rows, then k rows
   float* sS = reinterpret_cast<float*>(smem + OFF_S);                     // [K, S_LD] or [BV, S_LD] (VK)
   float* sGram = reinterpret_cast<float*>(smem + OFF_GRAM);               // [2NT, G_LD]: q.k^T, then k.k^T
@@ -301,9 +307,13 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   GDN_STAMP(2, clock64());
 
   if (GDN_SKIP & 1) return;
-  const int bos = cu[b], n = cu[b + 1] - bos;  // n <= NT: the launcher sizes NT from the plan
+  const int bos = cu[b], n = cu[b + 1] - bos;  // the launcher sizes NT from the plan's max_nodes (n > NT: skipped)
   if (n <= 0) return;
   const long long si = ld_index(state_idx, b);
+  if (si < 0 || si >= pool_rows || n > NT) {  // n > NT: a plan built with too small a max_nodes
+    if (tid == 0 && vb == 0 && hv == 0) atomicOr(err, (si < 0 || si >= pool_rows ? 1 : 0) | (n > NT ? 128 : 0));
+    return;
+  }
 
   // ---- loads (the mma threads): q, k rows [2NT, K]; the state tile; v [NT, BV] (rows past n zero-filled)
   if (tid < MMA_THR) {
@@ -344,6 +354,15 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
       bi = ld_real(beta, (bos + lane) * s_bt + hv * s_bh, GDN_BDT);
       ai = static_cast<unsigned>(anc[bos + lane]);  // NT <= 32: the low word holds every bit
     }
+    const bool gpos = gi > 0.f;
+    const unsigned bad_gb = __ballot_sync(0xffffffffu, !(isfinite(gi) && isfinite(bi)));
+    if (__any_sync(0xffffffffu, gpos) && lane == 0 && vb == 0) atomicOr(err, 64);
+    gi = isfinite(gi) ? gi : 0.f;
+    bi = isfinite(bi) ? bi : 0.f;
+    if (lane == 0) {
+      sBad[0] = 0u;
+      sBad[1] = bad_gb;
+    }
     if (lane < NT) sG[lane] = gi;
     __syncwarp();
     float G = 0.f;
@@ -358,6 +377,32 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     }
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
+  __syncthreads();
+  {
+    // non-finite bf16 (exponent all ones) -> 0 in the q, k rows [2NT, K] and v rows [NT, BV], rows noted in sBad
+    constexpr int QC = K / 8, VC = BV / 8;
+#pragma unroll 1
+    for (int t = tid; t < 2 * NT * QC + NT * VC; t += NTHR) {
+      const bool is_v = t >= 2 * NT * QC;
+      const int r = is_v ? (t - 2 * NT * QC) / VC : t / QC;
+      uint4* p = is_v ? reinterpret_cast<uint4*>(sV + r * V_LD + ((t - 2 * NT * QC) % VC) * 8)
+                      : reinterpret_cast<uint4*>(sQK + r * QK_LD + (t % QC) * 8);
+      uint4 u = *p;
+      uint32_t w[4] = {u.x, u.y, u.z, u.w};
+      unsigned bad = 0u;
+#pragma unroll
+      for (int e = 0; e < 4; ++e) {
+        const uint32_t lo = (w[e] & 0x7f80u) == 0x7f80u ? 0xffffu : 0u;
+        const uint32_t hi = (w[e] & 0x7f800000u) == 0x7f800000u ? 0xffff0000u : 0u;
+        bad |= lo | hi;
+        w[e] &= ~(lo | hi);
+      }
+      if (bad) {
+        *p = make_uint4(w[0], w[1], w[2], w[3]);
+        atomicOr(&sBad[!is_v && r < NT ? 0 : 1], 1u << (r % NT));
+      }
+    }
+  }
   __syncthreads();
   GDN_STAMP(3, clock64());
   if (GDN_SKIP & 8) return;
@@ -546,6 +591,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   // ---- O = exp(G) rq (Q S0) + N rhs; thread: rows i and i + NT/2, columns 4c..4c+3 and BV/2+4c..+3 (each rhs
   // float4 serves two rows; a quarter warp's float4 reads of a rhs row are 128 contiguous bytes: no bank conflicts)
   constexpr int CG = BV / 8, HB = BV / 2, HN = NT / 2;
+  const unsigned bad_q = sBad[0], bad_s = sBad[1];
+  const float qnan = __uint_as_float(0x7fffffffu);
   if (tid < MMA_THR) {
 #pragma unroll 1
     for (int t = tid; t < HN * CG; t += MMA_THR) {
@@ -565,6 +612,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
         b0.x = fmaf(n1, u.x, b0.x), b0.y = fmaf(n1, u.y, b0.y), b0.z = fmaf(n1, u.z, b0.z), b0.w = fmaf(n1, u.w, b0.w);
         b1.x = fmaf(n1, w.x, b1.x), b1.y = fmaf(n1, w.y, b1.y), b1.z = fmaf(n1, w.z, b1.z), b1.w = fmaf(n1, w.w, b1.w);
       }
+      if (((bad_q >> i0) & 1u) || (sAnc[i0] & bad_s)) a0 = a1 = make_float4(qnan, qnan, qnan, qnan);
+      if (((bad_q >> i1) & 1u) || (sAnc[i1] & bad_s)) b0 = b1 = make_float4(qnan, qnan, qnan, qnan);
       store_out4(o, (bos + i0) * s_ot + hv * s_oh + vb * BV + c, a0);
       store_out4(o, (bos + i0) * s_ot + hv * s_oh + vb * BV + HB + c, a1);
       if (i1 < n) {

@@ -20,7 +20,7 @@ The doubling forms ("square", "loop", "fold", "split") fall back to "levels" whe
   only to read N. The inverse runs beside the state phase instead of after it, on other SMs.
   inverse_loop (ILOOP) runs the first launch's rounds as a runtime loop (_fold_rounds with LOOP): one copy of
   the round's code, ~5K SASS instructions instead of ~10-18K executed once per program (the sm_90
-  default since session 9: B1-N32 524 vs 600 us on H200). handoff="flag" (gdn_tree_flag_kernel) puts
+  default: B1-N32 524 vs 600 us on H200). handoff="flag" (gdn_tree_flag_kernel) puts
   both halves in one grid, handing N over through flags in TreePlan.sync: opt-in, measured slower.
 "fold" does the same FMA work as "square" (its stacked products are twice as tall): on H200, with
 PDL, 48 layers, it was slower at B1-N32 (600 vs 554 us) and chain32 (652 vs 597), a little faster
@@ -35,7 +35,7 @@ SPLIT=False (fp32 inputs): every product at PREC.
 
 PREC_I is the precision of the inverse's rounds alone (PREC_S by default): "tf32x3" runs them on
 tensor cores (three tf32 products, ~fp32 accuracy) while T.rhs and (q.k).U stay at PREC_S.
-(Session 7 also tried the small products on the fp64 tensor cores, operands widened exactly and one
+(The small products were also tried on the fp64 tensor cores, operands widened exactly and one
 rounding to fp32: 32 DMMA instead of ~1800 FFMA per thread, yet slower on H200, B1-N32 739 vs 620 us
 for fold with PDL in one run; not kept. Triton 3.6's fp64 mma.sync also asserts on operands with a bf16
 origin, "fp64 don't support largeK MMA", unless a run-time branch ends their elementwise history.)
@@ -53,6 +53,15 @@ Orientation. TRANS=True computes everything transposed, [BV, BT] instead of [BT,
 (K S0)^T = S0^T K^T is [BV, K] x [K, BT], so the big products have M = BV (64 on sm_90: one
 wgmma warpgroup tile) however few nodes the tree has; likewise (Q S0)^T, U^T = rhs^T T^T and
 O^T = (eG q S0)^T + U^T (q k^T d)^T. TRANS=False keeps M = BT (mma.sync unless BT >= 64).
+
+Guards and NaN containment (gdn/guard.py). A state index outside [0, pool_rows) skips the program's
+stores (the request's outputs are not written) and ORs VERIFY_STATE_INDEX (1) into err, a request with
+more nodes than the node tile ORs PLAN_NODES (128) and is skipped too; a gate g > 0 ORs POSITIVE_GATE (64). The dense products multiply every node's row by every other's, and 0 x NaN is
+NaN, so a non-finite input would reach nodes outside its subtree. So non-finite entries of q, k, v, g,
+beta (and of the derived rows of A and rhs) are replaced by 0 by selection before any product, which
+keeps every other node's result bitwise as without them (their rows meet that node's only through exact
+zeros), and the outputs of the affected nodes are set to NaN by selection: a node whose own or an
+ancestor's k, v, g, beta, A or rhs row held one, or whose own q did. A gate of -inf is non-finite too.
 """
 
 import triton
@@ -69,7 +78,7 @@ from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 # substitution, one product per depth level ("levels"). Without this guard the kernels' outputs were
 # off by 12-27% on hostile inputs (tests test_wy_correlated_keys_stay_accurate, GPU
 # test_verify_correlated_keys). The guard costs one reduction and a branch; on H200 the default
-# split config went from 530 to 594 us at B1-N32 (different runs, same session).
+# split config went from 530 to 594 us at B1-N32 (different runs on one machine).
 GROWTH_MAX = tl.constexpr(1.0)
 
 
@@ -83,6 +92,19 @@ def _levels_T(b_A, b_dep, d_max, BT: tl.constexpr, PREC_I: tl.constexpr):
     for d in range(1, d_max + 1):
         b_T = tl.where((b_dep == d)[:, None], eye - tl.dot(b_A, b_T, input_precision=PREC_I), b_T)
     return b_T
+
+
+@triton.jit
+def _finite(x):
+    # x with its non-finite entries replaced by 0 (selection), and where they were
+    fin = tl.abs(x.to(tl.float32)) < float("inf")
+    return tl.where(fin, x, tl.zeros_like(x)), ~fin
+
+
+@triton.jit
+def _row_any(bad, AXIS: tl.constexpr):
+    # [R, C] bool -> [R] (AXIS=1) or [C] (AXIS=0): whether any entry is set
+    return tl.max(bad.to(tl.int32), AXIS) > 0
 
 
 @triton.jit
@@ -231,16 +253,17 @@ def _build_n(q, k, g, beta, nbuf, cu, anc, depth, max_depth, scale, i_r, i_hv,
     bos, n, o_t, m_t, rows = _request_rows(cu, i_r, BT)
     o_k = tl.arange(0, BK)
     m_tk = m_t[:, None] & (o_k < K)[None, :]
-    b_q = tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
-    b_k = tl.load(k + rows[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
-    b_g = tl.load(g + rows * s_gt + i_hv * s_gh, mask=m_t, other=0.).to(tl.float32)  # [BT]
-    b_b = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=m_t, other=0.).to(tl.float32)  # [BT]
+    b_q, _ = _finite(tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.))  # [BT, BK]
+    b_k, _ = _finite(tl.load(k + rows[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.))  # [BT, BK]
+    b_g, _ = _finite(tl.load(g + rows * s_gt + i_hv * s_gh, mask=m_t, other=0.).to(tl.float32))  # [BT]
+    b_b, _ = _finite(tl.load(beta + rows * s_bt + i_hv * s_bh, mask=m_t, other=0.).to(tl.float32))  # [BT]
     b_anc = tl.load(anc + rows, mask=m_t, other=0)  # [BT] int64
     d_max = tl.load(max_depth + i_r)
     b_dep = tl.load(depth + rows, mask=m_t, other=-1)  # [BT]
     r_q, r_k = _row_scales(b_q, b_k, scale, USE_L2, BT)
     if SPLIT and STACK:  # q.k^T over k.k^T in one product, M = 2BT
-        b_x = tl.dot(_load_stacked(q, k, bos, n, i_h, s_qt, s_qh, s_kt, s_kh, o_k, o_k < K, BT), tl.trans(b_k))
+        b_qk2, _ = _finite(_load_stacked(q, k, bos, n, i_h, s_qt, s_qh, s_kt, s_kh, o_k, o_k < K, BT))
+        b_x = tl.dot(b_qk2, tl.trans(b_k))
         b_qk, b_kk = _unstack(b_x, BT, BT)
     elif SPLIT:  # raw bf16 operands: exact products on tensor cores, norms applied after
         b_kk = tl.dot(b_k, tl.trans(b_k))  # [BT, BT]
@@ -250,8 +273,8 @@ def _build_n(q, k, g, beta, nbuf, cu, anc, depth, max_depth, scale, i_r, i_hv,
         b_kk = tl.dot(kf, tl.trans(kf), input_precision=PREC)
         b_qk = tl.dot(b_q.to(tl.float32), tl.trans(kf), input_precision=PREC)
     m_self, m_strict, b_G, b_decay = _path_masks(b_anc, b_g, BT)
-    b_A = tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
-    b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
+    b_A, _ = _finite(tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.))  # [BT, BT]
+    b_qkd = tl.where(m_self, b_qk * r_q[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
     if SKIP & 2:  # diagnostic (see SKIP below): no rounds
         b_N = b_qkd - b_A
     else:
@@ -284,8 +307,8 @@ def gdn_tree_split_kernel(
 
 @triton.jit
 def _wy_program(
-    q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, flags, scale, i_r, i_hv, i_v,
-    s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, s_pn, s_ph, s_pk, s_pv,
+    q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, flags, err, pool_rows, scale, i_r, i_hv,
+    i_v, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, s_pn, s_ph, s_pk, s_pv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
     BT: tl.constexpr, BK: tl.constexpr, BV: tl.constexpr,
     USE_L2: tl.constexpr, PREC: tl.constexpr, PREC_S: tl.constexpr, SPLIT: tl.constexpr, INV: tl.constexpr,
@@ -301,35 +324,44 @@ def _wy_program(
     m_v = o_v < V
 
     m_tk = m_t[:, None] & m_k[None, :]
-    b_q = tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
-    b_k = tl.load(k + rows[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.)  # [BT, BK]
+    b_q, nf_q = _finite(tl.load(q + rows[:, None] * s_qt + i_h * s_qh + o_k[None, :], mask=m_tk, other=0.))  # [BT, BK]
+    b_k, nf_k = _finite(tl.load(k + rows[:, None] * s_kt + i_h * s_kh + o_k[None, :], mask=m_tk, other=0.))  # [BT, BK]
     idx = tl.load(state_idx + i_r).to(tl.int64)
-    p_S = pool + idx * s_pn + i_hv * s_ph
+    ok_idx = (idx >= 0) & (idx < pool_rows)
+    ok = ok_idx & (n <= BT)  # more nodes than the tile (a plan built with too small a max_nodes): skipped
+    tl.atomic_or(err, tl.where(ok_idx, 0, 1) | tl.where(n <= BT, 0, 128), mask=(~ok) & (i_v == 0))
+    p_S = pool + tl.where(ok_idx, idx, 0) * s_pn + i_hv * s_ph
     if TRANS:
         b_S = tl.load(p_S + o_v[:, None] * s_pv + o_k[None, :] * s_pk,
-                      mask=m_v[:, None] & m_k[None, :], other=0.)  # [BV, BK] fp32 (S0^T)
+                      mask=m_v[:, None] & m_k[None, :] & ok, other=0.)  # [BV, BK] fp32 (S0^T)
     else:
         b_S = tl.load(p_S + o_k[:, None] * s_pk + o_v[None, :] * s_pv,
-                      mask=m_k[:, None] & m_v[None, :], other=0.)  # [BK, BV] fp32
-    b_g = tl.load(g + rows * s_gt + i_hv * s_gh, mask=m_t, other=0.).to(tl.float32)  # [BT]
-    b_b = tl.load(beta + rows * s_bt + i_hv * s_bh, mask=m_t, other=0.).to(tl.float32)  # [BT]
+                      mask=m_k[:, None] & m_v[None, :] & ok, other=0.)  # [BK, BV] fp32
+    b_g, nf_g = _finite(tl.load(g + rows * s_gt + i_hv * s_gh, mask=m_t, other=0.).to(tl.float32))  # [BT]
+    b_b, nf_b = _finite(tl.load(beta + rows * s_bt + i_hv * s_bh, mask=m_t, other=0.).to(tl.float32))  # [BT]
+    tl.atomic_or(err, 64, mask=(tl.max(b_g) > 0) & (i_v == 0))
     b_anc = tl.load(anc + rows, mask=m_t, other=0)  # [BT] int64
     d_max = tl.load(max_depth + i_r)
     b_dep = tl.load(depth + rows, mask=m_t, other=-1)  # [BT]
     if TRANS:
-        b_v = tl.load(v + rows[None, :] * s_vt + i_hv * s_vh + o_v[:, None], mask=m_v[:, None] & m_t[None, :],
-                      other=0.).to(tl.float32)  # [BV, BT]
+        b_v, nf_v = _finite(tl.load(v + rows[None, :] * s_vt + i_hv * s_vh + o_v[:, None],
+                                    mask=m_v[:, None] & m_t[None, :], other=0.).to(tl.float32))  # [BV, BT]
+        bad_v = _row_any(nf_v, 0)
     else:
-        b_v = tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + o_v[None, :], mask=m_t[:, None] & m_v[None, :],
-                      other=0.).to(tl.float32)  # [BT, BV]
+        b_v, nf_v = _finite(tl.load(v + rows[:, None] * s_vt + i_hv * s_vh + o_v[None, :],
+                                    mask=m_t[:, None] & m_v[None, :], other=0.).to(tl.float32))  # [BT, BV]
+        bad_v = _row_any(nf_v, 1)
+    # rows whose own inputs held a non-finite entry: through the state (k, v, g, beta) or the query alone
+    bad_s = _row_any(nf_k, 1) | bad_v | nf_g | nf_b  # [BT]
+    bad_q = _row_any(nf_q, 1)  # [BT]
 
     r_q, r_k = _row_scales(b_q, b_k, scale, USE_L2, BT)
-    # (Session 7 tried the state products after the inverse, to keep the state's load in flight
+    # (The state products after the inverse were tried, to keep the state's load in flight
     # during it: slower on H200, B1-N32 593 vs 580 us and B24-N8 3115 vs 2966, the state tile
     # staying live in registers across the inverse.)
     if SPLIT and STACK and not TRANS:
         # q rows over k rows, [2BT, BK]: one set of products with M = 2BT (64 at 32 nodes)
-        b_qk2 = _load_stacked(q, k, bos, n, i_h, s_qt, s_qh, s_kt, s_kh, o_k, m_k, BT)  # [2BT, BK]
+        b_qk2, _ = _finite(_load_stacked(q, k, bos, n, i_h, s_qt, s_qh, s_kt, s_kh, o_k, m_k, BT))  # [2BT, BK]
         s_hi, s_mid, s_lo = _split3(b_S)
         b_x = tl.dot(b_qk2, tl.trans(b_k))  # [2BT, BT]: q.k^T over k.k^T
         b_qk, b_kk = _unstack(b_x, BT, BT)
@@ -365,12 +397,13 @@ def _wy_program(
         b_qS = tl.zeros_like(b_v)
 
     m_self, m_strict, b_G, b_decay = _path_masks(b_anc, b_g, BT)
-    b_A = tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
+    b_A, nf_A = _finite(tl.where(m_strict, b_kk * (b_b * r_k)[:, None] * r_k[None, :] * b_decay, 0.))  # [BT, BT]
+    bad_s = bad_s | _row_any(nf_A, 1)
 
     # q.k^T d: before the inverse for "fold" (which starts from it), after it otherwise. One place for
     # all changes the measured kernels' code (sm_90 SASS differs; B24 config spills 808 vs 760 bytes)
     if INV == 3:
-        b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
+        b_qkd = tl.where(m_self, b_qk * r_q[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
     eye = tl.where(o_t[:, None] == o_t[None, :], 1., 0.)
     if SKIP & 2:
         b_T = eye - b_A
@@ -409,9 +442,12 @@ def _wy_program(
 
     b_eG = tl.exp(b_G)
     if INV < 3:
-        b_qkd = b_qk * r_q[:, None] * r_k[None, :] * b_decay  # [BT, BT]
+        b_qkd = tl.where(m_self, b_qk * r_q[:, None] * r_k[None, :] * b_decay, 0.)  # [BT, BT]
     if TRANS:
-        b_rhs = b_b[None, :] * (b_v - (b_eG * r_k)[None, :] * b_kS)  # [BV, BT]
+        b_rhs, nf_r = _finite(b_b[None, :] * (b_v - (b_eG * r_k)[None, :] * b_kS))  # [BV, BT]
+        bad_s = bad_s | _row_any(nf_r, 0)
+        # [BT]: a node whose own q, or whose own or an ancestor's state inputs, held a non-finite entry
+        poison = bad_q | _row_any(m_self & bad_s[None, :], 1)
         if SKIP & 4:
             b_o = (b_eG * r_q)[None, :] * b_qS + b_rhs
         elif INV >= 3:
@@ -419,12 +455,15 @@ def _wy_program(
                 b_N = _load_n(nbuf, flags, i_r, i_hv, HV, BT, SYNC)
             b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_rhs, tl.trans(b_N), input_precision=PREC_S)  # [BV, BT]
         else:
-            b_u = tl.dot(b_rhs, tl.trans(b_T), input_precision=PREC_S)  # [BV, BT]
+            b_u, _ = _finite(tl.dot(b_rhs, tl.trans(b_T), input_precision=PREC_S))  # [BV, BT]
             b_o = (b_eG * r_q)[None, :] * b_qS + tl.dot(b_u, tl.trans(b_qkd), input_precision=PREC_S)  # [BV, BT]
+        b_o = tl.where(poison[None, :], float("nan"), b_o)
         tl.store(o + rows[None, :] * s_ot + i_hv * s_oh + o_v[:, None], b_o.to(o.dtype.element_ty),
-                 mask=m_v[:, None] & m_t[None, :])
+                 mask=m_v[:, None] & m_t[None, :] & ok)
     else:
-        b_rhs = b_b[:, None] * (b_v - (b_eG * r_k)[:, None] * b_kS)  # [BT, BV]
+        b_rhs, nf_r = _finite(b_b[:, None] * (b_v - (b_eG * r_k)[:, None] * b_kS))  # [BT, BV]
+        bad_s = bad_s | _row_any(nf_r, 1)
+        poison = bad_q | _row_any(m_self & bad_s[None, :], 1)  # [BT]
         if SKIP & 4:
             b_o = (b_eG * r_q)[:, None] * b_qS + b_rhs
         elif INV >= 3:
@@ -432,16 +471,17 @@ def _wy_program(
                 b_N = _load_n(nbuf, flags, i_r, i_hv, HV, BT, SYNC)
             b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_N, b_rhs, input_precision=PREC_S)  # [BT, BV]
         else:
-            b_u = tl.dot(b_T, b_rhs, input_precision=PREC_S)  # [BT, BV]
+            b_u, _ = _finite(tl.dot(b_T, b_rhs, input_precision=PREC_S))  # [BT, BV]
             b_o = (b_eG * r_q)[:, None] * b_qS + tl.dot(b_qkd, b_u, input_precision=PREC_S)
+        b_o = tl.where(poison[:, None], float("nan"), b_o)
         tl.store(o + rows[:, None] * s_ot + i_hv * s_oh + o_v[None, :], b_o.to(o.dtype.element_ty),
-                 mask=m_t[:, None] & m_v[None, :])
+                 mask=m_t[:, None] & m_v[None, :] & ok)
 
 
-@triton.jit(do_not_specialize=["scale"])
+@triton.jit(do_not_specialize=["scale", "pool_rows"])
 def gdn_tree_wy_kernel(
-    q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf,
-    scale,
+    q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, err,
+    scale, pool_rows,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_pn, s_ph, s_pk, s_pv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -457,16 +497,16 @@ def gdn_tree_wy_kernel(
         # grid before it let this one start, so every input but nbuf is final; nbuf is read after
         # the wait below
         gdc_launch_dependents()
-    _wy_program(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, nbuf, scale,
+    _wy_program(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, nbuf, err, pool_rows, scale,
                 tl.program_id(0), tl.program_id(1), tl.program_id(2),
                 s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, s_pn, s_ph, s_pk, s_pv,
                 H, HV, K, V, BT, BK, BV, USE_L2, PREC, PREC_S, SPLIT, INV, TRANS, STACK, PREC_I, PDL, SKIP)
 
 
-@triton.jit(do_not_specialize=["scale", "n_prod"])
+@triton.jit(do_not_specialize=["scale", "n_prod", "pool_rows"])
 def gdn_tree_flag_kernel(
-    q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, flags,
-    scale, n_prod,
+    q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, flags, err,
+    scale, n_prod, pool_rows,
     s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh,
     s_pn, s_ph, s_pk, s_pv,
     H: tl.constexpr, HV: tl.constexpr, K: tl.constexpr, V: tl.constexpr,
@@ -503,6 +543,6 @@ def gdn_tree_flag_kernel(
         i_r = c // (HV * NV)
         i_hv = (c // NV) % HV
         i_v = c % NV
-        _wy_program(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, flags, scale, i_r, i_hv,
-                    i_v, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, s_pn, s_ph, s_pk, s_pv,
+        _wy_program(q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, nbuf, flags, err, pool_rows, scale,
+                    i_r, i_hv, i_v, s_qt, s_qh, s_kt, s_kh, s_vt, s_vh, s_gt, s_gh, s_bt, s_bh, s_ot, s_oh, s_pn, s_ph, s_pk, s_pv,
                     H, HV, K, V, BT, BK, BV, USE_L2, PREC, PREC_S, SPLIT, 4, False, STACK, PREC_I, 2, SKIP)

@@ -58,13 +58,22 @@ def solve_rows(M: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
     return N
 
 
-def emulate(q, k, v, g, beta, pool, idx, trees, scale, l2, pieces=3, solve=solve_rows):
+def emulate(q, k, v, g, beta, pool, idx, trees, scale, l2, pieces=3, solve=solve_rows, out=None, err=None):
+    """The kernel's guards too: a request whose state index is outside the pool is skipped (its rows of `out` are
+    left as they are) and bit 1 is OR-ed into `err` (an int32 [1] tensor), a gate g > 0 ORs 64; non-finite entries
+    of q, k, v, g, beta are 0 in every product and the nodes they reach (q: the node; the others: its subtree)
+    output NaN."""
     T, Hq, Kd = q.shape
     HVd, Vd = v.shape[1], v.shape[2]
-    out = torch.zeros(T, HVd, Vd)
+    out = torch.zeros(T, HVd, Vd) if out is None else out
+    err = torch.zeros(1, dtype=torch.int32) if err is None else err
     bos = 0
     for r, par in enumerate(trees):
         n = len(par)
+        if not 0 <= int(idx[r]) < pool.shape[0]:
+            err |= 1
+            bos += n
+            continue
         anc = [0] * n
         for i, p in enumerate(par):
             anc[i] = (1 << i) | (anc[p] if p >= 0 else 0)
@@ -74,6 +83,11 @@ def emulate(q, k, v, g, beta, pool, idx, trees, scale, l2, pieces=3, solve=solve
             h = hv // (HVd // Hq)
             qq, kk = q[bos:bos + n, h].float(), k[bos:bos + n, h].float()
             vv, gg, bb = v[bos:bos + n, hv].float(), g[bos:bos + n, hv].float(), beta[bos:bos + n, hv].float()
+            if (gg > 0).any():
+                err |= 64
+            bad_q = ~torch.isfinite(qq).all(1)
+            bad_s = ~(torch.isfinite(kk).all(1) & torch.isfinite(vv).all(1) & torch.isfinite(gg) & torch.isfinite(bb))
+            qq, kk, vv, gg, bb = (torch.where(torch.isfinite(t), t, torch.zeros(())) for t in (qq, kk, vv, gg, bb))
             S = pool[idx[r], hv].float()
             G = torch.stack([sum((gg[j] for j in range(n) if anc[i] >> j & 1), torch.tensor(0.0)) for i in range(n)])
             rq = scale / torch.sqrt((qq * qq).sum(1) + 1e-6) if l2 else torch.full((n,), scale)
@@ -89,7 +103,9 @@ def emulate(q, k, v, g, beta, pool, idx, trees, scale, l2, pieces=3, solve=solve
             P_k = kk @ parts[0] + sum((kk @ p for p in parts[1:]), torch.zeros(n, Vd))
             eG = torch.exp(G)
             rhs = bb[:, None] * (vv - (eG * rk)[:, None] * P_k)
-            out[bos:bos + n, hv] = (eG * rq)[:, None] * P_q + N @ rhs
+            o = (eG * rq)[:, None] * P_q + N @ rhs
+            poison = bad_q | (mask_incl & bad_s[None, :]).any(1)
+            out[bos:bos + n, hv] = torch.where(poison[:, None], torch.full((), float("nan")), o)
         bos += n
     return out
 

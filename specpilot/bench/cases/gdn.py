@@ -117,6 +117,7 @@ def _verify_case(variant, trees, d, device, group, tag):
         def check():
             run()
             _check_verify(o, q, k, v, g, beta, pool, trees, variant, (0, L - 1), f"tree_verify/{variant} {tag}")
+            gdn.check_errors(plan)  # the kernels' index guards (a sync point already)
 
         return Prepared(fns=[run], check=check, graph_safe=True)
 
@@ -187,6 +188,7 @@ def _conv_case(trees, d, device, tag):
                 r64 = conv_reference(x[li], cs[li], w[li], trees, dtype=torch.float64)
                 r32 = conv_reference(x[li], cs[li], w[li], trees)
                 assert_close(y[li], r64, r32.to(y.dtype), msg=f"tree_conv1d {tag} layer {li}")
+            gdn.check_errors(plan)
 
         return Prepared(fns=[run], check=check, graph_safe=True)
 
