@@ -14,10 +14,15 @@
 #           autotune/configs/<gpu>.json is copied to $OUT (copy it back to ship it).
 #   tests   the GDN GPU tests (tests/gdn, tests/test_sm90_codegen.py; TEST_K, TEST_SHARD, TEST_TIMEOUT 300 s,
 #           TEST_WORKERS pytest-xdist processes when its wheels travel in .whl).
+#   sanitize  the index-guard tests (tests/gdn/test_gdn_guard_gpu.py) under `compute-sanitizer --tool memcheck`,
+#           every tensor its own allocation (PYTORCH_NO_CUDA_MEMORY_CACHING=1); host API return codes are not
+#           reported (cuda.bindings probes optional driver entry points with cuGetProcAddress at import, which
+#           memcheck counts as errors); SANITIZE_TIMEOUT 200 s; its log is sanitize.log.
 #   ncu     Nsight Compute on NCU_COUNT GDN kernel launches of the benchmark, one line per kernel
 #           (perf/ncu_summary.py) in summary.txt.
 #   bench   specpilot bench --ops gdn (BENCH_SHAPES, default hybrid-27b; BENCH_TIMEOUT 240 s), and its summary.
-# Files in $OUT (<= 8): summary.txt explore.log gdn_explore.json tune_gdn.json pytest.log <stamp>-gdn.{json,md,png}
+# Files in $OUT (<= 8): summary.txt explore.log gdn_explore.json tune_gdn.json pytest.log sanitize.log
+# <stamp>-gdn.{json,md}
 cd "$(dirname "$0")/.."
 STAGES=${STAGES:-tests bench}
 . perf/gpu_env.sh
@@ -40,6 +45,12 @@ if has_stage tests; then
   TEST_TIMEOUT=${TEST_TIMEOUT:-300} run_tests "$OUT/pytest.log" tests/gdn tests/test_sm90_codegen.py
   RC[tests]=$?
 fi
+if has_stage sanitize; then
+  PYTORCH_NO_CUDA_MEMORY_CACHING=1 timeout "${SANITIZE_TIMEOUT:-200}" compute-sanitizer --tool memcheck \
+    --leak-check no --report-api-errors no --target-processes application-only --print-limit 50 --error-exitcode 86 \
+    python3 -m pytest tests/gdn/test_gdn_guard_gpu.py -q "${PYTEST_OPTS[@]}" >"$OUT/sanitize.log" 2>&1
+  RC[sanitize]=$?
+fi
 if has_stage ncu; then
   run_ncu "$SCRATCH/ncu.csv" "gdn" python3 -m specpilot bench --shapes "${BENCH_SHAPES:-hybrid-27b}" --ops gdn \
     --reps 1 --out "$SCRATCH/ncu-bench"
@@ -60,6 +71,7 @@ LATEST=$(ls -t "$OUT"/2*-gdn.json 2>/dev/null | head -n 1)
     grep -E "ABLATION|FAILED|ERROR" "$OUT/explore.log" | head -n 20
   fi
   has_stage tune && tail -n 12 "$SCRATCH/tune.log"
+  has_stage sanitize && grep -E "passed|failed|ERROR SUMMARY|Invalid" "$OUT/sanitize.log" | tail -n 5
   summary_common
 } 2>&1 | tee "$OUT/summary.txt"
 finish
