@@ -76,7 +76,7 @@ class CudaConfig:
     split_warps: bool = False
     unroll_out: int = 4  # unroll of the N.rhs loop over nodes (each CTA runs its code once: code size costs fetches)
     unroll_ks: int = 8  # unroll of the state products' k-steps (K / 16 of them)
-    trace: bool = False  # diagnostic: phase stamps per CTA into gdn.cuda.TRACE (perf/gdn_cuda_trace.py)
+    trace: bool = False  # diagnostic: phase stamps per CTA into gdn.cuda.TRACE
 
     def __post_init__(self):
         if self.BV % 8 or not 8 <= self.BV <= 64:
@@ -188,7 +188,7 @@ def wy_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV
             # BV=32, 4 warps, stack, inverse_stack, inverse_warps=8, inverse_maxnreg=128 measured 529 and
             # 580 in the same run.
             # The first launch's rounds as a runtime loop (inverse_loop: ~5K SASS instructions instead of
-            # ~10-16K run once per program). One run (perf/results/h200/20261201-s9-call3-*), against the
+            # ~10-16K run once per program). One run (perf/results/h200/20261201-gdn-wy-inverse-loop.json), against the
             # previous default: 32 nodes with inverse_stack and 8 uncapped warps, B1-N32 524 vs
             # 600 us, chain32 582 vs 684 (the 128-register cap: 559 / 630); <= 16 nodes, no stack, 4 warps,
             # chain8 281 vs 332, chain16 314 vs 362. The one-launch form (handoff="flag") was slower.
@@ -208,7 +208,7 @@ def wy_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV
 
 
 def cuda_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV: int = 1) -> CudaConfig:
-    # H200 (perf/results/h200/20261201-s10-call2-explore.log, one run): BV=64 (8 mma warps + the solver)
+    # H200 (perf/results/h200/20261201-gdn-cuda-bv64.log, one run): BV=64 (8 mma warps + the solver)
     # beat BV=32 at B1-N32 (420 vs 441 us), chain32 (422 vs 441), chain8 (280 vs 289) and B24-N8 (2779 vs 4797);
     # BV=16 was slower everywhere, and so were 2 state pieces at B1 (431) and min_blocks=1 at B1 and B24
     bv = 64 if V % 64 == 0 else 32 if V % 32 == 0 else 16 if V % 16 == 0 else 8

@@ -132,7 +132,7 @@ def run(cfg: CudaConfig, q, k, v, g, beta, o, pool, state_idx, cu, anc, scale: f
         max_nodes: int, strides: tuple[int, int, int, int], pdl: bool, err: torch.Tensor) -> None:
     """o = tree_verify(...) on torch's current stream; inputs already checked by `unsupported`.
     `strides`: the pool's (slot, head, k, v) element strides. A config with `trace` writes 10 stamps per CTA
-    into `TRACE.pool` (perf/gdn_cuda_trace.py). `err`: the plan's int32 error word (gdn/guard.py): a request whose
+    into `TRACE.pool`. `err`: the plan's int32 error word (gdn/guard.py): a request whose
     state index is outside the pool is skipped and flagged there."""
     T, H, K = q.shape
     HV, V = v.shape[1], v.shape[2]

@@ -1,6 +1,6 @@
-"""One line per profiled kernel from an `ncu --csv --page details` file (perf/w12_diag.py's
-ncu.csv): duration, DRAM throughput, grid, registers, warps per scheduler, and the largest stall
-reasons (cycles per issued instruction) when the stall metrics were collected.
+"""One line per profiled kernel from an `ncu --csv --page details` file (the ncu stage of perf/w12_gpu.sh
+or perf/gdn_gpu.sh): duration, DRAM throughput, grid, registers, warps per scheduler, and the largest
+stall reasons (cycles per issued instruction) when the stall metrics were collected.
 
     python3 perf/ncu_summary.py ncu.csv
 """
