@@ -87,8 +87,7 @@ def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: 
             raise ValueError(f"{op}: the CUDA kernel ({type(forced_cfg).__name__}) cannot take this call: {why}; "
                              "force a TcConfig or GemvConfig instead")
     if kernel in ("tc", "gemv") and device.type == "cpu" and not autotune.is_interpreter():
-        raise RuntimeError(f"{op}: variant {variant!r} runs Triton kernels, which need a CUDA tensor or "
-                           "TRITON_INTERPRET=1; use variant='torch' for CPU tensors")
+        kernel = "torch"  # no Triton backend for CPU tensors: the decode + F.linear path computes the same product
     if forced_cfg is not None or kernel == "torch":
         return autotune.Plan(variant, kernel, forced_cfg)
     # configs are looked up and built at the bucketed M, so a plan never depends on which M came first
