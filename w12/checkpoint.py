@@ -37,7 +37,7 @@ import numpy as np
 import torch
 
 from .errors import W12CheckpointError
-from .format import FORMAT_VERSION, PLANES, compact_nbytes, compact_planes, padded_k
+from .format import FORMAT_VERSION, PLANES, SizeStats, compact_nbytes, compact_planes, padded_k
 from .io import _INDEX_KEY, _LAYOUT_KEY, _SUM_KEY, _VERSION_KEY
 
 __all__ = ["pack_checkpoint", "CheckpointReport", "measure_real_weights", "measure_gaussian", "read_header",
@@ -101,7 +101,7 @@ def read_header(path) -> tuple[dict, dict, int]:
 
 
 @dataclass
-class CheckpointReport:
+class CheckpointReport(SizeStats):
     path: str
     packed: list[tuple[str, tuple[int, int], int, int]] = field(default_factory=list)  # name, shape, file bytes, escapes
     copied: list[tuple[str, str]] = field(default_factory=list)  # name, why
@@ -119,14 +119,8 @@ class CheckpointReport:
         return sum(e for *_, e in self.packed)
 
     @property
-    def escape_rate(self) -> float:
-        n = self.num_weights
-        return self.escapes / n if n else 0.0
-
-    @property
-    def bits_per_weight(self) -> float:
-        n = self.num_weights
-        return 8.0 * sum(b for _, _, b, _ in self.packed) / n if n else 0.0
+    def packed_bytes(self) -> int:
+        return sum(b for _, _, b, _ in self.packed)
 
     def worst(self, n: int = 5) -> list[tuple[str, tuple[int, int], float]]:
         """The `n` packed tensors with the most bits per weight: (name, shape, bits)."""

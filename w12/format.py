@@ -35,6 +35,21 @@ PLANE_DTYPES = {
 }
 
 
+class SizeStats:
+    """Escape rate and bits per weight of a set of packed weights, from its `num_weights`, `escapes` and
+    `packed_bytes` (what conversion and checkpoint reports share)."""
+
+    @property
+    def escape_rate(self) -> float:
+        n = self.num_weights
+        return self.escapes / n if n else 0.0
+
+    @property
+    def bits_per_weight(self) -> float:
+        n = self.num_weights
+        return 8.0 * self.packed_bytes / n if n else 0.0
+
+
 def padded_k(K: int) -> int:
     return -(-K // GROUP) * GROUP
 

@@ -29,7 +29,7 @@ import torch
 from torch import nn
 
 from .errors import W12CheckpointError, W12FormatError
-from .format import PLANE_DTYPES, PLANES, W12Weight, pack, padded_k
+from .format import PLANE_DTYPES, PLANES, SizeStats, W12Weight, pack, padded_k
 
 __all__ = ["W12Linear", "convert", "ConversionReport", "LayerRecord", "load_model_weights"]
 
@@ -138,7 +138,7 @@ class LayerRecord:
 
 
 @dataclass
-class ConversionReport:
+class ConversionReport(SizeStats):
     """What `convert` did: layers converted (with sizes) and layers skipped (with the reason)."""
 
     converted: list[LayerRecord] = field(default_factory=list)
@@ -165,14 +165,8 @@ class ConversionReport:
         return sum(r.escapes for r in self.converted)
 
     @property
-    def escape_rate(self) -> float:
-        n = self.num_weights
-        return self.escapes / n if n else 0.0
-
-    @property
-    def bits_per_weight(self) -> float:
-        n = self.num_weights
-        return 8.0 * self.bytes_after / n if n else 0.0
+    def packed_bytes(self) -> int:
+        return self.bytes_after
 
     def __str__(self) -> str:
         lines = [

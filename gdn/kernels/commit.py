@@ -25,6 +25,21 @@ def _accepted_bits(accepted, par, i_r, s_ab, bos, n, n_acc, max_len):
 
 
 @triton.jit
+def _guard_request(cu, acc_len, rows, accepted, par, err, i_r, s_ab, pool_rows, max_len):
+    """Request i_r's first node, the accepted length to run (0 when it is skipped), its pool row, whether that
+    row is in [0, pool_rows), and whether the request runs; a failure ORs its bits into err."""
+    bos = tl.load(cu + i_r).to(tl.int64)
+    n = tl.load(cu + i_r + 1).to(tl.int64) - bos
+    n_acc = tl.load(acc_len + i_r)
+    idx = tl.load(rows + i_r).to(tl.int64)
+    ok_idx = (idx >= 0) & (idx < pool_rows)
+    bits = _accepted_bits(accepted, par, i_r, s_ab, bos, n, n_acc, max_len) | tl.where(ok_idx, 0, 4)
+    tl.atomic_or(err, bits, mask=bits != 0)
+    ok = bits == 0
+    return bos, tl.where(ok, n_acc, 0), idx, ok_idx, ok
+
+
+@triton.jit
 def gdn_commit_state_kernel(
     k, v, g, beta, pool, state_idx, cu, accepted, acc_len, par, err, pool_rows, max_len,
     s_kl, s_kt, s_kh, s_vl, s_vt, s_vh, s_gl, s_gt, s_gh, s_bl, s_bt, s_bh,
@@ -36,15 +51,8 @@ def gdn_commit_state_kernel(
     i_l = (i_lh // HV).to(tl.int64)
     i_hv = i_lh % HV
     i_h = i_hv // (HV // H)
-    bos = tl.load(cu + i_r).to(tl.int64)
-    n = tl.load(cu + i_r + 1).to(tl.int64) - bos
-    n_acc = tl.load(acc_len + i_r)
-    idx = tl.load(state_idx + i_r).to(tl.int64)
-    ok_idx = (idx >= 0) & (idx < pool_rows)
-    bits = _accepted_bits(accepted, par, i_r, s_ab, bos, n, n_acc, max_len) | tl.where(ok_idx, 0, 4)
-    tl.atomic_or(err, bits, mask=bits != 0)
-    ok = bits == 0
-    n_run = tl.where(ok, n_acc, 0)
+    bos, n_run, idx, ok_idx, ok = _guard_request(cu, acc_len, state_idx, accepted, par, err, i_r, s_ab, pool_rows,
+                                                 max_len)
     o_k = tl.arange(0, BK)
     m_k = o_k < K
     o_v = i_v * BV + tl.arange(0, BV)
@@ -77,15 +85,7 @@ def gdn_commit_conv_kernel(
     m_d = o_d < D
     o_c = tl.arange(0, BW)
     m_c = o_c < W - 1
-    bos = tl.load(cu + i_r).to(tl.int64)
-    n = tl.load(cu + i_r + 1).to(tl.int64) - bos
-    n_acc = tl.load(acc_len + i_r)
-    sidx = tl.load(cidx + i_r).to(tl.int64)
-    ok_idx = (sidx >= 0) & (sidx < pool_rows)
-    bits = _accepted_bits(accepted, par, i_r, s_ab, bos, n, n_acc, max_len) | tl.where(ok_idx, 0, 4)
-    tl.atomic_or(err, bits, mask=bits != 0)
-    ok = bits == 0
-    n_run = tl.where(ok, n_acc, 0)
+    bos, n_run, sidx, ok_idx, ok = _guard_request(cu, acc_len, cidx, accepted, par, err, i_r, s_ab, pool_rows, max_len)
     # new column c = (old columns ++ accepted tokens)[n_acc + c]
     src = n_run + o_c  # [BW]
     from_old = src < W - 1

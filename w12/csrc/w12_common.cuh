@@ -16,7 +16,52 @@ typedef unsigned long long uint64_t;
 #include <stdint.h>
 #endif
 
+
+// Both kernels' parameters after their weight and x operands: the escape list (CSR), bias (bias_kind 0 none,
+// 1 bf16, 2 fp16, 3 fp32), out [M, N], the sizes, and split-K's fp32 partials ws [gridDim.x, splits,
+// rows * tokens] with per-row-block arrival counters [gridDim.x] (zero between launches, self-resetting)
+#define W12_TAIL_PARAMS                                                                             \
+    const uint8_t* __restrict__ e0, const int* __restrict__ rowptr, const int* __restrict__ ecol,   \
+    const uint16_t* __restrict__ eval, const void* __restrict__ bias, int bias_kind,                \
+    __nv_bfloat16* __restrict__ out, int M, int N, int Kp, float* __restrict__ ws,                  \
+    int* __restrict__ counters
+
 namespace {
+
+// f(t, j, i) for every element of a warp's accumulators acc[MT_][NT_][4], unrolled: one place for the nest
+// f(j, u, tok) for the tokens tok = 8 j + 2 q + u < M (n-tile j, u = 0, 1) whose outputs a thread's
+// accumulators acc[.][j][2 h + u] hold (the mma.sync C fragment of lane 4 g + q)
+template <int NT_, class F>
+__device__ __forceinline__ void for_tokens(int q, int M, F&& f) {
+#pragma unroll
+  for (int j = 0; j < NT_; ++j)
+#pragma unroll
+    for (int u = 0; u < 2; ++u) {
+      const int tok = 8 * j + 2 * q + u;
+      if (tok < M) f(j, u, tok);
+    }
+}
+
+// Split-K arrival, called by every thread of the CTA after it published its partials: true in the CTA that
+// arrived last of `count` on `counter` (it then adds all the partials); a fence orders the partials first
+__device__ __forceinline__ bool last_to_arrive(int* counter, int count) {
+  __shared__ int last;
+  __threadfence();
+  __syncthreads();
+  if (threadIdx.x == 0) last = atomicAdd(counter, 1) == count - 1;
+  __syncthreads();
+  return last;
+}
+
+template <int MT_, int NT_, class F>
+__device__ __forceinline__ void for_acc(F&& f) {
+#pragma unroll
+  for (int t = 0; t < MT_; ++t)
+#pragma unroll
+    for (int j = 0; j < NT_; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) f(t, j, i);
+}
 
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;

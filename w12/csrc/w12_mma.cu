@@ -102,16 +102,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     long long ldx,
     const uint8_t* __restrict__ hi,       // [N, Kp]
     const uint8_t* __restrict__ lo,       // [N, Kp / 2]
-    const uint8_t* __restrict__ e0,       // [N]
-    const int* __restrict__ rowptr,       // [N + 1]
-    const int* __restrict__ ecol,         // [E]
-    const uint16_t* __restrict__ eval,    // [E]
-    const void* __restrict__ bias,        // [N] or null
-    int bias_kind,                        // 0 none, 1 bf16, 2 fp16, 3 fp32
-    __nv_bfloat16* __restrict__ out,      // [M, N]
-    int M, int N, int Kp,
-    float* __restrict__ ws,               // splits > 1: [gridDim.x, splits, ROWS * TOKS] fp32 partials
-    int* __restrict__ counters) {         // splits > 1: [gridDim.x], zero between launches (self-resetting)
+    W12_TAIL_PARAMS) {
   extern __shared__ float red[];  // [WK][WR][ACC][32], then per row {p0, p1, first col, first val} (as int)
   int* rp_s = reinterpret_cast<int*>(red + WARPS * ACC * 32);
   const int lane = threadIdx.x & 31;
@@ -165,12 +156,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
   }
 
   float acc[MT][NT][4];
-#pragma unroll
-  for (int t = 0; t < MT; ++t)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.0f;
+  for_acc<MT, NT>([&](int t, int j, int i) { acc[t][j][i] = 0.0f; });
 
   auto load = [&](Frag& f, int c) {
 #pragma unroll
@@ -294,12 +280,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     // split order (deterministic) and runs the epilogue
     float* mine = ws + ((size_t)blockIdx.x * splits + blockIdx.y) * (ROWS * TOKS);
     for (int o = threadIdx.x; o < ROWS * TOKS; o += 32 * WARPS) __stcg(mine + o, cta_sum(o));
-    __threadfence();
-    __syncthreads();
-    __shared__ int last;
-    if (threadIdx.x == 0) last = atomicAdd(counters + blockIdx.x, 1) == splits - 1;
-    __syncthreads();
-    if (!last) return;
+    if (!last_to_arrive(counters + blockIdx.x, splits)) return;
     __threadfence();
   }
 

@@ -266,16 +266,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
 #endif
     const __nv_bfloat16* __restrict__ x,        // [M, >= Kp], row stride ldx, 16-byte aligned rows
     long long ldx,
-    const uint8_t* __restrict__ e0,             // [N]
-    const int* __restrict__ rowptr,             // [N + 1]
-    const int* __restrict__ ecol,               // [E]
-    const uint16_t* __restrict__ eval,          // [E]
-    const void* __restrict__ bias,              // [N] or null
-    int bias_kind,                              // 0 none, 1 bf16, 2 fp16, 3 fp32
-    __nv_bfloat16* __restrict__ out,            // [M, N]
-    int M, int N, int Kp,
-    float* __restrict__ ws,                     // splits > 1: [gridDim.x, splits, R * TOKS] fp32 partials
-    int* __restrict__ counters) {               // splits > 1: [gridDim.x], zero between launches
+    W12_TAIL_PARAMS) {
   extern __shared__ uint8_t smem_raw[];
   const uint32_t raw = smem_u32(smem_raw);
   const uint32_t base = (raw + 1023u) & ~1023u;
@@ -324,12 +315,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
   __syncthreads();
 
   float acc[MT][NT][4];
-#pragma unroll
-  for (int t = 0; t < MT; ++t)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int i = 0; i < 4; ++i) acc[t][j][i] = 0.0f;
+  for_acc<MT, NT>([&](int t, int j, int i) { acc[t][j][i] = 0.0f; });
 
   // escape ranges (and the first escape) of this thread's rows: row(e) = 16 (MT warp + e / 2) + 8 (e % 2) + g
   int ep0[ESC], ep1[ESC], ec[ESC];
@@ -415,30 +401,18 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
           for (int p = ep0[e]; p < ep1[e]; ++p) {
             const int col = p == ep0[e] ? ec[e] : ecol[p];
             const float val = __uint_as_float((p == ep0[e] ? ev[e] : (uint32_t)eval[p]) << 16);
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-              for (int u = 0; u < 2; ++u) {
-                const int tok = 8 * j + 2 * q + u;
-                if (tok < M) {
-                  const float xv = __bfloat162float(x[(long long)tok * ldx + col]);
-                  acc[t][j][2 * h + u] += Q8 ? xv * val : xv * val - xv * v0;
-                }
-              }
+            for_tokens<NT>(q, M, [&](int j, int u, int tok) {
+              const float xv = __bfloat162float(x[(long long)tok * ldx + col]);
+              acc[t][j][2 * h + u] += Q8 ? xv * val : xv * val - xv * v0;
+            });
           }
         }
         const float b = bias_kind != 0 ? bias_at(bias, bias_kind, row) : 0.0f;
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int u = 0; u < 2; ++u) {
-            const int tok = 8 * j + 2 * q + u;
-            if (tok < M) {
-              float sum = acc[t][j][2 * h + u];
-              if (bias_kind != 0) sum += b;  // no +0.0: it would turn -0.0 into +0.0
-              out[(long long)tok * N + row] = __float2bfloat16_rn(sum);
-            }
-          }
+        for_tokens<NT>(q, M, [&](int j, int u, int tok) {
+          float sum = acc[t][j][2 * h + u];
+          if (bias_kind != 0) sum += b;  // no +0.0: it would turn -0.0 into +0.0
+          out[(long long)tok * N + row] = __float2bfloat16_rn(sum);
+        });
       }
   };
 
@@ -455,6 +429,24 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       if (!Q8) tma_2d(st + LO_OFF, &tm_lo, cx / 2, cy, bar);
 #else
       if (!Q8) tma_2d(st + HB, &tm_lo, cx / 2, cy, bar);
+#endif
+    };
+    // x's share of ring stage s, which holds chunk c: one 2-D box (xbox), cp.async from every lane (xcp),
+    // or one bulk copy per token from lanes < M; each completes on the stage's full barrier
+    auto x_copies = [&](uint32_t st, int c, int s) {
+#if W12_XBOX
+      if (lane == 0) tma_2d(st + X_OFF, &tm_x, 64 * c, 0, full(s));
+#else
+      if constexpr (XCP) {
+        for (int p = lane; p < 8 * M; p += 32) {
+          const int t = p >> 3, u = p & 7;
+          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(st + HB + LB + t * XP + 16 * u),
+                       "l"(x + (long long)t * ldx + 64 * c + 8 * u) : "memory");
+        }
+        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full(s)) : "memory");
+      } else if (lane < M) {
+        bulk_1d(st + HB + LB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
+      }
 #endif
     };
     if constexpr (SK) {
@@ -491,20 +483,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
           c = issue(i);
           __syncwarp();
         }
-#if W12_XBOX
-        if (lane == 0) tma_2d(st + X_OFF, &tm_x, 64 * c, 0, full(s));
-#else
-        if constexpr (XCP) {
-          for (int p = lane; p < 8 * M; p += 32) {
-            const int t = p >> 3, u = p & 7;
-            asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(st + HB + LB + t * XP + 16 * u),
-                         "l"(x + (long long)t * ldx + 64 * c + 8 * u) : "memory");
-          }
-          asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full(s)) : "memory");
-        } else if (lane < M) {
-          bulk_1d(st + HB + LB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
-        }
-#endif
+        x_copies(st, c, s);
       }
       grid_dep_launch();
       return;
@@ -530,20 +509,7 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         }
         __syncwarp();
       }
-#if W12_XBOX
-      if (lane == 0) tma_2d(st + X_OFF, &tm_x, 64 * c, 0, full(s));  // x may be the previous kernel's: after the wait
-#else
-      if constexpr (XCP) {
-        for (int p = lane; p < 8 * M; p += 32) {
-          const int t = p >> 3, u = p & 7;
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16;" ::"r"(st + HB + LB + t * XP + 16 * u),
-                       "l"(x + (long long)t * ldx + 64 * c + 8 * u) : "memory");
-        }
-        asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(full(s)) : "memory");
-      } else if (lane < M) {
-        bulk_1d(st + HB + LB + lane * XP, x + (long long)lane * ldx + 64 * c, 128, full(s));
-      }
-#endif
+      x_copies(st, c, s);  // x may be the previous kernel's: after the wait
     }
     if constexpr (W12_TRACE != 0) {
       if (lane == 0) trace(ws, 6);  // every copy issued
@@ -621,20 +587,15 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       if (threadIdx.x == 0) counters[rb] = 0;  // ready for the next launch (graph replays)
       int b0, b1;
       rb_ctas(rb, b0, b1);
-#pragma unroll
-      for (int t = 0; t < MT; ++t)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int k = 0; k < 4; ++k) {
-            const int o = (((warp * MT + t) * NT + j) * 4 + k) * 32 + lane;
-            float sum = 0.0f;
-            for (int b = b0; b <= b1; ++b) {
-              const int bs = (int)((b * U / P) / nch_all) == rb ? 0 : 1;  // rb is b's first row block?
-              sum += __ldcg(ws + ((size_t)b * 2 + bs) * (R * TOKS) + o);
-            }
-            acc[t][j][k] = sum;
-          }
+      for_acc<MT, NT>([&](int t, int j, int k) {
+        const int o = (((warp * MT + t) * NT + j) * 4 + k) * 32 + lane;
+        float sum = 0.0f;
+        for (int b = b0; b <= b1; ++b) {
+          const int bs = (int)((b * U / P) / nch_all) == rb ? 0 : 1;  // rb is b's first row block?
+          sum += __ldcg(ws + ((size_t)b * 2 + bs) * (R * TOKS) + o);
+        }
+        acc[t][j][k] = sum;
+      });
       uint32_t e0x[MT][2];
       row_meta(rb * R, e0x);
       first_escapes();
@@ -748,6 +709,8 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
 #pragma unroll
           for (int i = 0; i < 4; ++i) __stcg(mine + (((warp * MT + t) * NT + j) * 4 + i) * 32 + lane, acc[t][j][i]);
     }
+    // last_to_arrive (w12_common.cuh) written out: through the helper ptxas schedules this kernel
+    // differently (16 fewer SASS instructions at TmaConfig(1, 8, 6)), a build not yet measured on a GPU
     __threadfence();
     __syncthreads();
     __shared__ int last;
@@ -758,17 +721,12 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     if (threadIdx.x == 0) counters[blockIdx.x] = 0;  // ready for the next launch (graph replays)
     if (warp < CW) {
       const float* all = ws + (size_t)blockIdx.x * splits * (R * TOKS);
-#pragma unroll
-      for (int t = 0; t < MT; ++t)
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int i = 0; i < 4; ++i) {
-            const int o = (((warp * MT + t) * NT + j) * 4 + i) * 32 + lane;
-            float sum = 0.0f;
-            for (int s2 = 0; s2 < splits; ++s2) sum += __ldcg(all + (size_t)s2 * (R * TOKS) + o);
-            acc[t][j][i] = sum;
-          }
+      for_acc<MT, NT>([&](int t, int j, int i) {
+        const int o = (((warp * MT + t) * NT + j) * 4 + i) * 32 + lane;
+        float sum = 0.0f;
+        for (int s2 = 0; s2 < splits; ++s2) sum += __ldcg(all + (size_t)s2 * (R * TOKS) + o);
+        acc[t][j][i] = sum;
+      });
     }
   }
   if (warp == CW) return;

@@ -79,20 +79,13 @@ _ASM = {(m, o): asm_text(m, o) for m in ("lo", "hi", "q8") for o in ("bf16", "f3
 def decode_pk(h, lo, E16, MODE: tl.constexpr, F32: tl.constexpr):
     """h, lo: uint8 [BN, BKH] (lo ignored for q8); E16: int16 [BN, 1] = e0 << 7.
     MODE: 0 low nibble, 1 high nibble, 2 q8. Returns bf16 (F32=False) or fp32 [BN, BKH]."""
-    if F32:
-        if MODE == 0:
-            w = tl.inline_asm_elementwise(_ASM_LO_F32, "=r,=r,=r,=r,r,r,r,r", [h, lo, E16], tl.float32, True, 4)
-        elif MODE == 1:
-            w = tl.inline_asm_elementwise(_ASM_HI_F32, "=r,=r,=r,=r,r,r,r,r", [h, lo, E16], tl.float32, True, 4)
-        else:
-            w = tl.inline_asm_elementwise(_ASM_Q8_F32, "=r,=r,=r,=r,r,r,r,r", [h, lo, E16], tl.float32, True, 4)
-    else:
-        if MODE == 0:
-            w = tl.inline_asm_elementwise(_ASM_LO_BF16, "=r,=r,r,r,r,r", [h, lo, E16], tl.bfloat16, True, 4)
-        elif MODE == 1:
-            w = tl.inline_asm_elementwise(_ASM_HI_BF16, "=r,=r,r,r,r,r", [h, lo, E16], tl.bfloat16, True, 4)
-        else:
-            w = tl.inline_asm_elementwise(_ASM_Q8_BF16, "=r,=r,r,r,r,r", [h, lo, E16], tl.bfloat16, True, 4)
+    # (the asm text is picked inline: a str bound to a local would be taken for a tensor)
+    if F32:  # four fp32 results per 32-bit input lane
+        w = tl.inline_asm_elementwise(_ASM_LO_F32 if MODE == 0 else _ASM_HI_F32 if MODE == 1 else _ASM_Q8_F32,
+                                      "=r,=r,=r,=r,r,r,r,r", [h, lo, E16], tl.float32, True, 4)
+    else:  # four bf16 results in two 32-bit registers
+        w = tl.inline_asm_elementwise(_ASM_LO_BF16 if MODE == 0 else _ASM_HI_BF16 if MODE == 1 else _ASM_Q8_BF16,
+                                      "=r,=r,r,r,r,r", [h, lo, E16], tl.bfloat16, True, 4)
     return w
 
 
