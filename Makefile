@@ -7,6 +7,8 @@ STAMP   := $(VENV)/.specpilot-installed
 TORCH_CPU ?= torch==2.13.0
 TRITON  ?= triton==3.6.0
 PYTEST_ARGS ?=
+# pytest-xdist workers: the suite is CPU-bound (the Triton interpreter); one per core of a 2-core CI machine
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast gpu-check bench info clean
 
@@ -24,12 +26,12 @@ demo: $(STAMP)
 	$(VENV)/bin/specpilot demo
 
 test: $(STAMP)
-	$(PY) -m pytest $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
 
 # The edit loop: every test not marked slow (CUDA builds, sm_90 codegen, CLI subprocesses, deep trees,
 # exhaustive sweeps run only in `make test`).
 test-fast: $(STAMP)
-	$(PY) -m pytest -m "not slow" -x -q $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" -x -q $(PYTEST_ARGS)
 
 info: $(STAMP)
 	$(VENV)/bin/specpilot info

@@ -328,7 +328,7 @@ def test_w12_mma_variant_runs_a_tuned_tma_entry_only_where_tma_runs(fake_h200, m
     key = autotune.shape_key(M=1, N=5120, K=6144)
     autotune.store_tuned("w12.matmul", "tma", key, TmaConfig(1, 8, 6, split=3))
     autotune.store_tuned("w12.matmul", "mma", autotune.shape_key(M=8, N=5120, K=6144), MmaConfig(2, 4, 3))
-    monkeypatch.setattr(wcuda, "available", lambda device=None: True)
+    monkeypatch.setattr(wcuda, "unavailable", lambda device=None: None)  # as on an sm_90 GPU
 
     def plan(op, M):  # meta tensors: a plan reads shapes, dtypes and the device only
         x = torch.empty(M, 6144, dtype=torch.bfloat16, device="meta")
