@@ -121,9 +121,9 @@ def test_conv_guard_gpu():
             gdn.check_errors(plan)
 
 
-@pytest.mark.parametrize("case", ["index", "huge-index", "conv-index", "node", "path", "non-root", "len-over",
-                                  "len-negative"])
-def test_commit_guard_gpu(case):
+@pytest.mark.parametrize("case", ["index", "huge-index", "conv-index", "node", "huge-node", "path", "non-root",
+                                  "len-over", "len-negative"])
+def test_commit_guard_gpu(case, corrupt_commit):
     trees = [[-1, 0, 1], [-1, 0, 0], [-1, 0]]
     plan = gdn.build_tree_plan(trees, device="cuda")
     gen = torch.Generator().manual_seed(1)
@@ -136,22 +136,7 @@ def test_commit_guard_gpu(case):
     acc = torch.tensor([[0, 1, 2], [0, 2, 0], [0, 0, 0]], dtype=torch.int32)
     n = torch.tensor([3, 2, 1], dtype=torch.int32)
     idx, cidx = torch.tensor([3, 0, 2]), torch.tensor([3, 0, 2])
-    if case == "index":
-        idx[1] = 4
-    elif case == "huge-index":
-        idx[1] = 10**12
-    elif case == "conv-index":
-        cidx[1] = -1
-    elif case == "node":
-        acc[1, 1] = 100000
-    elif case == "path":
-        acc[1, 1] = 0
-    elif case == "non-root":
-        acc[1, 0] = 1
-    elif case == "len-over":
-        n[1] = 4
-    else:
-        n[1] = -5
+    corrupt_commit(case, idx, cidx, acc, n)
     dev = [t.cuda() for t in (pool, cs, k, v, g, beta, x, acc, n, idx, cidx)]
     gdn.commit(dev[0], dev[1], dev[9], plan, dev[7], dev[8], dev[2], dev[3], dev[4], dev[5], dev[6],
                use_qk_l2norm=True, conv_state_indices=dev[10])

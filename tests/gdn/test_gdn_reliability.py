@@ -218,7 +218,7 @@ def _raw_commit(plan, pool, cs, idx, acc, n, k, v, g, beta, x, cidx=None, varian
 
 @pytest.mark.parametrize("variant", ["triton", "reference"])
 @pytest.mark.parametrize("case", ["index", "conv-index", "node", "path", "non-root", "len-over", "len-negative"])
-def test_commit_device_guard_skips_the_request_and_flags(case, variant):
+def test_commit_device_guard_skips_the_request_and_flags(case, variant, corrupt_commit):
     trees = [[-1, 0, 1], [-1, 0, 0], [-1, 0]]
     plan, pool, cs, k, v, g, beta, x = commit_args(trees, L=2, pool_rows=4)
     paths = [[0, 1, 2], [0, 2], [0]]
@@ -226,20 +226,7 @@ def test_commit_device_guard_skips_the_request_and_flags(case, variant):
     idx = torch.tensor([3, 0, 2], dtype=torch.int32)
     cidx = idx.clone()
     bit = {"index": 4, "conv-index": 4, "node": 8, "path": 16, "non-root": 16, "len-over": 32, "len-negative": 32}
-    if case == "index":
-        idx[1] = 4
-    elif case == "conv-index":
-        cidx[1] = -1
-    elif case == "node":
-        acc[1, 1] = 3
-    elif case == "path":
-        acc[1, 1] = 0
-    elif case == "non-root":
-        acc[1, 0] = 1
-    elif case == "len-over":
-        n[1] = 4
-    else:
-        n[1] = -1
+    corrupt_commit(case, idx, cidx, acc, n)
     p0, c0 = pool.clone(), cs.clone()
     _raw_commit(plan, pool, cs, idx, acc, n, k, v, g, beta, x, cidx, variant)
     with pytest.raises(gdn.GuardError, match="gdn.commit") as e:
