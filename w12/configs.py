@@ -145,7 +145,7 @@ class TmaConfig:
     wg: bool = False  # wgmma (sm_90a) with the decoded A from registers; needs mt = 1, cw in (4, 8)
     xcp: bool = False  # x by cp.async from the whole producer warp, not one bulk copy per token
     sk: int = 0  # stream-K: a grid of sk CTAs per SM, each an equal contiguous range of (row block, chunk) units
-    xbox: bool = False  # x by one 2-D TMA box per stage (128-byte swizzle); not yet run with the consumers' fence
+    xbox: bool = False  # x by one 2-D TMA box per stage (128-byte swizzle) instead of a bulk copy per token
 
     def __post_init__(self):
         if self.mt not in (1, 2, 4) or self.cw not in (1, 2, 4, 8, 16) or 16 * self.mt * self.cw > 256 \
