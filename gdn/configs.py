@@ -3,6 +3,8 @@ tuned entries (autotune/configs/<gpu>.json, keys `gdn.<op>/<variant>/<bucket>`) 
 
 from __future__ import annotations
 
+import functools
+import types
 from dataclasses import dataclass
 
 import triton
@@ -119,7 +121,8 @@ class CommitConfig:
 _INVERSE = {"levels": 0, "square": 1, "loop": 2, "fold": 3, "split": 4}  # WYConfig.inverse -> the kernel's INV
 
 
-def wy_constexprs(cfg: WYConfig) -> dict:
+@functools.cache
+def wy_constexprs(cfg: WYConfig) -> types.MappingProxyType:
     """The WY kernel's compile-time arguments that come from the config alone (the launcher adds the
     shape ones, SPLIT from the input dtype and PDL from the device)."""
     inv = _INVERSE.get(cfg.inverse)
@@ -143,9 +146,9 @@ def wy_constexprs(cfg: WYConfig) -> dict:
         r = getattr(cfg, name)
         if r is not None and not 24 <= r <= 255:
             raise ValueError(f"WYConfig.{name} is a per-thread register cap between 24 and 255 (or None), got {r!r}")
-    return dict(BV=cfg.BV, PREC=cfg.dot_precision, PREC_S=cfg.small_precision,
+    return types.MappingProxyType(dict(BV=cfg.BV, PREC=cfg.dot_precision, PREC_S=cfg.small_precision,
                 PREC_I=cfg.inverse_precision or cfg.small_precision, INV=inv, TRANS=cfg.trans, STACK=cfg.stack,
-                SKIP=cfg.skip)
+                SKIP=cfg.skip))  # cached per config: read-only
 
 
 def _bv(V: int) -> int:

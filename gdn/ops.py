@@ -817,12 +817,13 @@ def commit(state_pool, conv_state, state_indices, tree: TreePlan, accepted, acce
     accepted, accepted_len = accepted.to(dev).contiguous(), accepted_len.to(dev)
     B = tree.batch
     rows = state_pool.shape[1] if state_pool is not None else conv_state.shape[1]
-    state_indices = _indices(fn, "state_indices", state_indices, B, rows, dev, unique=True)
+    given = state_indices  # as passed: host indices are range-checked against each pool they address
+    state_indices = _indices(fn, "state_indices", given, B, rows, dev, unique=True)
     cidx = state_indices
     if conv_state is not None and conv_state_indices is not None:
         cidx = _indices(fn, "conv_state_indices", conv_state_indices, B, conv_state.shape[1], dev, unique=True)
-    elif conv_state is not None:
-        cidx = _indices(fn, "state_indices", state_indices, B, conv_state.shape[1], dev, unique=True)
+    elif conv_state is not None and state_pool is not None:  # the same rows, in the conv pool too
+        cidx = _indices(fn, "state_indices", given, B, conv_state.shape[1], dev, unique=True)
     args = (state_pool, k, v, g, beta, state_indices, tree.cu_seqlens, accepted, accepted_len, tree.parent_local,
             tree.err, bool(use_qk_l2norm), vk, conv_state, x, cidx)
     if torch.compiler.is_compiling():
