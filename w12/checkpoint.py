@@ -181,10 +181,10 @@ def _size_note(N: int, K: int, escapes: int) -> str:
             + (f" + {48 * escapes / (N * K):.2f} for {escapes} escapes" if escapes else ""))
 
 
-def _padding_note(N: int, K: int) -> str:
-    Kp = padded_k(K)
-    return (f"{8 * (N * Kp * 3 // 2 + 5 * N + 4) / (N * K):.2f} bits per weight in memory: the kernels read rows "
-            f"padded to a multiple of 64 columns, K={K} -> Kp={Kp}")
+def _padding_note(N: int, K: int, nbytes: int) -> str:
+    """`nbytes`: the dense in-memory form's size (planes at Kp columns and row metadata, no escapes)."""
+    return (f"{8 * nbytes / (N * K):.2f} bits per weight in memory: the kernels read rows "
+            f"padded to a multiple of 64 columns, K={K} -> Kp={padded_k(K)}")
 
 
 def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=True, verify=True) -> CheckpointReport:
@@ -214,10 +214,10 @@ def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=T
         shape, dt = ent["shape"], ent["dtype"]
         cand = dt == "BF16" and len(shape) == 2 and shape[0] * shape[1] > 0 and _matches(name, include)
         plan.append((name, ent, cand))
-    if not any(c for *_, c in plan) and _INDEX_KEY in in_meta:
-        raise W12CheckpointError(f"{in_path}: nothing to pack: it is already a W12 file (load it with "
-                                 f"w12.load_file or w12.load_model_weights)")
     if not any(c for *_, c in plan):
+        if _INDEX_KEY in in_meta:
+            raise W12CheckpointError(f"{in_path}: nothing to pack: it is already a W12 file (load it with "
+                                     f"w12.load_file or w12.load_model_weights)")
         kinds = sorted({f"{e['dtype']} {len(e['shape'])}-D" for _, e, _ in plan})
         what = f"no tensor matches --include {include!r} among the 2-D BF16 ones" if include is not None and any(
             e["dtype"] == "BF16" and len(e["shape"]) == 2 for _, e, _ in plan) else \
@@ -301,7 +301,7 @@ def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=T
                                                f"> {WARN_BITS} in the file ({_size_note(N, K, esc)})")
                     if mem_bytes >= b - a:
                         report.warnings.append(f"{name} [{N} x {K}]: larger than BF16 once loaded: "
-                                               f"{_padding_note(N, K)}")
+                                               f"{_padding_note(N, K, mem_bytes - 6 * esc)}")
                 else:
                     index[name] = {"kind": "tensor"}
                     tensors[name] = {"dtype": ent["dtype"], "shape": ent["shape"], "data_offsets": [pos, pos + b - a]}

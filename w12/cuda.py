@@ -261,7 +261,7 @@ def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, 
     if tma:
         tm_hi = _tensor_map(hi, 64, rows)
         tm_lo = tm_hi if q8 else _tensor_map(lo, 32, rows)
-        tm_x = (_tensor_map(xk[:, :Kp], 64, 8 * nt, swizzle=True),) if cfg.xbox else ()
+        tm_x = (_tensor_map(xk, 64, 8 * nt, swizzle=True),) if cfg.xbox else ()
         values = (tm_hi, tm_lo, *tm_x, xk.data_ptr(), ldx, *esc, *tail)
         types = _TMA_TYPES[int(cfg.xbox)]
         threads = 32 * (cfg.cw + 1)

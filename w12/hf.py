@@ -40,12 +40,12 @@ from transformers.utils.quantization_config import QuantizationConfigMixin
 
 from .errors import W12CheckpointError, W12FormatError
 from .format import FORMAT_VERSION
-from .nn import ConversionReport, W12Linear, convert
+from .nn import _RESIZABLE, ConversionReport, W12Linear, convert
 
 __all__ = ["QUANT_METHOD", "W12Config", "W12HfQuantizer", "quantize"]
 
 QUANT_METHOD = "w12"
-_RESIZABLE_BUFFERS = ("w_esc_col", "w_esc_val")
+_RESIZABLE_LEAVES = tuple(f"w_{p}" for p in _RESIZABLE)  # W12Linear's escape-list buffers
 
 
 def _patterns(p) -> list[str] | None:
@@ -104,15 +104,14 @@ class W12HfQuantizer(HfQuantizer):
                                          f"an nn.Linear")
             shell = W12Linear.empty(mod.in_features, mod.out_features, bias=mod.bias is not None,
                                     device=mod.weight.device, dtype=mod.weight.dtype)
-            parent, _, child = name.rpartition(".")
-            setattr(model.get_submodule(parent) if parent else model, child, shell)
+            model.set_submodule(name, shell)
         return model
 
     def param_needs_quantization(self, model, param_name: str, **kwargs) -> bool:
         # Read by the loader to allow a shape that differs from the placeholder: only the escape
         # lists, whose length is the weight's escape count.
         mod_name, _, leaf = param_name.rpartition(".")
-        if not self.pre_quantized or leaf not in _RESIZABLE_BUFFERS:
+        if not self.pre_quantized or leaf not in _RESIZABLE_LEAVES:
             return False
         try:
             return isinstance(model.get_submodule(mod_name), W12Linear)

@@ -235,9 +235,7 @@ def convert(model: nn.Module, include=None, exclude=None, verify: bool = True) -
         todo.append((name, mod))
     for name, mod in todo:
         new = W12Linear.from_linear(mod, verify=verify)
-        parent_name, _, child = name.rpartition(".")
-        parent = model.get_submodule(parent_name) if parent_name else model
-        setattr(parent, child, new)
+        model.set_submodule(name, new)
         report.converted.append(
             LayerRecord(name, (new.out_features, new.in_features), mod.weight.nbytes, new.weight.nbytes,
                         new.weight.num_escapes)
@@ -322,8 +320,7 @@ def load_model_weights(model: nn.Module, path, *, device=None) -> ConversionRepo
         if mod.bias is not None:
             bias = torch.zeros(w.N, dtype=mod.bias.dtype, device=w.device)  # filled from the file below
         new = W12Linear(w, bias)
-        parent_name, _, child = mod_name.rpartition(".")
-        setattr(model.get_submodule(parent_name) if parent_name else model, child, new)
+        model.set_submodule(mod_name, new)
         report.converted.append(LayerRecord(mod_name, (w.N, w.K), 2 * w.N * w.K, w.nbytes, w.num_escapes))
     targets = model.state_dict(keep_vars=True)
     by_id: dict[int, list[str]] = {}
@@ -338,7 +335,7 @@ def load_model_weights(model: nn.Module, path, *, device=None) -> ConversionRepo
                     value = nn.Parameter(value, requires_grad=ref.requires_grad and value.is_floating_point())
                 for alias in by_id[id(ref)]:  # tied names share the new tensor
                     mod_name, _, leaf = alias.rpartition(".")
-                    mod = model.get_submodule(mod_name) if mod_name else model
+                    mod = model.get_submodule(mod_name)
                     (mod._parameters if leaf in mod._parameters else mod._buffers)[leaf] = value
             else:
                 ref.copy_(t)

@@ -53,11 +53,11 @@ def _plan(op: str, variant: str | None, x2d: torch.Tensor, hi: torch.Tensor) -> 
 
     Variant: the `variant=` keyword > `force(op, variant=)` > `force("w12.matmul", variant=)` (it pins
     matmul_q8 too) > `VARIANTS` by GPU. A forced config picks its kernel."""
+    forced_variant, forced_cfg = autotune.forced(op)
     if variant is None and op == OP_Q8:
-        variant = autotune.forced(OP_Q8)[0]
-    forced_cfg = autotune.forced(op)[1]
+        variant = forced_variant
     M, K = x2d.shape
-    key = (op, variant, autotune.forced(OP)[0], forced_cfg, autotune.bucket_m(M), hi.shape[0], K, x2d.dtype,
+    key = (op, variant, forced_variant if op == OP else autotune.forced(OP)[0], forced_cfg, autotune.bucket_m(M), hi.shape[0], K, x2d.dtype,
            hi.is_contiguous(), x2d.device)
     return _PLANS.get(key, lambda: _make_plan(op, variant, forced_cfg, x2d, hi))
 
@@ -214,9 +214,12 @@ def _matmul_mma_op(x2d: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, e0: to
     return out
 
 
-@_matmul_mma_op.register_fake
-def _(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8):
+def _fake_out(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8):
+    """The shape of both opaque ops' output: [M, N] in x's dtype."""
     return x2d.new_empty((x2d.shape[0], hi.shape[0]))
+
+
+_matmul_mma_op.register_fake(_fake_out)
 
 
 @torch.library.custom_op("specpilot_w12::matmul_torch", mutates_args=())
@@ -229,9 +232,7 @@ def _matmul_torch_op(x2d: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, e0: 
     return _torch_fallback(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, K=x2d.shape[1], q8=q8)
 
 
-@_matmul_torch_op.register_fake
-def _(x2d, hi, lo, e0, esc_rowptr, esc_col, esc_val, bias, q8):
-    return x2d.new_empty((x2d.shape[0], hi.shape[0]))
+_matmul_torch_op.register_fake(_fake_out)
 
 
 # --------------------------------------------------------------------------------------

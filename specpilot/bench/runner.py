@@ -59,11 +59,7 @@ def _sync(device: torch.device) -> None:
 
 def _time(prep: Prepared, device: torch.device, reps: int, warmup: int,
           budget_s: float | None = None) -> timing.Timing:
-    if not prep.fns:
-        raise ValueError("Prepared.fns is empty: nothing to time")
-    if device.type != "cuda":
-        return timing.time_cpu(prep.fns, reps=reps, warmup=warmup, budget_s=budget_s)
-    return timing.time_cuda(prep.fns, reps=reps, warmup=warmup, graph=prep.graph_safe)
+    return timing.time_fns(prep.fns, device, reps=reps, warmup=warmup, graph=prep.graph_safe, budget_s=budget_s)
 
 
 def _floor_s(case: Case, device: torch.device) -> float | None:

@@ -28,7 +28,6 @@ typedef unsigned long long uint64_t;
 
 namespace {
 
-// f(t, j, i) for every element of a warp's accumulators acc[MT_][NT_][4], unrolled: one place for the nest
 // f(j, u, tok) for the tokens tok = 8 j + 2 q + u < M (n-tile j, u = 0, 1) whose outputs a thread's
 // accumulators acc[.][j][2 h + u] hold (the mma.sync C fragment of lane 4 g + q)
 template <int NT_, class F>
@@ -53,6 +52,7 @@ __device__ __forceinline__ bool last_to_arrive(int* counter, int count) {
   return last;
 }
 
+// f(t, j, i) for every element of a warp's accumulators acc[MT_][NT_][4], unrolled: one place for the nest
 template <int MT_, int NT_, class F>
 __device__ __forceinline__ void for_acc(F&& f) {
 #pragma unroll
