@@ -1,6 +1,19 @@
-"""Attention for a batch of draft trees over a paged KV cache (ancestor masks).
+"""Tree attention for speculative verification: every draft-tree node of every request attends to its
+request's whole KV-cache prefix and to its own ancestors and itself within the tree.
 
-Not implemented yet: this package only reserves the name. See the project's issue list.
+* `plan` / `TreeAttnPlan`: the host step, once per decoding step: checks the masks, indptr arrays and
+  slot indices, and writes the split-KV schedule into fixed-size device buffers.
+* `run`: the device step (never syncs the host; CUDA graphs capture it; a torch custom op).
+* `tree_attention`: `plan` then `run` in one call.
+* `tree_attention_reference`: the plain PyTorch oracle (explicit masks, fp32 or fp64).
+
+Masks are gdn.TreePlan's format: int64 per node, bit j set when local node j is an ancestor of the node
+or the node itself; qo_indptr is TreePlan.cu_seqlens. The cache is token-slot [slots, Hkv, D] or paged
+[pages, page_size, Hkv, D]; kv_indices lists token slots in both.
 """
 
-__all__: list[str] = []
+from .ops import HEAD_DIMS, MAX_NODES, VARIANTS, TreeAttnPlan, plan, run, tree_attention
+from .reference import tree_attention_reference
+
+__all__ = ["tree_attention", "plan", "run", "TreeAttnPlan", "MAX_NODES", "HEAD_DIMS", "VARIANTS",
+           "tree_attention_reference"]

@@ -1,0 +1,51 @@
+"""Launch configs of the tree_attn kernels: a frozen dataclass, an analytical heuristic by default,
+tuned entries (autotune/configs/<gpu>.json, keys `tree_attn.tree_attention/<variant>/<bucket>`) when
+present."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from autotune import get_config, shape_key
+
+__all__ = ["SplitConfig", "split_config", "MMA_ROWS_SM90"]
+
+# Triton lowers tl.dot to wgmma on sm_90 only when a program's tile has a multiple of 64 rows and a
+# multiple of 4 warps; the "mma" variant keeps its tile at 32 rows on sm_90 so that it runs the
+# mma.sync code that sm_80/sm_89/sm_120 run (the portable variant, checked on Hopper).
+MMA_ROWS_SM90 = 32
+
+
+@dataclass(frozen=True)
+class SplitConfig:
+    """One split-KV program: `block_m` rows of (tree node, query head of the GQA group), pairs packed
+    node-major, against `block_n` keys per step of its key range."""
+
+    block_m: int = 64
+    block_n: int = 64
+    num_warps: int = 4
+    num_stages: int = 2
+    # split-KV programs per SM the schedule aims at (tree_attn.plan): more splits fill the GPU at
+    # small batch, each split costs a partial output row block written and read back by the merge
+    programs_per_sm: float = 1.0
+    merge_warps: int = 2
+
+
+def _heuristic(variant: str, head_dim: int, cc_major: int, interpret: bool) -> SplitConfig:
+    if interpret:  # small tiles: several splits at the tiny lengths of CPU tests, quick interpreter steps
+        return SplitConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
+    # H200, hybrid-27b (D=256, G=6), one 32-node tree at 32k: 64 x 32 tiles, 3 stages and 2 programs per
+    # SM were the fastest of 32 configs (docs/tree_attn.md)
+    bn = 64 if head_dim <= 128 else 32
+    if variant == "mma":
+        rows = MMA_ROWS_SM90 if cc_major == 9 else 64
+        return SplitConfig(block_m=rows, block_n=bn, num_warps=4, num_stages=3 if cc_major >= 9 else 2,
+                           programs_per_sm=2.0)
+    return SplitConfig(block_m=64, block_n=bn, num_warps=4, num_stages=3, programs_per_sm=2.0)
+
+
+def split_config(variant: str, head_dim: int, group: int, cc_major: int, interpret: bool, device=None
+                 ) -> SplitConfig:
+    return get_config("tree_attn.tree_attention", variant, SplitConfig,
+                      lambda: _heuristic(variant, head_dim, cc_major, interpret),
+                      key=shape_key(D=head_dim, G=group), device=device)

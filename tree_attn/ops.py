@@ -1,0 +1,509 @@
+"""tree_attn ops in three layers: launch-only functions (`_plan` makes the kernel decision of a call, an
+`autotune.Plan` cached per shape key; `_launch` runs it from a `TreeAttnPlan`'s buffers), the torch
+custom-op registration, and the public functions (`plan`, `run`, `tree_attention`) that validate inputs
+and say how to fix a bad call.
+
+The plan step (`plan`, `TreeAttnPlan.update`) runs on the host once per decoding step: it checks the
+masks, indptr arrays and slot indices, and writes the split-KV schedule into fixed-size device buffers.
+The run step reads only those buffers: it never syncs the host and allocates nothing that depends on
+the data, so CUDA graphs capture it. It trusts the plan's indices (they were checked there) and checks
+the shapes, dtypes and devices of its tensors against the plan.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+
+import torch
+
+import autotune
+from autotune.hardware import compute_capability, is_interpreter
+
+from .configs import SplitConfig, split_config
+from .kernels.split import tree_attn_merge_kernel, tree_attn_split_kernel
+from .reference import tree_attention_reference
+
+__all__ = ["tree_attention", "plan", "run", "TreeAttnPlan", "MAX_NODES", "HEAD_DIMS", "VARIANTS", "compiled_ptx"]
+
+OP = "tree_attn.tree_attention"
+MAX_NODES = 64  # one int64 mask word per node
+HEAD_DIMS = (64, 128, 256)
+# "wgmma": tl.dot on 64-row tiles, lowered to wgmma on sm_90; "mma": the same kernel at tiles Triton lowers
+# to mma.sync (sm_80/sm_89/sm_120, and 32-row tiles on sm_90); "reference": tree_attn/reference.py (CPU
+# tensors without the Triton interpreter).
+VARIANTS = autotune.Variants(OP, by_arch={9: "wgmma", 8: "mma"}, known=("wgmma", "mma", "reference"),
+                             fallback="reference")
+_PLANS = autotune.PlanCache()
+_INTERPRET_SMS = 4  # "SMs" the schedule fills under the interpreter (several splits at tiny lengths)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Launch-only functions.
+# --------------------------------------------------------------------------------------------
+
+
+def _plan(variant: str | None, device: torch.device, head_dim: int, group: int) -> autotune.Plan:
+    chosen, _ = VARIANTS.choose(variant, device, where="tree_attn.plan")
+    key = (chosen, str(device), head_dim, group, autotune.forced(OP), is_interpreter())
+
+    def make() -> autotune.Plan:
+        if chosen == "reference" or (device.type != "cuda" and not is_interpreter()):
+            return autotune.Plan(chosen, "reference")
+        cc = compute_capability(device.index)[0] if device.type == "cuda" else 0
+        return autotune.Plan(chosen, "split", split_config(chosen, head_dim, group, cc, is_interpreter(), device))
+
+    return _PLANS.get(key, make)
+
+
+def _sm_count(device: torch.device) -> int:
+    if device.type != "cuda":
+        return _INTERPRET_SMS
+    return torch.cuda.get_device_properties(device).multi_processor_count
+
+
+def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, k_new, v_new, qo_indptr, kv_indptr, kv_indices,
+            tree_mask, node_req, items, req_table, po, plse, out, lse, sm_scale: float):
+    """Run one plan's schedule; returns the split kernel's compiled handle (None for the reference)."""
+    T, H, D = q.shape
+    if T == 0:
+        return None
+    if kernel == "reference":
+        o, l = tree_attention_reference(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask,
+                                        sm_scale=sm_scale, k_new=k_new, v_new=v_new)
+        out.copy_(o)
+        if lse is not None:
+            lse.copy_(l)
+        return None
+    Hkv = k_cache.shape[-2]
+    G = H // Hkv
+    paged = k_cache.dim() == 4
+    page = k_cache.shape[1] if paged else 1
+    ks, vs = k_cache.stride(), v_cache.stride()
+    k_strides = (ks[0], ks[1], ks[2]) if paged else (ks[0], 0, ks[1])
+    v_strides = (vs[0], vs[1], vs[2]) if paged else (vs[0], 0, vs[1])
+    new = k_new is not None
+    kn, vn = (k_new, v_new) if new else (q, q)
+    kns = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1)) if new else (0, 0, 0, 0)
+    handle = tree_attn_split_kernel[(items.shape[0], Hkv)](
+        q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices, tree_mask, items, po, plse,
+        sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *k_strides, *v_strides, *kns,
+        HKV=Hkv, G=G, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, PAGE=page, NEW=new,
+        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    tree_attn_merge_kernel[(T, H)](
+        po, plse, out, lse if lse is not None else plse, node_req, qo_indptr, req_table, out.stride(0), out.stride(1),
+        HKV=Hkv, G=G, D=D, BM=cfg.block_m, WRITE_LSE=lse is not None, num_warps=cfg.merge_warps)
+    return handle
+
+
+def _tree_block(max_nodes: int) -> int:
+    """Keys of the tree block: the largest tree rounded up to a power of two, at least 16 (tl.dot)."""
+    return max(16, 1 << max(0, (max_nodes - 1).bit_length()))
+
+
+# --------------------------------------------------------------------------------------------
+# 2. The plan: schedule and buffers.
+# --------------------------------------------------------------------------------------------
+
+
+@dataclass
+class TreeAttnPlan:
+    """The split-KV schedule of one step in fixed-size device buffers, read by `run`.
+
+    `items` holds `capacity` work items (request, row block, lo, hi) of int32; lo >= 0: the prefix
+    slots kv_indices[lo:hi], lo = -1: the tree block (hi: where the nodes' own slots start in
+    kv_indices when they are in the cache). Unused items have request -1. `req_table` holds per
+    request (first item, splits + 1, row blocks). `po`/`plse` are the partial outputs and base-2 LSEs."""
+
+    qo_indptr: torch.Tensor  # int32 [B+1]
+    kv_indptr: torch.Tensor  # int32 [B+1]
+    kv_indices: torch.Tensor  # int32 [kv_capacity]: the step's slots first
+    tree_mask: torch.Tensor  # int64 [T]
+    node_req: torch.Tensor  # int32 [T]
+    items: torch.Tensor  # int32 [capacity, 4]
+    req_table: torch.Tensor  # int32 [B, 3]
+    po: torch.Tensor | None  # fp32 [capacity, Hkv, block_m, D]
+    plse: torch.Tensor | None  # fp32 [capacity, Hkv, block_m]
+    batch: int
+    total_nodes: int
+    num_qo_heads: int
+    num_kv_heads: int
+    head_dim: int
+    cache_slots: int
+    nodes_in_cache: bool
+    dtype: torch.dtype
+    dispatch: autotune.Plan
+    capacity: int
+    num_items: int
+    split_len: int  # prefix keys per split
+    tree_block: int  # keys of the tree block (a power of two >= the largest tree)
+
+    @property
+    def device(self) -> torch.device:
+        return self.items.device
+
+    @property
+    def variant(self) -> str:
+        return self.dispatch.variant
+
+    def update(self, qo_indptr, kv_indptr, kv_indices, tree_mask, *, validate: bool = True) -> "TreeAttnPlan":
+        """Refill these buffers in place for a new step (same batch and node count, a schedule that fits
+        `capacity` items and kv_indices that fit the kv_indices buffer), so a CUDA graph captured on this
+        plan replays the new step. Host step: may sync."""
+        fn = "tree_attn.TreeAttnPlan.update"
+        host = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, self.device)
+        qo, kv, idx, mask = host
+        if len(qo) - 1 != self.batch or len(mask) != self.total_nodes:
+            raise ValueError(f"{fn}: the step has {len(qo) - 1} requests and {len(mask)} nodes but the plan was built "
+                             f"for {self.batch} and {self.total_nodes}; build a new plan with tree_attn.plan")
+        if len(idx) > self.kv_indices.shape[0]:
+            raise ValueError(f"{fn}: {len(idx)} kv_indices exceed the plan's buffer of {self.kv_indices.shape[0]}; "
+                             "build the plan with a larger kv_capacity")
+        if validate:
+            _validate(fn, qo, kv, idx, mask, self.cache_slots, self.nodes_in_cache)
+        largest = max([qo[r + 1] - qo[r] for r in range(self.batch)] + [1])
+        if largest > self.tree_block:
+            raise ValueError(f"{fn}: a request has {largest} nodes but the plan's tree block holds {self.tree_block}; "
+                             "build the plan with max_nodes=64 to reuse it for any tree")
+        items, table, node_req, split_len, count = _schedule(fn, qo, kv, self.nodes_in_cache, self.num_qo_heads //
+                                                             self.num_kv_heads, self.dispatch.config,
+                                                             _target_items(self.device, self.num_kv_heads,
+                                                                           self.dispatch.config),
+                                                             self.capacity, fixed=True)
+        self.qo_indptr.copy_(torch.tensor(qo, dtype=torch.int32))
+        self.kv_indptr.copy_(torch.tensor(kv, dtype=torch.int32))
+        self.kv_indices[:len(idx)].copy_(torch.tensor(idx, dtype=torch.int32))
+        self.tree_mask.copy_(torch.tensor(mask, dtype=torch.int64))
+        self.node_req.copy_(node_req)
+        self.items.copy_(items)
+        self.req_table.copy_(table)
+        self.num_items, self.split_len = count, split_len
+        return self
+
+
+def _target_items(device: torch.device, hkv: int, cfg: SplitConfig | None) -> int:
+    if cfg is None:
+        return 1
+    return max(1, round(cfg.programs_per_sm * _sm_count(device) / hkv))
+
+
+def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | None, target: int, capacity: int | None,
+              fixed: bool = False):
+    """(items [capacity, 4], req_table [B, 3], node_req [T], split_len, items used), all int32 CPU tensors.
+
+    One split length for every request: the prefix key blocks of all row blocks, spread over about
+    `target` items (KV heads are the grid's second axis). Items run split-major, row block minor, so
+    the row blocks of one split read the same K/V rows close together in time (L2)."""
+    B = len(qo) - 1
+    bm, bn = (cfg.block_m, cfg.block_n) if cfg is not None else (64, 64)
+    ns = [qo[r + 1] - qo[r] for r in range(B)]
+    lens = [kv[r + 1] - kv[r] - (ns[r] if nodes_in_cache else 0) for r in range(B)]
+    tiles = [-(-n * group // bm) for n in ns]
+    blocks = sum(t * -(-L // bn) for t, L in zip(tiles, lens))
+    per = max(1, -(-blocks // target))  # key blocks per split
+
+    def count(per_split):
+        return sum(t * (-(-L // (per_split * bn)) + 1) for t, L in zip(tiles, lens) if t)
+
+    if capacity is not None:
+        longest = max([-(-L // bn) for L in lens] + [1])
+        while count(per) > capacity and per < longest:
+            per = min(per * 2, longest)
+        if count(per) > capacity:
+            raise ValueError(f"{fn}: the step needs {count(per)} work items even with one split per request, more "
+                             f"than capacity={capacity}; plan with a larger capacity (or capacity=None)")
+    split_len = per * bn
+    items = []
+    table = [[0, 0, 0] for _ in range(B)]
+    node_req = []
+    for r in range(B):
+        node_req += [r] * ns[r]
+        if not tiles[r]:
+            continue
+        splits = -(-lens[r] // split_len)
+        table[r] = [len(items), splits + 1, tiles[r]]
+        for c in range(splits):
+            lo = kv[r] + c * split_len
+            hi = min(lo + split_len, kv[r] + lens[r])
+            items += [[r, t, lo, hi] for t in range(tiles[r])]
+        items += [[r, t, -1, kv[r] + lens[r]] for t in range(tiles[r])]
+    used = len(items)
+    size = capacity if capacity is not None else max(used, 1)
+    items += [[-1, 0, 0, 0]] * (size - used)
+    return (torch.tensor(items, dtype=torch.int32).reshape(size, 4), torch.tensor(table, dtype=torch.int32).reshape(B, 3),
+            torch.tensor(node_req, dtype=torch.int32), split_len, used)
+
+
+def _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device=None):
+    """Host copies (lists) of the plan inputs after the dtype, rank and device checks."""
+    for name, t, dt in (("qo_indptr", qo_indptr, torch.int32), ("kv_indptr", kv_indptr, torch.int32),
+                        ("kv_indices", kv_indices, torch.int32), ("tree_mask", tree_mask, torch.int64)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+        if t.dtype != dt:
+            raise TypeError(f"{fn}: {name} has dtype {t.dtype}; pass it as {dt}")
+        if t.dim() != 1:
+            raise ValueError(f"{fn}: {name} must be 1-D, got shape {tuple(t.shape)}")
+        if device is not None and t.device != torch.device(device):
+            raise ValueError(f"{fn}: {name} is on {t.device} but the call runs on {device}; move it there")
+    return qo_indptr.tolist(), kv_indptr.tolist(), kv_indices.tolist(), tree_mask.tolist()
+
+
+def _validate(fn, qo, kv, idx, mask, cache_slots, nodes_in_cache):
+    B = len(qo) - 1
+    if len(kv) != len(qo):
+        raise ValueError(f"{fn}: qo_indptr has {len(qo)} entries but kv_indptr has {len(kv)}; both are [B+1] for "
+                         "the same B requests")
+    if B < 0:
+        raise ValueError(f"{fn}: qo_indptr is empty; it needs B+1 entries, starting with 0")
+    for name, ptr, total, what in (("qo_indptr", qo, len(mask), "tree_mask / q rows"),
+                                   ("kv_indptr", kv, len(idx), "kv_indices")):
+        if ptr[0] != 0:
+            raise ValueError(f"{fn}: {name}[0] = {ptr[0]}; it must start at 0")
+        bad = [r for r in range(B) if ptr[r + 1] < ptr[r]]
+        if bad:
+            raise ValueError(f"{fn}: {name} decreases at request {bad[0]} ({ptr[bad[0]]} -> {ptr[bad[0] + 1]}); "
+                             "it must be non-decreasing offsets")
+        if ptr[-1] != total:
+            raise ValueError(f"{fn}: {name}[-1] = {ptr[-1]} but there are {total} entries of {what}; the last offset "
+                             "must equal that length")
+    bad = [i for i in idx if not 0 <= i < cache_slots]
+    if bad:
+        raise ValueError(f"{fn}: kv_indices holds slot {bad[0]} outside the cache's {cache_slots} token slots; "
+                         "every slot must be in [0, slots)")
+    for r in range(B):
+        n = qo[r + 1] - qo[r]
+        if n > MAX_NODES:
+            raise ValueError(f"{fn}: request {r} has {n} tree nodes, more than {MAX_NODES}; split the tree or "
+                             "the request")
+        if nodes_in_cache and kv[r + 1] - kv[r] < n:
+            raise ValueError(f"{fn}: request {r} lists {kv[r + 1] - kv[r]} kv slots but has {n} nodes; without "
+                             "k_new/v_new its last n kv_indices entries must be its nodes' slots")
+        rows = mask[qo[r]:qo[r + 1]]
+        allowed = (1 << n) - 1
+        for i, m in enumerate(rows):
+            mu = m & ((1 << 64) - 1)
+            if mu & ~allowed:
+                j = (mu & ~allowed).bit_length() - 1
+                raise ValueError(f"{fn}: tree_mask of node {qo[r] + i} (request {r}, local {i}) sets bit {j}, but "
+                                 f"the request has {n} nodes; bits must name local nodes 0..{n - 1}")
+            if not (mu >> i) & 1:
+                raise ValueError(f"{fn}: tree_mask of node {qo[r] + i} (request {r}, local {i}) lacks its own bit "
+                                 f"{i}; every node must see itself")
+            for j in range(n):
+                if (mu >> j) & 1:
+                    mj = rows[j] & ((1 << 64) - 1)
+                    if mj & ~mu:
+                        raise ValueError(f"{fn}: tree_mask is not ancestor-closed: node {qo[r] + i} sees local node "
+                                         f"{j} but not all of node {j}'s ancestors; a node's mask must include its "
+                                         "ancestors' masks")
+
+
+def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
+         cache_slots: int, nodes_in_cache: bool = False, dtype: torch.dtype = torch.bfloat16,
+         variant: str | None = None, capacity: int | None = None, kv_capacity: int | None = None,
+         max_nodes: int | None = None, validate: bool = True) -> TreeAttnPlan:
+    """Check one step's trees and indices and build its split-KV schedule (host step: may sync).
+
+    `cache_slots`: token slots of the cache (pages * page_size for a paged cache); kv_indices outside
+    [0, cache_slots) raise here. `nodes_in_cache`: no k_new/v_new; the last n_r kv_indices entries of
+    request r are its nodes' slots in local order. `capacity` fixes the number of work items (the
+    split kernel's grid) and `kv_capacity` the kv_indices buffer, so `update` can refill the plan for
+    later steps under one CUDA graph, with `max_nodes` the largest tree any of those steps holds; by
+    default all three fit this step."""
+    fn = "tree_attn.plan"
+    device = tree_mask.device if isinstance(tree_mask, torch.Tensor) else None
+    host = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device)
+    qo, kv, idx, mask = host
+    if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
+        raise ValueError(f"{fn}: {num_qo_heads} query heads are not a multiple of {num_kv_heads} KV heads; GQA needs "
+                         "H = G * Hkv")
+    if head_dim not in HEAD_DIMS:
+        raise ValueError(f"{fn}: head_dim {head_dim} is not supported; use one of {HEAD_DIMS}")
+    if dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"{fn}: dtype {dtype} is not supported; q, k and v must be bfloat16 or float16")
+    if validate:
+        _validate(fn, qo, kv, idx, mask, cache_slots, nodes_in_cache)
+    largest = max([qo[r + 1] - qo[r] for r in range(len(qo) - 1)] + [1])
+    if max_nodes is not None and not largest <= max_nodes <= MAX_NODES:
+        raise ValueError(f"{fn}: max_nodes={max_nodes} must be in [{largest}, {MAX_NODES}] (the largest tree of this "
+                         f"step has {largest} nodes)")
+    group = num_qo_heads // num_kv_heads
+    dispatch = _plan(variant, device, head_dim, group)
+    cfg = dispatch.config
+    items, table, node_req, split_len, used = _schedule(fn, qo, kv, nodes_in_cache, group, cfg,
+                                                        _target_items(device, num_kv_heads, cfg), capacity)
+    kv_cap = max(len(idx), kv_capacity or 0, 1)
+    kv_buf = torch.zeros(kv_cap, dtype=torch.int32, device=device)
+    kv_buf[:len(idx)].copy_(kv_indices)
+    size = items.shape[0]
+    po = plse = None
+    if cfg is not None:
+        po = torch.empty(size, num_kv_heads, cfg.block_m, head_dim, dtype=torch.float32, device=device)
+        plse = torch.empty(size, num_kv_heads, cfg.block_m, dtype=torch.float32, device=device)
+    return TreeAttnPlan(
+        qo_indptr=qo_indptr.clone(), kv_indptr=kv_indptr.clone(), kv_indices=kv_buf, tree_mask=tree_mask.clone(),
+        node_req=node_req.to(device), items=items.to(device), req_table=table.to(device), po=po, plse=plse,
+        batch=len(qo) - 1, total_nodes=len(mask), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        head_dim=head_dim, cache_slots=int(cache_slots), nodes_in_cache=nodes_in_cache, dtype=dtype,
+        dispatch=dispatch, capacity=size, num_items=used, split_len=split_len,
+        tree_block=_tree_block(max_nodes or largest))
+
+
+# --------------------------------------------------------------------------------------------
+# 3. Torch registration.
+# --------------------------------------------------------------------------------------------
+
+
+@torch.library.custom_op("specpilot_tree_attn::run", mutates_args=("po", "plse", "out", "lse"))
+def _run_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor | None,
+            v_new: torch.Tensor | None, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
+            tree_mask: torch.Tensor, node_req: torch.Tensor, items: torch.Tensor, req_table: torch.Tensor,
+            po: torch.Tensor | None, plse: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
+            sm_scale: float, kernel: str, cfg: list[int], tree_block: int) -> None:
+    config = SplitConfig(*cfg[:4], 1.0, cfg[4]) if cfg else None
+    _launch(kernel, config, tree_block, q, k_cache, v_cache, k_new, v_new, qo_indptr, kv_indptr, kv_indices, tree_mask, node_req,
+            items, req_table, po, plse, out, lse, sm_scale)
+
+
+@_run_op.register_fake
+def _(*args, **kwargs) -> None:
+    return None
+
+
+def _cfg_ints(cfg: SplitConfig | None) -> list[int]:
+    return [] if cfg is None else [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.merge_warps]
+
+
+# --------------------------------------------------------------------------------------------
+# 4. Public functions.
+# --------------------------------------------------------------------------------------------
+
+
+def _check_cache(fn, name, c, p: TreeAttnPlan, dtype, device):
+    if not isinstance(c, torch.Tensor):
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(c).__name__}")
+    if c.dim() not in (3, 4):
+        raise ValueError(f"{fn}: {name} has shape {tuple(c.shape)}; pass a token-slot cache [slots, Hkv, D] or a "
+                         "paged cache [pages, page_size, Hkv, D]")
+    if tuple(c.shape[-2:]) != (p.num_kv_heads, p.head_dim):
+        raise ValueError(f"{fn}: {name} has shape {tuple(c.shape)} but the plan has Hkv={p.num_kv_heads}, "
+                         f"D={p.head_dim}; its last two dims must be [{p.num_kv_heads}, {p.head_dim}]")
+    slots = c.shape[0] * (c.shape[1] if c.dim() == 4 else 1)
+    if slots < p.cache_slots:
+        raise ValueError(f"{fn}: {name} has {slots} token slots but the plan checked indices against "
+                         f"{p.cache_slots}; plan with cache_slots={slots}")
+    _check_tensor(fn, name, c, dtype, device)
+
+
+def _check_tensor(fn, name, t, dtype, device):
+    if t.dtype != dtype:
+        raise TypeError(f"{fn}: {name} has dtype {t.dtype} but q has {dtype}; q, k and v must share one dtype")
+    if t.device != device:
+        raise ValueError(f"{fn}: {name} is on {t.device} but q is on {device}; move it to {device}")
+    if t.numel() and t.stride(-1) != 1:
+        raise ValueError(f"{fn}: {name} must be contiguous in its last dim (stride {t.stride(-1)}); pass "
+                         f"{name}.contiguous()")
+
+
+def run(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=None, sm_scale=None, out=None,
+        return_lse: bool = False):
+    """Attention of every tree node over its prefix and its ancestors-or-self, from a `TreeAttnPlan`.
+
+    Returns out `[T, H, D]` (q's dtype), or (out, lse) with lse fp32 `[T, H]` (natural log) when
+    `return_lse`. Never syncs the host; CUDA graphs capture it. Trusts the plan's indices."""
+    fn = "tree_attn.run"
+    p = plan
+    if not isinstance(p, TreeAttnPlan):
+        raise TypeError(f"{fn}: plan must be a tree_attn.TreeAttnPlan (from tree_attn.plan), got {type(p).__name__}")
+    if not isinstance(q, torch.Tensor):
+        raise TypeError(f"{fn}: q must be a torch.Tensor, got {type(q).__name__}")
+    shape = (p.total_nodes, p.num_qo_heads, p.head_dim)
+    if tuple(q.shape) != shape:
+        raise ValueError(f"{fn}: q has shape {tuple(q.shape)} but the plan has T={shape[0]} nodes, H={shape[1]} "
+                         f"heads and D={shape[2]}; q must be [{shape[0]}, {shape[1]}, {shape[2]}]")
+    if q.dtype != p.dtype:
+        raise TypeError(f"{fn}: q has dtype {q.dtype} but the plan was built for {p.dtype}; plan with dtype={q.dtype}")
+    if q.device != p.device:
+        raise ValueError(f"{fn}: q is on {q.device} but the plan's buffers are on {p.device}; plan on {q.device}")
+    _check_tensor(fn, "q", q, p.dtype, p.device)
+    _check_cache(fn, "k_cache", k_cache, p, q.dtype, q.device)
+    _check_cache(fn, "v_cache", v_cache, p, q.dtype, q.device)
+    if tuple(k_cache.shape) != tuple(v_cache.shape):
+        raise ValueError(f"{fn}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape; "
+                         "they must have the same layout")
+    if (k_new is None) != (v_new is None):
+        raise ValueError(f"{fn}: pass both k_new and v_new, or neither (nodes already in the cache)")
+    if (k_new is None) != p.nodes_in_cache:
+        raise ValueError(f"{fn}: the plan was built with nodes_in_cache={p.nodes_in_cache} but k_new/v_new are "
+                         f"{'missing' if k_new is None else 'given'}; plan with nodes_in_cache={k_new is None}")
+    if k_new is not None:
+        for name, t in (("k_new", k_new), ("v_new", v_new)):
+            want = (p.total_nodes, p.num_kv_heads, p.head_dim)
+            if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
+                got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
+                raise ValueError(f"{fn}: {name} is {got}; it must be [T, Hkv, D] = {list(want)}")
+            _check_tensor(fn, name, t, q.dtype, q.device)
+    if out is None:
+        out = torch.empty(shape, dtype=q.dtype, device=q.device)
+    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != q.dtype:
+        got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__
+        raise ValueError(f"{fn}: out is {got}; it must be {list(shape)} of {q.dtype}")
+    else:
+        _check_tensor(fn, "out", out, q.dtype, q.device)
+    lse = torch.empty(shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    scale = p.head_dim ** -0.5 if sm_scale is None else float(sm_scale)
+    args = (q, k_cache, v_cache, k_new, v_new, p.qo_indptr, p.kv_indptr, p.kv_indices, p.tree_mask, p.node_req,
+            p.items, p.req_table, p.po, p.plse, out, lse, scale)
+    if torch.compiler.is_compiling():
+        torch.ops.specpilot_tree_attn.run(*args, p.dispatch.kernel, _cfg_ints(p.dispatch.config), p.tree_block)
+    else:
+        _launch(p.dispatch.kernel, p.dispatch.config, p.tree_block, *args)
+    return (out, lse) if return_lse else out
+
+
+def tree_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, *, sm_scale=None, k_new=None,
+                   v_new=None, out=None, return_lse: bool = False, variant: str | None = None):
+    """`plan` then `run` in one call (the plan step checks the inputs and may sync the host).
+
+    q `[T, H, D]` ragged by qo_indptr; caches `[slots, Hkv, D]` or `[pages, page_size, Hkv, D]` with
+    kv_indices listing token slots per request (kv_indptr); tree_mask int64 `[T]`, bit j: local node j
+    is an ancestor of the node or the node itself (gdn.TreePlan.anc). k_new/v_new `[T, Hkv, D]`: the
+    nodes' own keys/values; without them the last n_r kv_indices entries of each request are its nodes."""
+    fn = "tree_attn.tree_attention"
+    for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
+        if not isinstance(t, torch.Tensor):
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+    if q.dim() != 3:
+        raise ValueError(f"{fn}: q has shape {tuple(q.shape)}; it must be [T, H, D]")
+    if k_cache.dim() not in (3, 4):
+        raise ValueError(f"{fn}: k_cache has shape {tuple(k_cache.shape)}; pass [slots, Hkv, D] or "
+                         "[pages, page_size, Hkv, D]")
+    if q.dtype not in (torch.bfloat16, torch.float16):
+        raise TypeError(f"{fn}: q has dtype {q.dtype}; q, k and v must be bfloat16 or float16")
+    if k_cache.shape[-1] != q.shape[-1]:
+        raise ValueError(f"{fn}: q has head dim {q.shape[-1]} but k_cache has {k_cache.shape[-1]}; they must match")
+    for name, t in (("kv_indptr", kv_indptr), ("kv_indices", kv_indices), ("qo_indptr", qo_indptr),
+                    ("tree_mask", tree_mask)):
+        if isinstance(t, torch.Tensor) and t.device != q.device:
+            raise ValueError(f"{fn}: {name} is on {t.device} but q is on {q.device}; move it to {q.device}")
+    if isinstance(tree_mask, torch.Tensor) and tree_mask.dim() == 1 and tree_mask.shape[0] != q.shape[0]:
+        raise ValueError(f"{fn}: tree_mask has {tree_mask.shape[0]} entries but q has {q.shape[0]} rows; one mask "
+                         "word per tree node")
+    slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+    p = globals()["plan"](qo_indptr, kv_indptr, kv_indices, tree_mask, num_qo_heads=q.shape[1],
+                          num_kv_heads=k_cache.shape[-2], head_dim=q.shape[-1], cache_slots=slots,
+                          nodes_in_cache=k_new is None, dtype=q.dtype, variant=variant)
+    return run(p, q, k_cache, v_cache, k_new=k_new, v_new=v_new, sm_scale=sm_scale, out=out, return_lse=return_lse)
+
+
+def compiled_ptx(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=None) -> str:
+    """The PTX of the split kernel as `run` launches it for these arguments (runs it once)."""
+    p = plan
+    if p.dispatch.kernel == "reference":
+        raise ValueError("tree_attn.compiled_ptx: the plan runs the torch reference (no kernel); plan on a GPU")
+    out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    handle = _launch(p.dispatch.kernel, p.dispatch.config, p.tree_block, q, k_cache, v_cache, k_new, v_new, p.qo_indptr,
+                     p.kv_indptr, p.kv_indices, p.tree_mask, p.node_req, p.items, p.req_table, p.po, p.plse, out, None,
+                     p.head_dim ** -0.5)
+    return handle.asm["ptx"]
