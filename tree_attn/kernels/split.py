@@ -29,6 +29,39 @@ def _slot_offsets(slot, PAGE: tl.constexpr, stride_page, stride_off, head_off):
 
 
 @triton.jit
+def _prefix_step(q, m_i, l_i, acc, start, hi, k_ptr, v_ptr, kv_indices, sm_scale_log2, stride_kp, stride_ko, k_head,
+                 stride_vp, stride_vo, v_head, PAGE: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                 MASKED: tl.constexpr):
+    """One online-softmax step over the prefix keys kv_indices[start:start+BN] (those below `hi` when MASKED)."""
+    offs_n = start + tl.arange(0, BN)
+    offs_d = tl.arange(0, D)
+    if MASKED:
+        ok_n = offs_n < hi
+        slot = tl.load(kv_indices + offs_n, mask=ok_n, other=0)
+    else:
+        slot = tl.load(kv_indices + offs_n)
+    k_rows = _slot_offsets(slot, PAGE, stride_kp, stride_ko, k_head)
+    v_rows = _slot_offsets(slot, PAGE, stride_vp, stride_vo, v_head)
+    if MASKED:
+        k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=ok_n[:, None], other=0.0)
+    else:
+        k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :])
+    s = tl.dot(q, tl.trans(k)) * sm_scale_log2
+    if MASKED:
+        s = tl.where(ok_n[None, :], s, float("-inf"))
+    m_new = tl.maximum(m_i, tl.max(s, 1))
+    alpha = tl.exp2(m_i - m_new)
+    p = tl.exp2(s - m_new[:, None])
+    l_i = l_i * alpha + tl.sum(p, 1)
+    if MASKED:
+        v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=ok_n[:, None], other=0.0)
+    else:
+        v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :])
+    acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
+    return m_new, l_i, acc
+
+
+@triton.jit
 def tree_attn_split_kernel(
     q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr,
     qo_indptr, kv_indices, tree_mask, items, po_ptr, plse_ptr,
@@ -62,22 +95,15 @@ def tree_attn_split_kernel(
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
-        for start in range(lo, hi, BN):
-            offs_n = start + tl.arange(0, BN)
-            ok_n = offs_n < hi
-            slot = tl.load(kv_indices + offs_n, mask=ok_n, other=0)
-            k_rows = _slot_offsets(slot, PAGE, stride_kp, stride_ko, hk * stride_kh)
-            k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=ok_n[:, None], other=0.0)
-            s = tl.dot(q, tl.trans(k)) * sm_scale_log2
-            s = tl.where(ok_n[None, :], s, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(s, 1))
-            alpha = tl.exp2(m_i - m_new)
-            p = tl.exp2(s - m_new[:, None])
-            l_i = l_i * alpha + tl.sum(p, 1)
-            v_rows = _slot_offsets(slot, PAGE, stride_vp, stride_vo, hk * stride_vh)
-            v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :], mask=ok_n[:, None], other=0.0)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-            m_i = m_new
+        full = lo + (hi - lo) // BN * BN
+        for start in range(lo, full, BN):  # whole key blocks: no masks
+            m_i, l_i, acc = _prefix_step(q, m_i, l_i, acc, start, hi, k_ptr, v_ptr, kv_indices, sm_scale_log2,
+                                         stride_kp, stride_ko, hk * stride_kh, stride_vp, stride_vo, hk * stride_vh,
+                                         PAGE, D, BN, False)
+        if full < hi:  # the ragged last block
+            m_i, l_i, acc = _prefix_step(q, m_i, l_i, acc, full, hi, k_ptr, v_ptr, kv_indices, sm_scale_log2,
+                                         stride_kp, stride_ko, hk * stride_kh, stride_vp, stride_vo, hk * stride_vh,
+                                         PAGE, D, BN, True)
     else:
         offs_j = tl.arange(0, TN)
         ok_j = offs_j < n
