@@ -157,6 +157,20 @@ def test_linear_case_checks_pass_and_catch_errors():
         linear_cases.check_argmax(good.int(), x, w)
 
 
+def test_tree_attn_cases_cpu_tiny_only():
+    cpu, op = torch.device("cpu"), "tree_attn.tree_attention"
+    assert collect(get_shape_set("hybrid-27b"), cpu, [op]) == []
+    cases = collect(get_shape_set("tiny"), cpu, [op])
+    assert {c.group: c.baseline for c in cases} == {"B1-N5-L40": "flex", "B3-N4-L5-40": "flex",
+                                                    "chain-B1-N4-L24": "sdpa"}
+    assert "flex" not in {c.variant for c in cases}  # torch.compile'd flex: CUDA only
+    c = next(c for c in cases if c.shape == "B3-N4-L5-40" and c.variant == "mma")
+    H, Hkv, D = 2, 1, 64  # tiny's heads; D rounded up to a supported head dim
+    assert c.flops == 4 * H * D * sum(4 * (L + 4) for L in (37, 5, 20))
+    assert c.bytes == 2 * Hkv * D * 2 * (62 + 12) + 2 * 12 * H * D * 2
+    next(c for c in cases if c.variant == "sdpa-mask").setup().check()  # the peer's mask, against the reference
+
+
 def test_bench_on_tiny_linear(tmp_path):
     cases = [c for c in collect(get_shape_set("tiny"), torch.device("cpu"), ["linear"]) if c.dims["M"] == 4]
     res = runner.run(cases, "cpu", out_dir=tmp_path, reps=3, warmup=1, log=None)
