@@ -25,10 +25,14 @@ class SplitConfig:
     block_n: int = 64
     num_warps: int = 4
     num_stages: int = 2
-    # split-KV programs per SM the schedule aims at (tree_attn.plan): more splits fill the GPU at
-    # small batch, each split costs a partial output row block written and read back by the merge
+    # split-KV programs resident per SM: one wave of the GPU is programs_per_sm x SMs programs
+    # (tree_attn.plan sizes its splits in whole waves)
     programs_per_sm: float = 1.0
     merge_warps: int = 2
+    merge_parts: int = 16  # partials the merge loads at once (a power of two)
+    # fixed work of one prefix item in key blocks (q tile load, partial output written and merged), for
+    # the schedule's cost model
+    item_cost: int = 32
 
 
 def _heuristic(variant: str, head_dim: int, cc_major: int, interpret: bool) -> SplitConfig:

@@ -92,7 +92,8 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     tree_attn_merge_kernel[(T, H)](
         po, plse, out, lse if lse is not None else plse, node_req, qo_indptr, req_table, out.stride(0), out.stride(1),
-        HKV=Hkv, G=G, D=D, BM=cfg.block_m, WRITE_LSE=lse is not None, num_warps=cfg.merge_warps)
+        HKV=Hkv, G=G, D=D, BM=cfg.block_m, BP=cfg.merge_parts, WRITE_LSE=lse is not None,
+        num_warps=cfg.merge_warps)
     return handle
 
 
@@ -151,16 +152,16 @@ class TreeAttnPlan:
         `capacity` items and kv_indices that fit the kv_indices buffer), so a CUDA graph captured on this
         plan replays the new step. Host step: may sync."""
         fn = "tree_attn.TreeAttnPlan.update"
-        host = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, self.device)
-        qo, kv, idx, mask = host
-        if len(qo) - 1 != self.batch or len(mask) != self.total_nodes:
-            raise ValueError(f"{fn}: the step has {len(qo) - 1} requests and {len(mask)} nodes but the plan was built "
-                             f"for {self.batch} and {self.total_nodes}; build a new plan with tree_attn.plan")
-        if len(idx) > self.kv_indices.shape[0]:
-            raise ValueError(f"{fn}: {len(idx)} kv_indices exceed the plan's buffer of {self.kv_indices.shape[0]}; "
+        qo, kv, mask = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, self.device)
+        if len(qo) - 1 != self.batch or mask.shape[0] != self.total_nodes:
+            raise ValueError(f"{fn}: the step has {len(qo) - 1} requests and {mask.shape[0]} nodes but the plan was "
+                             f"built for {self.batch} and {self.total_nodes}; build a new plan with tree_attn.plan")
+        used = kv_indices.shape[0]
+        if used > self.kv_indices.shape[0]:
+            raise ValueError(f"{fn}: {used} kv_indices exceed the plan's buffer of {self.kv_indices.shape[0]}; "
                              "build the plan with a larger kv_capacity")
         if validate:
-            _validate(fn, qo, kv, idx, mask, self.cache_slots, self.nodes_in_cache)
+            _validate(fn, qo, kv, kv_indices, mask, self.cache_slots, self.nodes_in_cache)
         largest = max([qo[r + 1] - qo[r] for r in range(self.batch)] + [1])
         if largest > self.tree_block:
             raise ValueError(f"{fn}: a request has {largest} nodes but the plan's tree block holds {self.tree_block}; "
@@ -169,11 +170,11 @@ class TreeAttnPlan:
                                                              self.num_kv_heads, self.dispatch.config,
                                                              _target_items(self.device, self.num_kv_heads,
                                                                            self.dispatch.config),
-                                                             self.capacity, fixed=True)
+                                                             self.capacity)
         self.qo_indptr.copy_(torch.tensor(qo, dtype=torch.int32))
         self.kv_indptr.copy_(torch.tensor(kv, dtype=torch.int32))
-        self.kv_indices[:len(idx)].copy_(torch.tensor(idx, dtype=torch.int32))
-        self.tree_mask.copy_(torch.tensor(mask, dtype=torch.int64))
+        self.kv_indices[:used].copy_(kv_indices)
+        self.tree_mask.copy_(tree_mask)
         self.node_req.copy_(node_req)
         self.items.copy_(items)
         self.req_table.copy_(table)
@@ -187,20 +188,39 @@ def _target_items(device: torch.device, hkv: int, cfg: SplitConfig | None) -> in
     return max(1, round(cfg.programs_per_sm * _sm_count(device) / hkv))
 
 
-def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | None, target: int, capacity: int | None,
-              fixed: bool = False):
+def _split_blocks(tiles: list[int], lens: list[int], bn: int, target: int, item_cost: int) -> int:
+    """Key blocks per prefix split: the count that minimises the modelled time, whole waves of `target`
+    prefix items times the blocks of one item plus `item_cost` (its fixed work: the q tile, the partial
+    output written and merged). The tree items are short and fill the last wave's gaps: not counted."""
+    blocks = [-(-L // bn) for L in lens]
+    total = sum(t * b for t, b in zip(tiles, blocks))
+    if total == 0:
+        return 1
+
+    def items(per):
+        return sum(t * -(-b // per) for t, b in zip(tiles, blocks))
+
+    best = None
+    for waves in range(1, 9):
+        per = max(1, -(-total // (waves * target)))
+        cost = (-(-items(per) // target) * (per + item_cost), -per)  # ties: fewer, longer splits
+        if best is None or cost < best[0]:
+            best = (cost, per)
+    return best[1]
+
+
+def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | None, target: int, capacity: int | None):
     """(items [capacity, 4], req_table [B, 3], node_req [T], split_len, items used), all int32 CPU tensors.
 
-    One split length for every request: the prefix key blocks of all row blocks, spread over about
-    `target` items (KV heads are the grid's second axis). Items run split-major, row block minor, so
-    the row blocks of one split read the same K/V rows close together in time (L2)."""
+    One split length for every request (`_split_blocks`; `target` prefix items fill one wave of the
+    GPU, the KV heads being the grid's second axis). Items run split-major, row block minor, so the row
+    blocks of one split read the same K/V rows close together in time (L2)."""
     B = len(qo) - 1
     bm, bn = (cfg.block_m, cfg.block_n) if cfg is not None else (64, 64)
     ns = [qo[r + 1] - qo[r] for r in range(B)]
     lens = [kv[r + 1] - kv[r] - (ns[r] if nodes_in_cache else 0) for r in range(B)]
     tiles = [-(-n * group // bm) for n in ns]
-    blocks = sum(t * -(-L // bn) for t, L in zip(tiles, lens))
-    per = max(1, -(-blocks // target))  # key blocks per split
+    per = _split_blocks(tiles, lens, bn, target, cfg.item_cost if cfg is not None else 0)
 
     def count(per_split):
         return sum(t * (-(-L // (per_split * bn)) + 1) for t, L in zip(tiles, lens) if t)
@@ -235,7 +255,8 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | None, target
 
 
 def _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device=None):
-    """Host copies (lists) of the plan inputs after the dtype, rank and device checks."""
+    """(qo, kv) as lists and the masks as an int64 CPU tensor, after the dtype, rank and device checks.
+    kv_indices stays where it is (it can be long); `_validate` checks it there."""
     for name, t, dt in (("qo_indptr", qo_indptr, torch.int32), ("kv_indptr", kv_indptr, torch.int32),
                         ("kv_indices", kv_indices, torch.int32), ("tree_mask", tree_mask, torch.int64)):
         if not isinstance(t, torch.Tensor):
@@ -246,18 +267,19 @@ def _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device=None):
             raise ValueError(f"{fn}: {name} must be 1-D, got shape {tuple(t.shape)}")
         if device is not None and t.device != torch.device(device):
             raise ValueError(f"{fn}: {name} is on {t.device} but the call runs on {device}; move it there")
-    return qo_indptr.tolist(), kv_indptr.tolist(), kv_indices.tolist(), tree_mask.tolist()
+    return qo_indptr.tolist(), kv_indptr.tolist(), tree_mask.cpu()
 
 
-def _validate(fn, qo, kv, idx, mask, cache_slots, nodes_in_cache):
+def _validate(fn, qo, kv, kv_indices, mask, cache_slots, nodes_in_cache):
+    """Check one step's indptr arrays, slot indices and masks (host step: one sync for the slots)."""
     B = len(qo) - 1
     if len(kv) != len(qo):
         raise ValueError(f"{fn}: qo_indptr has {len(qo)} entries but kv_indptr has {len(kv)}; both are [B+1] for "
                          "the same B requests")
     if B < 0:
         raise ValueError(f"{fn}: qo_indptr is empty; it needs B+1 entries, starting with 0")
-    for name, ptr, total, what in (("qo_indptr", qo, len(mask), "tree_mask / q rows"),
-                                   ("kv_indptr", kv, len(idx), "kv_indices")):
+    for name, ptr, total, what in (("qo_indptr", qo, mask.shape[0], "tree_mask / q rows"),
+                                   ("kv_indptr", kv, kv_indices.shape[0], "kv_indices")):
         if ptr[0] != 0:
             raise ValueError(f"{fn}: {name}[0] = {ptr[0]}; it must start at 0")
         bad = [r for r in range(B) if ptr[r + 1] < ptr[r]]
@@ -267,36 +289,47 @@ def _validate(fn, qo, kv, idx, mask, cache_slots, nodes_in_cache):
         if ptr[-1] != total:
             raise ValueError(f"{fn}: {name}[-1] = {ptr[-1]} but there are {total} entries of {what}; the last offset "
                              "must equal that length")
-    bad = [i for i in idx if not 0 <= i < cache_slots]
-    if bad:
-        raise ValueError(f"{fn}: kv_indices holds slot {bad[0]} outside the cache's {cache_slots} token slots; "
-                         "every slot must be in [0, slots)")
-    for r in range(B):
-        n = qo[r + 1] - qo[r]
+    if kv_indices.numel():
+        out = (kv_indices < 0) | (kv_indices >= cache_slots)
+        if bool(out.any()):
+            first = int(out.nonzero()[0, 0])
+            raise ValueError(f"{fn}: kv_indices[{first}] = {int(kv_indices[first])} is outside the cache's "
+                             f"{cache_slots} token slots; every slot must be in [0, slots)")
+    ns = [qo[r + 1] - qo[r] for r in range(B)]
+    for r, n in enumerate(ns):
         if n > MAX_NODES:
             raise ValueError(f"{fn}: request {r} has {n} tree nodes, more than {MAX_NODES}; split the tree or "
                              "the request")
         if nodes_in_cache and kv[r + 1] - kv[r] < n:
             raise ValueError(f"{fn}: request {r} lists {kv[r + 1] - kv[r]} kv slots but has {n} nodes; without "
                              "k_new/v_new its last n kv_indices entries must be its nodes' slots")
-        rows = mask[qo[r]:qo[r + 1]]
-        allowed = (1 << n) - 1
-        for i, m in enumerate(rows):
-            mu = m & ((1 << 64) - 1)
-            if mu & ~allowed:
-                j = (mu & ~allowed).bit_length() - 1
-                raise ValueError(f"{fn}: tree_mask of node {qo[r] + i} (request {r}, local {i}) sets bit {j}, but "
-                                 f"the request has {n} nodes; bits must name local nodes 0..{n - 1}")
-            if not (mu >> i) & 1:
-                raise ValueError(f"{fn}: tree_mask of node {qo[r] + i} (request {r}, local {i}) lacks its own bit "
-                                 f"{i}; every node must see itself")
-            for j in range(n):
-                if (mu >> j) & 1:
-                    mj = rows[j] & ((1 << 64) - 1)
-                    if mj & ~mu:
-                        raise ValueError(f"{fn}: tree_mask is not ancestor-closed: node {qo[r] + i} sees local node "
-                                         f"{j} but not all of node {j}'s ancestors; a node's mask must include its "
-                                         "ancestors' masks")
+    T = mask.shape[0]
+    if T == 0:
+        return
+    # per node: its request's first node and size, its local index; bits j of every mask as a [T, 64] table
+    n_of = torch.repeat_interleave(torch.tensor(ns), torch.tensor(ns))
+    first = torch.repeat_interleave(torch.tensor(qo[:-1]), torch.tensor(ns))
+    local = torch.arange(T) - first
+    j = torch.arange(MAX_NODES)
+    bits = ((mask[:, None] >> j) & 1).bool()
+    stray = bits & (j[None, :] >= n_of[:, None])
+    if stray.any():
+        t, b = (int(x) for x in stray.nonzero()[0])
+        r = int(torch.searchsorted(torch.tensor(qo), t, right=True)) - 1
+        raise ValueError(f"{fn}: tree_mask of node {t} (request {r}, local {int(local[t])}) sets bit {b}, but the "
+                         f"request has {ns[r]} nodes; bits must name local nodes 0..{ns[r] - 1}")
+    own = bits[torch.arange(T), local]
+    if not own.all():
+        t = int((~own).nonzero()[0, 0])
+        raise ValueError(f"{fn}: tree_mask of node {t} (local {int(local[t])}) lacks its own bit {int(local[t])}; "
+                         "every node must see itself")
+    # ancestor-closed: every node j that node t sees has a mask inside t's
+    seen_masks = mask[(first[:, None] + j[None, :]).clamp(max=T - 1)]  # [T, 64]: mask of local node j
+    open_ = bits & ((seen_masks & ~mask[:, None]) != 0)
+    if open_.any():
+        t, b = (int(x) for x in open_.nonzero()[0])
+        raise ValueError(f"{fn}: tree_mask is not ancestor-closed: node {t} sees local node {b} but not all of node "
+                         f"{b}'s ancestors; a node's mask must include the masks of the nodes it sees")
 
 
 def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
@@ -313,8 +346,7 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
     default all three fit this step."""
     fn = "tree_attn.plan"
     device = tree_mask.device if isinstance(tree_mask, torch.Tensor) else None
-    host = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device)
-    qo, kv, idx, mask = host
+    qo, kv, mask = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device)
     if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
         raise ValueError(f"{fn}: {num_qo_heads} query heads are not a multiple of {num_kv_heads} KV heads; GQA needs "
                          "H = G * Hkv")
@@ -323,7 +355,7 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"{fn}: dtype {dtype} is not supported; q, k and v must be bfloat16 or float16")
     if validate:
-        _validate(fn, qo, kv, idx, mask, cache_slots, nodes_in_cache)
+        _validate(fn, qo, kv, kv_indices, mask, cache_slots, nodes_in_cache)
     largest = max([qo[r + 1] - qo[r] for r in range(len(qo) - 1)] + [1])
     if max_nodes is not None and not largest <= max_nodes <= MAX_NODES:
         raise ValueError(f"{fn}: max_nodes={max_nodes} must be in [{largest}, {MAX_NODES}] (the largest tree of this "
@@ -333,9 +365,9 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
     cfg = dispatch.config
     items, table, node_req, split_len, used = _schedule(fn, qo, kv, nodes_in_cache, group, cfg,
                                                         _target_items(device, num_kv_heads, cfg), capacity)
-    kv_cap = max(len(idx), kv_capacity or 0, 1)
-    kv_buf = torch.zeros(kv_cap, dtype=torch.int32, device=device)
-    kv_buf[:len(idx)].copy_(kv_indices)
+    n_kv = kv_indices.shape[0]
+    kv_buf = torch.zeros(max(n_kv, kv_capacity or 0, 1), dtype=torch.int32, device=device)
+    kv_buf[:n_kv].copy_(kv_indices)
     size = items.shape[0]
     po = plse = None
     if cfg is not None:
@@ -344,7 +376,7 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
     return TreeAttnPlan(
         qo_indptr=qo_indptr.clone(), kv_indptr=kv_indptr.clone(), kv_indices=kv_buf, tree_mask=tree_mask.clone(),
         node_req=node_req.to(device), items=items.to(device), req_table=table.to(device), po=po, plse=plse,
-        batch=len(qo) - 1, total_nodes=len(mask), num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
+        batch=len(qo) - 1, total_nodes=mask.shape[0], num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads,
         head_dim=head_dim, cache_slots=int(cache_slots), nodes_in_cache=nodes_in_cache, dtype=dtype,
         dispatch=dispatch, capacity=size, num_items=used, split_len=split_len,
         tree_block=_tree_block(max_nodes or largest))
@@ -361,7 +393,7 @@ def _run_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new
             tree_mask: torch.Tensor, node_req: torch.Tensor, items: torch.Tensor, req_table: torch.Tensor,
             po: torch.Tensor | None, plse: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
             sm_scale: float, kernel: str, cfg: list[int], tree_block: int) -> None:
-    config = SplitConfig(*cfg[:4], 1.0, cfg[4]) if cfg else None
+    config = SplitConfig(*cfg[:4], merge_warps=cfg[4], merge_parts=cfg[5]) if cfg else None
     _launch(kernel, config, tree_block, q, k_cache, v_cache, k_new, v_new, qo_indptr, kv_indptr, kv_indices, tree_mask, node_req,
             items, req_table, po, plse, out, lse, sm_scale)
 
@@ -372,7 +404,8 @@ def _(*args, **kwargs) -> None:
 
 
 def _cfg_ints(cfg: SplitConfig | None) -> list[int]:
-    return [] if cfg is None else [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.merge_warps]
+    return [] if cfg is None else [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.merge_warps,
+                                   cfg.merge_parts]
 
 
 # --------------------------------------------------------------------------------------------

@@ -138,7 +138,7 @@ def tree_attn_split_kernel(
 def tree_attn_merge_kernel(
     po_ptr, plse_ptr, out_ptr, lse_ptr, node_req, qo_indptr, req_table,
     stride_ot, stride_oh,
-    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, WRITE_LSE: tl.constexpr,
+    HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, WRITE_LSE: tl.constexpr,
 ):
     t = tl.program_id(0)
     h = tl.program_id(1)
@@ -154,16 +154,17 @@ def tree_attn_merge_kernel(
     m_run = tl.full([], float("-inf"), tl.float32)
     l_run = tl.zeros([], tl.float32)
     acc = tl.zeros([D], tl.float32)
-    for c in range(0, parts):
-        item = first + c * tiles + tile
-        at = (item * HKV + hk) * BM + row
-        lse_c = tl.load(plse_ptr + at)
-        o_c = tl.load(po_ptr + at.to(tl.int64) * D + offs_d)
-        m_new = tl.maximum(m_run, lse_c)
-        scale_old = tl.exp2(m_run - m_new)
+    for c0 in range(0, parts, BP):  # BP partials at a time: their loads are independent
+        c = c0 + tl.arange(0, BP)
+        ok = c < parts
+        at = ((first + c * tiles + tile) * HKV + hk) * BM + row
+        lse_c = tl.load(plse_ptr + at, mask=ok, other=float("-inf"))
+        o_c = tl.load(po_ptr + at.to(tl.int64)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
+        m_new = tl.maximum(m_run, tl.max(lse_c, 0))
         w = tl.exp2(lse_c - m_new)
-        acc = acc * scale_old + o_c * w
-        l_run = l_run * scale_old + w
+        scale_old = tl.exp2(m_run - m_new)
+        acc = acc * scale_old + tl.sum(o_c * w[:, None], 0)
+        l_run = l_run * scale_old + tl.sum(w, 0)
         m_run = m_new
     o = acc / l_run
     tl.store(out_ptr + t.to(tl.int64) * stride_ot + h * stride_oh + offs_d, o.to(out_ptr.dtype.element_ty))
