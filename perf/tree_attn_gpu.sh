@@ -5,11 +5,14 @@
 #   STAGES=bench bash perf/tree_attn_gpu.sh      (a subset, in this order)
 #
 # Stages (STAGES, default "tests bench"), each under its own timeout; keep their sum under the call's 600 s:
+#   explore perf/tree_attn_explore.py: the split kernel's config grid and the time breakdown of one call
+#           (EXPLORE_TIMEOUT 200 s); tree_attn_explore.{md,json} in $OUT.
 #   tests   the tree_attn GPU tests (tests/tree_attn, -m "gpu or hopper"), serially by default (TEST_WORKERS=0;
 #           TEST_K, TEST_SHARD, TEST_TIMEOUT 200 s).
 #   bench   specpilot bench --ops tree_attn.tree_attention (BENCH_SHAPES, default hybrid-27b; BENCH_TIMEOUT
 #           360 s: every "flex" case compiles first), and its summary (perf/bench_summary.py).
-# Files in $OUT (<= 8): summary.txt pytest.log bench.log <stamp>-tree_attn.tree_attention.{json,md,png}
+# Files in $OUT (<= 8): summary.txt pytest.log bench.log <stamp>-tree_attn.tree_attention.{json,md,png},
+# tree_attn_explore.{md,json}
 cd "$(dirname "$0")/.."
 STAGES=${STAGES:-tests bench}
 TEST_WORKERS=${TEST_WORKERS:-0}
@@ -17,6 +20,11 @@ TEST_WORKERS=${TEST_WORKERS:-0}
 SCRATCH=$(mktemp -d)
 declare -A RC
 
+if has_stage explore; then
+  timeout "${EXPLORE_TIMEOUT:-200}" python3 perf/tree_attn_explore.py --out "$OUT" >"$SCRATCH/explore.log" 2>&1
+  RC[explore]=$?
+  tail -n 20 "$SCRATCH/explore.log"
+fi
 if has_stage tests; then
   TEST_TIMEOUT=${TEST_TIMEOUT:-200} run_tests "$OUT/pytest.log" tests/tree_attn
   RC[tests]=$?

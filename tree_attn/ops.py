@@ -260,11 +260,13 @@ def _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device=None):
     for name, t, dt in (("qo_indptr", qo_indptr, torch.int32), ("kv_indptr", kv_indptr, torch.int32),
                         ("kv_indices", kv_indices, torch.int32), ("tree_mask", tree_mask, torch.int64)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}; pass torch.tensor(..., "
+                            f"dtype={dt})")
         if t.dtype != dt:
             raise TypeError(f"{fn}: {name} has dtype {t.dtype}; pass it as {dt}")
         if t.dim() != 1:
-            raise ValueError(f"{fn}: {name} must be 1-D, got shape {tuple(t.shape)}")
+            raise ValueError(f"{fn}: {name} must be 1-D, got shape {tuple(t.shape)}; pass a flat tensor "
+                             f"({name}.reshape(-1) if the values are right)")
         if device is not None and t.device != torch.device(device):
             raise ValueError(f"{fn}: {name} is on {t.device} but the call runs on {device}; move it there")
     return qo_indptr.tolist(), kv_indptr.tolist(), tree_mask.cpu()
@@ -358,8 +360,8 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
         _validate(fn, qo, kv, kv_indices, mask, cache_slots, nodes_in_cache)
     largest = max([qo[r + 1] - qo[r] for r in range(len(qo) - 1)] + [1])
     if max_nodes is not None and not largest <= max_nodes <= MAX_NODES:
-        raise ValueError(f"{fn}: max_nodes={max_nodes} must be in [{largest}, {MAX_NODES}] (the largest tree of this "
-                         f"step has {largest} nodes)")
+        raise ValueError(f"{fn}: max_nodes={max_nodes} is outside [{largest}, {MAX_NODES}] (the largest tree of "
+                         f"this step has {largest} nodes); pass a value in that range, or None")
     group = num_qo_heads // num_kv_heads
     dispatch = _plan(variant, device, head_dim, group)
     cfg = dispatch.config
@@ -415,7 +417,7 @@ def _cfg_ints(cfg: SplitConfig | None) -> list[int]:
 
 def _check_cache(fn, name, c, p: TreeAttnPlan, dtype, device):
     if not isinstance(c, torch.Tensor):
-        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(c).__name__}")
+        raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(c).__name__}; pass the cache tensor")
     if c.dim() not in (3, 4):
         raise ValueError(f"{fn}: {name} has shape {tuple(c.shape)}; pass a token-slot cache [slots, Hkv, D] or a "
                          "paged cache [pages, page_size, Hkv, D]")
@@ -448,9 +450,10 @@ def run(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=None, sm_s
     fn = "tree_attn.run"
     p = plan
     if not isinstance(p, TreeAttnPlan):
-        raise TypeError(f"{fn}: plan must be a tree_attn.TreeAttnPlan (from tree_attn.plan), got {type(p).__name__}")
+        raise TypeError(f"{fn}: plan is a {type(p).__name__}, not a tree_attn.TreeAttnPlan; build it with "
+                        "tree_attn.plan(...)")
     if not isinstance(q, torch.Tensor):
-        raise TypeError(f"{fn}: q must be a torch.Tensor, got {type(q).__name__}")
+        raise TypeError(f"{fn}: q must be a torch.Tensor, got {type(q).__name__}; pass q as [T, H, D]")
     shape = (p.total_nodes, p.num_qo_heads, p.head_dim)
     if tuple(q.shape) != shape:
         raise ValueError(f"{fn}: q has shape {tuple(q.shape)} but the plan has T={shape[0]} nodes, H={shape[1]} "
@@ -466,7 +469,9 @@ def run(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=None, sm_s
         raise ValueError(f"{fn}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape; "
                          "they must have the same layout")
     if (k_new is None) != (v_new is None):
-        raise ValueError(f"{fn}: pass both k_new and v_new, or neither (nodes already in the cache)")
+        raise ValueError(f"{fn}: k_new is {'missing' if k_new is None else 'given'} but v_new is "
+                         f"{'missing' if v_new is None else 'given'}; pass both, or neither when the nodes are "
+                         "already in the cache")
     if (k_new is None) != p.nodes_in_cache:
         raise ValueError(f"{fn}: the plan was built with nodes_in_cache={p.nodes_in_cache} but k_new/v_new are "
                          f"{'missing' if k_new is None else 'given'}; plan with nodes_in_cache={k_new is None}")
@@ -506,7 +511,7 @@ def tree_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_m
     fn = "tree_attn.tree_attention"
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}")
+            raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}; pass a tensor")
     if q.dim() != 3:
         raise ValueError(f"{fn}: q has shape {tuple(q.shape)}; it must be [T, H, D]")
     if k_cache.dim() not in (3, 4):

@@ -1,0 +1,209 @@
+"""GPU tests of tree_attn at serving shapes: a 32-node draft tree over prefixes up to 4096 keys (H=24, Hkv=4,
+D=256), a ragged batch of 8, every GQA ratio and head dim, both cache layouts and both Triton variants;
+CUDA-graph replay across new inputs and plan.update; torch.compile; the tensor-core instructions of each
+variant on sm_90.
+
+Bounds as in test_tree_attn.py (conftest.check_attn). Run on the GPU machine:
+`python -m pytest tests/tree_attn/test_tree_attn_gpu.py -q`.
+"""
+
+import pytest
+import torch
+
+import tree_attn
+from specpilot.testing import assert_bitwise_equal, assert_replays_equal, capture_graph
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+TRITON = ["wgmma", "mma"]
+
+
+def attend(b, variant=None):
+    out = b.poisoned_out()
+    got, lse = tree_attn.tree_attention(*b.args(), sm_scale=b.sm_scale, **b.new_kw(), out=out, return_lse=True,
+                                        variant=variant)
+    torch.cuda.synchronize()
+    assert got.data_ptr() == out.data_ptr(), "the result is not the out= tensor"
+    return got, lse
+
+
+# ------------------------------------------------------------------------------------ serving shapes
+
+RAGGED8 = [("draft64", 3001), ("single", 1), ("empty", 40), ("chain17", 0), ("star9", 129), ("draft24", 777),
+           ("rand48", 2048), ("forest5", 64)]
+CASES = {
+    # B=1 draft tree at the dims of a 24-head, 4-KV-head, D=256 model, a prefix from one key to 4096
+    "B1-draft32-L1": ([("draft32", 1)], 24, 4, 256),
+    "B1-draft32-L517": ([("draft32", 517)], 24, 4, 256),
+    "B1-draft32-L4096": ([("draft32", 4096)], 24, 4, 256),
+    "B1-chain64-L2048": ([("chain64", 2048)], 24, 4, 256),
+    # a ragged batch of 8: sizes 0..64, prefixes 0..3001
+    "B8-ragged": (RAGGED8, 32, 8, 128),
+}
+
+
+@pytest.mark.parametrize("variant", [*TRITON, None])
+@pytest.mark.parametrize("layout, nodes_in_cache", [("slot", False), ("slot", True), ("paged", False),
+                                                    ("paged", True)],
+                         ids=["slot-k_new", "slot-nodes-in-cache", "paged-k_new", "paged-nodes-in-cache"])
+@pytest.mark.parametrize("case", list(CASES))
+def test_serving_shapes(case, layout, nodes_in_cache, variant, make_batch, check):
+    reqs, H, Hkv, D = CASES[case]
+    b = make_batch(reqs, H=H, Hkv=Hkv, D=D, layout=layout, page_size=16, nodes_in_cache=nodes_in_cache,
+                   seed=len(case), device=DEV)
+    out, lse = attend(b, variant)
+    check(b, out, lse, msg=f"{case}/{layout}/{variant}")
+
+
+@pytest.mark.parametrize("variant", TRITON)
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("G", [1, 6, 8])
+def test_gqa_and_head_dims(G, D, variant, make_batch, check):
+    """GQA ratios 1, 6, 8 over 4 KV heads (H = 4, 24, 32), every head dim, both variants."""
+    b = make_batch([("draft32", 1000), ("draft7", 33), ("single", 0), ("chain64", 5)], H=4 * G, Hkv=4, D=D,
+                   seed=G + D, device=DEV)
+    out, lse = attend(b, variant)
+    check(b, out, lse, msg=f"G={G} D={D} {variant}")
+
+
+@pytest.mark.parametrize("variant", TRITON)
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_dtypes_and_peaked_scores(dtype, variant, make_batch, check):
+    """Both dtypes, scores with a spread of tens (q scaled by 6): the online softmax and the split merge
+    rescale without overflow or 0/0."""
+    b = make_batch(RAGGED8, H=32, Hkv=8, D=128, dtype=dtype, seed=3, q_scale=6.0, device=DEV)
+    out, lse = attend(b, variant)
+    check(b, out, lse, msg=f"{dtype}/{variant}")
+
+
+@pytest.mark.parametrize("variant", TRITON)
+@pytest.mark.parametrize("layout, nodes_in_cache", [("slot", False), ("paged", True)])
+def test_unnamed_slots_are_never_read(layout, nodes_in_cache, variant, make_batch, check):
+    """Every cache slot that no request names holds NaN (a padded key block that loads slot 0 or a
+    neighbour's slots would make outputs NaN)."""
+    b = make_batch(RAGGED8, H=32, Hkv=8, D=128, layout=layout, nodes_in_cache=nodes_in_cache, seed=4,
+                   unused=float("nan"), device=DEV)
+    out, lse = attend(b, variant)
+    check(b, out, lse, msg=f"{layout}/{variant}")
+
+
+@pytest.mark.parametrize("layout", ["slot", "paged"])
+def test_strided_caches(layout, make_batch, check):
+    """K and V as views into one fused [.., 2, ..] buffer: any strides but a contiguous head dim."""
+    b = make_batch(RAGGED8[:4], H=24, Hkv=4, D=256, layout=layout, fused_kv=True, nodes_in_cache=True, seed=5,
+                   device=DEV)
+    assert not b.k_cache.is_contiguous()
+    out, lse = attend(b)
+    check(b, out, lse, msg=layout)
+
+
+def test_default_variant_by_arch():
+    """sm_90 runs the wgmma variant by default, other GPUs the portable mma variant."""
+    major = torch.cuda.get_device_capability()[0]
+    want = "wgmma" if major == 9 else "mma" if major >= 8 else "reference"
+    assert tree_attn.VARIANTS.default(torch.device(DEV)) == want
+
+
+def test_wrong_device(make_batch, raises):
+    """A CPU index tensor, a CPU cache or a CPU plan beside CUDA tensors is refused with the device named."""
+    b = make_batch([("draft6", 9), ("single", 2)], H=4, Hkv=2, D=64, seed=6, device=DEV)
+    with raises(r"cpu|device"):
+        tree_attn.tree_attention(b.q, b.k_cache, b.v_cache, b.kv_indptr, b.kv_indices.cpu(), b.qo_indptr,
+                                 b.tree_mask, **b.new_kw())
+    with raises(r"cpu|device"):
+        tree_attn.tree_attention(b.q, b.k_cache.cpu(), b.v_cache.cpu(), *b.args()[3:], **b.new_kw())
+    with raises(r"cpu|device"):
+        tree_attn.tree_attention(*b.args(), k_new=b.k_new.cpu(), v_new=b.v_new.cpu())
+    cpu_plan = tree_attn.plan(b.qo_indptr.cpu(), b.kv_indptr.cpu(), b.kv_indices.cpu(), b.tree_mask.cpu(),
+                              **b.plan_kw())
+    with raises(r"cpu|device"):
+        tree_attn.run(cpu_plan, b.q, b.k_cache, b.v_cache, **b.new_kw())
+
+
+# ------------------------------------------------------------------------------------ graphs, compile
+
+STEP1 = [("draft32", 700), ("draft12", 33), ("single", 0), ("chain5", 1500)]
+STEP2 = [("rand32", 700), ("star12", 33), ("single", 0), ("draft5", 1500)]  # same sizes, other trees and slots
+
+
+def _load(dst, src):
+    """Copy src's data (q, caches, k_new/v_new) into dst's tensors, the buffers a graph captured."""
+    for name in ("q", "k_cache", "v_cache", "k_new", "v_new"):
+        if getattr(dst, name) is not None:
+            getattr(dst, name).copy_(getattr(src, name))
+
+
+@pytest.mark.parametrize("variant", TRITON)
+@pytest.mark.parametrize("layout, nodes_in_cache", [("slot", False), ("paged", True)])
+def test_cuda_graph_replays_new_inputs_and_updated_plan(layout, nodes_in_cache, variant, make_batch, check):
+    """run() captured once replays (1) bit-identically to the eager call, (2) on new q/k/v copied into the
+    captured buffers, (3) on the next step after plan.update of the same sizes (other trees, other slots)."""
+    kw = dict(H=24, Hkv=4, D=128, layout=layout, nodes_in_cache=nodes_in_cache, device=DEV, cache_slots=4096)
+    b = make_batch(STEP1, seed=7, **kw)
+    plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw(variant=variant,
+                                                                                            capacity=1024))
+    out = b.poisoned_out()
+    held = {}
+
+    def step():
+        held["out"], held["lse"] = tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), out=out,
+                                                 return_lse=True)
+
+    eager_out, eager_lse = tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), return_lse=True)
+    graph = capture_graph(step)
+    assert_replays_equal(graph, [out, held["lse"]], [eager_out, eager_lse], reps=5)
+    check(b, out, held["lse"], msg="captured step")
+
+    b2 = b.refill(seed=8)  # (2) the next layer: same plan, new values in the same buffers
+    _load(b, b2)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(b2, out, held["lse"], msg="new inputs")
+
+    b3 = make_batch(STEP2, seed=9, **kw)  # (3) the next step
+    _load(b, b3)
+    plan.update(b3.qo_indptr, b3.kv_indptr, b3.kv_indices, b3.tree_mask)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(b3, out, held["lse"], msg="after update")
+
+
+def test_torch_compile_fullgraph(make_batch, check):
+    """run() through its registered op inside torch.compile(fullgraph=True): the same bits as eager."""
+    b = make_batch(STEP1, H=24, Hkv=4, D=128, seed=10, device=DEV)
+    plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw())
+
+    def f(q, k_cache, v_cache, k_new, v_new):
+        out, lse = tree_attn.run(plan, q, k_cache, v_cache, k_new=k_new, v_new=v_new, return_lse=True)
+        return out * 2, lse  # * 2: a traced op after the custom op (exact in bf16)
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True)
+    got = cf(b.q, b.k_cache, b.v_cache, b.k_new, b.v_new)
+    want = f(b.q, b.k_cache, b.v_cache, b.k_new, b.v_new)
+    assert_bitwise_equal(got[0], want[0])
+    assert_bitwise_equal(got[1], want[1])
+    b2 = b.refill(seed=11)  # a second call of the compiled function on other tensors of the same shapes
+    got = cf(b2.q, b2.k_cache, b2.v_cache, b2.k_new, b2.v_new)
+    check(b2, got[0] / 2, got[1])
+
+
+# ------------------------------------------------------------------------------------ sm_90 code
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("D", [64, 128, 256])
+@pytest.mark.parametrize("variant", TRITON)
+def test_variant_instructions(variant, D, make_batch):
+    """On sm_90 the "wgmma" variant's split kernel issues wgmma; the "mma" variant's issues mma.sync and no
+    wgmma (it is the portable code that sm_80/89/120 run, so it is checked on Hopper too)."""
+    b = make_batch([("draft32", 1000), ("single", 3)], H=4 * 6, Hkv=4, D=D, seed=12, device=DEV)
+    plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw(variant=variant))
+    ptx = tree_attn.ops.compiled_ptx(plan, b.q, b.k_cache, b.v_cache, **b.new_kw())
+    if variant == "wgmma":
+        assert "wgmma" in ptx, f"D={D}: the wgmma variant's PTX has no wgmma"
+    else:
+        assert "mma.sync" in ptx and "wgmma" not in ptx, f"D={D}: the mma variant's PTX is not mma.sync-only"
