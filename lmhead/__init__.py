@@ -1,6 +1,15 @@
-"""Certified LM head: INT8 screen with a rigorous error bound, exact recompute of survivors.
+"""A certified greedy LM head: a cheap screen with a rigorous bound drops the tokens that cannot win,
+and the survivors are recomputed exactly, so `argmax` and `topk` equal the exact head's, always.
 
-Not implemented yet: this package only reserves the name. See the project's issue list.
+* `CertifiedHead(weight, screen="auto")`: a BF16 head `[V, H]` or a `w12.W12Weight`; screens "int8"
+  (an INT8 copy with BF16 group scales), "w12" (the W12 8-bit view: no second copy), "none".
+* `.argmax(hidden)`, `.topk(hidden, k)`, `.logits(hidden)`, `.stats()`.
+* `screen_bounds(head, hidden)`: the interval [L, U] of every exact logit.
+* `exact_logits_reference`, `argmax_reference`: fp64 oracles. docs/lmhead.md derives the bound.
 """
 
-__all__: list[str] = []
+from .ops import DEFAULT_CAPACITY, GROUP, SCREENS, VARIANTS, CertifiedHead, screen_bounds
+from .reference import argmax_reference, exact_logits_reference, int8_screen_reference
+
+__all__ = ["CertifiedHead", "screen_bounds", "SCREENS", "DEFAULT_CAPACITY", "GROUP", "VARIANTS",
+           "exact_logits_reference", "argmax_reference", "int8_screen_reference"]

@@ -128,10 +128,25 @@ def test_operators_with_kernels_follow_the_template():
 @pytest.mark.parametrize("op", _with_ops())
 def test_ops_module_shape(op):
     """VARIANTS is an autotune.Variants, a `_plan` step exists, and every public op function takes
-    keyword-only `variant=None` and `out=None` (in-place ops: `variant=None` only)."""
+    keyword-only `variant=None` and `out=None` (in-place ops and plan steps: `variant=None` only). An
+    operator served by a class (`lmhead.CertifiedHead`: built once, called per step) takes `variant=None`
+    in its constructor, and its public methods that return one tensor take `out=None`."""
     ops = __import__(f"{op}.ops", fromlist=["_"])
     assert isinstance(ops.VARIANTS, autotune.Variants), f"{op}.ops.VARIANTS"
     assert any(n == "_plan" or n.startswith("_plan_") for n in vars(ops)), f"{op}.ops has no _plan step"
+    for cls in (getattr(ops, n) for n in ops.__all__ if inspect.isclass(getattr(ops, n))):
+        init = inspect.signature(cls.__init__).parameters
+        if "variant" not in init:
+            continue
+        p = init["variant"]
+        assert p.kind is p.KEYWORD_ONLY and p.default is None, f"{op}.{cls.__name__}(variant=)"
+        methods = [m for n, m in vars(cls).items() if inspect.isfunction(m) and not n.startswith("_")]
+        outs = [m for m in methods if "out" in inspect.signature(m).parameters]
+        assert outs, f"{op}.{cls.__name__}: no public method takes out="
+        for m in outs:
+            p = inspect.signature(m).parameters["out"]
+            assert p.kind is p.KEYWORD_ONLY and p.default is None, f"{op}.{cls.__name__}.{m.__name__}: out"
+        return
     public = [getattr(ops, n) for n in ops.__all__ if inspect.isfunction(getattr(ops, n))]
     takes = [f for f in public if "variant" in inspect.signature(f).parameters]
     assert takes, f"{op}.ops has no public function with variant="

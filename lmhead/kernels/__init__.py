@@ -1,0 +1,1 @@
+"""Triton kernels of lmhead: the screen, the survivor selection and the exact recompute (screen.py)."""

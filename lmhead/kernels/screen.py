@@ -1,0 +1,246 @@
+"""The certified head's Triton kernels (all variants; tl.dot lowers to wgmma or mma.sync by tile shape).
+
+1. `lmhead_screen_kernel`: one program per BV vocabulary rows, all M hidden rows. Reads the cheap copy
+   (INT8 codes with BF16 group scales, or the W12 8-bit view: `hi` bytes with the row's exponent base),
+   forms the screen logit and the radius of its interval (docs/lmhead.md), writes the bounds L and U,
+   and raises each row's best lower bound (atomic max).
+2. `lmhead_select_kernel`: one program per (BV rows, hidden row): the tokens whose U reaches the
+   row's threshold are appended to the row's survivor list (atomic counter, `CAP` slots).
+3. `lmhead_exact_kernel`: the exact logits of listed rows (survivors, or every row), fp32 in one
+   fixed order; for argmax it folds (logit, token id) into one int64 key and takes the atomic max.
+   Rows whose survivors overflowed (or whose hidden state is not finite) are redone over the whole
+   vocabulary by the same code (`FULL`), in the same launch sequence.
+
+The key: the logit's bits mapped to a signed integer in float order (+0 and -0 equal; NaN above +Inf),
+shifted up 32 bits, and (2^32 - 1 - id) below, so the maximum key is the largest logit with the lowest
+id among equals.
+"""
+
+import triton
+import triton.language as tl
+
+
+@triton.jit
+def _view_w12(hi, e0):
+    """The W12 8-bit view of `hi` bytes (uint8 as int32) with row exponent bases `e0` (int32), as fp32:
+    the midpoint of the 16 BF16 values sharing the byte; 0 for byte 0 (docs/w12-format.md)."""
+    bits = ((((hi & 0x7F) << 4) | 0x8) + (e0 << 7)) | ((hi & 0x80) << 8)
+    bits = tl.where(hi == 0, 0, bits)
+    return (bits << 16).to(tl.float32, bitcast=True)
+
+
+@triton.jit
+def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, rw_ptr, a_ptr, sh_ptr, eh_ptr,
+                         hqn_ptr, hn_ptr, bad_ptr, lo_ptr, up_ptr, best_ptr, M, V, H, G, stride_hm, stride_wv, stride_tv,
+                         gamma_q, gamma_w, eta,
+                         MP: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr, W12: tl.constexpr):
+    """Screen logits and their intervals for BV vocabulary rows and M (<= MP) hidden rows.
+
+    INT8 (W12 False): the hidden states are quantised per group too (hq, scales sh, errors eh), so each
+    group's dot is an exact int8 tensor-core product: acc = sum_g sc[v,g] sh[m,g] (q_v . hq_m)_g.
+    W12: the 8-bit view decoded to BF16 (exact), times the BF16 hidden states, fp32 accumulation.
+    Radius: sum_g err[v,g] a[m,g] (+ sum_g n1[v,g] eh[m,g] for INT8) + gamma_q rq[v] hqn[m] + gamma_w rw[v] hn[m]."""
+    pid = tl.program_id(0)
+    offs_v = pid * BV + tl.arange(0, BV)
+    ok_v = offs_v < V
+    offs_m = tl.arange(0, MP)
+    ok_m = offs_m < M
+    acc = tl.zeros([MP, BV], tl.float32)
+    eb = tl.zeros([MP, BV], tl.float32)
+    if W12:
+        e0 = tl.load(sc_ptr + offs_v, mask=ok_v, other=0).to(tl.int32)
+    for g in range(0, G):
+        offs_k = g * GROUP + tl.arange(0, GROUP)
+        ok_k = offs_k < H
+        okh = ok_m[:, None] & ok_k[None, :]
+        c = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_k[None, :],
+                    mask=ok_v[:, None] & ok_k[None, :], other=0)
+        if W12:
+            h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], mask=okh, other=0.0)
+            wq = _view_w12(c.to(tl.int32), e0[:, None]).to(tl.bfloat16)  # the view is a BF16 value: exact
+            acc += tl.dot(h, tl.trans(wq))
+        else:
+            hq = tl.load(hq_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], mask=okh, other=0)
+            s = tl.load(sc_ptr + offs_v * stride_tv + g, mask=ok_v, other=0.0).to(tl.float32)
+            sh = tl.load(sh_ptr + offs_m * G + g, mask=ok_m, other=0.0)
+            acc += tl.dot(hq, tl.trans(c)).to(tl.float32) * (sh[:, None] * s[None, :])
+            n1 = tl.load(n1_ptr + offs_v * stride_tv + g, mask=ok_v, other=0.0).to(tl.float32)
+            eh = tl.load(eh_ptr + offs_m * G + g, mask=ok_m, other=0.0)
+            eb += eh[:, None] * n1[None, :]
+        e = tl.load(err_ptr + offs_v * stride_tv + g, mask=ok_v, other=0.0).to(tl.float32)
+        a = tl.load(a_ptr + offs_m * G + g, mask=ok_m, other=0.0)
+        eb += a[:, None] * e[None, :]
+    rq = tl.load(rq_ptr + offs_v, mask=ok_v, other=0.0)
+    rw = tl.load(rw_ptr + offs_v, mask=ok_v, other=0.0)
+    hqn = tl.load(hqn_ptr + offs_m, mask=ok_m, other=0.0)
+    hn = tl.load(hn_ptr + offs_m, mask=ok_m, other=0.0)
+    r = eb + gamma_q * hqn[:, None] * rq[None, :] + gamma_w * hn[:, None] * rw[None, :] + eta
+    r = r * 1.00006103515625  # (1 + 2^-14): the radius's own fp32 sums (at most 2G + 4 terms, G <= 512)
+    r = r + (tl.abs(acc) + r) * 2.384185791015625e-07  # 2^-22: so that acc -/+ r rounds outside [L, U]
+    r = tl.where(rw[None, :] == float("inf"), float("inf"), r)  # rows with a non-finite weight always survive
+    lo = acc - r
+    up = acc + r
+    at = offs_m[:, None] * V + offs_v[None, :]
+    ok = ok_m[:, None] & ok_v[None, :]
+    tl.store(lo_ptr + at, lo, mask=ok)
+    tl.store(up_ptr + at, up, mask=ok)
+    bad = tl.load(bad_ptr + offs_m, mask=ok_m, other=1)
+    best = tl.max(tl.where(ok_v[None, :], lo, float("-inf")), 1)
+    tl.atomic_max(best_ptr + offs_m, best, mask=ok_m & (bad == 0))
+
+
+@triton.jit
+def lmhead_select_kernel(up_ptr, thr_ptr, bad_ptr, count_ptr, surv_ptr, V, CAP, BV: tl.constexpr):
+    pid = tl.program_id(0)
+    m = tl.program_id(1)
+    if tl.load(bad_ptr + m) != 0:  # non-finite hidden state: the full exact path takes this row
+        return
+    offs = pid * BV + tl.arange(0, BV)
+    ok = offs < V
+    u = tl.load(up_ptr + m * V + offs, mask=ok, other=float("-inf"))
+    keep = ok & (u >= tl.load(thr_ptr + m))
+    n = tl.sum(keep.to(tl.int32), 0)
+    if n > 0:
+        base = tl.atomic_add(count_ptr + m, n)
+        pos = base + tl.cumsum(keep.to(tl.int32), 0) - 1
+        tl.store(surv_ptr + m * CAP + pos, offs, mask=keep & (pos < CAP))
+
+
+@triton.jit
+def _key(x, ids):
+    x = tl.where(x == 0.0, 0.0, x)  # -0 == +0: equal logits tie on the id
+    b = x.to(tl.int32, bitcast=True)
+    o = tl.where(b >= 0, b, b ^ 0x7FFFFFFF)
+    o = tl.where(x != x, 0x7FFFFFFF, o)  # NaN: the largest (torch.argmax's convention)
+    return (o.to(tl.int64) << 32) | (4294967295 - ids.to(tl.int64))
+
+
+@triton.jit
+def _exact_tile(h_ptr, stride_hm, rows_m, ok_m, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr, stride_wv,
+                stride_lv, ids, ok, H, MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, W12: tl.constexpr):
+    """fp32 logits [MP, BS] of hidden rows `rows_m` against head rows `ids`, in the one order every exact
+    logit of the head has: BK-column blocks in turn on the tensor cores (BF16 products, fp32 accumulation),
+    then, for a W12 head, the row's escapes in column order (an escape's dense code decodes to +0.0).
+    A logit depends only on its own hidden row and head row, so survivors and full passes agree bit for bit."""
+    acc = tl.zeros([MP, BS], tl.float32)
+    rows = ids[:, None].to(tl.int64)
+    if W12:
+        e0 = tl.load(e0_ptr + ids, mask=ok, other=0).to(tl.int32)[:, None]
+    for k0 in range(0, H, BK):
+        offs_k = k0 + tl.arange(0, BK)
+        ok_k = offs_k < H
+        okw = ok[:, None] & ok_k[None, :]
+        if W12:
+            hi = tl.load(w_ptr + rows * stride_wv + offs_k[None, :], mask=okw, other=0).to(tl.int32)
+            i = offs_k % 64
+            lo = tl.load(lo_ptr + rows * stride_lv + (offs_k // 64 * 32 + i % 32)[None, :], mask=okw, other=0)
+            nib = (lo.to(tl.int32) >> tl.where(i >= 32, 4, 0)[None, :]) & 0xF
+            c = (hi << 4) | nib
+            bits = ((c & 0x7FF) + (e0 << 7)) | ((c & 0x800) << 4)
+            w = (tl.where(c == 0, 0, bits) << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)
+        else:
+            w = tl.load(w_ptr + rows * stride_wv + offs_k[None, :], mask=okw, other=0.0)
+        h = tl.load(h_ptr + rows_m[:, None] * stride_hm + offs_k[None, :], mask=ok_m[:, None] & ok_k[None, :],
+                    other=0.0)
+        acc = tl.dot(h, tl.trans(w), acc)
+    if W12:
+        first = tl.load(rowptr_ptr + ids, mask=ok, other=0)
+        n_esc = tl.load(rowptr_ptr + ids + 1, mask=ok, other=0) - first
+        for j in range(0, tl.max(n_esc, 0)):
+            okj = ok & (j < n_esc)
+            col = tl.load(ecol_ptr + first + j, mask=okj, other=0)
+            val = tl.load(eval_ptr + first + j, mask=okj, other=0).to(tl.int32)
+            wv = ((val & 0xFFFF) << 16).to(tl.float32, bitcast=True)
+            hv = tl.load(h_ptr + rows_m[:, None] * stride_hm + col[None, :], mask=ok_m[:, None] & okj[None, :],
+                         other=0.0).to(tl.float32)
+            acc += tl.where(okj[None, :], wv[None, :] * hv, 0.0)
+    return acc
+
+
+@triton.jit
+def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr, ids_ptr, count_ptr, flag_ptr,
+                        out_ptr, key_ptr, M, V, H, CAP, stride_hm, stride_wv, stride_lv, MP: tl.constexpr,
+                        BS: tl.constexpr, BK: tl.constexpr, W12: tl.constexpr, FULL: tl.constexpr,
+                        KEYS: tl.constexpr):
+    """FULL: BS vocabulary rows against all M (<= MP) hidden rows (grid V / BS); does nothing unless a row
+    has flag != 0; writes the logits of every row to out ([M, V]) when given, and the keys of flagged
+    rows. Otherwise: BS listed survivors of hidden row m (grid CAP / BS, M), the first min(count, CAP);
+    every row of the MP-row tile holds h[m], so the tile is the full pass's; out ([M, CAP]) gets -inf past
+    the count."""
+    pid = tl.program_id(0)
+    if FULL:
+        offs_m = tl.arange(0, MP)
+        ok_m = offs_m < M
+        flag = tl.load(flag_ptr + offs_m, mask=ok_m, other=0)
+        if tl.max(flag, 0) == 0:
+            return
+        offs = pid * BS + tl.arange(0, BS)
+        ok = offs < V
+        x = _exact_tile(h_ptr, stride_hm, offs_m, ok_m, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr,
+                        stride_wv, stride_lv, offs, ok, H, MP, BS, BK, W12)
+        if out_ptr is not None:
+            tl.store(out_ptr + offs_m[:, None] * V + offs[None, :], x, mask=ok_m[:, None] & ok[None, :])
+        if KEYS:
+            k = tl.where(ok[None, :], _key(x, offs[None, :]), -9223372036854775807)
+            tl.atomic_max(key_ptr + offs_m, tl.max(k, 1), mask=ok_m & (flag != 0))
+    else:
+        m = tl.program_id(1)
+        slot = pid * BS + tl.arange(0, BS)
+        n = tl.minimum(tl.load(count_ptr + m), CAP)
+        ok = slot < n
+        if pid * BS >= n:
+            return
+        ids = tl.load(ids_ptr + m * CAP + slot, mask=ok, other=0)
+        rows_m = tl.zeros([MP], tl.int32) + m
+        x = tl.max(_exact_tile(h_ptr, stride_hm, rows_m, rows_m >= 0, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr,
+                               eval_ptr, stride_wv, stride_lv, ids, ok, H, MP, BS, BK, W12), 0)
+        if out_ptr is not None:
+            tl.store(out_ptr + m * CAP + slot, tl.where(ok, x, float("-inf")), mask=slot < CAP)
+        if KEYS:
+            tl.atomic_max(key_ptr + m, tl.max(tl.where(ok, _key(x, ids), -9223372036854775807), 0))
+
+
+@triton.jit
+def lmhead_prep_kernel(h_ptr, a_ptr, hn_ptr, bad_ptr, hq_ptr, sh_ptr, eh_ptr, hqn_ptr, H, G, stride_hm, row_up,
+                       GROUP: tl.constexpr, INT8: tl.constexpr):
+    """Per hidden row m (one program): bad = any non-finite entry (those are read as 0 below);
+    a[m, g] = ||h_g||_1 and hn = ||h||_2 rounded up; INT8: hq = round(h / sh) in [-127, 127] with
+    sh = max|h_g| / 127 (slightly above), eh[m, g] >= max |h - sh hq|, hqn >= ||sh hq||_2.
+    Rounding up: a sum of n >= 0 fp32 terms is within (n - 1) 2^-24 of its value (relative), covered by
+    (1 + 2^-16) for the 128-term groups and `row_up` = 1 + (H + 8) 2^-23 for the row (the scaling by
+    1 / max|x|, which keeps squares from overflowing or underflowing, adds a few roundings per term)."""
+    m = tl.program_id(0)
+    amax_row = tl.zeros([], tl.float32)
+    nonfin = tl.zeros([], tl.int32)
+    for g in range(0, G):
+        offs = g * GROUP + tl.arange(0, GROUP)
+        x = tl.load(h_ptr + m * stride_hm + offs, mask=offs < H, other=0.0).to(tl.float32)
+        fin = tl.abs(x) < float("inf")
+        nonfin += tl.sum((~fin).to(tl.int32), 0)
+        x = tl.where(fin, x, 0.0)
+        amax_row = tl.maximum(amax_row, tl.max(tl.abs(x), 0))
+    inv = tl.where(amax_row > 0, 1.0 / amax_row, 0.0)
+    ss = tl.zeros([], tl.float32)
+    ssq = tl.zeros([], tl.float32)
+    for g in range(0, G):
+        offs = g * GROUP + tl.arange(0, GROUP)
+        x = tl.load(h_ptr + m * stride_hm + offs, mask=offs < H, other=0.0).to(tl.float32)
+        x = tl.where(tl.abs(x) < float("inf"), x, 0.0)
+        ax = tl.abs(x)
+        tl.store(a_ptr + m * G + g, tl.sum(ax, 0) * 1.0000152587890625)  # (1 + 2^-16)
+        ss += tl.sum((x * inv) * (x * inv), 0)
+        if INT8:
+            amax = tl.max(ax, 0)
+            s = tl.where(amax > 0, amax / 127.0 * 1.0000002384185791, 1.0)  # (1 + 2^-22) keeps |x / s| <= 127
+            q = tl.minimum(tl.maximum(tl.floor(x / s + 0.5), -127.0), 127.0)
+            r = tl.abs(tl.fma(-s, q, x))  # one rounding of x - s q
+            tl.store(hq_ptr + m * stride_hm + offs, q.to(tl.int8), mask=offs < H)
+            tl.store(sh_ptr + m * G + g, s)
+            tl.store(eh_ptr + m * G + g, tl.max(r, 0) * 1.0000002384185791)
+            xq = s * q * inv
+            ssq += tl.sum(xq * xq, 0)
+    # sqrt_rn and the two products: one rounding each, covered by (1 + 2^-20)
+    tl.store(hn_ptr + m, tl.sqrt_rn(ss * row_up) * amax_row * 1.00000095367431640625)
+    tl.store(bad_ptr + m, (nonfin > 0).to(tl.int32))
+    if INT8:
+        tl.store(hqn_ptr + m, tl.sqrt_rn(ssq * row_up) * amax_row * 1.00000095367431640625)

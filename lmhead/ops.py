@@ -1,0 +1,572 @@
+"""The certified greedy head in three layers: launch-only functions (`_plan` decides the kernels of a head,
+`_launch_*` run them without a host sync), the torch custom-op registration, and `CertifiedHead`.
+
+A call screens every token with the cheap copy and its rigorous interval [L, U] (docs/lmhead.md),
+keeps the tokens whose U reaches the row's best L (or the k-th best L for top-k), recomputes those
+exactly, and takes the answer from the exact logits. A row whose survivors overflow the capacity, or
+whose hidden state is not finite, is redone over the whole vocabulary by the same exact code in the
+same launch sequence. Nothing syncs the host; CUDA graphs capture `argmax` and `topk`.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+
+import autotune
+from autotune.hardware import gpu_slug, is_interpreter
+
+from .configs import AUTO_SCREEN, HeadConfig, head_config
+from .kernels.screen import lmhead_exact_kernel, lmhead_prep_kernel, lmhead_screen_kernel, lmhead_select_kernel
+from .reference import dense_weight, round_up_bf16
+
+__all__ = ["CertifiedHead", "screen_bounds", "VARIANTS", "SCREENS", "DEFAULT_CAPACITY", "GROUP"]
+
+OP = "lmhead.argmax"
+# "triton": the kernels of lmhead/kernels/screen.py (tl.dot: wgmma or mma.sync by tile shape); "reference":
+# the same steps in torch (CPU tensors without the interpreter).
+VARIANTS = autotune.Variants(OP, by_arch={8: "triton"}, known=("triton", "reference"), fallback="reference")
+SCREENS = ("int8", "w12", "none")
+DEFAULT_CAPACITY = 2048
+GROUP = 128  # columns per scale / error group of the screen
+_PLANS = autotune.PlanCache()
+_U = 2.0**-22  # unit roundoff allowed per fp32 addition (twice fp32's: covers tensor cores' truncating accumulation)
+_MIN_KEY = -(2**63)
+
+
+def gamma(n: int) -> float:
+    """n u / (1 - n u): the relative bound on any order of n fp32 additions of exact products."""
+    return n * _U / (1 - n * _U)
+
+
+def _plan(variant: str | None, device: torch.device, V: int, H: int) -> autotune.Plan:
+    chosen, _ = VARIANTS.choose(variant, device, where="lmhead.CertifiedHead")
+    key = (chosen, str(device), V, H, autotune.forced(OP), is_interpreter())
+
+    def make() -> autotune.Plan:
+        if chosen == "reference" or (device.type != "cuda" and not is_interpreter()):
+            return autotune.Plan(chosen, "reference")
+        return autotune.Plan(chosen, "triton", head_config(chosen, V, H, is_interpreter(), device))
+
+    return _PLANS.get(key, make)
+
+
+# --------------------------------------------------------------------------------------------
+# Build: the screen's tables, once per head.
+# --------------------------------------------------------------------------------------------
+
+
+def _round_up_f32(x: torch.Tensor) -> torch.Tensor:
+    """The least fp32 >= x (x fp64, finite or +inf)."""
+    y = x.float()
+    return torch.where(y.double() < x, torch.nextafter(y, torch.full_like(y, float("inf"))), y)
+
+
+def _groups(w: torch.Tensor, group: int) -> torch.Tensor:
+    """[R, H] -> [R, G, group] (zero-padded)."""
+    R, H = w.shape
+    G = -(-H // group)
+    pad = torch.zeros(R, G * group, dtype=w.dtype, device=w.device)
+    pad[:, :H] = w
+    return pad.view(R, G, group)
+
+
+def _w12_view_rows(packed, r0: int, r1: int) -> torch.Tensor:
+    """The W12 8-bit view of rows r0:r1 as fp64 `[r1 - r0, K]`, escapes reading as their dense code 0."""
+    hi = packed.hi[r0:r1, :packed.K].int()
+    e0 = packed.e0[r0:r1].int()[:, None]
+    bits = ((((hi & 0x7F) << 4) | 0x8) + (e0 << 7)) | ((hi & 0x80) << 8)
+    bits = torch.where(hi == 0, torch.zeros_like(bits), bits)
+    return (bits << 16).view(torch.float32).double()
+
+
+def _build_tables(weight, screen: str, group: int, chunk: int = 8192) -> dict:
+    """The screen copy and its bound tables, built row chunk by row chunk in fp64 (exact here), each bound
+    rounded up: err[v, g] = max_k |W - screen weight| (BF16), rq[v] = ||screen row||_2 and rw[v] =
+    ||W_v||_2 (fp32; rw = +inf for a row with a non-finite weight: it always survives). INT8 adds the codes
+    q, the BF16 scales and n1[v, g] = ||screen row's group||_1 (BF16), for the hidden states' own rounding."""
+    w12 = not isinstance(weight, torch.Tensor)
+    V, H = (weight.N, weight.K) if w12 else weight.shape
+    dev = weight.hi.device if w12 else weight.device
+    G = -(-H // group)
+    t = {"err": torch.empty(V, G, dtype=torch.bfloat16, device=dev),
+         "rq": torch.empty(V, dtype=torch.float32, device=dev), "rw": torch.empty(V, dtype=torch.float32, device=dev)}
+    if screen == "int8":
+        t["q"] = torch.empty(V, H, dtype=torch.int8, device=dev)
+        t["scale"] = torch.empty(V, G, dtype=torch.bfloat16, device=dev)
+        t["n1"] = torch.empty(V, G, dtype=torch.bfloat16, device=dev)
+    for r0 in range(0, V, chunk):
+        r1 = min(V, r0 + chunk)
+        wd = (dense_weight(weight)[r0:r1] if not w12 else _decode_rows(weight, r0, r1)).double()
+        finite = torch.isfinite(wd).all(-1)
+        wd = torch.where(torch.isfinite(wd), wd, torch.zeros_like(wd))
+        if screen == "int8":
+            q, scale = _quantize(wd, group)
+            approx = (_groups(q, group) * scale.double()[..., None]).view(r1 - r0, -1)[:, :H]
+            t["q"][r0:r1] = q.to(torch.int8)
+            t["scale"][r0:r1] = scale
+            t["n1"][r0:r1] = round_up_bf16(_groups(approx.abs(), group).sum(-1) * (1 + 2.0**-40))
+        else:
+            approx = _w12_view_rows(weight, r0, r1)
+        t["err"][r0:r1] = round_up_bf16(_groups(wd - approx, group).abs().amax(-1))
+        t["rq"][r0:r1] = _round_up_f32(approx.norm(dim=-1) * (1 + 2.0**-40))
+        rw = _round_up_f32(wd.norm(dim=-1) * (1 + 2.0**-40))
+        t["rw"][r0:r1] = torch.where(finite, rw, torch.full_like(rw, float("inf")))
+    return t
+
+
+def _quantize(x: torch.Tensor, group: int, scale_dtype=torch.bfloat16):
+    """(codes fp64 [R, H] in [-127, 127], scales [R, G] in `scale_dtype`): per group of `group` columns,
+    scale = max|x| / 127 rounded up (1 for an all-zero group), codes = round(x / scale)."""
+    R, H = x.shape
+    g = _groups(x, group)
+    amax = g.abs().amax(-1)
+    if scale_dtype == torch.bfloat16:
+        scale = round_up_bf16(amax / 127)
+    else:
+        scale = _round_up_f32(amax / 127)
+    scale = torch.where(amax == 0, torch.ones_like(scale), scale)
+    q = torch.round(g / scale.double()[..., None]).clamp(-127, 127)
+    return q.view(R, -1)[:, :H], scale
+
+
+def _decode_rows(packed, r0: int, r1: int) -> torch.Tensor:
+    import w12  # a W12 head: `lmhead -> w12` is the one allowed sibling import (docs/architecture.md)
+
+    return w12.unpack(packed)[r0:r1] if r1 - r0 == packed.N else _slice_unpack(packed, r0, r1)
+
+
+def _slice_unpack(packed, r0: int, r1: int) -> torch.Tensor:
+    import w12
+
+    sub = w12.W12Weight(packed.hi[r0:r1], packed.lo[r0:r1], packed.e0[r0:r1],
+                        packed.esc_rowptr[r0:r1 + 1] - packed.esc_rowptr[r0],
+                        packed.esc_col[int(packed.esc_rowptr[r0]):int(packed.esc_rowptr[r1])],
+                        packed.esc_val[int(packed.esc_rowptr[r0]):int(packed.esc_rowptr[r1])], packed.K)
+    return w12.unpack(sub)
+
+
+# --------------------------------------------------------------------------------------------
+# 1. Launch-only functions.
+# --------------------------------------------------------------------------------------------
+
+
+def _prep(h: torch.Tensor, group: int, int8: bool) -> dict:
+    """Per hidden row, in fp64 then rounded up to fp32 (sums of at most 2^16 terms, 2^-53 relative error
+    each): a [M, G] = ||h_g||_1, hn [M] = ||h||_2, bad [M] (not finite: the full exact path). INT8 adds
+    the quantised hidden states hq (int8 [M, H]), their scales sh [M, G] (fp32), errors eh [M, G] =
+    max |h - sh hq| and hqn [M] = ||sh hq||_2."""
+    hd = h.double()
+    fin = torch.isfinite(hd)
+    bad = (~fin.all(-1)).to(torch.int32)
+    hd = torch.where(fin, hd, torch.zeros_like(hd))
+    up = 1 + 2.0**-36
+    p = {"a": _round_up_f32(_groups(hd.abs(), group).sum(-1) * up).contiguous(),
+         "hn": _round_up_f32(hd.norm(dim=-1) * up), "bad": bad}
+    if int8:
+        q, sh = _quantize(hd, group, torch.float32)
+        approx = (_groups(q, group) * sh.double()[..., None]).view(h.shape[0], -1)[:, :h.shape[1]]
+        p["hq"] = q.to(torch.int8).contiguous()
+        p["sh"] = sh.contiguous()
+        p["eh"] = _round_up_f32(_groups(hd - approx, group).abs().amax(-1)).contiguous()
+        p["hqn"] = _round_up_f32(approx.norm(dim=-1) * up)
+    return p
+
+
+def _prep_triton(h: torch.Tensor, group: int, int8: bool) -> dict:
+    """`_prep` in one launch (lmhead_prep_kernel); the same quantities, bounded the same way."""
+    M, H = h.shape
+    G = -(-H // group)
+    dev = h.device
+    p = {"a": torch.empty(M, G, dtype=torch.float32, device=dev), "hn": torch.empty(M, dtype=torch.float32, device=dev),
+         "bad": torch.empty(M, dtype=torch.int32, device=dev)}
+    if int8:
+        p.update(hq=torch.empty(M, H, dtype=torch.int8, device=dev), sh=torch.empty(M, G, dtype=torch.float32, device=dev),
+                 eh=torch.empty(M, G, dtype=torch.float32, device=dev),
+                 hqn=torch.empty(M, dtype=torch.float32, device=dev))
+    a = p["a"]
+    lmhead_prep_kernel[(M,)](h, a, p["hn"], p["bad"], p.get("hq", a), p.get("sh", a), p.get("eh", a), p.get("hqn", a),
+                             H, G, h.stride(0), 1 + (H + 8) * 2.0**-23, GROUP=group, INT8=int8, num_warps=4)
+    return p
+
+
+def _key_torch(x: torch.Tensor, ids: torch.Tensor) -> torch.Tensor:
+    """The kernels' int64 order key (lmhead/kernels/screen.py) in torch."""
+    x = torch.where(x == 0, torch.zeros_like(x), x)
+    b = x.view(torch.int32).long()
+    o = torch.where(b >= 0, b, b ^ 0x7FFFFFFF)
+    o = torch.where(torch.isnan(x), torch.full_like(o, 0x7FFFFFFF), o)
+    return (o << 32) | (0xFFFFFFFF - ids.long())
+
+
+def _ids_of(key: torch.Tensor) -> torch.Tensor:
+    return 0xFFFFFFFF - (key & 0xFFFFFFFF)
+
+
+def _weight_args(hd: "CertifiedHead"):
+    """(w_ptr, lo, e0, rowptr, esc_col, esc_val, stride_w, stride_lo, W12) for the exact kernel."""
+    if hd.packed is not None:
+        p = hd.packed
+        return (p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, p.hi.stride(0), p.lo.stride(0), True)
+    w = hd.weight
+    return (w, w, w, w, w, w, w.stride(0), 0, False)
+
+
+def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best):
+    cfg, t = hd.cfg, hd.tables
+    M = h.shape[0]
+    int8 = hd.screen == "int8"
+    if int8:
+        w, sc, n1, hq, sh, eh, hqn = t["q"], t["scale"], t["n1"], p["hq"], p["sh"], p["eh"], p["hqn"]
+    else:  # W12 view: the INT8-only arguments are unused (any tensor)
+        w, sc, n1, hq, sh, eh, hqn = hd.packed.hi, hd.packed.e0, t["err"], h, p["a"], p["a"], p["hn"]
+    G = t["err"].shape[1]
+    for m0 in range(0, M, cfg.max_rows):
+        m1 = min(M, m0 + cfg.max_rows)
+        mp = max(16, triton.next_power_of_2(m1 - m0))
+        lmhead_screen_kernel[(triton.cdiv(hd.V, cfg.screen_bv),)](
+            h[m0:m1], hq[m0:m1], w, sc, t["err"], n1, t["rq"], t["rw"], p["a"][m0:m1], sh[m0:m1], eh[m0:m1],
+            hqn[m0:m1], p["hn"][m0:m1], p["bad"][m0:m1], lo[m0:m1], up[m0:m1], best[m0:m1], m1 - m0, hd.V, hd.H, G,
+            h.stride(0), w.stride(0), G, hd.gamma_q, hd.gamma, hd.eta, MP=mp, BV=cfg.screen_bv, GROUP=hd.group,
+            W12=not int8, num_warps=cfg.screen_warps, num_stages=cfg.screen_stages)
+
+
+def _launch_exact(hd: "CertifiedHead", h, ids, count, flag, out, key, full: bool):
+    cfg = hd.cfg
+    M = h.shape[0]
+    w, lo, e0, rp, ec, ev, sw, sl, w12 = _weight_args(hd)
+    if not full:
+        lmhead_exact_kernel[(triton.cdiv(hd.capacity, cfg.exact_bs), M)](
+            h, w, lo, e0, rp, ec, ev, ids, count, flag, out, key, M, hd.V, hd.H, hd.capacity, h.stride(0), sw, sl,
+            MP=16, BS=cfg.exact_bs, BK=cfg.exact_bk, W12=w12, FULL=False, KEYS=key is not None,
+            num_warps=cfg.exact_warps)
+        return
+    for m0 in range(0, M, cfg.max_rows):  # hidden rows in tiles of at most max_rows (MMA rows: 16 or 32)
+        m1 = min(M, m0 + cfg.max_rows)
+        mp = 16 if m1 - m0 <= 16 else 32
+        lmhead_exact_kernel[(triton.cdiv(hd.V, cfg.exact_bs),)](
+            h[m0:m1], w, lo, e0, rp, ec, ev, ids, count, flag[m0:m1], None if out is None else out[m0:m1],
+            None if key is None else key[m0:m1], m1 - m0, hd.V, hd.H, hd.capacity, h.stride(0), sw, sl, MP=mp,
+            BS=cfg.exact_bs, BK=cfg.exact_bk, W12=w12, FULL=True, KEYS=key is not None, num_warps=cfg.exact_warps)
+
+
+def _survivors(hd: "CertifiedHead", h, thr_from_lo):
+    """Screen, threshold, select. Returns (lo, up, count, surv, flag, bad); flag: rows for the full path."""
+    M, dev = h.shape[0], h.device
+    p = _prep_triton(h, hd.group, hd.screen == "int8")
+    bad = p["bad"]
+    lo = torch.empty(M, hd.V, dtype=torch.float32, device=dev)
+    up = torch.empty(M, hd.V, dtype=torch.float32, device=dev)
+    best = torch.full((M,), float("-inf"), dtype=torch.float32, device=dev)
+    _launch_screen(hd, h, p, lo, up, best)
+    thr = best if thr_from_lo is None else thr_from_lo(lo, bad)
+    count = torch.zeros(M, dtype=torch.int32, device=dev)
+    surv = torch.empty(M, hd.capacity, dtype=torch.int32, device=dev)
+    lmhead_select_kernel[(triton.cdiv(hd.V, hd.cfg.select_bv), M)](up, thr, bad, count, surv, hd.V, hd.capacity,
+                                                                   BV=hd.cfg.select_bv)
+    flag = ((count > hd.capacity) | (bad != 0)).to(torch.int32)
+    return lo, up, count, surv, flag, bad
+
+
+def _argmax_triton(hd: "CertifiedHead", h, stats) -> torch.Tensor:
+    M, dev = h.shape[0], h.device
+    key = torch.full((M,), _MIN_KEY, dtype=torch.int64, device=dev)
+    if hd.screen == "none":
+        flag = torch.ones(M, dtype=torch.int32, device=dev)
+        count = torch.zeros(M, dtype=torch.int32, device=dev)
+        _launch_exact(hd, h, flag, flag, flag, None, key, full=True)
+    else:
+        _, _, count, surv, flag, _ = _survivors(hd, h, None)
+        _launch_exact(hd, h, surv, count, flag, None, key, full=False)
+        _launch_exact(hd, h, surv, count, flag, None, key, full=True)
+    stats.record(count, flag, hd)
+    return _ids_of(key)
+
+
+def _topk_triton(hd: "CertifiedHead", h, k: int, stats):
+    """Values come from the exact logits themselves (gathered by position), so -0.0 and NaN payloads are kept."""
+    M, dev = h.shape[0], h.device
+    full = torch.empty(M, hd.V, dtype=torch.float32, device=dev)
+    every = torch.arange(hd.V, device=dev).expand(M, -1)
+    if hd.screen == "none":
+        flag = torch.ones(M, dtype=torch.int32, device=dev)
+        count = torch.zeros(M, dtype=torch.int32, device=dev)
+        _launch_exact(hd, h, flag, flag, flag, full, None, full=True)
+        pos = _key_torch(full, every).topk(k, dim=-1).indices
+        ids, vals = pos, full.gather(1, pos)
+    else:
+        def kth(lo, bad):
+            lo = torch.where(bad[:, None] != 0, torch.full_like(lo, float("-inf")), lo)
+            return lo.topk(k, dim=-1).values[:, -1].contiguous()
+
+        _, _, count, surv, flag, _ = _survivors(hd, h, kth)
+        sv = torch.empty(M, hd.capacity, dtype=torch.float32, device=dev)
+        _launch_exact(hd, h, surv, count, flag, sv, None, full=False)
+        _launch_exact(hd, h, surv, count, flag, full, None, full=True)
+        live = torch.arange(hd.capacity, device=dev)[None, :] < count.clamp(max=hd.capacity)[:, None]
+        sid = torch.where(live, surv.long(), torch.zeros_like(surv, dtype=torch.int64))
+        skeys = torch.where(live, _key_torch(sv, sid), torch.full_like(sid, _MIN_KEY))
+        spos = skeys.topk(k, dim=-1).indices
+        fpos = _key_torch(full, every).topk(k, dim=-1).indices
+        use_full = flag[:, None] != 0
+        ids = torch.where(use_full, fpos, sid.gather(1, spos))
+        vals = torch.where(use_full, full.gather(1, fpos), sv.gather(1, spos))
+    stats.record(count, flag, hd)
+    return vals, ids
+
+
+# --------------------------------------------------------------------------------------------
+# The torch path ("reference" variant): the same steps in torch, for CPU tensors without Triton.
+# --------------------------------------------------------------------------------------------
+
+
+def _screen_torch(hd: "CertifiedHead", h):
+    p = _prep(h, hd.group, hd.screen == "int8")
+    t = hd.tables
+    if hd.screen == "w12":
+        s = h.float() @ _w12_view_rows(hd.packed, 0, hd.V).float().T
+        e = p["a"] @ t["err"].float().T
+        r = e + hd.gamma * (p["hn"][:, None] * t["rq"][None, :] + p["hn"][:, None] * t["rw"][None, :])
+    else:
+        G = t["scale"].shape[1]
+        wq = (_groups(t["q"].float(), hd.group) * t["scale"].float()[..., None]).view(hd.V, G * hd.group)[:, :hd.H]
+        hq = (_groups(p["hq"].float(), hd.group) * p["sh"][..., None]).view(h.shape[0], G * hd.group)[:, :hd.H]
+        s = hq @ wq.T
+        e = p["a"] @ t["err"].float().T + p["eh"] @ t["n1"].float().T
+        r = e + hd.gamma_q * p["hqn"][:, None] * t["rq"][None, :] + hd.gamma * p["hn"][:, None] * t["rw"][None, :]
+    r = (r + hd.eta) * (1 + 2.0**-14)
+    r = r + (s.abs() + r) * 2.0**-22
+    r = torch.where(torch.isinf(t["rw"])[None, :], torch.full_like(r, float("inf")), r)
+    return s - r, s + r, p["bad"]
+
+
+def _exact_torch(hd: "CertifiedHead", h) -> torch.Tensor:
+    w = dense_weight(hd.packed if hd.packed is not None else hd.weight).float()
+    return h.float() @ w.T
+
+
+# --------------------------------------------------------------------------------------------
+# 2. Torch registration.
+# --------------------------------------------------------------------------------------------
+
+_HEADS: dict[int, "CertifiedHead"] = {}
+
+
+@torch.library.custom_op("specpilot_lmhead::argmax", mutates_args=())
+def _argmax_op(hidden: torch.Tensor, head_id: int) -> torch.Tensor:
+    return _HEADS[head_id]._argmax_eager(hidden)
+
+
+@_argmax_op.register_fake
+def _(hidden: torch.Tensor, head_id: int) -> torch.Tensor:
+    return hidden.new_empty(hidden.shape[0], dtype=torch.int64)
+
+
+# --------------------------------------------------------------------------------------------
+# 3. The public class.
+# --------------------------------------------------------------------------------------------
+
+
+class _Stats:
+    def __init__(self):
+        self.calls = 0
+        self.rows = 0
+        self.last = None  # int32 [M] survivors of the last call (device)
+        self.fallbacks = None  # int64 [] on the device
+
+    def record(self, count, flag, hd):
+        self.calls += 1
+        self.rows += count.shape[0]
+        self.last = count.clamp(max=hd.capacity) if hd.screen != "none" else torch.full_like(count, hd.V)
+        fb = flag.sum().long()
+        self.fallbacks = fb if self.fallbacks is None else self.fallbacks + fb
+
+
+class CertifiedHead:
+    """A greedy LM head whose answers are exact: `argmax`, `topk`, `logits` (docs/lmhead.md).
+
+    `weight`: BF16 `[V, H]`, or a `w12.W12Weight` (stored once; exact rows decoded from it). `screen`:
+    "int8", "w12" (W12 heads), "none" (the plain exact head) or "auto" (measured per GPU,
+    lmhead/configs.py). `capacity`: survivors per row before that row takes the full exact path."""
+
+    def __init__(self, weight, *, screen: str = "auto", capacity: int | None = None, group: int = GROUP,
+                 variant: str | None = None):
+        fn = "lmhead.CertifiedHead"
+        w12 = not isinstance(weight, torch.Tensor)
+        if w12 and not all(hasattr(weight, p) for p in ("hi", "lo", "e0", "esc_rowptr", "K")):
+            raise TypeError(f"{fn}: weight is a {type(weight).__name__}; pass a BF16 tensor [V, H] or a "
+                            "w12.W12Weight")
+        if not w12:
+            if weight.dim() != 2 or weight.dtype != torch.bfloat16:
+                raise TypeError(f"{fn}: weight is {weight.dtype} of shape {tuple(weight.shape)}; pass a BF16 "
+                                "[V, H] head (weight.to(torch.bfloat16))")
+        if screen not in (*SCREENS, "auto"):
+            raise ValueError(f"{fn}: unknown screen {screen!r}; choose one of {SCREENS + ('auto',)}")
+        if screen == "w12" and not w12:
+            raise ValueError(f"{fn}: screen='w12' reads the 8-bit view of a W12 head but weight is a BF16 tensor; "
+                             "pass w12.pack(weight), or use screen='int8'")
+        if group <= 0 or group & (group - 1):
+            raise ValueError(f"{fn}: group={group} must be a power of two; use the default {GROUP}")
+        self.packed = weight if w12 else None
+        self.weight = None if w12 else weight
+        self.V, self.H = (weight.N, weight.K) if w12 else tuple(weight.shape)
+        if self.V == 0 or self.H == 0:
+            raise ValueError(f"{fn}: the head is [{self.V}, {self.H}]; it needs at least one token and one column")
+        device = weight.hi.device if w12 else weight.device
+        self.device = device
+        self.screen = self._auto(screen, w12, device) if screen == "auto" else screen
+        self.capacity = DEFAULT_CAPACITY if capacity is None else int(capacity)
+        if self.capacity < 1:
+            raise ValueError(f"{fn}: capacity={capacity} must be >= 1")
+        self.capacity = min(self.capacity, self.V)
+        self.group = group
+        G = -(-self.H // group)
+        # fp32 rounding: of the exact dot (H terms; and the W12 screen's own dot), and of the INT8 screen's
+        # sum over groups (a product of two scales and the exact integer dot per group: 3 roundings each)
+        self.gamma = gamma(self.H + 2)
+        self.gamma_q = gamma(3 * G + 2)
+        # products and sums that fall below fp32's normal range lose up to 2^-149 each, absolutely
+        self.eta = max((3 * self.H + 3 * G + 8) * 2.0**-149, 2.0**-126)
+        if G > 512:
+            raise ValueError(f"{fn}: H={self.H} has {G} groups of {group}; the bound's fp32 sums are covered for up "
+                             f"to 512 groups (H <= {512 * group}): pass a larger group")
+        self.plan = _plan(variant, device, self.V, self.H)
+        self.cfg = self.plan.config
+        self.tables = _build_tables(weight, self.screen, group) if self.screen != "none" else {}
+        self._stats = _Stats()
+        _HEADS[id(self)] = self
+
+    @staticmethod
+    def _auto(screen, w12, device) -> str:
+        if device.type != "cuda":
+            return "w12" if w12 else "int8"
+        table = AUTO_SCREEN.get(gpu_slug(device))
+        return table["w12" if w12 else "bf16"] if table else "none"
+
+    def __del__(self):
+        _HEADS.pop(id(self), None)
+
+    # ---- checks -------------------------------------------------------------------------
+    def _hidden(self, fn, hidden) -> torch.Tensor:
+        if not isinstance(hidden, torch.Tensor):
+            raise TypeError(f"lmhead.{fn}: hidden must be a torch.Tensor, got {type(hidden).__name__}; pass [M, H]")
+        if hidden.dtype != torch.bfloat16:
+            raise TypeError(f"lmhead.{fn}: hidden has dtype {hidden.dtype}; pass BF16 hidden states "
+                            "(hidden.to(torch.bfloat16))")
+        if hidden.dim() < 1 or hidden.shape[-1] != self.H:
+            raise ValueError(f"lmhead.{fn}: hidden has shape {tuple(hidden.shape)} but the head has H={self.H}; "
+                             f"its last dim must be {self.H}")
+        if hidden.device != self.device:
+            raise ValueError(f"lmhead.{fn}: hidden is on {hidden.device} but the head is on {self.device}; move "
+                             f"it to {self.device}")
+        return hidden.reshape(-1, self.H).contiguous()
+
+    # ---- public ops ---------------------------------------------------------------------
+    def argmax(self, hidden: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """Token ids `[...]` of the largest exact logit per row (ties: the lowest id). Never syncs."""
+        h = self._hidden("argmax", hidden)
+        self._check_out("argmax", out, tuple(hidden.shape[:-1]), torch.int64)
+        if torch.compiler.is_compiling():
+            ids = torch.ops.specpilot_lmhead.argmax(h, id(self))
+        else:
+            ids = self._argmax_eager(h)
+        ids = ids.view(hidden.shape[:-1])
+        if out is None:
+            return ids
+        out.copy_(ids)
+        return out
+
+    def _check_out(self, fn, out, shape, dtype):
+        if out is None:
+            return
+        if not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != dtype:
+            got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__
+            raise ValueError(f"lmhead.{fn}: out is {got}; pass a {dtype} tensor of shape {list(shape)}")
+        if out.device != self.device:
+            raise ValueError(f"lmhead.{fn}: out is on {out.device}; allocate it on {self.device}")
+
+    def _argmax_eager(self, h: torch.Tensor) -> torch.Tensor:
+        if h.shape[0] == 0:
+            return torch.empty(0, dtype=torch.int64, device=h.device)
+        if self.plan.kernel == "reference":
+            return self._argmax_torch(h)
+        return _argmax_triton(self, h, self._stats)
+
+    def _argmax_torch(self, h):
+        M = h.shape[0]
+        exact = _exact_torch(self, h)
+        keys = _key_torch(exact, torch.arange(self.V, device=h.device).expand(M, -1))
+        if self.screen == "none":
+            count = torch.zeros(M, dtype=torch.int32, device=h.device)
+            flag = torch.ones(M, dtype=torch.int32, device=h.device)
+        else:
+            lo, up, bad = _screen_torch(self, h)
+            best = torch.where(bad[:, None] != 0, torch.full_like(lo, float("-inf")), lo).amax(-1)
+            keep = up >= best[:, None]
+            count = keep.sum(-1).int()
+            flag = ((count > self.capacity) | (bad != 0)).int()
+            keys = torch.where(keep | (flag[:, None] != 0), keys, torch.full_like(keys, _MIN_KEY))
+        self._stats.record(count, flag, self)
+        return _ids_of(keys.amax(-1))
+
+    def topk(self, hidden: torch.Tensor, k: int):
+        """(values fp32 `[..., k]`, ids int64 `[..., k]`): the k largest exact logits, ordered by value
+        (descending), then id (ascending). Never syncs."""
+        h = self._hidden("topk", hidden)
+        if not 1 <= k <= min(self.V, self.capacity):
+            raise ValueError(f"lmhead.topk: k={k} is out of range; pass 1 <= k <= min(V, capacity) = "
+                             f"{min(self.V, self.capacity)}")
+        if self.plan.kernel == "reference":
+            M = h.shape[0]
+            exact = _exact_torch(self, h)
+            top = _key_torch(exact, torch.arange(self.V, device=h.device).expand(M, -1)).topk(k, dim=-1).values
+            self._stats.record(torch.full((M,), self.V, dtype=torch.int32), torch.zeros(M, dtype=torch.int32), self)
+            ids = _ids_of(top)
+            vals = exact.gather(1, ids)
+        else:
+            vals, ids = _topk_triton(self, h, k, self._stats)
+        shape = (*hidden.shape[:-1], k)
+        return vals.view(shape), ids.view(shape)
+
+    def logits(self, hidden: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The exact logits `[..., V]` fp32: the values every certified answer is taken from."""
+        h = self._hidden("logits", hidden)
+        self._check_out("logits", out, (*hidden.shape[:-1], self.V), torch.float32)
+        given = out
+        if self.plan.kernel == "reference":
+            out = _exact_torch(self, h)
+        else:
+            M = h.shape[0]
+            out = torch.empty(M, self.V, dtype=torch.float32, device=h.device)
+            flag = torch.ones(M, dtype=torch.int32, device=h.device)
+            if M:
+                _launch_exact(self, h, flag, flag, flag, out, None, full=True)
+        res = out.view(*hidden.shape[:-1], self.V)
+        if given is None:
+            return res
+        given.copy_(res)
+        return given
+
+    def stats(self) -> dict:
+        """Survivors per row of the last call, cumulative fallbacks, calls (reads the device: syncs)."""
+        s = self._stats
+        last = [] if s.last is None else [int(x) for x in s.last.tolist()]
+        return {"calls": s.calls, "rows": s.rows, "survivors": last,
+                "survivors_mean": (sum(last) / len(last)) if last else 0.0,
+                "fallbacks": 0 if s.fallbacks is None else int(s.fallbacks), "screen": self.screen,
+                "capacity": self.capacity, "gamma": self.gamma}
+
+    def reset_stats(self) -> None:
+        self._stats = _Stats()
+
+
+def screen_bounds(head: CertifiedHead, hidden: torch.Tensor):
+    """(L, U) fp32 `[M, V]`: the screen's interval of every exact logit (for tests and diagnostics)."""
+    h = head._hidden("screen_bounds", hidden)
+    if head.screen == "none":
+        raise ValueError("lmhead.screen_bounds: the head has no screen (screen='none'); build it with a screen")
+    if head.plan.kernel == "reference":
+        lo, up, _ = _screen_torch(head, h)
+        return lo, up
+    lo, up, *_ = _survivors(head, h, None)
+    return lo, up
