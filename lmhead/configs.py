@@ -15,8 +15,8 @@ class HeadConfig:
     screen_warps: int = 4
     screen_stages: int = 3
     select_bv: int = 1024  # vocabulary rows per selection program
-    exact_bs: int = 16  # rows per exact-recompute program (survivors, or the whole vocabulary on fallback)
-    exact_bk: int = 256  # columns per step of the exact dot (fixes the order of every exact logit)
+    exact_bs: int = 64  # rows per exact-recompute program (survivors, or the whole vocabulary on fallback)
+    exact_bk: int = 128  # columns per step of the exact dot (fixes the order of every exact logit)
     exact_warps: int = 4
     max_rows: int = 32  # hidden rows per screen launch (more: several launches)
 

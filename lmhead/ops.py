@@ -174,19 +174,22 @@ def _prep(h: torch.Tensor, group: int, int8: bool) -> dict:
 
 
 def _prep_triton(h: torch.Tensor, group: int, int8: bool) -> dict:
-    """`_prep` in one launch (lmhead_prep_kernel); the same quantities, bounded the same way."""
+    """`_prep` in one launch (lmhead_prep_kernel), bounded the same way; also the call's per-row state:
+    best (-inf), count (0) and key (the least key)."""
     M, H = h.shape
     G = -(-H // group)
     dev = h.device
-    p = {"a": torch.empty(M, G, dtype=torch.float32, device=dev), "hn": torch.empty(M, dtype=torch.float32, device=dev),
-         "bad": torch.empty(M, dtype=torch.int32, device=dev)}
+    f32 = dict(dtype=torch.float32, device=dev)
+    p = {"a": torch.empty(M, G, **f32), "hn": torch.empty(M, **f32), "bad": torch.empty(M, dtype=torch.int32, device=dev),
+         "best": torch.empty(M, **f32), "count": torch.empty(M, dtype=torch.int32, device=dev),
+         "key": torch.empty(M, dtype=torch.int64, device=dev)}
     if int8:
-        p.update(hq=torch.empty(M, H, dtype=torch.int8, device=dev), sh=torch.empty(M, G, dtype=torch.float32, device=dev),
-                 eh=torch.empty(M, G, dtype=torch.float32, device=dev),
-                 hqn=torch.empty(M, dtype=torch.float32, device=dev))
+        p.update(hq=torch.empty(M, H, dtype=torch.int8, device=dev), sh=torch.empty(M, G, **f32),
+                 eh=torch.empty(M, G, **f32), hqn=torch.empty(M, **f32))
     a = p["a"]
     lmhead_prep_kernel[(M,)](h, a, p["hn"], p["bad"], p.get("hq", a), p.get("sh", a), p.get("eh", a), p.get("hqn", a),
-                             H, G, h.stride(0), 1 + (H + 8) * 2.0**-23, GROUP=group, INT8=int8, num_warps=4)
+                             p["best"], p["count"], p["key"], H, G, h.stride(0), 1 + (H + 8) * 2.0**-23,
+                             GP=triton.next_power_of_2(G), GROUP=group, INT8=int8, num_warps=4)
     return p
 
 
@@ -226,61 +229,62 @@ def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best):
         mp = max(16, triton.next_power_of_2(m1 - m0))
         lmhead_screen_kernel[(triton.cdiv(hd.V, cfg.screen_bv),)](
             h[m0:m1], hq[m0:m1], w, sc, t["err"], n1, t["rq"], t["rw"], p["a"][m0:m1], sh[m0:m1], eh[m0:m1],
-            hqn[m0:m1], p["hn"][m0:m1], p["bad"][m0:m1], lo[m0:m1], up[m0:m1], best[m0:m1], m1 - m0, hd.V, hd.H, G,
+            hqn[m0:m1], p["hn"][m0:m1], p["bad"][m0:m1], None if lo is None else lo[m0:m1], up[m0:m1], best[m0:m1], m1 - m0, hd.V, hd.H, G,
             h.stride(0), w.stride(0), G, hd.gamma_q, hd.gamma, hd.eta, MP=mp, BV=cfg.screen_bv, GROUP=hd.group,
             W12=not int8, num_warps=cfg.screen_warps, num_stages=cfg.screen_stages)
 
 
-def _launch_exact(hd: "CertifiedHead", h, ids, count, flag, out, key, full: bool):
+def _launch_exact(hd: "CertifiedHead", h, p, surv, out, key, full: bool, every: bool = False, fb=None):
+    """Survivors (full=False) or the full pass over the rows flagged by p's count and bad (every: all rows)."""
     cfg = hd.cfg
     M = h.shape[0]
     w, lo, e0, rp, ec, ev, sw, sl, w12 = _weight_args(hd)
+    count = bad = None
+    if p is not None:
+        count, bad = p["count"], p["bad"]
     if not full:
         lmhead_exact_kernel[(triton.cdiv(hd.capacity, cfg.exact_bs), M)](
-            h, w, lo, e0, rp, ec, ev, ids, count, flag, out, key, M, hd.V, hd.H, hd.capacity, h.stride(0), sw, sl,
-            MP=16, BS=cfg.exact_bs, BK=cfg.exact_bk, W12=w12, FULL=False, KEYS=key is not None,
+            h, w, lo, e0, rp, ec, ev, surv, count, bad, None, out, key, M, hd.V, hd.H, hd.capacity, h.stride(0), sw, sl,
+            MP=16, BS=cfg.exact_bs, BK=cfg.exact_bk, W12=w12, FULL=False, KEYS=key is not None, ALL=False,
             num_warps=cfg.exact_warps)
         return
     for m0 in range(0, M, cfg.max_rows):  # hidden rows in tiles of at most max_rows (MMA rows: 16 or 32)
         m1 = min(M, m0 + cfg.max_rows)
         mp = 16 if m1 - m0 <= 16 else 32
         lmhead_exact_kernel[(triton.cdiv(hd.V, cfg.exact_bs),)](
-            h[m0:m1], w, lo, e0, rp, ec, ev, ids, count, flag[m0:m1], None if out is None else out[m0:m1],
-            None if key is None else key[m0:m1], m1 - m0, hd.V, hd.H, hd.capacity, h.stride(0), sw, sl, MP=mp,
-            BS=cfg.exact_bs, BK=cfg.exact_bk, W12=w12, FULL=True, KEYS=key is not None, num_warps=cfg.exact_warps)
+            h[m0:m1], w, lo, e0, rp, ec, ev, surv, None if every else count[m0:m1], None if every else bad[m0:m1], fb,
+            None if out is None else out[m0:m1], None if key is None else key[m0:m1], m1 - m0, hd.V, hd.H,
+            hd.capacity, h.stride(0), sw, sl, MP=mp, BS=cfg.exact_bs, BK=cfg.exact_bk, W12=w12, FULL=True,
+            KEYS=key is not None, ALL=every, num_warps=cfg.exact_warps)
 
 
 def _survivors(hd: "CertifiedHead", h, thr_from_lo):
-    """Screen, threshold, select. Returns (lo, up, count, surv, flag, bad); flag: rows for the full path."""
+    """Prep, screen, threshold, select. Returns (p, lo, surv): p holds count, bad, key for the exact passes."""
     M, dev = h.shape[0], h.device
     p = _prep_triton(h, hd.group, hd.screen == "int8")
-    bad = p["bad"]
-    lo = torch.empty(M, hd.V, dtype=torch.float32, device=dev)
+    lo = torch.empty(M, hd.V, dtype=torch.float32, device=dev) if thr_from_lo is not None else None
     up = torch.empty(M, hd.V, dtype=torch.float32, device=dev)
-    best = torch.full((M,), float("-inf"), dtype=torch.float32, device=dev)
-    _launch_screen(hd, h, p, lo, up, best)
-    thr = best if thr_from_lo is None else thr_from_lo(lo, bad)
-    count = torch.zeros(M, dtype=torch.int32, device=dev)
+    _launch_screen(hd, h, p, lo, up, p["best"])
+    thr = p["best"] if thr_from_lo is None else thr_from_lo(lo, p["bad"])
     surv = torch.empty(M, hd.capacity, dtype=torch.int32, device=dev)
-    lmhead_select_kernel[(triton.cdiv(hd.V, hd.cfg.select_bv), M)](up, thr, bad, count, surv, hd.V, hd.capacity,
-                                                                   BV=hd.cfg.select_bv)
-    flag = ((count > hd.capacity) | (bad != 0)).to(torch.int32)
-    return lo, up, count, surv, flag, bad
+    lmhead_select_kernel[(triton.cdiv(hd.V, hd.cfg.select_bv), M)](up, thr, p["bad"], p["count"], surv, hd.V,
+                                                                   hd.capacity, BV=hd.cfg.select_bv)
+    p["up"] = up
+    return p, lo, surv
 
 
 def _argmax_triton(hd: "CertifiedHead", h, stats) -> torch.Tensor:
     M, dev = h.shape[0], h.device
-    key = torch.full((M,), _MIN_KEY, dtype=torch.int64, device=dev)
     if hd.screen == "none":
-        flag = torch.ones(M, dtype=torch.int32, device=dev)
-        count = torch.zeros(M, dtype=torch.int32, device=dev)
-        _launch_exact(hd, h, flag, flag, flag, None, key, full=True)
-    else:
-        _, _, count, surv, flag, _ = _survivors(hd, h, None)
-        _launch_exact(hd, h, surv, count, flag, None, key, full=False)
-        _launch_exact(hd, h, surv, count, flag, None, key, full=True)
-    stats.record(count, flag, hd)
-    return _ids_of(key)
+        key = torch.full((M,), _MIN_KEY, dtype=torch.int64, device=dev)
+        _launch_exact(hd, h, None, None, None, key, full=True, every=True)
+        stats.record(None, M, hd)
+        return _ids_of(key)
+    p, _, surv = _survivors(hd, h, None)
+    _launch_exact(hd, h, p, surv, None, p["key"], full=False)
+    _launch_exact(hd, h, p, surv, None, p["key"], full=True, fb=stats.counter(dev))
+    stats.record(p["count"], M, hd)
+    return _ids_of(p["key"])
 
 
 def _topk_triton(hd: "CertifiedHead", h, k: int, stats):
@@ -289,29 +293,29 @@ def _topk_triton(hd: "CertifiedHead", h, k: int, stats):
     full = torch.empty(M, hd.V, dtype=torch.float32, device=dev)
     every = torch.arange(hd.V, device=dev).expand(M, -1)
     if hd.screen == "none":
-        flag = torch.ones(M, dtype=torch.int32, device=dev)
-        count = torch.zeros(M, dtype=torch.int32, device=dev)
-        _launch_exact(hd, h, flag, flag, flag, full, None, full=True)
-        pos = _key_torch(full, every).topk(k, dim=-1).indices
-        ids, vals = pos, full.gather(1, pos)
-    else:
-        def kth(lo, bad):
-            lo = torch.where(bad[:, None] != 0, torch.full_like(lo, float("-inf")), lo)
-            return lo.topk(k, dim=-1).values[:, -1].contiguous()
+        _launch_exact(hd, h, None, None, full, None, full=True, every=True)
+        ids = _key_torch(full, every).topk(k, dim=-1).indices
+        stats.record(None, M, hd)
+        return full.gather(1, ids), ids
 
-        _, _, count, surv, flag, _ = _survivors(hd, h, kth)
-        sv = torch.empty(M, hd.capacity, dtype=torch.float32, device=dev)
-        _launch_exact(hd, h, surv, count, flag, sv, None, full=False)
-        _launch_exact(hd, h, surv, count, flag, full, None, full=True)
-        live = torch.arange(hd.capacity, device=dev)[None, :] < count.clamp(max=hd.capacity)[:, None]
-        sid = torch.where(live, surv.long(), torch.zeros_like(surv, dtype=torch.int64))
-        skeys = torch.where(live, _key_torch(sv, sid), torch.full_like(sid, _MIN_KEY))
-        spos = skeys.topk(k, dim=-1).indices
-        fpos = _key_torch(full, every).topk(k, dim=-1).indices
-        use_full = flag[:, None] != 0
-        ids = torch.where(use_full, fpos, sid.gather(1, spos))
-        vals = torch.where(use_full, full.gather(1, fpos), sv.gather(1, spos))
-    stats.record(count, flag, hd)
+    def kth(lo, bad):
+        lo = torch.where(bad[:, None] != 0, torch.full_like(lo, float("-inf")), lo)
+        return lo.topk(k, dim=-1).values[:, -1].contiguous()
+
+    p, _, surv = _survivors(hd, h, kth)
+    sv = torch.empty(M, hd.capacity, dtype=torch.float32, device=dev)
+    _launch_exact(hd, h, p, surv, sv, None, full=False)
+    _launch_exact(hd, h, p, surv, full, None, full=True, fb=stats.counter(dev))
+    count = p["count"]
+    flag = (count > hd.capacity) | (p["bad"] != 0)
+    live = torch.arange(hd.capacity, device=dev)[None, :] < count.clamp(max=hd.capacity)[:, None]
+    sid = torch.where(live, surv.long(), torch.zeros_like(surv, dtype=torch.int64))
+    skeys = torch.where(live, _key_torch(sv, sid), torch.full_like(sid, _MIN_KEY))
+    spos = skeys.topk(k, dim=-1).indices
+    fpos = _key_torch(full, every).topk(k, dim=-1).indices
+    ids = torch.where(flag[:, None], fpos, sid.gather(1, spos))
+    vals = torch.where(flag[:, None], full.gather(1, fpos), sv.gather(1, spos))
+    stats.record(count, M, hd)
     return vals, ids
 
 
@@ -368,18 +372,25 @@ def _(hidden: torch.Tensor, head_id: int) -> torch.Tensor:
 
 
 class _Stats:
+    """Device-side counters of a head: the last call's survivors per row (the count tensor itself) and the
+    rows that took the full exact path (added by the fallback kernel). Nothing here syncs."""
+
     def __init__(self):
         self.calls = 0
         self.rows = 0
-        self.last = None  # int32 [M] survivors of the last call (device)
-        self.fallbacks = None  # int64 [] on the device
+        self.last = None  # int32 [M]: survivors found per row in the last call (may exceed capacity)
+        self.last_rows = 0
+        self.fallbacks = None  # int64 [1] on the head's device
 
-    def record(self, count, flag, hd):
+    def counter(self, device) -> torch.Tensor:
+        if self.fallbacks is None:
+            self.fallbacks = torch.zeros(1, dtype=torch.int64, device=device)
+        return self.fallbacks
+
+    def record(self, count, rows: int, hd) -> None:
         self.calls += 1
-        self.rows += count.shape[0]
-        self.last = count.clamp(max=hd.capacity) if hd.screen != "none" else torch.full_like(count, hd.V)
-        fb = flag.sum().long()
-        self.fallbacks = fb if self.fallbacks is None else self.fallbacks + fb
+        self.rows += rows
+        self.last, self.last_rows = count, rows
 
 
 class CertifiedHead:
@@ -496,17 +507,16 @@ class CertifiedHead:
         M = h.shape[0]
         exact = _exact_torch(self, h)
         keys = _key_torch(exact, torch.arange(self.V, device=h.device).expand(M, -1))
-        if self.screen == "none":
-            count = torch.zeros(M, dtype=torch.int32, device=h.device)
-            flag = torch.ones(M, dtype=torch.int32, device=h.device)
-        else:
+        count = None
+        if self.screen != "none":
             lo, up, bad = _screen_torch(self, h)
             best = torch.where(bad[:, None] != 0, torch.full_like(lo, float("-inf")), lo).amax(-1)
-            keep = up >= best[:, None]
+            keep = (up >= best[:, None]) & (bad[:, None] == 0)
             count = keep.sum(-1).int()
-            flag = ((count > self.capacity) | (bad != 0)).int()
-            keys = torch.where(keep | (flag[:, None] != 0), keys, torch.full_like(keys, _MIN_KEY))
-        self._stats.record(count, flag, self)
+            flag = (count > self.capacity) | (bad != 0)
+            keys = torch.where(keep | flag[:, None], keys, torch.full_like(keys, _MIN_KEY))
+            self._stats.counter(h.device).add_(flag.sum())
+        self._stats.record(count, M, self)
         return _ids_of(keys.amax(-1))
 
     def topk(self, hidden: torch.Tensor, k: int):
@@ -520,7 +530,7 @@ class CertifiedHead:
             M = h.shape[0]
             exact = _exact_torch(self, h)
             top = _key_torch(exact, torch.arange(self.V, device=h.device).expand(M, -1)).topk(k, dim=-1).values
-            self._stats.record(torch.full((M,), self.V, dtype=torch.int32), torch.zeros(M, dtype=torch.int32), self)
+            self._stats.record(None, M, self)
             ids = _ids_of(top)
             vals = exact.gather(1, ids)
         else:
@@ -538,9 +548,8 @@ class CertifiedHead:
         else:
             M = h.shape[0]
             out = torch.empty(M, self.V, dtype=torch.float32, device=h.device)
-            flag = torch.ones(M, dtype=torch.int32, device=h.device)
             if M:
-                _launch_exact(self, h, flag, flag, flag, out, None, full=True)
+                _launch_exact(self, h, None, None, out, None, full=True, every=True)
         res = out.view(*hidden.shape[:-1], self.V)
         if given is None:
             return res
@@ -550,10 +559,13 @@ class CertifiedHead:
     def stats(self) -> dict:
         """Survivors per row of the last call, cumulative fallbacks, calls (reads the device: syncs)."""
         s = self._stats
-        last = [] if s.last is None else [int(x) for x in s.last.tolist()]
+        if s.last is None:  # no screen (or the torch path): every token is computed exactly
+            last = [self.V] * s.last_rows
+        else:
+            last = [min(int(x), self.V) for x in s.last.tolist()]
         return {"calls": s.calls, "rows": s.rows, "survivors": last,
                 "survivors_mean": (sum(last) / len(last)) if last else 0.0,
-                "fallbacks": 0 if s.fallbacks is None else int(s.fallbacks), "screen": self.screen,
+                "fallbacks": 0 if s.fallbacks is None else int(s.fallbacks.sum()), "screen": self.screen,
                 "capacity": self.capacity, "gamma": self.gamma}
 
     def reset_stats(self) -> None:
@@ -568,5 +580,5 @@ def screen_bounds(head: CertifiedHead, hidden: torch.Tensor):
     if head.plan.kernel == "reference":
         lo, up, _ = _screen_torch(head, h)
         return lo, up
-    lo, up, *_ = _survivors(head, h, None)
-    return lo, up
+    p, lo, _ = _survivors(head, h, lambda lo, bad: lo.amax(-1).contiguous())
+    return lo, p["up"]

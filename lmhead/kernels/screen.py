@@ -82,7 +82,8 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
     up = acc + r
     at = offs_m[:, None] * V + offs_v[None, :]
     ok = ok_m[:, None] & ok_v[None, :]
-    tl.store(lo_ptr + at, lo, mask=ok)
+    if lo_ptr is not None:  # argmax needs only U and the best L
+        tl.store(lo_ptr + at, lo, mask=ok)
     tl.store(up_ptr + at, up, mask=ok)
     bad = tl.load(bad_ptr + offs_m, mask=ok_m, other=1)
     best = tl.max(tl.where(ok_v[None, :], lo, float("-inf")), 1)
@@ -158,22 +159,30 @@ def _exact_tile(h_ptr, stride_hm, rows_m, ok_m, w_ptr, lo_ptr, e0_ptr, rowptr_pt
 
 
 @triton.jit
-def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr, ids_ptr, count_ptr, flag_ptr,
-                        out_ptr, key_ptr, M, V, H, CAP, stride_hm, stride_wv, stride_lv, MP: tl.constexpr,
+def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr, ids_ptr, count_ptr, bad_ptr,
+                        fb_ptr, out_ptr, key_ptr, M, V, H, CAP, stride_hm, stride_wv, stride_lv, MP: tl.constexpr,
                         BS: tl.constexpr, BK: tl.constexpr, W12: tl.constexpr, FULL: tl.constexpr,
-                        KEYS: tl.constexpr):
-    """FULL: BS vocabulary rows against all M (<= MP) hidden rows (grid V / BS); does nothing unless a row
-    has flag != 0; writes the logits of every row to out ([M, V]) when given, and the keys of flagged
-    rows. Otherwise: BS listed survivors of hidden row m (grid CAP / BS, M), the first min(count, CAP);
-    every row of the MP-row tile holds h[m], so the tile is the full pass's; out ([M, CAP]) gets -inf past
-    the count."""
+                        KEYS: tl.constexpr, ALL: tl.constexpr):
+    """FULL: BS vocabulary rows against all M (<= MP) hidden rows (grid V / BS). Flagged rows are those
+    whose survivors overflowed CAP or whose hidden state is not finite (ALL: every row); the program does
+    nothing unless one is flagged, writes the logits of every row to out ([M, V]) when given, and the keys
+    of flagged rows; program 0 adds the flagged rows to the fallback counter fb. Otherwise: BS listed
+    survivors of hidden row m (grid CAP / BS, M), the first min(count, CAP); every row of the MP-row tile
+    holds h[m], so the tile is the full pass's; out ([M, CAP]) gets -inf past the count."""
     pid = tl.program_id(0)
     if FULL:
         offs_m = tl.arange(0, MP)
         ok_m = offs_m < M
-        flag = tl.load(flag_ptr + offs_m, mask=ok_m, other=0)
+        if ALL:
+            flag = ok_m.to(tl.int32)
+        else:
+            cnt = tl.load(count_ptr + offs_m, mask=ok_m, other=0)
+            flag = (ok_m & ((cnt > CAP) | (tl.load(bad_ptr + offs_m, mask=ok_m, other=0) != 0))).to(tl.int32)
         if tl.max(flag, 0) == 0:
             return
+        if fb_ptr is not None:
+            if pid == 0:
+                tl.atomic_add(fb_ptr, tl.sum(flag, 0).to(tl.int64))
         offs = pid * BS + tl.arange(0, BS)
         ok = offs < V
         x = _exact_tile(h_ptr, stride_hm, offs_m, ok_m, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr,
@@ -201,46 +210,44 @@ def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval
 
 
 @triton.jit
-def lmhead_prep_kernel(h_ptr, a_ptr, hn_ptr, bad_ptr, hq_ptr, sh_ptr, eh_ptr, hqn_ptr, H, G, stride_hm, row_up,
-                       GROUP: tl.constexpr, INT8: tl.constexpr):
-    """Per hidden row m (one program): bad = any non-finite entry (those are read as 0 below);
-    a[m, g] = ||h_g||_1 and hn = ||h||_2 rounded up; INT8: hq = round(h / sh) in [-127, 127] with
-    sh = max|h_g| / 127 (slightly above), eh[m, g] >= max |h - sh hq|, hqn >= ||sh hq||_2.
+def lmhead_prep_kernel(h_ptr, a_ptr, hn_ptr, bad_ptr, hq_ptr, sh_ptr, eh_ptr, hqn_ptr, best_ptr, count_ptr, key_ptr, H,
+                       G, stride_hm, row_up, GP: tl.constexpr, GROUP: tl.constexpr, INT8: tl.constexpr):
+    """Per hidden row m (one program, the row as one [GP, GROUP] tile): bad = any non-finite entry (read
+    as 0 below); a[m, g] = ||h_g||_1 and hn = ||h||_2 rounded up; INT8: hq = round(h / sh) in
+    [-127, 127] with sh = max|h_g| / 127 (slightly above), eh[m, g] >= max |h - sh hq|, hqn >= ||sh hq||_2.
+    Also resets the call's per-row state: best = -inf, count = 0, key = the least key.
     Rounding up: a sum of n >= 0 fp32 terms is within (n - 1) 2^-24 of its value (relative), covered by
     (1 + 2^-16) for the 128-term groups and `row_up` = 1 + (H + 8) 2^-23 for the row (the scaling by
     1 / max|x|, which keeps squares from overflowing or underflowing, adds a few roundings per term)."""
     m = tl.program_id(0)
-    amax_row = tl.zeros([], tl.float32)
-    nonfin = tl.zeros([], tl.int32)
-    for g in range(0, G):
-        offs = g * GROUP + tl.arange(0, GROUP)
-        x = tl.load(h_ptr + m * stride_hm + offs, mask=offs < H, other=0.0).to(tl.float32)
-        fin = tl.abs(x) < float("inf")
-        nonfin += tl.sum((~fin).to(tl.int32), 0)
-        x = tl.where(fin, x, 0.0)
-        amax_row = tl.maximum(amax_row, tl.max(tl.abs(x), 0))
+    gi = tl.arange(0, GP)
+    offs = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
+    ok = offs < H
+    x = tl.load(h_ptr + m * stride_hm + offs, mask=ok, other=0.0).to(tl.float32)
+    fin = tl.abs(x) < float("inf")
+    nonfin = tl.sum(tl.sum((~fin).to(tl.int32), 1), 0)
+    x = tl.where(fin, x, 0.0)
+    ax = tl.abs(x)
+    okg = gi < G
+    tl.store(a_ptr + m * G + gi, tl.sum(ax, 1) * 1.0000152587890625, mask=okg)  # (1 + 2^-16)
+    amax_g = tl.max(ax, 1)
+    amax_row = tl.max(amax_g, 0)
     inv = tl.where(amax_row > 0, 1.0 / amax_row, 0.0)
-    ss = tl.zeros([], tl.float32)
-    ssq = tl.zeros([], tl.float32)
-    for g in range(0, G):
-        offs = g * GROUP + tl.arange(0, GROUP)
-        x = tl.load(h_ptr + m * stride_hm + offs, mask=offs < H, other=0.0).to(tl.float32)
-        x = tl.where(tl.abs(x) < float("inf"), x, 0.0)
-        ax = tl.abs(x)
-        tl.store(a_ptr + m * G + g, tl.sum(ax, 0) * 1.0000152587890625)  # (1 + 2^-16)
-        ss += tl.sum((x * inv) * (x * inv), 0)
-        if INT8:
-            amax = tl.max(ax, 0)
-            s = tl.where(amax > 0, amax / 127.0 * 1.0000002384185791, 1.0)  # (1 + 2^-22) keeps |x / s| <= 127
-            q = tl.minimum(tl.maximum(tl.floor(x / s + 0.5), -127.0), 127.0)
-            r = tl.abs(tl.fma(-s, q, x))  # one rounding of x - s q
-            tl.store(hq_ptr + m * stride_hm + offs, q.to(tl.int8), mask=offs < H)
-            tl.store(sh_ptr + m * G + g, s)
-            tl.store(eh_ptr + m * G + g, tl.max(r, 0) * 1.0000002384185791)
-            xq = s * q * inv
-            ssq += tl.sum(xq * xq, 0)
+    xs = x * inv
+    ss = tl.sum(tl.sum(xs * xs, 1), 0)
     # sqrt_rn and the two products: one rounding each, covered by (1 + 2^-20)
     tl.store(hn_ptr + m, tl.sqrt_rn(ss * row_up) * amax_row * 1.00000095367431640625)
     tl.store(bad_ptr + m, (nonfin > 0).to(tl.int32))
+    tl.store(best_ptr + m, float("-inf"))
+    tl.store(count_ptr + m, 0)
+    tl.store(key_ptr + m, -9223372036854775807 - 1)
     if INT8:
+        s = tl.where(amax_g > 0, amax_g / 127.0 * 1.0000002384185791, 1.0)  # (1 + 2^-22) keeps |x / s| <= 127
+        q = tl.minimum(tl.maximum(tl.floor(x / s[:, None] + 0.5), -127.0), 127.0)
+        r = tl.abs(tl.fma(-s[:, None], q, x))  # one rounding of x - s q
+        tl.store(hq_ptr + m * stride_hm + offs, q.to(tl.int8), mask=ok)
+        tl.store(sh_ptr + m * G + gi, s, mask=okg)
+        tl.store(eh_ptr + m * G + gi, tl.max(r, 1) * 1.0000002384185791, mask=okg)
+        xq = s[:, None] * q * inv
+        ssq = tl.sum(tl.sum(xq * xq, 1), 0)
         tl.store(hqn_ptr + m, tl.sqrt_rn(ssq * row_up) * amax_row * 1.00000095367431640625)
