@@ -82,7 +82,8 @@ def _w12_view_rows(packed, r0: int, r1: int) -> torch.Tensor:
 
 def _build_tables(weight, screen: str, group: int, chunk: int = 8192) -> dict:
     """The screen copy and its bound tables, built row chunk by row chunk in fp64 (exact here), each bound
-    rounded up: err[v, g] = max_k |W - screen weight| (BF16), rq[v] = ||screen row||_2 and rw[v] =
+    rounded up: err[v, g] = max_k |W - screen weight| (BF16), dw[v] = ||W_v - screen row||_2,
+    rq[v] = ||screen row||_2 and rw[v] =
     ||W_v||_2 (fp32; rw = +inf for a row with a non-finite weight: it always survives). INT8 adds the codes
     q, the BF16 scales and n1[v, g] = ||screen row's group||_1 (BF16), for the hidden states' own rounding."""
     w12 = not isinstance(weight, torch.Tensor)
@@ -90,7 +91,8 @@ def _build_tables(weight, screen: str, group: int, chunk: int = 8192) -> dict:
     dev = weight.hi.device if w12 else weight.device
     G = -(-H // group)
     t = {"err": torch.empty(V, G, dtype=torch.bfloat16, device=dev),
-         "rq": torch.empty(V, dtype=torch.float32, device=dev), "rw": torch.empty(V, dtype=torch.float32, device=dev)}
+         "rq": torch.empty(V, dtype=torch.float32, device=dev), "rw": torch.empty(V, dtype=torch.float32, device=dev),
+         "dw": torch.empty(V, dtype=torch.float32, device=dev)}
     if screen == "int8":
         t["q"] = torch.empty(V, H, dtype=torch.int8, device=dev)
         t["scale"] = torch.empty(V, G, dtype=torch.bfloat16, device=dev)
@@ -109,6 +111,7 @@ def _build_tables(weight, screen: str, group: int, chunk: int = 8192) -> dict:
         else:
             approx = _w12_view_rows(weight, r0, r1)
         t["err"][r0:r1] = round_up_bf16(_groups(wd - approx, group).abs().amax(-1))
+        t["dw"][r0:r1] = _round_up_f32((wd - approx).norm(dim=-1) * (1 + 2.0**-40))
         t["rq"][r0:r1] = _round_up_f32(approx.norm(dim=-1) * (1 + 2.0**-40))
         rw = _round_up_f32(wd.norm(dim=-1) * (1 + 2.0**-40))
         t["rw"][r0:r1] = torch.where(finite, rw, torch.full_like(rw, float("inf")))
@@ -169,6 +172,7 @@ def _prep(h: torch.Tensor, group: int, int8: bool) -> dict:
         p["hq"] = q.to(torch.int8).contiguous()
         p["sh"] = sh.contiguous()
         p["eh"] = _round_up_f32(_groups(hd - approx, group).abs().amax(-1)).contiguous()
+        p["dh"] = _round_up_f32((hd - approx).norm(dim=-1) * up)
         p["hqn"] = _round_up_f32(approx.norm(dim=-1) * up)
     return p
 
@@ -185,9 +189,10 @@ def _prep_triton(h: torch.Tensor, group: int, int8: bool) -> dict:
          "key": torch.empty(M, dtype=torch.int64, device=dev)}
     if int8:
         p.update(hq=torch.empty(M, H, dtype=torch.int8, device=dev), sh=torch.empty(M, G, **f32),
-                 eh=torch.empty(M, G, **f32), hqn=torch.empty(M, **f32))
+                 eh=torch.empty(M, G, **f32), dh=torch.empty(M, **f32), hqn=torch.empty(M, **f32))
     a = p["a"]
-    lmhead_prep_kernel[(M,)](h, a, p["hn"], p["bad"], p.get("hq", a), p.get("sh", a), p.get("eh", a), p.get("hqn", a),
+    lmhead_prep_kernel[(M,)](h, a, p["hn"], p["bad"], p.get("hq", a), p.get("sh", a), p.get("eh", a), p.get("dh", a),
+                             p.get("hqn", a),
                              p["best"], p["count"], p["key"], H, G, h.stride(0), 1 + (H + 8) * 2.0**-23,
                              GP=triton.next_power_of_2(G), GROUP=group, INT8=int8, num_warps=4)
     return p
@@ -220,16 +225,16 @@ def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best):
     M = h.shape[0]
     int8 = hd.screen == "int8"
     if int8:
-        w, sc, n1, hq, sh, eh, hqn = t["q"], t["scale"], t["n1"], p["hq"], p["sh"], p["eh"], p["hqn"]
+        w, sc, n1, hq, sh, eh, dh, hqn = t["q"], t["scale"], t["n1"], p["hq"], p["sh"], p["eh"], p["dh"], p["hqn"]
     else:  # W12 view: the INT8-only arguments are unused (any tensor)
-        w, sc, n1, hq, sh, eh, hqn = hd.packed.hi, hd.packed.e0, t["err"], h, p["a"], p["a"], p["hn"]
+        w, sc, n1, hq, sh, eh, dh, hqn = hd.packed.hi, hd.packed.e0, t["err"], h, p["a"], p["a"], p["hn"], p["hn"]
     G = t["err"].shape[1]
     for m0 in range(0, M, cfg.max_rows):
         m1 = min(M, m0 + cfg.max_rows)
         mp = max(16, triton.next_power_of_2(m1 - m0))
         lmhead_screen_kernel[(triton.cdiv(hd.V, cfg.screen_bv),)](
-            h[m0:m1], hq[m0:m1], w, sc, t["err"], n1, t["rq"], t["rw"], p["a"][m0:m1], sh[m0:m1], eh[m0:m1],
-            hqn[m0:m1], p["hn"][m0:m1], p["bad"][m0:m1], None if lo is None else lo[m0:m1], up[m0:m1], best[m0:m1], m1 - m0, hd.V, hd.H, G,
+            h[m0:m1], hq[m0:m1], w, sc, t["err"], n1, t["rq"], t["rw"], t["dw"], p["a"][m0:m1], sh[m0:m1], eh[m0:m1],
+            dh[m0:m1], hqn[m0:m1], p["hn"][m0:m1], p["bad"][m0:m1], None if lo is None else lo[m0:m1], up[m0:m1], best[m0:m1], m1 - m0, hd.V, hd.H, G,
             h.stride(0), w.stride(0), G, hd.gamma_q, hd.gamma, hd.eta, MP=mp, BV=cfg.screen_bv, GROUP=hd.group,
             W12=not int8, num_warps=cfg.screen_warps, num_stages=cfg.screen_stages)
 
@@ -329,14 +334,15 @@ def _screen_torch(hd: "CertifiedHead", h):
     t = hd.tables
     if hd.screen == "w12":
         s = h.float() @ _w12_view_rows(hd.packed, 0, hd.V).float().T
-        e = p["a"] @ t["err"].float().T
+        e = torch.minimum(p["a"] @ t["err"].float().T, p["hn"][:, None] * t["dw"][None, :])
         r = e + hd.gamma * (p["hn"][:, None] * t["rq"][None, :] + p["hn"][:, None] * t["rw"][None, :])
     else:
         G = t["scale"].shape[1]
         wq = (_groups(t["q"].float(), hd.group) * t["scale"].float()[..., None]).view(hd.V, G * hd.group)[:, :hd.H]
         hq = (_groups(p["hq"].float(), hd.group) * p["sh"][..., None]).view(h.shape[0], G * hd.group)[:, :hd.H]
         s = hq @ wq.T
-        e = p["a"] @ t["err"].float().T + p["eh"] @ t["n1"].float().T
+        e = (torch.minimum(p["a"] @ t["err"].float().T, p["hn"][:, None] * t["dw"][None, :])
+             + torch.minimum(p["eh"] @ t["n1"].float().T, p["dh"][:, None] * t["rq"][None, :]))
         r = e + hd.gamma_q * p["hqn"][:, None] * t["rq"][None, :] + hd.gamma * p["hn"][:, None] * t["rw"][None, :]
     r = (r + hd.eta) * (1 + 2.0**-14)
     r = r + (s.abs() + r) * 2.0**-22

@@ -22,16 +22,24 @@ import triton.language as tl
 
 @triton.jit
 def _view_w12(hi, e0):
-    """The W12 8-bit view of `hi` bytes (uint8 as int32) with row exponent bases `e0` (int32), as fp32:
+    """The W12 8-bit view of `hi` bytes (uint8 as int32) with row exponent bases `e0` (int32), as BF16:
     the midpoint of the 16 BF16 values sharing the byte; 0 for byte 0 (docs/w12-format.md)."""
     bits = ((((hi & 0x7F) << 4) | 0x8) + (e0 << 7)) | ((hi & 0x80) << 8)
     bits = tl.where(hi == 0, 0, bits)
-    return (bits << 16).to(tl.float32, bitcast=True)
+    return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 
 @triton.jit
-def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, rw_ptr, a_ptr, sh_ptr, eh_ptr,
-                         hqn_ptr, hn_ptr, bad_ptr, lo_ptr, up_ptr, best_ptr, M, V, H, G, stride_hm, stride_wv, stride_tv,
+def _code_w12(hi, nib, e0):
+    """BF16 weights from W12 codes (hi byte, low nibble) and row bases: code 0 is +0.0 (escapes too)."""
+    c = (hi << 4) | nib
+    bits = ((c & 0x7FF) + (e0 << 7)) | ((c & 0x800) << 4)
+    return tl.where(c == 0, 0, bits).to(tl.int16).to(tl.bfloat16, bitcast=True)
+
+
+@triton.jit
+def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, rw_ptr, dw_ptr, a_ptr, sh_ptr,
+                         eh_ptr, dh_ptr, hqn_ptr, hn_ptr, bad_ptr, lo_ptr, up_ptr, best_ptr, M, V, H, G, stride_hm, stride_wv, stride_tv,
                          gamma_q, gamma_w, eta,
                          MP: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr, W12: tl.constexpr):
     """Screen logits and their intervals for BV vocabulary rows and M (<= MP) hidden rows.
@@ -39,14 +47,16 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
     INT8 (W12 False): the hidden states are quantised per group too (hq, scales sh, errors eh), so each
     group's dot is an exact int8 tensor-core product: acc = sum_g sc[v,g] sh[m,g] (q_v . hq_m)_g.
     W12: the 8-bit view decoded to BF16 (exact), times the BF16 hidden states, fp32 accumulation.
-    Radius: sum_g err[v,g] a[m,g] (+ sum_g n1[v,g] eh[m,g] for INT8) + gamma_q rq[v] hqn[m] + gamma_w rw[v] hn[m]."""
+    Radius: min(sum_g err[v,g] a[m,g], dw[v] hn[m]) (+ min(sum_g n1[v,g] eh[m,g], rq[v] dh[m]) for INT8)
+    + gamma_q rq[v] hqn[m] + gamma_w rw[v] hn[m] + eta (docs/lmhead.md)."""
     pid = tl.program_id(0)
     offs_v = pid * BV + tl.arange(0, BV)
     ok_v = offs_v < V
     offs_m = tl.arange(0, MP)
     ok_m = offs_m < M
     acc = tl.zeros([MP, BV], tl.float32)
-    eb = tl.zeros([MP, BV], tl.float32)
+    ew = tl.zeros([MP, BV], tl.float32)  # Hölder per group: the weights' rounding against |h|
+    eh_b = tl.zeros([MP, BV], tl.float32)  # the same for the hidden states' rounding (INT8)
     if W12:
         e0 = tl.load(sc_ptr + offs_v, mask=ok_v, other=0).to(tl.int32)
     for g in range(0, G):
@@ -57,7 +67,7 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
                     mask=ok_v[:, None] & ok_k[None, :], other=0)
         if W12:
             h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], mask=okh, other=0.0)
-            wq = _view_w12(c.to(tl.int32), e0[:, None]).to(tl.bfloat16)  # the view is a BF16 value: exact
+            wq = _view_w12(c.to(tl.int32), e0[:, None])
             acc += tl.dot(h, tl.trans(wq))
         else:
             hq = tl.load(hq_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], mask=okh, other=0)
@@ -66,15 +76,22 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
             acc += tl.dot(hq, tl.trans(c)).to(tl.float32) * (sh[:, None] * s[None, :])
             n1 = tl.load(n1_ptr + offs_v * stride_tv + g, mask=ok_v, other=0.0).to(tl.float32)
             eh = tl.load(eh_ptr + offs_m * G + g, mask=ok_m, other=0.0)
-            eb += eh[:, None] * n1[None, :]
+            eh_b += eh[:, None] * n1[None, :]
         e = tl.load(err_ptr + offs_v * stride_tv + g, mask=ok_v, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + offs_m * G + g, mask=ok_m, other=0.0)
-        eb += a[:, None] * e[None, :]
+        ew += a[:, None] * e[None, :]
     rq = tl.load(rq_ptr + offs_v, mask=ok_v, other=0.0)
     rw = tl.load(rw_ptr + offs_v, mask=ok_v, other=0.0)
     hqn = tl.load(hqn_ptr + offs_m, mask=ok_m, other=0.0)
     hn = tl.load(hn_ptr + offs_m, mask=ok_m, other=0.0)
-    r = eb + gamma_q * hqn[:, None] * rq[None, :] + gamma_w * hn[:, None] * rw[None, :] + eta
+    # each rounding term: the smaller of Hölder per group and Cauchy-Schwarz over the row (both rigorous;
+    # the first wins for outlier-heavy hidden states, the second for spread ones)
+    dw = tl.load(dw_ptr + offs_v, mask=ok_v, other=0.0)
+    dh = tl.load(dh_ptr + offs_m, mask=ok_m, other=0.0)
+    ew = tl.minimum(ew, hn[:, None] * dw[None, :])
+    if not W12:
+        ew += tl.minimum(eh_b, dh[:, None] * rq[None, :])
+    r = ew + gamma_q * hqn[:, None] * rq[None, :] + gamma_w * hn[:, None] * rw[None, :] + eta
     r = r * 1.00006103515625  # (1 + 2^-14): the radius's own fp32 sums (at most 2G + 4 terms, G <= 512)
     r = r + (tl.abs(acc) + r) * 2.384185791015625e-07  # 2^-22: so that acc -/+ r rounds outside [L, U]
     r = tl.where(rw[None, :] == float("inf"), float("inf"), r)  # rows with a non-finite weight always survive
@@ -120,30 +137,37 @@ def _key(x, ids):
 def _exact_tile(h_ptr, stride_hm, rows_m, ok_m, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr, stride_wv,
                 stride_lv, ids, ok, H, MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, W12: tl.constexpr):
     """fp32 logits [MP, BS] of hidden rows `rows_m` against head rows `ids`, in the one order every exact
-    logit of the head has: BK-column blocks in turn on the tensor cores (BF16 products, fp32 accumulation),
-    then, for a W12 head, the row's escapes in column order (an escape's dense code decodes to +0.0).
+    logit of the head has: BK-column blocks in turn on the tensor cores (BF16 products, fp32 accumulation;
+    a W12 head: 32-column halves of each 64-column group, decoded from the W12 codes), then, for a W12
+    head, the row's escapes in column order (an escape's dense code decodes to +0.0).
     A logit depends only on its own hidden row and head row, so survivors and full passes agree bit for bit."""
     acc = tl.zeros([MP, BS], tl.float32)
     rows = ids[:, None].to(tl.int64)
+    okm = ok_m[:, None]
     if W12:
+        # each 64-column group: its low-nibble byte row serves columns j and 32 + j; the two halves are
+        # two K = 32 products, in this order, for every logit
         e0 = tl.load(e0_ptr + ids, mask=ok, other=0).to(tl.int32)[:, None]
-    for k0 in range(0, H, BK):
-        offs_k = k0 + tl.arange(0, BK)
-        ok_k = offs_k < H
-        okw = ok[:, None] & ok_k[None, :]
-        if W12:
-            hi = tl.load(w_ptr + rows * stride_wv + offs_k[None, :], mask=okw, other=0).to(tl.int32)
-            i = offs_k % 64
-            lo = tl.load(lo_ptr + rows * stride_lv + (offs_k // 64 * 32 + i % 32)[None, :], mask=okw, other=0)
-            nib = (lo.to(tl.int32) >> tl.where(i >= 32, 4, 0)[None, :]) & 0xF
-            c = (hi << 4) | nib
-            bits = ((c & 0x7FF) + (e0 << 7)) | ((c & 0x800) << 4)
-            w = (tl.where(c == 0, 0, bits) << 16).to(tl.float32, bitcast=True).to(tl.bfloat16)
-        else:
-            w = tl.load(w_ptr + rows * stride_wv + offs_k[None, :], mask=okw, other=0.0)
-        h = tl.load(h_ptr + rows_m[:, None] * stride_hm + offs_k[None, :], mask=ok_m[:, None] & ok_k[None, :],
-                    other=0.0)
-        acc = tl.dot(h, tl.trans(w), acc)
+        j = tl.arange(0, 32)
+        for k0 in range(0, H, 64):
+            ka = k0 + j
+            kb = ka + 32
+            oka = ok[:, None] & (ka < H)[None, :]
+            okb = ok[:, None] & (kb < H)[None, :]
+            lo = tl.load(lo_ptr + rows * stride_lv + (k0 // 2 + j)[None, :], mask=oka, other=0).to(tl.int32)
+            hia = tl.load(w_ptr + rows * stride_wv + ka[None, :], mask=oka, other=0).to(tl.int32)
+            hib = tl.load(w_ptr + rows * stride_wv + kb[None, :], mask=okb, other=0).to(tl.int32)
+            ha = tl.load(h_ptr + rows_m[:, None] * stride_hm + ka[None, :], mask=okm & (ka < H)[None, :], other=0.0)
+            hb = tl.load(h_ptr + rows_m[:, None] * stride_hm + kb[None, :], mask=okm & (kb < H)[None, :], other=0.0)
+            acc = tl.dot(ha, tl.trans(_code_w12(hia, lo & 0xF, e0)), acc)
+            acc = tl.dot(hb, tl.trans(_code_w12(hib, (lo >> 4) & 0xF, e0)), acc)
+    else:
+        for k0 in range(0, H, BK):
+            offs_k = k0 + tl.arange(0, BK)
+            ok_k = offs_k < H
+            w = tl.load(w_ptr + rows * stride_wv + offs_k[None, :], mask=ok[:, None] & ok_k[None, :], other=0.0)
+            h = tl.load(h_ptr + rows_m[:, None] * stride_hm + offs_k[None, :], mask=okm & ok_k[None, :], other=0.0)
+            acc = tl.dot(h, tl.trans(w), acc)
     if W12:
         first = tl.load(rowptr_ptr + ids, mask=ok, other=0)
         n_esc = tl.load(rowptr_ptr + ids + 1, mask=ok, other=0) - first
@@ -210,11 +234,13 @@ def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval
 
 
 @triton.jit
-def lmhead_prep_kernel(h_ptr, a_ptr, hn_ptr, bad_ptr, hq_ptr, sh_ptr, eh_ptr, hqn_ptr, best_ptr, count_ptr, key_ptr, H,
+def lmhead_prep_kernel(h_ptr, a_ptr, hn_ptr, bad_ptr, hq_ptr, sh_ptr, eh_ptr, dh_ptr, hqn_ptr, best_ptr, count_ptr,
+                       key_ptr, H,
                        G, stride_hm, row_up, GP: tl.constexpr, GROUP: tl.constexpr, INT8: tl.constexpr):
     """Per hidden row m (one program, the row as one [GP, GROUP] tile): bad = any non-finite entry (read
     as 0 below); a[m, g] = ||h_g||_1 and hn = ||h||_2 rounded up; INT8: hq = round(h / sh) in
-    [-127, 127] with sh = max|h_g| / 127 (slightly above), eh[m, g] >= max |h - sh hq|, hqn >= ||sh hq||_2.
+    [-127, 127] with sh = max|h_g| / 127 (slightly above), eh[m, g] >= max |h - sh hq|, hqn >= ||sh hq||_2,
+    dh >= ||h - sh hq||_2.
     Also resets the call's per-row state: best = -inf, count = 0, key = the least key.
     Rounding up: a sum of n >= 0 fp32 terms is within (n - 1) 2^-24 of its value (relative), covered by
     (1 + 2^-16) for the 128-term groups and `row_up` = 1 + (H + 8) 2^-23 for the row (the scaling by
@@ -251,3 +277,6 @@ def lmhead_prep_kernel(h_ptr, a_ptr, hn_ptr, bad_ptr, hq_ptr, sh_ptr, eh_ptr, hq
         xq = s[:, None] * q * inv
         ssq = tl.sum(tl.sum(xq * xq, 1), 0)
         tl.store(hqn_ptr + m, tl.sqrt_rn(ssq * row_up) * amax_row * 1.00000095367431640625)
+        rs = r * 1.0000002384185791 * inv  # |h - sh hq| rounded up, scaled
+        sr = tl.sum(tl.sum(rs * rs, 1), 0)
+        tl.store(dh_ptr + m, tl.sqrt_rn(sr * row_up) * amax_row * 1.00000095367431640625)
