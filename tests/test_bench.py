@@ -171,6 +171,38 @@ def test_tree_attn_cases_cpu_tiny_only():
     next(c for c in cases if c.variant == "sdpa-mask").setup().check()  # the peer's mask, against the reference
 
 
+def test_lmhead_cases_cpu_tiny_only():
+    from specpilot.bench.cases import lmhead as lmhead_cases
+
+    cpu, op = torch.device("cpu"), "lmhead.argmax"
+    assert collect(get_shape_set("hybrid-27b"), cpu, [op]) == []
+    cases = collect(get_shape_set("tiny"), cpu, [op])
+    groups = {"lm_head-M1", "lm_head-M4", "lm_head-peaked-M1", "lm_head-flat-M1"}
+    assert {c.group: c.baseline for c in cases} == dict.fromkeys(groups, "cublas")
+    assert {c.op for c in cases} == {"lm_head"}
+    for g in groups:  # every group has its cuBLAS baseline, also when "linear" is not selected
+        assert sorted(c.variant for c in cases if c.group == g) == sorted(lmhead_cases.VARIANTS)
+    v, k = get_shape_set("tiny").lm_head
+    c = next(c for c in cases if c.shape == "lm_head-M4" and c.variant == "certified-int8")
+    base = next(c for c in cases if c.shape == "lm_head-M4" and c.variant == "cublas")
+    assert c.dims == base.dims == {"M": 4, "V": v, "K": k} and c.flops == base.flops == 2 * 4 * v * k
+    assert c.bytes == base.bytes == 2 * (v * k + 4 * k) + 8 * 4  # the BF16 head's floor for every variant
+    assert c.extra["regime"] == "moderate" and c.extra["screen"] == "int8"
+    # With "linear" too, its lm_head baseline is kept once per group.
+    both = collect(get_shape_set("tiny"), cpu, ["linear", op])
+    assert sum(c.shape == "lm_head-M1" and c.variant == "cublas" for c in both) == 1
+    # The regimes' hidden states reach their planted margins; the peer's check passes on them.
+    w = linear_cases._weights(v, k, 1, cpu, 5)[0]
+    for regime, margin in (("peaked", 8.0), ("moderate", 1.5)):
+        _, gap = lmhead_cases._hidden(w, 8, regime, 11)
+        assert margin - 0.3 < gap["gap_sigma_min"] <= gap["gap_sigma_mean"] < margin + 0.3, (regime, gap)
+    peer = next(c for c in cases if c.group == "lm_head-peaked-M1" and c.variant == "cublas")
+    prep = peer.setup()
+    prep.check()
+    assert peer.extra["measured"]["gap_sigma_min"] > 7.5  # filled in setup, seen by the runner's row
+    prep.teardown()
+
+
 def test_bench_on_tiny_linear(tmp_path):
     cases = [c for c in collect(get_shape_set("tiny"), torch.device("cpu"), ["linear"]) if c.dims["M"] == 4]
     res = runner.run(cases, "cpu", out_dir=tmp_path, reps=3, warmup=1, log=None)
