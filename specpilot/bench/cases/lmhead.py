@@ -8,6 +8,8 @@ the same W as its "cublas" case: N(0, 1/K), outputs O(1)). Variants:
                       bound, exact recompute of the survivors
   * "certified-w12"   `CertifiedHead(w12.pack(W), screen="w12").argmax(h)`: the W12 record's 8-bit view as the
                       screen, exact rows decoded from the record
+  * "certified-w12-int8"  `CertifiedHead(w12.pack(W), screen="int8").argmax(h)`: a W12 head screened by an INT8
+                      copy (one more byte a weight), survivors decoded from the W12 record
   * "w12"             `w12.matmul(h, w12.pack(W)).argmax(-1)`: the exact head read at 12 bits a weight (the w12
                       provider has the projection alone as layer "lm_head.linear", no argmax)
 
@@ -66,7 +68,9 @@ REGIMES = {"peaked": 8.0, "moderate": 1.5, "flat": None}  # margin over the runn
 CPU_M = (1, 4)  # under the interpreter a certified or W12 call takes seconds
 CPU_REGIMES = {"peaked": (1,), "flat": (1,)}  # "moderate" is the lm_head-M<m> groups' regime already
 MAIN_REGIME = "moderate"
-CERTIFIED = {"certified-int8": "int8", "certified-w12": "w12"}
+# variant -> (head kind built by _Heads, the screen it reads)
+CERTIFIED = {"certified-int8": ("int8", "int8"), "certified-w12": ("w12", "w12"),
+             "certified-w12-int8": ("w12int8", "int8")}
 VARIANTS = ("cublas", *CERTIFIED, "w12")
 _SEED = 9173
 _CHUNK = 16384  # weight rows per fp32 product in setup
@@ -100,6 +104,8 @@ class _Heads:
                 val[kind] = [lmhead.CertifiedHead(w, screen="int8") for w in val["bf16"]]
             elif kind == "w12":
                 val[kind] = [lmhead.CertifiedHead(p, screen="w12") for p in cls.get(v, k, sets, device, "w12pack")]
+            elif kind == "w12int8":  # a W12 head screened by an INT8 copy; survivors decoded from the W12 record
+                val[kind] = [lmhead.CertifiedHead(p, screen="int8") for p in cls.get(v, k, sets, device, "w12pack")]
             else:
                 raise KeyError(kind)
         return val[kind]
@@ -188,8 +194,7 @@ def _case(v: int, k: int, m: int, regime: str, variant: str, group: str, device:
             packs = _Heads.get(v, k, sets, device, "w12pack")
             fns = [(lambda h=h, p=p: w12.matmul(h, p).argmax(-1)) for h, p in zip(hs, packs)]
         else:
-            screen = CERTIFIED[variant]
-            heads = _Heads.get(v, k, sets, device, screen)
+            heads = _Heads.get(v, k, sets, device, CERTIFIED[variant][0])
             fns = [(lambda h=h, hd=hd: hd.argmax(h)) for h, hd in zip(hs, heads)]
 
         def check() -> None:
@@ -208,7 +213,7 @@ def _case(v: int, k: int, m: int, regime: str, variant: str, group: str, device:
                 measured.update(screen=st["screen"], survivors=surv, survivors_mean=float(st["survivors_mean"]),
                                 survivors_max=max(surv) if surv else 0, fallbacks=int(st["fallbacks"]),
                                 capacity=int(st.get("capacity", 0)))
-                if st["screen"] != CERTIFIED[variant]:
+                if st["screen"] != CERTIFIED[variant][1]:
                     raise AssertionError(f"{variant} {group}: head screens with {st['screen']!r}")
                 print(f"  lm_head/{variant} {group}: survivors mean {measured['survivors_mean']:.2f} "
                       f"max {measured['survivors_max']}, fallbacks {measured['fallbacks']}, "
@@ -230,7 +235,7 @@ def _case(v: int, k: int, m: int, regime: str, variant: str, group: str, device:
 
     extra = {"regime": regime, "margin_sigma": REGIMES[regime], "measured": measured}
     if variant in CERTIFIED:
-        extra["screen"] = CERTIFIED[variant]
+        extra["screen"] = CERTIFIED[variant][1]
     case = Case(op="lm_head", variant=variant, shape=group, dims={"M": m, "V": v, "K": k}, flops=2.0 * m * v * k,
                 bytes=nbytes, setup=setup, group=group, baseline="cublas", extra=extra)
     return case
