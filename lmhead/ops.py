@@ -10,6 +10,8 @@ same launch sequence. Nothing syncs the host; CUDA graphs capture `argmax` and `
 
 from __future__ import annotations
 
+import weakref
+
 import torch
 import triton
 
@@ -247,19 +249,21 @@ def _launch_exact(hd: "CertifiedHead", h, p, surv, out, key, full: bool, every: 
     count = bad = None
     if p is not None:
         count, bad = p["count"], p["bad"]
-    if not full:
-        lmhead_exact_kernel[(triton.cdiv(hd.capacity, cfg.exact_bs), M)](
-            h, w, lo, e0, rp, ec, ev, surv, count, bad, None, out, key, M, hd.V, hd.H, hd.capacity, h.stride(0), sw, sl,
-            MP=16, BS=cfg.exact_bs, BK=cfg.exact_bk, W12=w12, FULL=False, KEYS=key is not None, ALL=False,
-            num_warps=cfg.exact_warps)
-        return
     for m0 in range(0, M, cfg.max_rows):  # hidden rows in tiles of at most max_rows (MMA rows: 16 or 32)
         m1 = min(M, m0 + cfg.max_rows)
         mp = 16 if m1 - m0 <= 16 else 32
-        lmhead_exact_kernel[(triton.cdiv(hd.V, cfg.exact_bs),)](
-            h[m0:m1], w, lo, e0, rp, ec, ev, surv, None if every else count[m0:m1], None if every else bad[m0:m1], fb,
-            None if out is None else out[m0:m1], None if key is None else key[m0:m1], m1 - m0, hd.V, hd.H,
-            hd.capacity, h.stride(0), sw, sl, MP=mp, BS=cfg.exact_bs, BK=cfg.exact_bk, W12=w12, FULL=True,
+        rows = slice(m0, m1)
+        if full:
+            grid = (triton.cdiv(hd.V, cfg.exact_bs),)
+            cnt = None if every else count[rows]
+            bd = None if every else bad[rows]
+        else:  # the same tile of hidden rows as the full pass, one program row per hidden row
+            grid = (triton.cdiv(hd.capacity, cfg.exact_bs), m1 - m0)
+            cnt, bd = count[rows], bad[rows]
+        lmhead_exact_kernel[grid](
+            h[rows], w, lo, e0, rp, ec, ev, None if surv is None else surv[rows], cnt, bd, fb if full else None,
+            None if out is None else out[rows], None if key is None else key[rows], m1 - m0, hd.V, hd.H,
+            hd.capacity, h.stride(0), sw, sl, MP=mp, BS=cfg.exact_bs, BK=cfg.exact_bk, W12=w12, FULL=full,
             KEYS=key is not None, ALL=every, num_warps=cfg.exact_warps)
 
 
@@ -346,8 +350,11 @@ def _screen_torch(hd: "CertifiedHead", h):
         r = e + hd.gamma_q * p["hqn"][:, None] * t["rq"][None, :] + hd.gamma * p["hn"][:, None] * t["rw"][None, :]
     r = (r + hd.eta) * (1 + 2.0**-14)
     r = r + (s.abs() + r) * 2.0**-22
-    r = torch.where(torch.isinf(t["rw"])[None, :], torch.full_like(r, float("inf")), r)
-    return s - r, s + r, p["bad"]
+    lim = 2.0**126
+    safe = ((p["hn"][:, None] * t["rw"][None, :] < lim) & (p.get("hqn", p["hn"])[:, None] * t["rq"][None, :] < lim)
+            & (r < float("inf")) & (s.abs() < float("inf")))
+    return (torch.where(safe, s - r, torch.full_like(r, float("-inf"))),
+            torch.where(safe, s + r, torch.full_like(r, float("inf"))), p["bad"])
 
 
 def _exact_torch(hd: "CertifiedHead", h) -> torch.Tensor:
@@ -359,7 +366,7 @@ def _exact_torch(hd: "CertifiedHead", h) -> torch.Tensor:
 # 2. Torch registration.
 # --------------------------------------------------------------------------------------------
 
-_HEADS: dict[int, "CertifiedHead"] = {}
+_HEADS: "weakref.WeakValueDictionary[int, CertifiedHead]" = weakref.WeakValueDictionary()  # for the custom op
 
 
 @torch.library.custom_op("specpilot_lmhead::argmax", mutates_args=())
@@ -425,7 +432,8 @@ class CertifiedHead:
         if group <= 0 or group & (group - 1):
             raise ValueError(f"{fn}: group={group} must be a power of two; use the default {GROUP}")
         self.packed = weight if w12 else None
-        self.weight = None if w12 else weight
+        # the kernels read rows with unit column stride: any other layout (a transposed view) is copied once
+        self.weight = None if w12 else (weight if weight.stride(-1) == 1 else weight.contiguous())
         self.V, self.H = (weight.N, weight.K) if w12 else tuple(weight.shape)
         if self.V == 0 or self.H == 0:
             raise ValueError(f"{fn}: the head is [{self.V}, {self.H}]; it needs at least one token and one column")
@@ -459,9 +467,6 @@ class CertifiedHead:
             return "w12" if w12 else "int8"
         table = AUTO_SCREEN.get(gpu_slug(device))
         return table["w12" if w12 else "bf16"] if table else "none"
-
-    def __del__(self):
-        _HEADS.pop(id(self), None)
 
     # ---- checks -------------------------------------------------------------------------
     def _hidden(self, fn, hidden) -> torch.Tensor:
@@ -572,7 +577,8 @@ class CertifiedHead:
         return {"calls": s.calls, "rows": s.rows, "survivors": last,
                 "survivors_mean": (sum(last) / len(last)) if last else 0.0,
                 "fallbacks": 0 if s.fallbacks is None else int(s.fallbacks.sum()), "screen": self.screen,
-                "capacity": self.capacity, "gamma": self.gamma}
+                "capacity": self.capacity,
+                "bound": {"u": _U, "gamma": self.gamma, "gamma_q": self.gamma_q, "eta": self.eta, "group": self.group}}
 
     def reset_stats(self) -> None:
         self._stats = _Stats()

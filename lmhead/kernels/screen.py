@@ -94,9 +94,12 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
     r = ew + gamma_q * hqn[:, None] * rq[None, :] + gamma_w * hn[:, None] * rw[None, :] + eta
     r = r * 1.00006103515625  # (1 + 2^-14): the radius's own fp32 sums (at most 2G + 4 terms, G <= 512)
     r = r + (tl.abs(acc) + r) * 2.384185791015625e-07  # 2^-22: so that acc -/+ r rounds outside [L, U]
-    r = tl.where(rw[None, :] == float("inf"), float("inf"), r)  # rows with a non-finite weight always survive
-    lo = acc - r
-    up = acc + r
+    # no bound where a sum could leave fp32's range: ||W|| ||h|| (and ||ŵ|| ||ĥ||) bound every partial sum of
+    # the exact (and the screen's) dot; a row with a non-finite weight has rw = inf: these always survive
+    safe = (hn[:, None] * rw[None, :] < 8.507059173023462e+37) & (hqn[:, None] * rq[None, :] < 8.507059173023462e+37)
+    safe = safe & (r < float("inf")) & (tl.abs(acc) < float("inf"))  # (NaN compares false)
+    lo = tl.where(safe, acc - r, float("-inf"))
+    up = tl.where(safe, acc + r, float("inf"))
     at = offs_m[:, None] * V + offs_v[None, :]
     ok = ok_m[:, None] & ok_v[None, :]
     if lo_ptr is not None:  # argmax needs only U and the best L
@@ -191,8 +194,9 @@ def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval
     whose survivors overflowed CAP or whose hidden state is not finite (ALL: every row); the program does
     nothing unless one is flagged, writes the logits of every row to out ([M, V]) when given, and the keys
     of flagged rows; program 0 adds the flagged rows to the fallback counter fb. Otherwise: BS listed
-    survivors of hidden row m (grid CAP / BS, M), the first min(count, CAP); every row of the MP-row tile
-    holds h[m], so the tile is the full pass's; out ([M, CAP]) gets -inf past the count."""
+    survivors of hidden row r (grid CAP / BS, M), the first min(count, CAP), computed on the very tile of
+    hidden rows the full pass uses (the launch's M rows), so every logit comes out of the same products;
+    out ([M, CAP]) gets -inf past the count."""
     pid = tl.program_id(0)
     if FULL:
         offs_m = tl.arange(0, MP)
@@ -217,20 +221,21 @@ def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval
             k = tl.where(ok[None, :], _key(x, offs[None, :]), -9223372036854775807)
             tl.atomic_max(key_ptr + offs_m, tl.max(k, 1), mask=ok_m & (flag != 0))
     else:
-        m = tl.program_id(1)
+        r = tl.program_id(1)  # hidden row r of this launch's rows (the full pass's tile of rows)
         slot = pid * BS + tl.arange(0, BS)
-        n = tl.minimum(tl.load(count_ptr + m), CAP)
+        n = tl.minimum(tl.load(count_ptr + r), CAP)
         ok = slot < n
         if pid * BS >= n:
             return
-        ids = tl.load(ids_ptr + m * CAP + slot, mask=ok, other=0)
-        rows_m = tl.zeros([MP], tl.int32) + m
-        x = tl.max(_exact_tile(h_ptr, stride_hm, rows_m, rows_m >= 0, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr,
-                               eval_ptr, stride_wv, stride_lv, ids, ok, H, MP, BS, BK, W12), 0)
+        ids = tl.load(ids_ptr + r * CAP + slot, mask=ok, other=0)
+        offs_m = tl.arange(0, MP)
+        tile = _exact_tile(h_ptr, stride_hm, offs_m, offs_m < M, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr,
+                           stride_wv, stride_lv, ids, ok, H, MP, BS, BK, W12)
+        x = tl.sum(tl.where(offs_m[:, None] == r, tile, -0.0), 0)  # row r exactly: x + (-0) == x, -0 and NaN kept
         if out_ptr is not None:
-            tl.store(out_ptr + m * CAP + slot, tl.where(ok, x, float("-inf")), mask=slot < CAP)
+            tl.store(out_ptr + r * CAP + slot, tl.where(ok, x, float("-inf")), mask=slot < CAP)
         if KEYS:
-            tl.atomic_max(key_ptr + m, tl.max(tl.where(ok, _key(x, ids), -9223372036854775807), 0))
+            tl.atomic_max(key_ptr + r, tl.max(tl.where(ok, _key(x, ids), -9223372036854775807), 0))
 
 
 @triton.jit

@@ -1,0 +1,184 @@
+"""GPU tests of lmhead.CertifiedHead at the width of a hybrid 27B model's head (H = 5120) with a 32000-token
+vocabulary and a 248320-token one; M in {1, 8, 32} hidden rows; INT8 and W12 screens; CUDA-graph capture and
+replay with new hidden states; torch.compile(fullgraph=True) through torch.ops.specpilot_lmhead.argmax;
+survivor counts of peaked and flat logits.
+
+Oracles as in test_lmhead.py (conftest.py, fixture `lm`): argmax == torch.argmax(head.logits) bit for bit,
+topk == the stable descending sort of the logits, the fp64 argmax on every provably decided row.
+Run on the GPU machine: `python -m pytest tests/lmhead/test_lmhead_gpu.py -q`.
+"""
+
+import pytest
+import torch
+
+import lmhead
+from specpilot.testing import assert_bitwise_equal, capture_graph
+
+pytestmark = pytest.mark.gpu
+
+DEV = "cuda"
+H27 = 5120
+
+
+def cuda_gen(seed):
+    return torch.Generator(device=DEV).manual_seed(seed)
+
+
+def weight(V, H=H27, seed=0, std=0.02):
+    return (torch.randn(V, H, generator=cuda_gen(seed), device=DEV) * std).to(torch.bfloat16)
+
+
+def hidden(M, H=H27, seed=1, std=1.0):
+    return (torch.randn(M, H, generator=cuda_gen(seed), device=DEV) * std).to(torch.bfloat16)
+
+
+def head_of(w, screen, **kw):
+    import w12
+
+    if screen == "w12":
+        return lmhead.CertifiedHead(w12.pack(w), screen="w12", **kw)
+    return lmhead.CertifiedHead(w, screen=screen, **kw)
+
+
+@pytest.fixture(scope="module")
+def w32k():
+    return weight(32000, seed=10)
+
+
+# ------------------------------------------------------------------------------------ exactness
+
+
+@pytest.mark.parametrize("screen", ["int8", "none"])
+@pytest.mark.parametrize("M", [1, 8, 32])
+def test_argmax_32k(M, screen, w32k, lm):
+    head = lmhead.CertifiedHead(w32k, screen=screen)
+    h = hidden(M, seed=M)
+    head.reset_stats()
+    ids, logits = lm.check_argmax(head, h, msg=f"{screen} M={M}")
+    for k in (1, 8, 64):
+        lm.check_topk(head, h, k, logits, msg=f"{screen} M={M}")
+    decided = lm.check_reference(ids, h, w32k)
+    assert decided >= (M + 1) // 2, f"{decided}/{M} rows decided by the fp64 margin"
+    if screen != "none":
+        lm.check_bounds(head, h, w32k, logits)
+        st = head.stats()
+        print(f"\n{screen} V=32000 M={M}: survivors {st['survivors']} fallbacks {st['fallbacks']}")
+
+
+@pytest.mark.parametrize("M", [1, 32])
+def test_w12_head_32k(M, w32k, lm):
+    """The W12Weight of a random BF16 head, screened by its 8-bit view."""
+    head = head_of(w32k, "w12")
+    assert head.stats()["screen"] == "w12"
+    h = hidden(M, seed=100 + M)
+    ids, logits = lm.check_argmax(head, h, msg=f"w12 M={M}")
+    lm.check_topk(head, h, 16, logits)
+    lm.check_reference(ids, h, w32k)
+    lm.check_bounds(head, h, w32k, logits)
+
+
+def test_argmax_248k(lm):
+    """A 248320-token vocabulary (2.5 GB BF16 head), 8 rows: exact, and the survivors are reported."""
+    w = weight(248320, seed=20)
+    head = lmhead.CertifiedHead(w, screen="int8")
+    h = hidden(8, seed=21)
+    head.reset_stats()
+    ids, logits = lm.check_argmax(head, h, msg="V=248320")
+    lm.check_topk(head, h, 32, logits)
+    lm.check_reference(ids, h, w)
+    st = head.stats()
+    print(f"\nint8 V=248320 M=8: survivors {st['survivors']} fallbacks {st['fallbacks']}")
+    assert len(st["survivors"]) == 8 and all(1 <= x <= 248320 for x in st["survivors"])
+
+
+@pytest.mark.parametrize("screen", ["int8", "w12"])
+def test_peaked_vs_flat_survivors(screen, w32k, lm):
+    """Peaked logits (hidden = noise + 50 W_t) keep few survivors (< 64); flat ones (hidden = 0.05 x noise) keep
+    many or fall back. Both exact; the counts are printed."""
+    head = head_of(w32k, screen)
+    targets = torch.tensor([3, 999, 12345, 31999, 7, 20000, 15, 1], device=DEV)
+    peaked = (hidden(8, seed=31, std=0.5).float() + 50 * w32k[targets].float()).to(torch.bfloat16)
+    flat = hidden(8, seed=32, std=0.05)
+    got = {}
+    for name, h in (("peaked", peaked), ("flat", flat)):
+        head.reset_stats()
+        ids, _ = lm.check_argmax(head, h, msg=name)
+        st = head.stats()
+        got[name] = st
+        print(f"\n{screen} {name}: survivors {st['survivors']} (mean {st['survivors_mean']:.1f}), "
+              f"fallbacks {st['fallbacks']}")
+        if name == "peaked":
+            assert ids.tolist() == targets.tolist()
+    assert max(got["peaked"]["survivors"]) < 64, got["peaked"]["survivors"]
+    assert got["flat"]["survivors_mean"] >= got["peaked"]["survivors_mean"]
+
+
+def test_capacity_fallback_on_gpu(w32k, lm):
+    """A zero row (the whole vocabulary ties) and a NaN row among peaked ones (random hidden states keep thousands
+    of survivors at this width and would overflow too): exact, 2 fallbacks."""
+    head = lmhead.CertifiedHead(w32k, screen="int8", capacity=64)
+    targets = torch.arange(8, device=DEV) * 3000 + 11
+    h = (hidden(8, seed=41, std=0.5).float() + 50 * w32k[targets].float()).to(torch.bfloat16)
+    h[2] = 0.0
+    h[5, 17] = float("nan")
+    head.reset_stats()
+    ids, _ = lm.check_argmax(head, h)
+    assert ids[2] == 0 and head.stats()["fallbacks"] == 2
+
+
+# ------------------------------------------------------------------------------------ graphs and compile
+
+
+@pytest.mark.parametrize("screen", ["int8", "w12"])
+def test_cuda_graph_replay(screen, w32k, lm):
+    """head.argmax captured once into a CUDA graph; new hidden states copied into the captured input (one with a
+    flat row and a NaN row, which fall back inside the graph) replay to the eager answers."""
+    head = head_of(w32k, screen, capacity=128)
+    h_static = hidden(8, seed=50)
+    held = {}
+
+    def step():
+        held["ids"] = head.argmax(h_static)
+
+    graph = capture_graph(step)
+    for rep, seed in enumerate((51, 52, 53)):
+        new = hidden(8, seed=seed)
+        if rep == 1:
+            new[3] = 0.0
+            new[6, 100] = float("nan")
+        if rep == 2:
+            new[0] = (60 * w32k[4242].float()).to(torch.bfloat16)
+        h_static.copy_(new)
+        held["ids"].fill_(-1)
+        graph.replay()
+        torch.cuda.synchronize()
+        eager = head.argmax(new)
+        assert_bitwise_equal(held["ids"], eager, f"replay {rep}:")
+        want = torch.argmax(head.logits(new), dim=-1)
+        assert_bitwise_equal(held["ids"], want, f"replay {rep} vs argmax(logits):")
+        if rep == 2:
+            assert int(held["ids"][0]) == 4242
+
+
+def test_torch_compile_fullgraph(w32k, lm):
+    """A function calling head.argmax inside torch.compile(fullgraph=True) (through the registered custom op):
+    the same ids as eager, also on a second call with other hidden states."""
+    assert hasattr(torch.ops.specpilot_lmhead, "argmax")
+    head = lmhead.CertifiedHead(w32k, screen="int8")
+
+    def f(h):
+        return head.argmax(h * 1) + 0  # traced ops around the custom op
+
+    torch._dynamo.reset()
+    cf = torch.compile(f, fullgraph=True)
+    for seed in (60, 61):
+        h = hidden(8, seed=seed)
+        got = cf(h)
+        assert_bitwise_equal(got, f(h), f"seed {seed}:")
+        assert_bitwise_equal(got, torch.argmax(head.logits(h), dim=-1), f"seed {seed} vs argmax(logits):")
+
+
+def test_hidden_on_the_wrong_device(w32k, lm):
+    head = lmhead.CertifiedHead(w32k[:1000], screen="int8")
+    with lm.expect_error(r"cuda|device"):
+        head.argmax(torch.zeros(2, H27, dtype=torch.bfloat16))
