@@ -36,5 +36,5 @@ def head_config(variant: str, V: int, H: int, interpret: bool, device=None) -> H
 # not listed here runs the plain exact head ("none"): the screen pays only where its read is fast enough
 # (the paper measured the certified head slower than the plain one on an RTX PRO 6000).
 AUTO_SCREEN: dict[str, dict[str, str]] = {
-    "h200": {"bf16": "int8", "w12": "w12"},
+    "h200": {"bf16": "int8", "w12": "int8"},  # perf/results/h200/20261201T150759-lmhead.argmax.json
 }
