@@ -40,6 +40,20 @@ def head_of(w, screen, **kw):
     return lmhead.CertifiedHead(w, screen=screen, **kw)
 
 
+def check_fallbacks(head, h):
+    """One argmax after reset_stats: the rows whose survivors exceed the head's capacity and the
+    non-finite ones are exactly the fallbacks."""
+    capacity = head.capacity
+    head.reset_stats()
+    head.argmax(h)
+    st = head.stats()
+    bad = int((~torch.isfinite(h.float())).any(-1).sum())
+    want = sum(1 for m, x in enumerate(st["survivors"]) if x > capacity and torch.isfinite(h[m].float()).all())
+    assert st["fallbacks"] == want + bad, \
+        f"fallbacks {st['fallbacks']} != {want} rows over capacity {capacity} + {bad} non-finite ({st['survivors']})"
+    return st
+
+
 @pytest.fixture(scope="module")
 def w32k():
     return weight(32000, seed=10)
@@ -61,7 +75,7 @@ def test_argmax_32k(M, screen, w32k, lm):
     assert decided >= (M + 1) // 2, f"{decided}/{M} rows decided by the fp64 margin"
     if screen != "none":
         lm.check_bounds(head, h, w32k, logits)
-        st = head.stats()
+        st = check_fallbacks(head, h)
         print(f"\n{screen} V=32000 M={M}: survivors {st['survivors']} fallbacks {st['fallbacks']}")
 
 
@@ -94,23 +108,25 @@ def test_argmax_248k(lm):
 @pytest.mark.parametrize("screen", ["int8", "w12"])
 def test_peaked_vs_flat_survivors(screen, w32k, lm):
     """Peaked logits (hidden = noise + 50 W_t) keep few survivors (< 64); flat ones (hidden = 0.05 x noise) keep
-    many or fall back. Both exact; the counts are printed."""
+    many, and the rows over the capacity (256) fall back and are counted. Both exact; the counts are printed."""
     head = head_of(w32k, screen)
     targets = torch.tensor([3, 999, 12345, 31999, 7, 20000, 15, 1], device=DEV)
     peaked = (hidden(8, seed=31, std=0.5).float() + 50 * w32k[targets].float()).to(torch.bfloat16)
     flat = hidden(8, seed=32, std=0.05)
     got = {}
     for name, h in (("peaked", peaked), ("flat", flat)):
-        head.reset_stats()
         ids, _ = lm.check_argmax(head, h, msg=name)
-        st = head.stats()
-        got[name] = st
+        head.reset_stats()
+        head.argmax(h)
+        st = got[name] = head.stats()
         print(f"\n{screen} {name}: survivors {st['survivors']} (mean {st['survivors_mean']:.1f}), "
               f"fallbacks {st['fallbacks']}")
         if name == "peaked":
             assert ids.tolist() == targets.tolist()
     assert max(got["peaked"]["survivors"]) < 64, got["peaked"]["survivors"]
     assert got["flat"]["survivors_mean"] >= got["peaked"]["survivors_mean"]
+    for name, h in (("peaked", peaked), ("flat", flat)):
+        check_fallbacks(head, h)
 
 
 def test_capacity_fallback_on_gpu(w32k, lm):
