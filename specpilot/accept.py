@@ -19,7 +19,7 @@ from typing import NamedTuple
 
 import torch
 
-__all__ = ["Acceptance", "greedy_accept", "greedy_accept_reference"]
+__all__ = ["Acceptance", "greedy_accept", "greedy_accept_reference", "accepted_slots"]
 
 
 class Acceptance(NamedTuple):
@@ -101,3 +101,19 @@ def greedy_accept_reference(parents: list[list[int]], tokens: list[list[int]], t
             path.append(at)
         paths.append(path)
     return paths, bonus
+
+
+def accepted_slots(node_slots: torch.Tensor, acc: Acceptance) -> tuple[torch.Tensor, torch.Tensor]:
+    """KV commit by remapping: (kept [B, max_len] int32, the KV-cache slots of the accepted nodes in path
+    order, -1 after; freed [B, N] bool, the nodes whose slots return to the pool). The request's KV list
+    becomes its prefix followed by `kept[:accepted_len]`: no K/V row moves. node_slots [B, N] holds each
+    tree node's slot (where verify wrote its K/V; tree_attn's nodes-in-cache layout)."""
+    if node_slots.dim() != 2 or node_slots.shape[0] != acc.accepted.shape[0]:
+        raise ValueError(f"specpilot.accept.accepted_slots: node_slots has shape {tuple(node_slots.shape)}; pass "
+                         f"[B={acc.accepted.shape[0]}, N], one slot per tree node")
+    B, N = node_slots.shape
+    idx = acc.accepted.long()
+    kept = torch.where(idx >= 0, node_slots.gather(1, idx.clamp(0, N - 1)).long(), torch.full_like(idx, -1))
+    used = torch.zeros(B, N + 1, dtype=torch.bool, device=node_slots.device)
+    used.scatter_(1, torch.where(idx >= 0, idx, torch.full_like(idx, N)), True)
+    return kept.to(torch.int32), ~used[:, :N]

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gdn
-from specpilot.accept import greedy_accept, greedy_accept_reference
+from specpilot.accept import accepted_slots, greedy_accept, greedy_accept_reference
 
 
 def _tree(rng: random.Random, n: int, vocab: int, depth_cap: int):
@@ -97,3 +97,17 @@ def test_bad_shapes_say_how_to_fix():
     with pytest.raises(TypeError, match="integer"):
         greedy_accept(T.float(), T.int(), T.int(), torch.zeros(2, dtype=torch.int32),
                       torch.zeros(2, 5, dtype=torch.int64), max_depth=2)
+
+
+def test_accepted_slots_remap_the_path():
+    """The accepted nodes' KV slots in path order; every other node's slot is freed, none twice."""
+    trees, T, P, D, n_nodes, nxt = _batch(7, 4, 12, 5, 5, 1.0)
+    acc = greedy_accept(T, P, D, n_nodes, nxt, max_depth=5)
+    slots = torch.arange(4 * 12, dtype=torch.int32).view(4, 12) * 3 + 100
+    kept, freed = accepted_slots(slots, acc)
+    for b in range(4):
+        n = int(acc.accepted_len[b])
+        path = acc.accepted[b, :n].tolist()
+        assert kept[b, :n].tolist() == [int(slots[b, i]) for i in path]
+        assert (kept[b, n:] == -1).all()
+        assert freed[b].tolist() == [i not in path for i in range(12)]
