@@ -56,12 +56,7 @@ if has_stage ncu; then
     --reps 1 --out "$SCRATCH/ncu-bench"
   RC[ncu]=$?
 fi
-if has_stage bench; then
-  timeout "${BENCH_TIMEOUT:-240}" python3 -m specpilot bench --shapes "${BENCH_SHAPES:-hybrid-27b}" --ops gdn \
-    --out "$OUT" >"$SCRATCH/bench.log" 2>&1
-  RC[bench]=$?
-fi
-LATEST=$(ls -t "$OUT"/2*-gdn.json 2>/dev/null | head -n 1)
+has_stage bench && run_bench 240 gdn
 
 {
   echo "wheels  : $WHEELS"

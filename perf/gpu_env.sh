@@ -44,6 +44,17 @@ run_tests() {
   fi
 }
 
+# run_bench LIMIT OPS...: `specpilot bench --ops OPS` on BENCH_SHAPES (default hybrid-27b) under BENCH_TIMEOUT
+# (default LIMIT seconds), its log in $SCRATCH/bench.log; sets RC[bench] and LATEST (the run's JSON in $OUT).
+run_bench() {
+  local limit=$1
+  shift
+  timeout "${BENCH_TIMEOUT:-$limit}" python3 -m specpilot bench --shapes "${BENCH_SHAPES:-hybrid-27b}" --ops "$@" \
+    --out "$OUT" >"$SCRATCH/bench.log" 2>&1
+  RC[bench]=$?
+  LATEST=$(ls -t "$OUT"/2*-"$(IFS=-; echo "$*")".json 2>/dev/null | head -n 1)
+}
+
 # tests_line LOG: pytest's last count line
 tests_line() { grep -E '(passed|failed|error|skipped|no tests ran)' "$1" 2>/dev/null | tail -n 1; }
 

@@ -26,12 +26,9 @@ if has_stage tests; then
   RC[tests]=$?
 fi
 if has_stage bench; then
-  timeout "${BENCH_TIMEOUT:-330}" python3 -m specpilot bench --shapes "${BENCH_SHAPES:-hybrid-27b}" \
-    --ops lmhead.argmax --out "$OUT" >"$SCRATCH/bench.log" 2>&1
-  RC[bench]=$?
+  run_bench 330 lmhead.argmax
   cp "$SCRATCH/bench.log" "$OUT/"
 fi
-LATEST=$(ls -t "$OUT"/2*-lmhead.argmax.json 2>/dev/null | head -n 1)
 
 {
   echo "wheels  : $WHEELS"

@@ -30,12 +30,9 @@ if has_stage tests; then
   RC[tests]=$?
 fi
 if has_stage bench; then
-  timeout "${BENCH_TIMEOUT:-360}" python3 -m specpilot bench --shapes "${BENCH_SHAPES:-hybrid-27b}" \
-    --ops tree_attn.tree_attention --out "$OUT" >"$SCRATCH/bench.log" 2>&1
-  RC[bench]=$?
+  run_bench 360 tree_attn.tree_attention
   cp "$SCRATCH/bench.log" "$OUT/"
 fi
-LATEST=$(ls -t "$OUT"/2*-tree_attn.tree_attention.json 2>/dev/null | head -n 1)
 
 {
   echo "wheels  : $WHEELS"
