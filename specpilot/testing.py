@@ -1,6 +1,7 @@
 """Checking helpers used by the test suites and by the benchmark runner's correctness gates.
 
 * `assert_bitwise_equal`: compares bit patterns, not values: -0.0 != +0.0 and NaN payloads count.
+* `raises_helpful`: the call raises in the house style "<pkg>.<fn>: what is wrong; how to fix".
 * `error_bound` / `assert_close`: tolerances derived, not guessed. The kernel's error against an
   fp64 reference may be at most `factor` x the error of the same-precision PyTorch computation
   (plus a floor of `ulps` unit roundoffs of the baseline's dtype, for the case where PyTorch
@@ -9,12 +10,14 @@
 
 from __future__ import annotations
 
+import contextlib
+import re
 from dataclasses import dataclass
 
 import torch
 
 __all__ = ["assert_bitwise_equal", "bits_of", "error_bound", "assert_close", "rel_err", "Closeness", "capture_graph",
-           "assert_replays_equal"]
+           "assert_replays_equal", "raises_helpful"]
 
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -137,3 +140,18 @@ def assert_replays_equal(graph, outs, want, reps: int = 20) -> None:
         torch.cuda.synchronize()
         for i, (o, w) in enumerate(zip(outs, want)):
             assert torch.equal(o, w), f"replay {rep}, launch {i}: differs from the eager launches"
+
+
+@contextlib.contextmanager
+def raises_helpful(pkg: str, *patterns: str, exc=(ValueError, TypeError)):
+    """The block must raise `exc` with a message "<pkg>.<fn>: <what>; <how to fix>" whose text matches every
+    regex in `patterns` (case-sensitive: they name the argument at fault). For test suites (needs pytest)."""
+    import pytest
+
+    style = re.compile(re.escape(pkg) + r"\.[\w.]+: [^;]+; \S")
+    with pytest.raises(exc) as info:
+        yield info
+    text = str(info.value)
+    assert style.match(text), f"not in the '{pkg}.<fn>: what; how to fix' style: {text!r}"
+    for p in patterns:
+        assert re.search(p, text), f"{p!r} not in the message: {text!r}"

@@ -24,16 +24,14 @@ The oracles are the contract of docs/lmhead.md (and /work/plan/lmhead_api.md):
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import math
-import re
 
 import pytest
 import torch
 
-from specpilot.testing import assert_bitwise_equal
+from specpilot.testing import assert_bitwise_equal, raises_helpful
 
-ERROR_STYLE = re.compile(r"lmhead\.[\w.]+: [^;]+; \S")
 U32 = 2.0**-23
 
 
@@ -272,16 +270,7 @@ def _aligned_hidden(err, M, H, seed):
 # --------------------------------------------------------------------------------------- errors
 
 
-@contextlib.contextmanager
-def expect_error(*patterns, exc=(ValueError, TypeError)):
-    """The call must raise `exc` with a message "lmhead.<fn>: <what>; <how to fix>" whose text matches every
-    regex in `patterns`."""
-    with pytest.raises(exc) as info:
-        yield info
-    text = str(info.value)
-    assert ERROR_STYLE.match(text), f"not in the 'lmhead.<fn>: what; how to fix' style: {text!r}"
-    for p in patterns:
-        assert re.search(p, text), f"{p!r} not in the message: {text!r}"
+expect_error = functools.partial(raises_helpful, "lmhead")  # "lmhead.<fn>: what; how to fix"
 
 
 class _Helpers:
@@ -303,7 +292,6 @@ class _Helpers:
     worst_case_int8 = staticmethod(worst_case_int8)
     worst_case_w12 = staticmethod(worst_case_w12)
     expect_error = staticmethod(expect_error)
-    ERROR_STYLE = ERROR_STYLE
 
 
 @pytest.fixture(name="lm")

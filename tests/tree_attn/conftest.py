@@ -14,7 +14,7 @@ Fixtures `make_batch`, `check` and `raises` hand out the functions below.
 
 from __future__ import annotations
 
-import contextlib
+import functools
 import random
 import re
 from dataclasses import dataclass, field
@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from specpilot.testing import assert_close
+from specpilot.testing import assert_close, raises_helpful
 
 MAX_NODES = 64
 
@@ -276,19 +276,7 @@ def check_attn(batch, out, lse=None, *, msg=""):
         assert_close(lse, lse64, lse32, factor=4.0, ulps=64, msg=f"{msg} lse")
 
 
-ERROR_STYLE = re.compile(r"tree_attn\.[\w.]+: [^;]+; \S")
-
-
-@contextlib.contextmanager
-def expect_error(*patterns, exc=(ValueError, TypeError)):
-    """The call must raise `exc` with a message "tree_attn.<fn>: <what>; <how to fix>" whose text matches every
-    regex in `patterns` (case-sensitive: they name the argument at fault)."""
-    with pytest.raises(exc) as info:
-        yield info
-    text = str(info.value)
-    assert ERROR_STYLE.match(text), f"not in the 'tree_attn.<fn>: what; how to fix' style: {text!r}"
-    for p in patterns:
-        assert re.search(p, text), f"{p!r} not in the message: {text!r}"
+expect_error = functools.partial(raises_helpful, "tree_attn")  # "tree_attn.<fn>: what; how to fix"
 
 
 @pytest.fixture(name="make_batch")
