@@ -88,6 +88,12 @@ def is_interpreter() -> bool:
     return os.environ.get("TRITON_INTERPRET", "0") == "1"
 
 
+def host_only(device) -> bool:
+    """CPU tensors without the Triton interpreter: no Triton kernel can run them; the operators' torch
+    references do."""
+    return torch.device(device).type == "cpu" and not is_interpreter()
+
+
 def _index(device) -> int:
     if device is None:
         return torch.cuda.current_device()

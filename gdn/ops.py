@@ -12,7 +12,7 @@ import torch
 import triton
 
 import autotune
-from autotune.hardware import has_pdl, is_interpreter
+from autotune.hardware import has_pdl, host_only, is_interpreter
 
 from . import configs
 from .guard import (ACCEPTED_LEN, ACCEPTED_NODE, ACCEPTED_PATH, COMMIT_STATE_INDEX, CONV_STATE_INDEX, POSITIVE_GATE,
@@ -106,18 +106,13 @@ def _make_verify_plan(variant, forced_cfg, q, k, v, g, beta, o, pool, state_idx,
         if by_name:
             raise ValueError(f"{OP_VERIFY}: variant 'cuda' cannot take this call: {why}; use variant='wy'")
         kernel = "wy"
-    if _host_only(device):
+    if host_only(device):
         return autotune.Plan(variant, "reference")
     if kernel == "wy":
         return autotune.Plan(variant, "wy", configs.wy_config(max_nodes, K, V, device, batch=B, HV=HV))
     if kernel == "recurrent":
         return autotune.Plan(variant, "recurrent", configs.recurrent_config(K, V, device))
     return autotune.Plan(variant, "reference")
-
-
-def _host_only(device: torch.device) -> bool:
-    """CPU tensors without the Triton interpreter: no Triton kernel can run them, the torch reference does."""
-    return device.type == "cpu" and not is_interpreter()
 
 
 def _verify(variant: str | None, q, k, v, g, beta, o, pool, state_idx, cu, anc, depth, max_depth, node_req, sync,
@@ -206,7 +201,7 @@ def _plan_conv(variant: str | None, x: torch.Tensor) -> autotune.Plan:
 
 def _make_conv_plan(variant: str | None, x: torch.Tensor) -> autotune.Plan:
     variant, _ = CONV_VARIANTS.choose(variant, x.device)
-    if variant == "reference" or _host_only(x.device):
+    if variant == "reference" or host_only(x.device):
         return autotune.Plan(variant, "reference")
     return autotune.Plan(variant, "triton", configs.conv_config(x.shape[1], x.device))
 
@@ -245,7 +240,7 @@ def _plan_commit(variant: str | None, k, v, x, device: torch.device) -> autotune
 
 def _make_commit_plan(variant: str | None, K: int, V: int, D: int, device: torch.device) -> autotune.Plan:
     variant, _ = COMMIT_VARIANTS.choose(variant, device)
-    if variant == "reference" or _host_only(device):
+    if variant == "reference" or host_only(device):
         return autotune.Plan(variant, "reference")
     return autotune.Plan(variant, "triton", (configs.commit_config(K, V, D, device),
                                              configs.commit_config(1, 1, D, device)))

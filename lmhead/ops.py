@@ -17,7 +17,7 @@ import torch
 import triton
 
 import autotune
-from autotune.hardware import gpu_slug, is_interpreter
+from autotune.hardware import gpu_slug, host_only, is_interpreter
 
 from .configs import AUTO_SCREEN, HeadConfig, head_config
 from .kernels.screen import lmhead_exact_kernel, lmhead_prep_kernel, lmhead_screen_kernel, lmhead_select_kernel
@@ -47,7 +47,7 @@ def _plan(variant: str | None, device: torch.device, V: int, H: int) -> autotune
     key = (chosen, str(device), V, H, autotune.forced(OP), is_interpreter())
 
     def make() -> autotune.Plan:
-        if chosen == "reference" or (device.type != "cuda" and not is_interpreter()):
+        if chosen == "reference" or host_only(device):
             return autotune.Plan(chosen, "reference")
         return autotune.Plan(chosen, "triton", head_config(chosen, V, H, is_interpreter(), device))
 

@@ -18,7 +18,7 @@ from dataclasses import dataclass
 import torch
 
 import autotune
-from autotune.hardware import compute_capability, is_interpreter
+from autotune.hardware import compute_capability, host_only, is_interpreter
 
 from .configs import SplitConfig, split_config
 from .kernels.split import tree_attn_merge_kernel, tree_attn_split_kernel
@@ -48,7 +48,7 @@ def _plan(variant: str | None, device: torch.device, head_dim: int, group: int) 
     key = (chosen, str(device), head_dim, group, autotune.forced(OP), is_interpreter())
 
     def make() -> autotune.Plan:
-        if chosen == "reference" or (device.type != "cuda" and not is_interpreter()):
+        if chosen == "reference" or host_only(device):
             return autotune.Plan(chosen, "reference")
         cc = compute_capability(device.index)[0] if device.type == "cuda" else 0
         return autotune.Plan(chosen, "split", split_config(chosen, head_dim, group, cc, is_interpreter(), device))

@@ -661,9 +661,11 @@ def test_cpu_tensors_without_the_interpreter_run_the_references(monkeypatch):
     """No Triton backend for CPU tensors: every op's automatic variant is "reference", and a Triton variant
     asked for by name runs the reference too (its plan names the variant asked for beside the kernel)."""
     import autotune.dispatch
+    import autotune.hardware
     from gdn import ops as gops
 
     monkeypatch.setattr(autotune.dispatch, "is_interpreter", lambda: False)
+    monkeypatch.setattr(autotune.hardware, "is_interpreter", lambda: False)  # autotune.host_only reads it
     monkeypatch.setattr(gops, "is_interpreter", lambda: False)
     trees = [rand_tree(6, random.Random(3)), chain(3)]
     plan = gdn.build_tree_plan(trees)
