@@ -10,7 +10,6 @@ same launch sequence. Nothing syncs the host; CUDA graphs capture `argmax` and `
 
 from __future__ import annotations
 
-import time
 import weakref
 
 import torch
@@ -271,7 +270,6 @@ def _launch_exact(hd: "CertifiedHead", h, p, surv, out, key, full: bool, every: 
 def _survivors(hd: "CertifiedHead", h, thr_from_lo):
     """Prep, screen, threshold, select. Returns (p, lo, surv): p holds count, bad, key for the exact passes."""
     M, dev = h.shape[0], h.device
-    mark = hd._stats.start(dev) if hd.time_screen else None
     p = _prep_triton(h, hd.group, hd.screen == "int8")
     lo = torch.empty(M, hd.V, dtype=torch.float32, device=dev) if thr_from_lo is not None else None
     up = torch.empty(M, hd.V, dtype=torch.float32, device=dev)
@@ -280,8 +278,6 @@ def _survivors(hd: "CertifiedHead", h, thr_from_lo):
     surv = torch.empty(M, hd.capacity, dtype=torch.int32, device=dev)
     lmhead_select_kernel[(triton.cdiv(hd.V, hd.cfg.select_bv), M)](up, thr, p["bad"], p["count"], surv, hd.V,
                                                                    hd.capacity, BV=hd.cfg.select_bv)
-    if mark is not None:
-        hd._stats.stop(mark, dev)
     p["up"] = up
     return p, lo, surv
 
@@ -409,48 +405,16 @@ class _Stats:
         self.rows += rows
         self.last, self.last_rows = count, rows
 
-    # screen timing (CertifiedHead(time_screen=True)): CUDA events around prep, screen and selection, read
-    # only by stats(); not recorded while a CUDA graph is being captured
-    span = None
-
-    def start(self, device):
-        if device.type == "cuda":
-            if torch.cuda.is_current_stream_capturing():
-                return None
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            return ev
-        return time.perf_counter()
-
-    def stop(self, mark, device) -> None:
-        if device.type == "cuda":
-            ev = torch.cuda.Event(enable_timing=True)
-            ev.record()
-            self.span = (mark, ev)
-        else:
-            self.span = (mark, time.perf_counter())
-
-    def screen_us(self) -> float | None:
-        if self.span is None:
-            return None
-        a, b = self.span
-        if isinstance(a, float):
-            return (b - a) * 1e6
-        b.synchronize()
-        return a.elapsed_time(b) * 1e3
-
 
 class CertifiedHead:
     """A greedy LM head whose answers are exact: `argmax`, `topk`, `logits` (docs/lmhead.md).
 
     `weight`: BF16 `[V, H]`, or a `w12.W12Weight` (stored once; exact rows decoded from it). `screen`:
     "int8", "w12" (W12 heads), "none" (the plain exact head) or "auto" (measured per GPU,
-    lmhead/configs.py). `capacity`: survivors per row before that row takes the full exact path.
-    `time_screen`: record the time of each call's screen (prep, screen, selection) for `stats()["screen_us"]`
-    (CUDA events, not while a graph is captured; off by default)."""
+    lmhead/configs.py). `capacity`: survivors per row before that row takes the full exact path."""
 
     def __init__(self, weight, *, screen: str = "auto", capacity: int | None = None, group: int = GROUP,
-                 variant: str | None = None, time_screen: bool = False):
+                 variant: str | None = None):
         fn = "lmhead.CertifiedHead"
         w12 = not isinstance(weight, torch.Tensor)
         if w12 and not all(hasattr(weight, p) for p in ("hi", "lo", "e0", "esc_rowptr", "K")):
@@ -494,7 +458,6 @@ class CertifiedHead:
         self.plan = _plan(variant, device, self.V, self.H)
         self.cfg = self.plan.config
         self.tables = _build_tables(weight, self.screen, group) if self.screen != "none" else {}
-        self.time_screen = bool(time_screen)
         self._stats = _Stats()
         _HEADS[id(self)] = self
 
@@ -615,8 +578,6 @@ class CertifiedHead:
                 "survivors_mean": (sum(last) / len(last)) if last else 0.0,
                 "fallbacks": 0 if s.fallbacks is None else int(s.fallbacks.sum()), "screen": self.screen,
                 "capacity": self.capacity,
-                # time of the last call's prep + screen + selection (time_screen=True; None otherwise)
-                "screen_us": s.screen_us(),
                 "bound": {"u": _U, "gamma": self.gamma, "gamma_q": self.gamma_q, "eta": self.eta, "group": self.group}}
 
     def reset_stats(self) -> None:

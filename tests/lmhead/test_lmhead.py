@@ -547,15 +547,3 @@ def test_bad_input_says_how_to_fix(case, lm):
     call, exc, patterns = _bad_calls(lm)[case]
     with lm.expect_error(*patterns, exc=exc):
         call()
-
-
-def test_screen_time_is_reported_when_asked(lm):
-    """stats()["screen_us"]: the last call's screen time with time_screen=True, None without."""
-    w = lm.rand_weight(30, 40, seed=171)
-    h = lm.rand_hidden(2, 40, seed=172)
-    timed = lmhead.CertifiedHead(w, screen="int8", time_screen=True)
-    timed.argmax(h)
-    assert timed.stats()["screen_us"] > 0
-    plain = lmhead.CertifiedHead(w, screen="int8")
-    plain.argmax(h)
-    assert plain.stats()["screen_us"] is None
