@@ -547,3 +547,15 @@ def test_bad_input_says_how_to_fix(case, lm):
     call, exc, patterns = _bad_calls(lm)[case]
     with lm.expect_error(*patterns, exc=exc):
         call()
+
+
+def test_int8_tables_match_the_reference(lm):
+    """The INT8 screen's codes and BF16 scales are lmhead.int8_screen_reference's (per 128-column group:
+    scale = max|w| / 127 rounded up to BF16, codes rounded), and its stored error bound covers the
+    reference's exact per-group error."""
+    w = lm.rand_weight(37, 300, seed=181)
+    head = lmhead.CertifiedHead(w, screen="int8")
+    q, scale, err = lmhead.int8_screen_reference(w, 128)
+    assert torch.equal(head.tables["q"], q)
+    assert_bitwise_equal(head.tables["scale"], scale)
+    assert (head.tables["err"].double() >= err).all()
