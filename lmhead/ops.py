@@ -136,18 +136,12 @@ def _quantize(x: torch.Tensor, group: int, scale_dtype=torch.bfloat16):
 
 
 def _decode_rows(packed, r0: int, r1: int) -> torch.Tensor:
+    """The exact BF16 rows r0:r1 of a W12 head (the record sliced, then w12.unpack)."""
     import w12  # a W12 head: `lmhead -> w12` is the one allowed sibling import (docs/architecture.md)
 
-    return w12.unpack(packed)[r0:r1] if r1 - r0 == packed.N else _slice_unpack(packed, r0, r1)
-
-
-def _slice_unpack(packed, r0: int, r1: int) -> torch.Tensor:
-    import w12
-
-    sub = w12.W12Weight(packed.hi[r0:r1], packed.lo[r0:r1], packed.e0[r0:r1],
-                        packed.esc_rowptr[r0:r1 + 1] - packed.esc_rowptr[r0],
-                        packed.esc_col[int(packed.esc_rowptr[r0]):int(packed.esc_rowptr[r1])],
-                        packed.esc_val[int(packed.esc_rowptr[r0]):int(packed.esc_rowptr[r1])], packed.K)
+    e0, e1 = int(packed.esc_rowptr[r0]), int(packed.esc_rowptr[r1])
+    sub = w12.W12Weight(packed.hi[r0:r1], packed.lo[r0:r1], packed.e0[r0:r1], packed.esc_rowptr[r0:r1 + 1] - e0,
+                        packed.esc_col[e0:e1], packed.esc_val[e0:e1], packed.K)
     return w12.unpack(sub)
 
 
