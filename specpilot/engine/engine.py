@@ -1,0 +1,260 @@
+"""`Engine`: greedy decoding of a Qwen3.5 hybrid, autoregressive or speculative with draft trees.
+
+A request's context is c_0 .. c_{n-1}. The caches hold c_0 .. c_{n-2}; the last token c_{n-1} is
+*pending*: every pass processes it as the root of its tree. An autoregressive step is the pending
+token alone. A speculative step drafts `positions` positions of `topk` candidates below it, keeps the
+best `tree_nodes - 1` of them as a tree (`specpilot.tree.build_tree`), and verifies root and tree in
+one pass: the target's argmax after the root and after every node gives `greedy_accept` the longest
+path the target itself would have produced, then the bonus token. The caches advance by the root and
+that path (`HybridModel.commit`); the bonus becomes the pending token. Every emitted token is the
+target's argmax after a prefix of exactly the tokens emitted before it: the output is greedy decoding's.
+
+Prefill runs the prompt but its last token as chains of up to 64 nodes through the same pass.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from ..accept import greedy_accept
+from ..tree import build_tree
+from .loader import load_config, load_tensors
+from .model import MAX_STEP_NODES, HybridModel, Kernels
+
+__all__ = ["Engine", "SelfDrafter", "StepRecord"]
+
+
+@dataclass
+class StepRecord:
+    kind: str  # "prefill", "ar", "verify"
+    nodes: int  # nodes in the pass (root included)
+    emitted: int  # tokens the step emitted
+    seconds: float
+
+
+@dataclass
+class _Stats:
+    steps: list[StepRecord] = field(default_factory=list)
+
+    def summary(self) -> dict:
+        out = {}
+        for kind in ("ar", "verify"):
+            rec = [s for s in self.steps if s.kind == kind]
+            if not rec:
+                continue
+            secs = sorted(s.seconds for s in rec)
+            emitted = sum(s.emitted for s in rec)
+            out[kind] = {"steps": len(rec), "tokens": emitted, "tau": emitted / len(rec),
+                         "mean_nodes": sum(s.nodes for s in rec) / len(rec),
+                         "median_step_ms": 1e3 * secs[len(secs) // 2], "total_s": sum(secs)}
+        pre = [s for s in self.steps if s.kind == "prefill"]
+        if pre:
+            out["prefill"] = {"tokens": sum(s.nodes for s in pre), "total_s": sum(s.seconds for s in pre)}
+        return out
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+class Engine:
+    """Greedy decoding of one request at a time; see the module docstring.
+
+    `drafter`: "ngram" (`specpilot.drafters.NGramDrafter`), "self" (`SelfDrafter`: the target on its W12
+    8-bit view), None, or any object with `propose(context, positions, k)`.
+    `tree_nodes`: rows of a verify pass, the pending token included (32 keeps the GEMMs at M = 32).
+    `positions`, `topk`: what the drafter proposes per step. `kernels`: see `Kernels.choose`."""
+
+    ROW = 0  # the target's cache row
+
+    def __init__(self, model: HybridModel, drafter=None, *, tree_nodes: int = 32, positions: int = 16,
+                 topk: int = 4):
+        if not 2 <= tree_nodes <= MAX_STEP_NODES:
+            raise ValueError(f"specpilot.engine.Engine: tree_nodes={tree_nodes}; pass 2..{MAX_STEP_NODES} (the "
+                             "pending token plus at least one draft node)")
+        self.model = model
+        self.tree_nodes, self.positions, self.topk = int(tree_nodes), int(positions), int(topk)
+        if drafter == "self":
+            drafter = SelfDrafter(model)
+        elif drafter == "ngram":
+            from ..drafters import NGramDrafter
+
+            drafter = NGramDrafter(vocab_size=model.cfg.vocab)
+        self.drafter = drafter
+        self._stats = _Stats()
+
+    @classmethod
+    def from_pretrained(cls, path, device=None, weights: str = "bf16", drafter="ngram", *, max_len: int = 4096,
+                        kernels: str = "auto", head_screen: str = "auto", **kw) -> "Engine":
+        """Load `path` (config.json and BF16 or W12 safetensors) onto `device` (default: CUDA when present)."""
+        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        cfg, _ = load_config(path)
+        tensors, _ = load_tensors(path)
+        rows = 3 if drafter == "self" or isinstance(drafter, SelfDrafter) else 1
+        model = HybridModel(cfg, tensors, device=device, fmt=weights, kernels=Kernels.choose(device, kernels),
+                            rows=rows, max_len=max_len, head_screen=head_screen)
+        return cls(model, drafter, **kw)
+
+    # ---- public ---------------------------------------------------------------------------
+    def stats(self) -> dict:
+        """Per kind of step ("ar", "verify"): steps, tokens emitted, τ (tokens per step), the median step
+        time; and the prefill's tokens and time. Counts since the last `reset_stats`."""
+        return self._stats.summary()
+
+    def reset_stats(self) -> None:
+        self._stats = _Stats()
+
+    def generate(self, prompt_ids, max_new_tokens: int, speculative: bool = True) -> list[int]:
+        """The greedy continuation of `prompt_ids` (at most `max_new_tokens` new tokens; it stops after the
+        end-of-sequence token when the config names one)."""
+        prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
+        if not prompt:
+            raise ValueError("specpilot.engine.Engine.generate: the prompt is empty; pass at least one token id")
+        V = self.model.cfg.vocab
+        if min(prompt) < 0 or max(prompt) >= V:
+            raise ValueError(f"specpilot.engine.Engine.generate: token ids must lie in [0, {V})")
+        if speculative and self.drafter is None:
+            raise ValueError("specpilot.engine.Engine.generate: speculative=True needs a drafter; build the engine "
+                             "with drafter='ngram' or 'self', or pass speculative=False")
+        ctx = self._start(prompt)
+        out: list[int] = []
+        eos = self.model.cfg.eos_token_id
+        while len(out) < max_new_tokens:
+            new = self._step(ctx, speculative)
+            for t in new:
+                out.append(t)
+                if t == eos or len(out) == max_new_tokens:
+                    return out
+            ctx.extend(new)
+        return out
+
+    def score(self, ids, chunk: int = MAX_STEP_NODES) -> torch.Tensor:
+        """Teacher forcing: fp32 logits [len(ids), vocab] of the next token after every prefix of `ids`,
+        computed in passes of `chunk` tokens (chunk=1 is the autoregressive decode path)."""
+        ids = [int(t) for t in ids]
+        m = self.model
+        m.reset_rows([self.ROW])
+        out, done = [], 0
+        for a in range(0, len(ids), chunk):
+            part = ids[a:a + chunk]
+            step = m.plan([self.ROW], [done], [part], [list(range(-1, len(part) - 1))])
+            out.append(m.logits(m.forward(step)))
+            self._commit_all(step, len(part))
+            done += len(part)
+        return torch.cat(out)
+
+    # ---- steps ----------------------------------------------------------------------------
+    def _commit_all(self, step, n: int) -> None:
+        dev = self.model.device
+        acc = torch.arange(n, dtype=torch.int32, device=dev)[None]
+        self.model.commit(step, acc, torch.tensor([n], dtype=torch.int32, device=dev))
+
+    def _start(self, prompt: list[int]) -> list[int]:
+        m = self.model
+        m.reset_rows([self.ROW])
+        t0 = time.perf_counter()
+        body = prompt[:-1]
+        for a in range(0, len(body), MAX_STEP_NODES):
+            part = body[a:a + MAX_STEP_NODES]
+            step = m.plan([self.ROW], [a], [part], [list(range(-1, len(part) - 1))])
+            m.forward(step)
+            self._commit_all(step, len(part))
+        _sync(m.device)
+        if body:
+            self._stats.steps.append(StepRecord("prefill", len(body), 0, time.perf_counter() - t0))
+        return list(prompt)
+
+    def _draft(self, ctx: list[int]):
+        tokens, scores = self.drafter.propose(ctx, self.positions, self.topk)
+        return build_tree(tokens.cpu(), scores.cpu(), budget=self.tree_nodes - 1)
+
+    def _step(self, ctx: list[int], speculative: bool) -> list[int]:
+        m, dev = self.model, self.model.device
+        t0 = time.perf_counter()
+        tree = self._draft(ctx) if speculative else None
+        n = tree.n if tree is not None else 0
+        toks = [ctx[-1]] + (tree.tokens.tolist() if n else [])
+        parents = [-1] + ([p + 1 for p in tree.parents.tolist()] if n else [])
+        step = m.plan([self.ROW], [len(ctx) - 1], [toks], [parents])
+        target = m.argmax(m.forward(step))  # [1 + n]: the target's choice after the root and after each node
+        if n:
+            acc = greedy_accept(tree.tokens[None].to(dev), tree.parents[None].to(dev), tree.depths[None].to(dev),
+                                torch.tensor([n], dtype=torch.int32, device=dev), target[None],
+                                max_depth=self.positions)
+            path = torch.where(acc.accepted >= 0, acc.accepted + 1, acc.accepted)
+            fwd = torch.cat([torch.zeros(1, 1, dtype=torch.int32, device=dev), path], 1)
+            m.commit(step, fwd, acc.accepted_len + 1)
+            # the one host read of the step: the accepted path and the bonus token
+            got = torch.cat([acc.accepted_len.long(), acc.accepted[0].long(), acc.bonus.long()]).tolist()
+            k = got[0]
+            new = [int(tree.tokens[i]) for i in got[1:1 + k]] + [got[-1]]
+        else:
+            self._commit_all(step, 1)
+            new = [int(target[0])]
+        _sync(dev)
+        self._stats.steps.append(StepRecord("verify" if speculative else "ar", len(toks), len(new),
+                                            time.perf_counter() - t0))
+        return new
+
+
+class SelfDrafter:
+    """The target drafting for itself on its W12 8-bit view (`w12.matmul_q8`): `positions` greedy
+    autoregressive steps, each proposing its top-k tokens with their log-probabilities.
+
+    It keeps its own cache rows in the target's model: row 1 holds the context it has caught up with
+    (all but the pending token), row 2 is the scratch copy it drafts on; the drafted tokens' keys and
+    values go to row 1's slots past its context and are overwritten as the context grows. The scores
+    are conditioned on the greedy draft path above them: the tree builder treats them as marginal, an
+    approximation that only affects which nodes are drafted, never what is accepted."""
+
+    COMMITTED, SCRATCH = 1, 2
+
+    def __init__(self, model: HybridModel):
+        if model.rows < 3:
+            raise ValueError("specpilot.engine.SelfDrafter: the model needs 3 cache rows (target, drafter, "
+                             "scratch); build it with rows=3")
+        self.model = model
+        self.seen: list[int] = []
+
+    def _catch_up(self, ctx: list[int]) -> None:
+        m = self.model
+        body = ctx[:-1]
+        if body[:len(self.seen)] != self.seen:
+            m.reset_rows([self.COMMITTED])
+            self.seen = []
+        while len(self.seen) < len(body):
+            part = body[len(self.seen):len(self.seen) + MAX_STEP_NODES]
+            step = m.plan([self.COMMITTED], [len(self.seen)], [part], [list(range(-1, len(part) - 1))])
+            m.forward(step, q8=True)
+            dev = m.device
+            m.commit(step, torch.arange(len(part), dtype=torch.int32, device=dev)[None],
+                     torch.tensor([len(part)], dtype=torch.int32, device=dev))
+            self.seen.extend(part)
+
+    def propose(self, context, positions: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
+        ctx = [int(t) for t in (context.tolist() if isinstance(context, torch.Tensor) else context)]
+        tokens = torch.zeros(positions, k, dtype=torch.int64)
+        scores = torch.full((positions, k), float("-inf"), dtype=torch.float32)
+        if not ctx:
+            return tokens, scores
+        m = self.model
+        self._catch_up(ctx)
+        m.copy_row(self.COMMITTED, self.SCRATCH)
+        dev, base = m.device, len(ctx) - 1
+        tok = ctx[-1]
+        k = min(k, m.cfg.vocab)
+        for d in range(positions):
+            if base + d + 1 > m.max_len:
+                break
+            step = m.plan([self.SCRATCH], [base + d], [[tok]], [[-1]], kv_rows=[self.COMMITTED])
+            logp = torch.log_softmax(m.logits(m.forward(step, q8=True))[0], -1)
+            m.commit(step, torch.zeros(1, 1, dtype=torch.int32, device=dev),
+                     torch.ones(1, dtype=torch.int32, device=dev))
+            v, i = torch.topk(logp, k)
+            tokens[d, :k], scores[d, :k] = i.cpu(), v.float().cpu()
+            tok = int(i[0])
+        return tokens, scores

@@ -1,0 +1,324 @@
+"""The Qwen3.5 hybrid forward pass on this library's operators, over token trees.
+
+Every forward pass is a batch of token trees (`gdn.TreePlan`): prefill chunks are chains, an
+autoregressive step is a one-node tree, a verify step is the pending token with the draft tree below
+it. One plan serves every layer: `gdn.tree_conv1d` and `gdn.tree_verify` in the Gated DeltaNet layers,
+`tree_attn.run` (its mask is the plan's `anc`) in the attention layers. Nothing is written to the
+caches during the pass; `commit` then advances the recurrent and conv states along the accepted path
+(`gdn.commit`) and copies the accepted nodes' keys and values into the request's next KV slots
+(compaction), so rejected nodes leave no trace.
+
+Numerics follow `transformers`' Qwen3.5 in BF16: RMSNorm in fp32 scaled by (1 + w), residual adds in
+BF16, the decay g in fp32, queries and keys L2-normalised inside the GDN kernels; the head is
+`lmhead.CertifiedHead` (fp32 logits, exact argmax).
+
+Caches: request row r owns GDN state row r, conv state row r and the KV slots
+[r * max_len, (r + 1) * max_len); the last slot of the KV cache is a scratch slot that absorbs the
+masked writes of a fixed-size commit.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+
+import gdn
+import lmhead
+import tree_attn
+import w12
+
+from .loader import HybridConfig
+
+__all__ = ["Kernels", "Linear", "HybridModel", "Step", "MAX_STEP_NODES"]
+
+MAX_STEP_NODES = 64  # nodes per request in one pass: one int64 ancestor mask per node (gdn, tree_attn)
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The `variant=` passed to each operator; None lets the operator choose for the device."""
+
+    w12: str | None = None
+    gdn: str | None = None
+    conv: str | None = None
+    commit: str | None = None
+    attn: str | None = None
+    head: str | None = None
+
+    @classmethod
+    def choose(cls, device: torch.device, mode: str = "auto") -> "Kernels":
+        """"auto": the operators' own choice on a GPU, their torch references on the CPU (the Triton
+        interpreter runs kernels, not models); "reference": the torch references everywhere; "kernels":
+        the operators' own choice everywhere (on the CPU: the Triton kernels under the interpreter)."""
+        if mode not in ("auto", "reference", "kernels"):
+            raise ValueError(f"specpilot.engine: kernels={mode!r}; pass 'auto', 'reference' or 'kernels'")
+        if mode == "reference" or (mode == "auto" and device.type != "cuda"):
+            return cls("torch", "reference", "reference", "reference", "reference", "reference")
+        return cls()
+
+
+class Linear:
+    """A projection held as BF16 (`F.linear`) or W12 (`w12.matmul`); `q8=True` reads the W12 8-bit view."""
+
+    def __init__(self, weight: torch.Tensor | None = None, packed: "w12.W12Weight | None" = None):
+        self.weight, self.packed = weight, packed
+
+    @classmethod
+    def make(cls, weight: torch.Tensor, fmt: str, device) -> "Linear":
+        weight = weight.to(device=device, dtype=torch.bfloat16).contiguous()
+        return cls(packed=w12.pack(weight)) if fmt == "w12" else cls(weight=weight)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return tuple(self.weight.shape) if self.weight is not None else (self.packed.N, self.packed.K)
+
+    def ensure_packed(self) -> "w12.W12Weight":
+        if self.packed is None:
+            self.packed = w12.pack(self.weight)
+        return self.packed
+
+    def __call__(self, x: torch.Tensor, kernels: Kernels, q8: bool = False) -> torch.Tensor:
+        if q8:
+            return w12.matmul_q8(x, self.ensure_packed(), variant=kernels.w12)
+        if self.packed is not None:
+            return w12.matmul(x, self.packed, variant=kernels.w12)
+        return F.linear(x, self.weight)
+
+
+def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm: fp32 statistics, scaled by (1 + w), back to x's dtype."""
+    xf = x.float()
+    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
+    return (y * (1.0 + w.float())).to(x.dtype)
+
+
+def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
+    """The GDN output norm: RMSNorm (weight w, not zero-centred) times silu(gate), fp32 inside."""
+    xf = x.float()
+    y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
+    return ((w * y) * F.silu(gate.float())).to(x.dtype)
+
+
+def _rotate_half(x: torch.Tensor) -> torch.Tensor:
+    h = x.shape[-1] // 2
+    return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+@dataclass
+class Step:
+    """One forward pass: the packed trees of B requests and everything the layers read."""
+
+    ids: torch.Tensor  # int64 [T] token of each node
+    pos: torch.Tensor  # int64 [T] position of each node (context length + depth)
+    tree: gdn.TreePlan
+    attn: tree_attn.TreeAttnPlan
+    rows: torch.Tensor  # int32 [B] cache row of each request
+    kv_next: torch.Tensor  # int64 [B] first free KV slot of each request
+    total: int  # T
+
+
+class HybridModel:
+    """Weights, caches and the forward pass of a Qwen3.5 hybrid (module docstring)."""
+
+    def __init__(self, cfg: HybridConfig, tensors: dict, *, device, fmt: str = "bf16", kernels: Kernels,
+                 rows: int = 1, max_len: int = 4096, head_screen: str = "auto"):
+        from .loader import fuse_layer_weights
+
+        if fmt not in ("bf16", "w12"):
+            raise ValueError(f"specpilot.engine: weights={fmt!r}; pass 'bf16' or 'w12'")
+        self.cfg, self.device, self.fmt, self.kernels = cfg, torch.device(device), fmt, kernels
+        self.rows, self.max_len = int(rows), int(max_len)
+        dev = self.device
+
+        def small(t):
+            t = t if isinstance(t, torch.Tensor) else t.unpack()
+            return t.to(dev)
+
+        self.layers = []
+        for i, d in enumerate(fuse_layer_weights(cfg, tensors)):
+            L = {"kind": cfg.layer_types[i]}
+            for k, v in d.items():
+                L[k] = Linear.make(v, fmt, dev) if v.dim() == 2 and k not in ("conv",) else small(v)
+            self.layers.append(L)
+        self.embed = small(tensors["embed_tokens.weight"]).to(torch.bfloat16)
+        self.final_norm = small(tensors["norm.weight"])
+        head = tensors.get("lm_head.weight", None)
+        if head is None:
+            if not cfg.tie_embeddings:
+                raise KeyError("specpilot.engine: the checkpoint has no lm_head.weight and does not tie embeddings")
+            head = tensors["embed_tokens.weight"]
+        if isinstance(head, torch.Tensor):
+            head = head.to(dev, torch.bfloat16).contiguous()
+            self.head_linear = Linear.make(head, fmt, dev)
+        else:
+            head = head.to(dev)
+            self.head_linear = Linear(packed=head) if fmt == "w12" else Linear(weight=head.unpack())
+        hw = self.head_linear.packed if fmt == "w12" else self.head_linear.weight
+        self.head = lmhead.CertifiedHead(hw, screen=head_screen, variant=kernels.head)
+        inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float) / cfg.rotary_dim))
+        self.inv_freq = inv.to(dev)
+        self._alloc_caches()
+
+    # ---- caches ---------------------------------------------------------------------------
+    def _alloc_caches(self):
+        c, dev, R = self.cfg, self.device, self.rows
+        Lg, La = len(c.gdn_layers), len(c.attn_layers)
+        self.state = torch.zeros(Lg, R, c.v_heads, c.k_dim, c.v_dim, dtype=torch.float32, device=dev)
+        self.conv_state = torch.zeros(Lg, R, c.conv_dim, c.conv_width - 1, dtype=torch.bfloat16, device=dev)
+        self.kv_slots = R * self.max_len + 1  # + the scratch slot
+        self.k_cache = torch.zeros(La, self.kv_slots, c.kv_heads, c.head_dim, dtype=torch.bfloat16, device=dev)
+        self.v_cache = torch.zeros_like(self.k_cache)
+        T = MAX_STEP_NODES * R
+        self.stash = {
+            "k": torch.zeros(Lg, T, c.k_heads, c.k_dim, dtype=torch.bfloat16, device=dev),
+            "v": torch.zeros(Lg, T, c.v_heads, c.v_dim, dtype=torch.bfloat16, device=dev),
+            "g": torch.zeros(Lg, T, c.v_heads, dtype=torch.float32, device=dev),
+            "beta": torch.zeros(Lg, T, c.v_heads, dtype=torch.bfloat16, device=dev),
+            "x": torch.zeros(Lg, T, c.conv_dim, dtype=torch.bfloat16, device=dev),
+            "ak": torch.zeros(La, T, c.kv_heads, c.head_dim, dtype=torch.bfloat16, device=dev),
+            "av": torch.zeros(La, T, c.kv_heads, c.head_dim, dtype=torch.bfloat16, device=dev),
+        }
+
+    def reset_rows(self, rows) -> None:
+        """Forget the recurrent and conv states of these rows (their KV slots are overwritten as they fill)."""
+        idx = torch.as_tensor(list(rows), dtype=torch.long, device=self.device)
+        self.state[:, idx] = 0
+        self.conv_state[:, idx] = 0
+
+    def copy_row(self, src: int, dst: int) -> None:
+        """Row dst takes row src's recurrent and conv states (its KV slots are the caller's business)."""
+        self.state[:, dst].copy_(self.state[:, src])
+        self.conv_state[:, dst].copy_(self.conv_state[:, src])
+
+    # ---- planning (host) ------------------------------------------------------------------
+    def plan(self, rows: list[int], ctx_lens: list[int], tokens: list[list[int]], parents: list[list[int]],
+             kv_rows: list[int] | None = None) -> Step:
+        """The Step for request b = (cache row rows[b], ctx_lens[b] tokens already in its KV slots, a tree of
+        tokens[b] with local parents[b], -1 for the children of the committed context). kv_rows[b]: whose
+        KV slots the prefix is read from (default: rows[b])."""
+        dev, B = self.device, len(rows)
+        kv_rows = rows if kv_rows is None else kv_rows
+        for b in range(B):
+            n = len(tokens[b])
+            if not 1 <= n <= MAX_STEP_NODES or len(parents[b]) != n:
+                raise ValueError(f"specpilot.engine: request {b} has {n} nodes; a pass takes 1..{MAX_STEP_NODES} "
+                                 "nodes per request, one parent each")
+            if ctx_lens[b] + n > self.max_len:
+                raise ValueError(f"specpilot.engine: request {b} would reach {ctx_lens[b] + n} tokens, beyond "
+                                 f"max_len={self.max_len}; build the engine with a larger max_len")
+        tree = gdn.build_tree_plan(parents, device=dev)
+        depth = []
+        for ps in parents:
+            d = []
+            for p in ps:
+                d.append(0 if p < 0 else d[p] + 1)
+            depth.append(d)
+        pos = [c + x for c, ds in zip(ctx_lens, depth) for x in ds]
+        kv_indptr = [0]
+        for c in ctx_lens:
+            kv_indptr.append(kv_indptr[-1] + c)
+        base = [r * self.max_len for r in kv_rows]
+        kv_indices = torch.cat([torch.arange(s, s + c, dtype=torch.int32) for s, c in zip(base, ctx_lens)]
+                               + [torch.zeros(0, dtype=torch.int32)])
+        c = self.cfg
+        attn = tree_attn.plan(tree.cu_seqlens, torch.tensor(kv_indptr, dtype=torch.int32, device=dev),
+                              kv_indices.to(dev), tree.anc, num_qo_heads=c.q_heads, num_kv_heads=c.kv_heads,
+                              head_dim=c.head_dim, cache_slots=self.kv_slots, variant=self.kernels.attn)
+        flat = [t for ts in tokens for t in ts]
+        return Step(ids=torch.tensor(flat, dtype=torch.int64, device=dev),
+                    pos=torch.tensor(pos, dtype=torch.int64, device=dev), tree=tree, attn=attn,
+                    rows=torch.tensor(rows, dtype=torch.int32, device=dev),
+                    kv_next=torch.tensor([r * self.max_len + c for r, c in zip(kv_rows, ctx_lens)], dtype=torch.int64,
+                                         device=dev), total=len(flat))
+
+    # ---- forward --------------------------------------------------------------------------
+    def forward(self, s: Step, q8: bool = False) -> torch.Tensor:
+        """Final-normed hidden states [T, hidden] (BF16) of every node; caches untouched, inputs stashed."""
+        c, k = self.cfg, self.kernels
+        h = self.embed[s.ids]
+        freqs = s.pos[:, None].float() * self.inv_freq
+        emb = torch.cat((freqs, freqs), -1)
+        cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]
+        gi = ai = 0
+        for L in self.layers:
+            x = rms_norm(h, L["input_norm"], c.eps)
+            if L["kind"] == "linear_attention":
+                y = self._gdn(gi, L, x, s, q8)
+                gi += 1
+            else:
+                y = self._attn(ai, L, x, s, cos, sin, q8)
+                ai += 1
+            h = h + y
+            x = rms_norm(h, L["post_norm"], c.eps)
+            gate, up = L["gate_up"](x, k, q8).chunk(2, -1)
+            h = h + L["down"](F.silu(gate) * up, k, q8)
+        return rms_norm(h, self.final_norm, c.eps)
+
+    def _gdn(self, i: int, L: dict, x: torch.Tensor, s: Step, q8: bool) -> torch.Tensor:
+        c, k, T = self.cfg, self.kernels, s.total
+        kd, vd = c.k_heads * c.k_dim, c.v_heads * c.v_dim
+        mixed, z, b, a = L["in_proj"](x, k, q8).split([c.conv_dim, vd, c.v_heads, c.v_heads], -1)
+        mixed = mixed.contiguous()
+        conv = gdn.tree_conv1d(mixed, self.conv_state[i], L["conv"], s.tree, activation="silu",
+                               conv_state_indices=s.rows, variant=k.conv)
+        q, kk, v = conv.split([kd, kd, vd], -1)
+        q, kk, v = (q.reshape(T, c.k_heads, c.k_dim), kk.reshape(T, c.k_heads, c.k_dim),
+                    v.reshape(T, c.v_heads, c.v_dim))
+        beta = b.sigmoid()
+        g = -L["A_log"].float().exp() * F.softplus(a.float() + L["dt_bias"])
+        st = self.stash
+        st["x"][i, :T].copy_(mixed)
+        st["k"][i, :T].copy_(kk)
+        st["v"][i, :T].copy_(v)
+        st["g"][i, :T].copy_(g)
+        st["beta"][i, :T].copy_(beta)
+        o = gdn.tree_verify(q, kk, v, g, beta, self.state[i], s.rows, s.tree, use_qk_l2norm=True, variant=k.gdn)
+        o = gated_rms_norm(o, z.reshape(T, c.v_heads, c.v_dim), L["norm"], c.eps)
+        return L["out_proj"](o.reshape(T, vd), k, q8)
+
+    def _attn(self, i: int, L: dict, x: torch.Tensor, s: Step, cos, sin, q8: bool) -> torch.Tensor:
+        c, k, T = self.cfg, self.kernels, s.total
+        D, H, Hkv = c.head_dim, c.q_heads, c.kv_heads
+        qg, kk, v = L["qkv"](x, k, q8).split([2 * H * D, Hkv * D, Hkv * D], -1)
+        qg = qg.reshape(T, H, 2 * D)
+        q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
+        q = rms_norm(q, L["q_norm"], c.eps)
+        kk = rms_norm(kk.reshape(T, Hkv, D), L["k_norm"], c.eps)
+        r = c.rotary_dim
+        q = torch.cat((q[..., :r] * cos + _rotate_half(q[..., :r]) * sin, q[..., r:]), -1)
+        kk = torch.cat((kk[..., :r] * cos + _rotate_half(kk[..., :r]) * sin, kk[..., r:]), -1)
+        v = v.reshape(T, Hkv, D)
+        self.stash["ak"][i, :T].copy_(kk)
+        self.stash["av"][i, :T].copy_(v)
+        o = tree_attn.run(s.attn, q, self.k_cache[i], self.v_cache[i], k_new=kk, v_new=v.contiguous())
+        o = o.reshape(T, H * D) * torch.sigmoid(gate)
+        return L["o_proj"](o, k, q8)
+
+    # ---- commit ---------------------------------------------------------------------------
+    def commit(self, s: Step, accepted: torch.Tensor, accepted_len: torch.Tensor) -> None:
+        """Advance request b's caches by the nodes accepted[b, :accepted_len[b]] (local indices, a root path,
+        root first) of the last forward pass. Device work only: no host sync."""
+        T, st = s.total, self.stash
+        gdn.commit(self.state, self.conv_state, s.rows, s.tree, accepted, accepted_len, st["k"][:, :T],
+                   st["v"][:, :T], st["g"][:, :T], st["beta"][:, :T], st["x"][:, :T], use_qk_l2norm=True,
+                   validate=False, variant=self.kernels.commit)
+        M = accepted.shape[1]
+        m = torch.arange(M, device=self.device)
+        valid = m[None, :] < accepted_len[:, None].to(m.dtype)
+        src = s.tree.cu_seqlens[:-1, None].long() + accepted.long().clamp(min=0)
+        dst = torch.where(valid, s.kv_next[:, None] + m[None, :], torch.full_like(src, self.kv_slots - 1))
+        src, dst = src.flatten(), dst.flatten()
+        self.k_cache.index_copy_(1, dst, st["ak"].index_select(1, src))
+        self.v_cache.index_copy_(1, dst, st["av"].index_select(1, src))
+
+    # ---- head -----------------------------------------------------------------------------
+    def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
+        return self.head.argmax(hidden)
+
+    def logits(self, hidden: torch.Tensor, q8: bool = False) -> torch.Tensor:
+        """fp32 logits: the certified head's exact ones, or (q8) the W12 8-bit view's."""
+        if q8:
+            return self.head_linear(hidden, self.kernels, q8=True).float()
+        return self.head.logits(hidden)
