@@ -22,6 +22,7 @@ import torch
 from ..accept import greedy_accept
 from ..tree import build_tree
 from .loader import load_config, load_tensors
+from .graphs import GraphedStep
 from .model import MAX_STEP_NODES, HybridModel, Kernels
 
 __all__ = ["Engine", "SelfDrafter", "StepRecord"]
@@ -67,12 +68,13 @@ class Engine:
     `drafter`: "ngram" (`specpilot.drafters.NGramDrafter`), "self" (`SelfDrafter`: the target on its W12
     8-bit view), None, or any object with `propose(context, positions, k)`.
     `tree_nodes`: rows of a verify pass, the pending token included (32 keeps the GEMMs at M = 32).
-    `positions`, `topk`: what the drafter proposes per step. `kernels`: see `Kernels.choose`."""
+    `positions`, `topk`: what the drafter proposes per step. `kernels`: see `Kernels.choose`. `graphs`
+    (default: on a GPU): run each step as one CUDA graph (`GraphedStep`)."""
 
     ROW = 0  # the target's cache row
 
     def __init__(self, model: HybridModel, drafter=None, *, tree_nodes: int = 32, positions: int = 16,
-                 topk: int = 4):
+                 topk: int = 4, graphs: bool | None = None):
         if not 2 <= tree_nodes <= MAX_STEP_NODES:
             raise ValueError(f"specpilot.engine.Engine: tree_nodes={tree_nodes}; pass 2..{MAX_STEP_NODES} (the "
                              "pending token plus at least one draft node)")
@@ -86,6 +88,10 @@ class Engine:
             drafter = NGramDrafter(vocab_size=model.cfg.vocab)
         self.drafter = drafter
         self._stats = _Stats()
+        self.graphs = model.device.type == "cuda" if graphs is None else bool(graphs)
+        if self.graphs and model.device.type != "cuda":
+            raise ValueError("specpilot.engine.Engine: graphs=True needs a CUDA device")
+        self._graphs: dict[int, GraphedStep] = {}
 
     @classmethod
     def from_pretrained(cls, path, device=None, weights: str = "bf16", drafter="ngram", *, max_len: int = 4096,
@@ -153,8 +159,20 @@ class Engine:
         acc = torch.arange(n, dtype=torch.int32, device=dev)[None]
         self.model.commit(step, acc, torch.tensor([n], dtype=torch.int32, device=dev))
 
+    def capture(self) -> None:
+        """Capture the autoregressive and the verify step (once; `generate` calls it)."""
+        if self._graphs:
+            return
+        for nodes in (1, self.tree_nodes):
+            g = GraphedStep(self.model, nodes, self.positions, row=self.ROW)
+            g.capture()
+            self._graphs[nodes] = g
+        self.model.reset_rows([self.ROW])
+
     def _start(self, prompt: list[int]) -> list[int]:
         m = self.model
+        if self.graphs:
+            self.capture()
         m.reset_rows([self.ROW])
         t0 = time.perf_counter()
         body = prompt[:-1]
@@ -177,26 +195,35 @@ class Engine:
         t0 = time.perf_counter()
         tree = self._draft(ctx) if speculative else None
         n = tree.n if tree is not None else 0
-        toks = [ctx[-1]] + (tree.tokens.tolist() if n else [])
-        parents = [-1] + ([p + 1 for p in tree.parents.tolist()] if n else [])
-        step = m.plan([self.ROW], [len(ctx) - 1], [toks], [parents])
-        target = m.argmax(m.forward(step))  # [1 + n]: the target's choice after the root and after each node
-        if n:
-            acc = greedy_accept(tree.tokens[None].to(dev), tree.parents[None].to(dev), tree.depths[None].to(dev),
-                                torch.tensor([n], dtype=torch.int32, device=dev), target[None],
-                                max_depth=self.positions)
-            path = torch.where(acc.accepted >= 0, acc.accepted + 1, acc.accepted)
-            fwd = torch.cat([torch.zeros(1, 1, dtype=torch.int32, device=dev), path], 1)
-            m.commit(step, fwd, acc.accepted_len + 1)
-            # the one host read of the step: the accepted path and the bonus token
-            got = torch.cat([acc.accepted_len.long(), acc.accepted[0].long(), acc.bonus.long()]).tolist()
-            k = got[0]
-            new = [int(tree.tokens[i]) for i in got[1:1 + k]] + [got[-1]]
+        if self.graphs:
+            g = self._graphs[self.tree_nodes if speculative else 1]
+            g.load(len(ctx) - 1, ctx[-1], tree)
+            target, accepted, accepted_len, bonus = g.replay()
+            rows = g.nodes
         else:
-            self._commit_all(step, 1)
+            toks = [ctx[-1]] + (tree.tokens.tolist() if n else [])
+            parents = [-1] + ([p + 1 for p in tree.parents.tolist()] if n else [])
+            step = m.plan([self.ROW], [len(ctx) - 1], [toks], [parents])
+            target = m.argmax(m.forward(step))  # [1 + n]: the target's choice after the root and after each node
+            rows = len(toks)
+            if n:
+                acc = greedy_accept(tree.tokens[None].to(dev), tree.parents[None].to(dev),
+                                    tree.depths[None].to(dev), torch.tensor([n], dtype=torch.int32, device=dev),
+                                    target[None], max_depth=self.positions)
+                accepted, accepted_len, bonus = acc
+                path = torch.where(accepted >= 0, accepted + 1, accepted)
+                fwd = torch.cat([torch.zeros(1, 1, dtype=torch.int32, device=dev), path], 1)
+                m.commit(step, fwd, accepted_len + 1)
+            else:
+                self._commit_all(step, 1)
+        if speculative and (n or self.graphs):
+            # the one host read of the step: the accepted path and the bonus token
+            got = torch.cat([accepted_len.long(), accepted[0].long(), bonus.long()]).tolist()
+            new = [int(tree.tokens[i]) for i in got[1:1 + got[0]]] + [got[-1]]
+        else:
             new = [int(target[0])]
         _sync(dev)
-        self._stats.steps.append(StepRecord("verify" if speculative else "ar", len(toks), len(new),
+        self._stats.steps.append(StepRecord("verify" if speculative else "ar", rows, len(new),
                                             time.perf_counter() - t0))
         return new
 

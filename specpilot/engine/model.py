@@ -194,10 +194,11 @@ class HybridModel:
 
     # ---- planning (host) ------------------------------------------------------------------
     def plan(self, rows: list[int], ctx_lens: list[int], tokens: list[list[int]], parents: list[list[int]],
-             kv_rows: list[int] | None = None) -> Step:
+             kv_rows: list[int] | None = None, *, capacity: int | None = None) -> Step:
         """The Step for request b = (cache row rows[b], ctx_lens[b] tokens already in its KV slots, a tree of
         tokens[b] with local parents[b], -1 for the children of the committed context). kv_rows[b]: whose
-        KV slots the prefix is read from (default: rows[b])."""
+        KV slots the prefix is read from (default: rows[b]). `capacity`: fixed attention work items, so that
+        the Step can be refilled for any context up to max_len (`GraphedStep`)."""
         dev, B = self.device, len(rows)
         kv_rows = rows if kv_rows is None else kv_rows
         for b in range(B):
@@ -209,29 +210,34 @@ class HybridModel:
                 raise ValueError(f"specpilot.engine: request {b} would reach {ctx_lens[b] + n} tokens, beyond "
                                  f"max_len={self.max_len}; build the engine with a larger max_len")
         tree = gdn.build_tree_plan(parents, device=dev)
-        depth = []
-        for ps in parents:
-            d = []
+        pos, kv_indptr, kv_indices, kv_next = self.layout(ctx_lens, parents, kv_rows)
+        c = self.cfg
+        attn = tree_attn.plan(tree.cu_seqlens, torch.tensor(kv_indptr, dtype=torch.int32, device=dev),
+                              kv_indices.to(dev), tree.anc, num_qo_heads=c.q_heads, num_kv_heads=c.kv_heads,
+                              head_dim=c.head_dim, cache_slots=self.kv_slots, variant=self.kernels.attn,
+                              capacity=capacity, kv_capacity=self.max_len * B if capacity else None)
+        flat = [t for ts in tokens for t in ts]
+        return Step(ids=torch.tensor(flat, dtype=torch.int64, device=dev),
+                    pos=torch.tensor(pos, dtype=torch.int64, device=dev), tree=tree, attn=attn,
+                    rows=torch.tensor(rows, dtype=torch.int32, device=dev),
+                    kv_next=torch.tensor(kv_next, dtype=torch.int64, device=dev), total=len(flat))
+
+    def layout(self, ctx_lens: list[int], parents: list[list[int]], kv_rows: list[int]):
+        """Host lists of a step: node positions (context length + depth), the prefix slots as kv_indptr and
+        kv_indices (int32 CPU tensor), and each request's first free KV slot."""
+        pos = []
+        for c, ps in zip(ctx_lens, parents):
+            d: list[int] = []
             for p in ps:
                 d.append(0 if p < 0 else d[p] + 1)
-            depth.append(d)
-        pos = [c + x for c, ds in zip(ctx_lens, depth) for x in ds]
+            pos += [c + x for x in d]
         kv_indptr = [0]
         for c in ctx_lens:
             kv_indptr.append(kv_indptr[-1] + c)
         base = [r * self.max_len for r in kv_rows]
         kv_indices = torch.cat([torch.arange(s, s + c, dtype=torch.int32) for s, c in zip(base, ctx_lens)]
                                + [torch.zeros(0, dtype=torch.int32)])
-        c = self.cfg
-        attn = tree_attn.plan(tree.cu_seqlens, torch.tensor(kv_indptr, dtype=torch.int32, device=dev),
-                              kv_indices.to(dev), tree.anc, num_qo_heads=c.q_heads, num_kv_heads=c.kv_heads,
-                              head_dim=c.head_dim, cache_slots=self.kv_slots, variant=self.kernels.attn)
-        flat = [t for ts in tokens for t in ts]
-        return Step(ids=torch.tensor(flat, dtype=torch.int64, device=dev),
-                    pos=torch.tensor(pos, dtype=torch.int64, device=dev), tree=tree, attn=attn,
-                    rows=torch.tensor(rows, dtype=torch.int32, device=dev),
-                    kv_next=torch.tensor([r * self.max_len + c for r, c in zip(kv_rows, ctx_lens)], dtype=torch.int64,
-                                         device=dev), total=len(flat))
+        return pos, kv_indptr, kv_indices, [s + c for s, c in zip(base, ctx_lens)]
 
     # ---- forward --------------------------------------------------------------------------
     def forward(self, s: Step, q8: bool = False) -> torch.Tensor:

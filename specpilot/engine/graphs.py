@@ -1,0 +1,104 @@
+"""A whole decoding step in one CUDA graph: forward pass, certified argmax, greedy acceptance, commit.
+
+The graph is captured once per node count (1: the autoregressive step; `tree_nodes`: the verify step)
+on a Step whose buffers are then refilled in place before every replay: the token and position
+vectors, the `gdn.TreePlan` tensors (copied from a freshly built plan), and the attention schedule
+(`TreeAttnPlan.update`). Trees smaller than the graph's node count are padded with leaves under the
+root that the acceptance never reads (`n_nodes` excludes them), so the captured shapes never change.
+"""
+
+from __future__ import annotations
+
+import torch
+
+import gdn
+
+from ..accept import greedy_accept
+from .model import HybridModel, Step
+
+__all__ = ["GraphedStep", "ATTN_CAPACITY"]
+
+ATTN_CAPACITY = 512  # attention work items of a graphed step: enough splits for any context up to max_len
+
+_PLAN_FIELDS = ("cu_seqlens", "parent", "parent_local", "anc", "depth", "node_req", "max_depth")
+
+
+class GraphedStep:
+    """One captured step of `nodes` rows (root included) for cache row `row`; `max_depth` bounds the
+    draft trees' depth (the drafter's positions)."""
+
+    def __init__(self, model: HybridModel, nodes: int, max_depth: int, row: int = 0):
+        self.model, self.nodes, self.max_depth, self.row = model, int(nodes), int(max_depth), int(row)
+        dev = model.device
+        n = self.nodes - 1
+        self.step: Step = model.plan([row], [0], [[0] * self.nodes], [[-1] + [0] * n], capacity=ATTN_CAPACITY)
+        self.d_tokens = torch.zeros(1, max(n, 1), dtype=torch.int64, device=dev)
+        self.d_parents = torch.full((1, max(n, 1)), -1, dtype=torch.int32, device=dev)
+        self.d_depths = torch.zeros(1, max(n, 1), dtype=torch.int32, device=dev)
+        self.d_count = torch.zeros(1, dtype=torch.int32, device=dev)
+        self.one = torch.ones(1, dtype=torch.int32, device=dev)
+        self.root = torch.zeros(1, 1, dtype=torch.int32, device=dev)
+        self.graph = None
+        self.out = None
+
+    def _body(self):
+        m, s = self.model, self.step
+        target = m.argmax(m.forward(s))
+        if self.nodes == 1:
+            m.commit(s, self.root, self.one)
+            return target, None, None, None
+        acc = greedy_accept(self.d_tokens, self.d_parents, self.d_depths, self.d_count, target[None],
+                            max_depth=self.max_depth)
+        path = torch.where(acc.accepted >= 0, acc.accepted + 1, acc.accepted)
+        m.commit(s, torch.cat([self.root, path], 1), acc.accepted_len + 1)
+        return target, acc.accepted, acc.accepted_len, acc.bonus
+
+    def capture(self) -> None:
+        """Warm up (compiles every kernel) and capture. The warm-up writes the caches of `row`: reset them
+        afterwards (the engine captures before a request's prefill)."""
+        stream = torch.cuda.Stream(self.model.device)
+        stream.wait_stream(torch.cuda.current_stream(self.model.device))
+        with torch.cuda.stream(stream):
+            for _ in range(2):
+                self._body()
+        torch.cuda.current_stream(self.model.device).wait_stream(stream)
+        torch.cuda.synchronize(self.model.device)
+        self.graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(self.graph):
+            self.out = self._body()
+
+    def load(self, ctx_len: int, root_token: int, tree=None) -> None:
+        """Refill the buffers for the pending token `root_token` after `ctx_len` cached tokens, with the draft
+        tree `tree` (`specpilot.tree.DraftTree`, at most nodes - 1 nodes) below it."""
+        m, s, dev = self.model, self.step, self.model.device
+        n = tree.n if tree is not None else 0
+        if n > self.nodes - 1:
+            raise ValueError(f"specpilot.engine.GraphedStep: a tree of {n} nodes does not fit a step of "
+                             f"{self.nodes} rows")
+        pad = self.nodes - 1 - n
+        toks = [root_token] + (tree.tokens.tolist() if n else []) + [0] * pad
+        parents = [-1] + ([p + 1 for p in tree.parents.tolist()] if n else []) + [0] * pad
+        plan = gdn.build_tree_plan([parents], device=dev)
+        for f in _PLAN_FIELDS:
+            getattr(s.tree, f).copy_(getattr(plan, f))
+        pos, kv_indptr, kv_indices, kv_next = m.layout([ctx_len], [parents], [self.row])
+        s.attn.update(s.tree.cu_seqlens, torch.tensor(kv_indptr, dtype=torch.int32, device=dev),
+                      kv_indices.to(dev), s.tree.anc, validate=False)
+        s.ids.copy_(torch.tensor(toks, dtype=torch.int64))
+        s.pos.copy_(torch.tensor(pos, dtype=torch.int64))
+        s.kv_next.copy_(torch.tensor(kv_next, dtype=torch.int64))
+        if self.nodes > 1:
+            self.d_tokens.zero_()
+            self.d_parents.fill_(-1)
+            self.d_depths.zero_()
+            if n:
+                self.d_tokens[0, :n].copy_(tree.tokens)
+                self.d_parents[0, :n].copy_(tree.parents)
+                self.d_depths[0, :n].copy_(tree.depths)
+            self.d_count.fill_(n)
+
+    def replay(self):
+        """(target [nodes], accepted [1, max_depth], accepted_len [1], bonus [1]); the last three None for
+        the autoregressive step. The tensors are the graph's own outputs: read them before the next replay."""
+        self.graph.replay()
+        return self.out
