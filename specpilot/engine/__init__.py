@@ -1,9 +1,9 @@
 """The SpecPilot engine: Qwen3.5 hybrid models decoded greedily, autoregressively or with draft trees,
 on this library's operators (docs/engine.md)."""
 
-from .engine import Engine, SelfDrafter, StepRecord
+from .engine import NEAR_TIE, Engine, LosslessReport, SelfDrafter, StepRecord, check_lossless
 from .loader import HybridConfig, load_config, load_tensors
 from .model import HybridModel, Kernels, Linear, Step
 
-__all__ = ["Engine", "SelfDrafter", "StepRecord", "HybridConfig", "HybridModel", "Kernels", "Linear", "Step",
+__all__ = ["Engine", "SelfDrafter", "StepRecord", "LosslessReport", "check_lossless", "NEAR_TIE", "HybridConfig", "HybridModel", "Kernels", "Linear", "Step",
            "load_config", "load_tensors"]

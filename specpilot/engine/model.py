@@ -53,7 +53,7 @@ class Kernels:
         interpreter runs kernels, not models); "reference": the torch references everywhere; "kernels":
         the operators' own choice everywhere (on the CPU: the Triton kernels under the interpreter)."""
         if mode not in ("auto", "reference", "kernels"):
-            raise ValueError(f"specpilot.engine: kernels={mode!r}; pass 'auto', 'reference' or 'kernels'")
+            raise ValueError(f"specpilot.engine.Kernels.choose: kernels={mode!r}; pass 'auto', 'reference' or 'kernels'")
         if mode == "reference" or (mode == "auto" and device.type != "cuda"):
             return cls("torch", "reference", "reference", "reference", "reference", "reference")
         return cls()
@@ -64,6 +64,7 @@ class Linear:
 
     def __init__(self, weight: torch.Tensor | None = None, packed: "w12.W12Weight | None" = None):
         self.weight, self.packed = weight, packed
+        self._q8 = None  # the decoded 8-bit view, kept on the torch reference path
 
     @classmethod
     def make(cls, weight: torch.Tensor, fmt: str, device) -> "Linear":
@@ -80,6 +81,11 @@ class Linear:
         return self.packed
 
     def __call__(self, x: torch.Tensor, kernels: Kernels, q8: bool = False) -> torch.Tensor:
+        if q8 and kernels.w12 == "torch":
+            # the torch path of w12.matmul_q8 decodes the view on every call; a drafter calls it per token
+            if self._q8 is None:
+                self._q8 = w12.decode_q8(self.ensure_packed()).float()
+            return F.linear(x.float(), self._q8).to(x.dtype)
         if q8:
             return w12.matmul_q8(x, self.ensure_packed(), variant=kernels.w12)
         if self.packed is not None:
@@ -127,7 +133,7 @@ class HybridModel:
         from .loader import fuse_layer_weights
 
         if fmt not in ("bf16", "w12"):
-            raise ValueError(f"specpilot.engine: weights={fmt!r}; pass 'bf16' or 'w12'")
+            raise ValueError(f"specpilot.engine.HybridModel: weights={fmt!r}; pass 'bf16' or 'w12'")
         self.cfg, self.device, self.fmt, self.kernels = cfg, torch.device(device), fmt, kernels
         self.rows, self.max_len = int(rows), int(max_len)
         dev = self.device
@@ -147,7 +153,8 @@ class HybridModel:
         head = tensors.get("lm_head.weight", None)
         if head is None:
             if not cfg.tie_embeddings:
-                raise KeyError("specpilot.engine: the checkpoint has no lm_head.weight and does not tie embeddings")
+                raise KeyError("specpilot.engine.HybridModel: the checkpoint has no lm_head.weight and does not tie "
+                               "embeddings; pass a checkpoint with its head")
             head = tensors["embed_tokens.weight"]
         if isinstance(head, torch.Tensor):
             head = head.to(dev, torch.bfloat16).contiguous()
@@ -160,6 +167,15 @@ class HybridModel:
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float) / cfg.rotary_dim))
         self.inv_freq = inv.to(dev)
         self._alloc_caches()
+
+    def to_w12(self, head_screen: str = "auto") -> None:
+        """Re-hold every projection (and the head) as W12 in place, one at a time (each packed and verified,
+        its BF16 copy dropped): the same model, 12-bit weights."""
+        for lin in [v for L in self.layers for v in L.values() if isinstance(v, Linear)] + [self.head_linear]:
+            lin.ensure_packed()
+            lin.weight = None
+        self.fmt = "w12"
+        self.head = lmhead.CertifiedHead(self.head_linear.packed, screen=head_screen, variant=self.kernels.head)
 
     # ---- caches ---------------------------------------------------------------------------
     def _alloc_caches(self):
@@ -204,10 +220,10 @@ class HybridModel:
         for b in range(B):
             n = len(tokens[b])
             if not 1 <= n <= MAX_STEP_NODES or len(parents[b]) != n:
-                raise ValueError(f"specpilot.engine: request {b} has {n} nodes; a pass takes 1..{MAX_STEP_NODES} "
+                raise ValueError(f"specpilot.engine.HybridModel.plan: request {b} has {n} nodes; a pass takes 1..{MAX_STEP_NODES} "
                                  "nodes per request, one parent each")
             if ctx_lens[b] + n > self.max_len:
-                raise ValueError(f"specpilot.engine: request {b} would reach {ctx_lens[b] + n} tokens, beyond "
+                raise ValueError(f"specpilot.engine.HybridModel.plan: request {b} would reach {ctx_lens[b] + n} tokens, beyond "
                                  f"max_len={self.max_len}; build the engine with a larger max_len")
         tree = gdn.build_tree_plan(parents, device=dev)
         pos, kv_indptr, kv_indices, kv_next = self.layout(ctx_lens, parents, kv_rows)

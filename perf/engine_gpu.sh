@@ -1,0 +1,37 @@
+#!/usr/bin/env bash
+# The engine on the GPU machine in one device call (<= 10 minutes): its GPU tests, then the step benchmark on the
+# synthetic full-size model.
+#
+#   bash perf/engine_gpu.sh                      (OUT defaults to perf/out)
+#   STAGES=bench bash perf/engine_gpu.sh         (a subset, in this order)
+#
+# Stages (STAGES, default "tests bench"), each under its own timeout; keep their sum under the call's 600 s:
+#   tests   the engine GPU tests (tests/engine and the tiny trained model, -m "gpu or hopper"; TEST_TIMEOUT 240 s)
+#   bench   python -m specpilot.bench.engine (BENCH_SHAPES, default hybrid-27b; ENGINE_ARGS; BENCH_TIMEOUT 330 s):
+#           the AR and verify steps in CUDA graphs, BF16 and W12, against their byte floors, and the transformers
+#           peer on the same weights
+# Files in $OUT: summary.txt pytest.log bench.log <stamp>-engine.{json,md}
+cd "$(dirname "$0")/.."
+STAGES=${STAGES:-tests bench}
+TEST_WORKERS=${TEST_WORKERS:-0}
+. perf/gpu_env.sh
+SCRATCH=$(mktemp -d)
+declare -A RC
+
+if has_stage tests; then
+  TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests "$OUT/pytest.log" tests/engine tests/test_tiny_model.py
+  RC[tests]=$?
+fi
+if has_stage bench; then
+  timeout "${BENCH_TIMEOUT:-330}" python3 -m specpilot.bench.engine --shapes "${BENCH_SHAPES:-hybrid-27b}" \
+    --out "$OUT" ${ENGINE_ARGS:-} >"$OUT/bench.log" 2>&1
+  RC[bench]=$?
+fi
+
+{
+  echo "wheels  : $WHEELS"
+  for s in $STAGES; do echo "$s rc=${RC[$s]:-?}"; done
+  has_stage tests && { echo "tests: $(tests_line "$OUT/pytest.log")"; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head -n 20; }
+  has_stage bench && { tail -n 30 "$OUT/bench.log"; cat "$OUT"/*-engine.md 2>/dev/null; }
+} 2>&1 | tee "$OUT/summary.txt"
+finish

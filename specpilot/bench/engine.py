@@ -1,0 +1,216 @@
+"""Engine steps on a synthetic full-size model: the autoregressive and the verify step against their byte
+floors, and the `transformers` peer on the same weights.
+
+    python -m specpilot.bench.engine [--shapes hybrid-27b] [--prefix 4096] [--nodes 32] [--out DIR]
+
+One request, a `prefix`-token context, every step one CUDA graph (`specpilot.engine.GraphedStep`),
+timed by replaying the graph under CUDA events (`specpilot.bench.timing`). The byte floor of a step
+(`autotune.byte_floor`): every weight of the step's format, the KV prefix of the attention layers, and
+the recurrent and conv states read and written once; its FLOPs are 2 x weights x rows. Writes JSON and
+Markdown to `out`.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+import autotune
+
+from .timing import time_cuda
+
+__all__ = ["run"]
+
+
+def _model_bytes(model) -> tuple[int, int]:
+    """(bytes the step reads for the weights, weights as parameters) of a HybridModel."""
+    total = params = 0
+    lins = [v for L in model.layers for v in L.values() if hasattr(v, "packed")] + [model.head_linear]
+    for lin in lins:
+        N, K = lin.shape
+        params += N * K
+        total += lin.packed.nbytes if lin.packed is not None else 2 * N * K
+    small = [v for L in model.layers for v in L.values() if isinstance(v, torch.Tensor)] + [model.final_norm]
+    total += sum(t.numel() * t.element_size() for t in small)
+    return total, params
+
+
+def _state_bytes(model, prefix: int) -> tuple[int, int]:
+    """(KV prefix bytes read, recurrent + conv state bytes read and written) by one request's step."""
+    c = model.cfg
+    kv = 2 * len(c.attn_layers) * prefix * c.kv_heads * c.head_dim * 2
+    st = model.state[:, 0].numel() * 4 + model.conv_state[:, 0].numel() * 2
+    return kv, 2 * st
+
+
+def _random_tree(vocab: int, positions: int, topk: int, nodes: int, seed: int):
+    from ..tree import build_tree
+
+    g = torch.Generator().manual_seed(seed)
+    tokens = torch.randint(0, vocab, (positions, topk), generator=g)
+    scores = torch.log_softmax(torch.randn(positions, topk, generator=g) * 2, -1)
+    return build_tree(tokens, scores, budget=nodes - 1)
+
+
+def _peer(cfg, syn, prompt: list[int], new_tokens: int, device) -> dict:
+    """transformers' own greedy generation on the same weights: ms per decoded token."""
+    import transformers
+    from transformers import Qwen3_5ForCausalLM
+
+    torch.set_default_dtype(torch.bfloat16)
+    try:
+        with torch.device(device):
+            hf = Qwen3_5ForCausalLM(cfg).eval()
+    finally:
+        torch.set_default_dtype(torch.float32)
+    with torch.no_grad():
+        for n, p in hf.named_parameters():
+            p.copy_(syn[n[len("model."):] if n.startswith("model.") else n].reshape(p.shape))
+    ids = torch.tensor([prompt], device=device)
+    out = {"transformers": transformers.__version__}
+    try:
+        import fla  # noqa: F401
+
+        out["fla"] = getattr(fla, "__version__", "present")
+    except ImportError:
+        out["fla"] = None
+
+    def gen(n, **kw):
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        with torch.no_grad():
+            hf.generate(ids, max_new_tokens=n, min_new_tokens=n, do_sample=False, **kw)
+        torch.cuda.synchronize()
+        return time.perf_counter() - t0
+
+    for mode, kw in (("static cache", {"cache_implementation": "static"}), ("eager", {})):
+        try:
+            gen(2, **kw)
+            t1, tn = gen(1, **kw), gen(1 + new_tokens, **kw)
+            out.update(mode=mode, ms_per_token=1e3 * (tn - t1) / new_tokens, tokens=new_tokens)
+            break
+        except Exception as e:  # a cache mode this model does not support: the next one
+            out[f"{mode} error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    del hf
+    torch.cuda.empty_cache()
+    return out
+
+
+def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positions: int = 16, topk: int = 4,
+        reps: int = 30, peer_tokens: int = 16, formats=("bf16", "w12"), out=None, peer: bool = True,
+        log=print) -> dict:
+    from ..engine import Engine, HybridConfig, HybridModel, Kernels
+    from ..engine.synthetic import SyntheticTensors, hf_config
+
+    dev = torch.device("cuda")
+    cfg = hf_config(shapes)
+    syn = SyntheticTensors(cfg, dev)
+    hc = HybridConfig.from_hf(cfg)
+    g = torch.Generator().manual_seed(1)
+    prompt = torch.randint(0, hc.vocab, (prefix + 1,), generator=g).tolist()
+    res = {"shapes": shapes, "prefix": prefix, "nodes": nodes, "positions": positions, "gpu": torch.cuda.get_device_name(),
+           "torch": torch.__version__, "cuda": torch.version.cuda, "formats": {}}
+    try:
+        import triton
+
+        res["triton"] = triton.__version__
+    except ImportError:
+        pass
+    if peer:
+        log("peer: transformers generate")
+        res["peer"] = _peer(cfg, syn, prompt, peer_tokens, dev)
+        log(f"peer: {res['peer']}")
+    model = None
+    for fmt in formats:
+        t0 = time.perf_counter()
+        if model is None or fmt == "bf16":
+            model = HybridModel(hc, syn, device=dev, fmt=fmt, kernels=Kernels.choose(dev), max_len=prefix + 128)
+        else:
+            model.to_w12()
+        log(f"{fmt}: model ready in {time.perf_counter() - t0:.1f} s")
+        eng = Engine(model, None, tree_nodes=nodes, positions=positions, topk=topk, graphs=True)
+        ctx = eng._start(prompt)
+        ar, ver = eng._graphs[1], eng._graphs[nodes]
+        tree = _random_tree(hc.vocab, positions, topk, nodes, seed=2)
+        t0 = time.perf_counter()
+        ar.load(len(ctx) - 1, ctx[-1], None)
+        host_ar = time.perf_counter() - t0
+        t_ar = time_cuda([ar.graph.replay], reps=reps, warmup=3, graph=False)
+        t0 = time.perf_counter()
+        ver.load(len(ctx) - 1, ctx[-1], tree)
+        host_v = time.perf_counter() - t0
+        t_v = time_cuda([ver.graph.replay], reps=reps, warmup=3, graph=False)
+        wbytes, params = _model_bytes(model)
+        kv, st = _state_bytes(model, prefix)
+        floor_ar = autotune.byte_floor(2 * params, wbytes + kv + st, dev)
+        floor_v = autotune.byte_floor(2 * params * nodes, wbytes + kv + st, dev)
+        row = {"weight_bytes": wbytes, "kv_bytes": kv, "state_bytes": st, "params": params,
+               "ar_ms": 1e3 * t_ar.median, "ar_p10_ms": 1e3 * t_ar.p10, "ar_p90_ms": 1e3 * t_ar.p90,
+               "verify_ms": 1e3 * t_v.median, "verify_p10_ms": 1e3 * t_v.p10, "verify_p90_ms": 1e3 * t_v.p90,
+               "ar_floor_ms": 1e3 * floor_ar, "verify_floor_ms": 1e3 * floor_v,
+               "host_load_ar_ms": 1e3 * host_ar, "host_load_verify_ms": 1e3 * host_v, "tree_nodes": tree.n + 1}
+        row["ar_over_floor"] = row["ar_ms"] / row["ar_floor_ms"]
+        row["verify_over_ar"] = row["verify_ms"] / row["ar_ms"]
+        row["implied"] = {str(tau): {"tokens_per_s": 1e3 * tau / row["verify_ms"],
+                                     "speedup_vs_ar": tau * row["ar_ms"] / row["verify_ms"]} for tau in (4, 6, 8)}
+        res["formats"][fmt] = row
+        log(f"{fmt}: AR {row['ar_ms']:.2f} ms ({row['ar_over_floor']:.2f}x floor {row['ar_floor_ms']:.2f}), "
+            f"verify {row['verify_ms']:.2f} ms ({row['verify_over_ar']:.3f}x AR)")
+        del eng, ar, ver
+        torch.cuda.empty_cache()
+    if out is not None:
+        out = Path(out)
+        out.mkdir(parents=True, exist_ok=True)
+        stamp = time.strftime("%Y%m%dT%H%M%S")
+        (out / f"{stamp}-engine.json").write_text(json.dumps(res, indent=1))
+        (out / f"{stamp}-engine.md").write_text(markdown(res))
+    return res
+
+
+def markdown(res: dict) -> str:
+    lines = [f"# Engine steps: {res['shapes']}, one request, prefix {res['prefix']}, {res['nodes']}-row verify",
+             "", f"{res['gpu']}, torch {res['torch']} (CUDA {res['cuda']}), Triton {res.get('triton')}. Every step "
+             "one CUDA graph; medians of graph replays under CUDA events.", "",
+             "| weights | AR step ms | AR floor ms | AR / floor | verify ms | verify / AR | tok/s at τ=4 / 6 / 8 | "
+             "speedup at τ=4 / 6 / 8 |", "|---|---|---|---|---|---|---|---|"]
+    for fmt, r in res["formats"].items():
+        imp = r["implied"]
+        lines.append(f"| {fmt} | {r['ar_ms']:.2f} | {r['ar_floor_ms']:.2f} | {r['ar_over_floor']:.2f}x | "
+                     f"{r['verify_ms']:.2f} | {r['verify_over_ar']:.3f}x | "
+                     + " / ".join(f"{imp[t]['tokens_per_s']:.0f}" for t in ("4", "6", "8")) + " | "
+                     + " / ".join(f"{imp[t]['speedup_vs_ar']:.2f}x" for t in ("4", "6", "8")) + " |")
+    p = res.get("peer")
+    if p and "ms_per_token" in p:
+        bf = res["formats"].get("bf16")
+        vs = f", {p['ms_per_token'] / bf['ar_ms']:.1f}x our BF16 AR step" if bf else ""
+        lines += ["", f"Peer: transformers {p['transformers']} (fla {p['fla']}), {p['mode']}: "
+                  f"{p['ms_per_token']:.1f} ms per decoded token ({1e3 / p['ms_per_token']:.1f} tokens/s){vs}."]
+    elif p:
+        lines += ["", f"Peer: did not run: {p}"]
+    return "\n".join(lines) + "\n"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(prog="python -m specpilot.bench.engine")
+    ap.add_argument("--shapes", default="hybrid-27b")
+    ap.add_argument("--prefix", type=int, default=4096)
+    ap.add_argument("--nodes", type=int, default=32)
+    ap.add_argument("--reps", type=int, default=30)
+    ap.add_argument("--no-peer", action="store_true")
+    ap.add_argument("--formats", default="bf16,w12")
+    ap.add_argument("--out", default=None)
+    a = ap.parse_args(argv)
+    if not torch.cuda.is_available():
+        print("specpilot.bench.engine: needs a CUDA GPU")
+        return 2
+    run(a.shapes, a.prefix, a.nodes, reps=a.reps, peer=not a.no_peer, formats=tuple(a.formats.split(",")),
+        out=a.out)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,65 @@
+"""Speculative greedy output equals autoregressive greedy output, token for token, over long generations:
+several prompts and seeds, both shipped drafters, on the CPU (torch references) and on the GPU (the kernels,
+every step one CUDA graph). A divergence passes only at a near-tie (autoregressive top-2 margin below
+specpilot.engine.NEAR_TIE); every such case is reported."""
+
+import pytest
+import torch
+
+from specpilot.engine import NEAR_TIE, Engine, check_lossless
+
+
+def _prompt(vocab, n, seed):
+    g = torch.Generator().manual_seed(seed)
+    motif = torch.randint(0, vocab, (7,), generator=g).tolist()
+    noise = torch.randint(0, vocab, (n,), generator=g).tolist()
+    return noise[: n // 2] + motif * 3 + noise[n // 2:]  # a repeated motif gives the n-gram drafter matches
+
+
+def _check(eng, prompt, n, capsys=None):
+    rep = check_lossless(eng, prompt, n)
+    assert len(rep.autoregressive) == n and len(rep.speculative) == n
+    if rep.divergence is not None:
+        print(f"near-tie divergence at token {rep.divergence}: margin {rep.margin:.4g} < {NEAR_TIE}")
+    assert rep.ok, (f"speculative output parts from greedy at token {rep.divergence} where the autoregressive "
+                    f"margin is {rep.margin:.4g} >= {NEAR_TIE}: not a near-tie")
+    assert rep.tau > 1.0  # the drafter was used and accepted tokens
+    return rep
+
+
+@pytest.mark.parametrize("shape,seed,plen", [("gdn3-attn1-v97", 0, 20), ("attn-first-kv1-v131", 1, 75),
+                                             ("gdn-k1v4-d128-v64", 2, 40)])
+def test_ngram_drafter_is_lossless_cpu(checkpoints, shape, seed, plen):
+    path, model = checkpoints[shape]
+    eng = Engine.from_pretrained(path, device="cpu", drafter="ngram")
+    _check(eng, _prompt(model.config.vocab_size, plen, seed), 256)
+
+
+@pytest.mark.slow
+def test_self_drafter_is_lossless_cpu(checkpoints):
+    path, model = checkpoints["gdn3-attn1-v97"]
+    eng = Engine.from_pretrained(path, device="cpu", drafter="self", positions=6, tree_nodes=16)
+    _check(eng, _prompt(97, 30, 3), 256)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+@pytest.mark.parametrize("weights", ["bf16", "w12"])
+@pytest.mark.parametrize("shape,seed,plen", [("gdn3-attn1-v97", 0, 20), ("attn-first-kv1-v131", 1, 75),
+                                             ("gdn-k1v4-d128-v64", 2, 40)])
+def test_lossless_gpu(checkpoints, shape, seed, plen, weights, drafter):
+    path, model = checkpoints[shape]
+    eng = Engine.from_pretrained(path, device="cuda", weights=weights, drafter=drafter)
+    assert eng.graphs
+    _check(eng, _prompt(model.config.vocab_size, plen, seed), 300)
+
+
+@pytest.mark.gpu
+def test_graphs_replay_the_eager_steps(checkpoints):
+    path, model = checkpoints["gdn3-attn1-v97"]
+    prompt = _prompt(97, 50, 4)
+    outs = []
+    for graphs in (False, True):
+        eng = Engine.from_pretrained(path, device="cuda", drafter="ngram", graphs=graphs)
+        outs.append((eng.generate(prompt, 64, speculative=True), eng.generate(prompt, 64, speculative=False)))
+    assert outs[0] == outs[1]
