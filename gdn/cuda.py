@@ -54,6 +54,9 @@ def unsupported(q, k, v, g, beta, o, pool, state_idx, vk: bool, max_nodes: int, 
         return f"K={K}: a multiple of 32, at most 256"
     if V % cfg.BV:
         return f"V={V}: a multiple of BV={cfg.BV}"
+    why = tile_split_problem(cfg, 16 if max_nodes <= 16 else 32, K, vk)
+    if why is not None:
+        return why
     if any(t.stride(-1) != 1 for t in (q, k, v, o)):
         return "q, k, v and the output need unit stride in the last dimension"
     oe = 8 if o.dtype == torch.bfloat16 else 4
@@ -65,6 +68,22 @@ def unsupported(q, k, v, g, beta, o, pool, state_idx, vk: bool, max_nodes: int, 
         return "the state pool must be contiguous in its last dimension with 16-byte aligned rows"
     if q.shape[0] > 2**31 - 1 or pool.shape[0] > 2**31 - 1:
         return "too many nodes or pool rows for int32 indexing"
+    return None
+
+
+def tile_split_problem(cfg: CudaConfig, nt: int, K: int, vk: bool) -> str | None:
+    """The kernel's static load splits (gdn_tree.cu's static_asserts) for node tile `nt`: the mma warps
+    (32 * BV / 8 threads) load the q/k tile, the state rows and the v tile in whole passes."""
+    mma_thr = 32 * (cfg.BV // 8)
+    ch = K // 8  # 16-byte chunks per q/k row
+    if mma_thr % ch or nt % (mma_thr // ch):
+        return (f"K={K} with BV={cfg.BV}: {mma_thr} loader threads cannot split a {nt}-row q/k tile of {ch} "
+                "16-byte chunks per row")
+    sch = (K if vk else cfg.BV) // 4
+    if mma_thr % sch or (cfg.BV if vk else K) % (mma_thr // sch):
+        return f"K={K} with BV={cfg.BV}: the state tile does not split over {mma_thr} loader threads"
+    if mma_thr % (cfg.BV // 8):
+        return f"BV={cfg.BV}: the v tile does not split over {mma_thr} loader threads"
     return None
 
 

@@ -297,6 +297,16 @@ def test_unsupported_reasons(monkeypatch):
     assert "g and beta" in gcuda.unsupported(q, k, v, g.double(), beta, o, pool, idx, False, 6, cfg)
 
 
+@pytest.mark.parametrize("BV,nt,K,vk,ok", [(32, 16, 32, False, False), (32, 32, 32, False, True),
+                                             (64, 16, 64, False, False), (64, 32, 64, True, True),
+                                             (64, 16, 128, False, True), (16, 16, 32, True, True)])
+def test_tile_splits_mirror_the_kernels_static_asserts(BV, nt, K, vk, ok):
+    # gdn_tree.cu: MMA_THR % CH == 0 && NT % RPQ == 0 (q/k), MMA_THR % SCH == 0 && S_ROWS % RPS == 0 (state);
+    # a config that fails them would stop NVRTC with a static assertion instead of falling back
+    why = gcuda.tile_split_problem(CudaConfig(BV=BV), nt, K, vk)
+    assert (why is None) == ok, why
+
+
 @pytest.mark.parametrize("bad", [dict(BV=12), dict(BV=128), dict(pieces=1), dict(unroll_out=3), dict(min_blocks=0),
                                  dict(BV=8, split_warps=True)])
 def test_cuda_config_validation(bad):
