@@ -114,9 +114,9 @@ class Engine:
     def reset_stats(self) -> None:
         self._stats = _Stats()
 
-    def generate(self, prompt_ids, max_new_tokens: int, speculative: bool = True) -> list[int]:
+    def generate(self, prompt_ids, max_new_tokens: int, speculative: bool = True, *, callback=None) -> list[int]:
         """The greedy continuation of `prompt_ids` (at most `max_new_tokens` new tokens; it stops after the
-        end-of-sequence token when the config names one)."""
+        end-of-sequence token when the config names one). `callback(tokens)` sees each step's new tokens."""
         prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
         if not prompt:
             raise ValueError("specpilot.engine.Engine.generate: the prompt is empty; pass at least one token id")
@@ -132,6 +132,8 @@ class Engine:
         eos = self.model.cfg.eos_token_id
         while len(out) < max_new_tokens:
             new = self._step(ctx, speculative)
+            if callback is not None:
+                callback(new[:max_new_tokens - len(out)])
             for t in new:
                 out.append(t)
                 if t == eos or len(out) == max_new_tokens:
