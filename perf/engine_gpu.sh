@@ -5,14 +5,15 @@
 #   bash perf/engine_gpu.sh                      (OUT defaults to perf/out)
 #   STAGES=bench bash perf/engine_gpu.sh         (a subset, in this order)
 #
-# Stages (STAGES, default "tests bench"), each under its own timeout; keep their sum under the call's 600 s:
+# Stages (STAGES, default "tests bench demo"), each under its own timeout; keep their sum under the call's 600 s:
 #   tests   the engine GPU tests (tests/engine and the tiny trained model, -m "gpu or hopper"; TEST_TIMEOUT 240 s)
 #   bench   python -m specpilot.bench.engine (BENCH_SHAPES, default hybrid-27b; ENGINE_ARGS; BENCH_TIMEOUT 330 s):
 #           the AR and verify steps in CUDA graphs, BF16 and W12, against their byte floors, and the transformers
 #           peer on the same weights
-# Files in $OUT: summary.txt pytest.log bench.log <stamp>-engine.{json,md}
+#   demo    specpilot demo --device cuda: the tiny trained model's τ with each drafter (DEMO_TIMEOUT 120 s)
+# Files in $OUT: summary.txt pytest.log bench.log demo.log <stamp>-engine.{json,md}
 cd "$(dirname "$0")/.."
-STAGES=${STAGES:-tests bench}
+STAGES=${STAGES:-tests bench demo}
 TEST_WORKERS=${TEST_WORKERS:-0}
 . perf/gpu_env.sh
 SCRATCH=$(mktemp -d)
@@ -27,11 +28,16 @@ if has_stage bench; then
     --out "$OUT" ${ENGINE_ARGS:-} >"$OUT/bench.log" 2>&1
   RC[bench]=$?
 fi
+if has_stage demo; then
+  timeout "${DEMO_TIMEOUT:-120}" python3 -m specpilot demo --device cuda >"$OUT/demo.log" 2>&1
+  RC[demo]=$?
+fi
 
 {
   echo "wheels  : $WHEELS"
   for s in $STAGES; do echo "$s rc=${RC[$s]:-?}"; done
   has_stage tests && { echo "tests: $(tests_line "$OUT/pytest.log")"; grep -E "^FAILED|^ERROR" "$OUT/pytest.log" | head -n 20; }
-  has_stage bench && { tail -n 30 "$OUT/bench.log"; cat "$OUT"/*-engine.md 2>/dev/null; }
+  has_stage bench && { grep -v -i warn "$OUT/bench.log" | tail -n 30; cat "$OUT"/*-engine.md 2>/dev/null; }
+  has_stage demo && tail -n 12 "$OUT/demo.log"
 } 2>&1 | tee "$OUT/summary.txt"
 finish

@@ -87,22 +87,57 @@ def _peer(cfg, syn, prompt: list[int], new_tokens: int, device) -> dict:
         torch.cuda.synchronize()
         return time.perf_counter() - t0
 
-    for mode, kw in (("static cache", {"cache_implementation": "static"}), ("eager", {})):
-        try:
-            gen(2, **kw)
-            t1, tn = gen(1, **kw), gen(1 + new_tokens, **kw)
-            out.update(mode=mode, ms_per_token=1e3 * (tn - t1) / new_tokens, tokens=new_tokens)
-            break
-        except Exception as e:  # a cache mode this model does not support: the next one
-            out[f"{mode} error"] = f"{type(e).__name__}: {str(e)[:200]}"
+    # eager with the model's own dynamic cache: a static cache makes transformers compile the step, which
+    # took 6.9 s per token over 16 tokens on this model (the compile never amortises in a benchmark)
+    gen(2)
+    t1, tn = gen(1), gen(1 + new_tokens)
+    out.update(mode="eager", ms_per_token=1e3 * (tn - t1) / new_tokens, tokens=new_tokens)
     del hf
     torch.cuda.empty_cache()
     return out
 
 
+_CATEGORIES = (  # kernel name -> what the step spends it on (first match)
+    ("w12 GEMM", r"w12"),
+    ("cuBLAS GEMM", r"gemm|gemv|cutlass|xmma|sm90_|splitK|cublas"),
+    ("gdn verify", r"gdn_tree|gdn_.*wy|gdn_.*recurrent|tree_verify"),
+    ("gdn conv", r"gdn.*conv"),
+    ("gdn commit", r"gdn.*commit"),
+    ("tree attention", r"tree_attn"),
+    ("lm head", r"lmhead"),
+    ("other (norms, gates, copies)", r"."),
+)
+
+
+def breakdown(fn, reps: int = 5) -> dict:
+    """Device time per call of `fn` by kernel category (`_CATEGORIES`), from the profiler's kernel records,
+    and the number of kernels per call."""
+    import re
+
+    from torch.profiler import ProfilerActivity, profile
+
+    torch.cuda.synchronize()
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        for _ in range(reps):
+            fn()
+        torch.cuda.synchronize()
+    cats: dict[str, float] = {}
+    kernels = 0
+    for e in prof.key_averages():
+        us = getattr(e, "device_time_total", None)
+        if us is None:
+            us = getattr(e, "cuda_time_total", 0.0)
+        if not us or e.key.startswith(("cudaGraph", "Memcpy", "Memset")) or "Runtime" in e.key:
+            continue
+        cat = next(c for c, rx in _CATEGORIES if re.search(rx, e.key, re.I))
+        cats[cat] = cats.get(cat, 0.0) + us / 1e3 / reps
+        kernels += e.count
+    return {"ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "kernels_per_call": kernels / reps}
+
+
 def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positions: int = 16, topk: int = 4,
-        reps: int = 30, peer_tokens: int = 16, formats=("bf16", "w12"), out=None, peer: bool = True,
-        log=print) -> dict:
+        reps: int = 30, peer_tokens: int = 8, formats=("bf16", "w12"), out=None, peer: bool = True,
+        profile: bool = True, log=print) -> dict:
     from ..engine import Engine, HybridConfig, HybridModel, Kernels
     from ..engine.synthetic import SyntheticTensors, hf_config
 
@@ -120,10 +155,6 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
         res["triton"] = triton.__version__
     except ImportError:
         pass
-    if peer:
-        log("peer: transformers generate")
-        res["peer"] = _peer(cfg, syn, prompt, peer_tokens, dev)
-        log(f"peer: {res['peer']}")
     model = None
     for fmt in formats:
         t0 = time.perf_counter()
@@ -160,8 +191,18 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
         res["formats"][fmt] = row
         log(f"{fmt}: AR {row['ar_ms']:.2f} ms ({row['ar_over_floor']:.2f}x floor {row['ar_floor_ms']:.2f}), "
             f"verify {row['verify_ms']:.2f} ms ({row['verify_over_ar']:.3f}x AR)")
+        if profile:
+            row["ar_breakdown"] = breakdown(ar.graph.replay)
+            row["verify_breakdown"] = breakdown(ver.graph.replay)
+            log(f"{fmt}: AR by kernel {row['ar_breakdown']}")
+            log(f"{fmt}: verify by kernel {row['verify_breakdown']}")
         del eng, ar, ver
-        torch.cuda.empty_cache()
+    del model
+    torch.cuda.empty_cache()
+    if peer:
+        log("peer: transformers generate")
+        res["peer"] = _peer(cfg, syn, prompt, peer_tokens, dev)
+        log(f"peer: {res['peer']}")
     if out is not None:
         out = Path(out)
         out.mkdir(parents=True, exist_ok=True)
@@ -183,6 +224,12 @@ def markdown(res: dict) -> str:
                      f"{r['verify_ms']:.2f} | {r['verify_over_ar']:.3f}x | "
                      + " / ".join(f"{imp[t]['tokens_per_s']:.0f}" for t in ("4", "6", "8")) + " | "
                      + " / ".join(f"{imp[t]['speedup_vs_ar']:.2f}x" for t in ("4", "6", "8")) + " |")
+    for fmt, r in res["formats"].items():
+        for kind in ("ar", "verify"):
+            b = r.get(f"{kind}_breakdown")
+            if b:
+                parts = ", ".join(f"{k} {v:.2f}" for k, v in b["ms"].items())
+                lines.append(f"\n{fmt} {kind} step by kernel (ms): {parts}; {b['kernels_per_call']:.0f} kernels.")
     p = res.get("peer")
     if p and "ms_per_token" in p:
         bf = res["formats"].get("bf16")
