@@ -20,7 +20,7 @@ SCRATCH=$(mktemp -d)
 declare -A RC
 
 if has_stage tests; then
-  TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests "$OUT/pytest.log" tests/engine tests/test_tiny_model.py
+  TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests "$OUT/pytest.log" tests/engine tests/test_tiny_model.py tests/test_tree_builder.py
   RC[tests]=$?
 fi
 if has_stage bench; then

@@ -208,6 +208,64 @@ def cmd_demo(args) -> int:
     return demo.run(_device(torch, args.device), new_tokens=args.tokens)
 
 
+def cmd_check(args) -> int:
+    """Token forcing (specpilot/check.py): the stock path's greedy streams forced through a candidate
+    configuration; exit status 0 when the rule accepts it, 1 when it rejects it."""
+    for name in ("prompts", "tokens", "prompt_bytes"):
+        if getattr(args, name) < 1:
+            raise UsageError(f"--{name.replace('_', '-')} must be >= 1, got {getattr(args, name)}")
+    if not (0 <= args.large_margin < float("inf") and 0 <= args.points < float("inf")):
+        raise UsageError(f"--large-margin and --points must be >= 0, got {args.large_margin} and {args.points}")
+    model = Path(args.model) if args.model else None
+    if model is not None and not (model / "config.json").is_file():
+        raise UsageError(f"--model {model}: no config.json there; pass a checkpoint folder")
+    if args.json and not Path(args.json).resolve().parent.is_dir():
+        raise UsageError(f"--json {args.json}: the folder {Path(args.json).resolve().parent} does not exist")
+    torch = _prepare_backend()
+    from specpilot import check
+
+    dev = _device(torch, args.device)
+    try:
+        prompts, texts = check.heldout_prompts(args.prompts, args.prompt_bytes, args.tokens, args.text)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    t0 = time.perf_counter()
+    stock = check.stock_path(model, device=dev)
+    if max(max(p + x) for p, x in zip(prompts, texts)) >= stock.engine.model.cfg.vocab:
+        raise UsageError(f"the prompts are bytes but the model's vocabulary has {stock.engine.model.cfg.vocab} ids; "
+                         "check a byte-level model, or call specpilot.check.reference with token ids")
+    cand = check.make_candidate(args.candidate, stock, model, device=dev)
+    print(f"token forcing: {cand.name} against {stock.name} ({stock.describe}), {args.prompts} prompts x "
+          f"{args.tokens} tokens, on {dev}", flush=True)
+    ref = check.reference(stock, prompts, args.tokens, texts, progress=True)
+    command = (f"specpilot check --candidate {args.candidate} --prompts {args.prompts} --tokens {args.tokens} "
+               f"--prompt-bytes {args.prompt_bytes} --large-margin {args.large_margin:g} --points {args.points:g} "
+               f"--device {dev}" + (f" --model {model}" if model else "") + (f" --text {args.text}" if args.text else ""))
+    meta = {"model": str(model) if model else "the shipped tiny_stdlib model",
+            "text": str(args.text) if args.text else "heldout.txt of the shipped tiny_stdlib model",
+            "device": str(dev), "prompt_bytes": args.prompt_bytes, "torch": torch.__version__, "command": command}
+    rep = check.run(cand, ref, large_margin=args.large_margin, points=args.points, progress=True, meta=meta)
+    rep.meta["seconds"] = round(time.perf_counter() - t0, 1)
+    s, c, a = rep.totals_stock, rep.totals_candidate, rep.accuracy
+    print(f"{'path':>12} | positions | mismatches |   rate | large-margin (> {rep.large_margin_threshold:g})")
+    for name, t in (("stock", s), ("candidate", c)):
+        print(f"{name:>12} | {t.positions:9d} | {t.mismatches:10d} | {100 * t.rate:5.2f}% | {t.large_margin:d}")
+    print(f"rule        : reject if the rate is > stock + {rep.points:g} points or large-margin events > stock's")
+    print(f"decision    : {rep.decision.upper()}: " + "; ".join(rep.reasons))
+    if a is not None:
+        lo, hi = a.interval_prompts
+        plo, phi = a.interval_positions
+        print(f"accuracy    : next byte of the held-out text: stock {100 * a.stock:.1f}%, candidate "
+              f"{100 * a.candidate:.1f}%, difference {100 * a.difference:+.2f} points; 95% interval "
+              f"[{100 * lo:+.2f}, {100 * hi:+.2f}] over prompts ({'covers' if a.covers_zero_prompts else 'excludes'} 0), "
+              f"[{100 * plo:+.2f}, {100 * phi:+.2f}] over positions "
+              f"({'covers' if a.covers_zero_positions else 'excludes'} 0)")
+    if args.json:
+        Path(args.json).write_text(rep.to_json() + "\n")
+        print(f"report      : {args.json}")
+    return 0 if rep.accept else 1
+
+
 # --------------------------------------------------------------------------------------
 # pack
 # --------------------------------------------------------------------------------------
@@ -280,6 +338,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if present)")
     s.add_argument("--tokens", type=int, default=256, metavar="N", help="new tokens per decoding (default 256)")
     s.set_defaults(fn=cmd_demo)
+
+    s = sub.add_parser("check", help="token forcing: force the stock path's greedy streams through a candidate "
+                                     "configuration; exit 0 accept, 1 reject")
+    s.add_argument("--model", default=None, metavar="PATH", help="checkpoint folder (default: the shipped tiny model)")
+    s.add_argument("--candidate", default="w12", choices=("stock", "w12", "tree", "reference-kernels", "planted-fault"),
+                   help="w12: W12 weights; tree: the 64-token (prefill / verify) pass; reference-kernels: the torch "
+                        "references; planted-fault: +2 on the logits of ids 0, 7, 14, ...; stock: the stock path "
+                        "itself (default w12)")
+    s.add_argument("--prompts", type=int, default=8, metavar="N", help="prompts from the text (default 8)")
+    s.add_argument("--tokens", type=int, default=128, metavar="N", help="reference tokens per prompt (default 128)")
+    s.add_argument("--prompt-bytes", type=int, default=64, metavar="N", help="bytes per prompt (default 64)")
+    s.add_argument("--text", default=None, metavar="FILE", help="text the prompts come from (default: the shipped "
+                                                                "tiny model's held-out text)")
+    s.add_argument("--large-margin", type=float, default=0.25, metavar="X",
+                   help="logit margin above which a mismatch is a large-margin event (default 0.25, NEAR_TIE)")
+    s.add_argument("--points", type=float, default=0.5, metavar="P",
+                   help="allowed rise of the mismatch rate over stock's, in percentage points (default 0.5)")
+    s.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if present)")
+    s.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON here")
+    s.set_defaults(fn=cmd_check)
 
     s = sub.add_parser("pack", help="pack a BF16 checkpoint into W12 (w12.checkpoint.pack_checkpoint)")
     s.add_argument("input", metavar="IN.safetensors")

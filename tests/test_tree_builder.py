@@ -85,6 +85,21 @@ def test_batched_equals_host_random(seed):
                     _assert_same_tree(host.tree(b), build_tree(tokens[b], scores[b], budget))
 
 
+@pytest.mark.gpu
+@pytest.mark.parametrize("seed", range(3))
+def test_batched_on_the_gpu_equals_host(seed):
+    # the batched form's torch ops on CUDA tensors: the same trees as the host heaps, bit for bit
+    g = torch.Generator().manual_seed(100 + seed)
+    for B, P, K in ((1, 16, 4), (8, 16, 8), (24, 12, 4), (5, 3, 3)):
+        for budget in (1, 31, 64):
+            for levels, vocab, p_inf in ((2, 3, 0.0), (8, 50, 0.05)):
+                tokens, scores = _random_case(g, B, P, K, vocab=vocab, levels=levels, p_inf=p_inf)
+                host = build_trees(tokens, scores, budget)
+                gpu = build_trees_batched(tokens.cuda(), scores.cuda(), budget)
+                assert gpu.tokens.is_cuda
+                _assert_same(host, type(gpu)(**{k: getattr(gpu, k).cpu() for k in gpu.__dataclass_fields__}))
+
+
 def _assert_same_tree(a, b):
     for k in ("tokens", "parents", "depths", "scores", "anc"):
         assert torch.equal(getattr(a, k), getattr(b, k)), k

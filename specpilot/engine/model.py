@@ -93,23 +93,83 @@ class Linear:
         return F.linear(x, self.weight)
 
 
-def rms_norm(x: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """Qwen3.5's zero-centred RMSNorm: fp32 statistics, scaled by (1 + w), back to x's dtype."""
+def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
+    """Qwen3.5's zero-centred RMSNorm: fp32 statistics, scaled by w1 = 1 + w (fp32), back to x's dtype."""
     xf = x.float()
-    y = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)
-    return (y * (1.0 + w.float())).to(x.dtype)
+    return (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps) * w1).to(x.dtype)
+
+
+def add_norm(h: torch.Tensor, y: torch.Tensor, w1: torch.Tensor, eps: float):
+    """The residual add (BF16) and the next RMSNorm: (h + y, rms_norm(h + y))."""
+    h = h + y
+    return h, rms_norm(h, w1, eps)
+
+
+def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
+    gate, up = gate_up.chunk(2, -1)
+    return F.silu(gate) * up
+
+
+def gdn_gates(proj: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor, split: list[int],
+              x_out: torch.Tensor, g_out: torch.Tensor, beta_out: torch.Tensor) -> torch.Tensor:
+    """Split the fused GDN in-projection: the conv input into x_out, g = -exp(A_log) softplus(a + dt_bias)
+    (fp32) into g_out, beta = sigmoid(b) into beta_out; returns the output gate z."""
+    mixed, z, b, a = proj.split(split, -1)
+    x_out.copy_(mixed)
+    beta_out.copy_(b.sigmoid())
+    g_out.copy_(neg_a * F.softplus(a.float() + dt_bias))
+    return z
 
 
 def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: float) -> torch.Tensor:
-    """The GDN output norm: RMSNorm (weight w, not zero-centred) times silu(gate), fp32 inside."""
+    """The GDN output norm: RMSNorm (weight w, not zero-centred) times silu(gate), fp32 inside; [T, HV * V]."""
     xf = x.float()
     y = (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + eps)).to(x.dtype)
-    return ((w * y) * F.silu(gate.float())).to(x.dtype)
+    out = ((w * y) * F.silu(gate.reshape(x.shape).float())).to(x.dtype)
+    return out.reshape(x.shape[0], -1)
 
 
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
+
+
+def _rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, r: int) -> torch.Tensor:
+    return torch.cat((x[..., :r] * cos + _rotate_half(x[..., :r]) * sin, x[..., r:]), -1)
+
+
+def attn_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_w1: torch.Tensor, k_w1: torch.Tensor,
+              heads: tuple[int, int, int, int], eps: float, k_out: torch.Tensor, v_out: torch.Tensor):
+    """Split the fused q (with its gate), k, v projection; q and k normed per head and rotated (the first r
+    dims); k and v written to k_out, v_out. Returns (q [T, H, D], gate [T, H * D])."""
+    H, Hkv, D, r = heads
+    T = qkv.shape[0]
+    qg, k, v = qkv.split([2 * H * D, Hkv * D, Hkv * D], -1)
+    qg = qg.reshape(T, H, 2 * D)
+    q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
+    q = _rope(rms_norm(q, q_w1, eps), cos, sin, r)
+    k_out.copy_(_rope(rms_norm(k.reshape(T, Hkv, D), k_w1, eps), cos, sin, r))
+    v_out.copy_(v.reshape(T, Hkv, D))
+    return q, gate
+
+
+def attn_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
+    return o.reshape(gate.shape) * torch.sigmoid(gate)
+
+
+_GLUE = ("rms_norm", "add_norm", "swiglu", "gdn_gates", "gated_rms_norm", "attn_prep", "attn_gate")
+
+
+class Glue:
+    """The element-wise work between the operators, eager or compiled (`torch.compile`, dynamic shapes): on a
+    GPU each of these is a chain of small kernels (a 64-layer step launched about 3,800 of them) that the
+    compiler fuses into one or two."""
+
+    def __init__(self, compile: bool):
+        mod = globals()
+        for name in _GLUE:
+            fn = mod[name]
+            setattr(self, name, torch.compile(fn, dynamic=True) if compile else fn)
 
 
 @dataclass
@@ -129,7 +189,7 @@ class HybridModel:
     """Weights, caches and the forward pass of a Qwen3.5 hybrid (module docstring)."""
 
     def __init__(self, cfg: HybridConfig, tensors: dict, *, device, fmt: str = "bf16", kernels: Kernels,
-                 rows: int = 1, max_len: int = 4096, head_screen: str = "auto"):
+                 rows: int = 1, max_len: int = 4096, head_screen: str = "auto", compile_glue: bool | None = None):
         from .loader import fuse_layer_weights
 
         if fmt not in ("bf16", "w12"):
@@ -148,8 +208,16 @@ class HybridModel:
             for k, v in d.items():
                 L[k] = Linear.make(v, fmt, dev) if v.dim() == 2 and k not in ("conv",) else small(v)
             self.layers.append(L)
+        for L in self.layers:  # zero-centred norms hold w; they scale by 1 + w, kept in fp32
+            for k in ("input_norm", "post_norm", "q_norm", "k_norm"):
+                if k in L:
+                    L[k + "1"] = 1.0 + L[k].float()
+            if "A_log" in L:
+                L["neg_a"] = -L["A_log"].float().exp()
         self.embed = small(tensors["embed_tokens.weight"]).to(torch.bfloat16)
         self.final_norm = small(tensors["norm.weight"])
+        self.final_norm1 = 1.0 + self.final_norm.float()
+        self.glue = Glue(compile=self.device.type == "cuda" if compile_glue is None else compile_glue)
         head = tensors.get("lm_head.weight", None)
         if head is None:
             if not cfg.tie_embeddings:
@@ -258,65 +326,48 @@ class HybridModel:
     # ---- forward --------------------------------------------------------------------------
     def forward(self, s: Step, q8: bool = False) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] (BF16) of every node; caches untouched, inputs stashed."""
-        c, k = self.cfg, self.kernels
+        c, k, gl = self.cfg, self.kernels, self.glue
         h = self.embed[s.ids]
         freqs = s.pos[:, None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), -1)
         cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]
+        x = gl.rms_norm(h, self.layers[0]["input_norm1"], c.eps)
         gi = ai = 0
-        for L in self.layers:
-            x = rms_norm(h, L["input_norm"], c.eps)
+        for li, L in enumerate(self.layers):
             if L["kind"] == "linear_attention":
                 y = self._gdn(gi, L, x, s, q8)
                 gi += 1
             else:
                 y = self._attn(ai, L, x, s, cos, sin, q8)
                 ai += 1
-            h = h + y
-            x = rms_norm(h, L["post_norm"], c.eps)
-            gate, up = L["gate_up"](x, k, q8).chunk(2, -1)
-            h = h + L["down"](F.silu(gate) * up, k, q8)
-        return rms_norm(h, self.final_norm, c.eps)
+            h, x = gl.add_norm(h, y, L["post_norm1"], c.eps)
+            y = L["down"](gl.swiglu(L["gate_up"](x, k, q8)), k, q8)
+            nxt = self.layers[li + 1]["input_norm1"] if li + 1 < len(self.layers) else self.final_norm1
+            h, x = gl.add_norm(h, y, nxt, c.eps)
+        return x
 
     def _gdn(self, i: int, L: dict, x: torch.Tensor, s: Step, q8: bool) -> torch.Tensor:
-        c, k, T = self.cfg, self.kernels, s.total
+        c, k, T, st = self.cfg, self.kernels, s.total, self.stash
         kd, vd = c.k_heads * c.k_dim, c.v_heads * c.v_dim
-        mixed, z, b, a = L["in_proj"](x, k, q8).split([c.conv_dim, vd, c.v_heads, c.v_heads], -1)
-        mixed = mixed.contiguous()
+        mixed = st["x"][i, :T]
+        z = self.glue.gdn_gates(L["in_proj"](x, k, q8), L["neg_a"], L["dt_bias"], [c.conv_dim, vd, c.v_heads, c.v_heads],
+                                mixed, st["g"][i, :T], st["beta"][i, :T])
         conv = gdn.tree_conv1d(mixed, self.conv_state[i], L["conv"], s.tree, activation="silu",
                                conv_state_indices=s.rows, variant=k.conv)
-        q, kk, v = conv.split([kd, kd, vd], -1)
-        q, kk, v = (q.reshape(T, c.k_heads, c.k_dim), kk.reshape(T, c.k_heads, c.k_dim),
-                    v.reshape(T, c.v_heads, c.v_dim))
-        beta = b.sigmoid()
-        g = -L["A_log"].float().exp() * F.softplus(a.float() + L["dt_bias"])
-        st = self.stash
-        st["x"][i, :T].copy_(mixed)
-        st["k"][i, :T].copy_(kk)
-        st["v"][i, :T].copy_(v)
-        st["g"][i, :T].copy_(g)
-        st["beta"][i, :T].copy_(beta)
-        o = gdn.tree_verify(q, kk, v, g, beta, self.state[i], s.rows, s.tree, use_qk_l2norm=True, variant=k.gdn)
-        o = gated_rms_norm(o, z.reshape(T, c.v_heads, c.v_dim), L["norm"], c.eps)
-        return L["out_proj"](o.reshape(T, vd), k, q8)
+        kk, v = st["k"][i, :T], st["v"][i, :T]  # kept for the commit
+        kk.copy_(conv[:, kd:2 * kd].reshape(T, c.k_heads, c.k_dim))
+        v.copy_(conv[:, 2 * kd:].reshape(T, c.v_heads, c.v_dim))
+        o = gdn.tree_verify(conv[:, :kd].reshape(T, c.k_heads, c.k_dim), kk, v, st["g"][i, :T], st["beta"][i, :T],
+                            self.state[i], s.rows, s.tree, use_qk_l2norm=True, variant=k.gdn)
+        return L["out_proj"](self.glue.gated_rms_norm(o, z, L["norm"], c.eps), k, q8)
 
     def _attn(self, i: int, L: dict, x: torch.Tensor, s: Step, cos, sin, q8: bool) -> torch.Tensor:
         c, k, T = self.cfg, self.kernels, s.total
-        D, H, Hkv = c.head_dim, c.q_heads, c.kv_heads
-        qg, kk, v = L["qkv"](x, k, q8).split([2 * H * D, Hkv * D, Hkv * D], -1)
-        qg = qg.reshape(T, H, 2 * D)
-        q, gate = qg[..., :D], qg[..., D:].reshape(T, H * D)
-        q = rms_norm(q, L["q_norm"], c.eps)
-        kk = rms_norm(kk.reshape(T, Hkv, D), L["k_norm"], c.eps)
-        r = c.rotary_dim
-        q = torch.cat((q[..., :r] * cos + _rotate_half(q[..., :r]) * sin, q[..., r:]), -1)
-        kk = torch.cat((kk[..., :r] * cos + _rotate_half(kk[..., :r]) * sin, kk[..., r:]), -1)
-        v = v.reshape(T, Hkv, D)
-        self.stash["ak"][i, :T].copy_(kk)
-        self.stash["av"][i, :T].copy_(v)
-        o = tree_attn.run(s.attn, q, self.k_cache[i], self.v_cache[i], k_new=kk, v_new=v.contiguous())
-        o = o.reshape(T, H * D) * torch.sigmoid(gate)
-        return L["o_proj"](o, k, q8)
+        kk, v = self.stash["ak"][i, :T], self.stash["av"][i, :T]
+        q, gate = self.glue.attn_prep(L["qkv"](x, k, q8), cos, sin, L["q_norm1"], L["k_norm1"],
+                                      (c.q_heads, c.kv_heads, c.head_dim, c.rotary_dim), c.eps, kk, v)
+        o = tree_attn.run(s.attn, q, self.k_cache[i], self.v_cache[i], k_new=kk, v_new=v)
+        return L["o_proj"](self.glue.attn_gate(o, gate), k, q8)
 
     # ---- commit ---------------------------------------------------------------------------
     def commit(self, s: Step, accepted: torch.Tensor, accepted_len: torch.Tensor) -> None:

@@ -63,3 +63,27 @@ def test_graphs_replay_the_eager_steps(checkpoints):
         eng = Engine.from_pretrained(path, device="cuda", drafter="ngram", graphs=graphs)
         outs.append((eng.generate(prompt, 64, speculative=True), eng.generate(prompt, 64, speculative=False)))
     assert outs[0] == outs[1]
+
+
+def test_commit_leaves_the_caches_of_the_accepted_tokens(checkpoints):
+    # after speculative steps the GDN states, conv states and KV slots are those of autoregressive decoding over
+    # the same tokens: rejected nodes leave no trace (the torch references give the same K/V bits here, the fp32
+    # states agree to rounding)
+    path, model = checkpoints["gdn3-attn1-v97"]
+    prompt = _prompt(97, 30, 5)
+    spec = Engine.from_pretrained(path, device="cpu", drafter="ngram")
+    ctx = spec._start(prompt)
+    while len(ctx) < len(prompt) + 60:
+        ctx.extend(spec._step(ctx, True))
+    assert spec.stats()["verify"]["tau"] > 1.5  # several nodes accepted per step: the tree path was exercised
+    ar = Engine.from_pretrained(path, device="cpu", drafter=None)
+    actx = ar._start(prompt)
+    while len(actx) < len(ctx):
+        actx.extend(ar._step(actx, False))
+    assert actx == ctx
+    n = len(ctx) - 1  # tokens in the caches
+    a, b = spec.model, ar.model
+    # one token more or less moves the states by their own size (measured: 3e-3 on states of 3e-3)
+    torch.testing.assert_close(a.state[:, 0], b.state[:, 0], rtol=1e-5, atol=1e-8)
+    assert torch.equal(a.conv_state[:, 0], b.conv_state[:, 0])
+    assert torch.equal(a.k_cache[:, :n], b.k_cache[:, :n]) and torch.equal(a.v_cache[:, :n], b.v_cache[:, :n])

@@ -68,3 +68,17 @@ def test_loader_rejects_what_it_cannot_run(tmp_path, checkpoints):
         eng.generate([1, 200], 4, speculative=False)
     with raises_helpful("specpilot.engine", "empty"):
         eng.generate([], 4, speculative=False)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("weights", ["bf16", "w12"])
+@pytest.mark.parametrize("shape", list(SHAPES))
+def test_gpu_logits_match_transformers(checkpoints, shape, weights):
+    # the GPU kernels and the compiled glue: prefill (tree path) and decode (one-node steps) against the oracle
+    path, model = checkpoints[shape]
+    ids = _ids(model.config.vocab_size, 150, seed=7)
+    ref, bf16 = _oracle(model, ids)
+    eng = Engine.from_pretrained(path, device="cuda", weights=weights, drafter=None)
+    assert_close(eng.score(ids).cpu(), ref, bf16, factor=2.0, msg=f"{shape}/{weights} prefill on the GPU")
+    assert_close(eng.score(ids[:40], chunk=1).cpu(), ref[:40], bf16[:40], factor=2.0,
+                 msg=f"{shape}/{weights} decode on the GPU")
