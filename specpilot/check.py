@@ -257,6 +257,12 @@ class Reference:
     stock: list[_Forced]  # the streams forced through the stock path
     stock_text: list[_Forced]  # the texts forced through the stock path
 
+    def take(self, n: int, texts: bool = True) -> "Reference":
+        """The first n prompts; without their texts (token forcing only, no accuracy metric) when texts=False."""
+        keep = texts and bool(self.texts)
+        return Reference(self.stock_name, self.vocab, self.prompts[:n], self.streams[:n],
+                         self.texts[:n] if keep else [], self.stock[:n], self.stock_text[:n] if keep else [])
+
 
 def _bar(progress, total: int, desc: str):
     if not progress:
