@@ -410,16 +410,11 @@ def perop_times(files: Sequence, shapes: str | ModelShapes, rows: int, *, prefix
         return idx.get((op, var, shape.format(**fill)))
 
     op, var, shp = _PEROP["linears"][weights]
-    total, srcs = 0.0, []
-    for name in s.linears:
-        hit = idx.get((op, var, shp.format(name=name, M=rows)))
-        if hit is None:
-            total = None
-            break
-        total += hit[0]["median_us"] * s.linear_counts.get(name, 0) / 1e3
-        srcs.append(f"{hit[1]}: {op}/{var} {hit[0]['shape']} x{s.linear_counts.get(name, 0)}")
-    if total is not None:
-        out["linears"] = {"ms": total, "sources": srcs}
+    hits = {name: idx.get((op, var, shp.format(name=name, M=rows))) for name in s.linears}
+    if s.linears and all(hits.values()):
+        files = sorted({h[1] for h in hits.values()})
+        out["linears"] = {"ms": sum(h[0]["median_us"] * s.linear_counts.get(n, 0) for n, h in hits.items()) / 1e3,
+                          "sources": [f"{', '.join(files)}: {op}/{var} <linear>-M{rows}, each times its count"]}
     key = _PEROP["lm head"].get((weights, screen))
     hit = get(*key) if key else None
     if hit:
@@ -492,6 +487,10 @@ def report(shapes: str = "hybrid-27b", gpu: str = "h200", *, nodes: int = 32, pr
         tau_ideal = _floats([tau_ideal], "report", "tau_ideal")[0]
     eng = _load_json(measured, "report", "an engine JSON of `python -m specpilot.bench.engine`") if measured else None
     if eng is not None:
+        ran = autotune.gpu_spec(str(eng["gpu"])) if eng.get("gpu") else None
+        if ran is not None and _slug(str(eng["gpu"])) != pk.gpu:
+            raise _err("report", f"the engine JSON ran on {eng['gpu']!r}, the floors are asked for {pk.gpu!r}",
+                       f"pass --gpu {_slug(eng['gpu'])}")
         for key, want in (("shapes", s.name), ("prefix", prefix), ("nodes", nodes)):
             if key in eng and eng[key] != want:
                 raise _err("report", f"the engine JSON ran {key}={eng[key]!r}, the model is asked for {want!r}",
@@ -582,6 +581,10 @@ def markdown(rep: dict) -> str:
             L.append(f"| **step** | **{r['ar_floor_ms']:.3f}** | **{ma['step_ms']:.3f}** | "
                      f"**{ma['step_ms'] / r['ar_floor_ms']:.2f}** | **{r['verify_floor_ms']:.3f}** | "
                      f"**{mv['step_ms']:.3f}** | **{mv['step_ms'] / r['verify_floor_ms']:.2f}** |")
+            L += ["", f"Kernels per step (profiled): AR {ma['kernels']:.0f}, verify {mv['kernels']:.0f}."
+                  if ma.get("kernels") and mv.get("kernels") else ""]
+            if ma.get("unmapped") or mv.get("unmapped"):
+                L.append("Profile categories without a class: " + ", ".join(sorted(set(ma["unmapped"]) | set(mv["unmapped"]))))
         head = "| τ | floors | measured |" if "compare" in r else "| τ | floors |"
         L += ["", f"## {w}: ceiling speedup over autoregressive decoding, τ / (t_verify / t_AR)", ""]
         if "compare" in r:

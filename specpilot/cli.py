@@ -1,4 +1,4 @@
-"""The `specpilot` command line: info, bench, demo, pack.
+"""The `specpilot` command line: info, bench, demo, check, ceiling, pack.
 
     specpilot info                      device, versions, measured roofs, variants per op
     specpilot bench [--shapes S] [--ops OP ...] [--out DIR] [--reps N]
@@ -6,6 +6,9 @@
                                         autoregressively and speculatively (n-gram and self-drafter), τ,
                                         time per step, and the outputs checked token for token
     specpilot pack IN.safetensors OUT.safetensors [--device cpu] [--include PATTERN]
+    specpilot ceiling [--shapes S] [--gpu G] [--measured ENGINE_JSON] [--png OUT] [--json OUT]
+                                        the cost model: byte floors per kernel class, the ceiling speedup,
+                                        the three factors, the verify step predicted (specpilot/ceiling.py)
 
 Without CUDA, Triton kernels run under the interpreter: TRITON_INTERPRET=1 is set before
 anything imports Triton, and the interpreter repairs of `autotune.interpreter` are applied.
@@ -266,6 +269,32 @@ def cmd_check(args) -> int:
     return 0 if rep.accept else 1
 
 
+def cmd_ceiling(args) -> int:
+    """The cost model (specpilot/ceiling.py): print the tables; write the JSON, the Markdown and the PNG."""
+    import json
+
+    from specpilot import ceiling
+
+    try:
+        rep = ceiling.report(args.shapes, args.gpu, nodes=args.nodes, prefix=args.prefix, weights=args.weights,
+                             taus=args.tau.split(","), tau_ideal=args.tau_ideal, measured=args.measured,
+                             perop=args.perop or (), peak_source=None if args.peaks == "datasheet" else args.peaks,
+                             escapes=args.escapes)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    md = ceiling.markdown(rep)
+    print(md)
+    for path, write in ((args.json, lambda p: p.write_text(json.dumps(rep, indent=1) + "\n")),
+                        (args.md, lambda p: p.write_text(md)), (args.png, lambda p: ceiling.plot(rep, p))):
+        if path:
+            p = Path(path)
+            if not p.parent.is_dir():
+                raise UsageError(f"output folder {p.parent} does not exist")
+            write(p)
+            print(f"wrote {p}")
+    return 0
+
+
 # --------------------------------------------------------------------------------------
 # pack
 # --------------------------------------------------------------------------------------
@@ -313,7 +342,7 @@ def cmd_pack(args) -> int:
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specpilot", description="SpecPilot: kernels for lossless speculative decoding")
-    sub = p.add_subparsers(dest="cmd", metavar="{info,bench,demo,pack}")
+    sub = p.add_subparsers(dest="cmd", metavar="{info,bench,demo,check,ceiling,pack}")
     sub.required = True
 
     s = sub.add_parser("info", help="device, versions, measured roofs, variants per op")
@@ -358,6 +387,26 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if present)")
     s.add_argument("--json", default=None, metavar="OUT", help="write the report as JSON here")
     s.set_defaults(fn=cmd_check)
+
+    s = sub.add_parser("ceiling", help="the cost model: byte floors per kernel class, ceiling speedup, the three "
+                                       "factors, the verify step predicted from per-kernel measurements")
+    s.add_argument("--shapes", default="hybrid-27b", help="shape set (default hybrid-27b)")
+    s.add_argument("--gpu", default="h200", help="GPU name or slug of autotune.GPUS (default h200)")
+    s.add_argument("--peaks", default="datasheet", metavar="datasheet|BENCH_JSON",
+                   help="the datasheet's peaks (default) or the roofs a `specpilot bench` JSON measured")
+    s.add_argument("--nodes", type=int, default=32, help="rows of the verify step, root included (default 32)")
+    s.add_argument("--prefix", type=int, default=4096, help="cached context tokens (default 4096)")
+    s.add_argument("--weights", default="bf16,w12", help="bf16, w12 or both (default bf16,w12)")
+    s.add_argument("--escapes", type=float, default=0.0, help="W12 escapes per weight (default 0)")
+    s.add_argument("--tau", default="4,6,8", help="tokens per verify step for the ceiling (default 4,6,8)")
+    s.add_argument("--tau-ideal", type=float, default=None, help="acceptance-limited τ for the leftover-acceptance factor")
+    s.add_argument("--measured", default=None, metavar="ENGINE_JSON", help="python -m specpilot.bench.engine's JSON")
+    s.add_argument("--perop", nargs="+", default=None, metavar="BENCH_JSON",
+                   help="specpilot bench JSONs that time kernel classes (for the verify-step prediction)")
+    s.add_argument("--png", default=None, metavar="OUT", help="stacked bars: measured vs floor per class")
+    s.add_argument("--json", default=None, metavar="OUT", help="the whole report as JSON")
+    s.add_argument("--md", default=None, metavar="OUT", help="the printed tables as a Markdown file")
+    s.set_defaults(fn=cmd_ceiling)
 
     s = sub.add_parser("pack", help="pack a BF16 checkpoint into W12 (w12.checkpoint.pack_checkpoint)")
     s.add_argument("input", metavar="IN.safetensors")
