@@ -169,7 +169,8 @@ def _shapes(shapes) -> ModelShapes:
     try:
         return get_shape_set(shapes)
     except ValueError as e:
-        raise _err("step_costs", str(e), "pass a name from specpilot.bench.shapes.SHAPE_SETS or a ModelShapes") from None
+        raise _err("step_costs", str(e),
+                   "pass a name from specpilot.bench.shapes.SHAPE_SETS or a ModelShapes") from None
 
 
 def step_costs(shapes: str | ModelShapes, rows: int, *, prefix: int = 4096, weights: str = "bf16",
@@ -418,11 +419,13 @@ def perop_times(files: Sequence, shapes: str | ModelShapes, rows: int, *, prefix
     key = _PEROP["lm head"].get((weights, screen))
     hit = get(*key) if key else None
     if hit:
-        out["lm head"] = {"ms": hit[0]["median_us"] / 1e3, "sources": [f"{hit[1]}: {key[0]}/{key[1]} {hit[0]['shape']}"]}
+        out["lm head"] = {"ms": hit[0]["median_us"] / 1e3,
+                          "sources": [f"{hit[1]}: {key[0]}/{key[1]} {hit[0]['shape']}"]}
     hits = [get(*k) for k in _PEROP["gdn verify + conv"]]
     if s.gdn_layers and all(hits):
         out["gdn verify + conv"] = {"ms": sum(h[0]["median_us"] for h in hits) / 1e3,
-                                    "sources": [f"{h[1]}: {h[0]['op']}/{h[0]['variant']} {h[0]['shape']}" for h in hits]}
+                                    "sources": [f"{h[1]}: {h[0]['op']}/{h[0]['variant']} {h[0]['shape']}"
+                                                for h in hits]}
     hit = get(*_PEROP["gdn commit"]) if s.gdn_layers else None
     if hit and hit[0].get("dims", {}).get("accepted") == accepted:
         out["gdn commit"] = {"ms": hit[0]["median_us"] / 1e3, "sources": [f"{hit[1]}: gdn.commit {hit[0]['shape']}"]}
@@ -506,7 +509,8 @@ def report(shapes: str = "hybrid-27b", gpu: str = "h200", *, nodes: int = 32, pr
         ca = step_costs(s, 1, prefix=prefix, weights=w, gpu=pk, screen=screen, escapes=escapes, accepted=1)
         cv = step_costs(s, nodes, prefix=prefix, weights=w, gpu=pk, screen=screen, escapes=escapes, accepted=accepted)
         fa, fv = step_floor_ms(ca), step_floor_ms(cv)
-        r = {"screen": screen, "ar": {k: asdict(c) for k, c in ca.items()}, "verify": {k: asdict(c) for k, c in cv.items()},
+        r = {"screen": screen, "ar": {k: asdict(c) for k, c in ca.items()},
+             "verify": {k: asdict(c) for k, c in cv.items()},
              "ar_floor_ms": fa, "verify_floor_ms": fv,
              "ceiling": {f"{t:g}": {"floors": ceiling_speedup(t, fv, fa)} for t in taus}}
         if eng is not None and w in eng.get("formats", {}):
@@ -575,7 +579,8 @@ def markdown(rep: dict) -> str:
                 L.append(f"| {a['group']} | {a['floor_ms']:.3f} | {a['measured_ms']:.3f} | {_f(a['over_floor'])} | "
                          f"{v['floor_ms']:.3f} | {v['measured_ms']:.3f} | {_f(v['over_floor'])} |")
             L.append(f"| profiled | {r['ar_floor_ms']:.3f} | {ma['profiled_ms']:.3f} | "
-                     f"{ma['profiled_ms'] / r['ar_floor_ms']:.2f} | {r['verify_floor_ms']:.3f} | {mv['profiled_ms']:.3f} | "
+                     f"{ma['profiled_ms'] / r['ar_floor_ms']:.2f} | {r['verify_floor_ms']:.3f} | "
+                     f"{mv['profiled_ms']:.3f} | "
                      f"{mv['profiled_ms'] / r['verify_floor_ms']:.2f} |")
             L.append(f"| outside the profile | 0 | {ma['outside_ms']:.3f} | - | 0 | {mv['outside_ms']:.3f} | - |")
             L.append(f"| **step** | **{r['ar_floor_ms']:.3f}** | **{ma['step_ms']:.3f}** | "
@@ -584,7 +589,8 @@ def markdown(rep: dict) -> str:
             L += ["", f"Kernels per step (profiled): AR {ma['kernels']:.0f}, verify {mv['kernels']:.0f}."
                   if ma.get("kernels") and mv.get("kernels") else ""]
             if ma.get("unmapped") or mv.get("unmapped"):
-                L.append("Profile categories without a class: " + ", ".join(sorted(set(ma["unmapped"]) | set(mv["unmapped"]))))
+                L.append("Profile categories without a class: "
+                         + ", ".join(sorted(set(ma["unmapped"]) | set(mv["unmapped"]))))
         head = "| τ | floors | measured |" if "compare" in r else "| τ | floors |"
         L += ["", f"## {w}: ceiling speedup over autoregressive decoding, τ / (t_verify / t_AR)", ""]
         if "compare" in r:
