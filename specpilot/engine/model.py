@@ -157,21 +157,6 @@ def attn_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return o.reshape(gate.shape) * torch.sigmoid(gate)
 
 
-_GLUE = ("rms_norm", "add_norm", "swiglu", "gdn_gates", "gated_rms_norm", "attn_prep", "attn_gate")
-
-
-class Glue:
-    """The element-wise work between the operators, eager or compiled (`torch.compile`, dynamic shapes): on a
-    GPU each of these is a chain of small kernels (a 64-layer step launched about 3,800 of them) that the
-    compiler fuses into one or two."""
-
-    def __init__(self, compile: bool):
-        mod = globals()
-        for name in _GLUE:
-            fn = mod[name]
-            setattr(self, name, torch.compile(fn, dynamic=True) if compile else fn)
-
-
 @dataclass
 class Step:
     """One forward pass: the packed trees of B requests and everything the layers read."""
@@ -189,7 +174,7 @@ class HybridModel:
     """Weights, caches and the forward pass of a Qwen3.5 hybrid (module docstring)."""
 
     def __init__(self, cfg: HybridConfig, tensors: dict, *, device, fmt: str = "bf16", kernels: Kernels,
-                 rows: int = 1, max_len: int = 4096, head_screen: str = "auto", compile_glue: bool | None = None):
+                 rows: int = 1, max_len: int = 4096, head_screen: str = "auto"):
         from .loader import fuse_layer_weights
 
         if fmt not in ("bf16", "w12"):
@@ -217,7 +202,7 @@ class HybridModel:
         self.embed = small(tensors["embed_tokens.weight"]).to(torch.bfloat16)
         self.final_norm = small(tensors["norm.weight"])
         self.final_norm1 = 1.0 + self.final_norm.float()
-        self.glue = Glue(compile=self.device.type == "cuda" if compile_glue is None else compile_glue)
+
         head = tensors.get("lm_head.weight", None)
         if head is None:
             if not cfg.tie_embeddings:
@@ -326,12 +311,12 @@ class HybridModel:
     # ---- forward --------------------------------------------------------------------------
     def forward(self, s: Step, q8: bool = False) -> torch.Tensor:
         """Final-normed hidden states [T, hidden] (BF16) of every node; caches untouched, inputs stashed."""
-        c, k, gl = self.cfg, self.kernels, self.glue
+        c, k = self.cfg, self.kernels
         h = self.embed[s.ids]
         freqs = s.pos[:, None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), -1)
         cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]
-        x = gl.rms_norm(h, self.layers[0]["input_norm1"], c.eps)
+        x = rms_norm(h, self.layers[0]["input_norm1"], c.eps)
         gi = ai = 0
         for li, L in enumerate(self.layers):
             if L["kind"] == "linear_attention":
@@ -340,18 +325,18 @@ class HybridModel:
             else:
                 y = self._attn(ai, L, x, s, cos, sin, q8)
                 ai += 1
-            h, x = gl.add_norm(h, y, L["post_norm1"], c.eps)
-            y = L["down"](gl.swiglu(L["gate_up"](x, k, q8)), k, q8)
+            h, x = add_norm(h, y, L["post_norm1"], c.eps)
+            y = L["down"](swiglu(L["gate_up"](x, k, q8)), k, q8)
             nxt = self.layers[li + 1]["input_norm1"] if li + 1 < len(self.layers) else self.final_norm1
-            h, x = gl.add_norm(h, y, nxt, c.eps)
+            h, x = add_norm(h, y, nxt, c.eps)
         return x
 
     def _gdn(self, i: int, L: dict, x: torch.Tensor, s: Step, q8: bool) -> torch.Tensor:
         c, k, T, st = self.cfg, self.kernels, s.total, self.stash
         kd, vd = c.k_heads * c.k_dim, c.v_heads * c.v_dim
         mixed = st["x"][i, :T]
-        z = self.glue.gdn_gates(L["in_proj"](x, k, q8), L["neg_a"], L["dt_bias"], [c.conv_dim, vd, c.v_heads, c.v_heads],
-                                mixed, st["g"][i, :T], st["beta"][i, :T])
+        z = gdn_gates(L["in_proj"](x, k, q8), L["neg_a"], L["dt_bias"], [c.conv_dim, vd, c.v_heads, c.v_heads],
+                      mixed, st["g"][i, :T], st["beta"][i, :T])
         conv = gdn.tree_conv1d(mixed, self.conv_state[i], L["conv"], s.tree, activation="silu",
                                conv_state_indices=s.rows, variant=k.conv)
         kk, v = st["k"][i, :T], st["v"][i, :T]  # kept for the commit
@@ -359,15 +344,15 @@ class HybridModel:
         v.copy_(conv[:, 2 * kd:].reshape(T, c.v_heads, c.v_dim))
         o = gdn.tree_verify(conv[:, :kd].reshape(T, c.k_heads, c.k_dim), kk, v, st["g"][i, :T], st["beta"][i, :T],
                             self.state[i], s.rows, s.tree, use_qk_l2norm=True, variant=k.gdn)
-        return L["out_proj"](self.glue.gated_rms_norm(o, z, L["norm"], c.eps), k, q8)
+        return L["out_proj"](gated_rms_norm(o, z, L["norm"], c.eps), k, q8)
 
     def _attn(self, i: int, L: dict, x: torch.Tensor, s: Step, cos, sin, q8: bool) -> torch.Tensor:
         c, k, T = self.cfg, self.kernels, s.total
         kk, v = self.stash["ak"][i, :T], self.stash["av"][i, :T]
-        q, gate = self.glue.attn_prep(L["qkv"](x, k, q8), cos, sin, L["q_norm1"], L["k_norm1"],
-                                      (c.q_heads, c.kv_heads, c.head_dim, c.rotary_dim), c.eps, kk, v)
+        q, gate = attn_prep(L["qkv"](x, k, q8), cos, sin, L["q_norm1"], L["k_norm1"],
+                            (c.q_heads, c.kv_heads, c.head_dim, c.rotary_dim), c.eps, kk, v)
         o = tree_attn.run(s.attn, q, self.k_cache[i], self.v_cache[i], k_new=kk, v_new=v)
-        return L["o_proj"](self.glue.attn_gate(o, gate), k, q8)
+        return L["o_proj"](attn_gate(o, gate), k, q8)
 
     # ---- commit ---------------------------------------------------------------------------
     def commit(self, s: Step, accepted: torch.Tensor, accepted_len: torch.Tensor) -> None:
