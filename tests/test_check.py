@@ -262,3 +262,24 @@ def test_bad_arguments(stock, ref, tmp_path):
         check.run(lambda ids: torch.zeros(3, 256), short)
     with raises_helpful("specpilot.check", r"torch.bfloat16", r"fp32"):
         check.run(lambda ids: torch.zeros(len(ids), 256, dtype=torch.bfloat16), short)
+
+
+# ---- the committed report ---------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_committed_planted_fault_report_reproduces(stock):
+    """perf/results/cpu/check-tiny-planted-fault.json (cited by docs/check.md) comes out again."""
+    from pathlib import Path
+
+    path = Path(__file__).resolve().parents[1] / "perf" / "results" / "cpu" / "check-tiny-planted-fault.json"
+    saved = json.loads(path.read_text())
+    prompts, texts = check.heldout_prompts(saved["prompts"], saved["meta"]["prompt_bytes"], saved["tokens"])
+    rep = check.run(check.make_candidate("planted-fault", stock), check.reference(stock, prompts, saved["tokens"], texts))
+    got = rep.to_dict()
+    for k in ("decision", "totals_stock", "totals_candidate"):
+        assert got[k] == saved[k], k
+    assert [p["candidate_mismatch_at"] for p in got["per_prompt"]] == \
+        [p["candidate_mismatch_at"] for p in saved["per_prompt"]]
+    for k in ("stock_correct", "candidate_correct", "changed", "interval_prompts", "interval_positions"):
+        assert got["accuracy"][k] == pytest.approx(saved["accuracy"][k]), k
