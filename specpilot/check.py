@@ -363,7 +363,8 @@ def bootstrap_interval(diffs, groups=None, *, resamples: int = RESAMPLES, seed: 
     if d.numel() == 0:
         raise _err("bootstrap_interval", "no differences", "pass at least one")
     if resamples < 1 or not 0 < level < 1:
-        raise _err("bootstrap_interval", f"resamples={resamples}, level={level}", "pass resamples >= 1 and 0 < level < 1")
+        raise _err("bootstrap_interval", f"resamples={resamples}, level={level}",
+                   "pass resamples >= 1 and 0 < level < 1")
     g = torch.Generator().manual_seed(seed)
     if groups is None:
         idx = torch.randint(0, d.numel(), (resamples, d.numel()), generator=g)
@@ -468,6 +469,10 @@ class CheckReport:
         return json.dumps(self.to_dict(), indent=indent)
 
 
+def _large(f: _Forced, threshold: float) -> int:
+    return sum(m > threshold for m in f.margin)
+
+
 def run(candidate: Candidate, ref: Reference, *, large_margin: float = LARGE_MARGIN, points: float = POINTS,
         resamples: int = RESAMPLES, seed: int = 0, progress: bool = False, meta: dict | None = None) -> CheckReport:
     """Force `ref`'s streams (and texts, for the accuracy metric) through `candidate` and apply the rule."""
@@ -490,9 +495,8 @@ def run(candidate: Candidate, ref: Reference, *, large_margin: float = LARGE_MAR
         for i, (p, s) in enumerate(zip(ref.prompts, ref.streams)):
             c = _force(candidate, p, s, ref.vocab, "run")
             st = ref.stock[i]
-            big = lambda f: sum(m > large_margin for m in f.margin)  # noqa: E731
-            per.append(PromptResult(i, len(p), len(s), Tally(len(s), sum(st.mismatch), big(st)),
-                                    Tally(len(s), sum(c.mismatch), big(c)),
+            per.append(PromptResult(i, len(p), len(s), Tally(len(s), sum(st.mismatch), _large(st, large_margin)),
+                                    Tally(len(s), sum(c.mismatch), _large(c, large_margin)),
                                     [j for j, m in enumerate(c.mismatch) if m], max(c.margin, default=0.0)))
             if bar is not None:
                 bar.update(len(p) + len(s))
@@ -503,9 +507,8 @@ def run(candidate: Candidate, ref: Reference, *, large_margin: float = LARGE_MAR
     finally:
         if bar is not None:
             bar.close()
-    tot = lambda k: Tally(*(sum(getattr(getattr(r, k), f) for r in per)  # noqa: E731
-                            for f in ("positions", "mismatches", "large_margin")))
-    ts, tc = tot("stock"), tot("candidate")
+    ts, tc = (Tally(*(sum(getattr(getattr(r, k), f) for r in per) for f in ("positions", "mismatches", "large_margin")))
+              for k in ("stock", "candidate"))
     accept, reasons = decide(ts, tc, points)
     acc = _accuracy(ref, cand_text, resamples, seed) if ref.texts else None
     return CheckReport(name, getattr(candidate, "describe", name), ref.stock_name, ref.vocab, len(ref.prompts),

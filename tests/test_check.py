@@ -275,7 +275,8 @@ def test_committed_planted_fault_report_reproduces(stock):
     path = Path(__file__).resolve().parents[1] / "perf" / "results" / "cpu" / "check-tiny-planted-fault.json"
     saved = json.loads(path.read_text())
     prompts, texts = check.heldout_prompts(saved["prompts"], saved["meta"]["prompt_bytes"], saved["tokens"])
-    rep = check.run(check.make_candidate("planted-fault", stock), check.reference(stock, prompts, saved["tokens"], texts))
+    ref = check.reference(stock, prompts, saved["tokens"], texts)
+    rep = check.run(check.make_candidate("planted-fault", stock), ref)
     got = rep.to_dict()
     for k in ("decision", "totals_stock", "totals_candidate"):
         assert got[k] == saved[k], k
