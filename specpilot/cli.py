@@ -6,6 +6,9 @@
                                         autoregressively and speculatively (n-gram and self-drafter), τ,
                                         time per step, and the outputs checked token for token
     specpilot pack IN.safetensors OUT.safetensors [--device cpu] [--include PATTERN]
+    specpilot check [--candidate C] [--prompts N] [--tokens N] [--json OUT]
+                                        token forcing: the stock path's greedy streams forced through a
+                                        candidate configuration; exit 0 accept, 1 reject (specpilot/check.py)
     specpilot ceiling [--shapes S] [--gpu G] [--measured ENGINE_JSON] [--png OUT] [--json OUT]
                                         the cost model: byte floors per kernel class, the ceiling speedup,
                                         the three factors, the verify step predicted (specpilot/ceiling.py)
