@@ -20,7 +20,7 @@ from dataclasses import dataclass, field
 import torch
 
 from ..accept import greedy_accept
-from ..tree import build_tree
+from ..tree import DraftTree, _bit, build_tree
 from .loader import load_config, load_tensors
 from .graphs import GraphedStep
 from .model import MAX_STEP_NODES, HybridModel, Kernels
@@ -39,10 +39,12 @@ class StepRecord:
 @dataclass
 class _Stats:
     steps: list[StepRecord] = field(default_factory=list)
+    q_agree: int = 0  # two-level verification: Q-pass choices the exact pass confirmed
+    q_total: int = 0
 
     def summary(self) -> dict:
         out = {}
-        for kind in ("ar", "verify"):
+        for kind in ("ar", "verify", "batch"):
             rec = [s for s in self.steps if s.kind == kind]
             if not rec:
                 continue
@@ -51,6 +53,8 @@ class _Stats:
             out[kind] = {"steps": len(rec), "tokens": emitted, "tau": emitted / len(rec),
                          "mean_nodes": sum(s.nodes for s in rec) / len(rec),
                          "median_step_ms": 1e3 * secs[len(secs) // 2], "total_s": sum(secs)}
+        if self.q_total:
+            out["q_pass"] = {"agreement": self.q_agree / self.q_total, "compared": self.q_total}
         pre = [s for s in self.steps if s.kind == "prefill"]
         if pre:
             out["prefill"] = {"tokens": sum(s.nodes for s in pre), "total_s": sum(s.seconds for s in pre)}
@@ -68,13 +72,16 @@ class Engine:
     `drafter`: "ngram" (`specpilot.drafters.NGramDrafter`), "self" (`SelfDrafter`: the target on its W12
     8-bit view), None, or any object with `propose(context, positions, k)`.
     `tree_nodes`: rows of a verify pass, the pending token included (32 keeps the GEMMs at M = 32).
+    `two_level`: before each exact pass, a Q pass on the W12 8-bit view marks a path, the drafter drafts again
+    from its end, and the exact pass verifies both (docs/engine.md); off by default: whether it pays depends
+    on the regime's measured costs.
     `positions`, `topk`: what the drafter proposes per step. `kernels`: see `Kernels.choose`. `graphs`
     (default: on a GPU): run each step as one CUDA graph (`GraphedStep`)."""
 
     ROW = 0  # the target's cache row
 
     def __init__(self, model: HybridModel, drafter=None, *, tree_nodes: int = 32, positions: int = 16,
-                 topk: int = 4, graphs: bool | None = None):
+                 topk: int = 4, graphs: bool | None = None, two_level: bool = False):
         if not 2 <= tree_nodes <= MAX_STEP_NODES:
             raise ValueError(f"specpilot.engine.Engine: tree_nodes={tree_nodes}; pass 2..{MAX_STEP_NODES} (the "
                              "pending token plus at least one draft node)")
@@ -87,6 +94,9 @@ class Engine:
 
             drafter = NGramDrafter(vocab_size=model.cfg.vocab)
         self.drafter = drafter
+        self.two_level = bool(two_level)
+        # the deepest accepted path a verify pass can hold: a two-level tree chains the Q path above the second tree
+        self.max_depth = self.tree_nodes - 1 if self.two_level else self.positions
         self._stats = _Stats()
         self.graphs = model.device.type == "cuda" if graphs is None else bool(graphs)
         if self.graphs and model.device.type != "cuda":
@@ -95,12 +105,15 @@ class Engine:
 
     @classmethod
     def from_pretrained(cls, path, device=None, weights: str = "bf16", drafter="ngram", *, max_len: int = 4096,
-                        kernels: str = "auto", head_screen: str = "auto", **kw) -> "Engine":
-        """Load `path` (config.json and BF16 or W12 safetensors) onto `device` (default: CUDA when present)."""
+                        kernels: str = "auto", head_screen: str = "auto", rows: int | None = None,
+                        **kw) -> "Engine":
+        """Load `path` (config.json and BF16 or W12 safetensors) onto `device` (default: CUDA when present).
+        `rows`: cache rows (requests decoded at once by `generate_batch`; the self-drafter needs 3)."""
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         cfg, _ = load_config(path)
         tensors, _ = load_tensors(path)
-        rows = 3 if drafter == "self" or isinstance(drafter, SelfDrafter) else 1
+        if rows is None:
+            rows = 3 if drafter == "self" or isinstance(drafter, SelfDrafter) else 1
         model = HybridModel(cfg, tensors, device=device, fmt=weights, kernels=Kernels.choose(device, kernels),
                             rows=rows, max_len=max_len, head_screen=head_screen)
         return cls(model, drafter, **kw)
@@ -167,21 +180,25 @@ class Engine:
         if self._graphs:
             return
         for nodes in (1, self.tree_nodes):
-            g = GraphedStep(self.model, nodes, self.positions, row=self.ROW)
+            g = GraphedStep(self.model, nodes, self.max_depth, row=self.ROW)
             g.capture()
             self._graphs[nodes] = g
         self.model.reset_rows([self.ROW])
 
     def _start(self, prompt: list[int]) -> list[int]:
-        m = self.model
         if self.graphs:
             self.capture()
-        m.reset_rows([self.ROW])
+        return self._prefill_row(self.ROW, prompt)
+
+    def _prefill_row(self, row: int, prompt: list[int]) -> list[int]:
+        """Reset cache row `row` and run the prompt but its last token into it; returns the context."""
+        m = self.model
+        m.reset_rows([row])
         t0 = time.perf_counter()
         body = prompt[:-1]
         for a in range(0, len(body), MAX_STEP_NODES):
             part = body[a:a + MAX_STEP_NODES]
-            step = m.plan([self.ROW], [a], [part], [list(range(-1, len(part) - 1))])
+            step = m.plan([row], [a], [part], [list(range(-1, len(part) - 1))])
             m.forward(step)
             self._commit_all(step, len(part))
         _sync(m.device)
@@ -189,14 +206,63 @@ class Engine:
             self._stats.steps.append(StepRecord("prefill", len(body), 0, time.perf_counter() - t0))
         return list(prompt)
 
-    def _draft(self, ctx: list[int]):
+    def generate_batch(self, prompts, max_new_tokens: int, *, budget: int | None = None) -> list[list[int]]:
+        """Greedy continuations of several prompts, verified together under one node budget per step
+        (`specpilot.engine.batch`; default 8 nodes per request). Needs a model with a cache row per prompt."""
+        from .batch import generate_batch
+
+        return generate_batch(self, prompts, max_new_tokens, budget=budget)
+
+    def _draft(self, ctx: list[int], budget: int | None = None):
         tokens, scores = self.drafter.propose(ctx, self.positions, self.topk)
-        return build_tree(tokens.cpu(), scores.cpu(), budget=self.tree_nodes - 1)
+        return build_tree(tokens.cpu(), scores.cpu(), budget=self.tree_nodes - 1 if budget is None else budget)
+
+    def _q_pass(self, ctx: list[int], tree) -> list[int]:
+        """The first level of two-level verification: the target on its W12 8-bit view over the draft tree,
+        caches untouched. Returns the path it accepts and its bonus token."""
+        m, dev = self.model, self.model.device
+        toks = [ctx[-1]] + tree.tokens.tolist()
+        parents = [-1] + [p + 1 for p in tree.parents.tolist()]
+        step = m.plan([self.ROW], [len(ctx) - 1], [toks], [parents])
+        target = m.logits(m.forward(step, q8=True), q8=True).argmax(-1)
+        acc = greedy_accept(tree.tokens[None].to(dev), tree.parents[None].to(dev), tree.depths[None].to(dev),
+                            torch.tensor([tree.n], dtype=torch.int32, device=dev), target[None],
+                            max_depth=self.positions)
+        got = torch.cat([acc.accepted_len.long(), acc.accepted[0].long(), acc.bonus.long()]).tolist()
+        return [int(tree.tokens[i]) for i in got[1:1 + got[0]]] + [got[-1]]
+
+    def _two_level_tree(self, ctx: list[int]):
+        """Draft, run the Q pass, draft again from the end of its path: the exact pass verifies the Q path as a
+        chain with the second tree below it."""
+        first = self._draft(ctx)
+        if first.n == 0:
+            return first, 0
+        chain = self._q_pass(ctx, first)[:self.tree_nodes - 1]
+        room = self.tree_nodes - 1 - len(chain)
+        second = self._draft(ctx + chain, budget=room) if room > 0 else None
+        c, extra = len(chain), (second.n if second is not None else 0)
+        tokens = chain + (second.tokens.tolist() if extra else [])
+        parents = list(range(-1, c - 1)) + ([p + c if p >= 0 else c - 1 for p in second.parents.tolist()]
+                                            if extra else [])
+        depths = list(range(c)) + ([d + c for d in second.depths.tolist()] if extra else [])
+        anc: list[int] = []
+        for i, p in enumerate(parents):
+            anc.append((anc[p] if p >= 0 else 0) | _bit(i))
+        tree = DraftTree(tokens=torch.tensor(tokens, dtype=torch.int64),
+                         parents=torch.tensor(parents, dtype=torch.int32),
+                         depths=torch.tensor(depths, dtype=torch.int32),
+                         scores=torch.zeros(len(tokens), dtype=torch.float64),
+                         anc=torch.tensor(anc, dtype=torch.int64))
+        return tree, c
 
     def _step(self, ctx: list[int], speculative: bool) -> list[int]:
         m, dev = self.model, self.model.device
         t0 = time.perf_counter()
-        tree = self._draft(ctx) if speculative else None
+        q_chain = 0
+        if speculative and self.two_level:
+            tree, q_chain = self._two_level_tree(ctx)
+        else:
+            tree = self._draft(ctx) if speculative else None
         n = tree.n if tree is not None else 0
         if self.graphs:
             g = self._graphs[self.tree_nodes if speculative else 1]
@@ -212,7 +278,7 @@ class Engine:
             if n:
                 acc = greedy_accept(tree.tokens[None].to(dev), tree.parents[None].to(dev),
                                     tree.depths[None].to(dev), torch.tensor([n], dtype=torch.int32, device=dev),
-                                    target[None], max_depth=self.positions)
+                                    target[None], max_depth=self.max_depth)
                 accepted, accepted_len, bonus = acc
                 path = torch.where(accepted >= 0, accepted + 1, accepted)
                 fwd = torch.cat([torch.zeros(1, 1, dtype=torch.int32, device=dev), path], 1)
@@ -225,6 +291,12 @@ class Engine:
             new = [int(tree.tokens[i]) for i in got[1:1 + got[0]]] + [got[-1]]
         else:
             new = [int(target[0])]
+        if q_chain:
+            # Q pass against the exact pass where both judged the same prefix: the root and the Q path's nodes
+            exact = target[:q_chain].tolist()
+            want = tree.tokens[:q_chain].tolist()
+            self._stats.q_agree += sum(int(a == b) for a, b in zip(exact, want))
+            self._stats.q_total += q_chain
         _sync(dev)
         self._stats.steps.append(StepRecord("verify" if speculative else "ar", rows, len(new),
                                             time.perf_counter() - t0))

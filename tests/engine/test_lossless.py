@@ -87,3 +87,13 @@ def test_commit_leaves_the_caches_of_the_accepted_tokens(checkpoints):
     torch.testing.assert_close(a.state[:, 0], b.state[:, 0], rtol=1e-5, atol=1e-8)
     assert torch.equal(a.conv_state[:, 0], b.conv_state[:, 0])
     assert torch.equal(a.k_cache[:, :n], b.k_cache[:, :n]) and torch.equal(a.v_cache[:, :n], b.v_cache[:, :n])
+
+
+@pytest.mark.parametrize("shape,seed,plen", [("gdn3-attn1-v97", 6, 40)])
+def test_two_level_verification_is_lossless_cpu(checkpoints, shape, seed, plen):
+    # the Q pass (W12 8-bit view) only shapes the tree; the exact pass decides every token
+    path, model = checkpoints[shape]
+    eng = Engine.from_pretrained(path, device="cpu", drafter="ngram", two_level=True)
+    rep = _check(eng, _prompt(model.config.vocab_size, plen, seed), 256)
+    q = eng.stats()["q_pass"]
+    assert q["compared"] > 0 and 0.5 < q["agreement"] <= 1.0

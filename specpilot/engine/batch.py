@@ -1,0 +1,123 @@
+"""Batched speculative decoding under one node budget: ragged trees, one TreePlan, one state pool, one KV
+cache.
+
+Every step, each live request drafts `AcceptanceHistory.positions()` positions (16, 12 or 8, from its own
+recent acceptance), its candidates are ranked best-first (`build_tree` up to 63 nodes), and
+`budget.allocate` hands the step's `budget` nodes to the highest marginal expected acceptance
+(`AcceptanceHistory.gains`: history only, the drafter's scores calibrated by the request's past). Each
+request's tree is the best-first prefix of its candidates (parent-closed: a node is taken after its
+parent). One pass verifies all requests' pending tokens and trees; acceptance and commit run per
+request on the device, as in the single-request step.
+
+The pass has `B + budget` rows at most; a request that finishes leaves the batch. The steps run eagerly:
+the CUDA graph of a fixed row count (pad every step to `B + budget` rows) is not built here.
+"""
+
+from __future__ import annotations
+
+import math
+import time
+
+import torch
+
+from ..accept import greedy_accept
+from ..budget import AcceptanceHistory, allocate
+from ..tree import build_tree
+from .model import MAX_STEP_NODES
+
+__all__ = ["generate_batch"]
+
+
+def _prefix(tree, n: int):
+    """The first n nodes of a best-first tree (a parent-closed subtree)."""
+    return tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.scores[:n]
+
+
+def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None = None, topk: int | None = None,
+                   log_allocations: list | None = None) -> list[list[int]]:
+    """Greedy continuations of every prompt (one cache row each), verified together under `budget` tree nodes
+    per step (default 8 per request). `log_allocations`, when a list, receives each step's node counts."""
+    from .engine import StepRecord
+
+    fn = "specpilot.engine.Engine.generate_batch"
+    m, dev = engine.model, engine.model.device
+    B = len(prompts)
+    if B == 0:
+        return []
+    if B > m.rows:
+        raise ValueError(f"{fn}: {B} prompts but the model has {m.rows} cache rows; load it with rows >= {B} "
+                         "(Engine.from_pretrained(..., rows=B))")
+    if engine.drafter is None or engine.two_level or getattr(engine.drafter, "model", None) is m:
+        raise ValueError(f"{fn}: batched decoding takes a stateless drafter (e.g. drafter='ngram'); the self-drafter "
+                         "keeps cache rows of its own and two-level verification is per request")
+    budget = 8 * B if budget is None else int(budget)
+    if budget < 0:
+        raise ValueError(f"{fn}: budget={budget}; pass a non-negative number of tree nodes per step")
+    topk = engine.topk if topk is None else topk
+    V = m.cfg.vocab
+    ctxs = []
+    for r, p in enumerate(prompts):
+        p = [int(t) for t in p]
+        if not p or min(p) < 0 or max(p) >= V:
+            raise ValueError(f"{fn}: prompt {r} is empty or holds ids outside [0, {V}); pass token ids of this "
+                             "model's vocabulary")
+        ctxs.append(engine._prefill_row(r, p))
+    hist = [AcceptanceHistory() for _ in range(B)]
+    outs: list[list[int]] = [[] for _ in range(B)]
+    eos = m.cfg.eos_token_id
+    live = list(range(B))
+    while live:
+        t0 = time.perf_counter()
+        cands, gains, depth = [], [], []
+        for r in live:
+            P = hist[r].positions()
+            tokens, scores = engine.drafter.propose(ctxs[r], P, topk)
+            tree = build_tree(tokens.cpu(), scores.cpu(), budget=MAX_STEP_NODES - 1)
+            cands.append(tree)
+            gains.append(hist[r].gains(tree.scores) if tree.n else [])
+            depth.append(P)
+        alloc = allocate(gains, budget, min_nodes=0, max_nodes=MAX_STEP_NODES - 1)
+        if log_allocations is not None:
+            log_allocations.append(list(alloc))
+        toks, pars, trees = [], [], []
+        for r, tree, n in zip(live, cands, alloc):
+            t, p, d, s = _prefix(tree, n)
+            trees.append((t, p, d, s))
+            toks.append([ctxs[r][-1]] + t.tolist())
+            pars.append([-1] + [x + 1 for x in p.tolist()])
+        step = m.plan(live, [len(ctxs[r]) - 1 for r in live], toks, pars)
+        target = m.argmax(m.forward(step))
+        nb, N = len(live), max(max(alloc, default=0), 1)
+        tok_b = torch.zeros(nb, N, dtype=torch.int64)
+        par_b = torch.full((nb, N), -1, dtype=torch.int32)
+        dep_b = torch.zeros(nb, N, dtype=torch.int32)
+        for b, (t, p, d, _) in enumerate(trees):
+            tok_b[b, :len(t)], par_b[b, :len(t)], dep_b[b, :len(t)] = t, p, d
+        cu = step.tree.cu_seqlens.long()
+        col = torch.arange(N + 1, device=dev)
+        idx = (cu[:-1, None] + col[None, :]).clamp(max=step.total - 1)
+        target_next = torch.where(col[None, :] < (cu[1:] - cu[:-1])[:, None], target[idx], torch.zeros_like(idx))
+        acc = greedy_accept(tok_b.to(dev), par_b.to(dev), dep_b.to(dev),
+                            torch.tensor(list(alloc), dtype=torch.int32, device=dev), target_next,
+                            max_depth=max(depth))
+        path = torch.where(acc.accepted >= 0, acc.accepted + 1, acc.accepted)
+        m.commit(step, torch.cat([torch.zeros(nb, 1, dtype=torch.int32, device=dev), path], 1),
+                 acc.accepted_len + 1)
+        got_len, got_path, got_bonus = acc.accepted_len.tolist(), acc.accepted.tolist(), acc.bonus.tolist()
+        done, emitted = [], 0
+        for b, r in enumerate(live):
+            t = trees[b][0].tolist()
+            new = [t[i] for i in got_path[b][:got_len[b]]] + [int(got_bonus[b])]
+            s = trees[b][3]
+            hist[r].record(got_len[b], drafted=depth[b],
+                           predicted=float(sum(math.exp(x) for x in s.tolist())) if len(s) else None)
+            for tkn in new:
+                outs[r].append(tkn)
+                emitted += 1
+                if tkn == eos or len(outs[r]) == max_new_tokens:
+                    done.append(r)
+                    break
+            ctxs[r].extend(new)
+        engine._stats.steps.append(StepRecord("batch", step.total, emitted, time.perf_counter() - t0))
+        live = [r for r in live if r not in done]
+    return outs
