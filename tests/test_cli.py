@@ -43,7 +43,7 @@ def test_info(tmp_path):
 @pytest.mark.slow
 @cpu_only
 def test_demo(tmp_path):
-    r = _run(["demo", "--tokens", "48"], tmp_path)
+    r = _run(["demo", "--tokens", "24"], tmp_path)
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = r.stdout
     assert re.search(r"pack\s+: \d+ tensors to W12 at 12\.\d+ bits per weight, verified bit for bit", text), text

@@ -1,4 +1,4 @@
-"""Proofs that the two interpreter repairs in autotune/interpreter.py are in force, and that
+"""Proofs that the interpreter repairs in autotune/interpreter.py are in force, and that
 importing autotune (which every operator does) applies them: conftest.py only sets TRITON_INTERPRET.
 
 Each kernel test runs a kernel that is wrong (or raises) under an unrepaired Triton 3.6 interpreter.
@@ -78,3 +78,25 @@ print("repaired")
     env = {**os.environ, "TRITON_INTERPRET": "1", "PYTHONPATH": str(root)}
     r = subprocess.run([sys.executable, "-c", code], env=env, cwd=root, capture_output=True, text=True, timeout=600)
     assert r.returncode == 0 and "repaired" in r.stdout, r.stderr[-3000:]
+
+
+@triton.jit
+def _to_bf16_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    m = offs < n
+    tl.store(y_ptr + offs, tl.load(x_ptr + offs, mask=m).to(tl.bfloat16), mask=m)
+
+
+def test_fp32_to_bf16_rounds_to_nearest_even(device):
+    # ties both ways, values just above and below a tie, ±0, ±Inf, NaN, fp32 and bf16 subnormals, overflow to Inf
+    bits = [0x3F808000, 0x3F818000, 0x3F808001, 0x3F807FFF, 0x00000000, 0x80000000, 0x7F800000, 0xFF800000,
+            0x7FC00000, 0x00008000, 0x00018000, 0x00000001, 0x807F8000, 0x7F7FFFFF, 0xBF7FFFFF, 0x3EAAAAAB]
+    x = torch.tensor(bits, dtype=torch.int64).to(torch.int32).view(torch.float32)
+    x = torch.cat([x, torch.randn(48, generator=torch.Generator().manual_seed(3)) * 1e3])
+    y = torch.empty(x.numel(), dtype=torch.bfloat16, device=device)
+    _to_bf16_kernel[(1,)](x.to(device), y, x.numel(), BLOCK=64)
+    want = x.to(torch.bfloat16)
+    got = y.cpu()
+    nan = torch.isnan(want)
+    assert torch.equal(torch.isnan(got), nan)
+    assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))

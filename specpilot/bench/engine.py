@@ -137,7 +137,7 @@ def breakdown(fn, reps: int = 5) -> dict:
 
 def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positions: int = 16, topk: int = 4,
         reps: int = 30, peer_tokens: int = 8, formats=("bf16", "w12"), out=None, peer: bool = True,
-        profile: bool = True, log=print) -> dict:
+        profile: bool = True, fused_glue: bool = False, log=print) -> dict:
     from ..engine import Engine, HybridConfig, HybridModel, Kernels
     from ..engine.synthetic import SyntheticTensors, hf_config
 
@@ -147,7 +147,8 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
     hc = HybridConfig.from_hf(cfg)
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hc.vocab, (prefix + 1,), generator=g).tolist()
-    res = {"shapes": shapes, "prefix": prefix, "nodes": nodes, "positions": positions, "gpu": torch.cuda.get_device_name(),
+    res = {"shapes": shapes, "prefix": prefix, "nodes": nodes, "positions": positions, "fused_glue": fused_glue,
+           "gpu": torch.cuda.get_device_name(),
            "torch": torch.__version__, "cuda": torch.version.cuda, "formats": {}}
     try:
         import triton
@@ -159,7 +160,8 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
     for fmt in formats:
         t0 = time.perf_counter()
         if model is None or fmt == "bf16":
-            model = HybridModel(hc, syn, device=dev, fmt=fmt, kernels=Kernels.choose(dev), max_len=prefix + 128)
+            model = HybridModel(hc, syn, device=dev, fmt=fmt, kernels=Kernels.choose(dev), max_len=prefix + 128,
+                                fused_glue=fused_glue)
         else:
             model.to_w12()
         log(f"{fmt}: model ready in {time.perf_counter() - t0:.1f} s")
@@ -250,12 +252,13 @@ def main(argv=None) -> int:
     ap.add_argument("--no-peer", action="store_true")
     ap.add_argument("--formats", default="bf16,w12")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--fused-glue", action="store_true", help="the glue as fused Triton kernels (engine.fused)")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("specpilot.bench.engine: needs a CUDA GPU")
         return 2
     run(a.shapes, a.prefix, a.nodes, reps=a.reps, peer=not a.no_peer, formats=tuple(a.formats.split(",")),
-        out=a.out)
+        out=a.out, fused_glue=a.fused_glue)
     return 0
 
 

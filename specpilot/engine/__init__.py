@@ -5,5 +5,6 @@ from .engine import NEAR_TIE, Engine, LosslessReport, SelfDrafter, StepRecord, c
 from .loader import HybridConfig, load_config, load_tensors
 from .model import HybridModel, Kernels, Linear, Step
 
-__all__ = ["Engine", "SelfDrafter", "StepRecord", "LosslessReport", "check_lossless", "NEAR_TIE", "HybridConfig", "HybridModel", "Kernels", "Linear", "Step",
+__all__ = ["Engine", "SelfDrafter", "StepRecord", "LosslessReport", "check_lossless", "NEAR_TIE", "HybridConfig",
+           "HybridModel", "Kernels", "Linear", "Step",
            "load_config", "load_tensors"]

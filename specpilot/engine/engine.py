@@ -106,16 +106,17 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path, device=None, weights: str = "bf16", drafter="ngram", *, max_len: int = 4096,
                         kernels: str = "auto", head_screen: str = "auto", rows: int | None = None,
-                        **kw) -> "Engine":
+                        fused_glue: bool = False, **kw) -> "Engine":
         """Load `path` (config.json and BF16 or W12 safetensors) onto `device` (default: CUDA when present).
-        `rows`: cache rows (requests decoded at once by `generate_batch`; the self-drafter needs 3)."""
+        `rows`: cache rows (requests decoded at once by `generate_batch`; the self-drafter needs 3).
+        `fused_glue`: the element-wise work between operators as fused Triton kernels (`engine.fused`)."""
         device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
         cfg, _ = load_config(path)
         tensors, _ = load_tensors(path)
         if rows is None:
             rows = 3 if drafter == "self" or isinstance(drafter, SelfDrafter) else 1
         model = HybridModel(cfg, tensors, device=device, fmt=weights, kernels=Kernels.choose(device, kernels),
-                            rows=rows, max_len=max_len, head_screen=head_screen)
+                            rows=rows, max_len=max_len, head_screen=head_screen, fused_glue=fused_glue)
         return cls(model, drafter, **kw)
 
     # ---- public ---------------------------------------------------------------------------

@@ -68,16 +68,19 @@ class HybridConfig:
         types = tuple(cfg.layer_types)
         unknown = sorted(set(types) - {"linear_attention", "full_attention"})
         if unknown:
-            raise ValueError(f"specpilot.engine.HybridConfig.from_hf: layer types {unknown} are not Qwen3.5's; this engine runs "
+            raise ValueError(f"specpilot.engine.HybridConfig.from_hf: layer types {unknown} are not Qwen3.5's; "
+                             "this engine runs "
                              "'linear_attention' (Gated DeltaNet) and 'full_attention' layers")
         rope = dict(getattr(cfg, "rope_parameters", None) or {})
         head_dim = int(getattr(cfg, "head_dim", None) or cfg.hidden_size // cfg.num_attention_heads)
         rot = int(head_dim * float(rope.get("partial_rotary_factor", 1.0)))
         if rope.get("rope_type", "default") != "default":
-            raise ValueError(f"specpilot.engine.HybridConfig.from_hf: rope_type {rope['rope_type']!r} is not supported; the engine "
+            raise ValueError(f"specpilot.engine.HybridConfig.from_hf: rope_type {rope['rope_type']!r} is not "
+                             "supported; the engine "
                              "implements the default rotary embedding (Qwen3.5's text positions)")
         if getattr(cfg, "attention_bias", False):
-            raise ValueError("specpilot.engine.HybridConfig.from_hf: attention_bias=True is not supported; Qwen3.5's projections have "
+            raise ValueError("specpilot.engine.HybridConfig.from_hf: attention_bias=True is not supported; "
+                             "Qwen3.5's projections have "
                              "no bias")
         eos = getattr(cfg, "eos_token_id", None)
         if isinstance(eos, (list, tuple)):
@@ -98,11 +101,13 @@ def load_config(path) -> tuple[HybridConfig, object]:
 
     path = Path(path)
     if not (path / "config.json").is_file():
-        raise FileNotFoundError(f"specpilot.engine.load_config: {path} has no config.json; pass a Hugging Face checkpoint "
+        raise FileNotFoundError(f"specpilot.engine.load_config: {path} has no config.json; pass a Hugging Face "
+                                "checkpoint "
                                 "directory (config.json and safetensors)")
     hf = AutoConfig.from_pretrained(str(path))
     if getattr(hf, "model_type", None) not in ("qwen3_5", "qwen3_5_text"):
-        raise ValueError(f"specpilot.engine.load_config: {path} holds a {hf.model_type!r} model; the engine runs Qwen3.5 "
+        raise ValueError(f"specpilot.engine.load_config: {path} holds a {hf.model_type!r} model; the engine "
+                         "runs Qwen3.5 "
                          "hybrids (model_type 'qwen3_5' or 'qwen3_5_text')")
     return HybridConfig.from_hf(hf), hf
 
@@ -117,7 +122,8 @@ def load_tensors(path) -> tuple[dict, bool]:
     packed = sorted(path.glob("*.w12.safetensors"))
     files = packed or sorted(p for p in path.glob("*.safetensors"))
     if not files:
-        raise FileNotFoundError(f"specpilot.engine.load_tensors: {path} has no *.safetensors file; pass a checkpoint directory "
+        raise FileNotFoundError(f"specpilot.engine.load_tensors: {path} has no *.safetensors file; pass a checkpoint "
+                                "directory "
                                 "(BF16 safetensors, or a W12 file from `specpilot pack`)")
     out = {}
     for f in files:

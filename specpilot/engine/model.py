@@ -53,7 +53,8 @@ class Kernels:
         interpreter runs kernels, not models); "reference": the torch references everywhere; "kernels":
         the operators' own choice everywhere (on the CPU: the Triton kernels under the interpreter)."""
         if mode not in ("auto", "reference", "kernels"):
-            raise ValueError(f"specpilot.engine.Kernels.choose: kernels={mode!r}; pass 'auto', 'reference' or 'kernels'")
+            raise ValueError(f"specpilot.engine.Kernels.choose: kernels={mode!r}; pass 'auto', 'reference' or "
+                             "'kernels'")
         if mode == "reference" or (mode == "auto" and device.type != "cuda"):
             return cls("torch", "reference", "reference", "reference", "reference", "reference")
         return cls()
@@ -129,6 +130,10 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: fl
     return out.reshape(x.shape[0], -1)
 
 
+class TorchGlue:
+    """The glue functions above, as the forward pass calls them (`fused.FusedGlue` has the same methods)."""
+
+
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
@@ -157,6 +162,10 @@ def attn_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return o.reshape(gate.shape) * torch.sigmoid(gate)
 
 
+for _name in ("rms_norm", "add_norm", "swiglu", "gdn_gates", "gated_rms_norm", "attn_prep", "attn_gate"):
+    setattr(TorchGlue, _name, staticmethod(globals()[_name]))
+
+
 @dataclass
 class Step:
     """One forward pass: the packed trees of B requests and everything the layers read."""
@@ -174,7 +183,7 @@ class HybridModel:
     """Weights, caches and the forward pass of a Qwen3.5 hybrid (module docstring)."""
 
     def __init__(self, cfg: HybridConfig, tensors: dict, *, device, fmt: str = "bf16", kernels: Kernels,
-                 rows: int = 1, max_len: int = 4096, head_screen: str = "auto"):
+                 rows: int = 1, max_len: int = 4096, head_screen: str = "auto", fused_glue: bool = False):
         from .loader import fuse_layer_weights
 
         if fmt not in ("bf16", "w12"):
@@ -202,6 +211,12 @@ class HybridModel:
         self.embed = small(tensors["embed_tokens.weight"]).to(torch.bfloat16)
         self.final_norm = small(tensors["norm.weight"])
         self.final_norm1 = 1.0 + self.final_norm.float()
+        if fused_glue:
+            from .fused import FusedGlue
+
+            self.glue = FusedGlue()
+        else:
+            self.glue = TorchGlue()
 
         head = tensors.get("lm_head.weight", None)
         if head is None:
@@ -273,10 +288,12 @@ class HybridModel:
         for b in range(B):
             n = len(tokens[b])
             if not 1 <= n <= MAX_STEP_NODES or len(parents[b]) != n:
-                raise ValueError(f"specpilot.engine.HybridModel.plan: request {b} has {n} nodes; a pass takes 1..{MAX_STEP_NODES} "
+                raise ValueError(f"specpilot.engine.HybridModel.plan: request {b} has {n} nodes; a pass takes "
+                                 f"1..{MAX_STEP_NODES} "
                                  "nodes per request, one parent each")
             if ctx_lens[b] + n > self.max_len:
-                raise ValueError(f"specpilot.engine.HybridModel.plan: request {b} would reach {ctx_lens[b] + n} tokens, beyond "
+                raise ValueError(f"specpilot.engine.HybridModel.plan: request {b} would reach {ctx_lens[b] + n} "
+                                 "tokens, beyond "
                                  f"max_len={self.max_len}; build the engine with a larger max_len")
         tree = gdn.build_tree_plan(parents, device=dev)
         pos, kv_indptr, kv_indices, kv_next = self.layout(ctx_lens, parents, kv_rows)
@@ -316,7 +333,7 @@ class HybridModel:
         freqs = s.pos[:, None].float() * self.inv_freq
         emb = torch.cat((freqs, freqs), -1)
         cos, sin = emb.cos().to(h.dtype)[:, None], emb.sin().to(h.dtype)[:, None]
-        x = rms_norm(h, self.layers[0]["input_norm1"], c.eps)
+        x = self.glue.rms_norm(h, self.layers[0]["input_norm1"], c.eps)
         gi = ai = 0
         for li, L in enumerate(self.layers):
             if L["kind"] == "linear_attention":
@@ -325,18 +342,18 @@ class HybridModel:
             else:
                 y = self._attn(ai, L, x, s, cos, sin, q8)
                 ai += 1
-            h, x = add_norm(h, y, L["post_norm1"], c.eps)
-            y = L["down"](swiglu(L["gate_up"](x, k, q8)), k, q8)
+            h, x = self.glue.add_norm(h, y, L["post_norm1"], c.eps)
+            y = L["down"](self.glue.swiglu(L["gate_up"](x, k, q8)), k, q8)
             nxt = self.layers[li + 1]["input_norm1"] if li + 1 < len(self.layers) else self.final_norm1
-            h, x = add_norm(h, y, nxt, c.eps)
+            h, x = self.glue.add_norm(h, y, nxt, c.eps)
         return x
 
     def _gdn(self, i: int, L: dict, x: torch.Tensor, s: Step, q8: bool) -> torch.Tensor:
         c, k, T, st = self.cfg, self.kernels, s.total, self.stash
         kd, vd = c.k_heads * c.k_dim, c.v_heads * c.v_dim
         mixed = st["x"][i, :T]
-        z = gdn_gates(L["in_proj"](x, k, q8), L["neg_a"], L["dt_bias"], [c.conv_dim, vd, c.v_heads, c.v_heads],
-                      mixed, st["g"][i, :T], st["beta"][i, :T])
+        z = self.glue.gdn_gates(L["in_proj"](x, k, q8), L["neg_a"], L["dt_bias"],
+                                [c.conv_dim, vd, c.v_heads, c.v_heads], mixed, st["g"][i, :T], st["beta"][i, :T])
         conv = gdn.tree_conv1d(mixed, self.conv_state[i], L["conv"], s.tree, activation="silu",
                                conv_state_indices=s.rows, variant=k.conv)
         kk, v = st["k"][i, :T], st["v"][i, :T]  # kept for the commit
@@ -344,15 +361,15 @@ class HybridModel:
         v.copy_(conv[:, 2 * kd:].reshape(T, c.v_heads, c.v_dim))
         o = gdn.tree_verify(conv[:, :kd].reshape(T, c.k_heads, c.k_dim), kk, v, st["g"][i, :T], st["beta"][i, :T],
                             self.state[i], s.rows, s.tree, use_qk_l2norm=True, variant=k.gdn)
-        return L["out_proj"](gated_rms_norm(o, z, L["norm"], c.eps), k, q8)
+        return L["out_proj"](self.glue.gated_rms_norm(o, z, L["norm"], c.eps), k, q8)
 
     def _attn(self, i: int, L: dict, x: torch.Tensor, s: Step, cos, sin, q8: bool) -> torch.Tensor:
         c, k, T = self.cfg, self.kernels, s.total
         kk, v = self.stash["ak"][i, :T], self.stash["av"][i, :T]
-        q, gate = attn_prep(L["qkv"](x, k, q8), cos, sin, L["q_norm1"], L["k_norm1"],
-                            (c.q_heads, c.kv_heads, c.head_dim, c.rotary_dim), c.eps, kk, v)
+        q, gate = self.glue.attn_prep(L["qkv"](x, k, q8), cos, sin, L["q_norm1"], L["k_norm1"],
+                                      (c.q_heads, c.kv_heads, c.head_dim, c.rotary_dim), c.eps, kk, v)
         o = tree_attn.run(s.attn, q, self.k_cache[i], self.v_cache[i], k_new=kk, v_new=v)
-        return L["o_proj"](attn_gate(o, gate), k, q8)
+        return L["o_proj"](self.glue.attn_gate(o, gate), k, q8)
 
     # ---- commit ---------------------------------------------------------------------------
     def commit(self, s: Step, accepted: torch.Tensor, accepted_len: torch.Tensor) -> None:

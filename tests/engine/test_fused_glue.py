@@ -1,0 +1,115 @@
+"""The fused glue kernels (specpilot.engine.fused, Triton; the interpreter on the CPU) against the torch glue
+functions they replace (specpilot.engine.model): BF16 results equal but for rare last-bit differences from the
+order of the norms' fp32 sums."""
+
+import pytest
+import torch
+
+from specpilot.engine import model as M
+from specpilot.engine.fused import FusedGlue
+
+F = FusedGlue()
+
+
+def _close(a, b, what):
+    a, b = a.float(), b.float()
+    assert a.shape == b.shape, what
+    diff = (a - b).abs()
+    ulp = b.abs().clamp(min=2.0**-126) * 2.0**-7  # one BF16 ulp (or less) of the torch value
+    assert bool((diff <= ulp).all()), f"{what}: {int((diff > ulp).sum())} entries beyond one BF16 ulp"
+    assert float((diff > 0).float().mean()) < 0.02, f"{what}: {float((diff > 0).float().mean()):.3f} differ"
+
+
+def _bf(*shape, g, scale=1.0):
+    return (torch.randn(*shape, generator=g) * scale).to(torch.bfloat16)
+
+
+@pytest.mark.parametrize("T,N", [(1, 64), (5, 96), (3, 200)])
+def test_add_norm_and_norm(T, N):
+    g = torch.Generator().manual_seed(T * N)
+    h, y = _bf(T, N, g=g), _bf(T, N, g=g)
+    w1 = 1.0 + torch.randn(N, generator=g) * 0.1
+    hn, x = F.add_norm(h, y, w1, 1e-6)
+    rh, rx = M.add_norm(h, y, w1, 1e-6)
+    assert torch.equal(hn, rh)  # the BF16 add rounds once in both
+    _close(x, rx, "add_norm")
+    _close(F.rms_norm(h, w1, 1e-6), M.rms_norm(h, w1, 1e-6), "rms_norm")
+
+
+def test_swiglu_and_gate():
+    g = torch.Generator().manual_seed(1)
+    gu = _bf(4, 2 * 1500, g=g, scale=3)
+    _close(F.swiglu(gu), M.swiglu(gu), "swiglu")
+    qkv = _bf(3, 2 * 2 * 64 + 2 * 64, g=g)
+    gate = qkv[:, :256].reshape(3, 2, 128)[..., 64:].reshape(3, 128)
+    o = _bf(3, 2, 64, g=g)
+    _close(F.attn_gate(o, gate), M.attn_gate(o, gate), "attn_gate")
+
+
+def test_gdn_gates_and_gated_norm():
+    g = torch.Generator().manual_seed(2)
+    conv, vd, hv = 48, 64, 4
+    proj = _bf(5, conv + vd + 2 * hv, g=g, scale=8)  # wide a: both sides of softplus's threshold
+    neg_a = -torch.rand(hv, generator=g) * 4
+    dtb = _bf(hv, g=g)
+    outs = []
+    for fn in (F.gdn_gates, M.gdn_gates):
+        x, gg = torch.empty(5, conv, dtype=torch.bfloat16), torch.empty(5, hv)
+        b = torch.empty(5, hv, dtype=torch.bfloat16)
+        z = fn(proj, neg_a, dtb, [conv, vd, hv, hv], x, gg, b)
+        outs.append((z, x, gg, b))
+    (z, x, gg, b), (rz, rx, rg, rb) = outs
+    assert torch.equal(z, rz) and torch.equal(x, rx) and torch.equal(b, rb)
+    torch.testing.assert_close(gg, rg, rtol=1e-6, atol=1e-7)
+    o = _bf(5, hv, vd // hv, g=g)
+    w = _bf(vd // hv, g=g)
+    _close(F.gated_rms_norm(o, z, w, 1e-6), M.gated_rms_norm(o, z, w, 1e-6), "gated_rms_norm")
+
+
+@pytest.mark.parametrize("D,r", [(64, 16), (128, 32)])
+def test_attn_prep(D, r):
+    g = torch.Generator().manual_seed(D)
+    T, H, Hkv = 3, 4, 2
+    qkv = _bf(T, 2 * H * D + 2 * Hkv * D, g=g)
+    pos = torch.tensor([5, 17, 300])
+    inv = 1.0 / (10000.0 ** (torch.arange(0, r, 2, dtype=torch.float) / r))
+    emb = torch.cat([pos[:, None].float() * inv] * 2, -1)
+    cos, sin = emb.cos().to(torch.bfloat16)[:, None], emb.sin().to(torch.bfloat16)[:, None]
+    qw, kw = 1.0 + torch.randn(D, generator=g) * 0.1, 1.0 + torch.randn(D, generator=g) * 0.1
+    res = []
+    for fn in (F.attn_prep, M.attn_prep):
+        k, v = torch.empty(T, Hkv, D, dtype=torch.bfloat16), torch.empty(T, Hkv, D, dtype=torch.bfloat16)
+        q, gate = fn(qkv, cos, sin, qw, kw, (H, Hkv, D, r), 1e-6, k, v)
+        res.append((q, gate, k, v))
+    (q, gate, k, v), (rq, rgate, rk, rv) = res
+    _close(q, rq, "q")
+    _close(k, rk, "k")
+    assert torch.equal(v, rv) and torch.equal(gate, rgate)
+
+
+def _engine_case(checkpoints, device, n, gen):
+    import copy
+
+    from specpilot.engine import Engine, check_lossless
+    from specpilot.testing import assert_close
+
+    path, model = checkpoints["gdn3-attn1-v97"]
+    ids = torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(11)).tolist()
+    with torch.no_grad():
+        ref = copy.deepcopy(model).float()(torch.tensor([ids])).logits[0].double()
+        bf16 = model(torch.tensor([ids])).logits[0].float()
+    eng = Engine.from_pretrained(path, device=device, drafter="ngram", fused_glue=True)
+    assert_close(eng.score(ids).cpu(), ref, bf16, factor=2.0, msg="fused glue prefill")
+    if gen:
+        rep = check_lossless(eng, ids[:30] + ids[:10] * 3, gen)
+        assert rep.ok and rep.tau > 1.0
+
+
+def test_engine_with_fused_glue_cpu(checkpoints):
+    # the interpreter runs every glue kernel program by program: one 24-token pass against the oracle
+    _engine_case(checkpoints, "cpu", 24, 0)
+
+
+@pytest.mark.gpu
+def test_engine_with_fused_glue_gpu(checkpoints):
+    _engine_case(checkpoints, "cuda", 150, 256)
