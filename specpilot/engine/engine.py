@@ -159,22 +159,16 @@ class Engine:
         """Teacher forcing: fp32 logits [len(ids), vocab] of the next token after every prefix of `ids`,
         computed in passes of `chunk` tokens (chunk=1 is the autoregressive decode path)."""
         ids = [int(t) for t in ids]
-        m = self.model
-        m.reset_rows([self.ROW])
-        out, done = [], 0
-        for a in range(0, len(ids), chunk):
-            part = ids[a:a + chunk]
-            step = m.plan([self.ROW], [done], [part], [list(range(-1, len(part) - 1))])
-            out.append(m.logits(m.forward(step)))
-            self._commit_all(step, len(part))
-            done += len(part)
-        return torch.cat(out)
+        self.model.reset_rows([self.ROW])
+        if not ids:
+            return torch.zeros(0, self.model.cfg.vocab, device=self.model.device)
+        return self.model.consume(self.ROW, 0, ids, chunk=chunk, logits=True)
 
     # ---- steps ----------------------------------------------------------------------------
     def _commit_all(self, step, n: int) -> None:
         dev = self.model.device
-        acc = torch.arange(n, dtype=torch.int32, device=dev)[None]
-        self.model.commit(step, acc, torch.tensor([n], dtype=torch.int32, device=dev))
+        self.model.commit(step, torch.arange(n, dtype=torch.int32, device=dev)[None],
+                          torch.tensor([n], dtype=torch.int32, device=dev))
 
     def capture(self) -> None:
         """Capture the autoregressive and the verify step (once; `generate` calls it)."""
@@ -197,11 +191,7 @@ class Engine:
         m.reset_rows([row])
         t0 = time.perf_counter()
         body = prompt[:-1]
-        for a in range(0, len(body), MAX_STEP_NODES):
-            part = body[a:a + MAX_STEP_NODES]
-            step = m.plan([row], [a], [part], [list(range(-1, len(part) - 1))])
-            m.forward(step)
-            self._commit_all(step, len(part))
+        m.consume(row, 0, body)
         _sync(m.device)
         if body:
             self._stats.steps.append(StepRecord("prefill", len(body), 0, time.perf_counter() - t0))
@@ -329,14 +319,8 @@ class SelfDrafter:
         if body[:len(self.seen)] != self.seen:
             m.reset_rows([self.COMMITTED])
             self.seen = []
-        while len(self.seen) < len(body):
-            part = body[len(self.seen):len(self.seen) + MAX_STEP_NODES]
-            step = m.plan([self.COMMITTED], [len(self.seen)], [part], [list(range(-1, len(part) - 1))])
-            m.forward(step, q8=True)
-            dev = m.device
-            m.commit(step, torch.arange(len(part), dtype=torch.int32, device=dev)[None],
-                     torch.tensor([len(part)], dtype=torch.int32, device=dev))
-            self.seen.extend(part)
+        m.consume(self.COMMITTED, len(self.seen), body[len(self.seen):], q8=True)
+        self.seen = list(body)
 
     def propose(self, context, positions: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
         ctx = [int(t) for t in (context.tolist() if isinstance(context, torch.Tensor) else context)]

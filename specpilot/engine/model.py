@@ -388,6 +388,21 @@ class HybridModel:
         self.k_cache.index_copy_(1, dst, st["ak"].index_select(1, src))
         self.v_cache.index_copy_(1, dst, st["av"].index_select(1, src))
 
+    def consume(self, row: int, done: int, tokens: list[int], *, chunk: int = MAX_STEP_NODES, q8: bool = False,
+                logits: bool = False) -> torch.Tensor | None:
+        """Run `tokens` into cache row `row` (which holds `done` tokens) as chains of `chunk`, committing each;
+        with `logits`, the fp32 logits after every token ([len(tokens), vocab])."""
+        out = []
+        for a in range(0, len(tokens), chunk):
+            part = tokens[a:a + chunk]
+            step = self.plan([row], [done + a], [part], [list(range(-1, len(part) - 1))])
+            h = self.forward(step, q8=q8)
+            if logits:
+                out.append(self.logits(h, q8=q8))
+            self.commit(step, torch.arange(len(part), dtype=torch.int32, device=self.device)[None],
+                        torch.tensor([len(part)], dtype=torch.int32, device=self.device))
+        return torch.cat(out) if logits and out else None
+
     # ---- head -----------------------------------------------------------------------------
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:
         return self.head.argmax(hidden)
