@@ -6,8 +6,11 @@
 #   STAGES=bench bash perf/engine_gpu.sh         (a subset, in this order)
 #
 # Stages (STAGES, default "tests bench demo"), each under its own timeout; keep their sum under the call's 600 s:
-#   tests   the engine GPU tests (tests/engine and the tiny trained model, -m "gpu or hopper"; TEST_TIMEOUT 240 s)
-#   bench   python -m specpilot.bench.engine (BENCH_SHAPES, default hybrid-27b; ENGINE_ARGS; BENCH_TIMEOUT 330 s):
+#   tests   the engine GPU tests (tests/engine, the tiny trained model, the tree builder; -m "gpu or hopper";
+#           TEST_TIMEOUT 420 s: about 30 tests, each building its kernels and graphs; TEST_K for a subset, or
+#           STAGES=tests alone in one call and STAGES="bench demo" in the next)
+#   bench   python -m specpilot.bench.engine (BENCH_SHAPES, default hybrid-27b; ENGINE_ARGS, e.g. "--no-peer --reps 20"
+#           or "--fused-glue"; BENCH_TIMEOUT 330 s):
 #           the AR and verify steps in CUDA graphs, BF16 and W12, against their byte floors, and the transformers
 #           peer on the same weights
 #   demo    specpilot demo --device cuda: the tiny trained model's τ with each drafter (DEMO_TIMEOUT 120 s)
@@ -20,7 +23,7 @@ SCRATCH=$(mktemp -d)
 declare -A RC
 
 if has_stage tests; then
-  TEST_TIMEOUT=${TEST_TIMEOUT:-240} run_tests "$OUT/pytest.log" tests/engine tests/test_tiny_model.py tests/test_tree_builder.py
+  TEST_TIMEOUT=${TEST_TIMEOUT:-420} run_tests "$OUT/pytest.log" tests/engine tests/test_tiny_model.py tests/test_tree_builder.py
   RC[tests]=$?
 fi
 if has_stage bench; then
