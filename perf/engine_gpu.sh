@@ -2,10 +2,12 @@
 # The engine on the GPU machine in one device call (<= 10 minutes): its GPU tests, then the step benchmark on the
 # synthetic full-size model.
 #
-#   bash perf/engine_gpu.sh                      (OUT defaults to perf/out)
+#   bash perf/engine_gpu.sh                      (bench and demo; OUT defaults to perf/out)
+#   STAGES=tests bash perf/engine_gpu.sh         (the GPU tests, in a call of their own)
 #   STAGES=bench bash perf/engine_gpu.sh         (a subset, in this order)
 #
-# Stages (STAGES, default "tests bench demo"), each under its own timeout; keep their sum under the call's 600 s:
+# Stages (STAGES, default "bench demo"; "tests" is a call of its own), each under its own timeout; keep their sum
+# under the call's 600 s:
 #   tests   the engine GPU tests (tests/engine, the tiny trained model, the tree builder; -m "gpu or hopper";
 #           TEST_TIMEOUT 420 s: about 30 tests, each building its kernels and graphs; TEST_K for a subset, or
 #           STAGES=tests alone in one call and STAGES="bench demo" in the next)
@@ -16,7 +18,7 @@
 #   demo    specpilot demo --device cuda: the tiny trained model's τ with each drafter (DEMO_TIMEOUT 120 s)
 # Files in $OUT: summary.txt pytest.log bench.log demo.log <stamp>-engine.{json,md}
 cd "$(dirname "$0")/.."
-STAGES=${STAGES:-tests bench demo}
+STAGES=${STAGES:-bench demo}
 TEST_WORKERS=${TEST_WORKERS:-0}
 . perf/gpu_env.sh
 SCRATCH=$(mktemp -d)
