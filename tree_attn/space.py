@@ -1,0 +1,62 @@
+"""Search space of the split-KV tree attention kernel (`SplitConfig`, variants "wgmma" and "mma") for
+`autotune.tune`.
+
+Shapes are dicts {"D" head dim, "G" query heads per KV head, "H" query heads, "Hkv" KV heads, "L" prefix keys,
+"N" tree nodes}; the tuned key is the one `split_config` looks up, `D<D>-G<G>`. Checks: the K/V ring and the
+q tile fit shared memory, the fp32 accumulator fits the registers, and the "mma" variant keeps its 32-row
+tile on sm_90 (`MMA_ROWS_SM90`: 64 rows there lower to wgmma, which "wgmma" already is).
+"""
+
+from __future__ import annotations
+
+from autotune import shape_key
+from autotune.tuner import SearchSpace
+
+from .configs import MMA_ROWS_SM90, SplitConfig, _heuristic
+
+__all__ = ["WGMMA_SPACE", "MMA_SPACE", "split_flops_bytes", "split_valid"]
+
+_SMEM_PER_SM = 227 << 10
+_MAX_ACC_PER_THREAD = 128  # fp32 accumulator values per thread before spills
+
+
+def split_flops_bytes(shape) -> tuple[float, float]:
+    """One request of N nodes over L prefix keys (docs of specpilot/bench/cases/tree_attn.py): QK^T and PV over
+    every key a row may see; bf16 K and V read once, q read and out written."""
+    h, hkv, d, n, length = shape["H"], shape["Hkv"], shape["D"], shape["N"], shape["L"]
+    return 4.0 * h * d * n * (length + n), 2.0 * hkv * d * 2 * (length + n) + 2.0 * n * h * d * 2
+
+
+def _valid(variant: str):
+    def valid(p: dict, shape) -> str | None:
+        d = shape["D"]
+        smem = p["num_stages"] * p["block_n"] * d * 2 * 2 + p["block_m"] * d * 2
+        if smem > _SMEM_PER_SM:
+            return f"shared memory: {p['num_stages']} stages of K/V [{p['block_n']}, {d}] and q = {smem} B > {_SMEM_PER_SM} B"
+        acc = p["block_m"] * d // (32 * p["num_warps"])
+        if acc > _MAX_ACC_PER_THREAD:
+            return f"registers: the [{p['block_m']}, {d}] fp32 accumulator is {acc} values per thread (> {_MAX_ACC_PER_THREAD})"
+        if variant == "mma" and p["block_m"] != MMA_ROWS_SM90:
+            return f"variant mma keeps {MMA_ROWS_SM90}-row tiles (64 rows lower to wgmma on sm_90)"
+        if variant == "wgmma" and (p["block_m"] % 64 or p["num_warps"] % 4):
+            return "wgmma needs a multiple of 64 rows and of 4 warps"
+        return None
+    return valid
+
+
+def split_valid(variant: str):
+    """The validity check of `variant`'s space."""
+    return _valid(variant)
+
+
+def _space(variant: str) -> SearchSpace:
+    return SearchSpace(
+        op="tree_attn.tree_attention", variant=variant,
+        params={"block_m": [32, 64, 128], "block_n": [16, 32, 64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3, 4],
+                "programs_per_sm": [1.0, 2.0, 3.0], "merge_warps": [1, 2, 4], "merge_parts": [8, 16, 32]},
+        make_config=lambda p: SplitConfig(**p), flops_bytes=split_flops_bytes, valid=_valid(variant),
+        heuristic=lambda s: _heuristic(variant, s["D"], 9, False), key=lambda s: shape_key(D=s["D"], G=s["G"]))
+
+
+WGMMA_SPACE = _space("wgmma")
+MMA_SPACE = _space("mma")
