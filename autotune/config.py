@@ -7,6 +7,12 @@
   to powers of two.
 * `force(...)` is a scoped context manager that pins a variant or a config (tests, tuning).
 
+Two files per GPU: the shipped one (`autotune/configs/<gpu-slug>.json`, or SPECPILOT_CONFIG_DIR) and the
+user's own (`<cache>/configs/<gpu-slug>.json`, where <cache> is SPECPILOT_CACHE_DIR, else
+$XDG_CACHE_HOME/specpilot, else ~/.cache/specpilot). A user entry takes precedence over the shipped entry
+of the same key; each file passes the mismatch policy on its own. A file that is not valid JSON or not a
+tuned-config file is ignored with a warning (once per file and process).
+
 Mismatch policy: a tuned file records the GPU, torch, Triton and library versions it was
 tuned with. Entries are used when the GPU name matches. When the Triton major.minor differs
 the file is ignored (configs may not even compile) and a warning is emitted once; set
@@ -105,8 +111,15 @@ def _config_dir() -> Path:
     return Path(os.environ.get("SPECPILOT_CONFIG_DIR") or Path(__file__).parent / "configs")
 
 
-def tuned_file(device=None) -> Path:
-    return _config_dir() / f"{gpu_slug(device)}.json"
+def _user_dir() -> Path:
+    root = os.environ.get("SPECPILOT_CACHE_DIR") or os.path.join(
+        os.environ.get("XDG_CACHE_HOME", os.path.expanduser("~/.cache")), "specpilot")
+    return Path(root) / "configs"
+
+
+def tuned_file(device=None, *, user: bool = False) -> Path:
+    """The shipped tuned-config file of this GPU, or with `user=True` the user's own (module doc)."""
+    return (_user_dir() if user else _config_dir()) / f"{gpu_slug(device)}.json"
 
 
 _WARNED: set[str] = set()
@@ -114,7 +127,7 @@ _WARNED: set[str] = set()
 
 def _read_file(path: Path) -> dict:
     data = json.loads(path.read_text())
-    if "meta" not in data or "entries" not in data:
+    if not isinstance(data, dict) or not isinstance(data.get("meta"), dict) or not isinstance(data.get("entries"), dict):
         raise ValueError(f"{path}: not a tuned-config file (needs 'meta' and 'entries')")
     return data
 
@@ -136,10 +149,26 @@ def _read_tuned(device=None) -> dict:
     policy = os.environ.get("SPECPILOT_TUNED_CONFIGS", "match")
     if policy == "off" or not has_cuda() or is_interpreter():
         return {}
-    path = tuned_file(device)
+    return {**_read_one(tuned_file(device), policy, device), **_read_one(tuned_file(device, user=True), policy, device)}
+
+
+def _read_or_warn(path: Path) -> dict | None:
+    """The parsed file, or None (with a warning once) when it is not valid JSON or not a tuned-config file."""
+    try:
+        return _read_file(path)
+    except (OSError, ValueError, TypeError) as e:  # json.JSONDecodeError is a ValueError
+        if str(path) not in _WARNED:
+            _WARNED.add(str(path))
+            warnings.warn(f"autotune.load_tuned: ignoring {path}: {e}; fix or delete the file", stacklevel=4)
+        return None
+
+
+def _read_one(path: Path, policy: str, device=None) -> dict:
     if not path.exists():
         return {}
-    data = _read_file(path)
+    data = _read_or_warn(path)
+    if data is None:
+        return {}
     meta = data["meta"]
     if meta.get("gpu") and meta["gpu"] != gpu_name(device):
         return {}
@@ -157,10 +186,12 @@ def _read_tuned(device=None) -> dict:
     return data["entries"]
 
 
-def store_tuned(op: str, variant: str, key: str, config: Any, *, device=None, extra: dict | None = None) -> Path:
-    """Write one tuned entry (a dataclass) into this GPU's file, stamping versions in `meta`."""
-    path = tuned_file(device)
-    data = json.loads(path.read_text()) if path.exists() else {"meta": {}, "entries": {}}
+def store_tuned(op: str, variant: str, key: str, config: Any, *, device=None, extra: dict | None = None,
+                user: bool = False) -> Path:
+    """Write one tuned entry (a dataclass) into this GPU's file (the user's own with `user=True`), stamping
+    versions in `meta`. A corrupt file is replaced, with the warning `load_tuned` gives."""
+    path = tuned_file(device, user=user)
+    data = (_read_or_warn(path) if path.exists() else None) or {"meta": {}, "entries": {}}
     data["meta"] = {"gpu": gpu_name(device), **versions()}
     entry = dataclasses.asdict(config)
     if extra:
@@ -172,9 +203,9 @@ def store_tuned(op: str, variant: str, key: str, config: Any, *, device=None, ex
     return path
 
 
-def drop_tuned(op: str, variant: str, key: str, *, device=None) -> bool:
-    """Remove one tuned entry from this GPU's file; False if it was not there."""
-    path = tuned_file(device)
+def drop_tuned(op: str, variant: str, key: str, *, device=None, user: bool = False) -> bool:
+    """Remove one tuned entry from this GPU's file (the user's own with `user=True`); False if it was not there."""
+    path = tuned_file(device, user=user)
     if not path.exists():
         return False
     data = json.loads(path.read_text())
