@@ -343,6 +343,43 @@ def cmd_pack(args) -> int:
 # --------------------------------------------------------------------------------------
 
 
+def cmd_tune(args) -> int:
+    """`--report`: the stored tuned configs (shipped folder, then the user's cache) per op/variant/key with
+    their metadata. Tuning itself needs a GPU (docs/autotune.md)."""
+    import json as _json
+    from pathlib import Path as _Path
+
+    import torch
+
+    from autotune import config as _cfg
+
+    if args.report:
+        for label, folder in (("shipped", _cfg._config_dir()), ("user", _cfg._user_dir())):
+            files = sorted(_Path(folder).glob("*.json")) if _Path(folder).is_dir() else []
+            print(f"{label}: {folder}" + ("" if files else " (no tuned configs)"))
+            for path in files:
+                data = _cfg._read_or_warn(path)
+                if data is None:
+                    print(f"  {path.name}: not a tuned-config file, ignored")
+                    continue
+                meta = ", ".join(f"{k} {v}" for k, v in sorted(data["meta"].items()))
+                print(f"  {path.name}: {meta}")
+                for name, entry in sorted(data["entries"].items()):
+                    extra = entry.get("_") or {}
+                    fields = ", ".join(f"{k}={v}" for k, v in sorted(entry.items()) if k != "_")
+                    print(f"    {name}: {fields}")
+                    if extra:
+                        print(f"      meta: {_json.dumps(extra, sort_keys=True, default=str)}")
+        return 0
+    if not args.op:
+        raise UsageError("specpilot tune: name an operator with --op (e.g. --op w12.matmul), or pass --report")
+    if not torch.cuda.is_available():
+        raise UsageError(f"specpilot tune: tuning {args.op} needs a GPU and none is visible here; run it on the GPU "
+                         f"host, or use `specpilot tune --report` to read the stored configs")
+    raise UsageError("specpilot tune: the GPU timer is not wired into autotune.tune yet (docs/autotune.md, "
+                     "'Not done'); tune with perf/tune_w12.py or perf/tune_gdn.py meanwhile")
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specpilot", description="SpecPilot: kernels for lossless speculative decoding")
     sub = p.add_subparsers(dest="cmd", metavar="{info,bench,demo,check,ceiling,pack}")
@@ -418,6 +455,13 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--include", default=None, metavar="PATTERN",
                    help="only pack tensors whose names match PATTERN (passed to pack_checkpoint as is)")
     s.set_defaults(fn=cmd_pack)
+
+    s = sub.add_parser("tune", help="tune an operator's launch configs (autotune.tune), or --report the stored ones")
+    s.add_argument("--op", default=None, help="operator, e.g. w12.matmul or tree_attn.tree_attention")
+    s.add_argument("--shapes", default="hybrid-27b", help="shape set (default hybrid-27b)")
+    s.add_argument("--trials", type=int, default=32, help="trials per shape (default 32)")
+    s.add_argument("--report", action="store_true", help="print the stored tuned configs with their metadata")
+    s.set_defaults(fn=cmd_tune)
     return p
 
 
