@@ -67,7 +67,8 @@ def _sync(device: torch.device) -> None:
 
 
 class Engine:
-    """Greedy decoding of one request at a time; see the module docstring.
+    """Greedy decoding: `generate` serves one request, `generate_batch` several under one node budget
+    (`specpilot.engine.batch`); see the module docstring.
 
     `drafter`: "ngram" (`specpilot.drafters.NGramDrafter`), "self" (`SelfDrafter`: the target on its W12
     8-bit view), None, or any object with `propose(context, positions, k)`.
