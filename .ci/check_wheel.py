@@ -1,9 +1,11 @@
-"""Check that a built wheel, and its install in a clean venv, hold every kernel source and config file.
+"""Check that a built wheel, and its install in a clean venv, hold every kernel source, config file and
+shipped model file.
 
     python .ci/check_wheel.py WHEEL [SITE_PACKAGES]
 
-The expected files are the repository's CUDA sources and headers (<pkg>/csrc/*.cu, *.cuh) and config
-JSON files (<pkg>/configs/*.json) of the shipped packages. Each must be in the wheel's file list, and,
+The expected files are the repository's CUDA sources and headers (<pkg>/csrc/*.cu, *.cuh), config
+JSON files (<pkg>/configs/*.json) and the shipped models' files (specpilot/models/<name>/*: config, W12
+weights, held-out text, training record; `specpilot demo` reads them) of the shipped packages. Each must be in the wheel's file list, and,
 with SITE_PACKAGES (the clean venv's), on disk there. Exit status 1 names what is missing.
 """
 
@@ -15,7 +17,8 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parent.parent
 PACKAGES = ("w12", "gdn", "tree_attn", "lmhead", "autotune", "specpilot")
-PATTERNS = ("**/csrc/*.cu", "**/csrc/*.cuh", "**/configs/*.json")
+PATTERNS = ("**/csrc/*.cu", "**/csrc/*.cuh", "**/configs/*.json", "models/*/*.json", "models/*/*.txt",
+            "models/*/*.safetensors")
 
 
 def expected() -> list[str]:
@@ -45,7 +48,7 @@ def main(argv: list[str]) -> int:
         for f in missing:
             print(f"  {f}", file=sys.stderr)
         return 1
-    print(f"check_wheel: all {len(want)} kernel sources and config files are in {Path(argv[1]).name}"
+    print(f"check_wheel: all {len(want)} kernel sources, config and model files are in {Path(argv[1]).name}"
           + (" and its install" if len(argv) == 3 else ""))
     return 0
 
