@@ -150,9 +150,10 @@ class TreeAttnPlan:
     def update(self, qo_indptr, kv_indptr, kv_indices, tree_mask, *, validate: bool = True) -> "TreeAttnPlan":
         """Refill these buffers in place for a new step (same batch and node count, a schedule that fits
         `capacity` items and kv_indices that fit the kv_indices buffer), so a CUDA graph captured on this
-        plan replays the new step. Host step: may sync."""
+        plan replays the new step. Host step: the inputs may be on the plan's device (read with a sync) or on
+        the CPU (no sync; copied into the buffers)."""
         fn = "tree_attn.TreeAttnPlan.update"
-        qo, kv, mask = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, self.device)
+        qo, kv, mask = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, self.device, host_ok=True)
         if len(qo) - 1 != self.batch or mask.shape[0] != self.total_nodes:
             raise ValueError(f"{fn}: the step has {len(qo) - 1} requests and {mask.shape[0]} nodes but the plan was "
                              f"built for {self.batch} and {self.total_nodes}; build a new plan with tree_attn.plan")
@@ -254,9 +255,10 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | None, target
             torch.tensor(node_req, dtype=torch.int32), split_len, used)
 
 
-def _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device=None):
+def _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device=None, host_ok: bool = False):
     """(qo, kv) as lists and the masks as an int64 CPU tensor, after the dtype, rank and device checks.
-    kv_indices stays where it is (it can be long); `_validate` checks it there."""
+    kv_indices stays where it is (it can be long); `_validate` checks it there. `host_ok`: CPU tensors are
+    accepted too (they are read without a device sync)."""
     for name, t, dt in (("qo_indptr", qo_indptr, torch.int32), ("kv_indptr", kv_indptr, torch.int32),
                         ("kv_indices", kv_indices, torch.int32), ("tree_mask", tree_mask, torch.int64)):
         if not isinstance(t, torch.Tensor):
@@ -267,7 +269,7 @@ def _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device=None):
         if t.dim() != 1:
             raise ValueError(f"{fn}: {name} must be 1-D, got shape {tuple(t.shape)}; pass a flat tensor "
                              f"({name}.reshape(-1) if the values are right)")
-        if device is not None and t.device != torch.device(device):
+        if device is not None and t.device != torch.device(device) and not (host_ok and t.device.type == "cpu"):
             raise ValueError(f"{fn}: {name} is on {t.device} but the call runs on {device}; move it there")
     return qo_indptr.tolist(), kv_indptr.tolist(), tree_mask.cpu()
 

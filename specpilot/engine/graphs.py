@@ -70,7 +70,7 @@ class GraphedStep:
     def load(self, ctx_len: int, root_token: int, tree=None) -> None:
         """Refill the buffers for the pending token `root_token` after `ctx_len` cached tokens, with the draft
         tree `tree` (`specpilot.tree.DraftTree`, at most nodes - 1 nodes) below it."""
-        m, s, dev = self.model, self.step, self.model.device
+        m, s = self.model, self.step
         n = tree.n if tree is not None else 0
         if n > self.nodes - 1:
             raise ValueError(f"specpilot.engine.GraphedStep: a tree of {n} nodes does not fit a step of "
@@ -78,12 +78,14 @@ class GraphedStep:
         pad = self.nodes - 1 - n
         toks = [root_token] + (tree.tokens.tolist() if n else []) + [0] * pad
         parents = [-1] + ([p + 1 for p in tree.parents.tolist()] if n else []) + [0] * pad
-        plan = gdn.build_tree_plan([parents], device=dev)
+        # built on the host and copied: the plan's pointer jumping as device ops would be ~40 small launches
+        # and the schedule would read the masks back with a sync
+        plan = gdn.build_tree_plan([parents])
         for f in _PLAN_FIELDS:
             getattr(s.tree, f).copy_(getattr(plan, f))
         pos, kv_indptr, kv_indices, kv_next = m.layout([ctx_len], [parents], [self.row])
-        s.attn.update(s.tree.cu_seqlens, torch.tensor(kv_indptr, dtype=torch.int32, device=dev),
-                      kv_indices.to(dev), s.tree.anc, validate=False)
+        s.attn.update(plan.cu_seqlens, torch.tensor(kv_indptr, dtype=torch.int32), kv_indices, plan.anc,
+                      validate=False)
         s.ids.copy_(torch.tensor(toks, dtype=torch.int64))
         s.pos.copy_(torch.tensor(pos, dtype=torch.int64))
         s.kv_next.copy_(torch.tensor(kv_next, dtype=torch.int64))

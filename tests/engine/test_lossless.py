@@ -97,3 +97,28 @@ def test_two_level_verification_is_lossless_cpu(checkpoints, shape, seed, plen):
     rep = _check(eng, _prompt(model.config.vocab_size, plen, seed), 256)
     q = eng.stats()["q_pass"]
     assert q["compared"] > 0 and 0.5 < q["agreement"] <= 1.0
+
+
+def test_graphed_step_buffers_replay_the_eager_steps_cpu(checkpoints):
+    # GraphedStep's per-step refill (padded trees, host-built plan copied in, attention schedule updated from
+    # host tensors) run without a graph: replay = the captured body, so every buffer the graph would read is
+    # the one load() wrote
+    from specpilot.engine.graphs import GraphedStep
+
+    class Replayed(GraphedStep):
+        def capture(self):
+            pass
+
+        def replay(self):
+            return self._body()
+
+    path, _ = checkpoints["gdn3-attn1-v97"]
+    prompt = _prompt(97, 30, 7)
+    eager = Engine.from_pretrained(path, device="cpu", drafter="ngram")
+    want = (eager.generate(prompt, 48, speculative=True), eager.generate(prompt, 24, speculative=False))
+    eng = Engine.from_pretrained(path, device="cpu", drafter="ngram")
+    eng.graphs = True
+    eng._graphs = {n: Replayed(eng.model, n, eng.max_depth) for n in (1, eng.tree_nodes)}
+    got = (eng.generate(prompt, 48, speculative=True), eng.generate(prompt, 24, speculative=False))
+    assert got == want
+    assert eng.stats()["verify"]["mean_nodes"] == eng.tree_nodes  # every verify pass ran the padded 32 rows

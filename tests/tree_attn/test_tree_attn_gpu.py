@@ -170,6 +170,14 @@ def test_cuda_graph_replays_new_inputs_and_updated_plan(layout, nodes_in_cache, 
     torch.cuda.synchronize()
     check(b3, out, held["lse"], msg="after update")
 
+    b4 = b.refill(seed=11)  # (4) update from host tensors (no sync): the same result as from device tensors
+    _load(b, b4)
+    plan.update(b4.qo_indptr.cpu(), b4.kv_indptr.cpu(), b4.kv_indices.cpu(), b4.tree_mask.cpu())
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(b4, out, held["lse"], msg="after an update from host tensors")
+
 
 def test_torch_compile_fullgraph(make_batch, check):
     """run() through its registered op inside torch.compile(fullgraph=True): the same bits as eager."""
