@@ -73,3 +73,23 @@ def fresh_plans():
 @pytest.fixture
 def device():
     return torch.device("cuda" if has_cuda() else "cpu")
+
+
+@pytest.fixture
+def fake_h200(tmp_path, monkeypatch):
+    """Pretend to be on an H200: the shipped tuned-config folder is the returned tmp folder, the user cache
+    `tmp_path / "cache"` (never the developer's own ~/.cache), no tuned file read yet, no warning given yet."""
+    from autotune import config as cfgmod
+
+    shipped = tmp_path / "shipped"
+    shipped.mkdir()
+    monkeypatch.setenv("SPECPILOT_CONFIG_DIR", str(shipped))
+    monkeypatch.setenv("SPECPILOT_CACHE_DIR", str(tmp_path / "cache"))
+    monkeypatch.delenv("SPECPILOT_TUNED_CONFIGS", raising=False)
+    monkeypatch.setattr(cfgmod, "has_cuda", lambda: True)
+    monkeypatch.setattr(cfgmod, "is_interpreter", lambda: False)
+    monkeypatch.setattr(cfgmod, "gpu_name", lambda device=None: "NVIDIA H200")
+    monkeypatch.setattr(cfgmod, "gpu_slug", lambda device=None: "h200")
+    monkeypatch.setattr(cfgmod, "_TUNED", {})
+    monkeypatch.setattr(cfgmod, "_WARNED", set())
+    return shipped

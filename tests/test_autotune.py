@@ -273,20 +273,6 @@ def test_plan_cache_keys_and_clear(fake_h200):
     assert len(cache) == 0
 
 
-@pytest.fixture
-def fake_h200(tmp_path, monkeypatch):
-    """Pretend to be on an H200 with a tuned-config folder in tmp."""
-    monkeypatch.setenv("SPECPILOT_CONFIG_DIR", str(tmp_path))
-    monkeypatch.delenv("SPECPILOT_TUNED_CONFIGS", raising=False)
-    monkeypatch.setattr(cfgmod, "has_cuda", lambda: True)
-    monkeypatch.setattr(cfgmod, "is_interpreter", lambda: False)
-    monkeypatch.setattr(cfgmod, "gpu_name", lambda device=None: "NVIDIA H200")
-    monkeypatch.setattr(cfgmod, "gpu_slug", lambda device=None: "h200")
-    monkeypatch.setattr(cfgmod, "_TUNED", {})
-    monkeypatch.setattr(cfgmod, "_WARNED", set())
-    yield tmp_path
-
-
 def _heuristic():
     return Cfg(64, 4)
 

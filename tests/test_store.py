@@ -19,39 +19,24 @@ class Cfg:
 KEY = autotune.shape_key(M=8, N=5120, K=6144)
 
 
-@pytest.fixture
-def h200(tmp_path, monkeypatch):
-    """An H200 with the shipped folder and the user cache both in tmp."""
-    monkeypatch.setenv("SPECPILOT_CONFIG_DIR", str(tmp_path / "shipped"))
-    monkeypatch.setenv("SPECPILOT_CACHE_DIR", str(tmp_path / "cache"))
-    monkeypatch.delenv("SPECPILOT_TUNED_CONFIGS", raising=False)
-    monkeypatch.setattr(cfgmod, "has_cuda", lambda: True)
-    monkeypatch.setattr(cfgmod, "is_interpreter", lambda: False)
-    monkeypatch.setattr(cfgmod, "gpu_name", lambda device=None: "NVIDIA H200")
-    monkeypatch.setattr(cfgmod, "gpu_slug", lambda device=None: "h200")
-    monkeypatch.setattr(cfgmod, "_TUNED", {})
-    monkeypatch.setattr(cfgmod, "_WARNED", set())
-    yield tmp_path
-
-
 def _get():
     return autotune.get_config("w", "v", Cfg, Cfg, key=KEY)
 
 
-def test_user_cache_takes_precedence(h200):
+def test_user_cache_takes_precedence(fake_h200):
     shipped = autotune.store_tuned("w", "v", KEY, Cfg(128, 8))
     autotune.store_tuned("w", "v", "M1", Cfg(32, 2))
-    assert shipped == h200 / "shipped" / "h200.json"
+    assert shipped == fake_h200 / "h200.json"
     assert _get() == Cfg(128, 8)
     user = autotune.store_tuned("w", "v", KEY, Cfg(256, 4), user=True, extra={"over_floor": 1.2})
-    assert user == h200 / "cache" / "configs" / "h200.json"
+    assert user == fake_h200.parent / "cache" / "configs" / "h200.json"
     assert _get() == Cfg(256, 4)  # the user's entry wins
     assert autotune.get_config("w", "v", Cfg, Cfg, key="M1") == Cfg(32, 2)  # shipped entries still serve
     assert autotune.drop_tuned("w", "v", KEY, user=True)
     assert _get() == Cfg(128, 8)
 
 
-def test_user_file_follows_the_policy_on_its_own(h200):
+def test_user_file_follows_the_policy_on_its_own(fake_h200):
     autotune.store_tuned("w", "v", KEY, Cfg(128, 8))
     path = autotune.store_tuned("w", "v", KEY, Cfg(256, 4), user=True)
     data = json.loads(path.read_text())
@@ -64,7 +49,7 @@ def test_user_file_follows_the_policy_on_its_own(h200):
 
 @pytest.mark.parametrize("text", ["{not json", "[1, 2]", '{"meta": {}}', '{"meta": {}, "entries": [1]}'])
 @pytest.mark.parametrize("user", [False, True])
-def test_corrupt_files_are_ignored_with_a_warning(h200, text, user):
+def test_corrupt_files_are_ignored_with_a_warning(fake_h200, text, user):
     good = autotune.store_tuned("w", "v", KEY, Cfg(128, 8), user=not user)
     bad = cfgmod.tuned_file(user=user)
     bad.parent.mkdir(parents=True, exist_ok=True)
@@ -79,7 +64,7 @@ def test_corrupt_files_are_ignored_with_a_warning(h200, text, user):
         assert _get() == Cfg(128, 8)
 
 
-def test_store_replaces_a_corrupt_file(h200):
+def test_store_replaces_a_corrupt_file(fake_h200):
     path = cfgmod.tuned_file(user=True)
     path.parent.mkdir(parents=True)
     path.write_text("{truncated")
