@@ -177,6 +177,16 @@ def check_reference(ids, h, weight, msg=""):
     return int(ok.sum())
 
 
+def check_answers(head, h, weight, ids, logits, k, bounded, msg=""):
+    """The checks every certified answer gets: `ids` (head.argmax) against the fp64 argmax on the provably decided
+    rows, the screen's bounds (`bounded`: the head has a screen), the top-k. Returns the decided row count."""
+    decided = check_reference(ids, h, weight, msg=msg)
+    if bounded:
+        check_bounds(head, h, weight, logits, msg=msg)
+    check_topk(head, h, k, logits, msg=msg)
+    return decided
+
+
 def survivors_from_bounds(L, U):
     """The contract's survivor count per row: #{v : U_v >= max_u L_u}."""
     return (U >= L.max(dim=1, keepdim=True).values).sum(1).tolist()
@@ -286,6 +296,7 @@ class _Helpers:
     check_topk = staticmethod(check_topk)
     check_bounds = staticmethod(check_bounds)
     check_reference = staticmethod(check_reference)
+    check_answers = staticmethod(check_answers)
     provable_rows = staticmethod(provable_rows)
     survivors_from_bounds = staticmethod(survivors_from_bounds)
     spread_magnitudes = staticmethod(spread_magnitudes)

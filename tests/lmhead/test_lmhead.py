@@ -79,11 +79,8 @@ def test_exact_on_random_heads(V, H, M, screen, lm):
     head = lm.make_head(w, screen)
     ids, logits = lm.check_argmax(head, h, msg=f"{screen} V={V} H={H} M={M}")
     assert ((0 <= ids) & (ids < V)).all()
-    decided = lm.check_reference(ids, h, w, msg=screen)
+    decided = lm.check_answers(head, h, w, ids, logits, min(V, 5), screen in BOUNDED, msg=screen)
     assert decided >= (M + 1) // 2, f"only {decided}/{M} rows are decided by the fp64 margin: a vacuous check"
-    if screen in BOUNDED:
-        lm.check_bounds(head, h, w, logits, msg=screen)
-    lm.check_topk(head, h, min(V, 5), logits, msg=screen)
 
 
 @pytest.mark.slow
@@ -225,10 +222,7 @@ def test_near_tie_one_ulp(low, direction, screen, lm):
     ties = int((logits[:, a] == logits[:, b]).sum())
     assert 0 < ties < M, f"the planting does not reach the rounding limit: {ties}/{M} rows tie"
     assert (ids[logits[:, a] == logits[:, b]] == a).all(), "an exact tie must go to the lower id"
-    lm.check_reference(ids, h, w)
-    if screen in BOUNDED:
-        lm.check_bounds(head, h, w, logits)
-    lm.check_topk(head, h, 2, logits)
+    lm.check_answers(head, h, w, ids, logits, 2, screen in BOUNDED)
 
 
 @pytest.mark.parametrize("screen", SCREENS)
@@ -267,11 +261,8 @@ def test_huge_and_tiny_norms(screen, lm):
     head = lm.make_head(w, screen)
     ids, logits = lm.check_argmax(head, x)
     assert torch.isfinite(logits).all()
-    decided = lm.check_reference(ids, x, w)
+    decided = lm.check_answers(head, x, w, ids, logits, 4, screen in BOUNDED)
     assert decided >= 4, f"{decided}/5 rows decided by the fp64 margin"
-    if screen in BOUNDED:
-        lm.check_bounds(head, x, w, logits)
-    lm.check_topk(head, x, 4, logits)
 
 
 @pytest.mark.parametrize("screen", SCREENS)
@@ -288,10 +279,7 @@ def test_underflow(screen, lm):
     head = lm.make_head(w, screen)
     ids, logits = lm.check_argmax(head, h)
     assert (logits.abs() < 2.0**-126).any(), "the test does not reach fp32's subnormal range"
-    lm.check_reference(ids, h, w)
-    if screen in BOUNDED:
-        lm.check_bounds(head, h, w, logits)
-    lm.check_topk(head, h, 3, logits)
+    lm.check_answers(head, h, w, ids, logits, 3, screen in BOUNDED)
 
 
 @pytest.mark.parametrize("screen", SCREENS)
