@@ -29,7 +29,9 @@ __all__ = ["run"]
 def _model_bytes(model) -> tuple[int, int]:
     """(bytes the step reads for the weights, weights as parameters) of a HybridModel."""
     total = params = 0
-    lins = [v for L in model.layers for v in L.values() if hasattr(v, "packed")] + [model.head_linear]
+    from ..engine import Linear
+
+    lins = [v for L in model.layers for v in L.values() if isinstance(v, Linear)] + [model.head_linear]
     for lin in lins:
         N, K = lin.shape
         params += N * K

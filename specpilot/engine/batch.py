@@ -100,9 +100,7 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
         acc = greedy_accept(tok_b.to(dev), par_b.to(dev), dep_b.to(dev),
                             torch.tensor(list(alloc), dtype=torch.int32, device=dev), target_next,
                             max_depth=max(depth))
-        path = torch.where(acc.accepted >= 0, acc.accepted + 1, acc.accepted)
-        m.commit(step, torch.cat([torch.zeros(nb, 1, dtype=torch.int32, device=dev), path], 1),
-                 acc.accepted_len + 1)
+        m.commit_accepted(step, acc.accepted, acc.accepted_len)
         got_len, got_path, got_bonus = acc.accepted_len.tolist(), acc.accepted.tolist(), acc.bonus.tolist()
         done, emitted = [], 0
         for b, r in enumerate(live):

@@ -22,7 +22,7 @@ import torch
 from ..accept import greedy_accept
 from ..tree import DraftTree, _bit, build_tree
 from .loader import load_config, load_tensors
-from .graphs import GraphedStep
+from .graphs import GraphedStep, pass_tree
 from .model import MAX_STEP_NODES, HybridModel, Kernels
 
 __all__ = ["Engine", "SelfDrafter", "StepRecord", "LosslessReport", "check_lossless", "NEAR_TIE"]
@@ -209,19 +209,26 @@ class Engine:
         tokens, scores = self.drafter.propose(ctx, self.positions, self.topk)
         return build_tree(tokens.cpu(), scores.cpu(), budget=self.tree_nodes - 1 if budget is None else budget)
 
+    def _accept(self, tree, target: torch.Tensor, max_depth: int):
+        """greedy_accept of one draft tree against the target's choices after the root and each node."""
+        dev = self.model.device
+        return greedy_accept(tree.tokens[None].to(dev), tree.parents[None].to(dev), tree.depths[None].to(dev),
+                             torch.tensor([tree.n], dtype=torch.int32, device=dev), target[None], max_depth=max_depth)
+
+    @staticmethod
+    def _emitted(tree, accepted, accepted_len, bonus) -> list[int]:
+        """The accepted path's tokens and the bonus token: the one host read of a step."""
+        got = torch.cat([accepted_len.long(), accepted[0].long(), bonus.long()]).tolist()
+        return [int(tree.tokens[i]) for i in got[1:1 + got[0]]] + [got[-1]]
+
     def _q_pass(self, ctx: list[int], tree) -> list[int]:
         """The first level of two-level verification: the target on its W12 8-bit view over the draft tree,
         caches untouched. Returns the path it accepts and its bonus token."""
-        m, dev = self.model, self.model.device
-        toks = [ctx[-1]] + tree.tokens.tolist()
-        parents = [-1] + [p + 1 for p in tree.parents.tolist()]
+        m = self.model
+        toks, parents = pass_tree(ctx[-1], tree)
         step = m.plan([self.ROW], [len(ctx) - 1], [toks], [parents])
         target = m.logits(m.forward(step, q8=True), q8=True).argmax(-1)
-        acc = greedy_accept(tree.tokens[None].to(dev), tree.parents[None].to(dev), tree.depths[None].to(dev),
-                            torch.tensor([tree.n], dtype=torch.int32, device=dev), target[None],
-                            max_depth=self.positions)
-        got = torch.cat([acc.accepted_len.long(), acc.accepted[0].long(), acc.bonus.long()]).tolist()
-        return [int(tree.tokens[i]) for i in got[1:1 + got[0]]] + [got[-1]]
+        return self._emitted(tree, *self._accept(tree, target, self.positions))
 
     def _two_level_tree(self, ctx: list[int]):
         """Draft, run the Q pass, draft again from the end of its path: the exact pass verifies the Q path as a
@@ -262,25 +269,17 @@ class Engine:
             target, accepted, accepted_len, bonus = g.replay()
             rows = g.nodes
         else:
-            toks = [ctx[-1]] + (tree.tokens.tolist() if n else [])
-            parents = [-1] + ([p + 1 for p in tree.parents.tolist()] if n else [])
+            toks, parents = pass_tree(ctx[-1], tree)
             step = m.plan([self.ROW], [len(ctx) - 1], [toks], [parents])
             target = m.argmax(m.forward(step))  # [1 + n]: the target's choice after the root and after each node
             rows = len(toks)
             if n:
-                acc = greedy_accept(tree.tokens[None].to(dev), tree.parents[None].to(dev),
-                                    tree.depths[None].to(dev), torch.tensor([n], dtype=torch.int32, device=dev),
-                                    target[None], max_depth=self.max_depth)
-                accepted, accepted_len, bonus = acc
-                path = torch.where(accepted >= 0, accepted + 1, accepted)
-                fwd = torch.cat([torch.zeros(1, 1, dtype=torch.int32, device=dev), path], 1)
-                m.commit(step, fwd, accepted_len + 1)
+                accepted, accepted_len, bonus = self._accept(tree, target, self.max_depth)
+                m.commit_accepted(step, accepted, accepted_len)
             else:
                 self._commit_all(step, 1)
         if speculative and (n or self.graphs):
-            # the one host read of the step: the accepted path and the bonus token
-            got = torch.cat([accepted_len.long(), accepted[0].long(), bonus.long()]).tolist()
-            new = [int(tree.tokens[i]) for i in got[1:1 + got[0]]] + [got[-1]]
+            new = self._emitted(tree, accepted, accepted_len, bonus)
         else:
             new = [int(target[0])]
         if q_chain:

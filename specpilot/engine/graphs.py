@@ -16,11 +16,20 @@ import gdn
 from ..accept import greedy_accept
 from .model import HybridModel, Step
 
-__all__ = ["GraphedStep", "ATTN_CAPACITY"]
+__all__ = ["GraphedStep", "ATTN_CAPACITY", "pass_tree"]
 
 ATTN_CAPACITY = 512  # attention work items of a graphed step: enough splits for any context up to max_len
 
 _PLAN_FIELDS = ("cu_seqlens", "parent", "parent_local", "anc", "depth", "node_req", "max_depth")
+
+
+def pass_tree(root_token: int, tree=None, pad: int = 0) -> tuple[list[int], list[int]]:
+    """(tokens, local parents) of a pass: the pending token as node 0, the draft tree's nodes after it (their
+    parents shifted by one, the draft roots under node 0), then `pad` leaves under node 0."""
+    n = tree.n if tree is not None else 0
+    toks = [root_token] + (tree.tokens.tolist() if n else []) + [0] * pad
+    parents = [-1] + ([p + 1 for p in tree.parents.tolist()] if n else []) + [0] * pad
+    return toks, parents
 
 
 class GraphedStep:
@@ -49,8 +58,7 @@ class GraphedStep:
             return target, None, None, None
         acc = greedy_accept(self.d_tokens, self.d_parents, self.d_depths, self.d_count, target[None],
                             max_depth=self.max_depth)
-        path = torch.where(acc.accepted >= 0, acc.accepted + 1, acc.accepted)
-        m.commit(s, torch.cat([self.root, path], 1), acc.accepted_len + 1)
+        m.commit_accepted(s, acc.accepted, acc.accepted_len)
         return target, acc.accepted, acc.accepted_len, acc.bonus
 
     def capture(self) -> None:
@@ -75,9 +83,7 @@ class GraphedStep:
         if n > self.nodes - 1:
             raise ValueError(f"specpilot.engine.GraphedStep: a tree of {n} nodes does not fit a step of "
                              f"{self.nodes} rows")
-        pad = self.nodes - 1 - n
-        toks = [root_token] + (tree.tokens.tolist() if n else []) + [0] * pad
-        parents = [-1] + ([p + 1 for p in tree.parents.tolist()] if n else []) + [0] * pad
+        toks, parents = pass_tree(root_token, tree, pad=self.nodes - 1 - n)
         # built on the host and copied: the plan's pointer jumping as device ops would be ~40 small launches
         # and the schedule would read the masks back with a sync
         plan = gdn.build_tree_plan([parents])

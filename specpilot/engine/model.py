@@ -130,10 +130,6 @@ def gated_rms_norm(x: torch.Tensor, gate: torch.Tensor, w: torch.Tensor, eps: fl
     return out.reshape(x.shape[0], -1)
 
 
-class TorchGlue:
-    """The glue functions above, as the forward pass calls them (`fused.FusedGlue` has the same methods)."""
-
-
 def _rotate_half(x: torch.Tensor) -> torch.Tensor:
     h = x.shape[-1] // 2
     return torch.cat((-x[..., h:], x[..., :h]), dim=-1)
@@ -162,8 +158,16 @@ def attn_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
     return o.reshape(gate.shape) * torch.sigmoid(gate)
 
 
-for _name in ("rms_norm", "add_norm", "swiglu", "gdn_gates", "gated_rms_norm", "attn_prep", "attn_gate"):
-    setattr(TorchGlue, _name, staticmethod(globals()[_name]))
+class TorchGlue:
+    """The glue functions above, as the forward pass calls them (`fused.FusedGlue` has the same methods)."""
+
+    rms_norm = staticmethod(rms_norm)
+    add_norm = staticmethod(add_norm)
+    swiglu = staticmethod(swiglu)
+    gdn_gates = staticmethod(gdn_gates)
+    gated_rms_norm = staticmethod(gated_rms_norm)
+    attn_prep = staticmethod(attn_prep)
+    attn_gate = staticmethod(attn_gate)
 
 
 @dataclass
@@ -200,14 +204,13 @@ class HybridModel:
         for i, d in enumerate(fuse_layer_weights(cfg, tensors)):
             L = {"kind": cfg.layer_types[i]}
             for k, v in d.items():
-                L[k] = Linear.make(v, fmt, dev) if v.dim() == 2 and k not in ("conv",) else small(v)
-            self.layers.append(L)
-        for L in self.layers:  # zero-centred norms hold w; they scale by 1 + w, kept in fp32
-            for k in ("input_norm", "post_norm", "q_norm", "k_norm"):
+                L[k] = Linear.make(v, fmt, dev) if v.dim() == 2 and k != "conv" else small(v)
+            for k in ("input_norm", "post_norm", "q_norm", "k_norm"):  # zero-centred: they scale by 1 + w (fp32)
                 if k in L:
                     L[k + "1"] = 1.0 + L[k].float()
             if "A_log" in L:
                 L["neg_a"] = -L["A_log"].float().exp()
+            self.layers.append(L)
         self.embed = small(tensors["embed_tokens.weight"]).to(torch.bfloat16)
         self.final_norm = small(tensors["norm.weight"])
         self.final_norm1 = 1.0 + self.final_norm.float()
@@ -387,6 +390,13 @@ class HybridModel:
         src, dst = src.flatten(), dst.flatten()
         self.k_cache.index_copy_(1, dst, st["ak"].index_select(1, src))
         self.v_cache.index_copy_(1, dst, st["av"].index_select(1, src))
+
+    def commit_accepted(self, s: Step, accepted: torch.Tensor, accepted_len: torch.Tensor) -> None:
+        """Commit the roots (the pending tokens, node 0 of each pass tree) and the draft paths `greedy_accept`
+        found: accepted [B, max_depth] indexes the draft nodes, which sit one past their index in the pass."""
+        path = torch.where(accepted >= 0, accepted + 1, accepted)
+        root = torch.zeros(accepted.shape[0], 1, dtype=path.dtype, device=path.device)
+        self.commit(s, torch.cat([root, path], 1), accepted_len + 1)
 
     def consume(self, row: int, done: int, tokens: list[int], *, chunk: int = MAX_STEP_NODES, q8: bool = False,
                 logits: bool = False) -> torch.Tensor | None:

@@ -1,7 +1,6 @@
 """Batched speculative decoding under one node budget (specpilot.engine.batch): every request's output is its
 own autoregressive greedy output, the node budget is never exceeded, and the allocation is deterministic."""
 
-import pytest
 import torch
 
 from specpilot.engine import Engine

@@ -16,7 +16,7 @@ def _prompt(vocab, n, seed):
     return noise[: n // 2] + motif * 3 + noise[n // 2:]  # a repeated motif gives the n-gram drafter matches
 
 
-def _check(eng, prompt, n, capsys=None):
+def _check(eng, prompt, n):
     rep = check_lossless(eng, prompt, n)
     assert len(rep.autoregressive) == n and len(rep.speculative) == n
     if rep.divergence is not None:
@@ -94,7 +94,7 @@ def test_two_level_verification_is_lossless_cpu(checkpoints, shape, seed, plen):
     # the Q pass (W12 8-bit view) only shapes the tree; the exact pass decides every token
     path, model = checkpoints[shape]
     eng = Engine.from_pretrained(path, device="cpu", drafter="ngram", two_level=True)
-    rep = _check(eng, _prompt(model.config.vocab_size, plen, seed), 256)
+    _check(eng, _prompt(model.config.vocab_size, plen, seed), 256)
     q = eng.stats()["q_pass"]
     assert q["compared"] > 0 and 0.5 < q["agreement"] <= 1.0
 
