@@ -12,7 +12,6 @@ the shapes, dtypes and devices of its tensors against the plan.
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
