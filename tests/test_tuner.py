@@ -100,7 +100,7 @@ def test_pruning_reasons_recorded_in_storage(store_dir, tmp_path):
     db = f"sqlite:///{tmp_path / 'prune.db'}"
     sp = space(params={"block": [64, 256], "warps": [4], "stages": [2, 5]}, heuristic=None,
                valid=lambda p, s: "block 256 does not divide N" if p["block"] == 256 else None)
-    tune("toy.matmul", [SHAPE], space=sp, timer=fake_timer(), trials=6, floor_device="h200", store=False,
+    tune("toy.matmul", [SHAPE], space=sp, timer=fake_timer(), trials=12, floor_device="h200", store=False,
          storage=db, study_name="p")
     study = optuna.load_study(study_name="p/tc/K4096-M8-N4096", storage=db)
     reasons = {t.user_attrs.get("pruned") for t in study.trials if t.state == optuna.trial.TrialState.PRUNED}
