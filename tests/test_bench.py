@@ -300,3 +300,85 @@ def test_collect_keeps_one_case_per_op_variant_shape(monkeypatch):
         registry.collect(get_shape_set("tiny"), torch.device("cpu"))
     with pytest.raises(ValueError, match=r"unknown op\(s\) nope"):
         registry.collect(get_shape_set("tiny"), torch.device("cpu"), ["nope"])
+
+
+class _FakeNWCWeight:
+    """nwc.NWCWeight's calls that the "nwc" peer makes, without compression: the BF16 bytes are its "data"."""
+
+    def __init__(self, w, device="cuda", block=None, elem="bf16", scale=None, layout=None, lossy=False):
+        self.out_features, self.in_features, self.block, self.layout = *w.shape, 4096, 0
+        bits = w.contiguous().view(torch.int16) ^ int(lossy)  # lossy: every weight's lowest bit flipped
+        self._t = {"data": bits.view(torch.uint8).flatten().to(device), "bases": torch.zeros(3, dtype=torch.int32),
+                   "hdr": torch.zeros(96, dtype=torch.uint8), "lut": torch.zeros(7, dtype=torch.int32),
+                   "low": torch.zeros(5, dtype=torch.uint8)}
+
+    @classmethod
+    def from_tensors(cls, out_f, in_f, block, data, bases, hdr, lut, low, device="cuda", elem="bf16", scale=None,
+                     layout=0):
+        self = cls.__new__(cls)
+        self.out_features, self.in_features, self.block, self.layout = out_f, in_f, block, layout
+        self._t = {"data": data, "bases": bases, "hdr": hdr, "lut": lut, "low": low}
+        return self
+
+    def tensors(self):
+        return dict(self._t)
+
+    def dequant(self):
+        return self._t["data"].view(torch.bfloat16).view(self.out_features, self.in_features)
+
+
+class _FakeNWCLinear(torch.nn.Module):
+    def __init__(self, linear=None, device="cuda", block=None, w=None, bias=None, elem="bf16"):
+        super().__init__()
+        self.w = w
+
+    def forward(self, x):
+        return torch.nn.functional.linear(x, self.w.dequant())
+
+
+def test_w12_nwc_peer_missing_and_plumbing(monkeypatch, capsys):
+    """The "nwc" peer: absent without the package (one line on stderr, probed once); at M = 1 on CUDA only; its
+    case reports the stored bytes and fails its check on a wrong output or a lossy round trip."""
+    import sys
+    import types
+
+    from specpilot.bench.cases import w12 as w12_cases
+
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    monkeypatch.setitem(sys.modules, "nwc", None)  # `import nwc` raises ImportError
+    w12_cases._nwc.cache_clear()
+    try:
+        assert w12_cases._peer_variants(cuda, 1) == [] and w12_cases._peer_variants(cuda, 1) == []
+    finally:
+        w12_cases._nwc.cache_clear()
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("bench w12: peer nwc skipped: ModuleNotFoundError"), err
+    assert "nwc" not in {c.variant for c in collect(get_shape_set("tiny"), cpu, ["w12"])}
+
+    def fake(weight=_FakeNWCWeight, linear=_FakeNWCLinear):
+        return types.SimpleNamespace(__version__="fake", NWCWeight=weight, NWCLinear=linear)
+
+    monkeypatch.setattr(w12_cases, "_nwc", fake)
+    assert [w12_cases._peer_variants(cuda, m) for m in (1, 4)] == [["nwc"], []]
+    assert w12_cases._peer_variants(cpu, 1) == []
+    n, k = 75, 63
+    case = w12_cases._case("attn.o_proj", n, k, 1, "nwc", cpu)
+    assert (case.op, case.group, case.baseline) == ("nwc.linear", "attn.o_proj-M1", "cublas")
+    prep = case.setup()
+    prep.check()
+    stored = 2 * n * k + 3 * 4 + 96 + 7 * 4 + 5
+    assert case.bytes == stored + 2 * (k + n)
+    assert case.extra["nwc"] == {"version": "fake", "stored_bytes": stored, "bits_per_weight": 8 * stored / (n * k)}
+    prep.teardown()
+
+    class Wrong(_FakeNWCLinear):
+        def forward(self, x):
+            return super().forward(x) * 1.01
+
+    for bad, what in ((fake(linear=Wrong), "error"), (fake(weight=lambda w, **kw: _FakeNWCWeight(w, **kw, lossy=True)),
+                                                       "elements differ bitwise")):
+        monkeypatch.setattr(w12_cases, "_nwc", lambda bad=bad: bad)
+        prep = w12_cases._case("attn.o_proj", n, k, 1, "nwc", cpu).setup()
+        with pytest.raises(AssertionError, match=what):
+            prep.check()
+    w12_cases._Weights.release()

@@ -7,6 +7,13 @@ Per `<layer>-M<m>` group (baseline "cublas"):
   * "w12.gemv" w12.matmul with the no-wgmma variant forced (CUDA cores for M <= 4, mma above)
   * "w12.mma"  w12.matmul with the CUDA C++ kernel forced (w12/cuda.py; the default on sm_80+ GPUs)
   * "w12.q8"   w12.matmul_q8 (hi plane + escapes, 1 B/weight), default variant
+  * "nwc"      (M = 1, CUDA, when the `nwc` package imports) the peer neural-weight-compression: lossless BF16,
+               the sign/exponent byte prefix-coded and the mantissa byte raw, decoded in registers inside its fused
+               matvec. `nwc.NWCWeight(w)` encodes on the host; `nwc.NWCLinear(w=...)` on a one-token BF16 x is
+               its token path (x to fp32, partial sums per 512-column block in a scratch buffer, then BF16 out).
+               The rotated sets are copies of one encoded weight (`NWCWeight.from_tensors` on clones of its
+               tensors: other addresses, so each call reads HBM), which keeps the host encoding to one per layer.
+               Not in "decode-step": encoding every linear of hybrid-27b on the host would take minutes.
 The LM head appears as layer "lm_head.linear" (a plain projection; `lm_head-M<m>` is the
 argmax group of the linear/lm_head providers).
 
@@ -16,18 +23,24 @@ for the whole step, timed as a CUDA graph; variants "cublas" and "w12". For hybr
 for the baseline.
 
 Each check compares against fp64 on a strided subset of output columns, with the tolerance
-derived from the cuBLAS result (specpilot.testing.assert_close). Bytes: the W12 planes as
-stored (`packed.nbytes`, escapes included, updated after packing) or 2NK, plus x and out.
+derived from the cuBLAS result (specpilot.testing.assert_close); "nwc" also against the BF16 weight
+itself (its dequantized rows bitwise, the lossless claim). Bytes: the W12 planes as stored (`packed.nbytes`,
+escapes included, updated after packing), NWC's tensors as stored (`NWCWeight.tensors()`, updated after
+encoding; its bits per weight go to the row's extra["nwc"]; the scratch partial sums, 8 B per row and 512
+columns written and read, ~1 % of the stored bytes, are not counted) or 2NK, plus x and out.
 On a CPU only the "tiny" shape set yields cases.
 """
 
 from __future__ import annotations
 
+import functools
+import sys
+
 import torch
 import torch.nn.functional as F
 
 import autotune
-from specpilot.testing import assert_close
+from specpilot.testing import assert_bitwise_equal, assert_close
 
 from ..registry import Case, Prepared, register, rotations
 from ..shapes import ModelShapes
@@ -35,6 +48,9 @@ from ..shapes import ModelShapes
 M_VALUES = (1, 2, 4, 8, 16, 32)
 _CHECK_COLS = 512
 _SEED = 4321
+# NWC's stored bits per weight on this file's Gaussian weights (10.98 at 5120 x 17408): the estimate that sizes the
+# rotations before encoding; setup replaces it with the bytes as stored.
+_NWC_BITS = 11.0
 
 
 def _kp(k: int) -> int:
@@ -100,11 +116,46 @@ def _kernel_variants(device: torch.device) -> list[str]:
     return ["w12.q8"]  # CPU without the interpreter: the torch fallback only
 
 
+@functools.cache
+def _nwc():
+    """The `nwc` package for the "nwc" peer, or None after one line on stderr saying why. Imported on first use
+    (CUDA only): its import loads its CUDA library and sets kernel attributes on the device."""
+    try:
+        import nwc
+
+        if not (hasattr(nwc, "NWCLinear") and hasattr(getattr(nwc, "NWCWeight", None), "from_tensors")):
+            raise ImportError(f"nwc {getattr(nwc, '__version__', '?')} has no NWCLinear / NWCWeight.from_tensors")
+    except Exception as e:  # ImportError, or OSError when its CUDA library does not load
+        why = (str(e).splitlines() or [""])[0][:160]
+        print(f"bench w12: peer nwc skipped: {type(e).__name__}: {why}", file=sys.stderr)
+        return None
+    return nwc
+
+
+def _peer_variants(device: torch.device, m: int) -> list[str]:
+    """Peers beside cuBLAS and W12 in a `<layer>-M<m>` group: "nwc" (its fused path is for one token)."""
+    return ["nwc"] if m == 1 and device.type == "cuda" and _nwc() is not None else []
+
+
+def _nwc_linears(w: torch.Tensor, sets: int, device: torch.device) -> list:
+    """`sets` NWCLinear modules on one encoding of `w`: the first as encoded, the others on clones of its tensors."""
+    nwc = _nwc()
+    first = nwc.NWCWeight(w, device=device)
+    copies = [nwc.NWCWeight.from_tensors(first.out_features, first.in_features, first.block,
+                                         **{name: t.clone() for name, t in first.tensors().items()},
+                                         device=device, layout=first.layout) for _ in range(sets - 1)]
+    return [nwc.NWCLinear(w=c, device=device) for c in [first, *copies]]
+
+
 def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device) -> Case:
     xo = 2 * (m * k + m * n)
     q8 = variant == "w12.q8"
+    extra: dict = {"layer": name}
     if variant == "cublas":
         nbytes, op = 2.0 * n * k + xo, "linear"
+    elif variant == "nwc":
+        nbytes, op = n * k * _NWC_BITS / 8 + xo, "nwc.linear"
+        extra["nwc"] = {}  # filled in setup (the row holds this dict)
     else:
         nbytes, op = _w12_bytes(n, k, q8) + xo, "w12.matmul_q8" if q8 else "w12.matmul"
     group = f"{name}-M{m}"
@@ -113,11 +164,19 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
         import w12
 
         sets = rotations(nbytes, device)
-        ws = _Weights.get(n, k, sets, device, packed=variant != "cublas")
+        ws = _Weights.get(n, k, 1 if variant == "nwc" else sets, device, packed=variant.startswith("w12."))
         xs = _inputs(m, k, sets, device)
         cols = _cols(n, device)
+        held: list = []  # the peer's modules, dropped in teardown
         if variant == "cublas":
             fns = [(lambda x=x, w=w: F.linear(x, w)) for x, w in zip(xs, ws["bf16"][:sets])]
+        elif variant == "nwc":
+            held += _nwc_linears(ws["bf16"][0], sets, device)
+            stored = sum(t.nbytes for t in held[0].w.tensors().values())
+            case.bytes = float(stored + xo)
+            case.extra["nwc"].update(version=getattr(_nwc(), "__version__", None), stored_bytes=stored,
+                                     bits_per_weight=8.0 * stored / (n * k))
+            fns = [(lambda x=x, lin=lin: lin(x)) for x, lin in zip(xs, held)]
         else:
             packs = ws["w12"][:sets]
             case.bytes = _read_bytes(packs[0], q8) + xo
@@ -144,15 +203,18 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
                 ref64 = (x.double() @ wc.double().T).cpu()
                 base = F.linear(x, w)[:, cols]  # the cuBLAS output itself
             assert_close(out[:, cols], ref64, base, msg=f"{variant} {group}")
+            if held:
+                assert_bitwise_equal(held[0].w.dequant()[cols], w[cols], msg=f"{variant} {group} dequantized rows")
 
         def teardown() -> None:
             xs.clear()
             fns.clear()
+            held.clear()
 
         return Prepared(fns=fns, check=check, graph_safe=True, teardown=teardown)
 
     case = Case(op=op, variant=variant, shape=group, dims={"M": m, "N": n, "K": k}, flops=2.0 * m * n * k,
-                bytes=float(nbytes), setup=setup, group=group, baseline="cublas", extra={"layer": name})
+                bytes=float(nbytes), setup=setup, group=group, baseline="cublas", extra=extra)
     return case
 
 
@@ -241,6 +303,6 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     layers["lm_head.linear"] = shapes.lm_head
     kv = _kernel_variants(device)
     out = [_case(name, n, k, m, v, device)
-           for name, (n, k) in layers.items() for m in ms for v in ["cublas", *kv]]
+           for name, (n, k) in layers.items() for m in ms for v in ["cublas", *kv, *_peer_variants(device, m)]]
     out += [_step_case(shapes, v, device) for v in ("cublas", "w12")]
     return out
