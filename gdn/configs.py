@@ -13,7 +13,8 @@ from autotune import bucket_m, get_config, shape_key
 from autotune.hardware import has_wgmma
 
 __all__ = ["WYConfig", "CudaConfig", "RecurrentConfig", "cuda_config", "ConvConfig", "CommitConfig", "wy_config", "recurrent_config",
-           "conv_config", "commit_config", "wy_constexprs", "WY_WGMMA"]
+           "conv_config", "commit_config", "wy_constexprs", "WY_WGMMA",
+           "wy_heuristic", "cuda_heuristic"]
 
 
 @dataclass(frozen=True)
@@ -166,57 +167,64 @@ def _sm_count(device) -> int:
     return torch.cuda.get_device_properties(device).multi_processor_count  # cached by torch
 
 
-def wy_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV: int = 1) -> WYConfig:
-    def heuristic():
-        # node tile from the plan's largest request (an 8-node tree padded to 64 rows did 64x the
-        # [BT,BT] work); bf16 [BT, K] q/k tiles sit in registers next to the [K, BV] fp32 state.
-        bt = max(16, triton.next_power_of_2(max_nodes))
-        if has_wgmma(device) and V >= 64:
-            # sm_90, H200 (48 layers): untransposed BV=64 was fastest everywhere. Less than
-            # one wave of programs (B1: 96 on 132 SMs) is latency-bound: 8 warps (B1-N32 682 vs 709
-            # us, chain8 375 vs 396); many programs (B24: 2304) are throughput-bound: 4 warps
-            # (3301 vs 4948 us).
-            # Under one wave, stacking q over k (one [2BT, K] set of state products, M = 64
-            # at 32 nodes: wgmma, 0 spills) is faster still (B1-N32 586 vs 694 us, chain32 627 vs
-            # 737); at B24 it is a tie (3006 vs 2999), so the many-program case keeps plain BV=64.
-            # PDL on by default (the chained-graph GPU test passes). With vs
-            # without: B1-N32 554 vs 581 us, chain8 325 vs 352, chain32 597 vs 622. "fold", fp64
-            # small products and 16 warps were slower (gdn/kernels/wy.py, docs/gdn.md).
-            # inverse="split" (fold's N from a first launch of one program per request and value
-            # head; the second launch's state products overlap it). Same run on H200, vs the config above:
-            # B1-N32 530 vs 555 us and chain32 588 vs 597 (BV=32, 4 warps, stack); chain8 285 vs 323 and
-            # chain16 296 vs 342 (the same without stack, which is slower at 32 nodes: 665 and 751). Not
-            # measured beyond 32 nodes, where the config above stays. After the inverse's guard
-            # (gdn/kernels/wy.py, GROWTH_MAX) this config measured 594 us at B1-N32 and 672 at chain32;
-            # BV=32, 4 warps, stack, inverse_stack, inverse_warps=8, inverse_maxnreg=128 measured 529 and
-            # 580 in the same run.
-            # The first launch's rounds as a runtime loop (inverse_loop: ~5K SASS instructions instead of
-            # ~10-16K run once per program). One run (perf/results/h200/20261201-gdn-wy-inverse-loop.json), against the
-            # previous default: 32 nodes with inverse_stack and 8 uncapped warps, B1-N32 524 vs
-            # 600 us, chain32 582 vs 684 (the 128-register cap: 559 / 630); <= 16 nodes, no stack, 4 warps,
-            # chain8 281 vs 332, chain16 314 vs 362. The one-launch form (handoff="flag") was slower.
-            programs = batch * HV * triton.cdiv(V, 64)
-            if programs <= _sm_count(device):
-                if bt <= 16:
-                    return WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_loop=True)
-                if bt <= 32:
-                    return WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                                    inverse_warps=8, inverse_loop=True)
-                return WYConfig(BV=64, num_warps=8, stack=True, pdl=True)
-            return WYConfig(BV=64, num_warps=4, pdl=True)
-        return WYConfig(BV=_bv(V), num_warps=8 if bt >= 64 else 4)
+def wy_heuristic(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV: int = 1) -> WYConfig:
+    """The analytical default of `wy_config` (no tuned entry, nothing forced)."""
+    # node tile from the plan's largest request (an 8-node tree padded to 64 rows did 64x the
+    # [BT,BT] work); bf16 [BT, K] q/k tiles sit in registers next to the [K, BV] fp32 state.
+    bt = max(16, triton.next_power_of_2(max_nodes))
+    if has_wgmma(device) and V >= 64:
+        # sm_90, H200 (48 layers): untransposed BV=64 was fastest everywhere. Less than
+        # one wave of programs (B1: 96 on 132 SMs) is latency-bound: 8 warps (B1-N32 682 vs 709
+        # us, chain8 375 vs 396); many programs (B24: 2304) are throughput-bound: 4 warps
+        # (3301 vs 4948 us).
+        # Under one wave, stacking q over k (one [2BT, K] set of state products, M = 64
+        # at 32 nodes: wgmma, 0 spills) is faster still (B1-N32 586 vs 694 us, chain32 627 vs
+        # 737); at B24 it is a tie (3006 vs 2999), so the many-program case keeps plain BV=64.
+        # PDL on by default (the chained-graph GPU test passes). With vs
+        # without: B1-N32 554 vs 581 us, chain8 325 vs 352, chain32 597 vs 622. "fold", fp64
+        # small products and 16 warps were slower (gdn/kernels/wy.py, docs/gdn.md).
+        # inverse="split" (fold's N from a first launch of one program per request and value
+        # head; the second launch's state products overlap it). Same run on H200, vs the config above:
+        # B1-N32 530 vs 555 us and chain32 588 vs 597 (BV=32, 4 warps, stack); chain8 285 vs 323 and
+        # chain16 296 vs 342 (the same without stack, which is slower at 32 nodes: 665 and 751). Not
+        # measured beyond 32 nodes, where the config above stays. After the inverse's guard
+        # (gdn/kernels/wy.py, GROWTH_MAX) this config measured 594 us at B1-N32 and 672 at chain32;
+        # BV=32, 4 warps, stack, inverse_stack, inverse_warps=8, inverse_maxnreg=128 measured 529 and
+        # 580 in the same run.
+        # The first launch's rounds as a runtime loop (inverse_loop: ~5K SASS instructions instead of
+        # ~10-16K run once per program). One run (perf/results/h200/20261201-gdn-wy-inverse-loop.json), against the
+        # previous default: 32 nodes with inverse_stack and 8 uncapped warps, B1-N32 524 vs
+        # 600 us, chain32 582 vs 684 (the 128-register cap: 559 / 630); <= 16 nodes, no stack, 4 warps,
+        # chain8 281 vs 332, chain16 314 vs 362. The one-launch form (handoff="flag") was slower.
+        programs = batch * HV * triton.cdiv(V, 64)
+        if programs <= _sm_count(device):
+            if bt <= 16:
+                return WYConfig(BV=32, num_warps=4, inverse="split", pdl=True, inverse_loop=True)
+            if bt <= 32:
+                return WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
+                                inverse_warps=8, inverse_loop=True)
+            return WYConfig(BV=64, num_warps=8, stack=True, pdl=True)
+        return WYConfig(BV=64, num_warps=4, pdl=True)
+    return WYConfig(BV=_bv(V), num_warps=8 if bt >= 64 else 4)
 
+
+def wy_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV: int = 1) -> WYConfig:
     key = shape_key(B=bucket_m(batch), M=max_nodes, K=K, V=V)
-    return get_config("gdn.tree_verify", "wy", WYConfig, heuristic, key=key, device=device)
+    return get_config("gdn.tree_verify", "wy", WYConfig,
+                      lambda: wy_heuristic(max_nodes, K, V, device, batch=batch, HV=HV), key=key, device=device)
 
 
 def cuda_config(max_nodes: int, K: int, V: int, device=None, *, batch: int = 1, HV: int = 1) -> CudaConfig:
     # H200 (perf/results/h200/20261201-gdn-cuda-bv64.log, one run): BV=64 (8 mma warps + the solver)
     # beat BV=32 at B1-N32 (420 vs 441 us), chain32 (422 vs 441), chain8 (280 vs 289) and B24-N8 (2779 vs 4797);
     # BV=16 was slower everywhere, and so were 2 state pieces at B1 (431) and min_blocks=1 at B1 and B24
-    bv = 64 if V % 64 == 0 else 32 if V % 32 == 0 else 16 if V % 16 == 0 else 8
     key = shape_key(B=bucket_m(batch), M=max_nodes, K=K, V=V)
-    return get_config("gdn.tree_verify", "cuda", CudaConfig, lambda: CudaConfig(BV=bv), key=key, device=device)
+    return get_config("gdn.tree_verify", "cuda", CudaConfig, lambda: cuda_heuristic(V), key=key, device=device)
+
+
+def cuda_heuristic(V: int) -> CudaConfig:
+    """The default of `cuda_config`: the widest BV (<= 64) that divides V."""
+    return CudaConfig(BV=64 if V % 64 == 0 else 32 if V % 32 == 0 else 16 if V % 16 == 0 else 8)
 
 
 def recurrent_config(K: int, V: int, device=None) -> RecurrentConfig:

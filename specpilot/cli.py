@@ -1,4 +1,4 @@
-"""The `specpilot` command line: info, bench, demo, check, ceiling, pack.
+"""The `specpilot` command line: info, bench, demo, check, ceiling, pack, tune.
 
     specpilot info                      device, versions, measured roofs, variants per op
     specpilot bench [--shapes S] [--ops OP ...] [--out DIR] [--reps N]
@@ -6,6 +6,9 @@
                                         autoregressively and speculatively (n-gram and self-drafter), τ,
                                         time per step, and the outputs checked token for token
     specpilot pack IN.safetensors OUT.safetensors [--device cpu] [--include PATTERN]
+    specpilot tune --op OP [--shapes S] [--only PAT] [--trials N] [--time-budget S] [--storage URL]
+                   [--out DIR] [--ship]     tune an operator's configs on this GPU (specpilot/tuning.py)
+    specpilot tune --report [--out DIR]     the stored tuned configs, and a PNG of time over floor
     specpilot check [--candidate C] [--prompts N] [--tokens N] [--json OUT]
                                         token forcing: the stock path's greedy streams forced through a
                                         candidate configuration; exit 0 accept, 1 reject (specpilot/check.py)
@@ -344,16 +347,17 @@ def cmd_pack(args) -> int:
 
 
 def cmd_tune(args) -> int:
-    """`--report`: the stored tuned configs (shipped folder, then the user's cache) per op/variant/key with
-    their metadata. Tuning itself needs a GPU (docs/autotune.md)."""
+    """Tune one operator on this GPU (`specpilot.tuning.run`): a progress bar, then the before/after table; or
+    `--report`: the stored tuned configs (shipped folder, then the user's cache) with their metadata, and a PNG
+    of time over floor when they carry it (docs/autotune.md)."""
     import json as _json
     from pathlib import Path as _Path
 
-    import torch
-
     from autotune import config as _cfg
+    from specpilot import tuning
 
     if args.report:
+        entries = {}
         for label, folder in (("shipped", _cfg._config_dir()), ("user", _cfg._user_dir())):
             files = sorted(_Path(folder).glob("*.json")) if _Path(folder).is_dir() else []
             print(f"{label}: {folder}" + ("" if files else " (no tuned configs)"))
@@ -370,19 +374,40 @@ def cmd_tune(args) -> int:
                     print(f"    {name}: {fields}")
                     if extra:
                         print(f"      meta: {_json.dumps(extra, sort_keys=True, default=str)}")
+                    entries[f"{path.stem}:{name}"] = entry
+        png = tuning.report_png(entries, _Path(args.out or ".") / "tuned-configs.png")
+        print(f"figure: {png}" if png else "figure: none (no stored entry records its time over floor)")
         return 0
     if not args.op:
         raise UsageError("specpilot tune: name an operator with --op (e.g. --op w12.matmul), or pass --report")
-    if not torch.cuda.is_available():
-        raise UsageError(f"specpilot tune: tuning {args.op} needs a GPU and none is visible here; run it on the GPU "
-                         f"host, or use `specpilot tune --report` to read the stored configs")
-    raise UsageError("specpilot tune: the GPU timer is not wired into autotune.tune yet (docs/autotune.md, "
-                     "'Not done'); tune with perf/tune_w12.py or perf/tune_gdn.py meanwhile")
+    if args.op not in tuning.OPS:
+        raise UsageError(f"specpilot tune: unknown --op {args.op!r}; tunable: {', '.join(tuning.OPS)}")
+    if args.trials < 1:
+        raise UsageError(f"specpilot tune: --trials {args.trials}; ask for at least one trial per shape")
+    try:
+        backend = tuning.make_backend(args.op, None, reps=args.reps, rounds=args.rounds, workers=args.workers)
+    except RuntimeError as e:
+        raise UsageError(str(e)) from None
+    variants = args.variant.split(",") if args.variant else None
+    try:
+        records = tuning.run(args.op, shape_set=args.shapes, only=args.only, variants=variants, trials=args.trials,
+                             time_budget=args.time_budget, storage=args.storage, out=args.out, ship=args.ship,
+                             backend=backend, progress=not args.no_progress)
+    except ValueError as e:
+        raise UsageError(str(e)) from None
+    print()
+    print(tuning.table_md(records), end="")
+    if args.out:
+        print(f"\ndecisions: {_Path(args.out) / tuning.DECISIONS}\ntable    : {_Path(args.out) / tuning.TABLE}")
+    return 1 if any(r.get("error") for r in records) else 0
+
+
+# --------------------------------------------------------------------------------------
 
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specpilot", description="SpecPilot: kernels for lossless speculative decoding")
-    sub = p.add_subparsers(dest="cmd", metavar="{info,bench,demo,check,ceiling,pack}")
+    sub = p.add_subparsers(dest="cmd", metavar="{info,bench,demo,check,ceiling,pack,tune}")
     sub.required = True
 
     s = sub.add_parser("info", help="device, versions, measured roofs, variants per op")
@@ -457,10 +482,25 @@ def build_parser() -> argparse.ArgumentParser:
     s.set_defaults(fn=cmd_pack)
 
     s = sub.add_parser("tune", help="tune an operator's launch configs (autotune.tune), or --report the stored ones")
-    s.add_argument("--op", default=None, help="operator, e.g. w12.matmul or tree_attn.tree_attention")
+    s.add_argument("--op", default=None, help="w12.matmul, gdn.tree_verify, tree_attn.tree_attention or lmhead.argmax")
     s.add_argument("--shapes", default="hybrid-27b", help="shape set (default hybrid-27b)")
-    s.add_argument("--trials", type=int, default=32, help="trials per shape (default 32)")
-    s.add_argument("--report", action="store_true", help="print the stored tuned configs with their metadata")
+    s.add_argument("--only", default=None, metavar="PATTERNS",
+                   help="comma-separated name patterns of the op's shapes (e.g. '*-M64' or 'B1-N32')")
+    s.add_argument("--variant", default=None, help="comma-separated variants (default: every declared space)")
+    s.add_argument("--trials", type=int, default=32, help="trials per (variant, shape) (default 32)")
+    s.add_argument("--time-budget", type=float, default=None, metavar="S",
+                   help="seconds for all studies together, shared among those left (default: none)")
+    s.add_argument("--storage", default=None, metavar="URL", help="Optuna storage, e.g. sqlite:///studies.db (resumes)")
+    s.add_argument("--out", default=None, metavar="DIR",
+                   help="folder of the decisions JSON and the before/after table (--report: of the PNG; default .)")
+    s.add_argument("--ship", action="store_true",
+                   help="store promoted winners in the shipped autotune/configs/<gpu>.json, not the user cache")
+    s.add_argument("--reps", type=int, default=30, help="timed samples per trial (default 30)")
+    s.add_argument("--rounds", type=int, default=60, help="interleaved A/B rounds of the promotion rule (default 60)")
+    s.add_argument("--workers", type=int, default=None, help="compile threads (default: cores, at most 16)")
+    s.add_argument("--no-progress", action="store_true", help="no progress bar")
+    s.add_argument("--report", action="store_true",
+                   help="print the stored tuned configs with their metadata; write tuned-configs.png to --out")
     s.set_defaults(fn=cmd_tune)
     return p
 

@@ -4,6 +4,11 @@ import dataclasses
 
 import pytest
 
+from gdn.configs import CudaConfig, WYConfig
+from gdn.space import CUDA_SPACE, WY_SPACE
+from lmhead.configs import HeadConfig
+from lmhead.space import HEAD_SPACE
+from specpilot import tuning
 from specpilot.bench.shapes import get_shape_set
 from tree_attn.configs import SplitConfig
 from tree_attn.space import MMA_SPACE, WGMMA_SPACE
@@ -14,7 +19,11 @@ S = get_shape_set("hybrid-27b")
 W12_SHAPES = [{"M": m, "N": n, "K": k} for (n, k) in S.linears.values() for m in (1, 8, 32)]
 ATTN_SHAPES = [{"D": S.attn_head_dim, "G": S.attn_q_heads // S.attn_kv_heads, "H": S.attn_q_heads,
                 "Hkv": S.attn_kv_heads, "L": 32768, "N": n} for n in (8, 32)]
-CASES = [(TC_SPACE, TcConfig, W12_SHAPES), (WGMMA_SPACE, SplitConfig, ATTN_SHAPES), (MMA_SPACE, SplitConfig, ATTN_SHAPES)]
+GDN_SHAPES = [s for _, s in tuning.named_shapes("gdn.tree_verify", "hybrid-27b")]
+HEAD_SHAPES = [dict(M=m, V=S.vocab, K=S.hidden) for m in (1, 32)]
+CASES = [(TC_SPACE, TcConfig, W12_SHAPES), (WGMMA_SPACE, SplitConfig, ATTN_SHAPES), (MMA_SPACE, SplitConfig, ATTN_SHAPES),
+         (WY_SPACE, WYConfig, GDN_SHAPES), (CUDA_SPACE, CudaConfig, GDN_SHAPES), (HEAD_SPACE, HeadConfig, HEAD_SHAPES)]
+REJECTS = {"wy": False, "cuda": False}  # every choice of these runs at hybrid-27b's V=128
 
 
 @pytest.mark.parametrize("space, cls, shapes", CASES, ids=lambda x: getattr(x, "variant", None) or "")
@@ -23,8 +32,10 @@ def test_every_space_has_valid_configs_at_hybrid_27b(space, cls, shapes):
     for shape in shapes:
         ok = list(space.configs(shape))
         assert ok, (space.op, space.variant, shape)
-        assert all(isinstance(c, cls) and dataclasses.asdict(c).items() >= p.items() for p, c in ok)
-        assert len(ok) < len(grid)  # the checks reject some choices at every shape
+        norm = space.variant == "wy"  # the WY space resets the split-only fields of other inverses
+        assert all(isinstance(c, cls) and (norm or dataclasses.asdict(c).items() >= p.items()) for p, c in ok)
+        if REJECTS.get(space.variant, True):
+            assert len(ok) < len(grid)  # the checks reject some choices at every shape
         flops, nbytes = space.flops_bytes(shape)
         assert flops > 0 and nbytes > 0
         reasons = {space.valid(p, shape) for p in grid} - {None}
@@ -32,12 +43,32 @@ def test_every_space_has_valid_configs_at_hybrid_27b(space, cls, shapes):
                    or "wgmma" in r for r in reasons)
 
 
-def test_keys_match_the_lookups():
+def test_keys_match_the_lookups(monkeypatch):
     assert TC_SPACE.key({"M": 5, "N": 5120, "K": 6144}) == "K6144-M8-N5120"
     assert WGMMA_SPACE.key(ATTN_SHAPES[0]) == "D256-G6"
+    assert HEAD_SPACE.key(HEAD_SHAPES[1]) == "K5120-V248320"
+    # the keys the operators' lookups build at call time
+    import autotune
+    from gdn import configs as gc
+    from lmhead import configs as lc
+
+    seen = []
+    monkeypatch.setattr(gc, "get_config", lambda op, var, cls, h, key, device=None: seen.append((op, var, key)) or h())
+    monkeypatch.setattr(lc, "get_config", lambda op, var, cls, h, key, device=None: seen.append((op, var, key)) or h())
+    b24 = GDN_SHAPES[-1]
+    gc.wy_config(b24["M"], b24["K"], b24["V"], batch=b24["B"], HV=b24["HV"])
+    gc.cuda_config(b24["M"], b24["K"], b24["V"], batch=b24["B"], HV=b24["HV"])
+    lc.head_config("triton", S.vocab, S.hidden, False)
+    assert seen == [("gdn.tree_verify", "wy", WY_SPACE.key(b24)), ("gdn.tree_verify", "cuda", CUDA_SPACE.key(b24)),
+                    ("lmhead.argmax", "triton", HEAD_SPACE.key(HEAD_SHAPES[0]))]
+    assert WY_SPACE.key(b24) == "B32-K128-M8-V128" and autotune.bucket_m(24) == 32
 
 
 def test_heuristics_are_points_of_their_spaces():
+    for space, shapes in ((WY_SPACE, GDN_SHAPES), (CUDA_SPACE, GDN_SHAPES), (HEAD_SPACE, HEAD_SHAPES)):
+        for shape in shapes:
+            p = space.params_of(space.heuristic(shape))
+            assert p is not None and space.valid(p, shape) is None and space.make_config(p) == space.heuristic(shape)
     assert MMA_SPACE.params_of(MMA_SPACE.heuristic(ATTN_SHAPES[0])) is not None
     assert WGMMA_SPACE.params_of(WGMMA_SPACE.heuristic(ATTN_SHAPES[0])) is not None
     assert isinstance(TC_SPACE.heuristic(W12_SHAPES[0]), TcConfig)
@@ -52,3 +83,14 @@ def test_w12_checks_reject_what_cannot_run():
     assert TC_SPACE.valid(ok, shape) is None
     assert TC_SPACE.valid(dict(ok, split_k=8, block_k=256), {"M": 8, "N": 5120, "K": 1024}).startswith("divisibility")
     assert TC_SPACE.valid(dict(ok, block_t=64), shape).startswith("padding")
+
+
+def test_wy_space_folds_fields_the_inverse_ignores():
+    p = dict(inverse="square", BV=64, num_warps=8, stack=True, pdl=True, maxnreg=None, inverse_warps=8,
+             inverse_stack=True, inverse_loop=True, inverse_maxnreg=128)
+    assert WY_SPACE.make_config(p) == WYConfig(BV=64, num_warps=8, stack=True, pdl=True)
+    assert WY_SPACE.make_config(dict(p, inverse="split")).inverse_maxnreg == 128
+    assert CUDA_SPACE.valid(dict(BV=64, pdl=True, min_blocks=2, split_warps=False, unroll_out=4, unroll_ks=8),
+                            dict(GDN_SHAPES[0], V=96)).startswith("divisibility")
+    assert HEAD_SPACE.valid(dict(screen_bv=128, screen_warps=4, screen_stages=2, select_bv=1024, exact_bs=128,
+                                 exact_bk=256, exact_warps=4, max_rows=32), HEAD_SHAPES[1]).startswith("registers")

@@ -6,6 +6,9 @@
   host sync): CUDA events around one eager pass over the rotated inputs.
 * `time_cpu(fns)`: `time.perf_counter` around each call.
 * `time_fns(fns, device)`: the one that suits the device.
+* `time_ab(fns_a, fns_b, device)`: interleaved A/B rounds for the promotion rule (`autotune.promotion`): both
+  captured as graphs of the same number of calls, then per round one replay of each, the order alternating,
+  so that drift (clocks, temperature) reaches both alike.
 
 `fns` is one callable or a sequence of them: the same call on different input copies, rotated so
 that reads come from HBM and not from L2 (`specpilot.bench.rotations` says how many copies).
@@ -24,7 +27,7 @@ import torch
 
 from specpilot.testing import capture_graph
 
-__all__ = ["Timing", "time_cuda", "time_cpu", "time_fns", "quantile"]
+__all__ = ["Timing", "time_cuda", "time_cpu", "time_fns", "time_ab", "quantile"]
 
 # Target duration of one timed sample (one graph replay) on CUDA, in seconds.
 SAMPLE_S = 200e-6
@@ -86,14 +89,17 @@ def _time_events(fns, reps: int, warmup: int) -> Timing:
     return Timing(tuple(_events_once(fns, n) for _ in range(reps)), "cuda_events", n)
 
 
-def _time_graph(fns, reps: int, warmup: int, sample_s: float) -> Timing:
+def _graph_of(fns, warmup: int, sample_s: float, calls: int | None = None):
+    """(graph, calls): a CUDA graph of `calls` calls over the rotated inputs (whole passes), sized so that one
+    replay lasts about `sample_s` when `calls` is None."""
     n = len(fns)
     for i in range(max(warmup, 1) * n):
         fns[i % n]()
     torch.cuda.synchronize()
-    est = min(_events_once(fns, n) for _ in range(3))
-    calls = max(1, math.ceil(sample_s / max(est, 1e-7)))
-    calls = min(MAX_CALLS_PER_GRAPH, max(n, calls))
+    if calls is None:
+        est = min(_events_once(fns, n) for _ in range(3))
+        calls = max(1, math.ceil(sample_s / max(est, 1e-7)))
+        calls = min(MAX_CALLS_PER_GRAPH, max(n, calls))
     calls = n * math.ceil(calls / n)  # whole passes over the rotated inputs
 
     def many():
@@ -103,6 +109,11 @@ def _time_graph(fns, reps: int, warmup: int, sample_s: float) -> Timing:
     graph = capture_graph(many)  # its warm-up pass runs on a side stream (cuBLAS picks its workspace there)
     graph.replay()
     torch.cuda.synchronize()
+    return graph, calls
+
+
+def _time_graph(fns, reps: int, warmup: int, sample_s: float) -> Timing:
+    graph, calls = _graph_of(fns, warmup, sample_s)
     starts = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     ends = [torch.cuda.Event(enable_timing=True) for _ in range(reps)]
     for i in range(reps):
@@ -162,3 +173,58 @@ def time_fns(fns, device=None, *, reps: int | None = None, warmup: int | None = 
                              graph=graph)
     return time_cpu(fns, reps=20 if reps is None else reps, warmup=2 if warmup is None else warmup,
                     budget_s=budget_s)
+
+
+def time_ab(fns_a, fns_b, device=None, *, rounds: int = 60, warmup: int = 3, sample_s: float = SAMPLE_S
+            ) -> tuple[Timing, Timing]:
+    """Interleaved A/B timing: `rounds` paired samples of `fns_a` and `fns_b` (each one callable or rotated
+    inputs, as `time_fns` takes them), A first in even rounds and B first in odd ones. On CUDA both are
+    CUDA graphs of the same number of calls (sized on A) and each sample is one replay between events; on
+    the CPU each sample is one pass under `time.perf_counter`. Returns (A's timing, B's timing)."""
+    fa, fb = _as_list(fns_a), _as_list(fns_b)
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    if device is None:
+        device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    device = torch.device(device)
+    if device.type != "cuda":
+        def one(fns):
+            t0 = time.perf_counter()
+            for f in fns:
+                f()
+            return (time.perf_counter() - t0) / len(fns)
+
+        for fns in (fa, fb):
+            for _ in range(warmup):
+                one(fns)
+        a, b = [], []
+        for r in range(rounds):
+            if r % 2:
+                b.append(one(fb))
+                a.append(one(fa))
+            else:
+                a.append(one(fa))
+                b.append(one(fb))
+        return Timing(tuple(a), "perf_counter", len(fa)), Timing(tuple(b), "perf_counter", len(fb))
+    with torch.cuda.device(device):
+        ga, calls = _graph_of(fa, warmup, sample_s)
+        gb, calls_b = _graph_of(fb, warmup, sample_s, calls=calls)
+        ev = [[torch.cuda.Event(enable_timing=True) for _ in range(4)] for _ in range(rounds)]
+        for r in range(rounds):
+            first, second = (ga, gb) if r % 2 == 0 else (gb, ga)
+            e = ev[r]
+            e[0].record()
+            first.replay()
+            e[1].record()
+            second.replay()
+            e[2].record()
+        torch.cuda.synchronize()
+        a, b = [], []
+        for r in range(rounds):
+            t1 = ev[r][0].elapsed_time(ev[r][1]) * 1e-3
+            t2 = ev[r][1].elapsed_time(ev[r][2]) * 1e-3
+            ta, tb = (t1, t2) if r % 2 == 0 else (t2, t1)
+            a.append(ta / calls)
+            b.append(tb / calls_b)
+        del ga, gb
+        return Timing(tuple(a), "cuda_graph", calls), Timing(tuple(b), "cuda_graph", calls_b)
