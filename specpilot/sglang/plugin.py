@@ -1,0 +1,142 @@
+"""The SGLang plugin entry point: `register()`, loaded by SGLang from the `sglang.srt.plugins`
+entry-point group (name `specpilot`; `SGLANG_PLUGINS=specpilot` selects it among others).
+
+One switch per feature (environment variables, read when the plugin loads; `1` on, `0` off):
+
+| variable                     | default | what it registers |
+| ---------------------------- | ------- | ----------------- |
+| `SPECPILOT_SGLANG_W12`       | 1 | the `w12` quantization method (`--quantization w12`) |
+| `SPECPILOT_SGLANG_W12_CKPT`  | 1 | reading W12-packed safetensors files through SGLang's loader |
+| `SPECPILOT_SGLANG_HEAD`      | 0 | the certified greedy head on the argmax-only path (changes near-tie answers from the BF16-rounded head's to the exact head's, so it is opt-in) |
+
+SGLang only logs a plugin's exceptions, so `register()` checks itself: every enabled feature is
+registered, then exercised on tiny CPU tensors (W12 pack, unpack bit for bit and matmul against
+F.linear; the certified head against torch.argmax), and the outcome is logged at WARNING (all
+passed) or ERROR (what failed) under the logger `specpilot.sglang`, and kept in `STATUS`.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+
+logger = logging.getLogger("specpilot.sglang")
+
+__all__ = ["register", "STATUS", "SWITCHES", "switch"]
+
+SWITCHES = {"SPECPILOT_SGLANG_W12": True, "SPECPILOT_SGLANG_W12_CKPT": True, "SPECPILOT_SGLANG_HEAD": False}
+STATUS: dict[str, str] = {}  # feature -> "ok", "off", or "failed: <reason>"
+
+
+def switch(name: str) -> bool:
+    raw = os.environ.get(name)
+    if raw is None or raw.strip() == "":
+        return SWITCHES[name]
+    v = raw.strip().lower()
+    if v in ("1", "true", "yes", "on"):
+        return True
+    if v in ("0", "false", "no", "off"):
+        return False
+    raise ValueError(f"specpilot.sglang: {name}={raw!r}; set it to 1 or 0")
+
+
+def _register_w12() -> None:
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.layers import quantization as q
+
+    from .quant import NAME, W12Config
+
+    q.QUANTIZATION_METHODS[NAME] = W12Config
+    q.CPU_QUANTIZATION_METHODS[NAME] = W12Config  # consulted instead on CPUs with AMX
+    if NAME not in choices.QUANTIZATION_CHOICES:
+        choices.add_quantization_method_choices([NAME])
+
+
+def _check_w12() -> None:
+    import torch
+
+    import w12
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.layers.quantization import QUANTIZATION_METHODS, get_quantization_config
+
+    from .quant import W12Config, pack_verified
+
+    if QUANTIZATION_METHODS.get("w12") is not W12Config or "w12" not in choices.QUANTIZATION_CHOICES:
+        raise RuntimeError("w12 is not in QUANTIZATION_METHODS / the --quantization choices")
+    if get_quantization_config("w12") is not W12Config:
+        raise RuntimeError("get_quantization_config('w12') does not return W12Config")
+    g = torch.Generator().manual_seed(0)
+    w = (torch.randn(24, 96, generator=g) * 0.05).to(torch.bfloat16)
+    x = torch.randn(3, 96, generator=g).to(torch.bfloat16)
+    p = pack_verified(w, "self-check weight")
+    want = torch.nn.functional.linear(x.float(), w.float()).to(torch.bfloat16)
+    got = w12.matmul(x, p)
+    if not torch.equal(got, want):
+        raise RuntimeError("w12.matmul on the CPU differs from F.linear over the unpacked weight")
+
+
+def _register_hooks(targets, hooks) -> None:
+    from sglang.srt.plugins.hook_registry import HookRegistry, HookType
+
+    for target, hook in zip(targets, hooks):
+        if not any(h is hook for _, h, _ in HookRegistry._hooks.get(target, [])):
+            HookRegistry.register(target, hook, HookType.AROUND)
+    HookRegistry.apply_hooks()  # idempotent; load_plugins() calls it again after every plugin
+    missing = [t for t in targets if t not in HookRegistry._patched]
+    if missing:
+        raise RuntimeError(f"hooks not applied to {missing}")
+
+
+def _register_ckpt() -> None:
+    from . import checkpoint
+
+    _register_hooks(checkpoint.TARGETS, (checkpoint.iterator_hook,) * len(checkpoint.TARGETS))
+
+
+def _register_head() -> None:
+    from . import greedy_head
+
+    _register_hooks(greedy_head.TARGETS, (greedy_head.forward_hook, greedy_head.compute_lm_head_hook))
+
+
+def _check_head() -> None:
+    import torch
+
+    from .head import ShardedCertifiedHead
+
+    g = torch.Generator().manual_seed(1)
+    W = (torch.randn(50, 64, generator=g) * 0.1).to(torch.bfloat16)
+    h = torch.randn(4, 64, generator=g).to(torch.bfloat16)
+    ids = ShardedCertifiedHead(W).argmax(h)
+    want = (h.float() @ W.float().T).argmax(-1)
+    if not torch.equal(ids, want):
+        raise RuntimeError(f"certified argmax {ids.tolist()} != torch.argmax {want.tolist()}")
+
+
+_FEATURES = (
+    ("w12", "SPECPILOT_SGLANG_W12", _register_w12, _check_w12),
+    ("w12_checkpoint", "SPECPILOT_SGLANG_W12_CKPT", _register_ckpt, None),
+    ("certified_head", "SPECPILOT_SGLANG_HEAD", _register_head, _check_head),
+)
+
+
+def register() -> dict[str, str]:
+    """Register every enabled feature with SGLang, check it, log the outcome; returns `STATUS`."""
+    for feature, env, reg, check in _FEATURES:
+        try:
+            if not switch(env):
+                STATUS[feature] = "off"
+                continue
+            reg()
+            if check is not None:
+                check()
+            STATUS[feature] = "ok"
+        except Exception as e:  # SGLang would only log it: say it loudly and keep the other features
+            STATUS[feature] = f"failed: {type(e).__name__}: {e}"
+            logger.exception("specpilot.sglang: %s FAILED its registration or self-check", feature)
+    line = ", ".join(f"{k}={v}" for k, v in STATUS.items())
+    if any(v.startswith("failed") for v in STATUS.values()):
+        logger.error("specpilot.sglang plugin: SELF-CHECK FAILED: %s", line)
+    else:
+        logger.warning("specpilot.sglang plugin: self-check passed: %s", line)
+    return dict(STATUS)
