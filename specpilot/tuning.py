@@ -398,6 +398,8 @@ class GpuBackend:
             t0 = time.monotonic()
 
             def one(cfg):
+                if self.device.type == "cuda":
+                    torch.cuda.set_device(self.device)  # the thread's current context (NVRTC modules load into it)
                 with autotune.force(space.op, config=cfg):
                     p.fns(space.variant)[0]()
 
@@ -536,9 +538,11 @@ def run(op: str, *, shape_set: str = "hybrid-27b", only: str | None = None, vari
     pairs = [(sp, n, s) for sp in spaces for n, s in shapes]
     deadline = None if time_budget is None else time.monotonic() + time_budget
     bar = None
-    if progress:
+    try:
         from tqdm import tqdm
-
+    except ImportError:  # the per-shape log lines remain
+        progress = False
+    if progress:
         bar = tqdm(total=len(pairs) * trials, desc=op, unit="trial", file=sys.stderr, mininterval=2.0,
                    dynamic_ncols=True)
     records = []
@@ -604,7 +608,10 @@ def report_png(entries: dict[str, dict], path) -> Path | None:
             for name, e in sorted(entries.items()) if isinstance(e.get("_"), dict) and e["_"].get("over_floor")]
     if not rows:
         return None
-    import matplotlib
+    try:
+        import matplotlib
+    except ImportError:
+        return None
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt

@@ -170,3 +170,12 @@ def test_named_shapes_of_hybrid_27b():
     assert len(names) == 7 and "mlp.down_proj-M64" in names and "lm_head-M64" in names
     assert [n for n, _ in tuning.named_shapes("gdn.tree_verify", "hybrid-27b")] == ["B1-N32", "B1-N16", "B1-N8",
                                                                                        "B24-N8"]
+
+
+def test_lookup_benchmark_runs_on_the_cpu(tmp_path):
+    from specpilot.bench import lookup
+
+    res = lookup.run("cpu", calls=2000, launches=40, repeats=1)
+    what = {r["what"]: r for r in res["rows"]}
+    assert what["PlanCache.get, cached key"]["unit"] == "ns/call" and what["PlanCache.get, cached key"]["value"] > 0
+    assert "lookup's share of an eager call" in what and res["device"] == "cpu"
