@@ -1,4 +1,5 @@
-"""GDN tree-verify exploration on one GPU: WY configs side by side with recurrent and fla.
+"""GDN tree-verify exploration on one GPU: the default CUDA and WY kernels side by side with recurrent and fla,
+the alternative WY forms (levels, wgmma) and the phase ablations.
 
     python3 perf/gdn_explore.py --out $OUT            # H200, hybrid-27b dims, <= ~3.5 min
     python3 perf/gdn_explore.py --smoke               # CPU, interpreter, tiny dims (no timing value)
@@ -8,6 +9,8 @@ median of graph replays, and is only timed after its output passed the derived c
 0 and L-1: within 2x the error of the same algorithm in torch fp32 against fp64 (fp32 output
 buffer, so the kernel's own error shows). Prints n_regs/n_spills of every compiled kernel, then
 a best-per-case table last. A hard time budget skips what is left and still prints the table.
+The kernels' launch configs (`WYConfig`, `CudaConfig`) are searched by `specpilot tune --op gdn.tree_verify`
+(gdn/space.py, docs/autotune.md), not here.
 """
 
 from __future__ import annotations
@@ -71,52 +74,15 @@ if ARGS.layers:
     L = ARGS.layers
 C = 2 * H * K + HV * V if GPU else 24
 
-# The CUDA C++ kernel (gdn/csrc/gdn_tree.cu, variant "cuda"): substitution for N on one warp beside the
-# mma.sync state products, one launch per layer.
-CUDA = {"cuda": None, "cuda-bv64": CudaConfig(BV=64), "cuda-p2": CudaConfig(pieces=2),
-        "cuda-bv64-p2": CudaConfig(BV=64, pieces=2), "cuda-bv16": CudaConfig(BV=16), "cuda-nopdl": CudaConfig(pdl=False),
-        "cuda-bv64-m1": CudaConfig(BV=64, min_blocks=1),
-        "cuda-sw": CudaConfig(split_warps=True), "cuda-sw-p2": CudaConfig(split_warps=True, pieces=2),
-        "cuda-sw-bv32": CudaConfig(BV=32, split_warps=True),
+# The CUDA C++ kernel (gdn/csrc/gdn_tree.cu, variant "cuda", its default config) and its phase ablations.
+CUDA = {"cuda": None,
         # ablations (wrong outputs, timing only): exit after the wait, exit after the loads, no solve, no products
         **{f"ablate-cuda-skip{b}": CudaConfig(skip=b) for b in (1, 8, 2, 4, 6)}}
 
-# The Triton WY kernel: name -> pinned config (None = the default heuristic, configs.wy_config), most
-# promising first (the budget may cut the tail). Timings of these on the H200 are in docs/gdn.md.
+# The Triton WY kernel: name -> pinned config (None = the default, configs.wy_config). Timings on the H200 are
+# in docs/gdn.md.
 WY = {
-    # sm_90 default: one wave at <= 32 nodes -> split, BV=32, 4 warps; one wave beyond -> BV=64, 8 warps,
-    # stack, PDL; more programs -> BV=64, 4 warps, PDL
     "wy": None,
-    # inverse="split": fold's N from a first launch (one program per request and value head) while the second
-    # does the state products, PDL between them; both grids must fit the SMs together (48 + 96 programs on
-    # 132 SMs at B1)
-    "split-bv32-w4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True),
-    "split-bv64-w8": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True),
-    # the first launch at 8 warps capped to 128 registers (the register file of 4 x 255, so it still shares an
-    # SM with the second launch's programs), its q.k^T / k.k^T as one stacked product
-    "split-istack-iw8-r128": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True,
-                                      inverse_stack=True, inverse_warps=8, inverse_maxnreg=128),
-    "split-itf32x3": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_precision="tf32x3"),
-    # split in one launch (handoff="flag"): the inverse programs hand N to their head's state programs through a
-    # flag in the plan instead of a grid boundary
-    "flag-w4": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                        handoff="flag"),
-    # the first launch's fold rounds as a runtime loop (one copy of the round's code instead of ~10K unrolled
-    # SASS instructions)
-    "loop-iw8": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                         inverse_warps=8, inverse_loop=True),
-    "loop-iw8-bf16x6": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True, inverse_stack=True,
-                                inverse_warps=8, inverse_loop=True, inverse_precision="bf16x6"),  # GPU only
-    "bv64-w4-loop": WYConfig(BV=64, num_warps=4, pdl=True, inverse="loop"),
-    # one program per (request, value head, BV block), the inverse by repeated squaring
-    "stack-w8-pdl": WYConfig(BV=64, num_warps=8, stack=True, pdl=True),
-    "bv64-w4-pdl": WYConfig(BV=64, pdl=True),
-    "bv64-w8": WYConfig(BV=64, num_warps=8),
-    "bv32-w8": WYConfig(BV=32, num_warps=8),  # 192 programs, half the state per program
-    # inverse="fold": (q.k^T d) T built directly, r + 2 products instead of 2r + 2 (twice as tall: same FMA work)
-    "fold-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="fold", pdl=True),
-    # the [BT,BT] products on tensor cores in tf32x3 (~fp32 accuracy)
-    "stack-tf32x3-pdl": WYConfig(BV=64, num_warps=8, stack=True, small_precision="tf32x3", pdl=True),
     "levels": WYConfig(BV=32, num_warps=4, inverse="levels"),  # substitution: the guard's fallback, alone
     "wgmma": WY_WGMMA,  # transposed, the config that emits wgmma
 }
@@ -129,16 +95,9 @@ ABLATE.update({f"ablate-split-skip{b}": WYConfig(BV=32, num_warps=4, stack=True,
 # the one-launch split's phases (bit 2: no rounds; bit 4: consumers read no N, producers raise no flag)
 ABLATE.update({f"ablate-flag-skip{b}": WYConfig(BV=32, num_warps=4, stack=True, inverse="split", pdl=True,
                                                   inverse_stack=True, handoff="flag", skip=b) for b in (2, 4)})
-# run even past the case's budget share
-ESSENTIAL = {"B1-N32": ("stack-w8-pdl", "fold-pdl"), "B24-N8": ("bv64-w4-pdl",),
-             "chain16": ("stack-w8-pdl", "fold-pdl")}
+ESSENTIAL: dict[str, tuple[str, ...]] = {}  # names run even past the case's budget share
 if not GPU:
-    WY = {"wy": WYConfig(BV=16), "stack": WYConfig(BV=16, stack=True), "loop": WYConfig(BV=16, inverse="loop"),
-          "levels": WYConfig(BV=16, inverse="levels"), "t-bv16": WYConfig(BV=16, trans=True),
-          "fold": WYConfig(BV=16, stack=True, inverse="fold"),
-          "split": WYConfig(BV=16, stack=True, inverse="split", maxnreg=128, inverse_maxnreg=128),
-          "split-istack": WYConfig(BV=16, inverse="split", inverse_stack=True),
-          "flag": WYConfig(BV=16, stack=True, inverse="split", inverse_stack=True, handoff="flag")}
+    WY = {"wy": WYConfig(BV=16), "levels": WYConfig(BV=16, inverse="levels"), "t-bv16": WYConfig(BV=16, trans=True)}
 
 ROWS: list[dict] = []
 LOG: list[str] = []

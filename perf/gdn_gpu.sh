@@ -1,5 +1,6 @@
 #!/usr/bin/env bash
-# The GDN operator on the GPU machine in one device call (<= 10 minutes): explore, tune, test, profile, benchmark.
+# The GDN operator on the GPU machine in one device call (<= 10 minutes): explore, test, profile, benchmark.
+# Tuning: perf/tune_gpu.sh (specpilot tune --op gdn.tree_verify).
 #
 #   bash perf/gdn_gpu.sh                                   (OUT defaults to perf/out)
 #   STAGES="explore bench" bash perf/gdn_gpu.sh            (a subset, in this order)
@@ -10,8 +11,6 @@
 #           48 layers per CUDA graph, each checked before it is timed. EXPLORE_ARGS (default
 #           "--cases B1-N32,chain8,chain16,chain32,B24-N8 --configs none": the defaults only; "--ablate" adds
 #           the phase ablations), EXPLORE_BUDGET (230 s), EXPLORE_TIMEOUT (260 s).
-#   tune    perf/tune_gdn.py --store (TUNE_ARGS, default "--groups B1-M32 --trials 16"; TUNE_BUDGET 420 s):
-#           autotune/configs/<gpu>.json is copied to $OUT (copy it back to ship it).
 #   tests   the GDN GPU tests (tests/gdn, tests/test_sm90_codegen.py; TEST_K, TEST_SHARD, TEST_TIMEOUT 300 s,
 #           TEST_WORKERS pytest-xdist processes when its wheels travel in .whl).
 #   sanitize  the index-guard tests (tests/gdn/test_gdn_guard_gpu.py) under `compute-sanitizer --tool memcheck`,
@@ -21,7 +20,7 @@
 #   ncu     Nsight Compute on NCU_COUNT GDN kernel launches of the benchmark, one line per kernel
 #           (perf/ncu_summary.py) in summary.txt.
 #   bench   specpilot bench --ops gdn (BENCH_SHAPES, default hybrid-27b; BENCH_TIMEOUT 240 s), and its summary.
-# Files in $OUT (<= 8): summary.txt explore.log gdn_explore.json tune_gdn.json pytest.log sanitize.log
+# Files in $OUT (<= 8): summary.txt explore.log gdn_explore.json pytest.log sanitize.log
 # <stamp>-gdn.{json,md}
 cd "$(dirname "$0")/.."
 STAGES=${STAGES:-tests bench}
@@ -34,12 +33,6 @@ if has_stage explore; then
     ${EXPLORE_ARGS:---cases B1-N32,chain8,chain16,chain32,B24-N8 --configs none} \
     --budget "${EXPLORE_BUDGET:-230}" --fla-budget "${FLA_BUDGET:-0}" --out "$OUT" >"$OUT/explore.log" 2>&1
   RC[explore]=$?
-fi
-if has_stage tune; then
-  timeout "$(( ${TUNE_BUDGET:-420} + 60 ))" python3 perf/tune_gdn.py ${TUNE_ARGS:---groups B1-M32 --trials 16} \
-    --budget-s "${TUNE_BUDGET:-420}" --store --out "$OUT" >"$SCRATCH/tune.log" 2>&1
-  RC[tune]=$?
-  cp autotune/configs/*.json "$OUT/" 2>/dev/null
 fi
 if has_stage tests; then
   TEST_TIMEOUT=${TEST_TIMEOUT:-300} run_tests "$OUT/pytest.log" tests/gdn tests/test_sm90_codegen.py
@@ -65,7 +58,6 @@ has_stage bench && run_bench 240 gdn
     sed -n '/== best per case/,$p' "$OUT/explore.log"
     grep -E "ABLATION|FAILED|ERROR" "$OUT/explore.log" | head -n 20
   fi
-  has_stage tune && tail -n 12 "$SCRATCH/tune.log"
   has_stage sanitize && grep -E "passed|failed|ERROR SUMMARY|Invalid" "$OUT/sanitize.log" | tail -n 5
   summary_common
 } 2>&1 | tee "$OUT/summary.txt"

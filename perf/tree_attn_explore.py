@@ -1,15 +1,13 @@
-"""tree_attn exploration on one GPU: the split kernel's configs, and where the time of one call goes.
+"""Where the time of one tree_attn call goes, on one GPU.
 
     python3 perf/tree_attn_explore.py --out $OUT       # H200, hybrid-27b attention dims, ~1 min
     python3 perf/tree_attn_explore.py --smoke          # CPU, interpreter, tiny dims (no timing value)
 
-`sweep`: SplitConfig grid (block_m, block_n, num_warps, num_stages, programs_per_sm) on batch 1, one
-32-node tree over a 32k prefix, then the best three at 1k, 4k and 128k and on 24 requests of 8-node
-trees (prefixes 1k-32k). Each config's output is checked against tree_attn.tree_attention_reference
-(fp32) before it is timed (CUDA-graph replays, three rotated input sets where they fit in L2).
-`breakdown` (32k): the whole run, the split kernel alone, the merge alone, the same two products on
-cuBLAS (K/V contiguous, no softmax, S written), and a copy of K's bytes, plus the plan's host time.
-Writes tree_attn_explore.md (and .json) to --out.
+`breakdown` (one 32-node tree over 32k keys): the whole run, the split kernel alone, the merge alone, the
+same two products on cuBLAS (K/V contiguous, no softmax, S written), and a copy of K's bytes, plus the
+plan's host time. The split kernel's configs (`SplitConfig`) are searched by `specpilot tune --op
+tree_attn.tree_attention` (tree_attn/space.py, docs/autotune.md). Writes tree_attn_explore.md (and .json)
+to --out.
 """
 
 from __future__ import annotations
@@ -30,7 +28,6 @@ def parse():
     ap = argparse.ArgumentParser()
     ap.add_argument("--out", default=None, help="folder for tree_attn_explore.md / .json")
     ap.add_argument("--smoke", action="store_true", help="tiny dims on CPU (interpreter)")
-    ap.add_argument("--parts", nargs="*", default=["sweep", "breakdown"], choices=["sweep", "breakdown"])
     return ap.parse_args()
 
 
@@ -43,7 +40,6 @@ import torch  # noqa: E402
 import autotune  # noqa: E402
 import tree_attn  # noqa: E402
 from specpilot.bench.timing import time_fns  # noqa: E402
-from tree_attn.configs import SplitConfig  # noqa: E402
 from tree_attn.kernels.split import tree_attn_merge_kernel, tree_attn_split_kernel  # noqa: E402
 
 DEV = torch.device("cpu" if ARGS.smoke else "cuda")
@@ -78,70 +74,11 @@ def make_step(ns: list[int], lens: list[int], sets: int, seed: int):
     return dict(qo=qo, kvp=kvp, kvi=kvi, mask=mask, slots=slots, data=data, ns=ns, lens=lens)
 
 
-def nbytes(ns, lens) -> int:
-    return sum(2 * HKV * D * 2 * (L + n) for n, L in zip(ns, lens)) + 2 * sum(ns) * H * D * 2
-
-
 def plan_of(step, cfg=None, variant=None):
     autotune.clear_plans()
     with autotune.force(OP, variant=variant or ("wgmma" if not ARGS.smoke else "mma"), config=cfg):
         return tree_attn.plan(step["qo"], step["kvp"], step["kvi"], step["mask"], num_qo_heads=H, num_kv_heads=HKV,
                               head_dim=D, cache_slots=step["slots"])
-
-
-def check(step, p) -> float:
-    q, kc, vc, kn, vn = step["data"][0]
-    o = tree_attn.run(p, q, kc, vc, k_new=kn, v_new=vn)
-    r, _ = tree_attn.tree_attention_reference(q, kc, vc, step["kvp"], step["kvi"], step["qo"], step["mask"],
-                                              k_new=kn, v_new=vn)
-    err = float((o.float() - r).abs().max())
-    own = float((r.to(o.dtype).float() - r).abs().max())  # the output's own rounding
-    if not err <= 3 * own + 1e-6:
-        raise AssertionError(f"max error {err:.3e} over 3x the output rounding {own:.3e}")
-    return err
-
-
-def time_plan(tag, step, cfg, variant=None):
-    try:
-        p = plan_of(step, cfg, variant)
-        err = check(step, p)
-        outs = [torch.empty_like(d[0]) for d in step["data"]]
-        fns = [lambda d=d, o=o: tree_attn.run(p, d[0], d[1], d[2], k_new=d[3], v_new=d[4], out=o)
-               for d, o in zip(step["data"], outs)]
-        us = time_fns(fns, DEV, reps=3 if ARGS.smoke else 30).median * 1e6
-        tbs = nbytes(step["ns"], step["lens"]) / us / 1e6
-        row = dict(case=tag, variant=p.variant, config=str(p.dispatch.config), items=p.num_items,
-                   split=p.split_len, us=round(us, 2), tbs=round(tbs, 3), max_err=err)
-        print(f"{tag} {p.variant} {p.dispatch.config} items={p.num_items} split={p.split_len}: {us:.1f} us "
-              f"{tbs:.2f} TB/s", flush=True)
-    except Exception as e:  # a config that fails to compile or to check is reported, not fatal
-        row = dict(case=tag, variant=variant, config=str(cfg), error=f"{type(e).__name__}: {str(e)[:200]}")
-        print(f"{tag} {cfg}: FAILED {row['error']}", flush=True)
-    ROWS.append(row)
-    return row
-
-
-def sweep():
-    big = [32], [128 if ARGS.smoke else 32768]
-    step = make_step(*big, 1, 1)
-    grid = [SplitConfig(block_m=bm, block_n=bn, num_warps=w, num_stages=st, programs_per_sm=pps)
-            for bm, bn, w, st, pps in itertools.product((64, 128), (32, 64), (4, 8), (2, 3), (1.0, 2.0))]
-    if ARGS.smoke:
-        grid = [SplitConfig(block_m=16, block_n=16, num_stages=1), SplitConfig(block_m=32, block_n=16, num_stages=1)]
-    done = [time_plan("B1-N32-L32k", step, cfg) for cfg in grid]
-    best = sorted((r for r in done if "us" in r), key=lambda r: r["us"])[:3]
-    keep = [eval(r["config"], {"SplitConfig": SplitConfig}) for r in best]  # noqa: S307 (our own repr)
-    time_plan("B1-N32-L32k", step, None, variant="mma")
-    for L in ((40, 300) if ARGS.smoke else (1024, 4096, 131072)):
-        s = make_step([32], [L], 3 if L <= 4096 else 1, 2)
-        for cfg in keep:
-            time_plan(f"B1-N32-L{L}", s, cfg)
-    rng = random.Random(3)
-    ns = [8] * (3 if ARGS.smoke else 24)
-    lens = [rng.randrange(10, 60) if ARGS.smoke else rng.randrange(1024, 32768) for _ in ns]
-    s = make_step(ns, lens, 1, 4)
-    for cfg in keep:
-        time_plan("B24-N8-L1k-32k", s, cfg)
 
 
 def breakdown():
@@ -217,9 +154,6 @@ def write(out: str):
 
 
 if __name__ == "__main__":
-    if "sweep" in ARGS.parts:
-        sweep()
-    if "breakdown" in ARGS.parts:
-        breakdown()
+    breakdown()
     if ARGS.out:
         write(ARGS.out)

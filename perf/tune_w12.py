@@ -1,7 +1,12 @@
-"""Grid sweep of the Triton W12 kernels' launch configs (tc, gemv) on the current GPU; stores winners as tuned JSON.
+"""Grid sweep of the W12 CUDA-core GEMV kernel's launch configs (`GemvConfig`, variant gemv) on the current GPU;
+stores winners as tuned JSON.
 
     python3 perf/tune_w12.py [--shapes hybrid-27b] [--ms 1 2 4 8 16 32] [--budget-s 240]
-                             [--out DIR] [--ops w12.matmul w12.matmul_q8] [--variants tc gemv]
+                             [--out DIR] [--ops w12.matmul w12.matmul_q8]
+
+The tensor-core kernel (`TcConfig`, variant tc) is tuned by `specpilot tune --op w12.matmul` (w12/space.py,
+docs/autotune.md). This script stays until the GEMV kernel declares a search space of its own: it is the only
+tuning path of `GemvConfig` and of the `gemv.mma` entries.
 
 Every candidate is checked against the heuristic config's output (bitwise-identical is not
 required: split-K changes the summation order) before it is timed. Timing: median of CUDA
@@ -29,7 +34,6 @@ import w12  # noqa: E402
 from specpilot.bench.shapes import get_shape_set  # noqa: E402
 from specpilot.bench.timing import time_fns  # noqa: E402
 from w12 import configs as wc  # noqa: E402
-from w12 import ops as wops  # noqa: E402
 
 
 def _subset(kind: str, M: int, N: int, K: int, limit: int) -> list:
@@ -50,7 +54,8 @@ def main(argv=None) -> int:
     ap.add_argument("--shapes", default="hybrid-27b")
     ap.add_argument("--ms", type=int, nargs="+", default=[1, 2, 4, 8, 16, 32])
     ap.add_argument("--ops", nargs="+", default=["w12.matmul", "w12.matmul_q8"])
-    ap.add_argument("--variants", nargs="+", default=["tc"])
+    ap.add_argument("--variants", nargs="+", default=["gemv"], choices=["gemv"],
+                    help="gemv only: the tc variant is tuned by `specpilot tune --op w12.matmul`")
     ap.add_argument("--limit", type=int, default=24, help="candidates per (op, variant, shape, M)")
     ap.add_argument("--budget-s", type=float, default=240.0)
     ap.add_argument("--out", default=os.environ.get("OUT", "perf/out"))

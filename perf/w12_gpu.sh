@@ -8,7 +8,8 @@
 #   sweep   perf/w12_mma_explore.py --grid final --emit: every CUDA config checked against fp64, then timed
 #           beside cuBLAS; each cell's winner stored in autotune/configs/<gpu>.json (copied to $OUT: copy it
 #           back to ship it). SWEEP_ARGS adds options (e.g. --only gdn.in_proj), SWEEP_TIMEOUT (240 s).
-#   triton  perf/tune_w12.py: the Triton kernels' grid (TRITON_ARGS, TRITON_TIMEOUT 240 s).
+#   triton  perf/tune_w12.py: the GEMV kernel's grid (TRITON_ARGS, TRITON_TIMEOUT 240 s); the tensor-core kernel
+#           is tuned by perf/tune_gpu.sh (specpilot tune --op w12.matmul).
 #   tests   the W12 GPU tests (tests/w12, tests/test_sm90_codegen.py; TEST_K, TEST_SHARD, TEST_TIMEOUT 240 s).
 #   ncu     Nsight Compute on NCU_COUNT W12 and cuBLAS launches of the benchmark, one line per kernel
 #           (perf/ncu_summary.py) in summary.txt.
