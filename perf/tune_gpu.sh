@@ -38,7 +38,7 @@ say() { echo "[$(date +%T) +$((SECONDS - START))s] $*" | tee -a "$LOG"; }
 # limit CAP: CAP seconds, or what is left of WALL after the reserve (at least 10)
 limit() { local left=$((WALL - RESERVE - (SECONDS - START))); [ "$left" -lt "$1" ] && echo $((left > 10 ? left : 10)) || echo "$1"; }
 
-TUNE=(python3 -m specpilot tune --shapes hybrid-27b --trials "$TRIALS" --ship --no-progress
+TUNE=(python3 -m specpilot tune --shapes hybrid-27b --trials "$TRIALS" --ship
       --storage "sqlite:///$OUT/tune-studies.db" --out "$OUT")
 # stage NAME CAP CMD...: run CMD under min(CAP, time left), its output appended to the log
 stage() {

@@ -144,8 +144,8 @@ class _GdnProblem:
 
 class _TreeAttnProblem:
     """tree_attn.run at {D, G, H, Hkv, L, N}: one N-node draft tree over an L-token prefix, nodes in the cache
-    (specpilot/bench/cases/tree_attn.py's problem and check, factor 3); the plan is made under the pinned
-    config (its schedule depends on it)."""
+    (specpilot/bench/cases/tree_attn.py's problem; its check's tolerance, factor 3, with the references of set 0
+    computed once); the plan is made under the pinned config (its schedule depends on it)."""
 
     op = "tree_attn.tree_attention"
 
@@ -169,13 +169,17 @@ class _TreeAttnProblem:
         return [lambda q=q, k=k, v=v: tree_attn.run(plan, q, k, v, out=out) for q, k, v in p.sets]
 
     def check(self, variant) -> bool:
+        from tree_attn.reference import tree_attention_reference
+
         self.out.fill_(float("nan"))
         self.fns(variant)[0]()
-        try:
-            self.prob.check(0, self.out, 3.0, "tune")
-        except AssertionError:
-            return False
-        return True
+        if not hasattr(self, "_refs"):  # one request: the fp64 and fp32 references of set 0, computed once
+            p, sp = self.prob, self.spec
+            q, k, v = p.sets[0]
+            args = (q, k, v, p.kv_indptr, p.kv_indices, p.qo_indptr, p.tree_mask)
+            self._refs = (tree_attention_reference(*args, sm_scale=sp.D ** -0.5, dtype=torch.float64)[0],
+                          tree_attention_reference(*args, sm_scale=sp.D ** -0.5)[0].to(self.out.dtype))
+        return _error_ok(self.out, *self._refs, 3.0)
 
 
 class _HeadProblem:
