@@ -3,7 +3,9 @@
 `csrc/w12_mma.cu` (`MmaConfig`, sm_80+): register-pipelined, weights read straight from the planes.
 `csrc/w12_tma.cu` (`TmaConfig`, sm_90): warp-specialised, TMA streams the planes into an mbarrier
 ring; its 2-D tensor maps are encoded on the host and cached per (address, shape, box).
-Both include `csrc/w12_common.cuh` (the decode, the mma.sync step, PDL and bias helpers).
+`csrc/w12_stream.cu` (`StreamConfig`, sm_80+): persistent, stream-K over (row group, chunk) units, a
+cp.async ring per warp, fixed-base decode with an exact power-of-two epilogue scale.
+All include `csrc/w12_common.cuh` (the decode, the mma.sync step, PDL and bias helpers).
 
 One CUBIN per specialisation (`spec()`: the config's fields and the token tiles become -D defines),
 compiled on first use and cached on disk by autotune.jit (keyed by the sources, defines, options and
@@ -28,16 +30,20 @@ import torch
 from autotune import jit
 from autotune.jit import BuildError, available, unavailable
 
-from .configs import MmaConfig, TmaConfig
+from .configs import MmaConfig, StreamConfig, TmaConfig
 
 __all__ = ["available", "unavailable", "tma_available", "spec", "build", "launch", "n_tiles", "unsupported",
-           "smem_bytes", "pdl_enabled", "BuildError", "SOURCE", "KERNEL", "TMA_SOURCE", "TMA_KERNEL", "COMMON", "MAX_M"]
+           "smem_bytes", "pdl_enabled", "BuildError", "SOURCE", "KERNEL", "TMA_SOURCE", "TMA_KERNEL", "STREAM_SOURCE",
+           "STREAM_KERNEL", "COMMON", "MAX_M", "MAX_KP", "stream_grid"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_mma.cu"
 KERNEL = "w12_matmul_mma_kernel"
 TMA_SOURCE = Path(__file__).with_name("csrc") / "w12_tma.cu"  # sm_90: TMA ring + warp specialisation
 TMA_KERNEL = "w12_matmul_tma_kernel"
-COMMON = Path(__file__).with_name("csrc") / "w12_common.cuh"  # device code included by both
+STREAM_SOURCE = Path(__file__).with_name("csrc") / "w12_stream.cu"  # sm_80+: persistent, per-warp cp.async rings
+STREAM_KERNEL = "w12_matmul_stream_kernel"
+COMMON = Path(__file__).with_name("csrc") / "w12_common.cuh"  # device code included by all three
+MAX_KP = 1 << 18  # the stream kernel's scale identity assumes Kp <= 2^18 columns (csrc/w12_stream.cu)
 MAX_M = 32  # 4 n-tiles of 8 tokens
 _SMEM_DEFAULT_MAX = 48 << 10
 _STATIC_SMEM = 64  # the kernel's own __shared__ variables (16 bytes), with room to spare
@@ -56,11 +62,15 @@ def n_tiles(M: int) -> int:
     return 1 if M <= 8 else 2 if M <= 16 else 4
 
 
-def spec(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], *,
+def spec(cfg: MmaConfig | TmaConfig | StreamConfig, nt: int, q8: bool, arch: tuple[int, int], *,
          defines: Mapping[str, object] | None = None) -> jit.Spec:
     """The build of `cfg` for `nt` token tiles, the exact or 8-bit view (`q8`) and compute capability
     `arch`; `defines` add to (or override) the config's W12_* defines."""
-    if isinstance(cfg, TmaConfig):
+    if isinstance(cfg, StreamConfig):
+        base = dict(WARPS=cfg.warps, STAGES=cfg.stages, CPS=cfg.cps, NT=nt, Q8=int(q8), FIXED=int(cfg.fixed),
+                    TILED=int(cfg.tiled))
+        source, kernel = STREAM_SOURCE, STREAM_KERNEL
+    elif isinstance(cfg, TmaConfig):
         if arch[0] != 9:
             raise ValueError(f"w12.cuda.spec: {cfg} is the TMA kernel, which needs an sm_90 GPU, "
                              f"got sm_{arch[0]}{arch[1]}")
@@ -109,10 +119,17 @@ def _tma_stage_bytes(cfg: TmaConfig, nt: int, q8: bool) -> int:
     return -(-raw // 1024) * 1024
 
 
-def smem_bytes(cfg: MmaConfig | TmaConfig, nt: int, q8: bool) -> int:
+def _stream_slot(nt: int, q8: bool) -> int:
+    return 16 * 64 + (0 if q8 else 16 * 32) + 8 * nt * 144
+
+
+def smem_bytes(cfg: MmaConfig | TmaConfig | StreamConfig, nt: int, q8: bool) -> int:
     """Dynamic shared memory of one CTA. MmaConfig: the partial sums (and escape ranges), or the
     cp.async ring when that is larger (they share the memory). TmaConfig: the ring (1024-byte
-    aligned stages, plus 1024 bytes of alignment slack) and two mbarriers per stage."""
+    aligned stages, plus 1024 bytes of alignment slack) and two mbarriers per stage. StreamConfig:
+    one ring of `stages` slots per warp."""
+    if isinstance(cfg, StreamConfig):
+        return cfg.warps * cfg.stages * _stream_slot(nt, q8)
     if isinstance(cfg, TmaConfig):
         ring = cfg.stages * _tma_stage_bytes(cfg, nt, q8) + 1024
         if cfg.wg:  # barriers in a 1 KiB slot, then two permuted-x buffers per warpgroup
@@ -150,6 +167,14 @@ def _load(cfg, nt: int, q8: bool, idx: int, defines: tuple, smem: int | None) ->
     return kernel, smem
 
 
+def stream_grid(cfg: StreamConfig, N: int, Kp: int, device: torch.device) -> int:
+    """CTAs of a StreamConfig launch: cps per SM, at most one per unit."""
+    groups = -(-N // cfg.rows)
+    if cfg.split:
+        return groups * min(cfg.split, Kp // 64)
+    return max(1, min(groups * (Kp // 64), cfg.cps * sk_sm_count(device)))
+
+
 def tma_available(device: torch.device | None = None) -> bool:
     """`available()` on an sm_90 GPU: the TMA kernel (TmaConfig) can run."""
     if not available(device):
@@ -167,6 +192,8 @@ def unsupported(x2d: torch.Tensor, hi: torch.Tensor) -> str | None:
         return f"1 <= M <= {MAX_M} tokens, got M={x2d.shape[0]}"
     if not hi.is_contiguous():
         return "the weight planes must be contiguous"
+    if hi.shape[1] > MAX_KP:
+        return f"K <= {MAX_KP} columns, got Kp={hi.shape[1]}"
     return None
 
 
@@ -221,10 +248,31 @@ _P, _I, _L, _T = jit.PTR, jit.I32, jit.I64, jit.BY_ADDRESS
 _TAIL = (_P, _I, _P, _I, _I, _I, _P, _P)  # bias, kind, out, M, N, Kp, ws, counters
 _ESC = (_P, _P, _P, _P)                    # e0, rowptr, col, val
 _MMA_TYPES = (_P, _L, _P, _P) + _ESC + _TAIL
+_STREAM_TYPES = (_P, _L, _P, _P, _P) + _ESC + _TAIL
+_TILES: dict[tuple, torch.Tensor] = {}
+
+
+def tile_planes(hi: torch.Tensor, lo: torch.Tensor, chunk_major: bool = False) -> torch.Tensor:
+    """The planes as [ceil(N / 16), Kp / 64, 1536] tiles (hi 16 x 64 bytes, then lo 16 x 32), each one
+    contiguous, rows past N zero; cached per plane address (a diagnostic layout for StreamConfig.tiled)."""
+    key = (hi.data_ptr(), lo.data_ptr(), tuple(hi.shape), chunk_major)
+    t = _TILES.get(key)
+    if t is None:
+        N, Kp = hi.shape
+        n16 = -(-N // 16)
+        h = torch.zeros((n16 * 16, Kp), dtype=torch.uint8, device=hi.device)
+        lw = torch.zeros((n16 * 16, Kp // 2), dtype=torch.uint8, device=hi.device)
+        h[:N], lw[:N] = hi, lo
+        h = h.view(n16, 16, Kp // 64, 64).permute(0, 2, 1, 3).reshape(n16, Kp // 64, 1024)
+        lw = lw.view(n16, 16, Kp // 64, 32).permute(0, 2, 1, 3).reshape(n16, Kp // 64, 512)
+        t = torch.cat([h, lw], dim=2)
+        t = (t.transpose(0, 1) if chunk_major else t).contiguous()
+        _TILES[key] = t
+    return t
 _TMA_TYPES = {xbox: (_T, _T) + (_T,) * xbox + (_P, _L) + _ESC + _TAIL for xbox in (0, 1)}
 
 
-def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False,
+def launch(cfg: MmaConfig | TmaConfig | StreamConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False,
            trace: torch.Tensor | None = None, defines: Mapping[str, object] | None = None,
            smem: int | None = None) -> None:
     """out[M, N] = x2d @ W^T (+ bias), W exact or its 8-bit view (`q8`), on torch's current stream.
@@ -237,9 +285,22 @@ def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, 
     nt = n_tiles(M)
     kernel, smem = _kernel(cfg, nt, q8, x2d.device, () if not defines else tuple(sorted(defines.items())), smem)
     tma = isinstance(cfg, TmaConfig)
+    stream = torch.cuda.current_stream(x2d.device).cuda_stream
+    if isinstance(cfg, StreamConfig):
+        if trace is not None:
+            raise ValueError("w12.cuda.launch: trace takes a plain TmaConfig")
+        grid = stream_grid(cfg, N, Kp, x2d.device)
+        ws, cnt = _workspace(x2d.device, stream, grid * 2 * cfg.rows * 8 * nt, -(-N // cfg.rows))
+        xk, ldx = _x_operand(x2d, Kp)
+        tail = (0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype], out.data_ptr(),
+                M, N, Kp, ws.data_ptr(), cnt.data_ptr())
+        tiles = tile_planes(hi, lo, chunk_major=cfg.tiled == 2) if cfg.tiled else hi
+        values = (xk.data_ptr(), ldx, hi.data_ptr(), lo.data_ptr(), tiles.data_ptr(), e0.data_ptr(), rowptr.data_ptr(),
+                  col.data_ptr(), val.data_ptr(), *tail)
+        kernel.launch((grid, 1, 1), 32 * cfg.warps, smem, stream, values, _STREAM_TYPES, pdl=pdl_enabled(x2d.device))
+        return
     rows = cfg.rows if tma else 16 * cfg.mt * cfg.wr
     grid = -(-N // rows)
-    stream = torch.cuda.current_stream(x2d.device).cuda_stream
     ws, cnt = (None, None)
     if cfg.split > 1:
         ws, cnt = _workspace(x2d.device, stream, grid * cfg.split * rows * 8 * nt, grid)

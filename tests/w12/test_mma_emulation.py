@@ -412,7 +412,7 @@ def test_byte_perm_selectors():
 
     from w12 import cuda
 
-    src = "".join(f.read_text() for f in (cuda.SOURCE, cuda.TMA_SOURCE, cuda.COMMON))
+    src = "".join(f.read_text() for f in (cuda.SOURCE, cuda.TMA_SOURCE, cuda.STREAM_SOURCE, cuda.COMMON))
     sels = re.findall(r"__byte_perm\([^;]*?,\s*(0x[0-9A-Fa-f]+)\)", src)
     assert sels, "no __byte_perm calls found: update this test"
     for sel in sels:
