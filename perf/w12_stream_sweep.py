@@ -113,6 +113,37 @@ def sweep(ms, dev, rows: list, names=None) -> None:
         torch.cuda.empty_cache()
 
 
+def trace(dev, names, cands, out: list) -> None:
+    """Per-CTA %globaltimer phases of one warm launch (a W12_TRACE build): entry skew, prologue, first data,
+    the unit loop, the fix-up tail and the kernel's span, at M = 1."""
+    shapes = get_shape_set("hybrid-27b")
+    layers = {k: v for k, v in dict(shapes.linears).items() if k in names}
+    for name, (n, k) in layers.items():
+        g = torch.Generator(device=dev).manual_seed(n + k)
+        w = (torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(torch.bfloat16)
+        p = w12.pack(w)
+        x = torch.randn(1, k, device=dev, generator=g).to(torch.bfloat16)
+        outb = torch.empty(1, n, device=dev, dtype=torch.bfloat16)
+        for cfg in cands:
+            grid = wcuda.stream_grid(cfg, n, p.Kp, dev)
+            tr = torch.zeros(8 * grid, dtype=torch.int64, device=dev)
+            args = (x, p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, None, outb)
+            for _ in range(3):
+                wcuda.launch(cfg, *args, trace=tr, defines={"W12_TRACE": 1})
+            torch.cuda.synchronize()
+            t = tr.view(grid, 8).cpu().double()
+            e0 = t[:, 0].min()
+            ph = {"span_us": float((t[:, 5].max() - e0) / 1e3), "entry_skew_us": float((t[:, 0].max() - e0) / 1e3)}
+            for nm, (a, b) in {"prologue": (0, 2), "first_data": (2, 3), "loop": (3, 4), "tail": (4, 5)}.items():
+                d = (t[:, b] - t[:, a]) / 1e3
+                ph[nm + "_med_us"], ph[nm + "_max_us"] = float(d.median()), float(d.max())
+            ph["exit_spread_us"] = float((t[:, 5].max() - t[:, 5].min()) / 1e3)
+            ph.update(layer=name, cfg=cfg.tag(), ctas=grid)
+            print("trace " + "  ".join(f"{k}={v:.1f}" if isinstance(v, float) else f"{k}={v}" for k, v in ph.items()),
+                  flush=True)
+            out.append(ph)
+
+
 def step(dev, cfgs, out: dict) -> None:
     """The 64-layer decode step (M = 1, every linear of hybrid-27b), one CUDA graph per variant."""
     shapes = get_shape_set("hybrid-27b")
@@ -138,13 +169,20 @@ def main(argv=None) -> int:
     ap.add_argument("--no-step", action="store_true")
     ap.add_argument("--layers", nargs="*")
     ap.add_argument("--cands", nargs="*")
+    ap.add_argument("--trace", action="store_true", help="only the per-CTA phase trace of --cands on --layers")
     a = ap.parse_args(argv)
     dev = torch.device("cuda")
     if a.cands:
         CANDIDATES[:] = [_cand(c) for c in a.cands]
-    _prebuild(CANDIDATES, torch.cuda.get_device_capability())
+    if not a.trace:
+        _prebuild(CANDIDATES, torch.cuda.get_device_capability())
     rows: list = []
-    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "step": {}}
+    res = {"gpu": torch.cuda.get_device_name(), "torch": torch.__version__, "rows": rows, "step": {}, "trace": []}
+    if a.trace:
+        trace(dev, a.layers or ["gdn.in_proj"], CANDIDATES, res["trace"])
+        with open(f"{a.out}/w12_stream_trace.json", "w") as f:
+            json.dump(res, f, indent=1)
+        return 0
     try:
         sweep(a.ms, dev, rows, a.layers)
         if not a.no_step:

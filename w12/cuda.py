@@ -278,8 +278,8 @@ def launch(cfg: MmaConfig | TmaConfig | StreamConfig, x2d, hi, lo, e0, rowptr, c
     """out[M, N] = x2d @ W^T (+ bias), W exact or its 8-bit view (`q8`), on torch's current stream.
     `defines`: extra build defines (see `spec`). `smem`: dynamic shared memory per CTA, at least what
     the config needs (more leaves fewer CTAs per SM). `trace` (diagnostic): an int64 tensor of 8 per CTA
-    that a TMA build with defines={"W12_TRACE": 1} fills with %globaltimer stamps; plain TmaConfig with
-    split = 1 only."""
+    that a build with defines={"W12_TRACE": 1} fills with %globaltimer stamps: plain TmaConfig with
+    split = 1, or StreamConfig."""
     M = x2d.shape[0]
     N, Kp = hi.shape
     nt = n_tiles(M)
@@ -287,10 +287,11 @@ def launch(cfg: MmaConfig | TmaConfig | StreamConfig, x2d, hi, lo, e0, rowptr, c
     tma = isinstance(cfg, TmaConfig)
     stream = torch.cuda.current_stream(x2d.device).cuda_stream
     if isinstance(cfg, StreamConfig):
-        if trace is not None:
-            raise ValueError("w12.cuda.launch: trace takes a plain TmaConfig")
         grid = stream_grid(cfg, N, Kp, x2d.device)
-        ws, cnt = _workspace(x2d.device, stream, grid * 2 * cfg.rows * 8 * nt, -(-N // cfg.rows))
+        shares = grid * 2 * cfg.rows * 8 * nt
+        if trace is not None and (trace.dtype != torch.int64 or trace.numel() < 8 * grid):
+            raise ValueError(f"w12.cuda.launch: trace needs an int64 tensor of >= {8 * grid} elements")
+        ws, cnt = _workspace(x2d.device, stream, shares + 16 * grid, -(-N // cfg.rows))
         xk, ldx = _x_operand(x2d, Kp)
         tail = (0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype], out.data_ptr(),
                 M, N, Kp, ws.data_ptr(), cnt.data_ptr())
@@ -298,6 +299,8 @@ def launch(cfg: MmaConfig | TmaConfig | StreamConfig, x2d, hi, lo, e0, rowptr, c
         values = (xk.data_ptr(), ldx, hi.data_ptr(), lo.data_ptr(), tiles.data_ptr(), e0.data_ptr(), rowptr.data_ptr(),
                   col.data_ptr(), val.data_ptr(), *tail)
         kernel.launch((grid, 1, 1), 32 * cfg.warps, smem, stream, values, _STREAM_TYPES, pdl=pdl_enabled(x2d.device))
+        if trace is not None:  # a build with defines={"W12_TRACE": 1} stamped 8 int64 per CTA after the shares
+            trace[:8 * grid].copy_(ws[shares:shares + 16 * grid].view(torch.int64))
         return
     rows = cfg.rows if tma else 16 * cfg.mt * cfg.wr
     grid = -(-N // rows)

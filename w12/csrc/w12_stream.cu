@@ -57,6 +57,9 @@
 #ifndef W12_TILED
 #define W12_TILED 0  // planes read from a tile-contiguous copy: per 16-row block and chunk, hi 16 x 64 then lo 16 x 32
 #endif
+#ifndef W12_TRACE
+#define W12_TRACE 0  // diagnostic (defines=, launch(trace=)): per-CTA %globaltimer stamps after the shares in ws
+#endif
 #ifndef W12_FIXED
 #define W12_FIXED 1  // fixed-base decode with the epilogue scale; 0: the exact base in the loop (reference build)
 #endif
@@ -181,6 +184,22 @@ __device__ __forceinline__ float scale_row(float v, int e) {
   return v * __uint_as_float((uint32_t)(s + 127) << 23);
 }
 
+// W12_TRACE: stamp k of this CTA (u64 nanoseconds of %globaltimer; slot 1: the SM id) in the trace area
+__device__ __forceinline__ void stamp(unsigned long long* area, int k) {
+  if constexpr (W12_TRACE != 0) {
+    if (threadIdx.x != 0) return;
+    unsigned long long v;
+    if (k == 1) {
+      uint32_t sm;
+      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+      v = sm;
+    } else {
+      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+    }
+    area[8 * blockIdx.x + k] = v;
+  }
+}
+
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS, W12_CPS) w12_matmul_stream_kernel(
@@ -200,6 +219,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12_CPS) w12_matmul_str
   const int P = gridDim.x;
   const int ub = (int)(blockIdx.x * U / P), ue = (int)((blockIdx.x + 1) * U / P);
   const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
+  unsigned long long* const trace_area = reinterpret_cast<unsigned long long*>(ws + (size_t)gridDim.x * 2 * SHARE);
+  stamp(trace_area, 0);  // entry
+  stamp(trace_area, 1);
   if (threadIdx.x == 0) {
     s_emin = 255;
     s_emax = 0;
@@ -300,6 +322,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12_CPS) w12_matmul_str
   }
   __syncthreads();
   const int emin = s_emin, emax = s_emax;
+  stamp(trace_area, 2);  // prologue done (first stages requested, x range known)
 
   float acc[NT][4];
   // this thread's rows: row h = rbase + 8 h + g (h = 0, 1)
@@ -403,6 +426,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12_CPS) w12_matmul_str
       asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
       __syncwarp();
       const uint32_t st = ring + r_slot * SLOT;
+      if (W12_TRACE && u == ub && k == 0) stamp(trace_area, 3);  // warp 0's first unit landed
       r_slot = r_slot + 1 == STAGES ? 0 : r_slot + 1;
       uint4 hf[2], lf[2], xf[NT][2];
 #pragma unroll
@@ -453,8 +477,12 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12_CPS) w12_matmul_str
     u += len;
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
+  stamp(trace_area, 4);  // warp 0's units and own-row-group epilogues done
   grid_dep_launch();
-  if (rg_first < 0 && rg_last < 0) return;  // uniform across the CTA
+  if (rg_first < 0 && rg_last < 0) {  // uniform across the CTA
+    stamp(trace_area, 5);
+    return;
+  }
   // the CTAs whose ranges hold row group rg's first and last units
   auto rg_ctas = [&](int rg, int& b0, int& b1) {
     const long long u0 = (long long)rg * KC;
