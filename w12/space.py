@@ -1,4 +1,7 @@
-"""Search space of the W12 tensor-core kernel (`w12_matmul_tc_kernel`, `TcConfig`) for `autotune.tune`.
+"""Search spaces of the W12 kernels for `autotune.tune`: the Triton tensor-core kernel (`TC_SPACE`, `TcConfig`,
+variant "tc") and the CUDA C++ kernels that are the default at M <= 32 on sm_80+ (`MMA_SPACE`, `MmaConfig`,
+variant "mma"; `TMA_SPACE`, `TmaConfig`, sm_90, variant "tma": where a tuned "tma" entry exists it takes the
+cell, w12/ops.py).
 
 Shapes are dicts {"M", "N", "K"} (M tokens, weight [N, K]); the tuned key is the one `w12.matmul` looks up,
 `M<bucket>-K<K>-N<N>`. The checks below are the ones that make a choice unrunnable or pointless before any
@@ -14,9 +17,9 @@ import torch
 import autotune
 from autotune.tuner import SearchSpace
 
-from .configs import _MIN_ITERS_PER_SPLIT, _SMEM_PER_SM, TcConfig, _pow2, tc_heuristic
+from .configs import _MIN_ITERS_PER_SPLIT, _SMEM_PER_SM, MmaConfig, TcConfig, TmaConfig, _pow2, mma_heuristic, tc_heuristic
 
-__all__ = ["TC_SPACE", "tc_flops_bytes", "tc_valid"]
+__all__ = ["TC_SPACE", "MMA_SPACE", "TMA_SPACE", "tc_flops_bytes", "tc_valid", "cuda_valid"]
 
 _MAX_DECODED_PER_THREAD = 128  # int32 values of the decoded [BN, BK] tile per thread; past this it spills
 
@@ -57,4 +60,61 @@ TC_SPACE = SearchSpace(
     make_config=lambda p: TcConfig(**p),
     flops_bytes=tc_flops_bytes, valid=tc_valid, heuristic=_heuristic,
     key=lambda s: autotune.shape_key(M=s["M"], N=s["N"], K=s["K"]),
+)
+
+
+def _smem_limit() -> int:
+    if autotune.has_cuda():
+        return torch.cuda.get_device_properties(torch.cuda.current_device()).shared_memory_per_block_optin - 64
+    return _SMEM_PER_SM
+
+
+def cuda_valid(cls):
+    """The validity check of a CUDA C++ kernel's config class at a shape: the config builds, its CTA's shared
+    memory fits (at the shape's token tiles), M fits the kernel, and a split of K keeps >= 2 chunks per split."""
+
+    def valid(p: dict, shape) -> str | None:
+        from . import cuda as wcuda
+
+        m, k = shape["M"], shape["K"]
+        if not 0 < m <= wcuda.MAX_M:
+            return f"the CUDA kernels take 1 <= M <= {wcuda.MAX_M}, got M={m}"
+        try:
+            cfg = cls(**p)
+        except ValueError as e:
+            return str(e)
+        smem = wcuda.smem_bytes(cfg, wcuda.n_tiles(m), False)
+        if smem > _smem_limit():
+            return f"shared memory: {smem} B per CTA"
+        chunks = -(-k // 64)
+        if getattr(cfg, "split", 1) > 1 and chunks < 2 * cfg.split:
+            return f"divisibility: {chunks} chunks of K do not give {cfg.split} splits of 2"
+        return None
+
+    return valid
+
+
+def _key(s) -> str:
+    return autotune.shape_key(M=s["M"], N=s["N"], K=s["K"])
+
+
+def _cuda_heuristic(shape) -> MmaConfig:
+    dev = torch.device("cuda" if autotune.has_cuda() else "cpu")
+    return mma_heuristic(shape["M"], shape["N"], shape["K"], dev)
+
+
+MMA_SPACE = SearchSpace(
+    op="w12.matmul", variant="mma",
+    params={"mt": [1, 2], "wk": [2, 4, 8, 16], "pipe": [2, 3, 4], "wr": [1, 2], "async_copy": [False, True],
+            "split": [1, 2, 4]},
+    make_config=lambda p: MmaConfig(**p),
+    flops_bytes=tc_flops_bytes, valid=cuda_valid(MmaConfig), heuristic=_cuda_heuristic, key=_key,
+)
+
+TMA_SPACE = SearchSpace(
+    op="w12.matmul", variant="tma",
+    params={"mt": [1, 2], "cw": [4, 8], "stages": [4, 6, 8], "split": [1, 2, 4], "xcp": [False, True],
+            "sk": [0, 2]},
+    make_config=lambda p: TmaConfig(**p),
+    flops_bytes=tc_flops_bytes, valid=cuda_valid(TmaConfig), heuristic=lambda s: TmaConfig(), key=_key,
 )
