@@ -11,8 +11,9 @@
 #   lookup  python -m specpilot.bench.lookup: get_config / PlanCache ns per call, an eager call with its
 #           config looked up vs pre-resolved, and both as CUDA-graph replays.
 #   gdn     gdn.tree_verify, variants cuda (the default on sm_90) and wy, at B1-N32 and B24-N8.
-#   w12     w12.matmul, variant tc (the Triton kernel; the CUDA kernels have no search space yet), at M=64 on
-#           the six hybrid-27b linears (the verify pass's rows, where "tc" is the default on sm_90).
+#   w12     w12.matmul, variant tc (the Triton kernel) at M=64 on the six hybrid-27b linears (the verify pass's
+#           rows, where "tc" is the default on sm_90). W12_VARIANT=mma (or tma) W12_ONLY='*-M32' tunes the CUDA
+#           kernels (w12.space.MMA_SPACE / TMA_SPACE, the default at M <= 32) instead.
 #   attn    tree_attn.tree_attention, variant wgmma, one 32-node tree over 32k keys (key D256-G6).
 #   lmhead  lmhead.argmax, variant triton, M=32 (key K5120-V248320).
 # Each study: TRIALS trials (default 24) within the stage's --time-budget (GDN_S 65, W12_S 70, ATTN_S 35,
@@ -70,8 +71,8 @@ for s in $OPS; do
     lookup) stage lookup 45 python3 -m specpilot.bench.lookup --out "$OUT" ;;
     gdn) stage gdn 120 "${TUNE[@]}" --op gdn.tree_verify --variant cuda,wy --only B1-N32,B24-N8 \
            --time-budget "${GDN_S:-65}" ;;
-    w12) stage w12 125 "${TUNE[@]}" --op w12.matmul --variant tc \
-           --only 'gdn.in_proj-M64,gdn.out_proj-M64,attn.qkv_proj-M64,attn.o_proj-M64,mlp.gate_up_proj-M64,mlp.down_proj-M64' \
+    w12) stage w12 125 "${TUNE[@]}" --op w12.matmul --variant "${W12_VARIANT:-tc}" \
+           --only "${W12_ONLY:-gdn.in_proj-M64,gdn.out_proj-M64,attn.qkv_proj-M64,attn.o_proj-M64,mlp.gate_up_proj-M64,mlp.down_proj-M64}" \
            --time-budget "${W12_S:-70}" ;;
     attn) stage attn 80 "${TUNE[@]}" --op tree_attn.tree_attention --variant wgmma --time-budget "${ATTN_S:-35}" ;;
     lmhead) stage lmhead 90 "${TUNE[@]}" --op lmhead.argmax --time-budget "${HEAD_S:-40}" ;;

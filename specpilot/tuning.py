@@ -88,6 +88,7 @@ class _W12Problem:
         import w12
 
         x, out = self.x, self.out
+        variant = "mma" if variant == "tma" else variant  # the TMA kernel runs under variant mma (its config picks it)
         return [lambda p=p: w12.matmul(x, p, variant=variant, out=out) for p in self.packs]
 
     def check(self, variant) -> bool:
@@ -242,13 +243,14 @@ class OpTuning:
 
 
 def _w12_spaces():
-    from w12.space import TC_SPACE
+    from w12 import space
 
-    return (TC_SPACE,)
+    # the CUDA C++ kernels' spaces (the default at M <= 32) where w12.space declares them, then the Triton one
+    return tuple(getattr(space, n) for n in ("MMA_SPACE", "TMA_SPACE", "TC_SPACE") if hasattr(space, n))
 
 
 def _w12_shapes(s) -> list[tuple[str, dict]]:
-    # "tc" runs where the CUDA kernel does not (M > 32 on sm_90) and wherever it is asked for
+    # "mma"/"tma" (CUDA C++) take M <= 32; "tc" runs above that on sm_90 and wherever it is asked for
     return [(f"{name}-M{m}", {"M": m, "N": n, "K": k}) for name, (n, k) in list(s.linears.items()) + [
         ("lm_head", s.lm_head)] for m in (8, 32, 64)]
 
