@@ -5,15 +5,17 @@
 #   bash perf/tune_gpu.sh                  (OUT defaults to perf/out; carry [".whl"]: optuna and its wheels)
 #   OPS="gdn lmhead" bash perf/tune_gpu.sh (a subset, in this order)
 #
-# Stages (OPS, default "lookup gdn w12 attn lmhead"), each its own process under its own timeout, so a
+# Stages (OPS, default "lookup gdn w12 w12cuda attn lmhead"), each its own process under its own timeout, so a
 # failing or hanging operator costs its own stage only; every stage's limit is also cut to what is left
-# of WALL (default 410 s) minus RESERVE (30 s) for the report:
+# of WALL (default 490 s) minus RESERVE (30 s) for the report:
 #   lookup  python -m specpilot.bench.lookup: get_config / PlanCache ns per call, an eager call with its
 #           config looked up vs pre-resolved, and both as CUDA-graph replays.
 #   gdn     gdn.tree_verify, variants cuda (the default on sm_90) and wy, at B1-N32 and B24-N8.
 #   w12     w12.matmul, variant tc (the Triton kernel) at M=64 on the six hybrid-27b linears (the verify pass's
 #           rows, where "tc" is the default on sm_90). W12_VARIANT=mma (or tma) W12_ONLY='*-M32' tunes the CUDA
 #           kernels (w12.space.MMA_SPACE / TMA_SPACE, the default at M <= 32) instead.
+#   w12cuda w12.matmul, variants mma and tma (the CUDA C++ kernels, the default at M <= 32), at M=1 on the three
+#           largest decode-step linears (W12C_ONLY, W12C_S 80 s).
 #   attn    tree_attn.tree_attention, variant wgmma, one 32-node tree over 32k keys (key D256-G6).
 #   lmhead  lmhead.argmax, variant triton, M=32 (key K5120-V248320).
 # Each study: TRIALS trials (default 24) within the stage's --time-budget (GDN_S 65, W12_S 70, ATTN_S 35,
@@ -24,8 +26,8 @@
 # <gpu>.json (the shipped store after the run: copy it back to ship it) tuned-configs.png lookup.json
 cd "$(dirname "$0")/.."
 . perf/gpu_env.sh
-OPS=${OPS:-lookup gdn w12 attn lmhead}
-WALL=${WALL:-410}
+OPS=${OPS:-lookup gdn w12 w12cuda attn lmhead}
+WALL=${WALL:-490}
 RESERVE=${RESERVE:-30}
 TRIALS=${TRIALS:-24}
 SCRATCH=$(mktemp -d)
@@ -75,6 +77,8 @@ for s in $OPS; do
            --only "${W12_ONLY:-gdn.in_proj-M64,gdn.out_proj-M64,attn.qkv_proj-M64,attn.o_proj-M64,mlp.gate_up_proj-M64,mlp.down_proj-M64}" \
            --time-budget "${W12_S:-70}" ;;
     attn) stage attn 80 "${TUNE[@]}" --op tree_attn.tree_attention --variant wgmma --time-budget "${ATTN_S:-35}" ;;
+    w12cuda) stage w12cuda 110 "${TUNE[@]}" --op w12.matmul --variant mma,tma \
+           --only "${W12C_ONLY:-gdn.in_proj-M1,mlp.gate_up_proj-M1,mlp.down_proj-M1}" --time-budget "${W12C_S:-80}" ;;
     lmhead) stage lmhead 90 "${TUNE[@]}" --op lmhead.argmax --time-budget "${HEAD_S:-40}" ;;
     *) say "unknown stage $s (known: lookup gdn w12 attn lmhead)"; RC[$s]=2 ;;
   esac

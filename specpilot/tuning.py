@@ -252,7 +252,7 @@ def _w12_spaces():
 def _w12_shapes(s) -> list[tuple[str, dict]]:
     # "mma"/"tma" (CUDA C++) take M <= 32; "tc" runs above that on sm_90 and wherever it is asked for
     return [(f"{name}-M{m}", {"M": m, "N": n, "K": k}) for name, (n, k) in list(s.linears.items()) + [
-        ("lm_head", s.lm_head)] for m in (8, 32, 64)]
+        ("lm_head", s.lm_head)] for m in (1, 8, 32, 64)]
 
 
 def _gdn_spaces():

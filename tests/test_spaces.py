@@ -12,8 +12,9 @@ from specpilot import tuning
 from specpilot.bench.shapes import get_shape_set
 from tree_attn.configs import SplitConfig
 from tree_attn.space import MMA_SPACE, WGMMA_SPACE
-from w12.configs import TcConfig
-from w12.space import TC_SPACE
+from w12.configs import MmaConfig, TcConfig, TmaConfig
+from w12.space import MMA_SPACE as W12_MMA_SPACE
+from w12.space import TC_SPACE, TMA_SPACE
 
 S = get_shape_set("hybrid-27b")
 W12_SHAPES = [{"M": m, "N": n, "K": k} for (n, k) in S.linears.values() for m in (1, 8, 32)]
@@ -22,7 +23,8 @@ ATTN_SHAPES = [{"D": S.attn_head_dim, "G": S.attn_q_heads // S.attn_kv_heads, "H
 GDN_SHAPES = [s for _, s in tuning.named_shapes("gdn.tree_verify", "hybrid-27b")]
 HEAD_SHAPES = [dict(M=m, V=S.vocab, K=S.hidden) for m in (1, 32)]
 CASES = [(TC_SPACE, TcConfig, W12_SHAPES), (WGMMA_SPACE, SplitConfig, ATTN_SHAPES), (MMA_SPACE, SplitConfig, ATTN_SHAPES),
-         (WY_SPACE, WYConfig, GDN_SHAPES), (CUDA_SPACE, CudaConfig, GDN_SHAPES), (HEAD_SPACE, HeadConfig, HEAD_SHAPES)]
+         (WY_SPACE, WYConfig, GDN_SHAPES), (CUDA_SPACE, CudaConfig, GDN_SHAPES), (HEAD_SPACE, HeadConfig, HEAD_SHAPES),
+         (W12_MMA_SPACE, MmaConfig, W12_SHAPES), (TMA_SPACE, TmaConfig, W12_SHAPES)]
 REJECTS = {"wy": False, "cuda": False}  # every choice of these runs at hybrid-27b's V=128
 
 
@@ -39,7 +41,8 @@ def test_every_space_has_valid_configs_at_hybrid_27b(space, cls, shapes):
         flops, nbytes = space.flops_bytes(shape)
         assert flops > 0 and nbytes > 0
         reasons = {space.valid(p, shape) for p in grid} - {None}
-        assert all(r.split(":")[0] in {"shared memory", "registers", "divisibility", "padding"} or "variant" in r
+        assert all(r.split(":")[0] in {"shared memory", "registers", "divisibility", "padding", "config", "tokens"}
+                   or "variant" in r
                    or "wgmma" in r for r in reasons)
 
 

@@ -78,11 +78,11 @@ def cuda_valid(cls):
 
         m, k = shape["M"], shape["K"]
         if not 0 < m <= wcuda.MAX_M:
-            return f"the CUDA kernels take 1 <= M <= {wcuda.MAX_M}, got M={m}"
+            return f"tokens: the CUDA kernels take 1 <= M <= {wcuda.MAX_M}, got M={m}"
         try:
             cfg = cls(**p)
         except ValueError as e:
-            return str(e)
+            return f"config: {e}"
         smem = wcuda.smem_bytes(cfg, wcuda.n_tiles(m), False)
         if smem > _smem_limit():
             return f"shared memory: {smem} B per CTA"
