@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # pytest-xdist workers: the suite is CPU-bound (the Triton interpreter); one per core of a 2-core CI machine
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-fast gpu-check bench info clean
+.PHONY: demo test test-fast test-sglang gpu-check bench info clean
 
 $(STAMP): pyproject.toml Makefile
 	@if [ ! -x $(PY) ]; then \
@@ -32,6 +32,32 @@ test: $(STAMP)
 # exhaustive sweeps run only in `make test`).
 test-fast: $(STAMP)
 	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" -x -q $(PYTEST_ARGS)
+
+# The SGLang integration's tests (tests_sglang/, docs/sglang.md) in a venv of their own: SGLang pins torch 2.14.1 and
+# transformers 5.19.0, and its srt imports torchvision unconditionally. SGLang is installed without its dependencies
+# (most are CUDA kernels); SGL_DEPS are the modules its quantization, linear, logits-processor and model-loader code
+# imports. torch brings its own Triton (3.8). Installing them from scratch takes about 4 minutes and 5.5 GB.
+SGL_VENV  ?= .venv-sglang
+SGL_PY    := $(SGL_VENV)/bin/python
+SGL_STAMP := $(SGL_VENV)/.specpilot-sglang-installed
+SGL_TORCH ?= torch==2.14.1 torchvision==0.29.1
+SGLANG    ?= sglang==0.5.23
+SGL_DEPS  ?= orjson psutil pybase64 requests packaging starlette msgspec pydantic pyzmq tqdm IPython aiohttp \
+             apache-tvm-ffi==0.1.11 dill sentencepiece==0.2.1 compressed-tensors==0.18.0 gguf zstandard \
+             transformers==5.19.0 openai==2.8.0 partial-json-parser einops \
+             numpy numba safetensors optuna pytest pytest-benchmark
+
+$(SGL_STAMP): pyproject.toml Makefile
+	@test -x $(SGL_PY) || python3 -m venv $(SGL_VENV)
+	$(SGL_PY) -m pip install -q $(SGL_TORCH)
+	$(SGL_PY) -m pip install -q --no-deps $(SGLANG)
+	$(SGL_PY) -m pip install -q $(SGL_DEPS) $(SGL_TORCH)
+	$(SGL_PY) -m pip install -q --no-deps -e .
+	$(SGL_PY) -c "import torch, sglang.srt.layers.linear; assert torch.__version__.startswith('2.14.1'), torch.__version__"
+	@touch $(SGL_STAMP)
+
+test-sglang: $(SGL_STAMP)
+	$(SGL_PY) -m pytest -p no:cacheprovider tests_sglang $(PYTEST_ARGS)
 
 info: $(STAMP)
 	$(VENV)/bin/specpilot info
