@@ -186,8 +186,10 @@ class _TreeAttnProblem:
 class _HeadProblem:
     """lmhead.CertifiedHead(W, screen="int8").argmax at {M, V, K}: W ~ N(0, 1/K) in BF16, hidden states of the
     benchmark's "moderate" regime (the planted token 1.5 sigma ahead). The check: argmax equals the exact
-    logits' argmax, and those logits are within 2x the error of torch's fp32 product against fp64 (the first
-    16384 rows). The head plans at construction: each config gets a copy of the head planned under its pin."""
+    logits' argmax, and those logits are within the fp32 dot-product bound of fp64 (|err| <= 2 K 2^-24 sum |h||w|,
+    which any fp32 accumulation order meets; the first 16384 rows). A bound relative to torch's own fp32 product
+    is not usable here: on the H200 cuBLAS's fp32 GEMM is more accurate than a k-sequential dot, and every
+    config failed it. The head plans at construction: each config gets a copy of the head planned under its pin."""
 
     op = "lmhead.argmax"
     _ROWS = 16384
@@ -204,7 +206,7 @@ class _HeadProblem:
         self.ids = torch.empty(m, dtype=torch.int64, device=device)
         rows = self.w[: self._ROWS]
         self.r64 = self.h.double() @ rows.double().T
-        self.base = self.h.float() @ rows.float().T
+        self.tol = 2 * k * 2.0**-24 * (self.h.double().abs() @ rows.double().abs().T)
 
     def _head(self, variant):
         from lmhead import ops
@@ -224,7 +226,7 @@ class _HeadProblem:
         logits = hd.logits(self.h)
         if not torch.equal(ids, logits.argmax(-1)):
             return False
-        return _error_ok(logits[:, : self._ROWS], self.r64, self.base, 2.0)
+        return bool(((logits[:, : self._ROWS].double() - self.r64).abs() <= self.tol).all())
 
 
 # --------------------------------------------------------------------------------------------
