@@ -139,6 +139,20 @@ def test_excluded_layer_stays_bf16(sglang_tp1):
         assert type(m.quant_method).__name__ == "UnquantizedEmbeddingMethod"
 
 
+def test_exclude_from_the_environment(sglang_tp1, monkeypatch):
+    from sglang.srt.layers.linear import ColumnParallelLinear
+    from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
+
+    from specpilot.sglang.quant import W12Config, W12LinearMethod
+
+    monkeypatch.setenv("SPECPILOT_SGLANG_W12_EXCLUDE", "*.down_proj, model.layers.0.*")
+    cfg = W12Config()  # as SGLang builds it: no arguments
+    for prefix, kept in (("model.layers.3.mlp.down_proj", True), ("model.layers.0.mlp.gate_up_proj", True),
+                         ("model.layers.1.mlp.gate_up_proj", False)):
+        layer = ColumnParallelLinear(64, 8, bias=False, quant_config=cfg, prefix=prefix, params_dtype=torch.bfloat16)
+        assert isinstance(layer.quant_method, UnquantizedLinearMethod if kept else W12LinearMethod), prefix
+
+
 def test_mismatch_refuses_to_start(sglang_tp1, monkeypatch):
     from sglang.srt.layers.linear import ColumnParallelLinear
 

@@ -23,6 +23,7 @@ from __future__ import annotations
 
 import fnmatch
 import logging
+import os
 from typing import Any, Optional
 
 import torch
@@ -46,12 +47,19 @@ class W12LoadError(RuntimeError):
     """A weight did not survive packing bit for bit: the server must not start on it."""
 
 
+EXCLUDE_ENV = "SPECPILOT_SGLANG_W12_EXCLUDE"
+
+
 class W12Config(QuantizationConfig):
-    """`--quantization w12`. `exclude`: fnmatch patterns of layer prefixes kept in BF16."""
+    """`--quantization w12`. `exclude`: fnmatch patterns of layer prefixes kept in BF16 (default: the
+    comma-separated patterns in $SPECPILOT_SGLANG_W12_EXCLUDE, since SGLang builds this config with no
+    arguments), e.g. `*.mlp.down_proj,model.layers.0.*`."""
 
     def __init__(self, exclude: Optional[list[str]] = None):
         super().__init__()
-        self.exclude = list(exclude or [])
+        if exclude is None:
+            exclude = [p.strip() for p in os.environ.get(EXCLUDE_ENV, "").split(",") if p.strip()]
+        self.exclude = list(exclude)
 
     def get_name(self) -> str:
         return NAME
