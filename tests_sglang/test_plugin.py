@@ -10,6 +10,8 @@ from importlib.metadata import entry_points
 
 import pytest
 
+from .conftest import TINY
+
 
 def test_entry_point_is_registered():
     eps = [ep for ep in entry_points(group="sglang.srt.plugins") if ep.name == "specpilot"]
@@ -31,6 +33,10 @@ from specpilot.sglang.plugin import STATUS
 print("STATUS", sorted(STATUS.items()))
 print("W12", "w12" in QUANTIZATION_METHODS, "w12" in QUANTIZATION_CHOICES)
 print("HEAD_HOOK", "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head" in HookRegistry._patched)
+if "w12" in QUANTIZATION_CHOICES:  # the launch_server command line, parsed after load_plugins() as SGLang does
+    from sglang.srt.server_args import prepare_server_args
+    sa = prepare_server_args(["--model-path", sys.argv[1], "--quantization", "w12", "--device", "cpu"])
+    print("CLI", sa.quantization)
 """
 
 
@@ -39,7 +45,7 @@ def _load(env):
 
     e = dict(os.environ)
     e.update(env)
-    r = subprocess.run([sys.executable, "-c", _LOAD], capture_output=True, text=True, env=e, timeout=300)
+    r = subprocess.run([sys.executable, "-c", _LOAD, str(TINY)], capture_output=True, text=True, env=e, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
     return r.stdout
 
@@ -51,6 +57,7 @@ def test_sglang_load_plugins_runs_it():
     assert "self-check passed" in out
     assert "STATUS [('certified_head', 'ok'), ('w12', 'ok'), ('w12_checkpoint', 'ok')]" in out
     assert "W12 True True" in out and "HEAD_HOOK True" in out
+    assert "CLI w12" in out
 
 
 def test_switches_turn_features_off():
