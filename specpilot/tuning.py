@@ -406,21 +406,28 @@ class GpuBackend:
             p = self.problem(shape)
             t0 = time.monotonic()
 
+            idx = None
+            if self.device.type == "cuda":  # set_device needs an index; a plain "cuda" is the current device
+                idx = self.device.index if self.device.index is not None else torch.cuda.current_device()
+
             def one(cfg):
-                if self.device.type == "cuda":
-                    torch.cuda.set_device(self.device)  # the thread's current context (NVRTC modules load into it)
+                if idx is not None:
+                    torch.cuda.set_device(idx)  # the thread's current context (NVRTC modules load into it)
                 with autotune.force(space.op, config=cfg):
                     p.check(space.variant)  # what the check compiles (the LM head's exact logits)
                     p.fns(space.variant)[0]()
 
-            failed = 0
+            failed, first = 0, None
             with concurrent.futures.ThreadPoolExecutor(self.workers) as ex:
                 for f in concurrent.futures.as_completed([ex.submit(one, c) for c in cfgs]):
-                    failed += f.exception() is not None
+                    e = f.exception()
+                    failed += e is not None
+                    first = first or (None if e is None else f"{type(e).__name__}: {str(e)[:200]}")
             if self.device.type == "cuda":
                 torch.cuda.synchronize()
             self.log(f"{_stamp()} precompiled {len(cfgs)} configs on {self.workers} threads in "
-                     f"{time.monotonic() - t0:.1f} s ({failed} failed: their trials are pruned)")
+                     f"{time.monotonic() - t0:.1f} s ({failed} failed" + (f", first: {first}" if first else "") +
+                     "; a failed build is built again, and pruned, in its trial)")
         return precompile
 
 
