@@ -122,7 +122,7 @@ def test_other_paths_keep_the_stock_head(head_setup, case):
 def test_near_tie_follows_the_exact_head(head_setup):
     """Two tokens whose logits round to the same BF16 value: the stock head's BF16 logits tie (argmax: the lower
     id); the certified head answers the larger exact logit."""
-    from specpilot.sglang.greedy_head import certified_logits, head_for
+    from specpilot.sglang.greedy_head import certified_logits, head_for, invalidate
 
     lp, lm_head, W = head_setup
     w = lm_head.weight.data
@@ -137,7 +137,23 @@ def test_near_tie_follows_the_exact_head(head_setup):
         h[0, :9] = 1.0
         stock = torch.matmul(h, w.T)
         assert stock[0, 10] == stock[0, 20] and int(stock.argmax(-1)) == 10
-        head = head_for(lm_head)  # rebuilt: the weight changed in place (its version moved)
+        invalidate()  # written through .data, outside SGLang's loaders: the screen tables must be rebuilt
+        head = head_for(lm_head)
         assert int(certified_logits(head, h, w.shape[0]).argmax(-1)) == 20
     finally:
         w.copy_(saved)
+        invalidate()
+
+
+def test_weight_updates_rebuild_the_head(head_setup):
+    """SGLang ends the initial load and every weight update with DefaultModelLoader.postprocess_weights: the hook
+    on it drops the certified head's tables, so an updated head is never answered from stale ones."""
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    from specpilot.sglang.greedy_head import head_for
+
+    lp, lm_head, W = head_setup
+    first = head_for(lm_head)
+    assert head_for(lm_head) is first
+    DefaultModelLoader.postprocess_weights(torch.nn.ModuleList([lm_head]), torch.device("cpu"))
+    assert head_for(lm_head) is not first

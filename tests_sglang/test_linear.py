@@ -182,3 +182,32 @@ def test_non_bf16_weight_is_refused(sglang_tp1):
     layer.weight.weight_loader(layer.weight, torch.randn(8, 64))
     with pytest.raises(W12LoadError, match="--dtype bfloat16"):
         layer.quant_method.process_weights_after_loading(layer)
+
+
+def test_weight_update_restores_and_repacks(sglang_tp1):
+    """SGLang's weight-update session: restore_weights_before_loading gives the BF16 parameter back (with its
+    loader), new weights load through it, and postprocess_weights packs and verifies them again."""
+    from sglang.srt.layers.linear import MergedColumnParallelLinear
+    from sglang.srt.model_loader.loader import DefaultModelLoader
+
+    from specpilot.sglang.quant import W12Config, packed_weight
+
+    K, sizes = 64, [16, 16]
+    layer = MergedColumnParallelLinear(K, sizes, bias=False, quant_config=W12Config(), prefix="upd",
+                                       params_dtype=torch.bfloat16)
+    old = [_w(n, K, seed=30 + i) for i, n in enumerate(sizes)]
+    for i, wi in enumerate(old):
+        layer.weight.weight_loader(layer.weight, wi, i)
+    model = torch.nn.ModuleList([layer])
+    DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+    assert layer.w12_k == K
+    DefaultModelLoader.restore_weights_before_loading(model, torch.device("cpu"))
+    assert layer.w12_k is None and not hasattr(layer, "w12_hi")
+    assert torch.equal(layer.weight.data.view(torch.int16), torch.cat(old).view(torch.int16))
+    new = [_w(n, K, seed=40 + i) for i, n in enumerate(sizes)]
+    for i, wi in enumerate(new):
+        layer.weight.weight_loader(layer.weight, wi, i)
+    DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
+    assert torch.equal(w12.unpack(packed_weight(layer)).view(torch.int16), torch.cat(new).view(torch.int16))
+    x = _x(2, K)
+    assert torch.equal(_out(layer(x)), _expected(x, torch.cat(new)))

@@ -32,12 +32,19 @@ from .head import ShardedCertifiedHead
 
 logger = logging.getLogger("specpilot.sglang")
 
-__all__ = ["argmax_only", "forward_hook", "compute_lm_head_hook", "head_for", "TARGETS", "calls"]
+__all__ = ["argmax_only", "forward_hook", "compute_lm_head_hook", "weights_loaded_hook", "invalidate", "head_for",
+           "TARGETS", "calls"]
 
 TARGETS = (
     "sglang.srt.layers.logits_processor.LogitsProcessor.forward",
     "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head",
+    "sglang.srt.model_loader.loader.DefaultModelLoader.postprocess_weights",
 )
+# The certified head keeps screen tables built from the head's weights. In-place writes through `.data` (how
+# SGLang's weight loaders write) do not move a tensor's version counter, so the tables are rebuilt whenever
+# SGLang finishes loading or updating weights (DefaultModelLoader.postprocess_weights, at the end of the initial
+# load and of every update_weights_from_* session), and on `invalidate()`.
+_GENERATION = [0]
 _ARGMAX_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("specpilot_argmax_only", default=False)
 _MODES = ("DECODE", "TARGET_VERIFY", "EXTEND", "MIXED")
 calls = {"certified": 0, "stock": 0}  # forwards that took each path (for tests and the self-check)
@@ -100,13 +107,26 @@ def head_for(lm_head) -> ShardedCertifiedHead | None:
     rows = _real_rows(lm_head)
     if not rows or rows <= 0:
         return None
-    key = (w.data_ptr(), w._version, rows)
+    key = (w.data_ptr(), w._version, rows, _GENERATION[0])
     cached = getattr(lm_head, "_specpilot_head", None)
     if cached is not None and cached[0] == key:
         return cached[1]
     head = ShardedCertifiedHead(w.data[:rows], 0)
     lm_head._specpilot_head = (key, head)
     return head
+
+
+def invalidate() -> None:
+    """Rebuild every certified head before its next use: call it after writing a head's weights in place outside
+    SGLang's weight loading and update paths."""
+    _GENERATION[0] += 1
+
+
+def weights_loaded_hook(original, *args, **kwargs):
+    try:
+        return original(*args, **kwargs)
+    finally:
+        invalidate()
 
 
 def forward_hook(original, self, input_ids, hidden_states, lm_head, logits_metadata, *args, **kwargs):
@@ -136,9 +156,7 @@ def certified_logits(head: ShardedCertifiedHead, hidden: torch.Tensor, width: in
 
 
 def compute_lm_head_hook(original, self, hidden_states, lm_head, embedding_bias=None, *args, **kwargs):
-    if _ARGMAX_ONLY.get() and embedding_bias is not None:
-        pass
-    elif _ARGMAX_ONLY.get():
+    if _ARGMAX_ONLY.get() and embedding_bias is None:
         head = head_for(lm_head)
         if head is not None and hidden_states.dim() == 2 and hidden_states.shape[-1] == head.head.H:
             calls["certified"] += 1

@@ -97,7 +97,8 @@ def _register_ckpt() -> None:
 def _register_head() -> None:
     from . import greedy_head
 
-    _register_hooks(greedy_head.TARGETS, (greedy_head.forward_hook, greedy_head.compute_lm_head_hook))
+    _register_hooks(greedy_head.TARGETS, (greedy_head.forward_hook, greedy_head.compute_lm_head_hook,
+                                          greedy_head.weights_loaded_hook))
 
 
 def _check_head() -> None:

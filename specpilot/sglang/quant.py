@@ -127,10 +127,12 @@ class W12LinearMethod(LinearMethodBase):
         layer.register_parameter("weight", weight)
         set_weight_attrs(weight, extra_weight_attrs)
         layer.w12_partition_sizes = list(output_partition_sizes)
+        layer.w12_weight_attrs = {"input_dim": 1, "output_dim": 0, **extra_weight_attrs}
+        layer.w12_k = None
 
     def process_weights_after_loading(self, layer: torch.nn.Module) -> None:
         if getattr(layer, "w12_k", None) is not None:
-            return  # packed already (a second call after a reload)
+            return  # packed already (SGLang calls this again after a weight update that did not restore it)
         weight = layer.weight.data
         where = getattr(layer, "prefix", None) or type(layer).__name__
         p = pack_verified(weight, where)
@@ -142,6 +144,20 @@ class W12LinearMethod(LinearMethodBase):
         # layer.weight.dtype / .device
         layer.weight = Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
         layer.w12_bits_per_weight = p.bits_per_weight
+
+    def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
+        """SGLang's weight updates (`update_weights_from_*` between `begin_weight_update` and
+        `end_weight_update`) call this first: the BF16 parameter comes back (decoded, bit for bit, with its weight
+        loader), the planes go, and `process_weights_after_loading` packs the new weights again."""
+        if getattr(layer, "w12_k", None) is None:
+            return
+        w = w12.unpack(packed_weight(layer))
+        weight = Parameter(w, requires_grad=False)
+        set_weight_attrs(weight, layer.w12_weight_attrs)
+        layer.weight = weight
+        for name in ("hi", "lo", "e0", "esc_rowptr", "esc_col", "esc_val"):
+            delattr(layer, _BUF + name)
+        layer.w12_k = None
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
         return w12.matmul(x, packed_weight(layer), bias)
