@@ -1,6 +1,6 @@
 """Tests of specpilot.sglang against SGLang 0.5.23's real classes (`make test-sglang`, venv .venv-sglang).
 
-They never skip: without SGLang, collection fails with the command that sets it up. One session
+They never skip: without SGLang, collection fails with the command that sets it up. One fixture, once per run,
 publishes SGLang's parallel config (ServerArgs on a tiny Qwen3.5 checkpoint, `--quantization w12`) and
 starts a gloo group of world size 1, as SGLang's scheduler does; the two-process tests spawn their own
 gloo groups and need only torch and this package.

@@ -185,7 +185,7 @@ def test_non_bf16_weight_is_refused(sglang_tp1):
 
 
 def test_weight_update_restores_and_repacks(sglang_tp1):
-    """SGLang's weight-update session: restore_weights_before_loading gives the BF16 parameter back (with its
+    """SGLang's weight update (begin_weight_update ... end_weight_update): restore_weights_before_loading gives the BF16 parameter back (with its
     loader), new weights load through it, and postprocess_weights packs and verifies them again."""
     from sglang.srt.layers.linear import MergedColumnParallelLinear
     from sglang.srt.model_loader.loader import DefaultModelLoader

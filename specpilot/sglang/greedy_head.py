@@ -43,7 +43,7 @@ TARGETS = (
 # The certified head keeps screen tables built from the head's weights. In-place writes through `.data` (how
 # SGLang's weight loaders write) do not move a tensor's version counter, so the tables are rebuilt whenever
 # SGLang finishes loading or updating weights (DefaultModelLoader.postprocess_weights, at the end of the initial
-# load and of every update_weights_from_* session), and on `invalidate()`.
+# load and of every update_weights_from_* between begin_weight_update and end_weight_update), and on `invalidate()`.
 _GENERATION = [0]
 _ARGMAX_ONLY: contextvars.ContextVar[bool] = contextvars.ContextVar("specpilot_argmax_only", default=False)
 _MODES = ("DECODE", "TARGET_VERIFY", "EXTEND", "MIXED")
