@@ -10,6 +10,7 @@
    computation on hostile bit patterns (+-0, subnormals, +-Inf, NaN).
 4. NVRTC (no GPU needed) builds the kernel for sm_80 and sm_90 with mma.sync, cp.async and no local
    memory, in both the fixed and the exact-base build.
+5. The stream-K unit split and the deterministic fix-up (workspace slots, arrival counters), ported line by line.
 """
 
 from __future__ import annotations
@@ -225,3 +226,58 @@ def test_stream_kernel_builds_with_mma_cp_async_and_no_local_memory(cuda):
         assert ".local" not in ptx, f"{cfg} nt={nt}: a register array went to local memory"
         assert f".target sm_{arch[0]}{arch[1]}\n" in ptx
         assert ("redux.sync" in ptx) == cfg.fixed  # the x exponent range of the fixed build
+
+
+@pytest.mark.parametrize("rows,kc,ctas", [(1, 1, 1), (3, 80, 264), (40, 96, 264), (129, 80, 264), (7, 5, 30),
+                                          (1940, 80, 264), (5, 96, 7)])
+def test_stream_k_bookkeeping(rows, kc, ctas):
+    """The kernel's unit split and fix-up, ported line by line (w12_stream.cu): CTA b takes units
+    [b U / P, (b + 1) U / P) of U = row groups x chunks; a row group it covers in part goes to workspace slot
+    0 (its first) or 1 as it finishes; after its last unit it arrives once per such row group, and the arrival
+    that brings the counter to the group's CTA count adds the slots of CTAs b0..b1 in CTA order. CTAs run in a
+    random order; every row group's total must equal the sum of its units, each written once, counters
+    left at zero. P <= U as the launcher guarantees."""
+    U = rows * kc
+    P = min(ctas, U)
+    rng = np.random.default_rng(rows * 1000 + kc)
+    unit = rng.standard_normal(U)  # each unit's contribution to its row group
+    want = unit.reshape(rows, kc).sum(1)
+    got = np.full(rows, np.nan)
+    ws, counters = {}, np.zeros(rows, dtype=np.int64)
+
+    def rg_ctas(rg):
+        u0 = rg * kc
+        return ((u0 + 1) * P - 1) // U, ((u0 + kc) * P - 1) // U
+
+    for b in rng.permutation(P):
+        ub, ue = b * U // P, (b + 1) * U // P
+        shared = [-1, -1]
+        u = ub
+        while u < ue:
+            rg, c0 = u // kc, u % kc
+            ln = min(kc - c0, ue - u)
+            acc = unit[u:u + ln].sum()
+            if ln == kc:
+                assert np.isnan(got[rg])
+                got[rg] = acc
+            else:
+                slot = 0 if u == ub else 1
+                assert (b, slot) not in ws
+                shared[slot] = rg
+                ws[(b, slot)] = acc
+            u += ln
+        for rg in shared:
+            if rg < 0:
+                continue
+            b0, b1 = rg_ctas(rg)
+            last = counters[rg] == b1 - b0
+            counters[rg] += 1
+            if last:
+                counters[rg] = 0
+                total = 0.0
+                for bb in range(b0, b1 + 1):
+                    total += ws[(bb, 0 if (bb * U // P) // kc == rg else 1)]
+                assert np.isnan(got[rg])
+                got[rg] = total
+    assert not counters.any()
+    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
