@@ -8,9 +8,11 @@ import subprocess
 import sys
 from importlib.metadata import entry_points
 
+from pathlib import Path
+
 import pytest
 
-from .conftest import TINY
+TINY = Path(__file__).resolve().parents[1] / "specpilot" / "models" / "tiny_stdlib"
 
 
 def test_entry_point_is_registered():

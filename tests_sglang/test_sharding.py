@@ -11,7 +11,7 @@ import w12
 
 from specpilot.sglang import sharding
 
-from .tp_workers import run_two_ranks
+from tests_sglang.tp_workers import run_two_ranks
 
 
 def _weight(N, K, seed=0):
