@@ -36,7 +36,7 @@ test-fast: $(STAMP)
 # The SGLang integration's tests (tests_sglang/, docs/sglang.md) in a venv of their own: SGLang pins torch 2.14.1 and
 # transformers 5.19.0, and its srt imports torchvision unconditionally. SGLang is installed without its dependencies
 # (most are CUDA kernels); SGL_DEPS are the modules its quantization, linear, logits-processor and model-loader code
-# imports. torch brings its own Triton (3.8). Installing them from scratch takes about 4 minutes and 5.5 GB.
+# imports. torch brings its own Triton (3.8). Installing them from scratch takes about 4.5 minutes and 6.3 GB.
 SGL_VENV  ?= .venv-sglang
 SGL_PY    := $(SGL_VENV)/bin/python
 SGL_STAMP := $(SGL_VENV)/.specpilot-sglang-installed
