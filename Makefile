@@ -71,4 +71,4 @@ gpu-check:
 	bash perf/gpu_check.sh
 
 clean:
-	rm -rf $(VENV) .pytest_cache build *.egg-info
+	rm -rf $(VENV) $(SGL_VENV) .pytest_cache build *.egg-info
