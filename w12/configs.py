@@ -18,7 +18,9 @@ Lookup (autotune.get_config): forced config > tuned JSON entry `w12.matmul/<vari
 |           |                                |            | entries under variant `gemv.mma`      |
 
 A forced config picks its kernel: `force("w12.matmul", config=GemvConfig(...))` runs the CUDA-core
-kernel at any M, `config=TcConfig(...)` the tensor-core one, `config=MmaConfig(...)` / `TmaConfig(...)` the CUDA C++ ones. `matmul_q8` looks configs up under
+kernel at any M, `config=TcConfig(...)` the tensor-core one, `config=MmaConfig(...)` / `TmaConfig(...)` the CUDA C++ ones,
+`config=StreamConfig(...)` the persistent stream kernel (csrc/w12_stream.cu; never chosen automatically: it
+measured slower on the H200, docs/w12-kernels.md). `matmul_q8` looks configs up under
 op `w12.matmul_q8` (its bytes per weight differ), with the same variants.
 
 The heuristic is written in bytes in flight. Decode at small M is memory-bound: the kernel must
