@@ -73,6 +73,10 @@ class SearchSpace:
     check: Callable[[Any, Shape], bool] | None = None
     heuristic: Callable[[Shape], Any] | None = None
     key: Callable[[Shape], str] = field(default=lambda shape: shape_key(**shape))
+    # what runs the cell today when that is not this variant's own stored entry or heuristic: a variant whose
+    # stored entry takes the cell from another variant's kernel must beat that kernel, not its own heuristic
+    # (current(shape, device) -> a config of any class; the caller's timer must run it)
+    current: Callable[[Shape, Any], Any] | None = None
 
     def __post_init__(self):
         for name, choices in self.params.items():

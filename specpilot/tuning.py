@@ -315,7 +315,11 @@ def named_shapes(op: str, shape_set: str, only: str | None = None) -> list[tuple
 
 def current_config(space: SearchSpace, shape: dict, device=None):
     """What the operator's lookup returns today at `shape`: the stored entry (user cache, then shipped), else
-    the space's heuristic. The baseline of the promotion rule and the "before" of the table."""
+    the space's heuristic; or what the space's `current` hook says runs the cell (W12's `tma` space: the `mma`
+    kernel's config until a `tma` entry takes the cell). The baseline of the promotion rule and the "before" of
+    the table."""
+    if space.current is not None:
+        return space.current(shape, device)
     heur = space.heuristic(shape)
     if heur is None:
         return None

@@ -97,3 +97,20 @@ def test_wy_space_folds_fields_the_inverse_ignores():
                             dict(GDN_SHAPES[0], V=96)).startswith("divisibility")
     assert HEAD_SPACE.valid(dict(screen_bv=128, screen_warps=4, screen_stages=2, select_bv=1024, exact_bs=128,
                                  exact_bk=256, exact_warps=4, max_rows=32), HEAD_SHAPES[1]).startswith("registers")
+
+
+def test_w12_tma_baseline_is_what_runs_the_cell(fake_h200):
+    """A stored `tma` entry takes a W12 cell from the `mma` kernel (w12/ops.py), so the `tma` space's baseline is
+    the `mma` config until a `tma` entry exists, then that entry."""
+    import autotune
+
+    shape = {"M": 1, "N": 17408 // 2, "K": 5120}
+    key = TMA_SPACE.key(shape)
+    assert isinstance(tuning.current_config(TMA_SPACE, shape), MmaConfig)
+    mma = MmaConfig(mt=1, wk=8, pipe=3)
+    autotune.store_tuned("w12.matmul", "mma", key, mma, user=True)
+    assert tuning.current_config(TMA_SPACE, shape) == mma
+    tma = TmaConfig(mt=1, cw=4, stages=4, split=4)
+    autotune.store_tuned("w12.matmul", "tma", key, tma, user=True)
+    assert tuning.current_config(TMA_SPACE, shape) == tma
+    assert tuning.current_config(W12_MMA_SPACE, shape) == mma  # the mma space keeps its own entry

@@ -19,7 +19,7 @@ from autotune.tuner import SearchSpace
 
 from .configs import _MIN_ITERS_PER_SPLIT, _SMEM_PER_SM, MmaConfig, TcConfig, TmaConfig, _pow2, mma_heuristic, tc_heuristic
 
-__all__ = ["TC_SPACE", "MMA_SPACE", "TMA_SPACE", "tc_flops_bytes", "tc_valid", "cuda_valid"]
+__all__ = ["TC_SPACE", "MMA_SPACE", "TMA_SPACE", "tc_flops_bytes", "tc_valid", "cuda_valid", "tma_current"]
 
 _MAX_DECODED_PER_THREAD = 128  # int32 values of the decoded [BN, BK] tile per thread; past this it spills
 
@@ -111,10 +111,20 @@ MMA_SPACE = SearchSpace(
     flops_bytes=tc_flops_bytes, valid=cuda_valid(MmaConfig), heuristic=_cuda_heuristic, key=_key,
 )
 
+def tma_current(shape, device=None):
+    """The config that runs a `tma` cell today (w12/ops.py): its stored `tma` entry, else the `mma` kernel's
+    config. A stored `tma` entry takes the cell from the `mma` kernel, so a `tma` winner must beat that."""
+    key = _key(shape)
+    if f"w12.matmul/tma/{key}" in autotune.load_tuned(device):
+        return autotune.get_config("w12.matmul", "tma", TmaConfig, TmaConfig, key=key, device=device)
+    return autotune.get_config("w12.matmul", "mma", MmaConfig, lambda: _cuda_heuristic(shape), key=key, device=device)
+
+
 TMA_SPACE = SearchSpace(
     op="w12.matmul", variant="tma",
     params={"mt": [1, 2], "cw": [4, 8], "stages": [4, 6, 8], "split": [1, 2, 4], "xcp": [False, True],
             "sk": [0, 2]},
     make_config=lambda p: TmaConfig(**p),
     flops_bytes=tc_flops_bytes, valid=cuda_valid(TmaConfig), heuristic=lambda s: TmaConfig(), key=_key,
+    current=tma_current,
 )
