@@ -20,6 +20,8 @@ import w12
 from w12.configs import MmaConfig
 from w12.reference import matmul_q8_reference, matmul_reference
 
+from stream_k import run_stream_k
+
 # --------------------------------------------------------------------------------------
 # integer helpers, as the CUDA intrinsics define them
 # --------------------------------------------------------------------------------------
@@ -315,58 +317,19 @@ def emulate_tma(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, splits: 
 
 def emulate_tma_sk(x: torch.Tensor, p: w12.W12Weight, *, mt: int, cw: int, ctas: int, q8: bool = False,
                    seed: int = 0):
-    """The stream-K path of csrc/w12_tma.cu (TmaConfig.sk), with its index arithmetic ported line by
-    line: CTA b takes units [b U / P, (b + 1) U / P) of the U = row blocks x chunks; a row block it
-    covers only in part goes to workspace slot 0 (its first row block) or 1 as it finishes; after
-    its last unit the CTA arrives once per such row block, and the arrival that brings a counter to
-    the row block's CTA count adds the slots of CTAs b0..b1 in CTA order and runs the epilogue. CTAs
-    run one after another in a random order (`seed`), so any of them can be
-    the last to arrive; checks that no slot is written twice and every counter ends at zero."""
+    """The stream-K path of csrc/w12_tma.cu (TmaConfig.sk): the unit split and fix-up of `stream_k.run_stream_k`
+    over the TMA kernel's stage images (row blocks of R rows, 64-column chunks) and its epilogue."""
     im = _TmaImage(x, p, mt, cw, q8, False)
     nch_all = im.Kp // 64
-    nrb = -(-im.N // im.R)
-    U, P = nrb * nch_all, ctas
-    assert P <= U, "the launcher never makes more CTAs than units"
-
-    def cta_of(u):
-        return ((u + 1) * P - 1) // U
-
-    ws, counters = {}, np.zeros(nrb, dtype=np.int64)
     out = np.full((im.M, im.N), np.nan)
-    for b in np.random.default_rng(seed).permutation(P):
-        ub, ue = b * U // P, (b + 1) * U // P
-        assert ue > ub, "every CTA has a unit"
-        shared = [-1, -1]  # rb_first / rb_last: row blocks this CTA covers only in part
-        u = ub
-        while u < ue:
-            rb, c0 = u // nch_all, u % nch_all
-            ln = min(nch_all - c0, ue - u)
-            acc = np.zeros((cw, mt, im.nt, 4, 32))
-            for c in range(c0, c0 + ln):
-                acc += im.chunk(rb * im.R, c)
-            if ln == nch_all:
-                im.epilogue(out, acc, rb * im.R)
-            else:
-                slot = 0 if u == ub else 1
-                assert shared[slot] < 0 and (b, slot) not in ws, f"workspace slot {(b, slot)} written twice"
-                shared[slot] = rb
-                ws[(b, slot)] = acc
-            u += ln
-        # after the CTA's last unit: one arrival per shared row block; the last to arrive adds the
-        # shares of CTAs b0..b1 in CTA order and runs the epilogue
-        for rb in shared:
-            if rb < 0:
-                continue
-            b0, b1 = cta_of(rb * nch_all), cta_of(rb * nch_all + nch_all - 1)
-            last = counters[rb] == b1 - b0
-            counters[rb] += 1
-            if last:
-                counters[rb] = 0
-                acc = np.zeros((cw, mt, im.nt, 4, 32))
-                for bb in range(b0, b1 + 1):
-                    acc = acc + ws[(bb, 0 if (bb * U // P) // nch_all == rb else 1)]
-                im.epilogue(out, acc, rb * im.R)
-    assert not counters.any(), "a row block's counter was left non-zero"
+
+    def share(rb, c0, n):
+        acc = np.zeros((cw, mt, im.nt, 4, 32))
+        for c in range(c0, c0 + n):
+            acc += im.chunk(rb * im.R, c)
+        return acc
+
+    run_stream_k(-(-im.N // im.R), nch_all, ctas, share, lambda rb, acc: im.epilogue(out, acc, rb * im.R), seed)
     return torch.from_numpy(out)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
+from stream_k import run_stream_k
 
 U32 = np.uint32
 BASE112 = U32(0x38003800)
@@ -231,53 +232,16 @@ def test_stream_kernel_builds_with_mma_cp_async_and_no_local_memory(cuda):
 @pytest.mark.parametrize("rows,kc,ctas", [(1, 1, 1), (3, 80, 264), (40, 96, 264), (129, 80, 264), (7, 5, 30),
                                           (1940, 80, 264), (5, 96, 7)])
 def test_stream_k_bookkeeping(rows, kc, ctas):
-    """The kernel's unit split and fix-up, ported line by line (w12_stream.cu): CTA b takes units
-    [b U / P, (b + 1) U / P) of U = row groups x chunks; a row group it covers in part goes to workspace slot
-    0 (its first) or 1 as it finishes; after its last unit it arrives once per such row group, and the arrival
-    that brings the counter to the group's CTA count adds the slots of CTAs b0..b1 in CTA order. CTAs run in a
-    random order; every row group's total must equal the sum of its units, each written once, counters
-    left at zero. P <= U as the launcher guarantees."""
-    U = rows * kc
-    P = min(ctas, U)
+    """The kernel's unit split and fix-up (`stream_k.run_stream_k`, the shared sk_* helpers of w12_common.cuh) on
+    the stream kernel's grids: every row group's total equals the sum of its units and is finished once."""
     rng = np.random.default_rng(rows * 1000 + kc)
-    unit = rng.standard_normal(U)  # each unit's contribution to its row group
-    want = unit.reshape(rows, kc).sum(1)
+    unit = rng.standard_normal(rows * kc)  # each unit's contribution to its row group
     got = np.full(rows, np.nan)
-    ws, counters = {}, np.zeros(rows, dtype=np.int64)
 
-    def rg_ctas(rg):
-        u0 = rg * kc
-        return ((u0 + 1) * P - 1) // U, ((u0 + kc) * P - 1) // U
+    def finish(rg, total):
+        assert np.isnan(got[rg]), f"row group {rg} finished twice"
+        got[rg] = total
 
-    for b in rng.permutation(P):
-        ub, ue = b * U // P, (b + 1) * U // P
-        shared = [-1, -1]
-        u = ub
-        while u < ue:
-            rg, c0 = u // kc, u % kc
-            ln = min(kc - c0, ue - u)
-            acc = unit[u:u + ln].sum()
-            if ln == kc:
-                assert np.isnan(got[rg])
-                got[rg] = acc
-            else:
-                slot = 0 if u == ub else 1
-                assert (b, slot) not in ws
-                shared[slot] = rg
-                ws[(b, slot)] = acc
-            u += ln
-        for rg in shared:
-            if rg < 0:
-                continue
-            b0, b1 = rg_ctas(rg)
-            last = counters[rg] == b1 - b0
-            counters[rg] += 1
-            if last:
-                counters[rg] = 0
-                total = 0.0
-                for bb in range(b0, b1 + 1):
-                    total += ws[(bb, 0 if (bb * U // P) // kc == rg else 1)]
-                assert np.isnan(got[rg])
-                got[rg] = total
-    assert not counters.any()
-    np.testing.assert_allclose(got, want, rtol=1e-12, atol=1e-12)
+    run_stream_k(rows, kc, min(ctas, rows * kc), lambda rg, c0, n: unit[rg * kc + c0:rg * kc + c0 + n].sum(), finish,
+                 seed=rows)
+    np.testing.assert_allclose(got, unit.reshape(rows, kc).sum(1), rtol=1e-12, atol=1e-12)

@@ -52,6 +52,38 @@ __device__ __forceinline__ bool last_to_arrive(int* counter, int count) {
   return last;
 }
 
+// Stream-K over U units, `per` units (one row block's chunks) per row block, on P CTAs: CTA b takes the units
+// [b U / P, (b + 1) U / P) (w12_tma.cu's TmaConfig.sk path, w12_stream.cu). A row block shared by several CTAs
+// meets in a workspace of two slots per CTA: slot 0 holds the share of the CTA's first row block, slot 1 of its
+// last. tests/w12/stream_k.py ports these three line by line.
+// The CTAs b0..b1 whose ranges hold row block rb's first and last units
+__device__ __forceinline__ void sk_ctas(int rb, int per, long long U, int P, int& b0, int& b1) {
+  const long long u0 = (long long)rb * per;
+  b0 = (int)(((u0 + 1) * P - 1) / U);
+  b1 = (int)(((u0 + per) * P - 1) / U);
+}
+
+// The workspace slot in which CTA b left its share of row block rb: 0 when rb is b's first row block
+__device__ __forceinline__ int sk_slot(int b, int rb, int per, long long U, int P) {
+  return (int)((b * U / P) / per) == rb ? 0 : 1;
+}
+
+// One thread's arrivals, after the CTA published and fenced its shares of its first / last row blocks
+// (-1: none): last[i] says whether this CTA was the last of that row block's CTAs to arrive (it then adds
+// every share and finishes the row block). The counters return to zero in the finishing CTA.
+__device__ __forceinline__ void sk_arrive(int* counters, const int (&rbs)[2], int per, long long U, int P,
+                                          int (&last)[2]) {
+#pragma unroll
+  for (int i = 0; i < 2; ++i) {
+    last[i] = 0;
+    if (rbs[i] >= 0) {
+      int b0, b1;
+      sk_ctas(rbs[i], per, U, P, b0, b1);
+      last[i] = atomicAdd(counters + rbs[i], 1) == b1 - b0;
+    }
+  }
+}
+
 // f(t, j, i) for every element of a warp's accumulators acc[MT_][NT_][4], unrolled: one place for the nest
 template <int MT_, int NT_, class F>
 __device__ __forceinline__ void for_acc(F&& f) {

@@ -483,43 +483,23 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12_CPS) w12_matmul_str
     stamp(trace_area, 5);
     return;
   }
-  // the CTAs whose ranges hold row group rg's first and last units
-  auto rg_ctas = [&](int rg, int& b0, int& b1) {
-    const long long u0 = (long long)rg * KC;
-    b0 = (int)(((u0 + 1) * P - 1) / U);
-    b1 = (int)(((u0 + KC) * P - 1) / U);
-  };
   __threadfence();
   __syncthreads();
-  if (threadIdx.x == 0) {
-    int b0, b1;
-    s_last[0] = s_last[1] = 0;
-    if (rg_first >= 0) {
-      rg_ctas(rg_first, b0, b1);
-      s_last[0] = atomicAdd(counters + rg_first, 1) == b1 - b0;
-    }
-    if (rg_last >= 0) {
-      rg_ctas(rg_last, b0, b1);
-      s_last[1] = atomicAdd(counters + rg_last, 1) == b1 - b0;
-    }
-  }
+  if (threadIdx.x == 0) sk_arrive(counters, {rg_first, rg_last}, KC, U, P, s_last);
   __syncthreads();
   // the last of a row group's CTAs to arrive adds every share in CTA order, then runs the epilogue
   auto fix_up = [&](int rg) {
     __threadfence();
     if (threadIdx.x == 0) counters[rg] = 0;  // ready for the next launch
     int b0, b1;
-    rg_ctas(rg, b0, b1);
+    sk_ctas(rg, KC, U, P, b0, b1);
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int v = 0; v < 4; ++v) {
         const int o = ((warp * NT + j) * 4 + v) * 32 + lane;
         float sum = 0.0f;
-        for (int b = b0; b <= b1; ++b) {
-          const int bs = (int)((b * U / P) / KC) == rg ? 0 : 1;  // rg is b's first row group?
-          sum += __ldcg(ws + ((size_t)b * 2 + bs) * SHARE + o);
-        }
+        for (int b = b0; b <= b1; ++b) sum += __ldcg(ws + ((size_t)b * 2 + sk_slot(b, rg, KC, U, P)) * SHARE + o);
         acc[j][v] = sum;
       }
     row_meta(rg);

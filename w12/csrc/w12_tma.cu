@@ -520,7 +520,6 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     const long long U = (long long)((N + R - 1) / R) * nch_all;
     const int P = gridDim.x;
     const int ub = (int)(blockIdx.x * U / P), ue = (int)((blockIdx.x + 1) * U / P);
-    auto cta_of = [&](long long u) { return (int)(((u + 1) * P - 1) / U); };  // the CTA whose range holds u
     const int sh = (q >> 1) * 4;
     __shared__ int sk_last[2];
     grid_dep_wait();  // the workspace, the counters, x and out may be the previous kernel's
@@ -561,39 +560,21 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
       u += len;
     }
     if (rb_first < 0 && rb_last < 0) return;  // uniform across the consumer warps
-    auto rb_ctas = [&](int rb, int& b0, int& b1) {
-      const long long u_first = (long long)rb * nch_all;
-      b0 = cta_of(u_first);
-      b1 = cta_of(u_first + nch_all - 1);
-    };
     __threadfence();
     consumer_sync();
-    if (threadIdx.x == 0) {
-      int b0, b1;
-      sk_last[0] = sk_last[1] = 0;
-      if (rb_first >= 0) {
-        rb_ctas(rb_first, b0, b1);
-        sk_last[0] = atomicAdd(counters + rb_first, 1) == b1 - b0;
-      }
-      if (rb_last >= 0) {
-        rb_ctas(rb_last, b0, b1);
-        sk_last[1] = atomicAdd(counters + rb_last, 1) == b1 - b0;
-      }
-    }
+    if (threadIdx.x == 0) sk_arrive(counters, {rb_first, rb_last}, nch_all, U, P, sk_last);
     consumer_sync();
     // the last of a row block's CTAs to arrive adds every share in CTA order, then runs the epilogue
     auto fix_up = [&](int rb) {
       __threadfence();
       if (threadIdx.x == 0) counters[rb] = 0;  // ready for the next launch (graph replays)
       int b0, b1;
-      rb_ctas(rb, b0, b1);
+      sk_ctas(rb, nch_all, U, P, b0, b1);
       for_acc<MT, NT>([&](int t, int j, int k) {
         const int o = (((warp * MT + t) * NT + j) * 4 + k) * 32 + lane;
         float sum = 0.0f;
-        for (int b = b0; b <= b1; ++b) {
-          const int bs = (int)((b * U / P) / nch_all) == rb ? 0 : 1;  // rb is b's first row block?
-          sum += __ldcg(ws + ((size_t)b * 2 + bs) * (R * TOKS) + o);
-        }
+        for (int b = b0; b <= b1; ++b)
+          sum += __ldcg(ws + ((size_t)b * 2 + sk_slot(b, rb, nch_all, U, P)) * (R * TOKS) + o);
         acc[t][j][k] = sum;
       });
       uint32_t e0x[MT][2];
