@@ -201,4 +201,32 @@ __device__ __forceinline__ float bias_at(const void* bias, int kind, int row) {
   return 0.0f;
 }
 
+// The end of one output row `row` < N for this thread's tokens (lane q): the row's escapes in CSR order, each
+// adding x * escape less what the dense decode gave there (2^(e0 - 127); the 8-bit view gave +0.0), the bias,
+// one rounding to bf16. acc(j, u) is the accumulator of n-tile j, token 8 j + 2 q + u. The first escape,
+// [p0] = (c0, v0), was fetched early by the caller (its dependent loads overlap the main loop).
+template <bool Q8, int NT, class Acc>
+__device__ __forceinline__ void finish_row(Acc&& acc, int row, uint32_t e0, int p0, int p1, int c0, uint32_t v0,
+                                           const int* __restrict__ ecol, const uint16_t* __restrict__ eval,
+                                           const __nv_bfloat16* __restrict__ x, long long ldx, const void* bias,
+                                           int bias_kind, __nv_bfloat16* __restrict__ out, int M, int N, int q) {
+  if (p1 > p0) {
+    const float dense = Q8 ? 0.0f : __uint_as_float(e0 << 23);
+    for (int p = p0; p < p1; ++p) {
+      const int col = p == p0 ? c0 : ecol[p];
+      const float val = __uint_as_float((p == p0 ? v0 : (uint32_t)eval[p]) << 16);
+      for_tokens<NT>(q, M, [&](int j, int u, int tok) {
+        const float xv = __bfloat162float(x[(long long)tok * ldx + col]);
+        acc(j, u) += Q8 ? xv * val : xv * val - xv * dense;
+      });
+    }
+  }
+  const float b = bias_kind != 0 ? bias_at(bias, bias_kind, row) : 0.0f;
+  for_tokens<NT>(q, M, [&](int j, int u, int tok) {
+    float sum = acc(j, u);
+    if (bias_kind != 0) sum += b;  // no +0.0: it would turn -0.0 into +0.0
+    out[(long long)tok * N + row] = __float2bfloat16_rn(sum);
+  });
+}
+
 }  // namespace

@@ -396,23 +396,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12_CPS) w12_matmul_str
     for (int h = 0; h < 2; ++h) {
       const int row = rg * R + 16 * warp + 8 * h + g;
       if (row >= N) continue;
-      if (ep1[h] > ep0[h]) {
-        const float v0 = Q8 ? 0.0f : __uint_as_float((uint32_t)e0r[h] << 23);
-        for (int p = ep0[h]; p < ep1[h]; ++p) {
-          const int col = p == ep0[h] ? ec[h] : ecol[p];
-          const float val = __uint_as_float((p == ep0[h] ? ev[h] : (uint32_t)eval[p]) << 16);
-          for_tokens<NT>(q, M, [&](int j, int u, int tok) {
-            const float xv = __bfloat162float(x[(long long)tok * ldx + col]);
-            acc[j][2 * h + u] += Q8 ? xv * val : xv * val - xv * v0;
-          });
-        }
-      }
-      const float b = bias_kind != 0 ? bias_at(bias, bias_kind, row) : 0.0f;
-      for_tokens<NT>(q, M, [&](int j, int u, int tok) {
-        float sum = acc[j][2 * h + u];
-        if (bias_kind != 0) sum += b;  // no +0.0: it would turn -0.0 into +0.0
-        out[(long long)tok * N + row] = __float2bfloat16_rn(sum);
-      });
+      finish_row<Q8, NT>([&](int j, int u) -> float& { return acc[j][2 * h + u]; }, row, (uint32_t)e0r[h], ep0[h],
+                         ep1[h], ec[h], ev[h], ecol, eval, x, ldx, bias, bias_kind, out, M, N, q);
     }
   };
 

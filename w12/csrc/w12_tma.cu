@@ -396,23 +396,9 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
         const int e = 2 * t + h;
         const int row = rbase + 16 * (MT * warp + t) + 8 * h + g;
         if (row >= N) continue;
-        if (ep1[e] > ep0[e]) {
-          const float v0 = Q8 ? 0.0f : __uint_as_float((uint32_t)e0[row] << 23);
-          for (int p = ep0[e]; p < ep1[e]; ++p) {
-            const int col = p == ep0[e] ? ec[e] : ecol[p];
-            const float val = __uint_as_float((p == ep0[e] ? ev[e] : (uint32_t)eval[p]) << 16);
-            for_tokens<NT>(q, M, [&](int j, int u, int tok) {
-              const float xv = __bfloat162float(x[(long long)tok * ldx + col]);
-              acc[t][j][2 * h + u] += Q8 ? xv * val : xv * val - xv * v0;
-            });
-          }
-        }
-        const float b = bias_kind != 0 ? bias_at(bias, bias_kind, row) : 0.0f;
-        for_tokens<NT>(q, M, [&](int j, int u, int tok) {
-          float sum = acc[t][j][2 * h + u];
-          if (bias_kind != 0) sum += b;  // no +0.0: it would turn -0.0 into +0.0
-          out[(long long)tok * N + row] = __float2bfloat16_rn(sum);
-        });
+        finish_row<Q8, NT>([&](int j, int u) -> float& { return acc[t][j][2 * h + u]; }, row,
+                           ep1[e] > ep0[e] ? (uint32_t)e0[row] : 0u, ep0[e], ep1[e], ec[e], ev[e], ecol, eval, x, ldx,
+                           bias, bias_kind, out, M, N, q);
       }
   };
 
