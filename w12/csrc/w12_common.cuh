@@ -68,6 +68,16 @@ __device__ __forceinline__ int sk_slot(int b, int rb, int per, long long U, int 
   return (int)((b * U / P) / per) == rb ? 0 : 1;
 }
 
+// In the CTA that finishes row block rb: the sum, in CTA order from +0.0, of every CTA's share at offset o of its
+// slot (slots of `share` floats, two per CTA)
+__device__ __forceinline__ float sk_sum(const float* ws, int rb, int per, long long U, int P, int share, int o) {
+  int b0, b1;
+  sk_ctas(rb, per, U, P, b0, b1);
+  float sum = 0.0f;
+  for (int b = b0; b <= b1; ++b) sum += __ldcg(ws + ((size_t)b * 2 + sk_slot(b, rb, per, U, P)) * share + o);
+  return sum;
+}
+
 // One thread's arrivals, after the CTA published and fenced its shares of its first / last row blocks
 // (-1: none): last[i] says whether this CTA was the last of that row block's CTAs to arrive (it then adds
 // every share and finishes the row block). The counters return to zero in the finishing CTA.

@@ -476,17 +476,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12_CPS) w12_matmul_str
   auto fix_up = [&](int rg) {
     __threadfence();
     if (threadIdx.x == 0) counters[rg] = 0;  // ready for the next launch
-    int b0, b1;
-    sk_ctas(rg, KC, U, P, b0, b1);
 #pragma unroll
     for (int j = 0; j < NT; ++j)
 #pragma unroll
-      for (int v = 0; v < 4; ++v) {
-        const int o = ((warp * NT + j) * 4 + v) * 32 + lane;
-        float sum = 0.0f;
-        for (int b = b0; b <= b1; ++b) sum += __ldcg(ws + ((size_t)b * 2 + sk_slot(b, rg, KC, U, P)) * SHARE + o);
-        acc[j][v] = sum;
-      }
+      for (int v = 0; v < 4; ++v) acc[j][v] = sk_sum(ws, rg, KC, U, P, SHARE, ((warp * NT + j) * 4 + v) * 32 + lane);
     row_meta(rg);
     first_escapes();
     epilogue(rg);

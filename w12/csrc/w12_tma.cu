@@ -554,14 +554,8 @@ extern "C" __global__ void __launch_bounds__(32 * (CW + 1), 1) w12_matmul_tma_ke
     auto fix_up = [&](int rb) {
       __threadfence();
       if (threadIdx.x == 0) counters[rb] = 0;  // ready for the next launch (graph replays)
-      int b0, b1;
-      sk_ctas(rb, nch_all, U, P, b0, b1);
       for_acc<MT, NT>([&](int t, int j, int k) {
-        const int o = (((warp * MT + t) * NT + j) * 4 + k) * 32 + lane;
-        float sum = 0.0f;
-        for (int b = b0; b <= b1; ++b)
-          sum += __ldcg(ws + ((size_t)b * 2 + sk_slot(b, rb, nch_all, U, P)) * (R * TOKS) + o);
-        acc[t][j][k] = sum;
+        acc[t][j][k] = sk_sum(ws, rb, nch_all, U, P, R * TOKS, (((warp * MT + t) * NT + j) * 4 + k) * 32 + lane);
       });
       uint32_t e0x[MT][2];
       row_meta(rb * R, e0x);
