@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import os
 import shutil
-import socket
 import sys
 import types
 from pathlib import Path
@@ -24,18 +23,10 @@ except ImportError as e:  # fail loudly: these tests are the SGLang integration'
     raise RuntimeError("tests_sglang need SGLang 0.5.23 installed; run them with `make test-sglang`, which builds "
                        ".venv-sglang with it") from e
 
-import torch
+from tests_sglang.tp_workers import free_port
 
 ROOT = Path(__file__).resolve().parents[1]
 TINY = ROOT / "specpilot" / "models" / "tiny_stdlib"
-
-
-def free_port() -> int:
-    s = socket.socket()
-    s.bind(("127.0.0.1", 0))
-    port = s.getsockname()[1]
-    s.close()
-    return port
 
 
 def stub_vllm_rope() -> None:

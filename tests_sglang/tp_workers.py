@@ -16,7 +16,8 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 
-def _port() -> int:
+def free_port() -> int:
+    """A free TCP port on the loopback interface, for a process group's rendezvous."""
     s = socket.socket()
     s.bind(("127.0.0.1", 0))
     p = s.getsockname()[1]
@@ -144,7 +145,7 @@ def _worker(rank: int, world: int, backend: str, port: int, what: str, result_di
 def run_two_ranks(what: str, backend: str = "gloo", world: int = 2) -> dict:
     """Spawn `world` processes, run the check on each, return rank 0's result (all ranks must agree)."""
     with tempfile.TemporaryDirectory() as d:
-        mp.spawn(_worker, args=(world, backend, _port(), what, d), nprocs=world, join=True)
+        mp.spawn(_worker, args=(world, backend, free_port(), what, d), nprocs=world, join=True)
         results = [json.load(open(os.path.join(d, f"rank{r}.json"))) for r in range(world)]
     for r in results[1:]:
         for k, v in r.items():
