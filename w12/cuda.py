@@ -285,39 +285,32 @@ def launch(cfg: MmaConfig | TmaConfig | StreamConfig, x2d, hi, lo, e0, rowptr, c
     nt = n_tiles(M)
     kernel, smem = _kernel(cfg, nt, q8, x2d.device, () if not defines else tuple(sorted(defines.items())), smem)
     tma = isinstance(cfg, TmaConfig)
+    persistent = isinstance(cfg, StreamConfig)
     stream = torch.cuda.current_stream(x2d.device).cuda_stream
-    if isinstance(cfg, StreamConfig):
+    ws, cnt, shares = None, None, 0
+    if persistent:
+        rows = cfg.rows
         grid = stream_grid(cfg, N, Kp, x2d.device)
-        shares = grid * 2 * cfg.rows * 8 * nt
-        if trace is not None and (trace.dtype != torch.int64 or trace.numel() < 8 * grid):
-            raise ValueError(f"w12.cuda.launch: trace needs an int64 tensor of >= {8 * grid} elements")
-        ws, cnt = _workspace(x2d.device, stream, shares + 16 * grid, -(-N // cfg.rows))
-        xk, ldx = _x_operand(x2d, Kp)
-        tail = (0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype], out.data_ptr(),
-                M, N, Kp, ws.data_ptr(), cnt.data_ptr())
-        tiles = tile_planes(hi, lo, chunk_major=cfg.tiled == 2) if cfg.tiled else hi
-        values = (xk.data_ptr(), ldx, hi.data_ptr(), lo.data_ptr(), tiles.data_ptr(), e0.data_ptr(), rowptr.data_ptr(),
-                  col.data_ptr(), val.data_ptr(), *tail)
-        kernel.launch((grid, 1, 1), 32 * cfg.warps, smem, stream, values, _STREAM_TYPES, pdl=pdl_enabled(x2d.device))
-        if trace is not None:  # a build with defines={"W12_TRACE": 1} stamped 8 int64 per CTA after the shares
-            trace[:8 * grid].copy_(ws[shares:shares + 16 * grid].view(torch.int64))
-        return
-    rows = cfg.rows if tma else 16 * cfg.mt * cfg.wr
-    grid = -(-N // rows)
-    ws, cnt = (None, None)
-    if cfg.split > 1:
-        ws, cnt = _workspace(x2d.device, stream, grid * cfg.split * rows * 8 * nt, grid)
-    elif tma and cfg.sk:
-        # stream-K: sk CTAs per SM share the grid * Kp / 64 units; two partial slots per CTA, a counter per row block
-        ctas = min(grid * (Kp // 64), cfg.sk * sk_sm_count(x2d.device))
-        ws, cnt = _workspace(x2d.device, stream, ctas * 2 * rows * 8 * nt, grid)
-        grid = ctas
+        shares = grid * 2 * rows * 8 * nt
+        # two share slots per CTA, then room for a W12_TRACE build's stamps; a counter per row group
+        ws, cnt = _workspace(x2d.device, stream, shares + 16 * grid, -(-N // rows))
+    else:
+        rows = cfg.rows if tma else 16 * cfg.mt * cfg.wr
+        grid = -(-N // rows)
+        if cfg.split > 1:
+            ws, cnt = _workspace(x2d.device, stream, grid * cfg.split * rows * 8 * nt, grid)
+        elif tma and cfg.sk:
+            # stream-K: sk CTAs per SM share the grid * Kp / 64 units; two partial slots per CTA, a counter per row block
+            ctas = min(grid * (Kp // 64), cfg.sk * sk_sm_count(x2d.device))
+            ws, cnt = _workspace(x2d.device, stream, ctas * 2 * rows * 8 * nt, grid)
+            grid = ctas
     if trace is not None:
-        if not tma or cfg.split > 1 or cfg.sk or cfg.wg or cfg.ahead:
-            raise ValueError(f"w12.cuda.launch: trace takes a plain TmaConfig with split=1, got {cfg}")
+        if not persistent and (not tma or cfg.split > 1 or cfg.sk or cfg.wg or cfg.ahead):
+            raise ValueError(f"w12.cuda.launch: trace takes a plain TmaConfig with split=1 or a StreamConfig, got {cfg}")
         if trace.dtype != torch.int64 or trace.numel() < 8 * grid:
             raise ValueError(f"w12.cuda.launch: trace needs an int64 tensor of >= {8 * grid} elements")
-        ws = trace
+        if not persistent:
+            ws = trace
     xk, ldx = _x_operand(x2d, Kp)
     tail = (0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype], out.data_ptr(), M, N,
             Kp, 0 if ws is None else ws.data_ptr(), 0 if cnt is None else cnt.data_ptr())
@@ -329,8 +322,17 @@ def launch(cfg: MmaConfig | TmaConfig | StreamConfig, x2d, hi, lo, e0, rowptr, c
         values = (tm_hi, tm_lo, *tm_x, xk.data_ptr(), ldx, *esc, *tail)
         types = _TMA_TYPES[int(cfg.xbox)]
         threads = 32 * (cfg.cw + 1)
+    elif persistent:
+        tiles = tile_planes(hi, lo, chunk_major=cfg.tiled == 2) if cfg.tiled else hi
+        values = (xk.data_ptr(), ldx, hi.data_ptr(), lo.data_ptr(), tiles.data_ptr(), *esc, *tail)
+        types = _STREAM_TYPES
+        threads = 32 * cfg.warps
     else:
         values = (xk.data_ptr(), ldx, hi.data_ptr(), lo.data_ptr(), *esc, *tail)
         types = _MMA_TYPES
         threads = 32 * cfg.wk * cfg.wr
-    kernel.launch((grid, cfg.split, 1), threads, smem, stream, values, types, pdl=pdl_enabled(x2d.device))
+    # StreamConfig.split shapes the grid's x (classic split ranges); the others split K along y
+    kernel.launch((grid, 1 if persistent else cfg.split, 1), threads, smem, stream, values, types,
+                  pdl=pdl_enabled(x2d.device))
+    if persistent and trace is not None:  # a W12_TRACE build stamped 8 int64 per CTA after the shares
+        trace[:8 * grid].copy_(ws[shares:shares + 16 * grid].view(torch.int64))
