@@ -105,6 +105,13 @@ __device__ __forceinline__ void for_acc(F&& f) {
       for (int i = 0; i < 4; ++i) f(t, j, i);
 }
 
+// 16 bytes from shared memory (a 32-bit shared address)
+__device__ __forceinline__ uint4 lds128(uint32_t a) {
+  uint4 v;
+  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
+  return v;
+}
+
 __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
@@ -186,6 +193,20 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[MT][NT][4], const Fragmen
       }
     }
   }
+}
+
+// Diagnostic traces (W12_TRACE builds): slot k of this CTA's 8 u64 stamps in `area`, the %globaltimer in
+// nanoseconds, or the SM id for k = 1
+__device__ __forceinline__ void cta_stamp(unsigned long long* area, int k) {
+  unsigned long long v;
+  if (k == 1) {
+    uint32_t sm;
+    asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
+    v = sm;
+  } else {
+    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+  }
+  area[8 * blockIdx.x + k] = v;
 }
 
 // Programmatic dependent launch (sm_90; w12/cuda.py launches with the attribute there). Before

@@ -90,12 +90,6 @@ __device__ __forceinline__ void cp_async16(uint32_t dst, const void* src, bool v
 
 __device__ __forceinline__ void cp_commit() { asm volatile("cp.async.commit_group;" ::: "memory"); }
 
-__device__ __forceinline__ uint4 lds128(uint32_t a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-  return v;
-}
-
 // fixed-base pair decode (module doc): y lanes = hi << 8 | lo byte
 __device__ __forceinline__ uint32_t dec_fixed(uint32_t y, uint32_t c) {
   return (y & 0x800F800Fu) | ((y >> 4) & 0x07F007F0u) | c;
@@ -184,19 +178,10 @@ __device__ __forceinline__ float scale_row(float v, int e) {
   return v * __uint_as_float((uint32_t)(s + 127) << 23);
 }
 
-// W12_TRACE: stamp k of this CTA (u64 nanoseconds of %globaltimer; slot 1: the SM id) in the trace area
+// W12_TRACE: stamp k of this CTA in the trace area (cta_stamp: %globaltimer ns; slot 1: the SM id), by thread 0
 __device__ __forceinline__ void stamp(unsigned long long* area, int k) {
   if constexpr (W12_TRACE != 0) {
-    if (threadIdx.x != 0) return;
-    unsigned long long v;
-    if (k == 1) {
-      uint32_t sm;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      v = sm;
-    } else {
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
-    }
-    area[8 * blockIdx.x + k] = v;
+    if (threadIdx.x == 0) cta_stamp(area, k);
   }
 }
 

@@ -235,25 +235,9 @@ __device__ __forceinline__ void wgmma_rs(float* d, uint32_t a0, uint32_t a1, uin
   }
 }
 
-// W12_TRACE: slot k of this CTA's 8 stamps in ws (u64 nanoseconds of %globaltimer; slot 1: the SM id)
+// W12_TRACE: slot k of this CTA's 8 stamps in ws (cta_stamp: %globaltimer ns; slot 1: the SM id)
 __device__ __forceinline__ void trace(float* ws, int k) {
-  if constexpr (W12_TRACE != 0) {
-    uint64_t v;
-    if (k == 1) {
-      uint32_t sm;
-      asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
-      v = sm;
-    } else {
-      asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
-    }
-    reinterpret_cast<unsigned long long*>(ws)[8 * blockIdx.x + k] = v;
-  }
-}
-
-__device__ __forceinline__ uint4 lds128(uint32_t a) {
-  uint4 v;
-  asm volatile("ld.shared.v4.u32 {%0, %1, %2, %3}, [%4];" : "=r"(v.x), "=r"(v.y), "=r"(v.z), "=r"(v.w) : "r"(a));
-  return v;
+  if constexpr (W12_TRACE != 0) cta_stamp(reinterpret_cast<unsigned long long*>(ws), k);
 }
 
 }  // namespace
