@@ -3,13 +3,25 @@ and the survivors are recomputed exactly, so `argmax` and `topk` equal the exact
 
 * `CertifiedHead(weight, screen="auto")`: a BF16 head `[V, H]` or a `w12.W12Weight`; screens "int8"
   (an INT8 copy with BF16 group scales), "w12" (the W12 8-bit view: no second copy), "none".
-* `.argmax(hidden)`, `.topk(hidden, k)`, `.logits(hidden)`, `.stats()`.
+* `.argmax(hidden)`, `.topk(hidden, k)`, `.logits(hidden)`, `.stats()`; `argmax` answers `NAN_ID` (-1) for a
+  row whose exact logits hold a NaN.
 * `screen_bounds(head, hidden)`: the interval [L, U] of every exact logit.
 * `exact_logits_reference`, `argmax_reference`: fp64 oracles. docs/lmhead.md derives the bound.
 """
 
-from .ops import DEFAULT_CAPACITY, GROUP, SCREENS, VARIANTS, CertifiedHead, screen_bounds
+from .ops import DEFAULT_CAPACITY, GROUP, NAN_ID, SCREENS, VARIANTS, CertifiedHead, screen_bounds
 from .reference import argmax_reference, exact_logits_reference, int8_screen_reference
 
-__all__ = ["CertifiedHead", "screen_bounds", "SCREENS", "DEFAULT_CAPACITY", "GROUP", "VARIANTS",
+__all__ = ["CertifiedHead", "screen_bounds", "SCREENS", "DEFAULT_CAPACITY", "GROUP", "VARIANTS", "NAN_ID",
            "exact_logits_reference", "argmax_reference", "int8_screen_reference"]
+
+_SUBMODULES = ("configs", "kernels", "ops", "reference", "space")
+
+
+def __getattr__(name):
+    # submodules that `import lmhead` does not load, on first attribute access (`lmhead.space.HEAD_SPACE`)
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

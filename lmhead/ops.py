@@ -22,7 +22,7 @@ from .configs import AUTO_SCREEN, HeadConfig, head_config
 from .kernels.screen import lmhead_exact_kernel, lmhead_prep_kernel, lmhead_screen_kernel, lmhead_select_kernel
 from .reference import dense_weight, round_up_bf16
 
-__all__ = ["CertifiedHead", "screen_bounds", "VARIANTS", "SCREENS", "DEFAULT_CAPACITY", "GROUP"]
+__all__ = ["CertifiedHead", "screen_bounds", "VARIANTS", "SCREENS", "DEFAULT_CAPACITY", "GROUP", "NAN_ID"]
 
 OP = "lmhead.argmax"
 # "triton": the kernels of lmhead/kernels/screen.py (tl.dot: wgmma or mma.sync by tile shape); "reference":
@@ -34,6 +34,8 @@ GROUP = 128  # columns per scale / error group of the screen
 _PLANS = autotune.PlanCache()
 _U = 2.0**-22  # unit roundoff allowed per fp32 addition (twice fp32's: covers tensor cores' truncating accumulation)
 _MIN_KEY = -(2**63)
+_NAN_HIGH = 0x7FFFFFFF  # the high word of a NaN logit's order key: larger than every number's
+NAN_ID = -1  # argmax of a row whose exact logits hold a NaN: no token wins, and -1 indexes no embedding row
 
 
 def gamma(n: int) -> float:
@@ -207,6 +209,12 @@ def _ids_of(key: torch.Tensor) -> torch.Tensor:
     return 0xFFFFFFFF - (key & 0xFFFFFFFF)
 
 
+def _argmax_of(key: torch.Tensor) -> torch.Tensor:
+    """Token ids of a row's best keys; NAN_ID where the best is a NaN (every NaN logit survives the screen: a
+    non-finite hidden row takes the full pass, a head row with a non-finite weight has an infinite bound)."""
+    return torch.where((key >> 32) == _NAN_HIGH, torch.full_like(key, NAN_ID), _ids_of(key))
+
+
 def _weight_args(hd: "CertifiedHead"):
     """(w_ptr, lo, e0, rowptr, esc_col, esc_val, stride_w, stride_lo, W12) for the exact kernel."""
     if hd.packed is not None:
@@ -282,12 +290,12 @@ def _argmax_triton(hd: "CertifiedHead", h, stats) -> torch.Tensor:
         key = torch.full((M,), _MIN_KEY, dtype=torch.int64, device=dev)
         _launch_exact(hd, h, None, None, None, key, full=True, every=True)
         stats.record(None, M, hd)
-        return _ids_of(key)
+        return _argmax_of(key)
     p, _, surv = _survivors(hd, h, None)
     _launch_exact(hd, h, p, surv, None, p["key"], full=False)
     _launch_exact(hd, h, p, surv, None, p["key"], full=True, fb=stats.counter(dev))
     stats.record(p["count"], M, hd)
-    return _ids_of(p["key"])
+    return _argmax_of(p["key"])
 
 
 def _topk_triton(hd: "CertifiedHead", h, k: int, stats):
@@ -479,7 +487,8 @@ class CertifiedHead:
 
     # ---- public ops ---------------------------------------------------------------------
     def argmax(self, hidden: torch.Tensor, *, out: torch.Tensor | None = None) -> torch.Tensor:
-        """Token ids `[...]` of the largest exact logit per row (ties: the lowest id). Never syncs."""
+        """Token ids `[...]` of the largest exact logit per row (ties: the lowest id). A row whose exact logits
+        hold a NaN has no largest one: its answer is `lmhead.NAN_ID` (-1), never a token id. Never syncs."""
         h = self._hidden("argmax", hidden)
         self._check_out("argmax", out, tuple(hidden.shape[:-1]), torch.int64)
         if torch.compiler.is_compiling():
@@ -522,12 +531,19 @@ class CertifiedHead:
             keys = torch.where(keep | flag[:, None], keys, torch.full_like(keys, _MIN_KEY))
             self._stats.counter(h.device).add_(flag.sum())
         self._stats.record(count, M, self)
-        return _ids_of(keys.amax(-1))
+        return _argmax_of(keys.amax(-1))
 
     def topk(self, hidden: torch.Tensor, k: int):
         """(values fp32 `[..., k]`, ids int64 `[..., k]`): the k largest exact logits, ordered by value
-        (descending), then id (ascending). Never syncs."""
+        (descending), then id (ascending); a NaN logit ranks above every number, and its value says so.
+        Never syncs."""
         h = self._hidden("topk", hidden)
+        if isinstance(k, bool) or not isinstance(k, int):
+            if isinstance(k, torch.Tensor) and k.numel() == 1 and not k.is_floating_point():
+                k = int(k)
+            else:
+                raise TypeError(f"lmhead.topk: k must be an int, got {type(k).__name__} {k!r}; pass an int, e.g. "
+                                f"k={int(k) if isinstance(k, float) and k.is_integer() else 2}")
         if not 1 <= k <= min(self.V, self.capacity):
             raise ValueError(f"lmhead.topk: k={k} is out of range; pass 1 <= k <= min(V, capacity) = "
                              f"{min(self.V, self.capacity)}")

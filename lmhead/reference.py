@@ -24,8 +24,10 @@ def exact_logits_reference(hidden: torch.Tensor, weight) -> torch.Tensor:
 
 
 def argmax_reference(hidden: torch.Tensor, weight) -> torch.Tensor:
-    """Argmax of the fp64 logits per row, ties to the lowest token id (torch.argmax keeps the first)."""
-    return exact_logits_reference(hidden, weight).argmax(dim=-1)
+    """Argmax of the fp64 logits per row, ties to the lowest token id (torch.argmax keeps the first); -1 (the
+    head's NAN_ID) for a row whose logits hold a NaN."""
+    z = exact_logits_reference(hidden, weight)
+    return torch.where(torch.isnan(z).any(dim=-1), -1, z.argmax(dim=-1))
 
 
 def round_up_bf16(x: torch.Tensor) -> torch.Tensor:

@@ -3,9 +3,9 @@ cannot import this one by name).
 
 The oracles are the contract of docs/lmhead.md (and /work/plan/lmhead_api.md):
 
-* `check_argmax(head, h)`: head.argmax(h) equals torch.argmax of head.logits(h) BIT FOR BIT (ties -> the lowest
-  id, +0 == -0, a NaN logit is the largest and the first NaN wins: torch.argmax's own conventions), with the
-  result shaped like h's leading dims.
+* `check_argmax(head, h)`: head.argmax(h) equals `argmax_of(head.logits(h))` BIT FOR BIT: torch.argmax (ties ->
+  the lowest id, +0 == -0), and lmhead.NAN_ID (-1) for a row whose logits hold a NaN; the result is shaped like
+  h's leading dims.
 * `check_topk(head, h, k)`: ids equal the first k of a stable descending sort of head.logits(h) (value desc,
   id asc) and values are those logits' bits.
 * `check_bounds(head, h)`: lmhead.screen_bounds(head, h) -> (L, U) contains every exact logit and every fp64
@@ -86,6 +86,11 @@ def topk_oracle(logits: torch.Tensor, k: int):
     return logits.gather(-1, order), order
 
 
+def argmax_of(logits: torch.Tensor) -> torch.Tensor:
+    """The head's contract on exact logits [M, V]: torch.argmax per row, -1 for a row holding a NaN."""
+    return torch.where(torch.isnan(logits).any(-1), -1, torch.argmax(logits, dim=-1))
+
+
 def check_argmax(head, h, msg=""):
     """head.argmax(h) against torch.argmax(head.logits(h)), bitwise. Returns (ids [M], logits [M, V])."""
     H = h.shape[-1]
@@ -99,7 +104,7 @@ def check_argmax(head, h, msg=""):
     assert ids.dtype == torch.int64, f"{msg} ids dtype {ids.dtype}"
     assert tuple(ids.shape) == lead, f"{msg} ids shape {tuple(ids.shape)} != {lead} (hidden {tuple(h.shape)})"
     assert ids.device == h.device, f"{msg} ids on {ids.device}"
-    want = torch.argmax(logits, dim=-1)
+    want = argmax_of(logits)
     assert_bitwise_equal(ids.reshape(M).cpu(), want.cpu(), f"{msg} argmax vs argmax(logits) (H={H}):")
     return ids.reshape(M), logits
 
@@ -156,11 +161,12 @@ def provable_rows(h, weight):
     a = h2.double().abs() @ wd.double().abs().T  # [M, V] sum_k |W_vk h_k|
     n = h2.shape[-1] + 2
     gamma = n * U32 / (1 - n * U32)
-    lb = ref.gather(1, best[:, None])
-    ab = a.gather(1, best[:, None])
+    bi = best.clamp(min=0)[:, None]  # -1 (a NaN row) is not an index; such rows are not finite, so never decided
+    lb = ref.gather(1, bi)
+    ab = a.gather(1, bi)
     # relative rounding of n operations, plus 2^-149 per operation where a partial sum or product underflows
     margin = (lb - ref) - 2 * (gamma * (ab + a) + n * 2.0**-149)
-    margin.scatter_(1, best[:, None], float("inf"))
+    margin.scatter_(1, bi, float("inf"))
     # no fp32 overflow: every partial sum is at most a_v in magnitude
     ok = torch.isfinite(ref).all(1) & (margin > 0).all(1) & (a.amax(1) < 2.0**127)
     return ok, best
@@ -292,6 +298,7 @@ class _Helpers:
     make_head = staticmethod(make_head)
     dense = staticmethod(dense)
     topk_oracle = staticmethod(topk_oracle)
+    argmax_of = staticmethod(argmax_of)
     check_argmax = staticmethod(check_argmax)
     check_topk = staticmethod(check_topk)
     check_bounds = staticmethod(check_bounds)

@@ -1,7 +1,7 @@
 """CPU tests of lmhead.CertifiedHead: the Triton kernels run under the interpreter at small, odd shapes.
 
 The claim is exactness, so the checks are bitwise (conftest.py, fixture `lm`):
-* head.argmax(h) == torch.argmax(head.logits(h)) (ties -> lowest id; a NaN logit is the largest, first wins);
+* head.argmax(h) == torch.argmax(head.logits(h)) (ties -> lowest id), lmhead.NAN_ID (-1) for a row holding a NaN;
 * head.topk(h, k) == the first k of head.logits(h) sorted by (value desc, id asc), ids and value bits;
 * the certified ids equal the fp64 argmax (lmhead.reference) on every row whose fp64 margin provably survives
   fp32 rounding;
@@ -285,7 +285,7 @@ def test_underflow(screen, lm):
 @pytest.mark.parametrize("screen", SCREENS)
 def test_overflow_to_inf(screen, lm):
     """Finite BF16 inputs whose fp32 logits overflow (hidden 2^60, weight rows 2^50..2^72): some logits are
-    +-Inf or NaN; argmax still follows torch.argmax on the exact logits."""
+    +-Inf or NaN; argmax still follows torch.argmax on the exact logits (-1 where they hold a NaN)."""
     V, H, M = 40, 130, 4
     g = lm.gen(71)
     r = torch.randint(50, 73, (V, 1), generator=g).float()
@@ -421,8 +421,8 @@ def test_only_the_overflowing_row_falls_back(lm):
 
 @pytest.mark.parametrize("screen", SCREENS)
 def test_nonfinite_hidden_rows(screen, lm):
-    """Rows of hidden with NaN / +Inf / -Inf take the full exact path: argmax = torch.argmax of the exact logits
-    (NaN largest, first wins); the finite rows of the same batch get the same answer as alone; the non-finite
+    """Rows of hidden with NaN / +Inf / -Inf take the full exact path: argmax = torch.argmax of the exact logits,
+    -1 where they hold a NaN; the finite rows of the same batch get the same answer as alone; the non-finite
     rows are counted as fallbacks."""
     V, H = 37, 130
     w = lm.rand_weight(V, H, seed=121)
@@ -438,6 +438,7 @@ def test_nonfinite_hidden_rows(screen, lm):
     head.reset_stats()
     ids, logits = lm.check_argmax(head, h, msg=screen)
     assert torch.isnan(logits[1]).all() and torch.isnan(logits[2, 4])
+    assert ids[1] == ids[2] == lmhead.NAN_ID == -1  # a NaN row answers no token (never a silent 0)
     finite = [0, 5]
     alone = torch.cat([head.argmax(h[m:m + 1]) for m in finite])
     assert_bitwise_equal(ids[finite], alone, "finite rows next to non-finite ones:")
@@ -450,8 +451,8 @@ def test_nonfinite_hidden_rows(screen, lm):
     pytest.param(k, s, marks=SLOW if s == "w12" and k in ("-inf", "inf-and-nan") else (), id=f"{k}-{s}")
     for s in SCREENS for k in ("inf", "-inf", "nan", "inf-and-nan")])
 def test_nonfinite_weights(kind, screen, lm):
-    """A head row holding +-Inf or NaN: the answers still equal torch.argmax of the exact logits (a NaN logit is
-    the largest), for hidden rows where that weight meets a positive, a negative and a zero element."""
+    """A head row holding +-Inf or NaN: the answers still equal torch.argmax of the exact logits (-1 for a row
+    holding a NaN logit), for hidden rows where that weight meets a positive, a negative and a zero element."""
     V, H = 37, 130
     w = lm.rand_weight(V, H, seed=131)
     if kind in ("inf", "inf-and-nan"):
@@ -467,7 +468,7 @@ def test_nonfinite_weights(kind, screen, lm):
     if kind == "inf":
         assert ids[0] == 21 and ids[1] != 21 and torch.isnan(logits[2, 21])
     if kind in ("nan", "inf-and-nan"):
-        assert torch.isnan(logits[:, 30]).all()
+        assert torch.isnan(logits[:, 30]).all() and (ids == lmhead.NAN_ID).all()
     # the finite tokens' logits and the other rows are untouched: the finite part still matches fp64
     fin = torch.isfinite(w).all(1)
     lm.check_reference(torch.argmax(logits[:, fin], 1), h, w[fin])

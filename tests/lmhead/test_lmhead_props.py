@@ -8,8 +8,8 @@ winning row, optional non-contiguous layouts; each screen ("int8", "w12" on the 
 * L <= every exact logit <= U and L <= every fp64 logit <= U, (L, U) = lmhead.screen_bounds;
 * topk == the stable descending sort of the logits (ids and value bits);
 * the fp64 argmax wherever its margin provably survives fp32 rounding;
-* non-finite hidden elements: the row follows torch.argmax (NaN largest, first wins), the other rows are
-  unaffected.
+* non-finite hidden elements: the row follows torch.argmax (lmhead.NAN_ID where its logits hold a NaN), the
+  other rows are unaffected.
 Helpers: conftest.py (fixture `lm`).
 """
 
