@@ -17,3 +17,14 @@ from .reference import tree_attention_reference
 
 __all__ = ["tree_attention", "plan", "run", "TreeAttnPlan", "MAX_NODES", "HEAD_DIMS", "VARIANTS",
            "tree_attention_reference"]
+
+_SUBMODULES = ("configs", "kernels", "ops", "reference", "space")
+
+
+def __getattr__(name):
+    # submodules that `import tree_attn` does not load, on first attribute access (`tree_attn.space.WGMMA_SPACE`)
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

@@ -460,7 +460,9 @@ def run(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=None, sm_s
         raise ValueError(f"{fn}: q has shape {tuple(q.shape)} but the plan has T={shape[0]} nodes, H={shape[1]} "
                          f"heads and D={shape[2]}; q must be [{shape[0]}, {shape[1]}, {shape[2]}]")
     if q.dtype != p.dtype:
-        raise TypeError(f"{fn}: q has dtype {q.dtype} but the plan was built for {p.dtype}; plan with dtype={q.dtype}")
+        fix = (f"plan with dtype={q.dtype}, or pass q.to({p.dtype})" if q.dtype in (torch.bfloat16, torch.float16)
+               else f"tree_attn runs bfloat16 or float16: pass q.to({p.dtype}) (and caches of that dtype)")
+        raise TypeError(f"{fn}: q has dtype {q.dtype} but the plan was built for {p.dtype}; {fix}")
     if q.device != p.device:
         raise ValueError(f"{fn}: q is on {q.device} but the plan's buffers are on {p.device}; plan on {q.device}")
     _check_tensor(fn, "q", q, p.dtype, p.device)
