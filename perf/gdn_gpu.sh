@@ -1,16 +1,12 @@
 #!/usr/bin/env bash
-# The GDN operator on the GPU machine in one device call (<= 10 minutes): explore, test, profile, benchmark.
+# The GDN operator on the GPU machine in one device call (<= 10 minutes): test, sanitize, profile, benchmark.
 # Tuning: perf/tune_gpu.sh (specpilot tune --op gdn.tree_verify).
 #
 #   bash perf/gdn_gpu.sh                                   (OUT defaults to perf/out)
-#   STAGES="explore bench" bash perf/gdn_gpu.sh            (a subset, in this order)
+#   STAGES="sanitize bench" bash perf/gdn_gpu.sh           (a subset, in this order)
 #   TEST_SHARD=2/3 STAGES=tests bash perf/gdn_gpu.sh       (the whole GPU suite takes ~20 minutes: 3 calls)
 #
 # Stages (STAGES, default "tests bench"), each under its own timeout; keep their sum under the call's 600 s:
-#   explore perf/gdn_explore.py: the CUDA and Triton configs beside recurrent (and fla with FLA_BUDGET > 0),
-#           48 layers per CUDA graph, each checked before it is timed. EXPLORE_ARGS (default
-#           "--cases B1-N32,chain8,chain16,chain32,B24-N8 --configs none": the defaults only; "--ablate" adds
-#           the phase ablations), EXPLORE_BUDGET (230 s), EXPLORE_TIMEOUT (260 s).
 #   tests   the GDN GPU tests (tests/gdn, tests/test_sm90_codegen.py; TEST_K, TEST_SHARD, TEST_TIMEOUT 300 s,
 #           TEST_WORKERS pytest-xdist processes when its wheels travel in .whl).
 #   sanitize  the index-guard tests (tests/gdn/test_gdn_guard_gpu.py) under `compute-sanitizer --tool memcheck`,
@@ -20,20 +16,13 @@
 #   ncu     Nsight Compute on NCU_COUNT GDN kernel launches of the benchmark, one line per kernel
 #           (perf/ncu_summary.py) in summary.txt.
 #   bench   specpilot bench --ops gdn (BENCH_SHAPES, default hybrid-27b; BENCH_TIMEOUT 240 s), and its summary.
-# Files in $OUT (<= 8): summary.txt explore.log gdn_explore.json pytest.log sanitize.log
-# <stamp>-gdn.{json,md}
+# Files in $OUT (<= 8): summary.txt pytest.log sanitize.log <stamp>-gdn.{json,md,png}
 cd "$(dirname "$0")/.."
 STAGES=${STAGES:-tests bench}
 . perf/gpu_env.sh
 SCRATCH=$(mktemp -d)
 declare -A RC
 
-if has_stage explore; then
-  timeout "${EXPLORE_TIMEOUT:-260}" python3 perf/gdn_explore.py \
-    ${EXPLORE_ARGS:---cases B1-N32,chain8,chain16,chain32,B24-N8 --configs none} \
-    --budget "${EXPLORE_BUDGET:-230}" --fla-budget "${FLA_BUDGET:-0}" --out "$OUT" >"$OUT/explore.log" 2>&1
-  RC[explore]=$?
-fi
 if has_stage tests; then
   TEST_TIMEOUT=${TEST_TIMEOUT:-300} run_tests "$OUT/pytest.log" tests/gdn tests/test_sm90_codegen.py
   RC[tests]=$?
@@ -54,10 +43,6 @@ has_stage bench && run_bench 240 gdn
 {
   echo "wheels  : $WHEELS"
   for s in $STAGES; do echo "$s rc=${RC[$s]:-?}"; done
-  if has_stage explore && [ -f "$OUT/explore.log" ]; then
-    sed -n '/== best per case/,$p' "$OUT/explore.log"
-    grep -E "ABLATION|FAILED|ERROR" "$OUT/explore.log" | head -n 20
-  fi
   has_stage sanitize && grep -E "passed|failed|ERROR SUMMARY|Invalid" "$OUT/sanitize.log" | tail -n 5
   summary_common
 } 2>&1 | tee "$OUT/summary.txt"

@@ -1,4 +1,6 @@
-"""Every relative link in the README and the docs resolves, and perf/results/README.md indexes every committed result."""
+"""Every relative link in the README and the docs resolves, perf/results/README.md indexes every committed result, and
+the tool shelf stays small: perf/ holds at most 12 scripts, perf/results/ at most 40 files, each result cited by the
+README or a doc."""
 
 from __future__ import annotations
 
@@ -8,7 +10,10 @@ from pathlib import Path
 import pytest
 
 ROOT = Path(__file__).resolve().parents[1]
-RESULTS = ROOT / "perf" / "results"
+PERF = ROOT / "perf"
+RESULTS = PERF / "results"
+MAX_SCRIPTS = 12
+MAX_RESULTS = 40
 DOCS = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), RESULTS / "README.md"]
 
 _FENCE = re.compile(r"^```.*?^```", re.S | re.M)
@@ -59,3 +64,31 @@ def test_no_binary_results():
     binaries = sorted(str(p.relative_to(RESULTS)) for p in RESULTS.rglob("*")
                       if p.is_file() and p.suffix in (".ncu-rep", ".nsys-rep", ".png", ".bin"))
     assert not binaries, "binary files under perf/results (commit the text they were read from): " + ", ".join(binaries)
+
+
+def test_perf_shelf_holds_at_most_12_scripts():
+    scripts = sorted(p.name for p in PERF.iterdir() if p.is_file() and p.name != "README.md")
+    assert len(scripts) <= MAX_SCRIPTS, (
+        f"perf/ holds {len(scripts)} scripts, more than {MAX_SCRIPTS}: fold one into `specpilot` or delete it (its "
+        f"findings stay in the docs' 'What was tried' tables): {scripts}")
+
+
+def test_results_hold_at_most_40_files():
+    files = sorted(str(p.relative_to(RESULTS)) for p in RESULTS.rglob("*") if p.is_file())
+    assert len(files) <= MAX_RESULTS, (
+        f"perf/results holds {len(files)} files (README.md included), more than {MAX_RESULTS}: retire a run (its "
+        f"figure into the doc's findings table, the file named there without a link, then deleted)")
+
+
+def test_every_result_is_cited_by_the_readme_or_a_doc():
+    """A link from README.md or docs/*.md, or the path perf/results/<file> written out there (e.g. in a command)."""
+    cited, text = set(), ""
+    for md in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]:
+        cited |= {(md.parent / t.partition("#")[0]).resolve() for t in _links(md)}
+        text += md.read_text(encoding="utf-8")
+    uncited = []
+    for p in sorted(RESULTS.rglob("*")):
+        rel = p.relative_to(RESULTS).as_posix()
+        if p.is_file() and rel != "README.md" and p.resolve() not in cited and f"perf/results/{rel}" not in text:
+            uncited.append(rel)
+    assert not uncited, "perf/results files cited by neither README.md nor docs/*.md: " + ", ".join(uncited)

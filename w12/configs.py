@@ -40,7 +40,7 @@ import torch
 
 import autotune
 
-__all__ = ["TcConfig", "GemvConfig", "MmaConfig", "StreamConfig", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "candidates", "sm_count",
+__all__ = ["TcConfig", "GemvConfig", "MmaConfig", "StreamConfig", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "sm_count",
            "pick_split_k", "mma_heuristic"]
 
 GEMV_MAX_M = 4  # the no-wgmma variant runs the CUDA-core kernel up to this M
@@ -122,7 +122,7 @@ class TmaConfig:
     the planes (2-D TMA boxes) and of x (one bulk copy per token) into a `stages`-deep ring; `cw` consumer
     warps, each owning 16 * `mt` rows, decode them in registers into mma.sync. A CTA owns
     16 * `mt` * `cw` rows (<= 256, one TMA box); `split` CTAs share a row block along K.
-    Options, both correct on the H200 and both opt-in (perf/results/h200/20261130-w12-tma-wg-ahead-probe.json):
+    Options, both correct on the H200 and both opt-in (docs/w12.md, "What was tried"):
     `ahead` (consumers read stage i + 1 before computing stage i; within noise of the default) and
     `wg` (each warpgroup of 4 consumer warps issues one wgmma m64 x n(8 NT) x k16 per k-step with
     the decoded A from registers and x permuted into a K-major shared-memory B; sm_90a; slower
@@ -268,7 +268,7 @@ _GEMV_LIVE = 16  # fp32 accumulator elements per thread (BN x BK/2 x BT / thread
 
 
 def mma_heuristic(M: int, N: int, K: int, device: torch.device) -> MmaConfig:
-    """CUDA kernel default (the H200 sweep of perf/w12_mma_explore.py, perf/results/h200/20261130T225618-explore.log):
+    """CUDA kernel default (the H200 sweep of the CUDA configs, perf/results/h200/20261130T225618-explore.log):
     32 rows per CTA and 4 warps along K when that still gives >= 3 CTAs per SM, else 16 rows and 8 warps
     along K (more warps, hence more loads in flight, for the N = 5120 projections)."""
     if -(-N // 32) >= 3 * sm_count(device):
@@ -294,33 +294,3 @@ def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = F
     tiles = -(-N // bn) * -(-M // bt)
     split = pick_split_k(tiles, -(-kp // bk), sm_count(device) * 8)
     return GemvConfig(block_n=bn, block_t=bt, block_k=bk, split_k=split, num_warps=4, num_stages=2)
-
-
-def candidates(kind: str, M: int, N: int, K: int) -> list:
-    """Configs worth timing on the GPU for one shape (for tuning scripts). `kind`: "tc" or "gemv"."""
-    kp = -(-K // 64) * 64
-    out = []
-    if kind == "tc":
-        bts = sorted({min(64, max(16, _pow2(M))), 16 if M <= 16 else 32})
-        for bn, warps in ((64, 4), (128, 4), (128, 8), (256, 8)):
-            for bk in (128, 256, 512):
-                for stages in (2, 3, 4, 5):
-                    for bt in bts:
-                        if (bn * bk * 1.5 + bk * bt * 2) * stages > 200 << 10:
-                            continue
-                        for split in (1, 2, 3, 4, 6, 8, 12, 16):
-                            if kp // bk >= 2 * split or split == 1:
-                                out.append(TcConfig(bn, bt, bk, split, warps, stages))
-    elif kind == "gemv":
-        bt = _pow2(M)
-        for bn in (8, 16, 32, 64, 128):
-            for bk in (128, 256, 512):
-                if bn * bk // 2 * bt > 16384:
-                    continue
-                for warps in (2, 4, 8):
-                    for split in (1, 2, 4, 8, 16):
-                        if kp // bk >= 2 * split or split == 1:
-                            out.append(GemvConfig(bn, bt, bk, split, warps, 2))
-    else:
-        raise ValueError(f"kind must be 'tc' or 'gemv', got {kind!r}")
-    return out

@@ -103,7 +103,7 @@ def pdl_enabled(device: torch.device) -> bool:
     The kernels then overlap their start (the TMA kernel: its first weight stages) with the previous
     kernel's tail, and read x / write out / touch the split-K workspace only after
     `griddepcontrol.wait`. Off by default: on the H200 it made the 64-layer decode step slower
-    (12.70 vs 11.55 ms, perf/results/h200/20261130T191401-linear-w12-pdl.*). Precondition when on:
+    (12.70 vs 11.55 ms, docs/w12.md "What was tried"). Precondition when on:
     the kernel launched immediately before does not write the weight planes."""
     if os.environ.get("SPECPILOT_PDL", "0") != "1":
         return False

@@ -103,7 +103,7 @@ def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: 
         return autotune.Plan(variant, "gemv", config(entry, GemvConfig, lambda: gemv_heuristic(Mb, N, K, device, q8=q8)))
 
     if kernel == "mma" and f"{op}/tma/{key}" in tuned and wcuda.tma_available(device):
-        # the sm_90 TMA kernel won this cell in the sweep (perf/w12_mma_explore.py stores one of the two)
+        # a tuned tma entry: the sm_90 TMA kernel won this cell
         return autotune.Plan(variant, "mma", config("tma", TmaConfig, TmaConfig))
     if kernel == "mma":
         return autotune.Plan(variant, "mma", config("mma", MmaConfig, lambda: mma_heuristic(Mb, N, K, device)))

@@ -44,7 +44,7 @@ PDL=True (sm_90, launched with launch_pdl): griddepcontrol.wait before the first
 input may come from the kernel just before), then launch_dependents, which lets the next kernel's
 programs be placed while this one runs; it hides the launch gap only, no load moves before the wait.
 
-SKIP (diagnostic only, wrong outputs; perf/gdn_explore.py --ablate) removes phases to time them:
+SKIP (diagnostic only, wrong outputs; `WYConfig.skip`) removes phases to time them:
 bit 1 the state products (and with them the state load), bit 2 the inverse's rounds, bit 4 the
 T.rhs and (q.k).U products (and the inverse with them: nothing reads T then; with "split" the second
 launch then neither waits on the first nor reads N, so the first leaves the critical path).

@@ -1,4 +1,4 @@
-"""The GPU-run tooling under perf/ (exploration scripts, shard runner, summaries, shell scripts), tested on the CPU
+"""The GPU-run tooling under perf/ (shard runner, summaries, shell scripts), tested on the CPU
 at tiny sizes apart from the library, so that a broken tool is found before a device call is spent on it."""
 
 import json

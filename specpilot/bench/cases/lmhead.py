@@ -44,7 +44,7 @@ Survivors: the row's `extra["measured"]` (a dict shared with the JSON row, which
 `gap_sigma_mean`); for the certified variants, in check, `head.stats()` of the checked call (`survivors` per row,
 capped at `capacity` as stats() reports them, `survivors_mean`, `survivors_max`, `fallbacks`, `screen`), and in
 teardown, after the timing, `fallbacks_after_timing` (stats()' cumulative count then; the timed inputs are the
-checked ones). Each certified check also prints one "survivors" line (perf/lmhead_gpu.sh greps them).
+checked ones). Each certified check also prints one "survivors" line (in the bench log of perf/gpu_check.sh).
 
 Memory: no rotated input sets on a GPU at hybrid-27b (`rotations` gives 1: the head is far larger than L2).
 The BF16 head, its INT8 head, the W12 record and the W12 head (2.5 + ~1.3 + ~1.9 GB at hybrid-27b) are built
