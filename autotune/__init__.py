@@ -10,7 +10,7 @@ Imports nothing of this project: operators build on it, never the other way roun
 import os
 
 from .config import bucket_m, drop_tuned, force, forced, get_config, load_tuned, shape_key, store_tuned, versions
-from .dispatch import Plan, PlanCache, Variants, clear_plans
+from .dispatch import Plan, PlanCache, Variants, clear_plans, which_variant
 from .hardware import (
     GPUS,
     Ceilings,
@@ -33,8 +33,20 @@ __all__ = [
     "BuildError", "GPUS", "Ceilings", "GpuSpec", "Plan", "PlanCache", "Variants", "bucket_m", "byte_floor", "cached_ceilings",
     "clear_plans", "compute_capability", "drop_tuned", "force", "forced", "get_config", "gpu_name", "gpu_slug",
     "gpu_spec", "has_cuda", "has_wgmma", "is_interpreter", "load_tuned", "measure_ceilings", "peak_rates", "shape_key",
-    "store_tuned", "versions",
+    "store_tuned", "versions", "which_variant",
 ]
+
+# Submodules load on first attribute access (`autotune.tuner.SearchSpace` after `import autotune`), so the
+# import stays light.
+_SUBMODULES = ("config", "dispatch", "hardware", "interpreter", "jit", "promotion", "tuner")
+
+
+def __getattr__(name):
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 if os.environ.get("TRITON_INTERPRET") == "1":
     from . import interpreter as _interpreter

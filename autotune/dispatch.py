@@ -19,7 +19,7 @@ import torch
 from .config import forced
 from .hardware import compute_capability, has_cuda, is_interpreter
 
-__all__ = ["Variants", "Plan", "PlanCache", "clear_plans"]
+__all__ = ["Variants", "Plan", "PlanCache", "clear_plans", "which_variant"]
 
 
 class Plan(NamedTuple):
@@ -35,18 +35,22 @@ class Plan(NamedTuple):
 @dataclasses.dataclass(frozen=True)
 class Variants:
     """An operator's kernel variants. `by_arch` maps a compute-capability major to the default variant,
-    `known` lists every name a caller may ask for, `fallback` runs where no GPU kernel can (CPU tensors
-    without the Triton interpreter)."""
+    `known` lists every name a caller may ask for, `fallback` is the torch path: the only variant that runs
+    CPU tensors without the Triton interpreter. `public=False` keeps an internal table out of the registry
+    that `which_variant` reads (one public table per op name)."""
 
     op: str
     by_arch: dict[int, str]
     known: tuple[str, ...]
     fallback: str = "torch"
+    public: bool = dataclasses.field(default=True, compare=False)
 
     def __post_init__(self):
         stray = [v for v in (*self.by_arch.values(), self.fallback) if v not in self.known]
         if stray:
             raise ValueError(f"autotune.Variants({self.op!r}): {stray} are not in known={self.known}")
+        if self.public:
+            _REGISTRY[self.op] = self
 
     def check(self, variant: str, where: str | None = None) -> str:
         """`variant` itself, or a ValueError (prefixed `where`, default `op`) that lists the known ones."""
@@ -75,12 +79,48 @@ class Variants:
                ) -> tuple[str, bool]:
         """(variant, by_name): the `variant=` keyword, else the variant `autotune.force(op, ...)` pins,
         else `default(device)`. `by_name` is True when the caller named it: a named variant that cannot
-        take the call raises, an automatic one may fall back to another kernel."""
+        take the call raises, an automatic one may fall back to another kernel. A named variant other than
+        `fallback` on CPU tensors without the Triton interpreter raises here: no kernel of it can run there,
+        and running the torch path under its name would hide that."""
         if variant is None:
             variant = forced(self.op)[0]
         if variant is None:
             return self.default(device), False
-        return self.check(variant, where), True
+        self.check(variant, where)
+        if variant != self.fallback and device is not None and _host_only(device):
+            raise ValueError(
+                f"{where or self.op}: variant {variant!r} cannot run on CPU tensors without the Triton interpreter; "
+                f"start Python with TRITON_INTERPRET=1 set (before torch or triton is imported) to run it under "
+                f"the interpreter, or pass variant=None or {self.fallback!r} for the torch path")
+        return variant, True
+
+    def pick(self, variant: str | None = None, device: torch.device | str | None = None) -> str:
+        """The variant a call on `device` (a torch device or its name; None: the current CUDA device, or the CPU
+        where there is no GPU) runs for `variant=` (None: the automatic choice, or what `autotune.force`
+        pins in this scope). Raises as the call would for a variant that cannot run there. Where a CUDA C++
+        variant ("mma", "cuda") cannot take a call (no CUDA driver, the interpreter, fp16 inputs, shapes it
+        does not cover), an automatic choice runs the generation's Triton kernel: the call's `autotune.Plan`
+        names the kernel."""
+        if device is None:
+            device = torch.device("cuda") if has_cuda() else torch.device("cpu")
+        return self.choose(variant, torch.device(device))[0]
+
+
+_REGISTRY: dict[str, Variants] = {}
+
+
+def _host_only(device) -> bool:
+    return torch.device(device).type == "cpu" and not is_interpreter()
+
+
+def which_variant(op: str, device: torch.device | str | None = None, *, variant: str | None = None) -> str:
+    """The variant a call of `op` ("w12.matmul", "gdn.tree_verify", ...) on `device` runs here: `Variants.pick`
+    of the op's table. The op's package must be loaded (its `ops` module, e.g. `import w12.ops`)."""
+    table = _REGISTRY.get(op)
+    if table is None:
+        raise ValueError(f"autotune.which_variant: no variant table for {op!r} is loaded (loaded: {sorted(_REGISTRY)}); "
+                         f"import the operator's ops module first, e.g. import {op.split('.')[0]}.ops")
+    return table.pick(variant, device)
 
 
 _CACHES: "weakref.WeakSet[PlanCache]" = weakref.WeakSet()

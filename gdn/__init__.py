@@ -19,3 +19,14 @@ __all__ = [
     "check_errors", "GuardError",
     "recurrent_reference", "chunk_reference", "tree_reference", "conv_reference", "commit_reference",
 ]
+
+_SUBMODULES = ("configs", "cuda", "guard", "kernels", "ops", "plan", "reference", "space")
+
+
+def __getattr__(name):
+    # submodules that `import gdn` does not load, on first attribute access (`gdn.space.CUDA_SPACE`)
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")

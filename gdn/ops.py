@@ -25,8 +25,8 @@ __all__ = ["tree_verify", "tree_conv1d", "commit", "validate_accepted", "check_e
 OP_VERIFY, OP_CONV, OP_COMMIT = "gdn.tree_verify", "gdn.tree_conv1d", "gdn.commit"
 # "cuda": gdn/csrc/gdn_tree.cu (mma.sync, sm_80+) where it takes the call (gdn/cuda.py: unsupported), else the
 # Triton WY kernel "wy" (tl.dot: wgmma on sm_90, mma.sync on sm_80). "recurrent" (no tensor cores) is the
-# stock baseline; "reference" the torch code of gdn/reference.py (CPU tensors without the interpreter: a Triton
-# variant asked for there runs it too, as Triton has no CPU backend).
+# stock baseline; "reference" the torch code of gdn/reference.py, the only variant of CPU tensors without the
+# interpreter (Triton has no CPU backend: a kernel variant named there raises, autotune.Variants.choose).
 VARIANTS = autotune.Variants(OP_VERIFY, by_arch={9: "cuda", 8: "cuda"}, known=("cuda", "wy", "recurrent", "reference"),
                              fallback="reference")
 CONV_VARIANTS = autotune.Variants(OP_CONV, by_arch={8: "triton"}, known=("triton", "reference"), fallback="reference")
@@ -594,8 +594,9 @@ def tree_verify(q, k, v, g, beta, state_pool, state_indices, tree: TreePlan, sca
 
     `variant` (None: by GPU, `gdn.ops.VARIANTS`): "cuda" (the default on sm_80/sm_90, gdn/cuda.py; where
     it cannot take the call the default runs "wy", while asking for it by name raises with the reason), "wy"
-    (Triton), "recurrent" (baseline), "reference" (torch). CPU tensors run the reference (any variant but
-    "cuda"), or the Triton kernels under TRITON_INTERPRET=1.
+    (Triton), "recurrent" (baseline), "reference" (torch). CPU tensors run the Triton kernels under
+    TRITON_INTERPRET=1; without it only "reference" runs them (the automatic choice there), and a kernel variant
+    asked for by name raises. `autotune.which_variant("gdn.tree_verify", device)` says which variant runs.
 
     Guards: host indices (lists, CPU tensors) are range-checked at once. Device indices outside the pool skip
     their request (outputs not written) and raise a flag that gdn.check_errors(tree) turns into an error. A
@@ -626,7 +627,7 @@ def tree_verify(q, k, v, g, beta, state_pool, state_indices, tree: TreePlan, sca
     state_indices = _indices(fn, "state_indices", state_indices, tree.batch, state_pool.shape[0], q.device)
     _check_gates(fn, g)
     if variant is not None:
-        VARIANTS.check(variant)
+        VARIANTS.choose(variant, q.device)  # a variant that cannot run here raises at the call, whatever T
     if out is not None and (_tensor(fn, "out", out).shape != v.shape or out.device != v.device
                             or out.dtype not in (v.dtype, torch.float32) or out.stride(-1) != 1):
         raise ValueError(f"{fn}: out must match v ({tuple(v.shape)}, {v.dtype} or float32, on {v.device}, unit "
@@ -654,8 +655,8 @@ def tree_conv1d(x, conv_state, weight, tree: TreePlan, bias=None, activation="si
     Row i of the result is conv(..., grandparent, parent, node) with committed columns filling in
     past the root. conv_state_indices [B] (tensor or list; default: request r uses row r). Does not write
     conv_state.
-    `variant` (None: by GPU, `gdn.ops.CONV_VARIANTS`): "triton", or "reference" (torch; what CPU tensors run
-    without the interpreter). `out`: a preallocated [T, D] tensor of x's dtype, written and returned.
+    `variant` (None: by GPU, `gdn.ops.CONV_VARIANTS`): "triton", or "reference" (torch; the only variant of CPU
+    tensors without the interpreter). `out`: a preallocated [T, D] tensor of x's dtype, written and returned.
     Guards as tree_verify's: a device index outside conv_state skips its request's rows (not written) and flags
     CONV_STATE_INDEX for gdn.check_errors(tree)."""
     fn = OP_CONV
@@ -684,7 +685,7 @@ def tree_conv1d(x, conv_state, weight, tree: TreePlan, bias=None, activation="si
     conv_state_indices = _indices(fn, "conv_state_indices", conv_state_indices, tree.batch, conv_state.shape[0],
                                   x.device)
     if variant is not None:
-        CONV_VARIANTS.check(variant)
+        CONV_VARIANTS.choose(variant, x.device)
     if out is not None and (_tensor(fn, "out", out).shape != x.shape or out.dtype != x.dtype
                             or out.device != x.device or out.stride(-1) != 1):
         raise ValueError(f"{fn}: out must match x ({tuple(x.shape)}, {x.dtype}, on {x.device}, unit stride in the "
@@ -744,8 +745,8 @@ def commit(state_pool, conv_state, state_indices, tree: TreePlan, accepted, acce
     Without the leading L (one layer) the same shapes minus L. accepted [B, max_len] holds local node
     indices (root first), accepted_len [B]. Pass state_pool=None or conv_state=None to skip one.
     state_indices and conv_state_indices: tensors or lists, one distinct row per request.
-    `variant` (None: by GPU, `gdn.ops.COMMIT_VARIANTS`): "triton", or "reference" (torch, a host loop; what CPU
-    tensors run without the interpreter). No `out`: the states are updated in place.
+    `variant` (None: by GPU, `gdn.ops.COMMIT_VARIANTS`): "triton", or "reference" (torch, a host loop; the only
+    variant of CPU tensors without the interpreter). No `out`: the states are updated in place.
 
     Guards: the kernels check every request's pool rows and accepted path on the device (accepted_len in
     [0, max_len], nodes inside the request, a root path); a request that fails is skipped (its states are
@@ -806,6 +807,8 @@ def commit(state_pool, conv_state, state_indices, tree: TreePlan, accepted, acce
     _check_same_device(fn, state_pool=state_pool, k=k, v=v, g=g, beta=beta, conv_state=conv_state, x=x,
                        tree=tree.cu_seqlens)
     dev = (state_pool if state_pool is not None else conv_state).device
+    if variant is not None:
+        COMMIT_VARIANTS.choose(variant, dev)  # a variant that cannot run here raises at the call
     for name, t in (("accepted", accepted), ("accepted_len", accepted_len)):
         if t.device != dev and t.device.type != "cpu":
             raise ValueError(f"{fn}: {name} is on {t.device}, the states on {dev}; move it with .to({dev})")

@@ -73,6 +73,25 @@ def _as_int(r: int, i: int, p) -> int:
                         "pass integer local parent indices (-1 for a root)") from None
 
 
+def _requests(parents) -> list:
+    """`parents` as a list of per-request parent sequences, or a TypeError saying how to pass them."""
+    fn = "gdn.build_tree_plan"
+    if isinstance(parents, (str, bytes)) or not hasattr(parents, "__iter__"):
+        raise TypeError(f"{fn}: parents must be a list of per-request parent lists, got {type(parents).__name__}; "
+                        "pass e.g. [[-1, 0, 0, 1]] for one request")
+    out = list(parents)
+    for r, ps in enumerate(out):
+        if isinstance(ps, torch.Tensor) and ps.dim() == 1:
+            continue
+        if isinstance(ps, (str, bytes)) or not hasattr(ps, "__len__") or isinstance(ps, torch.Tensor):
+            flat = all(not hasattr(p, "__len__") or isinstance(p, torch.Tensor) and p.dim() == 0 for p in out)
+            hint = (f"wrap it in a list for one request: [{list(out)!r}]" if flat else
+                    "pass one parent list per request")
+            raise TypeError(f"{fn}: parents[{r}] is {ps!r}, not a list of parent indices; parents is a list of "
+                            f"per-request parent lists: {hint}")
+    return out
+
+
 def _check_host(parents: Sequence[Sequence[int]]) -> None:
     for r, ps in enumerate(parents):
         if len(ps) > MAX_NODES:
@@ -135,7 +154,7 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
             _check_max_nodes(max_nodes, lists)
         batch, total = cu.numel() - 1, p.numel()
     else:
-        lists = [[_as_int(r, i, x) for i, x in enumerate(ps)] for r, ps in enumerate(parents)]
+        lists = [[_as_int(r, i, x) for i, x in enumerate(ps)] for r, ps in enumerate(_requests(parents))]
         if validate:
             _check_host(lists)
         dev = torch.device(device) if device is not None else torch.device("cpu")

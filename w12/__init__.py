@@ -1,6 +1,8 @@
 """W12: lossless 12-bit storage for BF16 weights (docs/w12-format.md) and its GEMM kernels.
 
-`matmul` and `matmul_q8` live in `w12.ops` (the kernels) and are imported on first use.
+`matmul` and `matmul_q8` live in `w12.ops` (the kernels) and are imported on first use, as is every
+submodule named as an attribute (`w12.configs.MmaConfig`, `w12.hf`, `w12.checkpoint`): `import w12`
+loads neither Triton nor transformers.
 """
 
 from __future__ import annotations
@@ -55,6 +57,7 @@ __all__ = [
 ]
 
 _LAZY_OPS = ("matmul", "matmul_q8")
+_SUBMODULES = ("checkpoint", "codec", "configs", "cuda", "hf", "kernels", "ops", "space")
 
 
 def __getattr__(name):
@@ -62,4 +65,8 @@ def __getattr__(name):
         from . import ops
 
         return getattr(ops, name)
+    if name in _SUBMODULES:
+        import importlib
+
+        return importlib.import_module(f"{__name__}.{name}")
     raise AttributeError(f"module 'w12' has no attribute {name!r}")

@@ -36,7 +36,7 @@ OP_Q8 = "w12.matmul_q8"
 # the generation's Triton variant (_TRITON) for the other calls. "tc" (wgmma, sm_90) and "gemv" are the
 # Triton kernels; "torch" decodes the weight and calls F.linear (CPU tensors without the interpreter).
 VARIANTS = autotune.Variants(OP, by_arch={9: "mma", 8: "mma"}, known=("mma", "tc", "gemv", "torch"), fallback="torch")
-_TRITON = autotune.Variants(OP, by_arch={9: "tc", 8: "gemv"}, known=VARIANTS.known, fallback="torch")
+_TRITON = autotune.Variants(OP, by_arch={9: "tc", 8: "gemv"}, known=VARIANTS.known, fallback="torch", public=False)
 TC_GEMV_MAX_M = 1  # the "tc" variant runs the CUDA-core GEMV up to this M, and above it where tuned (see _make_plan)
 _REDUCE_BLOCK = 1024
 _FORCED_KERNEL = ((GemvConfig, "gemv"), (TcConfig, "tc"), (MmaConfig, "mma"), (TmaConfig, "mma"), (StreamConfig, "mma"))
@@ -58,7 +58,7 @@ def _plan(op: str, variant: str | None, x2d: torch.Tensor, hi: torch.Tensor) -> 
         variant = forced_variant
     M, K = x2d.shape
     key = (op, variant, forced_variant if op == OP else autotune.forced(OP)[0], forced_cfg, autotune.bucket_m(M), hi.shape[0], K, x2d.dtype,
-           hi.is_contiguous(), x2d.device)
+           hi.is_contiguous(), x2d.device, autotune.is_interpreter())
     return _PLANS.get(key, lambda: _make_plan(op, variant, forced_cfg, x2d, hi))
 
 
@@ -81,13 +81,15 @@ def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: 
         if kernel is None:
             raise TypeError(f"{op}: force({op!r}, config=...) takes a StreamConfig, TmaConfig, MmaConfig, TcConfig or GemvConfig, "
                             f"got {type(forced_cfg).__name__}; pass one of those")
+        if autotune.hardware.host_only(device):
+            raise ValueError(f"{op}: the forced {type(forced_cfg).__name__} is a kernel config, and no kernel runs CPU "
+                             "tensors without the Triton interpreter; start Python with TRITON_INTERPRET=1 set (before "
+                             "torch or triton is imported), or drop the forced config (the torch path runs)")
         why = None if kernel != "mma" else (
             missing if missing is not None else wcuda.unsupported(x2d, hi))
         if why is not None:
             raise ValueError(f"{op}: the CUDA kernel ({type(forced_cfg).__name__}) cannot take this call: {why}; "
                              "force a TcConfig or GemvConfig instead")
-    if kernel in ("tc", "gemv") and device.type == "cpu" and not autotune.is_interpreter():
-        kernel = "torch"  # no Triton backend for CPU tensors: the decode + F.linear path computes the same product
     if forced_cfg is not None or kernel == "torch":
         return autotune.Plan(variant, kernel, forced_cfg)
     # configs are looked up and built at the bucketed M, so a plan never depends on which M came first
@@ -266,7 +268,7 @@ def _check(x, packed, bias, variant, out, name: str) -> None:
         if bias.device != x.device:
             raise ValueError(f"{fn}: bias is on {bias.device} but x is on {x.device}; use bias.to(x.device)")
     if variant is not None:
-        VARIANTS.check(variant, fn)
+        VARIANTS.choose(variant, x.device, fn)  # an unknown variant, or one that cannot run here, raises at the call
     if out is not None:
         want = (*x.shape[:-1], packed.N)
         if (not isinstance(out, torch.Tensor) or tuple(out.shape) != want or out.dtype != x.dtype
@@ -309,7 +311,9 @@ def matmul(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] = No
     sm_90 the TMA kernel where a tuned entry chose it; other calls run the generation's Triton variant.
     "tc" (Triton, sm_90: wgmma, swap-AB; the CUDA-core GEMV at M = 1), "gemv" (Triton: CUDA cores for
     M <= 4, mma above), "torch" (decode + F.linear; the default for CPU tensors without the Triton
-    interpreter). `autotune.force("w12.matmul", variant=..., config=MmaConfig(...))` pins one in a scope.
+    interpreter, where a named Triton or CUDA variant raises). `autotune.force("w12.matmul", variant=...,
+    config=MmaConfig(...))` pins one in a scope; `autotune.which_variant("w12.matmul", device)` says which
+    variant a call runs.
     `out`: a preallocated contiguous [..., N] tensor of x's dtype, written and returned.
     """
     _check(x, packed, bias, variant, out, "matmul")

@@ -659,7 +659,7 @@ def test_compile_fullgraph_out_none():
 
 def test_cpu_tensors_without_the_interpreter_run_the_references(monkeypatch):
     """No Triton backend for CPU tensors: every op's automatic variant is "reference", and a Triton variant
-    asked for by name runs the reference too (its plan names the variant asked for beside the kernel)."""
+    asked for by name raises (it would otherwise run the reference under its name)."""
     import autotune.dispatch
     import autotune.hardware
     from gdn import ops as gops
@@ -674,9 +674,12 @@ def test_cpu_tensors_without_the_interpreter_run_the_references(monkeypatch):
     o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True)
     r64 = tree_reference(q, k, v, g, beta, pool.double(), idx, trees, use_qk_l2norm=True, dtype=torch.float64)
     assert_close(o, r64, tree_reference(q, k, v, g, beta, pool, idx, trees, use_qk_l2norm=True, fn=gdn.chunk_reference))
-    assert torch.equal(gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="wy"), o)
-    assert {(p.variant, p.kernel) for p in gops._PLANS._plans.values()} == {("reference", "reference"),
-                                                                           ("wy", "reference")}
+    with pytest.raises(ValueError, match=r"gdn\.tree_verify: variant 'wy' cannot run on CPU tensors without the "
+                                         r"Triton interpreter; .*variant=None or 'reference'"):
+        gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="wy")
+    assert torch.equal(gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="reference"),
+                       o)
+    assert {(p.variant, p.kernel) for p in gops._PLANS._plans.values()} == {("reference", "reference")}
     x, cs, w = torch.randn(plan.total_nodes, 8), torch.randn(3, 8, 3), torch.randn(8, 4)
     assert torch.equal(gdn.tree_conv1d(x, cs, w, plan, conv_state_indices=idx),
                        conv_reference(x, cs, w, trees, conv_state_indices=idx))

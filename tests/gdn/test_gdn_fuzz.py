@@ -3,7 +3,8 @@
 Random tree shapes (1-3 requests of 0-7 nodes), head splits, dims, dtypes (fp32/bf16/fp16 and the rejected int64,
 fp64, bool), state and conv indices in and out of range (lists or tensors), accepted paths valid or corrupted, and
 NaN/+-Inf placed in one node's input. The oracle for every example:
-* a faulty call raises ValueError/TypeError whose message is "gdn.<fn>: <what>; <fix>", and writes no state;
+* a faulty call raises ValueError/TypeError whose message is "gdn.<fn>: <what>; <fix>", and writes no state (a
+  kernel variant named on the torch path is one: it cannot run there);
 * a valid call returns, and every output the fp64 sequential reference says is finite matches it; the nodes a
   non-finite input reaches are NaN (the dense forms) or, for the sequential form, what the fp64 recurrence gives.
 Most examples run the torch path (TRITON_INTERPRET unset, as on a machine without a GPU); `test_fuzz_kernels`
@@ -155,8 +156,10 @@ def run_verify(c, variant):
     pool = torch.randn(c["pool"], HV, K, V, generator=gen) * 0.5
     pool_arg = pool.transpose(-1, -2).contiguous() if c["layout"] == "vk" else pool
     idx = c["idx"] if c["as_list"] else torch.tensor(c["idx"], dtype=torch.int32)
+    # a kernel variant named for CPU tensors without the interpreter cannot run: it raises, never runs the torch path
+    no_kernel = variant not in (None, "reference") and os.environ.get("TRITON_INTERPRET") != "1"
     fault = (c["bad_dtype"] is not None or any(not 0 <= i < c["pool"] for i in c["idx"])
-             or (T and bool((ins["g"].float() > 0).any())))
+             or (T and bool((ins["g"].float() > 0).any())) or no_kernel)
     keep = pool_arg.clone()
     try:
         o = gdn.tree_verify(ins["q"], ins["k"], ins["v"], ins["g"], ins["b"], pool_arg, idx, plan,

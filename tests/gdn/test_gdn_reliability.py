@@ -381,8 +381,9 @@ def test_nan_in_conv_stays_on_its_path():
 
 
 def test_every_op_runs_on_cpu_without_the_interpreter(monkeypatch):
-    """Was: tree_conv1d, commit and variant='wy'/'recurrent' failed with Triton's '0 active drivers' on CPU
-    tensors. Without TRITON_INTERPRET they run the torch reference, matching the kernels (interpreter) here."""
+    """Without TRITON_INTERPRET every op runs CPU tensors through the torch reference (the automatic choice, or
+    variant="reference"), matching the kernels (interpreter) here; a kernel variant asked for by name raises with
+    the fix instead of running the reference under its name."""
     trees = [TREE, [-1, 0]]
     plan = gdn.build_tree_plan(trees)
     q, k, v, g, beta, pool = make_inputs(9, pool=3)
@@ -393,9 +394,15 @@ def test_every_op_runs_on_cpu_without_the_interpreter(monkeypatch):
     kp, kc = pool[None].clone(), cs[None].clone()
     gdn.commit(kp, kc, [2, 0], plan, acc, n, k[None], v[None], g[None], beta[None], x[None])
     monkeypatch.setenv("TRITON_INTERPRET", "0")
-    for vr in (None, "wy", "recurrent", "reference"):
+    for vr in (None, "reference"):
         o = gdn.tree_verify(q, k, v, g, beta, pool, [2, 0], plan, variant=vr)
         torch.testing.assert_close(o, kern["recurrent"], rtol=1e-4, atol=1e-5)
+    for vr in ("wy", "recurrent", "cuda"):
+        with pytest.raises(ValueError, match=rf"^gdn\.tree_verify: variant '{vr}' cannot run on CPU tensors without "
+                                             r"the Triton interpreter; start Python with TRITON_INTERPRET=1"):
+            gdn.tree_verify(q, k, v, g, beta, pool, [2, 0], plan, variant=vr)
+    with pytest.raises(ValueError, match=r"^gdn\.tree_conv1d: variant 'triton' cannot run"):
+        gdn.tree_conv1d(x, cs, w, plan, conv_state_indices=[1, 2], variant="triton")
     torch.testing.assert_close(gdn.tree_conv1d(x, cs, w, plan, conv_state_indices=[1, 2]), kconv)
     rp, rc = pool[None].clone(), cs[None].clone()
     gdn.commit(rp, rc, [2, 0], plan, acc, n, k[None], v[None], g[None], beta[None], x[None])
@@ -413,8 +420,14 @@ plan = gdn.build_tree_plan([[-1, 0, 0]])
 T, H, HV, K, V = 3, 1, 2, 8, 8
 q, k, v = torch.randn(T, H, K), torch.randn(T, H, K), torch.randn(T, HV, V)
 g, beta, pool = -torch.rand(T, HV), torch.rand(T, HV), torch.randn(2, HV, K, V)
-for vr in (None, "wy", "recurrent", "reference"):
+for vr in (None, "reference"):
     assert torch.isfinite(gdn.tree_verify(q, k, v, g, beta, pool, [1], plan, variant=vr)).all()
+for vr in ("wy", "recurrent"):
+    try:
+        gdn.tree_verify(q, k, v, g, beta, pool, [1], plan, variant=vr)
+        raise SystemExit(f"variant {vr} ran")
+    except ValueError as e:
+        assert "TRITON_INTERPRET=1" in str(e), e
 x, cs, w = torch.randn(T, 4), torch.randn(2, 4, 2), torch.randn(4, 3)
 assert torch.isfinite(gdn.tree_conv1d(x, cs, w, plan)).all()
 gdn.commit(pool, cs, torch.tensor([1]), plan, torch.tensor([[0, 2]]), torch.tensor([2]), k, v, g, beta, x)

@@ -432,15 +432,24 @@ def test_h200_tuned_file_is_accepted_and_dispatches(monkeypatch):
 
 
 def test_cpu_tensors_without_the_interpreter_use_the_torch_variant(monkeypatch):
-    """No Triton backend for CPU tensors: the automatic variant is "torch", and a Triton one asked for by name
-    runs the same decode + F.linear path (as gdn's Triton variants run its reference there)."""
+    """No Triton backend for CPU tensors: the automatic variant is "torch" (and "torch" by name), and a Triton or
+    CUDA variant asked for by name, or a forced kernel config, raises with the fix instead of running the torch
+    path under its name."""
     import autotune.dispatch
 
     monkeypatch.setattr(autotune.dispatch, "is_interpreter", lambda: False)
+    monkeypatch.setattr(autotune.hardware, "is_interpreter", lambda: False)  # autotune.hardware.host_only reads it
     monkeypatch.setattr(autotune, "is_interpreter", lambda: False)
     w = _weight(10, 70, seed=83).cpu()
     p = w12.pack(w)
     x = _x((3, 70), seed=84).cpu()
     _check(w12.matmul(x, p), x, w, p)
-    for variant in ("tc", "gemv"):
-        _check(w12.matmul(x, p, variant=variant), x, w, p)
+    _check(w12.matmul(x, p, variant="torch"), x, w, p)
+    for variant in ("tc", "gemv", "mma"):
+        with pytest.raises(ValueError, match=rf"^w12\.matmul: variant '{variant}' cannot run on CPU tensors without "
+                                             r"the Triton interpreter; .*TRITON_INTERPRET=1.*variant=None or 'torch'"):
+            w12.matmul(x, p, variant=variant)
+    with autotune.force("w12.matmul", config=GemvConfig()):
+        with pytest.raises(ValueError, match=r"^w12\.matmul: the forced GemvConfig is a kernel config, and no kernel "
+                                             r"runs CPU tensors without the Triton interpreter; "):
+            w12.matmul(x, p)
