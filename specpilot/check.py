@@ -27,12 +27,19 @@ is forced through both, and the next-byte accuracy of each one's greedy predicti
 (candidate - stock; fixed seed), resampling prompts (the independent units, as tasks are in a task
 benchmark) and, for comparison, resampling positions. The paper's point is that such an interval can
 cover 0 for a fault that token forcing rejects; `CheckReport.accuracy` says whether it does here.
+
+The oracle against `transformers` (`transformers_logits`, `torch_reference_path`): a transformers model's logits on
+transformers' own torch code, with or without fla and causal-conv1d installed, on the CPU and on the GPU; the engine
+tests compare the stock path with it (tests/engine/test_oracle.py).
 """
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import json
 import math
+import sys
 from dataclasses import asdict, dataclass, field
 from fractions import Fraction
 from pathlib import Path
@@ -46,7 +53,8 @@ from .engine.model import MAX_STEP_NODES
 __all__ = ["POINTS", "LARGE_MARGIN", "STOCK_CHUNK", "TREE_CHUNK", "CANDIDATES", "EngineCandidate", "PlantedFault",
            "engine_path", "stock_path", "w12_path", "tree_path", "kernels_path", "planted_fault", "make_candidate",
            "heldout_prompts", "Reference", "reference", "Tally", "PromptResult", "Accuracy", "CheckReport", "decide",
-           "run", "bootstrap_interval"]
+           "run", "bootstrap_interval", "ReferencePath", "torch_reference_path", "TransformersLogits",
+           "transformers_logits"]
 
 POINTS = 0.5  # the paper's tolerance: percentage points of mismatch rate above the stock path's
 LARGE_MARGIN = NEAR_TIE  # logits; see the module docstring
@@ -514,3 +522,178 @@ def run(candidate: Candidate, ref: Reference, *, large_margin: float = LARGE_MAR
     return CheckReport(name, getattr(candidate, "describe", name), ref.stock_name, ref.vocab, len(ref.prompts),
                        max((len(s) for s in ref.streams), default=0), float(large_margin), float(points), ts, tc,
                        accept, reasons, per, acc, dict(meta or {}))
+
+
+# ---- the transformers oracle ------------------------------------------------------------------------
+#
+# transformers' Qwen3.5 and Qwen3-Next modelling code binds its Gated DeltaNet and conv functions to fla's Triton
+# kernels and to causal-conv1d's CUDA kernels wherever those packages import: at import time, as wrappers around its
+# own torch functions (`use_kernel_func_from_hub_with_fallback`: the choice sits in the wrapper's closure), or in
+# each layer's constructor (`self.chunk_gated_delta_rule = chunk_gated_delta_rule or torch_chunk_gated_delta_rule`,
+# an fla `FusedRMSNormGated` as the output norm). Those kernels take CUDA tensors only (a CPU model fails in them
+# with "Pointer argument ... cannot be accessed from Triton"), and they are another implementation under test, not
+# an oracle. `torch_reference_path` runs transformers' own torch code instead, on any device.
+
+_KERNEL_PACKAGES = ("fla", "causal_conv1d")
+# a layer's function attribute -> the torch function of the modelling module that replaces it (None: the attribute
+# is set to None, the layer's torch branch: nn.Conv1d for causal_conv1d_fn)
+_LAYER_FUNCTIONS = {"chunk_gated_delta_rule": "torch_chunk_gated_delta_rule",
+                    "recurrent_gated_delta_rule": "torch_recurrent_gated_delta_rule",
+                    "causal_conv1d_update": "torch_causal_conv1d_update", "causal_conv1d_fn": None}
+
+
+def _package(obj) -> str:
+    return (getattr(obj, "__module__", None) or "").split(".")[0]
+
+
+def _closure(fn) -> dict:
+    code, cells = getattr(fn, "__code__", None), getattr(fn, "__closure__", None) or ()
+    if code is None:
+        return {}
+    return {name: c.cell_contents for name, c in zip(code.co_freevars, cells)}
+
+
+@dataclass
+class ReferencePath:
+    """What `torch_reference_path` ran: always transformers' torch code (`path`); `bypassed` names each function or
+    module that transformers had bound to a kernel package, with that package (fla, causal_conv1d); `calls` counts
+    the calls of the torch functions that stood in for transformers' switchable ones."""
+
+    bypassed: dict[str, str] = field(default_factory=dict)
+    calls: dict[str, int] = field(default_factory=dict)
+    path: str = "torch"
+
+    def __str__(self) -> str:
+        ran = ", ".join(f"{n} x{c}" for n, c in sorted(self.calls.items()) if c) or "none of its switchable functions"
+        if self.bypassed:
+            by = "; bypassed " + ", ".join(f"{p}'s {n}" for n, p in sorted(self.bypassed.items()))
+        else:
+            by = "; transformers had bound no kernel package"
+        return f"reference path: torch (ran {ran}{by})"
+
+
+def _counted(name: str, fn, calls: dict):
+    params = inspect.signature(fn).parameters
+    open_kw = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
+
+    def run(*args, **kwargs):
+        calls[name] = calls.get(name, 0) + 1
+        return fn(*args, **(kwargs if open_kw else {k: v for k, v in kwargs.items() if k in params}))
+
+    run.counted = True  # a layer attribute that points at it is not counted twice
+    return run
+
+
+def _torch_norm(module_ns, old):
+    """The modelling module's own gated RMSNorm holding `old`'s weight (for an fla FusedRMSNormGated)."""
+    cls = next((c for n, c in vars(module_ns).items() if n.endswith("RMSNormGated") and isinstance(c, type)
+                and c.__module__ == module_ns.__name__), None)
+    weight = getattr(old, "weight", None)
+    if cls is None or weight is None:
+        return None
+    eps = getattr(old, "eps", getattr(old, "variance_epsilon", 1e-6))
+    new = cls(weight.shape[0], eps=eps)
+    new.weight = weight
+    return new
+
+
+@contextlib.contextmanager
+def torch_reference_path(*models):
+    """Within the block, the transformers `models` (and every model of the same modelling modules) run
+    transformers' own torch code for the functions and modules it can bind to fla or causal-conv1d kernels,
+    whether or not those packages are installed, on the CPU and on the GPU. Yields a `ReferencePath` (what was
+    bypassed, what ran). Everything is restored on exit. It rebinds module attributes: do not run other
+    transformers models of those modules in other threads meanwhile."""
+    import torch.nn as nn
+
+    fn = "specpilot.check.torch_reference_path"
+    if not models or not all(isinstance(m, nn.Module) for m in models):
+        got = ", ".join(type(m).__name__ for m in models) or "nothing"
+        raise TypeError(f"{fn}: got {got}; pass one or more transformers models (torch.nn.Module)")
+    rec = ReferencePath()
+    undo: list = []
+    modules = {}
+    for m in models:
+        for sub in m.modules():
+            name = type(sub).__module__
+            if name.startswith("transformers.models.") and name in sys.modules:
+                modules[name] = sys.modules[name]
+    try:
+        # import-time choices: transformers' wrappers keep the torch function and the chosen implementation
+        for mod in modules.values():
+            for name, f in list(vars(mod).items()):
+                cl = _closure(f)
+                if not callable(f) or "torch_function" not in cl or "implementation" not in cl:
+                    continue
+                impl = cl["implementation"]
+                if impl is not cl["torch_function"]:
+                    rec.bypassed[getattr(impl, "__name__", name)] = _package(impl)
+                undo.append((setattr, mod, name, f))
+                setattr(mod, name, _counted(name, cl["torch_function"], rec.calls))
+        # constructor-time choices: function attributes and kernel modules of each layer
+        for m in models:
+            for sub in m.modules():
+                mod = sys.modules.get(type(sub).__module__)
+                for attr, torch_name in _LAYER_FUNCTIONS.items():
+                    f = sub.__dict__.get(attr)
+                    if f is None or _package(f) not in _KERNEL_PACKAGES:
+                        continue
+                    repl = getattr(mod, torch_name, None) if torch_name else None
+                    if torch_name and repl is None:
+                        raise RuntimeError(f"{fn}: {type(sub).__name__}.{attr} is bound to {_package(f)} and "
+                                           f"{type(sub).__module__} has no {torch_name}; run the reference with "
+                                           f"{_package(f)} uninstalled")
+                    rec.bypassed[f"{type(sub).__name__}.{attr}"] = _package(f)
+                    undo.append((setattr, sub, attr, f))
+                    if repl is not None and not getattr(repl, "counted", False):
+                        repl = _counted(torch_name, repl, rec.calls)
+                    setattr(sub, attr, repl)
+                for child_name, child in list(sub.named_children()):
+                    if _package(type(child)) not in _KERNEL_PACKAGES:
+                        continue
+                    repl = _torch_norm(mod, child) if mod is not None else None
+                    if repl is None:
+                        raise RuntimeError(f"{fn}: {type(sub).__name__}.{child_name} is {_package(type(child))}'s "
+                                           f"{type(child).__name__}, which has no torch counterpart here; run the "
+                                           f"reference with {_package(type(child))} uninstalled")
+                    rec.bypassed[f"{type(sub).__name__}.{child_name}"] = _package(type(child))
+                    undo.append((setattr, sub, child_name, child))
+                    setattr(sub, child_name, repl.to(device=child.weight.device))
+        yield rec
+    finally:
+        for op, obj, name, value in reversed(undo):
+            op(obj, name, value)
+
+
+@dataclass
+class TransformersLogits:
+    """`transformers_logits`' result: the oracle's logits and the path its reference took."""
+
+    reference: torch.Tensor  # fp64 [len(ids), vocab]: an fp32 copy of the model
+    baseline: torch.Tensor  # fp32 [len(ids), vocab]: the model in its own dtype (what a same-precision run errs by)
+    path: ReferencePath
+
+
+def transformers_logits(model, ids) -> TransformersLogits:
+    """Teacher-forced logits of one sequence `ids` from a transformers causal LM on its own device, on
+    transformers' torch path (`torch_reference_path`, with or without fla and causal-conv1d installed): the
+    reference from an fp32 copy (returned fp64) and the baseline from `model` as it is. The oracle of
+    `specpilot.testing.assert_close(actual, reference, baseline)`: at most 2x the baseline's error."""
+    import copy
+
+    import torch.nn as nn
+
+    fn = "specpilot.check.transformers_logits"
+    if not isinstance(model, nn.Module) or not hasattr(model, "config"):
+        raise TypeError(f"{fn}: model is a {type(model).__name__}; pass a transformers model (e.g. "
+                        "Qwen3_5ForCausalLM.from_pretrained(path))")
+    ids = [int(t) for t in (ids.tolist() if isinstance(ids, torch.Tensor) else ids)]
+    if not ids:
+        raise _err("transformers_logits", "ids is empty", "pass one or more token ids")
+    dev = next(model.parameters()).device
+    x = torch.tensor([ids], device=dev)
+    ref_model = copy.deepcopy(model).float()
+    with torch.no_grad(), torch_reference_path(model, ref_model) as path:
+        reference = ref_model(x).logits[0].double()
+        baseline = model(x).logits[0].float()
+    return TransformersLogits(reference, baseline, path)

@@ -26,7 +26,8 @@ def make_config(**overrides):
 
 def write_checkpoint(path, seed: int, **overrides):
     """A random BF16 Qwen3_5ForCausalLM saved as config.json + model.safetensors; its norm weights are drawn
-    too (0 at init would leave the (1 + w) scaling untested)."""
+    too (0 at init would leave the (1 + w) scaling untested). Returns the model loaded back from `path`, as a user
+    loads it: the model cast to BF16 has BF16 rotary frequencies (inv_freq is a buffer), the loaded one fp32."""
     from safetensors.torch import save_file
 
     torch.manual_seed(seed)
@@ -39,6 +40,6 @@ def write_checkpoint(path, seed: int, **overrides):
     path.mkdir(parents=True, exist_ok=True)
     cfg.save_pretrained(path)
     save_file({k: v.contiguous() for k, v in model.state_dict().items()}, str(path / "model.safetensors"))
-    return model
+    return transformers.Qwen3_5ForCausalLM.from_pretrained(path, dtype=torch.bfloat16).eval()
 
 

@@ -87,29 +87,28 @@ def test_attn_prep(D, r):
     assert torch.equal(v, rv) and torch.equal(gate, rgate)
 
 
-def _engine_case(checkpoints, device, n, gen):
-    import copy
-
+def _engine_case(checkpoints, device, n, gen, record_property):
+    from specpilot.check import transformers_logits
     from specpilot.engine import Engine, check_lossless
     from specpilot.testing import assert_close
 
     path, model = checkpoints["gdn3-attn1-v97"]
     ids = torch.randint(0, 97, (n,), generator=torch.Generator().manual_seed(11)).tolist()
-    with torch.no_grad():
-        ref = copy.deepcopy(model).float()(torch.tensor([ids])).logits[0].double()
-        bf16 = model(torch.tensor([ids])).logits[0].float()
+    o = transformers_logits(model, ids)  # on the CPU, transformers' torch path with or without fla installed
+    print(o.path)
+    record_property("reference_path", str(o.path))
     eng = Engine.from_pretrained(path, device=device, drafter="ngram", fused_glue=True)
-    assert_close(eng.score(ids).cpu(), ref, bf16, factor=2.0, msg="fused glue prefill")
+    assert_close(eng.score(ids).cpu(), o.reference, o.baseline, factor=2.0, msg=f"fused glue prefill; {o.path}")
     if gen:
         rep = check_lossless(eng, ids[:30] + ids[:10] * 3, gen)
         assert rep.ok and rep.tau > 1.0
 
 
-def test_engine_with_fused_glue_cpu(checkpoints):
+def test_engine_with_fused_glue_cpu(checkpoints, record_property):
     # the interpreter runs every glue kernel program by program: one 24-token pass against the oracle
-    _engine_case(checkpoints, "cpu", 24, 0)
+    _engine_case(checkpoints, "cpu", 24, 0, record_property)
 
 
 @pytest.mark.gpu
-def test_engine_with_fused_glue_gpu(checkpoints):
-    _engine_case(checkpoints, "cuda", 150, 256)
+def test_engine_with_fused_glue_gpu(checkpoints, record_property):
+    _engine_case(checkpoints, "cuda", 150, 256, record_property)
