@@ -1,7 +1,7 @@
 """The `specpilot` command line: info, bench, demo, check, ceiling, pack, tune.
 
     specpilot info                      device, versions, measured roofs, variants per op
-    specpilot bench [--shapes S] [--ops OP ...] [--out DIR] [--reps N]
+    specpilot bench [--shapes S] [--ops OP ...] [--out DIR] [--reps N] [--interpret]
     specpilot demo [--tokens N]         the engine on the shipped tiny model: pack and verify it, decode
                                         autoregressively and speculatively (n-gram and self-drafter), τ,
                                         time per step, and the outputs checked token for token
@@ -167,8 +167,37 @@ def _collect(shapes, device, ops):
         raise UsageError(str(e)) from None
 
 
-def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet=False) -> int:
-    """Run and report. Exit status 3 when a case was not reported."""
+# On a CPU each case samples for at most this long (torch paths take microseconds a call; interpreted kernels seconds)
+CPU_CASE_BUDGET_S = 1.0
+
+
+def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet=False, interpret=False) -> int:
+    """Run and report. Exit status 3 when a case was not reported. On a CPU the cases run the torch paths, or with
+    `interpret` the Triton kernels under the interpreter (TRITON_INTERPRET=1: seconds a call)."""
+    if device.type == "cuda":
+        if interpret:
+            raise UsageError("--interpret runs Triton kernels under the CPU interpreter; pass it with --device cpu")
+        return _bench_run(torch, shapes_name, ops, out, reps, warmup, device, quiet, interpret)
+    old, threads = os.environ.get("TRITON_INTERPRET"), torch.get_num_threads()
+    os.environ["TRITON_INTERPRET"] = "1" if interpret else "0"
+    # One thread: the CPU cases are small, and a second OpenMP thread only adds waits of a scheduler tick (4 ms
+    # and more) whenever another process holds a core, which turns medians into noise
+    torch.set_num_threads(1)
+    try:
+        if interpret:
+            from autotune import interpreter
+
+            interpreter.apply()
+        return _bench_run(torch, shapes_name, ops, out, reps, warmup, device, quiet, interpret)
+    finally:
+        torch.set_num_threads(threads)
+        if old is None:
+            os.environ.pop("TRITON_INTERPRET", None)
+        else:
+            os.environ["TRITON_INTERPRET"] = old
+
+
+def _bench_run(torch, shapes_name, ops, out, reps, warmup, device, quiet, interpret) -> int:
     from specpilot.bench import get_shape_set, report, runner
 
     if shapes_name is None:
@@ -186,9 +215,16 @@ def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet
         return 1
     groups = len({c.group for c in cases})
     print(f"benchmarking {len(cases)} cases in {groups} groups, shapes {shapes.name}, on {device}"
-          + ("" if quiet else "; a line per group as it starts"), flush=True)
+          + ("" if quiet else "; a line per group as it starts, and per case when checked and when timed"), flush=True)
+    if device.type != "cuda":
+        print("on the CPU, one thread: "
+              + ("Triton kernels under the interpreter (TRITON_INTERPRET=1), seconds a call; their rows are marked "
+                 "(interpreted) and have no speedup" if interpret else
+                 "the torch paths a CPU runs (F.linear is 'torch', not cuBLAS); --interpret checks the Triton kernels "
+                 "under the interpreter instead (seconds a call)"), flush=True)
     res = runner.run(cases, device, out_dir=out, reps=reps, warmup=warmup, shapes=shapes.name,
                      tag="-".join(ops) if ops else "all",
+                     case_budget_s=None if device.type == "cuda" else CPU_CASE_BUDGET_S,
                      log=(lambda s: None) if quiet else (lambda s: print(s, flush=True)))
     md, png = report.write(res, res.meta, res.path)
     print()
@@ -203,7 +239,7 @@ def _bench(torch, shapes_name: str | None, ops, out, reps, warmup, device, quiet
 def cmd_bench(args) -> int:
     torch = _prepare_backend()
     dev = _device(torch, args.device)
-    return _bench(torch, args.shapes, args.ops, args.out, args.reps, args.warmup, dev)
+    return _bench(torch, args.shapes, args.ops, args.out, args.reps, args.warmup, dev, interpret=args.interpret)
 
 
 def cmd_demo(args) -> int:
@@ -405,6 +441,25 @@ def cmd_tune(args) -> int:
 # --------------------------------------------------------------------------------------
 
 
+def _list_ops_in_help(parser: argparse.ArgumentParser) -> None:
+    """`--help` lists the names `--ops` takes. Read from the registry when the help is printed, not when the
+    parser is built: the registry imports torch."""
+    plain = parser.format_help
+
+    def format_help():
+        try:
+            from specpilot.bench import registry
+
+            names = registry.known_ops()
+        except Exception as e:  # the help must print even when torch or a case module does not import
+            names = [f"(the registry did not load: {type(e).__name__}: {e})"]
+        parser.epilog = ("ops (--ops takes a provider, or one of the op names in brackets, which `specpilot info` "
+                         "lists): " + "; ".join(names))
+        return plain()
+
+    parser.format_help = format_help
+
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="specpilot", description="SpecPilot: kernels for lossless speculative decoding")
     sub = p.add_subparsers(dest="cmd", metavar="{info,bench,demo,check,ceiling,pack,tune}")
@@ -417,7 +472,9 @@ def build_parser() -> argparse.ArgumentParser:
 
     def bench_args(s, shapes_help):
         s.add_argument("--shapes", default=None, help=shapes_help)
-        s.add_argument("--ops", nargs="+", default=None, metavar="OP", help="registered ops to run (default: all)")
+        s.add_argument("--ops", nargs="+", default=None, metavar="OP",
+                       help="ops to run (default: all): a provider, or an op name as `specpilot info` lists them; "
+                            "the list is below")
         s.add_argument("--out", default=None, metavar="DIR", help="folder for the JSON, markdown and PNG")
         s.add_argument("--reps", type=int, default=None, metavar="N", help="timed samples per case")
         s.add_argument("--device", default="auto", help="cuda, cuda:N or cpu (default: cuda if present)")
@@ -425,7 +482,11 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("bench", help="run the benchmark registry, print the table, write JSON + PNG")
     bench_args(s, "shape set (hybrid-27b, llama-3.1-8b, tiny; default hybrid-27b on a GPU, tiny on CPU)")
     s.add_argument("--warmup", type=int, default=None, metavar="N", help="warm-up passes per case")
+    s.add_argument("--interpret", action="store_true",
+                   help="on a CPU: check and time the Triton kernels under the interpreter (seconds a call; rows "
+                        "marked interpreted, no speedups) instead of the torch paths")
     s.set_defaults(fn=cmd_bench)
+    _list_ops_in_help(s)
 
     s = sub.add_parser("demo", help="the engine on the shipped tiny model: pack and verify, decode "
                                     "autoregressively and speculatively, check the outputs agree")

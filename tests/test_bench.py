@@ -134,7 +134,7 @@ def test_linear_cases_cpu_tiny_only():
     c = next(c for c in cases if c.shape == "mlp.down_proj-M4")
     n, k = tiny.linears["mlp.down_proj"]
     assert c.dims == {"M": 4, "N": n, "K": k} and c.flops == 2 * 4 * n * k
-    assert c.bytes == 2 * (4 * k + n * k + 4 * n) and c.baseline == "cublas"
+    assert c.bytes == 2 * (4 * k + n * k + 4 * n) and c.variant == c.baseline == "torch"  # the CPU matmul
 
 
 def test_linear_case_checks_pass_and_catch_errors():
@@ -178,25 +178,25 @@ def test_lmhead_cases_cpu_tiny_only():
     assert collect(get_shape_set("hybrid-27b"), cpu, [op]) == []
     cases = collect(get_shape_set("tiny"), cpu, [op])
     groups = {"lm_head-M1", "lm_head-M4", "lm_head-peaked-M1", "lm_head-flat-M1"}
-    assert {c.group: c.baseline for c in cases} == dict.fromkeys(groups, "cublas")
+    assert {c.group: c.baseline for c in cases} == dict.fromkeys(groups, "torch")  # F.linear on a CPU
     assert {c.op for c in cases} == {"lm_head"}
-    for g in groups:  # every group has its cuBLAS baseline, also when "linear" is not selected
-        assert sorted(c.variant for c in cases if c.group == g) == sorted(lmhead_cases.VARIANTS)
+    for g in groups:  # every group has its F.linear baseline, also when "linear" is not selected
+        assert sorted(c.variant for c in cases if c.group == g) == sorted(["torch", *lmhead_cases.VARIANTS[1:]])
     v, k = get_shape_set("tiny").lm_head
     c = next(c for c in cases if c.shape == "lm_head-M4" and c.variant == "certified-int8")
-    base = next(c for c in cases if c.shape == "lm_head-M4" and c.variant == "cublas")
+    base = next(c for c in cases if c.shape == "lm_head-M4" and c.variant == "torch")
     assert c.dims == base.dims == {"M": 4, "V": v, "K": k} and c.flops == base.flops == 2 * 4 * v * k
     assert c.bytes == base.bytes == 2 * (v * k + 4 * k) + 8 * 4  # the BF16 head's floor for every variant
     assert c.extra["regime"] == "moderate" and c.extra["screen"] == "int8"
     # With "linear" too, its lm_head baseline is kept once per group.
     both = collect(get_shape_set("tiny"), cpu, ["linear", op])
-    assert sum(c.shape == "lm_head-M1" and c.variant == "cublas" for c in both) == 1
+    assert sum(c.shape == "lm_head-M1" and c.variant == "torch" for c in both) == 1
     # The regimes' hidden states reach their planted margins; the peer's check passes on them.
     w = linear_cases._weights(v, k, 1, cpu, 5)[0]
     for regime, margin in (("peaked", 8.0), ("moderate", 1.5)):
         _, gap = lmhead_cases._hidden(w, 8, regime, 11)
         assert margin - 0.3 < gap["gap_sigma_min"] <= gap["gap_sigma_mean"] < margin + 0.3, (regime, gap)
-    peer = next(c for c in cases if c.group == "lm_head-peaked-M1" and c.variant == "cublas")
+    peer = next(c for c in cases if c.group == "lm_head-peaked-M1" and c.variant == "torch")
     prep = peer.setup()
     prep.check()
     assert peer.extra["measured"]["gap_sigma_min"] > 7.5  # filled in setup, seen by the runner's row
@@ -363,7 +363,7 @@ def test_w12_nwc_peer_missing_and_plumbing(monkeypatch, capsys):
     assert w12_cases._peer_variants(cpu, 1) == []
     n, k = 75, 63
     case = w12_cases._case("attn.o_proj", n, k, 1, "nwc", cpu)
-    assert (case.op, case.group, case.baseline) == ("nwc.linear", "attn.o_proj-M1", "cublas")
+    assert (case.op, case.group, case.baseline) == ("nwc.linear", "attn.o_proj-M1", "torch")  # F.linear on a CPU
     prep = case.setup()
     prep.check()
     stored = 2 * n * k + 3 * 4 + 96 + 7 * 4 + 5

@@ -2,9 +2,12 @@
 
 An operator package adds cases by decorating a provider in `specpilot/bench/cases/<op>.py`:
 
-    @register("w12.matmul")
+    @register("w12", ops=("w12.matmul", "w12.matmul_q8", "decode_step"))
     def _cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
         ...
+
+`ops` names every `Case.op` the provider yields (the names `specpilot info` lists); `--ops` takes either
+the provider's name (all its cases) or one of those op names (its cases, with the baselines of their groups).
 
 A `Case` is lazy: nothing is allocated until the runner calls `case.setup()`, which returns a
 `Prepared` holding `fns` (callables over *rotated* input sets, so timing does not read from
@@ -22,7 +25,7 @@ import torch
 
 from .shapes import ModelShapes
 
-__all__ = ["Case", "Prepared", "register", "providers", "collect", "rotations", "load_errors"]
+__all__ = ["Case", "Prepared", "register", "providers", "declared_ops", "collect", "rotations", "load_errors"]
 
 
 @dataclass
@@ -52,13 +55,16 @@ class Case:
 
 
 _PROVIDERS: dict[str, Callable[[ModelShapes, torch.device], list[Case]]] = {}
+_OPS: dict[str, tuple[str, ...]] = {}
 
 
-def register(op: str):
-    """Register a case provider for `op` (the name `--ops` selects)."""
+def register(op: str, ops: tuple[str, ...] = ()):
+    """Register a case provider under `op` (the name `--ops` selects); `ops`: the `Case.op` names its cases carry
+    (default: `op` alone)."""
 
     def deco(fn):
         _PROVIDERS[op] = fn
+        _OPS[op] = tuple(ops) or (op,)
         return fn
 
     return deco
@@ -69,21 +75,32 @@ def providers() -> dict[str, Callable]:
     return dict(_PROVIDERS)
 
 
+def declared_ops() -> dict[str, tuple[str, ...]]:
+    """Provider name -> the op names of its cases."""
+    return {name: _OPS.get(name, (name,)) for name in providers()}
+
+
 def collect(shapes: ModelShapes, device: torch.device, ops: list[str] | None = None,
             on_error: Callable[[str, Exception], None] | None = None) -> list[Case]:
-    """Cases of the selected providers (all when `ops` is empty). A provider that raises is
+    """Cases of the selected providers (all when `ops` is empty). `ops` holds provider names (all their cases)
+    or case op names (`declared_ops`; those cases and the baselines of their groups). A provider that raises is
     reported to `on_error(name, exc)` and skipped, or re-raised when `on_error` is None.
     Cases with the same (op, variant, shape) from two providers (e.g. the cuBLAS baseline that
     both "linear" and "w12" register) are kept once, the first provider's."""
     provs = providers()
+    decl = declared_ops()
+    wanted_ops: set[str] = set()
     if ops:
-        unknown = [o for o in ops if o not in provs]
+        case_ops = {o for names in decl.values() for o in names}
+        unknown = [o for o in ops if o not in provs and o not in case_ops]
         if unknown:
-            raise ValueError(f"unknown op(s) {', '.join(unknown)}; registered: {', '.join(sorted(provs))}")
+            raise ValueError(f"unknown op(s) {', '.join(unknown)}; pass one of {', '.join(known_ops())}")
+        wanted_ops = {o for o in ops if o not in provs}
     out: list[Case] = []
     seen: set[tuple[str, str, str]] = set()
     for name, fn in provs.items():
-        if ops and name not in ops:
+        whole = not ops or name in ops
+        if not whole and not wanted_ops & set(decl.get(name, (name,))):
             continue
         try:
             cases = fn(shapes, device)
@@ -92,12 +109,21 @@ def collect(shapes: ModelShapes, device: torch.device, ops: list[str] | None = N
                 raise
             on_error(name, e)
             continue
+        if not whole:  # the selected ops' cases and the baselines of their groups
+            keep = {(c.group, c.baseline) for c in cases if c.op in wanted_ops}
+            cases = [c for c in cases if c.op in wanted_ops or (c.group, c.variant) in keep]
         for c in cases:
             key = (c.op, c.variant, c.shape)
             if key not in seen:
                 seen.add(key)
                 out.append(c)
     return out
+
+
+def known_ops() -> list[str]:
+    """Every name `--ops` takes: each provider, then its case ops, as "provider (op, op, ...)"."""
+    return [name + (f" ({', '.join(o for o in ops if o != name)})" if set(ops) - {name} else "")
+            for name, ops in declared_ops().items()]
 
 
 _LOAD_ERRORS: dict[str, str] = {}

@@ -14,7 +14,7 @@ import math
 from pathlib import Path
 from typing import Sequence
 
-__all__ = ["markdown", "geomeans", "roofline", "render", "write", "floor_note", "LEGEND"]
+__all__ = ["markdown", "geomeans", "roofline", "render", "write", "floor_note", "LEGEND", "INTERPRETED_NOTE"]
 
 LEGEND = {
     "median µs": "median time of one call over the timed samples (CUDA-graph replays on a GPU)",
@@ -24,8 +24,12 @@ LEGEND = {
                 "FLOPs / BF16 matmul rate)",
     "×floor": "median / floor: 1.0 would run at the roof",
     "speedup vs baseline": "the baseline's median / this row's median, in the same run (baseline in brackets: "
-                           "cuBLAS F.linear for the linears)",
+                           "F.linear for the linears, cuBLAS on a GPU and torch on a CPU)",
 }
+
+
+INTERPRETED_NOTE = ("(interpreted): the row's Triton kernels ran under the CPU interpreter (TRITON_INTERPRET=1), "
+                    "which checks them but times the interpreter, not the kernel; such rows have no speedup.")
 
 
 def _fmt(x, digits: int = 3) -> str:
@@ -84,9 +88,12 @@ def markdown(rows: Sequence[dict], meta: dict | None = None) -> str:
         cell = {"median µs": _fmt(r.get("median_us")), "TB/s": _fmt(r.get("tbs")), "TFLOP/s": _fmt(r.get("tflops")),
                 "floor µs": _fmt(r.get("floor_us")), "×floor": _fmt(r.get("over_floor")),
                 "speedup vs baseline": f"{sp:.2f}× ({r['baseline']})" if sp else "-"}
-        lines.append(f"| {r['op']} | {r['variant']} | {r['shape']} | " + " | ".join(cell[c] for c in cols) + " |")
+        variant = r["variant"] + (" (interpreted)" if r.get("interpreted") else "")
+        lines.append(f"| {r['op']} | {variant} | {r['shape']} | " + " | ".join(cell[c] for c in cols) + " |")
     lines.append("")
     lines += [f"- **{c}**: {LEGEND[c]}" for c in cols]
+    if any(r.get("interpreted") and r.get("status") == "ok" for r in rows):
+        lines += ["", INTERPRETED_NOTE]
     if note is not None:
         lines += ["", note]
     gm = geomeans(rows)
@@ -119,7 +126,8 @@ def roofline(rows: Sequence[dict], meta: dict | None, path) -> Path:
     fig, ax = plt.subplots(figsize=(7.5, 5), dpi=120)
     series: dict[tuple[str, str], list[tuple[float, float]]] = {}
     for r in ok:
-        series.setdefault((r["op"], r["variant"]), []).append((r["flops"] / r["bytes"], r["tflops"]))
+        label = r["variant"] + (" (interpreted)" if r.get("interpreted") else "")
+        series.setdefault((r["op"], label), []).append((r["flops"] / r["bytes"], r["tflops"]))
     xs = [x for pts in series.values() for x, _ in pts]
     ys = [y for pts in series.values() for _, y in pts]
     lo = min(xs + [0.5]) / 2

@@ -10,10 +10,16 @@ whose capture fails; `time.perf_counter` on the CPU).
 
 The sample median is reported with the 10th and 90th percentiles. Floors come from
 `autotune.byte_floor` with the ceilings measured once at the start of the run.
+
+On a CPU with TRITON_INTERPRET=1, a case whose check launched a Triton kernel ran under the interpreter: its
+row says so (`interpreted`), it is timed with a few samples (a call takes seconds) and it gets no speedup, since
+an interpreter's time says nothing about the kernel's. The log has a line per group and, per case, a line
+when its check passed and one when it was timed.
 """
 
 from __future__ import annotations
 
+import contextlib
 import gc
 import json
 import re
@@ -57,6 +63,37 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
+# Interpreted cases: at most this many timed samples, no warm-up (the check ran the call once), and this budget
+# when the run sets none
+INTERPRETED_REPS = 3
+INTERPRETED_BUDGET_S = 2.0
+
+
+@contextlib.contextmanager
+def _interpreter_launches(counter: list[int]):
+    """Count Triton kernel launches under the interpreter (TRITON_INTERPRET=1) into counter[0]."""
+    if not autotune.is_interpreter():
+        yield
+        return
+    try:
+        from triton.runtime import interpreter as interp
+    except ImportError:
+        yield
+        return
+    cls = interp.GridExecutor
+    orig = cls.__call__
+
+    def call(self, *args, **kwargs):
+        counter[0] += 1
+        return orig(self, *args, **kwargs)
+
+    cls.__call__ = call
+    try:
+        yield
+    finally:
+        cls.__call__ = orig
+
+
 def _time(prep: Prepared, device: torch.device, reps: int, warmup: int,
           budget_s: float | None = None) -> timing.Timing:
     return timing.time_fns(prep.fns, device, reps=reps, warmup=warmup, graph=prep.graph_safe, budget_s=budget_s)
@@ -95,6 +132,7 @@ def _base_row(case: Case, common: dict) -> dict:
         "baseline": case.baseline,
         "baseline_us": None,
         "speedup": None,
+        "interpreted": False,
         "extra": dict(case.extra),
     }
 
@@ -118,31 +156,45 @@ def _run_group(cases: list[Case], device: torch.device, reps: int, warmup: int, 
     for case in cases:
         row = _base_row(case, common)
         rows.append(row)
+        name = f"{case.op}/{case.variant} {case.shape}"
+        t0 = time.perf_counter()
         try:
             prep = case.setup()
         except Exception as e:
             row.update(status="setup_failed", error=_short_error(e))
-            log(f"  {case.op}/{case.variant} {case.shape}: setup failed: {row['error']}")
+            log(f"  {name}: setup failed: {row['error']}")
             prepared.append(None)
             _free(device)
             continue
         prepared.append(prep)
         if prep.check is None:
             row.update(status="no_check", error="case has no check(); not timed")
+            log(f"  {name}: no check, not timed")
             continue
+        launches = [0]
         try:
-            prep.check()
+            with _interpreter_launches(launches):
+                prep.check()
             _sync(device)
         except Exception as e:
             row.update(status="check_failed", error=_short_error(e))
-            log(f"  {case.op}/{case.variant} {case.shape}: CHECK FAILED: {row['error']}")
+            log(f"  {name}: CHECK FAILED: {row['error']}")
+            continue
+        row["interpreted"] = device.type != "cuda" and launches[0] > 0
+        log(f"  {name}: check passed in {time.perf_counter() - t0:.1f} s"
+            + (f" (Triton interpreter, {launches[0]} launches)" if row["interpreted"] else ""))
     # Time side by side: every checked case of the group, one after the other.
     try:
         for case, prep, row in zip(cases, prepared, rows):
             if prep is None or row["status"] != "ok":
                 continue
+            t0 = time.perf_counter()
             try:
-                t = _time(prep, device, reps, warmup, budget_s)
+                if row["interpreted"]:
+                    t = _time(prep, device, min(reps, INTERPRETED_REPS), 0,
+                              budget_s if budget_s is not None else INTERPRETED_BUDGET_S)
+                else:
+                    t = _time(prep, device, reps, warmup, budget_s)
             except Exception as e:
                 row.update(status="error", error=_short_error(e))
                 log(f"  {case.op}/{case.variant} {case.shape}: timing failed: {row['error']}")
@@ -164,6 +216,9 @@ def _run_group(cases: list[Case], device: torch.device, reps: int, warmup: int, 
             floor = _floor_s(case, device)
             if floor is not None and floor > 0:
                 row.update(floor_us=floor * 1e6, over_floor=med / floor)
+            log(f"  {case.op}/{case.variant} {case.shape}: {med * 1e6:.1f} µs median of {len(t.samples)} samples "
+                f"in {time.perf_counter() - t0:.1f} s" + (" (interpreted: not a kernel time)" if row["interpreted"]
+                                                           else ""))
     finally:
         for prep in prepared:
             if prep is not None and prep.teardown is not None:
@@ -173,11 +228,12 @@ def _run_group(cases: list[Case], device: torch.device, reps: int, warmup: int, 
                     log(f"  teardown failed: {_short_error(e)}")
         prepared.clear()
         _free(device)
-    # Ratios against the group's baseline variant, when it was timed.
+    # Ratios against the group's baseline variant, when it was timed; none where either side was interpreted.
     by_variant = {r["variant"]: r for r in rows if r["status"] == "ok" and r["median_us"]}
     for row in rows:
         base = by_variant.get(row["baseline"]) if row["baseline"] else None
-        if base is not None and row["status"] == "ok" and row["median_us"]:
+        if base is not None and row["status"] == "ok" and row["median_us"] and not (row["interpreted"]
+                                                                                     or base["interpreted"]):
             row.update(baseline_us=base["median_us"], speedup=base["median_us"] / row["median_us"])
     return rows
 
@@ -258,6 +314,7 @@ def run(cases: Sequence[Case], device, out_dir=None, reps: int | None = None, wa
         "case_budget_s": case_budget_s,
         "cases": len(cases),
         "ok": sum(r["status"] == "ok" for r in rows),
+        "interpreted": sum(bool(r.get("interpreted")) for r in rows),
         "failed": sum(r["status"] != "ok" for r in rows),
         "wall_s": round(time.perf_counter() - t0, 3),
     }

@@ -12,7 +12,8 @@ GDN verify for a step), with per-layer inputs and per-layer state pools.
 * `chain-B1-T{8,16,32}-L48`: chain-shaped trees beside fla's chunk_gated_delta_rule and
   fused_recurrent_gated_delta_rule (when fla imports), baseline "recurrent".
 Byte floor: q, k, v, g, beta and each request's fp32 state read once, o written once (per layer).
-On a CPU only the "tiny" shape set yields (small) cases.
+On a CPU only the "tiny" shape set yields (small) cases: the Triton variants under the interpreter when
+TRITON_INTERPRET=1, else the one path a CPU runs, "reference" (torch), for all three ops.
 """
 
 from __future__ import annotations
@@ -22,6 +23,7 @@ import random
 
 import torch
 
+import autotune
 import gdn
 from autotune import force
 from gdn.configs import WY_WGMMA, WYConfig
@@ -95,7 +97,7 @@ _PINNED = {
 }
 
 
-def _verify_case(variant, trees, d, device, group, tag):
+def _verify_case(variant, trees, d, device, group, tag, baseline="recurrent"):
     B, ns = len(trees), [len(t) for t in trees]
     T, L = sum(ns), d["L"]
 
@@ -124,7 +126,7 @@ def _verify_case(variant, trees, d, device, group, tag):
     return Case(op="gdn.tree_verify", variant=variant, shape=tag, dims={"B": B, "T": T, "L": L, **d},
                 flops=L * _verify_flops(ns, d["HV"], d["K"], d["V"]),
                 bytes=float(L * _verify_bytes(T, B, d["H"], d["HV"], d["K"], d["V"])), setup=setup, group=group,
-                baseline="recurrent", extra={"layers": L, "nodes": ns[:4]})
+                baseline=baseline, extra={"layers": L, "nodes": ns[:4]})
 
 
 def _fla_case(variant, n, d, device, group, tag):
@@ -166,7 +168,7 @@ def _fla_case(variant, n, d, device, group, tag):
                 baseline="recurrent", extra={"layers": L})
 
 
-def _conv_case(trees, d, device, tag):
+def _conv_case(trees, d, device, tag, variant="triton"):
     B, T, L, C, W = len(trees), sum(len(t) for t in trees), d["L"], d["C"], d["W"]
     nbytes = L * (2 * T * C * 2 + B * C * (W - 1) * 2 + C * W * 2)
 
@@ -180,7 +182,7 @@ def _conv_case(trees, d, device, tag):
 
         def run():
             for li in range(L):
-                gdn.tree_conv1d(x[li], cs[li], w[li], plan, out=y[li])
+                gdn.tree_conv1d(x[li], cs[li], w[li], plan, out=y[li], variant=variant)
 
         def check():
             run()
@@ -192,11 +194,11 @@ def _conv_case(trees, d, device, tag):
 
         return Prepared(fns=[run], check=check, graph_safe=True)
 
-    return Case(op="gdn.tree_conv1d", variant="triton", shape=tag, dims={"B": B, "T": T, "L": L, "D": C, "W": W},
+    return Case(op="gdn.tree_conv1d", variant=variant, shape=tag, dims={"B": B, "T": T, "L": L, "D": C, "W": W},
                 flops=float(L * T * C * 2 * W), bytes=float(nbytes), setup=setup, group=tag)
 
 
-def _commit_case(trees, d, device, tag):
+def _commit_case(trees, d, device, tag, variant="triton"):
     B, T, L = len(trees), sum(len(t) for t in trees), d["L"]
     H, HV, K, V, C, W = d["H"], d["HV"], d["K"], d["V"], d["C"], d["W"]
     paths = [root_path(t, max(range(len(t)), key=lambda i: len(root_path(t, i)))) for t in trees]  # deepest
@@ -215,11 +217,12 @@ def _commit_case(trees, d, device, tag):
         idx = torch.arange(B, device=device, dtype=torch.int32)
 
         def run():
-            gdn.commit(pool, cs, idx, plan, acc, acc_len, k, v, g, beta, x, use_qk_l2norm=True)
+            gdn.commit(pool, cs, idx, plan, acc, acc_len, k, v, g, beta, x, use_qk_l2norm=True, variant=variant)
 
         def check():
             p0, c0 = pool.clone(), cs.clone()
-            gdn.commit(pool, cs, idx, plan, acc, acc_len, k, v, g, beta, x, use_qk_l2norm=True, validate=True)
+            gdn.commit(pool, cs, idx, plan, acc, acc_len, k, v, g, beta, x, use_qk_l2norm=True, validate=True,
+                       variant=variant)
             cu = plan.cu_seqlens.tolist()
             for li in (0, L - 1):
                 for r in (0, B - 1):
@@ -233,12 +236,12 @@ def _commit_case(trees, d, device, tag):
 
         return Prepared(fns=[run], check=check, graph_safe=True)
 
-    return Case(op="gdn.commit", variant="triton", shape=tag, dims={"B": B, "T": T, "L": L, "accepted": na},
+    return Case(op="gdn.commit", variant=variant, shape=tag, dims={"B": B, "T": T, "L": L, "accepted": na},
                 flops=float(L * na * HV * 6 * K * V), bytes=float(nbytes), setup=setup, group=tag,
                 extra={"accepted_per_request": [len(p) for p in paths][:4]})
 
 
-@register("gdn")
+@register("gdn", ops=("gdn.tree_verify", "gdn.tree_conv1d", "gdn.commit"))
 def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     device = torch.device(device)
     if not shapes.gdn_layers or (device.type != "cuda" and shapes.name != "tiny"):
@@ -250,6 +253,10 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     if device.type != "cuda":  # tiny demo scale on the interpreter
         big, small = [_tree(6, rng)], [_tree(3, rng) for _ in range(2)]
     variants = ("wy", "wy-wgmma", "wy-levels", "recurrent") if device.type == "cuda" else ("wy", "recurrent")
+    host = device.type == "cpu" and not autotune.is_interpreter()  # a CPU without the interpreter: torch references
+    if host:
+        variants = ("reference",)
+    base, other = ("reference", "reference") if host else ("recurrent", "triton")
     from gdn import cuda as gdn_cuda
 
     if device.type == "cuda" and gdn_cuda.available(device):
@@ -257,9 +264,10 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     out = []
     for trees in (big, small):
         tag = f"B{len(trees)}-N{len(trees[0])}-L{d['L']}"
-        out += [_verify_case(v, trees, d, device, f"tree_verify-{tag}", f"tree_verify-{tag}") for v in variants]
+        out += [_verify_case(v, trees, d, device, f"tree_verify-{tag}", f"tree_verify-{tag}", base) for v in variants]
     tag = f"B1-N{len(big[0])}-L{d['L']}"
-    out += [_conv_case(big, d, device, f"tree_conv1d-{tag}"), _commit_case(big, d, device, f"commit-{tag}")]
+    out += [_conv_case(big, d, device, f"tree_conv1d-{tag}", other),
+            _commit_case(big, d, device, f"commit-{tag}", other)]
     try:
         import fla.ops.gated_delta_rule  # noqa: F401
 
@@ -268,7 +276,7 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
         fla_ok = False
     for n in ((8, 16, 32) if device.type == "cuda" else (4,)):
         tag = f"chain-B1-T{n}-L{d['L']}"
-        out += [_verify_case(v, [list(range(-1, n - 1))], d, device, tag, tag) for v in variants]
+        out += [_verify_case(v, [list(range(-1, n - 1))], d, device, tag, tag, base) for v in variants]
         if fla_ok:
             out += [_fla_case(v, n, d, device, tag, tag) for v in ("fla.chunk", "fla.fused_recurrent")]
     return out

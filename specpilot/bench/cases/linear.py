@@ -3,9 +3,9 @@
 Op "linear" (variant "cublas") at M in {1, 2, 4, 8, 16, 32} for each entry of
 `shapes.linears`, and op "lm_head" (variant "cublas": `F.linear(x, W_head).argmax(-1)`).
 Other operators put their variants in the same group (`<layer>-M<m>`, `lm_head-M<m>`) with
-`baseline="cublas"` to be timed side by side against these.
-On a CPU only the "tiny" shape set yields cases (demo scale); the variant keeps the name
-"cublas" there (it is torch's CPU matmul) so other ops' `baseline="cublas"` still resolves.
+`baseline=baseline_variant(device)` to be timed side by side against these.
+On a CPU only the "tiny" shape set yields cases (demo scale), and the variant is "torch": torch's CPU
+matmul, not cuBLAS.
 """
 
 from __future__ import annotations
@@ -21,6 +21,11 @@ from ..shapes import ModelShapes
 M_VALUES = (1, 2, 4, 8, 16, 32)
 _CHECK_COLS = 512  # output features compared against fp64 (strided over all of N)
 _SEED = 1234
+
+
+def baseline_variant(device) -> str:
+    """The name of the F.linear baseline: "cublas" on a GPU, "torch" (the CPU matmul) elsewhere."""
+    return "cublas" if torch.device(device).type == "cuda" else "torch"
 
 
 def _weights(n: int, k: int, sets: int, device: torch.device, seed: int) -> list[torch.Tensor]:
@@ -58,8 +63,9 @@ def _linear_case(name: str, n: int, k: int, m: int, device: torch.device) -> Cas
         return Prepared(fns=fns, check=check, graph_safe=True, teardown=teardown)
 
     shape = f"{name}-M{m}"
-    return Case(op="linear", variant="cublas", shape=shape, dims={"M": m, "N": n, "K": k},
-                flops=2.0 * m * n * k, bytes=float(nbytes), setup=setup, group=shape, baseline="cublas",
+    base = baseline_variant(device)
+    return Case(op="linear", variant=base, shape=shape, dims={"M": m, "N": n, "K": k},
+                flops=2.0 * m * n * k, bytes=float(nbytes), setup=setup, group=shape, baseline=base,
                 extra={"layer": name})
 
 
@@ -107,11 +113,12 @@ def _lm_head_case(v: int, k: int, m: int, device: torch.device) -> Case:
         return Prepared(fns=fns, check=check, graph_safe=True, teardown=teardown)
 
     shape = f"lm_head-M{m}"
-    return Case(op="lm_head", variant="cublas", shape=shape, dims={"M": m, "V": v, "K": k},
-                flops=2.0 * m * v * k, bytes=float(nbytes), setup=setup, group=shape, baseline="cublas")
+    base = baseline_variant(device)
+    return Case(op="lm_head", variant=base, shape=shape, dims={"M": m, "V": v, "K": k},
+                flops=2.0 * m * v * k, bytes=float(nbytes), setup=setup, group=shape, baseline=base)
 
 
-@register("linear")
+@register("linear", ops=("linear", "lm_head"))
 def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     device = torch.device(device)
     if device.type != "cuda" and shapes.name != "tiny":

@@ -49,8 +49,9 @@ checked ones). Each certified check also prints one "survivors" line (in the ben
 Memory: no rotated input sets on a GPU at hybrid-27b (`rotations` gives 1: the head is far larger than L2).
 The BF16 head, its INT8 head, the W12 record and the W12 head (2.5 + ~1.3 + ~1.9 GB at hybrid-27b) are built
 once and shared by this provider's cases (`_Heads`), dropped after the last one (or when another shape needs
-them). On a CPU only the "tiny" shape set yields cases, fewer of them (Triton runs under the interpreter, seconds
-a call): `lm_head-M1`, `lm_head-M4`, `lm_head-peaked-M1`, `lm_head-flat-M1`.
+them). On a CPU only the "tiny" shape set yields cases, fewer of them: `lm_head-M1`, `lm_head-M4`,
+`lm_head-peaked-M1`, `lm_head-flat-M1`; the baseline is "torch" there (the CPU matmul), and the heads run their
+torch paths, or their Triton kernels under the interpreter (seconds a call) when TRITON_INTERPRET=1.
 """
 
 from __future__ import annotations
@@ -188,7 +189,7 @@ def _case(v: int, k: int, m: int, regime: str, variant: str, group: str, device:
             if i == 0:
                 measured.update(gap)
         heads = None
-        if variant == "cublas":
+        if variant in ("cublas", "torch"):
             fns = [(lambda h=h, w=w: F.linear(h, w).argmax(-1)) for h, w in zip(hs, ws)]
         elif variant == "w12":
             packs = _Heads.get(v, k, sets, device, "w12pack")
@@ -237,11 +238,11 @@ def _case(v: int, k: int, m: int, regime: str, variant: str, group: str, device:
     if variant in CERTIFIED:
         extra["screen"] = CERTIFIED[variant][1]
     case = Case(op="lm_head", variant=variant, shape=group, dims={"M": m, "V": v, "K": k}, flops=2.0 * m * v * k,
-                bytes=nbytes, setup=setup, group=group, baseline="cublas", extra=extra)
+                bytes=nbytes, setup=setup, group=group, baseline=_linear.baseline_variant(device), extra=extra)
     return case
 
 
-@register("lmhead.argmax")
+@register("lmhead.argmax", ops=("lm_head",))
 def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     device = torch.device(device)
     if device.type != "cuda" and shapes.name != "tiny":
@@ -254,8 +255,10 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     for m in M_VALUES if cuda else CPU_M:
         out.append(_linear._lm_head_case(v, k, m, device))  # the baseline, as the "linear" provider has it
         out += [_case(v, k, m, MAIN_REGIME, var, f"lm_head-M{m}", device, last) for var in VARIANTS[1:]]
+    base = _linear.baseline_variant(device)  # "cublas", or "torch" on a CPU
     for regime, ms in regimes.items():
         for m in ms:
-            out += [_case(v, k, m, regime, var, f"lm_head-{regime}-M{m}", device, last) for var in VARIANTS]
+            out += [_case(v, k, m, regime, var, f"lm_head-{regime}-M{m}", device, last)
+                    for var in (base, *VARIANTS[1:])]
     last.append(out[-1])  # its teardown drops the shared heads: the last group of this provider to run
     return out

@@ -41,7 +41,9 @@ elements at once the check covers the first and last request only (B24) and the 
 Hkv - 1 only (L = 128k).
 On a CPU only the "tiny" shape set yields (small) cases: B1 with a 5-node tree over L = 40 (with
 "tree_attention"), a ragged B3, a 4-node chain; D rounds up to 64 there (tiny's 32 is not a supported head
-dim); "flex" (torch.compile) only runs on CUDA.
+dim); "flex" (torch.compile) only runs on CUDA. There the kernel variants run under the interpreter when
+TRITON_INTERPRET=1; without it a CPU runs the one torch path, "reference", in place of "wgmma" / "mma" and
+"tree_attention".
 """
 
 from __future__ import annotations
@@ -52,6 +54,7 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
+import autotune
 from specpilot.testing import assert_close
 
 from ..registry import Case, Prepared, register, rotations
@@ -333,6 +336,9 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     cuda = device.type == "cuda"
     wgmma = not cuda or torch.cuda.get_device_capability(device)[0] == 9
     kernels = ("wgmma", "mma") if wgmma else ("mma",)
+    host = device.type == "cpu" and not autotune.is_interpreter()  # a CPU without the interpreter: the torch reference
+    if host:
+        kernels = ("reference",)
     rng = random.Random(_SEED)
     out: list[Case] = []
     seed = _SEED
@@ -341,7 +347,7 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
         nonlocal seed
         seed += 1
         vs = [_kernel_case(v, spec, device, shape, baseline, seed) for v in kernels]
-        if one_call:
+        if one_call and not host:
             vs.append(_kernel_case("tree_attention", spec, device, shape, baseline, seed))
         for p in peers:
             if p == "sdpa-mask":

@@ -1,12 +1,14 @@
 """W12 GEMM cases: every linear of a shape set plus the LM-head projection, M in {1..32}, and a
 whole decode step.
 
-Per `<layer>-M<m>` group (baseline "cublas"):
-  * "cublas"  F.linear on the BF16 weight (2 B/weight)
+Per `<layer>-M<m>` group (baseline "cublas"; "torch" on a CPU):
+  * "cublas"  F.linear on the BF16 weight (2 B/weight); "torch" on a CPU (the CPU matmul)
   * "w12.tc"   w12.matmul with the sm_90 variant forced (wgmma; the CUDA-core GEMV at M = 1, see w12/ops.py)
   * "w12.gemv" w12.matmul with the no-wgmma variant forced (CUDA cores for M <= 4, mma above)
   * "w12.mma"  w12.matmul with the CUDA C++ kernel forced (w12/cuda.py; the default on sm_80+ GPUs)
   * "w12.q8"   w12.matmul_q8 (hi plane + escapes, 1 B/weight), default variant
+  * "w12.torch", "w12.q8.torch"  (a CPU without the interpreter) the torch paths of w12.matmul and matmul_q8,
+               the only ones such a CPU runs
   * "nwc"      (M = 1, CUDA, when the `nwc` package imports) the peer neural-weight-compression: lossless BF16,
                the sign/exponent byte prefix-coded and the mantissa byte raw, decoded in registers inside its fused
                matvec. `nwc.NWCWeight(w)` encodes on the host; `nwc.NWCLinear(w=...)` on a one-token BF16 x is
@@ -28,7 +30,8 @@ itself (its dequantized rows bitwise, the lossless claim). Bytes: the W12 planes
 escapes included, updated after packing), NWC's tensors as stored (`NWCWeight.tensors()`, updated after
 encoding; its bits per weight go to the row's extra["nwc"]; the scratch partial sums, 8 B per row and 512
 columns written and read, ~1 % of the stored bytes, are not counted) or 2NK, plus x and out.
-On a CPU only the "tiny" shape set yields cases.
+On a CPU only the "tiny" shape set yields cases, at M = 1 and 4: the Triton variants under the interpreter when
+TRITON_INTERPRET=1 (seconds a call), else the torch paths; "decode-step" runs on CUDA only.
 """
 
 from __future__ import annotations
@@ -44,6 +47,7 @@ from specpilot.testing import assert_bitwise_equal, assert_close
 
 from ..registry import Case, Prepared, register, rotations
 from ..shapes import ModelShapes
+from .linear import baseline_variant
 
 M_VALUES = (1, 2, 4, 8, 16, 32)
 _CHECK_COLS = 512
@@ -113,7 +117,7 @@ def _kernel_variants(device: torch.device) -> list[str]:
         return ["w12.tc", "w12.gemv", *(["w12.mma"] if wcuda.available(device) else []), "w12.q8"]
     if autotune.is_interpreter():
         return ["w12.tc", "w12.gemv", "w12.q8"]
-    return ["w12.q8"]  # CPU without the interpreter: the torch fallback only
+    return ["w12.torch", "w12.q8.torch"]  # CPU without the interpreter: the torch paths only
 
 
 @functools.cache
@@ -149,9 +153,9 @@ def _nwc_linears(w: torch.Tensor, sets: int, device: torch.device) -> list:
 
 def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device) -> Case:
     xo = 2 * (m * k + m * n)
-    q8 = variant == "w12.q8"
+    q8 = variant.startswith("w12.q8")
     extra: dict = {"layer": name}
-    if variant == "cublas":
+    if variant in ("cublas", "torch"):
         nbytes, op = 2.0 * n * k + xo, "linear"
     elif variant == "nwc":
         nbytes, op = n * k * _NWC_BITS / 8 + xo, "nwc.linear"
@@ -168,7 +172,7 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
         xs = _inputs(m, k, sets, device)
         cols = _cols(n, device)
         held: list = []  # the peer's modules, dropped in teardown
-        if variant == "cublas":
+        if variant in ("cublas", "torch"):
             fns = [(lambda x=x, w=w: F.linear(x, w)) for x, w in zip(xs, ws["bf16"][:sets])]
         elif variant == "nwc":
             held += _nwc_linears(ws["bf16"][0], sets, device)
@@ -181,7 +185,8 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
             packs = ws["w12"][:sets]
             case.bytes = _read_bytes(packs[0], q8) + xo
             fn = w12.matmul_q8 if q8 else w12.matmul
-            forced = {"w12.tc": "tc", "w12.gemv": "gemv", "w12.mma": "mma"}.get(variant)
+            forced = {"w12.tc": "tc", "w12.gemv": "gemv", "w12.mma": "mma", "w12.torch": "torch",
+                      "w12.q8.torch": "torch"}.get(variant)
 
             def call(x, p, fn=fn, forced=forced):
                 if forced is None:
@@ -214,7 +219,7 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
         return Prepared(fns=fns, check=check, graph_safe=True, teardown=teardown)
 
     case = Case(op=op, variant=variant, shape=group, dims={"M": m, "N": n, "K": k}, flops=2.0 * m * n * k,
-                bytes=float(nbytes), setup=setup, group=group, baseline="cublas", extra=extra)
+                bytes=float(nbytes), setup=setup, group=group, baseline=baseline_variant(device), extra=extra)
     return case
 
 
@@ -293,7 +298,7 @@ def _step_case(shapes: ModelShapes, variant: str, device: torch.device) -> Case:
     return case
 
 
-@register("w12")
+@register("w12", ops=("w12.matmul", "w12.matmul_q8", "decode_step", "nwc.linear"))
 def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     device = torch.device(device)
     if device.type != "cuda" and shapes.name != "tiny":
@@ -302,7 +307,8 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     layers = dict(shapes.linears)
     layers["lm_head.linear"] = shapes.lm_head
     kv = _kernel_variants(device)
-    out = [_case(name, n, k, m, v, device)
-           for name, (n, k) in layers.items() for m in ms for v in ["cublas", *kv, *_peer_variants(device, m)]]
-    out += [_step_case(shapes, v, device) for v in ("cublas", "w12")]
+    out = [_case(name, n, k, m, v, device) for name, (n, k) in layers.items() for m in ms
+           for v in [baseline_variant(device), *kv, *_peer_variants(device, m)]]
+    if device.type == "cuda":  # every linear of the model in one call: a GPU figure (CUDA graph); the CPU has the rows
+        out += [_step_case(shapes, v, device) for v in ("cublas", "w12")]
     return out
