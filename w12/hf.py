@@ -15,6 +15,9 @@ does not know the method.
     model.save_pretrained(out_dir)                      # planes as buffers, config names the W12 modules
     model = AutoModelForCausalLM.from_pretrained(out_dir)
 
+`save_pretrained` (wrapped once by this module) refuses a model holding `W12Linear` layers that its
+config's quantization_config does not list, as `from_pretrained` would re-initialise them at random.
+
 Loading a W12 checkpoint is strict: the config lists the converted modules, which are replaced by
 `W12Linear` shells before loading; every parameter and persistent buffer of the model must come
 from the checkpoint (a missing or mismatched one raises `W12CheckpointError` instead of being
@@ -25,6 +28,7 @@ their placeholders whatever their length.
 
 from __future__ import annotations
 
+import functools
 import re
 
 import torch
@@ -42,7 +46,7 @@ from .errors import W12CheckpointError, W12FormatError
 from .format import FORMAT_VERSION
 from .nn import _RESIZABLE, ConversionReport, W12Linear, convert
 
-__all__ = ["QUANT_METHOD", "W12Config", "W12HfQuantizer", "quantize"]
+__all__ = ["QUANT_METHOD", "W12Config", "W12HfQuantizer", "quantize", "attach"]
 
 QUANT_METHOD = "w12"
 _RESIZABLE_LEAVES = tuple(f"w_{p}" for p in _RESIZABLE)  # W12Linear's escape-list buffers
@@ -160,19 +164,65 @@ def _w12_modules(model: nn.Module) -> list[str]:
 
 def quantize(model, include=None, exclude=None, verify: bool = True) -> ConversionReport:
     """`w12.convert` a transformers model in place and attach the W12 quantization config and
-    quantizer, so `model.save_pretrained` writes a checkpoint that `from_pretrained` loads back."""
+    quantizer, so `model.save_pretrained` writes a checkpoint that `from_pretrained` loads back.
+    (`w12.convert` and `w12.load_model_weights` attach them too when given a `PreTrainedModel`.)"""
     if not hasattr(model, "config"):
-        raise TypeError(f"w12.hf.quantize expects a transformers PreTrainedModel, got {type(model).__name__}; "
+        raise TypeError(f"w12.hf.quantize: expects a transformers PreTrainedModel, got {type(model).__name__}; "
                         f"use w12.convert for other modules")
     report = convert(model, include=include, exclude=exclude, verify=verify)
+    attach(model, include=include, exclude=exclude)
+    return report
+
+
+def attach(model, include=None, exclude=None) -> None:
+    """Attach the W12 quantization config (listing the model's `W12Linear` modules) and quantizer to a
+    transformers model, so `save_pretrained` records them and `from_pretrained` rebuilds the W12 layers
+    instead of initialising plain linears at random."""
     cfg = W12Config(include=include, exclude=exclude, modules=_w12_modules(model))
     model.config.quantization_config = cfg
     model.hf_quantizer = W12HfQuantizer(cfg, pre_quantized=True)
     model.is_quantized = True
     model.quantization_method = QUANT_METHOD
-    return report
 
 
+def _check_saveable(model) -> None:
+    """Refuse to save a model whose W12 layers its config does not list: `from_pretrained` would load their
+    planes nowhere and initialise plain linears at random, without an error."""
+    mods = _w12_modules(model)
+    if not mods:
+        return
+    cfg = getattr(getattr(model, "config", None), "quantization_config", None)
+    if isinstance(cfg, dict):
+        listed = cfg.get("modules") if cfg.get("quant_method") == QUANT_METHOD else None
+    else:
+        listed = getattr(cfg, "modules", None) if getattr(cfg, "quant_method", None) == QUANT_METHOD else None
+    if listed is None or sorted(listed) != mods:
+        off = sorted(set(mods) ^ set(listed or ())) or mods
+        lists = "no W12 quantization_config" if listed is None else f"a W12 quantization_config of {len(listed)}"
+        raise W12CheckpointError(
+            f"w12.hf.save_pretrained: the model holds {len(mods)} W12 layers but its config has {lists} (first "
+            f"difference: {off[0]!r}), so from_pretrained would initialise layers at random; call "
+            "w12.hf.attach(model) before saving (w12.convert and w12.hf.quantize on the whole model do it)")
+
+
+def _guard_save_pretrained() -> None:
+    """Wrap `PreTrainedModel.save_pretrained` (once) with `_check_saveable`."""
+    from transformers import PreTrainedModel
+
+    save = PreTrainedModel.save_pretrained
+    if getattr(save, "_w12_checked", False):
+        return
+
+    @functools.wraps(save)
+    def save_pretrained(self, *args, **kwargs):
+        _check_saveable(self)
+        return save(self, *args, **kwargs)
+
+    save_pretrained._w12_checked = True
+    PreTrainedModel.save_pretrained = save_pretrained
+
+
+_guard_save_pretrained()
 if QUANT_METHOD not in AUTO_QUANTIZATION_CONFIG_MAPPING:
     register_quantization_config(QUANT_METHOD)(W12Config)
 if QUANT_METHOD not in AUTO_QUANTIZER_MAPPING:

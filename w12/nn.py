@@ -197,20 +197,30 @@ def convert(model: nn.Module, include=None, exclude=None, verify: bool = True) -
     `"model.layers.*.mlp.*"`; default: every linear, nothing excluded. Layers that cannot be
     converted losslessly or safely are skipped and listed in the report: non-BF16 weights,
     subclasses of `nn.Linear` (their forward may differ), weights on the meta device, and weights
-    tied to another parameter (packing would keep both copies).
+    tied to another parameter (packing would keep both copies). A call that finds only non-BF16 layers to
+    convert raises (cast the model first), as does an `include` that matches no linear layer.
+
+    A transformers `PreTrainedModel` also gets W12's quantization config (as `w12.hf.quantize` attaches it),
+    so `save_pretrained` / `from_pretrained` round-trip the W12 layers bit for bit.
     """
     if not isinstance(model, nn.Module):
-        raise TypeError(f"w12.convert: expected an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"w12.convert: expected an nn.Module, got {type(model).__name__}; pass the model (or the "
+                        "module) whose nn.Linear layers to convert")
     for arg, val in (("include", include), ("exclude", exclude)):
         if val is not None and not isinstance(val, str) and not (
                 isinstance(val, (list, tuple, set, frozenset)) and all(isinstance(v, str) for v in val)):
             raise TypeError(f"w12.convert: {arg} must be a pattern string or a list of them, got {val!r}")
     report = ConversionReport()
+    linears = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and name]
+    if include is not None and linears and not any(_matches(n, include) for n in linears):
+        raise ValueError(f"w12.convert: include={include!r} matches none of the model's {len(linears)} linear layers "
+                         f"(e.g. {linears[0]!r}); patterns are fnmatch patterns on qualified module names, e.g. "
+                         f"'*.mlp.*'")
     owners: dict[int, list[str]] = {}
     for pname, prm in model.named_parameters(remove_duplicate=False):
         if prm.device.type != "meta":
             owners.setdefault(prm.data_ptr(), []).append(pname)
-    todo = []
+    todo, wrong_dtype = [], []
     for name, mod in model.named_modules():
         if not isinstance(mod, nn.Linear) or not name:
             continue
@@ -224,6 +234,7 @@ def convert(model: nn.Module, include=None, exclude=None, verify: bool = True) -
         w = mod.weight
         if w.dtype != torch.bfloat16:
             report.skipped.append((name, f"weight is {w.dtype}, W12 needs bfloat16 (cast the model first)"))
+            wrong_dtype.append((name, w.dtype))
             continue
         if w.device.type == "meta":
             report.skipped.append((name, "weight is on the meta device (load the real weights first)"))
@@ -233,6 +244,11 @@ def convert(model: nn.Module, include=None, exclude=None, verify: bool = True) -
             report.skipped.append((name, f"weight is tied to {sharers[0]}; packing would keep both copies"))
             continue
         todo.append((name, mod))
+    if not todo and wrong_dtype:
+        dtypes = sorted({str(d) for _, d in wrong_dtype})
+        raise TypeError(f"w12.convert: nothing to convert: {len(wrong_dtype)} matching linear layers hold "
+                        f"{' / '.join(dtypes)} weights (e.g. {wrong_dtype[0][0]!r}) and W12 packs bfloat16; cast the "
+                        f"model first: model.to(torch.bfloat16)")
     for name, mod in todo:
         new = W12Linear.from_linear(mod, verify=verify)
         model.set_submodule(name, new)
@@ -240,7 +256,22 @@ def convert(model: nn.Module, include=None, exclude=None, verify: bool = True) -
             LayerRecord(name, (new.out_features, new.in_features), mod.weight.nbytes, new.weight.nbytes,
                         new.weight.num_escapes)
         )
+    if report.converted:
+        _attach_hf(model, include, exclude)
     return report
+
+
+def _attach_hf(model: nn.Module, include=None, exclude=None) -> None:
+    """A transformers model that holds W12 layers gets W12's quantization config (w12.hf.attach): without it,
+    `save_pretrained` writes planes that `from_pretrained` ignores, initialising plain linears at random."""
+    import sys
+
+    if "transformers" not in sys.modules:  # a PreTrainedModel exists only where transformers is loaded
+        return
+    from . import hf  # also guards save_pretrained: a converted submodule of a model is caught there
+
+    if isinstance(model, sys.modules["transformers"].PreTrainedModel):
+        hf.attach(model, include=include, exclude=exclude)
 
 
 def load_model_weights(model: nn.Module, path, *, device=None) -> ConversionReport:
@@ -262,7 +293,8 @@ def load_model_weights(model: nn.Module, path, *, device=None) -> ConversionRepo
     from .io import load_file
 
     if not isinstance(model, nn.Module):
-        raise TypeError(f"w12.load_model_weights: expected an nn.Module, got {type(model).__name__}")
+        raise TypeError(f"w12.load_model_weights: expected an nn.Module, got {type(model).__name__}; pass a model "
+                        "built from the checkpoint's config")
     entries = load_file(path)  # checksummed and deep-validated
     current = model.state_dict(keep_vars=True)
     aliases: dict[int, int] = {}
@@ -339,4 +371,6 @@ def load_model_weights(model: nn.Module, path, *, device=None) -> ConversionRepo
                     (mod._parameters if leaf in mod._parameters else mod._buffers)[leaf] = value
             else:
                 ref.copy_(t)
+    if swaps:
+        _attach_hf(model)
     return report

@@ -147,11 +147,16 @@ def test_convert_skips_and_patterns():
         "d": nn.Linear(8, 8).to(torch.bfloat16),
     })
     model["d"].weight = model["a"].weight  # tied
-    report = w12.convert(model, include=["a", "b", "c*", "d"], exclude="c")
+    with pytest.raises(TypeError, match=r"^w12\.convert: nothing to convert: 1 matching linear layers hold "
+                                        r"torch\.float32 weights \(e\.g\. 'b'\).*; cast the model first"):
+        w12.convert(model, include=["a", "b", "c*", "d"], exclude="c")  # only b could be, and it is fp32
+    report = w12.convert(model, include=["a", "c*", "d"], exclude="c")
     assert [r.name for r in report.converted] == []
     reasons = dict(report.skipped)
-    assert "float32" in reasons["b"] and "tied to" in reasons["a"] and "tied to" in reasons["d"]
+    assert "tied to" in reasons["a"] and "tied to" in reasons["d"]
     assert "c" not in reasons  # excluded silently
+    with pytest.raises(ValueError, match=r"^w12\.convert: include='mlp' matches none of the model's 4 linear layers"):
+        w12.convert(model, include="mlp")
     model["d"].weight = nn.Parameter(model["a"].weight.detach().clone())
     report = w12.convert(model, exclude="c")
     assert sorted(r.name for r in report.converted) == ["a", "d"]

@@ -260,11 +260,27 @@ def test_convert_converts_exactly_the_eligible_layers(case):
     before = {name: (mod.weight.detach().clone(), None if mod.bias is None else mod.bias.detach().clone(),
                      mod.weight.data_ptr()) for name, mod in model.items()}
     ptrs = [v[2] for v in before.values()]
-    report = w12.convert(model, include=include, exclude=exclude)
 
     def picked(name, pats):
         pats = [pats] if isinstance(pats, str) else pats
         return any(fnmatch.fnmatchcase(name, p) for p in pats)
+
+    def chosen(name):
+        return (include is None or picked(name, include)) and (exclude is None or not picked(name, exclude))
+
+    def eligible(name):
+        wt, _, ptr = before[name]
+        return chosen(name) and wt.dtype == torch.bfloat16 and ptrs.count(ptr) == 1
+
+    if include is not None and not any(picked(n, include) for n in before):
+        with pytest.raises(ValueError, match=r"^w12\.convert: include=.* matches none of the model's"):
+            w12.convert(model, include=include, exclude=exclude)
+        return
+    if not any(eligible(n) for n in before) and any(chosen(n) and before[n][0].dtype != torch.bfloat16 for n in before):
+        with pytest.raises(TypeError, match=r"^w12\.convert: nothing to convert: .*; cast the model first"):
+            w12.convert(model, include=include, exclude=exclude)
+        return
+    report = w12.convert(model, include=include, exclude=exclude)
 
     for name, (wt, b, ptr) in before.items():
         eligible = ((include is None or picked(name, include)) and (exclude is None or not picked(name, exclude))
