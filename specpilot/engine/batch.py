@@ -39,29 +39,45 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
     per step (default 8 per request). `log_allocations`, when a list, receives each step's node counts."""
     from .engine import StepRecord
 
+    from . import inputs
+
     fn = "specpilot.engine.Engine.generate_batch"
     m, dev = engine.model, engine.model.device
+    if isinstance(prompts, (str, bytes, bytearray)) or (isinstance(prompts, torch.Tensor) and prompts.dim() != 2):
+        raise TypeError(f"{fn}: prompts is one {type(prompts).__name__}; pass a list of prompts (each a list of token "
+                        "ids, or a str for a model with a text codec), e.g. [prompt] for one")
+    try:
+        prompts = list(prompts)
+    except TypeError:
+        raise TypeError(f"{fn}: prompts is a {type(prompts).__name__}; pass a list of prompts (each a list of token "
+                        "ids)") from None
+    if prompts and all(isinstance(p, int) for p in prompts):
+        raise TypeError(f"{fn}: prompts is one list of ints; pass a list of prompts, e.g. [prompt] for one")
+    prompts = [engine._prompt(fn, p, what=f"prompt {r}") for r, p in enumerate(prompts)]
+    max_new_tokens = inputs.count(fn, "max_new_tokens", max_new_tokens, 0)
+    if budget is not None:
+        budget = inputs.count(fn, "budget", budget, 0)
+    if topk is not None:
+        topk = inputs.count(fn, "topk", topk)
     B = len(prompts)
-    if B == 0:
-        return []
+    if B == 0 or max_new_tokens == 0:
+        return [[] for _ in prompts]
     if B > m.rows:
         raise ValueError(f"{fn}: {B} prompts but the model has {m.rows} cache rows; load it with rows >= {B} "
                          "(Engine.from_pretrained(..., rows=B))")
     if engine.drafter is None or engine.two_level or getattr(engine.drafter, "model", None) is m:
         raise ValueError(f"{fn}: batched decoding takes a stateless drafter (e.g. drafter='ngram'); the self-drafter "
                          "keeps cache rows of its own and two-level verification is per request")
-    budget = 8 * B if budget is None else int(budget)
-    if budget < 0:
-        raise ValueError(f"{fn}: budget={budget}; pass a non-negative number of tree nodes per step")
+    budget = 8 * B if budget is None else budget
     topk = engine.topk if topk is None else topk
-    V = m.cfg.vocab
-    ctxs = []
     for r, p in enumerate(prompts):
-        p = [int(t) for t in p]
-        if not p or min(p) < 0 or max(p) >= V:
-            raise ValueError(f"{fn}: prompt {r} is empty or holds ids outside [0, {V}); pass token ids of this "
-                             "model's vocabulary")
-        ctxs.append(engine._prefill_row(r, p))
+        # a request's pass holds its pending token and up to MAX_STEP_NODES - 1 draft nodes
+        need = len(p) + max_new_tokens - 1 + min(budget, MAX_STEP_NODES - 1)
+        if need > m.max_len:
+            raise ValueError(f"{fn}: prompt {r} ({len(p)} tokens) plus {max_new_tokens} new tokens and its draft "
+                             f"nodes needs {need} cache slots but max_len={m.max_len}; pass fewer tokens, or load "
+                             f"with Engine.from_pretrained(..., max_len={need})")
+    ctxs = [engine._prefill_row(r, p) for r, p in enumerate(prompts)]
     hist = [AcceptanceHistory() for _ in range(B)]
     outs: list[list[int]] = [[] for _ in range(B)]
     eos = m.cfg.eos_token_id

@@ -16,11 +16,13 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
+from pathlib import Path
 
 import torch
 
 from ..accept import greedy_accept
 from ..tree import DraftTree, _bit, build_tree
+from . import inputs
 from .loader import load_config, load_tensors
 from .graphs import GraphedStep, pass_tree
 from .model import MAX_STEP_NODES, HybridModel, Kernels
@@ -49,10 +51,12 @@ class _Stats:
             if not rec:
                 continue
             secs = sorted(s.seconds for s in rec)
-            emitted = sum(s.emitted for s in rec)
+            emitted, total = sum(s.emitted for s in rec), sum(secs)
+            # mean_step_ms and tokens_per_s both come from the total time, so tokens_per_s = tau / mean step time
             out[kind] = {"steps": len(rec), "tokens": emitted, "tau": emitted / len(rec),
                          "mean_nodes": sum(s.nodes for s in rec) / len(rec),
-                         "median_step_ms": 1e3 * secs[len(secs) // 2], "total_s": sum(secs)}
+                         "median_step_ms": 1e3 * secs[len(secs) // 2], "mean_step_ms": 1e3 * total / len(rec),
+                         "tokens_per_s": emitted / total if total > 0 else float("inf"), "total_s": total}
         if self.q_total:
             out["q_pass"] = {"agreement": self.q_agree / self.q_total, "compared": self.q_total}
         pre = [s for s in self.steps if s.kind == "prefill"]
@@ -77,16 +81,33 @@ class Engine:
     from its end, and the exact pass verifies both (docs/engine.md); off by default: whether it pays depends
     on the regime's measured costs.
     `positions`, `topk`: what the drafter proposes per step. `kernels`: see `Kernels.choose`. `graphs`
-    (default: on a GPU): run each step as one CUDA graph (`GraphedStep`)."""
+    (default: on a GPU, unless a layer kind runs a reference path: `HybridModel.paths`): run each step as one CUDA
+    graph (`GraphedStep`).
+
+    Prompts are token ids, or a str where the model has a text codec (`encode`): its checkpoint's tokenizer, or
+    bytes for a byte-level model such as the shipped `specpilot.models.tiny_stdlib_path()`. Every public method
+    checks its arguments and raises TypeError / ValueError "specpilot.engine.<fn>: what is wrong; how to fix"
+    before any work."""
 
     ROW = 0  # the target's cache row
 
     def __init__(self, model: HybridModel, drafter=None, *, tree_nodes: int = 32, positions: int = 16,
                  topk: int = 4, graphs: bool | None = None, two_level: bool = False):
-        if not 2 <= tree_nodes <= MAX_STEP_NODES:
-            raise ValueError(f"specpilot.engine.Engine: tree_nodes={tree_nodes}; pass 2..{MAX_STEP_NODES} (the "
-                             "pending token plus at least one draft node)")
+        fn = "specpilot.engine.Engine"
+        if not isinstance(model, HybridModel):
+            raise TypeError(f"{fn}: model is a {type(model).__name__}; pass a HybridModel, or load a checkpoint with "
+                            "Engine.from_pretrained(path)")
+        drafter = inputs.drafter(fn, drafter)
+        tree_nodes = inputs.count(fn, "tree_nodes", tree_nodes, 2, MAX_STEP_NODES)
+        positions = inputs.count(fn, "positions", positions)
+        topk = inputs.count(fn, "topk", topk)
+        graphs = inputs.flag(fn, "graphs", graphs, none_ok=True)
+        two_level = inputs.flag(fn, "two_level", two_level)
+        if drafter == "self" and model.rows < 3:
+            raise ValueError(f"{fn}: drafter='self' needs 3 cache rows (target, drafter, scratch) but the model has "
+                             f"{model.rows}; build it with rows=3 (Engine.from_pretrained does when drafter='self')")
         self.model = model
+        self.codec = inputs.text_codec(model.cfg.vocab)  # from_pretrained: the checkpoint's tokenizer where it has one
         self.tree_nodes, self.positions, self.topk = int(tree_nodes), int(positions), int(topk)
         if drafter == "self":
             drafter = SelfDrafter(model)
@@ -99,9 +120,14 @@ class Engine:
         # the deepest accepted path a verify pass can hold: a two-level tree chains the Q path above the second tree
         self.max_depth = self.tree_nodes - 1 if self.two_level else self.positions
         self._stats = _Stats()
-        self.graphs = model.device.type == "cuda" if graphs is None else bool(graphs)
+        uncapturable = model.paths.host_syncs  # a reference path chosen when the model was built (Paths.decide)
+        self.graphs = model.device.type == "cuda" and uncapturable is None if graphs is None else bool(graphs)
         if self.graphs and model.device.type != "cuda":
-            raise ValueError("specpilot.engine.Engine: graphs=True needs a CUDA device")
+            raise ValueError("specpilot.engine.Engine: graphs=True needs a CUDA device; pass graphs=None or False on "
+                             "the CPU")
+        if self.graphs and uncapturable is not None:
+            raise ValueError(f"specpilot.engine.Engine: graphs=True cannot capture this model's steps: {uncapturable}; "
+                             "pass graphs=None or False (eager steps)")
         self._graphs: dict[int, GraphedStep] = {}
 
     @classmethod
@@ -110,56 +136,129 @@ class Engine:
                         fused_glue: bool = False, **kw) -> "Engine":
         """Load `path` (config.json and BF16 or W12 safetensors) onto `device` (default: CUDA when present).
         `rows`: cache rows (requests decoded at once by `generate_batch`; the self-drafter needs 3).
-        `fused_glue`: the element-wise work between operators as fused Triton kernels (`engine.fused`)."""
-        device = torch.device(device if device is not None else ("cuda" if torch.cuda.is_available() else "cpu"))
+        `fused_glue`: the element-wise work between operators as fused Triton kernels (`engine.fused`).
+        `**kw`: the constructor's `tree_nodes`, `positions`, `topk`, `graphs`, `two_level`."""
+        import lmhead
+
+        fn = "specpilot.engine.Engine.from_pretrained"
+        if not isinstance(path, (str, Path)) and not hasattr(path, "__fspath__"):
+            raise TypeError(f"{fn}: path={path!r} is a {type(path).__name__}; pass a checkpoint folder (str or "
+                            "pathlib.Path), e.g. specpilot.models.tiny_stdlib_path()")
+        if not Path(path).is_dir():
+            raise FileNotFoundError(f"{fn}: {path} is not a folder; pass a checkpoint folder (config.json and "
+                                    "safetensors), e.g. specpilot.models.tiny_stdlib_path() for the shipped tiny model")
+        device = inputs.device(fn, device)
+        if weights not in ("bf16", "w12"):
+            raise ValueError(f"{fn}: weights={weights!r}; pass 'bf16' or 'w12'")
+        drafter = inputs.drafter(fn, drafter)
+        max_len = inputs.count(fn, "max_len", max_len, 2)
+        if kernels not in ("auto", "reference", "kernels"):
+            raise ValueError(f"{fn}: kernels={kernels!r}; pass 'auto', 'reference' or 'kernels'")
+        if head_screen not in ("auto", *lmhead.SCREENS):
+            raise ValueError(f"{fn}: head_screen={head_screen!r}; pass 'auto' or one of {', '.join(lmhead.SCREENS)}")
+        if rows is not None:
+            rows = inputs.count(fn, "rows", rows)
+        fused_glue = inputs.flag(fn, "fused_glue", fused_glue)
+        unknown = sorted(set(kw) - {"tree_nodes", "positions", "topk", "graphs", "two_level"})
+        if unknown:
+            raise TypeError(f"{fn}: unknown keyword argument(s) {', '.join(unknown)}; pass tree_nodes, positions, "
+                            "topk, graphs or two_level (Engine's own) besides the loader's")
+        selfish = drafter == "self" or isinstance(drafter, SelfDrafter)
+        if rows is None:
+            rows = 3 if selfish else 1
+        elif selfish and rows < 3:
+            raise ValueError(f"{fn}: drafter='self' needs rows >= 3 (target, drafter, scratch), got rows={rows}; "
+                             "pass rows=3 or leave rows=None")
         cfg, _ = load_config(path)
         tensors, _ = load_tensors(path)
-        if rows is None:
-            rows = 3 if drafter == "self" or isinstance(drafter, SelfDrafter) else 1
         model = HybridModel(cfg, tensors, device=device, fmt=weights, kernels=Kernels.choose(device, kernels),
                             rows=rows, max_len=max_len, head_screen=head_screen, fused_glue=fused_glue)
-        return cls(model, drafter, **kw)
+        eng = cls(model, drafter, **kw)
+        eng.codec = inputs.text_codec(cfg.vocab, path)
+        return eng
 
     # ---- public ---------------------------------------------------------------------------
     def stats(self) -> dict:
-        """Per kind of step ("ar", "verify"): steps, tokens emitted, τ (tokens per step), the median step
-        time; and the prefill's tokens and time. Counts since the last `reset_stats`."""
+        """Per kind of step ("ar", "verify", "batch"): steps, tokens (what `generate` returned), τ (tokens per
+        step), the median and the mean step time, tokens per second (tokens / total time, so it equals
+        τ / mean step time); and the prefill's tokens and time. Counts since the last `reset_stats`."""
         return self._stats.summary()
+
+    def encode(self, text: str) -> list[int]:
+        """Token ids of `text`: the checkpoint's tokenizer, or UTF-8 bytes for a byte-level model (vocabulary of
+        256, as the shipped tiny model)."""
+        if not isinstance(text, str):
+            raise TypeError(f"specpilot.engine.Engine.encode: text is a {type(text).__name__}; pass a str")
+        return inputs.token_ids("specpilot.engine.Engine.encode", text, self.model.cfg.vocab,
+                                self.codec.encode if self.codec is not None else None, what="text", empty_ok=True)
+
+    def decode(self, ids) -> str:
+        """The text of token ids (the inverse of `encode`; bytes that are not UTF-8 decode as U+FFFD)."""
+        fn = "specpilot.engine.Engine.decode"
+        ids = inputs.token_ids(fn, ids, self.model.cfg.vocab, what="ids", empty_ok=True)
+        if self.codec is None:
+            raise ValueError(f"{fn}: this model has no text codec (no tokenizer files beside its config, and a "
+                             "vocabulary larger than bytes); decode with the model's own tokenizer")
+        return self.codec.decode(ids)
+
+    def _prompt(self, fn: str, prompt, what: str = "the prompt", empty_ok: bool = False) -> list[int]:
+        return inputs.token_ids(fn, prompt, self.model.cfg.vocab, self.codec.encode if self.codec else None,
+                                what=what, empty_ok=empty_ok)
 
     def reset_stats(self) -> None:
         self._stats = _Stats()
 
     def generate(self, prompt_ids, max_new_tokens: int, speculative: bool = True, *, callback=None) -> list[int]:
         """The greedy continuation of `prompt_ids` (at most `max_new_tokens` new tokens; it stops after the
-        end-of-sequence token when the config names one). `callback(tokens)` sees each step's new tokens."""
-        prompt = [int(t) for t in (prompt_ids.tolist() if isinstance(prompt_ids, torch.Tensor) else prompt_ids)]
-        if not prompt:
-            raise ValueError("specpilot.engine.Engine.generate: the prompt is empty; pass at least one token id")
-        V = self.model.cfg.vocab
-        if min(prompt) < 0 or max(prompt) >= V:
-            raise ValueError(f"specpilot.engine.Engine.generate: the prompt holds ids outside [0, {V}); pass ids of "
-                             "this model's vocabulary")
+        end-of-sequence token when the config names one). `prompt_ids`: token ids (a list or a 1-D integer
+        tensor), or a str for a model with a text codec (`encode`). `callback(tokens)` sees each step's new
+        tokens, exactly those returned."""
+        fn = "specpilot.engine.Engine.generate"
+        prompt = self._prompt(fn, prompt_ids)
+        max_new_tokens = inputs.count(fn, "max_new_tokens", max_new_tokens, 0)
+        speculative = inputs.flag(fn, "speculative", speculative)
+        if callback is not None and not callable(callback):
+            raise TypeError(f"{fn}: callback={callback!r} is not callable; pass a function of the new tokens, or None")
         if speculative and self.drafter is None:
-            raise ValueError("specpilot.engine.Engine.generate: speculative=True needs a drafter; build the engine "
-                             "with drafter='ngram' or 'self', or pass speculative=False")
+            raise ValueError(f"{fn}: speculative=True needs a drafter; build the engine with drafter='ngram' or "
+                             "'self', or pass speculative=False")
+        self._check_room(fn, len(prompt), max_new_tokens, speculative)
         ctx = self._start(prompt)
         out: list[int] = []
         eos = self.model.cfg.eos_token_id
         while len(out) < max_new_tokens:
             new = self._step(ctx, speculative)
+            kept = new[:max_new_tokens - len(out)]
+            if eos in kept:
+                kept = kept[:kept.index(eos) + 1]
+            self._stats.steps[-1].emitted = len(kept)  # what is returned: the step may have accepted more
             if callback is not None:
-                callback(new[:max_new_tokens - len(out)])
-            for t in new:
-                out.append(t)
-                if t == eos or len(out) == max_new_tokens:
-                    return out
+                callback(kept)
+            out.extend(kept)
+            if len(kept) < len(new) or (kept and kept[-1] == eos):
+                break
             ctx.extend(new)
         return out
+
+    def _check_room(self, fn: str, prompt_len: int, max_new_tokens: int, speculative: bool) -> None:
+        """The caches hold max_len tokens per request: the prompt, the new tokens but the last, and a verify pass's
+        draft nodes below the pending token."""
+        need = prompt_len + max(max_new_tokens - 1, 0) + (self.tree_nodes - 1 if speculative else 0)
+        if need > self.model.max_len:
+            raise ValueError(f"{fn}: a {prompt_len}-token prompt plus {max_new_tokens} new tokens"
+                             + (f" and a {self.tree_nodes}-row verify pass" if speculative else "")
+                             + f" needs {need} cache slots but max_len={self.model.max_len}; pass fewer tokens, or "
+                             f"load with Engine.from_pretrained(..., max_len={need})")
 
     def score(self, ids, chunk: int = MAX_STEP_NODES) -> torch.Tensor:
         """Teacher forcing: fp32 logits [len(ids), vocab] of the next token after every prefix of `ids`,
         computed in passes of `chunk` tokens (chunk=1 is the autoregressive decode path)."""
-        ids = [int(t) for t in ids]
+        fn = "specpilot.engine.Engine.score"
+        ids = self._prompt(fn, ids, what="ids", empty_ok=True)
+        chunk = inputs.count(fn, "chunk", chunk, 1, MAX_STEP_NODES)
+        if len(ids) > self.model.max_len:
+            raise ValueError(f"{fn}: {len(ids)} ids but max_len={self.model.max_len}; score fewer, or load with "
+                             f"Engine.from_pretrained(..., max_len={len(ids)})")
         self.model.reset_rows([self.ROW])
         if not ids:
             return torch.zeros(0, self.model.cfg.vocab, device=self.model.device)
@@ -173,6 +272,9 @@ class Engine:
 
     def capture(self) -> None:
         """Capture the autoregressive and the verify step (once; `generate` calls it)."""
+        if not self.graphs:
+            raise ValueError("specpilot.engine.Engine.capture: this engine runs its steps eagerly (graphs=False, or "
+                             "a CPU model); build it on a CUDA device with graphs=None or True to capture")
         if self._graphs:
             return
         for nodes in (1, self.tree_nodes):
@@ -200,7 +302,8 @@ class Engine:
 
     def generate_batch(self, prompts, max_new_tokens: int, *, budget: int | None = None) -> list[list[int]]:
         """Greedy continuations of several prompts, verified together under one node budget per step
-        (`specpilot.engine.batch`; default 8 nodes per request). Needs a model with a cache row per prompt."""
+        (`specpilot.engine.batch`; default 8 nodes per request). Needs a model with a cache row per prompt.
+        `prompts`: a list of prompts, each as `generate` takes one."""
         from .batch import generate_batch
 
         return generate_batch(self, prompts, max_new_tokens, budget=budget)
@@ -307,6 +410,9 @@ class SelfDrafter:
     COMMITTED, SCRATCH = 1, 2
 
     def __init__(self, model: HybridModel):
+        if not isinstance(model, HybridModel):
+            raise TypeError(f"specpilot.engine.SelfDrafter: model is a {type(model).__name__}; pass the target's "
+                            "HybridModel (engine.model), or build the engine with drafter='self'")
         if model.rows < 3:
             raise ValueError("specpilot.engine.SelfDrafter: the model needs 3 cache rows (target, drafter, "
                              "scratch); build it with rows=3")
@@ -323,7 +429,9 @@ class SelfDrafter:
         self.seen = list(body)
 
     def propose(self, context, positions: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx = [int(t) for t in (context.tolist() if isinstance(context, torch.Tensor) else context)]
+        fn = "specpilot.engine.SelfDrafter.propose"
+        ctx = inputs.token_ids(fn, context, self.model.cfg.vocab, what="context", empty_ok=True)
+        positions, k = inputs.count(fn, "positions", positions), inputs.count(fn, "k", k)
         tokens = torch.zeros(positions, k, dtype=torch.int64)
         scores = torch.full((positions, k), float("-inf"), dtype=torch.float32)
         if not ctx:
@@ -374,7 +482,14 @@ def check_lossless(engine: Engine, prompt, max_new_tokens: int) -> LosslessRepor
     """Decode `prompt` autoregressively and speculatively and compare token for token. At a divergence,
     the autoregressive logits there are recomputed on the autoregressive path (`score(chunk=1)`) and their
     top-2 margin reported."""
-    prompt = [int(t) for t in prompt]
+    fn = "specpilot.engine.check_lossless"
+    if not isinstance(engine, Engine):
+        raise TypeError(f"{fn}: engine is a {type(engine).__name__}; pass an Engine (Engine.from_pretrained(path))")
+    prompt = engine._prompt(fn, prompt)
+    max_new_tokens = inputs.count(fn, "max_new_tokens", max_new_tokens)
+    if engine.drafter is None:
+        raise ValueError(f"{fn}: the engine has no drafter, so there is no speculative output to compare; build it "
+                         "with drafter='ngram' or 'self'")
     ar = engine.generate(prompt, max_new_tokens, speculative=False)
     engine.reset_stats()
     sp = engine.generate(prompt, max_new_tokens, speculative=True)
