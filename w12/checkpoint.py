@@ -2,8 +2,8 @@
 
 `pack_checkpoint(in_path, out_path)` reads and checks the input's header, then for each tensor
 reads its bytes, packs it if it is a 2-D BF16 tensor matching `include` (numba codec on the CPU,
-or `w12.pack` on a CUDA device) and W12 is smaller than BF16 for it, or copies it verbatim
-otherwise, and appends the result to the output. Only one tensor is in memory at a time, so checkpoints larger than RAM or GPU memory
+or `w12.pack` on a CUDA device) and W12 is smaller than BF16 for it, in the file and in memory, or copies
+it verbatim otherwise, and appends the result to the output. Only one tensor is in memory at a time, so checkpoints larger than RAM or GPU memory
 work. The header is written last into space reserved up front (an upper bound, padded with
 spaces as the safetensors format allows). The output is what `w12.load_file` and
 `w12.load_model_weights` read: format version, index and per-tensor checksums in its metadata.
@@ -14,10 +14,10 @@ weight plus 40 bits of row metadata per row and 48 bits per escape, so any K >= 
 most 12.35 bits per weight before escapes. In memory, `load_file` rebuilds the layout the
 kernels read: rows padded to `Kp`, K rounded up to a multiple of 64 (every kernel, Triton
 `w12/kernels` and CUDA `w12/csrc`, loads whole 64-column groups of `[N, Kp]` planes without a
-mask), i.e. `12 * Kp / K + 40 / K` bits per weight: 18.0 for 1000 x 130. A tensor whose
-compact W12 form is not smaller than BF16 (small K: K = 8 takes 17 bits) is kept in BF16 with
-the reason; a packed tensor above `WARN_BITS` bits per weight in the file, or whose padded
-in-memory form is larger than BF16, is listed in the report's warnings.
+mask), i.e. `12 * Kp / K + 40 / K` bits per weight: 18.0 for 1000 x 130. A tensor whose W12
+form is not smaller than BF16, in the file (small K: K = 8 takes 17 bits) or in that padded memory
+layout (1000 x 130), is kept in BF16 with the reason; a packed tensor above `WARN_BITS` bits per
+weight in the file is listed in the report's warnings.
 
 `measure_real_weights(path)` / `measure_gaussian(...)`: bits per weight and escape rate of W12
 on a checkpoint's float matrices (cast to BF16) and on Gaussian weights.
@@ -181,16 +181,23 @@ def _size_note(N: int, K: int, escapes: int) -> str:
             + (f" + {48 * escapes / (N * K):.2f} for {escapes} escapes" if escapes else ""))
 
 
+def _memory_nbytes(N: int, K: int, escapes: int = 0) -> int:
+    """Bytes of a W12 weight [N, K] in memory, the layout the kernels read: `hi` [N, Kp], `lo` [N, Kp/2],
+    `e0` [N], `esc_rowptr` [N+1] int32, 6 bytes per escape (`W12Weight.nbytes`)."""
+    return N * padded_k(K) * 3 // 2 + 5 * N + 4 + 6 * escapes
+
+
 def _padding_note(N: int, K: int, nbytes: int) -> str:
-    """`nbytes`: the dense in-memory form's size (planes at Kp columns and row metadata, no escapes)."""
-    return (f"{8 * nbytes / (N * K):.2f} bits per weight in memory: the kernels read rows "
-            f"padded to a multiple of 64 columns, K={K} -> Kp={padded_k(K)}")
+    """`nbytes`: the in-memory form's size (planes at Kp columns, row metadata, escapes)."""
+    return (f"{8 * nbytes / (N * K):.2f} bits per weight in memory, where the kernels read rows "
+            f"padded to a multiple of 64 columns (K={K} -> Kp={padded_k(K)}), more than BF16's 16")
 
 
 def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=True, verify=True) -> CheckpointReport:
     """Pack every 2-D BF16 tensor of a safetensors checkpoint whose name matches `include`
     (fnmatch pattern or list; default all) into W12, unless its W12 form would not be smaller than
-    BF16 (then it is kept, with the reason in `report.copied`); copy the other tensors verbatim.
+    BF16, in the file or in memory (then it is kept, with the reason in `report.copied`); copy the
+    other tensors verbatim.
 
     `device="cpu"` packs with the numba codec; a CUDA device packs with `w12.pack` there.
     Input metadata is kept (keys starting with `w12.` are dropped). Returns a `CheckpointReport`;
@@ -282,6 +289,8 @@ def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=T
                     if compact_nbytes(N, K) >= b - a:
                         why = (f"kept in BF16: W12 would take at least {8 * compact_nbytes(N, K) / (N * K):.2f} "
                                f"bits per weight ({_size_note(N, K, 0)})")
+                    elif _memory_nbytes(N, K) >= b - a:
+                        why = f"kept in BF16: W12 would take at least {_padding_note(N, K, _memory_nbytes(N, K))}"
                     else:
                         bits = _read(fin, data0 + a, b - a).view(np.uint16).reshape(N, K)
                         planes, mem_bytes = _pack_bits(bits, device, verify)
@@ -291,6 +300,9 @@ def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=T
                             why = (f"kept in BF16: W12 takes {8 * nbytes / (N * K):.2f} bits per weight "
                                    f"({_size_note(N, K, esc)})")
                             planes = None
+                        elif mem_bytes >= b - a:
+                            why = f"kept in BF16: W12 takes {_padding_note(N, K, mem_bytes)}"
+                            planes = None
                 if planes is not None:
                     for p in PLANES:
                         emit(f"{name}.{p}", _PLANE_ST_DTYPE[p], planes[p].shape, planes[p])
@@ -299,9 +311,6 @@ def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=T
                     if 8 * nbytes / (N * K) > WARN_BITS:
                         report.warnings.append(f"{name} [{N} x {K}]: {8 * nbytes / (N * K):.2f} bits per weight "
                                                f"> {WARN_BITS} in the file ({_size_note(N, K, esc)})")
-                    if mem_bytes >= b - a:
-                        report.warnings.append(f"{name} [{N} x {K}]: larger than BF16 once loaded: "
-                                               f"{_padding_note(N, K, mem_bytes - 6 * esc)}")
                 else:
                     index[name] = {"kind": "tensor"}
                     tensors[name] = {"dtype": ent["dtype"], "shape": ent["shape"], "data_offsets": [pos, pos + b - a]}
