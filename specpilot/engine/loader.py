@@ -1,9 +1,9 @@
 """Reading a Qwen3.5 hybrid checkpoint: the config through transformers, the tensors from safetensors.
 
 A checkpoint directory holds `config.json` and either BF16 `*.safetensors` or a W12 file from
-`specpilot pack` (`*.w12.safetensors`). Text-only checkpoints (`qwen3_5_text`) name their tensors
-`model.layers.N...`; the multimodal wrapper (`qwen3_5`) names them `model.language_model.layers.N...`
-and keeps the text config under `text_config`. Both load; vision tensors are ignored.
+`specpilot pack` (recognised by its header, whatever its name). Text-only checkpoints (`qwen3_5_text`)
+name their tensors `model.layers.N...`; the multimodal wrapper (`qwen3_5`) names them
+`model.language_model.layers.N...` and keeps the text config under `text_config`. Both load; vision tensors are ignored.
 
 The engine fuses the projections that read the same input into one weight (rows concatenated):
 the GDN in-projection (qkv, z, b, a), attention's q (with its gate), k and v, and the MLP's gate and
@@ -114,13 +114,16 @@ def load_config(path) -> tuple[HybridConfig, object]:
 
 def load_tensors(path) -> tuple[dict, bool]:
     """({name without the text-model prefix: tensor or W12Weight}, packed): every safetensors file of the
-    directory. W12 files (`*.w12.safetensors`) win when both forms are present."""
+    directory. A file is W12 by its header (the `w12.index` metadata `specpilot pack` and `w12.save_file`
+    write), whatever its name; W12 files win when both forms are present."""
     import w12
     from safetensors.torch import load_file
+    from w12.io import read_metadata
 
     path = Path(path)
-    packed = sorted(path.glob("*.w12.safetensors"))
-    files = packed or sorted(p for p in path.glob("*.safetensors"))
+    found = sorted(path.glob("*.safetensors"))
+    packed = [f for f in found if "w12.index" in read_metadata(f)]
+    files = packed or found
     if not files:
         raise FileNotFoundError(f"specpilot.engine.load_tensors: {path} has no *.safetensors file; pass a checkpoint "
                                 "directory "
