@@ -10,7 +10,7 @@ PYTEST_ARGS ?=
 # pytest-xdist workers: the suite is CPU-bound (the Triton interpreter); one per core of a 2-core CI machine
 TEST_WORKERS ?= 2
 
-.PHONY: demo test test-fast test-sglang gpu-check bench info clean
+.PHONY: demo test test-fast test-gpu test-gpu-full test-sglang gpu-check bench info clean
 
 $(STAMP): pyproject.toml Makefile
 	@if [ ! -x $(PY) ]; then \
@@ -64,6 +64,18 @@ info: $(STAMP)
 
 bench: $(STAMP)
 	$(VENV)/bin/specpilot bench
+
+# On a GPU machine (the system python3 with torch; no venv, no network): every GPU-marked test, not marked slow, of
+# every package (PKG=w12|gdn|tree_attn|lmhead|engine|specpilot: one package's), under pytest-xdist, the CUDA builds
+# shared by the workers; the log in $$OUT/test-gpu.log (perf/test_gpu.sh). test-gpu-full adds the slow tier (sweeps
+# that repeat a code path), SHARD=i/n splitting it across device calls.
+PKG   ?=
+SHARD ?=
+test-gpu:
+	PKG=$(PKG) bash perf/test_gpu.sh
+
+test-gpu-full:
+	FULL=1 PKG=$(PKG) SHARD=$(SHARD) bash perf/test_gpu.sh
 
 # On the GPU machine: GPU tests, info and benchmarks in one call, results under $$OUT (or perf/out).
 # Per operator: perf/w12_gpu.sh, perf/gdn_gpu.sh (perf/README.md).

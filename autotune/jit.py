@@ -7,7 +7,8 @@ the nvidia-cuda-runtime wheel, found by `cuda.pathfinder` (which also honours CU
 toolkit is needed, and NVRTC runs without a GPU. Results are cached on disk under
 `$SPECPILOT_CACHE/jit` (default `~/.cache/specpilot/jit`), keyed by the source, the headers beside it,
 the defines and options, the NVRTC version and the CUDA headers' fingerprint; files are written to a
-temporary name and renamed, so concurrent builders never read half a file.
+temporary name and renamed, so no reader sees half a file, and a per-key file lock makes processes that need
+the same specialisation at once build it once between them.
 
 Launch: `cuda.bindings.driver` loads the CUBIN into torch's primary context (`cuModuleLoadData`), and
 `Kernel.launch` runs it with `cuLaunchKernelEx` on the stream it is given (torch's current stream, so
@@ -20,6 +21,7 @@ TMA descriptors (`cuTensorMapEncodeTiled`).
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import functools
 import hashlib
@@ -174,15 +176,49 @@ def compile(source: Path | str, *, arch: str, defines: Mapping[str, object] | No
     key.update("\0".join([_FORMAT, *opts, f"nvrtc-{version[0]}.{version[1]}", _headers_fingerprint()]).encode())
     stem = cache_root() / "jit" / f"{name or source.stem}-{key.hexdigest()[:20]}"
     out = Build(stem.with_suffix(".cubin"), stem.with_suffix(".ptx"), stem.with_suffix(".log"))
-    if out.cubin.is_file() and out.ptx.is_file() and out.log.is_file():
+    if _built(out):
         return out
-    cubin, ptx, log = _nvrtc_compile(nvrtc, source, opts + [f"-I{source.parent}", *(f"-I{d}" for d in include_dirs())])
     stem.parent.mkdir(parents=True, exist_ok=True)
-    for path, data in ((out.log, log), (out.ptx, ptx), (out.cubin, cubin)):  # the cubin last: its presence means done
-        with tempfile.NamedTemporaryFile(dir=stem.parent, prefix=".tmp-", delete=False) as f:
-            f.write(data)
-        os.replace(f.name, path)
+    # one build per key on the machine: processes that need the same specialisation at once (pytest-xdist
+    # workers, the tuner's precompile threads) wait on the first builder's lock, then read its files
+    with _key_lock(stem.with_suffix(".lock")):
+        if _built(out):
+            return out
+        cubin, ptx, log = _nvrtc_compile(nvrtc, source,
+                                         opts + [f"-I{source.parent}", *(f"-I{d}" for d in include_dirs())])
+        for path, data in ((out.log, log), (out.ptx, ptx), (out.cubin, cubin)):  # the cubin last: it means done
+            with tempfile.NamedTemporaryFile(dir=stem.parent, prefix=".tmp-", delete=False) as f:
+                f.write(data)
+            os.replace(f.name, path)
     return out
+
+
+def _built(out: Build) -> bool:
+    return out.cubin.is_file() and out.ptx.is_file() and out.log.is_file()
+
+
+_THREAD_LOCKS: dict[str, threading.Lock] = {}
+_THREAD_LOCKS_GUARD = threading.Lock()
+
+
+@contextlib.contextmanager
+def _key_lock(path: Path):
+    # an exclusive lock on `path`: fcntl.flock between processes (released by the OS if a holder dies), and a
+    # threading.Lock between threads of one process (flock locks belong to the open file, not to the thread)
+    with _THREAD_LOCKS_GUARD:
+        tlock = _THREAD_LOCKS.setdefault(str(path), threading.Lock())
+    with tlock:
+        try:
+            import fcntl
+        except ImportError:  # no flock (Windows): concurrent builders each compile; the renames stay atomic
+            yield
+            return
+        with open(path, "a+b") as f:
+            fcntl.flock(f, fcntl.LOCK_EX)
+            try:
+                yield
+            finally:
+                fcntl.flock(f, fcntl.LOCK_UN)
 
 
 def _nvrtc_compile(nvrtc, source: Path, opts: list[str]) -> tuple[bytes, bytes, bytes]:

@@ -93,3 +93,19 @@ def fake_h200(tmp_path, monkeypatch):
     monkeypatch.setattr(cfgmod, "_TUNED", {})
     monkeypatch.setattr(cfgmod, "_WARNED", set())
     return shipped
+
+
+_TIMES = os.environ.get("SPECPILOT_TEST_TIMES")
+
+
+def pytest_runtest_logreport(report):
+    """With SPECPILOT_TEST_TIMES=FILE, one line per test phase is appended as it ends (outcome, seconds, id):
+    a run killed at its time limit still says what took the time (`make test-gpu` sets it)."""
+    if not _TIMES or os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes what its workers report
+        return
+    if report.when == "call" or report.outcome != "passed":
+        with open(_TIMES, "a") as f:
+            f.write(f"{report.outcome}\t{report.when}\t{report.duration:.2f}\t{report.nodeid}\n")
+    if report.failed:  # the failure itself, in case the run is stopped before pytest's summary
+        with open(_TIMES + ".failures", "a") as f:
+            f.write(f"==== {report.nodeid} ({report.when})\n{str(report.longreprtext)[-4000:]}\n")

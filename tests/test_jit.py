@@ -2,9 +2,11 @@
 
 Loading and launching need a GPU: tests/w12/test_matmul_gpu.py and tests/gdn/test_gdn_cuda_gpu.py run them."""
 
+import os
 import subprocess
 import sys
 import threading
+from pathlib import Path
 
 import pytest
 
@@ -86,6 +88,27 @@ def test_concurrent_builders_of_one_spec_agree(src):
         t.join()
     assert not errs and len(set(out)) == 1
     assert out[0].cubin.read_bytes()[:4] == b"\x7fELF"
+
+
+def test_concurrent_processes_build_a_spec_once(src, tmp_path):
+    # pytest-xdist workers and the tuner's threads share one cache: the per-key lock makes the first builder
+    # compile and the others wait and read its files (each process counts its own NVRTC compilations)
+    script = tmp_path / "build.py"
+    script.write_text(
+        "import sys\n"
+        "from autotune import jit\n"
+        "calls = []\n"
+        "real = jit._nvrtc_compile\n"
+        "jit._nvrtc_compile = lambda *a: calls.append(1) or real(*a)\n"
+        f"b = jit.compile({str(src)!r}, arch='sm_90', defines={{'SCALE': 11}})\n"
+        "print(len(calls), b.cubin)\n")
+    env = {**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])}
+    procs = [subprocess.Popen([sys.executable, str(script)], env=env, stdout=subprocess.PIPE, text=True)
+             for _ in range(3)]
+    outs = [p.communicate(timeout=300)[0].split() for p in procs]
+    assert all(p.returncode == 0 for p in procs), outs
+    assert sorted(int(o[0]) for o in outs) == [0, 0, 1], f"NVRTC ran {[o[0] for o in outs]} times per process"
+    assert len({o[1] for o in outs}) == 1
 
 
 def test_wgmma_targets_sm90a(src):

@@ -377,6 +377,15 @@ def _wy_program(
             b_qT = tl.trans(b_q)  # [BK, BT]
             b_kS = tl.dot(s_hi, b_kT) + tl.dot(s_mid, b_kT) + tl.dot(s_lo, b_kT)  # [BV, BT]
             b_qS = tl.dot(s_hi, b_qT) + tl.dot(s_mid, b_qT) + tl.dot(s_lo, b_qT)  # [BV, BT]
+        elif BT >= 64 and BV < BT:
+            # as (S0^T K^T)^T, M = BV: Triton 3.6's sm_90 lowering gives wrong results (or an illegal address)
+            # when one program holds wgmma products of two widths, here N = BT for q.k^T / k.k^T and N = BV for
+            # the state products (docs/gdn.md); with M = BV < 64 these are mma.sync, and the wgmma are one width
+            b_kT = tl.trans(b_k)  # [BK, BT]
+            b_qT = tl.trans(b_q)  # [BK, BT]
+            t_hi, t_mid, t_lo = tl.trans(s_hi), tl.trans(s_mid), tl.trans(s_lo)  # [BV, BK]
+            b_kS = tl.trans(tl.dot(t_hi, b_kT) + tl.dot(t_mid, b_kT) + tl.dot(t_lo, b_kT))  # [BT, BV]
+            b_qS = tl.trans(tl.dot(t_hi, b_qT) + tl.dot(t_mid, b_qT) + tl.dot(t_lo, b_qT))  # [BT, BV]
         else:
             b_kS = tl.dot(b_k, s_hi) + tl.dot(b_k, s_mid) + tl.dot(b_k, s_lo)  # [BT, BV]
             b_qS = tl.dot(b_q, s_hi) + tl.dot(b_q, s_mid) + tl.dot(b_q, s_lo)  # [BT, BV]

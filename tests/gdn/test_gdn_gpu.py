@@ -111,10 +111,23 @@ WY_CONFIGS = {
     "stack-split-pdl": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", pdl=True),
     "split-nopdl-r128": WYConfig(BV=64, num_warps=8, stack=True, inverse="split", maxnreg=128, inverse_maxnreg=128),
     "t-split": WYConfig(BV=64, trans=True, inverse="split", pdl=True),
+    "bv64-w4-pdl": WYConfig(BV=64, num_warps=4, pdl=True),  # the sm_90 heuristic for more programs than SMs
+    "bv32-w8": WYConfig(BV=32, num_warps=8),  # two wgmma widths in one program, 8 warps (an illegal address)
+    "split-bv32-w4": WYConfig(BV=32, num_warps=4, inverse="split", pdl=True),  # the <= 16-node heuristic at 64 nodes
 }
 
 
-@pytest.mark.parametrize("variant, cfg", [("wy", c) for c in WY_CONFIGS] + [("recurrent", "default")],
+# One config per branch of the kernel (split/stack/trans/fp32 operands, each inverse, tf32x3 rounds, PDL), every
+# config the sm_90 heuristic returns at > 32 nodes, and the five configs that Triton 3.6's sm_90 lowering broke
+# (docs/gdn.md, "two wgmma widths") run in `make test-gpu`; the rest repeat a branch at another tile and run in
+# `make test-gpu-full` (slow). The fp32-operand configs compile for minutes at these dims (fully unrolled FMA
+# products); test_verify_fp32_operands covers their branches at smaller dims in the fast tier.
+WY_SLOW = {"t-bv64-w8", "t-bv128", "t-bv32", "t-tf32x3", "stack-inv-tf32x3", "stack-fold-pdl", "stack-fold-inv-tf32x3",
+           "stack-fold-bv32", "split-nopdl-r128", "nosplit-ieee", "t-nosplit-ieee"}
+
+
+@pytest.mark.parametrize("variant, cfg", [pytest.param("wy", c, marks=pytest.mark.slow) if c in WY_SLOW else ("wy", c)
+                                          for c in WY_CONFIGS] + [("recurrent", "default")],
                          ids=[f"wy-{c}" for c in WY_CONFIGS] + ["recurrent-default"])
 def test_verify_hybrid_dims(variant, cfg):
     trees = _trees()
@@ -131,6 +144,31 @@ def test_verify_hybrid_dims(variant, cfg):
                          dtype=torch.float64)
     r32 = tree_reference(q, k, v, g, beta, pool, idx.tolist(), trees, use_qk_l2norm=True, fn=fn)
     assert_close(o, r64, r32, msg=f"{variant}/{precision}")
+
+
+@pytest.mark.parametrize("trans", [False, True], ids=["kv", "trans"])
+def test_verify_fp32_operands(trans):
+    """fp32 q/k (SPLIT=False: every product at dot_precision) on trees of up to 64 nodes, at K = V = 64 (the
+    hybrid-dims configs nosplit-ieee / t-nosplit-ieee take minutes to compile and run in the slow tier)."""
+    rng = random.Random(21)
+    trees = [chain(64), draft_tree(40, rng), [-1], draft_tree(7, rng)]
+    plan = gdn.build_tree_plan(trees, device=DEV)
+    T, B, h, hv, d = plan.total_nodes, len(trees), 2, 4, 64
+    gen = torch.Generator(device=DEV).manual_seed(21)
+    q, k = (torch.randn(T, h, d, device=DEV, generator=gen) for _ in range(2))
+    v = torch.randn(T, hv, d, device=DEV, generator=gen)
+    g = -torch.rand(T, hv, device=DEV, generator=gen) * 0.5
+    beta = torch.rand(T, hv, device=DEV, generator=gen)
+    pool = torch.randn(B, hv, d, d, device=DEV, generator=gen) * 0.05
+    idx = torch.arange(B, device=DEV)
+    out = torch.full((T, hv, d), float("nan"), device=DEV)
+    cfg = WYConfig(BV=32, trans=trans, split=False, dot_precision="ieee")
+    with force("gdn.tree_verify", config=cfg):
+        o = gdn.tree_verify(q, k, v, g, beta, pool, idx, plan, use_qk_l2norm=True, variant="wy", out=out)
+    r64 = tree_reference(q, k, v, g, beta, pool.double(), idx.tolist(), trees, use_qk_l2norm=True,
+                         dtype=torch.float64)
+    r32 = tree_reference(q, k, v, g, beta, pool, idx.tolist(), trees, use_qk_l2norm=True, fn=chunk_reference)
+    assert_close(o, r64, r32, msg=f"fp32 operands trans={trans}")
 
 
 def test_verify_vk_layout_bf16_out():

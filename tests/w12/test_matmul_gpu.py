@@ -115,6 +115,12 @@ def test_default_variant_by_generation():
     assert v == ("mma" if wcuda.available(_dev()) else "tc" if autotune.has_wgmma() else "gemv")
 
 
+def _tiered(cfgs, fast):
+    """`make test-gpu` runs the configs at positions `fast` (one per code path: split, ring, async copy, wide
+    rows, ...); the rest repeat a path at another size and carry the slow mark (`make test-gpu-full`)."""
+    return [c if i in fast else pytest.param(c, marks=pytest.mark.slow) for i, c in enumerate(cfgs)]
+
+
 MMA_ODD = [MmaConfig(1, 1, 2), MmaConfig(2, 4, 3), MmaConfig(4, 2, 2), MmaConfig(1, 2, 4, wr=4), MmaConfig(2, 8, 2, wr=2),
            MmaConfig(1, 16, 2), MmaConfig(2, 4, 4, async_copy=True), MmaConfig(1, 4, 3, wr=2, async_copy=True),
            MmaConfig(4, 2, 6, async_copy=True), MmaConfig(1, 4, 2, split=3), MmaConfig(2, 4, 4, async_copy=True, split=7)]
@@ -148,7 +154,7 @@ def _prebuild_cuda_kernels(request):
         list(ex.map(lambda j: wcuda.build(j[0], j[1], j[2], arch), jobs))
 
 
-@pytest.mark.parametrize("cfg", MMA_ODD, ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", _tiered(MMA_ODD, {0, 1, 3, 6, 9}), ids=lambda c: c.tag())
 @pytest.mark.parametrize("N,K", [(75, 4100), (1000, 4160), (4099, 64)], ids=lambda v: str(v))
 def test_mma_configs_odd_shapes(cfg, N, K):
     """Every kernel shape on ragged N (rows past N), K not a multiple of 64 (x padded), all M tiles,
@@ -156,7 +162,7 @@ def test_mma_configs_odd_shapes(cfg, N, K):
     _odd_shapes(cfg, N, K)
 
 
-@pytest.mark.parametrize("cfg", STREAM_ODD, ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", _tiered(STREAM_ODD, {0, 1, 4}), ids=lambda c: c.tag())
 @pytest.mark.parametrize("N,K", [(75, 4100), (1000, 4160), (4099, 64), (3000, 17408)], ids=lambda v: str(v))
 def test_stream_configs_odd_shapes(cfg, N, K):
     """The persistent stream kernel: rows past N zero-filled by cp.async, K not a multiple of 64, grids
@@ -217,7 +223,7 @@ def test_stream_fixed_base_equals_exact_base_bitwise(xcase, M):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("cfg", TMA_ODD, ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", _tiered(TMA_ODD, {0, 4, 6, 7, 10, 15, 18, 21}), ids=lambda c: c.tag())
 @pytest.mark.parametrize("N,K", [(75, 4100), (1000, 4160), (4099, 64)], ids=lambda v: str(v))
 def test_tma_configs_odd_shapes(cfg, N, K):
     """The sm_90 TMA kernel on the same cases: rows past N come from TMA's zero fill, a ring shorter
@@ -226,12 +232,13 @@ def test_tma_configs_odd_shapes(cfg, N, K):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("cfg", [TmaConfig(1, 4, 8), TmaConfig(1, 4, 8, ahead=True), TmaConfig(1, 8, 6),
-                                 TmaConfig(1, 8, 6, split=3, ahead=True), TmaConfig(1, 4, 8, xcp=True),
-                                 TmaConfig(1, 8, 6, split=3, xcp=True), TmaConfig(1, 8, 6, sk=2),
-                                 TmaConfig(1, 4, 8, xcp=True, sk=2), TmaConfig(1, 1, 4), TmaConfig(1, 2, 4),
-                                 TmaConfig(1, 4, 8, xcp=True), TmaConfig(1, 4, 8, xbox=True), TmaConfig(1, 2, 4, xbox=True),
-                                 TmaConfig(1, 8, 6, split=3, xbox=True)], ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", _tiered([TmaConfig(1, 4, 8), TmaConfig(1, 4, 8, ahead=True), TmaConfig(1, 8, 6),
+                                          TmaConfig(1, 8, 6, split=3, ahead=True), TmaConfig(1, 4, 8, xcp=True),
+                                          TmaConfig(1, 8, 6, split=3, xcp=True), TmaConfig(1, 8, 6, sk=2),
+                                          TmaConfig(1, 4, 8, xcp=True, sk=2), TmaConfig(1, 1, 4), TmaConfig(1, 2, 4),
+                                          TmaConfig(1, 4, 8, xcp=True), TmaConfig(1, 4, 8, xbox=True),
+                                          TmaConfig(1, 2, 4, xbox=True), TmaConfig(1, 8, 6, split=3, xbox=True)],
+                                         {0, 1, 4, 6, 8, 11}), ids=lambda c: c.tag())
 def test_tma_launches_with_changing_tensor_maps(cfg):
     """Launches alternating two weights and two x (so every tensor map changes between launches),
     each queued behind a short sleep kernel, many CTAs per SM refilling their rings ~40 times: every
@@ -409,9 +416,9 @@ def test_torch_compile_fullgraph_equals_eager(q8, poison_outside_compile):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("cfg", [TmaConfig(1, 8, 6, split=3), TmaConfig(2, 4, 4), TmaConfig(1, 8, 6, sk=2),
-                                 MmaConfig(2, 4, 2, split=3), StreamConfig(8, 4, 2), StreamConfig(4, 3, 4),
-                                 MmaConfig(1, 8, 2)], ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", _tiered([TmaConfig(1, 8, 6, split=3), TmaConfig(2, 4, 4), TmaConfig(1, 8, 6, sk=2),
+                                          MmaConfig(2, 4, 2, split=3), StreamConfig(8, 4, 2), StreamConfig(4, 3, 4),
+                                          MmaConfig(1, 8, 2)], {0, 2, 3, 4, 6}), ids=lambda c: c.tag())
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_pdl_chain_waits_for_the_previous_kernel(cfg, graph, monkeypatch):
     """Programmatic dependent launch (sm_90): each kernel of a 6-layer chain reads the output of the

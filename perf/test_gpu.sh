@@ -1,0 +1,49 @@
+#!/usr/bin/env bash
+# `make test-gpu`: every GPU-marked test (-m "gpu or hopper") of every package on this machine's GPU, in one
+# command, under pytest-xdist. CUDA C++ specialisations are built once per machine: the workers share the JIT
+# cache ($SPECPILOT_CACHE, autotune/jit.py), whose per-key lock lets one worker build while the others wait.
+#
+#   make test-gpu                 the GPU tests not marked slow (on one H200: docs/architecture.md gives the wall)
+#   make test-gpu PKG=gdn         one package's: w12, gdn, tree_attn, lmhead, engine, specpilot (tests/*.py, tests/tools)
+#   make test-gpu-full SHARD=1/3  the slow tier too (sweeps that repeat a code path), shard 1 of 3 of it
+#
+# Environment: OUT (default perf/out; the log is $OUT/test-gpu.log), TEST_WORKERS (default 12), TEST_TIMEOUT
+# (default 540 s), PYTEST_ARGS (extra pytest arguments). Each test's seconds go to $OUT/test-gpu-times.tsv
+# as it ends (tests/conftest.py), so a run stopped at its limit still shows where the time went. Wheels carried in .whl/ are installed first
+# (perf/gpu_env.sh). Exit status: pytest's.
+cd "$(dirname "$0")/.."
+TEST_WORKERS=${TEST_WORKERS:-12}
+. perf/gpu_env.sh
+
+case "${PKG:-}" in
+  "") SEL=(tests) ;;
+  w12 | gdn | tree_attn | lmhead | engine) SEL=("tests/$PKG") ;;
+  specpilot | autotune) SEL=(tests/tools $(ls tests/test_*.py)) ;;
+  *) echo "make test-gpu: unknown PKG=$PKG; use one of w12, gdn, tree_attn, lmhead, engine, specpilot" >&2; exit 2 ;;
+esac
+MARK="(gpu or hopper) and not slow"
+[ -n "${FULL:-}" ] && MARK="gpu or hopper"
+LOG=$OUT/test-gpu.log
+export SPECPILOT_TEST_TIMES=$OUT/test-gpu-times.tsv
+rm -f "$SPECPILOT_TEST_TIMES"
+START=$(date +%s)
+{
+  echo "# make test-gpu${PKG:+ PKG=$PKG}${FULL:+ (full${SHARD:+, shard $SHARD})}: -m \"$MARK\" ${SEL[*]}"
+  echo "# $(date -u +%FT%TZ); $(git rev-parse --short HEAD 2>/dev/null || echo 'no git') $(git status --porcelain 2>/dev/null | grep -q . && echo '(uncommitted changes)')"
+  python3 -c "import torch, triton, sys; print(f'# {torch.cuda.get_device_name()} sm_{\"\".join(map(str, torch.cuda.get_device_capability()))}, python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}')" 2>&1
+  python3 -c "import fla; print('# fla', fla.__version__)" 2>/dev/null || echo "# fla not installed"
+  echo "# $WHEELS; pytest-xdist workers: ${XDIST[*]:-none}"
+} >"$LOG"
+set +e
+if [ -n "${SHARD:-}" ]; then
+  timeout "${TEST_TIMEOUT:-540}" python3 perf/pytest_shard.py "$SHARD" "${SEL[@]}" -m "$MARK" -q -rfE --durations=30 \
+    "${XDIST[@]}" "${PYTEST_OPTS[@]}" ${PYTEST_ARGS:-} >>"$LOG" 2>&1
+else
+  timeout "${TEST_TIMEOUT:-540}" python3 -m pytest "${SEL[@]}" -m "$MARK" -q -rfE --durations=30 \
+    "${XDIST[@]}" "${PYTEST_OPTS[@]}" ${PYTEST_ARGS:-} >>"$LOG" 2>&1
+fi
+RC=$?
+echo "# exit $RC after $(( $(date +%s) - START )) s of wall time" >>"$LOG"
+grep -E "^(FAILED|ERROR)" "$LOG" | head -n 40
+tail -n 3 "$LOG"
+exit $RC
