@@ -12,10 +12,10 @@ or the node itself; qo_indptr is TreePlan.cu_seqlens. The cache is token-slot [s
 [pages, page_size, Hkv, D]; kv_indices lists token slots in both.
 """
 
-from .ops import HEAD_DIMS, MAX_NODES, VARIANTS, TreeAttnPlan, plan, run, tree_attention
+from .ops import HEAD_DIMS, MAX_NODES, VARIANTS, TreeAttnPlan, plan, run, tree_attention, unsupported
 from .reference import tree_attention_reference
 
-__all__ = ["tree_attention", "plan", "run", "TreeAttnPlan", "MAX_NODES", "HEAD_DIMS", "VARIANTS",
+__all__ = ["tree_attention", "plan", "run", "TreeAttnPlan", "MAX_NODES", "HEAD_DIMS", "VARIANTS", "unsupported",
            "tree_attention_reference"]
 
 _SUBMODULES = ("configs", "kernels", "ops", "reference", "space")

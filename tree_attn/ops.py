@@ -23,7 +23,8 @@ from .configs import SplitConfig, split_config
 from .kernels.split import tree_attn_merge_kernel, tree_attn_split_kernel
 from .reference import tree_attention_reference
 
-__all__ = ["tree_attention", "plan", "run", "TreeAttnPlan", "MAX_NODES", "HEAD_DIMS", "VARIANTS", "compiled_ptx"]
+__all__ = ["tree_attention", "plan", "run", "TreeAttnPlan", "MAX_NODES", "HEAD_DIMS", "VARIANTS", "unsupported",
+           "compiled_ptx"]
 
 OP = "tree_attn.tree_attention"
 MAX_NODES = 64  # one int64 mask word per node
@@ -42,8 +43,22 @@ _INTERPRET_SMS = 4  # "SMs" the schedule fills under the interpreter (several sp
 # --------------------------------------------------------------------------------------------
 
 
+def unsupported(*, head_dim: int) -> str | None:
+    """Why the kernels cannot take calls of this shape (None: they can). The reference takes any head_dim,
+    when asked for by name (variant="reference")."""
+    if head_dim not in HEAD_DIMS:
+        return f"head_dim {head_dim} is not supported by the kernels (they take {HEAD_DIMS})"
+    return None
+
+
 def _plan(variant: str | None, device: torch.device, head_dim: int, group: int) -> autotune.Plan:
-    chosen, _ = VARIANTS.choose(variant, device, where="tree_attn.plan")
+    chosen, by_name = VARIANTS.choose(variant, device, where="tree_attn.plan")
+    # an automatic choice raises too, also where it would run the reference (CPU tensors): the same call must
+    # not be refused on the GPU only
+    why = None if chosen == "reference" and by_name else unsupported(head_dim=head_dim)
+    if why is not None:
+        raise ValueError(f"tree_attn.plan: {why}; pass variant='reference' to run the torch reference, which takes "
+                         "any head_dim")
     key = (chosen, str(device), head_dim, group, autotune.forced(OP), is_interpreter())
 
     def make() -> autotune.Plan:
@@ -353,8 +368,6 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
     if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
         raise ValueError(f"{fn}: {num_qo_heads} query heads are not a multiple of {num_kv_heads} KV heads; GQA needs "
                          "H = G * Hkv")
-    if head_dim not in HEAD_DIMS:
-        raise ValueError(f"{fn}: head_dim {head_dim} is not supported; use one of {HEAD_DIMS}")
     if dtype not in (torch.bfloat16, torch.float16):
         raise TypeError(f"{fn}: dtype {dtype} is not supported; q, k and v must be bfloat16 or float16")
     if validate:

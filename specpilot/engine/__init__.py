@@ -3,8 +3,8 @@ on this library's operators (docs/engine.md)."""
 
 from .engine import NEAR_TIE, Engine, LosslessReport, SelfDrafter, StepRecord, check_lossless
 from .loader import HybridConfig, load_config, load_tensors
-from .model import HybridModel, Kernels, Linear, Step
+from .model import HybridModel, KernelFallbackWarning, Kernels, Linear, Paths, Step
 
 __all__ = ["Engine", "SelfDrafter", "StepRecord", "LosslessReport", "check_lossless", "NEAR_TIE", "HybridConfig",
-           "HybridModel", "Kernels", "Linear", "Step",
+           "HybridModel", "Kernels", "KernelFallbackWarning", "Linear", "Paths", "Step",
            "load_config", "load_tensors"]

@@ -81,7 +81,8 @@ class Engine:
     from its end, and the exact pass verifies both (docs/engine.md); off by default: whether it pays depends
     on the regime's measured costs.
     `positions`, `topk`: what the drafter proposes per step. `kernels`: see `Kernels.choose`. `graphs`
-    (default: on a GPU): run each step as one CUDA graph (`GraphedStep`).
+    (default: on a GPU, unless a layer kind runs a reference path: `HybridModel.paths`): run each step as one CUDA
+    graph (`GraphedStep`).
 
     Prompts are token ids, or a str where the model has a text codec (`encode`): its checkpoint's tokenizer, or
     bytes for a byte-level model such as the shipped `specpilot.models.tiny_stdlib_path()`. Every public method
@@ -119,10 +120,14 @@ class Engine:
         # the deepest accepted path a verify pass can hold: a two-level tree chains the Q path above the second tree
         self.max_depth = self.tree_nodes - 1 if self.two_level else self.positions
         self._stats = _Stats()
-        self.graphs = model.device.type == "cuda" if graphs is None else bool(graphs)
+        uncapturable = model.paths.host_syncs  # a reference path chosen when the model was built (Paths.decide)
+        self.graphs = model.device.type == "cuda" and uncapturable is None if graphs is None else bool(graphs)
         if self.graphs and model.device.type != "cuda":
             raise ValueError("specpilot.engine.Engine: graphs=True needs a CUDA device; pass graphs=None or False on "
                              "the CPU")
+        if self.graphs and uncapturable is not None:
+            raise ValueError(f"specpilot.engine.Engine: graphs=True cannot capture this model's steps: {uncapturable}; "
+                             "pass graphs=None or False (eager steps)")
         self._graphs: dict[int, GraphedStep] = {}
 
     @classmethod

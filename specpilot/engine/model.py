@@ -15,11 +15,15 @@ BF16, the decay g in fp32, queries and keys L2-normalised inside the GDN kernels
 Caches: request row r owns GDN state row r, conv state row r and the KV slots
 [r * max_len, (r + 1) * max_len); the last slot of the KV cache is a scratch slot that absorbs the
 masked writes of a fixed-size commit.
+
+Shapes the fast kernels do not take run on the operator's reference or the torch glue instead, decided once
+per model (`Paths.decide`) and announced by one `KernelFallbackWarning`.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+import warnings
+from dataclasses import dataclass, replace
 
 import torch
 import torch.nn.functional as F
@@ -31,7 +35,7 @@ import w12
 
 from .loader import HybridConfig
 
-__all__ = ["Kernels", "Linear", "HybridModel", "Step", "MAX_STEP_NODES"]
+__all__ = ["Kernels", "Paths", "KernelFallbackWarning", "Linear", "HybridModel", "Step", "MAX_STEP_NODES"]
 
 MAX_STEP_NODES = 64  # nodes per request in one pass: one int64 ancestor mask per node (gdn, tree_attn)
 
@@ -58,6 +62,68 @@ class Kernels:
         if mode == "reference" or (mode == "auto" and device.type != "cuda"):
             return cls("torch", "reference", "reference", "reference", "reference", "reference")
         return cls()
+
+
+class KernelFallbackWarning(UserWarning):
+    """A layer kind of the model runs an operator's reference or the torch glue where a kernel would have run:
+    the kernels do not take the model's shapes. Same tokens, slower steps. Raised once, when the model is built."""
+
+
+def _pow2(n: int) -> bool:
+    return n > 0 and n & (n - 1) == 0
+
+
+@dataclass(frozen=True)
+class Paths:
+    """The path each layer kind of a model takes, decided once when the model is built (`decide`): the operator
+    variants, whether the fused glue's attention prologue runs, and, for every part moved off a kernel that would
+    otherwise have run, what moved and why (the text of the `KernelFallbackWarning`)."""
+
+    kernels: Kernels
+    fused_attn_prep: bool
+    fallbacks: tuple[str, ...] = ()
+
+    @classmethod
+    def decide(cls, cfg: HybridConfig, kernels: Kernels, device, fused_glue: bool) -> "Paths":
+        # Gated DeltaNet has nothing to decide here: gdn's automatic choice moves a call its CUDA kernel cannot
+        # take (K not a multiple of 32 or above 256, more than 32 nodes) to the Triton WY kernel, and the Triton
+        # kernels (WY, conv, commit) mask K, V and D to any size. Nodes neither: a pass holds MAX_STEP_NODES
+        # nodes per request, the tree_attn and gdn kernels' own bound (one int64 ancestor mask per node).
+        device = torch.device(device)
+        fallbacks = []
+        if cfg.attn_layers and kernels.attn != "reference":
+            why = tree_attn.unsupported(head_dim=cfg.head_dim)
+            if why is not None:
+                # the reference by name: an automatic choice of an unsupported head_dim raises, on CPU tensors too
+                if tree_attn.VARIANTS.pick(kernels.attn, device) != tree_attn.VARIANTS.fallback:
+                    fallbacks.append(f"the full-attention layers run tree_attn's torch reference, not its kernels: "
+                                     f"{why}")
+                kernels = replace(kernels, attn="reference")
+        fused_prep = bool(fused_glue)
+        if fused_prep and cfg.attn_layers and not _pow2(cfg.head_dim):
+            fused_prep = False
+            fallbacks.append(f"the attention prologue (per-head norm and rotary) runs the torch glue, not the fused "
+                             f"kernel: head_dim {cfg.head_dim} is not a power of two (the kernel holds one head in "
+                             "one tl.arange)")
+        return cls(kernels, fused_prep, tuple(fallbacks))
+
+    @property
+    def host_syncs(self) -> str | None:
+        """Why a step of this model cannot be captured as a CUDA graph (None: it can): a reference path reads
+        the step's plan on the host."""
+        k = self.kernels
+        refs = [op for op, v in (("gdn.tree_verify", k.gdn), ("gdn.tree_conv1d", k.conv), ("gdn.commit", k.commit),
+                                 ("tree_attn", k.attn)) if v == "reference"]
+        return f"the torch reference of {', '.join(refs)} reads the step's plan on the host" if refs else None
+
+    def warning(self, device) -> str | None:
+        """The one warning's text for a model on `device` (None: every layer kind runs the kernels it would run
+        on any shape)."""
+        if not self.fallbacks:
+            return None
+        eager = self.host_syncs is not None and torch.device(device).type == "cuda"
+        return ("specpilot.engine: " + "; ".join(self.fallbacks) + ". The tokens are the same; steps are slower"
+                + (" and run eagerly (no CUDA graphs)" if eager else "") + ".")
 
 
 class Linear:
@@ -192,7 +258,11 @@ class HybridModel:
 
         if fmt not in ("bf16", "w12"):
             raise ValueError(f"specpilot.engine.HybridModel: weights={fmt!r}; pass 'bf16' or 'w12'")
-        self.cfg, self.device, self.fmt, self.kernels = cfg, torch.device(device), fmt, kernels
+        self.cfg, self.device, self.fmt = cfg, torch.device(device), fmt
+        self.paths = Paths.decide(cfg, kernels, self.device, fused_glue)
+        self.kernels = self.paths.kernels
+        if self.paths.fallbacks:
+            warnings.warn(self.paths.warning(self.device), KernelFallbackWarning, stacklevel=2)
         self.rows, self.max_len = int(rows), int(max_len)
         dev = self.device
 
@@ -218,6 +288,8 @@ class HybridModel:
             from .fused import FusedGlue
 
             self.glue = FusedGlue()
+            if not self.paths.fused_attn_prep:
+                self.glue.attn_prep = attn_prep
         else:
             self.glue = TorchGlue()
 
@@ -234,7 +306,7 @@ class HybridModel:
             head = head.to(dev)
             self.head_linear = Linear(packed=head) if fmt == "w12" else Linear(weight=head.unpack())
         hw = self.head_linear.packed if fmt == "w12" else self.head_linear.weight
-        self.head = lmhead.CertifiedHead(hw, screen=head_screen, variant=kernels.head)
+        self.head = lmhead.CertifiedHead(hw, screen=head_screen, variant=self.kernels.head)
         inv = 1.0 / (cfg.rope_theta ** (torch.arange(0, cfg.rotary_dim, 2, dtype=torch.float) / cfg.rotary_dim))
         self.inv_freq = inv.to(dev)
         self._alloc_caches()
