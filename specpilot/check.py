@@ -584,8 +584,11 @@ def _counted(name: str, fn, calls: dict):
     return run
 
 
-def _torch_norm(module_ns, old):
-    """The modelling module's own gated RMSNorm holding `old`'s weight (for an fla FusedRMSNormGated)."""
+def _torch_norm(module_ns, old, device):
+    """The modelling module's own gated RMSNorm holding `old`'s weight (for an fla FusedRMSNormGated), on `device`:
+    transformers builds fla's norm on the current CUDA device even where the rest of the model is on the CPU."""
+    import torch.nn as nn
+
     cls = next((c for n, c in vars(module_ns).items() if n.endswith("RMSNormGated") and isinstance(c, type)
                 and c.__module__ == module_ns.__name__), None)
     weight = getattr(old, "weight", None)
@@ -593,7 +596,8 @@ def _torch_norm(module_ns, old):
         return None
     eps = getattr(old, "eps", getattr(old, "variance_epsilon", 1e-6))
     new = cls(weight.shape[0], eps=eps)
-    new.weight = weight
+    device = weight.device if device is None else device
+    new.weight = weight if weight.device == device else nn.Parameter(weight.detach().to(device), requires_grad=False)
     return new
 
 
@@ -651,14 +655,17 @@ def torch_reference_path(*models):
                 for child_name, child in list(sub.named_children()):
                     if _package(type(child)) not in _KERNEL_PACKAGES:
                         continue
-                    repl = _torch_norm(mod, child) if mod is not None else None
+                    # the layer's inputs live where its other parameters do
+                    dev = next((p.device for n, p in sub.named_parameters() if not n.startswith(child_name + ".")),
+                               None)
+                    repl = _torch_norm(mod, child, dev) if mod is not None else None
                     if repl is None:
                         raise RuntimeError(f"{fn}: {type(sub).__name__}.{child_name} is {_package(type(child))}'s "
                                            f"{type(child).__name__}, which has no torch counterpart here; run the "
                                            f"reference with {_package(type(child))} uninstalled")
                     rec.bypassed[f"{type(sub).__name__}.{child_name}"] = _package(type(child))
                     undo.append((setattr, sub, child_name, child))
-                    setattr(sub, child_name, repl.to(device=child.weight.device))
+                    setattr(sub, child_name, repl)
         yield rec
     finally:
         for op, obj, name, value in reversed(undo):

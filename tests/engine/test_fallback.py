@@ -105,6 +105,29 @@ def _model(path, kernels, **kw):
     return model, _fallback_warnings(caught)
 
 
+@pytest.mark.parametrize("D,fused_glue", [(32, False), (32, True), (64, True), (96, False), (96, True)])
+def test_paths_decided_for_a_gpu(D, fused_glue):
+    # the decision as a GPU makes it (the automatic attention variant is a kernel there, and under the interpreter)
+    from engine_ckpt import make_config
+
+    from specpilot.engine import HybridConfig, Paths
+
+    if tree_attn.VARIANTS.pick(None, "cuda") == tree_attn.VARIANTS.fallback:
+        pytest.skip("no tree_attn kernel is chosen for a CUDA device here")
+    paths = Paths.decide(HybridConfig.from_hf(make_config(head_dim=D)), Kernels(), "cuda", fused_glue)
+    assert paths.kernels.attn == (None if D == 64 else "reference")
+    assert paths.fused_attn_prep == (fused_glue and D != 96)
+    assert len(paths.fallbacks) == (D != 64) + (fused_glue and D == 96)
+    assert (paths.host_syncs is None) == (D == 64)
+    text = paths.warning("cuda")
+    if D == 64:
+        assert text is None
+    else:
+        assert text.startswith("specpilot.engine: ") and f"head_dim {D} is not supported" in text
+        assert "no CUDA graphs" in text and "no CUDA graphs" not in paths.warning("cpu")
+        assert ("not a power of two" in text) == (fused_glue and D == 96)
+
+
 @pytest.mark.parametrize("name", ["attn-d32", "attn-d96", "attn-d160"])
 def test_attention_head_dims_run_the_reference(ckpt, name, record_property):
     path, model = ckpt(name)
