@@ -20,6 +20,10 @@ import torch
 
 
 def _ptx(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int) -> str:
+    return _compiled(kernel, types, constexprs, num_warps, num_stages).asm["ptx"]
+
+
+def _compiled(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int):
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -31,9 +35,7 @@ def _ptx(kernel, types: dict, constexprs: dict, num_warps: int, num_stages: int)
         else:
             sig[name] = types.get(name, "i32")
     src = ASTSource(fn=kernel, signature=sig, constexprs=constexprs)
-    compiled = triton.compile(src, target=GPUTarget("cuda", 90, 32),
-                              options={"num_warps": num_warps, "num_stages": num_stages})
-    return compiled.asm["ptx"]
+    return triton.compile(src, target=GPUTarget("cuda", 90, 32), options={"num_warps": num_warps, "num_stages": num_stages})
 
 
 def _w12_ptx(kind: str, q8: bool, asm: bool) -> str:
@@ -67,6 +69,25 @@ def _gdn_b1_ptx() -> str:
     return repr(cfg) + "\n" + _ptx(gdn_tree_wy_kernel, types, ce, cfg.num_warps, cfg.num_stages)
 
 
+def _gdn_bt64_mma_shapes(BV: int, num_warps: int) -> list:
+    """The MMA layouts (version, instruction shape) of the untransposed, unstacked split WY kernel at a 64-node
+    tile, as the sm_90 compiler lays them out (TTGIR)."""
+    import re
+
+    from gdn import configs
+    from gdn.configs import WYConfig
+    from gdn.kernels.wy import gdn_tree_wy_kernel
+
+    cfg = WYConfig(BV=BV, num_warps=num_warps)
+    types = dict(q="*bf16", k="*bf16", v="*bf16", g="*fp32", beta="*fp32", o="*fp32", pool="*fp32",
+                 state_idx="*i64", cu="*i32", anc="*i64", depth="*i32", max_depth="*i32", nbuf="*fp32",
+                 err="*i32", scale="fp32", pool_rows="i32")
+    ce = dict(H=16, HV=48, K=128, V=128, BT=64, BK=128, USE_L2=True, SPLIT=True, PDL=False,
+              **configs.wy_constexprs(cfg))
+    ttgir = _compiled(gdn_tree_wy_kernel, types, ce, num_warps, 1).asm["ttgir"]
+    return sorted(set(re.findall(r"nvidia_mma<\{versionMajor = (\d).*?instrShape = \[([\d, ]+)\]", ttgir)))
+
+
 def _features(ptx: str) -> dict:
     return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "pk_asm": "0x07F007F0" in ptx,
             "fma_f32": "fma.rn.f32" in ptx, "head": ptx.splitlines()[0][:400]}
@@ -79,6 +100,8 @@ def _worker() -> None:
             out[f"tc-{q8}-{asm}"] = _features(_w12_ptx("tc", q8, asm))
     out["gemv"] = _features(_w12_ptx("gemv", False, True))
     out["gdn-b1"] = _features(_gdn_b1_ptx())
+    for bv, w in ((32, 4), (16, 4), (32, 8)):
+        out[f"gdn-bt64-bv{bv}-w{w}"] = _gdn_bt64_mma_shapes(bv, w)
     print("RESULT " + json.dumps(out))
 
 
@@ -124,3 +147,18 @@ def test_gdn_default_b1_config_emits_wgmma():
     assert f["wgmma"]
 
 
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("bv, warps", [(32, 4), (16, 4), (32, 8)], ids=["bv32-w4", "bv16-w4", "bv32-w8"])
+def test_gdn_wy_bt64_state_products_leave_wgmma(bv, warps):
+    """The WY configs that gave wrong results on the H200 at trees of 33-64 nodes (relative error 0.21 at BV=32,
+    NaN at BV=16, an illegal address at BV=32 with 8 warps; correct with DISABLE_MMA_V3=1, docs/gdn.md) compiled
+    their untransposed state products [64, K] x [K, BV] to wgmma beside the q.k^T / k.k^T wgmma of width 64. The
+    kernel computes them as (S0^T K^T)^T with M = BV < 64 (mma.sync): one wgmma width is left. The Triton
+    interpreter cannot see a compiler fault, so the CPU guard is this check of the sm_90 lowering; the GPU
+    suite (test_verify_hybrid_dims) checks the results."""
+    shapes = _results()[f"gdn-bt64-bv{bv}-w{warps}"]
+    v3 = [s for v, s in shapes if v == "3"]
+    assert len(v3) == 1, f"sm_90 MMA layouts {shapes}: the state products went back to wgmma"
+    assert any(v == "2" for v, _ in shapes), shapes

@@ -687,3 +687,19 @@ def test_cpu_tensors_without_the_interpreter_run_the_references(monkeypatch):
     p = pool.clone()
     gdn.commit(p, None, idx, plan, acc, acc_len, k, v, g, beta, use_qk_l2norm=True)
     assert not torch.equal(p[2], pool[2]) and torch.equal(p[1], pool[1])
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cfg", ["default", "bv64-w8"])
+def test_wy_tree_mix_at_node_tile_64(cfg):
+    """The tree mix that broke the untransposed split WY configs on the H200 (a 64-chain, 63- and 32-node trees
+    and small ones, node tile 64, bf16 q/k): under the interpreter at small head dims, every config, including the
+    BV < 64 state products computed as (S0^T K^T)^T, equals the fp64 reference within the derived bound. (The fault
+    was in Triton's sm_90 lowering, which the interpreter does not run: tests/test_sm90_codegen.py guards that.)"""
+    from gdn.configs import WYConfig
+
+    rng = random.Random(0)
+    trees = [chain(64), rand_tree(63, rng), [-1], [-1, 0, 0, 0, 1, 2, 3]]
+    config = {"default": WYConfig(), "bv64-w8": WYConfig(BV=64, num_warps=8)}[cfg]
+    with force("gdn.tree_verify", config=config):
+        check_verify(trees, "wy", dtype=torch.bfloat16, h=1, hv=2, k=16, v=64, seed=3)
