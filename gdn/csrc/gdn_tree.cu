@@ -124,24 +124,24 @@ __device__ __forceinline__ long long ld_index(const void* p, int b) {
 #endif
 }
 
-__device__ __forceinline__ void cp_async16(void* dst, const void* src, bool full) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(dst));
-  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(s), "l"(src), "r"(full ? 16 : 0));
+// The shared-memory helpers take 32-bit shared addresses (a base from one cvta plus int offsets): a generic
+// pointer converted at each call left NVRTC 13.0 with 64-bit address arithmetic per ldmatrix/cp.async
+// (+77 SASS instructions in the state products, +85 in norms/gram of the default build, vs nvcc 13.0).
+__device__ __forceinline__ void cp_async16(unsigned dst, const void* src, bool full) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;\n" ::"r"(dst), "l"(src), "r"(full ? 16 : 0));
 }
 
 #if GDN_PDL  // used only before griddepcontrol.wait
 __device__ __forceinline__ void prefetch_l2(const void* p) { asm volatile("prefetch.global.L2 [%0];" ::"l"(p)); }
 #endif
 
-__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+__device__ __forceinline__ void ldsm_x4(uint32_t (&r)[4], unsigned s) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0,%1,%2,%3}, [%4];\n"
                : "=r"(r[0]), "=r"(r[1]), "=r"(r[2]), "=r"(r[3])
                : "r"(s));
 }
 
-__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], const void* p) {
-  const unsigned s = static_cast<unsigned>(__cvta_generic_to_shared(p));
+__device__ __forceinline__ void ldsm_x2(uint32_t (&r)[2], unsigned s) {
   asm volatile("ldmatrix.sync.aligned.m8n8.x2.shared.b16 {%0,%1}, [%2];\n" : "=r"(r[0]), "=r"(r[1]) : "r"(s));
 }
 
@@ -196,6 +196,12 @@ __device__ __forceinline__ long long gtimer() {
 __device__ __forceinline__ float bf_lo(uint32_t w) { return __uint_as_float(w << 16); }
 __device__ __forceinline__ float bf_hi(uint32_t w) { return __uint_as_float(w & 0xffff0000u); }
 
+// Bit 15 / bit 31 set where the low / high bf16 of `w` is Inf or NaN (exponent all ones: adding 1 to the
+// masked exponent carries into the bit above it, and never across halves).
+__device__ __forceinline__ uint32_t nonfinite_bf16x2(uint32_t w) {
+  return ((w & 0x7f807f80u) + 0x00800080u) & 0x80008000u;
+}
+
 
 // One row of N (a lane): columns right to left. Once column L is final, every column j < L takes its term
 // N[L] A[L][j] (row L of A); the updates of one step are independent, so the FMA pipeline stays full while the
@@ -232,11 +238,16 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     long long s_sv, int* __restrict__ err, long long* __restrict__ trace) {
   extern __shared__ __align__(16) unsigned char smem[];
   // Guards (gdn/guard.py): a state index outside [0, pool_rows) skips the CTA (outputs not written) and ORs 1
-  // into err, more nodes than NT ORs 128 (skipped too); a gate g > 0 ORs 64. Non-finite entries of q, k, v, g,
-  // beta become 0 before any product (0 x NaN would carry them to every node through the dense products); the
-  // nodes they reach get NaN outputs:
-  // sBad[0] bit i: q row i held one (that node alone), sBad[1] bit i: k, v, g or beta of node i (its subtree).
-  __shared__ unsigned sBad[2];
+  // into err, more nodes than NT ORs 128 (skipped too); a gate g > 0 ORs 64. A non-finite q, k, v, g or beta
+  // must not reach another node through the dense products (0 x NaN is NaN), and the nodes it reaches get NaN
+  // outputs. g, beta and v entries become 0 where they are read (registers); a q row's NaN stays in its own rows
+  // of the products (M, N, Q S0: row-independent), and a k row's is cut where rows meet: its entries of A and
+  // its rhs row become 0. Found on the way: the norms' sum of squares (non-finite for such a row; an exact test
+  // only then), v in the rhs epilogue, g and beta in the gate pass. Nothing on the path of finite inputs but
+  // those reads, no extra pass or barrier.
+  // sBad[0] bit i: q row i held one (that node alone), sBad[1] bit i: k, v, g or beta of node i (its subtree),
+  // sBad[2] bit i: k row i held one.
+  __shared__ unsigned sBad[3];
   __nv_bfloat16* sQK = reinterpret_cast<__nv_bfloat16*>(smem + OFF_QK);  // [2NT, QK_LD]: q rows, then k rows
   float* sS = reinterpret_cast<float*>(smem + OFF_S);                     // [K, S_LD] or [BV, S_LD] (VK)
   float* sGram = reinterpret_cast<float*>(smem + OFF_GRAM);               // [2NT, G_LD]: q.k^T, then k.k^T
@@ -246,6 +257,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   float* sQS = reinterpret_cast<float*>(smem + OFF_QS);                   // [NT, R_LD]: exp(G) rq (Q S0)
   __nv_bfloat16* sV = reinterpret_cast<__nv_bfloat16*>(smem + OFF_V);    // [NT, V_LD]
   unsigned* sAnc = reinterpret_cast<unsigned*>(smem + OFF_ANC);          // [NT] ancestor-or-self bits
+  const unsigned aSmem = static_cast<unsigned>(__cvta_generic_to_shared(smem));  // 32-bit shared addresses
+  const unsigned aQK = aSmem + OFF_QK, aS = aSmem + OFF_S, aV = aSmem + OFF_V;
   float* sG = reinterpret_cast<float*>(smem + OFF_VEC);                   // [NT] root-path gate sums
   float* sEG = sG + NT;                                                   // [NT] exp(G)
   float* sBeta = sEG + NT;                                                // [NT]
@@ -324,8 +337,8 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     for (int r = r0; r < NT; r += RPQ) {
       const bool ok = r < n;
       const long long node = bos + (ok ? r : 0);
-      cp_async16(sQK + r * QK_LD + c, q + node * s_qt + h * s_qh + c, ok);
-      cp_async16(sQK + (NT + r) * QK_LD + c, k + node * s_kt + h * s_kh + c, ok);
+      cp_async16(aQK + (r * QK_LD + c) * 2, q + node * s_qt + h * s_qh + c, ok);
+      cp_async16(aQK + ((NT + r) * QK_LD + c) * 2, k + node * s_kt + h * s_kh + c, ok);
     }
     constexpr int SCH = (VK ? K : BV) / 4, RPS = MMA_THR / SCH;
     static_assert(MMA_THR % SCH == 0 && S_ROWS % RPS == 0, "state load split");
@@ -333,14 +346,14 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     const long long rstride = VK ? s_sv : s_sk;
     const float* src = pool + si * s_sp + hv * s_sh + static_cast<long long>(vb) * BV * (VK ? s_sv : 1) + sr * rstride + sc;
 #pragma unroll
-    for (int r = sr; r < S_ROWS; r += RPS, src += RPS * rstride) cp_async16(sS + r * S_LD + sc, src, true);
+    for (int r = sr; r < S_ROWS; r += RPS, src += RPS * rstride) cp_async16(aS + (r * S_LD + sc) * 4, src, true);
     constexpr int VCH = BV / 8, RPV = MMA_THR / VCH;
     static_assert(MMA_THR % VCH == 0, "v load split");
     const int vc = (tid % VCH) * 8;
 #pragma unroll
     for (int i = tid / VCH; i < NT; i += RPV) {
       const bool ok = i < n;
-      cp_async16(sV + i * V_LD + vc, v + (bos + (ok ? i : 0)) * s_vt + hv * s_vh + vb * BV + vc, ok);
+      cp_async16(aV + (i * V_LD + vc) * 2, v + (bos + (ok ? i : 0)) * s_vt + hv * s_vh + vb * BV + vc, ok);
     }
     asm volatile("cp.async.commit_group;\n" ::);
   }
@@ -362,6 +375,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
     if (lane == 0) {
       sBad[0] = 0u;
       sBad[1] = bad_gb;
+      sBad[2] = 0u;
     }
     if (lane < NT) sG[lane] = gi;
     __syncwarp();
@@ -378,65 +392,58 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   }
   asm volatile("cp.async.wait_all;\n" ::: "memory");
   __syncthreads();
-  {
-    // non-finite bf16 (exponent all ones) -> 0 in the q, k rows [2NT, K] and v rows [NT, BV], rows noted in sBad
-    constexpr int QC = K / 8, VC = BV / 8;
-#pragma unroll 1
-    for (int t = tid; t < 2 * NT * QC + NT * VC; t += NTHR) {
-      const bool is_v = t >= 2 * NT * QC;
-      const int r = is_v ? (t - 2 * NT * QC) / VC : t / QC;
-      uint4* p = is_v ? reinterpret_cast<uint4*>(sV + r * V_LD + ((t - 2 * NT * QC) % VC) * 8)
-                      : reinterpret_cast<uint4*>(sQK + r * QK_LD + (t % QC) * 8);
-      uint4 u = *p;
-      uint32_t w[4] = {u.x, u.y, u.z, u.w};
-      unsigned bad = 0u;
-#pragma unroll
-      for (int e = 0; e < 4; ++e) {
-        const uint32_t lo = (w[e] & 0x7f80u) == 0x7f80u ? 0xffffu : 0u;
-        const uint32_t hi = (w[e] & 0x7f800000u) == 0x7f800000u ? 0xffff0000u : 0u;
-        bad |= lo | hi;
-        w[e] &= ~(lo | hi);
-      }
-      if (bad) {
-        *p = make_uint4(w[0], w[1], w[2], w[3]);
-        atomicOr(&sBad[!is_v && r < NT ? 0 : 1], 1u << (r % NT));
-      }
-    }
-  }
-  __syncthreads();
   GDN_STAMP(3, clock64());
   if (GDN_SKIP & 8) return;
 
   if (warp < NWG) {
-    // ---- row norms (TPR threads per row of [Q; K]), scale folded into rq
-    if (GDN_L2) {
+    // ---- row norms (TPR threads per row of [Q; K]), scale folded into rq; rows holding a non-finite entry
+    // noted in sBad (the exact test runs where the sum of squares is not finite, or everywhere without norms)
+    {
       constexpr int TPR0 = G_THR / (2 * NT) > 0 ? G_THR / (2 * NT) : 1;
       constexpr int TPR = TPR0 < K / 8 ? TPR0 : K / 8;  // threads per row, each K / TPR columns
-      constexpr int RSTEP = G_THR / TPR;
+      constexpr int RSTEP = G_THR / TPR, CPT = K / TPR / 8;
       for (int r = tid / TPR; r < 2 * NT; r += RSTEP) {
-        const uint4* row = reinterpret_cast<const uint4*>(sQK + r * QK_LD) + (tid % TPR) * (K / TPR / 8);
-        float acc[4] = {0.f, 0.f, 0.f, 0.f};
+        const uint4* row = reinterpret_cast<const uint4*>(sQK + r * QK_LD) + (tid % TPR) * CPT;
+        bool exact = !GDN_L2;
+        float ss = 0.f;
+        if (GDN_L2) {
+          float acc[4] = {0.f, 0.f, 0.f, 0.f};
 #pragma unroll
-        for (int c = 0; c < K / TPR / 8; ++c) {
-          const uint4 u = row[c];
-          const uint32_t w[4] = {u.x, u.y, u.z, u.w};
+          for (int c = 0; c < CPT; ++c) {
+            const uint4 u = row[c];
+            const uint32_t w[4] = {u.x, u.y, u.z, u.w};
 #pragma unroll
-          for (int e = 0; e < 4; ++e) {
-            acc[e] = fmaf(bf_lo(w[e]), bf_lo(w[e]), acc[e]);
-            acc[e] = fmaf(bf_hi(w[e]), bf_hi(w[e]), acc[e]);
+            for (int e = 0; e < 4; ++e) {
+              acc[e] = fmaf(bf_lo(w[e]), bf_lo(w[e]), acc[e]);
+              acc[e] = fmaf(bf_hi(w[e]), bf_hi(w[e]), acc[e]);
+            }
+          }
+          ss = (acc[0] + acc[1]) + (acc[2] + acc[3]);
+#pragma unroll
+          for (int m = 1; m < TPR; m <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
+          exact = !isfinite(ss);  // Inf/NaN entries, or finite ones whose squares overflow
+        }
+        if (exact) {
+          uint32_t bad = 0u;
+#pragma unroll
+          for (int c = 0; c < CPT; ++c) {
+            const uint4 u = row[c];
+            bad |= nonfinite_bf16x2(u.x) | nonfinite_bf16x2(u.y) | nonfinite_bf16x2(u.z) | nonfinite_bf16x2(u.w);
+          }
+          if (bad) {
+            atomicOr(&sBad[r < NT ? 0 : 2], 1u << (r % NT));
+            if (r >= NT) atomicOr(&sBad[1], 1u << (r - NT));
           }
         }
-        float ss = (acc[0] + acc[1]) + (acc[2] + acc[3]);
-#pragma unroll
-        for (int m = 1; m < TPR; m <<= 1) ss += __shfl_xor_sync(0xffffffffu, ss, m);
-        if (tid % TPR == 0) {
+        if (GDN_L2 && tid % TPR == 0) {
           if (r < NT) sRq[r] = scale / sqrtf(ss + 1e-6f);
           else sRk[r - NT] = 1.f / sqrtf(ss + 1e-6f);
         }
       }
-    } else if (tid < NT) {
-      sRq[tid] = scale;
-      sRk[tid] = 1.f;
+      if (!GDN_L2 && tid < NT) {
+        sRq[tid] = scale;
+        sRk[tid] = 1.f;
+      }
     }
     if (SW) bar_arrive(3, G_THR + 32 * (NWM - NWG));  // norms ready for the product warps' epilogue
     // ---- gram: [Q; K] K^T, lower-triangular tiles only (q rows: j <= i; k rows: j < i); each warp one
@@ -460,12 +467,12 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
 #pragma unroll
         for (int ks = 0; ks < KS; ++ks) {
           uint32_t a[4];
-          ldsm_x4(a, sQK + (row0 + (lane & 15)) * QK_LD + ks * 16 + (lane >> 4) * 8);
+          ldsm_x4(a, aQK + ((row0 + (lane & 15)) * QK_LD + ks * 16 + (lane >> 4) * 8) * 2);
 #pragma unroll
           for (int j = 0; j < NTW; ++j) {
             if (!need[j]) continue;
             uint32_t bb[2];
-            ldsm_x2(bb, sQK + (NT + (grp + NGRP * j) * 8 + (lane & 7)) * QK_LD + ks * 16 + ((lane >> 3) & 1) * 8);
+            ldsm_x2(bb, aQK + ((NT + (grp + NGRP * j) * 8 + (lane & 7)) * QK_LD + ks * 16 + ((lane >> 3) & 1) * 8) * 2);
             mma_bf16(c[j], a, bb[0], bb[1]);
           }
         }
@@ -494,7 +501,9 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
   if (tid < G_THR) {
     constexpr int JPT = NT * NT / G_THR;
     const int i = tid % NT, j0 = (tid / NT) * JPT;
-    const unsigned ai = sAnc[i];
+    const unsigned ai = sAnc[i], kbad = sBad[2];
+    // A's entries: proper ancestors whose k rows and this row's k are finite (a k row's NaN stops here)
+    const unsigned ai_a = (kbad >> i) & 1u ? 0u : ai & ~kbad & ~(1u << i);
     const float gi = sG[i], rqi = sRq[i], brk = sBeta[i] * sRk[i];
 #pragma unroll
     for (int u = 0; u < JPT; ++u) {
@@ -504,7 +513,7 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
       const float mv = rqi * rkj * sGram[i * G_LD + j];
       const float av = brk * rkj * sGram[(NT + i) * G_LD + j];
       sMN[i * G_LD + j] = on ? mv : 0.f;
-      sA[i * A_LD + j] = on && j != i ? av : 0.f;
+      sA[i * A_LD + j] = (ai_a >> j) & 1u ? av : 0.f;
     }
   }
   if (SW) {  // M and A to the solver warp; the product warps never wait here
@@ -557,14 +566,15 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
 #pragma unroll
         for (int mt = 0; mt < MT; ++mt) {
           uint32_t a[4];
-          ldsm_x4(a, sQK + (mt * 16 + (lane & 15)) * QK_LD + ks * 16 + (lane >> 4) * 8);
+          ldsm_x4(a, aQK + ((mt * 16 + (lane & 15)) * QK_LD + ks * 16 + (lane >> 4) * 8) * 2);
           mma_bf16(hi[mt], a, p0[0], p1[0]);
           mma_bf16(lo[mt], a, p0[1], p1[1]);
           if (PIECES == 3) mma_bf16(lo[mt], a, p0[2], p1[2]);
         }
       }
-      if (SW && u == 0) bar_sync(3, G_THR + 32 * (NWM - NWG));  // the norms (rq, rk)
+      if (SW && u == 0) bar_sync(3, G_THR + 32 * (NWM - NWG));  // the norms (rq, rk) and sBad
       const int col = nt * 8 + 2 * (lane & 3);
+      const unsigned kbad = sBad[2];
 #pragma unroll
       for (int mt = 0; mt < MT; ++mt) {
 #pragma unroll
@@ -577,9 +587,15 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
           } else {
             const int i = r - NT;
             const float f = sEG[i] * sRk[i], bt = sBeta[i];
-            const uint32_t vw = *reinterpret_cast<const uint32_t*>(sV + i * V_LD + col);
-            *reinterpret_cast<float2*>(sR + i * R_LD + col) =
-                make_float2(bt * (bf_lo(vw) - f * p0), bt * (bf_hi(vw) - f * p1));
+            uint32_t vw = *reinterpret_cast<const uint32_t*>(sV + i * V_LD + col);
+            const uint32_t vbad = nonfinite_bf16x2(vw);
+            if (vbad) {  // a non-finite v entry reads as 0; node i's subtree is poisoned
+              vw &= ~((vbad >> 15) * 0xffffu);
+              atomicOr(&sBad[1], 1u << i);
+            }
+            float2 rv = make_float2(bt * (bf_lo(vw) - f * p0), bt * (bf_hi(vw) - f * p1));
+            if ((kbad >> i) & 1u) rv = make_float2(0.f, 0.f);  // k row i non-finite: its rhs row reaches no one
+            *reinterpret_cast<float2*>(sR + i * R_LD + col) = rv;
           }
         }
       }
@@ -612,8 +628,10 @@ extern "C" __global__ void __launch_bounds__(NTHR, GDN_MINB) gdn_tree_cuda_kerne
         b0.x = fmaf(n1, u.x, b0.x), b0.y = fmaf(n1, u.y, b0.y), b0.z = fmaf(n1, u.z, b0.z), b0.w = fmaf(n1, u.w, b0.w);
         b1.x = fmaf(n1, w.x, b1.x), b1.y = fmaf(n1, w.y, b1.y), b1.z = fmaf(n1, w.z, b1.z), b1.w = fmaf(n1, w.w, b1.w);
       }
-      if (((bad_q >> i0) & 1u) || (sAnc[i0] & bad_s)) a0 = a1 = make_float4(qnan, qnan, qnan, qnan);
-      if (((bad_q >> i1) & 1u) || (sAnc[i1] & bad_s)) b0 = b1 = make_float4(qnan, qnan, qnan, qnan);
+      if (bad_q | bad_s) {  // uniform: only a CTA that read a non-finite input looks at its rows
+        if (((bad_q >> i0) & 1u) || (sAnc[i0] & bad_s)) a0 = a1 = make_float4(qnan, qnan, qnan, qnan);
+        if (((bad_q >> i1) & 1u) || (sAnc[i1] & bad_s)) b0 = b1 = make_float4(qnan, qnan, qnan, qnan);
+      }
       store_out4(o, (bos + i0) * s_ot + hv * s_oh + vb * BV + c, a0);
       store_out4(o, (bos + i0) * s_ot + hv * s_oh + vb * BV + HB + c, a1);
       if (i1 < n) {

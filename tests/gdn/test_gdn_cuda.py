@@ -60,9 +60,10 @@ def solve_rows(M: torch.Tensor, A: torch.Tensor) -> torch.Tensor:
 
 def emulate(q, k, v, g, beta, pool, idx, trees, scale, l2, pieces=3, solve=solve_rows, out=None, err=None):
     """The kernel's guards too: a request whose state index is outside the pool is skipped (its rows of `out` are
-    left as they are) and bit 1 is OR-ed into `err` (an int32 [1] tensor), a gate g > 0 ORs 64; non-finite entries
-    of q, k, v, g, beta are 0 in every product and the nodes they reach (q: the node; the others: its subtree)
-    output NaN."""
+    left as they are) and bit 1 is OR-ed into `err` (an int32 [1] tensor), a gate g > 0 ORs 64. Non-finite entries
+    of v, g, beta read as 0; those of q and k stay in the products, as in the kernel: a q row's only in its own rows
+    (M, N, Q S0), a k row's cut where rows meet (its entries of A and its rhs row are 0). The nodes they reach (q:
+    the node; the others: its subtree) output NaN."""
     T, Hq, Kd = q.shape
     HVd, Vd = v.shape[1], v.shape[2]
     out = torch.zeros(T, HVd, Vd) if out is None else out
@@ -87,7 +88,8 @@ def emulate(q, k, v, g, beta, pool, idx, trees, scale, l2, pieces=3, solve=solve
                 err |= 64
             bad_q = ~torch.isfinite(qq).all(1)
             bad_s = ~(torch.isfinite(kk).all(1) & torch.isfinite(vv).all(1) & torch.isfinite(gg) & torch.isfinite(bb))
-            qq, kk, vv, gg, bb = (torch.where(torch.isfinite(t), t, torch.zeros(())) for t in (qq, kk, vv, gg, bb))
+            bad_k = ~torch.isfinite(kk).all(1)
+            vv, gg, bb = (torch.where(torch.isfinite(t), t, torch.zeros(())) for t in (vv, gg, bb))
             S = pool[idx[r], hv].float()
             G = torch.stack([sum((gg[j] for j in range(n) if anc[i] >> j & 1), torch.tensor(0.0)) for i in range(n)])
             rq = scale / torch.sqrt((qq * qq).sum(1) + 1e-6) if l2 else torch.full((n,), scale)
@@ -96,13 +98,14 @@ def emulate(q, k, v, g, beta, pool, idx, trees, scale, l2, pieces=3, solve=solve
             KK = (kk.double() @ kk.double().T).float()
             D = torch.exp(torch.where(mask_incl, G[:, None] - G[None, :], torch.zeros(())))
             M = torch.where(mask_incl, rq[:, None] * (rk[None, :] * D) * QK, torch.zeros(()))
-            A = torch.where(mask, (bb * rk)[:, None] * (rk[None, :] * D) * KK, torch.zeros(()))
+            mask_a = mask & ~bad_k[:, None] & ~bad_k[None, :]
+            A = torch.where(mask_a, (bb * rk)[:, None] * (rk[None, :] * D) * KK, torch.zeros(()))
             N = solve(M, A)
             parts = split_state(S, pieces)
             P_q = qq @ parts[0] + sum((qq @ p for p in parts[1:]), torch.zeros(n, Vd))
             P_k = kk @ parts[0] + sum((kk @ p for p in parts[1:]), torch.zeros(n, Vd))
             eG = torch.exp(G)
-            rhs = bb[:, None] * (vv - (eG * rk)[:, None] * P_k)
+            rhs = torch.where(bad_k[:, None], torch.zeros(()), bb[:, None] * (vv - (eG * rk)[:, None] * P_k))
             o = (eG * rq)[:, None] * P_q + N @ rhs
             poison = bad_q | (mask_incl & bad_s[None, :]).any(1)
             out[bos:bos + n, hv] = torch.where(poison[:, None], torch.full((), float("nan")), o)
