@@ -36,17 +36,20 @@ class Plan(NamedTuple):
 class Variants:
     """An operator's kernel variants. `by_arch` maps a compute-capability major to the default variant,
     `known` lists every name a caller may ask for, `fallback` is the torch path: the only variant that runs
-    CPU tensors without the Triton interpreter. `public=False` keeps an internal table out of the registry
-    that `which_variant` reads (one public table per op name)."""
+    CPU tensors without the Triton interpreter. `portable`: the Triton variant the interpreter runs, where the
+    smallest `by_arch` entry is a CUDA C++ variant (which never runs there). `public=False` keeps an internal
+    table out of the registry that `which_variant` reads (one public table per op name)."""
 
     op: str
     by_arch: dict[int, str]
     known: tuple[str, ...]
     fallback: str = "torch"
+    portable: str | None = None
     public: bool = dataclasses.field(default=True, compare=False)
 
     def __post_init__(self):
-        stray = [v for v in (*self.by_arch.values(), self.fallback) if v not in self.known]
+        stray = [v for v in (*self.by_arch.values(), self.fallback, self.portable or self.fallback)
+                 if v not in self.known]
         if stray:
             raise ValueError(f"autotune.Variants({self.op!r}): {stray} are not in known={self.known}")
         if self.public:
@@ -62,10 +65,10 @@ class Variants:
         """The variant for `device` (a torch device; None: the current CUDA device) by GPU generation.
 
         The entry of the device's compute-capability major; else the largest major below it, never 9
-        (sm_90 variants use Hopper-only instructions). Under the interpreter the smallest key (the
-        portable variant); `fallback` for CPU tensors without the interpreter and where no key fits."""
+        (sm_90 variants use Hopper-only instructions). Under the interpreter `portable`, else the smallest
+        key; `fallback` for CPU tensors without the interpreter and where no key fits."""
         if is_interpreter():
-            return self.by_arch[min(self.by_arch)] if self.by_arch else self.fallback
+            return self.portable or (self.by_arch[min(self.by_arch)] if self.by_arch else self.fallback)
         if not has_cuda() or (device is not None and torch.device(device).type != "cuda"):
             return self.fallback
         index = None if device is None else torch.device(device).index
@@ -98,9 +101,8 @@ class Variants:
         """The variant a call on `device` (a torch device or its name; None: the current CUDA device, or the CPU
         where there is no GPU) runs for `variant=` (None: the automatic choice, or what `autotune.force`
         pins in this scope). Raises as the call would for a variant that cannot run there. Where a CUDA C++
-        variant ("mma", "cuda") cannot take a call (no CUDA driver, the interpreter, fp16 inputs, shapes it
-        does not cover), an automatic choice runs the generation's Triton kernel: the call's `autotune.Plan`
-        names the kernel."""
+        variant ("mma", "cuda") cannot take a call (fp16 inputs, shapes it does not cover), an automatic
+        choice runs the generation's Triton kernel: the call's `autotune.Plan` names the kernel."""
         if device is None:
             device = torch.device("cuda") if has_cuda() else torch.device("cpu")
         return self.choose(variant, torch.device(device))[0]

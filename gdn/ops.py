@@ -28,7 +28,7 @@ OP_VERIFY, OP_CONV, OP_COMMIT = "gdn.tree_verify", "gdn.tree_conv1d", "gdn.commi
 # stock baseline; "reference" the torch code of gdn/reference.py, the only variant of CPU tensors without the
 # interpreter (Triton has no CPU backend: a kernel variant named there raises, autotune.Variants.choose).
 VARIANTS = autotune.Variants(OP_VERIFY, by_arch={9: "cuda", 8: "cuda"}, known=("cuda", "wy", "recurrent", "reference"),
-                             fallback="reference")
+                             fallback="reference", portable="wy")
 CONV_VARIANTS = autotune.Variants(OP_CONV, by_arch={8: "triton"}, known=("triton", "reference"), fallback="reference")
 COMMIT_VARIANTS = autotune.Variants(OP_COMMIT, by_arch={8: "triton"}, known=("triton", "reference"), fallback="reference")
 _PLANS = autotune.PlanCache()

@@ -16,8 +16,9 @@
                                         the cost model: byte floors per kernel class, the ceiling speedup,
                                         the three factors, the verify step predicted (specpilot/ceiling.py)
 
-Without CUDA, Triton kernels run under the interpreter: TRITON_INTERPRET=1 is set before
-anything imports Triton, and the interpreter repairs of `autotune.interpreter` are applied.
+Without CUDA, the commands that run kernels run them under the interpreter: TRITON_INTERPRET=1 is set
+before anything imports Triton, and the interpreter repairs of `autotune.interpreter` are applied.
+`specpilot info` only reads the variable, so it shows the set-up of a Python session started the same way.
 """
 
 from __future__ import annotations
@@ -97,8 +98,33 @@ def _variants(shapes, device) -> tuple[dict[str, list[str]], dict[str, str]]:
     return variants, errors
 
 
+def _picks(device) -> dict[str, str]:
+    """op -> the variant a call on `device` runs in this process, as its own Python session would pick it
+    (`autotune.which_variant`), or why the op is not available."""
+    import importlib
+
+    import autotune
+
+    for pkg in OPERATOR_PACKAGES:
+        try:
+            importlib.import_module(f"{pkg}.ops")
+        except Exception:  # reported by the package lines above
+            pass
+    out = {}
+    for op in ("w12.matmul", "gdn.tree_verify", "gdn.tree_conv1d", "gdn.commit", "tree_attn.tree_attention",
+               "lmhead.argmax"):
+        try:
+            out[op] = autotune.which_variant(op, device)
+        except Exception as e:  # noqa: BLE001 - info reports, it does not fail
+            out[op] = f"not available ({type(e).__name__}: {e})"
+    return out
+
+
 def cmd_info(args) -> int:
-    torch = _prepare_backend()
+    """The user's own set-up: TRITON_INTERPRET is read, never set, so the variants shown are the ones a Python
+    session started the same way picks."""
+    import torch
+
     import autotune
     from specpilot.bench import get_shape_set
 
@@ -112,7 +138,11 @@ def cmd_info(args) -> int:
               f"{props.total_memory / 2**30:.1f} GiB")
     print(f"versions    : torch {ver['torch']}, triton {ver['triton']}, CUDA {ver['cuda']}, "
           f"numba {_version('numba')}, specpilot {ver['specpilot']}")
-    print(f"interpreter : TRITON_INTERPRET={os.environ.get('TRITON_INTERPRET', '0')}")
+    interp = os.environ.get("TRITON_INTERPRET")
+    print("interpreter : " + (f"TRITON_INTERPRET={interp}" if interp is not None else "TRITON_INTERPRET unset")
+          + (": CPU tensors run the Triton kernels under the interpreter" if autotune.is_interpreter() else
+             ": CPU tensors run the torch paths only (start Python with TRITON_INTERPRET=1 to run the Triton "
+             "kernels on the CPU)"))
     t0 = time.perf_counter()
     cached = autotune.cached_ceilings(dev) is not None
     kw = {} if dev.type == "cuda" else {"copy_bytes": 16 << 20, "matmul_n": 512}
@@ -137,9 +167,12 @@ def cmd_info(args) -> int:
         except Exception as e:
             state = f"not available ({type(e).__name__}: {e})"
         print(f"package     : {pkg}: {state}")
+    print(f"picks       : the variant each op runs on {dev} here (variant=None; autotune.which_variant)")
+    for op, v in _picks(dev).items():
+        print(f"  {op}: {v}")
     shapes = get_shape_set("hybrid-27b" if dev.type == "cuda" else "tiny")
     variants, errors = _variants(shapes, dev)
-    print(f"variants    : (shape set {shapes.name})")
+    print(f"bench cases : (shape set {shapes.name}, as listed in this set-up)")
     for op, vs in sorted(variants.items()):
         print(f"  {op}: {', '.join(vs)}")
     for where, err in errors.items():

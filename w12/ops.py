@@ -35,7 +35,8 @@ OP_Q8 = "w12.matmul_q8"
 # "mma": the CUDA C++ kernels (w12/cuda.py, sm_80+, built with NVRTC) where they take the call (bf16 x, M <= 32),
 # the generation's Triton variant (_TRITON) for the other calls. "tc" (wgmma, sm_90) and "gemv" are the
 # Triton kernels; "torch" decodes the weight and calls F.linear (CPU tensors without the interpreter).
-VARIANTS = autotune.Variants(OP, by_arch={9: "mma", 8: "mma"}, known=("mma", "tc", "gemv", "torch"), fallback="torch")
+VARIANTS = autotune.Variants(OP, by_arch={9: "mma", 8: "mma"}, known=("mma", "tc", "gemv", "torch"), fallback="torch",
+                             portable="gemv")
 _TRITON = autotune.Variants(OP, by_arch={9: "tc", 8: "gemv"}, known=VARIANTS.known, fallback="torch", public=False)
 TC_GEMV_MAX_M = 1  # the "tc" variant runs the CUDA-core GEMV up to this M, and above it where tuned (see _make_plan)
 _REDUCE_BLOCK = 1024
