@@ -64,6 +64,9 @@ def check_errors(plan) -> None:
     """Raise GuardError if a kernel that used `plan` (or its error word) flagged a bad call since the last
     check, and clear the word. Syncs the host with the plan's device: call it where a sync happens anyway."""
     err = plan.err if hasattr(plan, "err") else plan
+    if not isinstance(err, torch.Tensor) or err.dtype != torch.int32 or err.numel() != 1:
+        raise TypeError(f"gdn.check_errors: expected a gdn.TreePlan (or its error word), got {type(plan).__name__}; "
+                        "pass the plan the step's calls used")
     bits = int(err[0].item())
     if bits:
         err.zero_()

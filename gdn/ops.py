@@ -577,6 +577,19 @@ def _check_same_device(fn, **ts):
                          "(build the plan with build_tree_plan(..., device=...))")
 
 
+def _number(fn, name, x, default: float, what: str) -> float:
+    """`x` as a float (None: `default`), or a TypeError saying how to pass it."""
+    if x is None:
+        return float(default)
+    try:
+        if isinstance(x, (str, bytes, bool)):
+            raise TypeError
+        return float(x)
+    except (TypeError, ValueError, RuntimeError):
+        raise TypeError(f"{fn}: {name} must be a number, got {type(x).__name__} {x!r}; pass a float, or None for "
+                        f"{what} = {default:.4g}") from None
+
+
 def _check_plan(fn, tree) -> None:
     if not isinstance(tree, TreePlan):
         raise TypeError(f"{fn}: tree must be a gdn.TreePlan, got {type(tree).__name__}; build it once per step "
@@ -633,7 +646,7 @@ def tree_verify(q, k, v, g, beta, state_pool, state_indices, tree: TreePlan, sca
         raise ValueError(f"{fn}: out must match v ({tuple(v.shape)}, {v.dtype} or float32, on {v.device}, unit "
                          f"stride in the last dim), got ({tuple(out.shape)}, {out.dtype}, {out.device}); allocate "
                          "it with torch.empty_like(v)")
-    scale = float(K ** -0.5 if scale is None else scale)
+    scale = _number(fn, "scale", scale, K ** -0.5, "K**-0.5")
     q, k, v = _last_contig(q), _last_contig(k), _last_contig(v)
     args = (state_pool, state_indices, tree.cu_seqlens, tree.anc, tree.depth, tree.max_depth, tree.node_req,
             tree.sync, tree.err, scale, bool(use_qk_l2norm), vk)
@@ -708,6 +721,7 @@ def validate_accepted(tree: TreePlan, accepted, accepted_len) -> None:
     """Host-side check (syncs when the tensors are on a device): each accepted list is a root path of its
     request's tree. Then raises from the plan's guard word (gdn.check_errors), this being a sync point."""
     fn = OP_COMMIT
+    _check_plan(fn, tree)
     _check_int(fn, "accepted", accepted)
     _check_int(fn, "accepted_len", accepted_len)
     cu = tree.cu_seqlens.tolist()

@@ -128,6 +128,16 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
     parents for packed nodes together with `cu_seqlens` [B+1]. With a device tensor and
     `validate=False` plus an explicit `max_nodes`, the plan is built without any host sync.
     """
+    fn = "gdn.build_tree_plan"
+    if max_nodes is not None and (isinstance(max_nodes, bool) or not isinstance(max_nodes, int)):
+        raise TypeError(f"{fn}: max_nodes must be an int, got {type(max_nodes).__name__} {max_nodes!r}; pass an int "
+                        f"in [1, {MAX_NODES}], or None")
+    if device is not None:
+        try:
+            device = torch.device(device)
+        except (RuntimeError, TypeError):
+            raise ValueError(f"{fn}: device {device!r} is not a torch device; pass e.g. 'cuda', 'cuda:0' or "
+                             "'cpu'") from None
     if isinstance(parents, torch.Tensor):
         if cu_seqlens is None:
             raise ValueError("gdn.build_tree_plan: a flat parents tensor needs cu_seqlens [B+1] (request offsets); "
@@ -137,7 +147,15 @@ def build_tree_plan(parents, cu_seqlens=None, device=None, *, max_nodes: int | N
             raise TypeError(f"gdn.build_tree_plan: parents must be an integer tensor, got {parents.dtype}; "
                             "pass integer local parent indices (-1 for a root)")
         p = parents.to(dev, torch.int32)
-        cu = torch.as_tensor(cu_seqlens).to(dev, torch.int32)
+        try:
+            cu = torch.as_tensor(cu_seqlens)
+        except (TypeError, ValueError, RuntimeError):
+            raise TypeError(f"gdn.build_tree_plan: cu_seqlens must be an int tensor or list [B+1], got "
+                            f"{type(cu_seqlens).__name__}; pass request offsets [0, n0, n0 + n1, ...]") from None
+        if cu.dtype.is_floating_point or cu.dtype.is_complex or cu.dtype == torch.bool:
+            raise TypeError(f"gdn.build_tree_plan: cu_seqlens must hold integers, got {cu.dtype}; pass request "
+                            "offsets [0, n0, n0 + n1, ...]")
+        cu = cu.to(dev, torch.int32)
         if p.dim() != 1 or cu.dim() != 1:
             raise ValueError(f"gdn.build_tree_plan: parents must be 1-D [T] and cu_seqlens 1-D [B+1], got "
                              f"{tuple(p.shape)}, {tuple(cu.shape)}; flatten the packed parents")

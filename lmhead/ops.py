@@ -431,6 +431,10 @@ class CertifiedHead:
         if screen == "w12" and not w12:
             raise ValueError(f"{fn}: screen='w12' reads the 8-bit view of a W12 head but weight is a BF16 tensor; "
                              "pass w12.pack(weight), or use screen='int8'")
+        for name, val in (("group", group), ("capacity", capacity)):
+            if (val is not None or name == "group") and (isinstance(val, bool) or not isinstance(val, int)):
+                raise TypeError(f"{fn}: {name} must be an int, got {type(val).__name__} {val!r}; pass an int"
+                                + (f" (the default is {GROUP})" if name == "group" else ", or None for the default"))
         if group <= 0 or group & (group - 1):
             raise ValueError(f"{fn}: group={group} must be a power of two; use the default {GROUP}")
         self.packed = weight if w12 else None
@@ -444,7 +448,8 @@ class CertifiedHead:
         self.screen = self._auto(screen, w12, device) if screen == "auto" else screen
         self.capacity = DEFAULT_CAPACITY if capacity is None else int(capacity)
         if self.capacity < 1:
-            raise ValueError(f"{fn}: capacity={capacity} must be >= 1")
+            raise ValueError(f"{fn}: capacity={capacity} must be >= 1; pass a positive int, or None for the default "
+                             f"{DEFAULT_CAPACITY}")
         self.capacity = min(self.capacity, self.V)
         self.group = group
         G = -(-self.H // group)
@@ -596,6 +601,9 @@ class CertifiedHead:
 
 def screen_bounds(head: CertifiedHead, hidden: torch.Tensor):
     """(L, U) fp32 `[M, V]`: the screen's interval of every exact logit (for tests and diagnostics)."""
+    if not isinstance(head, CertifiedHead):
+        raise TypeError(f"lmhead.screen_bounds: head must be an lmhead.CertifiedHead, got {type(head).__name__}; build "
+                        "it with lmhead.CertifiedHead(weight)")
     h = head._hidden("screen_bounds", hidden)
     if head.screen == "none":
         raise ValueError("lmhead.screen_bounds: the head has no screen (screen='none'); build it with a screen")

@@ -338,3 +338,58 @@ def test_pack_keeps_bf16_where_w12_takes_more_memory(tmp_path, capsys):
     got = w12.load_file(tmp_path / "out.safetensors")
     assert not isinstance(got["wide.weight"], w12.W12Weight) and isinstance(got["ok.weight"], w12.W12Weight)
     assert_bitwise_equal(got["wide.weight"], t["wide.weight"])
+
+
+# --------------------------------------------------------------------------------------------------------------
+# Common mistakes across the public API: each one line "<pkg>.<fn>: what; how to fix".
+
+
+def _mistakes():
+    torch.manual_seed(0)
+    w = (torch.randn(8, 64) * 0.05).bfloat16()
+    p, x = w12.pack(w), torch.randn(3, 64).bfloat16()
+    plan = gdn.build_tree_plan([[-1, 0, 1, 2]])
+    q, k, v = torch.randn(4, 1, 16), torch.randn(4, 1, 16), torch.randn(4, 2, 16)
+    g, beta, pool = -torch.rand(4, 2), torch.rand(4, 2), torch.randn(2, 2, 16, 16)
+    qo, kv = torch.tensor([0, 2], dtype=torch.int32), torch.tensor([0, 5], dtype=torch.int32)
+    idx, mask = torch.arange(5, dtype=torch.int32), torch.tensor([1, 3])
+    ta = dict(num_qo_heads=2, num_kv_heads=1, head_dim=64, cache_slots=8, variant="reference")
+    head = lmhead.CertifiedHead(w, variant="reference")
+    return [
+        ("w12", lambda: w12.unpack(w), "expected a W12Weight"),
+        ("w12", lambda: w12.pack(w, verify="yes"), "verify must be a bool"),
+        ("w12", lambda: w12.decode_q8(w), "expected a W12Weight"),
+        ("w12", lambda: w12.matmul(p, x), "packed must be a W12Weight"),
+        ("w12", lambda: w12.matmul(x.float(), p), "x must be bfloat16 or float16"),
+        ("w12", lambda: w12.save_file("m.w12.safetensors", [p]), "tensors must be a mapping"),
+        ("w12", lambda: w12.load_file(3), "path must be a str or os.PathLike"),
+        ("w12", lambda: w12.W12Linear(w), "needs a W12Weight"),
+        ("w12", lambda: w12.W12Linear.empty(2.5, 3), "must be ints"),
+        ("w12", lambda: w12.convert(nn.Linear(2, 2), include=5), "include must be a pattern string"),
+        ("gdn", lambda: gdn.build_tree_plan([[-1]], max_nodes="4"), "max_nodes must be an int"),
+        ("gdn", lambda: gdn.build_tree_plan([[-1]], device="gpu0"), "is not a torch device"),
+        ("gdn", lambda: gdn.build_tree_plan(torch.tensor([-1, 0]), "02"), "cu_seqlens must"),
+        ("gdn", lambda: gdn.tree_verify(q, k, v, g, beta, pool, [1], plan, scale="x"), "scale must be a number"),
+        ("gdn", lambda: gdn.check_errors([1]), "expected a gdn.TreePlan"),
+        ("gdn", lambda: gdn.validate_accepted([1], torch.tensor([[0]]), torch.tensor([1])), "must be a gdn.TreePlan"),
+        ("tree_attn", lambda: tree_attn.plan(qo, kv, idx, mask, **{**ta, "num_qo_heads": 2.0}), "must be an int"),
+        ("tree_attn", lambda: tree_attn.plan(qo, kv, idx, mask, **{**ta, "cache_slots": "8"}), "must be an int"),
+        ("tree_attn", lambda: tree_attn.plan(qo, kv, idx, mask, **{**ta, "max_nodes": 2.5}), "must be an int"),
+        ("tree_attn", lambda: tree_attn.run(tree_attn.plan(qo, kv, idx, mask, **ta), torch.randn(2, 2, 64).bfloat16(),
+                                            *(torch.randn(8, 1, 64).bfloat16(),) * 2,
+                                            k_new=torch.randn(2, 1, 64).bfloat16(),
+                                            v_new=torch.randn(2, 1, 64).bfloat16(), sm_scale="x"),
+         "sm_scale must be a number"),
+        ("lmhead", lambda: lmhead.CertifiedHead(w, capacity=8.5), "capacity must be an int"),
+        ("lmhead", lambda: lmhead.CertifiedHead(w, group="128"), "group must be an int"),
+        ("lmhead", lambda: lmhead.screen_bounds([1], x), "head must be an lmhead.CertifiedHead"),
+        ("lmhead", lambda: head.topk(x, "2"), "k must be an int"),
+    ]
+
+
+def test_common_mistakes_say_how_to_fix():
+    from specpilot.testing import raises_helpful
+
+    for pkg, call, what in _mistakes():
+        with raises_helpful(pkg, what):
+            call()

@@ -365,7 +365,14 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
     fn = "tree_attn.plan"
     device = tree_mask.device if isinstance(tree_mask, torch.Tensor) else None
     qo, kv, mask = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device)
-    if num_kv_heads <= 0 or num_qo_heads % num_kv_heads:
+    for name, val, optional in (("num_qo_heads", num_qo_heads, False), ("num_kv_heads", num_kv_heads, False),
+                                ("head_dim", head_dim, False), ("cache_slots", cache_slots, False),
+                                ("capacity", capacity, True), ("kv_capacity", kv_capacity, True),
+                                ("max_nodes", max_nodes, True)):
+        if (val is not None or not optional) and (isinstance(val, bool) or not isinstance(val, int)):
+            raise TypeError(f"{fn}: {name} must be an int, got {type(val).__name__} {val!r}; pass an int"
+                            + (", or None" if optional else ""))
+    if num_kv_heads <= 0 or num_qo_heads <= 0 or num_qo_heads % num_kv_heads:
         raise ValueError(f"{fn}: {num_qo_heads} query heads are not a multiple of {num_kv_heads} KV heads; GQA needs "
                          "H = G * Hkv")
     if dtype not in (torch.bfloat16, torch.float16):
@@ -506,6 +513,9 @@ def run(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=None, sm_s
     else:
         _check_tensor(fn, "out", out, q.dtype, q.device)
     lse = torch.empty(shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+    if sm_scale is not None and (isinstance(sm_scale, (str, bytes, bool)) or not hasattr(sm_scale, "__float__")):
+        raise TypeError(f"{fn}: sm_scale must be a number, got {type(sm_scale).__name__} {sm_scale!r}; pass a float, "
+                        f"or None for head_dim**-0.5 = {p.head_dim ** -0.5:.4g}")
     scale = p.head_dim ** -0.5 if sm_scale is None else float(sm_scale)
     args = (q, k_cache, v_cache, k_new, v_new, p.qo_indptr, p.kv_indptr, p.kv_indices, p.tree_mask, p.node_req,
             p.items, p.req_table, p.po, p.plse, out, lse, scale)

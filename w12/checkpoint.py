@@ -207,6 +207,10 @@ def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=T
     """
     from tqdm.auto import tqdm
 
+    for name, val in (("in_path", in_path), ("out_path", out_path)):
+        if not isinstance(val, (str, os.PathLike)):
+            raise TypeError(f"w12.pack_checkpoint: {name} must be a str or os.PathLike, got {type(val).__name__}; "
+                            "pass the file's path")
     in_path, out_path = os.fspath(in_path), os.fspath(out_path)
     if os.path.abspath(in_path) == os.path.abspath(out_path):
         raise W12CheckpointError("out_path must differ from in_path (packing never overwrites its input)")
@@ -214,7 +218,8 @@ def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=T
     try:
         header, in_meta, data0 = read_header(in_path)
     except OSError as e:
-        raise W12CheckpointError(f"cannot read {in_path}: {e.strerror or e}") from e
+        raise W12CheckpointError(f"w12.pack_checkpoint: cannot read {in_path}: {e.strerror or e}; check the "
+                                 "path") from e
     entries = sorted(header.items(), key=lambda kv: kv[1]["data_offsets"][0])
     plan = []
     for name, ent in entries:

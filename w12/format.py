@@ -277,7 +277,8 @@ def _decode(packed: W12Weight) -> torch.Tensor:
 def unpack(packed: W12Weight) -> torch.Tensor:
     """Decode a `W12Weight` to its exact BF16 `[N, K]` tensor, on the weight's device. No host sync."""
     if not isinstance(packed, W12Weight):
-        raise TypeError(f"w12.unpack: expected a W12Weight (from w12.pack), got {type(packed).__name__}")
+        raise TypeError(f"w12.unpack: expected a W12Weight (from w12.pack), got {type(packed).__name__}; pass "
+                        "w12.pack(weight) (a plain tensor needs no unpacking)")
     return _decode(packed)
 
 
@@ -333,6 +334,8 @@ def pack(weight: torch.Tensor, verify: bool = True) -> W12Weight:
     bit; a mismatch raises `W12VerificationError`. Syncs the host (escape count); offline use only.
     """
     check_pack_input(weight)
+    if not isinstance(verify, bool):
+        raise TypeError(f"w12.pack: verify must be a bool, got {type(verify).__name__} {verify!r}; pass True or False")
     w = weight.detach().contiguous()
     N, K = w.shape
     Kp = padded_k(K)

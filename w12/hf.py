@@ -178,6 +178,9 @@ def attach(model, include=None, exclude=None) -> None:
     """Attach the W12 quantization config (listing the model's `W12Linear` modules) and quantizer to a
     transformers model, so `save_pretrained` records them and `from_pretrained` rebuilds the W12 layers
     instead of initialising plain linears at random."""
+    if not hasattr(model, "config"):
+        raise TypeError(f"w12.hf.attach: expects a transformers PreTrainedModel, got {type(model).__name__}; other "
+                        "modules save with model.state_dict() and load into a converted model")
     cfg = W12Config(include=include, exclude=exclude, modules=_w12_modules(model))
     model.config.quantization_config = cfg
     model.hf_quantizer = W12HfQuantizer(cfg, pre_quantized=True)

@@ -19,7 +19,6 @@ raises `W12CorruptFileError` (a `W12FormatError`, hence a `ValueError`); it neve
 
 from __future__ import annotations
 
-import errno
 import hashlib
 import json
 import os
@@ -41,6 +40,12 @@ _LAYOUT_KEY = "w12.layout"
 _LAYOUTS = ("padded", "compact")
 
 
+def _check_path(fn: str, path) -> None:
+    if not isinstance(path, (str, os.PathLike)):
+        raise TypeError(f"{fn}: path must be a str or os.PathLike, got {type(path).__name__} {path!r}; pass the "
+                        "file's path")
+
+
 def tensor_checksum(t: torch.Tensor) -> str:
     """blake2b-128 of a tensor's raw bytes (dtype and shape are checked separately)."""
     b = t.detach().cpu().contiguous().reshape(-1).view(torch.uint8).numpy()
@@ -60,7 +65,8 @@ def _flatten(tensors: Mapping[str, W12Weight | torch.Tensor]):
             index[name] = {"kind": "tensor"}
             flat[name] = v
         else:
-            raise TypeError(f"w12.save_file: {name!r}: expected a W12Weight or torch.Tensor, got {type(v).__name__}")
+            raise TypeError(f"w12.save_file: {name!r}: expected a W12Weight or torch.Tensor, got {type(v).__name__}; "
+                            "pass w12.pack(weight) or a tensor")
     clash = set(index) & {f"{n}.{p}" for n, e in index.items() if e["kind"] == "w12" for p in PLANES}
     if clash or len(flat) != sum(len(PLANES) if e["kind"] == "w12" else 1 for e in index.values()):
         raise ValueError(f"w12.save_file: tensor names collide with W12 plane names ({sorted(clash)}); rename them")
@@ -69,9 +75,10 @@ def _flatten(tensors: Mapping[str, W12Weight | torch.Tensor]):
 
 def save_file(path, tensors: Mapping[str, W12Weight | torch.Tensor], metadata: Mapping[str, str] | None = None):
     """Write `tensors` (W12Weight or plain tensors) to a safetensors file at `path` (atomically)."""
+    _check_path("w12.save_file", path)
     if not isinstance(tensors, Mapping):
         raise TypeError(f"w12.save_file: tensors must be a mapping of names to W12Weight or torch.Tensor, "
-                        f"got {type(tensors).__name__}")
+                        f"got {type(tensors).__name__}; pass a dict such as {{'layer.weight': w12.pack(weight)}}")
     meta = {}
     for k, v in (metadata or {}).items():
         if not isinstance(k, str) or not isinstance(v, str):
@@ -113,9 +120,10 @@ def _corrupt(path, what: str) -> W12CorruptFileError:
 def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
     """Load a file written by `save_file`; every tensor is checksummed and every W12Weight is
     validated (deep) before it is moved to `device`."""
+    _check_path("w12.load_file", path)
     path = os.fspath(path)
     if not os.path.exists(path):
-        raise FileNotFoundError(errno.ENOENT, "w12.load_file: no such file", path)
+        raise FileNotFoundError(f"w12.load_file: {path} does not exist; check the path")
     try:
         with safe_open(path, framework="pt") as f:
             meta = dict(f.metadata() or {})

@@ -43,9 +43,11 @@ class W12Linear(nn.Module):
     def __init__(self, weight: W12Weight, bias: torch.Tensor | None = None):
         super().__init__()
         if not isinstance(weight, W12Weight):
-            raise TypeError(f"w12.W12Linear: needs a W12Weight (from w12.pack), got {type(weight).__name__}")
+            raise TypeError(f"w12.W12Linear: needs a W12Weight (from w12.pack), got {type(weight).__name__}; pass "
+                            "w12.pack(weight), or build it with w12.W12Linear.from_linear(linear)")
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.N):
-            raise ValueError(f"w12.W12Linear: bias has shape {tuple(bias.shape)}, expected ({weight.N},)")
+            raise ValueError(f"w12.W12Linear: bias has shape {tuple(bias.shape)}, expected ({weight.N},); pass the "
+                             "layer's bias vector or None")
         self.in_features = weight.K
         self.out_features = weight.N
         for p in PLANES:
@@ -57,7 +59,8 @@ class W12Linear(nn.Module):
     def from_linear(cls, linear: nn.Linear, verify: bool = True) -> "W12Linear":
         """Pack `linear.weight` (must be BF16) on its own device; the bias is kept as is."""
         if not isinstance(linear, nn.Linear):
-            raise TypeError(f"w12.W12Linear.from_linear: expected an nn.Linear, got {type(linear).__name__}")
+            raise TypeError(f"w12.W12Linear.from_linear: expected an nn.Linear, got {type(linear).__name__}; pass "
+                            "an nn.Linear layer")
         if linear.weight.dtype != torch.bfloat16:
             raise TypeError(
                 f"w12.W12Linear.from_linear: needs a BF16 weight, got {linear.weight.dtype}; convert the layer "
@@ -70,8 +73,12 @@ class W12Linear(nn.Module):
               dtype: torch.dtype = torch.bfloat16) -> "W12Linear":
         """A layer holding the all-zero weight (valid planes, no escapes), to load a state dict into.
         `dtype` is the bias's; `device` may be "meta"."""
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (in_features, out_features)):
+            raise TypeError(f"w12.W12Linear.empty: in_features and out_features must be ints, got {in_features!r}, "
+                            f"{out_features!r}; pass the layer's sizes as ints")
         if in_features < 1 or out_features < 1:
-            raise ValueError(f"w12.W12Linear.empty: needs in_features, out_features >= 1, got {in_features}, {out_features}")
+            raise ValueError(f"w12.W12Linear.empty: needs in_features, out_features >= 1, got {in_features}, "
+                             f"{out_features}; pass the sizes of a non-empty layer")
         N, Kp = out_features, padded_k(in_features)
         z = {
             "hi": torch.zeros(N, Kp, dtype=torch.uint8, device=device),
@@ -206,10 +213,14 @@ def convert(model: nn.Module, include=None, exclude=None, verify: bool = True) -
     if not isinstance(model, nn.Module):
         raise TypeError(f"w12.convert: expected an nn.Module, got {type(model).__name__}; pass the model (or the "
                         "module) whose nn.Linear layers to convert")
+    if not isinstance(verify, bool):
+        raise TypeError(f"w12.convert: verify must be a bool, got {type(verify).__name__} {verify!r}; pass True or "
+                        "False")
     for arg, val in (("include", include), ("exclude", exclude)):
         if val is not None and not isinstance(val, str) and not (
                 isinstance(val, (list, tuple, set, frozenset)) and all(isinstance(v, str) for v in val)):
-            raise TypeError(f"w12.convert: {arg} must be a pattern string or a list of them, got {val!r}")
+            raise TypeError(f"w12.convert: {arg} must be a pattern string or a list of them, got {val!r}; pass e.g. "
+                            f"{arg}='*.mlp.*' or {arg}=['lm_head']")
     report = ConversionReport()
     linears = [name for name, mod in model.named_modules() if isinstance(mod, nn.Linear) and name]
     if include is not None and linears and not any(_matches(n, include) for n in linears):

@@ -76,8 +76,15 @@ def pack_reference(weight: torch.Tensor) -> W12Weight:
     )
 
 
+def _check_packed(fn: str, packed) -> None:
+    if not isinstance(packed, W12Weight):
+        raise TypeError(f"w12.{fn}: expected a W12Weight (from w12.pack), got {type(packed).__name__}; pass "
+                        "w12.pack(weight)")
+
+
 def unpack_reference(packed: W12Weight) -> torch.Tensor:
     """Decode element by element to BF16 [N, K] (on CPU)."""
+    _check_packed("unpack_reference", packed)
     hi, lo = packed.hi.cpu().tolist(), packed.lo.cpu().tolist()
     e0s, rowptr = packed.e0.cpu().tolist(), packed.esc_rowptr.cpu().tolist()
     cols, vals = packed.esc_col.cpu().tolist(), packed.esc_val.cpu().tolist()
@@ -104,6 +111,7 @@ def _apply_escapes(bits16: torch.Tensor, packed: W12Weight) -> torch.Tensor:
 
 def decode_q8(packed: W12Weight) -> torch.Tensor:
     """The 8-bit view as BF16 [N, K]: midpoint of the 16 values sharing each `hi` byte; escapes exact."""
+    _check_packed("decode_q8", packed)
     h = packed.hi[:, : packed.K].int()
     e0 = packed.e0.int().unsqueeze(1)
     bits = ((((h & 0x7F) << 4) | 0x8) + (e0 << 7)) | ((h & 0x80) << 8)
