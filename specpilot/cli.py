@@ -54,9 +54,14 @@ def _device(torch, name: str | None):
     try:
         dev = torch.device(name)
     except RuntimeError as e:
-        raise UsageError(f"bad --device {name!r}: {e}") from None
+        raise UsageError(f"bad --device {name!r}: {' '.join(str(e).split())}; pass cpu, cuda or cuda:N") from None
+    if dev.type not in ("cpu", "cuda"):
+        raise UsageError(f"--device {name}: the commands run on cpu or cuda; pass cpu, cuda or cuda:N")
     if dev.type == "cuda" and not torch.cuda.is_available():
-        raise UsageError(f"--device {name}: CUDA is not available on this machine")
+        raise UsageError(f"--device {name}: CUDA is not available on this machine; pass --device cpu")
+    if dev.type == "cuda" and dev.index is not None and dev.index >= torch.cuda.device_count():
+        raise UsageError(f"--device {name}: this machine has {torch.cuda.device_count()} CUDA device(s); pass an "
+                         "index below that")
     return dev
 
 

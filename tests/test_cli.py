@@ -54,6 +54,9 @@ def test_demo(tmp_path):
     assert [name for name, _ in rows] == ["autoregressive", "n-gram drafter", "self-drafter"], text
     assert float(rows[0][1]) == 1.0 and all(float(tau) > 1.0 for _, tau in rows[1:]), text
     assert "lossless : every speculative output equals the autoregressive one" in text
+    for row in re.findall(r"^\s*(?:autoregressive|n-gram drafter|self-drafter) \|.*$", text, re.M):
+        _, steps, tau, ms, tps, _ = (c.strip() for c in row.split("|"))  # one source: tokens/s = τ / mean step time
+        assert float(tps) == pytest.approx(float(tau) * 1e3 / float(ms), rel=0.01, abs=0.06), row
 
 
 def _main(argv, capsys):

@@ -19,7 +19,17 @@ from pathlib import Path
 
 import torch
 
-__all__ = ["run"]
+__all__ = ["run", "table_row", "TABLE_HEADER"]
+
+TABLE_HEADER = (f"{'decoding':>15} | steps | tokens/step (τ) | ms/step | tokens/s | vs autoregressive   (ms/step: the "
+                "mean, total / steps; the prefill is not counted)")
+
+
+def table_row(name: str, st: dict, same: str) -> str:
+    """One row of the demo's table from one kind of `Engine.stats()` entry: steps, τ, the mean step time and
+    tokens/s, all over the same steps and the same total time."""
+    return (f"{name:>15} | {st['steps']:5d} | {st['tau']:15.2f} | {st['mean_step_ms']:7.1f} | "
+            f"{st['tokens_per_s']:8.1f} | {same}")
 
 
 def _repack(src: Path, dst: Path, log) -> None:
@@ -67,20 +77,17 @@ def run(device=None, new_tokens: int = 256, prompt_bytes: int = 400, log=print) 
             eng.reset_stats()
             with tqdm(total=new_tokens, desc=f"{name:>15}", unit="tok", leave=False) as bar:
                 out = eng.generate(prompt, new_tokens, speculative=spec, callback=lambda t: bar.update(len(t)))
-            st = eng.stats()["verify" if spec else "ar"]
             if ref is None:
                 ref = out
             same = next((i for i, (a, b) in enumerate(zip(ref, out)) if a != b), None)
-            rows.append((name, st["steps"], st["tau"], st["mean_step_ms"], st["tokens_per_s"],
-                         "identical" if same is None and len(out) == len(ref) else f"differs at {same}"))
+            rows.append(table_row(name, eng.stats()["verify" if spec else "ar"],
+                                  "identical" if same is None and len(out) == len(ref) else f"differs at {same}"))
         log("prompt   : " + bytes(prompt[-120:]).decode(errors="replace").replace("\n", "\n           "))
         log("output   : " + bytes(ref).decode(errors="replace").replace("\n", "\n           "))
         log("")
-        log(f"{'decoding':>15} | steps | tokens/step (τ) | ms/step | tokens/s | vs autoregressive   (ms/step: the "
-            "mean, total / steps; the prefill is not counted)")
-        for name, steps, tau, ms, tps, same in rows:
-            log(f"{name:>15} | {steps:5d} | {tau:15.2f} | {ms:7.1f} | {tps:8.1f} | {same}")
-        ok = all(r[-1] == "identical" for r in rows)
+        log(TABLE_HEADER)
+        log("\n".join(rows))
+        ok = all(r.endswith("| identical") for r in rows)
         log(f"lossless : {'every speculative output equals the autoregressive one' if ok else 'DIVERGED'}")
         return 0 if ok else 1
     finally:

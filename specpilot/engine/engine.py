@@ -156,6 +156,9 @@ class Engine:
             raise ValueError(f"{fn}: kernels={kernels!r}; pass 'auto', 'reference' or 'kernels'")
         if head_screen not in ("auto", *lmhead.SCREENS):
             raise ValueError(f"{fn}: head_screen={head_screen!r}; pass 'auto' or one of {', '.join(lmhead.SCREENS)}")
+        if head_screen == "w12" and weights != "w12":
+            raise ValueError(f"{fn}: head_screen='w12' screens with the W12 head's 8-bit view but weights={weights!r}; "
+                             "pass weights='w12', or head_screen='auto' or 'int8'")
         if rows is not None:
             rows = inputs.count(fn, "rows", rows)
         fused_glue = inputs.flag(fn, "fused_glue", fused_glue)
