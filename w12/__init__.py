@@ -57,7 +57,7 @@ __all__ = [
 ]
 
 _LAZY_OPS = ("matmul", "matmul_q8")
-_SUBMODULES = ("checkpoint", "codec", "configs", "cuda", "hf", "kernels", "layout", "ops", "space")
+_SUBMODULES = ("checkpoint", "codec", "configs", "cuda", "flow", "hf", "kernels", "layout", "ops", "space")
 
 
 def __getattr__(name):

@@ -20,7 +20,9 @@ Lookup (autotune.get_config): forced config > tuned JSON entry `w12.matmul/<vari
 A forced config picks its kernel: `force("w12.matmul", config=GemvConfig(...))` runs the CUDA-core
 kernel at any M, `config=TcConfig(...)` the tensor-core one, `config=MmaConfig(...)` / `TmaConfig(...)` the CUDA C++ ones,
 `config=StreamConfig(...)` the persistent stream kernel (csrc/w12_stream.cu; never chosen automatically: it
-measured slower on the H200, docs/w12-kernels.md). `matmul_q8` looks configs up under
+measured slower on the H200, docs/w12-kernels.md),
+`config=FlowConfig(...)` the flow kernel on the runtime layout (csrc/w12_flow.cu, w12/layout.py; never chosen
+automatically, not yet measured on a GPU). `matmul_q8` looks configs up under
 op `w12.matmul_q8` (its bytes per weight differ), with the same variants.
 
 The heuristic is written in bytes in flight. Decode at small M is memory-bound: the kernel must
@@ -40,7 +42,7 @@ import torch
 
 import autotune
 
-__all__ = ["TcConfig", "GemvConfig", "MmaConfig", "StreamConfig", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "sm_count",
+__all__ = ["TcConfig", "GemvConfig", "MmaConfig", "StreamConfig", "FlowConfig", "flow_heuristic", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "sm_count",
            "pick_split_k", "mma_heuristic"]
 
 GEMV_MAX_M = 4  # the no-wgmma variant runs the CUDA-core kernel up to this M
@@ -201,6 +203,43 @@ class StreamConfig:
             (f"-tiled{self.tiled}" if self.tiled else "") + (f"-k{self.split}" if self.split else "")
 
 
+@dataclass(frozen=True)
+class FlowConfig:
+    """CUDA C++ kernel (csrc/w12_flow.cu, sm_80+) on the runtime layout (w12/layout.py): a CTA of `warps` warps owns
+    warps / `kw` row blocks of 16 rows, and the `kw` warps of a row block split its K (their shares are added in
+    shared memory, in warp order). Each warp streams its tiles through its own `stages`-slot cp.async ring, with
+    the evict-first L2 policy when `evict`. `cps`: CTAs per SM the launch bound is set for. `fixed`: the fixed-base
+    decode with the exact power-of-two scale (rows outside the identity's range take the exact base); False
+    builds the exact-base reference of the same kernel. Forced only, never chosen automatically; not yet
+    measured on a GPU (docs/w12-kernels.md, "The flow kernel")."""
+
+    warps: int = 8
+    kw: int = 2
+    stages: int = 4
+    cps: int = 2
+    fixed: bool = True
+    evict: bool = True
+
+    def __post_init__(self):
+        if self.warps not in (1, 2, 4, 8, 16) or self.kw not in (1, 2, 4, 8, 16) or self.warps % self.kw \
+                or not 2 <= self.stages <= 12 or self.cps not in (1, 2, 3, 4) or self.warps * self.cps > 32:
+            raise ValueError("FlowConfig needs warps in (1, 2, 4, 8, 16), kw in (1, 2, 4, 8, 16) dividing warps, "
+                             f"2 <= stages <= 12, cps in 1..4 and warps * cps <= 32 (warps per SM); got {self}")
+
+    @property
+    def row_blocks(self) -> int:
+        """Row blocks of 16 rows per CTA."""
+        return self.warps // self.kw
+
+    @property
+    def rows(self) -> int:
+        return 16 * self.row_blocks
+
+    def tag(self) -> str:
+        return f"flow-w{self.warps}-k{self.kw}-s{self.stages}-c{self.cps}" + ("" if self.fixed else "-exact") + \
+            ("" if self.evict else "-keep")
+
+
 def _check_common(c) -> None:
     if c.block_k < 64 or c.block_k % 64:
         raise ValueError(f"block_k must be a multiple of 64 (the lo-plane group), got {c.block_k}")
@@ -294,3 +333,20 @@ def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = F
     tiles = -(-N // bn) * -(-M // bt)
     split = pick_split_k(tiles, -(-kp // bk), sm_count(device) * 8)
     return GemvConfig(block_n=bn, block_t=bt, block_k=bk, split_k=split, num_warps=4, num_stages=2)
+
+
+def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int = 8, stages: int = 4,
+                   cps: int = 2) -> FlowConfig:
+    """FlowConfig default: the K split `kw` that minimises a wave model, waves x (64-column units per warp + one unit
+    for the shared-memory reduction when kw > 1), with `cps` CTAs of `warps` warps per SM; ties go to the smaller
+    split. An estimate that no GPU run has checked yet (docs/w12-kernels.md)."""
+    blocks, units = -(-N // 16), -(-K // 64)
+    slots = sm_count(device) * cps
+
+    def cost(kw: int) -> int:
+        ctas = -(-blocks // (warps // kw))
+        return -(-ctas // slots) * (-(-units // kw) + (kw > 1))
+
+    kws = [kw for kw in (1, 2, 4, 8, 16) if kw <= warps]
+    best = min(cost(kw) for kw in kws)
+    return FlowConfig(warps=warps, kw=min(kw for kw in kws if cost(kw) == best), stages=stages, cps=cps)

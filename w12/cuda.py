@@ -30,7 +30,7 @@ import torch
 from autotune import jit
 from autotune.jit import BuildError, available, unavailable
 
-from .configs import MmaConfig, StreamConfig, TmaConfig
+from .configs import FlowConfig, MmaConfig, StreamConfig, TmaConfig
 
 __all__ = ["available", "unavailable", "tma_available", "spec", "build", "launch", "n_tiles", "unsupported",
            "smem_bytes", "pdl_enabled", "BuildError", "SOURCE", "KERNEL", "TMA_SOURCE", "TMA_KERNEL", "STREAM_SOURCE",
@@ -279,7 +279,11 @@ def launch(cfg: MmaConfig | TmaConfig | StreamConfig, x2d, hi, lo, e0, rowptr, c
     `defines`: extra build defines (see `spec`). `smem`: dynamic shared memory per CTA, at least what
     the config needs (more leaves fewer CTAs per SM). `trace` (diagnostic): an int64 tensor of 8 per CTA
     that a build with defines={"W12_TRACE": 1} fills with %globaltimer stamps: plain TmaConfig with
-    split = 1, or StreamConfig."""
+    split = 1, or StreamConfig. A FlowConfig runs the flow kernel on the planes' runtime layout (w12/flow.py)."""
+    if isinstance(cfg, FlowConfig):
+        from . import flow
+
+        return flow.launch(cfg, x2d, hi, lo, e0, rowptr, col, val, bias, out, q8=q8, defines=defines, smem=smem)
     M = x2d.shape[0]
     N, Kp = hi.shape
     nt = n_tiles(M)

@@ -24,7 +24,7 @@ from torch.library import triton_op, wrap_triton
 import autotune
 
 from . import cuda as wcuda
-from .configs import GEMV_MAX_M, GemvConfig, MmaConfig, StreamConfig, TcConfig, TmaConfig, gemv_heuristic, mma_heuristic, tc_heuristic
+from .configs import GEMV_MAX_M, FlowConfig, GemvConfig, MmaConfig, StreamConfig, TcConfig, TmaConfig, gemv_heuristic, mma_heuristic, tc_heuristic
 from .format import W12Weight, unpack
 from .kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel, w12_splitk_reduce_kernel
 
@@ -40,7 +40,8 @@ VARIANTS = autotune.Variants(OP, by_arch={9: "mma", 8: "mma"}, known=("mma", "tc
 _TRITON = autotune.Variants(OP, by_arch={9: "tc", 8: "gemv"}, known=VARIANTS.known, fallback="torch", public=False)
 TC_GEMV_MAX_M = 1  # the "tc" variant runs the CUDA-core GEMV up to this M, and above it where tuned (see _make_plan)
 _REDUCE_BLOCK = 1024
-_FORCED_KERNEL = ((GemvConfig, "gemv"), (TcConfig, "tc"), (MmaConfig, "mma"), (TmaConfig, "mma"), (StreamConfig, "mma"))
+_FORCED_KERNEL = ((GemvConfig, "gemv"), (TcConfig, "tc"), (MmaConfig, "mma"), (TmaConfig, "mma"), (StreamConfig, "mma"),
+                  (FlowConfig, "mma"))
 _PLANS = autotune.PlanCache()
 
 # --------------------------------------------------------------------------------------
@@ -80,7 +81,8 @@ def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: 
     if forced_cfg is not None:
         kernel = next((k for cls, k in _FORCED_KERNEL if isinstance(forced_cfg, cls)), None)
         if kernel is None:
-            raise TypeError(f"{op}: force({op!r}, config=...) takes a StreamConfig, TmaConfig, MmaConfig, TcConfig or GemvConfig, "
+            raise TypeError(f"{op}: force({op!r}, config=...) takes a FlowConfig, StreamConfig, TmaConfig, MmaConfig, TcConfig or "
+                            "GemvConfig, "
                             f"got {type(forced_cfg).__name__}; pass one of those")
         if autotune.hardware.host_only(device):
             raise ValueError(f"{op}: the forced {type(forced_cfg).__name__} is a kernel config, and no kernel runs CPU "
@@ -88,6 +90,8 @@ def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: 
                              "torch or triton is imported), or drop the forced config (the torch path runs)")
         why = None if kernel != "mma" else (
             missing if missing is not None else wcuda.unsupported(x2d, hi))
+        if why is None and isinstance(forced_cfg, FlowConfig) and op == OP_Q8:
+            why = "the flow kernel has no 8-bit view build"
         if why is not None:
             raise ValueError(f"{op}: the CUDA kernel ({type(forced_cfg).__name__}) cannot take this call: {why}; "
                              "force a TcConfig or GemvConfig instead")

@@ -11,30 +11,7 @@ import w12
 from w12 import layout
 from w12.format import PLANES
 
-_BF16 = {"+0": 0x0000, "-0": 0x8000, "+inf": 0x7F80, "-inf": 0xFF80, "nan": 0x7FC1, "snan": 0x7F81, "sub": 0x0001,
-         "-sub": 0x807F, "min": 0x0080, "max": 0x7F7F, "huge": 0x7000, "tiny": 0x0A00}
-
-
-def hostile_weight(N: int, K: int, seed: int) -> torch.Tensor:
-    """Gaussian rows, then rows that are all zero, all subnormal, all huge, all tiny, and rows salted with
-    +-0, +-Inf, NaN payloads, subnormals and out-of-window values (escapes)."""
-    g = torch.Generator().manual_seed(seed)
-    w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
-    bits = w.view(torch.int16)
-    special = torch.tensor([v - 0x10000 if v & 0x8000 else v for v in _BF16.values()], dtype=torch.int16)
-    if N > 1:
-        bits[1] = 0  # e0 = 0, every weight dense
-    if N > 2:
-        bits[2] = torch.randint(1, 0x80, (K,), generator=g).to(torch.int16) | (torch.randint(0, 2, (K,), generator=g).to(torch.int16) << 15)
-    if N > 3:
-        bits[3] = (torch.randn(K, generator=g) * 2.0**100).to(torch.bfloat16).view(torch.int16)
-    if N > 4:
-        bits[4] = (torch.randn(K, generator=g) * 2.0**-118).to(torch.bfloat16).view(torch.int16)
-    for r in range(5, N, 3):  # salted rows
-        cols = torch.randperm(K, generator=g)[: max(1, K // 10)]
-        bits[r, cols] = special[torch.randint(0, len(special), (cols.numel(),), generator=g)]
-    return bits.view(torch.bfloat16)
-
+from flow_emu import hostile_weight
 
 def decode_documented(t: layout.TiledW12) -> tuple[torch.Tensor, torch.Tensor]:
     """(hi, lo nibble) of every weight [N, K], read from the tile buffer at the offsets the module doc gives, one

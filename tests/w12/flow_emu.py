@@ -1,0 +1,302 @@
+"""The flow kernel (w12/csrc/w12_flow.cu) replayed lane by lane in numpy, for the CPU tests.
+
+`emulate(x, tiled, warps=, kw=)` follows the kernel's own bookkeeping: the CTA / warp / row-block split, each warp's
+unit range, the cp.async copies of a tile into its ring slot (three 16-byte pieces per lane, absent rows of a partial
+block zero-filled) and the shared-memory offsets the lanes read back, the masked tail's byte-by-byte fragments, the
+fixed-base decode (prmt + shift + two lop3) into the mma.m16n8k16 A fragments, x as the B fragments, the x-range
+fold of the CTA's first row block and the scale guard (with the exact-base recomputation), the K-split reduction in
+warp order, the escapes in CSR order, the bias. Products and sums are fp64 (each bf16 product is exact there), or,
+with `fp32=True`, every mma's sum and every later step is rounded to fp32, as a model of the kernel's arithmetic.
+Returns the value before the final rounding ([M, N], float64) and counters of the paths taken.
+`hostile_weight` makes the test weights: rows of zeros, subnormals, huge and tiny values, salted escapes.
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import torch
+
+from w12.layout import Geometry, TiledW12
+
+U32 = np.uint32
+
+
+def prmt(a: np.ndarray, b: np.ndarray, sel: int) -> np.ndarray:
+    """PTX prmt.b32 (selectors without sign-replicate bits) on uint32 arrays."""
+    src = [(a >> U32(8 * i)) & U32(0xFF) for i in range(4)] + [(b >> U32(8 * i)) & U32(0xFF) for i in range(4)]
+    out = np.zeros(np.broadcast(a, b).shape, dtype=U32)
+    for i in range(4):
+        out |= src[(sel >> (4 * i)) & 7].astype(U32) << U32(8 * i)
+    return out
+
+
+def words(b: np.ndarray) -> np.ndarray:
+    """uint8 [..., 4 n] -> little-endian uint32 [..., n]."""
+    return b.astype(U32).reshape(*b.shape[:-1], -1, 4) @ (U32(1) << (U32(8) * np.arange(4, dtype=U32)))
+
+
+def lanes_f64(r: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """bf16x2 registers -> (low lane, high lane) as float64."""
+    lo = ((r & U32(0xFFFF)) << U32(16)).view(np.float32).astype(np.float64)
+    hi = (r & U32(0xFFFF0000)).view(np.float32).astype(np.float64)
+    return lo, hi
+
+
+def dec_fixed(y: np.ndarray, k: np.ndarray) -> np.ndarray:
+    return ((y & U32(0x800F800F)) | ((y >> U32(4)) & U32(0x07F007F0)) | k).astype(U32)
+
+
+def dec_exact(y: np.ndarray, e0x: np.ndarray) -> np.ndarray:
+    return ((y & U32(0x800F800F)) + ((y >> U32(4)) & U32(0x07F007F0)) + e0x).astype(U32)
+
+
+def x_range(wds: np.ndarray) -> tuple[int, int]:
+    """The kernel's XRange over 32-bit words of bf16 pairs, reduced: (emin, emax)."""
+    v = wds.astype(U32).reshape(-1)
+    if v.size == 0:
+        return 255, 0
+    a = v & U32(0x7FFF7FFF)
+    mx = max(int((a & U32(0xFFFF)).max()), int((a >> U32(16)).max()))
+    t = (((v | U32(0x80008000)) - U32(0x00010001)) ^ U32(0x80008000)).astype(U32)
+    mn = min(int((t & U32(0xFFFF)).min()), int((t >> U32(16)).min()))
+    return (255 if mn == 0xFFFF else (mn + 1) >> 7), mx >> 7
+
+
+def scale_exact(e: int, emin: int, emax: int) -> bool:
+    if e == 0:
+        return True
+    s = e - 112
+    return emin >= 64 - min(s, 0) and emax + max(s, 0) <= 230
+
+
+_BF16 = {"+0": 0x0000, "-0": 0x8000, "+inf": 0x7F80, "-inf": 0xFF80, "nan": 0x7FC1, "snan": 0x7F81, "sub": 0x0001,
+         "-sub": 0x807F, "min": 0x0080, "max": 0x7F7F, "huge": 0x7000, "tiny": 0x0A00}
+
+
+def hostile_weight(N: int, K: int, seed: int) -> torch.Tensor:
+    """Gaussian rows, then rows that are all zero, all subnormal, all huge, all tiny, and rows salted with
+    +-0, +-Inf, NaN payloads, subnormals and out-of-window values (escapes)."""
+    g = torch.Generator().manual_seed(seed)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
+    bits = w.view(torch.int16)
+    special = torch.tensor([v - 0x10000 if v & 0x8000 else v for v in _BF16.values()], dtype=torch.int16)
+    if N > 1:
+        bits[1] = 0  # e0 = 0, every weight dense
+    if N > 2:
+        bits[2] = torch.randint(1, 0x80, (K,), generator=g).to(torch.int16) | (torch.randint(0, 2, (K,), generator=g).to(torch.int16) << 15)
+    if N > 3:
+        bits[3] = (torch.randn(K, generator=g) * 2.0**110).to(torch.bfloat16).view(torch.int16)
+    if N > 4:
+        bits[4] = (torch.randn(K, generator=g) * 2.0**-100).to(torch.bfloat16).view(torch.int16)
+    for r in range(5, N, 3):  # salted rows
+        cols = torch.randperm(K, generator=g)[: max(1, K // 10)]
+        bits[r, cols] = special[torch.randint(0, len(special), (cols.numel(),), generator=g)]
+    return bits.view(torch.bfloat16)
+
+
+LANE = np.arange(32)
+G, P = LANE // 4, LANE % 4
+
+
+class _Round:
+    """fp64 arithmetic, or fp32 with a rounding after every step (`fp32=True`)."""
+
+    def __init__(self, fp32: bool):
+        self.fp32 = fp32
+
+    def __call__(self, v):
+        if not self.fp32:
+            return v
+        with np.errstate(over="ignore", invalid="ignore"):
+            return np.asarray(v, dtype=np.float64).astype(np.float32).astype(np.float64)
+
+
+def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Tensor | None = None,
+            fixed: bool = True, esc: bool = True, red: bool = True, fp32: bool = False, guard: bool = True):
+    """The kernel's result before its final rounding, float64 [M, N], and counters {"fallback": warps that took
+    the exact-base recomputation, "scaled": warps that scaled}. `esc` / `red`: the W12F_ESC / W12F_RED features
+    (without `red` only warp ks = 0 of a row block stores, as the kernel does); `guard=False` scales every warp
+    whatever the x range (what the guard prevents)."""
+    rnd = _Round(fp32)
+    M, K = x.shape
+    N = t.N
+    geo = Geometry(N, K)
+    KF, kr, NF, nr = geo.KF, geo.kr, geo.NF, geo.nr
+    NB, TB, SB = geo.row_blocks, geo.TB, geo.SB
+    NT = -(-M // 8)
+    Kx = 64 * -(-K // 64)
+    buf = t.tiles.cpu().numpy()
+    e0 = t.e0.cpu().numpy().astype(np.int64)
+    rowptr = t.esc_rowptr.cpu().numpy().astype(np.int64)
+    ecol = t.esc_col.cpu().numpy().astype(np.int64)
+    eval_ = t.esc_val.cpu().numpy().view(np.uint16)
+    xb = torch.zeros((8 * NT, Kx), dtype=torch.bfloat16)
+    xb[:M, :K] = x
+    xw = words(xb.view(torch.uint8).numpy().reshape(8 * NT, -1))  # [8 NT, Kx / 2] words
+    xf = xb.float().double().numpy()
+    RW = warps // kw
+    grid = -(-NB // RW)
+    out = np.full((M, N), np.nan)
+    written = np.zeros((M, N), dtype=bool)
+    stats = {"fallback": 0, "scaled": 0}
+
+    def x_frag(c: int) -> np.ndarray:
+        """[NT, 32 lanes, 8 words]: token 8 j + g (zero past M), columns 16 p .. 16 p + 15 of unit c."""
+        fr = np.zeros((NT, 32, 8), dtype=U32)
+        for j in range(NT):
+            tok = 8 * j + G
+            ok = tok < M
+            idx = (64 * c + 16 * P)[:, None] // 2 + np.arange(8)[None, :]
+            fr[j][ok] = xw[tok[ok][:, None], idx[ok]]
+        return fr
+
+    def ring_frag(blk: int, R: int, c: int):
+        """The ring slot image of tile c (the kernel's three cp.async pieces per lane) and the lanes' reads."""
+        T = blk + 96 * R * c
+        sm = np.zeros(1536, dtype=np.uint8)
+        for k, (dst, off, ok) in enumerate(((16 * LANE, 16 * LANE, G < R), (512 + 16 * LANE, 512 + 16 * LANE, G + 8 < R),
+                                            (1024 + 16 * LANE, 64 * R + 16 * LANE, (LANE >> 1) < R))):
+            for lane in LANE[ok]:
+                sm[dst[lane]:dst[lane] + 16] = buf[T + off[lane]:T + off[lane] + 16]
+        h = [words(np.stack([sm[16 * ln + 512 * r:16 * ln + 512 * r + 16] for ln in LANE])) for r in (0, 1)]
+        lw = [words(np.stack([sm[1024 + 256 * r + 8 * ln:1024 + 256 * r + 8 * ln + 8] for ln in LANE])) for r in (0, 1)]
+        return h, lw
+
+    def global_frag(blk: int, R: int, c: int):
+        """The fallback's reads of tile c straight from the layout (16 + 8 bytes per row and lane)."""
+        T = blk + 96 * R * c
+        h, lw = [], []
+        for r0 in (0, 8):
+            r = r0 + G
+            hb = np.zeros((32, 16), dtype=np.uint8)
+            lb = np.zeros((32, 8), dtype=np.uint8)
+            for ln in LANE[r < R]:
+                hb[ln] = buf[T + 64 * r[ln] + 16 * P[ln]:][:16]
+                lb[ln] = buf[T + 64 * R + 32 * r[ln] + 8 * P[ln]:][:8]
+            h.append(words(hb))
+            lw.append(words(lb))
+        return h, lw
+
+    def tail_frag(blk: int, R: int):
+        """The masked tail's fragments, assembled byte by byte as the kernel does."""
+        th = blk + 96 * R * KF
+        tl = th + R * kr
+        lb = (kr + 1) // 2
+        h, lw = [], []
+        for r0 in (0, 8):
+            hb = np.zeros((32, 16), dtype=np.uint8)
+            lob = np.zeros((32, 8), dtype=np.uint8)
+            for ln in LANE:
+                r = r0 + G[ln]
+                for jj in range(16):
+                    col = 16 * P[ln] + jj
+                    if r < R and col < kr:
+                        hb[ln, jj] = buf[th + r * kr + col]
+                        nib = (buf[tl + r * lb + (col >> 1)] >> (4 * (col & 1))) & 0xF
+                        lob[ln, jj & 7] |= nib << (4 * (jj >> 3))
+            h.append(words(hb))
+            lw.append(words(lob))
+        return h, lw
+
+    def tile_mma(acc, h, lw, xfr, kk, fix: bool):
+        """acc [NT, 4, 32] += the tile's 4 k-steps (A decoded from h / lw, B from xfr)."""
+        for s in range(4):
+            regs = []
+            for r in (0, 1):
+                hw = h[r][:, s]
+                l2 = lw[r][:, s & 1] >> U32(4 if s >= 2 else 0)
+                y0, y1 = prmt(hw, l2, 0x1504), prmt(hw, l2, 0x3726)
+                dec = dec_fixed if fix else dec_exact
+                regs.append((dec(y0, kk[r]), dec(y1, kk[r])))
+            A = np.zeros((16, 16))
+            for reg, (dr, dk) in ((regs[0][0], (0, 0)), (regs[1][0], (8, 0)), (regs[0][1], (0, 8)), (regs[1][1], (8, 8))):
+                l0, l1 = lanes_f64(reg)
+                A[G + dr, 2 * P + dk] = l0
+                A[G + dr, 2 * P + dk + 1] = l1
+            for j in range(NT):
+                B = np.zeros((16, 8))
+                for wi, dk in ((4 * (s >> 1) + 2 * (s & 1), 0), (4 * (s >> 1) + 2 * (s & 1) + 1, 8)):
+                    l0, l1 = lanes_f64(xfr[j][:, wi])
+                    B[2 * P + dk, G] = l0
+                    B[2 * P + dk + 1, G] = l1
+                with np.errstate(invalid="ignore", over="ignore"):
+                    D = A @ B
+                    cf = np.stack([D[G, 2 * P], D[G, 2 * P + 1], D[G + 8, 2 * P], D[G + 8, 2 * P + 1]])
+                    acc[j] = rnd(acc[j] + cf)
+
+    for cta in range(grid):
+        parts = {}
+        meta = {}
+        fold = []  # x words the CTA's first row block loads
+        for warp in range(warps):
+            rw, ks = divmod(warp, kw)
+            rb = cta * RW + rw
+            active = rb < NB
+            R = 16 if rb < NF else nr
+            blk = min(rb, NB - 1) * SB
+            c0, c1 = (ks * KF // kw, (ks + 1) * KF // kw) if active else (0, 0)
+            has_tail = active and ks == kw - 1 and kr > 0
+            cend = c1 + has_tail
+            rows = rb * 16 + np.array([0, 8])[:, None] + G[None, :]  # [2, 32]
+            e0r = np.where(active & (rows < N), e0[np.minimum(rows, N - 1)], 0)
+            kk = [np.where(e0r[r] == 0, U32(0), U32(0x38003800)).astype(U32) if fixed
+                  else ((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
+            acc = np.zeros((NT, 4, 32))
+            for c in range(c0, cend):
+                xfr = x_frag(c)
+                if rw == 0:
+                    fold.append(xfr)
+                h, lw = ring_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
+                tile_mma(acc, h, lw, xfr, kk, fixed)
+            parts[warp] = acc
+            meta[warp] = (rb, ks, active, R, blk, c0, c1, cend, e0r)
+        emin, emax = x_range(np.stack(fold)) if fold else (255, 0)
+        if fixed:
+            for warp, (rb, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
+                ok = all(scale_exact(int(e), emin, emax) for e in e0r.reshape(-1))
+                if ok or not guard:
+                    stats["scaled"] += int(active)
+                    sc = np.stack([2.0 ** (e0r[v >> 1] - 112) * (e0r[v >> 1] != 0) + (e0r[v >> 1] == 0)
+                                   for v in range(4)])
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        parts[warp] = rnd(parts[warp] * sc[None])
+                else:
+                    stats["fallback"] += 1
+                    e0x = [((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
+                    acc = np.zeros((NT, 4, 32))
+                    for c in range(c0, cend):
+                        h, lw = global_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
+                        tile_mma(acc, h, lw, x_frag(c), e0x, False)
+                    parts[warp] = acc
+        for warp, (rb, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
+            if ks != 0 or not active:
+                continue
+            acc = parts[warp].copy()
+            if red and kw > 1:
+                for i in range(1, kw):
+                    acc = rnd(acc + parts[warp + i])
+            for hh in (0, 1):
+                for ln in LANE:
+                    row = rb * 16 + 8 * hh + G[ln]
+                    if row >= N:
+                        continue
+                    for j in range(NT):
+                        for u in (0, 1):
+                            tok = 8 * j + 2 * P[ln] + u
+                            if tok >= M:
+                                continue
+                            v = acc[j, 2 * hh + u, ln]
+                            if esc:
+                                dense = float(np.array([int(e0[row]) << 23], dtype=U32).view(np.float32)[0])
+                                for q in range(rowptr[row], rowptr[row + 1]):
+                                    xv = xf[tok, ecol[q]]
+                                    val = float(np.array([U32(eval_[q]) << U32(16)], dtype=U32).view(np.float32)[0])
+                                    with np.errstate(invalid="ignore", over="ignore"):
+                                        v = float(rnd(v + rnd(rnd(xv * val) - rnd(xv * dense))))
+                            if bias is not None:
+                                v = float(rnd(v + float(bias[row].float())))
+                            assert not written[tok, row], f"output ({tok}, {row}) written twice"
+                            written[tok, row] = True
+                            out[tok, row] = v
+    assert written.all(), f"{int((~written).sum())} outputs not written"
+    return out, stats

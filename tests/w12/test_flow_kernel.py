@@ -1,0 +1,251 @@
+"""CPU checks of the flow kernel (w12/csrc/w12_flow.cu, FlowConfig) without a GPU.
+
+1. The kernel's algorithm replayed lane by lane (`flow_emu.emulate`: CTA / warp split, ring images, fragments,
+   fixed-base decode, x-range guard and exact-base recomputation, K-split reduction in warp order, escapes in CSR
+   order, bias) gives `w12.matmul_reference`'s output rounded to BF16 bit for bit, on odd shapes, hostile weight rows
+   and hostile x; the one documented difference (x non-finite at a column that holds an escape: NaN) is checked
+   where it applies.
+2. In an fp32 model of the arithmetic, the fixed-base build with its guard equals the exact-base build bit for bit,
+   and without the guard it does not (subnormal products).
+3. The ladder steps' oracles (`w12.flow.ladder_weight`): step "c" is the dense decode alone at kw = 1.
+4. NVRTC builds every ladder step for sm_80 and sm_90 with mma.sync, cp.async with the evict-first policy, no
+   local memory and no spills; the host layer (configs, heuristic, shared memory, grid, the layout cache, the
+   forced-config path of w12.matmul).
+"""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+
+import autotune
+import w12
+from w12 import flow, layout
+from w12.configs import FlowConfig, flow_heuristic
+
+from flow_emu import emulate, hostile_weight
+
+
+def _bf16_bits(v64: np.ndarray | torch.Tensor) -> torch.Tensor:
+    t = torch.as_tensor(v64, dtype=torch.float64)
+    return t.to(torch.bfloat16).view(torch.int16)
+
+
+def _assert_bf16_equal(got: np.ndarray, want: torch.Tensor, skip: torch.Tensor | None = None) -> None:
+    """got (fp64, the kernel's value before its rounding) and want (fp64 reference) round to the same BF16 bits;
+    NaN matches NaN whatever its payload; `skip` marks outputs left out (checked by the caller)."""
+    a, b = _bf16_bits(got), _bf16_bits(want)
+    nan_a, nan_b = torch.isnan(torch.as_tensor(got)), torch.isnan(want)
+    keep = torch.ones_like(nan_a) if skip is None else ~skip
+    assert torch.equal(nan_a & keep, nan_b & keep), "NaN positions differ"
+    bad = keep & ~nan_a & (a != b)
+    assert not bad.any(), f"{int(bad.sum())} outputs differ, first at {bad.nonzero()[0].tolist()}"
+
+
+def _x(M: int, K: int, seed: int) -> torch.Tensor:
+    return (torch.randn(M, K, generator=torch.Generator().manual_seed(seed)) * 1.5).to(torch.bfloat16)
+
+
+# M, N, K, warps, kw, bias: partial row blocks, masked tails, K splits wider than the full groups, inactive row blocks
+CASES = [(1, 75, 200, 4, 2, False), (5, 40, 130, 8, 4, True), (13, 17, 64, 2, 1, False), (32, 33, 100, 8, 8, False),
+         (20, 16, 63, 4, 4, False), (9, 130, 256, 16, 2, True), (24, 21, 192, 8, 1, False)]
+
+
+@pytest.mark.parametrize("M,N,K,warps,kw,bias", CASES,
+                         ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-w{c[3]}-k{c[4]}" + ("-bias" if c[5] else "") for c in CASES])
+def test_emulated_kernel_matches_reference_bitwise(M, N, K, warps, kw, bias):
+    w = hostile_weight(N, K, seed=N * K + M)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=M + K)
+    b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16) if bias else None
+    got, stats = emulate(x, t, warps=warps, kw=kw, bias=b)
+    _assert_bf16_equal(got, w12.matmul_reference(x, p, b))
+    if N > 4:
+        assert stats["fallback"] > 0, "rows of huge and tiny weights take the exact-base recomputation"
+    if N > 16:
+        assert stats["scaled"] > 0, "row blocks of plain rows scale"
+
+
+@pytest.mark.parametrize("kind", ["nonfinite", "subnormal"])
+def test_emulated_kernel_with_hostile_x(kind):
+    """x with NaN, +-Inf, +-0 and subnormals: equal to the reference except where x is non-finite at a column that
+    holds an escape of the row, where the kernel gives NaN (w12.matmul's documented difference); finite hostile x
+    (subnormals, +-0) sends every warp with e0 != 0 rows to the exact base, and matches everywhere."""
+    M, N, K = 11, 37, 150
+    w = hostile_weight(N, K, seed=7)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=3)
+    bits = x.view(torch.int16)
+    g = torch.Generator().manual_seed(5)
+    pool = [0x0000, -0x8000, 0x0001, 0x007F, -0x7F81]  # +0, -0, subnormals (0x807F as int16)
+    if kind == "nonfinite":
+        pool += [0x7F80, 0x7FC0, 0xFF80 - 0x10000]  # +Inf, NaN, -Inf
+    idx = torch.randperm(M * K, generator=g)[: M * K // 12]
+    bits.view(-1)[idx] = torch.tensor(pool, dtype=torch.int16)[torch.randint(0, len(pool), (idx.numel(),), generator=g)]
+    got, stats = emulate(x, t, warps=4, kw=2)
+    want = w12.matmul_reference(x, p)
+    esc = torch.zeros(N, K, dtype=torch.bool)
+    rows = torch.repeat_interleave(torch.arange(N), (p.esc_rowptr[1:] - p.esc_rowptr[:-1]).long())
+    esc[rows, p.esc_col.long()] = True
+    diff = (~torch.isfinite(x.float())).double() @ esc.double().T > 0  # [M, N]
+    _assert_bf16_equal(got, want, skip=diff)
+    assert np.isnan(got[diff.numpy()]).all()
+    assert stats["fallback"] > 0
+    if kind == "nonfinite":
+        assert diff.any()
+
+
+@pytest.mark.parametrize("x_exp", [-40, -8, 0, 30])
+def test_fixed_base_with_guard_equals_exact_base_in_fp32(x_exp):
+    """fp32 model (every mma sum and later step rounded to fp32): the fixed-base build with its guard gives the
+    exact-base build's bits; rows of tiny weights (e0 ~ 20) times tiny x give subnormal products, where scaling
+    without the guard would differ."""
+    M, N, K = 3, 48, 128
+    g = torch.Generator().manual_seed(11)
+    w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
+    w[:16] = (torch.randn(16, K, generator=g) * 2.0**-105).to(torch.bfloat16)  # e0 ~ 20: s ~ -92
+    w[16:32] = (torch.randn(16, K, generator=g) * 2.0**90).to(torch.bfloat16)  # e0 ~ 210: s ~ 98
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = (torch.randn(M, K, generator=g) * 2.0**x_exp).to(torch.bfloat16)
+    exact, _ = emulate(x, t, warps=4, kw=2, fixed=False, fp32=True)
+    fixed, stats = emulate(x, t, warps=4, kw=2, fp32=True)
+    assert torch.equal(_bf16_bits(fixed), _bf16_bits(exact)) and torch.equal(torch.tensor(fixed), torch.tensor(exact))
+    assert stats["fallback"] > 0 and stats["scaled"] > 0
+    if x_exp == -40:
+        unguarded, _ = emulate(x, t, warps=4, kw=2, fp32=True, guard=False)
+        assert not np.array_equal(unguarded, exact), "the guard is needed here"
+
+
+def test_ladder_step_c_is_the_dense_decode_at_kw_1():
+    M, N, K = 6, 35, 140
+    w = hostile_weight(N, K, seed=2)
+    w = torch.where(torch.isfinite(w.float()), w, torch.zeros_like(w))  # finite, so the escape correction matters
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=9)
+    got, _ = emulate(x, t, warps=4, kw=1, esc=False, red=False)
+    wc = flow.ladder_weight(p, "c")
+    _assert_bf16_equal(got, torch.nn.functional.linear(x.double(), wc.double()))
+    assert not torch.equal(wc.view(torch.int16), w.view(torch.int16))
+    assert torch.equal(flow.ladder_weight(p, "d").view(torch.int16), w.view(torch.int16))
+    assert flow.ladder_weight(p, "a") is None and flow.ladder_weight(p, "b") is None
+    # with kw > 1 and no reduction a row block holds warp 0's share only
+    part, _ = emulate(x, t, warps=4, kw=2, red=False)
+    assert not torch.equal(_bf16_bits(part), _bf16_bits(w12.matmul_reference(x, p)))
+
+
+# --------------------------------------------------------------------------------------
+# NVRTC builds and the host layer
+# --------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def jit_cache(tmp_path_factory):
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECPILOT_CACHE", str(tmp_path_factory.mktemp("jit")))
+    yield
+    mp.undo()
+
+
+def _check_build(b, step: str, arch) -> str:
+    res = b.resources()
+    assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
+    assert 0 < res["registers"] <= 128, res
+    ptx = b.ptx.read_text()
+    assert f".target sm_{arch[0]}{arch[1]}\n" in ptx
+    assert ".local" not in ptx
+    assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+    assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
+    assert ("st.global.u16" in ptx) == (step in "cde")  # the bf16 output store
+    assert ("bar.sync" in ptx) == (step in "cde")  # the x range (fixed base) and the reduction
+    return ptx
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+def test_every_ladder_step_builds(arch, jit_cache):
+    cfg = FlowConfig()
+    for step in "abcde":
+        ptx = _check_build(flow.build(cfg, 1, arch, step=step), step, arch)
+        assert "createpolicy.fractional.L2::evict_first" in ptx and "L2::cache_hint" in ptx
+        assert ("ld.global.nc.v4" in ptx) == (step != "a")  # x, read from step b on
+    for nt in (2, 3, 4):
+        _check_build(flow.build(FlowConfig(warps=8, kw=4), nt, arch), "e", arch)
+
+
+@pytest.mark.slow
+def test_options_build(jit_cache):
+    """The exact-base build (no guard: no x range, no barrier at kw = 1), the build without the L2 policy, and the
+    shapes of the heuristic (kw 1, 8; 16 warps; 1 CTA per SM)."""
+    arch = (9, 0)
+    exact = flow.build(FlowConfig(kw=1, fixed=False), 1, arch).ptx.read_text()
+    assert "bar.sync" not in exact and "redux.sync" not in exact and "st.global.u16" in exact
+    keep = flow.build(FlowConfig(evict=False), 1, arch).ptx.read_text()
+    assert "createpolicy" not in keep and "cache_hint" not in keep
+    for cfg, nt in [(FlowConfig(warps=8, kw=8), 4), (FlowConfig(warps=16, kw=4, cps=1, stages=6), 2)]:
+        _check_build(flow.build(cfg, nt, arch), "e", arch)
+
+
+def test_config_and_launch_geometry():
+    with pytest.raises(ValueError, match="kw in"):
+        FlowConfig(warps=4, kw=8)
+    with pytest.raises(ValueError, match="warps \\* cps <= 32"):
+        FlowConfig(warps=16, cps=3)
+    cfg = FlowConfig(warps=8, kw=2, stages=4)
+    assert cfg.row_blocks == 4 and cfg.rows == 64 and cfg.tag() == "flow-w8-k2-s4-c2"
+    assert FlowConfig(fixed=False, evict=False).tag() == "flow-w8-k2-s4-c2-exact-keep"
+    assert flow.smem_bytes(cfg, 1) == 8 * 4 * 1536 + 8 * 512 and flow.smem_bytes(cfg, 4, "d") == 8 * 4 * 1536
+    assert flow.smem_bytes(FlowConfig(kw=1), 4) == 8 * 4 * 1536
+    assert flow.grid(cfg, 16480) == 258 and flow.grid(cfg, 17) == 1 and flow.grid(FlowConfig(kw=8), 34816) == 2176
+    assert [flow.n_tiles(m) for m in (1, 8, 9, 17, 32)] == [1, 1, 2, 3, 4]
+    with pytest.raises(ValueError, match="1 <= M <= 32"):
+        flow.n_tiles(33)
+    s = flow.spec(cfg, 2, (9, 0), step="c")
+    d = dict(s.defines)
+    assert (d["W12F_KW"], d["W12F_NT"], d["W12F_EPI"], d["W12F_ESC"], d["W12F_RED"]) == ("2", "2", "1", "0", "0")
+    assert s.arch == "sm_90" and s != flow.spec(cfg, 2, (9, 0))
+    with pytest.raises(ValueError, match="step must be one of"):
+        flow.spec(cfg, 1, (9, 0), step="f")
+
+
+def test_heuristic_fills_the_machine(monkeypatch):
+    import w12.configs as c
+
+    monkeypatch.setattr(c, "sm_count", lambda device: 132)
+    cpu = torch.device("cpu")
+    got = {name: flow_heuristic(1, n, k, cpu).kw for name, (n, k) in
+           {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144), "down": (5120, 17408)}.items()}
+    assert got == {"in_proj": 2, "gate_up": 8, "o_proj": 4, "down": 4}
+
+
+def test_layout_cache_follows_the_planes():
+    p = w12.pack(hostile_weight(20, 70, seed=4))
+    planes = (p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val)
+    a = flow.tiled(*planes, 70)
+    assert flow.tiled(*planes, 70).tiles is a.tiles
+    assert torch.equal(layout.untile(a).hi, p.hi)
+    p.hi[0, 0] ^= 1  # changed in place: rebuilt
+    b = flow.tiled(*planes, 70)
+    assert b.tiles is not a.tiles and not torch.equal(b.tiles, a.tiles)
+    hi2 = p.hi.clone()
+    assert flow.tiled(hi2, *planes[1:], 70).tiles is not b.tiles
+    n = len(flow._LAYOUTS)
+    del hi2
+    assert len(flow._LAYOUTS) == n - 1  # dropped with its planes
+
+
+def test_forced_flow_config_reaches_the_cuda_path():
+    """w12.matmul under autotune.force(config=FlowConfig()) plans the CUDA kernel: on CPU tensors it says why it
+    cannot run; the 8-bit view is refused by name on a GPU (checked in the plan, before any launch)."""
+    p = w12.pack(hostile_weight(20, 70, seed=4))
+    x = _x(2, 70, seed=1)
+    with autotune.force("w12.matmul", config=FlowConfig()):
+        with pytest.raises((ValueError, RuntimeError), match="FlowConfig"):
+            w12.matmul(x, p)
+    with pytest.raises(ValueError, match="no 8-bit view build"):
+        flow.launch(FlowConfig(), x, *(p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val), None,
+                    torch.empty(2, 20, dtype=torch.bfloat16), q8=True)

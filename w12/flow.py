@@ -1,0 +1,206 @@
+"""Launch layer of the flow kernel (`w12_matmul_flow_kernel`, csrc/w12_flow.cu, `FlowConfig`): its builds, the
+runtime layout it reads (w12/layout.py) and its launch.
+
+The kernel is opt-in: `autotune.force("w12.matmul", config=FlowConfig(...))` runs it inside `w12.matmul` (through
+`w12.cuda.launch`), which builds the runtime layout of a weight on its first call and keeps it beside the weight's
+planes (12 bits per weight more device memory) until those planes are freed or changed in place. A caller that holds
+the layout itself (`w12.layout.tile(packed)`) launches with `launch_tiled`.
+
+Ladder builds. `STEPS` names the feature defines of the five steps of docs/w12-kernels.md ("The flow kernel"):
+"a" stream and decode (mma.sync against a constant B, as the probe), "b" + x, "c" + the epilogue, "d" + escapes,
+"e" + the K-split reduction (the full kernel, the only step `launch` runs unless told otherwise). Steps "a" and "b"
+write no output; "c" and "d" give the product only with kw = 1 ("c" without the escapes' correction).
+
+Everything here is host code: `spec`, `build`, `smem_bytes` and `grid` run without a GPU (NVRTC).
+"""
+
+from __future__ import annotations
+
+import weakref
+from collections.abc import Mapping
+from pathlib import Path
+
+import torch
+
+from autotune import jit
+
+from .configs import FlowConfig
+from .layout import TiledW12, tile
+from .format import W12Weight, _codes, _to_int16, padded_k, unpack
+
+__all__ = ["SOURCE", "KERNEL", "STEPS", "MAX_M", "MAX_KP", "n_tiles", "spec", "build", "smem_bytes", "grid", "tiled",
+           "launch", "launch_tiled", "ladder_weight"]
+
+SOURCE = Path(__file__).with_name("csrc") / "w12_flow.cu"
+KERNEL = "w12_matmul_flow_kernel"
+MAX_M = 32
+MAX_KP = 1 << 18  # the scale identity assumes Kp <= 2^18
+TILE = 1536
+STEPS: dict[str, dict[str, int]] = {
+    "a": dict(W12F_X=0, W12F_EPI=0, W12F_ESC=0, W12F_RED=0),
+    "b": dict(W12F_X=1, W12F_EPI=0, W12F_ESC=0, W12F_RED=0),
+    "c": dict(W12F_X=1, W12F_EPI=1, W12F_ESC=0, W12F_RED=0),
+    "d": dict(W12F_X=1, W12F_EPI=1, W12F_ESC=1, W12F_RED=0),
+    "e": dict(W12F_X=1, W12F_EPI=1, W12F_ESC=1, W12F_RED=1),
+}
+_BIAS_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
+_SMEM_DEFAULT_MAX = 48 << 10
+_STATIC_SMEM = 256  # the kernel's own __shared__ x-range slots (8 bytes per K split), with room to spare
+
+
+def n_tiles(M: int) -> int:
+    """Token tiles of 8 compiled for M: ceil(M / 8), 1..4."""
+    if not 0 < M <= MAX_M:
+        raise ValueError(f"w12.flow.n_tiles: the flow kernel takes 1 <= M <= {MAX_M}, got M={M}")
+    return -(-M // 8)
+
+
+def _check_step(step: str) -> dict[str, int]:
+    if step not in STEPS:
+        raise ValueError(f"w12.flow: step must be one of {sorted(STEPS)}, got {step!r}")
+    return STEPS[step]
+
+
+def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
+         defines: Mapping[str, object] | None = None) -> jit.Spec:
+    """The build of `cfg` for `nt` token tiles and compute capability `arch`, at ladder `step`; `defines` add to
+    (or override) the config's W12F_* defines."""
+    if not isinstance(cfg, FlowConfig):
+        raise TypeError(f"w12.flow.spec: expected a FlowConfig, got {type(cfg).__name__}")
+    if not 1 <= nt <= 4:
+        raise ValueError(f"w12.flow.spec: nt must be 1..4 token tiles, got {nt}")
+    base = dict(W12F_WARPS=cfg.warps, W12F_KW=cfg.kw, W12F_STAGES=cfg.stages, W12F_CPS=cfg.cps, W12F_NT=nt,
+                W12F_FIXED=int(cfg.fixed), W12F_EVICT=int(cfg.evict), **_check_step(step))
+    merged = base | dict(defines or {})
+    target = jit.arch_name(arch)
+    return jit.Spec(SOURCE, KERNEL, target, merged, name=f"{SOURCE.stem}-{cfg.tag()}-nt{nt}-{step}-{target}")
+
+
+def build(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
+          defines: Mapping[str, object] | None = None) -> jit.Build:
+    """Compile `spec(...)` (cached on disk): the CUBIN, PTX and NVRTC log (`Build.resources()`). Raises
+    autotune.BuildError."""
+    return spec(cfg, nt, arch, step=step, defines=defines).compile()
+
+
+def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e") -> int:
+    """Dynamic shared memory of one CTA: a ring of `stages` tiles per warp, and the K-split partials (step "e",
+    kw > 1: 512 bytes per warp and token tile)."""
+    red = STEPS[step]["W12F_RED"] if step in STEPS else 1
+    return cfg.warps * cfg.stages * TILE + (cfg.warps * nt * 512 if red and cfg.kw > 1 else 0)
+
+
+def grid(cfg: FlowConfig, N: int) -> int:
+    """CTAs of a launch: one per `cfg.row_blocks` row blocks of 16 rows."""
+    return -(-(-(-N // 16)) // cfg.row_blocks)
+
+
+# --------------------------------------------------------------------------------------
+# The runtime layout of the planes w12.matmul passes
+# --------------------------------------------------------------------------------------
+
+_LAYOUTS: dict[int, tuple] = {}
+
+
+def tiled(hi: torch.Tensor, lo: torch.Tensor, e0, rowptr, col, val, K: int) -> TiledW12:
+    """The runtime layout of these version-1 planes, built on first use and kept while `hi` lives and neither `hi`
+    nor `lo` changes (their data pointers and torch version counters are part of the check)."""
+    key = id(hi)
+    stamp = (hi.data_ptr(), hi._version, lo.data_ptr(), lo._version, tuple(hi.shape), int(K))
+    hit = _LAYOUTS.get(key)
+    if hit is None or hit[0]() is not hi or hit[1] != stamp:
+        if len(_LAYOUTS) >= 256:
+            _LAYOUTS.clear()
+        t = tile(W12Weight(hi, lo, e0, rowptr, col, val, K))
+        _LAYOUTS[key] = hit = (weakref.ref(hi, lambda _r, k=key: _LAYOUTS.pop(k, None)), stamp, t.tiles)
+    return TiledW12(hit[2], e0, rowptr, col, val, hi.shape[0], K)
+
+
+# --------------------------------------------------------------------------------------
+# Launch
+# --------------------------------------------------------------------------------------
+
+_KERNELS = jit.FunctionCache()
+_SINKS: dict[int, torch.Tensor] = {}
+_TYPES = (jit.PTR, jit.I64, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.I32, jit.PTR, jit.I32, jit.I32,
+          jit.I32, jit.PTR)
+
+
+def _kernel(cfg: FlowConfig, nt: int, step: str, idx: int, defines: tuple, smem: int | None) -> tuple[jit.Kernel, int]:
+    def make():
+        need = smem_bytes(cfg, nt, step)
+        s = need if smem is None else max(smem, need)
+        limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
+        if s + _STATIC_SMEM > limit:
+            raise ValueError(f"w12.flow: {cfg} needs {s} bytes of shared memory per CTA at nt={nt}; this GPU allows "
+                             f"{limit}: use fewer stages or warps")
+        k = spec(cfg, nt, torch.cuda.get_device_capability(idx), step=step, defines=dict(defines)).load(idx)
+        if s + _STATIC_SMEM > _SMEM_DEFAULT_MAX:
+            k.set_max_dynamic_smem(s)
+        return k, s
+
+    return _KERNELS.get_or_make((cfg, nt, step, idx, defines, smem), make)
+
+
+def _x_operand(x2d: torch.Tensor, Kp: int) -> tuple[torch.Tensor, int]:
+    """x as the kernel reads it: 16-byte aligned rows with Kp = 64 ceil(K / 64) readable columns, zero past K."""
+    M, K = x2d.shape
+    if K == Kp and x2d.stride(1) == 1 and x2d.stride(0) % 8 == 0 and x2d.data_ptr() % 16 == 0:
+        return x2d, x2d.stride(0)
+    xp = torch.zeros((M, Kp), device=x2d.device, dtype=x2d.dtype)
+    xp[:, :K] = x2d
+    return xp, Kp
+
+
+def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Tensor | None, out: torch.Tensor, *,
+                 step: str = "e", defines: Mapping[str, object] | None = None, smem: int | None = None) -> None:
+    """out[M, N] = x2d @ W^T (+ bias) from the runtime layout `t`, on torch's current stream (CUDA-graph capturable
+    once the kernel is loaded). `step`: a ladder build (module doc; "a" and "b" leave `out` unwritten).
+    `defines` add to the build's defines; `smem`: dynamic shared memory per CTA, at least what the config needs."""
+    M, K = x2d.shape
+    if x2d.dtype != torch.bfloat16 or not 0 < M <= MAX_M or K != t.K or t.device != x2d.device:
+        raise ValueError(f"w12.flow.launch_tiled: needs bf16 x [1..{MAX_M}, K={t.K}] on {t.device}, got "
+                         f"{x2d.dtype} {tuple(x2d.shape)} on {x2d.device}")
+    if padded_k(K) > MAX_KP:
+        raise ValueError(f"w12.flow.launch_tiled: K <= {MAX_KP} columns, got K={K}")
+    if tuple(out.shape) != (M, t.N) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+        raise ValueError(f"w12.flow.launch_tiled: out must be a contiguous bf16 [{M}, {t.N}] tensor, got "
+                         f"{out.dtype} {tuple(out.shape)}")
+    nt = n_tiles(M)
+    idx = x2d.device.index if x2d.device.index is not None else torch.cuda.current_device()
+    kernel, smem = _kernel(cfg, nt, step, idx, () if not defines else tuple(sorted(defines.items())), smem)
+    xk, ldx = _x_operand(x2d, padded_k(K))
+    sink = _SINKS.get(idx)
+    if sink is None:
+        sink = _SINKS[idx] = torch.zeros(32 * 16, device=x2d.device, dtype=torch.float32)
+    stream = torch.cuda.current_stream(x2d.device).cuda_stream
+    values = (xk.data_ptr(), ldx, t.tiles.data_ptr(), t.e0.data_ptr(), t.esc_rowptr.data_ptr(), t.esc_col.data_ptr(),
+              t.esc_val.data_ptr(), 0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype],
+              out.data_ptr(), M, t.N, K, sink.data_ptr())
+    from .cuda import pdl_enabled
+
+    kernel.launch((grid(cfg, t.N), 1, 1), 32 * cfg.warps, smem, stream, values, _TYPES, pdl=pdl_enabled(x2d.device))
+
+
+def launch(cfg: FlowConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False,
+           defines: Mapping[str, object] | None = None, smem: int | None = None) -> None:
+    """`w12.cuda.launch` for a FlowConfig: the product from the version-1 planes, through their cached runtime
+    layout (`tiled`). The 8-bit view has no flow build."""
+    if q8:
+        raise ValueError("w12.flow: the flow kernel (FlowConfig) has no 8-bit view build; force a StreamConfig, "
+                         "TmaConfig or MmaConfig for w12.matmul_q8")
+    launch_tiled(cfg, x2d, tiled(hi, lo, e0, rowptr, col, val, x2d.shape[1]), bias, out, defines=defines, smem=smem)
+
+
+def ladder_weight(packed: W12Weight, step: str = "e") -> torch.Tensor | None:
+    """The BF16 weight [N, K] whose product a ladder build computes, for checking it: steps "d" and "e" the weight
+    itself (`w12.unpack`); step "c" the dense decode alone, every code 0 read as 2^(e0 - 127) (+0.0 where e0 = 0)
+    and no escape applied; steps "a" and "b" compute none (None). "c" and "d" give it only with kw = 1."""
+    _check_step(step)
+    if step in ("a", "b"):
+        return None
+    if step != "c":
+        return unpack(packed)
+    code = _codes(packed.hi, packed.lo)[:, : packed.K]
+    bits = ((code & 0x7FF) + (packed.e0.int().unsqueeze(1) << 7)) | ((code & 0x800) << 4)
+    return _to_int16(bits).view(torch.bfloat16)
