@@ -267,9 +267,14 @@ def test_default_falls_back_to_the_triton_kernel():
 
 
 def test_dispatch_picks_cuda_when_supported_and_wy_when_a_wyconfig_is_forced(monkeypatch):
-    """With the support check and the launch stubbed, the default ("cuda" by GPU; under the interpreter the
-    smallest key of gdn.ops.VARIANTS, also "cuda") takes the CUDA kernel with its config, and a forced WYConfig
-    keeps the Triton kernel."""
+    """With the support check and the launch stubbed, the default ("cuda" by GPU) takes the CUDA kernel with its
+    config, and a forced WYConfig keeps the Triton kernel. The interpreter's own default is `portable` ("wy"): the
+    table is taken without it here, so its smallest key, "cuda", stands in for the GPU's choice."""
+    import dataclasses
+
+    from gdn import ops as gops
+
+    monkeypatch.setattr(gops, "VARIANTS", dataclasses.replace(gops.VARIANTS, portable=None, public=False))
     plan, (q, k, v, g, beta, pool, idx) = _small_call()
     calls = []
     monkeypatch.setattr(gcuda, "unsupported", lambda *a, **kw: None)
