@@ -1,0 +1,391 @@
+#!/usr/bin/env python3
+"""The flow kernel's ladder (docs/w12-kernels.md, "The flow kernel") measured in one process on one GPU.
+
+    python3 perf/w12_ladder.py                        # on the GPU machine, from the repository root (est. 1-3 min)
+    python3 perf/w12_ladder.py --build-only --arch 90 # no GPU needed: NVRTC builds every specialisation a run launches
+
+For gdn.in_proj (16480 x 5120), mlp.gate_up_proj (34816 x 5120) and attn.o_proj (5120 x 6144) of hybrid-27b at
+M = 1 and 32, side by side in the same process:
+
+  cublas    F.linear on the BF16 weight
+  w12       w12.matmul as dispatched (the shipped default kernel)
+  a .. e    the flow kernel's ladder at the heuristic's config (w12.configs.flow_heuristic), each build adding one
+            feature: a stream + decode (mma.sync against a constant B: the probe), b + x, c + the epilogue (scale
+            and its guard, bias, rounding, store), d + escapes, e + the K-split reduction (the whole kernel)
+  e@...     step e at other K splits and ring depths (--sweep, on by default)
+
+Checks before any timing (a figure is printed only when its check passed): step e of every timed config against
+fp64 (specpilot.testing.assert_close, the tolerance derived from cuBLAS on the same inputs), and bit for bit against
+its exact-base build (FlowConfig(fixed=False)); steps c and d through their kw = 1 builds against the weight each
+computes (w12.flow.ladder_weight). Steps a and b compute no product.
+
+Timing: specpilot.bench.timing.time_cuda (CUDA graphs of many calls over rotated weight copies, so that L2 never
+holds the weight; CUDA events around each replay; the median of --reps replays). Bytes: everything a call reads
+and writes (weight bytes as stored, x, out); the copy rate is docs/w12-kernels.md's 4.28 TB/s.
+
+Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
+context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
+skips the rows left once the run has taken that long. Files: $OUT/w12-ladder.json and $OUT/w12-ladder.md when $OUT
+is set.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+import traceback
+from dataclasses import dataclass, field
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+import torch  # noqa: E402
+import torch.nn.functional as F  # noqa: E402
+
+COPY_TBS = 4.28  # the H200's copy rate on these sizes (docs/w12-kernels.md)
+LAYERS = {"in_proj": "gdn.in_proj", "gate_up": "mlp.gate_up_proj", "o_proj": "attn.o_proj"}
+STEPS = "abcde"
+_CHECK_COLS = 1024
+_SEED = 1234
+
+
+@dataclass
+class Row:
+    layer: str
+    M: int
+    row: str  # cublas, w12, a..e, e@<tag>
+    config: str = ""
+    regs: str = ""
+    check: str = ""
+    us: float | None = None
+    p10: float | None = None
+    p90: float | None = None
+    nbytes: float = 0.0
+    status: str = "ok"
+    extra: dict = field(default_factory=dict)
+
+    def tbs(self) -> float | None:
+        return None if not self.us else self.nbytes / (self.us * 1e-6) / 1e12
+
+
+# --------------------------------------------------------------------------------------
+# the plan: which builds each cell runs (host only)
+# --------------------------------------------------------------------------------------
+
+
+def layer_shapes(names: list[str]) -> dict[str, tuple[int, int]]:
+    from specpilot.bench.shapes import get_shape_set
+
+    lin = get_shape_set("hybrid-27b").linears
+    return {name: lin[LAYERS[name]] for name in names}
+
+
+def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool):
+    """(label, FlowConfig) of the flow rows of one cell: the heuristic's config for the ladder, then step e at
+    other K splits (1..8) and ring depths (4, 8) when `sweep`."""
+    from unittest import mock
+
+    import w12.configs as wc
+
+    with mock.patch.object(wc, "sm_count", lambda device: sms):
+        base = wc.flow_heuristic(m, n, k, torch.device("cpu"))
+    out = [("ladder", base)]
+    if sweep:
+        for kw in (1, 2, 4, 8):
+            for stages in (4, 8):
+                cfg = wc.FlowConfig(warps=base.warps, kw=kw, stages=stages, cps=base.cps)
+                if cfg != base:
+                    out.append((f"e@{cfg.tag()}", cfg))
+    return out
+
+
+def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: bool):
+    """Every (layer, M) cell's rows: [(row name, FlowConfig, step)], and the builds they need: {(cfg, nt, step)}
+    including the check-only builds (steps c and d at kw = 1, the exact-base build of every step-e config)."""
+    from w12 import flow
+    from w12.configs import FlowConfig
+
+    cells, builds = [], set()
+    for name, (n, k) in layers.items():
+        for m in ms:
+            nt = flow.n_tiles(m)
+            rows = []
+            for label, cfg in flow_configs(m, n, k, sms, sweep):
+                steps = STEPS if label == "ladder" else "e"
+                for step in steps:
+                    rows.append((step if label == "ladder" else label, cfg, step))
+                    builds.add((cfg, nt, step))
+                builds.add((FlowConfig(cfg.warps, cfg.kw, cfg.stages, cfg.cps, fixed=False), nt, "e"))
+                if label == "ladder":
+                    one = FlowConfig(cfg.warps, 1, cfg.stages, cfg.cps)
+                    builds.update({(one, nt, "c"), (one, nt, "d")})
+            cells.append((name, n, k, m, rows))
+    return cells, builds
+
+
+def _build_one(b, arch: tuple[int, int]):
+    from w12 import flow
+
+    cfg, nt, step = b
+    try:
+        res = flow.build(cfg, nt, arch, step=step).resources()
+        spill = res["spill_stores"] + res["spill_loads"]
+        return b, f"{res['registers']}r" + (f" SPILL {spill}B" if spill else "")
+    except Exception as e:  # reported per row; the run goes on
+        return b, f"BUILD FAILED: {str(e).splitlines()[0][:200]}"
+
+
+def precompile(builds, arch: tuple[int, int], workers: int = 8) -> dict:
+    """NVRTC builds of every (cfg, nt, step) for `arch` (autotune.jit caches them on disk and locks per key), in
+    `workers` spawned processes (NVRTC holds the GIL); returns {(cfg, nt, step): "<registers>r" or the error}."""
+    todo = sorted(builds, key=lambda b: (b[0].tag(), b[1], b[2]))
+    if workers <= 1:
+        return dict(_build_one(b, arch) for b in todo)
+    import multiprocessing as mp
+    from concurrent.futures import ProcessPoolExecutor
+
+    with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
+        return dict(ex.map(_build_one, todo, [arch] * len(todo)))
+
+
+# --------------------------------------------------------------------------------------
+# the table
+# --------------------------------------------------------------------------------------
+
+
+def format_table(rows: list[Row]) -> str:
+    base = {(r.layer, r.M): r.us for r in rows if r.row == "cublas" and r.us}
+    head = "| layer | M | row | config | regs | check | µs (median) | p10–p90 | TB/s | % of 4.28 TB/s | × cuBLAS |"
+    lines = [head, "|" + "---|" * 11]
+    for r in rows:
+        t = r.tbs()
+        b = base.get((r.layer, r.M))
+        num = (f"{r.us:.1f}", f"{r.p10:.1f}–{r.p90:.1f}", f"{t:.2f}", f"{100 * t / COPY_TBS:.0f}%",
+               f"{b / r.us:.2f}" if b else "–") if r.us else (r.status, "", "", "", "")
+        lines.append(f"| {r.layer} | {r.M} | {r.row} | {r.config} | {r.regs} | {r.check} | " + " | ".join(num) + " |")
+    return "\n".join(lines)
+
+
+# --------------------------------------------------------------------------------------
+# the GPU run
+# --------------------------------------------------------------------------------------
+
+
+class ContextLost(RuntimeError):
+    pass
+
+
+def _sync(what: str, device: torch.device | None = None) -> None:
+    """Surface asynchronous CUDA errors here; raise ContextLost when the context cannot be used any more (nothing to
+    do off CUDA)."""
+    if device is not None and device.type != "cuda":
+        return
+    try:
+        torch.cuda.synchronize()
+    except Exception as e:
+        try:
+            torch.cuda.synchronize()
+            torch.empty(1, device="cuda").add_(1)
+            torch.cuda.synchronize()
+        except Exception:
+            raise ContextLost(f"{what}: {e}") from e
+        raise
+
+
+def _check(out: torch.Tensor, x: torch.Tensor, w: torch.Tensor, cols: torch.Tensor, what: str) -> None:
+    from specpilot.testing import assert_close
+
+    wc = w[cols]
+    ref64 = (x.double() @ wc.double().T).cpu()
+    assert_close(out[:, cols], ref64, F.linear(x, wc), msg=what)
+
+
+def run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]] | None = None) -> list[Row]:
+    """The GPU run (module doc). `dev` and `layers` other than CUDA and hybrid-27b's are for the CPU test of this
+    script, which stands the kernels in with torch."""
+    import w12
+    from autotune import jit
+    from specpilot.bench.registry import rotations
+    from specpilot.bench.timing import time_cuda
+    from w12 import flow, layout
+    from w12.configs import FlowConfig
+
+    dev = torch.device("cuda") if dev is None else dev
+    if dev.type == "cuda":
+        sms, arch = torch.cuda.get_device_properties(dev).multi_processor_count, torch.cuda.get_device_capability(dev)
+    else:
+        sms, arch = args.sms, (args.arch // 10, args.arch % 10)
+    layers = layer_shapes(args.layers) if layers is None else layers
+    cells, builds = plan(layers, args.m, sms, args.sweep)
+    t0 = time.perf_counter()
+    regs = precompile(builds, arch, workers=args.workers)
+    print(f"built {len(builds)} specialisations for sm_{arch[0]}{arch[1]} in {time.perf_counter() - t0:.1f} s "
+          f"(NVRTC {'.'.join(map(str, jit.nvrtc_version()))})", flush=True)
+    rows: list[Row] = []
+    start = time.perf_counter()
+
+    def timed(fns, row: Row) -> None:
+        if time.perf_counter() - start > args.budget_s:
+            row.status = "skipped (time budget)"
+            return
+        tm = time_cuda(fns, reps=args.reps)
+        _sync(row.row, dev)
+        row.us, row.p10, row.p90 = tm.median * 1e6, tm.p10 * 1e6, tm.p90 * 1e6
+        print(f"  {row.layer} M={row.M} {row.row:28s} {row.us:8.1f} µs  {row.tbs():.2f} TB/s  {row.check}", flush=True)
+
+    try:
+        for name, (n, k) in layers.items():
+            g = torch.Generator(device=dev).manual_seed(_SEED + n + k)
+            sets = rotations(1.5 * n * k, dev)
+            ws = [(torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(torch.bfloat16) for _ in range(sets)]
+            packs = [w12.pack(w) for w in ws]
+            tiles = [layout.tile(p) for p in packs]
+            cols = torch.arange(0, n, max(1, n // _CHECK_COLS), device=dev)[:_CHECK_COLS]
+            _sync(f"{name} setup", dev)
+            print(f"{name} {n} x {k}: {sets} rotated copies, {tiles[0].bits_per_weight:.3f} bits per weight in the "
+                  f"runtime layout", flush=True)
+            for cname, cn, ck, m, frows in cells:
+                if cname != name:
+                    continue
+                xs = [torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for _ in range(sets)]
+                io = 2.0 * (m * k + m * n)
+                x0, w0, p0, t0_ = xs[0], ws[0], packs[0], tiles[0]
+                r = Row(name, m, "cublas", "F.linear", nbytes=2.0 * n * k + io)
+                rows.append(r)
+                timed([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, ws)], r)
+                r = Row(name, m, "w12", "default", nbytes=float(p0.nbytes) + io)
+                rows.append(r)
+                try:
+                    _check(w12.matmul(x0, p0), x0, w0, cols, f"w12 {name} M={m}")
+                    r.check = "fp64 ok"
+                    timed([lambda x=x, p=p: w12.matmul(x, p) for x, p in zip(xs, packs)], r)
+                except ContextLost:
+                    raise
+                except Exception as e:
+                    r.status = f"FAILED: {str(e).splitlines()[0][:160]}"
+                    print(f"  {name} M={m} w12: {r.status}", flush=True)
+                outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(sets)]
+                for rname, cfg, step in frows:
+                    r = Row(name, m, rname, cfg.tag(), regs=regs.get((cfg, flow.n_tiles(m), step), "?"),
+                            nbytes=float(t0_.nbytes) + io)
+                    rows.append(r)
+                    if r.regs.startswith("BUILD FAILED"):
+                        r.status = r.regs
+                        continue
+                    try:
+                        r.check = _flow_check(cfg, step, x0, p0, t0_, w0, cols, f"{name} M={m} {rname}")
+                        _sync(rname, dev)
+                        timed([lambda x=x, t=t, o=o, cfg=cfg, step=step: flow.launch_tiled(cfg, x, t, None, o, step=step)
+                               for x, t, o in zip(xs, tiles, outs)], r)
+                    except ContextLost:
+                        raise
+                    except Exception as e:
+                        r.status = f"FAILED: {str(e).splitlines()[0][:160]}"
+                        print(f"  {name} M={m} {rname}: {r.status}", flush=True)
+                        _sync(rname, dev)
+                del xs, outs
+            del ws, packs, tiles
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+    except ContextLost as e:
+        print(f"CUDA context lost, GPU work stopped: {e}", flush=True)
+        rows.append(Row("-", 0, "CONTEXT LOST", status=str(e)[:200]))
+    return rows
+
+
+def _flow_check(cfg, step: str, x, p, t, w, cols, what: str) -> str:
+    """The check of one flow row (module doc); returns what was checked."""
+    from w12 import flow
+    from w12.configs import FlowConfig
+
+    m, n = x.shape[0], p.N
+    out = torch.full((m, n), float("nan"), device=x.device, dtype=torch.bfloat16)
+    if step in ("a", "b"):
+        flow.launch_tiled(cfg, x, t, None, out, step=step)  # runs; writes nothing
+        _sync(what, x.device)
+        return "runs (no product)"
+    if step in ("c", "d"):
+        one = FlowConfig(cfg.warps, 1, cfg.stages, cfg.cps)
+        flow.launch_tiled(one, x, t, None, out, step=step)
+        _sync(what, x.device)
+        _check(out, x, flow.ladder_weight(p, step), cols, what + " (kw=1)")
+        return "fp64 ok (kw=1)"
+    flow.launch_tiled(cfg, x, t, None, out)
+    _sync(what, x.device)
+    _check(out, x, w, cols, what)
+    exact = torch.full_like(out, float("nan"))
+    flow.launch_tiled(FlowConfig(cfg.warps, cfg.kw, cfg.stages, cfg.cps, fixed=False), x, t, None, exact)
+    _sync(what, x.device)
+    if not torch.equal(out.view(torch.int16), exact.view(torch.int16)):
+        bad = int((out.view(torch.int16) != exact.view(torch.int16)).sum())
+        raise AssertionError(f"{what}: the fixed-base build differs from the exact-base build at {bad} outputs")
+    return "fp64 ok, = exact base"
+
+
+def write_outputs(rows: list[Row], meta: dict) -> None:
+    table = format_table(rows)
+    print("\n" + table, flush=True)
+    out = os.environ.get("OUT")
+    if out:
+        Path(out).mkdir(parents=True, exist_ok=True)
+        Path(out, "w12-ladder.md").write_text(table + "\n")
+        Path(out, "w12-ladder.json").write_text(json.dumps({"meta": meta, "rows": [r.__dict__ for r in rows]}, indent=1))
+
+
+def build_only(args) -> int:
+    """NVRTC builds of every specialisation a run launches (132 SMs assumed for the heuristic), on the CPU."""
+    cells, builds = plan(layer_shapes(args.layers), args.m, args.sms, args.sweep)
+    arch = (args.arch // 10, args.arch % 10)
+    t0 = time.perf_counter()
+    regs = precompile(builds, arch, workers=args.workers)
+    bad = {b: v for b, v in regs.items() if "FAILED" in v or "SPILL" in v}
+    for (cfg, nt, step), v in sorted(regs.items(), key=lambda kv: (kv[0][0].tag(), kv[0][1], kv[0][2])):
+        print(f"{cfg.tag():32s} nt={nt} step={step}: {v}")
+    print(f"{len(cells)} cells, {len(builds)} builds for sm_{args.arch} in {time.perf_counter() - t0:.1f} s; "
+          f"{len(bad)} failed or spilled")
+    return 1 if bad else 0
+
+
+def parse(argv=None):
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
+    ap.add_argument("--m", nargs="+", type=int, default=[1, 32])
+    ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
+                    help="also step e at other K splits and ring depths")
+    ap.add_argument("--reps", type=int, default=60, help="timed graph replays per row")
+    ap.add_argument("--budget-s", type=float, default=200.0, help="skip the rows left after this many seconds")
+    ap.add_argument("--build-only", action="store_true", help="only NVRTC builds (no GPU needed)")
+    ap.add_argument("--arch", type=int, default=90, help="--build-only: compute capability, e.g. 90 or 80")
+    ap.add_argument("--sms", type=int, default=132, help="--build-only: SMs the heuristic assumes")
+    ap.add_argument("--workers", type=int, default=8, help="parallel NVRTC builds")
+    return ap.parse_args(argv)
+
+
+def main(argv=None) -> int:
+    args = parse(argv)
+    if args.build_only:
+        return build_only(args)
+    if not torch.cuda.is_available():
+        print("w12_ladder: no CUDA device; use --build-only on a CPU", file=sys.stderr)
+        return 2
+    from autotune.config import versions
+
+    t0 = time.perf_counter()
+    rows: list[Row] = []
+    try:
+        rows = run(args)
+    except Exception:
+        traceback.print_exc()
+    meta = {"gpu": torch.cuda.get_device_name(), **versions(), "wall_s": round(time.perf_counter() - t0, 1),
+            "copy_tbs": COPY_TBS, "args": vars(args)}
+    write_outputs(rows, meta)
+    failed = [r for r in rows if r.status != "ok" and not r.status.startswith("skipped")]
+    print(f"\n{len(rows)} rows, {len(failed)} failed, {meta['wall_s']} s", flush=True)
+    return 1 if failed or not rows else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,125 @@
+"""perf/w12_ladder.py on the CPU: its plan (cells, rows, builds), the table and files it writes, the refusal without
+a GPU, the fp64 check it applies, and its --build-only mode (NVRTC, no GPU) on one cell."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+@pytest.fixture(scope="module")
+def ladder():
+    spec = importlib.util.spec_from_file_location("w12_ladder", ROOT / "perf" / "w12_ladder.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # dataclasses look their module up there
+    spec.loader.exec_module(mod)
+    yield mod
+    sys.modules.pop(spec.name, None)
+
+
+def test_plan_covers_the_ladder_and_the_sweep(ladder):
+    layers = ladder.layer_shapes(["in_proj", "gate_up", "o_proj"])
+    assert layers == {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144)}
+    cells, builds = ladder.plan(layers, [1, 32], 132, sweep=True)
+    assert len(cells) == 6
+    for name, n, k, m, rows in cells:
+        assert [r[0] for r in rows[:5]] == list("abcde")
+        assert len({r[1] for r in rows[:5]}) == 1  # one config through the ladder
+        assert len(rows) == 5 + 7 and all(r[2] == "e" for r in rows[5:])
+    kws = {name: rows[0][1].kw for name, n, k, m, rows in cells}
+    assert kws == {"in_proj": 2, "gate_up": 8, "o_proj": 4}
+    assert len(builds) == 60
+    assert any(not cfg.fixed for cfg, nt, step in builds)  # the exact-base twins of step e
+    assert {(cfg.kw, step) for cfg, nt, step in builds if step in "cd" and cfg.kw == 1} == {(1, "c"), (1, "d")}
+    _, few = ladder.plan(ladder.layer_shapes(["o_proj"]), [1], 132, sweep=False)
+    assert len(few) == 5 + 1 + 2  # steps a..e, the exact-base e, steps c and d at kw = 1
+
+
+def test_table_and_files(ladder, tmp_path, monkeypatch):
+    Row = ladder.Row
+    rows = [Row("o_proj", 1, "cublas", "F.linear", us=20.0, p10=19.5, p90=20.5, nbytes=2 * 5120 * 6144),
+            Row("o_proj", 1, "a", "flow-w8-k4-s4-c2", "56r", "runs (no product)", us=12.0, p10=11.9, p90=12.2,
+                nbytes=1.5 * 5120 * 6144),
+            Row("o_proj", 1, "e", "flow-w8-k4-s4-c2", "82r", status="FAILED: wrong"),
+            Row("o_proj", 1, "e@x", "flow-w8-k8-s8-c2", "87r", status="skipped (time budget)")]
+    assert rows[1].tbs() == pytest.approx(1.5 * 5120 * 6144 / 12e-6 / 1e12)
+    table = ladder.format_table(rows)
+    lines = table.splitlines()
+    assert lines[0].startswith("| layer | M | row |") and len(lines) == 2 + len(rows)
+    assert "| 1.67 |" in lines[3] and f"{100 * rows[1].tbs() / 4.28:.0f}%" in lines[3]  # 20 / 12 x cuBLAS
+    assert "FAILED: wrong" in lines[4] and "skipped (time budget)" in lines[5]
+    monkeypatch.setenv("OUT", str(tmp_path))
+    ladder.write_outputs(rows, {"gpu": "fake"})
+    data = json.loads((tmp_path / "w12-ladder.json").read_text())
+    assert data["meta"]["gpu"] == "fake" and len(data["rows"]) == 4
+    assert (tmp_path / "w12-ladder.md").read_text().strip() == table
+
+
+def test_refuses_without_a_gpu(ladder, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert ladder.main([]) == 2
+    assert "--build-only" in capsys.readouterr().err
+
+
+def test_fp64_check(ladder):
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(40, 64, generator=g).to(torch.bfloat16)
+    x = torch.randn(3, 64, generator=g).to(torch.bfloat16)
+    cols = torch.arange(0, 40, 3)
+    ladder._check(torch.nn.functional.linear(x, w), x, w, cols, "same")
+    bad = torch.nn.functional.linear(x, w)
+    bad[0, 3] += 1.0
+    with pytest.raises(AssertionError):
+        ladder._check(bad, x, w, cols, "off")
+
+
+@pytest.mark.slow
+def test_build_only_one_cell(ladder, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    assert ladder.main(["--build-only", "--arch", "90", "--layers", "o_proj", "--m", "1", "--no-sweep",
+                        "--workers", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "1 cells, 8 builds for sm_90" in out and "0 failed or spilled" in out
+
+
+def test_run_end_to_end_with_torch_stand_ins(ladder, monkeypatch):
+    """The GPU path of the script on the CPU at small shapes: the flow kernel stood in by torch (the product each
+    step computes), the timing loop by one call, the builds by a table; every row checked and reported."""
+    import torch.nn.functional as F
+
+    import w12
+    from specpilot.bench import timing
+    from w12 import flow, layout
+
+    launched = []
+
+    def launch_tiled(cfg, x, t, bias, out, *, step="e", defines=None, smem=None):
+        launched.append((cfg.tag(), step))
+        w = flow.ladder_weight(layout.untile(t), step)
+        if w is not None:
+            out.copy_(F.linear(x.float(), w.float()).to(out.dtype))
+
+    monkeypatch.setattr(flow, "launch_tiled", launch_tiled)
+    monkeypatch.setattr(w12.ops, "matmul", lambda x, p: F.linear(x.float(), w12.unpack(p).float()).to(x.dtype))
+    monkeypatch.setattr(timing, "time_cuda", lambda fns, reps: (fns[-1](), timing.Timing((1e-5, 2e-5, 3e-5), "fake", 1))[1])
+    monkeypatch.setattr(ladder, "precompile", lambda builds, arch, workers=8: {b: "64r" for b in builds})
+    args = ladder.parse(["--m", "1", "5", "--reps", "3"])
+    rows = ladder.run(args, torch.device("cpu"), {"in_proj": (40, 130), "gate_up": (33, 64), "o_proj": (16, 200)})
+    assert len(rows) == 6 * (2 + 5 + 7)
+    assert [r.status for r in rows if r.status != "ok"] == []
+    assert all(r.us == pytest.approx(20.0) for r in rows)
+    checks = {r.row: r.check for r in rows if r.layer == "o_proj" and r.M == 5}
+    assert checks["a"] == checks["b"] == "runs (no product)"
+    assert checks["c"] == checks["d"] == "fp64 ok (kw=1)"
+    assert checks["e"] == "fp64 ok, = exact base" and checks["w12"] == "fp64 ok"
+    assert ("flow-w8-k1-s4-c2", "c") in launched and any(tag.endswith("-exact") for tag, _ in launched)
+    table = ladder.format_table(rows)
+    assert table.count("\n") == len(rows) + 1

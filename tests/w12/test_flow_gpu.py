@@ -1,0 +1,115 @@
+"""The flow kernel (FlowConfig, w12/csrc/w12_flow.cu) on a GPU: odd shapes against fp64, the fixed-base build equal
+to the exact-base build bit for bit on hostile rows and hostile x, the ladder's partial steps against the weight each
+computes, the forced path of w12.matmul, CUDA-graph replay and repeatability.
+
+Run on the GPU machine:  python -m pytest tests/w12/test_flow_gpu.py -q
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+import autotune
+import w12
+from specpilot.testing import assert_close
+from w12 import flow, layout
+from w12.configs import FlowConfig
+
+from flow_emu import hostile_weight
+
+pytestmark = pytest.mark.gpu
+
+CONFIGS = [FlowConfig(), FlowConfig(warps=8, kw=8, stages=6), FlowConfig(warps=4, kw=1, stages=3),
+           FlowConfig(warps=16, kw=4, cps=1, evict=False)]
+
+
+def _weight(n: int, k: int, seed: int) -> torch.Tensor:
+    g = torch.Generator(device="cuda").manual_seed(seed)
+    w = torch.randn(n, k, device="cuda", generator=g) * k**-0.5
+    w.view(-1)[::997] = 0.0  # zero escapes
+    w.view(-1)[5::1999] = 1e-30  # out-of-window escapes
+    return w.to(torch.bfloat16)
+
+
+def _x(m: int, k: int, seed: int) -> torch.Tensor:
+    return torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).to(torch.bfloat16)
+
+
+def _run(cfg, x, t, bias=None, step="e"):
+    out = torch.full((x.shape[0], t.N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    flow.launch_tiled(cfg, x, t, bias, out, step=step)
+    torch.cuda.synchronize()
+    return out
+
+
+@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.tag())
+@pytest.mark.parametrize("M,N,K", [(1, 75, 200), (5, 40, 130), (13, 17, 64), (32, 130, 4100), (24, 1000, 63),
+                                   (9, 5120, 6144)], ids=lambda v: str(v))
+def test_flow_matches_fp64(cfg, M, N, K):
+    w = _weight(N, K, seed=N + K)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=M)
+    bias = (torch.randn(N, device="cuda") * 0.1).to(torch.bfloat16) if N % 2 else None
+    out = _run(cfg, x, t, bias)
+    assert_close(out, w12.matmul_reference(x, p, bias), F.linear(x, w, bias))
+
+
+@pytest.mark.parametrize("xkind", ["normal", "tiny", "huge", "subnormal", "nonfinite"])
+@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: c.tag())
+def test_fixed_base_equals_exact_base_bitwise(cfg, xkind):
+    """Rows with e0 from 0 to ~230 (zeros, subnormals, huge and tiny rows, salted escapes) and x that is normal,
+    2^-70, 2^60, subnormal-salted or NaN/Inf-salted: the guard sends the rows outside the identity's range to the
+    exact base, so the two builds agree bit for bit (NaN payloads included)."""
+    N, K, M = 70, 300, 11
+    p = w12.pack(hostile_weight(N, K, seed=1).cuda())
+    t = layout.tile(p)
+    x = _x(M, K, seed=2).float()
+    x = {"normal": x, "tiny": x * 2.0**-70, "huge": x * 2.0**60}.get(xkind, x).to(torch.bfloat16)
+    if xkind in ("subnormal", "nonfinite"):
+        vals = [1e-40, -1e-40, 0.0, -0.0] + ([float("inf"), float("-inf"), float("nan")] if xkind == "nonfinite" else [])
+        idx = torch.randperm(M * K, generator=torch.Generator().manual_seed(3))[: M * K // 10].cuda()
+        x.view(-1)[idx] = torch.tensor(vals, device="cuda").to(torch.bfloat16)[idx % len(vals)]
+    fixed = _run(cfg, x, t)
+    exact = _run(FlowConfig(cfg.warps, cfg.kw, cfg.stages, cfg.cps, fixed=False), x, t)
+    assert torch.equal(fixed.view(torch.int16), exact.view(torch.int16))
+
+
+@pytest.mark.parametrize("step", ["c", "d"])
+def test_partial_ladder_steps_at_kw_1(step):
+    N, K, M = 200, 1000, 7
+    w = _weight(N, K, seed=5)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=6)
+    out = _run(FlowConfig(warps=8, kw=1), x, t, step=step)
+    wl = flow.ladder_weight(p, step)
+    assert_close(out, F.linear(x.double(), wl.double()), F.linear(x, wl))
+    for s in "ab":  # run, write nothing
+        assert torch.isnan(_run(FlowConfig(), x, t, step=s).float()).all()
+
+
+def test_forced_config_graph_replay_and_repeatability():
+    N, K, M = 1030, 5120, 4
+    w = _weight(N, K, seed=7)
+    p = w12.pack(w)
+    x = _x(M, K, seed=8)
+    cfg = FlowConfig()
+    with autotune.force("w12.matmul", config=cfg):
+        y = w12.matmul(x, p)
+        y2 = w12.matmul(x, p)
+        out = torch.empty_like(y)
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            w12.matmul(x, p, out=out)
+        graph.replay()
+        torch.cuda.synchronize()
+    assert torch.equal(y.view(torch.int16), y2.view(torch.int16))
+    assert torch.equal(out.view(torch.int16), y.view(torch.int16))
+    assert torch.equal(_run(cfg, x, layout.tile(p)).view(torch.int16), y.view(torch.int16))
+    assert_close(y, w12.matmul_reference(x, p), F.linear(x, w))
+    with autotune.force("w12.matmul", config=cfg):
+        with pytest.raises(ValueError, match="no 8-bit view build"):
+            w12.matmul_q8(x, p)
