@@ -87,11 +87,13 @@ def tensor(gen, shape, dtype, lo=-1.0, hi=1.0):
 
 
 @settings(max_examples=FUZZ_EXAMPLES["plan"], **SETTINGS)
-@given(ts=trees(max_n=8), fault=st.sampled_from([None, "float", "self", "forward", "below", "string"]),
+@given(ts=trees(max_n=8), fault=st.sampled_from([None, "float", "self", "forward", "below", "string", "unwrapped"]),
        where=st.integers(0, 100))
 def test_fuzz_plan(ts, fault, where):
     flat = [(r, i) for r, ps in enumerate(ts) for i in range(len(ps))]
-    if fault and flat:
+    if fault == "unwrapped" and flat:  # one request's parent list passed without the outer list
+        ts = list(ts[flat[where % len(flat)][0]])
+    elif fault and flat:
         r, i = flat[where % len(flat)]
         ts[r][i] = {"float": ts[r][i] + 0.5, "self": i, "forward": len(ts[r]) + 1, "below": -2, "string": "0"}[fault]
     else:

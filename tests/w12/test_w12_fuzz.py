@@ -295,7 +295,7 @@ def test_convert_converts_exactly_the_eligible_layers(case):
 
 @fuzz(20)
 @given(bad=st.sampled_from([(None, {}), (3, {}), (nn.Linear(2, 2), {"include": 5}), (nn.Linear(2, 2), {"exclude": [1]}),
-                            (nn.Linear(2, 2), {"include": [b"x"]})]))
+                            (nn.Linear(2, 2), {"include": [b"x"]}), (nn.Linear(2, 2), {"verify": "yes"})]))
 def test_convert_rejects_bad_input(bad):
     model, kw = bad
     with pytest.raises(TypeError, match=r"^w12\.convert: "):
