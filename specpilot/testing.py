@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["assert_bitwise_equal", "bits_of", "error_bound", "assert_close", "rel_err", "Closeness", "capture_graph",
-           "assert_replays_equal", "raises_helpful"]
+           "assert_replays_equal", "raises_helpful", "poison", "poisoned_empty", "poisoned_empty_like"]
 
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -155,3 +155,33 @@ def raises_helpful(pkg: str, *patterns: str, exc=(ValueError, TypeError)):
     assert style.match(text), f"not in the '{pkg}.<fn>: what; how to fix' style: {text!r}"
     for p in patterns:
         assert re.search(p, text), f"{p!r} not in the message: {text!r}"
+
+
+_REAL_EMPTY = torch.empty
+_REAL_EMPTY_LIKE = torch.empty_like
+
+
+def poison(t: torch.Tensor) -> torch.Tensor:
+    """Fill a fresh tensor so that an element a kernel never writes is caught: NaN for floating and complex
+    tensors, True for bool, the dtype's max (0xA5 for uint8) for integers. Left alone while torch.compile traces
+    (a fill would enter the graph) and for tensors that require grad (inductor's own helpers allocate those)."""
+    if torch.compiler.is_compiling() or t.requires_grad:
+        return t
+    if t.is_floating_point() or t.is_complex():
+        t.fill_(float("nan"))
+    elif t.dtype == torch.bool:
+        t.fill_(True)
+    elif t.numel():
+        t.fill_(torch.iinfo(t.dtype).max if t.dtype != torch.uint8 else 0xA5)
+    return t
+
+
+def poisoned_empty(*args, **kwargs) -> torch.Tensor:
+    """`torch.empty`, poisoned (tests/conftest.py installs it for every test). It lives in this module, not in a
+    conftest, so that torch.compile's guards on it name a module that imports by one name."""
+    return poison(_REAL_EMPTY(*args, **kwargs))
+
+
+def poisoned_empty_like(*args, **kwargs) -> torch.Tensor:
+    """`torch.empty_like`, poisoned (see `poisoned_empty`)."""
+    return poison(_REAL_EMPTY_LIKE(*args, **kwargs))

@@ -18,6 +18,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from autotune import clear_plans, has_cuda, has_wgmma  # noqa: E402
+from specpilot.testing import poisoned_empty, poisoned_empty_like  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):
@@ -30,37 +31,11 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_hopper)
 
 
-_real_empty = torch.empty
-_real_empty_like = torch.empty_like
-
-
-def _poison(t):
-    # Leave tensors alone while torch.compile traces (a fill_ would enter the graph) and
-    # tensors that require grad (inductor's own helpers allocate those).
-    if torch.compiler.is_compiling() or t.requires_grad:
-        return t
-    if t.is_floating_point() or t.is_complex():
-        t.fill_(float("nan"))
-    elif t.dtype == torch.bool:
-        t.fill_(True)
-    elif t.numel():
-        t.fill_(torch.iinfo(t.dtype).max if t.dtype != torch.uint8 else 0xA5)
-    return t
-
-
-def _poisoned_empty(*args, **kwargs):
-    return _poison(_real_empty(*args, **kwargs))
-
-
-def _poisoned_empty_like(*args, **kwargs):
-    return _poison(_real_empty_like(*args, **kwargs))
-
-
 @pytest.fixture(autouse=True)
 def poison_empty(monkeypatch):
     """Every `torch.empty`/`empty_like` made during a test comes back full of NaN."""
-    monkeypatch.setattr(torch, "empty", _poisoned_empty)
-    monkeypatch.setattr(torch, "empty_like", _poisoned_empty_like)
+    monkeypatch.setattr(torch, "empty", poisoned_empty)
+    monkeypatch.setattr(torch, "empty_like", poisoned_empty_like)
     yield
 
 

@@ -67,7 +67,10 @@ VARIANTS = ["mma", "tc", "gemv"]
 
 
 @pytest.mark.parametrize("variant", VARIANTS)
-@pytest.mark.parametrize("M", [1, 2, 4, 8, 16, 32])
+# M = 1 (the CUDA-core GEMV under "tc"), 4 (GEMV_MAX_M), 16 and 32 (two and four 8-token tiles of "mma"); 2 and 8
+# repeat those paths (slow)
+@pytest.mark.parametrize("M", [1, pytest.param(2, marks=pytest.mark.slow), 4, pytest.param(8, marks=pytest.mark.slow),
+                               16, 32])
 @pytest.mark.parametrize("name", [r[0] for r in REAL])
 def test_real_shapes(packed_real, name, M, variant):
     w, p = packed_real[name]
