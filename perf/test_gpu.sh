@@ -12,6 +12,14 @@
 # as it ends (tests/conftest.py), so a run stopped at its limit still shows where the time went. Wheels carried in .whl/ are installed first
 # (perf/gpu_env.sh). Exit status: pytest's.
 cd "$(dirname "$0")/.."
+# the sources' fingerprint (packages, tests, perf; not git's HEAD, which a copied working tree may not carry):
+# `bash perf/test_gpu.sh --fingerprint` prints it on any checkout, to match a log to a commit
+fingerprint() {
+  find autotune gdn lmhead tree_attn w12 specpilot tests perf -path perf/out -prune -o -type f \
+    \( -name '*.py' -o -name '*.cu' -o -name '*.cuh' -o -name '*.json' -o -name '*.sh' \) -print \
+    | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12
+}
+[ "${1:-}" = "--fingerprint" ] && { fingerprint; exit 0; }
 TEST_WORKERS=${TEST_WORKERS:-12}
 . perf/gpu_env.sh
 
@@ -29,7 +37,7 @@ rm -f "$SPECPILOT_TEST_TIMES"
 START=$(date +%s)
 {
   echo "# make test-gpu${PKG:+ PKG=$PKG}${FULL:+ (full${SHARD:+, shard $SHARD})}: -m \"$MARK\" ${SEL[*]}"
-  echo "# $(date -u +%FT%TZ); $(git rev-parse --short HEAD 2>/dev/null || echo 'no git') $(git status --porcelain 2>/dev/null | grep -q . && echo '(uncommitted changes)')"
+  echo "# $(date -u +%FT%TZ); sources $(fingerprint) (bash perf/test_gpu.sh --fingerprint on a checkout)"
   python3 -c "import torch, triton, sys; print(f'# {torch.cuda.get_device_name()} sm_{\"\".join(map(str, torch.cuda.get_device_capability()))}, python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}')" 2>&1
   python3 -c "import fla; print('# fla', fla.__version__)" 2>/dev/null || echo "# fla not installed"
   echo "# $WHEELS; pytest-xdist workers: ${XDIST[*]:-none}"

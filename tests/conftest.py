@@ -7,12 +7,17 @@
   so unwritten elements are caught.
 * Every test starts with no cached dispatch plans, so a test that stubs a capability check or
   a launch sees its own stubs (autotune.clear_plans).
+* oneDNN (torch's CPU BF16 matmuls) is capped at AVX2 unless the caller set ONEDNN_MAX_CPU_ISA: with AMX or
+  AVX512-BF16 it rounds BF16 products differently, and results committed from one x86 machine (the planted-fault
+  check report) would not come out again on another.
 """
 
 import os
 
-import pytest
-import torch
+os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"

@@ -43,15 +43,15 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("variant", [*TRITON, None])
-@pytest.mark.parametrize("layout, nodes_in_cache", [("slot", False), ("slot", True), ("paged", False),
-                                                    ("paged", True)],
-                         ids=["slot-k_new", "slot-nodes-in-cache", "paged-k_new", "paged-nodes-in-cache"])
 # `make test-gpu` runs every variant and layout on the 517-key prefix and the ragged batch of 8 (requests of 0..64
 # nodes); the other prefixes repeat those paths at other lengths and run in `make test-gpu-full` (slow)
 _FAST_CASES = {"B1-draft32-L517", "B8-ragged"}
 
 
+@pytest.mark.parametrize("variant", [*TRITON, None])
+@pytest.mark.parametrize("layout, nodes_in_cache", [("slot", False), ("slot", True), ("paged", False),
+                                                    ("paged", True)],
+                         ids=["slot-k_new", "slot-nodes-in-cache", "paged-k_new", "paged-nodes-in-cache"])
 @pytest.mark.parametrize("case", [c if c in _FAST_CASES else pytest.param(c, marks=pytest.mark.slow) for c in CASES])
 def test_serving_shapes(case, layout, nodes_in_cache, variant, make_batch, check):
     reqs, H, Hkv, D = CASES[case]
