@@ -260,4 +260,41 @@ __device__ __forceinline__ void finish_row(Acc&& acc, int row, uint32_t e0, int 
   });
 }
 
+// The fixed-base decode's row scale (the stream and flow kernels): the x range it needs, its condition, the scale.
+// exponent field of the largest |x| and of the smallest non-zero |x| over the bf16 pairs folded in
+struct XRange {
+  uint32_t mx = 0u;           // per-lane max of |bits|
+  uint32_t mn = 0xFFFFFFFFu;  // per-lane min of |bits| - 1 (0 wraps to 0xFFFF: "no non-zero")
+  __device__ __forceinline__ void add(uint32_t v) {
+    mx = __vmaxu2(mx, v & 0x7FFF7FFFu);
+    mn = __vminu2(mn, ((v | 0x80008000u) - 0x00010001u) ^ 0x80008000u);
+  }
+  __device__ __forceinline__ void add(const uint4& v) {
+    add(v.x);
+    add(v.y);
+    add(v.z);
+    add(v.w);
+  }
+  __device__ __forceinline__ int emax() const { return (int)(max(mx & 0xFFFFu, mx >> 16) >> 7); }
+  __device__ __forceinline__ int emin() const {
+    const uint32_t m = min(mn & 0xFFFFu, mn >> 16);
+    return m == 0xFFFFu ? 255 : (int)((m + 1u) >> 7);
+  }
+};
+
+// the scale identity's condition for a row with window base e (w12_stream.cu's header, docs/w12-kernels.md)
+__device__ __forceinline__ bool scale_exact(int e, int emin, int emax) {
+  if (e == 0) return true;  // decoded with the exact base: scale 1
+  const int s = e - 112;
+  return emin >= 64 - min(s, 0) && emax + max(s, 0) <= 230;
+}
+
+// v * 2^(e - 112) for 1 <= e <= 240, rounded once (2^128 is applied as two exact factors)
+__device__ __forceinline__ float scale_row(float v, int e) {
+  if (e == 0) return v;
+  const int s = e - 112;
+  if (s > 127) return (v * 0x1p64f) * __uint_as_float((uint32_t)(s - 64 + 127) << 23);
+  return v * __uint_as_float((uint32_t)(s + 127) << 23);
+}
+
 }  // namespace
