@@ -17,7 +17,7 @@ from dataclasses import dataclass
 import torch
 
 __all__ = ["assert_bitwise_equal", "bits_of", "error_bound", "assert_close", "rel_err", "Closeness", "capture_graph",
-           "assert_replays_equal", "raises_helpful", "poison", "poisoned_empty", "poisoned_empty_like"]
+           "assert_replays_equal", "raises_helpful", "poison", "poisoned_empty", "poisoned_empty_like", "torch_path"]
 
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -185,3 +185,20 @@ def poisoned_empty(*args, **kwargs) -> torch.Tensor:
 def poisoned_empty_like(*args, **kwargs) -> torch.Tensor:
     """`torch.empty_like`, poisoned (see `poisoned_empty`)."""
     return poison(_REAL_EMPTY_LIKE(*args, **kwargs))
+
+
+@contextlib.contextmanager
+def torch_path():
+    """The CPU a user without a GPU has: TRITON_INTERPRET=0 while the block runs (no Triton interpreter, so the
+    operators take their torch paths), the variable as it was afterwards."""
+    import os
+
+    old = os.environ.get("TRITON_INTERPRET")
+    os.environ["TRITON_INTERPRET"] = "0"
+    try:
+        yield
+    finally:
+        if old is None:
+            del os.environ["TRITON_INTERPRET"]
+        else:
+            os.environ["TRITON_INTERPRET"] = old

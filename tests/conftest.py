@@ -89,3 +89,12 @@ def pytest_runtest_logreport(report):
     if report.failed:  # the failure itself, in case the run is stopped before pytest's summary
         with open(_TIMES + ".failures", "a") as f:
             f.write(f"==== {report.nodeid} ({report.when})\n{str(report.longreprtext)[-4000:]}\n")
+
+
+@pytest.fixture(scope="module")
+def jit_cache(tmp_path_factory):
+    """A fresh JIT cache for one module's build tests: every build is a real NVRTC compilation, once per module."""
+    mp = pytest.MonkeyPatch()
+    mp.setenv("SPECPILOT_CACHE", str(tmp_path_factory.mktemp("jit")))
+    yield
+    mp.undo()

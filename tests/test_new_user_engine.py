@@ -11,7 +11,6 @@ ran into and shows the behaviour that holds now.
   takes both from stats(), and w12.matmul on the CPU is bitwise the fp32-accumulated linear.
 """
 
-import contextlib
 import os
 import re
 from pathlib import Path
@@ -24,24 +23,10 @@ from specpilot import cli
 from specpilot.bench import Case, Prepared, collect, get_shape_set, registry, report, runner
 from specpilot.engine import Engine, check_lossless
 from specpilot.models import tiny_stdlib_path
-from specpilot.testing import raises_helpful
+from specpilot.testing import raises_helpful, torch_path
 
 ROOT = Path(__file__).resolve().parents[1]
 README = (ROOT / "README.md").read_text()
-
-
-@contextlib.contextmanager
-def torch_path():
-    """The CPU a user without a GPU has: no Triton interpreter, the operators' torch paths."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
 
 @pytest.fixture(scope="module")

@@ -197,15 +197,6 @@ def test_state_split_exact_with_three_pieces():
 # ----------------------------------------------------------------------------------- NVRTC
 
 
-@pytest.fixture(scope="module")
-def jit_cache(tmp_path_factory):
-    """A fresh JIT cache shared by this module's build tests: every build is a real NVRTC compilation, once."""
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECPILOT_CACHE", str(tmp_path_factory.mktemp("jit")))
-    yield
-    mp.undo()
-
-
 SPECS = [  # (cfg, node tile, K, build keywords)
     (CudaConfig(), 32, 128, dict(pdl=True)),
     (CudaConfig(BV=32), 32, 128, dict(pdl=True, odt=0)),

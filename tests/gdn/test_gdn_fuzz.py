@@ -13,7 +13,6 @@ runs a few through the Triton kernels under the interpreter. Examples are derand
 lengths and nodes. Counts: FUZZ_EXAMPLES below (670 examples; `--hypothesis-show-statistics` shows how many were rejected calls).
 """
 
-import contextlib
 import math
 import os
 import re
@@ -27,25 +26,12 @@ from hypothesis import strategies as st  # noqa: E402
 
 import gdn  # noqa: E402
 from gdn.reference import commit_reference, conv_reference, recurrent_reference, root_path  # noqa: E402
+from specpilot.testing import torch_path  # noqa: E402
 
 FUZZ_EXAMPLES = {"plan": 150, "verify": 200, "conv": 120, "commit": 150, "kernels": 15, "device": 25,
                  "device_verify": 10}  # 670 examples
 MESSAGE = re.compile(r"^gdn\.[a-z_0-9]+: .+; .+", re.S)
 SETTINGS = dict(deadline=None, derandomize=True, suppress_health_check=list(HealthCheck), database=None)
-
-
-@contextlib.contextmanager
-def torch_path():
-    """The CPU path a user without a GPU gets: no interpreter, the torch reference."""
-    old = os.environ.get("TRITON_INTERPRET")
-    os.environ["TRITON_INTERPRET"] = "0"
-    try:
-        yield
-    finally:
-        if old is None:
-            del os.environ["TRITON_INTERPRET"]
-        else:
-            os.environ["TRITON_INTERPRET"] = old
 
 
 def rejected(e: Exception) -> None:

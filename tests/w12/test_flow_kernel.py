@@ -143,14 +143,6 @@ def test_ladder_step_c_is_the_dense_decode_at_kw_1():
 # --------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def jit_cache(tmp_path_factory):
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECPILOT_CACHE", str(tmp_path_factory.mktemp("jit")))
-    yield
-    mp.undo()
-
-
 def _check_build(b, step: str, arch) -> str:
     res = b.resources()
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
