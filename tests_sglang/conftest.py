@@ -61,6 +61,7 @@ def tiny_model_dir(dest: Path) -> Path:
 def sglang_tp1(tmp_path_factory):
     """SGLang's runtime context for one tensor-parallel rank on the CPU, with the plugin registered."""
     os.environ.setdefault("SPECPILOT_SGLANG_HEAD", "1")
+    os.environ.setdefault("SPECPILOT_SGLANG_TREE_ATTN", "1")
     stub_vllm_rope()
     from specpilot.sglang.plugin import register
 

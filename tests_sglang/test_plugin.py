@@ -35,10 +35,17 @@ from specpilot.sglang.plugin import STATUS
 print("STATUS", sorted(STATUS.items()))
 print("W12", "w12" in QUANTIZATION_METHODS, "w12" in QUANTIZATION_CHOICES)
 print("HEAD_HOOK", "sglang.srt.layers.logits_processor.LogitsProcessor._compute_lm_head" in HookRegistry._patched)
+from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+print("TREE", "specpilot_tree" in ATTENTION_BACKENDS, "specpilot_tree" in ATTENTION_BACKEND_CHOICES)
 if "w12" in QUANTIZATION_CHOICES:  # the launch_server command line, parsed after load_plugins() as SGLang does
     from sglang.srt.server_args import prepare_server_args
     sa = prepare_server_args(["--model-path", sys.argv[1], "--quantization", "w12", "--device", "cpu"])
     print("CLI", sa.quantization)
+if "specpilot_tree" in ATTENTION_BACKEND_CHOICES:
+    from sglang.srt.server_args import prepare_server_args
+    sa = prepare_server_args(["--model-path", sys.argv[1], "--attention-backend", "specpilot_tree", "--device", "cpu"])
+    print("CLI_TREE", sa.attention_backend)
 """
 
 
@@ -53,19 +60,32 @@ def _load(env):
 
 
 def test_sglang_load_plugins_runs_it():
-    """SGLang's own loader, with SGLANG_PLUGINS naming the plugin: all three features on."""
-    out = _load({"SGLANG_PLUGINS": "specpilot", "SPECPILOT_SGLANG_HEAD": "1"})
+    """SGLang's own loader, with SGLANG_PLUGINS naming the plugin: all four features on."""
+    out = _load({"SGLANG_PLUGINS": "specpilot", "SPECPILOT_SGLANG_HEAD": "1", "SPECPILOT_SGLANG_TREE_ATTN": "1"})
     assert "Executed general plugin: specpilot" in out
     assert "self-check passed" in out
-    assert "STATUS [('certified_head', 'ok'), ('w12', 'ok'), ('w12_checkpoint', 'ok')]" in out
-    assert "W12 True True" in out and "HEAD_HOOK True" in out
-    assert "CLI w12" in out
+    assert ("STATUS [('certified_head', 'ok'), ('tree_attn', 'ok'), ('w12', 'ok'), ('w12_checkpoint', 'ok')]"
+            in out)
+    assert "W12 True True" in out and "HEAD_HOOK True" in out and "TREE True True" in out
+    assert "CLI w12" in out and "CLI_TREE specpilot_tree" in out
 
 
 def test_switches_turn_features_off():
-    out = _load({"SGLANG_PLUGINS": "specpilot", "SPECPILOT_SGLANG_W12": "0", "SPECPILOT_SGLANG_HEAD": "0"})
-    assert "STATUS [('certified_head', 'off'), ('w12', 'off'), ('w12_checkpoint', 'ok')]" in out
+    out = _load({"SGLANG_PLUGINS": "specpilot", "SPECPILOT_SGLANG_W12": "0", "SPECPILOT_SGLANG_HEAD": "0",
+                 "SPECPILOT_SGLANG_TREE_ATTN": "0"})
+    assert "STATUS [('certified_head', 'off'), ('tree_attn', 'off'), ('w12', 'off'), ('w12_checkpoint', 'ok')]" in out
     assert "W12 False False" in out and "HEAD_HOOK False" in out
+    assert "TREE False False" in out  # SGLang's backend registry and --attention-backend choices untouched
+
+
+def test_tree_attn_is_off_by_default():
+    e = {"SGLANG_PLUGINS": "specpilot"}
+    import os
+
+    if "SPECPILOT_SGLANG_TREE_ATTN" in os.environ:  # the suite's fixture turns it on in this process only
+        e["SPECPILOT_SGLANG_TREE_ATTN"] = ""
+    out = _load(e)
+    assert "('tree_attn', 'off')" in out and "TREE False False" in out and "CLI_TREE" not in out
 
 
 def test_other_plugin_names_leave_it_out():

@@ -8,11 +8,13 @@ One switch per feature (environment variables, read when the plugin loads; `1` o
 | `SPECPILOT_SGLANG_W12`       | 1 | the `w12` quantization method (`--quantization w12`) |
 | `SPECPILOT_SGLANG_W12_CKPT`  | 1 | reading W12-packed safetensors files through SGLang's loader |
 | `SPECPILOT_SGLANG_HEAD`      | 0 | the certified greedy head on the argmax-only path (changes near-tie answers from the BF16-rounded head's to the exact head's, so it is opt-in) |
+| `SPECPILOT_SGLANG_TREE_ATTN` | 0 | the `specpilot_tree` attention backend (`--attention-backend specpilot_tree`): tree_attn on target-verify forwards, every other mode delegated to the backend SGLang would have used (`SPECPILOT_SGLANG_TREE_ATTN_INNER` names it) |
 | `SPECPILOT_SGLANG_W12_EXCLUDE` | (none) | comma-separated fnmatch patterns of linear-layer prefixes that `w12` keeps in BF16 |
 
 SGLang only logs a plugin's exceptions, so `register()` checks itself: every enabled feature is
 registered, then exercised on tiny CPU tensors (W12 pack, unpack bit for bit and matmul against
-F.linear; the certified head against torch.argmax), and the outcome is logged at WARNING (all
+F.linear; the certified head against torch.argmax; the tree backend's mask conversion and tree_attn
+against its fp64 reference), and the outcome is logged at WARNING (all
 passed) or ERROR (what failed) under the logger `specpilot.sglang`, and kept in `STATUS`.
 """
 
@@ -25,7 +27,8 @@ logger = logging.getLogger("specpilot.sglang")
 
 __all__ = ["register", "STATUS", "SWITCHES", "switch"]
 
-SWITCHES = {"SPECPILOT_SGLANG_W12": True, "SPECPILOT_SGLANG_W12_CKPT": True, "SPECPILOT_SGLANG_HEAD": False}
+SWITCHES = {"SPECPILOT_SGLANG_W12": True, "SPECPILOT_SGLANG_W12_CKPT": True, "SPECPILOT_SGLANG_HEAD": False,
+            "SPECPILOT_SGLANG_TREE_ATTN": False}
 STATUS: dict[str, str] = {}  # feature -> "ok", "off", or "failed: <reason>"
 
 
@@ -115,10 +118,58 @@ def _check_head() -> None:
         raise RuntimeError(f"certified argmax {ids.tolist()} != torch.argmax {want.tolist()}")
 
 
+def _register_tree_attn() -> None:
+    from sglang.srt.arg_groups import choices
+    from sglang.srt.layers.attention.attention_registry import register_attention_backend
+
+    from .tree_backend import NAME, create_backend
+
+    register_attention_backend(NAME)(create_backend)
+    if NAME not in choices.ATTENTION_BACKEND_CHOICES:
+        choices.add_attention_backend_choices([NAME])
+
+
+def _check_tree_attn() -> None:
+    import torch
+
+    import tree_attn
+    from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
+    from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
+
+    from .tree_backend import FULL_MASK, NAME, ancestor_bits, check_tree, create_backend
+
+    if ATTENTION_BACKENDS.get(NAME) is not create_backend or NAME not in ATTENTION_BACKEND_CHOICES:
+        raise RuntimeError(f"{NAME} is not in ATTENTION_BACKENDS / the --attention-backend choices")
+    # one request, prefix 5, the tree 0 -> {1, 2}, 1 -> 3, in SGLang's FULL_MASK layout [n, prefix + n]
+    parents, n, L = (-1, 0, 0, 1), 4, 5
+    full = torch.ones(n, L + n, dtype=torch.bool)
+    full[:, L:] = False
+    for i in range(n):
+        a = i
+        while a >= 0:
+            full[i, L + a] = True
+            a = parents[a]
+    bits = ancestor_bits(full.reshape(-1), torch.tensor([L]), n, FULL_MASK)
+    check_tree(bits, 1, n)
+    if bits.tolist() != [0b1, 0b11, 0b101, 0b1011]:
+        raise RuntimeError(f"mask conversion gave {bits.tolist()}, not the tree's ancestor bits")
+    g = torch.Generator().manual_seed(2)
+    kc, vc = (torch.randn(8, 1, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    q = torch.randn(n, 2, 64, generator=g).to(torch.bfloat16)
+    kn, vn = (torch.randn(n, 1, 64, generator=g).to(torch.bfloat16) for _ in range(2))
+    i32 = {"dtype": torch.int32}
+    args = (torch.tensor([0, L], **i32), torch.arange(L, **i32), torch.tensor([0, n], **i32), bits)
+    got = tree_attn.tree_attention(q, kc, vc, *args, k_new=kn, v_new=vn)
+    want, _ = tree_attn.tree_attention_reference(q, kc, vc, *args, k_new=kn, v_new=vn, dtype=torch.float64)
+    if not torch.allclose(got.double(), want, atol=2e-2, rtol=0):
+        raise RuntimeError("tree_attn on the CPU differs from its fp64 reference on the self-check tree")
+
+
 _FEATURES = (
     ("w12", "SPECPILOT_SGLANG_W12", _register_w12, _check_w12),
     ("w12_checkpoint", "SPECPILOT_SGLANG_W12_CKPT", _register_ckpt, None),
     ("certified_head", "SPECPILOT_SGLANG_HEAD", _register_head, _check_head),
+    ("tree_attn", "SPECPILOT_SGLANG_TREE_ATTN", _register_tree_attn, _check_tree_attn),
 )
 
 
