@@ -70,6 +70,12 @@ class Setup:
         pages = (torch.randperm(slots // ps - 1, generator=self.g) + 1).tolist()
         return [p * ps + o for p in pages for o in range(ps)]
 
+    def token_rows(self, buf):
+        """A layer's cache as token-slot rows [slots, Hkv, D] (under SGLang's HND layout, [pages, Hkv, page, D])."""
+        if self.kv_pool.use_hnd:
+            buf = buf.permute(0, 2, 1, 3)
+        return buf.reshape(-1, self.Hkv, D)
+
     def take(self, n):
         """n slots for one request, which starts on a fresh page as under SGLang's paged allocator."""
         used = -(-n // self.page_size) * self.page_size
@@ -123,7 +129,8 @@ class Setup:
         mask = torch.tensor([b for t in trees for b in _anc(t)], dtype=torch.int64)
         lid = self.layer.layer_id
         out, _ = tree_attn.tree_attention_reference(
-            q.view(-1, self.H, D), self.kv_pool.get_key_buffer(lid), self.kv_pool.get_value_buffer(lid), kv_indptr,
+            q.view(-1, self.H, D), self.token_rows(self.kv_pool.get_key_buffer(lid)),
+            self.token_rows(self.kv_pool.get_value_buffer(lid)), kv_indptr,
             kv_indices, torch.arange(0, (B + 1) * n, n, **i32), mask, sm_scale=self.layer.scaling,
             k_new=k.view(-1, self.Hkv, D), v_new=v.view(-1, self.Hkv, D), dtype=dtype)
         return out
@@ -140,8 +147,8 @@ class Setup:
         assert out.shape == q.shape and out.dtype == DT
         lid = self.layer.layer_id
         slots = torch.tensor(draft)  # the draft tokens' K/V were written where SGLang's out_cache_loc says
-        assert torch.equal(self.kv_pool.get_key_buffer(lid)[slots], k.view(-1, self.Hkv, D))
-        assert torch.equal(self.kv_pool.get_value_buffer(lid)[slots], v.view(-1, self.Hkv, D))
+        assert torch.equal(self.token_rows(self.kv_pool.get_key_buffer(lid))[slots], k)
+        assert torch.equal(self.token_rows(self.kv_pool.get_value_buffer(lid))[slots], v)
         ref64 = self.reference(q, k, v, trees, prefix, torch.float64)
         ref32 = self.reference(q, k, v, trees, prefix, torch.float32)
         assert_close(out.view(-1, self.H, D), ref64, ref32.to(DT), factor=2.0)
@@ -185,6 +192,14 @@ def test_gqa(tree_env, H, Hkv):
 def test_paged_slots(tree_env, page_size):
     """A paged pool: slots are whole pages in a scrambled order, so prefixes and draft tokens straddle pages."""
     Setup(H=4, Hkv=2, page_size=page_size, slots=512, seed=4).run_verify([TREE7, TREE7], [29, 50])
+
+
+def test_hnd_cache_layout(tree_env, monkeypatch):
+    """SGLang's head-major paged cache (SGLANG_USE_HND_KVCACHE=1): [pages, Hkv, page_size, D] per layer."""
+    monkeypatch.setenv("SGLANG_USE_HND_KVCACHE", "1")
+    s = Setup(H=4, Hkv=2, page_size=8, slots=504, seed=12)
+    assert s.kv_pool.use_hnd and s.kv_pool.get_key_buffer(0).shape == (64, 2, 8, D)
+    s.run_verify([TREE6, TREE6[:4] + [3, 0]], [21, 30])
 
 
 def test_two_layers_share_the_forward_plan(tree_env):
@@ -237,6 +252,8 @@ def test_verify_graph_capture_is_refused(tree_env):
     with pytest.raises(RuntimeError, match=r"specpilot\.sglang\.tree_attn: CUDA-graph capture of target-verify.*"
                                            r"--disable-cuda-graph"):
         s.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+    fb.forward_mode = type(fb.forward_mode).DECODE  # other modes' capture is the inner backend's (a no-op here)
+    s.backend.init_forward_metadata_out_graph(fb, in_capture=True)
     assert "specpilot_tree plans target verify on the host" in s.backend.glue_target_verify_metadata()
 
 
@@ -275,3 +292,21 @@ def test_inner_name_must_be_a_backend(tree_env, monkeypatch):
     with pytest.raises(ValueError, match=r"specpilot\.sglang\.tree_attn: SPECPILOT_SGLANG_TREE_ATTN_INNER="
                                          r"'no_such_backend' is not an SGLang attention backend"):
         ATTENTION_BACKENDS["specpilot_tree"](s.runner)
+
+
+def test_inner_default(sglang_tp1, monkeypatch):
+    """Unset, the inner backend is SGLang's default for the model on a GPU runner; other devices must name it."""
+    from sglang.srt.arg_groups.model_override_base import get_default_attn_backend
+    from sglang.srt.arg_groups.overrides import model_config_of, use_mla_backend
+
+    from specpilot.sglang.tree_backend import inner_backend_name
+
+    monkeypatch.delenv("SPECPILOT_SGLANG_TREE_ATTN_INNER", raising=False)
+    sa = sglang_tp1.server_args
+    runner = types.SimpleNamespace(device="cuda", server_args=sa, use_mla_backend=use_mla_backend(sa),
+                                   model_config=model_config_of(sa))
+    assert inner_backend_name(runner) == get_default_attn_backend(sa, False, runner.model_config)
+    runner.device = "cpu"
+    with pytest.raises(RuntimeError, match=r"specpilot\.sglang\.tree_attn: on device 'cpu' the inner backend is "
+                                           r"not resolved automatically; set SPECPILOT_SGLANG_TREE_ATTN_INNER"):
+        inner_backend_name(runner)

@@ -139,11 +139,17 @@ class TreeVerifyState:
 
 
 def inner_backend_name(runner) -> str:
-    """The backend SGLang would have used: `SPECPILOT_SGLANG_TREE_ATTN_INNER`, else SGLang's default choice for
-    this model and platform (`get_default_attn_backend`)."""
+    """The backend SGLang would have used: `SPECPILOT_SGLANG_TREE_ATTN_INNER`, else, on CUDA and ROCm devices,
+    SGLang's default choice for the model and GPU (`get_default_attn_backend`). Other devices (CPU, XPU, NPU,
+    HPU) get theirs from SGLang's platform hooks, which this does not repeat: they must name it."""
     name = os.environ.get(INNER_ENV, "").strip()
     if name:
         return name
+    device = str(getattr(runner, "device", "cuda"))
+    if device != "cuda":
+        raise RuntimeError(f"{FN}: on device {device!r} the inner backend is not resolved automatically; set "
+                           f"{INNER_ENV} to the backend SGLang picks there (e.g. {INNER_ENV}=torch_native, or "
+                           "intel_amx on x86 CPUs with AMX)")
     try:
         from sglang.srt.arg_groups.model_override_base import get_default_attn_backend
 
