@@ -310,3 +310,38 @@ def test_inner_default(sglang_tp1, monkeypatch):
     with pytest.raises(RuntimeError, match=r"specpilot\.sglang\.tree_attn: on device 'cpu' the inner backend is "
                                            r"not resolved automatically; set SPECPILOT_SGLANG_TREE_ATTN_INNER"):
         inner_backend_name(runner)
+
+
+def test_layers_tree_attn_cannot_take_run_the_inner_backend(tree_env, caplog):
+    """A logit-capped layer's verify goes to the inner backend's forward (one warning per reason). The inner here,
+    torch_native, has no verify path of its own: it runs extend attention over the batch's extend fields, so only
+    the routing is checked, not its values."""
+    import logging
+
+    from sglang.srt.layers.radix_attention import RadixAttention
+
+    from specpilot.sglang import tree_backend
+
+    s = Setup(H=4, Hkv=2, seed=13)
+    fb, _, _ = s.verify_batch([CHAIN5], [6])
+    fb.extend_prefix_lens, fb.extend_seq_lens = torch.tensor([1]), torch.tensor([5])  # torch_native's extend fields
+    s.backend.init_forward_metadata(fb)
+    capped = RadixAttention(4, D, D ** -0.5, 2, 0, logit_cap=30.0)
+    before = dict(tree_backend.calls)
+    with caplog.at_level(logging.WARNING, logger="specpilot.sglang"):
+        for _ in range(2):
+            q, k, v = s.qkv(5)
+            out = s.backend.forward(q, k, v, capped, fb)
+            assert out.shape == q.shape
+    assert tree_backend.calls["inner"] == before["inner"] + 2 and tree_backend.calls["tree_attn"] == before["tree_attn"]
+    warned = [r.getMessage() for r in caplog.records if "runs the inner backend" in r.getMessage()]
+    assert len(warned) == 1 and "a logit cap" in warned[0], warned
+    for layer, why in ((RadixAttention(4, D, 1.0, 2, 0, sliding_window_size=16), "a sliding window"),
+                       (RadixAttention(4, 96, 1.0, 2, 0), "head dims qk=96"),
+                       (RadixAttention(4, D, 1.0, 2, 0, v_head_dim=32), "head dims qk=64, v=32")):
+        assert why in s.backend._sp_unsupported(q, k, v, layer, {}, s.kv_pool.get_key_buffer(0))
+    assert s.backend._sp_unsupported(q, k, v, s.layer, {}, s.kv_pool.get_key_buffer(0)) is None
+    fp8 = s.kv_pool.get_key_buffer(0).to(torch.float8_e4m3fn)
+    assert "KV cache of torch.float8_e4m3fn" in s.backend._sp_unsupported(q, k, v, s.layer, {}, fp8)
+    assert "extra attention inputs ['sinks']" in s.backend._sp_unsupported(q, k, v, s.layer, {"sinks": q}, fp8)
+    assert s.backend._sp_unsupported(q, k, v, s.layer, {"sinks": None}, s.kv_pool.get_key_buffer(0)) is None
