@@ -202,6 +202,22 @@ def test_hnd_cache_layout(tree_env, monkeypatch):
     s.run_verify([TREE6, TREE6[:4] + [3, 0]], [21, 30])
 
 
+def test_wrappers_calling_forward_extend_reach_it(tree_env):
+    """SGLang's wrapper backends (HybridLinearAttnBackend of the hybrid GDN models, HybridAttnBackend) call the full
+    attention backend's forward_extend directly: the verify runs tree_attn there too, with the same result."""
+    from specpilot.sglang import tree_backend
+
+    s = Setup(H=4, Hkv=2, seed=14)
+    fb, _, _ = s.verify_batch([TREE6, TREE6], [7, 19])
+    q, k, v = s.qkv(12)
+    s.backend.init_forward_metadata(fb)
+    before = tree_backend.calls["tree_attn"]
+    via_extend = s.backend.forward_extend(q, k, v, s.layer, fb, save_kv_cache=True)
+    via_forward = s.backend.forward(q, k, v, s.layer, fb)
+    assert tree_backend.calls["tree_attn"] == before + 2
+    assert torch.equal(via_extend, via_forward)
+
+
 def test_two_layers_share_the_forward_plan(tree_env):
     """The plan is built once per forward and serves every layer of that shape; a second forward plans again."""
     from sglang.srt.layers.radix_attention import RadixAttention

@@ -15,7 +15,7 @@ Target verify, per forward (`init_forward_metadata`, the host step; it may sync)
 * the prefix: `req_to_token[req_pool_indices[r], :seq_lens[r]]` from the runner's `ReqToTokenPool`;
 * one `tree_attn.plan` per layer shape, checked once.
 
-Per layer (`forward`): the draft tokens' K/V are written to `out_cache_loc` as every SGLang backend does,
+Per layer (`forward_extend`, where SGLang sends target verify): the draft tokens' K/V are written to `out_cache_loc` as every SGLang backend does,
 then `tree_attn.run` attends each draft token to its request's prefix and its ancestors-or-self, with
 `k_new`/`v_new` the layer's own K/V. A layer tree_attn cannot take (logit cap, sliding window, cross
 attention, KV-cache dtype other than q's, head_dim outside tree_attn's, extra attention inputs) runs the
@@ -242,9 +242,11 @@ class TreeVerifyMixin:
             return f"q dtype {q.dtype} with a KV cache of {k_buf.dtype} (tree_attn needs one bf16/fp16 dtype)"
         return None
 
-    def forward(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+    def forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache: bool = True, **kwargs):
+        # Target verify arrives here from AttentionBackend.forward and, directly, from SGLang's wrapper backends
+        # (HybridLinearAttnBackend of the hybrid GDN models, HybridAttnBackend), which call forward_extend.
         if not forward_batch.forward_mode.is_target_verify():
-            return self._sp_base.forward(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            return self._sp_base.forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         st = self._sp_verify
         if st is None:
             raise RuntimeError(f"{FN}: forward of a target-verify batch before init_forward_metadata; SGLang's model "
@@ -257,7 +259,7 @@ class TreeVerifyMixin:
                 self._sp_warned = self._sp_warned | {why}
                 logger.warning("%s: layer %s has %s; its target verify runs the inner backend", FN, layer.layer_id, why)
             calls["inner"] += 1
-            return self._sp_base.forward(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
+            return self._sp_base.forward_extend(self, q, k, v, layer, forward_batch, save_kv_cache, **kwargs)
         H, Hkv, D = layer.tp_q_head_num, layer.tp_k_head_num, layer.qk_head_dim
         k = k.view(-1, Hkv, D)
         v = v.view(-1, Hkv, D)
@@ -286,8 +288,8 @@ _CLASSES: dict[type, type] = {}
 
 
 def wrap(inner, *, req_to_token_pool, token_to_kv_pool):
-    """Turn the inner backend into the tree backend in place (its class becomes a subclass of its own class
-    with `TreeVerifyMixin` first) and return it."""
+    """Turn the inner backend into the tree backend in place (its class becomes a direct subclass of its own
+    class holding `TreeVerifyMixin`'s methods) and return it."""
     cls = type(inner)
     if getattr(cls, "_sp_base", None) is not None:
         raise ValueError(f"{FN}: the inner backend is already {NAME}; set {INNER_ENV} to another backend")
