@@ -36,7 +36,8 @@ def _sglang_mask(trees, prefix_lens, layout):
         n = len(parents)
         bits = _anc(parents)
         tree = torch.tensor([[(bits[i] >> j) & 1 for j in range(n)] for i in range(n)], dtype=torch.bool)
-        parts.append((torch.cat([torch.ones(n, L, dtype=torch.bool), tree], 1) if layout == "full" else tree).reshape(-1))
+        block = torch.cat([torch.ones(n, L, dtype=torch.bool), tree], 1) if layout == "full" else tree
+        parts.append(block.reshape(-1))
     return torch.cat(parts)
 
 
@@ -280,7 +281,8 @@ def test_it_is_the_inner_backend_for_every_other_mode(tree_env):
 
 
     s = Setup(H=4, Hkv=2, seed=10)
-    assert isinstance(s.backend, TorchNativeAttnBackend) and type(s.backend).__name__ == "SpecPilotTreeTorchNativeAttnBackend"
+    assert isinstance(s.backend, TorchNativeAttnBackend)
+    assert type(s.backend).__name__ == "SpecPilotTreeTorchNativeAttnBackend"
     plain = TorchNativeAttnBackend(s.runner)
     B, lens = 2, [9, 14]
     rows = [1, 2]

@@ -8,7 +8,7 @@ One switch per feature (environment variables, read when the plugin loads; `1` o
 | `SPECPILOT_SGLANG_W12`       | 1 | the `w12` quantization method (`--quantization w12`) |
 | `SPECPILOT_SGLANG_W12_CKPT`  | 1 | reading W12-packed safetensors files through SGLang's loader |
 | `SPECPILOT_SGLANG_HEAD`      | 0 | the certified greedy head on the argmax-only path (changes near-tie answers from the BF16-rounded head's to the exact head's, so it is opt-in) |
-| `SPECPILOT_SGLANG_TREE_ATTN` | 0 | the `specpilot_tree` attention backend (`--attention-backend specpilot_tree`): tree_attn on target-verify forwards, every other mode delegated to the backend SGLang would have used (`SPECPILOT_SGLANG_TREE_ATTN_INNER` names it) |
+| `SPECPILOT_SGLANG_TREE_ATTN` | 0 | `--attention-backend specpilot_tree`: tree_attn on target verify (tree_backend.py) |
 | `SPECPILOT_SGLANG_W12_EXCLUDE` | (none) | comma-separated fnmatch patterns of linear-layer prefixes that `w12` keeps in BF16 |
 
 SGLang only logs a plugin's exceptions, so `register()` checks itself: every enabled feature is

@@ -15,11 +15,12 @@ Target verify, per forward (`init_forward_metadata`, the host step; it may sync)
 * the prefix: `req_to_token[req_pool_indices[r], :seq_lens[r]]` from the runner's `ReqToTokenPool`;
 * one `tree_attn.plan` per layer shape, checked once.
 
-Per layer (`forward_extend`, where SGLang sends target verify): the draft tokens' K/V are written to `out_cache_loc` as every SGLang backend does,
-then `tree_attn.run` attends each draft token to its request's prefix and its ancestors-or-self, with
-`k_new`/`v_new` the layer's own K/V. A layer tree_attn cannot take (logit cap, sliding window, cross
-attention, KV-cache dtype other than q's, head_dim outside tree_attn's, extra attention inputs) runs the
-inner backend's verify, whose metadata is built too, with one warning per reason.
+Per layer (`forward_extend`, where SGLang sends target verify): the draft tokens' K/V are written to
+`out_cache_loc` as every SGLang backend does, then `tree_attn.run` attends each draft token to its request's
+prefix and its ancestors-or-self, with `k_new`/`v_new` the layer's own K/V. A layer tree_attn cannot take
+(logit cap, sliding window, cross attention, KV-cache dtype other than q's, head_dim outside tree_attn's,
+extra attention inputs) runs the inner backend's verify, whose metadata is built too, with one warning per
+reason.
 
 CUDA-graph capture of target verify is refused (a fixed node budget per request is not built): start SGLang
 with `--disable-cuda-graph`. Decode and other modes are captured by the inner as before.
