@@ -334,3 +334,15 @@ def test_demo_table_takes_its_figures_from_one_source(eng):
         _, steps, tau, ms, tps, same = (c.strip() for c in row.split("|"))
         assert int(steps) == eng.stats()[kind]["steps"] and same == "identical"
         assert float(tps) == pytest.approx(float(tau) * 1e3 / float(ms), rel=0.01, abs=0.06)
+
+
+def test_nan_logits_stop_generate_with_the_reason(eng, monkeypatch):
+    """The certified head answers lmhead.NAN_ID (-1) for a row holding NaN; generate refuses to emit it or feed it
+    back as the next input, and says what to check."""
+    import lmhead
+
+    real = type(eng.model).argmax
+    monkeypatch.setattr(type(eng.model), "argmax", lambda self, h: torch.full_like(real(self, h), lmhead.NAN_ID))
+    for speculative in (False, True):
+        with pytest.raises(RuntimeError, match=r"^specpilot\.engine\.Engine\.generate: the target's logits held NaN"):
+            eng.generate(list(b"def f(x):"), max_new_tokens=4, speculative=speculative)

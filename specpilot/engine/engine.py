@@ -231,6 +231,10 @@ class Engine:
         eos = self.model.cfg.eos_token_id
         while len(out) < max_new_tokens:
             new = self._step(ctx, speculative)
+            if any(t < 0 for t in new):  # lmhead.NAN_ID: the head saw a NaN logit; the step's next input is not a token
+                raise RuntimeError(f"{fn}: the target's logits held NaN at new token {len(out) + new.index(min(new))} "
+                                   "(the certified head's argmax is lmhead.NAN_ID there); check the checkpoint's weights "
+                                   "for NaN/Inf and load it in BF16")
             kept = new[:max_new_tokens - len(out)]
             if eos in kept:
                 kept = kept[:kept.index(eos) + 1]
