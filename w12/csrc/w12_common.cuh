@@ -297,4 +297,17 @@ __device__ __forceinline__ float scale_row(float v, int e) {
   return v * __uint_as_float((uint32_t)(s + 127) << 23);
 }
 
+// the fixed-base accumulators (rows e0r[0] and e0r[1] of the lane) scaled once by 2^(e0 - 112) when the identity holds
+// for every row of the warp; false, with acc untouched, where it does not (the caller recomputes with the exact base)
+template <int NT>
+__device__ __forceinline__ bool scale_rows(float (&acc)[NT][4], const int (&e0r)[2], int emin, int emax) {
+  const bool ok = scale_exact(e0r[0], emin, emax) && scale_exact(e0r[1], emin, emax);
+  if (!__all_sync(0xFFFFFFFFu, ok)) return false;
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int v = 0; v < 4; ++v) acc[j][v] = scale_row(acc[j][v], e0r[v >> 1]);
+  return true;
+}
+
 }  // namespace

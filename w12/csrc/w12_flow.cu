@@ -339,13 +339,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
       int emin = 255, emax = 0;
 #pragma unroll
       for (int i = 0; i < KW; ++i) emin = min(emin, s_emin[i]), emax = max(emax, s_emax[i]);
-      const bool ok = scale_exact(e0r[0], emin, emax) && scale_exact(e0r[1], emin, emax);
-      if (__all_sync(0xFFFFFFFFu, ok)) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int v = 0; v < 4; ++v) acc[j][v] = scale_row(acc[j][v], e0r[v >> 1]);
-      } else {
+      if (!scale_rows<NT>(acc, e0r, emin, emax)) {
         // this warp's share again with the exact base, tiles read from global memory in the loop's order
         uint32_t e0x[2];
 #pragma unroll

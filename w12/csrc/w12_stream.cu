@@ -388,15 +388,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12_CPS) w12_matmul_str
       if (k == 0) first_escapes();
     }
     if constexpr (FIXED) {
-      const bool ok = scale_exact(e0r[0], emin, emax) && scale_exact(e0r[1], emin, emax);
-      if (__all_sync(0xFFFFFFFFu, ok)) {
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int v = 0; v < 4; ++v) acc[j][v] = scale_row(acc[j][v], e0r[v >> 1]);
-      } else {
-        exact_share(rg, c0, len);
-      }
+      if (!scale_rows<NT>(acc, e0r, emin, emax)) exact_share(rg, c0, len);
     }
     if (len == KC) {
       epilogue(rg);  // the whole row group is this CTA's
