@@ -155,14 +155,22 @@ def _kernel(cfg, nt: int, q8: bool, device: torch.device, defines: tuple, smem: 
 
 
 def _load(cfg, nt: int, q8: bool, idx: int, defines: tuple, smem: int | None) -> tuple[jit.Kernel, int]:
-    need = smem_bytes(cfg, nt, q8)
+    return load_with_smem("w12.cuda", cfg, nt, idx, smem_bytes(cfg, nt, q8), smem, _STATIC_SMEM,
+                          lambda arch: spec(cfg, nt, q8, arch, defines=dict(defines)), "pipe stages or warps")
+
+
+def load_with_smem(op: str, cfg, nt: int, idx: int, need: int, smem: int | None, static: int, make_spec,
+                   fewer: str) -> tuple[jit.Kernel, int]:
+    """Load `make_spec(arch)` into device `idx` with `smem` (at least `need`) bytes of dynamic shared memory per CTA,
+    raising the kernel's limit where dynamic + `static` passes the default 48 KB; refused with `op`'s message where
+    the GPU allows less. Returns the kernel and its dynamic shared memory."""
     smem = need if smem is None else max(smem, need)
     limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
-    if smem + _STATIC_SMEM > limit:
-        raise ValueError(f"w12.cuda: {cfg} needs {smem} bytes of shared memory per CTA at nt={nt}; this GPU allows "
-                         f"{limit}: use fewer pipe stages or warps")
-    kernel = spec(cfg, nt, q8, torch.cuda.get_device_capability(idx), defines=dict(defines)).load(idx)
-    if smem + _STATIC_SMEM > _SMEM_DEFAULT_MAX:  # dynamic + static must fit the raised limit
+    if smem + static > limit:
+        raise ValueError(f"{op}: {cfg} needs {smem} bytes of shared memory per CTA at nt={nt}; this GPU allows "
+                         f"{limit}: use fewer {fewer}")
+    kernel = make_spec(torch.cuda.get_device_capability(idx)).load(idx)
+    if smem + static > _SMEM_DEFAULT_MAX:  # dynamic + static must fit the raised limit
         kernel.set_max_dynamic_smem(smem)
     return kernel, smem
 

@@ -25,6 +25,7 @@ import torch
 from autotune import jit
 
 from .configs import FlowConfig
+from .cuda import load_with_smem
 from .layout import TiledW12, tile
 from .format import W12Weight, _codes, _to_int16, padded_k, unpack
 
@@ -44,7 +45,6 @@ STEPS: dict[str, dict[str, int]] = {
     "e": dict(W12F_X=1, W12F_EPI=1, W12F_ESC=1, W12F_RED=1),
 }
 _BIAS_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
-_SMEM_DEFAULT_MAX = 48 << 10
 _STATIC_SMEM = 256  # the kernel's own __shared__ x-range slots (8 bytes per K split), with room to spare
 
 
@@ -128,16 +128,8 @@ _TYPES = (jit.PTR, jit.I64, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR
 
 def _kernel(cfg: FlowConfig, nt: int, step: str, idx: int, defines: tuple, smem: int | None) -> tuple[jit.Kernel, int]:
     def make():
-        need = smem_bytes(cfg, nt, step)
-        s = need if smem is None else max(smem, need)
-        limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
-        if s + _STATIC_SMEM > limit:
-            raise ValueError(f"w12.flow: {cfg} needs {s} bytes of shared memory per CTA at nt={nt}; this GPU allows "
-                             f"{limit}: use fewer stages or warps")
-        k = spec(cfg, nt, torch.cuda.get_device_capability(idx), step=step, defines=dict(defines)).load(idx)
-        if s + _STATIC_SMEM > _SMEM_DEFAULT_MAX:
-            k.set_max_dynamic_smem(s)
-        return k, s
+        return load_with_smem("w12.flow", cfg, nt, idx, smem_bytes(cfg, nt, step), smem, _STATIC_SMEM,
+                              lambda arch: spec(cfg, nt, arch, step=step, defines=dict(defines)), "stages or warps")
 
     return _KERNELS.get_or_make((cfg, nt, step, idx, defines, smem), make)
 
