@@ -17,7 +17,7 @@ from typing import Any, Callable, Hashable, NamedTuple
 import torch
 
 from .config import forced
-from .hardware import compute_capability, has_cuda, is_interpreter
+from .hardware import compute_capability, has_cuda, host_only, is_interpreter
 
 __all__ = ["Variants", "Plan", "PlanCache", "clear_plans", "which_variant"]
 
@@ -90,7 +90,7 @@ class Variants:
         if variant is None:
             return self.default(device), False
         self.check(variant, where)
-        if variant != self.fallback and device is not None and _host_only(device):
+        if variant != self.fallback and device is not None and host_only(device):
             raise ValueError(
                 f"{where or self.op}: variant {variant!r} cannot run on CPU tensors without the Triton interpreter; "
                 f"start Python with TRITON_INTERPRET=1 set (before torch or triton is imported) to run it under "
@@ -109,10 +109,6 @@ class Variants:
 
 
 _REGISTRY: dict[str, Variants] = {}
-
-
-def _host_only(device) -> bool:
-    return torch.device(device).type == "cpu" and not is_interpreter()
 
 
 def which_variant(op: str, device: torch.device | str | None = None, *, variant: str | None = None) -> str:
