@@ -13,6 +13,8 @@ M = 1 and 32, side by side in the same process:
             feature: a stream + decode (mma.sync against a constant B: the probe), b + x, c + the epilogue (scale
             and its guard, bias, rounding, store), d + escapes, e + the K-split reduction (the whole kernel)
   e@...     step e at other K splits and ring depths (--sweep, on by default)
+  c-nofold, e-nofold, b-xfixed, e-xfixed   with --ablate: the heuristic's config with one part taken out, for
+            timing only (w12.flow.ABLATIONS: no x-range fold; x of the first unit only, i.e. no x traffic)
 
 Checks before any timing (a figure is printed only when its check passed): step e of every timed config against
 fp64 (specpilot.testing.assert_close, the tolerance derived from cuBLAS on the same inputs), and bit for bit against
@@ -85,7 +87,7 @@ def layer_shapes(names: list[str]) -> dict[str, tuple[int, int]]:
 
 def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool):
     """(label, FlowConfig) of the flow rows of one cell: the heuristic's config for the ladder, then step e at
-    other K splits (1..8) and ring depths (4, 8) when `sweep`."""
+    other K splits (1..8) and ring depths (4, 8), and CTAs of 4 and 16 warps, when `sweep`."""
     from unittest import mock
 
     import w12.configs as wc
@@ -99,10 +101,14 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool):
                 cfg = wc.FlowConfig(warps=base.warps, kw=kw, stages=stages, cps=base.cps)
                 if cfg != base:
                     out.append((f"e@{cfg.tag()}", cfg))
+        for warps, cps in ((4, 4), (16, 1)):  # the same warps per SM in smaller and larger CTAs
+            for kw in sorted({min(base.kw, warps), min(2 * base.kw, warps)}):
+                cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps)
+                out.append((f"e@{cfg.tag()}", cfg))
     return out
 
 
-def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: bool):
+def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: bool, ablate: bool = False):
     """Every (layer, M) cell's rows: [(row name, FlowConfig, step)], and the builds they need: {(cfg, nt, step)}
     including the check-only builds (steps c and d at kw = 1, the exact-base build of every step-e config)."""
     from w12 import flow
@@ -122,6 +128,9 @@ def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: boo
                 if label == "ladder":
                     one = FlowConfig(cfg.warps, 1, cfg.stages, cfg.cps)
                     builds.update({(one, nt, "c"), (one, nt, "d")})
+                    for abl in flow.ABLATIONS if ablate else ():
+                        rows.append((abl, cfg, abl))
+                        builds.add((cfg, nt, abl))
             cells.append((name, n, k, m, rows))
     return cells, builds
 
@@ -219,7 +228,7 @@ def run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]
     else:
         sms, arch = args.sms, (args.arch // 10, args.arch % 10)
     layers = layer_shapes(args.layers) if layers is None else layers
-    cells, builds = plan(layers, args.m, sms, args.sweep)
+    cells, builds = plan(layers, args.m, sms, args.sweep, args.ablate)
     t0 = time.perf_counter()
     regs = precompile(builds, arch, workers=args.workers)
     print(f"built {len(builds)} specialisations for sm_{arch[0]}{arch[1]} in {time.perf_counter() - t0:.1f} s "
@@ -303,6 +312,10 @@ def _flow_check(cfg, step: str, x, p, t, w, cols, what: str) -> str:
 
     m, n = x.shape[0], p.N
     out = torch.full((m, n), float("nan"), device=x.device, dtype=torch.bfloat16)
+    if step in flow.ABLATIONS:
+        flow.launch_tiled(cfg, x, t, None, out, step=step)
+        _sync(what, x.device)
+        return "runs (ablation, unchecked)"
     if step in ("a", "b"):
         flow.launch_tiled(cfg, x, t, None, out, step=step)  # runs; writes nothing
         _sync(what, x.device)
@@ -337,7 +350,7 @@ def write_outputs(rows: list[Row], meta: dict) -> None:
 
 def build_only(args) -> int:
     """NVRTC builds of every specialisation a run launches (132 SMs assumed for the heuristic), on the CPU."""
-    cells, builds = plan(layer_shapes(args.layers), args.m, args.sms, args.sweep)
+    cells, builds = plan(layer_shapes(args.layers), args.m, args.sms, args.sweep, args.ablate)
     arch = (args.arch // 10, args.arch % 10)
     t0 = time.perf_counter()
     regs = precompile(builds, arch, workers=args.workers)
@@ -355,6 +368,7 @@ def parse(argv=None):
     ap.add_argument("--m", nargs="+", type=int, default=[1, 32])
     ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
                     help="also step e at other K splits and ring depths")
+    ap.add_argument("--ablate", action="store_true", help="add the ablation rows (module doc)")
     ap.add_argument("--reps", type=int, default=60, help="timed graph replays per row")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip the rows left after this many seconds")
     ap.add_argument("--build-only", action="store_true", help="only NVRTC builds (no GPU needed)")

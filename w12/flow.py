@@ -10,6 +10,9 @@ Ladder builds. `STEPS` names the feature defines of the five steps of docs/w12-k
 "a" stream and decode (mma.sync against a constant B, as the probe), "b" + x, "c" + the epilogue, "d" + escapes,
 "e" + the K-split reduction (the full kernel, the only step `launch` runs unless told otherwise). Steps "a" and "b"
 write no output; "c" and "d" give the product only with kw = 1 ("c" without the escapes' correction).
+`ABLATIONS` are builds for timing only, each a step with one part taken out (perf/w12_ladder.py --ablate): "-nofold"
+without the x-range fold (the guard then passes every row: wrong on hostile x), "-xfixed" with every unit reading
+the first unit's x (wrong results; it prices the x traffic).
 
 Everything here is host code: `spec`, `build`, `smem_bytes` and `grid` run without a GPU (NVRTC).
 """
@@ -29,7 +32,7 @@ from .cuda import load_with_smem
 from .layout import TiledW12, tile
 from .format import W12Weight, _codes, _to_int16, padded_k, unpack
 
-__all__ = ["SOURCE", "KERNEL", "STEPS", "MAX_M", "MAX_KP", "n_tiles", "spec", "build", "smem_bytes", "grid", "tiled",
+__all__ = ["SOURCE", "KERNEL", "STEPS", "ABLATIONS", "MAX_M", "MAX_KP", "n_tiles", "spec", "build", "smem_bytes", "grid", "tiled",
            "launch", "launch_tiled", "ladder_weight"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_flow.cu"
@@ -44,8 +47,14 @@ STEPS: dict[str, dict[str, int]] = {
     "d": dict(W12F_X=1, W12F_EPI=1, W12F_ESC=1, W12F_RED=0),
     "e": dict(W12F_X=1, W12F_EPI=1, W12F_ESC=1, W12F_RED=1),
 }
+ABLATIONS: dict[str, dict[str, int]] = {
+    "c-nofold": STEPS["c"] | dict(W12F_FOLD=0),
+    "e-nofold": STEPS["e"] | dict(W12F_FOLD=0),
+    "b-xfixed": STEPS["b"] | dict(W12F_XSTEP=0),
+    "e-xfixed": STEPS["e"] | dict(W12F_XSTEP=0),
+}
 _BIAS_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
-_STATIC_SMEM = 256  # the kernel's own __shared__ x-range slots (8 bytes per K split), with room to spare
+_STATIC_SMEM = 256  # the kernel's own __shared__ x-range slots (8 bytes per warp), with room to spare
 
 
 def n_tiles(M: int) -> int:
@@ -56,9 +65,9 @@ def n_tiles(M: int) -> int:
 
 
 def _check_step(step: str) -> dict[str, int]:
-    if step not in STEPS:
-        raise ValueError(f"w12.flow: step must be one of {sorted(STEPS)}, got {step!r}")
-    return STEPS[step]
+    if step not in STEPS and step not in ABLATIONS:
+        raise ValueError(f"w12.flow: step must be one of {sorted(STEPS) + sorted(ABLATIONS)}, got {step!r}")
+    return STEPS.get(step) or ABLATIONS[step]
 
 
 def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
@@ -86,7 +95,7 @@ def build(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
 def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e") -> int:
     """Dynamic shared memory of one CTA: a ring of `stages` tiles per warp, and the K-split partials (step "e",
     kw > 1: 512 bytes per warp and token tile)."""
-    red = STEPS[step]["W12F_RED"] if step in STEPS else 1
+    red = _check_step(step)["W12F_RED"]
     return cfg.warps * cfg.stages * TILE + (cfg.warps * nt * 512 if red and cfg.kw > 1 else 0)
 
 
@@ -188,7 +197,9 @@ def ladder_weight(packed: W12Weight, step: str = "e") -> torch.Tensor | None:
     """The BF16 weight [N, K] whose product a ladder build computes, for checking it: steps "d" and "e" the weight
     itself (`w12.unpack`); step "c" the dense decode alone, every code 0 read as 2^(e0 - 127) (+0.0 where e0 = 0)
     and no escape applied; steps "a" and "b" compute none (None). "c" and "d" give it only with kw = 1."""
-    _check_step(step)
+    if step not in STEPS:
+        raise ValueError(f"w12.flow.ladder_weight: step must be one of {sorted(STEPS)} (an ablation computes no "
+                         f"product to check), got {step!r}")
     if step in ("a", "b"):
         return None
     if step != "c":

@@ -11,6 +11,8 @@ from pathlib import Path
 import pytest
 import torch
 
+from w12.flow import ABLATIONS
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -32,14 +34,20 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
     for name, n, k, m, rows in cells:
         assert [r[0] for r in rows[:5]] == list("abcde")
         assert len({r[1] for r in rows[:5]}) == 1  # one config through the ladder
-        assert len(rows) == 5 + 7 and all(r[2] == "e" for r in rows[5:])
+        assert all(r[2] == "e" for r in rows[5:])
+        assert len([r for r in rows[5:] if r[1].warps == 8]) == 7  # K splits 1..8 x ring depths 4, 8, less the ladder's
+        kw = rows[0][1].kw
+        assert {(r[1].warps, r[1].cps, r[1].kw) for r in rows[5:] if r[1].warps != 8} == (
+            {(4, 4, min(k, 4)) for k in (kw, 2 * kw)} | {(16, 1, min(k, 16)) for k in (kw, 2 * kw)})
     kws = {name: rows[0][1].kw for name, n, k, m, rows in cells}
     assert kws == {"in_proj": 2, "gate_up": 8, "o_proj": 4}
-    assert len(builds) == 60
+    assert len(builds) == 84
     assert any(not cfg.fixed for cfg, nt, step in builds)  # the exact-base twins of step e
     assert {(cfg.kw, step) for cfg, nt, step in builds if step in "cd" and cfg.kw == 1} == {(1, "c"), (1, "d")}
     _, few = ladder.plan(ladder.layer_shapes(["o_proj"]), [1], 132, sweep=False)
     assert len(few) == 5 + 1 + 2  # steps a..e, the exact-base e, steps c and d at kw = 1
+    cells, abl = ladder.plan(ladder.layer_shapes(["o_proj"]), [1], 132, sweep=False, ablate=True)
+    assert [r[0] for r in cells[0][4][5:]] == list(ABLATIONS) and len(abl) == len(few) + len(ABLATIONS)
 
 
 def test_table_and_files(ladder, tmp_path, monkeypatch):
@@ -113,7 +121,8 @@ def test_run_end_to_end_with_torch_stand_ins(ladder, monkeypatch):
     monkeypatch.setattr(ladder, "precompile", lambda builds, arch, workers=8: {b: "64r" for b in builds})
     args = ladder.parse(["--m", "1", "5", "--reps", "3"])
     rows = ladder.run(args, torch.device("cpu"), {"in_proj": (40, 130), "gate_up": (33, 64), "o_proj": (16, 200)})
-    assert len(rows) == 6 * (2 + 5 + 7)
+    assert len(rows) == sum(2 + 5 + len(ladder.flow_configs(m, n, k, 132, True)) - 1
+                            for n, k in ((40, 130), (33, 64), (16, 200)) for m in (1, 5))
     assert [r.status for r in rows if r.status != "ok"] == []
     assert all(r.us == pytest.approx(20.0) for r in rows)
     checks = {r.row: r.check for r in rows if r.layer == "o_proj" and r.M == 5}

@@ -4,7 +4,7 @@
 unit range, the cp.async copies of a tile into its ring slot (three 16-byte pieces per lane, absent rows of a partial
 block zero-filled) and the shared-memory offsets the lanes read back, the masked tail's byte-by-byte fragments, the
 fixed-base decode (prmt + shift + two lop3) into the mma.m16n8k16 A fragments, x as the B fragments, the x-range
-fold of the CTA's first row block and the scale guard (with the exact-base recomputation), the K-split reduction in
+fold (each unit by one of the CTA's active row blocks in turn) and the scale guard (with the exact-base recomputation), the K-split reduction in
 warp order, the escapes in CSR order, the bias. Products and sums are fp64 (each bf16 product is exact there), or,
 with `fp32=True`, every mma's sum and every later step is rounded to fp32, as a model of the kernel's arithmetic.
 Returns the value before the final rounding ([M, N], float64) and counters of the paths taken.
@@ -227,7 +227,8 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     for cta in range(grid):
         parts = {}
         meta = {}
-        fold = []  # x words the CTA's first row block loads
+        fold = []  # x words the CTA folds: unit c0 + i of a K range by the row block i mod RA (RA: active ones)
+        RA = min(RW, NB - cta * RW)
         for warp in range(warps):
             rw, ks = divmod(warp, kw)
             rb = cta * RW + rw
@@ -244,7 +245,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
             acc = np.zeros((NT, 4, 32))
             for c in range(c0, cend):
                 xfr = x_frag(c)
-                if rw == 0:
+                if (c - c0) % RA == rw:
                     fold.append(xfr)
                 h, lw = ring_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
                 tile_mma(acc, h, lw, xfr, kk, fixed)
@@ -300,3 +301,22 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                             out[tok, row] = v
     assert written.all(), f"{int((~written).sum())} outputs not written"
     return out, stats
+
+
+def one_unit_tiny_case(unit: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(w [48, 556], calm x, x) with half the rows tiny (e0 ~ 20, outside the identity's range for |x| < 2^29). Calm x
+    is +-[1, 2) 2^40 everywhere (every row passes the guard); x is zero but for +-[1, 2) 2^-40 in the 64 columns
+    of `unit` (one K unit), where the exact-base products of the tiny rows are subnormal and the fixed-base ones
+    are not, so that only the guard's recomputation gives the exact-base bits."""
+    g = torch.Generator().manual_seed(12)
+    w = torch.randn(48, 556, generator=g) * 0.05
+    w[24:] *= 2.0**-100
+
+    def mag(n: int, k: int) -> torch.Tensor:
+        return (1 + torch.rand(n, k, generator=g)) * torch.where(torch.rand(n, k, generator=g) < 0.5, -1.0, 1.0)
+
+    calm = mag(3, 556) * 2.0**40
+    x = torch.zeros(3, 556)
+    cols = slice(64 * unit, min(64 * unit + 64, 556))
+    x[:, cols] = mag(3, cols.stop - cols.start) * 2.0**-40
+    return w.to(torch.bfloat16), calm.to(torch.bfloat16), x.to(torch.bfloat16)

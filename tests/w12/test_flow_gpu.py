@@ -17,7 +17,7 @@ from specpilot.testing import assert_close
 from w12 import flow, layout
 from w12.configs import FlowConfig
 
-from flow_emu import hostile_weight
+from flow_emu import hostile_weight, one_unit_tiny_case
 
 pytestmark = pytest.mark.gpu
 
@@ -74,6 +74,19 @@ def test_fixed_base_equals_exact_base_bitwise(cfg, xkind):
         x.view(-1)[idx] = torch.tensor(vals, device="cuda").to(torch.bfloat16)[idx % len(vals)]
     fixed = _run(cfg, x, t)
     exact = _run(FlowConfig(cfg.warps, cfg.kw, cfg.stages, cfg.cps, fixed=False), x, t)
+    assert torch.equal(fixed.view(torch.int16), exact.view(torch.int16))
+
+
+@pytest.mark.parametrize("unit", [0, 3, 7, 8])
+def test_every_unit_reaches_the_guard(unit):
+    """x non-zero in one K unit only, in a CTA with 3 of 4 row blocks active: the fold of that unit reaches the
+    guard, so the fixed-base build gives the exact-base build's bits (tests/w12/test_flow_kernel.py shows, in the
+    fp32 model, that without the guard it would not)."""
+    w, _, x = one_unit_tiny_case(unit)
+    t = layout.tile(w12.pack(w.cuda()))
+    x = x.cuda()
+    fixed = _run(FlowConfig(warps=8, kw=2), x, t)
+    exact = _run(FlowConfig(warps=8, kw=2, fixed=False), x, t)
     assert torch.equal(fixed.view(torch.int16), exact.view(torch.int16))
 
 

@@ -24,7 +24,7 @@ import w12
 from w12 import flow, layout
 from w12.configs import FlowConfig, flow_heuristic
 
-from flow_emu import emulate, hostile_weight
+from flow_emu import emulate, hostile_weight, one_unit_tiny_case
 
 
 def _bf16_bits(v64: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -118,6 +118,23 @@ def test_fixed_base_with_guard_equals_exact_base_in_fp32(x_exp):
     if x_exp == -40:
         unguarded, _ = emulate(x, t, warps=4, kw=2, fp32=True, guard=False)
         assert not np.array_equal(unguarded, exact), "the guard is needed here"
+
+
+@pytest.mark.parametrize("unit", [0, 3, 7, 8])
+def test_every_unit_reaches_the_guard(unit):
+    """The x range is folded by the CTA's active row blocks in turn, one unit each. With 3 of 4 row blocks active
+    (N = 48, warps = 8, kw = 2: 4 units per K range plus the masked tail) and x non-zero (near 2^-40) in one unit only (3 and 7: the
+    fourth turn of each K range, 8: the tail), the guard still fires, and the fixed-base build gives the exact-base
+    build's bits (fp32 model). With normal x everywhere the guard passes every row."""
+    w, calm, x = one_unit_tiny_case(unit)
+    t = layout.tile(w12.pack(w))
+    assert emulate(calm, t, warps=8, kw=2, fp32=True)[1]["fallback"] == 0
+    exact, _ = emulate(x, t, warps=8, kw=2, fixed=False, fp32=True)
+    fixed, stats = emulate(x, t, warps=8, kw=2, fp32=True)
+    assert stats["fallback"] > 0, "the guard saw the tiny unit"
+    assert torch.equal(torch.tensor(fixed), torch.tensor(exact))
+    unguarded, _ = emulate(x, t, warps=8, kw=2, fp32=True, guard=False)
+    assert not np.array_equal(unguarded, exact), "the guard is needed here"
 
 
 def test_ladder_step_c_is_the_dense_decode_at_kw_1():

@@ -22,7 +22,8 @@
 // scale 1). The scale is exact when every intermediate is zero or normal in both domains; with Kp <= 2^18,
 // |w'| in [2^-15, 2) and Emin, Emax the exponent fields of the smallest non-zero and the largest |x| the CTA
 // reads, that holds when Emin >= 64 - min(s, 0) and Emax + max(s, 0) <= 230, s = e0 - 112 (docs/w12-kernels.md).
-// The warps of the CTA's first row block fold that range while they load x; a warp whose rows fail the
+// The active warps that read the same K range fold that range while they load x, each every RA-th unit (RA: the CTA's
+// active row blocks; no warp of the CTA carries more of it than the others, and the CTA ends with its slowest warp); a warp whose rows fail the
 // condition recomputes its share with the exact base from global memory, which is the FIXED = 0 build's result
 // bit for bit.
 //
@@ -33,6 +34,9 @@
 //   W12F_RED  (e) the K-split reduction across the KW warps of a row block (0: warp ks = 0 stores its own share,
 //                 which is the whole product only for KW = 1)
 // Steps without W12F_EPI write nothing but a never-taken store to `sink`, which keeps the work alive.
+// Two ablations exist for timing only (perf/w12_ladder.py --ablate); both give wrong results on some inputs:
+//   W12F_FOLD=0   no x range is folded (the guard then passes every row)
+//   W12F_XSTEP=0  every unit reads the first unit's x (x always in L1), to price the x traffic
 
 #include "w12_common.cuh"
 
@@ -69,6 +73,12 @@
 #ifndef W12F_RED
 #define W12F_RED 1
 #endif
+#ifndef W12F_FOLD
+#define W12F_FOLD 1
+#endif
+#ifndef W12F_XSTEP
+#define W12F_XSTEP 1
+#endif
 
 namespace {
 
@@ -83,6 +93,7 @@ constexpr bool EPI = W12F_EPI != 0;
 constexpr bool ESC = W12F_ESC != 0;
 constexpr bool RED = W12F_RED != 0 && KW > 1;
 constexpr bool GUARD = EPI && FIXED;  // the x range and the exact-base recomputation
+constexpr bool FOLD = GUARD && W12F_FOLD != 0;
 constexpr int TILE = 1536;            // one 16 x 64 tile image in the ring
 constexpr uint32_t BASE112 = 0x38003800u;
 static_assert(WARPS >= 1 && WARPS <= 16 && KW >= 1 && WARPS % KW == 0, "KW must divide WARPS (<= 16)");
@@ -172,7 +183,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
     int M, int N, int K,
     float* __restrict__ sink) {           // [blockDim.x]: steps without the epilogue, a never-taken store
   extern __shared__ __align__(16) uint8_t smem[];
-  __shared__ int s_emin[KW], s_emax[KW];
+  __shared__ int s_emin[WARPS], s_emax[WARPS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, p = lane & 3;
   const int rw = warp / KW, ks = warp - rw * KW;
@@ -226,8 +237,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
   }
   grid_dep_wait();
 
-  const bool fold = GUARD && rw == 0;  // the CTA's first row block folds the x range
   XRange xr;
+  // the unit's turn among the CTA's RA active row blocks (the last CTA may have fewer than RW): warp rw folds the
+  // units of its K range with fu == rw, so that every unit a warp reads is folded by one warp
+  const int RA = min(RW, NB - (int)blockIdx.x * RW);
+  int fu = 0;
   // the lane's x: token 8 j + g of n-tile j, columns 16 p .. 16 p + 15 of a unit; `xu` at unit c0, one unit a step
   const __nv_bfloat16* xu = x + (long long)g * ldx + 64 * c0 + 16 * p;
   const long long x8 = 8 * ldx;
@@ -241,12 +255,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
       } else {
         xv[j][0] = xv[j][1] = make_uint4(0u, 0u, 0u, 0u);
       }
-      if (fold) {
+      if (FOLD && fu == rw) {
         xr.add(xv[j][0]);
         xr.add(xv[j][1]);
       }
     }
-    xu += 64;
+    fu = fu + 1 == RA ? 0 : fu + 1;
+    if constexpr (W12F_XSTEP != 0) xu += 64;
   };
   // the masked tail's fragments, byte by byte from global memory (columns past K and rows past the block zero)
   auto tail_frag = [&](Frag& f) {
@@ -327,18 +342,18 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
     return;
   } else {
     if constexpr (GUARD) {
-      if (fold) {
+      {
         const int emax = (int)__reduce_max_sync(0xFFFFFFFFu, (unsigned)xr.emax());
         const int emin = (int)__reduce_min_sync(0xFFFFFFFFu, (unsigned)xr.emin());
         if (lane == 0) {
-          s_emax[ks] = emax;
-          s_emin[ks] = emin;
+          s_emax[warp] = emax;
+          s_emin[warp] = emin;
         }
       }
       __syncthreads();  // the x range of the whole CTA
       int emin = 255, emax = 0;
 #pragma unroll
-      for (int i = 0; i < KW; ++i) emin = min(emin, s_emin[i]), emax = max(emax, s_emax[i]);
+      for (int i = 0; i < WARPS; ++i) emin = min(emin, s_emin[i]), emax = max(emax, s_emax[i]);
       if (!scale_rows<NT>(acc, e0r, emin, emax)) {
         // this warp's share again with the exact base, tiles read from global memory in the loop's order
         uint32_t e0x[2];
