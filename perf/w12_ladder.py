@@ -12,6 +12,7 @@ M = 1 and 32, side by side in the same process:
   a .. e    the flow kernel's ladder at the heuristic's config (w12.configs.flow_heuristic), each build adding one
             feature: a stream + decode (mma.sync against a constant B: the probe), b + x, c + the epilogue (scale
             and its guard, bias, rounding, store), d + escapes, e + the K-split reduction (the whole kernel)
+  e-exact   step e with the exact base (FlowConfig(fixed=False): no x range, no guard; 2 more integer ops a pair)
   e@...     step e at other K splits and ring depths (--sweep, on by default)
   c-nofold, e-nofold, b-xfixed, e-xfixed   with --ablate: the heuristic's config with one part taken out, for
             timing only (w12.flow.ABLATIONS: no x-range fold; x of the first unit only, i.e. no x traffic)
@@ -124,8 +125,10 @@ def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: boo
                 for step in steps:
                     rows.append((step if label == "ladder" else label, cfg, step))
                     builds.add((cfg, nt, step))
-                builds.add((FlowConfig(cfg.warps, cfg.kw, cfg.stages, cfg.cps, fixed=False), nt, "e"))
+                exact = FlowConfig(cfg.warps, cfg.kw, cfg.stages, cfg.cps, fixed=False)
+                builds.add((exact, nt, "e"))
                 if label == "ladder":
+                    rows.append(("e-exact", exact, "e"))
                     one = FlowConfig(cfg.warps, 1, cfg.stages, cfg.cps)
                     builds.update({(one, nt, "c"), (one, nt, "d")})
                     for abl in flow.ABLATIONS if ablate else ():

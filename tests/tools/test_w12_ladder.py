@@ -32,12 +32,12 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
     cells, builds = ladder.plan(layers, [1, 32], 132, sweep=True)
     assert len(cells) == 6
     for name, n, k, m, rows in cells:
-        assert [r[0] for r in rows[:5]] == list("abcde")
+        assert [r[0] for r in rows[:6]] == list("abcde") + ["e-exact"] and not rows[5][1].fixed
         assert len({r[1] for r in rows[:5]}) == 1  # one config through the ladder
         assert all(r[2] == "e" for r in rows[5:])
-        assert len([r for r in rows[5:] if r[1].warps == 8]) == 7  # K splits 1..8 x ring depths 4, 8, less the ladder's
+        assert len([r for r in rows[6:] if r[1].warps == 8]) == 7  # K splits 1..8 x ring depths 4, 8, less the ladder's
         kw = rows[0][1].kw
-        assert {(r[1].warps, r[1].cps, r[1].kw) for r in rows[5:] if r[1].warps != 8} == (
+        assert {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:] if r[1].warps != 8} == (
             {(4, 4, min(k, 4)) for k in (kw, 2 * kw)} | {(16, 1, min(k, 16)) for k in (kw, 2 * kw)})
     kws = {name: rows[0][1].kw for name, n, k, m, rows in cells}
     assert kws == {"in_proj": 2, "gate_up": 8, "o_proj": 4}
@@ -47,7 +47,7 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
     _, few = ladder.plan(ladder.layer_shapes(["o_proj"]), [1], 132, sweep=False)
     assert len(few) == 5 + 1 + 2  # steps a..e, the exact-base e, steps c and d at kw = 1
     cells, abl = ladder.plan(ladder.layer_shapes(["o_proj"]), [1], 132, sweep=False, ablate=True)
-    assert [r[0] for r in cells[0][4][5:]] == list(ABLATIONS) and len(abl) == len(few) + len(ABLATIONS)
+    assert [r[0] for r in cells[0][4][6:]] == list(ABLATIONS) and len(abl) == len(few) + len(ABLATIONS)
 
 
 def test_table_and_files(ladder, tmp_path, monkeypatch):
@@ -121,7 +121,7 @@ def test_run_end_to_end_with_torch_stand_ins(ladder, monkeypatch):
     monkeypatch.setattr(ladder, "precompile", lambda builds, arch, workers=8: {b: "64r" for b in builds})
     args = ladder.parse(["--m", "1", "5", "--reps", "3"])
     rows = ladder.run(args, torch.device("cpu"), {"in_proj": (40, 130), "gate_up": (33, 64), "o_proj": (16, 200)})
-    assert len(rows) == sum(2 + 5 + len(ladder.flow_configs(m, n, k, 132, True)) - 1
+    assert len(rows) == sum(2 + 6 + len(ladder.flow_configs(m, n, k, 132, True)) - 1
                             for n, k in ((40, 130), (33, 64), (16, 200)) for m in (1, 5))
     assert [r.status for r in rows if r.status != "ok"] == []
     assert all(r.us == pytest.approx(20.0) for r in rows)

@@ -94,6 +94,7 @@ constexpr bool ESC = W12F_ESC != 0;
 constexpr bool RED = W12F_RED != 0 && KW > 1;
 constexpr bool GUARD = EPI && FIXED;  // the x range and the exact-base recomputation
 constexpr bool FOLD = GUARD && W12F_FOLD != 0;
+constexpr bool ESC_EARLY = ESC && NT <= 2;  // the escape metadata read before the main loop
 constexpr int TILE = 1536;            // one 16 x 64 tile image in the ring
 constexpr uint32_t BASE112 = 0x38003800u;
 static_assert(WARPS >= 1 && WARPS <= 16 && KW >= 1 && WARPS % KW == 0, "KW must divide WARPS (<= 16)");
@@ -227,6 +228,32 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
     const uint32_t e = (uint32_t)e0r[h];
     kk[h] = FIXED ? (e == 0 ? 0u : BASE112) : ((e << 7) | (e << 23));
   }
+
+  // the escape metadata of the rows this warp finishes (CSR range and first entry), read now so that the loads'
+  // latency hides under the stream instead of lengthening the epilogue; with 3 or 4 n-tiles the registers this
+  // takes through the loop would spill, and the epilogue reads it (ESC_EARLY)
+  int ep[2][2] = {{0, 0}, {0, 0}}, ec[2] = {0, 0};
+  uint32_t ev[2] = {0u, 0u};
+  auto esc_meta = [&]() {
+    if (ks == 0 && active) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = rb * 16 + 8 * h + g;
+        if (row < N) {
+          ep[h][0] = __ldg(rowptr + row);
+          ep[h][1] = __ldg(rowptr + row + 1);
+        }
+      }
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (ep[h][1] > ep[h][0]) {
+          ec[h] = __ldg(ecol + ep[h][0]);
+          ev[h] = __ldg(eval + ep[h][0]);
+        }
+      }
+    }
+  };
+  if constexpr (ESC_EARLY) esc_meta();
 
   // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output)
 #pragma unroll
@@ -409,23 +436,14 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
       }
     }
     if (ks != 0 || !active) return;
+    if constexpr (ESC && !ESC_EARLY) esc_meta();
     // escapes (CSR order), bias, one rounding; acc[j][2 h + u]: row rb 16 + 8 h + g, token 8 j + 2 p + u
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       const int row = rb * 16 + 8 * h + g;
       if (row >= N) continue;
-      int ep0 = 0, ep1 = 0, ec = 0;
-      uint32_t ev = 0u;
-      if constexpr (ESC) {
-        ep0 = rowptr[row];
-        ep1 = rowptr[row + 1];
-        if (ep1 > ep0) {
-          ec = ecol[ep0];
-          ev = eval[ep0];
-        }
-      }
-      finish_row<false, NT>([&](int j, int u) -> float& { return acc[j][2 * h + u]; }, row, (uint32_t)e0r[h], ep0,
-                            ep1, ec, ev, ecol, eval, x, ldx, bias, bias_kind, out, M, N, p);
+      finish_row<false, NT>([&](int j, int u) -> float& { return acc[j][2 * h + u]; }, row, (uint32_t)e0r[h],
+                            ep[h][0], ep[h][1], ec[h], ev[h], ecol, eval, x, ldx, bias, bias_kind, out, M, N, p);
     }
   }
 }
