@@ -209,15 +209,15 @@ class FlowConfig:
     warps / `kw` row blocks of 16 rows, and the `kw` warps of a row block split its K (their shares are added in
     shared memory, in warp order). Each warp streams its tiles through its own `stages`-slot cp.async ring, with
     the evict-first L2 policy when `evict`. `cps`: CTAs per SM the launch bound is set for. `fixed`: the fixed-base
-    decode with the exact power-of-two scale (rows outside the identity's range take the exact base); False
-    builds the exact-base reference of the same kernel. Forced only, never chosen automatically; not yet
-    measured on a GPU (docs/w12-kernels.md, "The flow kernel")."""
+    decode with the exact power-of-two scale (its x-range guard sends rows outside the identity's range to the
+    exact base); the default is the exact base, which measured faster on the H200 at every layer and M of the
+    ladder (docs/w12-kernels.md, "The flow kernel"). Forced only, never chosen automatically."""
 
     warps: int = 8
     kw: int = 2
     stages: int = 4
     cps: int = 2
-    fixed: bool = True
+    fixed: bool = False
     evict: bool = True
 
     def __post_init__(self):
@@ -236,7 +236,7 @@ class FlowConfig:
         return 16 * self.row_blocks
 
     def tag(self) -> str:
-        return f"flow-w{self.warps}-k{self.kw}-s{self.stages}-c{self.cps}" + ("" if self.fixed else "-exact") + \
+        return f"flow-w{self.warps}-k{self.kw}-s{self.stages}-c{self.cps}" + ("-fixed" if self.fixed else "") + \
             ("" if self.evict else "-keep")
 
 

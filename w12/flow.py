@@ -10,9 +10,8 @@ Ladder builds. `STEPS` names the feature defines of the five steps of docs/w12-k
 "a" stream and decode (mma.sync against a constant B, as the probe), "b" + x, "c" + the epilogue, "d" + escapes,
 "e" + the K-split reduction (the full kernel, the only step `launch` runs unless told otherwise). Steps "a" and "b"
 write no output; "c" and "d" give the product only with kw = 1 ("c" without the escapes' correction).
-`ABLATIONS` are builds for timing only, each a step with one part taken out (perf/w12_ladder.py --ablate): "-nofold"
-without the x-range fold (the guard then passes every row: wrong on hostile x), "-xfixed" with every unit reading
-the first unit's x (wrong results; it prices the x traffic).
+`ABLATIONS` are builds for timing only, each a step with one part taken out (perf/w12_ladder.py --ablate): "-xfixed"
+with every unit reading the first unit's x (wrong results; it prices the x traffic).
 
 Everything here is host code: `spec`, `build`, `smem_bytes` and `grid` run without a GPU (NVRTC).
 """
@@ -48,8 +47,6 @@ STEPS: dict[str, dict[str, int]] = {
     "e": dict(W12F_X=1, W12F_EPI=1, W12F_ESC=1, W12F_RED=1),
 }
 ABLATIONS: dict[str, dict[str, int]] = {
-    "c-nofold": STEPS["c"] | dict(W12F_FOLD=0),
-    "e-nofold": STEPS["e"] | dict(W12F_FOLD=0),
     "b-xfixed": STEPS["b"] | dict(W12F_XSTEP=0),
     "e-xfixed": STEPS["e"] | dict(W12F_XSTEP=0),
 }

@@ -21,8 +21,10 @@ from flow_emu import hostile_weight, one_unit_tiny_case
 
 pytestmark = pytest.mark.gpu
 
-CONFIGS = [FlowConfig(), FlowConfig(warps=8, kw=8, stages=6), FlowConfig(warps=4, kw=1, stages=3),
-           FlowConfig(warps=16, kw=4, cps=1, evict=False)]
+# the default (exact base), and fixed-base builds at other splits, depths and CTA sizes
+CONFIGS = [FlowConfig(), FlowConfig(warps=8, kw=8, stages=6, fixed=True),
+           FlowConfig(warps=4, kw=1, stages=3, fixed=True), FlowConfig(warps=16, kw=4, cps=1, evict=False),
+           FlowConfig(fixed=True)]
 
 
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -58,7 +60,7 @@ def test_flow_matches_fp64(cfg, M, N, K):
 
 
 @pytest.mark.parametrize("xkind", ["normal", "tiny", "huge", "subnormal", "nonfinite"])
-@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", [c for c in CONFIGS if c.fixed][:2] + [CONFIGS[-1]], ids=lambda c: c.tag())
 def test_fixed_base_equals_exact_base_bitwise(cfg, xkind):
     """Rows with e0 from 0 to ~230 (zeros, subnormals, huge and tiny rows, salted escapes) and x that is normal,
     2^-70, 2^60, subnormal-salted or NaN/Inf-salted: the guard sends the rows outside the identity's range to the
@@ -73,6 +75,7 @@ def test_fixed_base_equals_exact_base_bitwise(cfg, xkind):
         idx = torch.randperm(M * K, generator=torch.Generator().manual_seed(3))[: M * K // 10].cuda()
         x.view(-1)[idx] = torch.tensor(vals, device="cuda").to(torch.bfloat16)[idx % len(vals)]
     fixed = _run(cfg, x, t)
+    assert cfg.fixed
     exact = _run(FlowConfig(cfg.warps, cfg.kw, cfg.stages, cfg.cps, fixed=False), x, t)
     assert torch.equal(fixed.view(torch.int16), exact.view(torch.int16))
 
@@ -85,8 +88,8 @@ def test_every_unit_reaches_the_guard(unit):
     w, _, x = one_unit_tiny_case(unit)
     t = layout.tile(w12.pack(w.cuda()))
     x = x.cuda()
-    fixed = _run(FlowConfig(warps=8, kw=2), x, t)
-    exact = _run(FlowConfig(warps=8, kw=2, fixed=False), x, t)
+    fixed = _run(FlowConfig(warps=8, kw=2, fixed=True), x, t)
+    exact = _run(FlowConfig(warps=8, kw=2), x, t)
     assert torch.equal(fixed.view(torch.int16), exact.view(torch.int16))
 
 

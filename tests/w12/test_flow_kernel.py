@@ -60,8 +60,10 @@ def test_emulated_kernel_matches_reference_bitwise(M, N, K, warps, kw, bias):
     t = layout.tile(p)
     x = _x(M, K, seed=M + K)
     b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16) if bias else None
-    got, stats = emulate(x, t, warps=warps, kw=kw, bias=b)
-    _assert_bf16_equal(got, w12.matmul_reference(x, p, b))
+    want = w12.matmul_reference(x, p, b)
+    _assert_bf16_equal(emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False)[0], want)  # the default build
+    got, stats = emulate(x, t, warps=warps, kw=kw, bias=b)  # the fixed-base build
+    _assert_bf16_equal(got, want)
     if N > 4:
         assert stats["fallback"] > 0, "rows of huge and tiny weights take the exact-base recomputation"
     if N > 16:
@@ -160,7 +162,7 @@ def test_ladder_step_c_is_the_dense_decode_at_kw_1():
 # --------------------------------------------------------------------------------------
 
 
-def _check_build(b, step: str, arch) -> str:
+def _check_build(b, step: str, arch, cfg: FlowConfig) -> str:
     res = b.resources()
     assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
     assert 0 < res["registers"] <= 128, res
@@ -170,33 +172,35 @@ def _check_build(b, step: str, arch) -> str:
     assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
     assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
     assert ("st.global.u16" in ptx) == (step in "cde")  # the bf16 output store
-    assert ("bar.sync" in ptx) == (step in "cde")  # the x range (fixed base) and the reduction
+    # the CTA barrier: the x range of the fixed base (steps c..e) and the K-split reduction (step e, kw > 1)
+    assert ("bar.sync" in ptx) == (step in "cde" and cfg.fixed or step == "e" and cfg.kw > 1)
     return ptx
 
 
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
 def test_every_ladder_step_builds(arch, jit_cache):
-    cfg = FlowConfig()
-    for step in "abcde":
-        ptx = _check_build(flow.build(cfg, 1, arch, step=step), step, arch)
-        assert "createpolicy.fractional.L2::evict_first" in ptx and "L2::cache_hint" in ptx
-        assert ("ld.global.nc.v4" in ptx) == (step != "a")  # x, read from step b on
+    for cfg in (FlowConfig(), FlowConfig(fixed=True)):
+        for step in "abcde":
+            ptx = _check_build(flow.build(cfg, 1, arch, step=step), step, arch, cfg)
+            assert "createpolicy.fractional.L2::evict_first" in ptx and "L2::cache_hint" in ptx
+            assert ("ld.global.nc.v4" in ptx) == (step != "a")  # x, read from step b on
     for nt in (2, 3, 4):
-        _check_build(flow.build(FlowConfig(warps=8, kw=4), nt, arch), "e", arch)
+        for cfg in (FlowConfig(warps=8, kw=4), FlowConfig(warps=8, kw=4, fixed=True)):
+            _check_build(flow.build(cfg, nt, arch), "e", arch, cfg)
 
 
 @pytest.mark.slow
 def test_options_build(jit_cache):
-    """The exact-base build (no guard: no x range, no barrier at kw = 1), the build without the L2 policy, and the
-    shapes of the heuristic (kw 1, 8; 16 warps; 1 CTA per SM)."""
+    """The exact-base build (the default: no guard, no x range, no barrier at kw = 1), the build without the L2
+    policy, and the shapes of the heuristic (kw 1, 8; 16 warps; 1 CTA per SM)."""
     arch = (9, 0)
     exact = flow.build(FlowConfig(kw=1, fixed=False), 1, arch).ptx.read_text()
     assert "bar.sync" not in exact and "redux.sync" not in exact and "st.global.u16" in exact
     keep = flow.build(FlowConfig(evict=False), 1, arch).ptx.read_text()
     assert "createpolicy" not in keep and "cache_hint" not in keep
     for cfg, nt in [(FlowConfig(warps=8, kw=8), 4), (FlowConfig(warps=16, kw=4, cps=1, stages=6), 2)]:
-        _check_build(flow.build(cfg, nt, arch), "e", arch)
+        _check_build(flow.build(cfg, nt, arch), "e", arch, cfg)
 
 
 def test_config_and_launch_geometry():
@@ -206,7 +210,7 @@ def test_config_and_launch_geometry():
         FlowConfig(warps=16, cps=3)
     cfg = FlowConfig(warps=8, kw=2, stages=4)
     assert cfg.row_blocks == 4 and cfg.rows == 64 and cfg.tag() == "flow-w8-k2-s4-c2"
-    assert FlowConfig(fixed=False, evict=False).tag() == "flow-w8-k2-s4-c2-exact-keep"
+    assert FlowConfig(fixed=True, evict=False).tag() == "flow-w8-k2-s4-c2-fixed-keep" and not cfg.fixed
     assert flow.smem_bytes(cfg, 1) == 8 * 4 * 1536 + 8 * 512 and flow.smem_bytes(cfg, 4, "d") == 8 * 4 * 1536
     assert flow.smem_bytes(FlowConfig(kw=1), 4) == 8 * 4 * 1536
     assert flow.grid(cfg, 16480) == 258 and flow.grid(cfg, 17) == 1 and flow.grid(FlowConfig(kw=8), 34816) == 2176

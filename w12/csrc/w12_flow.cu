@@ -34,8 +34,7 @@
 //   W12F_RED  (e) the K-split reduction across the KW warps of a row block (0: warp ks = 0 stores its own share,
 //                 which is the whole product only for KW = 1)
 // Steps without W12F_EPI write nothing but a never-taken store to `sink`, which keeps the work alive.
-// Two ablations exist for timing only (perf/w12_ladder.py --ablate); both give wrong results on some inputs:
-//   W12F_FOLD=0   no x range is folded (the guard then passes every row)
+// One ablation exists for timing only (perf/w12_ladder.py --ablate), with wrong results:
 //   W12F_XSTEP=0  every unit reads the first unit's x (x always in L1), to price the x traffic
 
 #include "w12_common.cuh"
@@ -73,9 +72,6 @@
 #ifndef W12F_RED
 #define W12F_RED 1
 #endif
-#ifndef W12F_FOLD
-#define W12F_FOLD 1
-#endif
 #ifndef W12F_XSTEP
 #define W12F_XSTEP 1
 #endif
@@ -93,7 +89,6 @@ constexpr bool EPI = W12F_EPI != 0;
 constexpr bool ESC = W12F_ESC != 0;
 constexpr bool RED = W12F_RED != 0 && KW > 1;
 constexpr bool GUARD = EPI && FIXED;  // the x range and the exact-base recomputation
-constexpr bool FOLD = GUARD && W12F_FOLD != 0;
 constexpr bool ESC_EARLY = ESC && NT <= 2;  // the escape metadata read before the main loop
 constexpr int TILE = 1536;            // one 16 x 64 tile image in the ring
 constexpr uint32_t BASE112 = 0x38003800u;
@@ -282,7 +277,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
       } else {
         xv[j][0] = xv[j][1] = make_uint4(0u, 0u, 0u, 0u);
       }
-      if (FOLD && fu == rw) {
+      if (GUARD && fu == rw) {
         xr.add(xv[j][0]);
         xr.add(xv[j][1]);
       }
