@@ -361,6 +361,8 @@ def _mistakes():
     return [
         ("w12", lambda: w12.unpack(w), "expected a W12Weight"),
         ("w12", lambda: w12.pack(w, verify="yes"), "verify must be a bool"),
+        ("w12", lambda: p.validate(deep="no"), "deep must be a bool"),  # "no" would read as true
+        ("w12", lambda: p.to("cpu", non_blocking="false"), "non_blocking must be a bool"),
         ("w12", lambda: w12.decode_q8(w), "expected a W12Weight"),
         ("w12", lambda: w12.matmul(p, x), "packed must be a W12Weight"),
         ("w12", lambda: w12.matmul(x.float(), p), "x must be bfloat16 or float16"),

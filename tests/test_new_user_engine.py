@@ -346,3 +346,6 @@ def test_nan_logits_stop_generate_with_the_reason(eng, monkeypatch):
     for speculative in (False, True):
         with pytest.raises(RuntimeError, match=r"^specpilot\.engine\.Engine\.generate: the target's logits held NaN"):
             eng.generate(list(b"def f(x):"), max_new_tokens=4, speculative=speculative)
+    with pytest.raises(RuntimeError, match=r"^specpilot\.engine\.Engine\.generate_batch: the target's logits held "
+                                           r"NaN for prompt 0 at new token 0"):
+        eng.generate_batch([list(b"def f(x):")], max_new_tokens=4)

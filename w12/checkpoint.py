@@ -203,8 +203,20 @@ def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=T
     Input metadata is kept (keys starting with `w12.` are dropped). Returns a `CheckpointReport`;
     packed tensors above `WARN_BITS` bits per weight are listed in `report.warnings`.
     Raises `W12CheckpointError` for an input that is not a well-formed safetensors file, one with
-    no tensor to pack, or an output that cannot be written.
+    no tensor to pack, or an output that cannot be written; its message starts with `w12.pack_checkpoint: `.
     """
+    try:
+        return _pack_checkpoint(in_path, out_path, device=device, include=include, progress=progress, verify=verify)
+    except W12CheckpointError as e:
+        if str(e).startswith(_PACK):
+            raise
+        raise W12CheckpointError(_PACK + str(e)) from e
+
+
+_PACK = "w12.pack_checkpoint: "
+
+
+def _pack_checkpoint(in_path, out_path, *, device, include, progress, verify) -> CheckpointReport:
     from tqdm.auto import tqdm
 
     for name, val in (("in_path", in_path), ("out_path", out_path)):
@@ -213,7 +225,8 @@ def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=T
                             "pass the file's path")
     in_path, out_path = os.fspath(in_path), os.fspath(out_path)
     if os.path.abspath(in_path) == os.path.abspath(out_path):
-        raise W12CheckpointError("out_path must differ from in_path (packing never overwrites its input)")
+        raise W12CheckpointError(f"w12.pack_checkpoint: out_path is in_path ({in_path}); packing never overwrites its "
+                                 "input, pass another out_path")
     t0 = time.perf_counter()
     try:
         header, in_meta, data0 = read_header(in_path)
@@ -228,18 +241,20 @@ def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=T
         plan.append((name, ent, cand))
     if not any(c for *_, c in plan):
         if _INDEX_KEY in in_meta:
-            raise W12CheckpointError(f"{in_path}: nothing to pack: it is already a W12 file (load it with "
-                                     f"w12.load_file or w12.load_model_weights)")
+            raise W12CheckpointError(f"w12.pack_checkpoint: {in_path}: nothing to pack: it is already a W12 file; load "
+                                     "it with w12.load_file or w12.load_model_weights")
         kinds = sorted({f"{e['dtype']} {len(e['shape'])}-D" for _, e, _ in plan})
         what = f"no tensor matches --include {include!r} among the 2-D BF16 ones" if include is not None and any(
             e["dtype"] == "BF16" and len(e["shape"]) == 2 for _, e, _ in plan) else \
             f"no non-empty 2-D BF16 tensor (found {', '.join(kinds) or 'no tensors'})"
-        raise W12CheckpointError(f"{in_path}: nothing to pack: {what}; W12 packs 2-D BF16 weights "
+        raise W12CheckpointError(f"w12.pack_checkpoint: {in_path}: nothing to pack: {what}; W12 packs 2-D BF16 weights "
                                  f"(cast the checkpoint to BF16 first, or widen --include)")
     names = {n for n, _, _ in plan}
     stored = {f"{n}.{p}" for n, _, c in plan if c for p in PLANES}
     if stored & names:
-        raise W12CheckpointError(f"{in_path}: tensor names collide with W12 plane names: {sorted(stored & names)[:5]}")
+        raise W12CheckpointError(f"w12.pack_checkpoint: {in_path}: tensor names collide with W12 plane names: "
+                                 f"{sorted(stored & names)[:5]}; rename those tensors, or leave their weights out with "
+                                 "include=")
 
     # Reserve header space: the same header with every number at its upper bound and each candidate
     # stored both ways (planes and plain) is no shorter than the final one.
@@ -338,8 +353,10 @@ def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=T
         os.replace(tmp, out_path)
     except OSError as e:
         if e.filename == in_path:
-            raise W12CheckpointError(f"cannot read {in_path}: {e.strerror or e}") from e
-        raise W12CheckpointError(f"cannot write {out_path}: {e.strerror or e}") from e
+            raise W12CheckpointError(f"w12.pack_checkpoint: cannot read {in_path}: {e.strerror or e}; check the "
+                                     "path and that the file is complete") from e
+        raise W12CheckpointError(f"w12.pack_checkpoint: cannot write {out_path}: {e.strerror or e}; pass an "
+                                 "out_path in a writable folder with room for the packed file") from e
     finally:
         if os.path.exists(tmp):
             os.remove(tmp)

@@ -123,6 +123,7 @@ class W12Weight:
     # --- conversion -----------------------------------------------------------------------
     def to(self, device, non_blocking: bool = False) -> "W12Weight":
         """A copy on `device` (or `self` if already there)."""
+        _bool_arg("w12.W12Weight.to", "non_blocking", non_blocking)
         device = torch.device(device)
         moved = {p: t.to(device, non_blocking=non_blocking) for p, t in self.planes().items()}
         return W12Weight(**moved, K=self.K)
@@ -156,6 +157,7 @@ class W12Weight:
         escape columns are in `[0, K)` and strictly increasing within a row; `e0 <= 240`;
         every escape position has dense code 0; padding codes are 0. This syncs the host.
         """
+        _bool_arg("w12.W12Weight.validate", "deep", deep)
         fix = "re-pack the BF16 weight with w12.pack"
         for p in PLANES:
             t = getattr(self, p)
@@ -334,8 +336,7 @@ def pack(weight: torch.Tensor, verify: bool = True) -> W12Weight:
     bit; a mismatch raises `W12VerificationError`. Syncs the host (escape count); offline use only.
     """
     check_pack_input(weight)
-    if not isinstance(verify, bool):
-        raise TypeError(f"w12.pack: verify must be a bool, got {type(verify).__name__} {verify!r}; pass True or False")
+    _bool_arg("w12.pack", "verify", verify)
     w = weight.detach().contiguous()
     N, K = w.shape
     Kp = padded_k(K)
@@ -448,3 +449,9 @@ def verify_packed(packed: W12Weight, weight: torch.Tensor) -> None:
             f"({r}, {c}): got 0x{int(got[r, c]) & 0xFFFF:04x}, expected 0x{int(want[r, c]) & 0xFFFF:04x}. "
             f"This is a bug in w12 (pack or decode on {packed.device}); please report it with the weight."
         )
+
+
+def _bool_arg(fn: str, name: str, value) -> None:
+    """Refuse a non-bool flag (a string such as "false" would read as true)."""
+    if not isinstance(value, bool):
+        raise TypeError(f"{fn}: {name} must be a bool, got {type(value).__name__} {value!r}; pass True or False")

@@ -116,8 +116,14 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
         acc = greedy_accept(tok_b.to(dev), par_b.to(dev), dep_b.to(dev),
                             torch.tensor(list(alloc), dtype=torch.int32, device=dev), target_next,
                             max_depth=max(depth))
-        m.commit_accepted(step, acc.accepted, acc.accepted_len)
         got_len, got_path, got_bonus = acc.accepted_len.tolist(), acc.accepted.tolist(), acc.bonus.tolist()
+        nan_rows = [r for r, bonus in zip(live, got_bonus) if bonus < 0]
+        if nan_rows:  # lmhead.NAN_ID: the head saw a NaN logit; it is not a token to emit or feed back
+            raise RuntimeError(f"{fn}: the target's logits held NaN for prompt {nan_rows[0]} at new token "
+                               f"{len(outs[nan_rows[0]]) + got_len[live.index(nan_rows[0])]} (the certified head's "
+                               "argmax is lmhead.NAN_ID there); check the checkpoint's weights for NaN/Inf and load "
+                               "it in BF16")
+        m.commit_accepted(step, acc.accepted, acc.accepted_len)
         done, emitted = [], 0
         for b, r in enumerate(live):
             t = trees[b][0].tolist()

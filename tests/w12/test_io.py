@@ -2,6 +2,7 @@
 
 import json
 import os
+from unittest import mock
 
 import pytest
 import torch
@@ -193,7 +194,7 @@ def test_pack_checkpoint_refuses_overwrite(tmp_path):
     from w12.checkpoint import pack_checkpoint
 
     src, _ = _checkpoint(tmp_path)
-    with pytest.raises(ValueError, match="differ"):
+    with pytest.raises(ValueError, match="out_path is in_path"):
         pack_checkpoint(src, src, progress=False)
 
 
@@ -304,8 +305,9 @@ def test_pack_checkpoint_bad_input(tmp_path, case):
     header, data, n, match = BAD_INPUTS[case]
     src = tmp_path / "in.safetensors"
     _write_raw(src, header, data or b"", n) if header else src.write_bytes(b"")
-    with pytest.raises(w12.W12CheckpointError, match=match):
+    with pytest.raises(w12.W12CheckpointError, match=match) as err:
         pack_checkpoint(src, tmp_path / "out.safetensors", progress=False)
+    assert str(err.value).startswith("w12.pack_checkpoint: ")
     assert not (tmp_path / "out.safetensors").exists()
     assert [p.name for p in tmp_path.iterdir()] == ["in.safetensors"]  # no temporary left behind
 
@@ -329,6 +331,12 @@ def test_pack_checkpoint_truncated_and_unwritable(tmp_path):
         pack_checkpoint(src, tmp_path / "adir", progress=False)
     with pytest.raises(w12.W12CheckpointError, match="cannot write /proc/"):
         pack_checkpoint(src, "/proc/w12-test-out.safetensors", progress=False)
+    with pytest.raises(w12.W12CheckpointError, match=r"^w12\.pack_checkpoint: out_path is in_path .*pass another"):
+        pack_checkpoint(src, src, progress=False)
+    with pytest.raises(w12.W12CheckpointError, match=r"^w12\.pack_checkpoint: short read .*truncated"):
+        with mock.patch("w12.checkpoint._read", side_effect=w12.W12CheckpointError("short read (1 of 2 bytes): the "
+                                                                                  "input checkpoint is truncated")):
+            pack_checkpoint(src, tmp_path / "out2.safetensors", progress=False)
 
 
 def test_compact_planes_round_trip_and_checks():
