@@ -13,7 +13,8 @@ import sys
 
 SHOW = ["Duration", "DRAM Throughput", "Grid Size", "Block Size", "Registers Per Thread",
         "Dynamic Shared Memory Per Block", "Active Warps Per Scheduler", "Eligible Warps Per Scheduler",
-        "Warp Cycles Per Issued Instruction", "Compute (SM) Throughput"]
+        "Warp Cycles Per Issued Instruction", "Compute (SM) Throughput", "L2 Hit Rate", "Memory Throughput",
+        "Achieved Occupancy"]
 STALL = "smsp__average_warps_issue_stalled_"
 
 

@@ -90,7 +90,8 @@ def layer_shapes(names: list[str]) -> dict[str, tuple[int, int]]:
 
 def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool):
     """(label, FlowConfig) of the flow rows of one cell: the heuristic's config for the ladder, then step e at
-    other K splits (1..8) and ring depths (4, 8), and CTAs of 4 and 16 warps, when `sweep`."""
+    other K splits (1..8, up to the CTA's warps) and ring depths (4, 8), and the other CTA sizes of 16 warps per
+    SM (4, 8 or 16 warps), when `sweep`."""
     from unittest import mock
 
     import w12.configs as wc
@@ -99,12 +100,14 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool):
         base = wc.flow_heuristic(m, n, k, torch.device("cpu"))
     out = [("ladder", base)]
     if sweep:
-        for kw in (1, 2, 4, 8):
+        for kw in (k for k in (1, 2, 4, 8) if k <= base.warps):
             for stages in (4, 8):
                 cfg = wc.FlowConfig(warps=base.warps, kw=kw, stages=stages, cps=base.cps)
                 if cfg != base:
                     out.append((f"e@{cfg.tag()}", cfg))
-        for warps, cps in ((4, 4), (16, 1)):  # the same warps per SM in smaller and larger CTAs
+        for warps, cps in ((4, 4), (8, 2), (16, 1)):  # 16 warps per SM in other CTA sizes
+            if warps == base.warps:
+                continue
             for kw in sorted({min(base.kw, warps), min(2 * base.kw, warps)}):
                 cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps)
                 out.append((f"e@{cfg.tag()}", cfg))

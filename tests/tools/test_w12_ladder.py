@@ -35,13 +35,16 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
         assert [r[0] for r in rows[:6]] == list("abcde") + ["e-fixed"] and rows[5][1].fixed and not rows[0][1].fixed
         assert len({r[1] for r in rows[:5]}) == 1  # one config through the ladder
         assert all(r[2] == "e" for r in rows[5:])
-        assert len([r for r in rows[6:] if r[1].warps == 8]) == 7  # K splits 1..8 x ring depths 4, 8, less the ladder's
-        kw = rows[0][1].kw
-        assert {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:] if r[1].warps != 8} == (
-            {(4, 4, min(k, 4)) for k in (kw, 2 * kw)} | {(16, 1, min(k, 16)) for k in (kw, 2 * kw)})
-    kws = {name: rows[0][1].kw for name, n, k, m, rows in cells}
-    assert kws == {"in_proj": 2, "gate_up": 8, "o_proj": 4}
-    assert len(builds) == 62
+        base = rows[0][1]
+        same = [r for r in rows[6:] if (r[1].warps, r[1].cps) == (base.warps, base.cps)]
+        assert len(same) == 2 * len([k for k in (1, 2, 4, 8) if k <= base.warps]) - 1  # K splits x depths 4, 8
+        other = {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:] if r[1].warps != base.warps}
+        assert other == {(w, c, min(k, w)) for w, c in ((4, 4), (8, 2), (16, 1)) if w != base.warps
+                         for k in (base.kw, 2 * base.kw)}
+        assert (base.warps, base.cps) == ((4, 4) if m <= 8 else (8, 2))
+    kws = {(name, m): rows[0][1].kw for name, n, k, m, rows in cells}
+    assert kws == {("in_proj", 1): 2, ("gate_up", 1): 4, ("o_proj", 1): 4, ("in_proj", 32): 2, ("gate_up", 32): 8,
+                   ("o_proj", 32): 4}
     assert {cfg.fixed for cfg, nt, step in builds} == {True, False}  # the fixed-base rows and their exact twins
     assert {(cfg.kw, step) for cfg, nt, step in builds if step in "cd" and cfg.kw == 1} == {(1, "c"), (1, "d")}
     _, few = ladder.plan(ladder.layer_shapes(["o_proj"]), [1], 132, sweep=False)
@@ -130,6 +133,6 @@ def test_run_end_to_end_with_torch_stand_ins(ladder, monkeypatch):
     assert checks["c"] == checks["d"] == "fp64 ok (kw=1)"
     assert checks["e"] == "fp64 ok, repeats" and checks["w12"] == "fp64 ok"
     assert checks["e-fixed"] == "fp64 ok, = exact base"
-    assert ("flow-w8-k1-s4-c2", "c") in launched and any(tag.endswith("-fixed") for tag, _ in launched)
+    assert ("flow-w4-k1-s4-c4", "c") in launched and any(tag.endswith("-fixed") for tag, _ in launched)
     table = ladder.format_table(rows)
     assert table.count("\n") == len(rows) + 1

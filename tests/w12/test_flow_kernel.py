@@ -232,7 +232,12 @@ def test_heuristic_fills_the_machine(monkeypatch):
     cpu = torch.device("cpu")
     got = {name: flow_heuristic(1, n, k, cpu).kw for name, (n, k) in
            {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144), "down": (5120, 17408)}.items()}
-    assert got == {"in_proj": 2, "gate_up": 8, "o_proj": 4, "down": 4}
+    assert got == {"in_proj": 2, "gate_up": 4, "o_proj": 4, "down": 4}
+    assert {(c.warps, c.cps) for c in (flow_heuristic(m, 5120, 6144, cpu) for m in (1, 8))} == {(4, 4)}
+    big = {name: flow_heuristic(32, n, k, cpu) for name, (n, k) in {"in_proj": (16480, 5120), "gate_up": (34816, 5120),
+                                                                    "o_proj": (5120, 6144)}.items()}
+    assert {n: (c.warps, c.cps, c.kw) for n, c in big.items()} == {"in_proj": (8, 2, 2), "gate_up": (8, 2, 8),
+                                                                  "o_proj": (8, 2, 4)}
 
 
 def test_layout_cache_follows_the_planes():
