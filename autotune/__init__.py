@@ -18,6 +18,7 @@ from .hardware import (
     byte_floor,
     cached_ceilings,
     compute_capability,
+    floor_rates,
     gpu_name,
     gpu_slug,
     gpu_spec,
@@ -25,14 +26,16 @@ from .hardware import (
     has_wgmma,
     is_interpreter,
     measure_ceilings,
+    paper_floor,
     peak_rates,
 )
 from .jit import BuildError
 
 __all__ = [
     "BuildError", "GPUS", "Ceilings", "GpuSpec", "Plan", "PlanCache", "Variants", "bucket_m", "byte_floor", "cached_ceilings",
-    "clear_plans", "compute_capability", "drop_tuned", "force", "forced", "get_config", "gpu_name", "gpu_slug",
-    "gpu_spec", "has_cuda", "has_wgmma", "is_interpreter", "load_tuned", "measure_ceilings", "peak_rates", "shape_key",
+    "clear_plans", "compute_capability", "drop_tuned", "floor_rates", "force", "forced", "get_config", "gpu_name",
+    "gpu_slug", "gpu_spec", "has_cuda", "has_wgmma", "is_interpreter", "load_tuned", "measure_ceilings", "paper_floor",
+    "peak_rates", "shape_key",
     "store_tuned", "versions", "which_variant",
 ]
 

@@ -23,6 +23,8 @@ __all__ = [
     "measure_ceilings",
     "cached_ceilings",
     "byte_floor",
+    "paper_floor",
+    "floor_rates",
     "peak_rates",
     "has_cuda",
     "compute_capability",
@@ -31,14 +33,17 @@ __all__ = [
     "is_interpreter",
 ]
 
-# Fractions of peak used by the byte floor (SpecPilot paper, section on the cost model).
+# The paper's ceiling (its cost model): fractions of the datasheet peaks. `paper_floor` applies them; the
+# physical floor (`byte_floor`) applies none.
 COMPUTE_FRACTION = 0.60
 BANDWIDTH_FRACTION = 0.90
 
 
 @dataclass(frozen=True)
 class GpuSpec:
-    """Datasheet figures (dense, no sparsity). Rates in TFLOP/s or TOP/s, bandwidth in TB/s."""
+    """Datasheet figures (dense, no sparsity). Rates in TFLOP/s or TOP/s, bandwidth in TB/s. `copy_tbs` and
+    `matmul_tflops`: the fastest rates this project measured on that GPU (`measure_ceilings`: a 2 GiB device copy,
+    read plus written bytes; a BF16 8192^3 matmul), None where it measured none."""
 
     name: str
     bandwidth_tbs: float
@@ -48,12 +53,15 @@ class GpuSpec:
     sm_count: int
     capability: tuple[int, int]
     has_wgmma: bool
+    copy_tbs: float | None = None
+    matmul_tflops: float | None = None
 
 
 # Keyed by a lower-case slug; `gpu_spec` matches torch's device name against `aliases`.
 GPUS: dict[str, GpuSpec] = {
     "h100-sxm": GpuSpec("H100 SXM", 3.35, 989.0, 1979.0, 1979.0, 132, (9, 0), True),
-    "h200": GpuSpec("H200", 4.8, 989.0, 1979.0, 1979.0, 132, (9, 0), True),
+    # measured: copy 4.25-4.28 TB/s and matmul 771-793 TFLOP/s over the benchmark runs of perf/results/h200/
+    "h200": GpuSpec("H200", 4.8, 989.0, 1979.0, 1979.0, 132, (9, 0), True, copy_tbs=4.28, matmul_tflops=793.0),
     "a100": GpuSpec("A100 SXM 80GB", 2.039, 312.0, 624.0, 0.0, 108, (8, 0), False),
     "l40s": GpuSpec("L40S", 0.864, 362.0, 733.0, 733.0, 142, (8, 9), False),
     "rtx-pro-6000": GpuSpec("RTX PRO 6000 Blackwell", 1.792, 503.8, 1007.0, 1007.0, 188, (12, 0), False),
@@ -298,13 +306,51 @@ def peak_rates(device=None) -> tuple[float, float, str]:
     return spec.bandwidth_tbs * 1e12, spec.bf16_tflops * 1e12, "datasheet"
 
 
-def byte_floor(flops: float, bytes: float, device=None) -> float:
-    """Seconds: the slower of `flops` at 60% of peak compute and `bytes` at 90% of peak bandwidth.
+def floor_rates(device=None) -> tuple[float, float, str]:
+    """(copy rate in B/s, BF16 matmul rate in FLOP/s, source) that `byte_floor` divides by: the ceilings measured
+    on this device when cached (`measure_ceilings`), else the rates measured on that GPU model (`GpuSpec.copy_tbs`,
+    `matmul_tflops`), else the datasheet peaks (a lower floor than any measured rate gives, still one no kernel can
+    beat). `device`: a torch device, a GPU name or slug, or a GpuSpec. Raises for a device with none of these."""
+    spec = gpu_spec(device) if isinstance(device, (str, GpuSpec)) and not str(device).startswith(("cuda", "cpu")) else None
+    if spec is None:
+        measured = cached_ceilings(device)
+        if measured is not None:
+            return measured.copy_tbs * 1e12, measured.bf16_tflops * 1e12, "measured"
+        spec = gpu_spec(device)
+    if spec is None:
+        raise ValueError(
+            f"autotune.byte_floor: no rates known for {gpu_name(device)!r}; call autotune.measure_ceilings() first, "
+            f"or pass one of {sorted(GPUS)} as `device`"
+        )
+    if spec.copy_tbs and spec.matmul_tflops:
+        return spec.copy_tbs * 1e12, spec.matmul_tflops * 1e12, f"measured on the {spec.name} (autotune.GPUS)"
+    return spec.bandwidth_tbs * 1e12, spec.bf16_tflops * 1e12, f"datasheet of the {spec.name} (nothing measured)"
 
-    Uses measured ceilings where they exist (see `measure_ceilings`), else the datasheet.
-    `device` may be a torch device, a GPU name such as "H200", a slug from `GPUS`, or a GpuSpec.
-    """
+
+def _check_work(fn: str, flops: float, bytes: float) -> None:
     if flops < 0 or bytes < 0:
-        raise ValueError(f"flops and bytes must be non-negative, got {flops}, {bytes}")
-    bw, rate, _ = peak_rates(device)
-    return max(flops / (COMPUTE_FRACTION * rate), bytes / (BANDWIDTH_FRACTION * bw))
+        raise ValueError(f"autotune.{fn}: flops and bytes must be non-negative, got {flops}, {bytes}; pass the "
+                         "work of one call")
+
+
+def byte_floor(flops: float, bytes: float, device=None) -> float:
+    """Seconds: the physical floor, the slower of `flops` at the BF16 matmul rate and `bytes` at the copy rate
+    (`floor_rates`: measured where measured, never discounted). `device` may be a torch device, a GPU name such as
+    "H200", a slug from `GPUS`, or a GpuSpec. The paper's ceiling, which discounts the datasheet, is `paper_floor`.
+    """
+    _check_work("byte_floor", flops, bytes)
+    bw, rate, _ = floor_rates(device)
+    return max(flops / rate, bytes / bw)
+
+
+def paper_floor(flops: float, bytes: float, device=None) -> float:
+    """Seconds: the SpecPilot paper's floor, the slower of `flops` at 60% of the datasheet's peak BF16 compute and
+    `bytes` at 90% of its peak bandwidth. Shown beside `byte_floor`, labelled as the paper's; it is a ceiling of
+    the paper's cost model, not a physical bound. Raises for a device without a datasheet entry (a CPU)."""
+    _check_work("paper_floor", flops, bytes)
+    spec = gpu_spec(device)
+    if spec is None:
+        raise ValueError(f"autotune.paper_floor: no datasheet for {gpu_name(device) if not isinstance(device, str) else device!r}; "
+                         f"pass one of {sorted(GPUS)} (the paper's floor is a fraction of a datasheet peak)")
+    return max(flops / (COMPUTE_FRACTION * spec.bf16_tflops * 1e12),
+               bytes / (BANDWIDTH_FRACTION * spec.bandwidth_tbs * 1e12))

@@ -2,8 +2,10 @@
 
 For a shape set, a GPU, a weight format and a step of `rows` rows (1: the autoregressive step; the tree's
 node count: the verify step) over a `prefix`-token context, every kernel class gets its FLOPs, its bytes
-and its byte floor (`autotune.byte_floor`: the slower of the FLOPs at 60% of peak BF16 compute and the
-bytes at 90% of peak bandwidth). The step floor is the sum of the class floors (each class runs as its
+and its byte floor: the slower of the FLOPs at the BF16 matmul rate and the bytes at the copy rate, the
+rates measured where they were measured (`Peaks`; `autotune.byte_floor`), never discounted. The paper's
+floor (60% of the datasheet's peak compute, 90% of its peak bandwidth; `autotune.paper_floor`) is reported
+beside it, labelled as the paper's. The step floor is the sum of the class floors (each class runs as its
 own kernels, one after the other). From floors and measured step times:
 
 * the ceiling speedup over autoregressive decoding: tau / (t_verify / t_ar);
@@ -30,7 +32,7 @@ from pathlib import Path
 from typing import Sequence
 
 import autotune
-from autotune.hardware import BANDWIDTH_FRACTION, COMPUTE_FRACTION, GPUS, GpuSpec
+from autotune.hardware import BANDWIDTH_FRACTION, COMPUTE_FRACTION, GPUS, GpuSpec, floor_rates
 
 from .bench.shapes import ModelShapes, get_shape_set
 
@@ -70,20 +72,31 @@ def _err(fn: str, what: str, fix: str) -> ValueError:
 
 @dataclass(frozen=True)
 class Peaks:
-    """The rates a floor is taken against. `source`: "datasheet" or the file the measured roofs came from."""
+    """The rates a floor is taken against (copy TB/s, BF16 matmul TFLOP/s, INT8 TOP/s) and where they come from:
+    `source` names the measurement, or says "datasheet" where nothing was measured. `datasheet_*`: the GPU's
+    datasheet peaks, which the paper's floor takes 60% and 90% of."""
 
     gpu: str
     bandwidth_tbs: float
     bf16_tflops: float
     int8_tops: float
     source: str = "datasheet"
+    datasheet_bandwidth_tbs: float = 0.0
+    datasheet_bf16_tflops: float = 0.0
 
     def spec(self) -> GpuSpec:
-        """A GpuSpec carrying these rates, for `autotune.byte_floor`."""
-        return GpuSpec(self.gpu, self.bandwidth_tbs, self.bf16_tflops, self.int8_tops, 0.0, 0, (0, 0), False)
+        """A GpuSpec whose datasheet and measured rates are the floor's rates, for `autotune.byte_floor`."""
+        return GpuSpec(self.gpu, self.bandwidth_tbs, self.bf16_tflops, self.int8_tops, 0.0, 0, (0, 0), False,
+                       copy_tbs=self.bandwidth_tbs, matmul_tflops=self.bf16_tflops)
 
     def floor_s(self, flops: float, nbytes: float) -> float:
+        """The physical floor: FLOPs at the BF16 rate, bytes at the copy rate, the slower of the two."""
         return autotune.byte_floor(flops, nbytes, self.spec())
+
+    def paper_floor_s(self, flops: float, nbytes: float) -> float:
+        """The paper's floor: FLOPs at 60% of the datasheet's BF16 peak, bytes at 90% of its bandwidth."""
+        return max(flops / (COMPUTE_FRACTION * self.datasheet_bf16_tflops * 1e12),
+                   nbytes / (BANDWIDTH_FRACTION * self.datasheet_bandwidth_tbs * 1e12))
 
 
 def _slug(gpu: str) -> str:
@@ -94,15 +107,19 @@ def _slug(gpu: str) -> str:
 
 
 def peaks(gpu: str | GpuSpec = "h200", measured: str | Path | dict | None = None) -> Peaks:
-    """Peaks of `gpu` (a name or slug of `autotune.GPUS`, or a GpuSpec): the datasheet's, or with `measured`
-    the roofs a `specpilot bench` run measured (its JSON file or its meta dict: `ceilings.copy_tbs`,
-    `ceilings.bf16_tflops`); INT8 then keeps the datasheet's ratio to BF16."""
+    """Floor rates of `gpu` (a name or slug of `autotune.GPUS`, or a GpuSpec): the rates measured on that GPU
+    model (`GpuSpec.copy_tbs`, `matmul_tflops`) where it has them, else its datasheet's; or, with `measured`, the
+    roofs a `specpilot bench` run measured (its JSON file or its meta dict: `ceilings.copy_tbs`,
+    `ceilings.bf16_tflops`). INT8 keeps the datasheet's ratio to BF16."""
     spec = gpu if isinstance(gpu, GpuSpec) else autotune.gpu_spec(gpu) if isinstance(gpu, str) else None
     if spec is None:
         raise _err("peaks", f"unknown GPU {gpu!r}", f"pass one of {sorted(GPUS)} or a GpuSpec")
     name = _slug(gpu) if isinstance(gpu, str) else spec.name
+    sheet = dict(datasheet_bandwidth_tbs=spec.bandwidth_tbs, datasheet_bf16_tflops=spec.bf16_tflops)
+    int8 = spec.int8_tops / spec.bf16_tflops
     if measured is None:
-        return Peaks(name, spec.bandwidth_tbs, spec.bf16_tflops, spec.int8_tops, "datasheet")
+        bw, rate, src = floor_rates(spec)
+        return Peaks(name, bw / 1e12, rate / 1e12, rate / 1e12 * int8, src, **sheet)
     src = "meta"
     if not isinstance(measured, dict):
         src = str(measured)
@@ -116,7 +133,7 @@ def peaks(gpu: str | GpuSpec = "h200", measured: str | Path | dict | None = None
     if not (isinstance(bw, (int, float)) and isinstance(bf, (int, float)) and bw > 0 and bf > 0):
         raise _err("peaks", f"{src} holds no measured roofs (meta.ceilings = {c!r})",
                    "pass a results JSON of a GPU run of `specpilot bench`, or use the datasheet peaks")
-    return Peaks(name, float(bw), float(bf), float(bf) * spec.int8_tops / spec.bf16_tflops, f"measured ({src})")
+    return Peaks(name, float(bw), float(bf), float(bf) * int8, f"measured ({src})", **sheet)
 
 
 # --------------------------------------------------------------------------------------------
@@ -126,8 +143,9 @@ def peaks(gpu: str | GpuSpec = "h200", measured: str | Path | dict | None = None
 
 @dataclass(frozen=True)
 class Cost:
-    """One kernel class of a step. `flops`: BF16-equivalent FLOPs; `floor_ms`: `autotune.byte_floor` of
-    them; `bound`: which term sets the floor; `parts`: per linear name for "linears"."""
+    """One kernel class of a step. `flops`: BF16-equivalent FLOPs; `floor_ms`: the physical floor of them
+    (`Peaks.floor_s`); `bound`: which term sets it; `paper_floor_ms`: the paper's floor (`Peaks.paper_floor_s`);
+    `parts`: per linear name for "linears"."""
 
     name: str
     flops: float
@@ -136,6 +154,7 @@ class Cost:
     bound: str
     calls: int = 1
     parts: tuple = field(default_factory=tuple)
+    paper_floor_ms: float = 0.0
 
 
 def linear_bytes(N: int, K: int, weights: str, escapes: float = 0.0) -> float:
@@ -151,9 +170,9 @@ def linear_bytes(N: int, K: int, weights: str, escapes: float = 0.0) -> float:
 
 def _cost(name, flops, nbytes, pk: Peaks, calls=1, parts=()) -> Cost:
     s = pk.floor_s(flops, nbytes)
-    bound = "compute" if flops / (COMPUTE_FRACTION * pk.bf16_tflops * 1e12) > nbytes / (
-        BANDWIDTH_FRACTION * pk.bandwidth_tbs * 1e12) else "bytes"
-    return Cost(name, float(flops), float(nbytes), 1e3 * s, bound, calls, tuple(parts))
+    bound = "compute" if flops / pk.bf16_tflops > nbytes / pk.bandwidth_tbs else "bytes"
+    return Cost(name, float(flops), float(nbytes), 1e3 * s, bound, calls, tuple(parts),
+                1e3 * pk.paper_floor_s(flops, nbytes))
 
 
 def _default_screen(gpu: str, weights: str) -> str:
@@ -207,11 +226,12 @@ def step_costs(shapes: str | ModelShapes, rows: int, *, prefix: int = 4096, weig
     for name, (N, K) in s.linears.items():
         c = s.linear_counts.get(name, 0)
         one = _cost(name, 2 * R * N * K, linear_bytes(N, K, weights, escapes) + _BF16 * R * (N + K), pk)
-        parts.append(replace(one, flops=one.flops * c, bytes=one.bytes * c, floor_ms=one.floor_ms * c, calls=c))
+        parts.append(replace(one, flops=one.flops * c, bytes=one.bytes * c, floor_ms=one.floor_ms * c, calls=c,
+                             paper_floor_ms=one.paper_floor_ms * c))
     out["linears"] = Cost("linears", sum(p.flops for p in parts), sum(p.bytes for p in parts),
                           sum(p.floor_ms for p in parts),
                           "compute" if any(p.bound == "compute" for p in parts) else "bytes",
-                          sum(p.calls for p in parts), tuple(parts))
+                          sum(p.calls for p in parts), tuple(parts), sum(p.paper_floor_ms for p in parts))
 
     # LM head: the screen's read (or the exact head's), the hidden rows in, the ids out.
     G = -(-H // 128)
@@ -500,7 +520,7 @@ def report(shapes: str = "hybrid-27b", gpu: str = "h200", *, nodes: int = 32, pr
                            f"pass --{key} {eng[key]} (or an engine run of {key}={want!r})")
     rep = {"shapes": s.name, "gpu": pk.gpu, "peaks": asdict(pk), "nodes": nodes, "prefix": prefix, "taus": taus,
            "tau_ideal": tau_ideal, "escapes": escapes, "accepted": accepted,
-           "fractions": {"compute": COMPUTE_FRACTION, "bandwidth": BANDWIDTH_FRACTION},
+           "paper_fractions": {"compute": COMPUTE_FRACTION, "bandwidth": BANDWIDTH_FRACTION},
            "measured": str(measured) if measured else None, "perop": [str(p) for p in perop], "formats": {}}
     if eng is not None:
         rep["measured_gpu"] = eng.get("gpu")
@@ -512,6 +532,8 @@ def report(shapes: str = "hybrid-27b", gpu: str = "h200", *, nodes: int = 32, pr
         r = {"screen": screen, "ar": {k: asdict(c) for k, c in ca.items()},
              "verify": {k: asdict(c) for k, c in cv.items()},
              "ar_floor_ms": fa, "verify_floor_ms": fv,
+             "ar_paper_floor_ms": sum(c.paper_floor_ms for c in ca.values()),
+             "verify_paper_floor_ms": sum(c.paper_floor_ms for c in cv.values()),
              "ceiling": {f"{t:g}": {"floors": ceiling_speedup(t, fv, fa)} for t in taus}}
         if eng is not None and w in eng.get("formats", {}):
             ma, mv = engine_measured(eng, w, "ar"), engine_measured(eng, w, "verify")
@@ -550,10 +572,12 @@ def markdown(rep: dict) -> str:
     pk = rep["peaks"]
     L = [f"# Ceiling: {rep['shapes']} on the {pk['gpu'].upper()}, one request, prefix {rep['prefix']}, "
          f"{rep['nodes']}-row verify", "",
-         f"Peaks ({pk['source']}): {pk['bandwidth_tbs']:.3g} TB/s, {pk['bf16_tflops']:.4g} TFLOP/s BF16, "
-         f"{pk['int8_tops']:.4g} TOP/s INT8. Floor of a class = max(FLOPs / {rep['fractions']['compute']:.0%} of "
-         f"peak compute, bytes / {rep['fractions']['bandwidth']:.0%} of peak bandwidth); the step floor is the sum "
-         f"over classes. W12 escape rate {rep['escapes']:.3g}; the commit advances {rep['accepted']} node(s)."]
+         f"Floor rates ({pk['source']}): {pk['bandwidth_tbs']:.3g} TB/s copy, {pk['bf16_tflops']:.4g} TFLOP/s BF16, "
+         f"{pk['int8_tops']:.4g} TOP/s INT8. Floor of a class = max(FLOPs / BF16 rate, bytes / copy rate), no "
+         f"fraction; the step floor is the sum over classes. The paper's floor takes "
+         f"{rep['paper_fractions']['compute']:.0%} of the datasheet's {pk['datasheet_bf16_tflops']:.4g} TFLOP/s and "
+         f"{rep['paper_fractions']['bandwidth']:.0%} of its {pk['datasheet_bandwidth_tbs']:.3g} TB/s. W12 escape "
+         f"rate {rep['escapes']:.3g}; the commit advances {rep['accepted']} node(s)."]
     if rep.get("measured"):
         L.append(f"Measured: `{rep['measured']}` ({rep.get('measured_gpu')}).")
     for w, r in rep["formats"].items():
@@ -565,6 +589,8 @@ def markdown(rep: dict) -> str:
             L.append(f"| {k} | {a['flops'] / 1e9:.2f} | {a['bytes'] / 1e6:.1f} | {a['floor_ms']:.3f} | "
                      f"{v['flops'] / 1e9:.2f} | {v['bytes'] / 1e6:.1f} | {v['floor_ms']:.3f} | {v['bound']} |")
         L.append(f"| **step** | | | **{r['ar_floor_ms']:.3f}** | | | **{r['verify_floor_ms']:.3f}** | |")
+        L.append(f"| the paper's floor (60% / 90% of the datasheet) | | | {r['ar_paper_floor_ms']:.3f} | | | "
+                 f"{r['verify_paper_floor_ms']:.3f} | |")
         L += ["", "| linear | calls | verify GFLOP | weight + activation MB | AR floor ms | verify floor ms |",
               "|---|---:|---:|---:|---:|---:|"]
         for pa, pv in zip(r["ar"]["linears"]["parts"], r["verify"]["linears"]["parts"]):

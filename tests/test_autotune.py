@@ -55,24 +55,32 @@ def test_gpu_table_unknown_and_cpu():
 
 
 def test_byte_floor_bandwidth_bound():
-    # 1 GB on an H200: bytes at 90% of 4.8 TB/s dominate a trivial FLOP count.
+    # 1 GB on an H200: bytes at the measured 4.28 TB/s (autotune.GPUS), no fraction, dominate a trivial FLOP count.
     t = autotune.byte_floor(flops=1e6, bytes=1e9, device="h200")
-    assert t == pytest.approx(1e9 / (0.9 * 4.8e12), rel=1e-12)
+    assert t == pytest.approx(1e9 / 4.28e12, rel=1e-12)
+    assert autotune.floor_rates("h200")[2] == "measured on the H200 (autotune.GPUS)"
+    # the paper's floor, beside it: 90% of the datasheet's 4.8 TB/s
+    assert autotune.paper_floor(1e6, 1e9, "h200") == pytest.approx(1e9 / (0.9 * 4.8e12), rel=1e-12)
 
 
 def test_byte_floor_compute_bound():
-    # A large GEMM: FLOPs at 60% of 989 TFLOP/s dominate.
+    # A large GEMM on an H100, which has no measured rates here: FLOPs at the datasheet's 989 TFLOP/s (no
+    # fraction; said so by floor_rates), the paper's at 60% of it.
     n = 8192
     t = autotune.byte_floor(flops=2.0 * n**3, bytes=3 * 2 * n * n, device="H100 SXM")
-    assert t == pytest.approx(2.0 * n**3 / (0.6 * 989e12), rel=1e-12)
+    assert t == pytest.approx(2.0 * n**3 / 989e12, rel=1e-12)
+    assert autotune.floor_rates("H100 SXM")[2].startswith("datasheet")
+    assert autotune.paper_floor(2.0 * n**3, 3 * 2 * n * n, "H100 SXM") == pytest.approx(2.0 * n**3 / (0.6 * 989e12))
 
 
 def test_byte_floor_takes_the_slower_and_validates():
     t_bw = autotune.byte_floor(0, 1e9, "b200")
     t_fl = autotune.byte_floor(1e13, 0, "b200")
     assert autotune.byte_floor(1e13, 1e9, "b200") == max(t_bw, t_fl)
-    with pytest.raises(ValueError):
+    with pytest.raises(ValueError, match="^autotune.byte_floor: flops and bytes must be non-negative"):
         autotune.byte_floor(-1, 0, "h200")
+    with pytest.raises(ValueError, match="^autotune.paper_floor: no datasheet for 'cpu'"):
+        autotune.paper_floor(1.0, 1.0, torch.device("cpu"))
 
 
 @pytest.fixture
@@ -89,8 +97,8 @@ def test_byte_floor_measured_vs_datasheet(fresh_ceilings):
     hw._CEILINGS["cpu"] = hw.Ceilings(device="cpu", copy_tbs=0.05, bf16_tflops=1.0)
     bw, rate, src = autotune.peak_rates("cpu")
     assert (bw, rate, src) == (0.05e12, 1.0e12, "measured")
-    assert autotune.byte_floor(0, 1e9, torch.device("cpu")) == pytest.approx(1e9 / (0.9 * 0.05e12))
-    assert autotune.byte_floor(1e12, 0, None) == pytest.approx(1e12 / (0.6 * 1.0e12))
+    assert autotune.byte_floor(0, 1e9, torch.device("cpu")) == pytest.approx(1e9 / 0.05e12)  # measured, undiscounted
+    assert autotune.byte_floor(1e12, 0, None) == pytest.approx(1e12 / 1.0e12)
     # Naming a GPU asks for its datasheet, whatever this machine measured.
     assert autotune.peak_rates("h200") == (4.8e12, 989e12, "datasheet")
 

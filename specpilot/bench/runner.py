@@ -8,8 +8,10 @@ Timing: `specpilot.bench.timing` (CUDA-graph replays over the rotated input sets
 `Prepared.fns`, timed with CUDA events; eager CUDA events for cases with `graph_safe=False` or
 whose capture fails; `time.perf_counter` on the CPU).
 
-The sample median is reported with the 10th and 90th percentiles. Floors come from
-`autotune.byte_floor` with the ceilings measured once at the start of the run.
+The sample median is reported with the 10th and 90th percentiles. Floors are physical: `autotune.byte_floor`,
+the case's bytes at the copy rate and its FLOPs at the BF16 matmul rate, both measured once at the start of the
+run and never discounted. `paper_floor_us` beside it is the paper's floor (`autotune.paper_floor`: 90% of the
+datasheet's bandwidth, 60% of its compute), labelled as such; None where the device has no datasheet entry.
 
 On a CPU with TRITON_INTERPRET=1, a case whose check launched a Triton kernel ran under the interpreter: its
 row says so (`interpreted`), it is timed with a few samples (a call takes seconds) and it gets no speedup, since
@@ -99,9 +101,9 @@ def _time(prep: Prepared, device: torch.device, reps: int, warmup: int,
     return timing.time_fns(prep.fns, device, reps=reps, warmup=warmup, graph=prep.graph_safe, budget_s=budget_s)
 
 
-def _floor_s(case: Case, device: torch.device) -> float | None:
+def _floor_s(case: Case, device: torch.device, floor=autotune.byte_floor) -> float | None:
     try:
-        return autotune.byte_floor(case.flops, case.bytes, device)
+        return floor(case.flops, case.bytes, device)
     except ValueError:
         return None
 
@@ -129,6 +131,7 @@ def _base_row(case: Case, common: dict) -> dict:
         "tflops": None,
         "floor_us": None,
         "over_floor": None,
+        "paper_floor_us": None,
         "baseline": case.baseline,
         "baseline_us": None,
         "speedup": None,
@@ -216,6 +219,9 @@ def _run_group(cases: list[Case], device: torch.device, reps: int, warmup: int, 
             floor = _floor_s(case, device)
             if floor is not None and floor > 0:
                 row.update(floor_us=floor * 1e6, over_floor=med / floor)
+            paper = _floor_s(case, device, autotune.paper_floor)
+            if paper is not None:
+                row["paper_floor_us"] = paper * 1e6
             log(f"  {case.op}/{case.variant} {case.shape}: {med * 1e6:.1f} µs median of {len(t.samples)} samples "
                 f"in {time.perf_counter() - t0:.1f} s" + (" (interpreted: not a kernel time)" if row["interpreted"]
                                                            else ""))
