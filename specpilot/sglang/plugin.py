@@ -9,12 +9,13 @@ One switch per feature (environment variables, read when the plugin loads; `1` o
 | `SPECPILOT_SGLANG_W12_CKPT`  | 1 | reading W12-packed safetensors files through SGLang's loader |
 | `SPECPILOT_SGLANG_HEAD`      | 0 | the certified greedy head on the argmax-only path (changes near-tie answers from the BF16-rounded head's to the exact head's, so it is opt-in) |
 | `SPECPILOT_SGLANG_TREE_ATTN` | 0 | `--attention-backend specpilot_tree`: tree_attn on target verify (tree_backend.py) |
+| `SPECPILOT_SGLANG_GDN`       | 0 | gdn.tree_verify and gdn.commit in SGLang's hybrid GDN backend, no per-token snapshots (gdn_verify.py) |
 | `SPECPILOT_SGLANG_W12_EXCLUDE` | (none) | comma-separated fnmatch patterns of linear-layer prefixes that `w12` keeps in BF16 |
 
 SGLang only logs a plugin's exceptions, so `register()` checks itself: every enabled feature is
 registered, then exercised on tiny CPU tensors (W12 pack, unpack bit for bit and matmul against
 F.linear; the certified head against torch.argmax; the tree backend's mask conversion and tree_attn
-against its fp64 reference), and the outcome is logged at WARNING (all
+against its fp64 reference; the GDN verify and commit against the fp64 recurrence), and the outcome is logged at WARNING (all
 passed) or ERROR (what failed) under the logger `specpilot.sglang`, and kept in `STATUS`.
 """
 
@@ -28,7 +29,7 @@ logger = logging.getLogger("specpilot.sglang")
 __all__ = ["register", "STATUS", "SWITCHES", "switch"]
 
 SWITCHES = {"SPECPILOT_SGLANG_W12": True, "SPECPILOT_SGLANG_W12_CKPT": True, "SPECPILOT_SGLANG_HEAD": False,
-            "SPECPILOT_SGLANG_TREE_ATTN": False}
+            "SPECPILOT_SGLANG_TREE_ATTN": False, "SPECPILOT_SGLANG_GDN": False}
 STATUS: dict[str, str] = {}  # feature -> "ok", "off", or "failed: <reason>"
 
 
@@ -165,11 +166,67 @@ def _check_tree_attn() -> None:
         raise RuntimeError("tree_attn on the CPU differs from its fp64 reference on the self-check tree")
 
 
+def _register_gdn() -> None:
+    from . import gdn_verify
+
+    _register_hooks(gdn_verify.TARGETS, (gdn_verify.init_hook, gdn_verify.verify_hook, gdn_verify.commit_hook))
+
+
+def _check_gdn() -> None:
+    """A 4-token tree 0 -> {1, 2}, 1 -> 3 in SGLang's first-child / next-sibling links, two layers, one request:
+    the verify outputs and the committed SSM and conv states along the path 0 -> 1 -> 3 against the fp64
+    recurrence (gdn.recurrent_reference) and the conv window."""
+    import torch
+
+    import gdn
+
+    from .gdn_verify import GDNStep, commit_step, gates, tree_parents, verify_layer
+
+    nt, ns = torch.tensor([[1, 3, -1, -1]]), torch.tensor([[-1, 2, -1, -1]])
+    parents = tree_parents(nt, ns, 1, 4)
+    if parents != [[-1, 0, 0, 1]]:
+        raise RuntimeError(f"tree links gave parents {parents}, not [[-1, 0, 0, 1]]")
+    H, HV, K, W, L, T = 1, 2, 16, 4, 2, 4
+    D = 2 * H * K + HV * K
+    g = torch.Generator().manual_seed(3)
+    temporal = torch.randn(L, 3, HV, K, K, generator=g) * 0.1
+    conv = torch.randn(L, 3, D, W - 1, generator=g)
+    t0, c0 = temporal.clone(), conv.clone()
+    rows = torch.tensor([2])
+    step = GDNStep(meta=None, plan=gdn.build_tree_plan(parents), parents=parents, rows=rows)
+    ws = [(torch.randn(D, W, generator=g) * 0.3, torch.randn(T, D, generator=g), torch.randn(T, HV, generator=g),
+           torch.randn(T, HV, generator=g), torch.randn(HV, generator=g) * 0.1, torch.randn(HV, generator=g) * 0.1)
+          for _ in range(L)]
+    for i, (w, x, a, b, A_log, dt) in enumerate(ws):
+        o = verify_layer(step, i, x, a, b, w, None, "silu", A_log, dt, conv[i], temporal[i], (H, H, HV, K, K))
+        xc = gdn.conv_reference(x, conv[i], w, parents, None, "silu", [2], dtype=torch.float64)
+        q, k, v = torch.split(xc, [H * K, H * K, HV * K], -1)
+        gg, bb = gates(A_log, dt, a, b)
+        want, S = gdn.recurrent_reference(q.reshape(T, H, K), k.reshape(T, H, K), v.reshape(T, HV, K), gg, bb,
+                                          t0[i, 2].transpose(-1, -2), parents=parents[0], use_qk_l2norm=True,
+                                          return_states=True, dtype=torch.float64)
+        if not torch.allclose(o[0].double(), want, atol=1e-4, rtol=1e-4):
+            raise RuntimeError(f"gdn verify of layer {i} differs from the fp64 recurrence")
+        if not torch.equal(temporal[i], t0[i]) or not torch.equal(conv[i], c0[i]):
+            raise RuntimeError("gdn verify wrote the committed state")
+        ws[i] = S[3]  # the state after the accepted path 0 -> 1 -> 3
+    commit_step(step, torch.tensor([3]), temporal, conv)
+    for i in range(L):
+        if not torch.allclose(temporal[i, 2].transpose(-1, -2).double(), ws[i], atol=1e-4, rtol=1e-4):
+            raise RuntimeError(f"gdn.commit's SSM state of layer {i} differs from the fp64 recurrence")
+        x = step.layers[i][0]
+        if not torch.equal(conv[i, 2], torch.cat([c0[i, 2], x[[0, 1, 3]].T], 1)[:, -(W - 1):]):
+            raise RuntimeError(f"gdn.commit's conv state of layer {i} is not the window of the accepted path")
+        if not torch.equal(temporal[i, :2], t0[i, :2]):
+            raise RuntimeError("gdn.commit wrote a row it was not given")
+
+
 _FEATURES = (
     ("w12", "SPECPILOT_SGLANG_W12", _register_w12, _check_w12),
     ("w12_checkpoint", "SPECPILOT_SGLANG_W12_CKPT", _register_ckpt, None),
     ("certified_head", "SPECPILOT_SGLANG_HEAD", _register_head, _check_head),
     ("tree_attn", "SPECPILOT_SGLANG_TREE_ATTN", _register_tree_attn, _check_tree_attn),
+    ("gdn", "SPECPILOT_SGLANG_GDN", _register_gdn, _check_gdn),
 )
 
 
