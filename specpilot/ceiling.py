@@ -110,7 +110,8 @@ def peaks(gpu: str | GpuSpec = "h200", measured: str | Path | dict | None = None
     """Floor rates of `gpu` (a name or slug of `autotune.GPUS`, or a GpuSpec): the rates measured on that GPU
     model (`GpuSpec.copy_tbs`, `matmul_tflops`) where it has them, else its datasheet's; or, with `measured`, the
     roofs a `specpilot bench` run measured (its JSON file or its meta dict: `ceilings.copy_tbs`,
-    `ceilings.bf16_tflops`). INT8 keeps the datasheet's ratio to BF16."""
+    `ceilings.bf16_tflops`); `measured="datasheet"` takes the datasheet's peaks whatever was measured (a lower
+    floor). INT8 keeps the datasheet's ratio to BF16."""
     spec = gpu if isinstance(gpu, GpuSpec) else autotune.gpu_spec(gpu) if isinstance(gpu, str) else None
     if spec is None:
         raise _err("peaks", f"unknown GPU {gpu!r}", f"pass one of {sorted(GPUS)} or a GpuSpec")
@@ -120,6 +121,8 @@ def peaks(gpu: str | GpuSpec = "h200", measured: str | Path | dict | None = None
     if measured is None:
         bw, rate, src = floor_rates(spec)
         return Peaks(name, bw / 1e12, rate / 1e12, rate / 1e12 * int8, src, **sheet)
+    if measured == "datasheet":
+        return Peaks(name, spec.bandwidth_tbs, spec.bf16_tflops, spec.int8_tops, "datasheet", **sheet)
     src = "meta"
     if not isinstance(measured, dict):
         src = str(measured)

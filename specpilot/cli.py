@@ -358,7 +358,7 @@ def cmd_ceiling(args) -> int:
     try:
         rep = ceiling.report(args.shapes, args.gpu, nodes=args.nodes, prefix=args.prefix, weights=args.weights,
                              taus=args.tau.split(","), tau_ideal=args.tau_ideal, measured=args.measured,
-                             perop=args.perop or (), peak_source=None if args.peaks == "datasheet" else args.peaks,
+                             perop=args.perop or (), peak_source=None if args.peaks == "table" else args.peaks,
                              escapes=args.escapes)
     except ValueError as e:
         raise UsageError(str(e)) from None
@@ -556,8 +556,10 @@ def build_parser() -> argparse.ArgumentParser:
                                        "factors, the verify step predicted from per-kernel measurements")
     s.add_argument("--shapes", default="hybrid-27b", help="shape set (default hybrid-27b)")
     s.add_argument("--gpu", default="h200", help="GPU name or slug of autotune.GPUS (default h200)")
-    s.add_argument("--peaks", default="datasheet", metavar="datasheet|BENCH_JSON",
-                   help="the datasheet's peaks (default) or the roofs a `specpilot bench` JSON measured")
+    s.add_argument("--peaks", default="table", metavar="table|datasheet|BENCH_JSON",
+                   help="the floor's rates: those measured on the GPU model (autotune.GPUS; the datasheet's where "
+                        "none were measured; default), the datasheet's peaks, or the roofs a `specpilot bench` JSON "
+                        "measured")
     s.add_argument("--nodes", type=int, default=32, help="rows of the verify step, root included (default 32)")
     s.add_argument("--prefix", type=int, default=4096, help="cached context tokens (default 4096)")
     s.add_argument("--weights", default="bf16,w12", help="bf16, w12 or both (default bf16,w12)")

@@ -94,6 +94,8 @@ def test_datasheet_and_measured_peaks(tmp_path):
     assert (pk.datasheet_bandwidth_tbs, pk.datasheet_bf16_tflops) == (4.8, 989.0)
     b = ceiling.peaks("b200")  # nothing measured: the datasheet, said so
     assert (b.bandwidth_tbs, b.bf16_tflops) == (8.0, 2250.0) and b.source.startswith("datasheet")
+    d = ceiling.peaks("h200", "datasheet")  # asked for: the datasheet whatever was measured
+    assert (d.bandwidth_tbs, d.bf16_tflops, d.source) == (4.8, 989.0, "datasheet")
     f = tmp_path / "bench.json"
     f.write_text(json.dumps({"meta": {"ceilings": {"copy_tbs": 4.25, "bf16_tflops": 793.0}}, "rows": []}))
     m = ceiling.peaks("h200", f)
