@@ -57,12 +57,37 @@ def tiny_model_dir(dest: Path) -> Path:
     return dest
 
 
+def stub_web_stack() -> None:
+    """SGLang's `model_runner` module, which the hybrid GDN backend imports (for type annotations), imports its HTTP
+    server stack (uvicorn, fastapi), which the test environment leaves out. Stand-in modules, whose every attribute
+    is an empty class, let it import; they are installed only for modules that are absent, and nothing of the
+    server runs in these tests."""
+    for name in ("uvicorn", "fastapi", "fastapi.responses"):
+        try:
+            __import__(name)
+        except ImportError:
+            mod = types.ModuleType(name)
+            mod.__path__ = []
+
+            def attr(key, _name=name):
+                if key.startswith("__"):
+                    raise AttributeError(key)
+                cls = type(key, (), {"__init__": lambda self, *a, **k: None})
+                setattr(sys.modules[_name], key, cls)
+                return cls
+
+            mod.__getattr__ = attr
+            sys.modules[name] = mod
+
+
 @pytest.fixture(scope="session")
 def sglang_tp1(tmp_path_factory):
     """SGLang's runtime context for one tensor-parallel rank on the CPU, with the plugin registered."""
     os.environ.setdefault("SPECPILOT_SGLANG_HEAD", "1")
     os.environ.setdefault("SPECPILOT_SGLANG_TREE_ATTN", "1")
+    os.environ.setdefault("SPECPILOT_SGLANG_GDN", "1")
     stub_vllm_rope()
+    stub_web_stack()
     from specpilot.sglang.plugin import register
 
     status = register()
