@@ -38,6 +38,7 @@ print("HEAD_HOOK", "sglang.srt.layers.logits_processor.LogitsProcessor._compute_
 from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
 from sglang.srt.arg_groups.choices import ATTENTION_BACKEND_CHOICES
 print("TREE", "specpilot_tree" in ATTENTION_BACKENDS, "specpilot_tree" in ATTENTION_BACKEND_CHOICES)
+print("GDN_HOOKS", [t for t in HookRegistry._patched if "gdn_backend" in t or "update_mamba_state" in t])
 if "w12" in QUANTIZATION_CHOICES:  # the launch_server command line, parsed after load_plugins() as SGLang does
     from sglang.srt.server_args import prepare_server_args
     sa = prepare_server_args(["--model-path", sys.argv[1], "--quantization", "w12", "--device", "cpu"])
@@ -53,6 +54,7 @@ def _load(env):
     import os
 
     e = dict(os.environ)
+    e["SPECPILOT_SGLANG_GDN"] = ""  # the suite's fixture turns it on in this process only (its test stand-ins)
     e.update(env)
     r = subprocess.run([sys.executable, "-c", _LOAD, str(TINY)], capture_output=True, text=True, env=e, timeout=300)
     assert r.returncode == 0, r.stderr[-3000:]
@@ -64,8 +66,8 @@ def test_sglang_load_plugins_runs_it():
     out = _load({"SGLANG_PLUGINS": "specpilot", "SPECPILOT_SGLANG_HEAD": "1", "SPECPILOT_SGLANG_TREE_ATTN": "1"})
     assert "Executed general plugin: specpilot" in out
     assert "self-check passed" in out
-    assert ("STATUS [('certified_head', 'ok'), ('tree_attn', 'ok'), ('w12', 'ok'), ('w12_checkpoint', 'ok')]"
-            in out)
+    assert ("STATUS [('certified_head', 'ok'), ('gdn', 'off'), ('tree_attn', 'ok'), ('w12', 'ok'), "
+            "('w12_checkpoint', 'ok')]" in out)
     assert "W12 True True" in out and "HEAD_HOOK True" in out and "TREE True True" in out
     assert "CLI w12" in out and "CLI_TREE specpilot_tree" in out
 
@@ -73,7 +75,8 @@ def test_sglang_load_plugins_runs_it():
 def test_switches_turn_features_off():
     out = _load({"SGLANG_PLUGINS": "specpilot", "SPECPILOT_SGLANG_W12": "0", "SPECPILOT_SGLANG_HEAD": "0",
                  "SPECPILOT_SGLANG_TREE_ATTN": "0"})
-    assert "STATUS [('certified_head', 'off'), ('tree_attn', 'off'), ('w12', 'off'), ('w12_checkpoint', 'ok')]" in out
+    assert ("STATUS [('certified_head', 'off'), ('gdn', 'off'), ('tree_attn', 'off'), ('w12', 'off'), "
+            "('w12_checkpoint', 'ok')]" in out)
     assert "W12 False False" in out and "HEAD_HOOK False" in out
     assert "TREE False False" in out  # SGLang's backend registry and --attention-backend choices untouched
 
@@ -86,6 +89,7 @@ def test_tree_attn_is_off_by_default():
         e["SPECPILOT_SGLANG_TREE_ATTN"] = ""
     out = _load(e)
     assert "('tree_attn', 'off')" in out and "TREE False False" in out and "CLI_TREE" not in out
+    assert "('gdn', 'off')" in out and "GDN_HOOKS []" in out  # SGLang's GDN backend is not hooked
 
 
 def test_other_plugin_names_leave_it_out():

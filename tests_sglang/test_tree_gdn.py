@@ -95,7 +95,8 @@ class Setup:
         ns = torch.tensor([b for _, b in links])
         seq = torch.full((B,), 7, dtype=torch.int64)
         spec = EagleVerifyInput(
-            draft_token=torch.zeros(B * n, dtype=torch.int64), custom_mask=torch.ones(B * n * (7 + n), dtype=torch.bool),
+            draft_token=torch.zeros(B * n, dtype=torch.int64),
+            custom_mask=torch.ones(B * n * (7 + n), dtype=torch.bool),
             positions=torch.arange(n).repeat(B) + 7, retrieve_index=torch.arange(B * n).view(B, n),
             retrieve_next_token=nt, retrieve_next_sibling=ns, retrieve_cum_len=None, spec_steps=n - 1,
             topk=self.linear.topk, draft_token_num=n, capture_hidden_mode=CaptureHiddenMode.FULL,

@@ -42,11 +42,8 @@ __all__ = ["FN", "TARGETS", "init_hook", "verify_hook", "commit_hook", "tree_par
 
 FN = "specpilot.sglang.gdn"
 _GDN = "sglang.srt.layers.attention.linear.gdn_backend.GDNAttnBackend"
-TARGETS = (
-    f"{_GDN}.__init__",
-    f"{_GDN}.forward_extend",
-    "sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend.update_mamba_state_after_mtp_verify",
-)
+_HYBRID = "sglang.srt.layers.attention.hybrid_linear_attn_backend.HybridLinearAttnBackend"
+TARGETS = (f"{_GDN}.__init__", f"{_GDN}.forward_extend", f"{_HYBRID}.update_mamba_state_after_mtp_verify")
 calls = {"verify": 0, "commit": 0, "sglang_verify": 0, "sglang_commit": 0}  # layer verifies / step commits per path
 
 
@@ -198,6 +195,10 @@ def _inactive_reason(backend) -> str | None:
         return "the unified memory pool translates state indices"
     if len(cache.conv) != 1:
         return f"the pool holds {len(cache.conv)} conv states per layer (GDN has one)"
+    from sglang.srt.layers.attention.linear.utils import pp_spec_stable_rows_enabled
+
+    if pp_spec_stable_rows_enabled():
+        return "pipeline-parallel speculative rows are on (a delayed batch's commit names its rows by request)"
     return None
 
 
@@ -221,9 +222,9 @@ def init_hook(original, self, *args, **kwargs):
     Hk = (D - HV * V) // (2 * K)
     keep = stash_bytes_per_token(D, Hk, K, HV, V, cache.conv[0].element_size())
     per_tok = (HV * V * K * cache.temporal.element_size() + D * cache.conv[0].shape[-1] * cache.conv[0].element_size())
-    logger.warning("%s: target verify runs gdn.tree_verify and the commit gdn.commit; released SGLang's per-draft-token "
-                   "snapshot buffers: intermediate_ssm %.3f GiB, conv windows %.3f GiB (%d layers). A verified draft "
-                   "token keeps %d bytes per layer until its commit instead of a %d-byte snapshot", FN,
+    logger.warning("%s: target verify runs gdn.tree_verify and the commit gdn.commit; released SGLang's "
+                   "per-draft-token snapshot buffers: intermediate_ssm %.3f GiB, conv windows %.3f GiB (%d layers). "
+                   "A verified draft token keeps %d bytes per layer until its commit instead of a %d-byte snapshot", FN,
                    ssm_b / 2 ** 30, conv_b / 2 ** 30, L, keep, per_tok)
 
 

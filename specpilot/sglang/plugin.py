@@ -15,8 +15,8 @@ One switch per feature (environment variables, read when the plugin loads; `1` o
 SGLang only logs a plugin's exceptions, so `register()` checks itself: every enabled feature is
 registered, then exercised on tiny CPU tensors (W12 pack, unpack bit for bit and matmul against
 F.linear; the certified head against torch.argmax; the tree backend's mask conversion and tree_attn
-against its fp64 reference; the GDN verify and commit against the fp64 recurrence), and the outcome is logged at WARNING (all
-passed) or ERROR (what failed) under the logger `specpilot.sglang`, and kept in `STATUS`.
+against its fp64 reference; the GDN verify and commit against the fp64 recurrence), and the outcome is logged at
+WARNING (all passed) or ERROR (what failed) under the logger `specpilot.sglang`, and kept in `STATUS`.
 """
 
 from __future__ import annotations
