@@ -1,4 +1,4 @@
-"""Greedy tree acceptance on tensors (specpilot.accept) against a plain-Python walk."""
+"""Greedy tree acceptance on tensors (specpilot.engine.spec.accept) against a plain-Python walk."""
 
 import random
 
@@ -6,7 +6,7 @@ import pytest
 import torch
 
 import gdn
-from specpilot.accept import accepted_slots, greedy_accept, greedy_accept_reference
+from specpilot.engine.spec.accept import accepted_slots, greedy_accept, greedy_accept_reference
 
 
 def _tree(rng: random.Random, n: int, vocab: int, depth_cap: int):
@@ -92,7 +92,8 @@ def test_padding_is_ignored():
 
 def test_bad_shapes_say_how_to_fix():
     T = torch.zeros(2, 4, dtype=torch.int64)
-    with pytest.raises(ValueError, match=r"specpilot\.accept\.greedy_accept: target_next .*; pass \[B, N \+ 1\]"):
+    with pytest.raises(ValueError,
+                       match=r"specpilot\.engine\.spec\.accept\.greedy_accept: target_next .*; pass \[B, N \+ 1\]"):
         greedy_accept(T, T.int(), T.int(), torch.zeros(2, dtype=torch.int32), T, max_depth=2)
     with pytest.raises(TypeError, match="integer"):
         greedy_accept(T.float(), T.int(), T.int(), torch.zeros(2, dtype=torch.int32),

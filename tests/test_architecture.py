@@ -163,3 +163,51 @@ def test_operators_without_kernels_are_documented_packages():
     for op in sorted(OPERATORS - set(_with_ops())):
         tree = ast.parse((ROOT / op / "__init__.py").read_text())
         assert ast.get_docstring(tree), f"{op}/__init__.py needs a docstring saying what the package will hold"
+
+
+def _module_graph(root: Path, pkg: str) -> dict[str, set[str]]:
+    """Module -> the modules of `pkg` it imports (a package's name stands for its __init__)."""
+    graph: dict[str, set[str]] = {}
+    for path in sorted((root / pkg.replace(".", "/")).rglob("*.py")):
+        parts = list(path.relative_to(root).with_suffix("").parts)
+        name = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        graph[name] = {dst for _, dst in imports(path, root) if dst == pkg or dst.startswith(pkg + ".")}
+    return graph
+
+
+def _cycles(graph: dict[str, set[str]], mods: set[str]) -> list[str]:
+    found = []
+
+    def walk(m, path):
+        for d in sorted(graph.get(m, ()) & mods):
+            if d in path:
+                found.append(" -> ".join(path[path.index(d):] + [d]))
+            elif len(path) < len(mods):
+                walk(d, path + [d])
+
+    for m in sorted(mods):
+        walk(m, [m])
+    return found
+
+
+def test_engine_modules_import_without_cycles():
+    """Inside specpilot.engine no module imports one that imports it back (engine and batch share `records`),
+    and the speculation pieces (specpilot.engine.spec) import none of the engine's modules."""
+    graph = _module_graph(ROOT, "specpilot.engine")
+    cycles = _cycles(graph, {m for m in graph if m != "specpilot.engine"})  # the package's __init__ re-exports
+    assert not cycles, cycles[:5]
+    spec = {m: {d for d in ds if not d.startswith("specpilot.engine.spec")} for m, ds in graph.items()
+            if m.startswith("specpilot.engine.spec")}
+    assert spec and not any(spec.values()), spec
+
+
+def test_the_cycle_check_sees_a_cycle(tmp_path):
+    """A function-level import back (the pattern engine and batch had) is a cycle."""
+    pkg = tmp_path / "specpilot" / "engine"
+    pkg.mkdir(parents=True)
+    (tmp_path / "specpilot" / "__init__.py").write_text("")
+    (pkg / "__init__.py").write_text("")
+    (pkg / "a.py").write_text("def f():\n    from .b import g\n")
+    (pkg / "b.py").write_text("from .a import f\n")
+    graph = _module_graph(tmp_path, "specpilot.engine")
+    assert _cycles(graph, {"specpilot.engine.a", "specpilot.engine.b"})

@@ -9,8 +9,8 @@ import re
 import pytest
 import torch
 
-from specpilot.budget import DEPTHS, AcceptanceHistory, Allocation, allocate
-from specpilot.tree import build_tree
+from specpilot.engine.spec.budget import DEPTHS, AcceptanceHistory, Allocation, allocate
+from specpilot.engine.spec.tree import build_tree
 
 
 def _history(rng: random.Random, accept_p: float, steps: int, drafted: int | None = None) -> AcceptanceHistory:
@@ -123,7 +123,7 @@ def test_rejects_bad_input():
     def err(match, *args, **kw):
         with pytest.raises(ValueError, match=match) as e:
             allocate(*args, **kw)
-        assert str(e.value).startswith("specpilot.budget.allocate: ")
+        assert str(e.value).startswith("specpilot.engine.spec.budget.allocate: ")
         assert ";" in str(e.value)
 
     err("NaN|nan", [[0.5, float("nan")]], 2)
@@ -137,7 +137,7 @@ def test_rejects_bad_input():
     err("gains tensor", torch.ones(3), 1)
     with pytest.raises(ValueError, match="NaN|nan"):
         allocate(torch.tensor([[0.5, float("nan")]]), 2)
-    with pytest.raises(TypeError, match="specpilot.budget.allocate"):
+    with pytest.raises(TypeError, match="specpilot.engine.spec.budget.allocate"):
         allocate([1.0, 2.0], 1)
 
 
@@ -174,13 +174,13 @@ def test_rates_calibration_and_gains():
     g = h.gains([0.0, -0.5, -0.5, -3.0, float("-inf")])
     assert g[0] == 1.0 and g[-1] == 0.0 and all(x >= y for x, y in zip(g, g[1:]))
     assert math.isclose(g[3], h.calibration() * math.exp(-3.0))
-    with pytest.raises(ValueError, match="^specpilot.budget.gains: .*increase"):
+    with pytest.raises(ValueError, match="^specpilot.engine.spec.budget.gains: .*increase"):
         h.gains([-1.0, -0.5])
-    with pytest.raises(ValueError, match="^specpilot.budget.gains: .*nan"):
+    with pytest.raises(ValueError, match="^specpilot.engine.spec.budget.gains: .*nan"):
         h.gains(torch.tensor([0.0, float("nan")]))
-    with pytest.raises(ValueError, match="^specpilot.budget.record: "):
+    with pytest.raises(ValueError, match="^specpilot.engine.spec.budget.record: "):
         h.record(9, drafted=8)
-    with pytest.raises(ValueError, match="^specpilot.budget.AcceptanceHistory: "):
+    with pytest.raises(ValueError, match="^specpilot.engine.spec.budget.AcceptanceHistory: "):
         AcceptanceHistory(initial=10)
     # clipping: a long perfect streak never makes a depth certain
     h = AcceptanceHistory(window=64)

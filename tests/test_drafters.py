@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from specpilot.drafters import Drafter, NGramDrafter
-from specpilot.tree import build_tree
+from specpilot.engine.spec.drafters import Drafter, NGramDrafter
+from specpilot.engine.spec.tree import build_tree
 
 NEG = float("-inf")
 
@@ -161,7 +161,7 @@ def test_long_context_caps_the_matches():
     ({"positions": True, "k": 1}, "positions=True"),
 ])
 def test_bad_counts(kwargs, what):
-    with pytest.raises(ValueError, match=r"specpilot\.drafters\.NGramDrafter\.propose: " + what):
+    with pytest.raises(ValueError, match=r"specpilot\.engine\.spec\.drafters\.NGramDrafter\.propose: " + what):
         NGramDrafter().propose([1, 2], **kwargs)
 
 

@@ -7,7 +7,7 @@ import re
 import pytest
 import torch
 
-from specpilot.tree import MAX_NODES, build_tree, build_trees, build_trees_batched
+from specpilot.engine.spec.tree import MAX_NODES, build_tree, build_trees, build_trees_batched
 
 NEG = float("-inf")
 
@@ -259,10 +259,10 @@ def test_dedup_keeps_higher_then_first():
 def test_bad_scores_rejected(bad, word):
     tokens = torch.tensor([[1, 2], [3, 4]])
     scores = torch.tensor([[-1.0, -2.0], [-1.0, bad]])
-    with pytest.raises(ValueError, match=re.escape(f"specpilot.tree.build_tree: scores[1, 1] is {word};")):
+    with pytest.raises(ValueError, match=re.escape(f"specpilot.engine.spec.tree.build_tree: scores[1, 1] is {word};")):
         build_tree(tokens, scores)
     for fn in (build_trees, build_trees_batched):
-        with pytest.raises(ValueError, match=rf"specpilot.tree.{fn.__name__}: .*log-probabilities"):
+        with pytest.raises(ValueError, match=rf"specpilot.engine.spec.tree.{fn.__name__}: .*log-probabilities"):
             fn(tokens[None], scores[None])
 
 

@@ -51,7 +51,7 @@ def _state_bytes(model, prefix: int) -> tuple[int, int]:
 
 
 def _random_tree(vocab: int, positions: int, topk: int, nodes: int, seed: int):
-    from ..tree import build_tree
+    from ..engine.spec.tree import build_tree
 
     g = torch.Generator().manual_seed(seed)
     tokens = torch.randint(0, vocab, (positions, topk), generator=g)

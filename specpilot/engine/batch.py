@@ -20,10 +20,12 @@ import time
 
 import torch
 
-from ..accept import greedy_accept
-from ..budget import AcceptanceHistory, allocate
-from ..tree import build_tree
+from . import inputs
 from .model import MAX_STEP_NODES
+from .records import StepRecord
+from .spec.accept import greedy_accept
+from .spec.budget import AcceptanceHistory, allocate
+from .spec.tree import build_tree
 
 __all__ = ["generate_batch"]
 
@@ -37,10 +39,6 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
                    log_allocations: list | None = None) -> list[list[int]]:
     """Greedy continuations of every prompt (one cache row each), verified together under `budget` tree nodes
     per step (default 8 per request). `log_allocations`, when a list, receives each step's node counts."""
-    from .engine import StepRecord
-
-    from . import inputs
-
     fn = "specpilot.engine.Engine.generate_batch"
     m, dev = engine.model, engine.model.device
     if isinstance(prompts, (str, bytes, bytearray)) or (isinstance(prompts, torch.Tensor) and prompts.dim() != 2):

@@ -3,7 +3,7 @@
 A request's context is c_0 .. c_{n-1}. The caches hold c_0 .. c_{n-2}; the last token c_{n-1} is
 *pending*: every pass processes it as the root of its tree. An autoregressive step is the pending
 token alone. A speculative step drafts `positions` positions of `topk` candidates below it, keeps the
-best `tree_nodes - 1` of them as a tree (`specpilot.tree.build_tree`), and verifies root and tree in
+best `tree_nodes - 1` of them as a tree (`specpilot.engine.spec.tree.build_tree`), and verifies root and tree in
 one pass: the target's argmax after the root and after every node gives `greedy_accept` the longest
 path the target itself would have produced, then the bonus token. The caches advance by the root and
 that path (`HybridModel.commit`); the bonus becomes the pending token. Every emitted token is the
@@ -15,54 +15,21 @@ Prefill runs the prompt but its last token as chains of up to 64 nodes through t
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
-from ..accept import greedy_accept
-from ..tree import DraftTree, _bit, build_tree
 from . import inputs
-from .loader import load_config, load_tensors
+from .batch import generate_batch
 from .graphs import GraphedStep, pass_tree
+from .loader import load_config, load_tensors
 from .model import MAX_STEP_NODES, HybridModel, Kernels
+from .records import StepRecord, _Stats
+from .spec.accept import greedy_accept
+from .spec.tree import DraftTree, _bit, build_tree
 
-__all__ = ["Engine", "SelfDrafter", "StepRecord", "LosslessReport", "check_lossless", "NEAR_TIE"]
-
-
-@dataclass
-class StepRecord:
-    kind: str  # "prefill", "ar", "verify"
-    nodes: int  # nodes in the pass (root included)
-    emitted: int  # tokens the step emitted
-    seconds: float
-
-
-@dataclass
-class _Stats:
-    steps: list[StepRecord] = field(default_factory=list)
-    q_agree: int = 0  # two-level verification: Q-pass choices the exact pass confirmed
-    q_total: int = 0
-
-    def summary(self) -> dict:
-        out = {}
-        for kind in ("ar", "verify", "batch"):
-            rec = [s for s in self.steps if s.kind == kind]
-            if not rec:
-                continue
-            secs = sorted(s.seconds for s in rec)
-            emitted, total = sum(s.emitted for s in rec), sum(secs)
-            # mean_step_ms and tokens_per_s both come from the total time, so tokens_per_s = tau / mean step time
-            out[kind] = {"steps": len(rec), "tokens": emitted, "tau": emitted / len(rec),
-                         "mean_nodes": sum(s.nodes for s in rec) / len(rec),
-                         "median_step_ms": 1e3 * secs[len(secs) // 2], "mean_step_ms": 1e3 * total / len(rec),
-                         "tokens_per_s": emitted / total if total > 0 else float("inf"), "total_s": total}
-        if self.q_total:
-            out["q_pass"] = {"agreement": self.q_agree / self.q_total, "compared": self.q_total}
-        pre = [s for s in self.steps if s.kind == "prefill"]
-        if pre:
-            out["prefill"] = {"tokens": sum(s.nodes for s in pre), "total_s": sum(s.seconds for s in pre)}
-        return out
+__all__ = ["Engine", "SelfDrafter", "LosslessReport", "check_lossless", "NEAR_TIE"]
 
 
 def _sync(device: torch.device) -> None:
@@ -74,7 +41,7 @@ class Engine:
     """Greedy decoding: `generate` serves one request, `generate_batch` several under one node budget
     (`specpilot.engine.batch`); see the module docstring.
 
-    `drafter`: "ngram" (`specpilot.drafters.NGramDrafter`), "self" (`SelfDrafter`: the target on its W12
+    `drafter`: "ngram" (`specpilot.engine.spec.drafters.NGramDrafter`), "self" (`SelfDrafter`: the target on its W12
     8-bit view), None, or any object with `propose(context, positions, k)`.
     `tree_nodes`: rows of a verify pass, the pending token included (32 keeps the GEMMs at M = 32).
     `two_level`: before each exact pass, a Q pass on the W12 8-bit view marks a path, the drafter drafts again
@@ -112,7 +79,7 @@ class Engine:
         if drafter == "self":
             drafter = SelfDrafter(model)
         elif drafter == "ngram":
-            from ..drafters import NGramDrafter
+            from .spec.drafters import NGramDrafter
 
             drafter = NGramDrafter(vocab_size=model.cfg.vocab)
         self.drafter = drafter
@@ -231,7 +198,7 @@ class Engine:
         eos = self.model.cfg.eos_token_id
         while len(out) < max_new_tokens:
             new = self._step(ctx, speculative)
-            if any(t < 0 for t in new):  # lmhead.NAN_ID: the head saw a NaN logit; the step's next input is not a token
+            if any(t < 0 for t in new):  # lmhead.NAN_ID: a NaN logit; the step's next input is not a token
                 raise RuntimeError(f"{fn}: the target's logits held NaN at new token {len(out) + new.index(min(new))} "
                                    "(the certified head's argmax is lmhead.NAN_ID there); check the checkpoint's weights "
                                    "for NaN/Inf and load it in BF16")
@@ -311,8 +278,6 @@ class Engine:
         """Greedy continuations of several prompts, verified together under one node budget per step
         (`specpilot.engine.batch`; default 8 nodes per request). Needs a model with a cache row per prompt.
         `prompts`: a list of prompts, each as `generate` takes one."""
-        from .batch import generate_batch
-
         return generate_batch(self, prompts, max_new_tokens, budget=budget)
 
     def _draft(self, ctx: list[int], budget: int | None = None):

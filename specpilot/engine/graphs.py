@@ -13,7 +13,7 @@ import torch
 
 import gdn
 
-from ..accept import greedy_accept
+from .spec.accept import greedy_accept
 from .model import HybridModel, Step
 
 __all__ = ["GraphedStep", "ATTN_CAPACITY", "pass_tree"]
@@ -77,7 +77,7 @@ class GraphedStep:
 
     def load(self, ctx_len: int, root_token: int, tree=None) -> None:
         """Refill the buffers for the pending token `root_token` after `ctx_len` cached tokens, with the draft
-        tree `tree` (`specpilot.tree.DraftTree`, at most nodes - 1 nodes) below it."""
+        tree `tree` (`specpilot.engine.spec.tree.DraftTree`, at most nodes - 1 nodes) below it."""
         m, s = self.model, self.step
         n = tree.n if tree is not None else 0
         if n > self.nodes - 1:

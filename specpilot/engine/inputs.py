@@ -67,7 +67,7 @@ def drafter(fn: str, value):
         raise ValueError(f"{fn}: drafter={value!r} is not a shipped drafter; pass 'ngram', 'self', None "
                          "(autoregressive only), or an object with propose(context, positions, k)")
     raise TypeError(f"{fn}: drafter={value!r} ({type(value).__name__}) has no propose method; pass 'ngram', 'self', "
-                    "None, or an object with propose(context, positions, k) (specpilot.drafters.Drafter)")
+                    "None, or an object with propose(context, positions, k) (specpilot.engine.spec.drafters.Drafter)")
 
 
 def token_ids(fn: str, ids, vocab: int, encode=None, what: str = "the prompt", empty_ok: bool = False) -> list[int]:

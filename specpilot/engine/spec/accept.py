@@ -21,6 +21,8 @@ import torch
 
 __all__ = ["Acceptance", "greedy_accept", "greedy_accept_reference", "accepted_slots"]
 
+_WHERE = "specpilot.engine.spec.accept"  # the module as error messages name it
+
 
 class Acceptance(NamedTuple):
     accepted: torch.Tensor  # int32 [B, max_depth]: local node indices of the accepted path, root first, -1 after
@@ -32,25 +34,25 @@ def _check(fn, tokens, parents, depths, n_nodes, target_next):
     for name, t in (("tokens", tokens), ("parents", parents), ("depths", depths), ("n_nodes", n_nodes),
                     ("target_next", target_next)):
         if not isinstance(t, torch.Tensor):
-            raise TypeError(f"specpilot.accept.{fn}: {name} must be a torch.Tensor, got {type(t).__name__}; pass "
+            raise TypeError(f"{_WHERE}.{fn}: {name} must be a torch.Tensor, got {type(t).__name__}; pass "
                             "the tree builder's buffers")
         if t.dtype.is_floating_point:
-            raise TypeError(f"specpilot.accept.{fn}: {name} has dtype {t.dtype}; pass integer indices / tokens")
+            raise TypeError(f"{_WHERE}.{fn}: {name} has dtype {t.dtype}; pass integer indices / tokens")
         if t.device != tokens.device:
-            raise ValueError(f"specpilot.accept.{fn}: {name} is on {t.device} but tokens are on {tokens.device}; "
+            raise ValueError(f"{_WHERE}.{fn}: {name} is on {t.device} but tokens are on {tokens.device}; "
                              "move them to one device")
     if tokens.dim() != 2:
-        raise ValueError(f"specpilot.accept.{fn}: tokens has shape {tuple(tokens.shape)}; pass [B, N] (one row of "
+        raise ValueError(f"{_WHERE}.{fn}: tokens has shape {tuple(tokens.shape)}; pass [B, N] (one row of "
                          "node tokens per request)")
     B, N = tokens.shape
     for name, t in (("parents", parents), ("depths", depths)):
         if tuple(t.shape) != (B, N):
-            raise ValueError(f"specpilot.accept.{fn}: {name} has shape {tuple(t.shape)} but tokens is [{B}, {N}]; "
+            raise ValueError(f"{_WHERE}.{fn}: {name} has shape {tuple(t.shape)} but tokens is [{B}, {N}]; "
                              "pass the same [B, N] buffers")
     if tuple(n_nodes.shape) != (B,):
-        raise ValueError(f"specpilot.accept.{fn}: n_nodes has shape {tuple(n_nodes.shape)}; pass [B={B}]")
+        raise ValueError(f"{_WHERE}.{fn}: n_nodes has shape {tuple(n_nodes.shape)}; pass [B={B}]")
     if tuple(target_next.shape) != (B, N + 1):
-        raise ValueError(f"specpilot.accept.{fn}: target_next has shape {tuple(target_next.shape)}; pass [B, N + 1] "
+        raise ValueError(f"{_WHERE}.{fn}: target_next has shape {tuple(target_next.shape)}; pass [B, N + 1] "
                          f"= [{B}, {N + 1}]: the target's argmax after the root (column 0) and after node i (1 + i)")
 
 
@@ -109,7 +111,7 @@ def accepted_slots(node_slots: torch.Tensor, acc: Acceptance) -> tuple[torch.Ten
     becomes its prefix followed by `kept[:accepted_len]`: no K/V row moves. node_slots [B, N] holds each
     tree node's slot (where verify wrote its K/V; tree_attn's nodes-in-cache layout)."""
     if node_slots.dim() != 2 or node_slots.shape[0] != acc.accepted.shape[0]:
-        raise ValueError(f"specpilot.accept.accepted_slots: node_slots has shape {tuple(node_slots.shape)}; pass "
+        raise ValueError(f"{_WHERE}.accepted_slots: node_slots has shape {tuple(node_slots.shape)}; pass "
                          f"[B={acc.accepted.shape[0]}, N], one slot per tree node")
     B, N = node_slots.shape
     idx = acc.accepted.long()

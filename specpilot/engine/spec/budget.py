@@ -10,7 +10,7 @@ expected accepted tokens. Two layers:
   picks the request's draft depth (`positions()`: 16, 12 or 8) and turns the drafter's path scores
   into the marginal gains that `allocate` takes (`gains(path_scores)`).
 
-The objective. Let the tree builder (specpilot.tree) take request r's nodes best-first, and let v_r[i]
+The objective. Let the tree builder (specpilot.engine.spec.tree) take request r's nodes best-first, and let v_r[i]
 be the probability that the i-th node taken lies on the target's greedy path. The accepted length is
 the number of tree nodes on that path, so by linearity of expectation a tree of the first n nodes
 accepts E_r(n) = v_r[0] + ... + v_r[n-1] tokens on average. The marginal gain of the n-th node is
@@ -67,9 +67,11 @@ from typing import Sequence
 
 import torch
 
-from specpilot.tree import MAX_NODES
+from .tree import MAX_NODES
 
 __all__ = ["Allocation", "AcceptanceHistory", "allocate", "DEPTHS"]
+
+_WHERE = "specpilot.engine.spec.budget"  # the module as error messages name it
 
 DEPTHS = (16, 12, 8)  # the draft depths a request may use, deepest first
 
@@ -90,7 +92,7 @@ class Allocation(list):
 
 
 def _err(fn: str, what: str) -> str:
-    return f"specpilot.budget.{fn}: {what}"
+    return f"{_WHERE}.{fn}: {what}"
 
 
 def _is_int(x) -> bool:

@@ -30,6 +30,8 @@ import torch
 
 __all__ = ["Drafter", "NGramDrafter"]
 
+_WHERE = "specpilot.engine.spec.drafters"  # the module as error messages name it
+
 
 @runtime_checkable
 class Drafter(Protocol):
@@ -50,7 +52,7 @@ class Drafter(Protocol):
 def _check_count(fn: str, name: str, value) -> int:
     # bool is an int subclass: reject it so a flag passed by mistake is not read as 0 or 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"specpilot.drafters.{fn}: {name}={value!r}; pass an int >= 1")
+        raise ValueError(f"{_WHERE}.{fn}: {name}={value!r}; pass an int >= 1")
     return value
 
 
@@ -58,25 +60,25 @@ def _as_context(fn: str, context, vocab_size: int | None) -> torch.Tensor:
     """The context as a 1-D int64 CPU tensor, token ids checked (>= 0, and < vocab_size when known)."""
     if isinstance(context, torch.Tensor):
         if context.dtype.is_floating_point or context.dtype.is_complex or context.dtype == torch.bool:
-            raise TypeError(f"specpilot.drafters.{fn}: context must hold integer token ids, got {context.dtype}; "
+            raise TypeError(f"{_WHERE}.{fn}: context must hold integer token ids, got {context.dtype}; "
                             "pass an int64 tensor or a sequence of ints")
         if context.dim() != 1:
-            raise ValueError(f"specpilot.drafters.{fn}: context has shape {tuple(context.shape)}; "
+            raise ValueError(f"{_WHERE}.{fn}: context has shape {tuple(context.shape)}; "
                              "pass one request's tokens as a 1-D tensor")
         ctx = context.detach().to(device="cpu", dtype=torch.int64)
     else:
         items = list(context)
         for x in items:
             if isinstance(x, bool) or not isinstance(x, int):
-                raise TypeError(f"specpilot.drafters.{fn}: context holds {x!r} ({type(x).__name__}); "
+                raise TypeError(f"{_WHERE}.{fn}: context holds {x!r} ({type(x).__name__}); "
                                 "pass token ids as ints")
         ctx = torch.tensor(items, dtype=torch.int64)
     if ctx.numel():
         lo, hi = int(ctx.min()), int(ctx.max())
         if lo < 0:
-            raise ValueError(f"specpilot.drafters.{fn}: context holds token id {lo}; token ids must be >= 0")
+            raise ValueError(f"{_WHERE}.{fn}: context holds token id {lo}; token ids must be >= 0")
         if vocab_size is not None and hi >= vocab_size:
-            raise ValueError(f"specpilot.drafters.{fn}: context holds token id {hi} >= vocab_size={vocab_size}; "
+            raise ValueError(f"{_WHERE}.{fn}: context holds token id {hi} >= vocab_size={vocab_size}; "
                              "pass ids from the drafter's vocabulary or a larger vocab_size")
     return ctx
 
@@ -125,13 +127,13 @@ class NGramDrafter:
         _check_count("NGramDrafter", "max_ngram", max_ngram)
         _check_count("NGramDrafter", "min_ngram", min_ngram)
         if min_ngram > max_ngram:
-            raise ValueError(f"specpilot.drafters.NGramDrafter: min_ngram={min_ngram} > max_ngram={max_ngram}; "
+            raise ValueError(f"{_WHERE}.NGramDrafter: min_ngram={min_ngram} > max_ngram={max_ngram}; "
                              "pass min_ngram <= max_ngram")
         if vocab_size is not None:
             _check_count("NGramDrafter", "vocab_size", vocab_size)
         if isinstance(length_weight, bool) or not isinstance(length_weight, (int, float)) \
                 or not math.isfinite(length_weight) or length_weight < 1:
-            raise ValueError(f"specpilot.drafters.NGramDrafter: length_weight={length_weight!r}; pass a finite "
+            raise ValueError(f"{_WHERE}.NGramDrafter: length_weight={length_weight!r}; pass a finite "
                              "number >= 1 (1 weighs all matches alike; larger prefers longer matches)")
         _check_count("NGramDrafter", "max_matches", max_matches)
         self.max_ngram = max_ngram

@@ -51,6 +51,8 @@ import torch
 
 __all__ = ["DraftTree", "DraftTrees", "build_tree", "build_trees", "build_trees_batched", "MAX_NODES"]
 
+_WHERE = "specpilot.engine.spec.tree"  # the module as error messages name it
+
 MAX_NODES = 64  # one int64 ancestor bitmask per node (the limit of gdn.build_tree_plan)
 
 _NEG_INF = float("-inf")
@@ -111,29 +113,29 @@ def _check(fn: str, tokens, scores, budget: int, dims: int) -> tuple[torch.Tenso
     """Shapes, dtypes, budget and score values; returns (tokens int64, scores float64)."""
     shape = "[P, K]" if dims == 2 else "[B, P, K]"
     if not isinstance(tokens, torch.Tensor) or not isinstance(scores, torch.Tensor):
-        raise TypeError(f"specpilot.tree.{fn}: tokens and scores must be torch tensors; "
+        raise TypeError(f"{_WHERE}.{fn}: tokens and scores must be torch tensors; "
                         f"pass tokens int64 {shape} and scores float {shape}")
     if tokens.dim() != dims or tokens.shape != scores.shape:
-        raise ValueError(f"specpilot.tree.{fn}: tokens {tuple(tokens.shape)} and scores {tuple(scores.shape)} "
+        raise ValueError(f"{_WHERE}.{fn}: tokens {tuple(tokens.shape)} and scores {tuple(scores.shape)} "
                          f"must both be {shape}; pass one row of K candidates per position")
     if tokens.dtype.is_floating_point or tokens.dtype.is_complex or tokens.dtype == torch.bool:
-        raise TypeError(f"specpilot.tree.{fn}: tokens must be an integer tensor, got {tokens.dtype}; "
+        raise TypeError(f"{_WHERE}.{fn}: tokens must be an integer tensor, got {tokens.dtype}; "
                         "pass token ids (int64)")
     if not scores.dtype.is_floating_point:
-        raise TypeError(f"specpilot.tree.{fn}: scores must be a floating tensor, got {scores.dtype}; "
+        raise TypeError(f"{_WHERE}.{fn}: scores must be a floating tensor, got {scores.dtype}; "
                         "pass log-probabilities")
     if tokens.device != scores.device:
-        raise ValueError(f"specpilot.tree.{fn}: tokens on {tokens.device} but scores on {scores.device}; "
+        raise ValueError(f"{_WHERE}.{fn}: tokens on {tokens.device} but scores on {scores.device}; "
                          "put both on one device")
     if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= MAX_NODES:
-        raise ValueError(f"specpilot.tree.{fn}: budget={budget!r}; pass an int in [0, {MAX_NODES}] "
+        raise ValueError(f"{_WHERE}.{fn}: budget={budget!r}; pass an int in [0, {MAX_NODES}] "
                          "(one int64 ancestor bitmask per node)")
     s = scores.to(torch.float64)
     bad = torch.isnan(s) | (s == math.inf)
     if bool(bad.any()):  # validation is the one host sync of the batched form
         where = tuple(int(x) for x in torch.nonzero(bad)[0].tolist())
         what = "NaN" if bool(torch.isnan(s[where])) else "+inf"
-        raise ValueError(f"specpilot.tree.{fn}: scores{list(where)} is {what}; scores must be log-probabilities "
+        raise ValueError(f"{_WHERE}.{fn}: scores{list(where)} is {what}; scores must be log-probabilities "
                          "(finite, or -inf for a candidate never to choose): fix the drafter's output or mask "
                          "the entry with -inf")
     return tokens.to(torch.int64), s
