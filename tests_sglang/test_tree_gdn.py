@@ -243,14 +243,40 @@ def test_bad_commits_raise(sglang_tp1):
     s.hybrid.init_forward_metadata(fb)
     for layer in s.layers:
         s.hybrid.forward_extend(layer, fb, mixed_qkv=x, a=a, b=b)
-    with pytest.raises(ValueError, match=r"^specpilot\.sglang\.gdn: request 0: last accepted draft token 3 is "
-                                         r"outside its 3 draft tokens; pass"):
+    with pytest.raises(ValueError, match=r"^specpilot\.sglang\.gdn: request 0: last_correct_step_indices names "
+                                         r"draft token 3, outside its 3 draft tokens; pass"):
         s.hybrid.update_mamba_state_after_mtp_verify(torch.tensor([3]), None, None, None)
     s.hybrid.init_forward_metadata(fb)
     for layer in s.layers:
         s.hybrid.forward_extend(layer, fb, mixed_qkv=x, a=a, b=b)
-    with pytest.raises(ValueError, match=r"^specpilot\.sglang\.gdn: .*mamba_track_indices.*--disable-radix-cache"):
-        s.hybrid.update_mamba_state_after_mtp_verify(torch.tensor([1]), torch.tensor([4]), torch.tensor([0]), None)
+    with pytest.raises(ValueError, match=r"^specpilot\.sglang\.gdn: mamba_track_indices without "):
+        s.hybrid.update_mamba_state_after_mtp_verify(torch.tensor([1]), torch.tensor([4]), None, None)
+
+
+def test_track_slots_get_the_prefix_state(sglang_tp1):
+    """The radix cache's Mamba track slots (mamba_track_indices / mamba_steps_to_track): the states after the root
+    path of the tracked draft token, as SGLang's scatter of that token's snapshot writes them; -1 tracks nothing."""
+    trees, rows, last = [[-1, 0, 0, 1, 2], [-1, 0, 1, 1, 3]], [2, 5], [3, 4]
+    track, steps = [1, 4], [1, -1]
+    s = Setup(sglang_tp1, 5, 2)
+    cache = s.pool.mamba_pool.mamba_cache
+    t0, c0 = cache.temporal.clone(), cache.conv[0].clone()
+    fb = s.batch(trees, rows)
+    s.hybrid.init_forward_metadata(fb)
+    feeds = [s.inputs(10) for _ in LAYERS]
+    for layer, (x, a, b) in zip(s.layers, feeds):
+        s.hybrid.forward_extend(layer, fb, mixed_qkv=x, a=a, b=b)
+    s.hybrid.update_mamba_state_after_mtp_verify(torch.tensor(last), torch.tensor(track), torch.tensor(steps), None)
+    for li, (layer, (x, a, b)) in enumerate(zip(s.layers, feeds)):
+        args = (layer, x[:5], a[:5], b[:5], c0[li, 2], t0[li, 2], trees[0])
+        _, s64 = _expected(*args, torch.float64)
+        _, s32 = _expected(*args, torch.float32)
+        for row, j in ((1, 1), (2, 3)):  # the track slot (token 1) and the request's own row (token 3)
+            tol = 2 * (s32[j].double() - s64[j]).abs().max() + 1e-7
+            assert (cache.temporal[li, row].transpose(-1, -2).double() - s64[j]).abs().max() <= tol, (li, row)
+            path = gdn.reference.root_path(trees[0], j)
+            assert torch.equal(cache.conv[0][li, row], torch.cat([c0[li, 2], x[:5][path].T], 1)[:, -(W - 1):])
+        assert torch.equal(cache.temporal[li, 4], t0[li, 4]) and torch.equal(cache.conv[0][li, 4], c0[li, 4])
 
 
 def test_fp32_pool_required_by_the_layer_path():

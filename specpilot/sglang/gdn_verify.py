@@ -127,34 +127,58 @@ def verify_layer(step: GDNStep, pool_layer: int, mixed_qkv, a, b, conv_weights, 
     return o.reshape(1, T, HV, V)
 
 
-def commit_step(step: GDNStep, last_step, temporal, conv, *, variant=None) -> None:
+def _accepted(step: GDNStep, steps, what: str):
+    """accepted [B, n] and accepted_len [B] of the root paths ending at local draft tokens `steps` (-1: none)."""
+    B = step.plan.batch
+    if len(steps) < B:
+        raise ValueError(f"{FN}: {what} has {len(steps)} entries for {B} verified requests; pass one per request")
+    n = max((len(p) for p in step.parents), default=1)
+    acc = torch.zeros(B, max(n, 1), dtype=torch.int64)
+    acc_len = torch.zeros(B, dtype=torch.int64)
+    for r in range(B):
+        if steps[r] >= len(step.parents[r]):
+            raise ValueError(f"{FN}: request {r}: {what} names draft token {steps[r]}, outside its "
+                             f"{len(step.parents[r])} draft tokens; pass local draft-token indices")
+        path = gdn.reference.root_path(step.parents[r], steps[r]) if steps[r] >= 0 else []
+        acc[r, :len(path)] = torch.tensor(path, dtype=torch.int64)
+        acc_len[r] = len(path)
+    return acc, acc_len
+
+
+def commit_step(step: GDNStep, last_step, temporal, conv, track_rows=None, track_steps=None, *,
+                variant=None) -> None:
     """Advance the SSM pool `temporal` [L, slots, HV, V, K] and the conv pool `conv` [L, slots, D, W-1] in the
     step's rows along each request's accepted path: the root path of draft token `last_step[r]` (-1: nothing
-    accepted). Every pool layer must have been verified in this step."""
+    accepted). Every pool layer must have been verified in this step.
+
+    `track_rows`, `track_steps` [B] (SGLang's `mamba_track_indices`, `mamba_steps_to_track`): where
+    track_steps[r] >= 0, row track_rows[r] also receives the states after the root path of draft token
+    track_steps[r] (the radix cache's snapshot), computed from the committed row before it advances."""
     L = temporal.shape[0]
     missing = [i for i in range(L) if i not in step.layers]
     if missing:
         raise RuntimeError(f"{FN}: the commit after verify has no verify inputs of pool layers {missing}; every GDN "
                            "layer of the pool runs in a target-verify forward before its commit (a layer skipped "
                            "by the model cannot be committed by gdn.commit)")
-    last = [int(i) for i in last_step.reshape(-1).tolist()]
-    B = step.plan.batch
-    if len(last) < B:
-        raise ValueError(f"{FN}: last_correct_step_indices has {len(last)} entries for {B} verified requests; pass "
-                         "one per request")
-    n = max((len(p) for p in step.parents), default=1)
-    acc = torch.zeros(B, max(n, 1), dtype=torch.int64)
-    acc_len = torch.zeros(B, dtype=torch.int64)
-    for r in range(B):
-        if last[r] >= len(step.parents[r]):
-            raise ValueError(f"{FN}: request {r}: last accepted draft token {last[r]} is outside its "
-                             f"{len(step.parents[r])} draft tokens; pass local draft-token indices")
-        path = gdn.reference.root_path(step.parents[r], last[r]) if last[r] >= 0 else []
-        acc[r, :len(path)] = torch.tensor(path, dtype=torch.int64)
-        acc_len[r] = len(path)
+    acc, acc_len = _accepted(step, [int(i) for i in last_step.reshape(-1).tolist()], "last_correct_step_indices")
     xs, ks, vs, gs, bs = (torch.stack([step.layers[i][j] for i in range(L)]) for j in range(5))
-    gdn.commit(temporal, conv, step.rows, step.plan, acc, acc_len, k=ks, v=vs, g=gs, beta=bs, x=xs,
-               use_qk_l2norm=True, state_layout="vk", variant=variant)
+    inputs = dict(k=ks, v=vs, g=gs, beta=bs, x=xs, use_qk_l2norm=True, state_layout="vk", variant=variant)
+    if track_rows is not None:
+        B = step.plan.batch
+        t_rows = [int(i) for i in track_rows.reshape(-1)[:B].tolist()]
+        t_steps = [int(i) for i in track_steps.reshape(-1)[:B].tolist()]
+        sel = [r for r in range(B) if t_steps[r] >= 0 and t_rows[r] >= 0]
+        if sel:
+            src = [int(i) for i in step.rows.tolist()]
+            dst, frm = torch.tensor([t_rows[r] for r in sel]), torch.tensor([src[r] for r in sel])
+            temporal[:, dst] = temporal[:, frm]
+            conv[:, dst] = conv[:, frm]
+            # the other requests run an empty path in their own rows (gdn.commit takes one row per request)
+            t_acc, t_len = _accepted(step, [t_steps[r] if r in sel else -1 for r in range(B)],
+                                     "mamba_steps_to_track")
+            rows = [t_rows[r] if r in sel else src[r] for r in range(B)]
+            gdn.commit(temporal, conv, torch.tensor(rows, dtype=step.rows.dtype), step.plan, t_acc, t_len, **inputs)
+    gdn.commit(temporal, conv, step.rows, step.plan, acc, acc_len, **inputs)
 
 
 def snapshot_bytes(cache) -> tuple[int, int]:
@@ -289,12 +313,14 @@ def commit_hook(original, self, last_correct_step_indices, mamba_track_indices, 
         raise RuntimeError(f"{FN}: a commit after verify with no verified step on this GDN backend; SGLang "
                            "commits after a target-verify forward, which keeps the step's inputs")
     if mamba_track_indices is not None:
-        raise ValueError(f"{FN}: the commit was asked to also write the radix cache's Mamba track slots "
-                         "(mamba_track_indices), which SPECPILOT_SGLANG_GDN does not write; serve with "
-                         "--disable-radix-cache, or set SPECPILOT_SGLANG_GDN=0")
+        if mamba_steps_to_track is None:
+            raise ValueError(f"{FN}: mamba_track_indices without mamba_steps_to_track; SGLang passes both for the "
+                             "radix cache's Mamba track slots")
+        mamba_track_indices = lin._translate_mamba_indices(mamba_track_indices)  # virtual -> physical, as SGLang's
     cache = lin.req_to_token_pool.mamba_pool.mamba_cache
     try:
-        commit_step(step, last_correct_step_indices, cache.temporal, cache.conv[0])
+        commit_step(step, last_correct_step_indices, cache.temporal, cache.conv[0], mamba_track_indices,
+                    mamba_steps_to_track)
     finally:
         lin._sp_gdn_step = None  # the step's inputs are spent either way
     calls["commit"] += 1
