@@ -289,9 +289,9 @@ def measure_ceilings(device=None, *, refresh: bool = False, copy_bytes: int | No
     return c
 
 
-def peak_rates(device=None) -> tuple[float, float, str]:
-    """(bandwidth in B/s, BF16 rate in FLOP/s, source) for `device`: measured ceilings when
-    cached, else the datasheet. Raises for an unknown device with nothing measured."""
+def _measured_or_spec(fn: str, device) -> tuple[float, float, str] | GpuSpec:
+    """The ceilings measured on `device` as (B/s, FLOP/s, "measured") when cached, else its GpuSpec. A GPU name,
+    slug or GpuSpec asks for the table entry whatever this machine measured. Raises when neither exists."""
     spec = gpu_spec(device) if isinstance(device, (str, GpuSpec)) and not str(device).startswith(("cuda", "cpu")) else None
     if spec is None:
         measured = cached_ceilings(device)
@@ -300,10 +300,19 @@ def peak_rates(device=None) -> tuple[float, float, str]:
         spec = gpu_spec(device)
     if spec is None:
         raise ValueError(
-            f"no ceilings known for {gpu_name(device)!r}: call autotune.measure_ceilings() first, "
+            f"{fn}: no rates known for {gpu_name(device)!r}; call autotune.measure_ceilings() first, "
             f"or pass one of {sorted(GPUS)} as `device`"
         )
-    return spec.bandwidth_tbs * 1e12, spec.bf16_tflops * 1e12, "datasheet"
+    return spec
+
+
+def peak_rates(device=None) -> tuple[float, float, str]:
+    """(bandwidth in B/s, BF16 rate in FLOP/s, source) for `device`: measured ceilings when
+    cached, else the datasheet. Raises for an unknown device with nothing measured."""
+    got = _measured_or_spec("autotune.peak_rates", device)
+    if isinstance(got, tuple):
+        return got
+    return got.bandwidth_tbs * 1e12, got.bf16_tflops * 1e12, "datasheet"
 
 
 def floor_rates(device=None) -> tuple[float, float, str]:
@@ -311,20 +320,12 @@ def floor_rates(device=None) -> tuple[float, float, str]:
     on this device when cached (`measure_ceilings`), else the rates measured on that GPU model (`GpuSpec.copy_tbs`,
     `matmul_tflops`), else the datasheet peaks (a lower floor than any measured rate gives, still one no kernel can
     beat). `device`: a torch device, a GPU name or slug, or a GpuSpec. Raises for a device with none of these."""
-    spec = gpu_spec(device) if isinstance(device, (str, GpuSpec)) and not str(device).startswith(("cuda", "cpu")) else None
-    if spec is None:
-        measured = cached_ceilings(device)
-        if measured is not None:
-            return measured.copy_tbs * 1e12, measured.bf16_tflops * 1e12, "measured"
-        spec = gpu_spec(device)
-    if spec is None:
-        raise ValueError(
-            f"autotune.byte_floor: no rates known for {gpu_name(device)!r}; call autotune.measure_ceilings() first, "
-            f"or pass one of {sorted(GPUS)} as `device`"
-        )
-    if spec.copy_tbs and spec.matmul_tflops:
-        return spec.copy_tbs * 1e12, spec.matmul_tflops * 1e12, f"measured on the {spec.name} (autotune.GPUS)"
-    return spec.bandwidth_tbs * 1e12, spec.bf16_tflops * 1e12, f"datasheet of the {spec.name} (nothing measured)"
+    got = _measured_or_spec("autotune.byte_floor", device)
+    if isinstance(got, tuple):
+        return got
+    if got.copy_tbs and got.matmul_tflops:
+        return got.copy_tbs * 1e12, got.matmul_tflops * 1e12, f"measured on the {got.name} (autotune.GPUS)"
+    return got.bandwidth_tbs * 1e12, got.bf16_tflops * 1e12, f"datasheet of the {got.name} (nothing measured)"
 
 
 def _check_work(fn: str, flops: float, bytes: float) -> None:
