@@ -179,6 +179,7 @@ def commit_step(step: GDNStep, last_step, temporal, conv, track_rows=None, track
             rows = [t_rows[r] if r in sel else src[r] for r in range(B)]
             gdn.commit(temporal, conv, torch.tensor(rows, dtype=step.rows.dtype), step.plan, t_acc, t_len, **inputs)
     gdn.commit(temporal, conv, step.rows, step.plan, acc, acc_len, **inputs)
+    gdn.check_errors(step.plan)  # a device guard's flag (a bad row or path skips its request) raises here
 
 
 def snapshot_bytes(cache) -> tuple[int, int]:
@@ -195,10 +196,10 @@ def snapshot_bytes(cache) -> tuple[int, int]:
     return ssm_b, conv_b
 
 
-def stash_bytes_per_token(D: int, Hk: int, K: int, HV: int, V: int, act_bytes: int) -> int:
-    """Bytes a verified draft token keeps per layer until its commit: conv input, k, v (activation dtype), g and
-    beta (fp32)."""
-    return (D + Hk * K + HV * V) * act_bytes + 2 * HV * 4
+def stash_bytes_per_token(D: int, HV: int, act_bytes: int) -> int:
+    """Bytes a verified draft token keeps per layer until its commit: the conv input and the conv output (k and v
+    are views of it), in the activation dtype, and g and beta (fp32)."""
+    return 2 * D * act_bytes + 2 * HV * 4
 
 
 # -- SGLang hooks -------------------------------------------------------------------------------------------
@@ -243,8 +244,7 @@ def init_hook(original, self, *args, **kwargs):
         pool._intermediate_conv_window_phys = []
     L, slots, HV, V, K = cache.temporal.shape
     D = cache.conv[0].shape[-2]
-    Hk = (D - HV * V) // (2 * K)
-    keep = stash_bytes_per_token(D, Hk, K, HV, V, cache.conv[0].element_size())
+    keep = stash_bytes_per_token(D, HV, cache.conv[0].element_size())
     per_tok = (HV * V * K * cache.temporal.element_size() + D * cache.conv[0].shape[-1] * cache.conv[0].element_size())
     logger.warning("%s: target verify runs gdn.tree_verify and the commit gdn.commit; released SGLang's "
                    "per-draft-token snapshot buffers: intermediate_ssm %.3f GiB, conv windows %.3f GiB (%d layers). "
