@@ -206,6 +206,13 @@ def stash_bytes_per_token(D: int, HV: int, act_bytes: int) -> int:
 
 
 def _inactive_reason(backend) -> str | None:
+    from sglang.srt.layers.attention.linear.gdn_backend import GDNAttnBackend
+    from sglang.srt.utils import is_npu
+
+    if type(backend).forward_extend is not GDNAttnBackend.forward_extend:
+        return f"{type(backend).__name__} overrides forward_extend, which the verify hook is on"
+    if is_npu():
+        return "Ascend NPUs commit through their own hybrid backend, which the commit hook is not on"
     pool = getattr(backend.req_to_token_pool, "mamba_pool", None)
     cache = getattr(pool, "mamba_cache", None)
     if cache is None or not hasattr(cache, "intermediate_ssm"):
