@@ -266,6 +266,14 @@ def test_bad_commits_raise(sglang_tp1):
         s.hybrid.forward_extend(layer, fb, mixed_qkv=x, a=a, b=b)
     with pytest.raises(ValueError, match=r"^specpilot\.sglang\.gdn: mamba_track_indices without "):
         s.hybrid.update_mamba_state_after_mtp_verify(torch.tensor([1]), torch.tensor([4]), None, None)
+    padded = s.batch([[-1, 0, 1]] * 2, [0, 0])  # two rows on SGLang's padding slot 0
+    s.hybrid.init_forward_metadata(padded)
+    for layer in s.layers:
+        x2, a2, b2 = s.inputs(6)
+        s.hybrid.forward_extend(layer, padded, mixed_qkv=x2, a=a2, b=b2)
+    with pytest.raises(ValueError, match=r"^specpilot\.sglang\.gdn: the verified requests' state rows \[0, 0\] .*; "
+                                         r"gdn.commit writes one row per request"):
+        s.hybrid.update_mamba_state_after_mtp_verify(torch.tensor([1, 1]), None, None, None)
 
 
 def test_track_slots_get_the_prefix_state(sglang_tp1):

@@ -160,6 +160,11 @@ def commit_step(step: GDNStep, last_step, temporal, conv, track_rows=None, track
         raise RuntimeError(f"{FN}: the commit after verify has no verify inputs of pool layers {missing}; every GDN "
                            "layer of the pool runs in a target-verify forward before its commit (a layer skipped "
                            "by the model cannot be committed by gdn.commit)")
+    src = [int(i) for i in step.rows.tolist()]
+    if any(r < 0 for r in src) or len(set(src)) != len(src):
+        raise ValueError(f"{FN}: the verified requests' state rows {src} hold a negative or a shared row (padded batch "
+                         "rows); gdn.commit writes one row per request: serve without padded verify batches (DP "
+                         "attention pads them), or set SPECPILOT_SGLANG_GDN=0")
     acc, acc_len = _accepted(step, [int(i) for i in last_step.reshape(-1).tolist()], "last_correct_step_indices")
     xs, ks, vs, gs, bs = (torch.stack([step.layers[i][j] for i in range(L)]) for j in range(5))
     inputs = dict(k=ks, v=vs, g=gs, beta=bs, x=xs, use_qk_l2norm=True, state_layout="vk", variant=variant)
@@ -169,7 +174,6 @@ def commit_step(step: GDNStep, last_step, temporal, conv, track_rows=None, track
         t_steps = [int(i) for i in track_steps.reshape(-1)[:B].tolist()]
         sel = [r for r in range(B) if t_steps[r] >= 0 and t_rows[r] >= 0]
         if sel:
-            src = [int(i) for i in step.rows.tolist()]
             dst, frm = torch.tensor([t_rows[r] for r in sel]), torch.tensor([src[r] for r in sel])
             temporal[:, dst] = temporal[:, frm]
             conv[:, dst] = conv[:, frm]
