@@ -2,13 +2,18 @@
 speculative state), `GDNAttnBackend` built by its own constructor (hooked), `HybridLinearAttnBackend` over
 torch_native, `RadixLinearAttention` layers, `ForwardBatch` and `EagleVerifyInput`. A target-verify forward and
 `update_mamba_state_after_mtp_verify` commit, for chains and trees, the SSM and conv states of the accepted path:
-equal to the fp64 recurrence (SSM, within twice the fp32 recurrence's error) and to the conv window (bit for bit).
-The verify writes no state; SGLang's snapshot buffers are released; bad inputs raise."""
+equal to the fp64 recurrence (SSM, within twice the fp32 recurrence's error, and within twice the error of SGLang's
+own snapshot path, run under the Triton interpreter) and to the conv window (bit for bit). The verify writes no
+state; SGLang's snapshot buffers are released; bad inputs raise."""
 
 from __future__ import annotations
 
 import logging
+import os
+import subprocess
+import sys
 import types
+from pathlib import Path
 
 import pytest
 import torch
@@ -41,7 +46,8 @@ def _links(parents):
 class Setup:
     """SGLang's hybrid pools and backends for 3 GDN layers, the plugin's hooks applied."""
 
-    def __init__(self, sglang_tp1, n, topk, ssm_dtype=torch.float32, seed=0, max_reqs=6, backend_cls=None):
+    def __init__(self, sglang_tp1, n, topk, ssm_dtype=torch.float32, seed=0, max_reqs=6, backend_cls=None,
+                 draft_worker=False):
         from sglang.srt.configs.mamba_utils import Mamba2CacheParams, Mamba2StateDType, Mamba2StateShape
         from sglang.srt.layers.attention.attention_registry import ATTENTION_BACKENDS
         from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
@@ -68,7 +74,8 @@ class Setup:
         # The ModelRunner fields these backends' constructors read (ModelRunner itself needs a loaded model)
         runner = types.SimpleNamespace(device="cpu", use_mla_backend=False, server_args=sglang_tp1.server_args,
                                        linear_attn_backends=LinearAttnBackends(decode=tk, prefill=tk, verify=tk),
-                                       is_draft_worker=False, req_to_token_pool=self.pool, token_to_kv_pool=kv)
+                                       is_draft_worker=draft_worker, req_to_token_pool=self.pool,
+                                       token_to_kv_pool=kv)
         self.linear = (backend_cls or GDNAttnBackend)(runner)
         self.linear.topk = topk  # what --speculative-eagle-topk sets
         self.hybrid = HybridLinearAttnBackend(ATTENTION_BACKENDS["torch_native"](runner), self.linear, [3])
@@ -177,6 +184,64 @@ def test_commit_equals_fp64_recurrence(sglang_tp1, case, caplog):
         others = [i for i in range(cache.temporal.shape[1]) if i not in rows]
         assert torch.equal(cache.temporal[li, others], t0[li, others])
         assert torch.equal(cache.conv[0][li, others], c0[li, others])
+
+
+def test_equals_sglang_snapshot_path(sglang_tp1):
+    """Against SGLang's own snapshot path for the SSM state: its verify kernel, as its GDNKernelDispatcher picks it
+    (the recurrent Triton kernel writing one state per draft token into `intermediate_ssm`), run on the CPU under
+    the Triton interpreter in a subprocess (TRITON_INTERPRET=1 must be set before the kernels are defined), then
+    SGLang's scatter of each request's last accepted snapshot (`_scatter_speculative_state_with_mask`, the CPU form
+    of the fused scatter, which refuses CPU tensors). Both sides take the conv output of gdn.tree_conv1d: SGLang's
+    conv kernel gives NaN under the interpreter. The gdn path (its kernels under the interpreter too): verify
+    outputs and committed SSM states within twice SGLang's own error against the fp64 recurrence."""
+    if os.environ.get("TRITON_INTERPRET") != "1":
+        root = Path(__file__).resolve().parents[1]
+        r = subprocess.run([sys.executable, "-m", "pytest", "-p", "no:cacheprovider", "-q", "-x",
+                            f"{Path(__file__).relative_to(root)}::test_equals_sglang_snapshot_path"],
+                           env={**os.environ, "TRITON_INTERPRET": "1"}, cwd=root, capture_output=True, text=True,
+                           timeout=900)
+        assert r.returncode == 0 and "1 passed" in r.stdout, r.stdout[-4000:] + r.stderr[-2000:]
+        return
+    from sglang.srt.layers.attention.hybrid_linear_attn_backend import HybridLinearAttnBackend
+
+    trees, rows, last = [[-1, 0, 0, 1, 1, 2], [-1, 0, 1, 2, 3, 4], [-1, 0, 1, 0, 3, 3]], [2, 4, 5], [4, 3, 5]
+    B, n, T = 3, 6, 18
+    ours = Setup(sglang_tp1, n, 2)
+    theirs = Setup(sglang_tp1, n, 2, draft_worker=True)  # a draft worker's backend keeps SGLang's path
+    assert ours.linear._sp_gdn and not theirs.linear._sp_gdn
+    cache, ref = ours.pool.mamba_pool.mamba_cache, theirs.pool.mamba_pool.mamba_cache
+    assert torch.equal(cache.temporal, ref.temporal) and torch.equal(cache.conv[0], ref.conv[0])  # one seed
+    t0, c0 = cache.temporal.clone(), cache.conv[0].clone()
+    fb = ours.batch(trees, rows)
+    ours.hybrid.init_forward_metadata(fb)
+    feeds = [ours.inputs(T) for _ in LAYERS]
+    o_sp = [ours.hybrid.forward_extend(layer, fb, mixed_qkv=x, a=a, b=b) for layer, (x, a, b) in
+            zip(ours.layers, feeds)]
+    ours.hybrid.update_mamba_state_after_mtp_verify(torch.tensor(last), None, None, None)
+    plan = gdn.build_tree_plan(trees)
+    rows32 = torch.tensor(rows, dtype=torch.int32)
+    parents = torch.tensor([[max(p, 0) for p in t] for t in trees], dtype=torch.int32)  # the root's is not read
+    o_sg = []
+    for li, (layer, (x, a, b)) in enumerate(zip(theirs.layers, feeds)):
+        xc = gdn.tree_conv1d(x, ref.conv[0][li], layer.conv_weights, plan, conv_state_indices=rows32)
+        q, k, v = torch.split(xc, [H * K, H * K, HV * K], -1)
+        o_sg.append(theirs.linear.kernel_dispatcher.target_verify(
+            A_log=layer.A_log, dt_bias=layer.dt_bias, q=q.reshape(1, T, H, K), k=k.reshape(1, T, H, K),
+            v=v.reshape(1, T, HV, K), a=a, b=b, ssm_states=ref.temporal[li], cache_indices=rows32,
+            query_start_loc=torch.arange(0, T + 1, n, dtype=torch.int32),
+            intermediate_states_buffer=ref.intermediate_ssm[li],
+            intermediate_state_indices=torch.arange(B, dtype=torch.int32), cache_steps=n,
+            retrieve_parent_token=parents))
+    HybridLinearAttnBackend._scatter_speculative_state_with_mask(ref.temporal, ref.intermediate_ssm, rows32,
+                                                                 torch.tensor(last))
+    for li, (layer, (x, a, b)) in enumerate(zip(ours.layers, feeds)):
+        for r, (ps, row, j) in enumerate(zip(trees, rows, last)):
+            sl = slice(r * n, (r + 1) * n)
+            o64, s64 = _expected(layer, x[sl], a[sl], b[sl], c0[li, row], t0[li, row], ps, torch.float64)
+            assert_close(o_sp[li][0, sl], o64, o_sg[li].reshape(1, T, HV, K)[0, sl],
+                         msg=f"layer {li} request {r} outputs")
+            assert_close(cache.temporal[li, row].transpose(-1, -2), s64[j], ref.temporal[li, row].transpose(-1, -2),
+                         msg=f"layer {li} request {r} committed state")
 
 
 def test_nothing_accepted_leaves_the_state(sglang_tp1):
