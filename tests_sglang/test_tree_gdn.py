@@ -159,6 +159,9 @@ def test_commit_equals_fp64_recurrence(sglang_tp1, case, caplog):
     fb = s.batch(trees, rows)
     s.hybrid.init_forward_metadata(fb)
     T = len(trees) * n
+    from specpilot.sglang.gdn_verify import calls
+
+    before = dict(calls)
     feeds = [s.inputs(T) for _ in LAYERS]
     outs = [s.hybrid.forward_extend(layer, fb, mixed_qkv=x, a=a, b=b)
             for layer, (x, a, b) in zip(s.layers, feeds)]
@@ -167,6 +170,8 @@ def test_commit_equals_fp64_recurrence(sglang_tp1, case, caplog):
     s.hybrid.update_mamba_state_after_mtp_verify(torch.tensor(last), None, None, None,
                                                  req_pool_indices=fb.req_pool_indices)
     assert s.linear._sp_gdn_step is None
+    assert calls["verify"] - before["verify"] == len(LAYERS) and calls["commit"] - before["commit"] == 1
+    assert calls["sglang_verify"] == before["sglang_verify"] and calls["sglang_commit"] == before["sglang_commit"]
     for li, (layer, (x, a, b), out) in enumerate(zip(s.layers, feeds, outs)):
         assert out.shape == (1, T, HV, K)
         for r, (parents, row, j) in enumerate(zip(trees, rows, last)):

@@ -8,10 +8,10 @@ the accepted token's snapshots into the state pool. This module replaces both en
 of SGLang's `HookRegistry` (`TARGETS`):
 
 * `init_hook` on `GDNAttnBackend.__init__`: after SGLang's own constructor, the backend is checked for what this
-  path needs (an fp32 SSM pool, a speculative pool without ReplaySSM, not the unified pool). Where it holds, the
-  per-draft-token snapshot buffers the pool allocated are released (`intermediate_ssm` and the conv windows; the
-  pool's state object is replaced by one holding none) and the bytes released are logged. Where it does not,
-  the backend keeps SGLang's own path and the reason is logged.
+  path needs (an fp32 SSM pool, a speculative pool without ReplaySSM, not the unified pool; `_inactive_reason`
+  lists every condition). Where it holds, the per-draft-token snapshot buffers the pool allocated are released
+  (`intermediate_ssm` and the conv windows; the pool's state object is replaced by one holding none) and the bytes
+  released are logged. Where it does not, the backend keeps SGLang's own path and the reason is logged.
 * `verify_hook` on `GDNAttnBackend.forward_extend`: a target-verify forward runs `gdn.tree_conv1d` and
   `gdn.tree_verify` from the committed conv and SSM states (read, not written), with the draft tree taken from
   `forward_metadata.retrieve_next_token` / `retrieve_next_sibling` (SGLang's first-child / next-sibling links;
@@ -19,7 +19,9 @@ of SGLang's `HookRegistry` (`TARGETS`):
   Every other mode is SGLang's.
 * `commit_hook` on `HybridLinearAttnBackend.update_mamba_state_after_mtp_verify`: the accepted path of each
   request is the root path of its last accepted draft token (`last_correct_step_indices`); `gdn.commit` advances
-  the SSM and conv states of every layer along it, in the rows the verify read.
+  the SSM and conv states of every layer along it, in the rows the verify read. The radix cache's Mamba track
+  slots (`mamba_track_indices`, `mamba_steps_to_track`) get the committed row advanced along the root path of the
+  tracked token, as SGLang's scatter of that token's snapshot would write them.
 
 Host work (tree links to parent lists, the plan) is done once per forward, at its first GDN layer, and syncs.
 CUDA-graph capture of target verify is refused (the plan is a host step): start SGLang with --disable-cuda-graph.
