@@ -289,8 +289,12 @@ def test_mma_signed_zero_and_bad_input():
     assert_bitwise_equal(out[:, 5].contiguous(), F.linear(x, w)[:, 5].contiguous())
     assert w12.matmul(x.half(), p).dtype == torch.float16
     assert w12.matmul(_x(40, 128, seed=3), p).shape == (40, 64)
-    with autotune.force("w12.matmul", config=MmaConfig()), pytest.raises(ValueError, match="bfloat16 x with 1 <= M <= 32"):
-        w12.matmul(x.half(), p)
+    with autotune.force("w12.matmul", config=MmaConfig()):
+        with pytest.raises(ValueError, match=r"^w12\.matmul: the CUDA kernel \(MmaConfig\) cannot take this call: x must "
+                                             r"be bfloat16, got torch\.float16; force a TcConfig or GemvConfig"):
+            w12.matmul(x.half(), p)
+        with pytest.raises(ValueError, match=r"cannot take this call: 1 <= M <= 32 tokens, got M=40; force a TcConfig"):
+            w12.matmul(_x(40, 128, seed=3), p)
 
 
 def _launch_direct(kernel, cfg, x, p, **extra):
