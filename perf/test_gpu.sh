@@ -9,7 +9,8 @@
 #
 # Environment: OUT (default perf/out; the log is $OUT/test-gpu.log), TEST_WORKERS (default 12), TEST_TIMEOUT
 # (default 540 s), PYTEST_ARGS (extra pytest arguments). Each test's seconds go to $OUT/test-gpu-times.tsv
-# as it ends (tests/conftest.py), so a run stopped at its limit still shows where the time went. Wheels carried in .whl/ are installed first
+# as it ends (tests/conftest.py), so a run stopped at its limit still shows where the time went; the tests run
+# longest first by the seconds tests/gpu_durations.tsv holds (SPECPILOT_TEST_ORDER). Wheels carried in .whl/ are installed first
 # (perf/gpu_env.sh). Exit status: pytest's.
 cd "$(dirname "$0")/.."
 # the sources' fingerprint (packages, tests, perf; not git's HEAD, which a copied working tree may not carry):
@@ -33,6 +34,9 @@ MARK="(gpu or hopper) and not slow"
 [ -n "${FULL:-}" ] && MARK="gpu or hopper"
 LOG=$OUT/test-gpu.log
 export SPECPILOT_TEST_TIMES=$OUT/test-gpu-times.tsv
+# longest tests first (tests/conftest.py): the seconds an H200 run recorded; refresh the file from a run's times with
+#   awk -F'\t' '$2=="call"' $OUT/test-gpu-times.tsv | sort -t$'\t' -k4 > tests/gpu_durations.tsv
+export SPECPILOT_TEST_ORDER=${SPECPILOT_TEST_ORDER:-tests/gpu_durations.tsv}
 rm -f "$SPECPILOT_TEST_TIMES"
 START=$(date +%s)
 {

@@ -13,6 +13,7 @@
 """
 
 import os
+from pathlib import Path
 
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
 
@@ -26,6 +27,24 @@ from autotune import clear_plans, has_cuda, has_wgmma  # noqa: E402
 from specpilot.testing import poisoned_empty, poisoned_empty_like  # noqa: E402
 
 
+def longest_first(items, times_file) -> None:
+    """Reorder `items` in place by the call seconds a `SPECPILOT_TEST_TIMES` file recorded (tab-separated
+    outcome, phase, seconds, test id), longest first; tests it does not name go first, in collection order (their
+    time is unknown). Under pytest-xdist every worker reads the same file, so every worker collects the same
+    order; the workers then start on the long tests, and the run does not end waiting for one."""
+    seconds = {}
+    for line in Path(times_file).read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) == 4 and parts[1] == "call":
+            try:
+                seconds[parts[3]] = float(parts[2])
+            except ValueError:
+                continue
+    rank = {id(item): (0 if item.nodeid not in seconds else 1, -seconds.get(item.nodeid, 0.0), i)
+            for i, item in enumerate(items)}
+    items.sort(key=lambda item: rank[id(item)])
+
+
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_hopper = pytest.mark.skip(reason="needs sm_90 (wgmma)")
@@ -34,6 +53,9 @@ def pytest_collection_modifyitems(config, items):
             item.add_marker(skip_gpu)
         if "hopper" in item.keywords and not has_wgmma():
             item.add_marker(skip_hopper)
+    order = os.environ.get("SPECPILOT_TEST_ORDER")  # `make test-gpu` sets it to tests/gpu_durations.tsv
+    if order and Path(order).is_file():
+        longest_first(items, order)
 
 
 @pytest.fixture(autouse=True)

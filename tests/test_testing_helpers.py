@@ -108,3 +108,18 @@ def test_conftest_poisons_empty():
     assert (torch.empty(3, dtype=torch.int32) == torch.iinfo(torch.int32).max).all()
     assert (torch.empty(3, dtype=torch.uint8) == 0xA5).all()
     assert torch.empty(2, dtype=torch.bool).all()
+
+
+def test_longest_first_orders_by_recorded_seconds(tmp_path):
+    """`make test-gpu`'s ordering (tests/conftest.py, SPECPILOT_TEST_ORDER): recorded tests longest first, the
+    ones the file does not name ahead of them in collection order, setup lines and malformed lines ignored."""
+    from types import SimpleNamespace
+
+    from conftest import longest_first
+
+    f = tmp_path / "times.tsv"
+    f.write_text("passed\tcall\t3.0\tt::a\npassed\tcall\t90.5\tt::b\nfailed\tsetup\t500\tt::c\n"
+                 "passed\tcall\tx\tt::d\nbroken line\npassed\tcall\t12\tt::e\n")
+    items = [SimpleNamespace(nodeid=n) for n in ("t::a", "t::new1", "t::b", "t::c", "t::e", "t::new2")]
+    longest_first(items, f)
+    assert [i.nodeid for i in items] == ["t::new1", "t::c", "t::new2", "t::b", "t::e", "t::a"]
