@@ -90,10 +90,13 @@ def build(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
 
 
 def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e") -> int:
-    """Dynamic shared memory of one CTA: a ring of `stages` tiles per warp, and the K-split partials (step "e",
-    kw > 1: 512 bytes per warp and token tile)."""
-    red = _check_step(step)["W12F_RED"]
-    return cfg.warps * cfg.stages * TILE + (cfg.warps * nt * 512 if red and cfg.kw > 1 else 0)
+    """Dynamic shared memory of one CTA: a ring of `stages` tiles per warp, the K-split partials (step "e",
+    kw > 1: 512 bytes per warp and token tile), and for 3-4 token tiles with the escapes the stash of their metadata
+    (1 KB per row block)."""
+    defines = _check_step(step)
+    red = defines["W12F_RED"] and cfg.kw > 1
+    stash = cfg.row_blocks * 1024 if defines["W12F_ESC"] and nt > 2 else 0
+    return cfg.warps * cfg.stages * TILE + (cfg.warps * nt * 512 if red else 0) + stash
 
 
 def grid(cfg: FlowConfig, N: int) -> int:

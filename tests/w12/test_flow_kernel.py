@@ -125,9 +125,9 @@ def test_fixed_base_with_guard_equals_exact_base_in_fp32(x_exp):
 @pytest.mark.parametrize("unit", [0, 3, 7, 8])
 def test_every_unit_reaches_the_guard(unit):
     """The x range is folded by the CTA's active row blocks in turn, one unit each. With 3 of 4 row blocks active
-    (N = 48, warps = 8, kw = 2: 4 units per K range plus the masked tail) and x non-zero (near 2^-40) in one unit only (3 and 7: the
-    fourth turn of each K range, 8: the tail), the guard still fires, and the fixed-base build gives the exact-base
-    build's bits (fp32 model). With normal x everywhere the guard passes every row."""
+    (N = 48, warps = 8, kw = 2: 4 units per K range plus the masked tail) and x non-zero (near 2^-40) in one unit
+    only (3 and 7: the fourth turn of each K range, 8: the tail), the guard still fires, and the fixed-base build
+    gives the exact-base build's bits (fp32 model). With normal x everywhere the guard passes every row."""
     w, calm, x = one_unit_tiny_case(unit)
     t = layout.tile(w12.pack(w))
     assert emulate(calm, t, warps=8, kw=2, fp32=True)[1]["fallback"] == 0
@@ -211,8 +211,9 @@ def test_config_and_launch_geometry():
     cfg = FlowConfig(warps=8, kw=2, stages=4)
     assert cfg.row_blocks == 4 and cfg.rows == 64 and cfg.tag() == "flow-w8-k2-s4-c2"
     assert FlowConfig(fixed=True, evict=False).tag() == "flow-w8-k2-s4-c2-fixed-keep" and not cfg.fixed
-    assert flow.smem_bytes(cfg, 1) == 8 * 4 * 1536 + 8 * 512 and flow.smem_bytes(cfg, 4, "d") == 8 * 4 * 1536
-    assert flow.smem_bytes(FlowConfig(kw=1), 4) == 8 * 4 * 1536
+    assert flow.smem_bytes(cfg, 1) == 8 * 4 * 1536 + 8 * 512 and flow.smem_bytes(cfg, 4, "d") == 8 * 4 * 1536 + 4 * 1024
+    assert flow.smem_bytes(FlowConfig(kw=1), 4) == 8 * 4 * 1536 + 8 * 1024  # the escape metadata stash (4 n-tiles)
+    assert flow.smem_bytes(FlowConfig(kw=1), 4, "c") == flow.smem_bytes(FlowConfig(kw=1), 2) == 8 * 4 * 1536
     assert flow.grid(cfg, 16480) == 258 and flow.grid(cfg, 17) == 1 and flow.grid(FlowConfig(kw=8), 34816) == 2176
     assert [flow.n_tiles(m) for m in (1, 8, 9, 17, 32)] == [1, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="1 <= M <= 32"):

@@ -89,7 +89,9 @@ constexpr bool EPI = W12F_EPI != 0;
 constexpr bool ESC = W12F_ESC != 0;
 constexpr bool RED = W12F_RED != 0 && KW > 1;
 constexpr bool GUARD = EPI && FIXED;  // the x range and the exact-base recomputation
-constexpr bool ESC_EARLY = ESC && NT <= 2;  // the escape metadata read before the main loop
+// the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
+// (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
+constexpr bool ESC_STASH = ESC && NT > 2;
 constexpr int TILE = 1536;            // one 16 x 64 tile image in the ring
 constexpr uint32_t BASE112 = 0x38003800u;
 static_assert(WARPS >= 1 && WARPS <= 16 && KW >= 1 && WARPS % KW == 0, "KW must divide WARPS (<= 16)");
@@ -225,10 +227,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
   }
 
   // the escape metadata of the rows this warp finishes (CSR range and first entry), read now so that the loads'
-  // latency hides under the stream instead of lengthening the epilogue; with 3 or 4 n-tiles the registers this
-  // takes through the loop would spill, and the epilogue reads it (ESC_EARLY)
+  // latency hides under the stream instead of lengthening the epilogue (ESC_STASH: where it waits)
   int ep[2][2] = {{0, 0}, {0, 0}}, ec[2] = {0, 0};
   uint32_t ev[2] = {0u, 0u};
+  int4* const stash = reinterpret_cast<int4*>(smem + WARPS * STAGES * TILE + (RED ? WARPS * NT * 512 : 0)) + rw * 64;
   auto esc_meta = [&]() {
     if (ks == 0 && active) {
 #pragma unroll
@@ -248,7 +250,15 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
       }
     }
   };
-  if constexpr (ESC_EARLY) esc_meta();
+  if constexpr (ESC) {
+    esc_meta();
+    if constexpr (ESC_STASH) {
+      if (ks == 0 && active) {  // the lane reads back its own two entries in the epilogue: no barrier
+#pragma unroll
+        for (int h = 0; h < 2; ++h) stash[32 * h + lane] = make_int4(ep[h][0], ep[h][1], ec[h], (int)ev[h]);
+      }
+    }
+  }
 
   // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output)
 #pragma unroll
@@ -431,7 +441,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
       }
     }
     if (ks != 0 || !active) return;
-    if constexpr (ESC && !ESC_EARLY) esc_meta();
+    if constexpr (ESC_STASH) {
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int4 v = stash[32 * h + lane];
+        ep[h][0] = v.x, ep[h][1] = v.y, ec[h] = v.z, ev[h] = (uint32_t)v.w;
+      }
+    }
     // escapes (CSR order), bias, one rounding; acc[j][2 h + u]: row rb 16 + 8 h + g, token 8 j + 2 p + u
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
