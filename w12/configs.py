@@ -337,21 +337,23 @@ def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = F
 
 def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int | None = None, stages: int = 4,
                    cps: int | None = None) -> FlowConfig:
-    """FlowConfig default: CTAs of 4 warps at 4 per SM for M <= 8 and of 8 warps at 2 per SM above (unless given),
-    and the K split `kw` that minimises a wave model, waves x (64-column units per warp + one unit for the
-    shared-memory reduction when kw > 1); ties go to the smaller split. On the H200 (docs/w12-kernels.md, "The flow
-    kernel") the 4-warp CTAs were within 1% of the best config swept at M = 1 on in_proj and gate_up and 9% faster
-    than 8-warp ones on o_proj; at M = 32 the 8-warp ones were faster."""
-    small = M <= 8
-    warps = (4 if small else 8) if warps is None else warps
-    cps = (4 if small else 2) if cps is None else cps
+    """FlowConfig default: the CTA shape and K split `kw` that minimise a wave model, waves x (64-column units per
+    warp + one unit for the shared-memory reduction when kw > 1). The shapes: for M <= 8, CTAs of 4 warps at 4 per
+    SM or of 8 warps at 2 per SM (ties go to the 4-warp ones); above, 8 warps at 2 per SM; `warps` and `cps` fix
+    one. Ties in `kw` go to the smaller split. On the H200 (docs/w12-kernels.md, "The flow kernel") the 4-warp CTAs
+    were 7-9% faster than 8-warp ones on the 5120-row layers at M = 1..8 and within 2% on the large ones, except
+    gate_up at M = 8 (1.13 against 1.27x cuBLAS), where this model gives the 8-warp CTAs fewer waves; at M = 32 the
+    8-warp ones were faster."""
+    if warps is not None or cps is not None:
+        shapes = [(warps or (4 if M <= 8 else 8), cps or (4 if M <= 8 else 2))]
+    else:
+        shapes = [(4, 4), (8, 2)] if M <= 8 else [(8, 2)]
     blocks, units = -(-N // 16), -(-K // 64)
-    slots = sm_count(device) * cps
 
-    def cost(kw: int) -> int:
-        ctas = -(-blocks // (warps // kw))
-        return -(-ctas // slots) * (-(-units // kw) + (kw > 1))
+    def cost(w: int, c: int, kw: int) -> int:
+        ctas = -(-blocks // (w // kw))
+        return -(-ctas // (sm_count(device) * c)) * (-(-units // kw) + (kw > 1))
 
-    kws = [kw for kw in (1, 2, 4, 8, 16) if kw <= warps]
-    best = min(cost(kw) for kw in kws)
-    return FlowConfig(warps=warps, kw=min(kw for kw in kws if cost(kw) == best), stages=stages, cps=cps)
+    cands = [(cost(w, c, kw), i, kw, w, c) for i, (w, c) in enumerate(shapes) for kw in (1, 2, 4, 8, 16) if kw <= w]
+    _, _, kw, w, c = min(cands)
+    return FlowConfig(warps=w, kw=kw, stages=stages, cps=c)

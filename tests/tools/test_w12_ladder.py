@@ -41,9 +41,9 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
         other = {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:] if r[1].warps != base.warps}
         assert other == {(w, c, min(k, w)) for w, c in ((4, 4), (8, 2), (16, 1)) if w != base.warps
                          for k in (base.kw, 2 * base.kw)}
-        assert (base.warps, base.cps) == ((4, 4) if m <= 8 else (8, 2))
+        assert (base.warps, base.cps) == ((4, 4) if m <= 8 and name != "gate_up" else (8, 2))
     kws = {(name, m): rows[0][1].kw for name, n, k, m, rows in cells}
-    assert kws == {("in_proj", 1): 2, ("gate_up", 1): 4, ("o_proj", 1): 4, ("in_proj", 32): 2, ("gate_up", 32): 8,
+    assert kws == {("in_proj", 1): 2, ("gate_up", 1): 8, ("o_proj", 1): 4, ("in_proj", 32): 2, ("gate_up", 32): 8,
                    ("o_proj", 32): 4}
     assert {cfg.fixed for cfg, nt, step in builds} == {True, False}  # the fixed-base rows and their exact twins
     assert {(cfg.kw, step) for cfg, nt, step in builds if step in "cd" and cfg.kw == 1} == {(1, "c"), (1, "d")}

@@ -233,8 +233,11 @@ def test_heuristic_fills_the_machine(monkeypatch):
     cpu = torch.device("cpu")
     got = {name: flow_heuristic(1, n, k, cpu).kw for name, (n, k) in
            {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144), "down": (5120, 17408)}.items()}
-    assert got == {"in_proj": 2, "gate_up": 4, "o_proj": 4, "down": 4}
+    assert got == {"in_proj": 2, "gate_up": 8, "o_proj": 4, "down": 4}
     assert {(c.warps, c.cps) for c in (flow_heuristic(m, 5120, 6144, cpu) for m in (1, 8))} == {(4, 4)}
+    # gate_up: 2176 one-row-block CTAs take 9 waves of 8-warp CTAs (9 x 11 units) but 5 of 4-warp ones (5 x 21)
+    assert flow_heuristic(8, 34816, 5120, cpu) == FlowConfig(warps=8, kw=8, cps=2)
+    assert flow_heuristic(1, 34816, 5120, cpu, warps=4) == FlowConfig(warps=4, kw=4, cps=4)  # a fixed shape
     big = {name: flow_heuristic(32, n, k, cpu) for name, (n, k) in {"in_proj": (16480, 5120), "gate_up": (34816, 5120),
                                                                     "o_proj": (5120, 6144)}.items()}
     assert {n: (c.warps, c.cps, c.kw) for n, c in big.items()} == {"in_proj": (8, 2, 2), "gate_up": (8, 2, 8),
