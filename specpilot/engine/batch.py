@@ -63,6 +63,10 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
     if B > m.rows:
         raise ValueError(f"{fn}: {B} prompts but the model has {m.rows} cache rows; load it with rows >= {B} "
                          "(Engine.from_pretrained(..., rows=B))")
+    if getattr(engine.drafter, "needs_hidden", False):
+        raise ValueError(f"{fn}: batched decoding does not hand a drafter the target's hidden states; the "
+                         f"{type(engine.drafter).__name__} reads them: use Engine.generate per request, or "
+                         "drafter='ngram'")
     if engine.drafter is None or engine.two_level or getattr(engine.drafter, "model", None) is m:
         raise ValueError(f"{fn}: batched decoding takes a stateless drafter (e.g. drafter='ngram'); the self-drafter "
                          "keeps cache rows of its own and two-level verification is per request")

@@ -3,7 +3,9 @@
 1. The shipped W12 checkpoint is decoded to BF16 and packed again with `w12.pack_checkpoint`, which
    verifies every tensor bit for bit; the repacked weights must decode to the shipped BF16 exactly.
 2. The engine loads the repacked checkpoint and continues a held-out prompt greedily: autoregressively,
-   then speculatively with the n-gram drafter and with the self-drafter (the W12 8-bit view).
+   then speculatively with the n-gram drafter, the trained heads (`drafter="heads"`: the shipped
+   `specpilot.models.tiny_stdlib_heads`, which recognise the repacked model by its embedding digest) and the
+   self-drafter (the W12 8-bit view).
 3. It prints the continuation, τ (tokens per verify step), the time per step and the lossless check
    (each speculative output against the autoregressive one, token for token). The table's figures all come
    from `Engine.stats()` over the same steps: ms/step is the mean (total step time / steps), so
@@ -71,7 +73,7 @@ def run(device=None, new_tokens: int = 256, prompt_bytes: int = 400, log=print) 
         prompt = list((src / HELDOUT_FILE).read_bytes()[:prompt_bytes])
         rows, ref = [], None
         for name, drafter, spec in (("autoregressive", None, False), ("n-gram drafter", "ngram", True),
-                                    ("self-drafter", "self", True)):
+                                    ("trained heads", "heads", True), ("self-drafter", "self", True)):
             eng = Engine.from_pretrained(tmp, device=dev, weights="w12", drafter=drafter)
             eng.generate(prompt[:8], 2, speculative=spec)  # builds the kernels (and graphs) before timing
             eng.reset_stats()

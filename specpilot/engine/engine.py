@@ -29,7 +29,7 @@ from .records import StepRecord, _Stats
 from .spec.accept import greedy_accept
 from .spec.tree import DraftTree, _bit, build_tree
 
-__all__ = ["Engine", "SelfDrafter", "LosslessReport", "check_lossless", "NEAR_TIE"]
+__all__ = ["Engine", "SelfDrafter", "LosslessReport", "check_lossless", "NEAR_TIE", "shipped_heads"]
 
 
 def _sync(device: torch.device) -> None:
@@ -42,7 +42,10 @@ class Engine:
     (`specpilot.engine.batch`); see the module docstring.
 
     `drafter`: "ngram" (`specpilot.engine.spec.drafters.NGramDrafter`), "self" (`SelfDrafter`: the target on its W12
-    8-bit view), None, or any object with `propose(context, positions, k)`.
+    8-bit view), "heads" (`from_pretrained` only: `specpilot.engine.spec.heads.HeadsDrafter`, trained heads on the
+    target's last hidden state), None, or any object with `propose(context, positions, k)`; one with
+    `needs_hidden = True` is also passed `hidden=`, the target's final-normed hidden state of the token before the
+    pending one.
     `tree_nodes`: rows of a verify pass, the pending token included (32 keeps the GEMMs at M = 32).
     `two_level`: before each exact pass, a Q pass on the W12 8-bit view marks a path, the drafter drafts again
     from its end, and the exact pass verifies both (docs/engine.md); off by default: whether it pays depends
@@ -70,6 +73,10 @@ class Engine:
         topk = inputs.count(fn, "topk", topk)
         graphs = inputs.flag(fn, "graphs", graphs, none_ok=True)
         two_level = inputs.flag(fn, "two_level", two_level)
+        if drafter == "heads":
+            raise ValueError(f"{fn}: drafter='heads' loads the heads trained for a checkpoint; use "
+                             "Engine.from_pretrained(path, drafter='heads'), or pass "
+                             "specpilot.engine.spec.heads.HeadsDrafter.load(file)")
         if drafter == "self" and model.rows < 3:
             raise ValueError(f"{fn}: drafter='self' needs 3 cache rows (target, drafter, scratch) but the model has "
                              f"{model.rows}; build it with rows=3 (Engine.from_pretrained does when drafter='self')")
@@ -84,6 +91,19 @@ class Engine:
             drafter = NGramDrafter(vocab_size=model.cfg.vocab)
         self.drafter = drafter
         self.two_level = bool(two_level)
+        # a drafter that reads the target's hidden state (needs_hidden): the final-normed state of the token before
+        # the pending one, kept from the last pass (prefill or step); None before any pass or after a 1-token prompt
+        self.needs_hidden = bool(getattr(drafter, "needs_hidden", False))
+        self._hidden: torch.Tensor | None = None
+        if self.needs_hidden:
+            width = getattr(getattr(drafter, "dims", None), "hidden", model.cfg.hidden)
+            if width != model.cfg.hidden:
+                raise ValueError(f"{fn}: the drafter reads hidden states of {width} elements but the model's hidden "
+                                 f"size is {model.cfg.hidden}; pass heads trained for this model")
+            if two_level:
+                raise ValueError(f"{fn}: two_level=True redrafts from the Q pass's path, whose exact hidden state a "
+                                 f"hidden-state drafter ({type(drafter).__name__}) does not get; pass two_level=False "
+                                 "or drafter='ngram'")
         # the deepest accepted path a verify pass can hold: a two-level tree chains the Q path above the second tree
         self.max_depth = self.tree_nodes - 1 if self.two_level else self.positions
         self._stats = _Stats()
@@ -143,6 +163,8 @@ class Engine:
         tensors, _ = load_tensors(path)
         model = HybridModel(cfg, tensors, device=device, fmt=weights, kernels=Kernels.choose(device, kernels),
                             rows=rows, max_len=max_len, head_screen=head_screen, fused_glue=fused_glue)
+        if drafter == "heads":
+            drafter = shipped_heads(fn, model, path)
         eng = cls(model, drafter, **kw)
         eng.codec = inputs.text_codec(cfg.vocab, path)
         return eng
@@ -190,8 +212,8 @@ class Engine:
         if callback is not None and not callable(callback):
             raise TypeError(f"{fn}: callback={callback!r} is not callable; pass a function of the new tokens, or None")
         if speculative and self.drafter is None:
-            raise ValueError(f"{fn}: speculative=True needs a drafter; build the engine with drafter='ngram' or "
-                             "'self', or pass speculative=False")
+            raise ValueError(f"{fn}: speculative=True needs a drafter; build the engine with drafter='ngram', "
+                             "'self' or 'heads', or pass speculative=False")
         self._check_room(fn, len(prompt), max_new_tokens, speculative)
         ctx = self._start(prompt)
         out: list[int] = []
@@ -268,7 +290,9 @@ class Engine:
         m.reset_rows([row])
         t0 = time.perf_counter()
         body = prompt[:-1]
-        m.consume(row, 0, body)
+        hidden = m.consume(row, 0, body, hidden=self.needs_hidden and row == self.ROW)
+        if row == self.ROW:
+            self._hidden = hidden[-1].clone() if hidden is not None and len(hidden) else None
         _sync(m.device)
         if body:
             self._stats.steps.append(StepRecord("prefill", len(body), 0, time.perf_counter() - t0))
@@ -281,7 +305,10 @@ class Engine:
         return generate_batch(self, prompts, max_new_tokens, budget=budget)
 
     def _draft(self, ctx: list[int], budget: int | None = None):
-        tokens, scores = self.drafter.propose(ctx, self.positions, self.topk)
+        if self.needs_hidden:
+            tokens, scores = self.drafter.propose(ctx, self.positions, self.topk, hidden=self._hidden)
+        else:
+            tokens, scores = self.drafter.propose(ctx, self.positions, self.topk)
         return build_tree(tokens.cpu(), scores.cpu(), budget=self.tree_nodes - 1 if budget is None else budget)
 
     def _accept(self, tree, target: torch.Tensor, max_depth: int):
@@ -291,10 +318,16 @@ class Engine:
                              torch.tensor([tree.n], dtype=torch.int32, device=dev), target[None], max_depth=max_depth)
 
     @staticmethod
-    def _emitted(tree, accepted, accepted_len, bonus) -> list[int]:
-        """The accepted path's tokens and the bonus token: the one host read of a step."""
+    def _read(tree, accepted, accepted_len, bonus) -> tuple[list[int], int]:
+        """The accepted path's tokens and the bonus token (the one host read of a step), and the pass row of the
+        last accepted node (0, the root, when none was accepted): the node whose argmax is the bonus."""
         got = torch.cat([accepted_len.long(), accepted[0].long(), bonus.long()]).tolist()
-        return [int(tree.tokens[i]) for i in got[1:1 + got[0]]] + [got[-1]]
+        path = got[1:1 + got[0]]
+        return [int(tree.tokens[i]) for i in path] + [got[-1]], (path[-1] + 1 if path else 0)
+
+    @staticmethod
+    def _emitted(tree, accepted, accepted_len, bonus) -> list[int]:
+        return Engine._read(tree, accepted, accepted_len, bonus)[0]
 
     def _q_pass(self, ctx: list[int], tree) -> list[int]:
         """The first level of two-level verification: the target on its W12 8-bit view over the draft tree,
@@ -341,22 +374,26 @@ class Engine:
         if self.graphs:
             g = self._graphs[self.tree_nodes if speculative else 1]
             g.load(len(ctx) - 1, ctx[-1], tree)
-            target, accepted, accepted_len, bonus = g.replay()
+            target, accepted, accepted_len, bonus, hidden = g.replay()
             rows = g.nodes
         else:
             toks, parents = pass_tree(ctx[-1], tree)
             step = m.plan([self.ROW], [len(ctx) - 1], [toks], [parents])
-            target = m.argmax(m.forward(step))  # [1 + n]: the target's choice after the root and after each node
+            hidden = m.forward(step)
+            target = m.argmax(hidden)  # [1 + n]: the target's choice after the root and after each node
             rows = len(toks)
             if n:
                 accepted, accepted_len, bonus = self._accept(tree, target, self.max_depth)
                 m.commit_accepted(step, accepted, accepted_len)
             else:
                 self._commit_all(step, 1)
+        last = 0  # the pass row whose argmax is the bonus token
         if speculative and (n or self.graphs):
-            new = self._emitted(tree, accepted, accepted_len, bonus)
+            new, last = self._read(tree, accepted, accepted_len, bonus)
         else:
             new = [int(target[0])]
+        if self.needs_hidden:
+            self._hidden = hidden[last].clone()
         if q_chain:
             # Q pass against the exact pass where both judged the same prefix: the root and the Q path's nodes
             exact = target[:q_chain].tolist()
@@ -367,6 +404,23 @@ class Engine:
         self._stats.steps.append(StepRecord("verify" if speculative else "ar", rows, len(new),
                                             time.perf_counter() - t0))
         return new
+
+
+def shipped_heads(fn: str, model: HybridModel, path):
+    """The shipped trained heads (`specpilot.models.tiny_stdlib_heads_path()`) for `model`, which must be the
+    model they were trained for: the SHA-256 of its BF16 embedding matrix equals the one the weights file records
+    (a repacked copy of the shipped checkpoint passes; any other model is refused with the fix)."""
+    from ..models import HEADS_FILE, tiny_stdlib_heads_path
+    from .spec.heads import HeadsDrafter, embed_sha256
+
+    file = tiny_stdlib_heads_path() / HEADS_FILE
+    drafter = HeadsDrafter.load(file)
+    if drafter.target_embed_sha256 != embed_sha256(model.embed):
+        raise ValueError(f"{fn}: drafter='heads' has trained heads for the shipped tiny model only ({file}) and {path} "
+                         "holds another model (its embedding differs); train heads for it with python -m "
+                         "specpilot.models.train_heads --target PATH --out DIR and pass "
+                         "drafter=HeadsDrafter.load('DIR/heads.safetensors')")
+    return drafter
 
 
 class SelfDrafter:

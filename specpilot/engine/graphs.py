@@ -52,14 +52,15 @@ class GraphedStep:
 
     def _body(self):
         m, s = self.model, self.step
-        target = m.argmax(m.forward(s))
+        hidden = m.forward(s)
+        target = m.argmax(hidden)
         if self.nodes == 1:
             m.commit(s, self.root, self.one)
-            return target, None, None, None
+            return target, None, None, None, hidden
         acc = greedy_accept(self.d_tokens, self.d_parents, self.d_depths, self.d_count, target[None],
                             max_depth=self.max_depth)
         m.commit_accepted(s, acc.accepted, acc.accepted_len)
-        return target, acc.accepted, acc.accepted_len, acc.bonus
+        return target, acc.accepted, acc.accepted_len, acc.bonus, hidden
 
     def capture(self) -> None:
         """Warm up (compiles every kernel) and capture. The warm-up writes the caches of `row`: reset them
@@ -106,7 +107,8 @@ class GraphedStep:
             self.d_count.fill_(n)
 
     def replay(self):
-        """(target [nodes], accepted [1, max_depth], accepted_len [1], bonus [1]); the last three None for
-        the autoregressive step. The tensors are the graph's own outputs: read them before the next replay."""
+        """(target [nodes], accepted [1, max_depth], accepted_len [1], bonus [1], hidden [nodes, hidden_size]: the
+        final-normed hidden states, which a hidden-state drafter reads); accepted, accepted_len and bonus are None
+        for the autoregressive step. The tensors are the graph's own outputs: read them before the next replay."""
         self.graph.replay()
         return self.out

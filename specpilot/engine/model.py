@@ -471,9 +471,10 @@ class HybridModel:
         self.commit(s, torch.cat([root, path], 1), accepted_len + 1)
 
     def consume(self, row: int, done: int, tokens: list[int], *, chunk: int = MAX_STEP_NODES, q8: bool = False,
-                logits: bool = False) -> torch.Tensor | None:
+                logits: bool = False, hidden: bool = False) -> torch.Tensor | None:
         """Run `tokens` into cache row `row` (which holds `done` tokens) as chains of `chunk`, committing each;
-        with `logits`, the fp32 logits after every token ([len(tokens), vocab])."""
+        with `logits`, the fp32 logits after every token ([len(tokens), vocab]); with `hidden` (and not
+        `logits`), the final-normed hidden states of every token ([len(tokens), hidden], BF16)."""
         out = []
         for a in range(0, len(tokens), chunk):
             part = tokens[a:a + chunk]
@@ -481,9 +482,11 @@ class HybridModel:
             h = self.forward(step, q8=q8)
             if logits:
                 out.append(self.logits(h, q8=q8))
+            elif hidden:
+                out.append(h)
             self.commit(step, torch.arange(len(part), dtype=torch.int32, device=self.device)[None],
                         torch.tensor([len(part)], dtype=torch.int32, device=self.device))
-        return torch.cat(out) if logits and out else None
+        return torch.cat(out) if (logits or hidden) and out else None
 
     # ---- head -----------------------------------------------------------------------------
     def argmax(self, hidden: torch.Tensor) -> torch.Tensor:

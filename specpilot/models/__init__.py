@@ -12,21 +12,34 @@ Files in `tiny_stdlib_path()`:
 * `HELDOUT_FILE`: held-out text (standard library modules left out of training),
 * `TRAIN_FILE`: the training recipe, corpus digest, held-out metrics and the SHA-256 of every
   BF16 tensor.
+
+`tiny_stdlib_heads`: the trained parallel drafter for tiny_stdlib (`specpilot.engine.spec.heads`; the engine's
+`drafter="heads"`), trained by `specpilot.models.train_heads`. Files in `tiny_stdlib_heads_path()`: `HEADS_FILE`
+(BF16 safetensors) and `TRAIN_FILE` (recipe, data sizes, evaluation on held-out continuations, versions). It
+lives outside the checkpoint folder, whose every `*.safetensors` file the engine's loader reads as the model's.
 """
 
 from __future__ import annotations
 
 import pathlib
 
-__all__ = ["tiny_stdlib_path", "TINY_STDLIB", "CONFIG_FILE", "WEIGHTS_FILE", "HELDOUT_FILE", "TRAIN_FILE"]
+__all__ = ["tiny_stdlib_path", "tiny_stdlib_heads_path", "TINY_STDLIB", "TINY_STDLIB_HEADS", "CONFIG_FILE",
+           "WEIGHTS_FILE", "HELDOUT_FILE", "TRAIN_FILE", "HEADS_FILE"]
 
 TINY_STDLIB = "tiny_stdlib"
 CONFIG_FILE = "config.json"
 WEIGHTS_FILE = "model.w12.safetensors"
 HELDOUT_FILE = "heldout.txt"
 TRAIN_FILE = "train.json"
+TINY_STDLIB_HEADS = "tiny_stdlib_heads"
+HEADS_FILE = "heads.safetensors"
 
 
 def tiny_stdlib_path() -> pathlib.Path:
     """The directory of the shipped tiny_stdlib checkpoint (inside the installed package)."""
     return pathlib.Path(__file__).resolve().parent / TINY_STDLIB
+
+
+def tiny_stdlib_heads_path() -> pathlib.Path:
+    """The directory of the shipped drafter heads of tiny_stdlib (inside the installed package)."""
+    return pathlib.Path(__file__).resolve().parent / TINY_STDLIB_HEADS

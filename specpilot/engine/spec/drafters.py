@@ -16,6 +16,12 @@ per position). A drafter conditioned on the parent (EAGLE / Medusa-with-tree sty
 distribution at depth d depends on the token chosen at depth d-1) does not fit this format: its
 candidates differ per parent, so it needs a different tree builder that expands per node.
 
+A drafter that reads the target's hidden state declares `needs_hidden = True`; the engine then calls
+`propose(context, positions, k, hidden=h)` with h the target's final-normed hidden state [hidden_size] of
+context[-2], the token before the pending one: the state whose argmax the pending token is (after a prefill, the
+prompt's second-to-last token; None for a one-token prompt, where the target has processed nothing). The engine
+keeps it from the pass that chose the pending token, so it costs no extra pass. `heads.HeadsDrafter` is one.
+
 `NGramDrafter` is prompt lookup: no model, it copies what followed earlier occurrences of the
 context's last few tokens, which is cheap and accurate on repetitive text (code edits, quoting,
 summaries of the prompt).
@@ -42,6 +48,7 @@ class Drafter(Protocol):
     token, with marginal log-probabilities (each position scored independently of the others,
     since the tree builder adds the scores along a path); -inf with token 0 marks an empty slot.
     An empty context is allowed and proposes nothing (all -inf), so callers need no special case.
+    A drafter with `needs_hidden = True` also takes the keyword `hidden` (module docstring).
     """
 
     def propose(self, context: Sequence[int] | torch.Tensor, positions: int, k: int
@@ -49,36 +56,37 @@ class Drafter(Protocol):
         ...
 
 
-def _check_count(fn: str, name: str, value) -> int:
+def _check_count(fn: str, name: str, value, where: str = _WHERE) -> int:
     # bool is an int subclass: reject it so a flag passed by mistake is not read as 0 or 1
     if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{_WHERE}.{fn}: {name}={value!r}; pass an int >= 1")
+        raise ValueError(f"{where}.{fn}: {name}={value!r}; pass an int >= 1")
     return value
 
 
-def _as_context(fn: str, context, vocab_size: int | None) -> torch.Tensor:
-    """The context as a 1-D int64 CPU tensor, token ids checked (>= 0, and < vocab_size when known)."""
+def _as_context(fn: str, context, vocab_size: int | None, where: str = _WHERE) -> torch.Tensor:
+    """The context as a 1-D int64 CPU tensor, token ids checked (>= 0, and < vocab_size when known); errors name
+    `where`.`fn`."""
     if isinstance(context, torch.Tensor):
         if context.dtype.is_floating_point or context.dtype.is_complex or context.dtype == torch.bool:
-            raise TypeError(f"{_WHERE}.{fn}: context must hold integer token ids, got {context.dtype}; "
+            raise TypeError(f"{where}.{fn}: context must hold integer token ids, got {context.dtype}; "
                             "pass an int64 tensor or a sequence of ints")
         if context.dim() != 1:
-            raise ValueError(f"{_WHERE}.{fn}: context has shape {tuple(context.shape)}; "
+            raise ValueError(f"{where}.{fn}: context has shape {tuple(context.shape)}; "
                              "pass one request's tokens as a 1-D tensor")
         ctx = context.detach().to(device="cpu", dtype=torch.int64)
     else:
         items = list(context)
         for x in items:
             if isinstance(x, bool) or not isinstance(x, int):
-                raise TypeError(f"{_WHERE}.{fn}: context holds {x!r} ({type(x).__name__}); "
+                raise TypeError(f"{where}.{fn}: context holds {x!r} ({type(x).__name__}); "
                                 "pass token ids as ints")
         ctx = torch.tensor(items, dtype=torch.int64)
     if ctx.numel():
         lo, hi = int(ctx.min()), int(ctx.max())
         if lo < 0:
-            raise ValueError(f"{_WHERE}.{fn}: context holds token id {lo}; token ids must be >= 0")
+            raise ValueError(f"{where}.{fn}: context holds token id {lo}; token ids must be >= 0")
         if vocab_size is not None and hi >= vocab_size:
-            raise ValueError(f"{_WHERE}.{fn}: context holds token id {hi} >= vocab_size={vocab_size}; "
+            raise ValueError(f"{where}.{fn}: context holds token id {hi} >= vocab_size={vocab_size}; "
                              "pass ids from the drafter's vocabulary or a larger vocab_size")
     return ctx
 

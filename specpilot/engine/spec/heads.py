@@ -1,0 +1,174 @@
+"""A trained parallel drafter: heads on the target's last hidden state that propose every position in one pass.
+
+Inputs of one proposal: `hidden`, the target's final-normed hidden state [hidden_size] of the token before the
+pending one (the state whose argmax the pending token is, after a verify or autoregressive step), and the pending
+token itself (the context's last token). Medusa heads read the hidden state alone; adding the pending token's
+embedding is what EAGLE / DFlash feed their drafters, and it tells the heads which token the target has just
+chosen without their having to re-derive it from the state.
+
+Network (`HeadsNet`, fp32 compute, BF16 weights on disk):
+
+    z    = W_in [rms(hidden); E[pending]]                 # [D]
+    u_d  = z + pos[d]                                     # one row per predicted position d = 0 .. P-1
+    u_d += W2 silu(W1 rms(u_d))   (n_blocks times, the blocks shared by all positions)
+    logits_d = W_out rms(u_d)                             # [vocab]
+
+Row d predicts the token at depth d below the pending token (the token d + 2 after the one whose hidden state
+is read). Every row depends on (hidden, pending) only, not on the other rows' tokens: a marginal drafter, as
+the tree builder's path sums assume (`specpilot.engine.spec.tree`). `propose` returns each row's top-k with
+its log-softmax scores; rows past the trained `positions` are empty (-inf).
+
+The weights file (`save` / `load`): safetensors, tensors in BF16, its metadata holding the network's sizes
+(`dims`, JSON) and the SHA-256 of the target's BF16 embedding matrix (`target_embed_sha256`), which a loader
+compares with the target it drafts for.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Sequence
+
+import torch
+import torch.nn.functional as F
+
+from .drafters import _as_context, _check_count
+
+__all__ = ["HeadsDims", "HeadsNet", "HeadsDrafter", "embed_sha256"]
+
+_WHERE = "specpilot.engine.spec.heads"
+
+
+@dataclass(frozen=True)
+class HeadsDims:
+    """Sizes of a `HeadsNet`: the target's hidden size and vocabulary, the width D, the MLP width F, the
+    number of shared blocks and the positions predicted."""
+
+    hidden: int
+    vocab: int
+    width: int = 192
+    ffn: int = 384
+    blocks: int = 2
+    positions: int = 16
+    embed: int = 128
+
+
+def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
+    return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps)
+
+
+class HeadsNet(torch.nn.Module):
+    """The heads (module docstring). forward(hidden [B, H] float, pending [B] int64) -> logits [B, P, vocab]."""
+
+    def __init__(self, dims: HeadsDims):
+        super().__init__()
+        self.dims = dims
+        D = dims.width
+        self.embed = torch.nn.Embedding(dims.vocab, dims.embed)
+        self.w_in = torch.nn.Linear(dims.hidden + dims.embed, D, bias=False)
+        self.pos = torch.nn.Parameter(torch.zeros(dims.positions, D))
+        self.w1 = torch.nn.ModuleList(torch.nn.Linear(D, dims.ffn, bias=False) for _ in range(dims.blocks))
+        self.w2 = torch.nn.ModuleList(torch.nn.Linear(dims.ffn, D, bias=False) for _ in range(dims.blocks))
+        self.w_out = torch.nn.Linear(D, dims.vocab, bias=False)
+        torch.nn.init.normal_(self.pos, std=0.02)
+        torch.nn.init.normal_(self.embed.weight, std=0.02)
+
+    def forward(self, hidden: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        z = self.w_in(torch.cat([_rms(hidden.float()), self.embed(pending)], -1))  # [B, D]
+        u = z[:, None, :] + self.pos[None]  # [B, P, D]
+        for w1, w2 in zip(self.w1, self.w2):
+            u = u + w2(F.silu(w1(_rms(u))))
+        return self.w_out(_rms(u))  # [B, P, vocab]
+
+
+def embed_sha256(embed: torch.Tensor) -> str:
+    """SHA-256 of a target's embedding matrix as BF16 bytes: the identity a weights file records."""
+    t = embed.detach().to(device="cpu", dtype=torch.bfloat16).contiguous()
+    return hashlib.sha256(t.view(torch.int16).numpy().tobytes()).hexdigest()
+
+
+class HeadsDrafter:
+    """`Drafter` over a `HeadsNet`. `needs_hidden = True`: the engine passes `hidden=`, the target's final-normed
+    hidden state of the token before the pending one (docs/engine.md, "Drafters").
+
+    `propose(context, positions, k, hidden=...)` -> (tokens int64 [positions, k], scores float32 [positions, k])
+    on the CPU (the heads run on hidden's device): row d the top-k of head d by log-probability; rows past the
+    trained positions, and every row when `hidden` is None (a one-token prompt: the target has processed nothing
+    yet) or the context is empty, are token 0 at -inf."""
+
+    needs_hidden = True
+
+    def __init__(self, net: HeadsNet, target_embed_sha256: str | None = None):
+        if not isinstance(net, HeadsNet):
+            raise TypeError(f"{_WHERE}.HeadsDrafter: net is a {type(net).__name__}; pass a HeadsNet, or load a weights "
+                            "file with HeadsDrafter.load(path)")
+        self.net = net.eval()
+        self.dims = net.dims
+        self.target_embed_sha256 = target_embed_sha256
+
+    def __repr__(self) -> str:
+        return f"HeadsDrafter({self.dims})"
+
+    @classmethod
+    def load(cls, path) -> "HeadsDrafter":
+        """The drafter of a weights file written by `save` (BF16 tensors; computed in fp32)."""
+        from safetensors import safe_open
+
+        path = Path(path)
+        if not path.is_file():
+            raise FileNotFoundError(f"{_WHERE}.HeadsDrafter.load: {path} is not a file; pass a heads weights file "
+                                    "(python -m specpilot.models.train_heads --out FILE writes one)")
+        with safe_open(str(path), framework="pt") as f:
+            meta = f.metadata() or {}
+            if "dims" not in meta:
+                raise ValueError(f"{_WHERE}.HeadsDrafter.load: {path} has no 'dims' metadata, so it is not a heads "
+                                 "file; pass a file written by HeadsDrafter.save "
+                                 "(python -m specpilot.models.train_heads)")
+            state = {k: f.get_tensor(k) for k in f.keys()}
+        net = HeadsNet(HeadsDims(**json.loads(meta["dims"])))
+        net.load_state_dict({k: v.float() for k, v in state.items()}, strict=True)
+        return cls(net, meta.get("target_embed_sha256"))
+
+    def save(self, path, extra: dict[str, str] | None = None) -> None:
+        """Write the weights as BF16 safetensors with the sizes and the target's embedding digest as metadata."""
+        from safetensors.torch import save_file
+
+        meta = {"dims": json.dumps(asdict(self.dims)), "format": "pt", **(extra or {})}
+        if self.target_embed_sha256 is not None:
+            meta["target_embed_sha256"] = self.target_embed_sha256
+        state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.net.state_dict().items()}
+        save_file(state, str(path), metadata=meta)
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor, pending: int) -> torch.Tensor:
+        """fp32 logits [positions, vocab] of the heads for one (hidden, pending token), computed on hidden's device
+        (the network moves there at its first call on it)."""
+        dev = hidden.device
+        if self.net.w_out.weight.device != dev:
+            self.net.to(dev)
+        h = hidden.detach().to(dtype=torch.float32).reshape(1, -1)
+        return self.net(h, torch.tensor([pending], dtype=torch.int64, device=dev))[0]
+
+    def propose(self, context: Sequence[int] | torch.Tensor, positions: int, k: int, *,
+                hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+        fn = "HeadsDrafter.propose"
+        _check_count(fn, "positions", positions, _WHERE)
+        _check_count(fn, "k", k, _WHERE)
+        ctx = _as_context(fn, context, self.dims.vocab, _WHERE)
+        tokens = torch.zeros(positions, k, dtype=torch.int64)
+        scores = torch.full((positions, k), float("-inf"), dtype=torch.float32)
+        if hidden is None or ctx.numel() == 0:
+            return tokens, scores
+        if not isinstance(hidden, torch.Tensor) or hidden.numel() != self.dims.hidden \
+                or not hidden.dtype.is_floating_point:
+            got = f"a {hidden.dtype} tensor of shape {tuple(hidden.shape)}" if isinstance(hidden, torch.Tensor) \
+                else f"a {type(hidden).__name__}"
+            raise ValueError(f"{_WHERE}.{fn}: hidden is {got}; pass the target's final-normed hidden state, a "
+                             f"floating tensor of {self.dims.hidden} elements")
+        P, kk = min(positions, self.dims.positions), min(k, self.dims.vocab)
+        logp = torch.log_softmax(self.logits(hidden, int(ctx[-1]))[:P], -1)
+        v, i = torch.topk(logp, kk, dim=-1)
+        tokens[:P, :kk], scores[:P, :kk] = i.cpu(), v.cpu()  # the one host read: the tree is built on the host
+        return tokens, scores
