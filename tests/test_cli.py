@@ -49,12 +49,12 @@ def test_demo(tmp_path):
     assert r.returncode == 0, r.stdout[-3000:] + r.stderr[-3000:]
     text = r.stdout
     assert re.search(r"pack\s+: \d+ tensors to W12 at 12\.\d+ bits per weight, verified bit for bit", text), text
-    rows = re.findall(rf"^\s*(autoregressive|n-gram drafter|self-drafter) \|\s+\d+ \|\s+({NUM}) \|.*\| identical$",
-                      text, re.M)
-    assert [name for name, _ in rows] == ["autoregressive", "n-gram drafter", "self-drafter"], text
+    rows = re.findall(rf"^\s*(autoregressive|n-gram drafter|trained heads|self-drafter) \|\s+\d+ \|\s+({NUM}) \|.*"
+                      r"\| identical$", text, re.M)
+    assert [name for name, _ in rows] == ["autoregressive", "n-gram drafter", "trained heads", "self-drafter"], text
     assert float(rows[0][1]) == 1.0 and all(float(tau) > 1.0 for _, tau in rows[1:]), text
     assert "lossless : every speculative output equals the autoregressive one" in text
-    for row in re.findall(r"^\s*(?:autoregressive|n-gram drafter|self-drafter) \|.*$", text, re.M):
+    for row in re.findall(r"^\s*(?:autoregressive|n-gram drafter|trained heads|self-drafter) \|.*$", text, re.M):
         _, steps, tau, ms, tps, _ = (c.strip() for c in row.split("|"))  # one source: tokens/s = τ / mean step time
         assert float(tps) == pytest.approx(float(tau) * 1e3 / float(ms), rel=0.01, abs=0.06), row
 
