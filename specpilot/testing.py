@@ -13,11 +13,13 @@ from __future__ import annotations
 import contextlib
 import re
 from dataclasses import dataclass
+from pathlib import Path
 
 import torch
 
 __all__ = ["assert_bitwise_equal", "bits_of", "error_bound", "assert_close", "rel_err", "Closeness", "capture_graph",
-           "assert_replays_equal", "raises_helpful", "poison", "poisoned_empty", "poisoned_empty_like", "torch_path"]
+           "assert_replays_equal", "raises_helpful", "poison", "poisoned_empty", "poisoned_empty_like", "torch_path",
+           "longest_first"]
 
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -202,3 +204,21 @@ def torch_path():
             del os.environ["TRITON_INTERPRET"]
         else:
             os.environ["TRITON_INTERPRET"] = old
+
+
+def longest_first(items, times_file) -> None:
+    """Reorder `items` in place by the call seconds a `SPECPILOT_TEST_TIMES` (tests/conftest.py) file recorded (tab-separated
+    outcome, phase, seconds, test id), longest first; tests it does not name go first, in collection order (their
+    time is unknown). Under pytest-xdist every worker reads the same file, so every worker collects the same
+    order; the workers then start on the long tests, and the run does not end waiting for one."""
+    seconds = {}
+    for line in Path(times_file).read_text().splitlines():
+        parts = line.split("\t")
+        if len(parts) == 4 and parts[1] == "call":
+            try:
+                seconds[parts[3]] = float(parts[2])
+            except ValueError:
+                continue
+    rank = {id(item): (0 if item.nodeid not in seconds else 1, -seconds.get(item.nodeid, 0.0), i)
+            for i, item in enumerate(items)}
+    items.sort(key=lambda item: rank[id(item)])

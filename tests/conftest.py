@@ -24,25 +24,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from autotune import clear_plans, has_cuda, has_wgmma  # noqa: E402
-from specpilot.testing import poisoned_empty, poisoned_empty_like  # noqa: E402
-
-
-def longest_first(items, times_file) -> None:
-    """Reorder `items` in place by the call seconds a `SPECPILOT_TEST_TIMES` file recorded (tab-separated
-    outcome, phase, seconds, test id), longest first; tests it does not name go first, in collection order (their
-    time is unknown). Under pytest-xdist every worker reads the same file, so every worker collects the same
-    order; the workers then start on the long tests, and the run does not end waiting for one."""
-    seconds = {}
-    for line in Path(times_file).read_text().splitlines():
-        parts = line.split("\t")
-        if len(parts) == 4 and parts[1] == "call":
-            try:
-                seconds[parts[3]] = float(parts[2])
-            except ValueError:
-                continue
-    rank = {id(item): (0 if item.nodeid not in seconds else 1, -seconds.get(item.nodeid, 0.0), i)
-            for i, item in enumerate(items)}
-    items.sort(key=lambda item: rank[id(item)])
+from specpilot.testing import longest_first, poisoned_empty, poisoned_empty_like  # noqa: E402
 
 
 def pytest_collection_modifyitems(config, items):

@@ -115,7 +115,7 @@ def test_longest_first_orders_by_recorded_seconds(tmp_path):
     ones the file does not name ahead of them in collection order, setup lines and malformed lines ignored."""
     from types import SimpleNamespace
 
-    from conftest import longest_first
+    from specpilot.testing import longest_first
 
     f = tmp_path / "times.tsv"
     f.write_text("passed\tcall\t3.0\tt::a\npassed\tcall\t90.5\tt::b\nfailed\tsetup\t500\tt::c\n"
