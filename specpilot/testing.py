@@ -207,8 +207,8 @@ def torch_path():
 
 
 def longest_first(items, times_file) -> None:
-    """Reorder `items` in place by the call seconds a `SPECPILOT_TEST_TIMES` (tests/conftest.py) file recorded (tab-separated
-    outcome, phase, seconds, test id), longest first; tests it does not name go first, in collection order (their
+    """Reorder pytest `items` in place by the call seconds a `SPECPILOT_TEST_TIMES` file (tests/conftest.py)
+    recorded (tab-separated outcome, phase, seconds, test id), longest first; tests it does not name go first, in collection order (their
     time is unknown). Under pytest-xdist every worker reads the same file, so every worker collects the same
     order; the workers then start on the long tests, and the run does not end waiting for one."""
     seconds = {}
