@@ -208,9 +208,9 @@ def torch_path():
 
 def longest_first(items, times_file) -> None:
     """Reorder pytest `items` in place by the call seconds a `SPECPILOT_TEST_TIMES` file (tests/conftest.py)
-    recorded (tab-separated outcome, phase, seconds, test id), longest first; tests it does not name go first, in collection order (their
-    time is unknown). Under pytest-xdist every worker reads the same file, so every worker collects the same
-    order; the workers then start on the long tests, and the run does not end waiting for one."""
+    recorded (tab-separated outcome, phase, seconds, test id), longest first; tests it does not name go first, in
+    collection order (their time is unknown). Under pytest-xdist every worker reads the same file, so every worker
+    collects the same order; the workers then start on the long tests, and the run does not end waiting for one."""
     seconds = {}
     for line in Path(times_file).read_text().splitlines():
         parts = line.split("\t")
