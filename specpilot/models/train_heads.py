@@ -26,7 +26,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import pathlib
 import platform
 import sys
@@ -55,6 +54,7 @@ LR = 2e-3
 MIN_LR_FRAC = 0.05
 WARMUP = 50
 WEIGHT_DECAY = 0.01
+BETAS = (0.9, 0.95)
 POS_DECAY = 0.85
 POSITIONS = 16
 
@@ -102,13 +102,6 @@ def chain_acceptance(net: HeadsNet, hidden, pending, labels, batch: int = 4096) 
             "chain16_accepted": round(float(run[:, :16].sum(-1).float().mean()), 4)}
 
 
-def _lr_at(step: int, steps: int) -> float:
-    if step < WARMUP:
-        return LR * (step + 1) / WARMUP
-    t = (step - WARMUP) / max(1, steps - WARMUP)
-    return LR * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * t)))
-
-
 def train(out, steps: int = DEFAULT_STEPS, prompts: int = DEFAULT_PROMPTS, eval_prompts: int = EVAL_PROMPTS,
           seed: int = DEFAULT_SEED, threads: int = 1, target_dir=None, log=None) -> dict:
     """Build the data, train the heads, write `HEADS_FILE` and `RECORD_FILE` to `out`; returns the record.
@@ -141,10 +134,7 @@ def train(out, steps: int = DEFAULT_STEPS, prompts: int = DEFAULT_PROMPTS, eval_
     cfg = target.config
     net = HeadsNet(HeadsDims(hidden=cfg.hidden_size, vocab=cfg.vocab_size, positions=POSITIONS))
     n_params = sum(p.numel() for p in net.parameters())
-    decay = [p for p in net.parameters() if p.dim() >= 2]
-    no_decay = [p for p in net.parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=(0.9, 0.95))
+    opt = train_tiny.adamw(net, LR, WEIGHT_DECAY, BETAS)
     w = POS_DECAY ** torch.arange(POSITIONS, dtype=torch.float32)
     w = w / w.sum()
     hidden, pending, labels = train_set
@@ -154,7 +144,7 @@ def train(out, steps: int = DEFAULT_STEPS, prompts: int = DEFAULT_PROMPTS, eval_
     losses = []
     for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = _lr_at(step, steps)
+            g["lr"] = train_tiny.cosine_lr(step, steps, LR, WARMUP, MIN_LR_FRAC)
         idx = torch.randint(0, N, (min(BATCH, N),), generator=gen)
         logits = net(hidden[idx], pending[idx])  # [B, P, V]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[idx].reshape(-1), reduction="none")
@@ -185,7 +175,7 @@ def train(out, steps: int = DEFAULT_STEPS, prompts: int = DEFAULT_PROMPTS, eval_
                  "labels": "the target's greedy continuation (transformers generate, fp32)",
                  "eval_text": HELDOUT_FILE},
         "optimizer": {"name": "AdamW", "lr": LR, "min_lr": LR * MIN_LR_FRAC, "warmup_steps": WARMUP,
-                      "weight_decay": WEIGHT_DECAY, "betas": [0.9, 0.95], "grad_clip": 1.0,
+                      "weight_decay": WEIGHT_DECAY, "betas": list(BETAS), "grad_clip": 1.0,
                       "position_weight": f"{POS_DECAY} ** d, normalised"},
         "train_loss_last_100_steps": round(sum(losses[-100:]) / len(losses[-100:]), 4),
         "metrics": metrics,

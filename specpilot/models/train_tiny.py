@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from . import CONFIG_FILE, HELDOUT_FILE, TRAIN_FILE, WEIGHTS_FILE, tiny_stdlib_path
 
 __all__ = ["DEFAULT_SEED", "HELDOUT_MODULES", "EVAL_CTX", "EVAL_MAX_BYTES", "make_config", "corpus_files",
-           "heldout_loss", "unigram_loss", "load_state_dict", "build_model", "tensor_sha256", "train", "main"]
+           "heldout_loss", "unigram_loss", "load_state_dict", "build_model", "tensor_sha256", "cosine_lr", "adamw",
+           "train", "main"]
 
 DEFAULT_SEED = 0
 DEFAULT_STEPS = 500
@@ -178,11 +179,19 @@ def build_model(ckpt_dir=None, dtype: torch.dtype = torch.float32):
     return model.eval()
 
 
-def _lr_at(step: int, steps: int) -> float:
-    if step < WARMUP:
-        return LR * (step + 1) / WARMUP
-    t = (step - WARMUP) / max(1, steps - WARMUP)
-    return LR * (MIN_LR_FRAC + (1 - MIN_LR_FRAC) * 0.5 * (1 + math.cos(math.pi * t)))
+def cosine_lr(step: int, steps: int, lr: float, warmup: int, min_frac: float) -> float:
+    """Linear warmup over `warmup` steps, then cosine decay from `lr` to `lr * min_frac` at `steps`."""
+    if step < warmup:
+        return lr * (step + 1) / warmup
+    t = (step - warmup) / max(1, steps - warmup)
+    return lr * (min_frac + (1 - min_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+def adamw(module: torch.nn.Module, lr: float, weight_decay: float, betas: tuple[float, float]) -> torch.optim.AdamW:
+    """AdamW with weight decay on the matrices (2-D and up) and none on vectors and scalars."""
+    params = list(module.parameters())
+    return torch.optim.AdamW([{"params": [p for p in params if p.dim() >= 2], "weight_decay": weight_decay},
+                              {"params": [p for p in params if p.dim() < 2], "weight_decay": 0.0}], lr=lr, betas=betas)
 
 
 def train(out, steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED, threads: int = 1, log_every: int = 20) -> dict:
@@ -212,10 +221,7 @@ def train(out, steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED, threads: in
     n_params = sum(p.numel() for p in model.parameters())
     print(f"parameters: {n_params}", flush=True)
 
-    decay = [p for n, p in model.named_parameters() if p.dim() >= 2]
-    no_decay = [p for n, p in model.named_parameters() if p.dim() < 2]
-    opt = torch.optim.AdamW([{"params": decay, "weight_decay": WEIGHT_DECAY},
-                             {"params": no_decay, "weight_decay": 0.0}], lr=LR, betas=BETAS)
+    opt = adamw(model, LR, WEIGHT_DECAY, BETAS)
     gen = torch.Generator().manual_seed(seed)
     offsets = torch.arange(SEQ_LEN + 1)
     model.train()
@@ -223,7 +229,7 @@ def train(out, steps: int = DEFAULT_STEPS, seed: int = DEFAULT_SEED, threads: in
     losses = []
     for step in range(steps):
         for g in opt.param_groups:
-            g["lr"] = _lr_at(step, steps)
+            g["lr"] = cosine_lr(step, steps, LR, WARMUP, MIN_LR_FRAC)
         starts = torch.randint(0, data.numel() - SEQ_LEN - 1, (BATCH,), generator=gen)
         x = data[starts[:, None] + offsets]
         logits = model(input_ids=x[:, :-1], use_cache=False).logits
