@@ -22,7 +22,7 @@ import torch
 
 from . import inputs
 from .model import MAX_STEP_NODES
-from .records import StepRecord
+from .records import StepRecord, nan_logits_error
 from .spec.accept import greedy_accept
 from .spec.budget import AcceptanceHistory, allocate
 from .spec.tree import build_tree
@@ -121,10 +121,8 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
         got_len, got_path, got_bonus = acc.accepted_len.tolist(), acc.accepted.tolist(), acc.bonus.tolist()
         nan_rows = [r for r, bonus in zip(live, got_bonus) if bonus < 0]
         if nan_rows:  # lmhead.NAN_ID: the head saw a NaN logit; it is not a token to emit or feed back
-            raise RuntimeError(f"{fn}: the target's logits held NaN for prompt {nan_rows[0]} at new token "
-                               f"{len(outs[nan_rows[0]]) + got_len[live.index(nan_rows[0])]} (the certified head's "
-                               "argmax is lmhead.NAN_ID there); check the checkpoint's weights for NaN/Inf and load "
-                               "it in BF16")
+            r = nan_rows[0]
+            raise nan_logits_error(fn, f"for prompt {r} at new token {len(outs[r]) + got_len[live.index(r)]}")
         m.commit_accepted(step, acc.accepted, acc.accepted_len)
         done, emitted = [], 0
         for b, r in enumerate(live):

@@ -25,7 +25,7 @@ from .batch import generate_batch
 from .graphs import GraphedStep, pass_tree
 from .loader import load_config, load_tensors
 from .model import MAX_STEP_NODES, HybridModel, Kernels
-from .records import StepRecord, _Stats
+from .records import StepRecord, _Stats, nan_logits_error
 from .spec.accept import greedy_accept
 from .spec.tree import DraftTree, _bit, build_tree
 
@@ -221,9 +221,7 @@ class Engine:
         while len(out) < max_new_tokens:
             new = self._step(ctx, speculative)
             if any(t < 0 for t in new):  # lmhead.NAN_ID: a NaN logit; the step's next input is not a token
-                raise RuntimeError(f"{fn}: the target's logits held NaN at new token {len(out) + new.index(min(new))} "
-                                   "(the certified head's argmax is lmhead.NAN_ID there); check the checkpoint's weights "
-                                   "for NaN/Inf and load it in BF16")
+                raise nan_logits_error(fn, f"at new token {len(out) + new.index(min(new))}")
             kept = new[:max_new_tokens - len(out)]
             if eos in kept:
                 kept = kept[:kept.index(eos) + 1]
@@ -325,10 +323,6 @@ class Engine:
         path = got[1:1 + got[0]]
         return [int(tree.tokens[i]) for i in path] + [got[-1]], (path[-1] + 1 if path else 0)
 
-    @staticmethod
-    def _emitted(tree, accepted, accepted_len, bonus) -> list[int]:
-        return Engine._read(tree, accepted, accepted_len, bonus)[0]
-
     def _q_pass(self, ctx: list[int], tree) -> list[int]:
         """The first level of two-level verification: the target on its W12 8-bit view over the draft tree,
         caches untouched. Returns the path it accepts and its bonus token."""
@@ -336,7 +330,7 @@ class Engine:
         toks, parents = pass_tree(ctx[-1], tree)
         step = m.plan([self.ROW], [len(ctx) - 1], [toks], [parents])
         target = m.logits(m.forward(step, q8=True), q8=True).argmax(-1)
-        return self._emitted(tree, *self._accept(tree, target, self.positions))
+        return self._read(tree, *self._accept(tree, target, self.positions))[0]
 
     def _two_level_tree(self, ctx: list[int]):
         """Draft, run the Q pass, draft again from the end of its path: the exact pass verifies the Q path as a

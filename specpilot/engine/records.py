@@ -6,7 +6,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
-__all__ = ["StepRecord"]
+__all__ = ["StepRecord", "nan_logits_error"]
 
 
 @dataclass
@@ -42,3 +42,10 @@ class _Stats:
         if pre:
             out["prefill"] = {"tokens": sum(s.nodes for s in pre), "total_s": sum(s.seconds for s in pre)}
         return out
+
+
+def nan_logits_error(fn: str, where: str) -> RuntimeError:
+    """The error of a step whose target logits held NaN (the certified head's argmax is lmhead.NAN_ID there, which
+    is not a token to emit or feed back); `where` names the request and new token."""
+    return RuntimeError(f"{fn}: the target's logits held NaN {where} (the certified head's argmax is lmhead.NAN_ID "
+                        "there); check the checkpoint's weights for NaN/Inf and load it in BF16")
