@@ -94,9 +94,10 @@ class Peaks:
         return autotune.byte_floor(flops, nbytes, self.spec())
 
     def paper_floor_s(self, flops: float, nbytes: float) -> float:
-        """The paper's floor: FLOPs at 60% of the datasheet's BF16 peak, bytes at 90% of its bandwidth."""
-        return max(flops / (COMPUTE_FRACTION * self.datasheet_bf16_tflops * 1e12),
-                   nbytes / (BANDWIDTH_FRACTION * self.datasheet_bandwidth_tbs * 1e12))
+        """The paper's floor (`autotune.paper_floor`): FLOPs at 60% of the datasheet's BF16 peak, bytes at 90% of
+        its bandwidth."""
+        sheet = GpuSpec(self.gpu, self.datasheet_bandwidth_tbs, self.datasheet_bf16_tflops, 0.0, 0.0, 0, (0, 0), False)
+        return autotune.paper_floor(flops, nbytes, sheet)
 
 
 def _slug(gpu: str) -> str:
