@@ -22,10 +22,10 @@
 // scale 1). The scale is exact when every intermediate is zero or normal in both domains; with Kp <= 2^18,
 // |w'| in [2^-15, 2) and Emin, Emax the exponent fields of the smallest non-zero and the largest |x| the CTA
 // reads, that holds when Emin >= 64 - min(s, 0) and Emax + max(s, 0) <= 230, s = e0 - 112 (docs/w12-kernels.md).
-// The active warps that read the same K range fold that range while they load x, each every RA-th unit (RA: the CTA's
-// active row blocks; no warp of the CTA carries more of it than the others, and the CTA ends with its slowest warp); a warp whose rows fail the
-// condition recomputes its share with the exact base from global memory, which is the FIXED = 0 build's result
-// bit for bit.
+// The active warps that read the same K range fold that range while they load x, each every RA-th unit (RA: the
+// CTA's active row blocks; no warp of the CTA carries more of it than the others, and the CTA ends with its slowest
+// warp); a warp whose rows fail the condition recomputes its share with the exact base from global memory, which is
+// the FIXED = 0 build's result bit for bit.
 //
 // Features, each behind a define so that one device call can time the ladder (perf/w12_ladder.py):
 //   W12F_X    (b) x as mma.sync's B operand (0: the probe's constant B; no x is read)
@@ -231,32 +231,23 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
   int ep[2][2] = {{0, 0}, {0, 0}}, ec[2] = {0, 0};
   uint32_t ev[2] = {0u, 0u};
   int4* const stash = reinterpret_cast<int4*>(smem + WARPS * STAGES * TILE + (RED ? WARPS * NT * 512 : 0)) + rw * 64;
-  auto esc_meta = [&]() {
-    if (ks == 0 && active) {
+  if (ESC && ks == 0 && active) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = rb * 16 + 8 * h + g;
-        if (row < N) {
-          ep[h][0] = __ldg(rowptr + row);
-          ep[h][1] = __ldg(rowptr + row + 1);
-        }
-      }
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (ep[h][1] > ep[h][0]) {
-          ec[h] = __ldg(ecol + ep[h][0]);
-          ev[h] = __ldg(eval + ep[h][0]);
-        }
+    for (int h = 0; h < 2; ++h) {
+      const int row = rb * 16 + 8 * h + g;
+      if (row < N) {
+        ep[h][0] = __ldg(rowptr + row);
+        ep[h][1] = __ldg(rowptr + row + 1);
       }
     }
-  };
-  if constexpr (ESC) {
-    esc_meta();
-    if constexpr (ESC_STASH) {
-      if (ks == 0 && active) {  // the lane reads back its own two entries in the epilogue: no barrier
 #pragma unroll
-        for (int h = 0; h < 2; ++h) stash[32 * h + lane] = make_int4(ep[h][0], ep[h][1], ec[h], (int)ev[h]);
+    for (int h = 0; h < 2; ++h) {
+      if (ep[h][1] > ep[h][0]) {
+        ec[h] = __ldg(ecol + ep[h][0]);
+        ev[h] = __ldg(eval + ep[h][0]);
       }
+      // the lane reads back its own two entries in the epilogue: no barrier
+      if constexpr (ESC_STASH) stash[32 * h + lane] = make_int4(ep[h][0], ep[h][1], ec[h], (int)ev[h]);
     }
   }
 
@@ -374,13 +365,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
     return;
   } else {
     if constexpr (GUARD) {
-      {
-        const int emax = (int)__reduce_max_sync(0xFFFFFFFFu, (unsigned)xr.emax());
-        const int emin = (int)__reduce_min_sync(0xFFFFFFFFu, (unsigned)xr.emin());
-        if (lane == 0) {
-          s_emax[warp] = emax;
-          s_emin[warp] = emin;
-        }
+      const int wmax = (int)__reduce_max_sync(0xFFFFFFFFu, (unsigned)xr.emax());
+      const int wmin = (int)__reduce_min_sync(0xFFFFFFFFu, (unsigned)xr.emin());
+      if (lane == 0) {
+        s_emax[warp] = wmax;
+        s_emin[warp] = wmin;
       }
       __syncthreads();  // the x range of the whole CTA
       int emin = 255, emax = 0;
