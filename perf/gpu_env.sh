@@ -25,6 +25,11 @@ python3 -c "import pytest_benchmark" 2>/dev/null || PYTEST_OPTS=(-o "addopts=-ra
 XDIST=()
 if [ "${TEST_WORKERS:-8}" != 0 ] && python3 -c "import xdist" 2>/dev/null; then
   XDIST=(-n "${TEST_WORKERS:-8}")
+  # one test at a time per worker (pytest-xdist >= 3.4): by default a worker starts with a run of consecutive
+  # tests, and under the longest-first order (specpilot.testing.longest_first) the longest ones all go to the first
+  # worker, one after another
+  python3 -c "import inspect, sys, xdist.plugin as p; sys.exit('maxschedchunk' not in inspect.getsource(p))" \
+    2>/dev/null && XDIST+=(--maxschedchunk 1)
 fi
 
 # has_stage NAME: whether NAME is in $STAGES (space-separated)

@@ -1,7 +1,8 @@
 #!/usr/bin/env bash
 # `make test-gpu`: every GPU-marked test (-m "gpu or hopper") of every package on this machine's GPU, in one
 # command, under pytest-xdist. CUDA C++ specialisations are built once per machine: the workers share the JIT
-# cache ($SPECPILOT_CACHE, autotune/jit.py), whose per-key lock lets one worker build while the others wait.
+# cache ($SPECPILOT_CACHE, autotune/jit.py), whose per-key lock lets one worker build while the others wait; Triton
+# kernels likewise (TRITON_CACHE_MANAGER, autotune/triton_cache.py).
 #
 #   make test-gpu                 the GPU tests not marked slow (on one H200: docs/architecture.md gives the wall)
 #   make test-gpu PKG=gdn         one package's: w12, gdn, tree_attn, lmhead, engine, specpilot (tests/*.py, tests/tools)
@@ -37,13 +38,25 @@ export SPECPILOT_TEST_TIMES=$OUT/test-gpu-times.tsv
 # longest tests first (tests/conftest.py): the seconds an H200 run recorded; refresh the file from a run's times with
 #   awk -F'\t' '$2=="call"' $OUT/test-gpu-times.tsv | sort -t$'\t' -k4 > tests/gpu_durations.tsv
 export SPECPILOT_TEST_ORDER=${SPECPILOT_TEST_ORDER:-tests/gpu_durations.tsv}
+# Triton kernels built once per machine as well: a worker that misses a kernel another one is building waits for
+# it (autotune/triton_cache.py) instead of compiling the same kernel again
+export TRITON_CACHE_MANAGER=${TRITON_CACHE_MANAGER:-autotune.triton_cache:SharedBuildCache}
 rm -f "$SPECPILOT_TEST_TIMES"
 START=$(date +%s)
 {
   echo "# make test-gpu${PKG:+ PKG=$PKG}${FULL:+ (full${SHARD:+, shard $SHARD})}: -m \"$MARK\" ${SEL[*]}"
   echo "# $(date -u +%FT%TZ); sources $(fingerprint) (bash perf/test_gpu.sh --fingerprint on a checkout)"
-  python3 -c "import torch, triton, sys; print(f'# {torch.cuda.get_device_name()} sm_{\"\".join(map(str, torch.cuda.get_device_capability()))}, python {sys.version.split()[0]}, torch {torch.__version__}, triton {triton.__version__}')" 2>&1
-  python3 -c "import fla; print('# fla', fla.__version__)" 2>/dev/null || echo "# fla not installed"
+  python3 - <<'PY' 2>&1
+import sys, torch, triton
+cc = "".join(map(str, torch.cuda.get_device_capability()))
+print(f"# {torch.cuda.get_device_name()} sm_{cc}, python {sys.version.split()[0]}, torch {torch.__version__}, "
+      f"triton {triton.__version__}")
+try:
+    import fla
+    print("# fla", fla.__version__)
+except ImportError:
+    print("# fla not installed")
+PY
   echo "# $WHEELS; pytest-xdist workers: ${XDIST[*]:-none}"
 } >"$LOG"
 set +e

@@ -208,9 +208,12 @@ def torch_path():
 
 def longest_first(items, times_file) -> None:
     """Reorder pytest `items` in place by the call seconds a `SPECPILOT_TEST_TIMES` file (tests/conftest.py)
-    recorded (tab-separated outcome, phase, seconds, test id), longest first; tests it does not name go first, in
-    collection order (their time is unknown). Under pytest-xdist every worker reads the same file, so every worker
-    collects the same order; the workers then start on the long tests, and the run does not end waiting for one."""
+    recorded (tab-separated outcome, phase, seconds, test id): longest first, each followed by the shortest one
+    left, so the list alternates long and short from both ends. Tests the file does not name count as the longest,
+    in collection order (their time is unknown). Under pytest-xdist every worker reads the same file, so every
+    worker collects the same order. With `--maxschedchunk 1` (perf/gpu_env.sh) xdist hands each worker two tests
+    to start and one more as each ends: a worker starts on a long test with a short one queued behind it, instead
+    of two long ones in a row, and the run does not end waiting for one."""
     seconds = {}
     for line in Path(times_file).read_text().splitlines():
         parts = line.split("\t")
@@ -221,4 +224,6 @@ def longest_first(items, times_file) -> None:
                 continue
     rank = {id(item): (0 if item.nodeid not in seconds else 1, -seconds.get(item.nodeid, 0.0), i)
             for i, item in enumerate(items)}
-    items.sort(key=lambda item: rank[id(item)])
+    ordered = sorted(items, key=lambda item: rank[id(item)])
+    n = len(ordered)
+    items[:] = [ordered[i // 2] if i % 2 == 0 else ordered[n - 1 - i // 2] for i in range(n)]

@@ -111,8 +111,9 @@ def test_conftest_poisons_empty():
 
 
 def test_longest_first_orders_by_recorded_seconds(tmp_path):
-    """`make test-gpu`'s ordering (tests/conftest.py, SPECPILOT_TEST_ORDER): recorded tests longest first, the
-    ones the file does not name ahead of them in collection order, setup lines and malformed lines ignored."""
+    """`make test-gpu`'s ordering (tests/conftest.py, SPECPILOT_TEST_ORDER): the ones the file does not name
+    first in collection order, then recorded tests longest first, each followed by the shortest one left; setup
+    lines and malformed lines ignored."""
     from types import SimpleNamespace
 
     from specpilot.testing import longest_first
@@ -122,4 +123,7 @@ def test_longest_first_orders_by_recorded_seconds(tmp_path):
                  "passed\tcall\tx\tt::d\nbroken line\npassed\tcall\t12\tt::e\n")
     items = [SimpleNamespace(nodeid=n) for n in ("t::a", "t::new1", "t::b", "t::c", "t::e", "t::new2")]
     longest_first(items, f)
-    assert [i.nodeid for i in items] == ["t::new1", "t::c", "t::new2", "t::b", "t::e", "t::a"]
+    assert [i.nodeid for i in items] == ["t::new1", "t::a", "t::c", "t::e", "t::new2", "t::b"]
+    odd = [SimpleNamespace(nodeid=n) for n in ("t::a", "t::b", "t::e")]
+    longest_first(odd, f)
+    assert [i.nodeid for i in odd] == ["t::b", "t::a", "t::e"]
