@@ -46,16 +46,28 @@ START=$(date +%s)
 {
   echo "# make test-gpu${PKG:+ PKG=$PKG}${FULL:+ (full${SHARD:+, shard $SHARD})}: -m \"$MARK\" ${SEL[*]}"
   echo "# $(date -u +%FT%TZ); sources $(fingerprint) (bash perf/test_gpu.sh --fingerprint on a checkout)"
+  # the versions from the packages' metadata: importing torch, Triton and fla here would cost the log's first seconds
   python3 - <<'PY' 2>&1
-import sys, torch, triton
-cc = "".join(map(str, torch.cuda.get_device_capability()))
-print(f"# {torch.cuda.get_device_name()} sm_{cc}, python {sys.version.split()[0]}, torch {torch.__version__}, "
-      f"triton {triton.__version__}")
+import subprocess, sys
+from importlib.metadata import PackageNotFoundError, version
+
+
+def ver(name):
+    try:
+        return version(name)
+    except PackageNotFoundError:
+        return None
+
+
 try:
-    import fla
-    print("# fla", fla.__version__)
-except ImportError:
-    print("# fla not installed")
+    gpu = subprocess.run(["nvidia-smi", "--query-gpu=name,compute_cap", "--format=csv,noheader", "-i", "0"],
+                         capture_output=True, text=True).stdout.strip().split(", ")
+except OSError:
+    gpu = []
+name, cc = (gpu + ["?", "?"])[:2]
+print(f"# {name} sm_{cc.replace('.', '')}, python {sys.version.split()[0]}, torch {ver('torch')}, "
+      f"triton {ver('triton')}")
+print(f"# fla {ver('flash-linear-attention') or 'not installed'}")
 PY
   echo "# $WHEELS; pytest-xdist workers: ${XDIST[*]:-none}"
 } >"$LOG"

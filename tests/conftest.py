@@ -27,6 +27,7 @@ from autotune import clear_plans, has_cuda, has_wgmma  # noqa: E402
 from specpilot.testing import longest_first, poisoned_empty, poisoned_empty_like  # noqa: E402
 
 
+@pytest.hookimpl(trylast=True)  # after -m/-k deselection: the order is of the tests that run
 def pytest_collection_modifyitems(config, items):
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_hopper = pytest.mark.skip(reason="needs sm_90 (wgmma)")
