@@ -14,7 +14,8 @@ M = 1 and 32, side by side in the same process:
             and its guard, bias, rounding, store), d + escapes, e + the K-split reduction (the whole kernel)
   e-fixed   step e with the fixed base (FlowConfig(fixed=True): 2 fewer integer ops a pair, plus the x-range fold,
             its barrier and the guard's scale)
-  e@...     step e at other K splits and ring depths (--sweep, on by default)
+  e@...     step e at other K splits, ring depths and CTA sizes, and with two row blocks per warp (rb = 2: one x
+            fragment feeds 32 weight rows; 8 warps per SM, the registers of 4 token tiles) (--sweep, on by default)
   b-xfixed, e-xfixed   with --ablate: the heuristic's config reading the first unit's x for every unit (x
             always in L1), for timing only (w12.flow.ABLATIONS): it prices the x traffic
 
@@ -90,8 +91,9 @@ def layer_shapes(names: list[str]) -> dict[str, tuple[int, int]]:
 
 def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool):
     """(label, FlowConfig) of the flow rows of one cell: the heuristic's config for the ladder, then step e at
-    other K splits (1..8, up to the CTA's warps) and ring depths (4, 8), and the other CTA sizes of 16 warps per
-    SM (4, 8 or 16 warps), when `sweep`."""
+    other K splits (1..8, up to the CTA's warps) and ring depths (4, 8), the other CTA sizes of 16 warps per
+    SM (4, 8 or 16 warps), and two row blocks per warp in CTAs of 8 warps at 1 per SM and 4 warps at 2 per SM (the
+    heuristic's K split and half of it), when `sweep`."""
     from unittest import mock
 
     import w12.configs as wc
@@ -111,12 +113,20 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool):
             for kw in sorted({min(base.kw, warps), min(2 * base.kw, warps)}):
                 cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps)
                 out.append((f"e@{cfg.tag()}", cfg))
+        for warps, cps in ((8, 1), (4, 2)):
+            for kw in sorted({min(base.kw, warps), max(1, min(base.kw, warps) // 2)}):
+                cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, rb=2)
+                out.append((f"e@{cfg.tag()}", cfg))
     return out
 
 
-def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: bool, ablate: bool = False):
+def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: bool, ablate: bool = False,
+         only: str | None = None):
     """Every (layer, M) cell's rows: [(row name, FlowConfig, step)], and the builds they need: {(cfg, nt, step)}
-    including the check-only builds (steps c and d at kw = 1, the exact-base build of every step-e config)."""
+    including the check-only builds (steps c and d at kw = 1, the exact-base build of every step-e config). `only`:
+    a regular expression that keeps the flow rows whose name it matches in full (cuBLAS and the default always run)."""
+    import re
+
     from w12 import flow
     from w12.configs import FlowConfig
 
@@ -126,20 +136,19 @@ def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: boo
             nt = flow.n_tiles(m)
             rows = []
             for label, cfg in flow_configs(m, n, k, sms, sweep):
-                steps = STEPS if label == "ladder" else "e"
-                for step in steps:
-                    rows.append((step if label == "ladder" else label, cfg, step))
-                    builds.add((cfg, nt, step))
-                builds.add((replace(cfg, fixed=False), nt, "e"))
+                cand = [(s, cfg, s) for s in STEPS] if label == "ladder" else [(label, cfg, "e")]
                 if label == "ladder":
-                    fixed = replace(cfg, fixed=True)
-                    rows.append(("e-fixed", fixed, "e"))
-                    builds.add((fixed, nt, "e"))
-                    one = replace(cfg, kw=1)
-                    builds.update({(one, nt, "c"), (one, nt, "d")})
-                    for abl in flow.ABLATIONS if ablate else ():
-                        rows.append((abl, cfg, abl))
-                        builds.add((cfg, nt, abl))
+                    cand.append(("e-fixed", replace(cfg, fixed=True), "e"))
+                    cand += [(abl, cfg, abl) for abl in (flow.ABLATIONS if ablate else ())]
+                for rname, c, step in cand:
+                    if only is not None and not re.fullmatch(only, rname):
+                        continue
+                    rows.append((rname, c, step))
+                    builds.add((c, nt, step))
+                    if step == "e":
+                        builds.add((replace(c, fixed=False), nt, "e"))  # the bitwise check's twin
+                    if step in ("c", "d"):
+                        builds.add((replace(c, kw=1), nt, step))  # checked at kw = 1
             cells.append((name, n, k, m, rows))
     return cells, builds
 
@@ -237,7 +246,7 @@ def run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]
     else:
         sms, arch = args.sms, (args.arch // 10, args.arch % 10)
     layers = layer_shapes(args.layers) if layers is None else layers
-    cells, builds = plan(layers, args.m, sms, args.sweep, args.ablate)
+    cells, builds = plan(layers, args.m, sms, args.sweep, args.ablate, args.only)
     t0 = time.perf_counter()
     regs = precompile(builds, arch, workers=args.workers)
     print(f"built {len(builds)} specialisations for sm_{arch[0]}{arch[1]} in {time.perf_counter() - t0:.1f} s "
@@ -359,7 +368,7 @@ def write_outputs(rows: list[Row], meta: dict) -> None:
 
 def build_only(args) -> int:
     """NVRTC builds of every specialisation a run launches (132 SMs assumed for the heuristic), on the CPU."""
-    cells, builds = plan(layer_shapes(args.layers), args.m, args.sms, args.sweep, args.ablate)
+    cells, builds = plan(layer_shapes(args.layers), args.m, args.sms, args.sweep, args.ablate, args.only)
     arch = (args.arch // 10, args.arch % 10)
     t0 = time.perf_counter()
     regs = precompile(builds, arch, workers=args.workers)
@@ -378,6 +387,8 @@ def parse(argv=None):
     ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
                     help="also step e at other K splits and ring depths")
     ap.add_argument("--ablate", action="store_true", help="add the ablation rows (module doc)")
+    ap.add_argument("--only", default=None, metavar="REGEX",
+                    help="only the flow rows whose name matches in full, e.g. 'e|e@.*-r2' (cuBLAS and w12 always run)")
     ap.add_argument("--reps", type=int, default=60, help="timed graph replays per row")
     ap.add_argument("--budget-s", type=float, default=200.0, help="skip the rows left after this many seconds")
     ap.add_argument("--build-only", action="store_true", help="only NVRTC builds (no GPU needed)")

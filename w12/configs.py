@@ -211,7 +211,9 @@ class FlowConfig:
     the evict-first L2 policy when `evict`. `cps`: CTAs per SM the launch bound is set for. `fixed`: the fixed-base
     decode with the exact power-of-two scale (its x-range guard sends rows outside the identity's range to the
     exact base); the default is the exact base, which measured faster on the H200 at every layer and M of the
-    ladder (docs/w12-kernels.md, "The flow kernel"). Forced only, never chosen automatically."""
+    ladder (docs/w12-kernels.md, "The flow kernel"). `rb`: row blocks per warp (1 or 2; exact base only), which
+    multiply the same x fragments, so that at 2 one x read feeds 32 weight rows; every row block's result is the
+    same bit for bit. Forced only, never chosen automatically."""
 
     warps: int = 8
     kw: int = 2
@@ -219,17 +221,21 @@ class FlowConfig:
     cps: int = 2
     fixed: bool = False
     evict: bool = True
+    rb: int = 1
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8, 16) or self.kw not in (1, 2, 4, 8, 16) or self.warps % self.kw \
                 or not 2 <= self.stages <= 12 or self.cps not in (1, 2, 3, 4) or self.warps * self.cps > 32:
             raise ValueError("FlowConfig needs warps in (1, 2, 4, 8, 16), kw in (1, 2, 4, 8, 16) dividing warps, "
                              f"2 <= stages <= 12, cps in 1..4 and warps * cps <= 32 (warps per SM); got {self}")
+        if self.rb not in (1, 2) or (self.rb == 2 and self.fixed):
+            raise ValueError(f"FlowConfig needs rb (row blocks per warp) 1 or 2, and 2 only with the exact base "
+                             f"(fixed=False); got {self}")
 
     @property
     def row_blocks(self) -> int:
         """Row blocks of 16 rows per CTA."""
-        return self.warps // self.kw
+        return self.warps // self.kw * self.rb
 
     @property
     def rows(self) -> int:
@@ -237,7 +243,7 @@ class FlowConfig:
 
     def tag(self) -> str:
         return f"flow-w{self.warps}-k{self.kw}-s{self.stages}-c{self.cps}" + ("-fixed" if self.fixed else "") + \
-            ("" if self.evict else "-keep")
+            ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "")
 
 
 def _check_common(c) -> None:

@@ -76,7 +76,7 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
     if not 1 <= nt <= 4:
         raise ValueError(f"w12.flow.spec: nt must be 1..4 token tiles, got {nt}")
     base = dict(W12F_WARPS=cfg.warps, W12F_KW=cfg.kw, W12F_STAGES=cfg.stages, W12F_CPS=cfg.cps, W12F_NT=nt,
-                W12F_FIXED=int(cfg.fixed), W12F_EVICT=int(cfg.evict), **_check_step(step))
+                W12F_FIXED=int(cfg.fixed), W12F_EVICT=int(cfg.evict), W12F_RB=cfg.rb, **_check_step(step))
     merged = base | dict(defines or {})
     target = jit.arch_name(arch)
     return jit.Spec(SOURCE, KERNEL, target, merged, name=f"{SOURCE.stem}-{cfg.tag()}-nt{nt}-{step}-{target}")
@@ -90,13 +90,13 @@ def build(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
 
 
 def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e") -> int:
-    """Dynamic shared memory of one CTA: a ring of `stages` tiles per warp, the K-split partials (step "e",
-    kw > 1: 512 bytes per warp and token tile), and for 3-4 token tiles with the escapes the stash of their metadata
-    (1 KB per row block)."""
+    """Dynamic shared memory of one CTA: a ring of `stages` slots of `rb` tiles per warp, the K-split partials (step
+    "e", kw > 1: 512 bytes per warp, row block of the warp and token tile), and for 3-4 token tiles with the escapes
+    the stash of their metadata (1 KB per row block)."""
     defines = _check_step(step)
     red = defines["W12F_RED"] and cfg.kw > 1
     stash = cfg.row_blocks * 1024 if defines["W12F_ESC"] and nt > 2 else 0
-    return cfg.warps * cfg.stages * TILE + (cfg.warps * nt * 512 if red else 0) + stash
+    return cfg.warps * cfg.stages * cfg.rb * TILE + (cfg.warps * cfg.rb * nt * 512 if red else 0) + stash
 
 
 def grid(cfg: FlowConfig, N: int) -> int:

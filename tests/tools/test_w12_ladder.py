@@ -36,9 +36,11 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
         assert len({r[1] for r in rows[:5]}) == 1  # one config through the ladder
         assert all(r[2] == "e" for r in rows[5:])
         base = rows[0][1]
-        same = [r for r in rows[6:] if (r[1].warps, r[1].cps) == (base.warps, base.cps)]
+        two = {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:] if r[1].rb == 2}
+        assert two == {(w, c, k) for w, c in ((8, 1), (4, 2)) for k in (min(base.kw, w), max(1, min(base.kw, w) // 2))}
+        same = [r for r in rows[6:] if (r[1].warps, r[1].cps, r[1].rb) == (base.warps, base.cps, 1)]
         assert len(same) == 2 * len([k for k in (1, 2, 4, 8) if k <= base.warps]) - 1  # K splits x depths 4, 8
-        other = {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:] if r[1].warps != base.warps}
+        other = {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:] if r[1].warps != base.warps and r[1].rb == 1}
         assert other == {(w, c, min(k, w)) for w, c in ((4, 4), (8, 2), (16, 1)) if w != base.warps
                          for k in (base.kw, 2 * base.kw)}
         assert (base.warps, base.cps) == ((4, 4) if m <= 8 and name != "gate_up" else (8, 2))
@@ -49,6 +51,9 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
     assert {(cfg.kw, step) for cfg, nt, step in builds if step in "cd" and cfg.kw == 1} == {(1, "c"), (1, "d")}
     _, few = ladder.plan(ladder.layer_shapes(["o_proj"]), [1], 132, sweep=False)
     assert len(few) == 5 + 1 + 2  # steps a..e, the exact-base e, steps c and d at kw = 1
+    cells, sel = ladder.plan(ladder.layer_shapes(["o_proj"]), [32], 132, sweep=True, only="e|e@.*-r2")
+    assert [r[0] for r in cells[0][4]][0] == "e" and all(r[1].rb == 2 for r in cells[0][4][1:])
+    assert len(cells[0][4]) == 1 + 4 and len(sel) == 5  # exact-base rows: each its own bitwise twin
     cells, abl = ladder.plan(ladder.layer_shapes(["o_proj"]), [1], 132, sweep=False, ablate=True)
     assert [r[0] for r in cells[0][4][6:]] == list(ABLATIONS) and len(abl) == len(few) + len(ABLATIONS)
 

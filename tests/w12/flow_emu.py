@@ -112,11 +112,14 @@ class _Round:
 
 
 def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Tensor | None = None,
-            fixed: bool = True, esc: bool = True, red: bool = True, fp32: bool = False, guard: bool = True):
+            fixed: bool = True, esc: bool = True, red: bool = True, fp32: bool = False, guard: bool = True,
+            rb: int = 1):
     """The kernel's result before its final rounding, float64 [M, N], and counters {"fallback": warps that took
     the exact-base recomputation, "scaled": warps that scaled}. `esc` / `red`: the W12F_ESC / W12F_RED features
     (without `red` only warp ks = 0 of a row block stores, as the kernel does); `guard=False` scales every warp
-    whatever the x range (what the guard prevents)."""
+    whatever the x range (what the guard prevents); `rb`: row blocks per warp (W12F_RB; 2 only with the exact
+    base), each block's tiles in its own part of the ring slot, all multiplied by the same x fragments."""
+    assert rb in (1, 2) and (rb == 1 or not fixed)
     rnd = _Round(fp32)
     M, K = x.shape
     N = t.N
@@ -135,7 +138,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     xw = words(xb.view(torch.uint8).numpy().reshape(8 * NT, -1))  # [8 NT, Kx / 2] words
     xf = xb.float().double().numpy()
     RW = warps // kw
-    grid = -(-NB // RW)
+    grid = -(-NB // (RW * rb))
     out = np.full((M, N), np.nan)
     written = np.zeros((M, N), dtype=bool)
     stats = {"fallback": 0, "scaled": 0}
@@ -153,7 +156,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     def ring_frag(blk: int, R: int, c: int):
         """The ring slot image of tile c (the kernel's three cp.async pieces per lane) and the lanes' reads."""
         T = blk + 96 * R * c
-        sm = np.zeros(1536, dtype=np.uint8)
+        sm = np.zeros(1536, dtype=np.uint8)  # the block's part of the slot (a row block past the last: R = 0, zeros)
         for k, (dst, off, ok) in enumerate(((16 * LANE, 16 * LANE, G < R), (512 + 16 * LANE, 512 + 16 * LANE, G + 8 < R),
                                             (1024 + 16 * LANE, 64 * R + 16 * LANE, (LANE >> 1) < R))):
             for lane in LANE[ok]:
@@ -231,36 +234,38 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
         RA = min(RW, NB - cta * RW)
         for warp in range(warps):
             rw, ks = divmod(warp, kw)
-            rb = cta * RW + rw
-            active = rb < NB
-            R = 16 if rb < NF else nr
-            blk = min(rb, NB - 1) * SB
+            rb0 = (cta * RW + rw) * rb
+            active = rb0 < NB  # the row group's K range follows its first block
             c0, c1 = (ks * KF // kw, (ks + 1) * KF // kw) if active else (0, 0)
             has_tail = active and ks == kw - 1 and kr > 0
             cend = c1 + has_tail
-            rows = rb * 16 + np.array([0, 8])[:, None] + G[None, :]  # [2, 32]
-            e0r = np.where(active & (rows < N), e0[np.minimum(rows, N - 1)], 0)
-            kk = [np.where(e0r[r] == 0, U32(0), U32(0x38003800)).astype(U32) if fixed
-                  else ((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
-            acc = np.zeros((NT, 4, 32))
-            for c in range(c0, cend):
-                xfr = x_frag(c)
-                if (c - c0) % RA == rw:
-                    fold.append(xfr)
-                h, lw = ring_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
-                tile_mma(acc, h, lw, xfr, kk, fixed)
-            parts[warp] = acc
-            meta[warp] = (rb, ks, active, R, blk, c0, c1, cend, e0r)
+            for i in range(rb):
+                b = rb0 + i
+                R = 16 if b < NF else (nr if b < NB else 0)
+                blk = min(b, NB - 1) * SB
+                rows = b * 16 + np.array([0, 8])[:, None] + G[None, :]  # [2, 32]
+                e0r = np.where(active & (rows < N), e0[np.minimum(rows, N - 1)], 0)
+                kk = [np.where(e0r[r] == 0, U32(0), U32(0x38003800)).astype(U32) if fixed
+                      else ((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
+                acc = np.zeros((NT, 4, 32))
+                for c in range(c0, cend):
+                    xfr = x_frag(c)
+                    if i == 0 and (c - c0) % RA == rw:
+                        fold.append(xfr)
+                    h, lw = ring_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
+                    tile_mma(acc, h, lw, xfr, kk, fixed)
+                parts[warp, i] = acc
+                meta[warp, i] = (b, ks, active and b < NB, R, blk, c0, c1, cend, e0r)
         emin, emax = x_range(np.stack(fold)) if fold else (255, 0)
         if fixed:
-            for warp, (rb, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
+            for (warp, i), (b, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
                 ok = all(scale_exact(int(e), emin, emax) for e in e0r.reshape(-1))
                 if ok or not guard:
                     stats["scaled"] += int(active)
                     sc = np.stack([2.0 ** (e0r[v >> 1] - 112) * (e0r[v >> 1] != 0) + (e0r[v >> 1] == 0)
                                    for v in range(4)])
                     with np.errstate(over="ignore", invalid="ignore"):
-                        parts[warp] = rnd(parts[warp] * sc[None])
+                        parts[warp, i] = rnd(parts[warp, i] * sc[None])
                 else:
                     stats["fallback"] += 1
                     e0x = [((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
@@ -268,17 +273,17 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                     for c in range(c0, cend):
                         h, lw = global_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
                         tile_mma(acc, h, lw, x_frag(c), e0x, False)
-                    parts[warp] = acc
-        for warp, (rb, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
+                    parts[warp, i] = acc
+        for (warp, i), (b, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
             if ks != 0 or not active:
                 continue
-            acc = parts[warp].copy()
+            acc = parts[warp, i].copy()
             if red and kw > 1:
-                for i in range(1, kw):
-                    acc = rnd(acc + parts[warp + i])
+                for w in range(1, kw):
+                    acc = rnd(acc + parts[warp + w, i])
             for hh in (0, 1):
                 for ln in LANE:
-                    row = rb * 16 + 8 * hh + G[ln]
+                    row = b * 16 + 8 * hh + G[ln]
                     if row >= N:
                         continue
                     for j in range(NT):

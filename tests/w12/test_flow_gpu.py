@@ -21,10 +21,10 @@ from flow_emu import hostile_weight, one_unit_tiny_case
 
 pytestmark = pytest.mark.gpu
 
-# the default (exact base), and fixed-base builds at other splits, depths and CTA sizes
+# the default (exact base), fixed-base builds at other splits, depths and CTA sizes, and two row blocks per warp
 CONFIGS = [FlowConfig(), FlowConfig(warps=8, kw=8, stages=6, fixed=True),
            FlowConfig(warps=4, kw=1, stages=3, fixed=True), FlowConfig(warps=16, kw=4, cps=1, evict=False),
-           FlowConfig(fixed=True)]
+           FlowConfig(fixed=True), FlowConfig(warps=8, kw=2, cps=1, rb=2), FlowConfig(warps=4, kw=4, rb=2)]
 
 
 def _weight(n: int, k: int, seed: int) -> torch.Tensor:
@@ -78,6 +78,26 @@ def test_fixed_base_equals_exact_base_bitwise(cfg, xkind):
     assert cfg.fixed
     exact = _run(FlowConfig(cfg.warps, cfg.kw, cfg.stages, cfg.cps, fixed=False), x, t)
     assert torch.equal(fixed.view(torch.int16), exact.view(torch.int16))
+
+
+@pytest.mark.parametrize("xkind", ["normal", "nonfinite"])
+@pytest.mark.parametrize("M,N", [(32, 70), (9, 37), (1, 130)], ids=lambda v: str(v))
+def test_two_row_blocks_per_warp_equal_one_bitwise(M, N, xkind):
+    """rb = 2 (one x fragment feeds two row blocks) against rb = 1 at the same split, on hostile rows (zeros,
+    subnormals, huge and tiny rows, salted escapes) and x salted with NaN, +-Inf, +-0 and subnormals, with an odd
+    number of row blocks (the last row group's second block past the weight) and a partial last block."""
+    K = 300
+    p = w12.pack(hostile_weight(N, K, seed=N).cuda())
+    t = layout.tile(p)
+    x = _x(M, K, seed=M)
+    if xkind == "nonfinite":
+        vals = [1e-40, -1e-40, 0.0, -0.0, float("inf"), float("-inf"), float("nan")]
+        idx = torch.randperm(M * K, generator=torch.Generator().manual_seed(3))[: M * K // 10].cuda()
+        x.view(-1)[idx] = torch.tensor(vals, device="cuda").to(torch.bfloat16)[idx % len(vals)]
+    for warps, kw, cps in ((8, 2, 1), (4, 4, 2), (8, 8, 1)):
+        one = _run(FlowConfig(warps=warps, kw=kw, cps=cps), x, t)
+        two = _run(FlowConfig(warps=warps, kw=kw, cps=cps, rb=2), x, t)
+        assert torch.equal(one.view(torch.int16), two.view(torch.int16)), (warps, kw)
 
 
 @pytest.mark.parametrize("unit", [0, 3, 7, 8])

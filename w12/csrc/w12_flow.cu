@@ -3,13 +3,15 @@
 //
 //   out[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp32 accumulation, one rounding to bf16 at the end.
 //
-// Work split (docs/w12-kernels.md, "The flow kernel"). A row block is 16 weight rows (the last may have fewer).
-// A CTA of WARPS warps owns RW = WARPS / KW consecutive row blocks; the KW warps of a row block split its K:
-// warp ks takes the full 64-column groups [ks KF / KW, (ks + 1) KF / KW) and, for ks = KW - 1, the masked last
-// group. Every warp streams its tiles, contiguous in the layout, through its own cp.async ring of STAGES tile
-// slots (16-byte copies, evict-first L2 policy): no barrier between warps in the main loop. The KW partial sums
-// of a row block meet in shared memory and are added in warp order (deterministic), then one warp per row block
-// applies the escapes, the bias and the rounding.
+// Work split (docs/w12-kernels.md, "The flow kernel"). A row block is 16 weight rows (the last may have fewer); a
+// row group is RB consecutive row blocks (W12F_RB, 1 or 2), which one warp multiplies by the same x fragments, so
+// that at 2 one x read feeds 32 weight rows. A CTA of WARPS warps owns RW = WARPS / KW consecutive row groups; the
+// KW warps of a row group split its K: warp ks takes the full 64-column groups [ks KF / KW, (ks + 1) KF / KW) and,
+// for ks = KW - 1, the masked last group. Every warp streams its tiles, contiguous in the layout (one stream per
+// row block), through its own cp.async ring of STAGES slots of RB tiles (16-byte copies, evict-first L2 policy): no
+// barrier between warps in the main loop. The KW partial sums of a row block meet in shared memory and are added in
+// warp order (deterministic), then one warp per row group applies the escapes, the bias and the rounding. Each row
+// block's sum is the same sequence of operations whatever RB is, so RB = 2 gives RB = 1's result bit for bit.
 //
 // Decode (FIXED = 1; the probe's V1). A lane (g = lane / 4, p = lane % 4) holds, per tile, rows g and g + 8:
 // hi bytes of columns 16 p .. 16 p + 15 (one LDS.128 per row) and their lo nibbles (one LDS.64 per row, byte j =
@@ -75,12 +77,16 @@
 #ifndef W12F_XSTEP
 #define W12F_XSTEP 1
 #endif
+#ifndef W12F_RB
+#define W12F_RB 1  // row blocks per warp (one x fragment feeds RB weight tiles)
+#endif
 
 namespace {
 
 constexpr int WARPS = W12F_WARPS;
 constexpr int KW = W12F_KW;
-constexpr int RW = WARPS / KW;  // row blocks per CTA
+constexpr int RW = WARPS / KW;  // row groups per CTA
+constexpr int RB = W12F_RB;     // row blocks per row group
 constexpr int STAGES = W12F_STAGES;
 constexpr int NT = W12F_NT;
 constexpr bool FIXED = W12F_FIXED != 0;
@@ -97,6 +103,8 @@ constexpr uint32_t BASE112 = 0x38003800u;
 static_assert(WARPS >= 1 && WARPS <= 16 && KW >= 1 && WARPS % KW == 0, "KW must divide WARPS (<= 16)");
 static_assert(STAGES >= 2, "a ring needs two slots");
 static_assert(NT >= 1 && NT <= 4, "n-tiles: 1..4");
+static_assert(RB == 1 || RB == 2, "row blocks per warp: 1 or 2");
+static_assert(RB == 1 || !FIXED, "two row blocks per warp: exact base only (the guard's recomputation is per block)");
 static_assert((!EPI || XB) && (!ESC || EPI) && (W12F_RED == 0 || EPI), "features build on each other: X, EPI, ESC, RED");
 
 __device__ __forceinline__ uint64_t evict_first_policy() {
@@ -189,66 +197,91 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
   const int NB = NF + (nr > 0);
   const int TB = kr + ((kr + 1) >> 1);
   const long long SB = 1536LL * KF + 16LL * TB;
-  const int rb = blockIdx.x * RW + rw;
-  const bool active = rb < NB;
-  const int R = rb < NF ? 16 : nr;                 // rows of this row block
-  const uint8_t* const blk = tiles + (long long)min(rb, NB - 1) * SB;
-  const int TS = 96 * R;                           // bytes per tile of this row block
+  const int rb0 = (blockIdx.x * RW + rw) * RB;    // the first row block of this warp's row group
+  const bool active = rb0 < NB;                    // a row group is active when its first block is
+  int R[RB], TS[RB];                               // rows of each row block (0 past the last), bytes per tile
+  const uint8_t* blk[RB];
+#pragma unroll
+  for (int i = 0; i < RB; ++i) {
+    const int rb = rb0 + i;
+    R[i] = rb < NF ? 16 : (rb < NB ? nr : 0);
+    TS[i] = 96 * R[i];
+    blk[i] = tiles + (long long)min(rb, NB - 1) * SB;
+  }
   const int c0 = active ? ks * KF / KW : 0, c1 = active ? (ks + 1) * KF / KW : 0;
   const bool has_tail = active && ks == KW - 1 && kr > 0;
   const int cend = c1 + (has_tail ? 1 : 0);        // units c0 .. cend - 1; unit KF is the masked tail
-  const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * TILE;
+  constexpr int SLOT = RB * TILE;                  // one ring slot: the unit's tile of each row block
+  const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
   const uint64_t pol = evict_first_policy();
 
-  // The refill cursor: the lane's source of the next tile to request (three 16-byte pieces: hi rows g, g + 8,
-  // then lo rows lane / 2; absent rows of a partial block read nothing and are zero-filled) and its ring slot.
-  const uint32_t v0 = g < R ? 16u : 0u, v1 = g + 8 < R ? 16u : 0u, v2 = (lane >> 1) < R ? 16u : 0u;
-  const int o0 = v0 ? 16 * lane : 0, o1 = v1 ? 512 + 16 * lane : 0, o2 = v2 ? 64 * R + 16 * lane : 0;
-  const uint8_t* src = blk + (long long)c0 * TS;
-  const uint32_t ring_end = ring + STAGES * TILE;
+  // The refill cursor: the lane's source of the next tiles to request (three 16-byte pieces per row block: hi rows
+  // g, g + 8, then lo rows lane / 2; absent rows of a partial block read nothing and are zero-filled) and its slot.
+  uint32_t v[RB][3];
+  int o[RB][3];
+  const uint8_t* src[RB];
+#pragma unroll
+  for (int i = 0; i < RB; ++i) {
+    v[i][0] = g < R[i] ? 16u : 0u, v[i][1] = g + 8 < R[i] ? 16u : 0u, v[i][2] = (lane >> 1) < R[i] ? 16u : 0u;
+    o[i][0] = v[i][0] ? 16 * lane : 0, o[i][1] = v[i][1] ? 512 + 16 * lane : 0;
+    o[i][2] = v[i][2] ? 64 * R[i] + 16 * lane : 0;
+    src[i] = blk[i] + (long long)c0 * TS[i];
+  }
+  const uint32_t ring_end = ring + STAGES * SLOT;
   uint32_t wst = ring + 16 * lane;
   auto issue = [&]() {
-    cp_async16(wst, src + o0, v0, pol);
-    cp_async16(wst + 512, src + o1, v1, pol);
-    cp_async16(wst + 1024, src + o2, v2, pol);
-    src += TS;
-  };
-  auto next_slot = [&](uint32_t a) { return a + TILE >= ring_end ? a + TILE - STAGES * TILE : a + TILE; };
-
-  // rows g, g + 8 of the block: window base and decode constant
-  int e0r[2];
-  uint32_t kk[2];
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
-    const int row = rb * 16 + 8 * h + g;
-    e0r[h] = active && row < N ? (int)e0[row] : 0;
-    const uint32_t e = (uint32_t)e0r[h];
-    kk[h] = FIXED ? (e == 0 ? 0u : BASE112) : ((e << 7) | (e << 23));
-  }
+    for (int i = 0; i < RB; ++i) {
+      cp_async16(wst + i * TILE, src[i] + o[i][0], v[i][0], pol);
+      cp_async16(wst + i * TILE + 512, src[i] + o[i][1], v[i][1], pol);
+      cp_async16(wst + i * TILE + 1024, src[i] + o[i][2], v[i][2], pol);
+      src[i] += TS[i];
+    }
+  };
+  auto next_slot = [&](uint32_t a) { return a + SLOT >= ring_end ? a + SLOT - STAGES * SLOT : a + SLOT; };
+
+  // rows g, g + 8 of each block: window base and decode constant
+  int e0r[RB][2];
+  uint32_t kk[RB][2];
+#pragma unroll
+  for (int i = 0; i < RB; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = (rb0 + i) * 16 + 8 * h + g;
+      e0r[i][h] = active && row < N ? (int)e0[row] : 0;
+      const uint32_t e = (uint32_t)e0r[i][h];
+      kk[i][h] = FIXED ? (e == 0 ? 0u : BASE112) : ((e << 7) | (e << 23));
+    }
 
   // the escape metadata of the rows this warp finishes (CSR range and first entry), read now so that the loads'
   // latency hides under the stream instead of lengthening the epilogue (ESC_STASH: where it waits)
-  int ep[2][2] = {{0, 0}, {0, 0}}, ec[2] = {0, 0};
-  uint32_t ev[2] = {0u, 0u};
-  int4* const stash = reinterpret_cast<int4*>(smem + WARPS * STAGES * TILE + (RED ? WARPS * NT * 512 : 0)) + rw * 64;
+  int ep[RB][2][2] = {}, ec[RB][2] = {};
+  uint32_t ev[RB][2] = {};
+  int4* const stash = reinterpret_cast<int4*>(smem + WARPS * STAGES * SLOT + (RED ? WARPS * RB * NT * 512 : 0)) +
+                      rw * RB * 64;
   if (ESC && ks == 0 && active) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = rb * 16 + 8 * h + g;
-      if (row < N) {
-        ep[h][0] = __ldg(rowptr + row);
-        ep[h][1] = __ldg(rowptr + row + 1);
-      }
-    }
+    for (int i = 0; i < RB; ++i)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      if (ep[h][1] > ep[h][0]) {
-        ec[h] = __ldg(ecol + ep[h][0]);
-        ev[h] = __ldg(eval + ep[h][0]);
+      for (int h = 0; h < 2; ++h) {
+        const int row = (rb0 + i) * 16 + 8 * h + g;
+        if (row < N) {
+          ep[i][h][0] = __ldg(rowptr + row);
+          ep[i][h][1] = __ldg(rowptr + row + 1);
+        }
       }
-      // the lane reads back its own two entries in the epilogue: no barrier
-      if constexpr (ESC_STASH) stash[32 * h + lane] = make_int4(ep[h][0], ep[h][1], ec[h], (int)ev[h]);
-    }
+#pragma unroll
+    for (int i = 0; i < RB; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        if (ep[i][h][1] > ep[i][h][0]) {
+          ec[i][h] = __ldg(ecol + ep[i][h][0]);
+          ev[i][h] = __ldg(eval + ep[i][h][0]);
+        }
+        // the lane reads back its own entries in the epilogue: no barrier
+        if constexpr (ESC_STASH)
+          stash[64 * i + 32 * h + lane] = make_int4(ep[i][h][0], ep[i][h][1], ec[i][h], (int)ev[i][h]);
+      }
   }
 
   // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output)
@@ -287,9 +320,10 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
     if constexpr (W12F_XSTEP != 0) xu += 64;
   };
   // the masked tail's fragments, byte by byte from global memory (columns past K and rows past the block zero)
-  auto tail_frag = [&](Frag& f) {
-    const uint8_t* th = blk + (long long)KF * TS;
-    const uint8_t* tl = th + R * kr;
+  auto tail_frag = [&](Frag& f, int i) {
+    const int Ri = R[i];
+    const uint8_t* th = blk[i] + (long long)KF * TS[i];
+    const uint8_t* tl = th + Ri * kr;
     const int lb = (kr + 1) >> 1;
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
@@ -298,7 +332,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
 #pragma unroll 1
       for (int jj = 0; jj < 16; ++jj) {
         const int col = 16 * p + jj;
-        if (r < R && col < kr) {
+        if (r < Ri && col < kr) {
           const unsigned long long b = th[r * kr + col];
           if (jj < 8)
             h0 |= b << (8 * jj);
@@ -313,11 +347,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
     }
   };
 
-  float acc[NT][4];
+  float acc[RB][NT][4];
 #pragma unroll
-  for (int j = 0; j < NT; ++j)
+  for (int i = 0; i < RB; ++i)
 #pragma unroll
-    for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+    for (int j = 0; j < NT; ++j)
+#pragma unroll
+      for (int u = 0; u < 4; ++u) acc[i][j][u] = 0.0f;
   uint4 xn[NT][2];  // the next unit's x (prefetched one unit ahead)
   if constexpr (XB) {
     if (c0 < cend) load_x(xn);
@@ -331,12 +367,16 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
   for (int c = c0; c < c1; ++c) {
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
     __syncwarp();
-    Frag f;
-    f.h[0] = lds128(rst + 16 * lane);
-    f.h[1] = lds128(rst + 512 + 16 * lane);
-    f.l[0] = lds64(rst + 1024 + 8 * lane);
-    f.l[1] = lds64(rst + 1280 + 8 * lane);
-    // refill the slot read one tile ago with tile c + STAGES - 1
+    Frag f[RB];
+#pragma unroll
+    for (int i = 0; i < RB; ++i) {
+      const uint32_t t = rst + i * TILE;
+      f[i].h[0] = lds128(t + 16 * lane);
+      f[i].h[1] = lds128(t + 512 + 16 * lane);
+      f[i].l[0] = lds64(t + 1024 + 8 * lane);
+      f[i].l[1] = lds64(t + 1280 + 8 * lane);
+    }
+    // refill the slot read one unit ago with unit c + STAGES - 1
     if (c + STAGES - 1 < c1) issue();
     cp_commit();
     wst = next_slot(wst);
@@ -347,20 +387,26 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
     if constexpr (XB) {
       if (c + 1 < cend) load_x(xn);
     }
-    tile_mma<FIXED>(acc, f, xc, kk);
+#pragma unroll
+    for (int i = 0; i < RB; ++i) tile_mma<FIXED>(acc[i], f[i], xc, kk[i]);
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   if (has_tail) {
-    Frag f;
-    tail_frag(f);
-    tile_mma<FIXED>(acc, f, xn, kk);
+#pragma unroll
+    for (int i = 0; i < RB; ++i) {
+      Frag f;
+      tail_frag(f, i);
+      tile_mma<FIXED>(acc[i], f, xn, kk[i]);
+    }
   }
   grid_dep_launch();
 
   if constexpr (!EPI) {
     float s = 0.0f;
 #pragma unroll
-    for (int j = 0; j < NT; ++j) s += acc[j][0] + acc[j][1] + acc[j][2] + acc[j][3];
+    for (int i = 0; i < RB; ++i)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) s += acc[i][j][0] + acc[i][j][1] + acc[i][j][2] + acc[i][j][3];
     if (__float_as_uint(s) == 0x7FBADA55u) sink[threadIdx.x] = s;
     return;
   } else {
@@ -375,28 +421,28 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
       int emin = 255, emax = 0;
 #pragma unroll
       for (int i = 0; i < WARPS; ++i) emin = min(emin, s_emin[i]), emax = max(emax, s_emax[i]);
-      if (!scale_rows<NT>(acc, e0r, emin, emax)) {
+      if (!scale_rows<NT>(acc[0], e0r[0], emin, emax)) {  // RB = 1 (static_assert above)
         // this warp's share again with the exact base, tiles read from global memory in the loop's order
         uint32_t e0x[2];
 #pragma unroll
-        for (int h = 0; h < 2; ++h) e0x[h] = ((uint32_t)e0r[h] << 7) | ((uint32_t)e0r[h] << 23);
+        for (int h = 0; h < 2; ++h) e0x[h] = ((uint32_t)e0r[0][h] << 7) | ((uint32_t)e0r[0][h] << 23);
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) acc[j][i] = 0.0f;
+          for (int i = 0; i < 4; ++i) acc[0][j][i] = 0.0f;
         for (int c = c0; c < cend; ++c) {
           Frag f;
           if (c < c1) {
-            const uint8_t* t = blk + (long long)c * TS;
+            const uint8_t* t = blk[0] + (long long)c * TS[0];
 #pragma unroll
             for (int h = 0; h < 2; ++h) {
               const int r = 8 * h + g;
-              const bool in = r < R;
+              const bool in = r < R[0];
               f.h[h] = in ? __ldcg(reinterpret_cast<const uint4*>(t + 64 * r + 16 * p)) : make_uint4(0u, 0u, 0u, 0u);
-              f.l[h] = in ? __ldcg(reinterpret_cast<const uint2*>(t + 64 * R + 32 * r + 8 * p)) : make_uint2(0u, 0u);
+              f.l[h] = in ? __ldcg(reinterpret_cast<const uint2*>(t + 64 * R[0] + 32 * r + 8 * p)) : make_uint2(0u, 0u);
             }
           } else {
-            tail_frag(f);
+            tail_frag(f, 0);
           }
           uint4 xv[NT][2];
 #pragma unroll
@@ -406,44 +452,53 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
             xv[j][0] = t < M ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0u, 0u, 0u, 0u);
             xv[j][1] = t < M ? __ldg(reinterpret_cast<const uint4*>(src + 8)) : make_uint4(0u, 0u, 0u, 0u);
           }
-          tile_mma<false>(acc, f, xv, e0x);
+          tile_mma<false>(acc[0], f, xv, e0x);
         }
       }
     }
     if constexpr (RED) {
-      // the shares of the KW warps of a row block, added in warp order by warp ks = 0
-      float* red = reinterpret_cast<float*>(smem + WARPS * STAGES * TILE);
+      // the shares of the KW warps of a row group, added in warp order by warp ks = 0
+      float* red = reinterpret_cast<float*>(smem + WARPS * STAGES * SLOT);
       if (ks != 0) {
 #pragma unroll
-        for (int j = 0; j < NT; ++j)
+        for (int i = 0; i < RB; ++i)
 #pragma unroll
-          for (int v = 0; v < 4; ++v) red[((warp * NT + j) * 4 + v) * 32 + lane] = acc[j][v];
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) red[(((warp * RB + i) * NT + j) * 4 + u) * 32 + lane] = acc[i][j][u];
       }
       __syncthreads();
       if (ks == 0) {
 #pragma unroll
-        for (int i = 1; i < KW; ++i)
+        for (int w = 1; w < KW; ++w)
 #pragma unroll
-          for (int j = 0; j < NT; ++j)
+          for (int i = 0; i < RB; ++i)
 #pragma unroll
-            for (int v = 0; v < 4; ++v) acc[j][v] += red[(((warp + i) * NT + j) * 4 + v) * 32 + lane];
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+              for (int u = 0; u < 4; ++u) acc[i][j][u] += red[((((warp + w) * RB + i) * NT + j) * 4 + u) * 32 + lane];
       }
     }
     if (ks != 0 || !active) return;
     if constexpr (ESC_STASH) {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int4 v = stash[32 * h + lane];
-        ep[h][0] = v.x, ep[h][1] = v.y, ec[h] = v.z, ev[h] = (uint32_t)v.w;
-      }
-    }
-    // escapes (CSR order), bias, one rounding; acc[j][2 h + u]: row rb 16 + 8 h + g, token 8 j + 2 p + u
+      for (int i = 0; i < RB; ++i)
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = rb * 16 + 8 * h + g;
-      if (row >= N) continue;
-      finish_row<false, NT>([&](int j, int u) -> float& { return acc[j][2 * h + u]; }, row, (uint32_t)e0r[h],
-                            ep[h][0], ep[h][1], ec[h], ev[h], ecol, eval, x, ldx, bias, bias_kind, out, M, N, p);
+        for (int h = 0; h < 2; ++h) {
+          const int4 e = stash[64 * i + 32 * h + lane];
+          ep[i][h][0] = e.x, ep[i][h][1] = e.y, ec[i][h] = e.z, ev[i][h] = (uint32_t)e.w;
+        }
     }
+    // escapes (CSR order), bias, one rounding; acc[i][j][2 h + u]: row (rb0 + i) 16 + 8 h + g, token 8 j + 2 p + u
+#pragma unroll
+    for (int i = 0; i < RB; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = (rb0 + i) * 16 + 8 * h + g;
+        if (row >= N) continue;
+        finish_row<false, NT>([&](int j, int u) -> float& { return acc[i][j][2 * h + u]; }, row,
+                              (uint32_t)e0r[i][h], ep[i][h][0], ep[i][h][1], ec[i][h], ev[i][h], ecol, eval, x, ldx,
+                              bias, bias_kind, out, M, N, p);
+      }
   }
 }
