@@ -289,7 +289,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
   for (int i = 0; i < STAGES - 1; ++i) {
     if (c0 + i < c1) issue();
     cp_commit();
-    wst += TILE;
+    wst += SLOT;
   }
   grid_dep_wait();
 
