@@ -145,6 +145,7 @@ def _launch(plan: autotune.Plan, x2d, hi, lo, e0, rowptr, col, val, bias, out, *
         return None
     if wrap is not None and autotune.is_interpreter() and _is_fake(x2d):
         return None  # wrap_triton passes interpreter kernels through untraced; fake tensors need no launch
+    cfg = _whole_k_tiles(cfg, Kp)
     bt = cfg.block_t
     grid = (triton.cdiv(N, cfg.block_n), triton.cdiv(M, bt), cfg.split_k)
     ws = out if cfg.split_k == 1 else torch.empty((cfg.split_k, M, N), device=out.device, dtype=torch.float32)
@@ -167,6 +168,18 @@ def _launch(plan: autotune.Plan, x2d, hi, lo, e0, rowptr, col, val, bias, out, *
         r[(triton.cdiv(M * N, _REDUCE_BLOCK),)](ws, b, out, M, N, SPLIT_K=cfg.split_k, HAS_BIAS=has_bias,
                                                 BLOCK=_REDUCE_BLOCK, num_warps=4)
     return ck
+
+
+def _whole_k_tiles(cfg, Kp: int):
+    """`cfg` with a `block_k` that divides Kp. The Triton kernels read whole BLOCK_K-column tiles of hi and lo
+    without a mask (16-byte loads; only x is masked past K), so a partial last tile would read past every row, and
+    past the end of the planes on the last row (an out-of-bounds read, and garbage decoded next to x = 0: NaN where
+    it decodes to Inf). Kp is a multiple of 64, so 64 always divides it."""
+    if Kp % cfg.block_k == 0:
+        return cfg
+    import dataclasses
+
+    return dataclasses.replace(cfg, block_k=64)
 
 
 def _is_fake(t: torch.Tensor) -> bool:

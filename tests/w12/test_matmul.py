@@ -453,3 +453,34 @@ def test_cpu_tensors_without_the_interpreter_use_the_torch_variant(monkeypatch):
         with pytest.raises(ValueError, match=r"^w12\.matmul: the forced GemvConfig is a kernel config, and no kernel "
                                              r"runs CPU tensors without the Triton interpreter; "):
             w12.matmul(x, p)
+
+
+@pytest.mark.parametrize("variant, cfg", [("tc", TcConfig(block_n=16, block_t=16, block_k=128, num_warps=4, num_stages=1)),
+                                          ("gemv", GemvConfig(block_n=16, block_t=2, block_k=256, num_stages=1))])
+def test_no_partial_k_tile_reads_past_the_planes(variant, cfg, monkeypatch):
+    """The Triton kernels read whole BLOCK_K tiles of hi and lo without a mask: a config whose block_k does not
+    divide the padded width (K = 64 or 130: Kp = 64 or 192) launches with block_k = 64, so no tile reads past a
+    row or past the planes' end; a block_k that divides it is kept."""
+    from w12 import ops
+
+    name = "w12_matmul_tc_kernel" if variant == "tc" else "w12_matmul_gemv_kernel"
+    real = getattr(ops, name)
+    seen = []
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append((args[13], kw["BLOCK_K"]))  # (Kp, BLOCK_K)
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(ops, name, Spy())
+    for K in (64, 130, 256):
+        w = _weight(20, K, seed=K)
+        p = w12.pack(w)
+        x = _x((2, K), seed=K)
+        with autotune.force("w12.matmul", config=cfg):
+            out = w12.matmul(x, p)
+        _check(out, x, w, p)
+    want_bk = {64: 64, 192: 64, 256: cfg.block_k if 256 % cfg.block_k == 0 else 64}
+    assert seen == [(kp, want_bk[kp]) for kp in (64, 192, 256)]
