@@ -15,6 +15,7 @@ Nothing here syncs the host or allocates by data, so every call is CUDA-graph ca
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Optional
 
 import torch
@@ -173,12 +174,10 @@ def _launch(plan: autotune.Plan, x2d, hi, lo, e0, rowptr, col, val, bias, out, *
 def _whole_k_tiles(cfg, Kp: int):
     """`cfg` with a `block_k` that divides Kp. The Triton kernels read whole BLOCK_K-column tiles of hi and lo
     without a mask (16-byte loads; only x is masked past K), so a partial last tile would read past every row, and
-    past the end of the planes on the last row (an out-of-bounds read, and garbage decoded next to x = 0: NaN where
-    it decodes to Inf). Kp is a multiple of 64, so 64 always divides it."""
+    past the end of the planes on the last row: an out-of-bounds read (its bytes meet x = 0, so the result does not
+    change, but the read can fault). Kp is a multiple of 64, so 64 always divides it."""
     if Kp % cfg.block_k == 0:
         return cfg
-    import dataclasses
-
     return dataclasses.replace(cfg, block_k=64)
 
 

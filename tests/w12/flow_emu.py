@@ -239,6 +239,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
             c0, c1 = (ks * KF // kw, (ks + 1) * KF // kw) if active else (0, 0)
             has_tail = active and ks == kw - 1 and kr > 0
             cend = c1 + has_tail
+            xfrs = {c: x_frag(c) for c in range(c0, cend)}  # one x read per unit, shared by the row group's blocks
             for i in range(rb):
                 b = rb0 + i
                 R = 16 if b < NF else (nr if b < NB else 0)
@@ -249,7 +250,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                       else ((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
                 acc = np.zeros((NT, 4, 32))
                 for c in range(c0, cend):
-                    xfr = x_frag(c)
+                    xfr = xfrs[c]
                     if i == 0 and (c - c0) % RA == rw:
                         fold.append(xfr)
                     h, lw = ring_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
