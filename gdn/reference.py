@@ -62,16 +62,24 @@ def recurrent_reference(q, k, v, g, beta, initial_state, scale=None, parents=Non
     q, k, v, g, beta, S0 = _prep(q, k, v, g, beta, initial_state, scale, use_qk_l2norm, dtype)
     T = q.shape[0]
     parents = list(range(-1, T - 1)) if parents is None else [int(p) for p in parents]
-    o, states = [], []
+    # a node's state is its parent's state stepped by the node's inputs: each state is computed once, from its
+    # parent's stored one, by the same operations in the same order as a walk down the root path would apply
+    # (so the states are those of that walk, bit for bit), in T steps instead of the sum of the nodes' depths
+    states: dict[int, torch.Tensor] = {}
+    o = []
     for i in range(T):
-        S = S0
-        for j in root_path(parents, i):
-            S = _step(S, k[j], v[j], g[j], beta[j])
-        o.append(torch.einsum("hkv,hk->hv", S, q[i]))
-        states.append(S)
+        path, j = [], i
+        while j >= 0 and j not in states:
+            path.append(j)
+            j = parents[j]
+        S = S0 if j < 0 else states[j]
+        for n in reversed(path):
+            S = _step(S, k[n], v[n], g[n], beta[n])
+            states[n] = S
+        o.append(torch.einsum("hkv,hk->hv", states[i], q[i]))
     o = torch.stack(o) if T else v.new_zeros(v.shape)
     if return_states:
-        return o, (torch.stack(states) if T else S0.new_zeros((0, *S0.shape)))
+        return o, (torch.stack([states[i] for i in range(T)]) if T else S0.new_zeros((0, *S0.shape)))
     return o
 
 

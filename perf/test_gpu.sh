@@ -8,7 +8,7 @@
 #   make test-gpu PKG=gdn         one package's: w12, gdn, tree_attn, lmhead, engine, specpilot (tests/*.py, tests/tools)
 #   make test-gpu-full SHARD=1/3  the slow tier too (sweeps that repeat a code path), shard 1 of 3 of it
 #
-# Environment: OUT (default perf/out; the log is $OUT/test-gpu.log), TEST_WORKERS (default 12), TEST_TIMEOUT
+# Environment: OUT (default perf/out; the log is $OUT/test-gpu.log), TEST_WORKERS (default: the CPU cores, at most 16), TEST_TIMEOUT
 # (default 540 s), PYTEST_ARGS (extra pytest arguments). Each test's seconds go to $OUT/test-gpu-times.tsv
 # as it ends (tests/conftest.py), so a run stopped at its limit still shows where the time went; the tests run
 # longest first by the seconds tests/gpu_durations.tsv holds (SPECPILOT_TEST_ORDER). Wheels carried in .whl/ are installed first
@@ -22,8 +22,14 @@ fingerprint() {
     | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12
 }
 [ "${1:-}" = "--fingerprint" ] && { fingerprint; exit 0; }
-TEST_WORKERS=${TEST_WORKERS:-12}
-. perf/gpu_env.sh
+# one worker per CPU core, at most 16: the tests spend their time on the CPU (Triton and NVRTC builds, launches,
+# references) more than on the GPU. Each worker's torch gets cores / workers threads: with one OpenMP pool of all
+# the cores per worker, the workers' CPU-side tensor work oversubscribes the machine
+NPROC=$(nproc 2>/dev/null || echo 8)
+TEST_WORKERS=${TEST_WORKERS:-$(( NPROC < 16 ? NPROC : 16 ))}
+THREADS=$(( TEST_WORKERS > 0 ? NPROC / TEST_WORKERS : NPROC ))
+export OMP_NUM_THREADS=${OMP_NUM_THREADS:-$(( THREADS > 0 ? THREADS : 1 ))}
+[ "${1:-}" = "--list" ] || . perf/gpu_env.sh
 
 case "${PKG:-}" in
   "") SEL=(tests) ;;
@@ -31,12 +37,18 @@ case "${PKG:-}" in
   specpilot | autotune) SEL=(tests/tools $(ls tests/test_*.py)) ;;
   *) echo "make test-gpu: unknown PKG=$PKG; use one of w12, gdn, tree_attn, lmhead, engine, specpilot" >&2; exit 2 ;;
 esac
+# only the modules that hold GPU-marked tests are collected: each of the workers imports and collects what it is
+# given, and the CPU-only modules would cost every worker their imports (tests/test_gpu_selection.py checks that
+# this list equals what a collection of all of tests/ selects)
+mapfile -t SEL < <(grep -lE "mark\.(gpu|hopper)" -r "${SEL[@]}" --include='test_*.py' | LC_ALL=C sort)
+[ "${1:-}" = "--list" ] && { printf '%s\n' "${SEL[@]}"; exit 0; }  # the modules it would collect
 MARK="(gpu or hopper) and not slow"
 [ -n "${FULL:-}" ] && MARK="gpu or hopper"
 LOG=$OUT/test-gpu.log
 export SPECPILOT_TEST_TIMES=$OUT/test-gpu-times.tsv
 # longest tests first (tests/conftest.py): the seconds an H200 run recorded; refresh the file from a run's times with
-#   awk -F'\t' '$2=="call"' $OUT/test-gpu-times.tsv | sort -t$'\t' -k4 > tests/gpu_durations.tsv
+#   awk -F'\t' -v OFS='\t' '$2=="call" {print $1, $2, $3, $4}' $OUT/test-gpu-times.tsv | sort -t$'\t' -k4 \
+#     > tests/gpu_durations.tsv
 export SPECPILOT_TEST_ORDER=${SPECPILOT_TEST_ORDER:-tests/gpu_durations.tsv}
 # Triton kernels built once per machine as well: a worker that misses a kernel another one is building waits for
 # it (autotune/triton_cache.py) instead of compiling the same kernel again
@@ -69,7 +81,7 @@ print(f"# {name} sm_{cc.replace('.', '')}, python {sys.version.split()[0]}, torc
       f"triton {ver('triton')}")
 print(f"# fla {ver('flash-linear-attention') or 'not installed'}")
 PY
-  echo "# $WHEELS; pytest-xdist workers: ${XDIST[*]:-none}"
+  echo "# $WHEELS; pytest-xdist workers: ${XDIST[*]:-none}; OMP_NUM_THREADS=$OMP_NUM_THREADS on $NPROC cores"
 } >"$LOG"
 set +e
 if [ -n "${SHARD:-}" ]; then

@@ -208,7 +208,7 @@ def torch_path():
 
 def longest_first(items, times_file) -> None:
     """Reorder pytest `items` in place by the call seconds a `SPECPILOT_TEST_TIMES` file (tests/conftest.py)
-    recorded (tab-separated outcome, phase, seconds, test id): longest first, each followed by the shortest one
+    recorded (tab-separated outcome, phase, seconds, test id, and optional further columns): longest first, each followed by the shortest one
     left, so the list alternates long and short from both ends. Tests the file does not name count as the longest,
     in collection order (their time is unknown). Under pytest-xdist every worker reads the same file, so every
     worker collects the same order. With `--maxschedchunk 1` (perf/gpu_env.sh) xdist hands each worker two tests
@@ -217,7 +217,7 @@ def longest_first(items, times_file) -> None:
     seconds = {}
     for line in Path(times_file).read_text().splitlines():
         parts = line.split("\t")
-        if len(parts) == 4 and parts[1] == "call":
+        if len(parts) >= 4 and parts[1] == "call":
             try:
                 seconds[parts[3]] = float(parts[2])
             except ValueError:

@@ -84,13 +84,19 @@ _TIMES = os.environ.get("SPECPILOT_TEST_TIMES")
 
 
 def pytest_runtest_logreport(report):
-    """With SPECPILOT_TEST_TIMES=FILE, one line per test phase is appended as it ends (outcome, seconds, id):
+    """With SPECPILOT_TEST_TIMES=FILE, a line per test call, and per other phase that failed or took a second or
+    more, is appended as it ends (outcome, phase, seconds, id, worker, start):
     a run killed at its time limit still says what took the time (`make test-gpu` sets it)."""
     if not _TIMES or os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes what its workers report
         return
-    if report.when == "call" or report.outcome != "passed":
+    if report.when == "call" or report.outcome != "passed" or report.duration >= 1.0:
+        # the fifth and sixth columns: the xdist worker and the phase's start (Unix seconds), to lay the run out in time
+        node = getattr(report, "node", None)
+        worker = getattr(getattr(node, "gateway", None), "id", "-")
+        start = getattr(report, "start", 0.0)
         with open(_TIMES, "a") as f:
-            f.write(f"{report.outcome}\t{report.when}\t{report.duration:.2f}\t{report.nodeid}\n")
+            f.write(f"{report.outcome}\t{report.when}\t{report.duration:.2f}\t{report.nodeid}\t{worker}\t"
+                    f"{start:.2f}\n")
     if report.failed:  # the failure itself, in case the run is stopped before pytest's summary
         with open(_TIMES + ".failures", "a") as f:
             f.write(f"==== {report.nodeid} ({report.when})\n{str(report.longreprtext)[-4000:]}\n")

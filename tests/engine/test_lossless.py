@@ -42,11 +42,20 @@ def test_self_drafter_is_lossless_cpu(checkpoints):
     _check(eng, _prompt(97, 30, 3), 256)
 
 
+# Every model, weight format and drafter runs in `make test-gpu`, and every pair of them (model and format, model and
+# drafter, format and drafter): six of the twelve combinations. The other six repeat those pairs in a third
+# combination and run in `make test-gpu-full` (slow).
+_LOSSLESS_MODELS = [("gdn3-attn1-v97", 0, 20), ("attn-first-kv1-v131", 1, 75), ("gdn-k1v4-d128-v64", 2, 40)]
+_LOSSLESS_FAST = {("gdn3-attn1-v97", "w12", "ngram"), ("gdn3-attn1-v97", "bf16", "self"),
+                  ("attn-first-kv1-v131", "bf16", "ngram"), ("attn-first-kv1-v131", "w12", "self"),
+                  ("gdn-k1v4-d128-v64", "bf16", "ngram"), ("gdn-k1v4-d128-v64", "w12", "self")}
+
+
 @pytest.mark.gpu
-@pytest.mark.parametrize("drafter", ["ngram", "self"])
-@pytest.mark.parametrize("weights", ["bf16", "w12"])
-@pytest.mark.parametrize("shape,seed,plen", [("gdn3-attn1-v97", 0, 20), ("attn-first-kv1-v131", 1, 75),
-                                             ("gdn-k1v4-d128-v64", 2, 40)])
+@pytest.mark.parametrize("shape,seed,plen,weights,drafter", [
+    pytest.param(*m, w, d, id=f"{m[0]}-{m[1]}-{m[2]}-{w}-{d}",
+                 marks=() if (m[0], w, d) in _LOSSLESS_FAST else pytest.mark.slow)
+    for m in _LOSSLESS_MODELS for w in ("bf16", "w12") for d in ("ngram", "self")])
 def test_lossless_gpu(checkpoints, shape, seed, plen, weights, drafter):
     path, model = checkpoints[shape]
     eng = Engine.from_pretrained(path, device="cuda", weights=weights, drafter=drafter)
@@ -122,3 +131,13 @@ def test_graphed_step_buffers_replay_the_eager_steps_cpu(checkpoints):
     got = (eng.generate(prompt, 48, speculative=True), eng.generate(prompt, 24, speculative=False))
     assert got == want
     assert eng.stats()["verify"]["mean_nodes"] == eng.tree_nodes  # every verify pass ran the padded 32 rows
+
+
+def test_fast_gpu_tier_covers_every_pair():
+    """The six combinations in `make test-gpu` meet every value pair of any two of model, format and drafter."""
+    import itertools
+
+    models = [m[0] for m in _LOSSLESS_MODELS]
+    axes = [models, ["bf16", "w12"], ["ngram", "self"]]
+    for a, b in itertools.combinations(range(3), 2):
+        assert {(c[a], c[b]) for c in _LOSSLESS_FAST} == set(itertools.product(axes[a], axes[b]))

@@ -703,3 +703,33 @@ def test_wy_tree_mix_at_node_tile_64(cfg):
     config = {"default": WYConfig(), "bv64-w8": WYConfig(BV=64, num_warps=8)}[cfg]
     with force("gdn.tree_verify", config=config):
         check_verify(trees, "wy", dtype=torch.bfloat16, h=1, hv=2, k=16, v=64, seed=3)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+def test_recurrent_reference_states_are_the_root_path_walks_bitwise(dtype):
+    """The reference computes each node's state once, from its parent's: the outputs and states equal, bit for bit,
+    a separate walk down every node's root path, on trees whose parents come after their children too, with a NaN
+    and an Inf among the inputs (they stay in their subtrees)."""
+    from gdn.reference import _prep, _step
+
+    gen = torch.Generator().manual_seed(5)
+    T, H, HV, K, V = 9, 1, 2, 8, 4
+    q, k = (torch.randn(T, H, K, generator=gen) for _ in range(2))
+    v = torch.randn(T, HV, V, generator=gen)
+    g = -torch.rand(T, HV, generator=gen)
+    beta = torch.rand(T, HV, generator=gen)
+    S0 = torch.randn(HV, K, V, generator=gen)
+    k[3, 0, 1] = float("nan")
+    v[6, 1, 2] = float("inf")
+    for parents in ([-1, 0, 1, 1, 0, 4, 5, 2, 2], [4, -1, 1, 2, 1, 0, 8, 0, 3], list(range(-1, T - 1))):
+        o, st = recurrent_reference(q, k, v, g, beta, S0, parents=parents, use_qk_l2norm=True, return_states=True,
+                                    dtype=dtype)
+        qq, kk, vv, gg, bb, S = _prep(q, k, v, g, beta, S0, None, True, dtype)
+        for i in range(T):
+            W = S
+            for j in root_path(parents, i):
+                W = _step(W, kk[j], vv[j], gg[j], bb[j])
+            assert torch.equal(st[i].nan_to_num(7.0), W.nan_to_num(7.0)), (parents, i)
+            assert torch.equal(o[i].nan_to_num(7.0), torch.einsum("hkv,hk->hv", W, qq[i]).nan_to_num(7.0)), (parents, i)
+        assert o.isnan().any() and not o[[i for i in range(T) if 3 not in root_path(parents, i)
+                                           and 6 not in root_path(parents, i)]].isnan().any()
