@@ -52,7 +52,7 @@ import torch  # noqa: E402
 import torch.nn.functional as F  # noqa: E402
 
 COPY_TBS = 4.28  # the H200's copy rate on these sizes (docs/w12-kernels.md)
-LAYERS = {"in_proj": "gdn.in_proj", "gate_up": "mlp.gate_up_proj", "o_proj": "attn.o_proj"}
+LAYERS = {"in_proj": "gdn.in_proj", "gate_up": "mlp.gate_up_proj", "o_proj": "attn.o_proj", "down_proj": "mlp.down_proj"}
 STEPS = "abcde"
 _CHECK_COLS = 1024
 _SEED = 1234
@@ -89,11 +89,12 @@ def layer_shapes(names: list[str]) -> dict[str, tuple[int, int]]:
     return {name: lin[LAYERS[name]] for name in names}
 
 
-def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool):
+def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int, int] = (9, 0)):
     """(label, FlowConfig) of the flow rows of one cell: the heuristic's config for the ladder, then step e at
     other K splits (1..8, up to the CTA's warps) and ring depths (4, 8), the other CTA sizes of 16 warps per
     SM (4, 8 or 16 warps), and two row blocks per warp in CTAs of 8 warps at 1 per SM and 4 warps at 2 per SM (the
-    heuristic's K split and half of it), when `sweep`."""
+    heuristic's K split and half of it), when `sweep`; on sm_90 also K split across the CTAs of a cluster (kc 2 and 4,
+    CTAs of one row block)."""
     from unittest import mock
 
     import w12.configs as wc
@@ -117,11 +118,15 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool):
             for kw in sorted({min(base.kw, warps), max(1, min(base.kw, warps) // 2)}):
                 cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, rb=2)
                 out.append((f"e@{cfg.tag()}", cfg))
+        if tuple(arch) >= (9, 0):
+            for warps, kw, cps, kc in ((4, 4, 4, 2), (4, 4, 4, 4), (8, 8, 2, 2), (4, 2, 4, 2), (2, 2, 4, 2)):
+                cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, kc=kc)
+                out.append((f"e@{cfg.tag()}", cfg))
     return out
 
 
 def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: bool, ablate: bool = False,
-         only: str | None = None):
+         only: str | None = None, arch: tuple[int, int] = (9, 0)):
     """Every (layer, M) cell's rows: [(row name, FlowConfig, step)], and the builds they need: {(cfg, nt, step)}
     including the check-only builds (steps c and d at kw = 1, the exact-base build of every step-e config). `only`:
     a regular expression that keeps the flow rows whose name it matches in full (cuBLAS and the default always run)."""
@@ -135,7 +140,7 @@ def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: boo
         for m in ms:
             nt = flow.n_tiles(m)
             rows = []
-            for label, cfg in flow_configs(m, n, k, sms, sweep):
+            for label, cfg in flow_configs(m, n, k, sms, sweep, arch):
                 cand = [(s, cfg, s) for s in STEPS] if label == "ladder" else [(label, cfg, "e")]
                 if label == "ladder":
                     cand.append(("e-fixed", replace(cfg, fixed=True), "e"))
@@ -246,7 +251,7 @@ def run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]
     else:
         sms, arch = args.sms, (args.arch // 10, args.arch % 10)
     layers = layer_shapes(args.layers) if layers is None else layers
-    cells, builds = plan(layers, args.m, sms, args.sweep, args.ablate, args.only)
+    cells, builds = plan(layers, args.m, sms, args.sweep, args.ablate, args.only, tuple(arch))
     t0 = time.perf_counter()
     regs = precompile(builds, arch, workers=args.workers)
     print(f"built {len(builds)} specialisations for sm_{arch[0]}{arch[1]} in {time.perf_counter() - t0:.1f} s "
@@ -368,8 +373,8 @@ def write_outputs(rows: list[Row], meta: dict) -> None:
 
 def build_only(args) -> int:
     """NVRTC builds of every specialisation a run launches (132 SMs assumed for the heuristic), on the CPU."""
-    cells, builds = plan(layer_shapes(args.layers), args.m, args.sms, args.sweep, args.ablate, args.only)
     arch = (args.arch // 10, args.arch % 10)
+    cells, builds = plan(layer_shapes(args.layers), args.m, args.sms, args.sweep, args.ablate, args.only, arch)
     t0 = time.perf_counter()
     regs = precompile(builds, arch, workers=args.workers)
     bad = {b: v for b, v in regs.items() if "FAILED" in v or "SPILL" in v}

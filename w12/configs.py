@@ -213,7 +213,9 @@ class FlowConfig:
     exact base); the default is the exact base, which measured faster on the H200 at every layer and M of the
     ladder (docs/w12-kernels.md, "The flow kernel"). `rb`: row blocks per warp (1 or 2; exact base only), which
     multiply the same x fragments, so that at 2 one x read feeds 32 weight rows; every row block's result is the
-    same bit for bit. Forced only, never chosen automatically."""
+    same bit for bit. `kc`: CTAs of one thread-block cluster (sm_90) that split the row groups' K as well (1, 2 or
+    4; exact base only): rank 0 adds the others' sums, received in its shared memory, in rank order. Forced only,
+    never chosen automatically."""
 
     warps: int = 8
     kw: int = 2
@@ -222,6 +224,7 @@ class FlowConfig:
     fixed: bool = False
     evict: bool = True
     rb: int = 1
+    kc: int = 1
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8, 16) or self.kw not in (1, 2, 4, 8, 16) or self.warps % self.kw \
@@ -231,6 +234,9 @@ class FlowConfig:
         if self.rb not in (1, 2) or (self.rb == 2 and self.fixed):
             raise ValueError(f"FlowConfig needs rb (row blocks per warp) 1 or 2, and 2 only with the exact base "
                              f"(fixed=False); got {self}")
+        if self.kc not in (1, 2, 4) or (self.kc > 1 and self.fixed):
+            raise ValueError(f"FlowConfig needs kc (CTAs of a cluster splitting K) 1, 2 or 4, and above 1 only with "
+                             f"the exact base (fixed=False); got {self}")
 
     @property
     def row_blocks(self) -> int:
@@ -243,7 +249,8 @@ class FlowConfig:
 
     def tag(self) -> str:
         return f"flow-w{self.warps}-k{self.kw}-s{self.stages}-c{self.cps}" + ("-fixed" if self.fixed else "") + \
-            ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "")
+            ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "") + \
+            (f"-q{self.kc}" if self.kc > 1 else "")
 
 
 def _check_common(c) -> None:

@@ -38,17 +38,22 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
         base = rows[0][1]
         two = {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:] if r[1].rb == 2}
         assert two == {(w, c, k) for w, c in ((8, 1), (4, 2)) for k in (min(base.kw, w), max(1, min(base.kw, w) // 2))}
-        same = [r for r in rows[6:] if (r[1].warps, r[1].cps, r[1].rb) == (base.warps, base.cps, 1)]
+        same = [r for r in rows[6:] if (r[1].warps, r[1].cps, r[1].rb, r[1].kc) == (base.warps, base.cps, 1, 1)]
         assert len(same) == 2 * len([k for k in (1, 2, 4, 8) if k <= base.warps]) - 1  # K splits x depths 4, 8
-        other = {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:] if r[1].warps != base.warps and r[1].rb == 1}
+        other = {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:]
+                 if r[1].warps != base.warps and r[1].rb == 1 and r[1].kc == 1}
         assert other == {(w, c, min(k, w)) for w, c in ((4, 4), (8, 2), (16, 1)) if w != base.warps
                          for k in (base.kw, 2 * base.kw)}
         assert (base.warps, base.cps) == ((4, 4) if m <= 8 and name != "gate_up" else (8, 2))
+        split = {(r[1].warps, r[1].kw, r[1].cps, r[1].kc) for r in rows[6:] if r[1].kc > 1}  # sm_90: clusters
+        assert split == {(4, 4, 4, 2), (4, 4, 4, 4), (8, 8, 2, 2), (4, 2, 4, 2), (2, 2, 4, 2)}
     kws = {(name, m): rows[0][1].kw for name, n, k, m, rows in cells}
     assert kws == {("in_proj", 1): 2, ("gate_up", 1): 8, ("o_proj", 1): 4, ("in_proj", 32): 2, ("gate_up", 32): 8,
                    ("o_proj", 32): 4}
     assert {cfg.fixed for cfg, nt, step in builds} == {True, False}  # the fixed-base rows and their exact twins
     assert {(cfg.kw, step) for cfg, nt, step in builds if step in "cd" and cfg.kw == 1} == {(1, "c"), (1, "d")}
+    sm80, _ = ladder.plan(layers, [1], 132, sweep=True, arch=(8, 0))
+    assert all(r[1].kc == 1 for *_, rows in sm80 for r in rows)  # no clusters before sm_90
     _, few = ladder.plan(ladder.layer_shapes(["o_proj"]), [1], 132, sweep=False)
     assert len(few) == 5 + 1 + 2  # steps a..e, the exact-base e, steps c and d at kw = 1
     cells, sel = ladder.plan(ladder.layer_shapes(["o_proj"]), [32], 132, sweep=True, only="e|e@.*-r2")

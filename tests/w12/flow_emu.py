@@ -113,13 +113,16 @@ class _Round:
 
 def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Tensor | None = None,
             fixed: bool = True, esc: bool = True, red: bool = True, fp32: bool = False, guard: bool = True,
-            rb: int = 1):
+            rb: int = 1, kc: int = 1):
     """The kernel's result before its final rounding, float64 [M, N], and counters {"fallback": warps that took
     the exact-base recomputation, "scaled": warps that scaled}. `esc` / `red`: the W12F_ESC / W12F_RED features
     (without `red` only warp ks = 0 of a row block stores, as the kernel does); `guard=False` scales every warp
     whatever the x range (what the guard prevents); `rb`: row blocks per warp (W12F_RB; 2 only with the exact
-    base), each block's tiles in its own part of the ring slot, all multiplied by the same x fragments."""
+    base), each block's tiles in its own part of the ring slot, all multiplied by the same x fragments; `kc`: the
+    CTAs of a cluster splitting K (W12F_KC; exact base, with the reduction): CTA rank r's warp ks takes piece
+    r kw + ks of the row group's K, each CTA adds its kw shares, and rank 0 adds the ranks' sums in rank order."""
     assert rb in (1, 2) and (rb == 1 or not fixed)
+    assert kc in (1, 2, 4) and (kc == 1 or (not fixed and red))
     rnd = _Round(fp32)
     M, K = x.shape
     N = t.N
@@ -232,12 +235,13 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
         meta = {}
         fold = []  # x words the CTA folds: unit c0 + i of a K range by the row block i mod RA (RA: active ones)
         RA = min(RW, NB - cta * RW)
-        for warp in range(warps):
+        for rank, warp in ((r, w) for r in range(kc) for w in range(warps)):
             rw, ks = divmod(warp, kw)
             rb0 = (cta * RW + rw) * rb
             active = rb0 < NB  # the row group's K range follows its first block
-            c0, c1 = (ks * KF // kw, (ks + 1) * KF // kw) if active else (0, 0)
-            has_tail = active and ks == kw - 1 and kr > 0
+            q, QW = rank * kw + ks, kc * kw  # the warp's piece of the row group's K
+            c0, c1 = (q * KF // QW, (q + 1) * KF // QW) if active else (0, 0)
+            has_tail = active and q == QW - 1 and kr > 0
             cend = c1 + has_tail
             xfrs = {c: x_frag(c) for c in range(c0, cend)}  # one x read per unit, shared by the row group's blocks
             for i in range(rb):
@@ -251,12 +255,13 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                 acc = np.zeros((NT, 4, 32))
                 for c in range(c0, cend):
                     xfr = xfrs[c]
-                    if i == 0 and (c - c0) % RA == rw:
+                    if i == 0 and rank == 0 and (c - c0) % RA == rw:
                         fold.append(xfr)
                     h, lw = ring_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
                     tile_mma(acc, h, lw, xfr, kk, fixed)
-                parts[warp, i] = acc
-                meta[warp, i] = (b, ks, active and b < NB, R, blk, c0, c1, cend, e0r)
+                parts[rank, warp, i] = acc
+                if rank == 0:
+                    meta[warp, i] = (b, ks, active and b < NB, R, blk, c0, c1, cend, e0r)
         emin, emax = x_range(np.stack(fold)) if fold else (255, 0)
         if fixed:
             for (warp, i), (b, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
@@ -266,7 +271,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                     sc = np.stack([2.0 ** (e0r[v >> 1] - 112) * (e0r[v >> 1] != 0) + (e0r[v >> 1] == 0)
                                    for v in range(4)])
                     with np.errstate(over="ignore", invalid="ignore"):
-                        parts[warp, i] = rnd(parts[warp, i] * sc[None])
+                        parts[0, warp, i] = rnd(parts[0, warp, i] * sc[None])
                 else:
                     stats["fallback"] += 1
                     e0x = [((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
@@ -274,14 +279,20 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                     for c in range(c0, cend):
                         h, lw = global_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
                         tile_mma(acc, h, lw, x_frag(c), e0x, False)
-                    parts[warp, i] = acc
+                    parts[0, warp, i] = acc
         for (warp, i), (b, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
             if ks != 0 or not active:
                 continue
-            acc = parts[warp, i].copy()
-            if red and kw > 1:
-                for w in range(1, kw):
-                    acc = rnd(acc + parts[warp + w, i])
+            sums = []
+            for rank in range(kc):
+                acc = parts[rank, warp, i].copy()
+                if red and kw > 1:
+                    for w in range(1, kw):
+                        acc = rnd(acc + parts[rank, warp + w, i])
+                sums.append(acc)
+            acc = sums[0]
+            for r in range(1, kc):  # rank 0 adds the other CTAs' sums in rank order
+                acc = rnd(acc + sums[r])
             for hh in (0, 1):
                 for ln in LANE:
                     row = b * 16 + 8 * hh + G[ln]

@@ -127,12 +127,63 @@ def test_partial_ladder_steps_at_kw_1(step):
         assert torch.isnan(_run(FlowConfig(), x, t, step=s).float()).all()
 
 
-def test_forced_config_graph_replay_and_repeatability():
+# the K split across the CTAs of a cluster (sm_90): the 5120-row layers' candidate shapes, with two row blocks per
+# warp and with four ranks
+KC_CONFIGS = [FlowConfig(warps=4, kw=4, cps=4, kc=2), FlowConfig(warps=4, kw=2, cps=4, kc=4),
+              FlowConfig(warps=8, kw=4, cps=2, kc=2, rb=2), FlowConfig(warps=2, kw=2, cps=4, kc=2)]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("cfg", KC_CONFIGS, ids=lambda c: c.tag())
+@pytest.mark.parametrize("M,N,K", [(1, 75, 200), (5, 40, 130), (13, 17, 64), (32, 130, 4100), (24, 1000, 63),
+                                   (9, 5120, 6144)], ids=lambda v: str(v))
+def test_k_split_across_ctas_matches_fp64(cfg, M, N, K):
+    """Against fp64, and bit for bit run to run (rank 0 adds the CTAs' sums in rank order, whatever order they
+    arrive in); K = 64 and 130 give ranks with no full unit, 17 and 75 rows a partial and an inactive row block."""
+    w = _weight(N, K, seed=N + K)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=M)
+    bias = (_x(1, N, seed=N)[0] * 0.1) if N % 2 else None
+    out = _run(cfg, x, t, bias)
+    assert_close(out, w12.matmul_reference(x, p, bias), F.linear(x, w, bias))
+    for _ in range(3):
+        assert torch.equal(_run(cfg, x, t, bias).view(torch.int16), out.view(torch.int16))
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("xkind", ["normal", "nonfinite"])
+def test_k_split_across_ctas_on_hostile_rows(xkind):
+    """Hostile rows (zeros, subnormals, huge and tiny rows, salted escapes) and x salted with NaN, +-Inf, +-0 and
+    subnormals: the split's BF16 bits equal the reference's, except where x is non-finite at a column that holds an
+    escape of the row (NaN there, w12.matmul's documented difference)."""
+    N, K, M = 70, 300, 11
+    p = w12.pack(hostile_weight(N, K, seed=4).cuda())
+    t = layout.tile(p)
+    x = _x(M, K, seed=5)
+    if xkind == "nonfinite":
+        vals = [1e-40, -1e-40, 0.0, -0.0, float("inf"), float("-inf"), float("nan")]
+        idx = torch.randperm(M * K, generator=torch.Generator().manual_seed(3))[: M * K // 10].cuda()
+        x.view(-1)[idx] = torch.tensor(vals, device="cuda").to(torch.bfloat16)[idx % len(vals)]
+    want = w12.matmul_reference(x, p).to(torch.bfloat16)
+    esc = torch.zeros(N, K, dtype=torch.bool, device="cuda")
+    rows = torch.repeat_interleave(torch.arange(N, device="cuda"), (p.esc_rowptr[1:] - p.esc_rowptr[:-1]).long())
+    esc[rows, p.esc_col.long()] = True
+    skip = (~torch.isfinite(x.float())).double() @ esc.double().T > 0
+    for cfg in KC_CONFIGS:
+        got = _run(cfg, x, t)
+        same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
+        assert (same | skip).all(), (cfg.tag(), int((~same & ~skip).sum()))
+        assert got[skip].isnan().all()
+
+
+@pytest.mark.parametrize("cfg", [FlowConfig(), pytest.param(KC_CONFIGS[0], marks=pytest.mark.hopper)],
+                         ids=lambda c: c.tag())
+def test_forced_config_graph_replay_and_repeatability(cfg):
     N, K, M = 1030, 5120, 4
     w = _weight(N, K, seed=7)
     p = w12.pack(w)
     x = _x(M, K, seed=8)
-    cfg = FlowConfig()
     with autotune.force("w12.matmul", config=cfg):
         y = w12.matmul(x, p)
         y2 = w12.matmul(x, p)

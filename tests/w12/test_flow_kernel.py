@@ -91,6 +91,65 @@ def test_two_row_blocks_per_warp_equal_one_bitwise(M, N, K, warps, kw):
     assert np.array_equal(one, two, equal_nan=True)
 
 
+# M, N, K, warps, kw, kc, rb: K pieces wider than the full groups (K = 64, 130: pieces with no unit), the masked tail
+# in the last rank's last warp, partial and inactive row blocks, two row blocks per warp, 1 and 4 token tiles
+KC_CASES = [(1, 75, 200, 4, 2, 2, 1), (32, 33, 100, 4, 4, 4, 1), (9, 130, 256, 4, 1, 2, 1), (20, 40, 130, 8, 4, 2, 2),
+            (5, 17, 64, 2, 2, 4, 1)]
+
+
+@pytest.mark.parametrize("M,N,K,warps,kw,kc,rb", KC_CASES,
+                         ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-w{c[3]}-k{c[4]}-q{c[5]}-r{c[6]}" for c in KC_CASES])
+def test_k_split_across_ctas_matches_reference_bitwise(M, N, K, warps, kw, kc, rb):
+    """W12F_KC (the CTAs of a cluster split K, rank 0 adds their sums in rank order): the reference's BF16 bits on
+    hostile rows, and in the fp32 model of the arithmetic a sum that differs from the one-CTA build only by where
+    the partial sums meet (so the split is really taken: kc pieces of K, not one)."""
+    w = hostile_weight(N, K, seed=5 * N + K)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=K + 2 * M)
+    b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16)
+    want = w12.matmul_reference(x, p, b)
+    _assert_bf16_equal(emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, rb=rb, kc=kc)[0], want)
+    # as kc x kw warps of one CTA would split it, the pieces are the same; only the order of the additions differs
+    split, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, fp32=True, rb=rb, kc=kc)
+    again, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, fp32=True, rb=rb, kc=kc)
+    assert np.array_equal(split, again, equal_nan=True)  # deterministic: no order left to timing
+
+
+def test_k_split_across_ctas_adds_in_rank_order():
+    """Rank 0 adds the CTAs' sums in rank order, whatever order they arrive in: in the fp32 model, a huge piece of K
+    first and three small ones after it lose the small ones to rounding (a tie to even each time), where the small
+    ones added first would have survived; so the emulated order is the one the test pins."""
+    N, K, M = 16, 256, 8
+    w = torch.full((N, K), 2.0 ** -3)
+    w[:, :64] = 2.0 ** 10  # rank 0's piece (one 64-column unit each at kc = 4): 64 x 2^10 x 2^10 = 2^26
+    x = torch.full((M, K), 2.0 ** -1)
+    x[:, :64] = 2.0 ** 10  # ranks 1..3: 64 x 2^-3 x 2^-1 = 4 each, half an fp32 ulp of 2^26
+    p = w12.pack(w.to(torch.bfloat16))
+    assert p.esc_col.numel() == 0  # both values in the rows' window: no escape corrections in the sum
+    t = layout.tile(p)
+    got, _ = emulate(x.to(torch.bfloat16), t, warps=1, kw=1, fixed=False, fp32=True, kc=4)
+    assert np.all(got == 2.0 ** 26)  # ((2^26 + 4) + 4) + 4, each a tie rounded to even
+    one, _ = emulate(x.to(torch.bfloat16), t, warps=4, kw=4, fixed=False, fp32=True)  # one CTA: the same order
+    assert np.array_equal(got, one)
+    assert np.float32(np.float32(4.0 + 4.0) + 4.0) + np.float32(2.0 ** 26) == 2.0 ** 26 + 16  # the other order
+
+
+@pytest.mark.parametrize("nt", [1, 4])
+def test_k_split_across_ctas_builds_for_sm90_only(nt, jit_cache):
+    cfg = FlowConfig(warps=4, kw=4, cps=4, kc=2)
+    b = flow.build(cfg, nt, (9, 0))
+    ptx = b.ptx.read_text()
+    assert "mapa.shared::cluster" in ptx and "st.shared::cluster.f32" in ptx and "barrier.cluster.arrive" in ptx
+    assert ".reqnctapercluster 2" in ptx or ".explicitcluster" in ptx
+    r = b.resources()
+    assert r["spill_stores"] == 0 and r["stack"] == 0
+    with pytest.raises(ValueError, match="needs sm_90"):
+        flow.spec(cfg, nt, (8, 0))
+    with pytest.raises(ValueError, match="only with the reduction"):
+        flow.spec(cfg, nt, (9, 0), step="d")
+
+
 @pytest.mark.parametrize("kind", ["nonfinite", "subnormal"])
 def test_emulated_kernel_with_hostile_x(kind):
     """x with NaN, +-Inf, +-0 and subnormals: equal to the reference except where x is non-finite at a column that
@@ -237,6 +296,15 @@ def test_config_and_launch_geometry():
         FlowConfig(rb=2, fixed=True)
     with pytest.raises(ValueError, match="rb .row blocks per warp. 1 or 2"):
         FlowConfig(rb=3)
+    with pytest.raises(ValueError, match="kc .CTAs of a cluster splitting K. 1, 2 or 4"):
+        FlowConfig(kc=2, fixed=True)
+    with pytest.raises(ValueError, match="kc .CTAs of a cluster splitting K. 1, 2 or 4"):
+        FlowConfig(kc=3)
+    q2 = FlowConfig(warps=4, kw=4, cps=4, kc=2)
+    assert q2.tag() == "flow-w4-k4-s4-c4-q2" and flow.grid(q2, 5120) == 640 and flow.grid(q2, 17) == 4
+    assert flow.smem_bytes(q2, 4) == 4 * 4 * 1536 + 4 * 4 * 512 + 1 * 4 * 512 + 1024
+    assert flow.smem_bytes(FlowConfig(warps=8, kw=2, kc=4), 1) == 8 * 4 * 1536 + 8 * 512 + 3 * 4 * 512
+    assert dict(flow.spec(q2, 1, (9, 0)).defines)["W12F_KC"] == "2"
     r2 = FlowConfig(warps=8, kw=2, cps=1, rb=2)
     assert r2.row_blocks == 8 and r2.rows == 128 and r2.tag() == "flow-w8-k2-s4-c1-r2"
     assert flow.grid(r2, 16480) == 129 and flow.grid(r2, 17) == 1  # 1030 row blocks, 8 per CTA

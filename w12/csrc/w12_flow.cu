@@ -13,6 +13,13 @@
 // warp order (deterministic), then one warp per row group applies the escapes, the bias and the rounding. Each row
 // block's sum is the same sequence of operations whatever RB is, so RB = 2 gives RB = 1's result bit for bit.
 //
+// K split across CTAs (W12F_KC > 1; sm_90 thread-block clusters, exact base only). The KC CTAs of a cluster own the
+// same row groups and split their K into KC x KW ranges: piece q = kc KW + ks of CTA rank kc and warp ks. Each CTA
+// adds its KW shares as above; the CTAs of ranks 1 .. KC - 1 then store their sums into rank 0's shared memory
+// (distributed shared memory), and after one cluster barrier rank 0 adds them in rank order (deterministic) and
+// finishes the rows. This is for layers whose row blocks do not spread evenly over the SMs (5120 rows: 320 row
+// blocks on 132 SMs), where smaller CTAs of equal work balance the bytes each SM streams.
+//
 // Decode (FIXED = 1; the probe's V1). A lane (g = lane / 4, p = lane % 4) holds, per tile, rows g and g + 8:
 // hi bytes of columns 16 p .. 16 p + 15 (one LDS.128 per row) and their lo nibbles (one LDS.64 per row, byte j =
 // column j | column j + 8). Per bf16 pair of k-step s: y = prmt(hi word s, lo word, 0x1504 or 0x3726) puts
@@ -80,6 +87,9 @@
 #ifndef W12F_RB
 #define W12F_RB 1  // row blocks per warp (one x fragment feeds RB weight tiles)
 #endif
+#ifndef W12F_KC
+#define W12F_KC 1  // CTAs of a cluster splitting K (sm_90)
+#endif
 
 namespace {
 
@@ -87,6 +97,7 @@ constexpr int WARPS = W12F_WARPS;
 constexpr int KW = W12F_KW;
 constexpr int RW = WARPS / KW;  // row groups per CTA
 constexpr int RB = W12F_RB;     // row blocks per row group
+constexpr int KC = W12F_KC;     // CTAs splitting K (one cluster)
 constexpr int STAGES = W12F_STAGES;
 constexpr int NT = W12F_NT;
 constexpr bool FIXED = W12F_FIXED != 0;
@@ -106,6 +117,12 @@ static_assert(NT >= 1 && NT <= 4, "n-tiles: 1..4");
 static_assert(RB == 1 || RB == 2, "row blocks per warp: 1 or 2");
 static_assert(RB == 1 || !FIXED, "two row blocks per warp: exact base only (the guard's recomputation is per block)");
 static_assert((!EPI || XB) && (!ESC || EPI) && (W12F_RED == 0 || EPI), "features build on each other: X, EPI, ESC, RED");
+static_assert(KC == 1 || KC == 2 || KC == 4, "CTAs splitting K: 1, 2 or 4");
+static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
+              "a K split across CTAs: exact base, with the epilogue and the reduction");
+#if W12F_KC > 1 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
+#error "W12F_KC > 1 needs thread-block clusters (sm_90)"
+#endif
 
 __device__ __forceinline__ uint64_t evict_first_policy() {
   uint64_t p = 0;
@@ -179,7 +196,11 @@ __device__ __forceinline__ void tile_mma(float (&acc)[NT][4], const Frag& f, con
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_flow_kernel(
+extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS)
+#if W12F_KC > 1
+__cluster_dims__(W12F_KC, 1, 1)
+#endif
+w12_matmul_flow_kernel(
     const __nv_bfloat16* __restrict__ x,  // [M, >= 64 ceil(K / 64)], row stride ldx, 16-byte aligned rows, zero past K
     long long ldx,
     const uint8_t* __restrict__ tiles,    // the runtime layout (w12/layout.py)
@@ -197,7 +218,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
   const int NB = NF + (nr > 0);
   const int TB = kr + ((kr + 1) >> 1);
   const long long SB = 1536LL * KF + 16LL * TB;
-  const int rb0 = (blockIdx.x * RW + rw) * RB;    // the first row block of this warp's row group
+  const int cta = (int)blockIdx.x / KC, kc = (int)blockIdx.x - cta * KC;  // a cluster's CTAs: consecutive ids
+  const int rb0 = (cta * RW + rw) * RB;           // the first row block of this warp's row group
   const bool active = rb0 < NB;                    // a row group is active when its first block is
   int R[RB], TS[RB];                               // rows of each row block (0 past the last), bytes per tile
   const uint8_t* blk[RB];
@@ -208,8 +230,9 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
     TS[i] = 96 * R[i];
     blk[i] = tiles + (long long)min(rb, NB - 1) * SB;
   }
-  const int c0 = active ? ks * KF / KW : 0, c1 = active ? (ks + 1) * KF / KW : 0;
-  const bool has_tail = active && ks == KW - 1 && kr > 0;
+  const int q = kc * KW + ks;                      // the warp's piece of the row group's K, of KC x KW
+  const int c0 = active ? q * KF / (KC * KW) : 0, c1 = active ? (q + 1) * KF / (KC * KW) : 0;
+  const bool has_tail = active && q == KC * KW - 1 && kr > 0;
   const int cend = c1 + (has_tail ? 1 : 0);        // units c0 .. cend - 1; unit KF is the masked tail
   constexpr int SLOT = RB * TILE;                  // one ring slot: the unit's tile of each row block
   const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
@@ -257,9 +280,11 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
   // latency hides under the stream instead of lengthening the epilogue (ESC_STASH: where it waits)
   int ep[RB][2][2] = {}, ec[RB][2] = {};
   uint32_t ev[RB][2] = {};
-  int4* const stash = reinterpret_cast<int4*>(smem + WARPS * STAGES * SLOT + (RED ? WARPS * RB * NT * 512 : 0)) +
-                      rw * RB * 64;
-  if (ESC && ks == 0 && active) {
+  // shared memory: the rings, the KW shares (RED), the other CTAs' sums (KC > 1, rank 0's), the escape stash
+  constexpr int RED_BYTES = RED ? WARPS * RB * NT * 512 : 0;
+  constexpr int CRED_BYTES = KC > 1 ? (KC - 1) * RW * RB * NT * 512 : 0;
+  int4* const stash = reinterpret_cast<int4*>(smem + WARPS * STAGES * SLOT + RED_BYTES + CRED_BYTES) + rw * RB * 64;
+  if (ESC && ks == 0 && active && kc == 0) {
 #pragma unroll
     for (int i = 0; i < RB; ++i)
 #pragma unroll
@@ -296,7 +321,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
   XRange xr;
   // the unit's turn among the CTA's RA active row blocks (the last CTA may have fewer than RW): warp rw folds the
   // units of its K range with fu == rw, so that every unit a warp reads is folded by one warp
-  const int RA = min(RW, NB - (int)blockIdx.x * RW);
+  const int RA = min(RW, NB - cta * RW);
   int fu = 0;
   // the lane's x: token 8 j + g of n-tile j, columns 16 p .. 16 p + 15 of a unit; `xu` at unit c0, one unit a step
   const __nv_bfloat16* xu = x + (long long)g * ldx + 64 * c0 + 16 * p;
@@ -477,6 +502,36 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS) w12_matmul_fl
             for (int j = 0; j < NT; ++j)
 #pragma unroll
               for (int u = 0; u < 4; ++u) acc[i][j][u] += red[((((warp + w) * RB + i) * NT + j) * 4 + u) * 32 + lane];
+      }
+    }
+    if constexpr (KC > 1) {
+      // the other CTAs' sums into rank 0's shared memory, one cluster barrier, then rank 0 adds them in rank order
+      const uint32_t cred = (uint32_t)__cvta_generic_to_shared(smem + WARPS * STAGES * SLOT + RED_BYTES);
+      if (ks == 0 && kc > 0) {
+        uint32_t dst;
+        asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(dst) : "r"(cred));
+#pragma unroll
+        for (int i = 0; i < RB; ++i)
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int u = 0; u < 4; ++u)
+              asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(
+                               dst + 4u * (uint32_t)((((((kc - 1) * RW + rw) * RB + i) * NT + j) * 4 + u) * 32 + lane)),
+                           "f"(acc[i][j][u]) : "memory");
+      }
+      asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+      if (kc > 0) return;
+      if (ks == 0) {
+        const float* cr = reinterpret_cast<const float*>(smem + WARPS * STAGES * SLOT + RED_BYTES);
+#pragma unroll
+        for (int r = 0; r < KC - 1; ++r)
+#pragma unroll
+          for (int i = 0; i < RB; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+              for (int u = 0; u < 4; ++u) acc[i][j][u] += cr[((((r * RW + rw) * RB + i) * NT + j) * 4 + u) * 32 + lane];
       }
     }
     if (ks != 0 || !active) return;
