@@ -349,24 +349,40 @@ def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = F
 
 
 def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int | None = None, stages: int = 4,
-                   cps: int | None = None) -> FlowConfig:
+                   cps: int | None = None, clusters: bool | None = None) -> FlowConfig:
     """FlowConfig default: the CTA shape and K split `kw` that minimise a wave model, waves x (64-column units per
     warp + one unit for the shared-memory reduction when kw > 1). The shapes: for M <= 8, CTAs of 4 warps at 4 per
     SM or of 8 warps at 2 per SM (ties go to the 4-warp ones); above, 8 warps at 2 per SM; `warps` and `cps` fix
     one. Ties in `kw` go to the smaller split. On the H200 (docs/w12-kernels.md, "The flow kernel") the 4-warp CTAs
     were 7-9% faster than 8-warp ones on the 5120-row layers at M = 1..8 and within 2% on the large ones, except
     gate_up at M = 8 (1.13 against 1.27x cuBLAS), where this model gives the 8-warp CTAs fewer waves; at M = 32 the
-    8-warp ones were faster."""
+    8-warp ones were faster.
+
+    Where there are fewer than 3 row blocks per SM (the 5120-row layers: 320 row blocks on 132 SMs, so some SMs
+    stream 3 row blocks and others 2) and thread-block clusters exist (`clusters`; default: a CUDA device of
+    sm_90 or later), the K split goes across the 2 CTAs of a cluster as well (`kc = 2`), in CTAs of one row block:
+    4 warps splitting K at 4 per SM for M <= 8, 2 warps at 4 per SM above. On the H200 that took down_proj from
+    42.6 to 37.9 µs at M = 1 and from 77.9 to 65.5 µs at M = 32, o_proj from 18.4 to 17.1 µs at M = 8 and from
+    31.4 to 25.4 µs at M = 32 (docs/w12-kernels.md, "K split across CTAs"); on in_proj and gate_up (8 and 16 row
+    blocks per SM) it was slower, except gate_up at M = 32 in 4-warp CTAs of two row blocks (121.4 to 111.0 µs),
+    which this rule does not take."""
     if warps is not None or cps is not None:
         shapes = [(warps or (4 if M <= 8 else 8), cps or (4 if M <= 8 else 2))]
     else:
         shapes = [(4, 4), (8, 2)] if M <= 8 else [(8, 2)]
     blocks, units = -(-N // 16), -(-K // 64)
+    sms = sm_count(device)
 
     def cost(w: int, c: int, kw: int) -> int:
         ctas = -(-blocks // (w // kw))
-        return -(-ctas // (sm_count(device) * c)) * (-(-units // kw) + (kw > 1))
+        return -(-ctas // (sms * c)) * (-(-units // kw) + (kw > 1))
 
     cands = [(cost(w, c, kw), i, kw, w, c) for i, (w, c) in enumerate(shapes) for kw in (1, 2, 4, 8, 16) if kw <= w]
     _, _, kw, w, c = min(cands)
+    if clusters is None:
+        clusters = device.type == "cuda" and not autotune.is_interpreter() and \
+            torch.cuda.get_device_capability(device)[0] >= 9
+    if clusters and warps is None and cps is None and blocks < 3 * sms and units >= 2:
+        return FlowConfig(warps=4, kw=4, stages=stages, cps=4, kc=2) if M <= 8 else \
+            FlowConfig(warps=2, kw=2, stages=stages, cps=4, kc=2)
     return FlowConfig(warps=w, kw=kw, stages=stages, cps=c)

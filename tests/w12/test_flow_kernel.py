@@ -341,6 +341,16 @@ def test_heuristic_fills_the_machine(monkeypatch):
                                                                     "o_proj": (5120, 6144)}.items()}
     assert {n: (c.warps, c.cps, c.kw) for n, c in big.items()} == {"in_proj": (8, 2, 2), "gate_up": (8, 2, 8),
                                                                   "o_proj": (8, 2, 4)}
+    assert all(flow_heuristic(m, n, k, cpu).kc == 1 for m in (1, 32) for n, k in ((5120, 6144), (64, 64)))  # no clusters
+    # with clusters (sm_90): the layers with fewer than 3 CTAs per SM split K across 2 CTAs, the others do not
+    sm90 = {(name, m): flow_heuristic(m, n, k, cpu, clusters=True) for m in (1, 8, 16, 32) for name, (n, k) in
+            {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144), "down": (5120, 17408),
+             "qkv": (14336, 5120), "tiny": (40, 64)}.items()}
+    assert {key for key, c in sm90.items() if c.kc == 2} == {(n, m) for n in ("o_proj", "down") for m in (1, 8, 16, 32)}
+    assert sm90["o_proj", 1] == FlowConfig(warps=4, kw=4, cps=4, kc=2)
+    assert sm90["down", 32] == FlowConfig(warps=2, kw=2, cps=4, kc=2)
+    assert sm90["tiny", 1].kc == 1  # one unit of K: nothing to split
+    assert flow_heuristic(1, 5120, 6144, cpu, warps=4, clusters=True).kc == 1  # a fixed shape stays as asked
 
 
 def test_layout_cache_follows_the_planes():
