@@ -68,32 +68,36 @@ def _check_step(step: str) -> dict[str, int]:
 
 
 def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
-         defines: Mapping[str, object] | None = None) -> jit.Spec:
+         defines: Mapping[str, object] | None = None, q8: bool = False) -> jit.Spec:
     """The build of `cfg` for `nt` token tiles and compute capability `arch`, at ladder `step`; `defines` add to
-    (or override) the config's W12F_* defines."""
+    (or override) the config's W12F_* defines; `q8`: the 8-bit view's build (hi bytes only, exact base)."""
     if not isinstance(cfg, FlowConfig):
         raise TypeError(f"w12.flow.spec: expected a FlowConfig, got {type(cfg).__name__}")
     if not 1 <= nt <= 4:
         raise ValueError(f"w12.flow.spec: nt must be 1..4 token tiles, got {nt}")
+    if q8 and cfg.fixed:
+        raise ValueError(f"w12.flow.spec: the 8-bit view builds on the exact base only; {cfg.tag()} asks for the "
+                         "fixed base (use fixed=False)")
     if cfg.kc > 1 and tuple(arch) < (9, 0):
         raise ValueError(f"w12.flow.spec: {cfg.tag()} splits K across the CTAs of a thread-block cluster, which needs "
                          f"sm_90; this GPU is sm_{arch[0]}{arch[1]} (use kc=1)")
     base = dict(W12F_WARPS=cfg.warps, W12F_KW=cfg.kw, W12F_STAGES=cfg.stages, W12F_CPS=cfg.cps, W12F_NT=nt,
                 W12F_FIXED=int(cfg.fixed), W12F_EVICT=int(cfg.evict), W12F_RB=cfg.rb, W12F_KC=cfg.kc,
-                **_check_step(step))
+                W12F_Q8=int(q8), **_check_step(step))
     merged = base | dict(defines or {})
     if cfg.kc > 1 and not merged["W12F_RED"]:
         raise ValueError(f"w12.flow.spec: {cfg.tag()} (a K split across CTAs) builds only with the reduction, step "
                          f"'e'; got step {step!r}")
     target = jit.arch_name(arch)
-    return jit.Spec(SOURCE, KERNEL, target, merged, name=f"{SOURCE.stem}-{cfg.tag()}-nt{nt}-{step}-{target}")
+    return jit.Spec(SOURCE, KERNEL, target, merged,
+                    name=f"{SOURCE.stem}-{cfg.tag()}{'-q8' if q8 else ''}-nt{nt}-{step}-{target}")
 
 
 def build(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
-          defines: Mapping[str, object] | None = None) -> jit.Build:
+          defines: Mapping[str, object] | None = None, q8: bool = False) -> jit.Build:
     """Compile `spec(...)` (cached on disk): the CUBIN, PTX and NVRTC log (`Build.resources()`). Raises
     autotune.BuildError."""
-    return spec(cfg, nt, arch, step=step, defines=defines).compile()
+    return spec(cfg, nt, arch, step=step, defines=defines, q8=q8).compile()
 
 
 def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e") -> int:
@@ -144,12 +148,14 @@ _TYPES = (jit.PTR, jit.I64, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR
           jit.I32, jit.PTR)
 
 
-def _kernel(cfg: FlowConfig, nt: int, step: str, idx: int, defines: tuple, smem: int | None) -> tuple[jit.Kernel, int]:
+def _kernel(cfg: FlowConfig, nt: int, step: str, idx: int, defines: tuple, smem: int | None,
+            q8: bool = False) -> tuple[jit.Kernel, int]:
     def make():
         return load_with_smem("w12.flow", cfg, nt, idx, smem_bytes(cfg, nt, step), smem, _STATIC_SMEM,
-                              lambda arch: spec(cfg, nt, arch, step=step, defines=dict(defines)), "stages or warps")
+                              lambda arch: spec(cfg, nt, arch, step=step, defines=dict(defines), q8=q8),
+                              "stages or warps")
 
-    return _KERNELS.get_or_make((cfg, nt, step, idx, defines, smem), make)
+    return _KERNELS.get_or_make((cfg, nt, step, idx, defines, smem, q8), make)
 
 
 def _x_operand(x2d: torch.Tensor, Kp: int) -> tuple[torch.Tensor, int]:
@@ -163,10 +169,12 @@ def _x_operand(x2d: torch.Tensor, Kp: int) -> tuple[torch.Tensor, int]:
 
 
 def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Tensor | None, out: torch.Tensor, *,
-                 step: str = "e", defines: Mapping[str, object] | None = None, smem: int | None = None) -> None:
+                 step: str = "e", defines: Mapping[str, object] | None = None, smem: int | None = None,
+                 q8: bool = False) -> None:
     """out[M, N] = x2d @ W^T (+ bias) from the runtime layout `t`, on torch's current stream (CUDA-graph capturable
     once the kernel is loaded). `step`: a ladder build (module doc; "a" and "b" leave `out` unwritten).
-    `defines` add to the build's defines; `smem`: dynamic shared memory per CTA, at least what the config needs."""
+    `defines` add to the build's defines; `smem`: dynamic shared memory per CTA, at least what the config needs;
+    `q8`: the product with the 8-bit view (`w12.decode_q8`'s weight), reading each tile's hi bytes only."""
     M, K = x2d.shape
     if x2d.dtype != torch.bfloat16 or not 0 < M <= MAX_M or K != t.K or t.device != x2d.device:
         raise ValueError(f"w12.flow.launch_tiled: needs bf16 x [1..{MAX_M}, K={t.K}] on {t.device}, got "
@@ -178,7 +186,7 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
                          f"{out.dtype} {tuple(out.shape)}")
     nt = n_tiles(M)
     idx = x2d.device.index if x2d.device.index is not None else torch.cuda.current_device()
-    kernel, smem = _kernel(cfg, nt, step, idx, () if not defines else tuple(sorted(defines.items())), smem)
+    kernel, smem = _kernel(cfg, nt, step, idx, () if not defines else tuple(sorted(defines.items())), smem, q8)
     xk, ldx = _x_operand(x2d, padded_k(K))
     sink = _SINKS.get(idx)
     if sink is None:
@@ -195,11 +203,12 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
 def launch(cfg: FlowConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False,
            defines: Mapping[str, object] | None = None, smem: int | None = None) -> None:
     """`w12.cuda.launch` for a FlowConfig: the product from the version-1 planes, through their cached runtime
-    layout (`tiled`). The 8-bit view has no flow build."""
-    if q8:
-        raise ValueError("w12.flow: the flow kernel (FlowConfig) has no 8-bit view build; force a StreamConfig, "
-                         "TmaConfig or MmaConfig for w12.matmul_q8")
-    launch_tiled(cfg, x2d, tiled(hi, lo, e0, rowptr, col, val, x2d.shape[1]), bias, out, defines=defines, smem=smem)
+    layout (`tiled`); `q8`: with the 8-bit view (hi bytes only; the exact base: a fixed-base config is refused)."""
+    if q8 and cfg.fixed:
+        raise ValueError(f"w12.flow: the 8-bit view builds on the exact base only; {cfg.tag()} asks for the fixed "
+                         "base (force FlowConfig(fixed=False) for w12.matmul_q8)")
+    launch_tiled(cfg, x2d, tiled(hi, lo, e0, rowptr, col, val, x2d.shape[1]), bias, out, defines=defines, smem=smem,
+                 q8=q8)
 
 
 def ladder_weight(packed: W12Weight, step: str = "e") -> torch.Tensor | None:

@@ -91,8 +91,8 @@ def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: 
                              "torch or triton is imported), or drop the forced config (the torch path runs)")
         why = None if kernel != "mma" else (
             missing if missing is not None else wcuda.unsupported(x2d, hi))
-        if why is None and isinstance(forced_cfg, FlowConfig) and op == OP_Q8:
-            why = "the flow kernel has no 8-bit view build"
+        if why is None and isinstance(forced_cfg, FlowConfig) and op == OP_Q8 and forced_cfg.fixed:
+            why = "the flow kernel's 8-bit view builds on the exact base only (FlowConfig(fixed=False))"
         if why is not None:
             raise ValueError(f"{op}: the CUDA kernel ({type(forced_cfg).__name__}) cannot take this call: {why}; "
                              "force a TcConfig or GemvConfig instead")

@@ -50,6 +50,14 @@ def dec_exact(y: np.ndarray, e0x: np.ndarray) -> np.ndarray:
     return ((y & U32(0x800F800F)) + ((y >> U32(4)) & U32(0x07F007F0)) + e0x).astype(U32)
 
 
+def dec_q8(y: np.ndarray, e0x: np.ndarray) -> np.ndarray:
+    """dec_pair_q8 (w12_common.cuh): lanes `hi << 8` -> the bf16 bits of the bin midpoint; hi == 0 reads +0.0."""
+    bits = ((y & U32(0x80008000)) + ((y >> U32(4)) & U32(0x07F007F0)) + e0x + U32(0x00080008)).astype(U32)
+    keep = np.where((y >> U32(8)) & U32(0xFF), U32(0xFFFF), U32(0)) | \
+        np.where((y >> U32(24)) & U32(0xFF), U32(0xFFFF0000), U32(0))
+    return (bits & keep).astype(U32)
+
+
 def x_range(wds: np.ndarray) -> tuple[int, int]:
     """The kernel's XRange over 32-bit words of bf16 pairs, reduced: (emin, emax)."""
     v = wds.astype(U32).reshape(-1)
@@ -113,15 +121,18 @@ class _Round:
 
 def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Tensor | None = None,
             fixed: bool = True, esc: bool = True, red: bool = True, fp32: bool = False, guard: bool = True,
-            rb: int = 1, kc: int = 1):
+            rb: int = 1, kc: int = 1, q8: bool = False):
     """The kernel's result before its final rounding, float64 [M, N], and counters {"fallback": warps that took
     the exact-base recomputation, "scaled": warps that scaled}. `esc` / `red`: the W12F_ESC / W12F_RED features
     (without `red` only warp ks = 0 of a row block stores, as the kernel does); `guard=False` scales every warp
     whatever the x range (what the guard prevents); `rb`: row blocks per warp (W12F_RB; 2 only with the exact
     base), each block's tiles in its own part of the ring slot, all multiplied by the same x fragments; `kc`: the
     CTAs of a cluster splitting K (W12F_KC; exact base, with the reduction): CTA rank r's warp ks takes piece
-    r kw + ks of the row group's K, each CTA adds its kw shares, and rank 0 adds the ranks' sums in rank order."""
+    r kw + ks of the row group's K, each CTA adds its kw shares, and rank 0 adds the ranks' sums in rank order;
+    `q8`: the 8-bit view's build (W12F_Q8; exact base): only the hi pieces are copied into the ring, each pair is
+    decoded by dec_pair_q8, and an escape's correction adds x * escape alone (its hi byte 0 read as +0.0)."""
     assert rb in (1, 2) and (rb == 1 or not fixed)
+    assert not (q8 and fixed)
     assert kc in (1, 2, 4) and (kc == 1 or (not fixed and red))
     rnd = _Round(fp32)
     M, K = x.shape
@@ -160,8 +171,9 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
         """The ring slot image of tile c (the kernel's three cp.async pieces per lane) and the lanes' reads."""
         T = blk + 96 * R * c
         sm = np.zeros(1536, dtype=np.uint8)  # the block's part of the slot (a row block past the last: R = 0, zeros)
-        for k, (dst, off, ok) in enumerate(((16 * LANE, 16 * LANE, G < R), (512 + 16 * LANE, 512 + 16 * LANE, G + 8 < R),
-                                            (1024 + 16 * LANE, 64 * R + 16 * LANE, (LANE >> 1) < R))):
+        pieces = ((16 * LANE, 16 * LANE, G < R), (512 + 16 * LANE, 512 + 16 * LANE, G + 8 < R),
+                  (1024 + 16 * LANE, 64 * R + 16 * LANE, (LANE >> 1) < R))
+        for k, (dst, off, ok) in enumerate(pieces[:2] if q8 else pieces):  # the 8-bit view: the hi pieces only
             for lane in LANE[ok]:
                 sm[dst[lane]:dst[lane] + 16] = buf[T + off[lane]:T + off[lane] + 16]
         h = [words(np.stack([sm[16 * ln + 512 * r:16 * ln + 512 * r + 16] for ln in LANE])) for r in (0, 1)]
@@ -210,6 +222,10 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
             regs = []
             for r in (0, 1):
                 hw = h[r][:, s]
+                if q8:
+                    zero = np.zeros_like(hw)
+                    regs.append((dec_q8(prmt(hw, zero, 0x1404), kk[r]), dec_q8(prmt(hw, zero, 0x3424), kk[r])))
+                    continue
                 l2 = lw[r][:, s & 1] >> U32(4 if s >= 2 else 0)
                 y0, y1 = prmt(hw, l2, 0x1504), prmt(hw, l2, 0x3726)
                 dec = dec_fixed if fix else dec_exact
@@ -305,12 +321,12 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                                 continue
                             v = acc[j, 2 * hh + u, ln]
                             if esc:
-                                dense = float(np.array([int(e0[row]) << 23], dtype=U32).view(np.float32)[0])
+                                dense = 0.0 if q8 else float(np.array([int(e0[row]) << 23], dtype=U32).view(np.float32)[0])
                                 for q in range(rowptr[row], rowptr[row + 1]):
                                     xv = xf[tok, ecol[q]]
                                     val = float(np.array([U32(eval_[q]) << U32(16)], dtype=U32).view(np.float32)[0])
                                     with np.errstate(invalid="ignore", over="ignore"):
-                                        v = float(rnd(v + rnd(rnd(xv * val) - rnd(xv * dense))))
+                                        v = float(rnd(v + (rnd(xv * val) if q8 else rnd(rnd(xv * val) - rnd(xv * dense)))))
                             if bias is not None:
                                 v = float(rnd(v + float(bias[row].float())))
                             assert not written[tok, row], f"output ({tok}, {row}) written twice"

@@ -151,30 +151,43 @@ def test_k_split_across_ctas_matches_fp64(cfg, M, N, K):
         assert torch.equal(_run(cfg, x, t, bias).view(torch.int16), out.view(torch.int16))
 
 
-@pytest.mark.hopper
-@pytest.mark.parametrize("xkind", ["normal", "nonfinite"])
-def test_k_split_across_ctas_on_hostile_rows(xkind):
-    """Hostile rows (zeros, subnormals, huge and tiny rows, salted escapes) and x salted with NaN, +-Inf, +-0 and
-    subnormals: the split's BF16 bits equal the reference's, except where x is non-finite at a column that holds an
-    escape of the row (NaN there, w12.matmul's documented difference)."""
+def _hostile_case(xkind: str, seed: int):
+    """Hostile rows (zeros, subnormals, huge and tiny rows, salted escapes) and x, normal or salted with NaN, +-Inf,
+    +-0 and subnormals; with the outputs where x is non-finite at a column that holds an escape of the row (there
+    the kernels give NaN: w12.matmul's documented difference)."""
     N, K, M = 70, 300, 11
-    p = w12.pack(hostile_weight(N, K, seed=4).cuda())
-    t = layout.tile(p)
-    x = _x(M, K, seed=5)
+    p = w12.pack(hostile_weight(N, K, seed=seed).cuda())
+    x = _x(M, K, seed=seed + 1)
     if xkind == "nonfinite":
         vals = [1e-40, -1e-40, 0.0, -0.0, float("inf"), float("-inf"), float("nan")]
         idx = torch.randperm(M * K, generator=torch.Generator().manual_seed(3))[: M * K // 10].cuda()
         x.view(-1)[idx] = torch.tensor(vals, device="cuda").to(torch.bfloat16)[idx % len(vals)]
-    want = w12.matmul_reference(x, p).to(torch.bfloat16)
     esc = torch.zeros(N, K, dtype=torch.bool, device="cuda")
     rows = torch.repeat_interleave(torch.arange(N, device="cuda"), (p.esc_rowptr[1:] - p.esc_rowptr[:-1]).long())
     esc[rows, p.esc_col.long()] = True
-    skip = (~torch.isfinite(x.float())).double() @ esc.double().T > 0
+    nan_at = (~torch.isfinite(x.float())).double() @ esc.double().T > 0
+    return p, x, nan_at
+
+
+def _assert_close_hostile(out, ref64, base, nan_at):
+    """assert_close with NaN expected at `nan_at`, and the baseline's error taken as 0 where the reference is not
+    finite (there only the kind of value is compared)."""
+    ref = ref64.double().clone()
+    ref[nan_at] = float("nan")
+    b = base.double().clone()
+    bad = ~torch.isfinite(ref)
+    b[bad] = ref[bad]
+    assert_close(out, ref, b)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("xkind", ["normal", "nonfinite"])
+def test_k_split_across_ctas_on_hostile_rows(xkind):
+    """The split against fp64 on hostile rows and hostile x (NaN and infinities where the reference has them)."""
+    p, x, nan_at = _hostile_case(xkind, seed=4)
+    t = layout.tile(p)
     for cfg in KC_CONFIGS:
-        got = _run(cfg, x, t)
-        same = (got.view(torch.int16) == want.view(torch.int16)) | (got.isnan() & want.isnan())
-        assert (same | skip).all(), (cfg.tag(), int((~same & ~skip).sum()))
-        assert got[skip].isnan().all()
+        _assert_close_hostile(_run(cfg, x, t), w12.matmul_reference(x, p), F.linear(x, w12.unpack(p)), nan_at)
 
 
 @pytest.mark.parametrize("cfg", [FlowConfig(), pytest.param(KC_CONFIGS[0], marks=pytest.mark.hopper)],
@@ -198,5 +211,46 @@ def test_forced_config_graph_replay_and_repeatability(cfg):
     assert torch.equal(_run(cfg, x, layout.tile(p)).view(torch.int16), y.view(torch.int16))
     assert_close(y, w12.matmul_reference(x, p), F.linear(x, w))
     with autotune.force("w12.matmul_q8", config=cfg):  # a forced config belongs to one op name
-        with pytest.raises(ValueError, match="no 8-bit view build"):
+        q = w12.matmul_q8(x, p)
+        assert torch.equal(w12.matmul_q8(x, p).view(torch.int16), q.view(torch.int16))
+    wq = w12.decode_q8(p)
+    assert_close(q, w12.matmul_q8_reference(x, p), F.linear(x, wq))
+    with autotune.force("w12.matmul_q8", config=FlowConfig(fixed=True)):
+        with pytest.raises(ValueError, match="exact base only"):
             w12.matmul_q8(x, p)
+
+
+Q8_CONFIGS = [FlowConfig(), FlowConfig(warps=4, kw=4, cps=4), FlowConfig(warps=8, kw=8),
+              FlowConfig(warps=4, kw=4, rb=2), pytest.param(FlowConfig(warps=4, kw=4, cps=4, kc=2),
+                                                            marks=pytest.mark.hopper)]
+
+
+@pytest.mark.parametrize("cfg", Q8_CONFIGS, ids=lambda c: c.tag())
+@pytest.mark.parametrize("M,N,K", [(1, 75, 200), (13, 17, 64), (32, 130, 4100), (24, 1000, 63), (9, 5120, 6144)],
+                         ids=lambda v: str(v))
+def test_q8_build_matches_the_8_bit_view(cfg, M, N, K):
+    """The 8-bit view's build (hi bytes only) against fp64 with `w12.decode_q8`'s weight, and bit for bit run to
+    run."""
+    w = _weight(N, K, seed=N + K + 1)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=M + 1)
+    bias = (_x(1, N, seed=N)[0] * 0.1) if N % 2 else None
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    flow.launch_tiled(cfg, x, t, bias, out, q8=True)
+    again = torch.empty_like(out)
+    flow.launch_tiled(cfg, x, t, bias, again, q8=True)
+    torch.cuda.synchronize()
+    wq = w12.decode_q8(p)
+    assert_close(out, w12.matmul_q8_reference(x, p, bias), F.linear(x, wq, bias))
+    assert torch.equal(out.view(torch.int16), again.view(torch.int16))
+
+
+@pytest.mark.parametrize("xkind", ["normal", "nonfinite"])
+def test_q8_build_on_hostile_rows(xkind):
+    """The 8-bit view's build against fp64 with `w12.decode_q8`'s weight on hostile rows and hostile x."""
+    p, x, nan_at = _hostile_case(xkind, seed=6)
+    t = layout.tile(p)
+    out = torch.full((x.shape[0], p.hi.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+    flow.launch_tiled(FlowConfig(warps=4, kw=2, cps=4), x, t, None, out, q8=True)
+    _assert_close_hostile(out, w12.matmul_q8_reference(x, p), F.linear(x, w12.decode_q8(p)), nan_at)

@@ -371,12 +371,70 @@ def test_layout_cache_follows_the_planes():
 
 def test_forced_flow_config_reaches_the_cuda_path():
     """w12.matmul under autotune.force(config=FlowConfig()) plans the CUDA kernel: on CPU tensors it says why it
-    cannot run; the 8-bit view is refused by name on a GPU (checked in the plan, before any launch)."""
+    cannot run; the 8-bit view on the fixed base is refused by name (before any launch)."""
     p = w12.pack(hostile_weight(20, 70, seed=4))
     x = _x(2, 70, seed=1)
     with autotune.force("w12.matmul", config=FlowConfig()):
         with pytest.raises((ValueError, RuntimeError), match="FlowConfig"):
             w12.matmul(x, p)
-    with pytest.raises(ValueError, match="no 8-bit view build"):
-        flow.launch(FlowConfig(), x, *(p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val), None,
+    with pytest.raises(ValueError, match="exact base only"):
+        flow.launch(FlowConfig(fixed=True), x, *(p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val), None,
                     torch.empty(2, 20, dtype=torch.bfloat16), q8=True)
+    with pytest.raises(ValueError, match="exact base only"):
+        flow.spec(FlowConfig(fixed=True), 1, (9, 0), q8=True)
+
+
+# M, N, K, warps, kw, kc, rb: partial and inactive row blocks, masked tails, a K split in one CTA and across two,
+# two row blocks per warp, 1 and 4 token tiles
+Q8_CASES = [(1, 75, 200, 4, 2, 1, 1), (13, 17, 64, 2, 1, 1, 1), (32, 33, 100, 8, 8, 1, 1), (9, 130, 256, 4, 4, 2, 1),
+            (20, 40, 130, 8, 4, 1, 2)]
+
+
+@pytest.mark.parametrize("M,N,K,warps,kw,kc,rb", Q8_CASES,
+                         ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-w{c[3]}-k{c[4]}-q{c[5]}-r{c[6]}" for c in Q8_CASES])
+def test_q8_build_matches_the_8_bit_view_bitwise(M, N, K, warps, kw, kc, rb):
+    """W12F_Q8 (hi bytes only, dec_pair_q8, escapes added as x * escape): `w12.matmul_q8_reference`'s BF16 bits on
+    hostile rows (zeros, subnormal rows, huge and tiny rows, salted escapes), with a bias."""
+    w = hostile_weight(N, K, seed=7 * N + K)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=3 * K + M)
+    b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16)
+    got, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, rb=rb, kc=kc, q8=True)
+    _assert_bf16_equal(got, w12.matmul_q8_reference(x, p, b))
+
+
+def test_q8_build_reads_the_hi_pieces_only():
+    """The 8-bit view's build never looks at the lo nibbles: tiles whose lo bytes are scrambled give the same bits,
+    and the exact build on the same scrambled tiles does not (so the lo bytes were really changed)."""
+    N, K, M = 40, 200, 5
+    p = w12.pack(hostile_weight(N, K, seed=11))
+    t = layout.tile(p)
+    x = _x(M, K, seed=12)
+    buf = t.tiles.clone()
+    geo = layout.Geometry(N, K)
+    for rb in range(geo.row_blocks):  # the lo half of every full tile: bytes 1024..1535 of each 1536
+        R = 16 if rb < geo.NF else geo.nr
+        for c in range(geo.KF):
+            base = rb * geo.SB + 96 * R * c + 64 * R
+            buf[base:base + 32 * R] ^= 0x5A
+    scrambled = layout.TiledW12(buf, t.e0, t.esc_rowptr, t.esc_col, t.esc_val, t.N, t.K)
+    a, _ = emulate(x, t, warps=4, kw=2, fixed=False, q8=True)
+    b, _ = emulate(x, scrambled, warps=4, kw=2, fixed=False, q8=True)
+    assert np.array_equal(a, b, equal_nan=True)
+    e, _ = emulate(x, t, warps=4, kw=2, fixed=False)
+    f, _ = emulate(x, scrambled, warps=4, kw=2, fixed=False)
+    assert not np.array_equal(e, f, equal_nan=True)
+
+
+@pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+def test_q8_build_compiles_without_lo_reads(arch, jit_cache):
+    for cfg, nt in ((FlowConfig(warps=4, kw=4, cps=4), 1), (FlowConfig(warps=8, kw=8), 4)):
+        b = flow.build(cfg, nt, arch, q8=True)
+        exact = flow.build(cfg, nt, arch).ptx.read_text()
+        ptx = b.ptx.read_text()
+        r = b.resources()
+        assert r["spill_stores"] == 0 and r["stack"] == 0
+        # two cp.async pieces per tile instead of three, and no 8-byte shared loads of the lo nibbles
+        assert ptx.count("cp.async.cg.shared.global") < exact.count("cp.async.cg.shared.global")
+        assert "ld.shared.v2.u32" not in ptx.split(".entry")[1] and "ld.shared.v2.u32" in exact

@@ -36,6 +36,11 @@
 // warp); a warp whose rows fail the condition recomputes its share with the exact base from global memory, which is
 // the FIXED = 0 build's result bit for bit.
 //
+// The 8-bit view (W12F_Q8 = 1, exact base only): the product with w12.decode_q8's weight, the midpoint of each hi
+// byte's 16-value bin. Each tile's hi bytes alone are copied (two of the three 16-byte pieces: 1024 of its 1536
+// bytes) and decoded by dec_pair_q8 (w12_common.cuh); an escape's hi byte is 0, which reads as +0.0, so its
+// correction adds x * escape alone.
+//
 // Features, each behind a define so that one device call can time the ladder (perf/w12_ladder.py):
 //   W12F_X    (b) x as mma.sync's B operand (0: the probe's constant B; no x is read)
 //   W12F_EPI  (c) the per-row epilogue: the scale (and its guard), bias, one rounding, the store
@@ -90,6 +95,9 @@
 #ifndef W12F_KC
 #define W12F_KC 1  // CTAs of a cluster splitting K (sm_90)
 #endif
+#ifndef W12F_Q8
+#define W12F_Q8 0  // the 8-bit view: hi bytes only
+#endif
 
 namespace {
 
@@ -101,6 +109,7 @@ constexpr int KC = W12F_KC;     // CTAs splitting K (one cluster)
 constexpr int STAGES = W12F_STAGES;
 constexpr int NT = W12F_NT;
 constexpr bool FIXED = W12F_FIXED != 0;
+constexpr bool Q8 = W12F_Q8 != 0;
 constexpr bool XB = W12F_X != 0;
 constexpr bool EPI = W12F_EPI != 0;
 constexpr bool ESC = W12F_ESC != 0;
@@ -118,6 +127,7 @@ static_assert(RB == 1 || RB == 2, "row blocks per warp: 1 or 2");
 static_assert(RB == 1 || !FIXED, "two row blocks per warp: exact base only (the guard's recomputation is per block)");
 static_assert((!EPI || XB) && (!ESC || EPI) && (W12F_RED == 0 || EPI), "features build on each other: X, EPI, ESC, RED");
 static_assert(KC == 1 || KC == 2 || KC == 4, "CTAs splitting K: 1, 2 or 4");
+static_assert(!Q8 || !FIXED, "the 8-bit view: exact base only");
 static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
 #if W12F_KC > 1 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
@@ -165,6 +175,11 @@ __device__ __forceinline__ void decode_step(uint32_t (&a)[4], const Frag& f, con
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const uint32_t hw = word(f.h[r], s);
+    if constexpr (Q8) {  // hi byte << 8 in each lane, no nibble
+      a[r] = dec_pair_q8(__byte_perm(hw, 0u, 0x1404), k[r]);
+      a[r + 2] = dec_pair_q8(__byte_perm(hw, 0u, 0x3424), k[r]);
+      continue;
+    }
     const uint32_t lw = ((s & 1) ? f.l[r].y : f.l[r].x) >> (s >= 2 ? 4 : 0);
     const uint32_t y0 = __byte_perm(hw, lw, 0x1504), y1 = __byte_perm(hw, lw, 0x3726);
     if constexpr (FIX) {
@@ -257,7 +272,7 @@ w12_matmul_flow_kernel(
     for (int i = 0; i < RB; ++i) {
       cp_async16(wst + i * TILE, src[i] + o[i][0], v[i][0], pol);
       cp_async16(wst + i * TILE + 512, src[i] + o[i][1], v[i][1], pol);
-      cp_async16(wst + i * TILE + 1024, src[i] + o[i][2], v[i][2], pol);
+      if constexpr (!Q8) cp_async16(wst + i * TILE + 1024, src[i] + o[i][2], v[i][2], pol);
       src[i] += TS[i];
     }
   };
@@ -398,8 +413,12 @@ w12_matmul_flow_kernel(
       const uint32_t t = rst + i * TILE;
       f[i].h[0] = lds128(t + 16 * lane);
       f[i].h[1] = lds128(t + 512 + 16 * lane);
-      f[i].l[0] = lds64(t + 1024 + 8 * lane);
-      f[i].l[1] = lds64(t + 1280 + 8 * lane);
+      if constexpr (!Q8) {
+        f[i].l[0] = lds64(t + 1024 + 8 * lane);
+        f[i].l[1] = lds64(t + 1280 + 8 * lane);
+      } else {
+        f[i].l[0] = f[i].l[1] = make_uint2(0u, 0u);
+      }
     }
     // refill the slot read one unit ago with unit c + STAGES - 1
     if (c + STAGES - 1 < c1) issue();
@@ -551,7 +570,7 @@ w12_matmul_flow_kernel(
       for (int h = 0; h < 2; ++h) {
         const int row = (rb0 + i) * 16 + 8 * h + g;
         if (row >= N) continue;
-        finish_row<false, NT>([&](int j, int u) -> float& { return acc[i][j][2 * h + u]; }, row,
+        finish_row<Q8, NT>([&](int j, int u) -> float& { return acc[i][j][2 * h + u]; }, row,
                               (uint32_t)e0r[i][h], ep[i][h][0], ep[i][h][1], ec[i][h], ev[i][h], ecol, eval, x, ldx,
                               bias, bias_kind, out, M, N, p);
       }

@@ -9,6 +9,8 @@ Per `<layer>-M<m>` group (baseline "cublas"; "torch" on a CPU):
   * "w12.flow" w12.matmul with the flow kernel forced (FlowConfig from w12.configs.flow_heuristic; csrc/w12_flow.cu,
                opt-in: docs/w12-kernels.md, "The flow kernel")
   * "w12.q8"   w12.matmul_q8 (hi plane + escapes, 1 B/weight), default variant
+  * "w12.q8.flow" w12.matmul_q8 with the flow kernel's 8-bit view build forced (hi bytes of each tile only;
+               FlowConfig from w12.configs.flow_heuristic)
   * "w12.torch", "w12.q8.torch"  (a CPU without the interpreter) the torch paths of w12.matmul and matmul_q8,
                the only ones such a CPU runs
   * "nwc"      (M = 1, CUDA, when the `nwc` package imports) the peer neural-weight-compression: lossless BF16,
@@ -116,7 +118,8 @@ def _kernel_variants(device: torch.device) -> list[str]:
     if device.type == "cuda":
         from w12 import cuda as wcuda
 
-        return ["w12.tc", "w12.gemv", *(["w12.mma", "w12.flow"] if wcuda.available(device) else []), "w12.q8"]
+        return ["w12.tc", "w12.gemv", *(["w12.mma", "w12.flow"] if wcuda.available(device) else []), "w12.q8",
+                *(["w12.q8.flow"] if wcuda.available(device) else [])]
     if autotune.is_interpreter():
         return ["w12.tc", "w12.gemv", "w12.q8"]
     return ["w12.torch", "w12.q8.torch"]  # CPU without the interpreter: the torch paths only
@@ -189,11 +192,12 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
             fn = w12.matmul_q8 if q8 else w12.matmul
             forced = {"w12.tc": "tc", "w12.gemv": "gemv", "w12.mma": "mma", "w12.torch": "torch",
                       "w12.q8.torch": "torch"}.get(variant)
-            cfg = w12.configs.flow_heuristic(m, n, k, device) if variant == "w12.flow" else None
+            cfg = w12.configs.flow_heuristic(m, n, k, device) if variant in ("w12.flow", "w12.q8.flow") else None
+            op_name = "w12.matmul_q8" if q8 else "w12.matmul"
 
             def call(x, p, fn=fn, forced=forced, cfg=cfg):
                 if cfg is not None:
-                    with autotune.force("w12.matmul", config=cfg):
+                    with autotune.force(op_name, config=cfg):
                         return fn(x, p)
                 if forced is None:
                     return fn(x, p)
