@@ -1,6 +1,6 @@
 """W12: lossless 12-bit storage for BF16 weights (docs/w12-format.md) and its GEMM kernels.
 
-`matmul` and `matmul_q8` live in `w12.ops` (the kernels) and are imported on first use, as is every
+`matmul`, `matmul_q8` and `matmul_tiled` live in `w12.ops` (the kernels) and are imported on first use, as is every
 submodule named as an attribute (`w12.configs.MmaConfig`, `w12.hf`, `w12.checkpoint`): `import w12`
 loads neither Triton nor transformers.
 """
@@ -54,9 +54,10 @@ __all__ = [
     "matmul_q8_reference",
     "matmul",
     "matmul_q8",
+    "matmul_tiled",
 ]
 
-_LAZY_OPS = ("matmul", "matmul_q8")
+_LAZY_OPS = ("matmul", "matmul_q8", "matmul_tiled")
 _SUBMODULES = ("checkpoint", "codec", "configs", "cuda", "flow", "hf", "kernels", "layout", "ops", "space")
 
 

@@ -27,9 +27,10 @@ import autotune
 from . import cuda as wcuda
 from .configs import GEMV_MAX_M, FlowConfig, GemvConfig, MmaConfig, StreamConfig, TcConfig, TmaConfig, gemv_heuristic, mma_heuristic, tc_heuristic
 from .format import W12Weight, unpack
+from .layout import TiledW12, untile
 from .kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel, w12_splitk_reduce_kernel
 
-__all__ = ["matmul", "matmul_q8", "VARIANTS", "OP", "OP_Q8"]
+__all__ = ["matmul", "matmul_q8", "matmul_tiled", "VARIANTS", "OP", "OP_Q8"]
 
 OP = "w12.matmul"
 OP_Q8 = "w12.matmul_q8"
@@ -263,8 +264,14 @@ def _check(x, packed, bias, variant, out, name: str) -> None:
     fn = f"w12.{name}"
     if not isinstance(packed, W12Weight):
         raise TypeError(f"{fn}: packed must be a W12Weight, got {type(packed).__name__}; "
-                        "build one with w12.pack(weight)")
+                        "build one with w12.pack(weight)" + ("; for a TiledW12 call w12.matmul_tiled"
+                                                             if isinstance(packed, TiledW12) else ""))
     packed.validate(deep=False)
+    _check_args(x, packed, bias, variant, out, fn)
+
+
+def _check_args(x, packed, bias, variant, out, fn: str) -> None:
+    """The checks of x, bias, variant and out against a weight with N, K and device (W12Weight or TiledW12)."""
     if not isinstance(x, torch.Tensor):
         raise TypeError(f"{fn}: x must be a torch.Tensor, got {type(x).__name__}; pass the activations as a tensor")
     if x.dtype not in (torch.bfloat16, torch.float16):
@@ -352,3 +359,65 @@ def matmul_q8(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] =
     """
     _check(x, packed, bias, variant, out, "matmul_q8")
     return _call(x, packed, bias, OP_Q8, variant, out)
+
+
+def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] = None, *, q8: bool = False,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    """`w12.matmul` (`q8=True`: `w12.matmul_q8`) on the runtime layout alone: `tiled = w12.layout.tile(packed)`
+    holds the weight in about 12.1 bits per element without the version-1 planes, so a model can keep only it.
+
+    - bf16 x with 1..32 rows on a GPU where the CUDA kernels build: the flow kernel (docs/w12-kernels.md, "The flow
+      kernel"), at `w12.configs.flow_heuristic`'s config or the `FlowConfig` that
+      `autotune.force("w12.matmul", config=...)` (`"w12.matmul_q8"` for q8) pins; fp32 accumulation, one rounding.
+    - Any other call (more rows, fp16 x, a GPU without the CUDA kernels): the weight decoded for the call
+      (`untile` + `unpack`, or `decode_q8`) and `F.linear` in x's dtype, the error of a same-precision F.linear;
+      on CPU tensors in fp32, then rounded to x's dtype (as `w12.matmul`'s torch path).
+
+    Same results as `w12.matmul` on the planes up to the order of the fp32 sums; `out` as there."""
+    name = "matmul_q8" if q8 else "matmul"
+    fn = f"w12.matmul_tiled ({name})"
+    if not isinstance(tiled, TiledW12):
+        raise TypeError(f"{fn}: tiled must be a TiledW12, got {type(tiled).__name__}; build one with "
+                        "w12.layout.tile(w12.pack(weight))" + ("; for a W12Weight call w12.matmul"
+                                                               if isinstance(tiled, W12Weight) else ""))
+    _check_args(x, tiled, bias, None, out, fn)
+    N, K = tiled.N, tiled.K
+    x2d = x.reshape(-1, K)
+    if bias is not None and not bias.is_contiguous():
+        bias = bias.contiguous()
+    out2d = torch.empty((x2d.shape[0], N), device=x.device, dtype=x.dtype) if out is None else out.view(-1, N)
+    M = x2d.shape[0]
+    if M:
+        cfg = _flow_config(x2d, tiled, OP_Q8 if q8 else OP)
+        if cfg is not None:
+            from . import flow
+
+            flow.launch_tiled(cfg, x2d, tiled, bias, out2d, q8=q8)
+        else:
+            packed = untile(tiled)
+            if x2d.device.type == "cuda":
+                from .reference import decode_q8
+
+                w = (decode_q8(packed) if q8 else unpack(packed)).to(x2d.dtype)
+                torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(x2d.dtype), out=out2d)
+            else:
+                planes = (packed.hi, packed.lo, packed.e0, packed.esc_rowptr, packed.esc_col, packed.esc_val)
+                out2d.copy_(_torch_fallback(x2d, *planes, bias, K=K, q8=q8))
+    return out2d.reshape(*x.shape[:-1], N) if out is None else out
+
+
+def _flow_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> FlowConfig | None:
+    """The flow kernel's config for this call, or None where it does not run (see `matmul_tiled`)."""
+    if x2d.device.type != "cuda" or x2d.dtype != torch.bfloat16 or not 0 < x2d.shape[0] <= 32:
+        return None
+    if wcuda.unavailable(x2d.device) is not None:
+        return None
+    _, forced = autotune.forced(op)
+    if forced is not None:
+        if not isinstance(forced, FlowConfig):
+            raise TypeError(f"w12.matmul_tiled: the forced {type(forced).__name__} is not a FlowConfig; the runtime "
+                            "layout runs the flow kernel only (force a FlowConfig, or call w12.matmul on the planes)")
+        return forced
+    from .configs import flow_heuristic
+
+    return flow_heuristic(x2d.shape[0], tiled.N, tiled.K, x2d.device)

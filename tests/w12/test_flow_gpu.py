@@ -15,7 +15,7 @@ import autotune
 import w12
 from specpilot.testing import assert_close
 from w12 import flow, layout
-from w12.configs import FlowConfig
+from w12.configs import FlowConfig, MmaConfig
 
 from flow_emu import hostile_weight, one_unit_tiny_case
 
@@ -254,3 +254,47 @@ def test_q8_build_on_hostile_rows(xkind):
     out = torch.full((x.shape[0], p.hi.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
     flow.launch_tiled(FlowConfig(warps=4, kw=2, cps=4), x, t, None, out, q8=True)
     _assert_close_hostile(out, w12.matmul_q8_reference(x, p), F.linear(x, w12.decode_q8(p)), nan_at)
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["exact", "q8"])
+@pytest.mark.parametrize("M,dtype", [(1, torch.bfloat16), (8, torch.bfloat16), (17, torch.bfloat16),
+                                     (32, torch.bfloat16), (33, torch.bfloat16), (100, torch.bfloat16),
+                                     (4, torch.float16)], ids=lambda v: str(v))
+def test_matmul_tiled(M, dtype, q8):
+    """w12.matmul_tiled on the runtime layout alone: the flow kernel at 1..32 bf16 rows, the decoded weight and
+    F.linear above 32 rows or for fp16 x; against fp64 (the 8-bit view's weight for q8), with a bias."""
+    N, K = 1030, 1000
+    w = _weight(N, K, seed=M + 3)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=M).to(dtype)
+    bias = _x(1, N, seed=N)[0].to(dtype) * 0.1
+    got = w12.matmul_tiled(x, t, bias, q8=q8)
+    wd = w12.decode_q8(p) if q8 else w
+    ref = (w12.matmul_q8_reference if q8 else w12.matmul_reference)(x, p, bias)
+    assert got.dtype == dtype and got.shape == (M, N)
+    assert_close(got, ref, F.linear(x, wd.to(dtype), bias))
+
+
+def test_matmul_tiled_forced_config_and_graph_replay():
+    N, K, M = 5120, 6144, 4
+    w = _weight(N, K, seed=11)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=12)
+    y = w12.matmul_tiled(x, t)
+    with autotune.force("w12.matmul", config=FlowConfig(warps=8, kw=8)):
+        y2 = w12.matmul_tiled(x, t)
+    assert_close(y2, w12.matmul_reference(x, p), F.linear(x, w))
+    with autotune.force("w12.matmul", config=MmaConfig()):
+        with pytest.raises(TypeError, match="runs the flow kernel only"):
+            w12.matmul_tiled(x, t)
+    out = torch.empty_like(y)
+    graph = torch.cuda.CUDAGraph()
+    w12.matmul_tiled(x, t, out=out)  # loads the kernel outside the capture
+    with torch.cuda.graph(graph):
+        w12.matmul_tiled(x, t, out=out)
+    out.zero_()
+    graph.replay()
+    torch.cuda.synchronize()
+    assert torch.equal(out.view(torch.int16), y.view(torch.int16))

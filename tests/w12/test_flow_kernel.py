@@ -438,3 +438,45 @@ def test_q8_build_compiles_without_lo_reads(arch, jit_cache):
         # two cp.async pieces per tile instead of three, and no 8-byte shared loads of the lo nibbles
         assert ptx.count("cp.async.cg.shared.global") < exact.count("cp.async.cg.shared.global")
         assert "ld.shared.v2.u32" not in ptx.split(".entry")[1] and "ld.shared.v2.u32" in exact
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["exact", "q8"])
+@pytest.mark.parametrize("M", [1, 33])
+def test_matmul_tiled_on_the_cpu_is_the_planes_torch_path(M, q8):
+    """w12.matmul_tiled on CPU tensors (no flow kernel there): w12.matmul / matmul_q8 on the planes bit for bit,
+    bias, out and a leading batch dim included; NaN where they give NaN (hostile rows hold NaN weights, and the CPU
+    linear's NaN payload follows its memory alignment)."""
+    N, K = 37, 150
+    p = w12.pack(hostile_weight(N, K, seed=13))
+    t = layout.tile(p)
+    x = _x(M, K, seed=14)
+    b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16)
+    op = w12.matmul_q8 if q8 else w12.matmul
+
+    def same(a, e):
+        nan = torch.isnan(e.float())
+        assert torch.equal(torch.isnan(a.float()), nan) and nan.any()
+        assert torch.equal(a.view(torch.int16)[~nan], e.view(torch.int16)[~nan])
+
+    want = op(x, p, b)
+    same(w12.matmul_tiled(x, t, b, q8=q8), want)
+    out = torch.empty(M, N, dtype=torch.bfloat16)
+    assert w12.matmul_tiled(x, t, b, q8=q8, out=out) is out
+    same(out, want)
+    same(w12.matmul_tiled(x.reshape(1, M, K), t, q8=q8)[0], op(x, p))
+
+
+def test_matmul_tiled_rejects_at_the_call():
+    p = w12.pack(hostile_weight(20, 70, seed=4))
+    t = layout.tile(p)
+    x = _x(2, 70, seed=1)
+    with pytest.raises(TypeError, match=r"w12\.matmul_tiled \(matmul\): tiled must be a TiledW12.*call w12\.matmul"):
+        w12.matmul_tiled(x, p)
+    with pytest.raises(TypeError, match=r"for a TiledW12 call w12\.matmul_tiled"):
+        w12.matmul(x, t)
+    with pytest.raises(ValueError, match=r"the last dim of x must be K=70"):
+        w12.matmul_tiled(_x(2, 71, seed=1), t)
+    with pytest.raises(TypeError, match=r"x must be bfloat16 or float16"):
+        w12.matmul_tiled(x.float(), t)
+    with pytest.raises(ValueError, match=r"bias must be a tensor of shape \(20,\)"):
+        w12.matmul_tiled(x, t, torch.zeros(3))
