@@ -36,7 +36,8 @@ def _model_bytes(model) -> tuple[int, int]:
     for lin in lins:
         N, K = lin.shape
         params += N * K
-        total += lin.packed.nbytes if lin.packed is not None else 2 * N * K
+        w = lin.packed if lin.packed is not None else lin.tiled
+        total += w.nbytes if w is not None else 2 * N * K
     small = [v for L in model.layers for v in L.values() if isinstance(v, torch.Tensor)] + [model.final_norm]
     total += sum(t.numel() * t.element_size() for t in small)
     return total, params

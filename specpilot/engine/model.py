@@ -127,27 +127,38 @@ class Paths:
 
 
 class Linear:
-    """A projection held as BF16 (`F.linear`) or W12 (`w12.matmul`); `q8=True` reads the W12 8-bit view."""
+    """A projection held as BF16 (`F.linear`), W12 planes (`w12.matmul`) or W12 in the runtime layout alone
+    (`tiled`, `w12.matmul_tiled`: the flow kernel at 1..32 rows, about 12.1 bits per weight in memory); `q8=True`
+    reads the W12 8-bit view."""
 
-    def __init__(self, weight: torch.Tensor | None = None, packed: "w12.W12Weight | None" = None):
-        self.weight, self.packed = weight, packed
+    def __init__(self, weight: torch.Tensor | None = None, packed: "w12.W12Weight | None" = None,
+                 tiled: "w12.layout.TiledW12 | None" = None):
+        self.weight, self.packed, self.tiled = weight, packed, tiled
         self._q8 = None  # the decoded 8-bit view, kept on the torch reference path
 
     @classmethod
-    def make(cls, weight: torch.Tensor, fmt: str, device) -> "Linear":
+    def make(cls, weight: torch.Tensor, fmt: str, device, tiled: bool = False) -> "Linear":
         weight = weight.to(device=device, dtype=torch.bfloat16).contiguous()
-        return cls(packed=w12.pack(weight)) if fmt == "w12" else cls(weight=weight)
+        if fmt != "w12":
+            return cls(weight=weight)
+        packed = w12.pack(weight)
+        return cls(tiled=w12.layout.tile(packed)) if tiled else cls(packed=packed)
 
     @property
     def shape(self) -> tuple[int, int]:
-        return tuple(self.weight.shape) if self.weight is not None else (self.packed.N, self.packed.K)
+        if self.weight is not None:
+            return tuple(self.weight.shape)
+        w = self.packed if self.packed is not None else self.tiled
+        return (w.N, w.K)
 
     def ensure_packed(self) -> "w12.W12Weight":
         if self.packed is None:
-            self.packed = w12.pack(self.weight)
+            self.packed = w12.layout.untile(self.tiled) if self.tiled is not None else w12.pack(self.weight)
         return self.packed
 
     def __call__(self, x: torch.Tensor, kernels: Kernels, q8: bool = False) -> torch.Tensor:
+        if self.tiled is not None:
+            return w12.matmul_tiled(x, self.tiled, q8=q8)
         if q8 and kernels.w12 == "torch":
             # the torch path of w12.matmul_q8 decodes the view on every call; a drafter calls it per token
             if self._q8 is None:
@@ -261,6 +272,7 @@ class HybridModel:
         self.cfg, self.device, self.fmt = cfg, torch.device(device), fmt
         self.paths = Paths.decide(cfg, kernels, self.device, fused_glue)
         self.kernels = self.paths.kernels
+        self.tiled_w12 = self._wants_tiled(fmt)
         if self.paths.fallbacks:
             warnings.warn(self.paths.warning(self.device), KernelFallbackWarning, stacklevel=2)
         self.rows, self.max_len = int(rows), int(max_len)
@@ -274,7 +286,7 @@ class HybridModel:
         for i, d in enumerate(fuse_layer_weights(cfg, tensors)):
             L = {"kind": cfg.layer_types[i]}
             for k, v in d.items():
-                L[k] = Linear.make(v, fmt, dev) if v.dim() == 2 and k != "conv" else small(v)
+                L[k] = Linear.make(v, fmt, dev, tiled=self.tiled_w12) if v.dim() == 2 and k != "conv" else small(v)
             for k in ("input_norm", "post_norm", "q_norm", "k_norm"):  # zero-centred: they scale by 1 + w (fp32)
                 if k in L:
                     L[k + "1"] = 1.0 + L[k].float()
@@ -311,12 +323,26 @@ class HybridModel:
         self.inv_freq = inv.to(dev)
         self._alloc_caches()
 
+    def _wants_tiled(self, fmt: str) -> bool:
+        """Whether the layers' W12 projections are held in the runtime layout alone (`Linear.tiled`): W12 weights on
+        a GPU where the CUDA kernels build, with w12's own choice of kernel (no `Kernels.w12` pinned). The head
+        keeps the planes, which the certified head's screen reads."""
+        if fmt != "w12" or self.device.type != "cuda" or self.kernels.w12 is not None:
+            return False
+        from w12 import cuda as wcuda
+
+        return wcuda.unavailable(self.device) is None
+
     def to_w12(self, head_screen: str = "auto") -> None:
         """Re-hold every projection (and the head) as W12 in place, one at a time (each packed and verified,
-        its BF16 copy dropped): the same model, 12-bit weights."""
+        its BF16 copy dropped): the same model, 12-bit weights (the layers' in the runtime layout alone where
+        `tiled_w12`)."""
+        self.tiled_w12 = self._wants_tiled("w12")
         for lin in [v for L in self.layers for v in L.values() if isinstance(v, Linear)] + [self.head_linear]:
             lin.ensure_packed()
             lin.weight = None
+            if self.tiled_w12 and lin is not self.head_linear:
+                lin.tiled, lin.packed = w12.layout.tile(lin.packed), None
         self.fmt = "w12"
         self.head = lmhead.CertifiedHead(self.head_linear.packed, screen=head_screen, variant=self.kernels.head)
 
