@@ -24,7 +24,9 @@ The LM head appears as layer "lm_head.linear" (a plain projection; `lm_head-M<m>
 argmax group of the linear/lm_head providers).
 
 Group "decode-step" (M=1): every linear of every layer (`shapes.linear_counts`), one callable
-for the whole step, timed as a CUDA graph; variants "cublas" and "w12". For hybrid-27b that is
+for the whole step, timed as a CUDA graph; variants "cublas", "w12" (w12.matmul on the planes) and, where the
+flow kernel builds, "w12.tiled" (w12.matmul_tiled on the runtime layout alone, as the engine holds it). For
+hybrid-27b that is
 ~50 GB of BF16 weights: W12 copies are packed on the GPU layer by layer from the BF16 set kept
 for the baseline.
 
@@ -267,15 +269,27 @@ def _step_case(shapes: ModelShapes, variant: str, device: torch.device) -> Case:
                for _ in range(shapes.linear_counts.get(name, shapes.layers))]
     flops = sum(2.0 * n * k for n, k in linears)
     xo = sum(2.0 * (k + n) for n, k in linears)
-    wb = sum((_w12_bytes(n, k, False) if variant == "w12" else 2.0 * n * k) for n, k in linears)
+    wb = sum((_w12_bytes(n, k, False) if variant.startswith("w12") else 2.0 * n * k) for n, k in linears)
 
     def setup() -> Prepared:
         import w12
 
         _Weights.release()  # the per-layer sets (up to the LM head's) are not needed any more
-        v = _StepWeights.get(shapes, device, packed=variant == "w12")
+        v = _StepWeights.get(shapes, device, packed=variant.startswith("w12"))
         layers = v["layers"]
-        if variant == "w12":
+        if variant == "w12.tiled":  # the runtime layout alone, each pack dropped once tiled (memory)
+            from w12 import layout
+
+            tiles = []
+            for i, p in enumerate(v["w12"]):
+                tiles.append(layout.tile(p))
+                v["w12"][i] = None
+            case.bytes = sum(t.nbytes for t in tiles) + xo
+            pairs = [(x, t) for (_, _, x), t in zip(layers, tiles)]
+
+            def step():
+                return [w12.matmul_tiled(x, t) for x, t in pairs]
+        elif variant == "w12":
             case.bytes = sum(_read_bytes(p, False) for p in v["w12"]) + xo
             pairs = [(x, p) for (_, _, x), p in zip(layers, v["w12"])]
 
@@ -320,5 +334,5 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     out = [_case(name, n, k, m, v, device) for name, (n, k) in layers.items() for m in ms
            for v in [baseline_variant(device), *kv, *_peer_variants(device, m)]]
     if device.type == "cuda":  # every linear of the model in one call: a GPU figure (CUDA graph); the CPU has the rows
-        out += [_step_case(shapes, v, device) for v in ("cublas", "w12")]
+        out += [_step_case(shapes, v, device) for v in ("cublas", "w12", *(["w12.tiled"] if "w12.flow" in kv else []))]
     return out
