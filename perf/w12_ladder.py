@@ -119,7 +119,8 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int,
                 cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, rb=2)
                 out.append((f"e@{cfg.tag()}", cfg))
         if tuple(arch) >= (9, 0):
-            for warps, kw, cps, kc in ((4, 4, 4, 2), (4, 4, 4, 4), (8, 8, 2, 2), (4, 2, 4, 2), (2, 2, 4, 2)):
+            for warps, kw, cps, kc in ((4, 4, 4, 2), (4, 4, 4, 4), (8, 8, 2, 2), (4, 2, 4, 2), (2, 2, 4, 2),
+                                       (2, 2, 8, 2), (2, 2, 8, 1)):
                 cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, kc=kc)
                 out.append((f"e@{cfg.tag()}", cfg))
     return out

@@ -228,9 +228,9 @@ class FlowConfig:
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8, 16) or self.kw not in (1, 2, 4, 8, 16) or self.warps % self.kw \
-                or not 2 <= self.stages <= 12 or self.cps not in (1, 2, 3, 4) or self.warps * self.cps > 32:
+                or not 2 <= self.stages <= 12 or not 1 <= self.cps <= 8 or self.warps * self.cps > 32:
             raise ValueError("FlowConfig needs warps in (1, 2, 4, 8, 16), kw in (1, 2, 4, 8, 16) dividing warps, "
-                             f"2 <= stages <= 12, cps in 1..4 and warps * cps <= 32 (warps per SM); got {self}")
+                             f"2 <= stages <= 12, cps in 1..8 and warps * cps <= 32 (warps per SM); got {self}")
         if self.rb not in (1, 2) or (self.rb == 2 and self.fixed):
             raise ValueError(f"FlowConfig needs rb (row blocks per warp) 1 or 2, and 2 only with the exact base "
                              f"(fixed=False); got {self}")

@@ -41,12 +41,14 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
         same = [r for r in rows[6:] if (r[1].warps, r[1].cps, r[1].rb, r[1].kc) == (base.warps, base.cps, 1, 1)]
         assert len(same) == 2 * len([k for k in (1, 2, 4, 8) if k <= base.warps]) - 1  # K splits x depths 4, 8
         other = {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:]
-                 if r[1].warps != base.warps and r[1].rb == 1 and r[1].kc == 1}
+                 if r[1].warps != base.warps and r[1].rb == 1 and r[1].kc == 1 and r[1].warps > 2}
         assert other == {(w, c, min(k, w)) for w, c in ((4, 4), (8, 2), (16, 1)) if w != base.warps
                          for k in (base.kw, 2 * base.kw)}
         assert (base.warps, base.cps) == ((4, 4) if m <= 8 and name != "gate_up" else (8, 2))
         split = {(r[1].warps, r[1].kw, r[1].cps, r[1].kc) for r in rows[6:] if r[1].kc > 1}  # sm_90: clusters
-        assert split == {(4, 4, 4, 2), (4, 4, 4, 4), (8, 8, 2, 2), (4, 2, 4, 2), (2, 2, 4, 2)}
+        assert split == {(4, 4, 4, 2), (4, 4, 4, 4), (8, 8, 2, 2), (4, 2, 4, 2), (2, 2, 4, 2), (2, 2, 8, 2)}
+        small = {(r[1].warps, r[1].kw, r[1].cps) for r in rows[6:] if r[1].warps == 2 and r[1].kc == 1}
+        assert small == {(2, 2, 8)}  # 2-warp CTAs at 8 per SM without the cluster split, beside it
     kws = {(name, m): rows[0][1].kw for name, n, k, m, rows in cells}
     assert kws == {("in_proj", 1): 2, ("gate_up", 1): 8, ("o_proj", 1): 4, ("in_proj", 32): 2, ("gate_up", 32): 8,
                    ("o_proj", 32): 4}
