@@ -30,7 +30,7 @@ from .format import W12Weight, unpack
 from .layout import TiledW12, untile
 from .kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel, w12_splitk_reduce_kernel
 
-__all__ = ["matmul", "matmul_q8", "matmul_tiled", "VARIANTS", "OP", "OP_Q8"]
+__all__ = ["matmul", "matmul_q8", "matmul_tiled", "decode_tiled", "VARIANTS", "OP", "OP_Q8"]
 
 OP = "w12.matmul"
 OP_Q8 = "w12.matmul_q8"
@@ -394,13 +394,11 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
 
             flow.launch_tiled(cfg, x2d, tiled, bias, out2d, q8=q8)
         else:
-            packed = untile(tiled)
             if x2d.device.type == "cuda":
-                from .reference import decode_q8
-
-                w = (decode_q8(packed) if q8 else unpack(packed)).to(x2d.dtype)
+                w = decode_tiled(tiled, q8=q8).to(x2d.dtype)
                 torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(x2d.dtype), out=out2d)
             else:
+                packed = untile(tiled)
                 planes = (packed.hi, packed.lo, packed.e0, packed.esc_rowptr, packed.esc_col, packed.esc_val)
                 out2d.copy_(_torch_fallback(x2d, *planes, bias, K=K, q8=q8))
     return out2d.reshape(*x.shape[:-1], N) if out is None else out
@@ -421,3 +419,28 @@ def _flow_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> FlowConfig | No
     from .configs import flow_heuristic
 
     return flow_heuristic(x2d.shape[0], tiled.N, tiled.K, x2d.device)
+
+
+def decode_tiled(tiled: TiledW12, *, q8: bool = False) -> torch.Tensor:
+    """The BF16 weight [N, K] of the runtime layout, `w12.unpack(untile(tiled))` bit for bit (`q8`: the 8-bit view,
+    `w12.decode_q8`), decoded tile by tile by one Triton kernel on a GPU or under the interpreter (the escapes then
+    written as `unpack` writes them), and through the planes elsewhere. No host sync."""
+    if not isinstance(tiled, TiledW12):
+        raise TypeError(f"w12.ops.decode_tiled: expected a TiledW12 (from w12.layout.tile), got {type(tiled).__name__}")
+    if not (tiled.tiles.is_cuda or autotune.is_interpreter()):
+        from .reference import decode_q8
+
+        packed = untile(tiled)
+        return decode_q8(packed) if q8 else unpack(packed)
+    from .format import _escape_rows
+    from .kernels import w12_untile_kernel
+
+    geo = tiled.geometry
+    out = torch.empty((tiled.N, tiled.K), dtype=torch.int16, device=tiled.device)
+    grid = (geo.row_blocks, geo.KF + (geo.kr > 0))
+    w12_untile_kernel[grid](tiled.tiles, tiled.e0, out, tiled.N, tiled.K, geo.KF, geo.kr, geo.NF, geo.nr, geo.SB,
+                            Q8=bool(q8), num_warps=4)
+    E = tiled.num_escapes
+    if E:
+        out[_escape_rows(tiled.esc_rowptr, E), tiled.esc_col.long()] = tiled.esc_val
+    return out.view(torch.bfloat16)

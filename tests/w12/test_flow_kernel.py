@@ -451,7 +451,8 @@ def test_matmul_tiled_on_the_cpu_is_the_planes_torch_path(M, q8):
     t = layout.tile(p)
     x = _x(M, K, seed=14)
     b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16)
-    op = w12.matmul_q8 if q8 else w12.matmul
+    def op(x, p, b=None):  # the planes' torch path (under the interpreter w12.matmul would run a Triton kernel)
+        return (w12.matmul_q8 if q8 else w12.matmul)(x, p, b, variant="torch")
 
     def same(a, e):
         nan = torch.isnan(e.float())
@@ -480,3 +481,17 @@ def test_matmul_tiled_rejects_at_the_call():
         w12.matmul_tiled(x.float(), t)
     with pytest.raises(ValueError, match=r"bias must be a tensor of shape \(20,\)"):
         w12.matmul_tiled(x, t, torch.zeros(3))
+
+
+@pytest.mark.parametrize("N,K", [(16, 64), (37, 150), (5, 63), (70, 300), (33, 1)])
+def test_decode_tiled_is_unpack_bitwise(N, K):
+    """w12.ops.decode_tiled (one Triton program per tile, under the interpreter here): the BF16 bits of
+    w12.unpack and of w12.decode_q8 on hostile rows (zeros, subnormals, huge and tiny rows, salted +-0, +-Inf, NaN,
+    out-of-window values), with partial row blocks and masked tails."""
+    from w12.ops import decode_tiled
+
+    p = w12.pack(hostile_weight(N, K, seed=N * K))
+    t = layout.tile(p)
+    assert autotune.is_interpreter()  # the kernel, not the planes' torch path
+    assert torch.equal(decode_tiled(t).view(torch.int16), w12.unpack(p).view(torch.int16))
+    assert torch.equal(decode_tiled(t, q8=True).view(torch.int16), w12.decode_q8(p).view(torch.int16))
