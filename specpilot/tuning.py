@@ -248,7 +248,7 @@ def _w12_spaces():
     from w12 import space
 
     # the CUDA C++ kernels' spaces (the default at M <= 32) where w12.space declares them, then the Triton one
-    return tuple(getattr(space, n) for n in ("MMA_SPACE", "TMA_SPACE", "TC_SPACE") if hasattr(space, n))
+    return tuple(getattr(space, n) for n in ("MMA_SPACE", "TMA_SPACE", "FLOW_SPACE", "TC_SPACE") if hasattr(space, n))
 
 
 def _w12_shapes(s) -> list[tuple[str, dict]]:

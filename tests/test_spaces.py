@@ -12,7 +12,8 @@ from specpilot import tuning
 from specpilot.bench.shapes import get_shape_set
 from tree_attn.configs import SplitConfig
 from tree_attn.space import MMA_SPACE, WGMMA_SPACE
-from w12.configs import MmaConfig, TcConfig, TmaConfig
+from w12.configs import FlowConfig, MmaConfig, TcConfig, TmaConfig
+from w12.space import FLOW_SPACE
 from w12.space import MMA_SPACE as W12_MMA_SPACE
 from w12.space import TC_SPACE, TMA_SPACE
 
@@ -24,7 +25,7 @@ GDN_SHAPES = [s for _, s in tuning.named_shapes("gdn.tree_verify", "hybrid-27b")
 HEAD_SHAPES = [dict(M=m, V=S.vocab, K=S.hidden) for m in (1, 32)]
 CASES = [(TC_SPACE, TcConfig, W12_SHAPES), (WGMMA_SPACE, SplitConfig, ATTN_SHAPES), (MMA_SPACE, SplitConfig, ATTN_SHAPES),
          (WY_SPACE, WYConfig, GDN_SHAPES), (CUDA_SPACE, CudaConfig, GDN_SHAPES), (HEAD_SPACE, HeadConfig, HEAD_SHAPES),
-         (W12_MMA_SPACE, MmaConfig, W12_SHAPES), (TMA_SPACE, TmaConfig, W12_SHAPES)]
+         (W12_MMA_SPACE, MmaConfig, W12_SHAPES), (TMA_SPACE, TmaConfig, W12_SHAPES), (FLOW_SPACE, FlowConfig, W12_SHAPES)]
 REJECTS = {"wy": False, "cuda": False}  # every choice of these runs at hybrid-27b's V=128
 
 
@@ -75,6 +76,11 @@ def test_heuristics_are_points_of_their_spaces():
     assert MMA_SPACE.params_of(MMA_SPACE.heuristic(ATTN_SHAPES[0])) is not None
     assert WGMMA_SPACE.params_of(WGMMA_SPACE.heuristic(ATTN_SHAPES[0])) is not None
     assert isinstance(TC_SPACE.heuristic(W12_SHAPES[0]), TcConfig)
+    for shape in W12_SHAPES:  # the flow heuristic (kc = 1 here: no clusters on this machine) is a point of its space
+        h = FLOW_SPACE.heuristic(shape)
+        p = FLOW_SPACE.params_of(h)
+        assert p is not None and FLOW_SPACE.valid(p, shape) is None and FLOW_SPACE.make_config(p) == h
+        assert FLOW_SPACE.current(shape) == h  # no tuned flow entry is shipped
 
 
 def test_w12_checks_reject_what_cannot_run():

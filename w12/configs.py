@@ -42,7 +42,7 @@ import torch
 
 import autotune
 
-__all__ = ["TcConfig", "GemvConfig", "MmaConfig", "StreamConfig", "FlowConfig", "flow_heuristic", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "sm_count",
+__all__ = ["TcConfig", "GemvConfig", "MmaConfig", "StreamConfig", "FlowConfig", "flow_heuristic", "flow_config", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "sm_count",
            "pick_split_k", "mma_heuristic"]
 
 GEMV_MAX_M = 4  # the no-wgmma variant runs the CUDA-core kernel up to this M
@@ -386,3 +386,10 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
         return FlowConfig(warps=4, kw=4, stages=stages, cps=4, kc=2) if M <= 8 else \
             FlowConfig(warps=2, kw=2, stages=stages, cps=4, kc=2)
     return FlowConfig(warps=w, kw=kw, stages=stages, cps=c)
+
+
+def flow_config(M: int, N: int, K: int, device: torch.device) -> FlowConfig:
+    """The flow kernel's config for a call: the tuned entry `w12.matmul/flow/<key>` of this GPU where one exists
+    (`specpilot tune --op w12.matmul` explores `w12.space.FLOW_SPACE`), else `flow_heuristic`."""
+    return autotune.get_config("w12.matmul", "flow", FlowConfig, lambda: flow_heuristic(M, N, K, device),
+                               key=autotune.shape_key(M=M, N=N, K=K), device=device)

@@ -367,7 +367,7 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
     holds the weight in about 12.1 bits per element without the version-1 planes, so a model can keep only it.
 
     - bf16 x with 1..32 rows on a GPU where the CUDA kernels build: the flow kernel (docs/w12-kernels.md, "The flow
-      kernel"), at `w12.configs.flow_heuristic`'s config or the `FlowConfig` that
+      kernel"), at `w12.configs.flow_config`'s config (a tuned entry, else the heuristic) or the `FlowConfig` that
       `autotune.force("w12.matmul", config=...)` (`"w12.matmul_q8"` for q8) pins; fp32 accumulation, one rounding.
     - Any other call (more rows, fp16 x, a GPU without the CUDA kernels): the weight decoded for the call
       (`untile` + `unpack`, or `decode_q8`) and `F.linear` in x's dtype, the error of a same-precision F.linear;
@@ -416,9 +416,9 @@ def _flow_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> FlowConfig | No
             raise TypeError(f"w12.matmul_tiled: the forced {type(forced).__name__} is not a FlowConfig; the runtime "
                             "layout runs the flow kernel only (force a FlowConfig, or call w12.matmul on the planes)")
         return forced
-    from .configs import flow_heuristic
+    from .configs import flow_config
 
-    return flow_heuristic(x2d.shape[0], tiled.N, tiled.K, x2d.device)
+    return flow_config(x2d.shape[0], tiled.N, tiled.K, x2d.device)
 
 
 def decode_tiled(tiled: TiledW12, *, q8: bool = False) -> torch.Tensor:

@@ -17,9 +17,11 @@ import torch
 import autotune
 from autotune.tuner import SearchSpace
 
-from .configs import _MIN_ITERS_PER_SPLIT, _SMEM_PER_SM, MmaConfig, TcConfig, TmaConfig, _pow2, mma_heuristic, tc_heuristic
+from .configs import (_MIN_ITERS_PER_SPLIT, _SMEM_PER_SM, FlowConfig, MmaConfig, TcConfig, TmaConfig, _pow2, flow_config,
+                      flow_heuristic, mma_heuristic, tc_heuristic)
 
-__all__ = ["TC_SPACE", "MMA_SPACE", "TMA_SPACE", "tc_flops_bytes", "tc_valid", "cuda_valid", "tma_current"]
+__all__ = ["TC_SPACE", "MMA_SPACE", "TMA_SPACE", "FLOW_SPACE", "tc_flops_bytes", "tc_valid", "cuda_valid",
+           "tma_current", "flow_valid"]
 
 _MAX_DECODED_PER_THREAD = 128  # int32 values of the decoded [BN, BK] tile per thread; past this it spills
 
@@ -127,4 +129,38 @@ TMA_SPACE = SearchSpace(
     make_config=lambda p: TmaConfig(**p),
     flops_bytes=tc_flops_bytes, valid=cuda_valid(TmaConfig), heuristic=lambda s: TmaConfig(), key=_key,
     current=tma_current,
+)
+
+
+def flow_valid(p: dict, shape) -> str | None:
+    """The flow kernel's config at a shape: it builds (kw divides warps, warps x cps <= 32), M fits, its CTAs'
+    shared memory fits the SM at cps CTAs, a cluster split (kc > 1) has a GPU with clusters, and every warp gets a
+    64-column unit of K."""
+    from . import flow
+
+    m, k = shape["M"], shape["K"]
+    if not 0 < m <= flow.MAX_M:
+        return f"tokens: the flow kernel takes 1 <= M <= {flow.MAX_M}, got M={m}"
+    try:
+        cfg = FlowConfig(**p)
+    except ValueError as e:
+        return f"config: {e}"
+    smem = flow.smem_bytes(cfg, flow.n_tiles(m))
+    if smem * cfg.cps > _SMEM_PER_SM:
+        return f"shared memory: {cfg.cps} CTAs x {smem} B per SM"
+    if cfg.kc > 1 and not (autotune.has_cuda() and torch.cuda.get_device_capability()[0] >= 9):
+        return "config: a K split across CTAs needs thread-block clusters (sm_90)"
+    if -(-k // 64) < cfg.kw * cfg.kc:
+        return f"divisibility: {-(-k // 64)} units of K for {cfg.kw * cfg.kc} pieces"
+    return None
+
+
+FLOW_SPACE = SearchSpace(
+    op="w12.matmul", variant="flow",
+    params={"warps": [2, 4, 8, 16], "kw": [1, 2, 4, 8], "stages": [3, 4, 6], "cps": [1, 2, 4, 8], "kc": [1, 2]},
+    make_config=lambda p: FlowConfig(**p),
+    flops_bytes=tc_flops_bytes, valid=flow_valid, key=_key,
+    heuristic=lambda s: flow_heuristic(s["M"], s["N"], s["K"], torch.device("cuda" if autotune.has_cuda() else "cpu")),
+    current=lambda s, device=None: flow_config(s["M"], s["N"], s["K"], device or torch.device(
+        "cuda" if autotune.has_cuda() else "cpu")),
 )

@@ -6,11 +6,12 @@ Per `<layer>-M<m>` group (baseline "cublas"; "torch" on a CPU):
   * "w12.tc"   w12.matmul with the sm_90 variant forced (wgmma; the CUDA-core GEMV at M = 1, see w12/ops.py)
   * "w12.gemv" w12.matmul with the no-wgmma variant forced (CUDA cores for M <= 4, mma above)
   * "w12.mma"  w12.matmul with the CUDA C++ kernel forced (w12/cuda.py; the default on sm_80+ GPUs)
-  * "w12.flow" w12.matmul with the flow kernel forced (FlowConfig from w12.configs.flow_heuristic; csrc/w12_flow.cu,
+  * "w12.flow" w12.matmul with the flow kernel forced (FlowConfig from w12.configs.flow_config: a tuned entry, else the
+               heuristic; csrc/w12_flow.cu,
                opt-in: docs/w12-kernels.md, "The flow kernel")
   * "w12.q8"   w12.matmul_q8 (hi plane + escapes, 1 B/weight), default variant
   * "w12.q8.flow" w12.matmul_q8 with the flow kernel's 8-bit view build forced (hi bytes of each tile only;
-               FlowConfig from w12.configs.flow_heuristic)
+               FlowConfig from w12.configs.flow_config)
   * "w12.torch", "w12.q8.torch"  (a CPU without the interpreter) the torch paths of w12.matmul and matmul_q8,
                the only ones such a CPU runs
   * "nwc"      (M = 1, CUDA, when the `nwc` package imports) the peer neural-weight-compression: lossless BF16,
@@ -194,7 +195,7 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
             fn = w12.matmul_q8 if q8 else w12.matmul
             forced = {"w12.tc": "tc", "w12.gemv": "gemv", "w12.mma": "mma", "w12.torch": "torch",
                       "w12.q8.torch": "torch"}.get(variant)
-            cfg = w12.configs.flow_heuristic(m, n, k, device) if variant in ("w12.flow", "w12.q8.flow") else None
+            cfg = w12.configs.flow_config(m, n, k, device) if variant in ("w12.flow", "w12.q8.flow") else None
             op_name = "w12.matmul_q8" if q8 else "w12.matmul"
 
             def call(x, p, fn=fn, forced=forced, cfg=cfg):
