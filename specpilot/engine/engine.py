@@ -120,10 +120,12 @@ class Engine:
     @classmethod
     def from_pretrained(cls, path, device=None, weights: str = "bf16", drafter="ngram", *, max_len: int = 4096,
                         kernels: str = "auto", head_screen: str = "auto", rows: int | None = None,
-                        fused_glue: bool = False, **kw) -> "Engine":
+                        fused_glue: bool | None = None, **kw) -> "Engine":
         """Load `path` (config.json and BF16 or W12 safetensors) onto `device` (default: CUDA when present).
         `rows`: cache rows (requests decoded at once by `generate_batch`; the self-drafter needs 3).
-        `fused_glue`: the element-wise work between operators as fused Triton kernels (`engine.fused`).
+        `fused_glue`: the element-wise work between operators as fused Triton kernels (`engine.fused`); None (the
+        default): on a GPU with the operators' kernels (`kernels` "auto" or "kernels"), and the torch glue, the
+        reference path, elsewhere.
         `**kw`: the constructor's `tree_nodes`, `positions`, `topk`, `graphs`, `two_level`."""
         import lmhead
 
@@ -148,7 +150,9 @@ class Engine:
                              "pass weights='w12', or head_screen='auto' or 'int8'")
         if rows is not None:
             rows = inputs.count(fn, "rows", rows)
-        fused_glue = inputs.flag(fn, "fused_glue", fused_glue)
+        fused_glue = inputs.flag(fn, "fused_glue", fused_glue, none_ok=True)
+        if fused_glue is None:
+            fused_glue = device.type == "cuda" and kernels != "reference"
         unknown = sorted(set(kw) - {"tree_nodes", "positions", "topk", "graphs", "two_level"})
         if unknown:
             raise TypeError(f"{fn}: unknown keyword argument(s) {', '.join(unknown)}; pass tree_nodes, positions, "

@@ -25,3 +25,32 @@ def test_tiled_linear_equals_the_planes(q8):
     # the planes come back bit for bit where a caller needs them (the head, a conversion)
     assert torch.equal(tiled.ensure_packed().hi, planes.packed.hi) and torch.equal(tiled.packed.lo, planes.packed.lo)
     assert torch.equal(w12.unpack(tiled.packed).view(torch.int16), w.view(torch.int16))
+
+
+def test_fused_glue_default_follows_the_device(monkeypatch):
+    """Engine.from_pretrained(fused_glue=None), the default: the fused Triton glue on a GPU with the kernels, the
+    torch glue (the reference path) on the CPU and with kernels='reference'; a non-bool is refused with the fix."""
+    from specpilot.engine import Engine, engine as engine_mod
+    from specpilot.models import tiny_stdlib_path
+
+    seen = []
+    real = engine_mod.HybridModel.__init__
+
+    def spy(self, *args, **kw):
+        seen.append((str(kw["device"]), kw["fused_glue"]))
+        real(self, *args, **{**kw, "device": "cpu", "fused_glue": False})  # built on the CPU whatever was asked
+
+    monkeypatch.setattr(engine_mod.HybridModel, "__init__", spy)
+    monkeypatch.setattr(engine_mod.inputs, "device", lambda fn, value: torch.device(value or "cpu"))
+    path = tiny_stdlib_path()
+    Engine.from_pretrained(path, device="cpu", max_len=64)
+    Engine.from_pretrained(path, device="cuda", max_len=64, kernels="reference", graphs=False)
+    with pytest.raises(TypeError, match=r"fused_glue='yes' is a str; pass True or False \(or None\)"):
+        Engine.from_pretrained(path, device="cpu", max_len=64, fused_glue="yes")
+    assert seen == [("cpu", False), ("cuda", False)]
+    seen.clear()
+    try:
+        Engine.from_pretrained(path, device="cuda", max_len=64, graphs=False)
+    except Exception:  # the CPU model under a CUDA engine may refuse later; the choice was made before
+        pass
+    assert seen == [("cuda", True)]
