@@ -382,3 +382,21 @@ def test_w12_nwc_peer_missing_and_plumbing(monkeypatch, capsys):
         with pytest.raises(AssertionError, match=what):
             prep.check()
     w12_cases._Weights.release()
+
+
+def test_group_is_warmed_before_its_first_timing(monkeypatch):
+    """On CUDA the runner runs every timed case of a group for GROUP_WARM_S before timing the first one, so the
+    group's first case (often its baseline) is not timed on an idle GPU; on a CPU it does not."""
+    events = []
+
+    def prep(tag):
+        return runner.Prepared(fns=[lambda: events.append(("call", tag))], check=lambda: None)
+
+    monkeypatch.setattr(runner, "_sync", lambda device: None)
+    monkeypatch.setattr(runner, "GROUP_WARM_S", 0.0)
+    assert runner._warm_group([prep("a"), prep("b")], torch.device("cpu")) == 0 and events == []
+    assert runner._warm_group([prep("a"), prep("b")], torch.device("cuda")) == 1
+    assert events == [("call", "a"), ("call", "b")]
+    monkeypatch.setattr(runner, "GROUP_WARM_S", 0.05)
+    events.clear()
+    assert runner._warm_group([prep("a")], torch.device("cuda")) >= 2 and len(events) >= 2

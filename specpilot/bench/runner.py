@@ -68,6 +68,7 @@ def _sync(device: torch.device) -> None:
 # Interpreted cases: at most this many timed samples, no warm-up (the check ran the call once), and this budget
 # when the run sets none
 INTERPRETED_REPS = 3
+GROUP_WARM_S = 0.25  # CUDA: seconds of the group's own calls before its first timing (clocks up, caches and JIT warm)
 INTERPRETED_BUDGET_S = 2.0
 
 
@@ -152,6 +153,22 @@ def _free(device: torch.device) -> None:
         torch.cuda.empty_cache()
 
 
+def _warm_group(preps: list[Prepared], device: torch.device) -> int:
+    """On CUDA, every timed case's calls in turn, repeated until GROUP_WARM_S seconds have passed (at least one
+    round); returns the rounds run (0 on a CPU, where there are no clocks to raise)."""
+    if device.type != "cuda" or not preps:
+        return 0
+    rounds, t0 = 0, time.perf_counter()
+    while True:
+        for prep in preps:
+            for fn in prep.fns:
+                fn()
+        _sync(device)
+        rounds += 1
+        if time.perf_counter() - t0 >= GROUP_WARM_S:
+            return rounds
+
+
 def _run_group(cases: list[Case], device: torch.device, reps: int, warmup: int, common: dict,
                log: Callable[[str], None], budget_s: float | None = None) -> list[dict]:
     rows: list[dict] = []
@@ -186,6 +203,10 @@ def _run_group(cases: list[Case], device: torch.device, reps: int, warmup: int, 
         row["interpreted"] = device.type != "cuda" and launches[0] > 0
         log(f"  {name}: check passed in {time.perf_counter() - t0:.1f} s"
             + (f" (Triton interpreter, {launches[0]} launches)" if row["interpreted"] else ""))
+    # Warm the group as a whole before timing any of it: a GPU that idled (the first group of a run, or one after a
+    # long setup) runs its first case below its clocks, which would put a cold baseline under every ratio
+    _warm_group([p for p, r in zip(prepared, rows) if p is not None and r["status"] == "ok" and not r["interpreted"]],
+                device)
     # Time side by side: every checked case of the group, one after the other.
     try:
         for case, prep, row in zip(cases, prepared, rows):
