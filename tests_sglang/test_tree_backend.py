@@ -264,23 +264,30 @@ def test_short_mask_raises(tree_env):
         s.backend.init_forward_metadata(fb)
 
 
-def _padded(s, fb, pad):
+def _padded(s, fb, pad, fill=1):
     """What SGLang's graph runner gives a replay of `fb` on a graph captured for `pad` more rows: the metadata view
-    (`build_replay_fb_view`'s fields: padded req_pool_indices and seq_lens, num_padding, the real spec_info) and the
-    padded ForwardBatch the captured forward reads (padded rows: req_to_token row 0, one prefix token, their
-    draft tokens written to slot 0, SGLang's padding slot)."""
+    from SGLang's own `build_replay_fb_view` over buffers filled as the runner fills them (`DecodeInputBuffers`:
+    padded rows at req_to_token row 0 with `fill` prefix tokens), and the padded ForwardBatch the captured forward
+    reads (the padded rows' draft tokens written to slot 0, SGLang's padding slot)."""
     from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
 
     n = int(fb.spec_info.draft_token_num)
+    raw, bs = fb.batch_size, fb.batch_size + pad
     idx = torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=fb.req_pool_indices.dtype)])
-    lens = torch.cat([fb.seq_lens, torch.ones(pad, dtype=fb.seq_lens.dtype)])
+    lens = torch.cat([fb.seq_lens, torch.full((pad,), fill, dtype=fb.seq_lens.dtype)])
+    buffers = types.SimpleNamespace(input_ids=torch.zeros(bs * n, dtype=torch.int64),
+                                    positions=torch.zeros(bs * n, dtype=torch.int64), req_pool_indices=idx,
+                                    seq_lens=lens, seq_lens_cpu=lens.clone(), encoder_lens=None,
+                                    mamba_track_indices=None)
+    view = build_replay_fb_view(forward_batch=fb, buffers=buffers, bs=bs, raw_bs=raw, num_tokens=bs * n,
+                                global_num_tokens_cpu=None, seq_len_fill_value=fill,
+                                capture_forward_mode=fb.forward_mode, is_encoder_decoder=False)
+    assert view.num_padding == pad and view.batch_size == bs
     loc = torch.cat([fb.out_cache_loc, torch.zeros(pad * n, dtype=fb.out_cache_loc.dtype)])
-    view = types.SimpleNamespace(batch_size=len(idx), forward_mode=fb.forward_mode, req_pool_indices=idx,
-                                 seq_lens=lens, seq_lens_cpu=lens.clone(), seq_lens_sum=int(lens.sum()),
-                                 num_padding=pad, spec_info=fb.spec_info, out_cache_loc=fb.out_cache_loc)
-    full = ForwardBatch(forward_mode=fb.forward_mode, batch_size=len(idx), input_ids=torch.zeros(len(idx) * n,
-                        dtype=torch.int64), req_pool_indices=idx, seq_lens=lens, out_cache_loc=loc,
-                        seq_lens_sum=int(lens.sum()), seq_lens_cpu=lens.clone(), spec_info=fb.spec_info)
+    full = ForwardBatch(forward_mode=fb.forward_mode, batch_size=bs, input_ids=torch.zeros(bs * n, dtype=torch.int64),
+                        req_pool_indices=idx, seq_lens=lens, out_cache_loc=loc, seq_lens_sum=int(lens.sum()),
+                        seq_lens_cpu=lens.clone(), spec_info=fb.spec_info)
     return view, full
 
 
