@@ -334,8 +334,9 @@ def test_verify_graph_capture_and_replays_with_new_trees(tree_env):
 
 
 def test_verify_graph_replay_refuses_what_the_capture_cannot_hold(tree_env):
-    """A replay whose draft token count differs from the capture's, and a replay tree that is not ancestor-closed,
-    raise with the reason; decode capture stays the inner backend's."""
+    """A replay whose draft token count differs from the capture's, a replay tree that is not ancestor-closed, and a
+    ragged verify batch (per-request draft counts) raise with the reason; decode capture stays the inner
+    backend's."""
     s = Setup(H=4, Hkv=4, seed=10)
     cap, _, _ = s.verify_batch([CHAIN5] * 2, [1, 1])
     s.backend.init_forward_metadata_out_graph(cap, in_capture=True)
@@ -351,6 +352,10 @@ def test_verify_graph_replay_refuses_what_the_capture_cannot_hold(tree_env):
     view, _ = _padded(s, fb, 0)
     with pytest.raises(ValueError, match="not ancestor-closed"):
         s.backend.init_forward_metadata_out_graph(view)
+    fb, _, _ = s.verify_batch([CHAIN5, CHAIN5], [4, 4])
+    fb.spec_info.ragged_verify_layout = object()  # SGLang's ragged verify mode: per-request draft counts
+    with pytest.raises(ValueError, match=r"specpilot\.sglang\.tree_attn: a ragged verify batch"):
+        s.backend.init_forward_metadata(fb)
     cap.forward_mode = type(cap.forward_mode).DECODE  # other modes' capture is the inner backend's (a no-op here)
     s.backend.init_forward_metadata_out_graph(cap, in_capture=True)
     assert "specpilot_tree plans target verify on the host" in s.backend.glue_target_verify_metadata()

@@ -264,6 +264,10 @@ class TreeVerifyMixin:
         if spec is None or getattr(spec, "custom_mask", None) is None:
             raise ValueError(f"{FN}: the target-verify forward has no spec_info.custom_mask (the draft tree); run "
                              "speculative decoding with a tree verify input (EAGLE, EAGLE3, STANDALONE, NGRAM)")
+        if getattr(spec, "ragged_verify_layout", None) is not None:
+            raise ValueError(f"{FN}: a ragged verify batch (per-request draft counts, SGLang's ragged verify mode) is "
+                             f"not taken by {NAME}; serve with one draft-token count per request (the ragged verify "
+                             "mode off), or choose another --attention-backend")
         n = int(getattr(spec, "num_tokens_per_req", -1))
         if n <= 0:
             n = int(spec.draft_token_num)
