@@ -1,7 +1,8 @@
 """The `specpilot_tree` attention backend on SGLang's real classes, on the CPU: a target-verify forward through
 `ForwardBatch`, `EagleVerifyInput`, `ReqToTokenPool`, `MHATokenToKVPool` and `RadixAttention` equals tree_attn's
 fp64 reference for chains, trees, ragged batches, GQA and paged slots; other modes run SGLang's own backend
-(torch_native, built by SGLang's registry); bad masks and CUDA-graph capture of verify are refused."""
+(torch_native, built by SGLang's registry); bad masks are refused; the graph runner's capture and padded replays of
+target verify refill one fixed-buffer plan."""
 
 from __future__ import annotations
 
@@ -263,14 +264,100 @@ def test_short_mask_raises(tree_env):
         s.backend.init_forward_metadata(fb)
 
 
-def test_verify_graph_capture_is_refused(tree_env):
-    s = Setup(H=4, Hkv=4, seed=9)
-    fb, _, _ = s.verify_batch([CHAIN5], [8])
-    with pytest.raises(RuntimeError, match=r"specpilot\.sglang\.tree_attn: CUDA-graph capture of target-verify.*"
-                                           r"--disable-cuda-graph"):
-        s.backend.init_forward_metadata_out_graph(fb, in_capture=True)
-    fb.forward_mode = type(fb.forward_mode).DECODE  # other modes' capture is the inner backend's (a no-op here)
-    s.backend.init_forward_metadata_out_graph(fb, in_capture=True)
+def _padded(s, fb, pad, fill=1):
+    """What SGLang's graph runner gives a replay of `fb` on a graph captured for `pad` more rows: the metadata view
+    from SGLang's own `build_replay_fb_view` over buffers filled as the runner fills them (`DecodeInputBuffers`:
+    padded rows at req_to_token row 0 with `fill` prefix tokens), and the padded ForwardBatch the captured forward
+    reads (the padded rows' draft tokens written to slot 0, SGLang's padding slot)."""
+    from sglang.srt.model_executor.forward_batch_info import ForwardBatch
+    from sglang.srt.model_executor.runner.decode_cuda_graph_runner import build_replay_fb_view
+
+    n = int(fb.spec_info.draft_token_num)
+    raw, bs = fb.batch_size, fb.batch_size + pad
+    idx = torch.cat([fb.req_pool_indices, torch.zeros(pad, dtype=fb.req_pool_indices.dtype)])
+    lens = torch.cat([fb.seq_lens, torch.full((pad,), fill, dtype=fb.seq_lens.dtype)])
+    buffers = types.SimpleNamespace(input_ids=torch.zeros(bs * n, dtype=torch.int64),
+                                    positions=torch.zeros(bs * n, dtype=torch.int64), req_pool_indices=idx,
+                                    seq_lens=lens, seq_lens_cpu=lens.clone(), encoder_lens=None,
+                                    mamba_track_indices=None)
+    view = build_replay_fb_view(forward_batch=fb, buffers=buffers, bs=bs, raw_bs=raw, num_tokens=bs * n,
+                                global_num_tokens_cpu=None, seq_len_fill_value=fill,
+                                capture_forward_mode=fb.forward_mode, is_encoder_decoder=False)
+    assert view.num_padding == pad and view.batch_size == bs
+    loc = torch.cat([fb.out_cache_loc, torch.zeros(pad * n, dtype=fb.out_cache_loc.dtype)])
+    full = ForwardBatch(forward_mode=fb.forward_mode, batch_size=bs, input_ids=torch.zeros(bs * n, dtype=torch.int64),
+                        req_pool_indices=idx, seq_lens=lens, out_cache_loc=loc, seq_lens_sum=int(lens.sum()),
+                        seq_lens_cpu=lens.clone(), spec_info=fb.spec_info)
+    return view, full
+
+
+def _check_rows(s, out, q, k, v, trees, prefix):
+    """The real requests' rows of a padded forward against the fp64 reference."""
+    T = len(trees) * len(trees[0])
+    ref64 = s.reference(q[:T], k[:T], v[:T], trees, prefix, torch.float64)
+    ref32 = s.reference(q[:T], k[:T], v[:T], trees, prefix, torch.float32)
+    assert_close(out[:T].view(-1, s.H, D), ref64, ref32.to(DT), factor=2.0)
+
+
+def test_verify_graph_capture_and_replays_with_new_trees(tree_env):
+    """SGLang's graph runner on target verify: capture (a placeholder batch of 3 chains), a warm-up forward that
+    builds the fixed-buffer plan, then replays of other trees, prefixes and 1-2 padded rows. Each replay refills the
+    captured plan in place (the same plan object and buffers, which a CUDA graph would read) and the real rows
+    equal the fp64 reference; an eager forward afterwards gets a plan of its own."""
+    from specpilot.sglang import tree_backend
+
+    s = Setup(H=8, Hkv=2, slots=512, seed=9)
+    n = 6
+    cap, _, _ = s.verify_batch([CHAIN5 + [4]] * 3, [1, 1, 1])
+    s.backend.init_forward_metadata_out_graph(cap, in_capture=True)
+    st = s.backend._sp_verify
+    assert st.graph and st.max_nodes == n and st.kv_capacity == 3 * 128
+    q, k, v = s.qkv(3 * n)
+    s.backend.forward(q, k, v, s.layer, cap)  # the warm-up forward: the plan with fixed buffers
+    (plan,) = st.plans.values()
+    ptrs = [t.data_ptr() for t in (plan.kv_indices, plan.items, plan.tree_mask)]
+    for trees, lens in (([TREE6, [-1, 0, 1, 2, 3, 4]], [9, 40]), ([[-1, 0, 0, 0, 0, 0]], [101]),
+                        ([TREE6, [-1, 0, 1, 0, 3, 4], [-1, 0, 1, 1, 0, 4]], [3, 77, 12])):
+        fb, prefix, _ = s.verify_batch(trees, lens)
+        view, full = _padded(s, fb, 3 - len(trees))
+        s.backend.init_forward_metadata_out_graph(view)  # the replay's metadata: no init_forward_metadata call
+        assert s.backend._sp_verify is st and tuple(st.plans.values()) == (plan,)
+        assert [t.data_ptr() for t in (plan.kv_indices, plan.items, plan.tree_mask)] == ptrs
+        q, k, v = s.qkv(3 * n)
+        before = tree_backend.calls["tree_attn"]
+        out = s.backend.forward(q, k, v, s.layer, full)
+        assert tree_backend.calls["tree_attn"] == before + 1
+        _check_rows(s, out, q, k, v, trees, prefix)
+    fb, _, _ = s.verify_batch([TREE6] * 3, [5, 6, 7])
+    s.backend.init_forward_metadata(fb)  # eager: not the captured state
+    assert s.backend._sp_verify is not st and not s.backend._sp_verify.graph
+
+
+def test_verify_graph_replay_refuses_what_the_capture_cannot_hold(tree_env):
+    """A replay whose draft token count differs from the capture's, a replay tree that is not ancestor-closed, and a
+    ragged verify batch (per-request draft counts) raise with the reason; decode capture stays the inner
+    backend's."""
+    s = Setup(H=4, Hkv=4, seed=10)
+    cap, _, _ = s.verify_batch([CHAIN5] * 2, [1, 1])
+    s.backend.init_forward_metadata_out_graph(cap, in_capture=True)
+    s.backend.forward(*s.qkv(10), s.layer, cap)
+    fb, _, _ = s.verify_batch([TREE6, TREE6], [4, 4])
+    view, _ = _padded(s, fb, 0)
+    with pytest.raises(ValueError, match=r"specpilot\.sglang\.tree_attn: a replay of 12 draft tokens on a graph "
+                                         r"captured for 10"):
+        s.backend.init_forward_metadata_out_graph(view)
+    bad = _sglang_mask([CHAIN5, CHAIN5], [4, 4], "full")
+    bad[4 * 9 + 4 + 1] = False  # request 0 ([5, 4 + 5]): token 4 no longer sees token 1 (it sees 3, which does)
+    fb, _, _ = s.verify_batch([CHAIN5, CHAIN5], [4, 4], mask=bad)
+    view, _ = _padded(s, fb, 0)
+    with pytest.raises(ValueError, match="not ancestor-closed"):
+        s.backend.init_forward_metadata_out_graph(view)
+    fb, _, _ = s.verify_batch([CHAIN5, CHAIN5], [4, 4])
+    fb.spec_info.ragged_verify_layout = object()  # SGLang's ragged verify mode: per-request draft counts
+    with pytest.raises(ValueError, match=r"specpilot\.sglang\.tree_attn: a ragged verify batch"):
+        s.backend.init_forward_metadata(fb)
+    cap.forward_mode = type(cap.forward_mode).DECODE  # other modes' capture is the inner backend's (a no-op here)
+    s.backend.init_forward_metadata_out_graph(cap, in_capture=True)
     assert "specpilot_tree plans target verify on the host" in s.backend.glue_target_verify_metadata()
 
 

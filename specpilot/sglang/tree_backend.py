@@ -22,8 +22,15 @@ prefix and its ancestors-or-self, with `k_new`/`v_new` the layer's own K/V. A la
 extra attention inputs) runs the inner backend's verify, whose metadata is built too, with one warning per
 reason.
 
-CUDA-graph capture of target verify is refused (a fixed node budget per request is not built): start SGLang
-with `--disable-cuda-graph`. Decode and other modes are captured by the inner as before.
+CUDA graphs of target verify (SGLang's decode graph runner captures one graph per batch size, with a fixed number
+of draft tokens per request): at capture (`init_forward_metadata_out_graph(..., in_capture=True)`) the batch gets a
+plan state of its own, whose `tree_attn` plans are built on the first (warm-up) forward with fixed buffers: a work
+item `capacity` that fits any prefix length, a kv_indices buffer of the batch size times the context length, and
+the node budget. Before each replay (`init_forward_metadata_out_graph(view)`, not called from
+`init_forward_metadata`) the new step's tree and prefix slots are written into those buffers (`TreeAttnPlan.update`,
+a host step), so the captured kernels read them. Padded rows (`num_padding`, the rows a replay adds to reach the
+captured batch size) attend as chains over the slots SGLang gives them; their outputs are not used. Decode and
+other modes are captured by the inner as before.
 """
 
 from __future__ import annotations
@@ -46,6 +53,7 @@ INNER_ENV = "SPECPILOT_SGLANG_TREE_ATTN_INNER"
 FN = "specpilot.sglang.tree_attn"
 FULL_MASK, QLEN_ONLY, QLEN_ONLY_BITPACKING = 0, 1, 2  # SGLang's TreeMaskMode values
 calls = {"tree_attn": 0, "inner": 0}  # target-verify layer forwards that took each path (tests, self-check)
+GRAPH_ITEMS = 512  # tree_attn work items a captured verify plan holds beyond one split per request
 
 
 def _mask_mode(custom_mask: torch.Tensor, B: int, n: int, prefix_sum: int, declared) -> int:
@@ -130,13 +138,49 @@ def prefix_slots(req_to_token: torch.Tensor, req_pool_indices: torch.Tensor, seq
 
 @dataclass
 class TreeVerifyState:
-    """One target-verify forward's tree: plans are built per layer shape from these tensors."""
+    """One target-verify forward's tree: plans are built per layer shape from these tensors. A state of a captured
+    batch size (`graph`) builds its plans with fixed buffers (`capacity`, `kv_capacity`, `max_nodes`), and each
+    replay refills them (`refill`)."""
 
     qo_indptr: torch.Tensor
     kv_indptr: torch.Tensor
     kv_indices: torch.Tensor
     tree_mask: torch.Tensor
     plans: dict = field(default_factory=dict)
+    graph: bool = False
+    kv_capacity: int | None = None
+    max_nodes: int | None = None
+
+    def capacity(self, group: int) -> int | None:
+        """A captured plan's work items for `group` query heads per KV head: per request one prefix split and one
+        tree item per 16-row tile of its n x group rows (tree_attn's schedule lengthens the splits until the
+        step fits, so this holds any prefix length), plus GRAPH_ITEMS for the splits that fill the GPU at short
+        prefixes. None (the step's own count) outside a graph."""
+        if not self.graph:
+            return None
+        B = self.qo_indptr.numel() - 1
+        return GRAPH_ITEMS + 2 * B * -(-self.max_nodes * group // 16)
+
+    def refill(self, new: "TreeVerifyState") -> None:
+        """The next replay's tree and prefix slots into this captured state's plans (same batch size and node
+        count)."""
+        if new.tree_mask.numel() != self.tree_mask.numel():
+            raise ValueError(f"{FN}: a replay of {new.tree_mask.numel()} draft tokens on a graph captured for "
+                             f"{self.tree_mask.numel()}; SGLang replays a graph with the batch size and draft token "
+                             "count it was captured for")
+        if new.kv_indices.numel() > (self.kv_capacity or 0):
+            raise ValueError(f"{FN}: the replay's {new.kv_indices.numel()} prefix tokens exceed the captured plan's "
+                             f"{self.kv_capacity} (batch size x context length)")
+        self.qo_indptr, self.kv_indptr, self.kv_indices, self.tree_mask = (
+            new.qo_indptr, new.kv_indptr, new.kv_indices, new.tree_mask)
+        for p in self.plans.values():
+            p.update(new.qo_indptr, new.kv_indptr, new.kv_indices, new.tree_mask, validate=False)
+
+
+def _chain_bits(n: int, rows: int, device) -> torch.Tensor:
+    """Ancestor bits of `rows` chains of n draft tokens (token i sees 0..i): the padded rows' trees."""
+    one = (torch.ones(n, dtype=torch.int64, device=device) << torch.arange(1, n + 1, device=device)) - 1
+    return one.repeat(rows)
 
 
 def inner_backend_name(runner) -> str:
@@ -174,54 +218,91 @@ class TreeVerifyMixin:
     _sp_token_to_kv_pool = None
     _sp_verify: TreeVerifyState | None = None
     _sp_warned: frozenset = frozenset()
+    _sp_graphs: dict | None = None  # captured batch size -> its TreeVerifyState
+    _sp_eager: bool = False
 
     # -- metadata (host step) -------------------------------------------------------------------
 
     def init_forward_metadata(self, forward_batch):
+        # the eager entry; the graph runner calls init_forward_metadata_out_graph itself, at capture and replay
         self._sp_verify = None
-        self._sp_base.init_forward_metadata(self, forward_batch)
+        self._sp_eager = True
+        try:
+            self._sp_base.init_forward_metadata(self, forward_batch)
+        finally:
+            self._sp_eager = False
         if forward_batch.forward_mode.is_target_verify() and self._sp_verify is None:
             self._sp_verify = self._sp_plan_verify(forward_batch)
 
     def init_forward_metadata_out_graph(self, forward_batch, in_capture: bool = False):
-        if forward_batch.forward_mode.is_target_verify():
-            if in_capture:
-                raise RuntimeError(f"{FN}: CUDA-graph capture of target-verify forwards is not supported by the "
-                                   f"{NAME} attention backend (its plan is a host step per forward); start SGLang "
-                                   "with --disable-cuda-graph, or choose another --attention-backend")
+        if not forward_batch.forward_mode.is_target_verify():
             self._sp_base.init_forward_metadata_out_graph(self, forward_batch, in_capture)
-            self._sp_verify = self._sp_plan_verify(forward_batch)
             return
         self._sp_base.init_forward_metadata_out_graph(self, forward_batch, in_capture)
+        if self._sp_graphs is None:
+            self._sp_graphs = {}
+        bs = int(forward_batch.req_pool_indices.numel())
+        if in_capture:
+            self._sp_verify = self._sp_graphs[bs] = self._sp_plan_verify(forward_batch, capture=True)
+            return
+        captured = None if self._sp_eager else self._sp_graphs.get(bs)
+        if captured is None:
+            self._sp_verify = self._sp_plan_verify(forward_batch)
+            return
+        captured.refill(self._sp_plan_verify(forward_batch))
+        self._sp_verify = captured
 
     def glue_target_verify_metadata(self) -> str:
         # SGLang may capture a host-free verify prep into its metadata glue graph; this one reads the tree on the host
         return f"{NAME} plans target verify on the host (tree_attn.plan: mask checks, slot lists)"
 
-    def _sp_plan_verify(self, fb) -> TreeVerifyState:
+    def _sp_plan_verify(self, fb, capture: bool = False) -> TreeVerifyState:
+        """The forward's tree and prefix slots. A replay view (`num_padding` > 0) has padded rows after the real
+        requests: they attend as chains over the slots SGLang gave them. At capture (`capture`) the draft tree is
+        SGLang's placeholder, so every row is a chain, and the state gets the fixed buffer sizes of a graph."""
         spec = fb.spec_info
         if spec is None or getattr(spec, "custom_mask", None) is None:
             raise ValueError(f"{FN}: the target-verify forward has no spec_info.custom_mask (the draft tree); run "
                              "speculative decoding with a tree verify input (EAGLE, EAGLE3, STANDALONE, NGRAM)")
+        if getattr(spec, "ragged_verify_layout", None) is not None:
+            raise ValueError(f"{FN}: a ragged verify batch (per-request draft counts, SGLang's ragged verify mode) is "
+                             f"not taken by {NAME}; serve with one draft-token count per request (the ragged verify "
+                             "mode off), or choose another --attention-backend")
         n = int(getattr(spec, "num_tokens_per_req", -1))
         if n <= 0:
             n = int(spec.draft_token_num)
         B = int(fb.req_pool_indices.numel())
+        pad = int(getattr(fb, "num_padding", 0) or 0)
+        if not 0 <= pad <= B:
+            raise ValueError(f"{FN}: num_padding={pad} for a batch of {B} rows; SGLang pads a replay up to the "
+                             "captured batch size")
+        real = B - pad
         lens = fb.seq_lens_cpu if fb.seq_lens_cpu is not None else fb.seq_lens
         seq_lens_cpu = [int(x) for x in lens[:B].tolist()]
-        vm = getattr(self, "verify_mask", None)
-        mode = _mask_mode(spec.custom_mask, B, n, sum(seq_lens_cpu), None if vm is None else vm.mode)
         translator = getattr(self, "kv_index_translator", None)
         if translator is not None and getattr(translator, "is_translating", False):
             raise ValueError(f"{FN}: the KV pool translates req_to_token ids (a unified pool), which this backend "
                              "does not read; serve without the unified KV pool, or choose another --attention-backend")
-        bits = ancestor_bits(spec.custom_mask, fb.seq_lens[:B], n, mode)
-        check_tree(bits, B, n)
+        dev = spec.custom_mask.device
+        if capture:
+            bits = _chain_bits(n, B, dev)
+            check_tree(bits, B, n)  # the node budget
+        else:
+            vm = getattr(self, "verify_mask", None)
+            mode = _mask_mode(spec.custom_mask, real, n, sum(seq_lens_cpu[:real]), None if vm is None else vm.mode)
+            bits = ancestor_bits(spec.custom_mask, fb.seq_lens[:real], n, mode)
+            check_tree(bits, real, n)
+            if pad:
+                bits = torch.cat([bits, _chain_bits(n, pad, bits.device)])
         dev = bits.device
         qo = torch.arange(0, (B + 1) * n, n, dtype=torch.int32, device=dev)
         kv_indptr, kv_indices = prefix_slots(self._sp_req_to_token_pool.req_to_token, fb.req_pool_indices,
                                              seq_lens_cpu)
-        return TreeVerifyState(qo, kv_indptr.to(dev), kv_indices.to(dev), bits)
+        st = TreeVerifyState(qo, kv_indptr.to(dev), kv_indices.to(dev), bits)
+        if capture:
+            st.graph, st.max_nodes = True, n
+            st.kv_capacity = max(1, B * int(self._sp_req_to_token_pool.req_to_token.shape[1]))
+        return st
 
     # -- forward (per layer) --------------------------------------------------------------------
 
@@ -277,7 +358,8 @@ class TreeVerifyMixin:
         if p is None:
             p = tree_attn.plan(st.qo_indptr, st.kv_indptr, st.kv_indices, st.tree_mask, num_qo_heads=H,
                                num_kv_heads=Hkv, head_dim=D, cache_slots=slots, dtype=q.dtype,
-                               validate=not st.plans)
+                               validate=not st.plans, capacity=st.capacity(H // Hkv),
+                               kv_capacity=st.kv_capacity, max_nodes=st.max_nodes)
             st.plans[key] = p
         out = tree_attn.run(p, q.reshape(-1, H, D), k_buf, v_buf, k_new=k.to(q.dtype), v_new=v.to(q.dtype),
                             sm_scale=layer.scaling)
@@ -305,6 +387,7 @@ def wrap(inner, *, req_to_token_pool, token_to_kv_pool):
     inner._sp_token_to_kv_pool = token_to_kv_pool
     inner._sp_verify = None
     inner._sp_warned = frozenset()
+    inner._sp_graphs = {}
     return inner
 
 
