@@ -14,10 +14,11 @@
 # longest first by the seconds tests/gpu_durations.tsv holds (SPECPILOT_TEST_ORDER). Wheels carried in .whl/ are installed first
 # (perf/gpu_env.sh). Exit status: pytest's.
 cd "$(dirname "$0")/.."
-# the sources' fingerprint (packages, tests, perf; not git's HEAD, which a copied working tree may not carry):
+# the sources' fingerprint (packages, tests, perf scripts; not perf/results, whose files record runs and change
+# nothing a run tests; not git's HEAD, which a copied working tree may not carry):
 # `bash perf/test_gpu.sh --fingerprint` prints it on any checkout, to match a log to a commit
 fingerprint() {
-  find autotune gdn lmhead tree_attn w12 specpilot tests perf -path perf/out -prune -o -type f \
+  find autotune gdn lmhead tree_attn w12 specpilot tests perf \( -path perf/out -o -path perf/results \) -prune -o -type f \
     \( -name '*.py' -o -name '*.cu' -o -name '*.cuh' -o -name '*.json' -o -name '*.sh' \) -print \
     | LC_ALL=C sort | xargs sha1sum | sha1sum | cut -c1-12
 }
