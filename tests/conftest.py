@@ -7,6 +7,8 @@
   so unwritten elements are caught.
 * Every test starts with no cached dispatch plans, so a test that stubs a capability check or
   a launch sees its own stubs (autotune.clear_plans).
+* Under pytest-xdist a worker whose CUDA context a test lost (a sticky CUDA error) ends after that test, and
+  xdist starts a fresh one for the rest (specpilot/fault_guard.py).
 * oneDNN (torch's CPU BF16 matmuls) is capped at AVX2 unless the caller set ONEDNN_MAX_CPU_ISA: with AMX or
   AVX512-BF16 it rounds BF16 products differently, and results committed from one x86 machine (the planted-fault
   check report) would not come out again on another.
@@ -24,6 +26,7 @@ if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
 
 from autotune import clear_plans, has_cuda, has_wgmma  # noqa: E402
+from specpilot.fault_guard import pytest_runtest_makereport, pytest_runtest_protocol  # noqa: E402,F401
 from specpilot.testing import longest_first, poisoned_empty, poisoned_empty_like  # noqa: E402
 
 
