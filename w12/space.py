@@ -71,6 +71,16 @@ def _smem_limit() -> int:
     return _SMEM_PER_SM
 
 
+def _config_at(cls, p: dict, m: int, max_m: int, kernels: str):
+    """(config, None) when M fits the kernels and `p` builds a config, else (None, the reason)."""
+    if not 0 < m <= max_m:
+        return None, f"tokens: {kernels} take 1 <= M <= {max_m}, got M={m}"
+    try:
+        return cls(**p), None
+    except ValueError as e:
+        return None, f"config: {e}"
+
+
 def cuda_valid(cls):
     """The validity check of a CUDA C++ kernel's config class at a shape: the config builds, its CTA's shared
     memory fits (at the shape's token tiles), M fits the kernel, and a split of K keeps >= 2 chunks per split."""
@@ -79,12 +89,9 @@ def cuda_valid(cls):
         from . import cuda as wcuda
 
         m, k = shape["M"], shape["K"]
-        if not 0 < m <= wcuda.MAX_M:
-            return f"tokens: the CUDA kernels take 1 <= M <= {wcuda.MAX_M}, got M={m}"
-        try:
-            cfg = cls(**p)
-        except ValueError as e:
-            return f"config: {e}"
+        cfg, why = _config_at(cls, p, m, wcuda.MAX_M, "the CUDA kernels")
+        if why is not None:
+            return why
         smem = wcuda.smem_bytes(cfg, wcuda.n_tiles(m), False)
         if smem > _smem_limit():
             return f"shared memory: {smem} B per CTA"
@@ -139,12 +146,9 @@ def flow_valid(p: dict, shape) -> str | None:
     from . import flow
 
     m, k = shape["M"], shape["K"]
-    if not 0 < m <= flow.MAX_M:
-        return f"tokens: the flow kernel takes 1 <= M <= {flow.MAX_M}, got M={m}"
-    try:
-        cfg = FlowConfig(**p)
-    except ValueError as e:
-        return f"config: {e}"
+    cfg, why = _config_at(FlowConfig, p, m, flow.MAX_M, "the flow kernel's builds")
+    if why is not None:
+        return why
     smem = flow.smem_bytes(cfg, flow.n_tiles(m))
     if smem * cfg.cps > _SMEM_PER_SM:
         return f"shared memory: {cfg.cps} CTAs x {smem} B per SM"
