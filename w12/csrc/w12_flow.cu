@@ -296,9 +296,10 @@ w12_matmul_flow_kernel(
   int ep[RB][2][2] = {}, ec[RB][2] = {};
   uint32_t ev[RB][2] = {};
   // shared memory: the rings, the KW shares (RED), the other CTAs' sums (KC > 1, rank 0's), the escape stash
-  constexpr int RED_BYTES = RED ? WARPS * RB * NT * 512 : 0;
-  constexpr int CRED_BYTES = KC > 1 ? (KC - 1) * RW * RB * NT * 512 : 0;
-  int4* const stash = reinterpret_cast<int4*>(smem + WARPS * STAGES * SLOT + RED_BYTES + CRED_BYTES) + rw * RB * 64;
+  constexpr int RED_OFF = WARPS * STAGES * SLOT;                                    // after the rings
+  constexpr int CRED_OFF = RED_OFF + (RED ? WARPS * RB * NT * 512 : 0);              // after the KW shares
+  constexpr int STASH_OFF = CRED_OFF + (KC > 1 ? (KC - 1) * RW * RB * NT * 512 : 0);  // after the CTAs' sums
+  int4* const stash = reinterpret_cast<int4*>(smem + STASH_OFF) + rw * RB * 64;
   if (ESC && ks == 0 && active && kc == 0) {
 #pragma unroll
     for (int i = 0; i < RB; ++i)
@@ -502,7 +503,7 @@ w12_matmul_flow_kernel(
     }
     if constexpr (RED) {
       // the shares of the KW warps of a row group, added in warp order by warp ks = 0
-      float* red = reinterpret_cast<float*>(smem + WARPS * STAGES * SLOT);
+      float* red = reinterpret_cast<float*>(smem + RED_OFF);
       if (ks != 0) {
 #pragma unroll
         for (int i = 0; i < RB; ++i)
@@ -525,7 +526,7 @@ w12_matmul_flow_kernel(
     }
     if constexpr (KC > 1) {
       // the other CTAs' sums into rank 0's shared memory, one cluster barrier, then rank 0 adds them in rank order
-      const uint32_t cred = (uint32_t)__cvta_generic_to_shared(smem + WARPS * STAGES * SLOT + RED_BYTES);
+      const uint32_t cred = (uint32_t)__cvta_generic_to_shared(smem + CRED_OFF);
       if (ks == 0 && kc > 0) {
         uint32_t dst;
         asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(dst) : "r"(cred));
@@ -542,7 +543,7 @@ w12_matmul_flow_kernel(
       asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
       if (kc > 0) return;
       if (ks == 0) {
-        const float* cr = reinterpret_cast<const float*>(smem + WARPS * STAGES * SLOT + RED_BYTES);
+        const float* cr = reinterpret_cast<const float*>(smem + CRED_OFF);
 #pragma unroll
         for (int r = 0; r < KC - 1; ++r)
 #pragma unroll
