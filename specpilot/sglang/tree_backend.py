@@ -218,7 +218,7 @@ class TreeVerifyMixin:
     _sp_token_to_kv_pool = None
     _sp_verify: TreeVerifyState | None = None
     _sp_warned: frozenset = frozenset()
-    _sp_graphs: dict | None = None  # captured batch size -> its TreeVerifyState
+    _sp_graphs: dict | None = None  # captured batch size -> its TreeVerifyState (`wrap` gives each backend its own)
     _sp_eager: bool = False
 
     # -- metadata (host step) -------------------------------------------------------------------
@@ -239,8 +239,6 @@ class TreeVerifyMixin:
             self._sp_base.init_forward_metadata_out_graph(self, forward_batch, in_capture)
             return
         self._sp_base.init_forward_metadata_out_graph(self, forward_batch, in_capture)
-        if self._sp_graphs is None:
-            self._sp_graphs = {}
         bs = int(forward_batch.req_pool_indices.numel())
         if in_capture:
             self._sp_verify = self._sp_graphs[bs] = self._sp_plan_verify(forward_batch, capture=True)
@@ -283,9 +281,8 @@ class TreeVerifyMixin:
         if translator is not None and getattr(translator, "is_translating", False):
             raise ValueError(f"{FN}: the KV pool translates req_to_token ids (a unified pool), which this backend "
                              "does not read; serve without the unified KV pool, or choose another --attention-backend")
-        dev = spec.custom_mask.device
         if capture:
-            bits = _chain_bits(n, B, dev)
+            bits = _chain_bits(n, B, spec.custom_mask.device)
             check_tree(bits, B, n)  # the node budget
         else:
             vm = getattr(self, "verify_mask", None)
