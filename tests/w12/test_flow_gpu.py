@@ -39,6 +39,16 @@ def _x(m: int, k: int, seed: int) -> torch.Tensor:
     return torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).to(torch.bfloat16)
 
 
+def _salt(x: torch.Tensor, nonfinite: bool = True) -> torch.Tensor:
+    """x (bf16, CUDA) with a tenth of its entries, seeded, set to +-subnormals and +-0, and with `nonfinite` to
+    +-Inf and NaN as well; in place."""
+    vals = [1e-40, -1e-40, 0.0, -0.0] + ([float("inf"), float("-inf"), float("nan")] if nonfinite else [])
+    n = x.numel()
+    idx = torch.randperm(n, generator=torch.Generator().manual_seed(3))[: n // 10].cuda()
+    x.view(-1)[idx] = torch.tensor(vals, device="cuda").to(torch.bfloat16)[idx % len(vals)]
+    return x
+
+
 def _run(cfg, x, t, bias=None, step="e"):
     out = torch.full((x.shape[0], t.N), float("nan"), device="cuda", dtype=torch.bfloat16)
     flow.launch_tiled(cfg, x, t, bias, out, step=step)
@@ -71,9 +81,7 @@ def test_fixed_base_equals_exact_base_bitwise(cfg, xkind):
     x = _x(M, K, seed=2).float()
     x = {"normal": x, "tiny": x * 2.0**-70, "huge": x * 2.0**60}.get(xkind, x).to(torch.bfloat16)
     if xkind in ("subnormal", "nonfinite"):
-        vals = [1e-40, -1e-40, 0.0, -0.0] + ([float("inf"), float("-inf"), float("nan")] if xkind == "nonfinite" else [])
-        idx = torch.randperm(M * K, generator=torch.Generator().manual_seed(3))[: M * K // 10].cuda()
-        x.view(-1)[idx] = torch.tensor(vals, device="cuda").to(torch.bfloat16)[idx % len(vals)]
+        _salt(x, nonfinite=xkind == "nonfinite")
     fixed = _run(cfg, x, t)
     assert cfg.fixed
     exact = _run(FlowConfig(cfg.warps, cfg.kw, cfg.stages, cfg.cps, fixed=False), x, t)
@@ -91,9 +99,7 @@ def test_two_row_blocks_per_warp_equal_one_bitwise(M, N, xkind):
     t = layout.tile(p)
     x = _x(M, K, seed=M)
     if xkind == "nonfinite":
-        vals = [1e-40, -1e-40, 0.0, -0.0, float("inf"), float("-inf"), float("nan")]
-        idx = torch.randperm(M * K, generator=torch.Generator().manual_seed(3))[: M * K // 10].cuda()
-        x.view(-1)[idx] = torch.tensor(vals, device="cuda").to(torch.bfloat16)[idx % len(vals)]
+        _salt(x)
     for warps, kw, cps in ((8, 2, 1), (4, 4, 2), (8, 8, 1)):
         one = _run(FlowConfig(warps=warps, kw=kw, cps=cps), x, t)
         two = _run(FlowConfig(warps=warps, kw=kw, cps=cps, rb=2), x, t)
@@ -159,9 +165,7 @@ def _hostile_case(xkind: str, seed: int):
     p = w12.pack(hostile_weight(N, K, seed=seed).cuda())
     x = _x(M, K, seed=seed + 1)
     if xkind == "nonfinite":
-        vals = [1e-40, -1e-40, 0.0, -0.0, float("inf"), float("-inf"), float("nan")]
-        idx = torch.randperm(M * K, generator=torch.Generator().manual_seed(3))[: M * K // 10].cuda()
-        x.view(-1)[idx] = torch.tensor(vals, device="cuda").to(torch.bfloat16)[idx % len(vals)]
+        _salt(x)
     esc = torch.zeros(N, K, dtype=torch.bool, device="cuda")
     rows = torch.repeat_interleave(torch.arange(N, device="cuda"), (p.esc_rowptr[1:] - p.esc_rowptr[:-1]).long())
     esc[rows, p.esc_col.long()] = True
