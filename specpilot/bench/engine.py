@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import re
 import time
 from pathlib import Path
 
@@ -113,11 +114,34 @@ _CATEGORIES = (  # kernel name -> what the step spends it on (first match)
 )
 
 
+def _category(name: str) -> str:
+    return next(c for c, rx in _CATEGORIES if re.search(rx, name, re.I))
+
+
+def idle_gaps(kernels, reps: int, max_gap_us: float = 100.0) -> dict:
+    """Device idle time per call before each kernel category: `kernels` are (name, start µs, end µs) records of
+    `reps` calls; the gap from the previous kernel's end to a kernel's start is charged to that kernel's category
+    (what the device waits for before it can run: its launch, a cluster or shared-memory reconfiguration, a
+    dependency). Gaps over `max_gap_us` are the spaces between calls and are left out. Overlapping kernels (a
+    programmatic dependent launch) give no gap."""
+    ks = sorted(kernels, key=lambda k: k[1])
+    gaps: dict[str, float] = {}
+    counts: dict[str, int] = {}
+    end = None
+    for name, t0, t1 in ks:
+        if end is not None and 0.0 < t0 - end <= max_gap_us:
+            cat = _category(name)
+            gaps[cat] = gaps.get(cat, 0.0) + (t0 - end) / 1e3 / reps
+            counts[cat] = counts.get(cat, 0) + 1
+        end = t1 if end is None else max(end, t1)
+    return {"ms": dict(sorted(gaps.items(), key=lambda kv: -kv[1])),
+            "us_per_gap": {c: 1e3 * reps * gaps[c] / counts[c] for c in gaps}}
+
+
 def breakdown(fn, reps: int = 5) -> dict:
     """Device time per call of `fn` by kernel category (`_CATEGORIES`), from the profiler's kernel records,
-    and the number of kernels per call."""
-    import re
-
+    the number of kernels per call, and the idle time before each category (`idle_gaps`)."""
+    from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
     torch.cuda.synchronize()
@@ -133,10 +157,13 @@ def breakdown(fn, reps: int = 5) -> dict:
             us = getattr(e, "cuda_time_total", 0.0)
         if not us or e.key.startswith(("cudaGraph", "Memcpy", "Memset")) or "Runtime" in e.key:
             continue
-        cat = next(c for c, rx in _CATEGORIES if re.search(rx, e.key, re.I))
+        cat = _category(e.key)
         cats[cat] = cats.get(cat, 0.0) + us / 1e3 / reps
         kernels += e.count
-    return {"ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "kernels_per_call": kernels / reps}
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
+             if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    return {"ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "kernels_per_call": kernels / reps,
+            "idle": idle_gaps(spans, reps)}
 
 
 def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positions: int = 16, topk: int = 4,
@@ -243,6 +270,10 @@ def markdown(res: dict) -> str:
             if b:
                 parts = ", ".join(f"{k} {v:.2f}" for k, v in b["ms"].items())
                 lines.append(f"\n{fmt} {kind} step by kernel (ms): {parts}; {b['kernels_per_call']:.0f} kernels.")
+                idle = b.get("idle")
+                if idle and idle["ms"]:
+                    gaps = ", ".join(f"{k} {v:.2f} ({idle['us_per_gap'][k]:.1f} µs each)" for k, v in idle["ms"].items())
+                    lines.append(f"Idle before each kind (ms): {gaps}.")
     p = res.get("peer")
     if p and "ms_per_token" in p:
         bf = res["formats"].get("bf16")

@@ -1,0 +1,32 @@
+"""The engine benchmark's idle-time accounting (`specpilot.bench.engine.idle_gaps`) on made-up kernel records: the
+gap before a kernel is charged to its category, overlaps give none, spaces between calls are left out."""
+
+from specpilot.bench.engine import idle_gaps, markdown
+
+
+def test_gaps_are_charged_to_the_kernel_that_follows():
+    # two calls of: gemm [0, 10], w12 [12, 20] (2 µs idle), rmsnorm [20.5, 21] (0.5 µs idle);
+    # the second call starts 1000 µs later (between calls: not counted)
+    one = [("sm90_gemm_bf16", 0.0, 10.0), ("w12_flow_kernel", 12.0, 20.0), ("triton_rmsnorm", 20.5, 21.0)]
+    recs = one + [(n, a + 1000.0, b + 1000.0) for n, a, b in one]
+    got = idle_gaps(recs, reps=2)
+    assert got["ms"] == {"w12 GEMM": 2e-3, "other (norms, gates, copies)": 0.5e-3}
+    assert got["us_per_gap"] == {"w12 GEMM": 2.0, "other (norms, gates, copies)": 0.5}
+    assert list(got["ms"]) == ["w12 GEMM", "other (norms, gates, copies)"]  # largest first
+
+
+def test_overlapping_kernels_leave_no_gap():
+    # a kernel that starts before the previous one ends (programmatic dependent launch), then a gap measured
+    # from the later of the two ends, not from the last start
+    recs = [("w12_a", 0.0, 10.0), ("w12_b", 8.0, 15.0), ("gdn_tree_verify", 16.0, 20.0), ("w12_c", 19.0, 30.0)]
+    got = idle_gaps(recs, reps=1)
+    assert got["ms"] == {"gdn verify": 1e-3}
+
+
+def test_markdown_prints_the_idle_line():
+    row = {"ar_ms": 10.0, "ar_floor_ms": 8.0, "ar_over_floor": 1.25, "verify_ms": 12.0, "verify_over_ar": 1.2,
+           "implied": {t: {"tokens_per_s": 1.0, "speedup_vs_ar": 1.0} for t in ("4", "6", "8")},
+           "ar_breakdown": {"ms": {"w12 GEMM": 8.0}, "kernels_per_call": 3.0,
+                            "idle": {"ms": {"w12 GEMM": 0.4}, "us_per_gap": {"w12 GEMM": 1.5}}}}
+    md = markdown({"shapes": "s", "prefix": 1, "nodes": 32, "gpu": "g", "torch": "t", "cuda": "c", "formats": {"w12": row}})
+    assert "Idle before each kind (ms): w12 GEMM 0.40 (1.5 µs each)." in md
