@@ -120,7 +120,7 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int,
                 out.append((f"e@{cfg.tag()}", cfg))
         if tuple(arch) >= (9, 0):
             for warps, kw, cps, kc in ((4, 4, 4, 2), (4, 4, 4, 4), (8, 8, 2, 2), (4, 2, 4, 2), (2, 2, 4, 2),
-                                       (2, 2, 8, 2), (2, 2, 8, 1)):
+                                       (2, 2, 8, 2), (2, 2, 8, 1), (4, 4, 5, 2), (2, 2, 5, 2), (4, 4, 6, 2)):
                 cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, kc=kc)
                 out.append((f"e@{cfg.tag()}", cfg))
     return out

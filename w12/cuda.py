@@ -98,14 +98,16 @@ def build(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], 
 # --------------------------------------------------------------------------------------
 
 
-def pdl_enabled(device: torch.device) -> bool:
-    """Programmatic dependent launch for the W12 kernels: opt-in with SPECPILOT_PDL=1, sm_90+ only.
-    The kernels then overlap their start (the TMA kernel: its first weight stages) with the previous
-    kernel's tail, and read x / write out / touch the split-K workspace only after
-    `griddepcontrol.wait`. Off by default: on the H200 it made the 64-layer decode step slower
-    (12.70 vs 11.55 ms, docs/w12.md "What was tried"). Precondition when on:
-    the kernel launched immediately before does not write the weight planes."""
-    if os.environ.get("SPECPILOT_PDL", "0") != "1":
+def pdl_enabled(device: torch.device, default: bool = False) -> bool:
+    """Programmatic dependent launch for a W12 kernel, sm_90+ only: SPECPILOT_PDL=1 turns it on for every W12
+    kernel, SPECPILOT_PDL=0 off for every one, and unset leaves each launcher's `default`. A kernel so launched
+    overlaps its start (the flow kernel: its first ring stages; the TMA kernel: its first weight stages) with the
+    previous kernel's tail, and reads x / writes out / touches the split-K workspace only after
+    `griddepcontrol.wait`. The flow kernel's launcher defaults to on (the 64-layer decode step on the H200: 9,890 to
+    9,667 µs, docs/w12-kernels.md); the others to off (the `mma` kernel's decode step: 11,358 to 11,754 µs).
+    Precondition when on: the kernel launched immediately before does not write the weight planes."""
+    env = os.environ.get("SPECPILOT_PDL")
+    if not (default if env is None else env == "1"):
         return False
     idx = device.index if device.index is not None else torch.cuda.current_device()
     return torch.cuda.get_device_capability(idx)[0] >= 9

@@ -127,6 +127,12 @@ _LAYOUTS: dict[int, tuple] = {}
 def tiled(hi: torch.Tensor, lo: torch.Tensor, e0, rowptr, col, val, K: int) -> TiledW12:
     """The runtime layout of these version-1 planes, built on first use and kept while `hi` lives and neither `hi`
     nor `lo` changes (their data pointers and torch version counters are part of the check)."""
+    return _tiled(hi, lo, e0, rowptr, col, val, K)[0]
+
+
+def _tiled(hi, lo, e0, rowptr, col, val, K: int) -> tuple[TiledW12, bool]:
+    """`tiled`, and whether this call built the layout (its kernels are then the last ones in the stream)."""
+    built = False
     key = id(hi)
     stamp = (hi.data_ptr(), hi._version, lo.data_ptr(), lo._version, tuple(hi.shape), int(K))
     hit = _LAYOUTS.get(key)
@@ -135,7 +141,8 @@ def tiled(hi: torch.Tensor, lo: torch.Tensor, e0, rowptr, col, val, K: int) -> T
             _LAYOUTS.clear()
         t = tile(W12Weight(hi, lo, e0, rowptr, col, val, K))
         _LAYOUTS[key] = hit = (weakref.ref(hi, lambda _r, k=key: _LAYOUTS.pop(k, None)), stamp, t.tiles)
-    return TiledW12(hit[2], e0, rowptr, col, val, hi.shape[0], K)
+        built = True
+    return TiledW12(hit[2], e0, rowptr, col, val, hi.shape[0], K), built
 
 
 # --------------------------------------------------------------------------------------
@@ -170,11 +177,16 @@ def _x_operand(x2d: torch.Tensor, Kp: int) -> tuple[torch.Tensor, int]:
 
 def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Tensor | None, out: torch.Tensor, *,
                  step: str = "e", defines: Mapping[str, object] | None = None, smem: int | None = None,
-                 q8: bool = False) -> None:
+                 q8: bool = False, pdl: bool | None = None) -> None:
     """out[M, N] = x2d @ W^T (+ bias) from the runtime layout `t`, on torch's current stream (CUDA-graph capturable
     once the kernel is loaded). `step`: a ladder build (module doc; "a" and "b" leave `out` unwritten).
     `defines` add to the build's defines; `smem`: dynamic shared memory per CTA, at least what the config needs;
-    `q8`: the product with the 8-bit view (`w12.decode_q8`'s weight), reading each tile's hi bytes only."""
+    `q8`: the product with the 8-bit view (`w12.decode_q8`'s weight), reading each tile's hi bytes only.
+    `pdl`: programmatic dependent launch. The kernel then requests its first tiles, and reads e0 and the escapes,
+    before the previous kernel in the stream has ended, so that kernel must not write `t`. Default: on where
+    `w12.cuda.pdl_enabled` allows it (sm_90; the flow kernel's default is on) and `t`'s tensors are unchanged since
+    its last launch (their version counters): a layout's first launch, and the first after an in-place write to
+    it, wait for the previous kernel to end."""
     M, K = x2d.shape
     if x2d.dtype != torch.bfloat16 or not 0 < M <= MAX_M or K != t.K or t.device != x2d.device:
         raise ValueError(f"w12.flow.launch_tiled: needs bf16 x [1..{MAX_M}, K={t.K}] on {t.device}, got "
@@ -195,9 +207,12 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     values = (xk.data_ptr(), ldx, t.tiles.data_ptr(), t.e0.data_ptr(), t.esc_rowptr.data_ptr(), t.esc_col.data_ptr(),
               t.esc_val.data_ptr(), 0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype],
               out.data_ptr(), M, t.N, K, sink.data_ptr())
-    from .cuda import pdl_enabled
+    if pdl is None:
+        from .cuda import pdl_enabled
 
-    kernel.launch((grid(cfg, t.N), 1, 1), 32 * cfg.warps, smem, stream, values, _TYPES, pdl=pdl_enabled(x2d.device))
+        pdl = t._launched == t.versions() and pdl_enabled(x2d.device, default=True)
+    t._launched = t.versions()
+    kernel.launch((grid(cfg, t.N), 1, 1), 32 * cfg.warps, smem, stream, values, _TYPES, pdl=pdl)
 
 
 def launch(cfg: FlowConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False,
@@ -207,8 +222,14 @@ def launch(cfg: FlowConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8:
     if q8 and cfg.fixed:
         raise ValueError(f"w12.flow: the 8-bit view builds on the exact base only; {cfg.tag()} asks for the fixed "
                          "base (force FlowConfig(fixed=False) for w12.matmul_q8)")
-    launch_tiled(cfg, x2d, tiled(hi, lo, e0, rowptr, col, val, x2d.shape[1]), bias, out, defines=defines, smem=smem,
-                 q8=q8)
+    t, built = _tiled(hi, lo, e0, rowptr, col, val, x2d.shape[1])
+    if built:
+        pdl = False
+    else:
+        from .cuda import pdl_enabled
+
+        pdl = pdl_enabled(x2d.device, default=True)
+    launch_tiled(cfg, x2d, t, bias, out, defines=defines, smem=smem, q8=q8, pdl=pdl)
 
 
 def ladder_weight(packed: W12Weight, step: str = "e") -> torch.Tensor | None:

@@ -101,11 +101,12 @@ class TiledW12:
     escape list (`esc_rowptr`, `esc_col`, `esc_val`), shared with the `W12Weight` it was built from.
     Build one with `w12.layout.tile(packed)`; `untile` gives the `W12Weight` back."""
 
-    __slots__ = ("tiles", "e0", "esc_rowptr", "esc_col", "esc_val", "N", "K")
+    __slots__ = ("tiles", "e0", "esc_rowptr", "esc_col", "esc_val", "N", "K", "_launched")
 
     def __init__(self, tiles, e0, esc_rowptr, esc_col, esc_val, N: int, K: int):
         self.tiles, self.e0, self.esc_rowptr, self.esc_col, self.esc_val = tiles, e0, esc_rowptr, esc_col, esc_val
         self.N, self.K = int(N), int(K)
+        self._launched = None  # the tensors' version counters at the last kernel launch (w12.flow.launch_tiled)
         want = Geometry(self.N, self.K).nbytes
         if not isinstance(tiles, torch.Tensor) or tiles.dtype != torch.uint8 or tiles.dim() != 1 \
                 or tiles.numel() != want or not tiles.is_contiguous():
@@ -118,6 +119,10 @@ class TiledW12:
         if any(t.device != tiles.device for t in (e0, esc_rowptr, esc_col, esc_val)):
             raise ValueError("w12.layout.TiledW12: every tensor must be on the tiles' device; move the W12Weight "
                              "before tiling it")
+
+    def versions(self) -> tuple[int, ...]:
+        """The torch version counters of the five tensors: they change with every in-place write."""
+        return tuple(t._version for t in (self.tiles, self.e0, self.esc_rowptr, self.esc_col, self.esc_val))
 
     @property
     def geometry(self) -> Geometry:

@@ -46,7 +46,8 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
                          for k in (base.kw, 2 * base.kw)}
         assert (base.warps, base.cps) == ((4, 4) if m <= 8 and name != "gate_up" else (8, 2))
         split = {(r[1].warps, r[1].kw, r[1].cps, r[1].kc) for r in rows[6:] if r[1].kc > 1}  # sm_90: clusters
-        assert split == {(4, 4, 4, 2), (4, 4, 4, 4), (8, 8, 2, 2), (4, 2, 4, 2), (2, 2, 4, 2), (2, 2, 8, 2)}
+        assert split == {(4, 4, 4, 2), (4, 4, 4, 4), (8, 8, 2, 2), (4, 2, 4, 2), (2, 2, 4, 2), (2, 2, 8, 2),
+                         (4, 4, 5, 2), (2, 2, 5, 2), (4, 4, 6, 2)}  # and one wave of the 640 CTAs at 5-6 per SM
         small = {(r[1].warps, r[1].kw, r[1].cps) for r in rows[6:] if r[1].warps == 2 and r[1].kc == 1}
         assert small == {(2, 2, 8)}  # 2-warp CTAs at 8 per SM without the cluster split, beside it
     kws = {(name, m): rows[0][1].kw for name, n, k, m, rows in cells}

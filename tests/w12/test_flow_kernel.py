@@ -495,3 +495,48 @@ def test_decode_tiled_is_unpack_bitwise(N, K):
     assert autotune.is_interpreter()  # the kernel, not the planes' torch path
     assert torch.equal(decode_tiled(t).view(torch.int16), w12.unpack(p).view(torch.int16))
     assert torch.equal(decode_tiled(t, q8=True).view(torch.int16), w12.decode_q8(p).view(torch.int16))
+
+
+def test_programmatic_dependent_launch_waits_for_a_fresh_or_rewritten_layout(monkeypatch):
+    """launch_tiled's default `pdl`: off at a layout's first launch and at the first after an in-place write to any
+    of its tensors (the previous kernel may be the one that wrote it, and the kernel reads its tiles before
+    griddepcontrol.wait), on otherwise where pdl_enabled allows it; an explicit `pdl` wins; `flow.launch` on the
+    version-1 planes never asks for it in the call that builds their layout. The kernel is stood in by a recorder."""
+    import w12.cuda as wcuda
+
+    seen = []
+
+    class Recorder:
+        def launch(self, grid, block, smem, stream, values, types, pdl=False):
+            seen.append(pdl)
+
+    monkeypatch.setattr(flow, "_kernel", lambda *a, **k: (Recorder(), 0))
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"cuda_stream": 0})())
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(wcuda, "pdl_enabled", lambda device, default=False: default)
+    p = w12.pack(torch.randn(40, 130).to(torch.bfloat16))
+    t = layout.tile(p)
+    x = torch.randn(2, 130).to(torch.bfloat16)
+    out = torch.empty(2, 40, dtype=torch.bfloat16)
+    cfg = FlowConfig()
+    for _ in range(3):
+        flow.launch_tiled(cfg, x, t, None, out)
+    t.tiles[5] += 1  # an in-place write to the tiles
+    flow.launch_tiled(cfg, x, t, None, out)
+    t.esc_col.add_(0)  # and to the escape list
+    flow.launch_tiled(cfg, x, t, None, out)
+    flow.launch_tiled(cfg, x, t, None, out)
+    flow.launch_tiled(cfg, x, t, None, out, pdl=False)
+    assert seen == [False, True, True, False, False, True, False]
+    seen.clear()
+    p2 = w12.pack(torch.randn(24, 64).to(torch.bfloat16))
+    x2 = torch.randn(1, 64).to(torch.bfloat16)
+    out2 = torch.empty(1, 24, dtype=torch.bfloat16)
+    for _ in range(2):
+        flow.launch(cfg, x2, p2.hi, p2.lo, p2.e0, p2.esc_rowptr, p2.esc_col, p2.esc_val, None, out2)
+    p2.lo.add_(0)  # the planes change: the layout is built again
+    flow.launch(cfg, x2, p2.hi, p2.lo, p2.e0, p2.esc_rowptr, p2.esc_col, p2.esc_val, None, out2)
+    assert seen == [False, True, False]
+    monkeypatch.setattr(wcuda, "pdl_enabled", lambda device, default=False: False)
+    flow.launch_tiled(cfg, x, t, None, out)
+    assert seen[-1] is False
