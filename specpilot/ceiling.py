@@ -390,13 +390,16 @@ def factors(taus: Sequence[float], tau_ideal: float | None, costs_v: dict[str, C
 
 # Per-operator benchmark rows that time a group of the engine's step, as `specpilot bench` names them.
 # (op, variant, shape) per group; `{M}` the rows, `{L}` the GDN layers, `{P}` the prefix in k tokens.
-# Linears: one row per linear name (times its count); the variant is what `w12.matmul(variant=None)` and
-# F.linear run in the engine (mma: the CUDA kernels for bf16 x with M <= 32). LM head: the certified head
+# Linears: one row per linear name (times its count); the variant is what the engine runs: F.linear, and for W12
+# the flow kernel on the runtime layout (`w12.matmul_tiled`, the engine's `Linear.tiled` on a GPU; rows
+# "w12.flow"), or where a run has no such rows the planes' default CUDA kernel (mma), which the engine ran before
+# it held the runtime layout. LM head: the certified head
 # with the screen the engine's head takes. GDN: all layers in one case. Tree attention: one layer (times
 # the attention layers). The commit case commits its tree's deepest path; it stands for the step only when
 # that is the step's accepted count.
 _PEROP = {
-    "linears": {"bf16": ("linear", "cublas", "{name}-M{M}"), "w12": ("w12.matmul", "w12.mma", "{name}-M{M}")},
+    "linears": {"bf16": (("linear", "cublas", "{name}-M{M}"),),
+                "w12": (("w12.matmul", "w12.flow", "{name}-M{M}"), ("w12.matmul", "w12.mma", "{name}-M{M}"))},
     "lm head": {("bf16", "int8"): ("lm_head", "certified-int8", "lm_head-M{M}"),
                 ("w12", "int8"): ("lm_head", "certified-w12-int8", "lm_head-M{M}"),
                 ("w12", "w12"): ("lm_head", "certified-w12", "lm_head-M{M}")},
@@ -434,8 +437,10 @@ def perop_times(files: Sequence, shapes: str | ModelShapes, rows: int, *, prefix
     def get(op, var, shape):
         return idx.get((op, var, shape.format(**fill)))
 
-    op, var, shp = _PEROP["linears"][weights]
-    hits = {name: idx.get((op, var, shp.format(name=name, M=rows))) for name in s.linears}
+    for op, var, shp in _PEROP["linears"][weights]:  # the first variant whose rows cover every linear
+        hits = {name: idx.get((op, var, shp.format(name=name, M=rows))) for name in s.linears}
+        if all(hits.values()):
+            break
     if s.linears and all(hits.values()):
         files = sorted({h[1] for h in hits.values()})
         out["linears"] = {"ms": sum(h[0]["median_us"] * s.linear_counts.get(n, 0) for n, h in hits.items()) / 1e3,

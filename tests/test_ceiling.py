@@ -169,6 +169,19 @@ def test_measured_groups_factors_and_prediction():
     assert p["outside_ms"] == pytest.approx(0.1)
     assert p["step_ms"] == pytest.approx(sum(x["ms"] for x in g.values()) + 0.1)
 
+    # W12 linears: the flow kernel's rows (what the engine runs on a GPU) where they cover every linear, else the
+    # planes' mma rows
+    def w12_rows(variant, us):
+        return [{"op": "w12.matmul", "variant": variant, "shape": f"{n}-M4", "median_us": us, "status": "ok"}
+                for n in ("a", "b")]
+
+    both = {"rows": w12_rows("w12.mma", 100.0) + w12_rows("w12.flow", 50.0)}
+    po = ceiling.perop_times([both], SMALL, 4, prefix=1024, weights="w12", screen="int8")
+    assert po["linears"]["ms"] == pytest.approx(5 * 50 / 1e3) and "w12.flow" in po["linears"]["sources"][0]
+    partial = {"rows": w12_rows("w12.mma", 100.0) + w12_rows("w12.flow", 50.0)[:1]}
+    po = ceiling.perop_times([partial], SMALL, 4, prefix=1024, weights="w12", screen="int8")
+    assert po["linears"]["ms"] == pytest.approx(5 * 100 / 1e3) and "w12.mma" in po["linears"]["sources"][0]
+
 
 def test_png_and_cli_table(tmp_path, capsys):
     png, js, md = tmp_path / "c.png", tmp_path / "c.json", tmp_path / "c.md"
