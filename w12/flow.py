@@ -223,13 +223,9 @@ def launch(cfg: FlowConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8:
         raise ValueError(f"w12.flow: the 8-bit view builds on the exact base only; {cfg.tag()} asks for the fixed "
                          "base (force FlowConfig(fixed=False) for w12.matmul_q8)")
     t, built = _tiled(hi, lo, e0, rowptr, col, val, x2d.shape[1])
-    if built:
-        pdl = False
-    else:
-        from .cuda import pdl_enabled
-
-        pdl = pdl_enabled(x2d.device, default=True)
-    launch_tiled(cfg, x2d, t, bias, out, defines=defines, smem=smem, q8=q8, pdl=pdl)
+    if not built:  # a cached layout, its planes unchanged since it was built (the cache's stamp): launched before
+        t._launched = t.versions()
+    launch_tiled(cfg, x2d, t, bias, out, defines=defines, smem=smem, q8=q8)
 
 
 def ladder_weight(packed: W12Weight, step: str = "e") -> torch.Tensor | None:
