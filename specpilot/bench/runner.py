@@ -68,8 +68,8 @@ def _sync(device: torch.device) -> None:
 # Interpreted cases: at most this many timed samples, no warm-up (the check ran the call once), and this budget
 # when the run sets none
 INTERPRETED_REPS = 3
-GROUP_WARM_S = 0.25  # CUDA: seconds of the group's own calls before its first timing (clocks up, caches and JIT warm)
 INTERPRETED_BUDGET_S = 2.0
+GROUP_WARM_S = 0.25  # CUDA: seconds of the group's own calls before its first timing (clocks up, caches and JIT warm)
 
 
 @contextlib.contextmanager
