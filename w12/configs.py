@@ -214,8 +214,11 @@ class FlowConfig:
     ladder (docs/w12-kernels.md, "The flow kernel"). `rb`: row blocks per warp (1 or 2; exact base only), which
     multiply the same x fragments, so that at 2 one x read feeds 32 weight rows; every row block's result is the
     same bit for bit. `kc`: CTAs of one thread-block cluster (sm_90) that split the row groups' K as well (1, 2 or
-    4; exact base only): rank 0 adds the others' sums, received in its shared memory, in rank order. Forced only,
-    never chosen automatically."""
+    4; exact base only): rank 0 adds the others' sums, received in its shared memory, in rank order. `wg`: the
+    warpgroup build (sm_90a: wgmma; exact base, rb = 1, warps a multiple of 4 kw): each 4 warps own 64 consecutive
+    rows and one K piece and multiply them by x with wgmma, x staged once per warpgroup in shared memory, so that one
+    x read feeds 64 weight rows (docs/w12-kernels.md, "The warpgroup build"). Forced only, never chosen
+    automatically."""
 
     warps: int = 8
     kw: int = 2
@@ -225,6 +228,7 @@ class FlowConfig:
     evict: bool = True
     rb: int = 1
     kc: int = 1
+    wg: bool = False
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8, 16) or self.kw not in (1, 2, 4, 8, 16) or self.warps % self.kw \
@@ -237,6 +241,9 @@ class FlowConfig:
         if self.kc not in (1, 2, 4) or (self.kc > 1 and self.fixed):
             raise ValueError(f"FlowConfig needs kc (CTAs of a cluster splitting K) 1, 2 or 4, and above 1 only with "
                              f"the exact base (fixed=False); got {self}")
+        if self.wg and (self.fixed or self.rb != 1 or self.warps % (4 * self.kw)):
+            raise ValueError(f"FlowConfig(wg=True) needs the exact base (fixed=False), rb=1 and warps a multiple of "
+                             f"4 * kw (warpgroups of 4 warps per K piece); got {self}")
 
     @property
     def row_blocks(self) -> int:
@@ -250,7 +257,7 @@ class FlowConfig:
     def tag(self) -> str:
         return f"flow-w{self.warps}-k{self.kw}-s{self.stages}-c{self.cps}" + ("-fixed" if self.fixed else "") + \
             ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "") + \
-            (f"-q{self.kc}" if self.kc > 1 else "")
+            (f"-q{self.kc}" if self.kc > 1 else "") + ("-g" if self.wg else "")
 
 
 def _check_common(c) -> None:

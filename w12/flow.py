@@ -78,17 +78,23 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
     if q8 and cfg.fixed:
         raise ValueError(f"w12.flow.spec: the 8-bit view builds on the exact base only; {cfg.tag()} asks for the "
                          "fixed base (use fixed=False)")
+    if cfg.wg and tuple(arch) != (9, 0):
+        raise ValueError(f"w12.flow.spec: {cfg.tag()} is the warpgroup build (wgmma), which needs sm_90; this GPU is "
+                         f"sm_{arch[0]}{arch[1]} (use wg=False)")
+    if cfg.wg and _check_step(step)["W12F_X"] == 0:
+        raise ValueError(f"w12.flow.spec: {cfg.tag()} (the warpgroup build) multiplies x from shared memory; ladder "
+                         f"step {step!r} reads no x (use a step from 'b' on)")
     if cfg.kc > 1 and tuple(arch) < (9, 0):
         raise ValueError(f"w12.flow.spec: {cfg.tag()} splits K across the CTAs of a thread-block cluster, which needs "
                          f"sm_90; this GPU is sm_{arch[0]}{arch[1]} (use kc=1)")
     base = dict(W12F_WARPS=cfg.warps, W12F_KW=cfg.kw, W12F_STAGES=cfg.stages, W12F_CPS=cfg.cps, W12F_NT=nt,
                 W12F_FIXED=int(cfg.fixed), W12F_EVICT=int(cfg.evict), W12F_RB=cfg.rb, W12F_KC=cfg.kc,
-                W12F_Q8=int(q8), **_check_step(step))
+                W12F_Q8=int(q8), W12F_WG=int(cfg.wg), **_check_step(step))
     merged = base | dict(defines or {})
     if cfg.kc > 1 and not merged["W12F_RED"]:
         raise ValueError(f"w12.flow.spec: {cfg.tag()} (a K split across CTAs) builds only with the reduction, step "
                          f"'e'; got step {step!r}")
-    target = jit.arch_name(arch)
+    target = jit.arch_name(arch, wgmma=cfg.wg)
     return jit.Spec(SOURCE, KERNEL, target, merged,
                     name=f"{SOURCE.stem}-{cfg.tag()}{'-q8' if q8 else ''}-nt{nt}-{step}-{target}")
 
@@ -104,12 +110,15 @@ def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e") -> int:
     """Dynamic shared memory of one CTA: a ring of `stages` slots of `rb` tiles per warp, the K-split partials (step
     "e", kw > 1: 512 bytes per warp, row block of the warp and token tile), with a K split across CTAs (kc > 1) the
     sums rank 0 receives from the other kc - 1 CTAs (512 bytes per row block and token tile each), and for 3-4 token
-    tiles with the escapes the stash of their metadata (1 KB per row block)."""
+    tiles with the escapes the stash of their metadata (1 KB per row block), and for the warpgroup build (`wg`) an x
+    ring per warpgroup (`stages` slots of 1 KB per token tile)."""
     defines = _check_step(step)
     red = defines["W12F_RED"] and cfg.kw > 1
     cred = (cfg.kc - 1) * cfg.row_blocks * nt * 512
     stash = cfg.row_blocks * 1024 if defines["W12F_ESC"] and nt > 2 else 0
-    return cfg.warps * cfg.stages * cfg.rb * TILE + (cfg.warps * cfg.rb * nt * 512 if red else 0) + cred + stash
+    xring = cfg.warps // 4 * cfg.stages * nt * 1024 if cfg.wg else 0
+    return cfg.warps * cfg.stages * cfg.rb * TILE + (cfg.warps * cfg.rb * nt * 512 if red else 0) + cred + stash + \
+        xring
 
 
 def grid(cfg: FlowConfig, N: int) -> int:

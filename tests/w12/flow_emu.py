@@ -8,6 +8,9 @@ fold (each unit by one of the CTA's active row blocks in turn) and the scale gua
 warp order, the escapes in CSR order, the bias. Products and sums are fp64 (each bf16 product is exact there), or,
 with `fp32=True`, every mma's sum and every later step is rounded to fp32, as a model of the kernel's arithmetic.
 Returns the value before the final rounding ([M, N], float64) and counters of the paths taken.
+With `wg=True` it follows the warpgroup build (W12F_WG): the warp -> (row block, K piece) map of 4-warp groups, each
+thread's 4-byte x copies into the warpgroup's slot (`wg_slot`), and the B operand read back through the no-swizzle
+K-major descriptor layout of the PTX ISA (`wg_operand`) instead of the lanes' x fragments.
 `hostile_weight` makes the test weights: rows of zeros, subnormals, huge and tiny values, salted escapes.
 """
 
@@ -56,6 +59,37 @@ def dec_q8(y: np.ndarray, e0x: np.ndarray) -> np.ndarray:
     keep = np.where((y >> U32(8)) & U32(0xFF), U32(0xFFFF), U32(0)) | \
         np.where((y >> U32(24)) & U32(0xFF), U32(0xFFFF0000), U32(0))
     return (bits & keep).astype(U32)
+
+
+def wg_slot(xw: np.ndarray, M: int, NT: int, c: int) -> np.ndarray:
+    """The warpgroup build's x slot of unit c as its 128 threads' cp.async copies leave it: uint32 words
+    [256 NT]; thread t's piece r is word t + 128 r (w12_flow.cu, the x ring). `xw`: x as words [8 NT, Kx / 2]."""
+    slot = np.full(256 * NT, 0xDEADBEEF, dtype=U32)  # poison: a word no copy writes stays visible
+    for t in range(128):
+        for r in range(2 * NT):
+            w = t + 128 * r
+            gq = w >> 5
+            n = 8 * (gq % NT) + ((w >> 2) & 7)
+            col = 64 * c + 16 * (w & 3) + 4 * (gq // (2 * NT)) + 2 * ((gq // NT) & 1)
+            slot[w] = xw[n, col // 2] if n < M else 0
+    return slot
+
+
+def wg_operand(slot: np.ndarray, NT: int, s: int, lbo: int, sbo: int) -> np.ndarray:
+    """B [16 k, 8 NT tokens] (float64) of k-step s as wgmma reads it: a no-swizzle K-major operand at byte
+    256 NT s of the slot, core matrices of 8 tokens x 16 bytes, k halves `lbo` bytes apart, token groups of 8 `sbo`
+    bytes apart (PTX ISA, the shared-memory matrix layout and descriptor); NaN where that reads past the slot."""
+    by = slot.view(np.uint8)
+    B = np.zeros((16, 8 * NT))
+    for k in range(16):
+        for n in range(8 * NT):
+            a = 256 * NT * s + (k // 8) * lbo + (n // 8) * sbo + 16 * (n % 8) + 2 * (k % 8)
+            if a + 1 >= by.size:  # past the slot: another slot's or nothing's bytes
+                B[k, n] = np.nan
+                continue
+            bits = np.array([int(by[a]) | (int(by[a + 1]) << 8)], dtype=U32) << U32(16)
+            B[k, n] = bits.view(np.float32)[0]
+    return B
 
 
 def x_range(wds: np.ndarray) -> tuple[int, int]:
@@ -121,7 +155,7 @@ class _Round:
 
 def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Tensor | None = None,
             fixed: bool = True, esc: bool = True, red: bool = True, fp32: bool = False, guard: bool = True,
-            rb: int = 1, kc: int = 1, q8: bool = False):
+            rb: int = 1, kc: int = 1, q8: bool = False, wg: bool = False, swap: bool = False):
     """The kernel's result before its final rounding, float64 [M, N], and counters {"fallback": warps that took
     the exact-base recomputation, "scaled": warps that scaled}. `esc` / `red`: the W12F_ESC / W12F_RED features
     (without `red` only warp ks = 0 of a row block stores, as the kernel does); `guard=False` scales every warp
@@ -130,8 +164,10 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     CTAs of a cluster splitting K (W12F_KC; exact base, with the reduction): CTA rank r's warp ks takes piece
     r kw + ks of the row group's K, each CTA adds its kw shares, and rank 0 adds the ranks' sums in rank order;
     `q8`: the 8-bit view's build (W12F_Q8; exact base): only the hi pieces are copied into the ring, each pair is
-    decoded by dec_pair_q8, and an escape's correction adds x * escape alone (its hi byte 0 read as +0.0)."""
+    decoded by dec_pair_q8, and an escape's correction adds x * escape alone (its hi byte 0 read as +0.0); `wg`: the
+    warpgroup build (module doc), `swap` with its descriptor's two byte offsets swapped (W12F_WG_SWAP)."""
     assert rb in (1, 2) and (rb == 1 or not fixed)
+    assert not wg or (not fixed and rb == 1 and warps % (4 * kw) == 0)
     assert not (q8 and fixed)
     assert kc in (1, 2, 4) and (kc == 1 or (not fixed and red))
     rnd = _Round(fp32)
@@ -216,8 +252,9 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
             lw.append(words(lob))
         return h, lw
 
-    def tile_mma(acc, h, lw, xfr, kk, fix: bool):
-        """acc [NT, 4, 32] += the tile's 4 k-steps (A decoded from h / lw, B from xfr)."""
+    def tile_mma(acc, h, lw, xfr, kk, fix: bool, wgB=None):
+        """acc [NT, 4, 32] += the tile's 4 k-steps (A decoded from h / lw, B from xfr, or with `wgB` from the
+        warpgroup's operands [4 k-steps][16, 8 NT])."""
         for s in range(4):
             regs = []
             for r in (0, 1):
@@ -241,6 +278,8 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                     l0, l1 = lanes_f64(xfr[j][:, wi])
                     B[2 * P + dk, G] = l0
                     B[2 * P + dk + 1, G] = l1
+                if wgB is not None:
+                    B = wgB[s][:, 8 * j:8 * j + 8]
                 with np.errstate(invalid="ignore", over="ignore"):
                     D = A @ B
                     cf = np.stack([D[G, 2 * P], D[G, 2 * P + 1], D[G + 8, 2 * P], D[G + 8, 2 * P + 1]])
@@ -252,14 +291,24 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
         fold = []  # x words the CTA folds: unit c0 + i of a K range by the row block i mod RA (RA: active ones)
         RA = min(RW, NB - cta * RW)
         for rank, warp in ((r, w) for r in range(kc) for w in range(warps)):
-            rw, ks = divmod(warp, kw)
+            if wg:  # 4-warp groups: row block (gi / kw) 4 + wi, K piece gi % kw
+                gi, wi = divmod(warp, 4)
+                rw, ks = gi // kw * 4 + wi, gi % kw
+                lactive = cta * RW + (rw & ~3) < NB  # the warpgroup's range follows its first row block
+            else:
+                rw, ks = divmod(warp, kw)
+                lactive = (cta * RW + rw) * rb < NB  # the row group's K range follows its first block
             rb0 = (cta * RW + rw) * rb
-            active = rb0 < NB  # the row group's K range follows its first block
+            active = rb0 < NB
             q, QW = rank * kw + ks, kc * kw  # the warp's piece of the row group's K
-            c0, c1 = (q * KF // QW, (q + 1) * KF // QW) if active else (0, 0)
-            has_tail = active and q == QW - 1 and kr > 0
+            c0, c1 = (q * KF // QW, (q + 1) * KF // QW) if lactive else (0, 0)
+            has_tail = lactive and q == QW - 1 and kr > 0
             cend = c1 + has_tail
             xfrs = {c: x_frag(c) for c in range(c0, cend)}  # one x read per unit, shared by the row group's blocks
+            if wg:
+                lbo, sbo = (128, 128 * NT) if swap else (128 * NT, 128)
+                wgBs = {c: [wg_operand(wg_slot(xw, M, NT, c), NT, s, lbo, sbo) for s in range(4)]
+                        for c in range(c0, cend)}
             for i in range(rb):
                 b = rb0 + i
                 R = 16 if b < NF else (nr if b < NB else 0)
@@ -274,20 +323,20 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                     if i == 0 and rank == 0 and (c - c0) % RA == rw:
                         fold.append(xfr)
                     h, lw = ring_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
-                    tile_mma(acc, h, lw, xfr, kk, fixed)
-                parts[rank, warp, i] = acc
+                    tile_mma(acc, h, lw, xfr, kk, fixed, wgBs[c] if wg else None)
+                parts[rank, rw, ks, i] = acc
                 if rank == 0:
-                    meta[warp, i] = (b, ks, active and b < NB, R, blk, c0, c1, cend, e0r)
+                    meta[warp, i] = (rw, b, ks, active and b < NB, R, blk, c0, c1, cend, e0r)
         emin, emax = x_range(np.stack(fold)) if fold else (255, 0)
         if fixed:
-            for (warp, i), (b, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
+            for (warp, i), (rw, b, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
                 ok = all(scale_exact(int(e), emin, emax) for e in e0r.reshape(-1))
                 if ok or not guard:
                     stats["scaled"] += int(active)
                     sc = np.stack([2.0 ** (e0r[v >> 1] - 112) * (e0r[v >> 1] != 0) + (e0r[v >> 1] == 0)
                                    for v in range(4)])
                     with np.errstate(over="ignore", invalid="ignore"):
-                        parts[0, warp, i] = rnd(parts[0, warp, i] * sc[None])
+                        parts[0, rw, ks, i] = rnd(parts[0, rw, ks, i] * sc[None])
                 else:
                     stats["fallback"] += 1
                     e0x = [((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
@@ -295,16 +344,16 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                     for c in range(c0, cend):
                         h, lw = global_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
                         tile_mma(acc, h, lw, x_frag(c), e0x, False)
-                    parts[0, warp, i] = acc
-        for (warp, i), (b, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
+                    parts[0, rw, ks, i] = acc
+        for (warp, i), (rw, b, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
             if ks != 0 or not active:
                 continue
             sums = []
             for rank in range(kc):
-                acc = parts[rank, warp, i].copy()
+                acc = parts[rank, rw, 0, i].copy()
                 if red and kw > 1:
-                    for w in range(1, kw):
-                        acc = rnd(acc + parts[rank, warp + w, i])
+                    for w in range(1, kw):  # the kernel's warp + KSTEP w: the same row block's piece w
+                        acc = rnd(acc + parts[rank, rw, w, i])
                 sums.append(acc)
             acc = sums[0]
             for r in range(1, kc):  # rank 0 adds the other CTAs' sums in rank order

@@ -24,7 +24,7 @@ import w12
 from w12 import flow, layout
 from w12.configs import FlowConfig, flow_heuristic
 
-from flow_emu import emulate, hostile_weight, one_unit_tiny_case
+from flow_emu import emulate, hostile_weight, lanes_f64, one_unit_tiny_case, wg_operand, wg_slot, words
 
 
 def _bf16_bits(v64: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -148,6 +148,95 @@ def test_k_split_across_ctas_builds_for_sm90_only(nt, jit_cache):
         flow.spec(cfg, nt, (8, 0))
     with pytest.raises(ValueError, match="only with the reduction"):
         flow.spec(cfg, nt, (9, 0), step="d")
+
+
+@pytest.mark.parametrize("M", [1, 8, 13, 32])
+def test_warpgroup_operand_is_the_fragment_order(M):
+    """The warpgroup build's x slot (each thread's 4-byte copies), read through the no-swizzle K-major descriptor
+    layout with the kernel's byte offsets, is the B operand mma.sync reads from the lanes' x fragments, for every
+    k-step and token, token rows past M zero; with the two offsets swapped (W12F_WG_SWAP) it is not, where there
+    is more than one token group (so the test tells the orientations apart)."""
+    NT = -(-M // 8)
+    K = 192
+    x = torch.zeros(8 * NT, K, dtype=torch.bfloat16)
+    x[:M] = _x(M, K, seed=M)
+    xw = words(x.view(torch.uint8).numpy().reshape(8 * NT, -1))
+    lane = np.arange(32)
+    g, p = lane // 4, lane % 4
+    for c in range(K // 64):
+        slot = wg_slot(xw, M, NT, c)
+        assert not (slot == 0xDEADBEEF).any(), "a word of the slot is left unwritten"
+        for s in range(4):
+            want = np.zeros((16, 8 * NT))
+            for j in range(NT):  # mma.sync's B fragments: lane (g, p), words 2 s and 2 s + 1 of its 16 columns
+                for wi, dk in ((2 * s, 0), (2 * s + 1, 8)):
+                    tok = 8 * j + g
+                    l0, l1 = lanes_f64(xw[tok, (64 * c + 16 * p) // 2 + wi])
+                    want[2 * p + dk, tok] = np.where(tok < M, l0, 0.0)
+                    want[2 * p + dk + 1, tok] = np.where(tok < M, l1, 0.0)
+            got = wg_operand(slot, NT, s, 128 * NT, 128)
+            assert np.array_equal(got, want), f"unit {c}, k-step {s}"
+            if NT > 1:
+                assert not np.array_equal(wg_operand(slot, NT, s, 128, 128 * NT), want)
+
+
+# M, N, K, warps, kw, kc: a warpgroup whose last row blocks are past the weight (N = 75: 5 row blocks), a partial
+# last block, masked tails, a K split across warpgroups and across the CTAs of a cluster, 1 to 4 token tiles
+WG_CASES = [(1, 75, 200, 4, 1, 1), (32, 33, 100, 8, 2, 1), (16, 130, 256, 8, 1, 1), (20, 40, 130, 8, 2, 2),
+            (9, 17, 64, 4, 1, 2), (24, 64, 320, 16, 4, 1)]
+
+
+@pytest.mark.parametrize("M,N,K,warps,kw,kc", WG_CASES,
+                         ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-w{c[3]}-k{c[4]}-q{c[5]}" for c in WG_CASES])
+def test_warpgroup_build_matches_reference_bitwise(M, N, K, warps, kw, kc):
+    """W12F_WG (4 warps' rows through one wgmma, x from the warpgroup's slot): the reference's BF16 bits on hostile
+    rows with a bias, and in the fp32 model the same value as the mma.sync build wherever the K pieces are the
+    same (kw = 1, kc = 1: every row block's sum is the same sequence of k-steps). The swapped descriptor gives
+    other values where there is more than one token group."""
+    w = hostile_weight(N, K, seed=11 * N + K)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=K + M)
+    b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16)
+    want = w12.matmul_reference(x, p, b)
+    got, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, kc=kc, wg=True)
+    _assert_bf16_equal(got, want)
+    if kw == 1 and kc == 1:
+        one, _ = emulate(x, t, warps=4, kw=1, bias=b, fixed=False, fp32=True)
+        four, _ = emulate(x, t, warps=warps, kw=1, bias=b, fixed=False, fp32=True, wg=True)
+        assert np.array_equal(one, four, equal_nan=True)
+    if M > 8:
+        swapped, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, kc=kc, wg=True, swap=True)
+        assert not np.array_equal(swapped, got, equal_nan=True)
+
+
+@pytest.mark.parametrize("nt", [1, 2, 3, 4])
+def test_warpgroup_build_compiles_for_sm90a(nt, jit_cache):
+    """The warpgroup build: sm_90a, wgmma of n = 8 nt tokens with A from registers, the proxy fence and the named
+    barrier per warpgroup, 4-byte x copies, no spills and no serialised wgmma (ptxas says so in its log)."""
+    cfg = FlowConfig(warps=8, kw=2, cps=2, wg=True)
+    b = flow.build(cfg, nt, (9, 0))
+    ptx = b.ptx.read_text()
+    assert f"wgmma.mma_async.sync.aligned.m64n{8 * nt}k16.f32.bf16.bf16" in ptx
+    assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned" in ptx and "bar.sync" in ptx
+    assert "cp.async.ca.shared.global" in ptx
+    assert ".target sm_90a" in ptx
+    r = b.resources()
+    assert r["spill_stores"] == 0 and r["stack"] == 0
+    assert "serialized" not in b.log.read_text()
+    assert flow.smem_bytes(cfg, nt) == flow.smem_bytes(FlowConfig(warps=8, kw=2, cps=2), nt) + 2 * 4 * nt * 1024
+    with pytest.raises(ValueError, match="needs sm_90"):
+        flow.spec(cfg, nt, (8, 0))
+    with pytest.raises(ValueError, match="reads no x"):
+        flow.spec(cfg, nt, (9, 0), step="a")
+
+
+def test_warpgroup_config_is_checked():
+    assert FlowConfig(warps=8, kw=2, wg=True).tag().endswith("-g")
+    for bad in (dict(warps=4, kw=2), dict(warps=8, kw=4), dict(warps=8, kw=2, fixed=True), dict(warps=8, kw=2, rb=2),
+                dict(warps=2, kw=1)):
+        with pytest.raises(ValueError, match="wg=True"):
+            FlowConfig(wg=True, **bad)
 
 
 @pytest.mark.parametrize("kind", ["nonfinite", "subnormal"])

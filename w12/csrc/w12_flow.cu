@@ -41,6 +41,22 @@
 // bytes) and decoded by dec_pair_q8 (w12_common.cuh); an escape's hi byte is 0, which reads as +0.0, so its
 // correction adds x * escape alone.
 //
+// The warpgroup build (W12F_WG = 1; wgmma, sm_90a, exact base, one row block per warp). Four consecutive warps form
+// a warpgroup that owns 64 consecutive rows (4 row blocks, one per warp) and one K piece: warp (group gi, member wi)
+// takes row block rw = (gi / KW) 4 + wi and K piece ks = gi % KW. Each warp streams and decodes its own tiles as
+// above (its registers are wgmma's A fragments of rows 16 wi .. 16 wi + 15, the layout mma.sync's A has), and the
+// warpgroup multiplies all 64 rows by x with one wgmma.m64n(8 NT)k16 per k-step, x being the B operand in shared
+// memory. So one x read feeds 64 weight rows instead of 16. x comes in per warpgroup and unit into a ring beside the
+// weight ring (same slot index): 4-byte cp.async pieces that put each k-step's x in the A fragments' k order (k-step
+// s, mma k = 2 p + 8 h + e is column 16 p + 4 s + 2 h + e of the unit) as core matrices of 8 tokens x 8 k (16 bytes
+// per token), no swizzle, K-major: byte 256 NT s + 128 NT h + 128 (n / 8) + 16 (n % 8) + 4 p of a slot, which is
+// word t + 128 r of the slot for piece r of warpgroup thread t. The descriptor's leading byte offset (between the
+// two k halves) is 128 NT and its stride byte offset (between token groups of 8) is 128; W12F_WG_SWAP = 1 swaps the
+// two (a build to settle the fields' roles on the device). Per unit: the copies land (cp.async.wait_group), a
+// proxy fence, a barrier of the warpgroup's 128 threads, the refill of the slot the previous unit used, then the
+// decode and four wgmma, waited for before the next unit (the slot is refilled one unit later). The masked tail is
+// a unit of the loop (its x staged like the others, its weight fragments assembled from global memory).
+//
 // Features, each behind a define so that one device call can time the ladder (perf/w12_ladder.py):
 //   W12F_X    (b) x as mma.sync's B operand (0: the probe's constant B; no x is read)
 //   W12F_EPI  (c) the per-row epilogue: the scale (and its guard), bias, one rounding, the store
@@ -98,6 +114,12 @@
 #ifndef W12F_Q8
 #define W12F_Q8 0  // the 8-bit view: hi bytes only
 #endif
+#ifndef W12F_WG
+#define W12F_WG 0  // the warpgroup build: wgmma over 64 rows, x from shared memory (sm_90a)
+#endif
+#ifndef W12F_WG_SWAP
+#define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
+#endif
 
 namespace {
 
@@ -115,6 +137,9 @@ constexpr bool EPI = W12F_EPI != 0;
 constexpr bool ESC = W12F_ESC != 0;
 constexpr bool RED = W12F_RED != 0 && KW > 1;
 constexpr bool GUARD = EPI && FIXED;  // the x range and the exact-base recomputation
+constexpr bool WG = W12F_WG != 0;
+constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of one row block
+constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
@@ -130,8 +155,13 @@ static_assert(KC == 1 || KC == 2 || KC == 4, "CTAs splitting K: 1, 2 or 4");
 static_assert(!Q8 || !FIXED, "the 8-bit view: exact base only");
 static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
+static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
+              "the warpgroup build: exact base, one row block per warp, x, and warpgroups of 4 warps per K piece");
 #if W12F_KC > 1 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
 #error "W12F_KC > 1 needs thread-block clusters (sm_90)"
+#endif
+#if W12F_WG && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
+#error "W12F_WG needs wgmma (sm_90a)"
 #endif
 
 __device__ __forceinline__ uint64_t evict_first_policy() {
@@ -208,6 +238,66 @@ __device__ __forceinline__ void tile_mma(float (&acc)[NT][4], const Frag& f, con
   }
 }
 
+// The warpgroup build's B descriptor: a no-swizzle K-major operand at shared address `a` (16-byte aligned), k halves
+// `lbo` bytes apart, token groups of 8 `sbo` bytes apart
+__device__ __forceinline__ uint64_t wg_desc(uint32_t a, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((a & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
+}
+
+__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, uint32_t src_bytes) {
+  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
+}
+
+// d[64 rows x 8 NT tokens] += A(registers, this warp's 16 rows) B(descriptor), one k-step
+#if W12F_WG
+template <int NT_>
+__device__ __forceinline__ void wgmma_step(float (&d)[NT_][4], const uint32_t (&a)[4], uint64_t desc) {
+  if constexpr (NT_ == 1) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n8k16.f32.bf16.bf16 {%0, %1, %2, %3}, {%4, %5, %6, %7}, %8, p, 1, 1, "
+                 "0;\n}"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  } else if constexpr (NT_ == 2) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n16k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7}, "
+                 "{%8, %9, %10, %11}, %12, p, 1, 1, 0;\n}"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  } else if constexpr (NT_ == 3) {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n24k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, "
+                 "%10, %11}, {%12, %13, %14, %15}, %16, p, 1, 1, 0;\n}"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+                   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  } else {
+    asm volatile("{\n.reg .pred p;\nsetp.ne.b32 p, 1, 0;\n"
+                 "wgmma.mma_async.sync.aligned.m64n32k16.f32.bf16.bf16 {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, "
+                 "%10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, %20, p, 1, 1, 0;\n}"
+                 : "+f"(d[0][0]), "+f"(d[0][1]), "+f"(d[0][2]), "+f"(d[0][3]),
+                   "+f"(d[1][0]), "+f"(d[1][1]), "+f"(d[1][2]), "+f"(d[1][3]),
+                   "+f"(d[2][0]), "+f"(d[2][1]), "+f"(d[2][2]), "+f"(d[2][3]),
+                   "+f"(d[3][0]), "+f"(d[3][1]), "+f"(d[3][2]), "+f"(d[3][3])
+                 : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(desc));
+  }
+}
+
+// the tile's 4 k-steps through wgmma: k-step s reads B at `xs` + 256 NT s; waited for before returning
+__device__ __forceinline__ void tile_wgmma(float (&acc)[NT][4], const Frag& f, uint32_t xs, const uint32_t (&k)[2]) {
+  constexpr uint32_t LBO = W12F_WG_SWAP ? 128u : 128u * NT, SBO = W12F_WG_SWAP ? 128u * NT : 128u;
+  uint32_t a[4][4];
+#pragma unroll
+  for (int s = 0; s < 4; ++s) decode_step<false>(a[s], f, k, s);
+  asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#pragma unroll
+  for (int s = 0; s < 4; ++s) wgmma_step<NT>(acc, a[s], wg_desc(xs + 256u * NT * s, LBO, SBO));
+  asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+}
+#endif
 
 }  // namespace
 
@@ -228,7 +318,9 @@ w12_matmul_flow_kernel(
   __shared__ int s_emin[WARPS], s_emax[WARPS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, p = lane & 3;
-  const int rw = warp / KW, ks = warp - rw * KW;
+  // the warp's row block (row group, for RB = 2) in the CTA and its K piece; the warpgroup build groups 4 warps
+  const int rw = WG ? (warp >> 2) / KW * 4 + (warp & 3) : warp / KW;
+  const int ks = WG ? (warp >> 2) % KW : warp - rw * KW;
   const int KF = K >> 6, kr = K & 63, NF = N >> 4, nr = N & 15;
   const int NB = NF + (nr > 0);
   const int TB = kr + ((kr + 1) >> 1);
@@ -236,6 +328,8 @@ w12_matmul_flow_kernel(
   const int cta = (int)blockIdx.x / KC, kc = (int)blockIdx.x - cta * KC;  // a cluster's CTAs: consecutive ids
   const int rb0 = (cta * RW + rw) * RB;           // the first row block of this warp's row group
   const bool active = rb0 < NB;                    // a row group is active when its first block is
+  // the loop's range follows the first row block of the warpgroup (WG: all 4 warps run every wgmma together)
+  const bool lactive = WG ? (cta * RW + (rw & ~3)) < NB : active;
   int R[RB], TS[RB];                               // rows of each row block (0 past the last), bytes per tile
   const uint8_t* blk[RB];
 #pragma unroll
@@ -246,8 +340,8 @@ w12_matmul_flow_kernel(
     blk[i] = tiles + (long long)min(rb, NB - 1) * SB;
   }
   const int q = kc * KW + ks;                      // the warp's piece of the row group's K, of KC x KW
-  const int c0 = active ? q * KF / (KC * KW) : 0, c1 = active ? (q + 1) * KF / (KC * KW) : 0;
-  const bool has_tail = active && q == KC * KW - 1 && kr > 0;
+  const int c0 = lactive ? q * KF / (KC * KW) : 0, c1 = lactive ? (q + 1) * KF / (KC * KW) : 0;
+  const bool has_tail = lactive && q == KC * KW - 1 && kr > 0;
   const int cend = c1 + (has_tail ? 1 : 0);        // units c0 .. cend - 1; unit KF is the masked tail
   constexpr int SLOT = RB * TILE;                  // one ring slot: the unit's tile of each row block
   const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
@@ -299,6 +393,7 @@ w12_matmul_flow_kernel(
   constexpr int RED_OFF = WARPS * STAGES * SLOT;                                    // after the rings
   constexpr int CRED_OFF = RED_OFF + (RED ? WARPS * RB * NT * 512 : 0);              // after the KW shares
   constexpr int STASH_OFF = CRED_OFF + (KC > 1 ? (KC - 1) * RW * RB * NT * 512 : 0);  // after the CTAs' sums
+  constexpr int X_OFF = STASH_OFF + (ESC_STASH ? RW * RB * 1024 : 0);                 // after the stash (WG)
   int4* const stash = reinterpret_cast<int4*>(smem + STASH_OFF) + rw * RB * 64;
   if (ESC && ks == 0 && active && kc == 0) {
 #pragma unroll
@@ -333,6 +428,40 @@ w12_matmul_flow_kernel(
     wst += SLOT;
   }
   grid_dep_wait();
+
+  // The warpgroup build's x ring: thread t (of 128) copies pieces r = 0 .. 2 NT - 1, word w = t + 128 r of a slot,
+  // i.e. token n = 8 ((w >> 5) % NT) + ((w >> 2) & 7), columns 16 p + 4 s + 2 h .. + 1 with p = w & 3,
+  // h = ((w >> 5) / NT) & 1, s = (w >> 5) / (2 NT) (the header's order); tokens past M are zero-filled
+  const int wt = threadIdx.x & 127;
+  const uint32_t xring = (uint32_t)__cvta_generic_to_shared(smem + X_OFF) + (warp >> 2) * STAGES * XSLOT;
+  const uint32_t xring_end = xring + STAGES * XSLOT;
+  uint32_t xwr = xring + 4 * wt, xrd = xring;  // the x slot being refilled (this thread's first word), being read
+  int xoff[WG ? 2 * NT : 1];
+  uint32_t xok = 0;
+  if constexpr (WG) {
+#pragma unroll
+    for (int r = 0; r < 2 * NT; ++r) {
+      const int w = wt + 128 * r, gq = w >> 5;
+      const int n = 8 * (gq % NT) + ((w >> 2) & 7);
+      xoff[r] = n < M ? n * (int)ldx + 16 * (w & 3) + 4 * (gq / (2 * NT)) + 2 * ((gq / NT) & 1) : 0;
+      xok |= (n < M ? 1u : 0u) << r;
+    }
+  }
+  const __nv_bfloat16* xsrc = x + 64LL * c0;
+  auto issue_x = [&]() {
+#pragma unroll
+    for (int r = 0; r < 2 * NT; ++r) cp_async4(xwr + 512 * r, xsrc + xoff[r], (xok >> r) & 1u ? 4u : 0u);
+    xsrc += 64;
+  };
+  auto next_x = [&](uint32_t a, uint32_t end) { return a + XSLOT >= end ? a + XSLOT - STAGES * XSLOT : a + XSLOT; };
+  if constexpr (WG) {  // x of the first STAGES - 1 units, one commit group (the loop's first waits take it all)
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+      if (c0 + i < cend) issue_x();
+      xwr = next_x(xwr, xring_end + 4 * wt);
+    }
+    cp_commit();
+  }
 
   XRange xr;
   // the unit's turn among the CTA's RA active row blocks (the last CTA may have fewer than RW): warp rw folds the
@@ -396,7 +525,8 @@ w12_matmul_flow_kernel(
 #pragma unroll
       for (int u = 0; u < 4; ++u) acc[i][j][u] = 0.0f;
   uint4 xn[NT][2];  // the next unit's x (prefetched one unit ahead)
-  if constexpr (XB) {
+  if constexpr (WG) {
+  } else if constexpr (XB) {
     if (c0 < cend) load_x(xn);
   } else {
     const uint32_t b = 0x3F800000u ^ (uint32_t)lane;  // the probe's constant B operand
@@ -405,6 +535,41 @@ w12_matmul_flow_kernel(
   }
 
   uint32_t rst = ring;  // the slot of tile c
+#if W12F_WG
+  for (int c = c0; c < cend; ++c) {
+    // unit c's weights and x landed: the prologue's x is one group after the first STAGES - 1 weight groups
+    if (c - c0 < STAGES - 2)
+      asm volatile("cp.async.wait_group 0;" ::: "memory");
+    else
+      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");       // the copies, seen by wgmma's reads
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");  // the warpgroup's pieces; unit c - 1 done
+    Frag f;
+    if (c < c1) {
+      f.h[0] = lds128(rst + 16 * lane);
+      f.h[1] = lds128(rst + 512 + 16 * lane);
+      if constexpr (!Q8) {
+        f.l[0] = lds64(rst + 1024 + 8 * lane);
+        f.l[1] = lds64(rst + 1280 + 8 * lane);
+      } else {
+        f.l[0] = f.l[1] = make_uint2(0u, 0u);
+      }
+    } else {
+      tail_frag(f, 0);
+    }
+    // refill the slots read one unit ago (every warp of the warpgroup has waited for its wgmma) with unit c + STAGES - 1
+    if (c + STAGES - 1 < c1) issue();
+    if (c + STAGES - 1 < cend) issue_x();
+    cp_commit();
+    wst = next_slot(wst);
+    rst = next_slot(rst);
+    xwr = next_x(xwr, xring_end + 4 * wt);
+    const uint32_t xs = xrd;
+    xrd = next_x(xrd, xring_end);
+    tile_wgmma(acc[0], f, xs, kk[0]);
+  }
+  asm volatile("cp.async.wait_all;" ::: "memory");
+#else
   for (int c = c0; c < c1; ++c) {
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
     __syncwarp();
@@ -444,6 +609,7 @@ w12_matmul_flow_kernel(
       tile_mma<FIXED>(acc[i], f, xn, kk[i]);
     }
   }
+#endif
   // the next kernel's CTAs may launch (programmatic dependent launch) once every CTA's main loop is done; at the
   // kernel's start instead, the 64-layer decode step on the H200 took 9,935 µs against 9,816 (docs/w12-kernels.md)
   grid_dep_launch();
@@ -523,7 +689,7 @@ w12_matmul_flow_kernel(
 #pragma unroll
             for (int j = 0; j < NT; ++j)
 #pragma unroll
-              for (int u = 0; u < 4; ++u) acc[i][j][u] += red[((((warp + w) * RB + i) * NT + j) * 4 + u) * 32 + lane];
+              for (int u = 0; u < 4; ++u) acc[i][j][u] += red[((((warp + KSTEP * w) * RB + i) * NT + j) * 4 + u) * 32 + lane];
       }
     }
     if constexpr (KC > 1) {
