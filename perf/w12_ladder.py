@@ -94,7 +94,7 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int,
     other K splits (1..8, up to the CTA's warps) and ring depths (4, 8), the other CTA sizes of 16 warps per
     SM (4, 8 or 16 warps), and two row blocks per warp in CTAs of 8 warps at 1 per SM and 4 warps at 2 per SM (the
     heuristic's K split and half of it), when `sweep`; on sm_90 also K split across the CTAs of a cluster (kc 2 and 4,
-    CTAs of one row block)."""
+    CTAs of one row block) and the warpgroup build (`wg`, rows tagged `-g`) in 8 shapes."""
     from unittest import mock
 
     import w12.configs as wc
@@ -122,6 +122,11 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int,
             for warps, kw, cps, kc in ((4, 4, 4, 2), (4, 4, 4, 4), (8, 8, 2, 2), (4, 2, 4, 2), (2, 2, 4, 2),
                                        (2, 2, 8, 2), (2, 2, 8, 1), (4, 4, 5, 2), (2, 2, 5, 2), (4, 4, 6, 2)):
                 cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, kc=kc)
+                out.append((f"e@{cfg.tag()}", cfg))
+            # the warpgroup build (wgmma over 64 rows, x once per warpgroup in shared memory)
+            for warps, kw, cps, kc in ((4, 1, 4, 1), (8, 1, 2, 1), (8, 2, 2, 1), (16, 2, 1, 1), (16, 4, 1, 1),
+                                       (4, 1, 4, 2), (8, 1, 2, 2), (8, 2, 2, 2)):
+                cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, kc=kc, wg=True)
                 out.append((f"e@{cfg.tag()}", cfg))
     return out
 

@@ -32,12 +32,15 @@ from .layout import TiledW12, tile
 from .format import W12Weight, _codes, _to_int16, padded_k, unpack
 
 __all__ = ["SOURCE", "KERNEL", "STEPS", "ABLATIONS", "MAX_M", "MAX_KP", "n_tiles", "spec", "build", "smem_bytes", "grid", "tiled",
-           "launch", "launch_tiled", "ladder_weight"]
+           "launch", "launch_tiled", "ladder_weight", "PDL_MAX_M"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_flow.cu"
 KERNEL = "w12_matmul_flow_kernel"
 MAX_M = 32
 MAX_KP = 1 << 18  # the scale identity assumes Kp <= 2^18
+# programmatic dependent launch by default up to this many tokens: at M = 16 it cost the 5120-row layers 12% on the
+# H200 (o_proj, out_proj: 23.8-23.9 µs with it, 20.8-21.4 without), within 2% elsewhere (docs/w12-kernels.md)
+PDL_MAX_M = 8
 TILE = 1536
 STEPS: dict[str, dict[str, int]] = {
     "a": dict(W12F_X=0, W12F_EPI=0, W12F_ESC=0, W12F_RED=0),
@@ -193,9 +196,9 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     `q8`: the product with the 8-bit view (`w12.decode_q8`'s weight), reading each tile's hi bytes only.
     `pdl`: programmatic dependent launch. The kernel then requests its first tiles, and reads e0 and the escapes,
     before the previous kernel in the stream has ended, so that kernel must not write `t`. Default: on where
-    `w12.cuda.pdl_enabled` allows it (sm_90; the flow kernel's default is on) and `t`'s tensors are unchanged since
-    its last launch (their version counters): a layout's first launch, and the first after an in-place write to
-    it, wait for the previous kernel to end."""
+    `w12.cuda.pdl_enabled` allows it (sm_90; the flow kernel's default is on), M <= PDL_MAX_M, and `t`'s tensors
+    are unchanged since its last launch (their version counters): a layout's first launch, and the first after an
+    in-place write to it, wait for the previous kernel to end."""
     M, K = x2d.shape
     if x2d.dtype != torch.bfloat16 or not 0 < M <= MAX_M or K != t.K or t.device != x2d.device:
         raise ValueError(f"w12.flow.launch_tiled: needs bf16 x [1..{MAX_M}, K={t.K}] on {t.device}, got "
@@ -219,7 +222,7 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     if pdl is None:
         from .cuda import pdl_enabled
 
-        pdl = t._launched == t.versions() and pdl_enabled(x2d.device, default=True)
+        pdl = M <= PDL_MAX_M and t._launched == t.versions() and pdl_enabled(x2d.device, default=True)
     t._launched = t.versions()
     kernel.launch((grid(cfg, t.N), 1, 1), 32 * cfg.warps, smem, stream, values, _TYPES, pdl=pdl)
 

@@ -36,6 +36,11 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
         assert len({r[1] for r in rows[:5]}) == 1  # one config through the ladder
         assert all(r[2] == "e" for r in rows[5:])
         base = rows[0][1]
+        wg = {(r[1].warps, r[1].kw, r[1].cps, r[1].kc) for r in rows[6:] if r[1].wg}  # sm_90: the warpgroup build
+        assert wg == {(4, 1, 4, 1), (8, 1, 2, 1), (8, 2, 2, 1), (16, 2, 1, 1), (16, 4, 1, 1), (4, 1, 4, 2),
+                      (8, 1, 2, 2), (8, 2, 2, 2)}
+        assert all(r[0].endswith("-g") for r in rows[6:] if r[1].wg)
+        rows = [r for r in rows if not r[1].wg]
         two = {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:] if r[1].rb == 2}
         assert two == {(w, c, k) for w, c in ((8, 1), (4, 2)) for k in (min(base.kw, w), max(1, min(base.kw, w) // 2))}
         same = [r for r in rows[6:] if (r[1].warps, r[1].cps, r[1].rb, r[1].kc) == (base.warps, base.cps, 1, 1)]
@@ -56,7 +61,7 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
     assert {cfg.fixed for cfg, nt, step in builds} == {True, False}  # the fixed-base rows and their exact twins
     assert {(cfg.kw, step) for cfg, nt, step in builds if step in "cd" and cfg.kw == 1} == {(1, "c"), (1, "d")}
     sm80, _ = ladder.plan(layers, [1], 132, sweep=True, arch=(8, 0))
-    assert all(r[1].kc == 1 for *_, rows in sm80 for r in rows)  # no clusters before sm_90
+    assert all(r[1].kc == 1 and not r[1].wg for *_, rows in sm80 for r in rows)  # no clusters or wgmma before sm_90
     _, few = ladder.plan(ladder.layer_shapes(["o_proj"]), [1], 132, sweep=False)
     assert len(few) == 5 + 1 + 2  # steps a..e, the exact-base e, steps c and d at kw = 1
     cells, sel = ladder.plan(ladder.layer_shapes(["o_proj"]), [32], 132, sweep=True, only="e|e@.*-r2")

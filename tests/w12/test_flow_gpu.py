@@ -365,3 +365,104 @@ def test_chain_under_programmatic_dependent_launch(cfg, graph):
     torch.cuda.synchronize()
     assert not torch.equal(ys[1].view(torch.int16), ref.view(torch.int16))
     assert_close(ys[1], w12.matmul_reference(x, pn), F.linear(x, -w0))
+
+
+# the warpgroup build: one warpgroup per CTA, two splitting K, four splitting K at one CTA per SM, and with the K
+# split across the CTAs of a cluster
+WG_CONFIGS = [FlowConfig(warps=4, kw=1, cps=4, wg=True), FlowConfig(warps=8, kw=2, cps=2, wg=True),
+              FlowConfig(warps=16, kw=4, cps=1, wg=True), FlowConfig(warps=8, kw=1, cps=2, kc=2, wg=True)]
+
+
+@pytest.mark.hopper
+def test_warpgroup_descriptor_orientation():
+    """32 tokens (4 token groups, where the descriptor's two byte offsets differ): the build as shipped against fp64.
+    Its twin with the offsets swapped (W12F_WG_SWAP = 1, its reads kept inside a padded allocation) is run too, so
+    that a failure says which orientation the hardware takes."""
+    M, N, K = 32, 256, 512
+    w = _weight(N, K, seed=21)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=22)
+    ref, base = w12.matmul_reference(x, p), F.linear(x, w)
+    cfg = WG_CONFIGS[0]
+    results = {}
+    for swap in (0, 1):
+        out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        flow.launch_tiled(cfg, x, t, None, out, defines={"W12F_WG_SWAP": swap}, smem=flow.smem_bytes(cfg, 4) + 4096)
+        torch.cuda.synchronize()
+        try:
+            assert_close(out, ref, base)
+            results[swap] = "matches fp64"
+        except AssertionError as e:
+            results[swap] = f"differs ({str(e).splitlines()[0][:120]})"
+    assert results[0] == "matches fp64", f"W12F_WG_SWAP=0: {results[0]}; W12F_WG_SWAP=1: {results[1]}"
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("cfg", WG_CONFIGS, ids=lambda c: c.tag())
+@pytest.mark.parametrize("M,N,K", [(1, 75, 200), (5, 40, 130), (13, 17, 64), (32, 130, 4100), (24, 1000, 63),
+                                   (16, 5120, 6144), (32, 16480, 5120)], ids=lambda v: str(v))
+def test_warpgroup_matches_fp64(cfg, M, N, K):
+    """The warpgroup build against fp64, and bit for bit run to run; 17 and 75 rows leave row blocks of a warpgroup
+    past the weight, K = 63, 130 and 4100 a masked tail (a unit of the loop here), K = 64 pieces with no unit."""
+    w = _weight(N, K, seed=N + K)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=M)
+    bias = (_x(1, N, seed=N)[0] * 0.1) if N % 2 else None
+    out = _run(cfg, x, t, bias)
+    assert_close(out, w12.matmul_reference(x, p, bias), F.linear(x, w, bias))
+    for _ in range(2):
+        assert torch.equal(_run(cfg, x, t, bias).view(torch.int16), out.view(torch.int16))
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("xkind", ["normal", "nonfinite"])
+@pytest.mark.parametrize("M", [11, 32])
+def test_warpgroup_on_hostile_rows(xkind, M):
+    """The warpgroup build against fp64 on hostile rows (zeros, subnormals, huge and tiny rows, salted escapes) and
+    x salted with NaN, +-Inf, +-0 and subnormals (NaN where the reference has it), and its 8-bit view against
+    w12.decode_q8's weight."""
+    p, x, nan_at = _hostile_case(xkind, seed=8)
+    if M != x.shape[0]:
+        x = torch.cat([x] * 3)[:M]
+        nan_at = torch.cat([nan_at] * 3)[:M]
+    t = layout.tile(p)
+    for cfg in WG_CONFIGS:
+        _assert_close_hostile(_run(cfg, x, t), w12.matmul_reference(x, p), F.linear(x, w12.unpack(p)), nan_at)
+    out = torch.full((M, p.hi.shape[0]), float("nan"), device="cuda", dtype=torch.bfloat16)
+    flow.launch_tiled(WG_CONFIGS[1], x, t, None, out, q8=True)
+    _assert_close_hostile(out, w12.matmul_q8_reference(x, p), F.linear(x, w12.decode_q8(p)), nan_at)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
+def test_warpgroup_chain_graph_and_pdl(graph):
+    """Six warpgroup-build kernels at M = 24, each reading the previous one's output (NaN-filled before each
+    chain), with and without programmatic dependent launch, eager and as one CUDA graph: equal bit for bit, no NaN."""
+    n, m = 1024, 24
+    cfg = WG_CONFIGS[1]
+    ts = [layout.tile(w12.pack(_weight(n, n, seed=60 + i))) for i in range(6)]
+    ys = [_x(m, n, seed=61)] + [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ts]
+
+    def chain(pdl):
+        for y in ys[1:]:
+            y.fill_(float("nan"))
+        for i, t in enumerate(ts):
+            flow.launch_tiled(cfg, ys[i], t, None, ys[i + 1], pdl=pdl)
+
+    results = {}
+    for pdl in (False, True):
+        if graph:
+            chain(pdl)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain(pdl)
+            g.replay()
+        else:
+            chain(pdl)
+        torch.cuda.synchronize()
+        results[pdl] = [y.clone() for y in ys[1:]]
+    for a, b in zip(results[False], results[True]):
+        assert not torch.isnan(a).any()
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))

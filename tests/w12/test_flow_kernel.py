@@ -589,7 +589,7 @@ def test_decode_tiled_is_unpack_bitwise(N, K):
 def test_programmatic_dependent_launch_waits_for_a_fresh_or_rewritten_layout(monkeypatch):
     """launch_tiled's default `pdl`: off at a layout's first launch and at the first after an in-place write to any
     of its tensors (the previous kernel may be the one that wrote it, and the kernel reads its tiles before
-    griddepcontrol.wait), on otherwise where pdl_enabled allows it; an explicit `pdl` wins; `flow.launch` on the
+    griddepcontrol.wait) and above PDL_MAX_M tokens, on otherwise where pdl_enabled allows it; an explicit `pdl` wins; `flow.launch` on the
     version-1 planes never asks for it in the call that builds their layout. The kernel is stood in by a recorder."""
     import w12.cuda as wcuda
 
@@ -626,6 +626,13 @@ def test_programmatic_dependent_launch_waits_for_a_fresh_or_rewritten_layout(mon
     p2.lo.add_(0)  # the planes change: the layout is built again
     flow.launch(cfg, x2, p2.hi, p2.lo, p2.e0, p2.esc_rowptr, p2.esc_col, p2.esc_val, None, out2)
     assert seen == [False, True, False]
+    # above PDL_MAX_M tokens the default is off (it cost the 5120-row layers 12% at M = 16); explicit still wins
+    x9 = torch.randn(flow.PDL_MAX_M + 1, 130).to(torch.bfloat16)
+    out9 = torch.empty(flow.PDL_MAX_M + 1, 40, dtype=torch.bfloat16)
+    flow.launch_tiled(cfg, x9, t, None, out9)
+    flow.launch_tiled(cfg, x9, t, None, out9, pdl=True)
+    flow.launch_tiled(cfg, x, t, None, out)
+    assert seen[-3:] == [False, True, True]
     monkeypatch.setattr(wcuda, "pdl_enabled", lambda device, default=False: False)
     flow.launch_tiled(cfg, x, t, None, out)
     assert seen[-1] is False
