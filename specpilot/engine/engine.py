@@ -26,6 +26,7 @@ from .graphs import GraphedStep, pass_tree
 from .loader import load_config, load_tensors
 from .model import MAX_STEP_NODES, HybridModel, Kernels
 from .records import StepRecord, _Stats, nan_logits_error
+from .self_draft import GraphedDraft, SelfDrafter
 from .spec.accept import greedy_accept
 from .spec.tree import DraftTree, _bit, build_tree
 
@@ -52,7 +53,8 @@ class Engine:
     on the regime's measured costs.
     `positions`, `topk`: what the drafter proposes per step. `kernels`: see `Kernels.choose`. `graphs`
     (default: on a GPU, unless a layer kind runs a reference path: `HybridModel.paths`): run each step as one CUDA
-    graph (`GraphedStep`).
+    graph (`GraphedStep`), and the self-drafter's drafting as CUDA graphs (`GraphedDraft`; the eager
+    `SelfDrafter.propose` otherwise).
 
     Prompts are token ids, or a str where the model has a text codec (`encode`): its checkpoint's tokenizer, or
     bytes for a byte-level model such as the shipped `specpilot.models.tiny_stdlib_path()`. Every public method
@@ -116,6 +118,7 @@ class Engine:
             raise ValueError(f"specpilot.engine.Engine: graphs=True cannot capture this model's steps: {uncapturable}; "
                              "pass graphs=None or False (eager steps)")
         self._graphs: dict[int, GraphedStep] = {}
+        self._draft_graph: GraphedDraft | None = None  # captured with the steps when the drafter is the self-drafter
 
     @classmethod
     def from_pretrained(cls, path, device=None, weights: str = "bf16", drafter="ngram", *, max_len: int = 4096,
@@ -269,7 +272,8 @@ class Engine:
                           torch.tensor([n], dtype=torch.int32, device=dev))
 
     def capture(self) -> None:
-        """Capture the autoregressive and the verify step (once; `generate` calls it)."""
+        """Capture the autoregressive and the verify step, and the self-drafter's passes when it drafts (once;
+        `generate` calls it)."""
         if not self.graphs:
             raise ValueError("specpilot.engine.Engine.capture: this engine runs its steps eagerly (graphs=False, or "
                              "a CPU model); build it on a CUDA device with graphs=None or True to capture")
@@ -280,6 +284,12 @@ class Engine:
             g.capture()
             self._graphs[nodes] = g
         self.model.reset_rows([self.ROW])
+        if isinstance(self.drafter, SelfDrafter):
+            # a verify step adds its deepest accepted path and the bonus token: the longest catch-up after a draft
+            dg = GraphedDraft(self.drafter, self.positions, self.topk,
+                              catch_up=min(self.max_depth + 1, MAX_STEP_NODES))
+            dg.capture()
+            self._draft_graph = dg
 
     def _start(self, prompt: list[int]) -> list[int]:
         if self.graphs:
@@ -307,7 +317,9 @@ class Engine:
         return generate_batch(self, prompts, max_new_tokens, budget=budget)
 
     def _draft(self, ctx: list[int], budget: int | None = None):
-        if self.needs_hidden:
+        if self._draft_graph is not None:
+            tokens, scores = self._draft_graph.propose(ctx)
+        elif self.needs_hidden:
             tokens, scores = self.drafter.propose(ctx, self.positions, self.topk, hidden=self._hidden)
         else:
             tokens, scores = self.drafter.propose(ctx, self.positions, self.topk)
@@ -419,64 +431,6 @@ def shipped_heads(fn: str, model: HybridModel, path):
                          "specpilot.models.train_heads --target PATH --out DIR and pass "
                          "drafter=HeadsDrafter.load('DIR/heads.safetensors')")
     return drafter
-
-
-class SelfDrafter:
-    """The target drafting for itself on its W12 8-bit view (`w12.matmul_q8`): `positions` greedy
-    autoregressive steps, each proposing its top-k tokens with their log-probabilities.
-
-    It keeps its own cache rows in the target's model: row 1 holds the context it has caught up with
-    (all but the pending token), row 2 is the scratch copy it drafts on; the drafted tokens' keys and
-    values go to row 1's slots past its context and are overwritten as the context grows. The scores
-    are conditioned on the greedy draft path above them: the tree builder treats them as marginal, an
-    approximation that only affects which nodes are drafted, never what is accepted."""
-
-    COMMITTED, SCRATCH = 1, 2
-
-    def __init__(self, model: HybridModel):
-        if not isinstance(model, HybridModel):
-            raise TypeError(f"specpilot.engine.SelfDrafter: model is a {type(model).__name__}; pass the target's "
-                            "HybridModel (engine.model), or build the engine with drafter='self'")
-        if model.rows < 3:
-            raise ValueError("specpilot.engine.SelfDrafter: the model needs 3 cache rows (target, drafter, "
-                             "scratch); build it with rows=3")
-        self.model = model
-        self.seen: list[int] = []
-
-    def _catch_up(self, ctx: list[int]) -> None:
-        m = self.model
-        body = ctx[:-1]
-        if body[:len(self.seen)] != self.seen:
-            m.reset_rows([self.COMMITTED])
-            self.seen = []
-        m.consume(self.COMMITTED, len(self.seen), body[len(self.seen):], q8=True)
-        self.seen = list(body)
-
-    def propose(self, context, positions: int, k: int) -> tuple[torch.Tensor, torch.Tensor]:
-        fn = "specpilot.engine.SelfDrafter.propose"
-        ctx = inputs.token_ids(fn, context, self.model.cfg.vocab, what="context", empty_ok=True)
-        positions, k = inputs.count(fn, "positions", positions), inputs.count(fn, "k", k)
-        tokens = torch.zeros(positions, k, dtype=torch.int64)
-        scores = torch.full((positions, k), float("-inf"), dtype=torch.float32)
-        if not ctx:
-            return tokens, scores
-        m = self.model
-        self._catch_up(ctx)
-        m.copy_row(self.COMMITTED, self.SCRATCH)
-        dev, base = m.device, len(ctx) - 1
-        tok = ctx[-1]
-        k = min(k, m.cfg.vocab)
-        for d in range(positions):
-            if base + d + 1 > m.max_len:
-                break
-            step = m.plan([self.SCRATCH], [base + d], [[tok]], [[-1]], kv_rows=[self.COMMITTED])
-            logp = torch.log_softmax(m.logits(m.forward(step, q8=True))[0], -1)
-            m.commit(step, torch.zeros(1, 1, dtype=torch.int32, device=dev),
-                     torch.ones(1, dtype=torch.int32, device=dev))
-            v, i = torch.topk(logp, k)
-            tokens[d, :k], scores[d, :k] = i.cpu(), v.float().cpu()
-            tok = int(i[0])
-        return tokens, scores
 
 
 # The widest top-2 logit margin at which the speculative and the autoregressive outputs may part: the two

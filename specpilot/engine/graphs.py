@@ -1,5 +1,8 @@
 """A whole decoding step in one CUDA graph: forward pass, certified argmax, greedy acceptance, commit.
 
+`capture_graph` is the capture every graph of the engine goes through (`GraphedStep` here, the self-drafter's
+`self_draft.GraphedDraft`).
+
 The graph is captured once per node count (1: the autoregressive step; `tree_nodes`: the verify step)
 on a Step whose buffers are then refilled in place before every replay: the token and position
 vectors, the `gdn.TreePlan` tensors (copied from a freshly built plan), and the attention schedule
@@ -16,11 +19,41 @@ import gdn
 from .spec.accept import greedy_accept
 from .model import HybridModel, Step
 
-__all__ = ["GraphedStep", "ATTN_CAPACITY", "pass_tree"]
+__all__ = ["GraphedStep", "ATTN_CAPACITY", "capture_graph", "pass_tree"]
 
 ATTN_CAPACITY = 512  # attention work items of a graphed step: enough splits for any context up to max_len
 
 _PLAN_FIELDS = ("cu_seqlens", "parent", "parent_local", "anc", "depth", "node_req", "max_depth")
+
+
+def capture_graph(fn, device, *, warmup: int = 2):
+    """Capture one call of `fn()` as a CUDA graph on `device`; returns (graph, out), out being what the captured
+    call returned: `graph.replay()` runs the call again and rewrites out's tensors in place.
+
+    First `warmup` calls run on a side stream (they compile every kernel and settle the allocator, and they run
+    fn's side effects: a caller whose fn writes state resets it afterwards), then the device is synchronized and
+    the next call is captured. Every tensor fn reads must stay where it is (refill it in place between replays)."""
+    fname = "specpilot.engine.graphs.capture_graph"
+    if not callable(fn):
+        raise TypeError(f"{fname}: fn={fn!r} is not callable; pass the function whose launches to capture")
+    if isinstance(warmup, bool) or not isinstance(warmup, int) or warmup < 1:
+        raise ValueError(f"{fname}: warmup={warmup!r}; pass an int >= 1 (a first call compiles the kernels, which "
+                         "capture cannot)")
+    if not isinstance(device, (str, torch.device)) or torch.device(device).type != "cuda":
+        raise ValueError(f"{fname}: device={device!r}; CUDA graphs need a CUDA device ('cuda' or 'cuda:N')")
+    device = torch.device(device)
+    current = torch.cuda.current_stream(device)
+    stream = torch.cuda.Stream(device)
+    stream.wait_stream(current)
+    with torch.cuda.stream(stream):
+        for _ in range(warmup):
+            fn()
+    current.wait_stream(stream)
+    torch.cuda.synchronize(device)
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        out = fn()
+    return graph, out
 
 
 def pass_tree(root_token: int, tree=None, pad: int = 0) -> tuple[list[int], list[int]]:
@@ -65,16 +98,7 @@ class GraphedStep:
     def capture(self) -> None:
         """Warm up (compiles every kernel) and capture. The warm-up writes the caches of `row`: reset them
         afterwards (the engine captures before a request's prefill)."""
-        stream = torch.cuda.Stream(self.model.device)
-        stream.wait_stream(torch.cuda.current_stream(self.model.device))
-        with torch.cuda.stream(stream):
-            for _ in range(2):
-                self._body()
-        torch.cuda.current_stream(self.model.device).wait_stream(stream)
-        torch.cuda.synchronize(self.model.device)
-        self.graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(self.graph):
-            self.out = self._body()
+        self.graph, self.out = capture_graph(self._body, self.model.device)
 
     def load(self, ctx_len: int, root_token: int, tree=None) -> None:
         """Refill the buffers for the pending token `root_token` after `ctx_len` cached tokens, with the draft
