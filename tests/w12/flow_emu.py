@@ -9,7 +9,7 @@ warp order, the escapes in CSR order, the bias. Products and sums are fp64 (each
 with `fp32=True`, every mma's sum and every later step is rounded to fp32, as a model of the kernel's arithmetic.
 Returns the value before the final rounding ([M, N], float64) and counters of the paths taken.
 With `wg=True` it follows the warpgroup build (W12F_WG): the warp -> (row block, K piece) map of 4-warp groups, each
-thread's 4-byte x copies into the warpgroup's slot (`wg_slot`), and the B operand read back through the no-swizzle
+thread's 4-byte x stores into the warpgroup's slot (`wg_slot`), and the B operand read back through the no-swizzle
 K-major descriptor layout of the PTX ISA (`wg_operand`) instead of the lanes' x fragments.
 `hostile_weight` makes the test weights: rows of zeros, subnormals, huge and tiny values, salted escapes.
 """
@@ -62,16 +62,23 @@ def dec_q8(y: np.ndarray, e0x: np.ndarray) -> np.ndarray:
 
 
 def wg_slot(xw: np.ndarray, M: int, NT: int, c: int) -> np.ndarray:
-    """The warpgroup build's x slot of unit c as its 128 threads' cp.async copies leave it: uint32 words
-    [256 NT]; thread t's piece r is word t + 128 r (w12_flow.cu, the x ring). `xw`: x as words [8 NT, Kx / 2]."""
-    slot = np.full(256 * NT, 0xDEADBEEF, dtype=U32)  # poison: a word no copy writes stays visible
+    """The warpgroup build's x slot of unit c as its 128 threads' stores leave it: uint32 words [256 NT]. Thread t
+    stages token t / TPT (rows past 8 NT: none; tokens past M: zeros), columns 4 NTP q .. + 4 NTP - 1 (q = t % TPT,
+    NTP = NT rounded up to a power of two, TPT = 16 / NTP), each column pair at word (256 NT s + 128 NT h +
+    128 (n / 8) + 16 (n % 8) + 4 p) / 4 (w12_flow.cu, store_xw). `xw`: x as words [8 NT, Kx / 2]."""
+    ntp = 4 if NT == 3 else NT
+    tpt = 16 // ntp
+    slot = np.full(256 * NT, 0xDEADBEEF, dtype=U32)  # poison: a word no store writes stays visible
     for t in range(128):
-        for r in range(2 * NT):
-            w = t + 128 * r
-            gq = w >> 5
-            n = 8 * (gq % NT) + ((w >> 2) & 7)
-            col = 64 * c + 16 * (w & 3) + 4 * (gq // (2 * NT)) + 2 * ((gq // NT) & 1)
-            slot[w] = xw[n, col // 2] if n < M else 0
+        n, q = divmod(t, tpt)
+        if n >= 8 * NT:
+            continue
+        for u in range(2 * ntp):
+            col = 4 * ntp * q + 2 * u
+            p, s, h = col >> 4, (col >> 2) & 3, (col >> 1) & 1
+            a = 128 * (n >> 3) + 16 * (n & 7) + 256 * NT * s + 128 * NT * h + 4 * p
+            assert slot[a // 4] == 0xDEADBEEF, "a word stored twice"
+            slot[a // 4] = xw[n, (64 * c + col) // 2] if n < M else 0
     return slot
 
 

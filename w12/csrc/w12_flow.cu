@@ -46,16 +46,17 @@
 // takes row block rw = (gi / KW) 4 + wi and K piece ks = gi % KW. Each warp streams and decodes its own tiles as
 // above (its registers are wgmma's A fragments of rows 16 wi .. 16 wi + 15, the layout mma.sync's A has), and the
 // warpgroup multiplies all 64 rows by x with one wgmma.m64n(8 NT)k16 per k-step, x being the B operand in shared
-// memory. So one x read feeds 64 weight rows instead of 16. x comes in per warpgroup and unit into a ring beside the
-// weight ring (same slot index): 4-byte cp.async pieces that put each k-step's x in the A fragments' k order (k-step
-// s, mma k = 2 p + 8 h + e is column 16 p + 4 s + 2 h + e of the unit) as core matrices of 8 tokens x 8 k (16 bytes
-// per token), no swizzle, K-major: byte 256 NT s + 128 NT h + 128 (n / 8) + 16 (n % 8) + 4 p of a slot, which is
-// word t + 128 r of the slot for piece r of warpgroup thread t. The descriptor's leading byte offset (between the
-// two k halves) is 128 NT and its stride byte offset (between token groups of 8) is 128; W12F_WG_SWAP = 1 swaps the
-// two (a build to settle the fields' roles on the device). Per unit: the copies land (cp.async.wait_group), a
-// proxy fence, a barrier of the warpgroup's 128 threads, the refill of the slot the previous unit used, then the
-// decode and four wgmma, waited for before the next unit (the slot is refilled one unit later). The masked tail is
-// a unit of the loop (its x staged like the others, its weight fragments assembled from global memory).
+// memory. So one x read feeds 64 weight rows instead of 16. x comes in per warpgroup and unit into one of two slots:
+// each thread loads its share of the unit's x into registers a unit ahead (16 contiguous bytes or so) and stores it
+// as 4-byte words that put each k-step's x in the A fragments' k order (k-step s, mma k = 2 p + 8 h + e is column
+// 16 p + 4 s + 2 h + e of the unit) as core matrices of 8 tokens x 8 k (16 bytes per token), no swizzle, K-major:
+// byte 256 NT s + 128 NT h + 128 (n / 8) + 16 (n % 8) + 4 p of a slot. The descriptor's leading byte offset
+// (between the two k halves) is 128 NT and its stride byte offset (between token groups of 8) is 128 (checked on
+// the H200; W12F_WG_SWAP = 1 swaps the two). Per unit: the stores, the weight copies landed (cp.async.wait_group),
+// a proxy fence, a barrier of the warpgroup's 128 threads, the refill of the weight slot the previous unit used,
+// then the decode and four wgmma, waited for before the next unit. The masked tail is a unit of the loop (its x
+// staged like the others, its weight fragments assembled from global memory). Timing-only ablations (wrong results,
+// perf/w12_wg_probe.py): W12F_WG_FENCE=0, W12F_WG_BAR=0, W12F_WG_XCOPY=0 (x staged for the first unit only).
 //
 // Features, each behind a define so that one device call can time the ladder (perf/w12_ladder.py):
 //   W12F_X    (b) x as mma.sync's B operand (0: the probe's constant B; no x is read)
@@ -116,6 +117,15 @@
 #endif
 #ifndef W12F_WG
 #define W12F_WG 0  // the warpgroup build: wgmma over 64 rows, x from shared memory (sm_90a)
+#endif
+#ifndef W12F_WG_FENCE
+#define W12F_WG_FENCE 1  // timing only at 0 (wrong results): the warpgroup build without its proxy fence
+#endif
+#ifndef W12F_WG_BAR
+#define W12F_WG_BAR 1  // timing only at 0 (wrong results): without its barrier per unit
+#endif
+#ifndef W12F_WG_XCOPY
+#define W12F_WG_XCOPY 1  // timing only at 0 (wrong results): x copied for the first units only
 #endif
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
@@ -244,9 +254,6 @@ __device__ __forceinline__ uint64_t wg_desc(uint32_t a, uint32_t lbo, uint32_t s
   return (uint64_t)((a & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
 }
 
-__device__ __forceinline__ void cp_async4(uint32_t dst, const void* src, uint32_t src_bytes) {
-  asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(dst), "l"(src), "r"(src_bytes) : "memory");
-}
 
 // d[64 rows x 8 NT tokens] += A(registers, this warp's 16 rows) B(descriptor), one k-step
 #if W12F_WG
@@ -429,39 +436,44 @@ w12_matmul_flow_kernel(
   }
   grid_dep_wait();
 
-  // The warpgroup build's x ring: thread t (of 128) copies pieces r = 0 .. 2 NT - 1, word w = t + 128 r of a slot,
-  // i.e. token n = 8 ((w >> 5) % NT) + ((w >> 2) & 7), columns 16 p + 4 s + 2 h .. + 1 with p = w & 3,
-  // h = ((w >> 5) / NT) & 1, s = (w >> 5) / (2 NT) (the header's order); tokens past M are zero-filled
-  const int wt = threadIdx.x & 127;
-  const uint32_t xring = (uint32_t)__cvta_generic_to_shared(smem + X_OFF) + (warp >> 2) * STAGES * XSLOT;
-  const uint32_t xring_end = xring + STAGES * XSLOT;
-  uint32_t xwr = xring + 4 * wt, xrd = xring;  // the x slot being refilled (this thread's first word), being read
-  int xoff[WG ? 2 * NT : 1];
-  uint32_t xok = 0;
-  if constexpr (WG) {
+  // The warpgroup build's x: thread t (of 128) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros past
+  // M), columns 4 NTP q .. 4 NTP q + 4 NTP - 1 of each unit, q = t % TPT (NTP = NT rounded up to a power of two,
+  // TPT = 16 / NTP threads per token): one 8-, 16- or 2 x 16-byte load into registers a unit ahead, then one 4-byte
+  // store per column pair into the slot at the header's byte (two slots alternate)
+  constexpr int NTP = NT == 3 ? 4 : NT, TPT = 16 / NTP, XW = 2 * NTP;
+  const int wt = threadIdx.x & 127, xtok = wt / TPT, xq = wt % TPT;
+  const bool xrow = WG && xtok < 8 * NT, xreal = xtok < M;
+  const uint32_t xring = (uint32_t)__cvta_generic_to_shared(smem + X_OFF) + (warp >> 2) * 2 * XSLOT;
+  const uint32_t xbase = 128u * (xtok >> 3) + 16u * (xtok & 7);
+  const __nv_bfloat16* xsrc = x + (long long)(xreal ? xtok : 0) * ldx + 64LL * c0 + 4 * NTP * xq;
+  uint32_t xreg[XW];
+  auto load_xw = [&]() {
+    if (xrow && xreal) {
+      if constexpr (XW == 2) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(xsrc));
+        xreg[0] = v.x, xreg[1] = v.y;
+      } else {
 #pragma unroll
-    for (int r = 0; r < 2 * NT; ++r) {
-      const int w = wt + 128 * r, gq = w >> 5;
-      const int n = 8 * (gq % NT) + ((w >> 2) & 7);
-      xoff[r] = n < M ? n * (int)ldx + 16 * (w & 3) + 4 * (gq / (2 * NT)) + 2 * ((gq / NT) & 1) : 0;
-      xok |= (n < M ? 1u : 0u) << r;
+        for (int u = 0; u < XW / 4; ++u) {
+          const uint4 v = __ldg(reinterpret_cast<const uint4*>(xsrc) + u);
+          xreg[4 * u] = v.x, xreg[4 * u + 1] = v.y, xreg[4 * u + 2] = v.z, xreg[4 * u + 3] = v.w;
+        }
+      }
+    } else {
+#pragma unroll
+      for (int u = 0; u < XW; ++u) xreg[u] = 0u;
     }
-  }
-  const __nv_bfloat16* xsrc = x + 64LL * c0;
-  auto issue_x = [&]() {
-#pragma unroll
-    for (int r = 0; r < 2 * NT; ++r) cp_async4(xwr + 512 * r, xsrc + xoff[r], (xok >> r) & 1u ? 4u : 0u);
     xsrc += 64;
   };
-  auto next_x = [&](uint32_t a, uint32_t end) { return a + XSLOT >= end ? a + XSLOT - STAGES * XSLOT : a + XSLOT; };
-  if constexpr (WG) {  // x of the first STAGES - 1 units, one commit group (the loop's first waits take it all)
+  auto store_xw = [&](uint32_t slot) {
+    if (!xrow) return;
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-      if (c0 + i < cend) issue_x();
-      xwr = next_x(xwr, xring_end + 4 * wt);
+    for (int u = 0; u < XW; ++u) {
+      const int col = 4 * NTP * xq + 2 * u;  // p = col / 16, s = col / 4 % 4, h = col / 2 % 2
+      const uint32_t a = slot + xbase + 256u * NT * ((col >> 2) & 3) + 128u * NT * ((col >> 1) & 1) + 4u * (col >> 4);
+      asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(xreg[u]) : "memory");
     }
-    cp_commit();
-  }
+  };
 
   XRange xr;
   // the unit's turn among the CTA's RA active row blocks (the last CTA may have fewer than RW): warp rw folds the
@@ -536,14 +548,17 @@ w12_matmul_flow_kernel(
 
   uint32_t rst = ring;  // the slot of tile c
 #if W12F_WG
+  uint32_t xslot = xring;  // unit c's x slot
+  if (c0 < cend) load_xw();
   for (int c = c0; c < cend; ++c) {
-    // unit c's weights and x landed: the prologue's x is one group after the first STAGES - 1 weight groups
-    if (c - c0 < STAGES - 2)
-      asm volatile("cp.async.wait_group 0;" ::: "memory");
-    else
-      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");       // the copies, seen by wgmma's reads
-    asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");  // the warpgroup's pieces; unit c - 1 done
+    // unit c's x into its slot (it held unit c - 2: every warp of the warpgroup waited for that wgmma before the
+    // barrier of unit c - 1), then unit c + 1's loads
+    if (W12F_WG_XCOPY != 0 || c == c0) store_xw(xslot);
+    if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+    if constexpr (W12F_WG_FENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by wgmma
+    if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
+      asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");
     Frag f;
     if (c < c1) {
       f.h[0] = lds128(rst + 16 * lane);
@@ -557,16 +572,13 @@ w12_matmul_flow_kernel(
     } else {
       tail_frag(f, 0);
     }
-    // refill the slots read one unit ago (every warp of the warpgroup has waited for its wgmma) with unit c + STAGES - 1
+    // refill the weight slot read one unit ago with unit c + STAGES - 1
     if (c + STAGES - 1 < c1) issue();
-    if (c + STAGES - 1 < cend) issue_x();
     cp_commit();
     wst = next_slot(wst);
     rst = next_slot(rst);
-    xwr = next_x(xwr, xring_end + 4 * wt);
-    const uint32_t xs = xrd;
-    xrd = next_x(xrd, xring_end);
-    tile_wgmma(acc[0], f, xs, kk[0]);
+    tile_wgmma(acc[0], f, xslot, kk[0]);
+    xslot = xslot == xring ? xring + XSLOT : xring;
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
 #else
