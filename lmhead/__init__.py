@@ -7,13 +7,15 @@ and the survivors are recomputed exactly, so `argmax` and `topk` equal the exact
   row whose exact logits hold a NaN.
 * `screen_bounds(head, hidden)`: the interval [L, U] of every exact logit.
 * `exact_logits_reference`, `argmax_reference`: fp64 oracles. docs/lmhead.md derives the bound.
+* Early fallback: after a call whose rows overflowed the capacity, the next calls with as many rows skip the
+  screen for a run of calls (doubling up to `MAX_SKIP`); `early_fallback_reference` models its decisions.
 """
 
-from .ops import DEFAULT_CAPACITY, GROUP, NAN_ID, SCREENS, VARIANTS, CertifiedHead, screen_bounds
-from .reference import argmax_reference, exact_logits_reference, int8_screen_reference
+from .ops import DEFAULT_CAPACITY, GROUP, MAX_SKIP, NAN_ID, SCREENS, VARIANTS, CertifiedHead, screen_bounds
+from .reference import argmax_reference, early_fallback_reference, exact_logits_reference, int8_screen_reference
 
-__all__ = ["CertifiedHead", "screen_bounds", "SCREENS", "DEFAULT_CAPACITY", "GROUP", "VARIANTS", "NAN_ID",
-           "exact_logits_reference", "argmax_reference", "int8_screen_reference"]
+__all__ = ["CertifiedHead", "screen_bounds", "SCREENS", "DEFAULT_CAPACITY", "GROUP", "VARIANTS", "NAN_ID", "MAX_SKIP",
+           "exact_logits_reference", "argmax_reference", "int8_screen_reference", "early_fallback_reference"]
 
 _SUBMODULES = ("configs", "kernels", "ops", "reference", "space")
 

@@ -5,7 +5,9 @@ A call screens every token with the cheap copy and its rigorous interval [L, U] 
 keeps the tokens whose U reaches the row's best L (or the k-th best L for top-k), recomputes those
 exactly, and takes the answer from the exact logits. A row whose survivors overflow the capacity, or
 whose hidden state is not finite, is redone over the whole vocabulary by the same exact code in the
-same launch sequence. Nothing syncs the host; CUDA graphs capture `argmax` and `topk`.
+same launch sequence. After a call whose rows overflowed, the next calls with as many rows skip the
+screen (the early fallback, a device-side policy per row count: `lmhead_policy_kernel`). Nothing syncs
+the host; CUDA graphs capture `argmax` and `topk`.
 """
 
 from __future__ import annotations
@@ -19,10 +21,11 @@ import autotune
 from autotune.hardware import gpu_slug, host_only, is_interpreter
 
 from .configs import AUTO_SCREEN, HeadConfig, head_config
-from .kernels.screen import lmhead_exact_kernel, lmhead_prep_kernel, lmhead_screen_kernel, lmhead_select_kernel
+from .kernels.screen import (lmhead_exact_kernel, lmhead_policy_kernel, lmhead_prep_kernel, lmhead_screen_kernel,
+                             lmhead_select_kernel)
 from .reference import dense_weight, round_up_bf16
 
-__all__ = ["CertifiedHead", "screen_bounds", "VARIANTS", "SCREENS", "DEFAULT_CAPACITY", "GROUP", "NAN_ID"]
+__all__ = ["CertifiedHead", "screen_bounds", "VARIANTS", "SCREENS", "DEFAULT_CAPACITY", "GROUP", "NAN_ID", "MAX_SKIP"]
 
 OP = "lmhead.argmax"
 # "triton": the kernels of lmhead/kernels/screen.py (tl.dot: wgmma or mma.sync by tile shape); "reference":
@@ -36,6 +39,11 @@ _U = 2.0**-22  # unit roundoff allowed per fp32 addition (twice fp32's: covers t
 _MIN_KEY = -(2**63)
 _NAN_HIGH = 0x7FFFFFFF  # the high word of a NaN logit's order key: larger than every number's
 NAN_ID = -1  # argmax of a row whose exact logits hold a NaN: no token wins, and -1 indexes no embedding row
+MAX_SKIP = 64  # the longest run of calls the early fallback sends straight to the exact head
+# the early-fallback state of one row count (int32, lmhead_policy_kernel): this call skips the screen, calls
+# left to skip, the run a failed screen starts, calls, calls skipped
+_SKIP, _LEFT, _RUN, _CALLS, _SKIPPED = range(5)
+_POLICY_START = (0, 0, 1, 0, 0)
 
 
 def gamma(n: int) -> float:
@@ -224,7 +232,7 @@ def _weight_args(hd: "CertifiedHead"):
     return (w, w, w, w, w, w, w.stride(0), 0, False)
 
 
-def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best):
+def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best, skip=None):
     cfg, t = hd.cfg, hd.tables
     M = h.shape[0]
     int8 = hd.screen == "int8"
@@ -238,13 +246,15 @@ def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best):
         mp = max(16, triton.next_power_of_2(m1 - m0))
         lmhead_screen_kernel[(triton.cdiv(hd.V, cfg.screen_bv),)](
             h[m0:m1], hq[m0:m1], w, sc, t["err"], n1, t["rq"], t["rw"], t["dw"], p["a"][m0:m1], sh[m0:m1], eh[m0:m1],
-            dh[m0:m1], hqn[m0:m1], p["hn"][m0:m1], p["bad"][m0:m1], None if lo is None else lo[m0:m1], up[m0:m1], best[m0:m1], m1 - m0, hd.V, hd.H, G,
+            dh[m0:m1], hqn[m0:m1], p["hn"][m0:m1], p["bad"][m0:m1], None if lo is None else lo[m0:m1], up[m0:m1],
+            best[m0:m1], skip, m1 - m0, hd.V, hd.H, G,
             h.stride(0), w.stride(0), G, hd.gamma_q, hd.gamma, hd.eta, MP=mp, BV=cfg.screen_bv, GROUP=hd.group,
             W12=not int8, num_warps=cfg.screen_warps, num_stages=cfg.screen_stages)
 
 
-def _launch_exact(hd: "CertifiedHead", h, p, surv, out, key, full: bool, every: bool = False, fb=None):
-    """Survivors (full=False) or the full pass over the rows flagged by p's count and bad (every: all rows)."""
+def _launch_exact(hd: "CertifiedHead", h, p, surv, out, key, full: bool, every: bool = False, fb=None, skip=None):
+    """Survivors (full=False) or the full pass over the rows flagged by p's count and bad (every: all rows;
+    skip: the policy state, whose flag sends every row to the full pass and none to the survivors pass)."""
     cfg = hd.cfg
     M = h.shape[0]
     w, lo, e0, rp, ec, ev, sw, sl, w12 = _weight_args(hd)
@@ -264,21 +274,28 @@ def _launch_exact(hd: "CertifiedHead", h, p, surv, out, key, full: bool, every: 
             cnt, bd = count[rows], bad[rows]
         lmhead_exact_kernel[grid](
             h[rows], w, lo, e0, rp, ec, ev, None if surv is None else surv[rows], cnt, bd, fb if full else None,
-            None if out is None else out[rows], None if key is None else key[rows], m1 - m0, hd.V, hd.H,
+            skip, None if out is None else out[rows], None if key is None else key[rows], m1 - m0, hd.V, hd.H,
             hd.capacity, h.stride(0), sw, sl, MP=mp, BS=cfg.exact_bs, BK=cfg.exact_bk, W12=w12, FULL=full,
             KEYS=key is not None, ALL=every, num_warps=cfg.exact_warps)
 
 
-def _survivors(hd: "CertifiedHead", h, thr_from_lo):
-    """Prep, screen, threshold, select. Returns (p, lo, surv): p holds count, bad, key for the exact passes."""
+def _launch_policy(hd: "CertifiedHead", state, count, M: int) -> None:
+    """The early fallback's step at the start of a call (count None) or after its selection."""
+    lmhead_policy_kernel[(1,)](state, state if count is None else count, M, hd.capacity, MAX_SKIP=MAX_SKIP, BM=128,
+                               END=count is not None)
+
+
+def _survivors(hd: "CertifiedHead", h, thr_from_lo, skip=None):
+    """Prep, screen, threshold, select. Returns (p, lo, surv): p holds count, bad, key for the exact passes.
+    skip: the policy state; where its flag is set the screen and the selection return at once (counts 0)."""
     M, dev = h.shape[0], h.device
     p = _prep_triton(h, hd.group, hd.screen == "int8")
     lo = torch.empty(M, hd.V, dtype=torch.float32, device=dev) if thr_from_lo is not None else None
     up = torch.empty(M, hd.V, dtype=torch.float32, device=dev)
-    _launch_screen(hd, h, p, lo, up, p["best"])
+    _launch_screen(hd, h, p, lo, up, p["best"], skip)
     thr = p["best"] if thr_from_lo is None else thr_from_lo(lo, p["bad"])
     surv = torch.empty(M, hd.capacity, dtype=torch.int32, device=dev)
-    lmhead_select_kernel[(triton.cdiv(hd.V, hd.cfg.select_bv), M)](up, thr, p["bad"], p["count"], surv, hd.V,
+    lmhead_select_kernel[(triton.cdiv(hd.V, hd.cfg.select_bv), M)](up, thr, p["bad"], p["count"], surv, skip, hd.V,
                                                                    hd.capacity, BV=hd.cfg.select_bv)
     p["up"] = up
     return p, lo, surv
@@ -291,10 +308,13 @@ def _argmax_triton(hd: "CertifiedHead", h, stats) -> torch.Tensor:
         _launch_exact(hd, h, None, None, None, key, full=True, every=True)
         stats.record(None, M, hd)
         return _argmax_of(key)
-    p, _, surv = _survivors(hd, h, None)
-    _launch_exact(hd, h, p, surv, None, p["key"], full=False)
-    _launch_exact(hd, h, p, surv, None, p["key"], full=True, fb=stats.counter(dev))
-    stats.record(p["count"], M, hd)
+    state = hd._start_policy(M, "argmax")
+    _launch_policy(hd, state, None, M)
+    p, _, surv = _survivors(hd, h, None, state)
+    _launch_policy(hd, state, p["count"], M)
+    _launch_exact(hd, h, p, surv, None, p["key"], full=False, skip=state)
+    _launch_exact(hd, h, p, surv, None, p["key"], full=True, fb=stats.counter(dev), skip=state)
+    stats.record(p["count"], M, hd, state)
     return _argmax_of(p["key"])
 
 
@@ -313,12 +333,15 @@ def _topk_triton(hd: "CertifiedHead", h, k: int, stats):
         lo = torch.where(bad[:, None] != 0, torch.full_like(lo, float("-inf")), lo)
         return lo.topk(k, dim=-1).values[:, -1].contiguous()
 
-    p, _, surv = _survivors(hd, h, kth)
+    state = hd._start_policy(M, "topk")
+    _launch_policy(hd, state, None, M)
+    p, _, surv = _survivors(hd, h, kth, state)
+    _launch_policy(hd, state, p["count"], M)
     sv = torch.empty(M, hd.capacity, dtype=torch.float32, device=dev)
-    _launch_exact(hd, h, p, surv, sv, None, full=False)
-    _launch_exact(hd, h, p, surv, full, None, full=True, fb=stats.counter(dev))
+    _launch_exact(hd, h, p, surv, sv, None, full=False, skip=state)
+    _launch_exact(hd, h, p, surv, full, None, full=True, fb=stats.counter(dev), skip=state)
     count = p["count"]
-    flag = (count > hd.capacity) | (p["bad"] != 0)
+    flag = (count > hd.capacity) | (p["bad"] != 0) | (state[_SKIP] != 0)
     live = torch.arange(hd.capacity, device=dev)[None, :] < count.clamp(max=hd.capacity)[:, None]
     sid = torch.where(live, surv.long(), torch.zeros_like(surv, dtype=torch.int64))
     skeys = torch.where(live, _key_torch(sv, sid), torch.full_like(sid, _MIN_KEY))
@@ -326,7 +349,7 @@ def _topk_triton(hd: "CertifiedHead", h, k: int, stats):
     fpos = _key_torch(full, every).topk(k, dim=-1).indices
     ids = torch.where(flag[:, None], fpos, sid.gather(1, spos))
     vals = torch.where(flag[:, None], full.gather(1, fpos), sv.gather(1, spos))
-    stats.record(count, M, hd)
+    stats.record(count, M, hd, state)
     return vals, ids
 
 
@@ -394,6 +417,7 @@ class _Stats:
         self.calls = 0
         self.rows = 0
         self.last = None  # int32 [M]: survivors found per row in the last call (may exceed capacity)
+        self.last_policy = None  # the last call's early-fallback state (its flag: that call skipped the screen)
         self.last_rows = 0
         self.fallbacks = None  # int64 [1] on the head's device
 
@@ -402,10 +426,18 @@ class _Stats:
             self.fallbacks = torch.zeros(1, dtype=torch.int64, device=device)
         return self.fallbacks
 
-    def record(self, count, rows: int, hd) -> None:
+    def record(self, count, rows: int, hd, policy=None) -> None:
         self.calls += 1
         self.rows += rows
-        self.last, self.last_rows = count, rows
+        self.last, self.last_rows, self.last_policy = count, rows, policy
+
+    def reset(self) -> None:
+        """Zero everything; the fallback counter in place, so that captured CUDA graphs keep adding to the
+        counter that `stats()` reads."""
+        fallbacks = self.fallbacks
+        self.__init__()
+        if fallbacks is not None:
+            self.fallbacks = fallbacks.zero_()
 
 
 class CertifiedHead:
@@ -466,6 +498,7 @@ class CertifiedHead:
         self.cfg = self.plan.config
         self.tables = _build_tables(weight, self.screen, group) if self.screen != "none" else {}
         self._stats = _Stats()
+        self._policies: dict[int, torch.Tensor] = {}  # row count M -> its early-fallback state (int32 [5])
         _HEADS[id(self)] = self
 
     @staticmethod
@@ -505,6 +538,21 @@ class CertifiedHead:
             return ids
         out.copy_(ids)
         return out
+
+    def _start_policy(self, M: int, fn: str) -> torch.Tensor:
+        """The early-fallback state of calls with M rows (argmax and topk share it), made on the first such call:
+        screen, no calls left to skip, run 1. Its tensor lives as long as the head: CUDA graphs keep
+        reading and updating it, and `reset_stats` resets it in place."""
+        state = self._policies.get(M)
+        if state is None:
+            if self.device.type == "cuda" and torch.cuda.is_current_stream_capturing():
+                raise RuntimeError(f"lmhead.{fn}: the head's first call with {M} rows is being captured into a CUDA "
+                                   f"graph, but its per-row-count state must be made outside capture; call "
+                                   f"head.{fn} once eagerly with {M} rows (a warm-up) before capturing")
+            state = torch.zeros(len(_POLICY_START), dtype=torch.int32, device=self.device)
+            state[_RUN] = _POLICY_START[_RUN]
+            self._policies[M] = state
+        return state
 
     def _check_out(self, fn, out, shape, dtype):
         if out is None:
@@ -583,20 +631,34 @@ class CertifiedHead:
         return given
 
     def stats(self) -> dict:
-        """Survivors per row of the last call, cumulative fallbacks, calls (reads the device: syncs)."""
+        """Survivors per row of the last call, cumulative fallbacks, calls, and the early fallback's state per
+        row count (reads the device: syncs). "policy": {M: {"calls", "skipped", "last_skipped", "left",
+        "run"}}: calls with M rows and those that skipped the screen (CUDA-graph replays included), whether
+        the last one did, the calls still to skip, the run the next failed screen starts."""
         s = self._stats
-        if s.last is None:  # no screen (or the torch path): every token is computed exactly
+        skipped = s.last_policy is not None and int(s.last_policy[_SKIP]) != 0
+        if s.last is None or skipped:  # no screen (or the torch path, or skipped): every token computed exactly
             last = [self.V] * s.last_rows
         else:
             last = [min(int(x), self.V) for x in s.last.tolist()]
+        policy = {}
+        for M, state in sorted(self._policies.items()):
+            st = state.tolist()
+            policy[M] = {"calls": st[_CALLS], "skipped": st[_SKIPPED], "last_skipped": st[_SKIP] != 0,
+                         "left": st[_LEFT], "run": st[_RUN]}
         return {"calls": s.calls, "rows": s.rows, "survivors": last,
                 "survivors_mean": (sum(last) / len(last)) if last else 0.0,
                 "fallbacks": 0 if s.fallbacks is None else int(s.fallbacks.sum()), "screen": self.screen,
-                "capacity": self.capacity,
+                "capacity": self.capacity, "policy": policy,
                 "bound": {"u": _U, "gamma": self.gamma, "gamma_q": self.gamma_q, "eta": self.eta, "group": self.group}}
 
     def reset_stats(self) -> None:
-        self._stats = _Stats()
+        """Zero the counters and restart the early fallback of every row count (in place: captured CUDA graphs
+        see it; no host sync)."""
+        self._stats.reset()
+        for state in self._policies.values():
+            state.zero_()
+            state[_RUN] = _POLICY_START[_RUN]
 
 
 def screen_bounds(head: CertifiedHead, hidden: torch.Tensor):

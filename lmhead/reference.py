@@ -5,7 +5,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["exact_logits_reference", "argmax_reference", "dense_weight", "int8_screen_reference", "round_up_bf16"]
+__all__ = ["exact_logits_reference", "argmax_reference", "dense_weight", "int8_screen_reference", "round_up_bf16",
+           "early_fallback_reference"]
 
 
 def dense_weight(weight) -> torch.Tensor:
@@ -56,3 +57,21 @@ def int8_screen_reference(weight: torch.Tensor, group: int = 128):
     q = torch.round(g / scale.double()[..., None]).clamp(-127, 127)
     err = (g - q * scale.double()[..., None]).abs().amax(-1)
     return q.view(V, G * group)[:, :H].to(torch.int8), scale, err
+
+
+def early_fallback_reference(overflows, max_skip: int = 64) -> list[bool]:
+    """The early fallback's decisions for a series of calls with one row count: True where a call skips the
+    screen. `overflows[i]`: whether a screen of call i would leave a row over capacity (read only where the
+    call screens). A screened call that overflows skips the next `run` calls and doubles `run` (1, 2, 4, ...,
+    at most `max_skip`); one that does not resets `run` to 1."""
+    skips, left, run = [], 0, 1
+    for over in overflows:
+        skip = left > 0
+        skips.append(skip)
+        if skip:
+            left -= 1
+        elif over:
+            left, run = run, min(2 * run, max_skip)
+        else:
+            run = 1
+    return skips

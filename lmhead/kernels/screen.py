@@ -9,7 +9,11 @@
 3. `lmhead_exact_kernel`: the exact logits of listed rows (survivors, or every row), fp32 in one
    fixed order; for argmax it folds (logit, token id) into one int64 key and takes the atomic max.
    Rows whose survivors overflowed (or whose hidden state is not finite) are redone over the whole
-   vocabulary by the same code (`FULL`), in the same launch sequence.
+   vocabulary by the same code (`FULL`), in the same launch sequence; the survivors pass skips them.
+4. `lmhead_policy_kernel`: the early fallback of one row count (docs/lmhead.md), one program. At the start
+   of a call it decides whether the call skips the screen and writes the flag that the screen, selection
+   and survivors kernels read to return at once (the full pass then takes every row); after the selection
+   it lengthens or resets the run of skipped calls.
 
 The key: the logit's bits mapped to a signed integer in float order (+0 and -0 equal; NaN above +Inf),
 shifted up 32 bits, and (2^32 - 1 - id) below, so the maximum key is the largest logit with the lowest
@@ -39,7 +43,8 @@ def _code_w12(hi, nib, e0):
 
 @triton.jit
 def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, rw_ptr, dw_ptr, a_ptr, sh_ptr,
-                         eh_ptr, dh_ptr, hqn_ptr, hn_ptr, bad_ptr, lo_ptr, up_ptr, best_ptr, M, V, H, G, stride_hm, stride_wv, stride_tv,
+                         eh_ptr, dh_ptr, hqn_ptr, hn_ptr, bad_ptr, lo_ptr, up_ptr, best_ptr, skip_ptr, M, V, H, G,
+                         stride_hm, stride_wv, stride_tv,
                          gamma_q, gamma_w, eta,
                          MP: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr, W12: tl.constexpr):
     """Screen logits and their intervals for BV vocabulary rows and M (<= MP) hidden rows.
@@ -48,7 +53,11 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
     group's dot is an exact int8 tensor-core product: acc = sum_g sc[v,g] sh[m,g] (q_v . hq_m)_g.
     W12: the 8-bit view decoded to BF16 (exact), times the BF16 hidden states, fp32 accumulation.
     Radius: min(sum_g err[v,g] a[m,g], dw[v] hn[m]) (+ min(sum_g n1[v,g] eh[m,g], rq[v] dh[m]) for INT8)
-    + gamma_q rq[v] hqn[m] + gamma_w rw[v] hn[m] + eta (docs/lmhead.md)."""
+    + gamma_q rq[v] hqn[m] + gamma_w rw[v] hn[m] + eta (docs/lmhead.md).
+    skip_ptr (int32, or None): nonzero when the policy skips this call's screen; nothing is written then."""
+    if skip_ptr is not None:
+        if tl.load(skip_ptr) != 0:
+            return
     pid = tl.program_id(0)
     offs_v = pid * BV + tl.arange(0, BV)
     ok_v = offs_v < V
@@ -111,7 +120,10 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
 
 
 @triton.jit
-def lmhead_select_kernel(up_ptr, thr_ptr, bad_ptr, count_ptr, surv_ptr, V, CAP, BV: tl.constexpr):
+def lmhead_select_kernel(up_ptr, thr_ptr, bad_ptr, count_ptr, surv_ptr, skip_ptr, V, CAP, BV: tl.constexpr):
+    if skip_ptr is not None:  # a skipped screen wrote no bounds: every count stays 0
+        if tl.load(skip_ptr) != 0:
+            return
     pid = tl.program_id(0)
     m = tl.program_id(1)
     if tl.load(bad_ptr + m) != 0:  # non-finite hidden state: the full exact path takes this row
@@ -187,16 +199,18 @@ def _exact_tile(h_ptr, stride_hm, rows_m, ok_m, w_ptr, lo_ptr, e0_ptr, rowptr_pt
 
 @triton.jit
 def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr, ids_ptr, count_ptr, bad_ptr,
-                        fb_ptr, out_ptr, key_ptr, M, V, H, CAP, stride_hm, stride_wv, stride_lv, MP: tl.constexpr,
-                        BS: tl.constexpr, BK: tl.constexpr, W12: tl.constexpr, FULL: tl.constexpr,
+                        fb_ptr, skip_ptr, out_ptr, key_ptr, M, V, H, CAP, stride_hm, stride_wv, stride_lv,
+                        MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, W12: tl.constexpr, FULL: tl.constexpr,
                         KEYS: tl.constexpr, ALL: tl.constexpr):
     """FULL: BS vocabulary rows against all M (<= MP) hidden rows (grid V / BS). Flagged rows are those
     whose survivors overflowed CAP or whose hidden state is not finite (ALL: every row); the program does
     nothing unless one is flagged, writes the logits of every row to out ([M, V]) when given, and the keys
-    of flagged rows; program 0 adds the flagged rows to the fallback counter fb. Otherwise: BS listed
-    survivors of hidden row r (grid CAP / BS, M), the first min(count, CAP), computed on the very tile of
+    of flagged rows; program 0 adds the flagged rows to the fallback counter fb. Where the policy skipped
+    the screen (skip_ptr nonzero) every row is flagged and none is counted. Otherwise: BS listed
+    survivors of hidden row r (grid CAP / BS, M), the first `count`, computed on the very tile of
     hidden rows the full pass uses (the launch's M rows), so every logit comes out of the same products;
-    out ([M, CAP]) gets -inf past the count."""
+    out ([M, CAP]) gets -inf past the count. A row over CAP (the full pass takes it) and a skipped call
+    compute nothing and write nothing."""
     pid = tl.program_id(0)
     if FULL:
         offs_m = tl.arange(0, MP)
@@ -206,11 +220,16 @@ def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval
         else:
             cnt = tl.load(count_ptr + offs_m, mask=ok_m, other=0)
             flag = (ok_m & ((cnt > CAP) | (tl.load(bad_ptr + offs_m, mask=ok_m, other=0) != 0))).to(tl.int32)
+        fell = flag
+        if skip_ptr is not None:  # a skipped screen: the plain exact head for every row, no fallback counted
+            skip = tl.load(skip_ptr)
+            fell = tl.where(skip != 0, 0, flag)
+            flag = tl.where(skip != 0, ok_m.to(tl.int32), flag)
         if tl.max(flag, 0) == 0:
             return
         if fb_ptr is not None:
             if pid == 0:
-                tl.atomic_add(fb_ptr, tl.sum(flag, 0).to(tl.int64))
+                tl.atomic_add(fb_ptr, tl.sum(fell, 0).to(tl.int64))
         offs = pid * BS + tl.arange(0, BS)
         ok = offs < V
         x = _exact_tile(h_ptr, stride_hm, offs_m, ok_m, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr,
@@ -222,11 +241,14 @@ def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval
             tl.atomic_max(key_ptr + offs_m, tl.max(k, 1), mask=ok_m & (flag != 0))
     else:
         r = tl.program_id(1)  # hidden row r of this launch's rows (the full pass's tile of rows)
-        slot = pid * BS + tl.arange(0, BS)
-        n = tl.minimum(tl.load(count_ptr + r), CAP)
-        ok = slot < n
-        if pid * BS >= n:
+        if skip_ptr is not None:
+            if tl.load(skip_ptr) != 0:
+                return
+        n = tl.load(count_ptr + r)
+        if (n > CAP) | (pid * BS >= n):  # over CAP: the full pass recomputes the whole row anyway
             return
+        slot = pid * BS + tl.arange(0, BS)
+        ok = slot < n
         ids = tl.load(ids_ptr + r * CAP + slot, mask=ok, other=0)
         offs_m = tl.arange(0, MP)
         tile = _exact_tile(h_ptr, stride_hm, offs_m, offs_m < M, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr,
@@ -285,3 +307,32 @@ def lmhead_prep_kernel(h_ptr, a_ptr, hn_ptr, bad_ptr, hq_ptr, sh_ptr, eh_ptr, dh
         rs = r * 1.0000002384185791 * inv  # |h - sh hq| rounded up, scaled
         sr = tl.sum(tl.sum(rs * rs, 1), 0)
         tl.store(dh_ptr + m, tl.sqrt_rn(sr * row_up) * amax_row * 1.00000095367431640625)
+
+
+@triton.jit
+def lmhead_policy_kernel(state_ptr, count_ptr, M, CAP, MAX_SKIP: tl.constexpr, BM: tl.constexpr, END: tl.constexpr):
+    """The early fallback of one row count, one program. state (int32): [0] skip this call's screen,
+    [1] calls left to skip, [2] the run a failed screen starts (1, 2, 4, ..., MAX_SKIP), [3] calls,
+    [4] calls skipped.
+    Start (END False): skip while calls are left, counting them down.
+    End (END True, after the selection, count [M] the survivors per row): a screened call with a row over CAP
+    skips the next `run` calls and doubles the run (at most MAX_SKIP); a screened call without one resets
+    the run to 1; a skipped call changes nothing."""
+    if END:
+        over = tl.zeros([BM], tl.int32)
+        for m0 in range(0, M, BM):
+            offs = m0 + tl.arange(0, BM)
+            over = over | (tl.load(count_ptr + offs, mask=offs < M, other=0) > CAP).to(tl.int32)
+        screened = tl.load(state_ptr) == 0
+        failed = screened & (tl.max(over, 0) != 0)
+        left = tl.load(state_ptr + 1)
+        run = tl.load(state_ptr + 2)
+        tl.store(state_ptr + 1, tl.where(failed, run, left))
+        tl.store(state_ptr + 2, tl.where(failed, tl.minimum(2 * run, MAX_SKIP), tl.where(screened, 1, run)))
+    else:
+        left = tl.load(state_ptr + 1)
+        skip = (left > 0).to(tl.int32)
+        tl.store(state_ptr, skip)
+        tl.store(state_ptr + 1, left - skip)
+        tl.store(state_ptr + 3, tl.load(state_ptr + 3) + 1)
+        tl.store(state_ptr + 4, tl.load(state_ptr + 4) + skip)

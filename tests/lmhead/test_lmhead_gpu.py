@@ -1,7 +1,7 @@
 """GPU tests of lmhead.CertifiedHead at the width of a hybrid 27B model's head (H = 5120) with a 32000-token
 vocabulary and a 248320-token one; M in {1, 8, 32} hidden rows; INT8 and W12 screens; CUDA-graph capture and
-replay with new hidden states; torch.compile(fullgraph=True) through torch.ops.specpilot_lmhead.argmax;
-survivor counts of peaked and flat logits.
+replay with new hidden states, and the early fallback inside a replayed graph; torch.compile(fullgraph=True)
+through torch.ops.specpilot_lmhead.argmax; survivor counts of peaked and flat logits.
 
 Oracles as in test_lmhead.py (conftest.py, fixture `lm`): argmax == torch.argmax(head.logits) bit for bit,
 topk == the stable descending sort of the logits, the fp64 argmax on every provably decided row.
@@ -174,6 +174,42 @@ def test_cuda_graph_replay(screen, w32k, lm):
         assert_bitwise_equal(held["ids"], want, f"replay {rep} vs argmax(logits):")
         if rep == 2:
             assert int(held["ids"][0]) == 4242
+
+
+def test_early_fallback_in_a_cuda_graph(w32k, lm):
+    """head.argmax (M = 8, capacity 128) captured once, then replayed over flat hidden states (zeros: every token
+    ties, every row overflows) and then peaked ones (fewer than 64 survivors a row). After each replay: the ids
+    equal argmax(head.logits), and the policy state (read through stats()) and the fallback counter follow
+    lmhead.early_fallback_reference: the graph reads and updates the same state, reset in place by reset_stats."""
+    head = lmhead.CertifiedHead(w32k, screen="int8", capacity=128)
+    targets = torch.tensor([3, 999, 12345, 31999, 7, 20000, 15, 1], device=DEV)
+    peaked = (hidden(8, seed=31, std=0.5).float() + 50 * w32k[targets].float()).to(torch.bfloat16)
+    flat = torch.zeros(8, H27, dtype=torch.bfloat16, device=DEV)
+    h_static = flat.clone()
+    held = {}
+
+    def step():
+        held["ids"] = head.argmax(h_static)
+
+    graph = capture_graph(step)  # one eager warm-up call (it makes the state of M = 8), then the capture
+    head.reset_stats()
+    script = [flat] * 7 + [peaked] * 6
+    want = lmhead.early_fallback_reference([x is flat for x in script])
+    assert want == [False, True, False, True, True, False, True, True, True, True, False, False, False]
+    for i, x in enumerate(script):
+        h_static.copy_(x)
+        held["ids"].fill_(-2)
+        graph.replay()
+        torch.cuda.synchronize()
+        assert_bitwise_equal(held["ids"], lm.argmax_of(head.logits(x)), f"replay {i}:")
+        if x is peaked:
+            assert held["ids"].tolist() == targets.tolist()
+        st = head.stats()
+        pol = st["policy"][8]
+        assert pol["calls"] == i + 1 and pol["skipped"] == sum(want[:i + 1]), f"replay {i}: {pol}"
+        assert pol["last_skipped"] == want[i], f"replay {i}: {pol}"
+        screened_flat = sum(1 for j in range(i + 1) if script[j] is flat and not want[j])
+        assert st["fallbacks"] == 8 * screened_flat, f"replay {i}: fallbacks {st['fallbacks']}"
 
 
 def test_torch_compile_fullgraph(w32k, lm):
