@@ -9,8 +9,13 @@ request's tree is the best-first prefix of its candidates (parent-closed: a node
 parent). One pass verifies all requests' pending tokens and trees; acceptance and commit run per
 request on the device, as in the single-request step.
 
-The pass has `B + budget` rows at most; a request that finishes leaves the batch. The steps run eagerly:
-the CUDA graph of a fixed row count (pad every step to `B + budget` rows) is not built here.
+Requests run in at most `max_rows` cache rows at once (default: all the model's rows); the others wait, in
+order. A request that finishes leaves the batch, and its row goes to the next waiting prompt: the row is reset
+and the prompt prefilled into it (`Engine._prefill_row`), and it joins the next verify step. A request's
+tokens depend only on its own row, so admission order and batch company never change its output.
+
+The pass has `rows + budget` rows at most. The steps run eagerly: the CUDA graph of a fixed row count (pad every
+step to `rows + budget` rows) is not built here.
 """
 
 from __future__ import annotations
@@ -36,9 +41,11 @@ def _prefix(tree, n: int):
 
 
 def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None = None, topk: int | None = None,
-                   log_allocations: list | None = None) -> list[list[int]]:
-    """Greedy continuations of every prompt (one cache row each), verified together under `budget` tree nodes
-    per step (default 8 per request). `log_allocations`, when a list, receives each step's node counts."""
+                   max_rows: int | None = None, log_allocations: list | None = None) -> list[list[int]]:
+    """Greedy continuations of every prompt, verified together under `budget` tree nodes per step (default 8 per
+    running request). At most `max_rows` requests run at once, one cache row each (default: the model's rows); the
+    other prompts wait and take the rows that finished requests free, in order. `log_allocations`, when a list,
+    receives each step's node counts (one per running request)."""
     fn = "specpilot.engine.Engine.generate_batch"
     m, dev = engine.model, engine.model.device
     if isinstance(prompts, (str, bytes, bytearray)) or (isinstance(prompts, torch.Tensor) and prompts.dim() != 2):
@@ -57,12 +64,14 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
         budget = inputs.count(fn, "budget", budget, 0)
     if topk is not None:
         topk = inputs.count(fn, "topk", topk)
-    B = len(prompts)
-    if B == 0 or max_new_tokens == 0:
+    if max_rows is not None:
+        max_rows = inputs.count(fn, "max_rows", max_rows)
+        if max_rows > m.rows:
+            raise ValueError(f"{fn}: max_rows={max_rows} but the model has {m.rows} cache rows; pass max_rows <= "
+                             f"{m.rows}, or load it with Engine.from_pretrained(..., rows={max_rows})")
+    R = min(len(prompts), m.rows if max_rows is None else max_rows)  # requests running at once
+    if R == 0 or max_new_tokens == 0:
         return [[] for _ in prompts]
-    if B > m.rows:
-        raise ValueError(f"{fn}: {B} prompts but the model has {m.rows} cache rows; load it with rows >= {B} "
-                         "(Engine.from_pretrained(..., rows=B))")
     if getattr(engine.drafter, "needs_hidden", False):
         raise ValueError(f"{fn}: batched decoding does not hand a drafter the target's hidden states; the "
                          f"{type(engine.drafter).__name__} reads them: use Engine.generate per request, or "
@@ -70,7 +79,7 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
     if engine.drafter is None or engine.two_level or getattr(engine.drafter, "model", None) is m:
         raise ValueError(f"{fn}: batched decoding takes a stateless drafter (e.g. drafter='ngram'); the self-drafter "
                          "keeps cache rows of its own and two-level verification is per request")
-    budget = 8 * B if budget is None else budget
+    budget = 8 * R if budget is None else budget
     topk = engine.topk if topk is None else topk
     for r, p in enumerate(prompts):
         # a request's pass holds its pending token and up to MAX_STEP_NODES - 1 draft nodes
@@ -79,11 +88,24 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
             raise ValueError(f"{fn}: prompt {r} ({len(p)} tokens) plus {max_new_tokens} new tokens and its draft "
                              f"nodes needs {need} cache slots but max_len={m.max_len}; pass fewer tokens, or load "
                              f"with Engine.from_pretrained(..., max_len={need})")
-    ctxs = [engine._prefill_row(r, p) for r, p in enumerate(prompts)]
+    B = len(prompts)
+    ctxs: list[list[int] | None] = [None] * B
     hist = [AcceptanceHistory() for _ in range(B)]
     outs: list[list[int]] = [[] for _ in range(B)]
     eos = m.cfg.eos_token_id
-    live = list(range(B))
+    row_of: dict[int, int] = {}  # running request -> its cache row
+    waiting = list(range(B))
+    free = list(range(R))
+    live: list[int] = []
+
+    def admit() -> None:
+        while free and waiting:
+            r, row = waiting.pop(0), free.pop(0)
+            ctxs[r] = engine._prefill_row(row, prompts[r])
+            row_of[r] = row
+            live.append(r)
+
+    admit()
     while live:
         t0 = time.perf_counter()
         cands, gains, depth = [], [], []
@@ -103,7 +125,7 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
             trees.append((t, p, d, s))
             toks.append([ctxs[r][-1]] + t.tolist())
             pars.append([-1] + [x + 1 for x in p.tolist()])
-        step = m.plan(live, [len(ctxs[r]) - 1 for r in live], toks, pars)
+        step = m.plan([row_of[r] for r in live], [len(ctxs[r]) - 1 for r in live], toks, pars)
         target = m.argmax(m.forward(step))
         nb, N = len(live), max(max(alloc, default=0), 1)
         tok_b = torch.zeros(nb, N, dtype=torch.int64)
@@ -139,5 +161,8 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
                     break
             ctxs[r].extend(new)
         engine._stats.steps.append(StepRecord("batch", step.total, emitted, time.perf_counter() - t0))
-        live = [r for r in live if r not in done]
+        for r in done:  # its row goes to the next waiting prompt
+            live.remove(r)
+            free.append(row_of.pop(r))
+        admit()
     return outs

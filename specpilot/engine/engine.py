@@ -310,11 +310,13 @@ class Engine:
             self._stats.steps.append(StepRecord("prefill", len(body), 0, time.perf_counter() - t0))
         return list(prompt)
 
-    def generate_batch(self, prompts, max_new_tokens: int, *, budget: int | None = None) -> list[list[int]]:
+    def generate_batch(self, prompts, max_new_tokens: int, *, budget: int | None = None,
+                       max_rows: int | None = None) -> list[list[int]]:
         """Greedy continuations of several prompts, verified together under one node budget per step
-        (`specpilot.engine.batch`; default 8 nodes per request). Needs a model with a cache row per prompt.
-        `prompts`: a list of prompts, each as `generate` takes one."""
-        return generate_batch(self, prompts, max_new_tokens, budget=budget)
+        (`specpilot.engine.batch`; default 8 nodes per running request). At most `max_rows` requests run at once,
+        one cache row each (default: the model's `rows`); the other prompts wait and each takes the row of a request
+        that finished. `prompts`: a list of prompts, each as `generate` takes one."""
+        return generate_batch(self, prompts, max_new_tokens, budget=budget, max_rows=max_rows)
 
     def _draft(self, ctx: list[int], budget: int | None = None):
         if self._draft_graph is not None:

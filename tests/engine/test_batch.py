@@ -1,6 +1,8 @@
 """Batched speculative decoding under one node budget (specpilot.engine.batch): every request's output is its
-own autoregressive greedy output, the node budget is never exceeded, and the allocation is deterministic."""
+own autoregressive greedy output, also when more prompts than rows wait and join the batch as rows free up; the node
+budget is never exceeded, and the allocation is deterministic."""
 
+import pytest
 import torch
 
 from specpilot.engine import Engine
@@ -34,11 +36,38 @@ def test_batch_outputs_are_each_requests_greedy_output(checkpoints):
     assert eng.stats()["batch"]["tau"] > 3  # tokens per batch step over three requests
 
 
+@pytest.mark.parametrize("rows,max_rows", [(2, None), (3, 2)], ids=["rows2", "rows3-max_rows2"])
+def test_waiting_prompts_join_as_rows_free_up(checkpoints, rows, max_rows):
+    # five prompts of different lengths through two rows: a finished request's row is reset and the next prompt
+    # prefilled into it; every output is still that prompt's own greedy output
+    path, model = checkpoints["gdn3-attn1-v97"]
+    g = torch.Generator().manual_seed(3)
+    prompts = []
+    for n in (7, 45, 16, 60, 23):
+        motif = torch.randint(0, 97, (4,), generator=g).tolist()
+        prompts.append(torch.randint(0, 97, (n,), generator=g).tolist() + motif * 3)
+    eng = Engine.from_pretrained(path, device="cpu", drafter="ngram", rows=rows)
+    allocs = []
+    outs = eng.generate_batch(prompts, 40, max_rows=max_rows, budget=12) if max_rows else \
+        generate_batch(eng, prompts, 40, budget=12, log_allocations=allocs)
+    ar = Engine.from_pretrained(path, device="cpu", drafter=None)
+    for r, (p, o) in enumerate(zip(prompts, outs)):
+        assert o == ar.generate(p, 40, speculative=False), f"prompt {r}"
+    if not max_rows:
+        assert all(sum(a) <= 12 for a in allocs)
+        running = [len(a) for a in allocs]
+        # two requests at once until the last prompt has joined, then one: a freed row never idles while one waits
+        assert running[0] == 2 and running == sorted(running, reverse=True) and running[-1] == 1
+    assert eng.stats()["prefill"]["tokens"] == sum(len(p) - 1 for p in prompts)  # each prompt prefilled once
+
+
 def test_batch_errors(checkpoints):
     path, _ = checkpoints["gdn3-attn1-v97"]
     eng = Engine.from_pretrained(path, device="cpu", drafter="ngram", rows=2)
-    with raises_helpful("specpilot.engine", "rows"):
-        eng.generate_batch([[1, 2], [3], [4]], 4)
+    with raises_helpful("specpilot.engine", "max_rows", "rows=3"):
+        eng.generate_batch([[1, 2], [3], [4]], 4, max_rows=3)
+    with raises_helpful("specpilot.engine", "max_rows"):
+        eng.generate_batch([[1, 2], [3], [4]], 4, max_rows=0)
     with raises_helpful("specpilot.engine", "budget"):
         eng.generate_batch([[1, 2], [3]], 4, budget=-1)
     with raises_helpful("specpilot.engine", "vocabulary"):
