@@ -124,8 +124,8 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int,
                 cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, kc=kc)
                 out.append((f"e@{cfg.tag()}", cfg))
             # the warpgroup build (wgmma over 64 rows, x once per warpgroup in shared memory)
-            for warps, kw, cps, kc in ((4, 1, 4, 1), (8, 1, 2, 1), (8, 2, 2, 1), (16, 2, 1, 1), (16, 4, 1, 1),
-                                       (4, 1, 4, 2), (8, 1, 2, 2), (8, 2, 2, 2)):
+            for warps, kw, cps, kc in ((8, 1, 2, 1), (8, 2, 2, 1), (16, 1, 1, 1), (16, 2, 1, 1), (16, 4, 1, 1),
+                                       (4, 1, 4, 2), (8, 2, 2, 2), (16, 4, 1, 2)):
                 cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, kc=kc, wg=True)
                 out.append((f"e@{cfg.tag()}", cfg))
     return out

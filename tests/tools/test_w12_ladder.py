@@ -37,8 +37,8 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
         assert all(r[2] == "e" for r in rows[5:])
         base = rows[0][1]
         wg = {(r[1].warps, r[1].kw, r[1].cps, r[1].kc) for r in rows[6:] if r[1].wg}  # sm_90: the warpgroup build
-        assert wg == {(4, 1, 4, 1), (8, 1, 2, 1), (8, 2, 2, 1), (16, 2, 1, 1), (16, 4, 1, 1), (4, 1, 4, 2),
-                      (8, 1, 2, 2), (8, 2, 2, 2)}
+        assert wg == {(8, 1, 2, 1), (8, 2, 2, 1), (16, 1, 1, 1), (16, 2, 1, 1), (16, 4, 1, 1), (4, 1, 4, 2),
+                      (8, 2, 2, 2), (16, 4, 1, 2)}
         assert all(r[0].endswith("-g") for r in rows[6:] if r[1].wg)
         rows = [r for r in rows if not r[1].wg]
         two = {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:] if r[1].rb == 2}
