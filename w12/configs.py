@@ -356,7 +356,7 @@ def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = F
 
 
 def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int | None = None, stages: int = 4,
-                   cps: int | None = None, clusters: bool | None = None) -> FlowConfig:
+                   cps: int | None = None, clusters: bool | None = None, wgmma: bool | None = None) -> FlowConfig:
     """FlowConfig default: the CTA shape and K split `kw` that minimise a wave model, waves x (64-column units per
     warp + one unit for the shared-memory reduction when kw > 1). The shapes: for M <= 8, CTAs of 4 warps at 4 per
     SM or of 8 warps at 2 per SM (ties go to the 4-warp ones); above, 8 warps at 2 per SM; `warps` and `cps` fix
@@ -372,7 +372,24 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     42.6 to 37.9 µs at M = 1 and from 77.9 to 65.5 µs at M = 32, o_proj from 18.4 to 17.1 µs at M = 8 and from
     31.4 to 25.4 µs at M = 32 (docs/w12-kernels.md, "K split across CTAs"); on in_proj and gate_up (8 and 16 row
     blocks per SM) it was slower, except gate_up at M = 32 in 4-warp CTAs of two row blocks (121.4 to 111.0 µs),
-    which this rule does not take."""
+    which this rule does not take.
+
+    Where wgmma exists (`wgmma`; default: a CUDA device of sm_90) the warpgroup build (`wg`: x staged once per 64
+    rows) takes M > 16 everywhere and M = 9..16 where there are at least 3 row groups of 64 rows per SM, in the
+    shape that measured fastest for its count of row groups per SM r (docs/w12-kernels.md, "The warpgroup build"):
+    r >= 3, 4-warp CTAs at 4 per SM with the K split across a 2-CTA cluster (gate_up at M = 32: 120.6 -> 91.1 µs;
+    at M = 16: 99.3 -> 85.8 µs); 1 <= r < 3, 16-warp CTAs of two row groups and two K pieces (in_proj at M = 32:
+    48.7 -> 39.7 µs); r < 1, 16-warp CTAs of one row group and four K pieces (down_proj at M = 32: 65.8 -> 59.7 µs,
+    o_proj level). At M <= 16 on the other layers, and at M <= 8 everywhere, the mma.sync build measured faster."""
+    if wgmma is None:
+        wgmma = device.type == "cuda" and not autotune.is_interpreter() and \
+            torch.cuda.get_device_capability(device) == (9, 0)
+    if wgmma and warps is None and cps is None and M > 8 and K > 64:
+        groups = -(-N // 64) / sm_count(device)
+        if groups >= 3:
+            return FlowConfig(warps=4, kw=1, stages=stages, cps=4, kc=2, wg=True)
+        if M > 16:
+            return FlowConfig(warps=16, kw=2 if groups >= 1 else 4, stages=stages, cps=1, wg=True)
     if warps is not None or cps is not None:
         shapes = [(warps or (4 if M <= 8 else 8), cps or (4 if M <= 8 else 2))]
     else:

@@ -141,8 +141,8 @@ TMA_SPACE = SearchSpace(
 
 def flow_valid(p: dict, shape) -> str | None:
     """The flow kernel's config at a shape: it builds (kw divides warps, warps x cps <= 32), M fits, its CTAs'
-    shared memory fits the SM at cps CTAs, a cluster split (kc > 1) has a GPU with clusters, and every warp gets a
-    64-column unit of K."""
+    shared memory fits the SM at cps CTAs, a cluster split (kc > 1) has a GPU with clusters, the warpgroup build
+    (wg) a GPU with wgmma, and every warp gets a 64-column unit of K."""
     from . import flow
 
     m, k = shape["M"], shape["K"]
@@ -154,6 +154,8 @@ def flow_valid(p: dict, shape) -> str | None:
         return f"shared memory: {cfg.cps} CTAs x {smem} B per SM"
     if cfg.kc > 1 and not (autotune.has_cuda() and torch.cuda.get_device_capability()[0] >= 9):
         return "config: a K split across CTAs needs thread-block clusters (sm_90)"
+    if cfg.wg and not (autotune.has_cuda() and torch.cuda.get_device_capability() == (9, 0)):
+        return "config: the warpgroup build needs wgmma (sm_90)"
     if -(-k // 64) < cfg.kw * cfg.kc:
         return f"divisibility: {-(-k // 64)} units of K for {cfg.kw * cfg.kc} pieces"
     return None
@@ -161,7 +163,8 @@ def flow_valid(p: dict, shape) -> str | None:
 
 FLOW_SPACE = SearchSpace(
     op="w12.matmul", variant="flow",
-    params={"warps": [2, 4, 8, 16], "kw": [1, 2, 4, 8], "stages": [3, 4, 6], "cps": [1, 2, 4, 8], "kc": [1, 2]},
+    params={"warps": [2, 4, 8, 16], "kw": [1, 2, 4, 8], "stages": [3, 4, 6], "cps": [1, 2, 4, 8], "kc": [1, 2],
+            "wg": [False, True]},
     make_config=lambda p: FlowConfig(**p),
     flops_bytes=tc_flops_bytes, valid=flow_valid, key=_key,
     heuristic=lambda s: flow_heuristic(s["M"], s["N"], s["K"], torch.device("cuda" if autotune.has_cuda() else "cpu")),

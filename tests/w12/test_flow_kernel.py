@@ -440,6 +440,17 @@ def test_heuristic_fills_the_machine(monkeypatch):
     assert sm90["down", 32] == FlowConfig(warps=2, kw=2, cps=4, kc=2)
     assert sm90["tiny", 1].kc == 1  # one unit of K: nothing to split
     assert flow_heuristic(1, 5120, 6144, cpu, warps=4, clusters=True).kc == 1  # a fixed shape stays as asked
+    # with wgmma (sm_90): the warpgroup build above 16 tokens, and at 9..16 on layers of >= 3 row groups per SM
+    wg = {(name, m): flow_heuristic(m, n, k, cpu, clusters=True, wgmma=True) for m in (1, 8, 9, 16, 17, 32)
+          for name, (n, k) in {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144),
+                               "down": (5120, 17408), "tiny": (40, 64)}.items()}
+    assert {key for key, c in wg.items() if c.wg} == {(n, m) for n in ("in_proj", "gate_up", "o_proj", "down")
+                                                     for m in (17, 32)} | {("gate_up", 9), ("gate_up", 16)}
+    assert wg["gate_up", 16] == FlowConfig(warps=4, kw=1, cps=4, kc=2, wg=True)
+    assert wg["in_proj", 32] == FlowConfig(warps=16, kw=2, cps=1, wg=True)
+    assert wg["o_proj", 32] == wg["down", 17] == FlowConfig(warps=16, kw=4, cps=1, wg=True)
+    assert wg["in_proj", 16] == sm90["in_proj", 16] and wg["o_proj", 8] == sm90["o_proj", 8]
+    assert not flow_heuristic(32, 16480, 5120, cpu, warps=8, wgmma=True).wg  # a fixed shape stays as asked
 
 
 def test_layout_cache_follows_the_planes():
