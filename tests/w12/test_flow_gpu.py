@@ -370,7 +370,25 @@ def test_chain_under_programmatic_dependent_launch(cfg, graph):
 # the warpgroup build: one warpgroup per CTA, two splitting K, four splitting K at one CTA per SM, and with the K
 # split across the CTAs of a cluster
 WG_CONFIGS = [FlowConfig(warps=4, kw=1, cps=4, wg=True), FlowConfig(warps=8, kw=2, cps=2, wg=True),
-              FlowConfig(warps=16, kw=4, cps=1, wg=True), FlowConfig(warps=8, kw=1, cps=2, kc=2, wg=True)]
+              FlowConfig(warps=16, kw=4, cps=1, wg=True), FlowConfig(warps=8, kw=1, cps=2, kc=2, wg=True),
+              FlowConfig(warps=16, kw=2, cps=1, wg=True), FlowConfig(warps=4, kw=1, cps=4, kc=4, wg=True)]
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("M", [16, 32])
+def test_warpgroup_overlap_equals_one_group_in_flight_bitwise(M):
+    """Two wgmma groups in flight (the decode of a unit overlapping the previous unit's wgmma, A registers in two
+    sets, 3 x slots) against each unit waited for (W12F_WG_DEPTH = 1): the same operations in the same order, so
+    the same bits, on hostile rows and x salted with NaN, +-Inf, +-0 and subnormals."""
+    p, x, _ = _hostile_case("nonfinite", seed=9)
+    x = torch.cat([x] * 3)[:M]
+    t = layout.tile(p)
+    for cfg in WG_CONFIGS:
+        two = _run(cfg, x, t)
+        one = torch.full_like(two, float("nan"))
+        flow.launch_tiled(cfg, x, t, None, one, defines={"W12F_WG_DEPTH": 1})
+        torch.cuda.synchronize()
+        assert torch.equal(one.view(torch.int16), two.view(torch.int16)), cfg.tag()
 
 
 @pytest.mark.hopper

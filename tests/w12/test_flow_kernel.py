@@ -183,7 +183,7 @@ def test_warpgroup_operand_is_the_fragment_order(M):
 # M, N, K, warps, kw, kc: a warpgroup whose last row blocks are past the weight (N = 75: 5 row blocks), a partial
 # last block, masked tails, a K split across warpgroups and across the CTAs of a cluster, 1 to 4 token tiles
 WG_CASES = [(1, 75, 200, 4, 1, 1), (32, 33, 100, 8, 2, 1), (16, 130, 256, 8, 1, 1), (20, 40, 130, 8, 2, 2),
-            (9, 17, 64, 4, 1, 2), (24, 64, 320, 16, 4, 1)]
+            (9, 17, 64, 4, 1, 2), (24, 64, 320, 16, 4, 1), (32, 75, 300, 4, 1, 4)]
 
 
 @pytest.mark.parametrize("M,N,K,warps,kw,kc", WG_CASES,
@@ -224,7 +224,7 @@ def test_warpgroup_build_compiles_for_sm90a(nt, jit_cache):
     r = b.resources()
     assert r["spill_stores"] == 0 and r["stack"] == 0
     assert "serialized" not in b.log.read_text()
-    assert flow.smem_bytes(cfg, nt) == flow.smem_bytes(FlowConfig(warps=8, kw=2, cps=2), nt) + 2 * 2 * nt * 1024
+    assert flow.smem_bytes(cfg, nt) == flow.smem_bytes(FlowConfig(warps=8, kw=2, cps=2), nt) + 2 * 3 * nt * 1024
     with pytest.raises(ValueError, match="needs sm_90"):
         flow.spec(cfg, nt, (8, 0))
     with pytest.raises(ValueError, match="reads no x"):

@@ -54,7 +54,9 @@
 // (between the two k halves) is 128 NT and its stride byte offset (between token groups of 8) is 128 (checked on
 // the H200; W12F_WG_SWAP = 1 swaps the two). Per unit: the stores, the weight copies landed (cp.async.wait_group),
 // a proxy fence, a barrier of the warpgroup's 128 threads, the refill of the weight slot the previous unit used,
-// then the decode and four wgmma, waited for before the next unit. The masked tail is a unit of the loop (its x
+// then the decode and four wgmma; with W12F_WG_DEPTH = 2 (the default) they are waited for after the next unit's
+// are issued (the decode of unit c + 1 overlaps the wgmma of unit c; A registers alternate between two sets and x
+// has 3 slots), with 1 before the next unit (2 slots would do; 3 are kept). The masked tail is a unit of the loop (its x
 // staged like the others, its weight fragments assembled from global memory). Timing-only ablations (wrong results,
 // perf/w12_wg_probe.py): W12F_WG_FENCE=0, W12F_WG_BAR=0, W12F_WG_XCOPY=0 (x staged for the first unit only).
 //
@@ -127,6 +129,10 @@
 #ifndef W12F_WG_XCOPY
 #define W12F_WG_XCOPY 1  // timing only at 0 (wrong results): x copied for the first units only
 #endif
+#ifndef W12F_WG_DEPTH
+#define W12F_WG_DEPTH 2  // wgmma groups in flight per warpgroup: 1 (each unit waited for) or 2 (one unit's decode
+                         // overlaps the previous unit's wgmma)
+#endif
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
 #endif
@@ -150,6 +156,7 @@ constexpr bool GUARD = EPI && FIXED;  // the x range and the exact-base recomput
 constexpr bool WG = W12F_WG != 0;
 constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of one row block
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
+constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
@@ -165,6 +172,7 @@ static_assert(KC == 1 || KC == 2 || KC == 4, "CTAs splitting K: 1, 2 or 4");
 static_assert(!Q8 || !FIXED, "the 8-bit view: exact base only");
 static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
+static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight: 1 or 2");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
               "the warpgroup build: exact base, one row block per warp, x, and warpgroups of 4 warps per K piece");
 #if W12F_KC > 1 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
@@ -292,17 +300,39 @@ __device__ __forceinline__ void wgmma_step(float (&d)[NT_][4], const uint32_t (&
   }
 }
 
-// the tile's 4 k-steps through wgmma: k-step s reads B at `xs` + 256 NT s; waited for before returning
-__device__ __forceinline__ void tile_wgmma(float (&acc)[NT][4], const Frag& f, uint32_t xs, const uint32_t (&k)[2]) {
+// registers an asynchronous wgmma reads (A) or writes (the accumulators): an empty asm that reads and writes them,
+// so that the compiler keeps them in place, unread and unreused, up to the point where the wgmma is waited for
+__device__ __forceinline__ void keep(uint32_t (&a)[4][4]) {
+#pragma unroll
+  for (int s = 0; s < 4; ++s)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+r"(a[s][i])::"memory");
+}
+__device__ __forceinline__ void keep(float (&d)[NT][4]) {
+#pragma unroll
+  for (int j = 0; j < NT; ++j)
+#pragma unroll
+    for (int i = 0; i < 4; ++i) asm volatile("" : "+f"(d[j][i])::"memory");
+}
+
+// the tile's 4 k-steps through wgmma into `a` (this unit's A registers): k-step s reads B at `xs` + 256 NT s. With
+// W12F_WG_DEPTH = 2 the previous unit's wgmma may still run when this one is issued; after this one's issue that one
+// is waited for, so `prev` (its A registers) is free again; at 1 each unit's wgmma is waited for before returning
+__device__ __forceinline__ void tile_wgmma(float (&acc)[NT][4], const Frag& f, uint32_t xs, const uint32_t (&k)[2],
+                                          uint32_t (&a)[4][4], uint32_t (&prev)[4][4]) {
   constexpr uint32_t LBO = W12F_WG_SWAP ? 128u : 128u * NT, SBO = W12F_WG_SWAP ? 128u * NT : 128u;
-  uint32_t a[4][4];
 #pragma unroll
   for (int s = 0; s < 4; ++s) decode_step<false>(a[s], f, k, s);
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+  keep(acc);
+  keep(a);
 #pragma unroll
   for (int s = 0; s < 4; ++s) wgmma_step<NT>(acc, a[s], wg_desc(xs + 256u * NT * s, LBO, SBO));
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(W12F_WG_DEPTH - 1) : "memory");
+  keep(acc);
+  keep(prev);
+  if constexpr (W12F_WG_DEPTH == 1) keep(a);
 }
 #endif
 
@@ -443,7 +473,7 @@ w12_matmul_flow_kernel(
   constexpr int NTP = NT == 3 ? 4 : NT, TPT = 16 / NTP, XW = 2 * NTP;
   const int wt = threadIdx.x & 127, xtok = wt / TPT, xq = wt % TPT;
   const bool xrow = WG && xtok < 8 * NT, xreal = xtok < M;
-  const uint32_t xring = (uint32_t)__cvta_generic_to_shared(smem + X_OFF) + (warp >> 2) * 2 * XSLOT;
+  const uint32_t xring = (uint32_t)__cvta_generic_to_shared(smem + X_OFF) + (warp >> 2) * XSLOTS * XSLOT;
   const uint32_t xbase = 128u * (xtok >> 3) + 16u * (xtok & 7);
   const __nv_bfloat16* xsrc = x + (long long)(xreal ? xtok : 0) * ldx + 64LL * c0 + 4 * NTP * xq;
   uint32_t xreg[XW];
@@ -549,10 +579,11 @@ w12_matmul_flow_kernel(
   uint32_t rst = ring;  // the slot of tile c
 #if W12F_WG
   uint32_t xslot = xring;  // unit c's x slot
+  uint32_t areg[2][4][4] = {};  // A registers of even and odd units (one may be read by a wgmma in flight)
   if (c0 < cend) load_xw();
-  for (int c = c0; c < cend; ++c) {
-    // unit c's x into its slot (it held unit c - 2: every warp of the warpgroup waited for that wgmma before the
-    // barrier of unit c - 1), then unit c + 1's loads
+  auto wg_unit = [&](int c, uint32_t (&a)[4][4], uint32_t (&prev)[4][4]) {
+    // unit c's x into its slot (it held unit c - XSLOTS: every warp of the warpgroup waited for that wgmma before
+    // the barrier of unit c - 1), then unit c + 1's loads
     if (W12F_WG_XCOPY != 0 || c == c0) store_xw(xslot);
     if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
@@ -577,9 +608,19 @@ w12_matmul_flow_kernel(
     cp_commit();
     wst = next_slot(wst);
     rst = next_slot(rst);
-    tile_wgmma(acc[0], f, xslot, kk[0]);
-    xslot = xslot == xring ? xring + XSLOT : xring;
+    tile_wgmma(acc[0], f, xslot, kk[0], a, prev);
+    xslot = xslot + XSLOT == xring + XSLOTS * XSLOT ? xring : xslot + XSLOT;
+  };
+  int c = c0;
+  for (; c + 1 < cend; c += 2) {
+    wg_unit(c, areg[0], areg[1]);
+    wg_unit(c + 1, areg[1], areg[0]);
   }
+  if (c < cend) wg_unit(c, areg[0], areg[1]);
+  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+  keep(acc[0]);
+  keep(areg[0]);
+  keep(areg[1]);
   asm volatile("cp.async.wait_all;" ::: "memory");
 #else
   for (int c = c0; c < c1; ++c) {
