@@ -146,6 +146,11 @@ KC_CONFIGS = [FlowConfig(warps=4, kw=4, cps=4, kc=2), FlowConfig(warps=4, kw=2, 
 def test_k_split_across_ctas_matches_fp64(cfg, M, N, K):
     """Against fp64, and bit for bit run to run (rank 0 adds the CTAs' sums in rank order, whatever order they
     arrive in); K = 64 and 130 give ranks with no full unit, 17 and 75 rows a partial and an inactive row block."""
+    _check_fp64_and_repeats(cfg, M, N, K, repeats=3)
+
+
+def _check_fp64_and_repeats(cfg, M: int, N: int, K: int, repeats: int) -> None:
+    """`cfg` at (M, N, K) against fp64 (a bias where N is odd), then `repeats` more runs equal to it bit for bit."""
     w = _weight(N, K, seed=N + K)
     p = w12.pack(w)
     t = layout.tile(p)
@@ -153,7 +158,7 @@ def test_k_split_across_ctas_matches_fp64(cfg, M, N, K):
     bias = (_x(1, N, seed=N)[0] * 0.1) if N % 2 else None
     out = _run(cfg, x, t, bias)
     assert_close(out, w12.matmul_reference(x, p, bias), F.linear(x, w, bias))
-    for _ in range(3):
+    for _ in range(repeats):
         assert torch.equal(_run(cfg, x, t, bias).view(torch.int16), out.view(torch.int16))
 
 
@@ -423,15 +428,7 @@ def test_warpgroup_descriptor_orientation():
 def test_warpgroup_matches_fp64(cfg, M, N, K):
     """The warpgroup build against fp64, and bit for bit run to run; 17 and 75 rows leave row blocks of a warpgroup
     past the weight, K = 63, 130 and 4100 a masked tail (a unit of the loop here), K = 64 pieces with no unit."""
-    w = _weight(N, K, seed=N + K)
-    p = w12.pack(w)
-    t = layout.tile(p)
-    x = _x(M, K, seed=M)
-    bias = (_x(1, N, seed=N)[0] * 0.1) if N % 2 else None
-    out = _run(cfg, x, t, bias)
-    assert_close(out, w12.matmul_reference(x, p, bias), F.linear(x, w, bias))
-    for _ in range(2):
-        assert torch.equal(_run(cfg, x, t, bias).view(torch.int16), out.view(torch.int16))
+    _check_fp64_and_repeats(cfg, M, N, K, repeats=2)
 
 
 @pytest.mark.hopper
