@@ -333,30 +333,7 @@ def test_chain_under_programmatic_dependent_launch(cfg, graph):
     ts = [layout.tile(w12.pack(_weight(n, n, seed=40 + i))) for i in range(6)]
     x = _x(m, n, seed=9)
     ys = [x] + [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ts]
-
-    def chain(pdl):
-        for y in ys[1:]:
-            y.fill_(float("nan"))
-        for i, t in enumerate(ts):
-            flow.launch_tiled(cfg, ys[i], t, None, ys[i + 1], pdl=pdl)
-
-    results = {}
-    for pdl in (False, True):
-        if graph:
-            chain(pdl)  # builds and loads outside the capture
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                chain(pdl)
-            for _ in range(3):
-                g.replay()
-        else:
-            for _ in range(3):
-                chain(pdl)
-        torch.cuda.synchronize()
-        results[pdl] = [y.clone() for y in ys[1:]]
-    for a, b in zip(results[False], results[True]):
-        assert not torch.isnan(a).any()
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    _chain_with_and_without_pdl(cfg, ts, ys, graph, runs=3)
     # the default launch: the first one after an in-place write to the layout waits for the kernel that wrote it.
     # -W has W's windows and escape positions, so its tiles and escape values overwrite W's in place
     w0 = _weight(n, n, seed=40)
@@ -370,6 +347,36 @@ def test_chain_under_programmatic_dependent_launch(cfg, graph):
     torch.cuda.synchronize()
     assert not torch.equal(ys[1].view(torch.int16), ref.view(torch.int16))
     assert_close(ys[1], w12.matmul_reference(x, pn), F.linear(x, -w0))
+
+
+def _chain_with_and_without_pdl(cfg, ts, ys, graph: bool, runs: int) -> None:
+    """ys[i + 1] = ys[i] @ W_i^T by the flow kernel for each layout of `ts`, the outputs NaN-filled first, `runs`
+    times without programmatic dependent launch and `runs` times with it, eager or as one CUDA graph (captured after
+    an eager chain that builds and loads the kernels): no NaN, and both ways equal bit for bit."""
+
+    def chain(pdl):
+        for y in ys[1:]:
+            y.fill_(float("nan"))
+        for i, t in enumerate(ts):
+            flow.launch_tiled(cfg, ys[i], t, None, ys[i + 1], pdl=pdl)
+
+    results = {}
+    for pdl in (False, True):
+        if graph:
+            chain(pdl)
+            g = torch.cuda.CUDAGraph()
+            with torch.cuda.graph(g):
+                chain(pdl)
+            for _ in range(runs):
+                g.replay()
+        else:
+            for _ in range(runs):
+                chain(pdl)
+        torch.cuda.synchronize()
+        results[pdl] = [y.clone() for y in ys[1:]]
+    for a, b in zip(results[False], results[True]):
+        assert not torch.isnan(a).any()
+        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
 
 
 # the warpgroup build: one warpgroup per CTA, two splitting K, four splitting K at one CTA per SM, and with the K
@@ -459,25 +466,4 @@ def test_warpgroup_chain_graph_and_pdl(graph):
     cfg = WG_CONFIGS[1]
     ts = [layout.tile(w12.pack(_weight(n, n, seed=60 + i))) for i in range(6)]
     ys = [_x(m, n, seed=61)] + [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ts]
-
-    def chain(pdl):
-        for y in ys[1:]:
-            y.fill_(float("nan"))
-        for i, t in enumerate(ts):
-            flow.launch_tiled(cfg, ys[i], t, None, ys[i + 1], pdl=pdl)
-
-    results = {}
-    for pdl in (False, True):
-        if graph:
-            chain(pdl)
-            g = torch.cuda.CUDAGraph()
-            with torch.cuda.graph(g):
-                chain(pdl)
-            g.replay()
-        else:
-            chain(pdl)
-        torch.cuda.synchronize()
-        results[pdl] = [y.clone() for y in ys[1:]]
-    for a, b in zip(results[False], results[True]):
-        assert not torch.isnan(a).any()
-        assert torch.equal(a.view(torch.int16), b.view(torch.int16))
+    _chain_with_and_without_pdl(cfg, ts, ys, graph, runs=1)
