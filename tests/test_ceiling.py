@@ -15,8 +15,8 @@ from specpilot.testing import raises_helpful
 
 ROOT = Path(__file__).resolve().parents[1]
 H200 = ROOT / "perf" / "results" / "h200"
-ENGINE = H200 / "20261201T165441-engine.json"
-PEROP = [H200 / f for f in ("20261130T225618-linear-w12.json", "20261201T073851-gdn.json",
+ENGINE = H200 / "20261202T125349-engine.json"
+PEROP = [H200 / f for f in ("20261202T130213-linear-w12.json", "20261201T073851-gdn.json",
                             "20261201T140207-tree_attn.tree_attention.json", "20261201T150759-lmhead.argmax.json")]
 
 # 1 TB/s and 1 TFLOP/s BF16 (2 TOP/s INT8), nothing measured: a floor is max(flops / 1e12, bytes / 1e12) seconds
@@ -191,12 +191,12 @@ def test_png_and_cli_table(tmp_path, capsys):
     assert code == 0
     assert png.read_bytes()[:8] == b"\x89PNG\r\n\x1a\n" and png.stat().st_size > 20_000
     assert "# Ceiling: hybrid-27b on the H200, one request, prefix 4096, 32-row verify" in out
-    # the measured-vs-floor table carries the engine's own numbers: BF16 verify GEMMs 13.074 ms, step 24.499 ms
-    assert "| linears | 11.382 | 12.556 | 1.10 | 11.469 | 13.074 | 1.14 |" in out
-    assert "**24.499**" in out and "**30.907**" in out
+    # the measured-vs-floor table carries the engine's own numbers: BF16 verify GEMMs 13.020 ms, step 16.370 ms
+    assert "| linears | 11.382 | 12.447 | 1.09 | 11.469 | 13.020 | 1.14 |" in out
+    assert "**16.370**" in out and "**18.570**" in out
     assert "| 8 | " in out and "Predicted verify step" in out
     rep = json.loads(js.read_text())
-    assert rep["formats"]["w12"]["measured"]["verify"]["step_ms"] == pytest.approx(30.907, abs=1e-3)
+    assert rep["formats"]["w12"]["measured"]["verify"]["step_ms"] == pytest.approx(18.570, abs=1e-3)
     assert md.read_text() == out[: len(md.read_text())]
 
 
