@@ -29,6 +29,13 @@ Timing: specpilot.bench.timing.time_cuda (CUDA graphs of many calls over rotated
 holds the weight; CUDA events around each replay; the median of --reps replays). Bytes: everything a call reads
 and writes (weight bytes as stored, x, out); the copy rate is docs/w12-kernels.md's 4.28 TB/s.
 
+`--wg-probe` runs a probe of the warpgroup build instead (docs/w12-kernels.md, "The warpgroup build"): for in_proj,
+gate_up, o_proj and down_proj at M = 8, 16 and 32, cuBLAS, the flow kernel at the mma.sync heuristic's config, and six
+warpgroup shapes as shipped (two wgmma groups in flight) and with `-depth1` (each unit's wgmma waited for before the
+next); with --ablate also `-nosync` (no proxy fence and no barrier per unit) and `-noxcopy` (x staged for the first
+unit only), both for timing only (wrong results). The full builds are checked against fp64 first.
+$OUT/w12-wg-probe.json.
+
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
 skips the rows left once the run has taken that long. Files: $OUT/w12-ladder.json and $OUT/w12-ladder.md when $OUT
@@ -391,6 +398,67 @@ def build_only(args) -> int:
     return 1 if bad else 0
 
 
+# the warpgroup probe (--wg-probe): its builds beside the shipped one, and with --ablate parts taken out
+WG_VARIANTS = {"": {}, "-depth1": {"W12F_WG_DEPTH": 1}}
+WG_ABLATIONS = {"-nosync": {"W12F_WG_FENCE": 0, "W12F_WG_BAR": 0}, "-noxcopy": {"W12F_WG_XCOPY": 0}}
+
+
+def wg_probe(ablate: bool = False) -> int:
+    """--wg-probe: where the warpgroup build spends its time (module doc); $OUT/w12-wg-probe.json when $OUT is set."""
+    import w12
+    from specpilot.bench.registry import rotations
+    from specpilot.bench.shapes import get_shape_set
+    from specpilot.bench.timing import time_cuda
+    from specpilot.testing import assert_close
+    from w12 import flow, layout
+    from w12.configs import FlowConfig, flow_heuristic
+
+    dev = torch.device("cuda")
+    lin = get_shape_set("hybrid-27b").linears
+    variants = WG_VARIANTS | (WG_ABLATIONS if ablate else {})
+    wgs = [FlowConfig(warps=16, kw=2, cps=1, wg=True), FlowConfig(warps=8, kw=2, cps=2, wg=True),
+           FlowConfig(warps=16, kw=4, cps=1, wg=True), FlowConfig(warps=4, kw=1, cps=4, kc=2, wg=True),
+           FlowConfig(warps=4, kw=1, cps=4, kc=4, wg=True), FlowConfig(warps=8, kw=2, cps=2, kc=4, wg=True)]
+    rows = []
+    for name in ("gdn.in_proj", "mlp.gate_up_proj", "attn.o_proj", "mlp.down_proj"):
+        n, k = lin[name]
+        g = torch.Generator(device=dev).manual_seed(n + k)
+        sets = rotations(1.5 * n * k, dev)
+        ws = [(torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(torch.bfloat16) for _ in range(sets)]
+        ps = [w12.pack(w) for w in ws]
+        ts = [layout.tile(p) for p in ps]
+        for m in (8, 16, 32):
+            xs = [torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for _ in range(sets)]
+            outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(sets)]
+
+            def add(label, fns):
+                tm = time_cuda(fns, reps=40)
+                rows.append(dict(layer=name, M=m, row=label, us=round(tm.median * 1e6, 2)))
+                print(f"{name:18s} M={m:2d} {label:36s} {tm.median * 1e6:8.1f} µs", flush=True)
+
+            add("cublas", [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, ws)])
+            base = flow_heuristic(m, n, k, dev, wgmma=False)
+            cfgs = [(base.tag(), base, {})] + [(c.tag() + v, c, d) for c in wgs for v, d in variants.items()]
+            for label, cfg, defs in cfgs:
+                try:
+                    if not set(defs) - {"W12F_WG_DEPTH"}:
+                        flow.launch_tiled(cfg, xs[0], ts[0], None, outs[0])
+                        assert_close(outs[0], w12.matmul_reference(xs[0], ps[0]), F.linear(xs[0], ws[0]))
+                    add(label, [lambda x=x, t=t, o=o, cfg=cfg, defs=defs: flow.launch_tiled(cfg, x, t, None, o, defines=defs)
+                                for x, t, o in zip(xs, ts, outs)])
+                except Exception as e:  # noqa: BLE001
+                    rows.append(dict(layer=name, M=m, row=label, status=str(e).splitlines()[0][:200]))
+                    print(f"{name} M={m} {label}: {rows[-1]['status']}", flush=True)
+                    torch.cuda.synchronize()
+        del ws, ps, ts
+        torch.cuda.empty_cache()
+    if os.environ.get("OUT"):
+        Path(os.environ["OUT"], "w12-wg-probe.json").write_text(json.dumps(
+            dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), indent=1))
+    return 0
+
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
@@ -406,6 +474,9 @@ def parse(argv=None):
     ap.add_argument("--arch", type=int, default=90, help="--build-only: compute capability, e.g. 90 or 80")
     ap.add_argument("--sms", type=int, default=132, help="--build-only: SMs the heuristic assumes")
     ap.add_argument("--workers", type=int, default=8, help="parallel NVRTC builds")
+    ap.add_argument("--wg-probe", action="store_true",
+                    help="instead of the ladder: the warpgroup build's shapes with one and two wgmma groups in flight "
+                         "(with --ablate also without the fence and barrier, and without the x stores)")
     return ap.parse_args(argv)
 
 
@@ -416,6 +487,8 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("w12_ladder: no CUDA device; use --build-only on a CPU", file=sys.stderr)
         return 2
+    if args.wg_probe:
+        return wg_probe(args.ablate)
     from autotune.config import versions
 
     t0 = time.perf_counter()

@@ -58,7 +58,7 @@
 // are issued (the decode of unit c + 1 overlaps the wgmma of unit c; A registers alternate between two sets and x
 // has 3 slots), with 1 before the next unit (2 slots would do; 3 are kept). The masked tail is a unit of the loop (its x
 // staged like the others, its weight fragments assembled from global memory). Timing-only ablations (wrong results,
-// perf/w12_wg_probe.py): W12F_WG_FENCE=0, W12F_WG_BAR=0, W12F_WG_XCOPY=0 (x staged for the first unit only).
+// perf/w12_ladder.py --wg-probe --ablate): W12F_WG_FENCE=0, W12F_WG_BAR=0, W12F_WG_XCOPY=0 (x staged for the first unit only).
 //
 // Features, each behind a define so that one device call can time the ladder (perf/w12_ladder.py):
 //   W12F_X    (b) x as mma.sync's B operand (0: the probe's constant B; no x is read)
