@@ -412,8 +412,11 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     return FlowConfig(warps=w, kw=kw, stages=stages, cps=c)
 
 
-def flow_config(M: int, N: int, K: int, device: torch.device) -> FlowConfig:
+def flow_config(M: int, N: int, K: int, device: torch.device, *, q8: bool = False) -> FlowConfig:
     """The flow kernel's config for a call: the tuned entry `w12.matmul/flow/<key>` of this GPU where one exists
-    (`specpilot tune --op w12.matmul` explores `w12.space.FLOW_SPACE`), else `flow_heuristic`."""
-    return autotune.get_config("w12.matmul", "flow", FlowConfig, lambda: flow_heuristic(M, N, K, device),
+    (`specpilot tune --op w12.matmul` explores `w12.space.FLOW_SPACE`), else `flow_heuristic`. `q8`: for the 8-bit
+    view, whose heuristic keeps the mma.sync build at every M: its warpgroup build measured slower on the H200 at
+    M = 16-32 (o_proj at M = 32 0.55x cuBLAS against 0.64x; docs/w12-kernels.md, "The warpgroup build")."""
+    return autotune.get_config("w12.matmul", "flow", FlowConfig,
+                               lambda: flow_heuristic(M, N, K, device, wgmma=False if q8 else None),
                                key=autotune.shape_key(M=M, N=N, K=K), device=device)

@@ -418,7 +418,7 @@ def _flow_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> FlowConfig | No
         return forced
     from .configs import flow_config
 
-    return flow_config(x2d.shape[0], tiled.N, tiled.K, x2d.device)
+    return flow_config(x2d.shape[0], tiled.N, tiled.K, x2d.device, q8=op == OP_Q8)
 
 
 def decode_tiled(tiled: TiledW12, *, q8: bool = False) -> torch.Tensor:

@@ -451,6 +451,11 @@ def test_heuristic_fills_the_machine(monkeypatch):
     assert wg["o_proj", 32] == wg["down", 17] == FlowConfig(warps=16, kw=4, cps=1, wg=True)
     assert wg["in_proj", 16] == sm90["in_proj", 16] and wg["o_proj", 8] == sm90["o_proj", 8]
     assert not flow_heuristic(32, 16480, 5120, cpu, warps=8, wgmma=True).wg  # a fixed shape stays as asked
+    # the 8-bit view keeps the mma.sync build (its warpgroup build measured slower)
+    monkeypatch.setattr(autotune, "get_config", lambda op, variant, cls, make, **kw: make())
+    with monkeypatch.context() as m:
+        m.setattr(c, "flow_heuristic", lambda *a, **kw: kw.get("wgmma"))
+        assert c.flow_config(32, 16480, 5120, cpu, q8=True) is False and c.flow_config(32, 16480, 5120, cpu) is None
 
 
 def test_layout_cache_follows_the_planes():

@@ -195,7 +195,8 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
             fn = w12.matmul_q8 if q8 else w12.matmul
             forced = {"w12.tc": "tc", "w12.gemv": "gemv", "w12.mma": "mma", "w12.torch": "torch",
                       "w12.q8.torch": "torch"}.get(variant)
-            cfg = w12.configs.flow_config(m, n, k, device) if variant in ("w12.flow", "w12.q8.flow") else None
+            cfg = w12.configs.flow_config(m, n, k, device, q8=variant == "w12.q8.flow") \
+                if variant in ("w12.flow", "w12.q8.flow") else None
             op_name = "w12.matmul_q8" if q8 else "w12.matmul"
 
             def call(x, p, fn=fn, forced=forced, cfg=cfg):
