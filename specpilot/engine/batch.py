@@ -14,8 +14,12 @@ order. A request that finishes leaves the batch, and its row goes to the next wa
 and the prompt prefilled into it (`Engine._prefill_row`), and it joins the next verify step. A request's
 tokens depend only on its own row, so admission order and batch company never change its output.
 
-The pass has `rows + budget` rows at most. The steps run eagerly: the CUDA graph of a fixed row count (pad every
-step to `rows + budget` rows) is not built here.
+The pass has `rows + budget` rows at most. On a GPU each step is one CUDA graph (`graphs.GraphedBatchStep`, the
+default where the engine's own steps are graphed): one per (rows R, budget), captured before the first prefill, its
+pass always R + budget rows: request b of the pass is cache row b, each tree padded with leaves that acceptance never
+reads, and a row without a running request (the queue has drained) runs its pending-token slot alone, which
+writes only that free row (it is reset when a prompt takes it). The eager steps, one pass of exactly the live
+requests' rows, are the reference and the CPU path; both give every request its own greedy output.
 """
 
 from __future__ import annotations
@@ -26,28 +30,64 @@ import time
 import torch
 
 from . import inputs
+from .graphs import GraphedBatchStep, draft_rows, pass_tree, target_next
 from .model import MAX_STEP_NODES
 from .records import StepRecord, nan_logits_error
-from .spec.accept import greedy_accept
-from .spec.budget import AcceptanceHistory, allocate
-from .spec.tree import build_tree
+from .spec.accept import Acceptance, greedy_accept
+from .spec.budget import DEPTHS, AcceptanceHistory, allocate
+from .spec.tree import DraftTree, build_tree
 
 __all__ = ["generate_batch"]
 
 
-def _prefix(tree, n: int):
+def _prefix(tree, n: int) -> DraftTree:
     """The first n nodes of a best-first tree (a parent-closed subtree)."""
-    return tree.tokens[:n], tree.parents[:n], tree.depths[:n], tree.scores[:n]
+    return DraftTree(tokens=tree.tokens[:n], parents=tree.parents[:n], depths=tree.depths[:n], scores=tree.scores[:n],
+                     anc=tree.anc[:n])
+
+
+def eager_step(model, rows: list[int], ctx_lens: list[int], roots: list[int], trees: list, max_depth: int,
+               pads: list[int] | None = None):
+    """One batch verify step run eagerly: request b (cache row rows[b], pending token roots[b] after ctx_lens[b]
+    cached tokens, draft tree trees[b], a `DraftTree` or None) in one pass; acceptance and commit on the device.
+    `pads`: padding leaves under each request's root, which acceptance never reads (`GraphedBatchStep.pads`: the
+    graphed step's pass, run eagerly); default none, a pass of exactly the requests' own rows.
+    Returns (step, target [T], Acceptance), the step for its request offsets (`step.tree.cu_seqlens`)."""
+    pads = [0] * len(rows) if pads is None else pads
+    toks, pars = zip(*(pass_tree(root, tree, pad=p) for root, tree, p in zip(roots, trees, pads)))
+    step = model.plan(rows, ctx_lens, list(toks), list(pars))
+    target = model.argmax(model.forward(step))
+    width = max([t.n for t in trees if t is not None] + [1])
+    tok_b, par_b, dep_b, count = (x.to(model.device) for x in draft_rows(trees, width))
+    acc = greedy_accept(tok_b, par_b, dep_b, count, target_next(step, target, width), max_depth=max_depth)
+    model.commit_accepted(step, acc.accepted, acc.accepted_len)
+    return step, target, acc
+
+
+def _batch_graph(engine, rows: int, budget: int) -> GraphedBatchStep:
+    """The engine's captured batch step of cache rows 0..rows-1 and `budget` draft nodes (captured on first use; its
+    warm-up writes those rows, which are reset here)."""
+    graphs = engine.__dict__.setdefault("_batch_graphs", {})
+    g = graphs.get((rows, budget))
+    if g is None:
+        m = engine.model
+        g = GraphedBatchStep(m, list(range(rows)), budget, max_depth=max(DEPTHS))
+        g.capture()
+        m.reset_rows(range(rows))
+        graphs[(rows, budget)] = g
+    return g
 
 
 def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None = None, topk: int | None = None,
-                   max_rows: int | None = None, log_allocations: list | None = None) -> list[list[int]]:
+                   max_rows: int | None = None, graphs: bool | None = None,
+                   log_allocations: list | None = None) -> list[list[int]]:
     """Greedy continuations of every prompt, verified together under `budget` tree nodes per step (default 8 per
     running request). At most `max_rows` requests run at once, one cache row each (default: the model's rows); the
-    other prompts wait and take the rows that finished requests free, in order. `log_allocations`, when a list,
-    receives each step's node counts (one per running request)."""
+    other prompts wait and take the rows that finished requests free, in order. `graphs`: each step one CUDA graph
+    (`GraphedBatchStep`); default: the engine's own choice (`Engine.graphs`: on a GPU unless a layer kind runs a
+    reference path). `log_allocations`, when a list, receives each step's node counts (one per running request)."""
     fn = "specpilot.engine.Engine.generate_batch"
-    m, dev = engine.model, engine.model.device
+    m = engine.model
     if isinstance(prompts, (str, bytes, bytearray)) or (isinstance(prompts, torch.Tensor) and prompts.dim() != 2):
         raise TypeError(f"{fn}: prompts is one {type(prompts).__name__}; pass a list of prompts (each a list of token "
                         "ids, or a str for a model with a text codec), e.g. [prompt] for one")
@@ -64,6 +104,15 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
         budget = inputs.count(fn, "budget", budget, 0)
     if topk is not None:
         topk = inputs.count(fn, "topk", topk)
+    graphs = inputs.flag(fn, "graphs", graphs, none_ok=True)
+    if graphs is None:
+        graphs = bool(engine.graphs)
+    elif graphs:
+        if m.device.type != "cuda":
+            raise ValueError(f"{fn}: graphs=True needs a CUDA device; pass graphs=None or False on the CPU")
+        if m.paths.host_syncs is not None:
+            raise ValueError(f"{fn}: graphs=True cannot capture this model's steps: {m.paths.host_syncs}; pass "
+                             "graphs=None or False (eager steps)")
     if max_rows is not None:
         max_rows = inputs.count(fn, "max_rows", max_rows)
         if max_rows > m.rows:
@@ -105,6 +154,8 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
             row_of[r] = row
             live.append(r)
 
+    # captured before the first prefill: the warm-up writes every row of the graph
+    step_graph = _batch_graph(engine, R, min(budget, (MAX_STEP_NODES - 1) * R)) if graphs else None
     admit()
     while live:
         t0 = time.perf_counter()
@@ -119,38 +170,31 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
         alloc = allocate(gains, budget, min_nodes=0, max_nodes=MAX_STEP_NODES - 1)
         if log_allocations is not None:
             log_allocations.append(list(alloc))
-        toks, pars, trees = [], [], []
-        for r, tree, n in zip(live, cands, alloc):
-            t, p, d, s = _prefix(tree, n)
-            trees.append((t, p, d, s))
-            toks.append([ctxs[r][-1]] + t.tolist())
-            pars.append([-1] + [x + 1 for x in p.tolist()])
-        step = m.plan([row_of[r] for r in live], [len(ctxs[r]) - 1 for r in live], toks, pars)
-        target = m.argmax(m.forward(step))
-        nb, N = len(live), max(max(alloc, default=0), 1)
-        tok_b = torch.zeros(nb, N, dtype=torch.int64)
-        par_b = torch.full((nb, N), -1, dtype=torch.int32)
-        dep_b = torch.zeros(nb, N, dtype=torch.int32)
-        for b, (t, p, d, _) in enumerate(trees):
-            tok_b[b, :len(t)], par_b[b, :len(t)], dep_b[b, :len(t)] = t, p, d
-        cu = step.tree.cu_seqlens.long()
-        col = torch.arange(N + 1, device=dev)
-        idx = (cu[:-1, None] + col[None, :]).clamp(max=step.total - 1)
-        target_next = torch.where(col[None, :] < (cu[1:] - cu[:-1])[:, None], target[idx], torch.zeros_like(idx))
-        acc = greedy_accept(tok_b.to(dev), par_b.to(dev), dep_b.to(dev),
-                            torch.tensor(list(alloc), dtype=torch.int32, device=dev), target_next,
-                            max_depth=max(depth))
-        got_len, got_path, got_bonus = acc.accepted_len.tolist(), acc.accepted.tolist(), acc.bonus.tolist()
+        trees = [_prefix(tree, n) for tree, n in zip(cands, alloc)]
+        if step_graph is None:
+            step, target, acc = eager_step(m, [row_of[r] for r in live], [len(ctxs[r]) - 1 for r in live],
+                                           [ctxs[r][-1] for r in live], trees, max(depth))
+            rows_run, order = step.total, list(range(len(live)))
+        else:  # request b of the graph's pass is cache row b; rows without a running request run their root alone
+            slot = {row_of[r]: b for b, r in enumerate(live)}
+            at = [slot.get(row) for row in range(R)]
+            step_graph.load([len(ctxs[live[b]]) - 1 if b is not None else 0 for b in at],
+                            [ctxs[live[b]][-1] if b is not None else 0 for b in at],
+                            [trees[b] if b is not None else None for b in at])
+            target, accepted, accepted_len, bonus = step_graph.replay()
+            acc = Acceptance(accepted, accepted_len, bonus)
+            rows_run, order = step_graph.total, [row_of[r] for r in live]
+        got_len, got_path, got_bonus = (acc.accepted_len.tolist(), acc.accepted.tolist(), acc.bonus.tolist())
+        got_len, got_path, got_bonus = ([x[i] for i in order] for x in (got_len, got_path, got_bonus))
         nan_rows = [r for r, bonus in zip(live, got_bonus) if bonus < 0]
         if nan_rows:  # lmhead.NAN_ID: the head saw a NaN logit; it is not a token to emit or feed back
             r = nan_rows[0]
             raise nan_logits_error(fn, f"for prompt {r} at new token {len(outs[r]) + got_len[live.index(r)]}")
-        m.commit_accepted(step, acc.accepted, acc.accepted_len)
         done, emitted = [], 0
         for b, r in enumerate(live):
-            t = trees[b][0].tolist()
+            t = trees[b].tokens.tolist()
             new = [t[i] for i in got_path[b][:got_len[b]]] + [int(got_bonus[b])]
-            s = trees[b][3]
+            s = trees[b].scores
             hist[r].record(got_len[b], drafted=depth[b],
                            predicted=float(sum(math.exp(x) for x in s.tolist())) if len(s) else None)
             for tkn in new:
@@ -160,7 +204,7 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
                     done.append(r)
                     break
             ctxs[r].extend(new)
-        engine._stats.steps.append(StepRecord("batch", step.total, emitted, time.perf_counter() - t0))
+        engine._stats.steps.append(StepRecord("batch", rows_run, emitted, time.perf_counter() - t0))
         for r in done:  # its row goes to the next waiting prompt
             live.remove(r)
             free.append(row_of.pop(r))
