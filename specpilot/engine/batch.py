@@ -14,8 +14,8 @@ order. A request that finishes leaves the batch, and its row goes to the next wa
 and the prompt prefilled into it (`Engine._prefill_row`), and it joins the next verify step. A request's
 tokens depend only on its own row, so admission order and batch company never change its output.
 
-The pass has `rows + budget` rows at most. On a GPU each step is one CUDA graph (`graphs.GraphedBatchStep`, the
-default where the engine's own steps are graphed): one per (rows R, budget), captured before the first prefill, its
+The pass has `rows + budget` rows at most. On a GPU each step can be one CUDA graph (`graphs.GraphedBatchStep`,
+`graphs=True`; opt-in until its GPU tests have run, `GRAPHS_BY_DEFAULT`): one per (rows R, budget), captured before the first prefill, its
 pass always R + budget rows: request b of the pass is cache row b, each tree padded with leaves that acceptance never
 reads, and a row without a running request (the queue has drained) runs its pending-token slot alone, which
 writes only that free row (it is reset when a prompt takes it). The eager steps, one pass of exactly the live
@@ -31,6 +31,10 @@ import torch
 
 from . import inputs
 from .graphs import GraphedBatchStep, draft_rows, pass_tree, target_next
+
+# the graphed batch step is opt-in until its GPU tests (tests/engine/test_batch_graphs.py) have passed on a GPU; then
+# generate_batch's default follows the engine's own choice
+GRAPHS_BY_DEFAULT = False
 from .model import MAX_STEP_NODES
 from .records import StepRecord, nan_logits_error
 from .spec.accept import Acceptance, greedy_accept
@@ -84,8 +88,8 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
     """Greedy continuations of every prompt, verified together under `budget` tree nodes per step (default 8 per
     running request). At most `max_rows` requests run at once, one cache row each (default: the model's rows); the
     other prompts wait and take the rows that finished requests free, in order. `graphs`: each step one CUDA graph
-    (`GraphedBatchStep`); default: the engine's own choice (`Engine.graphs`: on a GPU unless a layer kind runs a
-    reference path). `log_allocations`, when a list, receives each step's node counts (one per running request)."""
+    (`GraphedBatchStep`); default: eager steps while `GRAPHS_BY_DEFAULT` is False (the graphed step has not run on a
+    GPU yet), else the engine's own choice (`Engine.graphs`: on a GPU unless a layer kind runs a reference path). `log_allocations`, when a list, receives each step's node counts (one per running request)."""
     fn = "specpilot.engine.Engine.generate_batch"
     m = engine.model
     if isinstance(prompts, (str, bytes, bytearray)) or (isinstance(prompts, torch.Tensor) and prompts.dim() != 2):
@@ -106,7 +110,7 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
         topk = inputs.count(fn, "topk", topk)
     graphs = inputs.flag(fn, "graphs", graphs, none_ok=True)
     if graphs is None:
-        graphs = bool(engine.graphs)
+        graphs = GRAPHS_BY_DEFAULT and bool(engine.graphs)
     elif graphs:
         if m.device.type != "cuda":
             raise ValueError(f"{fn}: graphs=True needs a CUDA device; pass graphs=None or False on the CPU")

@@ -82,6 +82,7 @@ def test_graphed_batch_steps_replay_the_eager_steps_cpu(checkpoints, monkeypatch
     monkeypatch.setattr(ReplayedBatchStep, "checked", [])
     eng = Engine.from_pretrained(path, **kw)
     eng.graphs = True  # as on a GPU: the graph's path, its body replayed
+    monkeypatch.setattr(batch_mod, "GRAPHS_BY_DEFAULT", True)
     got = generate_batch(eng, prompts, N, budget=budget)
     g = eng._batch_graphs[(rows, min(budget, 63 * rows))]
     assert isinstance(g, ReplayedBatchStep) and g.rows == list(range(rows))
@@ -144,7 +145,7 @@ def test_graphed_batch_equals_autoregressive_gpu():
     prompts = [list(text[a:a + n]) for a, n in ((1000, 120), (3000, 40), (5000, 200), (7000, 80), (9000, 150))]
     eng = Engine.from_pretrained(TINY, device="cuda", weights="w12", drafter="ngram", rows=2)
     assert eng.graphs
-    outs = eng.generate_batch(prompts, 96, budget=24)
+    outs = eng.generate_batch(prompts, 96, budget=24, graphs=True)
     assert isinstance(eng._batch_graphs[(2, 24)], GraphedBatchStep)
     assert eng.stats()["batch"]["mean_nodes"] == 26
     ar = Engine.from_pretrained(TINY, device="cuda", weights="w12", drafter=None)
