@@ -23,15 +23,13 @@ times are not figures of anything.
 from __future__ import annotations
 
 import argparse
-import json
 import time
-from pathlib import Path
 
 import torch
 
 import autotune
 
-from .engine import _model_bytes, _random_tree, _state_bytes
+from .engine import _model_bytes, _random_tree, _state_bytes, write_run
 from .timing import time_cpu, time_cuda
 
 __all__ = ["run", "markdown", "DRY"]
@@ -210,11 +208,7 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, batches=(8, 24), budgets
                          "over_bf16_exact": (q["q_pass_ms"] / fm["bf16"]["one_request"]["exact_ms"]
                                              if "bf16" in fm else None)}
     if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%dT%H%M%S")
-        (out / f"{stamp}-deploy.json").write_text(json.dumps(res, indent=1))
-        (out / f"{stamp}-deploy.md").write_text(markdown(res))
+        write_run(out, "deploy", res, markdown(res))
     return res
 
 

@@ -244,12 +244,17 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
         res["peer"] = _peer(cfg, syn, prompt, peer_tokens, dev)
         log(f"peer: {res['peer']}")
     if out is not None:
-        out = Path(out)
-        out.mkdir(parents=True, exist_ok=True)
-        stamp = time.strftime("%Y%m%dT%H%M%S")
-        (out / f"{stamp}-engine.json").write_text(json.dumps(res, indent=1))
-        (out / f"{stamp}-engine.md").write_text(markdown(res))
+        write_run(out, "engine", res, markdown(res))
     return res
+
+
+def write_run(out, name: str, res: dict, md: str) -> None:
+    """`<stamp>-<name>.json` (res) and `<stamp>-<name>.md` (md) into the folder `out`, made where missing."""
+    out = Path(out)
+    out.mkdir(parents=True, exist_ok=True)
+    stamp = time.strftime("%Y%m%dT%H%M%S")
+    (out / f"{stamp}-{name}.json").write_text(json.dumps(res, indent=1))
+    (out / f"{stamp}-{name}.md").write_text(md)
 
 
 def markdown(res: dict) -> str:
