@@ -46,19 +46,20 @@
 // takes row block rw = (gi / KW) 4 + wi and K piece ks = gi % KW. Each warp streams and decodes its own tiles as
 // above (its registers are wgmma's A fragments of rows 16 wi .. 16 wi + 15, the layout mma.sync's A has), and the
 // warpgroup multiplies all 64 rows by x with one wgmma.m64n(8 NT)k16 per k-step, x being the B operand in shared
-// memory. So one x read feeds 64 weight rows instead of 16. x comes in per warpgroup and unit into one of two slots:
-// each thread loads its share of the unit's x into registers a unit ahead (16 contiguous bytes or so) and stores it
-// as 4-byte words that put each k-step's x in the A fragments' k order (k-step s, mma k = 2 p + 8 h + e is column
-// 16 p + 4 s + 2 h + e of the unit) as core matrices of 8 tokens x 8 k (16 bytes per token), no swizzle, K-major:
-// byte 256 NT s + 128 NT h + 128 (n / 8) + 16 (n % 8) + 4 p of a slot. The descriptor's leading byte offset
-// (between the two k halves) is 128 NT and its stride byte offset (between token groups of 8) is 128 (checked on
-// the H200; W12F_WG_SWAP = 1 swaps the two). Per unit: the stores, the weight copies landed (cp.async.wait_group),
-// a proxy fence, a barrier of the warpgroup's 128 threads, the refill of the weight slot the previous unit used,
-// then the decode and four wgmma; with W12F_WG_DEPTH = 2 (the default) they are waited for after the next unit's
-// are issued (the decode of unit c + 1 overlaps the wgmma of unit c; A registers alternate between two sets and x
-// has 3 slots), with 1 before the next unit (2 slots would do; 3 are kept). The masked tail is a unit of the loop (its x
-// staged like the others, its weight fragments assembled from global memory). Timing-only ablations (wrong results,
-// perf/w12_ladder.py --wg-probe --ablate): W12F_WG_FENCE=0, W12F_WG_BAR=0, W12F_WG_XCOPY=0 (x staged for the first unit only).
+// memory. So one x read feeds 64 weight rows instead of 16. x comes in per warpgroup and unit into one of
+// W12F_WG_DEPTH + 1 slots, taken in turn: each thread loads its share of the unit's x into registers a unit ahead
+// (16 contiguous bytes or so) and stores it as 4-byte words that put each k-step's x in the A fragments' k order
+// (k-step s, mma k = 2 p + 8 h + e is column 16 p + 4 s + 2 h + e of the unit) as core matrices of 8 tokens x 8 k
+// (16 bytes per token), no swizzle, K-major: byte 256 NT s + 128 NT h + 128 (n / 8) + 16 (n % 8) + 4 p of a slot.
+// The descriptor's leading byte offset (between the two k halves) is 128 NT and its stride byte offset (between
+// token groups of 8) is 128 (checked on the H200; W12F_WG_SWAP = 1 swaps the two). Per unit: the stores, the weight
+// copies landed (cp.async.wait_group), a proxy fence, a barrier of the warpgroup's 128 threads, the refill of the
+// weight slot the previous unit used, then the decode and four wgmma; with W12F_WG_DEPTH = 2 (the default) they
+// are waited for after the next unit's are issued (the decode of unit c + 1 overlaps the wgmma of unit c; A
+// registers alternate between two sets; 3 x slots), with 1 before the next unit (2 slots; the launcher sizes shared
+// memory for 3). The masked tail is a unit of the loop (its x staged like the others, its weight fragments
+// assembled from global memory). Timing-only ablations (wrong results, perf/w12_ladder.py --wg-probe --ablate):
+// W12F_WG_FENCE=0, W12F_WG_BAR=0, W12F_WG_XCOPY=0 (x staged for the first unit only).
 //
 // Features, each behind a define so that one device call can time the ladder (perf/w12_ladder.py):
 //   W12F_X    (b) x as mma.sync's B operand (0: the probe's constant B; no x is read)
@@ -469,7 +470,7 @@ w12_matmul_flow_kernel(
   // The warpgroup build's x: thread t (of 128) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros past
   // M), columns 4 NTP q .. 4 NTP q + 4 NTP - 1 of each unit, q = t % TPT (NTP = NT rounded up to a power of two,
   // TPT = 16 / NTP threads per token): one 8-, 16- or 2 x 16-byte load into registers a unit ahead, then one 4-byte
-  // store per column pair into the slot at the header's byte (two slots alternate)
+  // store per column pair into the slot at the header's byte (the slots taken in turn)
   constexpr int NTP = NT == 3 ? 4 : NT, TPT = 16 / NTP, XW = 2 * NTP;
   const int wt = threadIdx.x & 127, xtok = wt / TPT, xq = wt % TPT;
   const bool xrow = WG && xtok < 8 * NT, xreal = xtok < M;
@@ -532,6 +533,17 @@ w12_matmul_flow_kernel(
     if constexpr (W12F_XSTEP != 0) xu += 64;
   };
   // the masked tail's fragments, byte by byte from global memory (columns past K and rows past the block zero)
+  // a tile's fragments of this lane from its ring slot at shared address t (the 8-bit view: the hi bytes only)
+  auto ring_frag = [&](Frag& f, uint32_t t) {
+    f.h[0] = lds128(t + 16 * lane);
+    f.h[1] = lds128(t + 512 + 16 * lane);
+    if constexpr (!Q8) {
+      f.l[0] = lds64(t + 1024 + 8 * lane);
+      f.l[1] = lds64(t + 1280 + 8 * lane);
+    } else {
+      f.l[0] = f.l[1] = make_uint2(0u, 0u);
+    }
+  };
   auto tail_frag = [&](Frag& f, int i) {
     const int Ri = R[i];
     const uint8_t* th = blk[i] + (long long)KF * TS[i];
@@ -591,18 +603,10 @@ w12_matmul_flow_kernel(
     if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
       asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");
     Frag f;
-    if (c < c1) {
-      f.h[0] = lds128(rst + 16 * lane);
-      f.h[1] = lds128(rst + 512 + 16 * lane);
-      if constexpr (!Q8) {
-        f.l[0] = lds64(rst + 1024 + 8 * lane);
-        f.l[1] = lds64(rst + 1280 + 8 * lane);
-      } else {
-        f.l[0] = f.l[1] = make_uint2(0u, 0u);
-      }
-    } else {
+    if (c < c1)
+      ring_frag(f, rst);
+    else
       tail_frag(f, 0);
-    }
     // refill the weight slot read one unit ago with unit c + STAGES - 1
     if (c + STAGES - 1 < c1) issue();
     cp_commit();
@@ -628,17 +632,7 @@ w12_matmul_flow_kernel(
     __syncwarp();
     Frag f[RB];
 #pragma unroll
-    for (int i = 0; i < RB; ++i) {
-      const uint32_t t = rst + i * TILE;
-      f[i].h[0] = lds128(t + 16 * lane);
-      f[i].h[1] = lds128(t + 512 + 16 * lane);
-      if constexpr (!Q8) {
-        f[i].l[0] = lds64(t + 1024 + 8 * lane);
-        f[i].l[1] = lds64(t + 1280 + 8 * lane);
-      } else {
-        f[i].l[0] = f[i].l[1] = make_uint2(0u, 0u);
-      }
-    }
+    for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
     // refill the slot read one unit ago with unit c + STAGES - 1
     if (c + STAGES - 1 < c1) issue();
     cp_commit();
