@@ -15,11 +15,12 @@ and the prompt prefilled into it (`Engine._prefill_row`), and it joins the next 
 tokens depend only on its own row, so admission order and batch company never change its output.
 
 The pass has `rows + budget` rows at most. On a GPU each step can be one CUDA graph (`graphs.GraphedBatchStep`,
-`graphs=True`; opt-in until its GPU tests have run, `GRAPHS_BY_DEFAULT`): one per (rows R, budget), captured before the first prefill, its
-pass always R + budget rows: request b of the pass is cache row b, each tree padded with leaves that acceptance never
-reads, and a row without a running request (the queue has drained) runs its pending-token slot alone, which
-writes only that free row (it is reset when a prompt takes it). The eager steps, one pass of exactly the live
-requests' rows, are the reference and the CPU path; both give every request its own greedy output.
+`graphs=True`; opt-in until its GPU tests have run, `GRAPHS_BY_DEFAULT`): one per (rows R, budget), captured before
+the first prefill, its pass always R + budget rows: request b of the pass is cache row b, each tree padded with
+leaves that acceptance never reads, and a row without a running request (the queue has drained) runs its
+pending-token slot alone, which writes only that free row (it is reset when a prompt takes it). The eager steps,
+one pass of exactly the live requests' rows, are the reference and the CPU path; both give every request its own
+greedy output.
 """
 
 from __future__ import annotations
@@ -31,10 +32,6 @@ import torch
 
 from . import inputs
 from .graphs import GraphedBatchStep, draft_rows, pass_tree, target_next
-
-# the graphed batch step is opt-in until its GPU tests (tests/engine/test_batch_graphs.py) have passed on a GPU; then
-# generate_batch's default follows the engine's own choice
-GRAPHS_BY_DEFAULT = False
 from .model import MAX_STEP_NODES
 from .records import StepRecord, nan_logits_error
 from .spec.accept import Acceptance, greedy_accept
@@ -42,6 +39,10 @@ from .spec.budget import DEPTHS, AcceptanceHistory, allocate
 from .spec.tree import DraftTree, build_tree
 
 __all__ = ["generate_batch"]
+
+# the graphed batch step is opt-in until its GPU tests (tests/engine/test_batch_graphs.py) have passed on a GPU; then
+# generate_batch's default follows the engine's own choice
+GRAPHS_BY_DEFAULT = False
 
 
 def _prefix(tree, n: int) -> DraftTree:
@@ -71,7 +72,7 @@ def eager_step(model, rows: list[int], ctx_lens: list[int], roots: list[int], tr
 def _batch_graph(engine, rows: int, budget: int) -> GraphedBatchStep:
     """The engine's captured batch step of cache rows 0..rows-1 and `budget` draft nodes (captured on first use; its
     warm-up writes those rows, which are reset here)."""
-    graphs = engine.__dict__.setdefault("_batch_graphs", {})
+    graphs = engine._batch_graphs
     g = graphs.get((rows, budget))
     if g is None:
         m = engine.model
@@ -89,7 +90,8 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
     running request). At most `max_rows` requests run at once, one cache row each (default: the model's rows); the
     other prompts wait and take the rows that finished requests free, in order. `graphs`: each step one CUDA graph
     (`GraphedBatchStep`); default: eager steps while `GRAPHS_BY_DEFAULT` is False (the graphed step has not run on a
-    GPU yet), else the engine's own choice (`Engine.graphs`: on a GPU unless a layer kind runs a reference path). `log_allocations`, when a list, receives each step's node counts (one per running request)."""
+    GPU yet), else the engine's own choice (`Engine.graphs`: on a GPU unless a layer kind runs a reference path).
+    `log_allocations`, when a list, receives each step's node counts (one per running request)."""
     fn = "specpilot.engine.Engine.generate_batch"
     m = engine.model
     if isinstance(prompts, (str, bytes, bytearray)) or (isinstance(prompts, torch.Tensor) and prompts.dim() != 2):

@@ -119,6 +119,7 @@ class Engine:
                              "pass graphs=None or False (eager steps)")
         self._graphs: dict[int, GraphedStep] = {}
         self._draft_graph: GraphedDraft | None = None  # captured with the steps when the drafter is the self-drafter
+        self._batch_graphs: dict = {}  # (rows, budget) -> GraphedBatchStep, captured by generate_batch(graphs=True)
 
     @classmethod
     def from_pretrained(cls, path, device=None, weights: str = "bf16", drafter="ngram", *, max_len: int = 4096,

@@ -170,6 +170,15 @@ class GraphedStep:
         return self.out
 
 
+def attn_items_per_row_block(probe, nodes: int, max_len: int) -> tuple[int, int]:
+    """(row blocks of `nodes` query nodes, the most work items tree_attn schedules per row block after up to
+    `max_len` keys: one split per key block and the tree block), for the kernel config of `probe`, a plan's
+    attention."""
+    cfg = probe.dispatch.config
+    bm, bn = (cfg.block_m, cfg.block_n) if cfg is not None else (64, 64)
+    return -(-nodes * (probe.num_qo_heads // probe.num_kv_heads) // bm), -(-max_len // bn) + 1
+
+
 def _attn_capacity(probe, batch: int, total: int, max_len: int) -> int:
     """Attention work items of a graphed batch step: a bound on what tree_attn's scheduler chooses for `batch`
     requests of `total` nodes in all, each after up to `max_len` keys (`probe`: a plan of the step, for its kernel
@@ -177,12 +186,11 @@ def _attn_capacity(probe, batch: int, total: int, max_len: int) -> int:
     block; past the bound it takes longer splits (the same output), never fewer than one per request."""
     from tree_attn.ops import _target_items
 
-    cfg = probe.dispatch.config
-    bm, bn = (cfg.block_m, cfg.block_n) if cfg is not None else (64, 64)
-    group = probe.num_qo_heads // probe.num_kv_heads
-    tiles = -(-total * group // bm) + batch  # >= the row blocks of any split of `total` nodes into `batch` trees
-    every_split = tiles * (-(-max_len // bn) + 1)
-    return max(1, min(every_split, 8 * _target_items(probe.device, probe.num_kv_heads, cfg) + 2 * tiles))
+    blocks, per_block = attn_items_per_row_block(probe, total, max_len)
+    tiles = blocks + batch  # >= the row blocks of any split of `total` nodes into `batch` trees
+    every_split = tiles * per_block
+    return max(1, min(every_split, 8 * _target_items(probe.device, probe.num_kv_heads, probe.dispatch.config)
+                      + 2 * tiles))
 
 
 class GraphedBatchStep:

@@ -23,7 +23,7 @@ import dataclasses
 import torch
 
 from . import inputs
-from .graphs import capture_graph
+from .graphs import attn_items_per_row_block, capture_graph
 from .model import MAX_STEP_NODES, HybridModel, Step
 
 __all__ = ["SelfDrafter", "GraphedDraft"]
@@ -122,12 +122,10 @@ class _StagedChains:
         dev = model.device
         chain = [list(range(-1, nodes - 1))]
         probe = model.plan([row], [0], [[0] * nodes], chain, kv_rows=[kv_row]).attn
-        cfg = probe.dispatch.config
-        bm, bn = (cfg.block_m, cfg.block_n) if cfg is not None else (64, 64)
         # the most work items tree_attn schedules for this chain: per row block, one split per key block of the
         # longest prefix (max_len) and the tree block
-        tiles = -(-nodes * (probe.num_qo_heads // probe.num_kv_heads) // bm)
-        self.capacity = tiles * (-(-model.max_len // bn) + 1)
+        tiles, per_block = attn_items_per_row_block(probe, nodes, model.max_len)
+        self.capacity = tiles * per_block
         width = 8 + 4 * self.capacity
         pin = dev.type == "cuda"
         self.host64 = torch.zeros(count, 2 * nodes + 1, dtype=torch.int64, pin_memory=pin)
