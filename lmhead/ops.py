@@ -279,6 +279,13 @@ def _launch_exact(hd: "CertifiedHead", h, p, surv, out, key, full: bool, every: 
             KEYS=key is not None, ALL=every, num_warps=cfg.exact_warps)
 
 
+def _restart_policy(state: torch.Tensor) -> None:
+    """The early-fallback state of a row count back to `_POLICY_START`, in place on its device (no host sync:
+    zeros, then the run)."""
+    state.zero_()
+    state[_RUN] = _POLICY_START[_RUN]
+
+
 def _launch_policy(hd: "CertifiedHead", state, count, M: int) -> None:
     """The early fallback's step at the start of a call (count None) or after its selection."""
     lmhead_policy_kernel[(1,)](state, state if count is None else count, M, hd.capacity, MAX_SKIP=MAX_SKIP, BM=128,
@@ -549,8 +556,8 @@ class CertifiedHead:
                 raise RuntimeError(f"lmhead.{fn}: the head's first call with {M} rows is being captured into a CUDA "
                                    f"graph, but its per-row-count state must be made outside capture; call "
                                    f"head.{fn} once eagerly with {M} rows (a warm-up) before capturing")
-            state = torch.zeros(len(_POLICY_START), dtype=torch.int32, device=self.device)
-            state[_RUN] = _POLICY_START[_RUN]
+            state = torch.empty(len(_POLICY_START), dtype=torch.int32, device=self.device)
+            _restart_policy(state)
             self._policies[M] = state
         return state
 
@@ -657,8 +664,7 @@ class CertifiedHead:
         see it; no host sync)."""
         self._stats.reset()
         for state in self._policies.values():
-            state.zero_()
-            state[_RUN] = _POLICY_START[_RUN]
+            _restart_policy(state)
 
 
 def screen_bounds(head: CertifiedHead, hidden: torch.Tensor):
