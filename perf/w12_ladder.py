@@ -29,12 +29,12 @@ Timing: specpilot.bench.timing.time_cuda (CUDA graphs of many calls over rotated
 holds the weight; CUDA events around each replay; the median of --reps replays). Bytes: everything a call reads
 and writes (weight bytes as stored, x, out); the copy rate is docs/w12-kernels.md's 4.28 TB/s.
 
-`--wg-probe` runs a probe of the warpgroup build instead (docs/w12-kernels.md, "The warpgroup build"): for in_proj,
-gate_up, o_proj and down_proj at M = 8, 16 and 32, cuBLAS, the flow kernel at the mma.sync heuristic's config, and six
-warpgroup shapes as shipped (two wgmma groups in flight) and with `-depth1` (each unit's wgmma waited for before the
-next); with --ablate also `-nosync` (no proxy fence and no barrier per unit) and `-noxcopy` (x staged for the first
-unit only), both for timing only (wrong results). The full builds are checked against fp64 first.
-$OUT/w12-wg-probe.json.
+`--wg-probe` times the warpgroup build (docs/w12-kernels.md, "The warpgroup build") instead of the ladder: for
+in_proj, gate_up, o_proj and down_proj at M = 8, 16 and 32 (unless --layers and --m say otherwise), cuBLAS, the
+default, step e at the heuristic's mma.sync config, and each warpgroup shape as shipped (two wgmma groups in flight)
+and with `-depth1` (w12.flow.WG_VARIANTS: each unit's wgmma waited for before the next; checked against fp64 and bit
+for bit against the shipped build); with --ablate also `-nosync` (no proxy fence and no barrier per unit) and
+`-noxcopy` (x staged for the first unit only), for timing only (w12.flow.WG_ABLATIONS, wrong results).
 
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
@@ -101,7 +101,7 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int,
     other K splits (1..8, up to the CTA's warps) and ring depths (4, 8), the other CTA sizes of 16 warps per
     SM (4, 8 or 16 warps), and two row blocks per warp in CTAs of 8 warps at 1 per SM and 4 warps at 2 per SM (the
     heuristic's K split and half of it), when `sweep`; on sm_90 also K split across the CTAs of a cluster (kc 2 and 4,
-    CTAs of one row block) and the warpgroup build (`wg`, rows tagged `-g`) in 8 shapes."""
+    CTAs of one row block) and the warpgroup build (`wg`, rows tagged `-g`) in 10 shapes."""
     from unittest import mock
 
     import w12.configs as wc
@@ -132,17 +132,19 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int,
                 out.append((f"e@{cfg.tag()}", cfg))
             # the warpgroup build (wgmma over 64 rows, x once per warpgroup in shared memory)
             for warps, kw, cps, kc in ((8, 1, 2, 1), (8, 2, 2, 1), (16, 1, 1, 1), (16, 2, 1, 1), (16, 4, 1, 1),
-                                       (4, 1, 4, 2), (8, 2, 2, 2), (16, 4, 1, 2)):
+                                       (4, 1, 4, 2), (8, 2, 2, 2), (16, 4, 1, 2), (4, 1, 4, 4), (8, 2, 2, 4)):
                 cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, kc=kc, wg=True)
                 out.append((f"e@{cfg.tag()}", cfg))
     return out
 
 
 def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: bool, ablate: bool = False,
-         only: str | None = None, arch: tuple[int, int] = (9, 0)):
+         only: str | None = None, arch: tuple[int, int] = (9, 0), wg_probe: bool = False):
     """Every (layer, M) cell's rows: [(row name, FlowConfig, step)], and the builds they need: {(cfg, nt, step)}
     including the check-only builds (steps c and d at kw = 1, the exact-base build of every step-e config). `only`:
-    a regular expression that keeps the flow rows whose name it matches in full (cuBLAS and the default always run)."""
+    a regular expression that keeps the flow rows whose name it matches in full (cuBLAS and the default always run).
+    `wg_probe`: the warpgroup rows also at w12.flow.WG_VARIANTS' steps (and WG_ABLATIONS' with `ablate`), named
+    `<row>-depth1`, `<row>-nosync`, `<row>-noxcopy`."""
     import re
 
     from w12 import flow
@@ -158,12 +160,15 @@ def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: boo
                 if label == "ladder":
                     cand.append(("e-fixed", replace(cfg, fixed=True), "e"))
                     cand += [(abl, cfg, abl) for abl in (flow.ABLATIONS if ablate else ())]
+                elif cfg.wg and wg_probe:
+                    steps = list(flow.WG_VARIANTS) + (list(flow.WG_ABLATIONS) if ablate else [])
+                    cand += [(f"{label}{st[1:]}", cfg, st) for st in steps]
                 for rname, c, step in cand:
                     if only is not None and not re.fullmatch(only, rname):
                         continue
                     rows.append((rname, c, step))
                     builds.add((c, nt, step))
-                    if step == "e":
+                    if step == "e" or step in flow.WG_VARIANTS:
                         builds.add((replace(c, fixed=False), nt, "e"))  # the bitwise check's twin
                     if step in ("c", "d"):
                         builds.add((replace(c, kw=1), nt, step))  # checked at kw = 1
@@ -264,7 +269,7 @@ def run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]
     else:
         sms, arch = args.sms, (args.arch // 10, args.arch % 10)
     layers = layer_shapes(args.layers) if layers is None else layers
-    cells, builds = plan(layers, args.m, sms, args.sweep, args.ablate, args.only, tuple(arch))
+    cells, builds = plan(layers, args.m, sms, args.sweep, args.ablate, args.only, tuple(arch), args.wg_probe)
     t0 = time.perf_counter()
     regs = precompile(builds, arch, workers=args.workers)
     print(f"built {len(builds)} specialisations for sm_{arch[0]}{arch[1]} in {time.perf_counter() - t0:.1f} s "
@@ -348,7 +353,7 @@ def _flow_check(cfg, step: str, x, p, t, w, cols, what: str) -> str:
 
     m, n = x.shape[0], p.N
     out = torch.full((m, n), float("nan"), device=x.device, dtype=torch.bfloat16)
-    if step in flow.ABLATIONS:
+    if step in flow.ABLATIONS or step in flow.WG_ABLATIONS:
         flow.launch_tiled(cfg, x, t, None, out, step=step)
         _sync(what, x.device)
         return "runs (ablation, unchecked)"
@@ -362,15 +367,18 @@ def _flow_check(cfg, step: str, x, p, t, w, cols, what: str) -> str:
         _sync(what, x.device)
         _check(out, x, flow.ladder_weight(p, step), cols, what + " (kw=1)")
         return "fp64 ok (kw=1)"
-    flow.launch_tiled(cfg, x, t, None, out)
+    flow.launch_tiled(cfg, x, t, None, out, step=step)
     _sync(what, x.device)
     _check(out, x, w, cols, what)
-    again = torch.full_like(out, float("nan"))  # the exact-base build; for an exact-base cfg, a second run
+    # the exact-base build at step e: for an exact-base cfg a second run, or the shipped build of a WG variant
+    again = torch.full_like(out, float("nan"))
     flow.launch_tiled(replace(cfg, fixed=False), x, t, None, again)
     _sync(what, x.device)
     if not torch.equal(out.view(torch.int16), again.view(torch.int16)):
         bad = int((out.view(torch.int16) != again.view(torch.int16)).sum())
         raise AssertionError(f"{what}: {bad} outputs differ from the exact-base build's")
+    if step in flow.WG_VARIANTS:
+        return "fp64 ok, = shipped build"
     return "fp64 ok, = exact base" if cfg.fixed else "fp64 ok, repeats"
 
 
@@ -387,7 +395,8 @@ def write_outputs(rows: list[Row], meta: dict) -> None:
 def build_only(args) -> int:
     """NVRTC builds of every specialisation a run launches (132 SMs assumed for the heuristic), on the CPU."""
     arch = (args.arch // 10, args.arch % 10)
-    cells, builds = plan(layer_shapes(args.layers), args.m, args.sms, args.sweep, args.ablate, args.only, arch)
+    cells, builds = plan(layer_shapes(args.layers), args.m, args.sms, args.sweep, args.ablate, args.only, arch,
+                         args.wg_probe)
     t0 = time.perf_counter()
     regs = precompile(builds, arch, workers=args.workers)
     bad = {b: v for b, v in regs.items() if "FAILED" in v or "SPILL" in v}
@@ -398,71 +407,11 @@ def build_only(args) -> int:
     return 1 if bad else 0
 
 
-# the warpgroup probe (--wg-probe): its builds beside the shipped one, and with --ablate parts taken out
-WG_VARIANTS = {"": {}, "-depth1": {"W12F_WG_DEPTH": 1}}
-WG_ABLATIONS = {"-nosync": {"W12F_WG_FENCE": 0, "W12F_WG_BAR": 0}, "-noxcopy": {"W12F_WG_XCOPY": 0}}
-
-
-def wg_probe(ablate: bool = False) -> int:
-    """--wg-probe: where the warpgroup build spends its time (module doc); $OUT/w12-wg-probe.json when $OUT is set."""
-    import w12
-    from specpilot.bench.registry import rotations
-    from specpilot.bench.shapes import get_shape_set
-    from specpilot.bench.timing import time_cuda
-    from specpilot.testing import assert_close
-    from w12 import flow, layout
-    from w12.configs import FlowConfig, flow_heuristic
-
-    dev = torch.device("cuda")
-    lin = get_shape_set("hybrid-27b").linears
-    variants = WG_VARIANTS | (WG_ABLATIONS if ablate else {})
-    wgs = [FlowConfig(warps=16, kw=2, cps=1, wg=True), FlowConfig(warps=8, kw=2, cps=2, wg=True),
-           FlowConfig(warps=16, kw=4, cps=1, wg=True), FlowConfig(warps=4, kw=1, cps=4, kc=2, wg=True),
-           FlowConfig(warps=4, kw=1, cps=4, kc=4, wg=True), FlowConfig(warps=8, kw=2, cps=2, kc=4, wg=True)]
-    rows = []
-    for name in ("gdn.in_proj", "mlp.gate_up_proj", "attn.o_proj", "mlp.down_proj"):
-        n, k = lin[name]
-        g = torch.Generator(device=dev).manual_seed(n + k)
-        sets = rotations(1.5 * n * k, dev)
-        ws = [(torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(torch.bfloat16) for _ in range(sets)]
-        ps = [w12.pack(w) for w in ws]
-        ts = [layout.tile(p) for p in ps]
-        for m in (8, 16, 32):
-            xs = [torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for _ in range(sets)]
-            outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(sets)]
-
-            def add(label, fns):
-                tm = time_cuda(fns, reps=40)
-                rows.append(dict(layer=name, M=m, row=label, us=round(tm.median * 1e6, 2)))
-                print(f"{name:18s} M={m:2d} {label:36s} {tm.median * 1e6:8.1f} µs", flush=True)
-
-            add("cublas", [lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, ws)])
-            base = flow_heuristic(m, n, k, dev, wgmma=False)
-            cfgs = [(base.tag(), base, {})] + [(c.tag() + v, c, d) for c in wgs for v, d in variants.items()]
-            for label, cfg, defs in cfgs:
-                try:
-                    if not set(defs) - {"W12F_WG_DEPTH"}:
-                        flow.launch_tiled(cfg, xs[0], ts[0], None, outs[0])
-                        assert_close(outs[0], w12.matmul_reference(xs[0], ps[0]), F.linear(xs[0], ws[0]))
-                    add(label, [lambda x=x, t=t, o=o, cfg=cfg, defs=defs: flow.launch_tiled(cfg, x, t, None, o, defines=defs)
-                                for x, t, o in zip(xs, ts, outs)])
-                except Exception as e:  # noqa: BLE001
-                    rows.append(dict(layer=name, M=m, row=label, status=str(e).splitlines()[0][:200]))
-                    print(f"{name} M={m} {label}: {rows[-1]['status']}", flush=True)
-                    torch.cuda.synchronize()
-        del ws, ps, ts
-        torch.cuda.empty_cache()
-    if os.environ.get("OUT"):
-        Path(os.environ["OUT"], "w12-wg-probe.json").write_text(json.dumps(
-            dict(gpu=torch.cuda.get_device_name(), torch=torch.__version__, rows=rows), indent=1))
-    return 0
-
-
-
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
-    ap.add_argument("--m", nargs="+", type=int, default=[1, 32])
+    ap.add_argument("--m", nargs="+", type=int, default=None, help="token counts (default 1 32; 8 16 32 with "
+                    "--wg-probe)")
     ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
                     help="also step e at other K splits and ring depths")
     ap.add_argument("--ablate", action="store_true", help="add the ablation rows (module doc)")
@@ -477,7 +426,12 @@ def parse(argv=None):
     ap.add_argument("--wg-probe", action="store_true",
                     help="instead of the ladder: the warpgroup build's shapes with one and two wgmma groups in flight "
                          "(with --ablate also without the fence and barrier, and without the x stores)")
-    return ap.parse_args(argv)
+    args = ap.parse_args(argv)
+    if args.m is None:
+        args.m = [8, 16, 32] if args.wg_probe else [1, 32]
+    if args.wg_probe and args.only is None:  # the warpgroup rows and the heuristic's step e beside them
+        args.only = r"e|e@.*-g(-.*)?"
+    return args
 
 
 def main(argv=None) -> int:
@@ -487,8 +441,6 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("w12_ladder: no CUDA device; use --build-only on a CPU", file=sys.stderr)
         return 2
-    if args.wg_probe:
-        return wg_probe(args.ablate)
     from autotune.config import versions
 
     t0 = time.perf_counter()

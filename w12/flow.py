@@ -11,7 +11,10 @@ Ladder builds. `STEPS` names the feature defines of the five steps of docs/w12-k
 "e" + the K-split reduction (the full kernel, the only step `launch` runs unless told otherwise). Steps "a" and "b"
 write no output; "c" and "d" give the product only with kw = 1 ("c" without the escapes' correction).
 `ABLATIONS` are builds for timing only, each a step with one part taken out (perf/w12_ladder.py --ablate): "-xfixed"
-with every unit reading the first unit's x (wrong results; it prices the x traffic).
+with every unit reading the first unit's x (wrong results; it prices the x traffic). The warpgroup build (`wg`) has
+steps of its own (perf/w12_ladder.py --wg-probe): `WG_VARIANTS` "e-depth1", each unit's wgmma waited for before the
+next (the same result bit for bit), and `WG_ABLATIONS`, for timing only: "e-nosync" without the proxy fence and the
+barrier per unit, "e-noxcopy" with x staged for the first unit only.
 
 Everything here is host code: `spec`, `build`, `smem_bytes` and `grid` run without a GPU (NVRTC).
 """
@@ -31,8 +34,8 @@ from .cuda import load_with_smem
 from .layout import TiledW12, tile
 from .format import W12Weight, _codes, _to_int16, padded_k, unpack
 
-__all__ = ["SOURCE", "KERNEL", "STEPS", "ABLATIONS", "MAX_M", "MAX_KP", "n_tiles", "spec", "build", "smem_bytes", "grid", "tiled",
-           "launch", "launch_tiled", "ladder_weight", "PDL_MAX_M"]
+__all__ = ["SOURCE", "KERNEL", "STEPS", "ABLATIONS", "WG_VARIANTS", "WG_ABLATIONS", "MAX_M", "MAX_KP", "n_tiles",
+           "spec", "build", "smem_bytes", "grid", "tiled", "launch", "launch_tiled", "ladder_weight", "PDL_MAX_M"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_flow.cu"
 KERNEL = "w12_matmul_flow_kernel"
@@ -53,6 +56,12 @@ ABLATIONS: dict[str, dict[str, int]] = {
     "b-xfixed": STEPS["b"] | dict(W12F_XSTEP=0),
     "e-xfixed": STEPS["e"] | dict(W12F_XSTEP=0),
 }
+WG_VARIANTS: dict[str, dict[str, int]] = {"e-depth1": STEPS["e"] | dict(W12F_WG_DEPTH=1)}
+WG_ABLATIONS: dict[str, dict[str, int]] = {
+    "e-nosync": STEPS["e"] | dict(W12F_WG_FENCE=0, W12F_WG_BAR=0),
+    "e-noxcopy": STEPS["e"] | dict(W12F_WG_XCOPY=0),
+}
+_ALL_STEPS = STEPS | ABLATIONS | WG_VARIANTS | WG_ABLATIONS
 _BIAS_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _STATIC_SMEM = 256  # the kernel's own __shared__ x-range slots (8 bytes per warp), with room to spare
 
@@ -65,9 +74,9 @@ def n_tiles(M: int) -> int:
 
 
 def _check_step(step: str) -> dict[str, int]:
-    if step not in STEPS and step not in ABLATIONS:
-        raise ValueError(f"w12.flow: step must be one of {sorted(STEPS) + sorted(ABLATIONS)}, got {step!r}")
-    return STEPS.get(step) or ABLATIONS[step]
+    if step not in _ALL_STEPS:
+        raise ValueError(f"w12.flow: step must be one of {sorted(_ALL_STEPS)}, got {step!r}")
+    return _ALL_STEPS[step]
 
 
 def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
@@ -84,6 +93,9 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
     if cfg.wg and tuple(arch) != (9, 0):
         raise ValueError(f"w12.flow.spec: {cfg.tag()} is the warpgroup build (wgmma), which needs sm_90; this GPU is "
                          f"sm_{arch[0]}{arch[1]} (use wg=False)")
+    if not cfg.wg and (step in WG_VARIANTS or step in WG_ABLATIONS):
+        raise ValueError(f"w12.flow.spec: step {step!r} is a step of the warpgroup build; {cfg.tag()} is not one "
+                         "(use wg=True)")
     if cfg.wg and _check_step(step)["W12F_X"] == 0:
         raise ValueError(f"w12.flow.spec: {cfg.tag()} (the warpgroup build) multiplies x from shared memory; ladder "
                          f"step {step!r} reads no x (use a step from 'b' on)")

@@ -38,7 +38,7 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
         base = rows[0][1]
         wg = {(r[1].warps, r[1].kw, r[1].cps, r[1].kc) for r in rows[6:] if r[1].wg}  # sm_90: the warpgroup build
         assert wg == {(8, 1, 2, 1), (8, 2, 2, 1), (16, 1, 1, 1), (16, 2, 1, 1), (16, 4, 1, 1), (4, 1, 4, 2),
-                      (8, 2, 2, 2), (16, 4, 1, 2)}
+                      (8, 2, 2, 2), (16, 4, 1, 2), (4, 1, 4, 4), (8, 2, 2, 4)}
         assert all(r[0].endswith("-g") for r in rows[6:] if r[1].wg)
         rows = [r for r in rows if not r[1].wg]
         two = {(r[1].warps, r[1].cps, r[1].kw) for r in rows[6:] if r[1].rb == 2}
@@ -69,6 +69,29 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
     assert len(cells[0][4]) == 1 + 4 and len(sel) == 5  # exact-base rows: each its own bitwise twin
     cells, abl = ladder.plan(ladder.layer_shapes(["o_proj"]), [1], 132, sweep=False, ablate=True)
     assert [r[0] for r in cells[0][4][6:]] == list(ABLATIONS) and len(abl) == len(few) + len(ABLATIONS)
+
+
+def test_wg_probe_rows(ladder):
+    """--wg-probe: the heuristic's step e and every warpgroup shape at its shipped build and at each of
+    w12.flow.WG_VARIANTS' steps (with --ablate WG_ABLATIONS' too), each variant with the shipped build as its
+    bitwise twin; M = 8, 16, 32 by default."""
+    from w12.flow import WG_ABLATIONS, WG_VARIANTS
+
+    args = ladder.parse(["--wg-probe", "--ablate", "--layers", "o_proj"])
+    assert args.m == [8, 16, 32] and ladder.parse([]).m == [1, 32] and ladder.parse(["--wg-probe", "--m", "4"]).m == [4]
+    cells, builds = ladder.plan(ladder.layer_shapes(args.layers), [32], 132, sweep=True, ablate=True, only=args.only,
+                                wg_probe=True)
+    rows = cells[0][4]
+    assert rows[0][0] == "e" and not rows[0][1].wg and all(r[1].wg for r in rows[1:])
+    shapes = {r[1] for r in rows[1:]}
+    steps = ["e"] + list(WG_VARIANTS) + list(WG_ABLATIONS)
+    assert len(rows) == 1 + len(shapes) * len(steps) == 1 + 10 * 4
+    for cfg in shapes:
+        mine = [(r[0], r[2]) for r in rows if r[1] == cfg]
+        assert mine == [(f"e@{cfg.tag()}{st[1:]}", st) for st in steps]
+        assert all((cfg, 4, st) in builds for st in steps)
+    _, few = ladder.plan(ladder.layer_shapes(args.layers), [32], 132, sweep=True, only=args.only, wg_probe=True)
+    assert not any(st in WG_ABLATIONS for _, _, st in few)  # the ablations only with --ablate
 
 
 def test_table_and_files(ladder, tmp_path, monkeypatch):

@@ -229,6 +229,8 @@ def test_warpgroup_build_compiles_for_sm90a(nt, jit_cache):
         flow.spec(cfg, nt, (8, 0))
     with pytest.raises(ValueError, match="reads no x"):
         flow.spec(cfg, nt, (9, 0), step="a")
+    with pytest.raises(ValueError, match="a step of the warpgroup build"):
+        flow.spec(FlowConfig(warps=8, kw=2, cps=2), nt, (9, 0), step="e-depth1")
 
 
 def test_warpgroup_config_is_checked():
