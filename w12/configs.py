@@ -217,8 +217,8 @@ class FlowConfig:
     4; exact base only): rank 0 adds the others' sums, received in its shared memory, in rank order. `wg`: the
     warpgroup build (sm_90a: wgmma; exact base, rb = 1, warps a multiple of 4 kw): each 4 warps own 64 consecutive
     rows and one K piece and multiply them by x with wgmma, x staged once per warpgroup in shared memory, so that one
-    x read feeds 64 weight rows (docs/w12-kernels.md, "The warpgroup build"). Forced only, never chosen
-    automatically."""
+    x read feeds 64 weight rows (docs/w12-kernels.md, "The warpgroup build"). `w12.matmul_tiled` (the engine's
+    path) takes `flow_config`'s; under `w12.matmul` on the planes it runs only when forced."""
 
     warps: int = 8
     kw: int = 2

@@ -29,7 +29,7 @@ import torch
 
 import autotune
 
-from .engine import _model_bytes, _random_tree, _state_bytes, write_run
+from .engine import _model_bytes, _random_tree, _state_bytes, versions, write_run
 from .timing import time_cpu, time_cuda
 
 __all__ = ["run", "markdown", "DRY"]
@@ -147,17 +147,11 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, batches=(8, 24), budgets
     fused = dev.type == "cuda"
     res = {"shapes": shapes, "overrides": overrides, "prefix": prefix, "batches": list(batches),
            "budgets": list(budgets), "nodes": nodes, "positions": positions, "topk": topk, "fused_glue": fused,
-           "device": str(dev), "dry": dev.type != "cuda", "torch": torch.__version__, "cuda": torch.version.cuda,
+           "device": str(dev), "dry": dev.type != "cuda", **versions(),
            "gpu": torch.cuda.get_device_name(dev) if dev.type == "cuda" else None, "formats": {}}
     if prefix != asked:
         res["prefix_asked"] = asked
         log(f"prefix {asked} -> {prefix}: the config holds {cfg.max_position_embeddings} positions")
-    try:
-        import triton
-
-        res["triton"] = triton.__version__
-    except ImportError:
-        pass
     syn = SyntheticTensors(cfg, dev)
     prompt = torch.randint(0, hc.vocab, (prefix + 1,), generator=torch.Generator().manual_seed(1)).tolist()
     model = None

@@ -179,14 +179,7 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hc.vocab, (prefix + 1,), generator=g).tolist()
     res = {"shapes": shapes, "prefix": prefix, "nodes": nodes, "positions": positions, "fused_glue": fused_glue,
-           "gpu": torch.cuda.get_device_name(),
-           "torch": torch.__version__, "cuda": torch.version.cuda, "formats": {}}
-    try:
-        import triton
-
-        res["triton"] = triton.__version__
-    except ImportError:
-        pass
+           "gpu": torch.cuda.get_device_name(), **versions(), "formats": {}}
     model = None
     for fmt in formats:
         t0 = time.perf_counter()
@@ -246,6 +239,18 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
     if out is not None:
         write_run(out, "engine", res, markdown(res))
     return res
+
+
+def versions() -> dict:
+    """torch's version, its CUDA's, and Triton's where it imports: the version fields of a run's JSON."""
+    out = {"torch": torch.__version__, "cuda": torch.version.cuda}
+    try:
+        import triton
+
+        out["triton"] = triton.__version__
+    except ImportError:
+        pass
+    return out
 
 
 def write_run(out, name: str, res: dict, md: str) -> None:
