@@ -96,12 +96,13 @@ def layer_shapes(names: list[str]) -> dict[str, tuple[int, int]]:
     return {name: lin[LAYERS[name]] for name in names}
 
 
-def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int, int] = (9, 0)):
+def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int, int] = (9, 0), extra=()):
     """(label, FlowConfig) of the flow rows of one cell: the heuristic's config for the ladder, then step e at
     other K splits (1..8, up to the CTA's warps) and ring depths (4, 8), the other CTA sizes of 16 warps per
     SM (4, 8 or 16 warps), and two row blocks per warp in CTAs of 8 warps at 1 per SM and 4 warps at 2 per SM (the
     heuristic's K split and half of it), when `sweep`; on sm_90 also K split across the CTAs of a cluster (kc 2 and 4,
-    CTAs of one row block) and the warpgroup build (`wg`, rows tagged `-g`) in 10 shapes."""
+    CTAs of one row block) and the warpgroup build (`wg`, rows tagged `-g`) in 10 shapes; then the configs in `extra`
+    (--configs), where not listed already."""
     from unittest import mock
 
     import w12.configs as wc
@@ -135,11 +136,14 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int,
                                        (4, 1, 4, 2), (8, 2, 2, 2), (16, 4, 1, 2), (4, 1, 4, 4), (8, 2, 2, 4)):
                 cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, kc=kc, wg=True)
                 out.append((f"e@{cfg.tag()}", cfg))
+    for cfg in extra:
+        if cfg != base and all(cfg != c for _, c in out):
+            out.append((f"e@{cfg.tag()}", cfg))
     return out
 
 
 def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: bool, ablate: bool = False,
-         only: str | None = None, arch: tuple[int, int] = (9, 0), wg_probe: bool = False):
+         only: str | None = None, arch: tuple[int, int] = (9, 0), wg_probe: bool = False, extra=()):
     """Every (layer, M) cell's rows: [(row name, FlowConfig, step)], and the builds they need: {(cfg, nt, step)}
     including the check-only builds (steps c and d at kw = 1, the exact-base build of every step-e config). `only`:
     a regular expression that keeps the flow rows whose name it matches in full (cuBLAS and the default always run).
@@ -155,7 +159,7 @@ def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: boo
         for m in ms:
             nt = flow.n_tiles(m)
             rows = []
-            for label, cfg in flow_configs(m, n, k, sms, sweep, arch):
+            for label, cfg in flow_configs(m, n, k, sms, sweep, arch, extra):
                 cand = [(s, cfg, s) for s in STEPS] if label == "ladder" else [(label, cfg, "e")]
                 if label == "ladder":
                     cand.append(("e-fixed", replace(cfg, fixed=True), "e"))
@@ -269,7 +273,8 @@ def run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]
     else:
         sms, arch = args.sms, (args.arch // 10, args.arch % 10)
     layers = layer_shapes(args.layers) if layers is None else layers
-    cells, builds = plan(layers, args.m, sms, args.sweep, args.ablate, args.only, tuple(arch), args.wg_probe)
+    cells, builds = plan(layers, args.m, sms, args.sweep, args.ablate, args.only, tuple(arch), args.wg_probe,
+                         args.configs)
     t0 = time.perf_counter()
     regs = precompile(builds, arch, workers=args.workers)
     print(f"built {len(builds)} specialisations for sm_{arch[0]}{arch[1]} in {time.perf_counter() - t0:.1f} s "
@@ -396,7 +401,7 @@ def build_only(args) -> int:
     """NVRTC builds of every specialisation a run launches (132 SMs assumed for the heuristic), on the CPU."""
     arch = (args.arch // 10, args.arch % 10)
     cells, builds = plan(layer_shapes(args.layers), args.m, args.sms, args.sweep, args.ablate, args.only, arch,
-                         args.wg_probe)
+                         args.wg_probe, args.configs)
     t0 = time.perf_counter()
     regs = precompile(builds, arch, workers=args.workers)
     bad = {b: v for b, v in regs.items() if "FAILED" in v or "SPILL" in v}
@@ -415,6 +420,8 @@ def parse(argv=None):
     ap.add_argument("--sweep", action=argparse.BooleanOptionalAction, default=True,
                     help="also step e at other K splits and ring depths")
     ap.add_argument("--ablate", action="store_true", help="add the ablation rows (module doc)")
+    ap.add_argument("--configs", nargs="+", default=[], metavar="TAG",
+                    help="step e also at these FlowConfig tags in every cell, e.g. w4-k1-s6-c3-q4-g")
     ap.add_argument("--only", default=None, metavar="REGEX",
                     help="only the flow rows whose name matches in full, e.g. 'e|e@.*-r2' (cuBLAS and w12 always run)")
     ap.add_argument("--reps", type=int, default=60, help="timed graph replays per row")
@@ -427,6 +434,9 @@ def parse(argv=None):
                     help="instead of the ladder: the warpgroup build's shapes with one and two wgmma groups in flight "
                          "(with --ablate also without the fence and barrier, and without the x stores)")
     args = ap.parse_args(argv)
+    from w12.configs import FlowConfig
+
+    args.configs = [FlowConfig.from_tag(t) for t in args.configs]
     if args.m is None:
         args.m = [8, 16, 32] if args.wg_probe else [1, 32]
     if args.wg_probe and args.only is None:  # the warpgroup rows and the heuristic's step e beside them
@@ -450,7 +460,7 @@ def main(argv=None) -> int:
     except Exception:
         traceback.print_exc()
     meta = {"gpu": torch.cuda.get_device_name(), **versions(), "wall_s": round(time.perf_counter() - t0, 1),
-            "copy_tbs": COPY_TBS, "args": vars(args)}
+            "copy_tbs": COPY_TBS, "args": {**vars(args), "configs": [c.tag() for c in args.configs]}}
     write_outputs(rows, meta)
     failed = [r for r in rows if r.status != "ok" and not r.status.startswith("skipped")]
     print(f"\n{len(rows)} rows, {len(failed)} failed, {meta['wall_s']} s", flush=True)

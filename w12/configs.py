@@ -36,6 +36,7 @@ from __future__ import annotations
 
 import functools
 import math
+import re
 from dataclasses import dataclass
 
 import torch
@@ -258,6 +259,16 @@ class FlowConfig:
         return f"flow-w{self.warps}-k{self.kw}-s{self.stages}-c{self.cps}" + ("-fixed" if self.fixed else "") + \
             ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "") + \
             (f"-q{self.kc}" if self.kc > 1 else "") + ("-g" if self.wg else "")
+
+    @classmethod
+    def from_tag(cls, tag: str) -> "FlowConfig":
+        """The config whose `tag()` is `tag` (the leading "flow-" may be left out), e.g. "w4-k1-s6-c3-q4-g"."""
+        m = re.fullmatch(r"(?:flow-)?w(\d+)-k(\d+)-s(\d+)-c(\d+)(-fixed)?(-keep)?(?:-r(\d+))?(?:-q(\d+))?(-g)?", tag)
+        if m is None:
+            raise ValueError(f"FlowConfig.from_tag: {tag!r} is not a flow config tag (e.g. 'flow-w4-k1-s4-c4-q2-g')")
+        w, k, st, c, fixed, keep, rb, kc, wg = m.groups()
+        return cls(warps=int(w), kw=int(k), stages=int(st), cps=int(c), fixed=bool(fixed), evict=not keep,
+                   rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg))
 
 
 def _check_common(c) -> None:
