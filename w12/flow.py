@@ -123,18 +123,17 @@ def build(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
 
 def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e") -> int:
     """Dynamic shared memory of one CTA: a ring of `stages` slots of `rb` tiles per warp, the K-split partials (step
-    "e", kw > 1: 512 bytes per warp, row block of the warp and token tile), for the warpgroup build (`wg`) an x ring
-    per warpgroup (3 slots of 1 KB per token tile), with a K split across CTAs (kc > 1) the sums rank 0 receives from
-    the other kc - 1 CTAs (512 bytes per row block and token tile each; for kc > 2 over the rings, partials and x
-    rings, which are free by then), and for 3-4 token tiles with the escapes the stash of their metadata (1 KB per
-    row block)."""
+    "e", kw > 1: 512 bytes per warp, row block of the warp and token tile), with a K split across CTAs (kc > 1) the
+    sums rank 0 receives from the other kc - 1 CTAs (512 bytes per row block and token tile each), and for 3-4 token
+    tiles with the escapes the stash of their metadata (1 KB per row block), and for the warpgroup build (`wg`) an x
+    ring per warpgroup (3 slots of 1 KB per token tile)."""
     defines = _check_step(step)
     red = defines["W12F_RED"] and cfg.kw > 1
-    main = cfg.warps * cfg.stages * cfg.rb * TILE + (cfg.warps * cfg.rb * nt * 512 if red else 0) + \
-        (cfg.warps // 4 * 3 * nt * 1024 if cfg.wg else 0)
     cred = (cfg.kc - 1) * cfg.row_blocks * nt * 512
     stash = cfg.row_blocks * 1024 if defines["W12F_ESC"] and nt > 2 else 0
-    return (max(main, cred) if cfg.kc > 2 else main + cred) + stash
+    xring = cfg.warps // 4 * 3 * nt * 1024 if cfg.wg else 0
+    return cfg.warps * cfg.stages * cfg.rb * TILE + (cfg.warps * cfg.rb * nt * 512 if red else 0) + cred + stash + \
+        xring
 
 
 def grid(cfg: FlowConfig, N: int) -> int:

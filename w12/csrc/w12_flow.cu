@@ -17,10 +17,8 @@
 // same row groups and split their K into KC x KW ranges: piece q = kc KW + ks of CTA rank kc and warp ks. Each CTA
 // adds its KW shares as above; the CTAs of ranks 1 .. KC - 1 then store their sums into rank 0's shared memory
 // (distributed shared memory), and after one cluster barrier rank 0 adds them in rank order (deterministic) and
-// finishes the rows; above 2 CTAs they land over rank 0's rings, after one cluster barrier more (CRED_ALIAS). This is
-// for layers whose row blocks do not spread evenly over the SMs (5120 rows: 320 row blocks on 132 SMs), where
-// smaller CTAs of equal work balance the bytes each SM streams, and for the warpgroup build, whose 64-row groups
-// are too few there to give every SM its warps (80 row groups: KC = 6 gives 480 CTAs of one warpgroup).
+// finishes the rows. This is for layers whose row blocks do not spread evenly over the SMs (5120 rows: 320 row
+// blocks on 132 SMs), where smaller CTAs of equal work balance the bytes each SM streams.
 //
 // Decode (FIXED = 1; the probe's V1). A lane (g = lane / 4, p = lane % 4) holds, per tile, rows g and g + 8:
 // hi bytes of columns 16 p .. 16 p + 15 (one LDS.128 per row) and their lo nibbles (one LDS.64 per row, byte j =
@@ -160,10 +158,6 @@ constexpr bool WG = W12F_WG != 0;
 constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of one row block
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
-// above 2 CTAs per cluster the sums rank 0 receives (KC - 1 CTAs' worth) lie over its rings, KW shares and x rings,
-// which are free once every CTA of the cluster is past them (one cluster barrier more), so that the K split does not
-// take the shared memory of the CTAs per SM it is there to fill
-constexpr bool CRED_ALIAS = KC > 2;
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
@@ -175,7 +169,7 @@ static_assert(NT >= 1 && NT <= 4, "n-tiles: 1..4");
 static_assert(RB == 1 || RB == 2, "row blocks per warp: 1 or 2");
 static_assert(RB == 1 || !FIXED, "two row blocks per warp: exact base only (the guard's recomputation is per block)");
 static_assert((!EPI || XB) && (!ESC || EPI) && (W12F_RED == 0 || EPI), "features build on each other: X, EPI, ESC, RED");
-static_assert(KC == 1 || KC == 2 || KC == 3 || KC == 4 || KC == 6 || KC == 8, "CTAs splitting K: 1, 2, 3, 4, 6 or 8");
+static_assert(KC == 1 || KC == 2 || KC == 4, "CTAs splitting K: 1, 2 or 4");
 static_assert(!Q8 || !FIXED, "the 8-bit view: exact base only");
 static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
@@ -433,14 +427,11 @@ w12_matmul_flow_kernel(
   // latency hides under the stream instead of lengthening the epilogue (ESC_STASH: where it waits)
   int ep[RB][2][2] = {}, ec[RB][2] = {};
   uint32_t ev[RB][2] = {};
-  // shared memory: the rings, the KW shares (RED), the x rings (WG), then the other CTAs' sums (KC > 1, rank 0's;
-  // CRED_ALIAS: over the rings instead), then the escape stash
-  constexpr int RED_OFF = WARPS * STAGES * SLOT;                               // after the rings
-  constexpr int X_OFF = RED_OFF + (RED ? WARPS * RB * NT * 512 : 0);           // after the KW shares
-  constexpr int MAIN_END = X_OFF + (WG ? WARPS / 4 * XSLOTS * XSLOT : 0);      // after the x rings
-  constexpr int CRED_BYTES = KC > 1 ? (KC - 1) * RW * RB * NT * 512 : 0;
-  constexpr int CRED_OFF = CRED_ALIAS ? 0 : MAIN_END;
-  constexpr int STASH_OFF = CRED_ALIAS ? (MAIN_END > CRED_BYTES ? MAIN_END : CRED_BYTES) : MAIN_END + CRED_BYTES;
+  // shared memory: the rings, the KW shares (RED), the other CTAs' sums (KC > 1, rank 0's), the escape stash
+  constexpr int RED_OFF = WARPS * STAGES * SLOT;                                    // after the rings
+  constexpr int CRED_OFF = RED_OFF + (RED ? WARPS * RB * NT * 512 : 0);              // after the KW shares
+  constexpr int STASH_OFF = CRED_OFF + (KC > 1 ? (KC - 1) * RW * RB * NT * 512 : 0);  // after the CTAs' sums
+  constexpr int X_OFF = STASH_OFF + (ESC_STASH ? RW * RB * 1024 : 0);                 // after the stash (WG)
   int4* const stash = reinterpret_cast<int4*>(smem + STASH_OFF) + rw * RB * 64;
   if (ESC && ks == 0 && active && kc == 0) {
 #pragma unroll
@@ -751,8 +742,6 @@ w12_matmul_flow_kernel(
     if constexpr (KC > 1) {
       // the other CTAs' sums into rank 0's shared memory, one cluster barrier, then rank 0 adds them in rank order
       const uint32_t cred = (uint32_t)__cvta_generic_to_shared(smem + CRED_OFF);
-      // over the rings: written only once every CTA of the cluster is past its loop and its KW shares
-      if constexpr (CRED_ALIAS) asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
       if (ks == 0 && kc > 0) {
         uint32_t dst;
         asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(dst) : "r"(cred));
