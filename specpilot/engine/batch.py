@@ -15,7 +15,7 @@ and the prompt prefilled into it (`Engine._prefill_row`), and it joins the next 
 tokens depend only on its own row, so admission order and batch company never change its output.
 
 The pass has `rows + budget` rows at most. On a GPU each step can be one CUDA graph (`graphs.GraphedBatchStep`,
-`graphs=True`; opt-in until its GPU tests have run, `GRAPHS_BY_DEFAULT`): one per (rows R, budget), captured before
+the default where the engine graphs its steps, `GRAPHS_BY_DEFAULT`): one per (rows R, budget), captured before
 the first prefill, its pass always R + budget rows: request b of the pass is cache row b, each tree padded with
 leaves that acceptance never reads, and a row without a running request (the queue has drained) runs its
 pending-token slot alone, which writes only that free row (it is reset when a prompt takes it). The eager steps,
@@ -40,9 +40,8 @@ from .spec.tree import DraftTree, build_tree
 
 __all__ = ["generate_batch"]
 
-# the graphed batch step is opt-in until its GPU tests (tests/engine/test_batch_graphs.py) have passed on a GPU; then
-# generate_batch's default follows the engine's own choice
-GRAPHS_BY_DEFAULT = False
+# generate_batch's default follows the engine's own choice of CUDA graphs (Engine.graphs); False keeps eager steps
+GRAPHS_BY_DEFAULT = True
 
 
 def _prefix(tree, n: int) -> DraftTree:
@@ -89,8 +88,8 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
     """Greedy continuations of every prompt, verified together under `budget` tree nodes per step (default 8 per
     running request). At most `max_rows` requests run at once, one cache row each (default: the model's rows); the
     other prompts wait and take the rows that finished requests free, in order. `graphs`: each step one CUDA graph
-    (`GraphedBatchStep`); default: eager steps while `GRAPHS_BY_DEFAULT` is False (the graphed step has not run on a
-    GPU yet), else the engine's own choice (`Engine.graphs`: on a GPU unless a layer kind runs a reference path).
+    (`GraphedBatchStep`); default: the engine's own choice (`Engine.graphs`: on a GPU unless a layer kind runs a
+    reference path), or eager steps where `GRAPHS_BY_DEFAULT` is set False.
     `log_allocations`, when a list, receives each step's node counts (one per running request)."""
     fn = "specpilot.engine.Engine.generate_batch"
     m = engine.model

@@ -153,3 +153,6 @@ def test_graphed_batch_equals_autoregressive_gpu():
         assert o == ar.generate(p, 96, speculative=False), f"prompt {r}"
     eager = Engine.from_pretrained(TINY, device="cuda", weights="w12", drafter="ngram", rows=2)
     assert generate_batch(eager, prompts, 96, budget=24, graphs=False) == outs
+    dflt = Engine.from_pretrained(TINY, device="cuda", weights="w12", drafter="ngram", rows=2)
+    assert dflt.generate_batch(prompts, 96, budget=24) == outs  # the default on a GPU: graphed steps
+    assert isinstance(dflt._batch_graphs[(2, 24)], GraphedBatchStep)
