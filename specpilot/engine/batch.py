@@ -31,7 +31,7 @@ import time
 import torch
 
 from . import inputs
-from .graphs import GraphedBatchStep, draft_rows, pass_tree, target_next
+from .graphs import GraphedBatchStep, batch_max_nodes, draft_rows, pass_tree, target_next
 from .model import MAX_STEP_NODES
 from .records import StepRecord, nan_logits_error
 from .spec.accept import Acceptance, greedy_accept
@@ -172,7 +172,10 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
             cands.append(tree)
             gains.append(hist[r].gains(tree.scores) if tree.n else [])
             depth.append(P)
-        alloc = allocate(gains, budget, min_nodes=0, max_nodes=MAX_STEP_NODES - 1)
+        # the pass's per-request bound (graphs.batch_max_nodes: 32 nodes where the budget allows, so that the GDN
+        # layers run their CUDA tree kernel)
+        cap = step_graph.max_nodes if step_graph is not None else batch_max_nodes(len(live), budget)
+        alloc = allocate(gains, budget, min_nodes=0, max_nodes=cap - 1)
         if log_allocations is not None:
             log_allocations.append(list(alloc))
         trees = [_prefix(tree, n) for tree, n in zip(cands, alloc)]

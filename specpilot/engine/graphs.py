@@ -23,7 +23,7 @@ import gdn
 from .spec.accept import greedy_accept
 from .model import MAX_STEP_NODES, HybridModel, Step
 
-__all__ = ["GraphedStep", "GraphedBatchStep", "ATTN_CAPACITY", "capture_graph", "pass_tree"]
+__all__ = ["GraphedStep", "GraphedBatchStep", "ATTN_CAPACITY", "batch_max_nodes", "capture_graph", "pass_tree"]
 
 ATTN_CAPACITY = 512  # attention work items of a graphed step: enough splits for any context up to max_len
 
@@ -193,12 +193,24 @@ def _attn_capacity(probe, batch: int, total: int, max_len: int) -> int:
                       + 2 * tiles))
 
 
+def batch_max_nodes(batch: int, budget: int) -> int:
+    """The per-request node bound of a batch pass of `batch` requests and `budget` draft nodes: at most
+    `gdn.cuda.MAX_CUDA_NODES` (32) where the budget fits in it, so that the GDN layers run the CUDA tree kernel,
+    else MAX_STEP_NODES. Above 32 nodes they run the WY kernel, whose node tile follows this bound, not the trees: on
+    the H200 (hybrid-27b, B = 8, budget 64, bound 64) it took 28.5 ms of the 47.8 ms step for trees of 9 nodes."""
+    from gdn.cuda import MAX_CUDA_NODES
+
+    if budget <= (MAX_CUDA_NODES - 1) * batch:
+        return min(MAX_CUDA_NODES, budget + 1)
+    return min(MAX_STEP_NODES, budget + 1)
+
+
 class GraphedBatchStep:
     """One captured batch verify step: request b on cache row rows[b], `budget` draft nodes in all, so B + budget
     rows per pass (`total`); `max_depth` bounds the trees' depth (the deepest drafted position).
 
-    Each request holds at most `max_nodes` = min(64, budget + 1) rows, its own tree and then padding leaves under its
-    root (`pads`: the rows left over go to the first requests with room). A row with no request to run (`load` with
+    Each request holds at most `max_nodes` rows (`batch_max_nodes`: 32 where the budget allows, else 64), its own
+    tree and then padding leaves under its root (`pads`: the rows left over go to the first requests with room). A row with no request to run (`load` with
     tree None: token 0 after no context, and any padding it is given) commits into that free row alone."""
 
     def __init__(self, model: HybridModel, rows: list[int], budget: int, max_depth: int):
@@ -211,7 +223,7 @@ class GraphedBatchStep:
         if not 0 <= self.budget <= (MAX_STEP_NODES - 1) * B:
             raise ValueError(f"{fn}: budget={budget} draft nodes over {B} requests; pass 0..{(MAX_STEP_NODES - 1) * B} "
                              f"(at most {MAX_STEP_NODES - 1} per request)")
-        self.max_nodes = min(MAX_STEP_NODES, self.budget + 1)
+        self.max_nodes = batch_max_nodes(B, self.budget)
         self.total = B + self.budget
         self.width = max(self.max_nodes - 1, 1)  # draft nodes per request in the acceptance's buffers
         # planned with the first requests full: the tree plan's and the attention's tile sizes hold max_nodes

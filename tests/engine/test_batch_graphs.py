@@ -15,7 +15,7 @@ import torch
 import specpilot.engine.batch as batch_mod
 from specpilot.engine import Engine
 from specpilot.engine.batch import eager_step, generate_batch
-from specpilot.engine.graphs import GraphedBatchStep
+from specpilot.engine.graphs import GraphedBatchStep, batch_max_nodes
 from specpilot.models import HELDOUT_FILE, tiny_stdlib_path
 from specpilot.testing import raises_helpful
 
@@ -83,8 +83,11 @@ def test_graphed_batch_steps_replay_the_eager_steps_cpu(checkpoints, monkeypatch
     eng = Engine.from_pretrained(path, **kw)
     eng.graphs = True  # as on a GPU: the graph's path, its body replayed
     monkeypatch.setattr(batch_mod, "GRAPHS_BY_DEFAULT", True)
-    got = generate_batch(eng, prompts, N, budget=budget)
+    allocs = []
+    got = generate_batch(eng, prompts, N, budget=budget, log_allocations=allocs)
     g = eng._batch_graphs[(rows, min(budget, 63 * rows))]
+    assert g.max_nodes == batch_max_nodes(rows, min(budget, 63 * rows)) == min(32, budget + 1)
+    assert max(n for a in allocs for n in a) <= g.max_nodes - 1  # the allocation keeps within the pass's bound
     assert isinstance(g, ReplayedBatchStep) and g.rows == list(range(rows))
     ar = Engine.from_pretrained(path, device="cpu", weights=weights, drafter=None)
     for r, (p, o) in enumerate(zip(prompts, got)):
@@ -112,6 +115,9 @@ def test_graphed_batch_step_layout_and_errors(checkpoints):
     assert g.pads([3, 0, 2]) == [5, 0, 0] and g.pads([10, 0, 0]) == [0, 0, 0] and g.pads([0, 0, 0]) == [10, 0, 0]
     wide = GraphedBatchStep(m, [2, 0], 100, max_depth=16)
     assert wide.max_nodes == 64 and wide.pads([0, 0]) == [63, 37] and wide.pads([40, 10]) == [23, 27]
+    # 32 nodes per request where the budget fits (the GDN layers' CUDA tree kernel), else 64
+    assert GraphedBatchStep(m, [0, 1, 2], 70, max_depth=16).max_nodes == 32
+    assert [batch_max_nodes(8, b) for b in (0, 20, 64, 248, 249, 256, 600)] == [1, 21, 32, 32, 64, 64, 64]
     ar = GraphedBatchStep(m, [0, 1], 0, max_depth=16)
     assert (ar.total, ar.max_nodes, ar.width) == (2, 1, 1) and ar.pads([0, 0]) == [0, 0]
     with raises_helpful("specpilot.engine", "GraphedBatchStep", "budget"):
