@@ -30,7 +30,7 @@ from .format import W12Weight, unpack
 from .layout import TiledW12, untile
 from .kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel, w12_splitk_reduce_kernel
 
-__all__ = ["matmul", "matmul_q8", "matmul_tiled", "decode_tiled", "mm_tiled", "VARIANTS", "OP", "OP_Q8"]
+__all__ = ["matmul", "matmul_q8", "matmul_tiled", "decode_tiled", "VARIANTS", "OP", "OP_Q8"]
 
 OP = "w12.matmul"
 OP_Q8 = "w12.matmul_q8"
@@ -369,12 +369,9 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
     - bf16 x with 1..32 rows on a GPU where the CUDA kernels build: the flow kernel (docs/w12-kernels.md, "The flow
       kernel"), at `w12.configs.flow_config`'s config (a tuned entry, else the heuristic) or the `FlowConfig` that
       `autotune.force("w12.matmul", config=...)` (`"w12.matmul_q8"` for q8) pins; fp32 accumulation, one rounding.
-    - Other bf16 calls on a GPU (more than 32 rows: a batch verify step; or a GPU without the CUDA kernels):
-      `mm_tiled`, a Triton GEMM that decodes the tiles in registers (w12/kernels/mm.py); fp32 accumulation, one
-      rounding, the weight read once per 64-128 rows of x instead of decoded to BF16 in memory for the call.
-    - Any other call (fp16 x, CPU tensors): the weight decoded for the call (`untile` + `unpack`, or `decode_q8`)
-      and `F.linear` in x's dtype, the error of a same-precision F.linear; on CPU tensors in fp32, then rounded to
-      x's dtype (as `w12.matmul`'s torch path).
+    - Any other call (more rows, fp16 x, a GPU without the CUDA kernels): the weight decoded for the call
+      (`untile` + `unpack`, or `decode_q8`) and `F.linear` in x's dtype, the error of a same-precision F.linear;
+      on CPU tensors in fp32, then rounded to x's dtype (as `w12.matmul`'s torch path).
 
     Same results as `w12.matmul` on the planes up to the order of the fp32 sums; `out` as there."""
     name = "matmul_q8" if q8 else "matmul"
@@ -396,8 +393,6 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
             from . import flow
 
             flow.launch_tiled(cfg, x2d, tiled, bias, out2d, q8=q8)
-        elif x2d.device.type == "cuda" and x2d.dtype == torch.bfloat16:
-            mm_tiled(x2d, tiled, bias, out2d, q8=q8)
         else:
             if x2d.device.type == "cuda":
                 w = decode_tiled(tiled, q8=q8).to(x2d.dtype)
@@ -424,44 +419,6 @@ def _flow_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> FlowConfig | No
     from .configs import flow_config
 
     return flow_config(x2d.shape[0], tiled.N, tiled.K, x2d.device, q8=op == OP_Q8)
-
-
-def _mm_blocks(M: int) -> tuple[int, int, int]:
-    """(BM, BN, warps) of `mm_tiled` for M rows of x: x blocks of 16, 64 or 128 rows, 128 weight rows a program."""
-    if M <= 16:
-        return 16, 128, 4
-    if M <= 64:
-        return 64, 128, 4
-    return 128, 128, 8
-
-
-def mm_tiled(x2d: torch.Tensor, tiled: TiledW12, bias: torch.Tensor | None, out: torch.Tensor, *,
-             q8: bool = False) -> None:
-    """out[M, N] = x2d @ W^T (+ bias) by `w12_mm_tiled_kernel` (w12/kernels/mm.py): the tiles decoded in registers
-    and multiplied with `tl.dot`, the escapes added per row in CSR order, one rounding to BF16 (`q8`: the 8-bit
-    view). bf16 x [M, K] on the weight's device: a GPU, or the CPU under the Triton interpreter. Deterministic: no
-    atomics. With a non-finite x at an escape's column the row's output is NaN, as `w12.matmul` documents."""
-    from .kernels import w12_mm_tiled_kernel
-
-    fn = "w12.ops.mm_tiled"
-    M, K = x2d.shape
-    if x2d.dtype != torch.bfloat16 or K != tiled.K or x2d.device != tiled.device:
-        raise ValueError(f"{fn}: needs bf16 x [M, K={tiled.K}] on {tiled.device}, got {x2d.dtype} "
-                         f"{tuple(x2d.shape)} on {x2d.device}")
-    if tuple(out.shape) != (M, tiled.N) or out.dtype != torch.bfloat16 or out.stride() != (tiled.N, 1):
-        raise ValueError(f"{fn}: out must be a contiguous bf16 [{M}, {tiled.N}] tensor, got {out.dtype} "
-                         f"{tuple(out.shape)} with strides {out.stride()}")
-    if not M:
-        return
-    if x2d.stride(1) != 1:
-        x2d = x2d.contiguous()
-    geo = tiled.geometry
-    BM, BN, warps = _mm_blocks(M)
-    grid = (triton.cdiv(tiled.N, BN) * triton.cdiv(M, BM),)
-    w12_mm_tiled_kernel[grid](x2d, x2d.stride(0), tiled.tiles, tiled.e0, tiled.esc_rowptr, tiled.esc_col,
-                              tiled.esc_val, tiled.e0 if bias is None else bias, out, M, tiled.N, geo.KF, geo.kr,
-                              geo.NF, geo.nr, geo.SB, HAS_BIAS=bias is not None, Q8=bool(q8), BM=BM, BN=BN,
-                              num_warps=warps, num_stages=3)
 
 
 def decode_tiled(tiled: TiledW12, *, q8: bool = False) -> torch.Tensor:

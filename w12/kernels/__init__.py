@@ -2,14 +2,11 @@
 
 * `tc.py`: tensor cores, swap-AB (wgmma on sm_90, mma.sync on sm_80/89); also the split-K reduce.
 * `gemv.py`: CUDA-core fp32 GEMV for tiny M (no tensor cores).
-* `untile.py`: the runtime layout decoded to BF16 (`w12.matmul_tiled` on fp16 x).
-* `mm.py`: a GEMM on the runtime layout that decodes in registers (`w12.matmul_tiled` above 32 rows of BF16 x).
+* `untile.py`: the runtime layout decoded to BF16 (`w12.matmul_tiled` where the flow kernel does not run).
 """
 
 from .gemv import w12_matmul_gemv_kernel
-from .mm import w12_mm_tiled_kernel
 from .tc import w12_matmul_tc_kernel, w12_splitk_reduce_kernel
 from .untile import w12_untile_kernel
 
-__all__ = ["w12_matmul_tc_kernel", "w12_matmul_gemv_kernel", "w12_splitk_reduce_kernel", "w12_untile_kernel",
-           "w12_mm_tiled_kernel"]
+__all__ = ["w12_matmul_tc_kernel", "w12_matmul_gemv_kernel", "w12_splitk_reduce_kernel", "w12_untile_kernel"]
