@@ -369,6 +369,8 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
     - bf16 x with 1..32 rows on a GPU where the CUDA kernels build: the flow kernel (docs/w12-kernels.md, "The flow
       kernel"), at `w12.configs.flow_config`'s config (a tuned entry, else the heuristic) or the `FlowConfig` that
       `autotune.force("w12.matmul", config=...)` (`"w12.matmul_q8"` for q8) pins; fp32 accumulation, one rounding.
+    - bf16 x with 33..`CHUNK_MAX_M` rows there: the flow kernel once per 32-row piece of x (off by default:
+      `CHUNK_MAX_M = 0`).
     - Any other call (more rows, fp16 x, a GPU without the CUDA kernels): the weight decoded for the call
       (`untile` + `unpack`, or `decode_q8`) and `F.linear` in x's dtype, the error of a same-precision F.linear;
       on CPU tensors in fp32, then rounded to x's dtype (as `w12.matmul`'s torch path).
@@ -393,6 +395,13 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
             from . import flow
 
             flow.launch_tiled(cfg, x2d, tiled, bias, out2d, q8=q8)
+        elif M <= CHUNK_MAX_M and _flow_config(x2d[:FLOW_MAX_M], tiled, OP_Q8 if q8 else OP) is not None:
+            from . import flow
+
+            for i in range(0, M, FLOW_MAX_M):
+                xs = x2d[i:i + FLOW_MAX_M]
+                flow.launch_tiled(_flow_config(xs, tiled, OP_Q8 if q8 else OP), xs, tiled, bias,
+                                  out2d[i:i + FLOW_MAX_M], q8=q8)
         else:
             if x2d.device.type == "cuda":
                 w = decode_tiled(tiled, q8=q8).to(x2d.dtype)
@@ -404,9 +413,18 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
     return out2d.reshape(*x.shape[:-1], N) if out is None else out
 
 
+# The flow kernel takes 1..FLOW_MAX_M rows. Up to CHUNK_MAX_M rows, `matmul_tiled` runs it once per FLOW_MAX_M-row
+# piece of x (the weight read ceil(M / 32) times, 12 bits a weight each) instead of decoding the weight to BF16 for
+# the call (12 + 16 + 16 bits a weight); 0 keeps the decode. Off until measured: on the H200 the decode and
+# F.linear took 94 us on o_proj at 72 rows and 375 on gate_up (perf/results, `20261202T1600-w12-mm-tiled.json` in
+# git history), where three flow launches would take about 68 and 259 from the benchmark's 32- and 8-row cells.
+FLOW_MAX_M = 32
+CHUNK_MAX_M = 0
+
+
 def _flow_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> FlowConfig | None:
     """The flow kernel's config for this call, or None where it does not run (see `matmul_tiled`)."""
-    if x2d.device.type != "cuda" or x2d.dtype != torch.bfloat16 or not 0 < x2d.shape[0] <= 32:
+    if x2d.device.type != "cuda" or x2d.dtype != torch.bfloat16 or not 0 < x2d.shape[0] <= FLOW_MAX_M:
         return None
     if wcuda.unavailable(x2d.device) is not None:
         return None

@@ -285,6 +285,24 @@ def test_matmul_tiled(M, dtype, q8):
     assert_close(got, ref, F.linear(x, wd.to(dtype), bias))
 
 
+@pytest.mark.parametrize("M", [33, 72, 96])
+def test_matmul_tiled_in_32_row_pieces(M, monkeypatch):
+    """`w12.ops.CHUNK_MAX_M` (off by default): above 32 rows, the flow kernel once per 32-row piece of x, with a bias,
+    against fp64; the 8-bit view too."""
+    monkeypatch.setattr(w12.ops, "CHUNK_MAX_M", 96)
+    N, K = 1030, 1000
+    w = _weight(N, K, seed=M + 5)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=M + 6)
+    bias = _x(1, N, seed=N)[0] * 0.1
+    for q8 in (False, True):
+        got = w12.matmul_tiled(x, t, bias, q8=q8)
+        wd = w12.decode_q8(p) if q8 else w
+        assert_close(got, (w12.matmul_q8_reference if q8 else w12.matmul_reference)(x, p, bias),
+                     F.linear(x, wd, bias))
+
+
 def test_matmul_tiled_forced_config_and_graph_replay():
     N, K, M = 5120, 6144, 4
     w = _weight(N, K, seed=11)

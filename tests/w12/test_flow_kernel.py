@@ -23,6 +23,7 @@ import autotune
 import w12
 from w12 import flow, layout
 from w12.configs import FlowConfig, flow_heuristic
+from specpilot.testing import assert_close
 
 from flow_emu import emulate, hostile_weight, lanes_f64, one_unit_tiny_case, wg_operand, wg_slot, words
 
@@ -654,3 +655,35 @@ def test_programmatic_dependent_launch_waits_for_a_fresh_or_rewritten_layout(mon
     monkeypatch.setattr(wcuda, "pdl_enabled", lambda device, default=False: False)
     flow.launch_tiled(cfg, x, t, None, out)
     assert seen[-1] is False
+
+
+@pytest.mark.parametrize("M,pieces", [(20, [20]), (72, [32, 32, 8]), (96, [32, 32, 32]), (97, [])])
+def test_matmul_tiled_runs_the_flow_kernel_per_32_rows(M, pieces, monkeypatch):
+    """`w12.ops.CHUNK_MAX_M` = 96: up to 96 rows, w12.matmul_tiled launches the flow kernel once per 32-row piece of
+    x into the matching rows of out (here a recording stand-in that computes the piece's product in fp64); above
+    it, the decoded weight's product (no launch)."""
+    import w12.ops as ops
+
+    N, K = 40, 130
+    w = (torch.randn(N, K, generator=torch.Generator().manual_seed(7)) * 0.05).to(torch.bfloat16)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=M)
+    b = (torch.randn(N, generator=torch.Generator().manual_seed(1)) * 0.1).to(torch.bfloat16)
+    launched = []
+
+    def launch(cfg, xs, tt, bias, out, *, q8=False):
+        assert tt is t and bias is b and out.is_contiguous() and cfg == FlowConfig()
+        launched.append(xs.shape[0])
+        out.copy_(w12.matmul_reference(xs, p, bias).to(torch.bfloat16))
+
+    monkeypatch.setattr(ops, "CHUNK_MAX_M", 96)
+    monkeypatch.setattr(ops, "_flow_config", lambda xs, tt, op: FlowConfig() if 0 < xs.shape[0] <= 32 else None)
+    monkeypatch.setattr(flow, "launch_tiled", launch)
+    got = w12.matmul_tiled(x, t, b)
+    assert launched == pieces
+    want = w12.matmul_reference(x, p, b).to(torch.bfloat16)
+    if pieces:
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16))
+    else:
+        assert_close(got, w12.matmul_reference(x, p, b), torch.nn.functional.linear(x, w, b))
