@@ -16,6 +16,7 @@ Nothing here syncs the host or allocates by data, so every call is CUDA-graph ca
 from __future__ import annotations
 
 import dataclasses
+import os
 from typing import Optional
 
 import torch
@@ -415,11 +416,25 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
 
 # The flow kernel takes 1..FLOW_MAX_M rows. Up to CHUNK_MAX_M rows, `matmul_tiled` runs it once per FLOW_MAX_M-row
 # piece of x (the weight read ceil(M / 32) times, 12 bits a weight each) instead of decoding the weight to BF16 for
-# the call (12 + 16 + 16 bits a weight); 0 keeps the decode. Off until measured: on the H200 the decode and
+# the call (12 + 16 + 16 bits a weight); 0 keeps the decode (SPECPILOT_W12_CHUNK_ROWS sets it at import, so that a
+# benchmark can run both in one device call). Off until measured: on the H200 the decode and
 # F.linear took 94 us on o_proj at 72 rows and 375 on gate_up (perf/results, `20261202T1600-w12-mm-tiled.json` in
 # git history), where three flow launches would take about 68 and 259 from the benchmark's 32- and 8-row cells.
 FLOW_MAX_M = 32
-CHUNK_MAX_M = 0
+
+
+def _chunk_rows() -> int:
+    """CHUNK_MAX_M's value: SPECPILOT_W12_CHUNK_ROWS (a count of rows >= 0) where set, else 0."""
+    env = os.environ.get("SPECPILOT_W12_CHUNK_ROWS", "").strip()
+    if not env:
+        return 0
+    if not env.isdigit():
+        raise ValueError(f"w12: SPECPILOT_W12_CHUNK_ROWS={env!r}; set a count of rows (e.g. 96), or 0 or nothing "
+                         "to decode the weight above 32 rows")
+    return int(env)
+
+
+CHUNK_MAX_M = _chunk_rows()
 
 
 def _flow_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> FlowConfig | None:

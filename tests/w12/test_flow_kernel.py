@@ -687,3 +687,17 @@ def test_matmul_tiled_runs_the_flow_kernel_per_32_rows(M, pieces, monkeypatch):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
     else:
         assert_close(got, w12.matmul_reference(x, p, b), torch.nn.functional.linear(x, w, b))
+
+
+def test_chunk_rows_from_the_environment(monkeypatch):
+    import w12.ops as ops
+
+    for env, want in (("", 0), ("96", 96), (" 64 ", 64), ("0", 0)):
+        monkeypatch.setenv("SPECPILOT_W12_CHUNK_ROWS", env)
+        assert ops._chunk_rows() == want
+    monkeypatch.delenv("SPECPILOT_W12_CHUNK_ROWS")
+    assert ops._chunk_rows() == 0
+    for bad in ("x", "-1", "9.5"):
+        monkeypatch.setenv("SPECPILOT_W12_CHUNK_ROWS", bad)
+        with pytest.raises(ValueError, match="SPECPILOT_W12_CHUNK_ROWS"):
+            ops._chunk_rows()
