@@ -1,6 +1,6 @@
-"""Drafters on the shipped tiny model: τ and tokens/s of autoregressive decoding, the n-gram drafter and the trained
-heads (a chain of 8, a chain of 16, a 32-node tree) on held-out prompts, every output checked against the
-autoregressive one.
+"""Drafters on the shipped tiny model: τ and tokens/s of autoregressive decoding, the n-gram drafter, the trained
+heads and their Markov variant (a chain of 8, a chain of 16, a 32-node tree each) on held-out prompts, every output
+checked against the autoregressive one.
 
     python -m specpilot.bench.drafters [--prompts 4] [--tokens 200] [--threads 1]
 
@@ -30,6 +30,9 @@ MODES = {
     "heads, chain of 8": ("heads", dict(positions=8, topk=1, tree_nodes=9)),
     "heads, chain of 16": ("heads", dict(positions=16, topk=1, tree_nodes=17)),
     "heads, 32-node tree (16 positions, top-4)": ("heads", dict(positions=16, topk=4, tree_nodes=32)),
+    "Markov heads, chain of 8": ("heads-markov", dict(positions=8, topk=1, tree_nodes=9)),
+    "Markov heads, chain of 16": ("heads-markov", dict(positions=16, topk=1, tree_nodes=17)),
+    "Markov heads, 32-node tree (16 positions, top-4)": ("heads-markov", dict(positions=16, topk=4, tree_nodes=32)),
 }
 
 

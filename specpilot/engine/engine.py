@@ -44,7 +44,8 @@ class Engine:
 
     `drafter`: "ngram" (`specpilot.engine.spec.drafters.NGramDrafter`), "self" (`SelfDrafter`: the target on its W12
     8-bit view), "heads" (`from_pretrained` only: `specpilot.engine.spec.heads.HeadsDrafter`, trained heads on the
-    target's last hidden state), None, or any object with `propose(context, positions, k)`; one with
+    target's last hidden state), "heads-markov" (`from_pretrained` only: their Markov variant, whose rows also read
+    the draft token above; it grows its own tree), None, or any object with `propose(context, positions, k)`; one with
     `needs_hidden = True` is also passed `hidden=`, the target's final-normed hidden state of the token before the
     pending one.
     `tree_nodes`: rows of a verify pass, the pending token included (32 keeps the GEMMs at M = 32).
@@ -75,9 +76,9 @@ class Engine:
         topk = inputs.count(fn, "topk", topk)
         graphs = inputs.flag(fn, "graphs", graphs, none_ok=True)
         two_level = inputs.flag(fn, "two_level", two_level)
-        if drafter == "heads":
-            raise ValueError(f"{fn}: drafter='heads' loads the heads trained for a checkpoint; use "
-                             "Engine.from_pretrained(path, drafter='heads'), or pass "
+        if drafter in ("heads", "heads-markov"):
+            raise ValueError(f"{fn}: drafter={drafter!r} loads the heads trained for a checkpoint; use "
+                             f"Engine.from_pretrained(path, drafter={drafter!r}), or pass "
                              "specpilot.engine.spec.heads.HeadsDrafter.load(file)")
         if drafter == "self" and model.rows < 3:
             raise ValueError(f"{fn}: drafter='self' needs 3 cache rows (target, drafter, scratch) but the model has "
@@ -171,8 +172,8 @@ class Engine:
         tensors, _ = load_tensors(path)
         model = HybridModel(cfg, tensors, device=device, fmt=weights, kernels=Kernels.choose(device, kernels),
                             rows=rows, max_len=max_len, head_screen=head_screen, fused_glue=fused_glue)
-        if drafter == "heads":
-            drafter = shipped_heads(fn, model, path)
+        if drafter in ("heads", "heads-markov"):
+            drafter = shipped_heads(fn, model, path, markov=drafter == "heads-markov")
         eng = cls(model, drafter, **kw)
         eng.codec = inputs.text_codec(cfg.vocab, path)
         return eng
@@ -321,13 +322,17 @@ class Engine:
         return generate_batch(self, prompts, max_new_tokens, budget=budget, max_rows=max_rows, graphs=graphs)
 
     def _draft(self, ctx: list[int], budget: int | None = None):
+        nodes = self.tree_nodes - 1 if budget is None else budget
+        if getattr(self.drafter, "conditional", False):  # candidates that depend on their parent: its own tree
+            kw = {"hidden": self._hidden} if self.needs_hidden else {}
+            return self.drafter.propose_tree(ctx, self.positions, self.topk, nodes, **kw)
         if self._draft_graph is not None:
             tokens, scores = self._draft_graph.propose(ctx)
         elif self.needs_hidden:
             tokens, scores = self.drafter.propose(ctx, self.positions, self.topk, hidden=self._hidden)
         else:
             tokens, scores = self.drafter.propose(ctx, self.positions, self.topk)
-        return build_tree(tokens.cpu(), scores.cpu(), budget=self.tree_nodes - 1 if budget is None else budget)
+        return build_tree(tokens.cpu(), scores.cpu(), budget=nodes)
 
     def _accept(self, tree, target: torch.Tensor, max_depth: int):
         """greedy_accept of one draft tree against the target's choices after the root and each node."""
@@ -420,17 +425,18 @@ class Engine:
         return new
 
 
-def shipped_heads(fn: str, model: HybridModel, path):
+def shipped_heads(fn: str, model: HybridModel, path, markov: bool = False):
     """The shipped trained heads (`specpilot.models.tiny_stdlib_heads_path()`) for `model`, which must be the
     model they were trained for: the SHA-256 of its BF16 embedding matrix equals the one the weights file records
     (a repacked copy of the shipped checkpoint passes; any other model is refused with the fix)."""
     from ..models import HEADS_FILE, tiny_stdlib_heads_path
     from .spec.heads import HeadsDrafter, embed_sha256
 
-    file = tiny_stdlib_heads_path() / HEADS_FILE
+    file = tiny_stdlib_heads_path(markov) / HEADS_FILE
     drafter = HeadsDrafter.load(file)
     if drafter.target_embed_sha256 != embed_sha256(model.embed):
-        raise ValueError(f"{fn}: drafter='heads' has trained heads for the shipped tiny model only ({file}) and {path} "
+        raise ValueError(f"{fn}: drafter={'heads-markov' if markov else 'heads'!r} has trained heads for the shipped "
+                         f"tiny model only ({file}) and {path} "
                          "holds another model (its embedding differs); train heads for it with python -m "
                          "specpilot.models.train_heads --target PATH --out DIR and pass "
                          "drafter=HeadsDrafter.load('DIR/heads.safetensors')")

@@ -13,7 +13,7 @@ import torch
 
 __all__ = ["count", "flag", "device", "drafter", "token_ids", "text_codec", "DRAFTERS"]
 
-DRAFTERS = ("ngram", "self", "heads")
+DRAFTERS = ("ngram", "self", "heads", "heads-markov")
 
 
 def count(fn: str, name: str, value, lo: int = 1, hi: int | None = None) -> int:
@@ -64,8 +64,8 @@ def drafter(fn: str, value):
     if value is None or (isinstance(value, str) and value in DRAFTERS) or callable(getattr(value, "propose", None)):
         return value
     if isinstance(value, str):
-        raise ValueError(f"{fn}: drafter={value!r} is not a shipped drafter; pass 'ngram', 'self', 'heads', None "
-                         "(autoregressive only), or an object with propose(context, positions, k)")
+        raise ValueError(f"{fn}: drafter={value!r} is not a shipped drafter; pass 'ngram', 'self', 'heads', 'heads-markov', "
+                         "None (autoregressive only), or an object with propose(context, positions, k)")
     raise TypeError(f"{fn}: drafter={value!r} ({type(value).__name__}) has no propose method; pass 'ngram', 'self', "
                     "'heads', None, or an object with propose(context, positions, k) (specpilot.engine.spec.drafters.Drafter)")
 

@@ -17,13 +17,16 @@ Files in `tiny_stdlib_path()`:
 `drafter="heads"`), trained by `specpilot.models.train_heads`. Files in `tiny_stdlib_heads_path()`: `HEADS_FILE`
 (BF16 safetensors) and `TRAIN_FILE` (recipe, data sizes, evaluation on held-out continuations, versions). It
 lives outside the checkpoint folder, whose every `*.safetensors` file the engine's loader reads as the model's.
+`tiny_stdlib_heads_markov` (`tiny_stdlib_heads_path(markov=True)`): the Markov variant of the same heads (each row
+also reads the draft token above it; the engine's `drafter="heads-markov"`), the same two files.
 """
 
 from __future__ import annotations
 
 import pathlib
 
-__all__ = ["tiny_stdlib_path", "tiny_stdlib_heads_path", "TINY_STDLIB", "TINY_STDLIB_HEADS", "CONFIG_FILE",
+__all__ = ["tiny_stdlib_path", "tiny_stdlib_heads_path", "TINY_STDLIB", "TINY_STDLIB_HEADS",
+           "TINY_STDLIB_HEADS_MARKOV", "CONFIG_FILE",
            "WEIGHTS_FILE", "HELDOUT_FILE", "TRAIN_FILE", "HEADS_FILE"]
 
 TINY_STDLIB = "tiny_stdlib"
@@ -32,6 +35,7 @@ WEIGHTS_FILE = "model.w12.safetensors"
 HELDOUT_FILE = "heldout.txt"
 TRAIN_FILE = "train.json"
 TINY_STDLIB_HEADS = "tiny_stdlib_heads"
+TINY_STDLIB_HEADS_MARKOV = "tiny_stdlib_heads_markov"
 HEADS_FILE = "heads.safetensors"
 
 
@@ -40,6 +44,7 @@ def tiny_stdlib_path() -> pathlib.Path:
     return pathlib.Path(__file__).resolve().parent / TINY_STDLIB
 
 
-def tiny_stdlib_heads_path() -> pathlib.Path:
-    """The directory of the shipped drafter heads of tiny_stdlib (inside the installed package)."""
-    return pathlib.Path(__file__).resolve().parent / TINY_STDLIB_HEADS
+def tiny_stdlib_heads_path(markov: bool = False) -> pathlib.Path:
+    """The directory of the shipped drafter heads of tiny_stdlib (inside the installed package); `markov`: of their
+    Markov variant."""
+    return pathlib.Path(__file__).resolve().parent / (TINY_STDLIB_HEADS_MARKOV if markov else TINY_STDLIB_HEADS)

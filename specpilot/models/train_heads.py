@@ -1,6 +1,6 @@
 """Train the parallel drafter heads (`specpilot.engine.spec.heads`) for the tiny_stdlib model, on the CPU.
 
-    python -m specpilot.models.train_heads --out DIR [--steps N] [--prompts N] [--seed S] [--threads T]
+    python -m specpilot.models.train_heads --out DIR [--steps N] [--prompts N] [--seed S] [--threads T] [--markov]
 
 Data: self-distillation. What a drafter of greedy decoding must predict is the target's own greedy
 continuation, not the corpus. `--prompts` windows of `PROMPT_LEN` bytes are drawn from the training corpus of
@@ -15,7 +15,9 @@ checkpoint's held-out text (`heldout.txt`), which training never reads.
 Training: AdamW with warmup and cosine decay, batches of `BATCH` examples, cross-entropy per position weighted
 by `POS_DECAY ** d` (an error at depth d ends the accepted chain there, so the first positions matter most).
 Seeded (`--seed` draws the prompts and initialises the heads) and run on `--threads` torch threads: the same
-seed, threads and corpus give the same weights.
+seed, threads and corpus give the same weights. `--markov`: the Markov variant (`HeadsDims.markov`), each row also
+reading the token above it, given the true one in training (teacher forcing); its evaluation feeds the same, which
+counts the same leading run of correct tokens as feeding its own top-1 (they agree up to the first miss).
 
 Output (DIR): `heads.safetensors` (BF16, `HeadsDrafter.save`) and `train.json` (recipe, data sizes, wall
 times, versions, and on the evaluation set the top-1 accuracy per position and the mean accepted length of a
@@ -87,13 +89,20 @@ def make_examples(target, data: torch.Tensor, n_prompts: int, gen: torch.Generat
     return torch.cat(hs), torch.cat(ps), torch.cat(ls)
 
 
+def _prev(net: HeadsNet, pending: torch.Tensor, labels: torch.Tensor) -> torch.Tensor | None:
+    """The tokens above each row that a Markov net reads (the pending token, then the labels), else None."""
+    return torch.cat([pending[:, None], labels[:, :-1]], 1) if net.dims.markov else None
+
+
 @torch.no_grad()
 def chain_acceptance(net: HeadsNet, hidden, pending, labels, batch: int = 4096) -> dict:
-    """Top-1 accuracy per position, and the mean number of leading correct top-1 predictions of a chain of 8 and
-    of 16 (the draft tokens a greedy chain verify step would accept)."""
+    """Top-1 accuracy per position (a Markov net's given the true token above), and the mean number of leading
+    correct top-1 predictions of a chain of 8 and of 16 (the draft tokens a greedy chain verify step would
+    accept)."""
     correct = []
     for a in range(0, hidden.shape[0], batch):
-        pred = net(hidden[a:a + batch], pending[a:a + batch]).argmax(-1)
+        p, y = pending[a:a + batch], labels[a:a + batch]
+        pred = net(hidden[a:a + batch], p, _prev(net, p, y)).argmax(-1)
         correct.append(pred == labels[a:a + batch])
     ok = torch.cat(correct)
     run = ok.long().cumprod(-1)
@@ -103,7 +112,7 @@ def chain_acceptance(net: HeadsNet, hidden, pending, labels, batch: int = 4096) 
 
 
 def train(out, steps: int = DEFAULT_STEPS, prompts: int = DEFAULT_PROMPTS, eval_prompts: int = EVAL_PROMPTS,
-          seed: int = DEFAULT_SEED, threads: int = 1, target_dir=None, log=None) -> dict:
+          seed: int = DEFAULT_SEED, threads: int = 1, target_dir=None, log=None, markov: bool = False) -> dict:
     """Build the data, train the heads, write `HEADS_FILE` and `RECORD_FILE` to `out`; returns the record.
     `log(line)`: progress lines (default: printed)."""
     log = log or (lambda line: print(line, flush=True))
@@ -132,7 +141,7 @@ def train(out, steps: int = DEFAULT_STEPS, prompts: int = DEFAULT_PROMPTS, eval_
 
     torch.manual_seed(seed)
     cfg = target.config
-    net = HeadsNet(HeadsDims(hidden=cfg.hidden_size, vocab=cfg.vocab_size, positions=POSITIONS))
+    net = HeadsNet(HeadsDims(hidden=cfg.hidden_size, vocab=cfg.vocab_size, positions=POSITIONS, markov=bool(markov)))
     n_params = sum(p.numel() for p in net.parameters())
     opt = train_tiny.adamw(net, LR, WEIGHT_DECAY, BETAS)
     w = POS_DECAY ** torch.arange(POSITIONS, dtype=torch.float32)
@@ -146,7 +155,7 @@ def train(out, steps: int = DEFAULT_STEPS, prompts: int = DEFAULT_PROMPTS, eval_
         for g in opt.param_groups:
             g["lr"] = train_tiny.cosine_lr(step, steps, LR, WARMUP, MIN_LR_FRAC)
         idx = torch.randint(0, N, (min(BATCH, N),), generator=gen)
-        logits = net(hidden[idx], pending[idx])  # [B, P, V]
+        logits = net(hidden[idx], pending[idx], _prev(net, pending[idx], labels[idx]))  # [B, P, V]
         ce = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), labels[idx].reshape(-1), reduction="none")
         loss = (ce.view(-1, POSITIONS) * w).sum(-1).mean()
         opt.zero_grad(set_to_none=True)
@@ -201,12 +210,13 @@ def main(argv=None) -> int:
     ap.add_argument("--seed", type=int, default=DEFAULT_SEED)
     ap.add_argument("--threads", type=int, default=1, help="torch threads (the same count reproduces the weights)")
     ap.add_argument("--target", default=None, help="target checkpoint folder (default: the shipped tiny_stdlib)")
+    ap.add_argument("--markov", action="store_true", help="the Markov variant: each row also reads the token above")
     args = ap.parse_args(argv)
     for name in ("steps", "prompts", "eval_prompts", "threads"):
         if getattr(args, name) < 1:
             ap.error(f"--{name.replace('_', '-')} must be >= 1")
     train(args.out, steps=args.steps, prompts=args.prompts, eval_prompts=args.eval_prompts, seed=args.seed,
-          threads=args.threads, target_dir=args.target)
+          threads=args.threads, target_dir=args.target, markov=args.markov)
     return 0
 
 

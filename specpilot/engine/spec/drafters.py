@@ -49,6 +49,12 @@ class Drafter(Protocol):
     since the tree builder adds the scores along a path); -inf with token 0 marks an empty slot.
     An empty context is allowed and proposes nothing (all -inf), so callers need no special case.
     A drafter with `needs_hidden = True` also takes the keyword `hidden` (module docstring).
+
+    A drafter whose candidates depend on their parent (`conditional = True`, e.g. the Markov heads) gives the tree
+    itself instead: `propose_tree(context, positions, k, budget, [hidden=])` -> `tree.DraftTree` of at most
+    `budget` nodes, each node's score its path's sum of log-probabilities given the parent
+    (`tree.build_tree_conditional` builds one from a function of (depth, parent token)). The engine calls it in
+    place of `propose` and the builder; `propose` stays for callers that want rows.
     """
 
     def propose(self, context: Sequence[int] | torch.Tensor, positions: int, k: int

@@ -18,6 +18,13 @@ is read). Every row depends on (hidden, pending) only, not on the other rows' to
 the tree builder's path sums assume (`specpilot.engine.spec.tree`). `propose` returns each row's top-k with
 its log-softmax scores; rows past the trained `positions` are empty (-inf).
 
+The Markov variant (`HeadsDims.markov`, DSpark style) also reads the token of the row above: row d adds
+`prev[t]` to u_d, where t is the draft token at depth d - 1 (the pending token for row 0), so that its
+distribution is the next token's given its parent. It is trained with the true tokens there (teacher forcing).
+`propose_tree` grows the tree node by node (`tree.build_tree_conditional`): each selected node's children are
+one row of the network given that node's token, and a child's edge score is its log-probability given the
+parent. `propose` of a Markov net gives the rows along the top-1 chain (row d given row d - 1's top-1 token).
+
 The weights file (`save` / `load`): safetensors, tensors in BF16, its metadata holding the network's sizes
 (`dims`, JSON) and the SHA-256 of the target's BF16 embedding matrix (`target_embed_sha256`), which a loader
 compares with the target it drafts for.
@@ -53,6 +60,7 @@ class HeadsDims:
     blocks: int = 2
     positions: int = 16
     embed: int = 128
+    markov: bool = False
 
 
 def _rms(x: torch.Tensor, eps: float = 1e-6) -> torch.Tensor:
@@ -74,13 +82,34 @@ class HeadsNet(torch.nn.Module):
         self.w_out = torch.nn.Linear(D, dims.vocab, bias=False)
         torch.nn.init.normal_(self.pos, std=0.02)
         torch.nn.init.normal_(self.embed.weight, std=0.02)
+        if dims.markov:
+            self.prev = torch.nn.Embedding(dims.vocab, D)
+            torch.nn.init.normal_(self.prev.weight, std=0.02)
 
-    def forward(self, hidden: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
-        z = self.w_in(torch.cat([_rms(hidden.float()), self.embed(pending)], -1))  # [B, D]
-        u = z[:, None, :] + self.pos[None]  # [B, P, D]
+    def start(self, hidden: torch.Tensor, pending: torch.Tensor) -> torch.Tensor:
+        """z [B, D] of (hidden [B, H], pending [B])."""
+        return self.w_in(torch.cat([_rms(hidden.float()), self.embed(pending)], -1))
+
+    def _finish(self, u: torch.Tensor, prev: torch.Tensor | None) -> torch.Tensor:
+        if self.dims.markov:
+            if prev is None:
+                raise ValueError("specpilot.engine.spec.heads.HeadsNet: a Markov net's rows read the token above "
+                                 "them; pass prev")
+            u = u + self.prev(prev)
         for w1, w2 in zip(self.w1, self.w2):
             u = u + w2(F.silu(w1(_rms(u))))
-        return self.w_out(_rms(u))  # [B, P, vocab]
+        return self.w_out(_rms(u))
+
+    def rows(self, z: torch.Tensor, depth: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [R, vocab] of rows `depth` [R] (int64) on one request's z [D], given the tokens `prev` [R] of the
+        rows above (Markov nets only)."""
+        return self._finish(z[None, :] + self.pos[depth], prev)
+
+    def forward(self, hidden: torch.Tensor, pending: torch.Tensor, prev: torch.Tensor | None = None) -> torch.Tensor:
+        """Logits [B, P, vocab]; a Markov net reads `prev` [B, P], the token above each row (row 0: the pending
+        token)."""
+        z = self.start(hidden, pending)  # [B, D]
+        return self._finish(z[:, None, :] + self.pos[None], prev)  # [B, P, vocab]
 
 
 def embed_sha256(embed: torch.Tensor) -> str:
@@ -107,6 +136,8 @@ class HeadsDrafter:
         self.net = net.eval()
         self.dims = net.dims
         self.target_embed_sha256 = target_embed_sha256
+        # a Markov net's candidates depend on their parent: the engine asks it for the tree (`propose_tree`)
+        self.conditional = bool(net.dims.markov)
 
     def __repr__(self) -> str:
         return f"HeadsDrafter({self.dims})"
@@ -141,15 +172,66 @@ class HeadsDrafter:
         state = {k: v.detach().to(torch.bfloat16).contiguous() for k, v in self.net.state_dict().items()}
         save_file(state, str(path), metadata=meta)
 
-    @torch.no_grad()
-    def logits(self, hidden: torch.Tensor, pending: int) -> torch.Tensor:
-        """fp32 logits [positions, vocab] of the heads for one (hidden, pending token), computed on hidden's device
-        (the network moves there at its first call on it)."""
+    def _start(self, hidden: torch.Tensor, pending: int) -> torch.Tensor:
         dev = hidden.device
         if self.net.w_out.weight.device != dev:
             self.net.to(dev)
         h = hidden.detach().to(dtype=torch.float32).reshape(1, -1)
-        return self.net(h, torch.tensor([pending], dtype=torch.int64, device=dev))[0]
+        return self.net.start(h, torch.tensor([pending], dtype=torch.int64, device=dev))[0]
+
+    @torch.no_grad()
+    def logits(self, hidden: torch.Tensor, pending: int) -> torch.Tensor:
+        """fp32 logits [positions, vocab] of the heads for one (hidden, pending token), computed on hidden's device
+        (the network moves there at its first call on it); a Markov net's along its top-1 chain (row d given row
+        d - 1's argmax)."""
+        if not self.dims.markov:
+            z = self._start(hidden, pending)
+            return self.net._finish(z[None, None, :] + self.net.pos[None], None)[0]
+        z = self._start(hidden, pending)
+        out, prev = [], torch.tensor([pending], dtype=torch.int64, device=z.device)
+        for d in range(self.dims.positions):
+            row = self.net.rows(z, torch.tensor([d], device=z.device), prev)
+            out.append(row[0])
+            prev = row.argmax(-1)
+        return torch.stack(out)
+
+    def _check_hidden(self, fn: str, hidden) -> None:
+        if not isinstance(hidden, torch.Tensor) or hidden.numel() != self.dims.hidden \
+                or not hidden.dtype.is_floating_point:
+            got = f"a {hidden.dtype} tensor of shape {tuple(hidden.shape)}" if isinstance(hidden, torch.Tensor) \
+                else f"a {type(hidden).__name__}"
+            raise ValueError(f"{_WHERE}.{fn}: hidden is {got}; pass the target's final-normed hidden state, a "
+                             f"floating tensor of {self.dims.hidden} elements")
+
+    @torch.no_grad()
+    def propose_tree(self, context: Sequence[int] | torch.Tensor, positions: int, k: int, budget: int, *,
+                     hidden: torch.Tensor | None = None):
+        """The draft tree (`tree.DraftTree`, at most `budget` nodes, depth < min(positions, trained positions)),
+        grown best-first node by node (`tree.build_tree_conditional`): the children of a node at depth d holding
+        token t are the top-k of row d + 1 given t (row 0 given the pending token), each scored by its
+        log-probability given its parent. One row of the network per selected node. No hidden state or an empty
+        context: an empty tree."""
+        from .tree import build_tree_conditional
+
+        fn = "HeadsDrafter.propose_tree"
+        _check_count(fn, "positions", positions, _WHERE)
+        _check_count(fn, "k", k, _WHERE)
+        ctx = _as_context(fn, context, self.dims.vocab, _WHERE)
+        P = min(positions, self.dims.positions)
+        if hidden is None or ctx.numel() == 0:
+            return build_tree_conditional(lambda d, t: ([], []), budget, 0)
+        self._check_hidden(fn, hidden)
+        pending = int(ctx[-1])
+        z = self._start(hidden, pending)
+        kk = min(k, self.dims.vocab)
+
+        def expand(depth: int, token: int):
+            prev = torch.tensor([pending if depth == 0 else token], dtype=torch.int64, device=z.device)
+            row = torch.log_softmax(self.net.rows(z, torch.tensor([depth], device=z.device), prev)[0], -1)
+            v, i = torch.topk(row, kk)
+            return i.tolist(), v.tolist()
+
+        return build_tree_conditional(expand, budget, P)
 
     def propose(self, context: Sequence[int] | torch.Tensor, positions: int, k: int, *,
                 hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
@@ -161,12 +243,7 @@ class HeadsDrafter:
         scores = torch.full((positions, k), float("-inf"), dtype=torch.float32)
         if hidden is None or ctx.numel() == 0:
             return tokens, scores
-        if not isinstance(hidden, torch.Tensor) or hidden.numel() != self.dims.hidden \
-                or not hidden.dtype.is_floating_point:
-            got = f"a {hidden.dtype} tensor of shape {tuple(hidden.shape)}" if isinstance(hidden, torch.Tensor) \
-                else f"a {type(hidden).__name__}"
-            raise ValueError(f"{_WHERE}.{fn}: hidden is {got}; pass the target's final-normed hidden state, a "
-                             f"floating tensor of {self.dims.hidden} elements")
+        self._check_hidden(fn, hidden)
         P, kk = min(positions, self.dims.positions), min(k, self.dims.vocab)
         logp = torch.log_softmax(self.logits(hidden, int(ctx[-1]))[:P], -1)
         v, i = torch.topk(logp, kk, dim=-1)

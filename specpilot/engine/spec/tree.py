@@ -49,7 +49,8 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["DraftTree", "DraftTrees", "build_tree", "build_trees", "build_trees_batched", "MAX_NODES"]
+__all__ = ["DraftTree", "DraftTrees", "build_tree", "build_tree_conditional", "build_trees", "build_trees_batched",
+           "MAX_NODES"]
 
 _WHERE = "specpilot.engine.spec.tree"  # the module as error messages name it
 
@@ -197,6 +198,67 @@ def build_tree(tokens: torch.Tensor, scores: torch.Tensor, budget: int = 32) -> 
                      depths=torch.tensor(d, dtype=torch.int32, device=dev),
                      scores=torch.tensor(sc, dtype=torch.float64, device=dev),
                      anc=torch.tensor(a, dtype=torch.int64, device=dev))
+
+
+def build_tree_conditional(expand, budget: int, max_depth: int) -> DraftTree:
+    """One request's tree from a drafter whose candidates depend on the parent: `expand(depth, token)` gives the
+    candidates for the child at `depth` of a node holding `token` (depth 0: the children of the committed token,
+    which the caller knows; `token` is then -1), as (tokens [K] ints, scores [K] log-probabilities given that
+    parent). Best-first under
+    the marginal builder's tie rule (module docstring), the path score a parent's plus the child's conditional
+    score; `expand` is called once per selected node that may have children (depth + 1 < max_depth), when the node
+    is selected, and once for the committed token, so at most budget + 1 times. Host lists, CPU tensors out."""
+    fn = "build_tree_conditional"
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= MAX_NODES:
+        raise ValueError(f"{_WHERE}.{fn}: budget={budget!r}; pass an int in [0, {MAX_NODES}] "
+                         "(one int64 ancestor bitmask per node)")
+    if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
+        raise ValueError(f"{_WHERE}.{fn}: max_depth={max_depth!r}; pass an int >= 0")
+    tokens, parents, depths, scores, anc = [], [], [], [], []
+    kids: list[tuple[list[int], list[float], list[int]]] = []  # per expanded parent: tokens, scores, sibling order
+    heap: list[tuple[float, int, int, int, int]] = []
+
+    def candidates(depth: int, token: int) -> int:
+        """Expand (depth, token) into `kids`; returns its index there."""
+        t, sc = expand(depth, token)
+        t = [int(x) for x in t]
+        sc = [float(x) for x in sc]
+        if len(t) != len(sc):
+            raise ValueError(f"{_WHERE}.{fn}: expand({depth}, {token}) gave {len(t)} tokens and {len(sc)} scores; "
+                             "return one score per candidate")
+        for j, v in enumerate(sc):
+            if math.isnan(v) or v == math.inf:
+                raise ValueError(f"{_WHERE}.{fn}: expand({depth}, {token}) scored candidate {j} {v}; scores must "
+                                 "be log-probabilities (finite, or -inf for a candidate never to choose)")
+        order = _rows([t], [sc])[0]
+        kids.append((t, sc, order))
+        return len(kids) - 1
+
+    def push(parent: int, parent_score: float, depth: int, rank: int, kid: int) -> None:
+        t, sc, order = kids[kid]
+        if depth < max_depth and rank < len(order):
+            j = order[rank]
+            v = parent_score + sc[j]
+            if v > _NEG_INF:
+                heapq.heappush(heap, (-v, depth, rank, parent, kid, j))
+
+    if budget and max_depth:
+        push(-1, 0.0, 0, 0, candidates(0, -1))
+    while heap and len(tokens) < budget:
+        neg, d, r, par, kid, j = heapq.heappop(heap)
+        i = len(tokens)
+        tok = kids[kid][0][j]
+        tokens.append(tok)
+        parents.append(par)
+        depths.append(d)
+        scores.append(-neg)
+        anc.append(_bit(i) | (anc[par] if par >= 0 else 0))
+        push(par, scores[par] if par >= 0 else 0.0, d, r + 1, kid)  # next sibling
+        if d + 1 < max_depth and len(tokens) < budget:
+            push(i, -neg, d + 1, 0, candidates(d + 1, tok))  # own best child
+    return DraftTree(tokens=torch.tensor(tokens, dtype=torch.int64), parents=torch.tensor(parents, dtype=torch.int32),
+                     depths=torch.tensor(depths, dtype=torch.int32), scores=torch.tensor(scores, dtype=torch.float64),
+                     anc=torch.tensor(anc, dtype=torch.int64))
 
 
 def _empty(B: int, N: int, dev) -> DraftTrees:
