@@ -149,3 +149,13 @@ def test_markov_training_script_runs(tmp_path):
     rec = train_heads.train(tmp_path, steps=2, prompts=2, eval_prompts=2, seed=1, log=lambda line: None, markov=True)
     d = HeadsDrafter.load(tmp_path / HEADS_FILE)
     assert d.dims == HeadsDims(hidden=128, vocab=256, markov=True) and rec["heads"]["markov"]
+
+
+@pytest.mark.gpu
+def test_markov_outputs_identical_to_autoregressive_gpu():
+    # the shipped model on the GPU (kernels, CUDA graphs), the Markov heads' 32-node trees
+    ar = Engine.from_pretrained(CKPT, device="cuda", weights="w12", drafter=None).generate(PROMPT, 96,
+                                                                                         speculative=False)
+    eng = Engine.from_pretrained(CKPT, device="cuda", weights="w12", drafter="heads-markov", **MODES["tree32"])
+    assert eng.generate(PROMPT, 96, speculative=True) == ar
+    assert eng.stats()["verify"]["tau"] > 1.5
