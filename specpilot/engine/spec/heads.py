@@ -122,6 +122,9 @@ class HeadsDrafter:
     """`Drafter` over a `HeadsNet`. `needs_hidden = True`: the engine passes `hidden=`, the target's final-normed
     hidden state of the token before the pending one (docs/engine.md, "Drafters").
 
+    A Markov net (`dims.markov`) is `conditional`: the engine asks it for the tree, `propose_tree(context,
+    positions, k, budget, hidden=...)`.
+
     `propose(context, positions, k, hidden=...)` -> (tokens int64 [positions, k], scores float32 [positions, k])
     on the CPU (the heads run on hidden's device): row d the top-k of head d by log-probability; rows past the
     trained positions, and every row when `hidden` is None (a one-token prompt: the target has processed nothing
@@ -184,10 +187,9 @@ class HeadsDrafter:
         """fp32 logits [positions, vocab] of the heads for one (hidden, pending token), computed on hidden's device
         (the network moves there at its first call on it); a Markov net's along its top-1 chain (row d given row
         d - 1's argmax)."""
-        if not self.dims.markov:
-            z = self._start(hidden, pending)
-            return self.net._finish(z[None, None, :] + self.net.pos[None], None)[0]
         z = self._start(hidden, pending)
+        if not self.dims.markov:
+            return self.net._finish(z[None, None, :] + self.net.pos[None], None)[0]
         out, prev = [], torch.tensor([pending], dtype=torch.int64, device=z.device)
         for d in range(self.dims.positions):
             row = self.net.rows(z, torch.tensor([d], device=z.device), prev)
