@@ -61,3 +61,18 @@ def test_deploy_runs_gpu(tmp_path):
     for e in res["formats"].values():
         assert all(r["method"] == "cuda_events" and r["floor_ms"] > 0 for r in e["steps"])
     assert len(list(tmp_path.glob("*-deploy.json"))) == len(list(tmp_path.glob("*-deploy.md"))) == 1
+
+
+def test_deploy_dry_run_profiles_one_step_cpu(tmp_path):
+    # --profile B,BUDGET: each format's operators of one step, the largest first, in the JSON and the table
+    assert deploy.main(["--dry", "--batches", "2", "--budgets", "4", "--profile", "3,4", "--out", str(tmp_path)]) == 0
+    (js,), (md,) = tmp_path.glob("*-deploy.json"), tmp_path.glob("*-deploy.md")
+    res = json.loads(js.read_text())
+    for fmt in ("bf16", "w12"):
+        pr = res["formats"][fmt]["profile"]
+        assert (pr["batch"], pr["budget"], pr["rows"]) == (3, 4, 7) and pr["total_ms"] > 0
+        ms = [k["ms"] for k in pr["kernels"]]
+        assert ms == sorted(ms, reverse=True) and all(k["calls"] >= 1 for k in pr["kernels"])
+    assert "under torch.profiler" in md.read_text()
+    with pytest.raises(SystemExit):
+        deploy.main(["--dry", "--profile", "8"])

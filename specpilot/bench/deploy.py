@@ -15,6 +15,10 @@ weight of its format once and each request's KV prefix and recurrent and conv st
 layers on the runtime layout, as `specpilot.bench.engine`), the glue as fused Triton kernels. Writes JSON and Markdown
 to `out`.
 
+`--profile B,BUDGET`: also, per format, where one step's time goes: the eager body of that step under
+`torch.profiler`, device time per kernel name (on the CPU: self time per operator), the largest first, in the JSON
+(`profile`) and the table.
+
 `--dry`: the same code on the CPU at tiny shapes (`DRY`: the `tiny` shape set with attention heads of 64, the
 kernels' smallest), the graphs' bodies run eagerly and timed with `time.perf_counter`: it exercises the script; its
 times are not figures of anything.
@@ -96,6 +100,41 @@ def _batch_row(model, fmt_bytes, B: int, budget: int, prefix: int, positions: in
     return row
 
 
+def _profile(model, B: int, budget: int, prefix: int, positions: int, topk: int, dev: torch.device,
+             top: int = 25) -> dict:
+    """Kernels of one batch step (`GraphedBatchStep`'s body run eagerly, after two warm-up runs) under
+    torch.profiler: device time per kernel name on a GPU, self CPU time per operator on the CPU."""
+    from torch.autograd import DeviceType
+    from torch.profiler import ProfilerActivity, profile
+
+    from ..engine.graphs import GraphedBatchStep
+
+    g = GraphedBatchStep(model, list(range(B)), budget, max_depth=positions)
+    trees = _trees(model.cfg.vocab, positions, topk, B, budget, seed=100 * B + budget)
+    roots = torch.randint(0, model.cfg.vocab, (B,), generator=torch.Generator().manual_seed(B + budget)).tolist()
+    g.load([prefix] * B, roots, trees)
+    cuda = dev.type == "cuda"
+    for _ in range(2):
+        g._body()
+    if cuda:
+        torch.cuda.synchronize(dev)
+    with profile(activities=[ProfilerActivity.CPU] + ([ProfilerActivity.CUDA] if cuda else [])) as p:
+        g._body()
+        if cuda:
+            torch.cuda.synchronize(dev)
+    if cuda:
+        rows = [(e.device_time_total, e) for e in p.key_averages() if e.device_type == DeviceType.CUDA]
+    else:
+        rows = [(e.self_cpu_time_total, e) for e in p.key_averages()]
+    rows.sort(key=lambda r: -r[0])
+    out = {"batch": B, "budget": budget, "rows": g.total, "max_nodes": g.max_nodes,
+           "what": "device time per kernel" if cuda else "self CPU time per operator",
+           "total_ms": sum(t for t, _ in rows) / 1e3,
+           "kernels": [{"name": e.key[:160], "ms": t / 1e3, "calls": e.count} for t, e in rows[:top]]}
+    del g
+    return out
+
+
 def _one_request(model, fmt: str, prefix: int, nodes: int, positions: int, topk: int, reps: int,
                  dev: torch.device) -> dict:
     """The exact verify step of one request (`GraphedStep`, `nodes` rows) and, on W12 weights, the Q pass over the
@@ -128,9 +167,10 @@ def _one_request(model, fmt: str, prefix: int, nodes: int, positions: int, topk:
 
 def run(shapes: str = "hybrid-27b", prefix: int = 4096, batches=(8, 24), budgets=(64, 128, 192, 256),
         nodes: int = 32, positions: int = 16, topk: int = 4, reps: int = 30, formats=("bf16", "w12"), out=None,
-        device=None, overrides: dict | None = None, log=print) -> dict:
+        device=None, overrides: dict | None = None, log=print, profile: tuple[int, int] | None = None) -> dict:
     """Time the steps (module docstring) on `device` (default CUDA; the CPU runs the graphs' bodies eagerly) and
-    return the results; with `out`, also write them there as `<stamp>-deploy.json` and `.md`."""
+    return the results; with `out`, also write them there as `<stamp>-deploy.json` and `.md`. `profile`: (B,
+    budget) of the step whose kernels each format also reports (`--profile`)."""
     from ..engine import HybridConfig, HybridModel, Kernels
     from ..engine.model import MAX_STEP_NODES
     from ..engine.synthetic import SyntheticTensors, hf_config
@@ -143,7 +183,7 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, batches=(8, 24), budgets
     # a verify pass reaches prefix + 64 positions: the prefix shrinks to what the config's positions hold
     prefix = max(1, min(prefix, cfg.max_position_embeddings - MAX_STEP_NODES))
     batches, budgets = tuple(int(b) for b in batches), tuple(int(b) for b in budgets)
-    rows = max(batches)
+    rows = max(batches + ((int(profile[0]),) if profile is not None else ()))
     fused = dev.type == "cuda"
     res = {"shapes": shapes, "overrides": overrides, "prefix": prefix, "batches": list(batches),
            "budgets": list(budgets), "nodes": nodes, "positions": positions, "topk": topk, "fused_glue": fused,
@@ -189,6 +229,11 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, batches=(8, 24), budgets
                     f"the {B}-row AR step")
                 if dev.type == "cuda":
                     torch.cuda.empty_cache()
+        if profile is not None:
+            entry["profile"] = _profile(model, profile[0], profile[1], prefix, positions, topk, dev)
+            top = entry["profile"]["kernels"][:3]
+            log(f"{fmt}: profile of B={profile[0]} budget {profile[1]}: {entry['profile']['total_ms']:.2f} ms; "
+                + ", ".join(f"{k['name'][:40]} {k['ms']:.2f} ms" for k in top))
         entry["one_request"] = _one_request(model, fmt, prefix, nodes, positions, topk, reps, dev)
         log(f"{fmt}: one request: {entry['one_request']}")
         res["formats"][fmt] = entry
@@ -232,6 +277,13 @@ def markdown(res: dict) -> str:
     err = res["formats"].get("w12", {}).get("one_request", {}).get("q_pass_error")
     if err:
         lines += ["", f"The Q pass did not run: {err}"]
+    for fmt, e in res["formats"].items():
+        pr = e.get("profile")
+        if pr:
+            lines += ["", f"{fmt}: one step of B = {pr['batch']}, budget {pr['budget']} ({pr['rows']} rows, at most "
+                      f"{pr['max_nodes']} nodes a request), its eager body under torch.profiler: {pr['what']}, "
+                      f"{pr['total_ms']:.2f} ms in all", "", "| kernel | ms | calls |", "|---|---|---|"]
+            lines += [f"| `{k['name'][:100]}` | {k['ms']:.3f} | {k['calls']} |" for k in pr["kernels"][:15]]
     q = res.get("q_pass")
     if q and q.get("over_bf16_exact") is not None:
         lines += ["", f"The Q pass (W12 8-bit view) takes {q['over_bf16_exact']:.3f}x the BF16 exact step."]
@@ -252,6 +304,8 @@ def main(argv=None) -> int:
     ap.add_argument("--reps", type=int, default=None, help="timed replays per step (default 30)")
     ap.add_argument("--formats", default="bf16,w12")
     ap.add_argument("--out", default=None)
+    ap.add_argument("--profile", default=None, metavar="B,BUDGET",
+                    help="also each format's kernels of one step of B requests and BUDGET draft nodes")
     ap.add_argument("--dry", action="store_true", help="the CPU at tiny shapes: checks the script, times nothing")
     a = ap.parse_args(argv)
     if not a.dry and not torch.cuda.is_available():
@@ -264,6 +318,11 @@ def main(argv=None) -> int:
             kw[key] = val
     if a.dry and kw["shapes"] != DRY["shapes"]:
         kw.pop("overrides")  # the overrides are the tiny set's
+    if a.profile is not None:
+        prof = _ints(a.profile)
+        if len(prof) != 2 or prof[0] < 1 or prof[1] < 0:
+            ap.error(f"--profile {a.profile!r}: pass B,BUDGET, e.g. 8,64")
+        kw["profile"] = prof
     run(formats=tuple(a.formats.split(",")), out=a.out, **kw)
     return 0
 
