@@ -110,6 +110,12 @@ def _bit(i: int) -> int:
     return (1 << i) - (1 << 64) if i == 63 else 1 << i
 
 
+def _check_budget(fn: str, budget) -> None:
+    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= MAX_NODES:
+        raise ValueError(f"{_WHERE}.{fn}: budget={budget!r}; pass an int in [0, {MAX_NODES}] "
+                         "(one int64 ancestor bitmask per node)")
+
+
 def _check(fn: str, tokens, scores, budget: int, dims: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Shapes, dtypes, budget and score values; returns (tokens int64, scores float64)."""
     shape = "[P, K]" if dims == 2 else "[B, P, K]"
@@ -128,9 +134,7 @@ def _check(fn: str, tokens, scores, budget: int, dims: int) -> tuple[torch.Tenso
     if tokens.device != scores.device:
         raise ValueError(f"{_WHERE}.{fn}: tokens on {tokens.device} but scores on {scores.device}; "
                          "put both on one device")
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= MAX_NODES:
-        raise ValueError(f"{_WHERE}.{fn}: budget={budget!r}; pass an int in [0, {MAX_NODES}] "
-                         "(one int64 ancestor bitmask per node)")
+    _check_budget(fn, budget)
     s = scores.to(torch.float64)
     bad = torch.isnan(s) | (s == math.inf)
     if bool(bad.any()):  # validation is the one host sync of the batched form
@@ -156,33 +160,46 @@ def _rows(tok: list[list[int]], sc: list[list[float]]) -> list[list[int]]:
     return rows
 
 
-def _heap_tree(tok: list[list[int]], sc: list[list[float]], budget: int):
-    """Lazy-heap best-first selection on host lists; returns per-node lists in selection order."""
-    rows = _rows(tok, sc)
-    P = len(rows)
+def _best_first(children, budget: int, max_depth: int):
+    """Lazy-heap best-first selection under the tie rule (module docstring) on host lists; returns per-node lists
+    (tokens, parents, depths, scores, anc) in selection order. `children(depth, token)` gives the candidates of the
+    children at `depth` of a node holding `token` (-1 for the committed token) as (tokens, scores, order): order
+    the kept columns in sibling order (`_rows`). It is called for the committed token and for each selected node
+    that may have children, when it is selected."""
     tokens, parents, depths, scores, anc = [], [], [], [], []
-    heap: list[tuple[float, int, int, int, int]] = []
+    heap: list = []
 
-    def push(parent: int, parent_score: float, depth: int, rank: int) -> None:
-        # heap entries are the keys of the tie rule plus the column; keys are unique
-        if depth < P and rank < len(rows[depth]):
-            j = rows[depth][rank]
-            s = parent_score + sc[depth][j]
-            if s > _NEG_INF:  # a finite sum can still overflow to -inf: never chosen either
-                heapq.heappush(heap, (-s, depth, rank, parent, j))
+    def push(parent: int, parent_score: float, depth: int, rank: int, cand) -> None:
+        # heap entries are the keys of the tie rule, then the column and the candidates; keys are unique
+        tok, sc, order = cand
+        if depth < max_depth and rank < len(order):
+            j = order[rank]
+            v = parent_score + sc[j]
+            if v > _NEG_INF:  # a finite sum can still overflow to -inf: never chosen either
+                heapq.heappush(heap, (-v, depth, rank, parent, j, cand))
 
-    push(-1, 0.0, 0, 0)
+    if budget and max_depth:
+        push(-1, 0.0, 0, 0, children(0, -1))
     while heap and len(tokens) < budget:
-        neg, d, r, par, j = heapq.heappop(heap)
+        neg, d, r, par, j, cand = heapq.heappop(heap)
         i = len(tokens)
-        tokens.append(tok[d][j])
+        tok = cand[0][j]
+        tokens.append(tok)
         parents.append(par)
         depths.append(d)
         scores.append(-neg)
         anc.append(_bit(i) | (anc[par] if par >= 0 else 0))
-        push(par, scores[par] if par >= 0 else 0.0, d, r + 1)  # next sibling
-        push(i, -neg, d + 1, 0)  # own best child
+        push(par, scores[par] if par >= 0 else 0.0, d, r + 1, cand)  # next sibling
+        if d + 1 < max_depth and len(tokens) < budget:
+            push(i, -neg, d + 1, 0, children(d + 1, tok))  # own best child
     return tokens, parents, depths, scores, anc
+
+
+def _heap_tree(tok: list[list[int]], sc: list[list[float]], budget: int):
+    """`_best_first` on marginal rows: every node at depth d picks from row d."""
+    rows = _rows(tok, sc)
+    cands = list(zip(tok, sc, rows))
+    return _best_first(lambda depth, _token: cands[depth], budget, len(rows))
 
 
 def build_tree(tokens: torch.Tensor, scores: torch.Tensor, budget: int = 32) -> DraftTree:
@@ -204,22 +221,16 @@ def build_tree_conditional(expand, budget: int, max_depth: int) -> DraftTree:
     """One request's tree from a drafter whose candidates depend on the parent: `expand(depth, token)` gives the
     candidates for the child at `depth` of a node holding `token` (depth 0: the children of the committed token,
     which the caller knows; `token` is then -1), as (tokens [K] ints, scores [K] log-probabilities given that
-    parent). Best-first under
-    the marginal builder's tie rule (module docstring), the path score a parent's plus the child's conditional
-    score; `expand` is called once per selected node that may have children (depth + 1 < max_depth), when the node
-    is selected, and once for the committed token, so at most budget + 1 times. Host lists, CPU tensors out."""
+    parent). Best-first under the marginal builder's tie rule (module docstring), the path score a parent's plus
+    the child's conditional score; `expand` is called once per selected node that may have children
+    (depth + 1 < max_depth), when the node is selected, and once for the committed token, so at most budget + 1
+    times. Host lists, CPU tensors out."""
     fn = "build_tree_conditional"
-    if isinstance(budget, bool) or not isinstance(budget, int) or not 0 <= budget <= MAX_NODES:
-        raise ValueError(f"{_WHERE}.{fn}: budget={budget!r}; pass an int in [0, {MAX_NODES}] "
-                         "(one int64 ancestor bitmask per node)")
+    _check_budget(fn, budget)
     if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
         raise ValueError(f"{_WHERE}.{fn}: max_depth={max_depth!r}; pass an int >= 0")
-    tokens, parents, depths, scores, anc = [], [], [], [], []
-    kids: list[tuple[list[int], list[float], list[int]]] = []  # per expanded parent: tokens, scores, sibling order
-    heap: list[tuple[float, int, int, int, int]] = []
 
-    def candidates(depth: int, token: int) -> int:
-        """Expand (depth, token) into `kids`; returns its index there."""
+    def children(depth: int, token: int):
         t, sc = expand(depth, token)
         t = [int(x) for x in t]
         sc = [float(x) for x in sc]
@@ -230,32 +241,9 @@ def build_tree_conditional(expand, budget: int, max_depth: int) -> DraftTree:
             if math.isnan(v) or v == math.inf:
                 raise ValueError(f"{_WHERE}.{fn}: expand({depth}, {token}) scored candidate {j} {v}; scores must "
                                  "be log-probabilities (finite, or -inf for a candidate never to choose)")
-        order = _rows([t], [sc])[0]
-        kids.append((t, sc, order))
-        return len(kids) - 1
+        return t, sc, _rows([t], [sc])[0]
 
-    def push(parent: int, parent_score: float, depth: int, rank: int, kid: int) -> None:
-        t, sc, order = kids[kid]
-        if depth < max_depth and rank < len(order):
-            j = order[rank]
-            v = parent_score + sc[j]
-            if v > _NEG_INF:
-                heapq.heappush(heap, (-v, depth, rank, parent, kid, j))
-
-    if budget and max_depth:
-        push(-1, 0.0, 0, 0, candidates(0, -1))
-    while heap and len(tokens) < budget:
-        neg, d, r, par, kid, j = heapq.heappop(heap)
-        i = len(tokens)
-        tok = kids[kid][0][j]
-        tokens.append(tok)
-        parents.append(par)
-        depths.append(d)
-        scores.append(-neg)
-        anc.append(_bit(i) | (anc[par] if par >= 0 else 0))
-        push(par, scores[par] if par >= 0 else 0.0, d, r + 1, kid)  # next sibling
-        if d + 1 < max_depth and len(tokens) < budget:
-            push(i, -neg, d + 1, 0, candidates(d + 1, tok))  # own best child
+    tokens, parents, depths, scores, anc = _best_first(children, budget, max_depth)
     return DraftTree(tokens=torch.tensor(tokens, dtype=torch.int64), parents=torch.tensor(parents, dtype=torch.int32),
                      depths=torch.tensor(depths, dtype=torch.int32), scores=torch.tensor(scores, dtype=torch.float64),
                      anc=torch.tensor(anc, dtype=torch.int64))
