@@ -189,7 +189,7 @@ class HeadsDrafter:
         d - 1's argmax)."""
         z = self._start(hidden, pending)
         if not self.dims.markov:
-            return self.net._finish(z[None, None, :] + self.net.pos[None], None)[0]
+            return self.net.rows(z, torch.arange(self.dims.positions, device=z.device))
         out, prev = [], torch.tensor([pending], dtype=torch.int64, device=z.device)
         for d in range(self.dims.positions):
             row = self.net.rows(z, torch.tensor([d], device=z.device), prev)
