@@ -27,6 +27,7 @@ import autotune
 
 from . import cuda as wcuda
 from .configs import GEMV_MAX_M, FlowConfig, GemvConfig, MmaConfig, StreamConfig, TcConfig, TmaConfig, gemv_heuristic, mma_heuristic, tc_heuristic
+from .flow import MAX_M as FLOW_MAX_M
 from .format import W12Weight, unpack
 from .layout import TiledW12, untile
 from .kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel, w12_splitk_reduce_kernel
@@ -391,18 +392,18 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
     out2d = torch.empty((x2d.shape[0], N), device=x.device, dtype=x.dtype) if out is None else out.view(-1, N)
     M = x2d.shape[0]
     if M:
-        cfg = _flow_config(x2d, tiled, OP_Q8 if q8 else OP)
+        op = OP_Q8 if q8 else OP
+        cfg = _flow_config(x2d, tiled, op)
         if cfg is not None:
             from . import flow
 
             flow.launch_tiled(cfg, x2d, tiled, bias, out2d, q8=q8)
-        elif M <= CHUNK_MAX_M and _flow_config(x2d[:FLOW_MAX_M], tiled, OP_Q8 if q8 else OP) is not None:
+        elif M <= CHUNK_MAX_M and _flow_config(x2d[:FLOW_MAX_M], tiled, op) is not None:
             from . import flow
 
             for i in range(0, M, FLOW_MAX_M):
                 xs = x2d[i:i + FLOW_MAX_M]
-                flow.launch_tiled(_flow_config(xs, tiled, OP_Q8 if q8 else OP), xs, tiled, bias,
-                                  out2d[i:i + FLOW_MAX_M], q8=q8)
+                flow.launch_tiled(_flow_config(xs, tiled, op), xs, tiled, bias, out2d[i:i + FLOW_MAX_M], q8=q8)
         else:
             if x2d.device.type == "cuda":
                 w = decode_tiled(tiled, q8=q8).to(x2d.dtype)
@@ -414,13 +415,12 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
     return out2d.reshape(*x.shape[:-1], N) if out is None else out
 
 
-# The flow kernel takes 1..FLOW_MAX_M rows. Up to CHUNK_MAX_M rows, `matmul_tiled` runs it once per FLOW_MAX_M-row
-# piece of x (the weight read ceil(M / 32) times, 12 bits a weight each) instead of decoding the weight to BF16 for
-# the call (12 + 16 + 16 bits a weight); 0 keeps the decode (SPECPILOT_W12_CHUNK_ROWS sets it at import, so that a
-# benchmark can run both in one device call). Off until measured: on the H200 the decode and
+# The flow kernel takes 1..FLOW_MAX_M (`w12.flow.MAX_M`) rows. Up to CHUNK_MAX_M rows, `matmul_tiled` runs it once
+# per FLOW_MAX_M-row piece of x (the weight read ceil(M / 32) times, 12 bits a weight each) instead of decoding the
+# weight to BF16 for the call (12 + 16 + 16 bits a weight); 0 keeps the decode (SPECPILOT_W12_CHUNK_ROWS sets it at
+# import, so that a benchmark can run both in one device call). Off until measured: on the H200 the decode and
 # F.linear took 94 us on o_proj at 72 rows and 375 on gate_up (perf/results, `20261202T1600-w12-mm-tiled.json` in
 # git history), where three flow launches would take about 68 and 259 from the benchmark's 32- and 8-row cells.
-FLOW_MAX_M = 32
 
 
 def _chunk_rows() -> int:
