@@ -78,15 +78,22 @@ def _share_prefix(model, rows: int, prefix: int) -> None:
         model.v_cache[:, r * L:r * L + prefix].copy_(model.v_cache[:, :prefix])
 
 
-def _batch_row(model, fmt_bytes, B: int, budget: int, prefix: int, positions: int, topk: int, reps: int,
-               dev: torch.device) -> dict:
+def _batch_step(model, B: int, budget: int, positions: int, topk: int):
+    """The batch step of cache rows 0..B-1 and `budget` draft nodes (`GraphedBatchStep`, not captured, not loaded)
+    and its seeded random trees and pending tokens: (step, trees, roots)."""
     from ..engine.graphs import GraphedBatchStep
 
-    wbytes, params, kv, st = fmt_bytes
     g = GraphedBatchStep(model, list(range(B)), budget, max_depth=positions)
-    replay = _replayer(g._body, dev)
     trees = _trees(model.cfg.vocab, positions, topk, B, budget, seed=100 * B + budget)
     roots = torch.randint(0, model.cfg.vocab, (B,), generator=torch.Generator().manual_seed(B + budget)).tolist()
+    return g, trees, roots
+
+
+def _batch_row(model, fmt_bytes, B: int, budget: int, prefix: int, positions: int, topk: int, reps: int,
+               dev: torch.device) -> dict:
+    wbytes, params, kv, st = fmt_bytes
+    g, trees, roots = _batch_step(model, B, budget, positions, topk)
+    replay = _replayer(g._body, dev)
     t0 = time.perf_counter()
     g.load([prefix] * B, roots, trees)
     host = time.perf_counter() - t0
@@ -107,11 +114,7 @@ def _profile(model, B: int, budget: int, prefix: int, positions: int, topk: int,
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
-    from ..engine.graphs import GraphedBatchStep
-
-    g = GraphedBatchStep(model, list(range(B)), budget, max_depth=positions)
-    trees = _trees(model.cfg.vocab, positions, topk, B, budget, seed=100 * B + budget)
-    roots = torch.randint(0, model.cfg.vocab, (B,), generator=torch.Generator().manual_seed(B + budget)).tolist()
+    g, trees, roots = _batch_step(model, B, budget, positions, topk)
     g.load([prefix] * B, roots, trees)
     cuda = dev.type == "cuda"
     for _ in range(2):
