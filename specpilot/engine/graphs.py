@@ -210,8 +210,9 @@ class GraphedBatchStep:
     rows per pass (`total`); `max_depth` bounds the trees' depth (the deepest drafted position).
 
     Each request holds at most `max_nodes` rows (`batch_max_nodes`: 32 where the budget allows, else 64), its own
-    tree and then padding leaves under its root (`pads`: the rows left over go to the first requests with room). A row with no request to run (`load` with
-    tree None: token 0 after no context, and any padding it is given) commits into that free row alone."""
+    tree and then padding leaves under its root (`pads`: the rows left over go to the first requests with room). A
+    row with no request to run (`load` with tree None: token 0 after no context, and any padding it is given)
+    commits into that free row alone."""
 
     def __init__(self, model: HybridModel, rows: list[int], budget: int, max_depth: int):
         fn = "specpilot.engine.GraphedBatchStep"

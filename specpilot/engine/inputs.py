@@ -64,10 +64,12 @@ def drafter(fn: str, value):
     if value is None or (isinstance(value, str) and value in DRAFTERS) or callable(getattr(value, "propose", None)):
         return value
     if isinstance(value, str):
-        raise ValueError(f"{fn}: drafter={value!r} is not a shipped drafter; pass 'ngram', 'self', 'heads', 'heads-markov', "
-                         "None (autoregressive only), or an object with propose(context, positions, k)")
-    raise TypeError(f"{fn}: drafter={value!r} ({type(value).__name__}) has no propose method; pass 'ngram', 'self', "
-                    "'heads', None, or an object with propose(context, positions, k) (specpilot.engine.spec.drafters.Drafter)")
+        raise ValueError(f"{fn}: drafter={value!r} is not a shipped drafter; pass one of "
+                         f"{', '.join(map(repr, DRAFTERS))}, None (autoregressive only), or an object with "
+                         "propose(context, positions, k)")
+    raise TypeError(f"{fn}: drafter={value!r} ({type(value).__name__}) has no propose method; pass one of "
+                    f"{', '.join(map(repr, DRAFTERS))}, None, or an object with propose(context, positions, k) "
+                    "(specpilot.engine.spec.drafters.Drafter)")
 
 
 def token_ids(fn: str, ids, vocab: int, encode=None, what: str = "the prompt", empty_ok: bool = False) -> list[int]:
