@@ -84,11 +84,11 @@ def _groups(w: torch.Tensor, group: int) -> torch.Tensor:
 
 
 def _w12_view_rows(packed, r0: int, r1: int) -> torch.Tensor:
-    """The W12 8-bit view of rows r0:r1 as fp64 `[r1 - r0, K]`, escapes reading as their dense code 0."""
+    """The W12 8-bit view of rows r0:r1 as fp64 `[r1 - r0, K]` (docs/w12-format.md), escapes reading as their
+    stored code 0 (the view of hi byte 0)."""
     hi = packed.hi[r0:r1, :packed.K].int()
     e0 = packed.e0[r0:r1].int()[:, None]
-    bits = ((((hi & 0x7F) << 4) | 0x8) + (e0 << 7)) | ((hi & 0x80) << 8)
-    bits = torch.where(hi == 0, torch.zeros_like(bits), bits)
+    bits = (((hi & 0x7F) << 4) + torch.where(e0 > 0, (e0 << 7) + 8, torch.zeros_like(e0))) | ((hi & 0x80) << 8)
     return (bits << 16).view(torch.float32).double()
 
 

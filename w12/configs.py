@@ -367,7 +367,8 @@ def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = F
 
 
 def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int | None = None, stages: int = 4,
-                   cps: int | None = None, clusters: bool | None = None, wgmma: bool | None = None) -> FlowConfig:
+                   cps: int | None = None, clusters: bool | None = None, wgmma: bool | None = None,
+                   q8: bool = False) -> FlowConfig:
     """FlowConfig default: the CTA shape and K split `kw` that minimise a wave model, waves x (64-column units per
     warp + one unit for the shared-memory reduction when kw > 1). The shapes: for M <= 8, CTAs of 4 warps at 4 per
     SM or of 8 warps at 2 per SM (ties go to the 4-warp ones); above, 8 warps at 2 per SM; `warps` and `cps` fix
@@ -391,7 +392,13 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     r >= 3, 4-warp CTAs at 4 per SM with the K split across a 2-CTA cluster (gate_up at M = 32: 120.6 -> 91.1 µs;
     at M = 16: 99.3 -> 85.8 µs); 1 <= r < 3, 16-warp CTAs of two row groups and two K pieces (in_proj at M = 32:
     48.7 -> 39.7 µs); r < 1, 16-warp CTAs of one row group and four K pieces (down_proj at M = 32: 65.8 -> 59.7 µs,
-    o_proj level). At M <= 16 on the other layers, and at M <= 8 everywhere, the mma.sync build measured faster."""
+    o_proj level). At M <= 16 on the other layers, and at M <= 8 everywhere, the mma.sync build measured faster.
+
+    `q8`: the 8-bit view's build, which takes the mma.sync shapes only and, for M <= 8, the 4-warp CTAs alone: its
+    kernel is bound by the decode more than by bytes, and on the H200 gate_up at M = 8 took 51.1 µs in 4-warp CTAs
+    against 58.1 in the 8-warp ones this model prefers for the full format (docs/w12-kernels.md, "The 8-bit view")."""
+    if q8:
+        wgmma = False
     if wgmma is None:
         wgmma = device.type == "cuda" and not autotune.is_interpreter() and \
             torch.cuda.get_device_capability(device) == (9, 0)
@@ -404,7 +411,7 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     if warps is not None or cps is not None:
         shapes = [(warps or (4 if M <= 8 else 8), cps or (4 if M <= 8 else 2))]
     else:
-        shapes = [(4, 4), (8, 2)] if M <= 8 else [(8, 2)]
+        shapes = ([(4, 4)] if q8 else [(4, 4), (8, 2)]) if M <= 8 else [(8, 2)]
     blocks, units = -(-N // 16), -(-K // 64)
     sms = sm_count(device)
 
@@ -429,5 +436,5 @@ def flow_config(M: int, N: int, K: int, device: torch.device, *, q8: bool = Fals
     view, whose heuristic keeps the mma.sync build at every M: its warpgroup build measured slower on the H200 at
     M = 16-32 (o_proj at M = 32 0.55x cuBLAS against 0.64x; docs/w12-kernels.md, "The warpgroup build")."""
     return autotune.get_config("w12.matmul", "flow", FlowConfig,
-                               lambda: flow_heuristic(M, N, K, device, wgmma=False if q8 else None),
+                               lambda: flow_heuristic(M, N, K, device, q8=q8),
                                key=autotune.shape_key(M=M, N=N, K=K), device=device)

@@ -156,7 +156,7 @@ def _launch(plan: autotune.Plan, x2d, hi, lo, e0, rowptr, col, val, bias, out, *
     has_bias = bias is not None
     b = bias if has_bias else out
     common = dict(HAS_BIAS=has_bias, Q8=q8, SELECT_ZERO=bool(cfg.select_zero),
-                  ZERO_DENSE=q8 or bool(cfg.select_zero), SPLIT_K=cfg.split_k, SPLIT=cfg.split_k > 1, BLOCK_N=cfg.block_n, BLOCK_T=bt,
+                  ZERO_DENSE=bool(cfg.select_zero) and not q8, SPLIT_K=cfg.split_k, SPLIT=cfg.split_k > 1, BLOCK_N=cfg.block_n, BLOCK_T=bt,
                   BLOCK_K=cfg.block_k, num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     args = (x2d, hi, lo, e0, rowptr, col, val, b, out, ws, M, N, K, Kp, Kp // 2, x2d.stride(0), x2d.stride(1))
     # the packed PTX decode needs a real GPU (the interpreter runs no inline asm)
@@ -371,8 +371,7 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
     - bf16 x with 1..32 rows on a GPU where the CUDA kernels build: the flow kernel (docs/w12-kernels.md, "The flow
       kernel"), at `w12.configs.flow_config`'s config (a tuned entry, else the heuristic) or the `FlowConfig` that
       `autotune.force("w12.matmul", config=...)` (`"w12.matmul_q8"` for q8) pins; fp32 accumulation, one rounding.
-    - bf16 x with 33..`CHUNK_MAX_M` rows there: the flow kernel once per 32-row piece of x (off by default:
-      `CHUNK_MAX_M = 0`).
+    - bf16 x with 33..`CHUNK_MAX_M` (96) rows there: the flow kernel once per 32-row piece of x.
     - Any other call (more rows, fp16 x, a GPU without the CUDA kernels): the weight decoded for the call
       (`untile` + `unpack`, or `decode_q8`) and `F.linear` in x's dtype, the error of a same-precision F.linear;
       on CPU tensors in fp32, then rounded to x's dtype (as `w12.matmul`'s torch path).
@@ -417,17 +416,17 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
 
 # The flow kernel takes 1..FLOW_MAX_M (`w12.flow.MAX_M`) rows. Up to CHUNK_MAX_M rows, `matmul_tiled` runs it once
 # per FLOW_MAX_M-row piece of x (the weight read ceil(M / 32) times, 12 bits a weight each) instead of decoding the
-# weight to BF16 for the call (12 + 16 + 16 bits a weight); 0 keeps the decode (SPECPILOT_W12_CHUNK_ROWS sets it at
-# import, so that a benchmark can run both in one device call). Off until measured: on the H200 the decode and
-# F.linear took 94 us on o_proj at 72 rows and 375 on gate_up (perf/results, `20261202T1600-w12-mm-tiled.json` in
-# git history), where three flow launches would take about 68 and 259 from the benchmark's 32- and 8-row cells.
+# weight to BF16 for the call (12 + 16 + 16 bits a weight); SPECPILOT_W12_CHUNK_ROWS sets it at import (0 keeps the
+# decode above 32 rows). 96 from the H200 (docs/w12-kernels.md, "Above 32 rows"): the pieces beat the decode at
+# 40-96 rows on in_proj, o_proj, gate_up and down_proj (o_proj at 72 rows 64.7 us against 91.5, gate_up 257.6
+# against 377.7), tie or lose at 136 (o_proj 115.0 against 98.0) and lose at 200 on every one of the four.
 
 
 def _chunk_rows() -> int:
-    """CHUNK_MAX_M's value: SPECPILOT_W12_CHUNK_ROWS (a count of rows >= 0) where set, else 0."""
+    """CHUNK_MAX_M's value: SPECPILOT_W12_CHUNK_ROWS (a count of rows >= 0) where set, else 96."""
     env = os.environ.get("SPECPILOT_W12_CHUNK_ROWS", "").strip()
     if not env:
-        return 0
+        return 96
     if not env.isdigit():
         raise ValueError(f"w12: SPECPILOT_W12_CHUNK_ROWS={env!r}; set a count of rows (e.g. 96), or 0 or nothing "
                          "to decode the weight above 32 rows")

@@ -110,12 +110,12 @@ def _apply_escapes(bits16: torch.Tensor, packed: W12Weight) -> torch.Tensor:
 
 
 def decode_q8(packed: W12Weight) -> torch.Tensor:
-    """The 8-bit view as BF16 [N, K]: midpoint of the 16 values sharing each `hi` byte; escapes exact."""
+    """The 8-bit view as BF16 [N, K]: midpoint of the 16 values sharing each `hi` byte (in a row with e0 = 0, the
+    lowest of them, so that a row of zeros reads zeros); escapes exact (docs/w12-format.md, "The 8-bit view")."""
     _check_packed("decode_q8", packed)
     h = packed.hi[:, : packed.K].int()
     e0 = packed.e0.int().unsqueeze(1)
-    bits = ((((h & 0x7F) << 4) | 0x8) + (e0 << 7)) | ((h & 0x80) << 8)
-    bits = torch.where(h == 0, torch.zeros_like(bits), bits)
+    bits = (((h & 0x7F) << 4) + torch.where(e0 > 0, (e0 << 7) + 8, torch.zeros_like(e0))) | ((h & 0x80) << 8)
     bits16 = (bits - ((bits & 0x8000) << 1)).to(torch.int16)
     return _apply_escapes(bits16, packed).view(torch.bfloat16)
 

@@ -27,9 +27,8 @@ import triton.language as tl
 @triton.jit
 def _view_w12(hi, e0):
     """The W12 8-bit view of `hi` bytes (uint8 as int32) with row exponent bases `e0` (int32), as BF16:
-    the midpoint of the 16 BF16 values sharing the byte; 0 for byte 0 (docs/w12-format.md)."""
-    bits = ((((hi & 0x7F) << 4) | 0x8) + (e0 << 7)) | ((hi & 0x80) << 8)
-    bits = tl.where(hi == 0, 0, bits)
+    the midpoint of the 16 BF16 values sharing the byte, the lowest of them where e0 = 0 (docs/w12-format.md)."""
+    bits = (((hi & 0x7F) << 4) + tl.where(e0 > 0, (e0 << 7) + 8, 0)) | ((hi & 0x80) << 8)
     return bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
 
 

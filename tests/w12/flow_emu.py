@@ -53,12 +53,22 @@ def dec_exact(y: np.ndarray, e0x: np.ndarray) -> np.ndarray:
     return ((y & U32(0x800F800F)) + ((y >> U32(4)) & U32(0x07F007F0)) + e0x).astype(U32)
 
 
-def dec_q8(y: np.ndarray, e0x: np.ndarray) -> np.ndarray:
-    """dec_pair_q8 (w12_common.cuh): lanes `hi << 8` -> the bf16 bits of the bin midpoint; hi == 0 reads +0.0."""
-    bits = ((y & U32(0x80008000)) + ((y >> U32(4)) & U32(0x07F007F0)) + e0x + U32(0x00080008)).astype(U32)
-    keep = np.where((y >> U32(8)) & U32(0xFF), U32(0xFFFF), U32(0)) | \
-        np.where((y >> U32(24)) & U32(0xFF), U32(0xFFFF0000), U32(0))
-    return (bits & keep).astype(U32)
+def q8_base(e0x: np.ndarray) -> np.ndarray:
+    """q8_base (w12_common.cuh): the 8-bit view's row constant, e0x plus the bin midpoint bit; 0 where e0 = 0."""
+    e0x = np.asarray(e0x, dtype=U32)
+    return np.where(e0x == 0, U32(0), e0x + U32(0x00080008)).astype(U32)
+
+
+def q8_dense(e0: int) -> float:
+    """q8_dense (w12_common.cuh): the view of hi byte 0 in a row of base e0, what an escape's code decoded to."""
+    return 0.0 if e0 == 0 else float(np.array([(e0 << 23) | 0x80000], dtype=U32).view(np.float32)[0])
+
+
+def dec_q8(t: np.ndarray, c: np.ndarray) -> np.ndarray:
+    """dec_pair_q8 (w12_common.cuh): lanes `hi`, c = q8_base(e0x) -> the bf16 bits of the bin midpoint (two
+    multiply-adds, 32-bit wrap)."""
+    t = t.astype(np.uint64)
+    return ((t * 16 + c) + (t & 0x00800080) * 240).astype(np.uint64).astype(U32)
 
 
 def wg_slot(xw: np.ndarray, M: int, NT: int, c: int) -> np.ndarray:
@@ -171,7 +181,8 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     CTAs of a cluster splitting K (W12F_KC; exact base, with the reduction): CTA rank r's warp ks takes piece
     r kw + ks of the row group's K, each CTA adds its kw shares, and rank 0 adds the ranks' sums in rank order;
     `q8`: the 8-bit view's build (W12F_Q8; exact base): only the hi pieces are copied into the ring, each pair is
-    decoded by dec_pair_q8, and an escape's correction adds x * escape alone (its hi byte 0 read as +0.0); `wg`: the
+    decoded by dec_pair_q8 with the row's q8_base constant, and an escape's correction adds x * escape less x times
+    q8_dense(e0) (its hi byte 0 read as the view's value); `wg`: the
     warpgroup build (module doc), `swap` with its descriptor's two byte offsets swapped (W12F_WG_SWAP)."""
     assert rb in (1, 2) and (rb == 1 or not fixed)
     assert not wg or (not fixed and rb == 1 and warps % (4 * kw) == 0)
@@ -268,7 +279,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                 hw = h[r][:, s]
                 if q8:
                     zero = np.zeros_like(hw)
-                    regs.append((dec_q8(prmt(hw, zero, 0x1404), kk[r]), dec_q8(prmt(hw, zero, 0x3424), kk[r])))
+                    regs.append((dec_q8(prmt(hw, zero, 0x4140), kk[r]), dec_q8(prmt(hw, zero, 0x4342), kk[r])))
                     continue
                 l2 = lw[r][:, s & 1] >> U32(4 if s >= 2 else 0)
                 y0, y1 = prmt(hw, l2, 0x1504), prmt(hw, l2, 0x3726)
@@ -324,6 +335,8 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                 e0r = np.where(active & (rows < N), e0[np.minimum(rows, N - 1)], 0)
                 kk = [np.where(e0r[r] == 0, U32(0), U32(0x38003800)).astype(U32) if fixed
                       else ((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
+                if q8:
+                    kk = [q8_base(k) for k in kk]
                 acc = np.zeros((NT, 4, 32))
                 for c in range(c0, cend):
                     xfr = xfrs[c]
@@ -377,12 +390,13 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                                 continue
                             v = acc[j, 2 * hh + u, ln]
                             if esc:
-                                dense = 0.0 if q8 else float(np.array([int(e0[row]) << 23], dtype=U32).view(np.float32)[0])
+                                dense = q8_dense(int(e0[row])) if q8 else \
+                                    float(np.array([int(e0[row]) << 23], dtype=U32).view(np.float32)[0])
                                 for q in range(rowptr[row], rowptr[row + 1]):
                                     xv = xf[tok, ecol[q]]
                                     val = float(np.array([U32(eval_[q]) << U32(16)], dtype=U32).view(np.float32)[0])
                                     with np.errstate(invalid="ignore", over="ignore"):
-                                        v = float(rnd(v + (rnd(xv * val) if q8 else rnd(rnd(xv * val) - rnd(xv * dense)))))
+                                        v = float(rnd(v + rnd(rnd(xv * val) - rnd(xv * dense))))
                             if bias is not None:
                                 v = float(rnd(v + float(bias[row].float())))
                             assert not written[tok, row], f"output ({tok}, {row}) written twice"

@@ -287,7 +287,7 @@ def test_matmul_tiled(M, dtype, q8):
 
 @pytest.mark.parametrize("M", [33, 72, 96])
 def test_matmul_tiled_in_32_row_pieces(M, monkeypatch):
-    """`w12.ops.CHUNK_MAX_M` (off by default): above 32 rows, the flow kernel once per 32-row piece of x, with a bias,
+    """`w12.ops.CHUNK_MAX_M` (96 by default): above 32 rows, the flow kernel once per 32-row piece of x, with a bias,
     against fp64; the 8-bit view too."""
     monkeypatch.setattr(w12.ops, "CHUNK_MAX_M", 96)
     N, K = 1030, 1000

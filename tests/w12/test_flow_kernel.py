@@ -429,6 +429,9 @@ def test_heuristic_fills_the_machine(monkeypatch):
     # gate_up: 2176 one-row-block CTAs take 9 waves of 8-warp CTAs (9 x 11 units) but 5 of 4-warp ones (5 x 21)
     assert flow_heuristic(8, 34816, 5120, cpu) == FlowConfig(warps=8, kw=8, cps=2)
     assert flow_heuristic(1, 34816, 5120, cpu, warps=4) == FlowConfig(warps=4, kw=4, cps=4)  # a fixed shape
+    # the 8-bit view: 4-warp CTAs at M <= 8, the mma.sync build above (no wgmma even where it exists)
+    assert flow_heuristic(8, 34816, 5120, cpu, q8=True) == FlowConfig(warps=4, kw=4, cps=4)
+    assert not flow_heuristic(32, 34816, 5120, cpu, wgmma=True, q8=True).wg
     big = {name: flow_heuristic(32, n, k, cpu) for name, (n, k) in {"in_proj": (16480, 5120), "gate_up": (34816, 5120),
                                                                     "o_proj": (5120, 6144)}.items()}
     assert {n: (c.warps, c.cps, c.kw) for n, c in big.items()} == {"in_proj": (8, 2, 2), "gate_up": (8, 2, 8),
@@ -457,8 +460,8 @@ def test_heuristic_fills_the_machine(monkeypatch):
     # the 8-bit view keeps the mma.sync build (its warpgroup build measured slower)
     monkeypatch.setattr(autotune, "get_config", lambda op, variant, cls, make, **kw: make())
     with monkeypatch.context() as m:
-        m.setattr(c, "flow_heuristic", lambda *a, **kw: kw.get("wgmma"))
-        assert c.flow_config(32, 16480, 5120, cpu, q8=True) is False and c.flow_config(32, 16480, 5120, cpu) is None
+        m.setattr(c, "flow_heuristic", lambda *a, **kw: kw.get("q8"))
+        assert c.flow_config(32, 16480, 5120, cpu, q8=True) is True and c.flow_config(32, 16480, 5120, cpu) is False
 
 
 def test_layout_cache_follows_the_planes():
@@ -692,11 +695,11 @@ def test_matmul_tiled_runs_the_flow_kernel_per_32_rows(M, pieces, monkeypatch):
 def test_chunk_rows_from_the_environment(monkeypatch):
     import w12.ops as ops
 
-    for env, want in (("", 0), ("96", 96), (" 64 ", 64), ("0", 0)):
+    for env, want in (("", 96), ("96", 96), (" 64 ", 64), ("0", 0)):
         monkeypatch.setenv("SPECPILOT_W12_CHUNK_ROWS", env)
         assert ops._chunk_rows() == want
     monkeypatch.delenv("SPECPILOT_W12_CHUNK_ROWS")
-    assert ops._chunk_rows() == 0
+    assert ops._chunk_rows() == 96
     for bad in ("x", "-1", "9.5"):
         monkeypatch.setenv("SPECPILOT_W12_CHUNK_ROWS", bad)
         with pytest.raises(ValueError, match="SPECPILOT_W12_CHUNK_ROWS"):

@@ -306,6 +306,9 @@ def test_decode_q8():
     w = gaussian(16, 300, seed=5)
     w[3, 7] = float("nan")
     w[4, 8] = 1e30
+    w[5] = 1.0
+    w[5, 10] = 2.0**-15 * (1 + 3 / 128)  # the lowest bin of row 5's window (hi byte 0, not an escape)
+    w[6] = 0.0  # a row of zeros
     p = w12.pack(w)
     q = decode_q8(p)
     assert q.dtype == torch.bfloat16 and q.shape == w.shape
@@ -314,10 +317,15 @@ def test_decode_q8():
     esc[rows, p.esc_col.long()] = True
     assert_bitwise_equal(q[esc], w[esc])  # escapes exact
     h = p.hi[:, :300]
-    keep = ~esc & (h != 0)
+    keep = ~esc & (w != 0)
     rel = ((q.double() - w.double()).abs() / w.double().abs())[keep]
     assert float(rel.max()) <= 2.0**-4
-    assert bool((q[~esc & (h == 0)] == 0).all())
+    # every hi byte reads its bin's midpoint, 0 included (no select): the lowest bin of a row too
+    assert int(p.e0[5]) == 112 and int(h[5, 10]) == 0 and not bool(esc[5, 10])
+    assert q[5, 10].item() == 2.0**-15 * (1 + 8 / 128)
+    # where e0 = 0 each byte reads the lowest value of its bin: a row of zeros reads zeros
+    assert int(p.e0[6]) == 0 and not bool(esc[6].any())
+    assert_bitwise_equal(q[6], w[6].to(torch.bfloat16))
 
 
 def test_matmul_reference():

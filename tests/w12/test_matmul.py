@@ -327,6 +327,8 @@ def _emulate_pk_decode(h: torch.Tensor, lo: torch.Tensor, e0: torch.Tensor, mode
     h4 = h.long().reshape(-1, 4)
     l4 = lo.long().reshape(-1, 4)
     e4 = (e0.long() << 7).reshape(-1, 4)
+    if mode == "q8":  # the caller passes the view's row constant (tc._q8_base)
+        e4 = torch.where(e4 > 0, e4 + 8, 0)
     outs = []
     for p in range(2):
         t = h4[:, 2 * p] | (h4[:, 2 * p + 1] << 16)  # prmt {b, 0, b', 0}
@@ -334,16 +336,11 @@ def _emulate_pk_decode(h: torch.Tensor, lo: torch.Tensor, e0: torch.Tensor, mode
         e2 = e4[:, 2 * p] | (e4[:, 2 * p + 1] << 16)  # two int16 elements in one register
         s = ((t << 8) & M32) & 0x80008000
         w = ((t << 4) & M32) & 0x07F007F0
-        if mode == "q8":
-            w |= 0x00080008
-        else:
+        if mode != "q8":
             if mode == "hi":
                 n = n >> 4
             w |= n & 0x000F000F
         w = ((w + e2) & M32) | s
-        if mode == "q8":
-            m = (((t + 0x00FF00FF) & M32) >> 8) & 0x00010001
-            w &= (m * 0xFFFF) & M32
         outs += [w & 0xFFFF, w >> 16]
     o = torch.stack([outs[0], outs[1], outs[2], outs[3]], dim=1)
     return o.reshape(h.shape)
@@ -365,7 +362,7 @@ def test_packed_asm_decode_logic_bitexact(mode):
         got = _emulate_pk_decode(hi, lo, e0, mode)
         E = e0 << 7
         if mode == "q8":
-            want = torch.where(hi == 0, 0, hi * 16 + (hi & 0x80) * 240 + 8 + E)
+            want = hi * 16 + (hi & 0x80) * 240 + torch.where(E > 0, E + 8, 0)
         else:
             want = hi * 16 + (hi & 0x80) * 240 + nib + E  # tc._decode_bits (SELECT_ZERO=False)
         assert torch.equal(got, want), (mode, e0s)

@@ -48,10 +48,13 @@ def dec_pair(y, e0x):
     return ((y & U32(0x800F800F)) + ((y >> U32(4)) & U32(0x07F007F0)) + e0x).astype(U32)
 
 
-def dec_pair_q8(y, e0x):
-    bits = ((y & U32(0x80008000)) + ((y >> U32(4)) & U32(0x07F007F0)) + e0x + U32(0x00080008)).astype(U32)
-    nz = (((y & U32(0x7F007F00)) + U32(0x7F007F00)) | y).astype(U32)
-    return bits & byte_perm(nz, np.zeros_like(nz), 0xBB99)
+def dec_pair_q8(t, e0x):
+    """w12_common.cuh's decode_a for the 8-bit view: dec_pair_q8 (lanes `hi`, two multiply-adds) with the row
+    constant q8_base(e0x)."""
+    e0x = np.asarray(e0x, dtype=U32)
+    c = np.where(e0x == 0, U32(0), e0x + U32(0x00080008)).astype(np.uint64)
+    t = np.asarray(t).astype(np.uint64)
+    return ((t * 16 + c) + (t & 0x00800080) * 240).astype(U32)
 
 
 def words(b: np.ndarray) -> np.ndarray:
@@ -77,8 +80,8 @@ def _decode_a(fh, fl, e0x, s, sh, q8):
     (ha, la, ea), (hb, lb, eb) = [(fh[h][:, s], (fl[h][:, s] >> sh) & U32(0x0F0F0F0F), e0x[h]) for h in range(2)]
     if q8:
         z = np.zeros(32, dtype=U32)
-        regs = (dec_pair_q8(byte_perm(ha, z, 0x1404), ea), dec_pair_q8(byte_perm(hb, z, 0x1404), eb),
-                dec_pair_q8(byte_perm(ha, z, 0x3424), ea), dec_pair_q8(byte_perm(hb, z, 0x3424), eb))
+        regs = (dec_pair_q8(byte_perm(ha, z, 0x4140), ea), dec_pair_q8(byte_perm(hb, z, 0x4140), eb),
+                dec_pair_q8(byte_perm(ha, z, 0x4342), ea), dec_pair_q8(byte_perm(hb, z, 0x4342), eb))
     else:
         regs = (dec_pair(byte_perm(ha, la, 0x1504), ea), dec_pair(byte_perm(hb, lb, 0x1504), eb),
                 dec_pair(byte_perm(ha, la, 0x3726), ea), dec_pair(byte_perm(hb, lb, 0x3726), eb))
@@ -145,14 +148,17 @@ def _wg_b_operand(st_x: np.ndarray, toks: int) -> list[np.ndarray]:
 
 def _add_escapes(s_, p: w12.W12Weight, xb: torch.Tensor, row: int, tok: int, q8: bool) -> float:
     """The epilogue's escape correction for one output, in CSR order: + x * escape, minus x * 2^(e0 - 127)
-    (what the dense decode gave there; the 8-bit view gave +0.0)."""
+    (what the dense decode gave there; the 8-bit view gave its value of hi byte 0, q8_dense)."""
     e0 = int(p.e0[row])
-    v0 = 0.0 if q8 else float(np.array([e0 << 23], dtype=U32).view(np.float32)[0])
+    if q8:
+        v0 = 0.0 if e0 == 0 else float(np.array([(e0 << 23) | 0x80000], dtype=U32).view(np.float32)[0])
+    else:
+        v0 = float(np.array([e0 << 23], dtype=U32).view(np.float32)[0])
     ev = p.esc_val.numpy().view(np.uint16)
     for pp in range(int(p.esc_rowptr[row]), int(p.esc_rowptr[row + 1])):
         xv = float(xb[tok, int(p.esc_col[pp])].float())
         evf = float(np.array([U32(ev[pp]) << U32(16)], dtype=U32).view(np.float32)[0])
-        s_ += xv * evf - (0.0 if q8 else xv * v0)
+        s_ += xv * evf - xv * v0
     return s_
 
 
@@ -391,9 +397,9 @@ def test_decode_pair_all_codes():
         got = dec_pair(y, U32(e0 << 7 | e0 << 23))
         want = ((codes & U32(0x7FF)) + U32(e0 << 7)) | ((codes & U32(0x800)) << U32(4))
         assert np.array_equal(got & U32(0xFFFF), want) and np.array_equal(got >> U32(16), want)
-        yq = (h << U32(8)) | (h << U32(24))
+        yq = h | (h << U32(16))
         gq = dec_pair_q8(yq, U32(e0 << 7 | e0 << 23))
-        wq = np.where(h == 0, 0, (((h & U32(0x7F)) << U32(4)) | U32(8)) + U32(e0 << 7) | ((h & U32(0x80)) << U32(8)))
+        wq = (((h & U32(0x7F)) << U32(4)) + U32((e0 << 7) + 8 if e0 else 0)) | ((h & U32(0x80)) << U32(8))
         assert np.array_equal(gq & U32(0xFFFF), wq) and np.array_equal(gq >> U32(16), wq)
 
 

@@ -45,21 +45,16 @@ def dec_fixed(y, c):  # w12_stream.cu dec_fixed
 
 
 def dec_fixed_q8(y, c):
-    bits = ((y & U32(0x80008000)) | ((y >> U32(4)) & U32(0x07F007F0)) | c).astype(U32)
-    nz = (((y & U32(0x7F007F00)) + U32(0x7F007F00)) | y).astype(U32)
-    mask = np.where(nz & U32(0x8000), U32(0xFFFF), U32(0)) | np.where(nz & U32(0x80000000), U32(0xFFFF0000), U32(0))
-    return bits & mask
+    return ((y & U32(0x80008000)) | ((y >> U32(4)) & U32(0x07F007F0)) | c).astype(U32)
 
 
-def dec_exact_q8(y, e0x):  # w12_common.cuh dec_pair_q8
-    bits = ((y & U32(0x80008000)) + ((y >> U32(4)) & U32(0x07F007F0)) + e0x + U32(0x00080008)).astype(U32)
-    nz = (((y & U32(0x7F007F00)) + U32(0x7F007F00)) | y).astype(U32)
-    mask = np.where(nz & U32(0x8000), U32(0xFFFF), U32(0)) | np.where(nz & U32(0x80000000), U32(0xFFFF0000), U32(0))
-    return bits & mask
+def dec_exact_q8(y, e0x):  # w12_common.cuh dec_pair_q8 with q8_base(e0x)
+    c = U32(0) if e0x == 0 else U32(e0x + 0x00080008)
+    return ((y & U32(0x80008000)) + ((y >> U32(4)) & U32(0x07F007F0)) + c).astype(U32)
 
 
 def kernel_c(e0: int, q8: bool) -> U32:
-    return U32((0 if e0 == 0 else 0x38003800) | (0x00080008 if q8 else 0))
+    return U32(0 if e0 == 0 else 0x38003800 | (0x00080008 if q8 else 0))
 
 
 def lanes(r):

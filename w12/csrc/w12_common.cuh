@@ -121,18 +121,26 @@ __device__ __forceinline__ uint32_t dec_pair(uint32_t y, uint32_t e0x) {
   return (y & 0x800F800Fu) + ((y >> 4) & 0x07F007F0u) + e0x;
 }
 
-__device__ __forceinline__ uint32_t prmt_sign(uint32_t a, uint32_t sel) {
-  // PTX prmt with the selector's sign-replicate bit (__byte_perm drops that bit)
-  uint32_t r;
-  asm("prmt.b32 %0, %1, 0, %2;" : "=r"(r) : "r"(a), "r"(sel));
-  return r;
-}
+// The 8-bit view's per-row constant from the exact base's e0x (e0 in both lanes, e0 << 7 | e0 << 23): the bin
+// midpoint bit added for e0 >= 1; 0 for e0 = 0, whose bins read their lowest value (so hi 0 reads +0.0 there)
+__device__ __forceinline__ uint32_t q8_base(uint32_t e0x) { return e0x == 0u ? 0u : e0x + 0x00080008u; }
 
-__device__ __forceinline__ uint32_t dec_pair_q8(uint32_t y, uint32_t e0x) {
-  // y lanes: hi << 8 -> bf16 bits of the bin midpoint; hi == 0 reads as +0.0
-  uint32_t bits = (y & 0x80008000u) + ((y >> 4) & 0x07F007F0u) + e0x + 0x00080008u;
-  uint32_t nz = ((y & 0x7F007F00u) + 0x7F007F00u) | y;  // bit 15 of a lane set iff hi != 0
-  return bits & prmt_sign(nz, 0xBB99);                   // bytes 1 and 3 sign-replicated: lane masks
+// the 8-bit view's value of hi byte 0 in a row of base e0, in fp32: what the dense decode gave where an escape sits
+// (an escape's stored code is 0)
+__device__ __forceinline__ float q8_dense(uint32_t e0) { return e0 == 0u ? 0.0f : __uint_as_float(e0 << 23 | 0x80000u); }
+
+// t lanes: hi (the byte in bits 0..7 of each 16-bit lane), c = q8_base(e0x) -> bf16 bits of the bin midpoint
+// (docs/w12-format.md, "The 8-bit view"). hi * 16 puts the 7 low bits in place and the sign at bit 11, and
+// (hi & 0x80) * 240 moves it to bit 15 (0x800 + 0x7800 = 0x8000); no lane carries into the next (at most
+// 0xFF0 + 0x7800 + 0x7808 < 0x10000). Two multiply-adds instead of a shift, two masks and an add: they issue on the
+// FMA pipe, beside the integer pipe that the masks and the byte permutes load, and the view's kernels are bound by
+// their decode (on the H200 the flow kernel's view took 25.7 µs on in_proj at M = 1 this way, 29.0 with the shift
+// and masks; docs/w12-kernels.md, "The 8-bit view").
+__device__ __forceinline__ uint32_t dec_pair_q8(uint32_t t, uint32_t c) {
+  uint32_t r;
+  asm("{\n.reg .b32 u;\nand.b32 u, %1, 0x00800080;\nmad.lo.u32 %0, %1, 16, %2;\nmad.lo.u32 %0, u, 240, %0;\n}"
+      : "=r"(r) : "r"(t), "r"(c));
+  return r;
 }
 
 __device__ __forceinline__ void mma_bf16(float* d, uint32_t a0, uint32_t a1, uint32_t a2, uint32_t a3,
@@ -162,10 +170,11 @@ __device__ __forceinline__ void decode_a(uint32_t (&a)[4], const uint4 (&h)[2], 
                                          const uint32_t (&e0x)[2], int s, int sh) {
   const uint32_t ha = word(h[0], s), hb = word(h[1], s);
   if (Q8) {
-    a[0] = dec_pair_q8(__byte_perm(ha, 0u, 0x1404), e0x[0]);
-    a[2] = dec_pair_q8(__byte_perm(ha, 0u, 0x3424), e0x[0]);
-    a[1] = dec_pair_q8(__byte_perm(hb, 0u, 0x1404), e0x[1]);
-    a[3] = dec_pair_q8(__byte_perm(hb, 0u, 0x3424), e0x[1]);
+    const uint32_t ca = q8_base(e0x[0]), cb = q8_base(e0x[1]);  // loop-invariant where e0x is
+    a[0] = dec_pair_q8(__byte_perm(ha, 0u, 0x4140), ca);  // lanes: hi of cols p = 0, 1 of row g
+    a[2] = dec_pair_q8(__byte_perm(ha, 0u, 0x4342), ca);  // p = 2, 3
+    a[1] = dec_pair_q8(__byte_perm(hb, 0u, 0x4140), cb);  // row g + 8
+    a[3] = dec_pair_q8(__byte_perm(hb, 0u, 0x4342), cb);
   } else {
     const uint32_t la = (word(l[0], s) >> sh) & 0x0F0F0F0Fu;
     const uint32_t lb = (word(l[1], s) >> sh) & 0x0F0F0F0Fu;
@@ -233,7 +242,7 @@ __device__ __forceinline__ float bias_at(const void* bias, int kind, int row) {
 }
 
 // The end of one output row `row` < N for this thread's tokens (lane q): the row's escapes in CSR order, each
-// adding x * escape less what the dense decode gave there (2^(e0 - 127); the 8-bit view gave +0.0), the bias,
+// adding x * escape less what the dense decode gave there (2^(e0 - 127); the 8-bit view q8_dense(e0)), the bias,
 // one rounding to bf16. acc(j, u) is the accumulator of n-tile j, token 8 j + 2 q + u. The first escape,
 // [p0] = (c0, v0), was fetched early by the caller (its dependent loads overlap the main loop).
 template <bool Q8, int NT, class Acc>
@@ -242,13 +251,13 @@ __device__ __forceinline__ void finish_row(Acc&& acc, int row, uint32_t e0, int 
                                            const __nv_bfloat16* __restrict__ x, long long ldx, const void* bias,
                                            int bias_kind, __nv_bfloat16* __restrict__ out, int M, int N, int q) {
   if (p1 > p0) {
-    const float dense = Q8 ? 0.0f : __uint_as_float(e0 << 23);
+    const float dense = Q8 ? q8_dense(e0) : __uint_as_float(e0 << 23);
     for (int p = p0; p < p1; ++p) {
       const int col = p == p0 ? c0 : ecol[p];
       const float val = __uint_as_float((p == p0 ? v0 : (uint32_t)eval[p]) << 16);
       for_tokens<NT>(q, M, [&](int j, int u, int tok) {
         const float xv = __bfloat162float(x[(long long)tok * ldx + col]);
-        acc(j, u) += Q8 ? xv * val : xv * val - xv * dense;
+        acc(j, u) += xv * val - xv * dense;
       });
     }
   }

@@ -38,8 +38,8 @@
 //
 // The 8-bit view (W12F_Q8 = 1, exact base only): the product with w12.decode_q8's weight, the midpoint of each hi
 // byte's 16-value bin. Each tile's hi bytes alone are copied (two of the three 16-byte pieces: 1024 of its 1536
-// bytes) and decoded by dec_pair_q8 (w12_common.cuh); an escape's hi byte is 0, which reads as +0.0, so its
-// correction adds x * escape alone.
+// bytes) and decoded by dec_pair_q8 (w12_common.cuh) with the row's q8_base constant; an escape's hi byte is 0,
+// which reads as q8_dense(e0), so its correction adds x * escape less x times that, as for the full format.
 //
 // The warpgroup build (W12F_WG = 1; wgmma, sm_90a, exact base, one row block per warp). Four consecutive warps form
 // a warpgroup that owns 64 consecutive rows (4 row blocks, one per warp) and one K piece: warp (group gi, member wi)
@@ -224,9 +224,9 @@ __device__ __forceinline__ void decode_step(uint32_t (&a)[4], const Frag& f, con
 #pragma unroll
   for (int r = 0; r < 2; ++r) {
     const uint32_t hw = word(f.h[r], s);
-    if constexpr (Q8) {  // hi byte << 8 in each lane, no nibble
-      a[r] = dec_pair_q8(__byte_perm(hw, 0u, 0x1404), k[r]);
-      a[r + 2] = dec_pair_q8(__byte_perm(hw, 0u, 0x3424), k[r]);
+    if constexpr (Q8) {  // the hi byte in bits 0..7 of each lane, no nibble
+      a[r] = dec_pair_q8(__byte_perm(hw, 0u, 0x4140), k[r]);
+      a[r + 2] = dec_pair_q8(__byte_perm(hw, 0u, 0x4342), k[r]);
       continue;
     }
     const uint32_t lw = ((s & 1) ? f.l[r].y : f.l[r].x) >> (s >= 2 ? 4 : 0);
@@ -420,7 +420,7 @@ w12_matmul_flow_kernel(
       const int row = (rb0 + i) * 16 + 8 * h + g;
       e0r[i][h] = active && row < N ? (int)e0[row] : 0;
       const uint32_t e = (uint32_t)e0r[i][h];
-      kk[i][h] = FIXED ? (e == 0 ? 0u : BASE112) : ((e << 7) | (e << 23));
+      kk[i][h] = FIXED ? (e == 0 ? 0u : BASE112) : (Q8 ? q8_base((e << 7) | (e << 23)) : (e << 7) | (e << 23));
     }
 
   // the escape metadata of the rows this warp finishes (CSR range and first entry), read now so that the loads'

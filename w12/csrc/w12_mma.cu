@@ -300,13 +300,13 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
       }
       const int p0 = rp_s[4 * rl], p1 = rp_s[4 * rl + 1];
       if (p1 > p0) {
-        // the dense decode gave 2^(e0 - 127) (Q8: +0.0) where an escape sits
-        const float v0 = Q8 ? 0.0f : __uint_as_float((uint32_t)e0[row] << 23);
+        // the dense decode gave 2^(e0 - 127) (Q8: q8_dense) where an escape sits
+        const float v0 = Q8 ? q8_dense(e0[row]) : __uint_as_float((uint32_t)e0[row] << 23);
         const __nv_bfloat16* xr = x + (long long)tok * ldx;
         for (int p = p0; p < p1; ++p) {
           const float xv = __bfloat162float(xr[ecol[p]]);
           const float ev = __uint_as_float((uint32_t)eval[p] << 16);
-          sum += Q8 ? xv * ev : xv * ev - xv * v0;
+          sum += xv * ev - xv * v0;
         }
       }
       if (bias_kind != 0) sum += bias_at(bias, bias_kind, row);  // no +0.0: it would turn -0.0 into +0.0
@@ -338,8 +338,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     if (row < N) {
       const int p0 = rp_s[4 * rl], p1 = rp_s[4 * rl + 1];
       if (p1 > p0) {
-        // the dense decode gave 2^(e0 - 127) (Q8: +0.0) where an escape sits
-        const float v0 = Q8 ? 0.0f : __uint_as_float((uint32_t)e0[row] << 23);
+        // the dense decode gave 2^(e0 - 127) (Q8: q8_dense) where an escape sits
+        const float v0 = Q8 ? q8_dense(e0[row]) : __uint_as_float((uint32_t)e0[row] << 23);
         for (int p = p0; p < p1; ++p) {
           const int col = p == p0 ? rp_s[4 * rl + 2] : ecol[p];  // the first escape was fetched up front
           const float ev = __uint_as_float((uint32_t)(p == p0 ? rp_s[4 * rl + 3] : eval[p]) << 16);
@@ -348,7 +348,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
             const int tok = tok0 + k * TSTEP;
             if (tok < M) {
               const float xv = __bfloat162float(x[(long long)tok * ldx + col]);
-              sum[k] += Q8 ? xv * ev : xv * ev - xv * v0;
+              sum[k] += xv * ev - xv * v0;
             }
           }
         }

@@ -28,8 +28,8 @@
 // (docs/w12-kernels.md gives the proof; 64 leaves 48 bits for the tensor core's internal alignment).
 // A warp whose rows fail it recomputes its share with the exact-base decode from global memory (the
 // result of the FIXED = 0 build, bit for bit); rows of real weights and activations never take it.
-// The 8-bit view (Q8) decodes `hi << 8` the same way with C | 0x00080008 (the bin midpoint) and masks
-// lanes whose hi byte is 0 to +0.0.
+// The 8-bit view (Q8) decodes `hi << 8` the same way with C | 0x00080008 (the bin midpoint) for e0 >= 1 and C = 0
+// for e0 = 0 (w12_common.cuh's q8_base).
 //
 // Fragments as in w12_mma.cu: thread (g = lane / 4, q = lane % 4) holds columns 16 q .. 16 q + 15 of a
 // chunk for rows g and g + 8 and token g of each n-tile; A and B use the same permuted k slots.
@@ -95,11 +95,9 @@ __device__ __forceinline__ uint32_t dec_fixed(uint32_t y, uint32_t c) {
   return (y & 0x800F800Fu) | ((y >> 4) & 0x07F007F0u) | c;
 }
 
-// fixed-base 8-bit view: y lanes = hi << 8; the midpoint bit is in c; hi == 0 lanes read +0.0
+// fixed-base 8-bit view: y lanes = hi << 8; the midpoint bit is in c (none for e0 = 0)
 __device__ __forceinline__ uint32_t dec_fixed_q8(uint32_t y, uint32_t c) {
-  const uint32_t bits = (y & 0x80008000u) | ((y >> 4) & 0x07F007F0u) | c;
-  const uint32_t nz = ((y & 0x7F007F00u) + 0x7F007F00u) | y;  // bit 15 of a lane set iff hi != 0
-  return bits & prmt_sign(nz, 0xBB99);
+  return (y & 0x80008000u) | ((y >> 4) & 0x07F007F0u) | c;
 }
 
 // k-step s of rows g, g + 8 into the A registers: exact base (e0x, w12_common.cuh's decode_a) or fixed
@@ -292,7 +290,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12_CPS) w12_matmul_str
       }
       const uint32_t e = (uint32_t)e0r[h];
       if constexpr (FIXED)
-        kk[h] = (e == 0 ? 0u : BASE112) | (Q8 ? 0x00080008u : 0u);
+        kk[h] = e == 0 ? 0u : BASE112 | (Q8 ? 0x00080008u : 0u);
       else
         kk[h] = (e << 7) | (e << 23);
     }

@@ -96,5 +96,5 @@ def w12_matmul_gemv_kernel(
         acc = tl.sum(acc3, axis=1)  # [BN, BT]
     if pid_k == 0:
         acc = _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr,
-                             col_ptr, val_ptr, ZERO_DENSE)
+                             col_ptr, val_ptr, ZERO_DENSE, Q8)
     _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT, HAS_BIAS)

@@ -12,9 +12,9 @@ takes 4 `hi` bytes and 4 `lo` bytes in one register each and builds two 16-bit l
 which equals `((c & 0x7FF) + E) | ((c & 0x800) << 4)` per lane (c = hi << 4 | nib). No carry
 crosses a lane: the sum is at most 0x7FF + 0x7800 (e0 <= 240, the format's bound) < 0x8000.
 E2 comes as int16 elements, so each pair of lanes gets its own rows' `e0 << 7` (the asm is
-purely lane-wise: which elements a pack holds does not matter). The q8 view uses nib = 8 and
-zeroes lanes with hi == 0: ((t + 0x00FF00FF) >> 8) & 0x00010001 is 1 per non-zero lane, times
-0xFFFF is the lane mask.
+purely lane-wise: which elements a pack holds does not matter). The q8 view uses no nibble and
+takes its bin midpoint from E2, which the caller passes as the view's row constant ((e0 << 7) + 8 for e0 >= 1, 0
+for e0 = 0: `tc._q8_base`).
 
 Outputs: bf16 (two bf16x2 registers, the tensor-core operand) or fp32 (bf16 bits << 16, for the
 GEMV and the tf32 path). The interpreter cannot run PTX: callers switch on a constexpr
@@ -45,9 +45,7 @@ def asm_text(mode: str, out: str) -> str:
         s.append("and.b32 s, s, 0x80008000;")
         s.append("shl.b32 w, t, 4;")
         s.append("and.b32 w, w, 0x07F007F0;")
-        if mode == "q8":
-            s.append("or.b32 w, w, 0x00080008;")
-        else:
+        if mode != "q8":
             s.append(f"prmt.b32 n, {lo}, z, {_SEL[p]};")
             if mode == "hi":
                 s.append("shr.b32 n, n, 4;")
@@ -55,12 +53,6 @@ def asm_text(mode: str, out: str) -> str:
             s.append("or.b32 w, w, n;")
         s.append(f"add.u32 w, w, {e[p]};")
         s.append("or.b32 w, w, s;")
-        if mode == "q8":
-            s.append("add.u32 n, t, 0x00FF00FF;")
-            s.append("shr.b32 n, n, 8;")
-            s.append("and.b32 n, n, 0x00010001;")
-            s.append("mul.lo.u32 n, n, 0xFFFF;")
-            s.append("and.b32 w, w, n;")
         if out == "bf16":
             s.append(f"mov.b32 ${p}, w;")
         else:

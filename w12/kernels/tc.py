@@ -21,7 +21,9 @@ Decode happens in registers, from two byte planes read with 16-byte vector loads
   2^-15 below the row's largest weights, far under the bf16 output rounding. Only contrived
   inputs notice (a one-hot x reading a tiny escape next to v0); SELECT_ZERO=True restores the
   bit-exact escape path at the cost of a compare+select per weight.
-* The 8-bit view (Q8) keeps the spec's `hi == 0 -> 0` select (non-escapes can have hi == 0).
+* The 8-bit view (Q8) reads every hi byte as its bin's midpoint (the lowest value of the bin for e0 == 0), hi == 0
+  included: `hi*16 + 240*(hi & 0x80) + E8` with E8 = (e0 << 7) + 8 for e0 >= 1 and 0 for e0 == 0 (no select per
+  weight). An escape (code 0) reads as that row's hi-0 value, which the escape epilogue takes back as above.
 
 Escapes: the tile's rows own a contiguous range of the CSR list. The epilogue walks it row-parallel:
 step j adds escape j of every row in the tile (rows with fewer escapes are masked), so the
@@ -96,10 +98,15 @@ def _decode_bits(h, nib, E, SELECT_ZERO: tl.constexpr):
 
 
 @triton.jit
-def _decode_bits_q8(h, E):
-    # The 8-bit view: midpoint of the 16 codes sharing `hi`; hi == 0 reads as +0.0.
-    bits = h * 16 + (h & 0x80) * 240 + 8 + E
-    return tl.where(h == 0, 0, bits)
+def _decode_bits_q8(h, E8):
+    # The 8-bit view: midpoint of the 16 codes sharing `hi` (E8 = _q8_base(E))
+    return h * 16 + (h & 0x80) * 240 + E8
+
+
+@triton.jit
+def _q8_base(E):
+    # E = e0 << 7 -> the 8-bit view's row constant: the bin midpoint (+8) for e0 >= 1, 0 for e0 == 0
+    return tl.where(E > 0, E + 8, 0)
 
 
 @triton.jit
@@ -120,8 +127,9 @@ def _decode_halves(h_a8, h_b8, lo_p, E16, E, Q8: tl.constexpr, USE_ASM: tl.const
     if USE_ASM and not SELECT_ZERO:
         # packed PTX decode (kernels/pk_decode.py), straight to the operand dtype
         if Q8:
-            wa = decode_pk(h_a8, h_a8, E16, 2, F32)
-            wb = decode_pk(h_b8, h_b8, E16, 2, F32)
+            E8 = _q8_base(E).to(tl.int16)
+            wa = decode_pk(h_a8, h_a8, E8, 2, F32)
+            wb = decode_pk(h_b8, h_b8, E8, 2, F32)
         else:
             lo8 = tl.load(lo_p)
             wa = decode_pk(h_a8, lo8, E16, 0, F32)
@@ -130,8 +138,8 @@ def _decode_halves(h_a8, h_b8, lo_p, E16, E, Q8: tl.constexpr, USE_ASM: tl.const
         h_a = h_a8.to(tl.int32)
         h_b = h_b8.to(tl.int32)
         if Q8:
-            ba = _decode_bits_q8(h_a, E)
-            bb = _decode_bits_q8(h_b, E)
+            ba = _decode_bits_q8(h_a, _q8_base(E))
+            bb = _decode_bits_q8(h_b, _q8_base(E))
         else:
             lo = tl.load(lo_p).to(tl.int32)
             ba = _decode_bits(h_a, lo & 0xF, E, SELECT_ZERO)
@@ -160,12 +168,15 @@ def _to_out(acc, out_ty: tl.constexpr):
 
 @triton.jit
 def _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr, col_ptr,
-                   val_ptr, ZERO_DENSE: tl.constexpr):
+                   val_ptr, ZERO_DENSE: tl.constexpr, Q8: tl.constexpr = False):
     # acc: [BN, BT] fp32; rows: [BN]; toks: [BT]
     rp0 = tl.load(rowptr_ptr + rows, mask=row_ok, other=0)
     cnt = tl.load(rowptr_ptr + rows + 1, mask=row_ok, other=0) - rp0
     e0 = tl.load(e0_ptr + rows, mask=row_ok, other=0).to(tl.int32)
-    v0 = ((e0 << 23).to(tl.float32, bitcast=True))[:, None]  # [BN, 1] what the dense decode gave
+    if Q8:  # the 8-bit view of hi byte 0 (_q8_base)
+        v0 = (tl.where(e0 > 0, (e0 << 23) | 0x80000, 0).to(tl.float32, bitcast=True))[:, None]
+    else:
+        v0 = ((e0 << 23).to(tl.float32, bitcast=True))[:, None]  # [BN, 1] what the dense decode gave
     x_row = x_ptr + toks.to(tl.int64)[None, :] * stride_xm  # [1, BT]
     n_max = tl.max(cnt, axis=0)
     for j in range(0, n_max):
@@ -249,7 +260,7 @@ def w12_matmul_tc_kernel(
 
     if pid_k == 0:
         acc = _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr,
-                             col_ptr, val_ptr, ZERO_DENSE)
+                             col_ptr, val_ptr, ZERO_DENSE, Q8)
     _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT, HAS_BIAS)
 
 

@@ -3,8 +3,8 @@ masked tail of a row block), dense codes only (the caller writes the escapes aft
 `w12.matmul_tiled` runs it where the flow kernel does not take a call (more than 32 rows, fp16 x), then F.linear.
 
 Per element: code = hi << 4 | lo4, bits = ((code & 0x7FF) + (e0 << 7)) | ((code & 0x800) << 4), 0 for code 0
-(`w12.format._decode`); with Q8 the 8-bit view: bits = (((hi & 0x7F) << 4 | 8) + (e0 << 7)) | ((hi & 0x80) << 8),
-0 for hi 0 (`w12.reference.decode_q8`).
+(`w12.format._decode`); with Q8 the 8-bit view: bits = (((hi & 0x7F) << 4) + (e0 << 7) + 8) | ((hi & 0x80) << 8),
+without the + 8 where e0 = 0 (`w12.reference.decode_q8`).
 """
 
 from __future__ import annotations
@@ -40,8 +40,7 @@ def w12_untile_kernel(tiles, e0, out, N, K, KF, kr, NF, nr, SB, Q8: tl.constexpr
         lo = (lob >> (4 * (j % 2))) & 0xF
     e = tl.load(e0 + row, mask=r < R, other=0).to(tl.int32)
     if Q8:
-        bits = ((((hi & 0x7F) << 4) | 0x8) + (e << 7)) | ((hi & 0x80) << 8)
-        bits = tl.where(hi == 0, 0, bits)
+        bits = (((hi & 0x7F) << 4) + tl.where(e > 0, (e << 7) + 8, 0)) | ((hi & 0x80) << 8)
     else:
         code = (hi << 4) | lo
         bits = ((code & 0x7FF) + (e << 7)) | ((code & 0x800) << 4)
