@@ -98,7 +98,7 @@ def layer_shapes(names: list[str]) -> dict[str, tuple[int, int]]:
 
 def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int, int] = (9, 0), extra=()):
     """(label, FlowConfig) of the flow rows of one cell: the heuristic's config for the ladder, then step e at
-    other K splits (1..8, up to the CTA's warps) and ring depths (4, 8), the other CTA sizes of 16 warps per
+    other K splits (1..8, up to the CTA's warps) and ring depths (the heuristic's, 8), the other CTA sizes of 16 warps per
     SM (4, 8 or 16 warps), and two row blocks per warp in CTAs of 8 warps at 1 per SM and 4 warps at 2 per SM (the
     heuristic's K split and half of it), when `sweep`; on sm_90 also K split across the CTAs of a cluster (kc 2 and 4,
     CTAs of one row block) and the warpgroup build (`wg`, rows tagged `-g`) in 10 shapes; then the configs in `extra`
@@ -112,7 +112,7 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int,
     out = [("ladder", base)]
     if sweep:
         for kw in (k for k in (1, 2, 4, 8) if k <= base.warps):
-            for stages in (4, 8):
+            for stages in (base.stages, 8):
                 cfg = wc.FlowConfig(warps=base.warps, kw=kw, stages=stages, cps=base.cps)
                 if cfg != base:
                     out.append((f"e@{cfg.tag()}", cfg))

@@ -366,7 +366,7 @@ def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = F
     return GemvConfig(block_n=bn, block_t=bt, block_k=bk, split_k=split, num_warps=4, num_stages=2)
 
 
-def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int | None = None, stages: int = 4,
+def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int | None = None, stages: int | None = None,
                    cps: int | None = None, clusters: bool | None = None, wgmma: bool | None = None,
                    q8: bool = False) -> FlowConfig:
     """FlowConfig default: the CTA shape and K split `kw` that minimise a wave model, waves x (64-column units per
@@ -394,6 +394,11 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     48.7 -> 39.7 µs); r < 1, 16-warp CTAs of one row group and four K pieces (down_proj at M = 32: 65.8 -> 59.7 µs,
     o_proj level). At M <= 16 on the other layers, and at M <= 8 everywhere, the mma.sync build measured faster.
 
+    Ring depth (`stages`, unless given): 3 for the 4-warp CTAs at M <= 8, 4 otherwise. On the H200 the shallower
+    ring was faster there for both formats (out_proj at M = 1 15.1 µs against 16.1, the 8-bit view 11.4 against
+    11.8; in_proj, qkv_proj, down_proj 1-3%; the LM head level) and slower in gate_up's 8-warp CTAs (70.5 against
+    68.5 µs); docs/w12-kernels.md, "Ring depth at M <= 8".
+
     `q8`: the 8-bit view's build, which takes the mma.sync shapes only and, for M <= 8, the 4-warp CTAs alone: its
     kernel is bound by the decode more than by bytes, and on the H200 gate_up at M = 8 took 51.1 µs in 4-warp CTAs
     against 58.1 in the 8-warp ones this model prefers for the full format (docs/w12-kernels.md, "The 8-bit view")."""
@@ -402,12 +407,13 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     if wgmma is None:
         wgmma = device.type == "cuda" and not autotune.is_interpreter() and \
             torch.cuda.get_device_capability(device) == (9, 0)
+    deep = 4 if stages is None else stages
     if wgmma and warps is None and cps is None and M > 8 and K > 64:
         groups = -(-N // 64) / sm_count(device)
         if groups >= 3:
-            return FlowConfig(warps=4, kw=1, stages=stages, cps=4, kc=2, wg=True)
+            return FlowConfig(warps=4, kw=1, stages=deep, cps=4, kc=2, wg=True)
         if M > 16:
-            return FlowConfig(warps=16, kw=2 if groups >= 1 else 4, stages=stages, cps=1, wg=True)
+            return FlowConfig(warps=16, kw=2 if groups >= 1 else 4, stages=deep, cps=1, wg=True)
     if warps is not None or cps is not None:
         shapes = [(warps or (4 if M <= 8 else 8), cps or (4 if M <= 8 else 2))]
     else:
@@ -425,9 +431,9 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
         clusters = device.type == "cuda" and not autotune.is_interpreter() and \
             torch.cuda.get_device_capability(device)[0] >= 9
     if clusters and warps is None and cps is None and blocks < 3 * sms and units >= 2:
-        return FlowConfig(warps=4, kw=4, stages=stages, cps=4, kc=2) if M <= 8 else \
-            FlowConfig(warps=2, kw=2, stages=stages, cps=4, kc=2)
-    return FlowConfig(warps=w, kw=kw, stages=stages, cps=c)
+        return FlowConfig(warps=4, kw=4, stages=3 if stages is None else stages, cps=4, kc=2) if M <= 8 else \
+            FlowConfig(warps=2, kw=2, stages=deep, cps=4, kc=2)
+    return FlowConfig(warps=w, kw=kw, stages=(3 if M <= 8 and w == 4 else 4) if stages is None else stages, cps=c)
 
 
 def flow_config(M: int, N: int, K: int, device: torch.device, *, q8: bool = False) -> FlowConfig:

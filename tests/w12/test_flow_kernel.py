@@ -428,9 +428,12 @@ def test_heuristic_fills_the_machine(monkeypatch):
     assert {(c.warps, c.cps) for c in (flow_heuristic(m, 5120, 6144, cpu) for m in (1, 8))} == {(4, 4)}
     # gate_up: 2176 one-row-block CTAs take 9 waves of 8-warp CTAs (9 x 11 units) but 5 of 4-warp ones (5 x 21)
     assert flow_heuristic(8, 34816, 5120, cpu) == FlowConfig(warps=8, kw=8, cps=2)
-    assert flow_heuristic(1, 34816, 5120, cpu, warps=4) == FlowConfig(warps=4, kw=4, cps=4)  # a fixed shape
+    assert flow_heuristic(1, 34816, 5120, cpu, warps=4) == FlowConfig(warps=4, kw=4, stages=3, cps=4)  # a fixed shape
+    # ring depth: 3 in the 4-warp CTAs at M <= 8, 4 elsewhere, or as given
+    assert flow_heuristic(1, 16480, 5120, cpu).stages == 3 and flow_heuristic(16, 16480, 5120, cpu).stages == 4
+    assert flow_heuristic(1, 16480, 5120, cpu, stages=6).stages == 6
     # the 8-bit view: 4-warp CTAs at M <= 8, the mma.sync build above (no wgmma even where it exists)
-    assert flow_heuristic(8, 34816, 5120, cpu, q8=True) == FlowConfig(warps=4, kw=4, cps=4)
+    assert flow_heuristic(8, 34816, 5120, cpu, q8=True) == FlowConfig(warps=4, kw=4, stages=3, cps=4)
     assert not flow_heuristic(32, 34816, 5120, cpu, wgmma=True, q8=True).wg
     big = {name: flow_heuristic(32, n, k, cpu) for name, (n, k) in {"in_proj": (16480, 5120), "gate_up": (34816, 5120),
                                                                     "o_proj": (5120, 6144)}.items()}
@@ -442,7 +445,7 @@ def test_heuristic_fills_the_machine(monkeypatch):
             {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144), "down": (5120, 17408),
              "qkv": (14336, 5120), "tiny": (40, 64)}.items()}
     assert {key for key, c in sm90.items() if c.kc == 2} == {(n, m) for n in ("o_proj", "down") for m in (1, 8, 16, 32)}
-    assert sm90["o_proj", 1] == FlowConfig(warps=4, kw=4, cps=4, kc=2)
+    assert sm90["o_proj", 1] == FlowConfig(warps=4, kw=4, stages=3, cps=4, kc=2)
     assert sm90["down", 32] == FlowConfig(warps=2, kw=2, cps=4, kc=2)
     assert sm90["tiny", 1].kc == 1  # one unit of K: nothing to split
     assert flow_heuristic(1, 5120, 6144, cpu, warps=4, clusters=True).kc == 1  # a fixed shape stays as asked
