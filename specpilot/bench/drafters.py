@@ -2,13 +2,14 @@
 heads and their Markov variant (a chain of 8, a chain of 16, a 32-node tree each) on held-out prompts, every output
 checked against the autoregressive one.
 
-    python -m specpilot.bench.drafters [--prompts 4] [--tokens 200] [--threads 1]
+    python -m specpilot.bench.drafters [--prompts 4] [--tokens 200] [--threads 1] [--device cpu|cuda]
 
 Prompts: `--prompts` windows of `PROMPT_BYTES` bytes of the model's held-out text (`heldout.txt`, modules left out
 of the target's and the heads' training), evenly spaced. Each decoding runs every prompt once after a short warm-up
 generation; τ is the tokens returned over the steps, tokens/s the tokens over the steps' total time (drafting,
 tree building, the verify pass, acceptance and commit; the prefill is not counted). Prints a Markdown table and the
-machine, versions and command.
+machine, versions and command. On `--device cuda` the engine's steps run as it runs them there (CUDA graphs where
+it captures them); the times are wall-clock seconds around each step, as on the CPU.
 """
 
 from __future__ import annotations
@@ -36,7 +37,8 @@ MODES = {
 }
 
 
-def measure(n_prompts: int = 4, new_tokens: int = 200, weights: str = "w12", log=print) -> list[dict]:
+def measure(n_prompts: int = 4, new_tokens: int = 200, weights: str = "w12", log=print,
+            device: str = "cpu") -> list[dict]:
     from ..engine import Engine
     from ..models import HELDOUT_FILE, tiny_stdlib_path
 
@@ -46,7 +48,7 @@ def measure(n_prompts: int = 4, new_tokens: int = 200, weights: str = "w12", log
     prompts = [list(text[i * step:i * step + PROMPT_BYTES]) for i in range(n_prompts)]
     rows, ref = [], None
     for name, (drafter, kw) in MODES.items():
-        eng = Engine.from_pretrained(path, device="cpu", weights=weights, drafter=drafter, **kw)
+        eng = Engine.from_pretrained(path, device=device, weights=weights, drafter=drafter, **kw)
         spec = drafter is not None
         eng.generate(prompts[0][:16], 4, speculative=spec)
         eng.reset_stats()
@@ -67,11 +69,14 @@ def main(argv=None) -> int:
     ap.add_argument("--prompts", type=int, default=4)
     ap.add_argument("--tokens", type=int, default=200)
     ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--device", default="cpu", choices=("cpu", "cuda"))
     args = ap.parse_args(argv)
     if args.prompts < 1 or args.tokens < 1 or args.threads < 1:
         ap.error("--prompts, --tokens and --threads must be >= 1")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        ap.error("--device cuda: no CUDA device here; run on the CPU with --device cpu")
     torch.set_num_threads(args.threads)
-    rows = measure(args.prompts, args.tokens)
+    rows = measure(args.prompts, args.tokens, device=args.device)
     base = rows[0]["tokens_per_s"]
     print("\n| decoding | steps | τ (tokens per step) | ms/step (mean) | tokens/s | vs autoregressive | output |")
     print("| --- | --- | --- | --- | --- | --- | --- |")
@@ -80,10 +85,11 @@ def main(argv=None) -> int:
               f"| {r['tokens_per_s'] / base:.2f}x | {'identical' if r['identical'] else 'DIFFERS'} |")
     import transformers
 
-    print(f"\nCPU: {platform.processor() or platform.machine()}, {args.threads} torch thread(s); torch "
-          f"{torch.__version__}, transformers {transformers.__version__}, Python {platform.python_version()}; "
-          f"command: python -m specpilot.bench.drafters --prompts {args.prompts} --tokens {args.tokens} "
-          f"--threads {args.threads}")
+    where = torch.cuda.get_device_name() if args.device == "cuda" else \
+        f"CPU: {platform.processor() or platform.machine()}, {args.threads} torch thread(s)"
+    print(f"\n{where}; torch {torch.__version__}, transformers {transformers.__version__}, Python "
+          f"{platform.python_version()}; command: python -m specpilot.bench.drafters --prompts {args.prompts} "
+          f"--tokens {args.tokens} --threads {args.threads} --device {args.device}")
     return 0 if all(r["identical"] for r in rows) else 1
 
 
