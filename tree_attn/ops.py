@@ -12,6 +12,7 @@ the shapes, dtypes and devices of its tensors against the plan.
 
 from __future__ import annotations
 
+import weakref
 from dataclasses import dataclass
 
 import torch
@@ -36,6 +37,14 @@ VARIANTS = autotune.Variants(OP, by_arch={9: "wgmma", 8: "mma"}, known=("wgmma",
                              fallback="reference")
 _PLANS = autotune.PlanCache()
 _INTERPRET_SMS = 4  # "SMs" the schedule fills under the interpreter (several splits at tiny lengths)
+# The one-call path's kept plans (`keep_plan=True`). A model calls `tree_attention` once per attention layer with the
+# same step metadata
+# (qo_indptr, kv_indptr, kv_indices, tree_mask); the plan, a host step with a device sync, is the same for every
+# layer. An entry is reused only for the very same four tensor objects (weak references: a freed tensor whose memory
+# a new one takes never matches), unchanged since (torch's version counters, shared by every view of their storage),
+# the same call shape, and the same stream (the plan's scratch buffers are written by each run).
+_ONE_CALL: dict = {}
+_ONE_CALL_MAX = 16
 
 
 # --------------------------------------------------------------------------------------------
@@ -527,8 +536,14 @@ def run(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=None, sm_s
 
 
 def tree_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_mask, *, sm_scale=None, k_new=None,
-                   v_new=None, out=None, return_lse: bool = False, variant: str | None = None):
+                   v_new=None, out=None, return_lse: bool = False, variant: str | None = None, keep_plan: bool = False):
     """`plan` then `run` in one call (the plan step checks the inputs and may sync the host).
+
+    `keep_plan=True`: the plan is kept for the next call with the same four metadata tensor objects, unchanged
+    since (their torch version counters), the same shapes and the same stream, so the layers of one decoding step
+    plan once (the first call) and run on that plan; a step with new metadata tensors, or the same ones written in
+    place by torch, plans again. Only for metadata that nothing writes behind torch's back: a write by a custom
+    CUDA or Triton kernel does not move the version counter, and the kept plan would be stale.
 
     q `[T, H, D]` ragged by qo_indptr; caches `[slots, Hkv, D]` or `[pages, page_size, Hkv, D]` with
     kv_indices listing token slots per request (kv_indptr); tree_mask int64 `[T]`, bit j: local node j
@@ -555,10 +570,38 @@ def tree_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_m
         raise ValueError(f"{fn}: tree_mask has {tree_mask.shape[0]} entries but q has {q.shape[0]} rows; one mask "
                          "word per tree node")
     slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-    p = globals()["plan"](qo_indptr, kv_indptr, kv_indices, tree_mask, num_qo_heads=q.shape[1],
-                          num_kv_heads=k_cache.shape[-2], head_dim=q.shape[-1], cache_slots=slots,
-                          nodes_in_cache=k_new is None, dtype=q.dtype, variant=variant)
+    meta = (qo_indptr, kv_indptr, kv_indices, tree_mask)
+    shape = (q.shape[1], k_cache.shape[-2], q.shape[-1], slots, k_new is None, q.dtype, variant, q.device,
+             torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0)
+    p = _one_call_plan(meta, shape) if keep_plan else None
+    if p is None:
+        p = globals()["plan"](qo_indptr, kv_indptr, kv_indices, tree_mask, num_qo_heads=q.shape[1],
+                              num_kv_heads=k_cache.shape[-2], head_dim=q.shape[-1], cache_slots=slots,
+                              nodes_in_cache=k_new is None, dtype=q.dtype, variant=variant)
+        if keep_plan:
+            _keep_one_call_plan(meta, shape, p)
     return run(p, q, k_cache, v_cache, k_new=k_new, v_new=v_new, sm_scale=sm_scale, out=out, return_lse=return_lse)
+
+
+def _one_call_plan(meta, shape) -> "TreeAttnPlan | None":
+    """The plan `tree_attention` built for these very metadata tensors, unchanged since, and this call shape."""
+    if not all(isinstance(t, torch.Tensor) for t in meta):
+        return None
+    hit = _ONE_CALL.get(tuple(id(t) for t in meta) + shape)
+    if hit is None:
+        return None
+    refs, versions, p = hit
+    if any(r() is not t for r, t in zip(refs, meta)) or versions != tuple(t._version for t in meta):
+        return None
+    return p
+
+
+def _keep_one_call_plan(meta, shape, p: "TreeAttnPlan") -> None:
+    if len(_ONE_CALL) >= _ONE_CALL_MAX:
+        _ONE_CALL.clear()
+    key = tuple(id(t) for t in meta) + shape
+    drop = lambda _ref, k=key: _ONE_CALL.pop(k, None)  # noqa: E731  (the entry goes with any of its tensors)
+    _ONE_CALL[key] = (tuple(weakref.ref(t, drop) for t in meta), tuple(t._version for t in meta), p)
 
 
 def compiled_ptx(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=None) -> str:

@@ -222,6 +222,49 @@ def test_plan_reused_for_two_inputs(make_batch, check):
         check(b, out, lse)
 
 
+def test_one_call_plans_once_per_step(make_batch, check, monkeypatch):
+    """tree_attention(keep_plan=True) keeps its plan for the next call with the same metadata tensors (the layers of
+    one step): the layers run on it and give their own right answers; new tensors, or the same ones written in place,
+    plan again; the entry goes with its tensors. Without keep_plan every call plans."""
+    import gc
+
+    from tree_attn import ops
+
+    planned = []
+    real = ops.plan
+    monkeypatch.setattr(ops, "plan", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    monkeypatch.setattr(ops, "_ONE_CALL", {})
+    b1 = make_batch([("draft9", 23), ("empty", 1), ("chain4", 2)], H=4, Hkv=2, D=64, seed=31)
+    b2 = b1.refill(seed=32)  # another layer: the same metadata tensors
+    for b in (b1, b2, b1):
+        check(b, *attend(b, keep_plan=True))
+    assert len(planned) == 1
+    check(b2, *attend(b2))  # not asked to keep: plans
+    assert len(planned) == 2
+    planned.clear()
+    check(b1, *attend(b1, keep_plan=True))  # the kept plan
+    assert len(planned) == 0
+    # a new step in the same tensors, written in place: planned again, and right for the new slots
+    perm = b1.kv_indices[torch.randperm(b1.kv_indices.shape[0], generator=torch.Generator().manual_seed(3))]
+    b1.kv_indices.copy_(perm)
+    b3 = b1.refill(seed=33)
+    check(b3, *attend(b3, keep_plan=True))
+    assert len(planned) == 1
+    # equal values in new tensors: planned again (the cache matches tensor objects, not their values)
+    b4 = b3.refill(seed=34)
+    b4.kv_indptr = b3.kv_indptr.clone()
+    check(b4, *attend(b4, keep_plan=True))
+    assert len(planned) == 2
+    # another step's batch in its own tensors: planned again; its entry goes when they do
+    b5 = make_batch([("draft9", 23)], H=2, Hkv=2, D=64, seed=35)
+    check(b5, *attend(b5, keep_plan=True))
+    assert len(planned) == 3
+    n = len(ops._ONE_CALL)
+    del b5
+    gc.collect()
+    assert len(ops._ONE_CALL) == n - 1  # dropped with its tensors
+
+
 def test_plan_nodes_in_cache_and_variant(make_batch, check):
     """A plan for nodes in the cache, pinned to one variant, run on a paged cache."""
     b = make_batch([("draft8", 9), ("single", 30)], H=2, Hkv=1, D=64, layout="paged", nodes_in_cache=True,

@@ -10,7 +10,9 @@ Groups (baseline variant in brackets):
 * `B1-N32-L{1k,4k,32k,128k}` [flex]: batch 1, one 32-node tree over a prefix of L tokens.
   "wgmma" / "mma": tree_attn.run on a plan made in setup (tree_attn.plan is the host step, not timed;
   run is CUDA-graph timed); "wgmma" only on sm_90. "tree_attention" (L = 32k only): the one-call API
-  (plan + run, host syncs, eager CUDA events), so the plan's cost shows. "sdpa-mask": F.scaled_dot_product_attention
+  (plan + run, host syncs, eager CUDA events), so the plan's cost shows; "tree_attention-kept": the same with
+  `keep_plan=True`, as the layers of one decoding step call it (the step's same metadata tensors in every call:
+  the first call plans, the others run on its kept plan). "sdpa-mask": F.scaled_dot_product_attention
   with the tree's mask as an additive bf16 mask built once in setup (no per-call bool->float conversion), the
   GQA group folded into the query rows ([1, Hkv, G*n, D] against [1, Hkv, L+n, D], mask [G*n, L+n]) so K/V are
   not expanded to H heads. "flex": flex_attention under torch.compile with a block mask made in setup; the
@@ -40,7 +42,7 @@ accumulate in their own order). The references run on the GPU; where they would 
 elements at once the check covers the first and last request only (B24) and the GQA groups of kv heads 0 and
 Hkv - 1 only (L = 128k).
 On a CPU only the "tiny" shape set yields (small) cases: B1 with a 5-node tree over L = 40 (with
-"tree_attention"), a ragged B3, a 4-node chain; D rounds up to 64 there (tiny's 32 is not a supported head
+"tree_attention" and "tree_attention-kept"), a ragged B3, a 4-node chain; D rounds up to 64 there (tiny's 32 is not a supported head
 dim); "flex" (torch.compile) only runs on CUDA. There the kernel variants run under the interpreter when
 TRITON_INTERPRET=1; without it a CPU runs the one torch path, "reference", in place of "wgmma" / "mma" and
 "tree_attention".
@@ -189,7 +191,8 @@ def _case(variant: str, spec: _Spec, device: torch.device, shape: str, baseline:
 
 
 def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, seed: int) -> Case:
-    """tree_attn.run on a plan made in setup ("wgmma", "mma"), or the one-call tree_attention ("tree_attention")."""
+    """tree_attn.run on a plan made in setup ("wgmma", "mma"), or the one-call tree_attention ("tree_attention", and
+    "tree_attention-kept" with keep_plan=True)."""
 
     def setup() -> Prepared:
         import tree_attn
@@ -197,8 +200,10 @@ def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, s
         prob = _Problem(spec, device, rotations(spec.bytes(), device), seed)
         out = torch.empty(spec.T, spec.H, spec.D, dtype=torch.bfloat16, device=device)
         idx = (prob.kv_indptr, prob.kv_indices, prob.qo_indptr, prob.tree_mask)
-        if variant == "tree_attention":  # the user's one call: plan (host step, syncs) + run, every call
-            fns = [lambda q=q, k=k, v=v: tree_attn.tree_attention(q, k, v, *idx, out=out) for q, k, v in prob.sets]
+        if variant in ("tree_attention", "tree_attention-kept"):  # the user's one call: plan + run, or a kept plan
+            keep = variant == "tree_attention-kept"
+            fns = [lambda q=q, k=k, v=v: tree_attn.tree_attention(q, k, v, *idx, out=out, keep_plan=keep)
+                   for q, k, v in prob.sets]
         else:
             plan = tree_attn.plan(prob.qo_indptr, prob.kv_indptr, prob.kv_indices, prob.tree_mask,
                                   num_qo_heads=spec.H, num_kv_heads=spec.Hkv, head_dim=spec.D,
@@ -210,7 +215,8 @@ def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, s
             fns[0]()
             prob.check(0, out, 3.0, f"{variant} {shape}")
 
-        return Prepared(fns=fns, check=check, graph_safe=variant != "tree_attention", teardown=prob.sets.clear)
+        return Prepared(fns=fns, check=check, graph_safe=not variant.startswith("tree_attention"),
+                        teardown=prob.sets.clear)
 
     return _case(variant, spec, device, shape, baseline, setup)
 
@@ -348,7 +354,7 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
         seed += 1
         vs = [_kernel_case(v, spec, device, shape, baseline, seed) for v in kernels]
         if one_call and not host:
-            vs.append(_kernel_case("tree_attention", spec, device, shape, baseline, seed))
+            vs += [_kernel_case(v, spec, device, shape, baseline, seed) for v in ("tree_attention", "tree_attention-kept")]
         for p in peers:
             if p == "sdpa-mask":
                 vs.append(_sdpa_mask_case(spec, device, shape, baseline, seed))
