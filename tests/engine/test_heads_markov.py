@@ -74,6 +74,40 @@ def test_conditional_builder_takes_the_best_paths_given_their_parents():
         build_tree_conditional(expand, 65, 2)
 
 
+@pytest.mark.parametrize("batch", [2, 5, 64])
+def test_batched_expansions_build_the_same_tree(batch):
+    # expand_many computes the needed (depth, token) with the best frontier candidates' ones: the same nodes in the
+    # same order as node by node, every pair computed at most once, at most `batch` a call, the needed one first
+    P, K, budget = 6, 3, 40
+
+    def expand(depth, token):
+        g = torch.Generator().manual_seed(1000 * depth + token + 11)
+        logp = torch.log_softmax(torch.randint(0, 5, (9,), generator=g).double(), 0)  # ties: the rule decides
+        v, i = torch.topk(logp, K)
+        return i.tolist(), v.tolist()
+
+    calls = []
+
+    def expand_many(pairs):
+        calls.append(list(pairs))
+        return [expand(d, t) for d, t in pairs]
+
+    want = build_tree_conditional(expand, budget, P)
+    got = build_tree_conditional(lambda d, t: pytest.fail("expand_many covers every call"), budget, P,
+                                 expand_many=expand_many, batch=batch)
+    for f in ("tokens", "parents", "depths", "scores", "anc"):
+        assert torch.equal(getattr(got, f), getattr(want, f)), f
+    flat = [p for c in calls for p in c]
+    assert len(flat) == len(set(flat)) and all(1 <= len(c) <= batch for c in calls)
+    assert calls[0][0] == (0, -1)
+    if batch > 1:
+        node_by_node = []
+        build_tree_conditional(lambda d, t: node_by_node.append(1) or expand(d, t), budget, P)
+        assert len(calls) < len(node_by_node)  # fewer round trips
+    with raises_helpful("specpilot.engine.spec.tree", "build_tree_conditional", "batch"):
+        build_tree_conditional(expand, 4, 2, expand_many=expand_many, batch=0)
+
+
 def test_markov_rows_read_the_token_above():
     torch.manual_seed(0)
     net = HeadsNet(HeadsDims(hidden=16, vocab=32, width=24, ffn=48, positions=5, embed=8, markov=True)).eval()
@@ -127,6 +161,30 @@ def test_markov_tree_scores_are_log_probabilities_given_the_parent(markov):
     tokens, scores = markov.propose(PROMPT, 16, 2, hidden=hidden)
     chain = markov.propose_tree(PROMPT, 16, 1, 16, hidden=hidden)
     assert chain.tokens.tolist() == tokens[:, 0].tolist()
+    # the chain (k = 1, built on the device and read once) is the tree best-first selection builds node by node
+    def expand(depth, token):
+        above = PROMPT[-1] if depth == 0 else token
+        logp = torch.log_softmax(markov.net.rows(z, torch.tensor([depth]), torch.tensor([above]))[0].detach(), -1)
+        v, i = torch.topk(logp, 1)
+        return i.tolist(), v.tolist()
+
+    ref = build_tree_conditional(expand, 12, 16)
+    got = markov.propose_tree(PROMPT, 16, 1, 12, hidden=hidden)
+    assert got.tokens.tolist() == ref.tokens.tolist() and got.parents.tolist() == ref.parents.tolist()
+    assert torch.allclose(got.scores, ref.scores, atol=1e-6)
+
+
+def test_markov_tree_rows_in_batches_give_the_same_tree(markov, monkeypatch):
+    # the GPU's path (EXPAND_BATCH rows per host read) on the CPU: the same tree as one row at a time (scores within
+    # the rounding of a batched row against a single one)
+    from specpilot.engine.spec import heads
+
+    hidden = torch.randn(128, generator=torch.Generator().manual_seed(5)).bfloat16()
+    one = markov.propose_tree(PROMPT, 16, 4, 31, hidden=hidden)
+    monkeypatch.setattr(heads, "_expand_batch", lambda device: heads.EXPAND_BATCH)
+    many = markov.propose_tree(PROMPT, 16, 4, 31, hidden=hidden)
+    assert many.tokens.tolist() == one.tokens.tolist() and many.parents.tolist() == one.parents.tolist()
+    assert torch.allclose(many.scores, one.scores, atol=1e-5)
 
 
 @pytest.fixture(scope="module")

@@ -21,9 +21,9 @@ its log-softmax scores; rows past the trained `positions` are empty (-inf).
 The Markov variant (`HeadsDims.markov`, DSpark style) also reads the token of the row above: row d adds
 `prev[t]` to u_d, where t is the draft token at depth d - 1 (the pending token for row 0), so that its
 distribution is the next token's given its parent. It is trained with the true tokens there (teacher forcing).
-`propose_tree` grows the tree node by node (`tree.build_tree_conditional`): each selected node's children are
+`propose_tree` grows the tree best-first (`tree.build_tree_conditional`): each selected node's children are
 one row of the network given that node's token, and a child's edge score is its log-probability given the
-parent. `propose` of a Markov net gives the rows along the top-1 chain (row d given row d - 1's top-1 token).
+parent; on a GPU the rows come `EXPAND_BATCH` per host read, and a chain (k = 1) is read once. `propose` of a Markov net gives the rows along the top-1 chain (row d given row d - 1's top-1 token).
 
 The weights file (`save` / `load`): safetensors, tensors in BF16, its metadata holding the network's sizes
 (`dims`, JSON) and the SHA-256 of the target's BF16 embedding matrix (`target_embed_sha256`), which a loader
@@ -46,6 +46,13 @@ from .drafters import _as_context, _check_count
 __all__ = ["HeadsDims", "HeadsNet", "HeadsDrafter", "embed_sha256"]
 
 _WHERE = "specpilot.engine.spec.heads"
+# rows a Markov net's tree computes per host read on a GPU (`HeadsDrafter.propose_tree`); on a CPU, where a read is
+# free and every row costs its arithmetic, one at a time
+EXPAND_BATCH = 8
+
+
+def _expand_batch(device: torch.device) -> int:
+    return EXPAND_BATCH if device.type == "cuda" else 1
 
 
 @dataclass(frozen=True)
@@ -209,10 +216,11 @@ class HeadsDrafter:
     def propose_tree(self, context: Sequence[int] | torch.Tensor, positions: int, k: int, budget: int, *,
                      hidden: torch.Tensor | None = None):
         """The draft tree (`tree.DraftTree`, at most `budget` nodes, depth < min(positions, trained positions)),
-        grown best-first node by node (`tree.build_tree_conditional`): the children of a node at depth d holding
-        token t are the top-k of row d + 1 given t (row 0 given the pending token), each scored by its
-        log-probability given its parent. One row of the network per selected node. No hidden state or an empty
-        context: an empty tree."""
+        grown best-first (`tree.build_tree_conditional`): the children of a node at depth d holding token t are the
+        top-k of row d + 1 given t (row 0 given the pending token), each scored by its log-probability given its
+        parent. On a GPU the rows are computed `EXPAND_BATCH` at a time (the one the selection needs and those of
+        the best frontier candidates), so it reads back once per batch; with k = 1 the chain runs on the device, row d
+        given row d - 1's top token, and is read back once. No hidden state or an empty context: an empty tree."""
         from .tree import build_tree_conditional
 
         fn = "HeadsDrafter.propose_tree"
@@ -227,13 +235,26 @@ class HeadsDrafter:
         z = self._start(hidden, pending)
         kk = min(k, self.dims.vocab)
 
-        def expand(depth: int, token: int):
-            prev = torch.tensor([pending if depth == 0 else token], dtype=torch.int64, device=z.device)
-            row = torch.log_softmax(self.net.rows(z, torch.tensor([depth], device=z.device), prev)[0], -1)
-            v, i = torch.topk(row, kk)
-            return i.tolist(), v.tolist()
+        def expand_many(pairs):
+            depth = torch.tensor([d for d, _ in pairs], dtype=torch.int64, device=z.device)
+            prev = torch.tensor([pending if d == 0 else t for d, t in pairs], dtype=torch.int64, device=z.device)
+            v, i = torch.topk(torch.log_softmax(self.net.rows(z, depth, prev), -1), kk, dim=-1)
+            return list(zip(i.tolist(), v.tolist()))  # one host read for the batch
 
-        return build_tree_conditional(expand, budget, P)
+        if kk == 1 and P:
+            # the chain: row d given row d - 1's top token, on the device; one host read at the end
+            chain, prev = [], torch.tensor([pending], dtype=torch.int64, device=z.device)
+            for d in range(P):
+                v, i = torch.topk(torch.log_softmax(self.net.rows(z, torch.tensor([d], device=z.device), prev), -1),
+                                  1, dim=-1)
+                chain.append((i[0], v[0]))
+                prev = i[0]
+            toks = torch.stack([c[0] for c in chain]).tolist()
+            vals = torch.stack([c[1] for c in chain]).tolist()
+            rows = {(d, pending if d == 0 else toks[d - 1][0]): (toks[d], vals[d]) for d in range(P)}
+            return build_tree_conditional(lambda d, t: rows[(d, t if d else pending)], budget, P)
+        return build_tree_conditional(lambda d, t: expand_many([(d, t)])[0], budget, P, expand_many=expand_many,
+                                      batch=_expand_batch(z.device))
 
     def propose(self, context: Sequence[int] | torch.Tensor, positions: int, k: int, *,
                 hidden: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:

@@ -160,14 +160,19 @@ def _rows(tok: list[list[int]], sc: list[list[float]]) -> list[list[int]]:
     return rows
 
 
-def _best_first(children, budget: int, max_depth: int):
+def _best_first(children, budget: int, max_depth: int, ahead=None):
     """Lazy-heap best-first selection under the tie rule (module docstring) on host lists; returns per-node lists
     (tokens, parents, depths, scores, anc) in selection order. `children(depth, token)` gives the candidates of the
     children at `depth` of a node holding `token` (-1 for the committed token) as (tokens, scores, order): order
     the kept columns in sibling order (`_rows`). It is called for the committed token and for each selected node
-    that may have children, when it is selected."""
+    that may have children, when it is selected. `ahead(pairs)`, where given, is called just before each of those
+    calls with the (depth, token) it needs first, then the pairs the best frontier candidates would need if they
+    were selected next, best first: a caller can compute them together (it changes nothing the selection sees)."""
     tokens, parents, depths, scores, anc = [], [], [], [], []
     heap: list = []
+
+    def frontier():  # (depth, token) of the children of the frontier's candidates, best candidate first
+        return [(e[1] + 1, e[5][0][e[4]]) for e in heapq.nsmallest(len(heap), heap) if e[1] + 1 < max_depth]
 
     def push(parent: int, parent_score: float, depth: int, rank: int, cand) -> None:
         # heap entries are the keys of the tie rule, then the column and the candidates; keys are unique
@@ -191,6 +196,8 @@ def _best_first(children, budget: int, max_depth: int):
         anc.append(_bit(i) | (anc[par] if par >= 0 else 0))
         push(par, scores[par] if par >= 0 else 0.0, d, r + 1, cand)  # next sibling
         if d + 1 < max_depth and len(tokens) < budget:
+            if ahead is not None:
+                ahead([(d + 1, tok)] + frontier())
             push(i, -neg, d + 1, 0, children(d + 1, tok))  # own best child
     return tokens, parents, depths, scores, anc
 
@@ -217,21 +224,47 @@ def build_tree(tokens: torch.Tensor, scores: torch.Tensor, budget: int = 32) -> 
                      anc=torch.tensor(a, dtype=torch.int64, device=dev))
 
 
-def build_tree_conditional(expand, budget: int, max_depth: int) -> DraftTree:
+def build_tree_conditional(expand, budget: int, max_depth: int, *, expand_many=None, batch: int = 1) -> DraftTree:
     """One request's tree from a drafter whose candidates depend on the parent: `expand(depth, token)` gives the
     candidates for the child at `depth` of a node holding `token` (depth 0: the children of the committed token,
     which the caller knows; `token` is then -1), as (tokens [K] ints, scores [K] log-probabilities given that
-    parent). Best-first under the marginal builder's tie rule (module docstring), the path score a parent's plus
-    the child's conditional score; `expand` is called once per selected node that may have children
-    (depth + 1 < max_depth), when the node is selected, and once for the committed token, so at most budget + 1
-    times. Host lists, CPU tensors out."""
+    parent): a function of (depth, token) alone. Best-first under the marginal builder's tie rule (module
+    docstring), the path score a parent's plus the child's conditional score; `expand` is called once per
+    (depth, token) that a selected node with children (depth + 1 < max_depth), or the committed token, needs, when
+    that node is selected: at most budget + 1 times. Host lists, CPU tensors out.
+
+    `expand_many(pairs)` (a list of (depth, token) -> a list of (tokens, scores), one per pair) with `batch` > 1
+    computes up to `batch` expansions at once: the one needed now and those the best frontier candidates would
+    need if selected next, so that a drafter on a GPU reads back to the host once per batch instead of once per
+    node. The tree is the same node for node as with `expand` alone, where `expand_many` gives what `expand`
+    would."""
     fn = "build_tree_conditional"
     _check_budget(fn, budget)
     if isinstance(max_depth, bool) or not isinstance(max_depth, int) or max_depth < 0:
         raise ValueError(f"{_WHERE}.{fn}: max_depth={max_depth!r}; pass an int >= 0")
+    if isinstance(batch, bool) or not isinstance(batch, int) or batch < 1:
+        raise ValueError(f"{_WHERE}.{fn}: batch={batch!r}; pass an int >= 1")
+    known: dict = {}
+
+    def ahead(pairs):
+        want = []
+        for pair in pairs:
+            if pair not in known and pair not in want:
+                want.append(pair)
+            if len(want) == batch:
+                break
+        if want:
+            got = list(expand_many(want))
+            if len(got) != len(want):
+                raise ValueError(f"{_WHERE}.{fn}: expand_many gave {len(got)} expansions for {len(want)} pairs; "
+                                 "return one (tokens, scores) per pair")
+            known.update(zip(want, got))
 
     def children(depth: int, token: int):
-        t, sc = expand(depth, token)
+        key = (depth, token)
+        if key not in known:
+            known[key] = expand(depth, token)
+        t, sc = known[key]
         t = [int(x) for x in t]
         sc = [float(x) for x in sc]
         if len(t) != len(sc):
@@ -243,7 +276,10 @@ def build_tree_conditional(expand, budget: int, max_depth: int) -> DraftTree:
                                  "be log-probabilities (finite, or -inf for a candidate never to choose)")
         return t, sc, _rows([t], [sc])[0]
 
-    tokens, parents, depths, scores, anc = _best_first(children, budget, max_depth)
+    many = expand_many is not None and batch > 1
+    if many:
+        ahead([(0, -1)])
+    tokens, parents, depths, scores, anc = _best_first(children, budget, max_depth, ahead if many else None)
     return DraftTree(tokens=torch.tensor(tokens, dtype=torch.int64), parents=torch.tensor(parents, dtype=torch.int32),
                      depths=torch.tensor(depths, dtype=torch.int32), scores=torch.tensor(scores, dtype=torch.float64),
                      anc=torch.tensor(anc, dtype=torch.int64))
