@@ -2,7 +2,8 @@
 and the survivors are recomputed exactly, so `argmax` and `topk` equal the exact head's, always.
 
 * `CertifiedHead(weight, screen="auto")`: a BF16 head `[V, H]` or a `w12.W12Weight`; screens "int8"
-  (an INT8 copy with BF16 group scales), "w12" (the W12 8-bit view: no second copy), "none".
+  (an INT8 copy with BF16 group scales), "int4" (codes in [-7, 7] two to a byte, the same scales: half the
+  bytes, a looser bound), "w12" (the W12 8-bit view: no second copy), "none".
 * `.argmax(hidden)`, `.topk(hidden, k)`, `.logits(hidden)`, `.stats()`; `argmax` answers `NAN_ID` (-1) for a
   row whose exact logits hold a NaN.
 * `screen_bounds(head, hidden)`: the interval [L, U] of every exact logit.

@@ -31,7 +31,8 @@ OP = "lmhead.argmax"
 # "triton": the kernels of lmhead/kernels/screen.py (tl.dot: wgmma or mma.sync by tile shape); "reference":
 # the same steps in torch (CPU tensors without the interpreter).
 VARIANTS = autotune.Variants(OP, by_arch={8: "triton"}, known=("triton", "reference"), fallback="reference")
-SCREENS = ("int8", "w12", "none")
+SCREENS = ("int8", "int4", "w12", "none")
+QUANTISED = ("int8", "int4")  # screens of integer codes with group scales, against int8 hidden states
 DEFAULT_CAPACITY = 2048
 GROUP = 128  # columns per scale / error group of the screen
 _PLANS = autotune.PlanCache()
@@ -97,7 +98,8 @@ def _build_tables(weight, screen: str, group: int, chunk: int = 8192) -> dict:
     rounded up: err[v, g] = max_k |W - screen weight| (BF16), dw[v] = ||W_v - screen row||_2,
     rq[v] = ||screen row||_2 and rw[v] =
     ||W_v||_2 (fp32; rw = +inf for a row with a non-finite weight: it always survives). INT8 adds the codes
-    q, the BF16 scales and n1[v, g] = ||screen row's group||_1 (BF16), for the hidden states' own rounding."""
+    q, the BF16 scales and n1[v, g] = ||screen row's group||_1 (BF16), for the hidden states' own rounding; INT4
+    the same with codes in [-7, 7], packed two to a byte (`_pack4`) as q4."""
     w12 = not isinstance(weight, torch.Tensor)
     V, H = (weight.N, weight.K) if w12 else weight.shape
     dev = weight.hi.device if w12 else weight.device
@@ -107,6 +109,9 @@ def _build_tables(weight, screen: str, group: int, chunk: int = 8192) -> dict:
          "dw": torch.empty(V, dtype=torch.float32, device=dev)}
     if screen == "int8":
         t["q"] = torch.empty(V, H, dtype=torch.int8, device=dev)
+    if screen == "int4":
+        t["q4"] = torch.empty(V, G * group // 2, dtype=torch.uint8, device=dev)
+    if screen in QUANTISED:
         t["scale"] = torch.empty(V, G, dtype=torch.bfloat16, device=dev)
         t["n1"] = torch.empty(V, G, dtype=torch.bfloat16, device=dev)
     for r0 in range(0, V, chunk):
@@ -114,10 +119,13 @@ def _build_tables(weight, screen: str, group: int, chunk: int = 8192) -> dict:
         wd = (dense_weight(weight)[r0:r1] if not w12 else _decode_rows(weight, r0, r1)).double()
         finite = torch.isfinite(wd).all(-1)
         wd = torch.where(torch.isfinite(wd), wd, torch.zeros_like(wd))
-        if screen == "int8":
-            q, scale = _quantize(wd, group)
+        if screen in QUANTISED:
+            q, scale = _quantize(wd, group, qmax=127 if screen == "int8" else 7)
             approx = (_groups(q, group) * scale.double()[..., None]).view(r1 - r0, -1)[:, :H]
-            t["q"][r0:r1] = q.to(torch.int8)
+            if screen == "int8":
+                t["q"][r0:r1] = q.to(torch.int8)
+            else:
+                t["q4"][r0:r1] = _pack4(q, group)
             t["scale"][r0:r1] = scale
             t["n1"][r0:r1] = round_up_bf16(_groups(approx.abs(), group).sum(-1) * (1 + 2.0**-40))
         else:
@@ -130,19 +138,37 @@ def _build_tables(weight, screen: str, group: int, chunk: int = 8192) -> dict:
     return t
 
 
-def _quantize(x: torch.Tensor, group: int, scale_dtype=torch.bfloat16):
-    """(codes fp64 [R, H] in [-127, 127], scales [R, G] in `scale_dtype`): per group of `group` columns,
-    scale = max|x| / 127 rounded up (1 for an all-zero group), codes = round(x / scale)."""
+def _quantize(x: torch.Tensor, group: int, scale_dtype=torch.bfloat16, qmax: int = 127):
+    """(codes fp64 [R, H] in [-qmax, qmax], scales [R, G] in `scale_dtype`): per group of `group` columns,
+    scale = max|x| / qmax rounded up (1 for an all-zero group), codes = round(x / scale)."""
     R, H = x.shape
     g = _groups(x, group)
     amax = g.abs().amax(-1)
     if scale_dtype == torch.bfloat16:
-        scale = round_up_bf16(amax / 127)
+        scale = round_up_bf16(amax / qmax)
     else:
-        scale = _round_up_f32(amax / 127)
+        scale = _round_up_f32(amax / qmax)
     scale = torch.where(amax == 0, torch.ones_like(scale), scale)
-    q = torch.round(g / scale.double()[..., None]).clamp(-127, 127)
+    q = torch.round(g / scale.double()[..., None]).clamp(-qmax, qmax)
     return q.view(R, -1)[:, :H], scale
+
+
+def _pack4(q: torch.Tensor, group: int) -> torch.Tensor:
+    """INT4 codes [R, H] (in [-7, 7]) -> uint8 [R, G group / 2]: in group g, byte j holds the code of column
+    g group + j in its low nibble and of column g group + group / 2 + j in its high one (two's complement; columns
+    past H are 0), so a kernel reads a group as two halves of group / 2 columns, each one int8 product."""
+    R, H = q.shape
+    g = _groups(q.to(torch.int16), group)  # [R, G, group], zero-padded
+    lo, hi = g[..., : group // 2] & 0xF, g[..., group // 2:] & 0xF
+    return (lo | (hi << 4)).to(torch.uint8).reshape(R, -1)
+
+
+def _unpack4(packed: torch.Tensor, group: int, H: int) -> torch.Tensor:
+    """`_pack4`'s inverse: int8 codes [R, H]."""
+    R = packed.shape[0]
+    b = packed.to(torch.int16).view(R, -1, group // 2)
+    lo, hi = ((b & 0xF) ^ 8) - 8, (((b >> 4) & 0xF) ^ 8) - 8
+    return torch.cat([lo, hi], -1).reshape(R, -1)[:, :H].to(torch.int8)
 
 
 def _decode_rows(packed, r0: int, r1: int) -> torch.Tensor:
@@ -235,9 +261,10 @@ def _weight_args(hd: "CertifiedHead"):
 def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best, skip=None):
     cfg, t = hd.cfg, hd.tables
     M = h.shape[0]
-    int8 = hd.screen == "int8"
+    int8 = hd.screen in QUANTISED
     if int8:
-        w, sc, n1, hq, sh, eh, dh, hqn = t["q"], t["scale"], t["n1"], p["hq"], p["sh"], p["eh"], p["dh"], p["hqn"]
+        w, sc, n1, hq, sh, eh, dh, hqn = (t["q"] if hd.screen == "int8" else t["q4"], t["scale"], t["n1"], p["hq"],
+                                          p["sh"], p["eh"], p["dh"], p["hqn"])
     else:  # W12 view: the INT8-only arguments are unused (any tensor)
         w, sc, n1, hq, sh, eh, dh, hqn = hd.packed.hi, hd.packed.e0, t["err"], h, p["a"], p["a"], p["hn"], p["hn"]
     G = t["err"].shape[1]
@@ -249,7 +276,7 @@ def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best, skip=None):
             dh[m0:m1], hqn[m0:m1], p["hn"][m0:m1], p["bad"][m0:m1], None if lo is None else lo[m0:m1], up[m0:m1],
             best[m0:m1], skip, m1 - m0, hd.V, hd.H, G,
             h.stride(0), w.stride(0), G, hd.gamma_q, hd.gamma, hd.eta, MP=mp, BV=cfg.screen_bv, GROUP=hd.group,
-            W12=not int8, num_warps=cfg.screen_warps, num_stages=cfg.screen_stages)
+            W12=not int8, INT4=hd.screen == "int4", num_warps=cfg.screen_warps, num_stages=cfg.screen_stages)
 
 
 def _launch_exact(hd: "CertifiedHead", h, p, surv, out, key, full: bool, every: bool = False, fb=None, skip=None):
@@ -296,7 +323,7 @@ def _survivors(hd: "CertifiedHead", h, thr_from_lo, skip=None):
     """Prep, screen, threshold, select. Returns (p, lo, surv): p holds count, bad, key for the exact passes.
     skip: the policy state; where its flag is set the screen and the selection return at once (counts 0)."""
     M, dev = h.shape[0], h.device
-    p = _prep_triton(h, hd.group, hd.screen == "int8")
+    p = _prep_triton(h, hd.group, hd.screen in QUANTISED)
     lo = torch.empty(M, hd.V, dtype=torch.float32, device=dev) if thr_from_lo is not None else None
     up = torch.empty(M, hd.V, dtype=torch.float32, device=dev)
     _launch_screen(hd, h, p, lo, up, p["best"], skip)
@@ -366,7 +393,7 @@ def _topk_triton(hd: "CertifiedHead", h, k: int, stats):
 
 
 def _screen_torch(hd: "CertifiedHead", h):
-    p = _prep(h, hd.group, hd.screen == "int8")
+    p = _prep(h, hd.group, hd.screen in QUANTISED)
     t = hd.tables
     if hd.screen == "w12":
         s = h.float() @ _w12_view_rows(hd.packed, 0, hd.V).float().T
@@ -374,7 +401,8 @@ def _screen_torch(hd: "CertifiedHead", h):
         r = e + hd.gamma * (p["hn"][:, None] * t["rq"][None, :] + p["hn"][:, None] * t["rw"][None, :])
     else:
         G = t["scale"].shape[1]
-        wq = (_groups(t["q"].float(), hd.group) * t["scale"].float()[..., None]).view(hd.V, G * hd.group)[:, :hd.H]
+        q = t["q"] if hd.screen == "int8" else _unpack4(t["q4"], hd.group, hd.H)
+        wq = (_groups(q.float(), hd.group) * t["scale"].float()[..., None]).view(hd.V, G * hd.group)[:, :hd.H]
         hq = (_groups(p["hq"].float(), hd.group) * p["sh"][..., None]).view(h.shape[0], G * hd.group)[:, :hd.H]
         s = hq @ wq.T
         e = (torch.minimum(p["a"] @ t["err"].float().T, p["hn"][:, None] * t["dw"][None, :])
@@ -451,7 +479,8 @@ class CertifiedHead:
     """A greedy LM head whose answers are exact: `argmax`, `topk`, `logits` (docs/lmhead.md).
 
     `weight`: BF16 `[V, H]`, or a `w12.W12Weight` (stored once; exact rows decoded from it). `screen`:
-    "int8", "w12" (W12 heads), "none" (the plain exact head) or "auto" (measured per GPU,
+    "int8", "int4" (half the screen's bytes, a looser bound), "w12" (W12 heads), "none" (the plain exact head) or
+    "auto" (measured per GPU,
     lmhead/configs.py). `capacity`: survivors per row before that row takes the full exact path."""
 
     def __init__(self, weight, *, screen: str = "auto", capacity: int | None = None, group: int = GROUP,
@@ -476,6 +505,9 @@ class CertifiedHead:
                                 + (f" (the default is {GROUP})" if name == "group" else ", or None for the default"))
         if group <= 0 or group & (group - 1):
             raise ValueError(f"{fn}: group={group} must be a power of two; use the default {GROUP}")
+        if screen == "int4" and group < 32:
+            raise ValueError(f"{fn}: screen='int4' reads each group as two int8 products of group / 2 columns, at "
+                             f"least 16; group={group} is too small: pass group >= 32 (the default is {GROUP})")
         self.packed = weight if w12 else None
         # the kernels read rows with unit column stride: any other layout (a transposed view) is copied once
         self.weight = None if w12 else (weight if weight.stride(-1) == 1 else weight.contiguous())

@@ -45,11 +45,14 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
                          eh_ptr, dh_ptr, hqn_ptr, hn_ptr, bad_ptr, lo_ptr, up_ptr, best_ptr, skip_ptr, M, V, H, G,
                          stride_hm, stride_wv, stride_tv,
                          gamma_q, gamma_w, eta,
-                         MP: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr, W12: tl.constexpr):
+                         MP: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr, W12: tl.constexpr,
+                         INT4: tl.constexpr = False):
     """Screen logits and their intervals for BV vocabulary rows and M (<= MP) hidden rows.
 
     INT8 (W12 False): the hidden states are quantised per group too (hq, scales sh, errors eh), so each
-    group's dot is an exact int8 tensor-core product: acc = sum_g sc[v,g] sh[m,g] (q_v . hq_m)_g.
+    group's dot is an exact int8 tensor-core product: acc = sum_g sc[v,g] sh[m,g] (q_v . hq_m)_g. INT4: the same
+    with codes in [-7, 7] packed two to a byte (lmhead.ops._pack4: byte j of a group holds columns j and
+    GROUP / 2 + j), unpacked to int8 in registers, each group two exact int8 products of GROUP / 2 columns.
     W12: the 8-bit view decoded to BF16 (exact), times the BF16 hidden states, fp32 accumulation.
     Radius: min(sum_g err[v,g] a[m,g], dw[v] hn[m]) (+ min(sum_g n1[v,g] eh[m,g], rq[v] dh[m]) for INT8)
     + gamma_q rq[v] hqn[m] + gamma_w rw[v] hn[m] + eta (docs/lmhead.md).
@@ -71,17 +74,33 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
         offs_k = g * GROUP + tl.arange(0, GROUP)
         ok_k = offs_k < H
         okh = ok_m[:, None] & ok_k[None, :]
-        c = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_k[None, :],
-                    mask=ok_v[:, None] & ok_k[None, :], other=0)
+        if not INT4:
+            c = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * stride_wv + offs_k[None, :],
+                        mask=ok_v[:, None] & ok_k[None, :], other=0)
         if W12:
             h = tl.load(h_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], mask=okh, other=0.0)
             wq = _view_w12(c.to(tl.int32), e0[:, None])
             acc += tl.dot(h, tl.trans(wq))
         else:
-            hq = tl.load(hq_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], mask=okh, other=0)
             s = tl.load(sc_ptr + offs_v * stride_tv + g, mask=ok_v, other=0.0).to(tl.float32)
             sh = tl.load(sh_ptr + offs_m * G + g, mask=ok_m, other=0.0)
-            acc += tl.dot(hq, tl.trans(c)).to(tl.float32) * (sh[:, None] * s[None, :])
+            if INT4:
+                j = tl.arange(0, GROUP // 2)
+                ka = g * GROUP + j
+                kb = ka + GROUP // 2
+                b = tl.load(w_ptr + offs_v[:, None].to(tl.int64) * stride_wv + (g * (GROUP // 2) + j)[None, :],
+                            mask=ok_v[:, None], other=0).to(tl.int32)
+                ca = (((b & 0xF) ^ 8) - 8).to(tl.int8)
+                cb = ((((b >> 4) & 0xF) ^ 8) - 8).to(tl.int8)
+                hqa = tl.load(hq_ptr + offs_m[:, None] * stride_hm + ka[None, :], mask=ok_m[:, None] & (ka < H)[None, :],
+                              other=0)
+                hqb = tl.load(hq_ptr + offs_m[:, None] * stride_hm + kb[None, :], mask=ok_m[:, None] & (kb < H)[None, :],
+                              other=0)
+                dot = tl.dot(hqa, tl.trans(ca)) + tl.dot(hqb, tl.trans(cb))  # exact in int32
+            else:
+                hq = tl.load(hq_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], mask=okh, other=0)
+                dot = tl.dot(hq, tl.trans(c))
+            acc += dot.to(tl.float32) * (sh[:, None] * s[None, :])
             n1 = tl.load(n1_ptr + offs_v * stride_tv + g, mask=ok_v, other=0.0).to(tl.float32)
             eh = tl.load(eh_ptr + offs_m * G + g, mask=ok_m, other=0.0)
             eh_b += eh[:, None] * n1[None, :]

@@ -24,8 +24,8 @@ from specpilot.testing import assert_bitwise_equal
 # tests plant on purpose (the results are checked, the warnings say nothing more).
 pytestmark = pytest.mark.filterwarnings("ignore:.*encountered in:RuntimeWarning")
 
-SCREENS = ["int8", "w12", "none"]
-BOUNDED = ["int8", "w12"]  # screens that have bounds
+SCREENS = ["int8", "int4", "w12", "none"]
+BOUNDED = ["int8", "int4", "w12"]  # screens that have bounds
 
 
 def bits_equal_rows(a, b):
@@ -65,7 +65,7 @@ SHAPES = {
     (7, 130, 2): SCREENS,
     (8, 1, 3): SCREENS,
     (7, 40, 32): ["int8", "none"],
-    (300, 130, 1): ["int8", "none"],
+    (300, 130, 1): ["int8", "int4", "none"],
     (129, 257, 5): ["int8"],
 }
 # the W12 view is the interpreter's slowest screen: it runs on the small shapes only (and on the GPU)
@@ -81,6 +81,45 @@ def test_exact_on_random_heads(V, H, M, screen, lm):
     assert ((0 <= ids) & (ids < V)).all()
     decided = lm.check_answers(head, h, w, ids, logits, min(V, 5), screen in BOUNDED, msg=screen)
     assert decided >= (M + 1) // 2, f"only {decided}/{M} rows are decided by the fp64 margin: a vacuous check"
+
+
+def test_int4_codes_pack_two_to_a_byte():
+    """lmhead.ops._pack4 / _unpack4: codes in [-7, 7] round-trip on an odd H; byte j of a group holds columns j
+    (low nibble) and group / 2 + j (high nibble), two's complement; the padding past H is 0."""
+    from lmhead.ops import _pack4, _unpack4
+
+    g = torch.Generator().manual_seed(4)
+    q = torch.randint(-7, 8, (5, 200), generator=g).double()
+    p = _pack4(q, 64)
+    assert p.dtype == torch.uint8 and tuple(p.shape) == (5, 4 * 32)
+    assert torch.equal(_unpack4(p, 64, 200), q.to(torch.int8))
+    assert int(p[2, 33]) == (int(q[2, 65]) & 0xF) | ((int(q[2, 97]) & 0xF) << 4)  # group 1, byte 1
+    assert bool((p[:, 3 * 32 + 8:] == 0).all())  # group 3 holds columns 192..199 (bytes 0..7) and padding
+
+
+def test_int4_screen_holds_at_its_worst_rounding(lm):
+    """Weights half a step of the 4-bit grid from both neighbours (the largest rounding error), hidden rows lined
+    up with the error's sign: the bound still holds for every logit and the answers are exact."""
+    V, H, M, group = 9, 256, 3, 128  # whole groups: each group's planted maximum sets its scale
+    g = torch.Generator().manual_seed(8)
+    G = -(-H // group)
+    w = torch.empty(V, G * group, dtype=torch.float64)
+    step = torch.empty(V, G * group, dtype=torch.float64)
+    for v in range(V):
+        for k in range(G):
+            r = int(torch.randint(-6, 7, (1,), generator=g))
+            q = torch.randint(-7, 7, (group,), generator=g).double() + 0.5  # halfway: error 2^r / 2
+            q[int(torch.randint(0, group, (1,), generator=g))] = 7.0  # the group max: the scale is exactly 2^r
+            w[v, k * group:(k + 1) * group] = q * 2.0**r
+            step[v, k * group:(k + 1) * group] = 2.0**r
+    w, step = w[:, :H].to(torch.bfloat16), step[:, :H]
+    assert torch.equal(w.double(), w.double().to(torch.bfloat16).double())
+    sign = torch.sign(w.double() - torch.round(w.double() / step) * step)  # the side of each weight's rounding
+    assert int((sign == 0).sum()) == V * G  # only the planted maxima sit on the grid
+    h = (sign[:M] * lm.spread_magnitudes(H, seed=9)[None, :]).to(torch.bfloat16)
+    head = lm.make_head(w, "int4")
+    ids, logits = lm.check_argmax(head, h)
+    lm.check_answers(head, h, w, ids, logits, 3, True, msg="int4 worst")
 
 
 @pytest.mark.slow

@@ -62,7 +62,7 @@ def w32k():
 # ------------------------------------------------------------------------------------ exactness
 
 
-@pytest.mark.parametrize("screen", ["int8", "none"])
+@pytest.mark.parametrize("screen", ["int8", "int4", "none"])
 @pytest.mark.parametrize("M", [1, 8, 32])
 def test_argmax_32k(M, screen, w32k, lm):
     head = lmhead.CertifiedHead(w32k, screen=screen)
@@ -105,7 +105,7 @@ def test_argmax_248k(lm):
     assert len(st["survivors"]) == 8 and all(1 <= x <= 248320 for x in st["survivors"])
 
 
-@pytest.mark.parametrize("screen", ["int8", "w12"])
+@pytest.mark.parametrize("screen", ["int8", "int4", "w12"])
 def test_peaked_vs_flat_survivors(screen, w32k, lm):
     """Peaked logits (hidden = noise + 50 W_t) keep few survivors (< 64); flat ones (hidden = 0.05 x noise) keep
     many, and the rows over the capacity (256) fall back and are counted. Both exact; the counts are printed."""

@@ -6,6 +6,8 @@ the same W as its "cublas" case: N(0, 1/K), outputs O(1)). Variants:
   * "cublas"          `F.linear(h, W).argmax(-1)` (the baseline of every group)
   * "certified-int8"  `CertifiedHead(W, screen="int8").argmax(h)`: INT8 screen (per 128-column group scales),
                       bound, exact recompute of the survivors
+  * "certified-int4"  `CertifiedHead(W, screen="int4").argmax(h)`: INT4 screen (codes in [-7, 7], two to a byte,
+                      the same group scales and bound): half the INT8 screen's bytes, more survivors
   * "certified-w12"   `CertifiedHead(w12.pack(W), screen="w12").argmax(h)`: the W12 record's 8-bit view as the
                       screen, exact rows decoded from the record
   * "certified-w12-int8"  `CertifiedHead(w12.pack(W), screen="int8").argmax(h)`: a W12 head screened by an INT8
@@ -70,7 +72,7 @@ CPU_M = (1, 4)  # under the interpreter a certified or W12 call takes seconds
 CPU_REGIMES = {"peaked": (1,), "flat": (1,)}  # "moderate" is the lm_head-M<m> groups' regime already
 MAIN_REGIME = "moderate"
 # variant -> (head kind built by _Heads, the screen it reads)
-CERTIFIED = {"certified-int8": ("int8", "int8"), "certified-w12": ("w12", "w12"),
+CERTIFIED = {"certified-int8": ("int8", "int8"), "certified-int4": ("int4", "int4"), "certified-w12": ("w12", "w12"),
              "certified-w12-int8": ("w12int8", "int8")}
 VARIANTS = ("cublas", *CERTIFIED, "w12")
 _SEED = 9173
@@ -101,8 +103,8 @@ class _Heads:
 
             if kind == "w12pack":
                 val[kind] = [w12.pack(w) for w in val["bf16"]]
-            elif kind == "int8":
-                val[kind] = [lmhead.CertifiedHead(w, screen="int8") for w in val["bf16"]]
+            elif kind in ("int8", "int4"):
+                val[kind] = [lmhead.CertifiedHead(w, screen=kind) for w in val["bf16"]]
             elif kind == "w12":
                 val[kind] = [lmhead.CertifiedHead(p, screen="w12") for p in cls.get(v, k, sets, device, "w12pack")]
             elif kind == "w12int8":  # a W12 head screened by an INT8 copy; survivors decoded from the W12 record
