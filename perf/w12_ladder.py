@@ -29,6 +29,11 @@ Timing: specpilot.bench.timing.time_cuda (CUDA graphs of many calls over rotated
 holds the weight; CUDA events around each replay; the median of --reps replays). Bytes: everything a call reads
 and writes (weight bytes as stored, x, out); the copy rate is docs/w12-kernels.md's 4.28 TB/s.
 
+`--q8` times the 8-bit view (`w12.matmul_q8`, the flow kernel's W12F_Q8 builds) instead of the full format: step e
+of the heuristic's config for the view (`w12.configs.flow_config(q8=True)`) and of every other config (the ladder's
+steps a-d and the fixed base are the full format's), each checked against fp64 on `w12.decode_q8`'s weight and bit
+for bit against a second run; the default row is `w12.matmul_q8`.
+
 `--wg-probe` times the warpgroup build (docs/w12-kernels.md, "The warpgroup build") instead of the ladder: for
 in_proj, gate_up, o_proj and down_proj at M = 8, 16 and 32 (unless --layers and --m say otherwise), cuBLAS, the
 default, step e at the heuristic's mma.sync config, and each warpgroup shape as shipped (two wgmma groups in flight)
@@ -96,7 +101,8 @@ def layer_shapes(names: list[str]) -> dict[str, tuple[int, int]]:
     return {name: lin[LAYERS[name]] for name in names}
 
 
-def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int, int] = (9, 0), extra=()):
+def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int, int] = (9, 0), extra=(),
+                 q8: bool = False):
     """(label, FlowConfig) of the flow rows of one cell: the heuristic's config for the ladder, then step e at
     other K splits (1..8, up to the CTA's warps) and ring depths (the heuristic's, 8), the other CTA sizes of 16 warps per
     SM (4, 8 or 16 warps), and two row blocks per warp in CTAs of 8 warps at 1 per SM and 4 warps at 2 per SM (the
@@ -108,7 +114,7 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int,
     import w12.configs as wc
 
     with mock.patch.object(wc, "sm_count", lambda device: sms):
-        base = wc.flow_heuristic(m, n, k, torch.device("cpu"))
+        base = wc.flow_heuristic(m, n, k, torch.device("cpu"), q8=q8)
     out = [("ladder", base)]
     if sweep:
         for kw in (k for k in (1, 2, 4, 8) if k <= base.warps):
@@ -143,12 +149,12 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int,
 
 
 def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: bool, ablate: bool = False,
-         only: str | None = None, arch: tuple[int, int] = (9, 0), wg_probe: bool = False, extra=()):
+         only: str | None = None, arch: tuple[int, int] = (9, 0), wg_probe: bool = False, extra=(), q8: bool = False):
     """Every (layer, M) cell's rows: [(row name, FlowConfig, step)], and the builds they need: {(cfg, nt, step)}
     including the check-only builds (steps c and d at kw = 1, the exact-base build of every step-e config). `only`:
     a regular expression that keeps the flow rows whose name it matches in full (cuBLAS and the default always run).
     `wg_probe`: the warpgroup rows also at w12.flow.WG_VARIANTS' steps (and WG_ABLATIONS' with `ablate`), named
-    `<row>-depth1`, `<row>-nosync`, `<row>-noxcopy`."""
+    `<row>-depth1`, `<row>-nosync`, `<row>-noxcopy`. `q8`: the 8-bit view's rows, step e alone (no fixed base)."""
     import re
 
     from w12 import flow
@@ -159,9 +165,14 @@ def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: boo
         for m in ms:
             nt = flow.n_tiles(m)
             rows = []
-            for label, cfg in flow_configs(m, n, k, sms, sweep, arch, extra):
-                cand = [(s, cfg, s) for s in STEPS] if label == "ladder" else [(label, cfg, "e")]
-                if label == "ladder":
+            for label, cfg in flow_configs(m, n, k, sms, sweep, arch, extra, q8):
+                if q8:
+                    if cfg.fixed:
+                        continue
+                    cand = [("e" if label == "ladder" else label, cfg, "e")]
+                else:
+                    cand = [(s, cfg, s) for s in STEPS] if label == "ladder" else [(label, cfg, "e")]
+                if label == "ladder" and not q8:
                     cand.append(("e-fixed", replace(cfg, fixed=True), "e"))
                     cand += [(abl, cfg, abl) for abl in (flow.ABLATIONS if ablate else ())]
                 elif cfg.wg and wg_probe:
@@ -180,29 +191,30 @@ def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: boo
     return cells, builds
 
 
-def _build_one(b, arch: tuple[int, int]):
+def _build_one(b, arch: tuple[int, int], q8: bool = False):
     from w12 import flow
 
     cfg, nt, step = b
     try:
-        res = flow.build(cfg, nt, arch, step=step).resources()
+        res = flow.build(cfg, nt, arch, step=step, q8=q8).resources()
         spill = res["spill_stores"] + res["spill_loads"]
         return b, f"{res['registers']}r" + (f" SPILL {spill}B" if spill else "")
     except Exception as e:  # reported per row; the run goes on
         return b, f"BUILD FAILED: {str(e).splitlines()[0][:200]}"
 
 
-def precompile(builds, arch: tuple[int, int], workers: int = 8) -> dict:
+def precompile(builds, arch: tuple[int, int], workers: int = 8, q8: bool = False) -> dict:
     """NVRTC builds of every (cfg, nt, step) for `arch` (autotune.jit caches them on disk and locks per key), in
-    `workers` spawned processes (NVRTC holds the GIL); returns {(cfg, nt, step): "<registers>r" or the error}."""
+    `workers` spawned processes (NVRTC holds the GIL); returns {(cfg, nt, step): "<registers>r" or the error}.
+    `q8`: the 8-bit view's builds."""
     todo = sorted(builds, key=lambda b: (b[0].tag(), b[1], b[2]))
     if workers <= 1:
-        return dict(_build_one(b, arch) for b in todo)
+        return dict(_build_one(b, arch, q8) for b in todo)
     import multiprocessing as mp
     from concurrent.futures import ProcessPoolExecutor
 
     with ProcessPoolExecutor(max_workers=workers, mp_context=mp.get_context("spawn")) as ex:
-        return dict(ex.map(_build_one, todo, [arch] * len(todo)))
+        return dict(ex.map(_build_one, todo, [arch] * len(todo), [q8] * len(todo)))
 
 
 # --------------------------------------------------------------------------------------
@@ -273,10 +285,11 @@ def run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]
     else:
         sms, arch = args.sms, (args.arch // 10, args.arch % 10)
     layers = layer_shapes(args.layers) if layers is None else layers
+    q8 = args.q8
     cells, builds = plan(layers, args.m, sms, args.sweep, args.ablate, args.only, tuple(arch), args.wg_probe,
-                         args.configs)
+                         args.configs, q8)
     t0 = time.perf_counter()
-    regs = precompile(builds, arch, workers=args.workers)
+    regs = precompile(builds, arch, workers=args.workers, q8=q8)
     print(f"built {len(builds)} specialisations for sm_{arch[0]}{arch[1]} in {time.perf_counter() - t0:.1f} s "
           f"(NVRTC {'.'.join(map(str, jit.nvrtc_version()))})", flush=True)
     rows: list[Row] = []
@@ -308,15 +321,20 @@ def run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]
                 xs = [torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for _ in range(sets)]
                 io = 2.0 * (m * k + m * n)
                 x0, w0, p0, t0_ = xs[0], ws[0], packs[0], tiles[0]
+                # the weight each product is checked against, and the bytes a call reads (the view: the hi bytes)
+                wv = w12.decode_q8(p0) if q8 else w0
+                wbytes = float(n * k) if q8 else float(t0_.nbytes)
+                mm = w12.matmul_q8 if q8 else w12.matmul
                 r = Row(name, m, "cublas", "F.linear", nbytes=2.0 * n * k + io)
                 rows.append(r)
                 timed([lambda x=x, w=w: F.linear(x, w) for x, w in zip(xs, ws)], r)
-                r = Row(name, m, "w12", "default", nbytes=float(p0.nbytes) + io)
+                r = Row(name, m, "w12", "default" + (" (matmul_q8)" if q8 else ""),
+                        nbytes=(wbytes if q8 else float(p0.nbytes)) + io)
                 rows.append(r)
                 try:
-                    _check(w12.matmul(x0, p0), x0, w0, cols, f"w12 {name} M={m}")
+                    _check(mm(x0, p0), x0, wv, cols, f"w12 {name} M={m}")
                     r.check = "fp64 ok"
-                    timed([lambda x=x, p=p: w12.matmul(x, p) for x, p in zip(xs, packs)], r)
+                    timed([lambda x=x, p=p: mm(x, p) for x, p in zip(xs, packs)], r)
                 except ContextLost:
                     raise
                 except Exception as e:
@@ -325,15 +343,16 @@ def run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]
                 outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in range(sets)]
                 for rname, cfg, step in frows:
                     r = Row(name, m, rname, cfg.tag(), regs=regs.get((cfg, flow.n_tiles(m), step), "?"),
-                            nbytes=float(t0_.nbytes) + io)
+                            nbytes=wbytes + io)
                     rows.append(r)
                     if r.regs.startswith("BUILD FAILED"):
                         r.status = r.regs
                         continue
                     try:
-                        r.check = _flow_check(cfg, step, x0, p0, t0_, w0, cols, f"{name} M={m} {rname}")
+                        r.check = _flow_check(cfg, step, x0, p0, t0_, wv, cols, f"{name} M={m} {rname}", q8)
                         _sync(rname, dev)
-                        timed([lambda x=x, t=t, o=o, cfg=cfg, step=step: flow.launch_tiled(cfg, x, t, None, o, step=step)
+                        timed([lambda x=x, t=t, o=o, cfg=cfg, step=step: flow.launch_tiled(cfg, x, t, None, o, step=step,
+                                                                                           q8=q8)
                                for x, t, o in zip(xs, tiles, outs)], r)
                     except ContextLost:
                         raise
@@ -351,8 +370,9 @@ def run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]
     return rows
 
 
-def _flow_check(cfg, step: str, x, p, t, w, cols, what: str) -> str:
-    """The check of one flow row (module doc); returns what was checked."""
+def _flow_check(cfg, step: str, x, p, t, w, cols, what: str, q8: bool = False) -> str:
+    """The check of one flow row (module doc); returns what was checked. `q8`: a step-e row of the 8-bit view, `w`
+    its weight (w12.decode_q8)."""
     from w12 import flow
     from w12.configs import FlowConfig
 
@@ -372,12 +392,12 @@ def _flow_check(cfg, step: str, x, p, t, w, cols, what: str) -> str:
         _sync(what, x.device)
         _check(out, x, flow.ladder_weight(p, step), cols, what + " (kw=1)")
         return "fp64 ok (kw=1)"
-    flow.launch_tiled(cfg, x, t, None, out, step=step)
+    flow.launch_tiled(cfg, x, t, None, out, step=step, q8=q8)
     _sync(what, x.device)
     _check(out, x, w, cols, what)
     # the exact-base build at step e: for an exact-base cfg a second run, or the shipped build of a WG variant
     again = torch.full_like(out, float("nan"))
-    flow.launch_tiled(replace(cfg, fixed=False), x, t, None, again)
+    flow.launch_tiled(replace(cfg, fixed=False), x, t, None, again, q8=q8)
     _sync(what, x.device)
     if not torch.equal(out.view(torch.int16), again.view(torch.int16)):
         bad = int((out.view(torch.int16) != again.view(torch.int16)).sum())
@@ -401,9 +421,9 @@ def build_only(args) -> int:
     """NVRTC builds of every specialisation a run launches (132 SMs assumed for the heuristic), on the CPU."""
     arch = (args.arch // 10, args.arch % 10)
     cells, builds = plan(layer_shapes(args.layers), args.m, args.sms, args.sweep, args.ablate, args.only, arch,
-                         args.wg_probe, args.configs)
+                         args.wg_probe, args.configs, args.q8)
     t0 = time.perf_counter()
-    regs = precompile(builds, arch, workers=args.workers)
+    regs = precompile(builds, arch, workers=args.workers, q8=args.q8)
     bad = {b: v for b, v in regs.items() if "FAILED" in v or "SPILL" in v}
     for (cfg, nt, step), v in sorted(regs.items(), key=lambda kv: (kv[0][0].tag(), kv[0][1], kv[0][2])):
         print(f"{cfg.tag():32s} nt={nt} step={step}: {v}")
@@ -430,6 +450,8 @@ def parse(argv=None):
     ap.add_argument("--arch", type=int, default=90, help="--build-only: compute capability, e.g. 90 or 80")
     ap.add_argument("--sms", type=int, default=132, help="--build-only: SMs the heuristic assumes")
     ap.add_argument("--workers", type=int, default=8, help="parallel NVRTC builds")
+    ap.add_argument("--q8", action="store_true",
+                    help="the 8-bit view (w12.matmul_q8) instead of the full format: step e of every config")
     ap.add_argument("--wg-probe", action="store_true",
                     help="instead of the ladder: the warpgroup build's shapes with one and two wgmma groups in flight "
                          "(with --ablate also without the fence and barrier, and without the x stores)")

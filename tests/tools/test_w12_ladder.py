@@ -153,16 +153,17 @@ def test_run_end_to_end_with_torch_stand_ins(ladder, monkeypatch):
 
     launched = []
 
-    def launch_tiled(cfg, x, t, bias, out, *, step="e", defines=None, smem=None):
+    def launch_tiled(cfg, x, t, bias, out, *, step="e", defines=None, smem=None, q8=False):
         launched.append((cfg.tag(), step))
-        w = flow.ladder_weight(layout.untile(t), step)
+        w = w12.decode_q8(layout.untile(t)) if q8 else flow.ladder_weight(layout.untile(t), step)
         if w is not None:
             out.copy_(F.linear(x.float(), w.float()).to(out.dtype))
 
     monkeypatch.setattr(flow, "launch_tiled", launch_tiled)
     monkeypatch.setattr(w12.ops, "matmul", lambda x, p: F.linear(x.float(), w12.unpack(p).float()).to(x.dtype))
+    monkeypatch.setattr(w12.ops, "matmul_q8", lambda x, p: F.linear(x.float(), w12.decode_q8(p).float()).to(x.dtype))
     monkeypatch.setattr(timing, "time_cuda", lambda fns, reps: (fns[-1](), timing.Timing((1e-5, 2e-5, 3e-5), "fake", 1))[1])
-    monkeypatch.setattr(ladder, "precompile", lambda builds, arch, workers=8: {b: "64r" for b in builds})
+    monkeypatch.setattr(ladder, "precompile", lambda builds, arch, workers=8, q8=False: {b: "64r" for b in builds})
     args = ladder.parse(["--m", "1", "5", "--reps", "3"])
     rows = ladder.run(args, torch.device("cpu"), {"in_proj": (40, 130), "gate_up": (33, 64), "o_proj": (16, 200)})
     assert len(rows) == sum(2 + 6 + len(ladder.flow_configs(m, n, k, 132, True)) - 1
@@ -177,3 +178,13 @@ def test_run_end_to_end_with_torch_stand_ins(ladder, monkeypatch):
     assert ("flow-w4-k1-s3-c4", "c") in launched and any(tag.endswith("-fixed") for tag, _ in launched)
     table = ladder.format_table(rows)
     assert table.count("\n") == len(rows) + 1
+
+    # --q8: the 8-bit view's step e at every config, checked on its own weight, the default row matmul_q8
+    launched.clear()
+    rows = ladder.run(ladder.parse(["--q8", "--m", "1", "--no-sweep", "--configs", "w4-k2-s4-c4", "--reps", "3"]),
+                      torch.device("cpu"), {"o_proj": (16, 200)})
+    assert [r.row for r in rows] == ["cublas", "w12", "e", "e@flow-w4-k2-s4-c4"]
+    assert [r.status for r in rows] == ["ok"] * 4 and rows[1].config == "default (matmul_q8)"
+    assert rows[2].check == rows[3].check == "fp64 ok, repeats"
+    assert rows[2].nbytes == 16 * 200 + 2.0 * (200 + 16)  # the view's hi bytes, x and out
+    assert {step for _, step in launched} == {"e"}
