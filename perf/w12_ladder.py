@@ -37,8 +37,8 @@ for bit against a second run; the default row is `w12.matmul_q8`.
 `--wg-probe` times the warpgroup build (docs/w12-kernels.md, "The warpgroup build") instead of the ladder: for
 in_proj, gate_up, o_proj and down_proj at M = 8, 16 and 32 (unless --layers and --m say otherwise), cuBLAS, the
 default, step e at the heuristic's mma.sync config, and each warpgroup shape as shipped (two wgmma groups in flight)
-and with `-depth1` (w12.flow.WG_VARIANTS: each unit's wgmma waited for before the next; checked against fp64 and bit
-for bit against the shipped build); with --ablate also `-nosync` (no proxy fence and no barrier per unit) and
+and with `-depth1` and `-stm` (w12.flow.WG_VARIANTS: each unit's wgmma waited for before the next; x staged through
+stmatrix; each checked against fp64 and bit for bit against the shipped build); with --ablate also `-nosync` (no proxy fence and no barrier per unit) and
 `-noxcopy` (x staged for the first unit only), for timing only (w12.flow.WG_ABLATIONS, wrong results).
 
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the

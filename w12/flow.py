@@ -13,7 +13,7 @@ write no output; "c" and "d" give the product only with kw = 1 ("c" without the 
 `ABLATIONS` are builds for timing only, each a step with one part taken out (perf/w12_ladder.py --ablate): "-xfixed"
 with every unit reading the first unit's x (wrong results; it prices the x traffic). The warpgroup build (`wg`) has
 steps of its own (perf/w12_ladder.py --wg-probe): `WG_VARIANTS` "e-depth1", each unit's wgmma waited for before the
-next (the same result bit for bit), and `WG_ABLATIONS`, for timing only: "e-nosync" without the proxy fence and the
+next, and "e-stm", x staged through stmatrix (both the same result bit for bit), and `WG_ABLATIONS`, for timing only: "e-nosync" without the proxy fence and the
 barrier per unit, "e-noxcopy" with x staged for the first unit only.
 
 Everything here is host code: `spec`, `build`, `smem_bytes` and `grid` run without a GPU (NVRTC).
@@ -56,7 +56,8 @@ ABLATIONS: dict[str, dict[str, int]] = {
     "b-xfixed": STEPS["b"] | dict(W12F_XSTEP=0),
     "e-xfixed": STEPS["e"] | dict(W12F_XSTEP=0),
 }
-WG_VARIANTS: dict[str, dict[str, int]] = {"e-depth1": STEPS["e"] | dict(W12F_WG_DEPTH=1)}
+WG_VARIANTS: dict[str, dict[str, int]] = {"e-depth1": STEPS["e"] | dict(W12F_WG_DEPTH=1),
+                                          "e-stm": STEPS["e"] | dict(W12F_WG_STM=1)}
 WG_ABLATIONS: dict[str, dict[str, int]] = {
     "e-nosync": STEPS["e"] | dict(W12F_WG_FENCE=0, W12F_WG_BAR=0),
     "e-noxcopy": STEPS["e"] | dict(W12F_WG_XCOPY=0),

@@ -85,7 +85,7 @@ def test_wg_probe_rows(ladder):
     assert rows[0][0] == "e" and not rows[0][1].wg and all(r[1].wg for r in rows[1:])
     shapes = {r[1] for r in rows[1:]}
     steps = ["e"] + list(WG_VARIANTS) + list(WG_ABLATIONS)
-    assert len(rows) == 1 + len(shapes) * len(steps) == 1 + 10 * 4
+    assert len(rows) == 1 + len(shapes) * len(steps) == 1 + 10 * 5
     for cfg in shapes:
         mine = [(r[0], r[2]) for r in rows if r[1] == cfg]
         assert mine == [(f"e@{cfg.tag()}{st[1:]}", st) for st in steps]

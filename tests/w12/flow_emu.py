@@ -92,6 +92,29 @@ def wg_slot(xw: np.ndarray, M: int, NT: int, c: int) -> np.ndarray:
     return slot
 
 
+def wg_slot_stm(xw: np.ndarray, M: int, NT: int, c: int) -> np.ndarray:
+    """`wg_slot` as W12F_WG_STM writes it (w12_flow.cu, store_xs): warp w < NT of the warpgroup stages n-tile w; lane
+    (g, p) holds token 8 w + g, words q = 0..7 of its columns 16 p .. 16 p + 15, and stmatrix.x4 call k stores its
+    words 4 k + i as row g, columns 2 p, 2 p + 1 of matrix i, at the row address lane 8 i + r gives for row r:
+    256 NT (2 k + i / 2) + 128 NT (i % 2) + 128 w + 16 r (the PTX ISA's stmatrix fragment layout)."""
+    slot = np.full(256 * NT, 0xDEADBEEF, dtype=U32)
+    for w in range(min(NT, 4)):
+        rows = {}  # (call, matrix, row) -> the byte address its lane gives
+        for lane in range(32):
+            i, r = divmod(lane, 8)
+            for call in range(2):
+                rows[call, i, r] = 256 * NT * (2 * call + (i >> 1)) + 128 * NT * (i & 1) + 128 * w + 16 * r
+        for lane in range(32):
+            g, p = divmod(lane, 4)
+            n = 8 * w + g
+            for call in range(2):
+                for i in range(4):
+                    a = rows[call, i, g] + 4 * p
+                    assert slot[a // 4] == 0xDEADBEEF, "a word stored twice"
+                    slot[a // 4] = xw[n, (64 * c + 16 * p) // 2 + 4 * call + i] if n < M else 0
+    return slot
+
+
 def wg_operand(slot: np.ndarray, NT: int, s: int, lbo: int, sbo: int) -> np.ndarray:
     """B [16 k, 8 NT tokens] (float64) of k-step s as wgmma reads it: a no-swizzle K-major operand at byte
     256 NT s of the slot, core matrices of 8 tokens x 16 bytes, k halves `lbo` bytes apart, token groups of 8 `sbo`

@@ -422,6 +422,23 @@ def test_warpgroup_overlap_equals_one_group_in_flight_bitwise(M):
 
 
 @pytest.mark.hopper
+@pytest.mark.parametrize("M", [1, 9, 20, 32])
+def test_warpgroup_x_through_stmatrix_equals_the_stores_bitwise(M):
+    """x staged through stmatrix (W12F_WG_STM: warp w of the warpgroup stores n-tile w's core matrices) against the
+    4-byte stores: the same slot bytes, so the same bits, on hostile rows and x salted with NaN, +-Inf, +-0 and
+    subnormals, at 1-4 token tiles (tokens past M zero)."""
+    p, x, _ = _hostile_case("nonfinite", seed=10)
+    x = torch.cat([x] * 3)[:M]
+    t = layout.tile(p)
+    for cfg in WG_CONFIGS:
+        want = _run(cfg, x, t)
+        got = torch.full_like(want, float("nan"))
+        flow.launch_tiled(cfg, x, t, None, got, defines={"W12F_WG_STM": 1})
+        torch.cuda.synchronize()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
+
+
+@pytest.mark.hopper
 def test_warpgroup_descriptor_orientation():
     """32 tokens (4 token groups, where the descriptor's two byte offsets differ): the build as shipped against fp64.
     Its twin with the offsets swapped (W12F_WG_SWAP = 1, its reads kept inside a padded allocation) is run too, so

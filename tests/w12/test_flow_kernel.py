@@ -25,7 +25,7 @@ from w12 import flow, layout
 from w12.configs import FlowConfig, flow_heuristic
 from specpilot.testing import assert_close
 
-from flow_emu import emulate, hostile_weight, lanes_f64, one_unit_tiny_case, wg_operand, wg_slot, words
+from flow_emu import emulate, hostile_weight, lanes_f64, one_unit_tiny_case, wg_operand, wg_slot, wg_slot_stm, words
 
 
 def _bf16_bits(v64: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -179,6 +179,8 @@ def test_warpgroup_operand_is_the_fragment_order(M):
             assert np.array_equal(got, want), f"unit {c}, k-step {s}"
             if NT > 1:
                 assert not np.array_equal(wg_operand(slot, NT, s, 128, 128 * NT), want)
+        # x through stmatrix (W12F_WG_STM): the same slot, word for word
+        assert np.array_equal(wg_slot_stm(xw, M, NT, c), slot), f"unit {c}: stmatrix's slot"
 
 
 # M, N, K, warps, kw, kc: a warpgroup whose last row blocks are past the weight (N = 75: 5 row blocks), a partial
@@ -232,6 +234,10 @@ def test_warpgroup_build_compiles_for_sm90a(nt, jit_cache):
         flow.spec(cfg, nt, (9, 0), step="a")
     with pytest.raises(ValueError, match="a step of the warpgroup build"):
         flow.spec(FlowConfig(warps=8, kw=2, cps=2), nt, (9, 0), step="e-depth1")
+    # x through stmatrix (W12F_WG_STM): two stmatrix.x4 per unit in place of the 4-byte stores, no spills
+    s = flow.build(cfg, nt, (9, 0), defines={"W12F_WG_STM": 1})
+    assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in s.ptx.read_text()
+    assert s.resources()["spill_stores"] == 0 and "serialized" not in s.log.read_text()
 
 
 def test_warpgroup_config_is_checked():

@@ -134,6 +134,9 @@
 #define W12F_WG_DEPTH 2  // wgmma groups in flight per warpgroup: 1 (each unit waited for) or 2 (one unit's decode
                          // overlaps the previous unit's wgmma)
 #endif
+#ifndef W12F_WG_STM
+#define W12F_WG_STM 0  // the warpgroup build's x through stmatrix: warp w of a warpgroup stages n-tile w
+#endif
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
 #endif
@@ -158,6 +161,7 @@ constexpr bool WG = W12F_WG != 0;
 constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of one row block
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
+constexpr bool STM = WG && W12F_WG_STM != 0;
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
@@ -174,6 +178,7 @@ static_assert(!Q8 || !FIXED, "the 8-bit view: exact base only");
 static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
 static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight: 1 or 2");
+static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
               "the warpgroup build: exact base, one row block per warp, x, and warpgroups of 4 warps per K piece");
 #if W12F_KC > 1 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
@@ -505,6 +510,37 @@ w12_matmul_flow_kernel(
       asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(xreg[u]) : "memory");
     }
   };
+  // W12F_WG_STM: warp w of a warpgroup stages n-tile w (w < NT). Lane (g, p) loads token 8 w + g, columns
+  // 16 p .. 16 p + 15 of the unit (two 16-byte loads a unit ahead): word q is the pair of k slots 2 p, 2 p + 1 of
+  // k-step q / 2, k half q % 2, which is row g, columns 2 p, 2 p + 1 of that core matrix as stmatrix takes it. Two
+  // stmatrix.x4 store the n-tile's 8 core matrices (words 0-3: k-steps 0-1, words 4-7: k-steps 2-3), lane 8 i + r
+  // giving the address of row r of matrix i: the same bytes as store_xw's (tests/w12/flow_emu.py, wg_slot_stm).
+  const int sj = warp & 3, stok = 8 * sj + g;
+  const bool srow = STM && sj < NT, sreal = stok < M;
+  const __nv_bfloat16* ssrc = x + (long long)(sreal ? stok : 0) * ldx + 64LL * c0 + 16 * p;
+  const uint32_t srow_off = 128u * sj + 16u * (lane & 7);  // row (lane & 7) of a core matrix of n-tile sj
+  uint32_t sreg[8];
+  auto load_xs = [&]() {
+    if (srow && sreal) {
+      const uint4 v0 = __ldg(reinterpret_cast<const uint4*>(ssrc)), v1 = __ldg(reinterpret_cast<const uint4*>(ssrc) + 1);
+      sreg[0] = v0.x, sreg[1] = v0.y, sreg[2] = v0.z, sreg[3] = v0.w;
+      sreg[4] = v1.x, sreg[5] = v1.y, sreg[6] = v1.z, sreg[7] = v1.w;
+    } else {
+#pragma unroll
+      for (int u = 0; u < 8; ++u) sreg[u] = 0u;
+    }
+    ssrc += 64;
+  };
+  auto store_xs = [&](uint32_t slot) {
+    if (!srow) return;
+    const int i = lane >> 3;  // the matrix this lane addresses: k-step 2 call + i / 2, k half i % 2
+#pragma unroll
+    for (int call = 0; call < 2; ++call) {
+      const uint32_t a = slot + 256u * NT * (2 * call + (i >> 1)) + 128u * NT * (i & 1) + srow_off;
+      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(sreg[4 * call]),
+                   "r"(sreg[4 * call + 1]), "r"(sreg[4 * call + 2]), "r"(sreg[4 * call + 3]) : "memory");
+    }
+  };
 
   XRange xr;
   // the unit's turn among the CTA's RA active row blocks (the last CTA may have fewer than RW): warp rw folds the
@@ -592,12 +628,22 @@ w12_matmul_flow_kernel(
 #if W12F_WG
   uint32_t xslot = xring;  // unit c's x slot
   uint32_t areg[2][4][4] = {};  // A registers of even and odd units (one may be read by a wgmma in flight)
-  if (c0 < cend) load_xw();
+  if (c0 < cend) {
+    if constexpr (STM)
+      load_xs();
+    else
+      load_xw();
+  }
   auto wg_unit = [&](int c, uint32_t (&a)[4][4], uint32_t (&prev)[4][4]) {
     // unit c's x into its slot (it held unit c - XSLOTS: every warp of the warpgroup waited for that wgmma before
     // the barrier of unit c - 1), then unit c + 1's loads
-    if (W12F_WG_XCOPY != 0 || c == c0) store_xw(xslot);
-    if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
+    if constexpr (STM) {
+      store_xs(xslot);
+      if (c + 1 < cend) load_xs();
+    } else {
+      if (W12F_WG_XCOPY != 0 || c == c0) store_xw(xslot);
+      if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
+    }
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
     if constexpr (W12F_WG_FENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by wgmma
     if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
