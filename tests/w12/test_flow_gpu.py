@@ -404,36 +404,26 @@ WG_CONFIGS = [FlowConfig(warps=4, kw=1, cps=4, wg=True), FlowConfig(warps=8, kw=
               FlowConfig(warps=16, kw=2, cps=1, wg=True), FlowConfig(warps=4, kw=1, cps=4, kc=4, wg=True)]
 
 
+# builds of the warpgroup build that must give the shipped one's bits: each unit's wgmma waited for before the next
+# (W12F_WG_DEPTH = 1: the same operations in the same order, one A register set, 2 x slots); x staged through stmatrix
+# (W12F_WG_STM: the same slot bytes), at 1-4 token tiles (tokens past M zero)
+WG_TWINS = [({"W12F_WG_DEPTH": 1}, 16), ({"W12F_WG_DEPTH": 1}, 32), ({"W12F_WG_STM": 1}, 1), ({"W12F_WG_STM": 1}, 9),
+            ({"W12F_WG_STM": 1}, 20), ({"W12F_WG_STM": 1}, 32)]
+
+
 @pytest.mark.hopper
-@pytest.mark.parametrize("M", [16, 32])
-def test_warpgroup_overlap_equals_one_group_in_flight_bitwise(M):
-    """Two wgmma groups in flight (the decode of a unit overlapping the previous unit's wgmma, A registers in two
-    sets, 3 x slots) against each unit waited for (W12F_WG_DEPTH = 1): the same operations in the same order, so
-    the same bits, on hostile rows and x salted with NaN, +-Inf, +-0 and subnormals."""
+@pytest.mark.parametrize("defines,M", WG_TWINS, ids=[f"{next(iter(d))}-M{m}" for d, m in WG_TWINS])
+def test_warpgroup_variants_equal_the_shipped_build_bitwise(defines, M):
+    """Two wgmma groups in flight (the decode of a unit overlapping the previous unit's wgmma) against each unit
+    waited for, and x through stmatrix against the 4-byte stores: the same bits, on hostile rows and x salted with
+    NaN, +-Inf, +-0 and subnormals."""
     p, x, _ = _hostile_case("nonfinite", seed=9)
-    x = torch.cat([x] * 3)[:M]
-    t = layout.tile(p)
-    for cfg in WG_CONFIGS:
-        two = _run(cfg, x, t)
-        one = torch.full_like(two, float("nan"))
-        flow.launch_tiled(cfg, x, t, None, one, defines={"W12F_WG_DEPTH": 1})
-        torch.cuda.synchronize()
-        assert torch.equal(one.view(torch.int16), two.view(torch.int16)), cfg.tag()
-
-
-@pytest.mark.hopper
-@pytest.mark.parametrize("M", [1, 9, 20, 32])
-def test_warpgroup_x_through_stmatrix_equals_the_stores_bitwise(M):
-    """x staged through stmatrix (W12F_WG_STM: warp w of the warpgroup stores n-tile w's core matrices) against the
-    4-byte stores: the same slot bytes, so the same bits, on hostile rows and x salted with NaN, +-Inf, +-0 and
-    subnormals, at 1-4 token tiles (tokens past M zero)."""
-    p, x, _ = _hostile_case("nonfinite", seed=10)
     x = torch.cat([x] * 3)[:M]
     t = layout.tile(p)
     for cfg in WG_CONFIGS:
         want = _run(cfg, x, t)
         got = torch.full_like(want, float("nan"))
-        flow.launch_tiled(cfg, x, t, None, got, defines={"W12F_WG_STM": 1})
+        flow.launch_tiled(cfg, x, t, None, got, defines=defines)
         torch.cuda.synchronize()
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
 
