@@ -214,8 +214,8 @@ class FlowConfig:
     exact base); the default is the exact base, which measured faster on the H200 at every layer and M of the
     ladder (docs/w12-kernels.md, "The flow kernel"). `rb`: row blocks per warp (1 or 2; exact base only), which
     multiply the same x fragments, so that at 2 one x read feeds 32 weight rows; every row block's result is the
-    same bit for bit. `kc`: CTAs of one thread-block cluster (sm_90) that split the row groups' K as well (1, 2 or
-    4; exact base only): rank 0 adds the others' sums, received in its shared memory, in rank order. `wg`: the
+    same bit for bit. `kc`: CTAs of one thread-block cluster (sm_90) that split the row groups' K as well (1 to 4;
+    exact base only): rank 0 adds the others' sums, received in its shared memory, in rank order. `wg`: the
     warpgroup build (sm_90a: wgmma; exact base, rb = 1, warps a multiple of 4 kw): each 4 warps own 64 consecutive
     rows and one K piece and multiply them by x with wgmma, x staged once per warpgroup in shared memory, so that one
     x read feeds 64 weight rows (docs/w12-kernels.md, "The warpgroup build"). `w12.matmul_tiled` (the engine's
@@ -239,8 +239,8 @@ class FlowConfig:
         if self.rb not in (1, 2) or (self.rb == 2 and self.fixed):
             raise ValueError(f"FlowConfig needs rb (row blocks per warp) 1 or 2, and 2 only with the exact base "
                              f"(fixed=False); got {self}")
-        if self.kc not in (1, 2, 4) or (self.kc > 1 and self.fixed):
-            raise ValueError(f"FlowConfig needs kc (CTAs of a cluster splitting K) 1, 2 or 4, and above 1 only with "
+        if self.kc not in (1, 2, 3, 4) or (self.kc > 1 and self.fixed):
+            raise ValueError(f"FlowConfig needs kc (CTAs of a cluster splitting K) 1 to 4, and above 1 only with "
                              f"the exact base (fixed=False); got {self}")
         if self.wg and (self.fixed or self.rb != 1 or self.warps % (4 * self.kw)):
             raise ValueError(f"FlowConfig(wg=True) needs the exact base (fixed=False), rb=1 and warps a multiple of "

@@ -210,7 +210,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     assert rb in (1, 2) and (rb == 1 or not fixed)
     assert not wg or (not fixed and rb == 1 and warps % (4 * kw) == 0)
     assert not (q8 and fixed)
-    assert kc in (1, 2, 4) and (kc == 1 or (not fixed and red))
+    assert kc in (1, 2, 3, 4) and (kc == 1 or (not fixed and red))
     rnd = _Round(fp32)
     M, K = x.shape
     N = t.N

@@ -136,7 +136,8 @@ def test_partial_ladder_steps_at_kw_1(step):
 # the K split across the CTAs of a cluster (sm_90): the 5120-row layers' candidate shapes, with two row blocks per
 # warp and with four ranks
 KC_CONFIGS = [FlowConfig(warps=4, kw=4, cps=4, kc=2), FlowConfig(warps=4, kw=2, cps=4, kc=4),
-              FlowConfig(warps=8, kw=4, cps=2, kc=2, rb=2), FlowConfig(warps=2, kw=2, cps=4, kc=2)]
+              FlowConfig(warps=8, kw=4, cps=2, kc=2, rb=2), FlowConfig(warps=2, kw=2, cps=4, kc=2),
+              FlowConfig(warps=4, kw=4, cps=4, kc=3)]
 
 
 @pytest.mark.hopper
@@ -401,7 +402,8 @@ def _chain_with_and_without_pdl(cfg, ts, ys, graph: bool, runs: int) -> None:
 # split across the CTAs of a cluster
 WG_CONFIGS = [FlowConfig(warps=4, kw=1, cps=4, wg=True), FlowConfig(warps=8, kw=2, cps=2, wg=True),
               FlowConfig(warps=16, kw=4, cps=1, wg=True), FlowConfig(warps=8, kw=1, cps=2, kc=2, wg=True),
-              FlowConfig(warps=16, kw=2, cps=1, wg=True), FlowConfig(warps=4, kw=1, cps=4, kc=4, wg=True)]
+              FlowConfig(warps=16, kw=2, cps=1, wg=True), FlowConfig(warps=4, kw=1, cps=4, kc=4, wg=True),
+              FlowConfig(warps=8, kw=2, cps=2, kc=3, wg=True)]
 
 
 # builds of the warpgroup build that must give the shipped one's bits: each unit's wgmma waited for before the next

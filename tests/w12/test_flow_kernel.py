@@ -95,7 +95,7 @@ def test_two_row_blocks_per_warp_equal_one_bitwise(M, N, K, warps, kw):
 # M, N, K, warps, kw, kc, rb: K pieces wider than the full groups (K = 64, 130: pieces with no unit), the masked tail
 # in the last rank's last warp, partial and inactive row blocks, two row blocks per warp, 1 and 4 token tiles
 KC_CASES = [(1, 75, 200, 4, 2, 2, 1), (32, 33, 100, 4, 4, 4, 1), (9, 130, 256, 4, 1, 2, 1), (20, 40, 130, 8, 4, 2, 2),
-            (5, 17, 64, 2, 2, 4, 1)]
+            (5, 17, 64, 2, 2, 4, 1), (12, 40, 330, 4, 2, 3, 1)]
 
 
 @pytest.mark.parametrize("M,N,K,warps,kw,kc,rb", KC_CASES,
@@ -186,7 +186,7 @@ def test_warpgroup_operand_is_the_fragment_order(M):
 # M, N, K, warps, kw, kc: a warpgroup whose last row blocks are past the weight (N = 75: 5 row blocks), a partial
 # last block, masked tails, a K split across warpgroups and across the CTAs of a cluster, 1 to 4 token tiles
 WG_CASES = [(1, 75, 200, 4, 1, 1), (32, 33, 100, 8, 2, 1), (16, 130, 256, 8, 1, 1), (20, 40, 130, 8, 2, 2),
-            (9, 17, 64, 4, 1, 2), (24, 64, 320, 16, 4, 1), (32, 75, 300, 4, 1, 4)]
+            (9, 17, 64, 4, 1, 2), (24, 64, 320, 16, 4, 1), (32, 75, 300, 4, 1, 4), (32, 70, 400, 8, 2, 3)]
 
 
 @pytest.mark.parametrize("M,N,K,warps,kw,kc", WG_CASES,
@@ -394,10 +394,10 @@ def test_config_and_launch_geometry():
         FlowConfig(rb=2, fixed=True)
     with pytest.raises(ValueError, match="rb .row blocks per warp. 1 or 2"):
         FlowConfig(rb=3)
-    with pytest.raises(ValueError, match="kc .CTAs of a cluster splitting K. 1, 2 or 4"):
+    with pytest.raises(ValueError, match="kc .CTAs of a cluster splitting K. 1 to 4"):
         FlowConfig(kc=2, fixed=True)
-    with pytest.raises(ValueError, match="kc .CTAs of a cluster splitting K. 1, 2 or 4"):
-        FlowConfig(kc=3)
+    with pytest.raises(ValueError, match="kc .CTAs of a cluster splitting K. 1 to 4"):
+        FlowConfig(kc=5)
     q2 = FlowConfig(warps=4, kw=4, cps=4, kc=2)
     assert q2.tag() == "flow-w4-k4-s4-c4-q2" and flow.grid(q2, 5120) == 640 and flow.grid(q2, 17) == 4
     assert flow.smem_bytes(q2, 4) == 4 * 4 * 1536 + 4 * 4 * 512 + 1 * 4 * 512 + 1024

@@ -173,7 +173,7 @@ static_assert(NT >= 1 && NT <= 4, "n-tiles: 1..4");
 static_assert(RB == 1 || RB == 2, "row blocks per warp: 1 or 2");
 static_assert(RB == 1 || !FIXED, "two row blocks per warp: exact base only (the guard's recomputation is per block)");
 static_assert((!EPI || XB) && (!ESC || EPI) && (W12F_RED == 0 || EPI), "features build on each other: X, EPI, ESC, RED");
-static_assert(KC == 1 || KC == 2 || KC == 4, "CTAs splitting K: 1, 2 or 4");
+static_assert(KC >= 1 && KC <= 4, "CTAs splitting K: 1 to 4");
 static_assert(!Q8 || !FIXED, "the 8-bit view: exact base only");
 static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
