@@ -104,16 +104,16 @@ def _valid(kw) -> bool:
             and (kw["drafter"] in (None, "ngram", "self")) and count(kw["max_len"], 2)
             and (kw["rows"] is None or (count(kw["rows"], 1) and (not selfish or kw["rows"] >= 3)))
             and kw["kernels"] in ("auto", "reference", "kernels")
-            and kw["head_screen"] in ("auto", "int8", "w12", "none") and isinstance(kw["fused_glue"], bool)
+            and kw["head_screen"] in ("auto", "int8", "int4", "w12", "none") and isinstance(kw["fused_glue"], bool)
             and (kw["head_screen"] != "w12" or kw["weights"] == "w12"))
 
 
 VALID = {"device": [None, "cpu", torch.device("cpu")], "weights": ["bf16", "w12"], "drafter": [None, "ngram", "self"],
          "max_len": [2, 64, 4096], "rows": [None, 1, 3, 4], "kernels": ["auto", "reference", "kernels"],
-         "head_screen": ["auto", "int8", "w12", "none"], "fused_glue": [False, True]}
+         "head_screen": ["auto", "int8", "int4", "w12", "none"], "fused_glue": [False, True]}
 INVALID = {"device": ["cuda:7", "gpu", "", "meta", 0, 1.5], "weights": ["fp8", "W12", None, 12],
            "drafter": ["eagle", "", 3, object()], "max_len": [1, 0, -2, True, 2.5, "64", None],
-           "rows": [0, -1, False, 2.0, "3"], "kernels": ["fast", None], "head_screen": ["int4", None],
+           "rows": [0, -1, False, 2.0, "3"], "kernels": ["fast", None], "head_screen": ["int2", None],
            "fused_glue": [0, "no"]}
 
 

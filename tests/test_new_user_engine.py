@@ -112,7 +112,7 @@ def test_str_prompt_without_codec_names_the_fix(eng, monkeypatch):
     ({"max_len": "4096"}, ["max_len='4096'", "int"]),
     ({"rows": 1, "drafter": "self"}, ["rows >= 3"]),
     ({"kernels": "fast"}, ["kernels='fast'"]),
-    ({"head_screen": "int4"}, ["head_screen='int4'"]),
+    ({"head_screen": "int2"}, ["head_screen='int2'"]),
     ({"tree_node": 8}, ["tree_node", "tree_nodes"]),
     ({"tree_nodes": 1}, ["tree_nodes=1", "2..64"]),
     ({"positions": 0}, ["positions=0"]),
