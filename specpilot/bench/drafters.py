@@ -1,6 +1,6 @@
 """Drafters on the shipped tiny model: τ and tokens/s of autoregressive decoding, the n-gram drafter, the trained
-heads and their Markov variant (a chain of 8, a chain of 16, a 32-node tree each) on held-out prompts, every output
-checked against the autoregressive one.
+heads and their Markov variant (a chain of 8, a chain of 16, a 32-node tree each), and two-level verification with
+the n-gram drafter, on held-out prompts, every output checked against the autoregressive one.
 
     python -m specpilot.bench.drafters [--prompts 4] [--tokens 200] [--threads 1] [--device cpu|cuda]
 
@@ -28,6 +28,8 @@ PROMPT_BYTES = 300
 MODES = {
     "autoregressive": (None, {}),
     "n-gram drafter (16 positions, top-4, 32-node tree)": ("ngram", dict(positions=16, topk=4, tree_nodes=32)),
+    "n-gram drafter, two-level verification (Q pass on the 8-bit view)": ("ngram", dict(positions=16, topk=4,
+                                                                                        tree_nodes=32, two_level=True)),
     "heads, chain of 8": ("heads", dict(positions=8, topk=1, tree_nodes=9)),
     "heads, chain of 16": ("heads", dict(positions=16, topk=1, tree_nodes=17)),
     "heads, 32-node tree (16 positions, top-4)": ("heads", dict(positions=16, topk=4, tree_nodes=32)),
