@@ -58,8 +58,10 @@
 // are waited for after the next unit's are issued (the decode of unit c + 1 overlaps the wgmma of unit c; A
 // registers alternate between two sets; 3 x slots), with 1 before the next unit (2 slots; the launcher sizes shared
 // memory for 3). The masked tail is a unit of the loop (its x staged like the others, its weight fragments
-// assembled from global memory). Timing-only ablations (wrong results, perf/w12_ladder.py --wg-probe --ablate):
-// W12F_WG_FENCE=0, W12F_WG_BAR=0, W12F_WG_XCOPY=0 (x staged for the first unit only).
+// assembled from global memory). W12F_WG_STM = 1 stages x through stmatrix instead (warp w of the warpgroup stores
+// n-tile w's 8 core matrices with two stmatrix.x4, the same bytes; store_xs below). Timing-only ablations (wrong
+// results, perf/w12_ladder.py --wg-probe --ablate): W12F_WG_FENCE=0, W12F_WG_BAR=0, W12F_WG_XCOPY=0 (x staged for
+// the first unit only).
 //
 // Features, each behind a define so that one device call can time the ladder (perf/w12_ladder.py):
 //   W12F_X    (b) x as mma.sync's B operand (0: the probe's constant B; no x is read)
