@@ -453,6 +453,11 @@ def _flow_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> FlowConfig | No
     return flow_config(x2d.shape[0], tiled.N, tiled.K, x2d.device, q8=op == OP_Q8)
 
 
+# 64-column groups a program of decode_tiled's kernel decodes; 4 makes one row's store 512 bytes, 1 is the one-tile
+# program this kernel had when it was timed (docs/w12-kernels.md, "Above 32 rows"): 1 until 4 is measured
+UNTILE_GROUPS = 1
+
+
 def decode_tiled(tiled: TiledW12, *, q8: bool = False) -> torch.Tensor:
     """The BF16 weight [N, K] of the runtime layout, `w12.unpack(untile(tiled))` bit for bit (`q8`: the 8-bit view,
     `w12.decode_q8`), decoded tile by tile by one Triton kernel on a GPU or under the interpreter (the escapes then
@@ -469,9 +474,9 @@ def decode_tiled(tiled: TiledW12, *, q8: bool = False) -> torch.Tensor:
 
     geo = tiled.geometry
     out = torch.empty((tiled.N, tiled.K), dtype=torch.int16, device=tiled.device)
-    grid = (geo.row_blocks, geo.KF + (geo.kr > 0))
+    grid = (geo.row_blocks, -(-geo.KF // UNTILE_GROUPS) + (geo.kr > 0))
     w12_untile_kernel[grid](tiled.tiles, tiled.e0, out, tiled.N, tiled.K, geo.KF, geo.kr, geo.NF, geo.nr, geo.SB,
-                            Q8=bool(q8), num_warps=4)
+                            Q8=bool(q8), BC=UNTILE_GROUPS, num_warps=4)
     E = tiled.num_escapes
     if E:
         out[_escape_rows(tiled.esc_rowptr, E), tiled.esc_col.long()] = tiled.esc_val

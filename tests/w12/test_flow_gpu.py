@@ -328,11 +328,15 @@ def test_matmul_tiled_forced_config_and_graph_replay():
     assert torch.equal(out.view(torch.int16), y.view(torch.int16))
 
 
-@pytest.mark.parametrize("N,K", [(5120, 6144), (37, 150), (1000, 63)], ids=lambda v: str(v))
-def test_decode_tiled_is_unpack_bitwise(N, K):
-    """The runtime layout's Triton decode on the GPU: w12.unpack's and w12.decode_q8's bits, hostile rows included."""
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("N,K", [(5120, 6144), (37, 150), (1000, 63), (300, 581)], ids=lambda v: str(v))
+def test_decode_tiled_is_unpack_bitwise(N, K, groups, monkeypatch):
+    """The runtime layout's Triton decode on the GPU, one or 4 column groups a program: w12.unpack's and
+    w12.decode_q8's bits, hostile rows included."""
+    from w12 import ops
     from w12.ops import decode_tiled
 
+    monkeypatch.setattr(ops, "UNTILE_GROUPS", groups)
     p = w12.pack(hostile_weight(N, K, seed=N + K).cuda() if N < 2000 else _weight(N, K, seed=N))
     t = layout.tile(p)
     assert torch.equal(decode_tiled(t).view(torch.int16), w12.unpack(p).view(torch.int16))

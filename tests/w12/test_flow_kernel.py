@@ -603,13 +603,17 @@ def test_matmul_tiled_rejects_at_the_call():
         w12.matmul_tiled(x, t, torch.zeros(3))
 
 
-@pytest.mark.parametrize("N,K", [(16, 64), (37, 150), (5, 63), (70, 300), (33, 1)])
-def test_decode_tiled_is_unpack_bitwise(N, K):
-    """w12.ops.decode_tiled (one Triton program per tile, under the interpreter here): the BF16 bits of
+@pytest.mark.parametrize("groups", [1, 4])
+@pytest.mark.parametrize("N,K", [(16, 64), (37, 150), (5, 63), (70, 300), (33, 1), (20, 581)])
+def test_decode_tiled_is_unpack_bitwise(N, K, groups, monkeypatch):
+    """w12.ops.decode_tiled (one Triton program per row block and `groups` column groups, under the interpreter here;
+    at K = 581 nine full groups: with 4, chunks of 4, 4 and 1, then the masked tail): the BF16 bits of
     w12.unpack and of w12.decode_q8 on hostile rows (zeros, subnormals, huge and tiny rows, salted +-0, +-Inf, NaN,
     out-of-window values), with partial row blocks and masked tails."""
+    from w12 import ops
     from w12.ops import decode_tiled
 
+    monkeypatch.setattr(ops, "UNTILE_GROUPS", groups)
     p = w12.pack(hostile_weight(N, K, seed=N * K))
     t = layout.tile(p)
     assert autotune.is_interpreter()  # the kernel, not the planes' torch path
