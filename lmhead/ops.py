@@ -87,9 +87,9 @@ def _groups(w: torch.Tensor, group: int) -> torch.Tensor:
 def _w12_view_rows(packed, r0: int, r1: int) -> torch.Tensor:
     """The W12 8-bit view of rows r0:r1 as fp64 `[r1 - r0, K]` (docs/w12-format.md), escapes reading as their
     stored code 0 (the view of hi byte 0)."""
-    hi = packed.hi[r0:r1, :packed.K].int()
-    e0 = packed.e0[r0:r1].int()[:, None]
-    bits = (((hi & 0x7F) << 4) + torch.where(e0 > 0, (e0 << 7) + 8, torch.zeros_like(e0))) | ((hi & 0x80) << 8)
+    from w12.reference import q8_view_bits  # a W12 head: the one allowed sibling import (docs/architecture.md)
+
+    bits = q8_view_bits(packed.hi[r0:r1, :packed.K].int(), packed.e0[r0:r1].int()[:, None])
     return (bits << 16).view(torch.float32).double()
 
 
@@ -261,8 +261,8 @@ def _weight_args(hd: "CertifiedHead"):
 def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best, skip=None):
     cfg, t = hd.cfg, hd.tables
     M = h.shape[0]
-    int8 = hd.screen in QUANTISED
-    if int8:
+    quant = hd.screen in QUANTISED
+    if quant:
         w, sc, n1, hq, sh, eh, dh, hqn = (t["q"] if hd.screen == "int8" else t["q4"], t["scale"], t["n1"], p["hq"],
                                           p["sh"], p["eh"], p["dh"], p["hqn"])
     else:  # W12 view: the INT8-only arguments are unused (any tensor)
@@ -276,7 +276,7 @@ def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best, skip=None):
             dh[m0:m1], hqn[m0:m1], p["hn"][m0:m1], p["bad"][m0:m1], None if lo is None else lo[m0:m1], up[m0:m1],
             best[m0:m1], skip, m1 - m0, hd.V, hd.H, G,
             h.stride(0), w.stride(0), G, hd.gamma_q, hd.gamma, hd.eta, MP=mp, BV=cfg.screen_bv, GROUP=hd.group,
-            W12=not int8, INT4=hd.screen == "int4", num_warps=cfg.screen_warps, num_stages=cfg.screen_stages)
+            W12=not quant, INT4=hd.screen == "int4", num_warps=cfg.screen_warps, num_stages=cfg.screen_stages)
 
 
 def _launch_exact(hd: "CertifiedHead", h, p, surv, out, key, full: bool, every: bool = False, fb=None, skip=None):

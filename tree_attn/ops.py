@@ -38,9 +38,8 @@ VARIANTS = autotune.Variants(OP, by_arch={9: "wgmma", 8: "mma"}, known=("wgmma",
 _PLANS = autotune.PlanCache()
 _INTERPRET_SMS = 4  # "SMs" the schedule fills under the interpreter (several splits at tiny lengths)
 # The one-call path's kept plans (`keep_plan=True`). A model calls `tree_attention` once per attention layer with the
-# same step metadata
-# (qo_indptr, kv_indptr, kv_indices, tree_mask); the plan, a host step with a device sync, is the same for every
-# layer. An entry is reused only for the very same four tensor objects (weak references: a freed tensor whose memory
+# same step metadata (qo_indptr, kv_indptr, kv_indices, tree_mask); the plan, a host step with a device sync, is the
+# same for every layer. An entry is reused only for the very same four tensor objects (weak references: a freed tensor whose memory
 # a new one takes never matches), unchanged since (torch's version counters, shared by every view of their storage),
 # the same call shape, and the same stream (the plan's scratch buffers are written by each run).
 _ONE_CALL: dict = {}
@@ -570,10 +569,12 @@ def tree_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_m
         raise ValueError(f"{fn}: tree_mask has {tree_mask.shape[0]} entries but q has {q.shape[0]} rows; one mask "
                          "word per tree node")
     slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-    meta = (qo_indptr, kv_indptr, kv_indices, tree_mask)
-    shape = (q.shape[1], k_cache.shape[-2], q.shape[-1], slots, k_new is None, q.dtype, variant, q.device,
-             torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0)
-    p = _one_call_plan(meta, shape) if keep_plan else None
+    p = None
+    if keep_plan:
+        meta = (qo_indptr, kv_indptr, kv_indices, tree_mask)
+        shape = (q.shape[1], k_cache.shape[-2], q.shape[-1], slots, k_new is None, q.dtype, variant, q.device,
+                 torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0)
+        p = _one_call_plan(meta, shape)
     if p is None:
         p = globals()["plan"](qo_indptr, kv_indptr, kv_indices, tree_mask, num_qo_heads=q.shape[1],
                               num_kv_heads=k_cache.shape[-2], head_dim=q.shape[-1], cache_slots=slots,

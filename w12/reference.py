@@ -13,7 +13,7 @@ import torch.nn.functional as F
 
 from .format import E0_MAX, GROUP, WINDOW, W12Weight, check_pack_input, padded_k, unpack
 
-__all__ = ["pack_reference", "unpack_reference", "decode_q8", "matmul_reference", "matmul_q8_reference"]
+__all__ = ["pack_reference", "unpack_reference", "decode_q8", "q8_view_bits", "matmul_reference", "matmul_q8_reference"]
 
 
 def _bits_list(weight: torch.Tensor) -> list[list[int]]:
@@ -109,13 +109,17 @@ def _apply_escapes(bits16: torch.Tensor, packed: W12Weight) -> torch.Tensor:
     return bits16
 
 
+def q8_view_bits(hi: torch.Tensor, e0: torch.Tensor) -> torch.Tensor:
+    """The 8-bit view's BF16 bit patterns (int32, 0..0xFFFF) of `hi` bytes (int32) in rows of bases `e0` (int32,
+    broadcast against hi): the midpoint of the 16 values sharing each byte, the lowest of them where e0 = 0, so that
+    a row of zeros reads zeros (docs/w12-format.md, "The 8-bit view"). An escape's byte reads as any other."""
+    return (((hi & 0x7F) << 4) + torch.where(e0 > 0, (e0 << 7) + 8, torch.zeros_like(e0))) | ((hi & 0x80) << 8)
+
+
 def decode_q8(packed: W12Weight) -> torch.Tensor:
-    """The 8-bit view as BF16 [N, K]: midpoint of the 16 values sharing each `hi` byte (in a row with e0 = 0, the
-    lowest of them, so that a row of zeros reads zeros); escapes exact (docs/w12-format.md, "The 8-bit view")."""
+    """The 8-bit view as BF16 [N, K]: `q8_view_bits` of every `hi` byte; escapes exact."""
     _check_packed("decode_q8", packed)
-    h = packed.hi[:, : packed.K].int()
-    e0 = packed.e0.int().unsqueeze(1)
-    bits = (((h & 0x7F) << 4) + torch.where(e0 > 0, (e0 << 7) + 8, torch.zeros_like(e0))) | ((h & 0x80) << 8)
+    bits = q8_view_bits(packed.hi[:, : packed.K].int(), packed.e0.int().unsqueeze(1))
     bits16 = (bits - ((bits & 0x8000) << 1)).to(torch.int16)
     return _apply_escapes(bits16, packed).view(torch.bfloat16)
 

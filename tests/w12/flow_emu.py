@@ -60,7 +60,8 @@ def q8_base(e0x: np.ndarray) -> np.ndarray:
 
 
 def q8_dense(e0: int) -> float:
-    """q8_dense (w12_common.cuh): the view of hi byte 0 in a row of base e0, what an escape's code decoded to."""
+    """escape_dense<true> (w12_common.cuh): the view of hi byte 0 in a row of base e0, what an escape's code
+    decoded to."""
     return 0.0 if e0 == 0 else float(np.array([(e0 << 23) | 0x80000], dtype=U32).view(np.float32)[0])
 
 

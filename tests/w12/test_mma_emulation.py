@@ -20,6 +20,7 @@ import w12
 from w12.configs import MmaConfig
 from w12.reference import matmul_q8_reference, matmul_reference
 
+from flow_emu import dec_q8, q8_base, q8_dense
 from stream_k import run_stream_k
 
 # --------------------------------------------------------------------------------------
@@ -51,10 +52,7 @@ def dec_pair(y, e0x):
 def dec_pair_q8(t, e0x):
     """w12_common.cuh's decode_a for the 8-bit view: dec_pair_q8 (lanes `hi`, two multiply-adds) with the row
     constant q8_base(e0x)."""
-    e0x = np.asarray(e0x, dtype=U32)
-    c = np.where(e0x == 0, U32(0), e0x + U32(0x00080008)).astype(np.uint64)
-    t = np.asarray(t).astype(np.uint64)
-    return ((t * 16 + c) + (t & 0x00800080) * 240).astype(U32)
+    return dec_q8(np.asarray(t, dtype=U32), q8_base(e0x))
 
 
 def words(b: np.ndarray) -> np.ndarray:
@@ -148,12 +146,9 @@ def _wg_b_operand(st_x: np.ndarray, toks: int) -> list[np.ndarray]:
 
 def _add_escapes(s_, p: w12.W12Weight, xb: torch.Tensor, row: int, tok: int, q8: bool) -> float:
     """The epilogue's escape correction for one output, in CSR order: + x * escape, minus x * 2^(e0 - 127)
-    (what the dense decode gave there; the 8-bit view gave its value of hi byte 0, q8_dense)."""
+    (what the dense decode gave there; the 8-bit view gave its value of hi byte 0: flow_emu.q8_dense)."""
     e0 = int(p.e0[row])
-    if q8:
-        v0 = 0.0 if e0 == 0 else float(np.array([(e0 << 23) | 0x80000], dtype=U32).view(np.float32)[0])
-    else:
-        v0 = float(np.array([e0 << 23], dtype=U32).view(np.float32)[0])
+    v0 = q8_dense(e0) if q8 else float(np.array([e0 << 23], dtype=U32).view(np.float32)[0])
     ev = p.esc_val.numpy().view(np.uint16)
     for pp in range(int(p.esc_rowptr[row]), int(p.esc_rowptr[row + 1])):
         xv = float(xb[tok, int(p.esc_col[pp])].float())

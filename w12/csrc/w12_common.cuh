@@ -125,9 +125,13 @@ __device__ __forceinline__ uint32_t dec_pair(uint32_t y, uint32_t e0x) {
 // midpoint bit added for e0 >= 1; 0 for e0 = 0, whose bins read their lowest value (so hi 0 reads +0.0 there)
 __device__ __forceinline__ uint32_t q8_base(uint32_t e0x) { return e0x == 0u ? 0u : e0x + 0x00080008u; }
 
-// the 8-bit view's value of hi byte 0 in a row of base e0, in fp32: what the dense decode gave where an escape sits
-// (an escape's stored code is 0)
-__device__ __forceinline__ float q8_dense(uint32_t e0) { return e0 == 0u ? 0.0f : __uint_as_float(e0 << 23 | 0x80000u); }
+// what the dense decode gave where an escape sits (its stored code is 0), in fp32, for a row of base e0: 2^(e0 - 127);
+// the 8-bit view's value of hi byte 0 with Q8. The escape epilogues add x * escape less x times this.
+template <bool Q8>
+__device__ __forceinline__ float escape_dense(uint32_t e0) {
+  if constexpr (Q8) return e0 == 0u ? 0.0f : __uint_as_float(e0 << 23 | 0x80000u);
+  return __uint_as_float(e0 << 23);
+}
 
 // t lanes: hi (the byte in bits 0..7 of each 16-bit lane), c = q8_base(e0x) -> bf16 bits of the bin midpoint
 // (docs/w12-format.md, "The 8-bit view"). hi * 16 puts the 7 low bits in place and the sign at bit 11, and
@@ -242,7 +246,7 @@ __device__ __forceinline__ float bias_at(const void* bias, int kind, int row) {
 }
 
 // The end of one output row `row` < N for this thread's tokens (lane q): the row's escapes in CSR order, each
-// adding x * escape less what the dense decode gave there (2^(e0 - 127); the 8-bit view q8_dense(e0)), the bias,
+// adding x * escape less what the dense decode gave there (escape_dense), the bias,
 // one rounding to bf16. acc(j, u) is the accumulator of n-tile j, token 8 j + 2 q + u. The first escape,
 // [p0] = (c0, v0), was fetched early by the caller (its dependent loads overlap the main loop).
 template <bool Q8, int NT, class Acc>
@@ -251,7 +255,7 @@ __device__ __forceinline__ void finish_row(Acc&& acc, int row, uint32_t e0, int 
                                            const __nv_bfloat16* __restrict__ x, long long ldx, const void* bias,
                                            int bias_kind, __nv_bfloat16* __restrict__ out, int M, int N, int q) {
   if (p1 > p0) {
-    const float dense = Q8 ? q8_dense(e0) : __uint_as_float(e0 << 23);
+    const float dense = escape_dense<Q8>(e0);
     for (int p = p0; p < p1; ++p) {
       const int col = p == p0 ? c0 : ecol[p];
       const float val = __uint_as_float((p == p0 ? v0 : (uint32_t)eval[p]) << 16);

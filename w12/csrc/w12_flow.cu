@@ -39,7 +39,7 @@
 // The 8-bit view (W12F_Q8 = 1, exact base only): the product with w12.decode_q8's weight, the midpoint of each hi
 // byte's 16-value bin. Each tile's hi bytes alone are copied (two of the three 16-byte pieces: 1024 of its 1536
 // bytes) and decoded by dec_pair_q8 (w12_common.cuh) with the row's q8_base constant; an escape's hi byte is 0,
-// which reads as q8_dense(e0), so its correction adds x * escape less x times that, as for the full format.
+// which reads as escape_dense<true>(e0), so its correction adds x * escape less x times that, as for the full format.
 //
 // The warpgroup build (W12F_WG = 1; wgmma, sm_90a, exact base, one row block per warp). Four consecutive warps form
 // a warpgroup that owns 64 consecutive rows (4 row blocks, one per warp) and one K piece: warp (group gi, member wi)

@@ -300,8 +300,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
       }
       const int p0 = rp_s[4 * rl], p1 = rp_s[4 * rl + 1];
       if (p1 > p0) {
-        // the dense decode gave 2^(e0 - 127) (Q8: q8_dense) where an escape sits
-        const float v0 = Q8 ? q8_dense(e0[row]) : __uint_as_float((uint32_t)e0[row] << 23);
+        const float v0 = escape_dense<Q8>(e0[row]);  // what the dense decode gave where an escape sits
         const __nv_bfloat16* xr = x + (long long)tok * ldx;
         for (int p = p0; p < p1; ++p) {
           const float xv = __bfloat162float(xr[ecol[p]]);
@@ -338,8 +337,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS) w12_matmul_mma_kernel(
     if (row < N) {
       const int p0 = rp_s[4 * rl], p1 = rp_s[4 * rl + 1];
       if (p1 > p0) {
-        // the dense decode gave 2^(e0 - 127) (Q8: q8_dense) where an escape sits
-        const float v0 = Q8 ? q8_dense(e0[row]) : __uint_as_float((uint32_t)e0[row] << 23);
+        const float v0 = escape_dense<Q8>(e0[row]);  // what the dense decode gave where an escape sits
         for (int p = p0; p < p1; ++p) {
           const int col = p == p0 ? rp_s[4 * rl + 2] : ecol[p];  // the first escape was fetched up front
           const float ev = __uint_as_float((uint32_t)(p == p0 ? rp_s[4 * rl + 3] : eval[p]) << 16);

@@ -33,7 +33,7 @@
 // block adds them in split order (deterministic), applies escapes and bias and stores; counters
 // reset themselves for the next launch (CUDA-graph replays need no memset).
 //
-// Escapes: the dense decode gives 2^(e0 - 127) (8-bit view: q8_dense(e0), w12_common.cuh) at an escape; the
+// Escapes: the dense decode gives 2^(e0 - 127) (8-bit view: its value of hi byte 0; w12_common.cuh's escape_dense) at an escape; the
 // epilogue adds x * escape less x times that for each, in CSR order. Each thread fetches its rows' escape range
 // and first escape before the main loop, so most rows (0 or 1 escape) pay one dependent load.
 

@@ -138,8 +138,9 @@ def _decode_halves(h_a8, h_b8, lo_p, E16, E, Q8: tl.constexpr, USE_ASM: tl.const
         h_a = h_a8.to(tl.int32)
         h_b = h_b8.to(tl.int32)
         if Q8:
-            ba = _decode_bits_q8(h_a, _q8_base(E))
-            bb = _decode_bits_q8(h_b, _q8_base(E))
+            E8 = _q8_base(E)
+            ba = _decode_bits_q8(h_a, E8)
+            bb = _decode_bits_q8(h_b, E8)
         else:
             lo = tl.load(lo_p).to(tl.int32)
             ba = _decode_bits(h_a, lo & 0xF, E, SELECT_ZERO)

@@ -18,7 +18,7 @@ __all__ = ["w12_untile_kernel"]
 
 
 @triton.jit
-def w12_untile_kernel(tiles, e0, out, N, K, KF, kr, NF, nr, SB, Q8: tl.constexpr, BC: tl.constexpr = 4):
+def w12_untile_kernel(tiles, e0, out, N, K, KF, kr, NF, nr, SB, Q8: tl.constexpr, BC: tl.constexpr):
     """Program (b, g): row block b, and its column groups BC g .. BC g + BC - 1 (the full ones among them); the last
     g of a weight with a masked tail (kr > 0) takes that tail. BC groups a program make each row's store BC x 128
     contiguous bytes."""

@@ -249,10 +249,9 @@ class HeadsDrafter:
                                   1, dim=-1)
                 chain.append((i[0], v[0]))
                 prev = i[0]
-            toks = torch.stack([c[0] for c in chain]).tolist()
-            vals = torch.stack([c[1] for c in chain]).tolist()
-            rows = {(d, pending if d == 0 else toks[d - 1][0]): (toks[d], vals[d]) for d in range(P)}
-            return build_tree_conditional(lambda d, t: rows[(d, t if d else pending)], budget, P)
+            rows = list(zip(torch.stack([c[0] for c in chain]).tolist(), torch.stack([c[1] for c in chain]).tolist()))
+            # k = 1: the builder asks depth d for the one node above it, which holds row d - 1's token
+            return build_tree_conditional(lambda d, _token: rows[d], budget, P)
         return build_tree_conditional(lambda d, t: expand_many([(d, t)])[0], budget, P, expand_many=expand_many,
                                       batch=_expand_batch(z.device))
 
