@@ -32,19 +32,19 @@ def w12_untile_kernel(tiles, e0, out, N, K, KF, kr, NF, nr, SB, Q8: tl.constexpr
     if g * BC < KF:
         c = g * BC + col // 64  # the column group of each column
         j = col % 64
-        t = base + (c * 96 * R).to(tl.int64)
+        tile = base + (c * 96 * R).to(tl.int64)  # each column's tile ([1, BC * 64])
         ok = (r < R) & (c < KF)
-        hi = tl.load(tiles + t + 64 * r + j, mask=ok, other=0).to(tl.int32)
+        hi = tl.load(tiles + tile + 64 * r + j, mask=ok, other=0).to(tl.int32)
         jj = j % 16
-        lob = tl.load(tiles + t + 64 * R + 32 * r + 8 * (j // 16) + (jj % 8), mask=ok, other=0).to(tl.int32)
+        lob = tl.load(tiles + tile + 64 * R + 32 * r + 8 * (j // 16) + (jj % 8), mask=ok, other=0).to(tl.int32)
         lo = (lob >> (4 * (jj // 8))) & 0xF
         out_col = g * BC * 64 + col
     else:
-        t = base + (KF * 96 * R).to(tl.int64)
-        ok = (r < R) & (col < kr)
-        hi = tl.load(tiles + t + kr * r + col, mask=ok, other=0).to(tl.int32)
+        tail = base + (KF * 96 * R).to(tl.int64)  # the tail's one tile (a scalar: named apart from the full
+        ok = (r < R) & (col < kr)                 # branch's, whose shape differs, as Triton's compiler requires)
+        hi = tl.load(tiles + tail + kr * r + col, mask=ok, other=0).to(tl.int32)
         lb = (kr + 1) // 2
-        lob = tl.load(tiles + t + R * kr + lb * r + col // 2, mask=ok, other=0).to(tl.int32)
+        lob = tl.load(tiles + tail + R * kr + lb * r + col // 2, mask=ok, other=0).to(tl.int32)
         lo = (lob >> (4 * (col % 2))) & 0xF
         out_col = KF * 64 + col
     e = tl.load(e0 + row, mask=r < R, other=0).to(tl.int32)
