@@ -384,7 +384,9 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     42.6 to 37.9 µs at M = 1 and from 77.9 to 65.5 µs at M = 32, o_proj from 18.4 to 17.1 µs at M = 8 and from
     31.4 to 25.4 µs at M = 32 (docs/w12-kernels.md, "K split across CTAs"); on in_proj and gate_up (8 and 16 row
     blocks per SM) it was slower, except gate_up at M = 32 in 4-warp CTAs of two row blocks (121.4 to 111.0 µs),
-    which this rule does not take.
+    which this rule does not take. At M = 9..16 the full format splits K across 3 CTAs (`kc = 3`, given at least
+    6 units of K): o_proj 21.3 -> 20.7 µs and down_proj 53.4 -> 49.9 µs at M = 16 on the H200, timed against the 2-CTA
+    split in one run (perf/results/h200/20261203T0035-w12-flow-configs-ab.json); the 8-bit view keeps 2 (unmeasured).
 
     Where wgmma exists (`wgmma`; default: a CUDA device of sm_90) the warpgroup build (`wg`: x staged once per 64
     rows) takes M > 16 everywhere and M = 9..16 where there are at least 3 row groups of 64 rows per SM, in the
@@ -431,8 +433,10 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
         clusters = device.type == "cuda" and not autotune.is_interpreter() and \
             torch.cuda.get_device_capability(device)[0] >= 9
     if clusters and warps is None and cps is None and blocks < 3 * sms and units >= 2:
-        return FlowConfig(warps=4, kw=4, stages=3 if stages is None else stages, cps=4, kc=2) if M <= 8 else \
-            FlowConfig(warps=2, kw=2, stages=deep, cps=4, kc=2)
+        if M <= 8:
+            return FlowConfig(warps=4, kw=4, stages=3 if stages is None else stages, cps=4, kc=2)
+        kc = 3 if M <= 16 and units >= 6 and not q8 else 2
+        return FlowConfig(warps=2, kw=2, stages=deep, cps=4, kc=kc)
     return FlowConfig(warps=w, kw=kw, stages=(3 if M <= 8 and w == 4 else 4) if stages is None else stages, cps=c)
 
 

@@ -453,9 +453,10 @@ def _flow_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> FlowConfig | No
     return flow_config(x2d.shape[0], tiled.N, tiled.K, x2d.device, q8=op == OP_Q8)
 
 
-# 64-column groups a program of decode_tiled's kernel decodes; 4 makes one row's store 512 bytes, 1 is the one-tile
-# program this kernel had when it was timed (docs/w12-kernels.md, "Above 32 rows"): 1 until 4 is measured
-UNTILE_GROUPS = 1
+# 64-column groups a program of decode_tiled's kernel decodes: 4 makes one row's store 512 bytes. On the H200 4 took
+# gate_up from 273.0 to 249.0 µs and down_proj from 147.3 to 137.2 against 1, the same bits
+# (perf/results/h200/20261203T0035-w12-flow-configs-ab.json, "decode_tiled_groups")
+UNTILE_GROUPS = 4
 
 
 def decode_tiled(tiled: TiledW12, *, q8: bool = False) -> torch.Tensor:

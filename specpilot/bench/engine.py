@@ -118,29 +118,46 @@ def _category(name: str) -> str:
     return next(c for c, rx in _CATEGORIES if re.search(rx, name, re.I))
 
 
-def idle_gaps(kernels, reps: int, max_gap_us: float = 100.0) -> dict:
+def idle_gaps(kernels, reps: int, max_gap_us: float = 100.0, top_pairs: int = 10) -> dict:
     """Device idle time per call before each kernel category: `kernels` are (name, start µs, end µs) records of
     `reps` calls; the gap from the previous kernel's end to a kernel's start is charged to that kernel's category
     (what the device waits for before it can run: its launch, a cluster or shared-memory reconfiguration, a
     dependency). Gaps over `max_gap_us` are the spaces between calls and are left out. Overlapping kernels (a
-    programmatic dependent launch) give no gap."""
+    programmatic dependent launch) give no gap. `top_pairs`: the pairs (previous kernel -> kernel, names without
+    template arguments) with the most idle time per call, each with its gaps per call."""
     ks = sorted(kernels, key=lambda k: k[1])
     gaps: dict[str, float] = {}
     counts: dict[str, int] = {}
-    end = None
+    pairs: dict[str, list] = {}  # "previous kernel -> kernel": [ms per call, gaps per call]
+    end = prev = None
     for name, t0, t1 in ks:
         if end is not None and 0.0 < t0 - end <= max_gap_us:
             cat = _category(name)
             gaps[cat] = gaps.get(cat, 0.0) + (t0 - end) / 1e3 / reps
             counts[cat] = counts.get(cat, 0) + 1
+            pair = pairs.setdefault(f"{_short(prev)} -> {_short(name)}", [0.0, 0.0])
+            pair[0] += (t0 - end) / 1e3 / reps
+            pair[1] += 1 / reps
         end = t1 if end is None else max(end, t1)
+        prev = name
+    top = sorted(pairs.items(), key=lambda kv: -kv[1][0])[:top_pairs]
     return {"ms": dict(sorted(gaps.items(), key=lambda kv: -kv[1])),
-            "us_per_gap": {c: 1e3 * reps * gaps[c] / counts[c] for c in gaps}}
+            "us_per_gap": {c: 1e3 * reps * gaps[c] / counts[c] for c in gaps},
+            "top_pairs": {k: {"ms": v[0], "gaps": v[1], "us_per_gap": 1e3 * v[0] / v[1]} for k, v in top}}
 
 
-def breakdown(fn, reps: int = 5) -> dict:
+def _short(name: str | None, width: int = 70) -> str:
+    """A kernel's name without its template arguments and parameter list, at most `width` characters."""
+    if name is None:
+        return "(start)"
+    base = re.split(r"[<(]", name, maxsplit=1)[0].strip() or name
+    return base if len(base) <= width else base[:width - 3] + "..."
+
+
+def breakdown(fn, reps: int = 5, top_kernels: int = 16) -> dict:
     """Device time per call of `fn` by kernel category (`_CATEGORIES`), from the profiler's kernel records,
-    the number of kernels per call, and the idle time before each category (`idle_gaps`)."""
+    the number of kernels per call, the `top_kernels` kernels (category: name) with the most time per call, and
+    the idle time before each category (`idle_gaps`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -150,6 +167,7 @@ def breakdown(fn, reps: int = 5) -> dict:
             fn()
         torch.cuda.synchronize()
     cats: dict[str, float] = {}
+    names: dict[str, list] = {}  # kernel name (short) -> [ms per call, launches per call]
     kernels = 0
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None)
@@ -160,10 +178,14 @@ def breakdown(fn, reps: int = 5) -> dict:
         cat = _category(e.key)
         cats[cat] = cats.get(cat, 0.0) + us / 1e3 / reps
         kernels += e.count
+        n = names.setdefault(f"{cat}: {_short(e.key)}", [0.0, 0.0])
+        n[0] += us / 1e3 / reps
+        n[1] += e.count / reps
     spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
              if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    top = sorted(names.items(), key=lambda kv: -kv[1][0])[:top_kernels]
     return {"ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "kernels_per_call": kernels / reps,
-            "idle": idle_gaps(spans, reps)}
+            "top_kernels": {k: {"ms": v[0], "launches": v[1]} for k, v in top}, "idle": idle_gaps(spans, reps)}
 
 
 def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positions: int = 16, topk: int = 4,
@@ -284,6 +306,10 @@ def markdown(res: dict) -> str:
                 if idle and idle["ms"]:
                     gaps = ", ".join(f"{k} {v:.2f} ({idle['us_per_gap'][k]:.1f} µs each)" for k, v in idle["ms"].items())
                     lines.append(f"Idle before each kind (ms): {gaps}.")
+                    pairs = list((idle.get("top_pairs") or {}).items())[:3]
+                    if pairs:
+                        lines.append("Largest gaps (ms per call): " + "; ".join(
+                            f"{k} {v['ms']:.2f} ({v['gaps']:.0f} x {v['us_per_gap']:.1f} µs)" for k, v in pairs) + ".")
     p = res.get("peer")
     if p and "ms_per_token" in p:
         bf = res["formats"].get("bf16")

@@ -30,3 +30,14 @@ def test_markdown_prints_the_idle_line():
                             "idle": {"ms": {"w12 GEMM": 0.4}, "us_per_gap": {"w12 GEMM": 1.5}}}}
     md = markdown({"shapes": "s", "prefix": 1, "nodes": 32, "gpu": "g", "torch": "t", "cuda": "c", "formats": {"w12": row}})
     assert "Idle before each kind (ms): w12 GEMM 0.40 (1.5 µs each)." in md
+
+
+def test_top_pairs_name_the_kernels_around_each_gap():
+    # per call: gemm [0, 10], then conv after 3 µs, then verify after 1 µs; templated names lose their arguments
+    one = [("sm90_gemm_bf16<128, 64>(float*)", 0.0, 10.0), ("gdn_tree_conv_kernel", 13.0, 14.0),
+           ("gdn_tree_verify(int)", 15.0, 20.0)]
+    recs = one + [(n, a + 1000.0, b + 1000.0) for n, a, b in one]
+    got = idle_gaps(recs, reps=2)["top_pairs"]
+    assert list(got) == ["sm90_gemm_bf16 -> gdn_tree_conv_kernel", "gdn_tree_conv_kernel -> gdn_tree_verify"]
+    assert got["sm90_gemm_bf16 -> gdn_tree_conv_kernel"] == {"ms": 3e-3, "gaps": 1.0, "us_per_gap": 3.0}
+    assert idle_gaps(recs, reps=2, top_pairs=1)["top_pairs"].keys() == {"sm90_gemm_bf16 -> gdn_tree_conv_kernel"}
