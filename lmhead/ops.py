@@ -12,6 +12,7 @@ the host; CUDA graphs capture `argmax` and `topk`.
 
 from __future__ import annotations
 
+import functools
 import weakref
 
 import torch
@@ -279,12 +280,29 @@ def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best, skip=None):
             W12=not quant, INT4=hd.screen == "int4", num_warps=cfg.screen_warps, num_stages=cfg.screen_stages)
 
 
+def _packed_decode(device: torch.device) -> tuple[str | None, str | None]:
+    """The exact kernel's W12 decode on a GPU: the PTX of w12's packed decode with code 0 -> +0.0, the same bits as
+    the plain decode (tests/w12/test_matmul.py runs the text instruction by instruction); (None, None) under the
+    interpreter, which runs no PTX."""
+    if device.type != "cuda" or is_interpreter():
+        return None, None
+    return _packed_decode_text()
+
+
+@functools.cache
+def _packed_decode_text() -> tuple[str, str]:
+    from w12.kernels.pk_decode import asm_text  # a W12 head: `lmhead -> w12` is the one allowed sibling import
+
+    return asm_text("lo0", "bf16"), asm_text("hi0", "bf16")
+
+
 def _launch_exact(hd: "CertifiedHead", h, p, surv, out, key, full: bool, every: bool = False, fb=None, skip=None):
     """Survivors (full=False) or the full pass over the rows flagged by p's count and bad (every: all rows;
     skip: the policy state, whose flag sends every row to the full pass and none to the survivors pass)."""
     cfg = hd.cfg
     M = h.shape[0]
     w, lo, e0, rp, ec, ev, sw, sl, w12 = _weight_args(hd)
+    asm = _packed_decode(h.device) if w12 else (None, None)
     count = bad = None
     if p is not None:
         count, bad = p["count"], p["bad"]
@@ -303,7 +321,7 @@ def _launch_exact(hd: "CertifiedHead", h, p, surv, out, key, full: bool, every: 
             h[rows], w, lo, e0, rp, ec, ev, None if surv is None else surv[rows], cnt, bd, fb if full else None,
             skip, None if out is None else out[rows], None if key is None else key[rows], m1 - m0, hd.V, hd.H,
             hd.capacity, h.stride(0), sw, sl, MP=mp, BS=cfg.exact_bs, BK=cfg.exact_bk, W12=w12, FULL=full,
-            KEYS=key is not None, ALL=every, num_warps=cfg.exact_warps)
+            KEYS=key is not None, ALL=every, ASM_LO=asm[0], ASM_HI=asm[1], num_warps=cfg.exact_warps)
 
 
 def _restart_policy(state: torch.Tensor) -> None:

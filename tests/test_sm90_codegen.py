@@ -97,8 +97,22 @@ def _untile_ptx(q8: bool, groups: int) -> str:
     return _ptx(w12_untile_kernel, types, dict(Q8=q8, BC=groups), 4, 1)
 
 
+def _lmhead_exact_w12_ptx(full: bool) -> str:
+    """lmhead's exact kernel on a W12 head with the packed decode (lmhead.ops._packed_decode), as a GPU runs it."""
+    from lmhead.kernels.screen import lmhead_exact_kernel
+    from w12.kernels.pk_decode import asm_text
+
+    types = dict(h_ptr="*bf16", w_ptr="*u8", lo_ptr="*u8", e0_ptr="*u8", rowptr_ptr="*i32", ecol_ptr="*i32",
+                 eval_ptr="*i16", ids_ptr="*i32", count_ptr="*i32", bad_ptr="*i32", fb_ptr="*i64", skip_ptr="*i32",
+                 key_ptr="*i64")
+    ce = dict(MP=32, BS=64, BK=128, W12=True, FULL=full, KEYS=True, ALL=False, out_ptr=None,
+              ASM_LO=asm_text("lo0", "bf16"), ASM_HI=asm_text("hi0", "bf16"))
+    return _ptx(lmhead_exact_kernel, types, ce, 4, 1)
+
+
 def _features(ptx: str) -> dict:
     return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "pk_asm": "0x07F007F0" in ptx,
+            "pk_zero_asm": "0x0FFF0FFF" in ptx,
             "fma_f32": "fma.rn.f32" in ptx, "head": ptx.splitlines()[0][:400]}
 
 
@@ -111,6 +125,8 @@ def _worker() -> None:
     for q8 in (False, True):
         for groups in (1, 4):
             out[f"untile-{q8}-{groups}"] = _features(_untile_ptx(q8, groups))
+    for full in (False, True):
+        out[f"lmhead-exact-w12-{full}"] = _features(_lmhead_exact_w12_ptx(full))
     out["gdn-b1"] = _features(_gdn_b1_ptx())
     for bv, w in ((32, 4), (16, 4), (32, 8)):
         out[f"gdn-bt64-bv{bv}-w{w}"] = _gdn_bt64_mma_shapes(bv, w)
@@ -156,6 +172,15 @@ def test_w12_untile_kernel_compiles_for_sm90(q8, groups):
     f = _results()[f"untile-{q8}-{groups}"]
     assert not f["wgmma"] and not f["mma_sync"]
     assert f["head"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("full", [False, True], ids=["survivors", "full"])
+def test_lmhead_exact_kernel_takes_the_packed_w12_decode(full):
+    """A W12 head's exact logits on a GPU: the packed decode with code 0 -> +0.0 is in the kernel, on the tensor
+    cores, in both passes (the survivors' and the full one share _exact_tile, so their logits agree bit for bit)."""
+    f = _results()[f"lmhead-exact-w12-{full}"]
+    assert f["pk_zero_asm"] and f["mma_sync"]
 
 
 @pytest.mark.slow

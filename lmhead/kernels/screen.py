@@ -168,12 +168,16 @@ def _key(x, ids):
 
 @triton.jit
 def _exact_tile(h_ptr, stride_hm, rows_m, ok_m, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr, stride_wv,
-                stride_lv, ids, ok, H, MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, W12: tl.constexpr):
+                stride_lv, ids, ok, H, MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, W12: tl.constexpr,
+                ASM_LO: tl.constexpr = None, ASM_HI: tl.constexpr = None):
     """fp32 logits [MP, BS] of hidden rows `rows_m` against head rows `ids`, in the one order every exact
     logit of the head has: BK-column blocks in turn on the tensor cores (BF16 products, fp32 accumulation;
     a W12 head: 32-column halves of each 64-column group, decoded from the W12 codes), then, for a W12
     head, the row's escapes in column order (an escape's dense code decodes to +0.0).
-    A logit depends only on its own hidden row and head row, so survivors and full passes agree bit for bit."""
+    A logit depends only on its own hidden row and head row, so survivors and full passes agree bit for bit.
+    ASM_LO / ASM_HI (a W12 head on a GPU): the PTX of `w12.kernels.pk_decode.asm_text("lo0" / "hi0", "bf16")`,
+    the same bits two weights per 32-bit op (the plain decode spent ~12 integer ops a weight and bound the full pass:
+    1.21 ms on the H200 against 0.60 for a BF16 head); None: the plain decode (`_code_w12`)."""
     acc = tl.zeros([MP, BS], tl.float32)
     rows = ids[:, None].to(tl.int64)
     okm = ok_m[:, None]
@@ -187,13 +191,21 @@ def _exact_tile(h_ptr, stride_hm, rows_m, ok_m, w_ptr, lo_ptr, e0_ptr, rowptr_pt
             kb = ka + 32
             oka = ok[:, None] & (ka < H)[None, :]
             okb = ok[:, None] & (kb < H)[None, :]
-            lo = tl.load(lo_ptr + rows * stride_lv + (k0 // 2 + j)[None, :], mask=oka, other=0).to(tl.int32)
-            hia = tl.load(w_ptr + rows * stride_wv + ka[None, :], mask=oka, other=0).to(tl.int32)
-            hib = tl.load(w_ptr + rows * stride_wv + kb[None, :], mask=okb, other=0).to(tl.int32)
+            lo = tl.load(lo_ptr + rows * stride_lv + (k0 // 2 + j)[None, :], mask=oka, other=0)
+            hia = tl.load(w_ptr + rows * stride_wv + ka[None, :], mask=oka, other=0)
+            hib = tl.load(w_ptr + rows * stride_wv + kb[None, :], mask=okb, other=0)
             ha = tl.load(h_ptr + rows_m[:, None] * stride_hm + ka[None, :], mask=okm & (ka < H)[None, :], other=0.0)
             hb = tl.load(h_ptr + rows_m[:, None] * stride_hm + kb[None, :], mask=okm & (kb < H)[None, :], other=0.0)
-            acc = tl.dot(ha, tl.trans(_code_w12(hia, lo & 0xF, e0)), acc)
-            acc = tl.dot(hb, tl.trans(_code_w12(hib, (lo >> 4) & 0xF, e0)), acc)
+            if ASM_LO is not None:
+                e16 = (e0 << 7).to(tl.int16)
+                wa = tl.inline_asm_elementwise(ASM_LO, "=r,=r,r,r,r,r", [hia, lo, e16], tl.bfloat16, True, 4)
+                wb = tl.inline_asm_elementwise(ASM_HI, "=r,=r,r,r,r,r", [hib, lo, e16], tl.bfloat16, True, 4)
+            else:
+                lo32 = lo.to(tl.int32)
+                wa = _code_w12(hia.to(tl.int32), lo32 & 0xF, e0)
+                wb = _code_w12(hib.to(tl.int32), (lo32 >> 4) & 0xF, e0)
+            acc = tl.dot(ha, tl.trans(wa), acc)
+            acc = tl.dot(hb, tl.trans(wb), acc)
     else:
         for k0 in range(0, H, BK):
             offs_k = k0 + tl.arange(0, BK)
@@ -219,7 +231,8 @@ def _exact_tile(h_ptr, stride_hm, rows_m, ok_m, w_ptr, lo_ptr, e0_ptr, rowptr_pt
 def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr, ids_ptr, count_ptr, bad_ptr,
                         fb_ptr, skip_ptr, out_ptr, key_ptr, M, V, H, CAP, stride_hm, stride_wv, stride_lv,
                         MP: tl.constexpr, BS: tl.constexpr, BK: tl.constexpr, W12: tl.constexpr, FULL: tl.constexpr,
-                        KEYS: tl.constexpr, ALL: tl.constexpr):
+                        KEYS: tl.constexpr, ALL: tl.constexpr, ASM_LO: tl.constexpr = None,
+                        ASM_HI: tl.constexpr = None):
     """FULL: BS vocabulary rows against all M (<= MP) hidden rows (grid V / BS). Flagged rows are those
     whose survivors overflowed CAP or whose hidden state is not finite (ALL: every row); the program does
     nothing unless one is flagged, writes the logits of every row to out ([M, V]) when given, and the keys
@@ -228,7 +241,7 @@ def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval
     survivors of hidden row r (grid CAP / BS, M), the first `count`, computed on the very tile of
     hidden rows the full pass uses (the launch's M rows), so every logit comes out of the same products;
     out ([M, CAP]) gets -inf past the count. A row over CAP (the full pass takes it) and a skipped call
-    compute nothing and write nothing."""
+    compute nothing and write nothing. ASM_LO / ASM_HI: a W12 head's packed decode (`_exact_tile`)."""
     pid = tl.program_id(0)
     if FULL:
         offs_m = tl.arange(0, MP)
@@ -251,7 +264,7 @@ def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval
         offs = pid * BS + tl.arange(0, BS)
         ok = offs < V
         x = _exact_tile(h_ptr, stride_hm, offs_m, ok_m, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr,
-                        stride_wv, stride_lv, offs, ok, H, MP, BS, BK, W12)
+                        stride_wv, stride_lv, offs, ok, H, MP, BS, BK, W12, ASM_LO, ASM_HI)
         if out_ptr is not None:
             tl.store(out_ptr + offs_m[:, None] * V + offs[None, :], x, mask=ok_m[:, None] & ok[None, :])
         if KEYS:
@@ -270,7 +283,7 @@ def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval
         ids = tl.load(ids_ptr + r * CAP + slot, mask=ok, other=0)
         offs_m = tl.arange(0, MP)
         tile = _exact_tile(h_ptr, stride_hm, offs_m, offs_m < M, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval_ptr,
-                           stride_wv, stride_lv, ids, ok, H, MP, BS, BK, W12)
+                           stride_wv, stride_lv, ids, ok, H, MP, BS, BK, W12, ASM_LO, ASM_HI)
         x = tl.sum(tl.where(offs_m[:, None] == r, tile, -0.0), 0)  # row r exactly: x + (-0) == x, -0 and NaN kept
         if out_ptr is not None:
             tl.store(out_ptr + r * CAP + slot, tl.where(ok, x, float("-inf")), mask=slot < CAP)

@@ -234,3 +234,43 @@ def test_hidden_on_the_wrong_device(w32k, lm):
     head = lmhead.CertifiedHead(w32k[:1000], screen="int8")
     with lm.expect_error(r"cuda|device"):
         head.argmax(torch.zeros(2, H27, dtype=torch.bfloat16))
+
+
+def hostile_head(V, H=H27, seed=7):
+    """A head whose W12 codes cover the decode's corners: Gaussian rows, an all-zero row (e0 = 0), rows of +-0.0,
+    subnormals, huge and tiny values, and rows salted with values outside their window (escapes)."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(V, H, generator=g) * 0.02
+    w[1] = 0.0
+    w[2] = -0.0
+    w[3] = torch.randn(H, generator=g) * 2.0**-130  # subnormal BF16
+    w[4] = torch.randn(H, generator=g) * 2.0**100
+    w[5] = torch.randn(H, generator=g) * 2.0**-100
+    w[6, ::3] = -0.0
+    for r in range(7, V, 5):
+        cols = torch.randperm(H, generator=g)[:H // 20]
+        w[r, cols] = torch.randn(cols.numel(), generator=g) * 2.0 ** torch.randint(-60, 60, (cols.numel(),),
+                                                                                     generator=g).float()
+    return w.to(torch.bfloat16).to(DEV)
+
+
+@pytest.mark.parametrize("screen", ["none", "w12"])
+@pytest.mark.parametrize("M", [1, 32])
+def test_w12_exact_logits_packed_decode_equal_the_plain_decode(screen, M, monkeypatch):
+    """A W12 head's exact logits on the GPU come from the packed PTX decode (lmhead.ops._packed_decode); the same
+    kernel with the plain Triton decode gives the same bits: the full pass (logits, and argmax with no screen) and
+    the survivors' pass (topk values and ids behind the 8-bit view's screen), on hostile codes."""
+    import w12
+
+    import lmhead.ops as ops
+
+    assert ops._packed_decode(torch.device(DEV))[0] is not None
+    w = hostile_head(4096)
+    head = lmhead.CertifiedHead(w12.pack(w), screen=screen)
+    h = hidden(M, seed=200 + M)
+    got = head.logits(h), head.argmax(h), *head.topk(h, 8)
+    monkeypatch.setattr(ops, "_packed_decode", lambda device: (None, None))
+    want = head.logits(h), head.argmax(h), *head.topk(h, 8)
+    for name, a, b in zip(("logits", "argmax", "topk values", "topk ids"), got, want):
+        assert_bitwise_equal(a, b, f"{name} (screen={screen}, M={M}), packed against plain decode:")
+    assert torch.isfinite(got[0]).all() and (got[0] != 0).any()

@@ -370,6 +370,64 @@ def test_packed_asm_decode_logic_bitexact(mode):
     assert pk_decode.asm_text(mode, "bf16").count("add.u32 w, w,") == 2
 
 
+def _run_ptx(text: str, inputs: list[int], n_out: int) -> list[int]:
+    """A reader of the few 32-bit PTX instructions pk_decode emits (mov, prmt in its default mode, shl, shr, and,
+    or, add, mul.lo), run on Python ints: the outputs $0..$(n_out - 1) for the inputs $n_out, ..."""
+    regs = {f"${n_out + i}": v & 0xFFFFFFFF for i, v in enumerate(inputs)}
+
+    def val(x):
+        return regs[x] if x in regs else int(x, 0)
+
+    for ins in text.strip("{} ").split(";"):
+        ins = ins.strip()
+        if not ins or ins.startswith(".reg"):
+            continue
+        op, args = ins.split(None, 1)
+        a = [x.strip() for x in args.split(",")]
+        if op == "prmt.b32":
+            pool, sel = val(a[1]) | (val(a[2]) << 32), val(a[3])
+            r = sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+        else:
+            x, y = val(a[1]), (val(a[2]) if len(a) > 2 else 0)
+            r = {"mov.b32": lambda: x, "shl.b32": lambda: x << y, "shr.b32": lambda: x >> y, "and.b32": lambda: x & y,
+                 "or.b32": lambda: x | y, "add.u32": lambda: x + y, "mul.lo.u32": lambda: x * y}[op]()
+        regs[a[0]] = r & 0xFFFFFFFF
+    return [regs[f"${i}"] for i in range(n_out)]
+
+
+@pytest.mark.parametrize("mode", ["lo", "hi", "q8", "lo0", "hi0"])
+def test_packed_asm_text_run_instruction_by_instruction(mode):
+    """The PTX text itself (not a transcription of it), run instruction by instruction on every hi byte x nibble
+    with mixed row bases, equals the plain decode: for 'lo0' / 'hi0' the one of lmhead's exact logits, code 0 ->
+    +0.0 (lmhead.kernels.screen._code_w12)."""
+    from w12.kernels import pk_decode
+
+    text = pk_decode.asm_text(mode, "bf16")
+    g = torch.Generator().manual_seed(5)
+    hi = torch.arange(256).repeat_interleave(16)
+    nib = torch.arange(16).repeat(256)
+    other = torch.randint(0, 16, (4096,), generator=g)  # the byte's other nibble: noise
+    lo = (nib << 4) | other if mode in ("hi", "hi0") else nib | (other << 4)
+    e0 = torch.tensor([0, 1, 112, 127, 240, 3, 77, 200]).repeat(512)
+    E = e0 << 7
+    if mode == "q8":
+        E = torch.where(E > 0, E + 8, 0)
+    got = torch.empty(4096, dtype=torch.long)
+    for i in range(0, 4096, 4):
+        pack = lambda t: sum(int(t[i + k]) << (8 * k) for k in range(4))  # noqa: E731
+        e2 = [int(E[i]) | (int(E[i + 1]) << 16), int(E[i + 2]) | (int(E[i + 3]) << 16)]
+        w0, w1 = _run_ptx(text, [pack(hi), pack(lo), *e2], 2)
+        got[i:i + 4] = torch.tensor([w0 & 0xFFFF, w0 >> 16, w1 & 0xFFFF, w1 >> 16])
+    c = (hi << 4) | nib
+    if mode == "q8":
+        want = hi * 16 + (hi & 0x80) * 240 + E
+    else:
+        want = ((c & 0x7FF) + E) | ((c & 0x800) << 4)
+        if mode in ("lo0", "hi0"):
+            want = torch.where(c == 0, 0, want)
+    assert torch.equal(got, want)
+
+
 @pytest.mark.slow
 def test_asm_configs_run_plain_decode_on_cpu():
     """asm=True / tok2d=True configs are valid everywhere; off-GPU the plain decode runs."""

@@ -34,10 +34,16 @@ _SEL = ("0x4140", "0x4342")  # prmt selectors: bytes {0,1} / {2,3} into the low 
 
 
 def asm_text(mode: str, out: str) -> str:
-    """PTX for 4 weights. mode: 'lo' (low nibble), 'hi' (high nibble), 'q8'. out: 'bf16' | 'f32'.
+    """PTX for 4 weights. mode: 'lo' (low nibble), 'hi' (high nibble), 'q8', or 'lo0' / 'hi0': the same as 'lo' /
+    'hi' except that code 0 decodes to +0.0 (the dense decode of `lmhead`'s exact logits). out: 'bf16' | 'f32'.
     Registers: outputs first ($0,$1 for bf16; $0..$3 for f32), then h, lo, E pair 0, E pair 1."""
+    if mode not in ("lo", "hi", "q8", "lo0", "hi0"):
+        raise ValueError(f"pk_decode.asm_text: mode must be 'lo', 'hi', 'q8', 'lo0' or 'hi0', got {mode!r}")
     n_out = 2 if out == "bf16" else 4
     h, lo, e = f"${n_out}", f"${n_out + 1}", (f"${n_out + 2}", f"${n_out + 3}")
+    if mode in ("lo0", "hi0"):
+        return " ".join(["{", ".reg .b32 z, t, n, c, m, s, w;", "mov.b32 z, 0;",
+                         *(ln for p in range(2) for ln in _zero_code_pair(p, h, lo, e[p], mode == "hi0", out)), "}"])
     s = ["{", ".reg .b32 z, t, n, s, w;", "mov.b32 z, 0;"]
     for p in range(2):
         s.append(f"prmt.b32 t, {h}, z, {_SEL[p]};")
@@ -62,6 +68,35 @@ def asm_text(mode: str, out: str) -> str:
     # One line: torch.compile (inductor) re-emits these globals into generated Python source,
     # where an embedded newline became an unterminated string literal (H200, torch 2.11).
     return " ".join(s)
+
+
+def _zero_code_pair(p: int, h: str, lo: str, e: str, high: bool, out: str) -> list[str]:
+    """One pair of lanes with code 0 -> +0.0: the 12-bit code c = hi << 4 | nib per lane; a lane mask m, 0xFFFF
+    where c != 0 (c + 0xFFF carries into bit 12 exactly then; no lane overflows: c + 0xFFF <= 0x1FFE); then
+    ((c & 0x7FF) + E | sign) & m."""
+    s = [f"prmt.b32 t, {h}, z, {_SEL[p]};",
+         "shl.b32 c, t, 4;",
+         "and.b32 c, c, 0x0FF00FF0;",
+         f"prmt.b32 n, {lo}, z, {_SEL[p]};"]
+    if high:
+        s.append("shr.b32 n, n, 4;")
+    s += ["and.b32 n, n, 0x000F000F;",
+          "or.b32 c, c, n;",
+          "add.u32 m, c, 0x0FFF0FFF;",
+          "and.b32 m, m, 0x10001000;",
+          "shr.b32 m, m, 12;",
+          "mul.lo.u32 m, m, 0xFFFF;",
+          "shl.b32 s, c, 4;",
+          "and.b32 s, s, 0x80008000;",
+          "and.b32 w, c, 0x07FF07FF;",
+          f"add.u32 w, w, {e};",
+          "or.b32 w, w, s;",
+          "and.b32 w, w, m;"]
+    if out == "bf16":
+        s.append(f"mov.b32 ${p}, w;")
+    else:
+        s += [f"shl.b32 ${2 * p}, w, 16;", f"and.b32 ${2 * p + 1}, w, 0xFFFF0000;"]
+    return s
 
 
 _ASM = {(m, o): asm_text(m, o) for m in ("lo", "hi", "q8") for o in ("bf16", "f32")}
