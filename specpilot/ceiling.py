@@ -50,14 +50,15 @@ _BF16 = 2
 # * "gdn verify" holds gdn_tree_cuda_kernel (or the Triton tree kernels) and gdn_tree_conv_kernel: the tree
 #   conv matches `gdn_tree` before `gdn.*conv`;
 # * "gdn conv" holds gdn_commit_conv_kernel (the commit's conv-state copy), "gdn commit" gdn_commit_state_kernel;
-# * "other (norms, gates, copies)" is every kernel no other regex claims: the glue of the model.
+# * "other (norms, gates, copies)" is every kernel no other regex claims: the glue of the model; "memcpy / memset"
+#   (a graph's copy and fill nodes) is glue too.
 ENGINE_GROUPS = (
     ("linears", ("linears",), ("cuBLAS GEMM", "w12 GEMM")),
     ("lm head", ("lm head",), ("lm head",)),
     ("gdn verify + conv", ("gdn verify", "gdn conv"), ("gdn verify",)),
     ("gdn commit", ("gdn commit",), ("gdn commit", "gdn conv")),
     ("tree attention", ("tree attention",), ("tree attention",)),
-    ("glue", ("glue",), ("other (norms, gates, copies)",)),
+    ("glue", ("glue",), ("other (norms, gates, copies)", "memcpy / memset")),
 )
 
 

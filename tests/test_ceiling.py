@@ -131,6 +131,8 @@ def test_measured_groups_factors_and_prediction():
     assert ma["groups"]["gdn verify + conv"] == 0.1 and ma["outside_ms"] == pytest.approx(2.0 - 1.9)
     assert mv["groups"]["unmapped"] == 0.1 and mv["unmapped"] == ["new thing"]
     assert mv["outside_ms"] == pytest.approx(3.5 - 2.9) and mv["kernels"] == 12.0
+    copies = ceiling.engine_measured(_engine({**ar, "memcpy / memset": 0.03}, ver, 2.0, 3.5), "bf16", "ar")
+    assert copies["groups"]["glue"] == pytest.approx(0.53) and copies["unmapped"] == []  # a graph's copy nodes: glue
 
     cv = ceiling.step_costs(SMALL, 4, prefix=100, weights="bf16", gpu=GPU)
     ca = ceiling.step_costs(SMALL, 1, prefix=100, weights="bf16", gpu=GPU)

@@ -103,6 +103,7 @@ def _peer(cfg, syn, prompt: list[int], new_tokens: int, device) -> dict:
 
 
 _CATEGORIES = (  # kernel name -> what the step spends it on (first match)
+    ("memcpy / memset", r"^(Memcpy|Memset)"),  # copy and fill records (a CUDA graph's memcpy and memset nodes)
     ("w12 GEMM", r"w12"),
     ("cuBLAS GEMM", r"gemm|gemv|cutlass|xmma|sm90_|splitK|cublas"),
     ("gdn verify", r"gdn_tree|gdn_.*wy|gdn_.*recurrent|tree_verify"),
@@ -155,9 +156,10 @@ def _short(name: str | None, width: int = 70) -> str:
 
 
 def breakdown(fn, reps: int = 5, top_kernels: int = 16) -> dict:
-    """Device time per call of `fn` by kernel category (`_CATEGORIES`), from the profiler's kernel records,
-    the number of kernels per call, the `top_kernels` kernels (category: name) with the most time per call, and
-    the idle time before each category (`idle_gaps`)."""
+    """Device time per call of `fn` by kernel category (`_CATEGORIES`), from the profiler's device records,
+    the number of kernels per call and of copy and fill records (memcpy / memset: in a graph, its memcpy and memset
+    nodes, which run on the device between kernels and so are not idle time), the `top_kernels` records
+    (category: name) with the most time per call, and the idle time before each category (`idle_gaps`)."""
     from torch.autograd import DeviceType
     from torch.profiler import ProfilerActivity, profile
 
@@ -168,24 +170,27 @@ def breakdown(fn, reps: int = 5, top_kernels: int = 16) -> dict:
         torch.cuda.synchronize()
     cats: dict[str, float] = {}
     names: dict[str, list] = {}  # kernel name (short) -> [ms per call, launches per call]
-    kernels = 0
+    kernels = copies = 0
     for e in prof.key_averages():
         us = getattr(e, "device_time_total", None)
         if us is None:
             us = getattr(e, "cuda_time_total", 0.0)
-        if not us or e.key.startswith(("cudaGraph", "Memcpy", "Memset")) or "Runtime" in e.key:
+        if not us or e.key.startswith("cudaGraph") or "Runtime" in e.key:
             continue
         cat = _category(e.key)
         cats[cat] = cats.get(cat, 0.0) + us / 1e3 / reps
-        kernels += e.count
+        if cat == _CATEGORIES[0][0]:
+            copies += e.count
+        else:
+            kernels += e.count
         n = names.setdefault(f"{cat}: {_short(e.key)}", [0.0, 0.0])
         n[0] += us / 1e3 / reps
         n[1] += e.count / reps
-    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events()
-             if e.device_type == DeviceType.CUDA and not e.name.startswith(("Memcpy", "Memset"))]
+    spans = [(e.name, e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type == DeviceType.CUDA]
     top = sorted(names.items(), key=lambda kv: -kv[1][0])[:top_kernels]
     return {"ms": dict(sorted(cats.items(), key=lambda kv: -kv[1])), "kernels_per_call": kernels / reps,
-            "top_kernels": {k: {"ms": v[0], "launches": v[1]} for k, v in top}, "idle": idle_gaps(spans, reps)}
+            "copies_per_call": copies / reps, "top_kernels": {k: {"ms": v[0], "launches": v[1]} for k, v in top},
+            "idle": idle_gaps(spans, reps)}
 
 
 def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positions: int = 16, topk: int = 4,

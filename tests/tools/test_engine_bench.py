@@ -41,3 +41,14 @@ def test_top_pairs_name_the_kernels_around_each_gap():
     assert list(got) == ["sm90_gemm_bf16 -> gdn_tree_conv_kernel", "gdn_tree_conv_kernel -> gdn_tree_verify"]
     assert got["sm90_gemm_bf16 -> gdn_tree_conv_kernel"] == {"ms": 3e-3, "gaps": 1.0, "us_per_gap": 3.0}
     assert idle_gaps(recs, reps=2, top_pairs=1)["top_pairs"].keys() == {"sm90_gemm_bf16 -> gdn_tree_conv_kernel"}
+
+
+def test_a_copy_record_is_device_time_not_idle():
+    # conv [0, 1], a graph's memcpy node [1.5, 4.5], then the WY kernel at 5: 0.5 µs before the copy (charged to
+    # it), 0.5 before the kernel, not the 4 µs the gap would be without the copy's record
+    recs = [("gdn_tree_conv_kernel", 0.0, 1.0), ("Memcpy DtoD (Device -> Device)", 1.5, 4.5),
+            ("gdn_tree_cuda_kernel", 5.0, 9.0)]
+    got = idle_gaps(recs, reps=1)
+    assert got["ms"] == {"memcpy / memset": 0.5e-3, "gdn verify": 0.5e-3}
+    assert list(got["top_pairs"]) == ["gdn_tree_conv_kernel -> Memcpy DtoD",
+                                      "Memcpy DtoD -> gdn_tree_cuda_kernel"]
