@@ -100,13 +100,14 @@ def _untile_ptx(q8: bool, groups: int) -> str:
 def _lmhead_exact_w12_ptx(full: bool) -> str:
     """lmhead's exact kernel on a W12 head with the packed decode (lmhead.ops._packed_decode), as a GPU runs it."""
     from lmhead.kernels.screen import lmhead_exact_kernel
-    from w12.kernels.pk_decode import asm_text
+    from lmhead.ops import _packed_decode_text
 
+    asm_lo, asm_hi = _packed_decode_text()  # what _launch_exact passes on a GPU
     types = dict(h_ptr="*bf16", w_ptr="*u8", lo_ptr="*u8", e0_ptr="*u8", rowptr_ptr="*i32", ecol_ptr="*i32",
                  eval_ptr="*i16", ids_ptr="*i32", count_ptr="*i32", bad_ptr="*i32", fb_ptr="*i64", skip_ptr="*i32",
                  key_ptr="*i64")
     ce = dict(MP=32, BS=64, BK=128, W12=True, FULL=full, KEYS=True, ALL=False, out_ptr=None,
-              ASM_LO=asm_text("lo0", "bf16"), ASM_HI=asm_text("hi0", "bf16"))
+              ASM_LO=asm_lo, ASM_HI=asm_hi)
     return _ptx(lmhead_exact_kernel, types, ce, 4, 1)
 
 

@@ -102,8 +102,9 @@ def _peer(cfg, syn, prompt: list[int], new_tokens: int, device) -> dict:
     return out
 
 
+_COPIES = "memcpy / memset"  # copy and fill records (a CUDA graph's memcpy and memset nodes)
 _CATEGORIES = (  # kernel name -> what the step spends it on (first match)
-    ("memcpy / memset", r"^(Memcpy|Memset)"),  # copy and fill records (a CUDA graph's memcpy and memset nodes)
+    (_COPIES, r"^(Memcpy|Memset)"),
     ("w12 GEMM", r"w12"),
     ("cuBLAS GEMM", r"gemm|gemv|cutlass|xmma|sm90_|splitK|cublas"),
     ("gdn verify", r"gdn_tree|gdn_.*wy|gdn_.*recurrent|tree_verify"),
@@ -133,11 +134,11 @@ def idle_gaps(kernels, reps: int, max_gap_us: float = 100.0, top_pairs: int = 10
     end = prev = None
     for name, t0, t1 in ks:
         if end is not None and 0.0 < t0 - end <= max_gap_us:
-            cat = _category(name)
-            gaps[cat] = gaps.get(cat, 0.0) + (t0 - end) / 1e3 / reps
+            cat, ms = _category(name), (t0 - end) / 1e3 / reps
+            gaps[cat] = gaps.get(cat, 0.0) + ms
             counts[cat] = counts.get(cat, 0) + 1
             pair = pairs.setdefault(f"{_short(prev)} -> {_short(name)}", [0.0, 0.0])
-            pair[0] += (t0 - end) / 1e3 / reps
+            pair[0] += ms
             pair[1] += 1 / reps
         end = t1 if end is None else max(end, t1)
         prev = name
@@ -179,7 +180,7 @@ def breakdown(fn, reps: int = 5, top_kernels: int = 16) -> dict:
             continue
         cat = _category(e.key)
         cats[cat] = cats.get(cat, 0.0) + us / 1e3 / reps
-        if cat == _CATEGORIES[0][0]:
+        if cat == _COPIES:
             copies += e.count
         else:
             kernels += e.count
