@@ -110,6 +110,9 @@ class RecurrentConfig:
 class ConvConfig:
     BD: int = 256
     num_warps: int = 4
+    # programmatic dependent launch (sm_90): each program waits on the previous grid before its first load, then
+    # lets the next grid (the tree kernel, which prefetches its state rows before its own wait) be placed
+    pdl: bool = True
 
 
 @dataclass(frozen=True)

@@ -222,10 +222,11 @@ def _launch_conv(plan: autotune.Plan, x, weight, bias, out, cstate, cidx, node_r
     W = weight.shape[-1]
     cfg = plan.config
     grid = (T, triton.cdiv(D, cfg.BD))
+    extra = {"PDL": True, "launch_pdl": True} if cfg.pdl and has_pdl(x.device) else {}
     gdn_tree_conv_kernel[grid](x, weight, bias if bias is not None else x, out, cstate, cidx, node_req, parent,
                                depth, err, cstate.shape[0], x.stride(0), out.stride(0), weight.stride(0),
                                weight.stride(-1), cstate.stride(0), cstate.stride(1), cstate.stride(2), D=D, W=W,
-                               BD=cfg.BD, HAS_BIAS=bias is not None, SILU=silu, num_warps=cfg.num_warps)
+                               BD=cfg.BD, HAS_BIAS=bias is not None, SILU=silu, num_warps=cfg.num_warps, **extra)
 
 
 def _plan_commit(variant: str | None, k, v, x, device: torch.device) -> autotune.Plan:

@@ -284,10 +284,9 @@ def step_costs(shapes: str | ModelShapes, rows: int, *, prefix: int = 4096, weig
     # writes its output once (BF16; g in fp32), no FLOPs counted (CUDA-core work, far below either roof).
     # Per layer: two RMSNorms (rows in and out, weight), two residual adds (two in, one out), silu(gate) * up.
     common = 2 * (4 * R * H + 2 * H) + 2 * 6 * R * H + 6 * R * F
-    # GDN layer: the mixed projection made contiguous (4RC); stash copies of x, k, v (in and out), g (fp32)
-    # and beta; beta = sigmoid(b); g from a; the gated output norm (o and z in, out; weight).
-    gdn_extra = (4 * R * C + 4 * R * C + 4 * R * HK * D + 4 * R * HV * D + 8 * R * HV + 4 * R * HV
-                 + 4 * R * HV + 6 * R * HV + 6 * R * HV * D + 2 * D)
+    # GDN layer (the conv reads its input, and the commit its x, k and v, in place): g (fp32) and beta written;
+    # beta = sigmoid(b); g from a; the gated output norm (o and z in, out; weight).
+    gdn_extra = 8 * R * HV + 4 * R * HV + 4 * R * HV + 6 * R * HV + 6 * R * HV * D + 2 * D
     # attention layer: q and k norms (with weights), the rotary embedding of q and k, stash copies of k and
     # v, o * sigmoid(gate), the commit's copy of the accepted nodes' k and v into the cache.
     attn_extra = (4 * R * Hq * Dh + 4 * R * Hkv * Dh + 4 * Dh + 4 * R * (Hq + Hkv) * Dh + 8 * R * Hkv * Dh

@@ -111,6 +111,42 @@ def _lmhead_exact_w12_ptx(full: bool) -> str:
     return _ptx(lmhead_exact_kernel, types, ce, 4, 1)
 
 
+def _pdl_kernels() -> dict:
+    """The engine's glue kernels and gdn's tree conv, built with PDL=True as a GPU launches them (launch_pdl)."""
+    from gdn.kernels.conv import gdn_tree_conv_kernel
+    from specpilot.engine import fused
+
+    bf = "*bf16"
+    return {
+        "add_rmsnorm": (fused.engine_add_rmsnorm_kernel, dict(h_ptr=bf, y_ptr=bf, w1_ptr="*fp32", h_out=bf, x_out=bf,
+                                                              eps="fp32"), dict(HAS_Y=True, BLOCK=1024)),
+        "gated_rmsnorm": (fused.engine_gated_rmsnorm_kernel, dict(o_ptr=bf, z_ptr=bf, w_ptr=bf, out_ptr=bf,
+                                                                  eps="fp32"), dict(BLOCK=128)),
+        "swiglu": (fused.engine_swiglu_kernel, dict(gu_ptr=bf, out_ptr=bf), dict(BLOCK=1024)),
+        "sigmoid_mul": (fused.engine_sigmoid_mul_kernel, dict(o_ptr=bf, g_ptr=bf, out_ptr=bf), dict(BLOCK=1024)),
+        "gdn_gates": (fused.engine_gdn_gates_kernel, dict(p_ptr=bf, nega_ptr="*fp32", dtb_ptr=bf, g_out="*fp32",
+                                                          beta_out=bf), dict(BLOCK=64)),
+        "attn_prep": (fused.engine_attn_prep_kernel, dict(qkv_ptr=bf, cos_ptr=bf, sin_ptr=bf, qw_ptr="*fp32",
+                                                          kw_ptr="*fp32", q_out=bf, k_out=bf, v_out=bf, eps="fp32"),
+                      dict(D=256, R=64)),
+        "tree_conv": (gdn_tree_conv_kernel, dict(x=bf, weight=bf, bias=bf, out=bf, cstate=bf, cidx="*i32",
+                                                 node_req="*i32", parent="*i32", depth="*i32", err="*i32"),
+                      dict(D=10240, W=4, BD=256, HAS_BIAS=False, SILU=True)),
+    }
+
+
+def _pdl_order(ptx: str) -> dict:
+    """Where the grid-dependency instructions sit: the wait before every global load and atomic, the launch of
+    dependents after the wait."""
+    lines = ptx.splitlines()
+
+    def first(*keys):
+        return next((i for i, ln in enumerate(lines) if any(k in ln for k in keys)), -1)
+
+    return {"wait": first("griddepcontrol.wait"), "launch": first("griddepcontrol.launch_dependents"),
+            "global": first("ld.global", "atom.global", "red.global", "st.global")}
+
+
 def _features(ptx: str) -> dict:
     return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "pk_asm": "0x07F007F0" in ptx,
             "pk_zero_asm": "0x0FFF0FFF" in ptx,
@@ -128,6 +164,9 @@ def _worker() -> None:
             out[f"untile-{q8}-{groups}"] = _features(_untile_ptx(q8, groups))
     for full in (False, True):
         out[f"lmhead-exact-w12-{full}"] = _features(_lmhead_exact_w12_ptx(full))
+    for name, (kernel, types, ce) in _pdl_kernels().items():
+        for pdl in ((0, 1, 2) if name != "tree_conv" else (False, True)):
+            out[f"pdl-{name}-{int(pdl)}"] = _pdl_order(_ptx(kernel, types, dict(ce, PDL=pdl), 4, 1))
     out["gdn-b1"] = _features(_gdn_b1_ptx())
     for bv, w in ((32, 4), (16, 4), (32, 8)):
         out[f"gdn-bt64-bv{bv}-w{w}"] = _gdn_bt64_mma_shapes(bv, w)
@@ -182,6 +221,22 @@ def test_lmhead_exact_kernel_takes_the_packed_w12_decode(full):
     cores, in both passes (the survivors' and the full one share _exact_tile, so their logits agree bit for bit)."""
     f = _results()[f"lmhead-exact-w12-{full}"]
     assert f["pk_zero_asm"] and f["mma_sync"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("name", ["add_rmsnorm", "gated_rmsnorm", "swiglu", "sigmoid_mul", "gdn_gates", "attn_prep",
+                                  "tree_conv"])
+def test_pdl_kernels_wait_before_their_first_global_access(name):
+    """A kernel launched with launch_pdl may start while the grid before it still writes its inputs: its
+    griddepcontrol.wait must come before its first global load, store or atomic, and (PDL=1) it lets the next grid
+    launch only after that wait, so the next grid's early reads never race a grid two back. Without PDL neither
+    instruction is there."""
+    on, off = _results()[f"pdl-{name}-1"], _results()[f"pdl-{name}-0"]
+    assert off["wait"] == off["launch"] == -1 and off["global"] >= 0
+    assert 0 <= on["wait"] < on["launch"] < on["global"], on
+    if name != "tree_conv":  # FusedGlue(pdl="early"): the next grid may launch before the wait
+        early = _results()[f"pdl-{name}-2"]
+        assert 0 <= early["launch"] < early["wait"] < early["global"], early
 
 
 @pytest.mark.slow

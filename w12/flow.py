@@ -202,14 +202,15 @@ def _x_operand(x2d: torch.Tensor, Kp: int) -> tuple[torch.Tensor, int]:
 
 def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Tensor | None, out: torch.Tensor, *,
                  step: str = "e", defines: Mapping[str, object] | None = None, smem: int | None = None,
-                 q8: bool = False, pdl: bool | None = None) -> None:
+                 q8: bool = False, pdl: bool | None = None, pdl_rows: int = PDL_MAX_M) -> None:
     """out[M, N] = x2d @ W^T (+ bias) from the runtime layout `t`, on torch's current stream (CUDA-graph capturable
     once the kernel is loaded). `step`: a ladder build (module doc; "a" and "b" leave `out` unwritten).
     `defines` add to the build's defines; `smem`: dynamic shared memory per CTA, at least what the config needs;
     `q8`: the product with the 8-bit view (`w12.decode_q8`'s weight), reading each tile's hi bytes only.
     `pdl`: programmatic dependent launch. The kernel then requests its first tiles, and reads e0 and the escapes,
     before the previous kernel in the stream has ended, so that kernel must not write `t`. Default: on where
-    `w12.cuda.pdl_enabled` allows it (sm_90; the flow kernel's default is on), M <= PDL_MAX_M, and `t`'s tensors
+    `w12.cuda.pdl_enabled` allows it (sm_90; the flow kernel's default is on), M <= `pdl_rows` (default PDL_MAX_M),
+    and `t`'s tensors
     are unchanged since its last launch (their version counters): a layout's first launch, and the first after an
     in-place write to it, wait for the previous kernel to end."""
     M, K = x2d.shape
@@ -235,7 +236,7 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     if pdl is None:
         from .cuda import pdl_enabled
 
-        pdl = M <= PDL_MAX_M and t._launched == t.versions() and pdl_enabled(x2d.device, default=True)
+        pdl = M <= pdl_rows and t._launched == t.versions() and pdl_enabled(x2d.device, default=True)
     t._launched = t.versions()
     kernel.launch((grid(cfg, t.N), 1, 1), 32 * cfg.warps, smem, stream, values, _TYPES, pdl=pdl)
 

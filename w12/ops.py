@@ -364,7 +364,7 @@ def matmul_q8(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] =
 
 
 def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] = None, *, q8: bool = False,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
+                 out: torch.Tensor | None = None, pdl: bool | None = None) -> torch.Tensor:
     """`w12.matmul` (`q8=True`: `w12.matmul_q8`) on the runtime layout alone: `tiled = w12.layout.tile(packed)`
     holds the weight in about 12.1 bits per element without the version-1 planes, so a model can keep only it.
 
@@ -376,7 +376,13 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
       (`untile` + `unpack`, or `decode_q8`) and `F.linear` in x's dtype, the error of a same-precision F.linear;
       on CPU tensors in fp32, then rounded to x's dtype (as `w12.matmul`'s torch path).
 
-    Same results as `w12.matmul` on the planes up to the order of the fp32 sums; `out` as there."""
+    Same results as `w12.matmul` on the planes up to the order of the fp32 sums; `out` as there.
+
+    `pdl`: programmatic dependent launch of the flow kernel (`w12.flow.launch_tiled`). None: on sm_90 up to
+    `w12.flow.PDL_MAX_M` rows (in a chain of flow kernels alone it slowed the 5120-row layers at 16 rows); True: at
+    every row count, where the kernel after a PDL-launched glue kernel starts its weight stream early (the engine's
+    32-row verify step: 17.33 -> 16.93 ms on the H200, docs/engine.md); False: never. Either way only on sm_90, and
+    not on a layout's first launch or the first after an in-place write to it."""
     name = "matmul_q8" if q8 else "matmul"
     fn = f"w12.matmul_tiled ({name})"
     if not isinstance(tiled, TiledW12):
@@ -396,13 +402,14 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
         if cfg is not None:
             from . import flow
 
-            flow.launch_tiled(cfg, x2d, tiled, bias, out2d, q8=q8)
+            flow.launch_tiled(cfg, x2d, tiled, bias, out2d, q8=q8, **_pdl_args(pdl))
         elif M <= CHUNK_MAX_M and _flow_config(x2d[:FLOW_MAX_M], tiled, op) is not None:
             from . import flow
 
             for i in range(0, M, FLOW_MAX_M):
                 xs = x2d[i:i + FLOW_MAX_M]
-                flow.launch_tiled(_flow_config(xs, tiled, op), xs, tiled, bias, out2d[i:i + FLOW_MAX_M], q8=q8)
+                flow.launch_tiled(_flow_config(xs, tiled, op), xs, tiled, bias, out2d[i:i + FLOW_MAX_M], q8=q8,
+                                  **_pdl_args(pdl))
         else:
             if x2d.device.type == "cuda":
                 w = decode_tiled(tiled, q8=q8).to(x2d.dtype)
@@ -412,6 +419,13 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
                 planes = (packed.hi, packed.lo, packed.e0, packed.esc_rowptr, packed.esc_col, packed.esc_val)
                 out2d.copy_(_torch_fallback(x2d, *planes, bias, K=K, q8=q8))
     return out2d.reshape(*x.shape[:-1], N) if out is None else out
+
+
+def _pdl_args(pdl: bool | None) -> dict:
+    """matmul_tiled's `pdl` as launch_tiled's arguments."""
+    if pdl is None:
+        return {}
+    return {"pdl_rows": FLOW_MAX_M} if pdl else {"pdl": False}
 
 
 # The flow kernel takes 1..FLOW_MAX_M (`w12.flow.MAX_M`) rows. Up to CHUNK_MAX_M rows, `matmul_tiled` runs it once

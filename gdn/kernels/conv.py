@@ -2,10 +2,14 @@
 the committed conv-state columns once the walk passes the root.
 
 Guard (gdn/guard.py): a conv state index outside [0, pool_rows) skips the node (its output row is not
-written) and ORs CONV_STATE_INDEX (2) into err."""
+written) and ORs CONV_STATE_INDEX (2) into err.
+
+PDL=True (sm_90, launched with launch_pdl): griddepcontrol.wait before the first load, then the next grid may
+launch; what it reads before its own wait this kernel does not write."""
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 
 @triton.jit
@@ -13,7 +17,11 @@ def gdn_tree_conv_kernel(
     x, weight, bias, out, cstate, cidx, node_req, parent, depth, err, pool_rows,
     s_xt, s_ot, s_wd, s_ww, s_cn, s_cd, s_cw,
     D: tl.constexpr, W: tl.constexpr, BD: tl.constexpr, HAS_BIAS: tl.constexpr, SILU: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
+    if PDL:  # launched with launch_pdl: the grid before may still run until this wait
+        gdc_wait()
+        gdc_launch_dependents()
     i_t, i_d = tl.program_id(0).to(tl.int64), tl.program_id(1)
     o_d = i_d * BD + tl.arange(0, BD)
     m_d = o_d < D

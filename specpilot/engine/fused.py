@@ -10,21 +10,39 @@ BF16 op's result), so they compute the same values up to the order of the fp32 s
 | `engine_add_rmsnorm_kernel` | `add_norm`, `rms_norm` | one program per row |
 | `engine_gated_rmsnorm_kernel` | `gated_rms_norm` | one program per (token, value head) |
 | `engine_swiglu_kernel` | `swiglu` | (row, column block) |
-| `engine_gdn_gates_kernel` | `gdn_gates` (beta and g; the conv input is one copy) | one program per token |
+| `engine_gdn_gates_kernel` | `gdn_gates` (beta and g) | one program per token |
 | `engine_attn_prep_kernel` | `attn_prep` (per-head RMSNorm, rotary, k and v written) | (token, q head + kv head) |
 | `engine_sigmoid_mul_kernel` | `attn_gate` | (row, column block) |
 
-`FusedGlue` has the signatures of the torch functions. Not measured on a GPU yet: the engine uses it only when
-asked (`HybridModel(fused_glue=True)`).
+`FusedGlue` has the signatures of the torch functions; the engine uses it on CUDA by default
+(`Engine.from_model(fused_glue=None)`). The GDN conv input needs no copy: the forward pass writes the in-projection
+into the step's stash and convolves a view of it.
 """
 
 from __future__ import annotations
 
+import os
+
 import torch
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
+
+from autotune.hardware import has_pdl
 
 __all__ = ["FusedGlue"]
+
+
+@triton.jit
+def _pdl_start(PDL: tl.constexpr):
+    # programmatic dependent launch (FusedGlue's `pdl`): every program waits for the previous grid (its stores
+    # visible) before its first load. PDL == 1 lets the next grid launch after that wait, PDL == 2 before it.
+    if PDL == 1:
+        gdc_wait()
+        gdc_launch_dependents()
+    if PDL == 2:
+        gdc_launch_dependents()
+        gdc_wait()
 
 
 @triton.jit
@@ -34,7 +52,9 @@ def _rms(x, w1, n, eps):
 
 
 @triton.jit
-def engine_add_rmsnorm_kernel(h_ptr, y_ptr, w1_ptr, h_out, x_out, N, eps, HAS_Y: tl.constexpr, BLOCK: tl.constexpr):
+def engine_add_rmsnorm_kernel(h_ptr, y_ptr, w1_ptr, h_out, x_out, N, eps, HAS_Y: tl.constexpr, BLOCK: tl.constexpr,
+                              PDL: tl.constexpr = 0):
+    _pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < N
@@ -47,7 +67,9 @@ def engine_add_rmsnorm_kernel(h_ptr, y_ptr, w1_ptr, h_out, x_out, N, eps, HAS_Y:
 
 
 @triton.jit
-def engine_gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, V, HV, z_stride, eps, BLOCK: tl.constexpr):
+def engine_gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, V, HV, z_stride, eps, BLOCK: tl.constexpr,
+                                PDL: tl.constexpr = 0):
+    _pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)  # token * HV + head
     t, h = row // HV, row % HV
     offs = tl.arange(0, BLOCK)
@@ -61,7 +83,8 @@ def engine_gated_rmsnorm_kernel(o_ptr, z_ptr, w_ptr, out_ptr, V, HV, z_stride, e
 
 
 @triton.jit
-def engine_swiglu_kernel(gu_ptr, out_ptr, F, BLOCK: tl.constexpr):
+def engine_swiglu_kernel(gu_ptr, out_ptr, F, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    _pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < F
@@ -72,7 +95,8 @@ def engine_swiglu_kernel(gu_ptr, out_ptr, F, BLOCK: tl.constexpr):
 
 
 @triton.jit
-def engine_sigmoid_mul_kernel(o_ptr, g_ptr, out_ptr, N, g_stride, BLOCK: tl.constexpr):
+def engine_sigmoid_mul_kernel(o_ptr, g_ptr, out_ptr, N, g_stride, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    _pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
@@ -83,7 +107,9 @@ def engine_sigmoid_mul_kernel(o_ptr, g_ptr, out_ptr, N, g_stride, BLOCK: tl.cons
 
 
 @triton.jit
-def engine_gdn_gates_kernel(p_ptr, nega_ptr, dtb_ptr, g_out, beta_out, HV, p_stride, off_b, BLOCK: tl.constexpr):
+def engine_gdn_gates_kernel(p_ptr, nega_ptr, dtb_ptr, g_out, beta_out, HV, p_stride, off_b, BLOCK: tl.constexpr,
+                            PDL: tl.constexpr = 0):
+    _pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, BLOCK)
     m = offs < HV
@@ -97,7 +123,8 @@ def engine_gdn_gates_kernel(p_ptr, nega_ptr, dtb_ptr, g_out, beta_out, HV, p_str
 
 @triton.jit
 def engine_attn_prep_kernel(qkv_ptr, cos_ptr, sin_ptr, qw_ptr, kw_ptr, q_out, k_out, v_out, H, HKV, W, eps,
-                            D: tl.constexpr, R: tl.constexpr):
+                            D: tl.constexpr, R: tl.constexpr, PDL: tl.constexpr = 0):
+    _pdl_start(PDL)
     t = tl.program_id(0).to(tl.int64)
     head = tl.program_id(1)
     offs = tl.arange(0, D)
@@ -140,61 +167,83 @@ def _pow2(n: int) -> int:
 
 class FusedGlue:
     """The glue functions of `specpilot.engine.model` as single Triton launches (module docstring); same
-    signatures, BF16 in and out."""
+    signatures, BF16 in and out.
 
-    @staticmethod
-    def rms_norm(x, w1, eps):
+    `pdl`: programmatic dependent launch of every glue kernel: False (plain launches), "after" or "early"; None
+    picks "after" where `autotune.hardware.has_pdl` holds, or what SPECPILOT_GLUE_PDL says (0, after, early). Each
+    program waits on the previous grid (griddepcontrol.wait) before its first load, so a glue kernel's launch
+    overlaps the tail of the grid before it. "after" lets the next grid launch once every program has passed that
+    wait: a W12 flow kernel after a norm requests its first weight tiles while the norm runs, and a grid that
+    launches early then reads, before its own wait, only what grids already finished wrote. "early" lets it launch
+    before the wait, while the grid before the glue kernel may still run: the next grid must then read nothing
+    before its own wait but data no kernel of the step writes (a weight; the flow kernel reads only its layout)."""
+
+    _MODES = {False: 0, "after": 1, "early": 2}
+
+    def __init__(self, pdl: bool | str | None = None):
+        if pdl is True:
+            pdl = "after"
+        if pdl is not None and pdl not in self._MODES:
+            raise ValueError(f"FusedGlue: pdl must be None, False, True, 'after' or 'early', got {pdl!r}")
+        self.pdl = pdl
+
+    def _extra(self, x: torch.Tensor) -> dict:
+        mode = self.pdl
+        if mode is None:
+            env = os.environ.get("SPECPILOT_GLUE_PDL", "after")
+            if env not in ("0", "after", "early"):
+                raise ValueError(f"SPECPILOT_GLUE_PDL must be 0, after or early, got {env!r}")
+            mode = False if env == "0" or not has_pdl(x.device) else env
+        return {"PDL": self._MODES[mode], "launch_pdl": True} if mode else {}
+
+    def rms_norm(self, x, w1, eps):
         x = x.contiguous()
         out = torch.empty_like(x)
         N = x.shape[-1]
-        engine_add_rmsnorm_kernel[(x.numel() // N,)](x, x, w1, x, out, N, eps, HAS_Y=False, BLOCK=_pow2(N))
+        engine_add_rmsnorm_kernel[(x.numel() // N,)](x, x, w1, x, out, N, eps, HAS_Y=False, BLOCK=_pow2(N),
+                                                     **self._extra(x))
         return out
 
-    @staticmethod
-    def add_norm(h, y, w1, eps):
+    def add_norm(self, h, y, w1, eps):
         N = h.shape[-1]
         h_new, x = torch.empty_like(h), torch.empty_like(h)
         engine_add_rmsnorm_kernel[(h.numel() // N,)](h, y.contiguous(), w1, h_new, x, N, eps, HAS_Y=True,
-                                                     BLOCK=_pow2(N))
+                                                     BLOCK=_pow2(N), **self._extra(h))
         return h_new, x
 
-    @staticmethod
-    def swiglu(gate_up):
+    def swiglu(self, gate_up):
         T, F2 = gate_up.shape
         out = gate_up.new_empty(T, F2 // 2)
-        engine_swiglu_kernel[(T, triton.cdiv(F2 // 2, 1024))](gate_up, out, F2 // 2, BLOCK=1024)
+        engine_swiglu_kernel[(T, triton.cdiv(F2 // 2, 1024))](gate_up, out, F2 // 2, BLOCK=1024,
+                                                             **self._extra(gate_up))
         return out
 
-    @staticmethod
-    def gdn_gates(proj, neg_a, dt_bias, split, x_out, g_out, beta_out):
+    def gdn_gates(self, proj, neg_a, dt_bias, split, g_out, beta_out):
         conv, vd, hv, _ = split
-        x_out.copy_(proj[:, :conv])
         T = proj.shape[0]
         engine_gdn_gates_kernel[(T,)](proj, neg_a, dt_bias, g_out, beta_out, hv, proj.stride(0), conv + vd,
-                                      BLOCK=_pow2(hv))
+                                      BLOCK=_pow2(hv), **self._extra(proj))
         return proj[:, conv:conv + vd]
 
-    @staticmethod
-    def gated_rms_norm(x, gate, w, eps):
+    def gated_rms_norm(self, x, gate, w, eps):
         T, HV, V = x.shape
         out = torch.empty(T, HV * V, dtype=x.dtype, device=x.device)
         engine_gated_rmsnorm_kernel[(T * HV,)](x.contiguous(), gate, w, out, V, HV, gate.stride(0), eps,
-                                               BLOCK=_pow2(V))
+                                               BLOCK=_pow2(V), **self._extra(x))
         return out
 
-    @staticmethod
-    def attn_prep(qkv, cos, sin, q_w1, k_w1, heads, eps, k_out, v_out):
+    def attn_prep(self, qkv, cos, sin, q_w1, k_w1, heads, eps, k_out, v_out):
         H, Hkv, D, r = heads
         T = qkv.shape[0]
         q = torch.empty(T, H, D, dtype=qkv.dtype, device=qkv.device)
         engine_attn_prep_kernel[(T, H + Hkv)](qkv, cos.reshape(T, r).contiguous(), sin.reshape(T, r).contiguous(),
-                                              q_w1, k_w1, q, k_out, v_out, H, Hkv, qkv.stride(0), eps, D=D, R=r)
+                                              q_w1, k_w1, q, k_out, v_out, H, Hkv, qkv.stride(0), eps, D=D, R=r,
+                                              **self._extra(qkv))
         return q, qkv[:, :2 * H * D].reshape(T, H, 2 * D)[..., D:].reshape(T, H * D)
 
-    @staticmethod
-    def attn_gate(o, gate):
+    def attn_gate(self, o, gate):
         T, N = gate.shape
         out = torch.empty(T, N, dtype=o.dtype, device=o.device)
         engine_sigmoid_mul_kernel[(T, triton.cdiv(N, 1024))](o.contiguous(), gate, out, N, gate.stride(0),
-                                                             BLOCK=1024)
+                                                             BLOCK=1024, **self._extra(o))
         return out

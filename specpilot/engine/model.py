@@ -156,19 +156,24 @@ class Linear:
             self.packed = w12.layout.untile(self.tiled) if self.tiled is not None else w12.pack(self.weight)
         return self.packed
 
-    def __call__(self, x: torch.Tensor, kernels: Kernels, q8: bool = False) -> torch.Tensor:
+    def __call__(self, x: torch.Tensor, kernels: Kernels, q8: bool = False,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+        """x [T, K] -> [T, N]; `out`: a contiguous [T, N] tensor of x's dtype to write (and return) instead of a
+        new one."""
         if self.tiled is not None:
-            return w12.matmul_tiled(x, self.tiled, q8=q8)
+            # PDL at every row count: the glue kernel before it (fused.FusedGlue) lets it launch early
+            return w12.matmul_tiled(x, self.tiled, q8=q8, out=out, pdl=True)
         if q8 and kernels.w12 == "torch":
             # the torch path of w12.matmul_q8 decodes the view on every call; a drafter calls it per token
             if self._q8 is None:
                 self._q8 = w12.decode_q8(self.ensure_packed()).float()
-            return F.linear(x.float(), self._q8).to(x.dtype)
+            y = F.linear(x.float(), self._q8).to(x.dtype)
+            return y if out is None else out.copy_(y)
         if q8:
-            return w12.matmul_q8(x, self.ensure_packed(), variant=kernels.w12)
+            return w12.matmul_q8(x, self.ensure_packed(), variant=kernels.w12, out=out)
         if self.packed is not None:
-            return w12.matmul(x, self.packed, variant=kernels.w12)
-        return F.linear(x, self.weight)
+            return w12.matmul(x, self.packed, variant=kernels.w12, out=out)
+        return F.linear(x, self.weight) if out is None else torch.mm(x, self.weight.t(), out=out)
 
 
 def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
@@ -189,11 +194,11 @@ def swiglu(gate_up: torch.Tensor) -> torch.Tensor:
 
 
 def gdn_gates(proj: torch.Tensor, neg_a: torch.Tensor, dt_bias: torch.Tensor, split: list[int],
-              x_out: torch.Tensor, g_out: torch.Tensor, beta_out: torch.Tensor) -> torch.Tensor:
-    """Split the fused GDN in-projection: the conv input into x_out, g = -exp(A_log) softplus(a + dt_bias)
-    (fp32) into g_out, beta = sigmoid(b) into beta_out; returns the output gate z."""
-    mixed, z, b, a = proj.split(split, -1)
-    x_out.copy_(mixed)
+              g_out: torch.Tensor, beta_out: torch.Tensor) -> torch.Tensor:
+    """The gates of the fused GDN in-projection [conv input | z | b | a] (widths `split`): g = -exp(A_log)
+    softplus(a + dt_bias) (fp32) into g_out, beta = sigmoid(b) into beta_out; returns the output gate z (a view).
+    The conv input is read in place, proj[:, :split[0]]."""
+    _, z, b, a = proj.split(split, -1)
     beta_out.copy_(b.sigmoid())
     g_out.copy_(neg_a * F.softplus(a.float() + dt_bias))
     return z
@@ -356,12 +361,14 @@ class HybridModel:
         self.k_cache = torch.zeros(La, self.kv_slots, c.kv_heads, c.head_dim, dtype=torch.bfloat16, device=dev)
         self.v_cache = torch.zeros_like(self.k_cache)
         T = MAX_STEP_NODES * R
+        # the GDN layers' in-projections [conv input | z | b | a] and conv outputs [q | k | v] are written here
+        # by the forward pass, and the commit reads the conv inputs, k and v in place (no copies)
+        width = c.conv_dim + c.v_heads * c.v_dim + 2 * c.v_heads
         self.stash = {
-            "k": torch.zeros(Lg, T, c.k_heads, c.k_dim, dtype=torch.bfloat16, device=dev),
-            "v": torch.zeros(Lg, T, c.v_heads, c.v_dim, dtype=torch.bfloat16, device=dev),
+            "proj": torch.zeros(Lg, T, width, dtype=torch.bfloat16, device=dev),
+            "conv": torch.zeros(Lg, T, c.conv_dim, dtype=torch.bfloat16, device=dev),
             "g": torch.zeros(Lg, T, c.v_heads, dtype=torch.float32, device=dev),
             "beta": torch.zeros(Lg, T, c.v_heads, dtype=torch.bfloat16, device=dev),
-            "x": torch.zeros(Lg, T, c.conv_dim, dtype=torch.bfloat16, device=dev),
             "ak": torch.zeros(La, T, c.kv_heads, c.head_dim, dtype=torch.bfloat16, device=dev),
             "av": torch.zeros(La, T, c.kv_heads, c.head_dim, dtype=torch.bfloat16, device=dev),
         }
@@ -452,15 +459,14 @@ class HybridModel:
     def _gdn(self, i: int, L: dict, x: torch.Tensor, s: Step, q8: bool) -> torch.Tensor:
         c, k, T, st = self.cfg, self.kernels, s.total, self.stash
         kd, vd = c.k_heads * c.k_dim, c.v_heads * c.v_dim
-        mixed = st["x"][i, :T]
-        z = self.glue.gdn_gates(L["in_proj"](x, k, q8), L["neg_a"], L["dt_bias"],
-                                [c.conv_dim, vd, c.v_heads, c.v_heads], mixed, st["g"][i, :T], st["beta"][i, :T])
-        conv = gdn.tree_conv1d(mixed, self.conv_state[i], L["conv"], s.tree, activation="silu",
-                               conv_state_indices=s.rows, variant=k.conv)
-        kk, v = st["k"][i, :T], st["v"][i, :T]  # kept for the commit
-        kk.copy_(conv[:, kd:2 * kd].reshape(T, c.k_heads, c.k_dim))
-        v.copy_(conv[:, 2 * kd:].reshape(T, c.v_heads, c.v_dim))
-        o = gdn.tree_verify(conv[:, :kd].reshape(T, c.k_heads, c.k_dim), kk, v, st["g"][i, :T], st["beta"][i, :T],
+        proj = L["in_proj"](x, k, q8, out=st["proj"][i, :T])
+        z = self.glue.gdn_gates(proj, L["neg_a"], L["dt_bias"], [c.conv_dim, vd, c.v_heads, c.v_heads],
+                                st["g"][i, :T], st["beta"][i, :T])
+        conv = gdn.tree_conv1d(proj[:, :c.conv_dim], self.conv_state[i], L["conv"], s.tree, activation="silu",
+                               conv_state_indices=s.rows, variant=k.conv, out=st["conv"][i, :T])
+        o = gdn.tree_verify(conv[:, :kd].unflatten(-1, (c.k_heads, c.k_dim)),
+                            conv[:, kd:2 * kd].unflatten(-1, (c.k_heads, c.k_dim)),
+                            conv[:, 2 * kd:].unflatten(-1, (c.v_heads, c.v_dim)), st["g"][i, :T], st["beta"][i, :T],
                             self.state[i], s.rows, s.tree, use_qk_l2norm=True, variant=k.gdn)
         return L["out_proj"](self.glue.gated_rms_norm(o, z, L["norm"], c.eps), k, q8)
 
@@ -477,9 +483,12 @@ class HybridModel:
         """Advance request b's caches by the nodes accepted[b, :accepted_len[b]] (local indices, a root path,
         root first) of the last forward pass. Device work only: no host sync."""
         T, st = s.total, self.stash
-        gdn.commit(self.state, self.conv_state, s.rows, s.tree, accepted, accepted_len, st["k"][:, :T],
-                   st["v"][:, :T], st["g"][:, :T], st["beta"][:, :T], st["x"][:, :T], use_qk_l2norm=True,
-                   validate=False, variant=self.kernels.commit)
+        c, kd = self.cfg, self.cfg.k_heads * self.cfg.k_dim
+        conv = st["conv"][:, :T]
+        gdn.commit(self.state, self.conv_state, s.rows, s.tree, accepted, accepted_len,
+                   conv[..., kd:2 * kd].unflatten(-1, (c.k_heads, c.k_dim)),
+                   conv[..., 2 * kd:].unflatten(-1, (c.v_heads, c.v_dim)), st["g"][:, :T], st["beta"][:, :T],
+                   st["proj"][:, :T, :c.conv_dim], use_qk_l2norm=True, validate=False, variant=self.kernels.commit)
         M = accepted.shape[1]
         m = torch.arange(M, device=self.device)
         valid = m[None, :] < accepted_len[:, None].to(m.dtype)

@@ -54,12 +54,11 @@ def test_gdn_gates_and_gated_norm():
     dtb = _bf(hv, g=g)
     outs = []
     for fn in (F.gdn_gates, M.gdn_gates):
-        x, gg = torch.empty(5, conv, dtype=torch.bfloat16), torch.empty(5, hv)
-        b = torch.empty(5, hv, dtype=torch.bfloat16)
-        z = fn(proj, neg_a, dtb, [conv, vd, hv, hv], x, gg, b)
-        outs.append((z, x, gg, b))
-    (z, x, gg, b), (rz, rx, rg, rb) = outs
-    assert torch.equal(z, rz) and torch.equal(x, rx) and torch.equal(b, rb)
+        gg, b = torch.empty(5, hv), torch.empty(5, hv, dtype=torch.bfloat16)
+        z = fn(proj, neg_a, dtb, [conv, vd, hv, hv], gg, b)
+        outs.append((z, gg, b))
+    (z, gg, b), (rz, rg, rb) = outs
+    assert torch.equal(z, rz) and torch.equal(b, rb) and torch.equal(z, proj[:, conv:conv + vd])
     torch.testing.assert_close(gg, rg, rtol=1e-6, atol=1e-7)
     o = _bf(5, hv, vd // hv, g=g)
     w = _bf(vd // hv, g=g)
@@ -112,3 +111,68 @@ def test_engine_with_fused_glue_cpu(checkpoints, record_property):
 @pytest.mark.gpu
 def test_engine_with_fused_glue_gpu(checkpoints, record_property):
     _engine_case(checkpoints, "cuda", 150, 256, record_property)
+
+
+def _glue_chain(glue, t):
+    # the glue kernels, each reading the one before (one torch copy makes gated_rms_norm's x contiguous): a PDL
+    # launch that read before its wait would see the previous replay's zeroed outputs
+    h, w1, neg_a, dtb, gdn_w, cos, sin, qw, kw = t
+    T = h.shape[0]
+    x = glue.rms_norm(h, w1, 1e-6)
+    h2, x2 = glue.add_norm(h, x, w1, 1e-6)
+    s = glue.swiglu(x2)  # [T, 328] = [conv 64 | z 256 | b 4 | a 4]
+    g = torch.empty(T, 4, device=h.device)
+    b = torch.empty(T, 4, dtype=torch.bfloat16, device=h.device)
+    z = glue.gdn_gates(s, neg_a, dtb, [64, 256, 4, 4], g, b)
+    o = glue.gated_rms_norm(z.reshape(T, 4, 64), z, gdn_w, 1e-6)  # [T, 256] = one q head with its gate, k, v
+    kv = torch.empty(2, T, 1, 64, dtype=torch.bfloat16, device=h.device)
+    q, gate = glue.attn_prep(o, cos, sin, qw, kw, (1, 1, 64, 32), 1e-6, kv[0], kv[1])
+    return [x, h2, s, g, b, o, q, kv, glue.attn_gate(q, gate)]
+
+
+@pytest.mark.gpu
+def test_glue_pdl_launches_equal_plain_ones_in_a_graph():
+    """The glue kernels launched with programmatic dependent launch, captured in a CUDA graph as the engine runs
+    them, give the same bits as plain launches, replay after replay."""
+    from autotune.hardware import has_pdl
+
+    if not has_pdl(torch.device("cuda")):
+        pytest.skip("programmatic dependent launch needs sm_90 or later")
+    g = torch.Generator().manual_seed(5)
+    T = 7
+    pos = torch.arange(T) + 40
+    inv = 1.0 / (10000.0 ** (torch.arange(0, 32, 2, dtype=torch.float) / 32))
+    emb = torch.cat([pos[:, None].float() * inv] * 2, -1)
+    t = [_bf(T, 656, g=g, scale=3), 1.0 + torch.randn(656, generator=g) * 0.1, -torch.rand(4, generator=g) * 4,
+         _bf(4, g=g), _bf(64, g=g), emb.cos().to(torch.bfloat16)[:, None], emb.sin().to(torch.bfloat16)[:, None],
+         1.0 + torch.randn(64, generator=g) * 0.1, 1.0 + torch.randn(64, generator=g) * 0.1]
+    t = [v.cuda() for v in t]
+    want = _glue_chain(FusedGlue(pdl=False), t)
+    for mode in ("after", "early"):
+        pdl = FusedGlue(pdl=mode)
+        _glue_chain(pdl, t)  # compile outside the capture
+        torch.cuda.synchronize()
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            got = _glue_chain(pdl, t)
+        for _ in range(20):
+            for v in got:
+                v.zero_()
+            graph.replay()
+            torch.cuda.synchronize()
+            for i, (a, b) in enumerate(zip(got, want)):
+                assert torch.equal(a, b), f"output {i} differs with PDL launches ({mode})"
+
+
+def test_glue_chain_runs_on_the_cpu():
+    # the chain above, under the interpreter with PDL off (the instructions exist only on a GPU): shapes line up
+    g = torch.Generator().manual_seed(5)
+    T = 3
+    emb = torch.cat([torch.arange(T)[:, None].float() * torch.ones(16)] * 2, -1)
+    t = [_bf(T, 656, g=g), 1.0 + torch.randn(656, generator=g) * 0.1, -torch.rand(4, generator=g), _bf(4, g=g),
+         _bf(64, g=g), emb.cos().to(torch.bfloat16)[:, None], emb.sin().to(torch.bfloat16)[:, None],
+         torch.ones(64), torch.ones(64)]
+    out = _glue_chain(FusedGlue(pdl=False), t)
+    with pytest.raises(ValueError, match="pdl must be"):
+        FusedGlue(pdl="sometimes")
+    assert out[-1].shape == (T, 64) and all(bool(torch.isfinite(v.float()).all()) for v in out)

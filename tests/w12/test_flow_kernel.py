@@ -671,6 +671,11 @@ def test_programmatic_dependent_launch_waits_for_a_fresh_or_rewritten_layout(mon
     flow.launch_tiled(cfg, x9, t, None, out9, pdl=True)
     flow.launch_tiled(cfg, x, t, None, out)
     assert seen[-3:] == [False, True, True]
+    # pdl_rows (matmul_tiled(pdl=True)) moves the row limit and keeps the layout check
+    flow.launch_tiled(cfg, x9, t, None, out9, pdl_rows=flow.MAX_M)
+    t.tiles[5] -= 1
+    flow.launch_tiled(cfg, x9, t, None, out9, pdl_rows=flow.MAX_M)
+    assert seen[-2:] == [True, False]
     monkeypatch.setattr(wcuda, "pdl_enabled", lambda device, default=False: False)
     flow.launch_tiled(cfg, x, t, None, out)
     assert seen[-1] is False
@@ -691,16 +696,21 @@ def test_matmul_tiled_runs_the_flow_kernel_per_32_rows(M, pieces, monkeypatch):
     b = (torch.randn(N, generator=torch.Generator().manual_seed(1)) * 0.1).to(torch.bfloat16)
     launched = []
 
-    def launch(cfg, xs, tt, bias, out, *, q8=False):
+    def launch(cfg, xs, tt, bias, out, *, q8=False, **pdl):
         assert tt is t and bias is b and out.is_contiguous() and cfg == FlowConfig()
-        launched.append(xs.shape[0])
+        launched.append((xs.shape[0], pdl))
         out.copy_(w12.matmul_reference(xs, p, bias).to(torch.bfloat16))
 
     monkeypatch.setattr(ops, "CHUNK_MAX_M", 96)
     monkeypatch.setattr(ops, "_flow_config", lambda xs, tt, op: FlowConfig() if 0 < xs.shape[0] <= 32 else None)
     monkeypatch.setattr(flow, "launch_tiled", launch)
     got = w12.matmul_tiled(x, t, b)
-    assert launched == pieces
+    assert launched == [(m, {}) for m in pieces]
+    # pdl=True moves the launcher's row limit to every piece; pdl=False turns it off
+    for pdl, kw in ((True, {"pdl_rows": flow.MAX_M}), (False, {"pdl": False})):
+        launched.clear()
+        w12.matmul_tiled(x, t, b, pdl=pdl)
+        assert launched == [(m, kw) for m in pieces]
     want = w12.matmul_reference(x, p, b).to(torch.bfloat16)
     if pieces:
         assert torch.equal(got.view(torch.int16), want.view(torch.int16))
