@@ -21,6 +21,7 @@ Everything here is host code: `spec`, `build`, `smem_bytes` and `grid` run witho
 
 from __future__ import annotations
 
+import os
 import weakref
 from collections.abc import Mapping
 from pathlib import Path
@@ -106,13 +107,27 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
     base = dict(W12F_WARPS=cfg.warps, W12F_KW=cfg.kw, W12F_STAGES=cfg.stages, W12F_CPS=cfg.cps, W12F_NT=nt,
                 W12F_FIXED=int(cfg.fixed), W12F_EVICT=int(cfg.evict), W12F_RB=cfg.rb, W12F_KC=cfg.kc,
                 W12F_Q8=int(q8), W12F_WG=int(cfg.wg), **_check_step(step))
-    merged = base | dict(defines or {})
+    merged = base | _env_defines() | dict(defines or {})
     if cfg.kc > 1 and not merged["W12F_RED"]:
         raise ValueError(f"w12.flow.spec: {cfg.tag()} (a K split across CTAs) builds only with the reduction, step "
                          f"'e'; got step {step!r}")
     target = jit.arch_name(arch, wgmma=cfg.wg)
     return jit.Spec(SOURCE, KERNEL, target, merged,
                     name=f"{SOURCE.stem}-{cfg.tag()}{'-q8' if q8 else ''}-nt{nt}-{step}-{target}")
+
+
+def _env_defines() -> dict:
+    """SPECPILOT_W12F_DEFINES="W12F_NAME=value,...": defines added to every flow build of the process, for an A/B of
+    a kernel feature inside a whole program (the engine's step); a call's `defines` still win."""
+    env = os.environ.get("SPECPILOT_W12F_DEFINES", "").strip()
+    out = {}
+    for item in filter(None, (p.strip() for p in env.split(","))):
+        name, sep, value = item.partition("=")
+        if not sep or not name.startswith("W12F_") or not value.strip().lstrip("-").isdigit():
+            raise ValueError(f"SPECPILOT_W12F_DEFINES: expected W12F_NAME=integer items separated by commas, got "
+                             f"{item!r}")
+        out[name.strip()] = int(value)
+    return out
 
 
 def build(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
