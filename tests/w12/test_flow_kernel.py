@@ -730,3 +730,18 @@ def test_chunk_rows_from_the_environment(monkeypatch):
         monkeypatch.setenv("SPECPILOT_W12_CHUNK_ROWS", bad)
         with pytest.raises(ValueError, match="SPECPILOT_W12_CHUNK_ROWS"):
             ops._chunk_rows()
+
+
+def test_env_defines_reach_every_flow_build(monkeypatch):
+    """SPECPILOT_W12F_DEFINES adds W12F_* defines to every flow build (an A/B inside a whole program); a call's own
+    defines win; anything but W12F_NAME=integer items is refused with the expected form."""
+    monkeypatch.setenv("SPECPILOT_W12F_DEFINES", " W12F_STAGES=5, W12F_WG_STM=1 ")
+    d = dict(flow.spec(FlowConfig(), 1, (9, 0)).defines)
+    assert d["W12F_STAGES"] == "5" and d["W12F_WG_STM"] == "1"
+    assert dict(flow.spec(FlowConfig(), 1, (9, 0), defines={"W12F_STAGES": 3}).defines)["W12F_STAGES"] == "3"
+    for bad in ("STAGES=5", "W12F_STAGES", "W12F_STAGES=x"):
+        monkeypatch.setenv("SPECPILOT_W12F_DEFINES", bad)
+        with pytest.raises(ValueError, match="W12F_NAME=integer"):
+            flow.spec(FlowConfig(), 1, (9, 0))
+    monkeypatch.delenv("SPECPILOT_W12F_DEFINES")
+    assert dict(flow.spec(FlowConfig(), 1, (9, 0)).defines)["W12F_STAGES"] == str(FlowConfig().stages)

@@ -142,11 +142,6 @@
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
 #endif
-#ifndef W12F_L2PF
-#define W12F_L2PF 0  // sm_90: units past the ring's first STAGES - 1 that each warp asks L2 to prefetch (bulk
-                     // prefetch, one per unit and row block) before griddepcontrol.wait, so that the weight stream
-                     // runs while a PDL launch waits on the kernel before it
-#endif
 
 namespace {
 
@@ -477,18 +472,6 @@ w12_matmul_flow_kernel(
     cp_commit();
     wst += SLOT;
   }
-#if W12F_L2PF > 0 && __CUDA_ARCH__ >= 900
-  // and W12F_L2PF more units into L2 (lane j: unit c0 + STAGES - 1 + j of each row block; the 8-bit view's hi bytes
-  // only): the cp.async requests of the main loop then find them there
-  if (lane < W12F_L2PF && c0 + STAGES - 1 + lane < c1) {
-    const long long c = c0 + STAGES - 1 + lane;
-#pragma unroll
-    for (int i = 0; i < RB; ++i)
-      if (R[i] > 0)
-        asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(blk[i] + c * TS[i]),
-                     "r"(Q8 ? 64 * R[i] : TS[i]) : "memory");
-  }
-#endif
   grid_dep_wait();
 
   // The warpgroup build's x: thread t (of 128) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros past
