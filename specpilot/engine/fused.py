@@ -15,7 +15,7 @@ BF16 op's result), so they compute the same values up to the order of the fp32 s
 | `engine_sigmoid_mul_kernel` | `attn_gate` | (row, column block) |
 
 `FusedGlue` has the signatures of the torch functions; the engine uses it on CUDA by default
-(`Engine.from_model(fused_glue=None)`). The GDN conv input needs no copy: the forward pass writes the in-projection
+(`Engine.from_pretrained(fused_glue=None)`). The GDN conv input needs no copy: the forward pass writes the in-projection
 into the step's stash and convolves a view of it.
 """
 
