@@ -326,7 +326,9 @@ def _load_json(path, fn: str, what: str) -> dict:
 
 def engine_measured(engine: str | Path | dict, weights: str, step: str) -> dict:
     """The engine benchmark's measured `step` ("ar" or "verify") of format `weights`: the step time and the
-    profiled time per group of `ENGINE_GROUPS` (categories it does not know go to "unmapped").
+    profiled time per group of `ENGINE_GROUPS` (categories it does not know go to "unmapped"): each moment of the
+    timeline charged once (the breakdown's `exclusive_ms`) where the JSON has it, so that kernels launched early
+    (programmatic dependent launch) do not count their wait twice; else the profiler's durations (`ms`).
     Returns {"step_ms", "groups": {label: ms}, "profiled_ms", "outside_ms", "kernels"}."""
     res = engine if isinstance(engine, dict) else _load_json(engine, "engine_measured",
                                                             "an engine JSON of `python -m specpilot.bench.engine`")
@@ -342,7 +344,7 @@ def engine_measured(engine: str | Path | dict, weights: str, step: str) -> dict:
     if not b or "ms" not in b:
         raise _err("engine_measured", f"the {weights} {step} step has no kernel breakdown",
                    "run the engine benchmark with the profiler (its default)")
-    cats = dict(b["ms"])
+    cats = dict(b.get("exclusive_ms") or b["ms"])
     groups = {}
     for label, _, names in ENGINE_GROUPS:
         groups[label] = sum(cats.pop(n, 0.0) for n in names)

@@ -133,6 +133,11 @@ def test_measured_groups_factors_and_prediction():
     assert mv["outside_ms"] == pytest.approx(3.5 - 2.9) and mv["kernels"] == 12.0
     copies = ceiling.engine_measured(_engine({**ar, "memcpy / memset": 0.03}, ver, 2.0, 3.5), "bf16", "ar")
     assert copies["groups"]["glue"] == pytest.approx(0.53) and copies["unmapped"] == []  # a graph's copy nodes: glue
+    # a PDL run: the breakdown's exclusive_ms (each moment charged once) wins over the profiler's durations
+    pdl = _engine(ar, ver, 2.0, 3.5)
+    pdl["formats"]["bf16"]["ar_breakdown"]["exclusive_ms"] = {**ar, "cuBLAS GEMM": 0.8}
+    assert ceiling.engine_measured(pdl, "bf16", "ar")["groups"]["linears"] == pytest.approx(0.8)
+    assert ceiling.engine_measured(pdl, "bf16", "verify")["groups"]["linears"] == pytest.approx(1.5)
 
     cv = ceiling.step_costs(SMALL, 4, prefix=100, weights="bf16", gpu=GPU)
     ca = ceiling.step_costs(SMALL, 1, prefix=100, weights="bf16", gpu=GPU)

@@ -1,7 +1,7 @@
 """The engine benchmark's idle-time accounting (`specpilot.bench.engine.idle_gaps`) on made-up kernel records: the
 gap before a kernel is charged to its category, overlaps give none, spaces between calls are left out."""
 
-from specpilot.bench.engine import idle_gaps, markdown
+from specpilot.bench.engine import exclusive_time, idle_gaps, markdown
 
 
 def test_gaps_are_charged_to_the_kernel_that_follows():
@@ -52,3 +52,14 @@ def test_a_copy_record_is_device_time_not_idle():
     assert got["ms"] == {"memcpy / memset": 0.5e-3, "gdn verify": 0.5e-3}
     assert list(got["top_pairs"]) == ["gdn_tree_conv_kernel -> Memcpy DtoD",
                                       "Memcpy DtoD -> gdn_tree_cuda_kernel"]
+
+
+def test_exclusive_time_charges_each_moment_once():
+    # a flow kernel launched early (programmatic dependent launch) that waits from 8 to 10 on the norm before it:
+    # the profiler's durations give 13 µs of w12 for a 15 µs call; each moment charged once gives the norm its
+    # 10 µs and the GEMM the 5 µs after it; a kernel inside another's span adds nothing; gaps count for no one
+    recs = [("triton_rmsnorm", 0.0, 10.0), ("w12_flow_kernel", 8.0, 15.0), ("lmhead_screen", 11.0, 14.0),
+            ("gdn_tree_conv_kernel", 17.0, 20.0)]
+    got = exclusive_time(recs + [(n, a + 1000.0, b + 1000.0) for n, a, b in recs], reps=2)
+    assert got == {"other (norms, gates, copies)": 10e-3, "w12 GEMM": 5e-3, "gdn verify": 3e-3}
+    assert list(got) == ["other (norms, gates, copies)", "w12 GEMM", "gdn verify"]
