@@ -458,17 +458,25 @@ class HybridModel:
 
     def _gdn(self, i: int, L: dict, x: torch.Tensor, s: Step, q8: bool) -> torch.Tensor:
         c, k, T, st = self.cfg, self.kernels, s.total, self.stash
-        kd, vd = c.k_heads * c.k_dim, c.v_heads * c.v_dim
+        vd = c.v_heads * c.v_dim
         proj = L["in_proj"](x, k, q8, out=st["proj"][i, :T])
         z = self.glue.gdn_gates(proj, L["neg_a"], L["dt_bias"], [c.conv_dim, vd, c.v_heads, c.v_heads],
                                 st["g"][i, :T], st["beta"][i, :T])
         conv = gdn.tree_conv1d(proj[:, :c.conv_dim], self.conv_state[i], L["conv"], s.tree, activation="silu",
                                conv_state_indices=s.rows, variant=k.conv, out=st["conv"][i, :T])
-        o = gdn.tree_verify(conv[:, :kd].unflatten(-1, (c.k_heads, c.k_dim)),
-                            conv[:, kd:2 * kd].unflatten(-1, (c.k_heads, c.k_dim)),
-                            conv[:, 2 * kd:].unflatten(-1, (c.v_heads, c.v_dim)), st["g"][i, :T], st["beta"][i, :T],
-                            self.state[i], s.rows, s.tree, use_qk_l2norm=True, variant=k.gdn)
+        q, kk, v = self._qkv(conv)
+        o = gdn.tree_verify(q, kk, v, st["g"][i, :T], st["beta"][i, :T], self.state[i], s.rows, s.tree,
+                            use_qk_l2norm=True, variant=k.gdn)
         return L["out_proj"](self.glue.gated_rms_norm(o, z, L["norm"], c.eps), k, q8)
+
+    def _qkv(self, conv: torch.Tensor):
+        """q [..., H, K], k [..., H, K], v [..., HV, V]: views of a GDN conv output [..., q | k | v] (one layer's
+        [T, D] or the stash's [L, T, D])."""
+        c = self.cfg
+        kd = c.k_heads * c.k_dim
+        heads = (c.k_heads, c.k_dim)
+        return (conv[..., :kd].unflatten(-1, heads), conv[..., kd:2 * kd].unflatten(-1, heads),
+                conv[..., 2 * kd:].unflatten(-1, (c.v_heads, c.v_dim)))
 
     def _attn(self, i: int, L: dict, x: torch.Tensor, s: Step, cos, sin, q8: bool) -> torch.Tensor:
         c, k, T = self.cfg, self.kernels, s.total
@@ -483,12 +491,10 @@ class HybridModel:
         """Advance request b's caches by the nodes accepted[b, :accepted_len[b]] (local indices, a root path,
         root first) of the last forward pass. Device work only: no host sync."""
         T, st = s.total, self.stash
-        c, kd = self.cfg, self.cfg.k_heads * self.cfg.k_dim
-        conv = st["conv"][:, :T]
-        gdn.commit(self.state, self.conv_state, s.rows, s.tree, accepted, accepted_len,
-                   conv[..., kd:2 * kd].unflatten(-1, (c.k_heads, c.k_dim)),
-                   conv[..., 2 * kd:].unflatten(-1, (c.v_heads, c.v_dim)), st["g"][:, :T], st["beta"][:, :T],
-                   st["proj"][:, :T, :c.conv_dim], use_qk_l2norm=True, validate=False, variant=self.kernels.commit)
+        _, k, v = self._qkv(st["conv"][:, :T])
+        gdn.commit(self.state, self.conv_state, s.rows, s.tree, accepted, accepted_len, k, v, st["g"][:, :T],
+                   st["beta"][:, :T], st["proj"][:, :T, :self.cfg.conv_dim], use_qk_l2norm=True, validate=False,
+                   variant=self.kernels.commit)
         M = accepted.shape[1]
         m = torch.arange(M, device=self.device)
         valid = m[None, :] < accepted_len[:, None].to(m.dtype)
