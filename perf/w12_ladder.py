@@ -41,6 +41,15 @@ and with `-depth1` and `-stm` (w12.flow.WG_VARIANTS: each unit's wgmma waited fo
 stmatrix; each checked against fp64 and bit for bit against the shipped build); with --ablate also `-nosync` (no proxy fence and no barrier per unit) and
 `-noxcopy` (x staged for the first unit only), for timing only (w12.flow.WG_ABLATIONS, wrong results).
 
+`--trace` times where a flow kernel's time goes instead of the ladder (docs/w12-kernels.md, "Where a launch's time
+goes"): the W12F_TRACE build of each layer's config (`w12.configs.flow_config`, step e) stamps every CTA's entry, the
+end of its programmatic-dependent-launch wait, warp 0's first tile, the last main loop's end and the last exit
+(%globaltimer). Each layer runs alone (cold L2, after a sync) and in a chain of the layers in the order of a decoder
+layer, twice over distinct weight copies, with programmatic dependent launch, as one CUDA graph (the engine's
+order: in_proj, o_proj standing for out_proj, gate_up, down_proj). Per launch: the span from the first entry to the
+last exit, the copy-rate time of its bytes, the overlap with the launch before, the median entry-to-first-tile,
+loop and epilogue, and the tail (last exit less the median exit). Files: $OUT/w12-trace.json and $OUT/w12-trace.md.
+
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
 skips the rows left once the run has taken that long. Files: $OUT/w12-ladder.json and $OUT/w12-ladder.md when $OUT
@@ -407,6 +416,222 @@ def _flow_check(cfg, step: str, x, p, t, w, cols, what: str, q8: bool = False) -
     return "fp64 ok, = exact base" if cfg.fixed else "fp64 ok, repeats"
 
 
+TRACE_ORDER = ("in_proj", "o_proj", "gate_up", "down_proj")  # a decoder layer's order (o_proj for out_proj's shape)
+
+
+def trace_summary(st, nbytes: float, prev_end: float | None = None) -> dict:
+    """One launch's phases from its W12F_TRACE stamps `st` (int64 [CTAs, 8], ns; w12.flow.launch_tiled(trace=)),
+    in µs: `span` first entry to last exit, `stream` the bytes at the copy rate, `overlap` with the launch before
+    (`prev_end`: its last exit, ns; positive when this one started first), the CTAs' median `first_tile` (entry to
+    warp 0's first tile), `loop` (first tile to the last main loop's end), `epilogue` (that to the last exit), the
+    median of the PDL `wait` (entry to its end), `entry_skew` (the latest entry among the first wave, less the
+    first entry) and `tail` (last exit less the median exit)."""
+    import statistics
+
+    st = [list(map(int, r)) for r in st]
+    rows = [r for r in st if r[0] > 0 and r[5] > 0]
+    if not rows:
+        raise ValueError("trace_summary: no CTA stamped its entry and exit")
+    t0 = min(r[0] for r in rows)
+    end = max(r[5] for r in rows)
+    us = 1e-3
+    med = lambda xs: statistics.median(xs) * us if xs else None  # noqa: E731
+    waves = sorted(r[0] for r in rows)
+    first_exit = min(r[5] for r in rows)
+    first_wave = [e for e in waves if e < first_exit]
+    out = {
+        "ctas": len(rows),
+        "span": (end - t0) * us,
+        "stream": nbytes / (COPY_TBS * 1e12) * 1e6,
+        "entry_skew": ((first_wave[-1] if first_wave else t0) - t0) * us,
+        "wait": med([r[2] - r[0] for r in rows if r[2] > 0]),
+        "first_tile": med([r[3] - r[0] for r in rows if r[3] > 0]),
+        "loop": med([r[4] - r[3] for r in rows if r[3] > 0 and r[4] > 0]),
+        "epilogue": med([r[5] - r[4] for r in rows if r[4] > 0]),
+        "tail": (end - statistics.median(r[5] for r in rows)) * us,
+        "sms": len({r[1] for r in rows}),
+        "start_ns": t0,
+        "end_ns": end,
+    }
+    out["overlap"] = None if prev_end is None else (prev_end - t0) * us
+    out["rate_tbs"] = nbytes / (out["span"] * 1e-6) / 1e12
+    return out
+
+
+def format_trace(rows: list[dict]) -> str:
+    cols = ("span", "stream", "overlap", "entry_skew", "wait", "first_tile", "loop", "epilogue", "tail")
+    lines = ["| variant | run | layer | M | config | CTAs | " + " | ".join(f"{c} µs" for c in cols) +
+             " | TB/s over the span | graph replay µs |", "|" + "---|" * (8 + len(cols))]
+    for r in rows:
+        vals = [("–" if r.get(c) is None else f"{r[c]:.2f}") for c in cols]
+        lines.append(f"| {r.get('variant', 'base')} | {r['run']} | {r['layer']} | {r['M']} | {r['config']} | "
+                     f"{r['ctas']:.0f} | " + " | ".join(vals) + f" | {r['rate_tbs']:.2f} | " +
+                     (f"{r['graph_us']:.1f}" if r.get("graph_us") else "–") + " |")
+    return "\n".join(lines)
+
+
+def parse_variant(text: str) -> tuple[str, dict, object, dict]:
+    """--variant LABEL=ITEM,ITEM: ITEM is W12F_NAME:integer (a define added to every trace build), cap:N (dynamic
+    shared memory sized so that at most N CTAs fit an SM), cap:auto (per launch, ceil(CTAs / SMs) where that is one
+    wave), or LAYER:TAG (that layer at FlowConfig TAG, e.g. gate_up:w4-k1-s3-c4); LABEL alone is the shipped build.
+    Returns (label, defines, cap, {layer: FlowConfig})."""
+    from w12.configs import FlowConfig
+
+    label, _, spec = text.partition("=")
+    defines, cap, force = {}, None, {}
+    for item in filter(None, (p.strip() for p in spec.split(","))):
+        name, sep, value = item.partition(":")
+        value = value.strip()
+        if sep and name.startswith("W12F_") and value.isdigit():
+            defines[name] = int(value)
+        elif sep and name == "cap" and (value.isdigit() or value == "auto"):
+            cap = value if value == "auto" else int(value)
+        elif sep and name in LAYERS:
+            force[name] = FlowConfig.from_tag(value)
+        else:
+            raise ValueError(f"--variant {text!r}: items are W12F_NAME:integer, cap:N, cap:auto or LAYER:TAG, got "
+                             f"{item!r}")
+    return label.strip() or "base", defines, cap, force
+
+
+def _build_defines(b, arch: tuple[int, int]) -> None:
+    from w12 import flow
+
+    cfg, nt, defines = b
+    flow.build(cfg, nt, arch, defines=dict(defines))
+
+
+def trace_run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]] | None = None):
+    """The --trace run (module doc): one dict per launch, alone and in the chain, at each M of args.m and for each
+    --variant; and the raw stamps of the chain's last replay per variant and M ({"<variant>/M<m>/<i>": int64
+    [CTAs, 8] relative to the chain's first entry})."""
+    import numpy as np
+
+    import w12
+    from specpilot.bench.timing import time_cuda
+    from w12 import flow, layout
+    from w12.configs import flow_config
+
+    dev = torch.device("cuda") if dev is None else dev
+    layers = layer_shapes([n for n in TRACE_ORDER if n in args.layers]) if layers is None else layers
+    variants = [parse_variant(v) for v in (args.variant or ["base"])]
+    g = torch.Generator(device=dev).manual_seed(_SEED)
+    copies = 2
+    dense = {name: [(torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(torch.bfloat16) for _ in range(copies)]
+             for name, (n, k) in layers.items()}
+    tiles = {name: [layout.tile(w12.pack(w)) for w in ws] for name, ws in dense.items()}
+    flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
+    smem_sm = torch.cuda.get_device_properties(dev).shared_memory_per_multiprocessor if dev.type == "cuda" else 0
+    out_rows: list[dict] = []
+    raw: dict[str, np.ndarray] = {}
+    if dev.type == "cuda":  # every build of the run, in parallel processes first (NVRTC holds the GIL)
+        arch = torch.cuda.get_device_capability(dev)
+        todo = {(cfg, flow.n_tiles(m), tuple(sorted((vd | ({"W12F_TRACE": 1} if tr else {}))
+                                                                         .items())))
+                for _, vd, _, fc in variants for m in args.m for name, (n, k) in layers.items()
+                for cfg in [fc.get(name, flow_config(m, n, k, dev))] for tr in (False, True)}
+        t0 = time.perf_counter()
+        import multiprocessing as mp
+        from concurrent.futures import ProcessPoolExecutor
+
+        with ProcessPoolExecutor(max_workers=args.workers, mp_context=mp.get_context("spawn")) as ex:
+            list(ex.map(_build_defines, sorted(todo, key=repr), [arch] * len(todo)))
+        print(f"built {len(todo)} trace specialisations in {time.perf_counter() - t0:.1f} s", flush=True)
+    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else args.sms
+    for vlabel, vdefs, cap, force in variants:
+        for m in args.m:
+            cfgs = {name: force.get(name, flow_config(m, n, k, dev)) for name, (n, k) in layers.items()}
+            xs = {name: torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for name, (n, k) in layers.items()}
+            outs = {name: torch.empty(m, n, device=dev, dtype=torch.bfloat16) for name, (n, k) in layers.items()}
+            chain = [(name, c) for c in range(copies) for name in layers]
+            bufs = [torch.zeros(8 * flow.grid(cfgs[name], layers[name][0]), dtype=torch.int64, device=dev)
+                    for name, _ in chain]
+            # cap: shared memory per CTA such that cap + 1 CTAs (with the per-CTA reserve) do not fit an SM
+            def smem_for(name: str) -> int | None:
+                n_ctas = flow.grid(cfgs[name], layers[name][0])
+                per = cap if cap != "auto" else -(-n_ctas // sms)
+                if per is None or (cap == "auto" and per > cfgs[name].cps + 1):
+                    return None
+                return smem_sm // per - 2048
+
+            smems = {name: smem_for(name) for name in layers}
+
+            def launch(i: int, pdl: bool, traced: bool = True) -> None:
+                name, c = chain[i]
+                flow.launch_tiled(cfgs[name], xs[name], tiles[name][c], None, outs[name], pdl=pdl, smem=smems[name],
+                                  defines=vdefs or None, trace=bufs[i] if traced else None)
+
+            # build and load; check each build's product against fp64 and the traced build's against the plain one
+            for i, (name, c) in enumerate(chain):
+                launch(i, False, traced=False)
+                plain = outs[name].clone()
+                launch(i, False)
+                _sync("trace warm-up", dev)
+                if not torch.equal(plain.view(torch.int16), outs[name].view(torch.int16)):
+                    raise AssertionError(f"{vlabel}: {name} M={m}: the traced build's product differs from the plain "
+                                         "build's")
+                n, k = layers[name]
+                cols = torch.arange(0, n, max(1, n // _CHECK_COLS), device=dev)[:_CHECK_COLS]
+                _check(plain, xs[name], dense[name][c], cols,
+                       f"{vlabel}: {name} M={m} {cfgs[name].tag()}")
+            tag = (f"{vlabel} ({', '.join(f'{k}={v}' for k, v in vdefs.items())}{'' if cap is None else f' cap {cap}'}"
+                   f"{''.join(f' {k}:{c.tag()}' for k, c in force.items())})")
+            for i, (name, c) in enumerate(chain[: len(layers)]):  # each launch alone: cold L2, nothing in flight
+                flush.fill_(1)
+                bufs[i].zero_()
+                _sync("trace flush", dev)
+                launch(i, False)
+                _sync(f"trace {name}", dev)
+                out_rows.append({"variant": vlabel, "run": "alone", "layer": name, "M": m, "config": cfgs[name].tag(),
+                                 **trace_summary(bufs[i].view(-1, 8).tolist(), float(tiles[name][c].nbytes))})
+            # the chain as one CUDA graph with programmatic dependent launch; the traced build, and the plain one
+            # timed (CUDA events over replays)
+            graphs = {}
+            stream = torch.cuda.Stream(dev)
+            for traced in (True, False):
+                with torch.cuda.stream(stream):
+                    graph = torch.cuda.CUDAGraph()
+                    with torch.cuda.graph(graph, stream=stream):
+                        for i in range(len(chain)):
+                            launch(i, True, traced)
+                graphs[traced] = graph
+            per = []
+            for rep in range(args.trace_reps):
+                for b in bufs:
+                    b.zero_()
+                flush.fill_(2)
+                _sync("trace chain zero", dev)
+                graphs[True].replay()
+                _sync("trace chain", dev)
+                prev, reps = None, []
+                for i, (name, c) in enumerate(chain):
+                    summ = trace_summary(bufs[i].view(-1, 8).tolist(), float(tiles[name][c].nbytes), prev)
+                    prev = summ["end_ns"]
+                    reps.append(summ)
+                per.append(reps)
+            t0 = min(int(b.view(-1, 8)[:, 0][b.view(-1, 8)[:, 0] > 0].min()) for b in bufs)
+            for i, b in enumerate(bufs):
+                a = b.view(-1, 8).cpu().numpy().copy()
+                a[:, [0, 2, 3, 4, 5]] = np.where(a[:, [0, 2, 3, 4, 5]] > 0, a[:, [0, 2, 3, 4, 5]] - t0, -1)
+                raw[f"{vlabel}/M{m}/{i}-{chain[i][0]}"] = a[:, :6]
+            keys = [k for k in per[0][0] if isinstance(per[0][0][k], (int, float)) and not k.endswith("_ns")]
+            for i, (name, c) in enumerate(chain):
+                med = {k: (None if per[0][i][k] is None else
+                           float(np.median([r[i][k] for r in per if r[i][k] is not None]))) for k in keys}
+                out_rows.append({"variant": vlabel, "run": "chain", "layer": name, "M": m, "config": cfgs[name].tag(),
+                                 **med})
+            chain_us = float(np.median([(r[-1]["end_ns"] - r[0]["start_ns"]) * 1e-3 for r in per]))
+            tm = time_cuda([graphs[False].replay], reps=args.reps, graph=False)
+            stream_us = sum(r["stream"] for r in out_rows[-len(chain):])
+            out_rows.append({"variant": vlabel, "run": "chain total", "layer": "+".join(layers), "M": m,
+                             "config": tag, "ctas": 0, "span": chain_us, "stream": stream_us,
+                             "graph_us": tm.median * 1e6, "rate_tbs": 0.0})
+            print(f"  {tag} M={m}: chain {chain_us:.1f} µs traced, {tm.median * 1e6:.1f} µs a replay of the plain "
+                  f"build, for {len(chain)} launches with {stream_us:.1f} µs of bytes at {COPY_TBS} TB/s", flush=True)
+            del graphs
+    return out_rows, raw
+
+
 def write_outputs(rows: list[Row], meta: dict) -> None:
     table = format_table(rows)
     print("\n" + table, flush=True)
@@ -452,6 +677,12 @@ def parse(argv=None):
     ap.add_argument("--workers", type=int, default=8, help="parallel NVRTC builds")
     ap.add_argument("--q8", action="store_true",
                     help="the 8-bit view (w12.matmul_q8) instead of the full format: step e of every config")
+    ap.add_argument("--trace", action="store_true",
+                    help="instead of the ladder: where each launch's time goes, alone and in a chain (module doc)")
+    ap.add_argument("--variant", action="append", metavar="LABEL=ITEMS",
+                    help="--trace: a build to trace, e.g. early=W12F_EARLY:1 or cap4=cap:4 (repeatable; default the "
+                         "shipped build)")
+    ap.add_argument("--trace-reps", type=int, default=5, help="--trace: traced chain replays (medians)")
     ap.add_argument("--wg-probe", action="store_true",
                     help="instead of the ladder: the warpgroup build's shapes with one and two wgmma groups in flight "
                          "(with --ablate also without the fence and barrier, and without the x stores)")
@@ -476,6 +707,19 @@ def main(argv=None) -> int:
     from autotune.config import versions
 
     t0 = time.perf_counter()
+    if args.trace:
+        trows, raw = trace_run(args)
+        table = format_trace(trows)
+        print("\n" + table, flush=True)
+        if os.environ.get("OUT"):
+            import numpy as np
+
+            meta = {"gpu": torch.cuda.get_device_name(), **versions(), "copy_tbs": COPY_TBS,
+                    "wall_s": round(time.perf_counter() - t0, 1), "args": {**vars(args), "configs": []}}
+            Path(os.environ["OUT"], "w12-trace.md").write_text(table + "\n")
+            Path(os.environ["OUT"], "w12-trace.json").write_text(json.dumps({"meta": meta, "rows": trows}, indent=1))
+            np.savez_compressed(Path(os.environ["OUT"], "w12-trace-stamps.npz"), **raw)
+        return 0
     rows: list[Row] = []
     try:
         rows = run(args)

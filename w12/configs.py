@@ -366,6 +366,11 @@ def gemv_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = F
     return GemvConfig(block_n=bn, block_t=bt, block_k=bk, split_k=split, num_warps=4, num_stages=2)
 
 
+# CTAs of the 4-warp mma.sync build resident per SM at M <= 8 on sm_90: its 84-90 registers a thread leave room for
+# 5 of them in 64K registers (flow_heuristic's one-wave rule)
+FLOW_ONE_WAVE_CTAS = 5
+
+
 def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int | None = None, stages: int | None = None,
                    cps: int | None = None, clusters: bool | None = None, wgmma: bool | None = None,
                    q8: bool = False) -> FlowConfig:
@@ -400,6 +405,14 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     ring was faster there for both formats (out_proj at M = 1 15.1 µs against 16.1, the 8-bit view 11.4 against
     11.8; in_proj, qkv_proj, down_proj 1-3%; the LM head level) and slower in gate_up's 8-warp CTAs (70.5 against
     68.5 µs); docs/w12-kernels.md, "Ring depth at M <= 8".
+
+    One wave of whole rows at M <= 8 (full format): where 4-warp CTAs of 4 row blocks, each warp one row block over
+    the whole K (`kw = 1`), number between 4 and FLOW_ONE_WAVE_CTAS per SM, they run as one wave of 16-20 warps per SM
+    with no reduction, and the layer streams with one ramp and one tail instead of one per CTA of a multi-wave grid
+    (gate_up: 544 CTAs on 132 SMs, against 2176 8-warp CTAs in 8 waves). In the engine's W12 AR step on the H200
+    (hybrid-27b, 64 gate_up launches) that took the step from 11.91-11.92 to 11.72 ms, interleaved in one device
+    call; in a chain of the four linears of a decoder layer alone gate_up took 73.7 against 74.5 µs (docs/w12-kernels.md,
+    "Where a launch's time goes").
 
     `q8`: the 8-bit view's build, which takes the mma.sync shapes only and, for M <= 8, the 4-warp CTAs alone: its
     kernel is bound by the decode more than by bytes, and on the H200 gate_up at M = 8 took 51.1 µs in 4-warp CTAs
@@ -437,6 +450,10 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
             return FlowConfig(warps=4, kw=4, stages=3 if stages is None else stages, cps=4, kc=2)
         kc = 3 if M <= 16 and units >= 6 and not q8 else 2
         return FlowConfig(warps=2, kw=2, stages=deep, cps=4, kc=kc)
+    if M <= 8 and not q8 and warps is None and cps is None and \
+            4 * sms <= -(-blocks // 4) <= FLOW_ONE_WAVE_CTAS * sms:
+        # one row block per warp over the whole K, in one wave of 4-warp CTAs (module doc above)
+        return FlowConfig(warps=4, kw=1, stages=3 if stages is None else stages, cps=4)
     return FlowConfig(warps=w, kw=kw, stages=(3 if M <= 8 and w == 4 else 4) if stages is None else stages, cps=c)
 
 

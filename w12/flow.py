@@ -217,7 +217,8 @@ def _x_operand(x2d: torch.Tensor, Kp: int) -> tuple[torch.Tensor, int]:
 
 def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Tensor | None, out: torch.Tensor, *,
                  step: str = "e", defines: Mapping[str, object] | None = None, smem: int | None = None,
-                 q8: bool = False, pdl: bool | None = None, pdl_rows: int = PDL_MAX_M) -> None:
+                 q8: bool = False, pdl: bool | None = None, pdl_rows: int = PDL_MAX_M,
+                 trace: torch.Tensor | None = None) -> None:
     """out[M, N] = x2d @ W^T (+ bias) from the runtime layout `t`, on torch's current stream (CUDA-graph capturable
     once the kernel is loaded). `step`: a ladder build (module doc; "a" and "b" leave `out` unwritten).
     `defines` add to the build's defines; `smem`: dynamic shared memory per CTA, at least what the config needs;
@@ -227,7 +228,10 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     `w12.cuda.pdl_enabled` allows it (sm_90; the flow kernel's default is on), M <= `pdl_rows` (default PDL_MAX_M),
     and `t`'s tensors
     are unchanged since its last launch (their version counters): a layout's first launch, and the first after an
-    in-place write to it, wait for the previous kernel to end."""
+    in-place write to it, wait for the previous kernel to end.
+    `trace`: a diagnostic build (W12F_TRACE, csrc/w12_flow.cu) that writes 8 int64 per CTA into this zeroed
+    int64 tensor of at least 8 `grid(cfg, N)` elements: %globaltimer stamps (ns) at entry, after the PDL wait, when
+    warp 0's first tile landed, the last main loop's end and the last exit (0, 2, 3, 4, 5), and the SM id (1)."""
     M, K = x2d.shape
     if x2d.dtype != torch.bfloat16 or not 0 < M <= MAX_M or K != t.K or t.device != x2d.device:
         raise ValueError(f"w12.flow.launch_tiled: needs bf16 x [1..{MAX_M}, K={t.K}] on {t.device}, got "
@@ -238,10 +242,17 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
         raise ValueError(f"w12.flow.launch_tiled: out must be a contiguous bf16 [{M}, {t.N}] tensor, got "
                          f"{out.dtype} {tuple(out.shape)}")
     nt = n_tiles(M)
+    if trace is not None:
+        if trace.dtype != torch.int64 or trace.device != x2d.device or not trace.is_contiguous() or \
+                trace.numel() < 8 * grid(cfg, t.N):
+            raise ValueError(f"w12.flow.launch_tiled: trace must be a contiguous int64 tensor of at least "
+                             f"{8 * grid(cfg, t.N)} elements on {x2d.device}, got {trace.dtype} {tuple(trace.shape)} "
+                             f"on {trace.device}")
+        defines = dict(defines or {}) | {"W12F_TRACE": 1}
     idx = x2d.device.index if x2d.device.index is not None else torch.cuda.current_device()
     kernel, smem = _kernel(cfg, nt, step, idx, () if not defines else tuple(sorted(defines.items())), smem, q8)
     xk, ldx = _x_operand(x2d, padded_k(K))
-    sink = _SINKS.get(idx)
+    sink = trace if trace is not None else _SINKS.get(idx)
     if sink is None:
         sink = _SINKS[idx] = torch.zeros(32 * 16, device=x2d.device, dtype=torch.float32)
     stream = torch.cuda.current_stream(x2d.device).cuda_stream

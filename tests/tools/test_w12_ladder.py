@@ -49,14 +49,14 @@ def test_plan_covers_the_ladder_and_the_sweep(ladder):
                  if r[1].warps != base.warps and r[1].rb == 1 and r[1].kc == 1 and r[1].warps > 2}
         assert other == {(w, c, min(k, w)) for w, c in ((4, 4), (8, 2), (16, 1)) if w != base.warps
                          for k in (base.kw, 2 * base.kw)}
-        assert (base.warps, base.cps) == ((4, 4) if m <= 8 and name != "gate_up" else (8, 2))
+        assert (base.warps, base.cps) == ((4, 4) if m <= 8 else (8, 2))  # gate_up at M <= 8: one wave of whole rows
         split = {(r[1].warps, r[1].kw, r[1].cps, r[1].kc) for r in rows[6:] if r[1].kc > 1}  # sm_90: clusters
         assert split == {(4, 4, 4, 2), (4, 4, 4, 4), (8, 8, 2, 2), (4, 2, 4, 2), (2, 2, 4, 2), (2, 2, 8, 2),
                          (4, 4, 5, 2), (2, 2, 5, 2), (4, 4, 6, 2)}  # and one wave of the 640 CTAs at 5-6 per SM
         small = {(r[1].warps, r[1].kw, r[1].cps) for r in rows[6:] if r[1].warps == 2 and r[1].kc == 1}
         assert small == {(2, 2, 8)}  # 2-warp CTAs at 8 per SM without the cluster split, beside it
     kws = {(name, m): rows[0][1].kw for name, n, k, m, rows in cells}
-    assert kws == {("in_proj", 1): 2, ("gate_up", 1): 8, ("o_proj", 1): 4, ("in_proj", 32): 2, ("gate_up", 32): 8,
+    assert kws == {("in_proj", 1): 2, ("gate_up", 1): 1, ("o_proj", 1): 4, ("in_proj", 32): 2, ("gate_up", 32): 8,
                    ("o_proj", 32): 4}
     assert {cfg.fixed for cfg, nt, step in builds} == {True, False}  # the fixed-base rows and their exact twins
     assert {(cfg.kw, step) for cfg, nt, step in builds if step in "cd" and cfg.kw == 1} == {(1, "c"), (1, "d")}
@@ -188,3 +188,24 @@ def test_run_end_to_end_with_torch_stand_ins(ladder, monkeypatch):
     assert rows[2].check == rows[3].check == "fp64 ok, repeats"
     assert rows[2].nbytes == 16 * 200 + 2.0 * (200 + 16)  # the view's hi bytes, x and out
     assert {step for _, step in launched} == {"e"}
+
+
+def test_trace_summary(ladder):
+    """The --trace phases from made-up stamps of 3 CTAs (ns): entry, SM, wait end, first tile, loop end, exit."""
+    st = [[1000, 0, 1200, 2000, 9000, 9500, 0, 0],
+          [1100, 1, 1300, 2100, 9800, 10400, 0, 0],
+          [9600, 0, 9700, 10000, 12000, 13000, 0, 0]]  # a second-wave CTA, entered after the first exit
+    s = ladder.trace_summary(st, nbytes=4.28e6, prev_end=1500)
+    assert s["ctas"] == 3 and s["sms"] == 2
+    assert s["span"] == pytest.approx(12.0) and s["stream"] == pytest.approx(1.0)
+    assert s["overlap"] == pytest.approx(0.5)  # the launch before ended 0.5 µs after this one's first entry
+    assert s["entry_skew"] == pytest.approx(0.1)  # the first wave: the CTAs that entered before the first exit
+    assert s["wait"] == pytest.approx(0.2) and s["first_tile"] == pytest.approx(1.0)
+    assert s["loop"] == pytest.approx(7.0) and s["epilogue"] == pytest.approx(0.6)
+    assert s["tail"] == pytest.approx(2.6)  # last exit 13000 less the median exit 10400
+    assert s["rate_tbs"] == pytest.approx(4.28e6 / 12e-6 / 1e12)
+    row = {"run": "chain", "layer": "o_proj", "M": 1, "config": "flow-w4", **s}
+    table = ladder.format_trace([row])
+    assert "| chain | o_proj | 1 | flow-w4 | 3 | 12.00 | 1.00 | 0.50 |" in table
+    with pytest.raises(ValueError, match="no CTA"):
+        ladder.trace_summary([[0] * 8], nbytes=1.0)

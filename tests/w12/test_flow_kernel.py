@@ -382,6 +382,19 @@ def test_options_build(jit_cache):
         _check_build(flow.build(cfg, nt, arch), "e", arch, cfg)
 
 
+@pytest.mark.slow
+def test_trace_build_stamps_only_when_asked(jit_cache):
+    """W12F_TRACE (perf/w12_ladder.py --trace): the diagnostic build reads %globaltimer and %smid and stamps with
+    atomicMax; the shipped build has none of it, and both build without spills (the cluster split, whose ranks
+    other than 0 leave early, included)."""
+    arch = (9, 0)
+    for cfg in (FlowConfig(warps=4, kw=2, stages=3, cps=4), FlowConfig(warps=4, kw=4, stages=3, cps=4, kc=2)):
+        plain = _check_build(flow.build(cfg, 1, arch), "e", arch, cfg)
+        traced = _check_build(flow.build(cfg, 1, arch, defines={"W12F_TRACE": 1}), "e", arch, cfg)
+        assert "globaltimer" not in plain and "atom.global.max.u64" not in plain
+        assert "%globaltimer" in traced and "%smid" in traced and "atom.global.max.u64" in traced
+
+
 def test_config_and_launch_geometry():
     with pytest.raises(ValueError, match="kw in"):
         FlowConfig(warps=4, kw=8)
@@ -430,11 +443,17 @@ def test_heuristic_fills_the_machine(monkeypatch):
     cpu = torch.device("cpu")
     got = {name: flow_heuristic(1, n, k, cpu).kw for name, (n, k) in
            {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144), "down": (5120, 17408)}.items()}
-    assert got == {"in_proj": 2, "gate_up": 8, "o_proj": 4, "down": 4}
+    assert got == {"in_proj": 2, "gate_up": 1, "o_proj": 4, "down": 4}
     assert {(c.warps, c.cps) for c in (flow_heuristic(m, 5120, 6144, cpu) for m in (1, 8))} == {(4, 4)}
-    # gate_up: 2176 one-row-block CTAs take 9 waves of 8-warp CTAs (9 x 11 units) but 5 of 4-warp ones (5 x 21)
-    assert flow_heuristic(8, 34816, 5120, cpu) == FlowConfig(warps=8, kw=8, cps=2)
+    # gate_up: 2176 row blocks, one per warp over the whole K, are 544 4-warp CTAs: one wave at 5 CTAs per SM
+    # (4.1 a SM), where the wave model alone takes 2176 one-row-block CTAs of 8 warps in 9 waves (9 x 11 units)
+    assert flow_heuristic(8, 34816, 5120, cpu) == FlowConfig(warps=4, kw=1, stages=3, cps=4)
+    assert flow_heuristic(16, 34816, 5120, cpu) == FlowConfig(warps=8, kw=8, cps=2)  # M <= 8 only
+    assert flow_heuristic(1, 34816, 5120, cpu, q8=True).kw == 4  # the full format only
     assert flow_heuristic(1, 34816, 5120, cpu, warps=4) == FlowConfig(warps=4, kw=4, stages=3, cps=4)  # a fixed shape
+    # fewer than 4 such CTAs a SM (in_proj: 258) or more than one wave (the LM head: 3880) keep the wave model's pick
+    assert flow_heuristic(1, 16480, 5120, cpu).kw == 2 and flow_heuristic(1, 248320, 5120, cpu).kw == 2
+    assert flow_heuristic(1, 42240, 5120, cpu).kw == 1 and flow_heuristic(1, 42256, 5120, cpu).kw != 1  # 660 / 661
     # ring depth: 3 in the 4-warp CTAs at M <= 8, 4 elsewhere, or as given
     assert flow_heuristic(1, 16480, 5120, cpu).stages == 3 and flow_heuristic(16, 16480, 5120, cpu).stages == 4
     assert flow_heuristic(1, 16480, 5120, cpu, stages=6).stages == 6

@@ -70,6 +70,9 @@
 //   W12F_RED  (e) the K-split reduction across the KW warps of a row block (0: warp ks = 0 stores its own share,
 //                 which is the whole product only for KW = 1)
 // Steps without W12F_EPI write nothing but a never-taken store to `sink`, which keeps the work alive.
+// W12F_TRACE = 1 (diagnostic, perf/w12_ladder.py --trace): `sink` is 8 u64 per CTA, zeroed before the launch, that
+// thread 0 and the warps fill: 0 entry, 1 the SM id, 2 after griddepcontrol.wait, 3 warp 0's first tile landed,
+// 4 the last warp's main loop done (atomicMax), 5 the last warp's exit (atomicMax); %globaltimer nanoseconds.
 // One ablation exists for timing only (perf/w12_ladder.py --ablate), with wrong results:
 //   W12F_XSTEP=0  every unit reads the first unit's x (x always in L1), to price the x traffic
 
@@ -141,6 +144,9 @@
 #endif
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
+#endif
+#ifndef W12F_TRACE
+#define W12F_TRACE 0  // diagnostic (w12.flow.launch_tiled(trace=)): per-CTA %globaltimer stamps into `sink`
 #endif
 
 namespace {
@@ -391,6 +397,24 @@ w12_matmul_flow_kernel(
   constexpr int SLOT = RB * TILE;                  // one ring slot: the unit's tile of each row block
   const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
   const uint64_t pol = evict_first_policy();
+  unsigned long long* const trace = reinterpret_cast<unsigned long long*>(sink);
+  // W12F_TRACE: stamp k by thread 0, or (last) the latest of every warp's lane 0
+  auto stamp = [&](int k) {
+    if constexpr (W12F_TRACE != 0) {
+      if (threadIdx.x == 0) cta_stamp(trace, k);
+    }
+  };
+  auto stamp_last = [&](int k) {
+    if constexpr (W12F_TRACE != 0) {
+      if (lane == 0) {
+        unsigned long long t;
+        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
+        atomicMax(trace + 8 * blockIdx.x + k, t);
+      }
+    }
+  };
+  stamp(0);
+  stamp(1);
 
   // The refill cursor: the lane's source of the next tiles to request (three 16-byte pieces per row block: hi rows
   // g, g + 8, then lo rows lane / 2; absent rows of a partial block read nothing and are zero-filled) and its slot.
@@ -473,6 +497,7 @@ w12_matmul_flow_kernel(
     wst += SLOT;
   }
   grid_dep_wait();
+  stamp(2);
 
   // The warpgroup build's x: thread t (of 128) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros past
   // M), columns 4 NTP q .. 4 NTP q + 4 NTP - 1 of each unit, q = t % TPT (NTP = NT rounded up to a power of two,
@@ -647,6 +672,7 @@ w12_matmul_flow_kernel(
       if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
     }
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+    if (c == c0) stamp(3);
     if constexpr (W12F_WG_FENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by wgmma
     if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
       asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");
@@ -678,6 +704,7 @@ w12_matmul_flow_kernel(
   for (int c = c0; c < c1; ++c) {
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
     __syncwarp();
+    if (c == c0) stamp(3);
     Frag f[RB];
 #pragma unroll
     for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
@@ -707,6 +734,7 @@ w12_matmul_flow_kernel(
 #endif
   // the next kernel's CTAs may launch (programmatic dependent launch) once every CTA's main loop is done; at the
   // kernel's start instead, the 64-layer decode step on the H200 took 9,935 µs against 9,816 (docs/w12-kernels.md)
+  stamp_last(4);
   grid_dep_launch();
 
   if constexpr (!EPI) {
@@ -715,7 +743,8 @@ w12_matmul_flow_kernel(
     for (int i = 0; i < RB; ++i)
 #pragma unroll
       for (int j = 0; j < NT; ++j) s += acc[i][j][0] + acc[i][j][1] + acc[i][j][2] + acc[i][j][3];
-    if (__float_as_uint(s) == 0x7FBADA55u) sink[threadIdx.x] = s;
+    if (W12F_TRACE == 0 && __float_as_uint(s) == 0x7FBADA55u) sink[threadIdx.x] = s;
+    stamp_last(5);
     return;
   } else {
     if constexpr (GUARD) {
@@ -804,7 +833,10 @@ w12_matmul_flow_kernel(
                            "f"(acc[i][j][u]) : "memory");
       }
       asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-      if (kc > 0) return;
+      if (kc > 0) {
+        stamp_last(5);
+        return;
+      }
       if (ks == 0) {
         const float* cr = reinterpret_cast<const float*>(smem + CRED_OFF);
 #pragma unroll
@@ -817,7 +849,10 @@ w12_matmul_flow_kernel(
               for (int u = 0; u < 4; ++u) acc[i][j][u] += cr[((((r * RW + rw) * RB + i) * NT + j) * 4 + u) * 32 + lane];
       }
     }
-    if (ks != 0 || !active) return;
+    if (ks != 0 || !active) {
+      stamp_last(5);
+      return;
+    }
     if constexpr (ESC_STASH) {
 #pragma unroll
       for (int i = 0; i < RB; ++i)
@@ -838,5 +873,6 @@ w12_matmul_flow_kernel(
                               (uint32_t)e0r[i][h], ep[i][h][0], ep[i][h][1], ec[i][h], ev[i][h], ecol, eval, x, ldx,
                               bias, bias_kind, out, M, N, p);
       }
+    stamp_last(5);
   }
 }
