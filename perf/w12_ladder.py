@@ -614,7 +614,7 @@ def trace_run(args, dev: torch.device | None = None, layers: dict[str, tuple[int
                 a = b.view(-1, 8).cpu().numpy().copy()
                 a[:, [0, 2, 3, 4, 5]] = np.where(a[:, [0, 2, 3, 4, 5]] > 0, a[:, [0, 2, 3, 4, 5]] - t0, -1)
                 raw[f"{vlabel}/M{m}/{i}-{chain[i][0]}"] = a[:, :6]
-            keys = [k for k in per[0][0] if isinstance(per[0][0][k], (int, float)) and not k.endswith("_ns")]
+            keys = [k for k in per[0][-1] if isinstance(per[0][-1][k], (int, float)) and not k.endswith("_ns")]
             for i, (name, c) in enumerate(chain):
                 med = {k: (None if per[0][i][k] is None else
                            float(np.median([r[i][k] for r in per if r[i][k] is not None]))) for k in keys}

@@ -215,7 +215,7 @@ def breakdown(fn, reps: int = 5, top_kernels: int = 16) -> dict:
 
 def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positions: int = 16, topk: int = 4,
         reps: int = 30, peer_tokens: int = 8, formats=("bf16", "w12"), out=None, peer: bool = True,
-        profile: bool = True, fused_glue: bool = False, log=print) -> dict:
+        profile: bool = True, fused_glue: bool = False, fresh: bool = False, log=print) -> dict:
     from ..engine import Engine, HybridConfig, HybridModel, Kernels
     from ..engine.synthetic import SyntheticTensors, hf_config
 
@@ -226,11 +226,14 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hc.vocab, (prefix + 1,), generator=g).tolist()
     res = {"shapes": shapes, "prefix": prefix, "nodes": nodes, "positions": positions, "fused_glue": fused_glue,
+           "fresh": fresh,
            "gpu": torch.cuda.get_device_name(), **versions(), "formats": {}}
     model = None
     for fmt in formats:
         t0 = time.perf_counter()
-        if model is None or fmt == "bf16":
+        if model is None or fmt == "bf16" or fresh:
+            model = None  # `fresh`: the previous format's model freed first, each built as a user loads it
+            torch.cuda.empty_cache()
             model = HybridModel(hc, syn, device=dev, fmt=fmt, kernels=Kernels.choose(dev), max_len=prefix + 128,
                                 fused_glue=fused_glue)
         else:
@@ -356,12 +359,15 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="bf16,w12")
     ap.add_argument("--out", default=None)
     ap.add_argument("--fused-glue", action="store_true", help="the glue as fused Triton kernels (engine.fused)")
+    ap.add_argument("--fresh", action="store_true",
+                    help="build each format's model anew (the previous one freed) instead of converting the BF16 model "
+                         "to W12 in place")
     a = ap.parse_args(argv)
     if not torch.cuda.is_available():
         print("specpilot.bench.engine: needs a CUDA GPU")
         return 2
     run(a.shapes, a.prefix, a.nodes, reps=a.reps, peer=not a.no_peer, formats=tuple(a.formats.split(",")),
-        out=a.out, fused_glue=a.fused_glue)
+        out=a.out, fused_glue=a.fused_glue, fresh=a.fresh)
     return 0
 
 
