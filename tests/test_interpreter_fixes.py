@@ -100,3 +100,39 @@ def test_fp32_to_bf16_rounds_to_nearest_even(device):
     nan = torch.isnan(want)
     assert torch.equal(torch.isnan(got), nan)
     assert torch.equal(got[~nan].view(torch.int16), want[~nan].view(torch.int16))
+
+
+@triton.jit
+def _axpy(acc, x, a):
+    return acc + tl.math.exp(x * 0.0) * a * x  # tl.math and tensor ops inside a jit helper
+
+
+@triton.jit
+def _helper_loop_kernel(x_ptr, out_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    acc = tl.zeros([BLOCK], dtype=tl.float32)
+    for i in range(0, n):
+        acc = _axpy(acc, tl.load(x_ptr + i * BLOCK + offs), i + 1)
+    tl.store(out_ptr + offs, tl.sum(acc[None, :], axis=0))
+
+
+def test_helper_calls_in_a_loop_patch_the_language_once(device, monkeypatch):
+    """Speed-up 4: a jit helper called n times inside a kernel adds no `triton.language` patching after the
+    launch's own, and computes what it computes without the shortcut."""
+    x = torch.randn(6, 16, generator=torch.Generator().manual_seed(5)).to(device)
+    want = (x.double() * torch.arange(1, 7, dtype=torch.float64, device=device)[:, None]).sum(0)
+    patches = []
+    if not torch.cuda.is_available():
+        from triton.runtime import interpreter as interp
+
+        orig = interp._patch_builtin
+        monkeypatch.setattr(interp, "_patch_builtin", lambda *a: (patches.append(a[0]), orig(*a))[1])
+    per_launch = []
+    for n in (1, 6):
+        out = torch.empty(16, dtype=torch.float32, device=device)
+        before = len(patches)
+        _helper_loop_kernel[(1,)](x, out, n, BLOCK=16)
+        per_launch.append(len(patches) - before)
+        torch.testing.assert_close(out.double(), want if n == 6 else x[0].double(), rtol=1e-6, atol=1e-5)
+    if not torch.cuda.is_available():  # the launch's own patches only: as many for 6 helper calls as for 1
+        assert per_launch[0] > 0 and per_launch[0] == per_launch[1], per_launch
