@@ -9,6 +9,8 @@
   a launch sees its own stubs (autotune.clear_plans).
 * Under pytest-xdist a worker whose CUDA context a test lost (a sticky CUDA error) ends after that test, and
   xdist starts a fresh one for the rest (specpilot/fault_guard.py).
+* Under pytest-xdist each worker, and each process its tests start, runs cores / workers OpenMP, BLAS and numba
+  threads (one on a 2-core machine), unless the caller set the variables.
 * oneDNN (torch's CPU BF16 matmuls) is capped at AVX2 unless the caller set ONEDNN_MAX_CPU_ISA: with AMX or
   AVX512-BF16 it rounds BF16 products differently, and results committed from one x86 machine (the planted-fault
   check report) would not come out again on another.
@@ -18,12 +20,21 @@ import os
 from pathlib import Path
 
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
+# Under pytest-xdist each worker (and each process a test starts) gets its share of the cores for OpenMP, BLAS and
+# numba threads: `make test` runs one worker per core, and a worker's second thread then waits on a core the other
+# worker holds, at every parallel region (tests ran 1.6x slower than alone, with the CPU about half idle).
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    _share = str(max(1, (os.cpu_count() or 1) // max(1, int(os.environ.get("PYTEST_XDIST_WORKER_COUNT", "1")))))
+    for _var in ("OMP_NUM_THREADS", "OPENBLAS_NUM_THREADS", "MKL_NUM_THREADS", "NUMBA_NUM_THREADS"):
+        os.environ.setdefault(_var, _share)
 
 import pytest  # noqa: E402
 import torch  # noqa: E402
 
 if not torch.cuda.is_available():
     os.environ["TRITON_INTERPRET"] = "1"
+if os.environ.get("PYTEST_XDIST_WORKER"):
+    torch.set_num_threads(int(os.environ.get("OMP_NUM_THREADS") or _share))  # in case torch came in before this file
 
 from autotune import clear_plans, has_cuda, has_wgmma  # noqa: E402
 from specpilot.fault_guard import pytest_runtest_makereport, pytest_runtest_protocol  # noqa: E402,F401
