@@ -443,33 +443,41 @@ def test_kernel_builds_with_mma_and_no_local_memory(arch, cuda):
         assert f".target sm_{arch[0]}{arch[1]}\n" in ptx
 
 
+# (TmaConfig arguments, keyword arguments, nt): the CTA shapes the build test covers, one test case each (two
+# NVRTC builds apiece, so pytest-xdist spreads them over its workers)
+_TMA_BUILDS = [((2, 4, 6), {}, 1), ((1, 8, 8), dict(split=3), 4), ((4, 4, 4), {}, 2), ((2, 8, 4), {}, 4),
+               ((1, 1, 2), {}, 1), ((1, 16, 4), {}, 4), ((1, 8, 6), dict(ahead=True), 1),
+               ((2, 4, 4), dict(split=3, ahead=True), 4)]
+
+
 @pytest.mark.slow
-def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(cuda):
+@pytest.mark.parametrize("args,kw,nt", _TMA_BUILDS,
+                         ids=["-".join(map(str, a + tuple(f"{k}{v}" for k, v in kw.items()))) + f"-nt{nt}"
+                              for a, kw, nt in _TMA_BUILDS])
+def test_tma_kernel_builds_for_sm90_with_tma_mbarriers_mma_and_no_local_memory(args, kw, nt, cuda):
     """csrc/w12_tma.cu: TMA tensor copies of the planes, bulk copies of x, mbarrier waits, the
     consumers' proxy fence before each stage release, mma.sync and no local memory, for several
     shapes of the CTA; it refuses other generations."""
     from w12.configs import TmaConfig
 
-    for cfg, nt in [(TmaConfig(2, 4, 6), 1), (TmaConfig(1, 8, 8, split=3), 4), (TmaConfig(4, 4, 4), 2),
-                    (TmaConfig(2, 8, 4), 4), (TmaConfig(1, 1, 2), 1), (TmaConfig(1, 16, 4), 4),
-                    (TmaConfig(1, 8, 6, ahead=True), 1), (TmaConfig(2, 4, 4, split=3, ahead=True), 4)]:
-        tensor_copies = {}
-        for q8 in (False, True):
-            ptx = _ptx(cuda, cfg, nt, q8, (9, 0))
-            assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
-            assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
-            assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
-            assert "mbarrier.try_wait.parity" in ptx
-            # the consumers' reads are ordered before the next async-proxy refill of the stage
-            assert "fence.proxy.async.shared::cta" in ptx
-            assert ".local" not in ptx, f"{cfg} nt={nt} q8={q8}: a register array went to local memory"
-            # the tensor maps arrive as 128-byte, 128-aligned kernel parameters (CUtensorMap's layout)
-            assert ".param .align 128 .b8 w12_matmul_tma_kernel_param_0[128]" in ptx
-            tensor_copies[q8] = ptx.count("cp.async.bulk.tensor")
-        # hi and lo copies (the ring fill is unrolled): the 8-bit view copies half
-        assert tensor_copies[False] == 2 * tensor_copies[True] > 0, tensor_copies
+    cfg = TmaConfig(*args, **kw)
+    tensor_copies = {}
+    for q8 in (False, True):
+        ptx = _ptx(cuda, cfg, nt, q8, (9, 0))
+        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
+        assert "cp.async.bulk.tensor.2d.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+        assert "cp.async.bulk.shared::cluster.global.mbarrier::complete_tx::bytes" in ptx
+        assert "mbarrier.try_wait.parity" in ptx
+        # the consumers' reads are ordered before the next async-proxy refill of the stage
+        assert "fence.proxy.async.shared::cta" in ptx
+        assert ".local" not in ptx, f"{cfg} nt={nt} q8={q8}: a register array went to local memory"
+        # the tensor maps arrive as 128-byte, 128-aligned kernel parameters (CUtensorMap's layout)
+        assert ".param .align 128 .b8 w12_matmul_tma_kernel_param_0[128]" in ptx
+        tensor_copies[q8] = ptx.count("cp.async.bulk.tensor")
+    # hi and lo copies (the ring fill is unrolled): the 8-bit view copies half
+    assert tensor_copies[False] == 2 * tensor_copies[True] > 0, tensor_copies
 
-        assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
+    assert "griddepcontrol.wait" in ptx and "griddepcontrol.launch_dependents" in ptx
     with pytest.raises(ValueError, match="needs an sm_90 GPU"):
         cuda.build(TmaConfig(), 1, False, (8, 0), out="ptx")
 
@@ -504,18 +512,26 @@ def test_tma_xcp_path_builds_with_cp_async_and_barrier_arrivals(cuda):
 
 
 @pytest.mark.slow
-def test_tma_stream_k_path_builds_with_consumer_barrier_and_counters(cuda):
+@pytest.mark.parametrize("args,kw,nt,q8", [((1, 8, 6), dict(sk=2), 1, False), ((2, 4, 4), dict(sk=1, xcp=True), 4, True)],
+                         ids=["sk2", "xcp-sk1-q8"])
+def test_tma_stream_k_path_builds_with_consumer_barrier_and_counters(args, kw, nt, q8, cuda):
     """TmaConfig(sk=...): the consumers' named barrier (the producer is not in it), the per-row-block
-    arrival counter, the workspace's L2-only stores and loads; no local memory; the plain build has
-    no named barrier."""
+    arrival counter, the workspace's L2-only stores and loads; no local memory."""
     from w12.configs import TmaConfig
 
-    for cfg, nt, q8 in [(TmaConfig(1, 8, 6, sk=2), 1, False), (TmaConfig(2, 4, 4, sk=1, xcp=True), 4, True)]:
-        ptx = _ptx(cuda, cfg, nt, q8, (9, 0))
-        assert f"bar.sync 1, {32 * cfg.cw};" in ptx
-        assert "atom.global.add" in ptx and "st.global.cg.f32" in ptx and "ld.global.cg.f32" in ptx
-        assert "cp.async.bulk.tensor.2d" in ptx
-        assert ".local" not in ptx
+    cfg = TmaConfig(*args, **kw)
+    ptx = _ptx(cuda, cfg, nt, q8, (9, 0))
+    assert f"bar.sync 1, {32 * cfg.cw};" in ptx
+    assert "atom.global.add" in ptx and "st.global.cg.f32" in ptx and "ld.global.cg.f32" in ptx
+    assert "cp.async.bulk.tensor.2d" in ptx
+    assert ".local" not in ptx
+
+
+@pytest.mark.slow
+def test_tma_plain_build_has_no_named_barrier_and_sk_is_checked(cuda):
+    """The build without stream-K has no named barrier; sk's range, its exclusion of split and its tag."""
+    from w12.configs import TmaConfig
+
     plain = _ptx(cuda, TmaConfig(1, 8, 6), 1, False, (9, 0))
     assert "bar.sync 1," not in plain  # (its split-K path has the counter too)
     with pytest.raises(ValueError, match="sk in 0..4"):
