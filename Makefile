@@ -7,8 +7,11 @@ STAMP   := $(VENV)/.specpilot-installed
 TORCH_CPU ?= torch==2.13.0
 TRITON  ?= triton==3.6.0
 PYTEST_ARGS ?=
-# pytest-xdist workers: the suite is CPU-bound (the Triton interpreter); one per core of a 2-core CI machine
+# pytest-xdist workers: the suite is CPU-bound (the Triton interpreter); one per core of a 2-core CI machine.
+# worksteal: each worker starts on its own half of the tests and, when done, takes half of what the other has left,
+# so the run does not end with one worker idle behind the other's last long tests (NVRTC builds of 10-30 s).
 TEST_WORKERS ?= 2
+TEST_DIST    ?= worksteal
 
 .PHONY: demo test test-fast test-gpu test-gpu-full test-sglang gpu-check bench info clean
 
@@ -26,12 +29,12 @@ demo: $(STAMP)
 	$(VENV)/bin/specpilot demo
 
 test: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist $(TEST_DIST) $(PYTEST_ARGS)
 
 # The edit loop: every test not marked slow (CUDA builds, sm_90 codegen, CLI subprocesses, deep trees,
 # exhaustive sweeps run only in `make test`).
 test-fast: $(STAMP)
-	$(PY) -m pytest -n $(TEST_WORKERS) -m "not slow" -x -q $(PYTEST_ARGS)
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist $(TEST_DIST) -m "not slow" -x -q $(PYTEST_ARGS)
 
 # The SGLang integration's tests (tests_sglang/, docs/sglang.md) in a venv of their own: SGLang pins torch 2.14.1 and
 # transformers 5.19.0, and its srt imports torchvision unconditionally. SGLang is installed without its dependencies
