@@ -209,3 +209,18 @@ def test_trace_summary(ladder):
     assert "| chain | o_proj | 1 | flow-w4 | 3 | 12.00 | 1.00 | 0.50 |" in table
     with pytest.raises(ValueError, match="no CTA"):
         ladder.trace_summary([[0] * 8], nbytes=1.0)
+
+
+def test_trace_variants(ladder):
+    """--variant LABEL=ITEMS: defines, a CTA cap (a number or per launch), a layer's config; the label alone is the
+    shipped build; anything else is refused."""
+    from w12.configs import FlowConfig
+
+    assert ladder.parse_variant("base") == ("base", {}, None, {})
+    label, defines, cap, force = ladder.parse_variant("g=gate_up:w4-k1-s3-c4,cap:auto,W12F_X:1")
+    assert (label, defines, cap) == ("g", {"W12F_X": 1}, "auto")
+    assert force == {"gate_up": FlowConfig(warps=4, kw=1, stages=3, cps=4)}
+    assert ladder.parse_variant("c4=cap:4")[2] == 4
+    for bad in ("x=cap:many", "x=W12F_X:on", "x=lm_head:w4-k1-s3-c4", "x=stages:3"):
+        with pytest.raises(ValueError, match="items are"):
+            ladder.parse_variant(bad)
