@@ -213,6 +213,25 @@ def breakdown(fn, reps: int = 5, top_kernels: int = 16) -> dict:
             "idle": idle_gaps(spans, reps), "exclusive_ms": exclusive_time(spans, reps)}
 
 
+_SMI_FIELDS = ("clocks.sm", "clocks.mem", "temperature.gpu", "power.draw")
+
+
+def gpu_state(index: int = 0, run=None) -> dict | None:
+    """The GPU's SM and memory clocks (MHz), temperature (C) and power draw (W) from nvidia-smi, or None where it is
+    missing or fails: recorded around each format's timing, since a step timed after another format's can run at
+    other clocks. `run`: stands in for subprocess.run (tests)."""
+    import subprocess
+
+    run = run or subprocess.run
+    try:
+        out = run(["nvidia-smi", f"--id={index}", f"--query-gpu={','.join(_SMI_FIELDS)}", "--format=csv,noheader,nounits"],
+                  capture_output=True, text=True, timeout=10)
+        vals = [v.strip() for v in out.stdout.strip().splitlines()[0].split(",")]
+        return {k: float(v) for k, v in zip(("sm_mhz", "mem_mhz", "temp_c", "power_w"), vals)}
+    except (OSError, ValueError, IndexError, subprocess.SubprocessError):
+        return None
+
+
 def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positions: int = 16, topk: int = 4,
         reps: int = 30, peer_tokens: int = 8, formats=("bf16", "w12"), out=None, peer: bool = True,
         profile: bool = True, fused_glue: bool = False, fresh: bool = False, log=print) -> dict:
@@ -246,11 +265,14 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
         t0 = time.perf_counter()
         ar.load(len(ctx) - 1, ctx[-1], None)
         host_ar = time.perf_counter() - t0
+        idx = dev.index if dev.index is not None else torch.cuda.current_device()
+        state_before = gpu_state(idx)
         t_ar = time_cuda([ar.graph.replay], reps=reps, warmup=3, graph=False)
         t0 = time.perf_counter()
         ver.load(len(ctx) - 1, ctx[-1], tree)
         host_v = time.perf_counter() - t0
         t_v = time_cuda([ver.graph.replay], reps=reps, warmup=3, graph=False)
+        state_after = gpu_state(idx)
         wbytes, params = _model_bytes(model)
         kv, st = _state_bytes(model, prefix)
         floor_ar = autotune.byte_floor(2 * params, wbytes + kv + st, dev)  # physical: measured rates, no fraction
@@ -266,7 +288,8 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
                "ar_floor_ms": 1e3 * floor_ar, "verify_floor_ms": 1e3 * floor_v,
                "ar_paper_floor_ms": None if paper_ar is None else 1e3 * paper_ar,
                "verify_paper_floor_ms": None if paper_v is None else 1e3 * paper_v,
-               "host_load_ar_ms": 1e3 * host_ar, "host_load_verify_ms": 1e3 * host_v, "tree_nodes": tree.n + 1}
+               "host_load_ar_ms": 1e3 * host_ar, "host_load_verify_ms": 1e3 * host_v, "tree_nodes": tree.n + 1,
+               "gpu_state_before": state_before, "gpu_state_after": state_after}
         row["ar_over_floor"] = row["ar_ms"] / row["ar_floor_ms"]
         row["verify_over_ar"] = row["verify_ms"] / row["ar_ms"]
         row["implied"] = {str(tau): {"tokens_per_s": 1e3 * tau / row["verify_ms"],

@@ -63,3 +63,33 @@ def test_exclusive_time_charges_each_moment_once():
     got = exclusive_time(recs + [(n, a + 1000.0, b + 1000.0) for n, a, b in recs], reps=2)
     assert got == {"other (norms, gates, copies)": 10e-3, "w12 GEMM": 5e-3, "gdn verify": 3e-3}
     assert list(got) == ["other (norms, gates, copies)", "w12 GEMM", "gdn verify"]
+
+
+def test_gpu_state_parses_nvidia_smi_and_survives_its_absence():
+    import subprocess
+
+    from specpilot.bench.engine import gpu_state
+
+    class Out:
+        stdout = "1980, 3201, 41, 312.55\n"
+
+    seen = []
+
+    def fake(cmd, **kw):
+        seen.append(cmd)
+        return Out()
+
+    assert gpu_state(3, run=fake) == {"sm_mhz": 1980.0, "mem_mhz": 3201.0, "temp_c": 41.0, "power_w": 312.55}
+    assert seen[0][0] == "nvidia-smi" and "--id=3" in seen[0]
+
+    def missing(cmd, **kw):
+        raise FileNotFoundError("nvidia-smi")
+
+    def timeout(cmd, **kw):
+        raise subprocess.TimeoutExpired(cmd, 10)
+
+    class Odd:
+        stdout = "[N/A], 3201, 41, 300\n"
+
+    assert gpu_state(0, run=missing) is None and gpu_state(0, run=timeout) is None
+    assert gpu_state(0, run=lambda cmd, **kw: Odd()) is None
