@@ -203,9 +203,9 @@ def plan(layers: dict[str, tuple[int, int]], ms: list[int], sms: int, sweep: boo
 def _build_one(b, arch: tuple[int, int], q8: bool = False):
     from w12 import flow
 
-    cfg, nt, step = b
+    cfg, nt, step, *defines = b  # an optional 4th item: extra defines as sorted (name, value) pairs
     try:
-        res = flow.build(cfg, nt, arch, step=step, q8=q8).resources()
+        res = flow.build(cfg, nt, arch, step=step, q8=q8, defines=dict(defines[0]) if defines else None).resources()
         spill = res["spill_stores"] + res["spill_loads"]
         return b, f"{res['registers']}r" + (f" SPILL {spill}B" if spill else "")
     except Exception as e:  # reported per row; the run goes on
@@ -213,10 +213,10 @@ def _build_one(b, arch: tuple[int, int], q8: bool = False):
 
 
 def precompile(builds, arch: tuple[int, int], workers: int = 8, q8: bool = False) -> dict:
-    """NVRTC builds of every (cfg, nt, step) for `arch` (autotune.jit caches them on disk and locks per key), in
-    `workers` spawned processes (NVRTC holds the GIL); returns {(cfg, nt, step): "<registers>r" or the error}.
-    `q8`: the 8-bit view's builds."""
-    todo = sorted(builds, key=lambda b: (b[0].tag(), b[1], b[2]))
+    """NVRTC builds of every (cfg, nt, step) or (cfg, nt, step, defines) for `arch` (autotune.jit caches them on disk
+    and locks per key), in `workers` spawned processes (NVRTC holds the GIL); returns {build: "<registers>r" or the
+    error}. `q8`: the 8-bit view's builds."""
+    todo = sorted(builds, key=lambda b: (b[0].tag(), *b[1:]))
     if workers <= 1:
         return dict(_build_one(b, arch, q8) for b in todo)
     import multiprocessing as mp
@@ -494,17 +494,10 @@ def parse_variant(text: str) -> tuple[str, dict, object, dict]:
     return label.strip() or "base", defines, cap, force
 
 
-def _build_defines(b, arch: tuple[int, int]) -> None:
-    from w12 import flow
-
-    cfg, nt, defines = b
-    flow.build(cfg, nt, arch, defines=dict(defines))
-
-
-def trace_run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]] | None = None):
-    """The --trace run (module doc): one dict per launch, alone and in the chain, at each M of args.m and for each
-    --variant; and the raw stamps of the chain's last replay per variant and M ({"<variant>/M<m>/<i>": int64
-    [CTAs, 8] relative to the chain's first entry})."""
+def trace_run(args):
+    """The --trace run (module doc; a CUDA device): one dict per launch, alone and in the chain, at each M of args.m
+    and for each --variant; and the raw stamps of the chain's last replay per variant and M
+    ({"<variant>/M<m>/<i>": int64 [CTAs, 8] relative to the chain's first entry})."""
     import numpy as np
 
     import w12
@@ -512,8 +505,9 @@ def trace_run(args, dev: torch.device | None = None, layers: dict[str, tuple[int
     from w12 import flow, layout
     from w12.configs import flow_config
 
-    dev = torch.device("cuda") if dev is None else dev
-    layers = layer_shapes([n for n in TRACE_ORDER if n in args.layers]) if layers is None else layers
+    dev = torch.device("cuda")
+    props = torch.cuda.get_device_properties(dev)
+    layers = layer_shapes([n for n in TRACE_ORDER if n in args.layers])
     variants = [parse_variant(v) for v in (args.variant or ["base"])]
     g = torch.Generator(device=dev).manual_seed(_SEED)
     copies = 2
@@ -521,23 +515,16 @@ def trace_run(args, dev: torch.device | None = None, layers: dict[str, tuple[int
              for name, (n, k) in layers.items()}
     tiles = {name: [layout.tile(w12.pack(w)) for w in ws] for name, ws in dense.items()}
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
-    smem_sm = torch.cuda.get_device_properties(dev).shared_memory_per_multiprocessor if dev.type == "cuda" else 0
     out_rows: list[dict] = []
     raw: dict[str, np.ndarray] = {}
-    if dev.type == "cuda":  # every build of the run, in parallel processes first (NVRTC holds the GIL)
-        arch = torch.cuda.get_device_capability(dev)
-        todo = {(cfg, flow.n_tiles(m), tuple(sorted((vd | ({"W12F_TRACE": 1} if tr else {}))
-                                                                         .items())))
-                for _, vd, _, fc in variants for m in args.m for name, (n, k) in layers.items()
-                for cfg in [fc.get(name, flow_config(m, n, k, dev))] for tr in (False, True)}
-        t0 = time.perf_counter()
-        import multiprocessing as mp
-        from concurrent.futures import ProcessPoolExecutor
-
-        with ProcessPoolExecutor(max_workers=args.workers, mp_context=mp.get_context("spawn")) as ex:
-            list(ex.map(_build_defines, sorted(todo, key=repr), [arch] * len(todo)))
-        print(f"built {len(todo)} trace specialisations in {time.perf_counter() - t0:.1f} s", flush=True)
-    sms = torch.cuda.get_device_properties(dev).multi_processor_count if dev.type == "cuda" else args.sms
+    # every build of the run first, in parallel processes (a failure surfaces again at its launch)
+    todo = {(cfg, flow.n_tiles(m), "e", tuple(sorted((vd | ({"W12F_TRACE": 1} if tr else {})).items())))
+            for _, vd, _, fc in variants for m in args.m for name, (n, k) in layers.items()
+            for cfg in [fc.get(name, flow_config(m, n, k, dev))] for tr in (False, True)}
+    t0 = time.perf_counter()
+    precompile(todo, torch.cuda.get_device_capability(dev), workers=args.workers)
+    print(f"built {len(todo)} trace specialisations in {time.perf_counter() - t0:.1f} s", flush=True)
+    sms, smem_sm = props.multi_processor_count, props.shared_memory_per_multiprocessor
     for vlabel, vdefs, cap, force in variants:
         for m in args.m:
             cfgs = {name: force.get(name, flow_config(m, n, k, dev)) for name, (n, k) in layers.items()}
@@ -596,7 +583,7 @@ def trace_run(args, dev: torch.device | None = None, layers: dict[str, tuple[int
                             launch(i, True, traced)
                 graphs[traced] = graph
             per = []
-            for rep in range(args.trace_reps):
+            for _ in range(args.trace_reps):
                 for b in bufs:
                     b.zero_()
                 flush.fill_(2)
@@ -680,8 +667,8 @@ def parse(argv=None):
     ap.add_argument("--trace", action="store_true",
                     help="instead of the ladder: where each launch's time goes, alone and in a chain (module doc)")
     ap.add_argument("--variant", action="append", metavar="LABEL=ITEMS",
-                    help="--trace: a build to trace, e.g. early=W12F_EARLY:1 or cap4=cap:4 (repeatable; default the "
-                         "shipped build)")
+                    help="--trace: a build to trace, e.g. g41=gate_up:w4-k1-s3-c4 or cap4=cap:4 (repeatable; "
+                         "default the shipped build)")
     ap.add_argument("--trace-reps", type=int, default=5, help="--trace: traced chain replays (medians)")
     ap.add_argument("--wg-probe", action="store_true",
                     help="instead of the ladder: the warpgroup build's shapes with one and two wgmma groups in flight "

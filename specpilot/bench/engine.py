@@ -248,6 +248,7 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
            "fresh": fresh,
            "gpu": torch.cuda.get_device_name(), **versions(), "formats": {}}
     model = None
+    idx = dev.index if dev.index is not None else torch.cuda.current_device()
     for fmt in formats:
         t0 = time.perf_counter()
         if model is None or fmt == "bf16" or fresh:
@@ -265,7 +266,6 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
         t0 = time.perf_counter()
         ar.load(len(ctx) - 1, ctx[-1], None)
         host_ar = time.perf_counter() - t0
-        idx = dev.index if dev.index is not None else torch.cuda.current_device()
         state_before = gpu_state(idx)
         t_ar = time_cuda([ar.graph.replay], reps=reps, warmup=3, graph=False)
         t0 = time.perf_counter()
