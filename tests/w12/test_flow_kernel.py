@@ -395,26 +395,6 @@ def test_trace_build_stamps_only_when_asked(jit_cache):
         assert "%globaltimer" in traced and "%smid" in traced and "atom.global.max.u64" in traced
 
 
-@pytest.mark.slow
-def test_l2_prefetch_build_is_sm90_only(jit_cache):
-    """W12F_L2PF: one bulk L2 prefetch per row block before griddepcontrol.wait on sm_90 (the warpgroup build and the
-    8-bit view included), none in the default build, none below sm_90; no spills."""
-    pf = {"W12F_L2PF": 8}
-    for cfg, nt, q8 in [(FlowConfig(warps=4, kw=2, stages=3, cps=4), 1, False),
-                        (FlowConfig(warps=4, kw=4, stages=3, cps=4, kc=2), 1, True),
-                        (FlowConfig(warps=16, kw=4, cps=1, wg=True), 4, False)]:
-        builds = [flow.build(cfg, nt, (9, 0), defines=d, q8=q8) for d in ({}, pf)]
-        for b in builds:
-            res = b.resources()
-            assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, res
-        plain, ptx = (b.ptx.read_text() for b in builds)
-        assert "cp.async.bulk.prefetch.L2" not in plain
-        assert ptx.count("cp.async.bulk.prefetch.L2.global") == 1
-        assert ptx.index("cp.async.bulk.prefetch.L2") < ptx.index("griddepcontrol.wait")
-    old = _check_build(flow.build(FlowConfig(), 1, (8, 0), defines=pf), "e", (8, 0), FlowConfig())
-    assert "prefetch" not in old
-
-
 def test_config_and_launch_geometry():
     with pytest.raises(ValueError, match="kw in"):
         FlowConfig(warps=4, kw=8)

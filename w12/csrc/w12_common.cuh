@@ -232,14 +232,6 @@ __device__ __forceinline__ void grid_dep_wait() {
 #endif
 }
 
-// Asks L2 to fetch `bytes` (a multiple of 16) from the 16-byte aligned `src` (sm_90 bulk prefetch); no result, no
-// wait. Compiled out below sm_90.
-__device__ __forceinline__ void l2_prefetch_bulk(const void* src, uint32_t bytes) {
-#if __CUDA_ARCH__ >= 900
-  asm volatile("cp.async.bulk.prefetch.L2.global [%0], %1;" ::"l"(src), "r"(bytes) : "memory");
-#endif
-}
-
 __device__ __forceinline__ void grid_dep_launch() {
 #if __CUDA_ARCH__ >= 900
   asm volatile("griddepcontrol.launch_dependents;" ::: "memory");

@@ -145,9 +145,6 @@
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
 #endif
-#ifndef W12F_L2PF
-#define W12F_L2PF 0  // tiles past the ring's first ones that each warp asks L2 to prefetch before griddepcontrol.wait
-#endif
 #ifndef W12F_TRACE
 #define W12F_TRACE 0  // diagnostic (w12.flow.launch_tiled(trace=)): per-CTA %globaltimer stamps into `sink`
 #endif
@@ -499,19 +496,6 @@ w12_matmul_flow_kernel(
     cp_commit();
     wst += SLOT;
   }
-  // W12F_L2PF (sm_90): the next tiles of the warp's stream, one bulk prefetch into L2 per row block, so that a CTA
-  // which lands while the kernel before it still runs (programmatic dependent launch) keeps the copy engine busy
-  // during that wait; the loop's copies of those tiles then hit L2. Nothing is read into the CTA; no result changes.
-#if __CUDA_ARCH__ >= 900
-  if constexpr (W12F_L2PF > 0) {
-    const int pa = c0 + STAGES - 1, pb = min(c1, pa + W12F_L2PF);
-    if (lane == 0 && pb > pa) {
-#pragma unroll
-      for (int i = 0; i < RB; ++i)
-        if (TS[i] > 0) l2_prefetch_bulk(blk[i] + (long long)pa * TS[i], (uint32_t)((pb - pa) * TS[i]));
-    }
-  }
-#endif
   grid_dep_wait();
   stamp(2);
 
