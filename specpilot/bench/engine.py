@@ -232,12 +232,32 @@ def gpu_state(index: int = 0, run=None) -> dict | None:
         return None
 
 
+def interleaved_rounds(rounds: int, formats) -> list[list[str]]:
+    """The order the formats are timed in, round by round: as given in even rounds, reversed in odd ones, so that
+    drift in clocks or temperature reaches every format alike and none is always timed after another."""
+    if rounds < 1:
+        raise ValueError(f"rounds must be >= 1, got {rounds}")
+    return [list(formats) if r % 2 == 0 else list(reversed(formats)) for r in range(rounds)]
+
+
+def _pooled(timings):
+    """One Timing of the samples of `timings` (the rounds of one step)."""
+    from .timing import Timing
+
+    return Timing(tuple(x for t in timings for x in t.samples), timings[0].method, timings[0].calls)
+
+
 def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positions: int = 16, topk: int = 4,
         reps: int = 30, peer_tokens: int = 8, formats=("bf16", "w12"), out=None, peer: bool = True,
-        profile: bool = True, fused_glue: bool = False, fresh: bool = False, log=print) -> dict:
+        profile: bool = True, fused_glue: bool = False, fresh: bool = False, rounds: int = 1, log=print) -> dict:
+    """`rounds` > 1: every format's model built anew and kept (BF16 and W12 side by side in memory), then each
+    step timed in `rounds` rounds of `reps` replays, the formats' order alternating (`interleaved_rounds`); a
+    step's median is over the samples of all its rounds, and each round's medians are kept in the JSON."""
     from ..engine import Engine, HybridConfig, HybridModel, Kernels
     from ..engine.synthetic import SyntheticTensors, hf_config
 
+    order = interleaved_rounds(rounds, formats)
+    fresh = fresh or rounds > 1
     dev = torch.device("cuda")
     cfg = hf_config(shapes)
     syn = SyntheticTensors(cfg, dev)
@@ -245,15 +265,18 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hc.vocab, (prefix + 1,), generator=g).tolist()
     res = {"shapes": shapes, "prefix": prefix, "nodes": nodes, "positions": positions, "fused_glue": fused_glue,
-           "fresh": fresh,
+           "fresh": fresh, "rounds": rounds,
            "gpu": torch.cuda.get_device_name(), **versions(), "formats": {}}
-    model = None
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    for fmt in formats:
+    model = None
+
+    def build(fmt):
+        nonlocal model
         t0 = time.perf_counter()
         if model is None or fmt == "bf16" or fresh:
-            model = None  # `fresh`: the previous format's model freed first, each built as a user loads it
-            torch.cuda.empty_cache()
+            if rounds == 1:
+                model = None  # `fresh`: the previous format's model freed first, each built as a user loads it
+                torch.cuda.empty_cache()
             model = HybridModel(hc, syn, device=dev, fmt=fmt, kernels=Kernels.choose(dev), max_len=prefix + 128,
                                 fused_glue=fused_glue)
         else:
@@ -261,35 +284,47 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
         log(f"{fmt}: model ready in {time.perf_counter() - t0:.1f} s")
         eng = Engine(model, None, tree_nodes=nodes, positions=positions, topk=topk, graphs=True)
         ctx = eng._start(prompt)
-        ar, ver = eng._graphs[1], eng._graphs[nodes]
-        tree = _random_tree(hc.vocab, positions, topk, nodes, seed=2)
+        return {"model": model, "eng": eng, "ctx": ctx, "ar": eng._graphs[1], "ver": eng._graphs[nodes],
+                "tree": _random_tree(hc.vocab, positions, topk, nodes, seed=2), "t_ar": [], "t_v": [],
+                "state_before": None}
+
+    def time_steps(st):
+        ctx = st["ctx"]
         t0 = time.perf_counter()
-        ar.load(len(ctx) - 1, ctx[-1], None)
-        host_ar = time.perf_counter() - t0
-        state_before = gpu_state(idx)
-        t_ar = time_cuda([ar.graph.replay], reps=reps, warmup=3, graph=False)
+        st["ar"].load(len(ctx) - 1, ctx[-1], None)
+        st["host_ar"] = time.perf_counter() - t0
+        if st["state_before"] is None:
+            st["state_before"] = gpu_state(idx)
+        st["t_ar"].append(time_cuda([st["ar"].graph.replay], reps=reps, warmup=3, graph=False))
         t0 = time.perf_counter()
-        ver.load(len(ctx) - 1, ctx[-1], tree)
-        host_v = time.perf_counter() - t0
-        t_v = time_cuda([ver.graph.replay], reps=reps, warmup=3, graph=False)
-        state_after = gpu_state(idx)
-        wbytes, params = _model_bytes(model)
-        kv, st = _state_bytes(model, prefix)
-        floor_ar = autotune.byte_floor(2 * params, wbytes + kv + st, dev)  # physical: measured rates, no fraction
-        floor_v = autotune.byte_floor(2 * params * nodes, wbytes + kv + st, dev)
+        st["ver"].load(len(ctx) - 1, ctx[-1], st["tree"])
+        st["host_v"] = time.perf_counter() - t0
+        st["t_v"].append(time_cuda([st["ver"].graph.replay], reps=reps, warmup=3, graph=False))
+        st["state_after"] = gpu_state(idx)
+
+    def finish(fmt, st):
+        t_ar, t_v = _pooled(st["t_ar"]), _pooled(st["t_v"])
+        wbytes, params = _model_bytes(st["model"])
+        kv, stb = _state_bytes(st["model"], prefix)
+        floor_ar = autotune.byte_floor(2 * params, wbytes + kv + stb, dev)  # physical: measured rates, no fraction
+        floor_v = autotune.byte_floor(2 * params * nodes, wbytes + kv + stb, dev)
         try:  # the paper's floor (90% / 60% of the datasheet), beside the physical one; none without a datasheet
-            paper_ar = autotune.paper_floor(2 * params, wbytes + kv + st, dev)
-            paper_v = autotune.paper_floor(2 * params * nodes, wbytes + kv + st, dev)
+            paper_ar = autotune.paper_floor(2 * params, wbytes + kv + stb, dev)
+            paper_v = autotune.paper_floor(2 * params * nodes, wbytes + kv + stb, dev)
         except ValueError:
             paper_ar = paper_v = None
-        row = {"weight_bytes": wbytes, "kv_bytes": kv, "state_bytes": st, "params": params,
+        row = {"weight_bytes": wbytes, "kv_bytes": kv, "state_bytes": stb, "params": params,
                "ar_ms": 1e3 * t_ar.median, "ar_p10_ms": 1e3 * t_ar.p10, "ar_p90_ms": 1e3 * t_ar.p90,
                "verify_ms": 1e3 * t_v.median, "verify_p10_ms": 1e3 * t_v.p10, "verify_p90_ms": 1e3 * t_v.p90,
                "ar_floor_ms": 1e3 * floor_ar, "verify_floor_ms": 1e3 * floor_v,
                "ar_paper_floor_ms": None if paper_ar is None else 1e3 * paper_ar,
                "verify_paper_floor_ms": None if paper_v is None else 1e3 * paper_v,
-               "host_load_ar_ms": 1e3 * host_ar, "host_load_verify_ms": 1e3 * host_v, "tree_nodes": tree.n + 1,
-               "gpu_state_before": state_before, "gpu_state_after": state_after}
+               "host_load_ar_ms": 1e3 * st["host_ar"], "host_load_verify_ms": 1e3 * st["host_v"],
+               "tree_nodes": st["tree"].n + 1,
+               "gpu_state_before": st["state_before"], "gpu_state_after": st["state_after"]}
+        if rounds > 1:
+            row["ar_ms_by_round"] = [1e3 * t.median for t in st["t_ar"]]
+            row["verify_ms_by_round"] = [1e3 * t.median for t in st["t_v"]]
         row["ar_over_floor"] = row["ar_ms"] / row["ar_floor_ms"]
         row["verify_over_ar"] = row["verify_ms"] / row["ar_ms"]
         row["implied"] = {str(tau): {"tokens_per_s": 1e3 * tau / row["verify_ms"],
@@ -298,11 +333,26 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
         log(f"{fmt}: AR {row['ar_ms']:.2f} ms ({row['ar_over_floor']:.2f}x floor {row['ar_floor_ms']:.2f}), "
             f"verify {row['verify_ms']:.2f} ms ({row['verify_over_ar']:.3f}x AR)")
         if profile:
-            row["ar_breakdown"] = breakdown(ar.graph.replay)
-            row["verify_breakdown"] = breakdown(ver.graph.replay)
+            row["ar_breakdown"] = breakdown(st["ar"].graph.replay)
+            row["verify_breakdown"] = breakdown(st["ver"].graph.replay)
             log(f"{fmt}: AR by kernel {row['ar_breakdown']}")
             log(f"{fmt}: verify by kernel {row['verify_breakdown']}")
-        del eng, ar, ver
+
+    if rounds == 1:
+        for fmt in formats:
+            st = build(fmt)
+            time_steps(st)
+            finish(fmt, st)
+            del st
+    else:
+        states = {fmt: build(fmt) for fmt in formats}
+        for r, fmts in enumerate(order):
+            for fmt in fmts:
+                time_steps(states[fmt])
+            log(f"round {r}: " + ", ".join(f"{f} AR {1e3 * states[f]['t_ar'][-1].median:.2f} ms" for f in fmts))
+        for fmt in formats:
+            finish(fmt, states[fmt])
+        del states
     del model
     torch.cuda.empty_cache()
     if peer:
@@ -347,6 +397,12 @@ def markdown(res: dict) -> str:
                      f"{r['verify_ms']:.2f} | {r['verify_over_ar']:.3f}x | "
                      + " / ".join(f"{imp[t]['tokens_per_s']:.0f}" for t in ("4", "6", "8")) + " | "
                      + " / ".join(f"{imp[t]['speedup_vs_ar']:.2f}x" for t in ("4", "6", "8")) + " |")
+    if res.get("rounds", 1) > 1:
+        lines.append(f"\nEach step timed in {res['rounds']} rounds, the formats' order alternating, both models in "
+                     "memory; medians over all rounds' replays. By round (ms): " + "; ".join(
+                         f"{fmt} AR " + " / ".join(f"{v:.2f}" for v in r["ar_ms_by_round"]) + ", verify "
+                         + " / ".join(f"{v:.2f}" for v in r["verify_ms_by_round"]) for fmt, r in res["formats"].items())
+                     + ".")
     for fmt, r in res["formats"].items():
         for kind in ("ar", "verify"):
             b = r.get(f"{kind}_breakdown")
@@ -382,6 +438,9 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="bf16,w12")
     ap.add_argument("--out", default=None)
     ap.add_argument("--fused-glue", action="store_true", help="the glue as fused Triton kernels (engine.fused)")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="above 1: both formats' models kept side by side and each step timed in this many rounds, "
+                         "the formats' order alternating (drift reaches both alike); implies --fresh")
     ap.add_argument("--fresh", action="store_true",
                     help="build each format's model anew (the previous one freed) instead of converting the BF16 model "
                          "to W12 in place")
@@ -390,7 +449,7 @@ def main(argv=None) -> int:
         print("specpilot.bench.engine: needs a CUDA GPU")
         return 2
     run(a.shapes, a.prefix, a.nodes, reps=a.reps, peer=not a.no_peer, formats=tuple(a.formats.split(",")),
-        out=a.out, fused_glue=a.fused_glue, fresh=a.fresh)
+        out=a.out, fused_glue=a.fused_glue, fresh=a.fresh, rounds=a.rounds)
     return 0
 
 

@@ -1,6 +1,8 @@
 """The engine benchmark's idle-time accounting (`specpilot.bench.engine.idle_gaps`) on made-up kernel records: the
 gap before a kernel is charged to its category, overlaps give none, spaces between calls are left out."""
 
+import pytest
+
 from specpilot.bench.engine import exclusive_time, idle_gaps, markdown
 
 
@@ -93,3 +95,24 @@ def test_gpu_state_parses_nvidia_smi_and_survives_its_absence():
 
     assert gpu_state(0, run=missing) is None and gpu_state(0, run=timeout) is None
     assert gpu_state(0, run=lambda cmd, **kw: Odd()) is None
+
+
+def test_interleaved_rounds_alternate_the_order():
+    from specpilot.bench.engine import _pooled, interleaved_rounds
+    from specpilot.bench.timing import Timing
+
+    assert interleaved_rounds(1, ("bf16", "w12")) == [["bf16", "w12"]]
+    assert interleaved_rounds(4, ("bf16", "w12")) == [["bf16", "w12"], ["w12", "bf16"]] * 2
+    with pytest.raises(ValueError, match="rounds"):
+        interleaved_rounds(0, ("bf16",))
+    got = _pooled([Timing((1.0, 3.0), "cuda_events", 1), Timing((2.0,), "cuda_events", 1)])
+    assert got.samples == (1.0, 3.0, 2.0) and got.median == 2.0
+
+
+def test_markdown_prints_the_rounds():
+    row = {"ar_ms": 10.0, "ar_floor_ms": 8.0, "ar_over_floor": 1.25, "verify_ms": 12.0, "verify_over_ar": 1.2,
+           "implied": {t: {"tokens_per_s": 1.0, "speedup_vs_ar": 1.0} for t in ("4", "6", "8")},
+           "ar_ms_by_round": [10.0, 10.5], "verify_ms_by_round": [12.0, 12.25]}
+    md = markdown({"shapes": "s", "prefix": 1, "nodes": 32, "gpu": "g", "torch": "t", "cuda": "c", "rounds": 2,
+                   "formats": {"w12": row}})
+    assert "timed in 2 rounds" in md and "w12 AR 10.00 / 10.50, verify 12.00 / 12.25" in md
