@@ -151,6 +151,79 @@ def test_k_split_across_ctas_builds_for_sm90_only(nt, jit_cache):
         flow.spec(cfg, nt, (9, 0), step="d")
 
 
+# M, N, K, wg, slots, q8, what the split gives: runs of 2-3 units over row blocks of 4 units with a masked tail
+# (pieces of 2-3 runs), a warpgroup whose last row blocks are past the weight, one slot per row group (no pieces),
+# more slots than units (empty runs), one row group split 3 ways, the 8-bit view, a run over 3 row groups
+SK_CASES = [(1, 75, 200, False, 7, False), (32, 75, 300, True, 5, False), (16, 130, 256, True, 3, False),
+            (9, 40, 130, False, 50, False), (24, 64, 640, True, 3, False), (5, 33, 1000, False, 4, True),
+            (32, 300, 192, True, 7, False), (3, 100, 128, False, 3, False)]
+
+
+@pytest.mark.parametrize("M,N,K,wg,slots,q8", SK_CASES,
+                         ids=[f"M{c[0]}-N{c[1]}-K{c[2]}" + ("-g" if c[3] else "") + f"-s{c[4]}" + ("-q8" if c[5] else "")
+                              for c in SK_CASES])
+def test_stream_k_matches_reference_bitwise(M, N, K, wg, slots, q8):
+    """W12F_SK (each slot one equal run of the row groups' units end to end, pieces of a row block added in slot
+    order from the workspace by the warp that completes its count): the reference's BF16 bits on hostile rows with
+    a bias; where every slot holds whole row groups, the kw = 1 build's value bit for bit in the fp32 model."""
+    w = hostile_weight(N, K, seed=5 * N + K)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=K + 2 * M)
+    b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16)
+    want = (w12.matmul_q8_reference if q8 else w12.matmul_reference)(x, p, b)
+    got, stats = emulate(x, t, warps=4, kw=1, bias=b, fixed=False, wg=wg, q8=q8, sk=slots)
+    _assert_bf16_equal(got, want)
+    groups = flow.sk_groups(FlowConfig(warps=4, kw=1, wg=wg, sk=True), N)
+    units = groups * -(-K // 64)
+    if units % slots == 0 and (units // slots) % -(-K // 64) == 0:
+        assert "pieces" not in stats  # whole row groups only
+        one, _ = emulate(x, t, warps=4, kw=1, bias=b, fixed=False, wg=wg, q8=q8, fp32=True)
+        sk, _ = emulate(x, t, warps=4, kw=1, bias=b, fixed=False, wg=wg, q8=q8, fp32=True, sk=slots)
+        assert np.array_equal(one, sk, equal_nan=True)
+    elif slots < units:
+        assert stats["pieces"] >= 2
+    if (N, K, slots) == (64, 640, 3):
+        assert stats["pieces"] == 3
+    if (N, K, slots) == (100, 128, 3):
+        assert stats["segments"] == 3
+
+
+def test_stream_k_config_and_grid():
+    c = FlowConfig.from_tag("w4-k1-s4-c4-g-sk")
+    assert c.sk and c.wg and c.tag() == "flow-w4-k1-s4-c4-g-sk"
+    assert FlowConfig.from_tag("w8-k1-s3-c2-sk").tag() == "flow-w8-k1-s3-c2-sk"
+    for bad in (dict(kw=2), dict(kc=2), dict(rb=2), dict(fixed=True)):
+        with pytest.raises(ValueError, match="stream-K"):
+            FlowConfig(**{"warps": 4, "kw": 1, "sk": True} | bad)
+    # one wave of cps CTAs per SM; fewer where the weight has fewer units than slots
+    assert flow.grid(c, 5120, 6144, 132) == 528 and flow.grid(c, 75, 200, 132) == 8  # 2 row groups x 4 units, a warpgroup each
+    assert flow.grid(FlowConfig(warps=4, kw=1, cps=4, sk=True), 5120, 6144, 132) == 528
+    assert flow.grid(FlowConfig(warps=4, kw=1, cps=4, sk=True), 17, 64, 132) == 1
+    with pytest.raises(ValueError, match="stream-K"):
+        flow.grid(c, 5120)
+    with pytest.raises(ValueError, match="step 'e'"):
+        flow.spec(c, 4, (9, 0), step="d")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
+def test_stream_k_builds_without_spills(arch, jit_cache):
+    """The stream-K builds: the mma.sync one for sm_80 and sm_90, the warpgroup one for sm_90a, at 1-4 token tiles
+    in 4-warp CTAs at 4 per SM (128 registers): no local memory."""
+    for tag, nts in [("w4-k1-s3-c4-sk", (1, 2)), ("w4-k1-s4-c4-g-sk", (2, 4))]:
+        cfg = FlowConfig.from_tag(tag)
+        if cfg.wg and arch != (9, 0):
+            continue
+        for nt in nts:
+            b = flow.build(cfg, nt, arch)
+            res = b.resources()
+            assert res["spill_stores"] == 0 and res["spill_loads"] == 0 and res["stack"] == 0, (tag, nt, res)
+            ptx = b.ptx.read_text()
+            assert "atom.global.add.u32" in ptx or "atom.global.add.s32" in ptx, "the pieces' count"
+            assert "ld.global.cg.f32" in ptx and "membar.gl" in ptx or "fence.sc.gpu" in ptx or "fence.acq_rel.gpu" in ptx
+
+
 @pytest.mark.parametrize("M", [1, 8, 13, 32])
 def test_warpgroup_operand_is_the_fragment_order(M):
     """The warpgroup build's x slot (each thread's 4-byte stores), read through the no-swizzle K-major descriptor

@@ -145,6 +145,9 @@
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
 #endif
+#ifndef W12F_SK
+#define W12F_SK 0  // stream-K: every slot (warp, or warpgroup for W12F_WG) one equal run of the row groups' units
+#endif
 #ifndef W12F_TRACE
 #define W12F_TRACE 0  // diagnostic (w12.flow.launch_tiled(trace=)): per-CTA %globaltimer stamps into `sink`
 #endif
@@ -170,6 +173,8 @@ constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of o
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
 constexpr bool STM = WG && W12F_WG_STM != 0;
+constexpr bool SK = W12F_SK != 0;
+constexpr int SPW = SK && WG ? 4 : 1;  // warps per stream-K slot
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
@@ -189,6 +194,9 @@ static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight:
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
               "the warpgroup build: exact base, one row block per warp, x, and warpgroups of 4 warps per K piece");
+static_assert(!SK || (KW == 1 && KC == 1 && RB == 1 && !FIXED && EPI && ESC),
+              "stream-K: one warp (or warpgroup) per slot, no cluster split, one row block per warp, exact base, the "
+              "whole epilogue");
 #if W12F_KC > 1 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
 #error "W12F_KC > 1 needs thread-block clusters (sm_90)"
 #endif
@@ -364,7 +372,10 @@ w12_matmul_flow_kernel(
     const uint16_t* __restrict__ eval, const void* __restrict__ bias, int bias_kind,  // bias: 0 none, 1 bf16, 2 fp16, 3 fp32
     __nv_bfloat16* __restrict__ out,      // [M, N]
     int M, int N, int K,
-    float* __restrict__ sink) {           // [blockDim.x]: steps without the epilogue, a never-taken store
+    float* __restrict__ sink,             // [blockDim.x]: steps without the epilogue, a never-taken store
+    int* __restrict__ counters,           // stream-K: [row blocks], zero at the launch and left zero
+    float* __restrict__ ws,               // stream-K: [slots][2][SPW][NT][4][32] partial sums
+    int S, int ST) {                      // stream-K: slots with a run, min(slots, ST); units of all row groups
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_emin[WARPS], s_emax[WARPS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -377,10 +388,32 @@ w12_matmul_flow_kernel(
   const int TB = kr + ((kr + 1) >> 1);
   const long long SB = 1536LL * KF + 16LL * TB;
   const int cta = (int)blockIdx.x / KC, kc = (int)blockIdx.x - cta * KC;  // a cluster's CTAs: consecutive ids
-  const int rb0 = (cta * RW + rw) * RB;           // the first row block of this warp's row group
+  // Stream-K (W12F_SK): slot sid of S (a warp, or a warpgroup with WG) takes units [lo(sid), lo(sid + 1)),
+  // lo(s) = s T / S, of the T = G KU units of the G row groups (row blocks; 4 of them with WG) laid end to end, KU
+  // units each (the masked tail one of them). A run that covers a row group's units is finished at once; a piece of
+  // one goes to `ws`, and the warp that completes a row block's count adds its pieces in slot order and finishes it.
+  const int KU = KF + (kr > 0);
+  // S and ST come from the host (kernel parameters: read where used, no registers held): ST = G KU, and S = min(the
+  // launch's slots, ST), at most one slot per unit, so that every slot between a row group's first and last holds
+  // one of its pieces
+  const int sid = (int)blockIdx.x * (WARPS / SPW) + warp / SPW;
+  auto slot_lo = [&](int s2) { return (int)((long long)s2 * ST / S); };
+  auto slot_of = [&](int u) { return (int)((((long long)u + 1) * S - 1) / ST); };  // the slot whose run holds unit u
+  int L = SK && sid < S ? slot_lo(sid) : 0;
+  const int Lend = SK && sid < S ? slot_lo(sid + 1) : 0;
+  for (int seg = 0;; ++seg) {
+  int sgrp = 0, su0 = 0, su1 = 0;
+  bool slast = true;
+  if constexpr (SK) {
+    if (L >= Lend) break;
+    sgrp = L / KU, su0 = L - sgrp * KU;
+    su1 = min(KU, su0 + (Lend - L));
+    slast = L + (su1 - su0) == Lend;
+  }
+  const int rb0 = SK ? (WG ? 4 * sgrp + (warp & 3) : sgrp) : (cta * RW + rw) * RB;  // the warp's first row block
   const bool active = rb0 < NB;                    // a row group is active when its first block is
   // the loop's range follows the first row block of the warpgroup (WG: all 4 warps run every wgmma together)
-  const bool lactive = WG ? (cta * RW + (rw & ~3)) < NB : active;
+  const bool lactive = SK || (WG ? (cta * RW + (rw & ~3)) < NB : active);
   int R[RB], TS[RB];                               // rows of each row block (0 past the last), bytes per tile
   const uint8_t* blk[RB];
 #pragma unroll
@@ -391,8 +424,9 @@ w12_matmul_flow_kernel(
     blk[i] = tiles + (long long)min(rb, NB - 1) * SB;
   }
   const int q = kc * KW + ks;                      // the warp's piece of the row group's K, of KC x KW
-  const int c0 = lactive ? q * KF / (KC * KW) : 0, c1 = lactive ? (q + 1) * KF / (KC * KW) : 0;
-  const bool has_tail = lactive && q == KC * KW - 1 && kr > 0;
+  const int c0 = SK ? su0 : (lactive ? q * KF / (KC * KW) : 0);
+  const int c1 = SK ? min(su1, KF) : (lactive ? (q + 1) * KF / (KC * KW) : 0);
+  const bool has_tail = SK ? (su1 == KU && kr > 0) : (lactive && q == KC * KW - 1 && kr > 0);
   const int cend = c1 + (has_tail ? 1 : 0);        // units c0 .. cend - 1; unit KF is the masked tail
   constexpr int SLOT = RB * TILE;                  // one ring slot: the unit's tile of each row block
   const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
@@ -413,8 +447,10 @@ w12_matmul_flow_kernel(
       }
     }
   };
-  stamp(0);
-  stamp(1);
+  if (seg == 0) {
+    stamp(0);
+    stamp(1);
+  }
 
   // The refill cursor: the lane's source of the next tiles to request (three 16-byte pieces per row block: hi rows
   // g, g + 8, then lo rows lane / 2; absent rows of a partial block read nothing and are zero-filled) and its slot.
@@ -496,8 +532,10 @@ w12_matmul_flow_kernel(
     cp_commit();
     wst += SLOT;
   }
-  grid_dep_wait();
-  stamp(2);
+  if (seg == 0) {
+    grid_dep_wait();
+    stamp(2);
+  }
 
   // The warpgroup build's x: thread t (of 128) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros past
   // M), columns 4 NTP q .. 4 NTP q + 4 NTP - 1 of each unit, q = t % TPT (NTP = NT rounded up to a power of two,
@@ -734,8 +772,10 @@ w12_matmul_flow_kernel(
 #endif
   // the next kernel's CTAs may launch (programmatic dependent launch) once every CTA's main loop is done; at the
   // kernel's start instead, the 64-layer decode step on the H200 took 9,935 µs against 9,816 (docs/w12-kernels.md)
-  stamp_last(4);
-  grid_dep_launch();
+  if (slast) {
+    stamp_last(4);
+    grid_dep_launch();
+  }
 
   if constexpr (!EPI) {
     float s = 0.0f;
@@ -849,10 +889,48 @@ w12_matmul_flow_kernel(
               for (int u = 0; u < 4; ++u) acc[i][j][u] += cr[((((r * RW + rw) * RB + i) * NT + j) * 4 + u) * 32 + lane];
       }
     }
-    if (ks != 0 || !active) {
+    bool fin = ks == 0 && active;
+    if constexpr (SK) {
+      if (fin && !(su0 == 0 && su1 == KU)) {
+        // a piece of row block rb0: into ws (0: the run's first segment, 1: a later one), then the count; the warp
+        // that brings it to the number of pieces adds them all, in slot order, and resets the count
+        const int wis = warp % SPW;
+        const int gu = sgrp * KU;
+        const int sa = slot_of(gu), sb = slot_of(gu + KU - 1);
+        const int mine = seg > 0;  // the run's first segment starts at its slot's start
+        float* dst = ws + ((long long)(sid * 2 + mine) * SPW + wis) * (NT * 128);
+#pragma unroll
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int u = 0; u < 4; ++u) __stcg(dst + (j * 4 + u) * 32 + lane, acc[0][j][u]);
+        __threadfence();
+        __syncwarp();
+        int prev = 0;
+        if (lane == 0) prev = atomicAdd(counters + rb0, 1);
+        prev = __shfl_sync(0xFFFFFFFFu, prev, 0);
+        fin = prev == (int)(sb - sa);
+        if (fin) {
+          __threadfence();
+          for (int s2 = sa; s2 <= sb; ++s2) {
+            const int pi = s2 == sa && slot_lo(sa) != gu ? 1 : 0;
+            const float* src = ws + ((long long)(s2 * 2 + pi) * SPW + wis) * (NT * 128);
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+              for (int u = 0; u < 4; ++u) {
+                const float v = __ldcg(src + (j * 4 + u) * 32 + lane);
+                acc[0][j][u] = s2 == sa ? v : acc[0][j][u] + v;
+              }
+          }
+          if (lane == 0) counters[rb0] = 0;
+        }
+      }
+    }
+    if (!SK && !fin) {
       stamp_last(5);
       return;
     }
+    if (fin) {
     if constexpr (ESC_STASH) {
 #pragma unroll
       for (int i = 0; i < RB; ++i)
@@ -873,6 +951,10 @@ w12_matmul_flow_kernel(
                               (uint32_t)e0r[i][h], ep[i][h][0], ep[i][h][1], ec[i][h], ev[i][h], ecol, eval, x, ldx,
                               bias, bias_kind, out, M, N, p);
       }
-    stamp_last(5);
+    }
+    if (slast) stamp_last(5);
   }
+  if constexpr (!SK) break;
+  L += su1 - su0;
+  }  // the slot's segments
 }
