@@ -212,22 +212,24 @@ def _tiled(hi, lo, e0, rowptr, col, val, K: int) -> tuple[TiledW12, bool]:
 _KERNELS = jit.FunctionCache()
 _SINKS: dict[int, torch.Tensor] = {}
 _SK_BUFS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_SK_KEEP: list[tuple[torch.Tensor, torch.Tensor]] = []
 _TYPES = (jit.PTR, jit.I64, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.I32, jit.PTR, jit.I32, jit.I32,
           jit.I32, jit.PTR, jit.PTR, jit.PTR, jit.I32, jit.I32)
 
 
 def _sk_buffers(device: torch.device, stream: int, row_blocks: int, ws_floats: int) -> tuple[torch.Tensor, torch.Tensor]:
     """Stream-K's counters (int32 per row block, zero between launches: the launch that raises one to its number of
-    pieces resets it) and partial sums (fp32), one pair per device and stream (launches on one stream run one after
-    another, which is what lets them share it; a launch under programmatic dependent launch touches it only after
-    its griddepcontrol.wait). Grown as needed, never during a CUDA-graph capture."""
+    pieces resets it) and partial sums (fp32), one pair per device and stream: launches on one stream run one after
+    another, which is what lets them share it (a launch under programmatic dependent launch touches it only after
+    its griddepcontrol.wait). Grown as needed; under a CUDA-graph capture (its own stream) the pair comes from the
+    graph's memory pool and its zero fill is part of the graph. Two graphs captured on one stream and replayed at
+    once on two streams would share it: replay them on one stream."""
     idx = device.index if device.index is not None else torch.cuda.current_device()
     key = (idx, stream)
     have = _SK_BUFS.get(key)
     if have is None or have[0].numel() < row_blocks or have[1].numel() < ws_floats:
-        if torch.cuda.is_current_stream_capturing():
-            raise RuntimeError("w12.flow: stream-K's workspace must grow during a CUDA-graph capture; run the "
-                               "layer once outside the capture first (the engine's warm-up does)")
+        if have is not None and torch.cuda.is_current_stream_capturing():
+            _SK_KEEP.append(have)  # kernels captured before this one keep their pointers into it
         n_c = max(row_blocks, 0 if have is None else have[0].numel(), 4096)
         n_w = max(ws_floats, 0 if have is None else have[1].numel(), 1 << 20)
         have = _SK_BUFS[key] = (torch.zeros(n_c, device=device, dtype=torch.int32),
