@@ -401,15 +401,31 @@ w12_matmul_flow_kernel(
   auto slot_of = [&](int u) { return (int)((((long long)u + 1) * S - 1) / ST); };  // the slot whose run holds unit u
   int L = SK && sid < S ? slot_lo(sid) : 0;
   const int Lend = SK && sid < S ? slot_lo(sid + 1) : 0;
+  // Stream-K's producer: the next unit of the run to request, STAGES - 1 units ahead of the loop across the run's
+  // segments, so that the ring does not drain where a run moves on to the next row group. Unit pu of row block prb
+  // (pu = KF, the masked tail, is read from global memory: its ring slot stays empty); the slot cursors persist too.
+  // (the least state a unit needs, held through the loop: units left, the unit, the row block, the source)
+  int pleft = Lend - L, pu = 0, prb = 0;
+  auto prows = [&]() { return prb < NF ? 16 : (prb < NB ? nr : 0); };
+  const uint8_t* psrc = tiles;
+  if constexpr (SK) {
+    if (pleft > 0) {
+      const int grp = L / KU;
+      pu = L - grp * KU;
+      prb = WG ? 4 * grp + (warp & 3) : grp;
+      psrc = tiles + (long long)min(prb, NB - 1) * SB + (long long)pu * 96 * prows();
+    }
+  }
+  uint32_t sk_wst = 0, sk_rst = 0;  // the ring's request and read slots between segments
   for (int seg = 0;; ++seg) {
-  int sgrp = 0, su0 = 0, su1 = 0;
-  bool slast = true;
+  int sgrp = 0, su0 = 0, slen = 0;  // the segment: row group, first unit, units (after the loop: L and slen only)
   if constexpr (SK) {
     if (L >= Lend) break;
     sgrp = L / KU, su0 = L - sgrp * KU;
-    su1 = min(KU, su0 + (Lend - L));
-    slast = L + (su1 - su0) == Lend;
+    slen = min(KU - su0, Lend - L);
   }
+  const int su1 = su0 + slen;
+  auto slast = [&]() { return !SK || L + slen == Lend; };  // the run's last segment
   const int rb0 = SK ? (WG ? 4 * sgrp + (warp & 3) : sgrp) : (cta * RW + rw) * RB;  // the warp's first row block
   const bool active = rb0 < NB;                    // a row group is active when its first block is
   // the loop's range follows the first row block of the warpgroup (WG: all 4 warps run every wgmma together)
@@ -465,7 +481,7 @@ w12_matmul_flow_kernel(
     src[i] = blk[i] + (long long)c0 * TS[i];
   }
   const uint32_t ring_end = ring + STAGES * SLOT;
-  uint32_t wst = ring + 16 * lane;
+  uint32_t wst = SK && seg > 0 ? sk_wst : ring + 16 * lane;
   auto issue = [&]() {
 #pragma unroll
     for (int i = 0; i < RB; ++i) {
@@ -476,6 +492,30 @@ w12_matmul_flow_kernel(
     }
   };
   auto next_slot = [&](uint32_t a) { return a + SLOT >= ring_end ? a + SLOT - STAGES * SLOT : a + SLOT; };
+  auto sk_issue = [&]() {  // the producer's next unit into slot wst, if the run has one left
+    if (pleft == 0) return;
+    const int R0 = prows();  // absent rows of a partial block read nothing and are zero-filled
+    if (pu < KF) {
+      const bool a = g < R0, b = g + 8 < R0, c = (lane >> 1) < R0;
+      cp_async16(wst, psrc + (a ? 16 * lane : 0), a ? 16u : 0u, pol);
+      cp_async16(wst + 512, psrc + (b ? 512 + 16 * lane : 0), b ? 16u : 0u, pol);
+      if constexpr (!Q8) cp_async16(wst + 1024, psrc + (c ? 64 * R0 + 16 * lane : 0), c ? 16u : 0u, pol);
+      psrc += 96 * R0;
+    }
+    --pleft;
+    if (++pu == KU) {
+      pu = 0;
+      prb += WG ? 4 : 1;
+      psrc = tiles + (long long)min(prb, NB - 1) * SB;
+    }
+  };
+  // unit cn of this segment into the ring (stream-K: the producer's next unit, whatever segment it belongs to)
+  auto refill = [&](int cn) {
+    if constexpr (SK)
+      sk_issue();
+    else if (cn < c1)
+      issue();
+  };
 
   // rows g, g + 8 of each block: window base and decode constant
   int e0r[RB][2];
@@ -526,11 +566,13 @@ w12_matmul_flow_kernel(
   }
 
   // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output)
+  if (!SK || seg == 0) {
 #pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (c0 + i < c1) issue();
-    cp_commit();
-    wst += SLOT;
+    for (int i = 0; i < STAGES - 1; ++i) {
+      refill(c0 + i);
+      cp_commit();
+      wst += SLOT;
+    }
   }
   if (seg == 0) {
     grid_dep_wait();
@@ -689,7 +731,7 @@ w12_matmul_flow_kernel(
     for (int j = 0; j < NT; ++j) xn[j][0] = xn[j][1] = make_uint4(b, b ^ 1u, b ^ 2u, b ^ 3u);
   }
 
-  uint32_t rst = ring;  // the slot of tile c
+  uint32_t rst = SK && seg > 0 ? sk_rst : ring;  // the slot of tile c
 #if W12F_WG
   uint32_t xslot = xring;  // unit c's x slot
   uint32_t areg[2][4][4] = {};  // A registers of even and odd units (one may be read by a wgmma in flight)
@@ -720,7 +762,7 @@ w12_matmul_flow_kernel(
     else
       tail_frag(f, 0);
     // refill the weight slot read one unit ago with unit c + STAGES - 1
-    if (c + STAGES - 1 < c1) issue();
+    refill(c + STAGES - 1);
     cp_commit();
     wst = next_slot(wst);
     rst = next_slot(rst);
@@ -737,7 +779,7 @@ w12_matmul_flow_kernel(
   keep(acc[0]);
   keep(areg[0]);
   keep(areg[1]);
-  asm volatile("cp.async.wait_all;" ::: "memory");
+  if (slast()) asm volatile("cp.async.wait_all;" ::: "memory");
 #else
   for (int c = c0; c < c1; ++c) {
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
@@ -747,7 +789,7 @@ w12_matmul_flow_kernel(
 #pragma unroll
     for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
     // refill the slot read one unit ago with unit c + STAGES - 1
-    if (c + STAGES - 1 < c1) issue();
+    refill(c + STAGES - 1);
     cp_commit();
     wst = next_slot(wst);
     rst = next_slot(rst);
@@ -760,8 +802,14 @@ w12_matmul_flow_kernel(
 #pragma unroll
     for (int i = 0; i < RB; ++i) tile_mma<FIXED>(acc[i], f[i], xc, kk[i]);
   }
-  asm volatile("cp.async.wait_all;" ::: "memory");
+  if (slast()) asm volatile("cp.async.wait_all;" ::: "memory");
   if (has_tail) {
+    if constexpr (SK) {  // the tail's empty slot in the ring's count
+      sk_issue();
+      cp_commit();
+      wst = next_slot(wst);
+      rst = next_slot(rst);
+    }
 #pragma unroll
     for (int i = 0; i < RB; ++i) {
       Frag f;
@@ -770,9 +818,10 @@ w12_matmul_flow_kernel(
     }
   }
 #endif
+  if constexpr (SK) sk_wst = wst, sk_rst = rst;
   // the next kernel's CTAs may launch (programmatic dependent launch) once every CTA's main loop is done; at the
   // kernel's start instead, the 64-layer decode step on the H200 took 9,935 µs against 9,816 (docs/w12-kernels.md)
-  if (slast) {
+  if (slast()) {
     stamp_last(4);
     grid_dep_launch();
   }
@@ -891,11 +940,11 @@ w12_matmul_flow_kernel(
     }
     bool fin = ks == 0 && active;
     if constexpr (SK) {
-      if (fin && !(su0 == 0 && su1 == KU)) {
+      if (fin && slen != KU) {
         // a piece of row block rb0: into ws (0: the run's first segment, 1: a later one), then the count; the warp
         // that brings it to the number of pieces adds them all, in slot order, and resets the count
         const int wis = warp % SPW;
-        const int gu = sgrp * KU;
+        const int gu = (WG ? rb0 >> 2 : rb0) * KU;
         const int sa = slot_of(gu), sb = slot_of(gu + KU - 1);
         const int mine = seg > 0;  // the run's first segment starts at its slot's start
         float* dst = ws + ((long long)(sid * 2 + mine) * SPW + wis) * (NT * 128);
@@ -952,9 +1001,9 @@ w12_matmul_flow_kernel(
                               bias, bias_kind, out, M, N, p);
       }
     }
-    if (slast) stamp_last(5);
+    if (slast()) stamp_last(5);
   }
   if constexpr (!SK) break;
-  L += su1 - su0;
+  L += slen;
   }  // the slot's segments
 }
