@@ -531,11 +531,11 @@ def trace_run(args):
             xs = {name: torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for name, (n, k) in layers.items()}
             outs = {name: torch.empty(m, n, device=dev, dtype=torch.bfloat16) for name, (n, k) in layers.items()}
             chain = [(name, c) for c in range(copies) for name in layers]
-            bufs = [torch.zeros(8 * flow.grid(cfgs[name], *layers[name], sms), dtype=torch.int64, device=dev)
+            bufs = [torch.zeros(8 * flow.grid(cfgs[name], layers[name][0]), dtype=torch.int64, device=dev)
                     for name, _ in chain]
             # cap: shared memory per CTA such that cap + 1 CTAs (with the per-CTA reserve) do not fit an SM
             def smem_for(name: str) -> int | None:
-                n_ctas = flow.grid(cfgs[name], *layers[name], sms)
+                n_ctas = flow.grid(cfgs[name], layers[name][0])
                 per = cap if cap != "auto" else -(-n_ctas // sms)
                 if per is None or (cap == "auto" and per > cfgs[name].cps + 1):
                     return None

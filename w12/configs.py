@@ -218,12 +218,8 @@ class FlowConfig:
     exact base only): rank 0 adds the others' sums, received in its shared memory, in rank order. `wg`: the
     warpgroup build (sm_90a: wgmma; exact base, rb = 1, warps a multiple of 4 kw): each 4 warps own 64 consecutive
     rows and one K piece and multiply them by x with wgmma, x staged once per warpgroup in shared memory, so that one
-    x read feeds 64 weight rows (docs/w12-kernels.md, "The warpgroup build"). `sk`: stream-K (kw = kc = rb = 1,
-    exact base): one wave of `cps` CTAs per SM, every warp (every warpgroup with `wg`) one equal run of the row
-    groups' 64-column units laid end to end, so that no SM waits on a last partial wave; a row block split between
-    runs is added in a global workspace, in run order, by the warp that brings its count to the number of pieces
-    (docs/w12-kernels.md, "Stream-K"). `w12.matmul_tiled` (the engine's path) takes `flow_config`'s; under
-    `w12.matmul` on the planes it runs only when forced."""
+    x read feeds 64 weight rows (docs/w12-kernels.md, "The warpgroup build"). `w12.matmul_tiled` (the engine's
+    path) takes `flow_config`'s; under `w12.matmul` on the planes it runs only when forced."""
 
     warps: int = 8
     kw: int = 2
@@ -234,7 +230,6 @@ class FlowConfig:
     rb: int = 1
     kc: int = 1
     wg: bool = False
-    sk: bool = False
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8, 16) or self.kw not in (1, 2, 4, 8, 16) or self.warps % self.kw \
@@ -251,10 +246,6 @@ class FlowConfig:
             raise ValueError(f"FlowConfig(wg=True) needs the exact base (fixed=False), rb=1 and warps a multiple of "
                              f"4 * kw (warpgroups of 4 warps per K piece); got {self}")
 
-        if self.sk and (self.kw != 1 or self.kc != 1 or self.rb != 1 or self.fixed):
-            raise ValueError(f"FlowConfig(sk=True) (stream-K) needs kw=1, kc=1, rb=1 and the exact base "
-                             f"(fixed=False); got {self}")
-
     @property
     def row_blocks(self) -> int:
         """Row blocks of 16 rows per CTA."""
@@ -267,18 +258,17 @@ class FlowConfig:
     def tag(self) -> str:
         return f"flow-w{self.warps}-k{self.kw}-s{self.stages}-c{self.cps}" + ("-fixed" if self.fixed else "") + \
             ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "") + \
-            (f"-q{self.kc}" if self.kc > 1 else "") + ("-g" if self.wg else "") + ("-sk" if self.sk else "")
+            (f"-q{self.kc}" if self.kc > 1 else "") + ("-g" if self.wg else "")
 
     @classmethod
     def from_tag(cls, tag: str) -> "FlowConfig":
         """The config whose `tag()` is `tag` (the leading "flow-" may be left out), e.g. "w4-k1-s6-c3-q4-g"."""
-        m = re.fullmatch(r"(?:flow-)?w(\d+)-k(\d+)-s(\d+)-c(\d+)(-fixed)?(-keep)?(?:-r(\d+))?(?:-q(\d+))?(-g)?(-sk)?",
-                         tag)
+        m = re.fullmatch(r"(?:flow-)?w(\d+)-k(\d+)-s(\d+)-c(\d+)(-fixed)?(-keep)?(?:-r(\d+))?(?:-q(\d+))?(-g)?", tag)
         if m is None:
             raise ValueError(f"FlowConfig.from_tag: {tag!r} is not a flow config tag (e.g. 'flow-w4-k1-s4-c4-q2-g')")
-        w, k, st, c, fixed, keep, rb, kc, wg, sk = m.groups()
+        w, k, st, c, fixed, keep, rb, kc, wg = m.groups()
         return cls(warps=int(w), kw=int(k), stages=int(st), cps=int(c), fixed=bool(fixed), evict=not keep,
-                   rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg), sk=bool(sk))
+                   rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg))
 
 
 def _check_common(c) -> None:

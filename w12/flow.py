@@ -30,7 +30,7 @@ import torch
 
 from autotune import jit
 
-from .configs import FlowConfig, sm_count
+from .configs import FlowConfig
 from .cuda import load_with_smem
 from .layout import TiledW12, tile
 from .format import W12Weight, _codes, _to_int16, padded_k, unpack
@@ -106,11 +106,8 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
                          f"sm_90; this GPU is sm_{arch[0]}{arch[1]} (use kc=1)")
     base = dict(W12F_WARPS=cfg.warps, W12F_KW=cfg.kw, W12F_STAGES=cfg.stages, W12F_CPS=cfg.cps, W12F_NT=nt,
                 W12F_FIXED=int(cfg.fixed), W12F_EVICT=int(cfg.evict), W12F_RB=cfg.rb, W12F_KC=cfg.kc,
-                W12F_Q8=int(q8), W12F_WG=int(cfg.wg), W12F_SK=int(cfg.sk), **_check_step(step))
+                W12F_Q8=int(q8), W12F_WG=int(cfg.wg), **_check_step(step))
     merged = base | _env_defines() | dict(defines or {})
-    if cfg.sk and step != "e":
-        raise ValueError(f"w12.flow.spec: {cfg.tag()} (stream-K) builds only with the whole epilogue, step 'e'; got "
-                         f"step {step!r}")
     if cfg.kc > 1 and not merged["W12F_RED"]:
         raise ValueError(f"w12.flow.spec: {cfg.tag()} (a K split across CTAs) builds only with the reduction, step "
                          f"'e'; got step {step!r}")
@@ -155,26 +152,9 @@ def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e") -> int:
         xring
 
 
-def grid(cfg: FlowConfig, N: int, K: int | None = None, sms: int | None = None) -> int:
-    """CTAs of a launch: `cfg.kc` (one cluster) per `cfg.row_blocks` row blocks of 16 rows; for stream-K (`cfg.sk`)
-    one wave of `cfg.cps` CTAs on each of `sms` SMs, or fewer where the K-column weight has fewer units than slots."""
-    if not cfg.sk:
-        return -(-(-(-N // 16)) // cfg.row_blocks) * cfg.kc
-    if K is None or sms is None:
-        raise ValueError(f"w12.flow.grid: {cfg.tag()} (stream-K) needs K and the SM count")
-    units = sk_groups(cfg, N) * -(-K // 64)
-    return max(1, min(cfg.cps * sms, -(-units // sk_slots_per_cta(cfg))))
-
-
-def sk_slots_per_cta(cfg: FlowConfig) -> int:
-    """Stream-K slots of one CTA: its warps, or its warpgroups for the warpgroup build."""
-    return cfg.warps // 4 if cfg.wg else cfg.warps
-
-
-def sk_groups(cfg: FlowConfig, N: int) -> int:
-    """The row groups stream-K lays end to end: row blocks of 16 rows, or of 64 for the warpgroup build."""
-    nb = -(-N // 16)
-    return -(-nb // 4) if cfg.wg else nb
+def grid(cfg: FlowConfig, N: int) -> int:
+    """CTAs of a launch: `cfg.kc` (one cluster) per `cfg.row_blocks` row blocks of 16 rows."""
+    return -(-(-(-N // 16)) // cfg.row_blocks) * cfg.kc
 
 
 # --------------------------------------------------------------------------------------
@@ -211,30 +191,8 @@ def _tiled(hi, lo, e0, rowptr, col, val, K: int) -> tuple[TiledW12, bool]:
 
 _KERNELS = jit.FunctionCache()
 _SINKS: dict[int, torch.Tensor] = {}
-_SK_BUFS: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
-_SK_KEEP: list[tuple[torch.Tensor, torch.Tensor]] = []
 _TYPES = (jit.PTR, jit.I64, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.I32, jit.PTR, jit.I32, jit.I32,
-          jit.I32, jit.PTR, jit.PTR, jit.PTR, jit.I32, jit.I32)
-
-
-def _sk_buffers(device: torch.device, stream: int, row_blocks: int, ws_floats: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """Stream-K's counters (int32 per row block, zero between launches: the launch that raises one to its number of
-    pieces resets it) and partial sums (fp32), one pair per device and stream: launches on one stream run one after
-    another, which is what lets them share it (a launch under programmatic dependent launch touches it only after
-    its griddepcontrol.wait). Grown as needed; under a CUDA-graph capture (its own stream) the pair comes from the
-    graph's memory pool and its zero fill is part of the graph. Two graphs captured on one stream and replayed at
-    once on two streams would share it: replay them on one stream."""
-    idx = device.index if device.index is not None else torch.cuda.current_device()
-    key = (idx, stream)
-    have = _SK_BUFS.get(key)
-    if have is None or have[0].numel() < row_blocks or have[1].numel() < ws_floats:
-        if have is not None and torch.cuda.is_current_stream_capturing():
-            _SK_KEEP.append(have)  # kernels captured before this one keep their pointers into it
-        n_c = max(row_blocks, 0 if have is None else have[0].numel(), 4096)
-        n_w = max(ws_floats, 0 if have is None else have[1].numel(), 1 << 20)
-        have = _SK_BUFS[key] = (torch.zeros(n_c, device=device, dtype=torch.int32),
-                                torch.empty(n_w, device=device, dtype=torch.float32))
-    return have
+          jit.I32, jit.PTR)
 
 
 def _kernel(cfg: FlowConfig, nt: int, step: str, idx: int, defines: tuple, smem: int | None,
@@ -272,7 +230,7 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     are unchanged since its last launch (their version counters): a layout's first launch, and the first after an
     in-place write to it, wait for the previous kernel to end.
     `trace`: a diagnostic build (W12F_TRACE, csrc/w12_flow.cu) that writes 8 int64 per CTA into this zeroed
-    int64 tensor of at least 8 `grid(cfg, N, K, sms)` elements: %globaltimer stamps (ns) at entry, after the PDL wait, when
+    int64 tensor of at least 8 `grid(cfg, N)` elements: %globaltimer stamps (ns) at entry, after the PDL wait, when
     warp 0's first tile landed, the last main loop's end and the last exit (0, 2, 3, 4, 5), and the SM id (1)."""
     M, K = x2d.shape
     if x2d.dtype != torch.bfloat16 or not 0 < M <= MAX_M or K != t.K or t.device != x2d.device:
@@ -284,12 +242,11 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
         raise ValueError(f"w12.flow.launch_tiled: out must be a contiguous bf16 [{M}, {t.N}] tensor, got "
                          f"{out.dtype} {tuple(out.shape)}")
     nt = n_tiles(M)
-    ctas = grid(cfg, t.N, K, sm_count(x2d.device) if cfg.sk else None)
     if trace is not None:
         if trace.dtype != torch.int64 or trace.device != x2d.device or not trace.is_contiguous() or \
-                trace.numel() < 8 * ctas:
+                trace.numel() < 8 * grid(cfg, t.N):
             raise ValueError(f"w12.flow.launch_tiled: trace must be a contiguous int64 tensor of at least "
-                             f"{8 * ctas} elements on {x2d.device}, got {trace.dtype} {tuple(trace.shape)} "
+                             f"{8 * grid(cfg, t.N)} elements on {x2d.device}, got {trace.dtype} {tuple(trace.shape)} "
                              f"on {trace.device}")
         defines = dict(defines or {}) | {"W12F_TRACE": 1}
     idx = x2d.device.index if x2d.device.index is not None else torch.cuda.current_device()
@@ -299,21 +256,15 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     if sink is None:
         sink = _SINKS[idx] = torch.zeros(32 * 16, device=x2d.device, dtype=torch.float32)
     stream = torch.cuda.current_stream(x2d.device).cuda_stream
-    counters = ws = slots = units = 0
-    if cfg.sk:
-        units = sk_groups(cfg, t.N) * -(-K // 64)
-        slots = min(ctas * sk_slots_per_cta(cfg), units)
-        c, w = _sk_buffers(x2d.device, stream, -(-t.N // 16), slots * 2 * (4 if cfg.wg else 1) * nt * 128)
-        counters, ws = c.data_ptr(), w.data_ptr()
     values = (xk.data_ptr(), ldx, t.tiles.data_ptr(), t.e0.data_ptr(), t.esc_rowptr.data_ptr(), t.esc_col.data_ptr(),
               t.esc_val.data_ptr(), 0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype],
-              out.data_ptr(), M, t.N, K, sink.data_ptr(), counters, ws, slots, units)
+              out.data_ptr(), M, t.N, K, sink.data_ptr())
     if pdl is None:
         from .cuda import pdl_enabled
 
         pdl = M <= pdl_rows and t._launched == t.versions() and pdl_enabled(x2d.device, default=True)
     t._launched = t.versions()
-    kernel.launch((ctas, 1, 1), 32 * cfg.warps, smem, stream, values, _TYPES, pdl=pdl)
+    kernel.launch((grid(cfg, t.N), 1, 1), 32 * cfg.warps, smem, stream, values, _TYPES, pdl=pdl)
 
 
 def launch(cfg: FlowConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False,

@@ -196,7 +196,7 @@ class _Round:
 
 def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Tensor | None = None,
             fixed: bool = True, esc: bool = True, red: bool = True, fp32: bool = False, guard: bool = True,
-            rb: int = 1, kc: int = 1, q8: bool = False, wg: bool = False, swap: bool = False, sk: int = 0):
+            rb: int = 1, kc: int = 1, q8: bool = False, wg: bool = False, swap: bool = False):
     """The kernel's result before its final rounding, float64 [M, N], and counters {"fallback": warps that took
     the exact-base recomputation, "scaled": warps that scaled}. `esc` / `red`: the W12F_ESC / W12F_RED features
     (without `red` only warp ks = 0 of a row block stores, as the kernel does); `guard=False` scales every warp
@@ -207,10 +207,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     `q8`: the 8-bit view's build (W12F_Q8; exact base): only the hi pieces are copied into the ring, each pair is
     decoded by dec_pair_q8 with the row's q8_base constant, and an escape's correction adds x * escape less x times
     q8_dense(e0) (its hi byte 0 read as the view's value); `wg`: the
-    warpgroup build (module doc), `swap` with its descriptor's two byte offsets swapped (W12F_WG_SWAP); `sk`: the
-    stream-K build (W12F_SK; kw = kc = rb = 1, exact base) with this many slots (warps, or warpgroups with `wg`):
-    slot s < S = min(sk, T) takes units [s T / S, (s + 1) T / S) of the T units of the row groups laid end to end,
-    and each row block's pieces are added in slot order, the first one taken as it is."""
+    warpgroup build (module doc), `swap` with its descriptor's two byte offsets swapped (W12F_WG_SWAP)."""
     assert rb in (1, 2) and (rb == 1 or not fixed)
     assert not wg or (not fixed and rb == 1 and warps % (4 * kw) == 0)
     assert not (q8 and fixed)
@@ -330,178 +327,105 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                     cf = np.stack([D[G, 2 * P], D[G, 2 * P + 1], D[G + 8, 2 * P], D[G + 8, 2 * P + 1]])
                     acc[j] = rnd(acc[j] + cf)
 
-    def block_sum(b: int, c0: int, c1: int, cend: int):
-        """Row block b's product over units c0 .. cend - 1 (unit KF the masked tail), the exact base."""
-        R = 16 if b < NF else (nr if b < NB else 0)
-        blk = min(b, NB - 1) * SB
-        rows = b * 16 + np.array([0, 8])[:, None] + G[None, :]
-        e0r = np.where(rows < N, e0[np.minimum(rows, N - 1)], 0)
-        kk = [((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
-        if q8:
-            kk = [q8_base(k) for k in kk]
-        acc = np.zeros((NT, 4, 32))
-        lbo, sbo = (128, 128 * NT) if swap else (128 * NT, 128)
-        for c in range(c0, cend):
-            h, lw = ring_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
-            wgB = [wg_operand(wg_slot(xw, M, NT, c), NT, s, lbo, sbo) for s in range(4)] if wg else None
-            tile_mma(acc, h, lw, x_frag(c), kk, False, wgB)
-        return acc
-
-    def finish_block(b: int, acc) -> None:
-        """Row block b's outputs from its sum: the escapes (CSR order), the bias, one rounding each."""
-        for hh in (0, 1):
-            for ln in LANE:
-                row = b * 16 + 8 * hh + G[ln]
-                if row >= N:
-                    continue
-                for j in range(NT):
-                    for u in (0, 1):
-                        tok = 8 * j + 2 * P[ln] + u
-                        if tok >= M:
-                            continue
-                        v = acc[j, 2 * hh + u, ln]
-                        if esc:
-                            dense = q8_dense(int(e0[row])) if q8 else \
-                                float(np.array([int(e0[row]) << 23], dtype=U32).view(np.float32)[0])
-                            for q in range(rowptr[row], rowptr[row + 1]):
-                                xv = xf[tok, ecol[q]]
-                                val = float(np.array([U32(eval_[q]) << U32(16)], dtype=U32).view(np.float32)[0])
-                                with np.errstate(invalid="ignore", over="ignore"):
-                                    v = float(rnd(v + rnd(rnd(xv * val) - rnd(xv * dense))))
-                        if bias is not None:
-                            v = float(rnd(v + float(bias[row].float())))
-                        assert not written[tok, row], f"output ({tok}, {row}) written twice"
-                        written[tok, row] = True
-                        out[tok, row] = v
-
-    def run_ctas() -> None:
-        for cta in range(grid):
-            parts = {}
-            meta = {}
-            fold = []  # x words the CTA folds: unit c0 + i of a K range by the row block i mod RA (RA: active ones)
-            RA = min(RW, NB - cta * RW)
-            for rank, warp in ((r, w) for r in range(kc) for w in range(warps)):
-                if wg:  # 4-warp groups: row block (gi / kw) 4 + wi, K piece gi % kw
-                    gi, wi = divmod(warp, 4)
-                    rw, ks = gi // kw * 4 + wi, gi % kw
-                    lactive = cta * RW + (rw & ~3) < NB  # the warpgroup's range follows its first row block
+    for cta in range(grid):
+        parts = {}
+        meta = {}
+        fold = []  # x words the CTA folds: unit c0 + i of a K range by the row block i mod RA (RA: active ones)
+        RA = min(RW, NB - cta * RW)
+        for rank, warp in ((r, w) for r in range(kc) for w in range(warps)):
+            if wg:  # 4-warp groups: row block (gi / kw) 4 + wi, K piece gi % kw
+                gi, wi = divmod(warp, 4)
+                rw, ks = gi // kw * 4 + wi, gi % kw
+                lactive = cta * RW + (rw & ~3) < NB  # the warpgroup's range follows its first row block
+            else:
+                rw, ks = divmod(warp, kw)
+                lactive = (cta * RW + rw) * rb < NB  # the row group's K range follows its first block
+            rb0 = (cta * RW + rw) * rb
+            active = rb0 < NB
+            q, QW = rank * kw + ks, kc * kw  # the warp's piece of the row group's K
+            c0, c1 = (q * KF // QW, (q + 1) * KF // QW) if lactive else (0, 0)
+            has_tail = lactive and q == QW - 1 and kr > 0
+            cend = c1 + has_tail
+            xfrs = {c: x_frag(c) for c in range(c0, cend)}  # one x read per unit, shared by the row group's blocks
+            if wg:
+                lbo, sbo = (128, 128 * NT) if swap else (128 * NT, 128)
+                wgBs = {c: [wg_operand(wg_slot(xw, M, NT, c), NT, s, lbo, sbo) for s in range(4)]
+                        for c in range(c0, cend)}
+            for i in range(rb):
+                b = rb0 + i
+                R = 16 if b < NF else (nr if b < NB else 0)
+                blk = min(b, NB - 1) * SB
+                rows = b * 16 + np.array([0, 8])[:, None] + G[None, :]  # [2, 32]
+                e0r = np.where(active & (rows < N), e0[np.minimum(rows, N - 1)], 0)
+                kk = [np.where(e0r[r] == 0, U32(0), U32(0x38003800)).astype(U32) if fixed
+                      else ((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
+                if q8:
+                    kk = [q8_base(k) for k in kk]
+                acc = np.zeros((NT, 4, 32))
+                for c in range(c0, cend):
+                    xfr = xfrs[c]
+                    if i == 0 and rank == 0 and (c - c0) % RA == rw:
+                        fold.append(xfr)
+                    h, lw = ring_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
+                    tile_mma(acc, h, lw, xfr, kk, fixed, wgBs[c] if wg else None)
+                parts[rank, rw, ks, i] = acc
+                if rank == 0:
+                    meta[warp, i] = (rw, b, ks, active and b < NB, R, blk, c0, c1, cend, e0r)
+        emin, emax = x_range(np.stack(fold)) if fold else (255, 0)
+        if fixed:
+            for (warp, i), (rw, b, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
+                ok = all(scale_exact(int(e), emin, emax) for e in e0r.reshape(-1))
+                if ok or not guard:
+                    stats["scaled"] += int(active)
+                    sc = np.stack([2.0 ** (e0r[v >> 1] - 112) * (e0r[v >> 1] != 0) + (e0r[v >> 1] == 0)
+                                   for v in range(4)])
+                    with np.errstate(over="ignore", invalid="ignore"):
+                        parts[0, rw, ks, i] = rnd(parts[0, rw, ks, i] * sc[None])
                 else:
-                    rw, ks = divmod(warp, kw)
-                    lactive = (cta * RW + rw) * rb < NB  # the row group's K range follows its first block
-                rb0 = (cta * RW + rw) * rb
-                active = rb0 < NB
-                q, QW = rank * kw + ks, kc * kw  # the warp's piece of the row group's K
-                c0, c1 = (q * KF // QW, (q + 1) * KF // QW) if lactive else (0, 0)
-                has_tail = lactive and q == QW - 1 and kr > 0
-                cend = c1 + has_tail
-                xfrs = {c: x_frag(c) for c in range(c0, cend)}  # one x read per unit, shared by the row group's blocks
-                if wg:
-                    lbo, sbo = (128, 128 * NT) if swap else (128 * NT, 128)
-                    wgBs = {c: [wg_operand(wg_slot(xw, M, NT, c), NT, s, lbo, sbo) for s in range(4)]
-                            for c in range(c0, cend)}
-                for i in range(rb):
-                    b = rb0 + i
-                    R = 16 if b < NF else (nr if b < NB else 0)
-                    blk = min(b, NB - 1) * SB
-                    rows = b * 16 + np.array([0, 8])[:, None] + G[None, :]  # [2, 32]
-                    e0r = np.where(active & (rows < N), e0[np.minimum(rows, N - 1)], 0)
-                    kk = [np.where(e0r[r] == 0, U32(0), U32(0x38003800)).astype(U32) if fixed
-                          else ((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
-                    if q8:
-                        kk = [q8_base(k) for k in kk]
+                    stats["fallback"] += 1
+                    e0x = [((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
                     acc = np.zeros((NT, 4, 32))
                     for c in range(c0, cend):
-                        xfr = xfrs[c]
-                        if i == 0 and rank == 0 and (c - c0) % RA == rw:
-                            fold.append(xfr)
-                        h, lw = ring_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
-                        tile_mma(acc, h, lw, xfr, kk, fixed, wgBs[c] if wg else None)
-                    parts[rank, rw, ks, i] = acc
-                    if rank == 0:
-                        meta[warp, i] = (rw, b, ks, active and b < NB, R, blk, c0, c1, cend, e0r)
-            emin, emax = x_range(np.stack(fold)) if fold else (255, 0)
-            if fixed:
-                for (warp, i), (rw, b, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
-                    ok = all(scale_exact(int(e), emin, emax) for e in e0r.reshape(-1))
-                    if ok or not guard:
-                        stats["scaled"] += int(active)
-                        sc = np.stack([2.0 ** (e0r[v >> 1] - 112) * (e0r[v >> 1] != 0) + (e0r[v >> 1] == 0)
-                                       for v in range(4)])
-                        with np.errstate(over="ignore", invalid="ignore"):
-                            parts[0, rw, ks, i] = rnd(parts[0, rw, ks, i] * sc[None])
-                    else:
-                        stats["fallback"] += 1
-                        e0x = [((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
-                        acc = np.zeros((NT, 4, 32))
-                        for c in range(c0, cend):
-                            h, lw = global_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
-                            tile_mma(acc, h, lw, x_frag(c), e0x, False)
-                        parts[0, rw, ks, i] = acc
-            for (warp, i), (rw, b, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
-                if ks != 0 or not active:
-                    continue
-                sums = []
-                for rank in range(kc):
-                    acc = parts[rank, rw, 0, i].copy()
-                    if red and kw > 1:
-                        for w in range(1, kw):  # the kernel's warp + KSTEP w: the same row block's piece w
-                            acc = rnd(acc + parts[rank, rw, w, i])
-                    sums.append(acc)
-                acc = sums[0]
-                for r in range(1, kc):  # rank 0 adds the other CTAs' sums in rank order
-                    acc = rnd(acc + sums[r])
-                finish_block(b, acc)
-    if sk:
-        assert kw == 1 and kc == 1 and rb == 1 and not fixed
-        spw = 4 if wg else 1
-        KU = KF + (kr > 0)
-        T = (-(-NB // 4) if wg else NB) * KU
-        S = min(sk, T)  # at most one slot per unit: the others have no run
-
-        def slot_lo(s2: int) -> int:
-            return s2 * T // S
-
-        def slot_of(u: int) -> int:  # the slot whose run holds unit u
-            return ((u + 1) * S - 1) // T
-
-        ws: dict[int, np.ndarray] = {}  # the kernel's workspace: [slot][first segment or not][warp of the slot]
-        count = np.zeros(NB, dtype=np.int64)
-        for sid in range(S):
-            L, Lend, seg = slot_lo(sid), slot_lo(sid + 1), 0
-            while L < Lend:
-                grp, u0 = divmod(L, KU)
-                u1 = min(KU, u0 + Lend - L)
-                c0, c1 = u0, min(u1, KF)
-                cend = c1 + (u1 == KU and kr > 0)
-                for wi in range(spw):
-                    b = 4 * grp + wi if wg else grp
-                    if b >= NB:
+                        h, lw = global_frag(blk, R, c) if c < c1 else tail_frag(blk, R)
+                        tile_mma(acc, h, lw, x_frag(c), e0x, False)
+                    parts[0, rw, ks, i] = acc
+        for (warp, i), (rw, b, ks, active, R, blk, c0, c1, cend, e0r) in meta.items():
+            if ks != 0 or not active:
+                continue
+            sums = []
+            for rank in range(kc):
+                acc = parts[rank, rw, 0, i].copy()
+                if red and kw > 1:
+                    for w in range(1, kw):  # the kernel's warp + KSTEP w: the same row block's piece w
+                        acc = rnd(acc + parts[rank, rw, w, i])
+                sums.append(acc)
+            acc = sums[0]
+            for r in range(1, kc):  # rank 0 adds the other CTAs' sums in rank order
+                acc = rnd(acc + sums[r])
+            for hh in (0, 1):
+                for ln in LANE:
+                    row = b * 16 + 8 * hh + G[ln]
+                    if row >= N:
                         continue
-                    acc = block_sum(b, c0, c1, cend)
-                    if u0 == 0 and u1 == KU:
-                        finish_block(b, acc)
-                        continue
-                    key = (sid * 2 + (seg > 0)) * spw + wi
-                    assert key not in ws, "a workspace entry written twice"
-                    ws[key] = acc
-                    count[b] += 1
-                    gu = grp * KU
-                    sa, sb = slot_of(gu), slot_of(gu + KU - 1)
-                    if count[b] == sb - sa + 1:  # the piece that completes the count: all pieces, in slot order
-                        tot = None
-                        for s2 in range(sa, sb + 1):
-                            pi = 1 if s2 == sa and slot_lo(sa) != gu else 0
-                            v = ws[(s2 * 2 + pi) * spw + wi]
-                            tot = v if tot is None else rnd(tot + v)
-                        finish_block(b, tot)
-                        count[b] = 0
-                        stats["pieces"] = max(stats.get("pieces", 0), sb - sa + 1)
-                L += u1 - u0
-                seg += 1
-            stats["segments"] = max(stats.get("segments", 0), seg)
-        assert not count.any(), "a row block's count left non-zero"
-    else:
-        run_ctas()
+                    for j in range(NT):
+                        for u in (0, 1):
+                            tok = 8 * j + 2 * P[ln] + u
+                            if tok >= M:
+                                continue
+                            v = acc[j, 2 * hh + u, ln]
+                            if esc:
+                                dense = q8_dense(int(e0[row])) if q8 else \
+                                    float(np.array([int(e0[row]) << 23], dtype=U32).view(np.float32)[0])
+                                for q in range(rowptr[row], rowptr[row + 1]):
+                                    xv = xf[tok, ecol[q]]
+                                    val = float(np.array([U32(eval_[q]) << U32(16)], dtype=U32).view(np.float32)[0])
+                                    with np.errstate(invalid="ignore", over="ignore"):
+                                        v = float(rnd(v + rnd(rnd(xv * val) - rnd(xv * dense))))
+                            if bias is not None:
+                                v = float(rnd(v + float(bias[row].float())))
+                            assert not written[tok, row], f"output ({tok}, {row}) written twice"
+                            written[tok, row] = True
+                            out[tok, row] = v
     assert written.all(), f"{int((~written).sum())} outputs not written"
     return out, stats
 

@@ -145,9 +145,6 @@
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
 #endif
-#ifndef W12F_SK
-#define W12F_SK 0  // stream-K: every slot (warp, or warpgroup for W12F_WG) one equal run of the row groups' units
-#endif
 #ifndef W12F_TRACE
 #define W12F_TRACE 0  // diagnostic (w12.flow.launch_tiled(trace=)): per-CTA %globaltimer stamps into `sink`
 #endif
@@ -173,8 +170,6 @@ constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of o
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
 constexpr bool STM = WG && W12F_WG_STM != 0;
-constexpr bool SK = W12F_SK != 0;
-constexpr int SPW = SK && WG ? 4 : 1;  // warps per stream-K slot
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
@@ -194,9 +189,6 @@ static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight:
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
               "the warpgroup build: exact base, one row block per warp, x, and warpgroups of 4 warps per K piece");
-static_assert(!SK || (KW == 1 && KC == 1 && RB == 1 && !FIXED && EPI && ESC),
-              "stream-K: one warp (or warpgroup) per slot, no cluster split, one row block per warp, exact base, the "
-              "whole epilogue");
 #if W12F_KC > 1 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
 #error "W12F_KC > 1 needs thread-block clusters (sm_90)"
 #endif
@@ -372,10 +364,7 @@ w12_matmul_flow_kernel(
     const uint16_t* __restrict__ eval, const void* __restrict__ bias, int bias_kind,  // bias: 0 none, 1 bf16, 2 fp16, 3 fp32
     __nv_bfloat16* __restrict__ out,      // [M, N]
     int M, int N, int K,
-    float* __restrict__ sink,             // [blockDim.x]: steps without the epilogue, a never-taken store
-    int* __restrict__ counters,           // stream-K: [row blocks], zero at the launch and left zero
-    float* __restrict__ ws,               // stream-K: [slots][2][SPW][NT][4][32] partial sums
-    int S, int ST) {                      // stream-K: slots with a run, min(slots, ST); units of all row groups
+    float* __restrict__ sink) {           // [blockDim.x]: steps without the epilogue, a never-taken store
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_emin[WARPS], s_emax[WARPS];
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
@@ -388,48 +377,10 @@ w12_matmul_flow_kernel(
   const int TB = kr + ((kr + 1) >> 1);
   const long long SB = 1536LL * KF + 16LL * TB;
   const int cta = (int)blockIdx.x / KC, kc = (int)blockIdx.x - cta * KC;  // a cluster's CTAs: consecutive ids
-  // Stream-K (W12F_SK): slot sid of S (a warp, or a warpgroup with WG) takes units [lo(sid), lo(sid + 1)),
-  // lo(s) = s T / S, of the T = G KU units of the G row groups (row blocks; 4 of them with WG) laid end to end, KU
-  // units each (the masked tail one of them). A run that covers a row group's units is finished at once; a piece of
-  // one goes to `ws`, and the warp that completes a row block's count adds its pieces in slot order and finishes it.
-  const int KU = KF + (kr > 0);
-  // S and ST come from the host (kernel parameters: read where used, no registers held): ST = G KU, and S = min(the
-  // launch's slots, ST), at most one slot per unit, so that every slot between a row group's first and last holds
-  // one of its pieces
-  const int sid = (int)blockIdx.x * (WARPS / SPW) + warp / SPW;
-  auto slot_lo = [&](int s2) { return (int)((long long)s2 * ST / S); };
-  auto slot_of = [&](int u) { return (int)((((long long)u + 1) * S - 1) / ST); };  // the slot whose run holds unit u
-  int L = SK && sid < S ? slot_lo(sid) : 0;
-  const int Lend = SK && sid < S ? slot_lo(sid + 1) : 0;
-  // Stream-K's producer: the next unit of the run to request, STAGES - 1 units ahead of the loop across the run's
-  // segments, so that the ring does not drain where a run moves on to the next row group. Unit pu of row block prb
-  // (pu = KF, the masked tail, is read from global memory: its ring slot stays empty); the slot cursors persist too.
-  // (the least state a unit needs, held through the loop: units left, the unit, the row block, the source)
-  int pleft = Lend - L, pu = 0, prb = 0;
-  auto prows = [&]() { return prb < NF ? 16 : (prb < NB ? nr : 0); };
-  const uint8_t* psrc = tiles;
-  if constexpr (SK) {
-    if (pleft > 0) {
-      const int grp = L / KU;
-      pu = L - grp * KU;
-      prb = WG ? 4 * grp + (warp & 3) : grp;
-      psrc = tiles + (long long)min(prb, NB - 1) * SB + (long long)pu * 96 * prows();
-    }
-  }
-  uint32_t sk_wst = 0, sk_rst = 0;  // the ring's request and read slots between segments
-  for (int seg = 0;; ++seg) {
-  int sgrp = 0, su0 = 0, slen = 0;  // the segment: row group, first unit, units (after the loop: L and slen only)
-  if constexpr (SK) {
-    if (L >= Lend) break;
-    sgrp = L / KU, su0 = L - sgrp * KU;
-    slen = min(KU - su0, Lend - L);
-  }
-  const int su1 = su0 + slen;
-  auto slast = [&]() { return !SK || L + slen == Lend; };  // the run's last segment
-  const int rb0 = SK ? (WG ? 4 * sgrp + (warp & 3) : sgrp) : (cta * RW + rw) * RB;  // the warp's first row block
+  const int rb0 = (cta * RW + rw) * RB;           // the first row block of this warp's row group
   const bool active = rb0 < NB;                    // a row group is active when its first block is
   // the loop's range follows the first row block of the warpgroup (WG: all 4 warps run every wgmma together)
-  const bool lactive = SK || (WG ? (cta * RW + (rw & ~3)) < NB : active);
+  const bool lactive = WG ? (cta * RW + (rw & ~3)) < NB : active;
   int R[RB], TS[RB];                               // rows of each row block (0 past the last), bytes per tile
   const uint8_t* blk[RB];
 #pragma unroll
@@ -440,9 +391,8 @@ w12_matmul_flow_kernel(
     blk[i] = tiles + (long long)min(rb, NB - 1) * SB;
   }
   const int q = kc * KW + ks;                      // the warp's piece of the row group's K, of KC x KW
-  const int c0 = SK ? su0 : (lactive ? q * KF / (KC * KW) : 0);
-  const int c1 = SK ? min(su1, KF) : (lactive ? (q + 1) * KF / (KC * KW) : 0);
-  const bool has_tail = SK ? (su1 == KU && kr > 0) : (lactive && q == KC * KW - 1 && kr > 0);
+  const int c0 = lactive ? q * KF / (KC * KW) : 0, c1 = lactive ? (q + 1) * KF / (KC * KW) : 0;
+  const bool has_tail = lactive && q == KC * KW - 1 && kr > 0;
   const int cend = c1 + (has_tail ? 1 : 0);        // units c0 .. cend - 1; unit KF is the masked tail
   constexpr int SLOT = RB * TILE;                  // one ring slot: the unit's tile of each row block
   const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
@@ -463,10 +413,8 @@ w12_matmul_flow_kernel(
       }
     }
   };
-  if (seg == 0) {
-    stamp(0);
-    stamp(1);
-  }
+  stamp(0);
+  stamp(1);
 
   // The refill cursor: the lane's source of the next tiles to request (three 16-byte pieces per row block: hi rows
   // g, g + 8, then lo rows lane / 2; absent rows of a partial block read nothing and are zero-filled) and its slot.
@@ -481,7 +429,7 @@ w12_matmul_flow_kernel(
     src[i] = blk[i] + (long long)c0 * TS[i];
   }
   const uint32_t ring_end = ring + STAGES * SLOT;
-  uint32_t wst = SK && seg > 0 ? sk_wst : ring + 16 * lane;
+  uint32_t wst = ring + 16 * lane;
   auto issue = [&]() {
 #pragma unroll
     for (int i = 0; i < RB; ++i) {
@@ -492,30 +440,6 @@ w12_matmul_flow_kernel(
     }
   };
   auto next_slot = [&](uint32_t a) { return a + SLOT >= ring_end ? a + SLOT - STAGES * SLOT : a + SLOT; };
-  auto sk_issue = [&]() {  // the producer's next unit into slot wst, if the run has one left
-    if (pleft == 0) return;
-    const int R0 = prows();  // absent rows of a partial block read nothing and are zero-filled
-    if (pu < KF) {
-      const bool a = g < R0, b = g + 8 < R0, c = (lane >> 1) < R0;
-      cp_async16(wst, psrc + (a ? 16 * lane : 0), a ? 16u : 0u, pol);
-      cp_async16(wst + 512, psrc + (b ? 512 + 16 * lane : 0), b ? 16u : 0u, pol);
-      if constexpr (!Q8) cp_async16(wst + 1024, psrc + (c ? 64 * R0 + 16 * lane : 0), c ? 16u : 0u, pol);
-      psrc += 96 * R0;
-    }
-    --pleft;
-    if (++pu == KU) {
-      pu = 0;
-      prb += WG ? 4 : 1;
-      psrc = tiles + (long long)min(prb, NB - 1) * SB;
-    }
-  };
-  // unit cn of this segment into the ring (stream-K: the producer's next unit, whatever segment it belongs to)
-  auto refill = [&](int cn) {
-    if constexpr (SK)
-      sk_issue();
-    else if (cn < c1)
-      issue();
-  };
 
   // rows g, g + 8 of each block: window base and decode constant
   int e0r[RB][2];
@@ -566,18 +490,14 @@ w12_matmul_flow_kernel(
   }
 
   // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output)
-  if (!SK || seg == 0) {
 #pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-      refill(c0 + i);
-      cp_commit();
-      wst += SLOT;
-    }
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (c0 + i < c1) issue();
+    cp_commit();
+    wst += SLOT;
   }
-  if (seg == 0) {
-    grid_dep_wait();
-    stamp(2);
-  }
+  grid_dep_wait();
+  stamp(2);
 
   // The warpgroup build's x: thread t (of 128) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros past
   // M), columns 4 NTP q .. 4 NTP q + 4 NTP - 1 of each unit, q = t % TPT (NTP = NT rounded up to a power of two,
@@ -731,7 +651,7 @@ w12_matmul_flow_kernel(
     for (int j = 0; j < NT; ++j) xn[j][0] = xn[j][1] = make_uint4(b, b ^ 1u, b ^ 2u, b ^ 3u);
   }
 
-  uint32_t rst = SK && seg > 0 ? sk_rst : ring;  // the slot of tile c
+  uint32_t rst = ring;  // the slot of tile c
 #if W12F_WG
   uint32_t xslot = xring;  // unit c's x slot
   uint32_t areg[2][4][4] = {};  // A registers of even and odd units (one may be read by a wgmma in flight)
@@ -762,7 +682,7 @@ w12_matmul_flow_kernel(
     else
       tail_frag(f, 0);
     // refill the weight slot read one unit ago with unit c + STAGES - 1
-    refill(c + STAGES - 1);
+    if (c + STAGES - 1 < c1) issue();
     cp_commit();
     wst = next_slot(wst);
     rst = next_slot(rst);
@@ -779,7 +699,7 @@ w12_matmul_flow_kernel(
   keep(acc[0]);
   keep(areg[0]);
   keep(areg[1]);
-  if (slast()) asm volatile("cp.async.wait_all;" ::: "memory");
+  asm volatile("cp.async.wait_all;" ::: "memory");
 #else
   for (int c = c0; c < c1; ++c) {
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
@@ -789,7 +709,7 @@ w12_matmul_flow_kernel(
 #pragma unroll
     for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
     // refill the slot read one unit ago with unit c + STAGES - 1
-    refill(c + STAGES - 1);
+    if (c + STAGES - 1 < c1) issue();
     cp_commit();
     wst = next_slot(wst);
     rst = next_slot(rst);
@@ -802,14 +722,8 @@ w12_matmul_flow_kernel(
 #pragma unroll
     for (int i = 0; i < RB; ++i) tile_mma<FIXED>(acc[i], f[i], xc, kk[i]);
   }
-  if (slast()) asm volatile("cp.async.wait_all;" ::: "memory");
+  asm volatile("cp.async.wait_all;" ::: "memory");
   if (has_tail) {
-    if constexpr (SK) {  // the tail's empty slot in the ring's count
-      sk_issue();
-      cp_commit();
-      wst = next_slot(wst);
-      rst = next_slot(rst);
-    }
 #pragma unroll
     for (int i = 0; i < RB; ++i) {
       Frag f;
@@ -818,13 +732,10 @@ w12_matmul_flow_kernel(
     }
   }
 #endif
-  if constexpr (SK) sk_wst = wst, sk_rst = rst;
   // the next kernel's CTAs may launch (programmatic dependent launch) once every CTA's main loop is done; at the
   // kernel's start instead, the 64-layer decode step on the H200 took 9,935 µs against 9,816 (docs/w12-kernels.md)
-  if (slast()) {
-    stamp_last(4);
-    grid_dep_launch();
-  }
+  stamp_last(4);
+  grid_dep_launch();
 
   if constexpr (!EPI) {
     float s = 0.0f;
@@ -938,48 +849,10 @@ w12_matmul_flow_kernel(
               for (int u = 0; u < 4; ++u) acc[i][j][u] += cr[((((r * RW + rw) * RB + i) * NT + j) * 4 + u) * 32 + lane];
       }
     }
-    bool fin = ks == 0 && active;
-    if constexpr (SK) {
-      if (fin && slen != KU) {
-        // a piece of row block rb0: into ws (0: the run's first segment, 1: a later one), then the count; the warp
-        // that brings it to the number of pieces adds them all, in slot order, and resets the count
-        const int wis = warp % SPW;
-        const int gu = (WG ? rb0 >> 2 : rb0) * KU;
-        const int sa = slot_of(gu), sb = slot_of(gu + KU - 1);
-        const int mine = seg > 0;  // the run's first segment starts at its slot's start
-        float* dst = ws + ((long long)(sid * 2 + mine) * SPW + wis) * (NT * 128);
-#pragma unroll
-        for (int j = 0; j < NT; ++j)
-#pragma unroll
-          for (int u = 0; u < 4; ++u) __stcg(dst + (j * 4 + u) * 32 + lane, acc[0][j][u]);
-        __threadfence();
-        __syncwarp();
-        int prev = 0;
-        if (lane == 0) prev = atomicAdd(counters + rb0, 1);
-        prev = __shfl_sync(0xFFFFFFFFu, prev, 0);
-        fin = prev == (int)(sb - sa);
-        if (fin) {
-          __threadfence();
-          for (int s2 = sa; s2 <= sb; ++s2) {
-            const int pi = s2 == sa && slot_lo(sa) != gu ? 1 : 0;
-            const float* src = ws + ((long long)(s2 * 2 + pi) * SPW + wis) * (NT * 128);
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-              for (int u = 0; u < 4; ++u) {
-                const float v = __ldcg(src + (j * 4 + u) * 32 + lane);
-                acc[0][j][u] = s2 == sa ? v : acc[0][j][u] + v;
-              }
-          }
-          if (lane == 0) counters[rb0] = 0;
-        }
-      }
-    }
-    if (!SK && !fin) {
+    if (ks != 0 || !active) {
       stamp_last(5);
       return;
     }
-    if (fin) {
     if constexpr (ESC_STASH) {
 #pragma unroll
       for (int i = 0; i < RB; ++i)
@@ -1000,10 +873,6 @@ w12_matmul_flow_kernel(
                               (uint32_t)e0r[i][h], ep[i][h][0], ep[i][h][1], ec[i][h], ev[i][h], ecol, eval, x, ldx,
                               bias, bias_kind, out, M, N, p);
       }
-    }
-    if (slast()) stamp_last(5);
+    stamp_last(5);
   }
-  if constexpr (!SK) break;
-  L += slen;
-  }  // the slot's segments
 }
