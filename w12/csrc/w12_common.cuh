@@ -208,6 +208,13 @@ __device__ __forceinline__ void mma_chunk(float (&acc)[MT][NT][4], const Fragmen
   }
 }
 
+// Diagnostic traces: the %globaltimer, in nanoseconds
+__device__ __forceinline__ unsigned long long global_ns() {
+  unsigned long long v;
+  asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+  return v;
+}
+
 // Diagnostic traces (W12_TRACE builds): slot k of this CTA's 8 u64 stamps in `area`, the %globaltimer in
 // nanoseconds, or the SM id for k = 1
 __device__ __forceinline__ void cta_stamp(unsigned long long* area, int k) {
@@ -217,7 +224,7 @@ __device__ __forceinline__ void cta_stamp(unsigned long long* area, int k) {
     asm volatile("mov.u32 %0, %%smid;" : "=r"(sm));
     v = sm;
   } else {
-    asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(v));
+    v = global_ns();
   }
   area[8 * blockIdx.x + k] = v;
 }

@@ -406,11 +406,7 @@ w12_matmul_flow_kernel(
   };
   auto stamp_last = [&](int k) {
     if constexpr (W12F_TRACE != 0) {
-      if (lane == 0) {
-        unsigned long long t;
-        asm volatile("mov.u64 %0, %%globaltimer;" : "=l"(t));
-        atomicMax(trace + 8 * blockIdx.x + k, t);
-      }
+      if (lane == 0) atomicMax(trace + 8 * blockIdx.x + k, global_ns());
     }
   };
   stamp(0);
