@@ -23,7 +23,7 @@ import torch
 
 import autotune
 
-from .timing import time_cuda
+from .timing import Timing, time_cuda
 
 __all__ = ["run"]
 
@@ -242,8 +242,6 @@ def interleaved_rounds(rounds: int, formats) -> list[list[str]]:
 
 def _pooled(timings):
     """One Timing of the samples of `timings` (the rounds of one step)."""
-    from .timing import Timing
-
     return Timing(tuple(x for t in timings for x in t.samples), timings[0].method, timings[0].calls)
 
 
