@@ -383,6 +383,24 @@ def test_options_build(jit_cache):
 
 
 @pytest.mark.slow
+def test_x_sets_build_without_local_memory(jit_cache):
+    """W12F_XD = 1, 2 (x loaded that many units ahead into sets of its own): no stack and no spills at the shapes
+    the heuristic takes at 1-2 token tiles, one set ahead at 4 (the full format and the 8-bit view); the warpgroup
+    build ignores it; out of range is refused."""
+    arch = (9, 0)
+    for cfg, nt, xd in [(FlowConfig(warps=4, kw=4, stages=3, cps=4, kc=2), 1, 2), (FlowConfig(warps=4, kw=2, stages=3,
+                        cps=4), 2, 2), (FlowConfig(warps=2, kw=2, cps=4, kc=3), 2, 1), (FlowConfig(warps=4, kw=2,
+                        stages=3, cps=4), 4, 1)]:
+        for q8 in (False, True):
+            r = flow.build(cfg, nt, arch, defines={"W12F_XD": xd}, q8=q8).resources()
+            assert r["stack"] == 0 and r["spill_stores"] == 0, (cfg.tag(), nt, xd, q8, r)
+    _check_build(flow.build(FlowConfig(fixed=True), 1, arch, defines={"W12F_XD": 1}), "e", arch, FlowConfig(fixed=True))
+    _check_build(flow.build(FlowConfig(), 1, (8, 0), defines={"W12F_XD": 1}), "e", (8, 0), FlowConfig())
+    with pytest.raises(autotune.BuildError):
+        flow.build(FlowConfig(), 1, arch, defines={"W12F_XD": 3})
+
+
+@pytest.mark.slow
 def test_trace_build_stamps_only_when_asked(jit_cache):
     """W12F_TRACE (perf/w12_ladder.py --trace): the diagnostic build reads %globaltimer and %smid and stamps with
     atomicMax; the shipped build has none of it, and both build without spills (the cluster split, whose ranks

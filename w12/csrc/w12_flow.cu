@@ -114,6 +114,9 @@
 #ifndef W12F_XSTEP
 #define W12F_XSTEP 1
 #endif
+#ifndef W12F_XD
+#define W12F_XD 0  // the mma.sync build's x: 0 one set copied each unit, 1 or 2 sets loaded that many units ahead
+#endif
 #ifndef W12F_RB
 #define W12F_RB 1  // row blocks per warp (one x fragment feeds RB weight tiles)
 #endif
@@ -142,6 +145,10 @@
 #ifndef W12F_WG_STM
 #define W12F_WG_STM 0  // the warpgroup build's x through stmatrix: warp w of a warpgroup stages n-tile w
 #endif
+#ifndef W12F_WG_LEAN
+#define W12F_WG_LEAN 0  // the warpgroup build's unit with fewer instructions: descriptors from one low word per unit,
+                        // no zeroing of x registers that are never loaded
+#endif
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
 #endif
@@ -166,6 +173,7 @@ constexpr bool ESC = W12F_ESC != 0;
 constexpr bool RED = W12F_RED != 0 && KW > 1;
 constexpr bool GUARD = EPI && FIXED;  // the x range and the exact-base recomputation
 constexpr bool WG = W12F_WG != 0;
+constexpr int XD = WG ? 0 : W12F_XD;  // x sets loaded ahead in the mma.sync build (0: one, copied each unit)
 constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of one row block
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
@@ -185,6 +193,7 @@ static_assert(KC >= 1 && KC <= 4, "CTAs splitting K: 1 to 4");
 static_assert(!Q8 || !FIXED, "the 8-bit view: exact base only");
 static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
+static_assert(W12F_XD >= 0 && W12F_XD <= 2, "x loaded 0 to 2 units ahead");
 static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight: 1 or 2");
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
@@ -340,8 +349,17 @@ __device__ __forceinline__ void tile_wgmma(float (&acc)[NT][4], const Frag& f, u
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
   keep(acc);
   keep(a);
+  if constexpr (W12F_WG_LEAN != 0) {
+    // the descriptor's low word once per unit, each k-step's a constant above it (its address field, bits 0-13,
+    // stays below 2^14: shared addresses < 256 KB), the high word a constant
+    const uint32_t lo = ((xs & 0x3FFFFu) >> 4) | ((LBO >> 4) << 16);
 #pragma unroll
-  for (int s = 0; s < 4; ++s) wgmma_step<NT>(acc, a[s], wg_desc(xs + 256u * NT * s, LBO, SBO));
+    for (int s = 0; s < 4; ++s)
+      wgmma_step<NT>(acc, a[s], ((uint64_t)(SBO >> 4) << 32) | (uint64_t)(lo + 16u * NT * s));
+  } else {
+#pragma unroll
+    for (int s = 0; s < 4; ++s) wgmma_step<NT>(acc, a[s], wg_desc(xs + 256u * NT * s, LBO, SBO));
+  }
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(W12F_WG_DEPTH - 1) : "memory");
   keep(acc);
@@ -506,6 +524,10 @@ w12_matmul_flow_kernel(
   const uint32_t xbase = 128u * (xtok >> 3) + 16u * (xtok & 7);
   const __nv_bfloat16* xsrc = x + (long long)(xreal ? xtok : 0) * ldx + 64LL * c0 + 4 * NTP * xq;
   uint32_t xreg[XW];
+  if constexpr (W12F_WG_LEAN != 0) {
+#pragma unroll
+    for (int u = 0; u < XW; ++u) xreg[u] = 0u;
+  }
   auto load_xw = [&]() {
     if (xrow && xreal) {
       if constexpr (XW == 2) {
@@ -519,8 +541,11 @@ w12_matmul_flow_kernel(
         }
       }
     } else {
+      // W12F_WG_LEAN: the registers of a thread without a token keep the zeros they start with
+      if constexpr (W12F_WG_LEAN == 0) {
 #pragma unroll
-      for (int u = 0; u < XW; ++u) xreg[u] = 0u;
+        for (int u = 0; u < XW; ++u) xreg[u] = 0u;
+      }
     }
     xsrc += 64;
   };
@@ -637,14 +662,25 @@ w12_matmul_flow_kernel(
     for (int j = 0; j < NT; ++j)
 #pragma unroll
       for (int u = 0; u < 4; ++u) acc[i][j][u] = 0.0f;
-  uint4 xn[NT][2];  // the next unit's x (prefetched one unit ahead)
+  uint4 xn[NT][2];  // XD = 0: the next unit's x (prefetched one unit ahead); XD > 0: the masked tail's
+  uint4 xs[XD + 1][NT][2];  // XD > 0: the x sets (below)
   if constexpr (WG) {
   } else if constexpr (XB) {
-    if (c0 < cend) load_x(xn);
+    if constexpr (XD == 0) {
+      if (c0 < cend) load_x(xn);
+    } else {
+#pragma unroll
+      for (int r = 0; r < XD; ++r)
+        if (c0 + r < cend) load_x(xs[r]);
+    }
   } else {
     const uint32_t b = 0x3F800000u ^ (uint32_t)lane;  // the probe's constant B operand
 #pragma unroll
     for (int j = 0; j < NT; ++j) xn[j][0] = xn[j][1] = make_uint4(b, b ^ 1u, b ^ 2u, b ^ 3u);
+#pragma unroll
+    for (int r = 0; r <= XD; ++r)
+#pragma unroll
+      for (int j = 0; j < NT; ++j) xs[r][j][0] = xs[r][j][1] = xn[j][0];
   }
 
   uint32_t rst = ring;  // the slot of tile c
@@ -697,26 +733,86 @@ w12_matmul_flow_kernel(
   keep(areg[1]);
   asm volatile("cp.async.wait_all;" ::: "memory");
 #else
-  for (int c = c0; c < c1; ++c) {
-    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-    __syncwarp();
-    if (c == c0) stamp(3);
-    Frag f[RB];
+  if constexpr (XD == 0) {
+    for (int c = c0; c < c1; ++c) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+      __syncwarp();
+      if (c == c0) stamp(3);
+      Frag f[RB];
 #pragma unroll
-    for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
-    // refill the slot read one unit ago with unit c + STAGES - 1
-    if (c + STAGES - 1 < c1) issue();
-    cp_commit();
-    wst = next_slot(wst);
-    rst = next_slot(rst);
-    uint4 xc[NT][2];
+      for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
+      // refill the slot read one unit ago with unit c + STAGES - 1
+      if (c + STAGES - 1 < c1) issue();
+      cp_commit();
+      wst = next_slot(wst);
+      rst = next_slot(rst);
+      uint4 xc[NT][2];
 #pragma unroll
-    for (int j = 0; j < NT; ++j) xc[j][0] = xn[j][0], xc[j][1] = xn[j][1];
-    if constexpr (XB) {
-      if (c + 1 < cend) load_x(xn);
+      for (int j = 0; j < NT; ++j) xc[j][0] = xn[j][0], xc[j][1] = xn[j][1];
+      if constexpr (XB) {
+        if (c + 1 < cend) load_x(xn);
+      }
+#pragma unroll
+      for (int i = 0; i < RB; ++i) tile_mma<FIXED>(acc[i], f[i], xc, kk[i]);
     }
+  } else {
+    // XD + 1 sets of x registers, unit c's in set (c - c0) % (XD + 1), each loaded XD units ahead: the loop is
+    // unrolled by XD + 1 so that every set keeps its registers (a copy from the loaded set to the used one makes the
+    // compiler wait for the load within the unit that issued it)
+    auto unit = [&](int c, const uint4 (&xc)[NT][2], uint4 (&xl)[NT][2]) {
+      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+      __syncwarp();
+      if (c == c0) stamp(3);
+      Frag f[RB];
 #pragma unroll
-    for (int i = 0; i < RB; ++i) tile_mma<FIXED>(acc[i], f[i], xc, kk[i]);
+      for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
+      if (c + STAGES - 1 < c1) issue();
+      cp_commit();
+      wst = next_slot(wst);
+      rst = next_slot(rst);
+      if constexpr (XB) {
+        if (c + XD < cend) load_x(xl);
+      }
+#pragma unroll
+      for (int i = 0; i < RB; ++i) tile_mma<FIXED>(acc[i], f[i], xc, kk[i]);
+    };
+    // explicit set indices (an unrolled loop over them put the sets in local memory)
+    int c = c0;
+    if constexpr (XD == 1) {
+      for (; c + 1 < c1; c += 2) {
+        unit(c, xs[0], xs[1]);
+        unit(c + 1, xs[1], xs[0]);
+      }
+      if (c < c1) {
+        unit(c, xs[0], xs[1]);
+        ++c;
+      }
+      // the masked tail's x (unit c1) was loaded into the set after the last unit's
+      const bool odd = ((c - c0) & 1) != 0;
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int v = 0; v < 2; ++v) xn[j][v] = odd ? xs[1][j][v] : xs[0][j][v];
+    } else {
+      for (; c + 2 < c1; c += 3) {
+        unit(c, xs[0], xs[2]);
+        unit(c + 1, xs[1], xs[0]);
+        unit(c + 2, xs[2], xs[1]);
+      }
+      int t = 0;  // the set of unit c
+      if (c < c1) {
+        unit(c, xs[0], xs[2]);
+        ++c, t = 1;
+      }
+      if (c < c1) {
+        unit(c, xs[1], xs[0]);
+        ++c, t = 2;
+      }
+#pragma unroll
+      for (int j = 0; j < NT; ++j)
+#pragma unroll
+        for (int v = 0; v < 2; ++v) xn[j][v] = t == 0 ? xs[0][j][v] : (t == 1 ? xs[1][j][v] : xs[2][j][v]);
+    }
   }
   asm volatile("cp.async.wait_all;" ::: "memory");
   if (has_tail) {
