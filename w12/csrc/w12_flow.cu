@@ -145,6 +145,9 @@
 #ifndef W12F_WG_STM
 #define W12F_WG_STM 0  // the warpgroup build's x through stmatrix: warp w of a warpgroup stages n-tile w
 #endif
+#ifndef W12F_EARLY
+#define W12F_EARLY 0  // the first tiles requested before the window bases and the escape metadata are read
+#endif
 #ifndef W12F_WG_LEAN
 #define W12F_WG_LEAN 0  // the warpgroup build's unit with fewer instructions: descriptors from one low word per unit,
                         // no zeroing of x registers that are never loaded
@@ -454,6 +457,18 @@ w12_matmul_flow_kernel(
     }
   };
   auto next_slot = [&](uint32_t a) { return a + SLOT >= ring_end ? a + SLOT - STAGES * SLOT : a + SLOT; };
+  // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output); with
+  // W12F_EARLY before the window bases and the escape metadata are read as well (their dependent loads then wait
+  // under the copies instead of before them)
+  auto first_tiles = [&]() {
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+      if (c0 + i < c1) issue();
+      cp_commit();
+      wst += SLOT;
+    }
+  };
+  if constexpr (W12F_EARLY != 0) first_tiles();
 
   // rows g, g + 8 of each block: window base and decode constant
   int e0r[RB][2];
@@ -503,13 +518,7 @@ w12_matmul_flow_kernel(
       }
   }
 
-  // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output)
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (c0 + i < c1) issue();
-    cp_commit();
-    wst += SLOT;
-  }
+  if constexpr (W12F_EARLY == 0) first_tiles();
   grid_dep_wait();
   stamp(2);
 
