@@ -112,8 +112,8 @@ def layer_shapes(names: list[str]) -> dict[str, tuple[int, int]]:
 
 def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int, int] = (9, 0), extra=(),
                  q8: bool = False):
-    """(label, FlowConfig) of the flow rows of one cell: the heuristic's config for the ladder, then step e at
-    other K splits (1..8, up to the CTA's warps) and ring depths (the heuristic's, 8), the other CTA sizes of 16 warps per
+    """(label, FlowConfig) of the flow rows of one cell: the heuristic's config for the ladder, then step e (the
+    mma.sync rows with the heuristic's x sets ahead, `xd`) at other K splits (1..8, up to the CTA's warps) and ring depths (the heuristic's, 8), the other CTA sizes of 16 warps per
     SM (4, 8 or 16 warps), and two row blocks per warp in CTAs of 8 warps at 1 per SM and 4 warps at 2 per SM (the
     heuristic's K split and half of it), when `sweep`; on sm_90 also K split across the CTAs of a cluster (kc 2 and 4,
     CTAs of one row block) and the warpgroup build (`wg`, rows tagged `-g`) in 10 shapes; then the configs in `extra`
@@ -128,23 +128,23 @@ def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int,
     if sweep:
         for kw in (k for k in (1, 2, 4, 8) if k <= base.warps):
             for stages in (base.stages, 8):
-                cfg = wc.FlowConfig(warps=base.warps, kw=kw, stages=stages, cps=base.cps)
+                cfg = wc.FlowConfig(warps=base.warps, kw=kw, stages=stages, cps=base.cps, xd=base.xd)
                 if cfg != base:
                     out.append((f"e@{cfg.tag()}", cfg))
         for warps, cps in ((4, 4), (8, 2), (16, 1)):  # 16 warps per SM in other CTA sizes
             if warps == base.warps:
                 continue
             for kw in sorted({min(base.kw, warps), min(2 * base.kw, warps)}):
-                cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps)
+                cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, xd=base.xd)
                 out.append((f"e@{cfg.tag()}", cfg))
         for warps, cps in ((8, 1), (4, 2)):
             for kw in sorted({min(base.kw, warps), max(1, min(base.kw, warps) // 2)}):
-                cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, rb=2)
+                cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, rb=2, xd=base.xd)
                 out.append((f"e@{cfg.tag()}", cfg))
         if tuple(arch) >= (9, 0):
             for warps, kw, cps, kc in ((4, 4, 4, 2), (4, 4, 4, 4), (8, 8, 2, 2), (4, 2, 4, 2), (2, 2, 4, 2),
                                        (2, 2, 8, 2), (2, 2, 8, 1), (4, 4, 5, 2), (2, 2, 5, 2), (4, 4, 6, 2)):
-                cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, kc=kc)
+                cfg = wc.FlowConfig(warps=warps, kw=kw, stages=base.stages, cps=cps, kc=kc, xd=base.xd)
                 out.append((f"e@{cfg.tag()}", cfg))
             # the warpgroup build (wgmma over 64 rows, x once per warpgroup in shared memory)
             for warps, kw, cps, kc in ((8, 1, 2, 1), (8, 2, 2, 1), (16, 1, 1, 1), (16, 2, 1, 1), (16, 4, 1, 1),

@@ -218,8 +218,11 @@ class FlowConfig:
     exact base only): rank 0 adds the others' sums, received in its shared memory, in rank order. `wg`: the
     warpgroup build (sm_90a: wgmma; exact base, rb = 1, warps a multiple of 4 kw): each 4 warps own 64 consecutive
     rows and one K piece and multiply them by x with wgmma, x staged once per warpgroup in shared memory, so that one
-    x read feeds 64 weight rows (docs/w12-kernels.md, "The warpgroup build"). `w12.matmul_tiled` (the engine's
-    path) takes `flow_config`'s; under `w12.matmul` on the planes it runs only when forced."""
+    x read feeds 64 weight rows (docs/w12-kernels.md, "The warpgroup build"). `xd` (mma.sync build only, 0 to 2):
+    x held in xd + 1 register sets, each loaded xd units before its mma (the loop unrolled by xd + 1); 0 keeps one
+    set, copied from the set loaded one unit ahead, which makes the compiler wait for that load within the unit
+    that issued it (docs/w12-kernels.md, "x loaded ahead"); every xd gives the same bits. `w12.matmul_tiled` (the
+    engine's path) takes `flow_config`'s; under `w12.matmul` on the planes it runs only when forced."""
 
     warps: int = 8
     kw: int = 2
@@ -230,6 +233,7 @@ class FlowConfig:
     rb: int = 1
     kc: int = 1
     wg: bool = False
+    xd: int = 0
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8, 16) or self.kw not in (1, 2, 4, 8, 16) or self.warps % self.kw \
@@ -245,6 +249,9 @@ class FlowConfig:
         if self.wg and (self.fixed or self.rb != 1 or self.warps % (4 * self.kw)):
             raise ValueError(f"FlowConfig(wg=True) needs the exact base (fixed=False), rb=1 and warps a multiple of "
                              f"4 * kw (warpgroups of 4 warps per K piece); got {self}")
+        if self.xd not in (0, 1, 2) or (self.xd and self.wg):
+            raise ValueError(f"FlowConfig needs xd (x sets loaded ahead) 0, 1 or 2, and 0 in the warpgroup build "
+                             f"(wg=True), which stages x in shared memory; got {self}")
 
     @property
     def row_blocks(self) -> int:
@@ -258,17 +265,18 @@ class FlowConfig:
     def tag(self) -> str:
         return f"flow-w{self.warps}-k{self.kw}-s{self.stages}-c{self.cps}" + ("-fixed" if self.fixed else "") + \
             ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "") + \
-            (f"-q{self.kc}" if self.kc > 1 else "") + ("-g" if self.wg else "")
+            (f"-q{self.kc}" if self.kc > 1 else "") + (f"-x{self.xd}" if self.xd else "") + ("-g" if self.wg else "")
 
     @classmethod
     def from_tag(cls, tag: str) -> "FlowConfig":
         """The config whose `tag()` is `tag` (the leading "flow-" may be left out), e.g. "w4-k1-s6-c3-q4-g"."""
-        m = re.fullmatch(r"(?:flow-)?w(\d+)-k(\d+)-s(\d+)-c(\d+)(-fixed)?(-keep)?(?:-r(\d+))?(?:-q(\d+))?(-g)?", tag)
+        m = re.fullmatch(r"(?:flow-)?w(\d+)-k(\d+)-s(\d+)-c(\d+)(-fixed)?(-keep)?(?:-r(\d+))?(?:-q(\d+))?(?:-x(\d+))?(-g)?",
+                         tag)
         if m is None:
             raise ValueError(f"FlowConfig.from_tag: {tag!r} is not a flow config tag (e.g. 'flow-w4-k1-s4-c4-q2-g')")
-        w, k, st, c, fixed, keep, rb, kc, wg = m.groups()
+        w, k, st, c, fixed, keep, rb, kc, xd, wg = m.groups()
         return cls(warps=int(w), kw=int(k), stages=int(st), cps=int(c), fixed=bool(fixed), evict=not keep,
-                   rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg))
+                   rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg), xd=int(xd or 0))
 
 
 def _check_common(c) -> None:
@@ -445,16 +453,23 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     if clusters is None:
         clusters = device.type == "cuda" and not autotune.is_interpreter() and \
             torch.cuda.get_device_capability(device)[0] >= 9
+    # x sets loaded ahead (docs/w12-kernels.md, "x loaded ahead"): two units ahead at M <= 8 where a layer has fewer
+    # than 12 row blocks per SM (the 8-bit view) or 4 to 12 (the full format: in_proj, qkv_proj), one ahead at
+    # M = 9..16; none elsewhere (gate_up, the LM head, the 5120-row layers' full format at M <= 8: within 2-3%, or
+    # slower; M > 16: unmeasured)
+    per_sm = blocks / sms
+    xd = (2 if per_sm < 12 and (q8 or per_sm >= 4) else 0) if M <= 8 else (1 if M <= 16 else 0)
     if clusters and warps is None and cps is None and blocks < 3 * sms and units >= 2:
         if M <= 8:
-            return FlowConfig(warps=4, kw=4, stages=3 if stages is None else stages, cps=4, kc=2)
+            return FlowConfig(warps=4, kw=4, stages=3 if stages is None else stages, cps=4, kc=2, xd=xd)
         kc = 3 if M <= 16 and units >= 6 and not q8 else 2
-        return FlowConfig(warps=2, kw=2, stages=deep, cps=4, kc=kc)
+        return FlowConfig(warps=2, kw=2, stages=deep, cps=4, kc=kc, xd=xd)
     if M <= 8 and not q8 and warps is None and cps is None and \
             4 * sms <= -(-blocks // 4) <= FLOW_ONE_WAVE_CTAS * sms:
         # one row block per warp over the whole K, in one wave of 4-warp CTAs (module doc above)
-        return FlowConfig(warps=4, kw=1, stages=3 if stages is None else stages, cps=4)
-    return FlowConfig(warps=w, kw=kw, stages=(3 if M <= 8 and w == 4 else 4) if stages is None else stages, cps=c)
+        return FlowConfig(warps=4, kw=1, stages=3 if stages is None else stages, cps=4, xd=xd)
+    return FlowConfig(warps=w, kw=kw, stages=(3 if M <= 8 and w == 4 else 4) if stages is None else stages, cps=c,
+                      xd=xd)
 
 
 def flow_config(M: int, N: int, K: int, device: torch.device, *, q8: bool = False) -> FlowConfig:

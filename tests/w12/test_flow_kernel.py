@@ -384,20 +384,18 @@ def test_options_build(jit_cache):
 
 @pytest.mark.slow
 def test_x_sets_build_without_local_memory(jit_cache):
-    """W12F_XD = 1, 2 (x loaded that many units ahead into sets of its own): no stack and no spills at the shapes
-    the heuristic takes at 1-2 token tiles, one set ahead at 4 (the full format and the 8-bit view); the warpgroup
-    build ignores it; out of range is refused."""
+    """FlowConfig.xd = 1, 2 (x loaded that many units ahead into sets of its own): no stack and no spills at the
+    shapes the heuristic gives it (1-2 token tiles; the full format and the 8-bit view), for sm_90 and sm_80."""
     arch = (9, 0)
-    for cfg, nt, xd in [(FlowConfig(warps=4, kw=4, stages=3, cps=4, kc=2), 1, 2), (FlowConfig(warps=4, kw=2, stages=3,
-                        cps=4), 2, 2), (FlowConfig(warps=2, kw=2, cps=4, kc=3), 2, 1), (FlowConfig(warps=4, kw=2,
-                        stages=3, cps=4), 4, 1)]:
+    for cfg, nt in [(FlowConfig(warps=4, kw=4, stages=3, cps=4, kc=2, xd=2), 1), (FlowConfig(warps=4, kw=2, stages=3,
+                    cps=4, xd=2), 1), (FlowConfig(warps=2, kw=2, cps=4, kc=3, xd=1), 2), (FlowConfig(xd=1), 2)]:
         for q8 in (False, True):
-            r = flow.build(cfg, nt, arch, defines={"W12F_XD": xd}, q8=q8).resources()
-            assert r["stack"] == 0 and r["spill_stores"] == 0, (cfg.tag(), nt, xd, q8, r)
-    _check_build(flow.build(FlowConfig(fixed=True), 1, arch, defines={"W12F_XD": 1}), "e", arch, FlowConfig(fixed=True))
-    _check_build(flow.build(FlowConfig(), 1, (8, 0), defines={"W12F_XD": 1}), "e", (8, 0), FlowConfig())
-    with pytest.raises(autotune.BuildError):
-        flow.build(FlowConfig(), 1, arch, defines={"W12F_XD": 3})
+            r = flow.build(cfg, nt, arch, q8=q8).resources()
+            assert r["stack"] == 0 and r["spill_stores"] == 0, (cfg.tag(), nt, q8, r)
+    for cfg in (FlowConfig(fixed=True, xd=1), FlowConfig(warps=4, kw=2, stages=3, cps=4, xd=2)):
+        _check_build(flow.build(cfg, 1, arch), "e", arch, cfg)
+        _check_build(flow.build(cfg, 1, (8, 0)), "e", (8, 0), cfg)
+    assert dict(flow.spec(FlowConfig(xd=2), 1, arch).defines)["W12F_XD"] == "2"
 
 
 @pytest.mark.slow
@@ -466,9 +464,19 @@ def test_heuristic_fills_the_machine(monkeypatch):
     # gate_up: 2176 row blocks, one per warp over the whole K, are 544 4-warp CTAs: one wave at 5 CTAs per SM
     # (4.1 a SM), where the wave model alone takes 2176 one-row-block CTAs of 8 warps in 9 waves (9 x 11 units)
     assert flow_heuristic(8, 34816, 5120, cpu) == FlowConfig(warps=4, kw=1, stages=3, cps=4)
-    assert flow_heuristic(16, 34816, 5120, cpu) == FlowConfig(warps=8, kw=8, cps=2)  # M <= 8 only
+    assert flow_heuristic(16, 34816, 5120, cpu) == FlowConfig(warps=8, kw=8, cps=2, xd=1)  # M <= 8 only
     assert flow_heuristic(1, 34816, 5120, cpu, q8=True).kw == 4  # the full format only
     assert flow_heuristic(1, 34816, 5120, cpu, warps=4) == FlowConfig(warps=4, kw=4, stages=3, cps=4)  # a fixed shape
+    # x loaded ahead: two units at M <= 8 on the layers of 4-12 row blocks per SM (and below 4 for the 8-bit view),
+    # one at 9..16 tokens, none on gate_up and the LM head at M <= 8 or above 16 tokens
+    xds = {(name, m, q8): flow_heuristic(m, n, k, cpu, q8=q8).xd for m in (1, 8, 16, 32) for q8 in (False, True)
+           for name, (n, k) in {"in_proj": (16480, 5120), "qkv": (14336, 5120), "gate_up": (34816, 5120),
+                                "o_proj": (5120, 6144), "head": (248320, 5120)}.items()}
+    assert {key for key, v in xds.items() if v == 2} == {(n, m, q8) for n in ("in_proj", "qkv") for m in (1, 8)
+                                                         for q8 in (False, True)} | {("o_proj", 1, True),
+                                                                                    ("o_proj", 8, True)}
+    assert {key for key, v in xds.items() if v == 1} == {(n, 16, q8) for n in ("in_proj", "qkv", "gate_up", "o_proj",
+                                                                              "head") for q8 in (False, True)}
     # fewer than 4 such CTAs a SM (in_proj: 258) or more than one wave (the LM head: 3880) keep the wave model's pick
     assert flow_heuristic(1, 16480, 5120, cpu).kw == 2 and flow_heuristic(1, 248320, 5120, cpu).kw == 2
     assert flow_heuristic(1, 42240, 5120, cpu).kw == 1 and flow_heuristic(1, 42256, 5120, cpu).kw != 1  # 660 / 661
@@ -488,7 +496,7 @@ def test_heuristic_fills_the_machine(monkeypatch):
             {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144), "down": (5120, 17408),
              "qkv": (14336, 5120), "tiny": (40, 64)}.items()}
     assert {key for key, c in sm90.items() if c.kc == 2} == {(n, m) for n in ("o_proj", "down") for m in (1, 8, 32)}
-    assert sm90["o_proj", 16] == sm90["down", 16] == FlowConfig(warps=2, kw=2, cps=4, kc=3)  # 3 CTAs at 9..16 tokens
+    assert sm90["o_proj", 16] == sm90["down", 16] == FlowConfig(warps=2, kw=2, cps=4, kc=3, xd=1)  # 3 CTAs at 9..16
     assert flow_heuristic(16, 5120, 6144, cpu, clusters=True, q8=True).kc == 2  # the view's split stays at 2
     assert flow_heuristic(16, 5120, 320, cpu, clusters=True).kc == 2  # 5 units of K: too few for 3 CTAs
     assert sm90["o_proj", 1] == FlowConfig(warps=4, kw=4, stages=3, cps=4, kc=2)

@@ -145,13 +145,6 @@
 #ifndef W12F_WG_STM
 #define W12F_WG_STM 0  // the warpgroup build's x through stmatrix: warp w of a warpgroup stages n-tile w
 #endif
-#ifndef W12F_EARLY
-#define W12F_EARLY 0  // the first tiles requested before the window bases and the escape metadata are read
-#endif
-#ifndef W12F_WG_LEAN
-#define W12F_WG_LEAN 0  // the warpgroup build's unit with fewer instructions: descriptors from one low word per unit,
-                        // no zeroing of x registers that are never loaded
-#endif
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
 #endif
@@ -282,11 +275,6 @@ __device__ __forceinline__ void tile_mma(float (&acc)[NT][4], const Frag& f, con
   }
 }
 
-// The warpgroup build's B descriptor: a no-swizzle K-major operand at shared address `a` (16-byte aligned), k halves
-// `lbo` bytes apart, token groups of 8 `sbo` bytes apart
-__device__ __forceinline__ uint64_t wg_desc(uint32_t a, uint32_t lbo, uint32_t sbo) {
-  return (uint64_t)((a & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32);
-}
 
 
 // d[64 rows x 8 NT tokens] += A(registers, this warp's 16 rows) B(descriptor), one k-step
@@ -352,17 +340,12 @@ __device__ __forceinline__ void tile_wgmma(float (&acc)[NT][4], const Frag& f, u
   asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
   keep(acc);
   keep(a);
-  if constexpr (W12F_WG_LEAN != 0) {
-    // the descriptor's low word once per unit, each k-step's a constant above it (its address field, bits 0-13,
-    // stays below 2^14: shared addresses < 256 KB), the high word a constant
-    const uint32_t lo = ((xs & 0x3FFFFu) >> 4) | ((LBO >> 4) << 16);
+  // the descriptor's low word once per unit, each k-step's a constant above it (its address field, bits 0-13, stays
+  // below 2^14: shared addresses < 256 KB), the high word a constant: 3-4 instructions a k-step fewer than building
+  // each descriptor from its address
+  const uint32_t lo = ((xs & 0x3FFFFu) >> 4) | ((LBO >> 4) << 16);
 #pragma unroll
-    for (int s = 0; s < 4; ++s)
-      wgmma_step<NT>(acc, a[s], ((uint64_t)(SBO >> 4) << 32) | (uint64_t)(lo + 16u * NT * s));
-  } else {
-#pragma unroll
-    for (int s = 0; s < 4; ++s) wgmma_step<NT>(acc, a[s], wg_desc(xs + 256u * NT * s, LBO, SBO));
-  }
+  for (int s = 0; s < 4; ++s) wgmma_step<NT>(acc, a[s], ((uint64_t)(SBO >> 4) << 32) | (uint64_t)(lo + 16u * NT * s));
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(W12F_WG_DEPTH - 1) : "memory");
   keep(acc);
@@ -457,18 +440,6 @@ w12_matmul_flow_kernel(
     }
   };
   auto next_slot = [&](uint32_t a) { return a + SLOT >= ring_end ? a + SLOT - STAGES * SLOT : a + SLOT; };
-  // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output); with
-  // W12F_EARLY before the window bases and the escape metadata are read as well (their dependent loads then wait
-  // under the copies instead of before them)
-  auto first_tiles = [&]() {
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-      if (c0 + i < c1) issue();
-      cp_commit();
-      wst += SLOT;
-    }
-  };
-  if constexpr (W12F_EARLY != 0) first_tiles();
 
   // rows g, g + 8 of each block: window base and decode constant
   int e0r[RB][2];
@@ -518,7 +489,13 @@ w12_matmul_flow_kernel(
       }
   }
 
-  if constexpr (W12F_EARLY == 0) first_tiles();
+  // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output)
+#pragma unroll
+  for (int i = 0; i < STAGES - 1; ++i) {
+    if (c0 + i < c1) issue();
+    cp_commit();
+    wst += SLOT;
+  }
   grid_dep_wait();
   stamp(2);
 
@@ -532,11 +509,9 @@ w12_matmul_flow_kernel(
   const uint32_t xring = (uint32_t)__cvta_generic_to_shared(smem + X_OFF) + (warp >> 2) * XSLOTS * XSLOT;
   const uint32_t xbase = 128u * (xtok >> 3) + 16u * (xtok & 7);
   const __nv_bfloat16* xsrc = x + (long long)(xreal ? xtok : 0) * ldx + 64LL * c0 + 4 * NTP * xq;
-  uint32_t xreg[XW];
-  if constexpr (W12F_WG_LEAN != 0) {
+  uint32_t xreg[XW];  // zeros, kept by the threads without a token (never loaded)
 #pragma unroll
-    for (int u = 0; u < XW; ++u) xreg[u] = 0u;
-  }
+  for (int u = 0; u < XW; ++u) xreg[u] = 0u;
   auto load_xw = [&]() {
     if (xrow && xreal) {
       if constexpr (XW == 2) {
@@ -548,12 +523,6 @@ w12_matmul_flow_kernel(
           const uint4 v = __ldg(reinterpret_cast<const uint4*>(xsrc) + u);
           xreg[4 * u] = v.x, xreg[4 * u + 1] = v.y, xreg[4 * u + 2] = v.z, xreg[4 * u + 3] = v.w;
         }
-      }
-    } else {
-      // W12F_WG_LEAN: the registers of a thread without a token keep the zeros they start with
-      if constexpr (W12F_WG_LEAN == 0) {
-#pragma unroll
-        for (int u = 0; u < XW; ++u) xreg[u] = 0u;
       }
     }
     xsrc += 64;
