@@ -221,7 +221,9 @@ class FlowConfig:
     x read feeds 64 weight rows (docs/w12-kernels.md, "The warpgroup build"). `xd` (mma.sync build only, 0 to 2):
     x held in xd + 1 register sets, each loaded xd units before its mma (the loop unrolled by xd + 1); 0 keeps one
     set, copied from the set loaded one unit ahead, which makes the compiler wait for that load within the unit
-    that issued it (docs/w12-kernels.md, "x loaded ahead"); every xd gives the same bits. `w12.matmul_tiled` (the
+    that issued it (docs/w12-kernels.md, "x loaded ahead"); every xd gives the same bits. `kg`: the kc CTAs
+    splitting K are not a cluster but meet in a global workspace, the last of them adding the others' sums in rank
+    order (any sm_80+ GPU; kc up to 8; the cluster build's bits; tag `-p<kc>`). `w12.matmul_tiled` (the
     engine's path) takes `flow_config`'s; under `w12.matmul` on the planes it runs only when forced."""
 
     warps: int = 8
@@ -234,6 +236,7 @@ class FlowConfig:
     kc: int = 1
     wg: bool = False
     xd: int = 0
+    kg: bool = False
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8, 16) or self.kw not in (1, 2, 4, 8, 16) or self.warps % self.kw \
@@ -243,9 +246,9 @@ class FlowConfig:
         if self.rb not in (1, 2) or (self.rb == 2 and self.fixed):
             raise ValueError(f"FlowConfig needs rb (row blocks per warp) 1 or 2, and 2 only with the exact base "
                              f"(fixed=False); got {self}")
-        if self.kc not in (1, 2, 3, 4) or (self.kc > 1 and self.fixed):
-            raise ValueError(f"FlowConfig needs kc (CTAs of a cluster splitting K) 1 to 4, and above 1 only with "
-                             f"the exact base (fixed=False); got {self}")
+        if not 1 <= self.kc <= (8 if self.kg else 4) or (self.kc > 1 and self.fixed) or (self.kg and self.kc < 2):
+            raise ValueError(f"FlowConfig needs kc (CTAs splitting K) 1 to 4 in a cluster or 2 to 8 through global "
+                             f"memory (kg=True), and above 1 only with the exact base (fixed=False); got {self}")
         if self.wg and (self.fixed or self.rb != 1 or self.warps % (4 * self.kw)):
             raise ValueError(f"FlowConfig(wg=True) needs the exact base (fixed=False), rb=1 and warps a multiple of "
                              f"4 * kw (warpgroups of 4 warps per K piece); got {self}")
@@ -265,18 +268,19 @@ class FlowConfig:
     def tag(self) -> str:
         return f"flow-w{self.warps}-k{self.kw}-s{self.stages}-c{self.cps}" + ("-fixed" if self.fixed else "") + \
             ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "") + \
-            (f"-q{self.kc}" if self.kc > 1 else "") + (f"-x{self.xd}" if self.xd else "") + ("-g" if self.wg else "")
+            (f"-{'p' if self.kg else 'q'}{self.kc}" if self.kc > 1 else "") + (f"-x{self.xd}" if self.xd else "") + \
+            ("-g" if self.wg else "")
 
     @classmethod
     def from_tag(cls, tag: str) -> "FlowConfig":
         """The config whose `tag()` is `tag` (the leading "flow-" may be left out), e.g. "w4-k1-s6-c3-q4-g"."""
-        m = re.fullmatch(r"(?:flow-)?w(\d+)-k(\d+)-s(\d+)-c(\d+)(-fixed)?(-keep)?(?:-r(\d+))?(?:-q(\d+))?(?:-x(\d+))?(-g)?",
-                         tag)
+        m = re.fullmatch(r"(?:flow-)?w(\d+)-k(\d+)-s(\d+)-c(\d+)(-fixed)?(-keep)?(?:-r(\d+))?(?:-([qp])(\d+))?(?:-x(\d+))?"
+                         r"(-g)?", tag)
         if m is None:
             raise ValueError(f"FlowConfig.from_tag: {tag!r} is not a flow config tag (e.g. 'flow-w4-k1-s4-c4-q2-g')")
-        w, k, st, c, fixed, keep, rb, kc, xd, wg = m.groups()
+        w, k, st, c, fixed, keep, rb, split, kc, xd, wg = m.groups()
         return cls(warps=int(w), kw=int(k), stages=int(st), cps=int(c), fixed=bool(fixed), evict=not keep,
-                   rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg), xd=int(xd or 0))
+                   rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg), xd=int(xd or 0), kg=split == "p")
 
 
 def _check_common(c) -> None:

@@ -101,12 +101,12 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
     if cfg.wg and _check_step(step)["W12F_X"] == 0:
         raise ValueError(f"w12.flow.spec: {cfg.tag()} (the warpgroup build) multiplies x from shared memory; ladder "
                          f"step {step!r} reads no x (use a step from 'b' on)")
-    if cfg.kc > 1 and tuple(arch) < (9, 0):
+    if cfg.kc > 1 and not cfg.kg and tuple(arch) < (9, 0):
         raise ValueError(f"w12.flow.spec: {cfg.tag()} splits K across the CTAs of a thread-block cluster, which needs "
                          f"sm_90; this GPU is sm_{arch[0]}{arch[1]} (use kc=1)")
     base = dict(W12F_WARPS=cfg.warps, W12F_KW=cfg.kw, W12F_STAGES=cfg.stages, W12F_CPS=cfg.cps, W12F_NT=nt,
                 W12F_FIXED=int(cfg.fixed), W12F_EVICT=int(cfg.evict), W12F_RB=cfg.rb, W12F_KC=cfg.kc,
-                W12F_Q8=int(q8), W12F_WG=int(cfg.wg), W12F_XD=cfg.xd, **_check_step(step))
+                W12F_Q8=int(q8), W12F_WG=int(cfg.wg), W12F_XD=cfg.xd, W12F_KG=int(cfg.kg), **_check_step(step))
     merged = base | _env_defines() | dict(defines or {})
     if cfg.kc > 1 and not merged["W12F_RED"]:
         raise ValueError(f"w12.flow.spec: {cfg.tag()} (a K split across CTAs) builds only with the reduction, step "
@@ -145,7 +145,7 @@ def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e") -> int:
     ring per warpgroup (3 slots of 1 KB per token tile)."""
     defines = _check_step(step)
     red = defines["W12F_RED"] and cfg.kw > 1
-    cred = (cfg.kc - 1) * cfg.row_blocks * nt * 512
+    cred = 0 if cfg.kg else (cfg.kc - 1) * cfg.row_blocks * nt * 512
     stash = cfg.row_blocks * 1024 if defines["W12F_ESC"] and nt > 2 else 0
     xring = cfg.warps // 4 * 3 * nt * 1024 if cfg.wg else 0
     return cfg.warps * cfg.stages * cfg.rb * TILE + (cfg.warps * cfg.rb * nt * 512 if red else 0) + cred + stash + \
@@ -153,7 +153,8 @@ def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e") -> int:
 
 
 def grid(cfg: FlowConfig, N: int) -> int:
-    """CTAs of a launch: `cfg.kc` (one cluster) per `cfg.row_blocks` row blocks of 16 rows."""
+    """CTAs of a launch: `cfg.kc` (one cluster, or with `kg` a group meeting in global memory) per `cfg.row_blocks`
+    row blocks of 16 rows."""
     return -(-(-(-N // 16)) // cfg.row_blocks) * cfg.kc
 
 
@@ -192,7 +193,27 @@ def _tiled(hi, lo, e0, rowptr, col, val, K: int) -> tuple[TiledW12, bool]:
 _KERNELS = jit.FunctionCache()
 _SINKS: dict[int, torch.Tensor] = {}
 _TYPES = (jit.PTR, jit.I64, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.I32, jit.PTR, jit.I32, jit.I32,
-          jit.I32, jit.PTR)
+          jit.I32, jit.PTR, jit.PTR, jit.PTR)
+# the K split through global memory (FlowConfig.kg): per device and stream, a float workspace and the row groups'
+# counters (zero between launches: the kernel sets them back), grown when a launch needs more; a grown-out pair stays
+# allocated, as a captured CUDA graph may still hold its addresses
+_SPLIT: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
+_SPLIT_OLD: list[tuple[torch.Tensor, torch.Tensor]] = []
+
+
+def _split_buffers(cfg: FlowConfig, nt: int, N: int, device: torch.device, idx: int, stream: int
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    ctas = grid(cfg, N)
+    need_ws, need_cnt = ctas * cfg.row_blocks * nt * 128, ctas // cfg.kc
+    have = _SPLIT.get((idx, stream))
+    if have is None or have[0].numel() < need_ws or have[1].numel() < need_cnt:
+        if have is not None:
+            _SPLIT_OLD.append(have)
+        size_ws = max(need_ws, 0 if have is None else have[0].numel())
+        size_cnt = max(need_cnt, 0 if have is None else have[1].numel())
+        have = _SPLIT[idx, stream] = (torch.empty(size_ws, device=device, dtype=torch.float32),
+                                      torch.zeros(size_cnt, device=device, dtype=torch.int32))
+    return have
 
 
 def _kernel(cfg: FlowConfig, nt: int, step: str, idx: int, defines: tuple, smem: int | None,
@@ -256,9 +277,13 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     if sink is None:
         sink = _SINKS[idx] = torch.zeros(32 * 16, device=x2d.device, dtype=torch.float32)
     stream = torch.cuda.current_stream(x2d.device).cuda_stream
+    ws = cnt = None
+    if cfg.kg and step == "e":
+        ws, cnt = _split_buffers(cfg, nt, t.N, x2d.device, idx, stream)
     values = (xk.data_ptr(), ldx, t.tiles.data_ptr(), t.e0.data_ptr(), t.esc_rowptr.data_ptr(), t.esc_col.data_ptr(),
               t.esc_val.data_ptr(), 0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype],
-              out.data_ptr(), M, t.N, K, sink.data_ptr())
+              out.data_ptr(), M, t.N, K, sink.data_ptr(), 0 if ws is None else ws.data_ptr(),
+              0 if cnt is None else cnt.data_ptr())
     if pdl is None:
         from .cuda import pdl_enabled
 

@@ -202,6 +202,56 @@ def test_k_split_across_ctas_on_hostile_rows(xkind):
         _assert_close_hostile(_run(cfg, x, t), w12.matmul_reference(x, p), F.linear(x, w12.unpack(p)), nan_at)
 
 
+# the K split through global memory (kg): any sm_80+ GPU, up to 8 CTAs, with x sets ahead and with two row blocks
+# per warp; the warpgroup build's (sm_90) in KG_WG_CONFIGS
+KG_CONFIGS = [FlowConfig(warps=4, kw=4, cps=4, kc=2, kg=True), FlowConfig(warps=2, kw=2, cps=4, kc=6, kg=True, xd=1),
+              FlowConfig(warps=8, kw=4, cps=2, kc=3, rb=2, kg=True), FlowConfig(warps=4, kw=2, cps=4, kc=8, kg=True)]
+KG_WG_CONFIGS = [FlowConfig(warps=8, kw=2, cps=2, kc=3, kg=True, wg=True),
+                 FlowConfig(warps=4, kw=1, cps=4, kc=8, kg=True, wg=True)]
+
+
+def _kg_configs():
+    return KG_CONFIGS + (KG_WG_CONFIGS if torch.cuda.get_device_capability() == (9, 0) else [])
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 75, 200), (5, 40, 130), (13, 17, 64), (32, 130, 4100), (24, 1000, 63),
+                                   (32, 5120, 6144)], ids=lambda v: str(v))
+def test_k_split_through_memory_matches_fp64(M, N, K):
+    """Against fp64, and bit for bit over 3 more runs (the last CTA of a group adds the slots in rank order whichever
+    CTA it is; the counters go back to zero between launches); K = 64 and 130 give CTAs with no full unit."""
+    for cfg in _kg_configs():
+        if cfg.wg and M <= 8:
+            continue
+        _check_fp64_and_repeats(cfg, M, N, K, repeats=3)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("M", [1, 11, 32])
+def test_k_split_through_memory_equals_the_cluster_build_bitwise(M):
+    """The same adds in the same order as the cluster build: its bits, on hostile rows and x salted with NaN, +-Inf,
+    +-0 and subnormals; in a CUDA graph of three launches replayed twice and under programmatic dependent launch
+    (the next launch may start while this one's CTAs add), the same bits again."""
+    p, x, _ = _hostile_case("nonfinite", seed=21)
+    x = torch.cat([x] * 3)[:M]
+    t = layout.tile(p)
+    for cfg in [c for c in _kg_configs() if c.kc <= 4] + [dataclasses.replace(KC_CONFIGS[1], kg=True)]:
+        want = _run(dataclasses.replace(cfg, kg=False), x, t)
+        got = _run(cfg, x, t)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
+        outs = [torch.full_like(want, float("nan")) for _ in range(3)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for o in outs:
+                flow.launch_tiled(cfg, x, t, None, o, pdl=True)
+        for _ in range(2):
+            for o in outs:
+                o.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            for o in outs:
+                assert torch.equal(o.view(torch.int16), want.view(torch.int16)), cfg.tag()
+
+
 @pytest.mark.parametrize("cfg", [FlowConfig(), pytest.param(KC_CONFIGS[0], marks=pytest.mark.hopper)],
                          ids=lambda c: c.tag())
 def test_forced_config_graph_replay_and_repeatability(cfg):

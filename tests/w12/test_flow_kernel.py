@@ -399,6 +399,29 @@ def test_x_sets_build_without_local_memory(jit_cache):
 
 
 @pytest.mark.slow
+def test_k_split_through_memory_builds_everywhere(jit_cache):
+    """FlowConfig.kg (the K split's CTAs meeting in a global workspace): no cluster, so sm_80 builds it too; its tag
+    is -p<kc> and round-trips; kc 2 to 8 (a cluster takes at most 4); no shared memory for other CTAs' sums; the
+    counter's atomic add and the fences in the PTX, and no launch of the next grid before the CTAs exit."""
+    cfg = FlowConfig(warps=4, kw=4, stages=3, cps=4, kc=6, kg=True, xd=1)
+    assert cfg.tag() == "flow-w4-k4-s3-c4-p6-x1" and FlowConfig.from_tag(cfg.tag()) == cfg
+    assert FlowConfig.from_tag("w8-k2-s4-c2-p3-g") == FlowConfig(warps=8, kw=2, stages=4, cps=2, kc=3, kg=True, wg=True)
+    for bad in (dict(kc=1, kg=True), dict(kc=5), dict(kc=9, kg=True)):
+        with pytest.raises(ValueError, match="kc"):
+            FlowConfig(**bad)
+    for arch in ((8, 0), (9, 0)):
+        b = flow.build(cfg, 2, arch)
+        ptx = b.ptx.read_text()
+        assert b.resources()["spill_stores"] == 0 and b.resources()["stack"] == 0
+        assert "atom.global.add" in ptx and "membar.gl" in ptx and "cluster" not in ptx
+        assert "griddepcontrol.launch_dependents" not in ptx
+    assert flow.smem_bytes(cfg, 2) == flow.smem_bytes(FlowConfig(warps=4, kw=4, stages=3, cps=4), 2)
+    assert flow.grid(cfg, 5120) == 320 * 6 // 1
+    wg = flow.build(FlowConfig(warps=8, kw=2, cps=2, kc=3, kg=True, wg=True), 4, (9, 0))
+    assert wg.resources()["spill_stores"] == 0 and "serialized" not in wg.log.read_text()
+
+
+@pytest.mark.slow
 def test_trace_build_stamps_only_when_asked(jit_cache):
     """W12F_TRACE (perf/w12_ladder.py --trace): the diagnostic build reads %globaltimer and %smid and stamps with
     atomicMax; the shipped build has none of it, and both build without spills (the cluster split, whose ranks
@@ -423,9 +446,9 @@ def test_config_and_launch_geometry():
         FlowConfig(rb=2, fixed=True)
     with pytest.raises(ValueError, match="rb .row blocks per warp. 1 or 2"):
         FlowConfig(rb=3)
-    with pytest.raises(ValueError, match="kc .CTAs of a cluster splitting K. 1 to 4"):
+    with pytest.raises(ValueError, match="kc .CTAs splitting K. 1 to 4 in a cluster"):
         FlowConfig(kc=2, fixed=True)
-    with pytest.raises(ValueError, match="kc .CTAs of a cluster splitting K. 1 to 4"):
+    with pytest.raises(ValueError, match="kc .CTAs splitting K. 1 to 4 in a cluster"):
         FlowConfig(kc=5)
     q2 = FlowConfig(warps=4, kw=4, cps=4, kc=2)
     assert q2.tag() == "flow-w4-k4-s4-c4-q2" and flow.grid(q2, 5120) == 640 and flow.grid(q2, 17) == 4

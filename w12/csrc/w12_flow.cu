@@ -19,6 +19,13 @@
 // (distributed shared memory), and after one cluster barrier rank 0 adds them in rank order (deterministic) and
 // finishes the rows. This is for layers whose row blocks do not spread evenly over the SMs (5120 rows: 320 row
 // blocks on 132 SMs), where smaller CTAs of equal work balance the bytes each SM streams.
+// With W12F_KG = 1 (any sm_80+ GPU) the KC CTAs are not a cluster: each stores its sums into a global workspace
+// (`ws`: one slot per CTA), counts itself in its row groups' counter (`cnt`: one int per KC CTAs, zero between
+// launches) and the CTA that counts last adds the KC slots in rank order, its own from registers (the cluster
+// build's operations in its order: the same bits whichever CTA is last), finishes the rows and sets the counter back
+// to zero. The hardware places these CTAs freely, where the cluster scheduler leaves SMs empty
+// (docs/w12-kernels.md). The next kernel is let launch only when every CTA has left (its epilogue then cannot race
+// the next launch's use of the workspace).
 //
 // Decode (FIXED = 1; the probe's V1). A lane (g = lane / 4, p = lane % 4) holds, per tile, rows g and g + 8:
 // hi bytes of columns 16 p .. 16 p + 15 (one LDS.128 per row) and their lo nibbles (one LDS.64 per row, byte j =
@@ -123,6 +130,9 @@
 #ifndef W12F_KC
 #define W12F_KC 1  // CTAs of a cluster splitting K (sm_90)
 #endif
+#ifndef W12F_KG
+#define W12F_KG 0  // the KC CTAs splitting K meet in a global workspace instead of a cluster's shared memory
+#endif
 #ifndef W12F_Q8
 #define W12F_Q8 0  // the 8-bit view: hi bytes only
 #endif
@@ -158,7 +168,9 @@ constexpr int WARPS = W12F_WARPS;
 constexpr int KW = W12F_KW;
 constexpr int RW = WARPS / KW;  // row groups per CTA
 constexpr int RB = W12F_RB;     // row blocks per row group
-constexpr int KC = W12F_KC;     // CTAs splitting K (one cluster)
+constexpr int KC = W12F_KC;     // CTAs splitting K (one cluster, or with KG through global memory)
+constexpr bool KG = W12F_KG != 0 && KC > 1;
+constexpr bool CLUSTER = KC > 1 && !KG;
 constexpr int STAGES = W12F_STAGES;
 constexpr int NT = W12F_NT;
 constexpr bool FIXED = W12F_FIXED != 0;
@@ -185,7 +197,7 @@ static_assert(NT >= 1 && NT <= 4, "n-tiles: 1..4");
 static_assert(RB == 1 || RB == 2, "row blocks per warp: 1 or 2");
 static_assert(RB == 1 || !FIXED, "two row blocks per warp: exact base only (the guard's recomputation is per block)");
 static_assert((!EPI || XB) && (!ESC || EPI) && (W12F_RED == 0 || EPI), "features build on each other: X, EPI, ESC, RED");
-static_assert(KC >= 1 && KC <= 4, "CTAs splitting K: 1 to 4");
+static_assert(KC >= 1 && KC <= (W12F_KG ? 8 : 4), "CTAs splitting K: 1 to 4 in a cluster, 1 to 8 through memory");
 static_assert(!Q8 || !FIXED, "the 8-bit view: exact base only");
 static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
@@ -194,7 +206,7 @@ static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight:
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
               "the warpgroup build: exact base, one row block per warp, x, and warpgroups of 4 warps per K piece");
-#if W12F_KC > 1 && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
+#if W12F_KC > 1 && !W12F_KG && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
 #error "W12F_KC > 1 needs thread-block clusters (sm_90)"
 #endif
 #if W12F_WG && defined(__CUDA_ARCH__) && !defined(__CUDA_ARCH_FEAT_SM90_ALL)
@@ -357,7 +369,7 @@ __device__ __forceinline__ void tile_wgmma(float (&acc)[NT][4], const Frag& f, u
 }  // namespace
 
 extern "C" __global__ void __launch_bounds__(32 * WARPS, W12F_CPS)
-#if W12F_KC > 1
+#if W12F_KC > 1 && !W12F_KG
 __cluster_dims__(W12F_KC, 1, 1)
 #endif
 w12_matmul_flow_kernel(
@@ -368,9 +380,11 @@ w12_matmul_flow_kernel(
     const uint16_t* __restrict__ eval, const void* __restrict__ bias, int bias_kind,  // bias: 0 none, 1 bf16, 2 fp16, 3 fp32
     __nv_bfloat16* __restrict__ out,      // [M, N]
     int M, int N, int K,
-    float* __restrict__ sink) {           // [blockDim.x]: steps without the epilogue, a never-taken store
+    float* __restrict__ sink,             // [blockDim.x]: steps without the epilogue, a never-taken store
+    float* __restrict__ ws, int* __restrict__ cnt) {  // KG: 128 RW RB NT floats per CTA; one counter per KC CTAs
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_emin[WARPS], s_emax[WARPS];
+  __shared__ int s_last;
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, p = lane & 3;
   // the warp's row block (row group, for RB = 2) in the CTA and its K piece; the warpgroup build groups 4 warps
@@ -461,10 +475,10 @@ w12_matmul_flow_kernel(
   // shared memory: the rings, the KW shares (RED), the other CTAs' sums (KC > 1, rank 0's), the escape stash
   constexpr int RED_OFF = WARPS * STAGES * SLOT;                                    // after the rings
   constexpr int CRED_OFF = RED_OFF + (RED ? WARPS * RB * NT * 512 : 0);              // after the KW shares
-  constexpr int STASH_OFF = CRED_OFF + (KC > 1 ? (KC - 1) * RW * RB * NT * 512 : 0);  // after the CTAs' sums
+  constexpr int STASH_OFF = CRED_OFF + (CLUSTER ? (KC - 1) * RW * RB * NT * 512 : 0);  // after the CTAs' sums
   constexpr int X_OFF = STASH_OFF + (ESC_STASH ? RW * RB * 1024 : 0);                 // after the stash (WG)
   int4* const stash = reinterpret_cast<int4*>(smem + STASH_OFF) + rw * RB * 64;
-  if (ESC && ks == 0 && active && kc == 0) {
+  if (ESC && ks == 0 && active && (KG || kc == 0)) {  // KG: any of the KC CTAs may finish the rows
 #pragma unroll
     for (int i = 0; i < RB; ++i)
 #pragma unroll
@@ -805,7 +819,7 @@ w12_matmul_flow_kernel(
   // the next kernel's CTAs may launch (programmatic dependent launch) once every CTA's main loop is done; at the
   // kernel's start instead, the 64-layer decode step on the H200 took 9,935 µs against 9,816 (docs/w12-kernels.md)
   stamp_last(4);
-  grid_dep_launch();
+  if constexpr (!KG) grid_dep_launch();  // KG: each CTA counts as letting it launch when it exits
 
   if constexpr (!EPI) {
     float s = 0.0f;
@@ -886,7 +900,55 @@ w12_matmul_flow_kernel(
               for (int u = 0; u < 4; ++u) acc[i][j][u] += red[((((warp + KSTEP * w) * RB + i) * NT + j) * 4 + u) * 32 + lane];
       }
     }
-    if constexpr (KC > 1) {
+    if constexpr (KG) {
+      // this CTA's sums into its workspace slot, then the counter; the last of the KC CTAs adds the slots in rank
+      // order (its own from registers) and finishes the rows
+      float* const mine = ws + (size_t)blockIdx.x * (RW * RB * NT * 128);
+      if (ks == 0) {
+#pragma unroll
+        for (int i = 0; i < RB; ++i)
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) __stcg(mine + ((((rw * RB + i) * NT + j) * 4 + u) * 32 + lane), acc[i][j][u]);
+      }
+      __threadfence();
+      __syncthreads();
+      if (threadIdx.x == 0) {
+        const int last = atomicAdd(cnt + cta, 1) == KC - 1;
+        if (last) cnt[cta] = 0;  // every CTA of the group has counted: zero for the next launch
+        s_last = last;
+      }
+      __syncthreads();
+      if (!s_last) {
+        stamp_last(5);
+        return;
+      }
+      __threadfence();
+      if (ks == 0) {
+        float sum[RB][NT][4];
+#pragma unroll
+        for (int r = 0; r < KC; ++r) {
+          const float* slot = ws + (size_t)(cta * KC + r) * (RW * RB * NT * 128);
+#pragma unroll
+          for (int i = 0; i < RB; ++i)
+#pragma unroll
+            for (int j = 0; j < NT; ++j)
+#pragma unroll
+              for (int u = 0; u < 4; ++u) {
+                const float v = r == kc ? acc[i][j][u] : __ldcg(slot + ((((rw * RB + i) * NT + j) * 4 + u) * 32 + lane));
+                sum[i][j][u] = r == 0 ? v : sum[i][j][u] + v;
+              }
+        }
+#pragma unroll
+        for (int i = 0; i < RB; ++i)
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int u = 0; u < 4; ++u) acc[i][j][u] = sum[i][j][u];
+      }
+    }
+    if constexpr (CLUSTER) {
       // the other CTAs' sums into rank 0's shared memory, one cluster barrier, then rank 0 adds them in rank order
       const uint32_t cred = (uint32_t)__cvta_generic_to_shared(smem + CRED_OFF);
       if (ks == 0 && kc > 0) {
