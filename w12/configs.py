@@ -410,8 +410,10 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     shape that measured fastest for its count of row groups per SM r (docs/w12-kernels.md, "The warpgroup build"):
     r >= 3, 4-warp CTAs at 4 per SM with the K split across a 2-CTA cluster (gate_up at M = 32: 120.6 -> 91.1 µs;
     at M = 16: 99.3 -> 85.8 µs); 1 <= r < 3, 16-warp CTAs of two row groups and two K pieces (in_proj at M = 32:
-    48.7 -> 39.7 µs); r < 1, 16-warp CTAs of one row group and four K pieces (down_proj at M = 32: 65.8 -> 59.7 µs,
-    o_proj level). At M <= 16 on the other layers, and at M <= 8 everywhere, the mma.sync build measured faster.
+    48.7 -> 39.7 µs); r < 1 (the 5120-row layers), 8-warp CTAs of one row group and two K pieces at 2 per SM with
+    the K split across 3 CTAs through global memory (`kg`: 240 CTAs that the hardware places freely; down_proj at
+    M = 32: 57.9 -> 50.9 µs against 16-warp CTAs of one row group and four K pieces, o_proj 24.4 -> 23.4; the same
+    split in a cluster of 3 took 69.2 and 28.6 µs). At M <= 16 on the other layers, and at M <= 8 everywhere, the mma.sync build measured faster.
 
     Ring depth (`stages`, unless given): 3 for the 4-warp CTAs at M <= 8, 4 otherwise. On the H200 the shallower
     ring was faster there for both formats (out_proj at M = 1 15.1 µs against 16.1, the 8-bit view 11.4 against
@@ -439,8 +441,13 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
         groups = -(-N // 64) / sm_count(device)
         if groups >= 3:
             return FlowConfig(warps=4, kw=1, stages=deep, cps=4, kc=2, wg=True)
+        if M > 16 and groups < 1:
+            # the K split in 3 through global memory, 2 row groups of 64 rows in flight per SM (docs/w12-kernels.md,
+            # "K split through memory"): down_proj at M = 32 57.9 -> 50.9 µs, o_proj 24.4 -> 23.4 against
+            # 16-warp CTAs of one row group and four K pieces
+            return FlowConfig(warps=8, kw=2, stages=deep, cps=2, kc=3, kg=True, wg=True)
         if M > 16:
-            return FlowConfig(warps=16, kw=2 if groups >= 1 else 4, stages=deep, cps=1, wg=True)
+            return FlowConfig(warps=16, kw=2, stages=deep, cps=1, wg=True)
     if warps is not None or cps is not None:
         shapes = [(warps or (4 if M <= 8 else 8), cps or (4 if M <= 8 else 2))]
     else:
