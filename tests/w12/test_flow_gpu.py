@@ -510,6 +510,28 @@ def test_x_sets_equal_one_copied_set_bitwise(xd, q8, M):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
 
 
+@pytest.mark.parametrize("q8", [False, True], ids=["full", "q8"])
+@pytest.mark.parametrize("M", [1, 11, 32])
+def test_late_prologue_equals_the_shipped_build_bitwise(q8, M):
+    """W12F_LATE (the first tile copies before the decode constants and the escapes' dependent loads): the shipped
+    build's bits for the mma.sync configs, the cluster and memory K splits and (sm_90) the warpgroup build, on
+    hostile rows and x salted with NaN, +-Inf, +-0 and subnormals."""
+    p, x, _ = _hostile_case("nonfinite", seed=17)
+    x = torch.cat([x] * 3)[:M]
+    t = layout.tile(p)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    cfgs = CONFIGS + KG_CONFIGS + ((KC_CONFIGS + WG_CONFIGS + KG_WG_CONFIGS) if hopper else [])
+    for cfg in cfgs:
+        if q8 and (cfg.fixed or cfg.wg):
+            continue
+        want = torch.full((M, t.N), float("nan"), device="cuda", dtype=torch.bfloat16)
+        flow.launch_tiled(cfg, x, t, None, want, q8=q8)
+        got = torch.full_like(want, float("nan"))
+        flow.launch_tiled(cfg, x, t, None, got, q8=q8, defines={"W12F_LATE": 1})
+        torch.cuda.synchronize()
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
+
+
 @pytest.mark.hopper
 def test_warpgroup_descriptor_orientation():
     """32 tokens (4 token groups, where the descriptor's two byte offsets differ): the build as shipped against fp64.
