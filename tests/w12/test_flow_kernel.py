@@ -519,7 +519,8 @@ def test_heuristic_fills_the_machine(monkeypatch):
             {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144), "down": (5120, 17408),
              "qkv": (14336, 5120), "tiny": (40, 64)}.items()}
     assert {key for key, c in sm90.items() if c.kc == 2} == {(n, m) for n in ("o_proj", "down") for m in (1, 8, 32)}
-    assert sm90["o_proj", 16] == sm90["down", 16] == FlowConfig(warps=2, kw=2, cps=4, kc=3, xd=1)  # 3 CTAs at 9..16
+    assert sm90["o_proj", 16] == sm90["down", 16] == FlowConfig(warps=2, kw=2, cps=4, kc=3, xd=1, late=True)  # 9..16
+    assert FlowConfig.from_tag("w2-k2-s4-c4-q3-x1-l") == sm90["o_proj", 16] and not sm90["o_proj", 32].late
     assert flow_heuristic(16, 5120, 6144, cpu, clusters=True, q8=True).kc == 2  # the view's split stays at 2
     assert flow_heuristic(16, 5120, 320, cpu, clusters=True).kc == 2  # 5 units of K: too few for 3 CTAs
     assert sm90["o_proj", 1] == FlowConfig(warps=4, kw=4, stages=3, cps=4, kc=2)
