@@ -140,8 +140,9 @@ TMA_SPACE = SearchSpace(
 
 
 def flow_valid(p: dict, shape) -> str | None:
-    """The flow kernel's config at a shape: it builds (kw divides warps, warps x cps <= 32), M fits, its CTAs'
-    shared memory fits the SM at cps CTAs, a cluster split (kc > 1) has a GPU with clusters, the warpgroup build
+    """The flow kernel's config at a shape: it builds (kw divides warps, warps x cps <= 32; x sets ahead, `xd`, only
+    outside the warpgroup build; the K split through memory, `kg`, only with kc > 1), M fits, its CTAs' shared
+    memory fits the SM at cps CTAs, a cluster split (kc > 1 without kg) has a GPU with clusters, the warpgroup build
     (wg) a GPU with wgmma, and every warp gets a 64-column unit of K."""
     from . import flow
 
@@ -152,7 +153,7 @@ def flow_valid(p: dict, shape) -> str | None:
     smem = flow.smem_bytes(cfg, flow.n_tiles(m))
     if smem * cfg.cps > _SMEM_PER_SM:
         return f"shared memory: {cfg.cps} CTAs x {smem} B per SM"
-    if cfg.kc > 1 and not (autotune.has_cuda() and torch.cuda.get_device_capability()[0] >= 9):
+    if cfg.kc > 1 and not cfg.kg and not (autotune.has_cuda() and torch.cuda.get_device_capability()[0] >= 9):
         return "config: a K split across CTAs needs thread-block clusters (sm_90)"
     if cfg.wg and not (autotune.has_cuda() and torch.cuda.get_device_capability() == (9, 0)):
         return "config: the warpgroup build needs wgmma (sm_90)"
@@ -163,8 +164,8 @@ def flow_valid(p: dict, shape) -> str | None:
 
 FLOW_SPACE = SearchSpace(
     op="w12.matmul", variant="flow",
-    params={"warps": [2, 4, 8, 16], "kw": [1, 2, 4, 8], "stages": [3, 4, 6], "cps": [1, 2, 4, 8], "kc": [1, 2],
-            "wg": [False, True]},
+    params={"warps": [2, 4, 8, 16], "kw": [1, 2, 4, 8], "stages": [3, 4, 6], "cps": [1, 2, 4, 8], "kc": [1, 2, 3],
+            "wg": [False, True], "xd": [0, 1, 2], "kg": [False, True], "late": [False, True]},
     make_config=lambda p: FlowConfig(**p),
     flops_bytes=tc_flops_bytes, valid=flow_valid, key=_key,
     heuristic=lambda s: flow_heuristic(s["M"], s["N"], s["K"], torch.device("cuda" if autotune.has_cuda() else "cpu")),
