@@ -479,7 +479,7 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
         kc = 3 if M <= 16 and units >= 6 and not q8 else 2
         # the first copies before the prologue's waits at 9..16 tokens: o_proj 18.7 -> 18.2 µs, out_proj 18.8 ->
         # 18.3, down_proj 43.2 -> 42.0 at M = 16 on the H200 (docs/w12-kernels.md, "K split through memory")
-        return FlowConfig(warps=2, kw=2, stages=deep, cps=4, kc=kc, xd=xd, late=8 < M <= 16)
+        return FlowConfig(warps=2, kw=2, stages=deep, cps=4, kc=kc, xd=xd, late=M <= 16)
     if M <= 8 and not q8 and warps is None and cps is None and \
             4 * sms <= -(-blocks // 4) <= FLOW_ONE_WAVE_CTAS * sms:
         # one row block per warp over the whole K, in one wave of 4-warp CTAs (module doc above)

@@ -51,9 +51,10 @@ def _salt(x: torch.Tensor, nonfinite: bool = True) -> torch.Tensor:
     return x
 
 
-def _run(cfg, x, t, bias=None, step="e"):
+def _run(cfg, x, t, bias=None, step="e", **kw):
+    """`cfg`'s product into a NaN-filled output (`kw`: launch_tiled's q8, defines, ...), synchronized."""
     out = torch.full((x.shape[0], t.N), float("nan"), device="cuda", dtype=torch.bfloat16)
-    flow.launch_tiled(cfg, x, t, bias, out, step=step)
+    flow.launch_tiled(cfg, x, t, bias, out, step=step, **kw)
     torch.cuda.synchronize()
     return out
 
@@ -480,9 +481,7 @@ def test_warpgroup_variants_equal_the_shipped_build_bitwise(defines, M):
     t = layout.tile(p)
     for cfg in WG_CONFIGS:
         want = _run(cfg, x, t)
-        got = torch.full_like(want, float("nan"))
-        flow.launch_tiled(cfg, x, t, None, got, defines=defines)
-        torch.cuda.synchronize()
+        got = _run(cfg, x, t, defines=defines)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
 
 
@@ -502,11 +501,8 @@ def test_x_sets_equal_one_copied_set_bitwise(xd, q8, M):
     for cfg in cfgs:
         if q8 and cfg.fixed:
             continue
-        want = torch.full((M, t.N), float("nan"), device="cuda", dtype=torch.bfloat16)
-        flow.launch_tiled(dataclasses.replace(cfg, xd=0), x, t, None, want, q8=q8)
-        got = torch.full_like(want, float("nan"))
-        flow.launch_tiled(dataclasses.replace(cfg, xd=xd), x, t, None, got, q8=q8)
-        torch.cuda.synchronize()
+        want = _run(dataclasses.replace(cfg, xd=0), x, t, q8=q8)
+        got = _run(dataclasses.replace(cfg, xd=xd), x, t, q8=q8)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
 
 
@@ -524,11 +520,8 @@ def test_late_prologue_equals_the_shipped_build_bitwise(q8, M):
     for cfg in cfgs:
         if q8 and (cfg.fixed or cfg.wg):
             continue
-        want = torch.full((M, t.N), float("nan"), device="cuda", dtype=torch.bfloat16)
-        flow.launch_tiled(cfg, x, t, None, want, q8=q8)
-        got = torch.full_like(want, float("nan"))
-        flow.launch_tiled(cfg, x, t, None, got, q8=q8, defines={"W12F_LATE": 1})
-        torch.cuda.synchronize()
+        want = _run(cfg, x, t, q8=q8)
+        got = _run(cfg, x, t, q8=q8, defines={"W12F_LATE": 1})
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
 
 

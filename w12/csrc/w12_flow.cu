@@ -458,82 +458,20 @@ w12_matmul_flow_kernel(
   };
   auto next_slot = [&](uint32_t a) { return a + SLOT >= ring_end ? a + SLOT - STAGES * SLOT : a + SLOT; };
 
-#if !W12F_LATE
-  // rows g, g + 8 of each block: window base and decode constant
+  // rows g, g + 8 of each block: window base and decode constant (W12F_LATE: the constants after the first copies)
   int e0r[RB][2];
   uint32_t kk[RB][2];
-#pragma unroll
-  for (int i = 0; i < RB; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = (rb0 + i) * 16 + 8 * h + g;
-      e0r[i][h] = active && row < N ? (int)e0[row] : 0;
-      const uint32_t e = (uint32_t)e0r[i][h];
-      kk[i][h] = FIXED ? (e == 0 ? 0u : BASE112) : (Q8 ? q8_base((e << 7) | (e << 23)) : (e << 7) | (e << 23));
-    }
-
-  // the escape metadata of the rows this warp finishes (CSR range and first entry), read now so that the loads'
-  // latency hides under the stream instead of lengthening the epilogue (ESC_STASH: where it waits)
-  int ep[RB][2][2] = {}, ec[RB][2] = {};
-  uint32_t ev[RB][2] = {};
-  // shared memory: the rings, the KW shares (RED), the other CTAs' sums (KC > 1, rank 0's), the escape stash
-  constexpr int RED_OFF = WARPS * STAGES * SLOT;                                    // after the rings
-  constexpr int CRED_OFF = RED_OFF + (RED ? WARPS * RB * NT * 512 : 0);              // after the KW shares
-  constexpr int STASH_OFF = CRED_OFF + (CLUSTER ? (KC - 1) * RW * RB * NT * 512 : 0);  // after the CTAs' sums
-  constexpr int X_OFF = STASH_OFF + (ESC_STASH ? RW * RB * 1024 : 0);                 // after the stash (WG)
-  int4* const stash = reinterpret_cast<int4*>(smem + STASH_OFF) + rw * RB * 64;
-  if (ESC && ks == 0 && active && (KG || kc == 0)) {  // KG: any of the KC CTAs may finish the rows
-#pragma unroll
-    for (int i = 0; i < RB; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = (rb0 + i) * 16 + 8 * h + g;
-        if (row < N) {
-          ep[i][h][0] = __ldg(rowptr + row);
-          ep[i][h][1] = __ldg(rowptr + row + 1);
-        }
-      }
-#pragma unroll
-    for (int i = 0; i < RB; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (ep[i][h][1] > ep[i][h][0]) {
-          ec[i][h] = __ldg(ecol + ep[i][h][0]);
-          ev[i][h] = __ldg(eval + ep[i][h][0]);
-        }
-        // the lane reads back its own entries in the epilogue: no barrier
-        if constexpr (ESC_STASH)
-          stash[64 * i + 32 * h + lane] = make_int4(ep[i][h][0], ep[i][h][1], ec[i][h], (int)ev[i][h]);
-      }
-  }
-
-  // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output)
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (c0 + i < c1) issue();
-    cp_commit();
-    wst += SLOT;
-  }
-#else
-  // rows g, g + 8 of each block: window base and decode constant
-  int e0r[RB][2];
-  uint32_t kk[RB][2];
-#pragma unroll
-  for (int i = 0; i < RB; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = (rb0 + i) * 16 + 8 * h + g;
-      e0r[i][h] = active && row < N ? (int)e0[row] : 0;
-    }
-  auto decode_constants = [&]() {
-#pragma unroll
-    for (int i = 0; i < RB; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const uint32_t e = (uint32_t)e0r[i][h];
-        kk[i][h] = FIXED ? (e == 0 ? 0u : BASE112) : (Q8 ? q8_base((e << 7) | (e << 23)) : (e << 7) | (e << 23));
-      }
+  auto decode_constant = [](uint32_t e) -> uint32_t {
+    return FIXED ? (e == 0 ? 0u : BASE112) : (Q8 ? q8_base((e << 7) | (e << 23)) : (e << 7) | (e << 23));
   };
+#pragma unroll
+  for (int i = 0; i < RB; ++i)
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const int row = (rb0 + i) * 16 + 8 * h + g;
+      e0r[i][h] = active && row < N ? (int)e0[row] : 0;
+      if constexpr (W12F_LATE == 0) kk[i][h] = decode_constant((uint32_t)e0r[i][h]);
+    }
 
   // the escape metadata of the rows this warp finishes (CSR range and first entry), read now so that the loads'
   // latency hides under the stream instead of lengthening the epilogue (ESC_STASH: where it waits)
@@ -545,19 +483,8 @@ w12_matmul_flow_kernel(
   constexpr int STASH_OFF = CRED_OFF + (CLUSTER ? (KC - 1) * RW * RB * NT * 512 : 0);  // after the CTAs' sums
   constexpr int X_OFF = STASH_OFF + (ESC_STASH ? RW * RB * 1024 : 0);                 // after the stash (WG)
   int4* const stash = reinterpret_cast<int4*>(smem + STASH_OFF) + rw * RB * 64;
-  const bool esc_rows = ESC && ks == 0 && active && (KG || kc == 0);  // KG: any of the KC CTAs may finish the rows
-  if (esc_rows) {
-#pragma unroll
-    for (int i = 0; i < RB; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = (rb0 + i) * 16 + 8 * h + g;
-        if (row < N) {
-          ep[i][h][0] = __ldg(rowptr + row);
-          ep[i][h][1] = __ldg(rowptr + row + 1);
-        }
-      }
-  }
+  // the first entry of each row's CSR range (W12F_LATE: after the first copies, so that this dependent load and
+  // the stash store that waits for it do not hold them back)
   auto escape_entries = [&]() {
 #pragma unroll
     for (int i = 0; i < RB; ++i)
@@ -572,18 +499,35 @@ w12_matmul_flow_kernel(
           stash[64 * i + 32 * h + lane] = make_int4(ep[i][h][0], ep[i][h][1], ec[i][h], (int)ev[i][h]);
       }
   };
+  const bool esc_rows = ESC && ks == 0 && active && (KG || kc == 0);  // KG: any of the KC CTAs may finish the rows
+  if (esc_rows) {
+#pragma unroll
+    for (int i = 0; i < RB; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int row = (rb0 + i) * 16 + 8 * h + g;
+        if (row < N) {
+          ep[i][h][0] = __ldg(rowptr + row);
+          ep[i][h][1] = __ldg(rowptr + row + 1);
+        }
+      }
+    if constexpr (W12F_LATE == 0) escape_entries();
+  }
 
-  // W12F_LATE: the first STAGES - 1 tiles go out before the decode constants and the escapes' dependent loads,
-  // whose waits then overlap the copies (and before the wait for the previous kernel, as above)
+  // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output)
 #pragma unroll
   for (int i = 0; i < STAGES - 1; ++i) {
     if (c0 + i < c1) issue();
     cp_commit();
     wst += SLOT;
   }
-  decode_constants();
-  if (esc_rows) escape_entries();
-#endif
+  if constexpr (W12F_LATE != 0) {
+#pragma unroll
+    for (int i = 0; i < RB; ++i)
+#pragma unroll
+      for (int h = 0; h < 2; ++h) kk[i][h] = decode_constant((uint32_t)e0r[i][h]);
+    if (esc_rows) escape_entries();
+  }
   grid_dep_wait();
   stamp(2);
 
