@@ -158,6 +158,9 @@
 #ifndef W12F_LATE
 #define W12F_LATE 0  // the decode constants and the escapes' dependent loads after the first tile copies
 #endif
+#ifndef W12F_WG_XLATE
+#define W12F_WG_XLATE 0  // the warpgroup build's next-unit x loads after the unit's fence and barrier
+#endif
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
 #endif
@@ -194,6 +197,7 @@ constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of o
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
 constexpr bool STM = WG && W12F_WG_STM != 0;
+constexpr bool XLATE = WG && !STM && W12F_WG_XLATE != 0;
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
@@ -727,13 +731,16 @@ w12_matmul_flow_kernel(
       if (c + 1 < cend) load_xs();
     } else {
       if (W12F_WG_XCOPY != 0 || c == c0) store_xw(xslot);
-      if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
+      if (!XLATE && W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
     }
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
     if (c == c0) stamp(3);
     if constexpr (W12F_WG_FENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by wgmma
     if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
       asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");
+    if constexpr (XLATE) {  // the next unit's x loads after the fence, whose memory barrier would wait for them
+      if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
+    }
     Frag f;
     if (c < c1)
       ring_frag(f, rst);
