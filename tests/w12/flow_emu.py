@@ -3,7 +3,7 @@
 `emulate(x, tiled, warps=, kw=)` follows the kernel's own bookkeeping: the CTA / warp / row-block split, each warp's
 unit range, the cp.async copies of a tile into its ring slot (three 16-byte pieces per lane, absent rows of a partial
 block zero-filled) and the shared-memory offsets the lanes read back, the masked tail's byte-by-byte fragments, the
-decode (prmt and two multiply-adds, or the shift-and-mask forms) into the mma.m16n8k16 A fragments, x as the B fragments, the x-range
+decode (prmt, then two masks and a shift-and-add, or the fixed base's shift and two lop3) into the mma.m16n8k16 A fragments, x as the B fragments, the x-range
 fold (each unit by one of the CTA's active row blocks in turn) and the scale guard (with the exact-base recomputation), the K-split reduction in
 warp order, the escapes in CSR order, the bias. Products and sums are fp64 (each bf16 product is exact there), or,
 with `fp32=True`, every mma's sum and every later step is rounded to fp32, as a model of the kernel's arithmetic.
@@ -50,26 +50,8 @@ def dec_fixed(y: np.ndarray, k: np.ndarray) -> np.ndarray:
 
 
 def dec_exact(y: np.ndarray, e0x: np.ndarray) -> np.ndarray:
-    return ((y & U32(0x800F800F)) + ((y >> U32(4)) & U32(0x07F007F0)) + e0x).astype(U32)
-
-
-def dec_fma(y: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """dec_pair_fma (w12_common.cuh, the flow kernel's W12F_DEC = 1): lanes `hi << 8 | n << 4`, k the row's base in
-    bits 7..14 of each lane -> hi(y 2^28) + k, then + hi((y & 0x80008000) * 0xF0000000) (32-bit wrap)."""
-    y = y.astype(np.uint64)
-    v = ((y * 0x10000000) >> 32) + np.asarray(k, dtype=np.uint64)
-    return (v + (((y & 0x80008000) * 0xF0000000) >> 32)).astype(np.uint64).astype(U32)
-
-
-def dec_lea(y: np.ndarray, k: np.ndarray) -> np.ndarray:
-    """dec_pair_lea (w12_common.cuh, W12F_DEC = 2): one shift-and-add of two disjoint parts."""
-    return (((y & U32(0x7F007F00)) >> U32(4)) + ((y & U32(0x800F800F)) | k)).astype(U32)
-
-
-def lo_high(lw: np.ndarray, s: int) -> np.ndarray:
-    """The lo word of k-step s with that step's nibbles in the high half of each byte and the low half zero, as
-    decode_step under W12F_DEC = 1 forms it (steps 2-3: the high nibbles in place; 0-1: the low ones times 16)."""
-    return (lw & U32(0xF0F0F0F0)) if s >= 2 else ((lw & U32(0x0F0F0F0F)) * U32(16)).astype(U32)
+    """dec_pair (w12_common.cuh): two masks and one shift-and-add."""
+    return (((y & U32(0x7F007F00)) >> U32(4)) + ((y & U32(0x800F800F)) | e0x)).astype(U32)
 
 
 def q8_base(e0x: np.ndarray) -> np.ndarray:
@@ -215,7 +197,7 @@ class _Round:
 
 def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Tensor | None = None,
             fixed: bool = True, esc: bool = True, red: bool = True, fp32: bool = False, guard: bool = True,
-            rb: int = 1, kc: int = 1, q8: bool = False, wg: bool = False, swap: bool = False, decode: int = 1):
+            rb: int = 1, kc: int = 1, q8: bool = False, wg: bool = False, swap: bool = False):
     """The kernel's result before its final rounding, float64 [M, N], and counters {"fallback": warps that took
     the exact-base recomputation, "scaled": warps that scaled}. `esc` / `red`: the W12F_ESC / W12F_RED features
     (without `red` only warp ks = 0 of a row block stores, as the kernel does); `guard=False` scales every warp
@@ -226,12 +208,10 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     `q8`: the 8-bit view's build (W12F_Q8; exact base): only the hi pieces are copied into the ring, each pair is
     decoded by dec_pair_q8 with the row's q8_base constant, and an escape's correction adds x * escape less x times
     q8_dense(e0) (its hi byte 0 read as the view's value); `wg`: the
-    warpgroup build (module doc), `swap` with its descriptor's two byte offsets swapped (W12F_WG_SWAP); `decode`: the
-    full format's decode (W12F_DEC: 1, the shipped one, dec_fma on the nibbles moved to the high half of each byte;
-    2 dec_lea; 0 dec_fixed / dec_exact)."""
+    warpgroup build (module doc), `swap` with its descriptor's two byte offsets swapped (W12F_WG_SWAP)."""
     assert rb in (1, 2) and (rb == 1 or not fixed)
     assert not wg or (not fixed and rb == 1 and warps % (4 * kw) == 0)
-    assert not (q8 and fixed) and decode in (0, 1, 2)
+    assert not (q8 and fixed)
     assert kc in (1, 2, 3, 4) and (kc == 1 or (not fixed and red))
     rnd = _Round(fp32)
     M, K = x.shape
@@ -326,12 +306,8 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                     zero = np.zeros_like(hw)
                     regs.append((dec_q8(prmt(hw, zero, 0x4140), kk[r]), dec_q8(prmt(hw, zero, 0x4342), kk[r])))
                     continue
-                if decode == 1:  # the shipped decode (W12F_DEC = 1): the same bits whatever the base
-                    l2 = lo_high(lw[r][:, s & 1], s)
-                    dec = dec_fma
-                else:
-                    l2 = lw[r][:, s & 1] >> U32(4 if s >= 2 else 0)
-                    dec = dec_lea if decode == 2 else (dec_fixed if fix else dec_exact)
+                l2 = lw[r][:, s & 1] >> U32(4 if s >= 2 else 0)
+                dec = dec_fixed if fix else dec_exact
                 y0, y1 = prmt(hw, l2, 0x1504), prmt(hw, l2, 0x3726)
                 regs.append((dec(y0, kk[r]), dec(y1, kk[r])))
             A = np.zeros((16, 16))

@@ -25,8 +25,8 @@ from w12 import flow, layout
 from w12.configs import FlowConfig, flow_heuristic
 from specpilot.testing import assert_close
 
-from flow_emu import (dec_exact, dec_fixed, dec_fma, dec_lea, emulate, hostile_weight, lanes_f64, lo_high,
-                      one_unit_tiny_case, prmt, wg_operand, wg_slot, wg_slot_stm, words)
+from flow_emu import (dec_exact, dec_fixed, emulate, hostile_weight, lanes_f64, one_unit_tiny_case, wg_operand, wg_slot,
+                      wg_slot_stm, words)
 
 
 def _bf16_bits(v64: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -49,74 +49,40 @@ def _x(M: int, K: int, seed: int) -> torch.Tensor:
     return (torch.randn(M, K, generator=torch.Generator().manual_seed(seed)) * 1.5).to(torch.bfloat16)
 
 
-def _lanes(hi: np.ndarray, n: np.ndarray, g: np.ndarray, high: bool) -> np.ndarray:
-    """16-bit lanes `hi << 8 | lo byte`, the code's nibble n in the lo byte's high half (the other half zero) or in
-    its low half beside another column's nibble g."""
-    lo = (n << 4) if high else (n | (g << 4))
-    return ((hi << 8) | lo).astype(np.uint32)
-
-
-def _check_decode_forms(e0: int, c0: np.ndarray, c1: np.ndarray, rng: np.random.Generator) -> None:
-    g0, g1 = (rng.integers(0, 16, c0.size, dtype=np.uint32) for _ in range(2))
+def _check_decode(e0: int, c0: np.ndarray, c1: np.ndarray, rng: np.random.Generator) -> None:
+    """dec_pair (w12_common.cuh; flow_emu.dec_exact) on lanes `hi << 8 | lo byte`, codes c0 and c1 (hi = code >> 4,
+    the nibble code & 15 in the lo byte's low half, a random nibble of another column in its high half): the code's
+    value (sign, exponent e0 + offset, 7 mantissa bits) and the three-term form's bits; the fixed base's bits where
+    the base is 112 (0 where e0 = 0)."""
     hi0, n0, hi1, n1 = c0 >> 4, c0 & 15, c1 >> 4, c1 & 15
-    y_low = _lanes(hi0, n0, g0, False) | (_lanes(hi1, n1, g1, False) << np.uint32(16))
-    y_high = _lanes(hi0, n0, g0, True) | (_lanes(hi1, n1, g1, True) << np.uint32(16))
+    g0, g1 = (rng.integers(0, 16, c0.size, dtype=np.uint32) for _ in range(2))
+    y = ((hi0 << 8) | n0 | (g0 << 4) | (((hi1 << 8) | n1 | (g1 << 4)) << 16)).astype(np.uint32)
     e0x = np.uint32((e0 << 7) | (e0 << 23))
-    want = dec_exact(y_low, e0x)
-    # the value itself, from the code: sign, exponent e0 + offset, 7 mantissa bits
-    val = lambda hi, n: ((hi & 0x80) << 8) + (((hi >> 3) & 15) + e0 << 7) + ((hi & 7) << 4) + n
-    assert np.array_equal(want, (val(hi0, n0) | (val(hi1, n1) << 16)).astype(np.uint32))
-    assert np.array_equal(dec_fma(y_high, e0x), want)
-    assert np.array_equal(dec_lea(y_low, e0x), want)
+    got = dec_exact(y, e0x)
+    val = lambda hi, n: ((hi & 0x80) << 8) + ((((hi >> 3) & 15) + e0) << 7) + ((hi & 7) << 4) + n
+    assert np.array_equal(got, (val(hi0, n0) | (val(hi1, n1) << 16)).astype(np.uint32))
+    three = ((y & np.uint32(0x800F800F)) + ((y >> np.uint32(4)) & np.uint32(0x07F007F0)) + e0x).astype(np.uint32)
+    assert np.array_equal(got, three)
     kf = np.uint32(0 if e0 == 0 else 0x38003800)
-    fixed = dec_fixed(y_low, kf)
-    assert np.array_equal(dec_fma(y_high, kf), fixed) and np.array_equal(dec_lea(y_low, kf), fixed)
+    assert np.array_equal(dec_exact(y, kf), dec_fixed(y, kf))
 
 
 @pytest.mark.parametrize("e0", [0, 1, 112, 240])
-def test_decode_forms_agree_bitwise_on_every_pair_of_codes(e0):
-    """dec_pair_fma (the shipped W12F_DEC = 1, on nibbles moved to the high half of their byte) and dec_pair_lea
-    (W12F_DEC = 2) give dec_pair's bits (exact base e0) for every pair of 12-bit codes in the two lanes, the other
-    nibble of each lo byte random where the form keeps it; with the fixed base (112, or 0 where e0 = 0) the three
-    forms give dec_fixed's bits. Both give the code's value: sign, exponent e0 + offset, 7 mantissa bits."""
+def test_decode_is_the_code_value_on_every_pair_of_codes(e0):
+    """dec_pair's masks and one shift-and-add give each lane's value for every pair of 12-bit codes in the two lanes,
+    bit for bit the three-term form it replaced and, with the fixed base, the fixed-base decode."""
     code = np.arange(4096, dtype=np.uint32)
-    _check_decode_forms(e0, np.repeat(code, 4096), np.tile(code, 4096), np.random.default_rng(e0))
+    _check_decode(e0, np.repeat(code, 4096), np.tile(code, 4096), np.random.default_rng(e0))
 
 
-def test_decode_forms_agree_bitwise_at_every_base():
+def test_decode_is_the_code_value_at_every_base():
     """The same at every window base of the format, 0..240 (offset + base <= 255): every code in each lane beside
     random codes in the other."""
     rng = np.random.default_rng(7)
     code = np.arange(4096, dtype=np.uint32)
     other = rng.integers(0, 4096, 4096, dtype=np.uint32)
     for e0 in range(241):
-        _check_decode_forms(e0, np.concatenate([code, other]), np.concatenate([other, code]), rng)
-
-
-def test_high_half_nibbles_are_the_kernels_bytes():
-    """lo_high puts k-step s's nibble of each lo byte (byte j: column j | column j + 8 << 4) in the byte's high half
-    with the low half zero, so that prmt gives the lanes dec_fma takes."""
-    rng = np.random.default_rng(3)
-    lw = rng.integers(0, 2**32, 1000, dtype=np.uint64).astype(np.uint32)
-    hw = rng.integers(0, 2**32, 1000, dtype=np.uint64).astype(np.uint32)
-    for s in range(4):
-        nib = (lw >> np.uint32(4 if s >= 2 else 0)) & np.uint32(0x0F0F0F0F)
-        assert np.array_equal(lo_high(lw, s), (nib << np.uint32(4)).astype(np.uint32))
-        for sel in (0x1504, 0x3726):
-            assert np.array_equal(dec_fma(prmt(hw, lo_high(lw, s), sel), np.uint32(0x38003800)),
-                                  dec_fixed(prmt(hw, lw >> np.uint32(4 if s >= 2 else 0), sel), np.uint32(0x38003800)))
-
-
-@pytest.mark.parametrize("decode", [0, 2])
-def test_emulated_kernel_is_the_same_under_each_decode(decode):
-    """The emulated kernel's value is the same float for float under every W12F_DEC form (fixed base with its
-    guard, exact base, the warpgroup build), in the fp32 model of the arithmetic."""
-    x = _x(13, 200, 5)
-    t = layout.tile(w12.pack(hostile_weight(75, 200, 5)))
-    for kw_ in (dict(warps=4, kw=2), dict(warps=4, kw=2, fixed=False), dict(warps=8, kw=2, fixed=False, wg=True)):
-        a, _ = emulate(x, t, fp32=True, **kw_)
-        b, _ = emulate(x, t, fp32=True, decode=decode, **kw_)
-        assert np.array_equal(a, b, equal_nan=True)
+        _check_decode(e0, np.concatenate([code, other]), np.concatenate([other, code]), rng)
 
 
 # M, N, K, warps, kw, bias: partial row blocks, masked tails, K splits wider than the full groups, inactive row blocks

@@ -116,32 +116,12 @@ __device__ __forceinline__ uint32_t word(const uint4& v, int i) {
   return i == 0 ? v.x : i == 1 ? v.y : i == 2 ? v.z : v.w;
 }
 
+// y lanes: hi << 8 | lo byte (the code's nibble in its low half), e0x: e0 << 7 | e0 << 23 -> bf16 bits: sign, exponent
+// e0 + offset, 7 mantissa bits; the same as (y & 0x800F800F) + ((y >> 4) & 0x07F007F0) + e0x. The shifted part and
+// the rest occupy disjoint bits (e0x's too), so one shift-and-add (LEA.HI) joins them after two masks: 4 instructions
+// a pair with the byte permute where the three-term form takes 5 (on the H200, 2-6% faster flow kernels at M = 16-32
+// and on gate_up at M <= 8; docs/w12-kernels.md, "The decode in four instructions")
 __device__ __forceinline__ uint32_t dec_pair(uint32_t y, uint32_t e0x) {
-  // y lanes: hi << 8 | nib -> bf16 bits
-  return (y & 0x800F800Fu) + ((y >> 4) & 0x07F007F0u) + e0x;
-}
-
-// The same bf16 bits on the FMA pipe (the flow kernel's decode, W12F_DEC = 1): y lanes `hi << 8 | n << 4` (the lo
-// nibble in the high half of its byte, the low half zero), k: the row's exponent base in each lane's bits 7..14
-// (e0 << 7 | e0 << 23 for the exact base, the fixed base 112 or 0). hi(y * 2^28) = y >> 4 puts hi's 7 low bits
-// (offset and top mantissa bits) and n in place with the sign at bit 11, and the first multiply-add adds k; the
-// second adds (y & 0x80008000) * 15 / 16, 0x7800 per set sign, which moves the sign to bit 15 (0x800 + 0x7800).
-// No lane carries into the next where offset + base <= 255 (every window of the format), the result equal to
-// dec_pair's bit for bit (tests/w12/test_flow_kernel.py, every code and base). One byte permute and one mask stay on
-// the integer pipe and two multiply-adds issue on the FMA pipe, where dec_pair's shift, two masks and add all load
-// the integer pipe.
-__device__ __forceinline__ uint32_t dec_pair_fma(uint32_t y, uint32_t k) {
-  uint32_t r;
-  asm("{\n.reg .b32 v, s;\nand.b32 s, %1, 0x80008000;\nmad.hi.u32 v, %1, 0x10000000, %2;\n"
-      "mad.hi.u32 %0, s, 0xF0000000, v;\n}"
-      : "=r"(r) : "r"(y), "r"(k));
-  return r;
-}
-
-// dec_pair's bits in four integer instructions (the flow kernel's decode, W12F_DEC = 2): the shifted part
-// (y & 0x7F007F00) >> 4 and the rest (y & 0x800F800F) | e0x occupy disjoint bits, so one shift-and-add (LEA.HI)
-// joins them, where dec_pair shifts, masks twice and adds. The same sum as dec_pair's for every y and e0x.
-__device__ __forceinline__ uint32_t dec_pair_lea(uint32_t y, uint32_t e0x) {
   return ((y & 0x7F007F00u) >> 4) + ((y & 0x800F800Fu) | e0x);
 }
 

@@ -158,15 +158,8 @@
 #ifndef W12F_LATE
 #define W12F_LATE 0  // the decode constants and the escapes' dependent loads after the first tile copies
 #endif
-#ifndef W12F_WG_XLATE
-#define W12F_WG_XLATE 0  // the warpgroup build's next-unit x loads after the unit's fence and barrier
-#endif
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
-#endif
-#ifndef W12F_DEC
-#define W12F_DEC 1  // the full format's decode (w12_common.cuh): 0 dec_pair (shift, two masks, add; the fixed base: or),
-                    // 1 dec_pair_fma (two multiply-adds on the FMA pipe), 2 dec_pair_lea (two masks, one shift-and-add)
 #endif
 #ifndef W12F_TRACE
 #define W12F_TRACE 0  // diagnostic (w12.flow.launch_tiled(trace=)): per-CTA %globaltimer stamps into `sink`
@@ -185,7 +178,6 @@ constexpr int STAGES = W12F_STAGES;
 constexpr int NT = W12F_NT;
 constexpr bool FIXED = W12F_FIXED != 0;
 constexpr bool Q8 = W12F_Q8 != 0;
-constexpr int DEC = W12F_DEC;
 constexpr bool XB = W12F_X != 0;
 constexpr bool EPI = W12F_EPI != 0;
 constexpr bool ESC = W12F_ESC != 0;
@@ -197,7 +189,6 @@ constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of o
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
 constexpr bool STM = WG && W12F_WG_STM != 0;
-constexpr bool XLATE = WG && !STM && W12F_WG_XLATE != 0;
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
@@ -214,7 +205,6 @@ static_assert(!Q8 || !FIXED, "the 8-bit view: exact base only");
 static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
 static_assert(W12F_XD >= 0 && W12F_XD <= 2, "x loaded 0 to 2 units ahead");
-static_assert(W12F_DEC >= 0 && W12F_DEC <= 2, "decode: 0, 1 or 2");
 static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight: 1 or 2");
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
@@ -272,19 +262,9 @@ __device__ __forceinline__ void decode_step(uint32_t (&a)[4], const Frag& f, con
       a[r + 2] = dec_pair_q8(__byte_perm(hw, 0u, 0x4342), k[r]);
       continue;
     }
-    const uint32_t lraw = (s & 1) ? f.l[r].y : f.l[r].x;
-    if constexpr (DEC == 1) {  // the k-step's nibbles into the high half of each byte (high: in place; low: times 16)
-      const uint32_t lw = s >= 2 ? (lraw & 0xF0F0F0F0u) : (lraw & 0x0F0F0F0Fu) * 16u;
-      a[r] = dec_pair_fma(__byte_perm(hw, lw, 0x1504), k[r]);
-      a[r + 2] = dec_pair_fma(__byte_perm(hw, lw, 0x3726), k[r]);
-      continue;
-    }
-    const uint32_t lw = lraw >> (s >= 2 ? 4 : 0);
+    const uint32_t lw = ((s & 1) ? f.l[r].y : f.l[r].x) >> (s >= 2 ? 4 : 0);
     const uint32_t y0 = __byte_perm(hw, lw, 0x1504), y1 = __byte_perm(hw, lw, 0x3726);
-    if constexpr (DEC == 2) {  // the fixed base's k adds as it ors (its bits and the offset's are disjoint)
-      a[r] = dec_pair_lea(y0, k[r]);
-      a[r + 2] = dec_pair_lea(y1, k[r]);
-    } else if constexpr (FIX) {
+    if constexpr (FIX) {
       a[r] = lop3_and_or(y0, 0x800F800Fu, lop3_and_or(y0 >> 4, 0x07F007F0u, k[r]));
       a[r + 2] = lop3_and_or(y1, 0x800F800Fu, lop3_and_or(y1 >> 4, 0x07F007F0u, k[r]));
     } else {
@@ -731,16 +711,13 @@ w12_matmul_flow_kernel(
       if (c + 1 < cend) load_xs();
     } else {
       if (W12F_WG_XCOPY != 0 || c == c0) store_xw(xslot);
-      if (!XLATE && W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
+      if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
     }
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
     if (c == c0) stamp(3);
     if constexpr (W12F_WG_FENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by wgmma
     if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
       asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");
-    if constexpr (XLATE) {  // the next unit's x loads after the fence, whose memory barrier would wait for them
-      if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
-    }
     Frag f;
     if (c < c1)
       ring_frag(f, rst);
