@@ -485,6 +485,27 @@ def test_warpgroup_variants_equal_the_shipped_build_bitwise(defines, M):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
 
 
+@pytest.mark.parametrize("q8", [False, True], ids=["full", "q8"])
+@pytest.mark.parametrize("M", [1, 11, 32])
+def test_full_row_blocks_build_equals_the_general_one_bitwise(q8, M):
+    """N a multiple of 16 takes the build whose copies sit at fixed offsets (W12F_FULL): the general build's bits for
+    the mma.sync configs, two row blocks a warp (the last warp's second block past the weight), the cluster and
+    memory K splits and (sm_90) the warpgroup build, on hostile rows (80 of them) and x salted with NaN, +-Inf, +-0
+    and subnormals."""
+    p = w12.pack(hostile_weight(80, 300, seed=23).cuda())
+    x = _x(M, 300, seed=24)
+    _salt(x)
+    t = layout.tile(p)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    cfgs = CONFIGS + KG_CONFIGS + ((KC_CONFIGS + WG_CONFIGS + KG_WG_CONFIGS) if hopper else [])
+    for cfg in cfgs + [FlowConfig(warps=2, kw=1, cps=4, rb=2)]:
+        if q8 and (cfg.fixed or cfg.wg):
+            continue
+        want = _run(cfg, x, t, q8=q8, defines={"W12F_FULL": 0})
+        got = _run(cfg, x, t, q8=q8)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
+
+
 @pytest.mark.parametrize("xd", [1, 2])
 @pytest.mark.parametrize("q8", [False, True], ids=["full", "q8"])
 @pytest.mark.parametrize("M", [1, 11])

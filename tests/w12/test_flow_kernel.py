@@ -15,6 +15,8 @@
 
 from __future__ import annotations
 
+import re
+
 import numpy as np
 import pytest
 import torch
@@ -456,6 +458,39 @@ def test_k_split_through_memory_builds_everywhere(jit_cache):
     assert flow.grid(cfg, 5120) == 320 * 6 // 1
     wg = flow.build(FlowConfig(warps=8, kw=2, cps=2, kc=3, kg=True, wg=True), 4, (9, 0))
     assert wg.resources()["spill_stores"] == 0 and "serialized" not in wg.log.read_text()
+
+
+def _copy_sizes(ptx: str) -> list[str]:
+    """The src-size operands of the PTX's cp.async copies, in order."""
+    return re.findall(r"cp\.async\.cg\.shared\.global[^;]*\], 16, (%r\d+)", ptx)
+
+
+def test_full_row_blocks_build_copies_at_fixed_offsets(jit_cache):
+    """W12F_FULL (N % 16 == 0): a lane's pieces of a tile (three, two for the 8-bit view) all copy 16 bytes where the
+    block exists, one size for all of them (the offsets from one pointer fixed), for the mma.sync, memory-split,
+    two-row-block, 8-bit view and warpgroup builds (sm_80 and sm_90a), no spills; the general build gives each piece
+    its own size (rows past a partial block)."""
+    cases = [(FlowConfig(), 1, (8, 0), False), (FlowConfig(warps=4, kw=4, cps=4, kc=2, kg=True, xd=1), 2, (8, 0), False),
+             (FlowConfig(warps=4, kw=4, rb=2), 4, (9, 0), False), (FlowConfig(warps=4, kw=4, cps=4), 1, (9, 0), True),
+             (FlowConfig(warps=8, kw=2, cps=2, kc=3, kg=True, wg=True), 4, (9, 0), False)]
+    for cfg, nt, arch, q8 in cases:
+        b = flow.build(cfg, nt, arch, q8=q8, defines={"W12F_FULL": 1})
+        assert b.resources()["spill_stores"] == 0 and b.resources()["stack"] == 0
+        sizes, per = _copy_sizes(b.ptx.read_text()), 2 if q8 else 3
+        assert sizes and len(sizes) % per == 0, cfg.tag()
+        assert all(len(set(sizes[i:i + per])) == 1 for i in range(0, len(sizes), per)), cfg.tag()
+    general = _copy_sizes(flow.build(FlowConfig(), 1, (8, 0)).ptx.read_text())
+    assert len(set(general[:3])) == 3
+
+
+def test_full_row_blocks_build_is_refused_where_a_block_is_partial():
+    """launch_tiled takes W12F_FULL where N % 16 == 0 and refuses it forced elsewhere (a partial last block would
+    read past its rows)."""
+    t = layout.tile(w12.pack(hostile_weight(75, 200, seed=1)))
+    x = _x(3, 200, 2)
+    with pytest.raises(ValueError, match="W12F_FULL needs N % 16 == 0"):
+        flow.launch_tiled(FlowConfig(), x, t, None, torch.empty(3, 75, dtype=torch.bfloat16),
+                          defines={"W12F_FULL": 1})
 
 
 @pytest.mark.slow

@@ -161,6 +161,9 @@
 #ifndef W12F_WG_SWAP
 #define W12F_WG_SWAP 0  // the warpgroup build's descriptor with its two byte offsets swapped
 #endif
+#ifndef W12F_FULL
+#define W12F_FULL 0  // N % 16 == 0 (the launcher's choice): every row block holds 16 rows, the copies' offsets fixed
+#endif
 #ifndef W12F_TRACE
 #define W12F_TRACE 0  // diagnostic (w12.flow.launch_tiled(trace=)): per-CTA %globaltimer stamps into `sink`
 #endif
@@ -178,6 +181,7 @@ constexpr int STAGES = W12F_STAGES;
 constexpr int NT = W12F_NT;
 constexpr bool FIXED = W12F_FIXED != 0;
 constexpr bool Q8 = W12F_Q8 != 0;
+constexpr bool FULL = W12F_FULL != 0;
 constexpr bool XB = W12F_X != 0;
 constexpr bool EPI = W12F_EPI != 0;
 constexpr bool ESC = W12F_ESC != 0;
@@ -408,7 +412,7 @@ w12_matmul_flow_kernel(
   for (int i = 0; i < RB; ++i) {
     const int rb = rb0 + i;
     R[i] = rb < NF ? 16 : (rb < NB ? nr : 0);
-    TS[i] = 96 * R[i];
+    TS[i] = FULL ? TILE : 96 * R[i];  // FULL: every block holds 16 rows (nr = 0) or none (past the last)
     blk[i] = tiles + (long long)min(rb, NB - 1) * SB;
   }
   const int q = kc * KW + ks;                      // the warp's piece of the row group's K, of KC x KW
@@ -447,9 +451,26 @@ w12_matmul_flow_kernel(
   }
   const uint32_t ring_end = ring + STAGES * SLOT;
   uint32_t wst = ring + 16 * lane;
+  // FULL: the lane's three pieces at fixed distances from one pointer (immediate offsets), 16 bytes each where the
+  // block exists (RB = 1: always, a warp with units has its block); a block past the last reads nothing at the
+  // clamped block's addresses
+  const uint8_t* srcl[RB];
+  uint32_t vf[RB];
+#pragma unroll
+  for (int i = 0; i < RB; ++i) {
+    srcl[i] = src[i] + 16 * lane;
+    vf[i] = (RB == 1 || R[i] > 0) ? 16u : 0u;
+  }
   auto issue = [&]() {
 #pragma unroll
     for (int i = 0; i < RB; ++i) {
+      if constexpr (FULL) {
+        cp_async16(wst + i * TILE, srcl[i], vf[i], pol);
+        cp_async16(wst + i * TILE + 512, srcl[i] + 512, vf[i], pol);
+        if constexpr (!Q8) cp_async16(wst + i * TILE + 1024, srcl[i] + 1024, vf[i], pol);
+        srcl[i] += TILE;
+        continue;
+      }
       cp_async16(wst + i * TILE, src[i] + o[i][0], v[i][0], pol);
       cp_async16(wst + i * TILE + 512, src[i] + o[i][1], v[i][1], pol);
       if constexpr (!Q8) cp_async16(wst + i * TILE + 1024, src[i] + o[i][2], v[i][2], pol);
