@@ -245,8 +245,8 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     once the kernel is loaded). `step`: a ladder build (module doc; "a" and "b" leave `out` unwritten).
     `defines` add to the build's defines; `smem`: dynamic shared memory per CTA, at least what the config needs;
     `q8`: the product with the 8-bit view (`w12.decode_q8`'s weight), reading each tile's hi bytes only. Where N is
-    a multiple of 16 the build takes every row block as full (W12F_FULL: the lane's copies at fixed offsets from
-    one pointer); `defines` may turn that off ({"W12F_FULL": 0}), not on elsewhere.
+    a multiple of 16 and M > 8 the build takes every row block as full (W12F_FULL: the lane's copies at fixed
+    offsets from one pointer); `defines` may turn that off ({"W12F_FULL": 0}), or on at M <= 8, not on elsewhere.
     `pdl`: programmatic dependent launch. The kernel then requests its first tiles, and reads e0 and the escapes,
     before the previous kernel in the stream has ended, so that kernel must not write `t`. Default: on where
     `w12.cuda.pdl_enabled` allows it (sm_90; the flow kernel's default is on), M <= `pdl_rows` (default PDL_MAX_M),
@@ -273,9 +273,11 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
                              f"{8 * grid(cfg, t.N)} elements on {x2d.device}, got {trace.dtype} {tuple(trace.shape)} "
                              f"on {trace.device}")
         defines = dict(defines or {}) | {"W12F_TRACE": 1}
-    # N a multiple of 16: every row block full, the build whose copies take fixed offsets (W12F_FULL)
-    full = t.N % 16 == 0
-    if not full and int((defines or {}).get("W12F_FULL", 0)):
+    # N a multiple of 16 and 2-4 token tiles: every row block full, the build whose copies take fixed offsets
+    # (W12F_FULL; docs/w12-kernels.md, "Full row blocks"): at one token tile its fewer registers let more CTAs share
+    # an SM, which measured slower on the H200 (gate_up's 8-bit view at M = 1 and 8 by 7 and 14%)
+    full = t.N % 16 == 0 and nt >= 2
+    if t.N % 16 and int((defines or {}).get("W12F_FULL", 0)):
         raise ValueError(f"w12.flow.launch_tiled: W12F_FULL needs N % 16 == 0, got N={t.N}")
     if full:
         defines = {"W12F_FULL": 1} | dict(defines or {})

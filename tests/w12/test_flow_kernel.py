@@ -484,7 +484,7 @@ def test_full_row_blocks_build_copies_at_fixed_offsets(jit_cache):
 
 
 def test_full_row_blocks_build_is_refused_where_a_block_is_partial():
-    """launch_tiled takes W12F_FULL where N % 16 == 0 and refuses it forced elsewhere (a partial last block would
+    """launch_tiled takes W12F_FULL where N % 16 == 0 (M > 8) and refuses it forced where N % 16 != 0 (a partial last block would
     read past its rows)."""
     t = layout.tile(w12.pack(hostile_weight(75, 200, seed=1)))
     x = _x(3, 200, 2)
