@@ -307,8 +307,8 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                     regs.append((dec_q8(prmt(hw, zero, 0x4140), kk[r]), dec_q8(prmt(hw, zero, 0x4342), kk[r])))
                     continue
                 l2 = lw[r][:, s & 1] >> U32(4 if s >= 2 else 0)
-                dec = dec_fixed if fix else dec_exact
                 y0, y1 = prmt(hw, l2, 0x1504), prmt(hw, l2, 0x3726)
+                dec = dec_fixed if fix else dec_exact
                 regs.append((dec(y0, kk[r]), dec(y1, kk[r])))
             A = np.zeros((16, 16))
             for reg, (dr, dk) in ((regs[0][0], (0, 0)), (regs[1][0], (8, 0)), (regs[0][1], (0, 8)), (regs[1][1], (8, 8))):

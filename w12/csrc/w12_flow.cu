@@ -687,12 +687,7 @@ w12_matmul_flow_kernel(
   };
 
   float acc[RB][NT][4];
-#pragma unroll
-  for (int i = 0; i < RB; ++i)
-#pragma unroll
-    for (int j = 0; j < NT; ++j)
-#pragma unroll
-      for (int u = 0; u < 4; ++u) acc[i][j][u] = 0.0f;
+  for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = 0.0f; });
   uint4 xn[NT][2];  // XD = 0: the next unit's x (prefetched one unit ahead); XD > 0: the masked tail's
   uint4 xs[XD + 1][NT][2];  // XD > 0: the x sets (below)
   if constexpr (WG) {
@@ -916,41 +911,25 @@ w12_matmul_flow_kernel(
         }
       }
     }
+    // the lane's word of accumulator (i, j, u) in a buffer of per-block sums, block `b` of it (a warp's share, a CTA's
+    // row group, ...): the layout every reduction below stores and reads
+    const auto at = [&](int b, int i, int j, int u) { return (((b * RB + i) * NT + j) * 4 + u) * 32 + lane; };
     if constexpr (RED) {
       // the shares of the KW warps of a row group, added in warp order by warp ks = 0
       float* red = reinterpret_cast<float*>(smem + RED_OFF);
-      if (ks != 0) {
-#pragma unroll
-        for (int i = 0; i < RB; ++i)
-#pragma unroll
-          for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int u = 0; u < 4; ++u) red[(((warp * RB + i) * NT + j) * 4 + u) * 32 + lane] = acc[i][j][u];
-      }
+      if (ks != 0) for_acc<RB, NT>([&](int i, int j, int u) { red[at(warp, i, j, u)] = acc[i][j][u]; });
       __syncthreads();
       if (ks == 0) {
 #pragma unroll
         for (int w = 1; w < KW; ++w)
-#pragma unroll
-          for (int i = 0; i < RB; ++i)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-              for (int u = 0; u < 4; ++u) acc[i][j][u] += red[((((warp + KSTEP * w) * RB + i) * NT + j) * 4 + u) * 32 + lane];
+          for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] += red[at(warp + KSTEP * w, i, j, u)]; });
       }
     }
     if constexpr (KG) {
       // this CTA's sums into its workspace slot, then the counter; the last of the KC CTAs adds the slots in rank
       // order (its own from registers) and finishes the rows
       float* const mine = ws + (size_t)blockIdx.x * (RW * RB * NT * 128);
-      if (ks == 0) {
-#pragma unroll
-        for (int i = 0; i < RB; ++i)
-#pragma unroll
-          for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int u = 0; u < 4; ++u) __stcg(mine + ((((rw * RB + i) * NT + j) * 4 + u) * 32 + lane), acc[i][j][u]);
-      }
+      if (ks == 0) for_acc<RB, NT>([&](int i, int j, int u) { __stcg(mine + at(rw, i, j, u), acc[i][j][u]); });
       __threadfence();
       __syncthreads();
       if (threadIdx.x == 0) {
@@ -969,22 +948,12 @@ w12_matmul_flow_kernel(
 #pragma unroll
         for (int r = 0; r < KC; ++r) {
           const float* slot = ws + (size_t)(cta * KC + r) * (RW * RB * NT * 128);
-#pragma unroll
-          for (int i = 0; i < RB; ++i)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-              for (int u = 0; u < 4; ++u) {
-                const float v = r == kc ? acc[i][j][u] : __ldcg(slot + ((((rw * RB + i) * NT + j) * 4 + u) * 32 + lane));
-                sum[i][j][u] = r == 0 ? v : sum[i][j][u] + v;
-              }
+          for_acc<RB, NT>([&](int i, int j, int u) {
+            const float v = r == kc ? acc[i][j][u] : __ldcg(slot + at(rw, i, j, u));
+            sum[i][j][u] = r == 0 ? v : sum[i][j][u] + v;
+          });
         }
-#pragma unroll
-        for (int i = 0; i < RB; ++i)
-#pragma unroll
-          for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int u = 0; u < 4; ++u) acc[i][j][u] = sum[i][j][u];
+        for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = sum[i][j][u]; });
       }
     }
     if constexpr (CLUSTER) {
@@ -993,15 +962,10 @@ w12_matmul_flow_kernel(
       if (ks == 0 && kc > 0) {
         uint32_t dst;
         asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(dst) : "r"(cred));
-#pragma unroll
-        for (int i = 0; i < RB; ++i)
-#pragma unroll
-          for (int j = 0; j < NT; ++j)
-#pragma unroll
-            for (int u = 0; u < 4; ++u)
-              asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(
-                               dst + 4u * (uint32_t)((((((kc - 1) * RW + rw) * RB + i) * NT + j) * 4 + u) * 32 + lane)),
-                           "f"(acc[i][j][u]) : "memory");
+        for_acc<RB, NT>([&](int i, int j, int u) {
+          asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(dst + 4u * (uint32_t)at((kc - 1) * RW + rw, i, j, u)),
+                       "f"(acc[i][j][u]) : "memory");
+        });
       }
       asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
       if (kc > 0) {
@@ -1012,12 +976,7 @@ w12_matmul_flow_kernel(
         const float* cr = reinterpret_cast<const float*>(smem + CRED_OFF);
 #pragma unroll
         for (int r = 0; r < KC - 1; ++r)
-#pragma unroll
-          for (int i = 0; i < RB; ++i)
-#pragma unroll
-            for (int j = 0; j < NT; ++j)
-#pragma unroll
-              for (int u = 0; u < 4; ++u) acc[i][j][u] += cr[((((r * RW + rw) * RB + i) * NT + j) * 4 + u) * 32 + lane];
+          for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] += cr[at(r * RW + rw, i, j, u)]; });
       }
     }
     if (ks != 0 || !active) {
