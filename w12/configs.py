@@ -409,14 +409,14 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     split in one run (perf/results/h200/20261203T0035-w12-flow-configs-ab.json); the 8-bit view keeps 2 (unmeasured).
 
     Where wgmma exists (`wgmma`; default: a CUDA device of sm_90) the warpgroup build (`wg`: x staged once per 64
-    rows) takes M > 16 everywhere and M = 9..16 where there are at least 3 row groups of 64 rows per SM, in the
-    shape that measured fastest for its count of row groups per SM r (docs/w12-kernels.md, "The warpgroup build"):
-    r >= 3, 4-warp CTAs at 4 per SM with the K split across a 2-CTA cluster (gate_up at M = 32: 120.6 -> 91.1 µs;
-    at M = 16: 99.3 -> 85.8 µs); 1 <= r < 3, 16-warp CTAs of two row groups and two K pieces (in_proj at M = 32:
-    48.7 -> 39.7 µs); r < 1 (the 5120-row layers), 8-warp CTAs of one row group and two K pieces at 2 per SM with
+    rows) takes M > 16, in the shape that measured fastest for its count of row groups per SM r (docs/w12-kernels.md,
+    "The warpgroup build"): r >= 3, 4-warp CTAs at 4 per SM with the K split across a 2-CTA cluster (gate_up at
+    M = 32: 120.6 -> 91.1 µs), with 6 ring slots where r < 8; 1 <= r < 3, 16-warp CTAs of two row groups and two
+    K pieces (in_proj at M = 32: 48.7 -> 39.7 µs); r < 1 (the 5120-row layers), 8-warp CTAs of one row group and two K pieces at 2 per SM with
     the K split across 3 CTAs through global memory (`kg`: 240 CTAs that the hardware places freely; down_proj at
     M = 32: 57.9 -> 50.9 µs against 16-warp CTAs of one row group and four K pieces, o_proj 24.4 -> 23.4; the same
-    split in a cluster of 3 took 69.2 and 28.6 µs). At M <= 16 on the other layers, and at M <= 8 everywhere, the mma.sync build measured faster.
+    split in a cluster of 3 took 69.2 and 28.6 µs). At M <= 16 the mma.sync build measured faster on every layer
+    (at M = 16 gate_up took 0.90-0.92x the warpgroup build's time in its 8-warp shapes, the LM head 0.96x).
 
     Ring depth (`stages`, unless given): 3 for the 4-warp CTAs at M <= 8, 4 otherwise. On the H200 the shallower
     ring was faster there for both formats (out_proj at M = 1 15.1 µs against 16.1, the 8-bit view 11.4 against
@@ -440,17 +440,19 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
         wgmma = device.type == "cuda" and not autotune.is_interpreter() and \
             torch.cuda.get_device_capability(device) == (9, 0)
     deep = 4 if stages is None else stages
-    if wgmma and warps is None and cps is None and M > 8 and K > 64:
+    if wgmma and warps is None and cps is None and M > 16 and K > 64:
         groups = -(-N // 64) / sm_count(device)
         if groups >= 3:
-            return FlowConfig(warps=4, kw=1, stages=deep, cps=4, kc=2, wg=True)
-        if M > 16 and groups < 1:
+            # a 6-slot ring below 8 row groups per SM (gate_up: 0.970-0.983x the 4-slot ring's time in three
+            # interleaved pairs on the H200); the LM head's 29 took 1.11x longer with it
+            return FlowConfig(warps=4, kw=1, stages=(6 if groups < 8 else 4) if stages is None else stages, cps=4,
+                              kc=2, wg=True)
+        if groups < 1:
             # the K split in 3 through global memory, 2 row groups of 64 rows in flight per SM (docs/w12-kernels.md,
             # "K split through memory"): down_proj at M = 32 57.9 -> 50.9 µs, o_proj 24.4 -> 23.4 against
             # 16-warp CTAs of one row group and four K pieces
             return FlowConfig(warps=8, kw=2, stages=deep, cps=2, kc=3, kg=True, wg=True)
-        if M > 16:
-            return FlowConfig(warps=16, kw=2, stages=deep, cps=1, wg=True)
+        return FlowConfig(warps=16, kw=2, stages=deep, cps=1, wg=True)
     if warps is not None or cps is not None:
         shapes = [(warps or (4 if M <= 8 else 8), cps or (4 if M <= 8 else 2))]
     else:

@@ -599,13 +599,18 @@ def test_heuristic_fills_the_machine(monkeypatch):
     assert sm90["down", 32] == FlowConfig(warps=2, kw=2, cps=4, kc=2)
     assert sm90["tiny", 1].kc == 1  # one unit of K: nothing to split
     assert flow_heuristic(1, 5120, 6144, cpu, warps=4, clusters=True).kc == 1  # a fixed shape stays as asked
-    # with wgmma (sm_90): the warpgroup build above 16 tokens, and at 9..16 on layers of >= 3 row groups per SM
+    # with wgmma (sm_90): the warpgroup build above 16 tokens only
     wg = {(name, m): flow_heuristic(m, n, k, cpu, clusters=True, wgmma=True) for m in (1, 8, 9, 16, 17, 32)
           for name, (n, k) in {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144),
                                "down": (5120, 17408), "tiny": (40, 64)}.items()}
     assert {key for key, c in wg.items() if c.wg} == {(n, m) for n in ("in_proj", "gate_up", "o_proj", "down")
-                                                     for m in (17, 32)} | {("gate_up", 9), ("gate_up", 16)}
-    assert wg["gate_up", 16] == FlowConfig(warps=4, kw=1, cps=4, kc=2, wg=True)
+                                                     for m in (17, 32)}
+    assert wg["gate_up", 16] == sm90["gate_up", 16] == FlowConfig(warps=8, kw=8, cps=2, xd=1)
+    # 6 ring slots in the 4-warp clusters below 8 row groups per SM (gate_up: 4.1), 4 above (the LM head: 29.4)
+    assert wg["gate_up", 32] == FlowConfig(warps=4, kw=1, stages=6, cps=4, kc=2, wg=True)
+    assert flow_heuristic(32, 248320, 5120, cpu, clusters=True, wgmma=True) == FlowConfig(warps=4, kw=1, cps=4, kc=2,
+                                                                                           wg=True)
+    assert flow_heuristic(32, 34816, 5120, cpu, clusters=True, wgmma=True, stages=4).stages == 4
     assert wg["in_proj", 32] == FlowConfig(warps=16, kw=2, cps=1, wg=True)
     assert wg["o_proj", 32] == wg["down", 17] == FlowConfig(warps=8, kw=2, cps=2, kc=3, kg=True, wg=True)
     assert wg["in_proj", 16] == sm90["in_proj", 16] and wg["o_proj", 8] == sm90["o_proj", 8]
@@ -737,8 +742,8 @@ def test_matmul_tiled_rejects_at_the_call():
     x = _x(2, 70, seed=1)
     with pytest.raises(TypeError, match=r"w12\.matmul_tiled \(matmul\): tiled must be a TiledW12.*call w12\.matmul"):
         w12.matmul_tiled(x, p)
-    with pytest.raises(TypeError, match=r"for a TiledW12 call w12\.matmul_tiled"):
-        w12.matmul(x, t)
+    with pytest.raises(ValueError, match=r"w12\.matmul: variant='gemv' does not apply to a TiledW12"):
+        w12.matmul(x, t, variant="gemv")  # w12.matmul takes a TiledW12 (matmul_tiled's paths), without a variant
     with pytest.raises(ValueError, match=r"the last dim of x must be K=70"):
         w12.matmul_tiled(_x(2, 71, seed=1), t)
     with pytest.raises(TypeError, match=r"x must be bfloat16 or float16"):
