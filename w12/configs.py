@@ -431,9 +431,10 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     call; in a chain of the four linears of a decoder layer alone gate_up took 73.7 against 74.5 µs (docs/w12-kernels.md,
     "Where a launch's time goes").
 
-    `q8`: the 8-bit view's build, which takes the mma.sync shapes only and, for M <= 8, the 4-warp CTAs alone: its
-    kernel is bound by the decode more than by bytes, and on the H200 gate_up at M = 8 took 51.1 µs in 4-warp CTAs
-    against 58.1 in the 8-warp ones this model prefers for the full format (docs/w12-kernels.md, "The 8-bit view")."""
+    `q8`: the 8-bit view's build, which takes the mma.sync shapes only and, for M <= 8, one CTA shape by row blocks
+    per SM: 8 warps at 2 per SM from 4 to 12 of them (in_proj, qkv_proj: 0.91-0.95x the 4-warp CTAs' time at
+    M = 1..8 on the H200; the full format level there, 0.985-1.013x), 4 warps at 4 per SM elsewhere (gate_up at M = 8
+    51.1 µs against 58.1 in 8-warp CTAs; docs/w12-kernels.md, "The 8-bit view")."""
     if q8:
         wgmma = False
     if wgmma is None:
@@ -453,12 +454,17 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
             # 16-warp CTAs of one row group and four K pieces
             return FlowConfig(warps=8, kw=2, stages=deep, cps=2, kc=3, kg=True, wg=True)
         return FlowConfig(warps=16, kw=2, stages=deep, cps=1, wg=True)
-    if warps is not None or cps is not None:
-        shapes = [(warps or (4 if M <= 8 else 8), cps or (4 if M <= 8 else 2))]
-    else:
-        shapes = ([(4, 4)] if q8 else [(4, 4), (8, 2)]) if M <= 8 else [(8, 2)]
     blocks, units = -(-N // 16), -(-K // 64)
     sms = sm_count(device)
+    per_sm = blocks / sms
+    if warps is not None or cps is not None:
+        shapes = [(warps or (4 if M <= 8 else 8), cps or (4 if M <= 8 else 2))]
+    elif M > 8:
+        shapes = [(8, 2)]
+    elif q8:
+        shapes = [(8, 2)] if 4 <= per_sm < 12 else [(4, 4)]
+    else:
+        shapes = [(4, 4), (8, 2)]
 
     def cost(w: int, c: int, kw: int) -> int:
         ctas = -(-blocks // (w // kw))
@@ -473,7 +479,6 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     # than 12 row blocks per SM (the 8-bit view) or 4 to 12 (the full format: in_proj, qkv_proj), one ahead at
     # M = 9..16; none elsewhere (gate_up, the LM head, the 5120-row layers' full format at M <= 8: within 2-3%, or
     # slower; M > 16: unmeasured)
-    per_sm = blocks / sms
     xd = (2 if per_sm < 12 and (q8 or per_sm >= 4) else 0) if M <= 8 else (1 if M <= 16 else 0)
     if clusters and warps is None and cps is None and blocks < 3 * sms and units >= 2:
         if M <= 8:

@@ -580,6 +580,9 @@ def test_heuristic_fills_the_machine(monkeypatch):
     assert flow_heuristic(1, 16480, 5120, cpu, stages=6).stages == 6
     # the 8-bit view: 4-warp CTAs at M <= 8, the mma.sync build above (no wgmma even where it exists)
     assert flow_heuristic(8, 34816, 5120, cpu, q8=True) == FlowConfig(warps=4, kw=4, stages=3, cps=4)
+    # ... except from 4 to 12 row blocks per SM (in_proj 7.8, qkv_proj 6.8): 8-warp CTAs at 2 per SM, 4 ring slots
+    assert {flow_heuristic(m, n, 5120, cpu, q8=True) for m in (1, 8) for n in (16480, 14336)} == {FlowConfig(xd=2)}
+    assert flow_heuristic(8, 16480, 5120, cpu) == FlowConfig(warps=4, kw=2, stages=3, cps=4, xd=2)  # the full format
     assert not flow_heuristic(32, 34816, 5120, cpu, wgmma=True, q8=True).wg
     big = {name: flow_heuristic(32, n, k, cpu) for name, (n, k) in {"in_proj": (16480, 5120), "gate_up": (34816, 5120),
                                                                     "o_proj": (5120, 6144)}.items()}
