@@ -14,6 +14,7 @@ import torch
 from .errors import W12CheckpointError, W12CorruptFileError, W12Error, W12FormatError, W12VerificationError
 from .format import FORMAT_VERSION, W12Weight, pack, unpack
 from .io import load_file, save_file
+from .layout import TiledW12
 from .nn import ConversionReport, W12Linear, convert, load_model_weights
 from .reference import (
     decode_q8,
@@ -23,7 +24,7 @@ from .reference import (
     unpack_reference,
 )
 
-torch.serialization.add_safe_globals([W12Weight])
+torch.serialization.add_safe_globals([W12Weight, TiledW12])
 
 if "transformers" in sys.modules:
     # transformers is already loaded: register the "w12" quantization method (w12/hf.py) so that
@@ -34,6 +35,7 @@ if "transformers" in sys.modules:
 __all__ = [
     "FORMAT_VERSION",
     "W12Weight",
+    "TiledW12",
     "pack",
     "unpack",
     "W12Error",

@@ -11,12 +11,17 @@ window choice still counts them, exactly as the spec's formula says.
 
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
 import torch
 
 from .errors import W12FormatError, W12VerificationError
 
+if TYPE_CHECKING:
+    from .layout import TiledW12
+
 __all__ = ["W12Weight", "pack", "unpack", "FORMAT_VERSION", "GROUP", "WINDOW", "E0_MAX", "compact_planes",
-           "from_compact_planes", "compact_nbytes"]
+           "from_compact_planes", "compact_nbytes", "LAYOUTS"]
 
 FORMAT_VERSION = 1
 GROUP = 64  # K is padded to a multiple of this; `lo` interleaves the two halves of a group
@@ -276,12 +281,22 @@ def _decode(packed: W12Weight) -> torch.Tensor:
     return out.view(torch.bfloat16)
 
 
-def unpack(packed: W12Weight) -> torch.Tensor:
-    """Decode a `W12Weight` to its exact BF16 `[N, K]` tensor, on the weight's device. No host sync."""
-    if not isinstance(packed, W12Weight):
-        raise TypeError(f"w12.unpack: expected a W12Weight (from w12.pack), got {type(packed).__name__}; pass "
-                        "w12.pack(weight) (a plain tensor needs no unpacking)")
-    return _decode(packed)
+def unpack(packed: "W12Weight | TiledW12") -> torch.Tensor:
+    """Decode a `W12Weight` or a `TiledW12` (the runtime layout) to its exact BF16 `[N, K]` tensor, on the weight's
+    device. No host sync. A `TiledW12` on a GPU is decoded tile by tile (`w12.ops.decode_tiled`, the same bits);
+    elsewhere through its version-1 planes (`w12.layout.untile`), built for the call."""
+    if isinstance(packed, W12Weight):
+        return _decode(packed)
+    from .layout import TiledW12, untile
+
+    if isinstance(packed, TiledW12):
+        if packed.device.type == "cuda":
+            from .ops import decode_tiled
+
+            return decode_tiled(packed)
+        return _decode(untile(packed))
+    raise TypeError(f"w12.unpack: expected a W12Weight or TiledW12 (from w12.pack), got {type(packed).__name__}; "
+                    "pass w12.pack(weight) (a plain tensor needs no unpacking)")
 
 
 def check_pack_input(weight) -> None:
@@ -329,14 +344,24 @@ def _pack_rows(bits: torch.Tensor, Kp: int):
     return code, e0, ~dense
 
 
-def pack(weight: torch.Tensor, verify: bool = True) -> W12Weight:
-    """Pack a BF16 `[N, K]` weight into a `W12Weight` on the same device.
+def pack(weight: torch.Tensor, verify: bool = True, *, layout: str = "planes") -> "W12Weight | TiledW12":
+    """Pack a BF16 `[N, K]` weight into a `W12Weight` (or, with `layout="runtime"`, a `TiledW12`) on the same device.
 
     With `verify=True` (default) the result is decoded on the same device and compared bit for
     bit; a mismatch raises `W12VerificationError`. Syncs the host (escape count); offline use only.
+
+    `layout`: "planes" (default) returns the `W12Weight` (version-1 planes, rows padded to a multiple of 64
+    columns); "runtime" returns `w12.layout.tile` of it, a `TiledW12` (the flow kernel's layout, unpadded: at most
+    12.5 bits per weight for K >= 128 before escapes), and the version-1 planes are freed. Verification, if asked,
+    runs on the planes before they are tiled; `tile` is exact (`w12.layout.untile` gives the planes back).
     """
     check_pack_input(weight)
     _bool_arg("w12.pack", "verify", verify)
+    check_layout_arg("w12.pack", layout)
+    if layout == "runtime":
+        from .layout import tile
+
+        return tile(pack(weight, verify))  # the W12Weight lives only for the call; the caller gets the tiles
     w = weight.detach().contiguous()
     N, K = w.shape
     Kp = padded_k(K)
@@ -449,6 +474,17 @@ def verify_packed(packed: W12Weight, weight: torch.Tensor) -> None:
             f"({r}, {c}): got 0x{int(got[r, c]) & 0xFFFF:04x}, expected 0x{int(want[r, c]) & 0xFFFF:04x}. "
             f"This is a bug in w12 (pack or decode on {packed.device}); please report it with the weight."
         )
+
+
+LAYOUTS = ("planes", "runtime")  # the in-memory forms `pack` / `load_file` / `convert` return (`layout=`)
+
+
+def check_layout_arg(fn: str, layout) -> None:
+    """Refuse a `layout=` value other than those of `LAYOUTS`."""
+    if not isinstance(layout, str) or layout not in LAYOUTS:
+        raise ValueError(f"{fn}: layout must be one of {', '.join(map(repr, LAYOUTS))}, got {layout!r}; \"planes\" "
+                         "gives a W12Weight (the version-1 planes), \"runtime\" a w12.layout.TiledW12 (the flow "
+                         "kernel's layout)")
 
 
 def _bool_arg(fn: str, name: str, value) -> None:

@@ -1,7 +1,9 @@
 """Save and load W12 weights (and plain tensors) in a safetensors file, with integrity checks.
 
 A `W12Weight` called `name` is stored as the six tensors `name.hi`, `name.lo`, ..., `name.esc_val`;
-a plain tensor is stored under its own name. The safetensors metadata holds:
+a plain tensor is stored under its own name. A `TiledW12` (the runtime layout) is stored as the
+`W12Weight` it untiles to (the same tensors and metadata): a file never holds the runtime layout.
+The safetensors metadata holds:
 
 * `w12.format_version`: the W12 format version (`1`),
 * `w12.index`: JSON `{name: {"kind": "w12", "N": N, "K": K} | {"kind": "tensor"}}`,
@@ -15,6 +17,7 @@ a plain tensor is stored under its own name. The safetensors metadata holds:
 
 `load_file` checks all of it: a truncated file, a flipped byte, a missing tensor or bad metadata
 raises `W12CorruptFileError` (a `W12FormatError`, hence a `ValueError`); it never loads silently.
+`load_file(path, layout="runtime")` returns every W12 entry as a `TiledW12`, tiled after those checks.
 """
 
 from __future__ import annotations
@@ -29,7 +32,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file as _st_save_file
 
 from .errors import W12CorruptFileError, W12FormatError
-from .format import FORMAT_VERSION, PLANES, W12Weight, compact_planes, from_compact_planes
+from .format import FORMAT_VERSION, PLANES, W12Weight, check_layout_arg, compact_planes, from_compact_planes
+from .layout import TiledW12, tile, untile
 
 __all__ = ["save_file", "load_file", "tensor_checksum"]
 
@@ -52,11 +56,13 @@ def tensor_checksum(t: torch.Tensor) -> str:
     return hashlib.blake2b(b, digest_size=16).hexdigest()
 
 
-def _flatten(tensors: Mapping[str, W12Weight | torch.Tensor]):
+def _flatten(tensors: Mapping[str, W12Weight | TiledW12 | torch.Tensor]):
     flat, index = {}, {}
     for name, v in tensors.items():
         if not isinstance(name, str) or not name:
             raise TypeError(f"w12.save_file: tensor names must be non-empty strings, got {name!r}")
+        if isinstance(v, TiledW12):
+            v = untile(v)  # the version-1 planes, one weight at a time: the file is that of the W12Weight
         if isinstance(v, W12Weight):
             index[name] = {"kind": "w12", "N": v.N, "K": v.K}
             for p, t in compact_planes(v).items():
@@ -65,16 +71,19 @@ def _flatten(tensors: Mapping[str, W12Weight | torch.Tensor]):
             index[name] = {"kind": "tensor"}
             flat[name] = v
         else:
-            raise TypeError(f"w12.save_file: {name!r}: expected a W12Weight or torch.Tensor, got {type(v).__name__}; "
-                            "pass w12.pack(weight) or a tensor")
+            raise TypeError(f"w12.save_file: {name!r}: expected a TiledW12, W12Weight or torch.Tensor, got "
+                            f"{type(v).__name__}; pass w12.pack(weight) or a tensor")
     clash = set(index) & {f"{n}.{p}" for n, e in index.items() if e["kind"] == "w12" for p in PLANES}
     if clash or len(flat) != sum(len(PLANES) if e["kind"] == "w12" else 1 for e in index.values()):
         raise ValueError(f"w12.save_file: tensor names collide with W12 plane names ({sorted(clash)}); rename them")
     return flat, index
 
 
-def save_file(path, tensors: Mapping[str, W12Weight | torch.Tensor], metadata: Mapping[str, str] | None = None):
-    """Write `tensors` (W12Weight or plain tensors) to a safetensors file at `path` (atomically)."""
+def save_file(path, tensors: Mapping[str, W12Weight | TiledW12 | torch.Tensor],
+              metadata: Mapping[str, str] | None = None):
+    """Write `tensors` (W12Weight, TiledW12 or plain tensors) to a safetensors file at `path` (atomically). A
+    TiledW12 is written as the W12Weight it untiles to (`w12.layout.untile`): the same stored tensors, byte for byte,
+    and the same metadata."""
     _check_path("w12.save_file", path)
     if not isinstance(tensors, Mapping):
         raise TypeError(f"w12.save_file: tensors must be a mapping of names to W12Weight or torch.Tensor, "
@@ -117,10 +126,15 @@ def _corrupt(path, what: str) -> W12CorruptFileError:
     return W12CorruptFileError(f"w12.load_file: {path}: {what}; the file is corrupt or was not written by w12.save_file - re-create it")
 
 
-def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
+def load_file(path, device="cpu", *, layout: str = "planes") -> dict[str, W12Weight | TiledW12 | torch.Tensor]:
     """Load a file written by `save_file`; every tensor is checksummed and every W12Weight is
-    validated (deep) before it is moved to `device`."""
+    validated (deep) before it is moved to `device`.
+
+    `layout`: "planes" (default) gives each W12 entry as a `W12Weight`; "runtime" as a `TiledW12` on `device`
+    (`w12.layout.tile`, after the checks, one weight at a time, so only one weight's version-1 planes exist on
+    `device` at once). Plain tensors are returned as they are either way."""
     _check_path("w12.load_file", path)
+    check_layout_arg("w12.load_file", layout)
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(f"w12.load_file: {path} does not exist; check the path")
@@ -135,9 +149,9 @@ def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
                     f"w12.load_file: {path}: W12 format version {meta[_VERSION_KEY]!r}, this w12 reads version {FORMAT_VERSION}; "
                     f"upgrade specpilot or re-pack the weights"
                 )
-            layout = meta.get(_LAYOUT_KEY, "padded")
-            if layout not in _LAYOUTS:
-                raise _corrupt(path, f"unknown plane layout {layout!r} (this w12 reads {list(_LAYOUTS)})")
+            file_layout = meta.get(_LAYOUT_KEY, "padded")
+            if file_layout not in _LAYOUTS:
+                raise _corrupt(path, f"unknown plane layout {file_layout!r} (this w12 reads {list(_LAYOUTS)})")
             try:
                 index = json.loads(meta[_INDEX_KEY])
                 sums = json.loads(meta[_SUM_KEY])
@@ -176,7 +190,7 @@ def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
             continue
         try:
             planes = {p: raw[f"{name}.{p}"] for p in PLANES}
-            if layout == "compact":
+            if file_layout == "compact":
                 w = from_compact_planes(planes, int(entry["K"]))
             else:
                 w = W12Weight(**planes, K=int(entry["K"]))
@@ -185,5 +199,7 @@ def load_file(path, device="cpu") -> dict[str, W12Weight | torch.Tensor]:
             raise _corrupt(path, f"W12 weight {name!r} is invalid: {e}") from e
         if w.N != int(entry.get("N", -1)):
             raise _corrupt(path, f"W12 weight {name!r} has {w.N} rows, the index says {entry.get('N')}")
-        out[name] = w.to(device)
+        w = w.to(device)
+        out[name] = tile(w) if layout == "runtime" else w
+        del w  # with layout="runtime", the planes of this weight go before the next one is built
     return out

@@ -99,7 +99,9 @@ class Geometry:
 class TiledW12:
     """A W12 weight in the runtime layout: `tiles` (uint8 [Geometry(N, K).nbytes]) plus the version-1 `e0` and
     escape list (`esc_rowptr`, `esc_col`, `esc_val`), shared with the `W12Weight` it was built from.
-    Build one with `w12.layout.tile(packed)`; `untile` gives the `W12Weight` back."""
+    Build one with `w12.layout.tile(packed)`, `w12.pack(weight, layout="runtime")` or
+    `w12.load_file(path, layout="runtime")`; `untile` gives the `W12Weight` back. `w12.unpack`, `w12.decode_q8`,
+    `w12.matmul`, `w12.matmul_q8` and `w12.save_file` take it as they take a `W12Weight`."""
 
     __slots__ = ("tiles", "e0", "esc_rowptr", "esc_col", "esc_val", "N", "K", "_launched")
 
@@ -119,6 +121,46 @@ class TiledW12:
         if any(t.device != tiles.device for t in (e0, esc_rowptr, esc_col, esc_val)):
             raise ValueError("w12.layout.TiledW12: every tensor must be on the tiles' device; move the W12Weight "
                              "before tiling it")
+
+    @property
+    def shape(self) -> torch.Size:
+        return torch.Size((self.N, self.K))
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """The dtype `w12.unpack` returns."""
+        return torch.bfloat16
+
+    def to(self, device, non_blocking: bool = False) -> "TiledW12":
+        """The layout on `device`: all five tensors moved (`self` where every one is already there)."""
+        if not isinstance(non_blocking, bool):
+            raise TypeError(f"w12.layout.TiledW12.to: non_blocking must be a bool, got {type(non_blocking).__name__} "
+                            f"{non_blocking!r}; pass True or False")
+        device = torch.device(device)
+        old = (self.tiles, self.e0, self.esc_rowptr, self.esc_col, self.esc_val)
+        moved = tuple(t.to(device, non_blocking=non_blocking) for t in old)
+        if all(a is b for a, b in zip(moved, old)):
+            return self
+        return TiledW12(*moved, self.N, self.K)
+
+    def cpu(self) -> "TiledW12":
+        return self.to("cpu")
+
+    def cuda(self, device=None) -> "TiledW12":
+        if isinstance(device, int):
+            device = torch.device("cuda", device)
+        return self.to("cuda" if device is None else device)
+
+    def unpack(self) -> torch.Tensor:
+        """The exact BF16 weight [N, K] (`w12.unpack`)."""
+        from .format import unpack
+
+        return unpack(self)
+
+    def __reduce__(self):
+        # Rebuilt from tensors and ints, so torch.load(weights_only=True) takes it once the class is an allowed
+        # global (w12/__init__.py registers it); the launch bookkeeping (`_launched`) starts afresh.
+        return (TiledW12, (self.tiles, self.e0, self.esc_rowptr, self.esc_col, self.esc_val, self.N, self.K))
 
     def versions(self) -> tuple[int, ...]:
         """The torch version counters of the five tensors: they change with every in-place write."""

@@ -9,6 +9,13 @@ between converted models takes each weight's own escape count (the escape lists 
 length per weight) and validates the planes it loaded. `forward` calls `w12.matmul` from
 `w12.ops`, imported on first use.
 
+A layer may hold its weight in the runtime layout instead (`W12Linear(tiled)`,
+`convert(model, layout="runtime")`): then the buffers are `w_tiles` (not persistent) and the
+shared `w_e0`, `w_esc_rowptr`, `w_esc_col`, `w_esc_val`, and `forward` runs `w12.matmul` on the
+`TiledW12`. Its state dict is still the version-1 planes (`w_hi`, `w_lo` untiled when it is taken,
+so a state dict of such a model briefly holds those planes), and `load_state_dict` tiles the
+planes it loads; the two kinds of layer load each other's state dicts.
+
 `load_model_weights(model, path)` loads a file written by `specpilot pack` (or `w12.save_file`)
 into a model built from its config: W12 entries replace their `nn.Linear`, plain tensors are
 copied, and anything missing, unexpected or mismatched is an error.
@@ -29,35 +36,52 @@ import torch
 from torch import nn
 
 from .errors import W12CheckpointError, W12FormatError
-from .format import PLANE_DTYPES, PLANES, SizeStats, W12Weight, pack, padded_k
+from .format import PLANE_DTYPES, PLANES, SizeStats, W12Weight, check_layout_arg, pack, padded_k
+from .layout import TiledW12, tile, untile
 
 __all__ = ["W12Linear", "convert", "ConversionReport", "LayerRecord", "load_model_weights"]
 
 # Planes whose length is data (the escape count) and so may differ between two weights of one shape.
 _RESIZABLE = ("esc_col", "esc_val")
+# The runtime layout's buffers: the tiles (not in the state dict) and the tensors it shares with the planes.
+_TILED = ("tiles", "e0", "esc_rowptr", "esc_col", "esc_val")
 
 
 class W12Linear(nn.Module):
-    """A linear layer `y = x @ W.T + b` whose BF16 weight is stored in W12."""
+    """A linear layer `y = x @ W.T + b` whose BF16 weight is stored in W12: a `W12Weight` (the version-1 planes)
+    or a `TiledW12` (the runtime layout, `w12.pack(weight, layout="runtime")`). The state dict holds the
+    version-1 planes either way (module doc)."""
 
-    def __init__(self, weight: W12Weight, bias: torch.Tensor | None = None):
+    def __init__(self, weight: W12Weight | TiledW12, bias: torch.Tensor | None = None):
         super().__init__()
-        if not isinstance(weight, W12Weight):
-            raise TypeError(f"w12.W12Linear: needs a W12Weight (from w12.pack), got {type(weight).__name__}; pass "
-                            "w12.pack(weight), or build it with w12.W12Linear.from_linear(linear)")
+        if not isinstance(weight, (W12Weight, TiledW12)):
+            raise TypeError(f"w12.W12Linear: needs a W12Weight or TiledW12 (from w12.pack), got "
+                            f"{type(weight).__name__}; pass w12.pack(weight), or build it with "
+                            "w12.W12Linear.from_linear(linear)")
         if bias is not None and (bias.dim() != 1 or bias.shape[0] != weight.N):
             raise ValueError(f"w12.W12Linear: bias has shape {tuple(bias.shape)}, expected ({weight.N},); pass the "
                              "layer's bias vector or None")
         self.in_features = weight.K
         self.out_features = weight.N
-        for p in PLANES:
-            self.register_buffer(f"w_{p}", getattr(weight, p))
+        if isinstance(weight, TiledW12):
+            self.register_buffer("w_tiles", weight.tiles, persistent=False)  # the state dict holds hi and lo
+            for p in _TILED[1:]:
+                self.register_buffer(f"w_{p}", getattr(weight, p))
+        else:
+            for p in PLANES:
+                self.register_buffer(f"w_{p}", getattr(weight, p))
         self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._cached = weight
 
+    @property
+    def is_tiled(self) -> bool:
+        """True where the layer holds its weight in the runtime layout (`weight` is a `TiledW12`)."""
+        return "w_tiles" in self._buffers
+
     @classmethod
-    def from_linear(cls, linear: nn.Linear, verify: bool = True) -> "W12Linear":
-        """Pack `linear.weight` (must be BF16) on its own device; the bias is kept as is."""
+    def from_linear(cls, linear: nn.Linear, verify: bool = True, *, layout: str = "planes") -> "W12Linear":
+        """Pack `linear.weight` (must be BF16) on its own device; the bias is kept as is. `layout`: as for
+        `w12.pack` ("planes": a `W12Weight`, "runtime": a `TiledW12`)."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"w12.W12Linear.from_linear: expected an nn.Linear, got {type(linear).__name__}; pass "
                             "an nn.Linear layer")
@@ -66,7 +90,8 @@ class W12Linear(nn.Module):
                 f"w12.W12Linear.from_linear: needs a BF16 weight, got {linear.weight.dtype}; convert the layer "
                 f"with .to(torch.bfloat16) first"
             )
-        return cls(pack(linear.weight.detach(), verify=verify), linear.bias)
+        check_layout_arg("w12.W12Linear.from_linear", layout)
+        return cls(pack(linear.weight.detach(), verify=verify, layout=layout), linear.bias)
 
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool = True, *, device=None,
@@ -91,8 +116,26 @@ class W12Linear(nn.Module):
         b = torch.zeros(N, dtype=dtype, device=device) if bias else None
         return cls(W12Weight(**z, K=in_features), b)
 
+    def _save_to_state_dict(self, destination, prefix, keep_vars):
+        if not self.is_tiled:
+            return super()._save_to_state_dict(destination, prefix, keep_vars)
+        # the runtime layout saves as the version-1 planes, in the order and under the names a planes layer has
+        for name, prm in self._parameters.items():
+            if prm is not None:
+                destination[prefix + name] = prm if keep_vars else prm.detach()
+        planes = untile(self.weight)
+        for p in PLANES:
+            t = getattr(planes, p) if p in ("hi", "lo") else getattr(self, f"w_{p}")
+            destination[f"{prefix}w_{p}"] = t if keep_vars else t.detach()
+
     def _load_from_state_dict(self, state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                               error_msgs):
+        hilo = {}
+        if self.is_tiled:  # hi and lo are tiled below; the rest loads as in a planes layer
+            hilo = {p: state_dict[f"{prefix}w_{p}"] for p in ("hi", "lo") if f"{prefix}w_{p}" in state_dict}
+            state_dict = {k: v for k, v in state_dict.items() if k not in (f"{prefix}w_hi", f"{prefix}w_lo")}
+            if strict:
+                missing_keys.extend(f"{prefix}w_{p}" for p in ("hi", "lo") if p not in hilo)
         # The escape lists' length is the weight's escape count: take the incoming one.
         for p in _RESIZABLE:
             cur, new = self._buffers.get(f"w_{p}"), state_dict.get(f"{prefix}w_{p}")
@@ -101,7 +144,7 @@ class W12Linear(nn.Module):
         n_err = len(error_msgs)
         super()._load_from_state_dict(state_dict, prefix, local_metadata, strict, missing_keys, unexpected_keys,
                                       error_msgs)
-        present = [p for p in PLANES if f"{prefix}w_{p}" in state_dict]
+        present = [p for p in PLANES if f"{prefix}w_{p}" in state_dict or p in hilo]
         if not present or len(error_msgs) > n_err:
             return
         if len(present) != len(PLANES):
@@ -110,15 +153,41 @@ class W12Linear(nn.Module):
                               f"a W12 weight loads whole (all of {list(PLANES)})")
             return
         try:
-            w = self.weight
-            w.validate(deep=w.device.type != "meta")
+            if self.is_tiled:
+                self._load_tiles(hilo, local_metadata.get("assign_to_params_buffers", False))
+            else:
+                w = self.weight
+                w.validate(deep=w.device.type != "meta")
         except W12FormatError as e:
             error_msgs.append(f"W12 weight {prefix[:-1] or '(root)'} is invalid after loading: {e}")
 
+    def _load_tiles(self, hilo: dict, assign: bool) -> None:
+        """A runtime-layout layer's load: the incoming hi and lo with the loaded e0 and escape list, checked as a
+        planes layer checks them, then tiled into `w_tiles`."""
+        dev = self.w_e0.device
+        hi, lo = (hilo[p].to(dev) if isinstance(hilo[p], torch.Tensor) else hilo[p] for p in ("hi", "lo"))
+        w = W12Weight(hi, lo, *(getattr(self, f"w_{p}") for p in PLANES[2:]), K=self.in_features)
+        if w.N != self.out_features:
+            raise W12FormatError(f"w12.W12Linear: the loaded planes have {w.N} rows, the layer has "
+                                 f"{self.out_features}")
+        w.validate(deep=dev.type != "meta")
+        tiles = tile(w).tiles
+        if assign:
+            self._buffers["w_tiles"] = tiles
+        else:
+            with torch.no_grad():
+                self.w_tiles.copy_(tiles)
+
     @property
-    def weight(self) -> W12Weight:
-        """The packed weight; rebuilt (shallow checks only) if a buffer was replaced, e.g. by `.to()`."""
+    def weight(self) -> W12Weight | TiledW12:
+        """The packed weight (a `TiledW12` where `is_tiled`); rebuilt (shallow checks only) if a buffer was
+        replaced, e.g. by `.to()`."""
         c = self._cached
+        if self.is_tiled:
+            if c is None or any(getattr(c, p) is not getattr(self, f"w_{p}") for p in _TILED):
+                c = TiledW12(*(getattr(self, f"w_{p}") for p in _TILED), self.out_features, self.in_features)
+                self._cached = c
+            return c
         if c is None or any(getattr(c, p) is not getattr(self, f"w_{p}") for p in PLANES):
             c = W12Weight(**{p: getattr(self, f"w_{p}") for p in PLANES}, K=self.in_features)
             self._cached = c
@@ -197,8 +266,12 @@ def _matches(name: str, patterns) -> bool:
     return any(fnmatch.fnmatchcase(name, p) for p in patterns)
 
 
-def convert(model: nn.Module, include=None, exclude=None, verify: bool = True) -> ConversionReport:
+def convert(model: nn.Module, include=None, exclude=None, verify: bool = True, *,
+            layout: str = "planes") -> ConversionReport:
     """Replace `nn.Linear` modules of `model` in place by `W12Linear`.
+
+    `layout`: "planes" (default) gives each layer a `W12Weight`; "runtime" a `TiledW12` (`w12.pack`'s `layout`),
+    and the report's bytes are then those of the runtime layout. The state dict is the version-1 planes either way.
 
     `include` / `exclude`: fnmatch patterns (a string or a list) on qualified module names, e.g.
     `"model.layers.*.mlp.*"`; default: every linear, nothing excluded. Layers that cannot be
@@ -216,6 +289,7 @@ def convert(model: nn.Module, include=None, exclude=None, verify: bool = True) -
     if not isinstance(verify, bool):
         raise TypeError(f"w12.convert: verify must be a bool, got {type(verify).__name__} {verify!r}; pass True or "
                         "False")
+    check_layout_arg("w12.convert", layout)
     for arg, val in (("include", include), ("exclude", exclude)):
         if val is not None and not isinstance(val, str) and not (
                 isinstance(val, (list, tuple, set, frozenset)) and all(isinstance(v, str) for v in val)):
@@ -261,7 +335,7 @@ def convert(model: nn.Module, include=None, exclude=None, verify: bool = True) -
                         f"{' / '.join(dtypes)} weights (e.g. {wrong_dtype[0][0]!r}) and W12 packs bfloat16; cast the "
                         f"model first: model.to(torch.bfloat16)")
     for name, mod in todo:
-        new = W12Linear.from_linear(mod, verify=verify)
+        new = W12Linear.from_linear(mod, verify=verify, layout=layout)
         model.set_submodule(name, new)
         report.converted.append(
             LayerRecord(name, (new.out_features, new.in_features), mod.weight.nbytes, new.weight.nbytes,

@@ -265,11 +265,19 @@ _matmul_torch_op.register_fake(_fake_out)
 def _check(x, packed, bias, variant, out, name: str) -> None:
     fn = f"w12.{name}"
     if not isinstance(packed, W12Weight):
-        raise TypeError(f"{fn}: packed must be a W12Weight, got {type(packed).__name__}; "
-                        "build one with w12.pack(weight)" + ("; for a TiledW12 call w12.matmul_tiled"
-                                                             if isinstance(packed, TiledW12) else ""))
+        raise TypeError(f"{fn}: packed must be a W12Weight or a TiledW12, got {type(packed).__name__}; "
+                        "build one with w12.pack(weight)")
     packed.validate(deep=False)
     _check_args(x, packed, bias, variant, out, fn)
+
+
+def _tiled_call(x, tiled: TiledW12, bias, variant, out, name: str, q8: bool) -> torch.Tensor:
+    """`matmul` / `matmul_q8` on a TiledW12: `matmul_tiled`'s paths, which take no variant."""
+    if variant is not None:
+        raise ValueError(f"w12.{name}: variant={variant!r} does not apply to a TiledW12 (the runtime layout runs the "
+                         "flow kernel, or the weight decoded for the call, see w12.matmul_tiled); pass variant=None, "
+                         "or the W12Weight (w12.layout.untile(tiled)) to choose a variant")
+    return _matmul_tiled(x, tiled, bias, q8=q8, out=out, pdl=None, fn=f"w12.{name}")
 
 
 def _check_args(x, packed, bias, variant, out, fn: str) -> None:
@@ -321,8 +329,8 @@ def _call(x, packed: W12Weight, bias, op: str, variant: str | None, out: torch.T
     return out2d.reshape(*x.shape[:-1], N) if out is None else out
 
 
-def matmul(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] = None, *, variant: str | None = None,
-           out: torch.Tensor | None = None) -> torch.Tensor:
+def matmul(x: torch.Tensor, packed: W12Weight | TiledW12, bias: Optional[torch.Tensor] = None, *,
+           variant: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """`F.linear(x, w12.unpack(packed), bias)` without unpacking: x [..., K] (bf16 or fp16) -> [..., N]
     in x's dtype, fp32 accumulation, one rounding at the end.
 
@@ -341,13 +349,20 @@ def matmul(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] = No
     config=MmaConfig(...))` pins one in a scope; `autotune.which_variant("w12.matmul", device)` says which
     variant a call runs.
     `out`: a preallocated contiguous [..., N] tensor of x's dtype, written and returned.
+
+    `packed` may also be a `TiledW12` (the runtime layout: `w12.pack(weight, layout="runtime")`,
+    `w12.layout.tile`): the call is then `w12.matmul_tiled(x, packed, bias, out=out)`, the flow kernel
+    on a GPU for bf16 x up to 96 rows, otherwise the weight decoded for the call and F.linear (on CPU
+    tensors the torch path above, bit for bit). `variant` must be None there (a ValueError otherwise).
     """
+    if isinstance(packed, TiledW12):
+        return _tiled_call(x, packed, bias, variant, out, "matmul", q8=False)
     _check(x, packed, bias, variant, out, "matmul")
     return _call(x, packed, bias, OP, variant, out)
 
 
-def matmul_q8(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] = None, *, variant: str | None = None,
-              out: torch.Tensor | None = None) -> torch.Tensor:
+def matmul_q8(x: torch.Tensor, packed: W12Weight | TiledW12, bias: Optional[torch.Tensor] = None, *,
+              variant: str | None = None, out: torch.Tensor | None = None) -> torch.Tensor:
     """Like `matmul`, but reads only the `hi` plane (1 byte per weight) plus the escapes: the
     product with the 8-bit view `w12.decode_q8(packed)` (docs/w12-format.md).
 
@@ -357,8 +372,11 @@ def matmul_q8(x: torch.Tensor, packed: W12Weight, bias: Optional[torch.Tensor] =
     differs from `matmul` by up to 2^-4 * sum_k |x_k w_k| per output, and matches the fp64
     product with `decode_q8` to within same-precision F.linear error. `variant` and `out` as for
     `matmul`; configs are looked up under op "w12.matmul_q8", and forcing a variant of "w12.matmul"
-    also applies here.
+    also applies here. A `TiledW12` runs `w12.matmul_tiled(x, packed, bias, q8=True, out=out)`, with
+    `variant=None` only, as for `matmul`.
     """
+    if isinstance(packed, TiledW12):
+        return _tiled_call(x, packed, bias, variant, out, "matmul_q8", q8=True)
     _check(x, packed, bias, variant, out, "matmul_q8")
     return _call(x, packed, bias, OP_Q8, variant, out)
 
@@ -389,6 +407,11 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
         raise TypeError(f"{fn}: tiled must be a TiledW12, got {type(tiled).__name__}; build one with "
                         "w12.layout.tile(w12.pack(weight))" + ("; for a W12Weight call w12.matmul"
                                                                if isinstance(tiled, W12Weight) else ""))
+    return _matmul_tiled(x, tiled, bias, q8=q8, out=out, pdl=pdl, fn=fn)
+
+
+def _matmul_tiled(x, tiled: TiledW12, bias, *, q8: bool, out, pdl, fn: str) -> torch.Tensor:
+    """`matmul_tiled` after its type check; `fn` names the public call in error messages."""
     _check_args(x, tiled, bias, None, out, fn)
     N, K = tiled.N, tiled.K
     x2d = x.reshape(-1, K)

@@ -12,6 +12,7 @@ import torch
 import torch.nn.functional as F
 
 from .format import E0_MAX, GROUP, WINDOW, W12Weight, check_pack_input, padded_k, unpack
+from .layout import TiledW12, untile
 
 __all__ = ["pack_reference", "unpack_reference", "decode_q8", "q8_view_bits", "matmul_reference", "matmul_q8_reference"]
 
@@ -116,9 +117,19 @@ def q8_view_bits(hi: torch.Tensor, e0: torch.Tensor) -> torch.Tensor:
     return (((hi & 0x7F) << 4) + torch.where(e0 > 0, (e0 << 7) + 8, torch.zeros_like(e0))) | ((hi & 0x80) << 8)
 
 
-def decode_q8(packed: W12Weight) -> torch.Tensor:
-    """The 8-bit view as BF16 [N, K]: `q8_view_bits` of every `hi` byte; escapes exact."""
-    _check_packed("decode_q8", packed)
+def decode_q8(packed: W12Weight | TiledW12) -> torch.Tensor:
+    """The 8-bit view as BF16 [N, K]: `q8_view_bits` of every `hi` byte; escapes exact. Takes a `TiledW12` (the
+    runtime layout) too: on a GPU decoded tile by tile (`w12.ops.decode_tiled(q8=True)`, the same bits), elsewhere
+    through its version-1 planes (`w12.layout.untile`)."""
+    if isinstance(packed, TiledW12):
+        if packed.device.type == "cuda":
+            from .ops import decode_tiled
+
+            return decode_tiled(packed, q8=True)
+        packed = untile(packed)
+    if not isinstance(packed, W12Weight):
+        raise TypeError(f"w12.decode_q8: expected a W12Weight or TiledW12 (from w12.pack), got "
+                        f"{type(packed).__name__}; pass w12.pack(weight)")
     bits = q8_view_bits(packed.hi[:, : packed.K].int(), packed.e0.int().unsqueeze(1))
     bits16 = (bits - ((bits & 0x8000) << 1)).to(torch.int16)
     return _apply_escapes(bits16, packed).view(torch.bfloat16)
