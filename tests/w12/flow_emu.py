@@ -11,7 +11,9 @@ Returns the value before the final rounding ([M, N], float64) and counters of th
 With `wg=True` it follows the warpgroup build (W12F_WG): the warp -> (row block, K piece) map of 4-warp groups, each
 thread's 4-byte x stores into the warpgroup's slot (`wg_slot`), and the B operand read back through the no-swizzle
 K-major descriptor layout of the PTX ISA (`wg_operand`) instead of the lanes' x fragments.
-`hostile_weight` makes the test weights: rows of zeros, subnormals, huge and tiny values, salted escapes.
+`hostile_weight` makes the test weights: rows of zeros, subnormals, huge and tiny values, salted escapes;
+`escaped_weight` and `gaussian_x` the GPU tests' Gaussian weights (with zero and out-of-window escapes) and x;
+`assert_same_planes` compares two `W12Weight`s plane by plane, bit for bit.
 """
 
 from __future__ import annotations
@@ -19,6 +21,8 @@ from __future__ import annotations
 import numpy as np
 import torch
 
+from specpilot.testing import assert_bitwise_equal
+from w12.format import PLANES, W12Weight
 from w12.layout import Geometry, TiledW12
 
 U32 = np.uint32
@@ -176,6 +180,29 @@ def hostile_weight(N: int, K: int, seed: int) -> torch.Tensor:
         cols = torch.randperm(K, generator=g)[: max(1, K // 10)]
         bits[r, cols] = special[torch.randint(0, len(special), (cols.numel(),), generator=g)]
     return bits.view(torch.bfloat16)
+
+
+def escaped_weight(n: int, k: int, seed: int, device: str = "cuda") -> torch.Tensor:
+    """Gaussian [n, k] BF16 weights (std k^-1/2) with zeros (escapes of rows whose e0 is not 0) and 1e-30 values
+    (out-of-window escapes) at fixed strides."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    w = torch.randn(n, k, device=device, generator=g) * k**-0.5
+    w.view(-1)[::997] = 0.0  # zero escapes
+    w.view(-1)[5::1999] = 1e-30  # out-of-window escapes
+    return w.to(torch.bfloat16)
+
+
+def gaussian_x(m: int, k: int, seed: int, dtype: torch.dtype = torch.bfloat16, device: str = "cuda") -> torch.Tensor:
+    """Standard normal activations [m, k] in `dtype`, seeded."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    return torch.randn(m, k, device=device, generator=g).to(dtype)
+
+
+def assert_same_planes(a: W12Weight, b: W12Weight) -> None:
+    """Same N, K, Kp and every plane equal bit for bit (dtype included)."""
+    assert (a.N, a.K, a.Kp) == (b.N, b.K, b.Kp)
+    for p in PLANES:
+        assert_bitwise_equal(getattr(a, p).cpu(), getattr(b, p).cpu(), msg=p)
 
 
 LANE = np.arange(32)

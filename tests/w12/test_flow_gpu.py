@@ -19,7 +19,7 @@ from specpilot.testing import assert_close
 from w12 import flow, layout
 from w12.configs import FlowConfig, MmaConfig
 
-from flow_emu import hostile_weight, one_unit_tiny_case
+from flow_emu import escaped_weight, gaussian_x, hostile_weight, one_unit_tiny_case
 
 pytestmark = pytest.mark.gpu
 
@@ -27,18 +27,6 @@ pytestmark = pytest.mark.gpu
 CONFIGS = [FlowConfig(), FlowConfig(warps=8, kw=8, stages=6, fixed=True),
            FlowConfig(warps=4, kw=1, stages=3, fixed=True), FlowConfig(warps=16, kw=4, cps=1, evict=False),
            FlowConfig(fixed=True), FlowConfig(warps=8, kw=2, cps=1, rb=2), FlowConfig(warps=4, kw=4, rb=2)]
-
-
-def _weight(n: int, k: int, seed: int) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = torch.randn(n, k, device="cuda", generator=g) * k**-0.5
-    w.view(-1)[::997] = 0.0  # zero escapes
-    w.view(-1)[5::1999] = 1e-30  # out-of-window escapes
-    return w.to(torch.bfloat16)
-
-
-def _x(m: int, k: int, seed: int) -> torch.Tensor:
-    return torch.randn(m, k, device="cuda", generator=torch.Generator(device="cuda").manual_seed(seed)).to(torch.bfloat16)
 
 
 def _salt(x: torch.Tensor, nonfinite: bool = True) -> torch.Tensor:
@@ -63,11 +51,11 @@ def _run(cfg, x, t, bias=None, step="e", **kw):
 @pytest.mark.parametrize("M,N,K", [(1, 75, 200), (5, 40, 130), (13, 17, 64), (32, 130, 4100), (24, 1000, 63),
                                    (9, 5120, 6144)], ids=lambda v: str(v))
 def test_flow_matches_fp64(cfg, M, N, K):
-    w = _weight(N, K, seed=N + K)
+    w = escaped_weight(N, K, seed=N + K)
     p = w12.pack(w)
     t = layout.tile(p)
-    x = _x(M, K, seed=M)
-    bias = (_x(1, N, seed=N)[0] * 0.1) if N % 2 else None  # a seeded generator, never the global CUDA one
+    x = gaussian_x(M, K, seed=M)
+    bias = (gaussian_x(1, N, seed=N)[0] * 0.1) if N % 2 else None  # a seeded generator, never the global CUDA one
     out = _run(cfg, x, t, bias)
     assert_close(out, w12.matmul_reference(x, p, bias), F.linear(x, w, bias))
 
@@ -81,7 +69,7 @@ def test_fixed_base_equals_exact_base_bitwise(cfg, xkind):
     N, K, M = 70, 300, 11
     p = w12.pack(hostile_weight(N, K, seed=1).cuda())
     t = layout.tile(p)
-    x = _x(M, K, seed=2).float()
+    x = gaussian_x(M, K, seed=2).float()
     x = {"normal": x, "tiny": x * 2.0**-70, "huge": x * 2.0**60}.get(xkind, x).to(torch.bfloat16)
     if xkind in ("subnormal", "nonfinite"):
         _salt(x, nonfinite=xkind == "nonfinite")
@@ -100,7 +88,7 @@ def test_two_row_blocks_per_warp_equal_one_bitwise(M, N, xkind):
     K = 300
     p = w12.pack(hostile_weight(N, K, seed=N).cuda())
     t = layout.tile(p)
-    x = _x(M, K, seed=M)
+    x = gaussian_x(M, K, seed=M)
     if xkind == "nonfinite":
         _salt(x)
     for warps, kw, cps in ((8, 2, 1), (4, 4, 2), (8, 8, 1)):
@@ -125,10 +113,10 @@ def test_every_unit_reaches_the_guard(unit):
 @pytest.mark.parametrize("step", ["c", "d"])
 def test_partial_ladder_steps_at_kw_1(step):
     N, K, M = 200, 1000, 7
-    w = _weight(N, K, seed=5)
+    w = escaped_weight(N, K, seed=5)
     p = w12.pack(w)
     t = layout.tile(p)
-    x = _x(M, K, seed=6)
+    x = gaussian_x(M, K, seed=6)
     out = _run(FlowConfig(warps=8, kw=1), x, t, step=step)
     wl = flow.ladder_weight(p, step)
     assert_close(out, F.linear(x.double(), wl.double()), F.linear(x, wl))
@@ -155,11 +143,11 @@ def test_k_split_across_ctas_matches_fp64(cfg, M, N, K):
 
 def _check_fp64_and_repeats(cfg, M: int, N: int, K: int, repeats: int) -> None:
     """`cfg` at (M, N, K) against fp64 (a bias where N is odd), then `repeats` more runs equal to it bit for bit."""
-    w = _weight(N, K, seed=N + K)
+    w = escaped_weight(N, K, seed=N + K)
     p = w12.pack(w)
     t = layout.tile(p)
-    x = _x(M, K, seed=M)
-    bias = (_x(1, N, seed=N)[0] * 0.1) if N % 2 else None
+    x = gaussian_x(M, K, seed=M)
+    bias = (gaussian_x(1, N, seed=N)[0] * 0.1) if N % 2 else None
     out = _run(cfg, x, t, bias)
     assert_close(out, w12.matmul_reference(x, p, bias), F.linear(x, w, bias))
     for _ in range(repeats):
@@ -172,7 +160,7 @@ def _hostile_case(xkind: str, seed: int):
     the kernels give NaN: w12.matmul's documented difference)."""
     N, K, M = 70, 300, 11
     p = w12.pack(hostile_weight(N, K, seed=seed).cuda())
-    x = _x(M, K, seed=seed + 1)
+    x = gaussian_x(M, K, seed=seed + 1)
     if xkind == "nonfinite":
         _salt(x)
     esc = torch.zeros(N, K, dtype=torch.bool, device="cuda")
@@ -257,9 +245,9 @@ def test_k_split_through_memory_equals_the_cluster_build_bitwise(M):
                          ids=lambda c: c.tag())
 def test_forced_config_graph_replay_and_repeatability(cfg):
     N, K, M = 1030, 5120, 4
-    w = _weight(N, K, seed=7)
+    w = escaped_weight(N, K, seed=7)
     p = w12.pack(w)
-    x = _x(M, K, seed=8)
+    x = gaussian_x(M, K, seed=8)
     with autotune.force("w12.matmul", config=cfg):
         y = w12.matmul(x, p)
         y2 = w12.matmul(x, p)
@@ -294,11 +282,11 @@ Q8_CONFIGS = [FlowConfig(), FlowConfig(warps=4, kw=4, cps=4), FlowConfig(warps=8
 def test_q8_build_matches_the_8_bit_view(cfg, M, N, K):
     """The 8-bit view's build (hi bytes only) against fp64 with `w12.decode_q8`'s weight, and bit for bit run to
     run."""
-    w = _weight(N, K, seed=N + K + 1)
+    w = escaped_weight(N, K, seed=N + K + 1)
     p = w12.pack(w)
     t = layout.tile(p)
-    x = _x(M, K, seed=M + 1)
-    bias = (_x(1, N, seed=N)[0] * 0.1) if N % 2 else None
+    x = gaussian_x(M, K, seed=M + 1)
+    bias = (gaussian_x(1, N, seed=N)[0] * 0.1) if N % 2 else None
     out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
     flow.launch_tiled(cfg, x, t, bias, out, q8=True)
     again = torch.empty_like(out)
@@ -327,11 +315,11 @@ def test_matmul_tiled(M, dtype, q8):
     """w12.matmul_tiled on the runtime layout alone: the flow kernel at 1..32 bf16 rows, the decoded weight and
     F.linear above 32 rows or for fp16 x; against fp64 (the 8-bit view's weight for q8), with a bias."""
     N, K = 1030, 1000
-    w = _weight(N, K, seed=M + 3)
+    w = escaped_weight(N, K, seed=M + 3)
     p = w12.pack(w)
     t = layout.tile(p)
-    x = _x(M, K, seed=M).to(dtype)
-    bias = _x(1, N, seed=N)[0].to(dtype) * 0.1
+    x = gaussian_x(M, K, seed=M).to(dtype)
+    bias = gaussian_x(1, N, seed=N)[0].to(dtype) * 0.1
     got = w12.matmul_tiled(x, t, bias, q8=q8)
     wd = w12.decode_q8(p) if q8 else w
     ref = (w12.matmul_q8_reference if q8 else w12.matmul_reference)(x, p, bias)
@@ -345,11 +333,11 @@ def test_matmul_tiled_in_32_row_pieces(M, monkeypatch):
     against fp64; the 8-bit view too."""
     monkeypatch.setattr(w12.ops, "CHUNK_MAX_M", 96)
     N, K = 1030, 1000
-    w = _weight(N, K, seed=M + 5)
+    w = escaped_weight(N, K, seed=M + 5)
     p = w12.pack(w)
     t = layout.tile(p)
-    x = _x(M, K, seed=M + 6)
-    bias = _x(1, N, seed=N)[0] * 0.1
+    x = gaussian_x(M, K, seed=M + 6)
+    bias = gaussian_x(1, N, seed=N)[0] * 0.1
     for q8 in (False, True):
         got = w12.matmul_tiled(x, t, bias, q8=q8)
         wd = w12.decode_q8(p) if q8 else w
@@ -359,10 +347,10 @@ def test_matmul_tiled_in_32_row_pieces(M, monkeypatch):
 
 def test_matmul_tiled_forced_config_and_graph_replay():
     N, K, M = 5120, 6144, 4
-    w = _weight(N, K, seed=11)
+    w = escaped_weight(N, K, seed=11)
     p = w12.pack(w)
     t = layout.tile(p)
-    x = _x(M, K, seed=12)
+    x = gaussian_x(M, K, seed=12)
     y = w12.matmul_tiled(x, t)
     with autotune.force("w12.matmul", config=FlowConfig(warps=8, kw=8)):
         y2 = w12.matmul_tiled(x, t)
@@ -390,7 +378,7 @@ def test_decode_tiled_is_unpack_bitwise(N, K, groups, monkeypatch):
     from w12.ops import decode_tiled
 
     monkeypatch.setattr(ops, "UNTILE_GROUPS", groups)
-    p = w12.pack(hostile_weight(N, K, seed=N + K).cuda() if N < 2000 else _weight(N, K, seed=N))
+    p = w12.pack(hostile_weight(N, K, seed=N + K).cuda() if N < 2000 else escaped_weight(N, K, seed=N))
     t = layout.tile(p)
     assert torch.equal(decode_tiled(t).view(torch.int16), w12.unpack(p).view(torch.int16))
     assert torch.equal(decode_tiled(t, q8=True).view(torch.int16), w12.decode_q8(p).view(torch.int16))
@@ -406,13 +394,13 @@ def test_chain_under_programmatic_dependent_launch(cfg, graph):
     launched without it, bit for bit, and a layout written in place between two launches is read after the write.
     The outputs are filled with NaN before each chain, so a read of x before the previous kernel wrote it shows."""
     n, m = 1024, 4
-    ts = [layout.tile(w12.pack(_weight(n, n, seed=40 + i))) for i in range(6)]
-    x = _x(m, n, seed=9)
+    ts = [layout.tile(w12.pack(escaped_weight(n, n, seed=40 + i))) for i in range(6)]
+    x = gaussian_x(m, n, seed=9)
     ys = [x] + [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ts]
     _chain_with_and_without_pdl(cfg, ts, ys, graph, runs=3)
     # the default launch: the first one after an in-place write to the layout waits for the kernel that wrote it.
     # -W has W's windows and escape positions, so its tiles and escape values overwrite W's in place
-    w0 = _weight(n, n, seed=40)
+    w0 = escaped_weight(n, n, seed=40)
     p0, pn = w12.pack(w0), w12.pack(-w0)
     assert torch.equal(pn.e0, p0.e0) and torch.equal(pn.esc_rowptr, p0.esc_rowptr) and torch.equal(pn.esc_col, p0.esc_col)
     flow.launch_tiled(cfg, x, ts[0], None, ys[1])
@@ -494,7 +482,7 @@ def test_full_row_blocks_build_equals_the_general_one_bitwise(q8, M):
     memory K splits and (sm_90) the warpgroup build, on hostile rows (80 of them) and x salted with NaN, +-Inf, +-0
     and subnormals."""
     p = w12.pack(hostile_weight(80, 300, seed=23).cuda())
-    x = _x(M, 300, seed=24)
+    x = gaussian_x(M, 300, seed=24)
     _salt(x)
     t = layout.tile(p)
     hopper = torch.cuda.get_device_capability() == (9, 0)
@@ -553,10 +541,10 @@ def test_warpgroup_descriptor_orientation():
     Its twin with the offsets swapped (W12F_WG_SWAP = 1, its reads kept inside a padded allocation) is run too, so
     that a failure says which orientation the hardware takes."""
     M, N, K = 32, 256, 512
-    w = _weight(N, K, seed=21)
+    w = escaped_weight(N, K, seed=21)
     p = w12.pack(w)
     t = layout.tile(p)
-    x = _x(M, K, seed=22)
+    x = gaussian_x(M, K, seed=22)
     ref, base = w12.matmul_reference(x, p), F.linear(x, w)
     cfg = WG_CONFIGS[0]
     results = {}
@@ -608,6 +596,6 @@ def test_warpgroup_chain_graph_and_pdl(graph):
     chain), with and without programmatic dependent launch, eager and as one CUDA graph: equal bit for bit, no NaN."""
     n, m = 1024, 24
     cfg = WG_CONFIGS[1]
-    ts = [layout.tile(w12.pack(_weight(n, n, seed=60 + i))) for i in range(6)]
-    ys = [_x(m, n, seed=61)] + [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ts]
+    ts = [layout.tile(w12.pack(escaped_weight(n, n, seed=60 + i))) for i in range(6)]
+    ys = [gaussian_x(m, n, seed=61)] + [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ts]
     _chain_with_and_without_pdl(cfg, ts, ys, graph, runs=1)

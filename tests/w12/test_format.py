@@ -11,6 +11,8 @@ import w12.format as fmt
 from specpilot.testing import assert_bitwise_equal
 from w12.reference import decode_q8, matmul_reference, pack_reference, unpack_reference
 
+from flow_emu import assert_same_planes
+
 
 def bf16_of_bits(bits) -> torch.Tensor:
     """BF16 tensor from ints in [0, 65535]."""
@@ -20,12 +22,6 @@ def bf16_of_bits(bits) -> torch.Tensor:
 
 def bits_of(w: torch.Tensor) -> torch.Tensor:
     return w.contiguous().view(torch.int16).int() & 0xFFFF
-
-
-def assert_same_planes(a: w12.W12Weight, b: w12.W12Weight):
-    assert (a.N, a.K, a.Kp) == (b.N, b.K, b.Kp)
-    for p in fmt.PLANES:
-        assert_bitwise_equal(getattr(a, p).cpu(), getattr(b, p).cpu(), msg=p)
 
 
 def gaussian(N, K, seed=0, std=0.02):

@@ -9,9 +9,8 @@ import torch
 
 import w12
 from w12 import layout
-from w12.format import PLANES
 
-from flow_emu import hostile_weight
+from flow_emu import assert_same_planes, hostile_weight
 
 def decode_documented(t: layout.TiledW12) -> tuple[torch.Tensor, torch.Tensor]:
     """(hi, lo nibble) of every weight [N, K], read from the tile buffer at the offsets the module doc gives, one
@@ -39,13 +38,6 @@ def decode_documented(t: layout.TiledW12) -> tuple[torch.Tensor, torch.Tensor]:
     return hi, nib
 
 
-def _assert_same_planes(a: w12.W12Weight, b: w12.W12Weight) -> None:
-    assert a.K == b.K
-    for name in PLANES:
-        x, y = getattr(a, name), getattr(b, name)
-        assert x.dtype == y.dtype and torch.equal(x, y), name
-
-
 @pytest.mark.parametrize("N,K", [(1, 1), (16, 64), (17, 63), (75, 200), (33, 130), (5, 4100), (40, 257), (3, 129)],
                          ids=lambda v: str(v))
 def test_tile_and_untile_are_exact_inverses(N, K):
@@ -54,7 +46,7 @@ def test_tile_and_untile_are_exact_inverses(N, K):
     t = layout.tile(p)  # torch.empty is NaN/0xA5-poisoned in tests: every byte must be written
     assert t.tiles.numel() == layout.Geometry(N, K).nbytes
     back = layout.untile(t)
-    _assert_same_planes(back, p)
+    assert_same_planes(back, p)
     back.validate(deep=True)
     assert torch.equal(w12.unpack(back).view(torch.int16), w.view(torch.int16))
 
@@ -77,7 +69,7 @@ def test_hostile_rows_round_trip_on_wide_weights():
     assert p.num_escapes > 100 and int(p.e0.min()) == 0 and int(p.e0.max()) > 200
     t = layout.tile(p)
     assert t.e0 is p.e0 and t.esc_val is p.esc_val
-    _assert_same_planes(layout.untile(t), p)
+    assert_same_planes(layout.untile(t), p)
 
 
 @pytest.mark.parametrize("N,K", [(1000, 130), (4096, 4100), (75, 4100), (16, 128), (2, 129), (3, 136), (75, 191)],

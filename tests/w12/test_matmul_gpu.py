@@ -22,6 +22,8 @@ from w12 import cuda as wcuda
 from w12.configs import GemvConfig, MmaConfig, StreamConfig, TcConfig, TmaConfig
 from w12.kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel
 
+from flow_emu import escaped_weight, gaussian_x
+
 pytestmark = pytest.mark.gpu
 
 _S = get_shape_set("hybrid-27b")
@@ -32,19 +34,6 @@ REAL = [("mlp.down_proj", *_S.linears["mlp.down_proj"]), ("gdn.in_proj", *_S.lin
 
 def _dev():
     return torch.device("cuda")
-
-
-def _weight(n, k, seed):
-    g = torch.Generator(device=_dev()).manual_seed(seed)
-    w = torch.randn(n, k, device=_dev(), generator=g) * k**-0.5
-    w.view(-1)[:: 997] = 0.0  # zero escapes (e0 != 0 rows)
-    w.view(-1)[5::1999] = 1e-30  # tiny out-of-window escapes
-    return w.to(torch.bfloat16)
-
-
-def _x(m, k, seed, dtype=torch.bfloat16):
-    g = torch.Generator(device=_dev()).manual_seed(seed)
-    return torch.randn(m, k, device=_dev(), generator=g).to(dtype)
 
 
 def _check(out, x, w, p, bias=None, q8=False):
@@ -58,7 +47,7 @@ def _check(out, x, w, p, bias=None, q8=False):
 def packed_real():
     out = {}
     for i, (name, n, k) in enumerate(REAL):
-        w = _weight(n, k, seed=i)
+        w = escaped_weight(n, k, seed=i)
         out[name] = (w, w12.pack(w))
     return out
 
@@ -74,7 +63,7 @@ VARIANTS = ["mma", "tc", "gemv"]
 @pytest.mark.parametrize("name", [r[0] for r in REAL])
 def test_real_shapes(packed_real, name, M, variant):
     w, p = packed_real[name]
-    x = _x(M, p.K, seed=M)
+    x = gaussian_x(M, p.K, seed=M)
     with autotune.force("w12.matmul", variant=variant):
         out = w12.matmul(x, p)
         out_q8 = w12.matmul_q8(x, p)
@@ -85,10 +74,10 @@ def test_real_shapes(packed_real, name, M, variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_lm_head_and_prefill(variant):
     n, k = 32768 + 77, _S.hidden  # a vocab slice with an odd tail
-    w = _weight(n, k, seed=5)
+    w = escaped_weight(n, k, seed=5)
     p = w12.pack(w)
     for M in (1, 100):
-        x = _x(M, k, seed=M)
+        x = gaussian_x(M, k, seed=M)
         with autotune.force("w12.matmul", variant=variant):
             _check(w12.matmul(x, p), x, w, p)
 
@@ -96,11 +85,11 @@ def test_lm_head_and_prefill(variant):
 @pytest.mark.parametrize("variant", VARIANTS)
 def test_nonfinite_fp16_bias_strides(variant):
     n, k = 1000, 4160
-    w = _weight(n, k, seed=9)
+    w = escaped_weight(n, k, seed=9)
     w[3, 17], w[4, 99], w[5, 1000] = float("inf"), float("-inf"), float("nan")
     p = w12.pack(w)
-    bias = _x(1, n, seed=10)[0]
-    x = _x(3, 2 * k, seed=11)[:, ::2]
+    bias = gaussian_x(1, n, seed=10)[0]
+    x = gaussian_x(3, 2 * k, seed=11)[:, ::2]
     with autotune.force("w12.matmul", variant=variant):
         _check(w12.matmul(x, p, bias), x, w, p, bias)
         xh = x.half()
@@ -248,9 +237,9 @@ def test_tma_launches_with_changing_tensor_maps(cfg):
     result must equal that pair's first result bit for bit, and the reference. Without the consumers'
     proxy fence before each stage release, the 2-D TMA box of x failed this in up to ~10% of launches
     at M = 16, and 16- and 32-row CTAs and cw4-st8-xcp up to every launch."""
-    ws = [_weight(16384, 5120, seed=7 + i) for i in range(2)]
+    ws = [escaped_weight(16384, 5120, seed=7 + i) for i in range(2)]
     ps = [w12.pack(w) for w in ws]
-    xs = [_x(16, 5120, seed=8 + i) for i in range(2)]
+    xs = [gaussian_x(16, 5120, seed=8 + i) for i in range(2)]
     firsts = {}
     with autotune.force("w12.matmul", config=cfg):
         for it in range(48):
@@ -265,12 +254,12 @@ def test_tma_launches_with_changing_tensor_maps(cfg):
 
 
 def _odd_shapes(cfg, N, K):
-    w = _weight(N, K, seed=N + K)
+    w = escaped_weight(N, K, seed=N + K)
     w[1, 3], w[2, 7], w[min(4, N - 1), 1] = float("inf"), float("nan"), -0.0
     p = w12.pack(w)
     for M, bdt in ((1, torch.bfloat16), (5, torch.float32), (8, torch.float16), (13, None), (32, torch.bfloat16)):
-        x = _x(M, K, seed=M)
-        bias = None if bdt is None else _x(1, N, seed=M + 1)[0].to(bdt)
+        x = gaussian_x(M, K, seed=M)
+        bias = None if bdt is None else gaussian_x(1, N, seed=M + 1)[0].to(bdt)
         with autotune.force("w12.matmul", config=cfg):
             out = w12.matmul(x, p, bias)
             out_q8 = w12.matmul_q8(x, p, bias)
@@ -281,20 +270,20 @@ def _odd_shapes(cfg, N, K):
 def test_mma_signed_zero_and_bad_input():
     """An all -0.0 row (escapes only) gives F.linear's zeros bit for bit; fp16 x and M > 32 fall back
     to Triton under the default variant, but a forced MmaConfig says why it cannot run them."""
-    w = _weight(64, 128, seed=1)
+    w = escaped_weight(64, 128, seed=1)
     w[5] = -0.0
     p = w12.pack(w)
-    x = _x(2, 128, seed=2).abs()
+    x = gaussian_x(2, 128, seed=2).abs()
     out = w12.matmul(x, p)
     assert_bitwise_equal(out[:, 5].contiguous(), F.linear(x, w)[:, 5].contiguous())
     assert w12.matmul(x.half(), p).dtype == torch.float16
-    assert w12.matmul(_x(40, 128, seed=3), p).shape == (40, 64)
+    assert w12.matmul(gaussian_x(40, 128, seed=3), p).shape == (40, 64)
     with autotune.force("w12.matmul", config=MmaConfig()):
         with pytest.raises(ValueError, match=r"^w12\.matmul: the CUDA kernel \(MmaConfig\) cannot take this call: x must "
                                              r"be bfloat16, got torch\.float16; force a TcConfig or GemvConfig"):
             w12.matmul(x.half(), p)
         with pytest.raises(ValueError, match=r"cannot take this call: 1 <= M <= 32 tokens, got M=40; force a TcConfig"):
-            w12.matmul(_x(40, 128, seed=3), p)
+            w12.matmul(gaussian_x(40, 128, seed=3), p)
 
 
 def _launch_direct(kernel, cfg, x, p, **extra):
@@ -312,8 +301,8 @@ def _launch_direct(kernel, cfg, x, p, **extra):
 @pytest.mark.parametrize("cfg", [TcConfig(128, 16, 128, 1, 8, 4), TcConfig(64, 16, 256, 1, 4, 3),
                                  TcConfig(128, 32, 128, 1, 8, 3), TcConfig(64, 16, 128, 1, 4, 4, fuse=True)], ids=str)
 def test_tc_kernel_uses_wgmma(cfg):
-    p = w12.pack(_weight(512, 1024, seed=1))
-    x = _x(cfg.block_t, 1024, seed=2)
+    p = w12.pack(escaped_weight(512, 1024, seed=1))
+    x = gaussian_x(cfg.block_t, 1024, seed=2)
     ck = _launch_direct(w12_matmul_tc_kernel, cfg, x, p, X_F16=False, FUSE=cfg.fuse)
     ptx = ck.asm["ptx"]
     if "wgmma" not in ptx:  # SASS needs nvdisasm; only consulted when the PTX lacks it
@@ -333,8 +322,8 @@ def test_tma_wg_kernel_uses_wgmma(nt):
 
 
 def test_gemv_kernel_uses_no_tensor_cores():
-    p = w12.pack(_weight(256, 1024, seed=1))
-    x = _x(1, 1024, seed=2)
+    p = w12.pack(escaped_weight(256, 1024, seed=1))
+    x = gaussian_x(1, 1024, seed=2)
     ck = _launch_direct(w12_matmul_gemv_kernel, GemvConfig(32, 1, 256, 1, 4, 2), x, p)
     ptx = ck.asm["ptx"]
     assert "wgmma" not in ptx and "mma.sync" not in ptx
@@ -348,10 +337,10 @@ def test_gemv_kernel_uses_no_tensor_cores():
                          + (["tma", "tma-split4", "tma-sk2"] if _HOPPER else []))
 def test_cuda_graph_replay_equals_eager(cfg):
     n, k = _S.linears["mlp.down_proj"]
-    w = _weight(n, k, seed=3)
+    w = escaped_weight(n, k, seed=3)
     p = w12.pack(w)
-    x = _x(1, k, seed=4)
-    bias = _x(1, n, seed=5)[0]
+    x = gaussian_x(1, k, seed=4)
+    bias = gaussian_x(1, n, seed=5)[0]
     def ctx():
         if cfg is not None:
             return autotune.force("w12.matmul", config=cfg)
@@ -370,7 +359,7 @@ def test_cuda_graph_replay_equals_eager(cfg):
     g.replay()
     torch.cuda.synchronize()
     assert_bitwise_equal(static_out, eager)
-    x.copy_(_x(1, k, seed=6))  # new input, same graph
+    x.copy_(gaussian_x(1, k, seed=6))  # new input, same graph
     g.replay()
     torch.cuda.synchronize()
     with ctx():
@@ -402,9 +391,9 @@ def poison_outside_compile(monkeypatch):
 @pytest.mark.parametrize("q8", [False, True])
 def test_torch_compile_fullgraph_equals_eager(q8, poison_outside_compile):
     n, k = 4096, 2048
-    w = _weight(n, k, seed=7)
+    w = escaped_weight(n, k, seed=7)
     p = w12.pack(w)
-    bias = _x(1, n, seed=8)[0]
+    bias = gaussian_x(1, n, seed=8)[0]
     fn = w12.matmul_q8 if q8 else w12.matmul
 
     def f(x):
@@ -413,10 +402,10 @@ def test_torch_compile_fullgraph_equals_eager(q8, poison_outside_compile):
     torch._dynamo.reset()
     cf = torch.compile(f, fullgraph=True)
     for M in (1, 16):
-        x = _x(M, k, seed=M)
+        x = gaussian_x(M, k, seed=M)
         assert_bitwise_equal(cf(x), f(x))
     cg = torch.compile(f, fullgraph=True, mode="reduce-overhead")
-    x = _x(4, k, seed=9)
+    x = gaussian_x(4, k, seed=9)
     for _ in range(3):
         got = cg(x)
     assert_bitwise_equal(got, f(x))
@@ -433,8 +422,8 @@ def test_pdl_chain_waits_for_the_previous_kernel(cfg, graph, monkeypatch):
     read x, the workspace or its output before griddepcontrol.wait would see NaN or stale partials.
     With PDL the chain equals the same chain launched without it, bit for bit, and the reference."""
     n, m = 1024, 4
-    ps = [w12.pack(_weight(n, n, seed=20 + i)) for i in range(6)]
-    x = _x(m, n, seed=7)
+    ps = [w12.pack(escaped_weight(n, n, seed=20 + i)) for i in range(6)]
+    x = gaussian_x(m, n, seed=7)
     ys = [x] + [torch.empty(m, n, device=_dev(), dtype=torch.bfloat16) for _ in ps]
 
     def chain():

@@ -15,26 +15,15 @@ from torch import nn
 
 import autotune
 import w12
-from specpilot.testing import assert_bitwise_equal
+from specpilot.testing import assert_bitwise_equal, bits_of
 from w12 import io as w12_io
 from w12 import layout
 from w12.format import PLANES
 
-from flow_emu import hostile_weight
+from flow_emu import assert_same_planes, hostile_weight
 
 # odd shapes: K below, at and above one 64-column group, masked tails, N not a multiple of 16, a single weight
 SHAPES = [(1000, 130), (17, 64), (1, 1), (33, 200), (40, 257), (3, 129), (75, 63), (21, 4100)]
-
-
-def _same_planes(a: w12.W12Weight, b: w12.W12Weight) -> None:
-    assert a.K == b.K
-    for name in PLANES:
-        x, y = getattr(a, name), getattr(b, name)
-        assert x.dtype == y.dtype and torch.equal(x, y), name
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
 
 
 def _same_result(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -42,7 +31,7 @@ def _same_result(got: torch.Tensor, want: torch.Tensor) -> None:
     assert got.shape == want.shape and got.dtype == want.dtype
     nan = torch.isnan(want.float())
     assert torch.equal(torch.isnan(got.float()), nan)
-    assert torch.equal(_bits(got)[~nan], _bits(want)[~nan])
+    assert torch.equal(bits_of(got)[~nan], bits_of(want)[~nan])
 
 
 def _in_window(N: int, K: int, seed: int) -> torch.Tensor:
@@ -72,7 +61,7 @@ def test_pack_runtime_round_trips_bit_for_bit(N, K):
     assert_bitwise_equal(t.unpack(), w)
     assert_bitwise_equal(w12.decode_q8(t), w12.decode_q8(p))
     assert torch.equal(t.tiles, layout.tile(p).tiles)
-    _same_planes(layout.untile(t), p)
+    assert_same_planes(layout.untile(t), p)
 
 
 def test_hostile_weight_holds_every_special_value():
@@ -185,7 +174,7 @@ def test_save_file_of_tiled_weights_is_byte_identical(tmp_path):
     out = w12.load_file(tmp_path / "f1.safetensors")
     for k, w in weights.items():
         assert isinstance(out[k], w12.W12Weight)
-        _same_planes(out[k], planes[k])
+        assert_same_planes(out[k], planes[k])
 
 
 def test_save_file_rejects_other_types(tmp_path):
@@ -356,7 +345,7 @@ def test_torch_save_and_load_weights_only():
         a, b = getattr(u, name), getattr(t, name)
         assert a.dtype == b.dtype and torch.equal(a, b), name
     assert_bitwise_equal(w12.unpack(u), w)
-    _same_planes(got["p"], layout.untile(u))
+    assert_same_planes(got["p"], layout.untile(u))
 
 
 # --- W12Linear ----------------------------------------------------------------------------------------------------
@@ -407,7 +396,7 @@ def test_w12linear_tiled_state_dict_is_the_planes_one():
     buf.seek(0)
     fresh = w12.W12Linear.empty(150, 37)
     fresh.load_state_dict(torch.load(buf, weights_only=True))
-    _same_planes(fresh.weight, planes.weight)
+    assert_same_planes(fresh.weight, planes.weight)
 
 
 @pytest.mark.parametrize("src_tiled,dst_tiled", [(False, True), (True, False), (True, True)],

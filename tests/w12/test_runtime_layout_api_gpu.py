@@ -15,29 +15,12 @@ import torch
 from torch import nn
 
 import w12
-from specpilot.testing import assert_bitwise_equal
+from specpilot.testing import assert_bitwise_equal, bits_of
 from w12 import layout
 
-from flow_emu import hostile_weight
+from flow_emu import escaped_weight, gaussian_x, hostile_weight
 
 pytestmark = pytest.mark.gpu
-
-
-def _weight(n: int, k: int, seed: int) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    w = torch.randn(n, k, device="cuda", generator=g) * k**-0.5
-    w.view(-1)[::997] = 0.0  # zero escapes
-    w.view(-1)[5::1999] = 1e-30  # out-of-window escapes
-    return w.to(torch.bfloat16)
-
-
-def _x(m: int, k: int, seed: int) -> torch.Tensor:
-    g = torch.Generator(device="cuda").manual_seed(seed)
-    return torch.randn(m, k, device="cuda", generator=g).to(torch.bfloat16)
-
-
-def _bits(t: torch.Tensor) -> torch.Tensor:
-    return t.view(torch.int16)
 
 
 @pytest.mark.parametrize("q8", [False, True], ids=["exact", "q8"])
@@ -46,29 +29,29 @@ def _bits(t: torch.Tensor) -> torch.Tensor:
 def test_matmul_on_pack_runtime_is_matmul_tiled(N, K, kind, M, q8):
     """The flow kernel (40 rows: two 32-row pieces) through w12.matmul / matmul_q8 on pack(layout="runtime"),
     with a bias and into `out`: the bits of w12.matmul_tiled on tile(pack(w))."""
-    w = _weight(N, K, seed=M + N) if kind == "gauss" else hostile_weight(N, K, seed=M + N).cuda()
+    w = escaped_weight(N, K, seed=M + N) if kind == "gauss" else hostile_weight(N, K, seed=M + N).cuda()
     t = w12.pack(w, layout="runtime")
     ref = layout.tile(w12.pack(w))
     assert isinstance(t, layout.TiledW12) and t.device.type == "cuda"
     assert torch.equal(t.tiles, ref.tiles)
-    x = _x(M, K, seed=M)
-    bias = _x(1, N, seed=N)[0] * 0.1
+    x = gaussian_x(M, K, seed=M)
+    bias = gaussian_x(1, N, seed=N)[0] * 0.1
     op = w12.matmul_q8 if q8 else w12.matmul
     got = op(x, t, bias)
     want = w12.matmul_tiled(x, ref, bias, q8=q8)
     torch.cuda.synchronize()
     assert got.shape == (M, N) and got.dtype == torch.bfloat16
-    assert torch.equal(_bits(got), _bits(want))
+    assert torch.equal(bits_of(got), bits_of(want))
     out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
     assert op(x, t, bias, out=out) is out
     torch.cuda.synchronize()
-    assert torch.equal(_bits(out), _bits(want))
+    assert torch.equal(bits_of(out), bits_of(want))
     with pytest.raises(ValueError, match="does not apply to a TiledW12"):
         op(x, t, bias, variant="mma")
 
 
 def test_load_file_runtime_on_cuda(tmp_path):
-    weights = {"a": _weight(1030, 1000, seed=1).cpu(), "b": hostile_weight(37, 150, seed=2),
+    weights = {"a": escaped_weight(1030, 1000, seed=1).cpu(), "b": hostile_weight(37, 150, seed=2),
                "c": hostile_weight(1000, 130, seed=3)}
     bias = torch.randn(1030)
     path = tmp_path / "m.safetensors"
@@ -83,11 +66,11 @@ def test_load_file_runtime_on_cuda(tmp_path):
         ref = layout.tile(p)
         assert torch.equal(t.tiles, ref.tiles)
         assert_bitwise_equal(w12.unpack(t).cpu(), w)
-        assert torch.equal(_bits(w12.decode_q8(t)), _bits(w12.decode_q8(p)))
-        x = _x(8, w.shape[1], seed=4)
+        assert torch.equal(bits_of(w12.decode_q8(t)), bits_of(w12.decode_q8(p)))
+        x = gaussian_x(8, w.shape[1], seed=4)
         y = w12.matmul(x, t)
         torch.cuda.synchronize()
-        assert torch.equal(_bits(y), _bits(w12.matmul_tiled(x, ref)))
+        assert torch.equal(bits_of(y), bits_of(w12.matmul_tiled(x, ref)))
 
 
 @pytest.mark.parametrize("N,K", [(37, 150), (1000, 63), (300, 581), (1, 1)], ids=lambda v: str(v))
@@ -96,7 +79,7 @@ def test_unpack_decode_q8_and_moves_on_cuda(N, K):
     p = w12.pack(w)
     t = w12.pack(w, layout="runtime")
     assert_bitwise_equal(w12.unpack(t), w)
-    assert torch.equal(_bits(w12.decode_q8(t)), _bits(w12.decode_q8(p)))
+    assert torch.equal(bits_of(w12.decode_q8(t)), bits_of(w12.decode_q8(p)))
     c = t.cpu()
     assert c.device.type == "cpu" and t.to("cuda") is t
     assert_bitwise_equal(w12.unpack(c), w.cpu())
@@ -114,15 +97,15 @@ def test_unpack_decode_q8_and_moves_on_cuda(N, K):
 def test_w12linear_with_a_tiled_weight_on_cuda():
     lin = nn.Linear(1000, 1030).to("cuda", torch.bfloat16)
     with torch.no_grad():
-        lin.weight.copy_(_weight(1030, 1000, seed=5))
+        lin.weight.copy_(escaped_weight(1030, 1000, seed=5))
     tiled = w12.W12Linear.from_linear(lin, layout="runtime")
     planes = w12.W12Linear.from_linear(lin)
     assert tiled.is_tiled and tiled.w_tiles.is_cuda
-    x = _x(4, 1000, seed=6)
+    x = gaussian_x(4, 1000, seed=6)
     y = tiled(x)
     want = w12.matmul_tiled(x, layout.tile(w12.pack(lin.weight.detach())), lin.bias)
     torch.cuda.synchronize()
-    assert torch.equal(_bits(y), _bits(want))
+    assert torch.equal(bits_of(y), bits_of(want))
     sd, ref = tiled.state_dict(), planes.state_dict()
     assert list(sd) == list(ref) and all(torch.equal(sd[k], ref[k]) for k in sd)
     moved = tiled.to("cpu")
