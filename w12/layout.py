@@ -47,13 +47,14 @@ from __future__ import annotations
 
 import torch
 
-from .format import GROUP, W12Weight, padded_k
+from .format import GROUP, W12Weight, _bool_arg, padded_k
 
-__all__ = ["TILE_ROWS", "TILE_COLS", "TILE_BYTES", "Geometry", "TiledW12", "tile", "untile"]
+__all__ = ["TILE_ROWS", "TILE_COLS", "TILE_BYTES", "TENSORS", "Geometry", "TiledW12", "tile", "untile"]
 
 TILE_ROWS = 16
 TILE_COLS = 64
 TILE_BYTES = TILE_ROWS * TILE_COLS * 3 // 2  # 1536
+TENSORS = ("tiles", "e0", "esc_rowptr", "esc_col", "esc_val")  # a TiledW12's tensors, in its constructor's order
 _CHUNK_BLOCKS = 1 << 14  # row blocks per step of tile / untile (bounds the temporaries to ~16M weights at K = 64)
 
 
@@ -133,11 +134,9 @@ class TiledW12:
 
     def to(self, device, non_blocking: bool = False) -> "TiledW12":
         """The layout on `device`: all five tensors moved (`self` where every one is already there)."""
-        if not isinstance(non_blocking, bool):
-            raise TypeError(f"w12.layout.TiledW12.to: non_blocking must be a bool, got {type(non_blocking).__name__} "
-                            f"{non_blocking!r}; pass True or False")
+        _bool_arg("w12.layout.TiledW12.to", "non_blocking", non_blocking)
         device = torch.device(device)
-        old = (self.tiles, self.e0, self.esc_rowptr, self.esc_col, self.esc_val)
+        old = self.tensors()
         moved = tuple(t.to(device, non_blocking=non_blocking) for t in old)
         if all(a is b for a, b in zip(moved, old)):
             return self
@@ -160,11 +159,15 @@ class TiledW12:
     def __reduce__(self):
         # Rebuilt from tensors and ints, so torch.load(weights_only=True) takes it once the class is an allowed
         # global (w12/__init__.py registers it); the launch bookkeeping (`_launched`) starts afresh.
-        return (TiledW12, (self.tiles, self.e0, self.esc_rowptr, self.esc_col, self.esc_val, self.N, self.K))
+        return (TiledW12, (*self.tensors(), self.N, self.K))
+
+    def tensors(self) -> tuple[torch.Tensor, ...]:
+        """The five tensors, in `TENSORS` order."""
+        return (self.tiles, self.e0, self.esc_rowptr, self.esc_col, self.esc_val)
 
     def versions(self) -> tuple[int, ...]:
         """The torch version counters of the five tensors: they change with every in-place write."""
-        return tuple(t._version for t in (self.tiles, self.e0, self.esc_rowptr, self.esc_col, self.esc_val))
+        return tuple(t._version for t in self.tensors())
 
     @property
     def geometry(self) -> Geometry:
@@ -181,7 +184,7 @@ class TiledW12:
     @property
     def nbytes(self) -> int:
         """Bytes of everything a GEMM reads: tiles, e0, the escape list."""
-        return sum(t.nbytes for t in (self.tiles, self.e0, self.esc_rowptr, self.esc_col, self.esc_val))
+        return sum(t.nbytes for t in self.tensors())
 
     @property
     def bits_per_weight(self) -> float:

@@ -37,14 +37,12 @@ from torch import nn
 
 from .errors import W12CheckpointError, W12FormatError
 from .format import PLANE_DTYPES, PLANES, SizeStats, W12Weight, check_layout_arg, pack, padded_k
-from .layout import TiledW12, tile, untile
+from .layout import TENSORS, TiledW12, tile, untile
 
 __all__ = ["W12Linear", "convert", "ConversionReport", "LayerRecord", "load_model_weights"]
 
 # Planes whose length is data (the escape count) and so may differ between two weights of one shape.
 _RESIZABLE = ("esc_col", "esc_val")
-# The runtime layout's buffers: the tiles (not in the state dict) and the tensors it shares with the planes.
-_TILED = ("tiles", "e0", "esc_rowptr", "esc_col", "esc_val")
 
 
 class W12Linear(nn.Module):
@@ -65,7 +63,7 @@ class W12Linear(nn.Module):
         self.out_features = weight.N
         if isinstance(weight, TiledW12):
             self.register_buffer("w_tiles", weight.tiles, persistent=False)  # the state dict holds hi and lo
-            for p in _TILED[1:]:
+            for p in TENSORS[1:]:
                 self.register_buffer(f"w_{p}", getattr(weight, p))
         else:
             for p in PLANES:
@@ -184,8 +182,8 @@ class W12Linear(nn.Module):
         replaced, e.g. by `.to()`."""
         c = self._cached
         if self.is_tiled:
-            if c is None or any(getattr(c, p) is not getattr(self, f"w_{p}") for p in _TILED):
-                c = TiledW12(*(getattr(self, f"w_{p}") for p in _TILED), self.out_features, self.in_features)
+            if c is None or any(getattr(c, p) is not getattr(self, f"w_{p}") for p in TENSORS):
+                c = TiledW12(*(getattr(self, f"w_{p}") for p in TENSORS), self.out_features, self.in_features)
                 self._cached = c
             return c
         if c is None or any(getattr(c, p) is not getattr(self, f"w_{p}") for p in PLANES):
