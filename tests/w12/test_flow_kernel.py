@@ -220,6 +220,9 @@ def test_warpgroup_operand_is_the_fragment_order(M):
                 assert not np.array_equal(wg_operand(slot, NT, s, 128, 128 * NT), want)
         # x through stmatrix (W12F_WG_STM): the same slot, word for word
         assert np.array_equal(wg_slot_stm(xw, M, NT, c), slot), f"unit {c}: stmatrix's slot"
+        # a ring shared by 2 or 4 warpgroups (W12F_WG_XSHARE): fewer words a thread, the same slot, each word once
+        for xg in (2, 4):
+            assert np.array_equal(wg_slot(xw, M, NT, c, xg), slot), f"unit {c}: the slot staged by {xg} warpgroups"
 
 
 # M, N, K, warps, kw, kc: a warpgroup whose last row blocks are past the weight (N = 75: 5 row blocks), a partial
@@ -250,6 +253,44 @@ def test_warpgroup_build_matches_reference_bitwise(M, N, K, warps, kw, kc):
     if M > 8:
         swapped, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, kc=kc, wg=True, swap=True)
         assert not np.array_equal(swapped, got, equal_nan=True)
+
+
+# M, N, K, warps, kw, kc: a second warpgroup wholly past the weight (N = 40: 3 row blocks of the CTA's 8), a
+# partial last block, masked tails, shared rings of 2 and 4 warpgroups, K split across the warpgroups and across the
+# CTAs of a cluster, 1 to 4 token tiles
+XSHARE_CASES = [(32, 40, 200, 8, 1, 1), (5, 75, 130, 8, 1, 2), (16, 130, 256, 16, 1, 1), (24, 200, 300, 16, 2, 1),
+                (9, 90, 64, 16, 2, 3), (32, 33, 100, 16, 4, 1)]
+
+
+@pytest.mark.parametrize("M,N,K,warps,kw,kc", XSHARE_CASES,
+                         ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-w{c[3]}-k{c[4]}-q{c[5]}" for c in XSHARE_CASES])
+def test_shared_x_ring_matches_reference_bitwise(M, N, K, warps, kw, kc):
+    """W12F_WG_XSHARE: the warpgroups of a K piece read x from one ring that the first of them stage, and all of them
+    run the piece's units, rows or not. The reference's BF16 bits on hostile rows with a bias, and the same value as
+    the build with one ring per warpgroup in the fp32 model (the sums' order does not change)."""
+    w = hostile_weight(N, K, seed=7 * N + K)
+    p = w12.pack(w)
+    t = layout.tile(p)
+    x = _x(M, K, seed=K + 3 * M)
+    b = (torch.randn(N, generator=torch.Generator().manual_seed(N + 1)) * 0.1).to(torch.bfloat16)
+    got, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, kc=kc, wg=True, xshare=True)
+    _assert_bf16_equal(got, w12.matmul_reference(x, p, b))
+    own, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, kc=kc, wg=True, fp32=True)
+    shared, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, kc=kc, wg=True, fp32=True, xshare=True)
+    assert np.array_equal(own, shared, equal_nan=True)
+
+
+@pytest.mark.parametrize("nt", [1, 2, 3, 4])
+def test_shared_x_ring_builds_for_sm90a(nt, jit_cache):
+    """The shared-ring build: one barrier of 128 XG threads per K piece, fewer x words a thread, no spills."""
+    for warps, kw in ((8, 1), (16, 2), (16, 1)):
+        cfg = FlowConfig(warps=warps, kw=kw, cps=1, wg=True)
+        b = flow.build(cfg, nt, (9, 0), defines={"W12F_WG_XSHARE": 1})
+        ptx = b.ptx.read_text()
+        xg = warps // 4 // kw
+        assert re.search(rf"bar\.sync\s+%r\d+, {128 * xg};", ptx), f"w{warps}-k{kw}: the barrier of {128 * xg}"
+        r = b.resources()
+        assert r["spill_stores"] == 0 and r["stack"] == 0 and r["registers"] <= 128
 
 
 @pytest.mark.parametrize("nt", [1, 2, 3, 4])
