@@ -421,7 +421,11 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     Ring depth (`stages`, unless given): 3 for the 4-warp CTAs at M <= 8, 4 otherwise. On the H200 the shallower
     ring was faster there for both formats (out_proj at M = 1 15.1 µs against 16.1, the 8-bit view 11.4 against
     11.8; in_proj, qkv_proj, down_proj 1-3%; the LM head level) and slower in gate_up's 8-warp CTAs (70.5 against
-    68.5 µs); docs/w12-kernels.md, "Ring depth at M <= 8".
+    68.5 µs); docs/w12-kernels.md, "Ring depth at M <= 8". At 9..32 tokens (docs/w12-kernels.md, "Ring depth at 9-32
+    tokens"): the full format's 5120-row layers take 3 slots in CTAs of two row blocks at M = 9..16, the layers of
+    12-32 row blocks per SM (gate_up) 4-warp CTAs of one row block, K in 4 pieces, with 3 slots, and the warpgroup
+    build 3 slots below 3 row groups per SM (in_proj 0.982-0.985x, qkv_proj 0.989-0.990x, o_proj 0.962-0.970x,
+    down_proj 0.982x at M = 32); gate_up keeps 6 and the LM head 4 (3: level).
 
     One wave of whole rows at M <= 8 (full format): where 4-warp CTAs of 4 row blocks, each warp one row block over
     the whole K (`kw = 1`), number between 4 and FLOW_ONE_WAVE_CTAS per SM, they run as one wave of 16-20 warps per SM
@@ -448,12 +452,14 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
             # interleaved pairs on the H200); the LM head's 29 took 1.11x longer with it
             return FlowConfig(warps=4, kw=1, stages=(6 if groups < 8 else 4) if stages is None else stages, cps=4,
                               kc=2, wg=True)
+        # 3 ring slots below 3 row groups per SM (docs/w12-kernels.md, "Ring depth at 9-32 tokens")
+        shallow = 3 if stages is None else stages
         if groups < 1:
             # the K split in 3 through global memory, 2 row groups of 64 rows in flight per SM (docs/w12-kernels.md,
             # "K split through memory"): down_proj at M = 32 57.9 -> 50.9 µs, o_proj 24.4 -> 23.4 against
             # 16-warp CTAs of one row group and four K pieces
-            return FlowConfig(warps=8, kw=2, stages=deep, cps=2, kc=3, kg=True, wg=True)
-        return FlowConfig(warps=16, kw=2, stages=deep, cps=1, wg=True)
+            return FlowConfig(warps=8, kw=2, stages=shallow, cps=2, kc=3, kg=True, wg=True)
+        return FlowConfig(warps=16, kw=2, stages=shallow, cps=1, wg=True)
     blocks, units = -(-N // 16), -(-K // 64)
     sms = sm_count(device)
     per_sm = blocks / sms
@@ -485,8 +491,16 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
             return FlowConfig(warps=4, kw=4, stages=3 if stages is None else stages, cps=4, kc=2, xd=xd)
         kc = 3 if M <= 16 and units >= 6 and not q8 else 2
         # the first copies before the prologue's waits at 9..16 tokens: o_proj 18.7 -> 18.2 µs, out_proj 18.8 ->
-        # 18.3, down_proj 43.2 -> 42.0 at M = 16 on the H200 (docs/w12-kernels.md, "K split through memory")
+        # 18.3, down_proj 43.2 -> 42.0 at M = 16 on the H200 (docs/w12-kernels.md, "K split through memory"); there
+        # the full format takes CTAs of two row blocks and 3 ring slots (o_proj 0.966-0.974x, down_proj 0.970-0.972x
+        # the time of one row block and 4 slots; "Ring depth at 9-32 tokens")
+        if M <= 16 and kc == 3:
+            return FlowConfig(warps=4, kw=2, stages=3 if stages is None else stages, cps=4, kc=3, xd=xd, late=True)
         return FlowConfig(warps=2, kw=2, stages=deep, cps=4, kc=kc, xd=xd, late=M <= 16)
+    if 8 < M <= 16 and not q8 and warps is None and cps is None and 12 <= per_sm < 32:
+        # 4-warp CTAs of one row block, K in 4 pieces, 3 ring slots (gate_up at M = 16: 73.3-73.6 µs against 83.2-83.5
+        # for the wave model's 8-warp CTAs of 8 pieces, four interleaved pairs; "Ring depth at 9-32 tokens")
+        return FlowConfig(warps=4, kw=4, stages=3 if stages is None else stages, cps=4, xd=xd)
     if M <= 8 and not q8 and warps is None and cps is None and \
             4 * sms <= -(-blocks // 4) <= FLOW_ONE_WAVE_CTAS * sms:
         # one row block per warp over the whole K, in one wave of 4-warp CTAs (module doc above)

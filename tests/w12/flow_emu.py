@@ -77,28 +77,20 @@ def dec_q8(t: np.ndarray, c: np.ndarray) -> np.ndarray:
     return ((t * 16 + c) + (t & 0x00800080) * 240).astype(np.uint64).astype(U32)
 
 
-def wg_stagers(NT: int, xg: int) -> int:
-    """Warpgroups that stage each unit's x when `xg` share one ring (W12F_WG_XSHARE): XS = min(XG, 2 NTP)."""
-    return min(xg, 2 * (4 if NT == 3 else NT))
-
-
-def wg_slot(xw: np.ndarray, M: int, NT: int, c: int, xg: int = 1) -> np.ndarray:
-    """The warpgroup build's x slot of unit c as its stagers' stores leave it: uint32 words [256 NT]. With `xg`
-    warpgroups sharing the ring (W12F_WG_XSHARE), the first XS = `wg_stagers` of them stage it: thread t of their
-    128 XS stages token t / TPT (rows past 8 NT: none; tokens past M: zeros), columns 2 XW q .. + 2 XW - 1 (q =
-    t % TPT, NTP = NT rounded up to a power of two, TPT = 16 XS / NTP, XW = 2 NTP / XS words), each column pair at
-    word (256 NT s + 128 NT h + 128 (n / 8) + 16 (n % 8) + 4 p) / 4 (w12_flow.cu, store_xw). `xw`: x as words
-    [8 NT, Kx / 2]."""
+def wg_slot(xw: np.ndarray, M: int, NT: int, c: int) -> np.ndarray:
+    """The warpgroup build's x slot of unit c as its 128 threads' stores leave it: uint32 words [256 NT]. Thread t
+    stages token t / TPT (rows past 8 NT: none; tokens past M: zeros), columns 4 NTP q .. + 4 NTP - 1 (q = t % TPT,
+    NTP = NT rounded up to a power of two, TPT = 16 / NTP), each column pair at word (256 NT s + 128 NT h +
+    128 (n / 8) + 16 (n % 8) + 4 p) / 4 (w12_flow.cu, store_xw). `xw`: x as words [8 NT, Kx / 2]."""
     ntp = 4 if NT == 3 else NT
-    xs = wg_stagers(NT, xg)
-    tpt, xwn = 16 * xs // ntp, 2 * ntp // xs
+    tpt = 16 // ntp
     slot = np.full(256 * NT, 0xDEADBEEF, dtype=U32)  # poison: a word no store writes stays visible
-    for t in range(128 * xs):
+    for t in range(128):
         n, q = divmod(t, tpt)
         if n >= 8 * NT:
             continue
-        for u in range(xwn):
-            col = 2 * xwn * q + 2 * u
+        for u in range(2 * ntp):
+            col = 4 * ntp * q + 2 * u
             p, s, h = col >> 4, (col >> 2) & 3, (col >> 1) & 1
             a = 128 * (n >> 3) + 16 * (n & 7) + 256 * NT * s + 128 * NT * h + 4 * p
             assert slot[a // 4] == 0xDEADBEEF, "a word stored twice"
@@ -232,7 +224,7 @@ class _Round:
 
 def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Tensor | None = None,
             fixed: bool = True, esc: bool = True, red: bool = True, fp32: bool = False, guard: bool = True,
-            rb: int = 1, kc: int = 1, q8: bool = False, wg: bool = False, swap: bool = False, xshare: bool = False):
+            rb: int = 1, kc: int = 1, q8: bool = False, wg: bool = False, swap: bool = False):
     """The kernel's result before its final rounding, float64 [M, N], and counters {"fallback": warps that took
     the exact-base recomputation, "scaled": warps that scaled}. `esc` / `red`: the W12F_ESC / W12F_RED features
     (without `red` only warp ks = 0 of a row block stores, as the kernel does); `guard=False` scales every warp
@@ -243,9 +235,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     `q8`: the 8-bit view's build (W12F_Q8; exact base): only the hi pieces are copied into the ring, each pair is
     decoded by dec_pair_q8 with the row's q8_base constant, and an escape's correction adds x * escape less x times
     q8_dense(e0) (its hi byte 0 read as the view's value); `wg`: the
-    warpgroup build (module doc), `swap` with its descriptor's two byte offsets swapped (W12F_WG_SWAP), `xshare`
-    with one x ring per K piece shared by the CTA's warpgroups that read it (W12F_WG_XSHARE: all of them run the
-    piece's units, their rows past the weight or not)."""
+    warpgroup build (module doc), `swap` with its descriptor's two byte offsets swapped (W12F_WG_SWAP)."""
     assert rb in (1, 2) and (rb == 1 or not fixed)
     assert not wg or (not fixed and rb == 1 and warps % (4 * kw) == 0)
     assert not (q8 and fixed)
@@ -268,7 +258,6 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     xw = words(xb.view(torch.uint8).numpy().reshape(8 * NT, -1))  # [8 NT, Kx / 2] words
     xf = xb.float().double().numpy()
     RW = warps // kw
-    xg = warps // 4 // kw if wg and xshare else 1  # warpgroups sharing one x ring
     grid = -(-NB // (RW * rb))
     out = np.full((M, N), np.nan)
     written = np.zeros((M, N), dtype=bool)
@@ -375,8 +364,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
             if wg:  # 4-warp groups: row block (gi / kw) 4 + wi, K piece gi % kw
                 gi, wi = divmod(warp, 4)
                 rw, ks = gi // kw * 4 + wi, gi % kw
-                # the warpgroup's range follows its first row block, or with a shared x ring the CTA's
-                lactive = cta * RW < NB if xg > 1 else cta * RW + (rw & ~3) < NB
+                lactive = cta * RW + (rw & ~3) < NB  # the warpgroup's range follows its first row block
             else:
                 rw, ks = divmod(warp, kw)
                 lactive = (cta * RW + rw) * rb < NB  # the row group's K range follows its first block
@@ -389,7 +377,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
             xfrs = {c: x_frag(c) for c in range(c0, cend)}  # one x read per unit, shared by the row group's blocks
             if wg:
                 lbo, sbo = (128, 128 * NT) if swap else (128 * NT, 128)
-                wgBs = {c: [wg_operand(wg_slot(xw, M, NT, c, xg), NT, s, lbo, sbo) for s in range(4)]
+                wgBs = {c: [wg_operand(wg_slot(xw, M, NT, c), NT, s, lbo, sbo) for s in range(4)]
                         for c in range(c0, cend)}
             for i in range(rb):
                 b = rb0 + i

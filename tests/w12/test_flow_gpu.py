@@ -23,10 +23,12 @@ from flow_emu import escaped_weight, gaussian_x, hostile_weight, one_unit_tiny_c
 
 pytestmark = pytest.mark.gpu
 
-# the default (exact base), fixed-base builds at other splits, depths and CTA sizes, and two row blocks per warp
+# the default (exact base), fixed-base builds at other splits, depths and CTA sizes, two row blocks per warp, and
+# gate_up's shape at 9..16 tokens (one row block, K in 4 pieces, 3 ring slots, x one unit ahead)
 CONFIGS = [FlowConfig(), FlowConfig(warps=8, kw=8, stages=6, fixed=True),
            FlowConfig(warps=4, kw=1, stages=3, fixed=True), FlowConfig(warps=16, kw=4, cps=1, evict=False),
-           FlowConfig(fixed=True), FlowConfig(warps=8, kw=2, cps=1, rb=2), FlowConfig(warps=4, kw=4, rb=2)]
+           FlowConfig(fixed=True), FlowConfig(warps=8, kw=2, cps=1, rb=2), FlowConfig(warps=4, kw=4, rb=2),
+           FlowConfig(warps=4, kw=4, stages=3, cps=4, xd=1)]
 
 
 def _salt(x: torch.Tensor, nonfinite: bool = True) -> torch.Tensor:
@@ -128,7 +130,7 @@ def test_partial_ladder_steps_at_kw_1(step):
 # warp and with four ranks
 KC_CONFIGS = [FlowConfig(warps=4, kw=4, cps=4, kc=2), FlowConfig(warps=4, kw=2, cps=4, kc=4),
               FlowConfig(warps=8, kw=4, cps=2, kc=2, rb=2), FlowConfig(warps=2, kw=2, cps=4, kc=2),
-              FlowConfig(warps=4, kw=4, cps=4, kc=3)]
+              FlowConfig(warps=4, kw=4, cps=4, kc=3), FlowConfig(warps=4, kw=2, stages=3, cps=4, kc=3, xd=1, late=True)]
 
 
 @pytest.mark.hopper
@@ -196,6 +198,7 @@ def test_k_split_across_ctas_on_hostile_rows(xkind):
 KG_CONFIGS = [FlowConfig(warps=4, kw=4, cps=4, kc=2, kg=True), FlowConfig(warps=2, kw=2, cps=4, kc=6, kg=True, xd=1),
               FlowConfig(warps=8, kw=4, cps=2, kc=3, rb=2, kg=True), FlowConfig(warps=4, kw=2, cps=4, kc=8, kg=True)]
 KG_WG_CONFIGS = [FlowConfig(warps=8, kw=2, cps=2, kc=3, kg=True, wg=True),
+                 FlowConfig(warps=8, kw=2, stages=3, cps=2, kc=3, kg=True, wg=True),
                  FlowConfig(warps=4, kw=1, cps=4, kc=8, kg=True, wg=True)]
 
 
@@ -448,7 +451,7 @@ def _chain_with_and_without_pdl(cfg, ts, ys, graph: bool, runs: int) -> None:
 WG_CONFIGS = [FlowConfig(warps=4, kw=1, cps=4, wg=True), FlowConfig(warps=8, kw=2, cps=2, wg=True),
               FlowConfig(warps=16, kw=4, cps=1, wg=True), FlowConfig(warps=8, kw=1, cps=2, kc=2, wg=True),
               FlowConfig(warps=16, kw=2, cps=1, wg=True), FlowConfig(warps=4, kw=1, cps=4, kc=4, wg=True),
-              FlowConfig(warps=8, kw=2, cps=2, kc=3, wg=True)]
+              FlowConfig(warps=8, kw=2, cps=2, kc=3, wg=True), FlowConfig(warps=16, kw=2, stages=3, cps=1, wg=True)]
 
 
 # builds of the warpgroup build that must give the shipped one's bits: each unit's wgmma waited for before the next

@@ -220,9 +220,6 @@ def test_warpgroup_operand_is_the_fragment_order(M):
                 assert not np.array_equal(wg_operand(slot, NT, s, 128, 128 * NT), want)
         # x through stmatrix (W12F_WG_STM): the same slot, word for word
         assert np.array_equal(wg_slot_stm(xw, M, NT, c), slot), f"unit {c}: stmatrix's slot"
-        # a ring shared by 2 or 4 warpgroups (W12F_WG_XSHARE): fewer words a thread, the same slot, each word once
-        for xg in (2, 4):
-            assert np.array_equal(wg_slot(xw, M, NT, c, xg), slot), f"unit {c}: the slot staged by {xg} warpgroups"
 
 
 # M, N, K, warps, kw, kc: a warpgroup whose last row blocks are past the weight (N = 75: 5 row blocks), a partial
@@ -253,44 +250,6 @@ def test_warpgroup_build_matches_reference_bitwise(M, N, K, warps, kw, kc):
     if M > 8:
         swapped, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, kc=kc, wg=True, swap=True)
         assert not np.array_equal(swapped, got, equal_nan=True)
-
-
-# M, N, K, warps, kw, kc: a second warpgroup wholly past the weight (N = 40: 3 row blocks of the CTA's 8), a
-# partial last block, masked tails, shared rings of 2 and 4 warpgroups, K split across the warpgroups and across the
-# CTAs of a cluster, 1 to 4 token tiles
-XSHARE_CASES = [(32, 40, 200, 8, 1, 1), (5, 75, 130, 8, 1, 2), (16, 130, 256, 16, 1, 1), (24, 200, 300, 16, 2, 1),
-                (9, 90, 64, 16, 2, 3), (32, 33, 100, 16, 4, 1)]
-
-
-@pytest.mark.parametrize("M,N,K,warps,kw,kc", XSHARE_CASES,
-                         ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-w{c[3]}-k{c[4]}-q{c[5]}" for c in XSHARE_CASES])
-def test_shared_x_ring_matches_reference_bitwise(M, N, K, warps, kw, kc):
-    """W12F_WG_XSHARE: the warpgroups of a K piece read x from one ring that the first of them stage, and all of them
-    run the piece's units, rows or not. The reference's BF16 bits on hostile rows with a bias, and the same value as
-    the build with one ring per warpgroup in the fp32 model (the sums' order does not change)."""
-    w = hostile_weight(N, K, seed=7 * N + K)
-    p = w12.pack(w)
-    t = layout.tile(p)
-    x = _x(M, K, seed=K + 3 * M)
-    b = (torch.randn(N, generator=torch.Generator().manual_seed(N + 1)) * 0.1).to(torch.bfloat16)
-    got, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, kc=kc, wg=True, xshare=True)
-    _assert_bf16_equal(got, w12.matmul_reference(x, p, b))
-    own, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, kc=kc, wg=True, fp32=True)
-    shared, _ = emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, kc=kc, wg=True, fp32=True, xshare=True)
-    assert np.array_equal(own, shared, equal_nan=True)
-
-
-@pytest.mark.parametrize("nt", [1, 2, 3, 4])
-def test_shared_x_ring_builds_for_sm90a(nt, jit_cache):
-    """The shared-ring build: one barrier of 128 XG threads per K piece, fewer x words a thread, no spills."""
-    for warps, kw in ((8, 1), (16, 2), (16, 1)):
-        cfg = FlowConfig(warps=warps, kw=kw, cps=1, wg=True)
-        b = flow.build(cfg, nt, (9, 0), defines={"W12F_WG_XSHARE": 1})
-        ptx = b.ptx.read_text()
-        xg = warps // 4 // kw
-        assert re.search(rf"bar\.sync\s+%r\d+, {128 * xg};", ptx), f"w{warps}-k{kw}: the barrier of {128 * xg}"
-        r = b.resources()
-        assert r["spill_stores"] == 0 and r["stack"] == 0 and r["registers"] <= 128
 
 
 @pytest.mark.parametrize("nt", [1, 2, 3, 4])
@@ -600,7 +559,14 @@ def test_heuristic_fills_the_machine(monkeypatch):
     # gate_up: 2176 row blocks, one per warp over the whole K, are 544 4-warp CTAs: one wave at 5 CTAs per SM
     # (4.1 a SM), where the wave model alone takes 2176 one-row-block CTAs of 8 warps in 9 waves (9 x 11 units)
     assert flow_heuristic(8, 34816, 5120, cpu) == FlowConfig(warps=4, kw=1, stages=3, cps=4)
-    assert flow_heuristic(16, 34816, 5120, cpu) == FlowConfig(warps=8, kw=8, cps=2, xd=1)  # M <= 8 only
+    # at 9..16 tokens, 12 to 32 row blocks per SM (gate_up: 16.5): 4-warp CTAs of one row block, K in 4 pieces, 3
+    # ring slots, where the wave model takes 8-warp CTAs of 8 pieces; the 8-bit view and other layers keep its pick
+    assert flow_heuristic(16, 34816, 5120, cpu) == FlowConfig(warps=4, kw=4, stages=3, cps=4, xd=1)
+    assert flow_heuristic(16, 34816, 5120, cpu, q8=True) == FlowConfig(warps=8, kw=8, cps=2, xd=1)
+    assert flow_heuristic(9, 25344, 5120, cpu).kw == 4 and flow_heuristic(9, 25328, 5120, cpu).warps == 8  # 12.0 a SM
+    assert flow_heuristic(16, 67568, 5120, cpu).warps == 4 and flow_heuristic(16, 67584, 5120, cpu).warps == 8  # 32
+    assert flow_heuristic(16, 248320, 5120, cpu) == FlowConfig(warps=8, kw=2, cps=2, xd=1)  # the LM head: 117.6
+    assert flow_heuristic(16, 34816, 5120, cpu, stages=4).stages == 4
     assert flow_heuristic(1, 34816, 5120, cpu, q8=True).kw == 4  # the full format only
     assert flow_heuristic(1, 34816, 5120, cpu, warps=4) == FlowConfig(warps=4, kw=4, stages=3, cps=4)  # a fixed shape
     # x loaded ahead: two units at M <= 8 on the layers of 4-12 row blocks per SM (and below 4 for the 8-bit view),
@@ -635,9 +601,13 @@ def test_heuristic_fills_the_machine(monkeypatch):
             {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144), "down": (5120, 17408),
              "qkv": (14336, 5120), "tiny": (40, 64)}.items()}
     assert {key for key, c in sm90.items() if c.kc == 2} == {(n, m) for n in ("o_proj", "down") for m in (1, 8, 32)}
-    assert sm90["o_proj", 16] == sm90["down", 16] == FlowConfig(warps=2, kw=2, cps=4, kc=3, xd=1, late=True)  # 9..16
-    assert FlowConfig.from_tag("w2-k2-s4-c4-q3-x1-l") == sm90["o_proj", 16] and not sm90["o_proj", 32].late
-    assert flow_heuristic(16, 5120, 6144, cpu, clusters=True, q8=True).kc == 2  # the view's split stays at 2
+    # 9..16 tokens: 3 CTAs, each of two row blocks and 3 ring slots (the full format)
+    assert sm90["o_proj", 16] == sm90["down", 16] == FlowConfig(warps=4, kw=2, stages=3, cps=4, kc=3, xd=1, late=True)
+    assert FlowConfig.from_tag("w4-k2-s3-c4-q3-x1-l") == sm90["o_proj", 16] and not sm90["o_proj", 32].late
+    assert flow_heuristic(16, 5120, 6144, cpu, clusters=True, stages=4).stages == 4
+    # the view's split stays at 2, in CTAs of one row block and 4 slots
+    assert flow_heuristic(16, 5120, 6144, cpu, clusters=True, q8=True) == FlowConfig(warps=2, kw=2, cps=4, kc=2, xd=1,
+                                                                                     late=True)
     assert flow_heuristic(16, 5120, 320, cpu, clusters=True).kc == 2  # 5 units of K: too few for 3 CTAs
     assert sm90["o_proj", 1] == FlowConfig(warps=4, kw=4, stages=3, cps=4, kc=2)
     assert sm90["down", 32] == FlowConfig(warps=2, kw=2, cps=4, kc=2)
@@ -649,14 +619,16 @@ def test_heuristic_fills_the_machine(monkeypatch):
                                "down": (5120, 17408), "tiny": (40, 64)}.items()}
     assert {key for key, c in wg.items() if c.wg} == {(n, m) for n in ("in_proj", "gate_up", "o_proj", "down")
                                                      for m in (17, 32)}
-    assert wg["gate_up", 16] == sm90["gate_up", 16] == FlowConfig(warps=8, kw=8, cps=2, xd=1)
+    assert wg["gate_up", 16] == sm90["gate_up", 16] == FlowConfig(warps=4, kw=4, stages=3, cps=4, xd=1)
     # 6 ring slots in the 4-warp clusters below 8 row groups per SM (gate_up: 4.1), 4 above (the LM head: 29.4)
     assert wg["gate_up", 32] == FlowConfig(warps=4, kw=1, stages=6, cps=4, kc=2, wg=True)
     assert flow_heuristic(32, 248320, 5120, cpu, clusters=True, wgmma=True) == FlowConfig(warps=4, kw=1, cps=4, kc=2,
                                                                                            wg=True)
     assert flow_heuristic(32, 34816, 5120, cpu, clusters=True, wgmma=True, stages=4).stages == 4
-    assert wg["in_proj", 32] == FlowConfig(warps=16, kw=2, cps=1, wg=True)
-    assert wg["o_proj", 32] == wg["down", 17] == FlowConfig(warps=8, kw=2, cps=2, kc=3, kg=True, wg=True)
+    # 3 ring slots below 3 row groups per SM
+    assert wg["in_proj", 32] == FlowConfig(warps=16, kw=2, stages=3, cps=1, wg=True)
+    assert wg["o_proj", 32] == wg["down", 17] == FlowConfig(warps=8, kw=2, stages=3, cps=2, kc=3, kg=True, wg=True)
+    assert flow_heuristic(32, 5120, 6144, cpu, clusters=True, wgmma=True, stages=4).stages == 4
     assert wg["in_proj", 16] == sm90["in_proj", 16] and wg["o_proj", 8] == sm90["o_proj", 8]
     assert not flow_heuristic(32, 16480, 5120, cpu, warps=8, wgmma=True).wg  # a fixed shape stays as asked
     # the 8-bit view keeps the mma.sync build (its warpgroup build measured slower)

@@ -68,11 +68,7 @@
 // assembled from global memory). W12F_WG_STM = 1 stages x through stmatrix instead (warp w of the warpgroup stores
 // n-tile w's 8 core matrices with two stmatrix.x4, the same bytes; store_xs below). Timing-only ablations (wrong
 // results, perf/w12_ladder.py --wg-probe --ablate): W12F_WG_FENCE=0, W12F_WG_BAR=0, W12F_WG_XCOPY=0 (x staged for
-// the first unit only). W12F_WG_XSHARE = 1: the XG = WARPS / 4 / KW warpgroups of a CTA that read the same K piece
-// share one x ring (the first min(XG, 2 NTP) of them stage each unit, fewer bytes a thread) and meet at one barrier
-// of 128 XG threads per unit, so that x is read once per 64 XG weight rows; every warpgroup of the CTA then runs the
-// K piece's units, its rows past the weight or not (the copies of a block past the last read the last block's
-// bytes, which nothing keeps).
+// the first unit only).
 //
 // Features, each behind a define so that one device call can time the ladder (perf/w12_ladder.py):
 //   W12F_X    (b) x as mma.sync's B operand (0: the probe's constant B; no x is read)
@@ -159,9 +155,6 @@
 #ifndef W12F_WG_STM
 #define W12F_WG_STM 0  // the warpgroup build's x through stmatrix: warp w of a warpgroup stages n-tile w
 #endif
-#ifndef W12F_WG_XSHARE
-#define W12F_WG_XSHARE 0  // the warpgroups of a CTA that read the same K piece share one x ring and one barrier
-#endif
 #ifndef W12F_LATE
 #define W12F_LATE 0  // the decode constants and the escapes' dependent loads after the first tile copies
 #endif
@@ -200,10 +193,6 @@ constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of o
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
 constexpr bool STM = WG && W12F_WG_STM != 0;
-// XSHARE: the XG warpgroups of a K piece share its x ring; XS of them stage each unit's x (a thread stages at least
-// one 4-byte word: 2 NTP words per token-column share, NTP = NT rounded up to a power of two)
-constexpr int XG = WG && W12F_WG_XSHARE != 0 ? WARPS / 4 / KW : 1;
-constexpr int XS = XG < 2 * (NT == 3 ? 4 : NT) ? XG : 2 * (NT == 3 ? 4 : NT);
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
@@ -222,7 +211,6 @@ static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
 static_assert(W12F_XD >= 0 && W12F_XD <= 2, "x loaded 0 to 2 units ahead");
 static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight: 1 or 2");
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
-static_assert(!STM || XG == 1, "x through stmatrix: one x ring per warpgroup");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
               "the warpgroup build: exact base, one row block per warp, x, and warpgroups of 4 warps per K piece");
 #if W12F_KC > 1 && !W12F_KG && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
@@ -416,9 +404,8 @@ w12_matmul_flow_kernel(
   const int cta = (int)blockIdx.x / KC, kc = (int)blockIdx.x - cta * KC;  // a cluster's CTAs: consecutive ids
   const int rb0 = (cta * RW + rw) * RB;           // the first row block of this warp's row group
   const bool active = rb0 < NB;                    // a row group is active when its first block is
-  // the loop's range follows the first row block of the warpgroup (WG: all 4 warps run every wgmma together), or with
-  // a shared x ring (XG > 1) of the CTA: every warpgroup of a K piece meets at its barrier each unit, rows or not
-  const bool lactive = WG ? (XG > 1 ? cta * RW < NB : (cta * RW + (rw & ~3)) < NB) : active;
+  // the loop's range follows the first row block of the warpgroup (WG: all 4 warps run every wgmma together)
+  const bool lactive = WG ? (cta * RW + (rw & ~3)) < NB : active;
   int R[RB], TS[RB];                               // rows of each row block (0 past the last), bytes per tile
   const uint8_t* blk[RB];
 #pragma unroll
@@ -565,27 +552,22 @@ w12_matmul_flow_kernel(
   grid_dep_wait();
   stamp(2);
 
-  // The warpgroup build's x: thread t of the XS warpgroups that stage it (128 XS threads: the warpgroup itself, or
-  // with a shared ring the first XS of its K piece) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros
-  // past M), columns 2 XW q .. 2 XW q + 2 XW - 1 of each unit, q = t % TPT (NTP = NT rounded up to a power of two,
-  // TPT = 16 XS / NTP threads per token, XW = 2 NTP / XS words each): one 4-, 8-, 16- or 2 x 16-byte load into
-  // registers a unit ahead, then one 4-byte store per column pair into the slot at the header's byte (the slots taken
-  // in turn)
-  constexpr int NTP = NT == 3 ? 4 : NT, TPT = 16 * XS / NTP, XW = 2 * NTP / XS;
-  const int xgi = (warp >> 2) / KW;  // the warpgroup's place among those of its K piece (XG > 1)
-  const int wt = (XG > 1 ? xgi * 128 : 0) + (threadIdx.x & 127), xtok = wt / TPT, xq = wt % TPT;
-  const bool xrow = WG && xtok < 8 * NT && (XG == 1 || xgi < XS), xreal = xtok < M;
-  const uint32_t xring = (uint32_t)__cvta_generic_to_shared(smem + X_OFF) + (XG > 1 ? ks : warp >> 2) * XSLOTS * XSLOT;
+  // The warpgroup build's x: thread t (of 128) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros past
+  // M), columns 4 NTP q .. 4 NTP q + 4 NTP - 1 of each unit, q = t % TPT (NTP = NT rounded up to a power of two,
+  // TPT = 16 / NTP threads per token): one 8-, 16- or 2 x 16-byte load into registers a unit ahead, then one 4-byte
+  // store per column pair into the slot at the header's byte (the slots taken in turn)
+  constexpr int NTP = NT == 3 ? 4 : NT, TPT = 16 / NTP, XW = 2 * NTP;
+  const int wt = threadIdx.x & 127, xtok = wt / TPT, xq = wt % TPT;
+  const bool xrow = WG && xtok < 8 * NT, xreal = xtok < M;
+  const uint32_t xring = (uint32_t)__cvta_generic_to_shared(smem + X_OFF) + (warp >> 2) * XSLOTS * XSLOT;
   const uint32_t xbase = 128u * (xtok >> 3) + 16u * (xtok & 7);
-  const __nv_bfloat16* xsrc = x + (long long)(xreal ? xtok : 0) * ldx + 64LL * c0 + 2 * XW * xq;
+  const __nv_bfloat16* xsrc = x + (long long)(xreal ? xtok : 0) * ldx + 64LL * c0 + 4 * NTP * xq;
   uint32_t xreg[XW];  // zeros, kept by the threads without a token (never loaded)
 #pragma unroll
   for (int u = 0; u < XW; ++u) xreg[u] = 0u;
   auto load_xw = [&]() {
     if (xrow && xreal) {
-      if constexpr (XW == 1) {
-        xreg[0] = __ldg(reinterpret_cast<const uint32_t*>(xsrc));
-      } else if constexpr (XW == 2) {
+      if constexpr (XW == 2) {
         const uint2 v = __ldg(reinterpret_cast<const uint2*>(xsrc));
         xreg[0] = v.x, xreg[1] = v.y;
       } else {
@@ -602,7 +584,7 @@ w12_matmul_flow_kernel(
     if (!xrow) return;
 #pragma unroll
     for (int u = 0; u < XW; ++u) {
-      const int col = 2 * XW * xq + 2 * u;  // p = col / 16, s = col / 4 % 4, h = col / 2 % 2
+      const int col = 4 * NTP * xq + 2 * u;  // p = col / 16, s = col / 4 % 4, h = col / 2 % 2
       const uint32_t a = slot + xbase + 256u * NT * ((col >> 2) & 3) + 128u * NT * ((col >> 1) & 1) + 4u * (col >> 4);
       asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(xreg[u]) : "memory");
     }
@@ -738,8 +720,8 @@ w12_matmul_flow_kernel(
       load_xw();
   }
   auto wg_unit = [&](int c, uint32_t (&a)[4][4], uint32_t (&prev)[4][4]) {
-    // unit c's x into its slot (it held unit c - XSLOTS: every warp of the warpgroup, or with XG > 1 of the K
-    // piece's warpgroups, waited for that wgmma before the barrier of unit c - 1), then unit c + 1's loads
+    // unit c's x into its slot (it held unit c - XSLOTS: every warp of the warpgroup waited for that wgmma before
+    // the barrier of unit c - 1), then unit c + 1's loads
     if constexpr (STM) {
       store_xs(xslot);
       if (c + 1 < cend) load_xs();
@@ -750,8 +732,8 @@ w12_matmul_flow_kernel(
     asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
     if (c == c0) stamp(3);
     if constexpr (W12F_WG_FENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by wgmma
-    if constexpr (W12F_WG_BAR != 0)  // the warpgroup's (XG > 1: the K piece's warpgroups') x and weight tiles landed
-      asm volatile("bar.sync %0, %1;" ::"r"(1 + (XG > 1 ? ks : warp >> 2)), "n"(128 * XG) : "memory");
+    if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
+      asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");
     Frag f;
     if (c < c1)
       ring_frag(f, rst);
