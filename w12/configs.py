@@ -416,7 +416,9 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     the K split across 3 CTAs through global memory (`kg`: 240 CTAs that the hardware places freely; down_proj at
     M = 32: 57.9 -> 50.9 µs against 16-warp CTAs of one row group and four K pieces, o_proj 24.4 -> 23.4; the same
     split in a cluster of 3 took 69.2 and 28.6 µs). At M <= 16 the mma.sync build measured faster on every layer
-    (at M = 16 gate_up took 0.90-0.92x the warpgroup build's time in its 8-warp shapes, the LM head 0.96x).
+    (at M = 16 gate_up took 0.90-0.92x the warpgroup build's time in its 8-warp shapes, the LM head 0.96x), and
+    above 16 tokens on the 5120-row layers of 6 to 128 units of K (o_proj, out_proj: 0.950-0.964x), which take the
+    mma.sync build's 3-CTA clusters of two row blocks a CTA with x one unit ahead.
 
     Ring depth (`stages`, unless given): 3 for the 4-warp CTAs at M <= 8, 4 otherwise. On the H200 the shallower
     ring was faster there for both formats (out_proj at M = 1 15.1 µs against 16.1, the 8-bit view 11.4 against
@@ -454,6 +456,11 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
                               kc=2, wg=True)
         # 3 ring slots below 3 row groups per SM (docs/w12-kernels.md, "Ring depth at 9-32 tokens")
         shallow = 3 if stages is None else stages
+        if groups < 1 and 320 < K <= 8192 and clusters is not False:
+            # at most 128 units of K (o_proj, out_proj): the mma.sync build's 3-CTA cluster of two row blocks a CTA,
+            # x one unit ahead, 3 ring slots (0.950-0.964x the warpgroup build's time below in five interleaved pairs
+            # on the H200; down_proj, 272 units, level: 0.998-1.003x; "Ring depth at 9-32 tokens")
+            return FlowConfig(warps=4, kw=2, stages=shallow, cps=4, kc=3, xd=1)
         if groups < 1:
             # the K split in 3 through global memory, 2 row groups of 64 rows in flight per SM (docs/w12-kernels.md,
             # "K split through memory"): down_proj at M = 32 57.9 -> 50.9 µs, o_proj 24.4 -> 23.4 against

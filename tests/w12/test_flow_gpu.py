@@ -130,7 +130,8 @@ def test_partial_ladder_steps_at_kw_1(step):
 # warp and with four ranks
 KC_CONFIGS = [FlowConfig(warps=4, kw=4, cps=4, kc=2), FlowConfig(warps=4, kw=2, cps=4, kc=4),
               FlowConfig(warps=8, kw=4, cps=2, kc=2, rb=2), FlowConfig(warps=2, kw=2, cps=4, kc=2),
-              FlowConfig(warps=4, kw=4, cps=4, kc=3), FlowConfig(warps=4, kw=2, stages=3, cps=4, kc=3, xd=1, late=True)]
+              FlowConfig(warps=4, kw=4, cps=4, kc=3), FlowConfig(warps=4, kw=2, stages=3, cps=4, kc=3, xd=1, late=True),
+              FlowConfig(warps=4, kw=2, stages=3, cps=4, kc=3, xd=1)]
 
 
 @pytest.mark.hopper

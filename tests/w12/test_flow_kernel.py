@@ -617,8 +617,10 @@ def test_heuristic_fills_the_machine(monkeypatch):
     wg = {(name, m): flow_heuristic(m, n, k, cpu, clusters=True, wgmma=True) for m in (1, 8, 9, 16, 17, 32)
           for name, (n, k) in {"in_proj": (16480, 5120), "gate_up": (34816, 5120), "o_proj": (5120, 6144),
                                "down": (5120, 17408), "tiny": (40, 64)}.items()}
-    assert {key for key, c in wg.items() if c.wg} == {(n, m) for n in ("in_proj", "gate_up", "o_proj", "down")
-                                                     for m in (17, 32)}
+    # ... but on the 5120-row layers of at most 128 units of K (o_proj: 96), the mma.sync build's 3-CTA clusters
+    assert {key for key, c in wg.items() if c.wg} == {(n, m) for n in ("in_proj", "gate_up", "down") for m in (17, 32)}
+    assert wg["o_proj", 32] == wg["o_proj", 17] == FlowConfig(warps=4, kw=2, stages=3, cps=4, kc=3, xd=1)
+    assert flow_heuristic(32, 5120, 8256, cpu, clusters=True, wgmma=True).wg  # 129 units
     assert wg["gate_up", 16] == sm90["gate_up", 16] == FlowConfig(warps=4, kw=4, stages=3, cps=4, xd=1)
     # 6 ring slots in the 4-warp clusters below 8 row groups per SM (gate_up: 4.1), 4 above (the LM head: 29.4)
     assert wg["gate_up", 32] == FlowConfig(warps=4, kw=1, stages=6, cps=4, kc=2, wg=True)
@@ -627,7 +629,8 @@ def test_heuristic_fills_the_machine(monkeypatch):
     assert flow_heuristic(32, 34816, 5120, cpu, clusters=True, wgmma=True, stages=4).stages == 4
     # 3 ring slots below 3 row groups per SM
     assert wg["in_proj", 32] == FlowConfig(warps=16, kw=2, stages=3, cps=1, wg=True)
-    assert wg["o_proj", 32] == wg["down", 17] == FlowConfig(warps=8, kw=2, stages=3, cps=2, kc=3, kg=True, wg=True)
+    assert wg["down", 32] == wg["down", 17] == FlowConfig(warps=8, kw=2, stages=3, cps=2, kc=3, kg=True, wg=True)
+    assert flow_heuristic(32, 5120, 17408, cpu, clusters=True, wgmma=True, stages=4).stages == 4
     assert flow_heuristic(32, 5120, 6144, cpu, clusters=True, wgmma=True, stages=4).stages == 4
     assert wg["in_proj", 16] == sm90["in_proj", 16] and wg["o_proj", 8] == sm90["o_proj", 8]
     assert not flow_heuristic(32, 16480, 5120, cpu, warps=8, wgmma=True).wg  # a fixed shape stays as asked
