@@ -400,7 +400,8 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     Where there are fewer than 3 row blocks per SM (the 5120-row layers: 320 row blocks on 132 SMs, so some SMs
     stream 3 row blocks and others 2) and thread-block clusters exist (`clusters`; default: a CUDA device of
     sm_90 or later), the K split goes across the 2 CTAs of a cluster as well (`kc = 2`), in CTAs of one row block:
-    4 warps splitting K at 4 per SM for M <= 8, 2 warps at 4 per SM above. On the H200 that took down_proj from
+    4 warps splitting K at 4 per SM for M <= 8, 2 warps at 4 per SM above (at 9..16 tokens the full format takes CTAs
+    of two row blocks, 4 warps, with 3 ring slots: the ring-depth paragraph below). On the H200 that took down_proj from
     42.6 to 37.9 µs at M = 1 and from 77.9 to 65.5 µs at M = 32, o_proj from 18.4 to 17.1 µs at M = 8 and from
     31.4 to 25.4 µs at M = 32 (docs/w12-kernels.md, "K split across CTAs"); on in_proj and gate_up (8 and 16 row
     blocks per SM) it was slower, except gate_up at M = 32 in 4-warp CTAs of two row blocks (121.4 to 111.0 µs),
@@ -426,8 +427,8 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     68.5 µs); docs/w12-kernels.md, "Ring depth at M <= 8". At 9..32 tokens (docs/w12-kernels.md, "Ring depth at 9-32
     tokens"): the full format's 5120-row layers take 3 slots in CTAs of two row blocks at M = 9..16, the layers of
     12-32 row blocks per SM (gate_up) 4-warp CTAs of one row block, K in 4 pieces, with 3 slots, and the warpgroup
-    build 3 slots below 3 row groups per SM (in_proj 0.982-0.985x, qkv_proj 0.989-0.990x, o_proj 0.962-0.970x,
-    down_proj 0.982x at M = 32); gate_up keeps 6 and the LM head 4 (3: level).
+    build 3 slots below 3 row groups per SM (in_proj 0.982-0.985x, qkv_proj 0.989-0.990x, down_proj 0.975-0.982x at
+    M = 32); gate_up keeps 6 and the LM head 4 (3: level).
 
     One wave of whole rows at M <= 8 (full format): where 4-warp CTAs of 4 row blocks, each warp one row block over
     the whole K (`kw = 1`), number between 4 and FLOW_ONE_WAVE_CTAS per SM, they run as one wave of 16-20 warps per SM
