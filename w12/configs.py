@@ -447,7 +447,11 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     if wgmma is None:
         wgmma = device.type == "cuda" and not autotune.is_interpreter() and \
             torch.cuda.get_device_capability(device) == (9, 0)
+    if clusters is None:
+        clusters = device.type == "cuda" and not autotune.is_interpreter() and \
+            torch.cuda.get_device_capability(device)[0] >= 9
     deep = 4 if stages is None else stages
+    shallow = 3 if stages is None else stages  # the 3-slot rings (module doc, "Ring depth")
     if wgmma and warps is None and cps is None and M > 16 and K > 64:
         groups = -(-N // 64) / sm_count(device)
         if groups >= 3:
@@ -456,8 +460,7 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
             return FlowConfig(warps=4, kw=1, stages=(6 if groups < 8 else 4) if stages is None else stages, cps=4,
                               kc=2, wg=True)
         # 3 ring slots below 3 row groups per SM (docs/w12-kernels.md, "Ring depth at 9-32 tokens")
-        shallow = 3 if stages is None else stages
-        if groups < 1 and 320 < K <= 8192 and clusters is not False:
+        if groups < 1 and 320 < K <= 8192 and clusters:
             # at most 128 units of K (o_proj, out_proj): the mma.sync build's 3-CTA cluster of two row blocks a CTA,
             # x one unit ahead, 3 ring slots (0.950-0.964x the warpgroup build's time below in five interleaved pairs
             # on the H200; down_proj, 272 units, level: 0.998-1.003x; "Ring depth at 9-32 tokens")
@@ -486,9 +489,6 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
 
     cands = [(cost(w, c, kw), i, kw, w, c) for i, (w, c) in enumerate(shapes) for kw in (1, 2, 4, 8, 16) if kw <= w]
     _, _, kw, w, c = min(cands)
-    if clusters is None:
-        clusters = device.type == "cuda" and not autotune.is_interpreter() and \
-            torch.cuda.get_device_capability(device)[0] >= 9
     # x sets loaded ahead (docs/w12-kernels.md, "x loaded ahead"): two units ahead at M <= 8 where a layer has fewer
     # than 12 row blocks per SM (the 8-bit view) or 4 to 12 (the full format: in_proj, qkv_proj), one ahead at
     # M = 9..16; none elsewhere (gate_up, the LM head, the 5120-row layers' full format at M <= 8: within 2-3%, or
@@ -496,23 +496,23 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     xd = (2 if per_sm < 12 and (q8 or per_sm >= 4) else 0) if M <= 8 else (1 if M <= 16 else 0)
     if clusters and warps is None and cps is None and blocks < 3 * sms and units >= 2:
         if M <= 8:
-            return FlowConfig(warps=4, kw=4, stages=3 if stages is None else stages, cps=4, kc=2, xd=xd)
+            return FlowConfig(warps=4, kw=4, stages=shallow, cps=4, kc=2, xd=xd)
         kc = 3 if M <= 16 and units >= 6 and not q8 else 2
         # the first copies before the prologue's waits at 9..16 tokens: o_proj 18.7 -> 18.2 µs, out_proj 18.8 ->
         # 18.3, down_proj 43.2 -> 42.0 at M = 16 on the H200 (docs/w12-kernels.md, "K split through memory"); there
         # the full format takes CTAs of two row blocks and 3 ring slots (o_proj 0.966-0.974x, down_proj 0.970-0.972x
         # the time of one row block and 4 slots; "Ring depth at 9-32 tokens")
         if M <= 16 and kc == 3:
-            return FlowConfig(warps=4, kw=2, stages=3 if stages is None else stages, cps=4, kc=3, xd=xd, late=True)
+            return FlowConfig(warps=4, kw=2, stages=shallow, cps=4, kc=3, xd=xd, late=True)
         return FlowConfig(warps=2, kw=2, stages=deep, cps=4, kc=kc, xd=xd, late=M <= 16)
     if 8 < M <= 16 and not q8 and warps is None and cps is None and 12 <= per_sm < 32:
         # 4-warp CTAs of one row block, K in 4 pieces, 3 ring slots (gate_up at M = 16: 73.3-73.6 µs against 83.2-83.5
         # for the wave model's 8-warp CTAs of 8 pieces, four interleaved pairs; "Ring depth at 9-32 tokens")
-        return FlowConfig(warps=4, kw=4, stages=3 if stages is None else stages, cps=4, xd=xd)
+        return FlowConfig(warps=4, kw=4, stages=shallow, cps=4, xd=xd)
     if M <= 8 and not q8 and warps is None and cps is None and \
             4 * sms <= -(-blocks // 4) <= FLOW_ONE_WAVE_CTAS * sms:
         # one row block per warp over the whole K, in one wave of 4-warp CTAs (module doc above)
-        return FlowConfig(warps=4, kw=1, stages=3 if stages is None else stages, cps=4, xd=xd)
+        return FlowConfig(warps=4, kw=1, stages=shallow, cps=4, xd=xd)
     return FlowConfig(warps=w, kw=kw, stages=(3 if M <= 8 and w == 4 else 4) if stages is None else stages, cps=c,
                       xd=xd)
 
