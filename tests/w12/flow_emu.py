@@ -58,6 +58,11 @@ def dec_exact(y: np.ndarray, e0x: np.ndarray) -> np.ndarray:
     return (((y & U32(0x7F007F00)) >> U32(4)) + ((y & U32(0x800F800F)) | e0x)).astype(U32)
 
 
+def dec_exact_hi(y: np.ndarray, e0x: np.ndarray) -> np.ndarray:
+    """dec_pair_hi (w12_common.cuh): dec_pair on lanes whose nibble sits in bits 4-7 of the lo byte."""
+    return (((y & U32(0x7FF07FF0)) >> U32(4)) + ((y & U32(0x80008000)) | e0x)).astype(U32)
+
+
 def q8_base(e0x: np.ndarray) -> np.ndarray:
     """q8_base (w12_common.cuh): the 8-bit view's row constant, e0x plus the bin midpoint bit; 0 where e0 = 0."""
     e0x = np.asarray(e0x, dtype=U32)
@@ -264,8 +269,10 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     stats = {"fallback": 0, "scaled": 0}
 
     def x_frag(c: int) -> np.ndarray:
-        """[NT, 32 lanes, 8 words]: token 8 j + g (zero past M), columns 16 p .. 16 p + 15 of unit c."""
-        fr = np.zeros((NT, 32, 8), dtype=U32)
+        """[NT, 32 lanes, 8 words]: token 8 j + g, columns 16 p .. 16 p + 15 of unit c. Past M: zeros on the fixed
+        base (its x range folds them), NaN on the exact base, whose registers there keep whatever they held
+        (W12F_LEAN): those tokens' outputs are never stored, so no value there may reach a stored one."""
+        fr = np.full((NT, 32, 8), 0 if fixed else 0x7FC07FC0, dtype=U32)
         for j in range(NT):
             tok = 8 * j + G
             ok = tok < M
@@ -333,9 +340,10 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                     zero = np.zeros_like(hw)
                     regs.append((dec_q8(prmt(hw, zero, 0x4140), kk[r]), dec_q8(prmt(hw, zero, 0x4342), kk[r])))
                     continue
-                l2 = lw[r][:, s & 1] >> U32(4 if s >= 2 else 0)
+                hi_nib = s >= 2 and not fix  # W12F_NIBHI: the exact base reads the high nibbles in place
+                l2 = lw[r][:, s & 1] >> U32(4 if s >= 2 and fix else 0)
                 y0, y1 = prmt(hw, l2, 0x1504), prmt(hw, l2, 0x3726)
-                dec = dec_fixed if fix else dec_exact
+                dec = dec_fixed if fix else (dec_exact_hi if hi_nib else dec_exact)
                 regs.append((dec(y0, kk[r]), dec(y1, kk[r])))
             A = np.zeros((16, 16))
             for reg, (dr, dk) in ((regs[0][0], (0, 0)), (regs[1][0], (8, 0)), (regs[0][1], (0, 8)), (regs[1][1], (8, 8))):

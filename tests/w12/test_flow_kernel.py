@@ -27,7 +27,7 @@ from w12 import flow, layout
 from w12.configs import FlowConfig, flow_heuristic
 from specpilot.testing import assert_close
 
-from flow_emu import (dec_exact, dec_fixed, emulate, hostile_weight, lanes_f64, one_unit_tiny_case, wg_operand, wg_slot,
+from flow_emu import (dec_exact, dec_exact_hi, dec_fixed, emulate, hostile_weight, lanes_f64, one_unit_tiny_case, wg_operand, wg_slot,
                       wg_slot_stm, words)
 
 
@@ -67,12 +67,16 @@ def _check_decode(e0: int, c0: np.ndarray, c1: np.ndarray, rng: np.random.Genera
     assert np.array_equal(got, three)
     kf = np.uint32(0 if e0 == 0 else 0x38003800)
     assert np.array_equal(dec_exact(y, kf), dec_fixed(y, kf))
+    # dec_pair_hi on the same codes with each nibble in the high half of its lo byte (k-steps 2 and 3)
+    y_hi = ((hi0 << 8) | (n0 << 4) | g0 | (((hi1 << 8) | (n1 << 4) | g1) << 16)).astype(np.uint32)
+    assert np.array_equal(dec_exact_hi(y_hi, e0x), got)
 
 
 @pytest.mark.parametrize("e0", [0, 1, 112, 240])
 def test_decode_is_the_code_value_on_every_pair_of_codes(e0):
     """dec_pair's masks and one shift-and-add give each lane's value for every pair of 12-bit codes in the two lanes,
-    bit for bit the three-term form it replaced and, with the fixed base, the fixed-base decode."""
+    bit for bit the three-term form it replaced and, with the fixed base, the fixed-base decode; dec_pair_hi the same
+    bits with the nibbles in the high half of their bytes."""
     code = np.arange(4096, dtype=np.uint32)
     _check_decode(e0, np.repeat(code, 4096), np.tile(code, 4096), np.random.default_rng(e0))
 

@@ -125,6 +125,12 @@ __device__ __forceinline__ uint32_t dec_pair(uint32_t y, uint32_t e0x) {
   return ((y & 0x7F007F00u) >> 4) + ((y & 0x800F800Fu) | e0x);
 }
 
+// dec_pair with each lane's nibble in the high half of its lo byte (bits 4-7 and 20-23): the mask keeps it beside the
+// offset and mantissa bits, so the one shift brings both down and the lo word needs no shift of its own
+__device__ __forceinline__ uint32_t dec_pair_hi(uint32_t y, uint32_t e0x) {
+  return ((y & 0x7FF07FF0u) >> 4) + ((y & 0x80008000u) | e0x);
+}
+
 // The 8-bit view's per-row constant from the exact base's e0x (e0 in both lanes, e0 << 7 | e0 << 23): the bin
 // midpoint bit added for e0 >= 1; 0 for e0 = 0, whose bins read their lowest value (so hi 0 reads +0.0 there)
 __device__ __forceinline__ uint32_t q8_base(uint32_t e0x) { return e0x == 0u ? 0u : e0x + 0x00080008u; }

@@ -121,6 +121,15 @@
 #ifndef W12F_XSTEP
 #define W12F_XSTEP 1
 #endif
+#ifndef W12F_NIBHI
+#define W12F_NIBHI 1  // k-steps 2-3 decoded by dec_pair_hi, without shifting the lo word
+#endif
+#ifndef W12F_LEAN
+#define W12F_LEAN 0  // fewer instructions a unit: no branches around loads and copies, no per-unit zeroing (opt-in)
+#endif
+#ifndef W12F_WG_LEAN
+#define W12F_WG_LEAN W12F_LEAN  // the warpgroup build's unit without branches, the masked tail after its loop
+#endif
 #ifndef W12F_XD
 #define W12F_XD 0  // the mma.sync build's x: 0 one set copied each unit, 1 or 2 sets loaded that many units ahead
 #endif
@@ -193,6 +202,9 @@ constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of o
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
 constexpr bool STM = WG && W12F_WG_STM != 0;
+// the warpgroup build's lean unit (W12F_WG_LEAN): full row blocks, x through st.shared, every unit staged and fenced
+constexpr bool WG_LEAN = WG && W12F_WG_LEAN != 0 && FULL && !STM && W12F_WG_XCOPY != 0 && W12F_WG_FENCE != 0 &&
+                        W12F_WG_BAR != 0;
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
@@ -266,8 +278,16 @@ __device__ __forceinline__ void decode_step(uint32_t (&a)[4], const Frag& f, con
       a[r + 2] = dec_pair_q8(__byte_perm(hw, 0u, 0x4342), k[r]);
       continue;
     }
-    const uint32_t lw = ((s & 1) ? f.l[r].y : f.l[r].x) >> (s >= 2 ? 4 : 0);
+    // k-steps 2 and 3 read the high nibbles of the lo bytes: the shifted form takes them in place unless FIX
+    const uint32_t lw = ((s & 1) ? f.l[r].y : f.l[r].x) >> (s >= 2 && (FIX || !W12F_NIBHI) ? 4 : 0);
     const uint32_t y0 = __byte_perm(hw, lw, 0x1504), y1 = __byte_perm(hw, lw, 0x3726);
+    if constexpr (!FIX && W12F_NIBHI) {
+      if (s >= 2) {
+        a[r] = dec_pair_hi(y0, k[r]);
+        a[r + 2] = dec_pair_hi(y1, k[r]);
+        continue;
+      }
+    }
     if constexpr (FIX) {
       a[r] = lop3_and_or(y0, 0x800F800Fu, lop3_and_or(y0 >> 4, 0x07F007F0u, k[r]));
       a[r + 2] = lop3_and_or(y1, 0x800F800Fu, lop3_and_or(y1 >> 4, 0x07F007F0u, k[r]));
@@ -477,6 +497,23 @@ w12_matmul_flow_kernel(
       src[i] += TS[i];
     }
   };
+  // unit c's refill (of the slot read one unit ago, with unit c + STAGES - 1): W12F_LEAN with full blocks copies
+  // nothing past c1 through zero-byte copies, so that no branch surrounds the copies
+  auto refill = [&](int c) {
+    if constexpr (W12F_LEAN && FULL && !Q8) {
+      const bool more = c + STAGES - 1 < c1;
+#pragma unroll
+      for (int i = 0; i < RB; ++i) {
+        const uint32_t n = more ? vf[i] : 0u;
+        cp_async16(wst + i * TILE, srcl[i], n, pol);
+        cp_async16(wst + i * TILE + 512, srcl[i] + 512, n, pol);
+        cp_async16(wst + i * TILE + 1024, srcl[i] + 1024, n, pol);
+        srcl[i] += more ? TILE : 0;
+      }
+    } else if (c + STAGES - 1 < c1) {
+      issue();
+    }
+  };
   auto next_slot = [&](uint32_t a) { return a + SLOT >= ring_end ? a + SLOT - STAGES * SLOT : a + SLOT; };
 
   // rows g, g + 8 of each block: window base and decode constant (W12F_LATE: the constants after the first copies)
@@ -636,9 +673,9 @@ w12_matmul_flow_kernel(
         const uint4* q = reinterpret_cast<const uint4*>(xu + j * x8);
         xv[j][0] = __ldg(q);
         xv[j][1] = __ldg(q + 1);
-      } else {
+      } else if (GUARD || !W12F_LEAN) {
         xv[j][0] = xv[j][1] = make_uint4(0u, 0u, 0u, 0u);
-      }
+      }  // W12F_LEAN: a token past M keeps what its registers held (zeros first); its outputs are never stored
       if (GUARD && fu == rw) {
         xr.add(xv[j][0]);
         xr.add(xv[j][1]);
@@ -692,6 +729,14 @@ w12_matmul_flow_kernel(
   uint4 xs[XD + 1][NT][2];  // XD > 0: the x sets (below)
   if constexpr (WG) {
   } else if constexpr (XB) {
+    if constexpr (W12F_LEAN) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        xn[j][0] = xn[j][1] = make_uint4(0u, 0u, 0u, 0u);
+#pragma unroll
+        for (int r = 0; r <= XD; ++r) xs[r][j][0] = xs[r][j][1] = xn[j][0];
+      }
+    }
     if constexpr (XD == 0) {
       if (c0 < cend) load_x(xn);
     } else {
@@ -719,6 +764,40 @@ w12_matmul_flow_kernel(
     else
       load_xw();
   }
+  // the lean unit: x loads and weight copies without branches (the last unit's x load reads unit cend - 1 again,
+  // copies past c1 read nothing and fill a consumed slot with zeros), the masked tail after the loop
+  const __nv_bfloat16* const xlast = xsrc + 64LL * (cend - 2 - c0);  // xsrc is at unit c0 + 1 here
+  const bool xld = xrow && xreal;
+  auto wg_lean = [&](int c, bool tail, uint32_t (&a)[4][4], uint32_t (&prev)[4][4]) {
+    store_xw(xslot);
+    if (xld) {
+      const __nv_bfloat16* xp = c + 1 < cend ? xsrc : xlast;
+#pragma unroll
+      for (int u = 0; u < XW / 4; ++u) {
+        const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp) + u);
+        xreg[4 * u] = v.x, xreg[4 * u + 1] = v.y, xreg[4 * u + 2] = v.z, xreg[4 * u + 3] = v.w;
+      }
+      if constexpr (XW == 2) {
+        const uint2 v = __ldg(reinterpret_cast<const uint2*>(xp));
+        xreg[0] = v.x, xreg[1] = v.y;
+      }
+    }
+    xsrc += 64;
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+    asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");
+    Frag f;
+    if (!tail)
+      ring_frag(f, rst);
+    else
+      tail_frag(f, 0);
+    refill(c);
+    cp_commit();
+    wst = next_slot(wst);
+    rst = next_slot(rst);
+    tile_wgmma(acc[0], f, xslot, kk[0], a, prev);
+    xslot = xslot + XSLOT == xring + XSLOTS * XSLOT ? xring : xslot + XSLOT;
+  };
   auto wg_unit = [&](int c, uint32_t (&a)[4][4], uint32_t (&prev)[4][4]) {
     // unit c's x into its slot (it held unit c - XSLOTS: every warp of the warpgroup waited for that wgmma before
     // the barrier of unit c - 1), then unit c + 1's loads
@@ -748,11 +827,25 @@ w12_matmul_flow_kernel(
     xslot = xslot + XSLOT == xring + XSLOTS * XSLOT ? xring : xslot + XSLOT;
   };
   int c = c0;
+  if constexpr (WG_LEAN) {
+  for (; c + 1 < c1; c += 2) {
+    wg_lean(c, false, areg[0], areg[1]);
+    wg_lean(c + 1, false, areg[1], areg[0]);
+  }
+  if (c < c1) {
+    wg_lean(c, false, areg[0], areg[1]);
+    ++c;
+    if (c < cend) wg_lean(c, true, areg[1], areg[0]);
+  } else if (c < cend) {
+    wg_lean(c, true, areg[0], areg[1]);
+  }
+  } else {
   for (; c + 1 < cend; c += 2) {
     wg_unit(c, areg[0], areg[1]);
     wg_unit(c + 1, areg[1], areg[0]);
   }
   if (c < cend) wg_unit(c, areg[0], areg[1]);
+  }
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   keep(acc[0]);
   keep(areg[0]);
@@ -768,7 +861,7 @@ w12_matmul_flow_kernel(
 #pragma unroll
       for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
       // refill the slot read one unit ago with unit c + STAGES - 1
-      if (c + STAGES - 1 < c1) issue();
+      refill(c);
       cp_commit();
       wst = next_slot(wst);
       rst = next_slot(rst);
@@ -792,7 +885,7 @@ w12_matmul_flow_kernel(
       Frag f[RB];
 #pragma unroll
       for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
-      if (c + STAGES - 1 < c1) issue();
+      refill(c);
       cp_commit();
       wst = next_slot(wst);
       rst = next_slot(rst);
