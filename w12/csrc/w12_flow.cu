@@ -124,6 +124,9 @@
 #ifndef W12F_NIBHI
 #define W12F_NIBHI 1  // k-steps 2-3 decoded by dec_pair_hi, without shifting the lo word
 #endif
+#ifndef W12F_WG_XASYNC
+#define W12F_WG_XASYNC 0  // the warpgroup build's x copied by cp.async with the weight tiles, STAGES - 1 units ahead
+#endif
 #ifndef W12F_LEAN
 #define W12F_LEAN 0  // fewer instructions a unit: no branches around loads and copies, no per-unit zeroing (opt-in)
 #endif
@@ -200,11 +203,15 @@ constexpr bool WG = W12F_WG != 0;
 constexpr int XD = WG ? 0 : W12F_XD;  // x sets loaded ahead in the mma.sync build (0: one, copied each unit)
 constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of one row block
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
-constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
 constexpr bool STM = WG && W12F_WG_STM != 0;
+// W12F_WG_XASYNC: each thread copies its x words of unit c + STAGES - 1 into that unit's slot with cp.async (4 bytes
+// each, zero-filled past M) in the commit group of the unit's weight tiles, so that x arrives with them
+constexpr bool XASYNC = WG && W12F_WG_XASYNC != 0 && !STM;
+// x slots per warpgroup: a unit's stays read until DEPTH units later; with XASYNC it is written STAGES - 1 units early
+constexpr int XSLOTS = XASYNC ? STAGES + W12F_WG_DEPTH - 1 : W12F_WG_DEPTH + 1;
 // the warpgroup build's lean unit (W12F_WG_LEAN): full row blocks, x through st.shared, every unit staged and fenced
-constexpr bool WG_LEAN = WG && W12F_WG_LEAN != 0 && FULL && !STM && W12F_WG_XCOPY != 0 && W12F_WG_FENCE != 0 &&
-                        W12F_WG_BAR != 0;
+constexpr bool WG_LEAN = WG && W12F_WG_LEAN != 0 && FULL && !STM && !XASYNC && W12F_WG_XCOPY != 0 &&
+                        W12F_WG_FENCE != 0 && W12F_WG_BAR != 0;
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
@@ -626,6 +633,19 @@ w12_matmul_flow_kernel(
       asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(xreg[u]) : "memory");
     }
   };
+  // XASYNC: unit c's x words of this thread into `slot`, 4 bytes each at store_xw's addresses (zeros past M and cend)
+  auto copy_x = [&](uint32_t slot, int c) {
+    if (!xrow) return;
+    const bool real = xreal && c < cend;
+    const __nv_bfloat16* src = xsrc + (real ? 64LL * (c - c0) : 0LL);
+#pragma unroll
+    for (int u = 0; u < XW; ++u) {
+      const int col = 4 * NTP * xq + 2 * u;
+      const uint32_t a = slot + xbase + 256u * NT * ((col >> 2) & 3) + 128u * NT * ((col >> 1) & 1) + 4u * (col >> 4);
+      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(a), "l"(src + 2 * u), "r"(real ? 4u : 0u)
+                   : "memory");
+    }
+  };
   // W12F_WG_STM: warp w of a warpgroup stages n-tile w (w < NT). Lane (g, p) loads token 8 w + g, columns
   // 16 p .. 16 p + 15 of the unit (two 16-byte loads a unit ahead): word q is the pair of k slots 2 p, 2 p + 1 of
   // k-step q / 2, k half q % 2, which is row g, columns 2 p, 2 p + 1 of that core matrix as stmatrix takes it. Two
@@ -758,7 +778,16 @@ w12_matmul_flow_kernel(
 #if W12F_WG
   uint32_t xslot = xring;  // unit c's x slot
   uint32_t areg[2][4][4] = {};  // A registers of even and odd units (one may be read by a wgmma in flight)
-  if (c0 < cend) {
+  uint32_t xwslot = xring;  // XASYNC: the slot of unit c + STAGES - 1
+  if constexpr (XASYNC) {
+    // the first STAGES - 1 units' x (after the wait for the previous kernel: x may be its output), one group
+#pragma unroll
+    for (int i = 0; i < STAGES - 1; ++i) {
+      copy_x(xwslot, c0 + i);
+      xwslot += XSLOT;
+    }
+    cp_commit();
+  } else if (c0 < cend) {
     if constexpr (STM)
       load_xs();
     else
@@ -801,14 +830,22 @@ w12_matmul_flow_kernel(
   auto wg_unit = [&](int c, uint32_t (&a)[4][4], uint32_t (&prev)[4][4]) {
     // unit c's x into its slot (it held unit c - XSLOTS: every warp of the warpgroup waited for that wgmma before
     // the barrier of unit c - 1), then unit c + 1's loads
-    if constexpr (STM) {
-      store_xs(xslot);
-      if (c + 1 < cend) load_xs();
+    if constexpr (XASYNC) {
+      // unit c's weight tiles and x landed: at c0 the prologue's groups, x's last among them
+      if (c == c0)
+        asm volatile("cp.async.wait_group 0;" ::: "memory");
+      else
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
     } else {
-      if (W12F_WG_XCOPY != 0 || c == c0) store_xw(xslot);
-      if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
+      if constexpr (STM) {
+        store_xs(xslot);
+        if (c + 1 < cend) load_xs();
+      } else {
+        if (W12F_WG_XCOPY != 0 || c == c0) store_xw(xslot);
+        if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
+      }
+      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
     }
-    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
     if (c == c0) stamp(3);
     if constexpr (W12F_WG_FENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by wgmma
     if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
@@ -818,8 +855,13 @@ w12_matmul_flow_kernel(
       ring_frag(f, rst);
     else
       tail_frag(f, 0);
-    // refill the weight slot read one unit ago with unit c + STAGES - 1
+    // refill the weight slot read one unit ago with unit c + STAGES - 1 (XASYNC: and that unit's x slot, which
+    // held unit c - DEPTH, whose wgmma every warp of the warpgroup waited for before this unit's barrier)
     if (c + STAGES - 1 < c1) issue();
+    if constexpr (XASYNC) {
+      copy_x(xwslot, c + STAGES - 1);
+      xwslot = xwslot + XSLOT == xring + XSLOTS * XSLOT ? xring : xwslot + XSLOT;
+    }
     cp_commit();
     wst = next_slot(wst);
     rst = next_slot(rst);
