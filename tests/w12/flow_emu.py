@@ -269,9 +269,9 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     stats = {"fallback": 0, "scaled": 0}
 
     def x_frag(c: int) -> np.ndarray:
-        """[NT, 32 lanes, 8 words]: token 8 j + g, columns 16 p .. 16 p + 15 of unit c. Past M: zeros on the fixed
-        base (its x range folds them), NaN on the exact base, whose registers there keep whatever they held
-        (W12F_LEAN): those tokens' outputs are never stored, so no value there may reach a stored one."""
+        """[NT, 32 lanes, 8 words]: token 8 j + g, columns 16 p .. 16 p + 15 of unit c. Past M the kernel loads
+        zeros; here they are zeros on the fixed base (its x range folds them) and NaN on the exact base: those
+        tokens' outputs are never stored, and no value there may reach a stored one."""
         fr = np.full((NT, 32, 8), 0 if fixed else 0x7FC07FC0, dtype=U32)
         for j in range(NT):
             tok = 8 * j + G
@@ -340,7 +340,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
                     zero = np.zeros_like(hw)
                     regs.append((dec_q8(prmt(hw, zero, 0x4140), kk[r]), dec_q8(prmt(hw, zero, 0x4342), kk[r])))
                     continue
-                hi_nib = s >= 2 and not fix  # W12F_NIBHI: the exact base reads the high nibbles in place
+                hi_nib = s >= 2 and not fix  # dec_pair_hi: the exact base reads the high nibbles in place
                 l2 = lw[r][:, s & 1] >> U32(4 if s >= 2 and fix else 0)
                 y0, y1 = prmt(hw, l2, 0x1504), prmt(hw, l2, 0x3726)
                 dec = dec_fixed if fix else (dec_exact_hi if hi_nib else dec_exact)

@@ -457,12 +457,9 @@ WG_CONFIGS = [FlowConfig(warps=4, kw=1, cps=4, wg=True), FlowConfig(warps=8, kw=
 
 # builds of the warpgroup build that must give the shipped one's bits: each unit's wgmma waited for before the next
 # (W12F_WG_DEPTH = 1: the same operations in the same order, one A register set, 2 x slots); x staged through stmatrix
-# (W12F_WG_STM: the same slot bytes), or copied by cp.async with the weight tiles (W12F_WG_XASYNC: the same slot bytes,
-# zero-filled past M; also with one wgmma group in flight), at 1-4 token tiles (tokens past M zero)
+# (W12F_WG_STM: the same slot bytes), at 1-4 token tiles (tokens past M zero)
 WG_TWINS = [({"W12F_WG_DEPTH": 1}, 16), ({"W12F_WG_DEPTH": 1}, 32), ({"W12F_WG_STM": 1}, 1), ({"W12F_WG_STM": 1}, 9),
-            ({"W12F_WG_STM": 1}, 20), ({"W12F_WG_STM": 1}, 32), ({"W12F_WG_XASYNC": 1}, 1),
-            ({"W12F_WG_XASYNC": 1}, 9), ({"W12F_WG_XASYNC": 1}, 20), ({"W12F_WG_XASYNC": 1}, 32),
-            ({"W12F_WG_XASYNC": 1, "W12F_WG_DEPTH": 1}, 32)]
+            ({"W12F_WG_STM": 1}, 20), ({"W12F_WG_STM": 1}, 32)]
 
 
 @pytest.mark.hopper

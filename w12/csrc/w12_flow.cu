@@ -121,18 +121,6 @@
 #ifndef W12F_XSTEP
 #define W12F_XSTEP 1
 #endif
-#ifndef W12F_NIBHI
-#define W12F_NIBHI 1  // k-steps 2-3 decoded by dec_pair_hi, without shifting the lo word
-#endif
-#ifndef W12F_WG_XASYNC
-#define W12F_WG_XASYNC 0  // the warpgroup build's x copied by cp.async with the weight tiles, STAGES - 1 units ahead
-#endif
-#ifndef W12F_LEAN
-#define W12F_LEAN 0  // fewer instructions a unit: no branches around loads and copies, no per-unit zeroing (opt-in)
-#endif
-#ifndef W12F_WG_LEAN
-#define W12F_WG_LEAN W12F_LEAN  // the warpgroup build's unit without branches, the masked tail after its loop
-#endif
 #ifndef W12F_XD
 #define W12F_XD 0  // the mma.sync build's x: 0 one set copied each unit, 1 or 2 sets loaded that many units ahead
 #endif
@@ -203,15 +191,8 @@ constexpr bool WG = W12F_WG != 0;
 constexpr int XD = WG ? 0 : W12F_XD;  // x sets loaded ahead in the mma.sync build (0: one, copied each unit)
 constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of one row block
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
+constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
 constexpr bool STM = WG && W12F_WG_STM != 0;
-// W12F_WG_XASYNC: each thread copies its x words of unit c + STAGES - 1 into that unit's slot with cp.async (4 bytes
-// each, zero-filled past M) in the commit group of the unit's weight tiles, so that x arrives with them
-constexpr bool XASYNC = WG && W12F_WG_XASYNC != 0 && !STM;
-// x slots per warpgroup: a unit's stays read until DEPTH units later; with XASYNC it is written STAGES - 1 units early
-constexpr int XSLOTS = XASYNC ? STAGES + W12F_WG_DEPTH - 1 : W12F_WG_DEPTH + 1;
-// the warpgroup build's lean unit (W12F_WG_LEAN): full row blocks, x through st.shared, every unit staged and fenced
-constexpr bool WG_LEAN = WG && W12F_WG_LEAN != 0 && FULL && !STM && !XASYNC && W12F_WG_XCOPY != 0 &&
-                        W12F_WG_FENCE != 0 && W12F_WG_BAR != 0;
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
@@ -285,15 +266,13 @@ __device__ __forceinline__ void decode_step(uint32_t (&a)[4], const Frag& f, con
       a[r + 2] = dec_pair_q8(__byte_perm(hw, 0u, 0x4342), k[r]);
       continue;
     }
-    // k-steps 2 and 3 read the high nibbles of the lo bytes: the shifted form takes them in place unless FIX
-    const uint32_t lw = ((s & 1) ? f.l[r].y : f.l[r].x) >> (s >= 2 && (FIX || !W12F_NIBHI) ? 4 : 0);
+    // k-steps 2 and 3 read the high nibbles of the lo bytes, in place on the exact base (dec_pair_hi)
+    const uint32_t lw = ((s & 1) ? f.l[r].y : f.l[r].x) >> (s >= 2 && FIX ? 4 : 0);
     const uint32_t y0 = __byte_perm(hw, lw, 0x1504), y1 = __byte_perm(hw, lw, 0x3726);
-    if constexpr (!FIX && W12F_NIBHI) {
-      if (s >= 2) {
-        a[r] = dec_pair_hi(y0, k[r]);
-        a[r + 2] = dec_pair_hi(y1, k[r]);
-        continue;
-      }
+    if (!FIX && s >= 2) {
+      a[r] = dec_pair_hi(y0, k[r]);
+      a[r + 2] = dec_pair_hi(y1, k[r]);
+      continue;
     }
     if constexpr (FIX) {
       a[r] = lop3_and_or(y0, 0x800F800Fu, lop3_and_or(y0 >> 4, 0x07F007F0u, k[r]));
@@ -504,23 +483,6 @@ w12_matmul_flow_kernel(
       src[i] += TS[i];
     }
   };
-  // unit c's refill (of the slot read one unit ago, with unit c + STAGES - 1): W12F_LEAN with full blocks copies
-  // nothing past c1 through zero-byte copies, so that no branch surrounds the copies
-  auto refill = [&](int c) {
-    if constexpr (W12F_LEAN && FULL && !Q8) {
-      const bool more = c + STAGES - 1 < c1;
-#pragma unroll
-      for (int i = 0; i < RB; ++i) {
-        const uint32_t n = more ? vf[i] : 0u;
-        cp_async16(wst + i * TILE, srcl[i], n, pol);
-        cp_async16(wst + i * TILE + 512, srcl[i] + 512, n, pol);
-        cp_async16(wst + i * TILE + 1024, srcl[i] + 1024, n, pol);
-        srcl[i] += more ? TILE : 0;
-      }
-    } else if (c + STAGES - 1 < c1) {
-      issue();
-    }
-  };
   auto next_slot = [&](uint32_t a) { return a + SLOT >= ring_end ? a + SLOT - STAGES * SLOT : a + SLOT; };
 
   // rows g, g + 8 of each block: window base and decode constant (W12F_LATE: the constants after the first copies)
@@ -633,19 +595,6 @@ w12_matmul_flow_kernel(
       asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(xreg[u]) : "memory");
     }
   };
-  // XASYNC: unit c's x words of this thread into `slot`, 4 bytes each at store_xw's addresses (zeros past M and cend)
-  auto copy_x = [&](uint32_t slot, int c) {
-    if (!xrow) return;
-    const bool real = xreal && c < cend;
-    const __nv_bfloat16* src = xsrc + (real ? 64LL * (c - c0) : 0LL);
-#pragma unroll
-    for (int u = 0; u < XW; ++u) {
-      const int col = 4 * NTP * xq + 2 * u;
-      const uint32_t a = slot + xbase + 256u * NT * ((col >> 2) & 3) + 128u * NT * ((col >> 1) & 1) + 4u * (col >> 4);
-      asm volatile("cp.async.ca.shared.global [%0], [%1], 4, %2;" ::"r"(a), "l"(src + 2 * u), "r"(real ? 4u : 0u)
-                   : "memory");
-    }
-  };
   // W12F_WG_STM: warp w of a warpgroup stages n-tile w (w < NT). Lane (g, p) loads token 8 w + g, columns
   // 16 p .. 16 p + 15 of the unit (two 16-byte loads a unit ahead): word q is the pair of k slots 2 p, 2 p + 1 of
   // k-step q / 2, k half q % 2, which is row g, columns 2 p, 2 p + 1 of that core matrix as stmatrix takes it. Two
@@ -693,9 +642,9 @@ w12_matmul_flow_kernel(
         const uint4* q = reinterpret_cast<const uint4*>(xu + j * x8);
         xv[j][0] = __ldg(q);
         xv[j][1] = __ldg(q + 1);
-      } else if (GUARD || !W12F_LEAN) {
+      } else {
         xv[j][0] = xv[j][1] = make_uint4(0u, 0u, 0u, 0u);
-      }  // W12F_LEAN: a token past M keeps what its registers held (zeros first); its outputs are never stored
+      }
       if (GUARD && fu == rw) {
         xr.add(xv[j][0]);
         xr.add(xv[j][1]);
@@ -749,14 +698,6 @@ w12_matmul_flow_kernel(
   uint4 xs[XD + 1][NT][2];  // XD > 0: the x sets (below)
   if constexpr (WG) {
   } else if constexpr (XB) {
-    if constexpr (W12F_LEAN) {
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        xn[j][0] = xn[j][1] = make_uint4(0u, 0u, 0u, 0u);
-#pragma unroll
-        for (int r = 0; r <= XD; ++r) xs[r][j][0] = xs[r][j][1] = xn[j][0];
-      }
-    }
     if constexpr (XD == 0) {
       if (c0 < cend) load_x(xn);
     } else {
@@ -778,74 +719,23 @@ w12_matmul_flow_kernel(
 #if W12F_WG
   uint32_t xslot = xring;  // unit c's x slot
   uint32_t areg[2][4][4] = {};  // A registers of even and odd units (one may be read by a wgmma in flight)
-  uint32_t xwslot = xring;  // XASYNC: the slot of unit c + STAGES - 1
-  if constexpr (XASYNC) {
-    // the first STAGES - 1 units' x (after the wait for the previous kernel: x may be its output), one group
-#pragma unroll
-    for (int i = 0; i < STAGES - 1; ++i) {
-      copy_x(xwslot, c0 + i);
-      xwslot += XSLOT;
-    }
-    cp_commit();
-  } else if (c0 < cend) {
+  if (c0 < cend) {
     if constexpr (STM)
       load_xs();
     else
       load_xw();
   }
-  // the lean unit: x loads and weight copies without branches (the last unit's x load reads unit cend - 1 again,
-  // copies past c1 read nothing and fill a consumed slot with zeros), the masked tail after the loop
-  const __nv_bfloat16* const xlast = xsrc + 64LL * (cend - 2 - c0);  // xsrc is at unit c0 + 1 here
-  const bool xld = xrow && xreal;
-  auto wg_lean = [&](int c, bool tail, uint32_t (&a)[4][4], uint32_t (&prev)[4][4]) {
-    store_xw(xslot);
-    if (xld) {
-      const __nv_bfloat16* xp = c + 1 < cend ? xsrc : xlast;
-#pragma unroll
-      for (int u = 0; u < XW / 4; ++u) {
-        const uint4 v = __ldg(reinterpret_cast<const uint4*>(xp) + u);
-        xreg[4 * u] = v.x, xreg[4 * u + 1] = v.y, xreg[4 * u + 2] = v.z, xreg[4 * u + 3] = v.w;
-      }
-      if constexpr (XW == 2) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(xp));
-        xreg[0] = v.x, xreg[1] = v.y;
-      }
-    }
-    xsrc += 64;
-    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-    asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");
-    Frag f;
-    if (!tail)
-      ring_frag(f, rst);
-    else
-      tail_frag(f, 0);
-    refill(c);
-    cp_commit();
-    wst = next_slot(wst);
-    rst = next_slot(rst);
-    tile_wgmma(acc[0], f, xslot, kk[0], a, prev);
-    xslot = xslot + XSLOT == xring + XSLOTS * XSLOT ? xring : xslot + XSLOT;
-  };
   auto wg_unit = [&](int c, uint32_t (&a)[4][4], uint32_t (&prev)[4][4]) {
     // unit c's x into its slot (it held unit c - XSLOTS: every warp of the warpgroup waited for that wgmma before
     // the barrier of unit c - 1), then unit c + 1's loads
-    if constexpr (XASYNC) {
-      // unit c's weight tiles and x landed: at c0 the prologue's groups, x's last among them
-      if (c == c0)
-        asm volatile("cp.async.wait_group 0;" ::: "memory");
-      else
-        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+    if constexpr (STM) {
+      store_xs(xslot);
+      if (c + 1 < cend) load_xs();
     } else {
-      if constexpr (STM) {
-        store_xs(xslot);
-        if (c + 1 < cend) load_xs();
-      } else {
-        if (W12F_WG_XCOPY != 0 || c == c0) store_xw(xslot);
-        if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
-      }
-      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+      if (W12F_WG_XCOPY != 0 || c == c0) store_xw(xslot);
+      if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
     }
+    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
     if (c == c0) stamp(3);
     if constexpr (W12F_WG_FENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by wgmma
     if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
@@ -855,13 +745,8 @@ w12_matmul_flow_kernel(
       ring_frag(f, rst);
     else
       tail_frag(f, 0);
-    // refill the weight slot read one unit ago with unit c + STAGES - 1 (XASYNC: and that unit's x slot, which
-    // held unit c - DEPTH, whose wgmma every warp of the warpgroup waited for before this unit's barrier)
+    // refill the weight slot read one unit ago with unit c + STAGES - 1
     if (c + STAGES - 1 < c1) issue();
-    if constexpr (XASYNC) {
-      copy_x(xwslot, c + STAGES - 1);
-      xwslot = xwslot + XSLOT == xring + XSLOTS * XSLOT ? xring : xwslot + XSLOT;
-    }
     cp_commit();
     wst = next_slot(wst);
     rst = next_slot(rst);
@@ -869,25 +754,11 @@ w12_matmul_flow_kernel(
     xslot = xslot + XSLOT == xring + XSLOTS * XSLOT ? xring : xslot + XSLOT;
   };
   int c = c0;
-  if constexpr (WG_LEAN) {
-  for (; c + 1 < c1; c += 2) {
-    wg_lean(c, false, areg[0], areg[1]);
-    wg_lean(c + 1, false, areg[1], areg[0]);
-  }
-  if (c < c1) {
-    wg_lean(c, false, areg[0], areg[1]);
-    ++c;
-    if (c < cend) wg_lean(c, true, areg[1], areg[0]);
-  } else if (c < cend) {
-    wg_lean(c, true, areg[0], areg[1]);
-  }
-  } else {
   for (; c + 1 < cend; c += 2) {
     wg_unit(c, areg[0], areg[1]);
     wg_unit(c + 1, areg[1], areg[0]);
   }
   if (c < cend) wg_unit(c, areg[0], areg[1]);
-  }
   asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
   keep(acc[0]);
   keep(areg[0]);
@@ -903,7 +774,7 @@ w12_matmul_flow_kernel(
 #pragma unroll
       for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
       // refill the slot read one unit ago with unit c + STAGES - 1
-      refill(c);
+      if (c + STAGES - 1 < c1) issue();
       cp_commit();
       wst = next_slot(wst);
       rst = next_slot(rst);
@@ -927,7 +798,7 @@ w12_matmul_flow_kernel(
       Frag f[RB];
 #pragma unroll
       for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
-      refill(c);
+      if (c + STAGES - 1 < c1) issue();
       cp_commit();
       wst = next_slot(wst);
       rst = next_slot(rst);
