@@ -138,22 +138,19 @@ def build(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
     return spec(cfg, nt, arch, step=step, defines=defines, q8=q8).compile()
 
 
-def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e", defines: Mapping[str, object] | None = None) -> int:
+def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e") -> int:
     """Dynamic shared memory of one CTA: a ring of `stages` slots of `rb` tiles per warp, the K-split partials (step
     "e", kw > 1: 512 bytes per warp, row block of the warp and token tile), with a K split across CTAs (kc > 1) the
     sums rank 0 receives from the other kc - 1 CTAs (512 bytes per row block and token tile each), and for 3-4 token
     tiles with the escapes the stash of their metadata (1 KB per row block), and for the warpgroup build (`wg`) an x
-    ring per warpgroup (3 slots of 1 KB per token tile); with the define W12F_XS = u (x staged per CTA), two x
-    buffers of u units (8 nt tokens x (64 u + 8) bf16 each)."""
-    xs_units = int(dict(defines or {}).get("W12F_XS", 0))
+    ring per warpgroup (3 slots of 1 KB per token tile)."""
     defines = _check_step(step)
     red = defines["W12F_RED"] and cfg.kw > 1
     cred = 0 if cfg.kg else (cfg.kc - 1) * cfg.row_blocks * nt * 512
     stash = cfg.row_blocks * 1024 if defines["W12F_ESC"] and nt > 2 else 0
     xring = cfg.warps // 4 * 3 * nt * 1024 if cfg.wg else 0
-    xs = 2 * 8 * nt * (64 * xs_units + 8) * 2 if xs_units else 0
     return cfg.warps * cfg.stages * cfg.rb * TILE + (cfg.warps * cfg.rb * nt * 512 if red else 0) + cred + stash + \
-        xring + xs
+        xring
 
 
 def grid(cfg: FlowConfig, N: int) -> int:
@@ -223,8 +220,7 @@ def _split_buffers(cfg: FlowConfig, nt: int, N: int, device: torch.device, idx: 
 def _kernel(cfg: FlowConfig, nt: int, step: str, idx: int, defines: tuple, smem: int | None,
             q8: bool = False) -> tuple[jit.Kernel, int]:
     def make():
-        need = smem_bytes(cfg, nt, step, dict(defines))
-        return load_with_smem("w12.flow", cfg, nt, idx, need, smem, _STATIC_SMEM,
+        return load_with_smem("w12.flow", cfg, nt, idx, smem_bytes(cfg, nt, step), smem, _STATIC_SMEM,
                               lambda arch: spec(cfg, nt, arch, step=step, defines=dict(defines), q8=q8),
                               "stages or warps")
 

@@ -477,30 +477,6 @@ def test_warpgroup_variants_equal_the_shipped_build_bitwise(defines, M):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
 
 
-# W12F_XS (x staged once per CTA in shared memory): configs with one K piece a CTA, with and without a K split across
-# CTAs (a cluster, sm_90; global memory)
-XS_CONFIGS = [FlowConfig(warps=4, kw=1, stages=3, cps=4), FlowConfig(warps=8, kw=1, stages=4, cps=2, kc=3, kg=True),
-              FlowConfig(warps=4, kw=1, stages=3, cps=4, kc=3)]
-
-
-@pytest.mark.parametrize("units", [2, 4])
-@pytest.mark.parametrize("M", [1, 9, 20, 32])
-def test_x_staged_per_cta_equals_the_shipped_build_bitwise(units, M):
-    """W12F_XS: the same config's bits with x read from global memory, on hostile rows and x salted with NaN, +-Inf,
-    +-0 and subnormals: 75 rows (a partial row block; the last CTA's warps past it run their units and store
-    nothing), K = 300 (a masked tail), 64 (one unit) and 1100 (chunks past the K range of a piece)."""
-    hopper = torch.cuda.get_device_capability() == (9, 0)
-    for N, K in ((75, 300), (75, 64), (40, 1100)):
-        p = w12.pack(hostile_weight(N, K, seed=N + K).cuda())
-        x = gaussian_x(M, K, seed=K)
-        _salt(x)
-        t = layout.tile(p)
-        for cfg in XS_CONFIGS if hopper else XS_CONFIGS[:2]:
-            want = _run(cfg, x, t)
-            got = _run(cfg, x, t, defines={"W12F_XS": units})
-            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (cfg.tag(), N, K)
-
-
 @pytest.mark.parametrize("q8", [False, True], ids=["full", "q8"])
 @pytest.mark.parametrize("M", [1, 11, 32])
 def test_full_row_blocks_build_equals_the_general_one_bitwise(q8, M):

@@ -442,28 +442,6 @@ def test_x_sets_build_without_local_memory(jit_cache):
 
 
 @pytest.mark.slow
-def test_x_staged_per_cta_builds(jit_cache):
-    """W12F_XS (x copied once per CTA into two shared-memory chunk buffers, each warp's x fragments read there): no
-    stack or spills at 1-4 token tiles, for sm_80 and sm_90 (clusters: sm_90 only), its copies 16-byte cp.async with a
-    src-size (zero-fill past M), one CTA barrier in the loop; the shared memory it adds; refused with a K split inside
-    the CTA, the fixed base or the warpgroup build."""
-    for cfg, nt, arch in [(FlowConfig(warps=4, kw=1, stages=3, cps=4), 1, (8, 0)),
-                          (FlowConfig(warps=4, kw=1, stages=3, cps=4, kc=3), 4, (9, 0)),
-                          (FlowConfig(warps=8, kw=1, stages=4, cps=2, kc=3, kg=True), 2, (9, 0))]:
-        b = flow.build(cfg, nt, arch, defines={"W12F_XS": 4})
-        r = b.resources()
-        assert r["stack"] == 0 and r["spill_stores"] == 0, (cfg.tag(), nt, r)
-        ptx = b.ptx.read_text()
-        assert "bar.sync 1" in ptx and "ld.shared.v4.u32" in ptx
-        plain = flow.smem_bytes(cfg, nt)
-        assert flow.smem_bytes(cfg, nt, defines={"W12F_XS": 4}) == plain + 2 * 8 * nt * (64 * 4 + 8) * 2
-    for bad in (FlowConfig(warps=4, kw=2, stages=3, cps=4), FlowConfig(fixed=True, kw=1),
-                FlowConfig(warps=4, kw=1, cps=4, wg=True)):
-        with pytest.raises(Exception, match="W12F_XS|static assertion"):
-            flow.build(bad, 2, (9, 0), defines={"W12F_XS": 4})
-
-
-@pytest.mark.slow
 def test_k_split_through_memory_builds_everywhere(jit_cache):
     """FlowConfig.kg (the K split's CTAs meeting in a global workspace): no cluster, so sm_80 builds it too; its tag
     is -p<kc> and round-trips; kc 2 to 8 (a cluster takes at most 4); no shared memory for other CTAs' sums; the

@@ -121,9 +121,6 @@
 #ifndef W12F_XSTEP
 #define W12F_XSTEP 1
 #endif
-#ifndef W12F_XS
-#define W12F_XS 0  // the mma.sync build's x staged once per CTA in shared memory, W12F_XS units a chunk (0: off)
-#endif
 #ifndef W12F_XD
 #define W12F_XD 0  // the mma.sync build's x: 0 one set copied each unit, 1 or 2 sets loaded that many units ahead
 #endif
@@ -212,15 +209,6 @@ static_assert(!Q8 || !FIXED, "the 8-bit view: exact base only");
 static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
 static_assert(W12F_XD >= 0 && W12F_XD <= 2, "x loaded 0 to 2 units ahead");
-// W12F_XS: every warp of a CTA reads the same K range (KW = 1), whose x the CTA's threads copy into shared memory a
-// chunk of XSU units ahead (two buffers, cp.async, one barrier of the CTA a chunk); each warp then reads its x
-// fragments there instead of from global memory
-constexpr int XSU = W12F_XS;
-constexpr bool XS = XSU > 0;
-static_assert(!XS || (!WG && KW == 1 && !FIXED && XSU >= STAGES - 2 && XSU <= 8),
-              "W12F_XS: the mma.sync build, one K piece a CTA (KW = 1), exact base, STAGES - 2 <= chunk <= 8 units");
-constexpr int XS_ROW = 64 * XSU + 8;          // bf16 a token row of a chunk buffer (8 more: conflict-free reads)
-constexpr int XS_BUF = XS ? 8 * NT * XS_ROW * 2 : 0;  // bytes of one chunk buffer
 static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight: 1 or 2");
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
@@ -423,9 +411,7 @@ w12_matmul_flow_kernel(
   const int rb0 = (cta * RW + rw) * RB;           // the first row block of this warp's row group
   const bool active = rb0 < NB;                    // a row group is active when its first block is
   // the loop's range follows the first row block of the warpgroup (WG: all 4 warps run every wgmma together)
-  // (XS: the CTA's, since all its warps meet at each chunk's barrier; a warp past the last row block runs its
-  // units on the clamped block and stores nothing)
-  const bool lactive = WG ? (cta * RW + (rw & ~3)) < NB : (XS ? cta * RW < NB : active);
+  const bool lactive = WG ? (cta * RW + (rw & ~3)) < NB : active;
   int R[RB], TS[RB];                               // rows of each row block (0 past the last), bytes per tile
   const uint8_t* blk[RB];
 #pragma unroll
@@ -710,7 +696,7 @@ w12_matmul_flow_kernel(
   for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = 0.0f; });
   uint4 xn[NT][2];  // XD = 0: the next unit's x (prefetched one unit ahead); XD > 0: the masked tail's
   uint4 xs[XD + 1][NT][2];  // XD > 0: the x sets (below)
-  if constexpr (WG || XS) {
+  if constexpr (WG) {
   } else if constexpr (XB) {
     if constexpr (XD == 0) {
       if (c0 < cend) load_x(xn);
@@ -779,71 +765,7 @@ w12_matmul_flow_kernel(
   keep(areg[1]);
   asm volatile("cp.async.wait_all;" ::: "memory");
 #else
-  if constexpr (XS) {
-    // chunk i (units c0 + XSU i .. + XSU - 1 below c1) into buffer i % 2: 16-byte pieces, token t at byte
-    // 2 (t XS_ROW + 8 piece) of the buffer; tokens past M and units past c1 zero-filled
-    const uint32_t xsb = (uint32_t)__cvta_generic_to_shared(smem + X_OFF);
-    auto copy_chunk = [&](int i) {
-      const int cb = c0 + XSU * i;
-      const uint32_t dst = xsb + (i & 1) * XS_BUF;
-      constexpr int PIECES = 8 * NT * XSU * 8;
-#pragma unroll
-      for (int q0 = 0; q0 < PIECES; q0 += 32 * WARPS) {
-        const int q = q0 + (int)threadIdx.x;
-        if (PIECES % (32 * WARPS) == 0 || q < PIECES) {
-          const int t = q / (8 * XSU), pc = q % (8 * XSU);
-          const bool ok = t < M && cb + pc / 8 < c1;
-          const __nv_bfloat16* src = x + (ok ? (long long)t * ldx + 64LL * cb + 8 * pc : 0LL);
-          asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst + 2u * (t * XS_ROW + 8 * pc)),
-                       "l"(src), "r"(ok ? 16u : 0u) : "memory");
-        }
-      }
-    };
-    if (c0 < c1) copy_chunk(0);  // after the wait for the previous kernel: x may be its output
-    cp_commit();
-    // the lane's x of n-tile j, unit u of a chunk: token 8 j + g, columns 64 u + 16 p .. + 15
-    const uint32_t xlane = xsb + 2u * (g * XS_ROW + 16 * p);
-    int xi = 0, u = 0;
-    for (int c = c0; c < c1; ++c) {
-      if (u == 0) {
-        // the chunk's x landed (at c0 every prologue copy; later the chunk's group, older than the STAGES - 2
-        // newest), then the CTA's barrier: every thread's pieces are visible, and every warp is done with the
-        // buffer the next chunk goes to
-        if (c == c0)
-          asm volatile("cp.async.wait_group 0;" ::: "memory");
-        else
-          asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-        asm volatile("bar.sync 1, %0;" ::"n"(32 * WARPS) : "memory");
-        if (c + XSU < c1) copy_chunk(xi + 1);
-        cp_commit();
-      } else {
-        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-      }
-      __syncwarp();
-      if (c == c0) stamp(3);
-      Frag f[RB];
-#pragma unroll
-      for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
-      if (c + STAGES - 1 < c1) issue();
-      cp_commit();
-      wst = next_slot(wst);
-      rst = next_slot(rst);
-      uint4 xc[NT][2];
-      const uint32_t xa = xlane + (xi & 1) * XS_BUF + 128u * u;
-#pragma unroll
-      for (int j = 0; j < NT; ++j) {
-        xc[j][0] = lds128(xa + 16u * XS_ROW * j);
-        xc[j][1] = lds128(xa + 16u * XS_ROW * j + 16);
-      }
-#pragma unroll
-      for (int i = 0; i < RB; ++i) tile_mma<FIXED>(acc[i], f[i], xc, kk[i]);
-      if (++u == XSU) u = 0, ++xi;
-    }
-    if (has_tail) {  // the masked tail's x from global memory
-      xu = x + (long long)g * ldx + 64LL * c1 + 16 * p;
-      load_x(xn);
-    }
-  } else if constexpr (XD == 0) {
+  if constexpr (XD == 0) {
     for (int c = c0; c < c1; ++c) {
       asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
       __syncwarp();
