@@ -50,6 +50,22 @@ order: in_proj, o_proj standing for out_proj, gate_up, down_proj). Per launch: t
 last exit, the copy-rate time of its bytes, the overlap with the launch before, the median entry-to-first-tile,
 loop and epilogue, and the tail (last exit less the median exit). Files: $OUT/w12-trace.json and $OUT/w12-trace.md.
 
+`--ab CELLS` runs an interleaved A/B instead of the ladder. CELLS (JSON, or a file holding it) is a list of
+[layer, M, candidates], a candidate [label, config tag, defines]: a `FlowConfig` tag ("" for the shipped config,
+`w12.configs.flow_config` of the cell) and the W12F_* defines its build adds; layers are AB_LAYERS (hybrid-27b's
+seven linears, the LM head among them), e.g.
+
+    python3 perf/w12_ladder.py --ab '[["gate_up", 32, [["s4", "w4-k1-s4-c4-q2-g", {}], ["nosync", "", {"W12F_WG_BAR": 0, "W12F_WG_FENCE": 0}]]]]'
+
+Per cell: the weight `randn * 0.02` in bf16, packed and tiled (2 copies above 10^9 weights, 3 below, rotated), x
+`randn`; the shipped config against cuBLAS, then each candidate against the shipped config, each pair interleaved
+(`specpilot.bench.timing.time_ab`: CUDA graphs of the same calls, one replay a sample, A first in even rounds;
+`--rounds`, default 20), medians. Each candidate's output is first checked against the fp32 product (its largest error
+within twice cuBLAS's: `ok`; builds with a timing-only define, TIMING_ONLY, are wrong by design) and compared with the
+shipped output bit for bit (`same_bits_as_ship`); `ratio` is its median over the shipped config's in their pair. A
+candidate that fails to build or launch is a row of the report. With `--build-only` it compiles every build of the
+cells (the shipped configs as an sm_90 GPU with clusters and 132 SMs would pick them). File: $OUT/w12-ab.json.
+
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
 skips the rows left once the run has taken that long. Files: $OUT/w12-ladder.json and $OUT/w12-ladder.md when $OUT
@@ -644,6 +660,199 @@ def build_only(args) -> int:
     return 1 if bad else 0
 
 
+# --------------------------------------------------------------------------------------
+# --ab: candidates beside the shipped config, pairs interleaved (module doc)
+# --------------------------------------------------------------------------------------
+
+# hybrid-27b's linears by their short names (--ab): specpilot.bench.shapes' keys
+AB_LAYERS = LAYERS | {"out_proj": "gdn.out_proj", "qkv_proj": "attn.qkv_proj", "lm_head": "lm_head"}
+# defines whose builds compute wrong results on purpose (timing-only ablations of w12.flow): no error check
+TIMING_ONLY = ("W12F_WG_BAR", "W12F_WG_FENCE", "W12F_WG_XCOPY", "W12F_XSTEP")
+
+
+def ab_layer_shape(name: str) -> tuple[int, int]:
+    """(N, K) of a layer of LAYERS."""
+    from specpilot.bench.shapes import get_shape_set
+
+    if name not in AB_LAYERS:
+        raise ValueError(f"w12_ladder --ab: unknown layer {name!r}; use one of {sorted(AB_LAYERS)}")
+    shapes = get_shape_set("hybrid-27b")
+    if name == "lm_head":
+        return shapes.vocab, shapes.hidden
+    return shapes.linears[AB_LAYERS[name]]
+
+
+def ab_parse_cells(text: str) -> list[tuple[str, int, list[tuple[str, str, dict[str, int]]]]]:
+    """The --ab JSON as [(layer, M, [(label, tag, defines), ...]), ...], checked."""
+    from w12.configs import FlowConfig
+    from w12.flow import MAX_M
+
+    try:
+        raw = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise ValueError(f"w12_ladder --ab: the cells are not JSON: {e}") from None
+    if not isinstance(raw, list) or not raw:
+        raise ValueError("w12_ladder --ab: the cells must be a non-empty list of [layer, M, candidates]")
+    cells = []
+    for cell in raw:
+        if not (isinstance(cell, list) and len(cell) == 3 and isinstance(cell[2], list)):
+            raise ValueError(f"w12_ladder --ab: a cell is [layer, M, [[label, tag, defines], ...]], got {cell!r}")
+        layer, m, cands = cell
+        ab_layer_shape(layer)
+        if not isinstance(m, int) or not 0 < m <= MAX_M:
+            raise ValueError(f"w12_ladder --ab: M must be an int in 1..{MAX_M}, got {m!r}")
+        parsed = []
+        for c in cands:
+            if not (isinstance(c, list) and len(c) == 3 and isinstance(c[0], str) and isinstance(c[1], str)
+                    and isinstance(c[2], dict)):
+                raise ValueError(f"w12_ladder --ab: a candidate is [label, tag, defines], got {c!r}")
+            label, tag, defines = c
+            if tag:
+                FlowConfig.from_tag(tag)  # raises on a bad tag
+            if not all(isinstance(k, str) and k.startswith("W12F_") and isinstance(v, int) for k, v in defines.items()):
+                raise ValueError(f"w12_ladder --ab: defines are W12F_* names with int values, got {defines!r}")
+            parsed.append((label, tag, dict(defines)))
+        cells.append((layer, m, parsed))
+    return cells
+
+
+def ab_shipped(layer: str, m: int, device):
+    """The config the library runs for this cell (w12.configs.flow_config); on a CPU device, the heuristic's pick for
+    an sm_90 GPU with clusters (what --build-only builds)."""
+    from w12.configs import flow_config, flow_heuristic
+
+    n, k = ab_layer_shape(layer)
+    if device.type != "cuda":
+        return flow_heuristic(m, n, k, device, wgmma=True, clusters=True)
+    return flow_config(m, n, k, device)
+
+
+def ab_builds(cells, device) -> dict[tuple[str, int, tuple], int]:
+    """Every (config tag, token tiles, defines) a run builds, each cell's shipped config and its candidates, with
+    the N of a layer that takes it (whether N % 16 == 0 picks the full-row-block build)."""
+    from w12.configs import FlowConfig
+    from w12.flow import n_tiles
+
+    out = {}
+    for layer, m, cands in cells:
+        n = ab_layer_shape(layer)[0]
+        ship = ab_shipped(layer, m, device).tag()
+        out.setdefault((ship, n_tiles(m), ()), n)
+        for _, tag, defines in cands:
+            key = (FlowConfig.from_tag(tag).tag() if tag else ship, n_tiles(m), tuple(sorted(defines.items())))
+            out.setdefault(key, n)
+    return out
+
+
+def _ab_full(n: int, nt: int, defines: dict) -> dict:
+    """The defines `w12.flow.launch_tiled` builds with: W12F_FULL where N % 16 == 0 and M > 8."""
+    return ({"W12F_FULL": 1} if n % 16 == 0 and nt >= 2 else {}) | defines
+
+
+def ab_resources(tag: str, nt: int, defines: tuple, n: int, arch=(9, 0)) -> str:
+    """'<registers>r spill<stores>' of one build, or 'FAIL ...'."""
+    from w12 import flow
+    from w12.configs import FlowConfig
+
+    try:
+        r = flow.build(FlowConfig.from_tag(tag), nt, arch, defines=_ab_full(n, nt, dict(defines)) or None).resources()
+        return f"{r['registers']}r spill{r['spill_stores']}"
+    except Exception as e:  # a build error is a row of the report, not the end of the run
+        return "FAIL " + str(e).splitlines()[0][:200]
+
+
+def ab_build_only(cells, arch) -> int:
+    """NVRTC builds of every candidate (the shipped configs as a CPU device with 132 SMs would pick them)."""
+    from unittest import mock
+
+    import w12.configs as wc
+
+    with mock.patch.object(wc, "sm_count", lambda device: 132):
+        plan = ab_builds(cells, torch.device("cpu"))
+    bad = 0
+    for b, n in sorted(plan.items()):
+        r = ab_resources(*b, n, arch)
+        bad += r.startswith("FAIL") or not r.endswith("spill0")
+        print(f"{b[0]:30s} nt={b[1]} {dict(b[2])}: {r}")
+    print(f"{len(plan)} builds for sm_{arch[0]}{arch[1]}; {bad} failed or spilled")
+    return 1 if bad else 0
+
+
+def ab_run(cells, rounds: int, device=None) -> dict:
+    """Time every cell on the GPU (module doc; `device`: default cuda); the report as a dict."""
+    import torch.nn.functional as F
+
+    import w12
+    from specpilot.bench.timing import time_ab
+    from w12 import flow, layout
+    from w12.configs import FlowConfig
+
+    dev = torch.device("cuda" if device is None else device)
+    report = []
+    held: dict[str, tuple] = {}
+    for layer, m, cands in cells:
+        n, k = ab_layer_shape(layer)
+        if layer not in held:
+            held.clear()
+            if dev.type == "cuda":
+                torch.cuda.empty_cache()
+            copies, ts, w0 = (2 if n * k > 10**9 else 3), [], None
+            for i in range(copies):
+                w = (torch.randn(n, k, device=dev, generator=torch.Generator(dev).manual_seed(i)) * 0.02)
+                w = w.to(torch.bfloat16)
+                ts.append(layout.tile(w12.pack(w)))
+                w0 = w if i == 0 else w0
+            held[layer] = (ts, w0)
+        ts, w0 = held[layer]
+        x = torch.randn(m, k, device=dev, generator=torch.Generator(dev).manual_seed(m)).to(torch.bfloat16)
+        ref = x.float() @ w0.float().T
+        cub_err = (F.linear(x, w0).float() - ref).abs().max().item()
+        ship = ab_shipped(layer, m, dev)
+        outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in ts]
+
+        def calls(cfg, defines):
+            return [lambda i=i: flow.launch_tiled(cfg, x, ts[i], None, outs[i], defines=defines or None, pdl=False)
+                    for i in range(len(ts))]
+
+        flow.launch_tiled(ship, x, ts[0], None, outs[0], pdl=False)
+        ship_out = outs[0].clone()
+        row = {"layer": layer, "M": m, "ship": ship.tag(), "ship_err": (ship_out.float() - ref).abs().max().item(),
+               "cublas_err": cub_err, "cands": {}}
+        ta, tb = time_ab(calls(ship, None), [lambda: F.linear(x, w0)] * len(ts), dev, rounds=rounds)
+        row["ship_us"], row["cublas_us"] = ta.median * 1e6, tb.median * 1e6
+        print(f"{layer} M={m} shipped {ship.tag()} {row['ship_us']:.1f} us, cuBLAS {row['cublas_us']:.1f} "
+              f"({row['cublas_us'] / row['ship_us']:.3f}x)", flush=True)
+        for label, tag, defines in cands:
+            cfg = FlowConfig.from_tag(tag) if tag else ship
+            regs = ab_resources(cfg.tag(), flow.n_tiles(m), tuple(sorted(defines.items())), n)
+            if regs.startswith("FAIL"):
+                row["cands"][label] = {"tag": cfg.tag(), "defines": defines, "error": regs}
+                print(f"  {label}: {regs}", flush=True)
+                continue
+            try:
+                flow.launch_tiled(cfg, x, ts[0], None, outs[0], defines=defines or None, pdl=False)
+                got = outs[0].clone()
+                err = (got.float() - ref).abs().max().item()
+                timing_only = any(d in defines for d in TIMING_ONLY)
+                ta, tb = time_ab(calls(ship, None), calls(cfg, defines), dev, rounds=rounds)
+            except Exception as e:  # a failed candidate is a row of the report
+                row["cands"][label] = {"tag": cfg.tag(), "defines": defines, "error": repr(e)[:300]}
+                print(f"  {label}: ERROR {e!r}"[:400], flush=True)
+                continue
+            r = {"tag": cfg.tag(), "defines": defines, "ship_us": ta.median * 1e6, "cand_us": tb.median * 1e6,
+                 "err": err, "ok": timing_only or err <= 2 * cub_err + 1e-6, "timing_only": timing_only,
+                 "same_bits_as_ship": bool(torch.equal(got.view(torch.int16), ship_out.view(torch.int16))),
+                 "regs": regs}
+            r["ratio"] = r["cand_us"] / r["ship_us"]
+            row["cands"][label] = r
+            print(f"  {label:24s} {cfg.tag():28s} {r['cand_us']:8.1f} vs {r['ship_us']:8.1f} us  ratio "
+                  f"{r['ratio']:.3f}  err {err:.4f} (cuBLAS {cub_err:.4f})  same bits {r['same_bits_as_ship']}  "
+                  f"{regs}", flush=True)
+        report.append(row)
+    return {"cells": report}
+
+
+
 def parse(argv=None):
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--layers", nargs="+", default=list(LAYERS), choices=list(LAYERS))
@@ -670,6 +879,10 @@ def parse(argv=None):
                     help="--trace: a build to trace, e.g. g41=gate_up:w4-k1-s3-c4 or cap4=cap:4 (repeatable; "
                          "default the shipped build)")
     ap.add_argument("--trace-reps", type=int, default=5, help="--trace: traced chain replays (medians)")
+    ap.add_argument("--ab", metavar="CELLS", default=None,
+                    help="instead of the ladder: candidates beside the shipped config, pairs interleaved (module doc); "
+                         "CELLS is the JSON or a file holding it")
+    ap.add_argument("--rounds", type=int, default=20, help="--ab: interleaved rounds a pair")
     ap.add_argument("--wg-probe", action="store_true",
                     help="instead of the ladder: the warpgroup build's shapes with one and two wgmma groups in flight "
                          "(with --ablate also without the fence and barrier, and without the x stores)")
@@ -684,8 +897,35 @@ def parse(argv=None):
     return args
 
 
+def ab_main(args) -> int:
+    """--ab: the cells' builds (with --build-only) or their A/B on the GPU, into $OUT/w12-ab.json."""
+    text = Path(args.ab).read_text() if Path(args.ab).is_file() else args.ab
+    try:
+        cells = ab_parse_cells(text)
+    except ValueError as e:
+        print(e, file=sys.stderr)
+        return 2
+    if args.build_only:
+        return ab_build_only(cells, (args.arch // 10, args.arch % 10))
+    if not torch.cuda.is_available():
+        print("w12_ladder: no CUDA device; use --build-only on a CPU", file=sys.stderr)
+        return 2
+    from autotune.config import versions
+
+    t0 = time.perf_counter()
+    report = ab_run(cells, args.rounds)
+    report["meta"] = {"gpu": torch.cuda.get_device_name(), **versions(), "rounds": args.rounds,
+                      "wall_s": round(time.perf_counter() - t0, 1)}
+    out = Path(os.environ.get("OUT", ".")) / "w12-ab.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.ab is not None:
+        return ab_main(args)
     if args.build_only:
         return build_only(args)
     if not torch.cuda.is_available():

@@ -1,5 +1,6 @@
 """perf/w12_ladder.py on the CPU: its plan (cells, rows, builds), the table and files it writes, the refusal without
-a GPU, the fp64 check it applies, and its --build-only mode (NVRTC, no GPU) on one cell."""
+a GPU, the fp64 check it applies, its --build-only mode (NVRTC, no GPU) on one cell, and its --ab mode (the cells'
+checks, the builds it plans, --build-only, the timing path with the kernel stood in by torch)."""
 
 from __future__ import annotations
 
@@ -224,3 +225,76 @@ def test_trace_variants(ladder):
     for bad in ("x=cap:many", "x=W12F_X:on", "x=lm_head:w4-k1-s3-c4", "x=stages:3"):
         with pytest.raises(ValueError, match="items are"):
             ladder.parse_variant(bad)
+
+
+def test_ab_cells_are_checked(ladder):
+    cells = ladder.ab_parse_cells('[["o_proj", 32, [["a", "", {"W12F_WG_BAR": 0}], ["b", "w4-k2-s3-c4-q3-x1", {}]]]]')
+    assert cells == [("o_proj", 32, [("a", "", {"W12F_WG_BAR": 0}), ("b", "w4-k2-s3-c4-q3-x1", {})])]
+    assert ladder.ab_layer_shape("o_proj") == (5120, 6144) and ladder.ab_layer_shape("lm_head") == (248320, 5120)
+    for bad, what in [("[", "not JSON"), ("[]", "non-empty"), ('[["foo", 1, []]]', "unknown layer"),
+                      ('[["o_proj", 33, []]]', "M must be"), ('[["o_proj", 1, [["a", ""]]]]', "a candidate is"),
+                      ('[["o_proj", 1, [["a", "", {"X": 1}]]]]', "W12F_"), ('[["o_proj", 1]]', "a cell is")]:
+        with pytest.raises(ValueError, match=what):
+            ladder.ab_parse_cells(bad)
+    with pytest.raises(ValueError):
+        ladder.ab_parse_cells('[["o_proj", 1, [["a", "not-a-tag", {}]]]]')
+
+
+def test_ab_builds_hold_the_shipped_configs_and_the_candidates(ladder):
+    cells = ladder.ab_parse_cells('[["o_proj", 32, [["a", "", {"W12F_WG_BAR": 0}], ["b", "w8-k2-s3-c2-p3-g", {}]]], '
+                           '["gate_up", 16, []]]')
+    from unittest import mock
+
+    import w12.configs as wc
+
+    with mock.patch.object(wc, "sm_count", lambda device: 132):
+        plan = ladder.ab_builds(cells, torch.device("cpu"))
+    assert plan == {("flow-w4-k2-s3-c4-q3-x1", 4, ()): 5120, ("flow-w4-k2-s3-c4-q3-x1", 4, (("W12F_WG_BAR", 0),)): 5120,
+                    ("flow-w8-k2-s3-c2-p3-g", 4, ()): 5120, ("flow-w4-k4-s3-c4-x1", 2, ()): 34816}
+
+
+def test_ab_refuses_without_a_gpu(ladder, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert ladder.main(["--ab", '[["o_proj", 1, []]]']) == 2
+    assert "--build-only" in capsys.readouterr().err
+    assert ladder.main(["--ab", '[["o_proj", 0, []]]']) == 2
+    assert "M must be" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_ab_build_only_one_cell(ladder, tmp_path, monkeypatch, capsys):
+    monkeypatch.setenv("SPECPILOT_CACHE", str(tmp_path))
+    cells = tmp_path / "cells.json"
+    cells.write_text(json.dumps([["o_proj", 1, [["s4", "w4-k4-s4-c4-q2", {}]]]]))
+    assert ladder.main(["--ab", str(cells), "--build-only", "--arch", "90"]) == 0
+    out = capsys.readouterr().out
+    assert "2 builds for sm_90; 0 failed or spilled" in out and "flow-w4-k4-s4-c4-q2" in out
+
+
+def test_ab_run_end_to_end_with_torch_stand_ins(ladder, monkeypatch):
+    """--ab's timing path on the CPU at a small shape: the flow kernel stood in by torch (the weight's product, or a
+    wrong one for a timing-only build), the builds by a table; every candidate checked, compared and timed."""
+    import w12
+    from w12 import flow
+
+    monkeypatch.setattr(ladder, "ab_layer_shape", lambda name: (48, 128))
+    monkeypatch.setattr(ladder, "ab_resources", lambda tag, nt, defines, n, arch=(9, 0): "96r spill0")
+
+    def launch(cfg, x, t, bias, out, defines=None, pdl=None):
+        w = w12.unpack(t).float()
+        y = x.float() @ w.T
+        if defines and "W12F_WG_BAR" in defines:
+            y = y + 1.0  # what a timing-only build may give
+        out.copy_(y.to(out.dtype))
+
+    monkeypatch.setattr(flow, "launch_tiled", launch)
+    cells = ladder.ab_parse_cells('[["o_proj", 3, [["same", "", {}], ["other", "w4-k1-s3-c4", {}], '
+                           '["nosync", "", {"W12F_WG_BAR": 0}]]]]')
+    report = ladder.ab_run(cells, rounds=2, device="cpu")
+    (row,) = report["cells"]
+    assert row["layer"] == "o_proj" and row["M"] == 3 and row["ship_us"] > 0 and row["cublas_us"] > 0
+    same, other, nosync = (row["cands"][k] for k in ("same", "other", "nosync"))
+    assert same["ok"] and same["same_bits_as_ship"] and not same["timing_only"] and same["ratio"] > 0
+    assert other["tag"] == "flow-w4-k1-s3-c4" and other["ok"] and other["regs"] == "96r spill0"
+    assert nosync["timing_only"] and nosync["ok"] and not nosync["same_bits_as_ship"]
