@@ -61,10 +61,10 @@ Per cell: the weight `randn * 0.02` in bf16, packed and tiled (2 copies above 10
 `randn`; the shipped config against cuBLAS, then each candidate against the shipped config, each pair interleaved
 (`specpilot.bench.timing.time_ab`: CUDA graphs of the same calls, one replay a sample, A first in even rounds;
 `--rounds`, default 20), medians. Each candidate's output is first checked against the fp32 product (its largest error
-within twice cuBLAS's: `ok`; builds with a timing-only define, TIMING_ONLY, are wrong by design) and compared with the
+within twice cuBLAS's: `ok`; builds with a timing-only define of w12.flow's ablations are wrong by design) and compared with the
 shipped output bit for bit (`same_bits_as_ship`); `ratio` is its median over the shipped config's in their pair. A
 candidate that fails to build or launch is a row of the report. With `--build-only` it compiles every build of the
-cells (the shipped configs as an sm_90 GPU with clusters and 132 SMs would pick them). File: $OUT/w12-ab.json.
+cells (the shipped configs as an sm_90 GPU with clusters and --sms SMs would pick them). File: $OUT/w12-ab.json.
 
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
@@ -90,6 +90,8 @@ import torch.nn.functional as F  # noqa: E402
 
 COPY_TBS = 4.28  # the H200's copy rate on these sizes (docs/w12-kernels.md)
 LAYERS = {"in_proj": "gdn.in_proj", "gate_up": "mlp.gate_up_proj", "o_proj": "attn.o_proj", "down_proj": "mlp.down_proj"}
+# --ab also takes hybrid-27b's other linears, the LM head among them
+AB_LAYERS = LAYERS | {"out_proj": "gdn.out_proj", "qkv_proj": "attn.qkv_proj", "lm_head": "lm_head"}
 STEPS = "abcde"
 _CHECK_COLS = 1024
 _SEED = 1234
@@ -120,10 +122,11 @@ class Row:
 
 
 def layer_shapes(names: list[str]) -> dict[str, tuple[int, int]]:
+    """(N, K) of each named layer of AB_LAYERS (LAYERS among them)."""
     from specpilot.bench.shapes import get_shape_set
 
-    lin = get_shape_set("hybrid-27b").linears
-    return {name: lin[LAYERS[name]] for name in names}
+    shapes = get_shape_set("hybrid-27b")
+    return {name: shapes.lm_head if name == "lm_head" else shapes.linears[AB_LAYERS[name]] for name in names}
 
 
 def flow_configs(m: int, n: int, k: int, sms: int, sweep: bool, arch: tuple[int, int] = (9, 0), extra=(),
@@ -664,22 +667,19 @@ def build_only(args) -> int:
 # --ab: candidates beside the shipped config, pairs interleaved (module doc)
 # --------------------------------------------------------------------------------------
 
-# hybrid-27b's linears by their short names (--ab): specpilot.bench.shapes' keys
-AB_LAYERS = LAYERS | {"out_proj": "gdn.out_proj", "qkv_proj": "attn.qkv_proj", "lm_head": "lm_head"}
-# defines whose builds compute wrong results on purpose (timing-only ablations of w12.flow): no error check
-TIMING_ONLY = ("W12F_WG_BAR", "W12F_WG_FENCE", "W12F_WG_XCOPY", "W12F_XSTEP")
+def ab_timing_only() -> set[str]:
+    """The defines whose builds compute wrong results on purpose (w12.flow's timing-only ablations, beyond the
+    step's own defines): no error check."""
+    from w12.flow import ABLATIONS, STEPS as FLOW_STEPS, WG_ABLATIONS
+
+    return {name for d in (*ABLATIONS.values(), *WG_ABLATIONS.values()) for name in d} - set(FLOW_STEPS["e"])
 
 
 def ab_layer_shape(name: str) -> tuple[int, int]:
-    """(N, K) of a layer of LAYERS."""
-    from specpilot.bench.shapes import get_shape_set
-
+    """(N, K) of a layer of AB_LAYERS."""
     if name not in AB_LAYERS:
         raise ValueError(f"w12_ladder --ab: unknown layer {name!r}; use one of {sorted(AB_LAYERS)}")
-    shapes = get_shape_set("hybrid-27b")
-    if name == "lm_head":
-        return shapes.vocab, shapes.hidden
-    return shapes.linears[AB_LAYERS[name]]
+    return layer_shapes([name])[name]
 
 
 def ab_parse_cells(text: str) -> list[tuple[str, int, list[tuple[str, str, dict[str, int]]]]]:
@@ -744,37 +744,33 @@ def ab_builds(cells, device) -> dict[tuple[str, int, tuple], int]:
     return out
 
 
-def _ab_full(n: int, nt: int, defines: dict) -> dict:
-    """The defines `w12.flow.launch_tiled` builds with: W12F_FULL where N % 16 == 0 and M > 8."""
-    return ({"W12F_FULL": 1} if n % 16 == 0 and nt >= 2 else {}) | defines
+def _ab_build(tag: str, nt: int, defines: tuple, n: int) -> tuple:
+    """One --ab build as precompile / _build_one take it: step e, with the W12F_FULL that `w12.flow.launch_tiled`
+    adds where N % 16 == 0 and M > 8."""
+    from w12.configs import FlowConfig
+
+    full = (("W12F_FULL", 1),) if n % 16 == 0 and nt >= 2 else ()
+    return FlowConfig.from_tag(tag), nt, "e", tuple(sorted(dict(full + defines).items()))
 
 
 def ab_resources(tag: str, nt: int, defines: tuple, n: int, arch=(9, 0)) -> str:
-    """'<registers>r spill<stores>' of one build, or 'FAIL ...'."""
-    from w12 import flow
-    from w12.configs import FlowConfig
-
-    try:
-        r = flow.build(FlowConfig.from_tag(tag), nt, arch, defines=_ab_full(n, nt, dict(defines)) or None).resources()
-        return f"{r['registers']}r spill{r['spill_stores']}"
-    except Exception as e:  # a build error is a row of the report, not the end of the run
-        return "FAIL " + str(e).splitlines()[0][:200]
+    """_build_one's report of one --ab build: '<registers>r', with ' SPILL ...' or 'BUILD FAILED: ...'."""
+    return _build_one(_ab_build(tag, nt, defines, n), arch)[1]
 
 
-def ab_build_only(cells, arch) -> int:
-    """NVRTC builds of every candidate (the shipped configs as a CPU device with 132 SMs would pick them)."""
+def ab_build_only(cells, arch, sms: int, workers: int) -> int:
+    """NVRTC builds of every candidate (the shipped configs as a CPU device with `sms` SMs would pick them)."""
     from unittest import mock
 
     import w12.configs as wc
 
-    with mock.patch.object(wc, "sm_count", lambda device: 132):
+    with mock.patch.object(wc, "sm_count", lambda device: sms):
         plan = ab_builds(cells, torch.device("cpu"))
-    bad = 0
-    for b, n in sorted(plan.items()):
-        r = ab_resources(*b, n, arch)
-        bad += r.startswith("FAIL") or not r.endswith("spill0")
-        print(f"{b[0]:30s} nt={b[1]} {dict(b[2])}: {r}")
-    print(f"{len(plan)} builds for sm_{arch[0]}{arch[1]}; {bad} failed or spilled")
+    regs = precompile([_ab_build(*b, n) for b, n in plan.items()], arch, workers=workers)
+    bad = {b: v for b, v in regs.items() if "FAILED" in v or "SPILL" in v}
+    for (cfg, nt, _, defines), v in sorted(regs.items(), key=lambda kv: (kv[0][0].tag(), *kv[0][1:])):
+        print(f"{cfg.tag():30s} nt={nt} {dict(defines)}: {v}")
+    print(f"{len(plan)} builds for sm_{arch[0]}{arch[1]}; {len(bad)} failed or spilled")
     return 1 if bad else 0
 
 
@@ -788,6 +784,7 @@ def ab_run(cells, rounds: int, device=None) -> dict:
     from w12.configs import FlowConfig
 
     dev = torch.device("cuda" if device is None else device)
+    timing_defines = ab_timing_only()
     report = []
     held: dict[str, tuple] = {}
     for layer, m, cands in cells:
@@ -825,7 +822,7 @@ def ab_run(cells, rounds: int, device=None) -> dict:
         for label, tag, defines in cands:
             cfg = FlowConfig.from_tag(tag) if tag else ship
             regs = ab_resources(cfg.tag(), flow.n_tiles(m), tuple(sorted(defines.items())), n)
-            if regs.startswith("FAIL"):
+            if "FAILED" in regs:
                 row["cands"][label] = {"tag": cfg.tag(), "defines": defines, "error": regs}
                 print(f"  {label}: {regs}", flush=True)
                 continue
@@ -833,7 +830,7 @@ def ab_run(cells, rounds: int, device=None) -> dict:
                 flow.launch_tiled(cfg, x, ts[0], None, outs[0], defines=defines or None, pdl=False)
                 got = outs[0].clone()
                 err = (got.float() - ref).abs().max().item()
-                timing_only = any(d in defines for d in TIMING_ONLY)
+                timing_only = bool(timing_defines & defines.keys())
                 ta, tb = time_ab(calls(ship, None), calls(cfg, defines), dev, rounds=rounds)
             except Exception as e:  # a failed candidate is a row of the report
                 row["cands"][label] = {"tag": cfg.tag(), "defines": defines, "error": repr(e)[:300]}
@@ -850,7 +847,6 @@ def ab_run(cells, rounds: int, device=None) -> dict:
                   f"{regs}", flush=True)
         report.append(row)
     return {"cells": report}
-
 
 
 def parse(argv=None):
@@ -906,7 +902,7 @@ def ab_main(args) -> int:
         print(e, file=sys.stderr)
         return 2
     if args.build_only:
-        return ab_build_only(cells, (args.arch // 10, args.arch % 10))
+        return ab_build_only(cells, (args.arch // 10, args.arch % 10), args.sms, args.workers)
     if not torch.cuda.is_available():
         print("w12_ladder: no CUDA device; use --build-only on a CPU", file=sys.stderr)
         return 2

@@ -27,8 +27,8 @@ from w12 import flow, layout
 from w12.configs import FlowConfig, flow_heuristic
 from specpilot.testing import assert_close
 
-from flow_emu import (dec_exact, dec_exact_hi, dec_fixed, emulate, hostile_weight, lanes_f64, one_unit_tiny_case, wg_operand, wg_slot,
-                      wg_slot_stm, words)
+from flow_emu import (dec_exact, dec_exact_hi, dec_fixed, emulate, hostile_weight, lanes_f64, one_unit_tiny_case,
+                      wg_operand, wg_slot, wg_slot_stm, words)
 
 
 def _bf16_bits(v64: np.ndarray | torch.Tensor) -> torch.Tensor:
