@@ -426,9 +426,9 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     11.8; in_proj, qkv_proj, down_proj 1-3%; the LM head level) and slower in gate_up's 8-warp CTAs (70.5 against
     68.5 µs); docs/w12-kernels.md, "Ring depth at M <= 8". At 9..32 tokens (docs/w12-kernels.md, "Ring depth at 9-32
     tokens"): the full format's 5120-row layers take 3 slots in CTAs of two row blocks at M = 9..16, the layers of
-    12-32 row blocks per SM (gate_up) 4-warp CTAs of one row block, K in 4 pieces, with 3 slots, and the warpgroup
-    build 3 slots below 3 row groups per SM (in_proj 0.982-0.985x, qkv_proj 0.989-0.990x, down_proj 0.975-0.982x at
-    M = 32); gate_up keeps 6 and the LM head 4 (3: level).
+    12 or more row blocks per SM (gate_up, the LM head) 4-warp CTAs of 4 row blocks, each warp one row block over the
+    whole K, with 3 slots, and the warpgroup build 3 slots below 3 row groups per SM (in_proj 0.982-0.985x, qkv_proj
+    0.989-0.990x, down_proj 0.975-0.982x at M = 32); gate_up keeps 6 and the LM head 4 (3: level).
 
     One wave of whole rows at M <= 8 (full format): where 4-warp CTAs of 4 row blocks, each warp one row block over
     the whole K (`kw = 1`), number between 4 and FLOW_ONE_WAVE_CTAS per SM, they run as one wave of 16-20 warps per SM
@@ -491,8 +491,8 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     _, _, kw, w, c = min(cands)
     # x sets loaded ahead (docs/w12-kernels.md, "x loaded ahead"): two units ahead at M <= 8 where a layer has fewer
     # than 12 row blocks per SM (the 8-bit view) or 4 to 12 (the full format: in_proj, qkv_proj), one ahead at
-    # M = 9..16; none elsewhere (gate_up, the LM head, the 5120-row layers' full format at M <= 8: within 2-3%, or
-    # slower; M > 16: unmeasured)
+    # M = 9..16 (but in the full format's one-row-block-a-warp CTAs below); none elsewhere (gate_up, the LM head, the
+    # 5120-row layers' full format at M <= 8: within 2-3%, or slower; M > 16: unmeasured)
     xd = (2 if per_sm < 12 and (q8 or per_sm >= 4) else 0) if M <= 8 else (1 if M <= 16 else 0)
     if clusters and warps is None and cps is None and blocks < 3 * sms and units >= 2:
         if M <= 8:
@@ -505,10 +505,13 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
         if M <= 16 and kc == 3:
             return FlowConfig(warps=4, kw=2, stages=shallow, cps=4, kc=3, xd=xd, late=True)
         return FlowConfig(warps=2, kw=2, stages=deep, cps=4, kc=kc, xd=xd, late=M <= 16)
-    if 8 < M <= 16 and not q8 and warps is None and cps is None and 12 <= per_sm < 32:
-        # 4-warp CTAs of one row block, K in 4 pieces, 3 ring slots (gate_up at M = 16: 73.3-73.6 µs against 83.2-83.5
-        # for the wave model's 8-warp CTAs of 8 pieces, four interleaved pairs; "Ring depth at 9-32 tokens")
-        return FlowConfig(warps=4, kw=4, stages=shallow, cps=4, xd=xd)
+    if 8 < M <= 16 and not q8 and warps is None and cps is None and per_sm >= 12:
+        # 4-warp CTAs of 4 row blocks, each warp one row block over the whole K, 3 ring slots, x loaded one unit at a
+        # time (gate_up at M = 16: 70.1-70.9 µs against 73.7-74.4 for one row block a CTA and K in 4 pieces, x one
+        # unit ahead, in three runs of interleaved pairs on the H200, 69.6 against 73.8 at M = 12; the LM head at
+        # M = 12-16 0.979-0.985x the wave model's 8-warp CTAs; in_proj and qkv_proj, under 12 row blocks per SM,
+        # 1.35-1.48x slower so; docs/w12-kernels.md, "Ring depth at 9-32 tokens")
+        return FlowConfig(warps=4, kw=1, stages=shallow, cps=4)
     if M <= 8 and not q8 and warps is None and cps is None and \
             4 * sms <= -(-blocks // 4) <= FLOW_ONE_WAVE_CTAS * sms:
         # one row block per warp over the whole K, in one wave of 4-warp CTAs (module doc above)

@@ -251,7 +251,7 @@ def test_ab_builds_hold_the_shipped_configs_and_the_candidates(ladder):
     with mock.patch.object(wc, "sm_count", lambda device: 132):
         plan = ladder.ab_builds(cells, torch.device("cpu"))
     assert plan == {("flow-w4-k2-s3-c4-q3-x1", 4, ()): 5120, ("flow-w4-k2-s3-c4-q3-x1", 4, (("W12F_WG_BAR", 0),)): 5120,
-                    ("flow-w8-k2-s3-c2-p3-g", 4, ()): 5120, ("flow-w4-k4-s3-c4-x1", 2, ()): 34816}
+                    ("flow-w8-k2-s3-c2-p3-g", 4, ()): 5120, ("flow-w4-k1-s3-c4", 2, ()): 34816}
 
 
 def test_ab_refuses_without_a_gpu(ladder, capsys):

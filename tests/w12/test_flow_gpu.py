@@ -23,12 +23,13 @@ from flow_emu import escaped_weight, gaussian_x, hostile_weight, one_unit_tiny_c
 
 pytestmark = pytest.mark.gpu
 
-# the default (exact base), fixed-base builds at other splits, depths and CTA sizes, two row blocks per warp, and
-# gate_up's shape at 9..16 tokens (one row block, K in 4 pieces, 3 ring slots, x one unit ahead)
+# the default (exact base), fixed-base builds at other splits, depths and CTA sizes, two row blocks per warp, one
+# row block a CTA with K in 4 pieces, 3 ring slots and x one unit ahead, and the shape of gate_up and the LM head at
+# 9..16 tokens (4 row blocks a CTA, each warp one over the whole K, 3 ring slots)
 CONFIGS = [FlowConfig(), FlowConfig(warps=8, kw=8, stages=6, fixed=True),
            FlowConfig(warps=4, kw=1, stages=3, fixed=True), FlowConfig(warps=16, kw=4, cps=1, evict=False),
            FlowConfig(fixed=True), FlowConfig(warps=8, kw=2, cps=1, rb=2), FlowConfig(warps=4, kw=4, rb=2),
-           FlowConfig(warps=4, kw=4, stages=3, cps=4, xd=1)]
+           FlowConfig(warps=4, kw=4, stages=3, cps=4, xd=1), FlowConfig(warps=4, kw=1, stages=3, cps=4)]
 
 
 def _salt(x: torch.Tensor, nonfinite: bool = True) -> torch.Tensor:

@@ -563,18 +563,20 @@ def test_heuristic_fills_the_machine(monkeypatch):
     # gate_up: 2176 row blocks, one per warp over the whole K, are 544 4-warp CTAs: one wave at 5 CTAs per SM
     # (4.1 a SM), where the wave model alone takes 2176 one-row-block CTAs of 8 warps in 9 waves (9 x 11 units)
     assert flow_heuristic(8, 34816, 5120, cpu) == FlowConfig(warps=4, kw=1, stages=3, cps=4)
-    # at 9..16 tokens, 12 to 32 row blocks per SM (gate_up: 16.5): 4-warp CTAs of one row block, K in 4 pieces, 3
-    # ring slots, where the wave model takes 8-warp CTAs of 8 pieces; the 8-bit view and other layers keep its pick
-    assert flow_heuristic(16, 34816, 5120, cpu) == FlowConfig(warps=4, kw=4, stages=3, cps=4, xd=1)
+    # at 9..16 tokens, from 12 row blocks per SM (gate_up: 16.5, the LM head: 117.6): 4-warp CTAs of 4 row blocks,
+    # each warp one row block over the whole K, 3 ring slots, x one unit at a time, where the wave model takes
+    # 8-warp CTAs of 8 or 2 pieces; the 8-bit view and other layers keep its pick
+    assert flow_heuristic(16, 34816, 5120, cpu) == FlowConfig(warps=4, kw=1, stages=3, cps=4)
     assert flow_heuristic(16, 34816, 5120, cpu, q8=True) == FlowConfig(warps=8, kw=8, cps=2, xd=1)
-    assert flow_heuristic(9, 25344, 5120, cpu).kw == 4 and flow_heuristic(9, 25328, 5120, cpu).warps == 8  # 12.0 a SM
-    assert flow_heuristic(16, 67568, 5120, cpu).warps == 4 and flow_heuristic(16, 67584, 5120, cpu).warps == 8  # 32
-    assert flow_heuristic(16, 248320, 5120, cpu) == FlowConfig(warps=8, kw=2, cps=2, xd=1)  # the LM head: 117.6
+    assert flow_heuristic(9, 25344, 5120, cpu).kw == 1 and flow_heuristic(9, 25328, 5120, cpu).warps == 8  # 12.0 a SM
+    assert flow_heuristic(16, 248320, 5120, cpu) == FlowConfig(warps=4, kw=1, stages=3, cps=4)
+    assert flow_heuristic(16, 16480, 5120, cpu) == FlowConfig(warps=8, kw=2, cps=2, xd=1)  # in_proj: 7.8 a SM
     assert flow_heuristic(16, 34816, 5120, cpu, stages=4).stages == 4
     assert flow_heuristic(1, 34816, 5120, cpu, q8=True).kw == 4  # the full format only
     assert flow_heuristic(1, 34816, 5120, cpu, warps=4) == FlowConfig(warps=4, kw=4, stages=3, cps=4)  # a fixed shape
     # x loaded ahead: two units at M <= 8 on the layers of 4-12 row blocks per SM (and below 4 for the 8-bit view),
-    # one at 9..16 tokens, none on gate_up and the LM head at M <= 8 or above 16 tokens
+    # one at 9..16 tokens (but the full format of gate_up and the LM head there), none on gate_up and the LM head at
+    # M <= 8 or above 16 tokens
     xds = {(name, m, q8): flow_heuristic(m, n, k, cpu, q8=q8).xd for m in (1, 8, 16, 32) for q8 in (False, True)
            for name, (n, k) in {"in_proj": (16480, 5120), "qkv": (14336, 5120), "gate_up": (34816, 5120),
                                 "o_proj": (5120, 6144), "head": (248320, 5120)}.items()}
@@ -582,7 +584,8 @@ def test_heuristic_fills_the_machine(monkeypatch):
                                                          for q8 in (False, True)} | {("o_proj", 1, True),
                                                                                     ("o_proj", 8, True)}
     assert {key for key, v in xds.items() if v == 1} == {(n, 16, q8) for n in ("in_proj", "qkv", "gate_up", "o_proj",
-                                                                              "head") for q8 in (False, True)}
+                                                                              "head") for q8 in (False, True)} - \
+        {("gate_up", 16, False), ("head", 16, False)}
     # fewer than 4 such CTAs a SM (in_proj: 258) or more than one wave (the LM head: 3880) keep the wave model's pick
     assert flow_heuristic(1, 16480, 5120, cpu).kw == 2 and flow_heuristic(1, 248320, 5120, cpu).kw == 2
     assert flow_heuristic(1, 42240, 5120, cpu).kw == 1 and flow_heuristic(1, 42256, 5120, cpu).kw != 1  # 660 / 661
@@ -625,7 +628,7 @@ def test_heuristic_fills_the_machine(monkeypatch):
     assert {key for key, c in wg.items() if c.wg} == {(n, m) for n in ("in_proj", "gate_up", "down") for m in (17, 32)}
     assert wg["o_proj", 32] == wg["o_proj", 17] == FlowConfig(warps=4, kw=2, stages=3, cps=4, kc=3, xd=1)
     assert flow_heuristic(32, 5120, 8256, cpu, clusters=True, wgmma=True).wg  # 129 units
-    assert wg["gate_up", 16] == sm90["gate_up", 16] == FlowConfig(warps=4, kw=4, stages=3, cps=4, xd=1)
+    assert wg["gate_up", 16] == sm90["gate_up", 16] == FlowConfig(warps=4, kw=1, stages=3, cps=4)
     # 6 ring slots in the 4-warp clusters below 8 row groups per SM (gate_up: 4.1), 4 above (the LM head: 29.4)
     assert wg["gate_up", 32] == FlowConfig(warps=4, kw=1, stages=6, cps=4, kc=2, wg=True)
     assert flow_heuristic(32, 248320, 5120, cpu, clusters=True, wgmma=True) == FlowConfig(warps=4, kw=1, cps=4, kc=2,
