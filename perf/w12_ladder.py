@@ -746,10 +746,11 @@ def ab_builds(cells, device) -> dict[tuple[str, int, tuple], int]:
 
 def _ab_build(tag: str, nt: int, defines: tuple, n: int) -> tuple:
     """One --ab build as precompile / _build_one take it: step e, with the W12F_FULL that `w12.flow.launch_tiled`
-    adds where N % 16 == 0 and M > 8."""
+    adds (`w12.flow.full_rows`)."""
     from w12.configs import FlowConfig
+    from w12.flow import full_rows
 
-    full = (("W12F_FULL", 1),) if n % 16 == 0 and nt >= 2 else ()
+    full = (("W12F_FULL", 1),) if full_rows(n, nt) else ()
     return FlowConfig.from_tag(tag), nt, "e", tuple(sorted(dict(full + defines).items()))
 
 

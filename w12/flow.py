@@ -36,7 +36,8 @@ from .layout import TiledW12, tile
 from .format import W12Weight, _codes, _to_int16, padded_k, unpack
 
 __all__ = ["SOURCE", "KERNEL", "STEPS", "ABLATIONS", "WG_VARIANTS", "WG_ABLATIONS", "MAX_M", "MAX_KP", "n_tiles",
-           "spec", "build", "smem_bytes", "grid", "tiled", "launch", "launch_tiled", "ladder_weight", "PDL_MAX_M"]
+           "spec", "build", "smem_bytes", "grid", "tiled", "launch", "full_rows", "launch_tiled", "ladder_weight",
+           "PDL_MAX_M"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_flow.cu"
 KERNEL = "w12_matmul_flow_kernel"
@@ -237,6 +238,14 @@ def _x_operand(x2d: torch.Tensor, Kp: int) -> tuple[torch.Tensor, int]:
     return xp, Kp
 
 
+def full_rows(N: int, nt: int) -> bool:
+    """Whether `launch_tiled` builds with every row block full (W12F_FULL: a lane's copies at fixed offsets from one
+    pointer; docs/w12-kernels.md, "Full row blocks"): N a multiple of 16 and 2-4 token tiles. At one token tile that
+    build's fewer registers let more CTAs share an SM, which measured slower on the H200 (gate_up's 8-bit view at
+    M = 1 and 8 by 7 and 14%)."""
+    return N % 16 == 0 and nt >= 2
+
+
 def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Tensor | None, out: torch.Tensor, *,
                  step: str = "e", defines: Mapping[str, object] | None = None, smem: int | None = None,
                  q8: bool = False, pdl: bool | None = None, pdl_rows: int = PDL_MAX_M,
@@ -273,10 +282,7 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
                              f"{8 * grid(cfg, t.N)} elements on {x2d.device}, got {trace.dtype} {tuple(trace.shape)} "
                              f"on {trace.device}")
         defines = dict(defines or {}) | {"W12F_TRACE": 1}
-    # N a multiple of 16 and 2-4 token tiles: every row block full, the build whose copies take fixed offsets
-    # (W12F_FULL; docs/w12-kernels.md, "Full row blocks"): at one token tile its fewer registers let more CTAs share
-    # an SM, which measured slower on the H200 (gate_up's 8-bit view at M = 1 and 8 by 7 and 14%)
-    full = t.N % 16 == 0 and nt >= 2
+    full = full_rows(t.N, nt)
     if t.N % 16 and int((defines or {}).get("W12F_FULL", 0)):
         raise ValueError(f"w12.flow.launch_tiled: W12F_FULL needs N % 16 == 0, got N={t.N}")
     if full:

@@ -495,6 +495,9 @@ def test_full_row_blocks_build_is_refused_where_a_block_is_partial():
     with pytest.raises(ValueError, match="W12F_FULL needs N % 16 == 0"):
         flow.launch_tiled(FlowConfig(), x, t, None, torch.empty(3, 75, dtype=torch.bfloat16),
                           defines={"W12F_FULL": 1})
+    # the rule itself (w12.flow.full_rows): whole row blocks and 2-4 token tiles
+    assert flow.full_rows(5120, 2) and flow.full_rows(5120, 4)
+    assert not flow.full_rows(5120, 1) and not flow.full_rows(75, 4)
 
 
 @pytest.mark.slow

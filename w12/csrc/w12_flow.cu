@@ -269,14 +269,12 @@ __device__ __forceinline__ void decode_step(uint32_t (&a)[4], const Frag& f, con
     // k-steps 2 and 3 read the high nibbles of the lo bytes, in place on the exact base (dec_pair_hi)
     const uint32_t lw = ((s & 1) ? f.l[r].y : f.l[r].x) >> (s >= 2 && FIX ? 4 : 0);
     const uint32_t y0 = __byte_perm(hw, lw, 0x1504), y1 = __byte_perm(hw, lw, 0x3726);
-    if (!FIX && s >= 2) {
-      a[r] = dec_pair_hi(y0, k[r]);
-      a[r + 2] = dec_pair_hi(y1, k[r]);
-      continue;
-    }
     if constexpr (FIX) {
       a[r] = lop3_and_or(y0, 0x800F800Fu, lop3_and_or(y0 >> 4, 0x07F007F0u, k[r]));
       a[r + 2] = lop3_and_or(y1, 0x800F800Fu, lop3_and_or(y1 >> 4, 0x07F007F0u, k[r]));
+    } else if (s >= 2) {
+      a[r] = dec_pair_hi(y0, k[r]);
+      a[r + 2] = dec_pair_hi(y1, k[r]);
     } else {
       a[r] = dec_pair(y0, k[r]);
       a[r + 2] = dec_pair(y1, k[r]);
