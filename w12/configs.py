@@ -224,7 +224,10 @@ class FlowConfig:
     that issued it (docs/w12-kernels.md, "x loaded ahead"); every xd gives the same bits. `kg`: the kc CTAs
     splitting K are not a cluster but meet in a global workspace, the last of them adding the others' sums in rank
     order (any sm_80+ GPU; kc up to 8; the cluster build's bits; tag `-p<kc>`). `late`: the first tile copies go out
-    before the decode constants and the escapes' dependent loads are waited for (tag `-l`; the same bits). `w12.matmul_tiled` (the
+    before the decode constants and the escapes' dependent loads are waited for (tag `-l`; the same bits). `escx`: x at each
+    finished row's first escape column is copied into shared memory (4-byte cp.async) right after the wait for the
+    previous kernel, and the epilogue's first escape reads it there instead of from global memory (tag `-e`; the same
+    bits). `w12.matmul_tiled` (the
     engine's path) takes `flow_config`'s; under `w12.matmul` on the planes it runs only when forced."""
 
     warps: int = 8
@@ -239,6 +242,7 @@ class FlowConfig:
     xd: int = 0
     kg: bool = False
     late: bool = False
+    escx: bool = False
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8, 16) or self.kw not in (1, 2, 4, 8, 16) or self.warps % self.kw \
@@ -271,19 +275,19 @@ class FlowConfig:
         return f"flow-w{self.warps}-k{self.kw}-s{self.stages}-c{self.cps}" + ("-fixed" if self.fixed else "") + \
             ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "") + \
             (f"-{'p' if self.kg else 'q'}{self.kc}" if self.kc > 1 else "") + (f"-x{self.xd}" if self.xd else "") + \
-            ("-l" if self.late else "") + ("-g" if self.wg else "")
+            ("-l" if self.late else "") + ("-e" if self.escx else "") + ("-g" if self.wg else "")
 
     @classmethod
     def from_tag(cls, tag: str) -> "FlowConfig":
         """The config whose `tag()` is `tag` (the leading "flow-" may be left out), e.g. "w4-k1-s6-c3-q4-g"."""
         m = re.fullmatch(r"(?:flow-)?w(\d+)-k(\d+)-s(\d+)-c(\d+)(-fixed)?(-keep)?(?:-r(\d+))?(?:-([qp])(\d+))?(?:-x(\d+))?"
-                         r"(-l)?(-g)?", tag)
+                         r"(-l)?(-e)?(-g)?", tag)
         if m is None:
             raise ValueError(f"FlowConfig.from_tag: {tag!r} is not a flow config tag (e.g. 'flow-w4-k1-s4-c4-q2-g')")
-        w, k, st, c, fixed, keep, rb, split, kc, xd, late, wg = m.groups()
+        w, k, st, c, fixed, keep, rb, split, kc, xd, late, escx, wg = m.groups()
         return cls(warps=int(w), kw=int(k), stages=int(st), cps=int(c), fixed=bool(fixed), evict=not keep,
                    rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg), xd=int(xd or 0), kg=split == "p",
-                   late=bool(late))
+                   late=bool(late), escx=bool(escx))
 
 
 def _check_common(c) -> None:
@@ -496,7 +500,10 @@ def flow_heuristic(M: int, N: int, K: int, device: torch.device, *, warps: int |
     xd = (2 if per_sm < 12 and (q8 or per_sm >= 4) else 0) if M <= 8 else (1 if M <= 16 else 0)
     if clusters and warps is None and cps is None and blocks < 3 * sms and units >= 2:
         if M <= 8:
-            return FlowConfig(warps=4, kw=4, stages=shallow, cps=4, kc=2, xd=xd)
+            # x at each row's first escape column copied before the main loop (the full format): o_proj 0.964-0.976x,
+            # down_proj 0.986-0.988x the time at M = 1 and 8 on the H200 (docs/w12-kernels.md, "Where the time goes
+            # at M = 32"); 1.01-1.03x slower above 16 tokens, where the loop, not the epilogue, holds the time
+            return FlowConfig(warps=4, kw=4, stages=shallow, cps=4, kc=2, xd=xd, escx=not q8)
         kc = 3 if M <= 16 and units >= 6 and not q8 else 2
         # the first copies before the prologue's waits at 9..16 tokens: o_proj 18.7 -> 18.2 µs, out_proj 18.8 ->
         # 18.3, down_proj 43.2 -> 42.0 at M = 16 on the H200 (docs/w12-kernels.md, "K split through memory"); there

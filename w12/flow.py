@@ -108,7 +108,7 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
     base = dict(W12F_WARPS=cfg.warps, W12F_KW=cfg.kw, W12F_STAGES=cfg.stages, W12F_CPS=cfg.cps, W12F_NT=nt,
                 W12F_FIXED=int(cfg.fixed), W12F_EVICT=int(cfg.evict), W12F_RB=cfg.rb, W12F_KC=cfg.kc,
                 W12F_Q8=int(q8), W12F_WG=int(cfg.wg), W12F_XD=cfg.xd, W12F_KG=int(cfg.kg), W12F_LATE=int(cfg.late),
-                **_check_step(step))
+                W12F_ESCX=int(cfg.escx), **_check_step(step))
     merged = base | _env_defines() | dict(defines or {})
     if cfg.kc > 1 and not merged["W12F_RED"]:
         raise ValueError(f"w12.flow.spec: {cfg.tag()} (a K split across CTAs) builds only with the reduction, step "
@@ -139,19 +139,22 @@ def build(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
     return spec(cfg, nt, arch, step=step, defines=defines, q8=q8).compile()
 
 
-def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e") -> int:
+def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e", defines: Mapping[str, object] | None = None) -> int:
     """Dynamic shared memory of one CTA: a ring of `stages` slots of `rb` tiles per warp, the K-split partials (step
     "e", kw > 1: 512 bytes per warp, row block of the warp and token tile), with a K split across CTAs (kc > 1) the
     sums rank 0 receives from the other kc - 1 CTAs (512 bytes per row block and token tile each), and for 3-4 token
-    tiles with the escapes the stash of their metadata (1 KB per row block), and for the warpgroup build (`wg`) an x
-    ring per warpgroup (3 slots of 1 KB per token tile)."""
-    defines = _check_step(step)
-    red = defines["W12F_RED"] and cfg.kw > 1
+    tiles with the escapes the stash of their metadata (1 KB per row block), for the warpgroup build (`wg`) an x
+    ring per warpgroup (3 slots of 1 KB per token tile), and with `escx` (or W12F_ESCX in `defines` or
+    SPECPILOT_W12F_DEFINES) x at each row's first escape column (512 bytes per row block and token tile)."""
+    step_defines = _check_step(step)
+    red = step_defines["W12F_RED"] and cfg.kw > 1
     cred = 0 if cfg.kg else (cfg.kc - 1) * cfg.row_blocks * nt * 512
-    stash = cfg.row_blocks * 1024 if defines["W12F_ESC"] and nt > 2 else 0
+    stash = cfg.row_blocks * 1024 if step_defines["W12F_ESC"] and nt > 2 else 0
     xring = cfg.warps // 4 * 3 * nt * 1024 if cfg.wg else 0
+    escx = int((dict(W12F_ESCX=int(cfg.escx)) | _env_defines() | dict(defines or {}))["W12F_ESCX"])
+    escx = cfg.row_blocks * nt * 512 if escx and step_defines["W12F_ESC"] else 0
     return cfg.warps * cfg.stages * cfg.rb * TILE + (cfg.warps * cfg.rb * nt * 512 if red else 0) + cred + stash + \
-        xring
+        xring + escx
 
 
 def grid(cfg: FlowConfig, N: int) -> int:
@@ -221,7 +224,7 @@ def _split_buffers(cfg: FlowConfig, nt: int, N: int, device: torch.device, idx: 
 def _kernel(cfg: FlowConfig, nt: int, step: str, idx: int, defines: tuple, smem: int | None,
             q8: bool = False) -> tuple[jit.Kernel, int]:
     def make():
-        return load_with_smem("w12.flow", cfg, nt, idx, smem_bytes(cfg, nt, step), smem, _STATIC_SMEM,
+        return load_with_smem("w12.flow", cfg, nt, idx, smem_bytes(cfg, nt, step, dict(defines)), smem, _STATIC_SMEM,
                               lambda arch: spec(cfg, nt, arch, step=step, defines=dict(defines), q8=q8),
                               "stages or warps")
 

@@ -165,7 +165,8 @@ def flow_valid(p: dict, shape) -> str | None:
 FLOW_SPACE = SearchSpace(
     op="w12.matmul", variant="flow",
     params={"warps": [2, 4, 8, 16], "kw": [1, 2, 4, 8], "stages": [3, 4, 6], "cps": [1, 2, 4, 8], "kc": [1, 2, 3],
-            "wg": [False, True], "xd": [0, 1, 2], "kg": [False, True], "late": [False, True]},
+            "wg": [False, True], "xd": [0, 1, 2], "kg": [False, True], "late": [False, True],
+            "escx": [False, True]},
     make_config=lambda p: FlowConfig(**p),
     flops_bytes=tc_flops_bytes, valid=flow_valid, key=_key,
     heuristic=lambda s: flow_heuristic(s["M"], s["N"], s["K"], torch.device("cuda" if autotune.has_cuda() else "cpu")),

@@ -521,12 +521,14 @@ def test_x_sets_equal_one_copied_set_bitwise(xd, q8, M):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
 
 
+@pytest.mark.parametrize("define", ["W12F_LATE", "W12F_ESCX"])
 @pytest.mark.parametrize("q8", [False, True], ids=["full", "q8"])
 @pytest.mark.parametrize("M", [1, 11, 32])
-def test_late_prologue_equals_the_shipped_build_bitwise(q8, M):
-    """W12F_LATE (the first tile copies before the decode constants and the escapes' dependent loads): the shipped
-    build's bits for the mma.sync configs, the cluster and memory K splits and (sm_90) the warpgroup build, on
-    hostile rows and x salted with NaN, +-Inf, +-0 and subnormals."""
+def test_prologue_variants_equal_the_shipped_build_bitwise(define, q8, M):
+    """W12F_LATE (the first tile copies before the decode constants and the escapes' dependent loads) and W12F_ESCX
+    (x at each row's first escape column copied into shared memory before the main loop): the shipped build's bits
+    for the mma.sync configs, the cluster and memory K splits and (sm_90) the warpgroup build, on hostile rows and x
+    salted with NaN, +-Inf, +-0 and subnormals."""
     p, x, _ = _hostile_case("nonfinite", seed=17)
     x = torch.cat([x] * 3)[:M]
     t = layout.tile(p)
@@ -536,7 +538,7 @@ def test_late_prologue_equals_the_shipped_build_bitwise(q8, M):
         if q8 and (cfg.fixed or cfg.wg):
             continue
         want = _run(cfg, x, t, q8=q8)
-        got = _run(cfg, x, t, q8=q8, defines={"W12F_LATE": 1})
+        got = _run(cfg, x, t, q8=q8, defines={define: 1})
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
 
 

@@ -542,6 +542,9 @@ def test_config_and_launch_geometry():
     assert flow.smem_bytes(cfg, 1) == 8 * 4 * 1536 + 8 * 512 and flow.smem_bytes(cfg, 4, "d") == 8 * 4 * 1536 + 4 * 1024
     assert flow.smem_bytes(FlowConfig(kw=1), 4) == 8 * 4 * 1536 + 8 * 1024  # the escape metadata stash (4 n-tiles)
     assert flow.smem_bytes(FlowConfig(kw=1), 4, "c") == flow.smem_bytes(FlowConfig(kw=1), 2) == 8 * 4 * 1536
+    # x at each row's first escape column (W12F_ESCX): 512 bytes per row block and token tile, with the escapes only
+    assert flow.smem_bytes(FlowConfig(kw=1), 4, defines={"W12F_ESCX": 1}) == 8 * 4 * 1536 + 8 * 1024 + 8 * 4 * 512
+    assert flow.smem_bytes(FlowConfig(kw=1), 2, "c", {"W12F_ESCX": 1}) == 8 * 4 * 1536
     assert flow.grid(cfg, 16480) == 258 and flow.grid(cfg, 17) == 1 and flow.grid(FlowConfig(kw=8), 34816) == 2176
     assert [flow.n_tiles(m) for m in (1, 8, 9, 17, 32)] == [1, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="1 <= M <= 32"):
@@ -619,7 +622,9 @@ def test_heuristic_fills_the_machine(monkeypatch):
     assert flow_heuristic(16, 5120, 6144, cpu, clusters=True, q8=True) == FlowConfig(warps=2, kw=2, cps=4, kc=2, xd=1,
                                                                                      late=True)
     assert flow_heuristic(16, 5120, 320, cpu, clusters=True).kc == 2  # 5 units of K: too few for 3 CTAs
-    assert sm90["o_proj", 1] == FlowConfig(warps=4, kw=4, stages=3, cps=4, kc=2)
+    assert sm90["o_proj", 1] == FlowConfig(warps=4, kw=4, stages=3, cps=4, kc=2, escx=True)
+    assert FlowConfig.from_tag("w4-k4-s3-c4-q2-e") == sm90["o_proj", 1] and not sm90["o_proj", 16].escx
+    assert not flow_heuristic(1, 5120, 6144, cpu, clusters=True, q8=True).escx  # the 8-bit view: unmeasured
     assert sm90["down", 32] == FlowConfig(warps=2, kw=2, cps=4, kc=2)
     assert sm90["tiny", 1].kc == 1  # one unit of K: nothing to split
     assert flow_heuristic(1, 5120, 6144, cpu, warps=4, clusters=True).kc == 1  # a fixed shape stays as asked

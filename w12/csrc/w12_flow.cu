@@ -164,6 +164,9 @@
 #ifndef W12F_FULL
 #define W12F_FULL 0  // N % 16 == 0 (the launcher's choice): every row block holds 16 rows, the copies' offsets fixed
 #endif
+#ifndef W12F_ESCX
+#define W12F_ESCX 0  // x at each finished row's first escape column copied into shared memory before the main loop
+#endif
 #ifndef W12F_TRACE
 #define W12F_TRACE 0  // diagnostic (w12.flow.launch_tiled(trace=)): per-CTA %globaltimer stamps into `sink`
 #endif
@@ -196,6 +199,10 @@ constexpr bool STM = WG && W12F_WG_STM != 0;
 // the escape metadata is read before the main loop: kept in registers for 1-2 n-tiles, parked in shared memory
 // (the stash after the ring and the reduction slots) for 3-4, where registers through the loop would spill
 constexpr bool ESC_STASH = ESC && NT > 2;
+// x at the first escape column of each row a lane finishes, for the lane's 2 NT tokens: copied into shared memory
+// (4-byte cp.async of the column pair) right after the wait for the previous kernel, so that the epilogue's first
+// escape reads shared memory instead of waiting for a global load at the end of the warp
+constexpr bool ESCX = ESC && W12F_ESCX != 0;
 constexpr int TILE = 1536;            // one 16 x 64 tile image in the ring
 constexpr uint32_t BASE112 = 0x38003800u;
 static_assert(WARPS >= 1 && WARPS <= 16 && KW >= 1 && WARPS % KW == 0, "KW must divide WARPS (<= 16)");
@@ -508,6 +515,10 @@ w12_matmul_flow_kernel(
   constexpr int STASH_OFF = CRED_OFF + (CLUSTER ? (KC - 1) * RW * RB * NT * 512 : 0);  // after the CTAs' sums
   constexpr int X_OFF = STASH_OFF + (ESC_STASH ? RW * RB * 1024 : 0);                 // after the stash (WG)
   int4* const stash = reinterpret_cast<int4*>(smem + STASH_OFF) + rw * RB * 64;
+  // after the warpgroup build's x rings (sized for 3 slots whatever W12F_WG_DEPTH): word 32 ((2 i + h) 2 NT + 2 j + u)
+  // + lane of the row group's part holds the column pair of x at row (i, h)'s first escape, token 8 j + 2 p + u
+  constexpr int ESCX_OFF = X_OFF + (WG ? WARPS / 4 * 3 * XSLOT : 0);
+  const uint32_t* const escx = reinterpret_cast<const uint32_t*>(smem + ESCX_OFF) + rw * RB * 4 * NT * 32 + lane;
   // the first entry of each row's CSR range (W12F_LATE: after the first copies, so that this dependent load and
   // the stash store that waits for it do not hold them back)
   auto escape_entries = [&]() {
@@ -555,6 +566,22 @@ w12_matmul_flow_kernel(
   }
   grid_dep_wait();
   stamp(2);
+  if constexpr (ESCX) {
+    if (esc_rows) {
+      const uint32_t dst = (uint32_t)__cvta_generic_to_shared(escx);
+#pragma unroll
+      for (int i = 0; i < RB; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          if (ep[i][h][1] <= ep[i][h][0]) continue;
+          const __nv_bfloat16* col = x + (ec[i][h] & ~1);  // the aligned pair holding the column
+          for_tokens<NT>(p, M, [&](int j, int u, int tok) {
+            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst + 128u * ((2 * i + h) * 2 * NT + 2 * j + u)),
+                         "l"(col + (long long)tok * ldx) : "memory");
+          });
+        }
+    }
+  }
 
   // The warpgroup build's x: thread t (of 128) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros past
   // M), columns 4 NTP q .. 4 NTP q + 4 NTP - 1 of each unit, q = t % TPT (NTP = NT rounded up to a power of two,
@@ -1003,8 +1030,22 @@ w12_matmul_flow_kernel(
       for (int h = 0; h < 2; ++h) {
         const int row = (rb0 + i) * 16 + 8 * h + g;
         if (row >= N) continue;
+        int p0 = ep[i][h][0], c0 = ec[i][h];
+        uint32_t v0 = ev[i][h];
+        if constexpr (ESCX) {
+          // the first escape from the x copied before the main loop, then the row's others as finish_row takes them
+          if (ep[i][h][1] > p0) {
+            const float val = __uint_as_float(v0 << 16), dense = escape_dense<Q8>((uint32_t)e0r[i][h]);
+            for_tokens<NT>(p, M, [&](int j, int u, int) {
+              const uint32_t w = escx[32 * ((2 * i + h) * 2 * NT + 2 * j + u)];
+              const float xv = __uint_as_float((c0 & 1) ? w & 0xFFFF0000u : w << 16);
+              acc[i][j][2 * h + u] += xv * val - xv * dense;
+            });
+            if (++p0 < ep[i][h][1]) c0 = __ldg(ecol + p0), v0 = __ldg(eval + p0);
+          }
+        }
         finish_row<Q8, NT>([&](int j, int u) -> float& { return acc[i][j][2 * h + u]; }, row,
-                              (uint32_t)e0r[i][h], ep[i][h][0], ep[i][h][1], ec[i][h], ev[i][h], ecol, eval, x, ldx,
+                              (uint32_t)e0r[i][h], p0, ep[i][h][1], c0, v0, ecol, eval, x, ldx,
                               bias, bias_kind, out, M, N, p);
       }
     stamp_last(5);
