@@ -3,7 +3,9 @@
 * `time_cuda(fns)`: warm-up passes, then a CUDA graph (`specpilot.testing.capture_graph`) holding
   enough calls over the rotated inputs `fns` that one replay lasts ~200 µs; each replay is timed
   with CUDA events and divided by its calls. Without a graph (`graph=False`, or when capture is refused, e.g. by a
-  host sync): CUDA events around one eager pass over the rotated inputs.
+  host sync): CUDA events around eager passes over the rotated inputs, as many back to back as last ~5 ms (at
+  least one), so that a call whose host work outlasts its kernels is timed at its steady rate, not at the latency
+  of its first launch after the events' start.
 * `time_cpu(fns)`: `time.perf_counter` around each call.
 * `time_fns(fns, device)`: the one that suits the device.
 * `time_ab(fns_a, fns_b, device)`: interleaved A/B rounds for the promotion rule (`autotune.promotion`): both
@@ -32,6 +34,9 @@ __all__ = ["Timing", "time_cuda", "time_cpu", "time_fns", "time_ab", "quantile"]
 # Target duration of one timed sample (one graph replay) on CUDA, in seconds.
 SAMPLE_S = 200e-6
 MAX_CALLS_PER_GRAPH = 256
+# Target duration of one eager sample (CUDA events around back-to-back calls): long enough that the host's lead
+# before the first kernel (a call's own host work, ~0.1 ms for a one-call API with two launches) is a few percent
+EAGER_SAMPLE_S = 5e-3
 
 
 def quantile(xs: Sequence[float], q: float) -> float:
@@ -86,7 +91,9 @@ def _time_events(fns, reps: int, warmup: int) -> Timing:
     for i in range(max(warmup, 1) * n):
         fns[i % n]()
     torch.cuda.synchronize()
-    return Timing(tuple(_events_once(fns, n) for _ in range(reps)), "cuda_events", n)
+    est = min(_events_once(fns, n) for _ in range(3))
+    calls = n * math.ceil(min(MAX_CALLS_PER_GRAPH, max(n, math.ceil(EAGER_SAMPLE_S / max(est, 1e-7)))) / n)
+    return Timing(tuple(_events_once(fns, calls) for _ in range(reps)), "cuda_events", calls)
 
 
 def _graph_of(fns, warmup: int, sample_s: float, calls: int | None = None):
