@@ -5,7 +5,8 @@
    preallocated `out`.
 2. Torch registration: `torch.ops.specpilot_w12.matmul` via `torch.library.triton_op` +
    `wrap_triton`, so `torch.compile(fullgraph=True)` sees the Triton kernels, and
-   `torch.ops.specpilot_w12.matmul_mma` (`custom_op` + `register_fake`) for the CUDA C++ kernel.
+   `torch.ops.specpilot_w12.matmul_mma` (`custom_op` + `register_fake`) for the CUDA C++ kernel, and
+   `torch.ops.specpilot_w12.matmul_tiled` for `matmul_tiled` (the runtime layout's paths) as one opaque op.
    Eager calls skip the dispatcher and launch directly (it costs ~10 us, a whole small kernel
    at M=1).
 3. Public `matmul` / `matmul_q8`: check shapes, dtypes and devices and say how to fix a bad call.
@@ -257,6 +258,24 @@ def _matmul_torch_op(x2d: torch.Tensor, hi: torch.Tensor, lo: torch.Tensor, e0: 
 _matmul_torch_op.register_fake(_fake_out)
 
 
+@torch.library.custom_op("specpilot_w12::matmul_tiled", mutates_args=())
+def _matmul_tiled_op(x2d: torch.Tensor, tiles: torch.Tensor, e0: torch.Tensor, esc_rowptr: torch.Tensor,
+                     esc_col: torch.Tensor, esc_val: torch.Tensor, bias: Optional[torch.Tensor], n: int, q8: bool,
+                     pdl: Optional[bool]) -> torch.Tensor:
+    """`matmul_tiled` on the runtime layout's tensors as an opaque op for torch.compile (the flow kernel's driver-API
+    launch cannot be traced). The layout object is rebuilt per call, so the flow kernel runs without programmatic
+    dependent launch under torch.compile (a layout's first launch waits for the previous kernel)."""
+    tiled = TiledW12(tiles, e0, esc_rowptr, esc_col, esc_val, n, x2d.shape[1])
+    out = x2d.new_empty((x2d.shape[0], n))
+    _matmul_tiled_eager(x2d, tiled, bias, q8=q8, out2d=out, pdl=pdl)
+    return out
+
+
+@_matmul_tiled_op.register_fake
+def _(x2d, tiles, e0, esc_rowptr, esc_col, esc_val, bias, n, q8, pdl):
+    return x2d.new_empty((x2d.shape[0], n))
+
+
 # --------------------------------------------------------------------------------------
 # 3. Public API
 # --------------------------------------------------------------------------------------
@@ -417,7 +436,19 @@ def _matmul_tiled(x, tiled: TiledW12, bias, *, q8: bool, out, pdl, fn: str) -> t
     x2d = x.reshape(-1, K)
     if bias is not None and not bias.is_contiguous():
         bias = bias.contiguous()
+    if torch.compiler.is_compiling():
+        y = torch.ops.specpilot_w12.matmul_tiled(x2d, tiled.tiles, tiled.e0, tiled.esc_rowptr, tiled.esc_col,
+                                                 tiled.esc_val, bias, N, q8, pdl)
+        y = y.reshape(*x.shape[:-1], N)
+        return y if out is None else out.copy_(y)
     out2d = torch.empty((x2d.shape[0], N), device=x.device, dtype=x.dtype) if out is None else out.view(-1, N)
+    _matmul_tiled_eager(x2d, tiled, bias, q8=q8, out2d=out2d, pdl=pdl)
+    return out2d.reshape(*x.shape[:-1], N) if out is None else out
+
+
+def _matmul_tiled_eager(x2d, tiled: TiledW12, bias, *, q8: bool, out2d: torch.Tensor, pdl) -> None:
+    """`matmul_tiled`'s paths into `out2d` [M, N] (x2d [M, K], bias contiguous or None)."""
+    N, K = tiled.N, tiled.K
     M = x2d.shape[0]
     if M:
         op = OP_Q8 if q8 else OP
@@ -441,7 +472,6 @@ def _matmul_tiled(x, tiled: TiledW12, bias, *, q8: bool, out, pdl, fn: str) -> t
                 packed = untile(tiled)
                 planes = (packed.hi, packed.lo, packed.e0, packed.esc_rowptr, packed.esc_col, packed.esc_val)
                 out2d.copy_(_torch_fallback(x2d, *planes, bias, K=K, q8=q8))
-    return out2d.reshape(*x.shape[:-1], N) if out is None else out
 
 
 def _pdl_args(pdl: bool | None) -> dict:

@@ -279,6 +279,34 @@ def test_tiled_call_errors_name_the_public_call():
         w12.matmul(_x(2, 70, seed=1), torch.zeros(20, 70, dtype=torch.bfloat16))
 
 
+@pytest.mark.parametrize("q8", [False, True], ids=["exact", "q8"])
+def test_torch_compile_runs_the_tiled_call_as_one_op(q8):
+    """Under torch.compile(fullgraph=True) a call on a TiledW12 is one `specpilot_w12::matmul_tiled` node (the flow
+    kernel's driver-API launch cannot be traced) and gives the eager bits, with a bias, a leading batch dim and into
+    `out`. (The flow kernel itself under inductor: tests/w12/test_matmul_gpu.py.)"""
+    t = w12.pack(hostile_weight(37, 150, seed=11), layout="runtime")
+    x = _x(2, 150, seed=12).reshape(2, 1, 150).expand(2, 3, 150).contiguous()
+    bias = _x(1, 37, seed=13)[0]
+    fn = w12.matmul_q8 if q8 else w12.matmul
+    eager = fn(x, t, bias)
+    graphs = []
+
+    def backend(gm, inputs):
+        graphs.append(gm)
+        return gm.forward
+
+    torch._dynamo.reset()
+    got = torch.compile(lambda a: fn(a, t, bias), fullgraph=True, backend=backend)(x)
+    _same_result(got, eager)
+    ops = [str(n.target) for g in graphs for n in g.graph.nodes if n.op == "call_function"]
+    assert ops.count("specpilot_w12.matmul_tiled") == 1, ops
+    out = torch.empty_like(eager)
+    torch._dynamo.reset()
+    ret = torch.compile(lambda a, o: fn(a, t, bias, out=o), fullgraph=True, backend="eager")(x, out)
+    assert ret is out
+    _same_result(out, eager)
+
+
 # --- matmul / matmul_q8 -------------------------------------------------------------------------------------------
 
 
