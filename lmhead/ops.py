@@ -496,7 +496,8 @@ class _Stats:
 class CertifiedHead:
     """A greedy LM head whose answers are exact: `argmax`, `topk`, `logits` (docs/lmhead.md).
 
-    `weight`: BF16 `[V, H]`, or a `w12.W12Weight` (stored once; exact rows decoded from it). `screen`:
+    `weight`: BF16 `[V, H]`, or a `w12.W12Weight` (the version-1 planes, `w12.pack(W, layout="planes")`; stored
+    once; exact rows decoded from it). `screen`:
     "int8", "int4" (half the screen's bytes, a looser bound), "w12" (W12 heads), "none" (the plain exact head) or
     "auto" (measured per GPU,
     lmhead/configs.py). `capacity`: survivors per row before that row takes the full exact path."""
@@ -507,7 +508,8 @@ class CertifiedHead:
         w12 = not isinstance(weight, torch.Tensor)
         if w12 and not all(hasattr(weight, p) for p in ("hi", "lo", "e0", "esc_rowptr", "K")):
             raise TypeError(f"{fn}: weight is a {type(weight).__name__}; pass a BF16 tensor [V, H] or a "
-                            "w12.W12Weight")
+                            "w12.W12Weight (the version-1 planes, whose rows the head slices: "
+                            "w12.pack(weight, layout=\"planes\"), or w12.layout.untile(tiled) for a TiledW12)")
         if not w12:
             if weight.dim() != 2 or weight.dtype != torch.bfloat16:
                 raise TypeError(f"{fn}: weight is {weight.dtype} of shape {tuple(weight.shape)}; pass a BF16 "
@@ -516,7 +518,7 @@ class CertifiedHead:
             raise ValueError(f"{fn}: unknown screen {screen!r}; choose one of {SCREENS + ('auto',)}")
         if screen == "w12" and not w12:
             raise ValueError(f"{fn}: screen='w12' reads the 8-bit view of a W12 head but weight is a BF16 tensor; "
-                             "pass w12.pack(weight), or use screen='int8'")
+                             "pass w12.pack(weight, layout=\"planes\"), or use screen='int8'")
         for name, val in (("group", group), ("capacity", capacity)):
             if (val is not None or name == "group") and (isinstance(val, bool) or not isinstance(val, int)):
                 raise TypeError(f"{fn}: {name} must be an int, got {type(val).__name__} {val!r}; pass an int"

@@ -66,6 +66,15 @@ shipped output bit for bit (`same_bits_as_ship`); `ratio` is its median over the
 candidate that fails to build or launch is a row of the report. With `--build-only` it compiles every build of the
 cells (the shipped configs as an sm_90 GPU with clusters and --sms SMs would pick them). File: $OUT/w12-ab.json.
 
+`--forms` compares the two in-memory forms of a W12 weight instead of the ladder: `w12.matmul` on the version-1
+planes (`w12.pack(w, layout="planes")`: the CUDA C++ `mma` kernel at bf16 x and M <= 32, the generation's Triton
+variant otherwise) against `w12.matmul` on the runtime layout (the default, a `TiledW12`: the flow kernel at bf16 x
+up to 32 rows, its 32-row pieces up to `w12.ops.CHUNK_MAX_M`, fp16 x through the fp32-output build on x's two bf16
+halves up to 48 rows, the weight decoded above), cuBLAS on the BF16 weight beside them, for every linear of hybrid-27b
+and the LM head at `--forms-m` bf16 and `--forms-fp16-m` fp16 rows. Each form's product is checked against fp64
+first (`specpilot.testing.assert_close`, against F.linear's error in the same dtype); then the three are timed over
+rotated weight copies (`time_fns`, medians of CUDA-graph replays). File: $OUT/w12-forms.json.
+
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
 skips the rows left once the run has taken that long. Files: $OUT/w12-ladder.json and $OUT/w12-ladder.md when $OUT
@@ -337,7 +346,7 @@ def run(args, dev: torch.device | None = None, layers: dict[str, tuple[int, int]
             g = torch.Generator(device=dev).manual_seed(_SEED + n + k)
             sets = rotations(1.5 * n * k, dev)
             ws = [(torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(torch.bfloat16) for _ in range(sets)]
-            packs = [w12.pack(w) for w in ws]
+            packs = [w12.pack(w, layout="planes") for w in ws]  # the "w12" rows: w12.matmul on the planes
             tiles = [layout.tile(p) for p in packs]
             cols = torch.arange(0, n, max(1, n // _CHECK_COLS), device=dev)[:_CHECK_COLS]
             _sync(f"{name} setup", dev)
@@ -521,7 +530,7 @@ def trace_run(args):
 
     import w12
     from specpilot.bench.timing import time_cuda
-    from w12 import flow, layout
+    from w12 import flow
     from w12.configs import flow_config
 
     dev = torch.device("cuda")
@@ -532,7 +541,7 @@ def trace_run(args):
     copies = 2
     dense = {name: [(torch.randn(n, k, device=dev, generator=g) * k**-0.5).to(torch.bfloat16) for _ in range(copies)]
              for name, (n, k) in layers.items()}
-    tiles = {name: [layout.tile(w12.pack(w)) for w in ws] for name, ws in dense.items()}
+    tiles = {name: [w12.pack(w) for w in ws] for name, ws in dense.items()}  # the runtime layout
     flush = torch.empty(256 << 20, dtype=torch.uint8, device=dev)
     out_rows: list[dict] = []
     raw: dict[str, np.ndarray] = {}
@@ -781,7 +790,7 @@ def ab_run(cells, rounds: int, device=None) -> dict:
 
     import w12
     from specpilot.bench.timing import time_ab
-    from w12 import flow, layout
+    from w12 import flow
     from w12.configs import FlowConfig
 
     dev = torch.device("cuda" if device is None else device)
@@ -798,7 +807,7 @@ def ab_run(cells, rounds: int, device=None) -> dict:
             for i in range(copies):
                 w = (torch.randn(n, k, device=dev, generator=torch.Generator(dev).manual_seed(i)) * 0.02)
                 w = w.to(torch.bfloat16)
-                ts.append(layout.tile(w12.pack(w)))
+                ts.append(w12.pack(w))  # the runtime layout
                 w0 = w if i == 0 else w0
             held[layer] = (ts, w0)
         ts, w0 = held[layer]
@@ -883,6 +892,12 @@ def parse(argv=None):
     ap.add_argument("--wg-probe", action="store_true",
                     help="instead of the ladder: the warpgroup build's shapes with one and two wgmma groups in flight "
                          "(with --ablate also without the fence and barrier, and without the x stores)")
+    ap.add_argument("--forms", action="store_true",
+                    help="instead of the ladder: w12.matmul on the planes against the runtime layout (module doc)")
+    ap.add_argument("--forms-m", nargs="+", type=int, default=[1, 32, 48, 96, 128, 256],
+                    help="--forms: bf16 row counts")
+    ap.add_argument("--forms-fp16-m", nargs="*", type=int, default=[1, 8, 16, 32, 48],
+                    help="--forms: fp16 row counts")
     args = ap.parse_args(argv)
     from w12.configs import FlowConfig
 
@@ -892,6 +907,65 @@ def parse(argv=None):
     if args.wg_probe and args.only is None:  # the warpgroup rows and the heuristic's step e beside them
         args.only = r"e|e@.*-g(-.*)?"
     return args
+
+
+def _forms_cell(layer, M, dtype, copies, reps):
+    """One --forms cell: the planes, the runtime layout and cuBLAS at M rows of `dtype` x, checked, then timed."""
+    from specpilot.bench.timing import time_fns
+    from specpilot.testing import assert_close
+
+    import w12
+
+    N, K = copies[0][0].shape
+    x = (torch.randn(M, K, device="cuda") * 0.5).to(dtype)
+    ref = x.double() @ copies[0][0].double().T
+    row = {"layer": layer, "M": M, "dtype": str(dtype).removeprefix("torch."), "N": N, "K": K}
+    wd = [w if dtype == torch.bfloat16 else w.to(dtype) for w, _, _ in copies]
+    fns = {"cublas": [lambda w=w: F.linear(x, w) for w in wd],
+           "planes": [lambda p=p: w12.matmul(x, p) for _, p, _ in copies],
+           "runtime": [lambda t=t: w12.matmul(x, t) for _, _, t in copies]}
+    for name in ("planes", "runtime"):
+        assert_close(fns[name][0](), ref, F.linear(x, wd[0]), msg=f"{layer} M={M} {dtype} {name}")
+    for name, f in fns.items():
+        row[name + "_us"] = time_fns(f, reps=reps).median * 1e6
+    row["runtime_over_planes"] = row["runtime_us"] / row["planes_us"]
+    row["cublas_over_runtime"] = row["cublas_us"] / row["runtime_us"]
+    print(f"{layer:18s} M={M:4d} {row['dtype']:9s} cuBLAS {row['cublas_us']:8.1f}  planes {row['planes_us']:8.1f}  "
+          f"runtime {row['runtime_us']:8.1f}  runtime/planes {row['runtime_over_planes']:.3f}", flush=True)
+    return row
+
+
+def forms_main(args) -> int:
+    """--forms: the planes against the runtime layout through w12.matmul (module doc), into $OUT/w12-forms.json."""
+    if not torch.cuda.is_available():
+        print("w12_ladder: --forms times on a CUDA GPU", file=sys.stderr)
+        return 2
+    import w12
+    from autotune.config import versions
+    from specpilot.bench.shapes import get_shape_set
+
+    shapes = get_shape_set("hybrid-27b")
+    layers = {**shapes.linears, "lm_head.linear": shapes.lm_head}
+    rows, t0 = [], time.perf_counter()
+    torch.manual_seed(0)
+    for layer, (N, K) in layers.items():
+        n = max(1, min(3, -(-(100 << 20) // (2 * N * K))))  # copies: at least 100 MB of BF16 weight, so L2 misses
+        w0 = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
+        copies = []
+        for i in range(n):
+            w = w0 if i == 0 else w0.clone()
+            p = w12.pack(w, layout="planes")
+            copies.append((w, p, w12.layout.tile(p)))
+        for dtype, ms in ((torch.bfloat16, args.forms_m), (torch.float16, args.forms_fp16_m)):
+            rows += [_forms_cell(layer, M, dtype, copies, args.reps) for M in ms]
+        del copies, w0
+        torch.cuda.empty_cache()
+    meta = {"gpu": torch.cuda.get_device_name(), **versions(), "wall_s": round(time.perf_counter() - t0, 1),
+            "method": "medians of CUDA-graph replays over rotated weight copies (specpilot.bench.timing.time_fns)"}
+    out = Path(os.environ.get("OUT", ".")) / "w12-forms.json"
+    out.write_text(json.dumps({"meta": meta, "rows": rows}, indent=1))
+    print(f"wrote {out}")
+    return 0
 
 
 def ab_main(args) -> int:
@@ -921,6 +995,8 @@ def ab_main(args) -> int:
 
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.forms:
+        return forms_main(args)
     if args.ab is not None:
         return ab_main(args)
     if args.build_only:

@@ -77,8 +77,10 @@ class _W12Problem:
         g = torch.Generator(device=device).manual_seed(4321 + n + k)
         sets = rotations(n * k * 1.5, device)
         w0 = (torch.randn(n, k, device=device, generator=g) * 0.02).to(torch.bfloat16)
-        self.packs = [w12.pack(w0)] + [w12.pack((torch.randn(n, k, device=device, generator=g) * 0.02)
-                                                 .to(torch.bfloat16)) for _ in range(sets - 1)]
+        # the planes: the tuner times w12.matmul's variants on them
+        self.packs = [w12.pack(w0, layout="planes")] + [
+            w12.pack((torch.randn(n, k, device=device, generator=g) * 0.02).to(torch.bfloat16), layout="planes")
+            for _ in range(sets - 1)]
         self.x = torch.randn(m, k, device=device, generator=g).to(torch.bfloat16)
         self.out = torch.empty(m, n, device=device, dtype=torch.bfloat16)
         self.r64 = self.x.double() @ w0.double().T

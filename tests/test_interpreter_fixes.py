@@ -66,7 +66,7 @@ def test_repairs_apply_on_import_of_an_operator():
     code = """
 import torch, w12
 g = torch.Generator().manual_seed(0)
-p = w12.pack(torch.randn(40, 130, generator=g).bfloat16())
+p = w12.pack(torch.randn(40, 130, generator=g).bfloat16(), layout="planes")
 x = torch.randn(3, 130, generator=g).bfloat16()
 ref = w12.matmul_reference(x, p)
 for variant in (None, "tc"):

@@ -110,7 +110,8 @@ def test_other_save_paths_round_trip_or_raise(tmp_path):
     with pytest.raises(w12.W12CheckpointError, match=r"^w12\.load_model_weights: .* does not match the model"):
         w12.load_model_weights(_qwen3_5(seed=2), tmp_path / "sd.safetensors")
 
-    # w12.save_file of W12Weight entries (what specpilot pack writes): bitwise into a fresh model
+    # w12.save_file of the layers' weights (TiledW12s, written as the planes specpilot pack writes): bitwise into a
+    # fresh model
     entries = {n: t for n, t in sd.items() if ".w_" not in n}
     entries.update({f"{n}.weight": model.get_submodule(n).weight for n in _w12_layers(model)})
     w12.save_file(tmp_path / "w12.safetensors", entries)
@@ -218,7 +219,7 @@ def test_named_gdn_variant_raises_without_the_interpreter(no_interpreter):
 def test_named_kernel_variants_of_every_operator_raise_without_the_interpreter(no_interpreter):
     w = (torch.randn(8, 64) * 0.05).bfloat16()
     x = torch.randn(3, 64).bfloat16()
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     with pytest.raises(ValueError, match=rf"^w12\.matmul: variant 'gemv' {NO_KERNEL}.*variant=None or 'torch'"):
         w12.matmul(x, p, variant="gemv")
     assert_bitwise_equal(w12.matmul(x, p), w12.matmul(x, p, variant="torch"))
@@ -339,7 +340,7 @@ def test_pack_keeps_bf16_where_w12_takes_more_memory(tmp_path, capsys):
     assert ("wide.weight: kept in BF16: W12 would take at least 18.03 bits per weight in memory, where the kernels "
             "read rows padded to a multiple of 64 columns (K=130 -> Kp=192), more than BF16's 16") in out
     got = w12.load_file(tmp_path / "out.safetensors")
-    assert not isinstance(got["wide.weight"], w12.W12Weight) and isinstance(got["ok.weight"], w12.W12Weight)
+    assert isinstance(got["wide.weight"], torch.Tensor) and isinstance(got["ok.weight"], w12.TiledW12)
     assert_bitwise_equal(got["wide.weight"], t["wide.weight"])
 
 
@@ -350,7 +351,7 @@ def test_pack_keeps_bf16_where_w12_takes_more_memory(tmp_path, capsys):
 def _mistakes():
     torch.manual_seed(0)
     w = (torch.randn(8, 64) * 0.05).bfloat16()
-    p, x = w12.pack(w), torch.randn(3, 64).bfloat16()
+    p, x = w12.pack(w, layout="planes"), torch.randn(3, 64).bfloat16()
     plan = gdn.build_tree_plan([[-1, 0, 1, 2]])
     q, k, v = torch.randn(4, 1, 16), torch.randn(4, 1, 16), torch.randn(4, 2, 16)
     g, beta, pool = -torch.rand(4, 2), torch.rand(4, 2), torch.randn(2, 2, 16, 16)

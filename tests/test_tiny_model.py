@@ -27,7 +27,7 @@ def record():
 @pytest.fixture(scope="module")
 def state():
     """The W12 file decoded through w12's public API, as the engine reads it."""
-    entries = w12.load_file(CKPT / WEIGHTS_FILE)
+    entries = w12.load_file(CKPT / WEIGHTS_FILE, layout="planes")
     return entries, {k: (w12.unpack(v) if isinstance(v, w12.W12Weight) else v) for k, v in entries.items()}
 
 

@@ -95,7 +95,7 @@ def test_merged_column_parallel(sglang_tp1):
     assert torch.equal(w12.unpack(p).view(torch.int16), full.view(torch.int16))
     # per-row windows: the merged packing is the parts' packings stacked, and splits back into them exactly
     for q, wi in zip(sharding.split_n(p, layer.w12_partition_sizes), parts):
-        ref = w12.pack(wi)
+        ref = w12.pack(wi, layout="planes")
         for name in ("hi", "lo", "e0", "esc_rowptr", "esc_col", "esc_val"):
             assert torch.equal(getattr(q, name), getattr(ref, name)), name
     x = _x(4, K)

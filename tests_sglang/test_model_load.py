@@ -37,7 +37,7 @@ def loaded(sglang_tp1):
     model = get_model(model_config=mc, load_config=LoadConfig(load_format=sa.load_format),
                       device_config=DeviceConfig("cpu"))
     ckpt = {k: (w12.unpack(v) if isinstance(v, w12.W12Weight) else v)
-            for k, v in w12.load_file(sglang_tp1.model_dir / "model.w12.safetensors").items()}
+            for k, v in w12.load_file(sglang_tp1.model_dir / "model.w12.safetensors", layout="planes").items()}
     return model, ckpt
 
 

@@ -32,7 +32,7 @@ def _bits(t):
 @pytest.mark.parametrize("N,K", [(37, 130), (8, 64), (63, 500)], ids=lambda v: str(v))
 def test_slice_n_exact(N, K):
     w = _weight(N, K, seed=N)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     assert p.num_escapes > 0
     for a, b in ((0, N), (0, 1), (N // 3, N - 2), (N - 1, N)):
         q = sharding.slice_n(p, a, b).validate(deep=True)
@@ -42,7 +42,7 @@ def test_slice_n_exact(N, K):
 @pytest.mark.parametrize("N,K", [(37, 130), (9, 256), (5, 500)], ids=lambda v: str(v))
 def test_slice_k_exact(N, K):
     w = _weight(N, K, seed=K)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     for a, b in ((0, K), (0, 64), (64, K), (0, K // 2 + 3), (64, 64 + 37), (7, K - 5), (K - 1, K)):
         q = sharding.slice_k(p, a, b).validate(deep=True)
         assert q.K == b - a
@@ -51,7 +51,7 @@ def test_slice_k_exact(N, K):
 
 def test_split_concat_round_trip():
     w = _weight(48, 128, seed=3)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     parts = sharding.split_n(p, [16, 8, 24])
     assert [q.N for q in parts] == [16, 8, 24]
     back = sharding.concat_n(parts).validate(deep=True)
@@ -63,7 +63,7 @@ def test_merged_shard_layout():
     """A merged weight's rank shard holds every logical part's rank slice, stacked."""
     sizes, K = [32, 16, 16], 96
     w = _weight(sum(sizes), K, seed=4)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     for rank in range(2):
         got = w12.unpack(sharding.shard_merged_n(p, sizes, rank, 2))
         want, r0 = [], 0
@@ -74,7 +74,7 @@ def test_merged_shard_layout():
 
 
 def test_bad_ranges_say_how_to_fix():
-    p = w12.pack(_weight(8, 64))
+    p = w12.pack(_weight(8, 64), layout="planes")
     with pytest.raises(ValueError, match="specpilot.sglang.slice_n"):
         sharding.slice_n(p, 4, 4)
     with pytest.raises(ValueError, match="not divisible by the tensor-parallel size 3"):

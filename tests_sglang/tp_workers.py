@@ -63,7 +63,7 @@ def check_linears(rank: int, world: int, device: torch.device, sizes=(1, 4, 16))
 
     N, K = 384, 512
     w = _weight(N, K, 11, device)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     ws = w12.unpack(p)
     out = {"n_equal": True, "k_equal_split": True, "k_close": True, "n_equal_auto": True, "n_max_diff_auto": 0.0,
            "k_max_diff": 0.0}

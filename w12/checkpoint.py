@@ -172,7 +172,7 @@ def _pack_bits(bits: np.ndarray, device: str, verify: bool) -> tuple[dict[str, n
         from .format import pack
 
         w = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(device)
-        p = pack(w, verify=verify)
+        p = pack(w, verify=verify, layout="planes")  # the file holds the version-1 planes (compact_planes)
     return {k: t.cpu().numpy() for k, t in compact_planes(p).items()}, p.nbytes
 
 

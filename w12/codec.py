@@ -1,7 +1,7 @@
 """CPU codec for W12 in numba (`@njit(parallel=True)`), for checkpoints larger than GPU memory.
 
-Works on numpy `uint16` bit patterns and gives planes bit-identical to `w12.pack` (torch). Rows
-are independent, so both directions are `prange` loops over rows; `pack` takes two passes
+Works on numpy `uint16` bit patterns and gives planes bit-identical to `w12.pack(..., layout="planes")`
+(torch). Rows are independent, so both directions are `prange` loops over rows; `pack` takes two passes
 (codes + escape counts, then escapes written at their CSR offsets).
 
     planes = pack_bits(bits_u16)          # dict of numpy planes + "K"
@@ -140,7 +140,8 @@ def _bits_numpy(weight: torch.Tensor) -> np.ndarray:
 
 
 def pack(weight: torch.Tensor, verify: bool = True) -> W12Weight:
-    """`w12.pack` on the CPU through numba: same planes, bit for bit. Returns a CPU `W12Weight`."""
+    """`w12.pack(weight, layout="planes")` on the CPU through numba: same planes, bit for bit. Returns a CPU
+    `W12Weight`."""
     check_pack_input(weight)
     bits = _bits_numpy(weight)
     planes = pack_bits(bits)

@@ -256,7 +256,8 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     """out[M, N] = x2d @ W^T (+ bias) from the runtime layout `t`, on torch's current stream (CUDA-graph capturable
     once the kernel is loaded). `step`: a ladder build (module doc; "a" and "b" leave `out` unwritten).
     `defines` add to the build's defines; `smem`: dynamic shared memory per CTA, at least what the config needs;
-    `q8`: the product with the 8-bit view (`w12.decode_q8`'s weight), reading each tile's hi bytes only. Where N is
+    `q8`: the product with the 8-bit view (`w12.decode_q8`'s weight), reading each tile's hi bytes only. An fp32
+    `out` takes the fp32 sums unrounded (the W12F_OUT32 build; a bf16 `out` holds them rounded once). Where N is
     a multiple of 16 and M > 8 the build takes every row block as full (W12F_FULL: the lane's copies at fixed
     offsets from one pointer); `defines` may turn that off ({"W12F_FULL": 0}), or on at M <= 8, not on elsewhere.
     `pdl`: programmatic dependent launch. The kernel then requests its first tiles, and reads e0 and the escapes,
@@ -274,9 +275,11 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
                          f"{x2d.dtype} {tuple(x2d.shape)} on {x2d.device}")
     if padded_k(K) > MAX_KP:
         raise ValueError(f"w12.flow.launch_tiled: K <= {MAX_KP} columns, got K={K}")
-    if tuple(out.shape) != (M, t.N) or out.dtype != torch.bfloat16 or not out.is_contiguous():
-        raise ValueError(f"w12.flow.launch_tiled: out must be a contiguous bf16 [{M}, {t.N}] tensor, got "
+    if tuple(out.shape) != (M, t.N) or out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous():
+        raise ValueError(f"w12.flow.launch_tiled: out must be a contiguous bf16 or fp32 [{M}, {t.N}] tensor, got "
                          f"{out.dtype} {tuple(out.shape)}")
+    if out.dtype == torch.float32:
+        defines = dict(defines or {}) | {"W12F_OUT32": 1}
     nt = n_tiles(M)
     if trace is not None:
         if trace.dtype != torch.int64 or trace.device != x2d.device or not trace.is_contiguous() or \

@@ -63,7 +63,7 @@ class W12Weight:
     """A BF16 weight `[N, K]` packed losslessly into W12 planes.
 
     Attributes: the planes `hi`, `lo`, `e0`, `esc_rowptr`, `esc_col`, `esc_val` (see the spec),
-    and the ints `N`, `K`, `Kp`. Build one with `w12.pack(weight)`; the constructor only checks
+    and the ints `N`, `K`, `Kp`. Build one with `w12.pack(weight, layout="planes")`; the constructor only checks
     shapes, dtypes and devices (`validate(deep=False)`).
     """
 
@@ -344,16 +344,19 @@ def _pack_rows(bits: torch.Tensor, Kp: int):
     return code, e0, ~dense
 
 
-def pack(weight: torch.Tensor, verify: bool = True, *, layout: str = "planes") -> "W12Weight | TiledW12":
-    """Pack a BF16 `[N, K]` weight into a `W12Weight` (or, with `layout="runtime"`, a `TiledW12`) on the same device.
+def pack(weight: torch.Tensor, verify: bool = True, *, layout: str = "runtime") -> "TiledW12 | W12Weight":
+    """Pack a BF16 `[N, K]` weight into a `TiledW12` (the runtime layout; with `layout="planes"`, a `W12Weight`) on
+    the same device.
 
     With `verify=True` (default) the result is decoded on the same device and compared bit for
     bit; a mismatch raises `W12VerificationError`. Syncs the host (escape count); offline use only.
 
-    `layout`: "planes" (default) returns the `W12Weight` (version-1 planes, rows padded to a multiple of 64
-    columns); "runtime" returns `w12.layout.tile` of it, a `TiledW12` (the flow kernel's layout, unpadded: at most
-    12.5 bits per weight for K >= 128 before escapes), and the version-1 planes are freed. Verification, if asked,
-    runs on the planes before they are tiled; `tile` is exact (`w12.layout.untile` gives the planes back).
+    `layout`: "runtime" (default) returns `w12.layout.tile` of the version-1 planes, a `TiledW12`, and frees the
+    planes; it is the default because it is what the flow kernel streams: tile-contiguous and unpadded, about 12.1
+    bits per weight at model sizes (12 bits plus row metadata and escapes). "planes" returns the `W12Weight`
+    (version-1 planes, rows padded to a multiple of 64 columns), the form that `variant=` and kernel selection,
+    row sharding and the older kernels (mma, tc, gemv) read. Verification, if asked, runs on the planes before they
+    are tiled; `tile` is exact (`w12.layout.untile` gives the planes back).
     """
     check_pack_input(weight)
     _bool_arg("w12.pack", "verify", verify)
@@ -361,7 +364,8 @@ def pack(weight: torch.Tensor, verify: bool = True, *, layout: str = "planes") -
     if layout == "runtime":
         from .layout import tile
 
-        return tile(pack(weight, verify))  # the W12Weight lives only for the call; the caller gets the tiles
+        # the W12Weight lives only for the call; the caller gets the tiles
+        return tile(pack(weight, verify, layout="planes"))
     w = weight.detach().contiguous()
     N, K = w.shape
     Kp = padded_k(K)

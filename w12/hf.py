@@ -12,7 +12,7 @@ does not know the method.
     # or convert a model in memory
     w12.hf.quantize(model, exclude="lm_head")
 
-    model.save_pretrained(out_dir)                      # planes as buffers, config names the W12 modules
+    model.save_pretrained(out_dir)                      # the version-1 planes, config names the W12 modules
     model = AutoModelForCausalLM.from_pretrained(out_dir)
 
 `save_pretrained` (wrapped once by this module) refuses a model holding `W12Linear` layers that its
@@ -24,6 +24,10 @@ from the checkpoint (a missing or mismatched one raises `W12CheckpointError` ins
 re-initialised), and every W12 weight is validated (deep) after loading. The escape lists are the
 only tensors whose shape is data; the loader is told so (`param_needs_quantization`) and replaces
 their placeholders whatever their length.
+
+The W12 layers of a loaded or converted model hold the runtime layout (`w12.convert`'s default): the shells
+take the version-1 planes by name, as the checkpoint stores them, and are tiled in place once validated
+(a layer whose weight is on the meta device, as with offloading, keeps the planes).
 """
 
 from __future__ import annotations
@@ -144,6 +148,8 @@ class W12HfQuantizer(HfQuantizer):
                     mod.weight.validate(deep=True)
                 except W12FormatError as e:
                     raise W12CheckpointError(f"W12 checkpoint: weight {name!r} is invalid: {e}") from e
+                if mod.weight.device.type != "meta":
+                    mod._retile()  # the runtime layout, as w12.convert gives (module doc)
         return model
 
     def is_serializable(self, safe_serialization=None) -> bool:

@@ -17,7 +17,8 @@ The safetensors metadata holds:
 
 `load_file` checks all of it: a truncated file, a flipped byte, a missing tensor or bad metadata
 raises `W12CorruptFileError` (a `W12FormatError`, hence a `ValueError`); it never loads silently.
-`load_file(path, layout="runtime")` returns every W12 entry as a `TiledW12`, tiled after those checks.
+`load_file` returns every W12 entry as a `TiledW12` (the runtime layout, which the flow kernel streams), tiled
+after those checks; `load_file(path, layout="planes")` returns the `W12Weight`s the file holds.
 """
 
 from __future__ import annotations
@@ -126,13 +127,15 @@ def _corrupt(path, what: str) -> W12CorruptFileError:
     return W12CorruptFileError(f"w12.load_file: {path}: {what}; the file is corrupt or was not written by w12.save_file - re-create it")
 
 
-def load_file(path, device="cpu", *, layout: str = "planes") -> dict[str, W12Weight | TiledW12 | torch.Tensor]:
+def load_file(path, device="cpu", *, layout: str = "runtime") -> dict[str, TiledW12 | W12Weight | torch.Tensor]:
     """Load a file written by `save_file`; every tensor is checksummed and every W12Weight is
     validated (deep) before it is moved to `device`.
 
-    `layout`: "planes" (default) gives each W12 entry as a `W12Weight`; "runtime" as a `TiledW12` on `device`
-    (`w12.layout.tile`, after the checks, one weight at a time, so only one weight's version-1 planes exist on
-    `device` at once). Plain tensors are returned as they are either way."""
+    `layout`: "runtime" (default) gives each W12 entry as a `TiledW12` on `device` (`w12.layout.tile`, after the
+    checks, one weight at a time, so only one weight's version-1 planes exist on `device` at once): the default,
+    as it is what the flow kernel streams, tile-contiguous and unpadded (about 12.1 bits per weight). "planes"
+    gives the `W12Weight` (the version-1 planes), which `variant=` and kernel selection, row sharding and the older
+    kernels read. Plain tensors are returned as they are either way."""
     _check_path("w12.load_file", path)
     check_layout_arg("w12.load_file", layout)
     path = os.fspath(path)

@@ -100,8 +100,8 @@ class Geometry:
 class TiledW12:
     """A W12 weight in the runtime layout: `tiles` (uint8 [Geometry(N, K).nbytes]) plus the version-1 `e0` and
     escape list (`esc_rowptr`, `esc_col`, `esc_val`), shared with the `W12Weight` it was built from.
-    Build one with `w12.layout.tile(packed)`, `w12.pack(weight, layout="runtime")` or
-    `w12.load_file(path, layout="runtime")`; `untile` gives the `W12Weight` back. `w12.unpack`, `w12.decode_q8`,
+    Build one with `w12.pack(weight)` or `w12.load_file(path)` (the runtime layout is their default) or
+    `w12.layout.tile(packed)`; `untile` gives the `W12Weight` back. `w12.unpack`, `w12.decode_q8`,
     `w12.matmul`, `w12.matmul_q8` and `w12.save_file` take it as they take a `W12Weight`."""
 
     __slots__ = ("tiles", "e0", "esc_rowptr", "esc_col", "esc_val", "N", "K", "_launched")
@@ -262,8 +262,10 @@ def tile(packed: W12Weight) -> TiledW12:
     """The runtime layout of `packed` (module doc), on its device; `e0` and the escape list are shared, not copied.
     Plain torch indexing, no host sync."""
     if not isinstance(packed, W12Weight):
-        raise TypeError(f"w12.layout.tile: expected a W12Weight (from w12.pack), got {type(packed).__name__}; "
-                        "pass w12.pack(weight)")
+        raise TypeError(f"w12.layout.tile: expected a W12Weight (from w12.pack(weight, layout=\"planes\")), got "
+                        f"{type(packed).__name__}; "
+                        + ("it is already the runtime layout (w12.pack returns a TiledW12)"
+                           if isinstance(packed, TiledW12) else "pass w12.pack(weight, layout=\"planes\")"))
     N, K, Kp = packed.N, packed.K, packed.Kp
     geo = Geometry(N, K)
     out = torch.empty(geo.nbytes, dtype=torch.uint8, device=packed.device)

@@ -3,18 +3,18 @@
     report = w12.convert(model, exclude=["lm_head"])
     print(report)
 
-The planes are registered as integer buffers (`w_hi`, `w_lo`, ...), so `model.to(device)`,
-`state_dict()` and dtype casts behave (casts leave integer buffers alone). `load_state_dict`
-between converted models takes each weight's own escape count (the escape lists differ in
-length per weight) and validates the planes it loaded. `forward` calls `w12.matmul` from
-`w12.ops`, imported on first use.
-
-A layer may hold its weight in the runtime layout instead (`W12Linear(tiled)`,
-`convert(model, layout="runtime")`): then the buffers are `w_tiles` (not persistent) and the
-shared `w_e0`, `w_esc_rowptr`, `w_esc_col`, `w_esc_val`, and `forward` runs `w12.matmul` on the
-`TiledW12`. Its state dict is still the version-1 planes (`w_hi`, `w_lo` untiled when it is taken,
-so a state dict of such a model briefly holds those planes), and `load_state_dict` tiles the
-planes it loads; the two kinds of layer load each other's state dicts.
+A layer holds its weight in the runtime layout (a `TiledW12`), the default of `convert`, `W12Linear.from_linear`
+and `load_model_weights` because it is what the flow kernel streams (tile-contiguous, unpadded, about 12.1 bits per
+weight), or in the version-1 planes (a `W12Weight`, `layout="planes"`), which `variant=` and kernel selection, row
+sharding and the older kernels read. The weight's tensors are registered as integer buffers, so
+`model.to(device)`, `state_dict()` and dtype casts behave (casts leave integer buffers alone): `w_tiles` (not
+persistent) and the shared `w_e0`, `w_esc_rowptr`, `w_esc_col`, `w_esc_val` in the runtime layout; `w_hi`,
+`w_lo`, `w_e0`, ... in the planes. The state dict is the version-1 planes either way (a runtime-layout layer's
+`w_hi`, `w_lo` are untiled when it is taken, so a state dict of such a model briefly holds those planes).
+`load_state_dict` between converted models takes each weight's own escape count (the escape lists differ in
+length per weight) and validates the planes it loaded; a runtime-layout layer tiles the planes it loads, so the
+two kinds of layer load each other's state dicts. `forward` calls `w12.matmul` from `w12.ops`, imported on first
+use, on the layer's `TiledW12` or `W12Weight`.
 
 `load_model_weights(model, path)` loads a file written by `specpilot pack` (or `w12.save_file`)
 into a model built from its config: W12 entries replace their `nn.Linear`, plain tensors are
@@ -46,9 +46,9 @@ _RESIZABLE = ("esc_col", "esc_val")
 
 
 class W12Linear(nn.Module):
-    """A linear layer `y = x @ W.T + b` whose BF16 weight is stored in W12: a `W12Weight` (the version-1 planes)
-    or a `TiledW12` (the runtime layout, `w12.pack(weight, layout="runtime")`). The state dict holds the
-    version-1 planes either way (module doc)."""
+    """A linear layer `y = x @ W.T + b` whose BF16 weight is stored in W12: a `TiledW12` (the runtime layout,
+    `w12.pack(weight)`) or a `W12Weight` (the version-1 planes, `w12.pack(weight, layout="planes")`). The state
+    dict holds the version-1 planes either way (module doc)."""
 
     def __init__(self, weight: W12Weight | TiledW12, bias: torch.Tensor | None = None):
         super().__init__()
@@ -77,9 +77,11 @@ class W12Linear(nn.Module):
         return "w_tiles" in self._buffers
 
     @classmethod
-    def from_linear(cls, linear: nn.Linear, verify: bool = True, *, layout: str = "planes") -> "W12Linear":
+    def from_linear(cls, linear: nn.Linear, verify: bool = True, *, layout: str = "runtime") -> "W12Linear":
         """Pack `linear.weight` (must be BF16) on its own device; the bias is kept as is. `layout`: as for
-        `w12.pack` ("planes": a `W12Weight`, "runtime": a `TiledW12`)."""
+        `w12.pack`: "runtime" (default) a `TiledW12`, the layout the flow kernel streams (tile-contiguous,
+        unpadded, about 12.1 bits per weight); "planes" a `W12Weight`, the form that `variant=` and kernel
+        selection, row sharding and the older kernels read."""
         if not isinstance(linear, nn.Linear):
             raise TypeError(f"w12.W12Linear.from_linear: expected an nn.Linear, got {type(linear).__name__}; pass "
                             "an nn.Linear layer")
@@ -94,7 +96,8 @@ class W12Linear(nn.Module):
     @classmethod
     def empty(cls, in_features: int, out_features: int, bias: bool = True, *, device=None,
               dtype: torch.dtype = torch.bfloat16) -> "W12Linear":
-        """A layer holding the all-zero weight (valid planes, no escapes), to load a state dict into.
+        """A layer holding the all-zero weight in the version-1 planes (valid planes, no escapes), to load a state
+        dict into (a loader that sets the buffers by name, as transformers' does, finds `w_hi` and `w_lo`).
         `dtype` is the bias's; `device` may be "meta"."""
         if not all(isinstance(n, int) and not isinstance(n, bool) for n in (in_features, out_features)):
             raise TypeError(f"w12.W12Linear.empty: in_features and out_features must be ints, got {in_features!r}, "
@@ -113,6 +116,19 @@ class W12Linear(nn.Module):
         }
         b = torch.zeros(N, dtype=dtype, device=device) if bias else None
         return cls(W12Weight(**z, K=in_features), b)
+
+    def _retile(self) -> None:
+        """Hold the weight in the runtime layout in place: `w_tiles` (`w12.layout.tile` of the planes) replaces
+        `w_hi` and `w_lo`; the module object, its bias, `w_e0` and the escape list stay (as do hooks on the
+        module). Nothing to do where `is_tiled`."""
+        if self.is_tiled:
+            return
+        t = tile(self.weight)
+        shared = {f"w_{p}": self._buffers.pop(f"w_{p}") for p in PLANES}
+        self.register_buffer("w_tiles", t.tiles, persistent=False)
+        for p in TENSORS[1:]:  # the order of a layer built on a TiledW12
+            self.register_buffer(f"w_{p}", shared[f"w_{p}"])
+        self._cached = t
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if not self.is_tiled:
@@ -265,11 +281,13 @@ def _matches(name: str, patterns) -> bool:
 
 
 def convert(model: nn.Module, include=None, exclude=None, verify: bool = True, *,
-            layout: str = "planes") -> ConversionReport:
+            layout: str = "runtime") -> ConversionReport:
     """Replace `nn.Linear` modules of `model` in place by `W12Linear`.
 
-    `layout`: "planes" (default) gives each layer a `W12Weight`; "runtime" a `TiledW12` (`w12.pack`'s `layout`),
-    and the report's bytes are then those of the runtime layout. The state dict is the version-1 planes either way.
+    `layout`: "runtime" (default) gives each layer a `TiledW12`, the layout the flow kernel streams
+    (tile-contiguous, unpadded, about 12.1 bits per weight), and the report's bytes are those of the runtime
+    layout; "planes" a `W12Weight` (`w12.pack`'s `layout`), the form that `variant=` and kernel selection, row
+    sharding and the older kernels read. The state dict is the version-1 planes either way.
 
     `include` / `exclude`: fnmatch patterns (a string or a list) on qualified module names, e.g.
     `"model.layers.*.mlp.*"`; default: every linear, nothing excluded. Layers that cannot be
@@ -357,7 +375,7 @@ def _attach_hf(model: nn.Module, include=None, exclude=None) -> None:
         hf.attach(model, include=include, exclude=exclude)
 
 
-def load_model_weights(model: nn.Module, path, *, device=None) -> ConversionReport:
+def load_model_weights(model: nn.Module, path, *, device=None, layout: str = "runtime") -> ConversionReport:
     """Load a W12 safetensors file (from `specpilot pack`, `w12.checkpoint.pack_checkpoint` or
     `w12.save_file`) into `model`, a model of the checkpoint's architecture (e.g. built from its
     config, with random or meta weights).
@@ -371,14 +389,18 @@ def load_model_weights(model: nn.Module, path, *, device=None) -> ConversionRepo
     raises `W12CheckpointError` listing them, before the model is changed.
 
     `device`: where the loaded tensors go; default: the device of the model tensor each replaces
-    (CPU where that is meta). Returns a `ConversionReport` of the layers replaced.
+    (CPU where that is meta). `layout`: the form of the new layers' weights, as for `convert`: "runtime" (default)
+    a `TiledW12`, tiled on that device, "planes" a `W12Weight`. Returns a `ConversionReport` of the layers
+    replaced.
     """
     from .io import load_file
 
     if not isinstance(model, nn.Module):
         raise TypeError(f"w12.load_model_weights: expected an nn.Module, got {type(model).__name__}; pass a model "
                         "built from the checkpoint's config")
-    entries = load_file(path)  # checksummed and deep-validated
+    check_layout_arg("w12.load_model_weights", layout)
+    # checksummed and deep-validated; planes, so each layer is tiled on its own device and other entries decode
+    entries = load_file(path, layout="planes")
     current = model.state_dict(keep_vars=True)
     aliases: dict[int, int] = {}
     for t in current.values():
@@ -431,6 +453,8 @@ def load_model_weights(model: nn.Module, path, *, device=None) -> ConversionRepo
     for mod_name, mod, w in swaps:
         ref = current[f"{mod_name}.weight"] if f"{mod_name}.weight" in current else current[f"{mod_name}.w_hi"]
         w = w.to(dest(ref))
+        if layout == "runtime":
+            w = tile(w)
         bias = None
         if mod.bias is not None:
             bias = torch.zeros(w.N, dtype=mod.bias.dtype, device=w.device)  # filled from the file below

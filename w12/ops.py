@@ -409,9 +409,13 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
       kernel"), at `w12.configs.flow_config`'s config (a tuned entry, else the heuristic) or the `FlowConfig` that
       `autotune.force("w12.matmul", config=...)` (`"w12.matmul_q8"` for q8) pins; fp32 accumulation, one rounding.
     - bf16 x with 33..`CHUNK_MAX_M` (96) rows there: the flow kernel once per 32-row piece of x.
-    - Any other call (more rows, fp16 x, a GPU without the CUDA kernels): the weight decoded for the call
-      (`untile` + `unpack`, or `decode_q8`) and `F.linear` in x's dtype, the error of a same-precision F.linear;
-      on CPU tensors in fp32, then rounded to x's dtype (as `w12.matmul`'s torch path).
+    - fp16 x with 1..`CHUNK_MAX_M` / 2 (48) rows there: x split into two bf16 halves that add up to it exactly
+      (`split_fp16`), both multiplied in one launch per 16 rows of x by the flow kernel's fp32-output build, the
+      halves' fp32 sums added, one rounding to fp16 (`fp16_by_bf16_pair`): the error of a same-precision F.linear.
+    - Any other call (more rows, fp16 x above 48 rows, a GPU without the CUDA kernels): the weight decoded for the call
+      (`untile` + `unpack`, or `decode_q8`) and `F.linear` in x's dtype (for fp16 x in fp32 over slices of
+      `FP32_SLICE_ROWS` weight rows, then rounded once: a bf16 weight does not fit fp16), the error of a
+      same-precision F.linear; on CPU tensors in fp32, then rounded to x's dtype (as `w12.matmul`'s torch path).
 
     Same results as `w12.matmul` on the planes up to the order of the fp32 sums; `out` as there.
 
@@ -424,7 +428,7 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
     fn = f"w12.matmul_tiled ({name})"
     if not isinstance(tiled, TiledW12):
         raise TypeError(f"{fn}: tiled must be a TiledW12, got {type(tiled).__name__}; build one with "
-                        "w12.layout.tile(w12.pack(weight))" + ("; for a W12Weight call w12.matmul"
+                        "w12.pack(weight) (its default form)" + ("; for a W12Weight call w12.matmul"
                                                                if isinstance(tiled, W12Weight) else ""))
     return _matmul_tiled(x, tiled, bias, q8=q8, out=out, pdl=pdl, fn=fn)
 
@@ -464,14 +468,83 @@ def _matmul_tiled_eager(x2d, tiled: TiledW12, bias, *, q8: bool, out2d: torch.Te
                 xs = x2d[i:i + FLOW_MAX_M]
                 flow.launch_tiled(_flow_config(xs, tiled, op), xs, tiled, bias, out2d[i:i + FLOW_MAX_M], q8=q8,
                                   **_pdl_args(pdl))
+        elif M <= CHUNK_MAX_M // 2 and _flow_config(x2d[:FLOW_MAX_M // 2], tiled, op, torch.float16) is not None:
+            from . import flow
+
+            def product32(xb: torch.Tensor) -> torch.Tensor:
+                o = torch.empty((xb.shape[0], N), device=xb.device, dtype=torch.float32)
+                flow.launch_tiled(_flow_config(xb, tiled, op), xb, tiled, None, o, q8=q8, **_pdl_args(pdl))
+                return o
+
+            for i in range(0, M, FLOW_MAX_M // 2):
+                fp16_by_bf16_pair(x2d[i:i + FLOW_MAX_M // 2], product32, bias, out2d[i:i + FLOW_MAX_M // 2],
+                                  kernels=True)
         else:
-            if x2d.device.type == "cuda":
+            if x2d.device.type == "cuda" and x2d.dtype == torch.float16:
+                # bf16 -> fp16 would lose the weight's range and low bits: fp32 products, one rounding to fp16, over
+                # row slices of the weight so that its fp32 copy stays small
+                w = decode_tiled(tiled, q8=q8)
+                xf, bf = x2d.float(), None if bias is None else bias.float()
+                for n0 in range(0, N, FP32_SLICE_ROWS):
+                    n1 = min(N, n0 + FP32_SLICE_ROWS)
+                    out2d[:, n0:n1] = torch.nn.functional.linear(xf, w[n0:n1].float(),
+                                                                 None if bf is None else bf[n0:n1])
+            elif x2d.device.type == "cuda":
                 w = decode_tiled(tiled, q8=q8).to(x2d.dtype)
                 torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(x2d.dtype), out=out2d)
             else:
                 packed = untile(tiled)
                 planes = (packed.hi, packed.lo, packed.e0, packed.esc_rowptr, packed.esc_col, packed.esc_val)
                 out2d.copy_(_torch_fallback(x2d, *planes, bias, K=K, q8=q8))
+
+
+FP32_SLICE_ROWS = 8192  # weight rows per fp32 F.linear of the decode path for fp16 x (168 MB at K = 5120)
+_PAIR_BLOCK = 1024  # columns a program of the fp16 split and sum kernels takes
+
+
+def split_fp16(x: torch.Tensor, *, kernels: bool = False) -> torch.Tensor:
+    """fp16 x [m, K] as bf16 [2 m, K]: rows hi = bf16(x) (round to nearest even), then lo = x - hi, so that
+    x = hi + lo exactly wherever x is finite (x's 11 significant bits less hi's 8 leave lo at most 4, and bf16's
+    exponent range holds every fp16 value, subnormals included). Where x is +-Inf or NaN, hi carries it and lo is
+    0. `kernels`: one Triton launch (`w12.kernels.fp16_pair`, the same bits) instead of torch's elementwise ops."""
+    if kernels:
+        from .kernels.fp16_pair import fp16_split_kernel
+
+        m, K = x.shape
+        x = x if x.stride(1) == 1 else x.contiguous()
+        xb = torch.empty((2 * m, K), device=x.device, dtype=torch.bfloat16)
+        fp16_split_kernel[(m, triton.cdiv(K, _PAIR_BLOCK))](x, x.stride(0), xb, m, K, BLOCK=_PAIR_BLOCK, num_warps=4)
+        return xb
+    xf = x.float()
+    hi = xf.to(torch.bfloat16)
+    lo = xf - hi.float()
+    lo = torch.where(torch.isfinite(lo), lo, torch.zeros_like(lo)).to(torch.bfloat16)
+    return torch.cat([hi, lo])
+
+
+def fp16_by_bf16_pair(x: torch.Tensor, product32, bias: torch.Tensor | None, out: torch.Tensor, *,
+                      kernels: bool = False) -> None:
+    """out [m, N] (fp16) = x @ W^T (+ bias) for fp16 x [m, K] from a bf16 product: `product32(xb)` gives xb @ W^T
+    [2 m, N] in fp32, unrounded, for xb = split_fp16(x) (the flow kernel's W12F_OUT32 build on a GPU). The two
+    halves are added in fp32, then the bias, then one rounding to fp16. Where the hi half's sum is not finite it is
+    the result: an infinite or NaN weight already gives it for every x there, and the lo half's 0 * Inf would add a
+    NaN x itself does not ask for. Where the lo half's sum is zero the hi half's is kept as it is (a -0.0 stays).
+    `kernels`: the split and the sum as one Triton launch each (`w12.kernels.fp16_pair`, the same bits)."""
+    m = x.shape[0]
+    o = product32(split_fp16(x, kernels=kernels))
+    if kernels:
+        from .kernels.fp16_pair import fp16_pair_sum_kernel
+
+        N = o.shape[1]
+        fp16_pair_sum_kernel[(m, triton.cdiv(N, _PAIR_BLOCK))](
+            o, out, out.stride(0), o if bias is None else bias, m, N, HAS_BIAS=bias is not None, BLOCK=_PAIR_BLOCK,
+            num_warps=4)
+        return
+    h, lo = o[:m], o[m:]
+    s = torch.where(torch.isfinite(h) & (lo != 0), h + lo, h)
+    if bias is not None:
+        s = s + bias.float()  # no +0.0 without a bias: it would turn -0.0 into +0.0
+    out.copy_(s)
 
 
 def _pdl_args(pdl: bool | None) -> dict:
@@ -503,9 +576,11 @@ def _chunk_rows() -> int:
 CHUNK_MAX_M = _chunk_rows()
 
 
-def _flow_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> FlowConfig | None:
-    """The flow kernel's config for this call, or None where it does not run (see `matmul_tiled`)."""
-    if x2d.device.type != "cuda" or x2d.dtype != torch.bfloat16 or not 0 < x2d.shape[0] <= FLOW_MAX_M:
+def _flow_config(x2d: torch.Tensor, tiled: TiledW12, op: str, dtype: torch.dtype = torch.bfloat16
+                 ) -> FlowConfig | None:
+    """The flow kernel's config for this call, or None where it does not run (see `matmul_tiled`). `dtype`: the x
+    dtype the call runs the kernel on (fp16 x runs it on its bf16 halves)."""
+    if x2d.device.type != "cuda" or x2d.dtype != dtype or not 0 < x2d.shape[0] <= FLOW_MAX_M:
         return None
     if wcuda.unavailable(x2d.device) is not None:
         return None

@@ -79,8 +79,8 @@ def pack_reference(weight: torch.Tensor) -> W12Weight:
 
 def _check_packed(fn: str, packed) -> None:
     if not isinstance(packed, W12Weight):
-        raise TypeError(f"w12.{fn}: expected a W12Weight (from w12.pack), got {type(packed).__name__}; pass "
-                        "w12.pack(weight)")
+        raise TypeError(f"w12.{fn}: expected a W12Weight (the version-1 planes), got {type(packed).__name__}; pass "
+                        "w12.pack(weight, layout=\"planes\"), or w12.layout.untile(tiled) for a TiledW12")
 
 
 def unpack_reference(packed: W12Weight) -> torch.Tensor:

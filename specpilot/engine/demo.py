@@ -41,14 +41,14 @@ def _repack(src: Path, dst: Path, log) -> None:
 
     from ..models import CONFIG_FILE, WEIGHTS_FILE
 
-    shipped = w12.load_file(src / WEIGHTS_FILE)
+    shipped = w12.load_file(src / WEIGHTS_FILE, layout="planes")  # decoded to BF16 below
     bf16 = {k: (v.unpack() if isinstance(v, w12.W12Weight) else v) for k, v in shipped.items()}
     dst.mkdir(parents=True, exist_ok=True)
     save_file(bf16, str(dst / "bf16.safetensors"))
     t0 = time.perf_counter()
     rep = pack_checkpoint(dst / "bf16.safetensors", dst / WEIGHTS_FILE, progress=False)
     (dst / "bf16.safetensors").unlink()
-    again = w12.load_file(dst / WEIGHTS_FILE)
+    again = w12.load_file(dst / WEIGHTS_FILE, layout="planes")
     for k, v in again.items():
         got = v.unpack() if isinstance(v, w12.W12Weight) else v
         if not torch.equal(got.view(torch.int16), bf16[k].view(torch.int16)):

@@ -130,7 +130,8 @@ def load_tensors(path) -> tuple[dict, bool]:
                                 "(BF16 safetensors, or a W12 file from `specpilot pack`)")
     out = {}
     for f in files:
-        entries = w12.load_file(f) if packed else load_file(str(f))
+        # planes: the layers are decoded to BF16 and fused here, and a W12 head keeps its planes (lmhead slices them)
+        entries = w12.load_file(f, layout="planes") if packed else load_file(str(f))
         for name, t in entries.items():
             out[_strip(name)] = t
     return out, bool(packed)

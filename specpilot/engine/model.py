@@ -141,8 +141,9 @@ class Linear:
         weight = weight.to(device=device, dtype=torch.bfloat16).contiguous()
         if fmt != "w12":
             return cls(weight=weight)
-        packed = w12.pack(weight)
-        return cls(tiled=w12.layout.tile(packed)) if tiled else cls(packed=packed)
+        if tiled:
+            return cls(tiled=w12.pack(weight, layout="runtime"))
+        return cls(packed=w12.pack(weight, layout="planes"))  # w12.matmul with the engine's variant, the head's rows
 
     @property
     def shape(self) -> tuple[int, int]:
@@ -153,7 +154,8 @@ class Linear:
 
     def ensure_packed(self) -> "w12.W12Weight":
         if self.packed is None:
-            self.packed = w12.layout.untile(self.tiled) if self.tiled is not None else w12.pack(self.weight)
+            self.packed = (w12.layout.untile(self.tiled) if self.tiled is not None
+                           else w12.pack(self.weight, layout="planes"))
         return self.packed
 
     def __call__(self, x: torch.Tensor, kernels: Kernels, q8: bool = False,

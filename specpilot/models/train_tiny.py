@@ -164,7 +164,8 @@ def load_state_dict(ckpt_dir=None) -> dict[str, torch.Tensor]:
     import w12
 
     path = pathlib.Path(ckpt_dir or tiny_stdlib_path()) / WEIGHTS_FILE
-    return {k: (w12.unpack(v) if isinstance(v, w12.W12Weight) else v) for k, v in w12.load_file(path).items()}
+    entries = w12.load_file(path, layout="planes")  # the planes: each W12 entry is decoded here, not tiled
+    return {k: (w12.unpack(v) if isinstance(v, w12.W12Weight) else v) for k, v in entries.items()}
 
 
 def build_model(ckpt_dir=None, dtype: torch.dtype = torch.float32):

@@ -37,7 +37,7 @@ def is_w12_file(path) -> bool:
 
 def decoded_tensors(path):
     """(name, tensor) of a W12 file, W12 weights decoded to BF16, plain tensors as stored."""
-    for name, v in w12.load_file(path).items():
+    for name, v in w12.load_file(path, layout="planes").items():
         yield name, (w12.unpack(v) if isinstance(v, w12.W12Weight) else v)
 
 

@@ -97,12 +97,13 @@ def packed_weight(layer: torch.nn.Module) -> w12.W12Weight:
 
 
 def pack_verified(weight: torch.Tensor, where: str = "weight") -> w12.W12Weight:
-    """`w12.pack(weight)`, then `w12.unpack` compared with `weight` bit for bit; `W12LoadError` if not equal."""
+    """`w12.pack(weight, layout="planes")`, then `w12.unpack` compared with `weight` bit for bit; `W12LoadError` if
+    not equal. The planes, as the layer's buffers hold them and `sharding` slices them by rows."""
     if weight.dtype != torch.bfloat16:
         raise W12LoadError(f"specpilot.sglang.w12: {where} is {weight.dtype}; W12 stores BF16 weights only; "
                            "load the model with --dtype bfloat16")
     try:
-        p = w12.pack(weight)
+        p = w12.pack(weight, layout="planes")
     except w12.W12Error as e:
         raise W12LoadError(f"specpilot.sglang.w12: {where} {tuple(weight.shape)} failed W12 packing: {e}; "
                            "refusing to start on a changed weight") from e

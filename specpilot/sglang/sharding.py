@@ -47,7 +47,7 @@ def slice_k(p: w12.W12Weight, start: int, end: int) -> w12.W12Weight:
     of 64; otherwise decode, cut and pack again (verified bit for bit by `w12.pack`)."""
     _check_range("slice_k", start, end, p.K, "K")
     if start % GROUP:
-        return w12.pack(w12.unpack(p)[:, start:end].contiguous())
+        return w12.pack(w12.unpack(p)[:, start:end].contiguous(), layout="planes")
     K = end - start
     Kp = padded_k(K)
     hi = p.hi[:, start : start + Kp].clone()

@@ -67,7 +67,7 @@ def make_head(weight, screen, **kw):
     import w12
 
     if screen == "w12":
-        return lmhead.CertifiedHead(w12.pack(weight), screen="w12", **kw)
+        return lmhead.CertifiedHead(w12.pack(weight, layout="planes"), screen="w12", **kw)
     return lmhead.CertifiedHead(weight, screen=screen, **kw)
 
 

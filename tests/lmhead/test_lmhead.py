@@ -49,7 +49,7 @@ def test_auto_screen_on_cpu(kind, lm):
     import w12
 
     w = lm.rand_weight(20, 40, seed=5)
-    head = lmhead.CertifiedHead(w if kind == "bf16" else w12.pack(w))
+    head = lmhead.CertifiedHead(w if kind == "bf16" else w12.pack(w, layout="planes"))
     h = lm.rand_hidden(2, 40, seed=6)
     lm.check_argmax(head, h)
     assert head.stats()["screen"] == ("int8" if kind == "bf16" else "w12")

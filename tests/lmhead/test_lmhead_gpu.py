@@ -36,7 +36,7 @@ def head_of(w, screen, **kw):
     import w12
 
     if screen == "w12":
-        return lmhead.CertifiedHead(w12.pack(w), screen="w12", **kw)
+        return lmhead.CertifiedHead(w12.pack(w, layout="planes"), screen="w12", **kw)
     return lmhead.CertifiedHead(w, screen=screen, **kw)
 
 
@@ -266,7 +266,7 @@ def test_w12_exact_logits_packed_decode_equal_the_plain_decode(screen, M, monkey
 
     assert ops._packed_decode(torch.device(DEV))[0] is not None
     w = hostile_head(4096)
-    head = lmhead.CertifiedHead(w12.pack(w), screen=screen)
+    head = lmhead.CertifiedHead(w12.pack(w, layout="planes"), screen=screen)
     h = hidden(M, seed=200 + M)
     got = head.logits(h), head.argmax(h), *head.topk(h, 8)
     monkeypatch.setattr(ops, "_packed_decode", lambda device: (None, None))

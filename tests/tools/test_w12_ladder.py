@@ -122,6 +122,16 @@ def test_refuses_without_a_gpu(ladder, capsys):
     assert "--build-only" in capsys.readouterr().err
 
 
+def test_forms_refuses_without_a_gpu_and_parses_its_rows(ladder, capsys):
+    args = ladder.parse(["--forms", "--forms-m", "1", "40", "--forms-fp16-m"])
+    assert args.forms and args.forms_m == [1, 40] and args.forms_fp16_m == []
+    assert ladder.parse([]).forms_fp16_m == [1, 8, 16, 32, 48]
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert ladder.main(["--forms"]) == 2
+    assert "CUDA GPU" in capsys.readouterr().err
+
+
 def test_fp64_check(ladder):
     g = torch.Generator().manual_seed(0)
     w = torch.randn(40, 64, generator=g).to(torch.bfloat16)

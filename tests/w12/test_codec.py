@@ -35,7 +35,7 @@ CASES = list(_weights())
 
 @pytest.mark.parametrize("w", [c[1] for c in CASES], ids=[c[0] for c in CASES])
 def test_codec_matches_torch(w):
-    pt = w12.pack(w)
+    pt = w12.pack(w, layout="planes")
     pn = codec.pack(w)  # verify=True: numba decode checked too
     _same_planes(pt, pn)
     assert_bitwise_equal(codec.unpack(pt), w)  # torch-packed -> numba-unpacked
@@ -75,12 +75,12 @@ def test_bench_codec_unpack(benchmark):
 
 def test_bench_torch_pack(benchmark):
     w = _bench_weight()
-    p = benchmark(w12.pack, w, verify=False)
+    p = benchmark(w12.pack, w, verify=False, layout="planes")
     assert p.shape == w.shape
 
 
 def test_bench_torch_unpack(benchmark):
     w = _bench_weight()
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     out = benchmark(w12.unpack, p)
     assert_bitwise_equal(out, w)

@@ -55,7 +55,7 @@ def _run(cfg, x, t, bias=None, step="e", **kw):
                                    (9, 5120, 6144)], ids=lambda v: str(v))
 def test_flow_matches_fp64(cfg, M, N, K):
     w = escaped_weight(N, K, seed=N + K)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = gaussian_x(M, K, seed=M)
     bias = (gaussian_x(1, N, seed=N)[0] * 0.1) if N % 2 else None  # a seeded generator, never the global CUDA one
@@ -70,7 +70,7 @@ def test_fixed_base_equals_exact_base_bitwise(cfg, xkind):
     2^-70, 2^60, subnormal-salted or NaN/Inf-salted: the guard sends the rows outside the identity's range to the
     exact base, so the two builds agree bit for bit (NaN payloads included)."""
     N, K, M = 70, 300, 11
-    p = w12.pack(hostile_weight(N, K, seed=1).cuda())
+    p = w12.pack(hostile_weight(N, K, seed=1).cuda(), layout="planes")
     t = layout.tile(p)
     x = gaussian_x(M, K, seed=2).float()
     x = {"normal": x, "tiny": x * 2.0**-70, "huge": x * 2.0**60}.get(xkind, x).to(torch.bfloat16)
@@ -89,7 +89,7 @@ def test_two_row_blocks_per_warp_equal_one_bitwise(M, N, xkind):
     subnormals, huge and tiny rows, salted escapes) and x salted with NaN, +-Inf, +-0 and subnormals, with an odd
     number of row blocks (the last row group's second block past the weight) and a partial last block."""
     K = 300
-    p = w12.pack(hostile_weight(N, K, seed=N).cuda())
+    p = w12.pack(hostile_weight(N, K, seed=N).cuda(), layout="planes")
     t = layout.tile(p)
     x = gaussian_x(M, K, seed=M)
     if xkind == "nonfinite":
@@ -106,7 +106,7 @@ def test_every_unit_reaches_the_guard(unit):
     guard, so the fixed-base build gives the exact-base build's bits (tests/w12/test_flow_kernel.py shows, in the
     fp32 model, that without the guard it would not)."""
     w, _, x = one_unit_tiny_case(unit)
-    t = layout.tile(w12.pack(w.cuda()))
+    t = layout.tile(w12.pack(w.cuda(), layout="planes"))
     x = x.cuda()
     fixed = _run(FlowConfig(warps=8, kw=2, fixed=True), x, t)
     exact = _run(FlowConfig(warps=8, kw=2), x, t)
@@ -117,7 +117,7 @@ def test_every_unit_reaches_the_guard(unit):
 def test_partial_ladder_steps_at_kw_1(step):
     N, K, M = 200, 1000, 7
     w = escaped_weight(N, K, seed=5)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = gaussian_x(M, K, seed=6)
     out = _run(FlowConfig(warps=8, kw=1), x, t, step=step)
@@ -148,7 +148,7 @@ def test_k_split_across_ctas_matches_fp64(cfg, M, N, K):
 def _check_fp64_and_repeats(cfg, M: int, N: int, K: int, repeats: int) -> None:
     """`cfg` at (M, N, K) against fp64 (a bias where N is odd), then `repeats` more runs equal to it bit for bit."""
     w = escaped_weight(N, K, seed=N + K)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = gaussian_x(M, K, seed=M)
     bias = (gaussian_x(1, N, seed=N)[0] * 0.1) if N % 2 else None
@@ -163,7 +163,7 @@ def _hostile_case(xkind: str, seed: int):
     +-0 and subnormals; with the outputs where x is non-finite at a column that holds an escape of the row (there
     the kernels give NaN: w12.matmul's documented difference)."""
     N, K, M = 70, 300, 11
-    p = w12.pack(hostile_weight(N, K, seed=seed).cuda())
+    p = w12.pack(hostile_weight(N, K, seed=seed).cuda(), layout="planes")
     x = gaussian_x(M, K, seed=seed + 1)
     if xkind == "nonfinite":
         _salt(x)
@@ -251,7 +251,7 @@ def test_k_split_through_memory_equals_the_cluster_build_bitwise(M):
 def test_forced_config_graph_replay_and_repeatability(cfg):
     N, K, M = 1030, 5120, 4
     w = escaped_weight(N, K, seed=7)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = gaussian_x(M, K, seed=8)
     with autotune.force("w12.matmul", config=cfg):
         y = w12.matmul(x, p)
@@ -288,7 +288,7 @@ def test_q8_build_matches_the_8_bit_view(cfg, M, N, K):
     """The 8-bit view's build (hi bytes only) against fp64 with `w12.decode_q8`'s weight, and bit for bit run to
     run."""
     w = escaped_weight(N, K, seed=N + K + 1)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = gaussian_x(M, K, seed=M + 1)
     bias = (gaussian_x(1, N, seed=N)[0] * 0.1) if N % 2 else None
@@ -321,7 +321,7 @@ def test_matmul_tiled(M, dtype, q8):
     F.linear above 32 rows or for fp16 x; against fp64 (the 8-bit view's weight for q8), with a bias."""
     N, K = 1030, 1000
     w = escaped_weight(N, K, seed=M + 3)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = gaussian_x(M, K, seed=M).to(dtype)
     bias = gaussian_x(1, N, seed=N)[0].to(dtype) * 0.1
@@ -339,7 +339,7 @@ def test_matmul_tiled_in_32_row_pieces(M, monkeypatch):
     monkeypatch.setattr(w12.ops, "CHUNK_MAX_M", 96)
     N, K = 1030, 1000
     w = escaped_weight(N, K, seed=M + 5)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = gaussian_x(M, K, seed=M + 6)
     bias = gaussian_x(1, N, seed=N)[0] * 0.1
@@ -353,7 +353,7 @@ def test_matmul_tiled_in_32_row_pieces(M, monkeypatch):
 def test_matmul_tiled_forced_config_and_graph_replay():
     N, K, M = 5120, 6144, 4
     w = escaped_weight(N, K, seed=11)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = gaussian_x(M, K, seed=12)
     y = w12.matmul_tiled(x, t)
@@ -383,7 +383,7 @@ def test_decode_tiled_is_unpack_bitwise(N, K, groups, monkeypatch):
     from w12.ops import decode_tiled
 
     monkeypatch.setattr(ops, "UNTILE_GROUPS", groups)
-    p = w12.pack(hostile_weight(N, K, seed=N + K).cuda() if N < 2000 else escaped_weight(N, K, seed=N))
+    p = w12.pack(hostile_weight(N, K, seed=N + K).cuda() if N < 2000 else escaped_weight(N, K, seed=N), layout="planes")
     t = layout.tile(p)
     assert torch.equal(decode_tiled(t).view(torch.int16), w12.unpack(p).view(torch.int16))
     assert torch.equal(decode_tiled(t, q8=True).view(torch.int16), w12.decode_q8(p).view(torch.int16))
@@ -399,14 +399,14 @@ def test_chain_under_programmatic_dependent_launch(cfg, graph):
     launched without it, bit for bit, and a layout written in place between two launches is read after the write.
     The outputs are filled with NaN before each chain, so a read of x before the previous kernel wrote it shows."""
     n, m = 1024, 4
-    ts = [layout.tile(w12.pack(escaped_weight(n, n, seed=40 + i))) for i in range(6)]
+    ts = [layout.tile(w12.pack(escaped_weight(n, n, seed=40 + i), layout="planes")) for i in range(6)]
     x = gaussian_x(m, n, seed=9)
     ys = [x] + [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ts]
     _chain_with_and_without_pdl(cfg, ts, ys, graph, runs=3)
     # the default launch: the first one after an in-place write to the layout waits for the kernel that wrote it.
     # -W has W's windows and escape positions, so its tiles and escape values overwrite W's in place
     w0 = escaped_weight(n, n, seed=40)
-    p0, pn = w12.pack(w0), w12.pack(-w0)
+    p0, pn = w12.pack(w0, layout="planes"), w12.pack(-w0, layout="planes")
     assert torch.equal(pn.e0, p0.e0) and torch.equal(pn.esc_rowptr, p0.esc_rowptr) and torch.equal(pn.esc_col, p0.esc_col)
     flow.launch_tiled(cfg, x, ts[0], None, ys[1])
     ref = ys[1].clone()
@@ -486,7 +486,7 @@ def test_full_row_blocks_build_equals_the_general_one_bitwise(q8, M):
     the mma.sync configs, two row blocks a warp (the last warp's second block past the weight), the cluster and
     memory K splits and (sm_90) the warpgroup build, on hostile rows (80 of them) and x salted with NaN, +-Inf, +-0
     and subnormals."""
-    p = w12.pack(hostile_weight(80, 300, seed=23).cuda())
+    p = w12.pack(hostile_weight(80, 300, seed=23).cuda(), layout="planes")
     x = gaussian_x(M, 300, seed=24)
     _salt(x)
     t = layout.tile(p)
@@ -549,7 +549,7 @@ def test_warpgroup_descriptor_orientation():
     that a failure says which orientation the hardware takes."""
     M, N, K = 32, 256, 512
     w = escaped_weight(N, K, seed=21)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = gaussian_x(M, K, seed=22)
     ref, base = w12.matmul_reference(x, p), F.linear(x, w)
@@ -603,6 +603,6 @@ def test_warpgroup_chain_graph_and_pdl(graph):
     chain), with and without programmatic dependent launch, eager and as one CUDA graph: equal bit for bit, no NaN."""
     n, m = 1024, 24
     cfg = WG_CONFIGS[1]
-    ts = [layout.tile(w12.pack(escaped_weight(n, n, seed=60 + i))) for i in range(6)]
+    ts = [layout.tile(w12.pack(escaped_weight(n, n, seed=60 + i), layout="planes")) for i in range(6)]
     ys = [gaussian_x(m, n, seed=61)] + [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ts]
     _chain_with_and_without_pdl(cfg, ts, ys, graph, runs=1)

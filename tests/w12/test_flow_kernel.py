@@ -100,7 +100,7 @@ CASES = [(1, 75, 200, 4, 2, False), (5, 40, 130, 8, 4, True), (13, 17, 64, 2, 1,
                          ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-w{c[3]}-k{c[4]}" + ("-bias" if c[5] else "") for c in CASES])
 def test_emulated_kernel_matches_reference_bitwise(M, N, K, warps, kw, bias):
     w = hostile_weight(N, K, seed=N * K + M)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = _x(M, K, seed=M + K)
     b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16) if bias else None
@@ -125,7 +125,7 @@ def test_two_row_blocks_per_warp_equal_one_bitwise(M, N, K, warps, kw):
     fp32 model of the arithmetic every output the same value as the RB = 1 build (each block's sum is the same
     sequence of operations)."""
     w = hostile_weight(N, K, seed=3 * N + K)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = _x(M, K, seed=K - M)
     b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16)
@@ -148,7 +148,7 @@ def test_k_split_across_ctas_matches_reference_bitwise(M, N, K, warps, kw, kc, r
     hostile rows, and in the fp32 model of the arithmetic a sum that differs from the one-CTA build only by where
     the partial sums meet (so the split is really taken: kc pieces of K, not one)."""
     w = hostile_weight(N, K, seed=5 * N + K)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = _x(M, K, seed=K + 2 * M)
     b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16)
@@ -169,7 +169,7 @@ def test_k_split_across_ctas_adds_in_rank_order():
     w[:, :64] = 2.0 ** 10  # rank 0's piece (one 64-column unit each at kc = 4): 64 x 2^10 x 2^10 = 2^26
     x = torch.full((M, K), 2.0 ** -1)
     x[:, :64] = 2.0 ** 10  # ranks 1..3: 64 x 2^-3 x 2^-1 = 4 each, half an fp32 ulp of 2^26
-    p = w12.pack(w.to(torch.bfloat16))
+    p = w12.pack(w.to(torch.bfloat16), layout="planes")
     assert p.esc_col.numel() == 0  # both values in the rows' window: no escape corrections in the sum
     t = layout.tile(p)
     got, _ = emulate(x.to(torch.bfloat16), t, warps=1, kw=1, fixed=False, fp32=True, kc=4)
@@ -240,7 +240,7 @@ def test_warpgroup_build_matches_reference_bitwise(M, N, K, warps, kw, kc):
     same (kw = 1, kc = 1: every row block's sum is the same sequence of k-steps). The swapped descriptor gives
     other values where there is more than one token group."""
     w = hostile_weight(N, K, seed=11 * N + K)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = _x(M, K, seed=K + M)
     b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16)
@@ -298,7 +298,7 @@ def test_emulated_kernel_with_hostile_x(kind):
     (subnormals, +-0) sends every warp with e0 != 0 rows to the exact base, and matches everywhere."""
     M, N, K = 11, 37, 150
     w = hostile_weight(N, K, seed=7)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = _x(M, K, seed=3)
     bits = x.view(torch.int16)
@@ -331,7 +331,7 @@ def test_fixed_base_with_guard_equals_exact_base_in_fp32(x_exp):
     w = (torch.randn(N, K, generator=g) * 0.05).to(torch.bfloat16)
     w[:16] = (torch.randn(16, K, generator=g) * 2.0**-105).to(torch.bfloat16)  # e0 ~ 20: s ~ -92
     w[16:32] = (torch.randn(16, K, generator=g) * 2.0**90).to(torch.bfloat16)  # e0 ~ 210: s ~ 98
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = (torch.randn(M, K, generator=g) * 2.0**x_exp).to(torch.bfloat16)
     exact, _ = emulate(x, t, warps=4, kw=2, fixed=False, fp32=True)
@@ -350,7 +350,7 @@ def test_every_unit_reaches_the_guard(unit):
     only (3 and 7: the fourth turn of each K range, 8: the tail), the guard still fires, and the fixed-base build
     gives the exact-base build's bits (fp32 model). With normal x everywhere the guard passes every row."""
     w, calm, x = one_unit_tiny_case(unit)
-    t = layout.tile(w12.pack(w))
+    t = layout.tile(w12.pack(w, layout="planes"))
     assert emulate(calm, t, warps=8, kw=2, fp32=True)[1]["fallback"] == 0
     exact, _ = emulate(x, t, warps=8, kw=2, fixed=False, fp32=True)
     fixed, stats = emulate(x, t, warps=8, kw=2, fp32=True)
@@ -364,7 +364,7 @@ def test_ladder_step_c_is_the_dense_decode_at_kw_1():
     M, N, K = 6, 35, 140
     w = hostile_weight(N, K, seed=2)
     w = torch.where(torch.isfinite(w.float()), w, torch.zeros_like(w))  # finite, so the escape correction matters
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = _x(M, K, seed=9)
     got, _ = emulate(x, t, warps=4, kw=1, esc=False, red=False)
@@ -490,7 +490,7 @@ def test_full_row_blocks_build_copies_at_fixed_offsets(jit_cache):
 def test_full_row_blocks_build_is_refused_where_a_block_is_partial():
     """launch_tiled takes W12F_FULL where N % 16 == 0 (M > 8) and refuses it forced where N % 16 != 0 (a partial last block would
     read past its rows)."""
-    t = layout.tile(w12.pack(hostile_weight(75, 200, seed=1)))
+    t = layout.tile(w12.pack(hostile_weight(75, 200, seed=1), layout="planes"))
     x = _x(3, 200, 2)
     with pytest.raises(ValueError, match="W12F_FULL needs N % 16 == 0"):
         flow.launch_tiled(FlowConfig(), x, t, None, torch.empty(3, 75, dtype=torch.bfloat16),
@@ -657,7 +657,7 @@ def test_heuristic_fills_the_machine(monkeypatch):
 
 
 def test_layout_cache_follows_the_planes():
-    p = w12.pack(hostile_weight(20, 70, seed=4))
+    p = w12.pack(hostile_weight(20, 70, seed=4), layout="planes")
     planes = (p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val)
     a = flow.tiled(*planes, 70)
     assert flow.tiled(*planes, 70).tiles is a.tiles
@@ -675,7 +675,7 @@ def test_layout_cache_follows_the_planes():
 def test_forced_flow_config_reaches_the_cuda_path():
     """w12.matmul under autotune.force(config=FlowConfig()) plans the CUDA kernel: on CPU tensors it says why it
     cannot run; the 8-bit view on the fixed base is refused by name (before any launch)."""
-    p = w12.pack(hostile_weight(20, 70, seed=4))
+    p = w12.pack(hostile_weight(20, 70, seed=4), layout="planes")
     x = _x(2, 70, seed=1)
     with autotune.force("w12.matmul", config=FlowConfig()):
         with pytest.raises((ValueError, RuntimeError), match="FlowConfig"):
@@ -699,7 +699,7 @@ def test_q8_build_matches_the_8_bit_view_bitwise(M, N, K, warps, kw, kc, rb):
     """W12F_Q8 (hi bytes only, dec_pair_q8, escapes added as x * escape): `w12.matmul_q8_reference`'s BF16 bits on
     hostile rows (zeros, subnormal rows, huge and tiny rows, salted escapes), with a bias."""
     w = hostile_weight(N, K, seed=7 * N + K)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = _x(M, K, seed=3 * K + M)
     b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16)
@@ -711,7 +711,7 @@ def test_q8_build_reads_the_hi_pieces_only():
     """The 8-bit view's build never looks at the lo nibbles: tiles whose lo bytes are scrambled give the same bits,
     and the exact build on the same scrambled tiles does not (so the lo bytes were really changed)."""
     N, K, M = 40, 200, 5
-    p = w12.pack(hostile_weight(N, K, seed=11))
+    p = w12.pack(hostile_weight(N, K, seed=11), layout="planes")
     t = layout.tile(p)
     x = _x(M, K, seed=12)
     buf = t.tiles.clone()
@@ -750,7 +750,7 @@ def test_matmul_tiled_on_the_cpu_is_the_planes_torch_path(M, q8):
     bias, out and a leading batch dim included; NaN where they give NaN (hostile rows hold NaN weights, and the CPU
     linear's NaN payload follows its memory alignment)."""
     N, K = 37, 150
-    p = w12.pack(hostile_weight(N, K, seed=13))
+    p = w12.pack(hostile_weight(N, K, seed=13), layout="planes")
     t = layout.tile(p)
     x = _x(M, K, seed=14)
     b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16)
@@ -771,7 +771,7 @@ def test_matmul_tiled_on_the_cpu_is_the_planes_torch_path(M, q8):
 
 
 def test_matmul_tiled_rejects_at_the_call():
-    p = w12.pack(hostile_weight(20, 70, seed=4))
+    p = w12.pack(hostile_weight(20, 70, seed=4), layout="planes")
     t = layout.tile(p)
     x = _x(2, 70, seed=1)
     with pytest.raises(TypeError, match=r"w12\.matmul_tiled \(matmul\): tiled must be a TiledW12.*call w12\.matmul"):
@@ -797,7 +797,7 @@ def test_decode_tiled_is_unpack_bitwise(N, K, groups, monkeypatch):
     from w12.ops import decode_tiled
 
     monkeypatch.setattr(ops, "UNTILE_GROUPS", groups)
-    p = w12.pack(hostile_weight(N, K, seed=N * K))
+    p = w12.pack(hostile_weight(N, K, seed=N * K), layout="planes")
     t = layout.tile(p)
     assert autotune.is_interpreter()  # the kernel, not the planes' torch path
     assert torch.equal(decode_tiled(t).view(torch.int16), w12.unpack(p).view(torch.int16))
@@ -821,7 +821,7 @@ def test_programmatic_dependent_launch_waits_for_a_fresh_or_rewritten_layout(mon
     monkeypatch.setattr(torch.cuda, "current_stream", lambda *a: type("S", (), {"cuda_stream": 0})())
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
     monkeypatch.setattr(wcuda, "pdl_enabled", lambda device, default=False: default)
-    p = w12.pack(torch.randn(40, 130).to(torch.bfloat16))
+    p = w12.pack(torch.randn(40, 130).to(torch.bfloat16), layout="planes")
     t = layout.tile(p)
     x = torch.randn(2, 130).to(torch.bfloat16)
     out = torch.empty(2, 40, dtype=torch.bfloat16)
@@ -836,7 +836,7 @@ def test_programmatic_dependent_launch_waits_for_a_fresh_or_rewritten_layout(mon
     flow.launch_tiled(cfg, x, t, None, out, pdl=False)
     assert seen == [False, True, True, False, False, True, False]
     seen.clear()
-    p2 = w12.pack(torch.randn(24, 64).to(torch.bfloat16))
+    p2 = w12.pack(torch.randn(24, 64).to(torch.bfloat16), layout="planes")
     x2 = torch.randn(1, 64).to(torch.bfloat16)
     out2 = torch.empty(1, 24, dtype=torch.bfloat16)
     for _ in range(2):
@@ -870,7 +870,7 @@ def test_matmul_tiled_runs_the_flow_kernel_per_32_rows(M, pieces, monkeypatch):
 
     N, K = 40, 130
     w = (torch.randn(N, K, generator=torch.Generator().manual_seed(7)) * 0.05).to(torch.bfloat16)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)
     x = _x(M, K, seed=M)
     b = (torch.randn(N, generator=torch.Generator().manual_seed(1)) * 0.1).to(torch.bfloat16)

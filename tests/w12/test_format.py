@@ -50,7 +50,7 @@ def _order(name):
 @pytest.mark.parametrize("shape", EXHAUSTIVE_SHAPES, ids=lambda s: f"N{s[0]}-K{s[1]}")
 def test_exhaustive_round_trip(shape, order):
     w = ALL[_order(order)].reshape(shape)
-    p = w12.pack(w)  # verify=True also checks
+    p = w12.pack(w, layout="planes")  # verify=True also checks
     assert_bitwise_equal(w12.unpack(p), w)
     assert_bitwise_equal(p.unpack(), w)
     p.validate(deep=True)
@@ -59,7 +59,7 @@ def test_exhaustive_round_trip(shape, order):
 @pytest.mark.parametrize("shape", [(256, 256), (2048, 32)], ids=lambda s: f"N{s[0]}-K{s[1]}")
 def test_exhaustive_matches_reference(shape):
     w = ALL[_order("perm")].reshape(shape)
-    p, r = w12.pack(w), pack_reference(w)
+    p, r = w12.pack(w, layout="planes"), pack_reference(w)
     assert_same_planes(p, r)
     assert_bitwise_equal(unpack_reference(p), w)
 
@@ -88,7 +88,7 @@ def _hostile_row(K, e_lo=120):
 def test_hostile_rows(K):
     rows = [_hostile_row(K, e_lo=100 + 3 * i) for i in range(5)]
     w = bf16_of_bits(torch.stack([r[0] for r in rows]))
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     assert_bitwise_equal(p.unpack(), w)
     assert_same_planes(p, pack_reference(w))
     p.validate(deep=True)
@@ -109,7 +109,7 @@ def test_odd_shapes(shape):
     N, K = shape
     w = gaussian(N, K, seed=N * 1000 + K)
     w[0, 0] = float("inf")  # at least one escape everywhere
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     assert p.shape == torch.Size(shape) and (p.N, p.K) == shape and p.Kp == -(-K // 64) * 64
     assert p.hi.shape == (N, p.Kp) and p.lo.shape == (N, p.Kp // 2) and p.e0.shape == (N,)
     assert_bitwise_equal(p.unpack(), w)
@@ -121,7 +121,7 @@ def test_odd_shapes(shape):
 
 def test_non_contiguous_and_parameter_input():
     w = gaussian(75, 63).t()  # non-contiguous [63, 75]
-    p = w12.pack(torch.nn.Parameter(w))
+    p = w12.pack(torch.nn.Parameter(w), layout="planes")
     assert_bitwise_equal(p.unpack(), w.contiguous())
 
 
@@ -132,7 +132,7 @@ def test_escape_count_and_layout():
     vals[0, 3] = 0.0  # +0 with e0 = 112 != 0: escape
     vals[0, 99] = float("-inf")
     vals[1, 50] = float("nan")
-    p = w12.pack(vals)
+    p = w12.pack(vals, layout="planes")
     assert p.esc_rowptr.tolist() == [0, 3, 4]
     assert p.esc_col.tolist() == [3, 7, 99, 50]
     assert_bitwise_equal(p.esc_val, bits_of(vals)[[0, 0, 0, 1], [3, 7, 99, 50]].to(torch.int32).sub(
@@ -150,7 +150,7 @@ def test_lo_interleave_layout():
     K = 128
     cols = torch.arange(K)
     w = bf16_of_bits((127 << 7) | (cols & 0x7F)).reshape(1, K)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     assert int(p.e0[0]) == 112  # smallest window holding e = 127
     codes = ((15 << 7) | (cols & 0x7F)).tolist()
     for g in range(2):
@@ -177,7 +177,7 @@ def _row_with_exponents(exps):
 )
 def test_window_choice(exps, e0):
     w = _row_with_exponents(exps)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     assert int(p.e0[0]) == e0
     assert int(pack_reference(w).e0[0]) == e0
     if e0 == 240:
@@ -227,7 +227,7 @@ def test_unpack_bad_input():
 @pytest.mark.parametrize("weights_only", [None, True], ids=["default", "weights_only"])
 def test_torch_save_load(weights_only):
     w = ALL[_order("perm")].reshape(128, 512)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     buf = io.BytesIO()
     torch.save({"layer": p, "n": 3}, buf)
     buf.seek(0)
@@ -239,7 +239,7 @@ def test_torch_save_load(weights_only):
 
 
 def test_to_and_attributes():
-    p = w12.pack(gaussian(3, 70))
+    p = w12.pack(gaussian(3, 70), layout="planes")
     q = p.to("cpu")
     assert q.device == torch.device("cpu") and p.cpu().device.type == "cpu"
     assert_same_planes(p, q)
@@ -255,7 +255,7 @@ def _replace(p, **planes):
 
 
 def test_validate_shallow():
-    p = w12.pack(gaussian(4, 70))
+    p = w12.pack(gaussian(4, 70), layout="planes")
     cases = [
         (dict(hi=p.hi.int()), "hi has dtype"),
         (dict(lo=p.lo[:, :-1].contiguous()), "lo has shape"),
@@ -276,7 +276,7 @@ def test_validate_deep():
     w[1, 5] = float("inf")
     w[1, 9] = float("nan")
     w[2, 0] = 1e30
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     p.validate(deep=True)
     assert p.esc_rowptr.tolist() == [0, 0, 2, 3, 3]
     cases = [
@@ -305,7 +305,7 @@ def test_decode_q8():
     w[5] = 1.0
     w[5, 10] = 2.0**-15 * (1 + 3 / 128)  # the lowest bin of row 5's window (hi byte 0, not an escape)
     w[6] = 0.0  # a row of zeros
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     q = decode_q8(p)
     assert q.dtype == torch.bfloat16 and q.shape == w.shape
     esc = torch.zeros_like(w, dtype=torch.bool)
@@ -326,7 +326,7 @@ def test_decode_q8():
 
 def test_matmul_reference():
     w = gaussian(33, 70, seed=3)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = torch.randn(2, 5, 70, generator=torch.Generator().manual_seed(0)).bfloat16()
     b = torch.randn(33).bfloat16()
     y = matmul_reference(x, p, b)
@@ -350,8 +350,8 @@ def test_lazy_ops_import():
 @pytest.mark.gpu
 def test_pack_on_cuda_matches_cpu():
     w = ALL[_order("perm")].reshape(256, 256)
-    pc = w12.pack(w)
-    pg = w12.pack(w.cuda())
+    pc = w12.pack(w, layout="planes")
+    pg = w12.pack(w.cuda(), layout="planes")
     assert pg.device.type == "cuda"
     assert_same_planes(pc, pg)
     assert_bitwise_equal(pg.unpack().cpu(), w)

@@ -35,7 +35,7 @@ def test_round_trip(saved):
     path, a, b, bias = saved
     out = w12.load_file(path)
     assert set(out) == {"layer.a", "layer.b", "layer.bias"}
-    assert isinstance(out["layer.a"], w12.W12Weight)
+    assert isinstance(out["layer.a"], w12.TiledW12)  # the runtime layout by default
     assert_bitwise_equal(out["layer.a"].unpack(), a)
     assert_bitwise_equal(out["layer.b"].unpack(), b)
     assert_bitwise_equal(out["layer.bias"], bias)
@@ -168,7 +168,7 @@ def test_pack_checkpoint_round_trip(tmp_path, include):
     for name, v in t.items():
         got = out[name]
         if name in packed:
-            assert isinstance(got, w12.W12Weight)
+            assert isinstance(got, w12.TiledW12)
             assert_bitwise_equal(got.unpack(), v)
         else:
             assert isinstance(got, torch.Tensor)
@@ -266,7 +266,7 @@ def test_pack_keeps_bf16_where_w12_is_not_smaller(tmp_path):
     assert "kept in BF16 (2):" in text and "tiny_k" in text and "k96" in text
     out = w12.load_file(tmp_path / "out.safetensors")
     for k, v in t.items():
-        got = out[k].unpack() if isinstance(out[k], w12.W12Weight) else out[k]
+        got = out[k].unpack() if isinstance(out[k], w12.TiledW12) else out[k]
         assert_bitwise_equal(got, v)
 
 
@@ -345,14 +345,14 @@ def test_compact_planes_round_trip_and_checks():
     for K in (1, 2, 63, 64, 65, 127, 130):
         w = (torch.randn(5, K, generator=torch.Generator().manual_seed(K)) * 0.02).bfloat16()
         w[0, 0] = float("nan")
-        p = w12.pack(w)
+        p = w12.pack(w, layout="planes")
         c = compact_planes(p)
         assert c["hi"].shape == (5, K) and c["lo"].shape == (5, (K + 1) // 2) and c["esc_rowptr"].shape == (5,)
         assert sum(t.nbytes for t in c.values()) == compact_nbytes(5, K, p.num_escapes)
         q = from_compact_planes(c, K).validate(deep=True)
         for name in PLANES:
             assert torch.equal(getattr(q, name), getattr(p, name)), (K, name)
-    c = compact_planes(w12.pack(torch.ones(3, 5, dtype=torch.bfloat16)))
+    c = compact_planes(w12.pack(torch.ones(3, 5, dtype=torch.bfloat16), layout="planes"))
     with pytest.raises(w12.W12FormatError, match="do not fit K=6"):
         from_compact_planes(c, 6)
     c["lo"][0, -1] |= 0x10

@@ -42,7 +42,7 @@ def decode_documented(t: layout.TiledW12) -> tuple[torch.Tensor, torch.Tensor]:
                          ids=lambda v: str(v))
 def test_tile_and_untile_are_exact_inverses(N, K):
     w = hostile_weight(N, K, seed=N * 1000 + K)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = layout.tile(p)  # torch.empty is NaN/0xA5-poisoned in tests: every byte must be written
     assert t.tiles.numel() == layout.Geometry(N, K).nbytes
     back = layout.untile(t)
@@ -53,7 +53,7 @@ def test_tile_and_untile_are_exact_inverses(N, K):
 
 @pytest.mark.parametrize("N,K", [(35, 200), (16, 64), (20, 63), (7, 129)], ids=lambda v: str(v))
 def test_bytes_sit_where_the_doc_says(N, K):
-    p = w12.pack(hostile_weight(N, K, seed=K))
+    p = w12.pack(hostile_weight(N, K, seed=K), layout="planes")
     t = layout.tile(p)
     hi, nib = decode_documented(t)
     code = (hi << 4) | nib
@@ -65,7 +65,7 @@ def test_bytes_sit_where_the_doc_says(N, K):
 def test_hostile_rows_round_trip_on_wide_weights():
     """Every hostile row kind at a K with a masked tail and a partial row block; the escapes are those of pack."""
     w = hostile_weight(21, 4100, seed=3)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     assert p.num_escapes > 100 and int(p.e0.min()) == 0 and int(p.e0.max()) > 200
     t = layout.tile(p)
     assert t.e0 is p.e0 and t.esc_val is p.esc_val
@@ -107,7 +107,7 @@ def test_geometry_offsets():
 
 
 def test_tiled_checks_its_inputs():
-    p = w12.pack(hostile_weight(20, 70, seed=1))
+    p = w12.pack(hostile_weight(20, 70, seed=1), layout="planes")
     t = layout.tile(p)
     with pytest.raises(ValueError, match="build it with w12.layout.tile"):
         layout.TiledW12(t.tiles[:-1], p.e0, p.esc_rowptr, p.esc_col, p.esc_val, 20, 70)

@@ -55,7 +55,7 @@ SHAPES = [(1, 1, 1), (1, 63, 75), (3, 130, 256), (16, 63, 130), (33, 130, 75), (
 @pytest.mark.parametrize("M,N,K", SHAPES, ids=[f"M{m}-N{n}-K{k}" for m, n, k in SHAPES])
 def test_matmul_matches_reference(variant, M, N, K):
     w = _weight(N, K, seed=N + K)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((M, K), seed=M)
     with autotune.force("w12.matmul", variant=variant):
         out = w12.matmul(x, p)
@@ -71,7 +71,7 @@ def test_matmul_matches_reference(variant, M, N, K):
 def test_forced_configs(cfg, M):
     N, K = 70, 300
     w = _weight(N, K, seed=7)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((M, K), seed=3)
     bias = _x((N,), seed=4)
     with autotune.force("w12.matmul", config=cfg):
@@ -83,7 +83,7 @@ def test_forced_configs(cfg, M):
 def test_batch_dims_bias_noncontiguous(variant):
     N, K = 40, 130
     w = _weight(N, K, seed=11)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     bias = _x((N,), seed=12)
     big = _x((2, 3, 2 * K), seed=13)
     x = big[..., ::2]  # non-contiguous along K
@@ -100,7 +100,7 @@ def test_batch_dims_bias_noncontiguous(variant):
 def test_fp16_activations(variant):
     N, K = 63, 130
     w = _weight(N, K, seed=21, escapes=False)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((3, K), seed=22, dtype=torch.float16)
     bias = _x((N,), seed=23, dtype=torch.float16)
     with autotune.force("w12.matmul", variant=variant):
@@ -123,7 +123,7 @@ def test_nonfinite_and_zero_rows(variant):
     w[5, 1], w[5, 2] = float("inf"), float("-inf")  # NaN or +-Inf, by the signs of x
     w[6, :] = 3e-39  # subnormal row (e0 = 0)
     w[7, :] = 2.0**100
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((4, K), seed=32)
     x[1, 5] = 0.0  # 0 * Inf -> NaN, as in F.linear
     with autotune.force("w12.matmul", variant=variant):
@@ -149,7 +149,7 @@ def test_one_hot_rows_recover_weight_bitwise(cfg):
     w = _weight(N, K, seed=41)
     w[3, 4] = 1e-30  # tiny escape beside normal weights
     w[5, :] = 0.0
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     assert p.num_escapes > 0
     x = torch.eye(K, dtype=torch.bfloat16, device=DEV)
     with autotune.force("w12.matmul", config=cfg):
@@ -162,7 +162,7 @@ def test_one_hot_rows_recover_weight_bitwise(cfg):
 @pytest.mark.parametrize("M,N,K", [(1, 63, 130), (5, 130, 75)], ids=["M1-N63-K130", "M5-N130-K75"])
 def test_matmul_q8(variant, M, N, K):
     w = _weight(N, K, seed=51)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((M, K), seed=52)
     with autotune.force("w12.matmul", variant=variant):
         out = w12.matmul_q8(x, p)
@@ -176,7 +176,7 @@ def test_matmul_q8(variant, M, N, K):
 def test_q8_forced_config_and_split():
     N, K = 33, 260
     w = _weight(N, K, seed=61)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((2, K), seed=62)
     bias = _x((N,), seed=63)
     for cfg in (TC_SMALL, GEMV_SMALL):
@@ -187,7 +187,7 @@ def test_q8_forced_config_and_split():
 
 def test_default_dispatch_and_empty():
     w = _weight(10, 64, seed=71)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((2, 64), seed=72)
     _check(w12.matmul(x, p), x, w, p)  # interpreter -> the portable variant
     out = w12.matmul(torch.empty(0, 64, dtype=torch.bfloat16, device=DEV), p)
@@ -196,7 +196,7 @@ def test_default_dispatch_and_empty():
 
 def test_torch_fallback_variant():
     w = _weight(10, 70, seed=81)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((3, 70), seed=82)
     with autotune.force("w12.matmul", variant="torch"):
         _check(w12.matmul(x, p), x, w, p)
@@ -205,7 +205,7 @@ def test_torch_fallback_variant():
 
 def test_bad_inputs_say_how_to_fix():
     w = _weight(8, 64, seed=91)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((2, 64), seed=92)
     with pytest.raises(ValueError, match="last dim of x must be K=64"):
         w12.matmul(_x((2, 63), seed=1), p)
@@ -217,11 +217,11 @@ def test_bad_inputs_say_how_to_fix():
         w12.matmul(torch.empty(2, 64, dtype=torch.bfloat16, device="meta"), p)
     with pytest.raises(ValueError, match="bias must be a tensor of shape"):
         w12.matmul(x, p, torch.zeros(9, dtype=torch.bfloat16, device=DEV))
-    bad = w12.pack(w)
+    bad = w12.pack(w, layout="planes")
     bad.lo = bad.lo[:, :-1].contiguous()
     with pytest.raises(w12.W12FormatError, match="lo has shape"):
         w12.matmul(x, bad)
-    bad = w12.pack(w)
+    bad = w12.pack(w, layout="planes")
     bad.e0 = bad.e0.int()
     with pytest.raises(w12.W12FormatError, match="re-pack"):
         w12.matmul_q8(x, bad)
@@ -239,7 +239,7 @@ def test_bad_inputs_say_how_to_fix():
 def test_error_messages_share_one_prefix_style():
     """Every public w12 error reads `w12.<function>: <what is wrong>; <how to fix>`."""
     w = _weight(8, 64, seed=91)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((2, 64), seed=92)
     bad_calls = [lambda: w12.matmul(_x((2, 63), seed=1), p), lambda: w12.matmul(x.float(), p),
                  lambda: w12.matmul(x, w), lambda: w12.matmul(x, p, torch.zeros(9, device=DEV)),
@@ -256,7 +256,7 @@ def test_variant_and_out_keywords(variant):
     """`variant=` picks the kernel like `autotune.force`; `out=` is written in place and returned."""
     N, K = 24, 130
     w = _weight(N, K, seed=93)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((2, 3, K), seed=94)
     with autotune.force("w12.matmul", variant=variant):
         want = w12.matmul(x, p)
@@ -275,7 +275,7 @@ def test_plan_is_cached_per_shape_key():
     from w12 import ops as wops
 
     N, K = 24, 130
-    p = w12.pack(_weight(N, K, seed=95))
+    p = w12.pack(_weight(N, K, seed=95), layout="planes")
     autotune.clear_plans()
     w12.matmul(_x((3, K), seed=96), p)
     assert len(wops._PLANS) == 1
@@ -297,7 +297,7 @@ def test_registered_op_and_compile():
     (Backend "eager": under the interpreter wrap_triton leaves kernels untraced, so AOT/inductor
     tracing is checked on the GPU, tests/w12/test_matmul_gpu.py.)"""
     w = _weight(20, 64, seed=101)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((3, 64), seed=102)
     eager = w12.matmul(x, p)
     via_op = torch.ops.specpilot_w12.matmul(x, p.hi, p.lo, p.e0, p.esc_rowptr, p.esc_col, p.esc_val, None, False,
@@ -432,7 +432,7 @@ def test_packed_asm_text_run_instruction_by_instruction(mode):
 def test_asm_configs_run_plain_decode_on_cpu():
     """asm=True / tok2d=True configs are valid everywhere; off-GPU the plain decode runs."""
     w = _weight(40, 130, seed=91)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     for M, cfg in ((3, GemvConfig(16, 4, 64, 2, 4, 1, asm=True, tok2d=True)),
                    (2, GemvConfig(16, 2, 64, 1, 4, 1, tok2d=True)),
                    (1, GemvConfig(8, 1, 128, 1, 4, 1, tok2d=True)),
@@ -496,7 +496,7 @@ def test_cpu_tensors_without_the_interpreter_use_the_torch_variant(monkeypatch):
     monkeypatch.setattr(autotune.hardware, "is_interpreter", lambda: False)  # autotune.hardware.host_only reads it
     monkeypatch.setattr(autotune, "is_interpreter", lambda: False)
     w = _weight(10, 70, seed=83).cpu()
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = _x((3, 70), seed=84).cpu()
     _check(w12.matmul(x, p), x, w, p)
     _check(w12.matmul(x, p, variant="torch"), x, w, p)
@@ -532,7 +532,7 @@ def test_no_partial_k_tile_reads_past_the_planes(variant, cfg, monkeypatch):
     monkeypatch.setattr(ops, name, Spy())
     for K in (64, 130, 256):
         w = _weight(20, K, seed=K)
-        p = w12.pack(w)
+        p = w12.pack(w, layout="planes")
         x = _x((2, K), seed=K)
         with autotune.force("w12.matmul", config=cfg):
             out = w12.matmul(x, p)

@@ -48,7 +48,7 @@ def packed_real():
     out = {}
     for i, (name, n, k) in enumerate(REAL):
         w = escaped_weight(n, k, seed=i)
-        out[name] = (w, w12.pack(w))
+        out[name] = (w, w12.pack(w, layout="planes"))
     return out
 
 
@@ -75,7 +75,7 @@ def test_real_shapes(packed_real, name, M, variant):
 def test_lm_head_and_prefill(variant):
     n, k = 32768 + 77, _S.hidden  # a vocab slice with an odd tail
     w = escaped_weight(n, k, seed=5)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     for M in (1, 100):
         x = gaussian_x(M, k, seed=M)
         with autotune.force("w12.matmul", variant=variant):
@@ -87,7 +87,7 @@ def test_nonfinite_fp16_bias_strides(variant):
     n, k = 1000, 4160
     w = escaped_weight(n, k, seed=9)
     w[3, 17], w[4, 99], w[5, 1000] = float("inf"), float("-inf"), float("nan")
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     bias = gaussian_x(1, n, seed=10)[0]
     x = gaussian_x(3, 2 * k, seed=11)[:, ::2]
     with autotune.force("w12.matmul", variant=variant):
@@ -188,7 +188,7 @@ def test_stream_fixed_base_equals_exact_base_bitwise(xcase, M):
     subnormal, and mixed with +-Inf and NaN; both views; 4 CTAs per SM so row groups are shared."""
     n, k = 700, 4160
     w = _window_weight(n, k, seed=M, shifts=[-100, -60, -20, -3, 0, 2, 30, 70, 110, 126])
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     e0 = p.e0.long()
     assert int(e0.min()) == 0 and int(e0.max()) >= 230, (int(e0.min()), int(e0.max()))
     g = torch.Generator(device=_dev()).manual_seed(100 + M)
@@ -211,7 +211,7 @@ def test_stream_fixed_base_equals_exact_base_bitwise(xcase, M):
     if xcase == "normal":
         # the exact-base build itself against the fp64 reference, on rows whose sums stay in fp32's range
         rows = (e0 > 0) & (e0 < 180)
-        _check(outs[False][0][:, rows], x, w[rows], w12.pack(w[rows]))
+        _check(outs[False][0][:, rows], x, w[rows], w12.pack(w[rows], layout="planes"))
 
 
 @pytest.mark.hopper
@@ -238,7 +238,7 @@ def test_tma_launches_with_changing_tensor_maps(cfg):
     proxy fence before each stage release, the 2-D TMA box of x failed this in up to ~10% of launches
     at M = 16, and 16- and 32-row CTAs and cw4-st8-xcp up to every launch."""
     ws = [escaped_weight(16384, 5120, seed=7 + i) for i in range(2)]
-    ps = [w12.pack(w) for w in ws]
+    ps = [w12.pack(w, layout="planes") for w in ws]
     xs = [gaussian_x(16, 5120, seed=8 + i) for i in range(2)]
     firsts = {}
     with autotune.force("w12.matmul", config=cfg):
@@ -256,7 +256,7 @@ def test_tma_launches_with_changing_tensor_maps(cfg):
 def _odd_shapes(cfg, N, K):
     w = escaped_weight(N, K, seed=N + K)
     w[1, 3], w[2, 7], w[min(4, N - 1), 1] = float("inf"), float("nan"), -0.0
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     for M, bdt in ((1, torch.bfloat16), (5, torch.float32), (8, torch.float16), (13, None), (32, torch.bfloat16)):
         x = gaussian_x(M, K, seed=M)
         bias = None if bdt is None else gaussian_x(1, N, seed=M + 1)[0].to(bdt)
@@ -272,7 +272,7 @@ def test_mma_signed_zero_and_bad_input():
     to Triton under the default variant, but a forced MmaConfig says why it cannot run them."""
     w = escaped_weight(64, 128, seed=1)
     w[5] = -0.0
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = gaussian_x(2, 128, seed=2).abs()
     out = w12.matmul(x, p)
     assert_bitwise_equal(out[:, 5].contiguous(), F.linear(x, w)[:, 5].contiguous())
@@ -301,7 +301,7 @@ def _launch_direct(kernel, cfg, x, p, **extra):
 @pytest.mark.parametrize("cfg", [TcConfig(128, 16, 128, 1, 8, 4), TcConfig(64, 16, 256, 1, 4, 3),
                                  TcConfig(128, 32, 128, 1, 8, 3), TcConfig(64, 16, 128, 1, 4, 4, fuse=True)], ids=str)
 def test_tc_kernel_uses_wgmma(cfg):
-    p = w12.pack(escaped_weight(512, 1024, seed=1))
+    p = w12.pack(escaped_weight(512, 1024, seed=1), layout="planes")
     x = gaussian_x(cfg.block_t, 1024, seed=2)
     ck = _launch_direct(w12_matmul_tc_kernel, cfg, x, p, X_F16=False, FUSE=cfg.fuse)
     ptx = ck.asm["ptx"]
@@ -322,7 +322,7 @@ def test_tma_wg_kernel_uses_wgmma(nt):
 
 
 def test_gemv_kernel_uses_no_tensor_cores():
-    p = w12.pack(escaped_weight(256, 1024, seed=1))
+    p = w12.pack(escaped_weight(256, 1024, seed=1), layout="planes")
     x = gaussian_x(1, 1024, seed=2)
     ck = _launch_direct(w12_matmul_gemv_kernel, GemvConfig(32, 1, 256, 1, 4, 2), x, p)
     ptx = ck.asm["ptx"]
@@ -338,7 +338,7 @@ def test_gemv_kernel_uses_no_tensor_cores():
 def test_cuda_graph_replay_equals_eager(cfg):
     n, k = _S.linears["mlp.down_proj"]
     w = escaped_weight(n, k, seed=3)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = gaussian_x(1, k, seed=4)
     bias = gaussian_x(1, n, seed=5)[0]
     def ctx():
@@ -425,7 +425,7 @@ def test_pdl_chain_waits_for_the_previous_kernel(cfg, graph, monkeypatch):
     read x, the workspace or its output before griddepcontrol.wait would see NaN or stale partials.
     With PDL the chain equals the same chain launched without it, bit for bit, and the reference."""
     n, m = 1024, 4
-    ps = [w12.pack(escaped_weight(n, n, seed=20 + i)) for i in range(6)]
+    ps = [w12.pack(escaped_weight(n, n, seed=20 + i), layout="planes") for i in range(6)]
     x = gaussian_x(m, n, seed=7)
     ys = [x] + [torch.empty(m, n, device=_dev(), dtype=torch.bfloat16) for _ in ps]
 

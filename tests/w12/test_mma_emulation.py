@@ -363,7 +363,7 @@ def _weight(N: int, K: int, seed: int) -> torch.Tensor:
                          ids=["M3-N40-K192", "M11-N24-K128", "M20-N17-K100", "M5-N75-K192-wr2"])
 def test_emulated_kernel_matches_reference(M, N, K, mt, wk, wr, q8):
     w = _weight(N, K, seed=N * K + M)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     assert p.num_escapes > 0
     x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M)) * 2).to(torch.bfloat16)
     got = emulate(x, p, mt=mt, wk=wk, wr=wr, q8=q8)
@@ -638,7 +638,7 @@ def test_emulated_tma_kernel_matches_reference(M, N, K, mt, cw, splits, wg, q8):
     permuted B layout and descriptor strides are modelled from the PTX ISA (checked on a GPU by
     the odd-shape tests)."""
     w = _weight(N, K, seed=N * K + M + 1)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     assert p.num_escapes > 0
     x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M + 1)) * 2).to(torch.bfloat16)
     got = emulate_tma(x, p, mt=mt, cw=cw, splits=splits, q8=q8, wg=wg)
@@ -652,7 +652,7 @@ def test_emulated_tma_x_box_matches_reference(M, N, K, mt, cw, splits, q8):
     """TmaConfig(xbox=True): the consumers' swizzled x addresses (x_at) read back exactly what TMA's
     128-byte swizzle wrote, for 1, 2 and 4 token tiles (tokens past M zero)."""
     w = _weight(N, K, seed=N * K + M + 5)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M + 5)) * 2).to(torch.bfloat16)
     got = emulate_tma(x, p, mt=mt, cw=cw, splits=splits, q8=q8, xbox=True)
     _assert_emulation_exact(got, x, w, p, q8)
@@ -668,7 +668,7 @@ def test_emulated_tma_stream_k_matches_reference(M, N, K, mt, cw, ctas, q8):
     only in part, span three row blocks, or hold one unit each; every output written exactly once,
     and equal, bit for bit, whichever CTA arrives last."""
     w = _weight(N, K, seed=N * K + M + 2)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M + 3)) * 2).to(torch.bfloat16)
     got = emulate_tma_sk(x, p, mt=mt, cw=cw, ctas=ctas, q8=q8, seed=0)
     _assert_emulation_exact(got, x, w, p, q8)

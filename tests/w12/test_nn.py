@@ -44,28 +44,33 @@ def test_from_linear_rejects_non_bf16():
         w12.W12Linear.from_linear(nn.Linear(4, 4))
 
 
-def test_buffers_follow_module(exact_ops):
-    wl = w12.W12Linear.from_linear(nn.Linear(64, 8).to(torch.bfloat16))
+@pytest.mark.parametrize("layout", ["runtime", "planes"])
+def test_buffers_follow_module(exact_ops, layout):
+    wl = w12.W12Linear.from_linear(nn.Linear(64, 8).to(torch.bfloat16), layout=layout)
+    assert wl.is_tiled == (layout == "runtime")
     names = {n for n, _ in wl.named_buffers()}
-    assert names == {f"w_{p}" for p in w12.format.PLANES}
+    held = w12.layout.TENSORS if layout == "runtime" else w12.format.PLANES
+    assert names == {f"w_{p}" for p in held}
     before = wl.weight
-    wl.to(torch.float16)  # casts leave the integer planes alone; bias follows
-    assert wl.w_hi.dtype == torch.uint8 and wl.bias.dtype == torch.float16
+    dtypes = {n: b.dtype for n, b in wl.named_buffers()}
+    wl.to(torch.float16)  # casts leave the integer buffers alone; bias follows
+    assert {n: b.dtype for n, b in wl.named_buffers()} == dtypes and wl.bias.dtype == torch.float16
+    assert wl.weight.tensors()[0].dtype == torch.uint8 if layout == "runtime" else wl.w_hi.dtype == torch.uint8
     sd = wl.state_dict()
-    assert set(sd) == names | {"bias"}
-    wl2 = w12.W12Linear.from_linear(nn.Linear(64, 8).to(torch.bfloat16)).to(torch.float16)
+    assert set(sd) == {f"w_{p}" for p in w12.format.PLANES} | {"bias"}  # the version-1 planes either way
+    wl2 = w12.W12Linear.from_linear(nn.Linear(64, 8).to(torch.bfloat16), layout=layout).to(torch.float16)
     wl2.load_state_dict(sd)
     assert_bitwise_equal(wl2.weight.unpack(), before.unpack())
 
 
-def _escape_heavy_mlp(seed, n_escapes):
+def _escape_heavy_mlp(seed, n_escapes, layout="runtime"):
     """A converted MLP whose first layer has `n_escapes` escapes (so two of them differ in escape count)."""
     torch.manual_seed(seed)
     model = nn.Sequential(nn.Linear(75, 63), nn.GELU(), nn.Linear(63, 33, bias=False)).to(torch.bfloat16)
     special = torch.tensor([1e30, -1e-30, float("inf"), float("nan"), -3e20, 0.0, -0.0], dtype=torch.bfloat16)
     with torch.no_grad():
         model[0].weight.view(-1)[: n_escapes] = special.repeat(n_escapes // len(special) + 1)[:n_escapes] * 1
-    w12.convert(model)
+    w12.convert(model, layout=layout)
     return model
 
 
@@ -92,8 +97,9 @@ def test_state_dict_round_trip_between_converted_models(exact_ops, n_src, n_dst)
     assert_bitwise_equal(dst2(x), want)
 
 
-def test_load_state_dict_rejects_bad_planes(exact_ops):
-    src, dst = _escape_heavy_mlp(0, 10), _escape_heavy_mlp(1, 0)
+@pytest.mark.parametrize("layout", ["runtime", "planes"])
+def test_load_state_dict_rejects_bad_planes(exact_ops, layout):
+    src, dst = _escape_heavy_mlp(0, 10), _escape_heavy_mlp(1, 0, layout)
     sd = src.state_dict()
     bad = dict(sd)
     bad["0.w_esc_col"] = sd["0.w_esc_col"][:-1].clone()  # no longer matches esc_val / esc_rowptr
@@ -106,7 +112,9 @@ def test_load_state_dict_rejects_bad_planes(exact_ops):
         dst.load_state_dict(bad)
     bad = dict(sd)
     bad["0.w_hi"] = torch.zeros(63, 64, dtype=torch.uint8)  # K padded to 64, not 128
-    with pytest.raises(RuntimeError, match="size mismatch for 0.w_hi"):
+    # a planes layer has a w_hi buffer of the right shape; a runtime-layout layer checks the planes it tiles
+    with pytest.raises(RuntimeError, match="size mismatch for 0.w_hi" if layout == "planes" else
+                       r"0 is invalid after loading: w12.W12Weight: hi has 64 columns but K=75 pads to 128"):
         dst.load_state_dict(bad)
     partial = {k: v for k, v in sd.items() if k != "0.w_esc_val"}
     with pytest.raises(RuntimeError, match=r"planes \['0.w_esc_val'\] are missing"):
@@ -190,7 +198,8 @@ def test_convert_hf_llama(exact_ops):
     with torch.no_grad():
         got = model(ids).logits
     assert_bitwise_equal(got, want)
-    assert 12.0 < report.bits_per_weight < 16.0  # K = 96 pads to 128 in down_proj
+    # the runtime layout: no padding (the planes pad down_proj's K = 96 to 128), 40 bits of row metadata per row
+    assert 12.0 < report.bits_per_weight < 12.7
 
 
 def test_convert_hf_tied_lm_head():
@@ -248,6 +257,9 @@ def test_hf_save_and_load_pretrained_bitwise(exact_ops, tmp_path):
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     assert isinstance(loaded.model.layers[1].self_attn.q_proj, w12.W12Linear)
     assert isinstance(loaded.lm_head, nn.Linear)
+    # the runtime layout on both sides: quantize converts to it, loading tiles the planes of the checkpoint
+    w12_layers = [m for mod in (model, loaded) for m in mod.modules() if isinstance(m, w12.W12Linear)]
+    assert len(w12_layers) == 28 and all(m.is_tiled for m in w12_layers)
     down = loaded.model.layers[0].mlp.down_proj.weight
     assert down.num_escapes == model.model.layers[0].mlp.down_proj.weight.num_escapes
     assert_bitwise_equal(_logits(loaded, IDS), want)
@@ -290,6 +302,7 @@ def test_hf_convert_while_loading_bf16_checkpoint(exact_ops, tmp_path):
     q = transformers.AutoModelForCausalLM.from_pretrained(
         tmp_path / "bf16", dtype=torch.bfloat16, quantization_config=w12.hf.W12Config(exclude=["lm_head"]))
     assert isinstance(q.model.layers[0].mlp.up_proj, w12.W12Linear) and isinstance(q.lm_head, nn.Linear)
+    assert q.model.layers[0].mlp.up_proj.is_tiled
     assert_bitwise_equal(_logits(q, IDS), want)  # exact_ops: the lossless weights give the BF16 model's logits
     q.save_pretrained(tmp_path / "w12")
     back = transformers.AutoModelForCausalLM.from_pretrained(tmp_path / "w12")
@@ -359,6 +372,7 @@ def test_pack_output_loads_into_model(exact_ops, tmp_path):
     # kernels' padded layout) stays BF16 in the file
     assert report.num_converted == 13
     assert isinstance(fresh.model.layers[0].mlp.up_proj, w12.W12Linear) and isinstance(fresh.lm_head, w12.W12Linear)
+    assert fresh.model.layers[0].mlp.up_proj.is_tiled and fresh.lm_head.is_tiled
     assert type(fresh.model.layers[0].mlp.down_proj) is nn.Linear
     assert_bitwise_equal(fresh.model.embed_tokens.weight, model.model.embed_tokens.weight)
     assert_bitwise_equal(_logits(fresh, IDS), want)

@@ -52,7 +52,7 @@ def _x(M: int, K: int, seed: int) -> torch.Tensor:
 @pytest.mark.parametrize("N,K", SHAPES, ids=lambda v: str(v))
 def test_pack_runtime_round_trips_bit_for_bit(N, K):
     w = hostile_weight(N, K, seed=N * 7 + K)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = w12.pack(w, layout="runtime")
     assert isinstance(t, layout.TiledW12) and (t.N, t.K) == (N, K) and t.shape == (N, K)
     if N > 5:  # salted rows: +-0, +-Inf, NaN payloads, subnormals and out-of-window values escape
@@ -124,14 +124,14 @@ def test_runtime_layout_is_at_most_12_5_bits_for_k_from_128(N, K):
     assert t.bits_per_weight <= 12.5, t
     assert t.nbytes == layout.Geometry(N, K).nbytes + 5 * N + 4
     if K == 130:
-        assert w12.pack(w).bits_per_weight > 18.0 and t.bits_per_weight < 12.35
+        assert w12.pack(w, layout="planes").bits_per_weight > 18.0 and t.bits_per_weight < 12.35
 
 
 def test_runtime_layout_bits_with_gaussian_weights():
     """Gaussian weights (a few escapes) at a padded K stay under 12.5 bits; the planes do not."""
     w = (torch.randn(512, 200, generator=torch.Generator().manual_seed(5)) * 200**-0.5).to(torch.bfloat16)
     t = w12.pack(w, layout="runtime")
-    assert t.bits_per_weight <= 12.5 < w12.pack(w).bits_per_weight
+    assert t.bits_per_weight <= 12.5 < w12.pack(w, layout="planes").bits_per_weight
 
 
 # --- files --------------------------------------------------------------------------------------------------------
@@ -159,7 +159,7 @@ def _file_parts(path) -> tuple[int, dict, bytes]:
 
 def test_save_file_of_tiled_weights_is_byte_identical(tmp_path):
     weights, bias = _entries()
-    planes = {k: w12.pack(w) for k, w in weights.items()}
+    planes = {k: w12.pack(w, layout="planes") for k, w in weights.items()}
     tiled = {k: w12.pack(w, layout="runtime") for k, w in weights.items()}
     mixed = {k: (tiled if i % 2 else planes)[k] for i, k in enumerate(weights)}
     files = []
@@ -171,7 +171,7 @@ def test_save_file_of_tiled_weights_is_byte_identical(tmp_path):
     assert files[1] == files[0] and files[2] == files[0]
     assert all(len(p.read_bytes()) == len((tmp_path / "f0.safetensors").read_bytes())
                for p in tmp_path.glob("f*.safetensors"))
-    out = w12.load_file(tmp_path / "f1.safetensors")
+    out = w12.load_file(tmp_path / "f1.safetensors", layout="planes")
     for k, w in weights.items():
         assert isinstance(out[k], w12.W12Weight)
         assert_same_planes(out[k], planes[k])
@@ -185,7 +185,7 @@ def test_save_file_rejects_other_types(tmp_path):
 def test_load_file_runtime_layout(tmp_path):
     weights, bias = _entries()
     path = tmp_path / "m.safetensors"
-    w12.save_file(path, {**{k: w12.pack(w) for k, w in weights.items()}, "l.bias": bias})
+    w12.save_file(path, {**{k: w12.pack(w, layout="planes") for k, w in weights.items()}, "l.bias": bias})
     out = w12.load_file(path, layout="runtime")
     assert set(out) == set(weights) | {"l.bias"}
     assert isinstance(out["l.bias"], torch.Tensor) and not isinstance(out["l.bias"], layout.TiledW12)
@@ -193,7 +193,7 @@ def test_load_file_runtime_layout(tmp_path):
     for k, w in weights.items():
         t = out[k]
         assert isinstance(t, layout.TiledW12) and t.device == torch.device("cpu")
-        assert torch.equal(t.tiles, layout.tile(w12.pack(w)).tiles)
+        assert torch.equal(t.tiles, layout.tile(w12.pack(w, layout="planes")).tiles)
         assert_bitwise_equal(w12.unpack(t), w)
     # and back to the same file
     w12.save_file(tmp_path / "again.safetensors", out)
@@ -204,7 +204,7 @@ def test_load_file_tiles_one_weight_at_a_time(tmp_path):
     """When load_file tiles a weight, the padded planes of every weight tiled before it are already freed."""
     weights, _ = _entries()
     path = tmp_path / "m.safetensors"
-    w12.save_file(path, {k: w12.pack(w) for k, w in weights.items()})
+    w12.save_file(path, {k: w12.pack(w, layout="planes") for k, w in weights.items()})
     seen = []
     real_tile = layout.tile
 
@@ -227,7 +227,7 @@ def test_load_file_tiles_one_weight_at_a_time(tmp_path):
 def test_load_file_runtime_still_checks_the_file(tmp_path):
     w = hostile_weight(33, 200, seed=16)
     path = tmp_path / "m.safetensors"
-    w12.save_file(path, {"a": w12.pack(w)})
+    w12.save_file(path, {"a": w12.pack(w, layout="planes")})
     raw = bytearray(path.read_bytes())
     raw[-3] ^= 0x10  # a byte of the last stored tensor
     path.write_bytes(bytes(raw))
@@ -245,7 +245,7 @@ def test_bad_layout_values_are_refused(bad, tmp_path):
     with pytest.raises(ValueError, match=r"w12\.pack: " + msg):
         w12.pack(w, layout=bad)
     path = tmp_path / "m.safetensors"
-    w12.save_file(path, {"a": w12.pack(w)})
+    w12.save_file(path, {"a": w12.pack(w, layout="planes")})
     with pytest.raises(ValueError, match=r"w12\.load_file: " + msg):
         w12.load_file(path, layout=bad)
     lin = nn.Linear(70, 5).to(torch.bfloat16)
@@ -317,7 +317,7 @@ def test_matmul_on_the_runtime_layout_is_the_planes_torch_path(N, K, M, q8):
     """On CPU tensors, w12.matmul / matmul_q8 on pack(layout="runtime") give the planes' torch path bit for bit,
     with a bias, into `out`, with a leading batch dim (NaN where it gives NaN: hostile rows hold NaN weights)."""
     w = hostile_weight(N, K, seed=N + K + M)
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = w12.pack(w, layout="runtime")
     op = w12.matmul_q8 if q8 else w12.matmul
     x = _x(M, K, seed=M)
@@ -343,7 +343,7 @@ def test_matmul_q8_differs_from_matmul_on_a_tiled_weight():
     x = _x(4, 128, seed=8)
     exact, q8 = w12.matmul(x, t), w12.matmul_q8(x, t)
     assert not torch.equal(exact, q8)
-    _same_result(q8, w12.matmul_q8(x, w12.pack(w), variant="torch"))
+    _same_result(q8, w12.matmul_q8(x, w12.pack(w, layout="planes"), variant="torch"))
 
 
 # --- TiledW12.to, torch.save / torch.load ------------------------------------------------------------------------
@@ -364,7 +364,7 @@ def test_torch_save_and_load_weights_only():
     w = hostile_weight(33, 200, seed=10)
     t = w12.pack(w, layout="runtime")
     buf = io.BytesIO()
-    torch.save({"t": t, "p": w12.pack(w)}, buf)
+    torch.save({"t": t, "p": w12.pack(w, layout="planes")}, buf)
     buf.seek(0)
     got = torch.load(buf, weights_only=True)
     u = got["t"]
@@ -393,7 +393,7 @@ def _torch_path():
 @pytest.mark.parametrize("N,K", [(37, 150), (1000, 130), (17, 64)], ids=lambda v: str(v))
 def test_w12linear_holds_a_tiled_weight(N, K):
     lin = _linear(N, K, seed=N)
-    planes = w12.W12Linear.from_linear(lin)
+    planes = w12.W12Linear.from_linear(lin, layout="planes")
     tiled = w12.W12Linear.from_linear(lin, layout="runtime")
     assert isinstance(tiled.weight, layout.TiledW12) and tiled.is_tiled and not planes.is_tiled
     assert {n for n, _ in tiled.named_buffers()} == {"w_tiles", "w_e0", "w_esc_rowptr", "w_esc_col", "w_esc_val"}
@@ -411,7 +411,7 @@ def test_w12linear_holds_a_tiled_weight(N, K):
 
 def test_w12linear_tiled_state_dict_is_the_planes_one():
     lin = _linear(37, 150, seed=1)
-    planes = w12.W12Linear.from_linear(lin)
+    planes = w12.W12Linear.from_linear(lin, layout="planes")
     tiled = w12.W12Linear.from_linear(lin, layout="runtime")
     a, b = planes.state_dict(), tiled.state_dict()
     assert list(a) == list(b) == ["bias", *(f"w_{p}" for p in PLANES)]
@@ -482,7 +482,7 @@ def test_convert_runtime_layout():
     ref = nn.Sequential(nn.Linear(130, 63), nn.GELU(), nn.Linear(63, 200, bias=False)).to(torch.bfloat16)
     ref.load_state_dict(model.state_dict())
     report = w12.convert(model, layout="runtime")
-    ref_report = w12.convert(ref)
+    ref_report = w12.convert(ref, layout="planes")
     assert report.num_converted == 2
     assert all(isinstance(m, w12.W12Linear) and m.is_tiled for m in (model[0], model[2]))
     assert report.bytes_after == model[0].weight.nbytes + model[2].weight.nbytes
@@ -508,8 +508,8 @@ def test_convert_runtime_then_move_and_cast():
 
 
 def test_hf_save_pretrained_of_a_runtime_layout_model(tmp_path):
-    """A transformers model converted with layout="runtime" saves the version-1 planes; from_pretrained (planes
-    layers) gives the same logits."""
+    """A transformers model converted with layout="runtime" saves the version-1 planes; from_pretrained (layers in
+    the runtime layout, the default) gives the same logits."""
     transformers = pytest.importorskip("transformers")
     cfg = transformers.LlamaConfig(vocab_size=128, hidden_size=64, intermediate_size=96, num_hidden_layers=1,
                                    num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=64,
@@ -524,8 +524,8 @@ def test_hf_save_pretrained_of_a_runtime_layout_model(tmp_path):
     model.save_pretrained(tmp_path)
     loaded = transformers.AutoModelForCausalLM.from_pretrained(tmp_path)
     down = loaded.model.layers[0].mlp.down_proj
-    assert isinstance(down, w12.W12Linear) and not down.is_tiled
-    assert torch.equal(w12.layout.tile(down.weight).tiles, model.model.layers[0].mlp.down_proj.weight.tiles)
+    assert isinstance(down, w12.W12Linear) and down.is_tiled
+    assert torch.equal(down.weight.tiles, model.model.layers[0].mlp.down_proj.weight.tiles)
     with torch.no_grad(), _torch_path():
         got = loaded(ids).logits
     assert_bitwise_equal(got, want)

@@ -1,7 +1,7 @@
 """The runtime layout through the public API on a GPU (`layout="runtime"`, docs/w12-format.md "Getting the runtime
 layout from the API"): `w12.matmul` / `matmul_q8` on `w12.pack(w, layout="runtime")` are `w12.matmul_tiled` on
-`w12.layout.tile(w12.pack(w))` bit for bit, `load_file(device="cuda", layout="runtime")`, `unpack` / `decode_q8`
-through the tile decode, `TiledW12.to`, and `W12Linear` holding a `TiledW12`.
+`w12.layout.tile(w12.pack(w, layout="planes"))` bit for bit, `load_file(device="cuda", layout="runtime")`,
+`unpack` / `decode_q8` through the tile decode, `TiledW12.to`, and `W12Linear` holding a `TiledW12`.
 
 Run on the GPU machine:  python -m pytest tests/w12/test_runtime_layout_api_gpu.py -q
 """
@@ -31,7 +31,7 @@ def test_matmul_on_pack_runtime_is_matmul_tiled(N, K, kind, M, q8):
     with a bias and into `out`: the bits of w12.matmul_tiled on tile(pack(w))."""
     w = escaped_weight(N, K, seed=M + N) if kind == "gauss" else hostile_weight(N, K, seed=M + N).cuda()
     t = w12.pack(w, layout="runtime")
-    ref = layout.tile(w12.pack(w))
+    ref = layout.tile(w12.pack(w, layout="planes"))
     assert isinstance(t, layout.TiledW12) and t.device.type == "cuda"
     assert torch.equal(t.tiles, ref.tiles)
     x = gaussian_x(M, K, seed=M)
@@ -55,14 +55,14 @@ def test_load_file_runtime_on_cuda(tmp_path):
                "c": hostile_weight(1000, 130, seed=3)}
     bias = torch.randn(1030)
     path = tmp_path / "m.safetensors"
-    w12.save_file(path, {**{k: w12.pack(w) for k, w in weights.items()}, "bias": bias})
+    w12.save_file(path, {**{k: w12.pack(w, layout="planes") for k, w in weights.items()}, "bias": bias})
     out = w12.load_file(path, device="cuda", layout="runtime")
     assert out["bias"].device.type == "cuda" and torch.equal(out["bias"].cpu(), bias)
     for k, w in weights.items():
         t = out[k]
         assert isinstance(t, layout.TiledW12) and t.device.type == "cuda"
         assert all(x.is_cuda for x in (t.tiles, t.e0, t.esc_rowptr, t.esc_col, t.esc_val))
-        p = w12.pack(w.cuda())
+        p = w12.pack(w.cuda(), layout="planes")
         ref = layout.tile(p)
         assert torch.equal(t.tiles, ref.tiles)
         assert_bitwise_equal(w12.unpack(t).cpu(), w)
@@ -76,7 +76,7 @@ def test_load_file_runtime_on_cuda(tmp_path):
 @pytest.mark.parametrize("N,K", [(37, 150), (1000, 63), (300, 581), (1, 1)], ids=lambda v: str(v))
 def test_unpack_decode_q8_and_moves_on_cuda(N, K):
     w = hostile_weight(N, K, seed=N + K).cuda()
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     t = w12.pack(w, layout="runtime")
     assert_bitwise_equal(w12.unpack(t), w)
     assert torch.equal(bits_of(w12.decode_q8(t)), bits_of(w12.decode_q8(p)))
@@ -99,11 +99,11 @@ def test_w12linear_with_a_tiled_weight_on_cuda():
     with torch.no_grad():
         lin.weight.copy_(escaped_weight(1030, 1000, seed=5))
     tiled = w12.W12Linear.from_linear(lin, layout="runtime")
-    planes = w12.W12Linear.from_linear(lin)
+    planes = w12.W12Linear.from_linear(lin, layout="planes")
     assert tiled.is_tiled and tiled.w_tiles.is_cuda
     x = gaussian_x(4, 1000, seed=6)
     y = tiled(x)
-    want = w12.matmul_tiled(x, layout.tile(w12.pack(lin.weight.detach())), lin.bias)
+    want = w12.matmul_tiled(x, layout.tile(w12.pack(lin.weight.detach(), layout="planes")), lin.bias)
     torch.cuda.synchronize()
     assert torch.equal(bits_of(y), bits_of(want))
     sd, ref = tiled.state_dict(), planes.state_dict()

@@ -27,6 +27,7 @@ import w12  # noqa: E402
 from specpilot.testing import assert_bitwise_equal, assert_close  # noqa: E402
 from w12 import codec  # noqa: E402
 from w12.format import PLANES  # noqa: E402
+from w12.layout import TENSORS  # noqa: E402
 
 FUZZ = settings(deadline=None, derandomize=True, database=None, print_blob=True,
                 suppress_health_check=[HealthCheck.too_slow, HealthCheck.data_too_large,
@@ -104,7 +105,7 @@ def _same_planes(a: w12.W12Weight, b: w12.W12Weight) -> None:
 @fuzz(150)
 @given(w=bf16_matrices())
 def test_pack_unpack_bit_exact(w):
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     p.validate(deep=True)
     assert_bitwise_equal(w12.unpack(p), w.detach())
     assert p.bits_per_weight == 8 * p.nbytes / w.numel()
@@ -117,7 +118,7 @@ def test_pack_unpack_bit_exact(w):
 def test_pack_matches_spec_reference(w):
     from w12.reference import pack_reference, unpack_reference
 
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     _same_planes(pack_reference(w), p)
     assert_bitwise_equal(unpack_reference(p), w.detach())
 
@@ -180,7 +181,7 @@ def matmul_cases(draw):
 @given(case=matmul_cases(), q8=st.booleans())
 def test_matmul_within_bound(case, q8):
     x, w, bias = case
-    p = w12.pack(w)
+    p = w12.pack(w, layout="planes")
     fn, ref = (w12.matmul_q8, w12.matmul_q8_reference) if q8 else (w12.matmul, w12.matmul_reference)
     with autotune.force("w12.matmul", variant="torch"):
         got = fn(x, p, bias)
@@ -195,7 +196,7 @@ def test_matmul_within_bound(case, q8):
 
 @st.composite
 def bad_matmul_calls(draw):
-    p = w12.pack(torch.randn(6, 20).bfloat16())
+    p = w12.pack(torch.randn(6, 20).bfloat16(), layout="planes")
     x = torch.randn(3, 20).bfloat16()
     kind = draw(st.sampled_from(["x-dtype", "x-int", "x-K", "x-0d", "x-list", "packed", "bias-shape", "bias-int",
                                  "bias-list", "x-meta"]))
@@ -326,6 +327,10 @@ def _same(a, b):
         assert type(a[k]) is type(b[k]), k
         if isinstance(a[k], w12.W12Weight):
             _same_planes(a[k], b[k])
+        elif isinstance(a[k], w12.TiledW12):  # w12.pack and w12.load_file give the runtime layout by default
+            assert (a[k].N, a[k].K) == (b[k].N, b[k].K), k
+            for t in TENSORS:
+                assert torch.equal(getattr(a[k], t), getattr(b[k], t)), (k, t)
         else:
             assert_bitwise_equal(a[k], b[k])
 

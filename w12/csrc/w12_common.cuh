@@ -263,14 +263,17 @@ __device__ __forceinline__ float bias_at(const void* bias, int kind, int row) {
 }
 
 // The end of one output row `row` < N for this thread's tokens (lane q): the row's escapes in CSR order, each
-// adding x * escape less what the dense decode gave there (escape_dense), the bias,
-// one rounding to bf16. acc(j, u) is the accumulator of n-tile j, token 8 j + 2 q + u. The first escape,
-// [p0] = (c0, v0), was fetched early by the caller (its dependent loads overlap the main loop).
-template <bool Q8, int NT, class Acc>
+// adding x * escape less what the dense decode gave there (escape_dense), the bias, one rounding to bf16 (a float
+// `out` takes the fp32 sum as it is). acc(j, u) is the accumulator of n-tile j, token 8 j + 2 q + u. The first
+// escape, [p0] = (c0, v0), was fetched early by the caller (its dependent loads overlap the main loop).
+__device__ __forceinline__ void store_out(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
+__device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
+
+template <bool Q8, int NT, class Acc, class OutT>
 __device__ __forceinline__ void finish_row(Acc&& acc, int row, uint32_t e0, int p0, int p1, int c0, uint32_t v0,
                                            const int* __restrict__ ecol, const uint16_t* __restrict__ eval,
                                            const __nv_bfloat16* __restrict__ x, long long ldx, const void* bias,
-                                           int bias_kind, __nv_bfloat16* __restrict__ out, int M, int N, int q) {
+                                           int bias_kind, OutT* __restrict__ out, int M, int N, int q) {
   if (p1 > p0) {
     const float dense = escape_dense<Q8>(e0);
     for (int p = p0; p < p1; ++p) {
@@ -286,7 +289,7 @@ __device__ __forceinline__ void finish_row(Acc&& acc, int row, uint32_t e0, int 
   for_tokens<NT>(q, M, [&](int j, int u, int tok) {
     float sum = acc(j, u);
     if (bias_kind != 0) sum += b;  // no +0.0: it would turn -0.0 into +0.0
-    out[(long long)tok * N + row] = __float2bfloat16_rn(sum);
+    store_out(out + (long long)tok * N + row, sum);
   });
 }
 

@@ -1,7 +1,8 @@
 // W12 weight-streaming GEMM for M = 1..32 tokens on the runtime layout (w12/layout.py; mma.sync m16n8k16 and
 // cp.async: sm_80+).
 //
-//   out[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp32 accumulation, one rounding to bf16 at the end.
+//   out[M, N] = x[M, K] @ W[N, K]^T (+ bias), fp32 accumulation, one rounding to bf16 at the end (W12F_OUT32 = 1:
+//   out is fp32 and takes the sums unrounded, for w12.matmul_tiled's fp16-x path, w12/ops.py).
 //
 // Work split (docs/w12-kernels.md, "The flow kernel"). A row block is 16 weight rows (the last may have fewer); a
 // row group is RB consecutive row blocks (W12F_RB, 1 or 2), which one warp multiplies by the same x fragments, so
@@ -135,6 +136,14 @@
 #endif
 #ifndef W12F_Q8
 #define W12F_Q8 0  // the 8-bit view: hi bytes only
+#endif
+#ifndef W12F_OUT32
+#define W12F_OUT32 0  // out as fp32, the sums unrounded (w12.matmul_tiled's fp16-x path adds two such products)
+#endif
+#if W12F_OUT32
+typedef float w12f_out_t;
+#else
+typedef __nv_bfloat16 w12f_out_t;
 #endif
 #ifndef W12F_WG
 #define W12F_WG 0  // the warpgroup build: wgmma over 64 rows, x from shared memory (sm_90a)
@@ -396,7 +405,7 @@ w12_matmul_flow_kernel(
     const uint8_t* __restrict__ tiles,    // the runtime layout (w12/layout.py)
     const uint8_t* __restrict__ e0, const int* __restrict__ rowptr, const int* __restrict__ ecol,
     const uint16_t* __restrict__ eval, const void* __restrict__ bias, int bias_kind,  // bias: 0 none, 1 bf16, 2 fp16, 3 fp32
-    __nv_bfloat16* __restrict__ out,      // [M, N]
+    w12f_out_t* __restrict__ out,         // [M, N], bf16 (fp32 with W12F_OUT32)
     int M, int N, int K,
     float* __restrict__ sink,             // [blockDim.x]: steps without the epilogue, a never-taken store
     float* __restrict__ ws, int* __restrict__ cnt) {  // KG: 128 RW RB NT floats per CTA; one counter per KC CTAs

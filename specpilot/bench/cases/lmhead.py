@@ -8,11 +8,12 @@ the same W as its "cublas" case: N(0, 1/K), outputs O(1)). Variants:
                       bound, exact recompute of the survivors
   * "certified-int4"  `CertifiedHead(W, screen="int4").argmax(h)`: INT4 screen (codes in [-7, 7], two to a byte,
                       the same group scales and bound): half the INT8 screen's bytes, more survivors
-  * "certified-w12"   `CertifiedHead(w12.pack(W), screen="w12").argmax(h)`: the W12 record's 8-bit view as the
-                      screen, exact rows decoded from the record
-  * "certified-w12-int8"  `CertifiedHead(w12.pack(W), screen="int8").argmax(h)`: a W12 head screened by an INT8
+  * "certified-w12"   `CertifiedHead(P, screen="w12").argmax(h)`, P = `w12.pack(W, layout="planes")` (the head
+                      slices the planes' rows): the W12 record's 8-bit view as the screen, exact rows decoded
+                      from the record
+  * "certified-w12-int8"  `CertifiedHead(P, screen="int8").argmax(h)`: a W12 head screened by an INT8
                       copy (one more byte a weight), survivors decoded from the W12 record
-  * "w12"             `w12.matmul(h, w12.pack(W)).argmax(-1)`: the exact head read at 12 bits a weight (the w12
+  * "w12"             `w12.matmul(h, P).argmax(-1)`: the exact head read at 12 bits a weight (the w12
                       provider has the projection alone as layer "lm_head.linear", no argmax)
 
 Groups (baseline "cublas"):
@@ -102,7 +103,7 @@ class _Heads:
             import w12
 
             if kind == "w12pack":
-                val[kind] = [w12.pack(w) for w in val["bf16"]]
+                val[kind] = [w12.pack(w, layout="planes") for w in val["bf16"]]  # CertifiedHead slices rows
             elif kind in ("int8", "int4"):
                 val[kind] = [lmhead.CertifiedHead(w, screen=kind) for w in val["bf16"]]
             elif kind == "w12":

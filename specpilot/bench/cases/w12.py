@@ -5,12 +5,12 @@ Per `<layer>-M<m>` group (baseline "cublas"; "torch" on a CPU):
   * "cublas"  F.linear on the BF16 weight (2 B/weight); "torch" on a CPU (the CPU matmul)
   * "w12.tc"   w12.matmul with the sm_90 variant forced (wgmma; the CUDA-core GEMV at M = 1, see w12/ops.py)
   * "w12.gemv" w12.matmul with the no-wgmma variant forced (CUDA cores for M <= 4, mma above)
-  * "w12.mma"  w12.matmul with the CUDA C++ kernel forced (w12/cuda.py; the default on sm_80+ GPUs)
-  * "w12.flow" w12.matmul with the flow kernel forced (FlowConfig from w12.configs.flow_config: a tuned entry, else the
-               heuristic; csrc/w12_flow.cu,
-               opt-in: docs/w12-kernels.md, "The flow kernel")
-  * "w12.q8"   w12.matmul_q8 (hi plane + escapes, 1 B/weight), default variant
-  * "w12.q8.flow" w12.matmul_q8 with the flow kernel's 8-bit view build forced (hi bytes of each tile only;
+  * "w12.mma"  w12.matmul with the CUDA C++ kernel forced (w12/cuda.py; the planes' default on sm_80+ GPUs)
+  * "w12.flow" w12.matmul on the runtime layout (`w12.pack`'s default form, a TiledW12): the flow kernel at
+               w12.configs.flow_config's FlowConfig (a tuned entry, else the heuristic; csrc/w12_flow.cu,
+               docs/w12-kernels.md, "The flow kernel"); bytes: the tiles and the metadata
+  * "w12.q8"   w12.matmul_q8 on the planes (hi plane + escapes, 1 B/weight), their default variant
+  * "w12.q8.flow" w12.matmul_q8 on the runtime layout: the flow kernel's 8-bit view build (hi bytes of each tile only;
                FlowConfig from w12.configs.flow_config)
   * "w12.torch", "w12.q8.torch"  (a CPU without the interpreter) the torch paths of w12.matmul and matmul_q8,
                the only ones such a CPU runs
@@ -73,6 +73,15 @@ def _w12_bytes(n: int, k: int, q8: bool) -> float:
     return n * _kp(k) * (1.0 if q8 else 1.5) + 5 * n + 4
 
 
+def _tiled_read_bytes(tiled, q8: bool) -> float:
+    """What the flow kernel reads of a TiledW12: its tiles (the 8-bit view: their hi bytes, two thirds of a tile and
+    of a row's tail) and the metadata."""
+    meta = sum(t.nbytes for t in (tiled.e0, tiled.esc_rowptr, tiled.esc_col, tiled.esc_val))
+    geo = tiled.geometry
+    hi = tiled.N * (64 * geo.KF + geo.kr)
+    return float(meta + (hi if q8 else tiled.tiles.nbytes))
+
+
 def _read_bytes(packed, q8: bool) -> float:
     planes = (packed.hi, packed.e0, packed.esc_rowptr, packed.esc_col, packed.esc_val)
     return float(sum(t.nbytes for t in planes) + (0 if q8 else packed.lo.nbytes))
@@ -100,7 +109,7 @@ class _Weights:
             import w12
 
             while len(v["w12"]) < sets:
-                v["w12"].append(w12.pack(v["bf16"][len(v["w12"])]))
+                v["w12"].append(w12.pack(v["bf16"][len(v["w12"])], layout="planes"))  # the variants read planes
         return v
 
     @classmethod
@@ -180,6 +189,7 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
         xs = _inputs(m, k, sets, device)
         cols = _cols(n, device)
         held: list = []  # the peer's modules, dropped in teardown
+        tiles: list = []  # the runtime layout of the packs ("w12.flow", "w12.q8.flow"), dropped in teardown
         if variant in ("cublas", "torch"):
             fns = [(lambda x=x, w=w: F.linear(x, w)) for x, w in zip(xs, ws["bf16"][:sets])]
         elif variant == "nwc":
@@ -193,16 +203,14 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
             packs = ws["w12"][:sets]
             case.bytes = _read_bytes(packs[0], q8) + xo
             fn = w12.matmul_q8 if q8 else w12.matmul
+            if variant in ("w12.flow", "w12.q8.flow"):  # the default form: w12.matmul on the runtime layout
+                tiles += [w12.layout.tile(p) for p in packs]
+                case.bytes = _tiled_read_bytes(tiles[0], q8) + xo
+                packs = tiles
             forced = {"w12.tc": "tc", "w12.gemv": "gemv", "w12.mma": "mma", "w12.torch": "torch",
                       "w12.q8.torch": "torch"}.get(variant)
-            cfg = w12.configs.flow_config(m, n, k, device, q8=variant == "w12.q8.flow") \
-                if variant in ("w12.flow", "w12.q8.flow") else None
-            op_name = "w12.matmul_q8" if q8 else "w12.matmul"
 
-            def call(x, p, fn=fn, forced=forced, cfg=cfg):
-                if cfg is not None:
-                    with autotune.force(op_name, config=cfg):
-                        return fn(x, p)
+            def call(x, p, fn=fn, forced=forced):
                 if forced is None:
                     return fn(x, p)
                 with autotune.force("w12.matmul", variant=forced):
@@ -229,6 +237,7 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
             xs.clear()
             fns.clear()
             held.clear()
+            tiles.clear()
 
         return Prepared(fns=fns, check=check, graph_safe=True, teardown=teardown)
 
@@ -258,7 +267,8 @@ class _StepWeights:
         if packed and not v["w12"]:
             import w12
 
-            v["w12"] = [w12.pack(w) for _, w, _ in v["layers"]]  # one layer at a time on the device
+            # the planes (w12.matmul's variants; "w12.tiled" tiles them), one layer at a time on the device
+            v["w12"] = [w12.pack(w, layout="planes") for _, w, _ in v["layers"]]
         return v
 
     @classmethod
