@@ -179,7 +179,9 @@ def load_file(path, device="cpu", *, layout: str = "runtime") -> dict[str, Tiled
                 t = f.get_tensor(k)
                 if tensor_checksum(t) != sums[k]:
                     raise _corrupt(path, f"checksum mismatch in tensor {k!r}")
-                raw[k] = t
+                # an empty tensor gets storage of its own: the file's would sit at the address of the next one's bytes
+                # (a weight without escapes: esc_val where e0 starts), which Triton's interpreter takes for one buffer
+                raw[k] = t if t.numel() else torch.empty(t.shape, dtype=t.dtype)
     except W12FormatError:
         raise
     except Exception as e:

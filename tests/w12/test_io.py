@@ -8,6 +8,7 @@ import pytest
 import torch
 from safetensors.torch import save_file as st_save
 
+import autotune
 import w12
 from specpilot.testing import assert_bitwise_equal
 from w12.format import PLANES
@@ -358,3 +359,21 @@ def test_compact_planes_round_trip_and_checks():
     c["lo"][0, -1] |= 0x10
     with pytest.raises(w12.W12FormatError, match="padding nibble after column 4"):
         from_compact_planes(c, 5)
+
+
+def test_loaded_weight_without_escapes_runs_the_triton_kernels(tmp_path):
+    """A weight without escapes, loaded on the CPU as planes: its empty escape tensors own their storage (in the file
+    an empty tensor sits where the next one's bytes start, e0's here), so a Triton kernel (the interpreter on a CPU)
+    that takes e0 and the escapes as separate buffers gives the product of the packed weight, bit for bit."""
+    g = torch.Generator().manual_seed(3)
+    w = (torch.randn(64, 128, generator=g) * 0.02).bfloat16()
+    p = w12.pack(w, layout="planes")
+    assert p.esc_col.numel() == 0
+    w12.save_file(tmp_path / "f.safetensors", {"w": p})
+    q = w12.load_file(tmp_path / "f.safetensors", layout="planes")["w"]
+    ptrs = {n: getattr(q, n).untyped_storage().data_ptr() for n in ("e0", "esc_col", "esc_val")}
+    assert ptrs["e0"] not in (ptrs["esc_col"], ptrs["esc_val"])
+    x = torch.randn(2, 128, generator=g).bfloat16()
+    if not autotune.is_interpreter():
+        pytest.skip("the Triton kernels run on a CPU under the interpreter only")
+    assert_bitwise_equal(w12.matmul(x, q, variant="gemv"), w12.matmul(x, p, variant="gemv"))
