@@ -326,7 +326,7 @@ def test_pack_output_named_model_safetensors_loads_as_w12(tmp_path):
 # specpilot pack keeps BF16 where W12 would take more memory than BF16.
 
 
-def test_pack_keeps_bf16_where_w12_takes_more_memory(tmp_path, capsys):
+def test_pack_packs_what_the_runtime_layout_holds_in_fewer_bits_and_warns_about_the_planes(tmp_path, capsys):
     from safetensors.torch import save_file
 
     from specpilot import cli
@@ -336,12 +336,14 @@ def test_pack_keeps_bf16_where_w12_takes_more_memory(tmp_path, capsys):
          "ok.weight": (torch.randn(64, 256, generator=g) * 0.02).bfloat16()}
     save_file(t, str(tmp_path / "in.safetensors"))
     assert cli.main(["pack", str(tmp_path / "in.safetensors"), str(tmp_path / "out.safetensors")]) == 0
-    out = capsys.readouterr().out
-    assert ("wide.weight: kept in BF16: W12 would take at least 18.03 bits per weight in memory, where the kernels "
-            "read rows padded to a multiple of 64 columns (K=130 -> Kp=192), more than BF16's 16") in out
+    cap = capsys.readouterr()
+    assert "kept in BF16" not in cap.out
+    assert ("wide.weight [1000 x 130]: 18.03 bits per weight in memory as version-1 planes (load_file(..., "
+            "layout=\"planes\"): rows padded to a multiple of 64 columns, K=130 -> Kp=192), more than BF16's 16; "
+            "the default runtime layout takes 12.3") in cap.err
     got = w12.load_file(tmp_path / "out.safetensors")
-    assert isinstance(got["wide.weight"], torch.Tensor) and isinstance(got["ok.weight"], w12.TiledW12)
-    assert_bitwise_equal(got["wide.weight"], t["wide.weight"])
+    assert isinstance(got["wide.weight"], w12.TiledW12) and isinstance(got["ok.weight"], w12.TiledW12)
+    assert_bitwise_equal(w12.unpack(got["wide.weight"]), t["wide.weight"])
 
 
 # --------------------------------------------------------------------------------------------------------------

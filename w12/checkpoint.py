@@ -11,13 +11,13 @@ A malformed or truncated input, or an output that cannot be written, raises `W12
 
 Size: the file stores the planes compact (`w12.layout = compact`, see `w12.io`): 12 bits per
 weight plus 40 bits of row metadata per row and 48 bits per escape, so any K >= 128 stays at
-most 12.35 bits per weight before escapes. In memory, `load_file` rebuilds the layout the
-kernels read: rows padded to `Kp`, K rounded up to a multiple of 64 (every kernel, Triton
-`w12/kernels` and CUDA `w12/csrc`, loads whole 64-column groups of `[N, Kp]` planes without a
-mask), i.e. `12 * Kp / K + 40 / K` bits per weight: 18.0 for 1000 x 130. A tensor whose W12
-form is not smaller than BF16, in the file (small K: K = 8 takes 17 bits) or in that padded memory
-layout (1000 x 130), is kept in BF16 with the reason; a packed tensor above `WARN_BITS` bits per
-weight in the file is listed in the report's warnings.
+most 12.35 bits per weight before escapes. In memory, `load_file` builds the runtime layout by default
+(`w12.layout`: unpadded tiles, 12 bits per weight plus at most 4 bits per row, and the same row metadata), about
+as large as the file: 12.31 bits per weight for 1000 x 130. A tensor whose W12 form is not smaller than BF16, in
+the file or in that layout (small K: K = 8 takes 17 bits), is kept in BF16 with the reason; a packed tensor above
+`WARN_BITS` bits per weight in the file, and one whose version-1 planes (`layout="planes"`, rows padded to a
+multiple of 64 columns: 18.03 bits per weight for 1000 x 130) would not be smaller than BF16 in memory, are listed
+in the report's warnings.
 
 `measure_real_weights(path)` / `measure_gaussian(...)`: bits per weight and escape rate of W12
 on a checkpoint's float matrices (cast to BF16) and on Gaussian weights.
@@ -162,7 +162,8 @@ def _read(f, start: int, nbytes: int) -> np.ndarray:
 
 
 def _pack_bits(bits: np.ndarray, device: str, verify: bool) -> tuple[dict[str, np.ndarray], int]:
-    """(compact planes as numpy arrays, bytes of the padded in-memory form)."""
+    """(compact planes as numpy arrays, bytes of the in-memory form `load_file` builds by default: the runtime
+    layout)."""
     if torch.device(device).type == "cpu":
         from . import codec
 
@@ -173,7 +174,7 @@ def _pack_bits(bits: np.ndarray, device: str, verify: bool) -> tuple[dict[str, n
 
         w = torch.from_numpy(bits.view(np.int16)).view(torch.bfloat16).to(device)
         p = pack(w, verify=verify, layout="planes")  # the file holds the version-1 planes (compact_planes)
-    return {k: t.cpu().numpy() for k, t in compact_planes(p).items()}, p.nbytes
+    return {k: t.cpu().numpy() for k, t in compact_planes(p).items()}, _memory_nbytes(p.N, p.K, p.num_escapes)
 
 
 def _size_note(N: int, K: int, escapes: int) -> str:
@@ -182,15 +183,23 @@ def _size_note(N: int, K: int, escapes: int) -> str:
 
 
 def _memory_nbytes(N: int, K: int, escapes: int = 0) -> int:
-    """Bytes of a W12 weight [N, K] in memory, the layout the kernels read: `hi` [N, Kp], `lo` [N, Kp/2],
-    `e0` [N], `esc_rowptr` [N+1] int32, 6 bytes per escape (`W12Weight.nbytes`)."""
+    """Bytes of a W12 weight [N, K] in memory as `load_file` gives it by default, the runtime layout (`TiledW12.nbytes`:
+    the tiles, N (96 (K // 64) + TB) bytes with TB = kr + ceil(kr / 2) for the kr = K % 64 columns of the last group,
+    `e0` [N], `esc_rowptr` [N+1] int32, 6 bytes per escape)."""
+    kr = K % 64
+    return N * (96 * (K // 64) + kr + (kr + 1) // 2) + 5 * N + 4 + 6 * escapes
+
+
+def _planes_nbytes(N: int, K: int, escapes: int = 0) -> int:
+    """Bytes of the version-1 planes in memory (`layout="planes"`, `W12Weight.nbytes`): `hi` [N, Kp], `lo`
+    [N, Kp/2] with rows padded to Kp = 64 ceil(K / 64), `e0`, `esc_rowptr`, 6 bytes per escape."""
     return N * padded_k(K) * 3 // 2 + 5 * N + 4 + 6 * escapes
 
 
-def _padding_note(N: int, K: int, nbytes: int) -> str:
-    """`nbytes`: the in-memory form's size (planes at Kp columns, row metadata, escapes)."""
-    return (f"{8 * nbytes / (N * K):.2f} bits per weight in memory, where the kernels read rows "
-            f"padded to a multiple of 64 columns (K={K} -> Kp={padded_k(K)}), more than BF16's 16")
+def _memory_note(N: int, K: int, nbytes: int) -> str:
+    """`nbytes`: the runtime layout's size (tiles, row metadata, escapes)."""
+    return (f"{8 * nbytes / (N * K):.2f} bits per weight in memory as w12.load_file gives it (the runtime layout: "
+            f"{40 / K:.2f} bits of row metadata per {K}-weight row), more than BF16's 16")
 
 
 def pack_checkpoint(in_path, out_path, *, device="cpu", include=None, progress=True, verify=True) -> CheckpointReport:
@@ -310,7 +319,7 @@ def _pack_checkpoint(in_path, out_path, *, device, include, progress, verify) ->
                         why = (f"kept in BF16: W12 would take at least {8 * compact_nbytes(N, K) / (N * K):.2f} "
                                f"bits per weight ({_size_note(N, K, 0)})")
                     elif _memory_nbytes(N, K) >= b - a:
-                        why = f"kept in BF16: W12 would take at least {_padding_note(N, K, _memory_nbytes(N, K))}"
+                        why = f"kept in BF16: W12 would take at least {_memory_note(N, K, _memory_nbytes(N, K))}"
                     else:
                         bits = _read(fin, data0 + a, b - a).view(np.uint16).reshape(N, K)
                         planes, mem_bytes = _pack_bits(bits, device, verify)
@@ -321,7 +330,7 @@ def _pack_checkpoint(in_path, out_path, *, device, include, progress, verify) ->
                                    f"({_size_note(N, K, esc)})")
                             planes = None
                         elif mem_bytes >= b - a:
-                            why = f"kept in BF16: W12 takes {_padding_note(N, K, mem_bytes)}"
+                            why = f"kept in BF16: W12 takes {_memory_note(N, K, mem_bytes)}"
                             planes = None
                 if planes is not None:
                     for p in PLANES:
@@ -331,6 +340,13 @@ def _pack_checkpoint(in_path, out_path, *, device, include, progress, verify) ->
                     if 8 * nbytes / (N * K) > WARN_BITS:
                         report.warnings.append(f"{name} [{N} x {K}]: {8 * nbytes / (N * K):.2f} bits per weight "
                                                f"> {WARN_BITS} in the file ({_size_note(N, K, esc)})")
+                    planes_bytes = _planes_nbytes(N, K, esc)
+                    if planes_bytes >= b - a:
+                        report.warnings.append(
+                            f"{name} [{N} x {K}]: {8 * planes_bytes / (N * K):.2f} bits per weight in memory as "
+                            f"version-1 planes (load_file(..., layout=\"planes\"): rows padded to a multiple of 64 "
+                            f"columns, K={K} -> Kp={padded_k(K)}), more than BF16's 16; the default runtime layout "
+                            f"takes {8 * _memory_nbytes(N, K, esc) / (N * K):.2f}")
                 else:
                     index[name] = {"kind": "tensor"}
                     tensors[name] = {"dtype": ent["dtype"], "shape": ent["shape"], "data_offsets": [pos, pos + b - a]}

@@ -123,6 +123,14 @@ class TiledW12:
             raise ValueError("w12.layout.TiledW12: every tensor must be on the tiles' device; move the W12Weight "
                              "before tiling it")
 
+    def __getattr__(self, name: str):
+        # only for attributes the class does not have: the version-1 planes' own say where they are
+        if name in ("hi", "lo", "Kp"):
+            raise AttributeError(f"w12.layout.TiledW12 has no {name!r}: it holds the runtime layout (`tiles`), the "
+                                 "default form of w12.pack / load_file / convert; pass layout=\"planes\" there for a "
+                                 "W12Weight with hi and lo, or call w12.layout.untile(tiled)")
+        raise AttributeError(f"'TiledW12' object has no attribute {name!r}")
+
     @property
     def shape(self) -> torch.Size:
         return torch.Size((self.N, self.K))

@@ -121,3 +121,13 @@ def test_retile_in_place_keeps_the_module():
     assert list(got) == list(sd) and all(torch.equal(got[k], sd[k]) for k in sd)
     wl._retile()  # already tiled: nothing to do
     assert wl.is_tiled
+
+
+def test_planes_attributes_on_the_default_form_say_where_they_are():
+    t = w12.pack((torch.randn(20, 70, generator=torch.Generator().manual_seed(0)) * 0.02).bfloat16())
+    for name in ("hi", "lo", "Kp"):
+        with pytest.raises(AttributeError, match='layout="planes"'):
+            getattr(t, name)
+    with pytest.raises(AttributeError, match="no attribute 'nope'"):
+        t.nope
+    assert not hasattr(t, "hi") and hasattr(t, "tiles")
