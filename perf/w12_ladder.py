@@ -57,6 +57,10 @@ seven linears, the LM head among them), e.g.
 
     python3 perf/w12_ladder.py --ab '[["gate_up", 32, [["s4", "w4-k1-s4-c4-q2-g", {}], ["nosync", "", {"W12F_WG_BAR": 0, "W12F_WG_FENCE": 0}]]]]'
 
+M runs to 64: above 32 rows the shipped path is `w12.matmul_tiled`'s, one launch per 32-row piece, and every
+candidate is a warpgroup config, built at 5-8 token tiles (`w12.flow.WG_MAX_M`) so that it takes the rows in one
+launch.
+
 Per cell: the weight `randn * 0.02` in bf16, packed and tiled (2 copies above 10^9 weights, 3 below, rotated), x
 `randn`; the shipped config against cuBLAS, then each candidate against the shipped config, each pair interleaved
 (`specpilot.bench.timing.time_ab`: CUDA graphs of the same calls, one replay a sample, A first in even rounds;
@@ -694,7 +698,7 @@ def ab_layer_shape(name: str) -> tuple[int, int]:
 def ab_parse_cells(text: str) -> list[tuple[str, int, list[tuple[str, str, dict[str, int]]]]]:
     """The --ab JSON as [(layer, M, [(label, tag, defines), ...]), ...], checked."""
     from w12.configs import FlowConfig
-    from w12.flow import MAX_M
+    from w12.flow import MAX_M, WG_MAX_M
 
     try:
         raw = json.loads(text)
@@ -708,8 +712,8 @@ def ab_parse_cells(text: str) -> list[tuple[str, int, list[tuple[str, str, dict[
             raise ValueError(f"w12_ladder --ab: a cell is [layer, M, [[label, tag, defines], ...]], got {cell!r}")
         layer, m, cands = cell
         ab_layer_shape(layer)
-        if not isinstance(m, int) or not 0 < m <= MAX_M:
-            raise ValueError(f"w12_ladder --ab: M must be an int in 1..{MAX_M}, got {m!r}")
+        if not isinstance(m, int) or not 0 < m <= WG_MAX_M:
+            raise ValueError(f"w12_ladder --ab: M must be an int in 1..{WG_MAX_M}, got {m!r}")
         parsed = []
         for c in cands:
             if not (isinstance(c, list) and len(c) == 3 and isinstance(c[0], str) and isinstance(c[1], str)
@@ -718,6 +722,9 @@ def ab_parse_cells(text: str) -> list[tuple[str, int, list[tuple[str, str, dict[
             label, tag, defines = c
             if tag:
                 FlowConfig.from_tag(tag)  # raises on a bad tag
+            if m > MAX_M and not (tag and FlowConfig.from_tag(tag).wg):
+                raise ValueError(f"w12_ladder --ab: above {MAX_M} rows the shipped path is 32-row pieces and a "
+                                 f"candidate is a warpgroup config (a tag ending in -g), got {c!r} at M = {m}")
             if not all(isinstance(k, str) and k.startswith("W12F_") and isinstance(v, int) for k, v in defines.items()):
                 raise ValueError(f"w12_ladder --ab: defines are W12F_* names with int values, got {defines!r}")
             parsed.append((label, tag, dict(defines)))
@@ -736,6 +743,14 @@ def ab_shipped(layer: str, m: int, device):
     return flow_config(m, n, k, device)
 
 
+def ab_pieces(m: int) -> list[tuple[int, int]]:
+    """The row ranges the shipped path launches for M rows: one, or above 32 the 32-row pieces of
+    `w12.matmul_tiled`."""
+    from w12.flow import MAX_M
+
+    return [(i, min(m, i + MAX_M)) for i in range(0, m, MAX_M)]
+
+
 def ab_builds(cells, device) -> dict[tuple[str, int, tuple], int]:
     """Every (config tag, token tiles, defines) a run builds, each cell's shipped config and its candidates, with
     the N of a layer that takes it (whether N % 16 == 0 picks the full-row-block build)."""
@@ -745,11 +760,12 @@ def ab_builds(cells, device) -> dict[tuple[str, int, tuple], int]:
     out = {}
     for layer, m, cands in cells:
         n = ab_layer_shape(layer)[0]
-        ship = ab_shipped(layer, m, device).tag()
-        out.setdefault((ship, n_tiles(m), ()), n)
+        for lo, hi in ab_pieces(m):
+            out.setdefault((ab_shipped(layer, hi - lo, device).tag(), n_tiles(hi - lo), ()), n)
+        ship = ab_shipped(layer, m, device).tag() if len(ab_pieces(m)) == 1 else None
         for _, tag, defines in cands:
-            key = (FlowConfig.from_tag(tag).tag() if tag else ship, n_tiles(m), tuple(sorted(defines.items())))
-            out.setdefault(key, n)
+            cfg = FlowConfig.from_tag(tag) if tag else FlowConfig.from_tag(ship)
+            out.setdefault((cfg.tag(), n_tiles(m, cfg.wg), tuple(sorted(defines.items()))), n)
     return out
 
 
@@ -814,24 +830,32 @@ def ab_run(cells, rounds: int, device=None) -> dict:
         x = torch.randn(m, k, device=dev, generator=torch.Generator(dev).manual_seed(m)).to(torch.bfloat16)
         ref = x.float() @ w0.float().T
         cub_err = (F.linear(x, w0).float() - ref).abs().max().item()
-        ship = ab_shipped(layer, m, dev)
+        pieces = [(lo, hi, ab_shipped(layer, hi - lo, dev)) for lo, hi in ab_pieces(m)]
+        ship = pieces[0][2] if len(pieces) == 1 else None  # above 32 rows the shipped path is its pieces
+        ship_tag = "+".join(p[2].tag() for p in pieces)
         outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in ts]
 
         def calls(cfg, defines):
             return [lambda i=i: flow.launch_tiled(cfg, x, ts[i], None, outs[i], defines=defines or None, pdl=False)
                     for i in range(len(ts))]
 
-        flow.launch_tiled(ship, x, ts[0], None, outs[0], pdl=False)
+        def ship_calls():
+            def one(i):
+                for lo, hi, c in pieces:
+                    flow.launch_tiled(c, x[lo:hi], ts[i], None, outs[i][lo:hi], pdl=False)
+            return [lambda i=i: one(i) for i in range(len(ts))]
+
+        ship_calls()[0]()
         ship_out = outs[0].clone()
-        row = {"layer": layer, "M": m, "ship": ship.tag(), "ship_err": (ship_out.float() - ref).abs().max().item(),
+        row = {"layer": layer, "M": m, "ship": ship_tag, "ship_err": (ship_out.float() - ref).abs().max().item(),
                "cublas_err": cub_err, "cands": {}}
-        ta, tb = time_ab(calls(ship, None), [lambda: F.linear(x, w0)] * len(ts), dev, rounds=rounds)
+        ta, tb = time_ab(ship_calls(), [lambda: F.linear(x, w0)] * len(ts), dev, rounds=rounds)
         row["ship_us"], row["cublas_us"] = ta.median * 1e6, tb.median * 1e6
-        print(f"{layer} M={m} shipped {ship.tag()} {row['ship_us']:.1f} us, cuBLAS {row['cublas_us']:.1f} "
+        print(f"{layer} M={m} shipped {ship_tag} {row['ship_us']:.1f} us, cuBLAS {row['cublas_us']:.1f} "
               f"({row['cublas_us'] / row['ship_us']:.3f}x)", flush=True)
         for label, tag, defines in cands:
             cfg = FlowConfig.from_tag(tag) if tag else ship
-            regs = ab_resources(cfg.tag(), flow.n_tiles(m), tuple(sorted(defines.items())), n)
+            regs = ab_resources(cfg.tag(), flow.n_tiles(m, cfg.wg), tuple(sorted(defines.items())), n)
             if "FAILED" in regs:
                 row["cands"][label] = {"tag": cfg.tag(), "defines": defines, "error": regs}
                 print(f"  {label}: {regs}", flush=True)
@@ -841,7 +865,7 @@ def ab_run(cells, rounds: int, device=None) -> dict:
                 got = outs[0].clone()
                 err = (got.float() - ref).abs().max().item()
                 timing_only = bool(timing_defines & defines.keys())
-                ta, tb = time_ab(calls(ship, None), calls(cfg, defines), dev, rounds=rounds)
+                ta, tb = time_ab(ship_calls(), calls(cfg, defines), dev, rounds=rounds)
             except Exception as e:  # a failed candidate is a row of the report
                 row["cands"][label] = {"tag": cfg.tag(), "defines": defines, "error": repr(e)[:300]}
                 print(f"  {label}: ERROR {e!r}"[:400], flush=True)

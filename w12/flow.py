@@ -35,13 +35,16 @@ from .cuda import load_with_smem
 from .layout import TiledW12, tile
 from .format import W12Weight, _codes, _to_int16, padded_k, unpack
 
-__all__ = ["SOURCE", "KERNEL", "STEPS", "ABLATIONS", "WG_VARIANTS", "WG_ABLATIONS", "MAX_M", "MAX_KP", "n_tiles",
+__all__ = ["SOURCE", "KERNEL", "STEPS", "ABLATIONS", "WG_VARIANTS", "WG_ABLATIONS", "MAX_M", "WG_MAX_M", "MAX_KP", "n_tiles",
            "spec", "build", "smem_bytes", "grid", "tiled", "launch", "full_rows", "launch_tiled", "ladder_weight",
            "PDL_MAX_M"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_flow.cu"
 KERNEL = "w12_matmul_flow_kernel"
 MAX_M = 32
+# the warpgroup build's 5-8 token tiles: 33-64 rows in one launch (opt-in: `launch_tiled` with a `wg` config;
+# w12.matmul_tiled keeps its 32-row pieces until they are measured on a GPU)
+WG_MAX_M = 64
 MAX_KP = 1 << 18  # the scale identity assumes Kp <= 2^18
 # programmatic dependent launch by default up to this many tokens: at M = 16 it cost the 5120-row layers 12% on the
 # H200 (o_proj, out_proj: 23.8-23.9 µs with it, 20.8-21.4 without), within 2% elsewhere (docs/w12-kernels.md)
@@ -69,10 +72,12 @@ _BIAS_KIND = {torch.bfloat16: 1, torch.float16: 2, torch.float32: 3}
 _STATIC_SMEM = 256  # the kernel's own __shared__ x-range slots (8 bytes per warp), with room to spare
 
 
-def n_tiles(M: int) -> int:
-    """Token tiles of 8 compiled for M: ceil(M / 8), 1..4."""
-    if not 0 < M <= MAX_M:
-        raise ValueError(f"w12.flow.n_tiles: the flow kernel takes 1 <= M <= {MAX_M}, got M={M}")
+def n_tiles(M: int, wg: bool = False) -> int:
+    """Token tiles of 8 compiled for M: ceil(M / 8), 1..4 (`wg`, the warpgroup build: 1..8)."""
+    top = WG_MAX_M if wg else MAX_M
+    if not 0 < M <= top:
+        raise ValueError(f"w12.flow.n_tiles: the flow kernel takes 1 <= M <= {MAX_M} (the warpgroup build "
+                         f"{WG_MAX_M}), got M={M}{' with a mma.sync config' if M <= WG_MAX_M else ''}")
     return -(-M // 8)
 
 
@@ -88,8 +93,11 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
     (or override) the config's W12F_* defines; `q8`: the 8-bit view's build (hi bytes only, exact base)."""
     if not isinstance(cfg, FlowConfig):
         raise TypeError(f"w12.flow.spec: expected a FlowConfig, got {type(cfg).__name__}")
-    if not 1 <= nt <= 4:
-        raise ValueError(f"w12.flow.spec: nt must be 1..4 token tiles, got {nt}")
+    if not 1 <= nt <= (8 if cfg.wg else 4):
+        raise ValueError(f"w12.flow.spec: nt must be 1..4 token tiles (1..8 in the warpgroup build), got {nt} for "
+                         f"{cfg.tag()}")
+    if nt > 4 and (step in WG_VARIANTS or step in WG_ABLATIONS):
+        raise ValueError(f"w12.flow.spec: 5..8 token tiles build the shipped warpgroup steps only, got step {step!r}")
     if q8 and cfg.fixed:
         raise ValueError(f"w12.flow.spec: the 8-bit view builds on the exact base only; {cfg.tag()} asks for the "
                          "fixed base (use fixed=False)")
@@ -270,9 +278,11 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     int64 tensor of at least 8 `grid(cfg, N)` elements: %globaltimer stamps (ns) at entry, after the PDL wait, when
     warp 0's first tile landed, the last main loop's end and the last exit (0, 2, 3, 4, 5), and the SM id (1)."""
     M, K = x2d.shape
-    if x2d.dtype != torch.bfloat16 or not 0 < M <= MAX_M or K != t.K or t.device != x2d.device:
-        raise ValueError(f"w12.flow.launch_tiled: needs bf16 x [1..{MAX_M}, K={t.K}] on {t.device}, got "
-                         f"{x2d.dtype} {tuple(x2d.shape)} on {x2d.device}")
+    top = WG_MAX_M if cfg.wg else MAX_M
+    if x2d.dtype != torch.bfloat16 or not 0 < M <= top or K != t.K or t.device != x2d.device:
+        raise ValueError(f"w12.flow.launch_tiled: needs bf16 x [1..{top}, K={t.K}] on {t.device} for {cfg.tag()} "
+                         f"(33..{WG_MAX_M} rows: the warpgroup build only), got {x2d.dtype} {tuple(x2d.shape)} on "
+                         f"{x2d.device}")
     if padded_k(K) > MAX_KP:
         raise ValueError(f"w12.flow.launch_tiled: K <= {MAX_KP} columns, got K={K}")
     if tuple(out.shape) != (M, t.N) or out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous():
@@ -280,7 +290,7 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
                          f"{out.dtype} {tuple(out.shape)}")
     if out.dtype == torch.float32:
         defines = dict(defines or {}) | {"W12F_OUT32": 1}
-    nt = n_tiles(M)
+    nt = n_tiles(M, cfg.wg)
     if trace is not None:
         if trace.dtype != torch.int64 or trace.device != x2d.device or not trace.is_contiguous() or \
                 trace.numel() < 8 * grid(cfg, t.N):

@@ -243,7 +243,9 @@ def test_ab_cells_are_checked(ladder):
     assert ladder.ab_layer_shape("o_proj") == (5120, 6144) and ladder.ab_layer_shape("lm_head") == (248320, 5120)
     assert ladder.ab_timing_only() == {"W12F_XSTEP", "W12F_WG_FENCE", "W12F_WG_BAR", "W12F_WG_XCOPY"}
     for bad, what in [("[", "not JSON"), ("[]", "non-empty"), ('[["foo", 1, []]]', "unknown layer"),
-                      ('[["o_proj", 33, []]]', "M must be"), ('[["o_proj", 1, [["a", ""]]]]', "a candidate is"),
+                      ('[["o_proj", 65, []]]', "M must be"), ('[["o_proj", 1, [["a", ""]]]]', "a candidate is"),
+                      ('[["o_proj", 40, [["a", "", {}]]]]', "warpgroup config"),
+                      ('[["o_proj", 40, [["a", "w4-k2-s3-c4-q3-x1", {}]]]]', "warpgroup config"),
                       ('[["o_proj", 1, [["a", "", {"X": 1}]]]]', "W12F_"), ('[["o_proj", 1]]', "a cell is")]:
         with pytest.raises(ValueError, match=what):
             ladder.ab_parse_cells(bad)
@@ -262,6 +264,13 @@ def test_ab_builds_hold_the_shipped_configs_and_the_candidates(ladder):
         plan = ladder.ab_builds(cells, torch.device("cpu"))
     assert plan == {("flow-w4-k2-s3-c4-q3-x1", 4, ()): 5120, ("flow-w4-k2-s3-c4-q3-x1", 4, (("W12F_WG_BAR", 0),)): 5120,
                     ("flow-w8-k2-s3-c2-p3-g", 4, ()): 5120, ("flow-w4-k1-s3-c4", 2, ()): 34816}
+    # above 32 rows: the shipped path's 32-row pieces, and the warpgroup candidate at 5-8 token tiles
+    cells = ladder.ab_parse_cells('[["o_proj", 48, [["wg", "w8-k2-s3-c2-p3-g", {}]]]]')
+    assert ladder.ab_pieces(48) == [(0, 32), (32, 48)] and ladder.ab_pieces(32) == [(0, 32)]
+    with mock.patch.object(wc, "sm_count", lambda device: 132):
+        plan = ladder.ab_builds(cells, torch.device("cpu"))
+    assert plan == {("flow-w4-k2-s3-c4-q3-x1", 4, ()): 5120, ("flow-w4-k2-s3-c4-q3-x1-l", 2, ()): 5120,
+                    ("flow-w8-k2-s3-c2-p3-g", 6, ()): 5120}
 
 
 def test_ab_refuses_without_a_gpu(ladder, capsys):

@@ -87,7 +87,7 @@ def wg_slot(xw: np.ndarray, M: int, NT: int, c: int) -> np.ndarray:
     stages token t / TPT (rows past 8 NT: none; tokens past M: zeros), columns 4 NTP q .. + 4 NTP - 1 (q = t % TPT,
     NTP = NT rounded up to a power of two, TPT = 16 / NTP), each column pair at word (256 NT s + 128 NT h +
     128 (n / 8) + 16 (n % 8) + 4 p) / 4 (w12_flow.cu, store_xw). `xw`: x as words [8 NT, Kx / 2]."""
-    ntp = 4 if NT == 3 else NT
+    ntp = NT if NT <= 2 else 4 if NT <= 4 else 8
     tpt = 16 // ntp
     slot = np.full(256 * NT, 0xDEADBEEF, dtype=U32)  # poison: a word no store writes stays visible
     for t in range(128):
@@ -101,6 +101,16 @@ def wg_slot(xw: np.ndarray, M: int, NT: int, c: int) -> np.ndarray:
             assert slot[a // 4] == 0xDEADBEEF, "a word stored twice"
             slot[a // 4] = xw[n, (64 * c + col) // 2] if n < M else 0
     return slot
+
+
+def wg_operand_split(slot: np.ndarray, NT: int, s: int, lbo: int, sbo: int) -> np.ndarray:
+    """B [16 k, 8 NT tokens] of k-step s as the kernel's wgmma read it (w12_flow.cu, tile_wgmma): one operand up to
+    4 token tiles; at 5-8 two, tokens 0-31 at the slot's descriptor and the others from a descriptor 512 bytes
+    further (token groups 4..), with the same byte offsets."""
+    if NT <= 4:
+        return wg_operand(slot, NT, s, lbo, sbo)
+    return np.concatenate([wg_operand(slot, NT, s, lbo, sbo, tiles=4),
+                           wg_operand(slot, NT, s, lbo, sbo, tiles=NT - 4, base=512)], axis=1)
 
 
 def wg_slot_stm(xw: np.ndarray, M: int, NT: int, c: int) -> np.ndarray:
@@ -126,15 +136,18 @@ def wg_slot_stm(xw: np.ndarray, M: int, NT: int, c: int) -> np.ndarray:
     return slot
 
 
-def wg_operand(slot: np.ndarray, NT: int, s: int, lbo: int, sbo: int) -> np.ndarray:
-    """B [16 k, 8 NT tokens] (float64) of k-step s as wgmma reads it: a no-swizzle K-major operand at byte
-    256 NT s of the slot, core matrices of 8 tokens x 16 bytes, k halves `lbo` bytes apart, token groups of 8 `sbo`
-    bytes apart (PTX ISA, the shared-memory matrix layout and descriptor); NaN where that reads past the slot."""
+def wg_operand(slot: np.ndarray, NT: int, s: int, lbo: int, sbo: int, *, tiles: int | None = None,
+               base: int = 0) -> np.ndarray:
+    """B [16 k, 8 tiles tokens] (float64; `tiles` default NT) of k-step s as one wgmma reads it: a no-swizzle
+    K-major operand at byte `base` + 256 NT s of the slot, core matrices of 8 tokens x 16 bytes, k halves `lbo` bytes
+    apart, token groups of 8 `sbo` bytes apart (PTX ISA, the shared-memory matrix layout and descriptor); NaN where
+    that reads past the slot."""
     by = slot.view(np.uint8)
-    B = np.zeros((16, 8 * NT))
+    tiles = NT if tiles is None else tiles
+    B = np.zeros((16, 8 * tiles))
     for k in range(16):
-        for n in range(8 * NT):
-            a = 256 * NT * s + (k // 8) * lbo + (n // 8) * sbo + 16 * (n % 8) + 2 * (k % 8)
+        for n in range(8 * tiles):
+            a = base + 256 * NT * s + (k // 8) * lbo + (n // 8) * sbo + 16 * (n % 8) + 2 * (k % 8)
             if a + 1 >= by.size:  # past the slot: another slot's or nothing's bytes
                 B[k, n] = np.nan
                 continue
@@ -385,7 +398,7 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
             xfrs = {c: x_frag(c) for c in range(c0, cend)}  # one x read per unit, shared by the row group's blocks
             if wg:
                 lbo, sbo = (128, 128 * NT) if swap else (128 * NT, 128)
-                wgBs = {c: [wg_operand(wg_slot(xw, M, NT, c), NT, s, lbo, sbo) for s in range(4)]
+                wgBs = {c: [wg_operand_split(wg_slot(xw, M, NT, c), NT, s, lbo, sbo) for s in range(4)]
                         for c in range(c0, cend)}
             for i in range(rb):
                 b = rb0 + i

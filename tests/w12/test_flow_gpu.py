@@ -606,3 +606,52 @@ def test_warpgroup_chain_graph_and_pdl(graph):
     ts = [layout.tile(w12.pack(escaped_weight(n, n, seed=60 + i), layout="planes")) for i in range(6)]
     ys = [gaussian_x(m, n, seed=61)] + [torch.empty(m, n, device="cuda", dtype=torch.bfloat16) for _ in ts]
     _chain_with_and_without_pdl(cfg, ts, ys, graph, runs=1)
+
+
+# the warpgroup build at 5-8 token tiles (33-64 rows in one launch): 8-warp CTAs (two per SM, and one; the K in 2
+# pieces and in 1), the K split through global memory, and 4-warp CTAs in 2-CTA clusters (16-warp CTAs need more
+# than the H200's 227 KB of shared memory a CTA at 7-8 token tiles)
+WIDE_CONFIGS = ["w8-k2-s3-c2-g", "w8-k2-s3-c1-g", "w8-k1-s4-c1-g", "w8-k2-s3-c2-p3-g", "w4-k1-s4-c4-q2-g"]
+
+
+@pytest.mark.parametrize("M", [33, 40, 57, 64])
+@pytest.mark.parametrize("tag", WIDE_CONFIGS)
+def test_warpgroup_build_at_5_to_8_token_tiles(tag, M):
+    """33..64 rows in one launch of the warpgroup build (two wgmma a k-step, the second on the x slot's token groups
+    4..): against fp64 on Gaussian rows with escapes and a bias, and bit for bit what the same config gives on the
+    rows' 32-row pieces, each token's sums being the same sequence of k-steps."""
+    cfg = FlowConfig.from_tag("flow-" + tag)
+    N, K = (1024 if M % 2 else 1030), 1000  # N % 16 == 0: the full-row-block build
+    w = escaped_weight(N, K, seed=M)
+    p = w12.pack(w, layout="planes")
+    t = layout.tile(p)
+    x = gaussian_x(M, K, seed=M + 1)
+    bias = gaussian_x(1, N, seed=N)[0] * 0.1
+    out = torch.full((M, N), float("nan"), device="cuda", dtype=torch.bfloat16)
+    flow.launch_tiled(cfg, x, t, bias, out)
+    pieces = torch.full_like(out, float("nan"))
+    for lo in range(0, M, 32):
+        flow.launch_tiled(cfg, x[lo:lo + 32], t, bias, pieces[lo:lo + 32])
+    torch.cuda.synchronize()
+    assert_close(out, w12.matmul_reference(x, p, bias), F.linear(x, w, bias))
+    assert torch.equal(out.view(torch.int16), pieces.view(torch.int16))
+
+
+@pytest.mark.parametrize("M", [40, 64])
+def test_warpgroup_build_at_5_to_8_token_tiles_on_hostile_rows(M):
+    """Hostile rows (NaN, +-Inf, subnormal and out-of-window weights) and the 8-bit view at 5-8 token tiles: the bits
+    of the 32-row pieces, NaN where they are NaN."""
+    cfg = FlowConfig.from_tag("flow-w8-k2-s3-c2-g")
+    w = hostile_weight(300, 581, seed=M).cuda()
+    t = w12.pack(w)
+    x = gaussian_x(M, 581, seed=M)
+    for q8 in (False, True):
+        out = torch.empty(M, 300, device="cuda", dtype=torch.bfloat16)
+        pieces = torch.empty_like(out)
+        flow.launch_tiled(cfg, x, t, None, out, q8=q8)
+        for lo in range(0, M, 32):
+            flow.launch_tiled(cfg, x[lo:lo + 32], t, None, pieces[lo:lo + 32], q8=q8)
+        torch.cuda.synchronize()
+        nan = torch.isnan(pieces)
+        assert torch.equal(torch.isnan(out), nan)
+        assert torch.equal(out.view(torch.int16)[~nan], pieces.view(torch.int16)[~nan])

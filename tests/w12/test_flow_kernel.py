@@ -28,7 +28,7 @@ from w12.configs import FlowConfig, flow_heuristic
 from specpilot.testing import assert_close
 
 from flow_emu import (dec_exact, dec_exact_hi, dec_fixed, emulate, hostile_weight, lanes_f64, one_unit_tiny_case,
-                      wg_operand, wg_slot, wg_slot_stm, words)
+                      wg_operand, wg_operand_split, wg_slot, wg_slot_stm, words)
 
 
 def _bf16_bits(v64: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -194,12 +194,13 @@ def test_k_split_across_ctas_builds_for_sm90_only(nt, jit_cache):
         flow.spec(cfg, nt, (9, 0), step="d")
 
 
-@pytest.mark.parametrize("M", [1, 8, 13, 32])
+@pytest.mark.parametrize("M", [1, 8, 13, 32, 40, 64])
 def test_warpgroup_operand_is_the_fragment_order(M):
     """The warpgroup build's x slot (each thread's 4-byte stores), read through the no-swizzle K-major descriptor
     layout with the kernel's byte offsets, is the B operand mma.sync reads from the lanes' x fragments, for every
-    k-step and token, token rows past M zero; with the two offsets swapped (W12F_WG_SWAP) it is not, where there
-    is more than one token group (so the test tells the orientations apart)."""
+    k-step and token, token rows past M zero (at 5-8 token tiles through the kernel's two descriptors, the second
+    512 bytes further); with the two offsets swapped (W12F_WG_SWAP) it is not, where there is more than one token
+    group (so the test tells the orientations apart)."""
     NT = -(-M // 8)
     K = 192
     x = torch.zeros(8 * NT, K, dtype=torch.bfloat16)
@@ -218,18 +219,19 @@ def test_warpgroup_operand_is_the_fragment_order(M):
                     l0, l1 = lanes_f64(xw[tok, (64 * c + 16 * p) // 2 + wi])
                     want[2 * p + dk, tok] = np.where(tok < M, l0, 0.0)
                     want[2 * p + dk + 1, tok] = np.where(tok < M, l1, 0.0)
-            got = wg_operand(slot, NT, s, 128 * NT, 128)
+            got = wg_operand_split(slot, NT, s, 128 * NT, 128)
             assert np.array_equal(got, want), f"unit {c}, k-step {s}"
             if NT > 1:
                 assert not np.array_equal(wg_operand(slot, NT, s, 128, 128 * NT), want)
-        # x through stmatrix (W12F_WG_STM): the same slot, word for word
-        assert np.array_equal(wg_slot_stm(xw, M, NT, c), slot), f"unit {c}: stmatrix's slot"
+        if NT <= 4:  # x through stmatrix (W12F_WG_STM, up to 4 token tiles): the same slot, word for word
+            assert np.array_equal(wg_slot_stm(xw, M, NT, c), slot), f"unit {c}: stmatrix's slot"
 
 
 # M, N, K, warps, kw, kc: a warpgroup whose last row blocks are past the weight (N = 75: 5 row blocks), a partial
-# last block, masked tails, a K split across warpgroups and across the CTAs of a cluster, 1 to 4 token tiles
+# last block, masked tails, a K split across warpgroups and across the CTAs of a cluster, 1 to 8 token tiles
 WG_CASES = [(1, 75, 200, 4, 1, 1), (32, 33, 100, 8, 2, 1), (16, 130, 256, 8, 1, 1), (20, 40, 130, 8, 2, 2),
-            (9, 17, 64, 4, 1, 2), (24, 64, 320, 16, 4, 1), (32, 75, 300, 4, 1, 4), (32, 70, 400, 8, 2, 3)]
+            (9, 17, 64, 4, 1, 2), (24, 64, 320, 16, 4, 1), (32, 75, 300, 4, 1, 4), (32, 70, 400, 8, 2, 3),
+            (40, 75, 200, 4, 1, 1), (64, 33, 130, 8, 2, 2)]  # and 5-8 token tiles (two wgmma a k-step)
 
 
 @pytest.mark.parametrize("M,N,K,warps,kw,kc", WG_CASES,
@@ -256,14 +258,16 @@ def test_warpgroup_build_matches_reference_bitwise(M, N, K, warps, kw, kc):
         assert not np.array_equal(swapped, got, equal_nan=True)
 
 
-@pytest.mark.parametrize("nt", [1, 2, 3, 4])
+@pytest.mark.parametrize("nt", [1, 2, 3, 4, 5, 8])
 def test_warpgroup_build_compiles_for_sm90a(nt, jit_cache):
-    """The warpgroup build: sm_90a, wgmma of n = 8 nt tokens with A from registers, the proxy fence and the named
-    barrier per warpgroup, 4-byte x stores, no spills and no serialised wgmma (ptxas says so in its log)."""
+    """The warpgroup build: sm_90a, wgmma of n = 8 nt tokens with A from registers (at 5-8 token tiles two, n = 32
+    and n = 8 nt - 32), the proxy fence and the named barrier per warpgroup, 4-byte x stores, no spills and no
+    serialised wgmma (ptxas says so in its log)."""
     cfg = FlowConfig(warps=8, kw=2, cps=2, wg=True)
     b = flow.build(cfg, nt, (9, 0))
     ptx = b.ptx.read_text()
-    assert f"wgmma.mma_async.sync.aligned.m64n{8 * nt}k16.f32.bf16.bf16" in ptx
+    for n in ([8 * nt] if nt <= 4 else [32, 8 * nt - 32]):
+        assert f"wgmma.mma_async.sync.aligned.m64n{n}k16.f32.bf16.bf16" in ptx
     assert "fence.proxy.async.shared::cta" in ptx and "wgmma.wait_group.sync.aligned" in ptx and "bar.sync" in ptx
     assert "st.shared.b32" in ptx
     assert ".target sm_90a" in ptx
@@ -276,7 +280,13 @@ def test_warpgroup_build_compiles_for_sm90a(nt, jit_cache):
     with pytest.raises(ValueError, match="reads no x"):
         flow.spec(cfg, nt, (9, 0), step="a")
     with pytest.raises(ValueError, match="a step of the warpgroup build"):
-        flow.spec(FlowConfig(warps=8, kw=2, cps=2), nt, (9, 0), step="e-depth1")
+        flow.spec(FlowConfig(warps=8, kw=2, cps=2), min(nt, 4), (9, 0), step="e-depth1")
+    if nt > 4:  # the mma.sync build and the warpgroup variants stop at 4 token tiles
+        with pytest.raises(ValueError, match="1..4 token tiles"):
+            flow.spec(FlowConfig(warps=8, kw=2, cps=2), nt, (9, 0))
+        with pytest.raises(ValueError, match="shipped warpgroup steps only"):
+            flow.spec(cfg, nt, (9, 0), step="e-stm")
+        return
     # x through stmatrix (W12F_WG_STM): two stmatrix.x4 per unit in place of the 4-byte stores, no spills
     s = flow.build(cfg, nt, (9, 0), defines={"W12F_WG_STM": 1})
     assert "stmatrix.sync.aligned.m8n8.x4.shared.b16" in s.ptx.read_text()
@@ -925,3 +935,18 @@ def test_env_defines_reach_every_flow_build(monkeypatch):
             flow.spec(FlowConfig(), 1, (9, 0))
     monkeypatch.delenv("SPECPILOT_W12F_DEFINES")
     assert dict(flow.spec(FlowConfig(), 1, (9, 0)).defines)["W12F_STAGES"] == str(FlowConfig().stages)
+
+
+def test_launch_above_32_rows_takes_the_warpgroup_build_only():
+    """33..64 rows go to `w12.flow.launch_tiled` with a warpgroup config (5-8 token tiles in one launch); a mma.sync
+    config is refused there, as is anything above 64 rows; `n_tiles` says the same."""
+    t = w12.pack(hostile_weight(37, 150, seed=1))
+    out = torch.empty(40, 37, dtype=torch.bfloat16)
+    with pytest.raises(ValueError, match="33..64 rows: the warpgroup build only"):
+        flow.launch_tiled(FlowConfig(warps=8, kw=2, cps=2), _x(40, 150, seed=2), t, None, out)
+    with pytest.raises(ValueError, match="1..64"):
+        flow.launch_tiled(FlowConfig(warps=8, kw=2, cps=2, wg=True), _x(65, 150, seed=2), t, None,
+                          torch.empty(65, 37, dtype=torch.bfloat16))
+    assert flow.n_tiles(40, wg=True) == 5 and flow.n_tiles(64, wg=True) == 8
+    with pytest.raises(ValueError, match="mma.sync"):
+        flow.n_tiles(40)

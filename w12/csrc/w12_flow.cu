@@ -54,7 +54,8 @@
 // takes row block rw = (gi / KW) 4 + wi and K piece ks = gi % KW. Each warp streams and decodes its own tiles as
 // above (its registers are wgmma's A fragments of rows 16 wi .. 16 wi + 15, the layout mma.sync's A has), and the
 // warpgroup multiplies all 64 rows by x with one wgmma.m64n(8 NT)k16 per k-step, x being the B operand in shared
-// memory. So one x read feeds 64 weight rows instead of 16. x comes in per warpgroup and unit into one of
+// memory (5-8 n-tiles, 33-64 tokens, this build only: two, n32 on token groups 0-3 and n(8 NT - 32) on groups
+// 4..). So one x read feeds 64 weight rows instead of 16. x comes in per warpgroup and unit into one of
 // W12F_WG_DEPTH + 1 slots, taken in turn: each thread loads its share of the unit's x into registers a unit ahead
 // (16 contiguous bytes or so) and stores it as 4-byte words that put each k-step's x in the A fragments' k order
 // (k-step s, mma k = 2 p + 8 h + e is column 16 p + 4 s + 2 h + e of the unit) as core matrices of 8 tokens x 8 k
@@ -216,7 +217,9 @@ constexpr int TILE = 1536;            // one 16 x 64 tile image in the ring
 constexpr uint32_t BASE112 = 0x38003800u;
 static_assert(WARPS >= 1 && WARPS <= 16 && KW >= 1 && WARPS % KW == 0, "KW must divide WARPS (<= 16)");
 static_assert(STAGES >= 2, "a ring needs two slots");
-static_assert(NT >= 1 && NT <= 4, "n-tiles: 1..4");
+static_assert(NT >= 1 && NT <= (WG ? 8 : 4), "n-tiles: 1..4, 5..8 in the warpgroup build");
+static_assert(NT <= 4 || (!STM && W12F_WG_SWAP == 0),
+              "5..8 n-tiles: x staged by store_xw, the descriptor's offsets as checked on the H200");
 static_assert(RB == 1 || RB == 2, "row blocks per warp: 1 or 2");
 static_assert(RB == 1 || !FIXED, "two row blocks per warp: exact base only (the guard's recomputation is per block)");
 static_assert((!EPI || XB) && (!ESC || EPI) && (W12F_RED == 0 || EPI), "features build on each other: X, EPI, ESC, RED");
@@ -384,7 +387,18 @@ __device__ __forceinline__ void tile_wgmma(float (&acc)[NT][4], const Frag& f, u
   // each descriptor from its address
   const uint32_t lo = ((xs & 0x3FFFFu) >> 4) | ((LBO >> 4) << 16);
 #pragma unroll
-  for (int s = 0; s < 4; ++s) wgmma_step<NT>(acc, a[s], ((uint64_t)(SBO >> 4) << 32) | (uint64_t)(lo + 16u * NT * s));
+  for (int s = 0; s < 4; ++s) {
+    const uint64_t desc = ((uint64_t)(SBO >> 4) << 32) | (uint64_t)(lo + 16u * NT * s);
+    if constexpr (NT <= 4) {
+      wgmma_step<NT>(acc, a[s], desc);
+    } else {
+      // 5..8 n-tiles: tokens 0..31, then tokens 32.. from their token groups 512 bytes further in the slot (the
+      // address field counts 16 bytes), at the same byte offsets; one wgmma each, the same A registers
+      constexpr int NT2 = NT > 4 ? NT - 4 : 1;  // (a discarded branch of a non-template is still compiled)
+      wgmma_step<4>(*reinterpret_cast<float(*)[4][4]>(&acc[0][0]), a[s], desc);
+      wgmma_step<NT2>(*reinterpret_cast<float(*)[NT2][4]>(&acc[NT > 4 ? 4 : 0][0]), a[s], desc + (512u >> 4));
+    }
+  }
   asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
   asm volatile("wgmma.wait_group.sync.aligned %0;" ::"n"(W12F_WG_DEPTH - 1) : "memory");
   keep(acc);
@@ -594,9 +608,9 @@ w12_matmul_flow_kernel(
 
   // The warpgroup build's x: thread t (of 128) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros past
   // M), columns 4 NTP q .. 4 NTP q + 4 NTP - 1 of each unit, q = t % TPT (NTP = NT rounded up to a power of two,
-  // TPT = 16 / NTP threads per token): one 8-, 16- or 2 x 16-byte load into registers a unit ahead, then one 4-byte
+  // TPT = 16 / NTP threads per token): one 8-, 16-, 2 x or 4 x 16-byte load into registers a unit ahead, then one 4-byte
   // store per column pair into the slot at the header's byte (the slots taken in turn)
-  constexpr int NTP = NT == 3 ? 4 : NT, TPT = 16 / NTP, XW = 2 * NTP;
+  constexpr int NTP = NT <= 2 ? NT : NT <= 4 ? 4 : 8, TPT = 16 / NTP, XW = 2 * NTP;
   const int wt = threadIdx.x & 127, xtok = wt / TPT, xq = wt % TPT;
   const bool xrow = WG && xtok < 8 * NT, xreal = xtok < M;
   const uint32_t xring = (uint32_t)__cvta_generic_to_shared(smem + X_OFF) + (warp >> 2) * XSLOTS * XSLOT;
