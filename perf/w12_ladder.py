@@ -760,11 +760,11 @@ def ab_builds(cells, device) -> dict[tuple[str, int, tuple], int]:
     out = {}
     for layer, m, cands in cells:
         n = ab_layer_shape(layer)[0]
-        for lo, hi in ab_pieces(m):
-            out.setdefault((ab_shipped(layer, hi - lo, device).tag(), n_tiles(hi - lo), ()), n)
-        ship = ab_shipped(layer, m, device).tag() if len(ab_pieces(m)) == 1 else None
-        for _, tag, defines in cands:
-            cfg = FlowConfig.from_tag(tag) if tag else FlowConfig.from_tag(ship)
+        ships = [ab_shipped(layer, hi - lo, device).tag() for lo, hi in ab_pieces(m)]
+        for (lo, hi), ship in zip(ab_pieces(m), ships):
+            out.setdefault((ship, n_tiles(hi - lo), ()), n)
+        for _, tag, defines in cands:  # an empty tag (the shipped config) only where there is one piece
+            cfg = FlowConfig.from_tag(tag or ships[0])
             out.setdefault((cfg.tag(), n_tiles(m, cfg.wg), tuple(sorted(defines.items()))), n)
     return out
 

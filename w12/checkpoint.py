@@ -39,6 +39,7 @@ import torch
 from .errors import W12CheckpointError
 from .format import FORMAT_VERSION, PLANES, SizeStats, compact_nbytes, compact_planes, padded_k
 from .io import _INDEX_KEY, _LAYOUT_KEY, _SUM_KEY, _VERSION_KEY
+from .layout import Geometry
 
 __all__ = ["pack_checkpoint", "CheckpointReport", "measure_real_weights", "measure_gaussian", "read_header",
            "WARN_BITS"]
@@ -184,10 +185,8 @@ def _size_note(N: int, K: int, escapes: int) -> str:
 
 def _memory_nbytes(N: int, K: int, escapes: int = 0) -> int:
     """Bytes of a W12 weight [N, K] in memory as `load_file` gives it by default, the runtime layout (`TiledW12.nbytes`:
-    the tiles, N (96 (K // 64) + TB) bytes with TB = kr + ceil(kr / 2) for the kr = K % 64 columns of the last group,
-    `e0` [N], `esc_rowptr` [N+1] int32, 6 bytes per escape)."""
-    kr = K % 64
-    return N * (96 * (K // 64) + kr + (kr + 1) // 2) + 5 * N + 4 + 6 * escapes
+    the tiles, `w12.layout.Geometry(N, K).nbytes`, `e0` [N], `esc_rowptr` [N+1] int32, 6 bytes per escape)."""
+    return Geometry(N, K).nbytes + 5 * N + 4 + 6 * escapes
 
 
 def _planes_nbytes(N: int, K: int, escapes: int = 0) -> int:

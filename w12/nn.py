@@ -61,14 +61,19 @@ class W12Linear(nn.Module):
                              "layer's bias vector or None")
         self.in_features = weight.K
         self.out_features = weight.N
+        self._hold(weight)
+        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
+
+    def _hold(self, weight: W12Weight | TiledW12) -> None:
+        """Register `weight`'s tensors as the layer's buffers: `w_tiles` (not persistent: the state dict holds hi and
+        lo) and the shared `w_e0`, `w_esc_*` for a `TiledW12`, the planes for a `W12Weight`."""
         if isinstance(weight, TiledW12):
-            self.register_buffer("w_tiles", weight.tiles, persistent=False)  # the state dict holds hi and lo
+            self.register_buffer("w_tiles", weight.tiles, persistent=False)
             for p in TENSORS[1:]:
                 self.register_buffer(f"w_{p}", getattr(weight, p))
         else:
             for p in PLANES:
                 self.register_buffer(f"w_{p}", getattr(weight, p))
-        self.bias = None if bias is None else nn.Parameter(bias.detach(), requires_grad=False)
         self._cached = weight
 
     @property
@@ -123,12 +128,10 @@ class W12Linear(nn.Module):
         module). Nothing to do where `is_tiled`."""
         if self.is_tiled:
             return
-        t = tile(self.weight)
-        shared = {f"w_{p}": self._buffers.pop(f"w_{p}") for p in PLANES}
-        self.register_buffer("w_tiles", t.tiles, persistent=False)
-        for p in TENSORS[1:]:  # the order of a layer built on a TiledW12
-            self.register_buffer(f"w_{p}", shared[f"w_{p}"])
-        self._cached = t
+        t = tile(self.weight)  # shares w_e0 and the escape list
+        for p in PLANES:
+            del self._buffers[f"w_{p}"]
+        self._hold(t)  # in the order of a layer built on a TiledW12
 
     def _save_to_state_dict(self, destination, prefix, keep_vars):
         if not self.is_tiled:
