@@ -19,8 +19,6 @@ Lookup (autotune.get_config): forced config > tuned JSON entry `w12.matmul/<vari
 
 A forced config picks its kernel: `force("w12.matmul", config=GemvConfig(...))` runs the CUDA-core
 kernel at any M, `config=TcConfig(...)` the tensor-core one, `config=MmaConfig(...)` / `TmaConfig(...)` the CUDA C++ ones,
-`config=StreamConfig(...)` the persistent stream kernel (csrc/w12_stream.cu; never chosen automatically: it
-measured slower on the H200, docs/w12-kernels.md),
 `config=FlowConfig(...)` the flow kernel on the runtime layout (csrc/w12_flow.cu, w12/layout.py; never chosen
 automatically, not yet measured on a GPU). `matmul_q8` looks configs up under
 op `w12.matmul_q8` (its bytes per weight differ), with the same variants.
@@ -43,7 +41,7 @@ import torch
 
 import autotune
 
-__all__ = ["TcConfig", "GemvConfig", "MmaConfig", "StreamConfig", "FlowConfig", "flow_heuristic", "flow_config", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "sm_count",
+__all__ = ["TcConfig", "GemvConfig", "MmaConfig", "FlowConfig", "flow_heuristic", "flow_config", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "sm_count",
            "pick_split_k", "mma_heuristic"]
 
 GEMV_MAX_M = 4  # the no-wgmma variant runs the CUDA-core kernel up to this M
@@ -171,37 +169,6 @@ class TmaConfig:
         return f"tma-mt{self.mt}-cw{self.cw}-st{self.stages}" + (f"-s{self.split}" if self.split > 1 else "") + \
             ("-ah" if self.ahead else "") + ("-wg" if self.wg else "") + ("-xcp" if self.xcp else "") + \
             (f"-sk{self.sk}" if self.sk else "") + ("-xbox" if self.xbox else "")
-
-
-@dataclass(frozen=True)
-class StreamConfig:
-    """CUDA C++ kernel (csrc/w12_stream.cu, sm_80+): a persistent grid of `cps` CTAs per SM; CTA b takes
-    an equal contiguous range of the (16 `warps` rows x 64 columns) units, crossing row groups (stream-K,
-    deterministic fix-up); each warp streams its 16 rows of every unit through its own `stages`-slot
-    cp.async ring. `fixed`: decode with the fixed exponent base 112 and scale each row's sum by
-    2^(e0 - 112) (exact; rows outside the identity's range take the exact decode, docs/w12-kernels.md);
-    False builds the exact-base reference of the same kernel."""
-
-    warps: int = 8
-    stages: int = 4
-    cps: int = 2
-    fixed: bool = True
-    tiled: int = 0  # read the planes from a tile-contiguous copy (w12.cuda.tile_planes): 1 row-block-major, 2 chunk-major
-    split: int = 0  # 0: the persistent grid; s > 0: s CTAs per row group (classic split-K ranges, several waves)
-
-    def __post_init__(self):
-        if self.warps not in (2, 4, 8, 16) or not 2 <= self.stages <= 8 or self.cps not in (1, 2, 3, 4) \
-                or self.warps * self.cps > 32:
-            raise ValueError("StreamConfig needs warps in (2, 4, 8, 16), 2 <= stages <= 8, cps in 1..4 and "
-                             f"warps * cps <= 32 (warps per SM); got {self}")
-
-    @property
-    def rows(self) -> int:
-        return 16 * self.warps
-
-    def tag(self) -> str:
-        return f"st-w{self.warps}-s{self.stages}-c{self.cps}" + ("" if self.fixed else "-exact") + \
-            (f"-tiled{self.tiled}" if self.tiled else "") + (f"-k{self.split}" if self.split else "")
 
 
 @dataclass(frozen=True)

@@ -3,9 +3,7 @@
 `csrc/w12_mma.cu` (`MmaConfig`, sm_80+): register-pipelined, weights read straight from the planes.
 `csrc/w12_tma.cu` (`TmaConfig`, sm_90): warp-specialised, TMA streams the planes into an mbarrier
 ring; its 2-D tensor maps are encoded on the host and cached per (address, shape, box).
-`csrc/w12_stream.cu` (`StreamConfig`, sm_80+): persistent, stream-K over (row group, chunk) units, a
-cp.async ring per warp, fixed-base decode with an exact power-of-two epilogue scale.
-All include `csrc/w12_common.cuh` (the decode, the mma.sync step, PDL and bias helpers).
+Both include `csrc/w12_common.cuh` (the decode, the mma.sync step, PDL and bias helpers).
 
 One CUBIN per specialisation (`spec()`: the config's fields and the token tiles become -D defines),
 compiled on first use and cached on disk by autotune.jit (keyed by the sources, defines, options and
@@ -30,20 +28,18 @@ import torch
 from autotune import jit
 from autotune.jit import BuildError, available, unavailable
 
-from .configs import FlowConfig, MmaConfig, StreamConfig, TmaConfig
+from .configs import FlowConfig, MmaConfig, TmaConfig
 
 __all__ = ["available", "unavailable", "tma_available", "spec", "build", "launch", "n_tiles", "unsupported",
-           "smem_bytes", "pdl_enabled", "BuildError", "SOURCE", "KERNEL", "TMA_SOURCE", "TMA_KERNEL", "STREAM_SOURCE",
-           "STREAM_KERNEL", "COMMON", "MAX_M", "MAX_KP", "stream_grid"]
+           "smem_bytes", "pdl_enabled", "BuildError", "SOURCE", "KERNEL", "TMA_SOURCE", "TMA_KERNEL", "COMMON",
+           "MAX_M", "MAX_KP"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_mma.cu"
 KERNEL = "w12_matmul_mma_kernel"
 TMA_SOURCE = Path(__file__).with_name("csrc") / "w12_tma.cu"  # sm_90: TMA ring + warp specialisation
 TMA_KERNEL = "w12_matmul_tma_kernel"
-STREAM_SOURCE = Path(__file__).with_name("csrc") / "w12_stream.cu"  # sm_80+: persistent, per-warp cp.async rings
-STREAM_KERNEL = "w12_matmul_stream_kernel"
-COMMON = Path(__file__).with_name("csrc") / "w12_common.cuh"  # device code included by all three
-MAX_KP = 1 << 18  # the stream kernel's scale identity assumes Kp <= 2^18 columns (csrc/w12_stream.cu)
+COMMON = Path(__file__).with_name("csrc") / "w12_common.cuh"  # device code included by these two and the flow kernel
+MAX_KP = 1 << 18  # unsupported()'s K limit: the flow kernel's fixed-base scale identity needs Kp <= 2^18 (flow.py)
 MAX_M = 32  # 4 n-tiles of 8 tokens
 _SMEM_DEFAULT_MAX = 48 << 10
 _STATIC_SMEM = 64  # the kernel's own __shared__ variables (16 bytes), with room to spare
@@ -62,15 +58,11 @@ def n_tiles(M: int) -> int:
     return 1 if M <= 8 else 2 if M <= 16 else 4
 
 
-def spec(cfg: MmaConfig | TmaConfig | StreamConfig, nt: int, q8: bool, arch: tuple[int, int], *,
+def spec(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], *,
          defines: Mapping[str, object] | None = None) -> jit.Spec:
     """The build of `cfg` for `nt` token tiles, the exact or 8-bit view (`q8`) and compute capability
     `arch`; `defines` add to (or override) the config's W12_* defines."""
-    if isinstance(cfg, StreamConfig):
-        base = dict(WARPS=cfg.warps, STAGES=cfg.stages, CPS=cfg.cps, NT=nt, Q8=int(q8), FIXED=int(cfg.fixed),
-                    TILED=int(cfg.tiled))
-        source, kernel = STREAM_SOURCE, STREAM_KERNEL
-    elif isinstance(cfg, TmaConfig):
+    if isinstance(cfg, TmaConfig):
         if arch[0] != 9:
             raise ValueError(f"w12.cuda.spec: {cfg} is the TMA kernel, which needs an sm_90 GPU, "
                              f"got sm_{arch[0]}{arch[1]}")
@@ -121,17 +113,10 @@ def _tma_stage_bytes(cfg: TmaConfig, nt: int, q8: bool) -> int:
     return -(-raw // 1024) * 1024
 
 
-def _stream_slot(nt: int, q8: bool) -> int:
-    return 16 * 64 + (0 if q8 else 16 * 32) + 8 * nt * 144
-
-
-def smem_bytes(cfg: MmaConfig | TmaConfig | StreamConfig, nt: int, q8: bool) -> int:
+def smem_bytes(cfg: MmaConfig | TmaConfig, nt: int, q8: bool) -> int:
     """Dynamic shared memory of one CTA. MmaConfig: the partial sums (and escape ranges), or the
     cp.async ring when that is larger (they share the memory). TmaConfig: the ring (1024-byte
-    aligned stages, plus 1024 bytes of alignment slack) and two mbarriers per stage. StreamConfig:
-    one ring of `stages` slots per warp."""
-    if isinstance(cfg, StreamConfig):
-        return cfg.warps * cfg.stages * _stream_slot(nt, q8)
+    aligned stages, plus 1024 bytes of alignment slack) and two mbarriers per stage."""
     if isinstance(cfg, TmaConfig):
         ring = cfg.stages * _tma_stage_bytes(cfg, nt, q8) + 1024
         if cfg.wg:  # barriers in a 1 KiB slot, then two permuted-x buffers per warpgroup
@@ -175,14 +160,6 @@ def load_with_smem(op: str, cfg, nt: int, idx: int, need: int, smem: int | None,
     if smem + static > _SMEM_DEFAULT_MAX:  # dynamic + static must fit the raised limit
         kernel.set_max_dynamic_smem(smem)
     return kernel, smem
-
-
-def stream_grid(cfg: StreamConfig, N: int, Kp: int, device: torch.device) -> int:
-    """CTAs of a StreamConfig launch: cps per SM, at most one per unit."""
-    groups = -(-N // cfg.rows)
-    if cfg.split:
-        return groups * min(cfg.split, Kp // 64)
-    return max(1, min(groups * (Kp // 64), cfg.cps * sk_sm_count(device)))
 
 
 def tma_available(device: torch.device | None = None) -> bool:
@@ -258,38 +235,17 @@ _P, _I, _L, _T = jit.PTR, jit.I32, jit.I64, jit.BY_ADDRESS
 _TAIL = (_P, _I, _P, _I, _I, _I, _P, _P)  # bias, kind, out, M, N, Kp, ws, counters
 _ESC = (_P, _P, _P, _P)                    # e0, rowptr, col, val
 _MMA_TYPES = (_P, _L, _P, _P) + _ESC + _TAIL
-_STREAM_TYPES = (_P, _L, _P, _P, _P) + _ESC + _TAIL
-_TILES: dict[tuple, torch.Tensor] = {}
-
-
-def tile_planes(hi: torch.Tensor, lo: torch.Tensor, chunk_major: bool = False) -> torch.Tensor:
-    """The planes as [ceil(N / 16), Kp / 64, 1536] tiles (hi 16 x 64 bytes, then lo 16 x 32), each one
-    contiguous, rows past N zero; cached per plane address (a diagnostic layout for StreamConfig.tiled)."""
-    key = (hi.data_ptr(), lo.data_ptr(), tuple(hi.shape), chunk_major)
-    t = _TILES.get(key)
-    if t is None:
-        N, Kp = hi.shape
-        n16 = -(-N // 16)
-        h = torch.zeros((n16 * 16, Kp), dtype=torch.uint8, device=hi.device)
-        lw = torch.zeros((n16 * 16, Kp // 2), dtype=torch.uint8, device=hi.device)
-        h[:N], lw[:N] = hi, lo
-        h = h.view(n16, 16, Kp // 64, 64).permute(0, 2, 1, 3).reshape(n16, Kp // 64, 1024)
-        lw = lw.view(n16, 16, Kp // 64, 32).permute(0, 2, 1, 3).reshape(n16, Kp // 64, 512)
-        t = torch.cat([h, lw], dim=2)
-        t = (t.transpose(0, 1) if chunk_major else t).contiguous()
-        _TILES[key] = t
-    return t
 _TMA_TYPES = {xbox: (_T, _T) + (_T,) * xbox + (_P, _L) + _ESC + _TAIL for xbox in (0, 1)}
 
 
-def launch(cfg: MmaConfig | TmaConfig | StreamConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False,
+def launch(cfg: MmaConfig | TmaConfig, x2d, hi, lo, e0, rowptr, col, val, bias, out, *, q8: bool = False,
            trace: torch.Tensor | None = None, defines: Mapping[str, object] | None = None,
            smem: int | None = None) -> None:
     """out[M, N] = x2d @ W^T (+ bias), W exact or its 8-bit view (`q8`), on torch's current stream.
     `defines`: extra build defines (see `spec`). `smem`: dynamic shared memory per CTA, at least what
     the config needs (more leaves fewer CTAs per SM). `trace` (diagnostic): an int64 tensor of 8 per CTA
     that a build with defines={"W12_TRACE": 1} fills with %globaltimer stamps: plain TmaConfig with
-    split = 1, or StreamConfig. A FlowConfig runs the flow kernel on the planes' runtime layout (w12/flow.py)."""
+    split = 1. A FlowConfig runs the flow kernel on the planes' runtime layout (w12/flow.py)."""
     if isinstance(cfg, FlowConfig):
         from . import flow
 
@@ -299,32 +255,23 @@ def launch(cfg: MmaConfig | TmaConfig | StreamConfig, x2d, hi, lo, e0, rowptr, c
     nt = n_tiles(M)
     kernel, smem = _kernel(cfg, nt, q8, x2d.device, () if not defines else tuple(sorted(defines.items())), smem)
     tma = isinstance(cfg, TmaConfig)
-    persistent = isinstance(cfg, StreamConfig)
     stream = torch.cuda.current_stream(x2d.device).cuda_stream
-    ws, cnt, shares = None, None, 0
-    if persistent:
-        rows = cfg.rows
-        grid = stream_grid(cfg, N, Kp, x2d.device)
-        shares = grid * 2 * rows * 8 * nt
-        # two share slots per CTA, then room for a W12_TRACE build's stamps; a counter per row group
-        ws, cnt = _workspace(x2d.device, stream, shares + 16 * grid, -(-N // rows))
-    else:
-        rows = cfg.rows if tma else 16 * cfg.mt * cfg.wr
-        grid = -(-N // rows)
-        if cfg.split > 1:
-            ws, cnt = _workspace(x2d.device, stream, grid * cfg.split * rows * 8 * nt, grid)
-        elif tma and cfg.sk:
-            # stream-K: sk CTAs per SM share the grid * Kp / 64 units; two partial slots per CTA, a counter per row block
-            ctas = min(grid * (Kp // 64), cfg.sk * sk_sm_count(x2d.device))
-            ws, cnt = _workspace(x2d.device, stream, ctas * 2 * rows * 8 * nt, grid)
-            grid = ctas
+    ws, cnt = None, None
+    rows = cfg.rows if tma else 16 * cfg.mt * cfg.wr
+    grid = -(-N // rows)
+    if cfg.split > 1:
+        ws, cnt = _workspace(x2d.device, stream, grid * cfg.split * rows * 8 * nt, grid)
+    elif tma and cfg.sk:
+        # stream-K: sk CTAs per SM share the grid * Kp / 64 units; two partial slots per CTA, a counter per row block
+        ctas = min(grid * (Kp // 64), cfg.sk * sk_sm_count(x2d.device))
+        ws, cnt = _workspace(x2d.device, stream, ctas * 2 * rows * 8 * nt, grid)
+        grid = ctas
     if trace is not None:
-        if not persistent and (not tma or cfg.split > 1 or cfg.sk or cfg.wg or cfg.ahead):
-            raise ValueError(f"w12.cuda.launch: trace takes a plain TmaConfig with split=1 or a StreamConfig, got {cfg}")
+        if not tma or cfg.split > 1 or cfg.sk or cfg.wg or cfg.ahead:
+            raise ValueError(f"w12.cuda.launch: trace takes a plain TmaConfig with split=1, got {cfg}")
         if trace.dtype != torch.int64 or trace.numel() < 8 * grid:
             raise ValueError(f"w12.cuda.launch: trace needs an int64 tensor of >= {8 * grid} elements")
-        if not persistent:
-            ws = trace
+        ws = trace
     xk, ldx = _x_operand(x2d, Kp)
     tail = (0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype], out.data_ptr(), M, N,
             Kp, 0 if ws is None else ws.data_ptr(), 0 if cnt is None else cnt.data_ptr())
@@ -336,17 +283,8 @@ def launch(cfg: MmaConfig | TmaConfig | StreamConfig, x2d, hi, lo, e0, rowptr, c
         values = (tm_hi, tm_lo, *tm_x, xk.data_ptr(), ldx, *esc, *tail)
         types = _TMA_TYPES[int(cfg.xbox)]
         threads = 32 * (cfg.cw + 1)
-    elif persistent:
-        tiles = tile_planes(hi, lo, chunk_major=cfg.tiled == 2) if cfg.tiled else hi
-        values = (xk.data_ptr(), ldx, hi.data_ptr(), lo.data_ptr(), tiles.data_ptr(), *esc, *tail)
-        types = _STREAM_TYPES
-        threads = 32 * cfg.warps
     else:
         values = (xk.data_ptr(), ldx, hi.data_ptr(), lo.data_ptr(), *esc, *tail)
         types = _MMA_TYPES
         threads = 32 * cfg.wk * cfg.wr
-    # StreamConfig.split shapes the grid's x (classic split ranges); the others split K along y
-    kernel.launch((grid, 1 if persistent else cfg.split, 1), threads, smem, stream, values, types,
-                  pdl=pdl_enabled(x2d.device))
-    if persistent and trace is not None:  # a W12_TRACE build stamped 8 int64 per CTA after the shares
-        trace[:8 * grid].copy_(ws[shares:shares + 16 * grid].view(torch.int64))
+    kernel.launch((grid, cfg.split, 1), threads, smem, stream, values, types, pdl=pdl_enabled(x2d.device))

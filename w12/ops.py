@@ -27,7 +27,7 @@ from torch.library import triton_op, wrap_triton
 import autotune
 
 from . import cuda as wcuda
-from .configs import GEMV_MAX_M, FlowConfig, GemvConfig, MmaConfig, StreamConfig, TcConfig, TmaConfig, gemv_heuristic, mma_heuristic, tc_heuristic
+from .configs import GEMV_MAX_M, FlowConfig, GemvConfig, MmaConfig, TcConfig, TmaConfig, gemv_heuristic, mma_heuristic, tc_heuristic
 from .flow import MAX_M as FLOW_MAX_M
 from .format import W12Weight, unpack
 from .layout import TiledW12, untile
@@ -45,8 +45,7 @@ VARIANTS = autotune.Variants(OP, by_arch={9: "mma", 8: "mma"}, known=("mma", "tc
 _TRITON = autotune.Variants(OP, by_arch={9: "tc", 8: "gemv"}, known=VARIANTS.known, fallback="torch", public=False)
 TC_GEMV_MAX_M = 1  # the "tc" variant runs the CUDA-core GEMV up to this M, and above it where tuned (see _make_plan)
 _REDUCE_BLOCK = 1024
-_FORCED_KERNEL = ((GemvConfig, "gemv"), (TcConfig, "tc"), (MmaConfig, "mma"), (TmaConfig, "mma"), (StreamConfig, "mma"),
-                  (FlowConfig, "mma"))
+_FORCED_KERNEL = ((GemvConfig, "gemv"), (TcConfig, "tc"), (MmaConfig, "mma"), (TmaConfig, "mma"), (FlowConfig, "mma"))
 _PLANS = autotune.PlanCache()
 
 # --------------------------------------------------------------------------------------
@@ -86,8 +85,7 @@ def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: 
     if forced_cfg is not None:
         kernel = next((k for cls, k in _FORCED_KERNEL if isinstance(forced_cfg, cls)), None)
         if kernel is None:
-            raise TypeError(f"{op}: force({op!r}, config=...) takes a FlowConfig, StreamConfig, TmaConfig, MmaConfig, TcConfig or "
-                            "GemvConfig, "
+            raise TypeError(f"{op}: force({op!r}, config=...) takes a FlowConfig, TmaConfig, MmaConfig, TcConfig or GemvConfig, "
                             f"got {type(forced_cfg).__name__}; pass one of those")
         if autotune.hardware.host_only(device):
             raise ValueError(f"{op}: the forced {type(forced_cfg).__name__} is a kernel config, and no kernel runs CPU "

@@ -1,5 +1,5 @@
 """The stream-K unit split and deterministic fix-up of the W12 CUDA kernels (w12_common.cuh's sk_ctas / sk_slot /
-sk_arrive, used by w12_tma.cu's TmaConfig.sk path and by w12_stream.cu), ported line by line for the CPU tests."""
+sk_arrive, used by w12_tma.cu's TmaConfig.sk path), ported line by line for the CPU tests."""
 
 from __future__ import annotations
 

@@ -19,7 +19,7 @@ from specpilot.bench.shapes import get_shape_set
 from specpilot.testing import assert_bitwise_equal, assert_close
 from w12 import ops as wops
 from w12 import cuda as wcuda
-from w12.configs import GemvConfig, MmaConfig, StreamConfig, TcConfig, TmaConfig
+from w12.configs import GemvConfig, MmaConfig, TcConfig, TmaConfig
 from w12.kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel
 
 from flow_emu import escaped_weight, gaussian_x
@@ -116,8 +116,6 @@ def _tiered(cfgs, fast):
 MMA_ODD = [MmaConfig(1, 1, 2), MmaConfig(2, 4, 3), MmaConfig(4, 2, 2), MmaConfig(1, 2, 4, wr=4), MmaConfig(2, 8, 2, wr=2),
            MmaConfig(1, 16, 2), MmaConfig(2, 4, 4, async_copy=True), MmaConfig(1, 4, 3, wr=2, async_copy=True),
            MmaConfig(4, 2, 6, async_copy=True), MmaConfig(1, 4, 2, split=3), MmaConfig(2, 4, 4, async_copy=True, split=7)]
-STREAM_ODD = [StreamConfig(8, 4, 2), StreamConfig(8, 4, 2, fixed=False), StreamConfig(4, 3, 1), StreamConfig(16, 2, 1),
-              StreamConfig(2, 8, 4), StreamConfig(4, 6, 3, fixed=False)]
 TMA_ODD = [TmaConfig(2, 4, 6), TmaConfig(1, 8, 8), TmaConfig(4, 4, 3), TmaConfig(1, 1, 2), TmaConfig(2, 8, 4, split=3),
            TmaConfig(1, 4, 5, split=7), TmaConfig(2, 4, 2, split=64), TmaConfig(1, 8, 6, ahead=True),
            TmaConfig(2, 4, 2, split=3, ahead=True), TmaConfig(1, 4, 3, split=64, ahead=True), TmaConfig(1, 4, 6, wg=True),
@@ -137,10 +135,8 @@ def _prebuild_cuda_kernels(request):
         return
     arch = torch.cuda.get_device_capability()
     cfgs = {item.callspec.params["cfg"] for item in request.session.items
-            if hasattr(item, "callspec") and isinstance(item.callspec.params.get("cfg"), (MmaConfig, TmaConfig, StreamConfig))}
+            if hasattr(item, "callspec") and isinstance(item.callspec.params.get("cfg"), (MmaConfig, TmaConfig))}
     cfgs = [c for c in cfgs if not (isinstance(c, TmaConfig) and arch[0] != 9)]
-    if any("stream_fixed" in item.name for item in request.session.items):
-        cfgs += [StreamConfig(8, 4, 4), StreamConfig(8, 4, 4, fixed=False)]
     jobs = [(c, nt, q8) for c in cfgs for nt in (1, 2, 4) for q8 in (False, True)]
     with ThreadPoolExecutor(16) as ex:
         list(ex.map(lambda j: wcuda.build(j[0], j[1], j[2], arch), jobs))
@@ -152,66 +148,6 @@ def test_mma_configs_odd_shapes(cfg, N, K):
     """Every kernel shape on ragged N (rows past N), K not a multiple of 64 (x padded), all M tiles,
     bias in three dtypes, escapes incl. -0.0 and non-finite weights; outputs fully written."""
     _odd_shapes(cfg, N, K)
-
-
-@pytest.mark.parametrize("cfg", _tiered(STREAM_ODD, {0, 1, 4}), ids=lambda c: c.tag())
-@pytest.mark.parametrize("N,K", [(75, 4100), (1000, 4160), (4099, 64), (3000, 17408)], ids=lambda v: str(v))
-def test_stream_configs_odd_shapes(cfg, N, K):
-    """The persistent stream kernel: rows past N zero-filled by cp.async, K not a multiple of 64, grids
-    larger and smaller than the row groups (K = 64: one unit per row group), row groups shared by
-    up to ~30 CTAs (K = 17408)."""
-    _odd_shapes(cfg, N, K)
-
-
-def _window_weight(n, k, seed, shifts):
-    """Rows scaled by 2^shift (shift per row from `shifts`), so that e0 spans the format's range; row 0
-    all zero (e0 = 0), row 1 subnormal (e0 = 0), escapes in every row."""
-    g = torch.Generator(device=_dev()).manual_seed(seed)
-    w = torch.randn(n, k, device=_dev(), generator=g, dtype=torch.float64)
-    sh = torch.tensor(shifts, device=_dev(), dtype=torch.float64)[torch.arange(n, device=_dev()) % len(shifts)]
-    w = w * torch.exp2(sh)[:, None]
-    w[0] = 0.0
-    w[1] = torch.randn(k, device=_dev(), generator=g, dtype=torch.float64) * 2.0**-130
-    w.view(-1)[7::613] = 0.0
-    return w.clamp(-3e38, 3e38).to(torch.bfloat16)
-
-
-_X_CASES = {"normal": 0, "tiny": -70, "huge": 60, "subnormal": -128, "mixed": None}
-
-
-@pytest.mark.parametrize("xcase", list(_X_CASES))
-@pytest.mark.parametrize("M", [1, 8, 32])
-def test_stream_fixed_base_equals_exact_base_bitwise(xcase, M):
-    """The fixed-base decode with the epilogue scale gives the exact-base build's output bit for bit:
-    rows with e0 from 0 (all-zero and subnormal rows) to 240, x normal, tiny (2^-70: the scale
-    identity's condition fails for some rows, which recompute with the exact base), huge (2^60),
-    subnormal, and mixed with +-Inf and NaN; both views; 4 CTAs per SM so row groups are shared."""
-    n, k = 700, 4160
-    w = _window_weight(n, k, seed=M, shifts=[-100, -60, -20, -3, 0, 2, 30, 70, 110, 126])
-    p = w12.pack(w, layout="planes")
-    e0 = p.e0.long()
-    assert int(e0.min()) == 0 and int(e0.max()) >= 230, (int(e0.min()), int(e0.max()))
-    g = torch.Generator(device=_dev()).manual_seed(100 + M)
-    x = torch.randn(M, k, device=_dev(), generator=g, dtype=torch.float64)
-    shift = _X_CASES[xcase]
-    if shift is None:
-        x = x * torch.exp2(torch.randint(-140, 100, (M, k), device=_dev(), generator=g).double())
-        x.view(-1)[3::911] = float("inf")
-        x.view(-1)[5::1301] = float("-inf")
-        x.view(-1)[11::1703] = float("nan")
-    else:
-        x = x * 2.0**shift
-    x = x.to(torch.bfloat16)
-    outs = {}
-    for fixed in (True, False):
-        with autotune.force("w12.matmul", config=StreamConfig(8, 4, 4, fixed=fixed)):
-            outs[fixed] = (w12.matmul(x, p), w12.matmul_q8(x, p))
-    assert_bitwise_equal(outs[True][0], outs[False][0], msg=f"exact view, x {xcase}")
-    assert_bitwise_equal(outs[True][1], outs[False][1], msg=f"8-bit view, x {xcase}")
-    if xcase == "normal":
-        # the exact-base build itself against the fp64 reference, on rows whose sums stay in fp32's range
-        rows = (e0 > 0) & (e0 < 180)
-        _check(outs[False][0][:, rows], x, w[rows], w12.pack(w[rows], layout="planes"))
 
 
 @pytest.mark.hopper
@@ -331,9 +267,9 @@ def test_gemv_kernel_uses_no_tensor_cores():
 
 @pytest.mark.parametrize("cfg", [None, TcConfig(64, 16, 128, 4, 4, 3), GemvConfig(32, 1, 256, 5, 4, 2),
                                  MmaConfig(2, 4, 2), MmaConfig(1, 8, 3, wr=2), MmaConfig(1, 8, 4, async_copy=True),
-                                 MmaConfig(1, 4, 2, split=4), StreamConfig(8, 4, 2)] + ([TmaConfig(2, 4, 6), TmaConfig(1, 8, 6, split=4),
+                                 MmaConfig(1, 4, 2, split=4)] + ([TmaConfig(2, 4, 6), TmaConfig(1, 8, 6, split=4),
                                                                   TmaConfig(1, 8, 6, sk=2)] if _HOPPER else []),
-                         ids=["default", "tc-split4", "gemv-split5", "mma", "mma-wr2", "mma-async", "mma-split4", "stream"]
+                         ids=["default", "tc-split4", "gemv-split5", "mma", "mma-wr2", "mma-async", "mma-split4"]
                          + (["tma", "tma-split4", "tma-sk2"] if _HOPPER else []))
 def test_cuda_graph_replay_equals_eager(cfg):
     n, k = _S.linears["mlp.down_proj"]
@@ -416,8 +352,8 @@ def test_torch_compile_fullgraph_equals_eager(q8, layout, poison_outside_compile
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("cfg", _tiered([TmaConfig(1, 8, 6, split=3), TmaConfig(2, 4, 4), TmaConfig(1, 8, 6, sk=2),
-                                          MmaConfig(2, 4, 2, split=3), StreamConfig(8, 4, 2), StreamConfig(4, 3, 4),
-                                          MmaConfig(1, 8, 2)], {0, 2, 3, 4, 6}), ids=lambda c: c.tag())
+                                          MmaConfig(2, 4, 2, split=3), MmaConfig(1, 8, 2)],
+                                         {0, 2, 3, 4}), ids=lambda c: c.tag())
 @pytest.mark.parametrize("graph", [False, True], ids=["eager", "graph"])
 def test_pdl_chain_waits_for_the_previous_kernel(cfg, graph, monkeypatch):
     """Programmatic dependent launch (sm_90): each kernel of a 6-layer chain reads the output of the

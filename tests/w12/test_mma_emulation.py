@@ -376,7 +376,7 @@ def test_byte_perm_selectors():
 
     from w12 import cuda
 
-    src = "".join(f.read_text() for f in (cuda.SOURCE, cuda.TMA_SOURCE, cuda.STREAM_SOURCE, cuda.COMMON))
+    src = "".join(f.read_text() for f in (cuda.SOURCE, cuda.TMA_SOURCE, cuda.COMMON))
     sels = re.findall(r"__byte_perm\([^;]*?,\s*(0x[0-9A-Fa-f]+)\)", src)
     assert sels, "no __byte_perm calls found: update this test"
     for sel in sels:
@@ -656,6 +656,24 @@ def test_emulated_tma_x_box_matches_reference(M, N, K, mt, cw, splits, q8):
     x = (torch.randn(M, K, generator=torch.Generator().manual_seed(M + 5)) * 2).to(torch.bfloat16)
     got = emulate_tma(x, p, mt=mt, cw=cw, splits=splits, q8=q8, xbox=True)
     _assert_emulation_exact(got, x, w, p, q8)
+
+
+@pytest.mark.parametrize("rows,kc,ctas", [(1, 1, 1), (3, 80, 264), (40, 96, 264), (129, 80, 264), (7, 5, 30),
+                                          (1940, 80, 264), (5, 96, 7)])
+def test_stream_k_bookkeeping(rows, kc, ctas):
+    """The stream-K unit split and fix-up (`stream_k.run_stream_k`, the sk_* helpers of w12_common.cuh) on
+    grids of 1 to 264 CTAs: every row block's total equals the sum of its units and is finished once."""
+    rng = np.random.default_rng(rows * 1000 + kc)
+    unit = rng.standard_normal(rows * kc)  # each unit's contribution to its row block
+    got = np.full(rows, np.nan)
+
+    def finish(rb, total):
+        assert np.isnan(got[rb]), f"row block {rb} finished twice"
+        got[rb] = total
+
+    run_stream_k(rows, kc, min(ctas, rows * kc), lambda rb, c0, n: unit[rb * kc + c0:rb * kc + c0 + n].sum(), finish,
+                 seed=rows)
+    np.testing.assert_allclose(got, unit.reshape(rows, kc).sum(1), rtol=1e-12, atol=1e-12)
 
 
 @pytest.mark.parametrize("q8", [False, True], ids=["mm", "q8"])

@@ -53,7 +53,7 @@ __device__ __forceinline__ bool last_to_arrive(int* counter, int count) {
 }
 
 // Stream-K over U units, `per` units (one row block's chunks) per row block, on P CTAs: CTA b takes the units
-// [b U / P, (b + 1) U / P) (w12_tma.cu's TmaConfig.sk path, w12_stream.cu). A row block shared by several CTAs
+// [b U / P, (b + 1) U / P) (w12_tma.cu's TmaConfig.sk path). A row block shared by several CTAs
 // meets in a workspace of two slots per CTA: slot 0 holds the share of the CTA's first row block, slot 1 of its
 // last. tests/w12/stream_k.py ports these three line by line.
 // The CTAs b0..b1 whose ranges hold row block rb's first and last units
@@ -293,7 +293,7 @@ __device__ __forceinline__ void finish_row(Acc&& acc, int row, uint32_t e0, int 
   });
 }
 
-// The fixed-base decode's row scale (the stream and flow kernels): the x range it needs, its condition, the scale.
+// The fixed-base decode's row scale (the flow kernel): the x range it needs, its condition, the scale.
 // exponent field of the largest |x| and of the smallest non-zero |x| over the bf16 pairs folded in
 struct XRange {
   uint32_t mx = 0u;           // per-lane max of |bits|
@@ -315,7 +315,7 @@ struct XRange {
   }
 };
 
-// the scale identity's condition for a row with window base e (w12_stream.cu's header, docs/w12-kernels.md)
+// the scale identity's condition for a row with window base e (docs/w12-kernels.md)
 __device__ __forceinline__ bool scale_exact(int e, int emin, int emax) {
   if (e == 0) return true;  // decoded with the exact base: scale 1
   const int s = e - 112;

@@ -1,60 +1,27 @@
-"""CPU checks of the stream kernel's arithmetic (w12/csrc/w12_stream.cu) without a GPU.
+"""CPU checks of the fixed-base decode's arithmetic without a GPU: the flow kernel's fixed-base build
+(FlowConfig(fixed=True), w12/csrc/w12_flow.cu) and w12_common.cuh's XRange and scale_exact.
 
 1. The fixed-base decode: for every code and every window base, the decoded bf16 is exactly
-   2^(112 - e0) times the exact-base decode (e0 >= 1), or the exact decode itself (e0 = 0); the same
-   for the 8-bit view.
+   2^(112 - e0) times the exact-base decode (e0 >= 1), or the exact decode itself (e0 = 0).
 2. The scale identity on IEEE fp32 (numpy): sums of x * w' scaled by 2^(e0 - 112) equal sums of x * w
    bit for bit whenever the kernel's condition `scale_exact` holds, at the edges of that condition;
    outside it the identity can fail (subnormal products), which is why those rows take the exact base.
 3. The x exponent range (XRange): the packed 16-bit max / min-non-zero trick equals a direct
    computation on hostile bit patterns (+-0, subnormals, +-Inf, NaN).
-4. NVRTC (no GPU needed) builds the kernel for sm_80 and sm_90 with mma.sync, cp.async and no local
-   memory, in both the fixed and the exact-base build.
-5. The stream-K unit split and the deterministic fix-up (workspace slots, arrival counters), ported line by line.
 """
 
 from __future__ import annotations
 
 import numpy as np
 import pytest
-from stream_k import run_stream_k
+
+from flow_emu import dec_exact, dec_fixed, prmt, scale_exact
 
 U32 = np.uint32
-BASE112 = U32(0x38003800)
 
 
 def bits_to_f64(bits16: np.ndarray) -> np.ndarray:
     return (bits16.astype(U32) << U32(16)).view(np.float32).astype(np.float64)
-
-
-def prmt(a, b, sel: int):
-    """PTX prmt.b32 for selectors without sign-replicate bits."""
-    src = [(a >> U32(8 * i)) & U32(0xFF) for i in range(4)] + [(b >> U32(8 * i)) & U32(0xFF) for i in range(4)]
-    out = np.zeros_like(a, dtype=U32)
-    for i in range(4):
-        out |= src[(sel >> (4 * i)) & 7].astype(U32) << U32(8 * i)
-    return out
-
-
-def dec_exact(y, e0x):  # w12_common.cuh dec_pair
-    return ((y & U32(0x800F800F)) + ((y >> U32(4)) & U32(0x07F007F0)) + e0x).astype(U32)
-
-
-def dec_fixed(y, c):  # w12_stream.cu dec_fixed
-    return ((y & U32(0x800F800F)) | ((y >> U32(4)) & U32(0x07F007F0)) | c).astype(U32)
-
-
-def dec_fixed_q8(y, c):
-    return ((y & U32(0x80008000)) | ((y >> U32(4)) & U32(0x07F007F0)) | c).astype(U32)
-
-
-def dec_exact_q8(y, e0x):  # w12_common.cuh dec_pair_q8 with q8_base(e0x)
-    c = U32(0) if e0x == 0 else U32(e0x + 0x00080008)
-    return ((y & U32(0x80008000)) + ((y >> U32(4)) & U32(0x07F007F0)) + c).astype(U32)
-
-
-def kernel_c(e0: int, q8: bool) -> U32:
-    return U32(0 if e0 == 0 else 0x38003800 | (0x00080008 if q8 else 0))
 
 
 def lanes(r):
@@ -69,31 +36,20 @@ def test_fixed_base_decode_is_an_exact_power_of_two_multiple_for_every_code_and_
     ha = hi | (hi << U32(8))  # hi bytes of two columns (same code twice)
     la = lo_byte | (lo_byte << U32(8))
     y = prmt(ha, la, 0x1504)  # lanes: hi << 8 | lo byte
-    yq = prmt(ha, U32(0) * ha, 0x1404)
     off = (codes >> U32(7)) & U32(0xF)
     for e0 in range(0, 241):
         dense = (e0 + off <= 254) | (codes == 0)  # exponent 255 (+-Inf, NaN) is always an escape
-        e0x = U32(e0 << 7 | e0 << 23)
-        exact = dec_exact(prmt(ha, la & U32(0x0F0F), 0x1504), e0x)
-        fixed = dec_fixed(y, kernel_c(e0, False))
-        exact_q8, fixed_q8 = dec_exact_q8(yq, e0x), dec_fixed_q8(yq, kernel_c(e0, True))
-        for ex, fx in ((exact, fixed), (exact_q8, fixed_q8)):
-            for le, lf in zip(lanes(ex), lanes(fx)):
-                le, lf = le[dense], lf[dense]
-                if e0 == 0:
-                    assert np.array_equal(le, lf), "e0 = 0 rows decode with the exact base"
-                else:
-                    ve, vf = bits_to_f64(le), bits_to_f64(lf)
-                    assert np.array_equal(vf * 2.0 ** (e0 - 112), ve), f"e0={e0}"
-                    nz = ve != 0
-                    assert np.all(np.abs(vf[nz]) >= 2.0**-15) and np.all(np.abs(vf) < 2.0), "w' outside [2^-15, 2)"
-
-
-def scale_exact(e0: int, emin: int, emax: int) -> bool:  # w12_stream.cu scale_exact
-    if e0 == 0:
-        return True
-    s = e0 - 112
-    return emin >= 64 - min(s, 0) and emax + max(s, 0) <= 230
+        exact = dec_exact(prmt(ha, la & U32(0x0F0F), 0x1504), U32(e0 << 7 | e0 << 23))
+        fixed = dec_fixed(y, U32(0 if e0 == 0 else 0x38003800))
+        for le, lf in zip(lanes(exact), lanes(fixed)):
+            le, lf = le[dense], lf[dense]
+            if e0 == 0:
+                assert np.array_equal(le, lf), "e0 = 0 rows decode with the exact base"
+            else:
+                ve, vf = bits_to_f64(le), bits_to_f64(lf)
+                assert np.array_equal(vf * 2.0 ** (e0 - 112), ve), f"e0={e0}"
+                nz = ve != 0
+                assert np.all(np.abs(vf[nz]) >= 2.0**-15) and np.all(np.abs(vf) < 2.0), "w' outside [2^-15, 2)"
 
 
 def _bf16(v: np.ndarray) -> np.ndarray:
@@ -199,44 +155,3 @@ def test_condition_bounds_hybrid_activation_ranges():
         assert scale_exact(e0, 127 - 45, 127 + 60)
     assert not scale_exact(12, 127 - 60, 127)  # s = -100: x below 2^-37 would give subnormal products
     assert scale_exact(0, 0, 255)
-
-
-@pytest.fixture(scope="module")
-def cuda(tmp_path_factory):
-    from w12 import cuda as c
-
-    mp = pytest.MonkeyPatch()
-    mp.setenv("SPECPILOT_CACHE", str(tmp_path_factory.mktemp("jit")))
-    yield c
-    mp.undo()
-
-
-@pytest.mark.slow
-def test_stream_kernel_builds_with_mma_cp_async_and_no_local_memory(cuda):
-    from w12.configs import StreamConfig
-
-    for cfg, nt, q8, arch in [(StreamConfig(8, 4, 2), 1, False, (9, 0)), (StreamConfig(4, 6, 3, fixed=False), 4, True, (8, 0))]:
-        ptx = cuda.build(cfg, nt, q8, arch, out="ptx").read_text()
-        assert "mma.sync.aligned.m16n8k16.row.col.f32.bf16.bf16.f32" in ptx
-        assert "cp.async.cg.shared.global" in ptx and "cp.async.wait_group" in ptx
-        assert ".local" not in ptx, f"{cfg} nt={nt}: a register array went to local memory"
-        assert f".target sm_{arch[0]}{arch[1]}\n" in ptx
-        assert ("redux.sync" in ptx) == cfg.fixed  # the x exponent range of the fixed build
-
-
-@pytest.mark.parametrize("rows,kc,ctas", [(1, 1, 1), (3, 80, 264), (40, 96, 264), (129, 80, 264), (7, 5, 30),
-                                          (1940, 80, 264), (5, 96, 7)])
-def test_stream_k_bookkeeping(rows, kc, ctas):
-    """The kernel's unit split and fix-up (`stream_k.run_stream_k`, the shared sk_* helpers of w12_common.cuh) on
-    the stream kernel's grids: every row group's total equals the sum of its units and is finished once."""
-    rng = np.random.default_rng(rows * 1000 + kc)
-    unit = rng.standard_normal(rows * kc)  # each unit's contribution to its row group
-    got = np.full(rows, np.nan)
-
-    def finish(rg, total):
-        assert np.isnan(got[rg]), f"row group {rg} finished twice"
-        got[rg] = total
-
-    run_stream_k(rows, kc, min(ctas, rows * kc), lambda rg, c0, n: unit[rg * kc + c0:rg * kc + c0 + n].sum(), finish,
-                 seed=rows)
-    np.testing.assert_allclose(got, unit.reshape(rows, kc).sum(1), rtol=1e-12, atol=1e-12)
