@@ -16,6 +16,8 @@ Nothing here syncs the host or allocates by data, so every call is CUDA-graph ca
 
 from __future__ import annotations
 
+import contextlib
+
 import dataclasses
 import os
 from typing import Optional
@@ -412,7 +414,8 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
       halves' fp32 sums added, one rounding to fp16 (`fp16_by_bf16_pair`): the error of a same-precision F.linear.
     - Any other call (more rows, fp16 x above 48 rows, a GPU without the CUDA kernels): the weight decoded for the call
       (`untile` + `unpack`, or `decode_q8`) and `F.linear` in x's dtype (for fp16 x in fp32 over slices of
-      `FP32_SLICE_ROWS` weight rows, then rounded once: a bf16 weight does not fit fp16), the error of a
+      `FP32_SLICE_ROWS` weight rows, with TF32 off whatever the caller set, then rounded once: a bf16 weight does
+      not fit fp16), the error of a
       same-precision F.linear; on CPU tensors in fp32, then rounded to x's dtype (as `w12.matmul`'s torch path).
 
     Same results as `w12.matmul` on the planes up to the order of the fp32 sums; `out` as there.
@@ -483,10 +486,11 @@ def _matmul_tiled_eager(x2d, tiled: TiledW12, bias, *, q8: bool, out2d: torch.Te
                 # row slices of the weight so that its fp32 copy stays small
                 w = decode_tiled(tiled, q8=q8)
                 xf, bf = x2d.float(), None if bias is None else bias.float()
-                for n0 in range(0, N, FP32_SLICE_ROWS):
-                    n1 = min(N, n0 + FP32_SLICE_ROWS)
-                    out2d[:, n0:n1] = torch.nn.functional.linear(xf, w[n0:n1].float(),
-                                                                 None if bf is None else bf[n0:n1])
+                with _ieee_fp32():
+                    for n0 in range(0, N, FP32_SLICE_ROWS):
+                        n1 = min(N, n0 + FP32_SLICE_ROWS)
+                        out2d[:, n0:n1] = torch.nn.functional.linear(xf, w[n0:n1].float(),
+                                                                     None if bf is None else bf[n0:n1])
             elif x2d.device.type == "cuda":
                 w = decode_tiled(tiled, q8=q8).to(x2d.dtype)
                 torch.nn.functional.linear(x2d, w, None if bias is None else bias.to(x2d.dtype), out=out2d)
@@ -497,6 +501,19 @@ def _matmul_tiled_eager(x2d, tiled: TiledW12, bias, *, q8: bool, out2d: torch.Te
 
 
 FP32_SLICE_ROWS = 8192  # weight rows per fp32 F.linear of the decode path for fp16 x (168 MB at K = 5120)
+
+
+@contextlib.contextmanager
+def _ieee_fp32():
+    """fp32 matmuls in full fp32 inside the block whatever the caller set (`allow_tf32` would round the operands to
+    10-bit mantissas), restored after it."""
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_tf32
+    flags.allow_tf32 = False
+    try:
+        yield
+    finally:
+        flags.allow_tf32 = before
 _PAIR_BLOCK = 1024  # columns a program of the fp16 split and sum kernels takes
 
 

@@ -112,3 +112,23 @@ def test_fp32_output_build_rounds_to_the_bf16_build_bitwise(tag, M, q8):
         via_api = (w12.matmul_q8 if q8 else w12.matmul)(x, t, bias)
     torch.cuda.synchronize()
     assert torch.equal(bits_of(via_api)[~nan], bits_of(o16)[~nan])
+
+
+def test_fp16_decode_path_ignores_the_tf32_flag():
+    """Above 48 rows fp16 x takes the decode path's fp32 products; a caller's allow_tf32 = True must not round their
+    operands to TF32 (the same bits as with it off), and the flag is the caller's again after the call."""
+    w = escaped_weight(1030, 1000, seed=5)
+    t = w12.pack(w, layout="runtime")
+    x = _x16(64, 1000, seed=6, hostile=False)
+    flags = torch.backends.cuda.matmul
+    before = flags.allow_tf32
+    try:
+        flags.allow_tf32 = False
+        want = w12.matmul(x, t)
+        flags.allow_tf32 = True
+        got = w12.matmul(x, t)
+        assert flags.allow_tf32 is True
+    finally:
+        flags.allow_tf32 = before
+    torch.cuda.synchronize()
+    assert torch.equal(bits_of(got), bits_of(want))
