@@ -61,7 +61,7 @@ M runs to 64: above 32 rows the shipped path is `w12.matmul_tiled`'s, one launch
 candidate is a warpgroup config, built at 5-8 token tiles (`w12.flow.WG_MAX_M`) so that it takes the rows in one
 launch.
 
-Per cell: the weight `randn * 0.02` in bf16, packed and tiled (2 copies above 10^9 weights, 3 below, rotated), x
+Per cell: the weight `randn * 0.02` in bf16, packed and tiled (`weight_copies` of it, rotated), x
 `randn`; the shipped config against cuBLAS, then each candidate against the shipped config, each pair interleaved
 (`specpilot.bench.timing.time_ab`: CUDA graphs of the same calls, one replay a sample, A first in even rounds;
 `--rounds`, default 20), medians. Each candidate's output is first checked against the fp32 product (its largest error
@@ -77,7 +77,7 @@ up to 32 rows, its 32-row pieces up to `w12.ops.CHUNK_MAX_M`, fp16 x through the
 halves up to 48 rows, the weight decoded above), cuBLAS on the BF16 weight beside them, for every linear of hybrid-27b
 and the LM head at `--forms-m` bf16 and `--forms-fp16-m` fp16 rows. Each form's product is checked against fp64
 first (`specpilot.testing.assert_close`, against F.linear's error in the same dtype); then the three are timed over
-rotated weight copies (`time_fns`, medians of CUDA-graph replays). File: $OUT/w12-forms.json.
+rotated weight copies (`weight_copies`; `time_fns`, medians of CUDA-graph replays). File: $OUT/w12-forms.json.
 
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
@@ -676,6 +676,15 @@ def build_only(args) -> int:
     return 1 if bad else 0
 
 
+def weight_copies(n: int, k: int) -> int:
+    """How many copies of an n x k weight --forms and --ab rotate through when they time a layer: 3, or 2 above 10^9
+    weights. Between two calls on one copy the other copies are read: for hybrid-27b's smallest linears (5120 x 6144)
+    63M weights, 120 MiB in BF16 and 90 MiB in the runtime layout (12 bits a weight), well above L2, so no call finds
+    its weight there; above 10^9 weights (the LM head, 2.4 GiB in BF16) one other copy is far beyond L2 already, and a
+    third would only take memory."""
+    return 2 if n * k > 10**9 else 3
+
+
 # --------------------------------------------------------------------------------------
 # --ab: candidates beside the shipped config, pairs interleaved (module doc)
 # --------------------------------------------------------------------------------------
@@ -819,7 +828,7 @@ def ab_run(cells, rounds: int, device=None) -> dict:
             held.clear()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            copies, ts, w0 = (2 if n * k > 10**9 else 3), [], None
+            copies, ts, w0 = weight_copies(n, k), [], None
             for i in range(copies):
                 w = (torch.randn(n, k, device=dev, generator=torch.Generator(dev).manual_seed(i)) * 0.02)
                 w = w.to(torch.bfloat16)
@@ -973,10 +982,9 @@ def forms_main(args) -> int:
     rows, t0 = [], time.perf_counter()
     torch.manual_seed(0)
     for layer, (N, K) in layers.items():
-        n = max(1, min(3, -(-(100 << 20) // (2 * N * K))))  # copies: at least 100 MB of BF16 weight, so L2 misses
         w0 = (torch.randn(N, K, device="cuda") * 0.02).to(torch.bfloat16)
         copies = []
-        for i in range(n):
+        for i in range(weight_copies(N, K)):
             w = w0 if i == 0 else w0.clone()
             p = w12.pack(w, layout="planes")
             copies.append((w, p, w12.layout.tile(p)))

@@ -237,6 +237,13 @@ def test_trace_variants(ladder):
             ladder.parse_variant(bad)
 
 
+def test_weight_copies(ladder):
+    """The rotated copies --forms and --ab time over: 3, or 2 above 10^9 weights (the LM head)."""
+    assert ladder.weight_copies(5120, 6144) == ladder.weight_copies(34816, 5120) == 3
+    assert ladder.weight_copies(10**5, 10**4) == 3 and ladder.weight_copies(10**5 + 1, 10**4) == 2
+    assert ladder.weight_copies(*ladder.ab_layer_shape("lm_head")) == 2
+
+
 def test_ab_cells_are_checked(ladder):
     cells = ladder.ab_parse_cells('[["o_proj", 32, [["a", "", {"W12F_WG_BAR": 0}], ["b", "w4-k2-s3-c4-q3-x1", {}]]]]')
     assert cells == [("o_proj", 32, [("a", "", {"W12F_WG_BAR": 0}), ("b", "w4-k2-s3-c4-q3-x1", {})])]
@@ -309,9 +316,13 @@ def test_ab_run_end_to_end_with_torch_stand_ins(ladder, monkeypatch):
         out.copy_(y.to(out.dtype))
 
     monkeypatch.setattr(flow, "launch_tiled", launch)
+    asked = []
+    rule = ladder.weight_copies
+    monkeypatch.setattr(ladder, "weight_copies", lambda n, k: asked.append((n, k)) or rule(n, k))
     cells = ladder.ab_parse_cells('[["o_proj", 3, [["same", "", {}], ["other", "w4-k1-s3-c4", {}], '
                                   '["nosync", "", {"W12F_WG_BAR": 0}]]]]')
     report = ladder.ab_run(cells, rounds=2, device="cpu")
+    assert asked == [(48, 128)]  # the copies' rule, the one --forms uses
     (row,) = report["cells"]
     assert row["layer"] == "o_proj" and row["M"] == 3 and row["ship_us"] > 0 and row["cublas_us"] > 0
     same, other, nosync = (row["cands"][k] for k in ("same", "other", "nosync"))

@@ -1,5 +1,5 @@
-"""The check of an fp16 product against the fp64 reference, shared by the CPU and GPU tests of the runtime layout's
-fp16-x path (`w12.ops.fp16_by_bf16_pair`).
+"""The fp16 x and the check of an fp16 product against the fp64 reference, shared by the CPU and GPU tests of the
+runtime layout's fp16-x path (`w12.ops.fp16_by_bf16_pair`).
 
 The path sums in fp32 and rounds once to fp16. Where the fp64 sum of |x w| over the finite x and w stays below 2^120 (no fp32 intermediate
 can overflow, whatever the order), the result must be the reference rounded to fp16 within one fp16 step (half a
@@ -11,6 +11,30 @@ reference is NaN."""
 from __future__ import annotations
 
 import torch
+
+# the fp16 values a hostile x salts into its odd rows: zeros of both signs, infinities, NaN, the largest finite
+# values, the smallest subnormals, the largest subnormal (6.1e-5 rounds to 1023 * 2^-24), and two values just above
+# 1 whose low bits fall into x's lo half (`w12.ops.split_fp16`)
+HOSTILE_FP16 = (0.0, -0.0, float("inf"), float("-inf"), float("nan"), 65504.0, -65504.0, 2.0**-24, -(2.0**-24), 6.1e-5,
+                1.0 + 2.0**-10, 1.0 + 3 * 2.0**-10)
+# the column where the tests' hostile weights put their one +Inf (row 0): a hostile x's even rows hold 2.0 there
+INF_COL = 3
+
+
+def fp16_x(M: int, K: int, seed: int, device: str | torch.device, hostile: bool = True) -> torch.Tensor:
+    """fp16 activations [M, K] on `device`: standard normal times 2, from one generator on `device` seeded with `seed`.
+    With `hostile`, the same generator then salts every odd row with HOSTILE_FP16 at max(1, K // 12) random columns,
+    and every even row holds 2.0 at INF_COL: an fp16 whose lo half is 0, where the weight's +Inf sits, so that lo's
+    0 * Inf must not count."""
+    g = torch.Generator(device=device).manual_seed(seed)
+    x = (torch.randn(M, K, generator=g, device=device) * 2.0).to(torch.float16)
+    if hostile:
+        special = torch.tensor(HOSTILE_FP16, dtype=torch.float16, device=device)
+        for r in range(1, M, 2):
+            cols = torch.randperm(K, generator=g, device=device)[: max(1, K // 12)]
+            x[r, cols] = special[torch.randint(0, len(special), (cols.numel(),), generator=g, device=device)]
+        x[::2, INF_COL] = 2.0
+    return x
 
 
 def assert_fp16_product(out: torch.Tensor, ref64: torch.Tensor, x: torch.Tensor, w: torch.Tensor) -> None:

@@ -13,7 +13,7 @@ from w12 import layout
 from w12.ops import fp16_by_bf16_pair, split_fp16
 
 from flow_emu import emulate, hostile_weight
-from fp16_check import assert_fp16_product
+from fp16_check import INF_COL, assert_fp16_product, fp16_x
 
 
 def _every_fp16() -> torch.Tensor:
@@ -37,17 +37,6 @@ def test_split_fp16_is_exact_on_every_fp16_value():
     # lo is never more than half a bf16 step of x: 3 significant bits at most
     nz = fin & (lo.float() != 0)
     assert (lo.double()[nz].abs() <= hi.double()[nz].abs() * 2.0**-8).all()
-
-
-def _hostile_x16(M: int, K: int, seed: int) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    x = (torch.randn(M, K, generator=g) * 2.0).to(torch.float16)
-    special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 65504.0, -65504.0, 2.0**-24,
-                            -(2.0**-24), 6.1e-5, 1.0 + 2.0**-10, 1.0 + 3 * 2.0**-10], dtype=torch.float16)
-    for r in range(1, M, 2):
-        cols = torch.randperm(K, generator=g)[: max(1, K // 12)]
-        x[r, cols] = special[torch.randint(0, len(special), (cols.numel(),), generator=g)]
-    return x
 
 
 def _assert_same_bits_nan_aware(got: torch.Tensor, want: torch.Tensor) -> None:
@@ -92,11 +81,10 @@ def test_pair_sum_kernel_is_the_torch_sum_bitwise(bias):
 @pytest.mark.parametrize("M,N,K", [(1, 37, 150), (5, 37, 150), (16, 40, 130), (3, 64, 64)])
 def test_fp16_pair_from_the_emulated_fp32_build_matches_the_reference(M, N, K, q8, bias, kernels):
     w = hostile_weight(N, K, seed=M + N + K)
-    w[0, 3] = float("inf")  # row 0 Gaussian but for one +Inf: its sums are +-Inf, where lo's 0 * Inf must not count
+    w[0, INF_COL] = float("inf")  # row 0 Gaussian but for one +Inf: sums of +-Inf, where lo's 0 * Inf must not count
     p = w12.pack(w, layout="planes")
     t = layout.tile(p)
-    x = _hostile_x16(M, K, seed=M)
-    x[::2, 3] = 2.0  # lo = 0 there
+    x = fp16_x(M, K, seed=M, device="cpu")  # hostile: x's lo = 0 at INF_COL in even rows
     b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.float16) if bias else None
 
     def product32(xb: torch.Tensor) -> torch.Tensor:

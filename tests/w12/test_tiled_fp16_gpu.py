@@ -18,7 +18,7 @@ from w12 import flow, layout
 from w12.configs import FlowConfig
 
 from flow_emu import escaped_weight, gaussian_x, hostile_weight
-from fp16_check import assert_fp16_product
+from fp16_check import INF_COL, assert_fp16_product, fp16_x
 
 pytestmark = pytest.mark.gpu
 
@@ -27,21 +27,8 @@ def _weights(N, K, kind, seed):
     if kind == "gauss":
         return escaped_weight(N, K, seed=seed)
     w = hostile_weight(N, K, seed=seed)
-    w[0, 3] = float("inf")  # a Gaussian row but for one +Inf
+    w[0, INF_COL] = float("inf")  # a Gaussian row but for one +Inf, where fp16_x's hostile x has lo = 0
     return w.cuda()
-
-
-def _x16(M, K, seed, hostile):
-    x = gaussian_x(M, K, seed=seed, dtype=torch.float32) * 2.0
-    if hostile:
-        special = torch.tensor([0.0, -0.0, float("inf"), float("-inf"), float("nan"), 65504.0, -65504.0, 2.0**-24,
-                                6.1e-5, 1.0 + 2.0**-10], device="cuda")
-        g = torch.Generator(device="cuda").manual_seed(seed)
-        for r in range(1, M, 2):
-            cols = torch.randperm(K, generator=g, device="cuda")[: max(1, K // 12)]
-            x[r, cols] = special[torch.randint(0, len(special), (cols.numel(),), generator=g, device="cuda")]
-        x[::2, 3] = 2.0  # lo = 0 where row 0's +Inf weight sits
-    return x.to(torch.float16)
 
 
 @pytest.mark.parametrize("q8", [False, True], ids=["exact", "q8"])
@@ -52,7 +39,7 @@ def test_fp16_x_on_the_runtime_layout(N, K, kind, M, q8):
     w = _weights(N, K, kind, seed=N + M)
     p = w12.pack(w, layout="planes")
     t = layout.tile(p)
-    x = _x16(M, K, seed=M, hostile=kind == "hostile")
+    x = fp16_x(M, K, seed=M, device="cuda", hostile=kind == "hostile")
     bias = (gaussian_x(1, N, seed=N, dtype=torch.float32)[0] * 0.1).to(torch.float16)
     op = w12.matmul_q8 if q8 else w12.matmul
     got = op(x, t, bias)
@@ -70,7 +57,7 @@ def test_fp16_x_on_the_runtime_layout(N, K, kind, M, q8):
 def test_fp16_x_on_the_runtime_layout_under_a_cuda_graph():
     w = escaped_weight(1030, 1000, seed=3)
     t = w12.pack(w, layout="runtime")
-    x = _x16(12, 1000, seed=4, hostile=False)
+    x = fp16_x(12, 1000, seed=4, device="cuda", hostile=False)
     want = w12.matmul(x, t)
     out = torch.empty_like(want)
     graph = capture_graph(lambda: w12.matmul(x, t, out=out))
@@ -119,7 +106,7 @@ def test_fp16_decode_path_ignores_the_tf32_flag():
     operands to TF32 (the same bits as with it off), and the flag is the caller's again after the call."""
     w = escaped_weight(1030, 1000, seed=5)
     t = w12.pack(w, layout="runtime")
-    x = _x16(64, 1000, seed=6, hostile=False)
+    x = fp16_x(64, 1000, seed=6, device="cuda", hostile=False)
     flags = torch.backends.cuda.matmul
     before = flags.allow_tf32
     try:
