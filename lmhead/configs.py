@@ -19,6 +19,10 @@ class HeadConfig:
     exact_bk: int = 128  # columns per step of the exact dot (fixes the order of every exact logit)
     exact_warps: int = 4
     max_rows: int = 32  # hidden rows per screen launch (more: several launches)
+    # calls of at most this many hidden rows read them in two int8 parts (the first part's rounding quantised
+    # again), which shrinks the hidden states' term of the bound about 250-fold: free in the dot while 2 M rows
+    # fit its 16-row tile (docs/lmhead.md, "Hidden states in two parts")
+    split_rows: int = 8
 
 
 def _heuristic(interpret: bool) -> HeadConfig:

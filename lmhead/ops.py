@@ -187,11 +187,13 @@ def _decode_rows(packed, r0: int, r1: int) -> torch.Tensor:
 # --------------------------------------------------------------------------------------------
 
 
-def _prep(h: torch.Tensor, group: int, int8: bool) -> dict:
+def _prep(h: torch.Tensor, group: int, int8: bool, split: bool = False) -> dict:
     """Per hidden row, in fp64 then rounded up to fp32 (sums of at most 2^16 terms, 2^-53 relative error
     each): a [M, G] = ||h_g||_1, hn [M] = ||h||_2, bad [M] (not finite: the full exact path). INT8 adds
     the quantised hidden states hq (int8 [M, H]), their scales sh [M, G] (fp32), errors eh [M, G] =
-    max |h - sh hq| and hqn [M] = ||sh hq||_2."""
+    max |h - sh hq| and hqn [M] = ||sh hq||_2. split: two parts, hq and sh [2 M, ...], rows M.. the first part's
+    rounding h - sh hq quantised the same way; eh, dh the rounding left after both, hqn the sum of the parts'
+    norms."""
     hd = h.double()
     fin = torch.isfinite(hd)
     bad = (~fin.all(-1)).to(torch.int32)
@@ -200,17 +202,23 @@ def _prep(h: torch.Tensor, group: int, int8: bool) -> dict:
     p = {"a": _round_up_f32(_groups(hd.abs(), group).sum(-1) * up).contiguous(),
          "hn": _round_up_f32(hd.norm(dim=-1) * up), "bad": bad}
     if int8:
-        q, sh = _quantize(hd, group, torch.float32)
-        approx = (_groups(q, group) * sh.double()[..., None]).view(h.shape[0], -1)[:, :h.shape[1]]
-        p["hq"] = q.to(torch.int8).contiguous()
-        p["sh"] = sh.contiguous()
-        p["eh"] = _round_up_f32(_groups(hd - approx, group).abs().amax(-1)).contiguous()
-        p["dh"] = _round_up_f32((hd - approx).norm(dim=-1) * up)
-        p["hqn"] = _round_up_f32(approx.norm(dim=-1) * up)
+        qs, shs, norm, rest = [], [], 0, hd
+        for _ in range(2 if split else 1):  # each part quantises what the parts before it left (exact in fp64)
+            q, sh = _quantize(rest, group, torch.float32)
+            approx = (_groups(q, group) * sh.double()[..., None]).view(h.shape[0], -1)[:, :h.shape[1]]
+            qs.append(q)
+            shs.append(sh)
+            norm = norm + approx.norm(dim=-1)
+            rest = rest - approx
+        p["hq"] = torch.cat(qs).to(torch.int8).contiguous()
+        p["sh"] = torch.cat(shs).contiguous()
+        p["eh"] = _round_up_f32(_groups(rest, group).abs().amax(-1)).contiguous()
+        p["dh"] = _round_up_f32(rest.norm(dim=-1) * up)
+        p["hqn"] = _round_up_f32(norm * up)
     return p
 
 
-def _prep_triton(h: torch.Tensor, group: int, int8: bool) -> dict:
+def _prep_triton(h: torch.Tensor, group: int, int8: bool, split: bool = False) -> dict:
     """`_prep` in one launch (lmhead_prep_kernel), bounded the same way; also the call's per-row state:
     best (-inf), count (0) and key (the least key)."""
     M, H = h.shape
@@ -221,13 +229,14 @@ def _prep_triton(h: torch.Tensor, group: int, int8: bool) -> dict:
          "best": torch.empty(M, **f32), "count": torch.empty(M, dtype=torch.int32, device=dev),
          "key": torch.empty(M, dtype=torch.int64, device=dev)}
     if int8:
-        p.update(hq=torch.empty(M, H, dtype=torch.int8, device=dev), sh=torch.empty(M, G, **f32),
+        parts = 2 if split else 1
+        p.update(hq=torch.empty(parts * M, H, dtype=torch.int8, device=dev), sh=torch.empty(parts * M, G, **f32),
                  eh=torch.empty(M, G, **f32), dh=torch.empty(M, **f32), hqn=torch.empty(M, **f32))
     a = p["a"]
     lmhead_prep_kernel[(M,)](h, a, p["hn"], p["bad"], p.get("hq", a), p.get("sh", a), p.get("eh", a), p.get("dh", a),
                              p.get("hqn", a),
-                             p["best"], p["count"], p["key"], H, G, h.stride(0), 1 + (H + 8) * 2.0**-23,
-                             GP=triton.next_power_of_2(G), GROUP=group, INT8=int8, num_warps=4)
+                             p["best"], p["count"], p["key"], M, H, G, h.stride(0), 1 + (H + 8) * 2.0**-23,
+                             GP=triton.next_power_of_2(G), GROUP=group, INT8=int8, SPLIT=int8 and split, num_warps=4)
     return p
 
 
@@ -259,10 +268,18 @@ def _weight_args(hd: "CertifiedHead"):
     return (w, w, w, w, w, w, w.stride(0), 0, False)
 
 
+def _split(hd: "CertifiedHead", M: int) -> bool:
+    """Whether a call with M hidden rows reads them in two int8 parts (quantised screens, one launch of at most
+    `split_rows` rows: 2 M rows still fit the 16-row tile of the screen's dot)."""
+    cfg = hd.cfg if hd.cfg is not None else HeadConfig()
+    return hd.screen in QUANTISED and M <= min(cfg.split_rows, cfg.max_rows)
+
+
 def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best, skip=None):
     cfg, t = hd.cfg, hd.tables
     M = h.shape[0]
     quant = hd.screen in QUANTISED
+    split = _split(hd, M)
     if quant:
         w, sc, n1, hq, sh, eh, dh, hqn = (t["q"] if hd.screen == "int8" else t["q4"], t["scale"], t["n1"], p["hq"],
                                           p["sh"], p["eh"], p["dh"], p["hqn"])
@@ -271,13 +288,15 @@ def _launch_screen(hd: "CertifiedHead", h, p, lo, up, best, skip=None):
     G = t["err"].shape[1]
     for m0 in range(0, M, cfg.max_rows):
         m1 = min(M, m0 + cfg.max_rows)
-        mp = max(16, triton.next_power_of_2(m1 - m0))
+        mp = max(16, triton.next_power_of_2((2 if split else 1) * (m1 - m0)))
+        rows = slice(None) if split else slice(m0, m1)  # split: one launch, both parts' rows
         lmhead_screen_kernel[(triton.cdiv(hd.V, cfg.screen_bv),)](
-            h[m0:m1], hq[m0:m1], w, sc, t["err"], n1, t["rq"], t["rw"], t["dw"], p["a"][m0:m1], sh[m0:m1], eh[m0:m1],
+            h[m0:m1], hq[rows], w, sc, t["err"], n1, t["rq"], t["rw"], t["dw"], p["a"][m0:m1], sh[rows], eh[m0:m1],
             dh[m0:m1], hqn[m0:m1], p["hn"][m0:m1], p["bad"][m0:m1], None if lo is None else lo[m0:m1], up[m0:m1],
             best[m0:m1], skip, m1 - m0, hd.V, hd.H, G,
             h.stride(0), w.stride(0), G, hd.gamma_q, hd.gamma, hd.eta, MP=mp, BV=cfg.screen_bv, GROUP=hd.group,
-            W12=not quant, INT4=hd.screen == "int4", num_warps=cfg.screen_warps, num_stages=cfg.screen_stages)
+            W12=not quant, INT4=hd.screen == "int4", SPLIT=split, num_warps=cfg.screen_warps,
+            num_stages=cfg.screen_stages)
 
 
 def _packed_decode(device: torch.device) -> tuple[str | None, str | None]:
@@ -341,7 +360,7 @@ def _survivors(hd: "CertifiedHead", h, thr_from_lo, skip=None):
     """Prep, screen, threshold, select. Returns (p, lo, surv): p holds count, bad, key for the exact passes.
     skip: the policy state; where its flag is set the screen and the selection return at once (counts 0)."""
     M, dev = h.shape[0], h.device
-    p = _prep_triton(h, hd.group, hd.screen in QUANTISED)
+    p = _prep_triton(h, hd.group, hd.screen in QUANTISED, _split(hd, M))
     lo = torch.empty(M, hd.V, dtype=torch.float32, device=dev) if thr_from_lo is not None else None
     up = torch.empty(M, hd.V, dtype=torch.float32, device=dev)
     _launch_screen(hd, h, p, lo, up, p["best"], skip)
@@ -411,7 +430,8 @@ def _topk_triton(hd: "CertifiedHead", h, k: int, stats):
 
 
 def _screen_torch(hd: "CertifiedHead", h):
-    p = _prep(h, hd.group, hd.screen in QUANTISED)
+    M = h.shape[0]
+    p = _prep(h, hd.group, hd.screen in QUANTISED, _split(hd, M))
     t = hd.tables
     if hd.screen == "w12":
         s = h.float() @ _w12_view_rows(hd.packed, 0, hd.V).float().T
@@ -420,9 +440,11 @@ def _screen_torch(hd: "CertifiedHead", h):
     else:
         G = t["scale"].shape[1]
         q = t["q"] if hd.screen == "int8" else _unpack4(t["q4"], hd.group, hd.H)
-        wq = (_groups(q.float(), hd.group) * t["scale"].float()[..., None]).view(hd.V, G * hd.group)[:, :hd.H]
-        hq = (_groups(p["hq"].float(), hd.group) * p["sh"][..., None]).view(h.shape[0], G * hd.group)[:, :hd.H]
-        s = hq @ wq.T
+        # in fp64 (codes times scales exact, H-term sums within H 2^-53), one rounding to fp32 (covered by the
+        # outward widening below): the kernels' order of roundings is theirs, this path's is this one
+        wq = (_groups(q.double(), hd.group) * t["scale"].double()[..., None]).view(hd.V, G * hd.group)[:, :hd.H]
+        hq = (_groups(p["hq"].double(), hd.group) * p["sh"].double()[..., None]).view(-1, G * hd.group)[:, :hd.H]
+        s = (hq[:M] @ wq.T + (hq[M:] @ wq.T if hq.shape[0] > M else 0)).float()  # both parts' screens
         e = (torch.minimum(p["a"] @ t["err"].float().T, p["hn"][:, None] * t["dw"][None, :])
              + torch.minimum(p["eh"] @ t["n1"].float().T, p["dh"][:, None] * t["rq"][None, :]))
         r = e + hd.gamma_q * p["hqn"][:, None] * t["rq"][None, :] + hd.gamma * p["hn"][:, None] * t["rw"][None, :]
@@ -545,11 +567,14 @@ class CertifiedHead:
         self.group = group
         G = -(-self.H // group)
         # fp32 rounding: of the exact dot (H terms; and the W12 screen's own dot), and of the INT8 screen's
-        # sum over groups (a product of two scales and the exact integer dot per group: 3 roundings each)
+        # sum over groups (a product of two scales and the exact integer dot per group: 3 roundings each; with
+        # the hidden states in two parts, one more addition joins the parts' sums: at most G + 3 roundings a term)
         self.gamma = gamma(self.H + 2)
         self.gamma_q = gamma(3 * G + 2)
-        # products and sums that fall below fp32's normal range lose up to 2^-149 each, absolutely
-        self.eta = max((3 * self.H + 3 * G + 8) * 2.0**-149, 2.0**-126)
+        # products and sums that fall below fp32's normal range lose up to 2^-149 each, absolutely (the screen's
+        # 3 per group counted for two hidden parts); a product of two scales that does loses up to 2^-150, which
+        # the group's integer dot (|D| <= 127^2 group < 2^14 group) multiplies, in each part's terms
+        self.eta = max((3 * self.H + 6 * G + 9) * 2.0**-149 + 2 * G * group * 2.0**-136, 2.0**-126)
         if G > 512:
             raise ValueError(f"{fn}: H={self.H} has {G} groups of {group}; the bound's fp32 sums are covered for up "
                              f"to 512 groups (H <= {512 * group}): pass a larger group")

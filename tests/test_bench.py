@@ -400,3 +400,39 @@ def test_group_is_warmed_before_its_first_timing(monkeypatch):
     monkeypatch.setattr(runner, "GROUP_WARM_S", 0.05)
     events.clear()
     assert runner._warm_group([prep("a")], torch.device("cuda")) >= 2 and len(events) >= 2
+
+
+def test_screen_widths_on_the_tiny_head(tmp_path):
+    """specpilot.bench.screens on the tiny head: every interval holds its fp64 logit (checked inside), the radius
+    grows as the codes narrow and shrinks with the hidden states' second part, the counts lie in 1..V; the JSON
+    holds every (regime, width, parts) once."""
+    from specpilot.bench import screens
+    from specpilot.bench.cases import lmhead as cases
+
+    path = tmp_path / "s.json"
+    assert screens.main(["--shapes", "tiny", "--rows", "3", "--bits", "4", "6", "8", "--json", str(path)]) == 0
+    out = json.loads(path.read_text())
+    rows = {(r["regime"], r["bits"], r["hidden_parts"]): r for r in out["screens"]}
+    assert len(rows) == len(out["screens"]) == len(cases.REGIMES) * 3 * 2
+    for regime in cases.REGIMES:
+        radius = [rows[(regime, b, 1)]["radius_over_sigma"] for b in (4, 6, 8)]
+        assert radius[0] > radius[1] > radius[2], (regime, radius)
+        for b in (4, 6, 8):
+            one, two = rows[(regime, b, 1)], rows[(regime, b, 2)]
+            assert two["radius_over_sigma"] < one["radius_over_sigma"], (regime, b)
+            assert all(1 <= n <= out["V"] for n in one["survivors"] + two["survivors"])
+    assert rows[("peaked", 8, 2)]["survivors"] == [1, 1, 1]
+
+
+def test_screen_widths_catch_a_bound_that_misses(monkeypatch):
+    """The interval check is live: with the per-group maxima read as 0 (both Hölder halves of the radius gone) the
+    intervals shrink to the screen's values, which miss the fp64 logits, and it raises."""
+    from specpilot.bench import screens
+
+    w = (torch.randn(64, 256, generator=torch.Generator().manual_seed(0)) * 0.05).to(torch.bfloat16)
+    h = torch.randn(2, 256, generator=torch.Generator().manual_seed(1)).to(torch.bfloat16)
+    screens.screen_survivors(w, h, 8, 2)
+    real = screens._per_group
+    monkeypatch.setattr(screens, "_per_group", lambda x, g, how: real(x, g, how) * (0 if how == "max" else 1))
+    with pytest.raises(AssertionError, match="misses its fp64 logit"):
+        screens.screen_survivors(w, h, 8, 2)

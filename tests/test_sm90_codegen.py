@@ -111,6 +111,27 @@ def _lmhead_exact_w12_ptx(full: bool) -> str:
     return _ptx(lmhead_exact_kernel, types, ce, 4, 1)
 
 
+def _lmhead_screen_ptx(int4: bool, split: bool) -> str:
+    """lmhead's INT8 / INT4 screen at 8 hidden rows in the default config, with the hidden states in one part or two
+    (split: the 16-row tile's halves added after the loop, a reshape of the accumulator)."""
+    from lmhead.kernels.screen import lmhead_screen_kernel
+
+    types = {n: "*fp32" for n in ("sh_ptr", "a_ptr", "eh_ptr", "dh_ptr", "hqn_ptr", "hn_ptr", "lo_ptr", "up_ptr",
+                                  "best_ptr", "rq_ptr", "rw_ptr", "dw_ptr")}
+    types.update(h_ptr="*bf16", hq_ptr="*i8", w_ptr="*u8" if int4 else "*i8", sc_ptr="*bf16", err_ptr="*bf16",
+                 n1_ptr="*bf16", bad_ptr="*i32", skip_ptr="*i32", gamma_q="fp32", gamma_w="fp32", eta="fp32")
+    ce = dict(MP=16, BV=64, GROUP=128, W12=False, INT4=int4, SPLIT=split)
+    return _ptx(lmhead_screen_kernel, types, ce, 4, 3)
+
+
+def _lmhead_prep_ptx(split: bool) -> str:
+    from lmhead.kernels.screen import lmhead_prep_kernel
+
+    types = {n: "*fp32" for n in ("a_ptr", "hn_ptr", "sh_ptr", "eh_ptr", "dh_ptr", "hqn_ptr", "best_ptr")}
+    types.update(h_ptr="*bf16", bad_ptr="*i32", hq_ptr="*i8", count_ptr="*i32", key_ptr="*i64", row_up="fp32")
+    return _ptx(lmhead_prep_kernel, types, dict(GP=64, GROUP=128, INT8=True, SPLIT=split), 4, 1)
+
+
 def _pdl_kernels() -> dict:
     """The engine's glue kernels and gdn's tree conv, built with PDL=True as a GPU launches them (launch_pdl)."""
     from gdn.kernels.conv import gdn_tree_conv_kernel
@@ -164,6 +185,11 @@ def _worker() -> None:
             out[f"untile-{q8}-{groups}"] = _features(_untile_ptx(q8, groups))
     for full in (False, True):
         out[f"lmhead-exact-w12-{full}"] = _features(_lmhead_exact_w12_ptx(full))
+    for int4 in (False, True):
+        for split in (False, True):
+            out[f"lmhead-screen-{int4}-{split}"] = _features(_lmhead_screen_ptx(int4, split))
+    for split in (False, True):
+        out[f"lmhead-prep-{split}"] = _features(_lmhead_prep_ptx(split))
     for name, (kernel, types, ce) in _pdl_kernels().items():
         for pdl in ((0, 1, 2) if name != "tree_conv" else (False, True)):
             out[f"pdl-{name}-{int(pdl)}"] = _pdl_order(_ptx(kernel, types, dict(ce, PDL=pdl), 4, 1))
@@ -221,6 +247,18 @@ def test_lmhead_exact_kernel_takes_the_packed_w12_decode(full):
     cores, in both passes (the survivors' and the full one share _exact_tile, so their logits agree bit for bit)."""
     f = _results()[f"lmhead-exact-w12-{full}"]
     assert f["pk_zero_asm"] and f["mma_sync"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("int4", [False, True], ids=["int8", "int4"])
+@pytest.mark.parametrize("split", [False, True], ids=["one-part", "two-parts"])
+def test_lmhead_screen_compiles_for_sm90(int4, split):
+    """The quantised screens lower for sm_90 with the hidden states in one part or two (the accumulator's halves
+    added through a reshape after the loop: the interpreter does not check that it lowers), the group's dot on the
+    tensor cores, and the prep kernel that quantises both parts."""
+    f = _results()[f"lmhead-screen-{int4}-{split}"]
+    assert f["wgmma"] or f["mma_sync"], f["head"]
+    assert _results()[f"lmhead-prep-{split}"]["head"]
 
 
 @pytest.mark.slow

@@ -46,7 +46,7 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
                          stride_hm, stride_wv, stride_tv,
                          gamma_q, gamma_w, eta,
                          MP: tl.constexpr, BV: tl.constexpr, GROUP: tl.constexpr, W12: tl.constexpr,
-                         INT4: tl.constexpr = False):
+                         INT4: tl.constexpr = False, SPLIT: tl.constexpr = False):
     """Screen logits and their intervals for BV vocabulary rows and M (<= MP) hidden rows.
 
     INT8 (W12 False): the hidden states are quantised per group too (hq, scales sh, errors eh), so each
@@ -56,6 +56,9 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
     W12: the 8-bit view decoded to BF16 (exact), times the BF16 hidden states, fp32 accumulation.
     Radius: min(sum_g err[v,g] a[m,g], dw[v] hn[m]) (+ min(sum_g n1[v,g] eh[m,g], rq[v] dh[m]) for INT8)
     + gamma_q rq[v] hqn[m] + gamma_w rw[v] hn[m] + eta (docs/lmhead.md).
+    SPLIT (INT8 and INT4, 2 M <= MP): the hidden states come in two int8 parts, hq and sh [2 M, ...] with row
+    M + m the first part's rounding of row m quantised again; the tile's rows MP / 2 + m hold the second parts,
+    accumulated like the first and added to them once after the loop (eh, dh: the rounding left after both).
     skip_ptr (int32, or None): nonzero when the policy skips this call's screen; nothing is written then."""
     if skip_ptr is not None:
         if tl.load(skip_ptr) != 0:
@@ -63,11 +66,16 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
     pid = tl.program_id(0)
     offs_v = pid * BV + tl.arange(0, BV)
     ok_v = offs_v < V
-    offs_m = tl.arange(0, MP)
+    MH: tl.constexpr = MP // 2 if SPLIT else MP  # hidden rows of the bound's tiles
+    offs_m = tl.arange(0, MH)
     ok_m = offs_m < M
+    # rows of the dot's tile: hidden row r % MH, its part r // MH (0 without SPLIT), at row part M + r % MH of hq
+    offs_r = tl.arange(0, MP)
+    ok_r = (offs_r % MH) < M
+    row_r = (offs_r // MH) * M + offs_r % MH
     acc = tl.zeros([MP, BV], tl.float32)
-    ew = tl.zeros([MP, BV], tl.float32)  # Hölder per group: the weights' rounding against |h|
-    eh_b = tl.zeros([MP, BV], tl.float32)  # the same for the hidden states' rounding (INT8)
+    ew = tl.zeros([MH, BV], tl.float32)  # Hölder per group: the weights' rounding against |h|
+    eh_b = tl.zeros([MH, BV], tl.float32)  # the same for the hidden states' rounding (INT8)
     if W12:
         e0 = tl.load(sc_ptr + offs_v, mask=ok_v, other=0).to(tl.int32)
     for g in range(0, G):
@@ -83,7 +91,7 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
             acc += tl.dot(h, tl.trans(wq))
         else:
             s = tl.load(sc_ptr + offs_v * stride_tv + g, mask=ok_v, other=0.0).to(tl.float32)
-            sh = tl.load(sh_ptr + offs_m * G + g, mask=ok_m, other=0.0)
+            sh = tl.load(sh_ptr + row_r * G + g, mask=ok_r, other=0.0)
             if INT4:
                 j = tl.arange(0, GROUP // 2)
                 ka = g * GROUP + j
@@ -92,13 +100,13 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
                             mask=ok_v[:, None], other=0).to(tl.int32)
                 ca = (((b & 0xF) ^ 8) - 8).to(tl.int8)
                 cb = ((((b >> 4) & 0xF) ^ 8) - 8).to(tl.int8)
-                hqa = tl.load(hq_ptr + offs_m[:, None] * stride_hm + ka[None, :], mask=ok_m[:, None] & (ka < H)[None, :],
+                hqa = tl.load(hq_ptr + row_r[:, None] * H + ka[None, :], mask=ok_r[:, None] & (ka < H)[None, :],
                               other=0)
-                hqb = tl.load(hq_ptr + offs_m[:, None] * stride_hm + kb[None, :], mask=ok_m[:, None] & (kb < H)[None, :],
+                hqb = tl.load(hq_ptr + row_r[:, None] * H + kb[None, :], mask=ok_r[:, None] & (kb < H)[None, :],
                               other=0)
                 dot = tl.dot(hqa, tl.trans(ca)) + tl.dot(hqb, tl.trans(cb))  # exact in int32
             else:
-                hq = tl.load(hq_ptr + offs_m[:, None] * stride_hm + offs_k[None, :], mask=okh, other=0)
+                hq = tl.load(hq_ptr + row_r[:, None] * H + offs_k[None, :], mask=ok_r[:, None] & ok_k[None, :], other=0)
                 dot = tl.dot(hq, tl.trans(c))
             acc += dot.to(tl.float32) * (sh[:, None] * s[None, :])
             n1 = tl.load(n1_ptr + offs_v * stride_tv + g, mask=ok_v, other=0.0).to(tl.float32)
@@ -107,6 +115,8 @@ def lmhead_screen_kernel(h_ptr, hq_ptr, w_ptr, sc_ptr, err_ptr, n1_ptr, rq_ptr, 
         e = tl.load(err_ptr + offs_v * stride_tv + g, mask=ok_v, other=0.0).to(tl.float32)
         a = tl.load(a_ptr + offs_m * G + g, mask=ok_m, other=0.0)
         ew += a[:, None] * e[None, :]
+    if SPLIT:  # each hidden row's two parts: one fp32 addition (within the gamma_q term's count)
+        acc = tl.sum(tl.reshape(acc, [2, MH, BV]), 0)
     rq = tl.load(rq_ptr + offs_v, mask=ok_v, other=0.0)
     rw = tl.load(rw_ptr + offs_v, mask=ok_v, other=0.0)
     hqn = tl.load(hqn_ptr + offs_m, mask=ok_m, other=0.0)
@@ -292,13 +302,34 @@ def lmhead_exact_kernel(h_ptr, w_ptr, lo_ptr, e0_ptr, rowptr_ptr, ecol_ptr, eval
 
 
 @triton.jit
+def _norm_up(ss, amax, row_up):
+    """An upper bound of ||x||_2 from ss = the sum of (x / amax)^2: sqrt_rn and the two products one rounding each,
+    covered by (1 + 2^-20); + 2^-149 for a result below fp32's normal range, which rounds by up to 2^-150."""
+    return tl.sqrt_rn(ss * row_up) * amax * 1.00000095367431640625 + 1.401298464324817e-45
+
+
+@triton.jit
+def _scale16(amax):
+    """A group's int8 scale: amax / 127 rounded up to 16 significant bits (1 for amax = 0). 16 bits keep s q exact in
+    fp32 for |q| <= 127, and so the rounding x - s q as well."""
+    s = tl.where(amax > 0, amax / 127.0 * 1.0000002384185791, 1.0)  # (1 + 2^-22): at least amax / 127
+    b = s.to(tl.int32, bitcast=True)
+    return ((b + 0xFF) & -256).to(tl.float32, bitcast=True)
+
+
+@triton.jit
 def lmhead_prep_kernel(h_ptr, a_ptr, hn_ptr, bad_ptr, hq_ptr, sh_ptr, eh_ptr, dh_ptr, hqn_ptr, best_ptr, count_ptr,
-                       key_ptr, H,
-                       G, stride_hm, row_up, GP: tl.constexpr, GROUP: tl.constexpr, INT8: tl.constexpr):
+                       key_ptr, M, H,
+                       G, stride_hm, row_up, GP: tl.constexpr, GROUP: tl.constexpr, INT8: tl.constexpr,
+                       SPLIT: tl.constexpr = False):
     """Per hidden row m (one program, the row as one [GP, GROUP] tile): bad = any non-finite entry (read
     as 0 below); a[m, g] = ||h_g||_1 and hn = ||h||_2 rounded up; INT8: hq = round(h / sh) in
     [-127, 127] with sh = max|h_g| / 127 (slightly above), eh[m, g] >= max |h - sh hq|, hqn >= ||sh hq||_2,
     dh >= ||h - sh hq||_2.
+    Scales have 16 significant bits (`_scale16`), so every rounding h - sh hq is exact in fp32: eh is its maximum.
+    SPLIT (INT8): a second part too, rows M + m of hq and sh: the first part's rounding quantised the same way;
+    eh, dh the rounding left after both (exact too); hqn >= ||sh hq||_2 + ||sh2 hq2||_2 (what the screen's
+    rounding term needs: the sum of its terms' magnitudes is at most ||screen row|| times that).
     Also resets the call's per-row state: best = -inf, count = 0, key = the least key.
     Rounding up: a sum of n >= 0 fp32 terms is within (n - 1) 2^-24 of its value (relative), covered by
     (1 + 2^-16) for the 128-term groups and `row_up` = 1 + (H + 8) 2^-23 for the row (the scaling by
@@ -307,37 +338,50 @@ def lmhead_prep_kernel(h_ptr, a_ptr, hn_ptr, bad_ptr, hq_ptr, sh_ptr, eh_ptr, dh
     gi = tl.arange(0, GP)
     offs = gi[:, None] * GROUP + tl.arange(0, GROUP)[None, :]
     ok = offs < H
-    x = tl.load(h_ptr + m * stride_hm + offs, mask=ok, other=0.0).to(tl.float32)
+    xb = tl.load(h_ptr + m * stride_hm + offs, mask=ok, other=0.0)
+    # BF16 -> fp32 by its bits (exact; Triton's interpreter converts BF16 subnormals wrongly)
+    x = (xb.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
     fin = tl.abs(x) < float("inf")
     nonfin = tl.sum(tl.sum((~fin).to(tl.int32), 1), 0)
     x = tl.where(fin, x, 0.0)
     ax = tl.abs(x)
     okg = gi < G
-    tl.store(a_ptr + m * G + gi, tl.sum(ax, 1) * 1.0000152587890625, mask=okg)  # (1 + 2^-16)
+    # (1 + 2^-16) for the sum's roundings; + GROUP 2^-149 where its additions fall below fp32's normal range
+    tl.store(a_ptr + m * G + gi, tl.sum(ax, 1) * 1.0000152587890625 + GROUP * 1.401298464324817e-45, mask=okg)
     amax_g = tl.max(ax, 1)
     amax_row = tl.max(amax_g, 0)
     inv = tl.where(amax_row > 0, 1.0 / amax_row, 0.0)
     xs = x * inv
     ss = tl.sum(tl.sum(xs * xs, 1), 0)
-    # sqrt_rn and the two products: one rounding each, covered by (1 + 2^-20)
-    tl.store(hn_ptr + m, tl.sqrt_rn(ss * row_up) * amax_row * 1.00000095367431640625)
+    tl.store(hn_ptr + m, _norm_up(ss, amax_row, row_up))
     tl.store(bad_ptr + m, (nonfin > 0).to(tl.int32))
     tl.store(best_ptr + m, float("-inf"))
     tl.store(count_ptr + m, 0)
     tl.store(key_ptr + m, -9223372036854775807 - 1)
     if INT8:
-        s = tl.where(amax_g > 0, amax_g / 127.0 * 1.0000002384185791, 1.0)  # (1 + 2^-22) keeps |x / s| <= 127
+        s = _scale16(amax_g)
         q = tl.minimum(tl.maximum(tl.floor(x / s[:, None] + 0.5), -127.0), 127.0)
-        r = tl.abs(tl.fma(-s[:, None], q, x))  # one rounding of x - s q
-        tl.store(hq_ptr + m * stride_hm + offs, q.to(tl.int8), mask=ok)
+        rho = x - s[:, None] * q  # exact: s q is (16 + 7 bits), and x - s q (Sterbenz: q = 0, or s q within x / 2)
+        tl.store(hq_ptr + m * H + offs, q.to(tl.int8), mask=ok)
         tl.store(sh_ptr + m * G + gi, s, mask=okg)
-        tl.store(eh_ptr + m * G + gi, tl.max(r, 1) * 1.0000002384185791, mask=okg)
         xq = s[:, None] * q * inv
         ssq = tl.sum(tl.sum(xq * xq, 1), 0)
-        tl.store(hqn_ptr + m, tl.sqrt_rn(ssq * row_up) * amax_row * 1.00000095367431640625)
-        rs = r * 1.0000002384185791 * inv  # |h - sh hq| rounded up, scaled
+        hqn = _norm_up(ssq, amax_row, row_up)
+        if SPLIT:
+            s2 = _scale16(tl.max(tl.abs(rho), 1))
+            q2 = tl.minimum(tl.maximum(tl.floor(rho / s2[:, None] + 0.5), -127.0), 127.0)
+            tl.store(hq_ptr + (M + m) * H + offs, q2.to(tl.int8), mask=ok)
+            tl.store(sh_ptr + (M + m) * G + gi, s2, mask=okg)
+            rho = rho - s2[:, None] * q2  # exact, as above
+            xq2 = s2[:, None] * q2 * inv
+            ssq2 = tl.sum(tl.sum(xq2 * xq2, 1), 0)
+            hqn = (hqn + _norm_up(ssq2, amax_row, row_up)) * 1.00000011920928955078125
+        r = tl.abs(rho)
+        tl.store(hqn_ptr + m, hqn)
+        tl.store(eh_ptr + m * G + gi, tl.max(r, 1), mask=okg)
+        rs = r * 1.0000002384185791 * inv  # |h - ĥ| rounded up, scaled
         sr = tl.sum(tl.sum(rs * rs, 1), 0)
-        tl.store(dh_ptr + m, tl.sqrt_rn(sr * row_up) * amax_row * 1.00000095367431640625)
+        tl.store(dh_ptr + m, _norm_up(sr, amax_row, row_up))
 
 
 @triton.jit

@@ -129,6 +129,41 @@ def test_peaked_vs_flat_survivors(screen, w32k, lm):
         check_fallbacks(head, h)
 
 
+@pytest.mark.parametrize("screen", ["int8", "int4"])
+@pytest.mark.parametrize("M", [1, 4, 8])
+def test_hidden_in_two_parts(M, screen, w32k, lm):
+    """Calls of up to 8 rows read the hidden states in two int8 parts (lmhead/configs.py split_rows): exact answers
+    and bounds that hold, also on a row near BF16's least normal (its subnormals included), a narrower interval
+    than one part gives (INT8: the median radius at most 0.65 of it) and no more survivors."""
+    import dataclasses
+
+    import autotune
+    from lmhead.configs import head_config
+
+    base = head_config("triton", 32000, H27, False, torch.device(DEV))
+    heads = {}
+    for rows in (8, 0):
+        with autotune.force("lmhead.argmax", config=dataclasses.replace(base, split_rows=rows)):
+            heads[rows] = lmhead.CertifiedHead(w32k, screen=screen)
+    h = hidden(M, seed=60 + M)
+    if M > 1:
+        h[-1] = (h[-1].float() * 2.0**-124).to(torch.bfloat16)
+    radius, surv = {}, {}
+    for rows, head in heads.items():
+        ids, logits = lm.check_argmax(head, h, msg=f"split_rows={rows}")
+        L, U = lm.check_bounds(head, h, w32k, logits, msg=f"split_rows={rows}")
+        radius[rows] = (U - L)[:1]
+        head.reset_stats()
+        head.argmax(h)
+        surv[rows] = head.stats()["survivors"]
+    ratio = float((radius[8] / radius[0]).median())
+    print(f"\n{screen} M={M}: radius ratio {ratio:.3f}, survivors {surv[8]} (one part {surv[0]})")
+    assert ratio < (0.65 if screen == "int8" else 0.99), ratio
+    # the intervals need not nest token by token (the parts change the screen's value too): rows are allowed 5%
+    assert sum(surv[8]) <= sum(surv[0]) and all(a <= b + b // 20 + 1 for a, b in zip(surv[8], surv[0])), \
+        (surv[8], surv[0])
+
+
 def test_capacity_fallback_on_gpu(w32k, lm):
     """A zero row (the whole vocabulary ties) and a NaN row among peaked ones (random hidden states keep thousands
     of survivors at this width and would overflow too): exact, 2 fallbacks."""
