@@ -745,7 +745,8 @@ class CertifiedHead:
 
 
 def screen_bounds(head: CertifiedHead, hidden: torch.Tensor):
-    """(L, U) fp32 `[M, V]`: the screen's interval of every exact logit (for tests and diagnostics)."""
+    """(L, U) fp32 `[M, V]`: the screen's interval of every exact logit (for tests and diagnostics), as a call with
+    these M rows forms it (up to `split_rows` rows the hidden states in two parts: narrower intervals)."""
     if not isinstance(head, CertifiedHead):
         raise TypeError(f"lmhead.screen_bounds: head must be an lmhead.CertifiedHead, got {type(head).__name__}; build "
                         "it with lmhead.CertifiedHead(weight)")
