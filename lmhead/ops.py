@@ -122,7 +122,7 @@ def _build_tables(weight, screen: str, group: int, chunk: int = 8192) -> dict:
         wd = torch.where(torch.isfinite(wd), wd, torch.zeros_like(wd))
         if screen in QUANTISED:
             q, scale = _quantize(wd, group, qmax=127 if screen == "int8" else 7)
-            approx = (_groups(q, group) * scale.double()[..., None]).view(r1 - r0, -1)[:, :H]
+            approx = _dequantize(q, scale, group)
             if screen == "int8":
                 t["q"][r0:r1] = q.to(torch.int8)
             else:
@@ -137,6 +137,13 @@ def _build_tables(weight, screen: str, group: int, chunk: int = 8192) -> dict:
         rw = _round_up_f32(wd.norm(dim=-1) * (1 + 2.0**-40))
         t["rw"][r0:r1] = torch.where(finite, rw, torch.full_like(rw, float("inf")))
     return t
+
+
+def _dequantize(q: torch.Tensor, scale: torch.Tensor, group: int) -> torch.Tensor:
+    """Codes [R, H] times their group scales [R, G] (`_quantize`'s outputs), in fp64: exact for integer codes of up
+    to 8 bits and fp32 or BF16 scales."""
+    R, H = q.shape
+    return (_groups(q.double(), group) * scale.double()[..., None]).view(R, -1)[:, :H]
 
 
 def _quantize(x: torch.Tensor, group: int, scale_dtype=torch.bfloat16, qmax: int = 127):
@@ -205,7 +212,7 @@ def _prep(h: torch.Tensor, group: int, int8: bool, split: bool = False) -> dict:
         qs, shs, norm, rest = [], [], 0, hd
         for _ in range(2 if split else 1):  # each part quantises what the parts before it left (exact in fp64)
             q, sh = _quantize(rest, group, torch.float32)
-            approx = (_groups(q, group) * sh.double()[..., None]).view(h.shape[0], -1)[:, :h.shape[1]]
+            approx = _dequantize(q, sh, group)
             qs.append(q)
             shs.append(sh)
             norm = norm + approx.norm(dim=-1)
@@ -438,12 +445,11 @@ def _screen_torch(hd: "CertifiedHead", h):
         e = torch.minimum(p["a"] @ t["err"].float().T, p["hn"][:, None] * t["dw"][None, :])
         r = e + hd.gamma * (p["hn"][:, None] * t["rq"][None, :] + p["hn"][:, None] * t["rw"][None, :])
     else:
-        G = t["scale"].shape[1]
         q = t["q"] if hd.screen == "int8" else _unpack4(t["q4"], hd.group, hd.H)
         # in fp64 (codes times scales exact, H-term sums within H 2^-53), one rounding to fp32 (covered by the
         # outward widening below): the kernels' order of roundings is theirs, this path's is this one
-        wq = (_groups(q.double(), hd.group) * t["scale"].double()[..., None]).view(hd.V, G * hd.group)[:, :hd.H]
-        hq = (_groups(p["hq"].double(), hd.group) * p["sh"].double()[..., None]).view(-1, G * hd.group)[:, :hd.H]
+        wq = _dequantize(q, t["scale"], hd.group)
+        hq = _dequantize(p["hq"], p["sh"], hd.group)
         s = (hq[:M] @ wq.T + (hq[M:] @ wq.T if hq.shape[0] > M else 0)).float()  # both parts' screens
         e = (torch.minimum(p["a"] @ t["err"].float().T, p["hn"][:, None] * t["dw"][None, :])
              + torch.minimum(p["eh"] @ t["n1"].float().T, p["dh"][:, None] * t["rq"][None, :]))

@@ -318,6 +318,16 @@ def _scale16(amax):
 
 
 @triton.jit
+def _int8_part(x):
+    """One int8 part of x [GP, GROUP] (a group a row): (s, q, x - s q) with s = `_scale16`(max|x|) and q = round(x /
+    s) in [-127, 127]. The rounding x - s q is exact: s q has 16 + 7 significant bits, and q = 0 or s q lies within
+    x / 2 of x (Sterbenz)."""
+    s = _scale16(tl.max(tl.abs(x), 1))
+    q = tl.minimum(tl.maximum(tl.floor(x / s[:, None] + 0.5), -127.0), 127.0)
+    return s, q, x - s[:, None] * q
+
+
+@triton.jit
 def lmhead_prep_kernel(h_ptr, a_ptr, hn_ptr, bad_ptr, hq_ptr, sh_ptr, eh_ptr, dh_ptr, hqn_ptr, best_ptr, count_ptr,
                        key_ptr, M, H,
                        G, stride_hm, row_up, GP: tl.constexpr, GROUP: tl.constexpr, INT8: tl.constexpr,
@@ -359,20 +369,16 @@ def lmhead_prep_kernel(h_ptr, a_ptr, hn_ptr, bad_ptr, hq_ptr, sh_ptr, eh_ptr, dh
     tl.store(count_ptr + m, 0)
     tl.store(key_ptr + m, -9223372036854775807 - 1)
     if INT8:
-        s = _scale16(amax_g)
-        q = tl.minimum(tl.maximum(tl.floor(x / s[:, None] + 0.5), -127.0), 127.0)
-        rho = x - s[:, None] * q  # exact: s q is (16 + 7 bits), and x - s q (Sterbenz: q = 0, or s q within x / 2)
+        s, q, rho = _int8_part(x)
         tl.store(hq_ptr + m * H + offs, q.to(tl.int8), mask=ok)
         tl.store(sh_ptr + m * G + gi, s, mask=okg)
         xq = s[:, None] * q * inv
         ssq = tl.sum(tl.sum(xq * xq, 1), 0)
         hqn = _norm_up(ssq, amax_row, row_up)
         if SPLIT:
-            s2 = _scale16(tl.max(tl.abs(rho), 1))
-            q2 = tl.minimum(tl.maximum(tl.floor(rho / s2[:, None] + 0.5), -127.0), 127.0)
+            s2, q2, rho = _int8_part(rho)  # what the first part left
             tl.store(hq_ptr + (M + m) * H + offs, q2.to(tl.int8), mask=ok)
             tl.store(sh_ptr + (M + m) * G + gi, s2, mask=okg)
-            rho = rho - s2[:, None] * q2  # exact, as above
             xq2 = s2[:, None] * q2 * inv
             ssq2 = tl.sum(tl.sum(xq2 * xq2, 1), 0)
             hqn = (hqn + _norm_up(ssq2, amax_row, row_up)) * 1.00000011920928955078125
