@@ -36,11 +36,11 @@ _CHUNK = 8192  # head rows per fp64 block
 def _quantize(x: torch.Tensor, group: int, qmax: int, scale_dtype) -> torch.Tensor:
     """The screen's values of x [R, H] (fp64), as lmhead builds them: per group, scale = max|x| / qmax rounded up in
     `scale_dtype` (1 for a zero group), codes round(x / scale) in [-qmax, qmax]; returns scale * codes."""
-    from lmhead.ops import _groups
+    from lmhead.ops import _dequantize
     from lmhead.ops import _quantize as quantize
 
     q, s = quantize(x, group, scale_dtype, qmax)
-    return (_groups(q, group) * s.double()[..., None]).view(x.shape[0], -1)[:, :x.shape[1]]
+    return _dequantize(q, s, group)
 
 
 def _per_group(x: torch.Tensor, group: int, how: str) -> torch.Tensor:
@@ -51,36 +51,52 @@ def _per_group(x: torch.Tensor, group: int, how: str) -> torch.Tensor:
     return g.sum(-1) if how == "sum" else g.amax(-1)
 
 
+def _count(w: torch.Tensor, h: torch.Tensor, widths, forms, group: int) -> dict:
+    """`screen_survivors` for every code width in `widths` and hidden-state form (parts) in `forms`, keyed (bits,
+    parts), in one pass over the head: its fp64 logits once, each width's codes once for every form."""
+    hd = h.double()
+    M, H = hd.shape
+    hidden, hq, rest = {}, torch.zeros_like(hd), hd
+    for parts in range(1, max(forms) + 1):  # each part quantises what the parts before it left
+        part = _quantize(rest, 128, 127, torch.float32)  # the hidden states' parts: int8 per 128 columns
+        hq, rest = hq + part, rest - part
+        hidden[parts] = (hq, _per_group(rest, group, "max"), rest.norm(dim=-1))
+    a1, hn = _per_group(hd, group, "sum"), hd.norm(dim=-1)
+    V = w.shape[0]
+    keys = [(b, p) for b in widths for p in forms]
+    lo = {k: torch.empty(M, V, dtype=torch.float64) for k in keys}
+    up = {k: torch.empty(M, V, dtype=torch.float64) for k in keys}
+    exact = torch.empty(M, V, dtype=torch.float64)
+    for r0 in range(0, V, _CHUNK):
+        cols = slice(r0, r0 + _CHUNK)
+        wd = w[cols].double()
+        exact[:, cols] = hd @ wd.T
+        for b in widths:
+            ap = _quantize(wd, group, 2 ** (b - 1) - 1, torch.bfloat16)
+            dw = wd - ap
+            ew = torch.minimum(a1 @ _per_group(dw, group, "max").T, hn[:, None] * dw.norm(dim=-1)[None])
+            n1, apn = _per_group(ap, group, "sum"), ap.norm(dim=-1)
+            for p in forms:
+                hq, dmax, dn = hidden[p]
+                eh = torch.minimum(dmax @ n1.T, dn[:, None] * apn[None])
+                y = hq @ ap.T
+                lo[(b, p)][:, cols], up[(b, p)][:, cols] = y - ew - eh, y + ew + eh
+    out = {}
+    for b, p in keys:
+        L, U = lo[(b, p)], up[(b, p)]
+        if not bool(((L <= exact) & (exact <= U)).all()):
+            raise AssertionError(f"screens: an interval misses its fp64 logit ({b}-bit codes, {p} part(s))")
+        surv = (U >= L.amax(-1, keepdim=True)).sum(-1)
+        radius = ((U - L) / 2).median(-1).values / exact.std(-1)
+        out[(b, p)] = {"survivors": surv.tolist(), "radius_over_sigma": round(float(radius.median()), 3)}
+    return out
+
+
 def screen_survivors(w: torch.Tensor, h: torch.Tensor, bits: int, parts: int, group: int = 128) -> dict:
     """Survivors per hidden row of a screen with `bits`-bit codes (per `group` columns) and the hidden states in
     `parts` int8 parts (1 or 2), on head w [V, H] (BF16) and rows h [M, H] (BF16); and the median radius over the
     spread of the row's logits (std). Raises if an interval misses the fp64 logit."""
-    qmax = 2 ** (bits - 1) - 1
-    hd = h.double()
-    M, H = hd.shape
-    hq, rest = torch.zeros_like(hd), hd
-    for _ in range(parts):
-        part = _quantize(rest, 128, 127, torch.float32)  # the hidden states' parts: int8 per 128 columns
-        hq, rest = hq + part, rest - part
-    a1, hn = _per_group(hd, group, "sum"), hd.norm(dim=-1)
-    dmax, dn = _per_group(rest, group, "max"), rest.norm(dim=-1)
-    V = w.shape[0]
-    lo, up = torch.empty(M, V, dtype=torch.float64), torch.empty(M, V, dtype=torch.float64)
-    exact = torch.empty(M, V, dtype=torch.float64)
-    for r0 in range(0, V, _CHUNK):
-        wd = w[r0:r0 + _CHUNK].double()
-        ap = _quantize(wd, group, qmax, torch.bfloat16)
-        dw = wd - ap
-        ew = torch.minimum(a1 @ _per_group(dw, group, "max").T, hn[:, None] * dw.norm(dim=-1)[None])
-        eh = torch.minimum(dmax @ _per_group(ap, group, "sum").T, dn[:, None] * ap.norm(dim=-1)[None])
-        y = hq @ ap.T
-        lo[:, r0:r0 + _CHUNK], up[:, r0:r0 + _CHUNK] = y - ew - eh, y + ew + eh
-        exact[:, r0:r0 + _CHUNK] = hd @ wd.T
-    if not bool(((lo <= exact) & (exact <= up)).all()):
-        raise AssertionError(f"screens: an interval misses its fp64 logit ({bits}-bit codes, {parts} part(s))")
-    surv = (up >= lo.amax(-1, keepdim=True)).sum(-1)
-    radius = ((up - lo) / 2).median(-1).values / exact.std(-1)
-    return {"survivors": surv.tolist(), "radius_over_sigma": round(float(radius.median()), 3)}
+    return _count(w, h, (bits,), (parts,), group)[(bits, parts)]
 
 
 def _bytes(V: int, H: int, bits: int, group: int) -> float:
@@ -97,15 +113,14 @@ def measure(shapes: str, rows: int, bits: list[int], group: int) -> dict:
     out = {"shapes": shapes, "V": V, "H": H, "rows": rows, "group": group, "screens": []}
     for regime in cases.REGIMES:
         h, gap = cases._hidden(w, rows, regime, cases._SEED + 17 * rows + sum(map(ord, regime)))
-        for b in bits:
-            for parts in (1, 2):
-                t0 = time.time()
-                r = screen_survivors(w, h, b, parts, group)
-                r.update(regime=regime, gap_sigma=gap, bits=b, hidden_parts=parts, screen_GB=_bytes(V, H, b, group) / 1e9)
-                out["screens"].append(r)
-                print(f"{regime:8s} {b}-bit codes, hidden in {parts} part(s): {r['screen_GB']:.3f} GB, radius "
-                      f"{r['radius_over_sigma']:.2f} sigma, survivors {r['survivors']} ({time.time() - t0:.0f} s)",
-                      flush=True)
+        t0 = time.time()
+        counts = _count(w, h, bits, (1, 2), group)
+        for (b, parts), r in counts.items():
+            r.update(regime=regime, gap_sigma=gap, bits=b, hidden_parts=parts, screen_GB=_bytes(V, H, b, group) / 1e9)
+            out["screens"].append(r)
+            print(f"{regime:8s} {b}-bit codes, hidden in {parts} part(s): {r['screen_GB']:.3f} GB, radius "
+                  f"{r['radius_over_sigma']:.2f} sigma, survivors {r['survivors']}", flush=True)
+        print(f"{regime}: {time.time() - t0:.0f} s", flush=True)
     return out
 
 
