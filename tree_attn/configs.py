@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from autotune import get_config, shape_key
 
-__all__ = ["SplitConfig", "split_config", "MMA_ROWS_SM90"]
+__all__ = ["SplitConfig", "WSConfig", "split_config", "ws_config", "MMA_ROWS_SM90"]
 
 # Triton lowers tl.dot to wgmma on sm_90 only when a program's tile has a multiple of 64 rows and a
 # multiple of 4 warps; the "mma" variant keeps its tile at 32 rows on sm_90 so that it runs the
@@ -35,6 +35,33 @@ class SplitConfig:
     item_cost: int = 32
 
 
+@dataclass(frozen=True)
+class WSConfig:
+    """One program of the warp-specialised CUDA kernel (variant "ws", tree_attn/csrc/tree_attn_ws.cu): `consumers`
+    warpgroups of 64 rows each share every K/V block of `block_n` keys, which the producer warpgroup gathers into a
+    ring of `num_stages` stages; the request's tree block is folded into its last prefix split. setmaxnreg gives the
+    producer `producer_regs` and each consumer `consumer_regs` registers (two consumers)."""
+
+    consumers: int = 2
+    block_n: int = 64
+    num_stages: int = 2
+    producer_regs: int = 56
+    consumer_regs: int = 216
+    programs_per_sm: float = 1.0
+    merge_warps: int = 2
+    merge_parts: int = 16
+    item_cost: int = 8  # fixed work of one item in key blocks (its q rows, its partial written and merged)
+
+    @property
+    def block_m(self) -> int:
+        """Rows of one work item (the merge's partial rows)."""
+        return 64 * self.consumers
+
+    def smem_bytes(self, head_dim: int) -> int:
+        """Shared memory of one CTA: the q rows, the K/V ring and its mbarriers (the kernel's layout)."""
+        return head_dim * 2 * (self.block_m + 2 * self.num_stages * self.block_n) + 16 * self.num_stages + 8
+
+
 def _heuristic(variant: str, head_dim: int, cc_major: int, interpret: bool) -> SplitConfig:
     if interpret:  # small tiles: several splits at the tiny lengths of CPU tests, quick interpreter steps
         return SplitConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
@@ -53,3 +80,19 @@ def split_config(variant: str, head_dim: int, group: int, cc_major: int, interpr
     return get_config("tree_attn.tree_attention", variant, SplitConfig,
                       lambda: _heuristic(variant, head_dim, cc_major, interpret),
                       key=shape_key(D=head_dim, G=group), device=device)
+
+
+def _ws_heuristic(rows: int) -> WSConfig:
+    # rows of the step's largest request (nodes x G): one consumer warpgroup up to 64, else two sharing each K/V
+    # block (three do not fit the registers at D = 256: tree_attn_ws.cu's header). One consumer keeps three stages
+    # of 64 keys (224 KB with D = 256 and its 64 q rows), two keep two.
+    if rows <= 64:
+        return WSConfig(consumers=1, block_n=64, num_stages=3)
+    return WSConfig(consumers=2, block_n=64, num_stages=2)
+
+
+def ws_config(head_dim: int, group: int, rows: int, device=None) -> WSConfig:
+    """The "ws" kernel's config for a step whose largest request has `rows` (nodes x group) rows."""
+    c = 1 if rows <= 64 else 2
+    return get_config("tree_attn.tree_attention", "ws", WSConfig, lambda: _ws_heuristic(rows),
+                      key=shape_key(D=head_dim, G=group, C=c), device=device)

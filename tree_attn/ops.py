@@ -20,7 +20,8 @@ import torch
 import autotune
 from autotune.hardware import compute_capability, host_only, is_interpreter
 
-from .configs import SplitConfig, split_config
+from . import cuda
+from .configs import SplitConfig, WSConfig, split_config, ws_config
 from .kernels.split import tree_attn_merge_kernel, tree_attn_split_kernel
 from .reference import tree_attention_reference
 
@@ -31,9 +32,10 @@ OP = "tree_attn.tree_attention"
 MAX_NODES = 64  # one int64 mask word per node
 HEAD_DIMS = (64, 128, 256)
 # "wgmma": tl.dot on 64-row tiles, lowered to wgmma on sm_90; "mma": the same kernel at tiles Triton lowers
-# to mma.sync (sm_80/sm_89/sm_120, and 32-row tiles on sm_90); "reference": tree_attn/reference.py (CPU
-# tensors without the Triton interpreter).
-VARIANTS = autotune.Variants(OP, by_arch={9: "wgmma", 8: "mma"}, known=("wgmma", "mma", "reference"),
+# to mma.sync (sm_80/sm_89/sm_120, and 32-row tiles on sm_90); "ws": the warp-specialised CUDA C++ kernel
+# (tree_attn/csrc/tree_attn_ws.cu, sm_90 only; by name until it is measured to win); "reference":
+# tree_attn/reference.py (CPU tensors without the Triton interpreter).
+VARIANTS = autotune.Variants(OP, by_arch={9: "wgmma", 8: "mma"}, known=("wgmma", "mma", "ws", "reference"),
                              fallback="reference")
 _PLANS = autotune.PlanCache()
 _INTERPRET_SMS = 4  # "SMs" the schedule fills under the interpreter (several splits at tiny lengths)
@@ -59,8 +61,22 @@ def unsupported(*, head_dim: int) -> str | None:
     return None
 
 
-def _plan(variant: str | None, device: torch.device, head_dim: int, group: int) -> autotune.Plan:
+def _plan(variant: str | None, device: torch.device, head_dim: int, group: int, rows: int = 64,
+          dtype: torch.dtype = torch.bfloat16) -> autotune.Plan:
+    """`rows`: the largest request's rows (nodes x group), which set the "ws" kernel's consumer warpgroups."""
+    named = variant if variant is not None else autotune.forced(OP)[0]
+    if named == "ws" and (device is None or torch.device(device).type != "cuda"):
+        raise ValueError(f"tree_attn.plan: variant 'ws' is a CUDA C++ kernel for sm_90 GPUs and the tensors are on "
+                         f"{device}; pass CUDA tensors, or variant=None")
     chosen, by_name = VARIANTS.choose(variant, device, where="tree_attn.plan")
+    if chosen == "ws":
+        cfg = ws_config(head_dim, group, rows, device)
+        why = cuda.unsupported(device, head_dim, dtype, cfg)
+        if why is not None:
+            raise ValueError(f"tree_attn.plan: variant 'ws' cannot run this call: {why}; pass variant=None for the "
+                             "default kernel")
+        key = ("ws", str(device), head_dim, group, cfg.consumers, dtype, autotune.forced(OP))
+        return _PLANS.get(key, lambda: autotune.Plan("ws", "ws", cfg))
     # an automatic choice raises too, also where it would run the reference (CPU tensors): the same call must
     # not be refused on the GPU only
     why = None if chosen == "reference" and by_name else unsupported(head_dim=head_dim)
@@ -99,6 +115,15 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
         return None
     Hkv = k_cache.shape[-2]
     G = H // Hkv
+    if kernel == "ws":
+        why = cuda.misaligned(q, k_cache, v_cache, *((k_new, v_new) if k_new is not None else ()))
+        if why is not None:
+            raise ValueError(f"tree_attn.run: variant 'ws' copies rows 16 bytes at a time: {why}; pass contiguous "
+                             "tensors, or plan with variant=None")
+        cuda.run(cfg, q, k_cache, v_cache, k_new, v_new, qo_indptr, kv_indptr, kv_indices, tree_mask, items, po, plse,
+                 sm_scale * 1.4426950408889634)
+        _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv, G)
+        return None
     paged = k_cache.dim() == 4
     page = k_cache.shape[1] if paged else 1
     ks, vs = k_cache.stride(), v_cache.stride()
@@ -112,11 +137,17 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
         sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *k_strides, *v_strides, *kns,
         HKV=Hkv, G=G, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, PAGE=page, NEW=new,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv, G)
+    return handle
+
+
+def _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv: int, G: int) -> None:
+    """Combine the request's partials (cfg.block_m rows per item) by log-sum-exp into out (and lse)."""
+    T, H, D = q.shape
     tree_attn_merge_kernel[(T, H)](
         po, plse, out, lse if lse is not None else plse, node_req, qo_indptr, req_table, out.stride(0), out.stride(1),
         HKV=Hkv, G=G, D=D, BM=cfg.block_m, BP=cfg.merge_parts, WRITE_LSE=lse is not None,
         num_warps=cfg.merge_warps)
-    return handle
 
 
 def _tree_block(max_nodes: int) -> int:
@@ -232,12 +263,16 @@ def _split_blocks(tiles: list[int], lens: list[int], bn: int, target: int, item_
     return best[1]
 
 
-def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | None, target: int, capacity: int | None):
+def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | None, target: int,
+              capacity: int | None):
     """(items [capacity, 4], req_table [B, 3], node_req [T], split_len, items used), all int32 CPU tensors.
 
     One split length for every request (`_split_blocks`; `target` prefix items fill one wave of the
     GPU, the KV heads being the grid's second axis). Items run split-major, row block minor, so the row
-    blocks of one split read the same K/V rows close together in time (L2)."""
+    blocks of one split read the same K/V rows close together in time (L2). The Triton kernel takes the tree
+    block as an item of its own (lo = -1); the "ws" kernel folds it into the request's last split (the item
+    whose hi is the prefix's end; a request without prefix keys has one item with lo = hi)."""
+    fold = isinstance(cfg, WSConfig)
     B = len(qo) - 1
     bm, bn = (cfg.block_m, cfg.block_n) if cfg is not None else (64, 64)
     ns = [qo[r + 1] - qo[r] for r in range(B)]
@@ -246,6 +281,8 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | None, target
     per = _split_blocks(tiles, lens, bn, target, cfg.item_cost if cfg is not None else 0)
 
     def count(per_split):
+        if fold:
+            return sum(t * max(1, -(-L // (per_split * bn))) for t, L in zip(tiles, lens) if t)
         return sum(t * (-(-L // (per_split * bn)) + 1) for t, L in zip(tiles, lens) if t)
 
     if capacity is not None:
@@ -263,13 +300,14 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | None, target
         node_req += [r] * ns[r]
         if not tiles[r]:
             continue
-        splits = -(-lens[r] // split_len)
-        table[r] = [len(items), splits + 1, tiles[r]]
+        splits = max(1, -(-lens[r] // split_len)) if fold else -(-lens[r] // split_len)
+        table[r] = [len(items), splits if fold else splits + 1, tiles[r]]
         for c in range(splits):
             lo = kv[r] + c * split_len
             hi = min(lo + split_len, kv[r] + lens[r])
             items += [[r, t, lo, hi] for t in range(tiles[r])]
-        items += [[r, t, -1, kv[r] + lens[r]] for t in range(tiles[r])]
+        if not fold:
+            items += [[r, t, -1, kv[r] + lens[r]] for t in range(tiles[r])]
     used = len(items)
     size = capacity if capacity is not None else max(used, 1)
     items += [[-1, 0, 0, 0]] * (size - used)
@@ -392,7 +430,7 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
         raise ValueError(f"{fn}: max_nodes={max_nodes} is outside [{largest}, {MAX_NODES}] (the largest tree of "
                          f"this step has {largest} nodes); pass a value in that range, or None")
     group = num_qo_heads // num_kv_heads
-    dispatch = _plan(variant, device, head_dim, group)
+    dispatch = _plan(variant, device, head_dim, group, (max_nodes or largest) * group, dtype)
     cfg = dispatch.config
     items, table, node_req, split_len, used = _schedule(fn, qo, kv, nodes_in_cache, group, cfg,
                                                         _target_items(device, num_kv_heads, cfg), capacity)
@@ -424,7 +462,7 @@ def _run_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new
             tree_mask: torch.Tensor, node_req: torch.Tensor, items: torch.Tensor, req_table: torch.Tensor,
             po: torch.Tensor | None, plse: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
             sm_scale: float, kernel: str, cfg: list[int], tree_block: int) -> None:
-    config = SplitConfig(*cfg[:4], merge_warps=cfg[4], merge_parts=cfg[5]) if cfg else None
+    config = _cfg_of(kernel, cfg)
     _launch(kernel, config, tree_block, q, k_cache, v_cache, k_new, v_new, qo_indptr, kv_indptr, kv_indices, tree_mask, node_req,
             items, req_table, po, plse, out, lse, sm_scale)
 
@@ -434,9 +472,21 @@ def _(*args, **kwargs) -> None:
     return None
 
 
-def _cfg_ints(cfg: SplitConfig | None) -> list[int]:
+def _cfg_ints(cfg: SplitConfig | WSConfig | None) -> list[int]:
+    if isinstance(cfg, WSConfig):
+        return [cfg.consumers, cfg.block_n, cfg.num_stages, cfg.producer_regs, cfg.consumer_regs, cfg.merge_warps,
+                cfg.merge_parts]
     return [] if cfg is None else [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.merge_warps,
                                    cfg.merge_parts]
+
+
+def _cfg_of(kernel: str, cfg: list[int]) -> SplitConfig | WSConfig | None:
+    """The launch config `_cfg_ints` flattened (the custom op takes ints)."""
+    if not cfg:
+        return None
+    if kernel == "ws":
+        return WSConfig(*cfg[:5], merge_warps=cfg[5], merge_parts=cfg[6])
+    return SplitConfig(*cfg[:4], merge_warps=cfg[4], merge_parts=cfg[5])
 
 
 # --------------------------------------------------------------------------------------------
@@ -610,6 +660,9 @@ def compiled_ptx(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=N
     p = plan
     if p.dispatch.kernel == "reference":
         raise ValueError("tree_attn.compiled_ptx: the plan runs the torch reference (no kernel); plan on a GPU")
+    if p.dispatch.kernel == "ws":
+        raise ValueError("tree_attn.compiled_ptx: the plan runs the CUDA C++ kernel; its PTX is "
+                         "tree_attn.cuda.build(config, head_dim, group, out='ptx')")
     out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
     handle = _launch(p.dispatch.kernel, p.dispatch.config, p.tree_block, q, k_cache, v_cache, k_new, v_new, p.qo_indptr,
                      p.kv_indptr, p.kv_indices, p.tree_mask, p.node_req, p.items, p.req_table, p.po, p.plse, out, None,

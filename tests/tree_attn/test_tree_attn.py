@@ -205,7 +205,7 @@ def test_default_call_returns_out_only(make_batch, check):
 def test_registry():
     """The names the contract gives: 64 nodes a request, the variants and where each is the default."""
     assert tree_attn.MAX_NODES == 64
-    assert tree_attn.VARIANTS.known == ("wgmma", "mma", "reference")
+    assert tree_attn.VARIANTS.known == ("wgmma", "mma", "ws", "reference")
     assert tree_attn.VARIANTS.by_arch == {9: "wgmma", 8: "mma"} and tree_attn.VARIANTS.fallback == "reference"
 
 

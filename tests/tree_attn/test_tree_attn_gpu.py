@@ -1,7 +1,7 @@
 """GPU tests of tree_attn at serving shapes: a 32-node draft tree over prefixes up to 4096 keys (H=24, Hkv=4,
-D=256), a ragged batch of 8, every GQA ratio and head dim, both cache layouts and both Triton variants;
-CUDA-graph replay across new inputs and plan.update; torch.compile; the tensor-core instructions of each
-variant on sm_90.
+D=256), a ragged batch of 8, every GQA ratio and head dim, both cache layouts, both Triton variants and, on sm_90,
+the warp-specialised CUDA C++ kernel ("ws"); CUDA-graph replay across new inputs and plan.update; torch.compile;
+the tensor-core instructions of each variant on sm_90.
 
 Bounds as in test_tree_attn.py (conftest.check_attn). Run on the GPU machine:
 `python -m pytest tests/tree_attn/test_tree_attn_gpu.py -q`.
@@ -17,6 +17,8 @@ pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 TRITON = ["wgmma", "mma"]
+WS = pytest.param("ws", marks=pytest.mark.hopper)  # the CUDA C++ kernel runs on sm_90 only
+KERNELS = [*TRITON, WS]
 
 
 def attend(b, variant=None):
@@ -48,7 +50,7 @@ CASES = {
 _FAST_CASES = {"B1-draft32-L517", "B8-ragged"}
 
 
-@pytest.mark.parametrize("variant", [*TRITON, None])
+@pytest.mark.parametrize("variant", [*KERNELS, None])
 @pytest.mark.parametrize("layout, nodes_in_cache", [("slot", False), ("slot", True), ("paged", False),
                                                     ("paged", True)],
                          ids=["slot-k_new", "slot-nodes-in-cache", "paged-k_new", "paged-nodes-in-cache"])
@@ -61,7 +63,7 @@ def test_serving_shapes(case, layout, nodes_in_cache, variant, make_batch, check
     check(b, out, lse, msg=f"{case}/{layout}/{variant}")
 
 
-@pytest.mark.parametrize("variant", TRITON)
+@pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("D", [64, 128, 256])
 @pytest.mark.parametrize("G", [1, 6, 8])
 def test_gqa_and_head_dims(G, D, variant, make_batch, check):
@@ -72,7 +74,7 @@ def test_gqa_and_head_dims(G, D, variant, make_batch, check):
     check(b, out, lse, msg=f"G={G} D={D} {variant}")
 
 
-@pytest.mark.parametrize("variant", TRITON)
+@pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_dtypes_and_peaked_scores(dtype, variant, make_batch, check):
     """Both dtypes, scores with a spread of tens (q scaled by 6): the online softmax and the split merge
@@ -82,7 +84,7 @@ def test_dtypes_and_peaked_scores(dtype, variant, make_batch, check):
     check(b, out, lse, msg=f"{dtype}/{variant}")
 
 
-@pytest.mark.parametrize("variant", TRITON)
+@pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("layout, nodes_in_cache", [("slot", False), ("paged", True)])
 def test_unnamed_slots_are_never_read(layout, nodes_in_cache, variant, make_batch, check):
     """Every cache slot that no request names holds NaN (a padded key block that loads slot 0 or a
@@ -139,7 +141,7 @@ def _load(dst, src):
             getattr(dst, name).copy_(getattr(src, name))
 
 
-@pytest.mark.parametrize("variant", TRITON)
+@pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("layout, nodes_in_cache", [("slot", False), ("paged", True)])
 def test_cuda_graph_replays_new_inputs_and_updated_plan(layout, nodes_in_cache, variant, make_batch, check):
     """run() captured once replays (1) bit-identically to the eager call, (2) on new q/k/v copied into the
@@ -220,3 +222,28 @@ def test_variant_instructions(variant, D, make_batch):
         assert "wgmma" in ptx, f"D={D}: the wgmma variant's PTX has no wgmma"
     else:
         assert "mma.sync" in ptx and "wgmma" not in ptx, f"D={D}: the mma variant's PTX is not mma.sync-only"
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("layout", ["slot", "paged"])
+def test_ws_strided_caches_and_run_to_run_bits(layout, make_batch, check):
+    """The "ws" kernel on K and V that are views of one fused buffer (16-byte aligned rows, non-unit outer strides):
+    right against the reference, and the same bits on a second run (no atomics, a fixed merge order)."""
+    b = make_batch([("draft32", 1500), ("rand13", 77)], H=24, Hkv=4, D=256, layout=layout, fused_kv=True, seed=5,
+                   device=DEV)
+    out, lse = attend(b, "ws")
+    check(b, out, lse, msg=layout)
+    again, lse2 = attend(b, "ws")
+    assert_bitwise_equal(again, out)
+    assert_bitwise_equal(lse2, lse)
+
+
+@pytest.mark.hopper
+def test_ws_refuses_misaligned_rows(make_batch, raises):
+    """A q whose rows are not 16-byte aligned is refused by name, not read wrongly."""
+    b = make_batch([("draft9", 100)], H=6, Hkv=1, D=64, seed=4, device=DEV)
+    wide = torch.zeros(b.T, b.H, 65, dtype=b.q.dtype, device=DEV)
+    wide[..., 1:].copy_(b.q)
+    q = wide[..., 1:]
+    with raises("16 bytes"):
+        tree_attn.tree_attention(q, b.k_cache, b.v_cache, *b.args()[3:], **b.new_kw(), variant="ws")

@@ -8,8 +8,8 @@ root, each node hangs off one of the 5 nodes before it (seeded).
 
 Groups (baseline variant in brackets):
 * `B1-N32-L{1k,4k,32k,128k}` [flex]: batch 1, one 32-node tree over a prefix of L tokens.
-  "wgmma" / "mma": tree_attn.run on a plan made in setup (tree_attn.plan is the host step, not timed;
-  run is CUDA-graph timed); "wgmma" only on sm_90. "tree_attention" (L = 32k only): the one-call API
+  "wgmma" / "mma" / "ws": tree_attn.run on a plan made in setup (tree_attn.plan is the host step, not timed;
+  run is CUDA-graph timed); "wgmma" and "ws" (the warp-specialised CUDA C++ kernel) only on sm_90. "tree_attention" (L = 32k only): the one-call API
   (plan + run, host syncs, eager CUDA events), so the plan's cost shows; "tree_attention-kept": the same with
   `keep_plan=True`, as the layers of one decoding step call it (the step's same metadata tensors in every call:
   the first call plans, the others run on its kept plan). "sdpa-mask": F.scaled_dot_product_attention
@@ -191,7 +191,7 @@ def _case(variant: str, spec: _Spec, device: torch.device, shape: str, baseline:
 
 
 def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, seed: int) -> Case:
-    """tree_attn.run on a plan made in setup ("wgmma", "mma"), or the one-call tree_attention ("tree_attention", and
+    """tree_attn.run on a plan made in setup ("wgmma", "mma", "ws"), or the one-call tree_attention ("tree_attention", and
     "tree_attention-kept" with keep_plan=True)."""
 
     def setup() -> Prepared:
@@ -342,6 +342,8 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     cuda = device.type == "cuda"
     wgmma = not cuda or torch.cuda.get_device_capability(device)[0] == 9
     kernels = ("wgmma", "mma") if wgmma else ("mma",)
+    if cuda and wgmma:  # the warp-specialised CUDA C++ kernel (sm_90)
+        kernels += ("ws",)
     host = device.type == "cpu" and not autotune.is_interpreter()  # a CPU without the interpreter: the torch reference
     if host:
         kernels = ("reference",)

@@ -1,0 +1,221 @@
+"""CPU checks of the warp-specialised CUDA C++ kernel (variant "ws", tree_attn/csrc/tree_attn_ws.cu) without a GPU.
+
+1. The layout: every tile the producer writes (16-byte chunks, 128-byte swizzle) reads back through the kernel's
+   wgmma descriptors, as the PTX ISA's canonical layouts define them, as the very matrix written: q and K as K-major
+   operands, V as the transposed (MN-major) B operand, element for element. A wrong stride or a missing swizzle is
+   caught (the check can fail).
+2. The algorithm (ws_emu.emulate_ws): the real schedule with the tree folded into each request's last split, every
+   CTA's consumers on tiles read through the descriptors, the masks, the online softmax, then the merge; against the
+   fp64 reference with the suite's derived bounds, over ragged batches, empty prefixes and trees, idle warpgroups,
+   both cache layouts, nodes in the cache or in k_new, one or two consumers and 32 or 64 keys a block.
+3. NVRTC (no GPU needed) compiles the shipped specialisations for sm_90a: wgmma, setmaxnreg with two consumers,
+   cp.async completing on mbarriers, no local memory; three consumers are refused.
+4. Dispatch: "ws" runs on sm_90 only and says why elsewhere; configs are checked.
+"""
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import tree_attn
+from autotune import jit
+from tree_attn import cuda as tcuda
+from tree_attn import ops
+from tree_attn.configs import WSConfig, _ws_heuristic
+from ws_emu import K_DESC, Q_DESC, V_DESC, SmemTile, emulate_ws
+
+C1 = WSConfig(consumers=1, block_n=64, num_stages=3)
+C2 = WSConfig(consumers=2, block_n=64, num_stages=2)
+C2N32 = WSConfig(consumers=2, block_n=32, num_stages=4)
+
+
+# ------------------------------------------------------------------------------------------ 1. layout
+
+
+def _distinct(rows, d):
+    """A [rows, d] bf16 matrix of distinct bit patterns (row-major index as the 16-bit value)."""
+    return torch.arange(rows * d, dtype=torch.int32).to(torch.int16).view(torch.bfloat16).reshape(rows, d)
+
+
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("cfg", [C1, C2, C2N32], ids=["c1n64", "c2n64", "c2n32"])
+def test_tiles_read_back_through_the_descriptors(cfg, d):
+    rows, bn = cfg.block_m, cfg.block_n
+    x = _distinct(rows, d)
+    q = SmemTile(rows, d)
+    q.write_rows(x)
+    bits = x.view(torch.int16)
+    for w in range(cfg.consumers):
+        for k in range(d // 16):
+            start, _, sbo = Q_DESC(w, k, rows)
+            assert torch.equal(q.read_k_major(start, sbo, 64), bits[64 * w:64 * w + 64, 16 * k:16 * k + 16]), (w, k)
+    kv = _distinct(bn, d)
+    t = SmemTile(bn, d)
+    t.write_rows(kv)
+    kbits = kv.view(torch.int16)
+    for k in range(d // 16):
+        start, _, sbo = K_DESC(k, bn)
+        assert torch.equal(t.read_k_major(start, sbo, bn), kbits[:, 16 * k:16 * k + 16]), k
+    for kk in range(bn // 16):
+        for cb in range(d // 64):
+            start, lbo, sbo = V_DESC(kk, cb, bn)
+            assert torch.equal(t.read_mn_major(start, lbo, sbo, 64), kbits[16 * kk:16 * kk + 16, 64 * cb:64 * cb + 64])
+        # one descriptor for all D columns (an n = D wgmma) reads the same through the leading byte offset
+        start, lbo, sbo = V_DESC(kk, 0, bn)
+        assert torch.equal(t.read_mn_major(start, lbo, sbo, d), kbits[16 * kk:16 * kk + 16, :])
+
+
+def test_layout_check_can_fail():
+    """A wrong stride byte offset, or a tile written without the swizzle, does not read back."""
+    x = _distinct(64, 128)
+    t = SmemTile(64, 128)
+    t.write_rows(x)
+    bits = x.view(torch.int16)
+    start, _, _ = K_DESC(1, 64)
+    assert not torch.equal(t.read_k_major(start, 512, 64), bits[:, 16:32])
+    plain = SmemTile(64, 128)
+    plain.mem = x.view(torch.int16).reshape(64, 2, 64).transpose(0, 1).reshape(-1).clone()  # [D/64][rows][128 B]
+    start, _, sbo = K_DESC(1, 64)
+    assert not torch.equal(plain.read_k_major(start, sbo, 64), bits[:, 16:32])
+
+
+def test_source_states_the_emulated_layout():
+    """The emulation restates the kernel's tile offsets and descriptors; the source must still say the same."""
+    src = tcuda.SOURCE.read_text()
+    for text in ("(c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4)",
+                 "(K >> 2) * TA_ROWS * 128 + (K & 3) * 32, (K >> 2) * TA_BN * 128 + (K & 3) * 32",
+                 "desc128(qa, 16, 1024), desc128(ks, 16, 1024)",
+                 "const uint32_t qa = qs + w * 64 * 128;",
+                 "wgmma_o<cb * TA_BN * 128 + kk * 2048>",
+                 "desc128(vs, TA_BN * 128, 1024)",
+                 "(1ull << 62)"):
+        assert text in src, f"tree_attn_ws.cu no longer says {text!r}: update tests/tree_attn/ws_emu.py with it"
+
+
+# --------------------------------------------------------------------------------------- 2. algorithm
+
+_CASES = {
+    # a 32-node draft tree at G = 6: 192 rows, two groups of 128, the second's second warpgroup idle
+    "draft32-g6": dict(requests=[("draft32", 45)], H=6, Hkv=1),
+    # ragged batch: empty prefix, empty tree, a chain, a forest; several splits per request (target 8)
+    "ragged": dict(requests=[("rand13", 0), ("empty", 5), ("chain7", 70), ("forest6", 33), ("single", 1)], H=4,
+                   Hkv=2),
+    # 64 nodes at G = 2: 128 rows, one full group (two consumers) or two (one)
+    "nodes64": dict(requests=[("rand64", 20)], H=2, Hkv=1),
+    # a child listed before its parent and an ancestor-closed DAG
+    "child-first": dict(requests=[("child-first9", 17), ("dag4", 3)], H=2, Hkv=1),
+}
+
+
+@pytest.mark.parametrize("nodes_in_cache", [False, True], ids=["k_new", "in-cache"])
+@pytest.mark.parametrize("layout", ["slot", "paged"])
+@pytest.mark.parametrize("cfg", [C1, C2, C2N32], ids=["c1n64", "c2n64", "c2n32"])
+@pytest.mark.parametrize("case", sorted(_CASES))
+def test_emulation_matches_reference(case, cfg, layout, nodes_in_cache, make_batch, check):
+    kw = _CASES[case]
+    b = make_batch(kw["requests"], H=kw["H"], Hkv=kw["Hkv"], D=64, layout=layout, nodes_in_cache=nodes_in_cache,
+                   seed=len(case))
+    out, lse, items = emulate_ws(b, cfg, target=8)
+    check(b, out, lse, msg=f"{case}/{cfg.consumers}x{cfg.block_n}/{layout}")
+    assert (items[:, 2] >= 0).all(), "the ws schedule has no tree items of its own"
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
+def test_emulation_head_dim_256_peaked(dtype, make_batch, check):
+    """D = 256 (the hybrid-27b head), peaked scores, fp16 and bf16."""
+    b = make_batch([("draft9", 40)], H=6, Hkv=1, D=256, dtype=dtype, q_scale=4.0, seed=3)
+    out, lse, _ = emulate_ws(b, C2, target=2)
+    check(b, out, lse, msg=str(dtype))
+
+
+def test_schedule_folds_the_tree_into_the_last_split():
+    """Per request and group: splits cover [prefix start, prefix end) in order, the last ends at the prefix's end
+    (it takes the tree), a request without prefix keys has one item with lo = hi; the table counts the splits."""
+    qo = [0, 5, 5, 37, 38]
+    kv = [0, 100, 107, 107, 300]  # request 2 has no prefix keys
+    items, table, _, split_len, used = ops._schedule("t", qo, kv, False, 6, C2, 16, None)
+    items = items[:used].tolist()
+    for r in range(4):
+        n = qo[r + 1] - qo[r]
+        mine = [it for it in items if it[0] == r]
+        if n == 0:
+            assert not mine and table[r].tolist() == [0, 0, 0]
+            continue
+        groups = -(-n * 6 // 128)
+        first, parts, g = table[r].tolist()
+        assert g == groups and items[first][0] == r and len(mine) == parts * groups
+        for grp in range(groups):
+            ranges = [(lo, hi) for rr, gg, lo, hi in mine if gg == grp]
+            assert ranges[0][0] == kv[r] and ranges[-1][1] == kv[r + 1]
+            assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
+            assert all(hi - lo <= split_len for lo, hi in ranges)
+    assert [it for it in items if it[0] == 2] == [[2, g, 107, 107] for g in range(2)]
+
+
+def test_schedule_capacity_counts_folded_items():
+    """A fixed capacity counts one item per split and group (no tree items): exactly enough fits."""
+    qo, kv = [0, 8], [0, 512]
+    _, _, _, _, used = ops._schedule("t", qo, kv, False, 6, C1, 4, None)
+    items, _, _, _, used2 = ops._schedule("t", qo, kv, False, 6, C1, 4, used)
+    assert used2 == used and items.shape[0] == used
+
+
+# --------------------------------------------------------------------------------------------- 3. NVRTC
+
+
+@pytest.mark.parametrize("new", [False, True], ids=["in-cache", "k_new"])
+@pytest.mark.parametrize("f16", [False, True], ids=["bf16", "fp16"])
+@pytest.mark.parametrize("d", [64, 128, 256])
+@pytest.mark.parametrize("rows", [48, 192], ids=["one-consumer", "two-consumers"])
+def test_shipped_builds_compile_for_sm90a(rows, d, f16, new):
+    cfg = _ws_heuristic(rows)
+    b = tcuda.spec(cfg, d, 6, f16=f16, new=new).compile()
+    res = b.resources()
+    assert res["stack"] == 0 and res["spill_stores"] == 0 and res["spill_loads"] == 0, res
+    log = b.log.read_text()
+    assert "C7512" not in log, "ptxas serialised the wgmma (not enough registers)"
+    ptx = b.ptx.read_text()
+    assert "wgmma.mma_async.sync.aligned.m64n64k16.f32" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
+    assert ("setmaxnreg" in ptx) == (cfg.consumers == 2)
+    assert (".f16.f16" in ptx) == f16
+
+
+def test_three_consumers_do_not_build():
+    with pytest.raises(jit.BuildError, match="1 or 2 consumer warpgroups"):
+        tcuda.spec(WSConfig(consumers=3, block_n=32, num_stages=4, producer_regs=32, consumer_regs=160), 256,
+                   6).compile()
+
+
+@pytest.mark.parametrize("cfg, why", [
+    (WSConfig(consumers=3), "consumers=3"),
+    (WSConfig(block_n=128), "block_n=128"),
+    (WSConfig(num_stages=1), "num_stages=1"),
+    (WSConfig(producer_regs=64, consumer_regs=232), "registers"),
+    (WSConfig(consumers=2, num_stages=3), "shared memory"),
+])
+def test_config_problems(cfg, why):
+    assert why in tcuda.config_problem(cfg, 256)
+    assert tcuda.config_problem(C2, 256) is None and tcuda.config_problem(C1, 256) is None
+
+
+def test_heuristic_smem_fits():
+    for rows in (8, 64, 65, 384):
+        for d in (64, 128, 256):
+            assert _ws_heuristic(rows).smem_bytes(d) <= 227 << 10
+
+
+def test_smem_bytes_match_the_kernel():
+    """WSConfig.smem_bytes is the kernel's own count (the global it exports, read from the CUBIN's source)."""
+    src = Path(tcuda.SOURCE).read_text()
+    assert "tree_attn_ws_smem_bytes = BAR_OFF + 16 * TA_STAGES + 8" in src
+    assert C2.smem_bytes(256) == 256 * 2 * (128 + 2 * 2 * 64) + 16 * 2 + 8
+
+
+# ------------------------------------------------------------------------------------------ 4. dispatch
+
+
+def test_ws_on_the_cpu_says_why(make_batch, raises):
+    b = make_batch([("draft9", 12)], H=2, Hkv=1, D=64)
+    with raises("variant 'ws'"):
+        tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw(variant="ws"))

@@ -1,0 +1,477 @@
+// Warp-specialised split-KV tree attention for sm_90a (wgmma, cp.async, mbarriers).
+//
+// One CTA per (work item, KV head). A work item is a group of C row tiles of one request (C consumer
+// warpgroups, 64 rows each; rows are (tree node, query head of the GQA group) pairs packed node-major, as in the
+// Triton kernel) and a range [lo, hi) of the request's prefix slots in kv_indices. The item whose range ends where
+// the request's prefix ends also takes the tree block: the request's own nodes as keys under the ancestor mask,
+// after its prefix keys. The row tiles of a group read the same K/V tiles from shared memory. A warpgroup whose 64
+// rows are all past the request's last node (the second tile of a 192-row request's last group) only releases
+// the stages.
+//
+// Warpgroup 0 is the producer: its 128 threads gather K/V rows (any slot order: a token-slot or paged cache) with
+// 16-byte cp.async into a ring of TA_STAGES stages, each completing on the stage's "full" mbarrier through
+// cp.async.mbarrier.arrive.noinc, and the q rows of the group once, on the "q" mbarrier. Warpgroups 1..C consume:
+// per key block of TA_BN keys, S = Q K^T by wgmma (both operands in shared memory), the online softmax in base 2
+// on S's registers (scores scaled by sm_scale log2(e); masks on the ragged last prefix block and on the tree
+// block only), P rounded to the operand dtype in registers as the A operand of O += P V (wgmma, V transposed by
+// the descriptor), then the stage is released on its "empty" mbarrier. The partial output, normalised, and its
+// base-2 log-sum-exp go to the workspace; tree_attn's merge kernel combines the splits.
+//
+// Shared memory: every tile is stored as D / 64 column blocks of [rows][128 bytes] with the 128-byte swizzle
+// (16-byte chunk c of row r at chunk c ^ (r % 8); every block 1024-byte aligned): q [D/64][C 64][128 B], and per
+// stage K and V [D/64][BN][128 B]. Q and K are K-major operands (descriptor: start + 32 bytes per k-step inside a
+// column block, stride byte offset 1024 between 8-row groups); V is the B operand of P V in the MN-major form
+// (leading byte offset BN 128 between 64-column blocks, stride byte offset 1024 between 8-key groups).
+//
+// Registers: the O accumulator of a consumer thread is D / 2 fp32 values (128 at D = 256) and S's BN / 2; setmaxnreg
+// moves registers from the producer to the consumers (C = 2: 56 / 216; ptxas's report: no spills). Three consumer
+// warpgroups (192 rows, 160 registers each) do not fit at D = 256: ptxas then keeps S in the first 16 of O's
+// registers, spilling and reloading them around every wgmma, and serialises the wgmma (its C7512 note).
+//
+// Trusts the plan: slot indices were range-checked by tree_attn.plan, items hold ranges inside the request's
+// kv_indices, and every node sees itself.
+
+#include <cuda_bf16.h>
+#include <cuda_fp16.h>
+#ifdef __CUDACC_RTC__
+// NVRTC has no C library headers
+typedef unsigned char uint8_t;
+typedef unsigned int uint32_t;
+typedef unsigned long long uint64_t;
+#else
+#include <stdint.h>
+#endif
+
+#ifndef TA_C
+#define TA_C 2  // consumer warpgroups (row tiles of 64 per item): 1 or 2
+#endif
+#ifndef TA_BN
+#define TA_BN 64  // keys per block: 32 or 64
+#endif
+#ifndef TA_STAGES
+#define TA_STAGES 2  // K/V ring stages
+#endif
+#ifndef TA_D
+#define TA_D 256  // head dim: 64, 128 or 256
+#endif
+#ifndef TA_G
+#define TA_G 6  // query heads per KV head
+#endif
+#ifndef TA_F16
+#define TA_F16 0  // q, k, v in fp16 (else bf16)
+#endif
+#ifndef TA_NEW
+#define TA_NEW 0  // the nodes' keys and values in k_new / v_new (else in the cache, after the prefix slots)
+#endif
+// registers after setmaxnreg (C >= 2): producer and consumer warpgroups, 128 (TA_PREGS + C TA_CREGS) <= 65536
+#ifndef TA_PREGS
+#define TA_PREGS 56
+#endif
+#ifndef TA_CREGS
+#define TA_CREGS 216
+#endif
+#ifndef TA_FENCE
+#define TA_FENCE 1  // consumers order the producer's cp.async writes before their wgmma (fence.proxy.async)
+#endif
+
+#define TA_INF __int_as_float(0x7f800000)
+#define TA_ROWS (64 * TA_C)
+#define TA_DB (TA_D / 64)
+#define TA_THREADS (128 * (TA_C + 1))
+
+static_assert(TA_C == 1 || TA_C == 2, "1 or 2 consumer warpgroups (3 do not fit: see the header)");
+static_assert(TA_BN == 32 || TA_BN == 64, "32 or 64 keys per block");
+static_assert(TA_D == 64 || TA_D == 128 || TA_D == 256, "head dim 64, 128 or 256");
+static_assert(TA_C == 1 || 128 * (TA_PREGS + TA_C * TA_CREGS) <= 65536, "setmaxnreg: the register file");
+static_assert(TA_PREGS % 8 == 0 && TA_CREGS % 8 == 0 && TA_PREGS >= 24 && TA_CREGS <= 256, "setmaxnreg counts");
+static_assert(TA_STAGES >= 2 && TA_STAGES <= 8, "2 to 8 stages");
+
+#if TA_F16
+typedef __half elem_t;
+#define TA_TYPE "f16"
+#else
+typedef __nv_bfloat16 elem_t;
+#define TA_TYPE "bf16"
+#endif
+#if TA_BN == 32
+typedef uint32_t mword_t;  // a row's ancestor bits of one key block, from this thread's first column on
+#else
+typedef uint64_t mword_t;
+#endif
+
+namespace {
+
+constexpr uint32_t Q_BYTES = TA_DB * TA_ROWS * 128;
+constexpr uint32_t KV_BYTES = TA_DB * TA_BN * 128;  // one of K or V, one stage
+constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
+constexpr uint32_t BAR_OFF = Q_BYTES + TA_STAGES * STAGE_BYTES;  // full[S], empty[S], q
+
+__device__ __forceinline__ uint32_t smem_u32(const void* p) {
+  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
+}
+
+__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
+  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
+}
+
+__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
+  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+
+__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
+  asm volatile(
+      "{\n"
+      ".reg .pred p;\n"
+      "TA_WAIT:\n"
+      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
+      "@!p bra TA_WAIT;\n"
+      "}\n" ::"r"(bar),
+      "r"(parity)
+      : "memory");
+}
+
+// 16 bytes global -> shared; `bytes` 0 fills the chunk with zeros and reads nothing
+__device__ __forceinline__ void cp16(uint32_t dst, const void* src, uint32_t bytes) {
+  asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+}
+
+// the stage's mbarrier counts one arrival of this thread when its earlier cp.async copies have landed
+__device__ __forceinline__ void cp_arrive(uint32_t bar) {
+  asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
+}
+
+// byte offset of 16-byte chunk c (0..D/8-1) of row r in a [D/64][rows][128 B] swizzled tile
+__device__ __forceinline__ uint32_t tile_off(int r, int c, int rows) {
+  return (uint32_t)((c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+}
+
+// wgmma shared-memory descriptor, 128-byte swizzle
+__device__ __forceinline__ uint64_t desc128(uint32_t addr, uint32_t lbo, uint32_t sbo) {
+  return (uint64_t)((addr & 0x3FFFFu) >> 4) | ((uint64_t)(lbo >> 4) << 16) | ((uint64_t)(sbo >> 4) << 32) |
+         (1ull << 62);
+}
+
+// S[64 x BN] (+)= A(desc) B(desc)^T, one k-step; both K-major. The k-step's descriptors are the bases plus
+// immediates added inside the asm, so that only the two bases are live across the unrolled k-steps (descriptors
+// computed ahead by the compiler would hold 4 registers a k-step).
+template <uint32_t OA, uint32_t OB, int ACC>
+__device__ __forceinline__ void wgmma_s(float (&s)[TA_BN / 2], uint64_t da, uint64_t db) {
+#if TA_BN == 32
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 a, b;\nsetp.ne.b32 p, %18, 0;\nadd.s64 a, %16, %19;\nadd.s64 b, %17, %20;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TA_TYPE "." TA_TYPE
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, a, b, p, 1, 1, 0, 0;\n}"
+      : "+f"(s[0]), "+f"(s[1]), "+f"(s[2]), "+f"(s[3]), "+f"(s[4]), "+f"(s[5]), "+f"(s[6]), "+f"(s[7]),
+        "+f"(s[8]), "+f"(s[9]), "+f"(s[10]), "+f"(s[11]), "+f"(s[12]), "+f"(s[13]), "+f"(s[14]), "+f"(s[15])
+      : "l"(da), "l"(db), "n"(ACC), "n"(OA >> 4), "n"(OB >> 4));
+#else
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 a, b;\nsetp.ne.b32 p, %34, 0;\nadd.s64 a, %32, %35;\nadd.s64 b, %33, %36;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TA_TYPE "." TA_TYPE
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, a, b, p, 1, 1, 0, 0;\n}"
+      : "+f"(s[0]), "+f"(s[1]), "+f"(s[2]), "+f"(s[3]), "+f"(s[4]), "+f"(s[5]), "+f"(s[6]), "+f"(s[7]),
+        "+f"(s[8]), "+f"(s[9]), "+f"(s[10]), "+f"(s[11]), "+f"(s[12]), "+f"(s[13]), "+f"(s[14]), "+f"(s[15]),
+        "+f"(s[16]), "+f"(s[17]), "+f"(s[18]), "+f"(s[19]), "+f"(s[20]), "+f"(s[21]), "+f"(s[22]), "+f"(s[23]),
+        "+f"(s[24]), "+f"(s[25]), "+f"(s[26]), "+f"(s[27]), "+f"(s[28]), "+f"(s[29]), "+f"(s[30]), "+f"(s[31])
+      : "l"(da), "l"(db), "n"(ACC), "n"(OA >> 4), "n"(OB >> 4));
+#endif
+}
+
+// o[64 x 64] += P(registers, 16 keys) V(desc + OB, MN-major: 16 keys x 64 columns), one k-step of one column block
+template <uint32_t OB>
+__device__ __forceinline__ void wgmma_o(float* o, const uint32_t (&a)[4], uint64_t db) {
+  asm volatile(
+      "{\n.reg .b64 b;\nadd.s64 b, %36, %37;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TA_TYPE "." TA_TYPE
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, b, 1, 1, 1, 1;\n}"
+      : "+f"(o[0]), "+f"(o[1]), "+f"(o[2]), "+f"(o[3]), "+f"(o[4]), "+f"(o[5]), "+f"(o[6]), "+f"(o[7]),
+        "+f"(o[8]), "+f"(o[9]), "+f"(o[10]), "+f"(o[11]), "+f"(o[12]), "+f"(o[13]), "+f"(o[14]), "+f"(o[15]),
+        "+f"(o[16]), "+f"(o[17]), "+f"(o[18]), "+f"(o[19]), "+f"(o[20]), "+f"(o[21]), "+f"(o[22]), "+f"(o[23]),
+        "+f"(o[24]), "+f"(o[25]), "+f"(o[26]), "+f"(o[27]), "+f"(o[28]), "+f"(o[29]), "+f"(o[30]), "+f"(o[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(OB >> 4));
+}
+
+// the unrolled k-steps of S = Q K^T (k-step k: column block k / 4, 32 bytes a step inside it) and of O += P V
+template <int K>
+__device__ __forceinline__ void s_steps(float (&s)[TA_BN / 2], uint64_t dq, uint64_t dk) {
+  if constexpr (K < TA_D / 16) {
+    wgmma_s<(K >> 2) * TA_ROWS * 128 + (K & 3) * 32, (K >> 2) * TA_BN * 128 + (K & 3) * 32, (K > 0)>(s, dq, dk);
+    s_steps<K + 1>(s, dq, dk);
+  }
+}
+template <int I>
+__device__ __forceinline__ void o_steps(float (&o)[TA_D / 2], const uint32_t (&pa)[TA_BN / 16][4], uint64_t dv) {
+  if constexpr (I < (TA_BN / 16) * TA_DB) {
+    constexpr int kk = I / TA_DB, cb = I % TA_DB;  // 16 keys kk, 64 columns cb
+    wgmma_o<cb * TA_BN * 128 + kk * 2048>(o + 32 * cb, pa[kk], dv);
+    o_steps<I + 1>(o, pa, dv);
+  }
+}
+
+// accumulators an asynchronous wgmma writes: kept in place and unread until it is waited for
+template <int N>
+__device__ __forceinline__ void keep(float (&d)[N]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i) asm volatile("" : "+f"(d[i])::"memory");
+}
+template <int N>
+__device__ __forceinline__ void keep(uint32_t (&d)[N][4]) {
+#pragma unroll
+  for (int i = 0; i < N; ++i)
+#pragma unroll
+    for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(d[i][j])::"memory");
+}
+
+__device__ __forceinline__ float ex2(float x) {
+  float y;
+  asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
+  return y;
+}
+
+__device__ __forceinline__ uint32_t pack2(float lo, float hi) {
+#if TA_F16
+  __half2 h = __floats2half2_rn(lo, hi);
+#else
+  __nv_bfloat162 h = __floats2bfloat162_rn(lo, hi);
+#endif
+  return *reinterpret_cast<uint32_t*>(&h);
+}
+
+// a key row of the cache: token slot `slot`, KV head offset `head` (elements)
+__device__ __forceinline__ const elem_t* cache_row(const elem_t* base, long long slot, int page, long long s_page,
+                                                   long long s_off, long long head) {
+  if (page == 1) return base + slot * s_page + head;
+  return base + (slot / page) * s_page + (slot % page) * s_off + head;
+}
+
+}  // namespace
+
+extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
+    const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
+    const elem_t* __restrict__ k_new, const elem_t* __restrict__ v_new, const int* __restrict__ qo_indptr,
+    const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices, const long long* __restrict__ tree_mask,
+    const int* __restrict__ items, float* __restrict__ po, float* __restrict__ plse, float sm_scale_log2,
+    long long s_qt, long long s_qh, long long s_kp, long long s_ko, long long s_kh, long long s_vp, long long s_vo,
+    long long s_vh, long long s_knt, long long s_knh, long long s_vnt, long long s_vnh, int page) {
+  extern __shared__ __align__(1024) uint8_t smem[];
+  const int item = blockIdx.x, hk = blockIdx.y;
+  const int req = items[4 * item];
+  if (req < 0) return;  // an unused slot of a fixed-capacity schedule
+  const int group = items[4 * item + 1], lo = items[4 * item + 2], hi = items[4 * item + 3];
+  const int q0 = qo_indptr[req], n = qo_indptr[req + 1] - q0;
+  const int prefix_end = kv_indptr[req + 1] - (TA_NEW ? 0 : n);
+  const bool tree = hi == prefix_end;  // this item also takes the tree block
+  const int np = hi - lo;              // prefix keys
+  const int nbp = (np + TA_BN - 1) / TA_BN;
+  const int nb = nbp + (tree ? (n + TA_BN - 1) / TA_BN : 0);  // key blocks: prefix, then tree
+
+  const uint32_t base = smem_u32(smem);
+  const uint32_t qs = base, ring = base + Q_BYTES, bars = base + BAR_OFF;
+  const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
+  if (tid == 0) {
+    for (int s = 0; s < TA_STAGES; ++s) {
+      mbar_init(bars + 8 * s, 128);                   // full: every producer thread
+      mbar_init(bars + 8 * (TA_STAGES + s), 4 * TA_C);  // empty: lane 0 of every consumer warp
+    }
+    mbar_init(bars + 16 * TA_STAGES, 128);  // q
+    asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
+  }
+  __syncthreads();
+
+  if (wg == 0) {
+    // ---------------------------------------------------------------- producer
+#if TA_C > 1
+    asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(TA_PREGS));
+#endif
+    constexpr int CH = TA_D / 8, RP = 128 / CH;  // 16-byte chunks per row, rows per pass of the 128 threads
+    const int r0 = t / CH, cc = t % CH;           // this thread: chunk cc of rows r0, r0 + RP, ...
+    // q rows of the group: row m -> node (group 64 C + m) / G, head hk G + (group 64 C + m) % G
+    for (int r = r0; r < TA_ROWS; r += RP) {
+      const int m = group * TA_ROWS + r, node = m / TA_G;
+      const bool ok = node < n;
+      const elem_t* src = q + (ok ? (long long)(q0 + node) * s_qt + (long long)(hk * TA_G + m % TA_G) * s_qh : 0) +
+                          cc * 8;
+      cp16(qs + tile_off(r, cc, TA_ROWS), src, ok ? 16u : 0u);
+    }
+    cp_arrive(bars + 16 * TA_STAGES);
+    for (int b = 0; b < nb; ++b) {
+      const int s = b % TA_STAGES;
+      if (b >= TA_STAGES) mbar_wait(bars + 8 * (TA_STAGES + s), ((b / TA_STAGES) + 1) & 1);
+      const uint32_t ks = ring + s * STAGE_BYTES, vs = ks + KV_BYTES;
+      for (int j = r0; j < TA_BN; j += RP) {
+        const elem_t *kr = k_cache, *vr = v_cache;
+        bool ok;
+        if (b < nbp) {
+          const int at = lo + b * TA_BN + j;
+          ok = at < hi;
+          if (ok) {
+            const long long slot = kv_indices[at];
+            kr = cache_row(k_cache, slot, page, s_kp, s_ko, hk * s_kh);
+            vr = cache_row(v_cache, slot, page, s_vp, s_vo, hk * s_vh);
+          }
+        } else {
+          const int node = (b - nbp) * TA_BN + j;
+          ok = node < n;
+          if (ok) {
+#if TA_NEW
+            kr = k_new + (long long)(q0 + node) * s_knt + hk * s_knh;
+            vr = v_new + (long long)(q0 + node) * s_vnt + hk * s_vnh;
+#else
+            const long long slot = kv_indices[prefix_end + node];
+            kr = cache_row(k_cache, slot, page, s_kp, s_ko, hk * s_kh);
+            vr = cache_row(v_cache, slot, page, s_vp, s_vo, hk * s_vh);
+#endif
+          }
+        }
+        cp16(ks + tile_off(j, cc, TA_BN), kr + cc * 8, ok ? 16u : 0u);
+        cp16(vs + tile_off(j, cc, TA_BN), vr + cc * 8, ok ? 16u : 0u);
+      }
+      cp_arrive(bars + 8 * s);
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    return;
+  }
+
+  // ------------------------------------------------------------------ consumers
+#if TA_C > 1
+  asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(TA_CREGS));
+#endif
+  const int w = wg - 1, warp = t / 32, lane = t % 32;
+  const int row_a = 64 * w + 16 * warp + lane / 4;  // this thread's rows: row_a and row_a + 8 of the group
+  if (group * TA_ROWS + 64 * w >= n * TA_G) {  // no row of this warpgroup is a (node, head) pair
+    for (int b = 0; b < nb; ++b) {
+      const int s = b % TA_STAGES;
+      mbar_wait(bars + 8 * s, (b / TA_STAGES) & 1);
+      if (lane == 0) mbar_arrive(bars + 8 * (TA_STAGES + s));
+    }
+    return;
+  }
+  float o[TA_D / 2];
+#pragma unroll
+  for (int i = 0; i < TA_D / 2; ++i) o[i] = 0.f;
+  float m_run[2] = {-TA_INF, -TA_INF}, l_run[2] = {0.f, 0.f};
+
+  mbar_wait(bars + 16 * TA_STAGES, 0);
+  const uint32_t qa = qs + w * 64 * 128;  // this warpgroup's 64 rows in every column block
+
+  for (int b = 0; b < nb; ++b) {
+    const int s = b % TA_STAGES;
+    mbar_wait(bars + 8 * s, (b / TA_STAGES) & 1);
+#if TA_FENCE
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
+    const uint32_t ks = ring + s * STAGE_BYTES, vs = ks + KV_BYTES;
+
+    float sc[TA_BN / 2];
+#pragma unroll
+    for (int i = 0; i < TA_BN / 2; ++i) sc[i] = 0.f;
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    s_steps<0>(sc, desc128(qa, 16, 1024), desc128(ks, 16, 1024));
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    keep(sc);
+
+    // ---- online softmax in base 2 over this block's keys
+    // sc[4 j + i]: row row_a + 8 (i / 2), key 8 j + 2 (lane % 4) + i % 2 of the block
+    const bool ragged = b == nbp - 1 && (np % TA_BN) != 0;
+    const bool in_tree = b >= nbp;
+    const int key0 = in_tree ? (b - nbp) * TA_BN : b * TA_BN;
+    float mx[2] = {m_run[0], m_run[1]};
+    if (ragged || in_tree) {
+      // column 8 j + e (e = 0, 1) of this thread is key key0 + 2 (lane % 4) + 8 j + e: seen when below the limit
+      // and, in the tree block, when its bit is set in the row's ancestor word (shifted so the test is by a constant)
+      const int sh = key0 + 2 * (lane % 4), rem = (in_tree ? n : np) - sh;
+      mword_t bits[2] = {~(mword_t)0, ~(mword_t)0};
+      if (in_tree) {
+#pragma unroll
+        for (int h = 0; h < 2; ++h) {
+          const int node = (group * TA_ROWS + row_a + 8 * h) / TA_G;
+          bits[h] = node < n ? (mword_t)((unsigned long long)tree_mask[q0 + node] >> sh) : 0;
+        }
+      }
+#pragma unroll
+      for (int j = 0; j < TA_BN / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const int e = 8 * j + (i % 2);
+          const bool seen = e < rem && ((bits[i / 2] >> e) & 1);
+          const float x = seen ? sc[4 * j + i] * sm_scale_log2 : -TA_INF;
+          sc[4 * j + i] = x;
+          mx[i / 2] = fmaxf(mx[i / 2], x);
+        }
+    } else {
+#pragma unroll
+      for (int j = 0; j < TA_BN / 8; ++j)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) {
+          const float x = sc[4 * j + i] * sm_scale_log2;
+          sc[4 * j + i] = x;
+          mx[i / 2] = fmaxf(mx[i / 2], x);
+        }
+    }
+    float alpha[2], mu[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
+      mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
+      mu[h] = mx[h] == -TA_INF ? 0.f : mx[h];  // a row that has seen nothing yet stays finite
+      alpha[h] = ex2(m_run[h] - mu[h]);
+      m_run[h] = mx[h];
+      l_run[h] *= alpha[h];
+    }
+    uint32_t pa[TA_BN / 16][4];
+#pragma unroll
+    for (int j = 0; j < TA_BN / 8; ++j) {
+      float p[4];
+#pragma unroll
+      for (int i = 0; i < 4; ++i) {
+        p[i] = ex2(sc[4 * j + i] - mu[i / 2]);
+        l_run[i / 2] += p[i];
+      }
+      // A fragment of k-step j / 2: rows (g, g + 8) x keys (2 (lane % 4), + 8) of its 16
+      pa[j / 2][2 * (j % 2) + 0] = pack2(p[0], p[1]);
+      pa[j / 2][2 * (j % 2) + 1] = pack2(p[2], p[3]);
+    }
+#pragma unroll
+    for (int j = 0; j < TA_D / 8; ++j) {
+      o[4 * j + 0] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
+    }
+
+    // ---- O += P V
+    asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+    keep(o);
+    keep(pa);
+    o_steps<0>(o, pa, desc128(vs, TA_BN * 128, 1024));
+    asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    keep(o);
+    keep(pa);
+    if (lane == 0) mbar_arrive(bars + 8 * (TA_STAGES + s));
+  }
+
+  // ---- the partial: O / l and m + log2(l), rows of the group
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
+    l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
+  }
+  const float inv[2] = {l_run[0] > 0.f ? 1.f / l_run[0] : 0.f, l_run[1] > 0.f ? 1.f / l_run[1] : 0.f};
+  const long long row0 = ((long long)item * gridDim.y + hk) * TA_ROWS;
+#pragma unroll
+  for (int h = 0; h < 2; ++h) {
+    const long long row = row0 + row_a + 8 * h;
+    float* dst = po + row * TA_D + 2 * (lane % 4);
+#pragma unroll
+    for (int j = 0; j < TA_D / 8; ++j)
+      *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
+    if (lane % 4 == 0) plse[row] = (l_run[h] > 0.f ? m_run[h] : 0.f) + log2f(l_run[h] > 0.f ? l_run[h] : 1.f);
+  }
+}
+
+// shared memory bytes of this build (read by the launch layer)
+extern "C" __device__ const uint32_t tree_attn_ws_smem_bytes = BAR_OFF + 16 * TA_STAGES + 8;
