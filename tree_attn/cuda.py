@@ -93,8 +93,8 @@ def _kernel(key: tuple) -> tuple[jit.Kernel, int]:
     return _KERNELS.get_or_make(key, lambda: _load(*key))
 
 
-def _load(cfg, head_dim, group, f16, new, idx) -> tuple[jit.Kernel, int]:
-    kernel = spec(cfg, head_dim, group, f16=f16, new=new).load(idx)
+def _load(cfg, head_dim, group, f16, new, defines, idx) -> tuple[jit.Kernel, int]:
+    kernel = spec(cfg, head_dim, group, f16=f16, new=new, defines=dict(defines)).load(idx)
     smem = kernel.read_global_u32("tree_attn_ws_smem_bytes")
     limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
     if smem > limit:
@@ -110,9 +110,10 @@ _TYPES = (_P,) * 12 + (_F,) + (_L,) * 12 + (_I,)
 
 
 def run(cfg: WSConfig, q, k_cache, v_cache, k_new, v_new, qo_indptr, kv_indptr, kv_indices, tree_mask, items, po, plse,
-        sm_scale_log2: float) -> None:
+        sm_scale_log2: float, defines: Mapping[str, object] | None = None) -> None:
     """The split kernel over the plan's items on torch's current stream: partial outputs and base-2 LSEs into
-    po / plse (`cfg.block_m` rows per item and KV head). Inputs already checked (`unsupported`, `misaligned`)."""
+    po / plse (`cfg.block_m` rows per item and KV head). Inputs already checked (`unsupported`, `misaligned`).
+    `defines`: extra TA_* defines of the build (the GPU tests' layout probes, TA_PROBE)."""
     T, H, D = q.shape
     Hkv = k_cache.shape[-2]
     paged = k_cache.dim() == 4
@@ -125,7 +126,8 @@ def run(cfg: WSConfig, q, k_cache, v_cache, k_new, v_new, qo_indptr, kv_indptr, 
     kns = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1)) if new else (0, 0, 0, 0)
     dev = q.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
-    kernel, smem = _kernel((cfg, D, H // Hkv, q.dtype == torch.float16, new, idx))
+    extra = tuple(sorted((defines or {}).items()))
+    kernel, smem = _kernel((cfg, D, H // Hkv, q.dtype == torch.float16, new, extra, idx))
     values = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kn.data_ptr(), vn.data_ptr(), qo_indptr.data_ptr(),
               kv_indptr.data_ptr(), kv_indices.data_ptr(), tree_mask.data_ptr(), items.data_ptr(), po.data_ptr(),
               plse.data_ptr(), sm_scale_log2, q.stride(0), q.stride(1), *k_strides, *v_strides, *kns, page)

@@ -247,3 +247,36 @@ def test_ws_refuses_misaligned_rows(make_batch, raises):
     q = wide[..., 1:]
     with raises("16 bytes"):
         tree_attn.tree_attention(q, b.k_cache, b.v_cache, *b.args()[3:], **b.new_kw(), variant="ws")
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("nodes, G", [(8, 6), (32, 6)], ids=["one-consumer", "two-consumers"])
+def test_ws_layout_probes(nodes, G, D, make_batch):
+    """The "ws" kernel's shared-memory layouts on their own (builds with TA_PROBE): block 0's S = Q K^T as the
+    consumers hold it against torch's product of the gathered rows, and block 0's V through the transposed
+    descriptor, multiplied by P = [key == row % BN], row for row against the V rows (exact)."""
+    b = make_batch([(f"draft{nodes}", 300)], H=G, Hkv=1, D=D, nodes_in_cache=True, seed=21, device=DEV)
+    plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw(variant="ws"))
+    cfg = plan.dispatch.config
+    item = plan.items[0].tolist()
+    assert item[:3] == [0, 0, 0], item
+    rows, bn = cfg.block_m, cfg.block_n
+    m = torch.arange(rows, device=DEV)
+    valid = m // G < nodes
+    q_rows = torch.zeros(rows, D, device=DEV)
+    q_rows[valid] = b.q[(m // G)[valid], (m % G)[valid]].float()
+    slots = b.kv_indices[:bn].long()
+    k_rows, v_rows = b.k_cache[slots, 0].float(), b.v_cache[slots, 0].float()
+    for probe in (1, 2):
+        plan.po.fill_(float("nan"))
+        tree_attn.cuda.run(cfg, b.q, b.k_cache, b.v_cache, None, None, plan.qo_indptr, plan.kv_indptr,
+                           plan.kv_indices, plan.tree_mask, plan.items, plan.po, plan.plse, 1.0,
+                           defines={"TA_PROBE": probe})
+        torch.cuda.synchronize()
+        got = plan.po[0, 0][valid]
+        if probe == 1:
+            torch.testing.assert_close(got[:, :bn], (q_rows @ k_rows.T)[valid], rtol=1e-5, atol=1e-4,
+                                       msg=lambda e: f"S of block 0 (probe 1): {e}")
+        else:
+            assert torch.equal(got, v_rows[m[valid] % bn]), "V of block 0 through the transposed descriptor (probe 2)"

@@ -70,6 +70,12 @@ typedef unsigned long long uint64_t;
 #ifndef TA_CREGS
 #define TA_CREGS 216
 #endif
+// layout probes for the GPU tests (0: the kernel): 1 writes block 0's raw S (Q K^T) into po's first BN columns of
+// each row; 2 multiplies block 0's V by P = [key == row % BN] (so row r of the output is V's key r % BN) and
+// writes that; both then stop
+#ifndef TA_PROBE
+#define TA_PROBE 0
+#endif
 #ifndef TA_FENCE
 #define TA_FENCE 1  // consumers order the producer's cp.async writes before their wgmma (fence.proxy.async)
 #endif
@@ -265,7 +271,8 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   const bool tree = hi == prefix_end;  // this item also takes the tree block
   const int np = hi - lo;              // prefix keys
   const int nbp = (np + TA_BN - 1) / TA_BN;
-  const int nb = nbp + (tree ? (n + TA_BN - 1) / TA_BN : 0);  // key blocks: prefix, then tree
+  int nb = nbp + (tree ? (n + TA_BN - 1) / TA_BN : 0);  // key blocks: prefix, then tree
+  if (TA_PROBE != 0 && nb > 1) nb = 1;                   // a probe reads block 0 only
 
   const uint32_t base = smem_u32(smem);
   const uint32_t qs = base, ring = base + Q_BYTES, bars = base + BAR_OFF;
@@ -372,6 +379,17 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     keep(sc);
+#if TA_PROBE == 1
+    {
+      float* dst = po + (((long long)item * gridDim.y + hk) * TA_ROWS + row_a) * TA_D + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < TA_BN / 8; ++j) {
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(sc[4 * j], sc[4 * j + 1]);
+        *reinterpret_cast<float2*>(dst + 8 * TA_D + 8 * j) = make_float2(sc[4 * j + 2], sc[4 * j + 3]);
+      }
+      return;
+    }
+#endif
 
     // ---- online softmax in base 2 over this block's keys
     // sc[4 j + i]: row row_a + 8 (i / 2), key 8 j + 2 (lane % 4) + i % 2 of the block
@@ -430,6 +448,10 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
         p[i] = ex2(sc[4 * j + i] - mu[i / 2]);
         l_run[i / 2] += p[i];
       }
+#if TA_PROBE == 2
+#pragma unroll
+      for (int i = 0; i < 4; ++i) p[i] = (8 * j + 2 * (lane % 4) + (i % 2)) == (row_a + 8 * (i / 2)) % TA_BN ? 1.f : 0.f;
+#endif
       // A fragment of k-step j / 2: rows (g, g + 8) x keys (2 (lane % 4), + 8) of its 16
       pa[j / 2][2 * (j % 2) + 0] = pack2(p[0], p[1]);
       pa[j / 2][2 * (j % 2) + 1] = pack2(p[2], p[3]);
@@ -452,6 +474,11 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
     keep(o);
     keep(pa);
     if (lane == 0) mbar_arrive(bars + 8 * (TA_STAGES + s));
+#if TA_PROBE == 2
+    l_run[0] = l_run[1] = 0.25f;  // the 4 threads of a row sum to 1 below: po = O
+    m_run[0] = m_run[1] = 0.f;
+    break;
+#endif
   }
 
   // ---- the partial: O / l and m + log2(l), rows of the group
