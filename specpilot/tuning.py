@@ -271,9 +271,9 @@ def _gdn_shapes(s) -> list[tuple[str, dict]]:
 
 
 def _attn_spaces():
-    from tree_attn.space import MMA_SPACE, WGMMA_SPACE
+    from tree_attn.space import MMA_SPACE, WGMMA_SPACE, WS_SPACE
 
-    return (WGMMA_SPACE, MMA_SPACE)
+    return (WGMMA_SPACE, MMA_SPACE, WS_SPACE)
 
 
 def _attn_shapes(s) -> list[tuple[str, dict]]:

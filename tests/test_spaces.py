@@ -10,8 +10,8 @@ from lmhead.configs import HeadConfig
 from lmhead.space import HEAD_SPACE
 from specpilot import tuning
 from specpilot.bench.shapes import get_shape_set
-from tree_attn.configs import SplitConfig
-from tree_attn.space import MMA_SPACE, WGMMA_SPACE
+from tree_attn.configs import SplitConfig, WSConfig
+from tree_attn.space import MMA_SPACE, WGMMA_SPACE, WS_SPACE
 from w12.configs import FlowConfig, MmaConfig, TcConfig, TmaConfig
 from w12.space import FLOW_SPACE
 from w12.space import MMA_SPACE as W12_MMA_SPACE
@@ -24,6 +24,7 @@ ATTN_SHAPES = [{"D": S.attn_head_dim, "G": S.attn_q_heads // S.attn_kv_heads, "H
 GDN_SHAPES = [s for _, s in tuning.named_shapes("gdn.tree_verify", "hybrid-27b")]
 HEAD_SHAPES = [dict(M=m, V=S.vocab, K=S.hidden) for m in (1, 32)]
 CASES = [(TC_SPACE, TcConfig, W12_SHAPES), (WGMMA_SPACE, SplitConfig, ATTN_SHAPES), (MMA_SPACE, SplitConfig, ATTN_SHAPES),
+         (WS_SPACE, WSConfig, ATTN_SHAPES),
          (WY_SPACE, WYConfig, GDN_SHAPES), (CUDA_SPACE, CudaConfig, GDN_SHAPES), (HEAD_SPACE, HeadConfig, HEAD_SHAPES),
          (W12_MMA_SPACE, MmaConfig, W12_SHAPES), (TMA_SPACE, TmaConfig, W12_SHAPES), (FLOW_SPACE, FlowConfig, W12_SHAPES)]
 REJECTS = {"wy": False, "cuda": False}  # every choice of these runs at hybrid-27b's V=128
@@ -50,6 +51,8 @@ def test_every_space_has_valid_configs_at_hybrid_27b(space, cls, shapes):
 def test_keys_match_the_lookups(monkeypatch):
     assert TC_SPACE.key({"M": 5, "N": 5120, "K": 6144}) == "K6144-M8-N5120"
     assert WGMMA_SPACE.key(ATTN_SHAPES[0]) == "D256-G6"
+    # "ws": one consumer warpgroup for 8 nodes x 6 heads, two for 32 x 6 (ws_config's key)
+    assert [WS_SPACE.key(s) for s in ATTN_SHAPES] == ["C1-D256-G6", "C2-D256-G6"]
     assert HEAD_SPACE.key(HEAD_SHAPES[1]) == "K5120-V248320"
     # the keys the operators' lookups build at call time
     import autotune
@@ -66,6 +69,13 @@ def test_keys_match_the_lookups(monkeypatch):
     assert seen == [("gdn.tree_verify", "wy", WY_SPACE.key(b24)), ("gdn.tree_verify", "cuda", CUDA_SPACE.key(b24)),
                     ("lmhead.argmax", "triton", HEAD_SPACE.key(HEAD_SHAPES[0]))]
     assert WY_SPACE.key(b24) == "B32-K128-M8-V128" and autotune.bucket_m(24) == 32
+    from tree_attn import configs as tc
+
+    seen.clear()
+    monkeypatch.setattr(tc, "get_config", lambda op, var, cls, h, key, device=None: seen.append((op, var, key)) or h())
+    for shape in ATTN_SHAPES:
+        tc.ws_config(shape["D"], shape["G"], shape["N"] * shape["G"])
+    assert seen == [("tree_attn.tree_attention", "ws", WS_SPACE.key(s)) for s in ATTN_SHAPES]
 
 
 def test_heuristics_are_points_of_their_spaces():
@@ -75,6 +85,9 @@ def test_heuristics_are_points_of_their_spaces():
             assert p is not None and space.valid(p, shape) is None and space.make_config(p) == space.heuristic(shape)
     assert MMA_SPACE.params_of(MMA_SPACE.heuristic(ATTN_SHAPES[0])) is not None
     assert WGMMA_SPACE.params_of(WGMMA_SPACE.heuristic(ATTN_SHAPES[0])) is not None
+    for shape in ATTN_SHAPES:
+        p = WS_SPACE.params_of(WS_SPACE.heuristic(shape))
+        assert p is not None and WS_SPACE.valid(p, shape) is None
     assert isinstance(TC_SPACE.heuristic(W12_SHAPES[0]), TcConfig)
     for shape in W12_SHAPES:  # the flow heuristic (kc = 1 here: no clusters on this machine) is a point of its space
         h = FLOW_SPACE.heuristic(shape)

@@ -1,10 +1,13 @@
-"""Search space of the split-KV tree attention kernel (`SplitConfig`, variants "wgmma" and "mma") for
-`autotune.tune`.
+"""Search spaces of the split-KV tree attention kernels for `autotune.tune`: the Triton kernel (`SplitConfig`,
+variants "wgmma" and "mma") and the warp-specialised CUDA C++ kernel (`WSConfig`, variant "ws", sm_90).
 
 Shapes are dicts {"D" head dim, "G" query heads per KV head, "H" query heads, "Hkv" KV heads, "L" prefix keys,
 "N" tree nodes}; the tuned key is the one `split_config` looks up, `D<D>-G<G>`. Checks: the K/V ring and the
 q tile fit shared memory, the fp32 accumulator fits the registers, and the "mma" variant keeps its 32-row
-tile on sm_90 (`MMA_ROWS_SM90`: 64 rows there lower to wgmma, which "wgmma" already is).
+tile on sm_90 (`MMA_ROWS_SM90`: 64 rows there lower to wgmma, which "wgmma" already is). The "ws" space's
+checks are the kernel's own (`tree_attn.cuda.config_problem`: consumers, keys a block, stages, the register split
+of setmaxnreg, shared memory); its key adds C, the consumer warpgroups the shape's rows (N x G) call for by
+default (`ws_config`'s key).
 """
 
 from __future__ import annotations
@@ -12,9 +15,9 @@ from __future__ import annotations
 from autotune import shape_key
 from autotune.tuner import SearchSpace
 
-from .configs import MMA_ROWS_SM90, SplitConfig, _heuristic
+from .configs import MMA_ROWS_SM90, SplitConfig, WSConfig, _heuristic, _ws_heuristic
 
-__all__ = ["WGMMA_SPACE", "MMA_SPACE", "split_flops_bytes", "split_valid"]
+__all__ = ["WGMMA_SPACE", "MMA_SPACE", "WS_SPACE", "split_flops_bytes", "split_valid", "ws_valid"]
 
 _SMEM_PER_SM = 227 << 10
 _MAX_ACC_PER_THREAD = 128  # fp32 accumulator values per thread before spills
@@ -60,3 +63,22 @@ def _space(variant: str) -> SearchSpace:
 
 WGMMA_SPACE = _space("wgmma")
 MMA_SPACE = _space("mma")
+
+
+def ws_valid(p: dict, shape) -> str | None:
+    """The "ws" kernel's checks of one choice (tree_attn_ws.cu's static_asserts and shared memory)."""
+    from .cuda import config_problem
+
+    return config_problem(WSConfig(**p), shape["D"])
+
+
+def _ws_key(shape) -> str:
+    return shape_key(D=shape["D"], G=shape["G"], C=1 if shape["N"] * shape["G"] <= 64 else 2)
+
+
+WS_SPACE = SearchSpace(
+    op="tree_attn.tree_attention", variant="ws",
+    params={"consumers": [1, 2], "block_n": [32, 64], "num_stages": [2, 3, 4], "producer_regs": [24, 40, 56],
+            "consumer_regs": [200, 216, 232, 240], "item_cost": [4, 8, 16, 32], "merge_parts": [8, 16, 32]},
+    make_config=lambda p: WSConfig(**p), flops_bytes=split_flops_bytes, valid=ws_valid,
+    heuristic=lambda s: _ws_heuristic(s["N"] * s["G"]), key=_ws_key)

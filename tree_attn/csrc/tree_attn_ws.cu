@@ -188,10 +188,10 @@ __device__ __forceinline__ void wgmma_s(float (&s)[TA_BN / 2], uint64_t da, uint
 template <uint32_t OB>
 __device__ __forceinline__ void wgmma_o(float* o, const uint32_t (&a)[4], uint64_t db) {
   asm volatile(
-      "{\n.reg .b64 b;\nadd.s64 b, %36, %37;\n"
+      "{\n.reg .pred p;\n.reg .b64 b;\nsetp.ne.b32 p, 1, 0;\nadd.s64 b, %36, %37;\n"
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TA_TYPE "." TA_TYPE
       " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
-      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, b, 1, 1, 1, 1;\n}"
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, b, p, 1, 1, 1;\n}"
       : "+f"(o[0]), "+f"(o[1]), "+f"(o[2]), "+f"(o[3]), "+f"(o[4]), "+f"(o[5]), "+f"(o[6]), "+f"(o[7]),
         "+f"(o[8]), "+f"(o[9]), "+f"(o[10]), "+f"(o[11]), "+f"(o[12]), "+f"(o[13]), "+f"(o[14]), "+f"(o[15]),
         "+f"(o[16]), "+f"(o[17]), "+f"(o[18]), "+f"(o[19]), "+f"(o[20]), "+f"(o[21]), "+f"(o[22]), "+f"(o[23]),
@@ -278,6 +278,7 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   const uint32_t qs = base, ring = base + Q_BYTES, bars = base + BAR_OFF;
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   if (tid == 0) {
+    if (base & 1023) __trap();  // the swizzled tiles need 1024-byte alignment (descriptor base offset 0)
     for (int s = 0; s < TA_STAGES; ++s) {
       mbar_init(bars + 8 * s, 128);                   // full: every producer thread
       mbar_init(bars + 8 * (TA_STAGES + s), 4 * TA_C);  // empty: lane 0 of every consumer warp
