@@ -47,6 +47,7 @@ class WSConfig:
     num_stages: int = 2
     producer_regs: int = 56
     consumer_regs: int = 216
+    pingpong: bool = False  # two consumers take turns to issue their S products (named barriers)
     programs_per_sm: float = 1.0
     merge_warps: int = 2
     merge_parts: int = 16

@@ -49,6 +49,8 @@ def config_problem(cfg: WSConfig, head_dim: int) -> str | None:
     """The kernel's static checks of a config (tree_attn_ws.cu's static_asserts), and shared memory."""
     if cfg.consumers not in (1, 2):
         return f"consumers={cfg.consumers}: 1 or 2 (three do not fit the registers at D = 256)"
+    if cfg.pingpong and cfg.consumers != 2:
+        return f"config: pingpong with {cfg.consumers} consumer (the turns are between two consumers)"
     if cfg.block_n not in (32, 64):
         return f"block_n={cfg.block_n}: 32 or 64"
     if not 2 <= cfg.num_stages <= 8:
@@ -75,9 +77,10 @@ def spec(cfg: WSConfig, head_dim: int, group: int, *, f16: bool = False, new: bo
          arch: tuple[int, int] = (9, 0), defines: Mapping[str, object] | None = None) -> jit.Spec:
     """The build of one specialisation; `defines` add to (or override) its TA_* defines."""
     base = dict(C=cfg.consumers, BN=cfg.block_n, STAGES=cfg.num_stages, D=head_dim, G=group, F16=int(f16),
-                NEW=int(new), PREGS=cfg.producer_regs, CREGS=cfg.consumer_regs)
+                NEW=int(new), PREGS=cfg.producer_regs, CREGS=cfg.consumer_regs, PINGPONG=int(cfg.pingpong))
     target = jit.arch_name(arch, wgmma=True)
     name = (f"tree_attn_ws-c{cfg.consumers}-n{cfg.block_n}-s{cfg.num_stages}-r{cfg.producer_regs}x{cfg.consumer_regs}"
+            f"{'-pp' if cfg.pingpong else ''}"
             f"-d{head_dim}-g{group}-{'f16' if f16 else 'bf16'}-new{int(new)}-{target}")
     return jit.Spec(SOURCE, KERNEL, target, {f"TA_{k}": v for k, v in base.items()} | dict(defines or {}), name=name)
 

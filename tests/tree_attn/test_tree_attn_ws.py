@@ -181,6 +181,16 @@ def test_shipped_builds_compile_for_sm90a(rows, d, f16, new):
     assert (".f16.f16" in ptx) == f16
 
 
+def test_pingpong_builds():
+    """The consumers' turns: two named barriers, no spills (the turns cost no registers)."""
+    b = tcuda.spec(WSConfig(pingpong=True), 256, 6).compile()
+    res = b.resources()
+    assert res["stack"] == 0 and res["spill_stores"] == 0, res
+    ptx = b.ptx.read_text()
+    assert "bar.sync" in ptx and "bar.arrive" in ptx
+    assert "bar.arrive" not in tcuda.spec(WSConfig(), 256, 6).compile().ptx.read_text()
+
+
 def test_three_consumers_do_not_build():
     with pytest.raises(jit.BuildError, match="1 or 2 consumer warpgroups"):
         tcuda.spec(WSConfig(consumers=3, block_n=32, num_stages=4, producer_regs=32, consumer_regs=160), 256,
@@ -193,6 +203,7 @@ def test_three_consumers_do_not_build():
     (WSConfig(num_stages=1), "num_stages=1"),
     (WSConfig(producer_regs=64, consumer_regs=232), "registers"),
     (WSConfig(consumers=2, num_stages=3), "shared memory"),
+    (WSConfig(consumers=1, num_stages=3, pingpong=True), "pingpong"),
 ])
 def test_config_problems(cfg, why):
     assert why in tcuda.config_problem(cfg, 256)

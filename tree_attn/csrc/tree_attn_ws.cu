@@ -76,6 +76,11 @@ typedef unsigned long long uint64_t;
 #ifndef TA_PROBE
 #define TA_PROBE 0
 #endif
+// two consumers take turns to issue their S products (named barriers 1 and 2): one's softmax runs while the other's
+// wgmma run, instead of the two drifting into step
+#ifndef TA_PINGPONG
+#define TA_PINGPONG 0
+#endif
 #ifndef TA_FENCE
 #define TA_FENCE 1  // consumers order the producer's cp.async writes before their wgmma (fence.proxy.async)
 #endif
@@ -90,6 +95,7 @@ static_assert(TA_BN == 32 || TA_BN == 64, "32 or 64 keys per block");
 static_assert(TA_D == 64 || TA_D == 128 || TA_D == 256, "head dim 64, 128 or 256");
 static_assert(TA_C == 1 || 128 * (TA_PREGS + TA_C * TA_CREGS) <= 65536, "setmaxnreg: the register file");
 static_assert(TA_PREGS % 8 == 0 && TA_CREGS % 8 == 0 && TA_PREGS >= 24 && TA_CREGS <= 256, "setmaxnreg counts");
+static_assert(!TA_PINGPONG || TA_C == 2, "the turns are between two consumers");
 static_assert(TA_STAGES >= 2 && TA_STAGES <= 8, "2 to 8 stages");
 
 #if TA_F16
@@ -230,6 +236,14 @@ __device__ __forceinline__ void keep(uint32_t (&d)[N][4]) {
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(d[i][j])::"memory");
 }
 
+// the consumers' turns (TA_PINGPONG): barrier 1 + w is consumer w's; the other consumer's 128 threads arrive on it
+__device__ __forceinline__ void turn_wait(int w) {
+  asm volatile("bar.sync %0, 256;" ::"r"(1 + w) : "memory");
+}
+__device__ __forceinline__ void turn_pass(int w) {
+  asm volatile("bar.arrive %0, 256;" ::"r"(2 - w) : "memory");
+}
+
 __device__ __forceinline__ float ex2(float x) {
   float y;
   asm("ex2.approx.ftz.f32 %0, %1;" : "=f"(y) : "f"(x));
@@ -348,10 +362,19 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
 #endif
   const int w = wg - 1, warp = t / 32, lane = t % 32;
   const int row_a = 64 * w + 16 * warp + lane / 4;  // this thread's rows: row_a and row_a + 8 of the group
+#if TA_PINGPONG
+  // consumer 0 issues first; consumer 1 passes the turn after every block but its last, so that every wait of
+  // either has exactly one pass of the other (nothing is left pending on a barrier at exit)
+  if (w == 1) turn_pass(1);
+#endif
   if (group * TA_ROWS + 64 * w >= n * TA_G) {  // no row of this warpgroup is a (node, head) pair
     for (int b = 0; b < nb; ++b) {
       const int s = b % TA_STAGES;
       mbar_wait(bars + 8 * s, (b / TA_STAGES) & 1);
+#if TA_PINGPONG
+      turn_wait(w);
+      if (w == 0 || b + 1 < nb) turn_pass(w);
+#endif
       if (lane == 0) mbar_arrive(bars + 8 * (TA_STAGES + s));
     }
     return;
@@ -375,9 +398,15 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
     float sc[TA_BN / 2];
 #pragma unroll
     for (int i = 0; i < TA_BN / 2; ++i) sc[i] = 0.f;
+#if TA_PINGPONG
+    turn_wait(w);
+#endif
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     s_steps<0>(sc, desc128(qa, 16, 1024), desc128(ks, 16, 1024));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+#if TA_PINGPONG
+    if (w == 0 || b + 1 < nb) turn_pass(w);
+#endif
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     keep(sc);
 #if TA_PROBE == 1
