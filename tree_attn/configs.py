@@ -39,8 +39,9 @@ class SplitConfig:
 class WSConfig:
     """One program of the warp-specialised CUDA kernel (variant "ws", tree_attn/csrc/tree_attn_ws.cu): `consumers`
     warpgroups of 64 rows each share every K/V block of `block_n` keys, which the producer warpgroup gathers into a
-    ring of `num_stages` stages; the request's tree block is folded into its last prefix split. setmaxnreg gives the
-    producer `producer_regs` and each consumer `consumer_regs` registers (two consumers)."""
+    ring of `num_stages` stages (K and V of a stage complete and are released on mbarriers of their own); the
+    request's tree block is folded into its last prefix split. setmaxnreg gives the producer `producer_regs` and each
+    consumer `consumer_regs` registers (two consumers)."""
 
     consumers: int = 2
     block_n: int = 64
@@ -48,6 +49,7 @@ class WSConfig:
     producer_regs: int = 56
     consumer_regs: int = 216
     pingpong: bool = False  # two consumers take turns to issue their S products (named barriers)
+    kv_ahead: bool = False  # the producer issues block b + 1's K before block b's V
     programs_per_sm: float = 1.0
     merge_warps: int = 2
     merge_parts: int = 16
@@ -60,7 +62,7 @@ class WSConfig:
 
     def smem_bytes(self, head_dim: int) -> int:
         """Shared memory of one CTA: the q rows, the K/V ring and its mbarriers (the kernel's layout)."""
-        return head_dim * 2 * (self.block_m + 2 * self.num_stages * self.block_n) + 16 * self.num_stages + 8
+        return head_dim * 2 * (self.block_m + 2 * self.num_stages * self.block_n) + 32 * self.num_stages + 8
 
 
 def _heuristic(variant: str, head_dim: int, cc_major: int, interpret: bool) -> SplitConfig:

@@ -77,10 +77,11 @@ def spec(cfg: WSConfig, head_dim: int, group: int, *, f16: bool = False, new: bo
          arch: tuple[int, int] = (9, 0), defines: Mapping[str, object] | None = None) -> jit.Spec:
     """The build of one specialisation; `defines` add to (or override) its TA_* defines."""
     base = dict(C=cfg.consumers, BN=cfg.block_n, STAGES=cfg.num_stages, D=head_dim, G=group, F16=int(f16),
-                NEW=int(new), PREGS=cfg.producer_regs, CREGS=cfg.consumer_regs, PINGPONG=int(cfg.pingpong))
+                NEW=int(new), PREGS=cfg.producer_regs, CREGS=cfg.consumer_regs, PINGPONG=int(cfg.pingpong),
+                KV_AHEAD=int(cfg.kv_ahead))
     target = jit.arch_name(arch, wgmma=True)
     name = (f"tree_attn_ws-c{cfg.consumers}-n{cfg.block_n}-s{cfg.num_stages}-r{cfg.producer_regs}x{cfg.consumer_regs}"
-            f"{'-pp' if cfg.pingpong else ''}"
+            f"{'-pp' if cfg.pingpong else ''}{'-ka' if cfg.kv_ahead else ''}"
             f"-d{head_dim}-g{group}-{'f16' if f16 else 'bf16'}-new{int(new)}-{target}")
     return jit.Spec(SOURCE, KERNEL, target, {f"TA_{k}": v for k, v in base.items()} | dict(defines or {}), name=name)
 

@@ -181,9 +181,10 @@ def test_shipped_builds_compile_for_sm90a(rows, d, f16, new):
     assert (".f16.f16" in ptx) == f16
 
 
-def test_pingpong_builds():
-    """The consumers' turns: two named barriers, no spills (the turns cost no registers)."""
-    b = tcuda.spec(WSConfig(pingpong=True), 256, 6).compile()
+@pytest.mark.parametrize("kv_ahead", [False, True], ids=["kv-together", "k-ahead"])
+def test_pingpong_builds(kv_ahead):
+    """The consumers' turns: two named barriers, no spills (the turns cost no registers); with K issued ahead too."""
+    b = tcuda.spec(WSConfig(pingpong=True, kv_ahead=kv_ahead), 256, 6).compile()
     res = b.resources()
     assert res["stack"] == 0 and res["spill_stores"] == 0, res
     ptx = b.ptx.read_text()
@@ -219,8 +220,8 @@ def test_heuristic_smem_fits():
 def test_smem_bytes_match_the_kernel():
     """WSConfig.smem_bytes is the kernel's own count (the global it exports, read from the CUBIN's source)."""
     src = Path(tcuda.SOURCE).read_text()
-    assert "tree_attn_ws_smem_bytes = BAR_OFF + 16 * TA_STAGES + 8" in src
-    assert C2.smem_bytes(256) == 256 * 2 * (128 + 2 * 2 * 64) + 16 * 2 + 8
+    assert "tree_attn_ws_smem_bytes = BAR_OFF + Q_FULL + 8" in src and "Q_FULL = 32 * TA_STAGES" in src
+    assert C2.smem_bytes(256) == 256 * 2 * (128 + 2 * 2 * 64) + 32 * 2 + 8
 
 
 # ------------------------------------------------------------------------------------------ 4. dispatch

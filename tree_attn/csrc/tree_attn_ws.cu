@@ -81,6 +81,11 @@ typedef unsigned long long uint64_t;
 #ifndef TA_PINGPONG
 #define TA_PINGPONG 0
 #endif
+// K and V of a block complete on their own mbarriers either way; with TA_KV_AHEAD the producer issues block b + 1's K
+// before block b's V, so that the next S product can start while this block's V lands
+#ifndef TA_KV_AHEAD
+#define TA_KV_AHEAD 0
+#endif
 #ifndef TA_FENCE
 #define TA_FENCE 1  // consumers order the producer's cp.async writes before their wgmma (fence.proxy.async)
 #endif
@@ -116,7 +121,10 @@ namespace {
 constexpr uint32_t Q_BYTES = TA_DB * TA_ROWS * 128;
 constexpr uint32_t KV_BYTES = TA_DB * TA_BN * 128;  // one of K or V, one stage
 constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
-constexpr uint32_t BAR_OFF = Q_BYTES + TA_STAGES * STAGE_BYTES;  // full[S], empty[S], q
+// mbarriers: K full[S], V full[S], K empty[S], V empty[S], q
+constexpr uint32_t BAR_OFF = Q_BYTES + TA_STAGES * STAGE_BYTES;
+constexpr uint32_t FULL_K = 0, FULL_V = 8 * TA_STAGES, EMPTY_K = 16 * TA_STAGES, EMPTY_V = 24 * TA_STAGES,
+                   Q_FULL = 32 * TA_STAGES;
 
 __device__ __forceinline__ uint32_t smem_u32(const void* p) {
   return static_cast<uint32_t>(__cvta_generic_to_shared(p));
@@ -294,10 +302,12 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   if (tid == 0) {
     if (base & 1023) __trap();  // the swizzled tiles need 1024-byte alignment (descriptor base offset 0)
     for (int s = 0; s < TA_STAGES; ++s) {
-      mbar_init(bars + 8 * s, 128);                   // full: every producer thread
-      mbar_init(bars + 8 * (TA_STAGES + s), 4 * TA_C);  // empty: lane 0 of every consumer warp
+      mbar_init(bars + FULL_K + 8 * s, 128);  // full: every producer thread
+      mbar_init(bars + FULL_V + 8 * s, 128);
+      mbar_init(bars + EMPTY_K + 8 * s, 4 * TA_C);  // empty: lane 0 of every consumer warp
+      mbar_init(bars + EMPTY_V + 8 * s, 4 * TA_C);
     }
-    mbar_init(bars + 16 * TA_STAGES, 128);  // q
+    mbar_init(bars + Q_FULL, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
@@ -317,41 +327,49 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
                           cc * 8;
       cp16(qs + tile_off(r, cc, TA_ROWS), src, ok ? 16u : 0u);
     }
-    cp_arrive(bars + 16 * TA_STAGES);
-    for (int b = 0; b < nb; ++b) {
+    cp_arrive(bars + Q_FULL);
+    // one load: K (v = 0) or V (v = 1) of block b into its stage, after the consumers released that stage's last use
+    auto load = [&](int b, int v) {
       const int s = b % TA_STAGES;
-      if (b >= TA_STAGES) mbar_wait(bars + 8 * (TA_STAGES + s), ((b / TA_STAGES) + 1) & 1);
-      const uint32_t ks = ring + s * STAGE_BYTES, vs = ks + KV_BYTES;
+      if (b >= TA_STAGES) mbar_wait(bars + (v ? EMPTY_V : EMPTY_K) + 8 * s, ((b / TA_STAGES) + 1) & 1);
+      const uint32_t dst = ring + s * STAGE_BYTES + (v ? KV_BYTES : 0);
+      const elem_t* cache = v ? v_cache : k_cache;
+      const long long s_p = v ? s_vp : s_kp, s_o = v ? s_vo : s_ko, head = hk * (v ? s_vh : s_kh);
       for (int j = r0; j < TA_BN; j += RP) {
-        const elem_t *kr = k_cache, *vr = v_cache;
+        const elem_t* row = cache;
         bool ok;
         if (b < nbp) {
           const int at = lo + b * TA_BN + j;
           ok = at < hi;
-          if (ok) {
-            const long long slot = kv_indices[at];
-            kr = cache_row(k_cache, slot, page, s_kp, s_ko, hk * s_kh);
-            vr = cache_row(v_cache, slot, page, s_vp, s_vo, hk * s_vh);
-          }
+          if (ok) row = cache_row(cache, kv_indices[at], page, s_p, s_o, head);
         } else {
           const int node = (b - nbp) * TA_BN + j;
           ok = node < n;
           if (ok) {
 #if TA_NEW
-            kr = k_new + (long long)(q0 + node) * s_knt + hk * s_knh;
-            vr = v_new + (long long)(q0 + node) * s_vnt + hk * s_vnh;
+            row = v ? v_new + (long long)(q0 + node) * s_vnt + hk * s_vnh
+                    : k_new + (long long)(q0 + node) * s_knt + hk * s_knh;
 #else
-            const long long slot = kv_indices[prefix_end + node];
-            kr = cache_row(k_cache, slot, page, s_kp, s_ko, hk * s_kh);
-            vr = cache_row(v_cache, slot, page, s_vp, s_vo, hk * s_vh);
+            row = cache_row(cache, kv_indices[prefix_end + node], page, s_p, s_o, head);
 #endif
           }
         }
-        cp16(ks + tile_off(j, cc, TA_BN), kr + cc * 8, ok ? 16u : 0u);
-        cp16(vs + tile_off(j, cc, TA_BN), vr + cc * 8, ok ? 16u : 0u);
+        cp16(dst + tile_off(j, cc, TA_BN), row + cc * 8, ok ? 16u : 0u);
       }
-      cp_arrive(bars + 8 * s);
+      cp_arrive(bars + (v ? FULL_V : FULL_K) + 8 * s);
+    };
+#if TA_KV_AHEAD
+    if (nb > 0) load(0, 0);
+    for (int b = 0; b < nb; ++b) {
+      if (b + 1 < nb) load(b + 1, 0);
+      load(b, 1);
     }
+#else
+    for (int b = 0; b < nb; ++b) {
+      load(b, 0);
+      load(b, 1);
+    }
+#endif
     asm volatile("cp.async.wait_all;" ::: "memory");
     return;
   }
@@ -370,12 +388,15 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   if (group * TA_ROWS + 64 * w >= n * TA_G) {  // no row of this warpgroup is a (node, head) pair
     for (int b = 0; b < nb; ++b) {
       const int s = b % TA_STAGES;
-      mbar_wait(bars + 8 * s, (b / TA_STAGES) & 1);
+      const uint32_t parity = (b / TA_STAGES) & 1;
+      mbar_wait(bars + FULL_K + 8 * s, parity);
 #if TA_PINGPONG
       turn_wait(w);
       if (w == 0 || b + 1 < nb) turn_pass(w);
 #endif
-      if (lane == 0) mbar_arrive(bars + 8 * (TA_STAGES + s));
+      if (lane == 0) mbar_arrive(bars + EMPTY_K + 8 * s);
+      mbar_wait(bars + FULL_V + 8 * s, parity);
+      if (lane == 0) mbar_arrive(bars + EMPTY_V + 8 * s);
     }
     return;
   }
@@ -384,12 +405,13 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   for (int i = 0; i < TA_D / 2; ++i) o[i] = 0.f;
   float m_run[2] = {-TA_INF, -TA_INF}, l_run[2] = {0.f, 0.f};
 
-  mbar_wait(bars + 16 * TA_STAGES, 0);
+  mbar_wait(bars + Q_FULL, 0);
   const uint32_t qa = qs + w * 64 * 128;  // this warpgroup's 64 rows in every column block
 
   for (int b = 0; b < nb; ++b) {
     const int s = b % TA_STAGES;
-    mbar_wait(bars + 8 * s, (b / TA_STAGES) & 1);
+    const uint32_t parity = (b / TA_STAGES) & 1;
+    mbar_wait(bars + FULL_K + 8 * s, parity);
 #if TA_FENCE
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
@@ -409,6 +431,7 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
 #endif
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     keep(sc);
+    if (lane == 0) mbar_arrive(bars + EMPTY_K + 8 * s);  // K is read: its slot may take the next K
 #if TA_PROBE == 1
     {
       float* dst = po + (((long long)item * gridDim.y + hk) * TA_ROWS + row_a) * TA_D + 2 * (lane % 4);
@@ -495,6 +518,10 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
     }
 
     // ---- O += P V
+    mbar_wait(bars + FULL_V + 8 * s, parity);
+#if TA_FENCE
+    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
+#endif
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     keep(o);
     keep(pa);
@@ -503,7 +530,7 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     keep(o);
     keep(pa);
-    if (lane == 0) mbar_arrive(bars + 8 * (TA_STAGES + s));
+    if (lane == 0) mbar_arrive(bars + EMPTY_V + 8 * s);
 #if TA_PROBE == 2
     l_run[0] = l_run[1] = 0.25f;  // the 4 threads of a row sum to 1 below: po = O
     m_run[0] = m_run[1] = 0.f;
@@ -531,4 +558,4 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
 }
 
 // shared memory bytes of this build (read by the launch layer)
-extern "C" __device__ const uint32_t tree_attn_ws_smem_bytes = BAR_OFF + 16 * TA_STAGES + 8;
+extern "C" __device__ const uint32_t tree_attn_ws_smem_bytes = BAR_OFF + Q_FULL + 8;
