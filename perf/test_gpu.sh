@@ -9,7 +9,8 @@
 #   make test-gpu-full SHARD=1/3  the slow tier too (sweeps that repeat a code path), shard 1 of 3 of it
 #
 # Environment: OUT (default perf/out; the log is $OUT/test-gpu.log), TEST_WORKERS (default: the CPU cores, at most 16), TEST_TIMEOUT
-# (default 540 s), PYTEST_ARGS (extra pytest arguments). Each test's seconds go to $OUT/test-gpu-times.tsv
+# (default 540 s), TEST_K (a pytest -k expression, e.g. "not ws_kernel"), PYTEST_ARGS (extra pytest arguments, split on
+# spaces). Each test's seconds go to $OUT/test-gpu-times.tsv
 # as it ends (tests/conftest.py), so a run stopped at its limit still shows where the time went; the tests run
 # longest first by the seconds tests/gpu_durations.tsv holds (SPECPILOT_TEST_ORDER). Wheels carried in .whl/ are installed first
 # (perf/gpu_env.sh). Exit status: pytest's.
@@ -57,7 +58,7 @@ export TRITON_CACHE_MANAGER=${TRITON_CACHE_MANAGER:-autotune.triton_cache:Shared
 rm -f "$SPECPILOT_TEST_TIMES"
 START=$(date +%s)
 {
-  echo "# make test-gpu${PKG:+ PKG=$PKG}${FULL:+ (full${SHARD:+, shard $SHARD})}: -m \"$MARK\" ${SEL[*]}"
+  echo "# make test-gpu${PKG:+ PKG=$PKG}${FULL:+ (full${SHARD:+, shard $SHARD})}: -m \"$MARK\"${TEST_K:+ -k \"$TEST_K\"} ${SEL[*]}"
   echo "# $(date -u +%FT%TZ); sources $(fingerprint) (bash perf/test_gpu.sh --fingerprint on a checkout)"
   # the versions from the packages' metadata: importing torch, Triton and fla here would cost the log's first seconds
   python3 - <<'PY' 2>&1
@@ -87,10 +88,10 @@ PY
 set +e
 if [ -n "${SHARD:-}" ]; then
   timeout "${TEST_TIMEOUT:-540}" python3 perf/pytest_shard.py "$SHARD" "${SEL[@]}" -m "$MARK" -q -rfE --durations=30 \
-    "${XDIST[@]}" "${PYTEST_OPTS[@]}" ${PYTEST_ARGS:-} >>"$LOG" 2>&1
+    ${TEST_K:+-k "$TEST_K"} "${XDIST[@]}" "${PYTEST_OPTS[@]}" ${PYTEST_ARGS:-} >>"$LOG" 2>&1
 else
   timeout "${TEST_TIMEOUT:-540}" python3 -m pytest "${SEL[@]}" -m "$MARK" -q -rfE --durations=30 \
-    "${XDIST[@]}" "${PYTEST_OPTS[@]}" ${PYTEST_ARGS:-} >>"$LOG" 2>&1
+    ${TEST_K:+-k "$TEST_K"} "${XDIST[@]}" "${PYTEST_OPTS[@]}" ${PYTEST_ARGS:-} >>"$LOG" 2>&1
 fi
 RC=$?
 echo "# exit $RC after $(( $(date +%s) - START )) s of wall time" >>"$LOG"

@@ -17,7 +17,7 @@ pytestmark = pytest.mark.gpu
 
 DEV = "cuda"
 TRITON = ["wgmma", "mma"]
-WS = pytest.param("ws", marks=pytest.mark.hopper)  # the CUDA C++ kernel runs on sm_90 only
+WS = pytest.param("ws", marks=pytest.mark.hopper, id="ws_kernel")  # the CUDA C++ kernel: sm_90 only
 KERNELS = [*TRITON, WS]
 
 
@@ -226,7 +226,7 @@ def test_variant_instructions(variant, D, make_batch):
 
 @pytest.mark.hopper
 @pytest.mark.parametrize("layout", ["slot", "paged"])
-def test_ws_strided_caches_and_run_to_run_bits(layout, make_batch, check):
+def test_ws_kernel_strided_caches_and_run_to_run_bits(layout, make_batch, check):
     """The "ws" kernel on K and V that are views of one fused buffer (16-byte aligned rows, non-unit outer strides):
     right against the reference, and the same bits on a second run (no atomics, a fixed merge order)."""
     b = make_batch([("draft32", 1500), ("rand13", 77)], H=24, Hkv=4, D=256, layout=layout, fused_kv=True, seed=5,
@@ -239,7 +239,7 @@ def test_ws_strided_caches_and_run_to_run_bits(layout, make_batch, check):
 
 
 @pytest.mark.hopper
-def test_ws_refuses_misaligned_rows(make_batch, raises):
+def test_ws_kernel_refuses_misaligned_rows(make_batch, raises):
     """A q whose rows are not 16-byte aligned is refused by name, not read wrongly."""
     b = make_batch([("draft9", 100)], H=6, Hkv=1, D=64, seed=4, device=DEV)
     wide = torch.zeros(b.T, b.H, 65, dtype=b.q.dtype, device=DEV)
@@ -252,7 +252,7 @@ def test_ws_refuses_misaligned_rows(make_batch, raises):
 @pytest.mark.hopper
 @pytest.mark.parametrize("D", [64, 256])
 @pytest.mark.parametrize("nodes, G", [(8, 6), (32, 6)], ids=["one-consumer", "two-consumers"])
-def test_ws_layout_probes(nodes, G, D, make_batch):
+def test_ws_kernel_layout_probes(nodes, G, D, make_batch):
     """The "ws" kernel's shared-memory layouts on their own (builds with TA_PROBE): block 0's S = Q K^T as the
     consumers hold it against torch's product of the gathered rows, and block 0's V through the transposed
     descriptor, multiplied by P = [key == row % BN], row for row against the V rows (exact)."""
