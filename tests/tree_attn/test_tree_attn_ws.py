@@ -6,7 +6,8 @@
    caught (the check can fail).
 2. The algorithm (ws_emu.emulate_ws): the real schedule with the tree folded into each request's last split, every
    CTA's consumers on tiles read through the descriptors, the masks, the online softmax, then the merge; against the
-   fp64 reference with the suite's derived bounds, over ragged batches, empty prefixes and trees, idle warpgroups,
+   fp64 reference with the suite's derived bounds, over ragged batches, empty prefixes and trees, consumers that
+   split one tile's key blocks,
    both cache layouts, nodes in the cache or in k_new, one or two consumers and 32 or 64 keys a block.
 3. NVRTC (no GPU needed) compiles the shipped specialisations for sm_90a: wgmma, setmaxnreg with two consumers,
    cp.async completing on mbarriers, no local memory; three consumers are refused.
@@ -86,7 +87,9 @@ def test_source_states_the_emulated_layout():
     for text in ("(c >> 3) * rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4)",
                  "(K >> 2) * TA_ROWS * 128 + (K & 3) * 32, (K >> 2) * TA_BN * 128 + (K & 3) * 32",
                  "desc128(qa, 16, 1024), desc128(ks, 16, 1024)",
-                 "const uint32_t qa = qs + w * 64 * 128;",
+                 "const uint32_t qa = qs + tile * 64 * 128;",
+                 "const bool halves = TA_C == 2 && group * TA_ROWS + 64 >= n * TA_G;",
+                 "const int b0 = halves ? w : 0, bstep = halves ? 2 : 1;",
                  "wgmma_o<cb * TA_BN * 128 + kk * 2048>",
                  "desc128(vs, TA_BN * 128, 1024)",
                  "(1ull << 62)"):
@@ -96,7 +99,7 @@ def test_source_states_the_emulated_layout():
 # --------------------------------------------------------------------------------------- 2. algorithm
 
 _CASES = {
-    # a 32-node draft tree at G = 6: 192 rows, two groups of 128, the second's second warpgroup idle
+    # a 32-node draft tree at G = 6: 192 rows, two groups of 128; in the second the two consumers split the keys
     "draft32-g6": dict(requests=[("draft32", 45)], H=6, Hkv=1),
     # ragged batch: empty prefix, empty tree, a chain, a forest; several splits per request (target 8)
     "ragged": dict(requests=[("rand13", 0), ("empty", 5), ("chain7", 70), ("forest6", 33), ("single", 1)], H=4,
@@ -119,6 +122,18 @@ def test_emulation_matches_reference(case, cfg, layout, nodes_in_cache, make_bat
     out, lse, items = emulate_ws(b, cfg, target=8)
     check(b, out, lse, msg=f"{case}/{cfg.consumers}x{cfg.block_n}/{layout}")
     assert (items[:, 2] >= 0).all(), "the ws schedule has no tree items of its own"
+
+
+@pytest.mark.parametrize("prefix, target", [(300, 1), (300, 8), (0, 1), (64, 1)],
+                         ids=["long-one-split", "long-splits", "tree-only", "one-block-and-tree"])
+@pytest.mark.parametrize("cfg", [C2, C2N32], ids=["c2n64", "c2n32"])
+def test_emulation_halves(cfg, prefix, target, make_batch, check):
+    """32 nodes x 6 heads: the second group's two consumers split its one tile's key blocks (even / odd) and merge at
+    the end, including the one where consumer 1 gets no block (a lone tree block) and splits of one block."""
+    b = make_batch([("draft32", prefix)], H=6, Hkv=1, D=64, seed=prefix + target)
+    out, lse, items = emulate_ws(b, cfg, target=target)
+    check(b, out, lse, msg=f"{prefix}/{target}")
+    assert (items[:, 1] == 1).any(), "the second group (halves) is in the schedule"
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])

@@ -7,9 +7,11 @@ through its wgmma descriptors, and its online softmax, in torch.
   ((8,8,m),(8,k)):((1,8,LBO),(64,SBO)) in elements, then the swizzle on the byte address). The descriptors are the
   kernel's (`Q_DESC`, `K_DESC`, `V_DESC` restate them; `test_tree_attn_ws.py` checks the source still says so).
 * `emulate_ws(batch, cfg)`: every item of the real schedule (tree_attn.ops._schedule with the tree folded into the
-  last split), every KV head, every consumer warpgroup's 64 rows: S from the tiles read through the descriptors, the
-  scale, the ragged and tree masks, the base-2 online softmax with the kernel's guards, P rounded to the operand
-  dtype, O rescaled and accumulated in fp32; then the partials merged by log-sum-exp as the merge kernel does.
+  last split), every KV head, every consumer warpgroup's 64 rows (or, where the group's second tile has no row, the
+  two consumers on the first tile's even and odd key blocks, merged at the end): S from the tiles read through the
+  descriptors, the scale, the ragged and tree masks, the base-2 online softmax with the kernel's guards, P rounded to
+  the operand dtype, O rescaled and accumulated in fp32; then the partials merged by log-sum-exp as the merge kernel
+  does.
 """
 
 from __future__ import annotations
@@ -137,13 +139,18 @@ def emulate_item(batch, cfg: WSConfig, req: int, group: int, lo: int, hi: int, h
     masks = batch.tree_mask[q0:q0 + n].tolist()
     po = torch.zeros(rows, D)
     plse = torch.zeros(rows)
-    for w in range(cfg.consumers):
-        if group * rows + 64 * w >= n * G:  # an idle warpgroup: releases the stages, writes nothing
-            continue
+    # the group's second tile has no row: the two consumers split the first tile's key blocks (even / odd)
+    halves = cfg.consumers == 2 and group * rows + 64 >= n * G
+    if halves:
+        work = [(0, range(0, nb, 2)), (0, range(1, nb, 2))]
+    else:
+        work = [(w, range(nb)) for w in range(cfg.consumers) if group * rows + 64 * w < n * G]  # idle: nothing
+    states = []
+    for tile, blocks in work:
         m_run = torch.full((64,), float("-inf"))
         l_run = torch.zeros(64)
         o = torch.zeros(64, D)
-        for b in range(nb):
+        for b in blocks:
             # the stage: this block's keys, zero rows past the valid ones (cp.async's zero fill)
             first = b * bn if b < nbp else npre + (b - nbp) * bn
             count = (min(npre, first + bn) - first) if b < nbp else min(n, (b - nbp) * bn + bn) - (b - nbp) * bn
@@ -157,7 +164,7 @@ def emulate_item(batch, cfg: WSConfig, req: int, group: int, lo: int, hi: int, h
             vt.write_rows(vb)
             s = torch.zeros(64, bn)
             for k in range(D // 16):
-                a = _as(qt.read_k_major(*(Q_DESC(w, k, rows)[i] for i in (0, 2)), 64), dt)
+                a = _as(qt.read_k_major(*(Q_DESC(tile, k, rows)[i] for i in (0, 2)), 64), dt)
                 bk = _as(kt.read_k_major(*(K_DESC(k, bn)[i] for i in (0, 2)), bn), dt)
                 s = s + a @ bk.T
             x = s * scale_log2
@@ -166,7 +173,7 @@ def emulate_item(batch, cfg: WSConfig, req: int, group: int, lo: int, hi: int, h
                 seen = (b * bn + key < npre)[None, :].expand(64, bn)
             else:
                 local = (b - nbp) * bn + key
-                node = (group * rows + 64 * w + torch.arange(64)) // G
+                node = (group * rows + 64 * tile + torch.arange(64)) // G
                 word = torch.tensor([masks[int(v)] if v < n else 0 for v in node], dtype=torch.int64)
                 bit = (word[:, None] >> local.clamp(max=63)[None, :]) & 1
                 seen = (local[None, :] < n) & (bit != 0)
@@ -185,9 +192,17 @@ def emulate_item(batch, cfg: WSConfig, req: int, group: int, lo: int, hi: int, h
                     v16 = _as(vt.read_mn_major(start, lbo, sbo, 64), dt)  # [16 keys, 64 columns]
                     pv[:, 64 * cb:64 * cb + 64] += pr[:, 16 * kk:16 * kk + 16] @ v16
             o = o * alpha[:, None] + pv
+        states.append((tile, m_run, l_run, o))
+    if halves:  # consumer 1's state merged into consumer 0's by log-sum-exp
+        (_, m0, l0, o0), (_, m1, l1, o1) = states
+        mx = torch.maximum(m0, m1)
+        mu = torch.where(mx == float("-inf"), torch.zeros(()), mx)
+        a0, a1 = torch.exp2(m0 - mu), torch.exp2(m1 - mu)
+        states = [(0, mx, l0 * a0 + l1 * a1, o0 * a0[:, None] + o1 * a1[:, None])]
+    for tile, m_run, l_run, o in states:
         ok = l_run > 0
-        po[64 * w:64 * w + 64] = o / torch.where(ok, l_run, torch.ones(()))[:, None]
-        plse[64 * w:64 * w + 64] = torch.where(ok, m_run, torch.zeros(())) + torch.log2(
+        po[64 * tile:64 * tile + 64] = o / torch.where(ok, l_run, torch.ones(()))[:, None]
+        plse[64 * tile:64 * tile + 64] = torch.where(ok, m_run, torch.zeros(())) + torch.log2(
             torch.where(ok, l_run, torch.ones(())))
     return po, plse
 

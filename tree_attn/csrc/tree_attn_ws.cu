@@ -4,9 +4,10 @@
 // warpgroups, 64 rows each; rows are (tree node, query head of the GQA group) pairs packed node-major, as in the
 // Triton kernel) and a range [lo, hi) of the request's prefix slots in kv_indices. The item whose range ends where
 // the request's prefix ends also takes the tree block: the request's own nodes as keys under the ancestor mask,
-// after its prefix keys. The row tiles of a group read the same K/V tiles from shared memory. A warpgroup whose 64
-// rows are all past the request's last node (the second tile of a 192-row request's last group) only releases
-// the stages.
+// after its prefix keys. The row tiles of a group read the same K/V tiles from shared memory. Where the group's second
+// tile has no row (rows 128..191 of a 192-row request: 32 nodes x 6 heads), the two consumers split the first tile's
+// keys instead ("halves"): consumer w takes the key blocks b with b % 2 == w, each with its own softmax state, and
+// consumer 1 hands its state to consumer 0 through shared memory at the end, which merges the two by log-sum-exp.
 //
 // Warpgroup 0 is the producer: its 128 threads gather K/V rows (any slot order: a token-slot or paged cache) with
 // 16-byte cp.async into a ring of TA_STAGES stages, each completing on the stage's "full" mbarrier through
@@ -101,6 +102,7 @@ static_assert(TA_D == 64 || TA_D == 128 || TA_D == 256, "head dim 64, 128 or 256
 static_assert(TA_C == 1 || 128 * (TA_PREGS + TA_C * TA_CREGS) <= 65536, "setmaxnreg: the register file");
 static_assert(TA_PREGS % 8 == 0 && TA_CREGS % 8 == 0 && TA_PREGS >= 24 && TA_CREGS <= 256, "setmaxnreg counts");
 static_assert(!TA_PINGPONG || TA_C == 2, "the turns are between two consumers");
+static_assert(TA_C == 1 || 2 * TA_STAGES * TA_BN * TA_D * 2 >= 4 * 128 * 4, "halves: m and l fit the ring");
 static_assert(TA_STAGES >= 2 && TA_STAGES <= 8, "2 to 8 stages");
 
 #if TA_F16
@@ -299,13 +301,16 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   const uint32_t base = smem_u32(smem);
   const uint32_t qs = base, ring = base + Q_BYTES, bars = base + BAR_OFF;
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
+  // two consumers on one tile's alternate key blocks: the group's second tile has no row
+  const bool halves = TA_C == 2 && group * TA_ROWS + 64 >= n * TA_G;
   if (tid == 0) {
     if (base & 1023) __trap();  // the swizzled tiles need 1024-byte alignment (descriptor base offset 0)
     for (int s = 0; s < TA_STAGES; ++s) {
       mbar_init(bars + FULL_K + 8 * s, 128);  // full: every producer thread
       mbar_init(bars + FULL_V + 8 * s, 128);
-      mbar_init(bars + EMPTY_K + 8 * s, 4 * TA_C);  // empty: lane 0 of every consumer warp
-      mbar_init(bars + EMPTY_V + 8 * s, 4 * TA_C);
+      // empty: lane 0 of every consumer warp that reads the stage (one consumer's in halves)
+      mbar_init(bars + EMPTY_K + 8 * s, halves ? 4 : 4 * TA_C);
+      mbar_init(bars + EMPTY_V + 8 * s, halves ? 4 : 4 * TA_C);
     }
     mbar_init(bars + Q_FULL, 128);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
@@ -379,36 +384,24 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(TA_CREGS));
 #endif
   const int w = wg - 1, warp = t / 32, lane = t % 32;
-  const int row_a = 64 * w + 16 * warp + lane / 4;  // this thread's rows: row_a and row_a + 8 of the group
+  const int tile = halves ? 0 : w;                       // the group's row tile this warpgroup computes
+  const int row_a = 64 * tile + 16 * warp + lane / 4;  // this thread's rows: row_a and row_a + 8 of the group
+  const int b0 = halves ? w : 0, bstep = halves ? 2 : 1;  // its key blocks: b0, b0 + bstep, ...
 #if TA_PINGPONG
   // consumer 0 issues first; consumer 1 passes the turn after every block but its last, so that every wait of
-  // either has exactly one pass of the other (nothing is left pending on a barrier at exit)
-  if (w == 1) turn_pass(1);
+  // either has exactly one pass of the other (nothing is left pending on a barrier at exit); not in halves, where
+  // the consumers take turns by their blocks already
+  if (w == 1 && !halves) turn_pass(1);
 #endif
-  if (group * TA_ROWS + 64 * w >= n * TA_G) {  // no row of this warpgroup is a (node, head) pair
-    for (int b = 0; b < nb; ++b) {
-      const int s = b % TA_STAGES;
-      const uint32_t parity = (b / TA_STAGES) & 1;
-      mbar_wait(bars + FULL_K + 8 * s, parity);
-#if TA_PINGPONG
-      turn_wait(w);
-      if (w == 0 || b + 1 < nb) turn_pass(w);
-#endif
-      if (lane == 0) mbar_arrive(bars + EMPTY_K + 8 * s);
-      mbar_wait(bars + FULL_V + 8 * s, parity);
-      if (lane == 0) mbar_arrive(bars + EMPTY_V + 8 * s);
-    }
-    return;
-  }
   float o[TA_D / 2];
 #pragma unroll
   for (int i = 0; i < TA_D / 2; ++i) o[i] = 0.f;
   float m_run[2] = {-TA_INF, -TA_INF}, l_run[2] = {0.f, 0.f};
 
   mbar_wait(bars + Q_FULL, 0);
-  const uint32_t qa = qs + w * 64 * 128;  // this warpgroup's 64 rows in every column block
+  const uint32_t qa = qs + tile * 64 * 128;  // this warpgroup's 64 rows in every column block
 
-  for (int b = 0; b < nb; ++b) {
+  for (int b = b0; b < nb; b += bstep) {
     const int s = b % TA_STAGES;
     const uint32_t parity = (b / TA_STAGES) & 1;
     mbar_wait(bars + FULL_K + 8 * s, parity);
@@ -421,13 +414,13 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
 #pragma unroll
     for (int i = 0; i < TA_BN / 2; ++i) sc[i] = 0.f;
 #if TA_PINGPONG
-    turn_wait(w);
+    if (!halves) turn_wait(w);
 #endif
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     s_steps<0>(sc, desc128(qa, 16, 1024), desc128(ks, 16, 1024));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 #if TA_PINGPONG
-    if (w == 0 || b + 1 < nb) turn_pass(w);
+    if (!halves && (w == 0 || b + 1 < nb)) turn_pass(w);
 #endif
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     keep(sc);
@@ -538,12 +531,47 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
 #endif
   }
 
-  // ---- the partial: O / l and m + log2(l), rows of the group
 #pragma unroll
-  for (int h = 0; h < 2; ++h) {
+  for (int h = 0; h < 2; ++h) {  // the row's sum over its 4 threads
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
   }
+#if TA_C == 2 && TA_PROBE == 0
+  if (halves) {
+    // consumer 1's O, m and l to consumer 0, thread for thread (same fragment positions): O in the q tile's bytes
+    // (64 rows x D fp32 = 128 rows x D bf16), m and l in the ring's; both are free once both loops are done
+    float* xo = reinterpret_cast<float*>(smem);
+    float* xm = reinterpret_cast<float*>(smem + Q_BYTES);
+    asm volatile("bar.sync 3, 256;" ::: "memory");
+    if (w == 1) {
+#pragma unroll
+      for (int i = 0; i < TA_D / 2; ++i) xo[i * 128 + t] = o[i];
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        xm[(2 * h) * 128 + t] = m_run[h];
+        xm[(2 * h + 1) * 128 + t] = l_run[h];
+      }
+    }
+    asm volatile("bar.sync 3, 256;" ::: "memory");
+    if (w == 1) return;
+    float a0[2], a1[2];
+#pragma unroll
+    for (int h = 0; h < 2; ++h) {
+      const float m1 = xm[(2 * h) * 128 + t], l1 = xm[(2 * h + 1) * 128 + t];
+      const float mx = fmaxf(m_run[h], m1), mu = mx == -TA_INF ? 0.f : mx;
+      a0[h] = ex2(m_run[h] - mu);
+      a1[h] = ex2(m1 - mu);
+      l_run[h] = l_run[h] * a0[h] + l1 * a1[h];
+      m_run[h] = mx;
+    }
+#pragma unroll
+    for (int j = 0; j < TA_D / 8; ++j)
+#pragma unroll
+      for (int i = 0; i < 4; ++i) o[4 * j + i] = o[4 * j + i] * a0[i / 2] + xo[(4 * j + i) * 128 + t] * a1[i / 2];
+  }
+#endif
+
+  // ---- the partial: O / l and m + log2(l), rows of the group
   const float inv[2] = {l_run[0] > 0.f ? 1.f / l_run[0] : 0.f, l_run[1] > 0.f ? 1.f / l_run[1] : 0.f};
   const long long row0 = ((long long)item * gridDim.y + hk) * TA_ROWS;
 #pragma unroll
