@@ -12,6 +12,7 @@ the shapes, dtypes and devices of its tensors against the plan.
 
 from __future__ import annotations
 
+import math
 import weakref
 from dataclasses import dataclass
 
@@ -242,12 +243,12 @@ def _target_items(device: torch.device, hkv: int, cfg: SplitConfig | None) -> in
     return max(1, round(cfg.programs_per_sm * _sm_count(device) / hkv))
 
 
-def _split_blocks(tiles: list[int], lens: list[int], bn: int, target: int, item_cost: int) -> int:
+def _split_blocks(tiles: list[float], lens: list[int], bn: int, target: int, item_cost: int) -> int:
     """Key blocks per prefix split: the count that minimises the modelled time, whole waves of `target`
     prefix items times the blocks of one item plus `item_cost` (its fixed work: the q tile, the partial
     output written and merged). The tree items are short and fill the last wave's gaps: not counted."""
     blocks = [-(-L // bn) for L in lens]
-    total = sum(t * b for t, b in zip(tiles, blocks))
+    total = math.ceil(sum(t * b for t, b in zip(tiles, blocks)))  # tiles may be fractional (halves groups)
     if total == 0:
         return 1
 
@@ -271,14 +272,26 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | N
     GPU, the KV heads being the grid's second axis). Items run split-major, row block minor, so the row
     blocks of one split read the same K/V rows close together in time (L2). The Triton kernel takes the tree
     block as an item of its own (lo = -1); the "ws" kernel folds it into the request's last split (the item
-    whose hi is the prefix's end; a request without prefix keys has one item with lo = hi)."""
+    whose hi is the prefix's end; a request without prefix keys has one item with lo = hi).
+
+    With two consumers, a group whose second 64-row tile has no row ("halves": its two consumers split one tile's
+    keys) takes two splits in one item: [lo of split c, hi of split c + 1) for even c, so that its CTA does the work
+    of a full group's; the item's group field carries the distance to the slot of split c + 1 in its upper 16 bits,
+    and that slot is an unused item whose LSE rows the pair's CTA sets to -inf (the merge skips them)."""
     fold = isinstance(cfg, WSConfig)
     B = len(qo) - 1
     bm, bn = (cfg.block_m, cfg.block_n) if cfg is not None else (64, 64)
     ns = [qo[r + 1] - qo[r] for r in range(B)]
     lens = [kv[r + 1] - kv[r] - (ns[r] if nodes_in_cache else 0) for r in range(B)]
     tiles = [-(-n * group // bm) for n in ns]
-    per = _split_blocks(tiles, lens, bn, target, cfg.item_cost if cfg is not None else 0)
+    pairs = fold and cfg.consumers == 2
+
+    def halves(r, t):  # the group's second tile has no row
+        return pairs and bm * t + 64 >= ns[r] * group
+
+    # the CTAs' work in full groups: a halves group's items take two splits each, in half the CTAs
+    work = [t - 0.5 * sum(halves(r, g) for g in range(t)) for r, t in enumerate(tiles)]
+    per = _split_blocks(work, lens, bn, target, cfg.item_cost if cfg is not None else 0)
 
     def count(per_split):
         if fold:
@@ -302,10 +315,19 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | N
             continue
         splits = max(1, -(-lens[r] // split_len)) if fold else -(-lens[r] // split_len)
         table[r] = [len(items), splits if fold else splits + 1, tiles[r]]
+        end = kv[r] + lens[r]
         for c in range(splits):
             lo = kv[r] + c * split_len
-            hi = min(lo + split_len, kv[r] + lens[r])
-            items += [[r, t, lo, hi] for t in range(tiles[r])]
+            hi = min(lo + split_len, end)
+            for t in range(tiles[r]):
+                if not halves(r, t):
+                    items.append([r, t, lo, hi])
+                elif c % 2:  # taken by the item of split c - 1
+                    items.append([-1, 0, 0, 0])
+                elif c + 1 < splits:
+                    items.append([r, t | tiles[r] << 16, lo, min(lo + 2 * split_len, end)])
+                else:
+                    items.append([r, t, lo, hi])
         if not fold:
             items += [[r, t, -1, kv[r] + lens[r]] for t in range(tiles[r])]
     used = len(items)

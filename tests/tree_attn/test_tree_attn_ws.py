@@ -133,7 +133,9 @@ def test_emulation_halves(cfg, prefix, target, make_batch, check):
     b = make_batch([("draft32", prefix)], H=6, Hkv=1, D=64, seed=prefix + target)
     out, lse, items = emulate_ws(b, cfg, target=target)
     check(b, out, lse, msg=f"{prefix}/{target}")
-    assert (items[:, 1] == 1).any(), "the second group (halves) is in the schedule"
+    assert ((items[:, 1] & 0xFFFF) == 1).any(), "the second group (halves) is in the schedule"
+    if prefix == 300 and target > 1:  # several splits: the halves group's items take two each
+        assert ((items[:, 1] >> 16) > 0).any() and (items[:, 0] < 0).any()
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -145,27 +147,36 @@ def test_emulation_head_dim_256_peaked(dtype, make_batch, check):
 
 
 def test_schedule_folds_the_tree_into_the_last_split():
-    """Per request and group: splits cover [prefix start, prefix end) in order, the last ends at the prefix's end
-    (it takes the tree), a request without prefix keys has one item with lo = hi; the table counts the splits."""
+    """Per request and group: the items' ranges cover [prefix start, prefix end) in order, the last ends at the
+    prefix's end (it takes the tree), a request without prefix keys has one item with lo = hi; the table counts the
+    splits. A halves group (its second tile has no row) takes two splits an item and leaves the second's slot
+    unused, its distance in the group field's upper bits."""
     qo = [0, 5, 5, 37, 38]
     kv = [0, 100, 107, 107, 300]  # request 2 has no prefix keys
     items, table, _, split_len, used = ops._schedule("t", qo, kv, False, 6, C2, 16, None)
     items = items[:used].tolist()
     for r in range(4):
         n = qo[r + 1] - qo[r]
-        mine = [it for it in items if it[0] == r]
         if n == 0:
-            assert not mine and table[r].tolist() == [0, 0, 0]
+            assert not [it for it in items if it[0] == r] and table[r].tolist() == [0, 0, 0]
             continue
         groups = -(-n * 6 // 128)
         first, parts, g = table[r].tolist()
-        assert g == groups and items[first][0] == r and len(mine) == parts * groups
+        assert g == groups and items[first][0] == r
+        slots = items[first:first + parts * groups]  # split-major, group minor
         for grp in range(groups):
-            ranges = [(lo, hi) for rr, gg, lo, hi in mine if gg == grp]
+            halves = 128 * grp + 64 >= n * 6
+            mine = [slots[c * groups + grp] for c in range(parts)]
+            ranges = [(lo, hi) for rr, f, lo, hi in mine if rr == r]
+            assert all(rr == r or (rr == -1 and halves and c % 2) for c, (rr, _, _, _) in enumerate(mine))
             assert ranges[0][0] == kv[r] and ranges[-1][1] == kv[r + 1]
             assert all(a[1] == b[0] for a, b in zip(ranges, ranges[1:]))
-            assert all(hi - lo <= split_len for lo, hi in ranges)
-    assert [it for it in items if it[0] == 2] == [[2, g, 107, 107] for g in range(2)]
+            assert all(hi - lo <= (2 if halves else 1) * split_len for lo, hi in ranges)
+            for c, (rr, f, lo, hi) in enumerate(mine):
+                if rr == r:
+                    assert f & 0xFFFF == grp
+                    assert f >> 16 == (groups if halves and c + 1 < parts else 0)
+    assert [it for it in items if it[0] == 2] == [[2, 0, 107, 107], [2, 1, 107, 107]]
 
 
 def test_schedule_capacity_counts_folded_items():
@@ -246,3 +257,30 @@ def test_ws_on_the_cpu_says_why(make_batch, raises):
     b = make_batch([("draft9", 12)], H=2, Hkv=1, D=64)
     with raises("variant 'ws'"):
         tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw(variant="ws"))
+
+
+def test_merge_skips_empty_slots():
+    """The merge kernel (Triton, interpreter) gives a slot of LSE -inf weight 0 and never reads its partial output
+    (NaN here): the slots the halves items leave empty."""
+    from tree_attn.kernels.split import tree_attn_merge_kernel
+
+    gen = torch.Generator().manual_seed(5)
+    T, G, D, BM, parts = 3, 2, 16, 16, 3
+    po = torch.randn(parts, 1, BM, D, generator=gen)
+    plse = torch.randn(parts, 1, BM, generator=gen)
+    po[1] = float("nan")
+    plse[1] = float("-inf")
+    out = torch.empty(T, G, D)
+    lse = torch.empty(T, G)
+    qo = torch.tensor([0, T], dtype=torch.int32)
+    node_req = torch.zeros(T, dtype=torch.int32)
+    table = torch.tensor([[0, parts, 1]], dtype=torch.int32)
+    tree_attn_merge_kernel[(T, G)](po, plse, out, lse, node_req, qo, table, out.stride(0), out.stride(1), HKV=1, G=G,
+                                   D=D, BM=BM, BP=4, WRITE_LSE=True, num_warps=1)
+    live = plse[[0, 2], 0, :T * G]  # [2, rows]
+    w = torch.exp2(live - live.max(0).values)
+    want = (w[..., None] * po[[0, 2], 0, :T * G]).sum(0) / w.sum(0)[:, None]
+    assert torch.isfinite(out).all()
+    torch.testing.assert_close(out.reshape(T * G, D), want, rtol=1e-5, atol=1e-6)
+    torch.testing.assert_close(lse.reshape(-1), (live.max(0).values + torch.log2(w.sum(0))) * 0.6931471805599453,
+                               rtol=1e-5, atol=1e-6)

@@ -216,9 +216,15 @@ def emulate_ws(batch, cfg: WSConfig, *, target: int = 4):
     scale = (batch.sm_scale if batch.sm_scale is not None else batch.D ** -0.5) * LOG2E
     parts = {}
     for i in range(used):
-        req, group, lo, hi = items[i].tolist()
+        req, field, lo, hi = items[i].tolist()
+        if req < 0:  # a slot whose split a halves item took: its LSE rows come from that item's CTA
+            continue
+        group, sibling = field & 0xFFFF, field >> 16
         for hk in range(batch.Hkv):
             parts[i, hk] = emulate_item(batch, cfg, req, group, lo, hi, hk, scale)
+            if sibling:  # LSE -inf; the partial output is never written (NaN here: the merge must not read it)
+                parts[i + sibling, hk] = (torch.full_like(parts[i, hk][0], float("nan")),
+                                          torch.full_like(parts[i, hk][1], float("-inf")))
     out = torch.empty(batch.q.shape, dtype=batch.q.dtype)
     lse = torch.empty(batch.T, batch.H)
     rows = cfg.block_m
@@ -232,7 +238,7 @@ def emulate_ws(batch, cfg: WSConfig, *, target: int = 4):
                 lses = torch.stack([p[1][row] for p in ps])
                 top = lses.max()
                 wts = torch.exp2(lses - top)
-                acc = sum(wt * p[0][row] for wt, p in zip(wts, ps))
+                acc = sum(wt * p[0][row] for wt, p in zip(wts, ps) if p[1][row] > float("-inf"))
                 out[t, h] = (acc / wts.sum()).to(batch.q.dtype)
                 lse[t, h] = (top + torch.log2(wts.sum())) / LOG2E
     return out, lse, items[:used]

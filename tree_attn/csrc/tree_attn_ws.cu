@@ -289,7 +289,10 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   const int item = blockIdx.x, hk = blockIdx.y;
   const int req = items[4 * item];
   if (req < 0) return;  // an unused slot of a fixed-capacity schedule
-  const int group = items[4 * item + 1], lo = items[4 * item + 2], hi = items[4 * item + 3];
+  // the group, and (halves items taking two splits) the distance to the slot of the second split, whose LSE rows
+  // this CTA sets to -inf so that the merge skips that slot
+  const int group = items[4 * item + 1] & 0xFFFF, sibling = items[4 * item + 1] >> 16;
+  const int lo = items[4 * item + 2], hi = items[4 * item + 3];
   const int q0 = qo_indptr[req], n = qo_indptr[req + 1] - q0;
   const int prefix_end = kv_indptr[req + 1] - (TA_NEW ? 0 : n);
   const bool tree = hi == prefix_end;  // this item also takes the tree block
@@ -582,6 +585,7 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
     for (int j = 0; j < TA_D / 8; ++j)
       *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(o[4 * j + 2 * h] * inv[h], o[4 * j + 2 * h + 1] * inv[h]);
     if (lane % 4 == 0) plse[row] = (l_run[h] > 0.f ? m_run[h] : 0.f) + log2f(l_run[h] > 0.f ? l_run[h] : 1.f);
+    if (sibling != 0 && lane % 4 == 0) plse[row + (long long)sibling * gridDim.y * TA_ROWS] = -TA_INF;
   }
 }
 
