@@ -88,7 +88,7 @@ def test_source_states_the_emulated_layout():
                  "(K >> 2) * TA_ROWS * 128 + (K & 3) * 32, (K >> 2) * TA_BN * 128 + (K & 3) * 32",
                  "desc128(qa, 16, 1024), desc128(ks, 16, 1024)",
                  "const uint32_t qa = qs + tile * 64 * 128;",
-                 "const bool halves = TA_C == 2 && group * TA_ROWS + 64 >= n * TA_G;",
+                 "const bool halves = TA_PROBE == 0 && TA_C == 2 && group * TA_ROWS + 64 >= n * TA_G;",
                  "const int b0 = halves ? w : 0, bstep = halves ? 2 : 1;",
                  "wgmma_o<cb * TA_BN * 128 + kk * 2048>",
                  "desc128(vs, TA_BN * 128, 1024)",

@@ -305,7 +305,7 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   const uint32_t qs = base, ring = base + Q_BYTES, bars = base + BAR_OFF;
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   // two consumers on one tile's alternate key blocks: the group's second tile has no row
-  const bool halves = TA_C == 2 && group * TA_ROWS + 64 >= n * TA_G;
+  const bool halves = TA_PROBE == 0 && TA_C == 2 && group * TA_ROWS + 64 >= n * TA_G;  // (probes: tiles as they are)
   if (tid == 0) {
     if (base & 1023) __trap();  // the swizzled tiles need 1024-byte alignment (descriptor base offset 0)
     for (int s = 0; s < TA_STAGES; ++s) {
