@@ -61,8 +61,9 @@ class WSConfig:
         return 64 * self.consumers
 
     def smem_bytes(self, head_dim: int) -> int:
-        """Shared memory of one CTA: the q rows, the K/V ring and its mbarriers (the kernel's layout)."""
-        return head_dim * 2 * (self.block_m + 2 * self.num_stages * self.block_n) + 32 * self.num_stages + 8
+        """Shared memory of one CTA: the q rows, the K/V ring and its mbarriers (the kernel's layout), and up to
+        1024 bytes to align them."""
+        return 1024 + head_dim * 2 * (self.block_m + 2 * self.num_stages * self.block_n) + 32 * self.num_stages + 8
 
 
 def _heuristic(variant: str, head_dim: int, cc_major: int, interpret: bool) -> SplitConfig:

@@ -246,8 +246,8 @@ def test_heuristic_smem_fits():
 def test_smem_bytes_match_the_kernel():
     """WSConfig.smem_bytes is the kernel's own count (the global it exports, read from the CUBIN's source)."""
     src = Path(tcuda.SOURCE).read_text()
-    assert "tree_attn_ws_smem_bytes = BAR_OFF + Q_FULL + 8" in src and "Q_FULL = 32 * TA_STAGES" in src
-    assert C2.smem_bytes(256) == 256 * 2 * (128 + 2 * 2 * 64) + 32 * 2 + 8
+    assert "tree_attn_ws_smem_bytes = 1024 + BAR_OFF + Q_FULL + 8" in src and "Q_FULL = 32 * TA_STAGES" in src
+    assert C2.smem_bytes(256) == 1024 + 256 * 2 * (128 + 2 * 2 * 64) + 32 * 2 + 8
 
 
 # ------------------------------------------------------------------------------------------ 4. dispatch

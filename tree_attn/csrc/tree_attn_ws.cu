@@ -301,13 +301,14 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   int nb = nbp + (tree ? (n + TA_BN - 1) / TA_BN : 0);  // key blocks: prefix, then tree
   if (TA_PROBE != 0 && nb > 1) nb = 1;                   // a probe reads block 0 only
 
-  const uint32_t base = smem_u32(smem);
+  // the swizzled tiles need 1024-byte alignment (descriptor base offset 0): the first aligned byte of the window
+  const uint32_t raw = smem_u32(smem), base = (raw + 1023u) & ~1023u;
+  uint8_t* const sm = smem + (base - raw);
   const uint32_t qs = base, ring = base + Q_BYTES, bars = base + BAR_OFF;
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   // two consumers on one tile's alternate key blocks: the group's second tile has no row
   const bool halves = TA_PROBE == 0 && TA_C == 2 && group * TA_ROWS + 64 >= n * TA_G;  // (probes: tiles as they are)
   if (tid == 0) {
-    if (base & 1023) __trap();  // the swizzled tiles need 1024-byte alignment (descriptor base offset 0)
     for (int s = 0; s < TA_STAGES; ++s) {
       mbar_init(bars + FULL_K + 8 * s, 128);  // full: every producer thread
       mbar_init(bars + FULL_V + 8 * s, 128);
@@ -543,8 +544,8 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   if (halves) {
     // consumer 1's O, m and l to consumer 0, thread for thread (same fragment positions): O in the q tile's bytes
     // (64 rows x D fp32 = 128 rows x D bf16), m and l in the ring's; both are free once both loops are done
-    float* xo = reinterpret_cast<float*>(smem);
-    float* xm = reinterpret_cast<float*>(smem + Q_BYTES);
+    float* xo = reinterpret_cast<float*>(sm);
+    float* xm = reinterpret_cast<float*>(sm + Q_BYTES);
     asm volatile("bar.sync 3, 256;" ::: "memory");
     if (w == 1) {
 #pragma unroll
@@ -590,4 +591,4 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
 }
 
 // shared memory bytes of this build (read by the launch layer)
-extern "C" __device__ const uint32_t tree_attn_ws_smem_bytes = BAR_OFF + Q_FULL + 8;
+extern "C" __device__ const uint32_t tree_attn_ws_smem_bytes = 1024 + BAR_OFF + Q_FULL + 8;  // + the alignment
