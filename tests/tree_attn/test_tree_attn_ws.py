@@ -12,6 +12,10 @@
 3. NVRTC (no GPU needed) compiles the shipped specialisations for sm_90a: wgmma, setmaxnreg with two consumers,
    cp.async completing on mbarriers, no local memory; three consumers are refused.
 4. Dispatch: "ws" runs on sm_90 only and says why elsewhere; configs are checked.
+5. Synchronisation (ws_protocol): the kernel's barrier operations, restated, end under random interleavings for
+   every shipped mode and never let a stage be refilled before it is released; the checks fail on a wrong turn,
+   a producer that does not wait, and halves consumers that share stages (a consumer that skips a phase reads a
+   barrier's parity wrongly, which the stage mapping stage_of prevents).
 """
 
 from pathlib import Path
@@ -284,3 +288,81 @@ def test_merge_skips_empty_slots():
     torch.testing.assert_close(out.reshape(T * G, D), want, rtol=1e-5, atol=1e-6)
     torch.testing.assert_close(lse.reshape(-1), (live.max(0).values + torch.log2(w.sum(0))) * 0.6931471805599453,
                                rtol=1e-5, atol=1e-6)
+
+
+# ------------------------------------------------------------------------------------ 5. synchronisation
+
+
+@pytest.mark.parametrize("kv_ahead", [False, True], ids=["kv-together", "k-ahead"])
+@pytest.mark.parametrize("pingpong", [False, True], ids=["free", "turns"])
+@pytest.mark.parametrize("consumers, halves", [(1, False), (2, False), (2, True)], ids=["one", "two", "halves"])
+@pytest.mark.parametrize("stages", [2, 3, 5])
+def test_barrier_protocol_ends_under_random_interleavings(stages, consumers, halves, pingpong, kv_ahead):
+    """ws_protocol.run: the kernel's barrier operations (producer loads, consumer loops, turns, the halves hand-over)
+    end under 40 random interleavings for every block count up to 9, no stage is overwritten before its consumers
+    released it, and no named-barrier generation completes without a waiter."""
+    from ws_protocol import run
+
+    if pingpong and consumers == 1:
+        pytest.skip("the turns are between two consumers")
+    for nb in range(0, 10):
+        for seed in range(40):
+            run(nb, stages, consumers, halves, pingpong, kv_ahead, seed)
+
+
+def test_source_states_the_protocol():
+    """ws_protocol restates the kernel's barrier operations; the source must still say them."""
+    src = tcuda.SOURCE.read_text()
+    for text in ("s = (b & 1) + 2 * (i % h);", "u = i / h;", "s = b % TA_STAGES;", "u = b / TA_STAGES;",
+                 "if (u > 0) mbar_wait(bars + (v ? EMPTY_V : EMPTY_K) + 8 * s, (u + 1) & 1);",
+                 "const uint32_t parity = u & 1;", "halves ? 4 : 4 * TA_C", "if (w == 1 && !halves) turn_pass(1);",
+                 "if (!halves && (w == 0 || b + 1 < nb)) turn_pass(w);", "if (b + 1 < nb) load(b + 1, 0);",
+                 'asm volatile("bar.sync 3, 256;" ::: "memory");'):
+        assert text in src, f"tree_attn_ws.cu no longer says {text!r}: update tests/tree_attn/ws_protocol.py with it"
+
+
+def test_barrier_protocol_check_can_fail():
+    """A turn passed after a consumer's last block, a producer that does not wait for released stages, or halves
+    consumers sharing stages (a consumer that skips a phase of a barrier reads its parity wrongly: the stage mapping
+    before stage_of) trip the checks."""
+    import ws_protocol as wp
+    from ws_protocol import run
+
+    orig_stage = wp.stage_of
+    wp.stage_of = lambda b, S, halves: (b % S, b // S)
+    try:
+        with pytest.raises(AssertionError):
+            for seed in range(40):
+                run(6, 3, 2, True, False, False, seed)
+    finally:
+        wp.stage_of = orig_stage
+
+    orig = wp.consumer
+
+    def last_pass(w, nb, S, halves, pingpong):  # consumer 1 also passes the turn after its last block
+        for op in orig(w, nb, S, halves, pingpong):
+            yield op
+            if op == ("arrive", f"empty_v{(nb - 1) % S}", 4) and w == 1 and pingpong:
+                yield ("bar_arrive", 1)
+
+    wp.consumer = last_pass
+    try:
+        with pytest.raises(AssertionError):
+            for seed in range(40):
+                run(4, 2, 2, False, True, False, seed)
+    finally:
+        wp.consumer = orig
+    orig_p = wp.producer
+
+    def no_wait(nb, S, kv_ahead, halves):  # the producer refills a stage without waiting for it to be released
+        for op in orig_p(nb, S, kv_ahead, halves):
+            if op[0] != "wait":
+                yield op
+
+    wp.producer = no_wait
+    try:
+        with pytest.raises(AssertionError):
+            for seed in range(40):
+                run(6, 2, 2, False, False, False, seed)
+    finally:
+        wp.producer = orig_p

@@ -246,6 +246,21 @@ __device__ __forceinline__ void keep(uint32_t (&d)[N][4]) {
     for (int j = 0; j < 4; ++j) asm volatile("" : "+r"(d[i][j])::"memory");
 }
 
+// block b's stage s and its use u of that stage (the phase its barriers complete). A waiter on an mbarrier's parity
+// must see every phase of it in order, so in halves, where consumer w takes the blocks b % 2 == w, each consumer
+// has its own stages (w, w + 2, ...; one stage is left unused when their count is odd)
+__device__ __forceinline__ void stage_of(int b, bool halves, int& s, int& u) {
+  if (halves) {
+    constexpr int h = TA_STAGES / 2;  // stages a consumer cycles through
+    const int i = b >> 1;
+    s = (b & 1) + 2 * (i % h);
+    u = i / h;
+  } else {
+    s = b % TA_STAGES;
+    u = b / TA_STAGES;
+  }
+}
+
 // the consumers' turns (TA_PINGPONG): barrier 1 + w is consumer w's; the other consumer's 128 threads arrive on it
 __device__ __forceinline__ void turn_wait(int w) {
   asm volatile("bar.sync %0, 256;" ::"r"(1 + w) : "memory");
@@ -339,8 +354,9 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
     cp_arrive(bars + Q_FULL);
     // one load: K (v = 0) or V (v = 1) of block b into its stage, after the consumers released that stage's last use
     auto load = [&](int b, int v) {
-      const int s = b % TA_STAGES;
-      if (b >= TA_STAGES) mbar_wait(bars + (v ? EMPTY_V : EMPTY_K) + 8 * s, ((b / TA_STAGES) + 1) & 1);
+      int s, u;
+      stage_of(b, halves, s, u);
+      if (u > 0) mbar_wait(bars + (v ? EMPTY_V : EMPTY_K) + 8 * s, (u + 1) & 1);
       const uint32_t dst = ring + s * STAGE_BYTES + (v ? KV_BYTES : 0);
       const elem_t* cache = v ? v_cache : k_cache;
       const long long s_p = v ? s_vp : s_kp, s_o = v ? s_vo : s_ko, head = hk * (v ? s_vh : s_kh);
@@ -406,8 +422,9 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   const uint32_t qa = qs + tile * 64 * 128;  // this warpgroup's 64 rows in every column block
 
   for (int b = b0; b < nb; b += bstep) {
-    const int s = b % TA_STAGES;
-    const uint32_t parity = (b / TA_STAGES) & 1;
+    int s, u;
+    stage_of(b, halves, s, u);
+    const uint32_t parity = u & 1;
     mbar_wait(bars + FULL_K + 8 * s, parity);
 #if TA_FENCE
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
