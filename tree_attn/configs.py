@@ -89,10 +89,12 @@ def split_config(variant: str, head_dim: int, group: int, cc_major: int, interpr
 def _ws_heuristic(rows: int) -> WSConfig:
     # rows of the step's largest request (nodes x G): one consumer warpgroup up to 64, else two sharing each K/V
     # block (three do not fit the registers at D = 256: tree_attn_ws.cu's header). One consumer keeps three stages
-    # of 64 keys (224 KB with D = 256 and its 64 q rows), two keep two.
+    # of 64 keys (224 KB with D = 256 and its 64 q rows). Two keep four of 32 keys (192 KB with their 128 q rows):
+    # where they split one tile's blocks (halves) each consumer has stages of its own, two of four, where two of 64
+    # keys would leave each one stage and no load ahead of the block it computes.
     if rows <= 64:
         return WSConfig(consumers=1, block_n=64, num_stages=3)
-    return WSConfig(consumers=2, block_n=64, num_stages=2)
+    return WSConfig(consumers=2, block_n=32, num_stages=4)
 
 
 def ws_config(head_dim: int, group: int, rows: int, device=None) -> WSConfig:
