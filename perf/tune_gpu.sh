@@ -17,6 +17,8 @@
 #   w12cuda w12.matmul, variants mma and tma (the CUDA C++ kernels, the default at M <= 32), at M=1 on the three
 #           largest decode-step linears (W12C_ONLY, W12C_S 80 s).
 #   attn    tree_attn.tree_attention, variant wgmma, one 32-node tree over 32k keys (key D256-G6).
+#   attnws  the same op and tree, variant ws (the warp-specialised CUDA C++ kernel, sm_90; key C2-D256-G6);
+#           not in the default OPS (OPS=attnws bash perf/tune_gpu.sh).
 #   lmhead  lmhead.argmax, variant triton, M=32 (key K5120-V248320).
 # Each study: TRIALS trials (default 24) within the stage's --time-budget (GDN_S 65, W12_S 70, ATTN_S 35,
 # HEAD_S 40 seconds); the heuristic or stored config first, then 8 valid configs compiled on 16 threads,
@@ -77,10 +79,11 @@ for s in $OPS; do
            --only "${W12_ONLY:-gdn.in_proj-M64,gdn.out_proj-M64,attn.qkv_proj-M64,attn.o_proj-M64,mlp.gate_up_proj-M64,mlp.down_proj-M64}" \
            --time-budget "${W12_S:-70}" ;;
     attn) stage attn 80 "${TUNE[@]}" --op tree_attn.tree_attention --variant wgmma --time-budget "${ATTN_S:-35}" ;;
+    attnws) stage attnws 160 "${TUNE[@]}" --op tree_attn.tree_attention --variant ws --time-budget "${ATTNWS_S:-120}" ;;
     w12cuda) stage w12cuda 110 "${TUNE[@]}" --op w12.matmul --variant mma,tma \
            --only "${W12C_ONLY:-gdn.in_proj-M1,mlp.gate_up_proj-M1,mlp.down_proj-M1}" --time-budget "${W12C_S:-80}" ;;
     lmhead) stage lmhead 90 "${TUNE[@]}" --op lmhead.argmax --time-budget "${HEAD_S:-40}" ;;
-    *) say "unknown stage $s (known: lookup gdn w12 attn lmhead)"; RC[$s]=2 ;;
+    *) say "unknown stage $s (known: lookup gdn w12 w12cuda attn attnws lmhead)"; RC[$s]=2 ;;
   esac
 done
 
