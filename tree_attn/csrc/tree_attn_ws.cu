@@ -502,10 +502,12 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 2));
       mu[h] = mx[h] == -TA_INF ? 0.f : mx[h];  // a row that has seen nothing yet stays finite
-      alpha[h] = ex2(m_run[h] - mu[h]);
+      alpha[h] = mx[h] == m_run[h] ? 1.f : ex2(m_run[h] - mu[h]);  // exactly 1 where the row's max held
       m_run[h] = mx[h];
       l_run[h] *= alpha[h];
     }
+    // O is rescaled only where some row of the warp has a new maximum (past the first blocks, seldom)
+    const bool rescale = __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
     uint32_t pa[TA_BN / 16][4];
 #pragma unroll
     for (int j = 0; j < TA_BN / 8; ++j) {
@@ -523,12 +525,14 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
       pa[j / 2][2 * (j % 2) + 0] = pack2(p[0], p[1]);
       pa[j / 2][2 * (j % 2) + 1] = pack2(p[2], p[3]);
     }
+    if (rescale) {
 #pragma unroll
-    for (int j = 0; j < TA_D / 8; ++j) {
-      o[4 * j + 0] *= alpha[0];
-      o[4 * j + 1] *= alpha[0];
-      o[4 * j + 2] *= alpha[1];
-      o[4 * j + 3] *= alpha[1];
+      for (int j = 0; j < TA_D / 8; ++j) {
+        o[4 * j + 0] *= alpha[0];
+        o[4 * j + 1] *= alpha[0];
+        o[4 * j + 2] *= alpha[1];
+        o[4 * j + 3] *= alpha[1];
+      }
     }
 
     // ---- O += P V
