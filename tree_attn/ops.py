@@ -497,7 +497,7 @@ def _(*args, **kwargs) -> None:
 def _cfg_ints(cfg: SplitConfig | WSConfig | None) -> list[int]:
     if isinstance(cfg, WSConfig):
         return [cfg.consumers, cfg.block_n, cfg.num_stages, cfg.producer_regs, cfg.consumer_regs, int(cfg.pingpong),
-                int(cfg.kv_ahead), cfg.merge_warps, cfg.merge_parts]
+                int(cfg.kv_ahead), int(cfg.q_in_regs), cfg.merge_warps, cfg.merge_parts]
     return [] if cfg is None else [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.merge_warps,
                                    cfg.merge_parts]
 
@@ -507,8 +507,8 @@ def _cfg_of(kernel: str, cfg: list[int]) -> SplitConfig | WSConfig | None:
     if not cfg:
         return None
     if kernel == "ws":
-        return WSConfig(*cfg[:5], pingpong=bool(cfg[5]), kv_ahead=bool(cfg[6]), merge_warps=cfg[7],
-                        merge_parts=cfg[8])
+        return WSConfig(*cfg[:5], pingpong=bool(cfg[5]), kv_ahead=bool(cfg[6]), q_in_regs=bool(cfg[7]),
+                        merge_warps=cfg[8], merge_parts=cfg[9])
     return SplitConfig(*cfg[:4], merge_warps=cfg[4], merge_parts=cfg[5])
 
 

@@ -71,6 +71,37 @@ def test_tiles_read_back_through_the_descriptors(cfg, d):
         assert torch.equal(t.read_mn_major(start, lbo, sbo, d), kbits[16 * kk:16 * kk + 16, :])
 
 
+def ldmatrix_a(tile: SmemTile, row0: int, k: int) -> torch.Tensor:
+    """The [16, 16] A tile one warp holds after the kernel's ldmatrix.x4 (load_q_frags) for k-step k, assembled from
+    its lanes' four registers by mma's A layout (a0 rows 0-7 / cols 0-7, a1 rows 8-15, a2 cols 8-15, a3 both)."""
+    out = torch.empty(16, 16, dtype=torch.int16)
+    addr = []  # the row address each lane gives: matrix l // 8, row l % 8 of it
+    for lane in range(32):
+        r, c = row0 + (lane & 15), 2 * k + (lane >> 4)
+        addr.append((c >> 3) * tile.rows * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4))
+    for lane in range(32):
+        g, t = lane // 4, lane % 4
+        for i, (dr, dc) in enumerate(((0, 0), (8, 0), (0, 8), (8, 8))):
+            row = tile.mem[addr[8 * i + g] // 2:addr[8 * i + g] // 2 + 8]  # matrix i, its row g
+            out[g + dr, dc + 2 * t:dc + 2 * t + 2] = row[2 * t:2 * t + 2]
+    return out
+
+
+@pytest.mark.parametrize("d", [64, 256])
+@pytest.mark.parametrize("cfg", [C1, C2N32], ids=["c1", "c2"])
+def test_q_fragments_through_ldmatrix(cfg, d):
+    """q in registers (WSConfig.q_in_regs): every warp's ldmatrix.x4 of every k-step gives the A fragments of its
+    16 rows and 16 columns of q, element for element."""
+    rows = cfg.block_m
+    x = _distinct(rows, d)
+    q = SmemTile(rows, d)
+    q.write_rows(x)
+    bits = x.view(torch.int16)
+    for row0 in range(0, rows, 16):
+        for k in range(d // 16):
+            assert torch.equal(ldmatrix_a(q, row0, k), bits[row0:row0 + 16, 16 * k:16 * k + 16]), (row0, k)
+
+
 def test_layout_check_can_fail():
     """A wrong stride byte offset, or a tile written without the swizzle, does not read back."""
     x = _distinct(64, 128)
@@ -96,7 +127,11 @@ def test_source_states_the_emulated_layout():
                  "const int b0 = halves ? w : 0, bstep = halves ? 2 : 1;",
                  "wgmma_o<cb * TA_BN * 128 + kk * 2048>",
                  "desc128(vs, TA_BN * 128, 1024)",
-                 "(1ull << 62)"):
+                 "(1ull << 62)",
+                 "const int r = row0 + (lane & 15), c = 2 * k + (lane >> 4);",
+                 "qs + (uint32_t)((c >> 3) * TA_ROWS * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4))",
+                 "load_q_frags(qf, qs, 64 * tile + 16 * warp, lane);",
+                 "wgmma_s_reg<(K >> 2) * TA_BN * 128 + (K & 3) * 32, (K > 0)>(s, qf[K], dk);"):
         assert text in src, f"tree_attn_ws.cu no longer says {text!r}: update tests/tree_attn/ws_emu.py with it"
 
 
@@ -222,6 +257,18 @@ def test_pingpong_builds(kv_ahead):
     assert "bar.arrive" not in tcuda.spec(WSConfig(), 256, 6).compile().ptx.read_text()
 
 
+@pytest.mark.parametrize("cfg", [WSConfig(consumers=1, block_n=64, num_stages=3, q_in_regs=True),
+                                 WSConfig(consumers=1, block_n=32, num_stages=4, q_in_regs=True)],
+                         ids=["c1n64", "c1n32"])
+def test_q_in_registers_builds_without_spills(cfg):
+    """One consumer holds q's fragments (64 registers at D = 256) beside O within its 255 registers."""
+    b = tcuda.spec(cfg, 256, 6).compile()
+    res = b.resources()
+    assert res["stack"] == 0 and res["spill_stores"] == 0, res
+    ptx = b.ptx.read_text()
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx and "C7512" not in b.log.read_text()
+
+
 def test_three_consumers_do_not_build():
     with pytest.raises(jit.BuildError, match="1 or 2 consumer warpgroups"):
         tcuda.spec(WSConfig(consumers=3, block_n=32, num_stages=4, producer_regs=32, consumer_regs=160), 256,
@@ -235,6 +282,7 @@ def test_three_consumers_do_not_build():
     (WSConfig(producer_regs=64, consumer_regs=232), "registers"),
     (WSConfig(consumers=2, num_stages=3), "shared memory"),
     (WSConfig(consumers=1, num_stages=3, pingpong=True), "pingpong"),
+    (WSConfig(consumers=2, block_n=32, num_stages=4, q_in_regs=True), "registers"),
 ])
 def test_config_problems(cfg, why):
     assert why in tcuda.config_problem(cfg, 256)

@@ -87,6 +87,12 @@ typedef unsigned long long uint64_t;
 #ifndef TA_KV_AHEAD
 #define TA_KV_AHEAD 0
 #endif
+// q in registers: each consumer loads its 64 rows' A fragments once (ldmatrix from the swizzled tile; D / 4
+// registers a thread), so the S product reads only K from shared memory (at 32 keys a block the q operand is
+// two thirds of S's shared-memory reads)
+#ifndef TA_QREG
+#define TA_QREG 0
+#endif
 #ifndef TA_FENCE
 #define TA_FENCE 1  // consumers order the producer's cp.async writes before their wgmma (fence.proxy.async)
 #endif
@@ -215,6 +221,31 @@ __device__ __forceinline__ void wgmma_o(float* o, const uint32_t (&a)[4], uint64
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(OB >> 4));
 }
 
+// S[64 x BN] (+)= A(registers) B(desc + OB)^T, one k-step
+template <uint32_t OB, int ACC>
+__device__ __forceinline__ void wgmma_s_reg(float (&s)[TA_BN / 2], const uint32_t (&a)[4], uint64_t db) {
+#if TA_BN == 32
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 b;\nsetp.ne.b32 p, %20, 0;\nadd.s64 b, %21, %22;\n"
+      "wgmma.mma_async.sync.aligned.m64n32k16.f32." TA_TYPE "." TA_TYPE
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, b, p, 1, 1, 0;\n}"
+      : "+f"(s[0]), "+f"(s[1]), "+f"(s[2]), "+f"(s[3]), "+f"(s[4]), "+f"(s[5]), "+f"(s[6]), "+f"(s[7]),
+        "+f"(s[8]), "+f"(s[9]), "+f"(s[10]), "+f"(s[11]), "+f"(s[12]), "+f"(s[13]), "+f"(s[14]), "+f"(s[15])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "n"(ACC), "l"(db), "n"(OB >> 4));
+#else
+  asm volatile(
+      "{\n.reg .pred p;\n.reg .b64 b;\nsetp.ne.b32 p, %36, 0;\nadd.s64 b, %37, %38;\n"
+      "wgmma.mma_async.sync.aligned.m64n64k16.f32." TA_TYPE "." TA_TYPE
+      " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
+      "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, b, p, 1, 1, 0;\n}"
+      : "+f"(s[0]), "+f"(s[1]), "+f"(s[2]), "+f"(s[3]), "+f"(s[4]), "+f"(s[5]), "+f"(s[6]), "+f"(s[7]),
+        "+f"(s[8]), "+f"(s[9]), "+f"(s[10]), "+f"(s[11]), "+f"(s[12]), "+f"(s[13]), "+f"(s[14]), "+f"(s[15]),
+        "+f"(s[16]), "+f"(s[17]), "+f"(s[18]), "+f"(s[19]), "+f"(s[20]), "+f"(s[21]), "+f"(s[22]), "+f"(s[23]),
+        "+f"(s[24]), "+f"(s[25]), "+f"(s[26]), "+f"(s[27]), "+f"(s[28]), "+f"(s[29]), "+f"(s[30]), "+f"(s[31])
+      : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "n"(ACC), "l"(db), "n"(OB >> 4));
+#endif
+}
+
 // the unrolled k-steps of S = Q K^T (k-step k: column block k / 4, 32 bytes a step inside it) and of O += P V
 template <int K>
 __device__ __forceinline__ void s_steps(float (&s)[TA_BN / 2], uint64_t dq, uint64_t dk) {
@@ -223,6 +254,27 @@ __device__ __forceinline__ void s_steps(float (&s)[TA_BN / 2], uint64_t dq, uint
     s_steps<K + 1>(s, dq, dk);
   }
 }
+template <int K>
+__device__ __forceinline__ void s_steps_reg(float (&s)[TA_BN / 2], const uint32_t (&qf)[TA_D / 16][4], uint64_t dk) {
+  if constexpr (K < TA_D / 16) {
+    wgmma_s_reg<(K >> 2) * TA_BN * 128 + (K & 3) * 32, (K > 0)>(s, qf[K], dk);
+    s_steps_reg<K + 1>(s, qf, dk);
+  }
+}
+
+// this thread's A fragments of q (its warp's 16 rows of the warpgroup's 64), k-step k: ldmatrix.x4 of rows
+// 16 warp + lane % 16, 16-byte chunk 2 k + lane / 16 of the swizzled tile
+__device__ __forceinline__ void load_q_frags(uint32_t (&qf)[TA_D / 16][4], uint32_t qs, int row0, int lane) {
+#pragma unroll
+  for (int k = 0; k < TA_D / 16; ++k) {
+    const int r = row0 + (lane & 15), c = 2 * k + (lane >> 4);
+    const uint32_t addr = qs + (uint32_t)((c >> 3) * TA_ROWS * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
+    asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
+                 : "=r"(qf[k][0]), "=r"(qf[k][1]), "=r"(qf[k][2]), "=r"(qf[k][3])
+                 : "r"(addr));
+  }
+}
+
 template <int I>
 __device__ __forceinline__ void o_steps(float (&o)[TA_D / 2], const uint32_t (&pa)[TA_BN / 16][4], uint64_t dv) {
   if constexpr (I < (TA_BN / 16) * TA_DB) {
@@ -420,6 +472,10 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
 
   mbar_wait(bars + Q_FULL, 0);
   const uint32_t qa = qs + tile * 64 * 128;  // this warpgroup's 64 rows in every column block
+#if TA_QREG
+  uint32_t qf[TA_D / 16][4];
+  load_q_frags(qf, qs, 64 * tile + 16 * warp, lane);
+#endif
 
   for (int b = b0; b < nb; b += bstep) {
     int s, u;
@@ -438,7 +494,12 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
     if (!halves) turn_wait(w);
 #endif
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
+#if TA_QREG
+    keep(qf);
+    s_steps_reg<0>(sc, qf, desc128(ks, 16, 1024));
+#else
     s_steps<0>(sc, desc128(qa, 16, 1024), desc128(ks, 16, 1024));
+#endif
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
 #if TA_PINGPONG
     if (!halves && (w == 0 || b + 1 < nb)) turn_pass(w);
