@@ -414,3 +414,13 @@ def test_barrier_protocol_check_can_fail():
                 run(6, 2, 2, False, False, False, seed)
     finally:
         wp.producer = orig_p
+
+
+@pytest.mark.parametrize("cfg", [C1, C2N32, WSConfig(pingpong=True, kv_ahead=True),
+                                 WSConfig(consumers=1, q_in_regs=True, num_stages=3, merge_parts=8, merge_warps=4)])
+def test_config_crosses_the_custom_op(cfg):
+    """The torch custom op takes the launch config as ints (ops._cfg_ints); every field the launch reads comes back."""
+    back = ops._cfg_of("ws", ops._cfg_ints(cfg))
+    launch = ("consumers", "block_n", "num_stages", "producer_regs", "consumer_regs", "pingpong", "kv_ahead",
+              "q_in_regs", "merge_warps", "merge_parts")
+    assert all(getattr(back, f) == getattr(cfg, f) for f in launch) and back.block_m == cfg.block_m
