@@ -51,6 +51,7 @@ class WSConfig:
     pingpong: bool = False  # two consumers take turns to issue their S products (named barriers)
     kv_ahead: bool = False  # the producer issues block b + 1's K before block b's V
     q_in_regs: bool = False  # each consumer holds its q rows' A fragments in registers (S reads only K)
+    overlap: bool = False  # S of block b issued before P V of block b - 1, whose wgmma runs beside b's softmax
     programs_per_sm: float = 1.0
     merge_warps: int = 2
     merge_parts: int = 16

@@ -54,6 +54,8 @@ def config_problem(cfg: WSConfig, head_dim: int) -> str | None:
     if cfg.q_in_regs and cfg.consumers == 2 and (cfg.block_n != 32 or cfg.consumer_regs < 240):
         return ("registers: q in registers with two consumers needs 32 keys a block and 240 registers a consumer "
                 "(its fragments are D / 4 registers a thread)")
+    if cfg.overlap and cfg.pingpong:
+        return "config: overlap and pingpong are two ways to run the softmax beside the wgmma; take one"
     if cfg.block_n not in (32, 64):
         return f"block_n={cfg.block_n}: 32 or 64"
     if not 2 <= cfg.num_stages <= 8:
@@ -81,10 +83,11 @@ def spec(cfg: WSConfig, head_dim: int, group: int, *, f16: bool = False, new: bo
     """The build of one specialisation; `defines` add to (or override) its TA_* defines."""
     base = dict(C=cfg.consumers, BN=cfg.block_n, STAGES=cfg.num_stages, D=head_dim, G=group, F16=int(f16),
                 NEW=int(new), PREGS=cfg.producer_regs, CREGS=cfg.consumer_regs, PINGPONG=int(cfg.pingpong),
-                KV_AHEAD=int(cfg.kv_ahead), QREG=int(cfg.q_in_regs))
+                KV_AHEAD=int(cfg.kv_ahead), QREG=int(cfg.q_in_regs), OVERLAP=int(cfg.overlap))
     target = jit.arch_name(arch, wgmma=True)
     name = (f"tree_attn_ws-c{cfg.consumers}-n{cfg.block_n}-s{cfg.num_stages}-r{cfg.producer_regs}x{cfg.consumer_regs}"
             f"{'-pp' if cfg.pingpong else ''}{'-ka' if cfg.kv_ahead else ''}{'-qr' if cfg.q_in_regs else ''}"
+            f"{'-ov' if cfg.overlap else ''}"
             f"-d{head_dim}-g{group}-{'f16' if f16 else 'bf16'}-new{int(new)}-{target}")
     return jit.Spec(SOURCE, KERNEL, target, {f"TA_{k}": v for k, v in base.items()} | dict(defines or {}), name=name)
 

@@ -81,7 +81,7 @@ def _ws_key(shape) -> str:
 WS_SPACE = SearchSpace(
     op="tree_attn.tree_attention", variant="ws",
     params={"consumers": [1, 2], "block_n": [32, 64], "num_stages": [2, 3, 4, 5], "producer_regs": [24, 56],
-            "consumer_regs": [200, 216, 232, 240], "pingpong": [False, True], "kv_ahead": [False, True], "q_in_regs": [False, True],
+            "consumer_regs": [200, 216, 232, 240], "pingpong": [False, True], "kv_ahead": [False, True], "q_in_regs": [False, True], "overlap": [False, True],
             "item_cost": [4, 8, 16, 32], "merge_parts": [8, 16, 32]},
     make_config=lambda p: WSConfig(**p), flops_bytes=split_flops_bytes, valid=ws_valid,
     heuristic=lambda s: _ws_heuristic(s["N"] * s["G"]), key=_ws_key)

@@ -126,7 +126,7 @@ def test_source_states_the_emulated_layout():
                  "const bool halves = TA_PROBE == 0 && TA_C == 2 && group * TA_ROWS + 64 >= n * TA_G;",
                  "const int b0 = halves ? w : 0, bstep = halves ? 2 : 1;",
                  "wgmma_o<cb * TA_BN * 128 + kk * 2048>",
-                 "desc128(vs, TA_BN * 128, 1024)",
+                 "desc128(ring + st * STAGE_BYTES + KV_BYTES, TA_BN * 128, 1024)",
                  "(1ull << 62)",
                  "const int r = row0 + (lane & 15), c = 2 * k + (lane >> 4);",
                  "qs + (uint32_t)((c >> 3) * TA_ROWS * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4))",
@@ -269,6 +269,20 @@ def test_q_in_registers_builds_without_spills(cfg):
     assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx and "C7512" not in b.log.read_text()
 
 
+@pytest.mark.parametrize("cfg", [WSConfig(consumers=2, block_n=32, num_stages=4, overlap=True),
+                                 WSConfig(consumers=2, block_n=64, num_stages=2, overlap=True),
+                                 WSConfig(consumers=1, block_n=64, num_stages=3, overlap=True)],
+                         ids=["c2n32", "c2n64", "c1n64"])
+def test_overlap_builds_without_spills(cfg):
+    """The overlap holds two blocks' P and one S beside O: no spills, no serialised wgmma, and the S of the next
+    block is waited for with one group (P V) still in flight."""
+    b = tcuda.spec(cfg, 256, 6).compile()
+    res = b.resources()
+    assert res["stack"] == 0 and res["spill_stores"] == 0, res
+    assert "C7512" not in b.log.read_text()
+    assert "wgmma.wait_group.sync.aligned 1;" in b.ptx.read_text()
+
+
 def test_three_consumers_do_not_build():
     with pytest.raises(jit.BuildError, match="1 or 2 consumer warpgroups"):
         tcuda.spec(WSConfig(consumers=3, block_n=32, num_stages=4, producer_regs=32, consumer_regs=160), 256,
@@ -283,6 +297,7 @@ def test_three_consumers_do_not_build():
     (WSConfig(consumers=2, num_stages=3), "shared memory"),
     (WSConfig(consumers=1, num_stages=3, pingpong=True), "pingpong"),
     (WSConfig(consumers=2, block_n=32, num_stages=4, q_in_regs=True), "registers"),
+    (WSConfig(pingpong=True, overlap=True), "overlap"),
 ])
 def test_config_problems(cfg, why):
     assert why in tcuda.config_problem(cfg, 256)
@@ -342,20 +357,21 @@ def test_merge_skips_empty_slots():
 
 
 @pytest.mark.parametrize("kv_ahead", [False, True], ids=["kv-together", "k-ahead"])
-@pytest.mark.parametrize("pingpong", [False, True], ids=["free", "turns"])
+@pytest.mark.parametrize("mode", ["free", "turns", "overlap"])
 @pytest.mark.parametrize("consumers, halves", [(1, False), (2, False), (2, True)], ids=["one", "two", "halves"])
 @pytest.mark.parametrize("stages", [2, 3, 5])
-def test_barrier_protocol_ends_under_random_interleavings(stages, consumers, halves, pingpong, kv_ahead):
+def test_barrier_protocol_ends_under_random_interleavings(stages, consumers, halves, mode, kv_ahead):
     """ws_protocol.run: the kernel's barrier operations (producer loads, consumer loops, turns, the halves hand-over)
     end under 40 random interleavings for every block count up to 9, no stage is overwritten before its consumers
     released it, and no named-barrier generation completes without a waiter."""
     from ws_protocol import run
 
+    pingpong = mode == "turns"
     if pingpong and consumers == 1:
         pytest.skip("the turns are between two consumers")
     for nb in range(0, 10):
         for seed in range(40):
-            run(nb, stages, consumers, halves, pingpong, kv_ahead, seed)
+            run(nb, stages, consumers, halves, pingpong, kv_ahead, seed, overlap=mode == "overlap")
 
 
 def test_source_states_the_protocol():
@@ -363,7 +379,7 @@ def test_source_states_the_protocol():
     src = tcuda.SOURCE.read_text()
     for text in ("s = (b & 1) + 2 * (i % h);", "u = i / h;", "s = b % TA_STAGES;", "u = b / TA_STAGES;",
                  "if (u > 0) mbar_wait(bars + (v ? EMPTY_V : EMPTY_K) + 8 * s, (u + 1) & 1);",
-                 "const uint32_t parity = u & 1;", "halves ? 4 : 4 * TA_C", "if (w == 1 && !halves) turn_pass(1);",
+                 "return (uint32_t)(u & 1);", "halves ? 4 : 4 * TA_C", "if (w == 1 && !halves) turn_pass(1);",
                  "if (!halves && (w == 0 || b + 1 < nb)) turn_pass(w);", "if (b + 1 < nb) load(b + 1, 0);",
                  'asm volatile("bar.sync 3, 256;" ::: "memory");'):
         assert text in src, f"tree_attn_ws.cu no longer says {text!r}: update tests/tree_attn/ws_protocol.py with it"
@@ -387,8 +403,8 @@ def test_barrier_protocol_check_can_fail():
 
     orig = wp.consumer
 
-    def last_pass(w, nb, S, halves, pingpong):  # consumer 1 also passes the turn after its last block
-        for op in orig(w, nb, S, halves, pingpong):
+    def last_pass(w, nb, S, halves, pingpong, overlap=False):  # consumer 1 also passes the turn after its last block
+        for op in orig(w, nb, S, halves, pingpong, overlap):
             yield op
             if op == ("arrive", f"empty_v{(nb - 1) % S}", 4) and w == 1 and pingpong:
                 yield ("bar_arrive", 1)

@@ -72,30 +72,53 @@ def producer(nb, S, kv_ahead, halves):
             yield from load(b, "v")
 
 
-def consumer(w, nb, S, halves, pingpong):
+def consumer(w, nb, S, halves, pingpong, overlap=False):
     b0, step = (w, 2) if halves else (0, 1)
     if pingpong and w == 1 and not halves:
         yield ("bar_arrive", 1)  # turn_pass(1): barrier 2 - w
-    yield ("wait", "q", 0)
-    for b in range(b0, nb, step):
+
+    def score(b):  # wait K, read it (the S wgmma), the turns
         s, u = stage_of(b, S, halves)
-        parity = u & 1
-        yield ("wait", f"full_k{s}", parity)
-        yield ("read", ("k", s, b))
+        yield ("wait", f"full_k{s}", u & 1)
         if pingpong and not halves:
             yield ("bar_sync", 1 + w)
+        yield ("read", ("k", s, b))
         if pingpong and not halves and (w == 0 or b + 1 < nb):
             yield ("bar_arrive", 2 - w)
-        yield ("arrive", f"empty_k{s}", 4)
-        yield ("wait", f"full_v{s}", parity)
+
+    def pv(b):
+        s, u = stage_of(b, S, halves)
+        yield ("wait", f"full_v{s}", u & 1)
         yield ("read", ("v", s, b))
-        yield ("arrive", f"empty_v{s}", 4)
+
+    def release(b, v):
+        yield ("arrive", f"empty_{v}{stage_of(b, S, halves)[0]}", 4)
+
+    yield ("wait", "q", 0)
+    blocks = list(range(b0, nb, step))
+    if overlap and blocks:
+        yield from score(blocks[0])
+        yield from release(blocks[0], "k")
+        for prev, b in zip(blocks, blocks[1:]):
+            yield from score(b)
+            yield from pv(prev)
+            yield from release(b, "k")
+            yield from release(prev, "v")
+        yield from pv(blocks[-1])
+        yield from release(blocks[-1], "v")
+    elif not overlap:
+        for b in blocks:
+            yield from score(b)
+            yield from release(b, "k")
+            yield from pv(b)
+            yield from release(b, "v")
     if halves:
         yield ("bar_sync", 3)
         yield ("bar_sync", 3)
 
 
-def run(nb: int, S: int, consumers: int, halves: bool, pingpong: bool, kv_ahead: bool, seed: int) -> int:
+def run(nb: int, S: int, consumers: int, halves: bool, pingpong: bool, kv_ahead: bool, seed: int,
+        overlap: bool = False) -> int:
     """One random interleaving of one CTA; returns the steps taken. Raises AssertionError on a hang or a hazard."""
     rng = random.Random(seed)
     empty = 4 if halves else 4 * consumers
@@ -107,7 +130,7 @@ def run(nb: int, S: int, consumers: int, halves: bool, pingpong: bool, kv_ahead:
     named = {i: Named() for i in (1, 2, 3)}
     agents = {"p": producer(nb, S, kv_ahead, halves)}
     for w in range(consumers):
-        agents[f"c{w}"] = consumer(w, nb, S, halves, pingpong)
+        agents[f"c{w}"] = consumer(w, nb, S, halves, pingpong, overlap)
     pending = {name: next(gen, None) for name, gen in agents.items()}
     blocked = set()  # warpgroups in a bar.sync whose generation has not completed
     landing = []  # cp.async arrivals in flight: (barrier, n)

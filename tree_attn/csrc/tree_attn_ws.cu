@@ -93,6 +93,11 @@ typedef unsigned long long uint64_t;
 #ifndef TA_QREG
 #define TA_QREG 0
 #endif
+// S of block b issued before P V of the block before it: the softmax of b runs while that P V does (two
+// consumers: 32 keys a block, so that the two blocks' registers fit)
+#ifndef TA_OVERLAP
+#define TA_OVERLAP 0
+#endif
 #ifndef TA_FENCE
 #define TA_FENCE 1  // consumers order the producer's cp.async writes before their wgmma (fence.proxy.async)
 #endif
@@ -108,6 +113,7 @@ static_assert(TA_D == 64 || TA_D == 128 || TA_D == 256, "head dim 64, 128 or 256
 static_assert(TA_C == 1 || 128 * (TA_PREGS + TA_C * TA_CREGS) <= 65536, "setmaxnreg: the register file");
 static_assert(TA_PREGS % 8 == 0 && TA_CREGS % 8 == 0 && TA_PREGS >= 24 && TA_CREGS <= 256, "setmaxnreg counts");
 static_assert(!TA_PINGPONG || TA_C == 2, "the turns are between two consumers");
+static_assert(!(TA_PINGPONG && TA_OVERLAP), "turns or the overlap, not both");
 static_assert(TA_C == 1 || 2 * TA_STAGES * TA_BN * TA_D * 2 >= 4 * 128 * 4, "halves: m and l fit the ring");
 static_assert(TA_STAGES >= 2 && TA_STAGES <= 8, "2 to 8 stages");
 
@@ -477,17 +483,21 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   load_q_frags(qf, qs, 64 * tile + 16 * warp, lane);
 #endif
 
-  for (int b = b0; b < nb; b += bstep) {
-    int s, u;
-    stage_of(b, halves, s, u);
-    const uint32_t parity = u & 1;
-    mbar_wait(bars + FULL_K + 8 * s, parity);
+  // block b's stage (s) and the parity of its use
+  auto stage = [&](int b, int& st) {
+    int u;
+    stage_of(b, halves, st, u);
+    return (uint32_t)(u & 1);
+  };
+  // S = Q K^T of block b, issued (one wgmma group); waits for its K
+  auto score = [&](int b, float (&sc)[TA_BN / 2]) {
+    int st;
+    const uint32_t parity = stage(b, st);
+    mbar_wait(bars + FULL_K + 8 * st, parity);
 #if TA_FENCE
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
-    const uint32_t ks = ring + s * STAGE_BYTES, vs = ks + KV_BYTES;
-
-    float sc[TA_BN / 2];
+    const uint32_t ks = ring + st * STAGE_BYTES;
 #pragma unroll
     for (int i = 0; i < TA_BN / 2; ++i) sc[i] = 0.f;
 #if TA_PINGPONG
@@ -504,22 +514,10 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
 #if TA_PINGPONG
     if (!halves && (w == 0 || b + 1 < nb)) turn_pass(w);
 #endif
-    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    keep(sc);
-    if (lane == 0) mbar_arrive(bars + EMPTY_K + 8 * s);  // K is read: its slot may take the next K
-#if TA_PROBE == 1
-    {
-      float* dst = po + (((long long)item * gridDim.y + hk) * TA_ROWS + row_a) * TA_D + 2 * (lane % 4);
-#pragma unroll
-      for (int j = 0; j < TA_BN / 8; ++j) {
-        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(sc[4 * j], sc[4 * j + 1]);
-        *reinterpret_cast<float2*>(dst + 8 * TA_D + 8 * j) = make_float2(sc[4 * j + 2], sc[4 * j + 3]);
-      }
-      return;
-    }
-#endif
-
-    // ---- online softmax in base 2 over this block's keys
+  };
+  // the online softmax of block b in base 2 over S's registers: P into pa, each row's rescale factor into alpha;
+  // returns whether some row of the warp has a new maximum
+  auto softmax = [&](int b, float (&sc)[TA_BN / 2], uint32_t (&pa)[TA_BN / 16][4], float (&alpha)[2]) {
     // sc[4 j + i]: row row_a + 8 (i / 2), key 8 j + 2 (lane % 4) + i % 2 of the block
     const bool ragged = b == nbp - 1 && (np % TA_BN) != 0;
     const bool in_tree = b >= nbp;
@@ -557,7 +555,7 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
           mx[i / 2] = fmaxf(mx[i / 2], x);
         }
     }
-    float alpha[2], mu[2];
+    float mu[2];
 #pragma unroll
     for (int h = 0; h < 2; ++h) {
       mx[h] = fmaxf(mx[h], __shfl_xor_sync(0xffffffffu, mx[h], 1));
@@ -567,9 +565,6 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
       m_run[h] = mx[h];
       l_run[h] *= alpha[h];
     }
-    // O is rescaled only where some row of the warp has a new maximum (past the first blocks, seldom)
-    const bool rescale = __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
-    uint32_t pa[TA_BN / 16][4];
 #pragma unroll
     for (int j = 0; j < TA_BN / 8; ++j) {
       float p[4];
@@ -586,36 +581,105 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
       pa[j / 2][2 * (j % 2) + 0] = pack2(p[0], p[1]);
       pa[j / 2][2 * (j % 2) + 1] = pack2(p[2], p[3]);
     }
-    if (rescale) {
+    // O is rescaled only where some row of the warp has a new maximum (past the first blocks, seldom)
+    return __any_sync(0xffffffffu, alpha[0] != 1.f || alpha[1] != 1.f);
+  };
+  auto rescale = [&](const float (&alpha)[2]) {
 #pragma unroll
-      for (int j = 0; j < TA_D / 8; ++j) {
-        o[4 * j + 0] *= alpha[0];
-        o[4 * j + 1] *= alpha[0];
-        o[4 * j + 2] *= alpha[1];
-        o[4 * j + 3] *= alpha[1];
-      }
+    for (int j = 0; j < TA_D / 8; ++j) {
+      o[4 * j + 0] *= alpha[0];
+      o[4 * j + 1] *= alpha[0];
+      o[4 * j + 2] *= alpha[1];
+      o[4 * j + 3] *= alpha[1];
     }
-
-    // ---- O += P V
-    mbar_wait(bars + FULL_V + 8 * s, parity);
+  };
+  // O += P V of block b, issued (one wgmma group); waits for its V
+  auto pv = [&](int b, uint32_t (&pa)[TA_BN / 16][4]) {
+    int st;
+    const uint32_t parity = stage(b, st);
+    mbar_wait(bars + FULL_V + 8 * st, parity);
 #if TA_FENCE
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     keep(o);
     keep(pa);
-    o_steps<0>(o, pa, desc128(vs, TA_BN * 128, 1024));
+    o_steps<0>(o, pa, desc128(ring + st * STAGE_BYTES + KV_BYTES, TA_BN * 128, 1024));
     asm volatile("wgmma.commit_group.sync.aligned;" ::: "memory");
+  };
+  auto release = [&](int b, uint32_t empty) {
+    int st;
+    stage(b, st);
+    if (lane == 0) mbar_arrive(bars + empty + 8 * st);
+  };
+
+#if TA_OVERLAP && !TA_PROBE
+  // S of block b is issued before P V of the block before it, and the softmax of b runs while that P V does
+  if (b0 < nb) {
+    float sc[TA_BN / 2], alpha[2];
+    uint32_t pa[TA_BN / 16][4], pn[TA_BN / 16][4];
+    score(b0, sc);
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    keep(sc);
+    release(b0, EMPTY_K);
+    softmax(b0, sc, pa, alpha);  // O is zero: nothing to rescale
+    int prev = b0;
+    for (int b = b0 + bstep; b < nb; b += bstep) {
+      score(b, sc);
+      pv(prev, pa);
+      asm volatile("wgmma.wait_group.sync.aligned 1;" ::: "memory");  // S of b (the older group) is done
+      keep(sc);
+      release(b, EMPTY_K);
+      const bool re = softmax(b, sc, pn, alpha);
+      asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");  // P V of prev is done
+      keep(o);
+      keep(pa);
+      release(prev, EMPTY_V);
+      if (re) rescale(alpha);
+#pragma unroll
+      for (int k = 0; k < TA_BN / 16; ++k)
+#pragma unroll
+        for (int i = 0; i < 4; ++i) pa[k][i] = pn[k][i];
+      prev = b;
+    }
+    pv(prev, pa);
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
     keep(o);
     keep(pa);
-    if (lane == 0) mbar_arrive(bars + EMPTY_V + 8 * s);
+    release(prev, EMPTY_V);
+  }
+#else
+  for (int b = b0; b < nb; b += bstep) {
+    float sc[TA_BN / 2], alpha[2];
+    uint32_t pa[TA_BN / 16][4];
+    score(b, sc);
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    keep(sc);
+    release(b, EMPTY_K);  // K is read: its slot may take the next K
+#if TA_PROBE == 1
+    {
+      float* dst = po + (((long long)item * gridDim.y + hk) * TA_ROWS + row_a) * TA_D + 2 * (lane % 4);
+#pragma unroll
+      for (int j = 0; j < TA_BN / 8; ++j) {
+        *reinterpret_cast<float2*>(dst + 8 * j) = make_float2(sc[4 * j], sc[4 * j + 1]);
+        *reinterpret_cast<float2*>(dst + 8 * TA_D + 8 * j) = make_float2(sc[4 * j + 2], sc[4 * j + 3]);
+      }
+      return;
+    }
+#endif
+    if (softmax(b, sc, pa, alpha)) rescale(alpha);
+    pv(b, pa);
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    keep(o);
+    keep(pa);
+    release(b, EMPTY_V);
 #if TA_PROBE == 2
     l_run[0] = l_run[1] = 0.25f;  // the 4 threads of a row sum to 1 below: po = O
     m_run[0] = m_run[1] = 0.f;
     break;
 #endif
   }
+#endif
 
 #pragma unroll
   for (int h = 0; h < 2; ++h) {  // the row's sum over its 4 threads
