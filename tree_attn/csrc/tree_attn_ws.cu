@@ -10,13 +10,15 @@
 // consumer 1 hands its state to consumer 0 through shared memory at the end, which merges the two by log-sum-exp.
 //
 // Warpgroup 0 is the producer: its 128 threads gather K/V rows (any slot order: a token-slot or paged cache) with
-// 16-byte cp.async into a ring of TA_STAGES stages, each completing on the stage's "full" mbarrier through
-// cp.async.mbarrier.arrive.noinc, and the q rows of the group once, on the "q" mbarrier. Warpgroups 1..C consume:
+// 16-byte cp.async into a ring of TA_STAGES stages, K and V of a stage each completing on their own "full"
+// mbarrier through cp.async.mbarrier.arrive.noinc, and the q rows of the group once, on the "q" mbarrier (a
+// halves item's two splits: halves, above). Warpgroups 1..C consume:
 // per key block of TA_BN keys, S = Q K^T by wgmma (both operands in shared memory), the online softmax in base 2
 // on S's registers (scores scaled by sm_scale log2(e); masks on the ragged last prefix block and on the tree
 // block only), P rounded to the operand dtype in registers as the A operand of O += P V (wgmma, V transposed by
-// the descriptor), then the stage is released on its "empty" mbarrier. The partial output, normalised, and its
-// base-2 log-sum-exp go to the workspace; tree_attn's merge kernel combines the splits.
+// the descriptor); K is released on its "empty" mbarrier once S is computed, V once P V is. The partial output,
+// normalised, and its base-2 log-sum-exp go to the workspace; tree_attn's merge kernel combines the splits. A
+// halves item covers two splits of the schedule and sets the second one's LSE rows to -inf (the merge skips them).
 //
 // Shared memory: every tile is stored as D / 64 column blocks of [rows][128 bytes] with the 128-byte swizzle
 // (16-byte chunk c of row r at chunk c ^ (r % 8); every block 1024-byte aligned): q [D/64][C 64][128 B], and per
@@ -25,7 +27,7 @@
 // (leading byte offset BN 128 between 64-column blocks, stride byte offset 1024 between 8-key groups).
 //
 // Registers: the O accumulator of a consumer thread is D / 2 fp32 values (128 at D = 256) and S's BN / 2; setmaxnreg
-// moves registers from the producer to the consumers (C = 2: 56 / 216; ptxas's report: no spills). Three consumer
+// moves registers from the producer to the consumers (C = 2: 56 / 216 by default; ptxas's report: no spills). Three consumer
 // warpgroups (192 rows, 160 registers each) do not fit at D = 256: ptxas then keeps S in the first 16 of O's
 // registers, spilling and reloading them around every wgmma, and serialises the wgmma (its C7512 note).
 //
