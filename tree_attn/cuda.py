@@ -54,6 +54,11 @@ def config_problem(cfg: WSConfig, head_dim: int) -> str | None:
     if cfg.q_in_regs and cfg.consumers == 2 and (cfg.block_n != 32 or cfg.consumer_regs < 240):
         return ("registers: q in registers with two consumers needs 32 keys a block and 240 registers a consumer "
                 "(its fragments are D / 4 registers a thread)")
+    # from an NVRTC sweep of the space at D = 256: these serialise the wgmma (not enough registers)
+    if cfg.overlap and cfg.q_in_regs and (cfg.consumers != 1 or cfg.block_n != 32):
+        return "registers: the overlap with q in registers fits one consumer at 32 keys a block only"
+    if cfg.overlap and cfg.consumers == 2 and cfg.block_n == 64 and cfg.consumer_regs < 216:
+        return "registers: the overlap with two consumers at 64 keys a block needs 216 registers a consumer"
     if cfg.overlap and cfg.pingpong:
         return "config: overlap and pingpong are two ways to run the softmax beside the wgmma; take one"
     if cfg.block_n not in (32, 64):

@@ -298,6 +298,8 @@ def test_three_consumers_do_not_build():
     (WSConfig(consumers=1, num_stages=3, pingpong=True), "pingpong"),
     (WSConfig(consumers=2, block_n=32, num_stages=4, q_in_regs=True), "registers"),
     (WSConfig(pingpong=True, overlap=True), "overlap"),
+    (WSConfig(consumers=1, block_n=64, num_stages=3, overlap=True, q_in_regs=True), "registers"),
+    (WSConfig(block_n=64, overlap=True, producer_regs=56, consumer_regs=200), "registers"),
 ])
 def test_config_problems(cfg, why):
     assert why in tcuda.config_problem(cfg, 256)
