@@ -37,18 +37,21 @@ class Variants:
     """An operator's kernel variants. `by_arch` maps a compute-capability major to the default variant,
     `known` lists every name a caller may ask for, `fallback` is the torch path: the only variant that runs
     CPU tensors without the Triton interpreter. `portable`: the Triton variant the interpreter runs, where the
-    smallest `by_arch` entry is a CUDA C++ variant (which never runs there). `public=False` keeps an internal
-    table out of the registry that `which_variant` reads (one public table per op name)."""
+    smallest `by_arch` entry is a CUDA C++ variant (which never runs there). `cuda_only`: variants that run on CUDA
+    tensors only, under the interpreter too (a CUDA C++ kernel asked for by name): `choose` refuses them for other
+    tensors with that reason. `public=False` keeps an internal table out of the registry that `which_variant` reads
+    (one public table per op name)."""
 
     op: str
     by_arch: dict[int, str]
     known: tuple[str, ...]
     fallback: str = "torch"
     portable: str | None = None
+    cuda_only: tuple[str, ...] = ()
     public: bool = dataclasses.field(default=True, compare=False)
 
     def __post_init__(self):
-        stray = [v for v in (*self.by_arch.values(), self.fallback, self.portable or self.fallback)
+        stray = [v for v in (*self.by_arch.values(), self.fallback, self.portable or self.fallback, *self.cuda_only)
                  if v not in self.known]
         if stray:
             raise ValueError(f"autotune.Variants({self.op!r}): {stray} are not in known={self.known}")
@@ -90,6 +93,9 @@ class Variants:
         if variant is None:
             return self.default(device), False
         self.check(variant, where)
+        if variant in self.cuda_only and (device is None or torch.device(device).type != "cuda"):
+            raise ValueError(f"{where or self.op}: variant {variant!r} is a CUDA C++ kernel and the tensors are on "
+                             f"{device}; pass CUDA tensors, or variant=None")
         if variant != self.fallback and device is not None and host_only(device):
             raise ValueError(
                 f"{where or self.op}: variant {variant!r} cannot run on CPU tensors without the Triton interpreter; "

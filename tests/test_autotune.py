@@ -264,6 +264,22 @@ def test_variants_default_by_generation(monkeypatch):
     assert v.default(torch.device("cpu")) == "torch"
 
 
+def test_cuda_only_variant_named_off_cuda(monkeypatch):
+    """A variant declared cuda_only, asked for by name, is refused for CPU tensors with or without the interpreter
+    (no Triton fallback runs it); automatic choices and the other variants are unaffected."""
+    import autotune.dispatch as dispatch
+
+    v = autotune.Variants("w", by_arch={9: "hopper", 8: "ampere"}, known=("hopper", "ampere", "cxx", "torch"),
+                          cuda_only=("cxx",), public=False)
+    for interp in (False, True):
+        monkeypatch.setattr(dispatch, "is_interpreter", lambda i=interp: i)
+        with pytest.raises(ValueError, match="variant 'cxx' is a CUDA C\\+\\+ kernel.*on cpu"):
+            v.choose("cxx", torch.device("cpu"))
+    assert v.choose("ampere", torch.device("cpu")) == ("ampere", True)  # the interpreter runs it
+    with pytest.raises(ValueError, match="not in known"):
+        autotune.Variants("w", by_arch={8: "ampere"}, known=("ampere", "torch"), cuda_only=("cxx",), public=False)
+
+
 def test_plan_cache_keys_and_clear(fake_h200):
     made = []
 

@@ -37,7 +37,7 @@ HEAD_DIMS = (64, 128, 256)
 # (tree_attn/csrc/tree_attn_ws.cu, sm_90 only; by name until it is measured to win); "reference":
 # tree_attn/reference.py (CPU tensors without the Triton interpreter).
 VARIANTS = autotune.Variants(OP, by_arch={9: "wgmma", 8: "mma"}, known=("wgmma", "mma", "ws", "reference"),
-                             fallback="reference")
+                             fallback="reference", cuda_only=("ws",))
 _PLANS = autotune.PlanCache()
 _INTERPRET_SMS = 4  # "SMs" the schedule fills under the interpreter (several splits at tiny lengths)
 # The one-call path's kept plans (`keep_plan=True`). A model calls `tree_attention` once per attention layer with the
@@ -65,10 +65,6 @@ def unsupported(*, head_dim: int) -> str | None:
 def _plan(variant: str | None, device: torch.device, head_dim: int, group: int, rows: int = 64,
           dtype: torch.dtype = torch.bfloat16) -> autotune.Plan:
     """`rows`: the largest request's rows (nodes x group), which set the "ws" kernel's consumer warpgroups."""
-    named = variant if variant is not None else autotune.forced(OP)[0]
-    if named == "ws" and (device is None or torch.device(device).type != "cuda"):
-        raise ValueError(f"tree_attn.plan: variant 'ws' is a CUDA C++ kernel for sm_90 GPUs and the tensors are on "
-                         f"{device}; pass CUDA tensors, or variant=None")
     chosen, by_name = VARIANTS.choose(variant, device, where="tree_attn.plan")
     if chosen == "ws":
         cfg = ws_config(head_dim, group, rows, device)
