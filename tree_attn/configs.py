@@ -8,7 +8,7 @@ from dataclasses import dataclass
 
 from autotune import get_config, shape_key
 
-__all__ = ["SplitConfig", "WSConfig", "split_config", "ws_config", "MMA_ROWS_SM90"]
+__all__ = ["SplitConfig", "WSConfig", "split_config", "ws_config", "ws_consumers", "MMA_ROWS_SM90"]
 
 # Triton lowers tl.dot to wgmma on sm_90 only when a program's tile has a multiple of 64 rows and a
 # multiple of 4 warps; the "mma" variant keeps its tile at 32 rows on sm_90 so that it runs the
@@ -88,19 +88,23 @@ def split_config(variant: str, head_dim: int, group: int, cc_major: int, interpr
                       key=shape_key(D=head_dim, G=group), device=device)
 
 
+def ws_consumers(rows: int) -> int:
+    """Consumer warpgroups for a step whose largest request has `rows` (nodes x G) rows: one up to 64, else two
+    sharing each K/V block (three do not fit the registers at D = 256: tree_attn_ws.cu's header). Also the C of the
+    tuned entries' key."""
+    return 1 if rows <= 64 else 2
+
+
 def _ws_heuristic(rows: int) -> WSConfig:
-    # rows of the step's largest request (nodes x G): one consumer warpgroup up to 64, else two sharing each K/V
-    # block (three do not fit the registers at D = 256: tree_attn_ws.cu's header). One consumer keeps three stages
-    # of 64 keys (224 KB with D = 256 and its 64 q rows). Two keep four of 32 keys (192 KB with their 128 q rows):
-    # where they split one tile's blocks (halves) each consumer has stages of its own, two of four, where two of 64
-    # keys would leave each one stage and no load ahead of the block it computes.
-    if rows <= 64:
+    # One consumer keeps three stages of 64 keys (224 KB with D = 256 and its 64 q rows). Two keep four of 32 keys
+    # (192 KB with their 128 q rows): where they split one tile's blocks (halves) each consumer has stages of its
+    # own, two of four, where two of 64 keys would leave each one stage and no load ahead of the block it computes.
+    if ws_consumers(rows) == 1:
         return WSConfig(consumers=1, block_n=64, num_stages=3)
     return WSConfig(consumers=2, block_n=32, num_stages=4)
 
 
 def ws_config(head_dim: int, group: int, rows: int, device=None) -> WSConfig:
     """The "ws" kernel's config for a step whose largest request has `rows` (nodes x group) rows."""
-    c = 1 if rows <= 64 else 2
     return get_config("tree_attn.tree_attention", "ws", WSConfig, lambda: _ws_heuristic(rows),
-                      key=shape_key(D=head_dim, G=group, C=c), device=device)
+                      key=shape_key(D=head_dim, G=group, C=ws_consumers(rows)), device=device)

@@ -17,6 +17,7 @@ from pathlib import Path
 import torch
 
 from autotune import jit
+from autotune.hardware import compute_capability
 from autotune.jit import BuildError, unavailable
 
 from .configs import WSConfig
@@ -34,8 +35,7 @@ def unsupported(device, head_dim: int, dtype: torch.dtype, cfg: WSConfig) -> str
     why = unavailable(device)
     if why is not None:
         return why
-    idx = torch.device(device).index
-    cc = torch.cuda.get_device_capability(idx if idx is not None else torch.cuda.current_device())
+    cc = compute_capability(torch.device(device).index)
     if cc != (9, 0):
         return f"the ws kernel needs sm_90 (wgmma, setmaxnreg); this GPU is sm_{cc[0]}{cc[1]}"
     if head_dim not in HEAD_DIMS:

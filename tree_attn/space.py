@@ -15,7 +15,7 @@ from __future__ import annotations
 from autotune import shape_key
 from autotune.tuner import SearchSpace
 
-from .configs import MMA_ROWS_SM90, SplitConfig, WSConfig, _heuristic, _ws_heuristic
+from .configs import MMA_ROWS_SM90, SplitConfig, WSConfig, _heuristic, _ws_heuristic, ws_consumers
 
 __all__ = ["WGMMA_SPACE", "MMA_SPACE", "WS_SPACE", "split_flops_bytes", "split_valid", "ws_valid"]
 
@@ -73,7 +73,7 @@ def ws_valid(p: dict, shape) -> str | None:
 
 
 def _ws_key(shape) -> str:
-    return shape_key(D=shape["D"], G=shape["G"], C=1 if shape["N"] * shape["G"] <= 64 else 2)
+    return shape_key(D=shape["D"], G=shape["G"], C=ws_consumers(shape["N"] * shape["G"]))
 
 
 # the producer's registers: 56 builds without spills; 24 spills some of its values (measured by NVRTC over the whole
