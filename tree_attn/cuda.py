@@ -124,27 +124,22 @@ _P, _L, _I, _F = jit.PTR, jit.I64, jit.I32, jit.F32
 _TYPES = (_P,) * 12 + (_F,) + (_L,) * 12 + (_I,)
 
 
-def run(cfg: WSConfig, q, k_cache, v_cache, k_new, v_new, qo_indptr, kv_indptr, kv_indices, tree_mask, items, po, plse,
-        sm_scale_log2: float, defines: Mapping[str, object] | None = None) -> None:
+def run(cfg: WSConfig, q, k_cache, v_cache, kn, vn, strides: tuple, page: int, new: bool, qo_indptr, kv_indptr,
+        kv_indices, tree_mask, items, po, plse, sm_scale_log2: float, defines: Mapping[str, object] | None = None
+        ) -> None:
     """The split kernel over the plan's items on torch's current stream: partial outputs and base-2 LSEs into
-    po / plse (`cfg.block_m` rows per item and KV head). Inputs already checked (`unsupported`, `misaligned`).
-    `defines`: extra TA_* defines of the build (the GPU tests' layout probes, TA_PROBE)."""
-    T, H, D = q.shape
+    po / plse (`cfg.block_m` rows per item and KV head). `kn`, `vn`, `strides`, `page`: the caches' and k_new /
+    v_new's arguments as tree_attn.ops._cache_args gives them; `new`: k_new / v_new hold the nodes. Inputs already
+    checked (`unsupported`, `misaligned`). `defines`: extra TA_* defines of the build (the GPU tests' layout probes,
+    TA_PROBE)."""
+    _, H, D = q.shape
     Hkv = k_cache.shape[-2]
-    paged = k_cache.dim() == 4
-    page = k_cache.shape[1] if paged else 1
-    ks, vs = k_cache.stride(), v_cache.stride()
-    k_strides = (ks[0], ks[1], ks[2]) if paged else (ks[0], 0, ks[1])
-    v_strides = (vs[0], vs[1], vs[2]) if paged else (vs[0], 0, vs[1])
-    new = k_new is not None
-    kn, vn = (k_new, v_new) if new else (q, q)
-    kns = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1)) if new else (0, 0, 0, 0)
     dev = q.device
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     extra = tuple(sorted((defines or {}).items()))
     kernel, smem = _kernel((cfg, D, H // Hkv, q.dtype == torch.float16, new, extra, idx))
     values = (q.data_ptr(), k_cache.data_ptr(), v_cache.data_ptr(), kn.data_ptr(), vn.data_ptr(), qo_indptr.data_ptr(),
               kv_indptr.data_ptr(), kv_indices.data_ptr(), tree_mask.data_ptr(), items.data_ptr(), po.data_ptr(),
-              plse.data_ptr(), sm_scale_log2, q.stride(0), q.stride(1), *k_strides, *v_strides, *kns, page)
+              plse.data_ptr(), sm_scale_log2, q.stride(0), q.stride(1), *strides, page)
     stream = torch.cuda.current_stream(dev).cuda_stream
     kernel.launch((items.shape[0], Hkv, 1), 128 * (cfg.consumers + 1), smem, stream, values, _TYPES)

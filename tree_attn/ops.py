@@ -112,30 +112,38 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
         return None
     Hkv = k_cache.shape[-2]
     G = H // Hkv
+    kn, vn, strides, page = _cache_args(q, k_cache, v_cache, k_new, v_new)
+    new = k_new is not None
     if kernel == "ws":
-        why = cuda.misaligned(q, k_cache, v_cache, *((k_new, v_new) if k_new is not None else ()))
+        why = cuda.misaligned(q, k_cache, v_cache, *((k_new, v_new) if new else ()))
         if why is not None:
             raise ValueError(f"tree_attn.run: variant 'ws' copies rows 16 bytes at a time: {why}; pass contiguous "
                              "tensors, or plan with variant=None")
-        cuda.run(cfg, q, k_cache, v_cache, k_new, v_new, qo_indptr, kv_indptr, kv_indices, tree_mask, items, po, plse,
-                 sm_scale * 1.4426950408889634)
+        cuda.run(cfg, q, k_cache, v_cache, kn, vn, strides, page, new, qo_indptr, kv_indptr, kv_indices, tree_mask,
+                 items, po, plse, sm_scale * 1.4426950408889634)
         _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv, G)
         return None
-    paged = k_cache.dim() == 4
-    page = k_cache.shape[1] if paged else 1
-    ks, vs = k_cache.stride(), v_cache.stride()
-    k_strides = (ks[0], ks[1], ks[2]) if paged else (ks[0], 0, ks[1])
-    v_strides = (vs[0], vs[1], vs[2]) if paged else (vs[0], 0, vs[1])
-    new = k_new is not None
-    kn, vn = (k_new, v_new) if new else (q, q)
-    kns = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1)) if new else (0, 0, 0, 0)
     handle = tree_attn_split_kernel[(items.shape[0], Hkv)](
         q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices, tree_mask, items, po, plse,
-        sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *k_strides, *v_strides, *kns,
+        sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides,
         HKV=Hkv, G=G, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, PAGE=page, NEW=new,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
     _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv, G)
     return handle
+
+
+def _cache_args(q, k_cache, v_cache, k_new, v_new) -> tuple:
+    """(k_new or q, v_new or q, the 10 element strides, page size) as both split kernels take them: the caches'
+    (page, offset in page, KV head) strides (a token-slot cache: offset 0), then k_new's and v_new's (token, head)
+    strides (zeros without them; q stands in for their pointers)."""
+    paged = k_cache.dim() == 4
+    ks, vs = k_cache.stride(), v_cache.stride()
+    k_strides = (ks[0], ks[1], ks[2]) if paged else (ks[0], 0, ks[1])
+    v_strides = (vs[0], vs[1], vs[2]) if paged else (vs[0], 0, vs[1])
+    if k_new is None:
+        return q, q, (*k_strides, *v_strides, 0, 0, 0, 0), k_cache.shape[1] if paged else 1
+    kns = (k_new.stride(0), k_new.stride(1), v_new.stride(0), v_new.stride(1))
+    return k_new, v_new, (*k_strides, *v_strides, *kns), k_cache.shape[1] if paged else 1
 
 
 def _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv: int, G: int) -> None:

@@ -270,8 +270,9 @@ def test_ws_kernel_layout_probes(nodes, G, D, make_batch):
     k_rows, v_rows = b.k_cache[slots, 0].float(), b.v_cache[slots, 0].float()
     for probe in (1, 2):
         plan.po.fill_(float("nan"))
-        tree_attn.cuda.run(cfg, b.q, b.k_cache, b.v_cache, None, None, plan.qo_indptr, plan.kv_indptr,
-                           plan.kv_indices, plan.tree_mask, plan.items, plan.po, plan.plse, 1.0,
+        tree_attn.cuda.run(cfg, b.q, b.k_cache, b.v_cache,
+                           *tree_attn.ops._cache_args(b.q, b.k_cache, b.v_cache, None, None), False, plan.qo_indptr,
+                           plan.kv_indptr, plan.kv_indices, plan.tree_mask, plan.items, plan.po, plan.plse, 1.0,
                            defines={"TA_PROBE": probe})
         torch.cuda.synchronize()
         got = plan.po[0, 0][valid]
