@@ -187,6 +187,12 @@ __device__ __forceinline__ uint64_t desc128(uint32_t addr, uint32_t lbo, uint32_
          (1ull << 62);
 }
 
+// the "+f" operands of an m64nN wgmma's N / 2 accumulators x[0 .. N / 2 - 1]
+#define TA_ACC8(x, i) "+f"(x[i]), "+f"(x[i + 1]), "+f"(x[i + 2]), "+f"(x[i + 3]), "+f"(x[i + 4]), "+f"(x[i + 5]), \
+                      "+f"(x[i + 6]), "+f"(x[i + 7])
+#define TA_ACC16(x) TA_ACC8(x, 0), TA_ACC8(x, 8)
+#define TA_ACC32(x) TA_ACC16(x), TA_ACC8(x, 16), TA_ACC8(x, 24)
+
 // S[64 x BN] (+)= A(desc) B(desc)^T, one k-step; both K-major. The k-step's descriptors are the bases plus
 // immediates added inside the asm, so that only the two bases are live across the unrolled k-steps (descriptors
 // computed ahead by the compiler would hold 4 registers a k-step).
@@ -197,8 +203,7 @@ __device__ __forceinline__ void wgmma_s(float (&s)[TA_BN / 2], uint64_t da, uint
       "{\n.reg .pred p;\n.reg .b64 a, b;\nsetp.ne.b32 p, %18, 0;\nadd.s64 a, %16, %19;\nadd.s64 b, %17, %20;\n"
       "wgmma.mma_async.sync.aligned.m64n32k16.f32." TA_TYPE "." TA_TYPE
       " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, a, b, p, 1, 1, 0, 0;\n}"
-      : "+f"(s[0]), "+f"(s[1]), "+f"(s[2]), "+f"(s[3]), "+f"(s[4]), "+f"(s[5]), "+f"(s[6]), "+f"(s[7]),
-        "+f"(s[8]), "+f"(s[9]), "+f"(s[10]), "+f"(s[11]), "+f"(s[12]), "+f"(s[13]), "+f"(s[14]), "+f"(s[15])
+      : TA_ACC16(s)
       : "l"(da), "l"(db), "n"(ACC), "n"(OA >> 4), "n"(OB >> 4));
 #else
   asm volatile(
@@ -206,10 +211,7 @@ __device__ __forceinline__ void wgmma_s(float (&s)[TA_BN / 2], uint64_t da, uint
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TA_TYPE "." TA_TYPE
       " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
       "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, a, b, p, 1, 1, 0, 0;\n}"
-      : "+f"(s[0]), "+f"(s[1]), "+f"(s[2]), "+f"(s[3]), "+f"(s[4]), "+f"(s[5]), "+f"(s[6]), "+f"(s[7]),
-        "+f"(s[8]), "+f"(s[9]), "+f"(s[10]), "+f"(s[11]), "+f"(s[12]), "+f"(s[13]), "+f"(s[14]), "+f"(s[15]),
-        "+f"(s[16]), "+f"(s[17]), "+f"(s[18]), "+f"(s[19]), "+f"(s[20]), "+f"(s[21]), "+f"(s[22]), "+f"(s[23]),
-        "+f"(s[24]), "+f"(s[25]), "+f"(s[26]), "+f"(s[27]), "+f"(s[28]), "+f"(s[29]), "+f"(s[30]), "+f"(s[31])
+      : TA_ACC32(s)
       : "l"(da), "l"(db), "n"(ACC), "n"(OA >> 4), "n"(OB >> 4));
 #endif
 }
@@ -222,10 +224,7 @@ __device__ __forceinline__ void wgmma_o(float* o, const uint32_t (&a)[4], uint64
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TA_TYPE "." TA_TYPE
       " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
       "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, b, p, 1, 1, 1;\n}"
-      : "+f"(o[0]), "+f"(o[1]), "+f"(o[2]), "+f"(o[3]), "+f"(o[4]), "+f"(o[5]), "+f"(o[6]), "+f"(o[7]),
-        "+f"(o[8]), "+f"(o[9]), "+f"(o[10]), "+f"(o[11]), "+f"(o[12]), "+f"(o[13]), "+f"(o[14]), "+f"(o[15]),
-        "+f"(o[16]), "+f"(o[17]), "+f"(o[18]), "+f"(o[19]), "+f"(o[20]), "+f"(o[21]), "+f"(o[22]), "+f"(o[23]),
-        "+f"(o[24]), "+f"(o[25]), "+f"(o[26]), "+f"(o[27]), "+f"(o[28]), "+f"(o[29]), "+f"(o[30]), "+f"(o[31])
+      : TA_ACC32(o)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "l"(db), "n"(OB >> 4));
 }
 
@@ -237,8 +236,7 @@ __device__ __forceinline__ void wgmma_s_reg(float (&s)[TA_BN / 2], const uint32_
       "{\n.reg .pred p;\n.reg .b64 b;\nsetp.ne.b32 p, %20, 0;\nadd.s64 b, %21, %22;\n"
       "wgmma.mma_async.sync.aligned.m64n32k16.f32." TA_TYPE "." TA_TYPE
       " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15}, {%16, %17, %18, %19}, b, p, 1, 1, 0;\n}"
-      : "+f"(s[0]), "+f"(s[1]), "+f"(s[2]), "+f"(s[3]), "+f"(s[4]), "+f"(s[5]), "+f"(s[6]), "+f"(s[7]),
-        "+f"(s[8]), "+f"(s[9]), "+f"(s[10]), "+f"(s[11]), "+f"(s[12]), "+f"(s[13]), "+f"(s[14]), "+f"(s[15])
+      : TA_ACC16(s)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "n"(ACC), "l"(db), "n"(OB >> 4));
 #else
   asm volatile(
@@ -246,10 +244,7 @@ __device__ __forceinline__ void wgmma_s_reg(float (&s)[TA_BN / 2], const uint32_
       "wgmma.mma_async.sync.aligned.m64n64k16.f32." TA_TYPE "." TA_TYPE
       " {%0, %1, %2, %3, %4, %5, %6, %7, %8, %9, %10, %11, %12, %13, %14, %15, %16, %17, %18, %19, %20, %21, "
       "%22, %23, %24, %25, %26, %27, %28, %29, %30, %31}, {%32, %33, %34, %35}, b, p, 1, 1, 0;\n}"
-      : "+f"(s[0]), "+f"(s[1]), "+f"(s[2]), "+f"(s[3]), "+f"(s[4]), "+f"(s[5]), "+f"(s[6]), "+f"(s[7]),
-        "+f"(s[8]), "+f"(s[9]), "+f"(s[10]), "+f"(s[11]), "+f"(s[12]), "+f"(s[13]), "+f"(s[14]), "+f"(s[15]),
-        "+f"(s[16]), "+f"(s[17]), "+f"(s[18]), "+f"(s[19]), "+f"(s[20]), "+f"(s[21]), "+f"(s[22]), "+f"(s[23]),
-        "+f"(s[24]), "+f"(s[25]), "+f"(s[26]), "+f"(s[27]), "+f"(s[28]), "+f"(s[29]), "+f"(s[30]), "+f"(s[31])
+      : TA_ACC32(s)
       : "r"(a[0]), "r"(a[1]), "r"(a[2]), "r"(a[3]), "n"(ACC), "l"(db), "n"(OB >> 4));
 #endif
 }
