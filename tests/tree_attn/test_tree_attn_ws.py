@@ -387,51 +387,33 @@ def test_source_states_the_protocol():
         assert text in src, f"tree_attn_ws.cu no longer says {text!r}: update tests/tree_attn/ws_protocol.py with it"
 
 
-def test_barrier_protocol_check_can_fail():
+def test_barrier_protocol_check_can_fail(monkeypatch):
     """A turn passed after a consumer's last block, a producer that does not wait for released stages, or halves
     consumers sharing stages (a consumer that skips a phase of a barrier reads its parity wrongly: the stage mapping
     before stage_of) trip the checks."""
     import ws_protocol as wp
-    from ws_protocol import run
 
-    orig_stage = wp.stage_of
-    wp.stage_of = lambda b, S, halves: (b % S, b // S)
-    try:
-        with pytest.raises(AssertionError):
-            for seed in range(40):
-                run(6, 3, 2, True, False, False, seed)
-    finally:
-        wp.stage_of = orig_stage
+    def trips(name, fake, *run_args):  # ws_protocol with `name` replaced by `fake` fails under some interleaving
+        with monkeypatch.context() as m:
+            m.setattr(wp, name, fake)
+            with pytest.raises(AssertionError):
+                for seed in range(40):
+                    wp.run(*run_args, seed)
 
-    orig = wp.consumer
+    trips("stage_of", lambda b, S, halves: (b % S, b // S), 6, 3, 2, True, False, False)
+    consumer, producer = wp.consumer, wp.producer
 
     def last_pass(w, nb, S, halves, pingpong, overlap=False):  # consumer 1 also passes the turn after its last block
-        for op in orig(w, nb, S, halves, pingpong, overlap):
+        for op in consumer(w, nb, S, halves, pingpong, overlap):
             yield op
             if op == ("arrive", f"empty_v{(nb - 1) % S}", 4) and w == 1 and pingpong:
                 yield ("bar_arrive", 1)
 
-    wp.consumer = last_pass
-    try:
-        with pytest.raises(AssertionError):
-            for seed in range(40):
-                run(4, 2, 2, False, True, False, seed)
-    finally:
-        wp.consumer = orig
-    orig_p = wp.producer
-
     def no_wait(nb, S, kv_ahead, halves):  # the producer refills a stage without waiting for it to be released
-        for op in orig_p(nb, S, kv_ahead, halves):
-            if op[0] != "wait":
-                yield op
+        yield from (op for op in producer(nb, S, kv_ahead, halves) if op[0] != "wait")
 
-    wp.producer = no_wait
-    try:
-        with pytest.raises(AssertionError):
-            for seed in range(40):
-                run(6, 2, 2, False, False, False, seed)
-    finally:
-        wp.producer = orig_p
+    trips("consumer", last_pass, 4, 2, 2, False, True, False)
+    trips("producer", no_wait, 6, 2, 2, False, False, False)
 
 
 @pytest.mark.parametrize("cfg", [C1, C2N32, WSConfig(pingpong=True, kv_ahead=True),
