@@ -129,7 +129,7 @@ def test_source_states_the_emulated_layout():
                  "desc128(ring + st * STAGE_BYTES + KV_BYTES, TA_BN * 128, 1024)",
                  "(1ull << 62)",
                  "const int r = row0 + (lane & 15), c = 2 * k + (lane >> 4);",
-                 "qs + (uint32_t)((c >> 3) * TA_ROWS * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4))",
+                 '"r"(qs + tile_off(r, c, TA_ROWS))',  # the producer's tile_off, checked above
                  "load_q_frags(qf, qs, 64 * tile + 16 * warp, lane);",
                  "wgmma_s_reg<(K >> 2) * TA_BN * 128 + (K & 3) * 32, (K > 0)>(s, qf[K], dk);"):
         assert text in src, f"tree_attn_ws.cu no longer says {text!r}: update tests/tree_attn/ws_emu.py with it"

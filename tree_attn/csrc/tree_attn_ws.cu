@@ -271,10 +271,9 @@ __device__ __forceinline__ void load_q_frags(uint32_t (&qf)[TA_D / 16][4], uint3
 #pragma unroll
   for (int k = 0; k < TA_D / 16; ++k) {
     const int r = row0 + (lane & 15), c = 2 * k + (lane >> 4);
-    const uint32_t addr = qs + (uint32_t)((c >> 3) * TA_ROWS * 128 + r * 128 + (((c & 7) ^ (r & 7)) << 4));
     asm volatile("ldmatrix.sync.aligned.m8n8.x4.shared.b16 {%0, %1, %2, %3}, [%4];"
                  : "=r"(qf[k][0]), "=r"(qf[k][1]), "=r"(qf[k][2]), "=r"(qf[k][3])
-                 : "r"(addr));
+                 : "r"(qs + tile_off(r, c, TA_ROWS)));
   }
 }
 
