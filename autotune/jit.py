@@ -455,3 +455,18 @@ class Spec:
     def load(self, device: int) -> Kernel:
         """Compile (or take from the disk cache) and load into CUDA device `device`."""
         return load(self.compile().cubin.read_bytes(), self.kernel, device)
+
+    def load_sized(self, device: int, smem_global: str, refuse) -> tuple[Kernel, int]:
+        """`load(device)` for a kernel whose dynamic shared memory per CTA is its module's u32 global
+        `smem_global`: (kernel, those bytes), the kernel's limit raised where they pass the default 48 KiB;
+        ValueError(refuse(bytes, limit)) where the GPU's opt-in limit per block is smaller."""
+        import torch
+
+        kernel = self.load(device)
+        smem = kernel.read_global_u32(smem_global)
+        limit = torch.cuda.get_device_properties(device).shared_memory_per_block_optin
+        if smem > limit:
+            raise ValueError(refuse(smem, limit))
+        if smem > 48 << 10:
+            kernel.set_max_dynamic_smem(smem)
+        return kernel, smem

@@ -115,15 +115,9 @@ def _kernel(key: tuple) -> tuple[jit.Kernel, int]:
 
 def _load(cfg, nt, K, l2, vk, gdt, bdt, odt, idx64, pdl, idx) -> tuple[jit.Kernel, int]:
     arch = torch.cuda.get_device_capability(idx)
-    kernel = spec(cfg, nt, K, l2=l2, vk=vk, gdt=gdt, bdt=bdt, odt=odt, idx64=idx64, pdl=pdl, arch=arch).load(idx)
-    smem = kernel.read_global_u32("gdn_tree_smem_bytes")
-    limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
-    if smem > limit:
-        raise ValueError(f"gdn.cuda: {cfg} needs {smem} bytes of shared memory per CTA (node tile {nt}, K={K}); this "
-                         f"GPU allows {limit}: use a smaller BV")
-    if smem > 48 << 10:
-        kernel.set_max_dynamic_smem(smem)
-    return kernel, smem
+    return spec(cfg, nt, K, l2=l2, vk=vk, gdt=gdt, bdt=bdt, odt=odt, idx64=idx64, pdl=pdl, arch=arch).load_sized(
+        idx, "gdn_tree_smem_bytes", lambda smem, limit: f"gdn.cuda: {cfg} needs {smem} bytes of shared memory per CTA "
+        f"(node tile {nt}, K={K}); this GPU allows {limit}: use a smaller BV")
 
 
 class _Trace:

@@ -196,3 +196,36 @@ def test_tensor_map_arguments_convert():
         raise AssertionError(f"argument conversion failed: {e}") from e
     except Exception:
         pass  # no driver or no GPU here: the arguments got through to the library call
+
+
+def test_load_sized_reads_checks_and_raises_the_limit(monkeypatch):
+    """Spec.load_sized (the CUDA C++ launch layers' loader): the kernel's dynamic shared memory from its u32 global,
+    refused with the caller's message above the GPU's opt-in limit, the kernel's limit raised only past 48 KiB."""
+    import types
+
+    import torch
+
+    raised = []
+
+    class FakeKernel:
+        def __init__(self, smem):
+            self.smem = smem
+
+        def read_global_u32(self, name):
+            assert name == "k_smem"
+            return self.smem
+
+        def set_max_dynamic_smem(self, n):
+            raised.append(n)
+
+    monkeypatch.setattr(torch.cuda, "get_device_properties",
+                        lambda idx: types.SimpleNamespace(shared_memory_per_block_optin=227 << 10))
+    spec = jit.Spec("k.cu", "k", "sm_90a")
+    for smem, want_raised in ((40 << 10, []), (200 << 10, [200 << 10])):
+        raised.clear()
+        monkeypatch.setattr(jit.Spec, "load", lambda self, device, s=smem: FakeKernel(s))
+        kernel, got = spec.load_sized(0, "k_smem", lambda s, lim: f"needs {s} of {lim}")
+        assert got == smem and kernel.smem == smem and raised == want_raised
+    monkeypatch.setattr(jit.Spec, "load", lambda self, device: FakeKernel(230 << 10))
+    with pytest.raises(ValueError, match=f"needs {230 << 10} of {227 << 10}"):
+        spec.load_sized(0, "k_smem", lambda s, lim: f"needs {s} of {lim}")

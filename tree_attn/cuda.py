@@ -109,14 +109,9 @@ def _kernel(key: tuple) -> tuple[jit.Kernel, int]:
 
 
 def _load(cfg, head_dim, group, f16, new, defines, idx) -> tuple[jit.Kernel, int]:
-    kernel = spec(cfg, head_dim, group, f16=f16, new=new, defines=dict(defines)).load(idx)
-    smem = kernel.read_global_u32("tree_attn_ws_smem_bytes")
-    limit = torch.cuda.get_device_properties(idx).shared_memory_per_block_optin
-    if smem > limit:
-        raise ValueError(f"tree_attn.cuda: {cfg} needs {smem} bytes of shared memory per CTA (D={head_dim}); this GPU "
-                         f"allows {limit}: use fewer stages")
-    kernel.set_max_dynamic_smem(smem)
-    return kernel, smem
+    return spec(cfg, head_dim, group, f16=f16, new=new, defines=dict(defines)).load_sized(
+        idx, "tree_attn_ws_smem_bytes", lambda smem, limit: f"tree_attn.cuda: {cfg} needs {smem} bytes of shared "
+        f"memory per CTA (D={head_dim}); this GPU allows {limit}: use fewer stages")
 
 
 _P, _L, _I, _F = jit.PTR, jit.I64, jit.I32, jit.F32
