@@ -20,6 +20,7 @@ import torch
 
 from tree_attn import ops
 from tree_attn.configs import WSConfig
+from tree_attn.reference import slot_rows
 
 LOG2E = 1.4426950408889634
 
@@ -94,33 +95,17 @@ def _rows_q(batch, req: int, group: int, hk: int, rows: int) -> torch.Tensor:
     return out
 
 
-def _cache_row(batch, cache: torch.Tensor, slot: int, hk: int) -> torch.Tensor:
-    if cache.dim() == 4:
-        page = cache.shape[1]
-        return cache[slot // page, slot % page, hk]
-    return cache[slot, hk]
-
-
 def _keys(batch, req: int, lo: int, hi: int, hk: int):
-    """(K rows, V rows, prefix keys) of an item: its prefix slots, then, when hi is the prefix's end, its nodes."""
+    """(K rows, V rows [keys, D], prefix keys, tree) of an item: its prefix slots, then, when hi is the prefix's end
+    (`tree`), its nodes."""
     q0 = int(batch.qo_indptr[req])
     n = int(batch.qo_indptr[req + 1]) - q0
     prefix_end = int(batch.kv_indptr[req + 1]) - (n if batch.nodes_in_cache else 0)
-    ks, vs = [], []
-    for at in range(lo, hi):
-        slot = int(batch.kv_indices[at])
-        ks.append(_cache_row(batch, batch.k_cache, slot, hk))
-        vs.append(_cache_row(batch, batch.v_cache, slot, hk))
     tree = hi == prefix_end
-    if tree:
-        for j in range(n):
-            if batch.nodes_in_cache:
-                slot = int(batch.kv_indices[prefix_end + j])
-                ks.append(_cache_row(batch, batch.k_cache, slot, hk))
-                vs.append(_cache_row(batch, batch.v_cache, slot, hk))
-            else:
-                ks.append(batch.k_new[q0 + j, hk])
-                vs.append(batch.v_new[q0 + j, hk])
+    slots = batch.kv_indices[lo:prefix_end + n if tree and batch.nodes_in_cache else hi].long()
+    ks, vs = slot_rows(batch.k_cache, slots)[:, hk], slot_rows(batch.v_cache, slots)[:, hk]
+    if tree and not batch.nodes_in_cache:
+        ks, vs = torch.cat([ks, batch.k_new[q0:q0 + n, hk]]), torch.cat([vs, batch.v_new[q0:q0 + n, hk]])
     return ks, vs, hi - lo, tree
 
 
@@ -157,8 +142,8 @@ def emulate_item(batch, cfg: WSConfig, req: int, group: int, lo: int, hi: int, h
             kb = torch.zeros(bn, D, dtype=dt)
             vb = torch.zeros(bn, D, dtype=dt)
             if count > 0:
-                kb[:count] = torch.stack(ks[first:first + count])
-                vb[:count] = torch.stack(vs[first:first + count])
+                kb[:count] = ks[first:first + count]
+                vb[:count] = vs[first:first + count]
             kt, vt = SmemTile(bn, D), SmemTile(bn, D)
             kt.write_rows(kb)
             vt.write_rows(vb)
