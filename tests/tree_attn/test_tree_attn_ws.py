@@ -229,18 +229,22 @@ def test_schedule_capacity_counts_folded_items():
 # --------------------------------------------------------------------------------------------- 3. NVRTC
 
 
+def _clean_ptx(cfg: WSConfig, d: int = 256, **kw) -> str:
+    """The PTX of a build that ptxas compiled without stack, spills or serialised wgmma (its note C7512)."""
+    b = tcuda.spec(cfg, d, 6, **kw).compile()
+    res = b.resources()
+    assert res["stack"] == 0 and res["spill_stores"] == 0 and res["spill_loads"] == 0, res
+    assert "C7512" not in b.log.read_text(), "ptxas serialised the wgmma (not enough registers)"
+    return b.ptx.read_text()
+
+
 @pytest.mark.parametrize("new", [False, True], ids=["in-cache", "k_new"])
 @pytest.mark.parametrize("f16", [False, True], ids=["bf16", "fp16"])
 @pytest.mark.parametrize("d", [64, 128, 256])
 @pytest.mark.parametrize("rows", [48, 192], ids=["one-consumer", "two-consumers"])
 def test_shipped_builds_compile_for_sm90a(rows, d, f16, new):
     cfg = _ws_heuristic(rows)
-    b = tcuda.spec(cfg, d, 6, f16=f16, new=new).compile()
-    res = b.resources()
-    assert res["stack"] == 0 and res["spill_stores"] == 0 and res["spill_loads"] == 0, res
-    log = b.log.read_text()
-    assert "C7512" not in log, "ptxas serialised the wgmma (not enough registers)"
-    ptx = b.ptx.read_text()
+    ptx = _clean_ptx(cfg, d, f16=f16, new=new)
     assert "wgmma.mma_async.sync.aligned.m64n64k16.f32" in ptx and "cp.async.mbarrier.arrive.noinc" in ptx
     assert ("setmaxnreg" in ptx) == (cfg.consumers == 2)
     assert (".f16.f16" in ptx) == f16
@@ -249,10 +253,7 @@ def test_shipped_builds_compile_for_sm90a(rows, d, f16, new):
 @pytest.mark.parametrize("kv_ahead", [False, True], ids=["kv-together", "k-ahead"])
 def test_pingpong_builds(kv_ahead):
     """The consumers' turns: two named barriers, no spills (the turns cost no registers); with K issued ahead too."""
-    b = tcuda.spec(WSConfig(pingpong=True, kv_ahead=kv_ahead), 256, 6).compile()
-    res = b.resources()
-    assert res["stack"] == 0 and res["spill_stores"] == 0, res
-    ptx = b.ptx.read_text()
+    ptx = _clean_ptx(WSConfig(pingpong=True, kv_ahead=kv_ahead))
     assert "bar.sync" in ptx and "bar.arrive" in ptx
     assert "bar.arrive" not in tcuda.spec(WSConfig(), 256, 6).compile().ptx.read_text()
 
@@ -262,11 +263,7 @@ def test_pingpong_builds(kv_ahead):
                          ids=["c1n64", "c1n32"])
 def test_q_in_registers_builds_without_spills(cfg):
     """One consumer holds q's fragments (64 registers at D = 256) beside O within its 255 registers."""
-    b = tcuda.spec(cfg, 256, 6).compile()
-    res = b.resources()
-    assert res["stack"] == 0 and res["spill_stores"] == 0, res
-    ptx = b.ptx.read_text()
-    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in ptx and "C7512" not in b.log.read_text()
+    assert "ldmatrix.sync.aligned.m8n8.x4.shared.b16" in _clean_ptx(cfg)
 
 
 @pytest.mark.parametrize("cfg", [WSConfig(consumers=2, block_n=32, num_stages=4, overlap=True),
@@ -276,11 +273,7 @@ def test_q_in_registers_builds_without_spills(cfg):
 def test_overlap_builds_without_spills(cfg):
     """The overlap holds two blocks' P and one S beside O: no spills, no serialised wgmma, and the S of the next
     block is waited for with one group (P V) still in flight."""
-    b = tcuda.spec(cfg, 256, 6).compile()
-    res = b.resources()
-    assert res["stack"] == 0 and res["spill_stores"] == 0, res
-    assert "C7512" not in b.log.read_text()
-    assert "wgmma.wait_group.sync.aligned 1;" in b.ptx.read_text()
+    assert "wgmma.wait_group.sync.aligned 1;" in _clean_ptx(cfg)
 
 
 def test_three_consumers_do_not_build():
