@@ -174,6 +174,37 @@ def _features(ptx: str) -> dict:
             "fma_f32": "fma.rn.f32" in ptx, "head": ptx.splitlines()[0][:400]}
 
 
+def _tree_attn_device_ptx(cap: int) -> str:
+    """The one-call path's kernels (the device schedule and checks) at hybrid-27b's shape, for sm_90 or sm_80."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from tree_attn.kernels.split import tree_attn_merge_kernel, tree_attn_split_kernel
+
+    def build(kernel, ce, num_warps, num_stages):
+        sig = {}
+        for name, prm in inspect.signature(kernel.fn).parameters.items():
+            if name in ce:
+                sig[name] = "constexpr"
+            elif prm.default is not inspect.Parameter.empty:
+                sig[name], ce[name] = "constexpr", prm.default
+            elif name.endswith("_ptr") or name in ("qo_indptr", "kv_indptr", "kv_indices", "items", "req_table",
+                                                   "status", "node_req", "tree_mask"):
+                sig[name] = {"tree_mask": "*i64", "po_ptr": "*fp32", "plse_ptr": "*fp32", "lse_ptr": "*fp32"}.get(
+                    name, "*bf16" if name.endswith("_ptr") else "*i32")
+            else:
+                sig[name] = "fp32" if name == "sm_scale_log2" else "i32"
+        return triton.compile(ASTSource(fn=kernel, signature=sig, constexprs=ce), target=GPUTarget("cuda", cap, 32),
+                              options={"num_warps": num_warps, "num_stages": num_stages}).asm["ptx"]
+
+    split = build(tree_attn_split_kernel, dict(HKV=4, G=6, D=256, BM=64, BN=32, TN=32, PAGE=1, NEW=True, DEVICE=True,
+                                               BB=16, WAVES=4), 4, 3 if cap == 90 else 2)
+    merge = build(tree_attn_merge_kernel, dict(HKV=4, G=6, D=256, BM=64, BP=16, WRITE_LSE=True, DEVICE=True,
+                                               NEW=False, BB=16), 2, 1)
+    return split + "\n// merge\n" + merge
+
+
 def _worker() -> None:
     out = {}
     for q8 in (False, True):
@@ -194,6 +225,9 @@ def _worker() -> None:
         for pdl in ((0, 1, 2) if name != "tree_conv" else (False, True)):
             out[f"pdl-{name}-{int(pdl)}"] = _pdl_order(_ptx(kernel, types, dict(ce, PDL=pdl), 4, 1))
     out["gdn-b1"] = _features(_gdn_b1_ptx())
+    for cap in (90, 80):
+        ptx = _tree_attn_device_ptx(cap)
+        out[f"tree_attn-device-{cap}"] = dict(_features(ptx), atom_cas=".cas.b32" in ptx)
     for bv, w in ((32, 4), (16, 4), (32, 8)):
         out[f"gdn-bt64-bv{bv}-w{w}"] = _gdn_bt64_mma_shapes(bv, w)
     print("RESULT " + json.dumps(out))
@@ -304,3 +338,13 @@ def test_gdn_wy_bt64_state_products_leave_wgmma(bv, warps):
     v3 = [s for v, s in shapes if v == "3"]
     assert len(v3) == 1, f"sm_90 MMA layouts {shapes}: the state products went back to wgmma"
     assert any(v == "2" for v, _ in shapes), shapes
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("cap", [90, 80])
+def test_tree_attn_device_schedule_builds(cap):
+    """The one-call path's split and merge kernels (DEVICE: the schedule and the metadata checks on the device) lower
+    for sm_90, the products on wgmma, and for sm_80 on mma.sync; the first problem is kept by a compare-and-swap."""
+    f = _results()[f"tree_attn-device-{cap}"]
+    assert f["wgmma"] == (cap == 90) and f["mma_sync"] == (cap == 80), f["head"]
+    assert f["atom_cas"]

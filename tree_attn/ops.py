@@ -26,8 +26,8 @@ from .configs import SplitConfig, WSConfig, split_config, ws_config
 from .kernels.split import tree_attn_merge_kernel, tree_attn_split_kernel
 from .reference import tree_attention_reference
 
-__all__ = ["tree_attention", "plan", "run", "TreeAttnPlan", "MAX_NODES", "HEAD_DIMS", "VARIANTS", "unsupported",
-           "compiled_ptx"]
+__all__ = ["tree_attention", "plan", "run", "check_metadata", "TreeAttnPlan", "MAX_NODES", "HEAD_DIMS", "VARIANTS",
+           "unsupported", "compiled_ptx"]
 
 OP = "tree_attn.tree_attention"
 MAX_NODES = 64  # one int64 mask word per node
@@ -47,6 +47,14 @@ _INTERPRET_SMS = 4  # "SMs" the schedule fills under the interpreter (several sp
 # the same call shape, and the same stream (the plan's scratch buffers are written by each run).
 _ONE_CALL: dict = {}
 _ONE_CALL_MAX = 16
+# The one-call path's device schedule (the default of `tree_attention`): scratch per (device, stream, KV heads,
+# row block, head dim), grown to the largest call, and one status word pair per device (`check_metadata`).
+# DEVICE_WAVES caps the waves of work items the device schedule may choose (the host plan's model tries up
+# to 8): the scratch holds DEVICE_WAVES waves plus two items per row block.
+_DEVICE_SCRATCH: dict = {}
+_STATUS: dict = {}
+DEVICE_WAVES = 4
+DEVICE_MAX_BATCH = 1024
 
 
 # --------------------------------------------------------------------------------------------
@@ -98,8 +106,10 @@ def _sm_count(device: torch.device) -> int:
 
 
 def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, k_new, v_new, qo_indptr, kv_indptr, kv_indices,
-            tree_mask, node_req, items, req_table, po, plse, out, lse, sm_scale: float):
-    """Run one plan's schedule; returns the split kernel's compiled handle (None for the reference)."""
+            tree_mask, node_req, items, req_table, po, plse, out, lse, sm_scale: float, status=None):
+    """Run one plan's schedule; returns the split kernel's compiled handle (None for the reference). `status`
+    (the one-call path): no schedule was planned; the kernels build it and check the metadata on the device,
+    with po's first dimension as the bound on work items and `items` as their scratch."""
     T, H, D = q.shape
     if T == 0:
         return None
@@ -123,13 +133,29 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
                  items, po, plse, sm_scale * 1.4426950408889634)
         _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv, G)
         return None
-    handle = tree_attn_split_kernel[(items.shape[0], Hkv)](
+    if status is None:
+        dev = (kv_indptr, req_table, items, 0, 0, 0, 0, 0, 0, 0)
+        grid, extra = items.shape[0], {}
+    else:
+        B = qo_indptr.shape[0] - 1
+        slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+        grid = po.shape[0]
+        dev = (kv_indptr, req_table, status, B, T, kv_indices.shape[0], slots, _target_items(q.device, Hkv, cfg),
+               cfg.item_cost, grid)
+        extra = dict(DEVICE=True, BB=_lanes(B), WAVES=DEVICE_WAVES)
+    handle = tree_attn_split_kernel[(grid, Hkv)](
         q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices, tree_mask, items, po, plse,
-        sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides,
-        HKV=Hkv, G=G, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, PAGE=page, NEW=new,
+        sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides, *dev,
+        HKV=Hkv, G=G, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, PAGE=page, NEW=new, **extra,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv, G)
+    _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv, G,
+           None if status is None else (kv_indptr, tree_mask, status, kv_indices.shape[0], new))
     return handle
+
+
+def _lanes(B: int) -> int:
+    """The device schedule's lanes for B requests (a power of two, at least 16: few distinct compiles)."""
+    return max(16, 1 << (max(B, 1) - 1).bit_length())
 
 
 def _cache_args(q, k_cache, v_cache, k_new, v_new) -> tuple:
@@ -146,13 +172,21 @@ def _cache_args(q, k_cache, v_cache, k_new, v_new) -> tuple:
     return k_new, v_new, (*k_strides, *v_strides, *kns), k_cache.shape[1] if paged else 1
 
 
-def _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv: int, G: int) -> None:
-    """Combine the request's partials (cfg.block_m rows per item) by log-sum-exp into out (and lse)."""
+def _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv: int, G: int, device=None) -> None:
+    """Combine the request's partials (cfg.block_m rows per item) by log-sum-exp into out (and lse). `device`:
+    (kv_indptr, tree_mask, status, kv entries, k_new given) of a one-call run (no plan: the merge finds each
+    node's request and checks its mask)."""
     T, H, D = q.shape
+    if device is None:
+        dev, extra = (qo_indptr, qo_indptr, req_table, 0, 0, 0), {}
+    else:
+        kv_indptr, tree_mask, status, n_kv, new = device
+        B = qo_indptr.shape[0] - 1
+        dev, extra = (kv_indptr, tree_mask, status, B, T, n_kv), dict(DEVICE=True, NEW=new, BB=_lanes(B))
     tree_attn_merge_kernel[(T, H)](
         po, plse, out, lse if lse is not None else plse, node_req, qo_indptr, req_table, out.stride(0), out.stride(1),
-        HKV=Hkv, G=G, D=D, BM=cfg.block_m, BP=cfg.merge_parts, WRITE_LSE=lse is not None,
-        num_warps=cfg.merge_warps)
+        *dev, HKV=Hkv, G=G, D=D, BM=cfg.block_m, BP=cfg.merge_parts, WRITE_LSE=lse is not None,
+        num_warps=cfg.merge_warps, **extra)
 
 
 def _tree_block(max_nodes: int) -> int:
@@ -196,6 +230,10 @@ class TreeAttnPlan:
     num_items: int
     split_len: int  # prefix keys per split
     tree_block: int  # keys of the tree block (a power of two >= the largest tree)
+    # the one-call path's device schedule (`tree_attention`): the kernels build the schedule and check the
+    # metadata on the device each run, recording problems here; num_items and split_len are then -1 (known
+    # on the device only), `capacity` is the bound on work items, and `items` their scratch
+    status: torch.Tensor | None = None
 
     @property
     def device(self) -> torch.device:
@@ -247,10 +285,11 @@ def _target_items(device: torch.device, hkv: int, cfg: SplitConfig | None) -> in
     return max(1, round(cfg.programs_per_sm * _sm_count(device) / hkv))
 
 
-def _split_blocks(tiles: list[float], lens: list[int], bn: int, target: int, item_cost: int) -> int:
-    """Key blocks per prefix split: the count that minimises the modelled time, whole waves of `target`
-    prefix items times the blocks of one item plus `item_cost` (its fixed work: the q tile, the partial
-    output written and merged). The tree items are short and fill the last wave's gaps: not counted."""
+def _split_blocks(tiles: list[float], lens: list[int], bn: int, target: int, item_cost: int, waves: int = 8) -> int:
+    """Key blocks per prefix split: the count that minimises the modelled time, whole waves (1 to `waves`) of
+    `target` prefix items times the blocks of one item plus `item_cost` (its fixed work: the q tile, the partial
+    output written and merged). The tree items are short and fill the last wave's gaps: not counted. The
+    device schedule (kernels/split.py `_split_len`) computes the same with waves = DEVICE_WAVES."""
     blocks = [-(-L // bn) for L in lens]
     total = math.ceil(sum(t * b for t, b in zip(tiles, blocks)))  # tiles may be fractional (halves groups)
     if total == 0:
@@ -260,8 +299,8 @@ def _split_blocks(tiles: list[float], lens: list[int], bn: int, target: int, ite
         return sum(t * -(-b // per) for t, b in zip(tiles, blocks))
 
     best = None
-    for waves in range(1, 9):
-        per = max(1, -(-total // (waves * target)))
+    for w in range(1, waves + 1):
+        per = max(1, -(-total // (w * target)))
         cost = (-(-items(per) // target) * (per + item_cost), -per)  # ties: fewer, longer splits
         if best is None or cost < best[0]:
             best = (cost, per)
@@ -269,7 +308,7 @@ def _split_blocks(tiles: list[float], lens: list[int], bn: int, target: int, ite
 
 
 def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | None, target: int,
-              capacity: int | None):
+              capacity: int | None, waves: int = 8):
     """(items [capacity, 4], req_table [B, 3], node_req [T], split_len, items used), all int32 CPU tensors.
 
     One split length for every request (`_split_blocks`; `target` prefix items fill one wave of the
@@ -295,7 +334,7 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | N
 
     # the CTAs' work in full groups: a halves group's items take two splits each, in half the CTAs
     work = [t - 0.5 * sum(halves(r, g) for g in range(t)) for r, t in enumerate(tiles)]
-    per = _split_blocks(work, lens, bn, target, cfg.item_cost if cfg is not None else 0)
+    per = _split_blocks(work, lens, bn, target, cfg.item_cost if cfg is not None else 0, waves)
 
     def count(per_split):
         if fold:
@@ -345,6 +384,12 @@ def _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device=None, h
     """(qo, kv) as lists and the masks as an int64 CPU tensor, after the dtype, rank and device checks.
     kv_indices stays where it is (it can be long); `_validate` checks it there. `host_ok`: CPU tensors are
     accepted too (they are read without a device sync)."""
+    _check_meta_tensors(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device, host_ok)
+    return qo_indptr.tolist(), kv_indptr.tolist(), tree_mask.cpu()
+
+
+def _check_meta_tensors(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device=None, host_ok: bool = False):
+    """The metadata tensors' types, dtypes, ranks and devices (no read of their values)."""
     for name, t, dt in (("qo_indptr", qo_indptr, torch.int32), ("kv_indptr", kv_indptr, torch.int32),
                         ("kv_indices", kv_indices, torch.int32), ("tree_mask", tree_mask, torch.int64)):
         if not isinstance(t, torch.Tensor):
@@ -357,7 +402,6 @@ def _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device=None, h
                              f"({name}.reshape(-1) if the values are right)")
         if device is not None and t.device != torch.device(device) and not (host_ok and t.device.type == "cpu"):
             raise ValueError(f"{fn}: {name} is on {t.device} but the call runs on {device}; move it there")
-    return qo_indptr.tolist(), kv_indptr.tolist(), tree_mask.cpu()
 
 
 def _validate(fn, qo, kv, kv_indices, mask, cache_slots, nodes_in_cache):
@@ -482,15 +526,16 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
 # --------------------------------------------------------------------------------------------
 
 
-@torch.library.custom_op("specpilot_tree_attn::run", mutates_args=("po", "plse", "out", "lse"))
+@torch.library.custom_op("specpilot_tree_attn::run", mutates_args=("items", "req_table", "po", "plse", "out", "lse",
+                                                                          "status"))
 def _run_op(q: torch.Tensor, k_cache: torch.Tensor, v_cache: torch.Tensor, k_new: torch.Tensor | None,
             v_new: torch.Tensor | None, qo_indptr: torch.Tensor, kv_indptr: torch.Tensor, kv_indices: torch.Tensor,
             tree_mask: torch.Tensor, node_req: torch.Tensor, items: torch.Tensor, req_table: torch.Tensor,
             po: torch.Tensor | None, plse: torch.Tensor | None, out: torch.Tensor, lse: torch.Tensor | None,
-            sm_scale: float, kernel: str, cfg: list[int], tree_block: int) -> None:
+            sm_scale: float, kernel: str, cfg: list[int], tree_block: int, status: torch.Tensor | None) -> None:
     config = _cfg_of(kernel, cfg)
     _launch(kernel, config, tree_block, q, k_cache, v_cache, k_new, v_new, qo_indptr, kv_indptr, kv_indices, tree_mask, node_req,
-            items, req_table, po, plse, out, lse, sm_scale)
+            items, req_table, po, plse, out, lse, sm_scale, status=status)
 
 
 @_run_op.register_fake
@@ -605,9 +650,10 @@ def run(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=None, sm_s
     args = (q, k_cache, v_cache, k_new, v_new, p.qo_indptr, p.kv_indptr, p.kv_indices, p.tree_mask, p.node_req,
             p.items, p.req_table, p.po, p.plse, out, lse, scale)
     if torch.compiler.is_compiling():
-        torch.ops.specpilot_tree_attn.run(*args, p.dispatch.kernel, _cfg_ints(p.dispatch.config), p.tree_block)
+        torch.ops.specpilot_tree_attn.run(*args, p.dispatch.kernel, _cfg_ints(p.dispatch.config), p.tree_block,
+                                          p.status)
     else:
-        _launch(p.dispatch.kernel, p.dispatch.config, p.tree_block, *args)
+        _launch(p.dispatch.kernel, p.dispatch.config, p.tree_block, *args, status=p.status)
     return (out, lse) if return_lse else out
 
 
@@ -646,7 +692,11 @@ def tree_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_m
         raise ValueError(f"{fn}: tree_mask has {tree_mask.shape[0]} entries but q has {q.shape[0]} rows; one mask "
                          "word per tree node")
     slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-    p = None
+    p = None if keep_plan else _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, slots,
+                                            k_new is None, variant)
+    if p is not None:
+        return run(p, q, k_cache, v_cache, k_new=k_new, v_new=v_new, sm_scale=sm_scale, out=out,
+                   return_lse=return_lse)
     if keep_plan:
         meta = (qo_indptr, kv_indptr, kv_indices, tree_mask)
         shape = (q.shape[1], k_cache.shape[-2], q.shape[-1], slots, k_new is None, q.dtype, variant, q.device,
@@ -659,6 +709,86 @@ def tree_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_m
         if keep_plan:
             _keep_one_call_plan(meta, shape, p)
     return run(p, q, k_cache, v_cache, k_new=k_new, v_new=v_new, sm_scale=sm_scale, out=out, return_lse=return_lse)
+
+
+def _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, slots: int, nodes_in_cache: bool,
+                 variant) -> "TreeAttnPlan | None":
+    """A plan whose schedule the kernels build on the device (no host read of the metadata), with scratch sized
+    from the shapes; None where the call takes the host plan instead (the torch reference or the "ws" kernel, or
+    more than DEVICE_MAX_BATCH requests)."""
+    _check_meta_tensors(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, q.device)
+    if qo_indptr.shape[0] != kv_indptr.shape[0]:
+        raise ValueError(f"{fn}: qo_indptr has {qo_indptr.shape[0]} entries but kv_indptr has {kv_indptr.shape[0]}; "
+                         "both are [B+1] for the same B requests")
+    B, (T, H, D), Hkv = qo_indptr.shape[0] - 1, q.shape, k_cache.shape[-2]
+    if B < 0:
+        raise ValueError(f"{fn}: qo_indptr is empty; it needs B+1 entries, starting with 0")
+    if B > DEVICE_MAX_BATCH or H % Hkv:
+        return None
+    dispatch = _plan(variant, q.device, D, H // Hkv, min(T, MAX_NODES) * (H // Hkv), q.dtype)
+    if dispatch.kernel != "split":
+        return None
+    cfg = dispatch.config
+    G = H // Hkv
+    cap = DEVICE_WAVES * _target_items(q.device, Hkv, cfg) + 2 * (T * G // cfg.block_m + min(B, T))
+    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
+    key = (q.device, stream, Hkv, cfg.block_m, D)
+    have = _DEVICE_SCRATCH.get(key)
+    if have is None or have[0].shape[0] < cap or have[3].shape[0] < 3 * B:
+        grow = (max(cap, have[0].shape[0] if have else 0), max(3 * B, have[3].shape[0] if have else 0, 3))
+        have = (torch.empty(grow[0], Hkv, cfg.block_m, D, dtype=torch.float32, device=q.device),
+                torch.empty(grow[0], Hkv, cfg.block_m, dtype=torch.float32, device=q.device),
+                torch.empty(grow[0] * Hkv * 8, dtype=torch.int32, device=q.device),
+                torch.empty(grow[1], dtype=torch.int32, device=q.device))
+        _DEVICE_SCRATCH[key] = have
+    status = _STATUS.get(q.device)
+    if status is None:
+        status = _STATUS[q.device] = torch.zeros(2, dtype=torch.int32, device=q.device)
+    po, plse, items, table = have
+    return TreeAttnPlan(
+        qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, tree_mask=tree_mask, node_req=qo_indptr,
+        items=items, req_table=table[:3 * B].view(B, 3), po=po[:cap], plse=plse[:cap], batch=B, total_nodes=T,
+        num_qo_heads=H, num_kv_heads=Hkv, head_dim=D, cache_slots=slots, nodes_in_cache=nodes_in_cache,
+        dtype=q.dtype, dispatch=dispatch, capacity=cap, num_items=-1, split_len=-1,
+        tree_block=_tree_block(max(1, min(T, MAX_NODES))), status=status)
+
+
+# what each code of the device checks' status means (tree_attn/kernels/split.py); {d} is the detail word
+METADATA_PROBLEMS = {
+    1: "qo_indptr is not the offsets of the tree nodes{at}: it must start at 0, never decrease, and end at q's "
+       "row count; pass cumulative node counts",
+    2: "kv_indptr is not the offsets of kv_indices{at}: it must start at 0, never decrease, and end at "
+       "len(kv_indices); pass cumulative slot counts",
+    3: "request {d} has more than 64 tree nodes (one int64 mask word per node); split the tree or the request",
+    4: "request {d} lists fewer kv slots than it has nodes; without k_new/v_new its last n kv_indices entries "
+       "must be its nodes' slots",
+    5: "kv_indices[{d}] is outside the cache's token slots; every slot must be in [0, slots)",
+    6: "tree_mask of node {d} breaks the tree rules: a bit at or past its request's node count, no bit of its own, "
+       "or a seen node whose ancestors it does not see; pass ancestor-or-self masks (gdn.TreePlan.anc)",
+    7: "the step needs {d} work items, more than the bound the one-call path sized from the shapes; call "
+       "tree_attn.plan and tree_attn.run",
+}
+
+
+def check_metadata(device=None) -> None:
+    """Raise the first problem the one-call `tree_attention` found in its metadata on `device` (default: the
+    current CUDA device, or the CPU) since the last check, and clear it. Syncs the host with the device.
+
+    The one-call path reads no metadata on the host: its kernels check the indptr arrays, the slot indices and
+    the masks on the device, write NaN for the rows of a call they cannot trust, and record the first
+    problem, which this raises as tree_attn.plan would have (ValueError)."""
+    device = torch.device(device) if device is not None else (
+        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    status = _STATUS.get(device)
+    if status is None:
+        return
+    code, detail = status.tolist()
+    if code == 0:
+        return
+    status.zero_()
+    at = f" (first at request {detail})" if detail >= 0 else ""
+    what = METADATA_PROBLEMS.get(code, "an unknown problem (code {d})").format(d=detail, at=at)
+    raise ValueError(f"tree_attn.tree_attention: {what}")
 
 
 def _one_call_plan(meta, shape) -> "TreeAttnPlan | None":

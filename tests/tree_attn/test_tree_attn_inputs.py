@@ -3,7 +3,10 @@
 
 Each case corrupts one thing of a valid three-request batch (rand5 over 3 prefix keys, chain3 over 2,
 a single node over 1: T = 9, qo_indptr [0, 5, 8, 9]). Checks of the schedule's inputs (masks, indptrs,
-slot indices) are asked of both tree_attention and plan; checks of tensors of tree_attention and run.
+slot indices) are asked of plan, of tree_attention with keep_plan (a host plan) and of the default
+tree_attention, whose kernels check the values on the device: its call writes NaN and
+tree_attn.check_metadata raises the same kind of error afterwards (dtypes, ranks and lengths are still
+refused at the call). Checks of tensors of tree_attention and run.
 """
 
 import pytest
@@ -25,10 +28,10 @@ def cache_slots(k_cache):
 
 
 def call(entry, f, **plan_kw):
-    if entry == "tree_attention":
+    if entry.startswith("tree_attention"):
         return tree_attn.tree_attention(f["q"], f["k_cache"], f["v_cache"], f["kv_indptr"], f["kv_indices"],
                                         f["qo_indptr"], f["tree_mask"], k_new=f["k_new"], v_new=f["v_new"],
-                                        out=f["out"], variant=f["variant"])
+                                        out=f["out"], variant=f["variant"], keep_plan=entry == "tree_attention-kept")
     kw = dict(num_qo_heads=f["q"].shape[1], num_kv_heads=f["k_cache"].shape[-2], head_dim=f["q"].shape[-1],
               cache_slots=cache_slots(f["k_cache"]), nodes_in_cache=f["k_new"] is None, dtype=f["q"].dtype)
     kw.update(plan_kw)
@@ -86,43 +89,61 @@ SCHEDULE_CASES = {
 }
 
 
-@pytest.mark.parametrize("entry", ["tree_attention", "plan"])
+# refused by the default tree_attention at the call (no value of the metadata is read there)
+AT_THE_CALL = ("indptr-lengths-differ", "qo-indptr-int64", "kv-indptr-int64", "kv-indices-int64", "mask-int32",
+               "qo-indptr-2d")
+ENTRIES = ["tree_attention", "tree_attention-kept", "plan"]
+
+
+def refused(entry, f, patterns, raises, case=""):
+    """The call is refused: raised by the call (plan, the kept one-call path, shape faults), or, for the device
+    checks of the default tree_attention, NaN in its output and the error raised once by check_metadata."""
+    if entry != "tree_attention" or case in AT_THE_CALL:
+        with raises(*patterns):
+            call(entry, f)
+        return
+    tree_attn.check_metadata(f["q"].device)  # nothing recorded before
+    out = call(entry, f)
+    assert torch.isnan(out.float()).any(), "a refused call must not look like a valid one"
+    with raises(*patterns):
+        tree_attn.check_metadata(f["q"].device)
+    tree_attn.check_metadata(f["q"].device)  # raised once, then cleared
+
+
+@pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("case", list(SCHEDULE_CASES))
 def test_schedule_inputs_rejected(case, entry, make_batch, raises):
     b = make_batch(BASE, H=H, Hkv=HKV, D=D, seed=1)
     f = fields(b)
     corrupt, patterns = SCHEDULE_CASES[case]
     corrupt(f)
-    with raises(*patterns):
-        call(entry, f)
+    refused(entry, f, patterns, raises, case)
 
 
-@pytest.mark.parametrize("entry", ["tree_attention", "plan"])
+@pytest.mark.parametrize("entry", ENTRIES)
 @pytest.mark.parametrize("slot", ["past-end", "negative", "huge"])
 @pytest.mark.parametrize("layout", ["slot", "paged"])
 def test_kv_indices_outside_the_cache(layout, slot, entry, make_batch, raises):
-    """A slot outside [0, cache_slots) (pages * page_size for the paged layout) is caught on the plan step;
-    run() trusts the plan and never range-checks on the device."""
+    """A slot outside [0, cache_slots) (pages * page_size for the paged layout) is caught on the plan step, or
+    by the default tree_attention's kernels before they read any key (run() with a plan trusts it)."""
     b = make_batch(BASE, H=H, Hkv=HKV, D=D, layout=layout, page_size=4, seed=2)
     f = fields(b)
     idx = f["kv_indices"].clone()
     idx[4] = {"past-end": b.cache_slots, "negative": -1, "huge": 2**31 - 1}[slot]
     f["kv_indices"] = idx
-    with raises(r"kv_indices"):
-        call(entry, f)
+    refused(entry, f, [r"kv_indices"], raises)
 
 
-@pytest.mark.parametrize("entry", ["tree_attention", "plan"])
+@pytest.mark.parametrize("entry", ENTRIES)
 def test_more_than_64_nodes(entry, make_batch, raises):
     """65 nodes in one request: one int64 mask per node cannot name them (tree_attn.MAX_NODES = 64)."""
     b = make_batch([("chain64", 2), ("single", 1)], H=H, Hkv=HKV, D=D, seed=3)
     f = fields(b)
     f["qo_indptr"] = i32([0, 65, 65])  # the single node joins request 0 as its 65th node
-    with raises(r"64"):
-        call(entry, f)
+    refused(entry, f, [r"64"], raises)
 
 
-@pytest.mark.parametrize("entry", ["tree_attention", "plan"])
+@pytest.mark.parametrize("entry", ENTRIES)
 def test_nodes_in_cache_with_too_few_slots(entry, make_batch, raises):
     """With nodes in the cache the last n_r entries of a request are its nodes: a request of 3 nodes with
     2 entries has no slots for them."""
@@ -130,8 +151,7 @@ def test_nodes_in_cache_with_too_few_slots(entry, make_batch, raises):
     assert b.kv_indptr.tolist() == [0, 8, 13, 15]
     f = fields(b)
     f["kv_indptr"] = i32([0, 8, 10, 15])
-    with raises(r"kv_indptr|kv_indices|nodes_in_cache|k_new"):
-        call(entry, f)
+    refused(entry, f, [r"kv_indptr|kv_indices|nodes_in_cache|k_new"], raises)
 
 
 def test_capacity_too_small(make_batch, raises):

@@ -1,0 +1,171 @@
+"""The one-call path's device schedule: the Triton kernels derive their work items from qo_indptr / kv_indptr
+(tree_attn/kernels/split.py `_split_len`, `_device_item`) instead of reading a host plan's.
+
+* the items equal the host's `tree_attn.ops._schedule` at the same waves, on random batches (interpreter);
+* the scratch bound the one-call path sizes from the shapes holds every such schedule;
+* a call equals plan + run bit for bit where the two schedules agree, and checks against the reference on
+  ragged batches of both cache layouts, nodes in the cache or not;
+* a bad slot poisons only the rows whose keys it names (other requests stay exact);
+* (tests/test_sm90_codegen.py: the kernels build with the device schedule for sm_90, on wgmma, and sm_80.)
+"""
+
+import random
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+import tree_attn
+from specpilot.testing import assert_bitwise_equal
+from tree_attn import ops
+from tree_attn.configs import SplitConfig
+from tree_attn.kernels.split import _device_item, _meta, _request_items, _split_len
+
+
+@triton.jit
+def _schedule_probe(qo_indptr, kv_indptr, B, target, item_cost, out, table, count_out, G: tl.constexpr,
+                    BM: tl.constexpr, BN: tl.constexpr, NEW: tl.constexpr, BB: tl.constexpr, WAVES: tl.constexpr,
+                    CAP: tl.constexpr):
+    """Every item of the device schedule, as the split kernel's programs compute them, one after another."""
+    qo0, n, kv0, L, inb = _meta(qo_indptr, kv_indptr, B, NEW, BB)
+    split_len = _split_len(n, L, inb, target, item_cost, G, BM, BN, WAVES)
+    _, _, per_request = _request_items(n, L, inb, split_len, G, BM)
+    count = tl.sum(per_request, 0)
+    tl.store(count_out, count)
+    tl.store(count_out + 1, split_len)
+    for i in range(0, tl.minimum(count, CAP)):
+        req, tile, lo, hi, first, parts, tiles = _device_item(i, qo_indptr, kv_indptr, B, split_len, G, BM, NEW, BB)
+        tl.store(out + i * 4, req)
+        tl.store(out + i * 4 + 1, tile)
+        tl.store(out + i * 4 + 2, lo)
+        tl.store(out + i * 4 + 3, hi)
+        if i == first:
+            tl.store(table + req * 3, first)
+            tl.store(table + req * 3 + 1, parts)
+            tl.store(table + req * 3 + 2, tiles)
+
+
+def _random_step(rng, B):
+    ns = [rng.choice([0, 1, 3, 8, 17, 32, 64, rng.randrange(65)]) for _ in range(B)]
+    lens = [rng.choice([0, 1, 31, 64, 1000, rng.randrange(20000)]) for _ in range(B)]
+    return ns, lens
+
+
+@pytest.mark.parametrize("seed", range(12))
+def test_device_items_equal_the_host_schedule(seed):
+    rng = random.Random(seed)
+    cap = 4096
+    for _ in range(6):
+        B = rng.choice([1, 2, 5, 24, 40])
+        ns, lens = _random_step(rng, B)
+        nic = rng.random() < 0.5
+        G = rng.choice([1, 4, 6, 8])
+        cfg = SplitConfig(block_m=rng.choice([32, 64]), block_n=rng.choice([32, 64]), num_warps=4, num_stages=2,
+                          programs_per_sm=2.0, merge_warps=2, merge_parts=16, item_cost=rng.choice([0, 8, 32]))
+        target = rng.choice([1, 7, 66, 264])
+        qo, kv = [0], [0]
+        for n, L in zip(ns, lens):
+            qo.append(qo[-1] + n)
+            kv.append(kv[-1] + L + (n if nic else 0))
+        items, table, _, split_len, used = ops._schedule("t", qo, kv, nic, G, cfg, target, None,
+                                                         waves=ops.DEVICE_WAVES)
+        got = torch.full((cap, 4), -7, dtype=torch.int32)
+        got_table = torch.zeros(B, 3, dtype=torch.int32)
+        count = torch.zeros(2, dtype=torch.int32)
+        _schedule_probe[(1,)](torch.tensor(qo, dtype=torch.int32), torch.tensor(kv, dtype=torch.int32), B, target,
+                              cfg.item_cost, got, got_table, count, G=G, BM=cfg.block_m, BN=cfg.block_n, NEW=not nic,
+                              BB=ops._lanes(B), WAVES=ops.DEVICE_WAVES, CAP=cap)
+        assert used <= cap
+        assert count.tolist() == [used, split_len], (ns, lens, nic, G, cfg, target)
+        assert torch.equal(got[:used], items[:used]), (ns, lens, nic, G, cfg, target)
+        with_items = [r for r in range(B) if table[r, 2] > 0]
+        assert torch.equal(got_table[with_items], table[with_items])
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_scratch_bound_holds_every_schedule(seed):
+    """The one-call path's bound on work items (DEVICE_WAVES waves of `target` plus two per row block) holds the
+    device schedule of any step with these shapes: prefix items are under waves x target plus one per row
+    block, tree items one per row block."""
+    rng = random.Random(seed)
+    cfg = SplitConfig(block_m=64, block_n=32, num_warps=4, num_stages=3, programs_per_sm=2.0, merge_warps=2,
+                      merge_parts=16, item_cost=32)
+    for _ in range(300):
+        B = rng.choice([1, 2, 3, 8, 24, 64])
+        ns, lens = _random_step(rng, B)
+        G, target = rng.choice([1, 6, 8]), rng.choice([1, 5, 66, 132])
+        qo, kv = [0], [0]
+        for n, L in zip(ns, lens):
+            qo.append(qo[-1] + n)
+            kv.append(kv[-1] + L)
+        *_, used = ops._schedule("t", qo, kv, False, G, cfg, target, None, waves=ops.DEVICE_WAVES)
+        T = qo[-1]
+        assert used <= ops.DEVICE_WAVES * target + 2 * (T * G // cfg.block_m + min(B, T)), (ns, lens, G, target)
+
+
+def _attend(b, **kw):
+    out = b.poisoned_out()
+    got, lse = tree_attn.tree_attention(*b.args(), sm_scale=b.sm_scale, **b.new_kw(), out=out, return_lse=True, **kw)
+    return got, lse
+
+
+STEPS = {
+    "ragged": [("draft9", 23), ("empty", 1), ("chain4", 2), ("rand13", 0)],
+    "one-long": [("draft32", 300)],
+    "many": [("star5", 9)] * 7 + [("single", 40)],
+}
+
+
+@pytest.mark.parametrize("nodes_in_cache", [False, True], ids=["k_new", "in-cache"])
+@pytest.mark.parametrize("layout", ["slot", "paged"])
+@pytest.mark.parametrize("step", list(STEPS))
+def test_one_call_equals_plan_and_run_bitwise(step, layout, nodes_in_cache, make_batch, check, monkeypatch):
+    """With the same waves the two schedules are the same items, so the same kernels give the same bits; and the
+    call passes the reference check."""
+    monkeypatch.setattr(ops, "DEVICE_WAVES", 8)
+    b = make_batch(STEPS[step], H=6, Hkv=1, D=64, layout=layout, page_size=8, nodes_in_cache=nodes_in_cache,
+                   seed=len(step))
+    planned = []
+    real = ops.plan
+    monkeypatch.setattr(ops, "plan", lambda *a, **kw: planned.append(1) or real(*a, **kw))
+    got, lse = _attend(b)
+    assert not planned, "the one-call path planned on the host"
+    check(b, got, lse)
+    p = real(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw())
+    out = b.poisoned_out()
+    want, want_lse = tree_attn.run(p, b.q, b.k_cache, b.v_cache, **b.new_kw(), sm_scale=b.sm_scale, out=out,
+                                   return_lse=True)
+    assert_bitwise_equal(got, want)
+    assert_bitwise_equal(lse, want_lse)
+    tree_attn.check_metadata(b.q.device)  # nothing recorded
+
+
+def test_bad_slot_poisons_only_its_rows(make_batch):
+    """A slot outside the cache in request 1's prefix: request 1's rows are NaN, the other requests' rows are the
+    bits of the same call with a valid slot there."""
+    b = make_batch([("rand5", 30), ("chain3", 20), ("single", 9)], H=4, Hkv=2, D=64, seed=11)
+    good, _ = _attend(b)
+    idx = b.kv_indices.clone()
+    at = int(b.kv_indptr[1]) + 7
+    b.kv_indices[at] = b.cache_slots + 5
+    bad, _ = _attend(b)
+    b.kv_indices.copy_(idx)
+    with pytest.raises(ValueError, match=rf"kv_indices\[{at}\]"):
+        tree_attn.check_metadata(b.q.device)
+    rows = slice(int(b.qo_indptr[1]), int(b.qo_indptr[2]))
+    assert torch.isnan(bad[rows].float()).all()
+    keep = torch.ones(bad.shape[0], dtype=torch.bool)
+    keep[rows] = False
+    assert_bitwise_equal(bad[keep], good[keep])
+
+
+def test_bad_mask_poisons_only_its_node(make_batch):
+    b = make_batch([("rand5", 30), ("chain3", 20)], H=4, Hkv=2, D=64, seed=12)
+    good, _ = _attend(b)
+    b.tree_mask[7] = 0b110  # node 2 of the chain sees node 1 but not its ancestor 0
+    bad, _ = _attend(b)
+    with pytest.raises(ValueError, match=r"tree_mask of node 7"):
+        tree_attn.check_metadata(b.q.device)
+    assert torch.isnan(bad[7].float()).all() and not torch.isnan(bad[:7].float()).any()
+    assert_bitwise_equal(bad[:7], good[:7])
