@@ -1,6 +1,7 @@
 """GPU tests of tree_attn at serving shapes: a 32-node draft tree over prefixes up to 4096 keys (H=24, Hkv=4,
 D=256), a ragged batch of 8, every GQA ratio and head dim, both cache layouts, both Triton variants and, on sm_90,
-the warp-specialised CUDA C++ kernel ("ws"); CUDA-graph replay across new inputs and plan.update; torch.compile;
+the warp-specialised CUDA C++ kernel ("ws"); CUDA-graph replay across new inputs and plan.update, and of the
+one-call path across new metadata written in place; its device checks; torch.compile;
 the tensor-core instructions of each variant on sm_90.
 
 Bounds as in test_tree_attn.py (conftest.check_attn). Run on the GPU machine:
@@ -184,6 +185,56 @@ def test_cuda_graph_replays_new_inputs_and_updated_plan(layout, nodes_in_cache, 
     graph.replay()
     torch.cuda.synchronize()
     check(b4, out, held["lse"], msg="after an update from host tensors")
+
+
+STEP3 = [("rand32", 1500), ("star12", 33), ("single", 700), ("draft5", 0)]  # STEP1's nodes and keys, moved about
+
+
+@pytest.mark.parametrize("variant", TRITON)
+@pytest.mark.parametrize("layout, nodes_in_cache", [("slot", False), ("paged", True)])
+def test_one_call_graph_replays_new_metadata(layout, nodes_in_cache, variant, make_batch, check):
+    """The one-call tree_attention (its schedule built on the device) captured once replays a new step whose
+    metadata was written into the captured tensors in place: other trees, other prefix lengths, other slots,
+    no plan and no host step."""
+    kw = dict(H=24, Hkv=4, D=128, layout=layout, nodes_in_cache=nodes_in_cache, device=DEV, cache_slots=4096)
+    b = make_batch(STEP1, seed=7, **kw)
+    out = b.poisoned_out()
+    held = {}
+
+    def step():
+        held["out"], held["lse"] = tree_attn.tree_attention(*b.args(), **b.new_kw(), out=out, return_lse=True,
+                                                            variant=variant)
+
+    eager_out, eager_lse = tree_attn.tree_attention(*b.args(), **b.new_kw(), return_lse=True, variant=variant)
+    graph = capture_graph(step)
+    assert_replays_equal(graph, [out, held["lse"]], [eager_out, eager_lse], reps=5)
+    check(b, out, held["lse"], msg="captured step")
+    b3 = make_batch(STEP3, seed=9, **kw)
+    assert b3.kv_indices.shape == b.kv_indices.shape and b3.q.shape == b.q.shape
+    _load(b, b3)
+    for name in ("qo_indptr", "kv_indptr", "kv_indices", "tree_mask"):
+        getattr(b, name).copy_(getattr(b3, name))
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(b3, out, held["lse"], msg="new metadata in place")
+    tree_attn.check_metadata(DEV)  # nothing recorded
+
+
+@pytest.mark.parametrize("fault", ["slot", "indptr"])
+def test_one_call_refuses_bad_metadata_on_the_device(fault, make_batch, raises):
+    """A slot past the cache, or kv_indptr past kv_indices: the call reads nothing out of bounds, writes NaN, and
+    check_metadata raises the problem."""
+    b = make_batch(STEP1, H=24, Hkv=4, D=128, device=DEV, seed=12)
+    tree_attn.check_metadata(DEV)
+    if fault == "slot":
+        b.kv_indices[100] = b.cache_slots + 10_000_000
+    else:
+        b.kv_indptr[-1] += 1_000_000
+    got, _ = attend(b)
+    assert torch.isnan(got.float()).any()
+    with raises(r"kv_indices\[100\]" if fault == "slot" else r"kv_indptr"):
+        tree_attn.check_metadata(DEV)
 
 
 def test_torch_compile_fullgraph(make_batch, check):

@@ -191,8 +191,8 @@ def _case(variant: str, spec: _Spec, device: torch.device, shape: str, baseline:
 
 
 def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, seed: int) -> Case:
-    """tree_attn.run on a plan made in setup ("wgmma", "mma", "ws"), or the one-call tree_attention ("tree_attention", and
-    "tree_attention-kept" with keep_plan=True)."""
+    """tree_attn.run on a plan made in setup ("wgmma", "mma", "ws"), or the one-call tree_attention ("tree_attention": the
+    schedule built on the device, no host plan; "tree_attention-kept": keep_plan=True, a host plan kept per step)."""
 
     def setup() -> Prepared:
         import tree_attn
@@ -200,7 +200,7 @@ def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, s
         prob = _Problem(spec, device, rotations(spec.bytes(), device), seed)
         out = torch.empty(spec.T, spec.H, spec.D, dtype=torch.bfloat16, device=device)
         idx = (prob.kv_indptr, prob.kv_indices, prob.qo_indptr, prob.tree_mask)
-        if variant in ("tree_attention", "tree_attention-kept"):  # the user's one call: plan + run, or a kept plan
+        if variant in ("tree_attention", "tree_attention-kept"):  # the user's one call: the device schedule, or a kept plan
             keep = variant == "tree_attention-kept"
             fns = [lambda q=q, k=k, v=v: tree_attn.tree_attention(q, k, v, *idx, out=out, keep_plan=keep)
                    for q, k, v in prob.sets]
