@@ -337,8 +337,9 @@ def test_merge_skips_empty_slots():
     qo = torch.tensor([0, T], dtype=torch.int32)
     node_req = torch.zeros(T, dtype=torch.int32)
     table = torch.tensor([[0, parts, 1]], dtype=torch.int32)
-    tree_attn_merge_kernel[(T, G)](po, plse, out, lse, node_req, qo, table, out.stride(0), out.stride(1), HKV=1, G=G,
-                                   D=D, BM=BM, BP=4, WRITE_LSE=True, num_warps=1)
+    tree_attn_merge_kernel[(T, G)](po, plse, out, lse, node_req, qo, table, out.stride(0), out.stride(1),
+                                   qo, qo, table, 0, 0, 0,  # a plan's merge: the device schedule's arguments unused
+                                   HKV=1, G=G, D=D, BM=BM, BP=4, WRITE_LSE=True, num_warps=1)
     live = plse[[0, 2], 0, :T * G]  # [2, rows]
     w = torch.exp2(live - live.max(0).values)
     want = (w[..., None] * po[[0, 2], 0, :T * G]).sum(0) / w.sum(0)[:, None]

@@ -176,9 +176,10 @@ def _device_item(i, qo_indptr, kv_indptr, B, split_len, G: tl.constexpr, BM: tl.
     return req, local % t_r, lo, hi, first, s_r + 1, t_r
 
 
-@triton.jit
+@triton.jit(noinline=True)
 def _first_bad_slot(kv_indices, lo, hi, slots, CHUNK: tl.constexpr):
-    """The first position in [lo, hi) of kv_indices whose slot is outside [0, slots), or hi if none."""
+    """The first position in [lo, hi) of kv_indices whose slot is outside [0, slots), or hi if none. Not inlined:
+    inlined before the key loop, it made ptxas keep loop invariants in local memory (tests/test_sm90_codegen.py)."""
     first = hi
     for start in range(lo, hi, CHUNK):
         at = start + tl.arange(0, CHUNK)
