@@ -169,3 +169,24 @@ def test_bad_mask_poisons_only_its_node(make_batch):
         tree_attn.check_metadata(b.q.device)
     assert torch.isnan(bad[7].float()).all() and not torch.isnan(bad[:7].float()).any()
     assert_bitwise_equal(bad[:7], good[:7])
+
+
+def test_same_metadata_tensors_reuse_the_call_plan(make_batch, check):
+    """The layers of one step pass the same metadata tensors: the call reuses its plan object (values are read on
+    the device each call, so new values in the same tensors need nothing on the host), and answers the new values;
+    other tensors, or the same ones with another shape, build a plan again (and are checked again)."""
+    b = make_batch([("draft9", 23), ("chain4", 2)], H=4, Hkv=2, D=64, seed=21)
+    _attend(b)
+    first = ops._DEVICE_LAST[(b.q.device, 0)][2]
+    b2 = b.refill(seed=22)
+    check(b2, *_attend(b2))  # the same metadata tensors (refill keeps them), new q / k / v
+    assert ops._DEVICE_LAST[(b.q.device, 0)][2] is first
+    # another step written into the same tensors: other slots of the same count
+    perm = b.kv_indices[torch.randperm(b.kv_indices.shape[0], generator=torch.Generator().manual_seed(5))]
+    b.kv_indices.copy_(perm)
+    b3 = b.refill(seed=23)
+    check(b3, *_attend(b3))
+    assert ops._DEVICE_LAST[(b.q.device, 0)][2] is first
+    b.kv_indptr = b.kv_indptr.to(torch.int64)  # a new tensor, of a dtype the kernels do not take
+    with pytest.raises(TypeError, match="kv_indptr"):
+        _attend(b)
