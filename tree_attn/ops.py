@@ -788,8 +788,10 @@ def check_metadata(device=None) -> None:
     The one-call path reads no metadata on the host: its kernels check the indptr arrays, the slot indices and
     the masks on the device, write NaN for the rows of a call they cannot trust, and record the first
     problem, which this raises as tree_attn.plan would have (ValueError)."""
-    device = torch.device(device) if device is not None else (
-        torch.device("cuda", torch.cuda.current_device()) if torch.cuda.is_available() else torch.device("cpu"))
+    device = torch.device(device) if device is not None else torch.device(
+        "cuda" if torch.cuda.is_available() else "cpu")
+    if device.type == "cuda" and device.index is None:  # "cuda": the current device, as tensors name it
+        device = torch.device("cuda", torch.cuda.current_device())
     status = _STATUS.get(device)
     if status is None:
         return
