@@ -768,7 +768,7 @@ def _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, sl
 METADATA_PROBLEMS = {
     1: "qo_indptr is not the offsets of the tree nodes{at}: it must start at 0, never decrease, and end at q's "
        "row count; pass cumulative node counts",
-    2: "kv_indptr is not the offsets of kv_indices{at}: it must start at 0, never decrease, and end at "
+    2: "kv_indptr is not the offsets of kv_indices{at}: it must start at 0, never decrease, and end at or before "
        "len(kv_indices); pass cumulative slot counts",
     3: "request {d} has more than 64 tree nodes (one int64 mask word per node); split the tree or the request",
     4: "request {d} lists fewer kv slots than it has nodes; without k_new/v_new its last n kv_indices entries "

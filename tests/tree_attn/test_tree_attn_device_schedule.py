@@ -190,3 +190,18 @@ def test_same_metadata_tensors_reuse_the_call_plan(make_batch, check):
     b.kv_indptr = b.kv_indptr.to(torch.int64)  # a new tensor, of a dtype the kernels do not take
     with pytest.raises(TypeError, match="kv_indptr"):
         _attend(b)
+
+
+@pytest.mark.parametrize("nodes_in_cache", [False, True], ids=["k_new", "in-cache"])
+def test_kv_indices_may_be_a_longer_buffer(nodes_in_cache, make_batch):
+    """The one call reads kv_indices only up to kv_indptr[-1]: a fixed-size buffer (a CUDA graph's) whose tail holds
+    anything, slots outside the cache included, gives the bits of the exact-length call and records nothing."""
+    b = make_batch([("draft9", 23), ("chain4", 2)], H=4, Hkv=2, D=64, nodes_in_cache=nodes_in_cache, seed=24)
+    want, want_lse = _attend(b)
+    exact = b.kv_indices
+    b.kv_indices = torch.cat([exact, torch.tensor([-5, b.cache_slots + 3, 2**31 - 1], dtype=torch.int32)])
+    got, lse = _attend(b)
+    b.kv_indices = exact
+    assert_bitwise_equal(got, want)
+    assert_bitwise_equal(lse, want_lse)
+    tree_attn.check_metadata(b.q.device)  # nothing recorded

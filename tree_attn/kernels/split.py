@@ -109,7 +109,8 @@ def _meta(qo_indptr, kv_indptr, B, NEW: tl.constexpr, BB: tl.constexpr):
 def _meta_problem(qo_indptr, kv_indptr, n, L, inb, B, T, NKV, NEW: tl.constexpr, BB: tl.constexpr,
                   MAXN: tl.constexpr):
     """(code, detail) of the first problem of the indptr arrays, in tree_attn.plan's order; (0, -1) if none.
-    Detail: the request, or -1 where the problem is an end of the array."""
+    Detail: the request, or -1 where the problem is an end of the array. Unlike plan, kv_indptr may end before
+    NKV, the length of kv_indices."""
     r = tl.arange(0, BB)
     none = BB
     qo_down = tl.min(tl.where(inb & (n < 0), r, none), 0)
@@ -118,7 +119,8 @@ def _meta_problem(qo_indptr, kv_indptr, n, L, inb, B, T, NKV, NEW: tl.constexpr,
     big = tl.min(tl.where(inb & (n > MAXN), r, none), 0)
     few = tl.min(tl.where(inb & (L < 0), r, none), 0)
     qo_bad = (tl.load(qo_indptr) != 0) | (qo_down < none) | (tl.load(qo_indptr + B) != T)
-    kv_bad = (tl.load(kv_indptr) != 0) | (kv_down < none) | (tl.load(kv_indptr + B) != NKV)
+    # kv_indices may be longer than the step's slots (a fixed buffer under a CUDA graph): entries past the end unused
+    kv_bad = (tl.load(kv_indptr) != 0) | (kv_down < none) | (tl.load(kv_indptr + B) > NKV)
     code = tl.where(qo_bad, BAD_QO_INDPTR, tl.where(kv_bad, BAD_KV_INDPTR, tl.where(
         big < none, TOO_MANY_NODES, tl.where(few < none, FEW_NODE_SLOTS, 0))))
     detail = tl.where(qo_bad, qo_down, tl.where(kv_bad, kv_down, tl.where(big < none, big, few)))
