@@ -68,13 +68,39 @@ def test_row_parallel(sglang_tp1):
 
     from specpilot.sglang.quant import W12Config
 
-    K, N = 130, 24  # K not a multiple of 64: padded planes
+    K, N = 130, 24  # K not a multiple of 64: the planes would pad each row to 192 columns
     layer = RowParallelLinear(K, N, bias=False, quant_config=W12Config(), prefix="row", params_dtype=torch.bfloat16)
     w = _w(N, K, seed=2)
     layer.weight.weight_loader(layer.weight, w)
     p = _finish(layer)
     assert torch.equal(w12.unpack(p).view(torch.int16), w.view(torch.int16))
+    # the runtime layout, unpadded: 12 bits a weight plus each row's window, tail nibble and escapes
+    planes = w12.pack(w, layout="planes")
+    assert layer.w12_bits_per_weight == p.bits_per_weight < planes.bits_per_weight
+    assert p.bits_per_weight <= 12.5 + 48 * p.num_escapes / (N * K)
     x = _x(3, K)
+    assert torch.equal(_out(layer(x)), _expected(x, w))
+
+
+def test_layer_keeps_its_runtime_layout_object(sglang_tp1):
+    """The flow kernel keeps launch state on the `TiledW12` (programmatic dependent launch after a launch on the same
+    weight), so the layer hands out one object while its buffers are the same tensors, and a new one over new
+    buffers (a module moved with .to(), or buffers replaced)."""
+    from sglang.srt.layers.linear import ColumnParallelLinear
+
+    from specpilot.sglang.quant import W12Config, packed_weight
+
+    layer = ColumnParallelLinear(64, 32, bias=False, quant_config=W12Config(), prefix="keep",
+                                 params_dtype=torch.bfloat16)
+    w = _w(32, 64, seed=3)
+    layer.weight.weight_loader(layer.weight, w)
+    p = _finish(layer)
+    x = _x(2, 64)
+    assert torch.equal(_out(layer(x)), _expected(x, w))
+    assert packed_weight(layer) is p
+    layer.w12_tiles = layer.w12_tiles.clone()  # a buffer replaced, as Module.to / _apply does
+    q = packed_weight(layer)
+    assert q is not p and q.tiles is layer.w12_tiles
     assert torch.equal(_out(layer(x)), _expected(x, w))
 
 
@@ -93,8 +119,10 @@ def test_merged_column_parallel(sglang_tp1):
     p = _finish(layer)
     full = torch.cat(parts)
     assert torch.equal(w12.unpack(p).view(torch.int16), full.view(torch.int16))
-    # per-row windows: the merged packing is the parts' packings stacked, and splits back into them exactly
-    for q, wi in zip(sharding.split_n(p, layer.w12_partition_sizes), parts):
+    # per-row windows: the merged packing is the parts' packings stacked, and splits back into them exactly (the
+    # layer holds the runtime layout; its planes are the version-1 form sharding cuts)
+    assert isinstance(p, w12.layout.TiledW12)
+    for q, wi in zip(sharding.split_n(w12.layout.untile(p), layer.w12_partition_sizes), parts):
         ref = w12.pack(wi, layout="planes")
         for name in ("hi", "lo", "e0", "esc_rowptr", "esc_col", "esc_val"):
             assert torch.equal(getattr(q, name), getattr(ref, name)), name
@@ -202,7 +230,7 @@ def test_weight_update_restores_and_repacks(sglang_tp1):
     DefaultModelLoader.postprocess_weights(model, torch.device("cpu"))
     assert layer.w12_k == K
     DefaultModelLoader.restore_weights_before_loading(model, torch.device("cpu"))
-    assert layer.w12_k is None and not hasattr(layer, "w12_hi")
+    assert layer.w12_k is None and not hasattr(layer, "w12_tiles")
     assert torch.equal(layer.weight.data.view(torch.int16), torch.cat(old).view(torch.int16))
     new = [_w(n, K, seed=40 + i) for i, n in enumerate(sizes)]
     for i, wi in enumerate(new):

@@ -11,8 +11,10 @@ no arguments for `--quantization w12` on a plain BF16 checkpoint (and on a W12-p
   along N, row-parallel along K) and fill the merged parts (QKV, gate/up) in place;
 * `process_weights_after_loading` packs this rank's weight with `w12.pack`, decodes it again with
   `w12.unpack` and compares bit for bit; a mismatch raises `W12LoadError` and the server does not
-  start. The BF16 weight is then released; the planes stay on the layer as buffers;
-* `apply` is `w12.matmul(x, packed, bias)`.
+  start. The BF16 weight is then released; the weight stays on the layer in the runtime layout
+  (`w12.layout.TiledW12`: five buffers, `w12_tiles`, `w12_e0` and the escape list), the form the flow
+  kernel streams;
+* `apply` is `w12.matmul(x, packed, bias)` on that layout (the flow kernel on a GPU; docs/w12.md).
 
 Per-row exponent windows make a merged weight's packing the same as packing each part alone and
 stacking them, and a rank's N shard the same as the N slice of the packed whole
@@ -34,13 +36,15 @@ from sglang.srt.layers.linear import LinearBase
 from sglang.srt.layers.quantization.base_config import LinearMethodBase, QuantizationConfig, QuantizeMethodBase
 from sglang.srt.layers.quantization.unquant import UnquantizedLinearMethod
 from sglang.srt.utils import set_weight_attrs
+from w12.layout import TiledW12, tile
 
 logger = logging.getLogger("specpilot.sglang")
 
 __all__ = ["W12Config", "W12LinearMethod", "W12LoadError", "NAME"]
 
 NAME = "w12"
-_BUF = "w12_"  # layer buffers: w12_hi, w12_lo, ...
+_BUF = "w12_"  # layer buffers: w12_tiles, w12_e0, w12_esc_rowptr, w12_esc_col, w12_esc_val
+_TENSORS = ("tiles", "e0", "esc_rowptr", "esc_col", "esc_val")  # w12.layout.TiledW12.tensors() order
 
 
 class W12LoadError(RuntimeError):
@@ -90,10 +94,16 @@ class W12Config(QuantizationConfig):
         return []
 
 
-def packed_weight(layer: torch.nn.Module) -> w12.W12Weight:
-    """The layer's `W12Weight`, built over its buffers (so `.to(device)` on the module moves it)."""
-    return w12.W12Weight(*(getattr(layer, _BUF + p) for p in ("hi", "lo", "e0", "esc_rowptr", "esc_col", "esc_val")),
-                         K=layer.w12_k)
+def packed_weight(layer: torch.nn.Module) -> TiledW12:
+    """The layer's weight in the runtime layout over its buffers (so `.to(device)` on the module moves it). The
+    object is kept on the layer while its buffers are the same tensors: the flow kernel keeps launch state on it
+    (programmatic dependent launch after a launch on the same weight)."""
+    bufs = tuple(getattr(layer, _BUF + n) for n in _TENSORS)
+    t = getattr(layer, "_w12_tiled", None)
+    if t is None or any(a is not b for a, b in zip(t.tensors(), bufs)):
+        t = TiledW12(*bufs, N=layer.w12_n, K=layer.w12_k)
+        layer._w12_tiled = t
+    return t
 
 
 def pack_verified(weight: torch.Tensor, where: str = "weight") -> w12.W12Weight:
@@ -137,27 +147,31 @@ class W12LinearMethod(LinearMethodBase):
         weight = layer.weight.data
         where = getattr(layer, "prefix", None) or type(layer).__name__
         p = pack_verified(weight, where)
-        for name, t in p.planes().items():
-            layer.register_buffer(_BUF + name, t, persistent=False)
-        layer.w12_k = p.K
-        layer.w12_n = p.N
+        t = tile(p)
+        del p  # the padded planes go; the runtime layout shares e0 and the escape list
+        for name, buf in zip(_TENSORS, t.tensors()):
+            layer.register_buffer(_BUF + name, buf, persistent=False)
+        layer.w12_k = t.K
+        layer.w12_n = t.N
+        layer._w12_tiled = t
         # release the BF16 copy; keep a 0-element parameter of the same dtype and device for code that reads
         # layer.weight.dtype / .device
         layer.weight = Parameter(torch.empty(0, dtype=weight.dtype, device=weight.device), requires_grad=False)
-        layer.w12_bits_per_weight = p.bits_per_weight
+        layer.w12_bits_per_weight = t.bits_per_weight
 
     def restore_weights_before_loading(self, layer: torch.nn.Module) -> None:
         """SGLang's weight updates (`update_weights_from_*` between `begin_weight_update` and
         `end_weight_update`) call this first: the BF16 parameter comes back (decoded, bit for bit, with its weight
-        loader), the planes go, and `process_weights_after_loading` packs the new weights again."""
+        loader), the packed buffers go, and `process_weights_after_loading` packs the new weights again."""
         if getattr(layer, "w12_k", None) is None:
             return
         w = w12.unpack(packed_weight(layer))
         weight = Parameter(w, requires_grad=False)
         set_weight_attrs(weight, layer.w12_weight_attrs)
         layer.weight = weight
-        for name in ("hi", "lo", "e0", "esc_rowptr", "esc_col", "esc_val"):
+        for name in _TENSORS:
             delattr(layer, _BUF + name)
+        layer._w12_tiled = None
         layer.w12_k = None
 
     def apply(self, layer: torch.nn.Module, x: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
