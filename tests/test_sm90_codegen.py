@@ -11,6 +11,7 @@ import functools
 import inspect
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -177,7 +178,6 @@ def _features(ptx: str) -> dict:
 def _key_loop(cubin: bytes) -> dict:
     """The innermost loop holding tensor-core instructions in a CUBIN's SASS (Triton's bundled cuobjdump): its
     instruction count and local-memory loads and stores (spills)."""
-    import re
     import tempfile
 
     import triton
@@ -280,7 +280,10 @@ def _worker() -> None:
     out["gdn-b1"] = _features(_gdn_b1_ptx())
     for cap in (90, 80):
         ptx = _tree_attn_device_ptx(cap)
-        out[f"tree_attn-device-{cap}"] = dict(_features(ptx), atom_cas=".cas.b32" in ptx)
+        before = ptx[:ptx.index("ld.volatile.global")]  # the work item read back (the split kernel comes first)
+        out[f"tree_attn-device-{cap}"] = dict(_features(ptx), atom_cas=".cas.b32" in ptx,
+                                              item_barrier=re.search(r"bar(rier)?\.sync", before[before.rindex(
+                                                  "st.global"):]) is not None)
     out["tree_attn-key-loops"] = _tree_attn_key_loops()
     for bv, w in ((32, 4), (16, 4), (32, 8)):
         out[f"gdn-bt64-bv{bv}-w{w}"] = _gdn_bt64_mma_shapes(bv, w)
@@ -402,6 +405,9 @@ def test_tree_attn_device_schedule_builds(cap):
     f = _results()[f"tree_attn-device-{cap}"]
     assert f["wgmma"] == (cap == 90) and f["mma_sync"] == (cap == 80), f["head"]
     assert f["atom_cas"]
+    # the work item goes through global memory: one thread stores it (Triton's scalar stores), so a CTA barrier
+    # must come before the threads read it back
+    assert f["item_barrier"]
 
 
 @pytest.mark.slow

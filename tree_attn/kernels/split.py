@@ -318,6 +318,7 @@ def tree_attn_split_kernel(
             tl.store(row + 2, lo)
             tl.store(row + 3, hi)
             tl.store(row + 4, keys_ok.to(tl.int32))
+            tl.debug_barrier()  # a scalar store is one thread's: the CTA's loads below must see it
             req = tl.load(row, volatile=True)
             tile = tl.load(row + 1, volatile=True)
             lo = tl.load(row + 2, volatile=True)
