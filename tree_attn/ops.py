@@ -23,6 +23,7 @@ from autotune.hardware import compute_capability, host_only, is_interpreter
 
 from . import cuda
 from .configs import SplitConfig, WSConfig, split_config, ws_config
+from .kernels import split as _k
 from .kernels.split import tree_attn_merge_kernel, tree_attn_split_kernel
 from .reference import tree_attention_reference
 
@@ -766,18 +767,20 @@ def _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, sl
 
 # what each code of the device checks' status means (tree_attn/kernels/split.py); {d} is the detail word
 METADATA_PROBLEMS = {
-    1: "qo_indptr is not the offsets of the tree nodes{at}: it must start at 0, never decrease, and end at q's "
-       "row count; pass cumulative node counts",
-    2: "kv_indptr is not the offsets of kv_indices{at}: it must start at 0, never decrease, and end at or before "
-       "len(kv_indices); pass cumulative slot counts",
-    3: "request {d} has more than 64 tree nodes (one int64 mask word per node); split the tree or the request",
-    4: "request {d} lists fewer kv slots than it has nodes; without k_new/v_new its last n kv_indices entries "
-       "must be its nodes' slots",
-    5: "kv_indices[{d}] is outside the cache's token slots; every slot must be in [0, slots)",
-    6: "tree_mask of node {d} breaks the tree rules: a bit at or past its request's node count, no bit of its own, "
-       "or a seen node whose ancestors it does not see; pass ancestor-or-self masks (gdn.TreePlan.anc)",
-    7: "the step needs {d} work items, more than the bound the one-call path sized from the shapes; call "
-       "tree_attn.plan and tree_attn.run",
+    _k.BAD_QO_INDPTR.value: "qo_indptr is not the offsets of the tree nodes{at}: it must start at 0, never decrease, "
+                            "and end at q's row count; pass cumulative node counts",
+    _k.BAD_KV_INDPTR.value: "kv_indptr is not the offsets of kv_indices{at}: it must start at 0, never decrease, and "
+                            "end at or before len(kv_indices); pass cumulative slot counts",
+    _k.TOO_MANY_NODES.value: "request {d} has more than 64 tree nodes (one int64 mask word per node); split the tree "
+                             "or the request",
+    _k.FEW_NODE_SLOTS.value: "request {d} lists fewer kv slots than it has nodes; without k_new/v_new its last n "
+                             "kv_indices entries must be its nodes' slots",
+    _k.BAD_SLOT.value: "kv_indices[{d}] is outside the cache's token slots; every slot must be in [0, slots)",
+    _k.BAD_MASK.value: "tree_mask of node {d} breaks the tree rules: a bit at or past its request's node count, no "
+                       "bit of its own, or a seen node whose ancestors it does not see; pass ancestor-or-self masks "
+                       "(gdn.TreePlan.anc)",
+    _k.OVER_CAPACITY.value: "the step needs {d} work items, more than the bound the one-call path sized from the "
+                            "shapes; call tree_attn.plan and tree_attn.run",
 }
 
 

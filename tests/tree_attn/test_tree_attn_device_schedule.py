@@ -205,3 +205,15 @@ def test_kv_indices_may_be_a_longer_buffer(nodes_in_cache, make_batch):
     assert_bitwise_equal(got, want)
     assert_bitwise_equal(lse, want_lse)
     tree_attn.check_metadata(b.q.device)  # nothing recorded
+
+
+def test_every_device_problem_has_its_message():
+    """Each code the kernels can record (kernels/split.py) is worded for check_metadata, naming what to fix."""
+    import triton.language as tl
+
+    from tree_attn.kernels import split
+
+    codes = {v.value for k, v in vars(split).items() if k.isupper() and isinstance(v, tl.constexpr)}
+    assert codes == set(ops.METADATA_PROBLEMS) == set(range(1, 8))
+    for text in ops.METADATA_PROBLEMS.values():
+        assert "; " in text  # what is wrong; how to fix it
