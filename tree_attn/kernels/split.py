@@ -17,10 +17,13 @@ hold ranges inside the request's kv_indices, and every node sees itself (the tre
 finite). With DEVICE true (the one-call `tree_attention`) there is no plan: split program i derives work item
 i of the schedule from qo_indptr / kv_indptr itself (the one `tree_attn.ops._schedule` builds on the host, with
 at most WAVES waves of items; the grid is a bound from the shapes and programs past the schedule's end return),
-and writes its request's row of `req_table` for the merge. Both kernels check the metadata on the device and
-record the first problem in `status` (code, detail), which `tree_attn.metadata_error` reads: bad indptr arrays
-run no item and every row is NaN; an item whose slots leave the cache reads no key and its rows are NaN; a node
-whose mask word breaks the rules is NaN. Nothing is read out of bounds.
+and writes its request's row of `req_table` for the merge. The item reaches the key loop through global memory
+(stored, then loaded back after a CTA barrier): loaded, the compiler keeps it in uniform registers as it does a
+plan's item; computed in registers, the key loop's addressing took 13% more instructions and spilled
+(tests/test_sm90_codegen.py). Both kernels check the metadata on the device and record the first problem in
+`status` (code, detail), which `tree_attn.check_metadata` raises: bad indptr arrays run no item and every row
+is NaN; an item whose slots leave the cache reads no key and its rows are NaN; a node whose mask word breaks
+the rules is NaN. Nothing is read out of bounds.
 """
 
 import triton
@@ -196,9 +199,9 @@ def _first_bad_slot(kv_indices, lo, hi, slots, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _split_item(item, hk, req, tile, lo, hi, keys_ok, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, qo_indptr, kv_indices, tree_mask,
-                po_ptr, plse_ptr, sm_scale_log2, stride_qt, stride_qh, stride_kp, stride_ko, stride_kh, stride_vp,
-                stride_vo, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, slots,
+def _split_item(item, hk, req, tile, lo, hi, keys_ok, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, qo_indptr, kv_indices,
+                tree_mask, po_ptr, plse_ptr, sm_scale_log2, stride_qt, stride_qh, stride_kp, stride_ko, stride_kh,
+                stride_vp, stride_vo, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, slots,
                 HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
                 TN: tl.constexpr, PAGE: tl.constexpr, NEW: tl.constexpr, CHECK: tl.constexpr):
     """Work item `item` = (req, row block `tile`, [lo, hi)) of KV head hk: its partial output and LSE.
@@ -310,8 +313,7 @@ def tree_attn_split_kernel(
             if (bad != check_hi) & (hk == 0) & (tile == 0):
                 _record(status, BAD_SLOT, bad)
             hi = tl.where(keys_ok | (lo < 0), hi, lo)
-            # through memory: loaded, the item is uniform to the compiler as a plan's is (computed, it was not,
-            # and the key loop's addressing then took 13% more instructions and spilled)
+            # through memory, so that the compiler keeps the item uniform, as a plan's (module docstring)
             row = items + (i * HKV + hk) * 8
             tl.store(row, req)
             tl.store(row + 1, tile)
@@ -335,10 +337,10 @@ def tree_attn_split_kernel(
         tile = tl.load(items + pid * 4 + 1)
         lo = tl.load(items + pid * 4 + 2)
         hi = tl.load(items + pid * 4 + 3)
-        _split_item(pid, hk, req, tile, lo, hi, True, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, qo_indptr, kv_indices, tree_mask,
-                    po_ptr, plse_ptr, sm_scale_log2, stride_qt, stride_qh, stride_kp, stride_ko, stride_kh, stride_vp,
-                    stride_vo, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, slots, HKV, G, D, BM, BN,
-                    TN, PAGE, NEW, False)
+        _split_item(pid, hk, req, tile, lo, hi, True, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, qo_indptr, kv_indices,
+                    tree_mask, po_ptr, plse_ptr, sm_scale_log2, stride_qt, stride_qh, stride_kp, stride_ko, stride_kh,
+                    stride_vp, stride_vo, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, slots, HKV, G, D,
+                    BM, BN, TN, PAGE, NEW, False)
 
 
 @triton.jit
