@@ -249,8 +249,11 @@ class TreeAttnPlan:
         """Refill these buffers in place for a new step (same batch and node count, a schedule that fits
         `capacity` items and kv_indices that fit the kv_indices buffer), so a CUDA graph captured on this
         plan replays the new step. Host step: the inputs may be on the plan's device (read with a sync) or on
-        the CPU (no sync; copied into the buffers)."""
+        the CPU (no sync; copied into the buffers). A plan with schedule="device" is only refilled: no schedule
+        and, with validate=False, no read of the inputs' values on the host (device inputs: no sync)."""
         fn = "tree_attn.TreeAttnPlan.update"
+        if self.status is not None:
+            return self._refill(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, validate)
         qo, kv, mask = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, self.device, host_ok=True)
         if len(qo) - 1 != self.batch or mask.shape[0] != self.total_nodes:
             raise ValueError(f"{fn}: the step has {len(qo) - 1} requests and {mask.shape[0]} nodes but the plan was "
@@ -278,6 +281,28 @@ class TreeAttnPlan:
         self.items.copy_(items)
         self.req_table.copy_(table)
         self.num_items, self.split_len = count, split_len
+        return self
+
+    def _refill(self, fn, qo_indptr, kv_indptr, kv_indices, tree_mask, validate: bool) -> "TreeAttnPlan":
+        """`update` of a device-scheduled plan: the shapes checked, the values (validate) as `plan` checks them,
+        then the four tensors copied into the plan's buffers."""
+        _check_meta_tensors(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, self.device, host_ok=True)
+        if qo_indptr.shape[0] != self.batch + 1 or kv_indptr.shape[0] != self.batch + 1 \
+                or tree_mask.shape[0] != self.total_nodes:
+            raise ValueError(f"{fn}: the step has {qo_indptr.shape[0] - 1} requests and {tree_mask.shape[0]} nodes "
+                             f"but the plan was built for {self.batch} and {self.total_nodes}; build a new plan with "
+                             "tree_attn.plan")
+        used = kv_indices.shape[0]
+        if used > self.kv_indices.shape[0]:
+            raise ValueError(f"{fn}: {used} kv_indices exceed the plan's buffer of {self.kv_indices.shape[0]}; "
+                             "build the plan with a larger kv_capacity")
+        if validate:
+            qo, kv, mask = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, self.device, host_ok=True)
+            _validate(fn, qo, kv, kv_indices, mask, self.cache_slots, self.nodes_in_cache)
+        self.qo_indptr.copy_(qo_indptr)
+        self.kv_indptr.copy_(kv_indptr)
+        self.kv_indices[:used].copy_(kv_indices)
+        self.tree_mask.copy_(tree_mask)
         return self
 
 
@@ -471,7 +496,7 @@ def _validate(fn, qo, kv, kv_indices, mask, cache_slots, nodes_in_cache):
 def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_kv_heads: int, head_dim: int,
          cache_slots: int, nodes_in_cache: bool = False, dtype: torch.dtype = torch.bfloat16,
          variant: str | None = None, capacity: int | None = None, kv_capacity: int | None = None,
-         max_nodes: int | None = None, validate: bool = True) -> TreeAttnPlan:
+         max_nodes: int | None = None, validate: bool = True, schedule: str = "host") -> TreeAttnPlan:
     """Check one step's trees and indices and build its split-KV schedule (host step: may sync).
 
     `cache_slots`: token slots of the cache (pages * page_size for a paged cache); kv_indices outside
@@ -479,8 +504,20 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
     request r are its nodes' slots in local order. `capacity` fixes the number of work items (the
     split kernel's grid) and `kv_capacity` the kv_indices buffer, so `update` can refill the plan for
     later steps under one CUDA graph, with `max_nodes` the largest tree any of those steps holds; by
-    default all three fit this step."""
+    default all three fit this step.
+
+    `schedule="device"` (the Triton kernels): the plan holds no schedule; `run` builds it on the device from the
+    plan's metadata buffers each call and checks them there (`check_metadata` raises what it finds), and `update`
+    only copies the next step's metadata into those buffers (no schedule, no host read of device tensors with
+    validate=False). Its work-item bound comes from the shapes (`capacity` must be None), its tree block fits any
+    tree of the plan's node count, and `kv_capacity` sizes the kv_indices buffer as for the host schedule."""
     fn = "tree_attn.plan"
+    if schedule not in ("host", "device"):
+        raise ValueError(f"{fn}: schedule={schedule!r}; pass 'host' (the schedule built here) or 'device' (built by "
+                         "the kernels at each run)")
+    if schedule == "device" and capacity is not None:
+        raise ValueError(f"{fn}: capacity={capacity} sizes the host schedule; with schedule='device' the bound on "
+                         "work items comes from the shapes: pass capacity=None")
     device = tree_mask.device if isinstance(tree_mask, torch.Tensor) else None
     qo, kv, mask = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device)
     for name, val, optional in (("num_qo_heads", num_qo_heads, False), ("num_kv_heads", num_kv_heads, False),
@@ -504,11 +541,26 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
     group = num_qo_heads // num_kv_heads
     dispatch = _plan(variant, device, head_dim, group, (max_nodes or largest) * group, dtype)
     cfg = dispatch.config
-    items, table, node_req, split_len, used = _schedule(fn, qo, kv, nodes_in_cache, group, cfg,
-                                                        _target_items(device, num_kv_heads, cfg), capacity)
     n_kv = kv_indices.shape[0]
     kv_buf = torch.zeros(max(n_kv, kv_capacity or 0, 1), dtype=torch.int32, device=device)
     kv_buf[:n_kv].copy_(kv_indices)
+    if schedule == "device":
+        if dispatch.kernel != "split":
+            raise ValueError(f"{fn}: schedule='device' is the Triton kernels' and this plan runs "
+                             f"{dispatch.variant!r}; pass schedule='host', or a variant of the Triton kernels")
+        B, T = len(qo) - 1, mask.shape[0]
+        cap = _device_capacity(device, num_kv_heads, cfg, T, B, group)
+        po, plse, items, table = _device_scratch(cap, B, num_kv_heads, cfg.block_m, head_dim, device)
+        qo_buf = qo_indptr.clone()
+        return TreeAttnPlan(
+            qo_indptr=qo_buf, kv_indptr=kv_indptr.clone(), kv_indices=kv_buf, tree_mask=tree_mask.clone(),
+            node_req=qo_buf, items=items, req_table=table[:3 * B].view(B, 3), po=po, plse=plse, batch=B,
+            total_nodes=T, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
+            cache_slots=int(cache_slots), nodes_in_cache=nodes_in_cache, dtype=dtype, dispatch=dispatch,
+            capacity=cap, num_items=-1, split_len=-1, tree_block=_tree_block(max(1, min(T, MAX_NODES))),
+            status=_status(device))
+    items, table, node_req, split_len, used = _schedule(fn, qo, kv, nodes_in_cache, group, cfg,
+                                                        _target_items(device, num_kv_heads, cfg), capacity)
     size = items.shape[0]
     po = plse = None
     if cfg is not None:
@@ -740,20 +792,14 @@ def _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, sl
     if dispatch.kernel != "split":
         return None
     cfg = dispatch.config
-    G = H // Hkv
-    cap = DEVICE_WAVES * _target_items(q.device, Hkv, cfg) + 2 * (T * G // cfg.block_m + min(B, T))
+    cap = _device_capacity(q.device, Hkv, cfg, T, B, H // Hkv)
     key = (q.device, stream, Hkv, cfg.block_m, D)
     have = _DEVICE_SCRATCH.get(key)
     if have is None or have[0].shape[0] < cap or have[3].shape[0] < 3 * B:
-        grow = (max(cap, have[0].shape[0] if have else 0), max(3 * B, have[3].shape[0] if have else 0, 3))
-        have = (torch.empty(grow[0], Hkv, cfg.block_m, D, dtype=torch.float32, device=q.device),
-                torch.empty(grow[0], Hkv, cfg.block_m, dtype=torch.float32, device=q.device),
-                torch.empty(grow[0] * Hkv * 8, dtype=torch.int32, device=q.device),
-                torch.empty(grow[1], dtype=torch.int32, device=q.device))
+        have = _device_scratch(max(cap, have[0].shape[0] if have else 0), max(B, have[3].shape[0] // 3 if have else 0),
+                               Hkv, cfg.block_m, D, q.device)
         _DEVICE_SCRATCH[key] = have
-    status = _STATUS.get(q.device)
-    if status is None:
-        status = _STATUS[q.device] = torch.zeros(2, dtype=torch.int32, device=q.device)
+    status = _status(q.device)
     po, plse, items, table = have
     p = TreeAttnPlan(
         qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, tree_mask=tree_mask, node_req=qo_indptr,
@@ -763,6 +809,28 @@ def _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, sl
         tree_block=_tree_block(max(1, min(T, MAX_NODES))), status=status)
     _DEVICE_LAST[(q.device, stream)] = (shape, meta, p)
     return p
+
+
+def _device_capacity(device, Hkv: int, cfg: SplitConfig, T: int, B: int, G: int) -> int:
+    """The device schedule's bound on work items for T nodes of B requests: DEVICE_WAVES waves of items and two
+    per row block (tests/tree_attn/test_tree_attn_device_schedule.py checks it holds)."""
+    return DEVICE_WAVES * _target_items(device, Hkv, cfg) + 2 * (T * G // cfg.block_m + min(B, T))
+
+
+def _device_scratch(cap: int, B: int, Hkv: int, bm: int, D: int, device) -> tuple:
+    """(partial outputs, their LSEs, work-item scratch, request table) of a device schedule of `cap` items."""
+    return (torch.empty(cap, Hkv, bm, D, dtype=torch.float32, device=device),
+            torch.empty(cap, Hkv, bm, dtype=torch.float32, device=device),
+            torch.empty(cap * Hkv * 8, dtype=torch.int32, device=device),
+            torch.empty(max(3 * B, 3), dtype=torch.int32, device=device))
+
+
+def _status(device) -> torch.Tensor:
+    """The device's record of the first metadata problem the device checks found (`check_metadata`)."""
+    status = _STATUS.get(device)
+    if status is None:
+        status = _STATUS[device] = torch.zeros(2, dtype=torch.int32, device=device)
+    return status
 
 
 # what each code of the device checks' status means (tree_attn/kernels/split.py); {d} is the detail word

@@ -217,3 +217,69 @@ def test_every_device_problem_has_its_message():
     assert codes == set(ops.METADATA_PROBLEMS) == set(range(1, 8))
     for text in ops.METADATA_PROBLEMS.values():
         assert "; " in text  # what is wrong; how to fix it
+
+
+# ------------------------------------------------------------------ plan(schedule="device") and its update
+
+STEP_A = [("draft9", 23), ("chain4", 40), ("rand13", 7)]
+STEP_B = [("draft9", 2), ("chain4", 61), ("rand13", 0)]  # STEP_A's requests and nodes: other trees, prefixes, slots
+
+
+def _run(p, b):
+    out = b.poisoned_out()
+    return tree_attn.run(p, b.q, b.k_cache, b.v_cache, **b.new_kw(), sm_scale=b.sm_scale, out=out, return_lse=True)
+
+
+@pytest.mark.parametrize("nodes_in_cache", [False, True], ids=["k_new", "in-cache"])
+def test_device_plan_and_its_update(nodes_in_cache, make_batch, check, monkeypatch):
+    """A plan with schedule="device" runs as the host plan does (bit for bit where the schedules agree), and its
+    update takes another step of the same batch and node count (other trees, prefixes and slots; fewer kv
+    entries in the kv_capacity buffer) without a host schedule."""
+    monkeypatch.setattr(ops, "DEVICE_WAVES", 8)
+    kw = dict(H=6, Hkv=2, D=64, nodes_in_cache=nodes_in_cache, cache_slots=400)
+    a = make_batch(STEP_A, seed=41, **kw)
+    b = make_batch(STEP_B, seed=42, **kw)
+    assert a.q.shape == b.q.shape
+    p = tree_attn.plan(a.qo_indptr, a.kv_indptr, a.kv_indices, a.tree_mask, **a.plan_kw(schedule="device",
+                                                                                          kv_capacity=400))
+    assert p.status is not None and p.num_items == -1
+    got, lse = _run(p, a)
+    check(a, got, lse)
+    host = tree_attn.plan(a.qo_indptr, a.kv_indptr, a.kv_indices, a.tree_mask, **a.plan_kw())
+    want, want_lse = _run(host, a)
+    assert_bitwise_equal(got, want)
+    assert_bitwise_equal(lse, want_lse)
+    scheduled = []
+    real = ops._schedule
+    monkeypatch.setattr(ops, "_schedule", lambda *x, **k: scheduled.append(1) or real(*x, **k))
+    p.update(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, validate=False)
+    assert not scheduled
+    got, lse = _run(p, b)
+    check(b, got, lse)
+    tree_attn.check_metadata(b.q.device)  # nothing recorded
+
+
+def test_device_plan_update_with_bad_metadata(make_batch, raises):
+    """Unvalidated, a bad slot reaches the kernels: its rows are NaN and check_metadata raises it; validated, the
+    update raises at once."""
+    a = make_batch(STEP_A, H=4, Hkv=2, D=64, seed=43)
+    p = tree_attn.plan(a.qo_indptr, a.kv_indptr, a.kv_indices, a.tree_mask, **a.plan_kw(schedule="device"))
+    bad = a.kv_indices.clone()
+    bad[3] = a.cache_slots
+    with raises(r"kv_indices"):
+        p.update(a.qo_indptr, a.kv_indptr, bad, a.tree_mask)
+    p.update(a.qo_indptr, a.kv_indptr, bad, a.tree_mask, validate=False)
+    got, _ = _run(p, a)
+    assert torch.isnan(got[:9].float()).all()  # request 0's rows (its prefix holds position 3)
+    with raises(r"kv_indices\[3\]"):
+        tree_attn.check_metadata(a.q.device)
+
+
+@pytest.mark.parametrize("kw, pattern", [(dict(schedule="both"), r"schedule"),
+                                         (dict(schedule="device", capacity=64), r"capacity"),
+                                         (dict(schedule="device", variant="reference"), r"schedule='host'")],
+                         ids=["unknown", "capacity", "reference"])
+def test_device_plan_refusals(kw, pattern, make_batch, raises):
+    a = make_batch(STEP_A, H=4, Hkv=2, D=64, seed=44)
+    with raises(pattern):
+        tree_attn.plan(a.qo_indptr, a.kv_indptr, a.kv_indices, a.tree_mask, **a.plan_kw(**kw))

@@ -223,6 +223,37 @@ def test_one_call_graph_replays_new_metadata(layout, nodes_in_cache, variant, ma
     tree_attn.check_metadata(DEV)  # nothing recorded
 
 
+@pytest.mark.parametrize("variant", TRITON)
+@pytest.mark.parametrize("layout, nodes_in_cache", [("slot", False), ("paged", True)])
+def test_device_plan_graph_replays_updates_without_a_host_schedule(layout, nodes_in_cache, variant, make_batch,
+                                                                   check):
+    """plan(schedule="device"): run() captured once replays the next step after update(validate=False) from device
+    tensors (no sync, no host schedule), fewer keys in the kv_capacity buffer."""
+    kw = dict(H=24, Hkv=4, D=128, layout=layout, nodes_in_cache=nodes_in_cache, device=DEV, cache_slots=4096)
+    b = make_batch(STEP1, seed=7, **kw)
+    plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask,
+                          **b.plan_kw(variant=variant, schedule="device", kv_capacity=4096))
+    out = b.poisoned_out()
+    held = {}
+
+    def step():
+        held["out"], held["lse"] = tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), out=out,
+                                                 return_lse=True)
+
+    eager_out, eager_lse = tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), return_lse=True)
+    graph = capture_graph(step)
+    assert_replays_equal(graph, [out, held["lse"]], [eager_out, eager_lse], reps=5)
+    check(b, out, held["lse"], msg="captured step")
+    b3 = make_batch(STEP3, seed=9, **kw)
+    _load(b, b3)
+    plan.update(b3.qo_indptr, b3.kv_indptr, b3.kv_indices, b3.tree_mask, validate=False)
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+    check(b3, out, held["lse"], msg="after a device-side update")
+    tree_attn.check_metadata(DEV)  # nothing recorded
+
+
 @pytest.mark.parametrize("fault", ["slot", "indptr"])
 def test_one_call_refuses_bad_metadata_on_the_device(fault, make_batch, raises):
     """A slot past the cache, or kv_indptr past kv_indices: the call reads nothing out of bounds, writes NaN, and
