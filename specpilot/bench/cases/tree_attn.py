@@ -9,10 +9,12 @@ root, each node hangs off one of the 5 nodes before it (seeded).
 Groups (baseline variant in brackets):
 * `B1-N32-L{1k,4k,32k,128k}` [flex]: batch 1, one 32-node tree over a prefix of L tokens.
   "wgmma" / "mma" / "ws": tree_attn.run on a plan made in setup (tree_attn.plan is the host step, not timed;
-  run is CUDA-graph timed); "wgmma" and "ws" (the warp-specialised CUDA C++ kernel) only on sm_90. "tree_attention" (L = 32k only): the one-call API
-  (plan + run, host syncs, eager CUDA events), so the plan's cost shows; "tree_attention-kept": the same with
-  `keep_plan=True`, as the layers of one decoding step call it (the step's same metadata tensors in every call:
-  the first call plans, the others run on its kept plan). "sdpa-mask": F.scaled_dot_product_attention
+  run is CUDA-graph timed); "wgmma" and "ws" (the warp-specialised CUDA C++ kernel) only on sm_90; "wgmma-device"
+  (sm_90) / "mma-device": the same kernel on a plan with schedule="device" (the schedule built by the kernels at
+  each run), so its cost beside the host schedule shows. "tree_attention" (L = 32k only): the one-call API (its
+  schedule built on the device: no host plan, eager CUDA events); "tree_attention-kept": with `keep_plan=True`, as
+  the layers of one decoding step call it (the step's same metadata tensors in every call: the first call plans on
+  the host, the others run on its kept plan). "sdpa-mask": F.scaled_dot_product_attention
   with the tree's mask as an additive bf16 mask built once in setup (no per-call bool->float conversion), the
   GQA group folded into the query rows ([1, Hkv, G*n, D] against [1, Hkv, L+n, D], mask [G*n, L+n]) so K/V are
   not expanded to H heads. "flex": flex_attention under torch.compile with a block mask made in setup; the
@@ -204,11 +206,12 @@ def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, s
             keep = variant == "tree_attention-kept"
             fns = [lambda q=q, k=k, v=v: tree_attn.tree_attention(q, k, v, *idx, out=out, keep_plan=keep)
                    for q, k, v in prob.sets]
-        else:
+        else:  # "<variant>-device": the plan's schedule built by the kernels at each run (schedule="device")
+            name, _, where = variant.partition("-")
             plan = tree_attn.plan(prob.qo_indptr, prob.kv_indptr, prob.kv_indices, prob.tree_mask,
                                   num_qo_heads=spec.H, num_kv_heads=spec.Hkv, head_dim=spec.D,
                                   cache_slots=spec.slots, nodes_in_cache=True, dtype=torch.bfloat16,
-                                  variant=variant)
+                                  variant=name, schedule=where or "host")
             fns = [lambda q=q, k=k, v=v: tree_attn.run(plan, q, k, v, out=out) for q, k, v in prob.sets]
 
         def check():
@@ -342,6 +345,7 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     cuda = device.type == "cuda"
     wgmma = not cuda or torch.cuda.get_device_capability(device)[0] == 9
     kernels = ("wgmma", "mma") if wgmma else ("mma",)
+    kernels += (f"{kernels[0]}-device",)  # the default kernel with its schedule built on the device
     if cuda and wgmma:  # the warp-specialised CUDA C++ kernel (sm_90)
         kernels += ("ws",)
     host = device.type == "cpu" and not autotune.is_interpreter()  # a CPU without the interpreter: the torch reference
