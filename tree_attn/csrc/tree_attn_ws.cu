@@ -485,14 +485,19 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
     stage_of(b, halves, st, u);
     return (uint32_t)(u & 1);
   };
-  // S = Q K^T of block b, issued (one wgmma group); waits for its K
-  auto score = [&](int b, float (&sc)[TA_BN / 2]) {
+  // block b's stage, once its K (full = FULL_K) or V (FULL_V) has landed; the cp.async writes then reach the wgmma
+  auto await_full = [&](int b, uint32_t full) {
     int st;
     const uint32_t parity = stage(b, st);
-    mbar_wait(bars + FULL_K + 8 * st, parity);
+    mbar_wait(bars + full + 8 * st, parity);
 #if TA_FENCE
     asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
 #endif
+    return st;
+  };
+  // S = Q K^T of block b, issued (one wgmma group); waits for its K
+  auto score = [&](int b, float (&sc)[TA_BN / 2]) {
+    const int st = await_full(b, FULL_K);
     const uint32_t ks = ring + st * STAGE_BYTES;
 #pragma unroll
     for (int i = 0; i < TA_BN / 2; ++i) sc[i] = 0.f;
@@ -591,12 +596,7 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   };
   // O += P V of block b, issued (one wgmma group); waits for its V
   auto pv = [&](int b, uint32_t (&pa)[TA_BN / 16][4]) {
-    int st;
-    const uint32_t parity = stage(b, st);
-    mbar_wait(bars + FULL_V + 8 * st, parity);
-#if TA_FENCE
-    asm volatile("fence.proxy.async.shared::cta;" ::: "memory");
-#endif
+    const int st = await_full(b, FULL_V);
     asm volatile("wgmma.fence.sync.aligned;" ::: "memory");
     keep(o);
     keep(pa);
