@@ -135,6 +135,29 @@ STEP1 = [("draft32", 700), ("draft12", 33), ("single", 0), ("chain5", 1500)]
 STEP2 = [("rand32", 700), ("star12", 33), ("single", 0), ("draft5", 1500)]  # same sizes, other trees and slots
 
 
+def _captured(b, call, check):
+    """`call(out)` -> (out, lse) captured in a CUDA graph on batch b's buffers: its replays equal the eager call
+    (`call(None)`) bit for bit, and its result passes the reference check. Returns (graph, out, lse)."""
+    out = b.poisoned_out()
+    held = {}
+
+    def step():
+        held["out"], held["lse"] = call(out)
+
+    eager_out, eager_lse = call(None)
+    graph = capture_graph(step)
+    assert_replays_equal(graph, [out, held["lse"]], [eager_out, eager_lse], reps=5)
+    check(b, out, held["lse"], msg="captured step")
+    return graph, out, held["lse"]
+
+
+def _replay(graph, out):
+    """One replay into `out`, NaN-filled first so that an element the kernels leave unwritten fails the check."""
+    out.fill_(float("nan"))
+    graph.replay()
+    torch.cuda.synchronize()
+
+
 def _load(dst, src):
     """Copy src's data (q, caches, k_new/v_new) into dst's tensors, the buffers a graph captured."""
     for name in ("q", "k_cache", "v_cache", "k_new", "v_new"):
@@ -151,40 +174,25 @@ def test_cuda_graph_replays_new_inputs_and_updated_plan(layout, nodes_in_cache, 
     b = make_batch(STEP1, seed=7, **kw)
     plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw(variant=variant,
                                                                                             capacity=1024))
-    out = b.poisoned_out()
-    held = {}
-
-    def step():
-        held["out"], held["lse"] = tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), out=out,
-                                                 return_lse=True)
-
-    eager_out, eager_lse = tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), return_lse=True)
-    graph = capture_graph(step)
-    assert_replays_equal(graph, [out, held["lse"]], [eager_out, eager_lse], reps=5)
-    check(b, out, held["lse"], msg="captured step")
+    graph, out, lse = _captured(b, lambda out: tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), out=out,
+                                                             return_lse=True), check)
 
     b2 = b.refill(seed=8)  # (2) the next layer: same plan, new values in the same buffers
     _load(b, b2)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    check(b2, out, held["lse"], msg="new inputs")
+    _replay(graph, out)
+    check(b2, out, lse, msg="new inputs")
 
     b3 = make_batch(STEP2, seed=9, **kw)  # (3) the next step
     _load(b, b3)
     plan.update(b3.qo_indptr, b3.kv_indptr, b3.kv_indices, b3.tree_mask)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    check(b3, out, held["lse"], msg="after update")
+    _replay(graph, out)
+    check(b3, out, lse, msg="after update")
 
     b4 = b.refill(seed=11)  # (4) update from host tensors (no sync): the same result as from device tensors
     _load(b, b4)
     plan.update(b4.qo_indptr.cpu(), b4.kv_indptr.cpu(), b4.kv_indices.cpu(), b4.tree_mask.cpu())
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    check(b4, out, held["lse"], msg="after an update from host tensors")
+    _replay(graph, out)
+    check(b4, out, lse, msg="after an update from host tensors")
 
 
 STEP3 = [("rand32", 1200), ("star12", 33), ("single", 700), ("draft5", 0)]  # STEP1's nodes, 300 keys fewer
@@ -198,17 +206,8 @@ def test_one_call_graph_replays_new_metadata(layout, nodes_in_cache, variant, ma
     keys in the same kv_indices buffer, no plan and no host step."""
     kw = dict(H=24, Hkv=4, D=128, layout=layout, nodes_in_cache=nodes_in_cache, device=DEV, cache_slots=4096)
     b = make_batch(STEP1, seed=7, **kw)
-    out = b.poisoned_out()
-    held = {}
-
-    def step():
-        held["out"], held["lse"] = tree_attn.tree_attention(*b.args(), **b.new_kw(), out=out, return_lse=True,
-                                                            variant=variant)
-
-    eager_out, eager_lse = tree_attn.tree_attention(*b.args(), **b.new_kw(), return_lse=True, variant=variant)
-    graph = capture_graph(step)
-    assert_replays_equal(graph, [out, held["lse"]], [eager_out, eager_lse], reps=5)
-    check(b, out, held["lse"], msg="captured step")
+    graph, out, lse = _captured(b, lambda out: tree_attn.tree_attention(*b.args(), **b.new_kw(), out=out,
+                                                                        return_lse=True, variant=variant), check)
     b3 = make_batch(STEP3, seed=9, **kw)
     assert b3.kv_indices.shape[0] == b.kv_indices.shape[0] - 300 and b3.q.shape == b.q.shape
     _load(b, b3)
@@ -216,10 +215,8 @@ def test_one_call_graph_replays_new_metadata(layout, nodes_in_cache, variant, ma
         getattr(b, name).copy_(getattr(b3, name))
     b.kv_indices[:b3.kv_indices.shape[0]].copy_(b3.kv_indices)
     b.kv_indices[b3.kv_indices.shape[0]:] = -1  # past kv_indptr[-1]: never read
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    check(b3, out, held["lse"], msg="new metadata in place")
+    _replay(graph, out)
+    check(b3, out, lse, msg="new metadata in place")
     tree_attn.check_metadata(DEV)  # nothing recorded
 
 
@@ -233,24 +230,13 @@ def test_device_plan_graph_replays_updates_without_a_host_schedule(layout, nodes
     b = make_batch(STEP1, seed=7, **kw)
     plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask,
                           **b.plan_kw(variant=variant, schedule="device", kv_capacity=4096))
-    out = b.poisoned_out()
-    held = {}
-
-    def step():
-        held["out"], held["lse"] = tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), out=out,
-                                                 return_lse=True)
-
-    eager_out, eager_lse = tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), return_lse=True)
-    graph = capture_graph(step)
-    assert_replays_equal(graph, [out, held["lse"]], [eager_out, eager_lse], reps=5)
-    check(b, out, held["lse"], msg="captured step")
+    graph, out, lse = _captured(b, lambda out: tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), out=out,
+                                                             return_lse=True), check)
     b3 = make_batch(STEP3, seed=9, **kw)
     _load(b, b3)
     plan.update(b3.qo_indptr, b3.kv_indptr, b3.kv_indices, b3.tree_mask, validate=False)
-    out.fill_(float("nan"))
-    graph.replay()
-    torch.cuda.synchronize()
-    check(b3, out, held["lse"], msg="after a device-side update")
+    _replay(graph, out)
+    check(b3, out, lse, msg="after a device-side update")
     tree_attn.check_metadata(DEV)  # nothing recorded
 
 
