@@ -252,16 +252,29 @@ class TreeAttnPlan:
         the CPU (no sync; copied into the buffers). A plan with schedule="device" is only refilled: no schedule
         and, with validate=False, no read of the inputs' values on the host (device inputs: no sync)."""
         fn = "tree_attn.TreeAttnPlan.update"
-        if self.status is not None:
-            return self._refill(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, validate)
-        qo, kv, mask = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, self.device, host_ok=True)
-        if len(qo) - 1 != self.batch or mask.shape[0] != self.total_nodes:
-            raise ValueError(f"{fn}: the step has {len(qo) - 1} requests and {mask.shape[0]} nodes but the plan was "
-                             f"built for {self.batch} and {self.total_nodes}; build a new plan with tree_attn.plan")
+        _check_meta_tensors(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, self.device, host_ok=True)
+        if qo_indptr.shape[0] - 1 != self.batch or tree_mask.shape[0] != self.total_nodes:
+            raise ValueError(f"{fn}: the step has {qo_indptr.shape[0] - 1} requests and {tree_mask.shape[0]} nodes "
+                             f"but the plan was built for {self.batch} and {self.total_nodes}; build a new plan with "
+                             "tree_attn.plan")
         used = kv_indices.shape[0]
         if used > self.kv_indices.shape[0]:
             raise ValueError(f"{fn}: {used} kv_indices exceed the plan's buffer of {self.kv_indices.shape[0]}; "
                              "build the plan with a larger kv_capacity")
+        if self.status is not None:  # schedule="device": the kernels read kv_indptr[0..B], so its length too
+            if kv_indptr.shape[0] != self.batch + 1:
+                raise ValueError(f"{fn}: the step has {qo_indptr.shape[0] - 1} requests and {tree_mask.shape[0]} "
+                                 f"nodes but kv_indptr has {kv_indptr.shape[0]} entries; both indptr arrays are "
+                                 f"[B+1] = [{self.batch + 1}]")
+            if validate:
+                qo, kv, mask = _host_values(qo_indptr, kv_indptr, tree_mask)
+                _validate(fn, qo, kv, kv_indices, mask, self.cache_slots, self.nodes_in_cache)
+            self.qo_indptr.copy_(qo_indptr)
+            self.kv_indptr.copy_(kv_indptr)
+            self.kv_indices[:used].copy_(kv_indices)
+            self.tree_mask.copy_(tree_mask)
+            return self
+        qo, kv, mask = _host_values(qo_indptr, kv_indptr, tree_mask)
         if validate:
             _validate(fn, qo, kv, kv_indices, mask, self.cache_slots, self.nodes_in_cache)
         largest = max([qo[r + 1] - qo[r] for r in range(self.batch)] + [1])
@@ -281,28 +294,6 @@ class TreeAttnPlan:
         self.items.copy_(items)
         self.req_table.copy_(table)
         self.num_items, self.split_len = count, split_len
-        return self
-
-    def _refill(self, fn, qo_indptr, kv_indptr, kv_indices, tree_mask, validate: bool) -> "TreeAttnPlan":
-        """`update` of a device-scheduled plan: the shapes checked, the values (validate) as `plan` checks them,
-        then the four tensors copied into the plan's buffers."""
-        _check_meta_tensors(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, self.device, host_ok=True)
-        if qo_indptr.shape[0] != self.batch + 1 or kv_indptr.shape[0] != self.batch + 1 \
-                or tree_mask.shape[0] != self.total_nodes:
-            raise ValueError(f"{fn}: the step has {qo_indptr.shape[0] - 1} requests and {tree_mask.shape[0]} nodes "
-                             f"but the plan was built for {self.batch} and {self.total_nodes}; build a new plan with "
-                             "tree_attn.plan")
-        used = kv_indices.shape[0]
-        if used > self.kv_indices.shape[0]:
-            raise ValueError(f"{fn}: {used} kv_indices exceed the plan's buffer of {self.kv_indices.shape[0]}; "
-                             "build the plan with a larger kv_capacity")
-        if validate:
-            qo, kv, mask = _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, self.device, host_ok=True)
-            _validate(fn, qo, kv, kv_indices, mask, self.cache_slots, self.nodes_in_cache)
-        self.qo_indptr.copy_(qo_indptr)
-        self.kv_indptr.copy_(kv_indptr)
-        self.kv_indices[:used].copy_(kv_indices)
-        self.tree_mask.copy_(tree_mask)
         return self
 
 
@@ -412,6 +403,11 @@ def _host_inputs(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device=None, h
     kv_indices stays where it is (it can be long); `_validate` checks it there. `host_ok`: CPU tensors are
     accepted too (they are read without a device sync)."""
     _check_meta_tensors(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, device, host_ok)
+    return _host_values(qo_indptr, kv_indptr, tree_mask)
+
+
+def _host_values(qo_indptr, kv_indptr, tree_mask):
+    """(qo, kv) as lists and the masks as an int64 CPU tensor (a sync for device tensors)."""
     return qo_indptr.tolist(), kv_indptr.tolist(), tree_mask.cpu()
 
 
@@ -550,15 +546,10 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
                              f"{dispatch.variant!r}; pass schedule='host', or a variant of the Triton kernels")
         B, T = len(qo) - 1, mask.shape[0]
         cap = _device_capacity(device, num_kv_heads, cfg, T, B, group)
-        po, plse, items, table = _device_scratch(cap, B, num_kv_heads, cfg.block_m, head_dim, device)
-        qo_buf = qo_indptr.clone()
-        return TreeAttnPlan(
-            qo_indptr=qo_buf, kv_indptr=kv_indptr.clone(), kv_indices=kv_buf, tree_mask=tree_mask.clone(),
-            node_req=qo_buf, items=items, req_table=table[:3 * B].view(B, 3), po=po, plse=plse, batch=B,
-            total_nodes=T, num_qo_heads=num_qo_heads, num_kv_heads=num_kv_heads, head_dim=head_dim,
-            cache_slots=int(cache_slots), nodes_in_cache=nodes_in_cache, dtype=dtype, dispatch=dispatch,
-            capacity=cap, num_items=-1, split_len=-1, tree_block=_tree_block(max(1, min(T, MAX_NODES))),
-            status=_status(device))
+        return _device_scheduled((qo_indptr.clone(), kv_indptr.clone(), kv_buf, tree_mask.clone()),
+                                 _device_scratch(cap, B, num_kv_heads, cfg.block_m, head_dim, device), cap,
+                                 num_qo_heads, num_kv_heads, head_dim, int(cache_slots), nodes_in_cache, dtype,
+                                 dispatch)
     items, table, node_req, split_len, used = _schedule(fn, qo, kv, nodes_in_cache, group, cfg,
                                                         _target_items(device, num_kv_heads, cfg), capacity)
     size = items.shape[0]
@@ -799,16 +790,25 @@ def _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, sl
         have = _device_scratch(max(cap, have[0].shape[0] if have else 0), max(B, have[3].shape[0] // 3 if have else 0),
                                Hkv, cfg.block_m, D, q.device)
         _DEVICE_SCRATCH[key] = have
-    status = _status(q.device)
-    po, plse, items, table = have
-    p = TreeAttnPlan(
-        qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, tree_mask=tree_mask, node_req=qo_indptr,
-        items=items, req_table=table[:3 * B].view(B, 3), po=po[:cap], plse=plse[:cap], batch=B, total_nodes=T,
-        num_qo_heads=H, num_kv_heads=Hkv, head_dim=D, cache_slots=slots, nodes_in_cache=nodes_in_cache,
-        dtype=q.dtype, dispatch=dispatch, capacity=cap, num_items=-1, split_len=-1,
-        tree_block=_tree_block(max(1, min(T, MAX_NODES))), status=status)
+    p = _device_scheduled(meta, have, cap, H, Hkv, D, slots, nodes_in_cache, q.dtype, dispatch)
     _DEVICE_LAST[(q.device, stream)] = (shape, meta, p)
     return p
+
+
+def _device_scheduled(meta, scratch, cap: int, H: int, Hkv: int, D: int, slots: int, nodes_in_cache: bool,
+                      dtype, dispatch) -> "TreeAttnPlan":
+    """The plan `run` launches with the schedule built on the device: metadata `meta` (qo_indptr, kv_indptr,
+    kv_indices, tree_mask), read by the kernels at each run, and the first `cap` items of `scratch`
+    (`_device_scratch`). Its tree block fits any tree of its node count."""
+    qo_indptr, kv_indptr, kv_indices, tree_mask = meta
+    po, plse, items, table = scratch
+    B, T = qo_indptr.shape[0] - 1, tree_mask.shape[0]
+    return TreeAttnPlan(
+        qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, tree_mask=tree_mask, node_req=qo_indptr,
+        items=items, req_table=table[:3 * B].view(B, 3), po=po[:cap], plse=plse[:cap], batch=B, total_nodes=T,
+        num_qo_heads=H, num_kv_heads=Hkv, head_dim=D, cache_slots=slots, nodes_in_cache=nodes_in_cache, dtype=dtype,
+        dispatch=dispatch, capacity=cap, num_items=-1, split_len=-1, tree_block=_tree_block(max(1, min(T, MAX_NODES))),
+        status=_status(qo_indptr.device))
 
 
 def _device_capacity(device, Hkv: int, cfg: SplitConfig, T: int, B: int, G: int) -> int:
