@@ -414,26 +414,44 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
       const uint32_t dst = ring + s * STAGE_BYTES + (v ? KV_BYTES : 0);
       const elem_t* cache = v ? v_cache : k_cache;
       const long long s_p = v ? s_vp : s_kp, s_o = v ? s_vo : s_ko, head = hk * (v ? s_vh : s_kh);
-      for (int j = r0; j < TA_BN; j += RP) {
-        const elem_t* row = cache;
-        bool ok;
-        if (b < nbp) {
-          const int at = lo + b * TA_BN + j;
-          ok = at < hi;
-          if (ok) row = cache_row(cache, kv_indices[at], page, s_p, s_o, head);
-        } else {
-          const int node = (b - nbp) * TA_BN + j;
-          ok = node < n;
-          if (ok) {
+      // the rows' slots first, SLOTS loads in flight at once, then their copies: the copies' asm orders memory,
+      // so a slot loaded between two copies would wait a full load latency each
+      constexpr int PER = TA_BN / RP, SLOTS = PER < 4 ? PER : 4;
+#pragma unroll 1
+      for (int i0 = 0; i0 < PER; i0 += SLOTS) {
+        int slot[SLOTS];
+#pragma unroll
+        for (int i = 0; i < SLOTS; ++i) {
+          const int j = r0 + (i0 + i) * RP;
+          slot[i] = -1;
+          if (b < nbp) {
+            const int at = lo + b * TA_BN + j;
+            if (at < hi) slot[i] = kv_indices[at];
+          } else {
+            const int node = (b - nbp) * TA_BN + j;
 #if TA_NEW
-            row = v ? v_new + (long long)(q0 + node) * s_vnt + hk * s_vnh
-                    : k_new + (long long)(q0 + node) * s_knt + hk * s_knh;
+            if (node < n) slot[i] = node;
 #else
-            row = cache_row(cache, kv_indices[prefix_end + node], page, s_p, s_o, head);
+            if (node < n) slot[i] = kv_indices[prefix_end + node];
 #endif
           }
         }
-        cp16(dst + tile_off(j, cc, TA_BN), row + cc * 8, ok ? 16u : 0u);
+#pragma unroll
+        for (int i = 0; i < SLOTS; ++i) {
+          const int j = r0 + (i0 + i) * RP;
+          const bool ok = slot[i] >= 0;
+          const elem_t* row = cache;
+#if TA_NEW
+          if (ok && b >= nbp)
+            row = v ? v_new + (long long)(q0 + slot[i]) * s_vnt + hk * s_vnh
+                    : k_new + (long long)(q0 + slot[i]) * s_knt + hk * s_knh;
+          else if (ok)
+            row = cache_row(cache, slot[i], page, s_p, s_o, head);
+#else
+          if (ok) row = cache_row(cache, slot[i], page, s_p, s_o, head);
+#endif
+          cp16(dst + tile_off(j, cc, TA_BN), row + cc * 8, ok ? 16u : 0u);
+        }
       }
       cp_arrive(bars + (v ? FULL_V : FULL_K) + 8 * s);
     };
