@@ -195,7 +195,8 @@ def _key_loop(cubin: bytes) -> dict:
             body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
             if any("MMA" in t for t in body) and (best is None or len(body) < len(best)):
                 best = body
-    return {"instructions": len(best), "ldl": sum("LDL" in t for t in best), "stl": sum("STL" in t for t in best)}
+    return {"instructions": len(best), "ldl": sum("LDL" in t for t in best), "stl": sum("STL" in t for t in best),
+            "sext": sum("SHF.R.S32.HI" in t for t in best)}
 
 
 def _tree_attn_key_loops() -> dict:
@@ -412,10 +413,13 @@ def test_tree_attn_device_schedule_builds(cap):
 
 @pytest.mark.slow
 def test_tree_attn_device_schedule_keeps_the_key_loop():
-    """With the device schedule (up to 16 requests: 16 lanes) the split kernel's key loop is the plan path's: no
-    local-memory traffic and the same instruction count within 1% (the work item reaches the loop through global
-    memory and the slot check is a separate function; computed in registers or inlined, the loop spilled or grew)."""
+    """The split kernel's key loop at hybrid-27b's shape widens slots without a sign extension (slots are checked:
+    in [0, slots)); with the device schedule (up to 16 requests: 16 lanes) it is the plan path's and the slot
+    check, two instructions a slot it holds (within 5%), with no local-memory traffic (the work item reaches the
+    loop through global memory; computed in registers, the loop spilled and grew 13%)."""
     f = _results()["tree_attn-key-loops"]
     assert f["plan"]["ldl"] == f["plan"]["stl"] == 0, f
     assert f["device"]["ldl"] == f["device"]["stl"] == 0, f
-    assert abs(f["device"]["instructions"] - f["plan"]["instructions"]) <= 0.01 * f["plan"]["instructions"], f
+    assert f["plan"]["sext"] == 0 and f["device"]["sext"] < 8, f  # a sign-extended slot takes one per slot (32)
+    assert f["plan"]["instructions"] <= f["device"]["instructions"] <= 1.05 * f["plan"]["instructions"], f
+

@@ -141,9 +141,9 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
     else:
         B = qo_indptr.shape[0] - 1
         slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-        grid = po.shape[0]
-        dev = (kv_indptr, req_table, status, B, T, kv_indices.shape[0], slots, _target_items(q.device, Hkv, cfg),
-               cfg.item_cost, grid)
+        target = _target_items(q.device, Hkv, cfg)
+        grid = min(po.shape[0], target)  # one wave of items; a longer schedule loops (kernels/split.py)
+        dev = (kv_indptr, req_table, status, B, T, kv_indices.shape[0], slots, target, cfg.item_cost, po.shape[0])
         extra = dict(DEVICE=True, BB=_lanes(B), WAVES=DEVICE_WAVES)
     handle = tree_attn_split_kernel[(grid, Hkv)](
         q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices, tree_mask, items, po, plse,
@@ -544,6 +544,9 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
         if dispatch.kernel != "split":
             raise ValueError(f"{fn}: schedule='device' is the Triton kernels' and this plan runs "
                              f"{dispatch.variant!r}; pass schedule='host', or a variant of the Triton kernels")
+        if cache_slots == 0:  # the device checks read slot 0 in place of a slot outside the cache
+            raise ValueError(f"{fn}: schedule='device' needs a cache of at least one token slot, got cache_slots=0; "
+                             "pass schedule='host'")
         B, T = len(qo) - 1, mask.shape[0]
         cap = _device_capacity(device, num_kv_heads, cfg, T, B, group)
         return _device_scheduled((qo_indptr.clone(), kv_indptr.clone(), kv_buf, tree_mask.clone()),
@@ -777,7 +780,7 @@ def _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, sl
     B, (T, H, D), Hkv = qo_indptr.shape[0] - 1, q.shape, k_cache.shape[-2]
     if B < 0:
         raise ValueError(f"{fn}: qo_indptr is empty; it needs B+1 entries, starting with 0")
-    if B > DEVICE_MAX_BATCH or H % Hkv:
+    if B > DEVICE_MAX_BATCH or H % Hkv or slots == 0:  # slots: the device checks read slot 0 for a bad one
         return None
     dispatch = _plan(variant, q.device, D, H // Hkv, min(T, MAX_NODES) * (H // Hkv), q.dtype)
     if dispatch.kernel != "split":

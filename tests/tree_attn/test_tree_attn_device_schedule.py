@@ -30,13 +30,15 @@ def _schedule_probe(qo_indptr, kv_indptr, B, target, item_cost, out, table, coun
     """Every item of the device schedule, as the split kernel's programs compute them, one after another."""
     qo0, n, kv0, L, inb = _meta(qo_indptr, kv_indptr, B, NEW, BB)
     split_len = _split_len(n, L, inb, target, item_cost, G, BM, BN, WAVES)
-    _, _, per_request = _request_items(n, L, inb, split_len, G, BM)
+    tiles_r, splits, per_request = _request_items(n, L, inb, split_len, G, BM)
     count = tl.sum(per_request, 0)
     tl.store(count_out, count)
     tl.store(count_out + 1, split_len)
     for i in range(0, tl.minimum(count, CAP)):
-        req, tile, lo, hi, first, parts, tiles = _device_item(i, qo_indptr, kv_indptr, B, split_len, G, BM, NEW, BB)
-        tl.store(out + i * 4, req)
+        req, tile, lo, hi, first, parts, tiles, q0, nodes = _device_item(i, qo0, n, kv0, L, inb, tiles_r, splits,
+                                                                         per_request, split_len, BB)
+        same = (q0 == tl.load(qo_indptr + req)) & (nodes == tl.load(qo_indptr + req + 1) - q0)
+        tl.store(out + i * 4, tl.where(same, req, -1))  # the item carries its request's nodes
         tl.store(out + i * 4 + 1, tile)
         tl.store(out + i * 4 + 2, lo)
         tl.store(out + i * 4 + 3, hi)
@@ -139,16 +141,21 @@ def test_one_call_equals_plan_and_run_bitwise(step, layout, nodes_in_cache, make
     assert_bitwise_equal(got, want)
     assert_bitwise_equal(lse, want_lse)
     tree_attn.check_metadata(b.q.device)  # nothing recorded
+    if step == "many":  # more items than the grid's one wave: programs take several items each
+        assert p.num_items > ops._target_items(b.q.device, 1, p.dispatch.config)
 
 
-def test_bad_slot_poisons_only_its_rows(make_batch):
-    """A slot outside the cache in request 1's prefix: request 1's rows are NaN, the other requests' rows are the
-    bits of the same call with a valid slot there."""
-    b = make_batch([("rand5", 30), ("chain3", 20), ("single", 9)], H=4, Hkv=2, D=64, seed=11)
+@pytest.mark.parametrize("where", ["prefix-above", "prefix-negative", "node-slot"])
+def test_bad_slot_poisons_only_its_rows(where, make_batch):
+    """A slot outside the cache in request 1's prefix (past the cache's end, or negative) or among its nodes' own
+    slots: request 1's rows are NaN, the other requests' rows are the bits of the same call with a valid slot
+    there, and check_metadata names the position."""
+    b = make_batch([("rand5", 30), ("chain3", 20), ("single", 9)], H=4, Hkv=2, D=64, seed=11,
+                   nodes_in_cache=where == "node-slot")
     good, _ = _attend(b)
     idx = b.kv_indices.clone()
-    at = int(b.kv_indptr[1]) + 7
-    b.kv_indices[at] = b.cache_slots + 5
+    at = int(b.kv_indptr[2]) - 1 if where == "node-slot" else int(b.kv_indptr[1]) + 7
+    b.kv_indices[at] = -3 if where == "prefix-negative" else b.cache_slots + 5
     bad, _ = _attend(b)
     b.kv_indices.copy_(idx)
     with pytest.raises(ValueError, match=rf"kv_indices\[{at}\]"):
@@ -283,3 +290,16 @@ def test_device_plan_refusals(kw, pattern, make_batch, raises):
     a = make_batch(STEP_A, H=4, Hkv=2, D=64, seed=44)
     with raises(pattern):
         tree_attn.plan(a.qo_indptr, a.kv_indptr, a.kv_indices, a.tree_mask, **a.plan_kw(**kw))
+
+
+def test_an_empty_cache_takes_the_host_schedule(make_batch, raises):
+    """The device checks read slot 0 in place of a slot outside the cache, so a cache without slots is the host
+    schedule's: plan(schedule="device") refuses it and the one call plans on the host (the same bits)."""
+    a = make_batch([("draft9", 0), ("chain4", 0)], H=4, Hkv=2, D=64, seed=45, cache_slots=0)
+    assert a.kv_indices.numel() == 0 and a.k_cache.shape[0] == 0
+    with raises(r"cache_slots=0"):
+        tree_attn.plan(a.qo_indptr, a.kv_indptr, a.kv_indices, a.tree_mask, **a.plan_kw(schedule="device"))
+    got, _ = _attend(a)
+    p = tree_attn.plan(a.qo_indptr, a.kv_indptr, a.kv_indices, a.tree_mask, **a.plan_kw())
+    want, _ = _run(p, a)
+    assert_bitwise_equal(got, want)

@@ -14,16 +14,17 @@ log-sum-exp into the output (and the natural-log LSE).
 
 With a plan (DEVICE false) both kernels trust it: slot indices were range-checked by tree_attn.plan, items
 hold ranges inside the request's kv_indices, and every node sees itself (the tree block's row maximum is
-finite). With DEVICE true (the one-call `tree_attention`) there is no plan: split program i derives work item
-i of the schedule from qo_indptr / kv_indptr itself (the one `tree_attn.ops._schedule` builds on the host, with
-at most WAVES waves of items; the grid is a bound from the shapes and programs past the schedule's end return),
-and writes its request's row of `req_table` for the merge. The item reaches the key loop through global memory
-(stored, then loaded back after a CTA barrier): loaded, the compiler keeps it in uniform registers as it does a
-plan's item; computed in registers, the key loop's addressing took 13% more instructions and spilled
-(tests/test_sm90_codegen.py). Both kernels check the metadata on the device and record the first problem in
-`status` (code, detail), which `tree_attn.check_metadata` raises: bad indptr arrays run no item and every row
-is NaN; an item whose slots leave the cache reads no key and its rows are NaN; a node whose mask word breaks
-the rules is NaN. Nothing is read out of bounds.
+finite). With DEVICE true (the one-call `tree_attention`) there is no plan: split program i derives work items
+i, i + grid, ... of the schedule from qo_indptr / kv_indptr itself (the one `tree_attn.ops._schedule` builds on
+the host, with at most WAVES waves of items; the grid is one wave of items, so that no program waits behind
+programs with nothing to do), and writes its request's row of `req_table` for the merge. The item reaches the
+key loop through global memory (stored, then loaded back after a CTA barrier): loaded, the compiler keeps it in
+uniform registers as it does a plan's item; computed in registers, the key loop's addressing took 13% more
+instructions and spilled (tests/test_sm90_codegen.py). Both kernels check the metadata on the device and record
+the first problem in `status` (code, detail), which `tree_attn.check_metadata` raises: bad indptr arrays run no
+item and every row is NaN; an item checks its slots as its key steps load them, reads slot 0 in place of one
+outside the cache, and writes NaN rows; a node whose mask word breaks the rules is NaN. Nothing is read out of
+bounds.
 """
 
 import triton
@@ -32,17 +33,22 @@ import triton.language as tl
 
 @triton.jit
 def _slot_offsets(slot, PAGE: tl.constexpr, stride_page, stride_off, head_off):
-    slot = slot.to(tl.int64)
+    """Element offsets of token slots `slot` (in [0, slots): checked by the plan or the device checks), widened
+    without their sign: a sign extension took a shift and a wider multiply per slot in the key loop."""
+    slot = slot.to(tl.uint32, bitcast=True).to(tl.int64)
     if PAGE == 1:
         return slot * stride_page + head_off
     return (slot // PAGE) * stride_page + (slot % PAGE) * stride_off + head_off
 
 
 @triton.jit
-def _prefix_step(q, m_i, l_i, acc, start, hi, k_ptr, v_ptr, kv_indices, sm_scale_log2, stride_kp, stride_ko, k_head,
-                 stride_vp, stride_vo, v_head, PAGE: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
-                 MASKED: tl.constexpr):
-    """One online-softmax step over the prefix keys kv_indices[start:start+BN] (those below `hi` when MASKED)."""
+def _prefix_step(q, m_i, l_i, acc, top, start, hi, slots, k_ptr, v_ptr, kv_indices, sm_scale_log2, stride_kp, stride_ko,
+                 k_head, stride_vp, stride_vo, v_head, PAGE: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
+                 MASKED: tl.constexpr, CHECK: tl.constexpr):
+    """One online-softmax step over the prefix keys kv_indices[start:start+BN] (those below `hi` when MASKED).
+    CHECK: `top` keeps the largest slot read so far as unsigned (per lane; a negative slot is above any cache),
+    and a slot outside [0, slots) is read as slot slots - 1, so that nothing is read out of bounds and the item
+    can tell after its last step whether to write NaN: two instructions a slot."""
     offs_n = start + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     if MASKED:
@@ -50,6 +56,10 @@ def _prefix_step(q, m_i, l_i, acc, start, hi, k_ptr, v_ptr, kv_indices, sm_scale
         slot = tl.load(kv_indices + offs_n, mask=ok_n, other=0)
     else:
         slot = tl.load(kv_indices + offs_n)
+    if CHECK:
+        slot = slot.to(tl.uint32, bitcast=True)
+        top = tl.maximum(top, slot)
+        slot = tl.minimum(slot, (slots - 1).to(tl.uint32))
     k_rows = _slot_offsets(slot, PAGE, stride_kp, stride_ko, k_head)
     v_rows = _slot_offsets(slot, PAGE, stride_vp, stride_vo, v_head)
     if MASKED:
@@ -68,7 +78,7 @@ def _prefix_step(q, m_i, l_i, acc, start, hi, k_ptr, v_ptr, kv_indices, sm_scale
     else:
         v = tl.load(v_ptr + v_rows[:, None] + offs_d[None, :])
     acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v)
-    return m_new, l_i, acc
+    return m_new, l_i, acc, top
 
 
 # --------------------------------------------------------------------------------------------
@@ -158,13 +168,11 @@ def _request_items(n, L, inb, split_len, G: tl.constexpr, BM: tl.constexpr):
 
 
 @triton.jit
-def _device_item(i, qo_indptr, kv_indptr, B, split_len, G: tl.constexpr, BM: tl.constexpr, NEW: tl.constexpr,
-                 BB: tl.constexpr):
+def _device_item(i, qo0, n, kv0, L, inb, tiles, splits, items, split_len, BB: tl.constexpr):
     """Work item i of the device schedule as tree_attn.ops._schedule lays it out (request-major, then split,
-    then row block; a request's tree items after its splits): (request, row block, lo, hi, the request's first
-    item, its splits + 1, its row blocks)."""
-    qo0, n, kv0, L, inb = _meta(qo_indptr, kv_indptr, B, NEW, BB)
-    tiles, splits, items = _request_items(n, L, inb, split_len, G, BM)
+    then row block; a request's tree items after its splits), from the requests' lanes (`_meta`,
+    `_request_items`): (request, row block, lo, hi, the request's first item, its splits + 1, its row blocks,
+    its first node, its nodes)."""
     ends = tl.cumsum(items, 0)
     lane = tl.arange(0, BB)
     req = tl.sum(tl.where(inb & (ends <= i), 1, 0), 0)  # requests wholly before item i
@@ -178,13 +186,13 @@ def _device_item(i, qo_indptr, kv_indptr, B, split_len, G: tl.constexpr, BM: tl.
     c = local // t_r
     lo = tl.where(c < s_r, kv_r + c * split_len, -1)
     hi = tl.where(c < s_r, tl.minimum(kv_r + (c + 1) * split_len, end), end)
-    return req, local % t_r, lo, hi, first, s_r + 1, t_r
+    return req, local % t_r, lo, hi, first, s_r + 1, t_r, tl.sum(tl.where(at, qo0, 0), 0), tl.sum(tl.where(at, n, 0), 0)
 
 
 @triton.jit(noinline=True)
 def _first_bad_slot(kv_indices, lo, hi, slots, CHUNK: tl.constexpr):
-    """The first position in [lo, hi) of kv_indices whose slot is outside [0, slots), or hi if none. Not inlined:
-    inlined before the key loop, it made ptxas keep loop invariants in local memory (tests/test_sm90_codegen.py)."""
+    """The first position in [lo, hi) of kv_indices whose slot is outside [0, slots), or hi if none: the record
+    of an item whose key steps saw one (not inlined: it runs only then)."""
     first = hi
     for start in range(lo, hi, CHUNK):
         at = start + tl.arange(0, CHUNK)
@@ -199,20 +207,15 @@ def _first_bad_slot(kv_indices, lo, hi, slots, CHUNK: tl.constexpr):
 
 
 @triton.jit
-def _split_item(item, hk, req, tile, lo, hi, keys_ok, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, qo_indptr, kv_indices,
-                tree_mask, po_ptr, plse_ptr, sm_scale_log2, stride_qt, stride_qh, stride_kp, stride_ko, stride_kh,
-                stride_vp, stride_vo, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, slots,
-                HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr,
-                TN: tl.constexpr, PAGE: tl.constexpr, NEW: tl.constexpr, CHECK: tl.constexpr):
-    """Work item `item` = (req, row block `tile`, [lo, hi)) of KV head hk: its partial output and LSE.
-    CHECK: keys_ok false (a slot outside the cache; a prefix item then has hi = lo) reads no key and writes a
-    NaN LSE (its running maximum starts at NaN)."""
-    q0 = tl.load(qo_indptr + req)
-    n = tl.load(qo_indptr + req + 1) - q0
-    n_keys = n  # the tree block's keys
-    if CHECK:
-        n_keys = tl.where(keys_ok, n, 0)
-
+def _split_item(item, hk, req, tile, lo, hi, q0, n, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, kv_indices, tree_mask, po_ptr,
+                plse_ptr, status, sm_scale_log2, stride_qt, stride_qh, stride_kp, stride_ko, stride_kh, stride_vp,
+                stride_vo, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, slots, HKV: tl.constexpr,
+                G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TN: tl.constexpr,
+                PAGE: tl.constexpr, NEW: tl.constexpr, CHECK: tl.constexpr):
+    """Work item `item` = (req, row block `tile`, [lo, hi)) of KV head hk, whose request's nodes are rows
+    q0 .. q0 + n of q: its partial output and LSE. CHECK: the item's slots are checked as its steps read them
+    (`_prefix_step`); with one outside the cache the item writes a NaN LSE, and row block 0 of KV head 0
+    records the first such position in `status`."""
     offs_m = tile * BM + tl.arange(0, BM)
     node = offs_m // G
     row_ok = node < n
@@ -220,31 +223,37 @@ def _split_item(item, hk, req, tile, lo, hi, keys_ok, q_ptr, k_ptr, v_ptr, kn_pt
     q_rows = (q0 + node).to(tl.int64) * stride_qt + (hk * G + offs_m % G) * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
+    top = tl.zeros([BN], tl.uint32)  # CHECK: the largest slot the item read, unsigned (`_prefix_step`)
     if lo >= 0:
         m_i = tl.full([BM], float("-inf"), tl.float32)
-        if CHECK:
-            m_i = tl.where(keys_ok, m_i, float("nan"))
         l_i = tl.zeros([BM], tl.float32)
         acc = tl.zeros([BM, D], tl.float32)
         full = lo + (hi - lo) // BN * BN
         for start in range(lo, full, BN):  # whole key blocks: no masks
-            m_i, l_i, acc = _prefix_step(q, m_i, l_i, acc, start, hi, k_ptr, v_ptr, kv_indices, sm_scale_log2,
-                                         stride_kp, stride_ko, hk * stride_kh, stride_vp, stride_vo, hk * stride_vh,
-                                         PAGE, D, BN, False)
+            m_i, l_i, acc, top = _prefix_step(q, m_i, l_i, acc, top, start, hi, slots, k_ptr, v_ptr, kv_indices,
+                                              sm_scale_log2, stride_kp, stride_ko, hk * stride_kh, stride_vp,
+                                              stride_vo, hk * stride_vh, PAGE, D, BN, False, CHECK)
         if full < hi:  # the ragged last block
-            m_i, l_i, acc = _prefix_step(q, m_i, l_i, acc, full, hi, k_ptr, v_ptr, kv_indices, sm_scale_log2,
-                                         stride_kp, stride_ko, hk * stride_kh, stride_vp, stride_vo, hk * stride_vh,
-                                         PAGE, D, BN, True)
+            m_i, l_i, acc, top = _prefix_step(q, m_i, l_i, acc, top, full, hi, slots, k_ptr, v_ptr, kv_indices,
+                                              sm_scale_log2, stride_kp, stride_ko, hk * stride_kh, stride_vp,
+                                              stride_vo, hk * stride_vh, PAGE, D, BN, True, CHECK)
+        first, end = lo, hi  # the item's positions in kv_indices
     else:
         offs_j = tl.arange(0, TN)
-        ok_j = offs_j < n_keys
+        ok_j = offs_j < n
+        first, end = hi, hi
         if NEW:
             k_rows = (q0 + offs_j).to(tl.int64) * stride_knt + hk * stride_knh
             k = tl.load(kn_ptr + k_rows[:, None] + offs_d[None, :], mask=ok_j[:, None], other=0.0)
             v_rows = (q0 + offs_j).to(tl.int64) * stride_vnt + hk * stride_vnh
             v = tl.load(vn_ptr + v_rows[:, None] + offs_d[None, :], mask=ok_j[:, None], other=0.0)
         else:  # the nodes' own slots: the `hi` entries of kv_indices onward, in local node order
+            end = hi + n
             slot = tl.load(kv_indices + hi + offs_j, mask=ok_j, other=0)
+            if CHECK:
+                slot = slot.to(tl.uint32, bitcast=True)
+                top = tl.max(slot, 0) + tl.zeros([BN], tl.uint32)
+                slot = tl.minimum(slot, (slots - 1).to(tl.uint32))
             k_rows = _slot_offsets(slot, PAGE, stride_kp, stride_ko, hk * stride_kh)
             k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=ok_j[:, None], other=0.0)
             v_rows = _slot_offsets(slot, PAGE, stride_vp, stride_vo, hk * stride_vh)
@@ -255,16 +264,20 @@ def _split_item(item, hk, req, tile, lo, hi, keys_ok, q_ptr, k_ptr, v_ptr, kn_pt
         s = tl.where(seen & ok_j[None, :], s, float("-inf"))
         m_i = tl.max(s, 1)
         m_i = tl.where(row_ok, m_i, 0.0)  # padding rows see nothing: keep them finite
-        if CHECK:
-            m_i = tl.where(keys_ok, m_i, float("nan"))
         p = tl.exp2(s - m_i[:, None])
         l_i = tl.sum(p, 1)
         acc = tl.dot(p.to(v.dtype), v)
 
     l_safe = tl.where(l_i > 0, l_i, 1.0)
+    lse = m_i + tl.log2(l_safe)
+    if CHECK:
+        keys_bad = tl.max(top, 0) >= slots.to(tl.uint32)
+        lse = tl.where(keys_bad, float("nan"), lse)
+        if keys_bad & (hk == 0) & (tile == 0):
+            _record(status, BAD_SLOT, _first_bad_slot(kv_indices, first, end, slots, 1024))
     base = (item * HKV + hk) * BM + tl.arange(0, BM)
     tl.store(po_ptr + base.to(tl.int64)[:, None] * D + offs_d[None, :], acc / l_safe[:, None])
-    tl.store(plse_ptr + base, m_i + tl.log2(l_safe))
+    tl.store(plse_ptr + base, lse)
 
 
 @triton.jit(do_not_specialize=["B", "T", "NKV", "slots", "target", "item_cost", "cap"])
@@ -282,54 +295,43 @@ def tree_attn_split_kernel(
     WAVES: tl.constexpr = 4,
 ):
     """One program per (work item, KV head). DEVICE false: the items come from the plan's `items` [grid, 4]; the
-    arguments after stride_vnh are unused. DEVICE true: program i computes item i (module docstring); `items`
-    is scratch of [grid * HKV, 8] int32 and `cap` the grid."""
+    arguments after stride_vnh are unused. DEVICE true: program i computes items i, i + grid, ... of the
+    schedule (module docstring); `items` is scratch of [cap * HKV, 8] int32 and `cap` the bound on items."""
     pid = tl.program_id(0)
     hk = tl.program_id(1)
     if DEVICE:
         qo0, n, kv0, L, inb = _meta(qo_indptr, kv_indptr, B, NEW, BB)
         code, detail = _meta_problem(qo_indptr, kv_indptr, n, L, inb, B, T, NKV, NEW, BB, 64)
         split_len = _split_len(n, L, inb, target, item_cost, G, BM, BN, WAVES)
-        _, _, per_request = _request_items(n, L, inb, split_len, G, BM)
+        tiles, splits, per_request = _request_items(n, L, inb, split_len, G, BM)
         count = tl.sum(per_request, 0)
         code = tl.where((code == 0) & (count > cap), OVER_CAPACITY, code)
         detail = tl.where(code == OVER_CAPACITY, count, detail)
         if (code != 0) & (pid == 0) & (hk == 0):
             _record(status, code, detail)
         count = tl.where(code != 0, 0, count)  # a call with bad indptr arrays runs no item: the merge writes NaN
-        i = pid
-        if i < count:
-            req, tile, lo, hi, first, parts, tiles = _device_item(i, qo_indptr, kv_indptr, B, split_len, G, BM, NEW,
-                                                                  BB)
+        for i in range(pid, count, tl.num_programs(0)):
+            req, tile, lo, hi, first, parts, t_r, q0, n_r = _device_item(i, qo0, n, kv0, L, inb, tiles, splits,
+                                                                         per_request, split_len, BB)
             if (i == first) & (hk == 0):
                 tl.store(req_table + req * 3, first)
                 tl.store(req_table + req * 3 + 1, parts)
-                tl.store(req_table + req * 3 + 2, tiles)
-            # the item's slots, checked before any is read: with one outside the cache the item reads no key
-            check_hi = hi if NEW else tl.where(lo >= 0, hi, hi + tl.load(qo_indptr + req + 1) - tl.load(
-                qo_indptr + req))
-            bad = _first_bad_slot(kv_indices, tl.where(lo >= 0, lo, hi), check_hi, slots, 1024)
-            keys_ok = bad == check_hi
-            if (bad != check_hi) & (hk == 0) & (tile == 0):
-                _record(status, BAD_SLOT, bad)
-            hi = tl.where(keys_ok | (lo < 0), hi, lo)
+                tl.store(req_table + req * 3 + 2, t_r)
             # through memory, so that the compiler keeps the item uniform, as a plan's (module docstring)
             row = items + (i * HKV + hk) * 8
             tl.store(row, req)
             tl.store(row + 1, tile)
             tl.store(row + 2, lo)
             tl.store(row + 3, hi)
-            tl.store(row + 4, keys_ok.to(tl.int32))
+            tl.store(row + 4, q0)
+            tl.store(row + 5, n_r)
             tl.debug_barrier()  # a scalar store is one thread's: the CTA's loads below must see it
-            req = tl.load(row, volatile=True)
-            tile = tl.load(row + 1, volatile=True)
-            lo = tl.load(row + 2, volatile=True)
-            hi = tl.load(row + 3, volatile=True)
-            keys_ok = tl.load(row + 4, volatile=True) != 0
-            _split_item(i, hk, req, tile, lo, hi, keys_ok, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, qo_indptr, kv_indices,
-                        tree_mask, po_ptr, plse_ptr, sm_scale_log2, stride_qt, stride_qh, stride_kp, stride_ko,
-                        stride_kh, stride_vp, stride_vo, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh,
-                        slots, HKV, G, D, BM, BN, TN, PAGE, NEW, True)
+            _split_item(i, hk, tl.load(row, volatile=True), tl.load(row + 1, volatile=True),
+                        tl.load(row + 2, volatile=True), tl.load(row + 3, volatile=True),
+                        tl.load(row + 4, volatile=True), tl.load(row + 5, volatile=True), q_ptr, k_ptr, v_ptr,
+                        kn_ptr, vn_ptr, kv_indices, tree_mask, po_ptr, plse_ptr, status, sm_scale_log2, stride_qt,
+                        stride_qh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_knt,
+                        stride_knh, stride_vnt, stride_vnh, slots, HKV, G, D, BM, BN, TN, PAGE, NEW, True)
     else:
         req = tl.load(items + pid * 4)
         if req < 0:  # an unused slot of a fixed-capacity schedule
@@ -337,8 +339,10 @@ def tree_attn_split_kernel(
         tile = tl.load(items + pid * 4 + 1)
         lo = tl.load(items + pid * 4 + 2)
         hi = tl.load(items + pid * 4 + 3)
-        _split_item(pid, hk, req, tile, lo, hi, True, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, qo_indptr, kv_indices,
-                    tree_mask, po_ptr, plse_ptr, sm_scale_log2, stride_qt, stride_qh, stride_kp, stride_ko, stride_kh,
+        q0 = tl.load(qo_indptr + req)
+        n = tl.load(qo_indptr + req + 1) - q0
+        _split_item(pid, hk, req, tile, lo, hi, q0, n, q_ptr, k_ptr, v_ptr, kn_ptr, vn_ptr, kv_indices, tree_mask,
+                    po_ptr, plse_ptr, status, sm_scale_log2, stride_qt, stride_qh, stride_kp, stride_ko, stride_kh,
                     stride_vp, stride_vo, stride_vh, stride_knt, stride_knh, stride_vnt, stride_vnh, slots, HKV, G, D,
                     BM, BN, TN, PAGE, NEW, False)
 
@@ -378,14 +382,16 @@ def tree_attn_merge_kernel(
         req = tl.sum(tl.where(inb & (qo0 + n <= t), 1, 0), 0)
         sel = tl.arange(0, BB) == req
         q0 = tl.sum(tl.where(sel, qo0, 0), 0)
+        # the request's row is read beside the mask check, not after it (req < B where the indptr arrays are good)
+        first = tl.load(req_table + req * 3, mask=req < B, other=0)
+        parts = tl.load(req_table + req * 3 + 1, mask=req < B, other=0)
+        tiles = tl.load(req_table + req * 3 + 2, mask=req < B, other=1)
         good = code == 0
         if good:
             good = ~_mask_problem(tree_mask, t, q0, tl.sum(tl.where(sel, n, 0), 0), 64)
             if (~good) & (h == 0):
                 _record(status, BAD_MASK, t)
-        first = tl.load(req_table + req * 3, mask=good, other=0)
-        parts = tl.load(req_table + req * 3 + 1, mask=good, other=0)  # a bad node merges nothing: NaN
-        tiles = tl.load(req_table + req * 3 + 2, mask=good, other=1)
+        parts = tl.where(good, parts, 0)  # a bad node merges nothing: NaN
     else:
         req = tl.load(node_req + t)
         first = tl.load(req_table + req * 3)  # the request's first work item
