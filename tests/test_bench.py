@@ -171,6 +171,12 @@ def test_tree_attn_cases_cpu_tiny_only():
     next(c for c in cases if c.variant == "sdpa-mask").setup().check()  # the peer's mask, against the reference
     # the default kernel on a plan with its schedule built on the device, checked against the reference
     next(c for c in cases if c.shape == "B3-N4-L5-40" and c.variant == "wgmma-device").setup().check()
+    # the one call and its eager baseline (run on a host plan) come together, neither CUDA-graph timed
+    one = {c.variant: c for c in cases if c.shape == "B1-N5-L40"}
+    for v in ("tree_attention", "tree_attention-kept", "run-eager"):
+        prep = one[v].setup()
+        assert not prep.graph_safe
+        prep.check()
 
 
 def test_lmhead_cases_cpu_tiny_only():

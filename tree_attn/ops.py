@@ -137,15 +137,15 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
         return None
     if status is None:
         dev = (kv_indptr, req_table, items, 0, 0, 0, 0, 0, 0, 0)
-        grid, extra = items.shape[0], {}
+        grid, extra = (items.shape[0], Hkv), {}
     else:
         B = qo_indptr.shape[0] - 1
         slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-        target = _target_items(q.device, Hkv, cfg)
-        grid = min(po.shape[0], target)  # one wave of items; a longer schedule loops (kernels/split.py)
-        dev = (kv_indptr, req_table, status, B, T, kv_indices.shape[0], slots, target, cfg.item_cost, po.shape[0])
+        dev = (kv_indptr, req_table, status, B, T, kv_indices.shape[0], slots, _target_items(q.device, Hkv, cfg),
+               cfg.item_cost, po.shape[0])
+        grid = (po.shape[0] * Hkv,)  # item-major (kernels/split.py)
         extra = dict(DEVICE=True, BB=_lanes(B), WAVES=DEVICE_WAVES)
-    handle = tree_attn_split_kernel[(grid, Hkv)](
+    handle = tree_attn_split_kernel[grid](
         q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices, tree_mask, items, po, plse,
         sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides, *dev,
         HKV=Hkv, G=G, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, PAGE=page, NEW=new, **extra,

@@ -141,7 +141,7 @@ def test_one_call_equals_plan_and_run_bitwise(step, layout, nodes_in_cache, make
     assert_bitwise_equal(got, want)
     assert_bitwise_equal(lse, want_lse)
     tree_attn.check_metadata(b.q.device)  # nothing recorded
-    if step == "many":  # more items than the grid's one wave: programs take several items each
+    if step == "many":  # a schedule longer than one wave of items
         assert p.num_items > ops._target_items(b.q.device, 1, p.dispatch.config)
 
 

@@ -14,17 +14,17 @@ log-sum-exp into the output (and the natural-log LSE).
 
 With a plan (DEVICE false) both kernels trust it: slot indices were range-checked by tree_attn.plan, items
 hold ranges inside the request's kv_indices, and every node sees itself (the tree block's row maximum is
-finite). With DEVICE true (the one-call `tree_attention`) there is no plan: split program i derives work items
-i, i + grid, ... of the schedule from qo_indptr / kv_indptr itself (the one `tree_attn.ops._schedule` builds on
-the host, with at most WAVES waves of items; the grid is one wave of items, so that no program waits behind
-programs with nothing to do), and writes its request's row of `req_table` for the merge. The item reaches the
-key loop through global memory (stored, then loaded back after a CTA barrier): loaded, the compiler keeps it in
-uniform registers as it does a plan's item; computed in registers, the key loop's addressing took 13% more
-instructions and spilled (tests/test_sm90_codegen.py). Both kernels check the metadata on the device and record
-the first problem in `status` (code, detail), which `tree_attn.check_metadata` raises: bad indptr arrays run no
-item and every row is NaN; an item checks its slots as its key steps load them, reads slot 0 in place of one
-outside the cache, and writes NaN rows; a node whose mask word breaks the rules is NaN. Nothing is read out of
-bounds.
+finite). With DEVICE true (the one-call `tree_attention`) there is no plan: split program i derives work item
+i of the schedule from qo_indptr / kv_indptr itself (the one `tree_attn.ops._schedule` builds on the host, with
+at most WAVES waves of items; the grid is a bound from the shapes, item-major so that the programs past the
+schedule's end come after every item, and they return), and writes its request's row of `req_table` for the
+merge. The item reaches the key loop through global memory (stored, then loaded back after a CTA barrier):
+loaded, the compiler keeps it in uniform registers as it does a plan's item; computed in registers, the key
+loop's addressing took 13% more instructions and spilled (tests/test_sm90_codegen.py). Both kernels check the
+metadata on the device and record the first problem in `status` (code, detail), which
+`tree_attn.check_metadata` raises: bad indptr arrays run no item and every row is NaN; an item checks its slots
+as its key steps load them, reads the cache's last slot in place of one outside it, and writes NaN rows; a node
+whose mask word breaks the rules is NaN. Nothing is read out of bounds.
 """
 
 import triton
@@ -46,7 +46,7 @@ def _prefix_step(q, m_i, l_i, acc, top, start, hi, slots, k_ptr, v_ptr, kv_indic
                  k_head, stride_vp, stride_vo, v_head, PAGE: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                  MASKED: tl.constexpr, CHECK: tl.constexpr):
     """One online-softmax step over the prefix keys kv_indices[start:start+BN] (those below `hi` when MASKED).
-    CHECK: `top` keeps the largest slot read so far as unsigned (per lane; a negative slot is above any cache),
+    CHECK: `top` keeps the largest slot read so far as unsigned (a negative slot is above any cache),
     and a slot outside [0, slots) is read as slot slots - 1, so that nothing is read out of bounds and the item
     can tell after its last step whether to write NaN: two instructions a slot."""
     offs_n = start + tl.arange(0, BN)
@@ -58,7 +58,7 @@ def _prefix_step(q, m_i, l_i, acc, top, start, hi, slots, k_ptr, v_ptr, kv_indic
         slot = tl.load(kv_indices + offs_n)
     if CHECK:
         slot = slot.to(tl.uint32, bitcast=True)
-        top = tl.maximum(top, slot)
+        top = tl.maximum(top, tl.max(slot, 0))
         slot = tl.minimum(slot, (slots - 1).to(tl.uint32))
     k_rows = _slot_offsets(slot, PAGE, stride_kp, stride_ko, k_head)
     v_rows = _slot_offsets(slot, PAGE, stride_vp, stride_vo, v_head)
@@ -189,10 +189,10 @@ def _device_item(i, qo0, n, kv0, L, inb, tiles, splits, items, split_len, BB: tl
     return req, local % t_r, lo, hi, first, s_r + 1, t_r, tl.sum(tl.where(at, qo0, 0), 0), tl.sum(tl.where(at, n, 0), 0)
 
 
-@triton.jit(noinline=True)
+@triton.jit
 def _first_bad_slot(kv_indices, lo, hi, slots, CHUNK: tl.constexpr):
-    """The first position in [lo, hi) of kv_indices whose slot is outside [0, slots), or hi if none: the record
-    of an item whose key steps saw one (not inlined: it runs only then)."""
+    """The first position in [lo, hi) of kv_indices whose slot is outside [0, slots), or hi if none: for the
+    record of an item whose key steps saw one."""
     first = hi
     for start in range(lo, hi, CHUNK):
         at = start + tl.arange(0, CHUNK)
@@ -223,7 +223,7 @@ def _split_item(item, hk, req, tile, lo, hi, q0, n, q_ptr, k_ptr, v_ptr, kn_ptr,
     q_rows = (q0 + node).to(tl.int64) * stride_qt + (hk * G + offs_m % G) * stride_qh
     q = tl.load(q_ptr + q_rows[:, None] + offs_d[None, :], mask=row_ok[:, None], other=0.0)
 
-    top = tl.zeros([BN], tl.uint32)  # CHECK: the largest slot the item read, unsigned (`_prefix_step`)
+    top = tl.zeros([], tl.uint32)  # CHECK: the largest slot the item read, unsigned (`_prefix_step`)
     if lo >= 0:
         m_i = tl.full([BM], float("-inf"), tl.float32)
         l_i = tl.zeros([BM], tl.float32)
@@ -252,7 +252,7 @@ def _split_item(item, hk, req, tile, lo, hi, q0, n, q_ptr, k_ptr, v_ptr, kn_ptr,
             slot = tl.load(kv_indices + hi + offs_j, mask=ok_j, other=0)
             if CHECK:
                 slot = slot.to(tl.uint32, bitcast=True)
-                top = tl.max(slot, 0) + tl.zeros([BN], tl.uint32)
+                top = tl.max(slot, 0)
                 slot = tl.minimum(slot, (slots - 1).to(tl.uint32))
             k_rows = _slot_offsets(slot, PAGE, stride_kp, stride_ko, hk * stride_kh)
             k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=ok_j[:, None], other=0.0)
@@ -271,13 +271,14 @@ def _split_item(item, hk, req, tile, lo, hi, q0, n, q_ptr, k_ptr, v_ptr, kn_ptr,
     l_safe = tl.where(l_i > 0, l_i, 1.0)
     lse = m_i + tl.log2(l_safe)
     if CHECK:
-        keys_bad = tl.max(top, 0) >= slots.to(tl.uint32)
+        keys_bad = top >= slots.to(tl.uint32)
         lse = tl.where(keys_bad, float("nan"), lse)
-        if keys_bad & (hk == 0) & (tile == 0):
-            _record(status, BAD_SLOT, _first_bad_slot(kv_indices, first, end, slots, 1024))
     base = (item * HKV + hk) * BM + tl.arange(0, BM)
     tl.store(po_ptr + base.to(tl.int64)[:, None] * D + offs_d[None, :], acc / l_safe[:, None])
     tl.store(plse_ptr + base, lse)
+    if CHECK:  # after the stores: little is live across the call
+        if keys_bad & (hk == 0) & (tile == 0):
+            _record(status, BAD_SLOT, _first_bad_slot(kv_indices, first, end, slots, 1024))
 
 
 @triton.jit(do_not_specialize=["B", "T", "NKV", "slots", "target", "item_cost", "cap"])
@@ -295,11 +296,14 @@ def tree_attn_split_kernel(
     WAVES: tl.constexpr = 4,
 ):
     """One program per (work item, KV head). DEVICE false: the items come from the plan's `items` [grid, 4]; the
-    arguments after stride_vnh are unused. DEVICE true: program i computes items i, i + grid, ... of the
-    schedule (module docstring); `items` is scratch of [cap * HKV, 8] int32 and `cap` the bound on items."""
+    arguments after stride_vnh are unused. DEVICE true: a grid of cap * HKV programs, item-major; program
+    (i, hk) computes item i of the schedule for KV head hk (module docstring), `items` is scratch of
+    [cap * HKV, 8] int32 and `cap` the bound on items."""
     pid = tl.program_id(0)
-    hk = tl.program_id(1)
     if DEVICE:
+        # items-major: every KV head of the schedule's items comes before the programs past its end
+        i = pid // HKV
+        hk = pid % HKV
         qo0, n, kv0, L, inb = _meta(qo_indptr, kv_indptr, B, NEW, BB)
         code, detail = _meta_problem(qo_indptr, kv_indptr, n, L, inb, B, T, NKV, NEW, BB, 64)
         split_len = _split_len(n, L, inb, target, item_cost, G, BM, BN, WAVES)
@@ -307,10 +311,10 @@ def tree_attn_split_kernel(
         count = tl.sum(per_request, 0)
         code = tl.where((code == 0) & (count > cap), OVER_CAPACITY, code)
         detail = tl.where(code == OVER_CAPACITY, count, detail)
-        if (code != 0) & (pid == 0) & (hk == 0):
+        if (code != 0) & (pid == 0):
             _record(status, code, detail)
         count = tl.where(code != 0, 0, count)  # a call with bad indptr arrays runs no item: the merge writes NaN
-        for i in range(pid, count, tl.num_programs(0)):
+        if i < count:
             req, tile, lo, hi, first, parts, t_r, q0, n_r = _device_item(i, qo0, n, kv0, L, inb, tiles, splits,
                                                                          per_request, split_len, BB)
             if (i == first) & (hk == 0):
@@ -318,7 +322,7 @@ def tree_attn_split_kernel(
                 tl.store(req_table + req * 3 + 1, parts)
                 tl.store(req_table + req * 3 + 2, t_r)
             # through memory, so that the compiler keeps the item uniform, as a plan's (module docstring)
-            row = items + (i * HKV + hk) * 8
+            row = items + pid * 8
             tl.store(row, req)
             tl.store(row + 1, tile)
             tl.store(row + 2, lo)
@@ -333,6 +337,7 @@ def tree_attn_split_kernel(
                         stride_qh, stride_kp, stride_ko, stride_kh, stride_vp, stride_vo, stride_vh, stride_knt,
                         stride_knh, stride_vnt, stride_vnh, slots, HKV, G, D, BM, BN, TN, PAGE, NEW, True)
     else:
+        hk = tl.program_id(1)
         req = tl.load(items + pid * 4)
         if req < 0:  # an unused slot of a fixed-capacity schedule
             return

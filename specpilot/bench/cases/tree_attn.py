@@ -14,7 +14,8 @@ Groups (baseline variant in brackets):
   each run), so its cost beside the host schedule shows. "tree_attention" (L = 32k only): the one-call API (its
   schedule built on the device: no host plan, eager CUDA events); "tree_attention-kept": with `keep_plan=True`, as
   the layers of one decoding step call it (the step's same metadata tensors in every call: the first call plans on
-  the host, the others run on its kept plan). "sdpa-mask": F.scaled_dot_product_attention
+  the host, the others run on its kept plan); "run-eager": `run` on a host plan timed as those two are (eager
+  CUDA events over back-to-back calls), their baseline where the host's launch work is part of a call. "sdpa-mask": F.scaled_dot_product_attention
   with the tree's mask as an additive bf16 mask built once in setup (no per-call bool->float conversion), the
   GQA group folded into the query rows ([1, Hkv, G*n, D] against [1, Hkv, L+n, D], mask [G*n, L+n]) so K/V are
   not expanded to H heads. "flex": flex_attention under torch.compile with a block mask made in setup; the
@@ -193,8 +194,9 @@ def _case(variant: str, spec: _Spec, device: torch.device, shape: str, baseline:
 
 
 def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, seed: int) -> Case:
-    """tree_attn.run on a plan made in setup ("wgmma", "mma", "ws"), or the one-call tree_attention ("tree_attention": the
-    schedule built on the device, no host plan; "tree_attention-kept": keep_plan=True, a host plan kept per step)."""
+    """tree_attn.run on a plan made in setup ("wgmma", "mma", "ws"; "run-eager": the default variant, timed eagerly), or
+    the one-call tree_attention ("tree_attention": the schedule built on the device, no host plan;
+    "tree_attention-kept": keep_plan=True, a host plan kept per step)."""
 
     def setup() -> Prepared:
         import tree_attn
@@ -206,6 +208,11 @@ def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, s
             keep = variant == "tree_attention-kept"
             fns = [lambda q=q, k=k, v=v: tree_attn.tree_attention(q, k, v, *idx, out=out, keep_plan=keep)
                    for q, k, v in prob.sets]
+        elif variant == "run-eager":  # the one call's eager baseline: run on a host plan (the default variant)
+            plan = tree_attn.plan(prob.qo_indptr, prob.kv_indptr, prob.kv_indices, prob.tree_mask,
+                                  num_qo_heads=spec.H, num_kv_heads=spec.Hkv, head_dim=spec.D,
+                                  cache_slots=spec.slots, nodes_in_cache=True, dtype=torch.bfloat16)
+            fns = [lambda q=q, k=k, v=v: tree_attn.run(plan, q, k, v, out=out) for q, k, v in prob.sets]
         else:  # "<variant>-device": the plan's schedule built by the kernels at each run (schedule="device")
             name, _, where = variant.partition("-")
             plan = tree_attn.plan(prob.qo_indptr, prob.kv_indptr, prob.kv_indices, prob.tree_mask,
@@ -218,7 +225,7 @@ def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, s
             fns[0]()
             prob.check(0, out, 3.0, f"{variant} {shape}")
 
-        return Prepared(fns=fns, check=check, graph_safe=not variant.startswith("tree_attention"),
+        return Prepared(fns=fns, check=check, graph_safe=not variant.startswith(("tree_attention", "run-eager")),
                         teardown=prob.sets.clear)
 
     return _case(variant, spec, device, shape, baseline, setup)
@@ -360,7 +367,8 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
         seed += 1
         vs = [_kernel_case(v, spec, device, shape, baseline, seed) for v in kernels]
         if one_call and not host:
-            vs += [_kernel_case(v, spec, device, shape, baseline, seed) for v in ("tree_attention", "tree_attention-kept")]
+            vs += [_kernel_case(v, spec, device, shape, baseline, seed)
+                   for v in ("tree_attention", "tree_attention-kept", "run-eager")]
         for p in peers:
             if p == "sdpa-mask":
                 vs.append(_sdpa_mask_case(spec, device, shape, baseline, seed))
