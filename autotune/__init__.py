@@ -1,6 +1,7 @@
 """The ground floor: hardware table and measured ceilings, byte floors, launch configs (tuned
 configs as data), the dispatch types (`Variants`, `Plan`), the JIT builds and launches of the CUDA C++
-kernels (`autotune.jit`) and the interpreter repairs.
+kernels (`autotune.jit`), Triton launches with less host work (`autotune.launch_triton`) and the interpreter
+repairs.
 
 Imports nothing of this project: operators build on it, never the other way round
 (docs/architecture.md). With TRITON_INTERPRET=1 set, importing it applies the repairs of
@@ -30,18 +31,20 @@ from .hardware import (
     peak_rates,
 )
 from .jit import BuildError
+from .triton_launch import launch as launch_triton
 
 __all__ = [
     "BuildError", "GPUS", "Ceilings", "GpuSpec", "Plan", "PlanCache", "Variants", "bucket_m", "byte_floor", "cached_ceilings",
     "clear_plans", "compute_capability", "drop_tuned", "floor_rates", "force", "forced", "get_config", "gpu_name",
-    "gpu_slug", "gpu_spec", "has_cuda", "has_wgmma", "is_interpreter", "load_tuned", "measure_ceilings", "paper_floor",
+    "gpu_slug", "gpu_spec", "has_cuda", "has_wgmma", "is_interpreter", "launch_triton", "load_tuned",
+    "measure_ceilings", "paper_floor",
     "peak_rates", "shape_key",
     "store_tuned", "versions", "which_variant",
 ]
 
 # Submodules load on first attribute access (`autotune.tuner.SearchSpace` after `import autotune`), so the
 # import stays light.
-_SUBMODULES = ("config", "dispatch", "hardware", "interpreter", "jit", "promotion", "tuner")
+_SUBMODULES = ("config", "dispatch", "hardware", "interpreter", "jit", "promotion", "triton_launch", "tuner")
 
 
 def __getattr__(name):

@@ -145,8 +145,8 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
                cfg.item_cost, po.shape[0])
         grid = (po.shape[0] * Hkv,)  # item-major (kernels/split.py)
         extra = dict(DEVICE=True, BB=_lanes(B), WAVES=DEVICE_WAVES)
-    handle = tree_attn_split_kernel[grid](
-        q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices, tree_mask, items, po, plse,
+    handle = autotune.launch_triton(
+        tree_attn_split_kernel, grid, q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices, tree_mask, items, po, plse,
         sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides, *dev,
         HKV=Hkv, G=G, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, PAGE=page, NEW=new, **extra,
         num_warps=cfg.num_warps, num_stages=cfg.num_stages)
@@ -185,9 +185,9 @@ def _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv: int,
         kv_indptr, tree_mask, status, n_kv, new = device
         B = qo_indptr.shape[0] - 1
         dev, extra = (kv_indptr, tree_mask, status, B, T, n_kv), dict(DEVICE=True, NEW=new, BB=_lanes(B))
-    tree_attn_merge_kernel[(T, H)](
-        po, plse, out, lse if lse is not None else plse, node_req, qo_indptr, req_table, out.stride(0), out.stride(1),
-        *dev, HKV=Hkv, G=G, D=D, BM=cfg.block_m, BP=cfg.merge_parts, WRITE_LSE=lse is not None,
+    autotune.launch_triton(
+        tree_attn_merge_kernel, (T, H), po, plse, out, lse if lse is not None else plse, node_req, qo_indptr,
+        req_table, out.stride(0), out.stride(1), *dev, HKV=Hkv, G=G, D=D, BM=cfg.block_m, BP=cfg.merge_parts, WRITE_LSE=lse is not None,
         num_warps=cfg.merge_warps, **extra)
 
 
