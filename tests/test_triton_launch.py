@@ -51,3 +51,60 @@ def test_kept_kernels_follow_the_specialization():
     kept = [key for key in triton_launch._KERNELS if key[0] is _scaled_copy]
     assert len(kept) == 4  # one per specialization
     assert k is triton_launch._KERNELS[kept[-1]]
+
+
+class _FakeKernel:
+    function, packed_metadata = "fn-handle", "packed"
+
+    def __init__(self):
+        self.calls = []
+
+    def run(self, *a):
+        self.calls.append(a)
+
+
+class _FakeJit:
+    """What launch_triton reads of a JITFunction: its binder (Triton's: argument values -> bound arguments,
+    specialization, options), `debug`, and `fn[grid](...)` (Triton's own launch, which returns the kernel)."""
+    debug = False
+
+    def __init__(self):
+        self.jit_calls, self.kernels = [], {}
+
+        def binder(x, n, BLOCK=4, **options):
+            spec = [("*fp32", "D" if x % 16 == 0 else ""), ("i32", "D" if n % 16 == 0 else ""), ("constexpr", BLOCK)]
+            return {"x": x, "n": n, "BLOCK": BLOCK}, spec, options
+
+        self.device_caches = {0: ({}, {}, None, None, binder)}
+
+    def __getitem__(self, grid):
+        def run(*args, **kwargs):
+            self.jit_calls.append((grid, args, kwargs))
+            key = (args[0] % 16 == 0, args[1] % 16 == 0, kwargs.get("BLOCK"))
+            return self.kernels.setdefault(key, _FakeKernel())
+        return run
+
+
+def test_the_launch_logic_on_a_fake_jit(monkeypatch):
+    """Without a GPU: the first call of a specialization goes through fn[grid] (with the caller's keywords only),
+    later ones call the kept kernel's launcher with Triton's argument order (grid, stream, function, metadata, no
+    hooks, every bound argument); another specialization or a launch hook goes through fn[grid] again."""
+    from triton import knobs
+
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
+    monkeypatch.setattr(torch._C, "_cuda_getCurrentRawStream", lambda device: 77, raising=False)
+    triton_launch.clear()
+    fn = _FakeJit()
+    k = triton_launch.launch(fn, (3,), 32, 64, BLOCK=8, num_warps=4)
+    assert fn.jit_calls == [((3,), (32, 64), {"BLOCK": 8, "num_warps": 4})] and not k.calls
+    assert triton_launch.launch(fn, (5, 2), 48, 16, BLOCK=8, num_warps=4) is k  # same specialization: kept
+    assert len(fn.jit_calls) == 1
+    assert k.calls == [(5, 2, 1, 77, "fn-handle", "packed", None, None, None, 48, 16, 8)]
+    other = triton_launch.launch(fn, (3,), 33, 64, BLOCK=8, num_warps=4)  # a pointer off 16 bytes
+    assert other is not k and len(fn.jit_calls) == 2
+    triton_launch.launch(fn, (3,), 32, 64, BLOCK=8, num_warps=8)  # other options: Triton's path again
+    assert len(fn.jit_calls) == 3
+    monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
+    triton_launch.launch(fn, (3,), 32, 64, BLOCK=8, num_warps=4)  # a profiler's hook: always Triton's path
+    assert len(fn.jit_calls) == 4 and len(k.calls) == 1
+    triton_launch.clear()
