@@ -41,14 +41,16 @@ def launch(fn, grid: tuple, *args, **kwargs):
     binder = _binder(fn, device)
     if binder is None:
         return fn[grid](*args, **kwargs)
-    kwargs["debug"] = kwargs.get("debug", fn.debug) or knobs.runtime.debug
-    kwargs["instrumentation_mode"] = knobs.compilation.instrumentation_mode
-    bound, spec, options = binder(*args, **kwargs)
+    # the options JITFunction.run adds before its binder, so that the specialization and options are its own
+    extra = {"debug": kwargs.get("debug", fn.debug) or knobs.runtime.debug,
+             "instrumentation_mode": knobs.compilation.instrumentation_mode}
+    bound, spec, options = binder(*args, **{**kwargs, **extra})
     key = (fn, device, tuple(spec), tuple(options.items()))
-    kernel = _KERNELS.get(key)
+    try:
+        kernel = _KERNELS.get(key)
+    except TypeError:  # an option Triton takes that cannot be hashed: its own path
+        return fn[grid](*args, **kwargs)
     if kernel is None:
-        kwargs.pop("debug")
-        kwargs.pop("instrumentation_mode")
         kernel = fn[grid](*args, **kwargs)  # compiles or finds it, and launches
         if getattr(kernel, "function", None) is not None and hasattr(kernel, "packed_metadata"):
             _KERNELS[key] = kernel

@@ -104,7 +104,11 @@ def test_the_launch_logic_on_a_fake_jit(monkeypatch):
     assert other is not k and len(fn.jit_calls) == 2
     triton_launch.launch(fn, (3,), 32, 64, BLOCK=8, num_warps=8)  # other options: Triton's path again
     assert len(fn.jit_calls) == 3
+    triton_launch.launch(fn, (3,), 32, 64, BLOCK=8, num_warps=4, extern=[1])  # an option that cannot be hashed
+    assert len(fn.jit_calls) == 4 and fn.jit_calls[-1][2]["extern"] == [1]
+    triton_launch.launch(fn, (3,), 32, 64, BLOCK=8, num_warps=4, debug=True)  # the caller's debug reaches Triton
+    assert fn.jit_calls[-1][2]["debug"] is True
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
     triton_launch.launch(fn, (3,), 32, 64, BLOCK=8, num_warps=4)  # a profiler's hook: always Triton's path
-    assert len(fn.jit_calls) == 4 and len(k.calls) == 1
+    assert len(fn.jit_calls) == 6 and len(k.calls) == 1
     triton_launch.clear()
