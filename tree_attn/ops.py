@@ -187,8 +187,8 @@ def _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv: int,
         dev, extra = (kv_indptr, tree_mask, status, B, T, n_kv), dict(DEVICE=True, NEW=new, BB=_lanes(B))
     autotune.launch_triton(
         tree_attn_merge_kernel, (T, H), po, plse, out, lse if lse is not None else plse, node_req, qo_indptr,
-        req_table, out.stride(0), out.stride(1), *dev, HKV=Hkv, G=G, D=D, BM=cfg.block_m, BP=cfg.merge_parts, WRITE_LSE=lse is not None,
-        num_warps=cfg.merge_warps, **extra)
+        req_table, out.stride(0), out.stride(1), *dev, HKV=Hkv, G=G, D=D, BM=cfg.block_m, BP=cfg.merge_parts,
+        WRITE_LSE=lse is not None, num_warps=cfg.merge_warps, **extra)
 
 
 def _tree_block(max_nodes: int) -> int:
@@ -544,7 +544,7 @@ def plan(qo_indptr, kv_indptr, kv_indices, tree_mask, *, num_qo_heads: int, num_
         if dispatch.kernel != "split":
             raise ValueError(f"{fn}: schedule='device' is the Triton kernels' and this plan runs "
                              f"{dispatch.variant!r}; pass schedule='host', or a variant of the Triton kernels")
-        if cache_slots == 0:  # the device checks read slot 0 in place of a slot outside the cache
+        if cache_slots == 0:  # the device checks read the cache's last slot in place of one outside it
             raise ValueError(f"{fn}: schedule='device' needs a cache of at least one token slot, got cache_slots=0; "
                              "pass schedule='host'")
         B, T = len(qo) - 1, mask.shape[0]
@@ -780,7 +780,7 @@ def _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, sl
     B, (T, H, D), Hkv = qo_indptr.shape[0] - 1, q.shape, k_cache.shape[-2]
     if B < 0:
         raise ValueError(f"{fn}: qo_indptr is empty; it needs B+1 entries, starting with 0")
-    if B > DEVICE_MAX_BATCH or H % Hkv or slots == 0:  # slots: the device checks read slot 0 for a bad one
+    if B > DEVICE_MAX_BATCH or H % Hkv or slots == 0:  # the device checks read the last slot for a bad one
         return None
     dispatch = _plan(variant, q.device, D, H // Hkv, min(T, MAX_NODES) * (H // Hkv), q.dtype)
     if dispatch.kernel != "split":

@@ -293,7 +293,7 @@ def test_device_plan_refusals(kw, pattern, make_batch, raises):
 
 
 def test_an_empty_cache_takes_the_host_schedule(make_batch, raises):
-    """The device checks read slot 0 in place of a slot outside the cache, so a cache without slots is the host
+    """The device checks read the cache's last slot in place of one outside it, so a cache without slots is the host
     schedule's: plan(schedule="device") refuses it and the one call plans on the host (the same bits)."""
     a = make_batch([("draft9", 0), ("chain4", 0)], H=4, Hkv=2, D=64, seed=45, cache_slots=0)
     assert a.kv_indices.numel() == 0 and a.k_cache.shape[0] == 0
