@@ -208,17 +208,14 @@ def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, s
             keep = variant == "tree_attention-kept"
             fns = [lambda q=q, k=k, v=v: tree_attn.tree_attention(q, k, v, *idx, out=out, keep_plan=keep)
                    for q, k, v in prob.sets]
-        elif variant == "run-eager":  # the one call's eager baseline: run on a host plan (the default variant)
-            plan = tree_attn.plan(prob.qo_indptr, prob.kv_indptr, prob.kv_indices, prob.tree_mask,
-                                  num_qo_heads=spec.H, num_kv_heads=spec.Hkv, head_dim=spec.D,
-                                  cache_slots=spec.slots, nodes_in_cache=True, dtype=torch.bfloat16)
-            fns = [lambda q=q, k=k, v=v: tree_attn.run(plan, q, k, v, out=out) for q, k, v in prob.sets]
-        else:  # "<variant>-device": the plan's schedule built by the kernels at each run (schedule="device")
+        else:  # run on a plan: "<variant>", "<variant>-device" (schedule="device": the schedule built by the
+            # kernels at each run), "run-eager" (the one call's eager baseline: the default variant's host plan)
             name, _, where = variant.partition("-")
             plan = tree_attn.plan(prob.qo_indptr, prob.kv_indptr, prob.kv_indices, prob.tree_mask,
                                   num_qo_heads=spec.H, num_kv_heads=spec.Hkv, head_dim=spec.D,
                                   cache_slots=spec.slots, nodes_in_cache=True, dtype=torch.bfloat16,
-                                  variant=name, schedule=where or "host")
+                                  variant=None if variant == "run-eager" else name,
+                                  schedule="device" if where == "device" else "host")
             fns = [lambda q=q, k=k, v=v: tree_attn.run(plan, q, k, v, out=out) for q, k, v in prob.sets]
 
         def check():
