@@ -1,6 +1,8 @@
 """Checking helpers used by the test suites and by the benchmark runner's correctness gates.
 
 * `assert_bitwise_equal`: compares bit patterns, not values: -0.0 != +0.0 and NaN payloads count.
+* `sass` / `mma_loop`: a CUBIN's SASS (Triton's bundled cuobjdump, no GPU needed) and its innermost loop holding
+  tensor-core instructions, for checks of what the compiler made of a kernel.
 * `raises_helpful`: the call raises in the house style "<pkg>.<fn>: what is wrong; how to fix".
 * `error_bound` / `assert_close`: tolerances derived, not guessed. The kernel's error against an
   fp64 reference may be at most `factor` x the error of the same-precision PyTorch computation
@@ -19,7 +21,7 @@ import torch
 
 __all__ = ["assert_bitwise_equal", "bits_of", "error_bound", "assert_close", "rel_err", "Closeness", "capture_graph",
            "assert_replays_equal", "raises_helpful", "poison", "poisoned_empty", "poisoned_empty_like", "torch_path",
-           "longest_first"]
+           "longest_first", "sass", "mma_loop"]
 
 _INT_OF = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
@@ -227,3 +229,34 @@ def longest_first(items, times_file) -> None:
     ordered = sorted(items, key=lambda item: rank[id(item)])
     n = len(ordered)
     items[:] = [ordered[i // 2] if i % 2 == 0 else ordered[n - 1 - i // 2] for i in range(n)]
+
+
+def sass(cubin) -> str:
+    """The SASS of a CUBIN (bytes, or the path of a .cubin file), by the cuobjdump shipped in Triton's package."""
+    import os
+    import subprocess
+    import tempfile
+
+    import triton
+
+    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
+    if isinstance(cubin, (str, os.PathLike)):
+        return subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
+    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
+        f.write(cubin)
+        f.flush()
+        return subprocess.run([str(tool), "-sass", f.name], capture_output=True, text=True, check=True).stdout
+
+
+def mma_loop(text: str) -> list[str]:
+    """The instructions, in order, of the shortest loop (a backward branch and the code from its target up to it) of
+    SASS `text` that holds a tensor-core instruction (HMMA, HGMMA); empty when there is none."""
+    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", text)]
+    best: list[str] | None = None
+    for addr, op in ins:
+        m = re.search(r"BRA\s.*?0x([0-9a-f]+)", op)
+        if m and int(m.group(1), 16) <= addr:
+            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
+            if any("MMA" in t for t in body) and (best is None or len(body) < len(best)):
+                best = body
+    return best or []

@@ -176,25 +176,11 @@ def _features(ptx: str) -> dict:
 
 
 def _key_loop(cubin: bytes) -> dict:
-    """The innermost loop holding tensor-core instructions in a CUBIN's SASS (Triton's bundled cuobjdump): its
-    instruction count and local-memory loads and stores (spills)."""
-    import tempfile
+    """The innermost loop holding tensor-core instructions in a CUBIN's SASS: its instruction count and
+    local-memory loads and stores (spills)."""
+    from specpilot.testing import mma_loop, sass
 
-    import triton
-
-    tool = os.path.join(os.path.dirname(triton.__file__), "backends", "nvidia", "bin", "cuobjdump")
-    with tempfile.NamedTemporaryFile(suffix=".cubin") as f:
-        f.write(cubin)
-        f.flush()
-        sass = subprocess.run([tool, "-sass", f.name], capture_output=True, text=True, check=True).stdout
-    ins = [(int(m.group(1), 16), m.group(2)) for m in re.finditer(r"/\*([0-9a-f]{4,})\*/\s+([^;]*);", sass)]
-    best = None
-    for addr, text in ins:
-        m = re.search(r"BRA\s.*?0x([0-9a-f]+)", text)
-        if m and int(m.group(1), 16) <= addr:
-            body = [t for a, t in ins if int(m.group(1), 16) <= a <= addr]
-            if any("MMA" in t for t in body) and (best is None or len(body) < len(best)):
-                best = body
+    best = mma_loop(sass(cubin))
     return {"instructions": len(best), "ldl": sum("LDL" in t for t in best), "stl": sum("STL" in t for t in best),
             "sext": sum("SHF.R.S32.HI" in t for t in best)}
 

@@ -105,6 +105,9 @@ def test_w12_checks_reject_what_cannot_run():
     assert TC_SPACE.valid(ok, shape) is None
     assert TC_SPACE.valid(dict(ok, split_k=8, block_k=256), {"M": 8, "N": 5120, "K": 1024}).startswith("divisibility")
     assert TC_SPACE.valid(dict(ok, block_t=64), shape).startswith("padding")
+    flow = dict(warps=4, kw=2, stages=3, cps=4, kc=1, wg=False, xd=0, kg=False, late=False, escx=False, xh=True)
+    assert FLOW_SPACE.valid(flow, {"M": 32, "N": 5120, "K": 6144}) is None
+    assert "xh=True" in FLOW_SPACE.valid(dict(flow, xd=1), {"M": 32, "N": 5120, "K": 6144})
 
 
 def test_wy_space_folds_fields_the_inverse_ignores():

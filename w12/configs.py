@@ -194,7 +194,9 @@ class FlowConfig:
     before the decode constants and the escapes' dependent loads are waited for (tag `-l`; the same bits). `escx`: x at each
     finished row's first escape column is copied into shared memory (4-byte cp.async) right after the wait for the
     previous kernel, and the epilogue's first escape reads it there instead of from global memory (tag `-e`; the same
-    bits). `w12.matmul_tiled` (the
+    bits). `xh` (mma.sync build with xd = 0): one x set, each half of it (k-steps 0-1, 2-3) reloaded with the next
+    unit's as soon as this unit's mma on it are issued, so that x takes half the registers of two sets while each
+    load still has about half a unit to land (tag `-h`; the same bits). `w12.matmul_tiled` (the
     engine's path) takes `flow_config`'s; under `w12.matmul` on the planes it runs only when forced."""
 
     warps: int = 8
@@ -210,6 +212,7 @@ class FlowConfig:
     kg: bool = False
     late: bool = False
     escx: bool = False
+    xh: bool = False
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8, 16) or self.kw not in (1, 2, 4, 8, 16) or self.warps % self.kw \
@@ -228,6 +231,9 @@ class FlowConfig:
         if self.xd not in (0, 1, 2) or (self.xd and self.wg):
             raise ValueError(f"FlowConfig needs xd (x sets loaded ahead) 0, 1 or 2, and 0 in the warpgroup build "
                              f"(wg=True), which stages x in shared memory; got {self}")
+        if self.xh and (self.xd or self.wg):
+            raise ValueError(f"FlowConfig(xh=True) reloads the mma.sync build's one x set by halves: it needs xd=0 and "
+                             f"wg=False; got {self}")
 
     @property
     def row_blocks(self) -> int:
@@ -242,19 +248,20 @@ class FlowConfig:
         return f"flow-w{self.warps}-k{self.kw}-s{self.stages}-c{self.cps}" + ("-fixed" if self.fixed else "") + \
             ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "") + \
             (f"-{'p' if self.kg else 'q'}{self.kc}" if self.kc > 1 else "") + (f"-x{self.xd}" if self.xd else "") + \
-            ("-l" if self.late else "") + ("-e" if self.escx else "") + ("-g" if self.wg else "")
+            ("-l" if self.late else "") + ("-e" if self.escx else "") + ("-h" if self.xh else "") + \
+            ("-g" if self.wg else "")
 
     @classmethod
     def from_tag(cls, tag: str) -> "FlowConfig":
         """The config whose `tag()` is `tag` (the leading "flow-" may be left out), e.g. "w4-k1-s6-c3-q4-g"."""
         m = re.fullmatch(r"(?:flow-)?w(\d+)-k(\d+)-s(\d+)-c(\d+)(-fixed)?(-keep)?(?:-r(\d+))?(?:-([qp])(\d+))?(?:-x(\d+))?"
-                         r"(-l)?(-e)?(-g)?", tag)
+                         r"(-l)?(-e)?(-h)?(-g)?", tag)
         if m is None:
             raise ValueError(f"FlowConfig.from_tag: {tag!r} is not a flow config tag (e.g. 'flow-w4-k1-s4-c4-q2-g')")
-        w, k, st, c, fixed, keep, rb, split, kc, xd, late, escx, wg = m.groups()
+        w, k, st, c, fixed, keep, rb, split, kc, xd, late, escx, xh, wg = m.groups()
         return cls(warps=int(w), kw=int(k), stages=int(st), cps=int(c), fixed=bool(fixed), evict=not keep,
                    rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg), xd=int(xd or 0), kg=split == "p",
-                   late=bool(late), escx=bool(escx))
+                   late=bool(late), escx=bool(escx), xh=bool(xh))
 
 
 def _check_common(c) -> None:

@@ -140,10 +140,10 @@ TMA_SPACE = SearchSpace(
 
 
 def flow_valid(p: dict, shape) -> str | None:
-    """The flow kernel's config at a shape: it builds (kw divides warps, warps x cps <= 32; x sets ahead, `xd`, only
-    outside the warpgroup build; the K split through memory, `kg`, only with kc > 1), M fits, its CTAs' shared
-    memory fits the SM at cps CTAs, a cluster split (kc > 1 without kg) has a GPU with clusters, the warpgroup build
-    (wg) a GPU with wgmma, and every warp gets a 64-column unit of K."""
+    """The flow kernel's config at a shape: it builds (kw divides warps, warps x cps <= 32; x sets ahead, `xd`, and x
+    reloaded by halves, `xh`, only in the mma.sync build, `xh` with xd = 0; the K split through memory, `kg`, only
+    with kc > 1), M fits, its CTAs' shared memory fits the SM at cps CTAs, a cluster split (kc > 1 without kg) has a
+    GPU with clusters, the warpgroup build (wg) a GPU with wgmma, and every warp gets a 64-column unit of K."""
     from . import flow
 
     m, k = shape["M"], shape["K"]
@@ -166,7 +166,7 @@ FLOW_SPACE = SearchSpace(
     op="w12.matmul", variant="flow",
     params={"warps": [2, 4, 8, 16], "kw": [1, 2, 4, 8], "stages": [3, 4, 6], "cps": [1, 2, 4, 8], "kc": [1, 2, 3],
             "wg": [False, True], "xd": [0, 1, 2], "kg": [False, True], "late": [False, True],
-            "escx": [False, True]},
+            "escx": [False, True], "xh": [False, True]},
     make_config=lambda p: FlowConfig(**p),
     flops_bytes=tc_flops_bytes, valid=flow_valid, key=_key,
     heuristic=lambda s: flow_heuristic(s["M"], s["N"], s["K"], torch.device("cuda" if autotune.has_cuda() else "cpu")),

@@ -15,6 +15,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import re
 
 import numpy as np
@@ -25,7 +26,7 @@ import autotune
 import w12
 from w12 import flow, layout
 from w12.configs import FlowConfig, flow_heuristic
-from specpilot.testing import assert_close
+from specpilot.testing import assert_close, mma_loop, sass
 
 from flow_emu import (dec_exact, dec_exact_hi, dec_fixed, emulate, hostile_weight, lanes_f64, one_unit_tiny_case,
                       wg_operand, wg_operand_split, wg_slot, wg_slot_stm, words)
@@ -452,6 +453,32 @@ def test_x_sets_build_without_local_memory(jit_cache):
 
 
 @pytest.mark.slow
+def test_x_by_halves_builds_with_fewer_registers_and_loads_between_the_halves(jit_cache):
+    """FlowConfig.xh (one x set, each half reloaded for the next unit once the mma that read it are issued): no stack
+    and no spills at 2 and 4 token tiles in the 5120-row layers' 3-CTA cluster shape at 4 and 5 CTAs per SM and in
+    its 4-CTA split; fewer registers than the two sets of xd = 1 at the same bound; and in the main loop's SASS
+    each half's loads come after the mma of the k-steps that read it: half 0's between k-steps 1 and 2, half 1's
+    after the last."""
+    arch = (9, 0)
+    base = FlowConfig(warps=4, kw=2, stages=3, cps=4, kc=3)
+    for nt in (2, 4):
+        two = flow.build(dataclasses.replace(base, xd=1), nt, arch).resources()
+        for cfg in (dataclasses.replace(base, xh=True), dataclasses.replace(base, cps=5, xh=True),
+                    dataclasses.replace(base, cps=5, kc=4, xh=True)):
+            b = flow.build(cfg, nt, arch)
+            r = b.resources()
+            assert r["stack"] == 0 and r["spill_stores"] == 0, (cfg.tag(), nt, r)
+            if cfg.cps == base.cps:
+                assert r["registers"] < two["registers"], (cfg.tag(), nt, r, two)
+            loop = mma_loop(sass(b.cubin))
+            mma = [i for i, t in enumerate(loop) if "HMMA" in t]
+            xld = [i for i, t in enumerate(loop) if "LDG.E.128" in t]
+            assert len(mma) == 4 * nt and len(xld) == 2 * nt, (cfg.tag(), nt, loop)
+            assert sum(mma[2 * nt - 1] < i < mma[2 * nt] for i in xld) == nt, (cfg.tag(), nt, loop)
+            assert sum(i > mma[-1] for i in xld) == nt, (cfg.tag(), nt, loop)
+
+
+@pytest.mark.slow
 def test_k_split_through_memory_builds_everywhere(jit_cache):
     """FlowConfig.kg (the K split's CTAs meeting in a global workspace): no cluster, so sm_80 builds it too; its tag
     is -p<kc> and round-trips; kc 2 to 8 (a cluster takes at most 4); no shared memory for other CTAs' sums; the
@@ -556,6 +583,14 @@ def test_config_and_launch_geometry():
     assert flow.smem_bytes(FlowConfig(kw=1), 4, defines={"W12F_ESCX": 1}) == 8 * 4 * 1536 + 8 * 1024 + 8 * 4 * 512
     assert flow.smem_bytes(FlowConfig(kw=1), 2, "c", {"W12F_ESCX": 1}) == 8 * 4 * 1536
     assert flow.grid(cfg, 16480) == 258 and flow.grid(cfg, 17) == 1 and flow.grid(FlowConfig(kw=8), 34816) == 2176
+    h = FlowConfig(warps=4, kw=2, stages=3, cps=5, kc=3, xh=True)
+    assert h.tag() == "flow-w4-k2-s3-c5-q3-h" and FlowConfig.from_tag(h.tag()) == h
+    assert dict(flow.spec(h, 4, (9, 0)).defines)["W12F_XH"] == "1"
+    assert dict(flow.spec(FlowConfig(), 4, (9, 0)).defines)["W12F_XH"] == "0"
+    with pytest.raises(ValueError, match="xh=True"):
+        FlowConfig(xd=1, xh=True)
+    with pytest.raises(ValueError, match="xh=True"):
+        FlowConfig(warps=4, kw=1, wg=True, xh=True)
     assert [flow.n_tiles(m) for m in (1, 8, 9, 17, 32)] == [1, 1, 2, 3, 4]
     with pytest.raises(ValueError, match="1 <= M <= 32"):
         flow.n_tiles(33)

@@ -19,6 +19,7 @@ import torch
 import w12
 from w12.configs import MmaConfig
 from w12.reference import matmul_q8_reference, matmul_reference
+from specpilot import testing
 
 from flow_emu import dec_q8, q8_base, q8_dense
 from stream_k import run_stream_k
@@ -420,17 +421,6 @@ def _ptx(cuda, cfg, nt, q8, arch, **kw) -> str:
     return cuda.build(cfg, nt, q8, arch, out="ptx", **kw).read_text()
 
 
-def _sass(cubin) -> str:
-    """The SASS of a cubin, by the cuobjdump shipped in Triton's package."""
-    import subprocess
-    from pathlib import Path
-
-    import triton
-
-    tool = Path(triton.__file__).parent / "backends" / "nvidia" / "bin" / "cuobjdump"
-    return subprocess.run([str(tool), "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-
-
 @pytest.mark.slow
 @pytest.mark.parametrize("arch", [(8, 0), (9, 0)], ids=["sm80", "sm90"])
 def test_kernel_builds_with_mma_and_no_local_memory(arch, cuda):
@@ -589,7 +579,7 @@ def test_tma_wgmma_path_builds_for_sm90a(cuda):
         assert "bar.sync \t1, 128" in ptx or "bar.sync 1, 128" in ptx
         assert ".local" not in ptx, f"{cfg} nt={nt}: a register array went to local memory"
         assert ".target sm_90a" in ptx
-    sass = _sass(cuda.build(TmaConfig(1, 8, 6, wg=True), 4, False, (9, 0)))
+    sass = testing.sass(cuda.build(TmaConfig(1, 8, 6, wg=True), 4, False, (9, 0)))
     assert "HGMMA" in sass and "HMMA" not in sass.replace("HGMMA", "")
 
 

@@ -126,6 +126,9 @@
 #ifndef W12F_XD
 #define W12F_XD 0  // the mma.sync build's x: 0 one set copied each unit, 1 or 2 sets loaded that many units ahead
 #endif
+#ifndef W12F_XH
+#define W12F_XH 0  // the mma.sync build's x in one set, each half reloaded for the next unit once its k-steps are issued
+#endif
 #ifndef W12F_RB
 #define W12F_RB 1  // row blocks per warp (one x fragment feeds RB weight tiles)
 #endif
@@ -202,6 +205,9 @@ constexpr bool RED = W12F_RED != 0 && KW > 1;
 constexpr bool GUARD = EPI && FIXED;  // the x range and the exact-base recomputation
 constexpr bool WG = W12F_WG != 0;
 constexpr int XD = WG ? 0 : W12F_XD;  // x sets loaded ahead in the mma.sync build (0: one, copied each unit)
+// one x set whose halves (k-steps 0-1, 2-3) are reloaded with the next unit's as soon as this unit's mma on them are
+// issued: half the registers of two sets, each load with about half a unit to land
+constexpr bool XH = !WG && W12F_XH != 0;
 constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of one row block
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
@@ -228,6 +234,7 @@ static_assert(!Q8 || !FIXED, "the 8-bit view: exact base only");
 static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
 static_assert(W12F_XD >= 0 && W12F_XD <= 2, "x loaded 0 to 2 units ahead");
+static_assert(!XH || (XD == 0 && XB), "x reloaded by halves: the mma.sync build with one x set");
 static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight: 1 or 2");
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
@@ -301,10 +308,14 @@ __device__ __forceinline__ void decode_step(uint32_t (&a)[4], const Frag& f, con
   }
 }
 
-// acc[j] += A(tile) B(n-tile j) over the 4 k-steps; x[j][v]: token 8 j + g, columns 16 p + 8 v .. + 7 of the tile
-template <bool FIX>
+// acc[j] += A(tile) B(n-tile j) over the 4 k-steps; x[j][v]: token 8 j + g, columns 16 p + 8 v .. + 7 of the tile.
+// `done(v)` runs once the mma of both k-steps that read x[.][v] are issued (v = 0 after k-step 1, 1 after k-step 3)
+struct NoHook {
+  __device__ __forceinline__ void operator()(int) const {}
+};
+template <bool FIX, class Done = NoHook>
 __device__ __forceinline__ void tile_mma(float (&acc)[NT][4], const Frag& f, const uint4 (&x)[NT][2],
-                                         const uint32_t (&k)[2]) {
+                                         const uint32_t (&k)[2], Done done = Done()) {
 #pragma unroll
   for (int s = 0; s < 4; ++s) {
     uint32_t a[4];
@@ -314,6 +325,7 @@ __device__ __forceinline__ void tile_mma(float (&acc)[NT][4], const Frag& f, con
       const uint4& xv = x[j][s >> 1];
       mma_bf16(acc[j], a[0], a[1], a[2], a[3], (s & 1) ? xv.z : xv.x, (s & 1) ? xv.w : xv.y);
     }
+    if (s & 1) done(s >> 1);
   }
 }
 
@@ -701,6 +713,18 @@ w12_matmul_flow_kernel(
     fu = fu + 1 == RA ? 0 : fu + 1;
     if constexpr (W12F_XSTEP != 0) xu += 64;
   };
+  // XH: half v of the unit at xu into xv[.][v] (the fold takes each half; the cursor moves on after half 1)
+  auto load_x_half = [&](uint4 (&xv)[NT][2], int v) {
+#pragma unroll
+    for (int j = 0; j < NT; ++j) {
+      xv[j][v] = 8 * j + g < M ? __ldg(reinterpret_cast<const uint4*>(xu + j * x8) + v) : make_uint4(0u, 0u, 0u, 0u);
+      if (GUARD && fu == rw) xr.add(xv[j][v]);
+    }
+    if (v == 1) {
+      fu = fu + 1 == RA ? 0 : fu + 1;
+      if constexpr (W12F_XSTEP != 0) xu += 64;
+    }
+  };
   // the masked tail's fragments, byte by byte from global memory (columns past K and rows past the block zero)
   // a tile's fragments of this lane from its ring slot at shared address t (the 8-bit view: the hi bytes only)
   auto ring_frag = [&](Frag& f, uint32_t t) {
@@ -826,6 +850,16 @@ w12_matmul_flow_kernel(
       cp_commit();
       wst = next_slot(wst);
       rst = next_slot(rst);
+      if constexpr (XH) {
+        // xn holds unit c's x; each half takes unit c + 1's once the last mma reading it is issued
+        const bool more = c + 1 < cend;
+#pragma unroll
+        for (int i = 0; i < RB; ++i)
+          tile_mma<FIXED>(acc[i], f[i], xn, kk[i], [&](int v) {
+            if (i == RB - 1 && more) load_x_half(xn, v);
+          });
+        continue;
+      }
       uint4 xc[NT][2];
 #pragma unroll
       for (int j = 0; j < NT; ++j) xc[j][0] = xn[j][0], xc[j][1] = xn[j][1];
