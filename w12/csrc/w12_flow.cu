@@ -713,12 +713,16 @@ w12_matmul_flow_kernel(
     fu = fu + 1 == RA ? 0 : fu + 1;
     if constexpr (W12F_XSTEP != 0) xu += 64;
   };
-  // XH: half v of the unit at xu into xv[.][v] (the fold takes each half; the cursor moves on after half 1)
+  // XH: half v of the unit at xu into xv[.][v] (the fold takes each half; the cursor moves on after half 1). The
+  // registers of tokens past M keep the zeros of the first load_x (no store reads them, and zeros leave the fold's
+  // range as it is), so that no unit spends instructions on them
   auto load_x_half = [&](uint4 (&xv)[NT][2], int v) {
 #pragma unroll
     for (int j = 0; j < NT; ++j) {
-      xv[j][v] = 8 * j + g < M ? __ldg(reinterpret_cast<const uint4*>(xu + j * x8) + v) : make_uint4(0u, 0u, 0u, 0u);
-      if (GUARD && fu == rw) xr.add(xv[j][v]);
+      if (8 * j + g < M) {
+        xv[j][v] = __ldg(reinterpret_cast<const uint4*>(xu + j * x8) + v);
+        if (GUARD && fu == rw) xr.add(xv[j][v]);
+      }
     }
     if (v == 1) {
       fu = fu + 1 == RA ? 0 : fu + 1;
