@@ -35,7 +35,7 @@ from pathlib import Path
 
 __all__ = ["BuildError", "Build", "Spec", "Kernel", "FunctionCache", "compile", "load", "available", "unavailable",
            "arch_name", "cache_root", "nvrtc_version", "include_dirs", "tensor_map_2d", "PTR", "I32", "I64", "F32",
-           "BY_ADDRESS"]
+           "BY_ADDRESS", "SHARED_HEADERS"]
 
 # kernel argument types for `Kernel.launch` (cuda-bindings packs each value as its ctypes type)
 PTR, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
@@ -104,6 +104,13 @@ def include_dirs() -> tuple[str, ...]:
     return (found,)
 
 
+SHARED_HEADERS = Path(__file__).with_name("csrc")  # CUDA headers the operators' kernels share (nothing imports upward)
+
+
+def _shared_headers() -> list[Path]:
+    return sorted(p for p in SHARED_HEADERS.iterdir() if p.suffix in (".cuh", ".h"))
+
+
 @functools.cache
 def _headers_fingerprint() -> str:
     # names and sizes of the CUDA headers: another header release gives other cache keys
@@ -160,7 +167,9 @@ def compile(source: Path | str, *, arch: str, defines: Mapping[str, object] | No
             headers: Sequence[Path] | None = None, name: str | None = None) -> Build:
     """Compile `source` for `arch` ("sm_80", "sm_90a", ...) with `-D` `defines` and extra NVRTC `options`;
     cached on disk. `headers`: the project headers the source includes, part of the cache key (default:
-    every *.cuh / *.h beside the source, whose directory is on the include path). Raises BuildError."""
+    every *.cuh / *.h beside the source, whose directory is on the include path). The headers the operators share
+    (`SHARED_HEADERS`, autotune/csrc: mbarrier.cuh) are on the include path of every build and always part of its
+    key. Raises BuildError."""
     source = Path(source)
     if not re.fullmatch(r"sm_\d+a?", arch):
         raise ValueError(f"autotune.jit.compile: arch must be a real target such as 'sm_90', got {arch!r}")
@@ -171,7 +180,7 @@ def compile(source: Path | str, *, arch: str, defines: Mapping[str, object] | No
     nvrtc, version = _nvrtc()
     key = hashlib.sha256()
     key.update(source.read_bytes())
-    for h in headers:
+    for h in [*headers, *_shared_headers()]:
         key.update(b"\0" + Path(h).name.encode() + b"\0" + Path(h).read_bytes())
     key.update("\0".join([_FORMAT, *opts, f"nvrtc-{version[0]}.{version[1]}", _headers_fingerprint()]).encode())
     stem = cache_root() / "jit" / f"{name or source.stem}-{key.hexdigest()[:20]}"
@@ -185,7 +194,8 @@ def compile(source: Path | str, *, arch: str, defines: Mapping[str, object] | No
         if _built(out):
             return out
         cubin, ptx, log = _nvrtc_compile(nvrtc, source,
-                                         opts + [f"-I{source.parent}", *(f"-I{d}" for d in include_dirs())])
+                                         opts + [f"-I{source.parent}", f"-I{SHARED_HEADERS}",
+                                                 *(f"-I{d}" for d in include_dirs())])
         for path, data in ((out.log, log), (out.ptx, ptx), (out.cubin, cubin)):  # the cubin last: it means done
             with tempfile.NamedTemporaryFile(dir=stem.parent, prefix=".tmp-", delete=False) as f:
                 f.write(data)

@@ -72,6 +72,24 @@ def test_cache_hits_and_its_key(src, monkeypatch):
     assert len({v.cubin for v in [a, *variants]}) == 5 and len(calls) == 5
 
 
+def test_shared_headers_are_on_every_include_path_and_in_the_key(src, monkeypatch, tmp_path):
+    """autotune/csrc (jit.SHARED_HEADERS: mbarrier.cuh) is on the include path of any source, and a change to a
+    header there gives new cache keys."""
+    src.write_text(src.read_text().replace('#include "helper.cuh"', '#include "helper.cuh"\n#include "mbarrier.cuh"')
+                   .replace("if (i < n)", "if (i == n) mbar_init(smem_u32(y), 1);\n  if (i < n)"))
+    calls = _count_compiles(monkeypatch)
+    a = jit.compile(src, arch="sm_90")
+    assert "mbarrier.init.shared" in a.ptx.read_text()
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    for h in jit.SHARED_HEADERS.iterdir():
+        (shared / h.name).write_text(h.read_text())
+    (shared / "mbarrier.cuh").write_text((jit.SHARED_HEADERS / "mbarrier.cuh").read_text() + "\n// changed\n")
+    monkeypatch.setattr(jit, "SHARED_HEADERS", shared)
+    b = jit.compile(src, arch="sm_90")
+    assert b.cubin != a.cubin and len(calls) == 2
+
+
 def test_concurrent_builders_of_one_spec_agree(src):
     out, errs = [], []
 

@@ -45,6 +45,8 @@ typedef unsigned long long uint64_t;
 #include <stdint.h>
 #endif
 
+#include "mbarrier.cuh"  // autotune/csrc: smem_u32, mbar_init, mbar_arrive, mbar_wait
+
 #ifndef TA_C
 #define TA_C 2  // consumer warpgroups (row tiles of 64 per item): 1 or 2
 #endif
@@ -141,30 +143,6 @@ constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
 constexpr uint32_t BAR_OFF = Q_BYTES + TA_STAGES * STAGE_BYTES;
 constexpr uint32_t FULL_K = 0, FULL_V = 8 * TA_STAGES, EMPTY_K = 16 * TA_STAGES, EMPTY_V = 24 * TA_STAGES,
                    Q_FULL = 32 * TA_STAGES;
-
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "TA_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra TA_WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
-}
 
 // 16 bytes global -> shared; `bytes` 0 fills the chunk with zeros and reads nothing
 __device__ __forceinline__ void cp16(uint32_t dst, const void* src, uint32_t bytes) {

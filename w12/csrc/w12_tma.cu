@@ -37,6 +37,7 @@
 // epilogue adds x * escape less x times that for each, in CSR order. Each thread fetches its rows' escape range
 // and first escape before the main loop, so most rows (0 or 1 escape) pay one dependent load.
 
+#include "mbarrier.cuh"  // autotune/csrc: smem_u32, mbar_init, mbar_arrive, mbar_wait
 #include "w12_common.cuh"
 
 #ifndef W12_MT
@@ -143,32 +144,8 @@ static_assert(!SK || (!WG && !AHEAD && !NULL_CONSUMER), "stream-K runs the plain
 static_assert(!W12_XBOX || (!XCP && !WG), "the x box replaces the per-token and cp.async copies; no wgmma path");
 static_assert(!W12_TRACE || (!SK && !WG && !AHEAD), "the trace stamps the plain path");
 
-__device__ __forceinline__ uint32_t smem_u32(const void* p) {
-  return static_cast<uint32_t>(__cvta_generic_to_shared(p));
-}
-
-__device__ __forceinline__ void mbar_init(uint32_t bar, int count) {
-  asm volatile("mbarrier.init.shared::cta.b64 [%0], %1;" ::"r"(bar), "r"(count));
-}
-
 __device__ __forceinline__ void mbar_expect_tx(uint32_t bar, uint32_t bytes) {
   asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
-}
-
-__device__ __forceinline__ void mbar_arrive(uint32_t bar) {
-  asm volatile("mbarrier.arrive.shared::cta.b64 _, [%0];" ::"r"(bar) : "memory");
-}
-
-__device__ __forceinline__ void mbar_wait(uint32_t bar, uint32_t parity) {
-  asm volatile(
-      "{\n"
-      ".reg .pred p;\n"
-      "W12_WAIT:\n"
-      "mbarrier.try_wait.parity.shared::cta.b64 p, [%0], %1;\n"
-      "@!p bra W12_WAIT;\n"
-      "}\n" ::"r"(bar),
-      "r"(parity)
-      : "memory");
 }
 
 __device__ __forceinline__ void tma_2d(uint32_t dst, const TensorMap* map, int c0, int c1, uint32_t bar) {
