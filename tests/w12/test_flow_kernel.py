@@ -420,6 +420,9 @@ def test_every_ladder_step_builds(arch, jit_cache):
     for nt in (2, 3, 4):
         for cfg in (FlowConfig(warps=8, kw=4), FlowConfig(warps=8, kw=4, fixed=True)):
             _check_build(flow.build(cfg, nt, arch), "e", arch, cfg)
+    xh = FlowConfig(warps=4, kw=1, stages=3, cps=4, xh=True)  # x by halves: step a reads no x, the rest do
+    for step in "abcde":
+        _check_build(flow.build(xh, 4, arch, step=step), step, arch, xh)
 
 
 @pytest.mark.slow

@@ -207,7 +207,7 @@ constexpr bool WG = W12F_WG != 0;
 constexpr int XD = WG ? 0 : W12F_XD;  // x sets loaded ahead in the mma.sync build (0: one, copied each unit)
 // one x set whose halves (k-steps 0-1, 2-3) are reloaded with the next unit's as soon as this unit's mma on them are
 // issued: half the registers of two sets, each load with about half a unit to land
-constexpr bool XH = !WG && W12F_XH != 0;
+constexpr bool XH = !WG && W12F_X != 0 && W12F_XH != 0;  // (ladder step a reads no x: nothing to reload)
 constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of one row block
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
@@ -234,7 +234,7 @@ static_assert(!Q8 || !FIXED, "the 8-bit view: exact base only");
 static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
 static_assert(W12F_XD >= 0 && W12F_XD <= 2, "x loaded 0 to 2 units ahead");
-static_assert(!XH || (XD == 0 && XB), "x reloaded by halves: the mma.sync build with one x set");
+static_assert(!XH || XD == 0, "x reloaded by halves: the mma.sync build with one x set");
 static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight: 1 or 2");
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
