@@ -8,8 +8,8 @@ is reused exactly where Triton would reuse it) and the launch options, and calls
 On the H200's host, one launch of tree_attn's split kernel (45 arguments) took 57 µs through `fn[grid](...)`, of
 which the binder took 17 and the launcher 17.
 
-The first call of a specialization, a launch hook (profilers), the interpreter, or a Triton without these
-internals go through `fn[grid](...)` itself.
+The first call of a specialization, a launch hook (profilers), a function with pre-run hooks, the interpreter, or a
+Triton without these internals go through `fn[grid](...)` itself.
 """
 
 import torch
@@ -35,8 +35,8 @@ def launch(fn, grid: tuple, *args, **kwargs):
     kernel. `grid`: a tuple of 1-3 ints."""
     from triton import knobs
 
-    if getattr(fn, "device_caches", None) is None or _hooked(knobs):  # the interpreter's function; a profiler
-        return fn[grid](*args, **kwargs)
+    if getattr(fn, "device_caches", None) is None or _hooked(knobs) or getattr(fn, "pre_run_hooks", None):
+        return fn[grid](*args, **kwargs)  # the interpreter's function; a profiler; the function's own run hooks
     device = torch.cuda.current_device()
     binder = _binder(fn, device)
     if binder is None:

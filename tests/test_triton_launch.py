@@ -88,7 +88,8 @@ class _FakeJit:
 def test_the_launch_logic_on_a_fake_jit(monkeypatch):
     """Without a GPU: the first call of a specialization goes through fn[grid] (with the caller's keywords only),
     later ones call the kept kernel's launcher with Triton's argument order (grid, stream, function, metadata, no
-    hooks, every bound argument); another specialization or a launch hook goes through fn[grid] again."""
+    hooks, every bound argument); another specialization, the function's pre-run hooks or a launch hook go through
+    fn[grid] again."""
     from triton import knobs
 
     monkeypatch.setattr(torch.cuda, "current_device", lambda: 0)
@@ -108,7 +109,11 @@ def test_the_launch_logic_on_a_fake_jit(monkeypatch):
     assert len(fn.jit_calls) == 4 and fn.jit_calls[-1][2]["extern"] == [1]
     triton_launch.launch(fn, (3,), 32, 64, BLOCK=8, num_warps=4, debug=True)  # the caller's debug reaches Triton
     assert fn.jit_calls[-1][2]["debug"] is True
+    fn.pre_run_hooks = [lambda *a, **kw: None]
+    triton_launch.launch(fn, (3,), 32, 64, BLOCK=8, num_warps=4)  # the function's own run hooks: Triton runs them
+    assert len(fn.jit_calls) == 6 and len(k.calls) == 1
+    fn.pre_run_hooks = []
     monkeypatch.setattr(knobs.runtime, "launch_enter_hook", lambda *a: None)
     triton_launch.launch(fn, (3,), 32, 64, BLOCK=8, num_warps=4)  # a profiler's hook: always Triton's path
-    assert len(fn.jit_calls) == 6 and len(k.calls) == 1
+    assert len(fn.jit_calls) == 7 and len(k.calls) == 1
     triton_launch.clear()

@@ -127,7 +127,7 @@
 #define W12F_XD 0  // the mma.sync build's x: 0 one set copied each unit, 1 or 2 sets loaded that many units ahead
 #endif
 #ifndef W12F_XH
-#define W12F_XH 0  // the mma.sync build's x in one set, each half reloaded for the next unit once its k-steps are issued
+#define W12F_XH 0  // the mma.sync build's x in one set, each half reloaded for the next unit after its k-steps
 #endif
 #ifndef W12F_RB
 #define W12F_RB 1  // row blocks per warp (one x fragment feeds RB weight tiles)
