@@ -69,6 +69,10 @@ within twice cuBLAS's: `ok`; builds with a timing-only define of w12.flow's abla
 shipped output bit for bit (`same_bits_as_ship`); `ratio` is its median over the shipped config's in their pair. A
 candidate that fails to build or launch is a row of the report. With `--build-only` it compiles every build of the
 cells (the shipped configs as an sm_90 GPU with clusters and --sms SMs would pick them). File: $OUT/w12-ab.json.
+With `--promote`, each cell of at most 32 rows then puts its fastest plain candidate (a config without defines,
+within the fp32 check) through `autotune.promote` on the pair's rounds (`--rounds` 8 or more), and a promoted one
+becomes this GPU's tuned entry for the cell's shape key (`autotune.store_tuned`: autotune/configs/<gpu>.json, which
+`w12.configs.flow_config` reads before its heuristic), so that a benchmark run after it takes it.
 
 `--forms` compares the two in-memory forms of a W12 weight instead of the ladder: `w12.matmul` on the version-1
 planes (`w12.pack(w, layout="planes")`: the CUDA C++ `mma` kernel at bf16 x and M <= 32, the generation's Triton
@@ -882,7 +886,8 @@ def ab_run(cells, rounds: int, device=None) -> dict:
             r = {"tag": cfg.tag(), "defines": defines, "ship_us": ta.median * 1e6, "cand_us": tb.median * 1e6,
                  "err": err, "ok": timing_only or err <= 2 * cub_err + 1e-6, "timing_only": timing_only,
                  "same_bits_as_ship": bool(torch.equal(got.view(torch.int16), ship_out.view(torch.int16))),
-                 "regs": regs}
+                 "regs": regs, "ship_samples_us": [t * 1e6 for t in ta.samples],
+                 "cand_samples_us": [t * 1e6 for t in tb.samples]}
             r["ratio"] = r["cand_us"] / r["ship_us"]
             row["cands"][label] = r
             print(f"  {label:24s} {cfg.tag():28s} {r['cand_us']:8.1f} vs {r['ship_us']:8.1f} us  ratio "
@@ -922,6 +927,9 @@ def parse(argv=None):
                     help="instead of the ladder: candidates beside the shipped config, pairs interleaved (module doc); "
                          "CELLS is the JSON or a file holding it")
     ap.add_argument("--rounds", type=int, default=20, help="--ab: interleaved rounds a pair")
+    ap.add_argument("--promote", action="store_true",
+                    help="--ab: store each cell's fastest plain candidate as this GPU's tuned entry where "
+                         "autotune.promote accepts it against the shipped config (module doc)")
     ap.add_argument("--wg-probe", action="store_true",
                     help="instead of the ladder: the warpgroup build's shapes with one and two wgmma groups in flight "
                          "(with --ablate also without the fence and barrier, and without the x stores)")
@@ -1000,6 +1008,44 @@ def forms_main(args) -> int:
     return 0
 
 
+def ab_promote(report: dict, device=None) -> list[dict]:
+    """--promote: per cell of at most 32 rows, the fastest candidate that is a plain config (no defines, not timing
+    only) and within the fp32 check, against the shipped config by `autotune.promote` on their paired rounds; a
+    promoted one is stored as this GPU's tuned entry `w12.matmul/flow/<shape key>` (`autotune.store_tuned`, read
+    by `w12.configs.flow_config`), with the decision. Returns one record per cell; the same go into the report."""
+    import autotune
+    from autotune.promotion import promote
+    from w12.configs import FlowConfig
+
+    out = []
+    for row in report["cells"]:
+        n, k = ab_layer_shape(row["layer"])
+        key = autotune.shape_key(M=row["M"], N=n, K=k)
+        rec = {"layer": row["layer"], "M": row["M"], "key": key, "ship": row["ship"], "stored": False}
+        cands = [(label, r) for label, r in row["cands"].items()
+                 if "error" not in r and r["ok"] and not r["timing_only"] and not r["defines"]]
+        if row["M"] > 32:
+            rec["note"] = "above 32 rows the shipped path is 32-row pieces: nothing to store"
+        elif not cands:
+            rec["note"] = "no plain candidate passed its check"
+        else:
+            label, best = min(cands, key=lambda c: c[1]["ratio"])
+            d = promote(best["ship_samples_us"], best["cand_samples_us"])
+            rec.update(label=label, tag=best["tag"], ratio=best["ratio"], decision=d.to_dict())
+            if d.promoted:
+                autotune.store_tuned("w12.matmul", "flow", key, FlowConfig.from_tag(best["tag"]), device=device,
+                                     extra={"source": "perf/w12_ladder.py --ab --promote", "ship": row["ship"],
+                                            "ship_us": best["ship_us"], "cand_us": best["cand_us"],
+                                            "promotion": d.to_dict()})
+                rec["stored"] = True
+        row["promotion"] = rec
+        print(f"promote {row['layer']} M={row['M']}: " + (f"{rec['tag']} ratio {rec['ratio']:.3f}, "
+              f"{'stored' if rec['stored'] else 'kept ' + row['ship']} ({rec['decision']['reason']})"
+              if "decision" in rec else rec["note"]), flush=True)
+        out.append(rec)
+    return out
+
+
 def ab_main(args) -> int:
     """--ab: the cells' builds (with --build-only) or their A/B on the GPU, into $OUT/w12-ab.json."""
     text = Path(args.ab).read_text() if Path(args.ab).is_file() else args.ab
@@ -1017,8 +1063,10 @@ def ab_main(args) -> int:
 
     t0 = time.perf_counter()
     report = ab_run(cells, args.rounds)
+    if args.promote:
+        ab_promote(report)
     report["meta"] = {"gpu": torch.cuda.get_device_name(), **versions(), "rounds": args.rounds,
-                      "wall_s": round(time.perf_counter() - t0, 1)}
+                      "wall_s": round(time.perf_counter() - t0, 1), "promote": args.promote}
     out = Path(os.environ.get("OUT", ".")) / "w12-ab.json"
     out.write_text(json.dumps(report, indent=1))
     print(f"wrote {out}")

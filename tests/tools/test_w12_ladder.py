@@ -329,3 +329,39 @@ def test_ab_run_end_to_end_with_torch_stand_ins(ladder, monkeypatch):
     assert same["ok"] and same["same_bits_as_ship"] and not same["timing_only"] and same["ratio"] > 0
     assert other["tag"] == "flow-w4-k1-s3-c4" and other["ok"] and other["regs"] == "96r"
     assert nosync["timing_only"] and nosync["ok"] and not nosync["same_bits_as_ship"]
+
+
+def test_ab_promote_stores_only_a_clear_plain_winner(ladder, monkeypatch, tmp_path):
+    """--promote on a report: per cell the fastest plain candidate (no defines, checked, not timing only) goes through
+    autotune.promote on its paired rounds; a clear gain becomes the tuned entry of the cell's shape key (into a
+    temporary tuned file here), a level one and a cell above 32 rows store nothing."""
+    import autotune
+    from w12.configs import FlowConfig
+
+    monkeypatch.setattr(ladder, "ab_layer_shape", lambda name: (5120, 6144))
+    stored = []
+    monkeypatch.setattr(autotune, "store_tuned", lambda *a, **kw: stored.append((a, kw)) or tmp_path / "h.json")
+
+    def cand(tag, ratio, **kw):
+        ship = [20.0 + 0.01 * (i % 3) for i in range(20)]
+        return {"tag": tag, "defines": {}, "ok": True, "timing_only": False, "ratio": ratio, "ship_us": 20.0,
+                "cand_us": 20.0 * ratio, "ship_samples_us": ship, "cand_samples_us": [t * ratio for t in ship], **kw}
+
+    report = {"cells": [
+        {"layer": "o_proj", "M": 32, "ship": "flow-w4-k2-s3-c4-q3-x1", "cands": {
+            "fast": cand("flow-w4-k2-s3-c5-q4-h", 0.90), "faster-but-defines": cand("flow-w4-k2-s3-c4-q3", 0.80,
+                                                                                    defines={"W12F_ESCX": 1}),
+            "wrong": cand("flow-w4-k1-s3-c4", 0.70, ok=False), "broken": {"tag": "x", "error": "BUILD FAILED"}}},
+        {"layer": "o_proj", "M": 16, "ship": "flow-w4-k2-s3-c4-q3-x1-l", "cands": {
+            "level": cand("flow-w4-k2-s3-c4-q3-l-h", 0.999)}},
+        {"layer": "o_proj", "M": 40, "ship": "pieces", "cands": {"fast": cand("flow-w8-k2-s3-c2-g", 0.8)}},
+    ]}
+    recs = ladder.ab_promote(report)
+    assert [r["stored"] for r in recs] == [True, False, False]
+    assert recs[0]["label"] == "fast" and recs[0]["decision"]["promoted"]
+    assert recs[1]["label"] == "level" and not recs[1]["decision"]["promoted"]
+    assert "32-row pieces" in recs[2]["note"]
+    ((args, kw),) = stored
+    assert args[:3] == ("w12.matmul", "flow", autotune.shape_key(M=32, N=5120, K=6144))
+    assert args[3] == FlowConfig.from_tag("w4-k2-s3-c5-q4-h") and kw["extra"]["promotion"]["promoted"]
+    assert report["cells"][0]["promotion"] is recs[0]
