@@ -42,13 +42,21 @@ def _slot_offsets(slot, PAGE: tl.constexpr, stride_page, stride_off, head_off):
 
 
 @triton.jit
+def _checked_slots(slot, top, slots):
+    """The device build's slot check (two instructions a slot): `top` raised to the largest of `slot` read as
+    unsigned (a negative slot is above any cache), and `slot` clamped to the cache's last slot, so that nothing is
+    read out of bounds; the item writes NaN rows when `top` ends at or above `slots`."""
+    slot = slot.to(tl.uint32, bitcast=True)
+    return tl.minimum(slot, (slots - 1).to(tl.uint32)), tl.maximum(top, tl.max(slot, 0))
+
+
+@triton.jit
 def _prefix_step(q, m_i, l_i, acc, top, start, hi, slots, k_ptr, v_ptr, kv_indices, sm_scale_log2, stride_kp, stride_ko,
                  k_head, stride_vp, stride_vo, v_head, PAGE: tl.constexpr, D: tl.constexpr, BN: tl.constexpr,
                  MASKED: tl.constexpr, CHECK: tl.constexpr):
     """One online-softmax step over the prefix keys kv_indices[start:start+BN] (those below `hi` when MASKED).
-    CHECK: `top` keeps the largest slot read so far as unsigned (a negative slot is above any cache),
-    and a slot outside [0, slots) is read as slot slots - 1, so that nothing is read out of bounds and the item
-    can tell after its last step whether to write NaN: two instructions a slot."""
+    CHECK: `top` keeps the largest slot read so far and a slot outside the cache is read as its last
+    (`_checked_slots`)."""
     offs_n = start + tl.arange(0, BN)
     offs_d = tl.arange(0, D)
     if MASKED:
@@ -57,9 +65,7 @@ def _prefix_step(q, m_i, l_i, acc, top, start, hi, slots, k_ptr, v_ptr, kv_indic
     else:
         slot = tl.load(kv_indices + offs_n)
     if CHECK:
-        slot = slot.to(tl.uint32, bitcast=True)
-        top = tl.maximum(top, tl.max(slot, 0))
-        slot = tl.minimum(slot, (slots - 1).to(tl.uint32))
+        slot, top = _checked_slots(slot, top, slots)
     k_rows = _slot_offsets(slot, PAGE, stride_kp, stride_ko, k_head)
     v_rows = _slot_offsets(slot, PAGE, stride_vp, stride_vo, v_head)
     if MASKED:
@@ -251,9 +257,7 @@ def _split_item(item, hk, req, tile, lo, hi, q0, n, q_ptr, k_ptr, v_ptr, kn_ptr,
             end = hi + n
             slot = tl.load(kv_indices + hi + offs_j, mask=ok_j, other=0)
             if CHECK:
-                slot = slot.to(tl.uint32, bitcast=True)
-                top = tl.max(slot, 0)
-                slot = tl.minimum(slot, (slots - 1).to(tl.uint32))
+                slot, top = _checked_slots(slot, top, slots)
             k_rows = _slot_offsets(slot, PAGE, stride_kp, stride_ko, hk * stride_kh)
             k = tl.load(k_ptr + k_rows[:, None] + offs_d[None, :], mask=ok_j[:, None], other=0.0)
             v_rows = _slot_offsets(slot, PAGE, stride_vp, stride_vo, hk * stride_vh)
