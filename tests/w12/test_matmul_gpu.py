@@ -5,8 +5,6 @@ Run on the GPU machine:  python -m pytest tests/w12/test_matmul_gpu.py -q
 
 from concurrent.futures import ThreadPoolExecutor
 
-import shutil
-import subprocess
 
 import pytest
 import torch
@@ -16,7 +14,7 @@ import triton
 import autotune
 import w12
 from specpilot.bench.shapes import get_shape_set
-from specpilot.testing import assert_bitwise_equal, assert_close
+from specpilot.testing import assert_bitwise_equal, assert_close, sass
 from w12 import ops as wops
 from w12 import cuda as wcuda
 from w12.configs import GemvConfig, MmaConfig, TcConfig, TmaConfig
@@ -249,12 +247,9 @@ def test_tc_kernel_uses_wgmma(cfg):
 @pytest.mark.parametrize("nt", [1, 2, 4])
 def test_tma_wg_kernel_uses_wgmma(nt):
     """TmaConfig(wg=True) must reach the tensor cores through wgmma (HGMMA in SASS), not mma.sync."""
-    tool = shutil.which("cuobjdump")
-    if tool is None:
-        pytest.skip("cuobjdump not on PATH")
     cubin = wcuda.build(TmaConfig(1, 8, 6, wg=True), nt, False, torch.cuda.get_device_capability())
-    sass = subprocess.run([tool, "-sass", str(cubin)], capture_output=True, text=True, check=True).stdout
-    assert "HGMMA" in sass and "HMMA" not in sass.replace("HGMMA", "")
+    text = sass(cubin)
+    assert "HGMMA" in text and "HMMA" not in text.replace("HGMMA", "")
 
 
 def test_gemv_kernel_uses_no_tensor_cores():
