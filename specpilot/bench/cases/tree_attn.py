@@ -17,8 +17,8 @@ Groups (baseline variant in brackets):
   the host, the others run on its kept plan); "run-eager": `run` on a host plan timed as those two are (eager
   CUDA events over back-to-back calls), their baseline where the host's launch work is part of a call.
   "sdpa-mask": F.scaled_dot_product_attention with the tree's mask as an additive bf16 mask built once in setup (no
-  per-call bool->float conversion), the GQA group folded into the query rows ([1, Hkv, G*n, D] against [1, Hkv, L+n, D], mask [G*n, L+n]) so K/V are
-  not expanded to H heads. "flex": flex_attention under torch.compile with a block mask made in setup; the
+  per-call bool->float conversion), the GQA group folded into the query rows ([1, Hkv, G*n, D] against
+  [1, Hkv, L+n, D], mask [G*n, L+n]) so K/V are not expanded to H heads. "flex": flex_attention under torch.compile with a block mask made in setup; the
   mask_mod reads the prefix length and a precomputed ancestor bool tensor [B, n, n].
 * `B24-N8-L1k-32k` [flex]: batch 24, 8-node trees, prefix lengths uniform in [1k, 32k] (seeded); tree_attn
   variants and "flex". FlexAttention runs the batch as one padded call ([24, Hkv, Lmax+8, D], each request's
