@@ -18,8 +18,9 @@ Groups (baseline variant in brackets):
   CUDA events over back-to-back calls), their baseline where the host's launch work is part of a call.
   "sdpa-mask": F.scaled_dot_product_attention with the tree's mask as an additive bf16 mask built once in setup (no
   per-call bool->float conversion), the GQA group folded into the query rows ([1, Hkv, G*n, D] against
-  [1, Hkv, L+n, D], mask [G*n, L+n]) so K/V are not expanded to H heads. "flex": flex_attention under torch.compile with a block mask made in setup; the
-  mask_mod reads the prefix length and a precomputed ancestor bool tensor [B, n, n].
+  [1, Hkv, L+n, D], mask [G*n, L+n]) so K/V are not expanded to H heads. "flex": flex_attention under
+  torch.compile with a block mask made in setup; the mask_mod reads the prefix length and a precomputed ancestor
+  bool tensor [B, n, n].
 * `B24-N8-L1k-32k` [flex]: batch 24, 8-node trees, prefix lengths uniform in [1k, 32k] (seeded); tree_attn
   variants and "flex". FlexAttention runs the batch as one padded call ([24, Hkv, Lmax+8, D], each request's
   prefix and nodes at the start of its row) with per-request lengths in the mask_mod: with 8 queries a request
@@ -46,9 +47,9 @@ elements at once the check covers the first and last request only (B24) and the 
 Hkv - 1 only (L = 128k).
 On a CPU only the "tiny" shape set yields (small) cases: B1 with a 5-node tree over L = 40 (with
 "tree_attention", "tree_attention-kept" and "run-eager"), a ragged B3, a 4-node chain; D rounds up to 64 there
-(tiny's 32 is not a supported head dim); "flex" (torch.compile) only runs on CUDA. There the kernel variants run under the interpreter when
-TRITON_INTERPRET=1; without it a CPU runs the one torch path, "reference", in place of "wgmma" / "mma" and
-"tree_attention".
+(tiny's 32 is not a supported head dim); "flex" (torch.compile) only runs on CUDA. There the kernel variants run
+under the interpreter when TRITON_INTERPRET=1; without it a CPU runs the one torch path, "reference", in place of
+"wgmma" / "mma" and "tree_attention".
 """
 
 from __future__ import annotations
