@@ -83,6 +83,17 @@ and the LM head at `--forms-m` bf16 and `--forms-fp16-m` fp16 rows. Each form's 
 first (`specpilot.testing.assert_close`, against F.linear's error in the same dtype); then the three are timed over
 rotated weight copies (`weight_copies`; `time_fns`, medians of CUDA-graph replays). File: $OUT/w12-forms.json.
 
+`--batch` times the batch kernel (w12/kernels/batch.py: the runtime layout's tensor-core GEMM that reads the weight
+once for up to 256 rows of x) instead of the ladder: for each of --layers (AB_LAYERS names) at each of --batch-m
+rows, cuBLAS on the BF16 weight and the kernel's candidates (`w12.configs.batch_heuristic`'s config, its neighbours in
+split-K, rows of x a program and stages, and any --batch-configs tags) each beside `w12.matmul_tiled` as dispatched
+(the flow kernel's 32-row pieces up to 96 rows, the weight decoded and F.linear above), pairs interleaved as in --ab
+(weights and x as there). Each candidate's output is first checked against the fp32 product (within twice cuBLAS's
+largest error: `ok`). With `--promote`, for each layer and shape key (rows bucketed to a power of two: 33-64, 65-128,
+129-256) the candidate with the best worst ratio over the key's timed row counts goes through `autotune.promote`
+at each of them, and where it is promoted at all of them it becomes this GPU's tuned entry
+`w12.matmul/batch/<key>`, which `w12.matmul_tiled` then runs. File: $OUT/w12-batch.json.
+
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
 skips the rows left once the run has taken that long. Files: $OUT/w12-ladder.json and $OUT/w12-ladder.md when $OUT
@@ -926,10 +937,10 @@ def parse(argv=None):
     ap.add_argument("--ab", metavar="CELLS", default=None,
                     help="instead of the ladder: candidates beside the shipped config, pairs interleaved (module doc); "
                          "CELLS is the JSON or a file holding it")
-    ap.add_argument("--rounds", type=int, default=20, help="--ab: interleaved rounds a pair")
+    ap.add_argument("--rounds", type=int, default=20, help="--ab / --batch: interleaved rounds a pair")
     ap.add_argument("--promote", action="store_true",
-                    help="--ab: store each cell's fastest plain candidate as this GPU's tuned entry where "
-                         "autotune.promote accepts it against the shipped config (module doc)")
+                    help="--ab / --batch: store the winning candidates as this GPU's tuned entries where "
+                         "autotune.promote accepts them (module doc)")
     ap.add_argument("--wg-probe", action="store_true",
                     help="instead of the ladder: the warpgroup build's shapes with one and two wgmma groups in flight "
                          "(with --ablate also without the fence and barrier, and without the x stores)")
@@ -939,6 +950,15 @@ def parse(argv=None):
                     help="--forms: bf16 row counts")
     ap.add_argument("--forms-fp16-m", nargs="*", type=int, default=[1, 8, 16, 32, 48],
                     help="--forms: fp16 row counts")
+    ap.add_argument("--batch", action="store_true",
+                    help="instead of the ladder: the batch kernel beside matmul_tiled's paths above 32 rows (module "
+                         "doc); with --promote its winners become tuned entries")
+    ap.add_argument("--batch-layers", nargs="+", default=list(LAYERS), metavar="LAYER",
+                    help="--batch: layers (AB_LAYERS names)")
+    ap.add_argument("--batch-m", nargs="+", type=int, default=[33, 40, 64, 72, 96, 128, 136, 200, 256],
+                    help="--batch: row counts")
+    ap.add_argument("--batch-configs", nargs="*", default=[], metavar="TAG",
+                    help="--batch: more BatchConfig tags to time in every cell, e.g. n64-t128-g1-k2-w4-s4")
     args = ap.parse_args(argv)
     from w12.configs import FlowConfig
 
@@ -1073,8 +1093,145 @@ def ab_main(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------
+# --batch: the batch kernel beside matmul_tiled's paths above 32 rows (module doc)
+# --------------------------------------------------------------------------------------
+
+
+def batch_candidates(m: int, n: int, k: int, device, extra=()) -> list:
+    """The batch kernel's configs timed at (m, n, k): the heuristic's, its neighbours (no split, half and twice its
+    split, 64 rows of x a program above 64 rows, four stages), then `extra` (tags); without repeats, in that order."""
+    from w12.configs import BatchConfig, batch_heuristic
+
+    h = batch_heuristic(m, n, k, device)
+    cands = [h, replace(h, split_k=1), replace(h, split_k=max(1, h.split_k // 2)), replace(h, split_k=2 * h.split_k),
+             replace(h, num_stages=4)]
+    if m > 64:
+        cands.append(replace(h, block_t=64, split_k=max(1, h.split_k // 2)))
+    cands += [BatchConfig.from_tag(t) for t in extra]
+    seen, out = set(), []
+    for c in cands:
+        if c.tag() not in seen:
+            seen.add(c.tag())
+            out.append(c)
+    return out
+
+
+def batch_run(layers: list[str], ms: list[int], rounds: int, extra=(), device=None) -> dict:
+    """Time every (layer, M) of --batch on the GPU (module doc; `device`: default cuda); the report as a dict."""
+    import w12
+    from specpilot.bench.timing import time_ab
+    from w12.ops import launch_batch
+
+    dev = torch.device("cuda" if device is None else device)
+    report = []
+    for layer in layers:
+        n, k = ab_layer_shape(layer)
+        if dev.type == "cuda":
+            torch.cuda.empty_cache()
+        ts, w0 = [], None
+        for i in range(weight_copies(n, k)):
+            w = (torch.randn(n, k, device=dev, generator=torch.Generator(dev).manual_seed(i)) * 0.02).to(torch.bfloat16)
+            ts.append(w12.pack(w))
+            w0 = w if i == 0 else w0
+        for m in ms:
+            x = torch.randn(m, k, device=dev, generator=torch.Generator(dev).manual_seed(m)).to(torch.bfloat16)
+            ref = x.float() @ w0.float().T
+            cub_err = (F.linear(x, w0).float() - ref).abs().max().item()
+            outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in ts]
+            default = [lambda i=i: w12.matmul_tiled(x, ts[i], out=outs[i]) for i in range(len(ts))]
+            default[0]()
+            row = {"layer": layer, "M": m, "N": n, "K": k, "cublas_err": cub_err,
+                   "default_err": (outs[0].float() - ref).abs().max().item(), "cands": {}}
+            ta, tb = time_ab(default, [lambda: F.linear(x, w0)] * len(ts), dev, rounds=rounds)
+            row["default_us"], row["cublas_us"] = ta.median * 1e6, tb.median * 1e6
+            print(f"{layer} M={m} default {row['default_us']:.1f} us, cuBLAS {row['cublas_us']:.1f}", flush=True)
+            for cfg in batch_candidates(m, n, k, dev, extra):
+                try:
+                    launch_batch(cfg, x, ts[0], None, outs[0])
+                    err = (outs[0].float() - ref).abs().max().item()
+                    ta, tb = time_ab(default, [lambda i=i: launch_batch(cfg, x, ts[i], None, outs[i])
+                                               for i in range(len(ts))], dev, rounds=rounds)
+                except Exception as e:  # a failed candidate is a row of the report
+                    row["cands"][cfg.tag()] = {"error": repr(e)[:300]}
+                    print(f"  {cfg.tag()}: ERROR {e!r}"[:400], flush=True)
+                    if dev.type == "cuda":
+                        torch.cuda.synchronize()  # an asynchronous fault surfaces here and stops the run
+                    continue
+                r = {"default_us": ta.median * 1e6, "cand_us": tb.median * 1e6, "err": err,
+                     "ok": err <= 2 * cub_err + 1e-6, "default_samples_us": [t * 1e6 for t in ta.samples],
+                     "cand_samples_us": [t * 1e6 for t in tb.samples]}
+                r["ratio"] = r["cand_us"] / r["default_us"]
+                r["cublas_over_cand"] = row["cublas_us"] / r["cand_us"]
+                row["cands"][cfg.tag()] = r
+                print(f"  {cfg.tag():32s} {r['cand_us']:8.1f} vs {r['default_us']:8.1f} us  ratio {r['ratio']:.3f}  "
+                      f"cuBLAS/batch {r['cublas_over_cand']:.3f}  err {err:.4f} (cuBLAS {cub_err:.4f})", flush=True)
+            report.append(row)
+        del ts, w0
+    return {"cells": report}
+
+
+def batch_promote(report: dict, device=None) -> list[dict]:
+    """--batch --promote (module doc): per layer and shape key, the candidate with the best worst ratio over the
+    key's row counts, stored as `w12.matmul/batch/<key>` where `autotune.promote` accepts it at every one of them."""
+    import autotune
+    from autotune.promotion import promote
+    from w12.configs import BatchConfig
+
+    groups: dict[tuple[str, str], list[dict]] = {}
+    for row in report["cells"]:
+        key = autotune.shape_key(M=row["M"], N=row["N"], K=row["K"])
+        groups.setdefault((row["layer"], key), []).append(row)
+    out = []
+    for (layer, key), rows in groups.items():
+        rec = {"layer": layer, "key": key, "M": [r["M"] for r in rows], "stored": False}
+        tags = [t for t in rows[0]["cands"]
+                if all(t in r["cands"] and "error" not in r["cands"][t] and r["cands"][t]["ok"] for r in rows)]
+        if not tags:
+            rec["note"] = "no candidate passed its check at every row count of the key"
+        else:
+            tag = min(tags, key=lambda t: max(r["cands"][t]["ratio"] for r in rows))
+            ds = [promote(r["cands"][tag]["default_samples_us"], r["cands"][tag]["cand_samples_us"]) for r in rows]
+            rec.update(tag=tag, ratios=[r["cands"][tag]["ratio"] for r in rows], decisions=[d.to_dict() for d in ds])
+            if all(d.promoted for d in ds):
+                autotune.store_tuned("w12.matmul", "batch", key, BatchConfig.from_tag(tag), device=device,
+                                     extra={"source": "perf/w12_ladder.py --batch --promote",
+                                            "M": rec["M"], "ratios": rec["ratios"],
+                                            "cand_us": [r["cands"][tag]["cand_us"] for r in rows],
+                                            "default_us": [r["cands"][tag]["default_us"] for r in rows]})
+                rec["stored"] = True
+        print(f"promote {layer} {key}: " + (f"{rec['tag']} ratios {[round(x, 3) for x in rec['ratios']]}, "
+              f"{'stored' if rec['stored'] else 'not stored'}" if "tag" in rec else rec["note"]), flush=True)
+        out.append(rec)
+    report["promotion"] = out
+    return out
+
+
+def batch_main(args) -> int:
+    """--batch: the batch kernel's A/B on the GPU, into $OUT/w12-batch.json."""
+    if not torch.cuda.is_available():
+        print("w12_ladder: --batch times on a CUDA GPU", file=sys.stderr)
+        return 2
+    from autotune.config import versions
+
+    for name in args.batch_layers:
+        ab_layer_shape(name)  # an unknown layer stops here, before any GPU work
+    t0 = time.perf_counter()
+    report = batch_run(args.batch_layers, args.batch_m, args.rounds, args.batch_configs)
+    if args.promote:
+        batch_promote(report)
+    report["meta"] = {"gpu": torch.cuda.get_device_name(), **versions(), "rounds": args.rounds,
+                      "wall_s": round(time.perf_counter() - t0, 1), "promote": args.promote}
+    out = Path(os.environ.get("OUT", ".")) / "w12-batch.json"
+    out.write_text(json.dumps(report, indent=1))
+    print(f"wrote {out}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.batch:
+        return batch_main(args)
     if args.forms:
         return forms_main(args)
     if args.ab is not None:

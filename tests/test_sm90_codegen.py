@@ -53,6 +53,38 @@ def _w12_ptx(kind: str, q8: bool, asm: bool) -> str:
     return _ptx(gemv.w12_matmul_gemv_kernel, types, ce, 4, 2)
 
 
+def _w12_batch_build(M: int, q8: bool, f16: bool) -> dict:
+    """The batch kernel at `w12.configs.batch_heuristic`'s config for o_proj (5120 x 6144) at M rows, compiled as a
+    launch specialises it (16-byte aligned pointers, sizes divisible by 16, unit K stride): its features, and its
+    key loop's size, spills and cp.async copies (LDGSTS: the loads pipelined through shared memory)."""
+    import triton
+    from triton.backends.compiler import GPUTarget
+    from triton.compiler import ASTSource
+
+    from specpilot.testing import mma_loop, sass
+    from w12 import configs
+    from w12.kernels.batch import w12_batch_kernel
+
+    configs.sm_count = lambda device: 132
+    cfg = configs.batch_heuristic(M, 5120, 6144, torch.device("cpu"), q8=q8)
+    xt = "*fp16" if f16 else "*bf16"
+    types = dict(x_ptr=xt, bias_ptr=xt, out_ptr=xt, tiles_ptr="*u8", e0_ptr="*u8", rowptr_ptr="*i32",
+                 col_ptr="*i32", val_ptr="*i16", ws_ptr="*fp32", SB="i64")
+    ce = dict(HAS_BIAS=False, Q8=q8, X_F16=f16, SPLIT=cfg.split_k > 1, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
+              GROUPS=cfg.groups, USE_ASM=cfg.asm, stride_xk=1)
+    names = list(inspect.signature(w12_batch_kernel.fn).parameters)
+    sig = {n: "constexpr" if n in ce else types.get(n, "i32") for n in names}
+    div16 = [n for n in names if n.endswith("_ptr") or n in ("N", "K", "KF", "kr", "NF", "nr", "SB", "stride_xm")]
+    src = ASTSource(fn=w12_batch_kernel, signature=sig, constexprs=ce,
+                    attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16})
+    c = triton.compile(src, target=GPUTarget("cuda", 90, 64),
+                       options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
+    loop = mma_loop(sass(c.asm["cubin"]))
+    return dict(_features(c.asm["ptx"]), tag=cfg.tag(), loop=len(loop), ldl=sum("LDL" in t for t in loop),
+                stl=sum("STL" in t for t in loop), ldgsts=sum("LDGSTS" in t for t in loop),
+                hgmma=sum("HGMMA" in t for t in loop))
+
+
 def _gdn_b1_ptx() -> str:
     """The sm_90 default WY config for one 32-node tree at hybrid-27b dims, as wy_config picks it."""
     from gdn import configs
@@ -251,6 +283,8 @@ def _worker() -> None:
         for asm in (False, True):
             out[f"tc-{q8}-{asm}"] = _features(_w12_ptx("tc", q8, asm))
     out["gemv"] = _features(_w12_ptx("gemv", False, True))
+    for M, q8, f16 in ((40, False, False), (128, False, False), (128, True, False), (72, False, True)):
+        out[f"batch-{M}-{q8}-{f16}"] = _w12_batch_build(M, q8, f16)
     for q8 in (False, True):
         for groups in (1, 4):
             out[f"untile-{q8}-{groups}"] = _features(_untile_ptx(q8, groups))
@@ -305,6 +339,20 @@ def test_w12_tc_kernel_emits_wgmma(q8, asm):
 def test_w12_gemv_kernel_uses_no_tensor_cores():
     f = _results()["gemv"]
     assert not f["wgmma"] and not f["mma_sync"] and f["fma_f32"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", ["40-False-False", "128-False-False", "128-True-False", "72-False-True"],
+                         ids=["M40", "M128", "M128-q8", "M72-fp16"])
+def test_w12_batch_kernel_pipelines_its_loads_into_wgmma_without_spills(case):
+    """The batch kernel at its heuristic's configs, compiled as a launch specialises it: wgmma, the packed decode
+    with code 0 -> +0.0 (the 8-bit view's without it), cp.async copies in the key loop (Triton's pipeliner took the
+    loads), and no local memory there."""
+    f = _results()[f"batch-{case}"]
+    q8 = "-True-" in case
+    assert f["wgmma"] and f["hgmma"] >= 4, f
+    assert (f["pk_asm"], f["pk_zero_asm"]) == ((True, False) if q8 else (False, True)), f
+    assert f["ldgsts"] > 0 and f["ldl"] == f["stl"] == 0, f
 
 
 @pytest.mark.slow

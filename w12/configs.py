@@ -41,8 +41,9 @@ import torch
 
 import autotune
 
-__all__ = ["TcConfig", "GemvConfig", "MmaConfig", "FlowConfig", "flow_heuristic", "flow_config", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "sm_count",
-           "pick_split_k", "mma_heuristic"]
+__all__ = ["TcConfig", "GemvConfig", "MmaConfig", "FlowConfig", "BatchConfig", "flow_heuristic", "flow_config",
+           "batch_heuristic", "GEMV_MAX_M", "tc_heuristic", "gemv_heuristic", "sm_count", "pick_split_k",
+           "mma_heuristic"]
 
 GEMV_MAX_M = 4  # the no-wgmma variant runs the CUDA-core kernel up to this M
 _TARGET_INFLIGHT = 40 << 10  # bytes per SM the loads should keep in flight (see module doc)
@@ -262,6 +263,60 @@ class FlowConfig:
         return cls(warps=int(w), kw=int(k), stages=int(st), cps=int(c), fixed=bool(fixed), evict=not keep,
                    rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg), xd=int(xd or 0), kg=split == "p",
                    late=bool(late), escx=bool(escx), xh=bool(xh))
+
+
+@dataclass(frozen=True)
+class BatchConfig:
+    """The runtime layout's tensor-core GEMM for many rows of x (kernels/batch.py, swap-AB): a program owns
+    `block_n` weight rows and `block_t` rows of x (the MMA's N: up to 256, so a batch of that many rows reads the
+    weight once) and takes `groups` 64-column groups a K step; `split_k` K shares meet in an fp32 workspace (a fixed
+    order). `asm`: the packed PTX decode (kernels/pk_decode.py; a GPU only, the interpreter takes the plain one)."""
+
+    block_n: int = 64  # MMA M (weight rows): 64 per warpgroup on wgmma
+    block_t: int = 128  # MMA N (rows of x)
+    groups: int = 1
+    split_k: int = 1
+    num_warps: int = 4
+    num_stages: int = 3
+    asm: bool = True
+
+    def __post_init__(self):
+        for f in ("block_n", "block_t"):
+            v = getattr(self, f)
+            if not 16 <= v <= 256 or v & (v - 1):
+                raise ValueError(f"BatchConfig needs {f} a power of two from 16 to 256, got {self}")
+        if self.groups not in (1, 2, 4) or self.split_k < 1 or self.num_warps not in (1, 2, 4, 8, 16) \
+                or self.num_stages < 1:
+            raise ValueError(f"BatchConfig needs groups in (1, 2, 4), split_k >= 1, num_warps in (1, 2, 4, 8, 16) "
+                             f"and num_stages >= 1; got {self}")
+
+    def tag(self) -> str:
+        return f"batch-n{self.block_n}-t{self.block_t}-g{self.groups}-k{self.split_k}-w{self.num_warps}-" \
+            f"s{self.num_stages}" + ("" if self.asm else "-plain")
+
+    @classmethod
+    def from_tag(cls, tag: str) -> "BatchConfig":
+        """The config whose `tag()` is `tag` (the leading "batch-" may be left out), e.g. "n64-t128-g1-k2-w4-s3"."""
+        m = re.fullmatch(r"(?:batch-)?n(\d+)-t(\d+)-g(\d+)-k(\d+)-w(\d+)-s(\d+)(-plain)?", tag)
+        if m is None:
+            raise ValueError(f"BatchConfig.from_tag: {tag!r} is not a batch config tag (e.g. 'batch-n64-t128-g1-k2-w4-s3')")
+        bn, bt, g, k, w, st, plain = m.groups()
+        return cls(block_n=int(bn), block_t=int(bt), groups=int(g), split_k=int(k), num_warps=int(w),
+                   num_stages=int(st), asm=not plain)
+
+
+def batch_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = False) -> BatchConfig:
+    """The batch kernel's default, not yet timed on a GPU (docs/w12-kernels.md, "Above 32 rows"): 64 weight rows and
+    one warpgroup a program, x's rows on the MMA's N up to 128 (more take a second program over the same weight
+    rows), one 64-column group a K step, three stages. The sm_90 builds (Triton 3.6, compiled on a CPU) hold that
+    step without spills: 232 registers at 128 rows of x (two CTAs an SM), 130 at 64; two groups a step spill at
+    both. Split-K fills whole waves of those CTAs."""
+    bt = min(128, max(16, _pow2(M)))
+    bn, warps, stages = 64, 4, 3
+    ctas_per_sm = 2 if bt >= 128 else 3
+    tiles = -(-N // bn) * -(-M // bt)
+    split = pick_split_k(tiles, max(1, K // 64), sm_count(device) * ctas_per_sm)
+    return BatchConfig(block_n=bn, block_t=bt, groups=1, split_k=split, num_warps=warps, num_stages=stages)
 
 
 def _check_common(c) -> None:

@@ -29,13 +29,14 @@ from torch.library import triton_op, wrap_triton
 import autotune
 
 from . import cuda as wcuda
-from .configs import GEMV_MAX_M, FlowConfig, GemvConfig, MmaConfig, TcConfig, TmaConfig, gemv_heuristic, mma_heuristic, tc_heuristic
+from .configs import (GEMV_MAX_M, BatchConfig, FlowConfig, GemvConfig, MmaConfig, TcConfig, TmaConfig, gemv_heuristic,
+                      mma_heuristic, tc_heuristic)
 from .flow import MAX_M as FLOW_MAX_M
 from .format import W12Weight, unpack
 from .layout import TiledW12, untile
-from .kernels import w12_matmul_gemv_kernel, w12_matmul_tc_kernel, w12_splitk_reduce_kernel
+from .kernels import w12_batch_kernel, w12_matmul_gemv_kernel, w12_matmul_tc_kernel, w12_splitk_reduce_kernel
 
-__all__ = ["matmul", "matmul_q8", "matmul_tiled", "decode_tiled", "VARIANTS", "OP", "OP_Q8"]
+__all__ = ["matmul", "matmul_q8", "matmul_tiled", "decode_tiled", "launch_batch", "VARIANTS", "OP", "OP_Q8"]
 
 OP = "w12.matmul"
 OP_Q8 = "w12.matmul_q8"
@@ -86,6 +87,9 @@ def _make_plan(op: str, variant: str | None, forced_cfg, x2d: torch.Tensor, hi: 
         kernel = _TRITON.default(device)  # fp16 x or M > 32: the generation's Triton kernel
     if forced_cfg is not None:
         kernel = next((k for cls, k in _FORCED_KERNEL if isinstance(forced_cfg, cls)), None)
+        if isinstance(forced_cfg, BatchConfig):
+            raise TypeError(f"{op}: the forced BatchConfig runs on the runtime layout only (a TiledW12, w12.pack's "
+                            "default form); pass w12.layout.tile(packed), or force a TcConfig for the planes")
         if kernel is None:
             raise TypeError(f"{op}: force({op!r}, config=...) takes a FlowConfig, TmaConfig, MmaConfig, TcConfig or GemvConfig, "
                             f"got {type(forced_cfg).__name__}; pass one of those")
@@ -457,8 +461,11 @@ def _matmul_tiled_eager(x2d, tiled: TiledW12, bias, *, q8: bool, out2d: torch.Te
     M = x2d.shape[0]
     if M:
         op = OP_Q8 if q8 else OP
-        cfg = _flow_config(x2d, tiled, op)
-        if cfg is not None:
+        bcfg = _batch_config(x2d, tiled, op)
+        cfg = None if bcfg is not None else _flow_config(x2d, tiled, op)
+        if bcfg is not None:
+            launch_batch(bcfg, x2d, tiled, bias, out2d, q8=q8)
+        elif cfg is not None:
             from . import flow
 
             flow.launch_tiled(cfg, x2d, tiled, bias, out2d, q8=q8, **_pdl_args(pdl))
@@ -600,14 +607,72 @@ def _flow_config(x2d: torch.Tensor, tiled: TiledW12, op: str, dtype: torch.dtype
     if wcuda.unavailable(x2d.device) is not None:
         return None
     _, forced = autotune.forced(op)
+    if isinstance(forced, BatchConfig):
+        return None
     if forced is not None:
         if not isinstance(forced, FlowConfig):
-            raise TypeError(f"w12.matmul_tiled: the forced {type(forced).__name__} is not a FlowConfig; the runtime "
-                            "layout runs the flow kernel only (force a FlowConfig, or call w12.matmul on the planes)")
+            raise TypeError(f"w12.matmul_tiled: the forced {type(forced).__name__} is not a FlowConfig or BatchConfig; "
+                            "the runtime layout runs the flow and batch kernels only (force one of those, or call "
+                            "w12.matmul on the planes)")
         return forced
     from .configs import flow_config
 
     return flow_config(x2d.shape[0], tiled.N, tiled.K, x2d.device, q8=op == OP_Q8)
+
+
+def _batch_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> BatchConfig | None:
+    """The batch kernel's config for this call, or None where it does not run: a forced `BatchConfig` (on a GPU or
+    under the interpreter, at any row count), else this GPU's tuned entry `<op>/batch/<key>` for the shape, which
+    `perf/w12_ladder.py --batch --promote` stores where the kernel beat the path the call would take otherwise. With
+    neither, the call keeps the flow kernel's pieces or the decode (see `matmul_tiled`)."""
+    _, forced = autotune.forced(op)
+    if isinstance(forced, BatchConfig):
+        if not (x2d.is_cuda or autotune.is_interpreter()):
+            raise ValueError("w12.matmul_tiled: the forced BatchConfig is a Triton kernel's config, and no kernel runs "
+                             "CPU tensors without the Triton interpreter; set TRITON_INTERPRET=1 before torch or triton "
+                             "is imported, or drop the forced config")
+        return forced
+    if forced is not None or not x2d.is_cuda:
+        return None
+    key = autotune.shape_key(M=x2d.shape[0], N=tiled.N, K=tiled.K)
+    if f"{op}/batch/{key}" not in autotune.load_tuned(x2d.device):
+        return None
+    from .configs import batch_heuristic
+
+    return autotune.get_config(op, "batch", BatchConfig,
+                               lambda: batch_heuristic(x2d.shape[0], tiled.N, tiled.K, x2d.device, q8=op == OP_Q8),
+                               key=key, device=x2d.device)
+
+
+def launch_batch(cfg: BatchConfig, x2d: torch.Tensor, tiled: TiledW12, bias: torch.Tensor | None, out: torch.Tensor,
+                 *, q8: bool = False):
+    """out [M, N] = x2d [M, K] @ W^T (+ bias) by the batch kernel (kernels/batch.py) at `cfg`, on a GPU or under
+    the interpreter: fp32 sums, one rounding to out's dtype (x's). `cfg.groups` is halved until it divides the
+    layout's full column groups (the main loop reads whole K steps without a mask). No host sync. Returns the
+    kernel's launch handle (on a GPU the compiled kernel: n_regs, n_spills, asm)."""
+    if x2d.is_cuda and x2d.device.index != torch.cuda.current_device():
+        with torch.cuda.device(x2d.device):
+            return launch_batch(cfg, x2d, tiled, bias, out, q8=q8)
+    M, K = x2d.shape
+    geo = tiled.geometry
+    groups = cfg.groups
+    while groups > 1 and geo.KF % groups:
+        groups //= 2
+    split = max(1, min(cfg.split_k, geo.KF // groups))  # every K share holds a step (the tail rides the last)
+    grid = (triton.cdiv(tiled.N, cfg.block_n), triton.cdiv(M, cfg.block_t), split)
+    ws = out if split == 1 else torch.empty((split, M, tiled.N), device=out.device, dtype=torch.float32)
+    has_bias = bias is not None
+    b = bias if has_bias else out
+    use_asm = bool(cfg.asm) and x2d.is_cuda and not autotune.is_interpreter()
+    ck = w12_batch_kernel[grid](x2d, tiled.tiles, tiled.e0, tiled.esc_rowptr, tiled.esc_col, tiled.esc_val, b, out, ws,
+                           M, tiled.N, K, geo.KF, geo.kr, geo.NF, geo.nr, geo.SB, x2d.stride(0), x2d.stride(1), split,
+                           HAS_BIAS=has_bias, Q8=bool(q8), X_F16=x2d.dtype == torch.float16, SPLIT=split > 1,
+                           BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, GROUPS=groups, USE_ASM=use_asm,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+    if split > 1:
+        w12_splitk_reduce_kernel[(triton.cdiv(M * tiled.N, _REDUCE_BLOCK),)](
+            ws, b, out, M, tiled.N, SPLIT_K=split, HAS_BIAS=has_bias, BLOCK=_REDUCE_BLOCK, num_warps=4)
+    return ck
 
 
 # 64-column groups a program of decode_tiled's kernel decodes: 4 makes one row's store 512 bytes. On the H200 4 took

@@ -365,3 +365,65 @@ def test_ab_promote_stores_only_a_clear_plain_winner(ladder, monkeypatch, tmp_pa
     assert args[:3] == ("w12.matmul", "flow", autotune.shape_key(M=32, N=5120, K=6144))
     assert args[3] == FlowConfig.from_tag("w4-k2-s3-c5-q4-h") and kw["extra"]["promotion"]["promoted"]
     assert report["cells"][0]["promotion"] is recs[0]
+
+
+def test_batch_candidates_are_the_heuristic_and_its_neighbours(ladder):
+    from w12.configs import BatchConfig, batch_heuristic
+
+    dev = torch.device("cpu")
+    h = batch_heuristic(128, 5120, 6144, dev)
+    cands = ladder.batch_candidates(128, 5120, 6144, dev, extra=["n64-t128-g1-k1-w4-s3", "n128-t64-g1-k2-w8-s2"])
+    tags = [c.tag() for c in cands]
+    assert cands[0] == h and len(set(tags)) == len(tags)
+    assert any(c.block_t == 64 for c in cands) and any(c.num_stages == 4 for c in cands)
+    assert BatchConfig.from_tag("n128-t64-g1-k2-w8-s2") in cands
+    assert all(c.block_t == 64 for c in ladder.batch_candidates(40, 5120, 6144, dev))
+
+
+def test_batch_run_on_the_cpu_checks_and_times_every_candidate(ladder, monkeypatch):
+    """--batch's procedure on the CPU: the batch kernel under the interpreter, matmul_tiled's torch path as the
+    default, cuBLAS as F.linear; every candidate checked against the fp32 product and timed in pairs."""
+    monkeypatch.setattr(ladder, "ab_layer_shape", lambda name: (40, 130))
+    monkeypatch.setattr(ladder, "weight_copies", lambda n, k: 2)
+    report = ladder.batch_run(["o_proj"], [33], rounds=2, extra=["n16-t16-g1-k1-w4-s1"], device="cpu")
+    (row,) = report["cells"]
+    assert row["M"] == 33 and row["default_us"] > 0 and row["cublas_us"] > 0
+    assert "batch-n16-t16-g1-k1-w4-s1" in row["cands"]
+    for tag, r in row["cands"].items():
+        assert "error" not in r and r["ok"], (tag, r)
+        assert len(r["cand_samples_us"]) == len(r["default_samples_us"]) == 2
+
+
+def test_batch_promote_stores_a_key_only_where_it_wins_at_every_row_count(ladder, monkeypatch, tmp_path):
+    import autotune
+    from w12.configs import BatchConfig
+
+    stored = []
+    monkeypatch.setattr(autotune, "store_tuned", lambda *a, **kw: stored.append((a, kw)) or tmp_path / "h.json")
+
+    def cand(ratio, ok=True):
+        base = [50.0 + 0.01 * (i % 3) for i in range(20)]
+        return {"ok": ok, "ratio": ratio, "cand_us": 50.0 * ratio, "default_us": 50.0, "default_samples_us": base,
+                "cand_samples_us": [t * ratio for t in base]}
+
+    a, b = "batch-n64-t128-g1-k3-w4-s3", "batch-n64-t64-g1-k2-w4-s3"
+    cells = [  # o_proj: 65-128 rows, a wins at both counts; 33-64 rows, a wins at 40 and loses at 64
+        {"layer": "o_proj", "M": 72, "N": 5120, "K": 6144, "cands": {a: cand(0.6), b: cand(0.7)}},
+        {"layer": "o_proj", "M": 128, "N": 5120, "K": 6144, "cands": {a: cand(0.8), b: cand(0.9)}},
+        {"layer": "o_proj", "M": 40, "N": 5120, "K": 6144, "cands": {a: cand(0.5), b: cand(0.9, ok=False)}},
+        {"layer": "o_proj", "M": 64, "N": 5120, "K": 6144, "cands": {a: cand(1.1), b: cand(0.8)}},
+    ]
+    recs = ladder.batch_promote({"cells": cells})
+    assert [(r["key"], r["stored"]) for r in recs] == [(autotune.shape_key(M=128, N=5120, K=6144), True),
+                                                       (autotune.shape_key(M=64, N=5120, K=6144), False)]
+    assert recs[0]["tag"] == a and recs[1]["tag"] == a  # b failed its check at 40 rows
+    ((args, kw),) = stored
+    assert args[:3] == ("w12.matmul", "batch", autotune.shape_key(M=72, N=5120, K=6144))
+    assert args[3] == BatchConfig.from_tag(a) and kw["extra"]["M"] == [72, 128]
+
+
+def test_batch_refuses_without_a_gpu(ladder, capsys):
+    if torch.cuda.is_available():
+        pytest.skip("a GPU is present")
+    assert ladder.main(["--batch"]) == 2
+    assert "--batch times on a CUDA GPU" in capsys.readouterr().err

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["decode_pk", "asm_text"]
+__all__ = ["decode_pk", "decode_pk_exact", "asm_text"]
 
 _SEL = ("0x4140", "0x4342")  # prmt selectors: bytes {0,1} / {2,3} into the low byte of each 16-bit lane
 
@@ -99,7 +99,7 @@ def _zero_code_pair(p: int, h: str, lo: str, e: str, high: bool, out: str) -> li
     return s
 
 
-_ASM = {(m, o): asm_text(m, o) for m in ("lo", "hi", "q8") for o in ("bf16", "f32")}
+_ASM = {(m, o): asm_text(m, o) for m in ("lo", "hi", "q8", "lo0", "hi0") for o in ("bf16", "f32")}
 
 
 @triton.jit
@@ -116,6 +116,19 @@ def decode_pk(h, lo, E16, MODE: tl.constexpr, F32: tl.constexpr):
     return w
 
 
+@triton.jit
+def decode_pk_exact(h, lo, E16, MODE: tl.constexpr, F32: tl.constexpr):
+    """`decode_pk` with code 0 -> +0.0 (modes 'lo0' / 'hi0': an escape's place adds nothing): MODE 0 low nibble,
+    1 high nibble, 2 q8 (the 8-bit view has no code-0 select: its escapes are taken back by the caller)."""
+    if F32:
+        w = tl.inline_asm_elementwise(_ASM_LO0_F32 if MODE == 0 else _ASM_HI0_F32 if MODE == 1 else _ASM_Q8_F32,
+                                      "=r,=r,=r,=r,r,r,r,r", [h, lo, E16], tl.float32, True, 4)
+    else:
+        w = tl.inline_asm_elementwise(_ASM_LO0_BF16 if MODE == 0 else _ASM_HI0_BF16 if MODE == 1 else _ASM_Q8_BF16,
+                                      "=r,=r,r,r,r,r", [h, lo, E16], tl.bfloat16, True, 4)
+    return w
+
+
 # module-level constexprs: the jit reads globals by name
 _ASM_LO_BF16 = tl.constexpr(_ASM[("lo", "bf16")])
 _ASM_HI_BF16 = tl.constexpr(_ASM[("hi", "bf16")])
@@ -123,3 +136,7 @@ _ASM_Q8_BF16 = tl.constexpr(_ASM[("q8", "bf16")])
 _ASM_LO_F32 = tl.constexpr(_ASM[("lo", "f32")])
 _ASM_HI_F32 = tl.constexpr(_ASM[("hi", "f32")])
 _ASM_Q8_F32 = tl.constexpr(_ASM[("q8", "f32")])
+_ASM_LO0_BF16 = tl.constexpr(_ASM[("lo0", "bf16")])
+_ASM_HI0_BF16 = tl.constexpr(_ASM[("hi0", "bf16")])
+_ASM_LO0_F32 = tl.constexpr(_ASM[("lo0", "f32")])
+_ASM_HI0_F32 = tl.constexpr(_ASM[("hi0", "f32")])

@@ -1,0 +1,149 @@
+"""The runtime layout's (w12/layout.py) tensor-core GEMM for many rows of x: `out[M, N] = x[M, K] @ W[N, K]^T`,
+swap-AB, `acc[BN, BT] = W_tile[BN, BK] @ xT_tile[BK, BT]`, with up to 256 rows of x on the MMA's N dimension, so
+that a batch verify step of 33-256 rows reads and decodes the weight once (the flow kernel takes 32 rows a launch).
+On sm_90 Triton lowers `tl.dot` to wgmma, elsewhere to mma.sync.
+
+A program owns BLOCK_N weight rows (any row blocks of the layout, the partial last one included) and BLOCK_T rows
+of x, and walks its K share in steps of GROUPS full 64-column groups (the tiles of its row blocks), then, in the
+last K share, the masked last group (the layout's tail). Within a 64-column group the runtime layout keeps each
+row's 64 hi bytes in column order and its 32 lo bytes as pairs: byte 8 p + j holds the low nibble of column
+16 p + j and, in its high nibble, that of column 16 p + j + 8 (p < 4, j < 8). The kernel therefore takes a group as
+two halves, "a" (columns 16 p + j) and "b" (the same + 8), each [BN, 32 GROUPS]: half a's hi bytes are runs of 8,
+half b's the next 8, and both decode against the same lo bytes, one 32-byte run a row. x is read in the same
+column order (runs of 8 columns), and each step issues two MMAs of depth 32 GROUPS. No byte is shuffled.
+
+Decode: code = hi << 4 | nib, bits = ((code & 0x7FF) + (e0 << 7)) | ((code & 0x800) << 4), and code 0 -> +0.0
+(`w12.format._decode`), so that an escape's place adds nothing and the epilogue adds x * value for each escape of
+the program's rows, exactly the weight `w12.unpack` gives. The 8-bit view (Q8) reads the hi bytes alone, each as
+its bin's midpoint (`w12.reference.q8_view_bits`), where an escape's hi byte 0 reads as that row's hi-0 value, which
+the epilogue takes back. fp16 x multiplies the decoded weight in fp32 (tf32 MMAs: bf16 weights and fp16 x are
+exact there), so the products are exact and only the fp32 sums round.
+
+Split-K: program (n, t, k) takes K steps [it0, it1) of its share; with SPLIT the fp32 partials go to
+ws[SPLIT_K, M, N] and `w12_splitk_reduce_kernel` (kernels/tc.py) adds them in a fixed order with the bias and
+rounds once. Without it the program adds the bias and rounds once.
+"""
+
+from __future__ import annotations
+
+import triton
+import triton.language as tl
+
+from .pk_decode import decode_pk_exact
+from .tc import _apply_escapes, _bits_to_f32, _decode_bits, _decode_bits_q8, _q8_base, _store_tile
+
+__all__ = ["w12_batch_kernel"]
+
+
+@triton.jit
+def _half_weights(h8, lo8, E, E16, HIGH: tl.constexpr, Q8: tl.constexpr, F32: tl.constexpr, USE_ASM: tl.constexpr):
+    """One half of a K step: hi bytes h8 and lo bytes lo8 (uint8 [BN, BKH]; lo8 unused for Q8), E = e0 << 7
+    ([BN, 1] int32, E16 its int16) -> the weights, bf16 (fp32 with F32) [BN, BKH]. HIGH: the half whose nibbles are
+    the lo bytes' high ones."""
+    if USE_ASM:
+        if Q8:
+            w = decode_pk_exact(h8, h8, _q8_base(E).to(tl.int16), 2, F32)
+        else:
+            w = decode_pk_exact(h8, lo8, E16, 1 if HIGH else 0, F32)
+    else:
+        h = h8.to(tl.int32)
+        if Q8:
+            bits = _decode_bits_q8(h, _q8_base(E))
+        else:
+            lo = lo8.to(tl.int32)
+            nib = (lo >> 4) if HIGH else (lo & 0xF)
+            bits = _decode_bits(h, nib, E, True)
+        if F32:
+            w = _bits_to_f32(bits)
+        else:
+            w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return w
+
+
+@triton.jit
+def _mma(w, x, acc, F32: tl.constexpr):
+    if F32:  # bf16 weights and fp16 x are both exact in tf32: exact products, fp32 sums
+        acc = tl.dot(w, x.to(tl.float32), acc, input_precision="tf32")
+    else:
+        acc = tl.dot(w, x, acc)
+    return acc
+
+
+@triton.jit(do_not_specialize=["M", "SPLIT_K"])
+def w12_batch_kernel(
+    x_ptr, tiles_ptr, e0_ptr, rowptr_ptr, col_ptr, val_ptr, bias_ptr, out_ptr, ws_ptr,
+    M, N, K, KF, kr, NF, nr, SB, stride_xm, stride_xk, SPLIT_K,
+    HAS_BIAS: tl.constexpr, Q8: tl.constexpr, X_F16: tl.constexpr, SPLIT: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr,
+):
+    """Program (n, t, k): weight rows BLOCK_N n .., rows of x BLOCK_T t .., K share k. GROUPS must divide KF (the
+    main loop's loads carry no mask)."""
+    BKH: tl.constexpr = 32 * GROUPS  # columns of one half of a K step
+    pid_n = tl.program_id(0)
+    pid_t = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
+    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
+    row_ok = rows < N
+    tok_ok = toks < M
+    # rows past N read row N - 1 (their results are not stored), so the weight loads need no mask
+    rows_c = tl.minimum(rows, N - 1)
+    blk = rows_c // 16
+    r = rows_c % 16
+    R = tl.where(blk < NF, 16, nr)  # rows of each row's block: the partial last block holds nr
+    base = blk.to(tl.int64) * SB  # [BN] the row block's first byte
+    tstep = (96 * R).to(tl.int64)  # [BN] bytes of one of the row block's tiles
+    E = (tl.load(e0_ptr + rows_c).to(tl.int32) << 7)[:, None]  # [BN, 1]
+    E16 = E.to(tl.int16)
+
+    i = tl.arange(0, BKH)
+    g = i // 32  # the column group of each pair within a K step
+    ii = i % 32  # the pair within its group: lo byte ii, columns 16 (ii // 8) + ii % 8 and that + 8
+    col_a = 64 * g + 16 * (ii // 8) + ii % 8  # [BKH] column of half a within a K step
+    n_it = KF // GROUPS
+    per = tl.cdiv(n_it, SPLIT_K)
+    it0 = pid_k * per
+    it1 = tl.minimum(it0 + per, n_it)
+    step = (GROUPS * tstep)[:, None]  # [BN, 1] bytes a row's pointers advance per K step
+    first = base[:, None] + it0 * step + tstep[:, None] * g[None, :]  # [BN, BKH] each pair's tile
+    hi_p = tiles_ptr + first + (64 * r)[:, None] + (col_a - 64 * g)[None, :]
+    lo_p = tiles_ptr + first + (64 * R + 32 * r)[:, None] + ii[None, :]
+    x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * 64 * GROUPS + col_a).to(tl.int64)[:, None] * stride_xk
+    x_ok = tok_ok[None, :]
+
+    acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
+    for _ in range(it0, it1):
+        h_a8 = tl.load(hi_p)
+        h_b8 = tl.load(hi_p + 8)
+        lo8 = h_a8 if Q8 else tl.load(lo_p)
+        xa = tl.load(x_p, mask=x_ok, other=0.0)  # [BKH, BT]
+        xb = tl.load(x_p + 8 * stride_xk, mask=x_ok, other=0.0)
+        acc = _mma(_half_weights(h_a8, lo8, E, E16, False, Q8, X_F16, USE_ASM), xa, acc, X_F16)
+        acc = _mma(_half_weights(h_b8, lo8, E, E16, True, Q8, X_F16, USE_ASM), xb, acc, X_F16)
+        hi_p += step
+        lo_p += step
+        x_p += 64 * GROUPS * stride_xk
+
+    if kr > 0:
+        if pid_k == SPLIT_K - 1:
+            # the masked last group (the layout's tail): hi row-major, kr bytes a row, then the lo nibbles in column
+            # order, ceil(kr / 2) bytes a row
+            j = tl.arange(0, 64)
+            tail = (base + KF * tstep)[:, None]
+            ok = (j < kr)[None, :]
+            h = tl.load(tiles_ptr + tail + (kr * r)[:, None] + j[None, :], mask=ok, other=0).to(tl.int32)
+            if Q8:
+                bits = _decode_bits_q8(h, _q8_base(E))
+            else:
+                lob = tl.load(tiles_ptr + tail + (R * kr + (kr + 1) // 2 * r)[:, None] + (j // 2)[None, :], mask=ok,
+                              other=0).to(tl.int32)
+                bits = _decode_bits(h, (lob >> (4 * (j % 2))[None, :]) & 0xF, E, True)
+            w = _bits_to_f32(bits) if X_F16 else bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
+            xt = tl.load(x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (64 * KF + j).to(tl.int64)[:, None] * stride_xk,
+                         mask=(j < kr)[:, None] & x_ok, other=0.0)  # [64, BT]
+            acc = _mma(w, xt, acc, X_F16)
+
+    if pid_k == 0:
+        acc = _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr,
+                             col_ptr, val_ptr, not Q8, Q8)
+    _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT, HAS_BIAS)
