@@ -203,7 +203,7 @@ def _pdl_order(ptx: str) -> dict:
 
 def _features(ptx: str) -> dict:
     return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "pk_asm": "0x07F007F0" in ptx,
-            "pk_zero_asm": "0x0FFF0FFF" in ptx,
+            "pk_zero_asm": "0x0FFF0FFF" in ptx, "pk4_asm": "0x800F800F" in ptx,
             "fma_f32": "fma.rn.f32" in ptx, "head": ptx.splitlines()[0][:400]}
 
 
@@ -345,13 +345,13 @@ def test_w12_gemv_kernel_uses_no_tensor_cores():
 @pytest.mark.parametrize("case", ["40-False-False", "128-False-False", "128-True-False", "72-False-True"],
                          ids=["M40", "M128", "M128-q8", "M72-fp16"])
 def test_w12_batch_kernel_pipelines_its_loads_into_wgmma_without_spills(case):
-    """The batch kernel at its heuristic's configs, compiled as a launch specialises it: wgmma, the packed decode
-    with code 0 -> +0.0 (the 8-bit view's without it), cp.async copies in the key loop (Triton's pipeliner took the
+    """The batch kernel at its heuristic's configs, compiled as a launch specialises it: wgmma, the packed decode in
+    four instructions a pair (the 8-bit view's own), cp.async copies in the key loop (Triton's pipeliner took the
     loads), and no local memory there."""
     f = _results()[f"batch-{case}"]
     q8 = "-True-" in case
     assert f["wgmma"] and f["hgmma"] >= 4, f
-    assert (f["pk_asm"], f["pk_zero_asm"]) == ((True, False) if q8 else (False, True)), f
+    assert (f["pk_asm"], f["pk4_asm"], f["pk_zero_asm"]) == ((True, False, False) if q8 else (False, True, False)), f
     assert f["ldgsts"] > 0 and f["ldl"] == f["stl"] == 0, f
 
 

@@ -132,8 +132,9 @@ def test_batch_kernel_hostile_rows(q8):
 
 @pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: c.tag())
 def test_one_hot_rows_give_the_weight_bit_for_bit(cfg):
-    """x = I: each output is one product w * 1 plus zeros, so the result is W^T bit for bit: escapes (code 0 adds
-    nothing, the epilogue adds the value), the masked last group and the partial row block included."""
+    """x = I: each output is one product w * 1 plus zeros, so the result is W^T bit for bit: escapes (code 0 reads
+    as v0 = 2^(e0 - 127), which the epilogue takes back before it adds the value), the masked last group and the
+    partial row block included."""
     N, K = 40, 70
     w = _weight(N, K, seed=23)
     w[3, 66] = 1e-30  # a tiny escape in the masked last group

@@ -395,11 +395,12 @@ def _run_ptx(text: str, inputs: list[int], n_out: int) -> list[int]:
     return [regs[f"${i}"] for i in range(n_out)]
 
 
-@pytest.mark.parametrize("mode", ["lo", "hi", "q8", "lo0", "hi0"])
+@pytest.mark.parametrize("mode", ["lo", "hi", "q8", "lo0", "hi0", "lo4", "hi4"])
 def test_packed_asm_text_run_instruction_by_instruction(mode):
     """The PTX text itself (not a transcription of it), run instruction by instruction on every hi byte x nibble
     with mixed row bases, equals the plain decode: for 'lo0' / 'hi0' the one of lmhead's exact logits, code 0 ->
-    +0.0 (lmhead.kernels.screen._code_w12)."""
+    +0.0 (lmhead.kernels.screen._code_w12); 'lo4' / 'hi4' (the batch kernel's four instructions a pair) the same
+    bits as 'lo' / 'hi'."""
     from w12.kernels import pk_decode
 
     text = pk_decode.asm_text(mode, "bf16")
@@ -407,7 +408,7 @@ def test_packed_asm_text_run_instruction_by_instruction(mode):
     hi = torch.arange(256).repeat_interleave(16)
     nib = torch.arange(16).repeat(256)
     other = torch.randint(0, 16, (4096,), generator=g)  # the byte's other nibble: noise
-    lo = (nib << 4) | other if mode in ("hi", "hi0") else nib | (other << 4)
+    lo = (nib << 4) | other if mode in ("hi", "hi0", "hi4") else nib | (other << 4)
     e0 = torch.tensor([0, 1, 112, 127, 240, 3, 77, 200]).repeat(512)
     E = e0 << 7
     if mode == "q8":

@@ -12,12 +12,15 @@ two halves, "a" (columns 16 p + j) and "b" (the same + 8), each [BN, 32 GROUPS]:
 half b's the next 8, and both decode against the same lo bytes, one 32-byte run a row. x is read in the same
 column order (runs of 8 columns), and each step issues two MMAs of depth 32 GROUPS. No byte is shuffled.
 
-Decode: code = hi << 4 | nib, bits = ((code & 0x7FF) + (e0 << 7)) | ((code & 0x800) << 4), and code 0 -> +0.0
-(`w12.format._decode`), so that an escape's place adds nothing and the epilogue adds x * value for each escape of
-the program's rows, exactly the weight `w12.unpack` gives. The 8-bit view (Q8) reads the hi bytes alone, each as
-its bin's midpoint (`w12.reference.q8_view_bits`), where an escape's hi byte 0 reads as that row's hi-0 value, which
-the epilogue takes back. fp16 x multiplies the decoded weight in fp32 (tf32 MMAs: bf16 weights and fp16 x are
-exact there), so the products are exact and only the fp32 sums round.
+Decode: code = hi << 4 | nib, bits = ((code & 0x7FF) + (e0 << 7)) | ((code & 0x800) << 4), on a GPU in the flow
+kernel's four instructions a pair (`pk_decode.decode_pk4`). Code 0, where an escape sits, so reads as
+v0 = 2^(e0 - 127); the epilogue takes x * v0 back and adds x * value, in that order, for each escape of the
+program's rows (the flow kernel's correction: where x = I the result is the weight `w12.unpack` gives, bit for bit).
+The 8-bit view (Q8) reads the hi bytes alone, each as its bin's midpoint (`w12.reference.q8_view_bits`); an escape's
+hi byte 0 reads as that row's hi-0 value, which the epilogue takes back the same way. fp16 x multiplies the decoded
+weight in fp32 (tf32 MMAs: bf16 weights and fp16 x are exact there), so the products are exact and only the fp32 sums
+round. Where x itself is +-Inf or NaN at an escape's column the output may be NaN where F.linear gives +-Inf (as
+every W12 kernel's; `w12.matmul`'s doc).
 
 Split-K: program (n, t, k) takes K steps [it0, it1) of its share; with SPLIT the fp32 partials go to
 ws[SPLIT_K, M, N] and `w12_splitk_reduce_kernel` (kernels/tc.py) adds them in a fixed order with the bias and
@@ -29,8 +32,8 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pk_decode import decode_pk_exact
-from .tc import _apply_escapes, _bits_to_f32, _decode_bits, _decode_bits_q8, _q8_base, _store_tile
+from .pk_decode import decode_pk, decode_pk4
+from .tc import _bits_to_f32, _decode_bits, _decode_bits_q8, _q8_base, _store_tile
 
 __all__ = ["w12_batch_kernel"]
 
@@ -42,9 +45,9 @@ def _half_weights(h8, lo8, E, E16, HIGH: tl.constexpr, Q8: tl.constexpr, F32: tl
     the lo bytes' high ones."""
     if USE_ASM:
         if Q8:
-            w = decode_pk_exact(h8, h8, _q8_base(E).to(tl.int16), 2, F32)
+            w = decode_pk(h8, h8, _q8_base(E).to(tl.int16), 2, F32)
         else:
-            w = decode_pk_exact(h8, lo8, E16, 1 if HIGH else 0, F32)
+            w = decode_pk4(h8, lo8, E16, HIGH, F32)
     else:
         h = h8.to(tl.int32)
         if Q8:
@@ -52,12 +55,36 @@ def _half_weights(h8, lo8, E, E16, HIGH: tl.constexpr, Q8: tl.constexpr, F32: tl
         else:
             lo = lo8.to(tl.int32)
             nib = (lo >> 4) if HIGH else (lo & 0xF)
-            bits = _decode_bits(h, nib, E, True)
+            bits = _decode_bits(h, nib, E, False)
         if F32:
             w = _bits_to_f32(bits)
         else:
             w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
     return w
+
+
+@triton.jit
+def _escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr, col_ptr, val_ptr,
+             Q8: tl.constexpr):
+    """acc [BN, BT] with each escape's dense value v0 taken back and its value added, (acc - x v0) + x value, in
+    fp32: step j takes escape j of every row of the program (rows with fewer are masked)."""
+    rp0 = tl.load(rowptr_ptr + rows, mask=row_ok, other=0)
+    cnt = tl.load(rowptr_ptr + rows + 1, mask=row_ok, other=0) - rp0
+    e0 = tl.load(e0_ptr + rows, mask=row_ok, other=0).to(tl.int32)
+    if Q8:  # the 8-bit view of hi byte 0 (_q8_base)
+        v0 = (tl.where(e0 > 0, (e0 << 23) | 0x80000, 0).to(tl.float32, bitcast=True))[:, None]
+    else:
+        v0 = ((e0 << 23).to(tl.float32, bitcast=True))[:, None]  # [BN, 1] what the dense decode gave
+    x_row = x_ptr + toks.to(tl.int64)[None, :] * stride_xm  # [1, BT]
+    for j in range(0, tl.max(cnt, axis=0)):
+        has = (j < cnt) & row_ok
+        col = tl.load(col_ptr + rp0 + j, mask=has, other=0)
+        val = _bits_to_f32(tl.load(val_ptr + rp0 + j, mask=has, other=0).to(tl.int32))[:, None]  # [BN, 1]
+        ok = has[:, None] & tok_ok[None, :]
+        xv = tl.load(x_row + col.to(tl.int64)[:, None] * stride_xk, mask=ok, other=0.0).to(tl.float32)  # [BN, BT]
+        # where, not a multiply by the mask: 0 * Inf would turn masked lanes into NaN
+        acc = tl.where(ok, (acc - xv * v0) + xv * val, acc)
+    return acc
 
 
 @triton.jit
@@ -137,13 +164,13 @@ def w12_batch_kernel(
             else:
                 lob = tl.load(tiles_ptr + tail + (R * kr + (kr + 1) // 2 * r)[:, None] + (j // 2)[None, :], mask=ok,
                               other=0).to(tl.int32)
-                bits = _decode_bits(h, (lob >> (4 * (j % 2))[None, :]) & 0xF, E, True)
+                bits = _decode_bits(h, (lob >> (4 * (j % 2))[None, :]) & 0xF, E, False)
             w = _bits_to_f32(bits) if X_F16 else bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
             xt = tl.load(x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (64 * KF + j).to(tl.int64)[:, None] * stride_xk,
                          mask=(j < kr)[:, None] & x_ok, other=0.0)  # [64, BT]
             acc = _mma(w, xt, acc, X_F16)
 
     if pid_k == 0:
-        acc = _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr,
-                             col_ptr, val_ptr, not Q8, Q8)
+        acc = _escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr, col_ptr,
+                       val_ptr, Q8)
     _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT, HAS_BIAS)

@@ -28,19 +28,25 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["decode_pk", "decode_pk_exact", "asm_text"]
+__all__ = ["decode_pk", "decode_pk4", "asm_text"]
 
 _SEL = ("0x4140", "0x4342")  # prmt selectors: bytes {0,1} / {2,3} into the low byte of each 16-bit lane
 
 
 def asm_text(mode: str, out: str) -> str:
-    """PTX for 4 weights. mode: 'lo' (low nibble), 'hi' (high nibble), 'q8', or 'lo0' / 'hi0': the same as 'lo' /
-    'hi' except that code 0 decodes to +0.0 (the dense decode of `lmhead`'s exact logits). out: 'bf16' | 'f32'.
-    Registers: outputs first ($0,$1 for bf16; $0..$3 for f32), then h, lo, E pair 0, E pair 1."""
-    if mode not in ("lo", "hi", "q8", "lo0", "hi0"):
-        raise ValueError(f"pk_decode.asm_text: mode must be 'lo', 'hi', 'q8', 'lo0' or 'hi0', got {mode!r}")
+    """PTX for 4 weights. mode: 'lo' (low nibble), 'hi' (high nibble), 'q8', 'lo0' / 'hi0': the same as 'lo' /
+    'hi' except that code 0 decodes to +0.0 (the dense decode of `lmhead`'s exact logits), or 'lo4' / 'hi4': the
+    same bits as 'lo' / 'hi' in the flow kernel's four instructions a pair (`dec_pair` / `dec_pair_hi` of
+    csrc/w12_common.cuh: one byte permute puts each lane's hi byte above its lo byte, two masks, one shift and add).
+    out: 'bf16' | 'f32'. Registers: outputs first ($0,$1 for bf16; $0..$3 for f32), then h, lo, E pair 0, E pair 1."""
+    if mode not in ("lo", "hi", "q8", "lo0", "hi0", "lo4", "hi4"):
+        raise ValueError(f"pk_decode.asm_text: mode must be 'lo', 'hi', 'q8', 'lo0', 'hi0', 'lo4' or 'hi4', got "
+                         f"{mode!r}")
     n_out = 2 if out == "bf16" else 4
     h, lo, e = f"${n_out}", f"${n_out + 1}", (f"${n_out + 2}", f"${n_out + 3}")
+    if mode in ("lo4", "hi4"):
+        return " ".join(["{", ".reg .b32 y, a, b, w;",
+                         *(ln for p in range(2) for ln in _four_pair(p, h, lo, e[p], mode == "hi4", out)), "}"])
     if mode in ("lo0", "hi0"):
         return " ".join(["{", ".reg .b32 z, t, n, c, m, s, w;", "mov.b32 z, 0;",
                          *(ln for p in range(2) for ln in _zero_code_pair(p, h, lo, e[p], mode == "hi0", out)), "}"])
@@ -68,6 +74,24 @@ def asm_text(mode: str, out: str) -> str:
     # One line: torch.compile (inductor) re-emits these globals into generated Python source,
     # where an embedded newline became an unterminated string literal (H200, torch 2.11).
     return " ".join(s)
+
+
+def _four_pair(p: int, h: str, lo: str, e: str, high: bool, out: str) -> list[str]:
+    """One pair of lanes in four instructions: y = (hi << 8 | lo byte) per lane, then ((y & offset and mantissa
+    bits) >> 4) + ((y & sign and nibble) | E); with `high` the nibble is the lo byte's high one, kept beside the
+    other bits so that the one shift brings both down. No carry crosses a lane (code & 0x7FF plus E <= 0x7FFF)."""
+    keep, rest = ("0x7FF07FF0", "0x80008000") if high else ("0x7F007F00", "0x800F800F")
+    s = [f"prmt.b32 y, {h}, {lo}, {('0x1504', '0x3726')[p]};",
+         f"and.b32 a, y, {keep};",
+         "shr.b32 a, a, 4;",
+         f"and.b32 b, y, {rest};",
+         f"or.b32 b, b, {e};",
+         "add.u32 w, a, b;"]
+    if out == "bf16":
+        s.append(f"mov.b32 ${p}, w;")
+    else:
+        s += [f"shl.b32 ${2 * p}, w, 16;", f"and.b32 ${2 * p + 1}, w, 0xFFFF0000;"]
+    return s
 
 
 def _zero_code_pair(p: int, h: str, lo: str, e: str, high: bool, out: str) -> list[str]:
@@ -99,7 +123,7 @@ def _zero_code_pair(p: int, h: str, lo: str, e: str, high: bool, out: str) -> li
     return s
 
 
-_ASM = {(m, o): asm_text(m, o) for m in ("lo", "hi", "q8", "lo0", "hi0") for o in ("bf16", "f32")}
+_ASM = {(m, o): asm_text(m, o) for m in ("lo", "hi", "q8", "lo4", "hi4") for o in ("bf16", "f32")}
 
 
 @triton.jit
@@ -117,15 +141,14 @@ def decode_pk(h, lo, E16, MODE: tl.constexpr, F32: tl.constexpr):
 
 
 @triton.jit
-def decode_pk_exact(h, lo, E16, MODE: tl.constexpr, F32: tl.constexpr):
-    """`decode_pk` with code 0 -> +0.0 (modes 'lo0' / 'hi0': an escape's place adds nothing): MODE 0 low nibble,
-    1 high nibble, 2 q8 (the 8-bit view has no code-0 select: its escapes are taken back by the caller)."""
+def decode_pk4(h, lo, E16, HIGH: tl.constexpr, F32: tl.constexpr):
+    """`decode_pk`'s modes 0 / 1 (HIGH) in four instructions a pair ('lo4' / 'hi4'): the same bits."""
     if F32:
-        w = tl.inline_asm_elementwise(_ASM_LO0_F32 if MODE == 0 else _ASM_HI0_F32 if MODE == 1 else _ASM_Q8_F32,
-                                      "=r,=r,=r,=r,r,r,r,r", [h, lo, E16], tl.float32, True, 4)
+        w = tl.inline_asm_elementwise(_ASM_HI4_F32 if HIGH else _ASM_LO4_F32, "=r,=r,=r,=r,r,r,r,r", [h, lo, E16],
+                                      tl.float32, True, 4)
     else:
-        w = tl.inline_asm_elementwise(_ASM_LO0_BF16 if MODE == 0 else _ASM_HI0_BF16 if MODE == 1 else _ASM_Q8_BF16,
-                                      "=r,=r,r,r,r,r", [h, lo, E16], tl.bfloat16, True, 4)
+        w = tl.inline_asm_elementwise(_ASM_HI4_BF16 if HIGH else _ASM_LO4_BF16, "=r,=r,r,r,r,r", [h, lo, E16],
+                                      tl.bfloat16, True, 4)
     return w
 
 
@@ -136,7 +159,7 @@ _ASM_Q8_BF16 = tl.constexpr(_ASM[("q8", "bf16")])
 _ASM_LO_F32 = tl.constexpr(_ASM[("lo", "f32")])
 _ASM_HI_F32 = tl.constexpr(_ASM[("hi", "f32")])
 _ASM_Q8_F32 = tl.constexpr(_ASM[("q8", "f32")])
-_ASM_LO0_BF16 = tl.constexpr(_ASM[("lo0", "bf16")])
-_ASM_HI0_BF16 = tl.constexpr(_ASM[("hi0", "bf16")])
-_ASM_LO0_F32 = tl.constexpr(_ASM[("lo0", "f32")])
-_ASM_HI0_F32 = tl.constexpr(_ASM[("hi0", "f32")])
+_ASM_LO4_BF16 = tl.constexpr(_ASM[("lo4", "bf16")])
+_ASM_HI4_BF16 = tl.constexpr(_ASM[("hi4", "bf16")])
+_ASM_LO4_F32 = tl.constexpr(_ASM[("lo4", "f32")])
+_ASM_HI4_F32 = tl.constexpr(_ASM[("hi4", "f32")])
