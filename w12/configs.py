@@ -17,6 +17,10 @@ Lookup (autotune.get_config): forced config > tuned JSON entry `w12.matmul/<vari
 | `gemv`    | `w12_matmul_tc_kernel` (mma)   | TcConfig   | no-wgmma GPUs, M > GEMV_MAX_M; tuned  |
 |           |                                |            | entries under variant `gemv.mma`      |
 
+On the runtime layout (`w12.matmul_tiled`): `FlowConfig` (the flow kernel, up to 32 rows a launch; tuned entries
+under variant `flow`) and `BatchConfig` (the batch kernel, many rows of x; it runs where forced or where a tuned
+entry under variant `batch` exists).
+
 A forced config picks its kernel: `force("w12.matmul", config=GemvConfig(...))` runs the CUDA-core
 kernel at any M, `config=TcConfig(...)` the tensor-core one, `config=MmaConfig(...)` / `TmaConfig(...)` the CUDA C++ ones,
 `config=FlowConfig(...)` the flow kernel on the runtime layout (csrc/w12_flow.cu, w12/layout.py; never chosen
@@ -299,7 +303,8 @@ class BatchConfig:
         """The config whose `tag()` is `tag` (the leading "batch-" may be left out), e.g. "n64-t128-g1-k2-w4-s3"."""
         m = re.fullmatch(r"(?:batch-)?n(\d+)-t(\d+)-g(\d+)-k(\d+)-w(\d+)-s(\d+)(-plain)?", tag)
         if m is None:
-            raise ValueError(f"BatchConfig.from_tag: {tag!r} is not a batch config tag (e.g. 'batch-n64-t128-g1-k2-w4-s3')")
+            raise ValueError(f"BatchConfig.from_tag: {tag!r} is not a batch config tag "
+                             "(e.g. 'batch-n64-t128-g1-k2-w4-s3')")
         bn, bt, g, k, w, st, plain = m.groups()
         return cls(block_n=int(bn), block_t=int(bt), groups=int(g), split_k=int(k), num_warps=int(w),
                    num_stages=int(st), asm=not plain)

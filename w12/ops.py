@@ -412,6 +412,10 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
     - bf16 x with 1..32 rows on a GPU where the CUDA kernels build: the flow kernel (docs/w12-kernels.md, "The flow
       kernel"), at `w12.configs.flow_config`'s config (a tuned entry, else the heuristic) or the `FlowConfig` that
       `autotune.force("w12.matmul", config=...)` (`"w12.matmul_q8"` for q8) pins; fp32 accumulation, one rounding.
+    - Where this GPU's tuned file names the batch kernel for the call's shape key (`perf/w12_ladder.py --batch
+      --promote` stores such entries), or a `BatchConfig` is forced (at any row count; under the interpreter too):
+      the batch kernel (kernels/batch.py: one read of the weight for up to 256 rows of x), instead of the paths
+      below.
     - bf16 x with 33..`CHUNK_MAX_M` (96) rows there: the flow kernel once per 32-row piece of x.
     - fp16 x with 1..`CHUNK_MAX_M` / 2 (48) rows there: x split into two bf16 halves that add up to it exactly
       (`split_fp16`), both multiplied in one launch per 16 rows of x by the flow kernel's fp32-output build, the
@@ -629,8 +633,8 @@ def _batch_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> BatchConfig | 
     if isinstance(forced, BatchConfig):
         if not (x2d.is_cuda or autotune.is_interpreter()):
             raise ValueError("w12.matmul_tiled: the forced BatchConfig is a Triton kernel's config, and no kernel runs "
-                             "CPU tensors without the Triton interpreter; set TRITON_INTERPRET=1 before torch or triton "
-                             "is imported, or drop the forced config")
+                             "CPU tensors without the Triton interpreter; set TRITON_INTERPRET=1 before torch or "
+                             "triton is imported, or drop the forced config")
         return forced
     if forced is not None or not x2d.is_cuda:
         return None

@@ -11,4 +11,5 @@ from .gemv import w12_matmul_gemv_kernel
 from .tc import w12_matmul_tc_kernel, w12_splitk_reduce_kernel
 from .untile import w12_untile_kernel
 
-__all__ = ["w12_batch_kernel", "w12_matmul_tc_kernel", "w12_matmul_gemv_kernel", "w12_splitk_reduce_kernel", "w12_untile_kernel"]
+__all__ = ["w12_batch_kernel", "w12_matmul_tc_kernel", "w12_matmul_gemv_kernel", "w12_splitk_reduce_kernel",
+           "w12_untile_kernel"]

@@ -166,8 +166,9 @@ def w12_batch_kernel(
                               other=0).to(tl.int32)
                 bits = _decode_bits(h, (lob >> (4 * (j % 2))[None, :]) & 0xF, E, False)
             w = _bits_to_f32(bits) if X_F16 else bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-            xt = tl.load(x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (64 * KF + j).to(tl.int64)[:, None] * stride_xk,
-                         mask=(j < kr)[:, None] & x_ok, other=0.0)  # [64, BT]
+            x_cols = (64 * KF + j).to(tl.int64)[:, None] * stride_xk
+            xt = tl.load(x_ptr + toks.to(tl.int64)[None, :] * stride_xm + x_cols, mask=(j < kr)[:, None] & x_ok,
+                         other=0.0)  # [64, BT]
             acc = _mma(w, xt, acc, X_F16)
 
     if pid_k == 0:
