@@ -283,7 +283,8 @@ def _worker() -> None:
         for asm in (False, True):
             out[f"tc-{q8}-{asm}"] = _features(_w12_ptx("tc", q8, asm))
     out["gemv"] = _features(_w12_ptx("gemv", False, True))
-    for M, q8, f16 in ((40, False, False), (128, False, False), (128, True, False), (72, False, True)):
+    for M, q8, f16 in ((32, False, False), (40, False, False), (128, False, False), (128, True, False),
+                       (72, False, True)):
         out[f"batch-{M}-{q8}-{f16}"] = _w12_batch_build(M, q8, f16)
     for q8 in (False, True):
         for groups in (1, 4):
@@ -342,8 +343,8 @@ def test_w12_gemv_kernel_uses_no_tensor_cores():
 
 
 @pytest.mark.slow
-@pytest.mark.parametrize("case", ["40-False-False", "128-False-False", "128-True-False", "72-False-True"],
-                         ids=["M40", "M128", "M128-q8", "M72-fp16"])
+@pytest.mark.parametrize("case", ["32-False-False", "40-False-False", "128-False-False", "128-True-False",
+                                  "72-False-True"], ids=["M32", "M40", "M128", "M128-q8", "M72-fp16"])
 def test_w12_batch_kernel_pipelines_its_loads_into_wgmma_without_spills(case):
     """The batch kernel at its heuristic's configs, compiled as a launch specialises it: wgmma, the packed decode in
     four instructions a pair (the 8-bit view's own), cp.async copies in the key loop (Triton's pipeliner took the

@@ -314,11 +314,11 @@ def batch_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = 
     """The batch kernel's default, not yet timed on a GPU (docs/w12-kernels.md, "Above 32 rows"): 64 weight rows and
     one warpgroup a program, x's rows on the MMA's N up to 128 (more take a second program over the same weight
     rows), one 64-column group a K step, three stages. The sm_90 builds (Triton 3.6, compiled on a CPU) hold that
-    step without spills: 232 registers at 128 rows of x (two CTAs an SM), 130 at 64; two groups a step spill at
-    both. Split-K fills whole waves of those CTAs."""
+    step without spills: 231 registers at 128 rows of x (two CTAs an SM), 130 at 64 (three), 104 at 32 and fewer
+    (four); two groups a step spill at 128 rows. Split-K fills whole waves of those CTAs."""
     bt = min(128, max(16, _pow2(M)))
     bn, warps, stages = 64, 4, 3
-    ctas_per_sm = 2 if bt >= 128 else 3
+    ctas_per_sm = 2 if bt >= 128 else 3 if bt == 64 else 4
     tiles = -(-N // bn) * -(-M // bt)
     split = pick_split_k(tiles, max(1, K // 64), sm_count(device) * ctas_per_sm)
     return BatchConfig(block_n=bn, block_t=bt, groups=1, split_k=split, num_warps=warps, num_stages=stages)

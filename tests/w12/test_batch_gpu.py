@@ -126,7 +126,7 @@ def test_a_tuned_entry_runs_the_batch_kernel_through_matmul_tiled(monkeypatch):
 
 
 @pytest.mark.hopper
-@pytest.mark.parametrize("M", [40, 128])
+@pytest.mark.parametrize("M", [32, 40, 128])
 @pytest.mark.parametrize("q8", [False, True])
 def test_heuristic_builds_run_wgmma_without_spills(M, q8):
     N, K = 5120, 6144
