@@ -12,8 +12,11 @@ two halves, "a" (columns 16 p + j) and "b" (the same + 8), each [BN, 32 GROUPS]:
 half b's the next 8, and both decode against the same lo bytes, one 32-byte run a row. x is read in the same
 column order (runs of 8 columns), and each step issues two MMAs of depth 32 GROUPS. No byte is shuffled.
 
-Decode: code = hi << 4 | nib, bits = ((code & 0x7FF) + (e0 << 7)) | ((code & 0x800) << 4), on a GPU in the flow
-kernel's four instructions a pair (`pk_decode.decode_pk4`). Code 0, where an escape sits, so reads as
+Decode: code = hi << 4 | nib, bits = ((code & 0x7FF) + (e0 << 7)) | ((code & 0x800) << 4). The main loop reads the
+tiles as int16 pairs of adjacent columns (a pair's two hi bytes, and the lo byte pair that holds their nibbles), so
+that on a GPU each pair decodes in the flow kernel's four instructions (`pk_decode.asm_text` modes `lo4` / `hi4`, two
+pairs a call) into one 32-bit word whose halves are the two columns' BF16 bits, in the order the weight operand
+takes them; the interpreter runs the same decode as integer ops. Code 0, where an escape sits, so reads as
 v0 = 2^(e0 - 127); the epilogue takes x * v0 back and adds x * value, in that order, for each escape of the
 program's rows (the flow kernel's correction: where x = I the result is the weight `w12.unpack` gives, bit for bit).
 The 8-bit view (Q8) reads the hi bytes alone, each as its bin's midpoint (`w12.reference.q8_view_bits`); an escape's
@@ -32,35 +35,57 @@ from __future__ import annotations
 import triton
 import triton.language as tl
 
-from .pk_decode import decode_pk, decode_pk4
+from .pk_decode import asm_text
 from .tc import _bits_to_f32, _decode_bits, _decode_bits_q8, _q8_base, _store_tile
 
 __all__ = ["w12_batch_kernel"]
 
+# the packed decode of two pairs a call (pk_decode's register convention: outputs, then hi, lo, two row bases); the
+# 8-bit view's base register is the view's row constant (tc._q8_base) in both 16-bit halves
+_ASM_LO4 = tl.constexpr(asm_text("lo4", "bf16"))
+_ASM_HI4 = tl.constexpr(asm_text("hi4", "bf16"))
+_ASM_Q8 = tl.constexpr(asm_text("q8", "bf16"))
+
 
 @triton.jit
-def _half_weights(h8, lo8, E, E16, HIGH: tl.constexpr, Q8: tl.constexpr, F32: tl.constexpr, USE_ASM: tl.constexpr):
-    """One half of a K step: hi bytes h8 and lo bytes lo8 (uint8 [BN, BKH]; lo8 unused for Q8), E = e0 << 7
-    ([BN, 1] int32, E16 its int16) -> the weights, bf16 (fp32 with F32) [BN, BKH]. HIGH: the half whose nibbles are
-    the lo bytes' high ones."""
-    if USE_ASM:
-        if Q8:
-            w = decode_pk(h8, h8, _q8_base(E).to(tl.int16), 2, F32)
-        else:
-            w = decode_pk4(h8, lo8, E16, HIGH, F32)
+def _pair_bits(v, HIGH: tl.constexpr, Q8: tl.constexpr, l, E):
+    """The plain decode of pairs: v, l int32 [BN, P] holding two adjacent columns' hi bytes and lo bytes (the lower
+    column in the low byte), E = e0 << 7 ([BN, 1]) -> the two columns' BF16 bits (int32), lower column first."""
+    h0 = v & 0xFF
+    h1 = (v >> 8) & 0xFF
+    if Q8:
+        E8 = _q8_base(E)
+        b0 = _decode_bits_q8(h0, E8)
+        b1 = _decode_bits_q8(h1, E8)
     else:
-        h = h8.to(tl.int32)
-        if Q8:
-            bits = _decode_bits_q8(h, _q8_base(E))
-        else:
-            lo = lo8.to(tl.int32)
-            nib = (lo >> 4) if HIGH else (lo & 0xF)
-            bits = _decode_bits(h, nib, E, False)
-        if F32:
-            w = _bits_to_f32(bits)
-        else:
-            w = bits.to(tl.int16).to(tl.bfloat16, bitcast=True)
-    return w
+        s = 4 if HIGH else 0
+        b0 = _decode_bits(h0, (l >> s) & 0xF, E, False)
+        b1 = _decode_bits(h1, (l >> (8 + s)) & 0xF, E, False)
+    return b0, b1
+
+
+@triton.jit
+def _half_weights(h16, lo16, E, E32, HIGH: tl.constexpr, Q8: tl.constexpr, F32: tl.constexpr,
+                  USE_ASM: tl.constexpr):
+    """One half of a K step from its pairs: h16 and lo16 (int16 [BN, P], each element two adjacent columns' hi or
+    lo bytes; lo16 unused for Q8), E = e0 << 7 ([BN, 1] int32) and E32 = E in both 16-bit halves -> the weights,
+    bf16 (fp32 with F32) [BN, 2 P] in column order. HIGH: the half whose nibbles are the lo bytes' high ones. On a GPU
+    (USE_ASM) a pair is one 32-bit result of the packed decode (two pairs a call), split into its two BF16 halves."""
+    if USE_ASM:
+        w32 = tl.inline_asm_elementwise(_ASM_Q8 if Q8 else _ASM_HI4 if HIGH else _ASM_LO4, "=r,=r,r,r,r,r",
+                                        [h16, lo16, tl.where(E > 0, E32 + 0x80008, 0) if Q8 else E32], tl.int32,
+                                        True, 2)
+        b0 = w32 & 0xFFFF
+        b1 = (w32 >> 16) & 0xFFFF
+    else:
+        b0, b1 = _pair_bits(h16.to(tl.int32) & 0xFFFF, HIGH, Q8, lo16.to(tl.int32) & 0xFFFF, E)
+    if F32:
+        w0 = _bits_to_f32(b0)
+        w1 = _bits_to_f32(b1)
+    else:
+        w0 = b0.to(tl.int16).to(tl.bfloat16, bitcast=True)
+        w1 = b1.to(tl.int16).to(tl.bfloat16, bitcast=True)
+    return tl.reshape(tl.join(w0, w1), (w0.shape[0], 2 * w0.shape[1]))
 
 
 @triton.jit
@@ -121,32 +146,37 @@ def w12_batch_kernel(
     base = blk.to(tl.int64) * SB  # [BN] the row block's first byte
     tstep = (96 * R).to(tl.int64)  # [BN] bytes of one of the row block's tiles
     E = (tl.load(e0_ptr + rows_c).to(tl.int32) << 7)[:, None]  # [BN, 1]
-    E16 = E.to(tl.int16)
 
-    i = tl.arange(0, BKH)
-    g = i // 32  # the column group of each pair within a K step
-    ii = i % 32  # the pair within its group: lo byte ii, columns 16 (ii // 8) + ii % 8 and that + 8
-    col_a = 64 * g + 16 * (ii // 8) + ii % 8  # [BKH] column of half a within a K step
+    # The main loop reads the tiles as int16 pairs of adjacent columns. Pair q of a half (q < 16 GROUPS: group
+    # q // 16, qq = q % 16 within it) is half a's columns 16 (qq // 4) + 2 (qq % 4) and + 1, hi bytes at int16
+    # 32 r + 8 (qq // 4) + qq % 4 of its tile (half b's 4 further), lo bytes at int16 32 R + 16 r + qq.
+    q = tl.arange(0, BKH // 2)
+    gq = q // 16
+    qq = q % 16
+    i = tl.arange(0, BKH)  # the weight operand's k: pair i // 2, its lower (i even) or upper column
+    col_a = 64 * (i // 32) + 16 * ((i % 32) // 8) + i % 8  # [BKH] column of half a within a K step
     n_it = KF // GROUPS
     per = tl.cdiv(n_it, SPLIT_K)
     it0 = pid_k * per
     it1 = tl.minimum(it0 + per, n_it)
-    step = (GROUPS * tstep)[:, None]  # [BN, 1] bytes a row's pointers advance per K step
-    first = base[:, None] + it0 * step + tstep[:, None] * g[None, :]  # [BN, BKH] each pair's tile
-    hi_p = tiles_ptr + first + (64 * r)[:, None] + (col_a - 64 * g)[None, :]
-    lo_p = tiles_ptr + first + (64 * R + 32 * r)[:, None] + ii[None, :]
+    step = (GROUPS * tstep)[:, None] // 2  # [BN, 1] int16 elements a row's pointers advance per K step
+    t16 = tiles_ptr.to(tl.pointer_type(tl.int16))
+    first = (base[:, None] + tstep[:, None] * gq[None, :]) // 2 + it0 * step  # [BN, BKH / 2] each pair's tile
+    hi_p = t16 + first + (32 * r)[:, None] + (8 * (qq // 4) + qq % 4)[None, :]
+    lo_p = t16 + first + (32 * R + 16 * r)[:, None] + qq[None, :]
     x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * 64 * GROUPS + col_a).to(tl.int64)[:, None] * stride_xk
     x_ok = tok_ok[None, :]
+    E32 = E | (E << 16)
 
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for _ in range(it0, it1):
-        h_a8 = tl.load(hi_p)
-        h_b8 = tl.load(hi_p + 8)
-        lo8 = h_a8 if Q8 else tl.load(lo_p)
+        h_a = tl.load(hi_p)
+        h_b = tl.load(hi_p + 4)
+        lo = h_a if Q8 else tl.load(lo_p)
         xa = tl.load(x_p, mask=x_ok, other=0.0)  # [BKH, BT]
         xb = tl.load(x_p + 8 * stride_xk, mask=x_ok, other=0.0)
-        acc = _mma(_half_weights(h_a8, lo8, E, E16, False, Q8, X_F16, USE_ASM), xa, acc, X_F16)
-        acc = _mma(_half_weights(h_b8, lo8, E, E16, True, Q8, X_F16, USE_ASM), xb, acc, X_F16)
+        acc = _mma(_half_weights(h_a, lo, E, E32, False, Q8, X_F16, USE_ASM), xa, acc, X_F16)
+        acc = _mma(_half_weights(h_b, lo, E, E32, True, Q8, X_F16, USE_ASM), xb, acc, X_F16)
         hi_p += step
         lo_p += step
         x_p += 64 * GROUPS * stride_xk

@@ -28,7 +28,7 @@ import torch
 import triton
 import triton.language as tl
 
-__all__ = ["decode_pk", "decode_pk4", "asm_text"]
+__all__ = ["decode_pk", "asm_text"]
 
 _SEL = ("0x4140", "0x4342")  # prmt selectors: bytes {0,1} / {2,3} into the low byte of each 16-bit lane
 
@@ -123,7 +123,7 @@ def _zero_code_pair(p: int, h: str, lo: str, e: str, high: bool, out: str) -> li
     return s
 
 
-_ASM = {(m, o): asm_text(m, o) for m in ("lo", "hi", "q8", "lo4", "hi4") for o in ("bf16", "f32")}
+_ASM = {(m, o): asm_text(m, o) for m in ("lo", "hi", "q8") for o in ("bf16", "f32")}
 
 
 @triton.jit
@@ -140,18 +140,6 @@ def decode_pk(h, lo, E16, MODE: tl.constexpr, F32: tl.constexpr):
     return w
 
 
-@triton.jit
-def decode_pk4(h, lo, E16, HIGH: tl.constexpr, F32: tl.constexpr):
-    """`decode_pk`'s modes 0 / 1 (HIGH) in four instructions a pair ('lo4' / 'hi4'): the same bits."""
-    if F32:
-        w = tl.inline_asm_elementwise(_ASM_HI4_F32 if HIGH else _ASM_LO4_F32, "=r,=r,=r,=r,r,r,r,r", [h, lo, E16],
-                                      tl.float32, True, 4)
-    else:
-        w = tl.inline_asm_elementwise(_ASM_HI4_BF16 if HIGH else _ASM_LO4_BF16, "=r,=r,r,r,r,r", [h, lo, E16],
-                                      tl.bfloat16, True, 4)
-    return w
-
-
 # module-level constexprs: the jit reads globals by name
 _ASM_LO_BF16 = tl.constexpr(_ASM[("lo", "bf16")])
 _ASM_HI_BF16 = tl.constexpr(_ASM[("hi", "bf16")])
@@ -159,7 +147,3 @@ _ASM_Q8_BF16 = tl.constexpr(_ASM[("q8", "bf16")])
 _ASM_LO_F32 = tl.constexpr(_ASM[("lo", "f32")])
 _ASM_HI_F32 = tl.constexpr(_ASM[("hi", "f32")])
 _ASM_Q8_F32 = tl.constexpr(_ASM[("q8", "f32")])
-_ASM_LO4_BF16 = tl.constexpr(_ASM[("lo4", "bf16")])
-_ASM_HI4_BF16 = tl.constexpr(_ASM[("hi4", "bf16")])
-_ASM_LO4_F32 = tl.constexpr(_ASM[("lo4", "f32")])
-_ASM_HI4_F32 = tl.constexpr(_ASM[("hi4", "f32")])
