@@ -169,6 +169,7 @@ def _pdl_kernels() -> dict:
     """The engine's glue kernels and gdn's tree conv, built with PDL=True as a GPU launches them (launch_pdl)."""
     from gdn.kernels.conv import gdn_tree_conv_kernel
     from specpilot.engine import fused
+    from w12.kernels.batch import w12_batch_kernel
 
     bf = "*bf16"
     return {
@@ -186,6 +187,11 @@ def _pdl_kernels() -> dict:
         "tree_conv": (gdn_tree_conv_kernel, dict(x=bf, weight=bf, bias=bf, out=bf, cstate=bf, cidx="*i32",
                                                  node_req="*i32", parent="*i32", depth="*i32", err="*i32"),
                       dict(D=10240, W=4, BD=256, HAS_BIAS=False, SILU=True)),
+        "w12_batch": (w12_batch_kernel, dict(x_ptr=bf, tiles_ptr="*u8", e0_ptr="*u8", rowptr_ptr="*i32",
+                                             col_ptr="*i32", val_ptr="*i16", bias_ptr=bf, out_ptr=bf, ws_ptr="*fp32",
+                                             SB="i64"),
+                      dict(HAS_BIAS=False, Q8=False, X_F16=False, SPLIT=True, BLOCK_N=64, BLOCK_T=64, GROUPS=1,
+                           USE_ASM=True)),
     }
 
 
@@ -297,7 +303,7 @@ def _worker() -> None:
     for split in (False, True):
         out[f"lmhead-prep-{split}"] = _features(_lmhead_prep_ptx(split))
     for name, (kernel, types, ce) in _pdl_kernels().items():
-        for pdl in ((0, 1, 2) if name != "tree_conv" else (False, True)):
+        for pdl in ((0, 1, 2) if name not in ("tree_conv", "w12_batch") else (False, True)):
             out[f"pdl-{name}-{int(pdl)}"] = _pdl_order(_ptx(kernel, types, dict(ce, PDL=pdl), 4, 1))
     out["gdn-b1"] = _features(_gdn_b1_ptx())
     for cap in (90, 80):
@@ -390,7 +396,7 @@ def test_lmhead_screen_compiles_for_sm90(int4, split):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["add_rmsnorm", "gated_rmsnorm", "swiglu", "sigmoid_mul", "gdn_gates", "attn_prep",
-                                  "tree_conv"])
+                                  "tree_conv", "w12_batch"])
 def test_pdl_kernels_wait_before_their_first_global_access(name):
     """A kernel launched with launch_pdl may start while the grid before it still writes its inputs: its
     griddepcontrol.wait must come before its first global load, store or atomic, and (PDL=1) it lets the next grid
@@ -399,7 +405,7 @@ def test_pdl_kernels_wait_before_their_first_global_access(name):
     on, off = _results()[f"pdl-{name}-1"], _results()[f"pdl-{name}-0"]
     assert off["wait"] == off["launch"] == -1 and off["global"] >= 0
     assert 0 <= on["wait"] < on["launch"] < on["global"], on
-    if name != "tree_conv":  # FusedGlue(pdl="early"): the next grid may launch before the wait
+    if name not in ("tree_conv", "w12_batch"):  # FusedGlue(pdl="early"): the next grid may launch before the wait
         early = _results()[f"pdl-{name}-2"]
         assert 0 <= early["launch"] < early["wait"] < early["global"], early
 

@@ -432,7 +432,8 @@ def matmul_tiled(x: torch.Tensor, tiled: TiledW12, bias: Optional[torch.Tensor] 
     `w12.flow.PDL_MAX_M` rows (in a chain of flow kernels alone it slowed the 5120-row layers at 16 rows); True: at
     every row count, where the kernel after a PDL-launched glue kernel starts its weight stream early (the engine's
     32-row verify step: 17.33 -> 16.93 ms on the H200, docs/engine.md); False: never. Either way only on sm_90, and
-    not on a layout's first launch or the first after an in-place write to it."""
+    not on a layout's first launch or the first after an in-place write to it. The batch kernel takes `pdl` as
+    `launch_batch` does (None: off unless SPECPILOT_PDL=1)."""
     name = "matmul_q8" if q8 else "matmul"
     fn = f"w12.matmul_tiled ({name})"
     if not isinstance(tiled, TiledW12):
@@ -468,7 +469,7 @@ def _matmul_tiled_eager(x2d, tiled: TiledW12, bias, *, q8: bool, out2d: torch.Te
         bcfg = _batch_config(x2d, tiled, op)
         cfg = None if bcfg is not None else _flow_config(x2d, tiled, op)
         if bcfg is not None:
-            launch_batch(bcfg, x2d, tiled, bias, out2d, q8=q8)
+            launch_batch(bcfg, x2d, tiled, bias, out2d, q8=q8, pdl=pdl)
         elif cfg is not None:
             from . import flow
 
@@ -649,11 +650,14 @@ def _batch_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> BatchConfig | 
 
 
 def launch_batch(cfg: BatchConfig, x2d: torch.Tensor, tiled: TiledW12, bias: torch.Tensor | None, out: torch.Tensor,
-                 *, q8: bool = False):
+                 *, q8: bool = False, pdl: bool | None = None):
     """out [M, N] = x2d [M, K] @ W^T (+ bias) by the batch kernel (kernels/batch.py) at `cfg`, on a GPU or under
     the interpreter: fp32 sums, one rounding to out's dtype (x's). `cfg.groups` is halved until it divides the
     layout's full column groups (the main loop reads whole K steps without a mask). No host sync. Returns the
-    kernel's launch handle (on a GPU the compiled kernel: n_regs, n_spills, asm)."""
+    kernel's launch handle (on a GPU the compiled kernel: n_regs, n_spills, asm).
+    `pdl`: programmatic dependent launch on sm_90 (each program waits for the previous kernel before its first load
+    and lets the next one launch; it hides the launch, not the weight stream's start). None: as
+    `w12.cuda.pdl_enabled` says for a launcher whose default is off (SPECPILOT_PDL=1 turns it on)."""
     if x2d.is_cuda and x2d.device.index != torch.cuda.current_device():
         with torch.cuda.device(x2d.device):
             return launch_batch(cfg, x2d, tiled, bias, out, q8=q8)
@@ -668,11 +672,18 @@ def launch_batch(cfg: BatchConfig, x2d: torch.Tensor, tiled: TiledW12, bias: tor
     has_bias = bias is not None
     b = bias if has_bias else out
     use_asm = bool(cfg.asm) and x2d.is_cuda and not autotune.is_interpreter()
+    if not x2d.is_cuda or autotune.is_interpreter():
+        pdl = False
+    elif pdl is None:
+        pdl = wcuda.pdl_enabled(x2d.device)
+    else:
+        pdl = bool(pdl) and autotune.hardware.has_pdl(x2d.device)
+    launch = {"launch_pdl": True} if pdl else {}
     ck = w12_batch_kernel[grid](x2d, tiled.tiles, tiled.e0, tiled.esc_rowptr, tiled.esc_col, tiled.esc_val, b, out, ws,
                            M, tiled.N, K, geo.KF, geo.kr, geo.NF, geo.nr, geo.SB, x2d.stride(0), x2d.stride(1), split,
                            HAS_BIAS=has_bias, Q8=bool(q8), X_F16=x2d.dtype == torch.float16, SPLIT=split > 1,
-                           BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, GROUPS=groups, USE_ASM=use_asm,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages)
+                           BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, GROUPS=groups, USE_ASM=use_asm, PDL=pdl,
+                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if split > 1:
         w12_splitk_reduce_kernel[(triton.cdiv(M * tiled.N, _REDUCE_BLOCK),)](
             ws, b, out, M, tiled.N, SPLIT_K=split, HAS_BIAS=has_bias, BLOCK=_REDUCE_BLOCK, num_warps=4)

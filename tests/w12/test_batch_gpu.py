@@ -104,6 +104,27 @@ def test_batch_kernel_in_a_cuda_graph():
     assert_replays_equal(graph, [out], [_batch(cfg, x, t)])
 
 
+@pytest.mark.hopper
+def test_programmatic_dependent_launch_gives_the_same_bits():
+    """With pdl=True after a kernel that writes x, the batch kernel waits for it before its first load: the same
+    bits as without, in a CUDA graph too (the engine's steps)."""
+    N, K, M = 5120, 6144, 72
+    t = w12.pack(escaped_weight(N, K, seed=15))
+    x0 = gaussian_x(M, K, seed=16)
+    x = torch.empty_like(x0)
+    cfg = batch_heuristic(M, N, K, x.device)
+    out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
+
+    def step():
+        x.copy_(x0 * 2.0)  # the kernel before, writing x
+        launch_batch(cfg, x, t, None, out, pdl=True)
+
+    want = _batch(cfg, x0 * 2.0, t)
+    step()
+    assert torch.equal(out.view(torch.int16), want.view(torch.int16))
+    assert_replays_equal(capture_graph(step), [out], [want])
+
+
 def test_a_tuned_entry_runs_the_batch_kernel_through_matmul_tiled(monkeypatch):
     from w12 import ops
 

@@ -34,6 +34,7 @@ from __future__ import annotations
 
 import triton
 import triton.language as tl
+from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .pk_decode import asm_text
 from .tc import _bits_to_f32, _decode_bits, _decode_bits_q8, _q8_base, _store_tile
@@ -127,9 +128,14 @@ def w12_batch_kernel(
     M, N, K, KF, kr, NF, nr, SB, stride_xm, stride_xk, SPLIT_K,
     HAS_BIAS: tl.constexpr, Q8: tl.constexpr, X_F16: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr,
+    PDL: tl.constexpr = False,
 ):
     """Program (n, t, k): weight rows BLOCK_N n .., rows of x BLOCK_T t .., K share k. GROUPS must divide KF (the
-    main loop's loads carry no mask)."""
+    main loop's loads carry no mask). PDL (launched with programmatic dependent launch): every program waits for the
+    previous grid before its first load, then lets the next grid launch."""
+    if PDL:
+        gdc_wait()
+        gdc_launch_dependents()
     BKH: tl.constexpr = 32 * GROUPS  # columns of one half of a K step
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
