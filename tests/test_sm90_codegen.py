@@ -69,7 +69,7 @@ def _w12_batch_build(M: int, q8: bool, f16: bool) -> dict:
     cfg = configs.batch_heuristic(M, 5120, 6144, torch.device("cpu"), q8=q8)
     xt = "*fp16" if f16 else "*bf16"
     types = dict(x_ptr=xt, bias_ptr=xt, out_ptr=xt, tiles_ptr="*u8", e0_ptr="*u8", rowptr_ptr="*i32",
-                 col_ptr="*i32", val_ptr="*i16", ws_ptr="*fp32", SB="i64")
+                 col_ptr="*i32", val_ptr="*i16", ws_ptr="*fp32", cnt_ptr="*i32", SB="i64")
     ce = dict(HAS_BIAS=False, Q8=q8, X_F16=f16, SPLIT=cfg.split_k > 1, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
               GROUPS=cfg.groups, USE_ASM=cfg.asm, stride_xk=1)
     names = list(inspect.signature(w12_batch_kernel.fn).parameters)
@@ -189,7 +189,7 @@ def _pdl_kernels() -> dict:
                       dict(D=10240, W=4, BD=256, HAS_BIAS=False, SILU=True)),
         "w12_batch": (w12_batch_kernel, dict(x_ptr=bf, tiles_ptr="*u8", e0_ptr="*u8", rowptr_ptr="*i32",
                                              col_ptr="*i32", val_ptr="*i16", bias_ptr=bf, out_ptr=bf, ws_ptr="*fp32",
-                                             SB="i64"),
+                                             cnt_ptr="*i32", SB="i64"),
                       dict(HAS_BIAS=False, Q8=False, X_F16=False, SPLIT=True, BLOCK_N=64, BLOCK_T=64, GROUPS=1,
                            USE_ASM=True)),
     }

@@ -274,7 +274,9 @@ class BatchConfig:
     """The runtime layout's tensor-core GEMM for many rows of x (kernels/batch.py, swap-AB): a program owns
     `block_n` weight rows and `block_t` rows of x (the MMA's N: up to 256, so a batch of that many rows reads the
     weight once) and takes `groups` 64-column groups a K step; `split_k` K shares meet in an fp32 workspace (a fixed
-    order). `asm`: the packed PTX decode (kernels/pk_decode.py; a GPU only, the interpreter takes the plain one)."""
+    order). `asm`: the packed PTX decode (kernels/pk_decode.py; a GPU only, the interpreter takes the plain one).
+    `fixup` (with split_k > 1): the last K share of a tile to finish adds the shares' partials, in the same order as
+    the split-K reduce kernel (the same bits), so the call is one launch (tag `-f`)."""
 
     block_n: int = 64  # MMA M (weight rows): 64 per warpgroup on wgmma
     block_t: int = 128  # MMA N (rows of x)
@@ -283,6 +285,7 @@ class BatchConfig:
     num_warps: int = 4
     num_stages: int = 3
     asm: bool = True
+    fixup: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_t"):
@@ -296,18 +299,18 @@ class BatchConfig:
 
     def tag(self) -> str:
         return f"batch-n{self.block_n}-t{self.block_t}-g{self.groups}-k{self.split_k}-w{self.num_warps}-" \
-            f"s{self.num_stages}" + ("" if self.asm else "-plain")
+            f"s{self.num_stages}" + ("" if self.asm else "-plain") + ("-f" if self.fixup else "")
 
     @classmethod
     def from_tag(cls, tag: str) -> "BatchConfig":
         """The config whose `tag()` is `tag` (the leading "batch-" may be left out), e.g. "n64-t128-g1-k2-w4-s3"."""
-        m = re.fullmatch(r"(?:batch-)?n(\d+)-t(\d+)-g(\d+)-k(\d+)-w(\d+)-s(\d+)(-plain)?", tag)
+        m = re.fullmatch(r"(?:batch-)?n(\d+)-t(\d+)-g(\d+)-k(\d+)-w(\d+)-s(\d+)(-plain)?(-f)?", tag)
         if m is None:
             raise ValueError(f"BatchConfig.from_tag: {tag!r} is not a batch config tag "
                              "(e.g. 'batch-n64-t128-g1-k2-w4-s3')")
-        bn, bt, g, k, w, st, plain = m.groups()
+        bn, bt, g, k, w, st, plain, fixup = m.groups()
         return cls(block_n=int(bn), block_t=int(bt), groups=int(g), split_k=int(k), num_warps=int(w),
-                   num_stages=int(st), asm=not plain)
+                   num_stages=int(st), asm=not plain, fixup=bool(fixup))
 
 
 def batch_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = False) -> BatchConfig:

@@ -649,6 +649,22 @@ def _batch_config(x2d: torch.Tensor, tiled: TiledW12, op: str) -> BatchConfig | 
                                key=key, device=x2d.device)
 
 
+_COUNTERS: dict[tuple, torch.Tensor] = {}  # the batch kernel's tile counters by (device, stream), zero between launches
+
+
+def _tile_counters(device: torch.device, tiles: int) -> torch.Tensor:
+    """int32 counters of at least `tiles` tiles for the batch kernel's FIXUP on `device`'s current stream: zero, and
+    left zero by every launch (the last K share of a tile puts its counter back). Kernels on one stream run in order
+    (a PDL launch waits for the grid before it at its start), so one buffer a stream serves them all."""
+    idx = device.index if device.index is not None else (torch.cuda.current_device() if device.type == "cuda" else 0)
+    key = (device.type, idx, torch.cuda.current_stream(device).cuda_stream if device.type == "cuda" else 0)
+    have = _COUNTERS.get(key)
+    if have is None or have.numel() < tiles:
+        have = _COUNTERS[key] = torch.zeros(max(tiles, 0 if have is None else 2 * have.numel()), device=device,
+                                            dtype=torch.int32)
+    return have
+
+
 def launch_batch(cfg: BatchConfig, x2d: torch.Tensor, tiled: TiledW12, bias: torch.Tensor | None, out: torch.Tensor,
                  *, q8: bool = False, pdl: bool | None = None):
     """out [M, N] = x2d [M, K] @ W^T (+ bias) by the batch kernel (kernels/batch.py) at `cfg`, on a GPU or under
@@ -660,7 +676,7 @@ def launch_batch(cfg: BatchConfig, x2d: torch.Tensor, tiled: TiledW12, bias: tor
     `w12.cuda.pdl_enabled` says for a launcher whose default is off (SPECPILOT_PDL=1 turns it on)."""
     if x2d.is_cuda and x2d.device.index != torch.cuda.current_device():
         with torch.cuda.device(x2d.device):
-            return launch_batch(cfg, x2d, tiled, bias, out, q8=q8)
+            return launch_batch(cfg, x2d, tiled, bias, out, q8=q8, pdl=pdl)
     M, K = x2d.shape
     geo = tiled.geometry
     groups = cfg.groups
@@ -669,6 +685,8 @@ def launch_batch(cfg: BatchConfig, x2d: torch.Tensor, tiled: TiledW12, bias: tor
     split = max(1, min(cfg.split_k, geo.KF // groups))  # every K share holds a step (the tail rides the last)
     grid = (triton.cdiv(tiled.N, cfg.block_n), triton.cdiv(M, cfg.block_t), split)
     ws = out if split == 1 else torch.empty((split, M, tiled.N), device=out.device, dtype=torch.float32)
+    fixup = bool(cfg.fixup) and split > 1
+    cnt = _tile_counters(x2d.device, grid[0] * grid[1]) if fixup else ws
     has_bias = bias is not None
     b = bias if has_bias else out
     use_asm = bool(cfg.asm) and x2d.is_cuda and not autotune.is_interpreter()
@@ -680,11 +698,12 @@ def launch_batch(cfg: BatchConfig, x2d: torch.Tensor, tiled: TiledW12, bias: tor
         pdl = bool(pdl) and autotune.hardware.has_pdl(x2d.device)
     launch = {"launch_pdl": True} if pdl else {}
     ck = w12_batch_kernel[grid](x2d, tiled.tiles, tiled.e0, tiled.esc_rowptr, tiled.esc_col, tiled.esc_val, b, out, ws,
+                                cnt,
                            M, tiled.N, K, geo.KF, geo.kr, geo.NF, geo.nr, geo.SB, x2d.stride(0), x2d.stride(1), split,
                            HAS_BIAS=has_bias, Q8=bool(q8), X_F16=x2d.dtype == torch.float16, SPLIT=split > 1,
                            BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t, GROUPS=groups, USE_ASM=use_asm, PDL=pdl,
-                           num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
-    if split > 1:
+                           FIXUP=fixup, num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+    if split > 1 and not fixup:
         w12_splitk_reduce_kernel[(triton.cdiv(M * tiled.N, _REDUCE_BLOCK),)](
             ws, b, out, M, tiled.N, SPLIT_K=split, HAS_BIAS=has_bias, BLOCK=_REDUCE_BLOCK, num_warps=4)
     return ck

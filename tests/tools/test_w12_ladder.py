@@ -367,15 +367,20 @@ def test_ab_promote_stores_only_a_clear_plain_winner(ladder, monkeypatch, tmp_pa
     assert report["cells"][0]["promotion"] is recs[0]
 
 
-def test_batch_candidates_are_the_heuristic_and_its_neighbours(ladder):
+def test_batch_candidates_are_the_heuristic_and_its_neighbours(ladder, monkeypatch):
+    from dataclasses import replace
+
+    import w12.configs
     from w12.configs import BatchConfig, batch_heuristic
 
+    monkeypatch.setattr(w12.configs, "sm_count", lambda device: 132)  # the H200's: the heuristic splits K here
     dev = torch.device("cpu")
     h = batch_heuristic(128, 5120, 6144, dev)
     cands = ladder.batch_candidates(128, 5120, 6144, dev, extra=["n64-t128-g1-k1-w4-s3", "n128-t64-g1-k2-w8-s2"])
     tags = [c.tag() for c in cands]
     assert cands[0] == h and len(set(tags)) == len(tags)
     assert any(c.block_t == 64 for c in cands) and any(c.num_stages == 4 for c in cands)
+    assert h.split_k > 1 and replace(h, fixup=True) in cands and all(c.split_k > 1 for c in cands if c.fixup)
     assert BatchConfig.from_tag("n128-t64-g1-k2-w8-s2") in cands
     assert all(c.block_t == 64 for c in ladder.batch_candidates(40, 5120, 6144, dev))
 

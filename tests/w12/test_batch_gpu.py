@@ -104,6 +104,27 @@ def test_batch_kernel_in_a_cuda_graph():
     assert_replays_equal(graph, [out], [_batch(cfg, x, t)])
 
 
+@pytest.mark.parametrize("M,N,K,split", [(32, 5120, 6144, 6), (72, 1000, 4100, 3), (200, 130, 1000, 5)],
+                         ids=lambda v: str(v))
+def test_last_share_adds_the_partials_with_the_reduce_kernels_bits(M, N, K, split):
+    """fixup=True (one launch: the K share that finishes last adds the partials) gives the two-launch split's bits
+    on every run and in a CUDA graph, whichever share finishes last, and leaves every tile counter at zero."""
+    from w12 import ops
+
+    w = escaped_weight(N, K, seed=21)
+    t = w12.pack(w)
+    x = gaussian_x(M, K, seed=22)
+    bias = gaussian_x(1, N, seed=23)[0]
+    want = _batch(BatchConfig(block_n=64, block_t=32 if M <= 32 else 64, split_k=split), x, t, bias)
+    cfg = BatchConfig(block_n=64, block_t=32 if M <= 32 else 64, split_k=split, fixup=True)
+    for _ in range(5):
+        assert torch.equal(_batch(cfg, x, t, bias).view(torch.int16), want.view(torch.int16))
+    out = torch.empty_like(want)
+    assert_replays_equal(capture_graph(lambda: launch_batch(cfg, x, t, bias, out)), [out], [want])
+    torch.cuda.synchronize()
+    assert not any(c.any() for k, c in ops._COUNTERS.items() if k[0] == "cuda")
+
+
 @pytest.mark.hopper
 def test_programmatic_dependent_launch_gives_the_same_bits():
     """With pdl=True after a kernel that writes x, the batch kernel waits for it before its first load: the same

@@ -5,6 +5,8 @@ where every output is one product (x = I). The runtime layout's tiles and x sit 
 the results if a load strayed past them.
 """
 
+import inspect
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -157,18 +159,42 @@ def test_split_shares_cover_k_once():
     _check(out, x, w, t)
 
 
+@pytest.mark.parametrize("split", [2, 3])
+def test_last_share_adds_the_partials_with_the_reduce_kernels_bits(split):
+    """fixup=True: the K share that counts last adds the partials in share order, with the bias, as the split-K
+    reduce kernel does: the same bits, one launch, and every tile counter back at zero after the call (the next
+    launch on the stream starts from zero)."""
+    from w12 import ops
+
+    N, K = 40, 330  # three row tiles at block_n 16, two of x, five full groups and a tail
+    w = _weight(N, K, seed=47)
+    t = w12.pack(w)
+    x = _x(20, K, seed=48)
+    bias = _x(1, N, seed=49)[0]
+    cfg = BatchConfig(block_n=16, block_t=16, split_k=split, num_stages=1)
+    plain = _run(x, t, bias, cfg=cfg)
+    fixed = _run(x, t, bias, cfg=BatchConfig(block_n=16, block_t=16, split_k=split, num_stages=1, fixup=True))
+    assert_bitwise_equal(fixed, plain, "fixup")
+    _check(fixed, x, w, t, bias)
+    (cnt,) = [c for k, c in ops._COUNTERS.items() if k[0] == "cpu"]
+    assert cnt.numel() >= 6 and not cnt.any()
+    assert_bitwise_equal(_run(x, t, bias, cfg=BatchConfig(block_n=16, block_t=16, split_k=split, num_stages=1,
+                                                          fixup=True)), plain, "fixup, second launch")
+
+
 def test_groups_not_dividing_the_full_groups_are_halved(monkeypatch):
     """The main loop reads whole K steps without a mask, so a config whose groups do not divide the layout's full
     column groups launches with fewer (KF = 3: 1; KF = 4: 4 kept)."""
     from w12 import ops
 
     real = ops.w12_batch_kernel
+    kf = list(inspect.signature(real.fn).parameters).index("KF")
     seen = []
 
     class Spy:
         def __getitem__(self, grid):
             def launch(*args, **kw):
-                seen.append((args[12], kw["GROUPS"]))  # (KF, GROUPS)
+                seen.append((args[kf], kw["GROUPS"]))
                 return real[grid](*args, **kw)
             return launch
 
@@ -185,6 +211,9 @@ def test_groups_not_dividing_the_full_groups_are_halved(monkeypatch):
 def test_batch_config_checks_and_tag():
     assert BatchConfig().tag() == "batch-n64-t128-g1-k1-w4-s3"
     assert BatchConfig(asm=False).tag().endswith("-plain")
+    for cfg in (BatchConfig(), BatchConfig(block_n=128, block_t=32, groups=2, split_k=3, num_warps=8, num_stages=4,
+                                           asm=False, fixup=True), BatchConfig(split_k=2, fixup=True)):
+        assert BatchConfig.from_tag(cfg.tag()) == cfg
     for bad in (dict(block_n=8), dict(block_t=512), dict(block_t=48), dict(groups=3), dict(split_k=0),
                 dict(num_warps=3), dict(num_stages=0)):
         with pytest.raises(ValueError, match="^BatchConfig needs "):

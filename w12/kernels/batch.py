@@ -27,7 +27,9 @@ every W12 kernel's; `w12.matmul`'s doc).
 
 Split-K: program (n, t, k) takes K steps [it0, it1) of its share; with SPLIT the fp32 partials go to
 ws[SPLIT_K, M, N] and `w12_splitk_reduce_kernel` (kernels/tc.py) adds them in a fixed order with the bias and
-rounds once. Without it the program adds the bias and rounds once.
+rounds once; with FIXUP the share that finishes last adds them in the same order instead (a counter a tile, no
+second launch), so both give the same bits whichever share is last. Without a split the program adds the bias and
+rounds once.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .pk_decode import asm_text
-from .tc import _bits_to_f32, _decode_bits, _decode_bits_q8, _q8_base, _store_tile
+from .tc import _bits_to_f32, _decode_bits, _decode_bits_q8, _q8_base, _store_tile, _to_out
 
 __all__ = ["w12_batch_kernel"]
 
@@ -114,6 +116,29 @@ def _escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_pt
 
 
 @triton.jit
+def _last_share_adds(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, cnt_ptr, bias_ptr, pid_k, M, N, SPLIT_K,
+                     HAS_BIAS: tl.constexpr):
+    """FIXUP: each K share stores its fp32 partial in ws[pid_k], then counts itself in the tile's counter; the share
+    that counts last adds ws[0], ws[1], ... in that order (the split-K reduce kernel's order: the same bits), the
+    bias, rounds once, stores the output and puts the counter back to 0 for the next launch."""
+    offs = toks.to(tl.int64)[None, :] * N + rows[:, None]
+    ok = row_ok[:, None] & tok_ok[None, :]
+    MN = tl.cast(M, tl.int64) * N
+    tl.store(ws_ptr + pid_k.to(tl.int64) * MN + offs, acc, mask=ok)
+    tl.debug_barrier()  # every thread's partial stored before the count (released with it)
+    tile = tl.program_id(1) * tl.num_programs(0) + tl.program_id(0)
+    if tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel") == SPLIT_K - 1:
+        total = tl.zeros(acc.shape, tl.float32)
+        for s in range(SPLIT_K):
+            # .cg: from L2, where the other shares' released stores are (this SM's L1 is not coherent with them)
+            total += tl.load(ws_ptr + s * MN + offs, mask=ok, other=0.0, cache_modifier=".cg")
+        if HAS_BIAS:
+            total += tl.load(bias_ptr + rows, mask=row_ok, other=0.0).to(tl.float32)[:, None]
+        tl.store(out_ptr + offs, _to_out(total, out_ptr.dtype.element_ty), mask=ok)
+        tl.store(cnt_ptr + tile, 0)
+
+
+@triton.jit
 def _mma(w, x, acc, F32: tl.constexpr):
     if F32:  # bf16 weights and fp16 x are both exact in tf32: exact products, fp32 sums
         acc = tl.dot(w, x.to(tl.float32), acc, input_precision="tf32")
@@ -124,15 +149,17 @@ def _mma(w, x, acc, F32: tl.constexpr):
 
 @triton.jit(do_not_specialize=["M", "SPLIT_K"])
 def w12_batch_kernel(
-    x_ptr, tiles_ptr, e0_ptr, rowptr_ptr, col_ptr, val_ptr, bias_ptr, out_ptr, ws_ptr,
+    x_ptr, tiles_ptr, e0_ptr, rowptr_ptr, col_ptr, val_ptr, bias_ptr, out_ptr, ws_ptr, cnt_ptr,
     M, N, K, KF, kr, NF, nr, SB, stride_xm, stride_xk, SPLIT_K,
     HAS_BIAS: tl.constexpr, Q8: tl.constexpr, X_F16: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr,
-    PDL: tl.constexpr = False,
+    PDL: tl.constexpr = False, FIXUP: tl.constexpr = False,
 ):
     """Program (n, t, k): weight rows BLOCK_N n .., rows of x BLOCK_T t .., K share k. GROUPS must divide KF (the
     main loop's loads carry no mask). PDL (launched with programmatic dependent launch): every program waits for the
-    previous grid before its first load, then lets the next grid launch."""
+    previous grid before its first load, then lets the next grid launch. FIXUP (with SPLIT): the last K share of a
+    tile to finish adds the partials (cnt_ptr: one int32 counter a tile, zero between launches) instead of the
+    split-K reduce kernel."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -210,4 +237,8 @@ def w12_batch_kernel(
     if pid_k == 0:
         acc = _escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr, col_ptr,
                        val_ptr, Q8)
-    _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT, HAS_BIAS)
+    if FIXUP:
+        _last_share_adds(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, cnt_ptr, bias_ptr, pid_k, M, N, SPLIT_K,
+                         HAS_BIAS)
+    else:
+        _store_tile(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, bias_ptr, pid_k, M, N, SPLIT, HAS_BIAS)
