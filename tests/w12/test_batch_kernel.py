@@ -148,15 +148,22 @@ def test_one_hot_rows_give_the_weight_bit_for_bit(cfg):
     assert_bitwise_equal(out + 0.0, w.t().contiguous() + 0.0, "one-hot")  # + 0.0: a sum of zeros is +0.0
 
 
-def test_split_shares_cover_k_once():
-    """More K shares asked than K steps: the launch keeps one step a share at least, the masked last group rides the
-    last share, and the escapes are added once (by share 0)."""
-    N, K = 16, 130  # two full groups and a tail
-    w = _weight(N, K, seed=29)
+@pytest.mark.parametrize("K,split", [(130, 8), (645, 7), (645, 4)])
+def test_split_shares_cover_k_once(K, split):
+    """Shares and steps that do not divide evenly (K = 645: ten full groups and a tail; 7 shares of 2 steps leave the
+    last two shares no step, so the last one has the tail alone), more shares asked than steps (K = 130): every
+    column's product and escape correction once, in the share that multiplied it (x = I: the weight bit for bit)."""
+    N = 24
+    w = _weight(N, K, seed=K)
+    w[5, K - 2] = 1e-30  # escapes in the masked last group and in the last full one
+    w[7, 64 * (K // 64) - 3] = -3e-25
     t = w12.pack(w)
     x = _x(5, K, seed=30)
-    out = _run(x, t, cfg=BatchConfig(block_n=16, block_t=16, groups=1, split_k=8, num_stages=1))
-    _check(out, x, w, t)
+    cfg = BatchConfig(block_n=16, block_t=16, groups=1, split_k=split, num_stages=1)
+    _check(_run(x, t, cfg=cfg), x, w, t)
+    cols = torch.cat([torch.arange(8), torch.arange(64 * (K // 64) - 8, K)])  # one-hot rows: the first and last columns
+    eye = torch.eye(K, dtype=torch.bfloat16)[cols]
+    assert_bitwise_equal(_run(eye, t, cfg=cfg) + 0.0, w.t()[cols].contiguous() + 0.0, f"x = I, split {split}")
 
 
 @pytest.mark.parametrize("split", [2, 3])

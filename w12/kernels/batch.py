@@ -18,7 +18,8 @@ that on a GPU each pair decodes in the flow kernel's four instructions (`pk_deco
 pairs a call) into one 32-bit word whose halves are the two columns' BF16 bits, in the order the weight operand
 takes them; the interpreter runs the same decode as integer ops. Code 0, where an escape sits, so reads as
 v0 = 2^(e0 - 127); the epilogue takes x * v0 back and adds x * value, in that order, for each escape of the
-program's rows (the flow kernel's correction: where x = I the result is the weight `w12.unpack` gives, bit for bit).
+program's rows in its K share's columns (the flow kernel's correction: where x = I the result is the weight
+`w12.unpack` gives, bit for bit, at any split).
 The 8-bit view (Q8) reads the hi bytes alone, each as its bin's midpoint (`w12.reference.q8_view_bits`); an escape's
 hi byte 0 reads as that row's hi-0 value, which the epilogue takes back the same way. fp16 x multiplies the decoded
 weight in fp32 (tf32 MMAs: bf16 weights and fp16 x are exact there), so the products are exact and only the fp32 sums
@@ -93,9 +94,10 @@ def _half_weights(h16, lo16, E, E32, HIGH: tl.constexpr, Q8: tl.constexpr, F32: 
 
 @triton.jit
 def _escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr, col_ptr, val_ptr,
-             Q8: tl.constexpr):
-    """acc [BN, BT] with each escape's dense value v0 taken back and its value added, (acc - x v0) + x value, in
-    fp32: step j takes escape j of every row of the program (rows with fewer are masked)."""
+             k_lo, k_hi, Q8: tl.constexpr):
+    """acc [BN, BT] with each escape in columns [k_lo, k_hi) (this K share's: the share whose MMA added its dense
+    value v0 takes it back) corrected, (acc - x v0) + x value, in fp32: step j takes escape j of every row of the
+    program (rows with fewer, and escapes outside the range, are masked, so their x is not read)."""
     rp0 = tl.load(rowptr_ptr + rows, mask=row_ok, other=0)
     cnt = tl.load(rowptr_ptr + rows + 1, mask=row_ok, other=0) - rp0
     e0 = tl.load(e0_ptr + rows, mask=row_ok, other=0).to(tl.int32)
@@ -107,6 +109,7 @@ def _escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_pt
     for j in range(0, tl.max(cnt, axis=0)):
         has = (j < cnt) & row_ok
         col = tl.load(col_ptr + rp0 + j, mask=has, other=0)
+        has = has & (col >= k_lo) & (col < k_hi)
         val = _bits_to_f32(tl.load(val_ptr + rp0 + j, mask=has, other=0).to(tl.int32))[:, None]  # [BN, 1]
         ok = has[:, None] & tok_ok[None, :]
         xv = tl.load(x_row + col.to(tl.int64)[:, None] * stride_xk, mask=ok, other=0.0).to(tl.float32)  # [BN, BT]
@@ -234,9 +237,14 @@ def w12_batch_kernel(
                          other=0.0)  # [64, BT]
             acc = _mma(w, xt, acc, X_F16)
 
-    if pid_k == 0:
-        acc = _escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr, col_ptr,
-                       val_ptr, Q8)
+    # each K share corrects the escapes in its own columns (the last one's take the masked last group's too), so the
+    # epilogue's gathers of x are spread over the shares instead of all on share 0
+    # (a share past the last step, where the split does not divide the steps evenly, owns no column but the last
+    # share's masked group)
+    k_lo = tl.minimum(it0, n_it) * 64 * GROUPS
+    k_hi = tl.where(pid_k == SPLIT_K - 1, K, tl.maximum(it1, it0) * 64 * GROUPS)
+    acc = _escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr, col_ptr, val_ptr,
+                   k_lo, k_hi, Q8)
     if FIXUP:
         _last_share_adds(acc, rows, toks, row_ok, tok_ok, out_ptr, ws_ptr, cnt_ptr, bias_ptr, pid_k, M, N, SPLIT_K,
                          HAS_BIAS)
