@@ -85,16 +85,16 @@ rotated weight copies (`weight_copies`; `time_fns`, medians of CUDA-graph replay
 
 `--batch` times the batch kernel (w12/kernels/batch.py: the runtime layout's tensor-core GEMM that reads the weight
 once for up to 256 rows of x) instead of the ladder: for each of --batch-layers (AB_LAYERS names) at each of
---batch-m rows (16 to 256 by default: at 32 rows and fewer the flow kernel is the path it would replace), cuBLAS on
+--batch-m rows (16 to 280 by default: at 32 rows and fewer the flow kernel is the path it would replace), cuBLAS on
 the BF16 weight and the kernel's candidates (`w12.configs.batch_heuristic`'s config, its neighbours in split-K, rows
 of x a program and stages, and any --batch-configs tags), each beside `w12.matmul_tiled` as dispatched (the flow
 kernel, its 32-row pieces up to 96 rows, the weight decoded and F.linear above), pairs interleaved as in --ab
 (weights and x as there). Each candidate's output is first checked against the fp32 product (within twice cuBLAS's
 largest error: `ok`). With `--promote`, for each layer and shape key (rows bucketed to a power of two: 9-16, 17-32,
-33-64, 65-128, 129-256) the candidate with the best worst ratio over the key's timed row counts goes through
-`autotune.promote` at each of them, and where it is promoted at all of them it becomes this GPU's tuned entry
-`w12.matmul/batch/<key>`, which `w12.matmul_tiled` then runs in place of the flow kernel, its pieces or the decode.
-File: $OUT/w12-batch.json.
+33-64, 65-128, 129-256, 257-512: the 280 rows of a 24-request step at budget 256) the candidate with the best worst
+ratio over the key's timed row counts goes through `autotune.promote` at each of them, and where it is promoted at
+all of them it becomes this GPU's tuned entry `w12.matmul/batch/<key>`, which `w12.matmul_tiled` then runs in place
+of the flow kernel, its pieces or the decode. File: $OUT/w12-batch.json.
 
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
@@ -957,7 +957,7 @@ def parse(argv=None):
                          "doc); with --promote its winners become tuned entries")
     ap.add_argument("--batch-layers", nargs="+", default=list(LAYERS), metavar="LAYER",
                     help="--batch: layers (AB_LAYERS names)")
-    ap.add_argument("--batch-m", nargs="+", type=int, default=[16, 24, 32, 40, 64, 72, 96, 128, 136, 200, 256],
+    ap.add_argument("--batch-m", nargs="+", type=int, default=[16, 24, 32, 40, 64, 72, 96, 128, 136, 200, 256, 280],
                     help="--batch: row counts")
     ap.add_argument("--batch-configs", nargs="*", default=[], metavar="TAG",
                     help="--batch: more BatchConfig tags to time in every cell, e.g. n64-t128-g1-k2-w4-s4")
