@@ -3,34 +3,32 @@ swap-AB, `acc[BN, BT] = W_tile[BN, BK] @ xT_tile[BK, BT]`, with up to 256 rows o
 that a batch verify step of 33-256 rows reads and decodes the weight once (the flow kernel takes 32 rows a launch).
 On sm_90 Triton lowers `tl.dot` to wgmma, elsewhere to mma.sync.
 
-A program owns BLOCK_N weight rows (any row blocks of the layout, the partial last one included) and BLOCK_T rows
-of x, and walks its K share in steps of GROUPS full 64-column groups (the tiles of its row blocks), then, in the
-last K share, the masked last group (the layout's tail). Within a 64-column group the runtime layout keeps each
-row's 64 hi bytes in column order and its 32 lo bytes as pairs: byte 8 p + j holds the low nibble of column
-16 p + j and, in its high nibble, that of column 16 p + j + 8 (p < 4, j < 8). The kernel therefore takes a group as
-two halves, "a" (columns 16 p + j) and "b" (the same + 8), each [BN, 32 GROUPS]: half a's hi bytes are runs of 8,
-half b's the next 8, and both decode against the same lo bytes, one 32-byte run a row. x is read in the same
-column order (runs of 8 columns), and each step issues two MMAs of depth 32 GROUPS. No byte is shuffled.
+A program owns BLOCK_N weight rows (any row blocks of the layout, the partial last one included) and BLOCK_T rows of
+x, and walks its K share in steps of GROUPS full 64-column groups (the tiles of its row blocks), then, in the last K
+share, the masked last group (the layout's tail). Within a 64-column group the runtime layout keeps each row's 64 hi
+bytes in column order and its 32 lo bytes as pairs: byte 8 p + j holds the low nibble of column 16 p + j and, in its
+high nibble, that of column 16 p + j + 8 (p < 4, j < 8). The kernel therefore takes a group as two halves, "a"
+(columns 16 p + j) and "b" (the same + 8), each [BN, 32 GROUPS]: half a's hi bytes are runs of 8, half b's the next
+8, and both decode against the same lo bytes, one 32-byte run a row. x is read in the same column order (runs of 8
+columns), and each step issues two MMAs of depth 32 GROUPS. No byte is shuffled.
 
 Decode: code = hi << 4 | nib, bits = ((code & 0x7FF) + (e0 << 7)) | ((code & 0x800) << 4). The main loop reads the
 tiles as int16 pairs of adjacent columns (a pair's two hi bytes, and the lo byte pair that holds their nibbles), so
-that on a GPU each pair decodes in the flow kernel's four instructions (`pk_decode.asm_text` modes `lo4` / `hi4`, two
-pairs a call) into one 32-bit word whose halves are the two columns' BF16 bits, in the order the weight operand
-takes them; the interpreter runs the same decode as integer ops. Code 0, where an escape sits, so reads as
-v0 = 2^(e0 - 127); the epilogue takes x * v0 back and adds x * value, in that order, for each escape of the
-program's rows in its K share's columns (the flow kernel's correction: where x = I the result is the weight
-`w12.unpack` gives, bit for bit, at any split).
-The 8-bit view (Q8) reads the hi bytes alone, each as its bin's midpoint (`w12.reference.q8_view_bits`); an escape's
-hi byte 0 reads as that row's hi-0 value, which the epilogue takes back the same way. fp16 x multiplies the decoded
-weight in fp32 (tf32 MMAs: bf16 weights and fp16 x are exact there), so the products are exact and only the fp32 sums
-round. Where x itself is +-Inf or NaN at an escape's column the output may be NaN where F.linear gives +-Inf (as
-every W12 kernel's; `w12.matmul`'s doc).
+that on a GPU each pair decodes in the flow kernel's four instructions (`pk_decode.asm_text` modes `lo4` / `hi4`,
+two pairs a call) into one 32-bit word whose halves are the two columns' BF16 bits, in the order the weight operand
+takes them; the interpreter runs the same decode as integer ops. Code 0, where an escape sits, so reads as v0 =
+2^(e0 - 127); the epilogue takes x * v0 back and adds x * value, in that order, for each escape of the program's
+rows in its K share's columns (the flow kernel's correction: where x = I the result is the weight `w12.unpack`
+gives, bit for bit, at any split). The 8-bit view (Q8) reads the hi bytes alone, each as its bin's midpoint
+(`w12.reference.q8_view_bits`); an escape's hi byte 0 reads as that row's hi-0 value, which the epilogue takes back
+the same way. fp16 x multiplies the decoded weight in fp32 (tf32 MMAs: bf16 weights and fp16 x are exact there), so
+the products are exact and only the fp32 sums round. Where x itself is +-Inf or NaN at an escape's column the output
+may be NaN where F.linear gives +-Inf (as every W12 kernel's; `w12.matmul`'s doc).
 
-Split-K: program (n, t, k) takes K steps [it0, it1) of its share; with SPLIT the fp32 partials go to
-ws[SPLIT_K, M, N] and `w12_splitk_reduce_kernel` (kernels/tc.py) adds them in a fixed order with the bias and
-rounds once; with FIXUP the share that finishes last adds them in the same order instead (a counter a tile, no
-second launch), so both give the same bits whichever share is last. Without a split the program adds the bias and
-rounds once.
+Split-K: program (n, t, k) takes K steps [it0, it1) of its share; with SPLIT the fp32 partials go to ws[SPLIT_K, M,
+N] and `w12_splitk_reduce_kernel` (kernels/tc.py) adds them in a fixed order with the bias and rounds once; with
+FIXUP the share that finishes last adds them in the same order instead (a counter a tile, no second launch), so both
+give the same bits whichever share is last. Without a split the program adds the bias and rounds once.
 """
 
 from __future__ import annotations
