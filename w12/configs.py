@@ -317,7 +317,7 @@ def batch_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = 
     """The batch kernel's default, not yet timed on a GPU (docs/w12-kernels.md, "Above 32 rows"): 64 weight rows and
     one warpgroup a program, x's rows on the MMA's N up to 128 (more take a second program over the same weight
     rows), one 64-column group a K step, three stages. The sm_90 builds (Triton 3.6, compiled on a CPU) hold that
-    step without spills: 231 registers at 128 rows of x (two CTAs an SM), 153 at 64 (three), 128 at 32 and fewer
+    step without spills: 249 registers at 128 rows of x (two CTAs an SM), 168 at 64 (three), 127 at 32 and fewer
     (four); two groups a step spill at 128 rows. Split-K fills whole waves of those CTAs."""
     bt = min(128, max(16, _pow2(M)))
     bn, warps, stages = 64, 4, 3
