@@ -94,7 +94,7 @@ largest error: `ok`). With `--promote`, for each layer and shape key (rows bucke
 33-64, 65-128, 129-256, 257-512: the 280 rows of a 24-request step at budget 256) the candidate with the best worst
 ratio over the key's timed row counts goes through `autotune.promote` at each of them, and where it is promoted at
 all of them it becomes this GPU's tuned entry `w12.matmul/batch/<key>`, which `w12.matmul_tiled` then runs in place
-of the flow kernel, its pieces or the decode. File: $OUT/w12-batch.json.
+of the flow kernel, its pieces or the decode. Files: $OUT/w12-batch.json and its table $OUT/w12-batch.md.
 
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
@@ -1214,8 +1214,32 @@ def batch_promote(report: dict, device=None) -> list[dict]:
     return out
 
 
+def batch_table(report: dict) -> str:
+    """--batch's report as a Markdown table: per layer and row count, cuBLAS and the default path (from their pair),
+    the fastest candidate that passed its check (from its pair with the default), its ratio to the default and
+    cuBLAS's time over it, and the key's promotion where --promote ran."""
+    import autotune
+
+    stored = {(p["layer"], p["key"]): p for p in report.get("promotion", [])}
+    lines = ["| layer | M | cuBLAS, µs | default, µs | best batch config | its µs | ÷ default | cuBLAS ÷ it "
+             "| key stored |", "| --- | --- | --- | --- | --- | --- | --- | --- | --- |"]
+    for row in report["cells"]:
+        ok = [(t, r) for t, r in row["cands"].items() if "error" not in r and r["ok"]]
+        key = autotune.shape_key(M=row["M"], N=row["N"], K=row["K"])
+        promo = stored.get((row["layer"], key))
+        mark = "" if promo is None else ("yes: " + promo["tag"] if promo["stored"] else "no")
+        if not ok:
+            lines.append(f"| {row['layer']} | {row['M']} | {row['cublas_us']:.1f} | {row['default_us']:.1f} | "
+                         f"(none passed) | | | | {mark} |")
+            continue
+        tag, r = min(ok, key=lambda c: c[1]["ratio"])
+        lines.append(f"| {row['layer']} | {row['M']} | {row['cublas_us']:.1f} | {row['default_us']:.1f} | `{tag}` | "
+                     f"{r['cand_us']:.1f} | {r['ratio']:.3f} | {row['cublas_us'] / r['cand_us']:.3f} | {mark} |")
+    return "\n".join(lines) + "\n"
+
+
 def batch_main(args) -> int:
-    """--batch: the batch kernel's A/B on the GPU, into $OUT/w12-batch.json."""
+    """--batch: the batch kernel's A/B on the GPU, into $OUT/w12-batch.json and its table $OUT/w12-batch.md."""
     if not torch.cuda.is_available():
         print("w12_ladder: --batch times on a CUDA GPU", file=sys.stderr)
         return 2
@@ -1231,7 +1255,9 @@ def batch_main(args) -> int:
                       "wall_s": round(time.perf_counter() - t0, 1), "promote": args.promote}
     out = Path(os.environ.get("OUT", ".")) / "w12-batch.json"
     out.write_text(json.dumps(report, indent=1))
-    print(f"wrote {out}")
+    table = batch_table(report)
+    out.with_suffix(".md").write_text(table)
+    print(table + f"wrote {out} and {out.with_suffix('.md')}")
     return 0
 
 

@@ -418,13 +418,21 @@ def test_batch_promote_stores_a_key_only_where_it_wins_at_every_row_count(ladder
         {"layer": "o_proj", "M": 40, "N": 5120, "K": 6144, "cands": {a: cand(0.5), b: cand(0.9, ok=False)}},
         {"layer": "o_proj", "M": 64, "N": 5120, "K": 6144, "cands": {a: cand(1.1), b: cand(0.8)}},
     ]
-    recs = ladder.batch_promote({"cells": cells})
+    report = {"cells": cells}
+    recs = ladder.batch_promote(report)
     assert [(r["key"], r["stored"]) for r in recs] == [(autotune.shape_key(M=128, N=5120, K=6144), True),
                                                        (autotune.shape_key(M=64, N=5120, K=6144), False)]
     assert recs[0]["tag"] == a and recs[1]["tag"] == a  # b failed its check at 40 rows
     ((args, kw),) = stored
     assert args[:3] == ("w12.matmul", "batch", autotune.shape_key(M=72, N=5120, K=6144))
     assert args[3] == BatchConfig.from_tag(a) and kw["extra"]["M"] == [72, 128]
+    for row in cells:
+        row.update(cublas_us=30.0, default_us=50.0)
+    table = ladder.batch_table(report).splitlines()
+    assert len(table) == 2 + len(cells)
+    assert table[2].startswith("| o_proj | 72 | 30.0 | 50.0 | `batch-n64-t128-g1-k3-w4-s3` | 30.0 | 0.600 | 1.000 "
+                               "| yes")
+    assert table[4].endswith("| no |") and f"`{b}`" in table[5]  # M = 40: b failed its check; M = 64: b was faster
 
 
 def test_batch_refuses_without_a_gpu(ladder, capsys):
