@@ -53,10 +53,11 @@ def _w12_ptx(kind: str, q8: bool, asm: bool) -> str:
     return _ptx(gemv.w12_matmul_gemv_kernel, types, ce, 4, 2)
 
 
-def _w12_batch_build(M: int, q8: bool, f16: bool) -> dict:
+def _w12_batch_build(M: int, q8: bool, f16: bool, cap: int = 90) -> dict:
     """The batch kernel at `w12.configs.batch_heuristic`'s config for o_proj (5120 x 6144) at M rows, compiled as a
-    launch specialises it (16-byte aligned pointers, sizes divisible by 16, unit K stride): its features, and its
-    key loop's size, spills and cp.async copies (LDGSTS: the loads pipelined through shared memory)."""
+    launch specialises it (16-byte aligned pointers, sizes divisible by 16, unit K stride, no PDL) for sm_`cap`: its
+    features, and its key loop's size, spills and cp.async copies (LDGSTS: the loads pipelined through shared
+    memory)."""
     import triton
     from triton.backends.compiler import GPUTarget
     from triton.compiler import ASTSource
@@ -71,13 +72,13 @@ def _w12_batch_build(M: int, q8: bool, f16: bool) -> dict:
     types = dict(x_ptr=xt, bias_ptr=xt, out_ptr=xt, tiles_ptr="*u8", e0_ptr="*u8", rowptr_ptr="*i32",
                  col_ptr="*i32", val_ptr="*i16", ws_ptr="*fp32", cnt_ptr="*i32", SB="i64")
     ce = dict(HAS_BIAS=False, Q8=q8, X_F16=f16, SPLIT=cfg.split_k > 1, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
-              GROUPS=cfg.groups, USE_ASM=cfg.asm, stride_xk=1)
+              GROUPS=cfg.groups, USE_ASM=cfg.asm, stride_xk=1, PDL=False, FIXUP=cfg.fixup)
     names = list(inspect.signature(w12_batch_kernel.fn).parameters)
     sig = {n: "constexpr" if n in ce else types.get(n, "i32") for n in names}
     div16 = [n for n in names if n.endswith("_ptr") or n in ("N", "K", "KF", "kr", "NF", "nr", "SB", "stride_xm")]
     src = ASTSource(fn=w12_batch_kernel, signature=sig, constexprs=ce,
                     attrs={(names.index(n),): [["tt.divisibility", 16]] for n in div16})
-    c = triton.compile(src, target=GPUTarget("cuda", 90, 64),
+    c = triton.compile(src, target=GPUTarget("cuda", cap, 64 if cap >= 90 else 32),
                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     loop = mma_loop(sass(c.asm["cubin"]))
     return dict(_features(c.asm["ptx"]), tag=cfg.tag(), loop=len(loop), ldl=sum("LDL" in t for t in loop),
@@ -191,7 +192,7 @@ def _pdl_kernels() -> dict:
                                              col_ptr="*i32", val_ptr="*i16", bias_ptr=bf, out_ptr=bf, ws_ptr="*fp32",
                                              cnt_ptr="*i32", SB="i64"),
                       dict(HAS_BIAS=False, Q8=False, X_F16=False, SPLIT=True, BLOCK_N=64, BLOCK_T=64, GROUPS=1,
-                           USE_ASM=True)),
+                           USE_ASM=True, FIXUP=False)),
     }
 
 
@@ -292,6 +293,7 @@ def _worker() -> None:
     for M, q8, f16 in ((32, False, False), (40, False, False), (128, False, False), (128, True, False),
                        (72, False, True)):
         out[f"batch-{M}-{q8}-{f16}"] = _w12_batch_build(M, q8, f16)
+    out["batch-sm80-40"] = _w12_batch_build(40, False, False, cap=80)
     for q8 in (False, True):
         for groups in (1, 4):
             out[f"untile-{q8}-{groups}"] = _features(_untile_ptx(q8, groups))
@@ -359,6 +361,15 @@ def test_w12_batch_kernel_pipelines_its_loads_into_wgmma_without_spills(case):
     q8 = "-True-" in case
     assert f["wgmma"] and f["hgmma"] >= 4, f
     assert (f["pk_asm"], f["pk4_asm"], f["pk_zero_asm"]) == ((True, False, False) if q8 else (False, True, False)), f
+    assert f["ldgsts"] > 0 and f["ldl"] == f["stl"] == 0, f
+
+
+@pytest.mark.slow
+def test_w12_batch_kernel_builds_for_gpus_without_wgmma():
+    """The same kernel for sm_80 (the portable variant): mma.sync, the loads still pipelined by cp.async, no local
+    memory in the key loop."""
+    f = _results()["batch-sm80-40"]
+    assert f["mma_sync"] and not f["wgmma"] and f["pk4_asm"], f
     assert f["ldgsts"] > 0 and f["ldl"] == f["stl"] == 0, f
 
 
