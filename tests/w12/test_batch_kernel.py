@@ -148,11 +148,12 @@ def test_one_hot_rows_give_the_weight_bit_for_bit(cfg):
     assert_bitwise_equal(out + 0.0, w.t().contiguous() + 0.0, "one-hot")  # + 0.0: a sum of zeros is +0.0
 
 
-@pytest.mark.parametrize("K,split", [(130, 8), (645, 7), (645, 4)])
+@pytest.mark.parametrize("K,split", [(130, 8), (645, 7), (645, 8), (645, 4)])
 def test_split_shares_cover_k_once(K, split):
-    """Shares and steps that do not divide evenly (K = 645: ten full groups and a tail; 7 shares of 2 steps leave the
-    last two shares no step, so the last one has the tail alone), more shares asked than steps (K = 130): every
-    column's product and escape correction once, in the share that multiplied it (x = I: the weight bit for bit)."""
+    """Shares and steps that do not divide evenly (K = 645: ten full groups and a tail; 7 or 8 shares of 2 steps leave
+    the last two or three shares no step, and the last one the tail alone), more shares asked than steps (K = 130):
+    every column's product and escape correction once, in the share that multiplied it (x = I: the weight bit for
+    bit)."""
     N = 24
     w = _weight(N, K, seed=K)
     w[5, K - 2] = 1e-30  # escapes in the masked last group and in the last full one

@@ -237,10 +237,10 @@ def w12_batch_kernel(
 
     # each K share corrects the escapes in its own columns (the last one's take the masked last group's too), so the
     # epilogue's gathers of x are spread over the shares instead of all on share 0
-    # (a share past the last step, where the split does not divide the steps evenly, owns no column but the last
-    # share's masked group)
+    # (shares past the last step, where the split does not divide the steps evenly, own no column, the last one but
+    # its masked group)
     k_lo = tl.minimum(it0, n_it) * 64 * GROUPS
-    k_hi = tl.where(pid_k == SPLIT_K - 1, K, tl.maximum(it1, it0) * 64 * GROUPS)
+    k_hi = tl.where(pid_k == SPLIT_K - 1, K, tl.minimum(tl.maximum(it1, it0), n_it) * 64 * GROUPS)
     acc = _escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr, col_ptr, val_ptr,
                    k_lo, k_hi, Q8)
     if FIXUP:
