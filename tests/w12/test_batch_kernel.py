@@ -291,3 +291,23 @@ def test_a_tuned_entry_sends_a_gpu_call_to_the_batch_kernel(monkeypatch):
     assert ops._batch_config(x, t, "w12.matmul_q8") is None  # the 8-bit view keeps its own entries
     with autotune.force("w12.matmul", config=FlowConfig()):
         assert ops._batch_config(x, t, "w12.matmul") is None
+
+
+@pytest.mark.parametrize("seed", range(16))
+def test_random_shapes_and_splits_give_each_column_once(seed):
+    """Random weight shapes, tiles, splits (half the K steps to all of them: shares of two steps leave the last ones
+    none) and groups: x's
+    rows one-hot at random columns (the first, the last full group's and the last among them, every third row with an
+    escape in the last), so each output is one weight, bit for bit, escapes included."""
+    import random
+
+    rng = random.Random(seed)
+    N, K = rng.randint(1, 70), rng.randint(1, 1100)
+    cfg = BatchConfig(block_n=rng.choice([16, 32, 64]), block_t=16, groups=rng.choice([1, 2, 4]),
+                      split_k=rng.randint(max(1, K // 128), max(1, K // 64)), num_stages=1, fixup=rng.random() < 0.5)
+    w = _weight(N, K, seed=seed)
+    w[::3, K - 1] = 1e-30
+    t = w12.pack(w)
+    cols = sorted({0, K - 1, max(0, 64 * (K // 64) - 1), *(rng.randrange(K) for _ in range(5))})
+    x = torch.eye(K, dtype=torch.bfloat16)[cols]
+    assert_bitwise_equal(_run(x, t, cfg=cfg) + 0.0, w.t()[cols].contiguous() + 0.0, f"{N}x{K} {cfg.tag()}")
