@@ -94,6 +94,21 @@ def test_one_hot_rows_give_the_weight_bit_for_bit():
         assert_bitwise_equal(_batch(cfg, x, t) + 0.0, w.t().contiguous() + 0.0, cfg.tag())
 
 
+@pytest.mark.parametrize("split", [7, 8])
+@pytest.mark.parametrize("fixup", [False, True])
+def test_uneven_splits_give_each_column_once(split, fixup):
+    """Ten full groups and a tail in 7 or 8 shares of two steps (the last shares get none): x = I rows at the first,
+    last-full-group and tail columns give the weight bit for bit, escapes included."""
+    N, K = 300, 645
+    w = escaped_weight(N, K, seed=12)
+    w[::3, K - 1] = 1e-30
+    t = w12.pack(w)
+    cols = torch.tensor([0, 1, 2, 637, 638, 639, 640, 641, 642, 643, 644], device="cuda")
+    x = torch.eye(K, dtype=torch.bfloat16, device="cuda")[cols]
+    cfg = BatchConfig(block_n=64, block_t=16, split_k=split, fixup=fixup)
+    assert_bitwise_equal(_batch(cfg, x, t) + 0.0, w.t()[cols].contiguous() + 0.0, cfg.tag())
+
+
 def test_batch_kernel_in_a_cuda_graph():
     N, K, M = 5120, 6144, 72
     t = w12.pack(escaped_weight(N, K, seed=13))
