@@ -318,7 +318,8 @@ def batch_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = 
     one warpgroup a program, x's rows on the MMA's N up to 128 (more take a second program over the same weight
     rows), one 64-column group a K step, three stages. The sm_90 builds (Triton 3.6, compiled on a CPU) hold that
     step without spills: 249 registers at 128 rows of x (two CTAs an SM), 168 at 64 (three), 127 at 32 and fewer
-    (four); two groups a step spill at 128 rows. Split-K fills whole waves of those CTAs."""
+    (four); with two or four groups a step the weight bytes are no longer pipelined. Split-K fills whole waves of
+    those CTAs."""
     bt = min(128, max(16, _pow2(M)))
     bn, warps, stages = 64, 4, 3
     ctas_per_sm = 2 if bt >= 128 else 3 if bt == 64 else 4
