@@ -1103,8 +1103,9 @@ def ab_main(args) -> int:
 def batch_candidates(m: int, n: int, k: int, device, extra=()) -> list:
     """The batch kernel's configs timed at (m, n, k): the heuristic's, its neighbours (no split, half and twice its
     split, 64 rows of x a program above 64 rows, four stages, and up to 64 rows of x two warpgroups a program over 128
-    weight rows at half the split: one x tile for both), the heuristic's and the half split's with the last K share
-    adding the partials (`fixup`, one launch), then `extra` (tags); without repeats, in that order."""
+    weight rows at half the split, one x tile for both, and one 64-column group a step at twice the split), the
+    heuristic's and the half split's with the last K share adding the partials (`fixup`, one launch), then `extra`
+    (tags); without repeats, in that order."""
     from w12.configs import BatchConfig, batch_heuristic
 
     h = batch_heuristic(m, n, k, device)
@@ -1114,6 +1115,8 @@ def batch_candidates(m: int, n: int, k: int, device, extra=()) -> list:
         cands.append(replace(h, block_t=64, split_k=max(1, h.split_k // 2)))
     else:  # 128 x 128 tiles spill at 8 warps (sm_90 builds on a CPU); 128 x 64 and 128 x 32 do not
         cands.append(replace(h, block_n=128, num_warps=8, split_k=max(1, h.split_k // 2)))
+        if h.groups > 1:  # one group a step, its split doubled
+            cands.append(replace(h, groups=1, split_k=2 * h.split_k))
     cands += [replace(c, fixup=True) for c in (h, cands[2]) if c.split_k > 1]
     cands += [BatchConfig.from_tag(t) for t in extra]
     seen, out = set(), []

@@ -8,9 +8,11 @@ x, and walks its K share in steps of GROUPS full 64-column groups (the tiles of 
 share, the masked last group (the layout's tail). Within a 64-column group the runtime layout keeps each row's 64 hi
 bytes in column order and its 32 lo bytes as pairs: byte 8 p + j holds the low nibble of column 16 p + j and, in its
 high nibble, that of column 16 p + j + 8 (p < 4, j < 8). The kernel therefore takes a group as two halves, "a"
-(columns 16 p + j) and "b" (the same + 8), each [BN, 32 GROUPS]: half a's hi bytes are runs of 8, half b's the next
-8, and both decode against the same lo bytes, one 32-byte run a row. x is read in the same column order (runs of 8
-columns), and each step issues two MMAs of depth 32 GROUPS. No byte is shuffled.
+(columns 16 p + j) and "b" (the same + 8), each [BN, 32]: half a's hi bytes are runs of 8, half b's the next 8, and
+both decode against the same lo bytes, one 32-byte run a row. x is read in the same column order (runs of 8
+columns), and each group of a step issues two MMAs of depth 32; the groups of a step are loaded apart (each its own
+contiguous runs, which the compiler's copies keep; one tensor across groups would not be contiguous). No byte is
+shuffled.
 
 Decode: code = hi << 4 | nib, bits = ((code & 0x7FF) + (e0 << 7)) | ((code & 0x800) << 4). The main loop reads the
 tiles as int16 pairs of adjacent columns (a pair's two hi bytes, and the lo byte pair that holds their nibbles), so
@@ -164,7 +166,6 @@ def w12_batch_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    BKH: tl.constexpr = 32 * GROUPS  # columns of one half of a K step
     pid_n = tl.program_id(0)
     pid_t = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -181,21 +182,20 @@ def w12_batch_kernel(
     tstep = (96 * R).to(tl.int64)  # [BN] bytes of one of the row block's tiles
     E = (tl.load(e0_ptr + rows_c).to(tl.int32) << 7)[:, None]  # [BN, 1]
 
-    # The main loop reads the tiles as int16 pairs of adjacent columns. Pair q of a half (q < 16 GROUPS: group
-    # q // 16, qq = q % 16 within it) is half a's columns 16 (qq // 4) + 2 (qq % 4) and + 1, hi bytes at int16
-    # 32 r + 8 (qq // 4) + qq % 4 of its tile (half b's 4 further), lo bytes at int16 32 R + 16 r + qq.
-    q = tl.arange(0, BKH // 2)
-    gq = q // 16
-    qq = q % 16
-    i = tl.arange(0, BKH)  # the weight operand's k: pair i // 2, its lower (i even) or upper column
-    col_a = 64 * (i // 32) + 16 * ((i % 32) // 8) + i % 8  # [BKH] column of half a within a K step
+    # The main loop reads the tiles as int16 pairs of adjacent columns. Pair qq of a half of a group (qq < 16) is
+    # half a's columns 16 (qq // 4) + 2 (qq % 4) and + 1, hi bytes at int16 32 r + 8 (qq // 4) + qq % 4 of its tile
+    # (half b's 4 further), lo bytes at int16 32 R + 16 r + qq.
+    qq = tl.arange(0, 16)  # the pairs of one half of one group
+    i = tl.arange(0, 32)  # the weight operand's k in one half of one group: pair i // 2, its lower or upper column
+    col_a = 16 * (i // 8) + i % 8  # [32] column of half a within its group
     n_it = KF // GROUPS
     per = tl.cdiv(n_it, SPLIT_K)
     it0 = pid_k * per
     it1 = tl.minimum(it0 + per, n_it)
-    step = (GROUPS * tstep)[:, None] // 2  # [BN, 1] int16 elements a row's pointers advance per K step
+    gstep = tstep[:, None] // 2  # [BN, 1] int16 elements from one of a row block's tiles to the next
+    step = GROUPS * gstep  # [BN, 1] int16 elements a row's pointers advance per K step
     t16 = tiles_ptr.to(tl.pointer_type(tl.int16))
-    first = (base[:, None] + tstep[:, None] * gq[None, :]) // 2 + it0 * step  # [BN, BKH / 2] each pair's tile
+    first = base[:, None] // 2 + it0 * step  # [BN, 1] the step's first tile
     hi_p = t16 + first + (32 * r)[:, None] + (8 * (qq // 4) + qq % 4)[None, :]
     lo_p = t16 + first + (32 * R + 16 * r)[:, None] + qq[None, :]
     x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * 64 * GROUPS + col_a).to(tl.int64)[:, None] * stride_xk
@@ -204,13 +204,14 @@ def w12_batch_kernel(
 
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for _ in range(it0, it1):
-        h_a = tl.load(hi_p)
-        h_b = tl.load(hi_p + 4)
-        lo = h_a if Q8 else tl.load(lo_p)
-        xa = tl.load(x_p, mask=x_ok, other=0.0)  # [BKH, BT]
-        xb = tl.load(x_p + 8 * stride_xk, mask=x_ok, other=0.0)
-        acc = _mma(_half_weights(h_a, lo, E, E32, False, Q8, X_F16, USE_ASM), xa, acc, X_F16)
-        acc = _mma(_half_weights(h_b, lo, E, E32, True, Q8, X_F16, USE_ASM), xb, acc, X_F16)
+        for g in tl.static_range(GROUPS):  # each group's tiles and x loaded apart: contiguous runs the copies keep
+            h_a = tl.load(hi_p + g * gstep)
+            h_b = tl.load(hi_p + g * gstep + 4)
+            lo = h_a if Q8 else tl.load(lo_p + g * gstep)
+            xa = tl.load(x_p + 64 * g * stride_xk, mask=x_ok, other=0.0)  # [32, BT]
+            xb = tl.load(x_p + (64 * g + 8) * stride_xk, mask=x_ok, other=0.0)
+            acc = _mma(_half_weights(h_a, lo, E, E32, False, Q8, X_F16, USE_ASM), xa, acc, X_F16)
+            acc = _mma(_half_weights(h_b, lo, E, E32, True, Q8, X_F16, USE_ASM), xb, acc, X_F16)
         hi_p += step
         lo_p += step
         x_p += 64 * GROUPS * stride_xk
