@@ -65,15 +65,19 @@ def asm_text(mode: str, out: str) -> str:
             s.append("or.b32 w, w, n;")
         s.append(f"add.u32 w, w, {e[p]};")
         s.append("or.b32 w, w, s;")
-        if out == "bf16":
-            s.append(f"mov.b32 ${p}, w;")
-        else:
-            s.append(f"shl.b32 ${2 * p}, w, 16;")
-            s.append(f"and.b32 ${2 * p + 1}, w, 0xFFFF0000;")
+        s += _pair_out(p, out)
     s.append("}")
     # One line: torch.compile (inductor) re-emits these globals into generated Python source,
     # where an embedded newline became an unterminated string literal (H200, torch 2.11).
     return " ".join(s)
+
+
+def _pair_out(p: int, out: str) -> list[str]:
+    """Pair p's two decoded lanes in w to the outputs: one bf16x2 register ($p), or two fp32 ($2p, $2p + 1: each
+    lane's bits shifted into the high half)."""
+    if out == "bf16":
+        return [f"mov.b32 ${p}, w;"]
+    return [f"shl.b32 ${2 * p}, w, 16;", f"and.b32 ${2 * p + 1}, w, 0xFFFF0000;"]
 
 
 def _four_pair(p: int, h: str, lo: str, e: str, high: bool, out: str) -> list[str]:
@@ -87,11 +91,7 @@ def _four_pair(p: int, h: str, lo: str, e: str, high: bool, out: str) -> list[st
          f"and.b32 b, y, {rest};",
          f"or.b32 b, b, {e};",
          "add.u32 w, a, b;"]
-    if out == "bf16":
-        s.append(f"mov.b32 ${p}, w;")
-    else:
-        s += [f"shl.b32 ${2 * p}, w, 16;", f"and.b32 ${2 * p + 1}, w, 0xFFFF0000;"]
-    return s
+    return s + _pair_out(p, out)
 
 
 def _zero_code_pair(p: int, h: str, lo: str, e: str, high: bool, out: str) -> list[str]:
@@ -116,11 +116,7 @@ def _zero_code_pair(p: int, h: str, lo: str, e: str, high: bool, out: str) -> li
           f"add.u32 w, w, {e};",
           "or.b32 w, w, s;",
           "and.b32 w, w, m;"]
-    if out == "bf16":
-        s.append(f"mov.b32 ${p}, w;")
-    else:
-        s += [f"shl.b32 ${2 * p}, w, 16;", f"and.b32 ${2 * p + 1}, w, 0xFFFF0000;"]
-    return s
+    return s + _pair_out(p, out)
 
 
 _ASM = {(m, o): asm_text(m, o) for m in ("lo", "hi", "q8") for o in ("bf16", "f32")}
