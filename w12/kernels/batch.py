@@ -40,7 +40,7 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .pk_decode import asm_text
-from .tc import _bits_to_f32, _decode_bits, _decode_bits_q8, _q8_base, _store_tile, _to_out
+from .tc import _bits_to_f32, _decode_bits, _decode_bits_q8, _q8_base, _store_tile, _to_out, _escape_rows
 
 __all__ = ["w12_batch_kernel"]
 
@@ -98,13 +98,7 @@ def _escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_pt
     """acc [BN, BT] with each escape in columns [k_lo, k_hi) (this K share's: the share whose MMA added its dense
     value v0 takes it back) corrected, (acc - x v0) + x value, in fp32: step j takes escape j of every row of the
     program (rows with fewer, and escapes outside the range, are masked, so their x is not read)."""
-    rp0 = tl.load(rowptr_ptr + rows, mask=row_ok, other=0)
-    cnt = tl.load(rowptr_ptr + rows + 1, mask=row_ok, other=0) - rp0
-    e0 = tl.load(e0_ptr + rows, mask=row_ok, other=0).to(tl.int32)
-    if Q8:  # the 8-bit view of hi byte 0 (_q8_base)
-        v0 = (tl.where(e0 > 0, (e0 << 23) | 0x80000, 0).to(tl.float32, bitcast=True))[:, None]
-    else:
-        v0 = ((e0 << 23).to(tl.float32, bitcast=True))[:, None]  # [BN, 1] what the dense decode gave
+    rp0, cnt, v0 = _escape_rows(rows, row_ok, e0_ptr, rowptr_ptr, Q8)
     x_row = x_ptr + toks.to(tl.int64)[None, :] * stride_xm  # [1, BT]
     for j in range(0, tl.max(cnt, axis=0)):
         has = (j < cnt) & row_ok

@@ -168,16 +168,25 @@ def _to_out(acc, out_ty: tl.constexpr):
 
 
 @triton.jit
-def _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr, col_ptr,
-                   val_ptr, ZERO_DENSE: tl.constexpr, Q8: tl.constexpr = False):
-    # acc: [BN, BT] fp32; rows: [BN]; toks: [BT]
+def _escape_rows(rows, row_ok, e0_ptr, rowptr_ptr, Q8: tl.constexpr):
+    """For the escape epilogues (here and kernels/batch.py): each row's first CSR entry and escape count, and v0
+    [BN, 1], what the dense decode gave at an escape's place (code 0: 2^(e0 - 127); Q8: the 8-bit view of hi byte
+    0, _q8_base), in fp32."""
     rp0 = tl.load(rowptr_ptr + rows, mask=row_ok, other=0)
     cnt = tl.load(rowptr_ptr + rows + 1, mask=row_ok, other=0) - rp0
     e0 = tl.load(e0_ptr + rows, mask=row_ok, other=0).to(tl.int32)
-    if Q8:  # the 8-bit view of hi byte 0 (_q8_base)
+    if Q8:
         v0 = (tl.where(e0 > 0, (e0 << 23) | 0x80000, 0).to(tl.float32, bitcast=True))[:, None]
     else:
-        v0 = ((e0 << 23).to(tl.float32, bitcast=True))[:, None]  # [BN, 1] what the dense decode gave
+        v0 = ((e0 << 23).to(tl.float32, bitcast=True))[:, None]
+    return rp0, cnt, v0
+
+
+@triton.jit
+def _apply_escapes(acc, rows, toks, row_ok, tok_ok, x_ptr, stride_xm, stride_xk, e0_ptr, rowptr_ptr, col_ptr,
+                   val_ptr, ZERO_DENSE: tl.constexpr, Q8: tl.constexpr = False):
+    # acc: [BN, BT] fp32; rows: [BN]; toks: [BT]
+    rp0, cnt, v0 = _escape_rows(rows, row_ok, e0_ptr, rowptr_ptr, Q8)
     x_row = x_ptr + toks.to(tl.int64)[None, :] * stride_xm  # [1, BT]
     n_max = tl.max(cnt, axis=0)
     for j in range(0, n_max):
