@@ -826,11 +826,32 @@ def ab_build_only(cells, arch, sms: int, workers: int) -> int:
     return 1 if bad else 0
 
 
+def ab_weights(n: int, k: int, dev) -> tuple[list, torch.Tensor]:
+    """The A/B's weights of an n x k layer: `weight_copies` of them, `randn * 0.02` in bf16 (seeds 0, 1, ...),
+    packed in the runtime layout, and the first one's BF16 weight."""
+    import w12
+
+    ts, w0 = [], None
+    for i in range(weight_copies(n, k)):  # one BF16 copy held at a time (the LM head's is 2.5 GB)
+        w = (torch.randn(n, k, device=dev, generator=torch.Generator(dev).manual_seed(i)) * 0.02).to(torch.bfloat16)
+        ts.append(w12.pack(w))
+        w0 = w if i == 0 else w0
+    return ts, w0
+
+
+def ab_inputs(m: int, w0: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, float]:
+    """A cell's x (m rows, `randn` in bf16, seed m), the fp32 product with w0, and cuBLAS's largest error against
+    it: the bound each candidate's output is checked with (within twice that)."""
+    x = torch.randn(m, w0.shape[1], device=w0.device, generator=torch.Generator(w0.device).manual_seed(m))
+    x = x.to(torch.bfloat16)
+    ref = x.float() @ w0.float().T
+    return x, ref, (F.linear(x, w0).float() - ref).abs().max().item()
+
+
 def ab_run(cells, rounds: int, device=None) -> dict:
     """Time every cell on the GPU (module doc; `device`: default cuda); the report as a dict."""
     import torch.nn.functional as F
 
-    import w12
     from specpilot.bench.timing import time_ab
     from w12 import flow
     from w12.configs import FlowConfig
@@ -845,17 +866,9 @@ def ab_run(cells, rounds: int, device=None) -> dict:
             held.clear()
             if dev.type == "cuda":
                 torch.cuda.empty_cache()
-            copies, ts, w0 = weight_copies(n, k), [], None
-            for i in range(copies):
-                w = (torch.randn(n, k, device=dev, generator=torch.Generator(dev).manual_seed(i)) * 0.02)
-                w = w.to(torch.bfloat16)
-                ts.append(w12.pack(w))  # the runtime layout
-                w0 = w if i == 0 else w0
-            held[layer] = (ts, w0)
+            held[layer] = ab_weights(n, k, dev)
         ts, w0 = held[layer]
-        x = torch.randn(m, k, device=dev, generator=torch.Generator(dev).manual_seed(m)).to(torch.bfloat16)
-        ref = x.float() @ w0.float().T
-        cub_err = (F.linear(x, w0).float() - ref).abs().max().item()
+        x, ref, cub_err = ab_inputs(m, w0)
         pieces = [(lo, hi, ab_shipped(layer, hi - lo, dev)) for lo, hi in ab_pieces(m)]
         ship = pieces[0][2] if len(pieces) == 1 else None  # above 32 rows the shipped path is its pieces
         ship_tag = "+".join(p[2].tag() for p in pieces)
@@ -1068,6 +1081,18 @@ def ab_promote(report: dict, device=None) -> list[dict]:
     return out
 
 
+def ab_write(report: dict, args, t0: float, name: str) -> Path:
+    """The report of --ab or --batch with its meta (GPU, versions, rounds, wall time since t0, --promote) as
+    $OUT/<name>; returns the path."""
+    from autotune.config import versions
+
+    report["meta"] = {"gpu": torch.cuda.get_device_name(), **versions(), "rounds": args.rounds,
+                      "wall_s": round(time.perf_counter() - t0, 1), "promote": args.promote}
+    out = Path(os.environ.get("OUT", ".")) / name
+    out.write_text(json.dumps(report, indent=1))
+    return out
+
+
 def ab_main(args) -> int:
     """--ab: the cells' builds (with --build-only) or their A/B on the GPU, into $OUT/w12-ab.json."""
     text = Path(args.ab).read_text() if Path(args.ab).is_file() else args.ab
@@ -1081,16 +1106,11 @@ def ab_main(args) -> int:
     if not torch.cuda.is_available():
         print("w12_ladder: no CUDA device; use --build-only on a CPU", file=sys.stderr)
         return 2
-    from autotune.config import versions
-
     t0 = time.perf_counter()
     report = ab_run(cells, args.rounds)
     if args.promote:
         ab_promote(report)
-    report["meta"] = {"gpu": torch.cuda.get_device_name(), **versions(), "rounds": args.rounds,
-                      "wall_s": round(time.perf_counter() - t0, 1), "promote": args.promote}
-    out = Path(os.environ.get("OUT", ".")) / "w12-ab.json"
-    out.write_text(json.dumps(report, indent=1))
+    out = ab_write(report, args, t0, "w12-ab.json")
     print(f"wrote {out}")
     return 0
 
@@ -1139,15 +1159,9 @@ def batch_run(layers: list[str], ms: list[int], rounds: int, extra=(), device=No
         n, k = ab_layer_shape(layer)
         if dev.type == "cuda":
             torch.cuda.empty_cache()
-        ts, w0 = [], None
-        for i in range(weight_copies(n, k)):
-            w = (torch.randn(n, k, device=dev, generator=torch.Generator(dev).manual_seed(i)) * 0.02).to(torch.bfloat16)
-            ts.append(w12.pack(w))
-            w0 = w if i == 0 else w0
+        ts, w0 = ab_weights(n, k, dev)
         for m in ms:
-            x = torch.randn(m, k, device=dev, generator=torch.Generator(dev).manual_seed(m)).to(torch.bfloat16)
-            ref = x.float() @ w0.float().T
-            cub_err = (F.linear(x, w0).float() - ref).abs().max().item()
+            x, ref, cub_err = ab_inputs(m, w0)
             outs = [torch.empty(m, n, device=dev, dtype=torch.bfloat16) for _ in ts]
             default = [lambda i=i: w12.matmul_tiled(x, ts[i], out=outs[i]) for i in range(len(ts))]
             default[0]()
@@ -1246,18 +1260,13 @@ def batch_main(args) -> int:
     if not torch.cuda.is_available():
         print("w12_ladder: --batch times on a CUDA GPU", file=sys.stderr)
         return 2
-    from autotune.config import versions
-
     for name in args.batch_layers:
         ab_layer_shape(name)  # an unknown layer stops here, before any GPU work
     t0 = time.perf_counter()
     report = batch_run(args.batch_layers, args.batch_m, args.rounds, args.batch_configs)
     if args.promote:
         batch_promote(report)
-    report["meta"] = {"gpu": torch.cuda.get_device_name(), **versions(), "rounds": args.rounds,
-                      "wall_s": round(time.perf_counter() - t0, 1), "promote": args.promote}
-    out = Path(os.environ.get("OUT", ".")) / "w12-batch.json"
-    out.write_text(json.dumps(report, indent=1))
+    out = ab_write(report, args, t0, "w12-batch.json")
     table = batch_table(report)
     out.with_suffix(".md").write_text(table)
     print(table + f"wrote {out} and {out.with_suffix('.md')}")
