@@ -18,7 +18,6 @@ from flow_emu import hostile_weight
 from w12.configs import BatchConfig, batch_heuristic
 from w12.layout import TiledW12, untile
 
-DEV = torch.device("cuda" if torch.cuda.is_available() else "cpu")
 SMALL = BatchConfig(block_n=16, block_t=16, groups=1, split_k=1, num_stages=1)
 
 
