@@ -180,32 +180,41 @@ def w12_batch_kernel(
     # half a's columns 16 (qq // 4) + 2 (qq % 4) and + 1, hi bytes at int16 32 r + 8 (qq // 4) + qq % 4 of its tile
     # (half b's 4 further), lo bytes at int16 32 R + 16 r + qq.
     qq = tl.arange(0, 16)  # the pairs of one half of one group
-    i = tl.arange(0, 32)  # the weight operand's k in one half of one group: pair i // 2, its lower or upper column
-    col_a = 16 * (i // 8) + i % 8  # [32] column of half a within its group
+    # the MMA's k in one group: half a's columns first, then half b's (k = 32 h + i: pair i // 2, its lower or upper
+    # column); x is read in that order by one load a group, so that each copy of a row of x takes whole sectors
+    kk = tl.arange(0, 64)
+    col_k = tl.max_contiguous(tl.multiple_of(16 * ((kk % 32) // 8) + kk % 8 + 8 * (kk // 32), 8), 8)  # [64] runs of 8
     n_it = KF // GROUPS
     per = tl.cdiv(n_it, SPLIT_K)
     it0 = pid_k * per
     it1 = tl.minimum(it0 + per, n_it)
-    gstep = tstep[:, None] // 2  # [BN, 1] int16 elements from one of a row block's tiles to the next
+    gstep = tl.multiple_of(tstep[:, None] // 2, [16, 16])  # [BN, 1] int16 elements from a row block's tile to the next (48 R)
     step = GROUPS * gstep  # [BN, 1] int16 elements a row's pointers advance per K step
     t16 = tiles_ptr.to(tl.pointer_type(tl.int16))
     first = base[:, None] // 2 + it0 * step  # [BN, 1] the step's first tile
-    hi_p = t16 + first + (32 * r)[:, None] + (8 * (qq // 4) + qq % 4)[None, :]
+    # every tile starts on 16 bytes (SB and 96 R are multiples of 16), so the copies below are 16-byte ones
+    first = tl.multiple_of(first, [8, 8])
+    hi_p = t16 + first + (32 * r)[:, None] + tl.arange(0, 32)[None, :]  # [BN, 32] a row's 64 hi bytes
     lo_p = t16 + first + (32 * R + 16 * r)[:, None] + qq[None, :]
-    x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * 64 * GROUPS + col_a).to(tl.int64)[:, None] * stride_xk
+    x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * 64 * GROUPS + col_k).to(tl.int64)[:, None] * stride_xk
     x_ok = tok_ok[None, :]
     E32 = E | (E << 16)
 
     acc = tl.zeros((BLOCK_N, BLOCK_T), dtype=tl.float32)
     for _ in range(it0, it1):
         for g in tl.static_range(GROUPS):  # each group's tiles and x loaded apart: contiguous runs the copies keep
-            h_a = tl.load(hi_p + g * gstep)
-            h_b = tl.load(hi_p + g * gstep + 4)
-            lo = h_a if Q8 else tl.load(lo_p + g * gstep)
-            xa = tl.load(x_p + 64 * g * stride_xk, mask=x_ok, other=0.0)  # [32, BT]
-            xb = tl.load(x_p + (64 * g + 8) * stride_xk, mask=x_ok, other=0.0)
-            acc = _mma(_half_weights(h_a, lo, E, E32, False, Q8, X_F16, USE_ASM), xa, acc, X_F16)
-            acc = _mma(_half_weights(h_b, lo, E, E32, True, Q8, X_F16, USE_ASM), xb, acc, X_F16)
+            # one load of the group's hi bytes (whole sectors; two interleaved loads of half of each would fetch
+            # every sector twice), split in registers: int16 8 a + 4 b + c is half b's pair 4 a + c
+            hp = tl.multiple_of(hi_p + g * gstep, [16, 16])
+            h = tl.reshape(tl.permute(tl.reshape(tl.load(hp), (BLOCK_N, 4, 2, 4)), (0, 1, 3, 2)),
+                           (BLOCK_N, 16, 2))
+            h_a, h_b = tl.split(h)
+            lo = h_a if Q8 else tl.load(tl.multiple_of(lo_p + g * gstep, [16, 16]))
+            xg = tl.load(x_p + 64 * g * stride_xk, mask=x_ok, other=0.0)  # [64, BT]
+            w_a = _half_weights(h_a, lo, E, E32, False, Q8, X_F16, USE_ASM)
+            w_b = _half_weights(h_b, lo, E, E32, True, Q8, X_F16, USE_ASM)
+            w = tl.reshape(tl.permute(tl.join(w_a, w_b), (0, 2, 1)), (BLOCK_N, 64))  # [BN, 64] in k order
+            acc = _mma(w, xg, acc, X_F16)
         hi_p += step
         lo_p += step
         x_p += 64 * GROUPS * stride_xk
