@@ -83,7 +83,7 @@ def _w12_batch_build(M: int, q8: bool, f16: bool, cap: int = 90) -> dict:
     loop = mma_loop(sass(c.asm["cubin"]))
     return dict(_features(c.asm["ptx"]), tag=cfg.tag(), loop=len(loop), ldl=sum("LDL" in t for t in loop),
                 stl=sum("STL" in t for t in loop), ldgsts=sum("LDGSTS" in t for t in loop),
-                hgmma=sum("HGMMA" in t for t in loop))
+                ldgsts16=sum("LDGSTS" in t and ".128" in t for t in loop), hgmma=sum("HGMMA" in t for t in loop))
 
 
 def _gdn_b1_ptx() -> str:
@@ -356,12 +356,12 @@ def test_w12_gemv_kernel_uses_no_tensor_cores():
 def test_w12_batch_kernel_pipelines_its_loads_into_wgmma_without_spills(case):
     """The batch kernel at its heuristic's configs, compiled as a launch specialises it: wgmma, the packed decode in
     four instructions a pair (the 8-bit view's own), cp.async copies in the key loop (Triton's pipeliner took the
-    loads), and no local memory there."""
+    loads; x's by 16 bytes, whole sectors a group), and no local memory there."""
     f = _results()[f"batch-{case}"]
     q8 = "-True-" in case
     assert f["wgmma"] and f["hgmma"] >= 4, f
     assert (f["pk_asm"], f["pk4_asm"], f["pk_zero_asm"]) == ((True, False, False) if q8 else (False, True, False)), f
-    assert f["ldgsts"] > 0 and f["ldl"] == f["stl"] == 0, f
+    assert f["ldgsts"] > 0 and f["ldgsts16"] > 0 and f["ldl"] == f["stl"] == 0, f
 
 
 @pytest.mark.slow
