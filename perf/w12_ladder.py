@@ -1122,8 +1122,9 @@ def ab_main(args) -> int:
 
 def batch_candidates(m: int, n: int, k: int, device, extra=()) -> list:
     """The batch kernel's configs timed at (m, n, k): the heuristic's, its neighbours (no split, half and twice its
-    split, 64 rows of x a program above 64 rows, four stages, and up to 64 rows of x two warpgroups a program over 128
-    weight rows at half the split, one x tile for both, and one 64-column group a step at twice the split), the
+    split, four stages; above 64 rows of x: 64 rows of x a program, and two or four warpgroups a program over 128 or
+    256 weight rows; up to 64: two warpgroups over 128 weight rows at half the split, one x tile for both, and one
+    64-column group a step at twice the split), the
     heuristic's and the half split's with the last K share adding the partials (`fixup`, one launch), then `extra`
     (tags); without repeats, in that order."""
     from w12.configs import BatchConfig, batch_heuristic
@@ -1133,7 +1134,12 @@ def batch_candidates(m: int, n: int, k: int, device, extra=()) -> list:
              replace(h, num_stages=4)]
     if m > 64:
         cands.append(replace(h, block_t=64, split_k=max(1, h.split_k // 2)))
-    else:  # 128 x 128 tiles spill at 8 warps (sm_90 builds on a CPU); 128 x 64 and 128 x 32 do not
+        # more weight rows a program, so that fewer programs read the same x (L2 traffic: x is read once a program
+        # across N): two warpgroups over 128 rows, four over 256 at 64 rows of x (sm_90 builds on a CPU: 251 and 128
+        # registers, no spills; 256 x 128 spills)
+        cands.append(replace(h, block_n=128, num_warps=8))
+        cands.append(replace(h, block_n=256, block_t=64, groups=1, num_warps=16))
+    else:  # 128 x 64 and 128 x 32 tiles at 8 warps
         cands.append(replace(h, block_n=128, num_warps=8, split_k=max(1, h.split_k // 2)))
         if h.groups > 1:  # one group a step, its split doubled
             cands.append(replace(h, groups=1, split_k=2 * h.split_k))

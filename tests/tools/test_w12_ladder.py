@@ -382,6 +382,8 @@ def test_batch_candidates_are_the_heuristic_and_its_neighbours(ladder, monkeypat
     assert any(c.block_t == 64 for c in cands) and any(c.num_stages == 4 for c in cands)
     assert h.split_k > 1 and replace(h, fixup=True) in cands and all(c.split_k > 1 for c in cands if c.fixup)
     assert BatchConfig.from_tag("n128-t64-g1-k2-w8-s2") in cands
+    assert replace(h, block_n=128, num_warps=8) in cands
+    assert any(c.block_n == 256 and c.block_t == 64 and c.num_warps == 16 for c in cands)
     assert all(c.block_t == 64 for c in ladder.batch_candidates(40, 5120, 6144, dev))
 
 
