@@ -314,18 +314,17 @@ class BatchConfig:
 
 
 def batch_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = False) -> BatchConfig:
-    """The batch kernel's default, not yet timed on a GPU (docs/w12-kernels.md, "The batch kernel"): 64 weight rows and
-    one warpgroup a program, x's rows on the MMA's N up to 128 (more take a second program over the same weight
-    rows), three stages, and two 64-column groups a K step up to 64 rows of x (one above: two groups' stages would
-    leave one CTA an SM there). The sm_90 builds (Triton 3.6, compiled on a CPU) hold the step without spills: 249
-    registers at 128 rows of x (two CTAs an SM), 168 at 64 (three), 127 at 32 and fewer (four), and two groups a
-    step take 9-11% fewer instructions a group than one at the same registers. Split-K fills whole waves of those
-    CTAs."""
+    """The batch kernel's default (docs/w12-kernels.md, "The batch kernel"; its whole-sector form not yet timed on a
+    GPU): 64 weight rows and one warpgroup a program, x's rows on the MMA's N up to 128 (more take a second program
+    over the same weight rows), three stages, and two 64-column groups a K step up to 64 rows of x (one above: two
+    groups' stages would leave one CTA an SM there). The sm_90 builds (Triton 3.6, compiled on a CPU) hold the step
+    without spills: 255 registers at 128 rows of x and 178 at 64 (two CTAs an SM), 128 at 32 and fewer (four).
+    Split-K fills whole waves of those CTAs."""
     bt = min(128, max(16, _pow2(M)))
     bn, warps, stages = 64, 4, 3
     kf = K // 64
     groups = 2 if bt <= 64 and kf >= 2 and kf % 2 == 0 else 1
-    ctas_per_sm = 2 if bt >= 128 else 3 if bt == 64 else 4
+    ctas_per_sm = 2 if bt >= 64 else 4
     tiles = -(-N // bn) * -(-M // bt)
     split = pick_split_k(tiles, max(1, kf // groups), sm_count(device) * ctas_per_sm)
     return BatchConfig(block_n=bn, block_t=bt, groups=groups, split_k=split, num_warps=warps, num_stages=stages)
