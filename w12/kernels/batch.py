@@ -188,12 +188,10 @@ def w12_batch_kernel(
     per = tl.cdiv(n_it, SPLIT_K)
     it0 = pid_k * per
     it1 = tl.minimum(it0 + per, n_it)
-    gstep = tl.multiple_of(tstep[:, None] // 2, [16, 16])  # [BN, 1] int16 elements from a row block's tile to the next (48 R)
+    gstep = tstep[:, None] // 2  # [BN, 1] int16 elements from one of a row block's tiles to the next
     step = GROUPS * gstep  # [BN, 1] int16 elements a row's pointers advance per K step
     t16 = tiles_ptr.to(tl.pointer_type(tl.int16))
     first = base[:, None] // 2 + it0 * step  # [BN, 1] the step's first tile
-    # every tile starts on 16 bytes (SB and 96 R are multiples of 16), so the copies below are 16-byte ones
-    first = tl.multiple_of(first, [8, 8])
     hi_p = t16 + first + (32 * r)[:, None] + tl.arange(0, 32)[None, :]  # [BN, 32] a row's 64 hi bytes
     lo_p = t16 + first + (32 * R + 16 * r)[:, None] + qq[None, :]
     x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * 64 * GROUPS + col_k).to(tl.int64)[:, None] * stride_xk
@@ -205,11 +203,10 @@ def w12_batch_kernel(
         for g in tl.static_range(GROUPS):  # each group's tiles and x loaded apart: contiguous runs the copies keep
             # one load of the group's hi bytes (whole sectors; two interleaved loads of half of each would fetch
             # every sector twice), split in registers: int16 8 a + 4 b + c is half b's pair 4 a + c
-            hp = tl.multiple_of(hi_p + g * gstep, [16, 16])
-            h = tl.reshape(tl.permute(tl.reshape(tl.load(hp), (BLOCK_N, 4, 2, 4)), (0, 1, 3, 2)),
+            h = tl.reshape(tl.permute(tl.reshape(tl.load(hi_p + g * gstep), (BLOCK_N, 4, 2, 4)), (0, 1, 3, 2)),
                            (BLOCK_N, 16, 2))
             h_a, h_b = tl.split(h)
-            lo = h_a if Q8 else tl.load(tl.multiple_of(lo_p + g * gstep, [16, 16]))
+            lo = h_a if Q8 else tl.load(lo_p + g * gstep)
             xg = tl.load(x_p + 64 * g * stride_xk, mask=x_ok, other=0.0)  # [64, BT]
             w_a = _half_weights(h_a, lo, E, E32, False, Q8, X_F16, USE_ASM)
             w_b = _half_weights(h_b, lo, E, E32, True, Q8, X_F16, USE_ASM)
