@@ -9,10 +9,11 @@ share, the masked last group (the layout's tail). Within a 64-column group the r
 bytes in column order and its 32 lo bytes as pairs: byte 8 p + j holds the low nibble of column 16 p + j and, in its
 high nibble, that of column 16 p + j + 8 (p < 4, j < 8). The kernel therefore takes a group as two halves, "a"
 (columns 16 p + j) and "b" (the same + 8), each [BN, 32]: half a's hi bytes are runs of 8, half b's the next 8, and
-both decode against the same lo bytes, one 32-byte run a row. x is read in the same column order (runs of 8
-columns), and each group of a step issues two MMAs of depth 32; the groups of a step are loaded apart (each its own
-contiguous runs, which the compiler's copies keep; one tensor across groups would not be contiguous). No byte is
-shuffled.
+both decode against the same lo bytes, one 32-byte run a row. Each load takes whole sectors: a group's hi bytes in
+one [BN, 32] load, split into the halves in registers, and x's 64 columns in one load in the MMA's k order (half a's
+columns, then half b's: runs of 8 columns), so that each group of a step is one MMA of depth 64; the groups of a step
+are loaded apart (each its own contiguous runs, which the compiler's copies keep; one tensor across groups would not
+be contiguous). No byte is shuffled in memory.
 
 Decode: code = hi << 4 | nib, bits = ((code & 0x7FF) + (e0 << 7)) | ((code & 0x800) << 4). The main loop reads the
 tiles as int16 pairs of adjacent columns (a pair's two hi bytes, and the lo byte pair that holds their nibbles), so
@@ -40,7 +41,8 @@ import triton.language as tl
 from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
 
 from .pk_decode import asm_text
-from .tc import _bits_to_f32, _decode_bits, _decode_bits_q8, _q8_base, _store_tile, _to_out, _escape_rows
+from .tc import (_bits_to_f32, _decode_bits, _decode_bits_q8, _escape_rows, _program_block, _q8_base, _store_tile,
+                 _to_out)
 
 __all__ = ["w12_batch_kernel"]
 
@@ -160,13 +162,7 @@ def w12_batch_kernel(
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
-    pid_n = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < N
-    tok_ok = toks < M
+    pid_k, rows, toks, row_ok, tok_ok = _program_block(M, N, BLOCK_N, BLOCK_T)
     # rows past N read row N - 1 (their results are not stored), so the weight loads need no mask
     rows_c = tl.minimum(rows, N - 1)
     blk = rows_c // 16

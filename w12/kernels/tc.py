@@ -56,18 +56,22 @@ def col_a_of(j):
 
 
 @triton.jit
+def _program_block(M, N, BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr):
+    """Program (n, t, k) of a swap-AB grid (here, gemv.py, batch.py): its K share k, its weight rows and rows of x,
+    and which of them exist."""
+    pid_k = tl.program_id(2)
+    rows = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    toks = tl.program_id(1) * BLOCK_T + tl.arange(0, BLOCK_T)
+    return pid_k, rows, toks, rows < N, toks < M
+
+
+@triton.jit
 def _tile_setup(x_ptr, hi_ptr, lo_ptr, e0_ptr, M, N, Kp, stride_lo, stride_xm, stride_xk, SPLIT_K,
                 BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, BLOCK_K: tl.constexpr):
     # Shared prologue of the tc and gemv kernels: this program's rows/tokens, its K range under
     # split-K, the row exponent bases and the first-tile pointers of hi, lo and x.
     BKH: tl.constexpr = BLOCK_K // 2
-    pid_n = tl.program_id(0)
-    pid_t = tl.program_id(1)
-    pid_k = tl.program_id(2)
-    rows = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)
-    toks = pid_t * BLOCK_T + tl.arange(0, BLOCK_T)
-    row_ok = rows < N
-    tok_ok = toks < M
+    pid_k, rows, toks, row_ok, tok_ok = _program_block(M, N, BLOCK_N, BLOCK_T)
     j = tl.arange(0, BKH)
     col_a = col_a_of(j)  # [BKH] column of half "a" inside a BK tile; half "b" is +32
 
