@@ -1124,9 +1124,8 @@ def batch_candidates(m: int, n: int, k: int, device, extra=()) -> list:
     """The batch kernel's configs timed at (m, n, k): the heuristic's, its neighbours (no split, half and twice its
     split, four stages; above 64 rows of x: 64 rows of x a program, and two or four warpgroups a program over 128 or
     256 weight rows; up to 64: two warpgroups over 128 weight rows at half the split, one x tile for both, and one
-    64-column group a step at twice the split), the
-    heuristic's and the half split's with the last K share adding the partials (`fixup`, one launch), then `extra`
-    (tags); without repeats, in that order."""
+    64-column group a step at twice the split), the heuristic's and the half split's with the last K share adding the
+    partials (`fixup`, one launch), then `extra` (tags); without repeats, in that order."""
     from w12.configs import BatchConfig, batch_heuristic
 
     h = batch_heuristic(m, n, k, device)
@@ -1145,12 +1144,7 @@ def batch_candidates(m: int, n: int, k: int, device, extra=()) -> list:
             cands.append(replace(h, groups=1, split_k=2 * h.split_k))
     cands += [replace(c, fixup=True) for c in (h, cands[2]) if c.split_k > 1]
     cands += [BatchConfig.from_tag(t) for t in extra]
-    seen, out = set(), []
-    for c in cands:
-        if c.tag() not in seen:
-            seen.add(c.tag())
-            out.append(c)
-    return out
+    return list(dict.fromkeys(cands))  # BatchConfig is frozen: equal configs, equal tags
 
 
 def batch_run(layers: list[str], ms: list[int], rounds: int, extra=(), device=None) -> dict:

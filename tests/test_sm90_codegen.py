@@ -67,7 +67,7 @@ def _w12_batch_build(M: int, q8: bool, f16: bool, cap: int = 90) -> dict:
     from w12.kernels.batch import w12_batch_kernel
 
     configs.sm_count = lambda device: 132
-    cfg = configs.batch_heuristic(M, 5120, 6144, torch.device("cpu"), q8=q8)
+    cfg = configs.batch_heuristic(M, 5120, 6144, torch.device("cpu"))
     xt = "*fp16" if f16 else "*bf16"
     types = dict(x_ptr=xt, bias_ptr=xt, out_ptr=xt, tiles_ptr="*u8", e0_ptr="*u8", rowptr_ptr="*i32",
                  col_ptr="*i32", val_ptr="*i16", ws_ptr="*fp32", cnt_ptr="*i32", SB="i64")

@@ -313,13 +313,13 @@ class BatchConfig:
                    num_stages=int(st), asm=not plain, fixup=bool(fixup))
 
 
-def batch_heuristic(M: int, N: int, K: int, device: torch.device, *, q8: bool = False) -> BatchConfig:
+def batch_heuristic(M: int, N: int, K: int, device: torch.device) -> BatchConfig:
     """The batch kernel's default (docs/w12-kernels.md, "The batch kernel"; its whole-sector form not yet timed on a
     GPU): 64 weight rows and one warpgroup a program, x's rows on the MMA's N up to 128 (more take a second program
     over the same weight rows), three stages, and two 64-column groups a K step up to 64 rows of x (one above: two
     groups' stages would leave one CTA an SM there). The sm_90 builds (Triton 3.6, compiled on a CPU) hold the step
     without spills: 255 registers at 128 rows of x and 178 at 64 (two CTAs an SM), 128 at 32 and fewer (four).
-    Split-K fills whole waves of those CTAs."""
+    Split-K fills whole waves of those CTAs. The 8-bit view takes the same config (its step decodes the same tile)."""
     bt = min(128, max(16, _pow2(M)))
     bn, warps, stages = 64, 4, 3
     kf = K // 64

@@ -190,6 +190,6 @@ def test_heuristic_builds_run_wgmma_without_spills(M, q8):
     t = w12.pack(escaped_weight(N, K, seed=19))
     x = gaussian_x(M, K, seed=20)
     out = torch.empty(M, N, device="cuda", dtype=torch.bfloat16)
-    ck = launch_batch(batch_heuristic(M, N, K, x.device, q8=q8), x, t, None, out, q8=q8)
+    ck = launch_batch(batch_heuristic(M, N, K, x.device), x, t, None, out, q8=q8)
     assert "wgmma.mma_async" in ck.asm["ptx"]
     assert ck.n_spills == 0, ck.n_spills
