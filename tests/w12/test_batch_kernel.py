@@ -14,7 +14,7 @@ import torch.nn.functional as F
 import autotune
 import w12
 from specpilot.testing import assert_bitwise_equal, assert_close
-from flow_emu import hostile_weight
+from flow_emu import gaussian_x, hostile_weight
 from w12.configs import BatchConfig, batch_heuristic
 from w12.layout import TiledW12, untile
 
@@ -34,8 +34,7 @@ def _weight(n: int, k: int, seed: int, huge: bool = True) -> torch.Tensor:
 
 
 def _x(m: int, k: int, seed: int, dtype=torch.bfloat16) -> torch.Tensor:
-    g = torch.Generator().manual_seed(seed)
-    return torch.randn(m, k, generator=g).to(dtype)
+    return gaussian_x(m, k, seed, dtype, device="cpu")
 
 
 def _guarded(t: TiledW12) -> TiledW12:
