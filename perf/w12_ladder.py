@@ -87,7 +87,7 @@ rotated weight copies (`weight_copies`; `time_fns`, medians of CUDA-graph replay
 once for up to 256 rows of x) instead of the ladder: for each of --batch-layers (AB_LAYERS names) at each of
 --batch-m rows (16 to 280 by default: at 32 rows and fewer the flow kernel is the path it would replace), cuBLAS on
 the BF16 weight and the kernel's candidates (`w12.configs.batch_heuristic`'s config, its neighbours in split-K, rows
-of x a program and stages, and any --batch-configs tags), each beside `w12.matmul_tiled` as dispatched (the flow
+of x a program and stages, each of 64 rows of x or more in both k orders (`kt`), and any --batch-configs tags), each beside `w12.matmul_tiled` as dispatched (the flow
 kernel, its 32-row pieces up to 96 rows, the weight decoded and F.linear above), pairs interleaved as in --ab
 (weights and x as there). Each candidate's output is first checked against the fp32 product (within twice cuBLAS's
 largest error: `ok`). With `--promote`, for each layer and shape key (rows bucketed to a power of two: 9-16, 17-32,
@@ -1143,6 +1143,8 @@ def batch_candidates(m: int, n: int, k: int, device, extra=()) -> list:
         if h.groups > 1:  # one group a step, its split doubled
             cands.append(replace(h, groups=1, split_k=2 * h.split_k))
     cands += [replace(c, fixup=True) for c in (h, cands[2]) if c.split_k > 1]
+    # the k order with 16-byte tile copies, at every candidate of 64 and more rows of x a program
+    cands += [replace(c, kt=True) for c in list(cands) if c.block_t >= 64]
     cands += [BatchConfig.from_tag(t) for t in extra]
     return list(dict.fromkeys(cands))  # BatchConfig is frozen: equal configs, equal tags
 

@@ -72,7 +72,7 @@ def _w12_batch_build(M: int, q8: bool, f16: bool, cap: int = 90) -> dict:
     types = dict(x_ptr=xt, bias_ptr=xt, out_ptr=xt, tiles_ptr="*u8", e0_ptr="*u8", rowptr_ptr="*i32",
                  col_ptr="*i32", val_ptr="*i16", ws_ptr="*fp32", cnt_ptr="*i32", SB="i64")
     ce = dict(HAS_BIAS=False, Q8=q8, X_F16=f16, SPLIT=cfg.split_k > 1, BLOCK_N=cfg.block_n, BLOCK_T=cfg.block_t,
-              GROUPS=cfg.groups, USE_ASM=cfg.asm, stride_xk=1, PDL=False, FIXUP=cfg.fixup)
+              GROUPS=cfg.groups, USE_ASM=cfg.asm, stride_xk=1, PDL=False, FIXUP=cfg.fixup, KT=cfg.kt)
     names = list(inspect.signature(w12_batch_kernel.fn).parameters)
     sig = {n: "constexpr" if n in ce else types.get(n, "i32") for n in names}
     div16 = [n for n in names if n.endswith("_ptr") or n in ("N", "K", "KF", "kr", "NF", "nr", "SB", "stride_xm")]
@@ -81,7 +81,7 @@ def _w12_batch_build(M: int, q8: bool, f16: bool, cap: int = 90) -> dict:
     c = triton.compile(src, target=GPUTarget("cuda", cap, 64 if cap >= 90 else 32),
                        options={"num_warps": cfg.num_warps, "num_stages": cfg.num_stages})
     loop = mma_loop(sass(c.asm["cubin"]))
-    return dict(_features(c.asm["ptx"]), tag=cfg.tag(), loop=len(loop), ldl=sum("LDL" in t for t in loop),
+    return dict(_features(c.asm["ptx"]), tag=cfg.tag(), kt=cfg.kt, loop=len(loop), ldl=sum("LDL" in t for t in loop),
                 stl=sum("STL" in t for t in loop), ldgsts=sum("LDGSTS" in t for t in loop),
                 ldgsts16=sum("LDGSTS" in t and ".128" in t for t in loop), hgmma=sum("HGMMA" in t for t in loop))
 
@@ -192,7 +192,7 @@ def _pdl_kernels() -> dict:
                                              col_ptr="*i32", val_ptr="*i16", bias_ptr=bf, out_ptr=bf, ws_ptr="*fp32",
                                              cnt_ptr="*i32", SB="i64"),
                       dict(HAS_BIAS=False, Q8=False, X_F16=False, SPLIT=True, BLOCK_N=64, BLOCK_T=64, GROUPS=1,
-                           USE_ASM=True, FIXUP=False)),
+                           USE_ASM=True, FIXUP=False, KT=False)),
     }
 
 
@@ -356,12 +356,14 @@ def test_w12_gemv_kernel_uses_no_tensor_cores():
 def test_w12_batch_kernel_pipelines_its_loads_into_wgmma_without_spills(case):
     """The batch kernel at its heuristic's configs, compiled as a launch specialises it: wgmma, the packed decode in
     four instructions a pair (the 8-bit view's own), cp.async copies in the key loop (Triton's pipeliner took the
-    loads; x's by 16 bytes, whole sectors a group), and no local memory there."""
+    loads; 16-byte ones: x's, whole sectors a group, or with `kt`, from 64 rows of x, the tile bytes'), and no local
+    memory there."""
     f = _results()[f"batch-{case}"]
     q8 = "-True-" in case
     assert f["wgmma"] and f["hgmma"] >= 4, f
     assert (f["pk_asm"], f["pk4_asm"], f["pk_zero_asm"]) == ((True, False, False) if q8 else (False, True, False)), f
     assert f["ldgsts"] > 0 and f["ldgsts16"] > 0 and f["ldl"] == f["stl"] == 0, f
+    assert f["kt"] == (case.split("-")[0] not in ("32",)), f  # the heuristic's kt from 64 rows of x a program
 
 
 @pytest.mark.slow

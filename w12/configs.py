@@ -276,7 +276,9 @@ class BatchConfig:
     weight once) and takes `groups` 64-column groups a K step; `split_k` K shares meet in an fp32 workspace (a fixed
     order). `asm`: the packed PTX decode (kernels/pk_decode.py; a GPU only, the interpreter takes the plain one).
     `fixup` (with split_k > 1): the last K share of a tile to finish adds the shares' partials, in the same order as
-    the split-K reduce kernel (the same bits), so the call is one launch (tag `-f`)."""
+    the split-K reduce kernel (the same bits), so the call is one launch (tag `-f`). `kt`: the MMA's k order in which
+    a thread's pairs of a row are adjacent in the tile (tag `-kt`; kernels/batch.py): 16-byte tile copies, x read in
+    4-byte runs; another order of the fp32 sums, so other bits than without it."""
 
     block_n: int = 64  # MMA M (weight rows): 64 per warpgroup on wgmma
     block_t: int = 128  # MMA N (rows of x)
@@ -286,6 +288,7 @@ class BatchConfig:
     num_stages: int = 3
     asm: bool = True
     fixup: bool = False
+    kt: bool = False
 
     def __post_init__(self):
         for f in ("block_n", "block_t"):
@@ -299,27 +302,30 @@ class BatchConfig:
 
     def tag(self) -> str:
         return f"batch-n{self.block_n}-t{self.block_t}-g{self.groups}-k{self.split_k}-w{self.num_warps}-" \
-            f"s{self.num_stages}" + ("" if self.asm else "-plain") + ("-f" if self.fixup else "")
+            f"s{self.num_stages}" + ("" if self.asm else "-plain") + ("-f" if self.fixup else "") + \
+            ("-kt" if self.kt else "")
 
     @classmethod
     def from_tag(cls, tag: str) -> "BatchConfig":
         """The config whose `tag()` is `tag` (the leading "batch-" may be left out), e.g. "n64-t128-g1-k2-w4-s3"."""
-        m = re.fullmatch(r"(?:batch-)?n(\d+)-t(\d+)-g(\d+)-k(\d+)-w(\d+)-s(\d+)(-plain)?(-f)?", tag)
+        m = re.fullmatch(r"(?:batch-)?n(\d+)-t(\d+)-g(\d+)-k(\d+)-w(\d+)-s(\d+)(-plain)?(-f)?(-kt)?", tag)
         if m is None:
             raise ValueError(f"BatchConfig.from_tag: {tag!r} is not a batch config tag "
                              "(e.g. 'batch-n64-t128-g1-k2-w4-s3')")
-        bn, bt, g, k, w, st, plain, fixup = m.groups()
+        bn, bt, g, k, w, st, plain, fixup, kt = m.groups()
         return cls(block_n=int(bn), block_t=int(bt), groups=int(g), split_k=int(k), num_warps=int(w),
-                   num_stages=int(st), asm=not plain, fixup=bool(fixup))
+                   num_stages=int(st), asm=not plain, fixup=bool(fixup), kt=bool(kt))
 
 
 def batch_heuristic(M: int, N: int, K: int, device: torch.device) -> BatchConfig:
-    """The batch kernel's default (docs/w12-kernels.md, "The batch kernel"; its whole-sector form not yet timed on a
-    GPU): 64 weight rows and one warpgroup a program, x's rows on the MMA's N up to 128 (more take a second program
-    over the same weight rows), three stages, and two 64-column groups a K step up to 64 rows of x (one above: two
-    groups' stages would leave one CTA an SM there). The sm_90 builds (Triton 3.6, compiled on a CPU) hold the step
-    without spills: 255 registers at 128 rows of x and 178 at 64 (two CTAs an SM), 128 at 32 and fewer (four).
-    Split-K fills whole waves of those CTAs. The 8-bit view takes the same config (its step decodes the same tile)."""
+    """The batch kernel's default (docs/w12-kernels.md, "The batch kernel"): 64 weight rows and one warpgroup a
+    program, x's rows on the MMA's N up to 128 (more take a second program over the same weight rows), three stages,
+    and two 64-column groups a K step up to 64 rows of x (one above: two groups' stages would leave one CTA an SM
+    there); from 64 rows of x a program, the `kt` order (on an H100 this config took 0.44-0.94x its time without it
+    in each of the 28 layer and row-count cells of 64-256 rows timed; docs/w12-kernels.md). The
+    sm_90 builds (Triton 3.6, compiled on a CPU) hold the step without spills: 255 registers at 128 rows of x and 178
+    at 64 (two CTAs an SM), 128 at 32 and fewer (four). Split-K fills whole waves of those CTAs. The 8-bit view takes
+    the same config (its step decodes the same tile)."""
     bt = min(128, max(16, _pow2(M)))
     bn, warps, stages = 64, 4, 3
     kf = K // 64
@@ -327,7 +333,8 @@ def batch_heuristic(M: int, N: int, K: int, device: torch.device) -> BatchConfig
     ctas_per_sm = 2 if bt >= 64 else 4
     tiles = -(-N // bn) * -(-M // bt)
     split = pick_split_k(tiles, max(1, kf // groups), sm_count(device) * ctas_per_sm)
-    return BatchConfig(block_n=bn, block_t=bt, groups=groups, split_k=split, num_warps=warps, num_stages=stages)
+    return BatchConfig(block_n=bn, block_t=bt, groups=groups, split_k=split, num_warps=warps, num_stages=stages,
+                       kt=bt >= 64)
 
 
 def _check_common(c) -> None:
@@ -397,7 +404,7 @@ _GEMV_LIVE = 16  # fp32 accumulator elements per thread (BN x BK/2 x BT / thread
 
 
 def mma_heuristic(M: int, N: int, K: int, device: torch.device) -> MmaConfig:
-    """CUDA kernel default (the H200 sweep of the CUDA configs, perf/results/h200/20261130T225618-explore.log):
+    """CUDA kernel default (the H200 sweep of the CUDA configs, 20261130T225618-explore.log in git history):
     32 rows per CTA and 4 warps along K when that still gives >= 3 CTAs per SM, else 16 rows and 8 warps
     along K (more warps, hence more loads in flight, for the N = 5120 projections)."""
     if -(-N // 32) >= 3 * sm_count(device):

@@ -698,7 +698,7 @@ def launch_batch(cfg: BatchConfig, x2d: torch.Tensor, tiled: TiledW12, bias: tor
                                 x2d.stride(1), split, HAS_BIAS=has_bias, Q8=bool(q8),
                                 X_F16=x2d.dtype == torch.float16, SPLIT=split > 1, BLOCK_N=cfg.block_n,
                                 BLOCK_T=cfg.block_t, GROUPS=groups, USE_ASM=use_asm, PDL=pdl, FIXUP=fixup,
-                                num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
+                                KT=bool(cfg.kt), num_warps=cfg.num_warps, num_stages=cfg.num_stages, **launch)
     if split > 1 and not fixup:
         w12_splitk_reduce_kernel[(triton.cdiv(M * tiled.N, _REDUCE_BLOCK),)](
             ws, b, out, M, tiled.N, SPLIT_K=split, HAS_BIAS=has_bias, BLOCK=_REDUCE_BLOCK, num_warps=4)

@@ -18,7 +18,9 @@ pytestmark = pytest.mark.gpu
 
 FORCED = [BatchConfig(block_n=64, block_t=64, split_k=1), BatchConfig(block_n=128, block_t=128, split_k=3,
                                                                         num_warps=8, num_stages=2),
-          BatchConfig(block_n=64, block_t=128, split_k=2, asm=False)]
+          BatchConfig(block_n=64, block_t=128, split_k=2, asm=False),
+          BatchConfig(block_n=128, block_t=128, split_k=3, num_warps=8, kt=True),
+          BatchConfig(block_n=256, block_t=64, split_k=2, num_warps=16, kt=True)]
 
 
 def _batch(cfg, x, t, bias=None, q8=False):

@@ -73,9 +73,11 @@ def _check(out, x, w, t, bias=None, q8=False):
 SHAPES = [(40, 200), (33, 130), (16, 40), (48, 256), (20, 64)]
 CONFIGS = [SMALL, BatchConfig(block_n=32, block_t=32, groups=2, split_k=2, num_stages=2),
            BatchConfig(block_n=16, block_t=64, groups=4, split_k=3, num_stages=1)]
+# the k order with a thread's pairs adjacent in the tile (`kt`): its own column map for x and its own nibble moves
+KT = BatchConfig(block_n=32, block_t=32, groups=2, split_k=2, num_stages=2, kt=True)
 
 
-@pytest.mark.parametrize("cfg", CONFIGS, ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", CONFIGS + [KT], ids=lambda c: c.tag())
 @pytest.mark.parametrize("N,K", SHAPES, ids=[f"N{n}-K{k}" for n, k in SHAPES])
 def test_batch_kernel_matches_the_oracle(N, K, cfg):
     w = _weight(N, K, seed=N * K)
@@ -91,7 +93,7 @@ def test_batch_kernel_8_bit_view(N, K):
     w = _weight(N, K, seed=3 * N + K)
     t = _guarded(w12.pack(w))
     x = _x(20, K, seed=5)
-    for cfg in CONFIGS[:2]:
+    for cfg in CONFIGS[:2] + [KT]:
         _check(_run(x, t, q8=True, cfg=cfg), x, w, t, q8=True)
 
 
@@ -103,14 +105,15 @@ def test_batch_kernel_fp16_x():
     t = w12.pack(w)
     x = _x(21, K, seed=12, dtype=torch.float16)
     bias = _x(1, N, seed=13, dtype=torch.float16)[0]
-    for cfg in CONFIGS[:2]:
+    for cfg in CONFIGS[:2] + [KT]:
         out = _run(x, t, bias, cfg=cfg)
         assert out.dtype == torch.float16
         _check(out, x, w, t, bias)
 
 
+@pytest.mark.parametrize("cfg", [CONFIGS[1], KT], ids=lambda c: c.tag())
 @pytest.mark.parametrize("q8", [False, True])
-def test_batch_kernel_hostile_rows(q8):
+def test_batch_kernel_hostile_rows(q8, cfg):
     """NaN, +-Inf, +-0, subnormals, huge and tiny rows, escapes beside their window: the non-finite outputs where the
     oracle has them, the finite ones within its bound. x is scaled so that no output's finite products add up, in
     magnitude, past fp32's largest value: there any fp32 sum depends on its order (+Inf in one partial sum and -Inf
@@ -124,13 +127,13 @@ def test_batch_kernel_hostile_rows(q8):
     wd = (w12.decode_q8(packed) if q8 else w).double()
     finite = torch.where(torch.isfinite(wd), wd, torch.zeros_like(wd))
     assert (x.double().abs() @ finite.abs().T).max() < torch.finfo(torch.float32).max
-    out = _run(x, t, q8=q8, cfg=CONFIGS[1])
+    out = _run(x, t, q8=q8, cfg=cfg)
     ref = (w12.matmul_q8_reference if q8 else w12.matmul_reference)(x, packed)
     assert torch.isnan(ref).any() and torch.isinf(ref).any()
     assert_close(out, ref, F.linear(x.float(), wd.float()).to(x.dtype))
 
 
-@pytest.mark.parametrize("cfg", CONFIGS[:2], ids=lambda c: c.tag())
+@pytest.mark.parametrize("cfg", CONFIGS[:2] + [KT], ids=lambda c: c.tag())
 def test_one_hot_rows_give_the_weight_bit_for_bit(cfg):
     """x = I: each output is one product w * 1 plus zeros, so the result is W^T bit for bit: escapes (code 0 reads
     as v0 = 2^(e0 - 127), which the epilogue takes back before it adds the value), the masked last group and the
@@ -218,7 +221,8 @@ def test_batch_config_checks_and_tag():
     assert BatchConfig().tag() == "batch-n64-t128-g1-k1-w4-s3"
     assert BatchConfig(asm=False).tag().endswith("-plain")
     for cfg in (BatchConfig(), BatchConfig(block_n=128, block_t=32, groups=2, split_k=3, num_warps=8, num_stages=4,
-                                           asm=False, fixup=True), BatchConfig(split_k=2, fixup=True)):
+                                           asm=False, fixup=True), BatchConfig(split_k=2, fixup=True), KT,
+                BatchConfig(split_k=2, fixup=True, kt=True)):
         assert BatchConfig.from_tag(cfg.tag()) == cfg
     for bad in (dict(block_n=8), dict(block_t=512), dict(block_t=48), dict(groups=3), dict(split_k=0),
                 dict(num_warps=3), dict(num_stages=0)):
@@ -302,7 +306,8 @@ def test_random_shapes_and_splits_give_each_column_once(seed):
     rng = random.Random(seed)
     N, K = rng.randint(1, 70), rng.randint(1, 1100)
     cfg = BatchConfig(block_n=rng.choice([16, 32, 64]), block_t=16, groups=rng.choice([1, 2, 4]),
-                      split_k=rng.randint(max(1, K // 128), max(1, K // 64)), num_stages=1, fixup=rng.random() < 0.5)
+                      split_k=rng.randint(max(1, K // 128), max(1, K // 64)), num_stages=1, fixup=rng.random() < 0.5,
+                      kt=rng.random() < 0.5)
     w = _weight(N, K, seed=seed)
     w[::3, K - 1] = 1e-30
     t = w12.pack(w)

@@ -361,7 +361,7 @@ def test_matmul_tiled_forced_config_and_graph_replay():
         y2 = w12.matmul_tiled(x, t)
     assert_close(y2, w12.matmul_reference(x, p), F.linear(x, w))
     with autotune.force("w12.matmul", config=MmaConfig()):
-        with pytest.raises(TypeError, match="runs the flow kernel only"):
+        with pytest.raises(TypeError, match="runs the flow and batch kernels only"):
             w12.matmul_tiled(x, t)
     out = torch.empty_like(y)
     graph = torch.cuda.CUDAGraph()

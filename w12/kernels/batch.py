@@ -15,6 +15,11 @@ columns, then half b's: runs of 8 columns), so that each group of a step is one 
 are loaded apart (each its own contiguous runs, which the compiler's copies keep; one tensor across groups would not
 be contiguous). No byte is shuffled in memory.
 
+KT (`BatchConfig.kt`) orders a group's k so that a thread's pairs of a row are adjacent in the tile: k = 32 h + 2 s +
+b, h the half of the group's natural columns (0-31, 32-63), s < 16 a slot pair, b its column, is column pair
+16 h + 4 (s % 4) + s // 4. Each half's lo nibbles are moved to the low nibbles in registers, so both halves decode as
+half a; the tile copies are 16-byte ones and x is read in runs of two columns.
+
 Decode: code = hi << 4 | nib, bits = ((code & 0x7FF) + (e0 << 7)) | ((code & 0x800) << 4). The main loop reads the
 tiles as int16 pairs of adjacent columns (a pair's two hi bytes, and the lo byte pair that holds their nibbles), so
 that on a GPU each pair decodes in the flow kernel's four instructions (`pk_decode.asm_text` modes `lo4` / `hi4`,
@@ -152,13 +157,13 @@ def w12_batch_kernel(
     M, N, K, KF, kr, NF, nr, SB, stride_xm, stride_xk, SPLIT_K,
     HAS_BIAS: tl.constexpr, Q8: tl.constexpr, X_F16: tl.constexpr, SPLIT: tl.constexpr,
     BLOCK_N: tl.constexpr, BLOCK_T: tl.constexpr, GROUPS: tl.constexpr, USE_ASM: tl.constexpr,
-    PDL: tl.constexpr = False, FIXUP: tl.constexpr = False,
+    PDL: tl.constexpr = False, FIXUP: tl.constexpr = False, KT: tl.constexpr = False,
 ):
     """Program (n, t, k): weight rows BLOCK_N n .., rows of x BLOCK_T t .., K share k. GROUPS must divide KF (the
     main loop's loads carry no mask). PDL (launched with programmatic dependent launch): every program waits for the
     previous grid before its first load, then lets the next grid launch. FIXUP (with SPLIT): the last K share of a
     tile to finish adds the partials (cnt_ptr: one int32 counter a tile, zero between launches) instead of the
-    split-K reduce kernel."""
+    split-K reduce kernel. KT: the k order in which a thread's pairs of a row are adjacent in the tile (module doc)."""
     if PDL:
         gdc_wait()
         gdc_launch_dependents()
@@ -179,7 +184,13 @@ def w12_batch_kernel(
     # the MMA's k in one group: half a's columns first, then half b's (k = 32 h + i: pair i // 2, its lower or upper
     # column); x is read in that order by one load a group, so that each copy of a row of x takes whole sectors
     kk = tl.arange(0, 64)
-    col_k = tl.max_contiguous(tl.multiple_of(16 * ((kk % 32) // 8) + kk % 8 + 8 * (kk // 32), 8), 8)  # [64] runs of 8
+    if KT:
+        # k = 32 h + 2 s + b (half h of the group's natural columns, slot pair s, column b of the pair) is column pair
+        # 16 h + 4 (s % 4) + s // 4
+        sp = (kk % 32) // 2
+        col_k = tl.max_contiguous(tl.multiple_of(32 * (kk // 32) + 8 * (sp % 4) + 2 * (sp // 4) + kk % 2, 2), 2)
+    else:
+        col_k = tl.max_contiguous(tl.multiple_of(16 * ((kk % 32) // 8) + kk % 8 + 8 * (kk // 32), 8), 8)  # runs of 8
     n_it = KF // GROUPS
     per = tl.cdiv(n_it, SPLIT_K)
     it0 = pid_k * per
@@ -188,6 +199,11 @@ def w12_batch_kernel(
     step = GROUPS * gstep  # [BN, 1] int16 elements a row's pointers advance per K step
     t16 = tiles_ptr.to(tl.pointer_type(tl.int16))
     first = base[:, None] // 2 + it0 * step  # [BN, 1] the step's first tile
+    if KT:
+        # facts about the offsets (a tile is 48 R int16 elements, a row block SB bytes, both multiples of 16 bytes),
+        # so that where the tiles buffer is 16-byte aligned the tile copies are 16-byte ones
+        gstep = tl.multiple_of(gstep, [16, 16])
+        first = tl.multiple_of(first, [8, 8])
     hi_p = t16 + first + (32 * r)[:, None] + tl.arange(0, 32)[None, :]  # [BN, 32] a row's 64 hi bytes
     lo_p = t16 + first + (32 * R + 16 * r)[:, None] + qq[None, :]
     x_p = x_ptr + toks.to(tl.int64)[None, :] * stride_xm + (it0 * 64 * GROUPS + col_k).to(tl.int64)[:, None] * stride_xk
@@ -199,13 +215,31 @@ def w12_batch_kernel(
         for g in tl.static_range(GROUPS):  # each group's tiles and x loaded apart: contiguous runs the copies keep
             # one load of the group's hi bytes (whole sectors; two interleaved loads of half of each would fetch
             # every sector twice), split in registers: int16 8 a + 4 b + c is half b's pair 4 a + c
-            h = tl.reshape(tl.permute(tl.reshape(tl.load(hi_p + g * gstep), (BLOCK_N, 4, 2, 4)), (0, 1, 3, 2)),
-                           (BLOCK_N, 16, 2))
-            h_a, h_b = tl.split(h)
-            lo = h_a if Q8 else tl.load(lo_p + g * gstep)
+            if KT:
+                # int16 16 h + 4 c + j (natural pair) is half h's slot pair 4 j + c
+                h = tl.reshape(tl.permute(tl.reshape(tl.load(hi_p + g * gstep), (BLOCK_N, 2, 4, 4)), (0, 3, 2, 1)),
+                               (BLOCK_N, 16, 2))
+                h_a, h_b = tl.split(h)
+                if Q8:
+                    l_a = h_a
+                    l_b = h_b
+                else:
+                    # slot pair 4 j + 2 c + b of half h: lo int16 8 h + 4 c + j, its nibbles b (0 low, 1 high), moved
+                    # to the low nibbles, so that both halves decode as half a does
+                    lo = tl.load(lo_p + g * gstep).to(tl.int32)  # [BN, 16]
+                    lj = tl.reshape(tl.join(lo & 0x0F0F, (lo >> 4) & 0x0F0F), (BLOCK_N, 2, 2, 4, 2))  # [BN, h, c, j, b]
+                    l_a, l_b = tl.split(tl.reshape(tl.permute(lj, (0, 3, 2, 4, 1)), (BLOCK_N, 16, 2)))
+                    l_a = l_a.to(tl.int16)
+                    l_b = l_b.to(tl.int16)
+            else:
+                h = tl.reshape(tl.permute(tl.reshape(tl.load(hi_p + g * gstep), (BLOCK_N, 4, 2, 4)), (0, 1, 3, 2)),
+                               (BLOCK_N, 16, 2))
+                h_a, h_b = tl.split(h)
+                l_a = h_a if Q8 else tl.load(lo_p + g * gstep)
+                l_b = l_a
             xg = tl.load(x_p + 64 * g * stride_xk, mask=x_ok, other=0.0)  # [64, BT]
-            w_a = _half_weights(h_a, lo, E, E32, False, Q8, X_F16, USE_ASM)
-            w_b = _half_weights(h_b, lo, E, E32, True, Q8, X_F16, USE_ASM)
+            w_a = _half_weights(h_a, l_a, E, E32, False, Q8, X_F16, USE_ASM)
+            w_b = _half_weights(h_b, l_b, E, E32, not KT, Q8, X_F16, USE_ASM)
             w = tl.reshape(tl.permute(tl.join(w_a, w_b), (0, 2, 1)), (BLOCK_N, 64))  # [BN, 64] in k order
             acc = _mma(w, xg, acc, X_F16)
         hi_p += step
