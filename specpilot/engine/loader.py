@@ -14,6 +14,7 @@ bit for bit (`w12.pack` verifies).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -152,16 +153,17 @@ def _bf16(t) -> torch.Tensor:
     return t.unpack()
 
 
-def fuse_layer_weights(cfg: HybridConfig, tensors: dict) -> list[dict]:
-    """Per layer: {name: BF16 tensor} with the fused projections (module docstring) and the small tensors
-    (norms, conv, A_log, dt_bias) as they are. Raises on a missing tensor, naming it."""
+def fuse_layer_weights(cfg: HybridConfig, tensors: dict) -> Iterator[dict]:
+    """Layer by layer: {name: BF16 tensor} with the fused projections (module docstring) and the small tensors
+    (norms, conv, A_log, dt_bias) as they are. A generator, so that a caller that converts each layer (to W12, to its
+    device) holds one layer's BF16 weights at a time, not the model's (hybrid-27b: 51 GB). Raises on a missing tensor,
+    naming it, when its layer is reached."""
     def get(name):
         if name not in tensors:
             raise KeyError(f"specpilot.engine.fuse_layer_weights: the checkpoint has no tensor {name!r}; pass a "
                            f"Qwen3.5 text checkpoint with {cfg.layers} layers")
         return _bf16(tensors[name])
 
-    layers = []
     for i, kind in enumerate(cfg.layer_types):
         p = f"layers.{i}."
         d = {"input_norm": get(p + "input_layernorm.weight"), "post_norm": get(p + "post_attention_layernorm.weight"),
@@ -177,5 +179,4 @@ def fuse_layer_weights(cfg: HybridConfig, tensors: dict) -> list[dict]:
             a = p + "self_attn."
             d.update(qkv=torch.cat([get(a + "q_proj.weight"), get(a + "k_proj.weight"), get(a + "v_proj.weight")]),
                      o_proj=get(a + "o_proj.weight"), q_norm=get(a + "q_norm.weight"), k_norm=get(a + "k_norm.weight"))
-        layers.append(d)
-    return layers
+        yield d

@@ -290,8 +290,8 @@ class HybridModel:
             return t.to(dev)
 
         self.layers = []
-        for i, d in enumerate(fuse_layer_weights(cfg, tensors)):
-            L = {"kind": cfg.layer_types[i]}
+        for d in fuse_layer_weights(cfg, tensors):  # not enumerate: its reused result tuple would hold the last d
+            L = {"kind": cfg.layer_types[len(self.layers)]}
             for k, v in d.items():
                 L[k] = Linear.make(v, fmt, dev, tiled=self.tiled_w12) if v.dim() == 2 and k != "conv" else small(v)
             for k in ("input_norm", "post_norm", "q_norm", "k_norm"):  # zero-centred: they scale by 1 + w (fp32)
@@ -300,6 +300,7 @@ class HybridModel:
             if "A_log" in L:
                 L["neg_a"] = -L["A_log"].float().exp()
             self.layers.append(L)
+            d = v = None  # this layer's BF16 tensors go before the next layer is fused (W12: only its layout stays)
         self.embed = small(tensors["embed_tokens.weight"]).to(torch.bfloat16)
         self.final_norm = small(tensors["norm.weight"])
         self.final_norm1 = 1.0 + self.final_norm.float()
