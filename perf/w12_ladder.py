@@ -1138,13 +1138,17 @@ def batch_candidates(m: int, n: int, k: int, device, extra=()) -> list:
         # registers, no spills; 256 x 128 spills)
         cands.append(replace(h, block_n=128, num_warps=8))
         cands.append(replace(h, block_n=256, block_t=64, groups=1, num_warps=16))
+        if m > 128:
+            # all of x's rows a program (two warpgroups over 256 of them, 64 weight rows: sm_90 build with kt on a
+            # CPU, 402-417 instructions a step, no spills), so that the weight is read once, not once a 128-row tile
+            cands.append(replace(h, block_t=256, num_warps=8, kt=True))
     else:  # 128 x 64 and 128 x 32 tiles at 8 warps
         cands.append(replace(h, block_n=128, num_warps=8, split_k=max(1, h.split_k // 2)))
         if h.groups > 1:  # one group a step, its split doubled
             cands.append(replace(h, groups=1, split_k=2 * h.split_k))
     cands += [replace(c, fixup=True) for c in (h, cands[2]) if c.split_k > 1]
-    # the k order with 16-byte tile copies, at every candidate of 64 and more rows of x a program
-    cands += [replace(c, kt=True) for c in list(cands) if c.block_t >= 64]
+    # both k orders (`kt`: 16-byte tile copies) at every candidate of 64 and more rows of x a program
+    cands += [replace(c, kt=not c.kt) for c in list(cands) if c.block_t >= 64]
     cands += [BatchConfig.from_tag(t) for t in extra]
     return list(dict.fromkeys(cands))  # BatchConfig is frozen: equal configs, equal tags
 
