@@ -224,8 +224,8 @@ def w12_batch_kernel(
                     l_a = h_a
                     l_b = h_b
                 else:
-                    # slot pair 4 j + 2 c + b of half h: lo int16 8 h + 4 c + j, its nibbles b (0 low, 1 high), moved
-                    # to the low nibbles, so that both halves decode as half a does
+                    # slot pair 4 j + 2 c + n of half h (c, n < 2): nibble n (0 low, 1 high) of both bytes of lo int16
+                    # 8 h + 4 c + j, moved to the low nibbles, so that both halves decode as half a does
                     lo = tl.load(lo_p + g * gstep).to(tl.int32)  # [BN, 16]
                     lj = tl.reshape(tl.join(lo & 0x0F0F, (lo >> 4) & 0x0F0F), (BLOCK_N, 2, 2, 4, 2))  # [BN, h, c, j, b]
                     l_a, l_b = tl.split(tl.reshape(tl.permute(lj, (0, 3, 2, 4, 1)), (BLOCK_N, 16, 2)))
