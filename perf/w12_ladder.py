@@ -87,10 +87,10 @@ rotated weight copies (`weight_copies`; `time_fns`, medians of CUDA-graph replay
 once for up to 256 rows of x) instead of the ladder: for each of --batch-layers (AB_LAYERS names) at each of
 --batch-m rows (16 to 280 by default: at 32 rows and fewer the flow kernel is the path it would replace), cuBLAS on
 the BF16 weight and the kernel's candidates (`w12.configs.batch_heuristic`'s config, its neighbours in split-K, rows
-of x a program and stages, each of 64 rows of x or more in both k orders (`kt`), and any --batch-configs tags), each beside `w12.matmul_tiled` as dispatched (the flow
-kernel, its 32-row pieces up to 96 rows, the weight decoded and F.linear above), pairs interleaved as in --ab
-(weights and x as there). Each candidate's output is first checked against the fp32 product (within twice cuBLAS's
-largest error: `ok`). With `--promote`, for each layer and shape key (rows bucketed to a power of two: 9-16, 17-32,
+of x a program and stages, each of 64 rows of x or more in both k orders (`kt`), and any --batch-configs tags), each
+beside `w12.matmul_tiled` as dispatched (the flow kernel, its 32-row pieces up to 96 rows, the weight decoded and
+F.linear above), pairs interleaved as in --ab (weights and x as there). Each candidate's output is first checked
+against the fp32 product (within twice cuBLAS's largest error: `ok`). With `--promote`, for each layer and shape key (rows bucketed to a power of two: 9-16, 17-32,
 33-64, 65-128, 129-256, 257-512: the 280 rows of a 24-request step at budget 256) the candidate with the best worst
 ratio over the key's timed row counts goes through `autotune.promote` at each of them, and where it is promoted at
 all of them it becomes this GPU's tuned entry `w12.matmul/batch/<key>`, which `w12.matmul_tiled` then runs in place
