@@ -322,9 +322,9 @@ def batch_heuristic(M: int, N: int, K: int, device: torch.device) -> BatchConfig
     program, x's rows on the MMA's N up to 128 (more take a second program over the same weight rows), three stages,
     and two 64-column groups a K step up to 64 rows of x (one above: two groups' stages would leave one CTA an SM
     there); from 64 rows of x a program, the `kt` order (on an H100 this config took 0.44-0.94x its time without it
-    in each of the 28 layer and row-count cells of 64-256 rows timed; docs/w12-kernels.md). The
-    sm_90 builds (Triton 3.6, compiled on a CPU) hold the step without spills: 255 registers at 128 rows of x and 178
-    at 64 (two CTAs an SM), 128 at 32 and fewer (four). Split-K fills whole waves of those CTAs. The 8-bit view takes
+    in each of the 28 layer and row-count cells of 64-256 rows timed; docs/w12-kernels.md). The sm_90 builds (Triton
+    3.6, compiled on a CPU) hold the step without spills: with kt 247 registers at 128 rows of x and 230 at 64 (two
+    CTAs an SM), without it 128 at 32 and fewer (four). Split-K fills whole waves of those CTAs. The 8-bit view takes
     the same config (its step decodes the same tile)."""
     bt = min(128, max(16, _pow2(M)))
     bn, warps, stages = 64, 4, 3

@@ -214,28 +214,26 @@ def w12_batch_kernel(
     for _ in range(it0, it1):
         for g in tl.static_range(GROUPS):  # each group's tiles and x loaded apart: contiguous runs the copies keep
             # one load of the group's hi bytes (whole sectors; two interleaved loads of half of each would fetch
-            # every sector twice), split in registers: int16 8 a + 4 b + c is half b's pair 4 a + c
-            if KT:
-                # int16 16 h + 4 c + j (natural pair) is half h's slot pair 4 j + c
-                h = tl.reshape(tl.permute(tl.reshape(tl.load(hi_p + g * gstep), (BLOCK_N, 2, 4, 4)), (0, 3, 2, 1)),
-                               (BLOCK_N, 16, 2))
-                h_a, h_b = tl.split(h)
-                if Q8:
-                    l_a = h_a
-                    l_b = h_b
-                else:
-                    # slot pair 4 j + 2 c + n of half h (c, n < 2): nibble n (0 low, 1 high) of both bytes of lo int16
-                    # 8 h + 4 c + j, moved to the low nibbles, so that both halves decode as half a does
-                    lo = tl.load(lo_p + g * gstep).to(tl.int32)  # [BN, 16]
-                    lj = tl.reshape(tl.join(lo & 0x0F0F, (lo >> 4) & 0x0F0F), (BLOCK_N, 2, 2, 4, 2))  # [BN, h, c, j, b]
-                    l_a, l_b = tl.split(tl.reshape(tl.permute(lj, (0, 3, 2, 4, 1)), (BLOCK_N, 16, 2)))
-                    l_a = l_a.to(tl.int16)
-                    l_b = l_b.to(tl.int16)
-            else:
-                h = tl.reshape(tl.permute(tl.reshape(tl.load(hi_p + g * gstep), (BLOCK_N, 4, 2, 4)), (0, 1, 3, 2)),
-                               (BLOCK_N, 16, 2))
-                h_a, h_b = tl.split(h)
-                l_a = h_a if Q8 else tl.load(lo_p + g * gstep)
+            # every sector twice), split into the halves in registers
+            hg = tl.load(hi_p + g * gstep)
+            if KT:  # int16 16 h + 4 c + j (natural pair) is half h's slot pair 4 j + c
+                h = tl.reshape(tl.permute(tl.reshape(hg, (BLOCK_N, 2, 4, 4)), (0, 3, 2, 1)), (BLOCK_N, 16, 2))
+            else:  # int16 8 a + 4 b + c is half b's pair 4 a + c
+                h = tl.reshape(tl.permute(tl.reshape(hg, (BLOCK_N, 4, 2, 4)), (0, 1, 3, 2)), (BLOCK_N, 16, 2))
+            h_a, h_b = tl.split(h)
+            if Q8:  # the view decodes the hi bytes alone: the lo operand is not read
+                l_a = h_a
+                l_b = h_a
+            elif KT:
+                # slot pair 4 j + 2 c + n of half h (c, n < 2): nibble n (0 low, 1 high) of both bytes of lo int16
+                # 8 h + 4 c + j, moved to the low nibbles, so that both halves decode as half a does
+                lo = tl.load(lo_p + g * gstep).to(tl.int32)  # [BN, 16]
+                lj = tl.reshape(tl.join(lo & 0x0F0F, (lo >> 4) & 0x0F0F), (BLOCK_N, 2, 2, 4, 2))  # [BN, h, c, j, n]
+                l_a, l_b = tl.split(tl.reshape(tl.permute(lj, (0, 3, 2, 4, 1)), (BLOCK_N, 16, 2)))
+                l_a = l_a.to(tl.int16)
+                l_b = l_b.to(tl.int16)
+            else:  # both halves read the same lo bytes, half b their high nibbles
+                l_a = tl.load(lo_p + g * gstep)
                 l_b = l_a
             xg = tl.load(x_p + 64 * g * stride_xk, mask=x_ok, other=0.0)  # [64, BT]
             w_a = _half_weights(h_a, l_a, E, E32, False, Q8, X_F16, USE_ASM)
