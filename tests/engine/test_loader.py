@@ -23,8 +23,8 @@ def _tiny():
 
 
 class _Watched(Mapping):
-    """The synthetic tensors, each weight returned watched (a weak reference): `alive(i)` counts layer i's down
-    projections still held (the loader keeps that one as it is, the others it concatenates)."""
+    """The synthetic tensors, each layer's down projection returned watched (a weak reference; the loader keeps that
+    one as it is, the others it concatenates): `alive(i)` says whether layer i's is still held."""
 
     def __init__(self, cfg):
         self.src, self.refs = SyntheticTensors(cfg, "cpu"), {}
