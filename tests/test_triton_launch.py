@@ -38,8 +38,8 @@ def test_kept_kernels_follow_the_specialization():
         pytest.skip("needs a CUDA device")
     triton_launch.clear()
     x = torch.randn(4096 + 16, device="cuda")
-    # aligned; off 4 bytes; n = 1; n not a multiple of 16
-    cases = [(x[:4096], 4096), (x[1:4097], 4096), (x[:4096], 1), (x[:4096], 4000)]
+    # aligned; off 4 bytes; n = 1 (a constant to Triton); n not a multiple of 16 (4000 is one: it shares 4096's kernel)
+    cases = [(x[:4096], 4096), (x[1:4097], 4096), (x[:4096], 1), (x[:4096], 4001)]
     for src, n in cases:
         want = torch.zeros(4096, device="cuda")
         _scaled_copy[(32,)](src, want, n, 3.0, BLOCK=128)
