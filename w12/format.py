@@ -464,18 +464,38 @@ def from_compact_planes(planes: dict[str, torch.Tensor], K: int) -> W12Weight:
     return W12Weight(hi, lo, planes["e0"], rowptr, planes["esc_col"], planes["esc_val"], K=K)
 
 
+def _row_slice(packed: W12Weight, r0: int, r1: int) -> W12Weight:
+    """Rows [r0, r1) of `packed` as a `W12Weight` (views of its planes; the escapes' range read on the host)."""
+    ptr = packed.esc_rowptr
+    e0, e1 = int(ptr[r0]), int(ptr[r1])
+    return W12Weight(packed.hi[r0:r1], packed.lo[r0:r1], packed.e0[r0:r1], ptr[r0 : r1 + 1] - ptr[r0],
+                     packed.esc_col[e0:e1], packed.esc_val[e0:e1], packed.K)
+
+
 def verify_packed(packed: W12Weight, weight: torch.Tensor) -> None:
-    """Decode `packed` on its device and compare with `weight` bit for bit."""
-    got = _decode(packed).view(torch.int16)
+    """Decode `packed` on its device and compare with `weight` bit for bit, in row chunks of about 2^24 weights,
+    so that the check's temporaries stay bounded (a whole 248320 x 5120 head would take 5 GB of int32 codes)."""
     want = weight.view(torch.int16)
-    if got.shape != want.shape or not torch.equal(got, want):
-        if got.shape != want.shape:
-            raise W12VerificationError(f"decoded shape {tuple(got.shape)} != input shape {tuple(want.shape)}")
-        bad = (got != want).nonzero()
-        r, c = (int(v) for v in bad[0])
+    if tuple(want.shape) != (packed.N, packed.K):
+        raise W12VerificationError(f"decoded shape {(packed.N, packed.K)} != input shape {tuple(want.shape)}")
+    step = max(1, _CHUNK_ELEMS // packed.Kp)
+    n_bad, first = 0, None
+    for r0 in range(0, packed.N, step):
+        r1 = min(packed.N, r0 + step)
+        part = packed if (r0, r1) == (0, packed.N) else _row_slice(packed, r0, r1)
+        got = _decode(part).view(torch.int16)
+        if torch.equal(got, want[r0:r1]):
+            continue
+        bad = (got != want[r0:r1]).nonzero()
+        n_bad += bad.shape[0]
+        if first is None:
+            r, c = (int(v) for v in bad[0])
+            first = (r0 + r, c, int(got[r, c]) & 0xFFFF, int(want[r0 + r, c]) & 0xFFFF)
+    if first is not None:
+        r, c, g, x = first
         raise W12VerificationError(
-            f"W12 round trip is not bit-exact: {bad.shape[0]} of {want.numel()} elements differ, first at "
-            f"({r}, {c}): got 0x{int(got[r, c]) & 0xFFFF:04x}, expected 0x{int(want[r, c]) & 0xFFFF:04x}. "
+            f"W12 round trip is not bit-exact: {n_bad} of {want.numel()} elements differ, first at "
+            f"({r}, {c}): got 0x{g:04x}, expected 0x{x:04x}. "
             f"This is a bug in w12 (pack or decode on {packed.device}); please report it with the weight."
         )
 

@@ -201,6 +201,27 @@ def test_verify_failure_raises(monkeypatch):
     w12.pack(w, verify=False)  # no check, no error
 
 
+def test_verify_in_row_chunks(monkeypatch):
+    """The check decodes row chunks (bounded temporaries): hostile rows with escapes in every chunk pass, and a
+    corrupted element in a later chunk is reported at its own row, counted over the whole weight."""
+    monkeypatch.setattr(fmt, "_CHUNK_ELEMS", 2 * 192)  # two rows of Kp = 192 a chunk
+    w = bf16_of_bits(torch.stack([_hostile_row(130, e_lo=100 + 3 * i)[0] for i in range(5)]))
+    p = w12.pack(w, layout="planes")  # verifies in 3 chunks
+    assert p.num_escapes > 0
+    assert_bitwise_equal(p.unpack(), w)
+    real = fmt._decode
+
+    def corrupt(packed):
+        out = real(packed).clone()
+        if packed.N == 1:  # the last chunk: row 4
+            out.view(torch.int16)[0, 7] ^= 1
+        return out
+
+    monkeypatch.setattr(fmt, "_decode", corrupt)
+    with pytest.raises(w12.W12VerificationError, match=r"1 of 650 elements differ, first at \(4, 7\)"):
+        fmt.verify_packed(p, w)
+
+
 @pytest.mark.parametrize(
     "bad, exc, match",
     [
