@@ -371,8 +371,8 @@ def test_packed_asm_decode_logic_bitexact(mode):
 
 
 def _run_ptx(text: str, inputs: list[int], n_out: int) -> list[int]:
-    """A reader of the few 32-bit PTX instructions pk_decode emits (mov, prmt in its default mode, shl, shr, and,
-    or, add, mul.lo), run on Python ints: the outputs $0..$(n_out - 1) for the inputs $n_out, ..."""
+    """A reader of the few 32-bit PTX instructions pk_decode emits (mov, prmt in its default mode, sign replication
+    included, shl, shr, and, or, add, mul.lo), run on Python ints: the outputs $0..$(n_out - 1) for the inputs $n_out, ..."""
     regs = {f"${n_out + i}": v & 0xFFFFFFFF for i, v in enumerate(inputs)}
 
     def val(x):
@@ -386,7 +386,10 @@ def _run_ptx(text: str, inputs: list[int], n_out: int) -> list[int]:
         a = [x.strip() for x in args.split(",")]
         if op == "prmt.b32":
             pool, sel = val(a[1]) | (val(a[2]) << 32), val(a[3])
-            r = sum(((pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF) << (8 * i) for i in range(4))
+            r = 0
+            for i in range(4):  # a selector nibble's bit 3 replicates the selected byte's sign over the byte
+                b = (pool >> (8 * ((sel >> (4 * i)) & 7))) & 0xFF
+                r |= ((0xFF if b & 0x80 else 0) if (sel >> (4 * i + 3)) & 1 else b) << (8 * i)
         else:
             x, y = val(a[1]), (val(a[2]) if len(a) > 2 else 0)
             r = {"mov.b32": lambda: x, "shl.b32": lambda: x << y, "shr.b32": lambda: x >> y, "and.b32": lambda: x & y,

@@ -48,7 +48,7 @@ def asm_text(mode: str, out: str) -> str:
         return " ".join(["{", ".reg .b32 y, a, b, w;",
                          *(ln for p in range(2) for ln in _four_pair(p, h, lo, e[p], mode == "hi4", out)), "}"])
     if mode in ("lo0", "hi0"):
-        return " ".join(["{", ".reg .b32 z, t, n, c, m, s, w;", "mov.b32 z, 0;",
+        return " ".join(["{", ".reg .b32 y, a, b, f, m, w;",
                          *(ln for p in range(2) for ln in _zero_code_pair(p, h, lo, e[p], mode == "hi0", out)), "}"])
     s = ["{", ".reg .b32 z, t, n, s, w;", "mov.b32 z, 0;"]
     for p in range(2):
@@ -95,27 +95,24 @@ def _four_pair(p: int, h: str, lo: str, e: str, high: bool, out: str) -> list[st
 
 
 def _zero_code_pair(p: int, h: str, lo: str, e: str, high: bool, out: str) -> list[str]:
-    """One pair of lanes with code 0 -> +0.0: the 12-bit code c = hi << 4 | nib per lane; a lane mask m, 0xFFFF
-    where c != 0 (c + 0xFFF carries into bit 12 exactly then; no lane overflows: c + 0xFFF <= 0x1FFE); then
-    ((c & 0x7FF) + E | sign) & m."""
-    s = [f"prmt.b32 t, {h}, z, {_SEL[p]};",
-         "shl.b32 c, t, 4;",
-         "and.b32 c, c, 0x0FF00FF0;",
-         f"prmt.b32 n, {lo}, z, {_SEL[p]};"]
-    if high:
-        s.append("shr.b32 n, n, 4;")
-    s += ["and.b32 n, n, 0x000F000F;",
-          "or.b32 c, c, n;",
-          "add.u32 m, c, 0x0FFF0FFF;",
-          "and.b32 m, m, 0x10001000;",
-          "shr.b32 m, m, 12;",
-          "mul.lo.u32 m, m, 0xFFFF;",
-          "shl.b32 s, c, 4;",
-          "and.b32 s, s, 0x80008000;",
-          "and.b32 w, c, 0x07FF07FF;",
-          f"add.u32 w, w, {e};",
-          "or.b32 w, w, s;",
-          "and.b32 w, w, m;"]
+    """One pair of lanes with code 0 -> +0.0, in eleven instructions: the lanes y = hi << 8 | lo byte and the value
+    of `_four_pair` (code & 0x7FF, the nibble, plus E, with the sign), then a lane mask m, 0xFFFF where the code is
+    not 0. Bit 15 of f = ((y & code bits but the sign) + 0x7FFF) | y is set exactly where the code is not 0 (the
+    sum carries into bit 15 where one of the other code bits is set, and stays below 0x10000: no lane overflows);
+    a byte permute that replicates the sign of each lane's high byte spreads it over the lane."""
+    keep, rest, bits = (("0x7FF07FF0", "0x80008000", "0x7FF07FF0") if high else
+                        ("0x7F007F00", "0x800F800F", "0x7F0F7F0F"))
+    s = [f"prmt.b32 y, {h}, {lo}, {('0x1504', '0x3726')[p]};",
+         f"and.b32 a, y, {keep};",
+         "shr.b32 a, a, 4;",
+         f"and.b32 b, y, {rest};",
+         f"or.b32 b, b, {e};",
+         "add.u32 w, a, b;",
+         f"and.b32 f, y, {bits};",
+         "add.u32 f, f, 0x7FFF7FFF;",
+         "or.b32 f, f, y;",
+         "prmt.b32 m, f, f, 0xBB99;",
+         "and.b32 w, w, m;"]
     return s + _pair_out(p, out)
 
 
