@@ -372,7 +372,8 @@ def test_packed_asm_decode_logic_bitexact(mode):
 
 def _run_ptx(text: str, inputs: list[int], n_out: int) -> list[int]:
     """A reader of the few 32-bit PTX instructions pk_decode emits (mov, prmt in its default mode, sign replication
-    included, shl, shr, and, or, add, mul.lo), run on Python ints: the outputs $0..$(n_out - 1) for the inputs $n_out, ..."""
+    included, shl, shr, and, or, add, mul.lo), run on Python ints: the outputs $0..$(n_out - 1) for the inputs
+    $n_out, ..."""
     regs = {f"${n_out + i}": v & 0xFFFFFFFF for i, v in enumerate(inputs)}
 
     def val(x):
