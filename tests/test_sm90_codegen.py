@@ -210,7 +210,7 @@ def _pdl_order(ptx: str) -> dict:
 
 def _features(ptx: str) -> dict:
     return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "pk_asm": "0x07F007F0" in ptx,
-            "pk_zero_asm": "0x0FFF0FFF" in ptx, "pk4_asm": "0x800F800F" in ptx,
+            "pk_zero_asm": "0xBB99" in ptx, "pk4_asm": "0x800F800F" in ptx,
             "fma_f32": "fma.rn.f32" in ptx, "head": ptx.splitlines()[0][:400]}
 
 
