@@ -90,11 +90,12 @@ the BF16 weight and the kernel's candidates (`w12.configs.batch_heuristic`'s con
 of x a program and stages, each of 64 rows of x or more in both k orders (`kt`), and any --batch-configs tags), each
 beside `w12.matmul_tiled` as dispatched (the flow kernel, its 32-row pieces up to 96 rows, the weight decoded and
 F.linear above), pairs interleaved as in --ab (weights and x as there). Each candidate's output is first checked
-against the fp32 product (within twice cuBLAS's largest error: `ok`). With `--promote`, for each layer and shape key (rows bucketed to a power of two: 9-16, 17-32,
-33-64, 65-128, 129-256, 257-512: the 280 rows of a 24-request step at budget 256) the candidate with the best worst
-ratio over the key's timed row counts goes through `autotune.promote` at each of them, and where it is promoted at
-all of them it becomes this GPU's tuned entry `w12.matmul/batch/<key>`, which `w12.matmul_tiled` then runs in place
-of the flow kernel, its pieces or the decode. Files: $OUT/w12-batch.json and its table $OUT/w12-batch.md.
+against the fp32 product (within twice cuBLAS's largest error: `ok`). With `--promote`, for each layer and shape key
+(rows bucketed to a power of two: 9-16, 17-32, 33-64, 65-128, 129-256, 257-512: the 280 rows of a 24-request step at
+budget 256) the candidate with the best worst ratio over the key's timed row counts goes through `autotune.promote` at
+each of them, and where it is promoted at all of them it becomes this GPU's tuned entry `w12.matmul/batch/<key>`,
+which `w12.matmul_tiled` then runs in place of the flow kernel, its pieces or the decode. Files: $OUT/w12-batch.json
+and its table $OUT/w12-batch.md.
 
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)

@@ -142,6 +142,15 @@ class W12Weight:
     def unpack(self) -> torch.Tensor:
         return unpack(self)
 
+    def rows(self, start: int, end: int) -> "W12Weight":
+        """Rows `[start, end)` as a `W12Weight`, exact (no decode, no re-pack): views of the planes and of the rows'
+        escapes, with the row pointers rebased; reads the escapes' range on the host. The range is the caller's to
+        check (0 <= start < end <= N)."""
+        ptr = self.esc_rowptr
+        e_lo, e_hi = int(ptr[start]), int(ptr[end])
+        return W12Weight(self.hi[start:end], self.lo[start:end], self.e0[start:end], ptr[start : end + 1] - e_lo,
+                         self.esc_col[e_lo:e_hi], self.esc_val[e_lo:e_hi], self.K)
+
     def __reduce__(self):
         # Reconstructible from tensors + an int, so torch.load(weights_only=True) accepts it once
         # the class is an allowed global (done in w12/__init__.py).
@@ -464,14 +473,6 @@ def from_compact_planes(planes: dict[str, torch.Tensor], K: int) -> W12Weight:
     return W12Weight(hi, lo, planes["e0"], rowptr, planes["esc_col"], planes["esc_val"], K=K)
 
 
-def _row_slice(packed: W12Weight, r0: int, r1: int) -> W12Weight:
-    """Rows [r0, r1) of `packed` as a `W12Weight` (views of its planes; the escapes' range read on the host)."""
-    ptr = packed.esc_rowptr
-    e0, e1 = int(ptr[r0]), int(ptr[r1])
-    return W12Weight(packed.hi[r0:r1], packed.lo[r0:r1], packed.e0[r0:r1], ptr[r0 : r1 + 1] - ptr[r0],
-                     packed.esc_col[e0:e1], packed.esc_val[e0:e1], packed.K)
-
-
 def verify_packed(packed: W12Weight, weight: torch.Tensor) -> None:
     """Decode `packed` on its device and compare with `weight` bit for bit, in row chunks of about 2^24 weights,
     so that the check's temporaries stay bounded (a whole 248320 x 5120 head would take 5 GB of int32 codes)."""
@@ -482,7 +483,7 @@ def verify_packed(packed: W12Weight, weight: torch.Tensor) -> None:
     n_bad, first = 0, None
     for r0 in range(0, packed.N, step):
         r1 = min(packed.N, r0 + step)
-        part = packed if (r0, r1) == (0, packed.N) else _row_slice(packed, r0, r1)
+        part = packed if (r0, r1) == (0, packed.N) else packed.rows(r0, r1)
         got = _decode(part).view(torch.int16)
         if torch.equal(got, want[r0:r1]):
             continue

@@ -34,12 +34,7 @@ def _check_range(fn: str, start: int, end: int, size: int, dim: str) -> None:
 def slice_n(p: w12.W12Weight, start: int, end: int) -> w12.W12Weight:
     """Rows `[start, end)` of `p` (output channels), exact: no decode, no re-pack."""
     _check_range("slice_n", start, end, p.N, "N")
-    rp = p.esc_rowptr
-    e_lo, e_hi = int(rp[start]), int(rp[end])
-    return w12.W12Weight(
-        p.hi[start:end].contiguous(), p.lo[start:end].contiguous(), p.e0[start:end].contiguous(),
-        (rp[start : end + 1] - e_lo).contiguous(), p.esc_col[e_lo:e_hi].contiguous(),
-        p.esc_val[e_lo:e_hi].contiguous(), K=p.K)
+    return p.rows(start, end)
 
 
 def slice_k(p: w12.W12Weight, start: int, end: int) -> w12.W12Weight:
