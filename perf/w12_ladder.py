@@ -57,6 +57,8 @@ seven linears, the LM head among them), e.g.
 
     python3 perf/w12_ladder.py --ab '[["gate_up", 32, [["s4", "w4-k1-s4-c4-q2-g", {}], ["nosync", "", {"W12F_WG_BAR": 0, "W12F_WG_FENCE": 0}]]]]'
 
+`--ab sk` is a preset: the stream-K candidates on the layers and row counts of `ab_preset`.
+
 M runs to 64: above 32 rows the shipped path is `w12.matmul_tiled`'s, one launch per 32-row piece, and every
 candidate is a warpgroup config, built at 5-8 token tiles (`w12.flow.WG_MAX_M`) so that it takes the rows in one
 launch.
@@ -581,11 +583,11 @@ def trace_run(args):
             xs = {name: torch.randn(m, k, device=dev, generator=g).to(torch.bfloat16) for name, (n, k) in layers.items()}
             outs = {name: torch.empty(m, n, device=dev, dtype=torch.bfloat16) for name, (n, k) in layers.items()}
             chain = [(name, c) for c in range(copies) for name in layers]
-            bufs = [torch.zeros(8 * flow.grid(cfgs[name], layers[name][0]), dtype=torch.int64, device=dev)
+            bufs = [torch.zeros(8 * flow.grid(cfgs[name], *layers[name], sms), dtype=torch.int64, device=dev)
                     for name, _ in chain]
             # cap: shared memory per CTA such that cap + 1 CTAs (with the per-CTA reserve) do not fit an SM
             def smem_for(name: str) -> int | None:
-                n_ctas = flow.grid(cfgs[name], layers[name][0])
+                n_ctas = flow.grid(cfgs[name], *layers[name], sms)
                 per = cap if cap != "auto" else -(-n_ctas // sms)
                 if per is None or (cap == "auto" and per > cfgs[name].cps + 1):
                     return None
@@ -952,7 +954,7 @@ def parse(argv=None):
     ap.add_argument("--trace-reps", type=int, default=5, help="--trace: traced chain replays (medians)")
     ap.add_argument("--ab", metavar="CELLS", default=None,
                     help="instead of the ladder: candidates beside the shipped config, pairs interleaved (module doc); "
-                         "CELLS is the JSON or a file holding it")
+                         "CELLS is the JSON, a file holding it, or a preset's name (sk: the stream-K candidates)")
     ap.add_argument("--rounds", type=int, default=20, help="--ab / --batch: interleaved rounds a pair")
     ap.add_argument("--promote", action="store_true",
                     help="--ab / --batch: store the winning candidates as this GPU's tuned entries where "
@@ -1094,9 +1096,28 @@ def ab_write(report: dict, args, t0: float, name: str) -> Path:
     return out
 
 
+def ab_preset(name: str) -> str | None:
+    """The cells of a named --ab preset as JSON, or None. "sk": the stream-K candidates (`w12.space.FLOW_SK_CANDIDATES`,
+    the first also without the next-segment prefetch, W12F_SK_PRE=0) beside the shipped config at 16, 24 and 32 rows
+    on the 5120-row layers (o_proj's shape is out_proj's) and at 16 and 32 on in_proj, qkv_proj and gate_up; the
+    warpgroup candidates at 24 and 32 rows only (the mma.sync build takes 9-16)."""
+    if name != "sk":
+        return None
+    from w12.space import FLOW_SK_CANDIDATES
+
+    cells = []
+    for layer, ms in (("o_proj", (16, 24, 32)), ("down_proj", (16, 24, 32)), ("in_proj", (16, 32)),
+                      ("qkv_proj", (16, 32)), ("gate_up", (16, 32))):
+        for m in ms:
+            cands = [[tag, tag, {}] for tag in FLOW_SK_CANDIDATES if m > 16 or not tag.endswith("-g-sk")]
+            cands.append([cands[0][1] + "-pre0", cands[0][1], {"W12F_SK_PRE": 0}])
+            cells.append([layer, m, cands])
+    return json.dumps(cells)
+
+
 def ab_main(args) -> int:
     """--ab: the cells' builds (with --build-only) or their A/B on the GPU, into $OUT/w12-ab.json."""
-    text = Path(args.ab).read_text() if Path(args.ab).is_file() else args.ab
+    text = ab_preset(args.ab) or (Path(args.ab).read_text() if Path(args.ab).is_file() else args.ab)
     try:
         cells = ab_parse_cells(text)
     except ValueError as e:

@@ -201,7 +201,11 @@ class FlowConfig:
     previous kernel, and the epilogue's first escape reads it there instead of from global memory (tag `-e`; the same
     bits). `xh` (mma.sync build with xd = 0): one x set, each half of it (k-steps 0-1, 2-3) reloaded with the next
     unit's as soon as this unit's mma on it are issued, so that x takes half the registers of two sets while each
-    load still has about half a unit to land (tag `-h`; the same bits). `w12.matmul_tiled` (the
+    load still has about half a unit to land (tag `-h`; the same bits). `sk`: stream-K (exact base, kc = 1, rb = 1;
+    N a multiple of 16 and K of 64): a grid of as many CTAs as the SMs hold at once (`cps` per SM) splits the (row
+    set of `rows` rows, 64-column unit) pairs into equal runs, so that every SM streams the same bytes whatever the
+    row count; a row set shared by several CTAs meets in a global workspace, the last of them adding their shares in
+    CTA order (tag `-sk`; other bits than the one-CTA build: another order of the fp32 sums). `w12.matmul_tiled` (the
     engine's path) takes `flow_config`'s; under `w12.matmul` on the planes it runs only when forced."""
 
     warps: int = 8
@@ -218,6 +222,7 @@ class FlowConfig:
     late: bool = False
     escx: bool = False
     xh: bool = False
+    sk: bool = False
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8, 16) or self.kw not in (1, 2, 4, 8, 16) or self.warps % self.kw \
@@ -239,6 +244,9 @@ class FlowConfig:
         if self.xh and (self.xd or self.wg):
             raise ValueError(f"FlowConfig(xh=True) reloads the mma.sync build's one x set by halves: it needs xd=0 and "
                              f"wg=False; got {self}")
+        if self.sk and (self.fixed or self.kc != 1 or self.rb != 1 or self.escx):
+            raise ValueError(f"FlowConfig(sk=True) (stream-K) needs the exact base (fixed=False), kc=1, rb=1 and "
+                             f"escx=False; got {self}")
 
     @property
     def row_blocks(self) -> int:
@@ -254,19 +262,19 @@ class FlowConfig:
             ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "") + \
             (f"-{'p' if self.kg else 'q'}{self.kc}" if self.kc > 1 else "") + (f"-x{self.xd}" if self.xd else "") + \
             ("-l" if self.late else "") + ("-e" if self.escx else "") + ("-h" if self.xh else "") + \
-            ("-g" if self.wg else "")
+            ("-g" if self.wg else "") + ("-sk" if self.sk else "")
 
     @classmethod
     def from_tag(cls, tag: str) -> "FlowConfig":
         """The config whose `tag()` is `tag` (the leading "flow-" may be left out), e.g. "w4-k1-s6-c3-q4-g"."""
         m = re.fullmatch(r"(?:flow-)?w(\d+)-k(\d+)-s(\d+)-c(\d+)(-fixed)?(-keep)?(?:-r(\d+))?(?:-([qp])(\d+))?(?:-x(\d+))?"
-                         r"(-l)?(-e)?(-h)?(-g)?", tag)
+                         r"(-l)?(-e)?(-h)?(-g)?(-sk)?", tag)
         if m is None:
             raise ValueError(f"FlowConfig.from_tag: {tag!r} is not a flow config tag (e.g. 'flow-w4-k1-s4-c4-q2-g')")
-        w, k, st, c, fixed, keep, rb, split, kc, xd, late, escx, xh, wg = m.groups()
+        w, k, st, c, fixed, keep, rb, split, kc, xd, late, escx, xh, wg, sk = m.groups()
         return cls(warps=int(w), kw=int(k), stages=int(st), cps=int(c), fixed=bool(fixed), evict=not keep,
                    rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg), xd=int(xd or 0), kg=split == "p",
-                   late=bool(late), escx=bool(escx), xh=bool(xh))
+                   late=bool(late), escx=bool(escx), xh=bool(xh), sk=bool(sk))
 
 
 @dataclass(frozen=True)

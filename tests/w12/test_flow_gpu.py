@@ -158,11 +158,11 @@ def _check_fp64_and_repeats(cfg, M: int, N: int, K: int, repeats: int) -> None:
         assert torch.equal(_run(cfg, x, t, bias).view(torch.int16), out.view(torch.int16))
 
 
-def _hostile_case(xkind: str, seed: int):
+def _hostile_case(xkind: str, seed: int, N: int = 70, K: int = 300):
     """Hostile rows (zeros, subnormals, huge and tiny rows, salted escapes) and x, normal or salted with NaN, +-Inf,
     +-0 and subnormals; with the outputs where x is non-finite at a column that holds an escape of the row (there
     the kernels give NaN: w12.matmul's documented difference)."""
-    N, K, M = 70, 300, 11
+    M = 11
     p = w12.pack(hostile_weight(N, K, seed=seed).cuda(), layout="planes")
     x = gaussian_x(M, K, seed=seed + 1)
     if xkind == "nonfinite":
@@ -661,3 +661,94 @@ def test_warpgroup_build_at_5_to_8_token_tiles_on_hostile_rows(M):
         nan = torch.isnan(pieces)
         assert torch.equal(torch.isnan(out), nan)
         assert torch.equal(out.view(torch.int16)[~nan], pieces.view(torch.int16)[~nan])
+
+
+# stream-K (FlowConfig.sk): the tuning space's candidates, the warpgroup ones on sm_90 only
+def _sk_configs(M: int) -> list[FlowConfig]:
+    from w12.space import FLOW_SK_CANDIDATES
+
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    return [FlowConfig.from_tag(t) for t in FLOW_SK_CANDIDATES if hopper or not t.endswith("-g-sk")]
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 80, 192), (13, 48, 320), (32, 5120, 6144), (24, 1024, 64), (32, 128, 4096),
+                                   (9, 5120, 17408)], ids=lambda v: str(v))
+def test_stream_k_matches_fp64(M, N, K):
+    """Against fp64, and bit for bit over 2 more runs (the last CTA of a row set adds the shares in CTA order,
+    whichever it is; the counters go back to zero between launches); K = 64 gives segments with warps that hold no
+    unit, 48 and 80 rows a partial last row set; down_proj's shape at M = 9."""
+    for cfg in _sk_configs(M):
+        _check_fp64_and_repeats(cfg, M, N, K, repeats=2)
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 7, 40])
+def test_stream_k_at_any_grid(ctas):
+    """Grids of 1 CTA (every row set whole in one run), 3 and 7 (runs across row sets' ends) and one CTA a unit:
+    against fp64, the same config at each."""
+    N, K, M = 160, 256, 20  # 5 row sets of 32 rows x 4 units, or 3 of 64
+    w = escaped_weight(N, K, seed=ctas)
+    p = w12.pack(w, layout="planes")
+    t = layout.tile(p)
+    x = gaussian_x(M, K, seed=ctas + 1)
+    for cfg in _sk_configs(M):
+        units = flow.sk_sets(cfg, N) * (K // 64)
+        out = _run(cfg, x, t, ctas=min(ctas, units))
+        assert_close(out, w12.matmul_reference(x, p), F.linear(x, w))
+    with pytest.raises(ValueError, match="ctas must be"):
+        _run(_sk_configs(M)[0], x, t, ctas=10**6)
+    with pytest.raises(ValueError, match="N a multiple of 16"):
+        _run(_sk_configs(M)[0], x[:, :200], layout.tile(w12.pack(w[:, :200], layout="planes")))
+
+
+@pytest.mark.parametrize("M", [5, 11, 32])
+def test_stream_k_at_sets_times_kc_equals_the_k_split_through_memory_bitwise(M):
+    """At a grid of row sets x kc CTAs, with K in kc x kw equal pieces, stream-K adds the kg build's pieces in its
+    order: its bits, on hostile rows and x salted with NaN, +-Inf, +-0 and subnormals; and the next-segment prefetch
+    (W12F_SK_PRE) changes no bit."""
+    p, x, _ = _hostile_case("nonfinite", seed=23, N=80, K=384)
+    x = torch.cat([x] * 3)[:M]
+    t = layout.tile(p)
+    pairs = [(FlowConfig(warps=4, kw=2, cps=4, sk=True), FlowConfig(warps=4, kw=2, cps=4, kc=3, kg=True))]
+    if torch.cuda.get_device_capability() == (9, 0) and M > 8:
+        pairs.append((FlowConfig(warps=8, kw=2, cps=2, sk=True, wg=True),
+                      FlowConfig(warps=8, kw=2, cps=2, kc=3, kg=True, wg=True)))
+    for sk, kg in pairs:
+        want = _run(kg, x, t)
+        got = _run(sk, x, t, ctas=flow.sk_sets(sk, 80) * 3)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), sk.tag()
+        other = _run(sk, x, t, ctas=7)
+        again = _run(sk, x, t, ctas=7, defines={"W12F_SK_PRE": 0})
+        assert torch.equal(other.view(torch.int16), again.view(torch.int16)), sk.tag()
+
+
+@pytest.mark.parametrize("xkind", ["normal", "nonfinite"])
+def test_stream_k_on_hostile_rows(xkind):
+    """Against fp64 on hostile rows and hostile x (NaN and infinities where the reference has them), both formats."""
+    p, x, nan_at = _hostile_case(xkind, seed=24, N=96, K=320)
+    t = layout.tile(p)
+    for cfg in _sk_configs(x.shape[0]):
+        _assert_close_hostile(_run(cfg, x, t), w12.matmul_reference(x, p), F.linear(x, w12.unpack(p)), nan_at)
+        _assert_close_hostile(_run(cfg, x, t, q8=True), w12.matmul_q8_reference(x, p),
+                              F.linear(x, w12.decode_q8(p)), nan_at)
+
+
+def test_stream_k_graph_replay_and_pdl():
+    """Three stream-K launches in one CUDA graph, under programmatic dependent launch (the next launch starts only
+    when every CTA of this one has left: the workspace and counters are free), replayed twice: the eager bits."""
+    p, x, _ = _hostile_case("nonfinite", seed=25, N=5120, K=512)
+    x = torch.cat([x] * 3)[:32]
+    t = layout.tile(p)
+    for cfg in _sk_configs(x.shape[0]):
+        want = _run(cfg, x, t)
+        outs = [torch.full_like(want, float("nan")) for _ in range(3)]
+        graph = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(graph):
+            for o in outs:
+                flow.launch_tiled(cfg, x, t, None, o, pdl=True)
+        for _ in range(2):
+            for o in outs:
+                o.fill_(float("nan"))
+            graph.replay()
+            torch.cuda.synchronize()
+            for o in outs:
+                assert torch.equal(o.view(torch.int16), want.view(torch.int16)), cfg.tag()

@@ -28,6 +28,19 @@
 // (docs/w12-kernels.md). The next kernel is let launch only when every CTA has left (its epilogue then cannot race
 // the next launch's use of the workspace).
 //
+// Stream-K (W12F_SK = 1; exact base, KC = 1, one row block per row group, full row blocks, K a multiple of 64). A
+// row set is the RW row groups a CTA holds; the grid of P CTAs (the launcher's choice: as many as the SMs hold at
+// once) splits the U = row sets x KF (row set, unit) pairs, in that order, into equal runs: CTA b takes the units
+// [b U / P, (b + 1) U / P) (w12_common.cuh's sk_* helpers), so that every CTA streams the same number of tiles
+// whatever the row count. It takes its run a row set at a time (a segment: the end of one row set, whole row sets,
+// the start of another), the KW warps of a row group splitting each segment's units as they split a CTA's K above.
+// A segment that holds its whole row set is finished at once; the share of a partial one goes to the CTA's
+// workspace slot (0 for its first segment, 1 for its last), and the CTA that counts last in the row set's counter
+// adds the shares of the CTAs b0 .. b1 that hold it in CTA order (its own from registers: the same bits whichever
+// CTA counts last), finishes the rows and sets the counter back to zero. With W12F_SK_PRE = 1 (the default) a warp
+// requests the next segment's first STAGES - 1 tiles before its current segment's epilogue, so that the reduction
+// and the workspace traffic overlap them.
+//
 // Decode (FIXED = 1; the probe's V1). A lane (g = lane / 4, p = lane % 4) holds, per tile, rows g and g + 8:
 // hi bytes of columns 16 p .. 16 p + 15 (one LDS.128 per row) and their lo nibbles (one LDS.64 per row, byte j =
 // column j | column j + 8). Per bf16 pair of k-step s: y = prmt(hi word s, lo word, 0x1504 or 0x3726) puts
@@ -180,6 +193,12 @@ typedef __nv_bfloat16 w12f_out_t;
 #ifndef W12F_ESCX
 #define W12F_ESCX 0  // x at each finished row's first escape column copied into shared memory before the main loop
 #endif
+#ifndef W12F_SK
+#define W12F_SK 0  // stream-K: equal runs of (row set, unit) pairs per CTA, partial row sets met in `ws` / `cnt`
+#endif
+#ifndef W12F_SK_PRE
+#define W12F_SK_PRE 1  // stream-K: the next segment's first tiles requested before this segment's epilogue
+#endif
 #ifndef W12F_TRACE
 #define W12F_TRACE 0  // diagnostic (w12.flow.launch_tiled(trace=)): per-CTA %globaltimer stamps into `sink`
 #endif
@@ -193,6 +212,7 @@ constexpr int RB = W12F_RB;     // row blocks per row group
 constexpr int KC = W12F_KC;     // CTAs splitting K (one cluster, or with KG through global memory)
 constexpr bool KG = W12F_KG != 0 && KC > 1;
 constexpr bool CLUSTER = KC > 1 && !KG;
+constexpr bool SK = W12F_SK != 0;
 constexpr int STAGES = W12F_STAGES;
 constexpr int NT = W12F_NT;
 constexpr bool FIXED = W12F_FIXED != 0;
@@ -239,6 +259,16 @@ static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight:
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
               "the warpgroup build: exact base, one row block per warp, x, and warpgroups of 4 warps per K piece");
+// The end of a segment's work: the next segment (SK), or the kernel's end. The builds without stream-K keep their one
+// segment in a plain block left by `return` (a one-pass loop left by `continue` compiles to other code for them).
+#if W12F_SK
+#define W12F_SEGMENT_DONE continue
+#else
+#define W12F_SEGMENT_DONE return
+#endif
+static_assert(!SK || (!FIXED && EPI && W12F_RED != 0 && KC == 1 && RB == 1 && FULL && W12F_ESCX == 0),
+              "stream-K: exact base, with the epilogue and the reduction, no K split across CTAs, one row block per "
+              "row group, full row blocks, no x copy at the escapes");
 #if W12F_KC > 1 && !W12F_KG && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
 #error "W12F_KC > 1 needs thread-block clusters (sm_90)"
 #endif
@@ -434,7 +464,8 @@ w12_matmul_flow_kernel(
     w12f_out_t* __restrict__ out,         // [M, N], bf16 (fp32 with W12F_OUT32)
     int M, int N, int K,
     float* __restrict__ sink,             // [blockDim.x]: steps without the epilogue, a never-taken store
-    float* __restrict__ ws, int* __restrict__ cnt) {  // KG: 128 RW RB NT floats per CTA; one counter per KC CTAs
+    float* __restrict__ ws, int* __restrict__ cnt) {  // KG: 128 RW RB NT floats per CTA, one counter per KC CTAs;
+                                                       // SK: two such slots per CTA, one counter per row set
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_emin[WARPS], s_emax[WARPS];
   __shared__ int s_last;
@@ -448,26 +479,6 @@ w12_matmul_flow_kernel(
   const int TB = kr + ((kr + 1) >> 1);
   const long long SB = 1536LL * KF + 16LL * TB;
   const int cta = (int)blockIdx.x / KC, kc = (int)blockIdx.x - cta * KC;  // a cluster's CTAs: consecutive ids
-  const int rb0 = (cta * RW + rw) * RB;           // the first row block of this warp's row group
-  const bool active = rb0 < NB;                    // a row group is active when its first block is
-  // the loop's range follows the first row block of the warpgroup (WG: all 4 warps run every wgmma together)
-  const bool lactive = WG ? (cta * RW + (rw & ~3)) < NB : active;
-  int R[RB], TS[RB];                               // rows of each row block (0 past the last), bytes per tile
-  const uint8_t* blk[RB];
-#pragma unroll
-  for (int i = 0; i < RB; ++i) {
-    const int rb = rb0 + i;
-    R[i] = rb < NF ? 16 : (rb < NB ? nr : 0);
-    TS[i] = FULL ? TILE : 96 * R[i];  // FULL: every block holds 16 rows (nr = 0) or none (past the last)
-    blk[i] = tiles + (long long)min(rb, NB - 1) * SB;
-  }
-  const int q = kc * KW + ks;                      // the warp's piece of the row group's K, of KC x KW
-  const int c0 = lactive ? q * KF / (KC * KW) : 0, c1 = lactive ? (q + 1) * KF / (KC * KW) : 0;
-  const bool has_tail = lactive && q == KC * KW - 1 && kr > 0;
-  const int cend = c1 + (has_tail ? 1 : 0);        // units c0 .. cend - 1; unit KF is the masked tail
-  constexpr int SLOT = RB * TILE;                  // one ring slot: the unit's tile of each row block
-  const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
-  const uint64_t pol = evict_first_policy();
   unsigned long long* const trace = reinterpret_cast<unsigned long long*>(sink);
   // W12F_TRACE: stamp k by thread 0, or (last) the latest of every warp's lane 0
   auto stamp = [&](int k) {
@@ -483,632 +494,741 @@ w12_matmul_flow_kernel(
   stamp(0);
   stamp(1);
 
-  // The refill cursor: the lane's source of the next tiles to request (three 16-byte pieces per row block: hi rows
-  // g, g + 8, then lo rows lane / 2; absent rows of a partial block read nothing and are zero-filled) and its slot.
-  uint32_t v[RB][3];
-  int o[RB][3];
-  const uint8_t* src[RB];
-#pragma unroll
-  for (int i = 0; i < RB; ++i) {
-    v[i][0] = g < R[i] ? 16u : 0u, v[i][1] = g + 8 < R[i] ? 16u : 0u, v[i][2] = (lane >> 1) < R[i] ? 16u : 0u;
-    o[i][0] = v[i][0] ? 16 * lane : 0, o[i][1] = v[i][1] ? 512 + 16 * lane : 0;
-    o[i][2] = v[i][2] ? 64 * R[i] + 16 * lane : 0;
-    src[i] = blk[i] + (long long)c0 * TS[i];
+  // The CTA's work: one row set (RW row groups) over the whole K, or with stream-K (SK) its run of units
+  // [u_beg, u_end) of the U = NS x KF (row set, unit) pairs, a segment (the part of the run in one row set) at a time
+  // (U < 2^31: NS <= 2^27 / 16 / RW row sets of K <= 2^18 columns' KF <= 2^12 units, as the launcher checks)
+  const int NS = (NB + RW * RB - 1) / (RW * RB);
+  const int U = NS * KF;
+  const int u_beg = SK ? (int)((long long)blockIdx.x * U / gridDim.x) : 0;
+  const int u_end = SK ? (int)(((long long)blockIdx.x + 1) * U / gridDim.x) : 1;
+  // whether the warp's row group of row set `set` streams (WG: the range follows the warpgroup's first row block,
+  // all 4 warps run every wgmma together)
+  auto warp_active = [&](int set) { return WG ? (set * RW + (rw & ~3)) < NB : (set * RW + rw) * RB < NB; };
+  // the warp's units [a, b) of a segment's units [s0, s1): piece kc KW + ks of KC x KW
+  auto piece = [&](bool on, int s0, int s1, int& a, int& b) {
+    const int n = s1 - s0, q = kc * KW + ks;
+    a = on ? s0 + q * n / (KC * KW) : 0;
+    b = on ? s0 + (q + 1) * n / (KC * KW) : 0;
+  };
+  if constexpr (SK) {
+    if (kr != 0) __trap();  // K a multiple of 64 (the launcher checks): no masked tail
   }
-  const uint32_t ring_end = ring + STAGES * SLOT;
-  uint32_t wst = ring + 16 * lane;
-  // FULL: the lane's three pieces at fixed distances from one pointer (immediate offsets), 16 bytes each where the
-  // block exists (RB = 1: always, a warp with units has its block); a block past the last reads nothing at the
-  // clamped block's addresses
-  const uint8_t* srcl[RB];
-  uint32_t vf[RB];
-#pragma unroll
-  for (int i = 0; i < RB; ++i) {
-    srcl[i] = src[i] + 16 * lane;
-    vf[i] = (RB == 1 || R[i] > 0) ? 16u : 0u;
-  }
-  auto issue = [&]() {
+  bool pre = false;  // SK_PRE: this segment's first tiles were requested before the previous segment's epilogue
+#if W12F_SK
+  for (int su = u_beg; su < u_end;) {
+#else
+  {  // one segment (W12F_SEGMENT_DONE above)
+    int su = u_beg;
+#endif
+    const int set = SK ? su / KF : cta;              // the row set, and the segment's units [s0, s1) of it
+    const int s0 = SK ? su - set * KF : 0;
+    const int s1 = SK ? min(KF, u_end - set * KF) : KF;
+    // SK: whether the segment holds only part of its row set, and then its workspace slot (0 for the CTA's first)
+    const bool part = SK && (s0 != 0 || s1 != KF);
+    const int sslot = su == u_beg ? 0 : 1;
+    su = SK ? (set + 1) * KF : u_end;
+    const int rb0 = (set * RW + rw) * RB;           // the first row block of this warp's row group
+    const bool active = rb0 < NB;                    // a row group is active when its first block is
+    const bool lactive = warp_active(set);
+    int R[RB], TS[RB];                               // rows of each row block (0 past the last), bytes per tile
+    const uint8_t* blk[RB];
 #pragma unroll
     for (int i = 0; i < RB; ++i) {
-      if constexpr (FULL) {
-        cp_async16(wst + i * TILE, srcl[i], vf[i], pol);
-        cp_async16(wst + i * TILE + 512, srcl[i] + 512, vf[i], pol);
-        if constexpr (!Q8) cp_async16(wst + i * TILE + 1024, srcl[i] + 1024, vf[i], pol);
-        srcl[i] += TILE;
-        continue;
-      }
-      cp_async16(wst + i * TILE, src[i] + o[i][0], v[i][0], pol);
-      cp_async16(wst + i * TILE + 512, src[i] + o[i][1], v[i][1], pol);
-      if constexpr (!Q8) cp_async16(wst + i * TILE + 1024, src[i] + o[i][2], v[i][2], pol);
-      src[i] += TS[i];
+      const int rb = rb0 + i;
+      R[i] = rb < NF ? 16 : (rb < NB ? nr : 0);
+      TS[i] = FULL ? TILE : 96 * R[i];  // FULL: every block holds 16 rows (nr = 0) or none (past the last)
+      blk[i] = tiles + (long long)min(rb, NB - 1) * SB;
     }
-  };
-  auto next_slot = [&](uint32_t a) { return a + SLOT >= ring_end ? a + SLOT - STAGES * SLOT : a + SLOT; };
+    const int q = kc * KW + ks;                      // the warp's piece of the row group's K, of KC x KW
+    int c0, c1;                                      // its units [c0, c1) of [s0, s1)
+    piece(lactive, s0, s1, c0, c1);
+    const bool has_tail = !SK && lactive && q == KC * KW - 1 && kr > 0;
+    const int cend = c1 + (has_tail ? 1 : 0);        // units c0 .. cend - 1; unit KF is the masked tail
+    constexpr int SLOT = RB * TILE;                  // one ring slot: the unit's tile of each row block
+    const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
+    const uint64_t pol = evict_first_policy();
 
-  // rows g, g + 8 of each block: window base and decode constant (W12F_LATE: the constants after the first copies)
-  int e0r[RB][2];
-  uint32_t kk[RB][2];
-  auto decode_constant = [](uint32_t e) -> uint32_t {
-    return FIXED ? (e == 0 ? 0u : BASE112) : (Q8 ? q8_base((e << 7) | (e << 23)) : (e << 7) | (e << 23));
-  };
+    // The refill cursor: the lane's source of the next tiles to request (three 16-byte pieces per row block: hi rows
+    // g, g + 8, then lo rows lane / 2; absent rows of a partial block read nothing and are zero-filled) and its slot.
+    uint32_t v[RB][3];
+    int o[RB][3];
+    const uint8_t* src[RB];
 #pragma unroll
-  for (int i = 0; i < RB; ++i)
-#pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int row = (rb0 + i) * 16 + 8 * h + g;
-      e0r[i][h] = active && row < N ? (int)e0[row] : 0;
-      if constexpr (W12F_LATE == 0) kk[i][h] = decode_constant((uint32_t)e0r[i][h]);
+    for (int i = 0; i < RB; ++i) {
+      v[i][0] = g < R[i] ? 16u : 0u, v[i][1] = g + 8 < R[i] ? 16u : 0u, v[i][2] = (lane >> 1) < R[i] ? 16u : 0u;
+      o[i][0] = v[i][0] ? 16 * lane : 0, o[i][1] = v[i][1] ? 512 + 16 * lane : 0;
+      o[i][2] = v[i][2] ? 64 * R[i] + 16 * lane : 0;
+      src[i] = blk[i] + (long long)c0 * TS[i];
     }
-
-  // the escape metadata of the rows this warp finishes (CSR range and first entry), read now so that the loads'
-  // latency hides under the stream instead of lengthening the epilogue (ESC_STASH: where it waits)
-  int ep[RB][2][2] = {}, ec[RB][2] = {};
-  uint32_t ev[RB][2] = {};
-  // shared memory: the rings, the KW shares (RED), the other CTAs' sums (KC > 1, rank 0's), the escape stash
-  constexpr int RED_OFF = WARPS * STAGES * SLOT;                                    // after the rings
-  constexpr int CRED_OFF = RED_OFF + (RED ? WARPS * RB * NT * 512 : 0);              // after the KW shares
-  constexpr int STASH_OFF = CRED_OFF + (CLUSTER ? (KC - 1) * RW * RB * NT * 512 : 0);  // after the CTAs' sums
-  constexpr int X_OFF = STASH_OFF + (ESC_STASH ? RW * RB * 1024 : 0);                 // after the stash (WG)
-  int4* const stash = reinterpret_cast<int4*>(smem + STASH_OFF) + rw * RB * 64;
-  // after the warpgroup build's x rings (sized for 3 slots whatever W12F_WG_DEPTH): word 32 ((2 i + h) 2 NT + 2 j + u)
-  // + lane of the row group's part holds the column pair of x at row (i, h)'s first escape, token 8 j + 2 p + u
-  constexpr int ESCX_OFF = X_OFF + (WG ? WARPS / 4 * 3 * XSLOT : 0);
-  const uint32_t* const escx = reinterpret_cast<const uint32_t*>(smem + ESCX_OFF) + rw * RB * 4 * NT * 32 + lane;
-  // the first entry of each row's CSR range (W12F_LATE: after the first copies, so that this dependent load and
-  // the stash store that waits for it do not hold them back)
-  auto escape_entries = [&]() {
+    const uint32_t ring_end = ring + STAGES * SLOT;
+    uint32_t wst = ring + 16 * lane;
+    // FULL: the lane's three pieces at fixed distances from one pointer (immediate offsets), 16 bytes each where the
+    // block exists (RB = 1: always, a warp with units has its block); a block past the last reads nothing at the
+    // clamped block's addresses
+    const uint8_t* srcl[RB];
+    uint32_t vf[RB];
 #pragma unroll
-    for (int i = 0; i < RB; ++i)
+    for (int i = 0; i < RB; ++i) {
+      srcl[i] = src[i] + 16 * lane;
+      vf[i] = (RB == 1 || R[i] > 0) ? 16u : 0u;
+    }
+    auto issue = [&]() {
 #pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        if (ep[i][h][1] > ep[i][h][0]) {
-          ec[i][h] = __ldg(ecol + ep[i][h][0]);
-          ev[i][h] = __ldg(eval + ep[i][h][0]);
+      for (int i = 0; i < RB; ++i) {
+        if constexpr (FULL) {
+          cp_async16(wst + i * TILE, srcl[i], vf[i], pol);
+          cp_async16(wst + i * TILE + 512, srcl[i] + 512, vf[i], pol);
+          if constexpr (!Q8) cp_async16(wst + i * TILE + 1024, srcl[i] + 1024, vf[i], pol);
+          srcl[i] += TILE;
+          continue;
         }
-        // the lane reads back its own entries in the epilogue: no barrier
-        if constexpr (ESC_STASH)
-          stash[64 * i + 32 * h + lane] = make_int4(ep[i][h][0], ep[i][h][1], ec[i][h], (int)ev[i][h]);
+        cp_async16(wst + i * TILE, src[i] + o[i][0], v[i][0], pol);
+        cp_async16(wst + i * TILE + 512, src[i] + o[i][1], v[i][1], pol);
+        if constexpr (!Q8) cp_async16(wst + i * TILE + 1024, src[i] + o[i][2], v[i][2], pol);
+        src[i] += TS[i];
       }
-  };
-  const bool esc_rows = ESC && ks == 0 && active && (KG || kc == 0);  // KG: any of the KC CTAs may finish the rows
-  if (esc_rows) {
+    };
+    auto next_slot = [&](uint32_t a) { return a + SLOT >= ring_end ? a + SLOT - STAGES * SLOT : a + SLOT; };
+
+    // rows g, g + 8 of each block: window base and decode constant (W12F_LATE: the constants after the first copies)
+    int e0r[RB][2];
+    uint32_t kk[RB][2];
+    auto decode_constant = [](uint32_t e) -> uint32_t {
+      return FIXED ? (e == 0 ? 0u : BASE112) : (Q8 ? q8_base((e << 7) | (e << 23)) : (e << 7) | (e << 23));
+    };
 #pragma unroll
     for (int i = 0; i < RB; ++i)
 #pragma unroll
       for (int h = 0; h < 2; ++h) {
         const int row = (rb0 + i) * 16 + 8 * h + g;
-        if (row < N) {
-          ep[i][h][0] = __ldg(rowptr + row);
-          ep[i][h][1] = __ldg(rowptr + row + 1);
-        }
+        e0r[i][h] = active && row < N ? (int)e0[row] : 0;
+        if constexpr (W12F_LATE == 0) kk[i][h] = decode_constant((uint32_t)e0r[i][h]);
       }
-    if constexpr (W12F_LATE == 0) escape_entries();
-  }
 
-  // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output)
-#pragma unroll
-  for (int i = 0; i < STAGES - 1; ++i) {
-    if (c0 + i < c1) issue();
-    cp_commit();
-    wst += SLOT;
-  }
-  if constexpr (W12F_LATE != 0) {
-#pragma unroll
-    for (int i = 0; i < RB; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) kk[i][h] = decode_constant((uint32_t)e0r[i][h]);
-    if (esc_rows) escape_entries();
-  }
-  grid_dep_wait();
-  stamp(2);
-  if constexpr (ESCX) {
-    if (esc_rows) {
-      const uint32_t dst = (uint32_t)__cvta_generic_to_shared(escx);
+    // the escape metadata of the rows this warp finishes (CSR range and first entry), read now so that the loads'
+    // latency hides under the stream instead of lengthening the epilogue (ESC_STASH: where it waits)
+    int ep[RB][2][2] = {}, ec[RB][2] = {};
+    uint32_t ev[RB][2] = {};
+    // shared memory: the rings, the KW shares (RED), the other CTAs' sums (KC > 1, rank 0's), the escape stash
+    constexpr int RED_OFF = WARPS * STAGES * SLOT;                                    // after the rings
+    constexpr int CRED_OFF = RED_OFF + (RED ? WARPS * RB * NT * 512 : 0);              // after the KW shares
+    constexpr int STASH_OFF = CRED_OFF + (CLUSTER ? (KC - 1) * RW * RB * NT * 512 : 0);  // after the CTAs' sums
+    constexpr int X_OFF = STASH_OFF + (ESC_STASH ? RW * RB * 1024 : 0);                 // after the stash (WG)
+    int4* const stash = reinterpret_cast<int4*>(smem + STASH_OFF) + rw * RB * 64;
+    // after the warpgroup build's x rings (sized for 3 slots whatever W12F_WG_DEPTH): word 32 ((2 i + h) 2 NT + 2 j + u)
+    // + lane of the row group's part holds the column pair of x at row (i, h)'s first escape, token 8 j + 2 p + u
+    constexpr int ESCX_OFF = X_OFF + (WG ? WARPS / 4 * 3 * XSLOT : 0);
+    const uint32_t* const escx = reinterpret_cast<const uint32_t*>(smem + ESCX_OFF) + rw * RB * 4 * NT * 32 + lane;
+    // the first entry of each row's CSR range (W12F_LATE: after the first copies, so that this dependent load and
+    // the stash store that waits for it do not hold them back)
+    auto escape_entries = [&]() {
 #pragma unroll
       for (int i = 0; i < RB; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          if (ep[i][h][1] <= ep[i][h][0]) continue;
-          const __nv_bfloat16* col = x + (ec[i][h] & ~1);  // the aligned pair holding the column
-          for_tokens<NT>(p, M, [&](int j, int u, int tok) {
-            asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst + 128u * ((2 * i + h) * 2 * NT + 2 * j + u)),
-                         "l"(col + (long long)tok * ldx) : "memory");
-          });
+          if (ep[i][h][1] > ep[i][h][0]) {
+            ec[i][h] = __ldg(ecol + ep[i][h][0]);
+            ev[i][h] = __ldg(eval + ep[i][h][0]);
+          }
+          // the lane reads back its own entries in the epilogue: no barrier
+          if constexpr (ESC_STASH)
+            stash[64 * i + 32 * h + lane] = make_int4(ep[i][h][0], ep[i][h][1], ec[i][h], (int)ev[i][h]);
         }
-    }
-  }
-
-  // The warpgroup build's x: thread t (of 128) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros past
-  // M), columns 4 NTP q .. 4 NTP q + 4 NTP - 1 of each unit, q = t % TPT (NTP = NT rounded up to a power of two,
-  // TPT = 16 / NTP threads per token): one 8-, 16-, 2 x or 4 x 16-byte load into registers a unit ahead, then one 4-byte
-  // store per column pair into the slot at the header's byte (the slots taken in turn)
-  constexpr int NTP = NT <= 2 ? NT : NT <= 4 ? 4 : 8, TPT = 16 / NTP, XW = 2 * NTP;
-  const int wt = threadIdx.x & 127, xtok = wt / TPT, xq = wt % TPT;
-  const bool xrow = WG && xtok < 8 * NT, xreal = xtok < M;
-  const uint32_t xring = (uint32_t)__cvta_generic_to_shared(smem + X_OFF) + (warp >> 2) * XSLOTS * XSLOT;
-  const uint32_t xbase = 128u * (xtok >> 3) + 16u * (xtok & 7);
-  const __nv_bfloat16* xsrc = x + (long long)(xreal ? xtok : 0) * ldx + 64LL * c0 + 4 * NTP * xq;
-  uint32_t xreg[XW];  // zeros, kept by the threads without a token (never loaded)
+    };
+    const bool esc_rows = ESC && ks == 0 && active && (KG || kc == 0);  // KG: any of the KC CTAs may finish the rows
+    if (esc_rows) {
 #pragma unroll
-  for (int u = 0; u < XW; ++u) xreg[u] = 0u;
-  auto load_xw = [&]() {
-    if (xrow && xreal) {
-      if constexpr (XW == 2) {
-        const uint2 v = __ldg(reinterpret_cast<const uint2*>(xsrc));
-        xreg[0] = v.x, xreg[1] = v.y;
-      } else {
+      for (int i = 0; i < RB; ++i)
 #pragma unroll
-        for (int u = 0; u < XW / 4; ++u) {
-          const uint4 v = __ldg(reinterpret_cast<const uint4*>(xsrc) + u);
-          xreg[4 * u] = v.x, xreg[4 * u + 1] = v.y, xreg[4 * u + 2] = v.z, xreg[4 * u + 3] = v.w;
+        for (int h = 0; h < 2; ++h) {
+          const int row = (rb0 + i) * 16 + 8 * h + g;
+          if (row < N) {
+            ep[i][h][0] = __ldg(rowptr + row);
+            ep[i][h][1] = __ldg(rowptr + row + 1);
+          }
         }
-      }
+      if constexpr (W12F_LATE == 0) escape_entries();
     }
-    xsrc += 64;
-  };
-  auto store_xw = [&](uint32_t slot) {
-    if (!xrow) return;
-#pragma unroll
-    for (int u = 0; u < XW; ++u) {
-      const int col = 4 * NTP * xq + 2 * u;  // p = col / 16, s = col / 4 % 4, h = col / 2 % 2
-      const uint32_t a = slot + xbase + 256u * NT * ((col >> 2) & 3) + 128u * NT * ((col >> 1) & 1) + 4u * (col >> 4);
-      asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(xreg[u]) : "memory");
-    }
-  };
-  // W12F_WG_STM: warp w of a warpgroup stages n-tile w (w < NT). Lane (g, p) loads token 8 w + g, columns
-  // 16 p .. 16 p + 15 of the unit (two 16-byte loads a unit ahead): word q is the pair of k slots 2 p, 2 p + 1 of
-  // k-step q / 2, k half q % 2, which is row g, columns 2 p, 2 p + 1 of that core matrix as stmatrix takes it. Two
-  // stmatrix.x4 store the n-tile's 8 core matrices (words 0-3: k-steps 0-1, words 4-7: k-steps 2-3), lane 8 i + r
-  // giving the address of row r of matrix i: the same bytes as store_xw's (tests/w12/flow_emu.py, wg_slot_stm).
-  const int sj = warp & 3, stok = 8 * sj + g;
-  const bool srow = STM && sj < NT, sreal = stok < M;
-  const __nv_bfloat16* ssrc = x + (long long)(sreal ? stok : 0) * ldx + 64LL * c0 + 16 * p;
-  const uint32_t srow_off = 128u * sj + 16u * (lane & 7);  // row (lane & 7) of a core matrix of n-tile sj
-  uint32_t sreg[8];
-  auto load_xs = [&]() {
-    if (srow && sreal) {
-      const uint4 v0 = __ldg(reinterpret_cast<const uint4*>(ssrc)), v1 = __ldg(reinterpret_cast<const uint4*>(ssrc) + 1);
-      sreg[0] = v0.x, sreg[1] = v0.y, sreg[2] = v0.z, sreg[3] = v0.w;
-      sreg[4] = v1.x, sreg[5] = v1.y, sreg[6] = v1.z, sreg[7] = v1.w;
-    } else {
-#pragma unroll
-      for (int u = 0; u < 8; ++u) sreg[u] = 0u;
-    }
-    ssrc += 64;
-  };
-  auto store_xs = [&](uint32_t slot) {
-    if (!srow) return;
-    const int i = lane >> 3;  // the matrix this lane addresses: k-step 2 call + i / 2, k half i % 2
-#pragma unroll
-    for (int call = 0; call < 2; ++call) {
-      const uint32_t a = slot + 256u * NT * (2 * call + (i >> 1)) + 128u * NT * (i & 1) + srow_off;
-      asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(sreg[4 * call]),
-                   "r"(sreg[4 * call + 1]), "r"(sreg[4 * call + 2]), "r"(sreg[4 * call + 3]) : "memory");
-    }
-  };
 
-  XRange xr;
-  // the unit's turn among the CTA's RA active row blocks (the last CTA may have fewer than RW): warp rw folds the
-  // units of its K range with fu == rw, so that every unit a warp reads is folded by one warp
-  const int RA = min(RW, NB - cta * RW);
-  int fu = 0;
-  // the lane's x: token 8 j + g of n-tile j, columns 16 p .. 16 p + 15 of a unit; `xu` at unit c0, one unit a step
-  const __nv_bfloat16* xu = x + (long long)g * ldx + 64 * c0 + 16 * p;
-  const long long x8 = 8 * ldx;
-  auto load_x = [&](uint4 (&xv)[NT][2]) {
+    // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output); with SK_PRE a
+    // segment after the CTA's first had them requested before the previous segment's epilogue (below)
+    auto first_tiles = [&](int a, int b) {
 #pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      if (8 * j + g < M) {
-        const uint4* q = reinterpret_cast<const uint4*>(xu + j * x8);
-        xv[j][0] = __ldg(q);
-        xv[j][1] = __ldg(q + 1);
-      } else {
-        xv[j][0] = xv[j][1] = make_uint4(0u, 0u, 0u, 0u);
+      for (int i = 0; i < STAGES - 1; ++i) {
+        if (a + i < b) issue();
+        cp_commit();
+        wst += SLOT;
       }
-      if (GUARD && fu == rw) {
-        xr.add(xv[j][0]);
-        xr.add(xv[j][1]);
-      }
-    }
-    fu = fu + 1 == RA ? 0 : fu + 1;
-    if constexpr (W12F_XSTEP != 0) xu += 64;
-  };
-  // XH: half v of the unit at xu into xv[.][v] (the fold takes each half; the cursor moves on after half 1). The
-  // registers of tokens past M keep the zeros of the first load_x (no store reads them, and zeros leave the fold's
-  // range as it is), so that no unit spends instructions on them
-  auto load_x_half = [&](uint4 (&xv)[NT][2], int v) {
-#pragma unroll
-    for (int j = 0; j < NT; ++j) {
-      if (8 * j + g < M) {
-        xv[j][v] = __ldg(reinterpret_cast<const uint4*>(xu + j * x8) + v);
-        if (GUARD && fu == rw) xr.add(xv[j][v]);
-      }
-    }
-    if (v == 1) {
-      fu = fu + 1 == RA ? 0 : fu + 1;
-      if constexpr (W12F_XSTEP != 0) xu += 64;
-    }
-  };
-  // the masked tail's fragments, byte by byte from global memory (columns past K and rows past the block zero)
-  // a tile's fragments of this lane from its ring slot at shared address t (the 8-bit view: the hi bytes only)
-  auto ring_frag = [&](Frag& f, uint32_t t) {
-    f.h[0] = lds128(t + 16 * lane);
-    f.h[1] = lds128(t + 512 + 16 * lane);
-    if constexpr (!Q8) {
-      f.l[0] = lds64(t + 1024 + 8 * lane);
-      f.l[1] = lds64(t + 1280 + 8 * lane);
+    };
+    if (SK && pre) {
+      srcl[0] += (STAGES - 1) * TILE;
+      wst += (STAGES - 1) * SLOT;
     } else {
-      f.l[0] = f.l[1] = make_uint2(0u, 0u);
+      first_tiles(c0, c1);
     }
-  };
-  auto tail_frag = [&](Frag& f, int i) {
-    const int Ri = R[i];
-    const uint8_t* th = blk[i] + (long long)KF * TS[i];
-    const uint8_t* tl = th + Ri * kr;
-    const int lb = (kr + 1) >> 1;
+    if constexpr (W12F_LATE != 0) {
 #pragma unroll
-    for (int h = 0; h < 2; ++h) {
-      const int r = 8 * h + g;
-      unsigned long long h0 = 0ull, h1 = 0ull, lw = 0ull;  // hi bytes 0..7, 8..15; lo byte j = column j | j + 8
-#pragma unroll 1
-      for (int jj = 0; jj < 16; ++jj) {
-        const int col = 16 * p + jj;
-        if (r < Ri && col < kr) {
-          const unsigned long long b = th[r * kr + col];
-          if (jj < 8)
-            h0 |= b << (8 * jj);
-          else
-            h1 |= b << (8 * (jj - 8));
-          const unsigned long long nib = (tl[r * lb + (col >> 1)] >> (4 * (col & 1))) & 0xFu;
-          lw |= nib << (8 * (jj & 7) + 4 * (jj >> 3));
-        }
-      }
-      f.h[h] = make_uint4((uint32_t)h0, (uint32_t)(h0 >> 32), (uint32_t)h1, (uint32_t)(h1 >> 32));
-      f.l[h] = make_uint2((uint32_t)lw, (uint32_t)(lw >> 32));
+      for (int i = 0; i < RB; ++i)
+#pragma unroll
+        for (int h = 0; h < 2; ++h) kk[i][h] = decode_constant((uint32_t)e0r[i][h]);
+      if (esc_rows) escape_entries();
     }
-  };
-
-  float acc[RB][NT][4];
-  for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = 0.0f; });
-  uint4 xn[NT][2];  // XD = 0: the next unit's x (prefetched one unit ahead); XD > 0: the masked tail's
-  uint4 xs[XD + 1][NT][2];  // XD > 0: the x sets (below)
-  if constexpr (WG) {
-  } else if constexpr (XB) {
-    if constexpr (XD == 0) {
-      if (c0 < cend) load_x(xn);
-    } else {
-#pragma unroll
-      for (int r = 0; r < XD; ++r)
-        if (c0 + r < cend) load_x(xs[r]);
-    }
-  } else {
-    const uint32_t b = 0x3F800000u ^ (uint32_t)lane;  // the probe's constant B operand
-#pragma unroll
-    for (int j = 0; j < NT; ++j) xn[j][0] = xn[j][1] = make_uint4(b, b ^ 1u, b ^ 2u, b ^ 3u);
-#pragma unroll
-    for (int r = 0; r <= XD; ++r)
-#pragma unroll
-      for (int j = 0; j < NT; ++j) xs[r][j][0] = xs[r][j][1] = xn[j][0];
-  }
-
-  uint32_t rst = ring;  // the slot of tile c
-#if W12F_WG
-  uint32_t xslot = xring;  // unit c's x slot
-  uint32_t areg[2][4][4] = {};  // A registers of even and odd units (one may be read by a wgmma in flight)
-  if (c0 < cend) {
-    if constexpr (STM)
-      load_xs();
-    else
-      load_xw();
-  }
-  auto wg_unit = [&](int c, uint32_t (&a)[4][4], uint32_t (&prev)[4][4]) {
-    // unit c's x into its slot (it held unit c - XSLOTS: every warp of the warpgroup waited for that wgmma before
-    // the barrier of unit c - 1), then unit c + 1's loads
-    if constexpr (STM) {
-      store_xs(xslot);
-      if (c + 1 < cend) load_xs();
-    } else {
-      if (W12F_WG_XCOPY != 0 || c == c0) store_xw(xslot);
-      if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
-    }
-    asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-    if (c == c0) stamp(3);
-    if constexpr (W12F_WG_FENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by wgmma
-    if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
-      asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");
-    Frag f;
-    if (c < c1)
-      ring_frag(f, rst);
-    else
-      tail_frag(f, 0);
-    // refill the weight slot read one unit ago with unit c + STAGES - 1
-    if (c + STAGES - 1 < c1) issue();
-    cp_commit();
-    wst = next_slot(wst);
-    rst = next_slot(rst);
-    tile_wgmma(acc[0], f, xslot, kk[0], a, prev);
-    xslot = xslot + XSLOT == xring + XSLOTS * XSLOT ? xring : xslot + XSLOT;
-  };
-  int c = c0;
-  for (; c + 1 < cend; c += 2) {
-    wg_unit(c, areg[0], areg[1]);
-    wg_unit(c + 1, areg[1], areg[0]);
-  }
-  if (c < cend) wg_unit(c, areg[0], areg[1]);
-  asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-  keep(acc[0]);
-  keep(areg[0]);
-  keep(areg[1]);
-  asm volatile("cp.async.wait_all;" ::: "memory");
-#else
-  if constexpr (XD == 0) {
-    for (int c = c0; c < c1; ++c) {
-      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-      __syncwarp();
-      if (c == c0) stamp(3);
-      Frag f[RB];
-#pragma unroll
-      for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
-      // refill the slot read one unit ago with unit c + STAGES - 1
-      if (c + STAGES - 1 < c1) issue();
-      cp_commit();
-      wst = next_slot(wst);
-      rst = next_slot(rst);
-      if constexpr (XH) {
-        // xn holds unit c's x; each half takes unit c + 1's once the last mma reading it is issued
-        const bool more = c + 1 < cend;
+    grid_dep_wait();
+    stamp(2);
+    if constexpr (ESCX) {
+      if (esc_rows) {
+        const uint32_t dst = (uint32_t)__cvta_generic_to_shared(escx);
 #pragma unroll
         for (int i = 0; i < RB; ++i)
-          tile_mma<FIXED>(acc[i], f[i], xn, kk[i], [&](int v) {
-            if (i == RB - 1 && more) load_x_half(xn, v);
-          });
-        continue;
-      }
-      uint4 xc[NT][2];
 #pragma unroll
-      for (int j = 0; j < NT; ++j) xc[j][0] = xn[j][0], xc[j][1] = xn[j][1];
-      if constexpr (XB) {
-        if (c + 1 < cend) load_x(xn);
+          for (int h = 0; h < 2; ++h) {
+            if (ep[i][h][1] <= ep[i][h][0]) continue;
+            const __nv_bfloat16* col = x + (ec[i][h] & ~1);  // the aligned pair holding the column
+            for_tokens<NT>(p, M, [&](int j, int u, int tok) {
+              asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst + 128u * ((2 * i + h) * 2 * NT + 2 * j + u)),
+                           "l"(col + (long long)tok * ldx) : "memory");
+            });
+          }
       }
-#pragma unroll
-      for (int i = 0; i < RB; ++i) tile_mma<FIXED>(acc[i], f[i], xc, kk[i]);
     }
-  } else {
-    // XD + 1 sets of x registers, unit c's in set (c - c0) % (XD + 1), each loaded XD units ahead: the loop is
-    // unrolled by XD + 1 so that every set keeps its registers (a copy from the loaded set to the used one makes the
-    // compiler wait for the load within the unit that issued it)
-    auto unit = [&](int c, const uint4 (&xc)[NT][2], uint4 (&xl)[NT][2]) {
-      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-      __syncwarp();
-      if (c == c0) stamp(3);
-      Frag f[RB];
+
+    // The warpgroup build's x: thread t (of 128) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros past
+    // M), columns 4 NTP q .. 4 NTP q + 4 NTP - 1 of each unit, q = t % TPT (NTP = NT rounded up to a power of two,
+    // TPT = 16 / NTP threads per token): one 8-, 16-, 2 x or 4 x 16-byte load into registers a unit ahead, then one 4-byte
+    // store per column pair into the slot at the header's byte (the slots taken in turn)
+    constexpr int NTP = NT <= 2 ? NT : NT <= 4 ? 4 : 8, TPT = 16 / NTP, XW = 2 * NTP;
+    const int wt = threadIdx.x & 127, xtok = wt / TPT, xq = wt % TPT;
+    const bool xrow = WG && xtok < 8 * NT, xreal = xtok < M;
+    const uint32_t xring = (uint32_t)__cvta_generic_to_shared(smem + X_OFF) + (warp >> 2) * XSLOTS * XSLOT;
+    const uint32_t xbase = 128u * (xtok >> 3) + 16u * (xtok & 7);
+    const __nv_bfloat16* xsrc = x + (long long)(xreal ? xtok : 0) * ldx + 64LL * c0 + 4 * NTP * xq;
+    uint32_t xreg[XW];  // zeros, kept by the threads without a token (never loaded)
 #pragma unroll
-      for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
+    for (int u = 0; u < XW; ++u) xreg[u] = 0u;
+    auto load_xw = [&]() {
+      if (xrow && xreal) {
+        if constexpr (XW == 2) {
+          const uint2 v = __ldg(reinterpret_cast<const uint2*>(xsrc));
+          xreg[0] = v.x, xreg[1] = v.y;
+        } else {
+#pragma unroll
+          for (int u = 0; u < XW / 4; ++u) {
+            const uint4 v = __ldg(reinterpret_cast<const uint4*>(xsrc) + u);
+            xreg[4 * u] = v.x, xreg[4 * u + 1] = v.y, xreg[4 * u + 2] = v.z, xreg[4 * u + 3] = v.w;
+          }
+        }
+      }
+      xsrc += 64;
+    };
+    auto store_xw = [&](uint32_t slot) {
+      if (!xrow) return;
+#pragma unroll
+      for (int u = 0; u < XW; ++u) {
+        const int col = 4 * NTP * xq + 2 * u;  // p = col / 16, s = col / 4 % 4, h = col / 2 % 2
+        const uint32_t a = slot + xbase + 256u * NT * ((col >> 2) & 3) + 128u * NT * ((col >> 1) & 1) + 4u * (col >> 4);
+        asm volatile("st.shared.b32 [%0], %1;" ::"r"(a), "r"(xreg[u]) : "memory");
+      }
+    };
+    // W12F_WG_STM: warp w of a warpgroup stages n-tile w (w < NT). Lane (g, p) loads token 8 w + g, columns
+    // 16 p .. 16 p + 15 of the unit (two 16-byte loads a unit ahead): word q is the pair of k slots 2 p, 2 p + 1 of
+    // k-step q / 2, k half q % 2, which is row g, columns 2 p, 2 p + 1 of that core matrix as stmatrix takes it. Two
+    // stmatrix.x4 store the n-tile's 8 core matrices (words 0-3: k-steps 0-1, words 4-7: k-steps 2-3), lane 8 i + r
+    // giving the address of row r of matrix i: the same bytes as store_xw's (tests/w12/flow_emu.py, wg_slot_stm).
+    const int sj = warp & 3, stok = 8 * sj + g;
+    const bool srow = STM && sj < NT, sreal = stok < M;
+    const __nv_bfloat16* ssrc = x + (long long)(sreal ? stok : 0) * ldx + 64LL * c0 + 16 * p;
+    const uint32_t srow_off = 128u * sj + 16u * (lane & 7);  // row (lane & 7) of a core matrix of n-tile sj
+    uint32_t sreg[8];
+    auto load_xs = [&]() {
+      if (srow && sreal) {
+        const uint4 v0 = __ldg(reinterpret_cast<const uint4*>(ssrc)), v1 = __ldg(reinterpret_cast<const uint4*>(ssrc) + 1);
+        sreg[0] = v0.x, sreg[1] = v0.y, sreg[2] = v0.z, sreg[3] = v0.w;
+        sreg[4] = v1.x, sreg[5] = v1.y, sreg[6] = v1.z, sreg[7] = v1.w;
+      } else {
+#pragma unroll
+        for (int u = 0; u < 8; ++u) sreg[u] = 0u;
+      }
+      ssrc += 64;
+    };
+    auto store_xs = [&](uint32_t slot) {
+      if (!srow) return;
+      const int i = lane >> 3;  // the matrix this lane addresses: k-step 2 call + i / 2, k half i % 2
+#pragma unroll
+      for (int call = 0; call < 2; ++call) {
+        const uint32_t a = slot + 256u * NT * (2 * call + (i >> 1)) + 128u * NT * (i & 1) + srow_off;
+        asm volatile("stmatrix.sync.aligned.m8n8.x4.shared.b16 [%0], {%1, %2, %3, %4};" ::"r"(a), "r"(sreg[4 * call]),
+                     "r"(sreg[4 * call + 1]), "r"(sreg[4 * call + 2]), "r"(sreg[4 * call + 3]) : "memory");
+      }
+    };
+
+    XRange xr;
+    // the unit's turn among the CTA's RA active row blocks (the last CTA may have fewer than RW): warp rw folds the
+    // units of its K range with fu == rw, so that every unit a warp reads is folded by one warp
+    const int RA = min(RW, NB - cta * RW);
+    int fu = 0;
+    // the lane's x: token 8 j + g of n-tile j, columns 16 p .. 16 p + 15 of a unit; `xu` at unit c0, one unit a step
+    const __nv_bfloat16* xu = x + (long long)g * ldx + 64 * c0 + 16 * p;
+    const long long x8 = 8 * ldx;
+    auto load_x = [&](uint4 (&xv)[NT][2]) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        if (8 * j + g < M) {
+          const uint4* q = reinterpret_cast<const uint4*>(xu + j * x8);
+          xv[j][0] = __ldg(q);
+          xv[j][1] = __ldg(q + 1);
+        } else {
+          xv[j][0] = xv[j][1] = make_uint4(0u, 0u, 0u, 0u);
+        }
+        if (GUARD && fu == rw) {
+          xr.add(xv[j][0]);
+          xr.add(xv[j][1]);
+        }
+      }
+      fu = fu + 1 == RA ? 0 : fu + 1;
+      if constexpr (W12F_XSTEP != 0) xu += 64;
+    };
+    // XH: half v of the unit at xu into xv[.][v] (the fold takes each half; the cursor moves on after half 1). The
+    // registers of tokens past M keep the zeros of the first load_x (no store reads them, and zeros leave the fold's
+    // range as it is), so that no unit spends instructions on them
+    auto load_x_half = [&](uint4 (&xv)[NT][2], int v) {
+#pragma unroll
+      for (int j = 0; j < NT; ++j) {
+        if (8 * j + g < M) {
+          xv[j][v] = __ldg(reinterpret_cast<const uint4*>(xu + j * x8) + v);
+          if (GUARD && fu == rw) xr.add(xv[j][v]);
+        }
+      }
+      if (v == 1) {
+        fu = fu + 1 == RA ? 0 : fu + 1;
+        if constexpr (W12F_XSTEP != 0) xu += 64;
+      }
+    };
+    // the masked tail's fragments, byte by byte from global memory (columns past K and rows past the block zero)
+    // a tile's fragments of this lane from its ring slot at shared address t (the 8-bit view: the hi bytes only)
+    auto ring_frag = [&](Frag& f, uint32_t t) {
+      f.h[0] = lds128(t + 16 * lane);
+      f.h[1] = lds128(t + 512 + 16 * lane);
+      if constexpr (!Q8) {
+        f.l[0] = lds64(t + 1024 + 8 * lane);
+        f.l[1] = lds64(t + 1280 + 8 * lane);
+      } else {
+        f.l[0] = f.l[1] = make_uint2(0u, 0u);
+      }
+    };
+    auto tail_frag = [&](Frag& f, int i) {
+      const int Ri = R[i];
+      const uint8_t* th = blk[i] + (long long)KF * TS[i];
+      const uint8_t* tl = th + Ri * kr;
+      const int lb = (kr + 1) >> 1;
+#pragma unroll
+      for (int h = 0; h < 2; ++h) {
+        const int r = 8 * h + g;
+        unsigned long long h0 = 0ull, h1 = 0ull, lw = 0ull;  // hi bytes 0..7, 8..15; lo byte j = column j | j + 8
+#pragma unroll 1
+        for (int jj = 0; jj < 16; ++jj) {
+          const int col = 16 * p + jj;
+          if (r < Ri && col < kr) {
+            const unsigned long long b = th[r * kr + col];
+            if (jj < 8)
+              h0 |= b << (8 * jj);
+            else
+              h1 |= b << (8 * (jj - 8));
+            const unsigned long long nib = (tl[r * lb + (col >> 1)] >> (4 * (col & 1))) & 0xFu;
+            lw |= nib << (8 * (jj & 7) + 4 * (jj >> 3));
+          }
+        }
+        f.h[h] = make_uint4((uint32_t)h0, (uint32_t)(h0 >> 32), (uint32_t)h1, (uint32_t)(h1 >> 32));
+        f.l[h] = make_uint2((uint32_t)lw, (uint32_t)(lw >> 32));
+      }
+    };
+
+    float acc[RB][NT][4];
+    for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = 0.0f; });
+    uint4 xn[NT][2];  // XD = 0: the next unit's x (prefetched one unit ahead); XD > 0: the masked tail's
+    uint4 xs[XD + 1][NT][2];  // XD > 0: the x sets (below)
+    if constexpr (WG) {
+    } else if constexpr (XB) {
+      if constexpr (XD == 0) {
+        if (c0 < cend) load_x(xn);
+      } else {
+#pragma unroll
+        for (int r = 0; r < XD; ++r)
+          if (c0 + r < cend) load_x(xs[r]);
+      }
+    } else {
+      const uint32_t b = 0x3F800000u ^ (uint32_t)lane;  // the probe's constant B operand
+#pragma unroll
+      for (int j = 0; j < NT; ++j) xn[j][0] = xn[j][1] = make_uint4(b, b ^ 1u, b ^ 2u, b ^ 3u);
+#pragma unroll
+      for (int r = 0; r <= XD; ++r)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) xs[r][j][0] = xs[r][j][1] = xn[j][0];
+    }
+
+    uint32_t rst = ring;  // the slot of tile c
+#if W12F_WG
+    uint32_t xslot = xring;  // unit c's x slot
+    uint32_t areg[2][4][4] = {};  // A registers of even and odd units (one may be read by a wgmma in flight)
+    if (c0 < cend) {
+      if constexpr (STM)
+        load_xs();
+      else
+        load_xw();
+    }
+    auto wg_unit = [&](int c, uint32_t (&a)[4][4], uint32_t (&prev)[4][4]) {
+      // unit c's x into its slot (it held unit c - XSLOTS: every warp of the warpgroup waited for that wgmma before
+      // the barrier of unit c - 1), then unit c + 1's loads
+      if constexpr (STM) {
+        store_xs(xslot);
+        if (c + 1 < cend) load_xs();
+      } else {
+        if (W12F_WG_XCOPY != 0 || c == c0) store_xw(xslot);
+        if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
+      }
+      asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+      if (c == c0) stamp(3);
+      if constexpr (W12F_WG_FENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by wgmma
+      if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
+        asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");
+      Frag f;
+      if (c < c1)
+        ring_frag(f, rst);
+      else
+        tail_frag(f, 0);
+      // refill the weight slot read one unit ago with unit c + STAGES - 1
       if (c + STAGES - 1 < c1) issue();
       cp_commit();
       wst = next_slot(wst);
       rst = next_slot(rst);
-      if constexpr (XB) {
-        if (c + XD < cend) load_x(xl);
-      }
-#pragma unroll
-      for (int i = 0; i < RB; ++i) tile_mma<FIXED>(acc[i], f[i], xc, kk[i]);
+      tile_wgmma(acc[0], f, xslot, kk[0], a, prev);
+      xslot = xslot + XSLOT == xring + XSLOTS * XSLOT ? xring : xslot + XSLOT;
     };
-    // explicit set indices (an unrolled loop over them put the sets in local memory)
     int c = c0;
-    if constexpr (XD == 1) {
-      for (; c + 1 < c1; c += 2) {
-        unit(c, xs[0], xs[1]);
-        unit(c + 1, xs[1], xs[0]);
-      }
-      if (c < c1) {
-        unit(c, xs[0], xs[1]);
-        ++c;
-      }
-      // the masked tail's x (unit c1) was loaded into the set after the last unit's
-      const bool odd = ((c - c0) & 1) != 0;
+    for (; c + 1 < cend; c += 2) {
+      wg_unit(c, areg[0], areg[1]);
+      wg_unit(c + 1, areg[1], areg[0]);
+    }
+    if (c < cend) wg_unit(c, areg[0], areg[1]);
+    asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    keep(acc[0]);
+    keep(areg[0]);
+    keep(areg[1]);
+    asm volatile("cp.async.wait_all;" ::: "memory");
+#else
+    if constexpr (XD == 0) {
+      for (int c = c0; c < c1; ++c) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+        __syncwarp();
+        if (c == c0) stamp(3);
+        Frag f[RB];
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
+        for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
+        // refill the slot read one unit ago with unit c + STAGES - 1
+        if (c + STAGES - 1 < c1) issue();
+        cp_commit();
+        wst = next_slot(wst);
+        rst = next_slot(rst);
+        if constexpr (XH) {
+          // xn holds unit c's x; each half takes unit c + 1's once the last mma reading it is issued
+          const bool more = c + 1 < cend;
 #pragma unroll
-        for (int v = 0; v < 2; ++v) xn[j][v] = odd ? xs[1][j][v] : xs[0][j][v];
+          for (int i = 0; i < RB; ++i)
+            tile_mma<FIXED>(acc[i], f[i], xn, kk[i], [&](int v) {
+              if (i == RB - 1 && more) load_x_half(xn, v);
+            });
+          continue;
+        }
+        uint4 xc[NT][2];
+#pragma unroll
+        for (int j = 0; j < NT; ++j) xc[j][0] = xn[j][0], xc[j][1] = xn[j][1];
+        if constexpr (XB) {
+          if (c + 1 < cend) load_x(xn);
+        }
+#pragma unroll
+        for (int i = 0; i < RB; ++i) tile_mma<FIXED>(acc[i], f[i], xc, kk[i]);
+      }
     } else {
-      for (; c + 2 < c1; c += 3) {
-        unit(c, xs[0], xs[2]);
-        unit(c + 1, xs[1], xs[0]);
-        unit(c + 2, xs[2], xs[1]);
-      }
-      int t = 0;  // the set of unit c
-      if (c < c1) {
-        unit(c, xs[0], xs[2]);
-        ++c, t = 1;
-      }
-      if (c < c1) {
-        unit(c, xs[1], xs[0]);
-        ++c, t = 2;
-      }
+      // XD + 1 sets of x registers, unit c's in set (c - c0) % (XD + 1), each loaded XD units ahead: the loop is
+      // unrolled by XD + 1 so that every set keeps its registers (a copy from the loaded set to the used one makes the
+      // compiler wait for the load within the unit that issued it)
+      auto unit = [&](int c, const uint4 (&xc)[NT][2], uint4 (&xl)[NT][2]) {
+        asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+        __syncwarp();
+        if (c == c0) stamp(3);
+        Frag f[RB];
 #pragma unroll
-      for (int j = 0; j < NT; ++j)
+        for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
+        if (c + STAGES - 1 < c1) issue();
+        cp_commit();
+        wst = next_slot(wst);
+        rst = next_slot(rst);
+        if constexpr (XB) {
+          if (c + XD < cend) load_x(xl);
+        }
 #pragma unroll
-        for (int v = 0; v < 2; ++v) xn[j][v] = t == 0 ? xs[0][j][v] : (t == 1 ? xs[1][j][v] : xs[2][j][v]);
-    }
-  }
-  asm volatile("cp.async.wait_all;" ::: "memory");
-  if (has_tail) {
-#pragma unroll
-    for (int i = 0; i < RB; ++i) {
-      Frag f;
-      tail_frag(f, i);
-      tile_mma<FIXED>(acc[i], f, xn, kk[i]);
-    }
-  }
-#endif
-  // the next kernel's CTAs may launch (programmatic dependent launch) once every CTA's main loop is done; at the
-  // kernel's start instead, the 64-layer decode step on the H200 took 9,935 µs against 9,816 (docs/w12-kernels.md)
-  stamp_last(4);
-  if constexpr (!KG) grid_dep_launch();  // KG: each CTA counts as letting it launch when it exits
-
-  if constexpr (!EPI) {
-    float s = 0.0f;
-#pragma unroll
-    for (int i = 0; i < RB; ++i)
-#pragma unroll
-      for (int j = 0; j < NT; ++j) s += acc[i][j][0] + acc[i][j][1] + acc[i][j][2] + acc[i][j][3];
-    if (W12F_TRACE == 0 && __float_as_uint(s) == 0x7FBADA55u) sink[threadIdx.x] = s;
-    stamp_last(5);
-    return;
-  } else {
-    if constexpr (GUARD) {
-      const int wmax = (int)__reduce_max_sync(0xFFFFFFFFu, (unsigned)xr.emax());
-      const int wmin = (int)__reduce_min_sync(0xFFFFFFFFu, (unsigned)xr.emin());
-      if (lane == 0) {
-        s_emax[warp] = wmax;
-        s_emin[warp] = wmin;
-      }
-      __syncthreads();  // the x range of the whole CTA
-      int emin = 255, emax = 0;
-#pragma unroll
-      for (int i = 0; i < WARPS; ++i) emin = min(emin, s_emin[i]), emax = max(emax, s_emax[i]);
-      if (!scale_rows<NT>(acc[0], e0r[0], emin, emax)) {  // RB = 1 (static_assert above)
-        // this warp's share again with the exact base, tiles read from global memory in the loop's order
-        uint32_t e0x[2];
-#pragma unroll
-        for (int h = 0; h < 2; ++h) e0x[h] = ((uint32_t)e0r[0][h] << 7) | ((uint32_t)e0r[0][h] << 23);
+        for (int i = 0; i < RB; ++i) tile_mma<FIXED>(acc[i], f[i], xc, kk[i]);
+      };
+      // explicit set indices (an unrolled loop over them put the sets in local memory)
+      int c = c0;
+      if constexpr (XD == 1) {
+        for (; c + 1 < c1; c += 2) {
+          unit(c, xs[0], xs[1]);
+          unit(c + 1, xs[1], xs[0]);
+        }
+        if (c < c1) {
+          unit(c, xs[0], xs[1]);
+          ++c;
+        }
+        // the masked tail's x (unit c1) was loaded into the set after the last unit's
+        const bool odd = ((c - c0) & 1) != 0;
 #pragma unroll
         for (int j = 0; j < NT; ++j)
 #pragma unroll
-          for (int i = 0; i < 4; ++i) acc[0][j][i] = 0.0f;
-        for (int c = c0; c < cend; ++c) {
-          Frag f;
-          if (c < c1) {
-            const uint8_t* t = blk[0] + (long long)c * TS[0];
+          for (int v = 0; v < 2; ++v) xn[j][v] = odd ? xs[1][j][v] : xs[0][j][v];
+      } else {
+        for (; c + 2 < c1; c += 3) {
+          unit(c, xs[0], xs[2]);
+          unit(c + 1, xs[1], xs[0]);
+          unit(c + 2, xs[2], xs[1]);
+        }
+        int t = 0;  // the set of unit c
+        if (c < c1) {
+          unit(c, xs[0], xs[2]);
+          ++c, t = 1;
+        }
+        if (c < c1) {
+          unit(c, xs[1], xs[0]);
+          ++c, t = 2;
+        }
 #pragma unroll
-            for (int h = 0; h < 2; ++h) {
-              const int r = 8 * h + g;
-              const bool in = r < R[0];
-              f.h[h] = in ? __ldcg(reinterpret_cast<const uint4*>(t + 64 * r + 16 * p)) : make_uint4(0u, 0u, 0u, 0u);
-              f.l[h] = in ? __ldcg(reinterpret_cast<const uint2*>(t + 64 * R[0] + 32 * r + 8 * p)) : make_uint2(0u, 0u);
+        for (int j = 0; j < NT; ++j)
+#pragma unroll
+          for (int v = 0; v < 2; ++v) xn[j][v] = t == 0 ? xs[0][j][v] : (t == 1 ? xs[1][j][v] : xs[2][j][v]);
+      }
+    }
+    asm volatile("cp.async.wait_all;" ::: "memory");
+    if (has_tail) {
+#pragma unroll
+      for (int i = 0; i < RB; ++i) {
+        Frag f;
+        tail_frag(f, i);
+        tile_mma<FIXED>(acc[i], f, xn, kk[i]);
+      }
+    }
+#endif
+    // SK_PRE: the next segment's first tiles into the warp's ring, which the loop above has drained, so that they
+    // land during this segment's epilogue
+    if constexpr (SK && W12F_SK_PRE != 0) {
+      pre = su < u_end;
+      if (pre) {
+        const int nset = set + 1;
+        int a, b;
+        piece(warp_active(nset), 0, min(KF, u_end - nset * KF), a, b);
+        srcl[0] = tiles + (long long)min(nset * RW + rw, NB - 1) * SB + (long long)a * TILE + 16 * lane;
+        wst = ring + 16 * lane;
+        first_tiles(a, b);
+      }
+    }
+    // the next kernel's CTAs may launch (programmatic dependent launch) once every CTA's main loop is done; at the
+    // kernel's start instead, the 64-layer decode step on the H200 took 9,935 µs against 9,816 (docs/w12-kernels.md)
+    stamp_last(4);
+    // KG, SK: each CTA counts as letting it launch when it exits (the workspace and counters are then free)
+    if constexpr (!KG && !SK) grid_dep_launch();
+
+    if constexpr (!EPI) {
+      float s = 0.0f;
+#pragma unroll
+      for (int i = 0; i < RB; ++i)
+#pragma unroll
+        for (int j = 0; j < NT; ++j) s += acc[i][j][0] + acc[i][j][1] + acc[i][j][2] + acc[i][j][3];
+      if (W12F_TRACE == 0 && __float_as_uint(s) == 0x7FBADA55u) sink[threadIdx.x] = s;
+      stamp_last(5);
+      W12F_SEGMENT_DONE;
+    } else {
+      if constexpr (GUARD) {
+        const int wmax = (int)__reduce_max_sync(0xFFFFFFFFu, (unsigned)xr.emax());
+        const int wmin = (int)__reduce_min_sync(0xFFFFFFFFu, (unsigned)xr.emin());
+        if (lane == 0) {
+          s_emax[warp] = wmax;
+          s_emin[warp] = wmin;
+        }
+        __syncthreads();  // the x range of the whole CTA
+        int emin = 255, emax = 0;
+#pragma unroll
+        for (int i = 0; i < WARPS; ++i) emin = min(emin, s_emin[i]), emax = max(emax, s_emax[i]);
+        if (!scale_rows<NT>(acc[0], e0r[0], emin, emax)) {  // RB = 1 (static_assert above)
+          // this warp's share again with the exact base, tiles read from global memory in the loop's order
+          uint32_t e0x[2];
+#pragma unroll
+          for (int h = 0; h < 2; ++h) e0x[h] = ((uint32_t)e0r[0][h] << 7) | ((uint32_t)e0r[0][h] << 23);
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int i = 0; i < 4; ++i) acc[0][j][i] = 0.0f;
+          for (int c = c0; c < cend; ++c) {
+            Frag f;
+            if (c < c1) {
+              const uint8_t* t = blk[0] + (long long)c * TS[0];
+#pragma unroll
+              for (int h = 0; h < 2; ++h) {
+                const int r = 8 * h + g;
+                const bool in = r < R[0];
+                f.h[h] = in ? __ldcg(reinterpret_cast<const uint4*>(t + 64 * r + 16 * p)) : make_uint4(0u, 0u, 0u, 0u);
+                f.l[h] = in ? __ldcg(reinterpret_cast<const uint2*>(t + 64 * R[0] + 32 * r + 8 * p)) : make_uint2(0u, 0u);
+              }
+            } else {
+              tail_frag(f, 0);
             }
-          } else {
-            tail_frag(f, 0);
-          }
-          uint4 xv[NT][2];
+            uint4 xv[NT][2];
 #pragma unroll
-          for (int j = 0; j < NT; ++j) {
-            const int t = 8 * j + g;
-            const __nv_bfloat16* src = x + (long long)t * ldx + 64 * c + 16 * p;
-            xv[j][0] = t < M ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0u, 0u, 0u, 0u);
-            xv[j][1] = t < M ? __ldg(reinterpret_cast<const uint4*>(src + 8)) : make_uint4(0u, 0u, 0u, 0u);
+            for (int j = 0; j < NT; ++j) {
+              const int t = 8 * j + g;
+              const __nv_bfloat16* src = x + (long long)t * ldx + 64 * c + 16 * p;
+              xv[j][0] = t < M ? __ldg(reinterpret_cast<const uint4*>(src)) : make_uint4(0u, 0u, 0u, 0u);
+              xv[j][1] = t < M ? __ldg(reinterpret_cast<const uint4*>(src + 8)) : make_uint4(0u, 0u, 0u, 0u);
+            }
+            tile_mma<false>(acc[0], f, xv, e0x);
           }
-          tile_mma<false>(acc[0], f, xv, e0x);
         }
       }
-    }
-    // the lane's word of accumulator (i, j, u) in a buffer of per-block sums, block `b` of it (a warp's share, a CTA's
-    // row group, ...): the layout every reduction below stores and reads
-    const auto at = [&](int b, int i, int j, int u) { return (((b * RB + i) * NT + j) * 4 + u) * 32 + lane; };
-    if constexpr (RED) {
-      // the shares of the KW warps of a row group, added in warp order by warp ks = 0
-      float* red = reinterpret_cast<float*>(smem + RED_OFF);
-      if (ks != 0) for_acc<RB, NT>([&](int i, int j, int u) { red[at(warp, i, j, u)] = acc[i][j][u]; });
-      __syncthreads();
-      if (ks == 0) {
+      // the lane's word of accumulator (i, j, u) in a buffer of per-block sums, block `b` of it (a warp's share, a CTA's
+      // row group, ...): the layout every reduction below stores and reads
+      const auto at = [&](int b, int i, int j, int u) { return (((b * RB + i) * NT + j) * 4 + u) * 32 + lane; };
+      if constexpr (RED) {
+        // the shares of the KW warps of a row group, added in warp order by warp ks = 0
+        float* red = reinterpret_cast<float*>(smem + RED_OFF);
+        if (ks != 0) for_acc<RB, NT>([&](int i, int j, int u) { red[at(warp, i, j, u)] = acc[i][j][u]; });
+        __syncthreads();
+        if (ks == 0) {
 #pragma unroll
-        for (int w = 1; w < KW; ++w)
-          for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] += red[at(warp + KSTEP * w, i, j, u)]; });
+          for (int w = 1; w < KW; ++w)
+            for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] += red[at(warp + KSTEP * w, i, j, u)]; });
+        }
+        if constexpr (SK) __syncthreads();  // read before any warp stores the next segment's shares
       }
-    }
-    if constexpr (KG) {
-      // this CTA's sums into its workspace slot, then the counter; the last of the KC CTAs adds the slots in rank
-      // order (its own from registers) and finishes the rows
-      float* const mine = ws + (size_t)blockIdx.x * (RW * RB * NT * 128);
-      if (ks == 0) for_acc<RB, NT>([&](int i, int j, int u) { __stcg(mine + at(rw, i, j, u), acc[i][j][u]); });
-      __threadfence();
-      __syncthreads();
-      if (threadIdx.x == 0) {
-        const int last = atomicAdd(cnt + cta, 1) == KC - 1;
-        if (last) cnt[cta] = 0;  // every CTA of the group has counted: zero for the next launch
-        s_last = last;
-      }
-      __syncthreads();
-      if (!s_last) {
-        stamp_last(5);
-        return;
-      }
-      __threadfence();
-      if (ks == 0) {
-        float sum[RB][NT][4];
+      // KG, SK: this CTA's sums into its workspace slot `mine`, then its count in `counter`, of `count` CTAs: whether
+      // it counted last (it then adds the others' sums and finishes the rows; the counter goes back to zero for the
+      // next launch)
+      constexpr int SHARE = RW * RB * NT * 128;  // floats of a workspace slot
+      auto publish = [&](float* mine, int* counter, int count) -> bool {
+        if (ks == 0) for_acc<RB, NT>([&](int i, int j, int u) { __stcg(mine + at(rw, i, j, u), acc[i][j][u]); });
+        __threadfence();
+        __syncthreads();
+        if (threadIdx.x == 0) {
+          const int last = atomicAdd(counter, 1) == count - 1;
+          if (last) *counter = 0;
+          s_last = last;
+        }
+        __syncthreads();
+        return s_last != 0;
+      };
+      if constexpr (KG) {
+        // the last of the KC CTAs adds the slots in rank order (its own from registers)
+        if (!publish(ws + (size_t)blockIdx.x * SHARE, cnt + cta, KC)) {
+          stamp_last(5);
+          W12F_SEGMENT_DONE;
+        }
+        __threadfence();
+        if (ks == 0) {
+          float sum[RB][NT][4];
 #pragma unroll
-        for (int r = 0; r < KC; ++r) {
-          const float* slot = ws + (size_t)(cta * KC + r) * (RW * RB * NT * 128);
+          for (int r = 0; r < KC; ++r) {
+            const float* slot = ws + (size_t)(cta * KC + r) * SHARE;
+            for_acc<RB, NT>([&](int i, int j, int u) {
+              const float v = r == kc ? acc[i][j][u] : __ldcg(slot + at(rw, i, j, u));
+              sum[i][j][u] = r == 0 ? v : sum[i][j][u] + v;
+            });
+          }
+          for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = sum[i][j][u]; });
+        }
+      }
+      if constexpr (SK) {
+        // a partial row set: the CTA that counts last of the CTAs b0 .. b1 holding it adds their shares in CTA order
+        // (its own from registers), from slot 0 of a CTA whose first row set it is, else slot 1
+        if (part) {
+          const int P = (int)gridDim.x;
+          int b0, b1;
+          sk_ctas(set, KF, U, P, b0, b1);
+          if (!publish(ws + ((size_t)blockIdx.x * 2 + sslot) * SHARE, cnt + set, b1 - b0 + 1)) {
+            stamp_last(5);
+            W12F_SEGMENT_DONE;
+          }
+          __threadfence();
+          if (ks == 0) {
+            float sum[RB][NT][4] = {};
+            for (int b = b0; b <= b1; ++b) {
+              const float* slot = ws + ((size_t)b * 2 + sk_slot(b, set, KF, U, P)) * SHARE;
+              for_acc<RB, NT>([&](int i, int j, int u) {
+                const float v = b == (int)blockIdx.x ? acc[i][j][u] : __ldcg(slot + at(rw, i, j, u));
+                sum[i][j][u] = b == b0 ? v : sum[i][j][u] + v;
+              });
+            }
+            for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = sum[i][j][u]; });
+          }
+        }
+      }
+      if constexpr (CLUSTER) {
+        // the other CTAs' sums into rank 0's shared memory, one cluster barrier, then rank 0 adds them in rank order
+        const uint32_t cred = (uint32_t)__cvta_generic_to_shared(smem + CRED_OFF);
+        if (ks == 0 && kc > 0) {
+          uint32_t dst;
+          asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(dst) : "r"(cred));
           for_acc<RB, NT>([&](int i, int j, int u) {
-            const float v = r == kc ? acc[i][j][u] : __ldcg(slot + at(rw, i, j, u));
-            sum[i][j][u] = r == 0 ? v : sum[i][j][u] + v;
+            asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(dst + 4u * (uint32_t)at((kc - 1) * RW + rw, i, j, u)),
+                         "f"(acc[i][j][u]) : "memory");
           });
         }
-        for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = sum[i][j][u]; });
-      }
-    }
-    if constexpr (CLUSTER) {
-      // the other CTAs' sums into rank 0's shared memory, one cluster barrier, then rank 0 adds them in rank order
-      const uint32_t cred = (uint32_t)__cvta_generic_to_shared(smem + CRED_OFF);
-      if (ks == 0 && kc > 0) {
-        uint32_t dst;
-        asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(dst) : "r"(cred));
-        for_acc<RB, NT>([&](int i, int j, int u) {
-          asm volatile("st.shared::cluster.f32 [%0], %1;" ::"r"(dst + 4u * (uint32_t)at((kc - 1) * RW + rw, i, j, u)),
-                       "f"(acc[i][j][u]) : "memory");
-        });
-      }
-      asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-      if (kc > 0) {
-        stamp_last(5);
-        return;
-      }
-      if (ks == 0) {
-        const float* cr = reinterpret_cast<const float*>(smem + CRED_OFF);
+        asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+        if (kc > 0) {
+          stamp_last(5);
+          W12F_SEGMENT_DONE;
+        }
+        if (ks == 0) {
+          const float* cr = reinterpret_cast<const float*>(smem + CRED_OFF);
 #pragma unroll
-        for (int r = 0; r < KC - 1; ++r)
-          for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] += cr[at(r * RW + rw, i, j, u)]; });
+          for (int r = 0; r < KC - 1; ++r)
+            for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] += cr[at(r * RW + rw, i, j, u)]; });
+        }
       }
-    }
-    if (ks != 0 || !active) {
-      stamp_last(5);
-      return;
-    }
-    if constexpr (ESC_STASH) {
+      if (ks != 0 || !active) {
+        stamp_last(5);
+        W12F_SEGMENT_DONE;
+      }
+      if constexpr (ESC_STASH) {
+#pragma unroll
+        for (int i = 0; i < RB; ++i)
+#pragma unroll
+          for (int h = 0; h < 2; ++h) {
+            const int4 e = stash[64 * i + 32 * h + lane];
+            ep[i][h][0] = e.x, ep[i][h][1] = e.y, ec[i][h] = e.z, ev[i][h] = (uint32_t)e.w;
+          }
+      }
+      // escapes (CSR order), bias, one rounding; acc[i][j][2 h + u]: row (rb0 + i) 16 + 8 h + g, token 8 j + 2 p + u
 #pragma unroll
       for (int i = 0; i < RB; ++i)
 #pragma unroll
         for (int h = 0; h < 2; ++h) {
-          const int4 e = stash[64 * i + 32 * h + lane];
-          ep[i][h][0] = e.x, ep[i][h][1] = e.y, ec[i][h] = e.z, ev[i][h] = (uint32_t)e.w;
-        }
-    }
-    // escapes (CSR order), bias, one rounding; acc[i][j][2 h + u]: row (rb0 + i) 16 + 8 h + g, token 8 j + 2 p + u
-#pragma unroll
-    for (int i = 0; i < RB; ++i)
-#pragma unroll
-      for (int h = 0; h < 2; ++h) {
-        const int row = (rb0 + i) * 16 + 8 * h + g;
-        if (row >= N) continue;
-        int p0 = ep[i][h][0], c0 = ec[i][h];
-        uint32_t v0 = ev[i][h];
-        if constexpr (ESCX) {
-          // the first escape from the x copied before the main loop, then the row's others as finish_row takes them
-          if (ep[i][h][1] > p0) {
-            const float val = __uint_as_float(v0 << 16), dense = escape_dense<Q8>((uint32_t)e0r[i][h]);
-            for_tokens<NT>(p, M, [&](int j, int u, int) {
-              const uint32_t w = escx[32 * ((2 * i + h) * 2 * NT + 2 * j + u)];
-              const float xv = __uint_as_float((c0 & 1) ? w & 0xFFFF0000u : w << 16);
-              acc[i][j][2 * h + u] += xv * val - xv * dense;
-            });
-            if (++p0 < ep[i][h][1]) c0 = __ldg(ecol + p0), v0 = __ldg(eval + p0);
+          const int row = (rb0 + i) * 16 + 8 * h + g;
+          if (row >= N) continue;
+          int p0 = ep[i][h][0], c0 = ec[i][h];
+          uint32_t v0 = ev[i][h];
+          if constexpr (ESCX) {
+            // the first escape from the x copied before the main loop, then the row's others as finish_row takes them
+            if (ep[i][h][1] > p0) {
+              const float val = __uint_as_float(v0 << 16), dense = escape_dense<Q8>((uint32_t)e0r[i][h]);
+              for_tokens<NT>(p, M, [&](int j, int u, int) {
+                const uint32_t w = escx[32 * ((2 * i + h) * 2 * NT + 2 * j + u)];
+                const float xv = __uint_as_float((c0 & 1) ? w & 0xFFFF0000u : w << 16);
+                acc[i][j][2 * h + u] += xv * val - xv * dense;
+              });
+              if (++p0 < ep[i][h][1]) c0 = __ldg(ecol + p0), v0 = __ldg(eval + p0);
+            }
           }
+          finish_row<Q8, NT>([&](int j, int u) -> float& { return acc[i][j][2 * h + u]; }, row,
+                                (uint32_t)e0r[i][h], p0, ep[i][h][1], c0, v0, ecol, eval, x, ldx,
+                                bias, bias_kind, out, M, N, p);
         }
-        finish_row<Q8, NT>([&](int j, int u) -> float& { return acc[i][j][2 * h + u]; }, row,
-                              (uint32_t)e0r[i][h], p0, ep[i][h][1], c0, v0, ecol, eval, x, ldx,
-                              bias, bias_kind, out, M, N, p);
-      }
-    stamp_last(5);
+      stamp_last(5);
+    }
   }
 }
