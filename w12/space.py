@@ -20,8 +20,8 @@ from autotune.tuner import SearchSpace
 from .configs import (_MIN_ITERS_PER_SPLIT, _SMEM_PER_SM, FlowConfig, MmaConfig, TcConfig, TmaConfig, _pow2, flow_config,
                       flow_heuristic, mma_heuristic, tc_heuristic)
 
-__all__ = ["TC_SPACE", "MMA_SPACE", "TMA_SPACE", "FLOW_SPACE", "FLOW_SK_CANDIDATES", "tc_flops_bytes", "tc_valid", "cuda_valid",
-           "tma_current", "flow_valid"]
+__all__ = ["TC_SPACE", "MMA_SPACE", "TMA_SPACE", "FLOW_SPACE", "FLOW_SK_CANDIDATES", "tc_flops_bytes", "tc_valid",
+           "cuda_valid", "tma_current", "flow_valid"]
 
 _MAX_DECODED_PER_THREAD = 128  # int32 values of the decoded [BN, BK] tile per thread; past this it spills
 
@@ -166,10 +166,12 @@ def flow_valid(p: dict, shape) -> str | None:
 
 
 # Stream-K shapes for the layers whose row sets do not spread evenly over the SMs (the 5120-row layers at 9-32
-# tokens): the warpgroup build in sets of 64 rows (2 K pieces at 2 CTAs an SM, 4 at 1) or 128 (2 at 1), the mma.sync
-# build in sets of 16 to 64 rows. Each builds for sm_90 without spills at 1-4 token tiles (tests/w12/test_flow_kernel.py).
-FLOW_SK_CANDIDATES = ("w8-k2-s3-c2-g-sk", "w16-k4-s4-c1-g-sk", "w16-k2-s3-c1-g-sk", "w4-k2-s3-c4-sk", "w8-k2-s3-c2-sk",
-                      "w4-k4-s3-c4-sk")
+# tokens) or whose CTAs fill a fractional number of waves (gate_up at 32 tokens: 1088 CTAs of the cluster split on 528
+# slots): the warpgroup build in sets of 64 rows (2 K pieces at 2 CTAs an SM, 4 at 1, 1 at 4 with gate_up's 6-slot
+# ring) or 128 (2 at 1), the mma.sync build in sets of 16 to 64 rows. Each builds for sm_90 without spills at 1-4
+# token tiles (tests/w12/test_flow_kernel.py).
+FLOW_SK_CANDIDATES = ("w8-k2-s3-c2-g-sk", "w16-k4-s4-c1-g-sk", "w16-k2-s3-c1-g-sk", "w4-k1-s6-c4-g-sk",
+                      "w4-k2-s3-c4-sk", "w8-k2-s3-c2-sk", "w4-k4-s3-c4-sk")
 
 
 FLOW_SPACE = SearchSpace(

@@ -22,7 +22,7 @@ def run_stream_k(groups: int, per: int, ctas: int, share: Callable[[int, int, in
     slots of CTAs b0 .. b1 in CTA order and finishes the group. CTAs run one after another in a random order
     (`seed`), so any of them can be the last to arrive; checks that no slot is written twice and that every
     counter ends at zero. The slots are added by `add`, from +0.0 (`from_zero`: the TMA kernel's sk_sum) or from the
-    first CTA's slot (the flow kernel, whose last CTA takes its own share from registers)."""
+    first CTA's slot (the flow kernel)."""
     U, P = groups * per, ctas
     assert 0 < P <= U, "the launchers never make more CTAs than units"
 

@@ -36,7 +36,7 @@
 // the start of another), the KW warps of a row group splitting each segment's units as they split a CTA's K above.
 // A segment that holds its whole row set is finished at once; the share of a partial one goes to the CTA's
 // workspace slot (0 for its first segment, 1 for its last), and the CTA that counts last in the row set's counter
-// adds the shares of the CTAs b0 .. b1 that hold it in CTA order (its own from registers: the same bits whichever
+// adds the shares of the CTAs b0 .. b1 that hold it in CTA order, each read from its slot (the same bits whichever
 // CTA counts last), finishes the rows and sets the counter back to zero. With W12F_SK_PRE = 1 (the default) a warp
 // requests the next segment's first STAGES - 1 tiles before its current segment's epilogue, so that the reduction
 // and the workspace traffic overlap them.
@@ -1143,8 +1143,8 @@ w12_matmul_flow_kernel(
         }
       }
       if constexpr (SK) {
-        // a partial row set: the CTA that counts last of the CTAs b0 .. b1 holding it adds their shares in CTA order
-        // (its own from registers), from slot 0 of a CTA whose first row set it is, else slot 1
+        // a partial row set: the CTA that counts last of the CTAs b0 .. b1 holding it adds their shares in CTA order,
+        // from slot 0 of a CTA whose first row set it is, else slot 1
         if (part) {
           const int P = (int)gridDim.x;
           int b0, b1;
@@ -1155,15 +1155,14 @@ w12_matmul_flow_kernel(
           }
           __threadfence();
           if (ks == 0) {
-            float sum[RB][NT][4] = {};
-            for (int b = b0; b <= b1; ++b) {
-              const float* slot = ws + ((size_t)b * 2 + sk_slot(b, set, KF, U, P)) * SHARE;
-              for_acc<RB, NT>([&](int i, int j, int u) {
-                const float v = b == (int)blockIdx.x ? acc[i][j][u] : __ldcg(slot + at(rw, i, j, u));
-                sum[i][j][u] = b == b0 ? v : sum[i][j][u] + v;
-              });
+            // every share from its slot, this CTA's own too (the value it stored): holding the registers' copy
+            // beside the sum through the loop spills the 16-warp-an-SM builds
+            const float* slot = ws + ((size_t)b0 * 2 + sk_slot(b0, set, KF, U, P)) * SHARE;
+            for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = __ldcg(slot + at(rw, i, j, u)); });
+            for (int b = b0 + 1; b <= b1; ++b) {
+              slot = ws + ((size_t)b * 2 + sk_slot(b, set, KF, U, P)) * SHARE;
+              for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] += __ldcg(slot + at(rw, i, j, u)); });
             }
-            for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = sum[i][j][u]; });
           }
         }
       }
