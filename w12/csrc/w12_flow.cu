@@ -513,6 +513,14 @@ w12_matmul_flow_kernel(
   if constexpr (SK) {
     if (kr != 0) __trap();  // K a multiple of 64 (the launcher checks): no masked tail
   }
+  // The warp's ring (SLOT: one slot, the unit's tile of each row block) and the copies' L2 policy: here in the
+  // stream-K build (computed inside the segments' loop, ptxas recomputes them in the main loop, 14 more instructions
+  // a unit at 4 token tiles), in the segment's body otherwise (the place that keeps those builds' code as it was)
+#if W12F_SK
+  constexpr int SLOT = RB * TILE;
+  const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
+  const uint64_t pol = evict_first_policy();
+#endif
   bool pre = false;  // SK_PRE: this segment's first tiles were requested before the previous segment's epilogue
 #if W12F_SK
   for (int su = u_beg; su < u_end;) {
@@ -544,9 +552,11 @@ w12_matmul_flow_kernel(
     piece(lactive, s0, s1, c0, c1);
     const bool has_tail = !SK && lactive && q == KC * KW - 1 && kr > 0;
     const int cend = c1 + (has_tail ? 1 : 0);        // units c0 .. cend - 1; unit KF is the masked tail
-    constexpr int SLOT = RB * TILE;                  // one ring slot: the unit's tile of each row block
+#if !W12F_SK
+    constexpr int SLOT = RB * TILE;                  // (above, for stream-K)
     const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
     const uint64_t pol = evict_first_policy();
+#endif
 
     // The refill cursor: the lane's source of the next tiles to request (three 16-byte pieces per row block: hi rows
     // g, g + 8, then lo rows lane / 2; absent rows of a partial block read nothing and are zero-filled) and its slot.
