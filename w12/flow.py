@@ -125,6 +125,9 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
                          f"'e'; got step {step!r}")
     if cfg.sk and not merged["W12F_FULL"]:
         raise ValueError(f"w12.flow.spec: {cfg.tag()} (stream-K) builds with full row blocks only (W12F_FULL=1)")
+    if cfg.sk and nt > 4:
+        raise ValueError(f"w12.flow.spec: {cfg.tag()} (stream-K) builds 1-4 token tiles (up to 32 rows), got {nt}: at "
+                         "5-8 its warpgroup builds spill; use the config without sk above 32 rows")
     target = jit.arch_name(arch, wgmma=cfg.wg)
     return jit.Spec(SOURCE, KERNEL, target, merged,
                     name=f"{SOURCE.stem}-{cfg.tag()}{'-q8' if q8 else ''}-nt{nt}-{step}-{target}")
@@ -348,7 +351,7 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
         sink = _SINKS[idx] = torch.zeros(32 * 16, device=x2d.device, dtype=torch.float32)
     stream = torch.cuda.current_stream(x2d.device).cuda_stream
     ws = cnt = None
-    if (cfg.kg or cfg.sk) and step == "e":
+    if (cfg.kg or cfg.sk) and _check_step(step)["W12F_RED"]:  # the builds that meet in the workspace
         ws, cnt = _split_buffers(cfg, nt, t.N, ctas, x2d.device, idx, stream)
     values = (xk.data_ptr(), ldx, t.tiles.data_ptr(), t.e0.data_ptr(), t.esc_rowptr.data_ptr(), t.esc_col.data_ptr(),
               t.esc_val.data_ptr(), 0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype],

@@ -276,6 +276,8 @@ def test_stream_k_config_and_grid():
         flow.spec(cfg, 4, (9, 0), defines={"W12F_FULL": 0})
     with pytest.raises(ValueError, match="only with the reduction"):
         flow.spec(cfg, 4, (9, 0), step="d")
+    with pytest.raises(ValueError, match="1-4 token tiles"):
+        flow.spec(cfg, 5, (9, 0))
 
 
 @pytest.mark.parametrize("nt", [1, 4])

@@ -522,6 +522,10 @@ w12_matmul_flow_kernel(
   const uint64_t pol = evict_first_policy();
 #endif
   bool pre = false;  // SK_PRE: this segment's first tiles were requested before the previous segment's epilogue
+  // SK, WG: the x slot of the segment's first unit, the one after the previous segment's last (0: the ring's first).
+  // The slots rotate across segments, so that a slot is written only after every warp of the warpgroup waited for the
+  // wgmma that read it before a barrier it passed (a segment of a whole row set at kw = 1 has no CTA barrier after it)
+  uint32_t xslot_next = 0;
 #if W12F_SK
   for (int su = u_beg; su < u_end;) {
 #else
@@ -877,7 +881,7 @@ w12_matmul_flow_kernel(
 
     uint32_t rst = ring;  // the slot of tile c
 #if W12F_WG
-    uint32_t xslot = xring;  // unit c's x slot
+    uint32_t xslot = SK && xslot_next != 0 ? xslot_next : xring;  // unit c's x slot
     uint32_t areg[2][4][4] = {};  // A registers of even and odd units (one may be read by a wgmma in flight)
     if (c0 < cend) {
       if constexpr (STM)
@@ -920,6 +924,7 @@ w12_matmul_flow_kernel(
     }
     if (c < cend) wg_unit(c, areg[0], areg[1]);
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
+    if constexpr (SK) xslot_next = xslot;
     keep(acc[0]);
     keep(areg[0]);
     keep(areg[1]);
@@ -1031,6 +1036,7 @@ w12_matmul_flow_kernel(
     if constexpr (SK && W12F_SK_PRE != 0) {
       pre = su < u_end;
       if (pre) {
+        __syncwarp();  // every lane's reads of the ring are done before the copies overwrite it
         const int nset = set + 1;
         int a, b;
         piece(warp_active(nset), 0, min(KF, u_end - nset * KF), a, b);
