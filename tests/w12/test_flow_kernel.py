@@ -280,6 +280,27 @@ def test_stream_k_config_and_grid():
         flow.spec(cfg, 5, (9, 0))
 
 
+def test_stream_k_launch_contract():
+    """launch_tiled refuses a stream-K launch outside its contract before it touches a GPU: N not a multiple of 16, K
+    not of 64, a grid outside 1..row sets x K / 64, and a grid given to a config without stream-K."""
+    sk = FlowConfig.from_tag("w4-k2-s3-c4-sk")
+
+    def call(cfg, N, K, **kw):
+        t = layout.tile(w12.pack(torch.zeros(N, K, dtype=torch.bfloat16), layout="planes"))
+        x = torch.zeros(3, K, dtype=torch.bfloat16)
+        flow.launch_tiled(cfg, x, t, None, torch.empty(3, N, dtype=torch.bfloat16), **kw)
+
+    with pytest.raises(ValueError, match="N a multiple of 16 and K of 64"):
+        call(sk, 40, 128)
+    with pytest.raises(ValueError, match="N a multiple of 16 and K of 64"):
+        call(sk, 64, 100)
+    for bad in (0, 2 * 2 + 1):  # 2 row sets of 32 rows x 2 units
+        with pytest.raises(ValueError, match=r"ctas must be 1\.\.4"):
+            call(sk, 64, 128, ctas=bad)
+    with pytest.raises(ValueError, match="not one"):
+        call(FlowConfig(), 64, 128, ctas=3)
+
+
 @pytest.mark.parametrize("nt", [1, 4])
 def test_k_split_across_ctas_builds_for_sm90_only(nt, jit_cache):
     cfg = FlowConfig(warps=4, kw=4, cps=4, kc=2)
