@@ -202,10 +202,11 @@ class FlowConfig:
     bits). `xh` (mma.sync build with xd = 0): one x set, each half of it (k-steps 0-1, 2-3) reloaded with the next
     unit's as soon as this unit's mma on it are issued, so that x takes half the registers of two sets while each
     load still has about half a unit to land (tag `-h`; the same bits). `sk`: stream-K (exact base, kc = 1, rb = 1;
-    N a multiple of 16, K of 64, up to 32 rows): a grid of as many CTAs as the SMs hold at once (`cps` per SM) splits the (row
-    set of `rows` rows, 64-column unit) pairs into equal runs, so that every SM streams the same bytes whatever the
-    row count; a row set shared by several CTAs meets in a global workspace, the last of them adding their shares in
-    CTA order (tag `-sk`; other bits than the one-CTA build: another order of the fp32 sums). `w12.matmul_tiled` (the
+    N a multiple of 16, K of 64, up to 32 rows): a grid of as many CTAs as the SMs hold at once (`cps` per SM)
+    splits the (row set of `rows` rows, 64-column unit) pairs into equal runs, so that every SM streams the same
+    bytes whatever the row count; a row set shared by several CTAs meets in a global workspace, the last of them
+    adding their shares in CTA order (tag `-sk`; other bits than the one-CTA build: another order of the fp32 sums).
+    `w12.matmul_tiled` (the
     engine's path) takes `flow_config`'s; under `w12.matmul` on the planes it runs only when forced."""
 
     warps: int = 8

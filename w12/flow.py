@@ -36,8 +36,8 @@ from .layout import TiledW12, tile
 from .format import W12Weight, _codes, _to_int16, padded_k, unpack
 
 __all__ = ["SOURCE", "KERNEL", "STEPS", "ABLATIONS", "WG_VARIANTS", "WG_ABLATIONS", "MAX_M", "WG_MAX_M", "MAX_KP", "n_tiles",
-           "spec", "build", "smem_bytes", "grid", "sk_sets", "tiled", "launch", "full_rows", "launch_tiled", "ladder_weight",
-           "PDL_MAX_M"]
+           "spec", "build", "smem_bytes", "grid", "sk_sets", "tiled", "launch", "full_rows", "launch_tiled",
+           "ladder_weight", "PDL_MAX_M"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_flow.cu"
 KERNEL = "w12_matmul_flow_kernel"

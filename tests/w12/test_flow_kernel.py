@@ -189,7 +189,8 @@ SK_CASES = [(5, 48, 320, 4, 2, 3, False), (1, 48, 320, 4, 2, 1, False), (32, 48,
 
 
 @pytest.mark.parametrize("M,N,K,warps,kw,ctas,wg", SK_CASES,
-                         ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-w{c[3]}-k{c[4]}-P{c[5]}" + ("-g" if c[6] else "") for c in SK_CASES])
+                         ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-w{c[3]}-k{c[4]}-P{c[5]}" + ("-g" if c[6] else "")
+                              for c in SK_CASES])
 def test_stream_k_matches_reference_bitwise(M, N, K, warps, kw, ctas, wg):
     """W12F_SK (equal runs of (row set, unit) pairs per CTA, partial row sets met in the workspace): the reference's
     BF16 bits on hostile rows with a bias, whichever CTA counts last (three CTA orders); in the fp32 model of the

@@ -629,8 +629,9 @@ w12_matmul_flow_kernel(
     constexpr int STASH_OFF = CRED_OFF + (CLUSTER ? (KC - 1) * RW * RB * NT * 512 : 0);  // after the CTAs' sums
     constexpr int X_OFF = STASH_OFF + (ESC_STASH ? RW * RB * 1024 : 0);                 // after the stash (WG)
     int4* const stash = reinterpret_cast<int4*>(smem + STASH_OFF) + rw * RB * 64;
-    // after the warpgroup build's x rings (sized for 3 slots whatever W12F_WG_DEPTH): word 32 ((2 i + h) 2 NT + 2 j + u)
-    // + lane of the row group's part holds the column pair of x at row (i, h)'s first escape, token 8 j + 2 p + u
+    // after the warpgroup build's x rings (sized for 3 slots whatever W12F_WG_DEPTH): word
+    // 32 ((2 i + h) 2 NT + 2 j + u) + lane of the row group's part holds the column pair of x at row (i, h)'s first
+    // escape, token 8 j + 2 p + u
     constexpr int ESCX_OFF = X_OFF + (WG ? WARPS / 4 * 3 * XSLOT : 0);
     const uint32_t* const escx = reinterpret_cast<const uint32_t*>(smem + ESCX_OFF) + rw * RB * 4 * NT * 32 + lane;
     // the first entry of each row's CSR range (W12F_LATE: after the first copies, so that this dependent load and
@@ -699,7 +700,8 @@ w12_matmul_flow_kernel(
             if (ep[i][h][1] <= ep[i][h][0]) continue;
             const __nv_bfloat16* col = x + (ec[i][h] & ~1);  // the aligned pair holding the column
             for_tokens<NT>(p, M, [&](int j, int u, int tok) {
-              asm volatile("cp.async.ca.shared.global [%0], [%1], 4;" ::"r"(dst + 128u * ((2 * i + h) * 2 * NT + 2 * j + u)),
+              asm volatile("cp.async.ca.shared.global [%0], [%1], 4;"
+                           ::"r"(dst + 128u * ((2 * i + h) * 2 * NT + 2 * j + u)),
                            "l"(col + (long long)tok * ldx) : "memory");
             });
           }
@@ -708,8 +710,8 @@ w12_matmul_flow_kernel(
 
     // The warpgroup build's x: thread t (of 128) stages token n = t / TPT (a row of the slot when n < 8 NT; zeros past
     // M), columns 4 NTP q .. 4 NTP q + 4 NTP - 1 of each unit, q = t % TPT (NTP = NT rounded up to a power of two,
-    // TPT = 16 / NTP threads per token): one 8-, 16-, 2 x or 4 x 16-byte load into registers a unit ahead, then one 4-byte
-    // store per column pair into the slot at the header's byte (the slots taken in turn)
+    // TPT = 16 / NTP threads per token): one 8-, 16-, 2 x or 4 x 16-byte load into registers a unit ahead, then one
+    // 4-byte store per column pair into the slot at the header's byte (the slots taken in turn)
     constexpr int NTP = NT <= 2 ? NT : NT <= 4 ? 4 : 8, TPT = 16 / NTP, XW = 2 * NTP;
     const int wt = threadIdx.x & 127, xtok = wt / TPT, xq = wt % TPT;
     const bool xrow = WG && xtok < 8 * NT, xreal = xtok < M;
@@ -755,7 +757,8 @@ w12_matmul_flow_kernel(
     uint32_t sreg[8];
     auto load_xs = [&]() {
       if (srow && sreal) {
-        const uint4 v0 = __ldg(reinterpret_cast<const uint4*>(ssrc)), v1 = __ldg(reinterpret_cast<const uint4*>(ssrc) + 1);
+        const uint4 v0 = __ldg(reinterpret_cast<const uint4*>(ssrc));
+        const uint4 v1 = __ldg(reinterpret_cast<const uint4*>(ssrc) + 1);
         sreg[0] = v0.x, sreg[1] = v0.y, sreg[2] = v0.z, sreg[3] = v0.w;
         sreg[4] = v1.x, sreg[5] = v1.y, sreg[6] = v1.z, sreg[7] = v1.w;
       } else {
@@ -1090,7 +1093,8 @@ w12_matmul_flow_kernel(
                 const int r = 8 * h + g;
                 const bool in = r < R[0];
                 f.h[h] = in ? __ldcg(reinterpret_cast<const uint4*>(t + 64 * r + 16 * p)) : make_uint4(0u, 0u, 0u, 0u);
-                f.l[h] = in ? __ldcg(reinterpret_cast<const uint2*>(t + 64 * R[0] + 32 * r + 8 * p)) : make_uint2(0u, 0u);
+                f.l[h] = in ? __ldcg(reinterpret_cast<const uint2*>(t + 64 * R[0] + 32 * r + 8 * p))
+                            : make_uint2(0u, 0u);
               }
             } else {
               tail_frag(f, 0);
@@ -1107,8 +1111,8 @@ w12_matmul_flow_kernel(
           }
         }
       }
-      // the lane's word of accumulator (i, j, u) in a buffer of per-block sums, block `b` of it (a warp's share, a CTA's
-      // row group, ...): the layout every reduction below stores and reads
+      // the lane's word of accumulator (i, j, u) in a buffer of per-block sums, block `b` of it (a warp's share, a
+      // CTA's row group, ...): the layout every reduction below stores and reads
       const auto at = [&](int b, int i, int j, int u) { return (((b * RB + i) * NT + j) * 4 + u) * 32 + lane; };
       if constexpr (RED) {
         // the shares of the KW warps of a row group, added in warp order by warp ks = 0
