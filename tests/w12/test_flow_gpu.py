@@ -697,7 +697,8 @@ def test_stream_k_at_any_grid(ctas):
     with pytest.raises(ValueError, match="ctas must be"):
         _run(_sk_configs(M)[0], x, t, ctas=10**6)
     with pytest.raises(ValueError, match="N a multiple of 16"):
-        _run(_sk_configs(M)[0], x[:, :200], layout.tile(w12.pack(w[:, :200], layout="planes")))
+        _run(_sk_configs(M)[0], x[:, :200].contiguous(),
+             layout.tile(w12.pack(w[:, :200].contiguous(), layout="planes")))
 
 
 @pytest.mark.parametrize("M", [5, 11, 32])
