@@ -57,7 +57,8 @@ seven linears, the LM head among them), e.g.
 
     python3 perf/w12_ladder.py --ab '[["gate_up", 32, [["s4", "w4-k1-s4-c4-q2-g", {}], ["nosync", "", {"W12F_WG_BAR": 0, "W12F_WG_FENCE": 0}]]]]'
 
-`--ab sk` is a preset: the stream-K candidates on the layers and row counts of `ab_preset`.
+`--ab sk` and `--ab xh` are presets (`ab_preset`; `--ab sk,xh` runs both): the stream-K candidates, and x reloaded
+by halves, on the layers and row counts given there.
 
 M runs to 64: above 32 rows the shipped path is `w12.matmul_tiled`'s, one launch per 32-row piece, and every
 candidate is a warpgroup config, built at 5-8 token tiles (`w12.flow.WG_MAX_M`) so that it takes the rows in one
@@ -954,7 +955,7 @@ def parse(argv=None):
     ap.add_argument("--trace-reps", type=int, default=5, help="--trace: traced chain replays (medians)")
     ap.add_argument("--ab", metavar="CELLS", default=None,
                     help="instead of the ladder: candidates beside the shipped config, pairs interleaved (module doc); "
-                         "CELLS is the JSON, a file holding it, or a preset's name (sk: the stream-K candidates)")
+                         "CELLS is the JSON, a file holding it, or presets' names, e.g. sk,xh (module doc)")
     ap.add_argument("--rounds", type=int, default=20, help="--ab / --batch: interleaved rounds a pair")
     ap.add_argument("--promote", action="store_true",
                     help="--ab / --batch: store the winning candidates as this GPU's tuned entries where "
@@ -1096,27 +1097,38 @@ def ab_write(report: dict, args, t0: float, name: str) -> Path:
     return out
 
 
+AB_PRESETS = ("sk", "xh")
+
+
 def ab_preset(name: str) -> str | None:
-    """The cells of a named --ab preset as JSON, or None. "sk": the stream-K candidates (`w12.space.FLOW_SK_CANDIDATES`,
-    the first also without the next-segment prefetch, W12F_SK_PRE=0) beside the shipped config at 16, 24 and 32 rows
-    on the 5120-row layers (o_proj's shape is out_proj's) and at 16 and 32 on in_proj, qkv_proj and gate_up; the
-    warpgroup candidates at 24 and 32 rows only (the mma.sync build takes 9-16)."""
-    if name != "sk":
+    """The cells of named --ab presets as JSON (several joined by commas: "sk,xh"), or None where `name` is not a list
+    of them. "sk": the stream-K candidates (`w12.space.FLOW_SK_CANDIDATES`, the first also without the next-segment
+    prefetch, W12F_SK_PRE=0) beside the shipped config at 16, 24 and 32 rows on the 5120-row layers (o_proj's shape
+    is out_proj's) and at 16 and 32 on in_proj, qkv_proj and gate_up; the warpgroup candidates at 24 and 32 rows only
+    (the mma.sync build takes 9-16). "xh": x reloaded by halves (docs/w12-kernels.md, "x reloaded by halves"),
+    `w4-k2-s3-c4-q3-h` and `w4-k2-s3-c5-q4-h`, at 16 and 32 rows on o_proj and down_proj."""
+    names = name.split(",")
+    if not all(n in AB_PRESETS for n in names):
         return None
     from w12.space import FLOW_SK_CANDIDATES
 
     cells = []
-    for layer, ms in (("o_proj", (16, 24, 32)), ("down_proj", (16, 24, 32)), ("in_proj", (16, 32)),
-                      ("qkv_proj", (16, 32)), ("gate_up", (16, 32))):
-        for m in ms:
-            cands = [[tag, tag, {}] for tag in FLOW_SK_CANDIDATES if m > 16 or not tag.endswith("-g-sk")]
-            cands.append([cands[0][1] + "-pre0", cands[0][1], {"W12F_SK_PRE": 0}])
-            cells.append([layer, m, cands])
+    if "sk" in names:
+        for layer, ms in (("o_proj", (16, 24, 32)), ("down_proj", (16, 24, 32)), ("in_proj", (16, 32)),
+                          ("qkv_proj", (16, 32)), ("gate_up", (16, 32))):
+            for m in ms:
+                cands = [[tag, tag, {}] for tag in FLOW_SK_CANDIDATES if m > 16 or not tag.endswith("-g-sk")]
+                cands.append([cands[0][1] + "-pre0", cands[0][1], {"W12F_SK_PRE": 0}])
+                cells.append([layer, m, cands])
+    if "xh" in names:
+        cells += [[layer, m, [[tag, tag, {}] for tag in ("w4-k2-s3-c4-q3-h", "w4-k2-s3-c5-q4-h")]]
+                  for layer in ("o_proj", "down_proj") for m in (16, 32)]
     return json.dumps(cells)
 
 
 def ab_main(args) -> int:
-    """--ab: the cells' builds (with --build-only) or their A/B on the GPU, into $OUT/w12-ab.json."""
+    """--ab: the cells' builds (with --build-only) or their A/B on the GPU, into $OUT/w12-ab.json; on the GPU every
+    build is compiled first, in `--workers` processes."""
     text = ab_preset(args.ab) or (Path(args.ab).read_text() if Path(args.ab).is_file() else args.ab)
     try:
         cells = ab_parse_cells(text)
@@ -1129,6 +1141,10 @@ def ab_main(args) -> int:
         print("w12_ladder: no CUDA device; use --build-only on a CPU", file=sys.stderr)
         return 2
     t0 = time.perf_counter()
+    dev = torch.device("cuda")
+    precompile([_ab_build(*b, n) for b, n in ab_builds(cells, dev).items()], torch.cuda.get_device_capability(dev),
+               workers=args.workers)
+    print(f"built the A/B's specialisations in {time.perf_counter() - t0:.1f} s", flush=True)
     report = ab_run(cells, args.rounds)
     if args.promote:
         ab_promote(report)

@@ -168,10 +168,11 @@ def flow_valid(p: dict, shape) -> str | None:
 # Stream-K shapes for the layers whose row sets do not spread evenly over the SMs (the 5120-row layers at 9-32
 # tokens) or whose CTAs fill a fractional number of waves (gate_up at 32 tokens: 1088 CTAs of the cluster split on 528
 # slots): the warpgroup build in sets of 64 rows (2 K pieces at 2 CTAs an SM, 4 at 1, 1 at 4 with gate_up's 6-slot
-# ring) or 128 (2 at 1), the mma.sync build in sets of 16 to 64 rows. Each builds for sm_90 without spills at 1-4
-# token tiles (tests/w12/test_flow_kernel.py).
+# ring) or 128 (2 at 1), the mma.sync build in sets of 16 to 64 rows (one with x reloaded by halves: 186 SASS
+# instructions a unit at 4 token tiles against 249). Each builds for sm_90 without spills at 1-4 token tiles
+# (tests/w12/test_flow_kernel.py).
 FLOW_SK_CANDIDATES = ("w8-k2-s3-c2-g-sk", "w16-k4-s4-c1-g-sk", "w16-k2-s3-c1-g-sk", "w4-k1-s6-c4-g-sk",
-                      "w4-k2-s3-c4-sk", "w8-k2-s3-c2-sk", "w4-k4-s3-c4-sk")
+                      "w4-k2-s3-c4-sk", "w4-k2-s3-c4-h-sk", "w8-k2-s3-c2-sk", "w4-k4-s3-c4-sk")
 
 
 FLOW_SPACE = SearchSpace(

@@ -285,7 +285,10 @@ def test_ab_preset_sk_holds_every_stream_k_candidate(ladder):
     gate_up at 16 and 32, the warpgroup ones above 16 rows only, and the first one also without its prefetch."""
     from w12.space import FLOW_SK_CANDIDATES
 
-    assert ladder.ab_preset("nothing") is None
+    assert ladder.ab_preset("nothing") is None and ladder.ab_preset("sk,nothing") is None
+    xh = ladder.ab_parse_cells(ladder.ab_preset("xh"))
+    assert [(layer, m) for layer, m, _ in xh] == [("o_proj", 16), ("o_proj", 32), ("down_proj", 16), ("down_proj", 32)]
+    assert len(ladder.ab_parse_cells(ladder.ab_preset("sk,xh"))) == 12 + len(xh)
     cells = ladder.ab_parse_cells(ladder.ab_preset("sk"))
     assert {(layer, m) for layer, m, _ in cells} == {
         ("o_proj", 16), ("o_proj", 24), ("o_proj", 32), ("down_proj", 16), ("down_proj", 24), ("down_proj", 32),
