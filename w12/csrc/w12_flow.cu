@@ -94,7 +94,8 @@
 // Steps without W12F_EPI write nothing but a never-taken store to `sink`, which keeps the work alive.
 // W12F_TRACE = 1 (diagnostic, perf/w12_ladder.py --trace): `sink` is 8 u64 per CTA, zeroed before the launch, that
 // thread 0 and the warps fill: 0 entry, 1 the SM id, 2 after griddepcontrol.wait, 3 warp 0's first tile landed,
-// 4 the last warp's main loop done (atomicMax), 5 the last warp's exit (atomicMax); %globaltimer nanoseconds.
+// 4 the last warp's main loop done (atomicMax), 5 the last warp's exit (atomicMax); %globaltimer nanoseconds. With
+// stream-K, 2 and 3 are the CTA's first segment's and 4 its last's.
 // One ablation exists for timing only (perf/w12_ladder.py --ablate), with wrong results:
 //   W12F_XSTEP=0  every unit reads the first unit's x (x always in L1), to price the x traffic
 
@@ -689,7 +690,7 @@ w12_matmul_flow_kernel(
       if (esc_rows) escape_entries();
     }
     grid_dep_wait();
-    stamp(2);
+    if (sslot == 0) stamp(2);
     if constexpr (ESCX) {
       if (esc_rows) {
         const uint32_t dst = (uint32_t)__cvta_generic_to_shared(escx);
@@ -903,7 +904,7 @@ w12_matmul_flow_kernel(
         if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
       }
       asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-      if (c == c0) stamp(3);
+      if (c == c0 && sslot == 0) stamp(3);
       if constexpr (W12F_WG_FENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by wgmma
       if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
         asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");
@@ -937,7 +938,7 @@ w12_matmul_flow_kernel(
       for (int c = c0; c < c1; ++c) {
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
         __syncwarp();
-        if (c == c0) stamp(3);
+        if (c == c0 && sslot == 0) stamp(3);
         Frag f[RB];
 #pragma unroll
         for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
@@ -972,7 +973,7 @@ w12_matmul_flow_kernel(
       auto unit = [&](int c, const uint4 (&xc)[NT][2], uint4 (&xl)[NT][2]) {
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
         __syncwarp();
-        if (c == c0) stamp(3);
+        if (c == c0 && sslot == 0) stamp(3);
         Frag f[RB];
 #pragma unroll
         for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
