@@ -685,7 +685,7 @@ def test_stream_k_matches_fp64(M, N, K):
 def test_stream_k_at_any_grid(ctas):
     """Grids of 1 CTA (every row set whole in one run), 3 and 7 (runs across row sets' ends) and one CTA a unit:
     against fp64, the same config at each."""
-    N, K, M = 160, 256, 20  # 5 row sets of 32 rows x 4 units, or 3 of 64
+    N, K, M = 160, 256, 20  # 2 to 10 row sets (128 to 16 rows; the last one partial in sets of 64 or 128) x 4 units
     w = escaped_weight(N, K, seed=ctas)
     p = w12.pack(w, layout="planes")
     t = layout.tile(p)
