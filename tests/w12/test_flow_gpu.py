@@ -158,6 +158,23 @@ def _check_fp64_and_repeats(cfg, M: int, N: int, K: int, repeats: int) -> None:
         assert torch.equal(_run(cfg, x, t, bias).view(torch.int16), out.view(torch.int16))
 
 
+def _assert_graph_of_three_replays(cfg, x, t, want) -> None:
+    """Three launches of `cfg` captured in one CUDA graph under programmatic dependent launch, their outputs
+    NaN-filled before each of two replays: each equals `want` bit for bit."""
+    outs = [torch.full_like(want, float("nan")) for _ in range(3)]
+    graph = torch.cuda.CUDAGraph()
+    with torch.cuda.graph(graph):
+        for o in outs:
+            flow.launch_tiled(cfg, x, t, None, o, pdl=True)
+    for _ in range(2):
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for o in outs:
+            assert torch.equal(o.view(torch.int16), want.view(torch.int16)), cfg.tag()
+
+
 def _hostile_case(xkind: str, seed: int, N: int = 70, K: int = 300):
     """Hostile rows (zeros, subnormals, huge and tiny rows, salted escapes) and x, normal or salted with NaN, +-Inf,
     +-0 and subnormals; with the outputs where x is non-finite at a column that holds an escape of the row (there
@@ -232,18 +249,7 @@ def test_k_split_through_memory_equals_the_cluster_build_bitwise(M):
         want = _run(dataclasses.replace(cfg, kg=False), x, t)
         got = _run(cfg, x, t)
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), cfg.tag()
-        outs = [torch.full_like(want, float("nan")) for _ in range(3)]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for o in outs:
-                flow.launch_tiled(cfg, x, t, None, o, pdl=True)
-        for _ in range(2):
-            for o in outs:
-                o.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            for o in outs:
-                assert torch.equal(o.view(torch.int16), want.view(torch.int16)), cfg.tag()
+        _assert_graph_of_three_replays(cfg, x, t, want)
 
 
 @pytest.mark.parametrize("cfg", [FlowConfig(), pytest.param(KC_CONFIGS[0], marks=pytest.mark.hopper)],
@@ -741,15 +747,4 @@ def test_stream_k_graph_replay_and_pdl():
     t = layout.tile(p)
     for cfg in _sk_configs(x.shape[0]):
         want = _run(cfg, x, t)
-        outs = [torch.full_like(want, float("nan")) for _ in range(3)]
-        graph = torch.cuda.CUDAGraph()
-        with torch.cuda.graph(graph):
-            for o in outs:
-                flow.launch_tiled(cfg, x, t, None, o, pdl=True)
-        for _ in range(2):
-            for o in outs:
-                o.fill_(float("nan"))
-            graph.replay()
-            torch.cuda.synchronize()
-            for o in outs:
-                assert torch.equal(o.view(torch.int16), want.view(torch.int16)), cfg.tag()
+        _assert_graph_of_three_replays(cfg, x, t, want)
