@@ -117,6 +117,8 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
                 W12F_FIXED=int(cfg.fixed), W12F_EVICT=int(cfg.evict), W12F_RB=cfg.rb, W12F_KC=cfg.kc,
                 W12F_Q8=int(q8), W12F_WG=int(cfg.wg), W12F_XD=cfg.xd, W12F_KG=int(cfg.kg), W12F_LATE=int(cfg.late),
                 W12F_ESCX=int(cfg.escx), W12F_XH=int(cfg.xh), **_check_step(step))
+    if cfg.xs:  # (a define only where on: the other builds' sources stay as they were)
+        base |= dict(W12F_XS=1)
     if cfg.sk:  # stream-K reads full row blocks only (launch_tiled checks N % 16 == 0)
         base |= dict(W12F_SK=1, W12F_FULL=1)
     merged = base | _env_defines() | dict(defines or {})
@@ -159,8 +161,9 @@ def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e", defines: Mapping[str, 
     "e", kw > 1: 512 bytes per warp, row block of the warp and token tile), with a K split across CTAs (kc > 1) the
     sums rank 0 receives from the other kc - 1 CTAs (512 bytes per row block and token tile each), and for 3-4 token
     tiles with the escapes the stash of their metadata (1 KB per row block), for the warpgroup build (`wg`) an x
-    ring per warpgroup (3 slots of 1 KB per token tile), and with `escx` (or W12F_ESCX in `defines` or
-    SPECPILOT_W12F_DEFINES) x at each row's first escape column (512 bytes per row block and token tile)."""
+    ring per warpgroup (3 slots of 1 KB per token tile), with `escx` (or W12F_ESCX in `defines` or
+    SPECPILOT_W12F_DEFINES) x at each row's first escape column (512 bytes per row block and token tile), and with
+    `xs` an x ring per K piece (`stages` slots of 1 KB per token tile)."""
     step_defines = _check_step(step)
     red = step_defines["W12F_RED"] and cfg.kw > 1
     cred = 0 if cfg.kg else (cfg.kc - 1) * cfg.row_blocks * nt * 512
@@ -168,8 +171,9 @@ def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e", defines: Mapping[str, 
     xring = cfg.warps // 4 * 3 * nt * 1024 if cfg.wg else 0
     escx = int((dict(W12F_ESCX=int(cfg.escx)) | _env_defines() | dict(defines or {}))["W12F_ESCX"])
     escx = cfg.row_blocks * nt * 512 if escx and step_defines["W12F_ESC"] else 0
+    xs = cfg.kw * cfg.stages * nt * 1024 if cfg.xs and step_defines["W12F_X"] else 0
     return cfg.warps * cfg.stages * cfg.rb * TILE + (cfg.warps * cfg.rb * nt * 512 if red else 0) + cred + stash + \
-        xring + escx
+        xring + escx + xs
 
 
 def grid(cfg: FlowConfig, N: int, K: int | None = None, sms: int | None = None) -> int:

@@ -533,6 +533,48 @@ def test_x_sets_equal_one_copied_set_bitwise(cfg, ahead, q8):
         assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (cfg.tag(), M)
 
 
+# x staged in shared memory (FlowConfig.xs): the K splits of the register builds above that it takes (exact base, one
+# row block a warp), and the candidates' shapes: 4 warps of one K piece in clusters and through memory, 8 warps in two
+XS_CONFIGS = [dataclasses.replace(c, xd=0) for c in CONFIGS + KC_CONFIGS + KG_CONFIGS if not c.fixed and c.rb == 1] + \
+    [FlowConfig(warps=4, kw=1, stages=3, cps=5, kc=4), FlowConfig(warps=4, kw=1, stages=3, cps=5, kc=4, kg=True),
+     FlowConfig(warps=8, kw=2, stages=3, cps=2), FlowConfig(warps=4, kw=1, stages=4, cps=4)]
+
+
+@pytest.mark.parametrize("cfg", XS_CONFIGS, ids=lambda c: c.tag())
+@pytest.mark.parametrize("q8", [False, True], ids=["full", "q8"])
+def test_x_staged_in_shared_memory_equals_the_register_build_bitwise(cfg, q8):
+    """x copied into a shared ring per K piece by the warps that read it (xs) against the same config with x loaded
+    into registers: the same bits at 1, 11 and 32 tokens (tokens past M zero-filled), on 70 hostile rows (the last
+    CTA's row groups past the last block copy x and meet the barriers without rows) over K = 300 (the masked tail's x
+    from global memory) and on 160 rows over K = 1024 (full row blocks, W12F_FULL at M > 8), x salted with NaN, +-Inf,
+    +-0 and subnormals, both formats."""
+    if cfg.kc > 1 and not cfg.kg and torch.cuda.get_device_capability() < (9, 0):
+        pytest.skip("a K split across a cluster needs sm_90")
+    for N, K, seed in ((70, 300, 13), (160, 1024, 31)):
+        p, x, _ = _hostile_case("nonfinite", seed=seed, N=N, K=K)
+        t = layout.tile(p)
+        for M in (1, 11, 32):
+            xm = torch.cat([x] * 3)[:M]
+            want = _run(cfg, xm, t, q8=q8)
+            got = _run(dataclasses.replace(cfg, xs=True), xm, t, q8=q8)
+            assert torch.equal(got.view(torch.int16), want.view(torch.int16)), (cfg.tag(), N, M)
+
+
+@pytest.mark.parametrize("M,N,K", [(32, 5120, 6144), (24, 1000, 63), (16, 17408 // 4, 512)], ids=lambda v: str(v))
+def test_x_staged_in_shared_memory_matches_fp64(M, N, K):
+    """The staged-x candidates at the 5120-row layers' shape and small ones (K under one unit: the tail alone)
+    against fp64."""
+    w = escaped_weight(N, K, seed=N + K)
+    p = w12.pack(w, layout="planes")
+    t = layout.tile(p)
+    x = gaussian_x(M, K, seed=M)
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    for cfg in [FlowConfig(warps=4, kw=1, stages=3, cps=5, kc=4, kg=True, xs=True),
+                FlowConfig(warps=4, kw=1, stages=4, cps=4, xs=True)] + \
+            ([FlowConfig(warps=4, kw=1, stages=3, cps=5, kc=4, xs=True)] if hopper else []):
+        assert_close(_run(cfg, x, t), w12.matmul_reference(x, p), F.linear(x, w), msg=cfg.tag())
+
+
 @pytest.mark.parametrize("define", ["W12F_LATE", "W12F_ESCX"])
 @pytest.mark.parametrize("q8", [False, True], ids=["full", "q8"])
 @pytest.mark.parametrize("M", [1, 11, 32])

@@ -603,6 +603,79 @@ def test_x_by_halves_builds_with_fewer_registers_and_loads_between_the_halves(ji
             assert sum(i > mma[-1] for i in xld) == nt, (cfg.tag(), nt, loop)
 
 
+def test_x_staged_in_shared_memory_config():
+    """FlowConfig.xs: its tag (-xs) round-trips, its define is set only where on (the other builds' sources as they
+    were), its shared memory is one x ring per K piece (stages slots of 1 KB per token tile; none for ladder step a,
+    which reads no x), and the builds it cannot join are refused."""
+    c = FlowConfig(warps=4, kw=1, stages=3, cps=5, kc=4, kg=True, xs=True)
+    assert c.tag() == "flow-w4-k1-s3-c5-p4-xs" and FlowConfig.from_tag(c.tag()) == c
+    assert dict(flow.spec(c, 4, (9, 0)).defines)["W12F_XS"] == "1"
+    assert "W12F_XS" not in dict(flow.spec(dataclasses.replace(c, xs=False), 4, (9, 0)).defines)
+    plain = dataclasses.replace(c, xs=False)
+    assert flow.smem_bytes(c, 4) == flow.smem_bytes(plain, 4) + 3 * 4 * 1024
+    two = FlowConfig(warps=8, kw=2, stages=4, cps=2, xs=True)
+    assert flow.smem_bytes(two, 2) == flow.smem_bytes(dataclasses.replace(two, xs=False), 2) + 2 * 4 * 2 * 1024
+    assert flow.smem_bytes(c, 4, "a") == flow.smem_bytes(plain, 4, "a")
+    for bad in (dict(xd=1), dict(xh=True), dict(wg=True), dict(fixed=True, kc=1, kg=False), dict(rb=2),
+                dict(sk=True, kc=1, kg=False)):
+        with pytest.raises(ValueError, match="xs=True"):
+            dataclasses.replace(c, **bad)
+
+
+@pytest.mark.parametrize("rw", [1, 2, 4, 8])
+@pytest.mark.parametrize("nt,m", [(1, 1), (1, 8), (2, 11), (3, 17), (4, 32), (4, 27)])
+def test_x_staged_in_shared_memory_copies_each_lane_its_fragment(rw, nt, m):
+    """The staged-x copy plan of w12_flow.cu (XS), replayed: the RW warps of a K piece copy a unit's 64 NT 16-byte
+    chunks, thread xt = 32 warp + lane taking chunks xt + 32 RW r (r < ceil(64 NT / 32 RW)), chunk q = 64 j + 2 l + v
+    from token 8 j + l / 4, columns 16 (l % 4) + 8 v of the unit (zero-filled past M) to slot offset
+    16 (64 j + 32 v + l); each lane (g, p) of each warp then reads, at 16 ((2 j + v) 32 + lane), what load_x loads:
+    token 8 j + g, columns 16 p + 8 v .. + 7 (zeros past M). Every chunk is written once."""
+    g = torch.Generator().manual_seed(nt * 100 + m)
+    unit = torch.randint(-2 ** 15, 2 ** 15, (m, 64), generator=g, dtype=torch.int32).to(torch.int16)
+    slot = torch.full((64 * nt, 8), 0x7FFF, dtype=torch.int16)  # chunks of 8 bf16, never-written marker
+    written = torch.zeros(64 * nt, dtype=torch.int32)
+    per = -(-64 * nt // (32 * rw))
+    for xt in range(32 * rw):
+        for r in range(per):
+            q = xt + 32 * rw * r
+            if q >= 64 * nt:
+                continue
+            j, l, v = q >> 6, (q >> 1) & 31, q & 1
+            tok, dst = 8 * j + (l >> 2), 64 * j + 32 * v + l
+            col = 16 * (l & 3) + 8 * v
+            slot[dst] = unit[tok, col:col + 8] if tok < m else 0
+            written[dst] += 1
+    assert bool((written == 1).all())
+    for lane in range(32):
+        gg, p = lane >> 2, lane & 3
+        for j in range(nt):
+            for v in range(2):
+                tok, col = 8 * j + gg, 16 * p + 8 * v
+                want = unit[tok, col:col + 8] if tok < m else torch.zeros(8, dtype=torch.int16)
+                assert torch.equal(slot[(2 * j + v) * 32 + lane], want), (lane, j, v)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("tag,arch", [("w4-k1-s3-c5-p4-xs", (9, 0)), ("w4-k1-s3-c5-q4-xs", (9, 0)),
+                                      ("w8-k2-s3-c2-xs", (9, 0)), ("w4-k1-s3-c5-p4-xs", (8, 0))])
+def test_x_staged_in_shared_memory_builds_without_spills_and_reads_x_from_the_ring(tag, arch, jit_cache):
+    """The staged-x builds at 2 and 4 token tiles (full row blocks, as the 5120-row layers launch them): no stack or
+    spills, and a main loop whose x comes from the ring: no global load, 2 NT 16-byte shared loads of x beside the
+    tile's two, the tile's three copies and the thread's share of the x copies, and one barrier of the K piece."""
+    cfg = FlowConfig.from_tag(tag)
+    for nt in (2, 4):
+        b = flow.build(cfg, nt, arch, defines={"W12F_FULL": 1})
+        r = b.resources()
+        assert r["stack"] == 0 and r["spill_stores"] == 0, (tag, nt, r)
+        loop = mma_loop(sass(b.cubin))
+        count = lambda op: sum(1 for t in loop if re.search(rf"\b{op}\b", t))  # noqa: E731
+        share = -(-64 * nt // (32 * cfg.warps // cfg.kw))
+        assert count("HMMA.16816.F32.BF16") == 4 * nt, (tag, nt, loop)
+        assert not any(re.search(r"\bLDG\.E", t) for t in loop), (tag, nt, loop)
+        assert count("LDS.128") == 2 + 2 * nt and count("LDGSTS.E.BYPASS.128") == 3 + share, (tag, nt, loop)
+        assert sum(1 for t in loop if "BAR.SYNC" in t) == 1, (tag, nt, loop)
+
+
 @pytest.mark.slow
 def test_k_split_through_memory_builds_everywhere(jit_cache):
     """FlowConfig.kg (the K split's CTAs meeting in a global workspace): no cluster, so sm_80 builds it too; its tag

@@ -143,6 +143,9 @@
 #ifndef W12F_XH
 #define W12F_XH 0  // the mma.sync build's x in one set, each half reloaded for the next unit after its k-steps
 #endif
+#ifndef W12F_XS
+#define W12F_XS 0  // the mma.sync build's x staged through a shared ring per K piece, copied by the warps that read it
+#endif
 #ifndef W12F_RB
 #define W12F_RB 1  // row blocks per warp (one x fragment feeds RB weight tiles)
 #endif
@@ -229,6 +232,11 @@ constexpr int XD = WG ? 0 : W12F_XD;  // x sets loaded ahead in the mma.sync bui
 // one x set whose halves (k-steps 0-1, 2-3) are reloaded with the next unit's as soon as this unit's mma on them are
 // issued: half the registers of two sets, each load with about half a unit to land
 constexpr bool XH = !WG && W12F_X != 0 && W12F_XH != 0;  // (ladder step a reads no x: nothing to reload)
+// x staged in shared memory: the warps of one K piece copy each unit's x (cp.async, in the commit group of their
+// weight tiles, STAGES - 1 units ahead) into that piece's ring of STAGES slots, meet at a named barrier per unit and
+// read their fragments from the slot (docs/w12-kernels.md, "x staged in shared memory")
+constexpr bool XS = !WG && W12F_X != 0 && W12F_XS != 0;
+constexpr int XSSLOT = XS ? NT * 1024 : 0;  // one unit of x: 8 NT tokens x 64 columns, in the lanes' read order
 constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of one row block
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
 constexpr int XSLOTS = W12F_WG_DEPTH + 1;   // x slots per warpgroup: a unit's stays read until DEPTH units later
@@ -256,6 +264,9 @@ static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
 static_assert(W12F_XD >= 0 && W12F_XD <= 2, "x loaded 0 to 2 units ahead");
 static_assert(!XH || XD == 0, "x reloaded by halves: the mma.sync build with one x set");
+static_assert(!XS || KW <= 15, "x staged in shared memory: one named barrier (1 + K piece) per K piece");
+static_assert(!XS || (XD == 0 && !XH && !FIXED && RB == 1 && !SK && W12F_XSTEP != 0),
+              "x staged in shared memory: the mma.sync build's one x set, exact base, one row block per warp, no stream-K");
 static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight: 1 or 2");
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
@@ -635,6 +646,8 @@ w12_matmul_flow_kernel(
     // escape, token 8 j + 2 p + u
     constexpr int ESCX_OFF = X_OFF + (WG ? WARPS / 4 * 3 * XSLOT : 0);
     const uint32_t* const escx = reinterpret_cast<const uint32_t*>(smem + ESCX_OFF) + rw * RB * 4 * NT * 32 + lane;
+    // XS: after the escape columns' x, one x ring of STAGES slots per K piece
+    constexpr int XS_OFF = ESCX_OFF + (ESCX ? RW * RB * NT * 512 : 0);
     // the first entry of each row's CSR range (W12F_LATE: after the first copies, so that this dependent load and
     // the stash store that waits for it do not hold them back)
     auto escape_entries = [&]() {
@@ -691,6 +704,51 @@ w12_matmul_flow_kernel(
     }
     grid_dep_wait();
     if (sslot == 0) stamp(2);
+
+    // XS: the x ring of the warp's K piece, shared by its RW warps (a warp whose row group is past the last block
+    // still copies its part and meets the barriers, below). Thread xt of them copies chunks xt + 32 RW r of a unit's
+    // 64 NT 16-byte chunks: chunk q is half q % 2 of lane l = q / 2 % 32's x in n-tile j = q / 64 (token 8 j + l / 4,
+    // columns 16 (l % 4) + 8 (q % 2) of the unit), stored at 16 (64 j + 32 (q % 2) + l), where lane l reads it as
+    // load_x would have loaded it (conflict-free); tokens past M are zero-filled
+    constexpr int XCH = (64 * NT + 32 * RW - 1) / (32 * RW);  // chunks a thread copies per unit
+    int cx0 = c0, cx1 = c1;  // the units of the warp's K piece, also where its rows are past the last block
+    if constexpr (XS) piece(true, s0, s1, cx0, cx1);
+    const uint32_t xsring = (uint32_t)__cvta_generic_to_shared(smem + XS_OFF) + ks * STAGES * XSSLOT;
+    auto next_xslot = [&](uint32_t a) {
+      return a + XSSLOT >= xsring + STAGES * XSSLOT ? a + XSSLOT - STAGES * XSSLOT : a + XSSLOT;
+    };
+    const __nv_bfloat16* xcs[XS ? XCH : 1];  // chunk r's source in the next unit to copy
+    uint32_t xcd[XS ? XCH : 1], xcb[XS ? XCH : 1];  // its offset in a slot, and its bytes (16, 0 past M or the last)
+    if constexpr (XS) {
+#pragma unroll
+      for (int r = 0; r < XCH; ++r) {
+        const int q = rw * 32 + lane + 32 * RW * r, j = q >> 6, l = (q >> 1) & 31, v = q & 1, tok = 8 * j + (l >> 2);
+        const bool real = q < 64 * NT && tok < M;
+        xcs[r] = x + (long long)(real ? tok : 0) * ldx + 64LL * cx0 + 16 * (l & 3) + 8 * v;
+        xcd[r] = q < 64 * NT ? 16u * (64 * j + 32 * v + l) : 0u;
+        xcb[r] = real ? 16u : 0u;
+      }
+    }
+    auto issue_x = [&](uint32_t slot) {  // the next unit's chunks of this thread into `slot`
+#pragma unroll
+      for (int r = 0; r < XCH; ++r) {
+        if (64 * NT % (32 * RW) != 0 && rw * 32 + lane + 32 * RW * r >= 64 * NT) continue;
+        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(slot + xcd[r]), "l"(xcs[r]), "r"(xcb[r])
+                     : "memory");
+        xcs[r] += 64;
+      }
+    };
+    uint32_t xsw = xsring, xsr = xsring;  // the slots written and read next
+    if constexpr (XS) {
+      // the first STAGES - 1 units' x, a commit group each after the weights' (x may be the previous kernel's
+      // output): at unit c0 + i the wait for all but STAGES - 2 groups then covers its weight tile and its x
+#pragma unroll
+      for (int i = 0; i < STAGES - 1; ++i) {
+        if (cx0 + i < cx1) issue_x(xsw);
+        cp_commit();
+        xsw = next_xslot(xsw);
+      }
+    }
     if constexpr (ESCX) {
       if (esc_rows) {
         const uint32_t dst = (uint32_t)__cvta_generic_to_shared(escx);
@@ -865,6 +923,7 @@ w12_matmul_flow_kernel(
     uint4 xn[NT][2];  // XD = 0: the next unit's x (prefetched one unit ahead); XD > 0: the masked tail's
     uint4 xs[XD + 1][NT][2];  // XD > 0: the x sets (below)
     if constexpr (WG) {
+    } else if constexpr (XS) {
     } else if constexpr (XB) {
       if constexpr (XD == 0) {
         if (c0 < cend) load_x(xn);
@@ -934,14 +993,48 @@ w12_matmul_flow_kernel(
     keep(areg[1]);
     asm volatile("cp.async.wait_all;" ::: "memory");
 #else
+    if constexpr (XS) {
+      if (!lactive) {  // no rows: this warp's part of the piece's x copies, and its barriers
+        for (int c = cx0; c < cx1; ++c) {
+          asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
+          asm volatile("bar.sync %0, %1;" ::"r"(1 + ks), "n"(32 * RW) : "memory");
+          if (c + STAGES - 1 < cx1) issue_x(xsw);
+          cp_commit();
+          xsw = next_xslot(xsw);
+        }
+      }
+    }
     if constexpr (XD == 0) {
       for (int c = c0; c < c1; ++c) {
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-        __syncwarp();
+        if constexpr (XS)  // every copy of unit c's x landed, and unit c - 1's slot read by every warp of the piece
+          asm volatile("bar.sync %0, %1;" ::"r"(1 + ks), "n"(32 * RW) : "memory");
+        else
+          __syncwarp();
         if (c == c0 && sslot == 0) stamp(3);
         Frag f[RB];
 #pragma unroll
         for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
+        if constexpr (XS) {
+          uint4 xc[NT][2];
+#pragma unroll
+          for (int j = 0; j < NT; ++j)
+#pragma unroll
+            for (int v = 0; v < 2; ++v) xc[j][v] = lds128(xsr + 16u * ((2 * j + v) * 32 + lane));
+          xsr = next_xslot(xsr);
+          // refill the weight slot and the x slot read one unit ago with unit c + STAGES - 1
+          if (c + STAGES - 1 < c1) {
+            issue();
+            issue_x(xsw);
+          }
+          cp_commit();
+          wst = next_slot(wst);
+          rst = next_slot(rst);
+          xsw = next_xslot(xsw);
+#pragma unroll
+          for (int i = 0; i < RB; ++i) tile_mma<FIXED>(acc[i], f[i], xc, kk[i]);
+          continue;
+        }
         // refill the slot read one unit ago with unit c + STAGES - 1
         if (c + STAGES - 1 < c1) issue();
         cp_commit();
@@ -1026,6 +1119,12 @@ w12_matmul_flow_kernel(
       }
     }
     asm volatile("cp.async.wait_all;" ::: "memory");
+    if constexpr (XS) {
+      if (has_tail) {  // the masked tail's x from global memory, as the other builds load it
+        xu = x + (long long)g * ldx + 64LL * c1 + 16 * p;
+        load_x(xn);
+      }
+    }
     if (has_tail) {
 #pragma unroll
       for (int i = 0; i < RB; ++i) {
