@@ -118,7 +118,7 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
                 W12F_Q8=int(q8), W12F_WG=int(cfg.wg), W12F_XD=cfg.xd, W12F_KG=int(cfg.kg), W12F_LATE=int(cfg.late),
                 W12F_ESCX=int(cfg.escx), W12F_XH=int(cfg.xh), **_check_step(step))
     if cfg.xs:  # (a define only where on: the other builds' sources stay as they were)
-        base |= dict(W12F_XS=1)
+        base |= dict(W12F_XRING=1)
     if cfg.sk:  # stream-K reads full row blocks only (launch_tiled checks N % 16 == 0)
         base |= dict(W12F_SK=1, W12F_FULL=1)
     merged = base | _env_defines() | dict(defines or {})

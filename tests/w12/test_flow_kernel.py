@@ -609,8 +609,8 @@ def test_x_staged_in_shared_memory_config():
     which reads no x), and the builds it cannot join are refused."""
     c = FlowConfig(warps=4, kw=1, stages=3, cps=5, kc=4, kg=True, xs=True)
     assert c.tag() == "flow-w4-k1-s3-c5-p4-xs" and FlowConfig.from_tag(c.tag()) == c
-    assert dict(flow.spec(c, 4, (9, 0)).defines)["W12F_XS"] == "1"
-    assert "W12F_XS" not in dict(flow.spec(dataclasses.replace(c, xs=False), 4, (9, 0)).defines)
+    assert dict(flow.spec(c, 4, (9, 0)).defines)["W12F_XRING"] == "1"
+    assert "W12F_XRING" not in dict(flow.spec(dataclasses.replace(c, xs=False), 4, (9, 0)).defines)
     plain = dataclasses.replace(c, xs=False)
     assert flow.smem_bytes(c, 4) == flow.smem_bytes(plain, 4) + 3 * 4 * 1024
     two = FlowConfig(warps=8, kw=2, stages=4, cps=2, xs=True)

@@ -143,8 +143,8 @@
 #ifndef W12F_XH
 #define W12F_XH 0  // the mma.sync build's x in one set, each half reloaded for the next unit after its k-steps
 #endif
-#ifndef W12F_XS
-#define W12F_XS 0  // the mma.sync build's x staged through a shared ring per K piece, copied by the warps that read it
+#ifndef W12F_XRING
+#define W12F_XRING 0  // the mma.sync build's x through a shared ring per K piece, copied by the warps that read it
 #endif
 #ifndef W12F_RB
 #define W12F_RB 1  // row blocks per warp (one x fragment feeds RB weight tiles)
@@ -232,10 +232,10 @@ constexpr int XD = WG ? 0 : W12F_XD;  // x sets loaded ahead in the mma.sync bui
 // one x set whose halves (k-steps 0-1, 2-3) are reloaded with the next unit's as soon as this unit's mma on them are
 // issued: half the registers of two sets, each load with about half a unit to land
 constexpr bool XH = !WG && W12F_X != 0 && W12F_XH != 0;  // (ladder step a reads no x: nothing to reload)
-// x staged in shared memory: the warps of one K piece copy each unit's x (cp.async, in the commit group of their
+// x through a shared ring: the warps of one K piece copy each unit's x (cp.async, in the commit group of their
 // weight tiles, STAGES - 1 units ahead) into that piece's ring of STAGES slots, meet at a named barrier per unit and
-// read their fragments from the slot (docs/w12-kernels.md, "x staged in shared memory")
-constexpr bool XS = !WG && W12F_X != 0 && W12F_XS != 0;
+// read their fragments from the slot (docs/w12-kernels.md, "x through a shared ring")
+constexpr bool XS = !WG && W12F_X != 0 && W12F_XRING != 0;
 constexpr int XSSLOT = XS ? NT * 1024 : 0;  // one unit of x: 8 NT tokens x 64 columns, in the lanes' read order
 constexpr int KSTEP = WG ? 4 : 1;     // warp distance between the K pieces of one row block
 constexpr int XSLOT = WG ? NT * 1024 : 0;  // one unit of x in the warpgroup's ring: 8 NT tokens x 64 columns
@@ -264,9 +264,9 @@ static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
               "a K split across CTAs: exact base, with the epilogue and the reduction");
 static_assert(W12F_XD >= 0 && W12F_XD <= 2, "x loaded 0 to 2 units ahead");
 static_assert(!XH || XD == 0, "x reloaded by halves: the mma.sync build with one x set");
-static_assert(!XS || KW <= 15, "x staged in shared memory: one named barrier (1 + K piece) per K piece");
+static_assert(!XS || KW <= 15, "x through a shared ring: one named barrier (1 + K piece) per K piece");
 static_assert(!XS || (XD == 0 && !XH && !FIXED && RB == 1 && !SK && W12F_XSTEP != 0),
-              "x staged in shared memory: the mma.sync build's one x set, exact base, one row block per warp, no stream-K");
+              "x through a shared ring: the mma.sync build's one x set, exact base, one row block a warp, no stream-K");
 static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight: 1 or 2");
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
