@@ -57,8 +57,8 @@ seven linears, the LM head among them), e.g.
 
     python3 perf/w12_ladder.py --ab '[["gate_up", 32, [["s4", "w4-k1-s4-c4-q2-g", {}], ["nosync", "", {"W12F_WG_BAR": 0, "W12F_WG_FENCE": 0}]]]]'
 
-`--ab sk` and `--ab xh` are presets (`ab_preset`; `--ab sk,xh` runs both): the stream-K candidates, and x reloaded
-by halves, on the layers and row counts given there.
+`--ab sk`, `--ab xh` and `--ab xs` are presets (`ab_preset`; `--ab sk,xh` runs both): the stream-K candidates, x reloaded
+by halves and x through a shared ring, on the layers and row counts given there.
 
 M runs to 64: above 32 rows the shipped path is `w12.matmul_tiled`'s, one launch per 32-row piece, and every
 candidate is a warpgroup config, built at 5-8 token tiles (`w12.flow.WG_MAX_M`) so that it takes the rows in one
@@ -1097,7 +1097,7 @@ def ab_write(report: dict, args, t0: float, name: str) -> Path:
     return out
 
 
-AB_PRESETS = ("sk", "xh")
+AB_PRESETS = ("sk", "xh", "xs")
 
 
 def ab_preset(name: str) -> str | None:
@@ -1106,7 +1106,10 @@ def ab_preset(name: str) -> str | None:
     prefetch, W12F_SK_PRE=0) beside the shipped config at 16, 24 and 32 rows on the 5120-row layers (o_proj's shape
     is out_proj's) and at 16 and 32 on in_proj, qkv_proj and gate_up; the warpgroup candidates at 24 and 32 rows only
     (the mma.sync build takes 9-16). "xh": x reloaded by halves (docs/w12-kernels.md, "x reloaded by halves"),
-    `w4-k2-s3-c4-q3-h` and `w4-k2-s3-c5-q4-h`, at 16 and 32 rows on o_proj and down_proj."""
+    `w4-k2-s3-c4-q3-h` and `w4-k2-s3-c5-q4-h`, at 16 and 32 rows on o_proj and down_proj. "xs": x through a shared
+    ring per K piece (docs/w12-kernels.md, "x through a shared ring"): the shipped 5120-row shape with it, the same
+    split through memory, one-K-piece CTAs of 4 warps split 4 or 8 ways, at 16, 24 and 32 rows on o_proj and 16 and 32
+    on down_proj; one-K-piece CTAs unsplit and split in 2 at 32 rows on in_proj, qkv_proj and gate_up."""
     names = name.split(",")
     if not all(n in AB_PRESETS for n in names):
         return None
@@ -1120,6 +1123,12 @@ def ab_preset(name: str) -> str | None:
                 cands = [[tag, tag, {}] for tag in FLOW_SK_CANDIDATES if m > 16 or not tag.endswith("-g-sk")]
                 cands.append([cands[0][1] + "-pre0", cands[0][1], {"W12F_SK_PRE": 0}])
                 cells.append([layer, m, cands])
+    if "xs" in names:
+        small = ("w4-k2-s3-c4-q3-xs", "w4-k2-s3-c4-p4-xs", "w4-k1-s3-c5-p4-xs", "w4-k1-s3-c5-q4-xs", "w4-k1-s3-c4-p8-xs")
+        cells += [[layer, m, [[tag, tag, {}] for tag in small]]
+                  for layer, ms in (("o_proj", (16, 24, 32)), ("down_proj", (16, 32))) for m in ms]
+        large = ("w4-k1-s4-c4-xs", "w4-k1-s3-c5-xs", "w4-k1-s3-c5-p2-xs", "w4-k1-s3-c5-q2-xs")
+        cells += [[layer, 32, [[tag, tag, {}] for tag in large]] for layer in ("in_proj", "qkv_proj", "gate_up")]
     if "xh" in names:
         cells += [[layer, m, [[tag, tag, {}] for tag in ("w4-k2-s3-c4-q3-h", "w4-k2-s3-c5-q4-h")]]
                   for layer in ("o_proj", "down_proj") for m in (16, 32)]

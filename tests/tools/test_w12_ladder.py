@@ -12,6 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from w12.configs import FlowConfig
 from w12.flow import ABLATIONS
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -297,6 +298,18 @@ def test_ab_preset_sk_holds_every_stream_k_candidate(ladder):
         tags = [tag for _, tag, d in cands if not d]
         assert tags == [t for t in FLOW_SK_CANDIDATES if m > 16 or not t.endswith("-g-sk")]
         assert [(tag, d) for _, tag, d in cands if d] == [(tags[0], {"W12F_SK_PRE": 0})]
+
+
+def test_ab_preset_xs_holds_shared_ring_configs(ladder):
+    """--ab xs: x through a shared ring on the 5120-row layers (o_proj at 16, 24 and 32 rows, down_proj at 16 and 32)
+    and on in_proj, qkv_proj and gate_up at 32; every candidate an `xs` config, the shipped 5120-row shape among
+    them."""
+    cells = ladder.ab_parse_cells(ladder.ab_preset("xs"))
+    assert [(layer, m) for layer, m, _ in cells] == [
+        ("o_proj", 16), ("o_proj", 24), ("o_proj", 32), ("down_proj", 16), ("down_proj", 32), ("in_proj", 32),
+        ("qkv_proj", 32), ("gate_up", 32)]
+    assert all(FlowConfig.from_tag(tag).xs and not d for _, _, cands in cells for _, tag, d in cands)
+    assert "w4-k2-s3-c4-q3-xs" in [tag for _, tag, _ in cells[2][2]]
 
 
 def test_ab_refuses_without_a_gpu(ladder, capsys):
