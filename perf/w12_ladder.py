@@ -57,8 +57,8 @@ seven linears, the LM head among them), e.g.
 
     python3 perf/w12_ladder.py --ab '[["gate_up", 32, [["s4", "w4-k1-s4-c4-q2-g", {}], ["nosync", "", {"W12F_WG_BAR": 0, "W12F_WG_FENCE": 0}]]]]'
 
-`--ab sk`, `--ab xh` and `--ab xs` are presets (`ab_preset`; `--ab sk,xh` runs both): the stream-K candidates, x reloaded
-by halves and x through a shared ring, on the layers and row counts given there.
+`--ab sk`, `--ab xh` and `--ab xs` are presets (`ab_preset`; `--ab sk,xh` runs both): the stream-K candidates, x
+reloaded by halves and x through a shared ring, on the layers and row counts given there.
 
 M runs to 64: above 32 rows the shipped path is `w12.matmul_tiled`'s, one launch per 32-row piece, and every
 candidate is a warpgroup config, built at 5-8 token tiles (`w12.flow.WG_MAX_M`) so that it takes the rows in one
@@ -1124,7 +1124,8 @@ def ab_preset(name: str) -> str | None:
                 cands.append([cands[0][1] + "-pre0", cands[0][1], {"W12F_SK_PRE": 0}])
                 cells.append([layer, m, cands])
     if "xs" in names:
-        small = ("w4-k2-s3-c4-q3-xs", "w4-k2-s3-c4-p4-xs", "w4-k1-s3-c5-p4-xs", "w4-k1-s3-c5-q4-xs", "w4-k1-s3-c4-p8-xs")
+        small = ("w4-k2-s3-c4-q3-xs", "w4-k2-s3-c4-p4-xs", "w4-k1-s3-c5-p4-xs", "w4-k1-s3-c5-q4-xs",
+                 "w4-k1-s3-c4-p8-xs")
         cells += [[layer, m, [[tag, tag, {}] for tag in small]]
                   for layer, ms in (("o_proj", (16, 24, 32)), ("down_proj", (16, 32))) for m in ms]
         large = ("w4-k1-s4-c4-xs", "w4-k1-s3-c5-xs", "w4-k1-s3-c5-p2-xs", "w4-k1-s3-c5-q2-xs")

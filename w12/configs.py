@@ -210,9 +210,8 @@ class FlowConfig:
     ring of `stages` slots per K piece, copied (cp.async, in the commit group of the weight tiles, stages - 1 units
     ahead) by the warps of that piece, which meet at a named barrier per unit and read their fragments from the slot:
     x comes from L2 once per CTA and K piece instead of once per warp, and holds no registers in flight (tag `-xs`;
-    the same bits).
-    `w12.matmul_tiled` (the
-    engine's path) takes `flow_config`'s; under `w12.matmul` on the planes it runs only when forced."""
+    the same bits). `w12.matmul_tiled` (the engine's path) takes `flow_config`'s; under `w12.matmul` on the planes it
+    runs only when forced."""
 
     warps: int = 8
     kw: int = 2

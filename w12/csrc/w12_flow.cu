@@ -718,14 +718,14 @@ w12_matmul_flow_kernel(
       return a + XSSLOT >= xsring + STAGES * XSSLOT ? a + XSSLOT - STAGES * XSSLOT : a + XSSLOT;
     };
     const __nv_bfloat16* xcs[XS ? XCH : 1];  // chunk r's source in the next unit to copy
-    uint32_t xcd[XS ? XCH : 1], xcb[XS ? XCH : 1];  // its offset in a slot, and its bytes (16, 0 past M or the last)
+    uint32_t xcd[XS ? XCH : 1], xcb[XS ? XCH : 1];  // its offset in a slot, and its bytes (16, 0 past M)
     if constexpr (XS) {
 #pragma unroll
       for (int r = 0; r < XCH; ++r) {
         const int q = rw * 32 + lane + 32 * RW * r, j = q >> 6, l = (q >> 1) & 31, v = q & 1, tok = 8 * j + (l >> 2);
-        const bool real = q < 64 * NT && tok < M;
+        const bool real = tok < M;  // (a chunk past the unit has j >= NT: its token is past M too)
         xcs[r] = x + (long long)(real ? tok : 0) * ldx + 64LL * cx0 + 16 * (l & 3) + 8 * v;
-        xcd[r] = q < 64 * NT ? 16u * (64 * j + 32 * v + l) : 0u;
+        xcd[r] = 16u * (64 * j + 32 * v + l);
         xcb[r] = real ? 16u : 0u;
       }
     }
@@ -738,6 +738,8 @@ w12_matmul_flow_kernel(
         xcs[r] += 64;
       }
     };
+    // the piece's meeting at each unit: every copy of the unit's x landed, and the slot refilled next read by all
+    auto xs_barrier = [&]() { asm volatile("bar.sync %0, %1;" ::"r"(1 + ks), "n"(32 * RW) : "memory"); };
     uint32_t xsw = xsring, xsr = xsring;  // the slots written and read next
     if constexpr (XS) {
       // the first STAGES - 1 units' x, a commit group each after the weights' (x may be the previous kernel's
@@ -997,7 +999,7 @@ w12_matmul_flow_kernel(
       if (!lactive) {  // no rows: this warp's part of the piece's x copies, and its barriers
         for (int c = cx0; c < cx1; ++c) {
           asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-          asm volatile("bar.sync %0, %1;" ::"r"(1 + ks), "n"(32 * RW) : "memory");
+          xs_barrier();
           if (c + STAGES - 1 < cx1) issue_x(xsw);
           cp_commit();
           xsw = next_xslot(xsw);
@@ -1008,7 +1010,7 @@ w12_matmul_flow_kernel(
       for (int c = c0; c < c1; ++c) {
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
         if constexpr (XS)  // every copy of unit c's x landed, and unit c - 1's slot read by every warp of the piece
-          asm volatile("bar.sync %0, %1;" ::"r"(1 + ks), "n"(32 * RW) : "memory");
+          xs_barrier();
         else
           __syncwarp();
         if (c == c0 && sslot == 0) stamp(3);
