@@ -163,7 +163,8 @@ def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e", defines: Mapping[str, 
     tiles with the escapes the stash of their metadata (1 KB per row block), for the warpgroup build (`wg`) an x
     ring per warpgroup (3 slots of 1 KB per token tile), with `escx` (or W12F_ESCX in `defines` or
     SPECPILOT_W12F_DEFINES) x at each row's first escape column (512 bytes per row block and token tile), and with
-    `xs` an x ring per K piece (`stages` slots of 1 KB per token tile)."""
+    `xs` an x ring per K piece (`stages` slots of 1 KB per token tile); with `xs` in a cluster, rank 0 receives the
+    other CTAs' sums in its rings (free after the main loop) where they fit."""
     step_defines = _check_step(step)
     red = step_defines["W12F_RED"] and cfg.kw > 1
     cred = 0 if cfg.kg else (cfg.kc - 1) * cfg.row_blocks * nt * 512
@@ -172,8 +173,10 @@ def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e", defines: Mapping[str, 
     escx = int((dict(W12F_ESCX=int(cfg.escx)) | _env_defines() | dict(defines or {}))["W12F_ESCX"])
     escx = cfg.row_blocks * nt * 512 if escx and step_defines["W12F_ESC"] else 0
     xs = cfg.kw * cfg.stages * nt * 1024 if cfg.xs and step_defines["W12F_X"] else 0
-    return cfg.warps * cfg.stages * cfg.rb * TILE + (cfg.warps * cfg.rb * nt * 512 if red else 0) + cred + stash + \
-        xring + escx + xs
+    rings = cfg.warps * cfg.stages * cfg.rb * TILE + xs
+    if xs and 0 < cred <= rings:
+        cred = 0  # rank 0's rings hold the other CTAs' sums once its main loop is done
+    return rings + (cfg.warps * cfg.rb * nt * 512 if red else 0) + cred + stash + xring + escx
 
 
 def grid(cfg: FlowConfig, N: int, K: int | None = None, sms: int | None = None) -> int:

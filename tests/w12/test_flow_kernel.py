@@ -606,7 +606,7 @@ def test_x_by_halves_builds_with_fewer_registers_and_loads_between_the_halves(ji
 def test_x_staged_in_shared_memory_config():
     """FlowConfig.xs: its tag (-xs) round-trips, its define is set only where on (the other builds' sources as they
     were), its shared memory is one x ring per K piece (stages slots of 1 KB per token tile; none for ladder step a,
-    which reads no x), and the builds it cannot join are refused."""
+    which reads no x) with a cluster's sums received in the rings, and the builds it cannot join are refused."""
     c = FlowConfig(warps=4, kw=1, stages=3, cps=5, kc=4, kg=True, xs=True)
     assert c.tag() == "flow-w4-k1-s3-c5-p4-xs" and FlowConfig.from_tag(c.tag()) == c
     assert dict(flow.spec(c, 4, (9, 0)).defines)["W12F_XRING"] == "1"
@@ -616,6 +616,10 @@ def test_x_staged_in_shared_memory_config():
     two = FlowConfig(warps=8, kw=2, stages=4, cps=2, xs=True)
     assert flow.smem_bytes(two, 2) == flow.smem_bytes(dataclasses.replace(two, xs=False), 2) + 2 * 4 * 2 * 1024
     assert flow.smem_bytes(c, 4, "a") == flow.smem_bytes(plain, 4, "a")
+    # in a cluster, rank 0 receives the other CTAs' sums (3 of 4 row groups x 4 token tiles x 512 bytes) in its rings
+    q4 = dataclasses.replace(c, kg=False)
+    assert flow.smem_bytes(dataclasses.replace(q4, xs=False), 4) == 4 * 3 * 1536 + 3 * 4 * 4 * 512 + 4 * 1024
+    assert flow.smem_bytes(q4, 4) == 4 * 3 * 1536 + 3 * 4 * 1024 + 4 * 1024
     for bad in (dict(xd=1), dict(xh=True), dict(wg=True), dict(fixed=True, kc=1, kg=False), dict(rb=2),
                 dict(sk=True, kc=1, kg=False)):
         with pytest.raises(ValueError, match="xs=True"):

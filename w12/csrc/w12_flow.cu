@@ -635,10 +635,14 @@ w12_matmul_flow_kernel(
     // latency hides under the stream instead of lengthening the epilogue (ESC_STASH: where it waits)
     int ep[RB][2][2] = {}, ec[RB][2] = {};
     uint32_t ev[RB][2] = {};
-    // shared memory: the rings, the KW shares (RED), the other CTAs' sums (KC > 1, rank 0's), the escape stash
-    constexpr int RED_OFF = WARPS * STAGES * SLOT;                                    // after the rings
-    constexpr int CRED_OFF = RED_OFF + (RED ? WARPS * RB * NT * 512 : 0);              // after the KW shares
-    constexpr int STASH_OFF = CRED_OFF + (CLUSTER ? (KC - 1) * RW * RB * NT * 512 : 0);  // after the CTAs' sums
+    // shared memory: the rings (XS: the x rings after the weights'), the KW shares (RED), the other CTAs' sums
+    // (KC > 1, rank 0's), the escape stash. XS_CRED: those sums over the rings, free once the main loop is done
+    constexpr int RINGS = WARPS * STAGES * SLOT + (XS ? KW * STAGES * XSSLOT : 0);
+    constexpr int CRED_BYTES = CLUSTER ? (KC - 1) * RW * RB * NT * 512 : 0;
+    constexpr bool XS_CRED = XS && CLUSTER && CRED_BYTES <= RINGS;
+    constexpr int RED_OFF = RINGS;                                                                // after the rings
+    constexpr int CRED_OFF = XS_CRED ? 0 : RED_OFF + (RED ? WARPS * RB * NT * 512 : 0);        // after the KW shares
+    constexpr int STASH_OFF = RED_OFF + (RED ? WARPS * RB * NT * 512 : 0) + (XS_CRED ? 0 : CRED_BYTES);
     constexpr int X_OFF = STASH_OFF + (ESC_STASH ? RW * RB * 1024 : 0);                 // after the stash (WG)
     int4* const stash = reinterpret_cast<int4*>(smem + STASH_OFF) + rw * RB * 64;
     // after the warpgroup build's x rings (sized for 3 slots whatever W12F_WG_DEPTH): word
@@ -646,8 +650,8 @@ w12_matmul_flow_kernel(
     // escape, token 8 j + 2 p + u
     constexpr int ESCX_OFF = X_OFF + (WG ? WARPS / 4 * 3 * XSLOT : 0);
     const uint32_t* const escx = reinterpret_cast<const uint32_t*>(smem + ESCX_OFF) + rw * RB * 4 * NT * 32 + lane;
-    // XS: after the escape columns' x, one x ring of STAGES slots per K piece
-    constexpr int XS_OFF = ESCX_OFF + (ESCX ? RW * RB * NT * 512 : 0);
+    // XS: after the weight rings, one x ring of STAGES slots per K piece
+    constexpr int XS_OFF = WARPS * STAGES * SLOT;
     // the first entry of each row's CSR range (W12F_LATE: after the first copies, so that this dependent load and
     // the stash store that waits for it do not hold them back)
     auto escape_entries = [&]() {
@@ -733,7 +737,7 @@ w12_matmul_flow_kernel(
 #pragma unroll
       for (int r = 0; r < XCH; ++r) {
         if (64 * NT % (32 * RW) != 0 && rw * 32 + lane + 32 * RW * r >= 64 * NT) continue;
-        asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(slot + xcd[r]), "l"(xcs[r]), "r"(xcb[r])
+        asm volatile("cp.async.ca.shared.global [%0], [%1], 16, %2;" ::"r"(slot + xcd[r]), "l"(xcs[r]), "r"(xcb[r])
                      : "memory");
         xcs[r] += 64;
       }
@@ -1291,6 +1295,11 @@ w12_matmul_flow_kernel(
       if constexpr (CLUSTER) {
         // the other CTAs' sums into rank 0's shared memory, one cluster barrier, then rank 0 adds them in rank order
         const uint32_t cred = (uint32_t)__cvta_generic_to_shared(smem + CRED_OFF);
+        if constexpr (XS_CRED) {
+          // rank 0's rings hold the sums: every copy into them landed and every read of them done, cluster-wide
+          asm volatile("cp.async.wait_all;" ::: "memory");
+          asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
+        }
         if (ks == 0 && kc > 0) {
           uint32_t dst;
           asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(dst) : "r"(cred));
