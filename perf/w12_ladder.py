@@ -1107,9 +1107,10 @@ def ab_preset(name: str) -> str | None:
     is out_proj's) and at 16 and 32 on in_proj, qkv_proj and gate_up; the warpgroup candidates at 24 and 32 rows only
     (the mma.sync build takes 9-16). "xh": x reloaded by halves (docs/w12-kernels.md, "x reloaded by halves"),
     `w4-k2-s3-c4-q3-h` and `w4-k2-s3-c5-q4-h`, at 16 and 32 rows on o_proj and down_proj. "xs": x through a shared
-    ring per K piece (docs/w12-kernels.md, "x through a shared ring"): the shipped 5120-row shape with it, the same
-    split through memory, one-K-piece CTAs of 4 warps split 4 or 8 ways, at 16, 24 and 32 rows on o_proj and 16 and 32
-    on down_proj; one-K-piece CTAs unsplit and split in 2 at 32 rows on in_proj, qkv_proj and gate_up."""
+    ring per K piece (docs/w12-kernels.md, "x through a shared ring"): one-K-piece CTAs of 4 warps in clusters of 4 or
+    3 (and split 4 ways through memory) and the shipped 5120-row shape with it, at 16, 24 and 32 rows on o_proj and 16
+    and 32 on down_proj; one-K-piece CTAs unsplit and in clusters of 2 at 32 rows on in_proj and qkv_proj, and at 16,
+    24 and 32 on gate_up."""
     names = name.split(",")
     if not all(n in AB_PRESETS for n in names):
         return None
@@ -1124,12 +1125,13 @@ def ab_preset(name: str) -> str | None:
                 cands.append([cands[0][1] + "-pre0", cands[0][1], {"W12F_SK_PRE": 0}])
                 cells.append([layer, m, cands])
     if "xs" in names:
-        small = ("w4-k2-s3-c4-q3-xs", "w4-k2-s3-c4-p4-xs", "w4-k1-s3-c5-p4-xs", "w4-k1-s3-c5-q4-xs",
-                 "w4-k1-s3-c4-p8-xs")
+        small = ("w4-k1-s3-c5-q4-xs", "w4-k1-s4-c5-q4-xs", "w4-k1-s3-c5-q3-xs", "w4-k1-s3-c5-p4-xs",
+                 "w4-k2-s3-c4-q3-xs")
         cells += [[layer, m, [[tag, tag, {}] for tag in small]]
                   for layer, ms in (("o_proj", (16, 24, 32)), ("down_proj", (16, 32))) for m in ms]
-        large = ("w4-k1-s4-c4-xs", "w4-k1-s3-c5-xs", "w4-k1-s3-c5-p2-xs", "w4-k1-s3-c5-q2-xs")
-        cells += [[layer, 32, [[tag, tag, {}] for tag in large]] for layer in ("in_proj", "qkv_proj", "gate_up")]
+        large = ("w4-k1-s3-c5-xs", "w4-k1-s4-c5-xs", "w4-k1-s3-c5-q2-xs")
+        cells += [[layer, m, [[tag, tag, {}] for tag in large]]
+                  for layer, ms in (("in_proj", (32,)), ("qkv_proj", (32,)), ("gate_up", (16, 24, 32))) for m in ms]
     if "xh" in names:
         cells += [[layer, m, [[tag, tag, {}] for tag in ("w4-k2-s3-c4-q3-h", "w4-k2-s3-c5-q4-h")]]
                   for layer in ("o_proj", "down_proj") for m in (16, 32)]
