@@ -143,7 +143,7 @@ class TmaConfig:
     arrives (fence, counters, fix-ups) only after its last unit, so its ring never stalls mid-range.
     `xbox`: x as one 2-D TMA box per stage with the 128-byte swizzle (no per-token bulk copies); with
     the consumers' proxy fence it is correct on the H200 (0 of 1200 race-probe launches wrong,
-    perf/results/h200/20261130-w12-tma-race-xbox.json) and 16 tuned entries use it, mostly at M = 16-32."""
+    20261130-w12-tma-race-xbox.json, in git history) and 16 tuned entries use it, mostly at M = 16-32."""
 
     mt: int = 2
     cw: int = 4
