@@ -206,11 +206,11 @@ class FlowConfig:
     splits the (row set of `rows` rows, 64-column unit) pairs into equal runs, so that every SM streams the same
     bytes whatever the row count; a row set shared by several CTAs meets in a global workspace, the last of them
     adding their shares in CTA order (tag `-sk`; other bits than the one-CTA build: another order of the fp32 sums).
-    `xs` (mma.sync build, one x set, exact base, rb = 1, no stream-K): each unit's x is staged in shared memory, one
-    ring of `stages` slots per K piece, copied (cp.async, in the commit group of the weight tiles, stages - 1 units
-    ahead) by the warps of that piece, which meet at a named barrier per unit and read their fragments from the slot:
-    x comes from L2 once per CTA and K piece instead of once per warp, and holds no registers in flight (tag `-xs`;
-    the same bits). `w12.matmul_tiled` (the engine's path) takes `flow_config`'s; under `w12.matmul` on the planes it
+    `xs` (mma.sync build, one x set, exact base, no stream-K): each unit's x is staged in shared memory, one
+    ring of `stages` slots per K piece, copied (cp.async through L1, in the commit group of the weight tiles, stages - 1
+    units ahead) by the warps of that piece, which meet at a named barrier per unit and read their fragments from the
+    slot: x is fetched once per CTA and K piece instead of once per warp, holds no registers in flight, and with rb = 2
+    feeds both row blocks of a warp (tag `-xs`; the same bits). `w12.matmul_tiled` (the engine's path) takes `flow_config`'s; under `w12.matmul` on the planes it
     runs only when forced."""
 
     warps: int = 8
@@ -250,9 +250,9 @@ class FlowConfig:
         if self.xh and (self.xd or self.wg):
             raise ValueError(f"FlowConfig(xh=True) reloads the mma.sync build's one x set by halves: it needs xd=0 and "
                              f"wg=False; got {self}")
-        if self.xs and (self.xd or self.xh or self.wg or self.fixed or self.rb != 1 or self.sk or self.kw > 15):
+        if self.xs and (self.xd or self.xh or self.wg or self.fixed or self.sk or self.kw > 15):
             raise ValueError(f"FlowConfig(xs=True) stages the mma.sync build's one x set in shared memory: it needs "
-                             f"xd=0, xh=False, wg=False, the exact base (fixed=False), rb=1, sk=False and kw <= 15; "
+                             f"xd=0, xh=False, wg=False, the exact base (fixed=False), sk=False and kw <= 15; "
                              f"got {self}")
         if self.sk and (self.fixed or self.kc != 1 or self.rb != 1 or self.escx):
             raise ValueError(f"FlowConfig(sk=True) (stream-K) needs the exact base (fixed=False), kc=1, rb=1 and "

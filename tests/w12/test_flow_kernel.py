@@ -620,7 +620,7 @@ def test_x_staged_in_shared_memory_config():
     q4 = dataclasses.replace(c, kg=False)
     assert flow.smem_bytes(dataclasses.replace(q4, xs=False), 4) == 4 * 3 * 1536 + 3 * 4 * 4 * 512 + 4 * 1024
     assert flow.smem_bytes(q4, 4) == 4 * 3 * 1536 + 3 * 4 * 1024 + 4 * 1024
-    for bad in (dict(xd=1), dict(xh=True), dict(wg=True), dict(fixed=True, kc=1, kg=False), dict(rb=2),
+    for bad in (dict(xd=1), dict(xh=True), dict(wg=True), dict(fixed=True, kc=1, kg=False),
                 dict(sk=True, kc=1, kg=False)):
         with pytest.raises(ValueError, match="xs=True"):
             dataclasses.replace(c, **bad)
@@ -661,12 +661,13 @@ def test_x_staged_in_shared_memory_copies_each_lane_its_fragment(rw, nt, m):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("tag,arch", [("w4-k1-s3-c5-p4-xs", (9, 0)), ("w4-k1-s3-c5-q4-xs", (9, 0)),
-                                      ("w8-k2-s3-c2-xs", (9, 0)), ("w4-k1-s3-c5-p4-xs", (8, 0))])
+                                      ("w8-k2-s3-c2-xs", (9, 0)), ("w4-k1-s3-c5-p4-xs", (8, 0)),
+                                      ("w4-k1-s3-c4-r2-q4-xs", (9, 0))])
 def test_x_staged_in_shared_memory_builds_without_spills_and_reads_x_from_the_ring(tag, arch, jit_cache):
     """The staged-x builds at 2 and 4 token tiles (full row blocks, as the 5120-row layers launch them): no stack or
     spills, and a main loop whose x comes from the ring: no global load, 2 NT 16-byte shared loads of x beside the
-    tile's two, the tile's three copies (L2 only) and the thread's share of the x copies (through L1), and one
-    barrier of the K piece."""
+    tiles' two each, the tiles' three copies each (L2 only) and the thread's share of the x copies (through L1), and
+    one barrier of the K piece; with two row blocks a warp, the same x fragments feed both."""
     cfg = FlowConfig.from_tag(tag)
     for nt in (2, 4):
         b = flow.build(cfg, nt, arch, defines={"W12F_FULL": 1})
@@ -675,9 +676,10 @@ def test_x_staged_in_shared_memory_builds_without_spills_and_reads_x_from_the_ri
         loop = mma_loop(sass(b.cubin))
         count = lambda op: sum(1 for t in loop if re.search(rf"\b{op}\b", t))  # noqa: E731
         share = -(-64 * nt // (32 * cfg.warps // cfg.kw))
-        assert count("HMMA.16816.F32.BF16") == 4 * nt, (tag, nt, loop)
+        assert count("HMMA.16816.F32.BF16") == 4 * nt * cfg.rb, (tag, nt, loop)
         assert not any(re.search(r"\bLDG\.E", t) for t in loop), (tag, nt, loop)
-        assert count("LDS.128") == 2 + 2 * nt and count("LDGSTS.E.BYPASS.128") == 3, (tag, nt, loop)
+        assert count("LDS.128") == 2 * cfg.rb + 2 * nt, (tag, nt, loop)
+        assert count("LDGSTS.E.BYPASS.128") == 3 * cfg.rb, (tag, nt, loop)
         assert count("LDGSTS.E.128") == share, (tag, nt, loop)  # x through L1: an SM's CTAs read the same x
         assert sum(1 for t in loop if "BAR.SYNC" in t) == 1, (tag, nt, loop)
 

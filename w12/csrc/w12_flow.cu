@@ -265,8 +265,8 @@ static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
 static_assert(W12F_XD >= 0 && W12F_XD <= 2, "x loaded 0 to 2 units ahead");
 static_assert(!XH || XD == 0, "x reloaded by halves: the mma.sync build with one x set");
 static_assert(!XS || KW <= 15, "x through a shared ring: one named barrier (1 + K piece) per K piece");
-static_assert(!XS || (XD == 0 && !XH && !FIXED && RB == 1 && !SK && W12F_XSTEP != 0),
-              "x through a shared ring: the mma.sync build's one x set, exact base, one row block a warp, no stream-K");
+static_assert(!XS || (XD == 0 && !XH && !FIXED && !SK && W12F_XSTEP != 0),
+              "x through a shared ring: the mma.sync build's one x set, exact base, no stream-K");
 static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight: 1 or 2");
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
