@@ -206,12 +206,12 @@ class FlowConfig:
     splits the (row set of `rows` rows, 64-column unit) pairs into equal runs, so that every SM streams the same
     bytes whatever the row count; a row set shared by several CTAs meets in a global workspace, the last of them
     adding their shares in CTA order (tag `-sk`; other bits than the one-CTA build: another order of the fp32 sums).
-    `xs` (mma.sync build, one x set, exact base, no stream-K): each unit's x is staged in shared memory, one
-    ring of `stages` slots per K piece, copied (cp.async through L1, in the commit group of the weight tiles, stages - 1
-    units ahead) by the warps of that piece, which meet at a named barrier per unit and read their fragments from the
-    slot: x is fetched once per CTA and K piece instead of once per warp, holds no registers in flight, and with rb = 2
-    feeds both row blocks of a warp (tag `-xs`; the same bits). `w12.matmul_tiled` (the engine's path) takes `flow_config`'s; under `w12.matmul` on the planes it
-    runs only when forced."""
+    `xs` (mma.sync build, one x set, exact base, no stream-K): each unit's x is staged in shared memory, one ring of
+    `stages` slots per K piece, copied (cp.async through L1, in the commit group of the weight tiles, stages - 1 units
+    ahead) by the warps of that piece, which meet at a named barrier per unit and read their fragments from the slot:
+    x is fetched once per CTA and K piece instead of once per warp, holds no registers in flight, and with rb = 2
+    feeds both row blocks of a warp (tag `-xs`; the same bits). `w12.matmul_tiled` (the engine's path) takes
+    `flow_config`'s; under `w12.matmul` on the planes it runs only when forced."""
 
     warps: int = 8
     kw: int = 2

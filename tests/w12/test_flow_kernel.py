@@ -620,6 +620,10 @@ def test_x_staged_in_shared_memory_config():
     q4 = dataclasses.replace(c, kg=False)
     assert flow.smem_bytes(dataclasses.replace(q4, xs=False), 4) == 4 * 3 * 1536 + 3 * 4 * 4 * 512 + 4 * 1024
     assert flow.smem_bytes(q4, 4) == 4 * 3 * 1536 + 3 * 4 * 1024 + 4 * 1024
+    # where they do not fit (2 slots: 20 KB of rings for 24 KB of sums), they keep their own place
+    s2 = dataclasses.replace(q4, stages=2)
+    assert flow.smem_bytes(s2, 4) == 4 * 2 * 1536 + 2 * 4 * 1024 + 3 * 4 * 4 * 512 + 4 * 1024
+    assert flow.smem_bytes(s2, 1) == 4 * 2 * 1536 + 2 * 1 * 1024
     for bad in (dict(xd=1), dict(xh=True), dict(wg=True), dict(fixed=True, kc=1, kg=False),
                 dict(sk=True, kc=1, kg=False)):
         with pytest.raises(ValueError, match="xs=True"):

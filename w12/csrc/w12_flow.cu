@@ -635,14 +635,15 @@ w12_matmul_flow_kernel(
     // latency hides under the stream instead of lengthening the epilogue (ESC_STASH: where it waits)
     int ep[RB][2][2] = {}, ec[RB][2] = {};
     uint32_t ev[RB][2] = {};
-    // shared memory: the rings (XS: the x rings after the weights'), the KW shares (RED), the other CTAs' sums
-    // (KC > 1, rank 0's), the escape stash. XS_CRED: those sums over the rings, free once the main loop is done
-    constexpr int RINGS = WARPS * STAGES * SLOT + (XS ? KW * STAGES * XSSLOT : 0);
+    // shared memory: the weight rings, the x rings (XS: one of STAGES slots per K piece), the KW shares (RED), the
+    // other CTAs' sums (KC > 1, rank 0's; XS_CRED: over the rings, free once the main loop is done), the escape stash
+    constexpr int XS_OFF = WARPS * STAGES * SLOT;                                     // after the weight rings
+    constexpr int RED_OFF = XS_OFF + (XS ? KW * STAGES * XSSLOT : 0);                 // after the rings
     constexpr int CRED_BYTES = CLUSTER ? (KC - 1) * RW * RB * NT * 512 : 0;
-    constexpr bool XS_CRED = XS && CLUSTER && CRED_BYTES <= RINGS;
-    constexpr int RED_OFF = RINGS;                                                                // after the rings
-    constexpr int CRED_OFF = XS_CRED ? 0 : RED_OFF + (RED ? WARPS * RB * NT * 512 : 0);        // after the KW shares
-    constexpr int STASH_OFF = RED_OFF + (RED ? WARPS * RB * NT * 512 : 0) + (XS_CRED ? 0 : CRED_BYTES);
+    constexpr bool XS_CRED = XS && CLUSTER && CRED_BYTES <= RED_OFF;
+    constexpr int AFTER_RED = RED_OFF + (RED ? WARPS * RB * NT * 512 : 0);           // after the KW shares
+    constexpr int CRED_OFF = XS_CRED ? 0 : AFTER_RED;
+    constexpr int STASH_OFF = AFTER_RED + (XS_CRED ? 0 : CRED_BYTES);                  // after the CTAs' sums
     constexpr int X_OFF = STASH_OFF + (ESC_STASH ? RW * RB * 1024 : 0);                 // after the stash (WG)
     int4* const stash = reinterpret_cast<int4*>(smem + STASH_OFF) + rw * RB * 64;
     // after the warpgroup build's x rings (sized for 3 slots whatever W12F_WG_DEPTH): word
@@ -650,8 +651,6 @@ w12_matmul_flow_kernel(
     // escape, token 8 j + 2 p + u
     constexpr int ESCX_OFF = X_OFF + (WG ? WARPS / 4 * 3 * XSLOT : 0);
     const uint32_t* const escx = reinterpret_cast<const uint32_t*>(smem + ESCX_OFF) + rw * RB * 4 * NT * 32 + lane;
-    // XS: after the weight rings, one x ring of STAGES slots per K piece
-    constexpr int XS_OFF = WARPS * STAGES * SLOT;
     // the first entry of each row's CSR range (W12F_LATE: after the first copies, so that this dependent load and
     // the stash store that waits for it do not hold them back)
     auto escape_entries = [&]() {
@@ -1295,11 +1294,10 @@ w12_matmul_flow_kernel(
       if constexpr (CLUSTER) {
         // the other CTAs' sums into rank 0's shared memory, one cluster barrier, then rank 0 adds them in rank order
         const uint32_t cred = (uint32_t)__cvta_generic_to_shared(smem + CRED_OFF);
-        if constexpr (XS_CRED) {
-          // rank 0's rings hold the sums: every copy into them landed and every read of them done, cluster-wide
-          asm volatile("cp.async.wait_all;" ::: "memory");
+        // XS_CRED: rank 0's rings take the sums once every warp of the cluster is done reading its own (their
+        // copies all landed at the main loop's end, cp.async.wait_all)
+        if constexpr (XS_CRED)
           asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
-        }
         if (ks == 0 && kc > 0) {
           uint32_t dst;
           asm volatile("mapa.shared::cluster.u32 %0, %1, 0;" : "=r"(dst) : "r"(cred));
