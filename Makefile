@@ -50,11 +50,16 @@ SGL_DEPS  ?= orjson psutil pybase64 requests packaging starlette msgspec pydanti
              transformers==5.19.0 openai==2.8.0 partial-json-parser einops \
              numpy numba safetensors optuna pytest pytest-benchmark
 
+# A download that arrives corrupt fails pip's hash check ("THESE PACKAGES DO NOT MATCH THE HASHES"); the same install
+# is tried once more without pip's cache before the target fails.
+sgl_pip = $(SGL_PY) -m pip install -q $(1) || { echo "pip install failed; once more without the cache" >&2; \
+          $(SGL_PY) -m pip install -q --no-cache-dir $(1); }
+
 $(SGL_STAMP): pyproject.toml Makefile
 	@test -x $(SGL_PY) || python3 -m venv $(SGL_VENV)
-	$(SGL_PY) -m pip install -q $(SGL_TORCH)
-	$(SGL_PY) -m pip install -q --no-deps $(SGLANG)
-	$(SGL_PY) -m pip install -q $(SGL_DEPS) $(SGL_TORCH)
+	$(call sgl_pip,$(SGL_TORCH))
+	$(call sgl_pip,--no-deps $(SGLANG))
+	$(call sgl_pip,$(SGL_DEPS) $(SGL_TORCH))
 	$(SGL_PY) -m pip install -q --no-deps -e .
 	$(SGL_PY) -c "import torch, sglang.srt.layers.linear; assert torch.__version__.startswith('2.14.1'), torch.__version__"
 	@touch $(SGL_STAMP)
