@@ -113,15 +113,7 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
     if cfg.kc > 1 and not cfg.kg and tuple(arch) < (9, 0):
         raise ValueError(f"w12.flow.spec: {cfg.tag()} splits K across the CTAs of a thread-block cluster, which needs "
                          f"sm_90; this GPU is sm_{arch[0]}{arch[1]} (use kc=1)")
-    base = dict(W12F_WARPS=cfg.warps, W12F_KW=cfg.kw, W12F_STAGES=cfg.stages, W12F_CPS=cfg.cps, W12F_NT=nt,
-                W12F_FIXED=int(cfg.fixed), W12F_EVICT=int(cfg.evict), W12F_RB=cfg.rb, W12F_KC=cfg.kc,
-                W12F_Q8=int(q8), W12F_WG=int(cfg.wg), W12F_XD=cfg.xd, W12F_KG=int(cfg.kg), W12F_LATE=int(cfg.late),
-                W12F_ESCX=int(cfg.escx), W12F_XH=int(cfg.xh), **_check_step(step))
-    if cfg.xs:  # (a define only where on: the other builds' sources stay as they were)
-        base |= dict(W12F_XRING=1)
-    if cfg.sk:  # stream-K reads full row blocks only (launch_tiled checks N % 16 == 0)
-        base |= dict(W12F_SK=1, W12F_FULL=1)
-    merged = base | _env_defines() | dict(defines or {})
+    merged = _defines(cfg, nt, step, defines, q8)
     if (cfg.kc > 1 or cfg.sk) and not merged["W12F_RED"]:
         raise ValueError(f"w12.flow.spec: {cfg.tag()} (a K split across CTAs) builds only with the reduction, step "
                          f"'e'; got step {step!r}")
@@ -131,8 +123,24 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
         raise ValueError(f"w12.flow.spec: {cfg.tag()} (stream-K) builds 1-4 token tiles (up to 32 rows), got {nt}: at "
                          "5-8 its warpgroup builds spill; use the config without sk above 32 rows")
     target = jit.arch_name(arch, wgmma=cfg.wg)
+    # the kernel checks its shared-memory layout against the bytes the launch gives it (a static_assert)
+    merged["W12F_SMEM"] = _smem(merged)
     return jit.Spec(SOURCE, KERNEL, target, merged,
                     name=f"{SOURCE.stem}-{cfg.tag()}{'-q8' if q8 else ''}-nt{nt}-{step}-{target}")
+
+
+def _defines(cfg: FlowConfig, nt: int, step: str, defines: Mapping[str, object] | None, q8: bool = False
+             ) -> dict[str, int]:
+    """The W12F_* defines of a build: the config's, the step's, then SPECPILOT_W12F_DEFINES, then `defines`."""
+    base = dict(W12F_WARPS=cfg.warps, W12F_KW=cfg.kw, W12F_STAGES=cfg.stages, W12F_CPS=cfg.cps, W12F_NT=nt,
+                W12F_FIXED=int(cfg.fixed), W12F_EVICT=int(cfg.evict), W12F_RB=cfg.rb, W12F_KC=cfg.kc,
+                W12F_Q8=int(q8), W12F_WG=int(cfg.wg), W12F_XD=cfg.xd, W12F_KG=int(cfg.kg), W12F_LATE=int(cfg.late),
+                W12F_ESCX=int(cfg.escx), W12F_XH=int(cfg.xh), **_check_step(step))
+    if cfg.xs:  # (a define only where on: the other builds' sources stay as they were)
+        base |= dict(W12F_XRING=1)
+    if cfg.sk:  # stream-K reads full row blocks only (launch_tiled checks N % 16 == 0)
+        base |= dict(W12F_SK=1, W12F_FULL=1)
+    return base | _env_defines() | dict(defines or {})
 
 
 def _env_defines() -> dict:
@@ -164,19 +172,27 @@ def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e", defines: Mapping[str, 
     ring per warpgroup (3 slots of 1 KB per token tile), with `escx` (or W12F_ESCX in `defines` or
     SPECPILOT_W12F_DEFINES) x at each row's first escape column (512 bytes per row block and token tile), and with
     `xs` an x ring per K piece (`stages` slots of 1 KB per token tile); with `xs` in a cluster, rank 0 receives the
-    other CTAs' sums in its rings (free after the main loop) where they fit."""
-    step_defines = _check_step(step)
-    red = step_defines["W12F_RED"] and cfg.kw > 1
-    cred = 0 if cfg.kg else (cfg.kc - 1) * cfg.row_blocks * nt * 512
-    stash = cfg.row_blocks * 1024 if step_defines["W12F_ESC"] and nt > 2 else 0
-    xring = cfg.warps // 4 * 3 * nt * 1024 if cfg.wg else 0
-    escx = int((dict(W12F_ESCX=int(cfg.escx)) | _env_defines() | dict(defines or {}))["W12F_ESCX"])
-    escx = cfg.row_blocks * nt * 512 if escx and step_defines["W12F_ESC"] else 0
-    xs = cfg.kw * cfg.stages * nt * 1024 if cfg.xs and step_defines["W12F_X"] else 0
-    rings = cfg.warps * cfg.stages * cfg.rb * TILE + xs
-    if xs and 0 < cred <= rings:
+    other CTAs' sums in its rings (free after the main loop) where they fit. Read off the build's own defines (the
+    step's, SPECPILOT_W12F_DEFINES, `defines`); the kernel asserts at compile time that its layout ends there."""
+    return _smem(_defines(cfg, nt, step, defines))
+
+
+def _smem(d: Mapping[str, int]) -> int:
+    """`smem_bytes` of a build's defines, in the kernel's order: weight rings, x rings (xs), KW shares, the other
+    CTAs' sums (unless in the rings), the escape stash, the warpgroup's x rings, x at the first escapes."""
+    warps, kw, nt, rb, kc = d["W12F_WARPS"], d["W12F_KW"], d["W12F_NT"], d["W12F_RB"], d["W12F_KC"]
+    wg, esc = bool(d["W12F_WG"]), bool(d["W12F_ESC"])
+    row_blocks = warps // kw * rb
+    xs = kw * d["W12F_STAGES"] * nt * 1024 if not wg and d["W12F_X"] and d.get("W12F_XRING", 0) else 0
+    rings = warps * d["W12F_STAGES"] * rb * TILE + xs
+    red = warps * rb * nt * 512 if d["W12F_RED"] and kw > 1 else 0
+    cred = (kc - 1) * row_blocks * nt * 512 if kc > 1 and not d["W12F_KG"] else 0
+    if xs and cred <= rings:
         cred = 0  # rank 0's rings hold the other CTAs' sums once its main loop is done
-    return rings + (cfg.warps * cfg.rb * nt * 512 if red else 0) + cred + stash + xring + escx
+    stash = row_blocks * 1024 if esc and nt > 2 else 0
+    xring = warps // 4 * 3 * nt * 1024 if wg else 0
+    escx = row_blocks * nt * 512 if esc and d["W12F_ESCX"] else 0
+    return rings + red + cred + stash + xring + escx
 
 
 def grid(cfg: FlowConfig, N: int, K: int | None = None, sms: int | None = None) -> int:

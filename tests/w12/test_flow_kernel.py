@@ -689,6 +689,28 @@ def test_x_staged_in_shared_memory_builds_without_spills_and_reads_x_from_the_ri
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("tag,nt,defines", [("w4-k1-s3-c5-q4-xs", 4, {}), ("w4-k1-s2-c4-q4-xs", 4, {}),
+                                            ("w4-k1-s3-c4-r2-q4-xs", 1, {}), ("w8-k2-s4-c2-xs", 3, {}),
+                                            ("w4-k2-s3-c4-q3-x1", 4, {"W12F_FULL": 1}), ("w8-k2-s4-c2-q2-e", 4, {}),
+                                            ("w4-k1-s6-c4-q2-g", 8, {"W12F_FULL": 1}), ("w8-k2-s3-c2-p3-g", 4, {}),
+                                            ("w4-k2-s3-c4-sk", 2, {}), ("w8-k2-s4-c2", 4, {"W12F_ESCX": 1})])
+def test_shared_memory_layout_is_checked_by_the_build(tag, nt, defines, jit_cache, monkeypatch):
+    """The kernel asserts at compile time that its shared-memory layout ends at the bytes w12.flow.smem_bytes gives
+    the launch (W12F_SMEM, from the same defines): builds with each region (x rings, the cluster's sums in the rings
+    or in their own place, the KW shares, the escape stash, the warpgroup's x rings, x at the first escapes) build,
+    and the same build told 16 bytes more or less fails."""
+    cfg = FlowConfig.from_tag(tag)
+    want = flow.smem_bytes(cfg, nt, defines=defines)
+    assert int(dict(flow.spec(cfg, nt, (9, 0), defines=defines).defines)["W12F_SMEM"]) == want
+    flow.build(cfg, nt, (9, 0), defines=defines)
+    smem = flow._smem
+    for off in (16, -16):
+        monkeypatch.setattr(flow, "_smem", lambda d, off=off: smem(d) + off)
+        with pytest.raises(autotune.BuildError, match="disagree"):
+            flow.build(cfg, nt, (9, 0), defines=defines)
+
+
+@pytest.mark.slow
 def test_k_split_through_memory_builds_everywhere(jit_cache):
     """FlowConfig.kg (the K split's CTAs meeting in a global workspace): no cluster, so sm_80 builds it too; its tag
     is -p<kc> and round-trips; kc 2 to 8 (a cluster takes at most 4); no shared memory for other CTAs' sums; the

@@ -651,6 +651,11 @@ w12_matmul_flow_kernel(
     // escape, token 8 j + 2 p + u
     constexpr int ESCX_OFF = X_OFF + (WG ? WARPS / 4 * 3 * XSLOT : 0);
     const uint32_t* const escx = reinterpret_cast<const uint32_t*>(smem + ESCX_OFF) + rw * RB * 4 * NT * 32 + lane;
+#ifdef W12F_SMEM
+    // the launch gives W12F_SMEM bytes (w12.flow.smem_bytes, from the same defines): the layout must end there
+    static_assert(ESCX_OFF + (ESCX ? RW * RB * NT * 512 : 0) == W12F_SMEM,
+                  "w12.flow.smem_bytes and the kernel's shared-memory layout disagree");
+#endif
     // the first entry of each row's CSR range (W12F_LATE: after the first copies, so that this dependent load and
     // the stash store that waits for it do not hold them back)
     auto escape_entries = [&]() {
