@@ -1108,9 +1108,10 @@ def ab_preset(name: str) -> str | None:
     (the mma.sync build takes 9-16). "xh": x reloaded by halves (docs/w12-kernels.md, "x reloaded by halves"),
     `w4-k2-s3-c4-q3-h` and `w4-k2-s3-c5-q4-h`, at 16 and 32 rows on o_proj and down_proj. "xs": x through a shared
     ring per K piece (docs/w12-kernels.md, "x through a shared ring"): one-K-piece CTAs of 4 warps in clusters of 4 or
-    3 (one or two row blocks a warp; and split 4 ways through memory) and the shipped 5120-row shape with it, at 16,
-    24 and 32 rows on o_proj and 16 and 32 on down_proj; one-K-piece CTAs unsplit and in clusters of 2 at 32 rows on
-    in_proj and qkv_proj, and at 16, 24 and 32 on gate_up."""
+    3 (one or two row blocks a warp; and split 4 ways through memory), of 2 warps in clusters of 4 (twice the CTAs,
+    4-5 an SM on o_proj instead of 2-3) and the shipped 5120-row shape with it, at 16, 24 and 32 rows on o_proj and 16
+    and 32 on down_proj; one-K-piece CTAs unsplit and in clusters of 2 at 32 rows on in_proj and qkv_proj, and at 16,
+    24 and 32 on gate_up."""
     names = name.split(",")
     if not all(n in AB_PRESETS for n in names):
         return None
@@ -1126,7 +1127,7 @@ def ab_preset(name: str) -> str | None:
                 cells.append([layer, m, cands])
     if "xs" in names:
         small = ("w4-k1-s3-c5-q4-xs", "w4-k1-s4-c5-q4-xs", "w4-k1-s3-c5-q3-xs", "w4-k1-s3-c4-r2-q4-xs",
-                 "w4-k1-s3-c5-p4-xs", "w4-k2-s3-c4-q3-xs")
+                 "w4-k1-s3-c5-p4-xs", "w4-k2-s3-c4-q3-xs", "w2-k1-s3-c8-q4-xs")
         cells += [[layer, m, [[tag, tag, {}] for tag in small]]
                   for layer, ms in (("o_proj", (16, 24, 32)), ("down_proj", (16, 32))) for m in ms]
         large = ("w4-k1-s3-c5-xs", "w4-k1-s4-c5-xs", "w4-k1-s3-c5-q2-xs")

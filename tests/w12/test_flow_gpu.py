@@ -535,11 +535,13 @@ def test_x_sets_equal_one_copied_set_bitwise(cfg, ahead, q8):
 
 # x staged in shared memory (FlowConfig.xs): the K splits of the register builds above that it takes (exact base; one
 # and two row blocks a warp), and the candidates' shapes: 4 warps of one K piece in clusters (one and two row blocks a
-# warp) and through memory, 8 warps in two; a cluster whose sums outgrow rank 0's 2-slot rings at 4 token tiles
+# warp) and through memory, 8 warps in two; a cluster whose sums outgrow rank 0's 2-slot rings at 4 token tiles; 2 warps
+# of one K piece in clusters of 4
 XS_CONFIGS = [dataclasses.replace(c, xd=0) for c in CONFIGS + KC_CONFIGS + KG_CONFIGS if not c.fixed] + \
     [FlowConfig(warps=4, kw=1, stages=3, cps=5, kc=4), FlowConfig(warps=4, kw=1, stages=3, cps=5, kc=4, kg=True),
      FlowConfig(warps=8, kw=2, stages=3, cps=2), FlowConfig(warps=4, kw=1, stages=4, cps=4),
-     FlowConfig(warps=4, kw=1, stages=3, cps=4, rb=2, kc=4), FlowConfig(warps=4, kw=1, stages=2, cps=4, kc=4)]
+     FlowConfig(warps=4, kw=1, stages=3, cps=4, rb=2, kc=4), FlowConfig(warps=4, kw=1, stages=2, cps=4, kc=4),
+     FlowConfig(warps=2, kw=1, stages=3, cps=8, kc=4)]
 
 
 @pytest.mark.parametrize("cfg", XS_CONFIGS, ids=lambda c: c.tag())
@@ -574,7 +576,8 @@ def test_x_staged_in_shared_memory_matches_fp64(M, N, K):
     for cfg in [FlowConfig(warps=4, kw=1, stages=3, cps=5, kc=4, kg=True, xs=True),
                 FlowConfig(warps=4, kw=1, stages=4, cps=4, xs=True)] + \
             ([FlowConfig(warps=4, kw=1, stages=3, cps=5, kc=4, xs=True),
-              FlowConfig(warps=4, kw=1, stages=3, cps=4, rb=2, kc=4, xs=True)] if hopper else []):
+              FlowConfig(warps=4, kw=1, stages=3, cps=4, rb=2, kc=4, xs=True),
+              FlowConfig(warps=2, kw=1, stages=3, cps=8, kc=4, xs=True)] if hopper else []):
         assert_close(_run(cfg, x, t), w12.matmul_reference(x, p), F.linear(x, w), msg=cfg.tag())
 
 

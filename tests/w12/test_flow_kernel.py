@@ -666,7 +666,7 @@ def test_x_staged_in_shared_memory_copies_each_lane_its_fragment(rw, nt, m):
 @pytest.mark.slow
 @pytest.mark.parametrize("tag,arch", [("w4-k1-s3-c5-p4-xs", (9, 0)), ("w4-k1-s3-c5-q4-xs", (9, 0)),
                                       ("w8-k2-s3-c2-xs", (9, 0)), ("w4-k1-s3-c5-p4-xs", (8, 0)),
-                                      ("w4-k1-s3-c4-r2-q4-xs", (9, 0))])
+                                      ("w4-k1-s3-c4-r2-q4-xs", (9, 0)), ("w2-k1-s3-c8-q4-xs", (9, 0))])
 def test_x_staged_in_shared_memory_builds_without_spills_and_reads_x_from_the_ring(tag, arch, jit_cache):
     """The staged-x builds at 2 and 4 token tiles (full row blocks, as the 5120-row layers launch them): no stack or
     spills, and a main loop whose x comes from the ring: no global load, 2 NT 16-byte shared loads of x beside the
