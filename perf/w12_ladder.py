@@ -1110,8 +1110,8 @@ def ab_preset(name: str) -> str | None:
     ring per K piece (docs/w12-kernels.md, "x through a shared ring"): one-K-piece CTAs of 4 warps in clusters of 4 or
     3 (one or two row blocks a warp; and split 4 ways through memory), of 2 warps in clusters of 4 (twice the CTAs,
     4-5 an SM on o_proj instead of 2-3) and the shipped 5120-row shape with it, at 16, 24 and 32 rows on o_proj and 16
-    and 32 on down_proj; one-K-piece CTAs unsplit and in clusters of 2 at 32 rows on in_proj and qkv_proj, and at 16,
-    24 and 32 on gate_up."""
+    and 32 on down_proj; one-K-piece CTAs unsplit and in clusters of 2 at 32 rows on in_proj and qkv_proj, at 16, 24
+    and 32 on gate_up and at 32 on the LM head."""
     names = name.split(",")
     if not all(n in AB_PRESETS for n in names):
         return None
@@ -1132,7 +1132,8 @@ def ab_preset(name: str) -> str | None:
                   for layer, ms in (("o_proj", (16, 24, 32)), ("down_proj", (16, 32))) for m in ms]
         large = ("w4-k1-s3-c5-xs", "w4-k1-s4-c5-xs", "w4-k1-s3-c5-q2-xs")
         cells += [[layer, m, [[tag, tag, {}] for tag in large]]
-                  for layer, ms in (("in_proj", (32,)), ("qkv_proj", (32,)), ("gate_up", (16, 24, 32))) for m in ms]
+                  for layer, ms in (("in_proj", (32,)), ("qkv_proj", (32,)), ("gate_up", (16, 24, 32)),
+                                    ("lm_head", (32,))) for m in ms]
     if "xh" in names:
         cells += [[layer, m, [[tag, tag, {}] for tag in ("w4-k2-s3-c4-q3-h", "w4-k2-s3-c5-q4-h")]]
                   for layer in ("o_proj", "down_proj") for m in (16, 32)]

@@ -302,12 +302,12 @@ def test_ab_preset_sk_holds_every_stream_k_candidate(ladder):
 
 def test_ab_preset_xs_holds_shared_ring_configs(ladder):
     """--ab xs: x through a shared ring on the 5120-row layers (o_proj at 16, 24 and 32 rows, down_proj at 16 and 32),
-    on in_proj and qkv_proj at 32 and on gate_up at 16, 24 and 32; every candidate an `xs` config, the shipped
-    5120-row shape among them."""
+    on in_proj and qkv_proj at 32, on gate_up at 16, 24 and 32 and on the LM head at 32; every candidate an `xs`
+    config, the shipped 5120-row shape among them."""
     cells = ladder.ab_parse_cells(ladder.ab_preset("xs"))
     assert [(layer, m) for layer, m, _ in cells] == [
         ("o_proj", 16), ("o_proj", 24), ("o_proj", 32), ("down_proj", 16), ("down_proj", 32), ("in_proj", 32),
-        ("qkv_proj", 32), ("gate_up", 16), ("gate_up", 24), ("gate_up", 32)]
+        ("qkv_proj", 32), ("gate_up", 16), ("gate_up", 24), ("gate_up", 32), ("lm_head", 32)]
     assert all(FlowConfig.from_tag(tag).xs and not d for _, _, cands in cells for _, tag, d in cands)
     assert "w4-k2-s3-c4-q3-xs" in [tag for _, tag, _ in cells[2][2]]
 
