@@ -180,22 +180,21 @@ def smem_bytes(cfg: FlowConfig, nt: int, step: str = "e", defines: Mapping[str, 
 def _smem(d: Mapping[str, int]) -> int:
     """`smem_bytes` of a build's defines, in the kernel's order: weight rings, x rings (xs), KW shares, the other
     CTAs' sums (unless in the rings), the escape stash, the warpgroup's x rings, x at the first escapes."""
-    v = {k: int(d.get(k, 0)) for k in ("W12F_WARPS", "W12F_KW", "W12F_NT", "W12F_RB", "W12F_KC", "W12F_STAGES",
-                                       "W12F_WG", "W12F_ESC", "W12F_X", "W12F_XRING", "W12F_RED", "W12F_KG",
-                                       "W12F_ESCX")}  # (a call's `defines` may give strings)
-    warps, kw, nt, rb, kc, stages = (v[k] for k in ("W12F_WARPS", "W12F_KW", "W12F_NT", "W12F_RB", "W12F_KC",
-                                                    "W12F_STAGES"))
-    wg, esc = v["W12F_WG"] != 0, v["W12F_ESC"] != 0
+    def v(name: str) -> int:  # (a call's `defines` may give strings; W12F_XRING is set only where on)
+        return int(d.get("W12F_XRING", 0) if name == "XRING" else d[f"W12F_{name}"])
+
+    warps, kw, nt, rb, kc, stages = v("WARPS"), v("KW"), v("NT"), v("RB"), v("KC"), v("STAGES")
+    wg, esc = v("WG") != 0, v("ESC") != 0
     row_blocks = warps // kw * rb
-    xs = kw * stages * nt * 1024 if not wg and v["W12F_X"] and v["W12F_XRING"] else 0
+    xs = kw * stages * nt * 1024 if not wg and v("X") and v("XRING") else 0
     rings = warps * stages * rb * TILE + xs
-    red = warps * rb * nt * 512 if v["W12F_RED"] and kw > 1 else 0
-    cred = (kc - 1) * row_blocks * nt * 512 if kc > 1 and not v["W12F_KG"] else 0
+    red = warps * rb * nt * 512 if v("RED") and kw > 1 else 0
+    cred = (kc - 1) * row_blocks * nt * 512 if kc > 1 and not v("KG") else 0
     if xs and cred <= rings:
         cred = 0  # rank 0's rings hold the other CTAs' sums once its main loop is done
     stash = row_blocks * 1024 if esc and nt > 2 else 0
     xring = warps // 4 * 3 * nt * 1024 if wg else 0
-    escx = row_blocks * nt * 512 if esc and v["W12F_ESCX"] else 0
+    escx = row_blocks * nt * 512 if esc and v("ESCX") else 0
     return rings + red + cred + stash + xring + escx
 
 
