@@ -246,29 +246,40 @@ def _case(name: str, n: int, k: int, m: int, variant: str, device: torch.device)
     return case
 
 
+def _step_picks(count: int) -> list[int]:
+    """The decode step's layers whose outputs `check` compares with fp64: the first, a third, the middle, the last."""
+    return sorted({0, count // 3, count // 2, count - 1})
+
+
 class _StepWeights:
-    """The decode step's weights: one BF16 set (baseline) and its W12 packs, built once."""
+    """The decode step's weights, drawn layer by layer from one seeded generator: the BF16 set (the baseline), or
+    the W12 packs with the BF16 weight of the checked layers only (`_step_picks`). Both sets of hybrid-27b together
+    (about 90 GB) do not fit an 80 GB GPU, and the packs alone take three quarters of the BF16 set."""
 
     _key = None
     _val: dict = {}
 
     @classmethod
     def get(cls, shapes: ModelShapes, device: torch.device, packed: bool) -> dict:
-        key = (shapes.name, str(device))
+        key = (shapes.name, str(device), packed)
         if cls._key != key:
+            cls.release()
             cls._key, cls._val = key, {"layers": [], "w12": []}
         v = cls._val
         if not v["layers"]:
-            g = torch.Generator(device=device).manual_seed(_SEED)
-            for name, (n, k) in shapes.linears.items():
-                for _ in range(shapes.linear_counts.get(name, shapes.layers)):
-                    w = (torch.randn(n, k, device=device, generator=g) * k**-0.5).to(torch.bfloat16)
-                    v["layers"].append((name, w, torch.randn(1, k, device=device, generator=g).to(torch.bfloat16)))
-        if packed and not v["w12"]:
             import w12
 
-            # the planes (w12.matmul's variants; "w12.tiled" tiles them), one layer at a time on the device
-            v["w12"] = [w12.pack(w, layout="planes") for _, w, _ in v["layers"]]
+            dims = [(name, n, k) for name, (n, k) in shapes.linears.items()
+                    for _ in range(shapes.linear_counts.get(name, shapes.layers))]
+            keep = set(_step_picks(len(dims)))
+            g = torch.Generator(device=device).manual_seed(_SEED)
+            for i, (name, n, k) in enumerate(dims):
+                w = (torch.randn(n, k, device=device, generator=g) * k**-0.5).to(torch.bfloat16)
+                x = torch.randn(1, k, device=device, generator=g).to(torch.bfloat16)
+                if packed:  # the planes (w12.matmul's variants; "w12.tiled" tiles them)
+                    v["w12"].append(w12.pack(w, layout="planes"))
+                v["layers"].append((name, w if not packed or i in keep else None, x))
+                del w
         return v
 
     @classmethod
@@ -315,8 +326,7 @@ def _step_case(shapes: ModelShapes, variant: str, device: torch.device) -> Case:
 
         def check() -> None:
             outs = step()
-            picks = sorted({0, len(layers) // 3, len(layers) // 2, len(layers) - 1})
-            for i in picks:
+            for i in _step_picks(len(layers)):
                 name, w, x = layers[i]
                 cols = _cols(w.shape[0], device)
                 ref64 = (x.double() @ w[cols].double().T).cpu()
@@ -324,7 +334,7 @@ def _step_case(shapes: ModelShapes, variant: str, device: torch.device) -> Case:
 
         def teardown() -> None:
             pairs.clear()
-            _StepWeights.release()  # ~90 GB on hybrid-27b: do not hold it into later groups
+            _StepWeights.release()  # tens of GB on hybrid-27b: do not hold them into later groups
 
         return Prepared(fns=[step], check=check, graph_safe=True, teardown=teardown)
 
