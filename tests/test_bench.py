@@ -410,6 +410,32 @@ def test_group_is_warmed_before_its_first_timing(monkeypatch):
     assert runner._warm_group([prep("a")], torch.device("cuda")) >= 2 and len(events) >= 2
 
 
+def test_a_case_alone_is_torn_down_before_the_next_is_set_up():
+    """A group holding a Case.alone case sets up, times and tears down each case before the next one's setup (the
+    decode step's BF16 set and W12 packs do not fit an 80 GB GPU together), and still takes every ratio against the
+    group's baseline; a group without one sets all its cases up first."""
+    for alone in (True, False):
+        events = []
+
+        def case(variant, alone=alone):
+            def setup():
+                events.append(("setup", variant))
+                return Prepared(fns=[lambda: None], check=lambda: None,
+                                teardown=lambda: events.append(("teardown", variant)))
+            return Case(op="decode_step", variant=variant, shape="s", dims={"M": 1}, flops=1.0, bytes=1.0,
+                        setup=setup, baseline="base", alone=alone and variant == "w12")
+
+        rows = runner._run_group([case("base"), case("w12")], torch.device("cpu"), reps=3, warmup=1, common={},
+                                 log=lambda s: None)
+        assert [r["status"] for r in rows] == ["ok", "ok"]
+        assert rows[1]["baseline_us"] == rows[0]["median_us"] and rows[1]["speedup"] > 0
+        order = [e for e in events if e[0] in ("setup", "teardown")]
+        if alone:
+            assert order == [("setup", "base"), ("teardown", "base"), ("setup", "w12"), ("teardown", "w12")]
+        else:
+            assert order == [("setup", "base"), ("setup", "w12"), ("teardown", "base"), ("teardown", "w12")]
+
+
 def test_screen_widths_on_the_tiny_head(tmp_path):
     """specpilot.bench.screens on the tiny head: every interval holds its fp64 logit (checked inside), the radius
     grows as the codes narrow and shrinks with the hidden states' second part, the counts lie in 1..V; the JSON

@@ -48,6 +48,10 @@ class Case:
     group: str = ""  # cases timed side by side; defaults to shape
     baseline: str | None = None  # variant in the group to take ratios against
     extra: dict[str, Any] = field(default_factory=dict)
+    # set up, timed and torn down before the group's next case is set up: for inputs that do not fit the device
+    # beside the other cases' (the 64-layer decode step's BF16 set and W12 packs on an 80 GB GPU); its ratio is
+    # still taken against the group's baseline, timed in the same run but not interleaved with it
+    alone: bool = False
 
     def __post_init__(self):
         if not self.group:

@@ -171,6 +171,10 @@ def _warm_group(preps: list[Prepared], device: torch.device) -> int:
 
 def _run_group(cases: list[Case], device: torch.device, reps: int, warmup: int, common: dict,
                log: Callable[[str], None], budget_s: float | None = None) -> list[dict]:
+    if len(cases) > 1 and any(c.alone for c in cases):  # one case at a time (Case.alone), ratios over them all
+        rows = [r for c in cases for r in _run_group([c], device, reps, warmup, common, log, budget_s)]
+        _take_ratios(rows)
+        return rows
     rows: list[dict] = []
     prepared: list[Prepared | None] = []
     for case in cases:
@@ -255,14 +259,19 @@ def _run_group(cases: list[Case], device: torch.device, reps: int, warmup: int, 
                     log(f"  teardown failed: {_short_error(e)}")
         prepared.clear()
         _free(device)
-    # Ratios against the group's baseline variant, when it was timed; none where either side was interpreted.
+    _take_ratios(rows)
+    return rows
+
+
+def _take_ratios(rows: list[dict]) -> None:
+    """Each row's ratio against its group's baseline variant, when it was timed; none where either side was
+    interpreted."""
     by_variant = {r["variant"]: r for r in rows if r["status"] == "ok" and r["median_us"]}
     for row in rows:
         base = by_variant.get(row["baseline"]) if row["baseline"] else None
         if base is not None and row["status"] == "ok" and row["median_us"] and not (row["interpreted"]
                                                                                      or base["interpreted"]):
             row.update(baseline_us=base["median_us"], speedup=base["median_us"] / row["median_us"])
-    return rows
 
 
 def _ceilings(device: torch.device, measure: bool, log) -> tuple[dict | None, str]:

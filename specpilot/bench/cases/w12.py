@@ -340,7 +340,7 @@ def _step_case(shapes: ModelShapes, variant: str, device: torch.device) -> Case:
 
     case = Case(op="decode_step", variant=variant, shape="decode-step", dims={"M": 1, "linears": len(linears)},
                 flops=flops, bytes=wb + xo, setup=setup, group="decode-step", baseline="cublas",
-                extra={"shapes": shapes.name})
+                extra={"shapes": shapes.name}, alone=True)
     return case
 
 
