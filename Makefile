@@ -12,6 +12,11 @@ PYTEST_ARGS ?=
 # so the run does not end with one worker idle behind the other's last long tests (NVRTC builds of 10-30 s).
 TEST_WORKERS ?= 2
 TEST_DIST    ?= worksteal
+# $(call pip_retry,PYTHON,ARGS): pip install ARGS into PYTHON's environment. A download that arrives corrupt fails
+# pip's hash check ("THESE PACKAGES DO NOT MATCH THE HASHES"); the same install is tried once more without pip's
+# cache before the target fails.
+pip_retry = $(1) -m pip install -q $(2) || { echo "pip install failed; once more without the cache" >&2; \
+            $(1) -m pip install -q --no-cache-dir $(2); }
 
 .PHONY: demo test test-fast test-gpu test-gpu-full test-sglang gpu-check bench info clean
 
@@ -20,9 +25,9 @@ $(STAMP): pyproject.toml Makefile
 	  if python3 -c "import torch" 2>/dev/null; then python3 -m venv --system-site-packages $(VENV); \
 	  else python3 -m venv $(VENV); fi; \
 	fi
-	@$(PY) -c "import torch" 2>/dev/null || $(PY) -m pip install -q $(TORCH_CPU)
-	@$(PY) -c "import triton" 2>/dev/null || $(PY) -m pip install -q $(TRITON)
-	$(PY) -m pip install -q -e ".[test]"
+	@$(PY) -c "import torch" 2>/dev/null || { $(call pip_retry,$(PY),$(TORCH_CPU)); }
+	@$(PY) -c "import triton" 2>/dev/null || { $(call pip_retry,$(PY),$(TRITON)); }
+	$(call pip_retry,$(PY),-e ".[test]")
 	@touch $(STAMP)
 
 demo: $(STAMP)
@@ -50,16 +55,11 @@ SGL_DEPS  ?= orjson psutil pybase64 requests packaging starlette msgspec pydanti
              transformers==5.19.0 openai==2.8.0 partial-json-parser einops \
              numpy numba safetensors optuna pytest pytest-benchmark
 
-# A download that arrives corrupt fails pip's hash check ("THESE PACKAGES DO NOT MATCH THE HASHES"); the same install
-# is tried once more without pip's cache before the target fails.
-sgl_pip = $(SGL_PY) -m pip install -q $(1) || { echo "pip install failed; once more without the cache" >&2; \
-          $(SGL_PY) -m pip install -q --no-cache-dir $(1); }
-
 $(SGL_STAMP): pyproject.toml Makefile
 	@test -x $(SGL_PY) || python3 -m venv $(SGL_VENV)
-	$(call sgl_pip,$(SGL_TORCH))
-	$(call sgl_pip,--no-deps $(SGLANG))
-	$(call sgl_pip,$(SGL_DEPS) $(SGL_TORCH))
+	$(call pip_retry,$(SGL_PY),$(SGL_TORCH))
+	$(call pip_retry,$(SGL_PY),--no-deps $(SGLANG))
+	$(call pip_retry,$(SGL_PY),$(SGL_DEPS) $(SGL_TORCH))
 	$(SGL_PY) -m pip install -q --no-deps -e .
 	$(SGL_PY) -c "import torch, sglang.srt.layers.linear; assert torch.__version__.startswith('2.14.1'), torch.__version__"
 	@touch $(SGL_STAMP)
