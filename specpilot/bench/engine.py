@@ -247,13 +247,17 @@ def _pooled(timings):
 
 def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positions: int = 16, topk: int = 4,
         reps: int = 30, peer_tokens: int = 8, formats=("bf16", "w12"), out=None, peer: bool = True,
-        profile: bool = True, fused_glue: bool = False, fresh: bool = False, rounds: int = 1, log=print) -> dict:
+        profile: bool = True, fused_glue: bool = False, fresh: bool = False, rounds: int = 1, head_screen: str = "auto",
+        log=print) -> dict:
     """`rounds` > 1: every format's model built anew and kept (BF16 and W12 side by side in memory), then each
     step timed in `rounds` rounds of `reps` replays, the formats' order alternating (`interleaved_rounds`); a
     step's median is over the samples of all its rounds, and each round's medians are kept in the JSON."""
     from ..engine import Engine, HybridConfig, HybridModel, Kernels
     from ..engine.synthetic import SyntheticTensors, hf_config
 
+    if head_screen == "w12" and "bf16" in formats:
+        raise ValueError("specpilot.bench.engine: head_screen='w12' screens with a W12 head's 8-bit view, which the "
+                         "BF16 model has not; pass formats=('w12',) or another screen")
     order = interleaved_rounds(rounds, formats)
     fresh = fresh or rounds > 1
     dev = torch.device("cuda")
@@ -263,7 +267,7 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
     g = torch.Generator().manual_seed(1)
     prompt = torch.randint(0, hc.vocab, (prefix + 1,), generator=g).tolist()
     res = {"shapes": shapes, "prefix": prefix, "nodes": nodes, "positions": positions, "fused_glue": fused_glue,
-           "fresh": fresh, "rounds": rounds,
+           "head_screen": head_screen, "fresh": fresh, "rounds": rounds,
            "gpu": torch.cuda.get_device_name(), **versions(), "formats": {}}
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
     model = None
@@ -276,9 +280,9 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
                 model = None  # `fresh`: the previous format's model freed first, each built as a user loads it
                 torch.cuda.empty_cache()
             model = HybridModel(hc, syn, device=dev, fmt=fmt, kernels=Kernels.choose(dev), max_len=prefix + 128,
-                                fused_glue=fused_glue)
+                                fused_glue=fused_glue, head_screen=head_screen)
         else:
-            model.to_w12()
+            model.to_w12(head_screen=head_screen)
         log(f"{fmt}: model ready in {time.perf_counter() - t0:.1f} s")
         eng = Engine(model, None, tree_nodes=nodes, positions=positions, topk=topk, graphs=True)
         ctx = eng._start(prompt)
@@ -318,7 +322,7 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
                "ar_paper_floor_ms": None if paper_ar is None else 1e3 * paper_ar,
                "verify_paper_floor_ms": None if paper_v is None else 1e3 * paper_v,
                "host_load_ar_ms": 1e3 * st["host_ar"], "host_load_verify_ms": 1e3 * st["host_v"],
-               "tree_nodes": st["tree"].n + 1,
+               "tree_nodes": st["tree"].n + 1, "head_screen": st["model"].head.screen,
                "gpu_state_before": st["state_before"], "gpu_state_after": st["state_after"]}
         if rounds > 1:
             row["ar_ms_by_round"] = [1e3 * t.median for t in st["t_ar"]]
@@ -395,6 +399,9 @@ def markdown(res: dict) -> str:
                      f"{r['verify_ms']:.2f} | {r['verify_over_ar']:.3f}x | "
                      + " / ".join(f"{imp[t]['tokens_per_s']:.0f}" for t in ("4", "6", "8")) + " | "
                      + " / ".join(f"{imp[t]['speedup_vs_ar']:.2f}x" for t in ("4", "6", "8")) + " |")
+    screens = [f"{fmt} {r['head_screen']}" for fmt, r in res["formats"].items() if r.get("head_screen")]
+    if screens:
+        lines.append("\nThe certified head's screen (`none`: the plain exact head): " + ", ".join(screens) + ".")
     if res.get("rounds", 1) > 1:
         lines.append(f"\nEach step timed in {res['rounds']} rounds, the formats' order alternating, both models in "
                      "memory; medians over all rounds' replays. By round (ms): " + "; ".join(
@@ -436,6 +443,10 @@ def main(argv=None) -> int:
     ap.add_argument("--formats", default="bf16,w12")
     ap.add_argument("--out", default=None)
     ap.add_argument("--fused-glue", action="store_true", help="the glue as fused Triton kernels (engine.fused)")
+    ap.add_argument("--head-screen", default="auto", choices=("auto", "int8", "int4", "w12", "none"),
+                    help="the certified head's screen (lmhead.CertifiedHead; 'auto': the GPU's measured choice, the "
+                         "plain exact head where none was measured; 'w12', a W12 head's 8-bit view, with "
+                         "--formats w12 only); each format's row records the screen it ran")
     ap.add_argument("--rounds", type=int, default=1,
                     help="above 1: both formats' models kept side by side and each step timed in this many rounds, "
                          "the formats' order alternating (drift reaches both alike); implies --fresh")
@@ -447,7 +458,7 @@ def main(argv=None) -> int:
         print("specpilot.bench.engine: needs a CUDA GPU")
         return 2
     run(a.shapes, a.prefix, a.nodes, reps=a.reps, peer=not a.no_peer, formats=tuple(a.formats.split(",")),
-        out=a.out, fused_glue=a.fused_glue, fresh=a.fresh, rounds=a.rounds)
+        out=a.out, fused_glue=a.fused_glue, fresh=a.fresh, rounds=a.rounds, head_screen=a.head_screen)
     return 0
 
 

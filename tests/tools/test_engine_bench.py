@@ -116,3 +116,19 @@ def test_markdown_prints_the_rounds():
     md = markdown({"shapes": "s", "prefix": 1, "nodes": 32, "gpu": "g", "torch": "t", "cuda": "c", "rounds": 2,
                    "formats": {"w12": row}})
     assert "timed in 2 rounds" in md and "w12 AR 10.00 / 10.50, verify 12.00 / 12.25" in md
+
+
+def test_engine_bench_refuses_the_w12_screen_for_a_bf16_model():
+    """--head-screen w12 reads a W12 head's 8-bit view: with the BF16 model among the formats the run stops before
+    building anything, naming the way out; the markdown names each format's screen."""
+    import pytest
+
+    from specpilot.bench import engine
+
+    with pytest.raises(ValueError, match="formats=\\('w12',\\)"):
+        engine.run(formats=("bf16", "w12"), head_screen="w12")
+    row = {"ar_ms": 2.0, "ar_floor_ms": 1.0, "ar_over_floor": 2.0, "verify_ms": 3.0, "verify_over_ar": 1.5,
+           "implied": {t: {"tokens_per_s": 1.0, "speedup_vs_ar": 1.0} for t in ("4", "6", "8")}, "head_screen": "int4"}
+    md = engine.markdown({"shapes": "tiny", "prefix": 8, "nodes": 4, "gpu": "g", "torch": "t", "cuda": "c",
+                          "formats": {"w12": row}})
+    assert "screen (`none`: the plain exact head): w12 int4." in md
