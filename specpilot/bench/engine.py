@@ -16,6 +16,9 @@ from __future__ import annotations
 import argparse
 import json
 import re
+import subprocess
+import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -25,7 +28,7 @@ import autotune
 
 from .timing import Timing, time_cuda
 
-__all__ = ["run"]
+__all__ = ["run", "run_processes"]
 
 
 def _model_bytes(model) -> tuple[int, int]:
@@ -245,6 +248,66 @@ def _pooled(timings):
     return Timing(tuple(x for t in timings for x in t.samples), timings[0].method, timings[0].calls)
 
 
+def _step_fields(t_ar: Timing, t_v: Timing) -> dict:
+    """A format's timing fields from its pooled AR and verify timings: medians, p10 / p90 and the samples (ms)."""
+    return {"ar_ms": 1e3 * t_ar.median, "ar_p10_ms": 1e3 * t_ar.p10, "ar_p90_ms": 1e3 * t_ar.p90,
+            "verify_ms": 1e3 * t_v.median, "verify_p10_ms": 1e3 * t_v.p10, "verify_p90_ms": 1e3 * t_v.p90,
+            "ar_samples_ms": [1e3 * x for x in t_ar.samples], "verify_samples_ms": [1e3 * x for x in t_v.samples],
+            "timing_method": t_ar.method, "timing_calls": t_ar.calls}
+
+
+def _derive(row: dict) -> None:
+    """The fields a format's row derives from its medians and floors."""
+    row["ar_over_floor"] = row["ar_ms"] / row["ar_floor_ms"]
+    row["verify_over_ar"] = row["verify_ms"] / row["ar_ms"]
+    row["implied"] = {str(tau): {"tokens_per_s": 1e3 * tau / row["verify_ms"],
+                                 "speedup_vs_ar": tau * row["ar_ms"] / row["verify_ms"]} for tau in (4, 6, 8)}
+
+
+def _spawn(args: list[str]) -> None:
+    subprocess.run([sys.executable, "-m", "specpilot.bench.engine", *args], check=True)
+
+
+def run_processes(child_args: list[str], formats=("bf16", "w12"), rounds: int = 1, out=None, log=print,
+                  spawn=None) -> dict:
+    """Each format in a process of its own, `rounds` times, the formats' order alternating (`interleaved_rounds`):
+    `python -m specpilot.bench.engine --formats F --no-peer` with `child_args`, the first round's with the per-kernel
+    profile, the others without. For a GPU that cannot hold both models (hybrid-27b's 51 + 38 GB of weights on an
+    80 GB H100), and a W12 model built as a user loads it rather than converted from the BF16 one in place. A format's
+    samples of all its processes are pooled (medians, p10 / p90); `ar_ms_by_round` / `verify_ms_by_round` hold each
+    process's medians; floors, bytes, breakdowns and GPU state come from its first process. `spawn(args)` runs one
+    process (tests pass their own)."""
+    spawn = spawn or _spawn
+    runs: dict[str, list[dict]] = {f: [] for f in formats}
+    with tempfile.TemporaryDirectory() as tmp:
+        for r, fmts in enumerate(interleaved_rounds(rounds, formats)):
+            for fmt in fmts:
+                d = Path(tmp) / f"{r}-{fmt}"
+                spawn([*child_args, "--formats", fmt, "--no-peer", "--out", str(d), *([] if r == 0 else ["--no-profile"])])
+                found = sorted(d.glob("*-engine.json"))
+                if len(found) != 1:
+                    raise RuntimeError(f"specpilot.bench.engine: the {fmt} process of round {r} wrote {len(found)} "
+                                       f"result files into {d}, expected 1")
+                got = json.loads(found[0].read_text())
+                runs[fmt].append(got)
+                row = got["formats"][fmt]
+                log(f"round {r}: {fmt} AR {row['ar_ms']:.2f} ms, verify {row['verify_ms']:.2f} ms (own process)")
+    res = {k: v for k, v in runs[formats[0]][0].items() if k != "formats"}
+    res.update(rounds=rounds, processes=True, fresh=True, formats={})
+    for fmt in formats:
+        rows = [got["formats"][fmt] for got in runs[fmt]]
+        first = rows[0]
+        t_ar, t_v = (Timing(tuple(x / 1e3 for row in rows for x in row[key]), first["timing_method"],
+                            first["timing_calls"]) for key in ("ar_samples_ms", "verify_samples_ms"))
+        row = {**first, **_step_fields(t_ar, t_v), "ar_ms_by_round": [row["ar_ms"] for row in rows],
+               "verify_ms_by_round": [row["verify_ms"] for row in rows]}
+        _derive(row)
+        res["formats"][fmt] = row
+    if out is not None:
+        write_run(out, "engine", res, markdown(res))
+    return res
+
+
 def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positions: int = 16, topk: int = 4,
         reps: int = 30, peer_tokens: int = 8, formats=("bf16", "w12"), out=None, peer: bool = True,
         profile: bool = True, fused_glue: bool = False, fresh: bool = False, rounds: int = 1, head_screen: str = "auto",
@@ -315,9 +378,7 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
             paper_v = autotune.paper_floor(2 * params * nodes, wbytes + kv + stb, dev)
         except ValueError:
             paper_ar = paper_v = None
-        row = {"weight_bytes": wbytes, "kv_bytes": kv, "state_bytes": stb, "params": params,
-               "ar_ms": 1e3 * t_ar.median, "ar_p10_ms": 1e3 * t_ar.p10, "ar_p90_ms": 1e3 * t_ar.p90,
-               "verify_ms": 1e3 * t_v.median, "verify_p10_ms": 1e3 * t_v.p10, "verify_p90_ms": 1e3 * t_v.p90,
+        row = {"weight_bytes": wbytes, "kv_bytes": kv, "state_bytes": stb, "params": params, **_step_fields(t_ar, t_v),
                "ar_floor_ms": 1e3 * floor_ar, "verify_floor_ms": 1e3 * floor_v,
                "ar_paper_floor_ms": None if paper_ar is None else 1e3 * paper_ar,
                "verify_paper_floor_ms": None if paper_v is None else 1e3 * paper_v,
@@ -327,10 +388,7 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
         if rounds > 1:
             row["ar_ms_by_round"] = [1e3 * t.median for t in st["t_ar"]]
             row["verify_ms_by_round"] = [1e3 * t.median for t in st["t_v"]]
-        row["ar_over_floor"] = row["ar_ms"] / row["ar_floor_ms"]
-        row["verify_over_ar"] = row["verify_ms"] / row["ar_ms"]
-        row["implied"] = {str(tau): {"tokens_per_s": 1e3 * tau / row["verify_ms"],
-                                     "speedup_vs_ar": tau * row["ar_ms"] / row["verify_ms"]} for tau in (4, 6, 8)}
+        _derive(row)
         res["formats"][fmt] = row
         log(f"{fmt}: AR {row['ar_ms']:.2f} ms ({row['ar_over_floor']:.2f}x floor {row['ar_floor_ms']:.2f}), "
             f"verify {row['verify_ms']:.2f} ms ({row['verify_over_ar']:.3f}x AR)")
@@ -402,9 +460,11 @@ def markdown(res: dict) -> str:
     screens = [f"{fmt} {r['head_screen']}" for fmt, r in res["formats"].items() if r.get("head_screen")]
     if screens:
         lines.append("\nThe certified head's screen (`none`: the plain exact head): " + ", ".join(screens) + ".")
-    if res.get("rounds", 1) > 1:
-        lines.append(f"\nEach step timed in {res['rounds']} rounds, the formats' order alternating, both models in "
-                     "memory; medians over all rounds' replays. By round (ms): " + "; ".join(
+    if res.get("rounds", 1) > 1 or res.get("processes"):
+        how = ("each format in a process of its own per round" if res.get("processes") else "both models in memory")
+        n = res["rounds"]
+        lines.append(f"\nEach step timed in {n} round{'s' if n > 1 else ''}, the formats' order alternating, {how}; "
+                     "medians over all rounds' replays. By round (ms): " + "; ".join(
                          f"{fmt} AR " + " / ".join(f"{v:.2f}" for v in r["ar_ms_by_round"]) + ", verify "
                          + " / ".join(f"{v:.2f}" for v in r["verify_ms_by_round"]) for fmt, r in res["formats"].items())
                      + ".")
@@ -450,6 +510,10 @@ def main(argv=None) -> int:
     ap.add_argument("--rounds", type=int, default=1,
                     help="above 1: both formats' models kept side by side and each step timed in this many rounds, "
                          "the formats' order alternating (drift reaches both alike); implies --fresh")
+    ap.add_argument("--processes", action="store_true",
+                    help="each format in a process of its own, --rounds times, the order alternating, the samples "
+                         "pooled (run_processes): for a GPU that cannot hold both models; runs no peer")
+    ap.add_argument("--no-profile", action="store_true", help="no per-kernel breakdown of the steps")
     ap.add_argument("--fresh", action="store_true",
                     help="build each format's model anew (the previous one freed) instead of converting the BF16 model "
                          "to W12 in place")
@@ -457,8 +521,17 @@ def main(argv=None) -> int:
     if not torch.cuda.is_available():
         print("specpilot.bench.engine: needs a CUDA GPU")
         return 2
-    run(a.shapes, a.prefix, a.nodes, reps=a.reps, peer=not a.no_peer, formats=tuple(a.formats.split(",")),
-        out=a.out, fused_glue=a.fused_glue, fresh=a.fresh, rounds=a.rounds, head_screen=a.head_screen)
+    formats = tuple(a.formats.split(","))
+    if a.processes:
+        if not a.no_peer:
+            print("specpilot.bench.engine: --processes runs no peer; pass --no-peer (a one-process run times it)")
+            return 2
+        child = ["--shapes", a.shapes, "--prefix", str(a.prefix), "--nodes", str(a.nodes), "--reps", str(a.reps),
+                 "--head-screen", a.head_screen, *(["--fused-glue"] if a.fused_glue else [])]
+        run_processes(child, formats, a.rounds, out=a.out)
+        return 0
+    run(a.shapes, a.prefix, a.nodes, reps=a.reps, peer=not a.no_peer, formats=formats, out=a.out,
+        fused_glue=a.fused_glue, fresh=a.fresh, rounds=a.rounds, head_screen=a.head_screen, profile=not a.no_profile)
     return 0
 
 

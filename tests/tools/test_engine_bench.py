@@ -132,3 +132,42 @@ def test_engine_bench_refuses_the_w12_screen_for_a_bf16_model():
     md = engine.markdown({"shapes": "tiny", "prefix": 8, "nodes": 4, "gpu": "g", "torch": "t", "cuda": "c",
                           "formats": {"w12": row}})
     assert "screen (`none`: the plain exact head): w12 int4." in md
+
+
+def test_engine_bench_in_a_process_per_format_pools_the_rounds(tmp_path):
+    """run_processes: each format in a process of its own per round, the order alternating, the first round's with
+    the profile; a format's samples of all rounds pooled, each round's medians kept, the derived fields recomputed
+    from the pooled medians; a process that leaves no result file stops the run."""
+    import json as _json
+
+    import pytest
+
+    from specpilot.bench import engine
+
+    calls = []
+    base = {"bf16": 20.0, "w12": 16.0}
+
+    def spawn(args):
+        fmt = args[args.index("--formats") + 1]
+        out = args[args.index("--out") + 1]
+        calls.append((fmt, "--no-profile" in args))
+        r = sum(1 for f, _ in calls if f == fmt) - 1
+        ar = [base[fmt] + r + 0.1 * i for i in range(3)]
+        row = {"ar_ms": ar[1], "verify_ms": 2 * ar[1], "ar_samples_ms": ar, "verify_samples_ms": [2 * x for x in ar],
+               "timing_method": "cuda_events", "timing_calls": 1, "ar_floor_ms": 10.0, "head_screen": "none"}
+        res = {"shapes": "tiny", "prefix": 8, "nodes": 4, "gpu": "g", "torch": "t", "cuda": "c", "formats": {fmt: row}}
+        engine.write_run(out, "engine", res, "")
+
+    res = engine.run_processes(["--shapes", "tiny"], ("bf16", "w12"), rounds=3, out=tmp_path, log=lambda s: None,
+                               spawn=spawn)
+    assert calls == [("bf16", False), ("w12", False), ("w12", True), ("bf16", True), ("bf16", True), ("w12", True)]
+    w = res["formats"]["w12"]
+    assert w["ar_ms_by_round"] == pytest.approx([16.1, 17.1, 18.1])
+    assert len(w["ar_samples_ms"]) == 9 and w["ar_ms"] == pytest.approx(17.1)
+    assert w["ar_over_floor"] == pytest.approx(1.71) and w["verify_over_ar"] == pytest.approx(2.0)
+    assert res["processes"] and res["rounds"] == 3
+    written = _json.loads(next(tmp_path.glob("*-engine.json")).read_text())
+    assert written["formats"]["bf16"]["ar_ms"] == pytest.approx(21.1)
+    assert "a process of its own" in next(tmp_path.glob("*-engine.md")).read_text()
+    with pytest.raises(RuntimeError, match="wrote 0 result files"):
+        engine.run_processes([], ("w12",), out=None, log=lambda s: None, spawn=lambda args: None)
