@@ -57,9 +57,13 @@ __all__ = [
     "matmul",
     "matmul_q8",
     "matmul_tiled",
+    "matmul_swiglu",
+    "pair_rows",
+    "unpair_cols",
+    "swiglu_reference",
 ]
 
-_LAZY_OPS = ("matmul", "matmul_q8", "matmul_tiled")
+_LAZY_OPS = ("matmul", "matmul_q8", "matmul_tiled", "matmul_swiglu", "pair_rows", "unpair_cols", "swiglu_reference")
 _SUBMODULES = ("checkpoint", "codec", "configs", "cuda", "flow", "hf", "kernels", "layout", "ops", "space")
 
 

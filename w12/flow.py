@@ -306,7 +306,7 @@ def full_rows(N: int, nt: int) -> bool:
 def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Tensor | None, out: torch.Tensor, *,
                  step: str = "e", defines: Mapping[str, object] | None = None, smem: int | None = None,
                  q8: bool = False, pdl: bool | None = None, pdl_rows: int = PDL_MAX_M,
-                 trace: torch.Tensor | None = None, ctas: int | None = None) -> None:
+                 trace: torch.Tensor | None = None, ctas: int | None = None, swiglu: bool = False) -> None:
     """out[M, N] = x2d @ W^T (+ bias) from the runtime layout `t`, on torch's current stream (CUDA-graph capturable
     once the kernel is loaded). `step`: a ladder build (module doc; "a" and "b" leave `out` unwritten).
     `defines` add to the build's defines; `smem`: dynamic shared memory per CTA, at least what the config needs;
@@ -323,7 +323,9 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     `trace`: a diagnostic build (W12F_TRACE, csrc/w12_flow.cu) that writes 8 int64 per CTA into this zeroed
     int64 tensor of at least 8 `grid(cfg, N)` elements: %globaltimer stamps (ns) at entry, after the PDL wait, when
     warp 0's first tile landed, the last main loop's end and the last exit (0, 2, 3, 4, 5), and the SM id (1).
-    `ctas`: a stream-K config's grid (default `grid(cfg, N, K, SMs of the GPU)`), 1 to row sets x K / 64."""
+    `ctas`: a stream-K config's grid (default `grid(cfg, N, K, SMs of the GPU)`), 1 to row sets x K / 64.
+    `swiglu`: `t` holds gate and up rows paired (`w12.pair_rows`) and `out` is bf16 [M, N / 2]: SwiGLU of the two
+    (the W12F_SWIGLU build, csrc/w12_flow.cu; `w12.matmul_swiglu`)."""
     M, K = x2d.shape
     top = WG_MAX_M if cfg.wg else MAX_M
     if x2d.dtype != torch.bfloat16 or not 0 < M <= top or K != t.K or t.device != x2d.device:
@@ -332,7 +334,15 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
                          f"{x2d.device}")
     if padded_k(K) > MAX_KP:
         raise ValueError(f"w12.flow.launch_tiled: K <= {MAX_KP} columns, got K={K}")
-    if tuple(out.shape) != (M, t.N) or out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous():
+    if swiglu:
+        if t.N % 16:
+            raise ValueError(f"w12.flow.launch_tiled: swiglu needs gate and up rows paired in 16-row blocks "
+                             f"(w12.pair_rows), so N a multiple of 16, got N={t.N}")
+        if tuple(out.shape) != (M, t.N // 2) or out.dtype != torch.bfloat16 or not out.is_contiguous():
+            raise ValueError(f"w12.flow.launch_tiled: with swiglu, out must be a contiguous bf16 [{M}, {t.N // 2}] "
+                             f"tensor, got {out.dtype} {tuple(out.shape)}")
+        defines = dict(defines or {}) | {"W12F_SWIGLU": 1}
+    elif tuple(out.shape) != (M, t.N) or out.dtype not in (torch.bfloat16, torch.float32) or not out.is_contiguous():
         raise ValueError(f"w12.flow.launch_tiled: out must be a contiguous bf16 or fp32 [{M}, {t.N}] tensor, got "
                          f"{out.dtype} {tuple(out.shape)}")
     if out.dtype == torch.float32:

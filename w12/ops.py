@@ -36,7 +36,8 @@ from .format import W12Weight, unpack
 from .layout import TiledW12, untile
 from .kernels import w12_batch_kernel, w12_matmul_gemv_kernel, w12_matmul_tc_kernel, w12_splitk_reduce_kernel
 
-__all__ = ["matmul", "matmul_q8", "matmul_tiled", "decode_tiled", "launch_batch", "VARIANTS", "OP", "OP_Q8"]
+__all__ = ["matmul", "matmul_q8", "matmul_tiled", "matmul_swiglu", "pair_rows", "unpair_cols", "swiglu_reference",
+           "decode_tiled", "launch_batch", "VARIANTS", "OP", "OP_Q8"]
 
 OP = "w12.matmul"
 OP_Q8 = "w12.matmul_q8"
@@ -510,6 +511,75 @@ def _matmul_tiled_eager(x2d, tiled: TiledW12, bias, *, q8: bool, out2d: torch.Te
                 packed = untile(tiled)
                 planes = (packed.hi, packed.lo, packed.e0, packed.esc_rowptr, packed.esc_col, packed.esc_val)
                 out2d.copy_(_torch_fallback(x2d, *planes, bias, K=K, q8=q8))
+
+
+def pair_rows(w: torch.Tensor) -> torch.Tensor:
+    """A gate-and-up weight [2F, K] (gate rows, then up rows) with its rows paired for `matmul_swiglu`: rows
+    16 b + r and 16 b + 8 + r are gate row 8 b + r and up row 8 b + r, so that one lane of the flow kernel holds both
+    sums of an output (F a multiple of 8). `unpair_cols` undoes it on a product's columns."""
+    if w.dim() != 2 or w.shape[0] % 16:
+        raise ValueError(f"w12.pair_rows: needs a [2F, K] gate-and-up weight with F a multiple of 8, got "
+                         f"{tuple(w.shape)}")
+    f = w.shape[0] // 2
+    return torch.stack((w[:f].reshape(f // 8, 8, -1), w[f:].reshape(f // 8, 8, -1)), 1).reshape(2 * f, -1)
+
+
+def unpair_cols(y: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(gate, up) [..., F] from a product [..., 2F] with `pair_rows`' weight."""
+    f = y.shape[-1] // 2
+    y = y.reshape(*y.shape[:-1], f // 8, 2, 8)
+    return y[..., 0, :].reshape(*y.shape[:-3], f), y[..., 1, :].reshape(*y.shape[:-3], f)
+
+
+def swiglu_reference(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """bf16(s up) with s = bf16(g / (1 + e^-g)), g and up rounded to bf16 first, in fp32: what the W12F_SWIGLU
+    build computes (its e^-g is CUDA's expf, within 2 ulp of exact, so the two may differ in the last bit)."""
+    g, u = gate.to(torch.bfloat16).float(), up.to(torch.bfloat16).float()
+    s = (g * (1.0 / (1.0 + torch.exp(-g)))).to(torch.bfloat16).float()
+    return (s * u).to(torch.bfloat16)
+
+
+def matmul_swiglu(x: torch.Tensor, tiled: TiledW12, *, q8: bool = False, out: torch.Tensor | None = None,
+                  pdl: bool | None = None) -> torch.Tensor:
+    """SwiGLU of x's product with a gate-and-up weight held with its rows paired (`tiled = w12.pack(
+    w12.pair_rows(w))`): [..., F] = `swiglu_reference(gate, up)` of `w12.matmul_tiled(x, tiled)`'s two halves.
+
+    bf16 x with 1..`CHUNK_MAX_M` rows on a GPU where the flow kernel runs (and no batch kernel is tuned for the
+    shape): the flow kernel's W12F_SWIGLU build, per 32-row piece, which finishes each lane's gate and up sums and
+    writes the product alone (half the output, no separate SwiGLU kernel). Elsewhere: `matmul_tiled`, then
+    `unpair_cols` and `swiglu_reference`. `q8`, `out` ([..., F] bf16) and `pdl` as in `matmul_tiled`."""
+    fn = "w12.matmul_swiglu"
+    if not isinstance(tiled, TiledW12):
+        raise TypeError(f"{fn}: tiled must be a TiledW12 of w12.pair_rows(weight), got {type(tiled).__name__}")
+    if tiled.N % 16:
+        raise ValueError(f"{fn}: the weight's rows must be paired in 16-row blocks (w12.pair_rows), so N a "
+                         f"multiple of 16, got N={tiled.N}")
+    F = tiled.N // 2
+    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != tiled.K:
+        raise ValueError(f"{fn}: x must be a tensor [..., K={tiled.K}], got "
+                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    shape = (*x.shape[:-1], F)
+    if out is not None and (tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous()
+                            or out.device != x.device):
+        raise ValueError(f"{fn}: out must be a contiguous bf16 {shape} tensor on {x.device}, got {out.dtype} "
+                         f"{tuple(out.shape)} on {out.device}")
+    x2d = x.reshape(-1, tiled.K)
+    M = x2d.shape[0]
+    o2d = torch.empty((M, F), device=x.device, dtype=torch.bfloat16) if out is None else out.view(M, F)
+    op = OP_Q8 if q8 else OP
+    fused = (M and x2d.dtype == torch.bfloat16 and M <= CHUNK_MAX_M and not torch.compiler.is_compiling()
+             and _batch_config(x2d, tiled, op) is None and _flow_config(x2d[:FLOW_MAX_M], tiled, op) is not None)
+    if fused:
+        from . import flow
+
+        x2d = x2d.contiguous()
+        for i in range(0, M, FLOW_MAX_M):
+            xs = x2d[i:i + FLOW_MAX_M]
+            flow.launch_tiled(_flow_config(xs, tiled, op), xs, tiled, None, o2d[i:i + FLOW_MAX_M], q8=q8, swiglu=True,
+                              **_pdl_args(pdl))
+    elif M:
+        o2d.copy_(swiglu_reference(*unpair_cols(matmul_tiled(x2d, tiled, q8=q8, pdl=pdl))))
+    return o2d.reshape(shape) if out is None else out
 
 
 FP32_SLICE_ROWS = 8192  # weight rows per fp32 F.linear of the decode path for fp16 x (168 MB at K = 5120)

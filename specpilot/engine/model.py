@@ -22,6 +22,7 @@ per model (`Paths.decide`) and announced by one `KernelFallbackWarning`.
 
 from __future__ import annotations
 
+import os
 import warnings
 from dataclasses import dataclass, replace
 
@@ -132,8 +133,13 @@ class Linear:
     reads the W12 8-bit view."""
 
     def __init__(self, weight: torch.Tensor | None = None, packed: "w12.W12Weight | None" = None,
-                 tiled: "w12.layout.TiledW12 | None" = None):
+                 tiled: "w12.layout.TiledW12 | None" = None, paired: bool = False):
+        if paired and tiled is None:
+            raise ValueError("specpilot.engine.Linear: paired gate and up rows are held in the runtime layout only "
+                             "(tiled=w12.pack(w12.pair_rows(weight)))")
         self.weight, self.packed, self.tiled = weight, packed, tiled
+        # `tiled` holds gate and up rows paired (w12.pair_rows) for the fused SwiGLU (`swiglu`)
+        self.paired = paired
         self._q8 = None  # the decoded 8-bit view, kept on the torch reference path
 
     @classmethod
@@ -153,6 +159,9 @@ class Linear:
         return (w.N, w.K)
 
     def ensure_packed(self) -> "w12.W12Weight":
+        if self.paired:
+            raise ValueError("specpilot.engine.Linear: this projection holds gate and up rows paired for the fused "
+                             "SwiGLU; its version-1 planes would be in that order")
         if self.packed is None:
             self.packed = (w12.layout.untile(self.tiled) if self.tiled is not None
                            else w12.pack(self.weight, layout="planes"))
@@ -164,7 +173,11 @@ class Linear:
         new one."""
         if self.tiled is not None:
             # PDL at every row count: the glue kernel before it (fused.FusedGlue) lets it launch early
-            return w12.matmul_tiled(x, self.tiled, q8=q8, out=out, pdl=True)
+            y = w12.matmul_tiled(x, self.tiled, q8=q8, out=None if self.paired else out, pdl=True)
+            if self.paired:  # gate and up back in their halves
+                y = torch.cat(w12.unpair_cols(y), -1)
+                return y if out is None else out.copy_(y)
+            return y
         if q8 and kernels.w12 == "torch":
             # the torch path of w12.matmul_q8 decodes the view on every call; a drafter calls it per token
             if self._q8 is None:
@@ -176,6 +189,24 @@ class Linear:
         if self.packed is not None:
             return w12.matmul(x, self.packed, variant=kernels.w12, out=out)
         return F.linear(x, self.weight) if out is None else torch.mm(x, self.weight.t(), out=out)
+
+
+    def swiglu(self, x: torch.Tensor, kernels: Kernels, glue, q8: bool = False) -> torch.Tensor:
+        """SwiGLU of this gate-and-up projection of x: the flow kernel's fused epilogue where the rows are paired
+        (`w12.matmul_swiglu`), else the product and `glue.swiglu`."""
+        if self.paired:
+            return w12.matmul_swiglu(x, self.tiled, q8=q8, pdl=True)
+        return glue.swiglu(self(x, kernels, q8))
+
+
+def swiglu_pairs() -> bool:
+    """Whether a W12 model in the runtime layout holds each MLP's gate and up rows paired and runs SwiGLU in the
+    flow kernel's epilogue (SPECPILOT_W12_SWIGLU=1; off by default: not yet measured against the glue kernel), where
+    the intermediate size is a multiple of 8."""
+    v = os.environ.get("SPECPILOT_W12_SWIGLU", "0")
+    if v not in ("0", "1"):
+        raise ValueError(f"SPECPILOT_W12_SWIGLU must be 0 or 1, got {v!r}")
+    return v == "1"
 
 
 def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
@@ -293,6 +324,10 @@ class HybridModel:
         for d in fuse_layer_weights(cfg, tensors):  # not enumerate: its reused result tuple would hold the last d
             L = {"kind": cfg.layer_types[len(self.layers)]}
             for k, v in d.items():
+                if k == "gate_up" and self.tiled_w12 and swiglu_pairs() and v.shape[0] % 16 == 0:
+                    v = v.to(device=dev, dtype=torch.bfloat16)
+                    L[k] = Linear(tiled=w12.pack(w12.pair_rows(v), layout="runtime"), paired=True)
+                    continue
                 L[k] = Linear.make(v, fmt, dev, tiled=self.tiled_w12) if v.dim() == 2 and k != "conv" else small(v)
             for k in ("input_norm", "post_norm", "q_norm", "k_norm"):  # zero-centred: they scale by 1 + w (fp32)
                 if k in L:
@@ -346,7 +381,14 @@ class HybridModel:
         its BF16 copy dropped): the same model, 12-bit weights (the layers' in the runtime layout alone where
         `tiled_w12`)."""
         self.tiled_w12 = self._wants_tiled("w12")
-        for lin in [v for L in self.layers for v in L.values() if isinstance(v, Linear)] + [self.head_linear]:
+        pairs = self.tiled_w12 and swiglu_pairs()
+        for key, lin in [(k, v) for L in self.layers for k, v in L.items() if isinstance(v, Linear)] + \
+                [("head", self.head_linear)]:
+            if pairs and key == "gate_up" and lin.weight is not None and lin.weight.shape[0] % 16 == 0:
+                # gate and up rows paired: SwiGLU in the flow kernel's epilogue
+                lin.tiled, lin.paired = w12.pack(w12.pair_rows(lin.weight), layout="runtime"), True
+                lin.weight = lin.packed = None
+                continue
             lin.ensure_packed()
             lin.weight = None
             if self.tiled_w12 and lin is not self.head_linear:
@@ -458,7 +500,7 @@ class HybridModel:
                 y = self._attn(ai, L, x, s, cos, sin, q8)
                 ai += 1
             h, x = self.glue.add_norm(h, y, L["post_norm1"], c.eps)
-            y = L["down"](self.glue.swiglu(L["gate_up"](x, k, q8)), k, q8)
+            y = L["down"](L["gate_up"].swiglu(x, k, self.glue, q8), k, q8)
             nxt = self.layers[li + 1]["input_norm1"] if li + 1 < len(self.layers) else self.final_norm1
             h, x = self.glue.add_norm(h, y, nxt, c.eps)
         return x

@@ -64,6 +64,37 @@ def test_lossless_gpu(checkpoints, shape, seed, plen, weights, drafter):
 
 
 @pytest.mark.gpu
+@pytest.mark.parametrize("drafter", ["ngram", "self"])
+def test_lossless_gpu_with_swiglu_in_the_flow_epilogue(checkpoints, monkeypatch, drafter):
+    """SPECPILOT_W12_SWIGLU=1: each MLP's gate and up rows paired and SwiGLU in the flow kernel's epilogue
+    (w12.matmul_swiglu), at the autoregressive step's one row and the verify step's many."""
+    monkeypatch.setenv("SPECPILOT_W12_SWIGLU", "1")
+    path, model = checkpoints["gdn-k1v4-d128-v64"]
+    eng = Engine.from_pretrained(path, device="cuda", weights="w12", drafter=drafter)
+    assert eng.graphs
+    assert all(L["gate_up"].paired for L in eng.model.layers)
+    _check(eng, _prompt(model.config.vocab_size, 40, 2), 300)
+
+
+def test_swiglu_in_the_flow_epilogue_is_lossless_cpu(checkpoints, monkeypatch):
+    """The engine's paired gate-and-up path on the CPU (the runtime layout taken there too; w12.matmul_swiglu's
+    reference path): speculative output equals autoregressive, from a W12 model built so and from a BF16 model
+    converted in place (`to_w12`)."""
+    from specpilot.engine.model import HybridModel
+
+    monkeypatch.setenv("SPECPILOT_W12_SWIGLU", "1")
+    monkeypatch.setattr(HybridModel, "_wants_tiled", lambda self, fmt: fmt == "w12")
+    path, model = checkpoints["gdn-k1v4-d128-v64"]
+    eng = Engine.from_pretrained(path, device="cpu", weights="w12", drafter="ngram")
+    assert all(L["gate_up"].paired for L in eng.model.layers)
+    _check(eng, _prompt(model.config.vocab_size, 40, 2), 96)
+    bf = Engine.from_pretrained(path, device="cpu", drafter="ngram")
+    bf.model.to_w12()
+    assert all(L["gate_up"].paired for L in bf.model.layers)
+    _check(bf, _prompt(model.config.vocab_size, 40, 2), 64)
+
+
+@pytest.mark.gpu
 def test_graphs_replay_the_eager_steps(checkpoints):
     path, model = checkpoints["gdn3-attn1-v97"]
     prompt = _prompt(97, 50, 4)

@@ -796,3 +796,42 @@ def test_stream_k_graph_replay_and_pdl():
     for cfg in _sk_configs(x.shape[0]):
         want = _run(cfg, x, t)
         _assert_graph_of_three_replays(cfg, x, t, want)
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["full", "q8"])
+@pytest.mark.parametrize("M", [1, 5, 16, 24, 32, 40])
+def test_swiglu_epilogue_equals_the_reference_bitwise(M, q8):
+    """w12.matmul_swiglu (the W12F_SWIGLU build, per 32-row piece) against swiglu_reference of matmul_tiled's halves
+    on the same GPU: the same configs' sums give the same bf16 gate and up, and both sides take CUDA's expf and
+    IEEE division, so the outputs are equal bit for bit (NaN against NaN), on hostile rows with salted x."""
+    f, k = 1024, 1000
+    w = hostile_weight(2 * f, k, seed=7).cuda()
+    t = w12.pack(w12.pair_rows(w))
+    x = _salt(gaussian_x(M, k, seed=8))
+    got = w12.matmul_swiglu(x, t, q8=q8)
+    ref = w12.swiglu_reference(*w12.unpair_cols(w12.matmul_tiled(x, t, q8=q8)))
+    torch.cuda.synchronize()
+    nan = torch.isnan(got.float())
+    assert torch.equal(nan, torch.isnan(ref.float()))
+    assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+    plain = w12.matmul_tiled(x, w12.pack(w), q8=q8)  # the paired rows' products are the unpaired ones
+    g, u = w12.unpair_cols(w12.matmul_tiled(x, t, q8=q8))
+    assert torch.equal(torch.cat([g, u], -1).view(torch.int16), plain.view(torch.int16))
+
+
+@pytest.mark.parametrize("tag", ["w4-k1-s3-c4", "w4-k1-s6-c4-q2-g", "w4-k1-s3-c5-xs", "w4-k2-s3-c4-q3-x1"])
+def test_swiglu_epilogue_at_forced_configs(tag):
+    """The W12F_SWIGLU build of mma.sync, warpgroup, ring and cluster configs at 1, 16 and 32 rows, forced: the
+    reference's bits."""
+    f, k = 512, 640
+    w = escaped_weight(2 * f, k, seed=9).cuda()
+    t = w12.pack(w12.pair_rows(w))
+    cfg = FlowConfig.from_tag(tag)
+    for M in (1, 16, 32):
+        if cfg.wg and M <= 16:
+            continue
+        x = gaussian_x(M, k, seed=M)
+        with autotune.force("w12.matmul", config=cfg):
+            got = w12.matmul_swiglu(x, t)
+            ref = w12.swiglu_reference(*w12.unpair_cols(w12.matmul_tiled(x, t)))
+        assert torch.equal(got.view(torch.int16), ref.view(torch.int16)), (tag, M)

@@ -269,11 +269,11 @@ __device__ __forceinline__ float bias_at(const void* bias, int kind, int row) {
 __device__ __forceinline__ void store_out(__nv_bfloat16* p, float v) { *p = __float2bfloat16_rn(v); }
 __device__ __forceinline__ void store_out(float* p, float v) { *p = v; }
 
-template <bool Q8, int NT, class Acc, class OutT>
-__device__ __forceinline__ void finish_row(Acc&& acc, int row, uint32_t e0, int p0, int p1, int c0, uint32_t v0,
-                                           const int* __restrict__ ecol, const uint16_t* __restrict__ eval,
-                                           const __nv_bfloat16* __restrict__ x, long long ldx, const void* bias,
-                                           int bias_kind, OutT* __restrict__ out, int M, int N, int q) {
+// A row's escapes in CSR order into acc(j, u): each adds x * escape less what the dense decode gave there
+template <bool Q8, int NT, class Acc>
+__device__ __forceinline__ void add_escapes(Acc& acc, uint32_t e0, int p0, int p1, int c0, uint32_t v0,
+                                            const int* __restrict__ ecol, const uint16_t* __restrict__ eval,
+                                            const __nv_bfloat16* __restrict__ x, long long ldx, int M, int q) {
   if (p1 > p0) {
     const float dense = escape_dense<Q8>(e0);
     for (int p = p0; p < p1; ++p) {
@@ -285,6 +285,37 @@ __device__ __forceinline__ void finish_row(Acc&& acc, int row, uint32_t e0, int 
       });
     }
   }
+}
+
+// finish_row's sums without the store: the escapes and the bias added into acc(j, u) (the SwiGLU epilogue stores
+// two rows at once, store_swiglu)
+template <bool Q8, int NT, class Acc>
+__device__ __forceinline__ void finish_sum(Acc&& acc, int row, uint32_t e0, int p0, int p1, int c0, uint32_t v0,
+                                           const int* __restrict__ ecol, const uint16_t* __restrict__ eval,
+                                           const __nv_bfloat16* __restrict__ x, long long ldx, const void* bias,
+                                           int bias_kind, int M, int q) {
+  add_escapes<Q8, NT>(acc, e0, p0, p1, c0, v0, ecol, eval, x, ldx, M, q);
+  if (bias_kind != 0) {
+    const float b = bias_at(bias, bias_kind, row);
+    for_tokens<NT>(q, M, [&](int j, int u, int) { acc(j, u) += b; });
+  }
+}
+
+// SwiGLU of one token's finished gate and up sums: each rounded to bf16 once, s = bf16(g sigmoid(g)) with
+// sigmoid(g) = 1 / (1 + e^-g) in IEEE fp32 division, the product s u rounded to bf16
+__device__ __forceinline__ void store_swiglu(__nv_bfloat16* p, float gate, float up) {
+  const float g = __bfloat162float(__float2bfloat16_rn(gate)), u = __bfloat162float(__float2bfloat16_rn(up));
+  const float s = __bfloat162float(__float2bfloat16_rn(g * __fdiv_rn(1.0f, 1.0f + expf(-g))));
+  *p = __float2bfloat16_rn(s * u);
+}
+__device__ __forceinline__ void store_swiglu(float*, float, float) {}  // not built: W12F_SWIGLU needs a bf16 out
+
+template <bool Q8, int NT, class Acc, class OutT>
+__device__ __forceinline__ void finish_row(Acc&& acc, int row, uint32_t e0, int p0, int p1, int c0, uint32_t v0,
+                                           const int* __restrict__ ecol, const uint16_t* __restrict__ eval,
+                                           const __nv_bfloat16* __restrict__ x, long long ldx, const void* bias,
+                                           int bias_kind, OutT* __restrict__ out, int M, int N, int q) {
+  add_escapes<Q8, NT>(acc, e0, p0, p1, c0, v0, ecol, eval, x, ldx, M, q);
   const float b = bias_kind != 0 ? bias_at(bias, bias_kind, row) : 0.0f;
   for_tokens<NT>(q, M, [&](int j, int u, int tok) {
     float sum = acc(j, u);

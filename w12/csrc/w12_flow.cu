@@ -166,6 +166,15 @@ typedef float w12f_out_t;
 #else
 typedef __nv_bfloat16 w12f_out_t;
 #endif
+#ifndef W12F_SWIGLU
+// the output is SwiGLU's (N / 2 columns): rows 16 b + r and 16 b + 8 + r hold gate and up row 8 b + r
+// (w12.pair_rows), both finished (escapes, bias, one rounding to bf16), then out[t, 8 b + r] = bf16(s u) with
+// s = bf16(g sigmoid(g)), as the engine's fused glue computes it from bf16 gate and up; N % 16 == 0, bf16 out
+#define W12F_SWIGLU 0
+#endif
+#if W12F_SWIGLU && W12F_OUT32
+#error "W12F_SWIGLU writes bf16: it does not build with W12F_OUT32"
+#endif
 #ifndef W12F_WG
 #define W12F_WG 0  // the warpgroup build: wgmma over 64 rows, x from shared memory (sm_90a)
 #endif
@@ -1357,9 +1366,19 @@ w12_matmul_flow_kernel(
               if (++p0 < ep[i][h][1]) c0 = __ldg(ecol + p0), v0 = __ldg(eval + p0);
             }
           }
-          finish_row<Q8, NT>([&](int j, int u) -> float& { return acc[i][j][2 * h + u]; }, row,
-                                (uint32_t)e0r[i][h], p0, ep[i][h][1], c0, v0, ecol, eval, x, ldx,
-                                bias, bias_kind, out, M, N, p);
+          if constexpr (W12F_SWIGLU != 0) {
+            finish_sum<Q8, NT>([&](int j, int u) -> float& { return acc[i][j][2 * h + u]; }, row,
+                               (uint32_t)e0r[i][h], p0, ep[i][h][1], c0, v0, ecol, eval, x, ldx, bias, bias_kind, M,
+                               p);
+            if (h == 1)  // the row block's gate (h = 0) and up (h = 1) rows of this lane are both finished
+              for_tokens<NT>(p, M, [&](int j, int u, int tok) {
+                store_swiglu(out + (long long)tok * (N / 2) + (rb0 + i) * 8 + g, acc[i][j][u], acc[i][j][2 + u]);
+              });
+          } else {
+            finish_row<Q8, NT>([&](int j, int u) -> float& { return acc[i][j][2 * h + u]; }, row,
+                                  (uint32_t)e0r[i][h], p0, ep[i][h][1], c0, v0, ecol, eval, x, ldx,
+                                  bias, bias_kind, out, M, N, p);
+          }
         }
       stamp_last(5);
     }
