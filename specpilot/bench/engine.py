@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import subprocess
 import sys
@@ -264,8 +265,13 @@ def _derive(row: dict) -> None:
                                  "speedup_vs_ar": tau * row["ar_ms"] / row["verify_ms"]} for tau in (4, 6, 8)}
 
 
-def _spawn(args: list[str]) -> None:
-    subprocess.run([sys.executable, "-m", "specpilot.bench.engine", *args], check=True)
+def _spawn(args: list[str], env: dict[str, str]) -> None:
+    subprocess.run([sys.executable, "-m", "specpilot.bench.engine", *args], check=True, env={**os.environ, **env})
+
+
+# run_processes' process formats beyond "bf16" and "w12": the W12 model under an environment setting, timed as its own
+# format beside the others
+PROCESS_FORMATS = {"w12+swiglu": ("w12", {"SPECPILOT_W12_SWIGLU": "1"})}
 
 
 def run_processes(child_args: list[str], formats=("bf16", "w12"), rounds: int = 1, out=None, log=print,
@@ -275,20 +281,28 @@ def run_processes(child_args: list[str], formats=("bf16", "w12"), rounds: int = 
     profile, the others without. For a GPU that cannot hold both models (hybrid-27b's 51 + 38 GB of weights on an
     80 GB H100), and a W12 model built as a user loads it rather than converted from the BF16 one in place. A format's
     samples of all its processes are pooled (medians, p10 / p90); `ar_ms_by_round` / `verify_ms_by_round` hold each
-    process's medians; floors, bytes, breakdowns and GPU state come from its first process. `spawn(args)` runs one
-    process (tests pass their own)."""
+    process's medians; floors, bytes, breakdowns and GPU state come from its first process. A format of
+    `PROCESS_FORMATS` ("w12+swiglu": the W12 model with SwiGLU in the flow kernel's epilogue) runs its model under
+    its environment. `spawn(args, env)` runs one process (tests pass their own)."""
     spawn = spawn or _spawn
+    unknown = [f for f in formats if f not in ("bf16", "w12", *PROCESS_FORMATS)]
+    if unknown:
+        raise ValueError(f"specpilot.bench.engine: unknown format(s) {unknown}; pass bf16, w12 or one of "
+                         f"{sorted(PROCESS_FORMATS)}")
     runs: dict[str, list[dict]] = {f: [] for f in formats}
     with tempfile.TemporaryDirectory() as tmp:
         for r, fmts in enumerate(interleaved_rounds(rounds, formats)):
             for fmt in fmts:
                 d = Path(tmp) / f"{r}-{fmt}"
-                spawn([*child_args, "--formats", fmt, "--no-peer", "--out", str(d), *([] if r == 0 else ["--no-profile"])])
+                model_fmt, env = PROCESS_FORMATS.get(fmt, (fmt, {}))
+                spawn([*child_args, "--formats", model_fmt, "--no-peer", "--out", str(d),
+                       *([] if r == 0 else ["--no-profile"])], env)
                 found = sorted(d.glob("*-engine.json"))
                 if len(found) != 1:
                     raise RuntimeError(f"specpilot.bench.engine: the {fmt} process of round {r} wrote {len(found)} "
                                        f"result files into {d}, expected 1")
                 got = json.loads(found[0].read_text())
+                got["formats"] = {fmt: got["formats"][model_fmt]}
                 runs[fmt].append(got)
                 row = got["formats"][fmt]
                 log(f"round {r}: {fmt} AR {row['ar_ms']:.2f} ms, verify {row['verify_ms']:.2f} ms (own process)")
@@ -512,7 +526,8 @@ def main(argv=None) -> int:
                          "the formats' order alternating (drift reaches both alike); implies --fresh")
     ap.add_argument("--processes", action="store_true",
                     help="each format in a process of its own, --rounds times, the order alternating, the samples "
-                         "pooled (run_processes): for a GPU that cannot hold both models; runs no peer")
+                         "pooled (run_processes): for a GPU that cannot hold both models; runs no peer; --formats "
+                         "may name w12+swiglu (the W12 model with SPECPILOT_W12_SWIGLU=1)")
     ap.add_argument("--no-profile", action="store_true", help="no per-kernel breakdown of the steps")
     ap.add_argument("--fresh", action="store_true",
                     help="build each format's model anew (the previous one freed) instead of converting the BF16 model "
@@ -522,6 +537,9 @@ def main(argv=None) -> int:
         print("specpilot.bench.engine: needs a CUDA GPU")
         return 2
     formats = tuple(a.formats.split(","))
+    if not a.processes and set(formats) & set(PROCESS_FORMATS):
+        print(f"specpilot.bench.engine: {sorted(set(formats) & set(PROCESS_FORMATS))} run with --processes only")
+        return 2
     if a.processes:
         if not a.no_peer:
             print("specpilot.bench.engine: --processes runs no peer; pass --no-peer (a one-process run times it)")

@@ -147,7 +147,8 @@ def test_engine_bench_in_a_process_per_format_pools_the_rounds(tmp_path):
     calls = []
     base = {"bf16": 20.0, "w12": 16.0}
 
-    def spawn(args):
+    def spawn(args, env):
+        assert env == {}
         fmt = args[args.index("--formats") + 1]
         out = args[args.index("--out") + 1]
         calls.append((fmt, "--no-profile" in args))
@@ -170,4 +171,24 @@ def test_engine_bench_in_a_process_per_format_pools_the_rounds(tmp_path):
     assert written["formats"]["bf16"]["ar_ms"] == pytest.approx(21.1)
     assert "a process of its own" in next(tmp_path.glob("*-engine.md")).read_text()
     with pytest.raises(RuntimeError, match="wrote 0 result files"):
-        engine.run_processes([], ("w12",), out=None, log=lambda s: None, spawn=lambda args: None)
+        engine.run_processes([], ("w12",), out=None, log=lambda s: None, spawn=lambda args, env: None)
+    with pytest.raises(ValueError, match="unknown format"):
+        engine.run_processes([], ("w16",), log=lambda s: None, spawn=lambda args, env: None)
+
+
+def test_engine_bench_process_format_runs_the_w12_model_under_its_environment(tmp_path):
+    """run_processes' "w12+swiglu": a W12 process with SPECPILOT_W12_SWIGLU=1, its row under its own name."""
+    from specpilot.bench import engine
+
+    seen = []
+
+    def spawn(args, env):
+        fmt = args[args.index("--formats") + 1]
+        seen.append((fmt, env))
+        row = {"ar_ms": 1.0, "verify_ms": 2.0, "ar_samples_ms": [1.0], "verify_samples_ms": [2.0],
+               "timing_method": "cuda_events", "timing_calls": 1, "ar_floor_ms": 1.0}
+        engine.write_run(args[args.index("--out") + 1], "engine", {"gpu": "g", "formats": {fmt: row}}, "")
+
+    res = engine.run_processes([], ("w12", "w12+swiglu"), log=lambda s: None, spawn=spawn)
+    assert seen == [("w12", {}), ("w12", {"SPECPILOT_W12_SWIGLU": "1"})]
+    assert set(res["formats"]) == {"w12", "w12+swiglu"}
