@@ -34,7 +34,8 @@ if has_stage ab; then
   timeout "${AB_TIMEOUT:-360}" python3 perf/w12_ladder.py --ab "${AB:-sk,xh}" --rounds "${AB_ROUNDS:-20}" --promote \
     >"$OUT/ab.log" 2>&1
   RC[ab]=$?
-  tuned=$(python3 -c "import torch; from autotune.config import tuned_file; print(tuned_file(torch.device('cuda')))" 2>/dev/null)
+  tuned=$(python3 -c "import torch; from autotune.config import tuned_file; print(tuned_file(torch.device('cuda')))" \
+    2>/dev/null)
   [ -n "$tuned" ] && [ -f "$tuned" ] && cp "$tuned" "$OUT/tuned.json"
 fi
 has_stage bench && run_bench 240 linear w12

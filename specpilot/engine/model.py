@@ -190,7 +190,6 @@ class Linear:
             return w12.matmul(x, self.packed, variant=kernels.w12, out=out)
         return F.linear(x, self.weight) if out is None else torch.mm(x, self.weight.t(), out=out)
 
-
     def swiglu(self, x: torch.Tensor, kernels: Kernels, glue, q8: bool = False) -> torch.Tensor:
         """SwiGLU of this gate-and-up projection of x: the flow kernel's fused epilogue where the rows are paired
         (`w12.matmul_swiglu`), else the product and `glue.swiglu`."""
@@ -324,7 +323,8 @@ class HybridModel:
         for d in fuse_layer_weights(cfg, tensors):  # not enumerate: its reused result tuple would hold the last d
             L = {"kind": cfg.layer_types[len(self.layers)]}
             for k, v in d.items():
-                if k == "gate_up" and self.tiled_w12 and swiglu_pairs() and v.shape[0] % 16 == 0:
+                if (k == "gate_up" and self.tiled_w12 and isinstance(v, torch.Tensor) and v.shape[0] % 16 == 0
+                        and swiglu_pairs()):
                     v = v.to(device=dev, dtype=torch.bfloat16)
                     L[k] = Linear(tiled=w12.pack(w12.pair_rows(v), layout="runtime"), paired=True)
                     continue
