@@ -468,20 +468,11 @@ def _matmul_tiled_eager(x2d, tiled: TiledW12, bias, *, q8: bool, out2d: torch.Te
     if M:
         op = OP_Q8 if q8 else OP
         bcfg = _batch_config(x2d, tiled, op)
-        cfg = None if bcfg is not None else _flow_config(x2d, tiled, op)
+        cfg = None if bcfg is not None else _flow_first(x2d, tiled, op)
         if bcfg is not None:
             launch_batch(bcfg, x2d, tiled, bias, out2d, q8=q8, pdl=pdl)
         elif cfg is not None:
-            from . import flow
-
-            flow.launch_tiled(cfg, x2d, tiled, bias, out2d, q8=q8, **_pdl_args(pdl))
-        elif M <= CHUNK_MAX_M and _flow_config(x2d[:FLOW_MAX_M], tiled, op) is not None:
-            from . import flow
-
-            for i in range(0, M, FLOW_MAX_M):
-                xs = x2d[i:i + FLOW_MAX_M]
-                flow.launch_tiled(_flow_config(xs, tiled, op), xs, tiled, bias, out2d[i:i + FLOW_MAX_M], q8=q8,
-                                  **_pdl_args(pdl))
+            _launch_flow_pieces(x2d, tiled, bias, out2d, cfg, op=op, pdl=pdl)
         elif M <= CHUNK_MAX_M // 2 and _flow_config(x2d[:FLOW_MAX_M // 2], tiled, op, torch.float16) is not None:
             from . import flow
 
@@ -555,9 +546,7 @@ def matmul_swiglu(x: torch.Tensor, tiled: TiledW12, *, q8: bool = False, out: to
         raise ValueError(f"{fn}: the weight's rows must be paired in 16-row blocks (w12.pair_rows), so N a "
                          f"multiple of 16, got N={tiled.N}")
     F = tiled.N // 2
-    if not isinstance(x, torch.Tensor) or x.dim() < 1 or x.shape[-1] != tiled.K:
-        raise ValueError(f"{fn}: x must be a tensor [..., K={tiled.K}], got "
-                         f"{tuple(x.shape) if isinstance(x, torch.Tensor) else type(x).__name__}")
+    _check_args(x, tiled, None, None, None, fn)
     shape = (*x.shape[:-1], F)
     if out is not None and (tuple(out.shape) != shape or out.dtype != torch.bfloat16 or not out.is_contiguous()
                             or out.device != x.device):
@@ -567,19 +556,31 @@ def matmul_swiglu(x: torch.Tensor, tiled: TiledW12, *, q8: bool = False, out: to
     M = x2d.shape[0]
     o2d = torch.empty((M, F), device=x.device, dtype=torch.bfloat16) if out is None else out.view(M, F)
     op = OP_Q8 if q8 else OP
-    fused = (M and x2d.dtype == torch.bfloat16 and M <= CHUNK_MAX_M and not torch.compiler.is_compiling()
-             and _batch_config(x2d, tiled, op) is None and _flow_config(x2d[:FLOW_MAX_M], tiled, op) is not None)
-    if fused:
-        from . import flow
-
-        x2d = x2d.contiguous()
-        for i in range(0, M, FLOW_MAX_M):
-            xs = x2d[i:i + FLOW_MAX_M]
-            flow.launch_tiled(_flow_config(xs, tiled, op), xs, tiled, None, o2d[i:i + FLOW_MAX_M], q8=q8, swiglu=True,
-                              **_pdl_args(pdl))
+    fused = M and not torch.compiler.is_compiling() and _batch_config(x2d, tiled, op) is None
+    cfg = _flow_first(x2d, tiled, op) if fused else None
+    if cfg is not None:
+        _launch_flow_pieces(x2d, tiled, None, o2d, cfg, op=op, pdl=pdl, swiglu=True)
     elif M:
         o2d.copy_(swiglu_reference(*unpair_cols(matmul_tiled(x2d, tiled, q8=q8, pdl=pdl))))
     return o2d.reshape(shape) if out is None else out
+
+
+def _flow_first(x2d: torch.Tensor, tiled: TiledW12, op: str) -> FlowConfig | None:
+    """The config of the first `FLOW_MAX_M`-row piece where the flow kernel takes this call (bf16 x of
+    1..`CHUNK_MAX_M` rows on a GPU where it runs, once per piece: `_launch_flow_pieces`), else None."""
+    return _flow_config(x2d[:FLOW_MAX_M], tiled, op) if x2d.shape[0] <= CHUNK_MAX_M else None
+
+
+def _launch_flow_pieces(x2d, tiled: TiledW12, bias, out2d: torch.Tensor, first: FlowConfig, *, op: str, pdl,
+                        swiglu: bool = False) -> None:
+    """The flow kernel once per `FLOW_MAX_M`-row piece of x2d into the same rows of out2d: the first piece at
+    `first` (`_flow_first`), each other at its own config (`swiglu`: the W12F_SWIGLU build, `matmul_swiglu`)."""
+    from . import flow
+
+    for i in range(0, x2d.shape[0], FLOW_MAX_M):
+        xs = x2d[i:i + FLOW_MAX_M]
+        flow.launch_tiled(first if i == 0 else _flow_config(xs, tiled, op), xs, tiled, bias, out2d[i:i + FLOW_MAX_M],
+                          q8=op == OP_Q8, swiglu=swiglu, **_pdl_args(pdl))
 
 
 FP32_SLICE_ROWS = 8192  # weight rows per fp32 F.linear of the decode path for fp16 x (168 MB at K = 5120)

@@ -208,6 +208,11 @@ def swiglu_pairs() -> bool:
     return v == "1"
 
 
+def _paired_tiled(gate_up: torch.Tensor) -> "w12.layout.TiledW12":
+    """A gate-and-up weight in the runtime layout with its rows paired (`w12.pair_rows`), for `Linear.swiglu`."""
+    return w12.pack(w12.pair_rows(gate_up), layout="runtime")
+
+
 def rms_norm(x: torch.Tensor, w1: torch.Tensor, eps: float) -> torch.Tensor:
     """Qwen3.5's zero-centred RMSNorm: fp32 statistics, scaled by w1 = 1 + w (fp32), back to x's dtype."""
     xf = x.float()
@@ -323,10 +328,8 @@ class HybridModel:
         for d in fuse_layer_weights(cfg, tensors):  # not enumerate: its reused result tuple would hold the last d
             L = {"kind": cfg.layer_types[len(self.layers)]}
             for k, v in d.items():
-                if (k == "gate_up" and self.tiled_w12 and isinstance(v, torch.Tensor) and v.shape[0] % 16 == 0
-                        and swiglu_pairs()):
-                    v = v.to(device=dev, dtype=torch.bfloat16)
-                    L[k] = Linear(tiled=w12.pack(w12.pair_rows(v), layout="runtime"), paired=True)
+                if self._pairs(k, v):
+                    L[k] = Linear(tiled=_paired_tiled(v.to(device=dev, dtype=torch.bfloat16)), paired=True)
                     continue
                 L[k] = Linear.make(v, fmt, dev, tiled=self.tiled_w12) if v.dim() == 2 and k != "conv" else small(v)
             for k in ("input_norm", "post_norm", "q_norm", "k_norm"):  # zero-centred: they scale by 1 + w (fp32)
@@ -366,6 +369,13 @@ class HybridModel:
         self.inv_freq = inv.to(dev)
         self._alloc_caches()
 
+    def _pairs(self, key: str, weight) -> bool:
+        """Whether projection `key` of a layer is held with gate and up rows paired for SwiGLU in the flow kernel's
+        epilogue (`swiglu_pairs`): the MLP's gate_up, a BF16 weight whose halves are multiples of 8 rows, in a model
+        whose layers take the runtime layout."""
+        return (key == "gate_up" and self.tiled_w12 and isinstance(weight, torch.Tensor) and weight.shape[0] % 16 == 0
+                and swiglu_pairs())
+
     def _wants_tiled(self, fmt: str) -> bool:
         """Whether the layers' W12 projections are held in the runtime layout alone (`Linear.tiled`): W12 weights on
         a GPU where the CUDA kernels build, with w12's own choice of kernel (no `Kernels.w12` pinned). The head
@@ -381,18 +391,16 @@ class HybridModel:
         its BF16 copy dropped): the same model, 12-bit weights (the layers' in the runtime layout alone where
         `tiled_w12`)."""
         self.tiled_w12 = self._wants_tiled("w12")
-        pairs = self.tiled_w12 and swiglu_pairs()
         for key, lin in [(k, v) for L in self.layers for k, v in L.items() if isinstance(v, Linear)] + \
                 [("head", self.head_linear)]:
-            if pairs and key == "gate_up" and lin.weight is not None and lin.weight.shape[0] % 16 == 0:
-                # gate and up rows paired: SwiGLU in the flow kernel's epilogue
-                lin.tiled, lin.paired = w12.pack(w12.pair_rows(lin.weight), layout="runtime"), True
+            if self._pairs(key, lin.weight):  # gate and up rows paired: SwiGLU in the flow kernel's epilogue
+                lin.tiled, lin.paired = _paired_tiled(lin.weight), True
                 lin.weight = lin.packed = None
-                continue
-            lin.ensure_packed()
-            lin.weight = None
-            if self.tiled_w12 and lin is not self.head_linear:
-                lin.tiled, lin.packed = w12.layout.tile(lin.packed), None
+            else:
+                lin.ensure_packed()
+                lin.weight = None
+                if self.tiled_w12 and lin is not self.head_linear:
+                    lin.tiled, lin.packed = w12.layout.tile(lin.packed), None
             if self.device.type == "cuda":
                 # the freed BF16 blocks go back to the device instead of being split by the smaller W12 tensors:
                 # converting hybrid-27b on an 80 GB GPU ran out of memory with 12 GB cached but unused

@@ -1153,8 +1153,8 @@ def test_matmul_tiled_runs_the_flow_kernel_per_32_rows(M, pieces, monkeypatch):
     b = (torch.randn(N, generator=torch.Generator().manual_seed(1)) * 0.1).to(torch.bfloat16)
     launched = []
 
-    def launch(cfg, xs, tt, bias, out, *, q8=False, **pdl):
-        assert tt is t and bias is b and out.is_contiguous() and cfg == FlowConfig()
+    def launch(cfg, xs, tt, bias, out, *, q8=False, swiglu=False, **pdl):
+        assert tt is t and bias is b and out.is_contiguous() and cfg == FlowConfig() and not swiglu
         launched.append((xs.shape[0], pdl))
         out.copy_(w12.matmul_reference(xs, p, bias).to(torch.bfloat16))
 
