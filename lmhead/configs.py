@@ -41,4 +41,7 @@ def head_config(variant: str, V: int, H: int, interpret: bool, device=None) -> H
 # (the paper measured the certified head slower than the plain one on an RTX PRO 6000).
 AUTO_SCREEN: dict[str, dict[str, str]] = {
     "h200": {"bf16": "int8", "w12": "int8"},  # perf/results/h200/20261201T150759-lmhead.argmax.json
+    # the INT8 screen 1.65x cuBLAS + argmax at one row, 1.30x at 32 (W12 head 1.62 / 1.27x), the plain W12 exact
+    # head 0.87x: perf/results/h100-sxm/20261206T071827-lmhead.argmax.json
+    "h100-sxm": {"bf16": "int8", "w12": "int8"},
 }
