@@ -59,7 +59,8 @@ class GpuSpec:
 
 # Keyed by a lower-case slug; `gpu_spec` matches torch's device name against `aliases`.
 GPUS: dict[str, GpuSpec] = {
-    "h100-sxm": GpuSpec("H100 SXM", 3.35, 989.0, 1979.0, 1979.0, 132, (9, 0), True),
+    # measured: copy 3.04 TB/s and matmul 790-813 TFLOP/s over the benchmark runs of perf/results/h100-sxm/
+    "h100-sxm": GpuSpec("H100 SXM", 3.35, 989.0, 1979.0, 1979.0, 132, (9, 0), True, copy_tbs=3.04, matmul_tflops=813.0),
     # measured: copy 4.25-4.28 TB/s and matmul 771-793 TFLOP/s over the benchmark runs of perf/results/h200/
     "h200": GpuSpec("H200", 4.8, 989.0, 1979.0, 1979.0, 132, (9, 0), True, copy_tbs=4.28, matmul_tflops=793.0),
     "a100": GpuSpec("A100 SXM 80GB", 2.039, 312.0, 624.0, 0.0, 108, (8, 0), False),

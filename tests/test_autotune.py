@@ -64,13 +64,16 @@ def test_byte_floor_bandwidth_bound():
 
 
 def test_byte_floor_compute_bound():
-    # A large GEMM on an H100, which has no measured rates here: FLOPs at the datasheet's 989 TFLOP/s (no
-    # fraction; said so by floor_rates), the paper's at 60% of it.
+    # A large GEMM on an H100: FLOPs at its measured 813 TFLOP/s (autotune.GPUS, no fraction), the paper's at 60% of
+    # the datasheet's 989. An A100, which has no measured rates here, takes its datasheet's 312 (said so by
+    # floor_rates).
     n = 8192
     t = autotune.byte_floor(flops=2.0 * n**3, bytes=3 * 2 * n * n, device="H100 SXM")
-    assert t == pytest.approx(2.0 * n**3 / 989e12, rel=1e-12)
-    assert autotune.floor_rates("H100 SXM")[2].startswith("datasheet")
+    assert t == pytest.approx(2.0 * n**3 / 813e12, rel=1e-12)
+    assert autotune.floor_rates("H100 SXM")[2] == "measured on the H100 SXM (autotune.GPUS)"
     assert autotune.paper_floor(2.0 * n**3, 3 * 2 * n * n, "H100 SXM") == pytest.approx(2.0 * n**3 / (0.6 * 989e12))
+    assert autotune.byte_floor(2.0 * n**3, 3 * 2 * n * n, "a100") == pytest.approx(2.0 * n**3 / 312e12, rel=1e-12)
+    assert autotune.floor_rates("a100")[2].startswith("datasheet")
 
 
 def test_byte_floor_takes_the_slower_and_validates():

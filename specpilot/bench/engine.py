@@ -257,6 +257,12 @@ def _step_fields(t_ar: Timing, t_v: Timing) -> dict:
             "timing_method": t_ar.method, "timing_calls": t_ar.calls}
 
 
+def _floor_rates(dev) -> dict:
+    """The rates the row's floors divide by, and where they come from (`autotune.floor_rates`)."""
+    bw, mm, source = autotune.floor_rates(dev)
+    return {"copy_tbs": bw / 1e12, "matmul_tflops": mm / 1e12, "source": source}
+
+
 def _derive(row: dict) -> None:
     """The fields a format's row derives from its medians and floors."""
     row["ar_over_floor"] = row["ar_ms"] / row["ar_floor_ms"]
@@ -347,6 +353,13 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
            "head_screen": head_screen, "fresh": fresh, "rounds": rounds,
            "gpu": torch.cuda.get_device_name(), **versions(), "formats": {}}
     idx = dev.index if dev.index is not None else torch.cuda.current_device()
+    # the floors' rates measured before any model takes the memory (cached on disk for the later processes of
+    # run_processes); a failed measurement leaves autotune.floor_rates to its fallbacks, and each row names its source
+    try:
+        autotune.measure_ceilings(dev)
+    except (RuntimeError, torch.OutOfMemoryError) as e:
+        log(f"specpilot.bench.engine: measuring the copy and matmul rates failed ({type(e).__name__}: {e}); the "
+            "floors take autotune.floor_rates' fallback")
     model = None
 
     def build(fmt):
@@ -394,6 +407,7 @@ def run(shapes: str = "hybrid-27b", prefix: int = 4096, nodes: int = 32, positio
             paper_ar = paper_v = None
         row = {"weight_bytes": wbytes, "kv_bytes": kv, "state_bytes": stb, "params": params, **_step_fields(t_ar, t_v),
                "ar_floor_ms": 1e3 * floor_ar, "verify_floor_ms": 1e3 * floor_v,
+               "floor_rates": _floor_rates(dev),
                "ar_paper_floor_ms": None if paper_ar is None else 1e3 * paper_ar,
                "verify_paper_floor_ms": None if paper_v is None else 1e3 * paper_v,
                "host_load_ar_ms": 1e3 * st["host_ar"], "host_load_verify_ms": 1e3 * st["host_v"],
@@ -471,6 +485,11 @@ def markdown(res: dict) -> str:
                      f"{r['verify_ms']:.2f} | {r['verify_over_ar']:.3f}x | "
                      + " / ".join(f"{imp[t]['tokens_per_s']:.0f}" for t in ("4", "6", "8")) + " | "
                      + " / ".join(f"{imp[t]['speedup_vs_ar']:.2f}x" for t in ("4", "6", "8")) + " |")
+    rates = {fmt: r["floor_rates"] for fmt, r in res["formats"].items() if r.get("floor_rates")}
+    if rates:
+        fr = next(iter(rates.values()))
+        lines.append(f"\nFloors: the step's bytes at {fr['copy_tbs']:.2f} TB/s and its FLOPs at "
+                     f"{fr['matmul_tflops']:.0f} TFLOP/s ({fr['source']}).")
     screens = [f"{fmt} {r['head_screen']}" for fmt, r in res["formats"].items() if r.get("head_screen")]
     if screens:
         lines.append("\nThe certified head's screen (`none`: the plain exact head): " + ", ".join(screens) + ".")

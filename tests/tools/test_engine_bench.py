@@ -192,3 +192,19 @@ def test_engine_bench_process_format_runs_the_w12_model_under_its_environment(tm
     res = engine.run_processes([], ("w12", "w12+swiglu"), log=lambda s: None, spawn=spawn)
     assert seen == [("w12", {}), ("w12", {"SPECPILOT_W12_SWIGLU": "1"})]
     assert set(res["formats"]) == {"w12", "w12+swiglu"}
+
+
+def test_floor_rates_name_their_source():
+    """Each row records the rates its floors divide by and their source, and the markdown says them: a floor at a
+    datasheet's rate is not a floor at a measured one."""
+    from specpilot.bench import engine
+
+    got = engine._floor_rates("h100-sxm")
+    assert got == {"copy_tbs": pytest.approx(3.04), "matmul_tflops": pytest.approx(813.0),
+                   "source": "measured on the H100 SXM (autotune.GPUS)"}
+    row = {"ar_ms": 10.0, "ar_floor_ms": 8.0, "ar_over_floor": 1.25, "verify_ms": 12.0, "verify_over_ar": 1.2,
+           "implied": {t: {"tokens_per_s": 1.0, "speedup_vs_ar": 1.0} for t in ("4", "6", "8")},
+           "floor_rates": {"copy_tbs": 3.35, "matmul_tflops": 989.0, "source": "datasheet of the H100 SXM"}}
+    md = markdown({"shapes": "s", "prefix": 1, "nodes": 32, "gpu": "g", "torch": "t", "cuda": "c",
+                   "formats": {"w12": row}})
+    assert "Floors: the step's bytes at 3.35 TB/s and its FLOPs at 989 TFLOP/s (datasheet of the H100 SXM)." in md
