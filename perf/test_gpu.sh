@@ -8,9 +8,10 @@
 #   make test-gpu PKG=gdn         one package's: w12, gdn, tree_attn, lmhead, engine, specpilot (tests/*.py, tests/tools)
 #   make test-gpu-full SHARD=1/3  the slow tier too (sweeps that repeat a code path), shard 1 of 3 of it
 #
-# Environment: OUT (default perf/out; the log is $OUT/test-gpu.log), TEST_WORKERS (default: the CPU cores, at most 16), TEST_TIMEOUT
+# Environment: OUT (default perf/out; the log is $OUT/test-gpu.log), TEST_WORKERS (default: the CPU cores, at most 16;
+# for a run of every package also at most one per 9 GiB of GPU memory), TEST_TIMEOUT
 # (default 540 s), TEST_K (a pytest -k expression, e.g. "not ws_kernel"), PYTEST_ARGS (extra pytest arguments, split on
-# spaces). Each test's seconds go to $OUT/test-gpu-times.tsv
+# spaces). Each test's seconds (and its peak of GPU memory in torch's allocator, GiB) go to $OUT/test-gpu-times.tsv
 # as it ends (tests/conftest.py), so a run stopped at its limit still shows where the time went; the tests run
 # longest first by the seconds tests/gpu_durations.tsv holds (SPECPILOT_TEST_ORDER). Wheels carried in .whl/ are installed first
 # (perf/gpu_env.sh). Exit status: pytest's.

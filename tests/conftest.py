@@ -17,6 +17,7 @@
 """
 
 import os
+import sys
 from pathlib import Path
 
 os.environ.setdefault("ONEDNN_MAX_CPU_ISA", "AVX2")
@@ -97,20 +98,49 @@ def fake_h200(tmp_path, monkeypatch):
 _TIMES = os.environ.get("SPECPILOT_TEST_TIMES")
 
 
+def _cuda_in_use():
+    """torch.cuda when this process has a CUDA context, else None (never creates one)."""
+    torch = sys.modules.get("torch")
+    return torch.cuda if torch is not None and torch.cuda.is_initialized() else None
+
+
+class _GpuPeak:
+    """With SPECPILOT_TEST_TIMES, a test call's peak of GPU memory held by torch's allocator (GiB) travels with its
+    report: the workers of `make test-gpu` share one GPU's memory, and the file says which tests need the most. A
+    plugin object, beside specpilot.fault_guard's report hook."""
+
+    def pytest_runtest_setup(self, item):
+        if (cuda := _cuda_in_use()) is not None:
+            cuda.reset_peak_memory_stats()
+
+    @pytest.hookimpl(hookwrapper=True)
+    def pytest_runtest_makereport(self, item, call):
+        outcome = yield
+        if call.when == "call" and (cuda := _cuda_in_use()) is not None:
+            outcome.get_result().user_properties.append(("gpu_peak_gib", cuda.max_memory_reserved() / 2**30))
+
+
+def pytest_configure(config):
+    if _TIMES:
+        config.pluginmanager.register(_GpuPeak(), "specpilot-gpu-peak")
+
+
 def pytest_runtest_logreport(report):
     """With SPECPILOT_TEST_TIMES=FILE, a line per test call, and per other phase that failed or took a second or
-    more, is appended as it ends (outcome, phase, seconds, id, worker, start):
+    more, is appended as it ends (outcome, phase, seconds, id, worker, start, GPU peak in GiB or -):
     a run killed at its time limit still says what took the time (`make test-gpu` sets it)."""
     if not _TIMES or os.environ.get("PYTEST_XDIST_WORKER"):  # the controller writes what its workers report
         return
     if report.when == "call" or report.outcome != "passed" or report.duration >= 1.0:
-        # the fifth and sixth columns: the xdist worker and the phase's start (Unix seconds), to lay the run out in time
+        # the fifth and sixth columns: the xdist worker and the phase's start (Unix seconds), to lay the run out in
+        # time; the seventh: the call's peak of GPU memory held by torch's allocator
         node = getattr(report, "node", None)
         worker = getattr(getattr(node, "gateway", None), "id", "-")
         start = getattr(report, "start", 0.0)
+        peak = dict(report.user_properties).get("gpu_peak_gib")
         with open(_TIMES, "a") as f:
             f.write(f"{report.outcome}\t{report.when}\t{report.duration:.2f}\t{report.nodeid}\t{worker}\t"
-                    f"{start:.2f}\n")
+                    f"{start:.2f}\t{'-' if peak is None else f'{peak:.2f}'}\n")
     if report.failed:  # the failure itself, in case the run is stopped before pytest's summary
         with open(_TIMES + ".failures", "a") as f:
             f.write(f"==== {report.nodeid} ({report.when})\n{str(report.longreprtext)[-4000:]}\n")
