@@ -8,8 +8,8 @@
 #   make test-gpu PKG=gdn         one package's: w12, gdn, tree_attn, lmhead, engine, specpilot (tests/*.py, tests/tools)
 #   make test-gpu-full SHARD=1/3  the slow tier too (sweeps that repeat a code path), shard 1 of 3 of it
 #
-# Environment: OUT (default perf/out; the log is $OUT/test-gpu.log), TEST_WORKERS (default: the CPU cores, at most 16;
-# for a run of every package also at most one per 9 GiB of GPU memory), TEST_TIMEOUT
+# Environment: OUT (default perf/out; the log is $OUT/test-gpu.log), TEST_WORKERS (default: the CPU cores, at most 16
+# and at most one per 9 GiB of GPU memory), TEST_TIMEOUT
 # (default 540 s), TEST_K (a pytest -k expression, e.g. "not ws_kernel"), PYTEST_ARGS (extra pytest arguments, split on
 # spaces). Each test's seconds (and its peak of GPU memory in torch's allocator, GiB) go to $OUT/test-gpu-times.tsv
 # as it ends (tests/conftest.py), so a run stopped at its limit still shows where the time went; the tests run
@@ -27,15 +27,15 @@ fingerprint() {
 [ "${1:-}" = "--fingerprint" ] && { fingerprint; exit 0; }
 # one worker per CPU core, at most 16: the tests spend their time on the CPU (Triton and NVRTC builds, launches,
 # references) more than on the GPU. Each worker's torch gets cores / workers threads: with one OpenMP pool of all
-# the cores per worker, the workers' CPU-side tensor work oversubscribes the machine. The whole suite's workers
-# share the GPU's memory, and its largest tests hold tens of GiB: a run of all packages takes at most one worker per
-# 9 GiB (8 on an 80 GB H100, where 16 workers ran out of memory in 18 tests; 15 on the H200). One package's run
-# keeps one per core (PKG=w12 passed with 16 workers on the H100)
+# the cores per worker, the workers' CPU-side tensor work oversubscribes the machine. The workers share the GPU's
+# memory, and the largest tests hold tens of GiB: at most one worker per 9 GiB (8 on an 80 GB H100, where 16 workers
+# ran out of memory in 18 tests of a run of every package and in 2 of PKG=lmhead's; 15 on the H200). TEST_WORKERS
+# overrides it (PKG=w12 passed with 16 on the H100)
 NPROC=$(nproc 2>/dev/null || echo 8)
 if [ -z "${TEST_WORKERS:-}" ]; then
   TEST_WORKERS=$(( NPROC < 16 ? NPROC : 16 ))
   GIB=$(nvidia-smi --query-gpu=memory.total --format=csv,noheader,nounits -i 0 2>/dev/null | head -n 1)
-  if [ -z "${PKG:-}" ] && [ -n "$GIB" ] && [ "$GIB" -gt 0 ] 2>/dev/null; then
+  if [ -n "$GIB" ] && [ "$GIB" -gt 0 ] 2>/dev/null; then
     BY_MEMORY=$(( GIB / 1024 / 9 ))
     TEST_WORKERS=$(( BY_MEMORY < TEST_WORKERS ? (BY_MEMORY > 0 ? BY_MEMORY : 1) : TEST_WORKERS ))
   fi
