@@ -14,6 +14,13 @@ order. A request that finishes leaves the batch, and its row goes to the next wa
 and the prompt prefilled into it (`Engine._prefill_row`), and it joins the next verify step. A request's
 tokens depend only on its own row, so admission order and batch company never change its output.
 
+`budget="auto"` (or a sequence of budgets) lets the engine pick each step's budget by measurement: before the first
+prefill it times one step of each candidate budget on the free rows (`measure_budgets`: graphed steps replayed, or
+eager ones), then every step takes the budget with the most expected tokens per second (`budget.best_budget`: the
+running requests' calibrated gains against the measured step costs). Where drafts rarely land, or a wide step costs
+more than its nodes bring (W12 weights above 32 rows, docs/engine.md), it falls back to fewer nodes or to the
+autoregressive step; outputs do not depend on the choice.
+
 The pass has `rows + budget` rows at most. On a GPU each step can be one CUDA graph (`graphs.GraphedBatchStep`,
 the default where the engine graphs its steps, `GRAPHS_BY_DEFAULT`): one per (rows R, budget), captured before
 the first prefill, its pass always R + budget rows: request b of the pass is cache row b, each tree padded with
@@ -35,13 +42,19 @@ from .graphs import GraphedBatchStep, batch_max_nodes, draft_rows, pass_tree, ta
 from .model import MAX_STEP_NODES
 from .records import StepRecord, nan_logits_error
 from .spec.accept import Acceptance, greedy_accept
-from .spec.budget import DEPTHS, AcceptanceHistory, allocate
+from .spec.budget import DEPTHS, AcceptanceHistory, allocate, best_budget
 from .spec.tree import DraftTree, build_tree
 
-__all__ = ["generate_batch"]
+__all__ = ["generate_batch", "measure_budgets", "AUTO_NODES_PER_ROW", "AUTO_MAX_BUDGET"]
 
 # generate_batch's default follows the engine's own choice of CUDA graphs (Engine.graphs); False keeps eager steps
 GRAPHS_BY_DEFAULT = True
+# budget="auto": the candidate budgets, in draft nodes per cache row (31: the most that keeps the GDN layers on their
+# CUDA tree kernel, graphs.batch_max_nodes), at most AUTO_MAX_BUDGET nodes a step (each candidate is one captured
+# graph, its buffers sized to its rows)
+AUTO_NODES_PER_ROW = (0, 1, 2, 4, 8, 16, 31)
+AUTO_MAX_BUDGET = 256
+AUTO_REPS = 5  # timed steps per candidate (the median), after one untimed
 
 
 def _prefix(tree, n: int) -> DraftTree:
@@ -82,15 +95,83 @@ def _batch_graph(engine, rows: int, budget: int) -> GraphedBatchStep:
     return g
 
 
-def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None = None, topk: int | None = None,
+def _budgets(fn: str, budget, rows: int) -> tuple[int, ...]:
+    """generate_batch's `budget` as the candidate budgets: one int, "auto", or a sequence of ints."""
+    limit = (MAX_STEP_NODES - 1) * rows
+    if budget is None:
+        return (min(8 * rows, limit),)
+    if isinstance(budget, str):
+        if budget != "auto":
+            raise ValueError(f"{fn}: budget={budget!r}; pass an int >= 0, 'auto', or a sequence of ints to choose "
+                             "from by measurement")
+        return tuple(sorted({k * rows for k in AUTO_NODES_PER_ROW if k * rows <= min(AUTO_MAX_BUDGET, limit)}))
+    if isinstance(budget, (list, tuple)):
+        if not budget:
+            raise ValueError(f"{fn}: budget=[] holds no candidate; pass an int, 'auto', or budgets to choose from")
+        got = sorted({inputs.count(fn, "budget", b, 0) for b in budget})
+        return tuple(min(b, limit) for b in got)
+    return (min(inputs.count(fn, "budget", budget, 0), limit),)
+
+
+def _dummy_trees(vocab: int, batch: int, budget: int) -> list:
+    """`budget` draft nodes split evenly over `batch` requests (the first ones one more), as best-first trees of up to
+    16 positions and top-4 on made-up tokens: the shape of a step, for timing it."""
+    out = []
+    for b in range(batch):
+        n = budget // batch + (b < budget % batch)
+        if not n:
+            out.append(None)
+            continue
+        P = min(max(DEPTHS), n)
+        tokens = torch.arange(P * 4, dtype=torch.int64).reshape(P, 4) % vocab
+        scores = -(torch.arange(P, dtype=torch.float64)[:, None] + torch.arange(4, dtype=torch.float64)[None, :])
+        out.append(build_tree(tokens, scores, budget=n))
+    return out
+
+
+def measure_budgets(engine, rows: int, budgets, graphs: bool, reps: int = AUTO_REPS) -> dict[int, float]:
+    """Seconds of one batch step of `rows` cache rows (0..rows-1) at each budget: the median of `reps` steps after one
+    untimed, each with made-up trees of the budget's nodes after a one-token context, timed as generate_batch runs
+    them (a graphed step's load and replay, or the eager step, and the read of its results). The steps write those
+    rows, so call it before any prompt is prefilled there (admission resets a row)."""
+    m = engine.model
+    cuda = m.device.type == "cuda"
+    costs = {}
+    for budget in budgets:
+        trees = _dummy_trees(m.cfg.vocab, rows, budget)
+        if graphs:
+            g = _batch_graph(engine, rows, budget)
+
+            def one():
+                g.load([1] * rows, [0] * rows, trees)
+                return g.replay()[1]
+        else:
+            def one():
+                return eager_step(m, list(range(rows)), [1] * rows, [0] * rows, trees, max(DEPTHS))[2].accepted
+        times = []
+        for i in range(reps + 1):
+            if cuda:
+                torch.cuda.synchronize(m.device)
+            t0 = time.perf_counter()
+            one().tolist()
+            if i:
+                times.append(time.perf_counter() - t0)
+        costs[budget] = sorted(times)[len(times) // 2]
+    return costs
+
+
+def generate_batch(engine, prompts, max_new_tokens: int, *, budget=None, topk: int | None = None,
                    max_rows: int | None = None, graphs: bool | None = None,
-                   log_allocations: list | None = None) -> list[list[int]]:
+                   log_allocations: list | None = None, log_budgets: dict | None = None) -> list[list[int]]:
     """Greedy continuations of every prompt, verified together under `budget` tree nodes per step (default 8 per
-    running request). At most `max_rows` requests run at once, one cache row each (default: the model's rows); the
-    other prompts wait and take the rows that finished requests free, in order. `graphs`: each step one CUDA graph
-    (`GraphedBatchStep`); default: the engine's own choice (`Engine.graphs`: on a GPU unless a layer kind runs a
-    reference path), or eager steps where `GRAPHS_BY_DEFAULT` is set False.
-    `log_allocations`, when a list, receives each step's node counts (one per running request)."""
+    running request). `budget="auto"`, or a sequence of budgets, picks each step's budget among the candidates by
+    measurement (module docstring; "auto": AUTO_NODES_PER_ROW nodes per row, at most AUTO_MAX_BUDGET). At most
+    `max_rows` requests run at once, one cache row each (default: the model's rows); the other prompts wait and take
+    the rows that finished requests free, in order. `graphs`: each step one CUDA graph (`GraphedBatchStep`); default:
+    the engine's own choice (`Engine.graphs`: on a GPU unless a layer kind runs a reference path), or eager steps
+    where `GRAPHS_BY_DEFAULT` is set False.
+    `log_allocations`, when a list, receives each step's node counts (one per running request); `log_budgets`, when
+    a dict, receives the candidates' measured step seconds (key "costs") and each step's budget (key "steps")."""
     fn = "specpilot.engine.Engine.generate_batch"
     m = engine.model
     if isinstance(prompts, (str, bytes, bytearray)) or (isinstance(prompts, torch.Tensor) and prompts.dim() != 2):
@@ -105,8 +186,8 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
         raise TypeError(f"{fn}: prompts is one list of ints; pass a list of prompts, e.g. [prompt] for one")
     prompts = [engine._prompt(fn, p, what=f"prompt {r}") for r, p in enumerate(prompts)]
     max_new_tokens = inputs.count(fn, "max_new_tokens", max_new_tokens, 0)
-    if budget is not None:
-        budget = inputs.count(fn, "budget", budget, 0)
+    if budget is not None and not isinstance(budget, (str, list, tuple)):
+        inputs.count(fn, "budget", budget, 0)
     if topk is not None:
         topk = inputs.count(fn, "topk", topk)
     graphs = inputs.flag(fn, "graphs", graphs, none_ok=True)
@@ -133,11 +214,11 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
     if engine.drafter is None or engine.two_level or getattr(engine.drafter, "model", None) is m:
         raise ValueError(f"{fn}: batched decoding takes a stateless drafter (e.g. drafter='ngram'); the self-drafter "
                          "keeps cache rows of its own and two-level verification is per request")
-    budget = 8 * R if budget is None else budget
+    budgets = _budgets(fn, budget, R)
     topk = engine.topk if topk is None else topk
     for r, p in enumerate(prompts):
         # a request's pass holds its pending token and up to MAX_STEP_NODES - 1 draft nodes
-        need = len(p) + max_new_tokens - 1 + min(budget, MAX_STEP_NODES - 1)
+        need = len(p) + max_new_tokens - 1 + min(max(budgets), MAX_STEP_NODES - 1)
         if need > m.max_len:
             raise ValueError(f"{fn}: prompt {r} ({len(p)} tokens) plus {max_new_tokens} new tokens and its draft "
                              f"nodes needs {need} cache slots but max_len={m.max_len}; pass fewer tokens, or load "
@@ -159,8 +240,12 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
             row_of[r] = row
             live.append(r)
 
-    # captured before the first prefill: the warm-up writes every row of the graph
-    step_graph = _batch_graph(engine, R, min(budget, (MAX_STEP_NODES - 1) * R)) if graphs else None
+    # captured (and with several candidates, timed) before the first prefill: these steps write every row of the graph
+    costs = measure_budgets(engine, R, budgets, graphs) if len(budgets) > 1 else None
+    if log_budgets is not None:
+        log_budgets.update(costs=dict(costs or {}), steps=[])
+    step_graphs = {b: _batch_graph(engine, R, b) for b in budgets} if graphs else None
+    caps = {b: (step_graphs[b].max_nodes if graphs else batch_max_nodes(R, b)) - 1 for b in budgets}
     admit()
     while live:
         t0 = time.perf_counter()
@@ -174,8 +259,15 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget: int | None =
             depth.append(P)
         # the pass's per-request bound (graphs.batch_max_nodes: 32 nodes where the budget allows, so that the GDN
         # layers run their CUDA tree kernel)
-        cap = step_graph.max_nodes if step_graph is not None else batch_max_nodes(len(live), budget)
-        alloc = allocate(gains, budget, min_nodes=0, max_nodes=cap - 1)
+        if costs is None:
+            budget = budgets[0]
+            cap = caps[budget] if graphs else batch_max_nodes(len(live), budget) - 1
+            alloc = allocate(gains, budget, min_nodes=0, max_nodes=cap)
+        else:
+            budget, alloc = best_budget(gains, costs, caps)
+        step_graph = step_graphs[budget] if graphs else None
+        if log_budgets is not None:
+            log_budgets["steps"].append(budget)
         if log_allocations is not None:
             log_allocations.append(list(alloc))
         trees = [_prefix(tree, n) for tree, n in zip(cands, alloc)]

@@ -312,10 +312,11 @@ class Engine:
             self._stats.steps.append(StepRecord("prefill", len(body), 0, time.perf_counter() - t0))
         return list(prompt)
 
-    def generate_batch(self, prompts, max_new_tokens: int, *, budget: int | None = None,
+    def generate_batch(self, prompts, max_new_tokens: int, *, budget=None,
                        max_rows: int | None = None, graphs: bool | None = None) -> list[list[int]]:
         """Greedy continuations of several prompts, verified together under one node budget per step
-        (`specpilot.engine.batch`; default 8 nodes per running request). At most `max_rows` requests run at once,
+        (`specpilot.engine.batch`; default 8 nodes per running request; `budget="auto"` or a sequence of budgets: each
+        step's budget picked among the candidates by their measured step costs). At most `max_rows` requests run at once,
         one cache row each (default: the model's `rows`); the other prompts wait and each takes the row of a request
         that finished. `prompts`: a list of prompts, each as `generate` takes one. `graphs`: each step one CUDA
         graph (`specpilot.engine.batch.generate_batch`)."""

@@ -162,3 +162,20 @@ def test_graphed_batch_equals_autoregressive_gpu():
     dflt = Engine.from_pretrained(TINY, device="cuda", weights="w12", drafter="ngram", rows=2)
     assert dflt.generate_batch(prompts, 96, budget=24) == outs  # the default on a GPU: graphed steps
     assert isinstance(dflt._batch_graphs[(2, 24)], GraphedBatchStep)
+
+
+@pytest.mark.gpu
+def test_auto_budget_graphed_equals_autoregressive_gpu():
+    # budget="auto" on the shipped tiny model: every candidate budget captured and timed before the first prefill,
+    # each step one of those graphs; every output is the prompt's own autoregressive output
+    text = (TINY / HELDOUT_FILE).read_bytes()
+    prompts = [list(text[a:a + n]) for a, n in ((1000, 120), (3000, 40), (5000, 200), (7000, 80))]
+    eng = Engine.from_pretrained(TINY, device="cuda", weights="w12", drafter="ngram", rows=2)
+    log = {}
+    outs = generate_batch(eng, prompts, 64, budget="auto", log_budgets=log)
+    cands = [k * 2 for k in batch_mod.AUTO_NODES_PER_ROW]
+    assert sorted(log["costs"]) == cands and all(isinstance(eng._batch_graphs[(2, b)], GraphedBatchStep) for b in cands)
+    assert set(log["steps"]) <= set(cands) and any(b > 0 for b in log["steps"])  # drafts land on the trained model
+    ar = Engine.from_pretrained(TINY, device="cuda", weights="w12", drafter=None)
+    for r, (p, o) in enumerate(zip(prompts, outs)):
+        assert o == ar.generate(p, 64, speculative=False), f"prompt {r}"

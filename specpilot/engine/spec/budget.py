@@ -69,7 +69,7 @@ import torch
 
 from .tree import MAX_NODES
 
-__all__ = ["Allocation", "AcceptanceHistory", "allocate", "DEPTHS"]
+__all__ = ["Allocation", "AcceptanceHistory", "allocate", "best_budget", "DEPTHS"]
 
 _WHERE = "specpilot.engine.spec.budget"  # the module as error messages name it
 
@@ -165,6 +165,36 @@ def allocate(gains, budget: int, min_nodes: int = 1, max_nodes: int = MAX_NODES)
         if n[r] < avail[r]:
             heapq.heappush(heap, (-rows[r][n[r]], r))
     return Allocation(n, unused=left)
+
+
+def best_budget(gains, costs: dict, max_nodes: dict) -> tuple[int, Allocation]:
+    """The node budget, of those whose step cost was measured, that gives the most expected tokens per second.
+
+    gains: as `allocate` takes them, one list per running request. costs: budget -> seconds of one step of that
+    budget (a positive number); max_nodes: budget -> the per-request node bound of that step. A step emits, per
+    running request, its accepted draft nodes and one more token (the target's own next token), so a budget b is
+    worth (B + sum of the gains `allocate` takes at b) / costs[b]. Returns (b, its allocation); equal rates go to
+    the smaller budget. With no draft candidates, or a step too slow for the tokens its nodes add, the answer is the
+    cheapest budget (0 where it was measured: one autoregressive token per request).
+    """
+    fn = "best_budget"
+    if not costs:
+        raise ValueError(_err(fn, "costs is empty; pass at least one budget's measured step cost"))
+    for b, c in costs.items():
+        if not _is_int(b) or b < 0:
+            raise ValueError(_err(fn, f"budget {b!r} in costs; pass non-negative ints"))
+        if not isinstance(c, (int, float)) or isinstance(c, bool) or not math.isfinite(c) or c <= 0:
+            raise ValueError(_err(fn, f"costs[{b}]={c!r}; pass a positive, finite step cost"))
+        if b not in max_nodes:
+            raise ValueError(_err(fn, f"no max_nodes for budget {b}; pass one per budget in costs"))
+    rows = _gain_lists(gains)
+    best = None
+    for b in sorted(costs):
+        alloc = allocate(rows, b, min_nodes=0, max_nodes=max_nodes[b])
+        rate = (len(rows) + sum(sum(row[:n]) for row, n in zip(rows, alloc))) / costs[b]
+        if best is None or rate > best[0]:
+            best = (rate, b, alloc)
+    return best[1], best[2]
 
 
 class AcceptanceHistory:
