@@ -17,7 +17,8 @@ tokens depend only on its own row, so admission order and batch company never ch
 `budget="auto"` (or a sequence of budgets) lets the engine pick each step's budget by measurement: before the first
 prefill it times one step of each candidate budget on the free rows (`measure_budgets`: graphed steps replayed, or
 eager ones), then every step takes the budget with the most expected tokens per second (`budget.best_budget`: the
-running requests' calibrated gains against the measured step costs). Where drafts rarely land, or a wide step costs
+running requests' calibrated gains against the measured step costs, plus the share of a step that does not
+depend on its budget, drafting and tree building, measured on the steps so far). Where drafts rarely land, or a wide step costs
 more than its nodes bring (W12 weights above 32 rows, docs/engine.md), it falls back to fewer nodes or to the
 autoregressive step; outputs do not depend on the choice.
 
@@ -246,6 +247,7 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget=None, topk: i
         log_budgets.update(costs=dict(costs or {}), steps=[])
     step_graphs = {b: _batch_graph(engine, R, b) for b in budgets} if graphs else None
     caps = {b: (step_graphs[b].max_nodes if graphs else batch_max_nodes(R, b)) - 1 for b in budgets}
+    overhead = [0.0, 0]  # seconds a step takes beyond its candidate's measured cost: sum, steps
     admit()
     while live:
         t0 = time.perf_counter()
@@ -264,7 +266,10 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget=None, topk: i
             cap = caps[budget] if graphs else batch_max_nodes(len(live), budget) - 1
             alloc = allocate(gains, budget, min_nodes=0, max_nodes=cap)
         else:
-            budget, alloc = best_budget(gains, costs, caps)
+            # the measured candidates time the pass; a step also drafts, builds trees and reads back its results,
+            # whatever its budget: that share, measured on the steps so far, is added to every candidate
+            extra = overhead[0] / overhead[1] if overhead[1] else 0.0
+            budget, alloc = best_budget(gains, {b: c + extra for b, c in costs.items()}, caps)
         step_graph = step_graphs[budget] if graphs else None
         if log_budgets is not None:
             log_budgets["steps"].append(budget)
@@ -304,7 +309,11 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget=None, topk: i
                     done.append(r)
                     break
             ctxs[r].extend(new)
-        engine._stats.steps.append(StepRecord("batch", rows_run, emitted, time.perf_counter() - t0))
+        took = time.perf_counter() - t0
+        engine._stats.steps.append(StepRecord("batch", rows_run, emitted, took))
+        if costs is not None:
+            overhead[0] += max(took - costs[budget], 0.0)
+            overhead[1] += 1
         for r in done:  # its row goes to the next waiting prompt
             live.remove(r)
             free.append(row_of.pop(r))
