@@ -9,9 +9,10 @@
 it, token for token: on the tiny model they must be identical (the exit status says so). On the synthetic model the
 comparison is reported, not required: its random weights give flat logits, whose near-ties a pass of other rows (other
 GEMM shapes, another reduction order) may break the other way, the case the engine's lossless check allows below a
-top-2 margin of `NEAR_TIE` (docs/engine.md, "Lossless"). tokens/s is the tokens over the batch steps' summed seconds (`Engine.stats()["batch"]`: drafting,
-tree building, the pass, acceptance and commit; not the prefill, not the graphs' capture and not "auto"'s timing of
-its candidates, which `setup_s` gives beside it). Each budget runs once untimed first (its graphs captured then).
+top-2 margin of `NEAR_TIE` (docs/engine.md, "Lossless"). tokens/s is the tokens over the batch steps' summed
+seconds (`Engine.stats()["batch"]`: drafting, tree building, the pass, acceptance and commit; not the prefill, not the
+graphs' capture and not "auto"'s timing of its candidates, which `setup_s` gives beside it). Each budget runs once
+untimed first (its graphs captured then).
 
 Models: `tiny`, the shipped tiny model on windows of its held-out text (its τ is real); `hybrid-27b`, the synthetic
 full-size model (`specpilot.engine.synthetic`, random weights, the glue as fused Triton kernels): its step costs are

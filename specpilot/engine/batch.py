@@ -18,9 +18,9 @@ tokens depend only on its own row, so admission order and batch company never ch
 prefill it times one step of each candidate budget on the free rows (`measure_budgets`: graphed steps replayed, or
 eager ones), then every step takes the budget with the most expected tokens per second (`budget.best_budget`: the
 running requests' calibrated gains against the measured step costs, plus the share of a step that does not
-depend on its budget, drafting and tree building, measured on the steps so far). Where drafts rarely land, or a wide step costs
-more than its nodes bring (W12 weights above 32 rows, docs/engine.md), it falls back to fewer nodes or to the
-autoregressive step; outputs do not depend on the choice.
+depend on its budget, drafting and tree building, measured on the steps so far). Where drafts rarely land, or a
+wide step costs more than its nodes bring (W12 weights above 32 rows, docs/engine.md), it falls back to fewer nodes
+or to the autoregressive step; outputs do not depend on the choice.
 
 The pass has `rows + budget` rows at most. On a GPU each step can be one CUDA graph (`graphs.GraphedBatchStep`,
 the default where the engine graphs its steps, `GRAPHS_BY_DEFAULT`): one per (rows R, budget), captured before

@@ -316,9 +316,9 @@ class Engine:
                        max_rows: int | None = None, graphs: bool | None = None) -> list[list[int]]:
         """Greedy continuations of several prompts, verified together under one node budget per step
         (`specpilot.engine.batch`; default 8 nodes per running request; `budget="auto"` or a sequence of budgets: each
-        step's budget picked among the candidates by their measured step costs). At most `max_rows` requests run at once,
-        one cache row each (default: the model's `rows`); the other prompts wait and each takes the row of a request
-        that finished. `prompts`: a list of prompts, each as `generate` takes one. `graphs`: each step one CUDA
+        step's budget picked among the candidates by their measured step costs). At most `max_rows` requests run at
+        once, one cache row each (default: the model's `rows`); the other prompts wait and each takes the row of a
+        request that finished. `prompts`: a list of prompts, each as `generate` takes one. `graphs`: each step one CUDA
         graph (`specpilot.engine.batch.generate_batch`)."""
         return generate_batch(self, prompts, max_new_tokens, budget=budget, max_rows=max_rows, graphs=graphs)
 
