@@ -28,6 +28,7 @@ import time
 
 import torch
 
+from .drafters import heldout_prompts
 from .engine import versions, write_run
 
 __all__ = ["run", "markdown"]
@@ -35,11 +36,7 @@ __all__ = ["run", "markdown"]
 
 def _prompts(model: str, n: int, vocab: int) -> list[list[int]]:
     if model == "tiny":
-        from ..models import HELDOUT_FILE, tiny_stdlib_path
-
-        text = (tiny_stdlib_path() / HELDOUT_FILE).read_bytes()
-        step = (len(text) - 300) // max(n, 1)
-        return [list(text[i * step:i * step + 300]) for i in range(n)]
+        return heldout_prompts(n)
     g = torch.Generator().manual_seed(11)
     out = []
     for i in range(n):

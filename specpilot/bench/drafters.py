@@ -20,7 +20,7 @@ import sys
 
 import torch
 
-__all__ = ["MODES", "PROMPT_BYTES", "measure", "main"]
+__all__ = ["MODES", "PROMPT_BYTES", "heldout_prompts", "measure", "main"]
 
 PROMPT_BYTES = 300
 
@@ -39,15 +39,22 @@ MODES = {
 }
 
 
+def heldout_prompts(n: int) -> list[list[int]]:
+    """`n` windows of `PROMPT_BYTES` bytes of the shipped tiny model's held-out text, evenly spaced (module doc)."""
+    from ..models import HELDOUT_FILE, tiny_stdlib_path
+
+    text = (tiny_stdlib_path() / HELDOUT_FILE).read_bytes()
+    step = (len(text) - PROMPT_BYTES) // max(n, 1)
+    return [list(text[i * step:i * step + PROMPT_BYTES]) for i in range(n)]
+
+
 def measure(n_prompts: int = 4, new_tokens: int = 200, weights: str = "w12", log=print,
             device: str = "cpu") -> list[dict]:
     from ..engine import Engine
-    from ..models import HELDOUT_FILE, tiny_stdlib_path
+    from ..models import tiny_stdlib_path
 
     path = tiny_stdlib_path()
-    text = (path / HELDOUT_FILE).read_bytes()
-    step = (len(text) - PROMPT_BYTES) // max(n_prompts, 1)
-    prompts = [list(text[i * step:i * step + PROMPT_BYTES]) for i in range(n_prompts)]
+    prompts = heldout_prompts(n_prompts)
     rows, ref = [], None
     for name, (drafter, kw) in MODES.items():
         eng = Engine.from_pretrained(path, device=device, weights=weights, drafter=drafter, **kw)

@@ -96,22 +96,31 @@ def _batch_graph(engine, rows: int, budget: int) -> GraphedBatchStep:
     return g
 
 
-def _budgets(fn: str, budget, rows: int) -> tuple[int, ...]:
-    """generate_batch's `budget` as the candidate budgets: one int, "auto", or a sequence of ints."""
-    limit = (MAX_STEP_NODES - 1) * rows
+def _check_budget(fn: str, budget):
+    """generate_batch's `budget`, checked before any work: None, an int >= 0, "auto", or a tuple of such ints."""
     if budget is None:
-        return (min(8 * rows, limit),)
+        return None
     if isinstance(budget, str):
-        if budget != "auto":
-            raise ValueError(f"{fn}: budget={budget!r}; pass an int >= 0, 'auto', or a sequence of ints to choose "
-                             "from by measurement")
-        return tuple(sorted({k * rows for k in AUTO_NODES_PER_ROW if k * rows <= min(AUTO_MAX_BUDGET, limit)}))
+        if budget == "auto":
+            return budget
+        raise ValueError(f"{fn}: budget={budget!r}; pass an int >= 0, 'auto', or a sequence of ints to choose from by "
+                         "measurement")
     if isinstance(budget, (list, tuple)):
         if not budget:
             raise ValueError(f"{fn}: budget=[] holds no candidate; pass an int, 'auto', or budgets to choose from")
-        got = sorted({inputs.count(fn, "budget", b, 0) for b in budget})
-        return tuple(min(b, limit) for b in got)
-    return (min(inputs.count(fn, "budget", budget, 0), limit),)
+        return tuple(inputs.count(fn, "budget", b, 0) for b in budget)
+    return inputs.count(fn, "budget", budget, 0)
+
+
+def _budgets(budget, rows: int) -> tuple[int, ...]:
+    """The candidate budgets of a checked `budget` (`_check_budget`) for `rows` cache rows, sorted, each at most
+    MAX_STEP_NODES - 1 nodes a row."""
+    limit = (MAX_STEP_NODES - 1) * rows
+    if budget is None:
+        return (min(8 * rows, limit),)
+    if budget == "auto":
+        return tuple(sorted({k * rows for k in AUTO_NODES_PER_ROW if k * rows <= min(AUTO_MAX_BUDGET, limit)}))
+    return tuple(sorted({min(b, limit) for b in (budget if isinstance(budget, tuple) else (budget,))}))
 
 
 def _dummy_trees(vocab: int, batch: int, budget: int) -> list:
@@ -187,8 +196,7 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget=None, topk: i
         raise TypeError(f"{fn}: prompts is one list of ints; pass a list of prompts, e.g. [prompt] for one")
     prompts = [engine._prompt(fn, p, what=f"prompt {r}") for r, p in enumerate(prompts)]
     max_new_tokens = inputs.count(fn, "max_new_tokens", max_new_tokens, 0)
-    if budget is not None and not isinstance(budget, (str, list, tuple)):
-        inputs.count(fn, "budget", budget, 0)
+    budget = _check_budget(fn, budget)
     if topk is not None:
         topk = inputs.count(fn, "topk", topk)
     graphs = inputs.flag(fn, "graphs", graphs, none_ok=True)
@@ -215,7 +223,7 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget=None, topk: i
     if engine.drafter is None or engine.two_level or getattr(engine.drafter, "model", None) is m:
         raise ValueError(f"{fn}: batched decoding takes a stateless drafter (e.g. drafter='ngram'); the self-drafter "
                          "keeps cache rows of its own and two-level verification is per request")
-    budgets = _budgets(fn, budget, R)
+    budgets = _budgets(budget, R)
     topk = engine.topk if topk is None else topk
     for r, p in enumerate(prompts):
         # a request's pass holds its pending token and up to MAX_STEP_NODES - 1 draft nodes
