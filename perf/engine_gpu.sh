@@ -13,7 +13,7 @@
 #           STAGES=tests alone in one call and STAGES="bench demo" in the next)
 #   bench   python -m specpilot.bench.engine (BENCH_SHAPES, default hybrid-27b; ENGINE_ARGS, e.g. "--no-peer --reps 20",
 #           "--fused-glue", or "--fused-glue --no-peer --processes --rounds 2" on an 80 GB GPU (--formats
-#           bf16,w12,w12+swiglu adds the W12 model with SwiGLU in the flow epilogue); BENCH_TIMEOUT 330 s):
+#           bf16,w12,w12-glue-swiglu adds the W12 model with SwiGLU by the glue kernel); BENCH_TIMEOUT 330 s):
 #           the AR and verify steps in CUDA graphs, BF16 and W12, against their byte floors, and the transformers
 #           peer on the same weights
 #   demo    specpilot demo --device cuda: the tiny trained model's τ with each drafter (DEMO_TIMEOUT 120 s)

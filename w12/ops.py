@@ -537,8 +537,11 @@ def matmul_swiglu(x: torch.Tensor, tiled: TiledW12, *, q8: bool = False, out: to
 
     bf16 x with 1..`CHUNK_MAX_M` rows on a GPU where the flow kernel runs (and no batch kernel is tuned for the
     shape): the flow kernel's W12F_SWIGLU build, per 32-row piece, which finishes each lane's gate and up sums and
-    writes the product alone (half the output, no separate SwiGLU kernel). Elsewhere: `matmul_tiled`, then
-    `unpair_cols` and `swiglu_reference`. `q8`, `out` ([..., F] bf16) and `pdl` as in `matmul_tiled`."""
+    writes the product alone (half the output, no separate SwiGLU kernel). Elsewhere `matmul_tiled`, then, for a bf16
+    product on a GPU or under the interpreter, one Triton kernel that reads the product's paired columns and writes
+    SwiGLU's output (`w12/kernels/swiglu.py`: the epilogue's arithmetic, `swiglu_reference`'s bits on the same GPU
+    but for NaN payloads); otherwise `unpair_cols` and `swiglu_reference`. `q8`, `out` ([..., F] bf16) and `pdl` as
+    in `matmul_tiled`."""
     fn = "w12.matmul_swiglu"
     if not isinstance(tiled, TiledW12):
         raise TypeError(f"{fn}: tiled must be a TiledW12 of w12.pair_rows(weight), got {type(tiled).__name__}")
@@ -561,8 +564,20 @@ def matmul_swiglu(x: torch.Tensor, tiled: TiledW12, *, q8: bool = False, out: to
     if cfg is not None:
         _launch_flow_pieces(x2d, tiled, None, o2d, cfg, op=op, pdl=pdl, swiglu=True)
     elif M:
-        o2d.copy_(swiglu_reference(*unpair_cols(matmul_tiled(x2d, tiled, q8=q8, pdl=pdl))))
+        y = matmul_tiled(x2d, tiled, q8=q8, pdl=pdl)
+        if (y.dtype == torch.bfloat16 and (y.is_cuda or autotune.is_interpreter())
+                and not torch.compiler.is_compiling()):
+            from .kernels import w12_swiglu_pairs_kernel
+
+            w12_swiglu_pairs_kernel[(M, triton.cdiv(F, SWIGLU_BLOCK))](y, o2d, F, y.stride(0), o2d.stride(0),
+                                                                     BLOCK=SWIGLU_BLOCK,
+                                                                     EXPF=not autotune.is_interpreter(), num_warps=4)
+        else:
+            o2d.copy_(swiglu_reference(*unpair_cols(y)))
     return o2d.reshape(shape) if out is None else out
+
+
+SWIGLU_BLOCK = 1024  # output columns a program of `w12_swiglu_pairs_kernel` takes
 
 
 def _flow_first(x2d: torch.Tensor, tiled: TiledW12, op: str) -> FlowConfig | None:

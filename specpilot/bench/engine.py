@@ -277,7 +277,7 @@ def _spawn(args: list[str], env: dict[str, str]) -> None:
 
 # run_processes' process formats beyond "bf16" and "w12": the W12 model under an environment setting, timed as its own
 # format beside the others
-PROCESS_FORMATS = {"w12+swiglu": ("w12", {"SPECPILOT_W12_SWIGLU": "1"})}
+PROCESS_FORMATS = {"w12-glue-swiglu": ("w12", {"SPECPILOT_W12_SWIGLU": "0"})}
 
 
 def run_processes(child_args: list[str], formats=("bf16", "w12"), rounds: int = 1, out=None, log=print,
@@ -288,8 +288,8 @@ def run_processes(child_args: list[str], formats=("bf16", "w12"), rounds: int = 
     80 GB H100), and a W12 model built as a user loads it rather than converted from the BF16 one in place. A format's
     samples of all its processes are pooled (medians, p10 / p90); `ar_ms_by_round` / `verify_ms_by_round` hold each
     process's medians; floors, bytes, breakdowns and GPU state come from its first process. A format of
-    `PROCESS_FORMATS` ("w12+swiglu": the W12 model with SwiGLU in the flow kernel's epilogue) runs its model under
-    its environment. `spawn(args, env)` runs one process (tests pass their own)."""
+    `PROCESS_FORMATS` ("w12-glue-swiglu": the W12 model with SwiGLU by the glue kernel after the product) runs its
+    model under its environment. `spawn(args, env)` runs one process (tests pass their own)."""
     spawn = spawn or _spawn
     unknown = [f for f in formats if f not in ("bf16", "w12", *PROCESS_FORMATS)]
     if unknown:
@@ -545,7 +545,8 @@ def main(argv=None) -> int:
     ap.add_argument("--processes", action="store_true",
                     help="each format in a process of its own, --rounds times, the order alternating, the samples "
                          "pooled (run_processes): for a GPU that cannot hold both models; runs no peer; --formats "
-                         "may name w12+swiglu (the W12 model with SPECPILOT_W12_SWIGLU=1)")
+                         "may name w12-glue-swiglu (the W12 model with SPECPILOT_W12_SWIGLU=0: SwiGLU by the glue "
+                         "kernel after the product instead of with it)")
     ap.add_argument("--no-profile", action="store_true", help="no per-kernel breakdown of the steps")
     ap.add_argument("--fresh", action="store_true",
                     help="build each format's model anew (the previous one freed) instead of converting the BF16 model "

@@ -199,12 +199,13 @@ class Linear:
 
 
 def swiglu_pairs() -> bool:
-    """Whether a W12 model in the runtime layout holds each MLP's gate and up rows paired and runs SwiGLU in the
-    flow kernel's epilogue (SPECPILOT_W12_SWIGLU=1), where the intermediate size is a multiple of 8. Off by default:
-    it took the hybrid-27b one-token step 1% faster than the glue kernel on an H100 (perf/results/h100-sxm/
-    20261206T0320-w12-xs-ab.json, key `swiglu_engine`) and the engine's GPU suite passed with it on there, but above
-    96 rows `w12.matmul_swiglu` takes torch's ops, whose cost in the batch verify steps is not measured."""
-    v = os.environ.get("SPECPILOT_W12_SWIGLU", "0")
+    """Whether a W12 model in the runtime layout holds each MLP's gate and up rows paired and runs SwiGLU with the
+    product (`w12.matmul_swiglu`: the flow kernel's epilogue up to 96 rows, one Triton kernel on the product's paired
+    columns above), where the intermediate size is a multiple of 8. On by default: it took the hybrid-27b one-token
+    step 1% faster than the glue kernel on an H100 (perf/results/h100-sxm/20261206T0320-w12-xs-ab.json, key
+    `swiglu_engine`; docs/engine.md gives the batch rows). SPECPILOT_W12_SWIGLU=0 turns it off (unpaired rows, the
+    product, then the glue's SwiGLU kernel)."""
+    v = os.environ.get("SPECPILOT_W12_SWIGLU", "1")
     if v not in ("0", "1"):
         raise ValueError(f"SPECPILOT_W12_SWIGLU must be 0 or 1, got {v!r}")
     return v == "1"

@@ -65,14 +65,16 @@ def test_lossless_gpu(checkpoints, shape, seed, plen, weights, drafter):
 
 @pytest.mark.gpu
 @pytest.mark.parametrize("drafter", ["ngram", "self"])
-def test_lossless_gpu_with_swiglu_in_the_flow_epilogue(checkpoints, monkeypatch, drafter):
-    """SPECPILOT_W12_SWIGLU=1: each MLP's gate and up rows paired and SwiGLU in the flow kernel's epilogue
-    (w12.matmul_swiglu), at the autoregressive step's one row and the verify step's many."""
-    monkeypatch.setenv("SPECPILOT_W12_SWIGLU", "1")
+@pytest.mark.parametrize("paired", [True, False], ids=["swiglu-with-product", "glue-swiglu"])
+def test_lossless_gpu_swiglu_paths(checkpoints, monkeypatch, drafter, paired):
+    """SPECPILOT_W12_SWIGLU=1 (the default): each MLP's gate and up rows paired and SwiGLU with the product
+    (w12.matmul_swiglu: the flow kernel's epilogue), at the autoregressive step's one row and the verify step's many;
+    =0: unpaired rows, the product, then the glue's SwiGLU kernel."""
+    monkeypatch.setenv("SPECPILOT_W12_SWIGLU", "1" if paired else "0")
     path, model = checkpoints["gdn-k1v4-d128-v64"]
     eng = Engine.from_pretrained(path, device="cuda", weights="w12", drafter=drafter)
     assert eng.graphs
-    assert all(L["gate_up"].paired for L in eng.model.layers)
+    assert all(L["gate_up"].paired is paired for L in eng.model.layers)
     _check(eng, _prompt(model.config.vocab_size, 40, 2), 300)
 
 

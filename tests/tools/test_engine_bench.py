@@ -177,7 +177,7 @@ def test_engine_bench_in_a_process_per_format_pools_the_rounds(tmp_path):
 
 
 def test_engine_bench_process_format_runs_the_w12_model_under_its_environment(tmp_path):
-    """run_processes' "w12+swiglu": a W12 process with SPECPILOT_W12_SWIGLU=1, its row under its own name."""
+    """run_processes' "w12-glue-swiglu": a W12 process with SPECPILOT_W12_SWIGLU=0, its row under its own name."""
     from specpilot.bench import engine
 
     seen = []
@@ -189,9 +189,9 @@ def test_engine_bench_process_format_runs_the_w12_model_under_its_environment(tm
                "timing_method": "cuda_events", "timing_calls": 1, "ar_floor_ms": 1.0}
         engine.write_run(args[args.index("--out") + 1], "engine", {"gpu": "g", "formats": {fmt: row}}, "")
 
-    res = engine.run_processes([], ("w12", "w12+swiglu"), log=lambda s: None, spawn=spawn)
-    assert seen == [("w12", {}), ("w12", {"SPECPILOT_W12_SWIGLU": "1"})]
-    assert set(res["formats"]) == {"w12", "w12+swiglu"}
+    res = engine.run_processes([], ("w12", "w12-glue-swiglu"), log=lambda s: None, spawn=spawn)
+    assert seen == [("w12", {}), ("w12", {"SPECPILOT_W12_SWIGLU": "0"})]
+    assert set(res["formats"]) == {"w12", "w12-glue-swiglu"}
 
 
 def test_floor_rates_name_their_source():

@@ -7,6 +7,7 @@ Run on the GPU machine:  python -m pytest tests/w12/test_flow_gpu.py -q
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 
 import pytest
@@ -817,6 +818,34 @@ def test_swiglu_epilogue_equals_the_reference_bitwise(M, q8):
     plain = w12.matmul_tiled(x, w12.pack(w), q8=q8)  # the paired rows' products are the unpaired ones
     g, u = w12.unpair_cols(w12.matmul_tiled(x, t, q8=q8))
     assert torch.equal(torch.cat([g, u], -1).view(torch.int16), plain.view(torch.int16))
+
+
+@pytest.mark.parametrize("q8", [False, True], ids=["full", "q8"])
+@pytest.mark.parametrize("M", [64, 97, 160])
+def test_swiglu_outside_the_flow_kernel_equals_the_reference_bitwise(M, q8):
+    """Where the flow kernel's epilogue does not take the call (above 96 rows, or a batch kernel config, forced here
+    at 64), w12.matmul_swiglu runs matmul_tiled and the Triton kernel on the product's paired columns
+    (w12/kernels/swiglu.py): swiglu_reference's bits of the same product on the same GPU (CUDA's expf and IEEE
+    division on both sides; NaN where it has NaN), on hostile rows with salted x, into `out` as well."""
+    from w12.configs import BatchConfig
+
+    f, k = 1024, 1000
+    w = hostile_weight(2 * f, k, seed=11).cuda()
+    t = w12.pack(w12.pair_rows(w))
+    x = _salt(gaussian_x(M, k, seed=12))
+    with contextlib.ExitStack() as stack:
+        if M <= 96:
+            for op in ("w12.matmul", "w12.matmul_q8"):
+                stack.enter_context(autotune.force(op, config=BatchConfig(block_n=64, block_t=64, split_k=1)))
+        got = w12.matmul_swiglu(x, t, q8=q8)
+        ref = w12.swiglu_reference(*w12.unpair_cols(w12.matmul_tiled(x, t, q8=q8)))
+        out = torch.full((M, f), 7.0, dtype=torch.bfloat16, device="cuda")
+        assert w12.matmul_swiglu(x, t, q8=q8, out=out) is out
+    torch.cuda.synchronize()
+    nan = torch.isnan(got.float())
+    assert torch.equal(nan, torch.isnan(ref.float())) and torch.equal(nan, torch.isnan(out.float()))
+    assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+    assert torch.equal(out.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
 
 
 @pytest.mark.parametrize("tag", ["w4-k1-s3-c4", "w4-k1-s6-c4-q2-g", "w4-k1-s3-c5-xs", "w4-k2-s3-c4-q3-x1"])

@@ -32,11 +32,13 @@ def test_pair_rows_puts_gate_and_up_rows_of_an_output_in_one_row_block():
         w12.pair_rows(torch.zeros(24, 4))
 
 
-@pytest.mark.parametrize("M", [1, 3, 40])
+@pytest.mark.parametrize("M", [1, 3, 40, 100])
 def test_matmul_swiglu_is_swiglu_of_the_products_halves(M):
-    """On the CPU (no flow kernel) the call is the product with the paired weight, unpaired, and swiglu_reference:
-    the product rows equal the unpaired weight's bit for bit (a row's sum does not depend on where the row sits),
-    and the reference is within one bf16 rounding of F.silu(g) * u."""
+    """On the CPU (no flow kernel) the call is the product with the paired weight and SwiGLU of its paired columns
+    (under the interpreter the Triton kernel of w12/kernels/swiglu.py, else unpair_cols and swiglu_reference): the
+    product rows equal the unpaired weight's bit for bit (a row's sum does not depend on where the row sits), the
+    output is swiglu_reference's bit for bit but for NaN payloads (NaN where it has NaN: -inf * 0 and NaN inputs
+    give a NaN whose payload the platform picks), and within one bf16 rounding of F.silu(g) * u."""
     f, k = 48, 130
     w = hostile_weight(2 * f, k, seed=1)
     x = torch.randn(M, k, generator=torch.Generator().manual_seed(2)).to(torch.bfloat16)
@@ -46,7 +48,10 @@ def test_matmul_swiglu_is_swiglu_of_the_products_halves(M):
     assert torch.equal(torch.cat([g, u], -1).view(torch.int16), plain.view(torch.int16))
     got = w12.matmul_swiglu(x, paired)
     assert got.shape == (M, f) and got.dtype == torch.bfloat16
-    assert torch.equal(got.view(torch.int16), w12.swiglu_reference(plain[:, :f], plain[:, f:]).view(torch.int16))
+    ref = w12.swiglu_reference(plain[:, :f], plain[:, f:])
+    nan = torch.isnan(got.float())
+    assert bool(nan.any()) and torch.equal(nan, torch.isnan(ref.float()))  # the hostile rows reach the NaN case
+    assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
     out = torch.empty(M, f, dtype=torch.bfloat16)
     assert w12.matmul_swiglu(x, paired, out=out) is out and torch.equal(out.view(torch.int16), got.view(torch.int16))
     gf, uf = plain[:, :f].float(), plain[:, f:].float()
@@ -83,10 +88,46 @@ def test_engine_paired_projection_gives_the_unpaired_products():
         Linear(weight=w, paired=True)
 
 
+@pytest.mark.parametrize("M", [64, 97])
+def test_swiglu_pairs_kernel_is_the_reference_bitwise_with_subnormals(M):
+    """Outside the flow kernel (a forced batch config at 64 rows, the decode above 96) matmul_swiglu runs the Triton
+    kernel of w12/kernels/swiglu.py on the product (the interpreter here): swiglu_reference's bits wherever the
+    output is not NaN, the subnormal gates and outputs of hostile rows included (its integer widening and rounding;
+    the interpreter's own bf16 conversions flush subnormals), for the full format and the 8-bit view, into `out`."""
+    import contextlib
+
+    import autotune
+    from flow_emu import gaussian_x
+    from w12.configs import BatchConfig
+
+    assert autotune.is_interpreter()  # the kernel, not the reference's torch ops
+    f, k = 64, 130
+    t = w12.pack(w12.pair_rows(hostile_weight(2 * f, k, seed=11)))
+    x = gaussian_x(M, k, seed=12, device="cpu")
+    for q8 in (False, True):
+        with contextlib.ExitStack() as stack:
+            if M <= 96:
+                for op in ("w12.matmul", "w12.matmul_q8"):
+                    stack.enter_context(autotune.force(op, config=BatchConfig(block_n=64, block_t=64, split_k=1)))
+            got = w12.matmul_swiglu(x, t, q8=q8)
+            g, u = w12.unpair_cols(w12.matmul_tiled(x, t, q8=q8))
+            out = torch.full((M, f), 7.0, dtype=torch.bfloat16)
+            assert w12.matmul_swiglu(x, t, q8=q8, out=out) is out
+        ref = w12.swiglu_reference(g, u)
+        nan = torch.isnan(got.float())
+        assert torch.equal(nan, torch.isnan(ref.float())) and torch.equal(nan, torch.isnan(out.float()))
+        assert torch.equal(got.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+        assert torch.equal(out.view(torch.int16)[~nan], ref.view(torch.int16)[~nan])
+        tiny = got.float().abs() < 2.0 ** -126
+        assert bool((tiny & (got.float() != 0)).any())  # subnormal outputs reached
+
+
 def test_swiglu_env_switch(monkeypatch):
     from specpilot.engine.model import swiglu_pairs
 
     monkeypatch.delenv("SPECPILOT_W12_SWIGLU", raising=False)
+    assert swiglu_pairs() is True  # on by default
+    monkeypatch.setenv("SPECPILOT_W12_SWIGLU", "0")
     assert swiglu_pairs() is False
     monkeypatch.setenv("SPECPILOT_W12_SWIGLU", "1")
     assert swiglu_pairs() is True
