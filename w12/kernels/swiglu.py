@@ -5,8 +5,8 @@ product's paired columns become SwiGLU's output in one pass instead of an unpair
 Output column c of row m is gate column 16 (c // 8) + c % 8 and up column 16 (c // 8) + 8 + c % 8 of the product,
 as the epilogue's `store_swiglu` (w12_common.cuh) computes it: s = bf16(g * (1 / (1 + e^-g))) with CUDA's expf and
 IEEE division, out = bf16(s u); `w12.swiglu_reference`'s bits on the same GPU but for NaN payloads. The bf16 values
-are widened and rounded by integer operations (round to nearest even), which give the hardware conversions' bits on
-a GPU and keep subnormals under the interpreter, whose own conversions flush them.
+are widened by their bits and rounded by integer operations (`tc._bits_to_f32`, `tc._to_out`), which give the hardware
+conversions' bits on a GPU and keep subnormals under the interpreter, whose own conversions flush them.
 """
 
 from __future__ import annotations
@@ -15,21 +15,15 @@ import triton
 import triton.language as tl
 from triton.language.extra.cuda import libdevice
 
+from .tc import _bits_to_f32, _to_out
+
 __all__ = ["w12_swiglu_pairs_kernel"]
 
 
 @triton.jit
 def _widen(b):
     """bf16 values -> fp32, by their bits (exact)."""
-    return (b.to(tl.int16, bitcast=True).to(tl.int32) << 16).to(tl.float32, bitcast=True)
-
-
-@triton.jit
-def _round_bf16(x):
-    """fp32 -> the bf16 value nearest (ties to even), as fp32, by integer operations; NaN stays NaN (quiet)."""
-    b = x.to(tl.uint32, bitcast=True)
-    r = (b + 0x7FFF + ((b >> 16) & 1)) & 0xFFFF0000
-    return tl.where(x != x, b | 0x7FC00000, r).to(tl.float32, bitcast=True)
+    return _bits_to_f32(b.to(tl.int16, bitcast=True).to(tl.int32))
 
 
 @triton.jit
@@ -47,6 +41,5 @@ def w12_swiglu_pairs_kernel(y_ptr, out_ptr, F, stride_y, stride_o, BLOCK: tl.con
         e = libdevice.exp(-g)
     else:
         e = tl.exp(-g)
-    s = _round_bf16(g * tl.div_rn(1.0, 1.0 + e))
-    o = _round_bf16(s * u).to(tl.uint32, bitcast=True) >> 16
-    tl.store(out_ptr + m * stride_o + c, o.to(tl.uint16).to(tl.bfloat16, bitcast=True), mask=ok)
+    s = _widen(_to_out(g * tl.div_rn(1.0, 1.0 + e), tl.bfloat16))
+    tl.store(out_ptr + m * stride_o + c, _to_out(s * u, tl.bfloat16), mask=ok)
