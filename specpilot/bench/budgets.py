@@ -45,18 +45,26 @@ def _prompts(model: str, n: int, vocab: int) -> list[list[int]]:
     return out
 
 
-def _engine(model: str, weights: str, rows: int, max_len: int, device: str, dry: bool):
+def _synthetic_config(model: str, dry: bool):
+    """The synthetic model's HF config (dry: the tiny one with 64-wide heads, for CPU runs); None for `tiny`."""
+    if model == "tiny":
+        return None
+    from ..engine.synthetic import hf_config
+
+    return hf_config("tiny" if dry else model, **({"head_dim": 64} if dry else {}))
+
+
+def _engine(model: str, cfg, weights: str, rows: int, max_len: int, device: str):
     from ..engine import Engine
 
-    if model == "tiny":
+    if cfg is None:
         from ..models import tiny_stdlib_path
 
         return Engine.from_pretrained(tiny_stdlib_path(), device=device, weights=weights, drafter="ngram", rows=rows)
     from ..engine import HybridConfig, HybridModel, Kernels
-    from ..engine.synthetic import SyntheticTensors, hf_config
+    from ..engine.synthetic import SyntheticTensors
 
     dev = torch.device(device)
-    cfg = hf_config("tiny" if dry else model, **({"head_dim": 64} if dry else {}))
     hc = HybridConfig.from_hf(cfg)
     m = HybridModel(hc, SyntheticTensors(cfg, dev), device=dev, fmt=weights, kernels=Kernels.choose(dev), rows=rows,
                     max_len=max_len, fused_glue=dev.type == "cuda")
@@ -74,13 +82,9 @@ def run(model: str = "tiny", weights: str = "w12", rows: int = 8, prompts: int =
     if not budgets or budgets[0] != 0:
         budgets = [0] + [b for b in budgets if b != 0]  # the reference run first
     t0 = time.perf_counter()
-    vocab = 256 if model == "tiny" else None
-    if vocab is None:
-        from ..engine.synthetic import hf_config
-
-        vocab = hf_config("tiny" if dry else model).vocab_size
-    ps = _prompts(model, prompts, vocab)
-    eng = _engine(model, weights, rows, max(len(p) for p in ps) + tokens + MAX_STEP_NODES, device, dry)
+    cfg = _synthetic_config(model, dry)
+    ps = _prompts(model, prompts, 256 if cfg is None else cfg.vocab_size)
+    eng = _engine(model, cfg, weights, rows, max(len(p) for p in ps) + tokens + MAX_STEP_NODES, device)
     log(f"{model} {weights}: engine ready in {time.perf_counter() - t0:.1f} s")
     res = {"model": model, "weights": weights, "rows": rows, "prompts": prompts, "tokens": tokens,
            "device": device, "dry": dry, **versions(),

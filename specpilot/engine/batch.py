@@ -254,7 +254,7 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget=None, topk: i
     if log_budgets is not None:
         log_budgets.update(costs=dict(costs or {}), steps=[])
     step_graphs = {b: _batch_graph(engine, R, b) for b in budgets} if graphs else None
-    caps = {b: (step_graphs[b].max_nodes if graphs else batch_max_nodes(R, b)) - 1 for b in budgets}
+    graph_caps = {b: step_graphs[b].max_nodes - 1 for b in budgets} if graphs else None
     overhead = [0.0, 0]  # seconds a step takes beyond its candidate's measured cost: sum, steps
     admit()
     while live:
@@ -268,11 +268,12 @@ def generate_batch(engine, prompts, max_new_tokens: int, *, budget=None, topk: i
             gains.append(hist[r].gains(tree.scores) if tree.n else [])
             depth.append(P)
         # the pass's per-request bound (graphs.batch_max_nodes: 32 nodes where the budget allows, so that the GDN
-        # layers run their CUDA tree kernel)
+        # layers run their CUDA tree kernel): a graph's, fixed at its capture for all R rows; an eager pass's, for
+        # the requests it runs
+        caps = graph_caps or {b: batch_max_nodes(len(live), b) - 1 for b in budgets}
         if costs is None:
             budget = budgets[0]
-            cap = caps[budget] if graphs else batch_max_nodes(len(live), budget) - 1
-            alloc = allocate(gains, budget, min_nodes=0, max_nodes=cap)
+            alloc = allocate(gains, budget, min_nodes=0, max_nodes=caps[budget])
         else:
             # the measured candidates time the pass; a step also drafts, builds trees and reads back its results,
             # whatever its budget: that share, measured on the steps so far, is added to every candidate
