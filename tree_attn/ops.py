@@ -55,6 +55,7 @@ _ONE_CALL_MAX = 16
 _DEVICE_SCRATCH: dict = {}
 _DEVICE_LAST: dict = {}  # (device, stream) -> the last call's (shape key, metadata tensors, plan)
 _STATUS: dict = {}
+_SMS: dict = {}  # device -> its SM count
 DEVICE_WAVES = 4
 DEVICE_MAX_BATCH = 1024
 
@@ -104,14 +105,18 @@ def _plan(variant: str | None, device: torch.device, head_dim: int, group: int, 
 def _sm_count(device: torch.device) -> int:
     if device.type != "cuda":
         return _INTERPRET_SMS
-    return torch.cuda.get_device_properties(device).multi_processor_count
+    n = _SMS.get(device)
+    if n is None:
+        n = _SMS[device] = torch.cuda.get_device_properties(device).multi_processor_count
+    return n
 
 
 def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, k_new, v_new, qo_indptr, kv_indptr, kv_indices,
-            tree_mask, node_req, items, req_table, po, plse, out, lse, sm_scale: float, status=None):
+            tree_mask, node_req, items, req_table, po, plse, out, lse, sm_scale: float, status=None, device_args=None):
     """Run one plan's schedule; returns the split kernel's compiled handle (None for the reference). `status`
     (the one-call path): no schedule was planned; the kernels build it and check the metadata on the device,
-    with po's first dimension as the bound on work items and `items` as their scratch."""
+    with po's first dimension as the bound on work items and `items` as their scratch. `device_args`: that
+    path's `_device_args`, which its plan keeps (built here when None)."""
     T, H, D = q.shape
     if T == 0:
         return None
@@ -137,22 +142,42 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
         return None
     if status is None:
         dev = (kv_indptr, req_table, items, 0, 0, 0, 0, 0, 0, 0)
-        grid, extra = (items.shape[0], Hkv), {}
-    else:
-        B = qo_indptr.shape[0] - 1
-        slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
-        dev = (kv_indptr, req_table, status, B, T, kv_indices.shape[0], slots, _target_items(q.device, Hkv, cfg),
-               cfg.item_cost, po.shape[0])
-        grid = (po.shape[0] * Hkv,)  # item-major (kernels/split.py)
-        extra = dict(DEVICE=True, BB=_lanes(B), WAVES=DEVICE_WAVES)
+        handle = autotune.launch_triton(
+            tree_attn_split_kernel, (items.shape[0], Hkv), q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices,
+            tree_mask, items, po, plse, sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides, *dev,
+            HKV=Hkv, G=G, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, PAGE=page, NEW=new, num_warps=cfg.num_warps,
+            num_stages=cfg.num_stages)
+        _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv, G)
+        return handle
+    if device_args is None:
+        device_args = _device_args(cfg, tn, T, H, Hkv, D, new, qo_indptr, kv_indptr, kv_indices, tree_mask, req_table,
+                                   po, status, q.device)
+    head, tail, split_kw, merge_dev, merge_kw = device_args
+    slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
     handle = autotune.launch_triton(
-        tree_attn_split_kernel, grid, q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices, tree_mask, items, po, plse,
-        sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides, *dev,
-        HKV=Hkv, G=G, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, PAGE=page, NEW=new, **extra,
-        num_warps=cfg.num_warps, num_stages=cfg.num_stages)
-    _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv, G,
-           None if status is None else (kv_indptr, tree_mask, status, kv_indices.shape[0], new))
+        tree_attn_split_kernel, (po.shape[0] * Hkv,), q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices, tree_mask,
+        items, po, plse, sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides, *head, slots, *tail,
+        PAGE=page, **split_kw)
+    autotune.launch_triton(
+        tree_attn_merge_kernel, (T, H), po, plse, out, lse if lse is not None else plse, node_req, qo_indptr,
+        req_table, out.stride(0), out.stride(1), *merge_dev, WRITE_LSE=lse is not None, **merge_kw)
     return handle
+
+
+def _device_args(cfg: SplitConfig, tn: int, T: int, H: int, Hkv: int, D: int, new: bool, qo_indptr, kv_indptr,
+                 kv_indices, tree_mask, req_table, po, status, device) -> tuple:
+    """What a run with the schedule built on the device passes its two kernels besides the call's tensors, the
+    caches' strides, slots and page size, and the LSE: fixed by its plan, so the plan keeps it. (split arguments
+    before the slot count, after it, split keywords, merge arguments after out's strides, merge keywords)."""
+    B = qo_indptr.shape[0] - 1
+    lanes = _lanes(B)
+    return ((kv_indptr, req_table, status, B, T, kv_indices.shape[0]),
+            (_target_items(device, Hkv, cfg), cfg.item_cost, po.shape[0]),
+            dict(HKV=Hkv, G=H // Hkv, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, NEW=new, DEVICE=True, BB=lanes,
+                 WAVES=DEVICE_WAVES, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            (kv_indptr, tree_mask, status, B, T, kv_indices.shape[0]),
+            dict(HKV=Hkv, G=H // Hkv, D=D, BM=cfg.block_m, BP=cfg.merge_parts, num_warps=cfg.merge_warps,
+                 DEVICE=True, NEW=new, BB=lanes))
 
 
 def _lanes(B: int) -> int:
@@ -174,21 +199,14 @@ def _cache_args(q, k_cache, v_cache, k_new, v_new) -> tuple:
     return k_new, v_new, (*k_strides, *v_strides, *kns), k_cache.shape[1] if paged else 1
 
 
-def _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv: int, G: int, device=None) -> None:
-    """Combine the request's partials (cfg.block_m rows per item) by log-sum-exp into out (and lse). `device`:
-    (kv_indptr, tree_mask, status, kv entries, k_new given) of a one-call run (no plan: the merge finds each
-    node's request and checks its mask)."""
+def _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv: int, G: int) -> None:
+    """Combine the request's partials (cfg.block_m rows per item) by log-sum-exp into out (and lse), on a host
+    schedule (a device-built one's merge also finds each node's request and checks its mask: `_device_args`)."""
     T, H, D = q.shape
-    if device is None:
-        dev, extra = (qo_indptr, qo_indptr, req_table, 0, 0, 0), {}
-    else:
-        kv_indptr, tree_mask, status, n_kv, new = device
-        B = qo_indptr.shape[0] - 1
-        dev, extra = (kv_indptr, tree_mask, status, B, T, n_kv), dict(DEVICE=True, NEW=new, BB=_lanes(B))
     autotune.launch_triton(
         tree_attn_merge_kernel, (T, H), po, plse, out, lse if lse is not None else plse, node_req, qo_indptr,
-        req_table, out.stride(0), out.stride(1), *dev, HKV=Hkv, G=G, D=D, BM=cfg.block_m, BP=cfg.merge_parts,
-        WRITE_LSE=lse is not None, num_warps=cfg.merge_warps, **extra)
+        req_table, out.stride(0), out.stride(1), qo_indptr, qo_indptr, req_table, 0, 0, 0, HKV=Hkv, G=G, D=D,
+        BM=cfg.block_m, BP=cfg.merge_parts, WRITE_LSE=lse is not None, num_warps=cfg.merge_warps)
 
 
 def _tree_block(max_nodes: int) -> int:
@@ -236,6 +254,7 @@ class TreeAttnPlan:
     # metadata on the device each run, recording problems here; num_items and split_len are then -1 (known
     # on the device only), `capacity` is the bound on work items, and `items` their scratch
     status: torch.Tensor | None = None
+    device_args: tuple | None = None  # that schedule's launch arguments (`_device_args`), which the plan fixes
 
     @property
     def device(self) -> torch.device:
@@ -620,7 +639,7 @@ def _check_cache(fn, name, c, p: TreeAttnPlan, dtype, device):
     if c.dim() not in (3, 4):
         raise ValueError(f"{fn}: {name} has shape {tuple(c.shape)}; pass a token-slot cache [slots, Hkv, D] or a "
                          "paged cache [pages, page_size, Hkv, D]")
-    if tuple(c.shape[-2:]) != (p.num_kv_heads, p.head_dim):
+    if c.shape[-2:] != (p.num_kv_heads, p.head_dim):
         raise ValueError(f"{fn}: {name} has shape {tuple(c.shape)} but the plan has Hkv={p.num_kv_heads}, "
                          f"D={p.head_dim}; its last two dims must be [{p.num_kv_heads}, {p.head_dim}]")
     slots = c.shape[0] * (c.shape[1] if c.dim() == 4 else 1)
@@ -663,10 +682,18 @@ def run(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=None, sm_s
         raise TypeError(f"{fn}: q has dtype {q.dtype} but the plan was built for {p.dtype}; {fix}")
     if q.device != p.device:
         raise ValueError(f"{fn}: q is on {q.device} but the plan's buffers are on {p.device}; plan on {q.device}")
-    _check_tensor(fn, "q", q, p.dtype, p.device)
-    _check_cache(fn, "k_cache", k_cache, p, q.dtype, q.device)
-    _check_cache(fn, "v_cache", v_cache, p, q.dtype, q.device)
-    if tuple(k_cache.shape) != tuple(v_cache.shape):
+    return _run(fn, p, q, k_cache, v_cache, k_new, v_new, sm_scale, out, return_lse)
+
+
+def _run(fn, p: TreeAttnPlan, q, k_cache, v_cache, k_new, v_new, sm_scale, out, return_lse: bool):
+    """`run` after its checks of q against the plan (shape, dtype, device): the other tensors' checks, the
+    outputs, the launch."""
+    shape = (p.total_nodes, p.num_qo_heads, p.head_dim)
+    dtype, device = q.dtype, q.device
+    _check_tensor(fn, "q", q, dtype, device)
+    _check_cache(fn, "k_cache", k_cache, p, dtype, device)
+    _check_cache(fn, "v_cache", v_cache, p, dtype, device)
+    if k_cache.shape != v_cache.shape:
         raise ValueError(f"{fn}: k_cache {tuple(k_cache.shape)} and v_cache {tuple(v_cache.shape)} differ in shape; "
                          "they must have the same layout")
     if (k_new is None) != (v_new is None):
@@ -682,15 +709,15 @@ def run(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=None, sm_s
             if not isinstance(t, torch.Tensor) or tuple(t.shape) != want:
                 got = tuple(t.shape) if isinstance(t, torch.Tensor) else type(t).__name__
                 raise ValueError(f"{fn}: {name} is {got}; it must be [T, Hkv, D] = {list(want)}")
-            _check_tensor(fn, name, t, q.dtype, q.device)
+            _check_tensor(fn, name, t, dtype, device)
     if out is None:
-        out = torch.empty(shape, dtype=q.dtype, device=q.device)
-    elif not isinstance(out, torch.Tensor) or tuple(out.shape) != shape or out.dtype != q.dtype:
+        out = torch.empty(shape, dtype=dtype, device=device)
+    elif not isinstance(out, torch.Tensor) or out.shape != shape or out.dtype != dtype:
         got = (tuple(out.shape), out.dtype) if isinstance(out, torch.Tensor) else type(out).__name__
-        raise ValueError(f"{fn}: out is {got}; it must be {list(shape)} of {q.dtype}")
+        raise ValueError(f"{fn}: out is {got}; it must be {list(shape)} of {dtype}")
     else:
-        _check_tensor(fn, "out", out, q.dtype, q.device)
-    lse = torch.empty(shape[:2], dtype=torch.float32, device=q.device) if return_lse else None
+        _check_tensor(fn, "out", out, dtype, device)
+    lse = torch.empty(shape[:2], dtype=torch.float32, device=device) if return_lse else None
     if sm_scale is not None and (isinstance(sm_scale, (str, bytes, bool)) or not hasattr(sm_scale, "__float__")):
         raise TypeError(f"{fn}: sm_scale must be a number, got {type(sm_scale).__name__} {sm_scale!r}; pass a float, "
                         f"or None for head_dim**-0.5 = {p.head_dim ** -0.5:.4g}")
@@ -701,7 +728,7 @@ def run(plan: TreeAttnPlan, q, k_cache, v_cache, *, k_new=None, v_new=None, sm_s
         torch.ops.specpilot_tree_attn.run(*args, p.dispatch.kernel, _cfg_ints(p.dispatch.config), p.tree_block,
                                           p.status)
     else:
-        _launch(p.dispatch.kernel, p.dispatch.config, p.tree_block, *args, status=p.status)
+        _launch(p.dispatch.kernel, p.dispatch.config, p.tree_block, *args, status=p.status, device_args=p.device_args)
     return (out, lse) if return_lse else out
 
 
@@ -720,6 +747,11 @@ def tree_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_m
     is an ancestor of the node or the node itself (gdn.TreePlan.anc). k_new/v_new `[T, Hkv, D]`: the
     nodes' own keys/values; without them the last n_r kv_indices entries of each request are its nodes."""
     fn = "tree_attn.tree_attention"
+    if not keep_plan:
+        p = _device_hit(q, k_cache, (qo_indptr, kv_indptr, kv_indices, tree_mask), k_new is None, variant)
+        if p is not None:  # the same metadata tensors and shapes as the call before on this stream: its plan, and
+            # its checks, which the same objects and shapes pass again (`_run` checks the caches, k_new, v_new, out)
+            return _run(fn, p, q, k_cache, v_cache, k_new, v_new, sm_scale, out, return_lse)
     for name, t in (("q", q), ("k_cache", k_cache), ("v_cache", v_cache)):
         if not isinstance(t, torch.Tensor):
             raise TypeError(f"{fn}: {name} must be a torch.Tensor, got {type(t).__name__}; pass a tensor")
@@ -764,15 +796,13 @@ def _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, sl
     """A plan whose schedule the kernels build on the device (no host read of the metadata), with scratch sized
     from the shapes; None where the call takes the host plan instead (the torch reference or the "ws" kernel, or
     more than DEVICE_MAX_BATCH requests)."""
-    stream = torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0
     meta = (qo_indptr, kv_indptr, kv_indices, tree_mask)
-    shape = (q.shape, k_cache.shape[-2], slots, nodes_in_cache, q.dtype, variant, autotune.forced(OP), is_interpreter(),
-             qo_indptr.shape[0], kv_indptr.shape[0], kv_indices.shape[0], tree_mask.shape[0])
-    last = _DEVICE_LAST.get((q.device, stream))
-    # the layers of one step call with the same metadata tensors: the plan reads their values on the device, so
-    # the same tensors (dtype, device and shape unchanged) take the same plan
-    if last is not None and last[0] == shape and all(a is b for a, b in zip(last[1], meta)):
-        return last[2]
+    where = _stream_key(q)
+    last = _DEVICE_LAST.get(where)
+    if last is not None and all(a is b for a, b in zip(last[1], meta)):
+        shape = _device_shape(q, k_cache, meta, slots, nodes_in_cache, variant)
+        if last[0] == shape:
+            return last[2]
     _check_meta_tensors(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, q.device)
     if qo_indptr.shape[0] != kv_indptr.shape[0]:
         raise ValueError(f"{fn}: qo_indptr has {qo_indptr.shape[0]} entries but kv_indptr has {kv_indptr.shape[0]}; "
@@ -787,15 +817,41 @@ def _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, sl
         return None
     cfg = dispatch.config
     cap = _device_capacity(q.device, Hkv, cfg, T, B, H // Hkv)
-    key = (q.device, stream, Hkv, cfg.block_m, D)
+    key = (*where, Hkv, cfg.block_m, D)
     have = _DEVICE_SCRATCH.get(key)
     if have is None or have[0].shape[0] < cap or have[3].shape[0] < 3 * B:
         have = _device_scratch(max(cap, have[0].shape[0] if have else 0), max(B, have[3].shape[0] // 3 if have else 0),
                                Hkv, cfg.block_m, D, q.device)
         _DEVICE_SCRATCH[key] = have
     p = _device_scheduled(meta, have, cap, H, Hkv, D, slots, nodes_in_cache, q.dtype, dispatch)
-    _DEVICE_LAST[(q.device, stream)] = (shape, meta, p)
+    _DEVICE_LAST[where] = (_device_shape(q, k_cache, meta, slots, nodes_in_cache, variant), meta, p)
     return p
+
+
+def _stream_key(q) -> tuple:
+    """(device, raw stream) of q's current stream: a device plan's scratch is written by each run on it."""
+    dev = q.device
+    return dev, (torch._C._cuda_getCurrentRawStream(dev.index) if dev.type == "cuda" else 0)
+
+
+def _device_shape(q, k_cache, meta, slots: int, nodes_in_cache: bool, variant) -> tuple:
+    """What a device plan depends on besides its metadata tensors' identity: the call's shapes, dtype, variant."""
+    qo_indptr, kv_indptr, kv_indices, tree_mask = meta
+    return (q.shape, k_cache.shape[-2], slots, nodes_in_cache, q.dtype, variant, autotune.forced(OP), is_interpreter(),
+            qo_indptr.shape[0], kv_indptr.shape[0], kv_indices.shape[0], tree_mask.shape[0])
+
+
+def _device_hit(q, k_cache, meta, nodes_in_cache: bool, variant) -> "TreeAttnPlan | None":
+    """The device plan of the call before on q's device and stream, where this call passes the same four metadata
+    tensor objects with the same shapes (so the checks they passed hold), the same q shape and dtype, and a cache of
+    the same KV heads and slots; None otherwise. The first check of a call that plans: it reads no value."""
+    if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or k_cache.dim() not in (3, 4):
+        return None
+    last = _DEVICE_LAST.get(_stream_key(q))
+    if last is None or any(a is not b for a, b in zip(last[1], meta)):
+        return None
+    slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+    return last[2] if last[0] == _device_shape(q, k_cache, meta, slots, nodes_in_cache, variant) else None
 
 
 def _device_scheduled(meta, scratch, cap: int, H: int, Hkv: int, D: int, slots: int, nodes_in_cache: bool,
@@ -806,12 +862,15 @@ def _device_scheduled(meta, scratch, cap: int, H: int, Hkv: int, D: int, slots: 
     qo_indptr, kv_indptr, kv_indices, tree_mask = meta
     po, plse, items, table = scratch
     B, T = qo_indptr.shape[0] - 1, tree_mask.shape[0]
+    req_table, po, status, tn = table[:3 * B].view(B, 3), po[:cap], _status(qo_indptr.device), _tree_block(
+        max(1, min(T, MAX_NODES)))
     return TreeAttnPlan(
         qo_indptr=qo_indptr, kv_indptr=kv_indptr, kv_indices=kv_indices, tree_mask=tree_mask, node_req=qo_indptr,
-        items=items, req_table=table[:3 * B].view(B, 3), po=po[:cap], plse=plse[:cap], batch=B, total_nodes=T,
-        num_qo_heads=H, num_kv_heads=Hkv, head_dim=D, cache_slots=slots, nodes_in_cache=nodes_in_cache, dtype=dtype,
-        dispatch=dispatch, capacity=cap, num_items=-1, split_len=-1, tree_block=_tree_block(max(1, min(T, MAX_NODES))),
-        status=_status(qo_indptr.device))
+        items=items, req_table=req_table, po=po, plse=plse[:cap], batch=B, total_nodes=T, num_qo_heads=H,
+        num_kv_heads=Hkv, head_dim=D, cache_slots=slots, nodes_in_cache=nodes_in_cache, dtype=dtype,
+        dispatch=dispatch, capacity=cap, num_items=-1, split_len=-1, tree_block=tn, status=status,
+        device_args=_device_args(dispatch.config, tn, T, H, Hkv, D, not nodes_in_cache, qo_indptr, kv_indptr,
+                                 kv_indices, tree_mask, req_table, po, status, qo_indptr.device))
 
 
 def _device_capacity(device, Hkv: int, cfg: SplitConfig, T: int, B: int, G: int) -> int:

@@ -199,6 +199,31 @@ def test_same_metadata_tensors_reuse_the_call_plan(make_batch, check):
         _attend(b)
 
 
+def test_a_reused_call_plan_still_checks_the_call(make_batch, check, raises):
+    """A call that reuses the plan of the call before (the same metadata tensors) skips only what those tensors
+    and shapes already passed: the caches, k_new / v_new and out are checked each call, and a cache of the same
+    slots in the other layout (paged after token-slot) runs on the same plan with its own strides."""
+    b = make_batch([("draft9", 23), ("chain4", 2)], H=4, Hkv=2, D=64, nodes_in_cache=False, seed=25)
+    _attend(b)
+    first = ops._DEVICE_LAST[(b.q.device, 0)][2]
+    call = dict(sm_scale=b.sm_scale, **b.new_kw())
+    with raises(r"v_cache has dtype torch\.float16"):
+        tree_attn.tree_attention(b.q, b.k_cache, b.v_cache.half(), b.kv_indptr, b.kv_indices, b.qo_indptr,
+                                 b.tree_mask, **call)
+    with raises(r"out is \(\(\d+, 4, 32\)"):
+        tree_attn.tree_attention(*b.args(), **call, out=b.poisoned_out()[..., :32])
+    with raises("v_new is missing"):
+        tree_attn.tree_attention(*b.args(), sm_scale=b.sm_scale, k_new=b.k_new, v_new=None)
+    assert ops._DEVICE_LAST[(b.q.device, 0)][2] is first
+    slots = b.k_cache.shape[0]
+    pg = next(p for p in (8, 4, 2, 1) if slots % p == 0)  # the same slots as [pages, pg, Hkv, D]: slot s at page s // pg
+    k, v = (c.view(slots // pg, pg, 2, 64) for c in (b.k_cache, b.v_cache))
+    got, lse = tree_attn.tree_attention(b.q, k, v, b.kv_indptr, b.kv_indices, b.qo_indptr, b.tree_mask, **call,
+                                        out=b.poisoned_out(), return_lse=True)
+    assert ops._DEVICE_LAST[(b.q.device, 0)][2] is first
+    check(b, got, lse)
+
+
 @pytest.mark.parametrize("nodes_in_cache", [False, True], ids=["k_new", "in-cache"])
 def test_kv_indices_may_be_a_longer_buffer(nodes_in_cache, make_batch):
     """The one call reads kv_indices only up to kv_indptr[-1]: a fixed-size buffer (a CUDA graph's) whose tail holds
