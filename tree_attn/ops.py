@@ -794,15 +794,11 @@ def tree_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_m
 def _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, slots: int, nodes_in_cache: bool,
                  variant) -> "TreeAttnPlan | None":
     """A plan whose schedule the kernels build on the device (no host read of the metadata), with scratch sized
-    from the shapes; None where the call takes the host plan instead (the torch reference or the "ws" kernel, or
-    more than DEVICE_MAX_BATCH requests)."""
+    from the shapes, kept for the calls after it with the same metadata tensors (`_device_hit`); None where the
+    call takes the host plan instead (the torch reference or the "ws" kernel, or more than DEVICE_MAX_BATCH
+    requests)."""
     meta = (qo_indptr, kv_indptr, kv_indices, tree_mask)
     where = _stream_key(q)
-    last = _DEVICE_LAST.get(where)
-    if last is not None and all(a is b for a, b in zip(last[1], meta)):
-        shape = _device_shape(q, k_cache, meta, slots, nodes_in_cache, variant)
-        if last[0] == shape:
-            return last[2]
     _check_meta_tensors(fn, qo_indptr, kv_indptr, kv_indices, tree_mask, q.device)
     if qo_indptr.shape[0] != kv_indptr.shape[0]:
         raise ValueError(f"{fn}: qo_indptr has {qo_indptr.shape[0]} entries but kv_indptr has {kv_indptr.shape[0]}; "
@@ -844,8 +840,9 @@ def _device_shape(q, k_cache, meta, slots: int, nodes_in_cache: bool, variant) -
 def _device_hit(q, k_cache, meta, nodes_in_cache: bool, variant) -> "TreeAttnPlan | None":
     """The device plan of the call before on q's device and stream, where this call passes the same four metadata
     tensor objects with the same shapes (so the checks they passed hold), the same q shape and dtype, and a cache of
-    the same KV heads and slots; None otherwise. The first check of a call that plans: it reads no value."""
-    if type(q) is not torch.Tensor or type(k_cache) is not torch.Tensor or k_cache.dim() not in (3, 4):
+    the same KV heads and slots; None otherwise. The layers of one step call with the same metadata tensors, whose
+    values the kernels read on the device: the same tensors take the same plan. It reads no value."""
+    if not isinstance(q, torch.Tensor) or not isinstance(k_cache, torch.Tensor) or k_cache.dim() not in (3, 4):
         return None
     last = _DEVICE_LAST.get(_stream_key(q))
     if last is None or any(a is not b for a, b in zip(last[1], meta)):
