@@ -779,8 +779,7 @@ def tree_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_m
                    return_lse=return_lse)
     if keep_plan:
         meta = (qo_indptr, kv_indptr, kv_indices, tree_mask)
-        shape = (q.shape[1], k_cache.shape[-2], q.shape[-1], slots, k_new is None, q.dtype, variant, q.device,
-                 torch.cuda.current_stream(q.device).cuda_stream if q.is_cuda else 0)
+        shape = (q.shape[1], k_cache.shape[-2], q.shape[-1], slots, k_new is None, q.dtype, variant, *_stream_key(q))
         p = _one_call_plan(meta, shape)
     if p is None:
         p = globals()["plan"](qo_indptr, kv_indptr, kv_indices, tree_mask, num_qo_heads=q.shape[1],
