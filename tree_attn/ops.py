@@ -138,46 +138,61 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
                              "tensors, or plan with variant=None")
         cuda.run(cfg, q, k_cache, v_cache, kn, vn, strides, page, new, qo_indptr, kv_indptr, kv_indices, tree_mask,
                  items, po, plse, sm_scale * 1.4426950408889634)
-        _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv, G)
+        merge_dev, merge_kw = _host_merge_args(cfg, qo_indptr, req_table, Hkv, G, D)
+        _merge(q, po, plse, out, lse, node_req, qo_indptr, req_table, merge_dev, merge_kw)
         return None
-    if status is None:
-        dev = (kv_indptr, req_table, items, 0, 0, 0, 0, 0, 0, 0)
-        handle = autotune.launch_triton(
-            tree_attn_split_kernel, (items.shape[0], Hkv), q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices,
-            tree_mask, items, po, plse, sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides, *dev,
-            HKV=Hkv, G=G, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, PAGE=page, NEW=new, num_warps=cfg.num_warps,
-            num_stages=cfg.num_stages)
-        _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv, G)
-        return handle
-    if device_args is None:
-        device_args = _device_args(cfg, tn, T, H, Hkv, D, new, qo_indptr, kv_indptr, kv_indices, tree_mask, req_table,
-                                   po, status, q.device)
-    head, tail, split_kw, merge_dev, merge_kw = device_args
-    slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+    if status is None:  # the plan's schedule: (item, KV head) programs
+        grid, dev = (items.shape[0], Hkv), (kv_indptr, req_table, items, 0, 0, 0, 0, 0, 0, 0)
+        split_kw = _split_kw(cfg, tn, Hkv, G, D, new)
+        merge_dev, merge_kw = _host_merge_args(cfg, qo_indptr, req_table, Hkv, G, D)
+    else:  # the schedule built by the kernels: item-major programs over the bound (kernels/split.py)
+        if device_args is None:
+            device_args = _device_args(cfg, tn, T, H, Hkv, D, new, qo_indptr, kv_indptr, kv_indices, tree_mask,
+                                       req_table, po, status, q.device)
+        head, tail, split_kw, merge_dev, merge_kw = device_args
+        grid, dev = (po.shape[0] * Hkv,), (*head, _cache_slots(k_cache), *tail)
     handle = autotune.launch_triton(
-        tree_attn_split_kernel, (po.shape[0] * Hkv,), q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices, tree_mask,
-        items, po, plse, sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides, *head, slots, *tail,
-        PAGE=page, **split_kw)
-    autotune.launch_triton(
-        tree_attn_merge_kernel, (T, H), po, plse, out, lse if lse is not None else plse, node_req, qo_indptr,
-        req_table, out.stride(0), out.stride(1), *merge_dev, WRITE_LSE=lse is not None, **merge_kw)
+        tree_attn_split_kernel, grid, q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices, tree_mask, items, po, plse,
+        sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides, *dev, PAGE=page, **split_kw)
+    _merge(q, po, plse, out, lse, node_req, qo_indptr, req_table, merge_dev, merge_kw)
     return handle
+
+
+def _split_kw(cfg: SplitConfig, tn: int, Hkv: int, G: int, D: int, new: bool) -> dict:
+    """The split kernel's launch keywords that both schedules pass (the caches' page size is the call's)."""
+    return dict(HKV=Hkv, G=G, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, NEW=new, num_warps=cfg.num_warps,
+                num_stages=cfg.num_stages)
+
+
+def _merge_kw(cfg, Hkv: int, G: int, D: int) -> dict:
+    """The merge kernel's launch keywords that both schedules pass."""
+    return dict(HKV=Hkv, G=G, D=D, BM=cfg.block_m, BP=cfg.merge_parts, num_warps=cfg.merge_warps)
+
+
+def _host_merge_args(cfg, qo_indptr, req_table, Hkv: int, G: int, D: int) -> tuple:
+    """(the merge's arguments after out's strides, its keywords) on a host schedule: the plan's node_req and request
+    table tell each node's request, so no device checks."""
+    return (qo_indptr, qo_indptr, req_table, 0, 0, 0), _merge_kw(cfg, Hkv, G, D)
 
 
 def _device_args(cfg: SplitConfig, tn: int, T: int, H: int, Hkv: int, D: int, new: bool, qo_indptr, kv_indptr,
                  kv_indices, tree_mask, req_table, po, status, device) -> tuple:
     """What a run with the schedule built on the device passes its two kernels besides the call's tensors, the
     caches' strides, slots and page size, and the LSE: fixed by its plan, so the plan keeps it. (split arguments
-    before the slot count, after it, split keywords, merge arguments after out's strides, merge keywords)."""
+    before the slot count, after it, split keywords, merge arguments after out's strides, merge keywords: the merge
+    finds each node's request and checks its mask.)"""
     B = qo_indptr.shape[0] - 1
     lanes = _lanes(B)
     return ((kv_indptr, req_table, status, B, T, kv_indices.shape[0]),
             (_target_items(device, Hkv, cfg), cfg.item_cost, po.shape[0]),
-            dict(HKV=Hkv, G=H // Hkv, D=D, BM=cfg.block_m, BN=cfg.block_n, TN=tn, NEW=new, DEVICE=True, BB=lanes,
-                 WAVES=DEVICE_WAVES, num_warps=cfg.num_warps, num_stages=cfg.num_stages),
+            dict(_split_kw(cfg, tn, Hkv, H // Hkv, D, new), DEVICE=True, BB=lanes, WAVES=DEVICE_WAVES),
             (kv_indptr, tree_mask, status, B, T, kv_indices.shape[0]),
-            dict(HKV=Hkv, G=H // Hkv, D=D, BM=cfg.block_m, BP=cfg.merge_parts, num_warps=cfg.merge_warps,
-                 DEVICE=True, NEW=new, BB=lanes))
+            dict(_merge_kw(cfg, Hkv, H // Hkv, D), DEVICE=True, NEW=new, BB=lanes))
+
+
+def _cache_slots(c: torch.Tensor) -> int:
+    """Token slots of a token-slot cache [slots, Hkv, D] or a paged one [pages, page_size, Hkv, D]."""
+    return c.shape[0] * (c.shape[1] if c.dim() == 4 else 1)
 
 
 def _lanes(B: int) -> int:
@@ -199,14 +214,13 @@ def _cache_args(q, k_cache, v_cache, k_new, v_new) -> tuple:
     return k_new, v_new, (*k_strides, *v_strides, *kns), k_cache.shape[1] if paged else 1
 
 
-def _merge(cfg, q, po, plse, out, lse, node_req, qo_indptr, req_table, Hkv: int, G: int) -> None:
-    """Combine the request's partials (cfg.block_m rows per item) by log-sum-exp into out (and lse), on a host
-    schedule (a device-built one's merge also finds each node's request and checks its mask: `_device_args`)."""
-    T, H, D = q.shape
+def _merge(q, po, plse, out, lse, node_req, qo_indptr, req_table, dev: tuple, kw: dict) -> None:
+    """Combine the request's partials (block_m rows per item) by log-sum-exp into out (and lse). `dev`, `kw`: the
+    schedule's remaining arguments and keywords (`_host_merge_args`, `_device_args`)."""
+    T, H, _ = q.shape
     autotune.launch_triton(
         tree_attn_merge_kernel, (T, H), po, plse, out, lse if lse is not None else plse, node_req, qo_indptr,
-        req_table, out.stride(0), out.stride(1), qo_indptr, qo_indptr, req_table, 0, 0, 0, HKV=Hkv, G=G, D=D,
-        BM=cfg.block_m, BP=cfg.merge_parts, WRITE_LSE=lse is not None, num_warps=cfg.merge_warps)
+        req_table, out.stride(0), out.stride(1), *dev, WRITE_LSE=lse is not None, **kw)
 
 
 def _tree_block(max_nodes: int) -> int:
@@ -642,7 +656,7 @@ def _check_cache(fn, name, c, p: TreeAttnPlan, dtype, device):
     if c.shape[-2:] != (p.num_kv_heads, p.head_dim):
         raise ValueError(f"{fn}: {name} has shape {tuple(c.shape)} but the plan has Hkv={p.num_kv_heads}, "
                          f"D={p.head_dim}; its last two dims must be [{p.num_kv_heads}, {p.head_dim}]")
-    slots = c.shape[0] * (c.shape[1] if c.dim() == 4 else 1)
+    slots = _cache_slots(c)
     if slots < p.cache_slots:
         raise ValueError(f"{fn}: {name} has {slots} token slots but the plan checked indices against "
                          f"{p.cache_slots}; plan with cache_slots={slots}")
@@ -771,7 +785,7 @@ def tree_attention(q, k_cache, v_cache, kv_indptr, kv_indices, qo_indptr, tree_m
     if isinstance(tree_mask, torch.Tensor) and tree_mask.dim() == 1 and tree_mask.shape[0] != q.shape[0]:
         raise ValueError(f"{fn}: tree_mask has {tree_mask.shape[0]} entries but q has {q.shape[0]} rows; one mask "
                          "word per tree node")
-    slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+    slots = _cache_slots(k_cache)
     p = None if keep_plan else _device_plan(fn, q, k_cache, qo_indptr, kv_indptr, kv_indices, tree_mask, slots,
                                             k_new is None, variant)
     if p is not None:
@@ -846,7 +860,7 @@ def _device_hit(q, k_cache, meta, nodes_in_cache: bool, variant) -> "TreeAttnPla
     last = _DEVICE_LAST.get(_stream_key(q))
     if last is None or any(a is not b for a, b in zip(last[1], meta)):
         return None
-    slots = k_cache.shape[0] * (k_cache.shape[1] if k_cache.dim() == 4 else 1)
+    slots = _cache_slots(k_cache)
     return last[2] if last[0] == _device_shape(q, k_cache, meta, slots, nodes_in_cache, variant) else None
 
 
