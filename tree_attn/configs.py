@@ -40,8 +40,9 @@ class WSConfig:
     """One program of the warp-specialised CUDA kernel (variant "ws", tree_attn/csrc/tree_attn_ws.cu): `consumers`
     warpgroups of 64 rows each share every K/V block of `block_n` keys, which the producer warpgroup gathers into a
     ring of `num_stages` stages (K and V of a stage complete and are released on mbarriers of their own); the
-    request's tree block is folded into its last prefix split. setmaxnreg gives the producer `producer_regs` and each
-    consumer `consumer_regs` registers (two consumers)."""
+    request's tree block is folded into its last prefix split. `producers` warpgroups (1 or 2) issue the copies: the
+    rate at which one SM's cp.async copies land grows with the warps that issue them. setmaxnreg gives each producer
+    warpgroup `producer_regs` and each consumer `consumer_regs` registers (where the warpgroups are more than two)."""
 
     consumers: int = 2
     block_n: int = 64
@@ -56,6 +57,7 @@ class WSConfig:
     merge_warps: int = 2
     merge_parts: int = 16
     item_cost: int = 8  # fixed work of one item in key blocks (its q rows, its partial written and merged)
+    producers: int = 1  # producer warpgroups
 
     @property
     def block_m(self) -> int:

@@ -65,9 +65,12 @@ def config_problem(cfg: WSConfig, head_dim: int) -> str | None:
         return f"block_n={cfg.block_n}: 32 or 64"
     if not 2 <= cfg.num_stages <= 8:
         return f"num_stages={cfg.num_stages}: 2 to 8"
-    if cfg.consumers > 1 and 128 * (cfg.producer_regs + cfg.consumers * cfg.consumer_regs) > 65536:
-        return (f"registers: 128 x ({cfg.producer_regs} + {cfg.consumers} x {cfg.consumer_regs}) exceed the register "
-                "file (65536)")
+    if cfg.producers not in (1, 2):
+        return f"producers={cfg.producers}: 1 or 2 producer warpgroups"
+    regs = 128 * (cfg.producers * cfg.producer_regs + cfg.consumers * cfg.consumer_regs)
+    if cfg.consumers + cfg.producers > 2 and regs > 65536:
+        return (f"registers: 128 x ({cfg.producers} x {cfg.producer_regs} + {cfg.consumers} x {cfg.consumer_regs}) "
+                "exceed the register file (65536)")
     smem = cfg.smem_bytes(head_dim)
     if smem > 227 << 10:
         return f"shared memory: {smem} bytes (q rows and {cfg.num_stages} K/V stages) > 227 KB"
@@ -88,11 +91,12 @@ def spec(cfg: WSConfig, head_dim: int, group: int, *, f16: bool = False, new: bo
     """The build of one specialisation; `defines` add to (or override) its TA_* defines."""
     base = dict(C=cfg.consumers, BN=cfg.block_n, STAGES=cfg.num_stages, D=head_dim, G=group, F16=int(f16),
                 NEW=int(new), PREGS=cfg.producer_regs, CREGS=cfg.consumer_regs, PINGPONG=int(cfg.pingpong),
-                KV_AHEAD=int(cfg.kv_ahead), QREG=int(cfg.q_in_regs), OVERLAP=int(cfg.overlap))
+                KV_AHEAD=int(cfg.kv_ahead), QREG=int(cfg.q_in_regs), OVERLAP=int(cfg.overlap),
+                PWG=cfg.producers)
     target = jit.arch_name(arch, wgmma=True)
     name = (f"tree_attn_ws-c{cfg.consumers}-n{cfg.block_n}-s{cfg.num_stages}-r{cfg.producer_regs}x{cfg.consumer_regs}"
             f"{'-pp' if cfg.pingpong else ''}{'-ka' if cfg.kv_ahead else ''}{'-qr' if cfg.q_in_regs else ''}"
-            f"{'-ov' if cfg.overlap else ''}"
+            f"{'-ov' if cfg.overlap else ''}{'-p2' if cfg.producers == 2 else ''}"
             f"-d{head_dim}-g{group}-{'f16' if f16 else 'bf16'}-new{int(new)}-{target}")
     return jit.Spec(SOURCE, KERNEL, target, {f"TA_{k}": v for k, v in base.items()} | dict(defines or {}), name=name)
 
@@ -137,4 +141,4 @@ def run(cfg: WSConfig, q, k_cache, v_cache, kn, vn, strides: tuple, page: int, n
               kv_indptr.data_ptr(), kv_indices.data_ptr(), tree_mask.data_ptr(), items.data_ptr(), po.data_ptr(),
               plse.data_ptr(), sm_scale_log2, q.stride(0), q.stride(1), *strides, page)
     stream = torch.cuda.current_stream(dev).cuda_stream
-    kernel.launch((items.shape[0], Hkv, 1), 128 * (cfg.consumers + 1), smem, stream, values, _TYPES)
+    kernel.launch((items.shape[0], Hkv, 1), 128 * (cfg.consumers + cfg.producers), smem, stream, values, _TYPES)

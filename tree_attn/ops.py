@@ -627,7 +627,7 @@ def _(*args, **kwargs) -> None:
 def _cfg_ints(cfg: SplitConfig | WSConfig | None) -> list[int]:
     if isinstance(cfg, WSConfig):
         return [cfg.consumers, cfg.block_n, cfg.num_stages, cfg.producer_regs, cfg.consumer_regs, int(cfg.pingpong),
-                int(cfg.kv_ahead), int(cfg.q_in_regs), int(cfg.overlap), cfg.merge_warps, cfg.merge_parts]
+                int(cfg.kv_ahead), int(cfg.q_in_regs), int(cfg.overlap), cfg.merge_warps, cfg.merge_parts, cfg.producers]
     return [] if cfg is None else [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.merge_warps,
                                    cfg.merge_parts]
 
@@ -638,7 +638,7 @@ def _cfg_of(kernel: str, cfg: list[int]) -> SplitConfig | WSConfig | None:
         return None
     if kernel == "ws":
         return WSConfig(*cfg[:5], pingpong=bool(cfg[5]), kv_ahead=bool(cfg[6]), q_in_regs=bool(cfg[7]),
-                        overlap=bool(cfg[8]), merge_warps=cfg[9], merge_parts=cfg[10])
+                        overlap=bool(cfg[8]), merge_warps=cfg[9], merge_parts=cfg[10], producers=cfg[11])
     return SplitConfig(*cfg[:4], merge_warps=cfg[4], merge_parts=cfg[5])
 
 

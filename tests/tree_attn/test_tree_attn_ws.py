@@ -276,6 +276,19 @@ def test_overlap_builds_without_spills(cfg):
     assert "wgmma.wait_group.sync.aligned 1;" in _clean_ptx(cfg)
 
 
+@pytest.mark.parametrize("cfg", [WSConfig(consumers=1, block_n=64, num_stages=3, producers=2, consumer_regs=232),
+                                 WSConfig(consumers=1, block_n=32, num_stages=6, producers=2, consumer_regs=232),
+                                 WSConfig(consumers=2, block_n=32, num_stages=4, producers=2, producer_regs=40)],
+                         ids=["c1n64", "c1n32", "c2n32"])
+@pytest.mark.parametrize("d", [64, 256])
+def test_two_producers_build_without_spills(cfg, d):
+    """Two producer warpgroups: 256 threads issue the copies (each a chunk of every other row), the full barriers
+    count them all, and setmaxnreg moves their registers to the consumers (one consumer too, at 384 threads)."""
+    ptx = _clean_ptx(cfg, d)
+    assert "setmaxnreg.inc.sync.aligned.u32 " + str(cfg.consumer_regs) in ptx
+    assert "mbarrier.init.shared::cta.b64" in ptx
+
+
 def test_three_consumers_do_not_build():
     with pytest.raises(jit.BuildError, match="1 or 2 consumer warpgroups"):
         tcuda.spec(WSConfig(consumers=3, block_n=32, num_stages=4, producer_regs=32, consumer_regs=160), 256,
@@ -284,6 +297,8 @@ def test_three_consumers_do_not_build():
 
 @pytest.mark.parametrize("cfg, why", [
     (WSConfig(consumers=3), "consumers=3"),
+    (WSConfig(producers=3), "producers=3"),
+    (WSConfig(consumers=2, producers=2), "registers"),
     (WSConfig(block_n=128), "block_n=128"),
     (WSConfig(num_stages=1), "num_stages=1"),
     (WSConfig(producer_regs=64, consumer_regs=232), "registers"),
@@ -376,7 +391,7 @@ def test_source_states_the_protocol():
     for text in ("s = (b & 1) + 2 * (i % h);", "u = i / h;", "s = b % TA_STAGES;", "u = b / TA_STAGES;",
                  "if (u > 0) mbar_wait(bars + (v ? EMPTY_V : EMPTY_K) + 8 * s, (u + 1) & 1);",
                  "return (uint32_t)(u & 1);", "halves ? 4 : 4 * TA_C", "if (w == 1 && !halves) turn_pass(1);",
-                 "if (!halves && (w == 0 || b + 1 < nb)) turn_pass(w);", "if (b + 1 < nb) load(b + 1, 0);",
+                 "if (!halves && (w == 0 || b + 1 < nb)) turn_pass(w);", "if (b + 1 < nb) load(b + 1, 0, nxt);",
                  'asm volatile("bar.sync 3, 256;" ::: "memory");'):
         assert text in src, f"tree_attn_ws.cu no longer says {text!r}: update tests/tree_attn/ws_protocol.py with it"
 
@@ -411,10 +426,11 @@ def test_barrier_protocol_check_can_fail(monkeypatch):
 
 
 @pytest.mark.parametrize("cfg", [C1, C2N32, WSConfig(pingpong=True, kv_ahead=True),
-                                 WSConfig(consumers=1, q_in_regs=True, num_stages=3, merge_parts=8, merge_warps=4)])
+                                 WSConfig(consumers=1, q_in_regs=True, num_stages=3, merge_parts=8, merge_warps=4),
+                                 WSConfig(consumers=1, num_stages=3, producers=2, consumer_regs=232)])
 def test_config_crosses_the_custom_op(cfg):
     """The torch custom op takes the launch config as ints (ops._cfg_ints); every field the launch reads comes back."""
     back = ops._cfg_of("ws", ops._cfg_ints(cfg))
     launch = ("consumers", "block_n", "num_stages", "producer_regs", "consumer_regs", "pingpong", "kv_ahead",
-              "q_in_regs", "merge_warps", "merge_parts")
+              "q_in_regs", "merge_warps", "merge_parts", "producers")
     assert all(getattr(back, f) == getattr(cfg, f) for f in launch) and back.block_m == cfg.block_m

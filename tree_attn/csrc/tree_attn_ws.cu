@@ -69,6 +69,9 @@ typedef unsigned long long uint64_t;
 #define TA_NEW 0  // the nodes' keys and values in k_new / v_new (else in the cache, after the prefix slots)
 #endif
 // registers after setmaxnreg (C >= 2): producer and consumer warpgroups, 128 (TA_PREGS + C TA_CREGS) <= 65536
+#ifndef TA_PWG
+#define TA_PWG 1  // producer warpgroups: 1 or 2 (the per-SM copy rate grows with the warps issuing cp.async)
+#endif
 #ifndef TA_PREGS
 #define TA_PREGS 56
 #endif
@@ -83,6 +86,17 @@ typedef unsigned long long uint64_t;
 #endif
 // two consumers take turns to issue their S products (named barriers 1 and 2): one's softmax runs while the other's
 // wgmma run, instead of the two drifting into step
+// phase probes for the per-phase breakdown (0: the kernel): 1, the producer alone (the consumers release every stage
+// as it lands: no wgmma, no softmax); 2, the consumers alone (the producer arrives on the full barriers without
+// copying, so that the consumers compute on whatever the ring holds). Both write meaningless partials.
+#ifndef TA_PHASE
+#define TA_PHASE 0
+#endif
+#ifndef TA_L2
+#define TA_L2 0  // the copies' L2 prefetch size in bytes (64, 128, 256; 0: none)
+#endif
+#define TA_STR2(x) #x
+#define TA_STR(x) TA_STR2(x)
 #ifndef TA_PINGPONG
 #define TA_PINGPONG 0
 #endif
@@ -109,12 +123,15 @@ typedef unsigned long long uint64_t;
 #define TA_INF __int_as_float(0x7f800000)
 #define TA_ROWS (64 * TA_C)
 #define TA_DB (TA_D / 64)
-#define TA_THREADS (128 * (TA_C + 1))
+#define TA_THREADS (128 * (TA_C + TA_PWG))
+#define TA_PTHREADS (128 * TA_PWG)  // producer threads
+#define TA_SETMAXNREG (TA_C + TA_PWG > 2)  // the default register split would not hold a consumer's O
 
 static_assert(TA_C == 1 || TA_C == 2, "1 or 2 consumer warpgroups (3 do not fit: see the header)");
 static_assert(TA_BN == 32 || TA_BN == 64, "32 or 64 keys per block");
 static_assert(TA_D == 64 || TA_D == 128 || TA_D == 256, "head dim 64, 128 or 256");
-static_assert(TA_C == 1 || 128 * (TA_PREGS + TA_C * TA_CREGS) <= 65536, "setmaxnreg: the register file");
+static_assert(!TA_SETMAXNREG || 128 * (TA_PWG * TA_PREGS + TA_C * TA_CREGS) <= 65536, "setmaxnreg: the register file");
+static_assert(TA_PWG == 1 || TA_PWG == 2, "1 or 2 producer warpgroups");
 static_assert(TA_PREGS % 8 == 0 && TA_CREGS % 8 == 0 && TA_PREGS >= 24 && TA_CREGS <= 256, "setmaxnreg counts");
 static_assert(!TA_PINGPONG || TA_C == 2, "the turns are between two consumers");
 static_assert(!(TA_PINGPONG && TA_OVERLAP), "turns or the overlap, not both");
@@ -146,7 +163,12 @@ constexpr uint32_t FULL_K = 0, FULL_V = 8 * TA_STAGES, EMPTY_K = 16 * TA_STAGES,
 
 // 16 bytes global -> shared; `bytes` 0 fills the chunk with zeros and reads nothing
 __device__ __forceinline__ void cp16(uint32_t dst, const void* src, uint32_t bytes) {
+#if TA_L2 == 0
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
+#else
+  asm volatile("cp.async.cg.shared.global.L2::" TA_STR(TA_L2) "B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
+               : "memory");
+#endif
 }
 
 // the stage's mbarrier counts one arrival of this thread when its earlier cp.async copies have landed
@@ -357,24 +379,24 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   const bool halves = TA_PROBE == 0 && TA_C == 2 && group * TA_ROWS + 64 >= n * TA_G;  // (probes: tiles as they are)
   if (tid == 0) {
     for (int s = 0; s < TA_STAGES; ++s) {
-      mbar_init(bars + FULL_K + 8 * s, 128);  // full: every producer thread
-      mbar_init(bars + FULL_V + 8 * s, 128);
+      mbar_init(bars + FULL_K + 8 * s, TA_PTHREADS);  // full: every producer thread
+      mbar_init(bars + FULL_V + 8 * s, TA_PTHREADS);
       // empty: lane 0 of every consumer warp that reads the stage (one consumer's in halves)
       mbar_init(bars + EMPTY_K + 8 * s, halves ? 4 : 4 * TA_C);
       mbar_init(bars + EMPTY_V + 8 * s, halves ? 4 : 4 * TA_C);
     }
-    mbar_init(bars + Q_FULL, 128);
+    mbar_init(bars + Q_FULL, TA_PTHREADS);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
 
-  if (wg == 0) {
+  if (wg < TA_PWG) {
     // ---------------------------------------------------------------- producer
-#if TA_C > 1
+#if TA_SETMAXNREG
     asm volatile("setmaxnreg.dec.sync.aligned.u32 %0;" ::"n"(TA_PREGS));
 #endif
-    constexpr int CH = TA_D / 8, RP = 128 / CH;  // 16-byte chunks per row, rows per pass of the 128 threads
-    const int r0 = t / CH, cc = t % CH;           // this thread: chunk cc of rows r0, r0 + RP, ...
+    constexpr int CH = TA_D / 8, RP = TA_PTHREADS / CH;  // 16-byte chunks per row, rows per pass of the producers
+    const int r0 = tid / CH, cc = tid % CH;               // this thread: chunk cc of rows r0, r0 + RP, ...
     // q rows of the group: row m -> node (group 64 C + m) / G, head hk G + (group 64 C + m) % G
     for (int r = r0; r < TA_ROWS; r += RP) {
       const int m = group * TA_ROWS + r, node = m / TA_G;
@@ -383,66 +405,82 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
                           cc * 8;
       cp16(qs + tile_off(r, cc, TA_ROWS), src, ok ? 16u : 0u);
     }
+#if TA_PHASE == 2
+    mbar_arrive(bars + Q_FULL);
+#else
     cp_arrive(bars + Q_FULL);
-    // one load: K (v = 0) or V (v = 1) of block b into its stage, after the consumers released that stage's last use
-    auto load = [&](int b, int v) {
+#endif
+    // The slots of block b's rows are loaded a block ahead of their copies, one load a lane: lane cc % PER of a row
+    // group (the CH threads of rows r0, r0 + RP, ...; PER <= CH) holds the slot of row r0 + RP (cc % PER), and the
+    // group reads the others by shuffle. A slot loaded just before its copies would wait a load's latency per block:
+    // the copies' asm orders memory, so nothing moves the load earlier.
+    constexpr int PER = TA_BN / RP;
+    static_assert(PER >= 1 && PER <= CH, "a row group holds one block's slots, one a lane");
+    const int gbase = t % 32 - cc;  // the first lane of this thread's row group in its warp
+    auto slot_of = [&](int b) {     // -1: no key (past the range, past the nodes, past the last block)
+      const int j = r0 + (cc % PER) * RP;
+      int slot = -1;
+      if (b < nbp) {
+        const int at = lo + b * TA_BN + j;
+        if (at < hi) slot = kv_indices[at];
+      } else if (b < nb) {
+        const int node = (b - nbp) * TA_BN + j;
+#if TA_NEW
+        if (node < n) slot = node;
+#else
+        if (node < n) slot = kv_indices[prefix_end + node];
+#endif
+      }
+      return slot;
+    };
+    // one load: K (v = 0) or V (v = 1) of block b, whose slots `mine` holds, into its stage, after the consumers
+    // released that stage's last use
+    auto load = [&](int b, int v, int mine) {
       int s, u;
       stage_of(b, halves, s, u);
+#if TA_PHASE != 3  // (the copies alone wait for nothing)
       if (u > 0) mbar_wait(bars + (v ? EMPTY_V : EMPTY_K) + 8 * s, (u + 1) & 1);
+#endif
+      const uint32_t full = bars + (v ? FULL_V : FULL_K) + 8 * s;
+#if TA_PHASE == 2
+      mbar_arrive(full);  // the consumers alone: nothing copied
+      return;
+#endif
       const uint32_t dst = ring + s * STAGE_BYTES + (v ? KV_BYTES : 0);
       const elem_t* cache = v ? v_cache : k_cache;
       const long long s_p = v ? s_vp : s_kp, s_o = v ? s_vo : s_ko, head = hk * (v ? s_vh : s_kh);
-      // the rows' slots first, SLOTS loads in flight at once, then their copies: the copies' asm orders memory,
-      // so a slot loaded between two copies would wait a full load latency each
-      constexpr int PER = TA_BN / RP, SLOTS = PER < 4 ? PER : 4;
-#pragma unroll 1
-      for (int i0 = 0; i0 < PER; i0 += SLOTS) {
-        int slot[SLOTS];
-#pragma unroll
-        for (int i = 0; i < SLOTS; ++i) {
-          const int j = r0 + (i0 + i) * RP;
-          slot[i] = -1;
-          if (b < nbp) {
-            const int at = lo + b * TA_BN + j;
-            if (at < hi) slot[i] = kv_indices[at];
-          } else {
-            const int node = (b - nbp) * TA_BN + j;
+#pragma unroll 8  // (16 rows unrolled: their addresses spill at the producer's 56 registers)
+      for (int i = 0; i < PER; ++i) {
+        const int j = r0 + i * RP, slot = __shfl_sync(0xffffffffu, mine, gbase + i);
+        const bool ok = slot >= 0;
+        const elem_t* row = cache;
 #if TA_NEW
-            if (node < n) slot[i] = node;
+        if (ok && b >= nbp)
+          row = v ? v_new + (long long)(q0 + slot) * s_vnt + hk * s_vnh : k_new + (long long)(q0 + slot) * s_knt + hk * s_knh;
+        else if (ok)
+          row = cache_row(cache, slot, page, s_p, s_o, head);
 #else
-            if (node < n) slot[i] = kv_indices[prefix_end + node];
+        if (ok) row = cache_row(cache, slot, page, s_p, s_o, head);
 #endif
-          }
-        }
-#pragma unroll
-        for (int i = 0; i < SLOTS; ++i) {
-          const int j = r0 + (i0 + i) * RP;
-          const bool ok = slot[i] >= 0;
-          const elem_t* row = cache;
-#if TA_NEW
-          if (ok && b >= nbp)
-            row = v ? v_new + (long long)(q0 + slot[i]) * s_vnt + hk * s_vnh
-                    : k_new + (long long)(q0 + slot[i]) * s_knt + hk * s_knh;
-          else if (ok)
-            row = cache_row(cache, slot[i], page, s_p, s_o, head);
-#else
-          if (ok) row = cache_row(cache, slot[i], page, s_p, s_o, head);
-#endif
-          cp16(dst + tile_off(j, cc, TA_BN), row + cc * 8, ok ? 16u : 0u);
-        }
+        cp16(dst + tile_off(j, cc, TA_BN), row + cc * 8, ok ? 16u : 0u);
       }
-      cp_arrive(bars + (v ? FULL_V : FULL_K) + 8 * s);
+      cp_arrive(full);
     };
+    int cur = slot_of(0), nxt = slot_of(1);  // block b's slots and block b + 1's
 #if TA_KV_AHEAD
-    if (nb > 0) load(0, 0);
+    if (nb > 0) load(0, 0, cur);
     for (int b = 0; b < nb; ++b) {
-      if (b + 1 < nb) load(b + 1, 0);
-      load(b, 1);
+      if (b + 1 < nb) load(b + 1, 0, nxt);
+      load(b, 1, cur);
+      cur = nxt;
+      nxt = slot_of(b + 2);
     }
 #else
     for (int b = 0; b < nb; ++b) {
-      load(b, 0);
-      load(b, 1);
+      load(b, 0, cur);
+      load(b, 1, cur);
+      cur = nxt;
+      nxt = slot_of(b + 2);
     }
 #endif
     asm volatile("cp.async.wait_all;" ::: "memory");
@@ -450,10 +488,11 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   }
 
   // ------------------------------------------------------------------ consumers
-#if TA_C > 1
+#if TA_SETMAXNREG
   asm volatile("setmaxnreg.inc.sync.aligned.u32 %0;" ::"n"(TA_CREGS));
 #endif
-  const int w = wg - 1, warp = t / 32, lane = t % 32;
+  if (TA_PHASE == 3) return;  // the copies alone
+  const int w = wg - TA_PWG, warp = t / 32, lane = t % 32;
   const int tile = halves ? 0 : w;                       // the group's row tile this warpgroup computes
   const int row_a = 64 * tile + 16 * warp + lane / 4;  // this thread's rows: row_a and row_a + 8 of the group
   const int b0 = halves ? w : 0, bstep = halves ? 2 : 1;  // its key blocks: b0, b0 + bstep, ...
@@ -605,7 +644,15 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
     if (lane == 0) mbar_arrive(bars + empty + 8 * st);
   };
 
-#if TA_OVERLAP && !TA_PROBE
+#if TA_PHASE == 1
+  // the producer alone: every stage is released as it lands (no wgmma, no softmax)
+  for (int b = b0; b < nb; b += bstep) {
+    await_full(b, FULL_K);
+    release(b, EMPTY_K);
+    await_full(b, FULL_V);
+    release(b, EMPTY_V);
+  }
+#elif TA_OVERLAP && !TA_PROBE
   // S of block b is issued before P V of the block before it, and the softmax of b runs while that P V does
   if (b0 < nb) {
     float sc[TA_BN / 2], alpha[2];
