@@ -58,6 +58,9 @@ class WSConfig:
     merge_parts: int = 16
     item_cost: int = 8  # fixed work of one item in key blocks (its q rows, its partial written and merged)
     producers: int = 1  # producer warpgroups
+    # two consumers on one tile's alternate blocks ("halves": the group's second tile has no row) take two splits an
+    # item, so that their CTA does a full group's MMA work; False: one split, so that its copies are a full group's
+    pair_halves: bool = True
 
     @property
     def block_m(self) -> int:

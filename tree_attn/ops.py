@@ -368,8 +368,8 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | N
     block as an item of its own (lo = -1); the "ws" kernel folds it into the request's last split (the item
     whose hi is the prefix's end; a request without prefix keys has one item with lo = hi).
 
-    With two consumers, a group whose second 64-row tile has no row ("halves": its two consumers split one tile's
-    keys) takes two splits in one item: [lo of split c, hi of split c + 1) for even c, so that its CTA does the work
+    With two consumers and `pair_halves`, a group whose second 64-row tile has no row ("halves": its two consumers
+    split one tile's keys) takes two splits in one item: [lo of split c, hi of split c + 1) for even c, so that its CTA does the work
     of a full group's; the item's group field carries the distance to the slot of split c + 1 in its upper 16 bits,
     and that slot is an unused item whose LSE rows the pair's CTA sets to -inf (the merge skips them)."""
     fold = isinstance(cfg, WSConfig)
@@ -378,7 +378,7 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | N
     ns = [qo[r + 1] - qo[r] for r in range(B)]
     lens = [kv[r + 1] - kv[r] - (ns[r] if nodes_in_cache else 0) for r in range(B)]
     tiles = [-(-n * group // bm) for n in ns]
-    pairs = fold and cfg.consumers == 2
+    pairs = fold and cfg.consumers == 2 and cfg.pair_halves
 
     def halves(r, t):  # the group's second tile has no row
         return pairs and bm * t + 64 >= ns[r] * group

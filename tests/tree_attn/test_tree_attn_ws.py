@@ -18,6 +18,7 @@
    barrier's parity wrongly, which the stage mapping stage_of prevents).
 """
 
+import dataclasses
 from pathlib import Path
 
 import pytest
@@ -165,16 +166,22 @@ def test_emulation_matches_reference(case, cfg, layout, nodes_in_cache, make_bat
 
 @pytest.mark.parametrize("prefix, target", [(300, 1), (300, 8), (0, 1), (64, 1)],
                          ids=["long-one-split", "long-splits", "tree-only", "one-block-and-tree"])
+@pytest.mark.parametrize("pair", [True, False], ids=["paired", "one-split"])
 @pytest.mark.parametrize("cfg", [C2, C2N32], ids=["c2n64", "c2n32"])
-def test_emulation_halves(cfg, prefix, target, make_batch, check):
+def test_emulation_halves(cfg, pair, prefix, target, make_batch, check):
     """32 nodes x 6 heads: the second group's two consumers split its one tile's key blocks (even / odd) and merge at
-    the end, including the one where consumer 1 gets no block (a lone tree block) and splits of one block."""
+    the end, including the one where consumer 1 gets no block (a lone tree block) and splits of one block; its items
+    take two splits (pair_halves) or one."""
+    cfg = dataclasses.replace(cfg, pair_halves=pair)
     b = make_batch([("draft32", prefix)], H=6, Hkv=1, D=64, seed=prefix + target)
     out, lse, items = emulate_ws(b, cfg, target=target)
     check(b, out, lse, msg=f"{prefix}/{target}")
     assert ((items[:, 1] & 0xFFFF) == 1).any(), "the second group (halves) is in the schedule"
-    if prefix == 300 and target > 1:  # several splits: the halves group's items take two each
-        assert ((items[:, 1] >> 16) > 0).any() and (items[:, 0] < 0).any()
+    paired = ((items[:, 1] >> 16) > 0).any() and (items[:, 0] < 0).any()
+    if not pair:
+        assert not paired, "one split an item"
+    elif prefix == 300 and target > 1:  # several splits: the halves group's items take two each
+        assert paired
 
 
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
@@ -185,14 +192,16 @@ def test_emulation_head_dim_256_peaked(dtype, make_batch, check):
     check(b, out, lse, msg=str(dtype))
 
 
-def test_schedule_folds_the_tree_into_the_last_split():
+@pytest.mark.parametrize("pair", [True, False], ids=["paired", "one-split"])
+def test_schedule_folds_the_tree_into_the_last_split(pair):
     """Per request and group: the items' ranges cover [prefix start, prefix end) in order, the last ends at the
     prefix's end (it takes the tree), a request without prefix keys has one item with lo = hi; the table counts the
     splits. A halves group (its second tile has no row) takes two splits an item and leaves the second's slot
     unused, its distance in the group field's upper bits."""
     qo = [0, 5, 5, 37, 38]
     kv = [0, 100, 107, 107, 300]  # request 2 has no prefix keys
-    items, table, _, split_len, used = ops._schedule("t", qo, kv, False, 6, C2, 16, None)
+    items, table, _, split_len, used = ops._schedule("t", qo, kv, False, 6, dataclasses.replace(C2, pair_halves=pair),
+                                                     16, None)
     items = items[:used].tolist()
     for r in range(4):
         n = qo[r + 1] - qo[r]
@@ -204,7 +213,7 @@ def test_schedule_folds_the_tree_into_the_last_split():
         assert g == groups and items[first][0] == r
         slots = items[first:first + parts * groups]  # split-major, group minor
         for grp in range(groups):
-            halves = 128 * grp + 64 >= n * 6
+            halves = pair and 128 * grp + 64 >= n * 6  # (items of two splits)
             mine = [slots[c * groups + grp] for c in range(parts)]
             ranges = [(lo, hi) for rr, f, lo, hi in mine if rr == r]
             assert all(rr == r or (rr == -1 and halves and c % 2) for c, (rr, _, _, _) in enumerate(mine))
