@@ -369,8 +369,8 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | N
     whose hi is the prefix's end; a request without prefix keys has one item with lo = hi).
 
     With two consumers and `pair_halves`, a group whose second 64-row tile has no row ("halves": its two consumers
-    split one tile's keys) takes two splits in one item: [lo of split c, hi of split c + 1) for even c, so that its CTA does the work
-    of a full group's; the item's group field carries the distance to the slot of split c + 1 in its upper 16 bits,
+    split one tile's keys) takes two splits in one item: [lo of split c, hi of split c + 1) for even c, so that its
+    CTA does the work of a full group's; the item's group field carries the distance to the slot of split c + 1 in its upper 16 bits,
     and that slot is an unused item whose LSE rows the pair's CTA sets to -inf (the merge skips them)."""
     fold = isinstance(cfg, WSConfig)
     B = len(qo) - 1
@@ -627,7 +627,8 @@ def _(*args, **kwargs) -> None:
 def _cfg_ints(cfg: SplitConfig | WSConfig | None) -> list[int]:
     if isinstance(cfg, WSConfig):
         return [cfg.consumers, cfg.block_n, cfg.num_stages, cfg.producer_regs, cfg.consumer_regs, int(cfg.pingpong),
-                int(cfg.kv_ahead), int(cfg.q_in_regs), int(cfg.overlap), cfg.merge_warps, cfg.merge_parts, cfg.producers]
+                int(cfg.kv_ahead), int(cfg.q_in_regs), int(cfg.overlap), cfg.merge_warps, cfg.merge_parts,
+                cfg.producers]
     return [] if cfg is None else [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.merge_warps,
                                    cfg.merge_parts]
 

@@ -11,7 +11,9 @@ Bounds as in test_tree_attn.py (conftest.check_attn). Run on the GPU machine:
 import pytest
 import torch
 
+import autotune
 import tree_attn
+from tree_attn.configs import WSConfig
 from specpilot.testing import assert_bitwise_equal, assert_replays_equal, capture_graph
 
 pytestmark = pytest.mark.gpu
@@ -306,6 +308,31 @@ def test_ws_kernel_strided_caches_and_run_to_run_bits(layout, make_batch, check)
     again, lse2 = attend(b, "ws")
     assert_bitwise_equal(again, out)
     assert_bitwise_equal(lse2, lse)
+
+
+@pytest.mark.hopper
+@pytest.mark.parametrize("cfg", [
+    WSConfig(consumers=1, block_n=64, num_stages=3, producers=2, consumer_regs=232),
+    WSConfig(consumers=1, block_n=32, num_stages=6, producers=2, consumer_regs=232),
+    WSConfig(consumers=2, block_n=32, num_stages=4, pair_halves=False),
+    WSConfig(consumers=2, block_n=32, num_stages=4, producers=2, producer_regs=40),
+    WSConfig(consumers=2, block_n=32, num_stages=4, producers=2, producer_regs=40, pair_halves=False),
+], ids=["c1n64-two-producers", "c1n32-two-producers", "c2-one-split-halves", "c2-two-producers",
+        "c2-two-producers-one-split-halves"])
+@pytest.mark.parametrize("layout", ["slot", "paged"])
+@pytest.mark.parametrize("D", [64, 256])
+def test_ws_kernel_producer_options(cfg, D, layout, make_batch, check):
+    """The "ws" kernel with two producer warpgroups and with halves items of one split (configs forced): right against
+    the reference on a batch of a 32-node tree over several splits, ragged trees and a lone tree block, token-slot and
+    paged caches."""
+    b = make_batch([("draft32", 3001), ("rand13", 77), ("draft9", 0)], H=24, Hkv=4, D=D, layout=layout, seed=8,
+                   device=DEV)
+    with autotune.force("tree_attn.tree_attention", variant="ws", config=cfg):
+        plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw(variant="ws"))
+    assert plan.dispatch.config == cfg
+    out, lse = tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), sm_scale=b.sm_scale, return_lse=True)
+    torch.cuda.synchronize()
+    check(b, out, lse, msg=str(cfg))
 
 
 @pytest.mark.hopper

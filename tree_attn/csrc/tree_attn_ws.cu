@@ -456,7 +456,8 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
         const elem_t* row = cache;
 #if TA_NEW
         if (ok && b >= nbp)
-          row = v ? v_new + (long long)(q0 + slot) * s_vnt + hk * s_vnh : k_new + (long long)(q0 + slot) * s_knt + hk * s_knh;
+          row = v ? v_new + (long long)(q0 + slot) * s_vnt + hk * s_vnh
+                  : k_new + (long long)(q0 + slot) * s_knt + hk * s_knh;
         else if (ok)
           row = cache_row(cache, slot, page, s_p, s_o, head);
 #else
