@@ -370,8 +370,9 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | N
 
     With two consumers and `pair_halves`, a group whose second 64-row tile has no row ("halves": its two consumers
     split one tile's keys) takes two splits in one item: [lo of split c, hi of split c + 1) for even c, so that its
-    CTA does the work of a full group's; the item's group field carries the distance to the slot of split c + 1 in its upper 16 bits,
-    and that slot is an unused item whose LSE rows the pair's CTA sets to -inf (the merge skips them)."""
+    CTA does the work of a full group's; the item's group field carries the distance to the slot of split c + 1 in
+    its upper 16 bits, and that slot is an unused item whose LSE rows the pair's CTA sets to -inf (the merge skips
+    them)."""
     fold = isinstance(cfg, WSConfig)
     B = len(qo) - 1
     bm, bn = (cfg.block_m, cfg.block_n) if cfg is not None else (64, 64)
