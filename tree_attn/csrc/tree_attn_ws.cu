@@ -9,10 +9,10 @@
 // keys instead ("halves"): consumer w takes the key blocks b with b % 2 == w, each with its own softmax state, and
 // consumer 1 hands its state to consumer 0 through shared memory at the end, which merges the two by log-sum-exp.
 //
-// Warpgroup 0 is the producer: its 128 threads gather K/V rows (any slot order: a token-slot or paged cache) with
-// 16-byte cp.async into a ring of TA_STAGES stages, K and V of a stage each completing on their own "full"
+// Warpgroups 0 .. TA_PWG - 1 are the producer: their threads gather K/V rows (any slot order: a token-slot or paged
+// cache; each block's slots loaded a block ahead) with 16-byte cp.async into a ring of TA_STAGES stages, K and V of a stage each completing on their own "full"
 // mbarrier through cp.async.mbarrier.arrive.noinc, and the q rows of the group once, on the "q" mbarrier (a
-// halves item's two splits: halves, above). Warpgroups 1..C consume:
+// halves item's two splits: halves, above). The next C warpgroups consume:
 // per key block of TA_BN keys, S = Q K^T by wgmma (both operands in shared memory), the online softmax in base 2
 // on S's registers (scores scaled by sm_scale log2(e); masks on the ragged last prefix block and on the tree
 // block only), P rounded to the operand dtype in registers as the A operand of O += P V (wgmma, V transposed by
@@ -27,7 +27,8 @@
 // (leading byte offset BN 128 between 64-column blocks, stride byte offset 1024 between 8-key groups).
 //
 // Registers: the O accumulator of a consumer thread is D / 2 fp32 values (128 at D = 256) and S's BN / 2; setmaxnreg
-// moves registers from the producer to the consumers (C = 2: 56 / 216 by default; ptxas's report: no spills). Three consumer
+// moves registers from the producers to the consumers where the warpgroups are more than two (C = 2: 56 / 216 by
+// default; ptxas's report: no spills). Three consumer
 // warpgroups (192 rows, 160 registers each) do not fit at D = 256: ptxas then keeps S in the first 16 of O's
 // registers, spilling and reloading them around every wgmma, and serialises the wgmma (its C7512 note).
 //
@@ -68,10 +69,11 @@ typedef unsigned long long uint64_t;
 #ifndef TA_NEW
 #define TA_NEW 0  // the nodes' keys and values in k_new / v_new (else in the cache, after the prefix slots)
 #endif
-// registers after setmaxnreg (C >= 2): producer and consumer warpgroups, 128 (TA_PREGS + C TA_CREGS) <= 65536
 #ifndef TA_PWG
 #define TA_PWG 1  // producer warpgroups: 1 or 2 (the per-SM copy rate grows with the warps issuing cp.async)
 #endif
+// registers after setmaxnreg (more than two warpgroups): each producer warpgroup's and each consumer's,
+// 128 (TA_PWG TA_PREGS + C TA_CREGS) <= 65536
 #ifndef TA_PREGS
 #define TA_PREGS 56
 #endif
@@ -84,11 +86,10 @@ typedef unsigned long long uint64_t;
 #ifndef TA_PROBE
 #define TA_PROBE 0
 #endif
-// two consumers take turns to issue their S products (named barriers 1 and 2): one's softmax runs while the other's
-// wgmma run, instead of the two drifting into step
 // phase probes for the per-phase breakdown (0: the kernel): 1, the producer alone (the consumers release every stage
 // as it lands: no wgmma, no softmax); 2, the consumers alone (the producer arrives on the full barriers without
-// copying, so that the consumers compute on whatever the ring holds). Both write meaningless partials.
+// copying, so that the consumers compute on whatever the ring holds); 3, the copies alone (no barrier waits, no
+// consumers). All write meaningless partials.
 #ifndef TA_PHASE
 #define TA_PHASE 0
 #endif
@@ -97,6 +98,8 @@ typedef unsigned long long uint64_t;
 #endif
 #define TA_STR2(x) #x
 #define TA_STR(x) TA_STR2(x)
+// two consumers take turns to issue their S products (named barriers 1 and 2): one's softmax runs while the other's
+// wgmma run, instead of the two drifting into step
 #ifndef TA_PINGPONG
 #define TA_PINGPONG 0
 #endif
