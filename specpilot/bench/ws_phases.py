@@ -4,10 +4,10 @@ attention (24 query / 4 KV heads, D = 256, bf16, draft-like trees, slots in rand
 Per case and `WSConfig`: `run` (split + merge, the config forced through autotune.force, checked against `wgmma`'s
 output) and the split kernel alone built three more ways (tree_attn_ws.cu's `TA_PHASE`): the producer alone (the
 consumers release every stage as it lands), the copies alone (no barrier waits, no consumers) and, for one producer
-warpgroup, the consumers alone (the producer arrives without copying). CUDA graphs of 10 calls, medians of 5 replays.
+warpgroup, the consumers alone (the producer arrives without copying). Medians of CUDA-graph replays.
 GPU only (sm_90).
 
-    python3 perf/tree_attn_ws_phases.py [--out FILE.json]
+    python -m specpilot.bench.ws_phases [--out FILE.json]
 """
 
 from __future__ import annotations
@@ -15,13 +15,13 @@ from __future__ import annotations
 import argparse
 import json
 import random
-import statistics
 
 import torch
 
 import autotune
 import tree_attn
 from specpilot.bench.cases.tree_attn import _Problem, _Spec, _tree
+from specpilot.bench.timing import time_cuda
 from tree_attn import cuda as tcuda
 from tree_attn import ops
 from tree_attn.configs import WSConfig
@@ -37,29 +37,9 @@ TWO = [WSConfig(consumers=2, block_n=32, num_stages=4),
 PHASES = (("split", 0), ("producer alone", 1), ("copies alone", 3), ("consumers alone", 2))
 
 
-def graph_us(fn, reps: int = 10, rounds: int = 5) -> float:
-    fn()
-    side = torch.cuda.Stream()
-    side.wait_stream(torch.cuda.current_stream())
-    with torch.cuda.stream(side):
-        fn()
-    torch.cuda.current_stream().wait_stream(side)
-    torch.cuda.synchronize()
-    g = torch.cuda.CUDAGraph()
-    with torch.cuda.graph(g):
-        for _ in range(reps):
-            fn()
-    g.replay()
-    torch.cuda.synchronize()
-    ts = []
-    for _ in range(rounds):
-        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        a.record()
-        g.replay()
-        b.record()
-        b.synchronize()
-        ts.append(a.elapsed_time(b) * 1000 / reps)
-    return round(statistics.median(ts), 2)
+def graph_us(fn) -> float:
+    """Median µs of `fn` under CUDA-graph replays (specpilot.bench.timing)."""
+    return round(time_cuda(fn, reps=15, warmup=2).median, 2)
 
 
 def tag(cfg: WSConfig) -> str:
