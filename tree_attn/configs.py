@@ -104,9 +104,12 @@ def _ws_heuristic(rows: int) -> WSConfig:
     # One consumer keeps three stages of 64 keys (224 KB with D = 256 and its 64 q rows). Two keep four of 32 keys
     # (192 KB with their 128 q rows): where they split one tile's blocks (halves) each consumer has stages of its
     # own, two of four, where two of 64 keys would leave each one stage and no load ahead of the block it computes.
+    # Two producer warpgroups: the copies bound the kernel, and one SM's land faster with more warps issuing them;
+    # halves items of one split, so that no CTA copies twice the keys of the others (H100, specpilot.bench.ws_phases:
+    # 88.5 -> 62.8 us at 8 nodes and 32k keys, 246 -> 132 at 32 nodes; docs/tree_attn.md).
     if ws_consumers(rows) == 1:
-        return WSConfig(consumers=1, block_n=64, num_stages=3)
-    return WSConfig(consumers=2, block_n=32, num_stages=4)
+        return WSConfig(consumers=1, block_n=64, num_stages=3, producers=2, consumer_regs=232)
+    return WSConfig(consumers=2, block_n=32, num_stages=4, producers=2, producer_regs=40, pair_halves=False)
 
 
 def ws_config(head_dim: int, group: int, rows: int, device=None) -> WSConfig:

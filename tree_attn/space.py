@@ -77,10 +77,12 @@ def _ws_key(shape) -> str:
 
 
 # the producer's registers: 56 builds without spills; 24 spills some of its values (measured by NVRTC over the whole
-# space) but leaves two consumers 240 each, which q in registers needs
+# space) but leaves two consumers 240 each, which q in registers needs; 40 fits two producer warpgroups beside two
+# consumers of 216 (their 16-row copy loops unrolled by 8: no spills)
 WS_SPACE = SearchSpace(
     op="tree_attn.tree_attention", variant="ws",
-    params={"consumers": [1, 2], "block_n": [32, 64], "num_stages": [2, 3, 4, 5], "producer_regs": [24, 56],
+    params={"consumers": [1, 2], "block_n": [32, 64], "num_stages": [2, 3, 4, 5], "producers": [1, 2],
+            "pair_halves": [True, False], "producer_regs": [24, 40, 56],
             "consumer_regs": [200, 216, 232, 240], "pingpong": [False, True], "kv_ahead": [False, True], "q_in_regs": [False, True], "overlap": [False, True],
             "item_cost": [4, 8, 16, 32], "merge_parts": [8, 16, 32]},
     make_config=lambda p: WSConfig(**p), flops_bytes=split_flops_bytes, valid=ws_valid,

@@ -39,7 +39,7 @@ PHASES = (("split", 0), ("producer alone", 1), ("copies alone", 3), ("consumers 
 
 def graph_us(fn) -> float:
     """Median µs of `fn` under CUDA-graph replays (specpilot.bench.timing)."""
-    return round(time_cuda(fn, reps=15, warmup=2).median, 2)
+    return round(time_cuda(fn, reps=15, warmup=2).median * 1e6, 2)
 
 
 def tag(cfg: WSConfig) -> str:
