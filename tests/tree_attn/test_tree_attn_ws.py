@@ -298,6 +298,17 @@ def test_two_producers_build_without_spills(cfg, d):
     assert "mbarrier.init.shared::cta.b64" in ptx
 
 
+@pytest.mark.parametrize("rows", [48, 192], ids=["one-consumer", "two-consumers"])
+def test_phase_probes_build_what_they_time(rows):
+    """The builds specpilot.bench.ws_phases times (TA_PHASE): the producer alone issues no wgmma; the consumers alone
+    get no K/V copy (the producer arrives on plain mbarrier arrivals); the copies alone wait on no barrier."""
+    cfg = _ws_heuristic(rows)
+    ptx = {p: tcuda.spec(cfg, 256, 6, defines={"TA_PHASE": p}).compile().ptx.read_text() for p in (0, 1, 2, 3)}
+    assert "wgmma.mma_async" in ptx[0] and "wgmma.mma_async" not in ptx[1]
+    assert "cp.async.mbarrier.arrive" in ptx[0] and "cp.async.mbarrier.arrive" not in ptx[2]
+    assert "mbarrier.try_wait" in ptx[0] and "mbarrier.try_wait" not in ptx[3]
+
+
 def test_three_consumers_do_not_build():
     with pytest.raises(jit.BuildError, match="1 or 2 consumer warpgroups"):
         tcuda.spec(WSConfig(consumers=3, block_n=32, num_stages=4, producer_regs=32, consumer_regs=160), 256,
