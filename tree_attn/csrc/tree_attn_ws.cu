@@ -93,11 +93,6 @@ typedef unsigned long long uint64_t;
 #ifndef TA_PHASE
 #define TA_PHASE 0
 #endif
-#ifndef TA_L2
-#define TA_L2 0  // the copies' L2 prefetch size in bytes (64, 128, 256; 0: none)
-#endif
-#define TA_STR2(x) #x
-#define TA_STR(x) TA_STR2(x)
 // two consumers take turns to issue their S products (named barriers 1 and 2): one's softmax runs while the other's
 // wgmma run, instead of the two drifting into step
 #ifndef TA_PINGPONG
@@ -166,12 +161,7 @@ constexpr uint32_t FULL_K = 0, FULL_V = 8 * TA_STAGES, EMPTY_K = 16 * TA_STAGES,
 
 // 16 bytes global -> shared; `bytes` 0 fills the chunk with zeros and reads nothing
 __device__ __forceinline__ void cp16(uint32_t dst, const void* src, uint32_t bytes) {
-#if TA_L2 == 0
   asm volatile("cp.async.cg.shared.global [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes) : "memory");
-#else
-  asm volatile("cp.async.cg.shared.global.L2::" TA_STR(TA_L2) "B [%0], [%1], 16, %2;" ::"r"(dst), "l"(src), "r"(bytes)
-               : "memory");
-#endif
 }
 
 // the stage's mbarrier counts one arrival of this thread when its earlier cp.async copies have landed
