@@ -61,6 +61,10 @@ class WSConfig:
     # two consumers on one tile's alternate blocks ("halves": the group's second tile has no row) take two splits an
     # item, so that their CTA does a full group's MMA work; False: one split, so that its copies are a full group's
     pair_halves: bool = True
+    # 2-CTA clusters: the two groups of a request over one key range run as a pair, each CTA copying half of every
+    # K/V block and forwarding it into the other's ring (distributed shared memory), so that each K/V row is read
+    # once for both groups (two consumers, one split a halves item, an even number of stages)
+    cluster: bool = False
 
     @property
     def block_m(self) -> int:
@@ -70,7 +74,8 @@ class WSConfig:
     def smem_bytes(self, head_dim: int) -> int:
         """Shared memory of one CTA: the q rows, the K/V ring and its mbarriers (the kernel's layout), and up to
         1024 bytes to align them."""
-        return 1024 + head_dim * 2 * (self.block_m + 2 * self.num_stages * self.block_n) + 32 * self.num_stages + 8
+        bars = (48 if self.cluster else 32) * self.num_stages + 8
+        return 1024 + head_dim * 2 * (self.block_m + 2 * self.num_stages * self.block_n) + bars
 
 
 def _heuristic(variant: str, head_dim: int, cc_major: int, interpret: bool) -> SplitConfig:

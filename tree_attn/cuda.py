@@ -67,6 +67,13 @@ def config_problem(cfg: WSConfig, head_dim: int) -> str | None:
         return f"num_stages={cfg.num_stages}: 2 to 8"
     if cfg.producers not in (1, 2):
         return f"producers={cfg.producers}: 1 or 2 producer warpgroups"
+    if cfg.cluster:
+        if cfg.consumers != 2 or cfg.pair_halves or cfg.num_stages % 2:
+            return ("config: cluster pairs need two consumers, pair_halves=False (a halves item of one split, as its "
+                    "partner's) and an even number of stages (both CTAs keep a block in the same stage)")
+        if 128 * cfg.producers // (head_dim // 8) > cfg.block_n // 2:
+            return (f"config: cluster pairs copy half a block ({cfg.block_n // 2} rows); {cfg.producers} producer "
+                    f"warpgroups copy {128 * cfg.producers // (head_dim // 8)} rows a pass at D = {head_dim}")
     regs = 128 * (cfg.producers * cfg.producer_regs + cfg.consumers * cfg.consumer_regs)
     if cfg.consumers + cfg.producers > 2 and regs > 65536:
         return (f"registers: 128 x ({cfg.producers} x {cfg.producer_regs} + {cfg.consumers} x {cfg.consumer_regs}) "
@@ -92,11 +99,11 @@ def spec(cfg: WSConfig, head_dim: int, group: int, *, f16: bool = False, new: bo
     base = dict(C=cfg.consumers, BN=cfg.block_n, STAGES=cfg.num_stages, D=head_dim, G=group, F16=int(f16),
                 NEW=int(new), PREGS=cfg.producer_regs, CREGS=cfg.consumer_regs, PINGPONG=int(cfg.pingpong),
                 KV_AHEAD=int(cfg.kv_ahead), QREG=int(cfg.q_in_regs), OVERLAP=int(cfg.overlap),
-                PWG=cfg.producers)
+                PWG=cfg.producers, CLUSTER=2 if cfg.cluster else 1)
     target = jit.arch_name(arch, wgmma=True)
     name = (f"tree_attn_ws-c{cfg.consumers}-n{cfg.block_n}-s{cfg.num_stages}-r{cfg.producer_regs}x{cfg.consumer_regs}"
             f"{'-pp' if cfg.pingpong else ''}{'-ka' if cfg.kv_ahead else ''}{'-qr' if cfg.q_in_regs else ''}"
-            f"{'-ov' if cfg.overlap else ''}{'-p2' if cfg.producers == 2 else ''}"
+            f"{'-ov' if cfg.overlap else ''}{'-p2' if cfg.producers == 2 else ''}{'-cl' if cfg.cluster else ''}"
             f"-d{head_dim}-g{group}-{'f16' if f16 else 'bf16'}-new{int(new)}-{target}")
     return jit.Spec(SOURCE, KERNEL, target, {f"TA_{k}": v for k, v in base.items()} | dict(defines or {}), name=name)
 

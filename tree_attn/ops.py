@@ -372,8 +372,13 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | N
     split one tile's keys) takes two splits in one item: [lo of split c, hi of split c + 1) for even c, so that its
     CTA does the work of a full group's; the item's group field carries the distance to the slot of split c + 1 in
     its upper 16 bits, and that slot is an unused item whose LSE rows the pair's CTA sets to -inf (the merge skips
-    them)."""
+    them).
+
+    With `cluster` (2-CTA clusters), a request of two groups starts at an even item (an unused item before it
+    where needed), so that its two groups of each split are the CTAs 2i and 2i + 1 of one cluster; the items are an
+    even number."""
     fold = isinstance(cfg, WSConfig)
+    clustered = fold and cfg.cluster
     B = len(qo) - 1
     bm, bn = (cfg.block_m, cfg.block_n) if cfg is not None else (64, 64)
     ns = [qo[r + 1] - qo[r] for r in range(B)]
@@ -389,8 +394,8 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | N
     per = _split_blocks(work, lens, bn, target, cfg.item_cost if cfg is not None else 0, waves)
 
     def count(per_split):
-        if fold:
-            return sum(t * max(1, -(-L // (per_split * bn))) for t, L in zip(tiles, lens) if t)
+        if fold:  # (clustered: at most one unused item before each request of two groups)
+            return sum(t * max(1, -(-L // (per_split * bn))) + (clustered and t == 2) for t, L in zip(tiles, lens) if t)
         return sum(t * (-(-L // (per_split * bn)) + 1) for t, L in zip(tiles, lens) if t)
 
     if capacity is not None:
@@ -409,6 +414,8 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | N
         if not tiles[r]:
             continue
         splits = max(1, -(-lens[r] // split_len)) if fold else -(-lens[r] // split_len)
+        if clustered and tiles[r] == 2 and len(items) % 2:
+            items.append([-1, 0, 0, 0])
         table[r] = [len(items), splits if fold else splits + 1, tiles[r]]
         end = kv[r] + lens[r]
         for c in range(splits):
@@ -427,6 +434,11 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | N
             items += [[r, t, -1, kv[r] + lens[r]] for t in range(tiles[r])]
     used = len(items)
     size = capacity if capacity is not None else max(used, 1)
+    if clustered and size % 2:  # whole clusters
+        size += 1
+    if used > size:
+        raise ValueError(f"{fn}: the step needs {used} work items, more than capacity={size}; plan with a larger "
+                         "capacity (or capacity=None)")
     items += [[-1, 0, 0, 0]] * (size - used)
     return (torch.tensor(items, dtype=torch.int32).reshape(size, 4), torch.tensor(table, dtype=torch.int32).reshape(B, 3),
             torch.tensor(node_req, dtype=torch.int32), split_len, used)
@@ -629,7 +641,7 @@ def _cfg_ints(cfg: SplitConfig | WSConfig | None) -> list[int]:
     if isinstance(cfg, WSConfig):
         return [cfg.consumers, cfg.block_n, cfg.num_stages, cfg.producer_regs, cfg.consumer_regs, int(cfg.pingpong),
                 int(cfg.kv_ahead), int(cfg.q_in_regs), int(cfg.overlap), cfg.merge_warps, cfg.merge_parts,
-                cfg.producers]
+                cfg.producers, int(cfg.pair_halves), int(cfg.cluster)]
     return [] if cfg is None else [cfg.block_m, cfg.block_n, cfg.num_warps, cfg.num_stages, cfg.merge_warps,
                                    cfg.merge_parts]
 
@@ -640,7 +652,8 @@ def _cfg_of(kernel: str, cfg: list[int]) -> SplitConfig | WSConfig | None:
         return None
     if kernel == "ws":
         return WSConfig(*cfg[:5], pingpong=bool(cfg[5]), kv_ahead=bool(cfg[6]), q_in_regs=bool(cfg[7]),
-                        overlap=bool(cfg[8]), merge_warps=cfg[9], merge_parts=cfg[10], producers=cfg[11])
+                        overlap=bool(cfg[8]), merge_warps=cfg[9], merge_parts=cfg[10], producers=cfg[11],
+                        pair_halves=bool(cfg[12]), cluster=bool(cfg[13]))
     return SplitConfig(*cfg[:4], merge_warps=cfg[4], merge_parts=cfg[5])
 
 

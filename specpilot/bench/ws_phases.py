@@ -4,7 +4,8 @@ attention (24 query / 4 KV heads, D = 256, bf16, draft-like trees, slots in rand
 Per case and `WSConfig`: `run` (split + merge, the config forced through autotune.force, checked against `wgmma`'s
 output) and the split kernel alone built three more ways (tree_attn_ws.cu's `TA_PHASE`): the producer alone (the
 consumers release every stage as it lands), the copies alone (no barrier waits, no consumers) and, for one producer
-warpgroup, the consumers alone (the producer arrives without copying). Medians of CUDA-graph replays.
+warpgroup, the consumers alone (the producer arrives without copying); cluster-pair configs (`WSConfig.cluster`) have
+no phase builds, only `run` and the split kernel alone. Medians of CUDA-graph replays.
 GPU only (sm_90).
 
     python -m specpilot.bench.ws_phases [--out FILE.json]
@@ -33,7 +34,10 @@ ONE = [WSConfig(consumers=1, block_n=64, num_stages=3),
 TWO = [WSConfig(consumers=2, block_n=32, num_stages=4),
        WSConfig(consumers=2, block_n=32, num_stages=4, pair_halves=False),
        WSConfig(consumers=2, block_n=32, num_stages=4, producers=2, producer_regs=40),
-       WSConfig(consumers=2, block_n=32, num_stages=4, producers=2, producer_regs=40, pair_halves=False)]
+       WSConfig(consumers=2, block_n=32, num_stages=4, producers=2, producer_regs=40, pair_halves=False),
+       WSConfig(consumers=2, block_n=32, num_stages=4, pair_halves=False, cluster=True),
+       WSConfig(consumers=2, block_n=32, num_stages=4, producers=2, producer_regs=56, consumer_regs=200,
+                pair_halves=False, cluster=True)]
 PHASES = (("split", 0), ("producer alone", 1), ("copies alone", 3), ("consumers alone", 2))
 
 
@@ -44,7 +48,7 @@ def graph_us(fn) -> float:
 
 def tag(cfg: WSConfig) -> str:
     return (f"c{cfg.consumers}n{cfg.block_n}s{cfg.num_stages}p{cfg.producers}"
-            f"{'' if cfg.pair_halves or cfg.consumers == 1 else '-one-split'}")
+            f"{'' if cfg.pair_halves or cfg.consumers == 1 else '-one-split'}{'-cluster' if cfg.cluster else ''}")
 
 
 def case(spec: _Spec, cfgs: list[WSConfig], dev) -> dict:
@@ -68,7 +72,7 @@ def case(spec: _Spec, cfgs: list[WSConfig], dev) -> dict:
         args = (*ops._cache_args(q, k, v, None, None), False, p.qo_indptr, p.kv_indptr, p.kv_indices, p.tree_mask,
                 p.items, p.po, p.plse, spec.D ** -0.5 * 1.4426950408889634)
         for label, phase in PHASES:
-            if phase == 2 and cfg.producers != 1:
+            if (phase == 2 and cfg.producers != 1) or (phase and cfg.cluster):  # (cluster pairs: no phase builds)
                 continue
             defines = {"TA_PHASE": phase} if phase else {}
             row[f"{t} {label}"] = graph_us(lambda c=cfg, d=defines: tcuda.run(c, q, k, v, *args, defines=d))
@@ -85,6 +89,7 @@ def main() -> None:
         "B1-N32-L32k": (_Spec([_tree(32, rng)], [32768], 24, 4, 256), TWO),
         "B1-N8-L32k": (_Spec([_tree(8, rng)], [32768], 24, 4, 256), ONE),
         "B1-N32-L4k": (_Spec([_tree(32, rng)], [4096], 24, 4, 256), TWO),
+        "B1-N32-L16k": (_Spec([_tree(32, rng)], [16384], 24, 4, 256), TWO),
         "B1-N32-L128k": (_Spec([_tree(32, rng)], [131072], 24, 4, 256), TWO),
         "B24-N8-L1k-32k": (_Spec([_tree(8, rng) for _ in range(24)], [rng.randint(1024, 32768) for _ in range(24)],
                                  24, 4, 256), ONE),

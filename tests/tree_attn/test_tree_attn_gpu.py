@@ -336,6 +336,32 @@ def test_ws_kernel_producer_options(cfg, D, layout, make_batch, check):
 
 
 @pytest.mark.hopper
+@pytest.mark.parametrize("layout", ["slot", "paged"])
+@pytest.mark.parametrize("D", [64, 256])
+@pytest.mark.parametrize("trees", [[("draft32", 3001), ("rand13", 77), ("draft9", 0)],
+                                   [("rand43", 700), ("draft32", 0), ("draft32", 2500), ("rand13", 33)]],
+                         ids=["paired-and-alone", "three-groups"])
+def test_ws_kernel_cluster_pairs(trees, D, layout, make_batch, check):
+    """The "ws" kernel in 2-CTA clusters whose paired CTAs share each block's K/V copies (config forced): right
+    against the reference, with requests of one group (alone), two (paired) and three (a pair and one alone), a lone
+    tree block and ragged blocks, and the same bits as the same config without clusters (the same arithmetic in the
+    same order: only the copies moved)."""
+    b = make_batch(trees, H=24, Hkv=4, D=D, layout=layout, seed=12, device=DEV)
+    outs = []
+    for cfg in (WSConfig(consumers=2, block_n=32, num_stages=4, pair_halves=False, cluster=True),
+                WSConfig(consumers=2, block_n=32, num_stages=4, pair_halves=False)):
+        with autotune.force("tree_attn.tree_attention", variant="ws", config=cfg):
+            plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw(variant="ws"))
+        assert plan.dispatch.config == cfg
+        outs.append(tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), sm_scale=b.sm_scale,
+                                  return_lse=True))
+    torch.cuda.synchronize()
+    check(b, *outs[0], msg="cluster")
+    assert_bitwise_equal(outs[0][0], outs[1][0])
+    assert_bitwise_equal(outs[0][1], outs[1][1])
+
+
+@pytest.mark.hopper
 def test_ws_kernel_refuses_misaligned_rows(make_batch, raises):
     """A q whose rows are not 16-byte aligned is refused by name, not read wrongly."""
     b = make_batch([("draft9", 100)], H=6, Hkv=1, D=64, seed=4, device=DEV)

@@ -34,6 +34,8 @@ from ws_emu import K_DESC, Q_DESC, V_DESC, SmemTile, emulate_ws
 C1 = WSConfig(consumers=1, block_n=64, num_stages=3)
 C2 = WSConfig(consumers=2, block_n=64, num_stages=2)
 C2N32 = WSConfig(consumers=2, block_n=32, num_stages=4)
+# cluster pairs sharing the K/V copies (one producer warpgroup a CTA copies half of every block)
+CL = WSConfig(consumers=2, block_n=32, num_stages=4, pair_halves=False, cluster=True)
 
 
 # ------------------------------------------------------------------------------------------ 1. layout
@@ -227,6 +229,30 @@ def test_schedule_folds_the_tree_into_the_last_split(pair):
     assert [it for it in items if it[0] == 2] == [[2, 0, 107, 107], [2, 1, 107, 107]]
 
 
+def test_schedule_pairs_the_groups_of_a_request_for_clusters():
+    """With cluster pairs, the two groups of a request over each key range are the items 2i and 2i + 1 (an unused item
+    before a two-group request where needed), one-group requests run alone, the items are an even number, and a
+    fixed capacity counts the unused items."""
+    qo = [0, 5, 37, 37, 38, 70]  # one group, two (192 rows), none, one, two
+    kv = [0, 100, 3100, 3107, 3300, 9000]
+    for capacity in (None, 64):
+        items, table, _, split_len, used = ops._schedule("t", qo, kv, False, 6, CL, 16, capacity)
+        assert items.shape[0] % 2 == 0 and (capacity is None or items.shape[0] == capacity)
+        rows = items.tolist()
+        for r in (1, 4):
+            first, parts, groups = table[r].tolist()
+            assert groups == 2 and first % 2 == 0 and parts > 1
+            for c in range(parts):
+                a, b = rows[first + 2 * c], rows[first + 2 * c + 1]
+                assert a[0] == b[0] == r and a[2:] == b[2:] and (a[1], b[1]) == (0, 1)
+        assert sum(it[0] == -1 for it in rows[:used]) >= 1  # request 1 starts after request 0's odd count
+    one_split = [[0, 0], [-1, 0], [1, 0], [1, 1], [3, 0], [-1, 0], [4, 0], [4, 1]]  # 8 items with their unused ones
+    items, *_ = ops._schedule("t", qo, kv, False, 6, CL, 16, 8)
+    assert items[:, :2].tolist() == one_split
+    with pytest.raises(ValueError, match="capacity=6"):
+        ops._schedule("t", qo, kv, False, 6, CL, 16, 6)
+
+
 def test_schedule_capacity_counts_folded_items():
     """A fixed capacity counts one item per split and group (no tree items): exactly enough fits."""
     qo, kv = [0, 8], [0, 512]
@@ -298,6 +324,20 @@ def test_two_producers_build_without_spills(cfg, d):
     assert "mbarrier.init.shared::cta.b64" in ptx
 
 
+def test_cluster_pairs_build_without_spills(d=256):
+    """The cluster pair build: 2-CTA clusters, halves forwarded into the partner's shared memory by bulk copies that
+    complete on its full barriers, remote releases, a cluster barrier; no spills with one producer warpgroup."""
+    ptx = _clean_ptx(CL, d)
+    for text in (".reqnctapercluster 2, 1, 1", "mapa.shared::cluster.u32",
+                 "cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes",
+                 "mbarrier.arrive.release.cluster.shared::cluster.b64", "mbarrier.arrive.expect_tx.shared::cta.b64",
+                 "mbarrier.test_wait.parity.shared::cta.b64", "barrier.cluster.wait.acquire"):
+        assert text in ptx, text
+    assert ".reqnctapercluster" not in _clean_ptx(dataclasses.replace(CL, cluster=False), d)
+    # two producer warpgroups copy 32 rows a pass at D = 64: more than half a block of 32 keys
+    assert "half a block" in tcuda.config_problem(dataclasses.replace(CL, producers=2, producer_regs=40), 64)
+
+
 @pytest.mark.parametrize("rows", [48, 192], ids=["one-consumer", "two-consumers"])
 def test_phase_probes_build_what_they_time(rows):
     """The builds specpilot.bench.ws_phases times (TA_PHASE): the producer alone issues no wgmma; the consumers alone
@@ -328,6 +368,9 @@ def test_three_consumers_do_not_build():
     (WSConfig(pingpong=True, overlap=True), "overlap"),
     (WSConfig(consumers=1, block_n=64, num_stages=3, overlap=True, q_in_regs=True), "registers"),
     (WSConfig(block_n=64, overlap=True, producer_regs=56, consumer_regs=200), "registers"),
+    (dataclasses.replace(CL, pair_halves=True), "cluster pairs need"),
+    (dataclasses.replace(CL, num_stages=3), "cluster pairs need"),
+    (dataclasses.replace(CL, consumers=1), "cluster pairs need"),
 ])
 def test_config_problems(cfg, why):
     assert why in tcuda.config_problem(cfg, 256)
@@ -343,8 +386,11 @@ def test_heuristic_smem_fits():
 def test_smem_bytes_match_the_kernel():
     """WSConfig.smem_bytes is the kernel's own count (the global it exports, read from the CUBIN's source)."""
     src = Path(tcuda.SOURCE).read_text()
-    assert "tree_attn_ws_smem_bytes = 1024 + BAR_OFF + Q_FULL + 8" in src and "Q_FULL = 32 * TA_STAGES" in src
+    assert "tree_attn_ws_smem_bytes = 1024 + BAR_OFF + BAR_BYTES" in src and "Q_FULL = 32 * TA_STAGES" in src
+    assert "BAR_BYTES = TA_CLUSTER == 2 ? HALF_V + 8 * TA_STAGES : Q_FULL + 8" in src
+    assert "HALF_K = Q_FULL + 8, HALF_V = HALF_K + 8 * TA_STAGES" in src
     assert C2.smem_bytes(256) == 1024 + 256 * 2 * (128 + 2 * 2 * 64) + 32 * 2 + 8
+    assert CL.smem_bytes(256) == 1024 + 256 * 2 * (128 + 2 * 4 * 32) + 48 * 4 + 8
 
 
 # ------------------------------------------------------------------------------------------ 4. dispatch
@@ -409,11 +455,62 @@ def test_source_states_the_protocol():
     """ws_protocol restates the kernel's barrier operations; the source must still say them."""
     src = tcuda.SOURCE.read_text()
     for text in ("s = (b & 1) + 2 * (i % h);", "u = i / h;", "s = b % TA_STAGES;", "u = b / TA_STAGES;",
-                 "if (u > 0) mbar_wait(bars + (v ? EMPTY_V : EMPTY_K) + 8 * s, (u + 1) & 1);",
+                 "const uint32_t empty = bars + (v ? EMPTY_V : EMPTY_K) + 8 * s;", "mbar_wait(empty, (u + 1) & 1);",
                  "return (uint32_t)(u & 1);", "halves ? 4 : 4 * TA_C", "if (w == 1 && !halves) turn_pass(1);",
                  "if (!halves && (w == 0 || b + 1 < nb)) turn_pass(w);", "if (b + 1 < nb) load(b + 1, 0, nxt);",
                  'asm volatile("bar.sync 3, 256;" ::: "memory");'):
         assert text in src, f"tree_attn_ws.cu no longer says {text!r}: update tests/tree_attn/ws_protocol.py with it"
+
+
+@pytest.mark.parametrize("second_halves", [True, False], ids=["192-rows", "256-rows"])
+@pytest.mark.parametrize("stages", [2, 4, 6])
+def test_cluster_pair_protocol_ends_under_random_interleavings(stages, second_halves):
+    """ws_protocol.run_pair: the cluster pair's barrier operations (each CTA's half copies, thread 0's forwards into
+    the partner's stage with its bytes on the partner's full barrier, releases on both CTAs' empty barriers, the
+    cluster barrier before the exit) end under 30 random interleavings for every block count up to 9, and every read
+    sees its block in both halves of the stage."""
+    from ws_protocol import run_pair
+
+    for nb in range(0, 10):
+        for seed in range(30):
+            run_pair(nb, stages, second_halves, seed)
+
+
+def test_cluster_pair_protocol_check_can_fail(monkeypatch):
+    """A producer that only forwards the halves already landed (no forwards drained before it waits for a stage)
+    hangs under some interleaving, and so does a pair whose consumers release only their own CTA's stage."""
+    import ws_protocol as wp
+
+    def trips(**patch):
+        with monkeypatch.context() as m:
+            for name, fake in patch.items():
+                m.setattr(wp, name, fake)
+            with pytest.raises(AssertionError):
+                for nb in (3, 6, 9):
+                    for seed in range(60):
+                        wp.run_pair(nb, 2, True, seed)
+
+    producer, consumer = wp.pair_producer, wp.pair_consumer
+
+    def no_drain(nb, S, halves):  # the "test" of a stage's empty barrier answered as passed: no forward_all there
+        gen = producer(nb, S, halves)
+        value = None
+        while True:
+            try:
+                op = gen.send(value)
+            except StopIteration:
+                return
+            if op[0] == "test" and op[1].startswith("empty"):
+                value = True
+                continue
+            value = yield op
+
+    def own_only(w, nb, S, halves):
+        for op in consumer(w, nb, S, halves):
+            yield ("arrive", *op[1:]) if op[0] == "release" else op
+
+    trips(pair_producer=no_drain)
+    trips(pair_consumer=own_only)
 
 
 def test_barrier_protocol_check_can_fail(monkeypatch):
@@ -445,12 +542,12 @@ def test_barrier_protocol_check_can_fail(monkeypatch):
     trips("producer", no_wait, 6, 2, 2, False, False, False)
 
 
-@pytest.mark.parametrize("cfg", [C1, C2N32, WSConfig(pingpong=True, kv_ahead=True),
+@pytest.mark.parametrize("cfg", [C1, C2N32, CL, WSConfig(pingpong=True, kv_ahead=True),
                                  WSConfig(consumers=1, q_in_regs=True, num_stages=3, merge_parts=8, merge_warps=4),
                                  WSConfig(consumers=1, num_stages=3, producers=2, consumer_regs=232)])
 def test_config_crosses_the_custom_op(cfg):
     """The torch custom op takes the launch config as ints (ops._cfg_ints); every field the launch reads comes back."""
     back = ops._cfg_of("ws", ops._cfg_ints(cfg))
     launch = ("consumers", "block_n", "num_stages", "producer_regs", "consumer_regs", "pingpong", "kv_ahead",
-              "q_in_regs", "merge_warps", "merge_parts", "producers")
+              "q_in_regs", "merge_warps", "merge_parts", "producers", "pair_halves", "cluster")
     assert all(getattr(back, f) == getattr(cfg, f) for f in launch) and back.block_m == cfg.block_m

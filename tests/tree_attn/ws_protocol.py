@@ -176,3 +176,185 @@ def run(nb: int, S: int, consumers: int, halves: bool, pingpong: bool, kv_ahead:
                 continue  # blocked until the generation completes (the op advances then)
         pending[name] = next(agents[name], None)
     return steps
+
+
+# ---------------------------------------------------------------------------------------------- cluster pairs
+
+
+@dataclass
+class TxBarrier(MBarrier):
+    """An mbarrier with a transaction count (PTX: expect_tx adds bytes, complete_tx removes them, and the phase
+    completes when no arrival and no byte is pending; the count may go below zero, as when a copy lands before its
+    bytes are expected)."""
+
+    tx: int = 0
+
+    def arrive(self, n: int) -> None:
+        assert n <= self.left, f"{n} arrivals on a phase with {self.left} left (more arrivals than the count)"
+        self.left -= n
+        self._complete()
+
+    def add_tx(self, n: int) -> None:
+        self.tx += n
+        self._complete()
+
+    def _complete(self) -> None:
+        if self.left == 0 and self.tx == 0:
+            self.phases += 1
+            self.left = self.count
+
+
+def pair_producer(nb, S, halves):
+    """A paired CTA's producer (tree_attn_ws.cu, TA_CLUSTER): its half of each block, and thread 0's forwards. A
+    "test" op is answered (gen.send) with whether the barrier's phase of that parity completed."""
+    issued, fwd = {"k": 0, "v": 0}, {"k": 0, "v": 0}
+    yield ("cp_arrive", "q", 128)
+
+    def forward(v):
+        b = fwd[v]
+        s, _ = stage_of(b, S, halves)
+        fwd[v] += 1
+        yield ("bulk", (v, s, b))  # lands later in the partner's stage, completing on its full barrier
+        yield ("arrive_tx", f"full_{v}{s}", 1)  # this CTA's half is in; the partner's bytes are owed
+
+    def landed_parity(v):
+        s, u = stage_of(fwd[v], S, halves)
+        return f"half_{v}{s}", u & 1
+
+    def forward_all():
+        for v in "kv":
+            while fwd[v] < issued[v]:
+                yield ("wait", *landed_parity(v))
+                yield from forward(v)
+
+    def load(b, v):
+        s, u = stage_of(b, S, halves)
+        if u > 0:
+            if not (yield ("test", f"empty_{v}{s}", (u + 1) & 1)):
+                yield from forward_all()
+            yield ("wait", f"empty_{v}{s}", (u + 1) & 1)
+        yield ("fill", (v, s, b))
+        yield ("cp_arrive", f"half_{v}{s}", 128)
+        issued[v] += 1
+        for w in "kv":
+            while fwd[w] < issued[w] and (yield ("test", *landed_parity(w))):
+                yield from forward(w)
+
+    for b in range(nb):
+        yield from load(b, "k")
+        yield from load(b, "v")
+    yield from forward_all()
+    yield ("cluster",)
+
+
+def pair_consumer(w, nb, S, halves):
+    """A paired CTA's consumer: reads need both halves of the block, releases arrive on both CTAs' empty barriers."""
+    b0, step = (w, 2) if halves else (0, 1)
+    yield ("wait", "q", 0)
+    for b in range(b0, nb, step):
+        for v in "kv":
+            s, u = stage_of(b, S, halves)
+            yield ("wait", f"full_{v}{s}", u & 1)
+            yield ("read", (v, s, b))
+            yield ("release", f"empty_{v}{s}", 4)  # on this CTA's barrier and on the partner's
+    yield ("cluster",)
+    if halves:
+        yield ("bar_sync", 3)
+        yield ("bar_sync", 3)
+
+
+def run_pair(nb: int, S: int, second_halves: bool, seed: int, producer=None) -> int:
+    """One random interleaving of a cluster pair: CTA 0 a full group (two consumers on two tiles), CTA 1 the
+    request's second group (halves or not). Checks that it ends, that every read sees its block in both halves of
+    the stage, and that a forward's source still holds its block when the copy lands. Returns the steps taken."""
+    rng = random.Random(seed)
+    producer = producer or pair_producer
+    halves = (False, second_halves)
+    bars, agents, named = {}, {}, {}
+    for r in (0, 1):
+        releases = sum(4 if h else 8 for h in halves)
+        bars[r, "q"] = MBarrier(128)
+        for s in range(S):
+            for v in "kv":
+                bars[r, f"full_{v}{s}"] = TxBarrier(1)
+                bars[r, f"empty_{v}{s}"] = MBarrier(releases)
+                bars[r, f"half_{v}{s}"] = MBarrier(128)
+        named[r] = Named()
+        agents[r, "p"] = producer(nb, S, halves[r])
+        for w in range(2):
+            agents[r, f"c{w}"] = pair_consumer(w, nb, S, halves[r])
+    pending = {name: next(gen, None) for name, gen in agents.items()}
+    blocked, in_cluster = set(), set()
+    landing = []  # ("cp", cta, barrier, n) and ("bulk", source cta, (v, s, b))
+    own, peer = {}, {}  # (cta, v, s) -> the block in this CTA's half of the stage / in the partner's half
+    steps = 0
+
+    def advance(name, value=None):
+        try:
+            pending[name] = agents[name].send(value)
+        except StopIteration:
+            pending[name] = None
+
+    def waits(name, op):
+        return op[0] == "wait" and not bars[name[0], op[1]].passed(op[2])
+
+    while any(op is not None for op in pending.values()) or landing:
+        steps += 1
+        assert steps < 200000, "no end"
+        ready = [n for n, op in pending.items()
+                 if op is not None and n not in blocked and n not in in_cluster and not waits(n, op)]
+        if landing and (not ready or rng.random() < 0.3):
+            item = landing.pop(rng.randrange(len(landing)))
+            if item[0] == "cp":
+                bars[item[1], item[2]].arrive(item[3])
+            else:
+                src, (v, s, b) = item[1], item[2]
+                assert own.get((src, v, s)) == b, f"CTA {src}'s forward of block {b}'s {v} read a refilled stage {s}"
+                peer[1 - src, v, s] = b
+                bars[1 - src, f"full_{v}{s}"].add_tx(-1)
+            continue
+        assert ready, f"hang: every warpgroup waits ({pending}, in the cluster barrier {sorted(in_cluster)})"
+        name = rng.choice(ready)
+        r, op = name[0], pending[name]
+        kind = op[0]
+        if kind == "cp_arrive":
+            landing.append(("cp", r, op[1], op[2]))
+        elif kind == "test":
+            advance(name, bars[r, op[1]].passed(op[2]))
+            continue
+        elif kind == "bulk":
+            landing.append(("bulk", r, op[1]))
+        elif kind == "arrive_tx":
+            bars[r, op[1]].add_tx(1)
+            bars[r, op[1]].arrive(op[2])
+        elif kind == "arrive":  # this CTA's barrier only
+            bars[r, op[1]].arrive(op[2])
+        elif kind == "release":
+            bars[r, op[1]].arrive(op[2])
+            bars[1 - r, op[1]].arrive(op[2])
+        elif kind == "fill":
+            own[(r, *op[1][:2])] = op[1][2]
+        elif kind == "read":
+            v, s, b = op[1]
+            assert own.get((r, v, s)) == b and peer.get((r, v, s)) == b, \
+                f"CTA {r} {name[1]} reads block {b}'s {v} but stage {s} holds {own.get((r, v, s))} / {peer.get((r, v, s))}"
+        elif kind == "cluster":
+            in_cluster.add(name)
+            if len(in_cluster) == len(agents):
+                for other in list(in_cluster):
+                    advance(other)
+                in_cluster.clear()
+            continue
+        elif kind == "bar_sync":
+            bar = named[r]
+            bar.threads += 128
+            bar.waiting.add(name)
+            blocked.add(name)
+            if bar.threads == 256:
+                for other in bar.waiting:
+                    blocked.discard(other)
+                    advance(other)
+                bar.threads, bar.waiting = 0, set()
+            continue
+        advance(name)
+    return steps

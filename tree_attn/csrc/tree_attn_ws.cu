@@ -26,6 +26,19 @@
 // column block, stride byte offset 1024 between 8-row groups); V is the B operand of P V in the MN-major form
 // (leading byte offset BN 128 between 64-column blocks, stride byte offset 1024 between 8-key groups).
 //
+// Cluster pairs (TA_CLUSTER): the grid runs in 2-CTA thread-block clusters, and where the two items of a pair are the
+// two groups of one request over one key range ("paired": the schedule places them at items 2i and 2i + 1), each
+// CTA copies half of every block's K/V rows (CTA rank r: rows [r BN / 2, (r + 1) BN / 2)) and forwards them into its
+// partner's ring at the same offsets (cp.async.bulk shared::cta -> shared::cluster, the swizzled bytes as they are),
+// so that each K/V row leaves L2 once for the request's 192 rows instead of once per group. A stage's own half
+// completes on a "half" mbarrier (the producer threads' cp.async arrivals); producer thread 0 forwards a half once
+// it has landed (polling, and draining every pending forward before it would wait on an "empty" barrier, which may
+// wait on those forwards) and arrives on its own "full" barrier expecting the partner's half in bytes (complete_tx).
+// A stage is empty when the consumers of both CTAs released it: each consumer warp arrives on its own and on its
+// partner's "empty" barrier. The pair meets at a cluster barrier after the mbarriers' init and before it exits
+// (remote arrivals and copies in flight target a CTA that is still there). A CTA whose partner item is another
+// range or unused runs alone, as without TA_CLUSTER.
+//
 // Registers: the O accumulator of a consumer thread is D / 2 fp32 values (128 at D = 256) and S's BN / 2; setmaxnreg
 // moves registers from the producers to the consumers where the warpgroups are more than two (C = 2: 56 / 216 by
 // default; ptxas's report: no spills). Three consumer
@@ -114,6 +127,10 @@ typedef unsigned long long uint64_t;
 #ifndef TA_OVERLAP
 #define TA_OVERLAP 0
 #endif
+// 2: 2-CTA clusters whose paired CTAs share the K/V copies (header); 1: no cluster
+#ifndef TA_CLUSTER
+#define TA_CLUSTER 1
+#endif
 #ifndef TA_FENCE
 #define TA_FENCE 1  // consumers order the producer's cp.async writes before their wgmma (fence.proxy.async)
 #endif
@@ -135,6 +152,11 @@ static_assert(!TA_PINGPONG || TA_C == 2, "the turns are between two consumers");
 static_assert(!(TA_PINGPONG && TA_OVERLAP), "turns or the overlap, not both");
 static_assert(TA_C == 1 || 2 * TA_STAGES * TA_BN * TA_D * 2 >= 4 * 128 * 4, "halves: m and l fit the ring");
 static_assert(TA_STAGES >= 2 && TA_STAGES <= 8, "2 to 8 stages");
+static_assert(TA_CLUSTER == 1 || TA_CLUSTER == 2, "clusters of 1 or 2 CTAs");
+// a pair's two CTAs keep the same stage for a block: halves' stages equal the others' for an even count (stage_of)
+static_assert(TA_CLUSTER == 1 || (TA_C == 2 && TA_STAGES % 2 == 0 && TA_PROBE == 0 && TA_PHASE == 0),
+              "cluster pairs: two consumers, an even number of stages, no probe");
+static_assert(TA_CLUSTER == 1 || TA_PTHREADS / (TA_D / 8) <= TA_BN / 2, "cluster pairs: a half block per pass");
 
 #if TA_F16
 typedef __half elem_t;
@@ -154,10 +176,12 @@ namespace {
 constexpr uint32_t Q_BYTES = TA_DB * TA_ROWS * 128;
 constexpr uint32_t KV_BYTES = TA_DB * TA_BN * 128;  // one of K or V, one stage
 constexpr uint32_t STAGE_BYTES = 2 * KV_BYTES;
-// mbarriers: K full[S], V full[S], K empty[S], V empty[S], q
+// mbarriers: K full[S], V full[S], K empty[S], V empty[S], q, and (cluster pairs) K half[S], V half[S]
 constexpr uint32_t BAR_OFF = Q_BYTES + TA_STAGES * STAGE_BYTES;
 constexpr uint32_t FULL_K = 0, FULL_V = 8 * TA_STAGES, EMPTY_K = 16 * TA_STAGES, EMPTY_V = 24 * TA_STAGES,
-                   Q_FULL = 32 * TA_STAGES;
+                   Q_FULL = 32 * TA_STAGES, HALF_K = Q_FULL + 8, HALF_V = HALF_K + 8 * TA_STAGES;
+constexpr uint32_t BAR_BYTES = TA_CLUSTER == 2 ? HALF_V + 8 * TA_STAGES : Q_FULL + 8;
+constexpr uint32_t HALF_ROWS_BYTES = (TA_BN / 2) * 128;  // one column block's half of a K or V tile
 
 // 16 bytes global -> shared; `bytes` 0 fills the chunk with zeros and reads nothing
 __device__ __forceinline__ void cp16(uint32_t dst, const void* src, uint32_t bytes) {
@@ -168,6 +192,41 @@ __device__ __forceinline__ void cp16(uint32_t dst, const void* src, uint32_t byt
 __device__ __forceinline__ void cp_arrive(uint32_t bar) {
   asm volatile("cp.async.mbarrier.arrive.noinc.shared::cta.b64 [%0];" ::"r"(bar) : "memory");
 }
+
+#if TA_CLUSTER == 2
+__device__ __forceinline__ uint32_t cluster_rank() {
+  uint32_t r;
+  asm volatile("mov.u32 %0, %%cluster_ctarank;" : "=r"(r));
+  return r;
+}
+// the address of the same shared-memory byte in CTA `rank` of the cluster
+__device__ __forceinline__ uint32_t peer_addr(uint32_t addr, uint32_t rank) {
+  uint32_t r;
+  asm volatile("mapa.shared::cluster.u32 %0, %1, %2;" : "=r"(r) : "r"(addr), "r"(rank));
+  return r;
+}
+__device__ __forceinline__ void peer_arrive(uint32_t bar) {  // an mbarrier of the partner (a peer_addr)
+  asm volatile("mbarrier.arrive.release.cluster.shared::cluster.b64 _, [%0];" ::"r"(bar) : "memory");
+}
+__device__ __forceinline__ bool mbar_test(uint32_t bar, uint32_t parity) {  // without waiting
+  uint32_t ok;
+  asm volatile(
+      "{\n.reg .pred p;\nmbarrier.test_wait.parity.shared::cta.b64 p, [%1], %2;\nselp.u32 %0, 1, 0, p;\n}"
+      : "=r"(ok) : "r"(bar), "r"(parity) : "memory");
+  return ok != 0;
+}
+__device__ __forceinline__ void mbar_arrive_tx(uint32_t bar, uint32_t bytes) {
+  asm volatile("mbarrier.arrive.expect_tx.shared::cta.b64 _, [%0], %1;" ::"r"(bar), "r"(bytes) : "memory");
+}
+// `bytes` of this CTA's shared memory at src into the partner's at dst, completing on its mbarrier `bar`
+__device__ __forceinline__ void bulk_to_peer(uint32_t dst, uint32_t src, uint32_t bytes, uint32_t bar) {
+  asm volatile("cp.async.bulk.shared::cluster.shared::cta.mbarrier::complete_tx::bytes [%0], [%1], %2, [%3];"
+               ::"r"(dst), "r"(src), "r"(bytes), "r"(bar) : "memory");
+}
+__device__ __forceinline__ void cluster_sync() {
+  asm volatile("barrier.cluster.arrive.release;\nbarrier.cluster.wait.acquire;" ::: "memory");
+}
+#endif
 
 // byte offset of 16-byte chunk c (0..D/8-1) of row r in a [D/64][rows][128 B] swizzled tile
 __device__ __forceinline__ uint32_t tile_off(int r, int c, int rows) {
@@ -340,7 +399,11 @@ __device__ __forceinline__ const elem_t* cache_row(const elem_t* base, long long
 
 }  // namespace
 
-extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
+extern "C" __global__ void __launch_bounds__(TA_THREADS, 1)
+#if TA_CLUSTER == 2
+__cluster_dims__(2, 1, 1)
+#endif
+    tree_attn_ws_kernel(
     const elem_t* __restrict__ q, const elem_t* __restrict__ k_cache, const elem_t* __restrict__ v_cache,
     const elem_t* __restrict__ k_new, const elem_t* __restrict__ v_new, const int* __restrict__ qo_indptr,
     const int* __restrict__ kv_indptr, const int* __restrict__ kv_indices, const long long* __restrict__ tree_mask,
@@ -370,18 +433,40 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
   // two consumers on one tile's alternate key blocks: the group's second tile has no row
   const bool halves = TA_PROBE == 0 && TA_C == 2 && group * TA_ROWS + 64 >= n * TA_G;  // (probes: tiles as they are)
+#if TA_CLUSTER == 2
+  // paired: the partner item (the other CTA of the cluster) is this request's other group over the same range
+  const int* const pit = items + 4 * (item ^ 1);
+  const int pgroup = pit[1] & 0xFFFF;
+  const bool paired =
+      pit[0] == req && pit[2] == lo && pit[3] == hi && pgroup != group && sibling == 0 && pit[1] >> 16 == 0;
+  const bool phalves = pgroup * TA_ROWS + 64 >= n * TA_G;  // the partner's consumers release as halves
+  const uint32_t rank = cluster_rank(), peer = rank ^ 1u;
+#else
+  constexpr bool paired = false;
+  constexpr bool phalves = false;
+#endif
   if (tid == 0) {
     for (int s = 0; s < TA_STAGES; ++s) {
-      mbar_init(bars + FULL_K + 8 * s, TA_PTHREADS);  // full: every producer thread
-      mbar_init(bars + FULL_V + 8 * s, TA_PTHREADS);
-      // empty: lane 0 of every consumer warp that reads the stage (one consumer's in halves)
-      mbar_init(bars + EMPTY_K + 8 * s, halves ? 4 : 4 * TA_C);
-      mbar_init(bars + EMPTY_V + 8 * s, halves ? 4 : 4 * TA_C);
+      // full: every producer thread's copies; paired, producer thread 0 once its own half has landed, and the
+      // partner's half in bytes
+      mbar_init(bars + FULL_K + 8 * s, paired ? 1 : TA_PTHREADS);
+      mbar_init(bars + FULL_V + 8 * s, paired ? 1 : TA_PTHREADS);
+      // empty: lane 0 of every consumer warp that reads the stage (one consumer's in halves), of both CTAs if paired
+      const int releases = (halves ? 4 : 4 * TA_C) + (paired ? (phalves ? 4 : 4 * TA_C) : 0);
+      mbar_init(bars + EMPTY_K + 8 * s, releases);
+      mbar_init(bars + EMPTY_V + 8 * s, releases);
+#if TA_CLUSTER == 2
+      mbar_init(bars + HALF_K + 8 * s, TA_PTHREADS);  // this CTA's half of the stage
+      mbar_init(bars + HALF_V + 8 * s, TA_PTHREADS);
+#endif
     }
     mbar_init(bars + Q_FULL, TA_PTHREADS);
     asm volatile("fence.mbarrier_init.release.cluster;" ::: "memory");
   }
   __syncthreads();
+#if TA_CLUSTER == 2
+  if (paired) cluster_sync();  // the partner's mbarriers exist before any arrival or copy reaches them
+#endif
 
   if (wg < TA_PWG) {
     // ---------------------------------------------------------------- producer
@@ -409,9 +494,16 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
     // the copies' asm orders memory, so nothing moves the load earlier.
     constexpr int PER = TA_BN / RP;
     static_assert(PER >= 1 && PER <= CH, "a row group holds one block's slots, one a lane");
+    // paired: this CTA's half of each block, rows [rank BN / 2, (rank + 1) BN / 2)
+    const int per = paired ? PER / 2 : PER;
+#if TA_CLUSTER == 2
+    const int jbase = paired ? (int)rank * (TA_BN / 2) : 0;
+#else
+    constexpr int jbase = 0;
+#endif
     const int gbase = t % 32 - cc;  // the first lane of this thread's row group in its warp
     auto slot_of = [&](int b) {     // -1: no key (past the range, past the nodes, past the last block)
-      const int j = r0 + (cc % PER) * RP;
+      const int j = jbase + r0 + (cc % per) * RP;
       int slot = -1;
       if (b < nbp) {
         const int at = lo + b * TA_BN + j;
@@ -426,13 +518,54 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
       }
       return slot;
     };
+#if TA_CLUSTER == 2
+    // paired, producer thread 0: the halves whose copies were issued (issued[v] blocks of K, v = 0, and of V) and
+    // the next one to forward to the partner (fwd[v]), in block order
+    int issued[2] = {0, 0}, fwd[2] = {0, 0};
+    auto forward = [&](int v) {  // block fwd[v]'s half, which has landed
+      int s, u;
+      stage_of(fwd[v]++, halves, s, u);
+      asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // the cp.async writes, read by the bulk copy
+      const uint32_t src = ring + s * STAGE_BYTES + (v ? KV_BYTES : 0) + rank * HALF_ROWS_BYTES;
+      const uint32_t full = bars + (v ? FULL_V : FULL_K) + 8 * s, pfull = peer_addr(full, peer);
+#pragma unroll
+      for (int cb = 0; cb < TA_DB; ++cb)
+        bulk_to_peer(peer_addr(src + cb * TA_BN * 128, peer), src + cb * TA_BN * 128, HALF_ROWS_BYTES, pfull);
+      mbar_arrive_tx(full, TA_DB * HALF_ROWS_BYTES);  // this CTA's half is in; the partner's is owed in bytes
+    };
+    auto landed = [&](int v, bool wait) {  // block fwd[v]'s half has landed (wait: once it has)
+      int s, u;
+      stage_of(fwd[v], halves, s, u);
+      const uint32_t half = bars + (v ? HALF_V : HALF_K) + 8 * s;
+      if (wait) mbar_wait(half, u & 1);
+      return wait || mbar_test(half, u & 1);
+    };
+    auto forward_landed = [&]() {  // every half that has landed, without waiting
+      for (int v = 0; v < 2; ++v)
+        while (fwd[v] < issued[v] && landed(v, false)) forward(v);
+    };
+    auto forward_all = [&]() {  // every half issued, waiting for each to land
+      for (int v = 0; v < 2; ++v)
+        while (fwd[v] < issued[v]) {
+          landed(v, true);
+          forward(v);
+        }
+    };
+#endif
     // one load: K (v = 0) or V (v = 1) of block b, whose slots `mine` holds, into its stage, after the consumers
     // released that stage's last use
     auto load = [&](int b, int v, int mine) {
       int s, u;
       stage_of(b, halves, s, u);
 #if TA_PHASE != 3  // (the copies alone wait for nothing)
-      if (u > 0) mbar_wait(bars + (v ? EMPTY_V : EMPTY_K) + 8 * s, (u + 1) & 1);
+      if (u > 0) {
+        const uint32_t empty = bars + (v ? EMPTY_V : EMPTY_K) + 8 * s;
+#if TA_CLUSTER == 2
+        // the stage may wait on the partner's consumers, and they on this CTA's forwards: all of them go out first
+        if (paired && tid == 0 && !mbar_test(empty, (u + 1) & 1)) forward_all();
+#endif
+        mbar_wait(empty, (u + 1) & 1);
+      }
 #endif
       const uint32_t full = bars + (v ? FULL_V : FULL_K) + 8 * s;
 #if TA_PHASE == 2
@@ -443,8 +576,8 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
       const elem_t* cache = v ? v_cache : k_cache;
       const long long s_p = v ? s_vp : s_kp, s_o = v ? s_vo : s_ko, head = hk * (v ? s_vh : s_kh);
 #pragma unroll 8  // (16 rows unrolled: their addresses spill at the producer's 56 registers)
-      for (int i = 0; i < PER; ++i) {
-        const int j = r0 + i * RP, slot = __shfl_sync(0xffffffffu, mine, gbase + i);
+      for (int i = 0; i < per; ++i) {
+        const int j = jbase + r0 + i * RP, slot = __shfl_sync(0xffffffffu, mine, gbase + i);
         const bool ok = slot >= 0;
         const elem_t* row = cache;
 #if TA_NEW
@@ -458,6 +591,16 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
 #endif
         cp16(dst + tile_off(j, cc, TA_BN), row + cc * 8, ok ? 16u : 0u);
       }
+#if TA_CLUSTER == 2
+      if (paired) {
+        cp_arrive(bars + (v ? HALF_V : HALF_K) + 8 * s);
+        if (tid == 0) {
+          ++issued[v];
+          forward_landed();
+        }
+        return;
+      }
+#endif
       cp_arrive(full);
     };
     int cur = slot_of(0), nxt = slot_of(1);  // block b's slots and block b + 1's
@@ -477,7 +620,13 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
       nxt = slot_of(b + 2);
     }
 #endif
+#if TA_CLUSTER == 2
+    if (paired && tid == 0) forward_all();
+#endif
     asm volatile("cp.async.wait_all;" ::: "memory");
+#if TA_CLUSTER == 2
+    if (paired) cluster_sync();  // (the consumers' meeting below)
+#endif
     return;
   }
 
@@ -635,7 +784,12 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
   auto release = [&](int b, uint32_t empty) {
     int st;
     stage(b, st);
-    if (lane == 0) mbar_arrive(bars + empty + 8 * st);
+    if (lane == 0) {
+      mbar_arrive(bars + empty + 8 * st);
+#if TA_CLUSTER == 2
+      if (paired) peer_arrive(peer_addr(bars + empty + 8 * st, peer));  // the partner's copies fill it too
+#endif
+    }
   };
 
 #if TA_PHASE == 1
@@ -719,6 +873,11 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 1);
     l_run[h] += __shfl_xor_sync(0xffffffffu, l_run[h], 2);
   }
+#if TA_CLUSTER == 2
+  // both CTAs' loops are done: every forward of this CTA was read (its partner waited for it), every arrival of the
+  // partner's has reached this CTA, and the ring may take the halves' exchange below
+  if (paired) cluster_sync();
+#endif
 #if TA_C == 2 && TA_PROBE == 0
   if (halves) {
     // consumer 1's O, m and l to consumer 0, thread for thread (same fragment positions): O in the q tile's bytes
@@ -770,4 +929,4 @@ extern "C" __global__ void __launch_bounds__(TA_THREADS, 1) tree_attn_ws_kernel(
 }
 
 // shared memory bytes of this build (read by the launch layer)
-extern "C" __device__ const uint32_t tree_attn_ws_smem_bytes = 1024 + BAR_OFF + Q_FULL + 8;  // + the alignment
+extern "C" __device__ const uint32_t tree_attn_ws_smem_bytes = 1024 + BAR_OFF + BAR_BYTES;  // + the alignment
