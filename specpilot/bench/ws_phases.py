@@ -31,9 +31,8 @@ OP = "tree_attn.tree_attention"
 ONE = [WSConfig(consumers=1, block_n=64, num_stages=3),
        WSConfig(consumers=1, block_n=64, num_stages=3, producers=2, consumer_regs=232),
        WSConfig(consumers=1, block_n=32, num_stages=6, producers=2, consumer_regs=232)]
-TWO = [WSConfig(consumers=2, block_n=32, num_stages=4),
-       WSConfig(consumers=2, block_n=32, num_stages=4, pair_halves=False),
-       WSConfig(consumers=2, block_n=32, num_stages=4, producers=2, producer_regs=40),
+# the heuristic's two-consumer config, its one-producer twin, and each of those as cluster pairs
+TWO = [WSConfig(consumers=2, block_n=32, num_stages=4, pair_halves=False),
        WSConfig(consumers=2, block_n=32, num_stages=4, producers=2, producer_regs=40, pair_halves=False),
        WSConfig(consumers=2, block_n=32, num_stages=4, pair_halves=False, cluster=True),
        WSConfig(consumers=2, block_n=32, num_stages=4, producers=2, producer_regs=56, consumer_regs=200,
@@ -88,6 +87,7 @@ def main() -> None:
     cases = {
         "B1-N32-L32k": (_Spec([_tree(32, rng)], [32768], 24, 4, 256), TWO),
         "B1-N8-L32k": (_Spec([_tree(8, rng)], [32768], 24, 4, 256), ONE),
+        "B1-N32-L1k": (_Spec([_tree(32, rng)], [1024], 24, 4, 256), TWO),
         "B1-N32-L4k": (_Spec([_tree(32, rng)], [4096], 24, 4, 256), TWO),
         "B1-N32-L16k": (_Spec([_tree(32, rng)], [16384], 24, 4, 256), TWO),
         "B1-N32-L128k": (_Spec([_tree(32, rng)], [131072], 24, 4, 256), TWO),
