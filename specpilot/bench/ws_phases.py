@@ -8,7 +8,7 @@ warpgroup, the consumers alone (the producer arrives without copying); cluster-p
 no phase builds, only `run` and the split kernel alone. Medians of CUDA-graph replays.
 GPU only (sm_90).
 
-    python -m specpilot.bench.ws_phases [--out FILE.json]
+    python -m specpilot.bench.ws_phases [--out FILE.json] [--cases N32]
 """
 
 from __future__ import annotations
@@ -81,6 +81,7 @@ def case(spec: _Spec, cfgs: list[WSConfig], dev) -> dict:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--out", help="write the table as JSON here")
+    ap.add_argument("--cases", default="", help="only the cases whose name contains this (e.g. N32)")
     a = ap.parse_args()
     dev = torch.device("cuda")
     rng = random.Random(7)
@@ -96,6 +97,8 @@ def main() -> None:
     }
     res = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cases": {}}
     for name, (spec, cfgs) in cases.items():
+        if a.cases not in name:
+            continue
         try:
             row = case(spec, cfgs, dev)
         except Exception as e:  # the table keeps the other cases; the error names what failed
