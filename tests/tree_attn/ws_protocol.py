@@ -117,65 +117,109 @@ def consumer(w, nb, S, halves, pingpong, overlap=False):
         yield ("bar_sync", 3)
 
 
-def run(nb: int, S: int, consumers: int, halves: bool, pingpong: bool, kv_ahead: bool, seed: int,
-        overlap: bool = False) -> int:
-    """One random interleaving of one CTA; returns the steps taken. Raises AssertionError on a hang or a hazard."""
+def simulate(agents: dict, bars: dict, seed: int, limit: int, paired: bool = False) -> int:
+    """One random interleaving of warpgroups `agents` (generators of barrier operations, keyed (CTA, name)) over
+    mbarriers `bars` (keyed (CTA, name)): a scheduler that runs whichever warpgroup can go on, lands cp.async arrivals
+    and bulk copies at random later steps, answers "test" ops (gen.send) with whether that phase completed, and holds
+    the warpgroups of a named barrier or the cluster barrier until all have arrived. `paired`: a read needs its block
+    in the partner's half of the stage too. Returns the steps taken; raises AssertionError on a hang or a hazard."""
     rng = random.Random(seed)
-    empty = 4 if halves else 4 * consumers
-    bars = {"q": MBarrier(128)}
-    for s in range(S):
-        for v in "kv":
-            bars[f"full_{v}{s}"] = MBarrier(128)
-            bars[f"empty_{v}{s}"] = MBarrier(empty)
-    named = {i: Named() for i in (1, 2, 3)}
-    agents = {"p": producer(nb, S, kv_ahead, halves)}
-    for w in range(consumers):
-        agents[f"c{w}"] = consumer(w, nb, S, halves, pingpong, overlap)
-    pending = {name: next(gen, None) for name, gen in agents.items()}
-    blocked = set()  # warpgroups in a bar.sync whose generation has not completed
-    landing = []  # cp.async arrivals in flight: (barrier, n)
-    slot = {}  # (kind, stage) -> the block last written there
+    named = {}  # (CTA, named barrier id) -> Named
+    pending = {key: next(gen, None) for key, gen in agents.items()}
+    blocked, in_cluster = set(), set()  # in a bar.sync whose generation has not completed; at the cluster barrier
+    landing = []  # ("cp", CTA, barrier, n) and ("bulk", source CTA, (v, s, b)) in flight
+    own, peer = {}, {}  # (CTA, v, s) -> the block this CTA wrote into the stage / its partner forwarded there
     steps = 0
+
+    def advance(key, value=None):
+        try:
+            pending[key] = agents[key].send(value)
+        except StopIteration:
+            pending[key] = None
+
+    def waits(key, op):
+        return op[0] == "wait" and not bars[key[0], op[1]].passed(op[2])
+
     while any(op is not None for op in pending.values()) or landing:
         steps += 1
-        assert steps < 100000, "no end"
-        ready = [name for name, op in pending.items()
-                 if op is not None and name not in blocked and not (op[0] == "wait" and not bars[op[1]].passed(op[2]))]
+        assert steps < limit, "no end"
+        ready = [key for key, op in pending.items()
+                 if op is not None and key not in blocked and key not in in_cluster and not waits(key, op)]
         if landing and (not ready or rng.random() < 0.3):
-            bar, n = landing.pop(rng.randrange(len(landing)))
-            bars[bar].arrive(n)
+            item = landing.pop(rng.randrange(len(landing)))
+            if item[0] == "cp":
+                bars[item[1], item[2]].arrive(item[3])
+            else:
+                src, (v, s, b) = item[1], item[2]
+                assert own.get((src, v, s)) == b, f"CTA {src}'s forward of block {b}'s {v} read a refilled stage {s}"
+                peer[1 - src, v, s] = b
+                bars[1 - src, f"full_{v}{s}"].add_tx(-1)
             continue
-        assert ready, f"hang: every warpgroup waits ({pending}, blocked {sorted(blocked)})"
-        name = rng.choice(ready)
-        op = pending[name]
+        assert ready, f"hang: every warpgroup waits ({pending}, blocked {sorted(blocked)}, in the cluster barrier " \
+                      f"{sorted(in_cluster)})"
+        key = rng.choice(ready)
+        r, op = key[0], pending[key]
         kind = op[0]
         if kind == "cp_arrive":
-            landing.append((op[1], op[2]))
-        elif kind == "arrive":
-            bars[op[1]].arrive(op[2])
+            landing.append(("cp", r, op[1], op[2]))
+        elif kind == "test":
+            advance(key, bars[r, op[1]].passed(op[2]))
+            continue
+        elif kind == "bulk":
+            landing.append(("bulk", r, op[1]))
+        elif kind == "arrive_tx":
+            bars[r, op[1]].add_tx(1)
+            bars[r, op[1]].arrive(op[2])
+        elif kind == "arrive":  # this CTA's barrier only
+            bars[r, op[1]].arrive(op[2])
+        elif kind == "release":  # this CTA's barrier and the partner's
+            bars[r, op[1]].arrive(op[2])
+            bars[1 - r, op[1]].arrive(op[2])
         elif kind == "fill":
             v, s, b = op[1]
-            slot[v, s] = b
+            own[r, v, s] = b
         elif kind == "read":
             v, s, b = op[1]
-            assert slot.get((v, s)) == b, f"{name} reads block {b}'s {v} but stage {s} holds {slot.get((v, s))}"
+            held = (own.get((r, v, s)), peer.get((r, v, s)) if paired else b)
+            assert held == (b, b), f"{key} reads block {b}'s {v} but stage {s} holds {held}"
+        elif kind == "cluster":
+            in_cluster.add(key)
+            if len(in_cluster) == len(agents):
+                for other in list(in_cluster):
+                    advance(other)
+                in_cluster.clear()
+            continue
         elif kind in ("bar_sync", "bar_arrive"):
-            bar = named[op[1]]
+            bar = named.setdefault((r, op[1]), Named())
             bar.threads += 128
             if kind == "bar_sync":
-                bar.waiting.add(name)
-                blocked.add(name)
+                bar.waiting.add(key)
+                blocked.add(key)
             if bar.threads == 256:
                 assert bar.waiting, f"named barrier {op[1]}: a generation completed with no warpgroup waiting on it"
                 for other in bar.waiting:
                     blocked.discard(other)
-                    if other != name:
-                        pending[other] = next(agents[other], None)
+                    advance(other)
                 bar.threads, bar.waiting, bar.generation = 0, set(), bar.generation + 1
-            elif kind == "bar_sync":
-                continue  # blocked until the generation completes (the op advances then)
-        pending[name] = next(agents[name], None)
+            if kind == "bar_sync":
+                continue  # advanced when the generation completes
+        advance(key)
     return steps
+
+
+def run(nb: int, S: int, consumers: int, halves: bool, pingpong: bool, kv_ahead: bool, seed: int,
+        overlap: bool = False) -> int:
+    """One random interleaving of one CTA (`simulate`); returns the steps taken."""
+    empty = 4 if halves else 4 * consumers
+    bars = {(0, "q"): MBarrier(128)}
+    for s in range(S):
+        for v in "kv":
+            bars[0, f"full_{v}{s}"] = MBarrier(128)
+            bars[0, f"empty_{v}{s}"] = MBarrier(empty)
+    agents = {(0, "p"): producer(nb, S, kv_ahead, halves)}
+    for w in range(consumers):
+        agents[0, f"c{w}"] = consumer(w, nb, S, halves, pingpong, overlap)
+    return simulate(agents, bars, seed, 100000)
 
 
 # ---------------------------------------------------------------------------------------------- cluster pairs
@@ -263,98 +307,21 @@ def pair_consumer(w, nb, S, halves):
         yield ("bar_sync", 3)
 
 
-def run_pair(nb: int, S: int, second_halves: bool, seed: int, producer=None) -> int:
-    """One random interleaving of a cluster pair: CTA 0 a full group (two consumers on two tiles), CTA 1 the
-    request's second group (halves or not). Checks that it ends, that every read sees its block in both halves of
+def run_pair(nb: int, S: int, second_halves: bool, seed: int) -> int:
+    """One random interleaving of a cluster pair (`simulate`): CTA 0 a full group (two consumers on two tiles), CTA 1
+    the request's second group (halves or not). Checks that it ends, that every read sees its block in both halves of
     the stage, and that a forward's source still holds its block when the copy lands. Returns the steps taken."""
-    rng = random.Random(seed)
-    producer = producer or pair_producer
     halves = (False, second_halves)
-    bars, agents, named = {}, {}, {}
+    releases = sum(4 if h else 8 for h in halves)
+    bars, agents = {}, {}
     for r in (0, 1):
-        releases = sum(4 if h else 8 for h in halves)
         bars[r, "q"] = MBarrier(128)
         for s in range(S):
             for v in "kv":
                 bars[r, f"full_{v}{s}"] = TxBarrier(1)
                 bars[r, f"empty_{v}{s}"] = MBarrier(releases)
                 bars[r, f"half_{v}{s}"] = MBarrier(128)
-        named[r] = Named()
-        agents[r, "p"] = producer(nb, S, halves[r])
+        agents[r, "p"] = pair_producer(nb, S, halves[r])
         for w in range(2):
             agents[r, f"c{w}"] = pair_consumer(w, nb, S, halves[r])
-    pending = {name: next(gen, None) for name, gen in agents.items()}
-    blocked, in_cluster = set(), set()
-    landing = []  # ("cp", cta, barrier, n) and ("bulk", source cta, (v, s, b))
-    own, peer = {}, {}  # (cta, v, s) -> the block in this CTA's half of the stage / in the partner's half
-    steps = 0
-
-    def advance(name, value=None):
-        try:
-            pending[name] = agents[name].send(value)
-        except StopIteration:
-            pending[name] = None
-
-    def waits(name, op):
-        return op[0] == "wait" and not bars[name[0], op[1]].passed(op[2])
-
-    while any(op is not None for op in pending.values()) or landing:
-        steps += 1
-        assert steps < 200000, "no end"
-        ready = [n for n, op in pending.items()
-                 if op is not None and n not in blocked and n not in in_cluster and not waits(n, op)]
-        if landing and (not ready or rng.random() < 0.3):
-            item = landing.pop(rng.randrange(len(landing)))
-            if item[0] == "cp":
-                bars[item[1], item[2]].arrive(item[3])
-            else:
-                src, (v, s, b) = item[1], item[2]
-                assert own.get((src, v, s)) == b, f"CTA {src}'s forward of block {b}'s {v} read a refilled stage {s}"
-                peer[1 - src, v, s] = b
-                bars[1 - src, f"full_{v}{s}"].add_tx(-1)
-            continue
-        assert ready, f"hang: every warpgroup waits ({pending}, in the cluster barrier {sorted(in_cluster)})"
-        name = rng.choice(ready)
-        r, op = name[0], pending[name]
-        kind = op[0]
-        if kind == "cp_arrive":
-            landing.append(("cp", r, op[1], op[2]))
-        elif kind == "test":
-            advance(name, bars[r, op[1]].passed(op[2]))
-            continue
-        elif kind == "bulk":
-            landing.append(("bulk", r, op[1]))
-        elif kind == "arrive_tx":
-            bars[r, op[1]].add_tx(1)
-            bars[r, op[1]].arrive(op[2])
-        elif kind == "arrive":  # this CTA's barrier only
-            bars[r, op[1]].arrive(op[2])
-        elif kind == "release":
-            bars[r, op[1]].arrive(op[2])
-            bars[1 - r, op[1]].arrive(op[2])
-        elif kind == "fill":
-            own[(r, *op[1][:2])] = op[1][2]
-        elif kind == "read":
-            v, s, b = op[1]
-            assert own.get((r, v, s)) == b and peer.get((r, v, s)) == b, \
-                f"CTA {r} {name[1]} reads block {b}'s {v} but stage {s} holds {own.get((r, v, s))} / {peer.get((r, v, s))}"
-        elif kind == "cluster":
-            in_cluster.add(name)
-            if len(in_cluster) == len(agents):
-                for other in list(in_cluster):
-                    advance(other)
-                in_cluster.clear()
-            continue
-        elif kind == "bar_sync":
-            bar = named[r]
-            bar.threads += 128
-            bar.waiting.add(name)
-            blocked.add(name)
-            if bar.threads == 256:
-                for other in bar.waiting:
-                    blocked.discard(other)
-                    advance(other)
-                bar.threads, bar.waiting = 0, set()
-            continue
-        advance(name)
-    return steps
+    return simulate(agents, bars, seed, 200000, paired=True)
