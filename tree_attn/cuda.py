@@ -71,9 +71,10 @@ def config_problem(cfg: WSConfig, head_dim: int) -> str | None:
         if cfg.consumers != 2 or cfg.pair_halves or cfg.num_stages % 2:
             return ("config: cluster pairs need two consumers, pair_halves=False (a halves item of one split, as its "
                     "partner's) and an even number of stages (both CTAs keep a block in the same stage)")
-        if 128 * cfg.producers // (head_dim // 8) > cfg.block_n // 2:
+        rows_a_pass = 128 * cfg.producers // (head_dim // 8)
+        if rows_a_pass > cfg.block_n // 2:
             return (f"config: cluster pairs copy half a block ({cfg.block_n // 2} rows); {cfg.producers} producer "
-                    f"warpgroups copy {128 * cfg.producers // (head_dim // 8)} rows a pass at D = {head_dim}")
+                    f"warpgroups copy {rows_a_pass} rows a pass at D = {head_dim}")
     regs = 128 * (cfg.producers * cfg.producer_regs + cfg.consumers * cfg.consumer_regs)
     if cfg.consumers + cfg.producers > 2 and regs > 65536:
         return (f"registers: 128 x ({cfg.producers} x {cfg.producer_regs} + {cfg.consumers} x {cfg.consumer_regs}) "

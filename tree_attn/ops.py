@@ -436,9 +436,6 @@ def _schedule(fn, qo, kv, nodes_in_cache, group, cfg: SplitConfig | WSConfig | N
     size = capacity if capacity is not None else max(used, 1)
     if clustered and size % 2:  # whole clusters
         size += 1
-    if used > size:
-        raise ValueError(f"{fn}: the step needs {used} work items, more than capacity={size}; plan with a larger "
-                         "capacity (or capacity=None)")
     items += [[-1, 0, 0, 0]] * (size - used)
     return (torch.tensor(items, dtype=torch.int32).reshape(size, 4), torch.tensor(table, dtype=torch.int32).reshape(B, 3),
             torch.tensor(node_req, dtype=torch.int32), split_len, used)
