@@ -477,8 +477,8 @@ def test_cluster_pair_protocol_ends_under_random_interleavings(stages, second_ha
 
 
 def test_cluster_pair_protocol_check_can_fail(monkeypatch):
-    """A producer that only forwards the halves already landed (no forwards drained before it waits for a stage)
-    hangs under some interleaving, and so does a pair whose consumers release only their own CTA's stage."""
+    """A producer that does not forward the landed halves while it waits for a stage to be released hangs under
+    some interleaving, and so does a pair whose consumers release only their own CTA's stage."""
     import ws_protocol as wp
 
     def trips(**patch):
@@ -492,7 +492,7 @@ def test_cluster_pair_protocol_check_can_fail(monkeypatch):
 
     producer, consumer = wp.pair_producer, wp.pair_consumer
 
-    def no_drain(nb, S, halves):  # the "test" of a stage's empty barrier answered as passed: no forward_all there
+    def no_poll(nb, S, halves):  # the "test" of a stage's empty barrier answered as passed: no forwards there
         gen = producer(nb, S, halves)
         value = None
         while True:
@@ -509,7 +509,7 @@ def test_cluster_pair_protocol_check_can_fail(monkeypatch):
         for op in consumer(w, nb, S, halves):
             yield ("arrive", *op[1:]) if op[0] == "release" else op
 
-    trips(pair_producer=no_drain)
+    trips(pair_producer=no_poll)
     trips(pair_consumer=own_only)
 
 

@@ -265,7 +265,12 @@ def pair_producer(nb, S, halves):
         s, u = stage_of(fwd[v], S, halves)
         return f"half_{v}{s}", u & 1
 
-    def forward_all():
+    def forward_landed():  # every half that has landed, in block order, without waiting
+        for w in "kv":
+            while fwd[w] < issued[w] and (yield ("test", *landed_parity(w))):
+                yield from forward(w)
+
+    def forward_all():  # after the last load: every half issued, waiting for each to land
         for v in "kv":
             while fwd[v] < issued[v]:
                 yield ("wait", *landed_parity(v))
@@ -274,15 +279,14 @@ def pair_producer(nb, S, halves):
     def load(b, v):
         s, u = stage_of(b, S, halves)
         if u > 0:
-            if not (yield ("test", f"empty_{v}{s}", (u + 1) & 1)):
-                yield from forward_all()
+            # until the stage is released (by both CTAs' consumers, the partner's waiting on these forwards)
+            while not (yield ("test", f"empty_{v}{s}", (u + 1) & 1)):
+                yield from forward_landed()
             yield ("wait", f"empty_{v}{s}", (u + 1) & 1)
         yield ("fill", (v, s, b))
         yield ("cp_arrive", f"half_{v}{s}", 128)
         issued[v] += 1
-        for w in "kv":
-            while fwd[w] < issued[w] and (yield ("test", *landed_parity(w))):
-                yield from forward(w)
+        yield from forward_landed()
 
     for b in range(nb):
         yield from load(b, "k")

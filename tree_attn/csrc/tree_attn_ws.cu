@@ -32,8 +32,9 @@
 // partner's ring at the same offsets (cp.async.bulk shared::cta -> shared::cluster, the swizzled bytes as they are),
 // so that each K/V row leaves L2 once for the request's 192 rows instead of once per group. A stage's own half
 // completes on a "half" mbarrier (the producer threads' cp.async arrivals); producer thread 0 forwards a half once
-// it has landed (polling, and draining every pending forward before it would wait on an "empty" barrier, which may
-// wait on those forwards) and arrives on its own "full" barrier expecting the partner's half in bytes (complete_tx).
+// it has landed (polling after each of its loads, and while a stage it would refill is not yet released, a release
+// that may wait on those forwards; it waits for a half only after its last load) and arrives on its own "full"
+// barrier expecting the partner's half in bytes (complete_tx).
 // A stage is empty when the consumers of both CTAs released it: each consumer warp arrives on its own and on its
 // partner's "empty" barrier. The pair meets at a cluster barrier after the mbarriers' init and before it exits
 // (remote arrivals and copies in flight target a CTA that is still there). A CTA whose partner item is another
@@ -544,7 +545,7 @@ __cluster_dims__(2, 1, 1)
       for (int v = 0; v < 2; ++v)
         while (fwd[v] < issued[v] && landed(v, false)) forward(v);
     };
-    auto forward_all = [&]() {  // every half issued, waiting for each to land
+    auto forward_all = [&]() {  // every half issued, waiting for each to land (after the last load)
       for (int v = 0; v < 2; ++v)
         while (fwd[v] < issued[v]) {
           landed(v, true);
@@ -561,8 +562,10 @@ __cluster_dims__(2, 1, 1)
       if (u > 0) {
         const uint32_t empty = bars + (v ? EMPTY_V : EMPTY_K) + 8 * s;
 #if TA_CLUSTER == 2
-        // the stage may wait on the partner's consumers, and they on this CTA's forwards: all of them go out first
-        if (paired && tid == 0 && !mbar_test(empty, (u + 1) & 1)) forward_all();
+        // the stage may wait on the partner's consumers, and they on this CTA's forwards: until it is released,
+        // thread 0 forwards each half as it lands, never waiting for one (the stage may be released first)
+        if (paired && tid == 0)
+          while (!mbar_test(empty, (u + 1) & 1)) forward_landed();
 #endif
         mbar_wait(empty, (u + 1) & 1);
       }
