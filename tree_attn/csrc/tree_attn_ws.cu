@@ -432,15 +432,16 @@ __cluster_dims__(2, 1, 1)
   uint8_t* const sm = smem + (base - raw);
   const uint32_t qs = base, ring = base + Q_BYTES, bars = base + BAR_OFF;
   const int tid = threadIdx.x, wg = tid / 128, t = tid % 128;
-  // two consumers on one tile's alternate key blocks: the group's second tile has no row
-  const bool halves = TA_PROBE == 0 && TA_C == 2 && group * TA_ROWS + 64 >= n * TA_G;  // (probes: tiles as they are)
+  // two consumers on one tile's alternate key blocks: group g's second tile has no row
+  auto in_halves = [&](int g) { return TA_C == 2 && g * TA_ROWS + 64 >= n * TA_G; };
+  const bool halves = TA_PROBE == 0 && in_halves(group);  // (probes: tiles as they are)
 #if TA_CLUSTER == 2
   // paired: the partner item (the other CTA of the cluster) is this request's other group over the same range
   const int* const pit = items + 4 * (item ^ 1);
   const int pgroup = pit[1] & 0xFFFF;
   const bool paired =
       pit[0] == req && pit[2] == lo && pit[3] == hi && pgroup != group && sibling == 0 && pit[1] >> 16 == 0;
-  const bool phalves = pgroup * TA_ROWS + 64 >= n * TA_G;  // the partner's consumers release as halves
+  const bool phalves = in_halves(pgroup);  // the partner's consumers release as halves
   const uint32_t rank = cluster_rank(), peer = rank ^ 1u;
 #else
   constexpr bool paired = false;
