@@ -109,12 +109,12 @@ class _GdnProblem:
     def __init__(self, shape, device):
         import gdn
         from gdn.reference import chunk_reference, tree_reference
-        from specpilot.bench.cases.gdn import _inputs, _tree
+        from specpilot.bench.cases.gdn import _inputs, draft_tree
         from specpilot.bench.registry import rotations
 
         b, m, h, hv, k, v = (shape[x] for x in ("B", "M", "H", "HV", "K", "V"))
         rng = random.Random(4321)
-        self.trees = [_tree(m, rng) for _ in range(b)]
+        self.trees = [draft_tree(m, rng) for _ in range(b)]
         t = b * m
         nbytes = 2 * t * h * k * 2 + t * hv * v * 2 + b * hv * k * v * 4
         self.sets = rotations(nbytes, device)
@@ -153,13 +153,13 @@ class _TreeAttnProblem:
     op = "tree_attn.tree_attention"
 
     def __init__(self, shape, device):
-        from specpilot.bench.cases.tree_attn import _Problem, _Spec, _tree
+        from specpilot.bench.cases.tree_attn import Problem, Spec, draft_tree
         from specpilot.bench.registry import rotations
 
-        spec = _Spec(trees=[_tree(shape["N"], random.Random(2718))], lens=[shape["L"]], H=shape["H"],
+        spec = Spec(trees=[draft_tree(shape["N"], random.Random(2718))], lens=[shape["L"]], H=shape["H"],
                      Hkv=shape["Hkv"], D=shape["D"])
         self.spec = spec
-        self.prob = _Problem(spec, device, rotations(spec.bytes(), device), 2718)
+        self.prob = Problem(spec, device, rotations(spec.bytes(), device), 2718)
         self.out = torch.empty(spec.T, spec.H, spec.D, dtype=torch.bfloat16, device=device)
 
     def fns(self, variant):
@@ -277,9 +277,9 @@ def _attn_spaces():
 
 
 def _attn_shapes(s) -> list[tuple[str, dict]]:
-    from specpilot.bench.cases.tree_attn import _dims
+    from specpilot.bench.cases.tree_attn import head_dims
 
-    h, hkv, d = _dims(s)
+    h, hkv, d = head_dims(s)
     length = 32768 if s.name != "tiny" else 40
     return [(f"B1-N32-L{length // 1024}k" if length >= 1024 else f"B1-N32-L{length}",
              dict(D=d, G=h // hkv, H=h, Hkv=hkv, L=length, N=32))]

@@ -136,7 +136,7 @@ def run(cfg: WSConfig, q, k_cache, v_cache, kn, vn, strides: tuple, page: int, n
         ) -> None:
     """The split kernel over the plan's items on torch's current stream: partial outputs and base-2 LSEs into
     po / plse (`cfg.block_m` rows per item and KV head). `kn`, `vn`, `strides`, `page`: the caches' and k_new /
-    v_new's arguments as tree_attn.ops._cache_args gives them; `new`: k_new / v_new hold the nodes. Inputs already
+    v_new's arguments as tree_attn.ops.cache_args gives them; `new`: k_new / v_new hold the nodes. Inputs already
     checked (`unsupported`, `misaligned`). `defines`: extra TA_* defines of the build (the GPU tests' layout probes,
     TA_PROBE)."""
     _, H, D = q.shape

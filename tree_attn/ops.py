@@ -129,7 +129,7 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
         return None
     Hkv = k_cache.shape[-2]
     G = H // Hkv
-    kn, vn, strides, page = _cache_args(q, k_cache, v_cache, k_new, v_new)
+    kn, vn, strides, page = cache_args(q, k_cache, v_cache, k_new, v_new)
     new = k_new is not None
     if kernel == "ws":
         why = cuda.misaligned(q, k_cache, v_cache, *((k_new, v_new) if new else ()))
@@ -200,7 +200,7 @@ def _lanes(B: int) -> int:
     return max(16, 1 << (max(B, 1) - 1).bit_length())
 
 
-def _cache_args(q, k_cache, v_cache, k_new, v_new) -> tuple:
+def cache_args(q, k_cache, v_cache, k_new, v_new) -> tuple:
     """(k_new or q, v_new or q, the 10 element strides, page size) as both split kernels take them: the caches'
     (page, offset in page, KV head) strides (a token-slot cache: offset 0), then k_new's and v_new's (token, head)
     strides (zeros without them; q stands in for their pointers)."""

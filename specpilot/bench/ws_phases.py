@@ -21,7 +21,7 @@ import torch
 
 import autotune
 import tree_attn
-from specpilot.bench.cases.tree_attn import _Problem, _Spec, _tree
+from specpilot.bench.cases.tree_attn import Problem, Spec, draft_tree
 from specpilot.bench.timing import time_cuda
 from tree_attn import cuda as tcuda
 from tree_attn import ops
@@ -50,8 +50,8 @@ def tag(cfg: WSConfig) -> str:
             f"{'' if cfg.pair_halves or cfg.consumers == 1 else '-one-split'}{'-cluster' if cfg.cluster else ''}")
 
 
-def case(spec: _Spec, cfgs: list[WSConfig], dev) -> dict:
-    prob = _Problem(spec, dev, 1, 11)
+def case(spec: Spec, cfgs: list[WSConfig], dev) -> dict:
+    prob = Problem(spec, dev, 1, 11)
     q, k, v = prob.sets[0]
     meta = (prob.qo_indptr, prob.kv_indptr, prob.kv_indices, prob.tree_mask)
     kw = dict(num_qo_heads=spec.H, num_kv_heads=spec.Hkv, head_dim=spec.D, cache_slots=spec.slots,
@@ -68,7 +68,7 @@ def case(spec: _Spec, cfgs: list[WSConfig], dev) -> dict:
         row[f"{t} run"] = graph_us(lambda p=p: tree_attn.run(p, q, k, v, out=out))
         live = p.items[p.items[:, 0] >= 0].cpu()
         row[f"{t} longest item (keys)"] = int((live[:, 3] - live[:, 2]).max())
-        args = (*ops._cache_args(q, k, v, None, None), False, p.qo_indptr, p.kv_indptr, p.kv_indices, p.tree_mask,
+        args = (*ops.cache_args(q, k, v, None, None), False, p.qo_indptr, p.kv_indptr, p.kv_indices, p.tree_mask,
                 p.items, p.po, p.plse, spec.D ** -0.5 * 1.4426950408889634)
         for label, phase in PHASES:
             if (phase == 2 and cfg.producers != 1) or (phase and cfg.cluster):  # (cluster pairs: no phase builds)
@@ -86,13 +86,13 @@ def main() -> None:
     dev = torch.device("cuda")
     rng = random.Random(7)
     cases = {
-        "B1-N32-L32k": (_Spec([_tree(32, rng)], [32768], 24, 4, 256), TWO),
-        "B1-N8-L32k": (_Spec([_tree(8, rng)], [32768], 24, 4, 256), ONE),
-        "B1-N32-L1k": (_Spec([_tree(32, rng)], [1024], 24, 4, 256), TWO),
-        "B1-N32-L4k": (_Spec([_tree(32, rng)], [4096], 24, 4, 256), TWO),
-        "B1-N32-L16k": (_Spec([_tree(32, rng)], [16384], 24, 4, 256), TWO),
-        "B1-N32-L128k": (_Spec([_tree(32, rng)], [131072], 24, 4, 256), TWO),
-        "B24-N8-L1k-32k": (_Spec([_tree(8, rng) for _ in range(24)], [rng.randint(1024, 32768) for _ in range(24)],
+        "B1-N32-L32k": (Spec([draft_tree(32, rng)], [32768], 24, 4, 256), TWO),
+        "B1-N8-L32k": (Spec([draft_tree(8, rng)], [32768], 24, 4, 256), ONE),
+        "B1-N32-L1k": (Spec([draft_tree(32, rng)], [1024], 24, 4, 256), TWO),
+        "B1-N32-L4k": (Spec([draft_tree(32, rng)], [4096], 24, 4, 256), TWO),
+        "B1-N32-L16k": (Spec([draft_tree(32, rng)], [16384], 24, 4, 256), TWO),
+        "B1-N32-L128k": (Spec([draft_tree(32, rng)], [131072], 24, 4, 256), TWO),
+        "B24-N8-L1k-32k": (Spec([draft_tree(8, rng) for _ in range(24)], [rng.randint(1024, 32768) for _ in range(24)],
                                  24, 4, 256), ONE),
     }
     res = {"gpu": torch.cuda.get_device_name(dev), "torch": torch.__version__, "cases": {}}

@@ -394,7 +394,7 @@ def test_ws_kernel_layout_probes(nodes, G, D, make_batch):
     for probe in (1, 2):
         plan.po.fill_(float("nan"))
         tree_attn.cuda.run(cfg, b.q, b.k_cache, b.v_cache,
-                           *tree_attn.ops._cache_args(b.q, b.k_cache, b.v_cache, None, None), False, plan.qo_indptr,
+                           *tree_attn.ops.cache_args(b.q, b.k_cache, b.v_cache, None, None), False, plan.qo_indptr,
                            plan.kv_indptr, plan.kv_indices, plan.tree_mask, plan.items, plan.po, plan.plse, 1.0,
                            defines={"TA_PROBE": probe})
         torch.cuda.synchronize()

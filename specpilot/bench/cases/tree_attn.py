@@ -69,10 +69,10 @@ from ..shapes import ModelShapes
 _SEED = 2718
 _OP = "tree_attn.tree_attention"
 _HEAD_DIMS = (64, 128, 256)
-_FULL_CHECK = 1 << 28  # elements (keys x query heads x D) the fp64 reference takes at once, see _Problem.check
+_FULL_CHECK = 1 << 28  # elements (keys x query heads x D) the fp64 reference takes at once, see Problem.check
 
 
-def _tree(n: int, rng: random.Random) -> list[int]:
+def draft_tree(n: int, rng: random.Random) -> list[int]:
     """Draft-tree-like: one root, each node hangs off one of the 5 nodes before it."""
     return [-1] + [rng.randrange(max(0, i - 5), i) for i in range(1, n)]
 
@@ -89,13 +89,16 @@ def _klabel(L: int) -> str:
     return f"{L // 1024}k" if L % 1024 == 0 else str(L)
 
 
-def _dims(shapes: ModelShapes) -> tuple[int, int, int]:
+def head_dims(shapes: ModelShapes) -> tuple[int, int, int]:
+    """(query heads, KV heads, the kernels' head dim for the model's: the smallest they take at or above it)."""
     D = next((d for d in _HEAD_DIMS if d >= shapes.attn_head_dim), _HEAD_DIMS[-1])
     return shapes.attn_q_heads, shapes.attn_kv_heads, D
 
 
 @dataclass
-class _Spec:
+class Spec:
+    """One benchmark step: a draft tree (parent lists) and a prefix length per request, and the attention's heads."""
+
     trees: list[list[int]]
     lens: list[int]  # prefix length of each request
     H: int
@@ -121,10 +124,10 @@ class _Spec:
         return float(2 * self.Hkv * self.D * 2 * self.slots + 2 * self.T * self.H * self.D * 2)
 
 
-class _Problem:
+class Problem:
     """Index tensors (shared by every rotated set) and `sets` input sets (q, k_cache, v_cache)."""
 
-    def __init__(self, spec: _Spec, device: torch.device, sets: int, seed: int):
+    def __init__(self, spec: Spec, device: torch.device, sets: int, seed: int):
         self.spec = spec
         ns, lens = spec.ns, spec.lens
         qo = [0]
@@ -187,14 +190,14 @@ class _Problem:
             assert_close(got, r64, r32.to(out.dtype), factor=factor, msg=f"{msg} request {r}")
 
 
-def _case(variant: str, spec: _Spec, device: torch.device, shape: str, baseline: str, setup) -> Case:
+def _case(variant: str, spec: Spec, device: torch.device, shape: str, baseline: str, setup) -> Case:
     dims = {"B": len(spec.lens), "T": spec.T, "H": spec.H, "Hkv": spec.Hkv, "D": spec.D, "L": sum(spec.lens)}
     return Case(op=_OP, variant=variant, shape=shape, dims=dims, flops=spec.flops(), bytes=spec.bytes(),
                 setup=setup, group=shape, baseline=baseline,
                 extra={"nodes": spec.ns[:4], "prefix": spec.lens[:4], "nodes_in_cache": True})
 
 
-def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, seed: int) -> Case:
+def _kernel_case(variant: str, spec: Spec, device, shape: str, baseline: str, seed: int) -> Case:
     """tree_attn.run on a plan made in setup ("wgmma", "mma", "ws"; "run-eager": the default variant, timed eagerly), or
     the one-call tree_attention ("tree_attention": the schedule built on the device, no host plan;
     "tree_attention-kept": keep_plan=True, a host plan kept per step)."""
@@ -202,7 +205,7 @@ def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, s
     def setup() -> Prepared:
         import tree_attn
 
-        prob = _Problem(spec, device, rotations(spec.bytes(), device), seed)
+        prob = Problem(spec, device, rotations(spec.bytes(), device), seed)
         out = torch.empty(spec.T, spec.H, spec.D, dtype=torch.bfloat16, device=device)
         idx = (prob.kv_indptr, prob.kv_indices, prob.qo_indptr, prob.tree_mask)
         if variant in ("tree_attention", "tree_attention-kept"):  # the user's one call: the device schedule, or a kept plan
@@ -229,12 +232,12 @@ def _kernel_case(variant: str, spec: _Spec, device, shape: str, baseline: str, s
     return _case(variant, spec, device, shape, baseline, setup)
 
 
-def _sdpa_mask_case(spec: _Spec, device, shape: str, baseline: str, seed: int) -> Case:
+def _sdpa_mask_case(spec: Spec, device, shape: str, baseline: str, seed: int) -> Case:
     """B1 only: SDPA with an additive mask, the GQA group folded into the query rows."""
     assert len(spec.lens) == 1
 
     def setup() -> Prepared:
-        prob = _Problem(spec, device, rotations(spec.bytes(), device), seed)
+        prob = Problem(spec, device, rotations(spec.bytes(), device), seed)
         (L,), (n,), G = spec.lens, spec.ns, spec.H // spec.Hkv
         seen = torch.ones(n, L + n, dtype=torch.bool, device=device)
         bits = torch.arange(n, device=device)
@@ -267,14 +270,14 @@ def _sdpa_mask_case(spec: _Spec, device, shape: str, baseline: str, seed: int) -
     return _case("sdpa-mask", spec, device, shape, baseline, setup)
 
 
-def _sdpa_chain_case(spec: _Spec, device, shape: str, baseline: str, seed: int) -> Case:
+def _sdpa_chain_case(spec: Spec, device, shape: str, baseline: str, seed: int) -> Case:
     """A chain's mask is SDPA's bottom-right causal mask: causal_lower_right(n, L + n), GQA in the kernel."""
     assert len(spec.lens) == 1
 
     def setup() -> Prepared:
         from torch.nn.attention.bias import causal_lower_right
 
-        prob = _Problem(spec, device, rotations(spec.bytes(), device), seed)
+        prob = Problem(spec, device, rotations(spec.bytes(), device), seed)
         (L,), (n,) = spec.lens, spec.ns
         assert prob.tree_mask.tolist() == [(1 << (i + 1)) - 1 for i in range(n)], "not a chain"
         mask = causal_lower_right(n, L + n)
@@ -299,7 +302,7 @@ def _sdpa_chain_case(spec: _Spec, device, shape: str, baseline: str, seed: int) 
     return _case("sdpa", spec, device, shape, baseline, setup)
 
 
-def _flex_case(spec: _Spec, device, shape: str, baseline: str, seed: int, compile: bool = True) -> Case:
+def _flex_case(spec: Spec, device, shape: str, baseline: str, seed: int, compile: bool = True) -> Case:
     """One padded FlexAttention call over the batch; equal node counts per request (`compile=False`: eager, for
     trying the mask on a CPU)."""
     n = spec.ns[0]
@@ -308,7 +311,7 @@ def _flex_case(spec: _Spec, device, shape: str, baseline: str, seed: int, compil
     def setup() -> Prepared:
         from torch.nn.attention.flex_attention import create_block_mask, flex_attention
 
-        prob = _Problem(spec, device, rotations(spec.bytes(), device), seed)
+        prob = Problem(spec, device, rotations(spec.bytes(), device), seed)
         B, width = len(spec.lens), max(spec.lens) + n
         lens = torch.tensor(spec.lens, dtype=torch.int64, device=device)
         bits = torch.arange(n, device=device)
@@ -346,7 +349,7 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     device = torch.device(device)
     if not shapes.attn_layers or (device.type != "cuda" and shapes.name != "tiny"):
         return []
-    H, Hkv, D = _dims(shapes)
+    H, Hkv, D = head_dims(shapes)
     cuda = device.type == "cuda"
     wgmma = not cuda or torch.cuda.get_device_capability(device)[0] == 9
     kernels = ("wgmma", "mma") if wgmma else ("mma",)
@@ -379,15 +382,15 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     # 1. batch 1, one 32-node draft tree
     b1 = [(32, L) for L in (1024, 4096, 32768, 131072)] if cuda else [(5, 40)]
     for n, L in b1:
-        spec = _Spec([_tree(n, rng)], [L], H, Hkv, D)
+        spec = Spec([draft_tree(n, rng)], [L], H, Hkv, D)
         group(spec, f"B1-N{n}-L{_klabel(L)}", ("sdpa-mask", "flex"), "flex", one_call=(L == 32768 or not cuda))
     # 2. a batch of small trees over mixed prefix lengths
     B, n, lo, hi = (24, 8, 1024, 32768) if cuda else (3, 4, 5, 40)
     lens = [rng.randint(lo, hi) for _ in range(B)] if cuda else [37, 5, 20]
-    spec = _Spec([_tree(n, rng) for _ in range(B)], lens, H, Hkv, D)
+    spec = Spec([draft_tree(n, rng) for _ in range(B)], lens, H, Hkv, D)
     group(spec, f"B{B}-N{n}-L{_klabel(lo)}-{_klabel(hi)}", ("flex",), "flex")
     # 3. chains
     for n, L in ([(32, 4096), (32, 32768)] if cuda else [(4, 24)]):
-        spec = _Spec([list(range(-1, n - 1))], [L], H, Hkv, D)
+        spec = Spec([list(range(-1, n - 1))], [L], H, Hkv, D)
         group(spec, f"chain-B1-N{n}-L{_klabel(L)}", ("sdpa",), "sdpa")
     return out
