@@ -463,6 +463,17 @@ def test_source_states_the_protocol():
         assert text in src, f"tree_attn_ws.cu no longer says {text!r}: update tests/tree_attn/ws_protocol.py with it"
 
 
+def test_source_states_the_pair_protocol():
+    """ws_protocol.pair_producer restates the paired producer's forwards; the source must still say them."""
+    src = tcuda.SOURCE.read_text()
+    for text in ("while (!mbar_test(empty, (u + 1) & 1)) forward_landed();",
+                 "while (fwd[v] < issued[v] && landed(v, false)) forward(v);",
+                 "landed(v, true);", "mbar_arrive_tx(full, TA_DB * HALF_ROWS_BYTES);",
+                 "cp_arrive(bars + (v ? HALF_V : HALF_K) + 8 * s);", "if (paired && tid == 0) forward_all();",
+                 "const int releases = (halves ? 4 : 4 * TA_C) + (paired ? (phalves ? 4 : 4 * TA_C) : 0);"):
+        assert text in src, f"tree_attn_ws.cu no longer says {text!r}: update tests/tree_attn/ws_protocol.py with it"
+
+
 @pytest.mark.parametrize("second_halves", [True, False], ids=["192-rows", "256-rows"])
 @pytest.mark.parametrize("stages", [2, 4, 6])
 def test_cluster_pair_protocol_ends_under_random_interleavings(stages, second_halves):
