@@ -109,7 +109,8 @@ class _GdnProblem:
     def __init__(self, shape, device):
         import gdn
         from gdn.reference import chunk_reference, tree_reference
-        from specpilot.bench.cases.gdn import _inputs, draft_tree
+        from specpilot.bench.cases import draft_tree
+        from specpilot.bench.cases.gdn import _inputs
         from specpilot.bench.registry import rotations
 
         b, m, h, hv, k, v = (shape[x] for x in ("B", "M", "H", "HV", "K", "V"))
@@ -153,7 +154,8 @@ class _TreeAttnProblem:
     op = "tree_attn.tree_attention"
 
     def __init__(self, shape, device):
-        from specpilot.bench.cases.tree_attn import Problem, Spec, draft_tree
+        from specpilot.bench.cases import draft_tree
+        from specpilot.bench.cases.tree_attn import Problem, Spec
         from specpilot.bench.registry import rotations
 
         spec = Spec(trees=[draft_tree(shape["N"], random.Random(2718))], lens=[shape["L"]], H=shape["H"],

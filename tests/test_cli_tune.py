@@ -172,6 +172,14 @@ def test_named_shapes_of_hybrid_27b():
                                                                                        "B24-N8"]
 
 
+@pytest.mark.parametrize("op", sorted(tuning.OPS))
+def test_tuning_problem_builds_on_the_cpu(op):
+    """Each operator's tuning problem builds its inputs at the tiny shapes (its imports from the bench cases hold)."""
+    name, shape = tuning.named_shapes(op, "tiny")[0]
+    prob = tuning.OPS[op].problem(shape, torch.device("cpu"))
+    assert type(prob).__name__.endswith("Problem"), (op, name)
+
+
 def test_lookup_benchmark_runs_on_the_cpu(tmp_path):
     from specpilot.bench import lookup
 

@@ -63,7 +63,7 @@ def _interleaved(fns: dict, calls: int, repeats: int, sync) -> dict:
 def run(device=None, calls: int = 200_000, launches: int = 2000, repeats: int = 7) -> dict:
     import gdn
     from gdn import ops as gops
-    from specpilot.bench.cases.gdn import _tree
+    from specpilot.bench.cases import draft_tree
     from specpilot.bench.shapes import get_shape_set
 
     dev = torch.device(device or ("cuda" if torch.cuda.is_available() else "cpu"))
@@ -97,7 +97,7 @@ def run(device=None, calls: int = 200_000, launches: int = 2000, repeats: int = 
     W, n = s.conv_width, 32
     import random
 
-    plan = gdn.build_tree_plan([_tree(n, random.Random(1))], device=dev)
+    plan = gdn.build_tree_plan([draft_tree(n, random.Random(1))], device=dev)
     g = torch.Generator(device=dev).manual_seed(0)
     x = torch.randn(n, D, device=dev, generator=g).to(torch.bfloat16)
     cs = torch.randn(1, D, W - 1, device=dev, generator=g).to(torch.bfloat16)

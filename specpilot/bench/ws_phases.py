@@ -21,7 +21,8 @@ import torch
 
 import autotune
 import tree_attn
-from specpilot.bench.cases.tree_attn import Problem, Spec, draft_tree
+from specpilot.bench.cases import draft_tree
+from specpilot.bench.cases.tree_attn import Problem, Spec
 from specpilot.bench.timing import time_cuda
 from tree_attn import cuda as tcuda
 from tree_attn import ops

@@ -1,1 +1,11 @@
 """Benchmark case providers, one module per operator; each registers itself on import."""
+
+from __future__ import annotations
+
+import random
+
+
+def draft_tree(n: int, rng: random.Random) -> list[int]:
+    """Draft-tree-like parent list: one root, each node hangs off one of the 5 nodes before it (the tree_attn and gdn
+    cases' trees, and the tuner's)."""
+    return [-1] + [rng.randrange(max(0, i - 5), i) for i in range(1, n)]

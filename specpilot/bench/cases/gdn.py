@@ -32,13 +32,9 @@ from specpilot.testing import assert_close
 
 from ..registry import Case, Prepared, register
 from ..shapes import ModelShapes
+from . import draft_tree
 
 _SEED = 4321
-
-
-def _tree(n: int, rng: random.Random) -> list[int]:
-    """Draft-tree-like: one root, each node hangs off one of the 5 nodes before it."""
-    return [-1] + [rng.randrange(max(0, i - 5), i) for i in range(1, n)]
 
 
 def _dims(shapes: ModelShapes) -> dict:
@@ -248,10 +244,10 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
         return []
     d = _dims(shapes)
     rng = random.Random(_SEED)
-    big = [_tree(32, rng)]
-    small = [_tree(8, rng) for _ in range(24)]
+    big = [draft_tree(32, rng)]
+    small = [draft_tree(8, rng) for _ in range(24)]
     if device.type != "cuda":  # tiny demo scale on the interpreter
-        big, small = [_tree(6, rng)], [_tree(3, rng) for _ in range(2)]
+        big, small = [draft_tree(6, rng)], [draft_tree(3, rng) for _ in range(2)]
     variants = ("wy", "wy-wgmma", "wy-levels", "recurrent") if device.type == "cuda" else ("wy", "recurrent")
     host = device.type == "cpu" and not autotune.is_interpreter()  # a CPU without the interpreter: torch references
     if host:

@@ -65,16 +65,12 @@ from specpilot.testing import assert_close
 
 from ..registry import Case, Prepared, register, rotations
 from ..shapes import ModelShapes
+from . import draft_tree
 
 _SEED = 2718
 _OP = "tree_attn.tree_attention"
 _HEAD_DIMS = (64, 128, 256)
 _FULL_CHECK = 1 << 28  # elements (keys x query heads x D) the fp64 reference takes at once, see Problem.check
-
-
-def draft_tree(n: int, rng: random.Random) -> list[int]:
-    """Draft-tree-like: one root, each node hangs off one of the 5 nodes before it."""
-    return [-1] + [rng.randrange(max(0, i - 5), i) for i in range(1, n)]
 
 
 def _anc(parents: list[int]) -> list[int]:
