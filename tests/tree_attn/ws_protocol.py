@@ -28,6 +28,9 @@ class MBarrier:
     def arrive(self, n: int) -> None:
         assert n <= self.left, f"{n} arrivals on a phase with {self.left} left (more arrivals than the count)"
         self.left -= n
+        self._complete()
+
+    def _complete(self) -> None:  # the phase completes once every arrival is in
         if self.left == 0:
             self.phases += 1
             self.left = self.count
@@ -232,11 +235,6 @@ class TxBarrier(MBarrier):
     bytes are expected)."""
 
     tx: int = 0
-
-    def arrive(self, n: int) -> None:
-        assert n <= self.left, f"{n} arrivals on a phase with {self.left} left (more arrivals than the count)"
-        self.left -= n
-        self._complete()
 
     def add_tx(self, n: int) -> None:
         self.tx += n
