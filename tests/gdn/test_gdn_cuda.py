@@ -23,17 +23,10 @@ from autotune import force
 from gdn import cuda as gcuda
 from gdn.configs import CudaConfig, WYConfig
 from gdn.reference import chunk_reference, tree_reference
+from specpilot.bench.cases import chain, draft_tree
 from specpilot.testing import assert_close
 
 H, HV, K, V = 2, 4, 32, 16
-
-
-def draft_tree(n, rng):
-    return [-1] + [rng.randrange(max(0, i - 5), i) for i in range(1, n)]
-
-
-def chain(n):
-    return list(range(-1, n - 1))
 
 
 def bf16_round(x: torch.Tensor) -> torch.Tensor:

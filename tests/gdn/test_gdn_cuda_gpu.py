@@ -13,6 +13,7 @@ from autotune import force
 from gdn import cuda as gcuda
 from gdn.configs import CudaConfig
 from gdn.reference import chunk_reference, tree_reference
+from specpilot.bench.cases import chain, draft_tree
 from specpilot.bench.cases.gdn import hostile
 from specpilot.testing import assert_close, assert_replays_equal, capture_graph
 
@@ -26,14 +27,6 @@ def _need_cuda_kernel():
     why = gcuda.unavailable()
     if why is not None:
         pytest.skip(why)
-
-
-def draft_tree(n, rng):
-    return [-1] + [rng.randrange(max(0, i - 5), i) for i in range(1, n)]
-
-
-def chain(n):
-    return list(range(-1, n - 1))
 
 
 def make(trees, seed, *, vk=False, gdt=torch.float32, bdt=torch.bfloat16, hostile_keys=False, pool_rows=None):

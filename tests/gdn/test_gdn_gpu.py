@@ -13,6 +13,7 @@ import gdn
 from autotune import force
 from gdn.configs import WYConfig
 from gdn.reference import chunk_reference, conv_reference, recurrent_reference, root_path, tree_reference
+from specpilot.bench.cases import chain, draft_tree
 from specpilot.bench.cases.gdn import hostile
 from specpilot.bench.shapes import get_shape_set
 from specpilot.testing import assert_close, assert_replays_equal, capture_graph, rel_err
@@ -23,14 +24,6 @@ S = get_shape_set("hybrid-27b")
 H, HV, K, V, W = S.gdn_k_heads, S.gdn_v_heads, S.gdn_head_dim, S.gdn_head_dim, S.conv_width
 C = 2 * H * K + HV * V
 DEV = "cuda"
-
-
-def draft_tree(n, rng):
-    return [-1] + [rng.randrange(max(0, i - 5), i) for i in range(1, n)]
-
-
-def chain(n):
-    return list(range(-1, n - 1))
 
 
 def inputs(T, B, seed, dtype=torch.bfloat16):

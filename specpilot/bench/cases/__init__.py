@@ -9,3 +9,8 @@ def draft_tree(n: int, rng: random.Random) -> list[int]:
     """Draft-tree-like parent list: one root, each node hangs off one of the 5 nodes before it (the tree_attn and gdn
     cases' trees, and the tuner's)."""
     return [-1] + [rng.randrange(max(0, i - 5), i) for i in range(1, n)]
+
+
+def chain(n: int) -> list[int]:
+    """A chain of `n` nodes (node i's parent is i - 1): the tree of a drafter that proposes one path."""
+    return list(range(-1, n - 1))

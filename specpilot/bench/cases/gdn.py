@@ -32,7 +32,7 @@ from specpilot.testing import assert_close
 
 from ..registry import Case, Prepared, register
 from ..shapes import ModelShapes
-from . import draft_tree
+from . import chain, draft_tree
 
 _SEED = 4321
 
@@ -272,7 +272,7 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
         fla_ok = False
     for n in ((8, 16, 32) if device.type == "cuda" else (4,)):
         tag = f"chain-B1-T{n}-L{d['L']}"
-        out += [_verify_case(v, [list(range(-1, n - 1))], d, device, tag, tag, base) for v in variants]
+        out += [_verify_case(v, [chain(n)], d, device, tag, tag, base) for v in variants]
         if fla_ok:
             out += [_fla_case(v, n, d, device, tag, tag) for v in ("fla.chunk", "fla.fused_recurrent")]
     return out

@@ -65,7 +65,7 @@ from specpilot.testing import assert_close
 
 from ..registry import Case, Prepared, register, rotations
 from ..shapes import ModelShapes
-from . import draft_tree
+from . import chain, draft_tree
 
 _SEED = 2718
 _OP = "tree_attn.tree_attention"
@@ -387,6 +387,6 @@ def cases(shapes: ModelShapes, device: torch.device) -> list[Case]:
     group(spec, f"B{B}-N{n}-L{_klabel(lo)}-{_klabel(hi)}", ("flex",), "flex")
     # 3. chains
     for n, L in ([(32, 4096), (32, 32768)] if cuda else [(4, 24)]):
-        spec = Spec([list(range(-1, n - 1))], [L], H, Hkv, D)
+        spec = Spec([chain(n)], [L], H, Hkv, D)
         group(spec, f"chain-B1-N{n}-L{_klabel(L)}", ("sdpa",), "sdpa")
     return out
