@@ -596,7 +596,9 @@ def flow_config(M: int, N: int, K: int, device: torch.device, *, q8: bool = Fals
     """The flow kernel's config for a call: the tuned entry `w12.matmul/flow/<key>` of this GPU where one exists
     (`specpilot tune --op w12.matmul` explores `w12.space.FLOW_SPACE`), else `flow_heuristic`. `q8`: for the 8-bit
     view, whose heuristic keeps the mma.sync build at every M: its warpgroup build measured slower on the H200 at
-    M = 16-32 (o_proj at M = 32 0.55x cuBLAS against 0.64x; docs/w12-kernels.md, "The warpgroup build")."""
-    return autotune.get_config("w12.matmul", "flow", FlowConfig,
+    M = 16-32 (o_proj at M = 32 0.55x cuBLAS against 0.64x; docs/w12-kernels.md, "The warpgroup build"). The view
+    reads its own entries (`w12.matmul_q8/flow/<key>`): a config promoted on the full format was measured on it
+    only."""
+    return autotune.get_config("w12.matmul_q8" if q8 else "w12.matmul", "flow", FlowConfig,
                                lambda: flow_heuristic(M, N, K, device, q8=q8),
                                key=autotune.shape_key(M=M, N=N, K=K), device=device)
