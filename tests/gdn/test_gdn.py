@@ -16,6 +16,7 @@ import torch
 import gdn
 from autotune import force
 from gdn.reference import commit_reference, conv_reference, recurrent_reference, root_path, tree_reference
+from specpilot.bench.cases import chain
 from specpilot.testing import assert_close
 
 H, HV, K, V = 2, 4, 16, 32
@@ -23,10 +24,6 @@ H, HV, K, V = 2, 4, 16, 32
 
 def rand_tree(n, rng, max_children=None):
     return [-1] + [rng.randrange(-1, i) for i in range(1, n)]
-
-
-def chain(n):
-    return list(range(-1, n - 1))
 
 
 def star(n):

@@ -22,16 +22,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
+from specpilot.bench.cases import chain, draft_tree
 from specpilot.testing import assert_close, raises_helpful
 
 MAX_NODES = 64
 
 
 # --------------------------------------------------------------------------------------- trees
-
-
-def chain(n):
-    return list(range(-1, n - 1))
 
 
 def star(n):
@@ -41,11 +38,6 @@ def star(n):
 def rand_tree(n, rng):
     """One root, every other node hangs under a uniformly drawn earlier node (bushy and deep mixed)."""
     return [-1] + [rng.randrange(i) for i in range(1, n)] if n else []
-
-
-def draft_tree(n, rng):
-    """The shape of a speculative draft: each node's parent is one of the five nodes before it."""
-    return [-1] + [rng.randrange(max(0, i - 5), i) for i in range(1, n)] if n else []
 
 
 def forest(n, rng):

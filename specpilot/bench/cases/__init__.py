@@ -7,8 +7,8 @@ import random
 
 def draft_tree(n: int, rng: random.Random) -> list[int]:
     """Draft-tree-like parent list: one root, each node hangs off one of the 5 nodes before it (the tree_attn and gdn
-    cases' trees, and the tuner's)."""
-    return [-1] + [rng.randrange(max(0, i - 5), i) for i in range(1, n)]
+    cases' trees, and the tuner's); no node at n = 0."""
+    return [-1] + [rng.randrange(max(0, i - 5), i) for i in range(1, n)] if n else []
 
 
 def chain(n: int) -> list[int]:
