@@ -123,11 +123,11 @@ STEPS = {
 @pytest.mark.parametrize("layout", ["slot", "paged"])
 @pytest.mark.parametrize("step", list(STEPS))
 def test_one_call_equals_plan_and_run_bitwise(step, layout, nodes_in_cache, make_batch, check, monkeypatch):
-    """With the same waves the two schedules are the same items, and a plan for trees of up to T nodes has the
-    one-call path's tree block (its keys: the call cannot read the largest tree's size without a host read), so
-    the same kernels give the same bits; and the call passes the reference check. (With a smaller tree block the
-    masked keys add zeros, but under the interpreter the dots are the CPU BLAS's, whose order of summation may
-    change with the block's size: 1-ulp LSE differences on some CPUs.)"""
+    """With the same waves the two schedules are the same items, and a host plan sized to the one-call plan's tree
+    block (which fits any tree of the call's node count: the call cannot read the largest tree's size without a host
+    read) runs the same kernels, so they give the same bits; and the call passes the reference check. (With a
+    smaller tree block the masked keys add zeros, but under the interpreter the dots are the CPU BLAS's, whose order
+    of summation may change with the block's size: 1-ulp LSE differences on some CPUs.)"""
     monkeypatch.setattr(ops, "DEVICE_WAVES", 8)
     b = make_batch(STEPS[step], H=6, Hkv=1, D=64, layout=layout, page_size=8, nodes_in_cache=nodes_in_cache,
                    seed=len(step))
@@ -137,8 +137,9 @@ def test_one_call_equals_plan_and_run_bitwise(step, layout, nodes_in_cache, make
     got, lse = _attend(b)
     assert not planned, "the one-call path planned on the host"
     check(b, got, lse)
-    p = real(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask,
-             **b.plan_kw(max_nodes=min(b.tree_mask.shape[0], ops.MAX_NODES)))
+    one_call = ops._DEVICE_LAST[ops._stream_key(b.q)][2]  # the plan the call launched with
+    p = real(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw(max_nodes=one_call.tree_block))
+    assert p.tree_block == one_call.tree_block
     out = b.poisoned_out()
     want, want_lse = tree_attn.run(p, b.q, b.k_cache, b.v_cache, **b.new_kw(), sm_scale=b.sm_scale, out=out,
                                    return_lse=True)
