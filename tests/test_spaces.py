@@ -42,7 +42,8 @@ def test_every_space_has_valid_configs_at_hybrid_27b(space, cls, shapes):
             assert len(ok) < len(grid)  # the checks reject some choices at every shape
         flops, nbytes = space.flops_bytes(shape)
         assert flops > 0 and nbytes > 0
-        reasons = {space.valid(p, shape) for p in grid} - {None}
+        # every rejection names its kind (a strided sample of the largest grids: the flow space's has 110k points)
+        reasons = {space.valid(p, shape) for p in grid[::max(1, len(grid) // 8192)]} - {None}
         assert all(r.split(":")[0] in {"shared memory", "registers", "divisibility", "padding", "config", "tokens"}
                    or "variant" in r
                    or "wgmma" in r for r in reasons)
