@@ -597,8 +597,9 @@ def flow_config(M: int, N: int, K: int, device: torch.device, *, q8: bool = Fals
     (`specpilot tune --op w12.matmul` explores `w12.space.FLOW_SPACE`), else `flow_heuristic`. `q8`: for the 8-bit
     view, whose heuristic keeps the mma.sync build at every M: its warpgroup build measured slower on the H200 at
     M = 16-32 (o_proj at M = 32 0.55x cuBLAS against 0.64x; docs/w12-kernels.md, "The warpgroup build"). The view
-    reads its own entries (`w12.matmul_q8/flow/<key>`): a config promoted on the full format was measured on it
-    only."""
-    return autotune.get_config("w12.matmul_q8" if q8 else "w12.matmul", "flow", FlowConfig,
+    takes the full format's tuned entries (the tuner promotes on the full format): on the H100 gate_up at M = 32 took
+    80.0 us in the view with its entry (`w4-k1-s3-c5-xs`) and 112.7 us at the view's heuristic, in two benchmark runs
+    whose other cells agreed within 1% (docs/w12-kernels.md, "The 8-bit view")."""
+    return autotune.get_config("w12.matmul", "flow", FlowConfig,
                                lambda: flow_heuristic(M, N, K, device, q8=q8),
                                key=autotune.shape_key(M=M, N=N, K=K), device=device)
