@@ -928,12 +928,13 @@ def test_heuristic_fills_the_machine(monkeypatch):
     assert not flow_heuristic(32, 16480, 5120, cpu, warps=8, wgmma=True).wg  # a fixed shape stays as asked
     # the 8-bit view keeps the mma.sync build (its warpgroup build measured slower)
     # and the full format's tuned entries (one op name for both)
-    ops = []
-    monkeypatch.setattr(autotune, "get_config", lambda op, variant, cls, make, **kw: ops.append((op, variant)) or make())
+    looked_up = []
+    monkeypatch.setattr(autotune, "get_config",
+                        lambda op, variant, cls, make, **kw: looked_up.append((op, variant)) or make())
     with monkeypatch.context() as m:
         m.setattr(c, "flow_heuristic", lambda *a, **kw: kw.get("q8"))
         assert c.flow_config(32, 16480, 5120, cpu, q8=True) is True and c.flow_config(32, 16480, 5120, cpu) is False
-    assert ops == [("w12.matmul", "flow")] * 2
+    assert looked_up == [("w12.matmul", "flow")] * 2
 
 
 def test_layout_cache_follows_the_planes():
