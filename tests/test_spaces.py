@@ -1,6 +1,7 @@
 """The declared search spaces: every one yields valid configs at hybrid-27b shapes, and builds its dataclass."""
 
 import dataclasses
+import itertools
 
 import pytest
 
@@ -33,17 +34,22 @@ REJECTS = {"wy": False, "cuda": False}  # every choice of these runs at hybrid-2
 @pytest.mark.parametrize("space, cls, shapes", CASES, ids=lambda x: getattr(x, "variant", None) or "")
 def test_every_space_has_valid_configs_at_hybrid_27b(space, cls, shapes):
     grid = list(space.grid())
+    # the largest grids are sampled with a stride (the flow space's has 110k points): a full scan of every shape
+    # took most of this test's time and found nothing the sample does not
+    sample = grid[::max(1, len(grid) // 8192)]
     for shape in shapes:
-        ok = list(space.configs(shape))
+        ok = list(itertools.islice(space.configs(shape), 512))
         assert ok, (space.op, space.variant, shape)
         norm = space.variant == "wy"  # the WY space resets the split-only fields of other inverses
         assert all(isinstance(c, cls) and (norm or dataclasses.asdict(c).items() >= p.items()) for p, c in ok)
-        if REJECTS.get(space.variant, True):
-            assert len(ok) < len(grid)  # the checks reject some choices at every shape
         flops, nbytes = space.flops_bytes(shape)
         assert flops > 0 and nbytes > 0
-        # every rejection names its kind (a strided sample of the largest grids: the flow space's has 110k points)
-        reasons = {space.valid(p, shape) for p in grid[::max(1, len(grid) // 8192)]} - {None}
+        reasons = {space.valid(p, shape) for p in sample} - {None}
+        if REJECTS.get(space.variant, True):
+            assert reasons, (space.op, space.variant, shape)  # the checks reject some choices at every shape
+        else:
+            assert len(ok) == min(len(grid), 512)
+        # every rejection names its kind
         assert all(r.split(":")[0] in {"shared memory", "registers", "divisibility", "padding", "config", "tokens"}
                    or "variant" in r
                    or "wgmma" in r for r in reasons)
