@@ -351,7 +351,10 @@ def test_nan_stays_in_its_subtree(path):
     clean = _verify(path, plan, *inp[:5], pool, idx)
     assert torch.isfinite(clean).all()
     names = ["q", "k", "v", "g", "beta"]
-    for field, node, bad in PLACEMENTS:
+    # three placements a path, NaN and Inf, leaves and inner nodes, in turn: each placement runs on 3-5 of the
+    # eight paths
+    turn = VERIFY_PATHS.index(path)
+    for field, node, bad in [PLACEMENTS[(turn + j) % len(PLACEMENTS)] for j in (0, 2, 3)]:
         dirty = [t.clone() for t in inp[:5]]
         dirty[names.index(field)][node, 1] = bad  # one head (q/k: key head 1; v/g/beta: value head 1)
         o = _verify(path, plan, *dirty, pool, idx)
@@ -473,7 +476,10 @@ def test_cuda_emulator_keeps_nan_in_its_subtree():
     clean = emulate(q, k, v, g, beta, pool, [1, 2], trees, Kd ** -0.5, True)
     assert torch.isfinite(clean).all()
     names = ["q", "k", "v", "g", "beta"]
-    for field, node, bad in PLACEMENTS:
+    # three placements a path, NaN and Inf, leaves and inner nodes, in turn: each placement runs on 3-5 of the
+    # eight paths
+    turn = VERIFY_PATHS.index(path)
+    for field, node, bad in [PLACEMENTS[(turn + j) % len(PLACEMENTS)] for j in (0, 2, 3)]:
         dirty = [t.clone() for t in (q, k, v, g, beta)]
         dirty[names.index(field)][node, 1] = bad
         o = emulate(*dirty, pool, [1, 2], trees, Kd ** -0.5, True)
