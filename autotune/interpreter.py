@@ -1,4 +1,4 @@
-"""Repairs for three known bugs of Triton's CPU interpreter (TRITON_INTERPRET=1), and three speed-ups.
+"""Repairs for three known bugs of Triton's CPU interpreter (TRITON_INTERPRET=1), and four speed-ups.
 
 1. `tl.dot` on bf16 operands: the interpreter keeps bf16 as raw uint16 and multiplies the
    raw bit patterns (Triton 3.6-3.9), so every bf16 dot is wrong. We widen bf16 to fp32
@@ -24,11 +24,15 @@ Speed-ups, same results (Triton 3.6; each is installed only where the private fu
    The interpreter's builder never sets it, so the check computed values nobody read: a third of
    the interpreted time of integer-heavy kernels (the W12 SwiGLU epilogue's, tree attention's index
    arithmetic). Where `debug` is off, `sanitize_overflow` is off with it.
+7. Every tensor and block type the interpreter makes carries its shape as a `triton.language.tuple`, whose
+   `tuple_type` formatted its printable name (`[:constexpr_type[16],...]`) when it was made: millions of
+   strings a test module, printed only in error messages. The name is formatted when it is read.
 
 `import autotune` calls `apply()` when TRITON_INTERPRET=1 is set, and every operator imports
 autotune before it launches a kernel, so no caller needs to. `apply()` is idempotent; each repair
 is checked by `tests/test_interpreter_fixes.py`.
-Only the interpreter module is touched: compiled GPU kernels are unaffected.
+Only the interpreter module is touched, and `triton.language`'s tuple type, whose printable name becomes a property
+of the same value: compiled GPU kernels are unaffected.
 """
 
 from __future__ import annotations
@@ -85,7 +89,30 @@ def apply() -> bool:
     _skip_repeated_lang_patches(interp, tl)
     _cache_np_dtype_table(interp, tl, np)
     _overflow_checks_only_with_asserts(interp)
+    _tuple_type_names_when_read(tl)
     return True
+
+
+def _tuple_type_names_when_read(tl) -> None:
+    """Speed-up 7 of the module docstring: `tuple_type.name` a property. Installed only where the original
+    constructor sets exactly `types`, `fields` and a `name` equal to the property's."""
+    cls = getattr(tl.core, "tuple_type", None)
+    if cls is None or isinstance(vars(cls).get("name"), property):
+        return
+
+    def name(self):
+        return "[" + ",".join([f"{k}:{v}" for k, v in zip(self.fields, self.types)]) + "]"
+
+    probe = cls([tl.constexpr_type(16), tl.float32], ["a", "b"])
+    if set(vars(probe)) != {"types", "fields", "name"} or probe.name != name(probe):
+        return
+
+    def __init__(self, types, fields=None):
+        self.types = types
+        self.fields = fields or [""] * len(types)
+
+    cls.__init__ = __init__
+    cls.name = property(name)
 
 
 def _overflow_checks_only_with_asserts(interp) -> None:

@@ -171,3 +171,15 @@ def test_integer_ops_wrap_without_the_dead_overflow_check(device, monkeypatch):
     want = ((want + 2**31) % 2**32 - 2**31).to(torch.int32)  # two's complement wrap-around
     assert torch.equal(out.cpu(), want)
     assert not checks
+
+
+def test_tuple_type_names_are_formatted_when_read():
+    """Speed-up 7: a tuple type's name, formatted on reading, is the string the constructor used to format."""
+    import triton.language as tl
+
+    t = tl.core.tuple_type([tl.constexpr_type(16), tl.float32, tl.pointer_type(tl.bfloat16)], ["", "x", ""])
+    assert t.name == str(t) == "[:constexpr_type[16],x:fp32,:pointer<bf16>]"
+    shape = tl.core.block_type(tl.float32, [4, 8]).shape  # a tl.tuple, as every tensor's shape is
+    assert shape.type.name == "[:constexpr_type[4],:constexpr_type[8]]"
+    if os.environ.get("TRITON_INTERPRET") == "1":
+        assert isinstance(vars(tl.core.tuple_type)["name"], property)

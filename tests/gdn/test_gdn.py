@@ -16,7 +16,7 @@ import torch
 import gdn
 from autotune import force
 from gdn.reference import commit_reference, conv_reference, recurrent_reference, root_path, tree_reference
-from specpilot.bench.cases import chain
+from specpilot.bench.cases import chain, star
 from specpilot.testing import assert_close
 
 H, HV, K, V = 2, 4, 16, 32
@@ -24,10 +24,6 @@ H, HV, K, V = 2, 4, 16, 32
 
 def rand_tree(n, rng, max_children=None):
     return [-1] + [rng.randrange(-1, i) for i in range(1, n)]
-
-
-def star(n):
-    return [-1] + [0] * (n - 1)
 
 
 def make_inputs(T, dtype=torch.float32, pool=4, seed=0, l2=True, h=H, hv=HV, k=K, v=V, corr=0.0):

@@ -22,17 +22,13 @@ from dataclasses import dataclass, field
 import pytest
 import torch
 
-from specpilot.bench.cases import chain, draft_tree
+from specpilot.bench.cases import chain, draft_tree, star
 from specpilot.testing import assert_close, raises_helpful
 
 MAX_NODES = 64
 
 
 # --------------------------------------------------------------------------------------- trees
-
-
-def star(n):
-    return [-1] + [0] * (n - 1)
 
 
 def rand_tree(n, rng):

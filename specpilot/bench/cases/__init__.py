@@ -14,3 +14,8 @@ def draft_tree(n: int, rng: random.Random) -> list[int]:
 def chain(n: int) -> list[int]:
     """A chain of `n` nodes (node i's parent is i - 1): the tree of a drafter that proposes one path."""
     return list(range(-1, n - 1))
+
+
+def star(n: int) -> list[int]:
+    """A root and `n - 1` children of it: the tree of a drafter's top-(n - 1) choices at one position."""
+    return [-1] + [0] * (n - 1)
