@@ -177,16 +177,17 @@ def test_strided_caches(layout, make_batch, check):
 
 # ------------------------------------------------------------------------------------ dtypes, scale
 
-@grid("dtype", [(torch.bfloat16,), (torch.float16,)], wgmma_for={(torch.bfloat16,)},
-      ids=lambda v: {torch.bfloat16: "bf16", torch.float16: "fp16"}[v[0]])
+DTYPES = {torch.bfloat16: "bf16", torch.float16: "fp16"}
+
+
+@grid("dtype", [(d,) for d in DTYPES], wgmma_for={(torch.bfloat16,)}, ids=lambda v: DTYPES[v[0]])
 def test_dtypes(dtype, variant, make_batch, check):
     b = make_batch([("draft6", 21), ("star3", 0)], H=4, Hkv=2, D=128, dtype=dtype, seed=9)
     out, lse = attend(b, variant)
     check(b, out, lse, msg=f"{dtype}/{variant}")
 
 
-@grid("dtype", [(torch.bfloat16,), (torch.float16,)], wgmma_for={(torch.float16,)},
-      ids=lambda v: {torch.bfloat16: "bf16", torch.float16: "fp16"}[v[0]])
+@grid("dtype", [(d,) for d in DTYPES], wgmma_for={(torch.float16,)}, ids=lambda v: DTYPES[v[0]])
 def test_peaked_scores_and_sm_scale(dtype, variant, make_batch, check):
     """Scores with a spread of tens (q scaled by 6, sm_scale 0.4 instead of D**-0.5): one key dominates each
     row, so the running maximum and the split merge must rescale without overflow or underflow to 0/0."""

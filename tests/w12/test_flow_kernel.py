@@ -242,10 +242,11 @@ def test_stream_k_builds_without_local_memory(wg, jit_cache):
 
     tags = [t for t in FLOW_SK_CANDIDATES if t.endswith("-g-sk") == wg]
     assert tags
+    tiles = (2, 4) if wg else (1, 4)
     for i, tag in enumerate(tags):
         cfg = FlowConfig.from_tag(tag)
         # every candidate at 4 token tiles (the most registers); the smaller tiles for the first one only
-        for nt in ((1, 4) if not wg else (2, 4)) if i == 0 else (4,):
+        for nt in tiles if i == 0 else tiles[-1:]:
             # sm_80 at 1 token tile: at 16 warps an SM (128 registers) its 4-tile builds spill, as the one-CTA-a-row-set
             # build w4-k1-s3-c4 does there
             for arch in [(9, 0)] + ([] if wg or nt > 1 else [(8, 0)]):
