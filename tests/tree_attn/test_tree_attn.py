@@ -279,6 +279,31 @@ def test_plan_nodes_in_cache_and_variant(make_batch, check):
         check(b, out, lse, msg=variant)
 
 
+def test_split_items_store_the_rows_of_their_nodes_only(make_batch, check):
+    """A split item stores the partial output and LSE of its nodes' rows (nodes x G) and of no padding row of its
+    tile: the merge reads no other row, and at one token per request a tile is mostly padding. The plan's scratch
+    starts as NaN; afterwards every padding row still holds it and every used item's node rows are numbers."""
+    b = make_batch([("single", 40), ("chain2", 23)], H=6, Hkv=2, D=64, seed=16)
+    plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw(variant="mma"))
+    plan.po.fill_(float("nan"))
+    plan.plse.fill_(float("nan"))
+    out, lse = run_plan(plan, b)
+    check(b, out, lse)
+    rows = [n * 3 for n in (1, 2)]  # G = 3; each request fits one row block
+    bm = plan.po.shape[2]
+    assert max(rows) < bm, "the case needs padding rows in every tile"
+    used = plan.items[:plan.num_items].tolist()
+    assert {it[0] for it in used} == {0, 1}, f"both requests run split items: {used}"
+    for i, it in enumerate(used):
+        r = rows[it[0]]
+        assert torch.isnan(plan.po[i, :, r:]).all() and torch.isnan(plan.plse[i, :, r:]).all(), \
+            f"item {i} {it} wrote a padding row"
+        assert torch.isfinite(plan.plse[i, :, :r]).all() and torch.isfinite(plan.po[i, :, :r]).all(), \
+            f"item {i} {it} left a node row unwritten"
+    for i in range(plan.num_items, plan.po.shape[0]):
+        assert torch.isnan(plan.po[i]).all(), f"unused item {i} was written"
+
+
 STEP1 = [("draft9", 5), ("chain3", 0), ("single", 12), ("star8", 2)]  # T = 21, 19 prefix slots
 NEXT_STEPS = {
     # other trees of the same node counts, the same prefix lengths, other slots

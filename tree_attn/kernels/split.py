@@ -277,9 +277,11 @@ def _split_item(item, hk, req, tile, lo, hi, q0, n, q_ptr, k_ptr, v_ptr, kn_ptr,
     if CHECK:
         keys_bad = top >= slots.to(tl.uint32)
         lse = tl.where(keys_bad, float("nan"), lse)
+    # rows of real nodes only: the merge reads no other row, and a one-token step's 64-row tile holds G of them
+    # (its padding rows would write about as many bytes as the item reads of K and V)
     base = (item * HKV + hk) * BM + tl.arange(0, BM)
-    tl.store(po_ptr + base.to(tl.int64)[:, None] * D + offs_d[None, :], acc / l_safe[:, None])
-    tl.store(plse_ptr + base, lse)
+    tl.store(po_ptr + base.to(tl.int64)[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
+    tl.store(plse_ptr + base, lse, mask=row_ok)
     if CHECK:  # after the stores: little is live across the call
         if keys_bad & (hk == 0) & (tile == 0):
             _record(status, BAD_SLOT, _first_bad_slot(kv_indices, first, end, slots, 1024))
