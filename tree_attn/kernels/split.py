@@ -278,10 +278,13 @@ def _split_item(item, hk, req, tile, lo, hi, q0, n, q_ptr, k_ptr, v_ptr, kn_ptr,
         keys_bad = top >= slots.to(tl.uint32)
         lse = tl.where(keys_bad, float("nan"), lse)
     # rows of real nodes only: the merge reads no other row, and a one-token step's 64-row tile holds G of them
-    # (its padding rows would write about as many bytes as the item reads of K and V)
-    base = (item * HKV + hk) * BM + tl.arange(0, BM)
-    tl.store(po_ptr + base.to(tl.int64)[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=row_ok[:, None])
-    tl.store(plse_ptr + base, lse, mask=row_ok)
+    # (its padding rows would write about as many bytes as the item reads of K and V). The mask is formed here
+    # from scalars, not row_ok's expression: kept live across the key loop, a [BM] mask made it spill.
+    rows = tl.arange(0, BM)
+    base = (item * HKV + hk) * BM + rows
+    real = rows < n * G - tile * BM
+    tl.store(po_ptr + base.to(tl.int64)[:, None] * D + offs_d[None, :], acc / l_safe[:, None], mask=real[:, None])
+    tl.store(plse_ptr + base, lse, mask=real)
     if CHECK:  # after the stores: little is live across the call
         if keys_bad & (hk == 0) & (tile == 0):
             _record(status, BAD_SLOT, _first_bad_slot(kv_indices, first, end, slots, 1024))
