@@ -33,9 +33,9 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-__all__ = ["BuildError", "Build", "Spec", "Kernel", "FunctionCache", "compile", "load", "available", "unavailable",
-           "arch_name", "cache_root", "nvrtc_version", "include_dirs", "tensor_map_2d", "PTR", "I32", "I64", "F32",
-           "BY_ADDRESS", "SHARED_HEADERS"]
+__all__ = ["BuildError", "Build", "Spec", "Kernel", "FunctionCache", "compile", "compile_ptx", "load", "available",
+           "unavailable", "arch_name", "cache_root", "nvrtc_version", "include_dirs", "tensor_map_2d", "PTR", "I32",
+           "I64", "F32", "BY_ADDRESS", "SHARED_HEADERS"]
 
 # kernel argument types for `Kernel.launch` (cuda-bindings packs each value as its ctypes type)
 PTR, I32, I64, F32 = ctypes.c_void_p, ctypes.c_int, ctypes.c_longlong, ctypes.c_float
@@ -170,20 +170,7 @@ def compile(source: Path | str, *, arch: str, defines: Mapping[str, object] | No
     every *.cuh / *.h beside the source, whose directory is on the include path). The headers the operators share
     (`SHARED_HEADERS`, autotune/csrc: mbarrier.cuh) are on the include path of every build and always part of its
     key. Raises BuildError."""
-    source = Path(source)
-    if not re.fullmatch(r"sm_\d+a?", arch):
-        raise ValueError(f"autotune.jit.compile: arch must be a real target such as 'sm_90', got {arch!r}")
-    if headers is None:
-        headers = sorted(p for p in source.parent.iterdir() if p.suffix in (".cuh", ".h"))
-    items = _define_items(defines)
-    opts = [f"-arch={arch}", "-std=c++17", "-Xptxas=-v", *(f"-D{k}={v}" for k, v in items), *options]
-    nvrtc, version = _nvrtc()
-    key = hashlib.sha256()
-    key.update(source.read_bytes())
-    for h in [*headers, *_shared_headers()]:
-        key.update(b"\0" + Path(h).name.encode() + b"\0" + Path(h).read_bytes())
-    key.update("\0".join([_FORMAT, *opts, f"nvrtc-{version[0]}.{version[1]}", _headers_fingerprint()]).encode())
-    stem = cache_root() / "jit" / f"{name or source.stem}-{key.hexdigest()[:20]}"
+    source, opts, stem = _keyed(source, arch, defines, options, headers, name, ["-Xptxas=-v"])
     out = Build(stem.with_suffix(".cubin"), stem.with_suffix(".ptx"), stem.with_suffix(".log"))
     if _built(out):
         return out
@@ -193,14 +180,71 @@ def compile(source: Path | str, *, arch: str, defines: Mapping[str, object] | No
     with _key_lock(stem.with_suffix(".lock")):
         if _built(out):
             return out
-        cubin, ptx, log = _nvrtc_compile(nvrtc, source,
-                                         opts + [f"-I{source.parent}", f"-I{SHARED_HEADERS}",
-                                                 *(f"-I{d}" for d in include_dirs())])
-        for path, data in ((out.log, log), (out.ptx, ptx), (out.cubin, cubin)):  # the cubin last: it means done
-            with tempfile.NamedTemporaryFile(dir=stem.parent, prefix=".tmp-", delete=False) as f:
-                f.write(data)
-            os.replace(f.name, path)
+        cubin, ptx, log = _nvrtc_compile(_nvrtc()[0], source, opts + _include_opts(source))
+        _write(((out.log, log), (out.ptx, ptx), (out.cubin, cubin)), stem.parent)  # the cubin last: it means done
     return out
+
+
+def compile_ptx(source: Path | str, *, arch: str, defines: Mapping[str, object] | None = None,
+                options: Sequence[str] = (), headers: Sequence[Path] | None = None, name: str | None = None) -> Path:
+    """The PTX of `compile(...)` with the same arguments, without running ptxas: the full build's file where it is
+    cached, else NVRTC's output for the virtual target (compute_90a for sm_90a), cached under a key of its own.
+    The instructions are those of the full build's PTX (its internal symbols' mangled names differ: NVRTC hashes
+    the options into them); ptxas is most of a build's time, and a check of the instructions needs none of it.
+    Raises BuildError."""
+    full = compile_stem(source, arch=arch, defines=defines, options=options, headers=headers, name=name)
+    if _built(Build(full.with_suffix(".cubin"), full.with_suffix(".ptx"), full.with_suffix(".log"))):
+        return full.with_suffix(".ptx")
+    if not re.fullmatch(r"sm_\d+a?", arch):
+        raise ValueError(f"autotune.jit.compile_ptx: arch must be a real target such as 'sm_90', got {arch!r}")
+    virtual = "compute_" + arch[3:]
+    source, opts, stem = _keyed(source, virtual, defines, options, headers, name, [], check=False)
+    out = stem.with_suffix(".ptx")
+    if out.is_file():
+        return out
+    stem.parent.mkdir(parents=True, exist_ok=True)
+    with _key_lock(stem.with_suffix(".lock")):
+        if not out.is_file():
+            _, ptx, _ = _nvrtc_compile(_nvrtc()[0], source, opts + _include_opts(source), cubin=False)
+            _write(((out, ptx),), stem.parent)
+    return out
+
+
+def compile_stem(source: Path | str, *, arch: str, defines: Mapping[str, object] | None = None,
+                 options: Sequence[str] = (), headers: Sequence[Path] | None = None, name: str | None = None) -> Path:
+    """The cache path, without suffix, of `compile(...)`'s files for these arguments."""
+    return _keyed(source, arch, defines, options, headers, name, ["-Xptxas=-v"])[2]
+
+
+def _keyed(source, arch, defines, options, headers, name, extra, check: bool = True):
+    """(source path, NVRTC options, cache stem): the stem hashes the source, its headers, the options and NVRTC's
+    version."""
+    source = Path(source)
+    if check and not re.fullmatch(r"sm_\d+a?", arch):
+        raise ValueError(f"autotune.jit.compile: arch must be a real target such as 'sm_90', got {arch!r}")
+    if headers is None:
+        headers = sorted(p for p in source.parent.iterdir() if p.suffix in (".cuh", ".h"))
+    items = _define_items(defines)
+    opts = [f"-arch={arch}", "-std=c++17", *extra, *(f"-D{k}={v}" for k, v in items), *options]
+    version = _nvrtc()[1]
+    key = hashlib.sha256()
+    key.update(source.read_bytes())
+    for h in [*headers, *_shared_headers()]:
+        key.update(b"\0" + Path(h).name.encode() + b"\0" + Path(h).read_bytes())
+    key.update("\0".join([_FORMAT, *opts, f"nvrtc-{version[0]}.{version[1]}", _headers_fingerprint()]).encode())
+    return source, opts, cache_root() / "jit" / f"{name or source.stem}-{key.hexdigest()[:20]}"
+
+
+def _include_opts(source: Path) -> list[str]:
+    return [f"-I{source.parent}", f"-I{SHARED_HEADERS}", *(f"-I{d}" for d in include_dirs())]
+
+
+def _write(files, folder: Path) -> None:
+    """Each (path, bytes) through a temporary file renamed into place, in order."""
+    for path, data in files:
+        with tempfile.NamedTemporaryFile(dir=folder, prefix=".tmp-", delete=False) as f:
+            f.write(data)
+        os.replace(f.name, path)
 
 
 def _built(out: Build) -> bool:
@@ -231,7 +275,7 @@ def _key_lock(path: Path):
                 fcntl.flock(f, fcntl.LOCK_UN)
 
 
-def _nvrtc_compile(nvrtc, source: Path, opts: list[str]) -> tuple[bytes, bytes, bytes]:
+def _nvrtc_compile(nvrtc, source: Path, opts: list[str], cubin: bool = True) -> tuple[bytes, bytes, bytes]:
     ok = nvrtc.nvrtcResult.NVRTC_SUCCESS
     err, prog = nvrtc.nvrtcCreateProgram(source.read_bytes(), source.name.encode(), 0, [], [])
     if err != ok:
@@ -247,9 +291,12 @@ def _nvrtc_compile(nvrtc, source: Path, opts: list[str]) -> tuple[bytes, bytes, 
             flags = " ".join(o for o in opts if not o.startswith("-I"))
             raise BuildError(f"autotune.jit: NVRTC {'.'.join(map(str, nvrtc_version()))} failed on {source.name} "
                              f"({flags}):\n{log.decode(errors='replace')[-4000:]}")
-        _, n = nvrtc.nvrtcGetCUBINSize(prog)
-        cubin = b" " * n
-        nvrtc.nvrtcGetCUBIN(prog, cubin)
+        if cubin:
+            _, n = nvrtc.nvrtcGetCUBINSize(prog)
+            cubin = b" " * n
+            nvrtc.nvrtcGetCUBIN(prog, cubin)
+        else:  # a virtual target: PTX only
+            cubin = b""
         _, n = nvrtc.nvrtcGetPTXSize(prog)
         ptx = b" " * n
         nvrtc.nvrtcGetPTX(prog, ptx)
@@ -461,6 +508,11 @@ class Spec:
     def compile(self) -> Build:
         return compile(self.source, arch=self.arch, defines=dict(self.defines), options=self.options,
                        name=self.name or None)
+
+    def ptx(self) -> Path:
+        """The PTX of `compile()` without ptxas (`compile_ptx`): for checks of the instructions alone."""
+        return compile_ptx(self.source, arch=self.arch, defines=dict(self.defines), options=self.options,
+                           name=self.name or None)
 
     def load(self, device: int) -> Kernel:
         """Compile (or take from the disk cache) and load into CUDA device `device`."""

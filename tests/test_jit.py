@@ -42,12 +42,31 @@ def _count_compiles(monkeypatch) -> list:
     calls = []
     real = jit._nvrtc_compile
 
-    def counting(*a):
+    def counting(*a, **kw):
         calls.append(a)
-        return real(*a)
+        return real(*a, **kw)
 
     monkeypatch.setattr(jit, "_nvrtc_compile", counting)
     return calls
+
+
+def test_compile_ptx_skips_ptxas_and_gives_the_builds_instructions(src, tmp_path, monkeypatch):
+    """compile_ptx: NVRTC to the virtual target (no CUBIN made), cached under its own key; its instructions are
+    the full build's (internal symbols aside); once the full build is cached, its PTX file is the answer."""
+    calls = _count_compiles(monkeypatch)
+    p = jit.compile_ptx(src, arch="sm_80", defines={"SCALE": 3})
+    assert p.suffix == ".ptx" and not p.with_suffix(".cubin").exists() and len(calls) == 1
+    assert ".target sm_80" in p.read_text() and ".entry tiny_kernel" in p.read_text()
+    assert jit.compile_ptx(src, arch="sm_80", defines={"SCALE": 3}) == p and len(calls) == 1  # cached
+
+    def body(text):  # the kernel's instructions: from its entry on
+        return text[text.index(".entry tiny_kernel"):]
+    full = jit.compile(src, arch="sm_80", defines={"SCALE": 3})
+    assert len(calls) == 2 and body(full.ptx.read_text()) == body(p.read_text())
+    assert jit.compile_ptx(src, arch="sm_80", defines={"SCALE": 3}) == full.ptx and len(calls) == 2
+    assert jit.Spec(src, "tiny_kernel", "sm_80", {"SCALE": 3}).ptx() == full.ptx
+    with pytest.raises(ValueError, match="real target"):
+        jit.compile_ptx(src, arch="compute_80")
 
 
 def test_compile_gives_cubin_ptx_and_resources(src, tmp_path):
