@@ -269,7 +269,8 @@ def _gdn_spaces():
 
 def _gdn_shapes(s) -> list[tuple[str, dict]]:
     d = dict(H=s.gdn_k_heads, HV=s.gdn_v_heads, K=s.gdn_head_dim, V=s.gdn_head_dim)
-    return [(f"B{b}-N{m}", dict(B=b, M=m, **d)) for b, m in ((1, 32), (1, 16), (1, 8), (24, 8))]
+    # draft trees, and one token (the engine's autoregressive step)
+    return [(f"B{b}-N{m}", dict(B=b, M=m, **d)) for b, m in ((1, 32), (1, 16), (1, 8), (24, 8), (1, 1))]
 
 
 def _attn_spaces():
@@ -282,9 +283,13 @@ def _attn_shapes(s) -> list[tuple[str, dict]]:
     from specpilot.bench.cases.tree_attn import head_dims
 
     h, hkv, d = head_dims(s)
-    length = 32768 if s.name != "tiny" else 40
-    return [(f"B1-N32-L{length // 1024}k" if length >= 1024 else f"B1-N32-L{length}",
-             dict(D=d, G=h // hkv, H=h, Hkv=hkv, L=length, N=32))]
+    # a 32-node tree over a long prefix, and one token over the engine's prefix (its autoregressive step): the
+    # tuned key holds the node count's bucket, so each tunes its own entry
+    shapes = []
+    for n, length in ((32, 32768), (1, 4096)) if s.name != "tiny" else ((32, 40), (1, 40)):
+        name = f"B1-N{n}-L{length // 1024}k" if length >= 1024 else f"B1-N{n}-L{length}"
+        shapes.append((name, dict(D=d, G=h // hkv, H=h, Hkv=hkv, L=length, N=n)))
+    return shapes
 
 
 def _head_spaces():

@@ -107,14 +107,14 @@ def fake(monkeypatch):
 
 def _tune(tmp_path, *extra, trials=14):
     return cli.main(["tune", "--op", "tree_attn.tree_attention", "--variant", "wgmma", "--trials", str(trials),
-                     "--out", str(tmp_path / "out"), "--no-progress", *extra])
+                     "--only", "B1-N32-*", "--out", str(tmp_path / "out"), "--no-progress", *extra])
 
 
 def test_tune_end_to_end_promotes_and_stores_in_the_user_cache(dirs, fake, capsys):
     assert _tune(dirs, "--storage", f"sqlite:///{dirs / 'studies.db'}") == 0
     assert (dirs / "studies.db").stat().st_size > 0
     out = capsys.readouterr().out
-    assert "| tree_attn.tree_attention | wgmma | B1-N32-L32k | D256-G6 |" in out and "promoted" in out
+    assert "| tree_attn.tree_attention | wgmma | B1-N32-L32k | D256-G6-N32 |" in out and "promoted" in out
     rec = json.loads((dirs / "out" / tuning.DECISIONS).read_text())["records"]
     (r,) = rec
     assert r["promoted"] and r["stored"] and r["stored_in"] == "user cache" and r["pruned"] >= 1
@@ -125,7 +125,7 @@ def test_tune_end_to_end_promotes_and_stores_in_the_user_cache(dirs, fake, capsy
         __import__("tree_attn.space").space.WGMMA_SPACE, r["shape"])  # the heuristic compiles and runs first
     assert all(c.num_warps != 8 for c in fake.timed)  # a failed check is never timed
     user = json.loads((dirs / "cache" / "configs" / "cpu.json").read_text())["entries"]
-    entry = user["tree_attn.tree_attention/wgmma/D256-G6"]
+    entry = user["tree_attn.tree_attention/wgmma/D256-G6-N32"]
     assert entry["_"]["promotion"]["promoted"] and entry["block_n"] == r["tuned"]["block_n"]
     assert not (dirs / "shipped" / "cpu.json").exists()
     md = (dirs / "out" / tuning.TABLE).read_text()
@@ -169,7 +169,9 @@ def test_named_shapes_of_hybrid_27b():
     names = [n for n, _ in tuning.named_shapes("w12.matmul", "hybrid-27b", "*-M64")]
     assert len(names) == 7 and "mlp.down_proj-M64" in names and "lm_head-M64" in names
     assert [n for n, _ in tuning.named_shapes("gdn.tree_verify", "hybrid-27b")] == ["B1-N32", "B1-N16", "B1-N8",
-                                                                                       "B24-N8"]
+                                                                                       "B24-N8", "B1-N1"]
+    assert [n for n, _ in tuning.named_shapes("tree_attn.tree_attention", "hybrid-27b")] == ["B1-N32-L32k",
+                                                                                                "B1-N1-L4k"]
 
 
 @pytest.mark.parametrize("op", sorted(tuning.OPS))

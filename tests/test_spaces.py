@@ -57,7 +57,9 @@ def test_every_space_has_valid_configs_at_hybrid_27b(space, cls, shapes):
 
 def test_keys_match_the_lookups(monkeypatch):
     assert TC_SPACE.key({"M": 5, "N": 5120, "K": 6144}) == "K6144-M8-N5120"
-    assert WGMMA_SPACE.key(ATTN_SHAPES[0]) == "D256-G6"
+    # the largest tree's node count, bucketed (8 and 32 nodes here; one token is N1)
+    assert [WGMMA_SPACE.key(s) for s in ATTN_SHAPES] == ["D256-G6-N8", "D256-G6-N32"]
+    assert WGMMA_SPACE.key(dict(ATTN_SHAPES[0], N=1)) == "D256-G6-N1"
     # "ws": one consumer warpgroup for 8 nodes x 6 heads, two for 32 x 6 (ws_config's key)
     assert [WS_SPACE.key(s) for s in ATTN_SHAPES] == ["C1-D256-G6", "C2-D256-G6"]
     assert HEAD_SPACE.key(HEAD_SHAPES[1]) == "K5120-V248320"
@@ -69,7 +71,7 @@ def test_keys_match_the_lookups(monkeypatch):
     seen = []
     monkeypatch.setattr(gc, "get_config", lambda op, var, cls, h, key, device=None: seen.append((op, var, key)) or h())
     monkeypatch.setattr(lc, "get_config", lambda op, var, cls, h, key, device=None: seen.append((op, var, key)) or h())
-    b24 = GDN_SHAPES[-1]
+    b24 = next(s for s in GDN_SHAPES if s["B"] == 24)
     gc.wy_config(b24["M"], b24["K"], b24["V"], batch=b24["B"], HV=b24["HV"])
     gc.cuda_config(b24["M"], b24["K"], b24["V"], batch=b24["B"], HV=b24["HV"])
     lc.head_config("triton", S.vocab, S.hidden, False)
@@ -83,6 +85,35 @@ def test_keys_match_the_lookups(monkeypatch):
     for shape in ATTN_SHAPES:
         tc.ws_config(shape["D"], shape["G"], shape["N"] * shape["G"])
     assert seen == [("tree_attn.tree_attention", "ws", WS_SPACE.key(s)) for s in ATTN_SHAPES]
+    seen.clear()
+    shapes = [*ATTN_SHAPES, dict(ATTN_SHAPES[0], N=1)]
+    for shape in shapes:
+        tc.split_config("wgmma", shape["D"], shape["G"], 9, False, nodes=shape["N"])
+    assert seen == [("tree_attn.tree_attention", "wgmma", WGMMA_SPACE.key(s)) for s in shapes]
+
+
+def test_tree_attn_plans_look_up_the_largest_trees_bucket(monkeypatch):
+    """tree_attn.plan asks for the split kernel's config under the key of its largest tree (max_nodes when given):
+    a one-token step, a 3-node tree and a plan sized for 20 nodes look up N1, N4 and N32 (head_dim 64 with 7 heads
+    a KV head: no other test's cached plan)."""
+    import torch
+
+    import tree_attn
+    from tree_attn import configs as tc
+
+    seen = []
+    real = tc.get_config
+    monkeypatch.setattr(tc, "get_config", lambda op, var, cls, h, key, device=None: seen.append(key) or real(
+        op, var, cls, h, key=key, device=device))
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    for nodes, max_nodes in ((1, None), (3, None), (3, 20)):
+        qo = torch.tensor([0, nodes], dtype=torch.int32)
+        kv = torch.tensor([0, 8 + nodes], dtype=torch.int32)
+        idx = torch.arange(8 + nodes, dtype=torch.int32)
+        mask = torch.tensor([(1 << (i + 1)) - 1 for i in range(nodes)], dtype=torch.int64)
+        tree_attn.plan(qo, kv, idx, mask, num_qo_heads=7, num_kv_heads=1, head_dim=64, cache_slots=64,
+                       nodes_in_cache=True, variant="mma", max_nodes=max_nodes)
+    assert seen == ["D64-G7-N1", "D64-G7-N4", "D64-G7-N32"], seen
 
 
 def test_heuristics_are_points_of_their_spaces():

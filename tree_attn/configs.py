@@ -6,9 +6,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from autotune import get_config, shape_key
+from autotune import bucket_m, get_config, shape_key
 
-__all__ = ["SplitConfig", "WSConfig", "split_config", "ws_config", "ws_consumers", "MMA_ROWS_SM90"]
+__all__ = ["SplitConfig", "WSConfig", "split_config", "split_key", "ws_config", "ws_consumers", "MMA_ROWS_SM90"]
 
 # Triton lowers tl.dot to wgmma on sm_90 only when a program's tile has a multiple of 64 rows and a
 # multiple of 4 warps; the "mma" variant keeps its tile at 32 rows on sm_90 so that it runs the
@@ -91,11 +91,18 @@ def _heuristic(variant: str, head_dim: int, cc_major: int, interpret: bool) -> S
     return SplitConfig(block_m=64, block_n=bn, num_warps=4, num_stages=3, programs_per_sm=2.0)
 
 
-def split_config(variant: str, head_dim: int, group: int, cc_major: int, interpret: bool, device=None
-                 ) -> SplitConfig:
+def split_config(variant: str, head_dim: int, group: int, cc_major: int, interpret: bool, device=None,
+                 nodes: int = 32) -> SplitConfig:
+    """`nodes`: the step's largest tree (its node count bucketed to a power of two keys the tuned entries: a
+    one-token step and a 32-node tree are different problems for the same kernel)."""
     return get_config("tree_attn.tree_attention", variant, SplitConfig,
                       lambda: _heuristic(variant, head_dim, cc_major, interpret),
-                      key=shape_key(D=head_dim, G=group), device=device)
+                      key=split_key(head_dim, group, nodes), device=device)
+
+
+def split_key(head_dim: int, group: int, nodes: int) -> str:
+    """The tuned key of the split kernel's configs: `D<D>-G<G>-N<nodes bucket>`."""
+    return shape_key(D=head_dim, G=group, N=bucket_m(max(1, nodes)))
 
 
 def ws_consumers(rows: int) -> int:

@@ -91,13 +91,15 @@ def _plan(variant: str | None, device: torch.device, head_dim: int, group: int, 
     if why is not None:
         raise ValueError(f"tree_attn.plan: {why}; pass variant='reference' to run the torch reference, which takes "
                          "any head_dim")
-    key = (chosen, str(device), head_dim, group, autotune.forced(OP), is_interpreter())
+    nodes = autotune.bucket_m(max(1, -(-rows // group)))  # the largest tree's nodes: part of the tuned key
+    key = (chosen, str(device), head_dim, group, nodes, autotune.forced(OP), is_interpreter())
 
     def make() -> autotune.Plan:
         if chosen == "reference" or host_only(device):
             return autotune.Plan(chosen, "reference")
         cc = compute_capability(device.index)[0] if device.type == "cuda" else 0
-        return autotune.Plan(chosen, "split", split_config(chosen, head_dim, group, cc, is_interpreter(), device))
+        return autotune.Plan(chosen, "split", split_config(chosen, head_dim, group, cc, is_interpreter(), device,
+                                                           nodes=nodes))
 
     return _PLANS.get(key, make)
 

@@ -2,7 +2,7 @@
 variants "wgmma" and "mma") and the warp-specialised CUDA C++ kernel (`WSConfig`, variant "ws", sm_90).
 
 Shapes are dicts {"D" head dim, "G" query heads per KV head, "H" query heads, "Hkv" KV heads, "L" prefix keys,
-"N" tree nodes}; the tuned key is the one `split_config` looks up, `D<D>-G<G>`. Checks: the K/V ring and the
+"N" tree nodes}; the tuned key is the one `split_config` looks up, `D<D>-G<G>-N<nodes bucket>`. Checks: the K/V ring and the
 q tile fit shared memory, the fp32 accumulator fits the registers, and the "mma" variant keeps its 32-row
 tile on sm_90 (`MMA_ROWS_SM90`: 64 rows there lower to wgmma, which "wgmma" already is). The "ws" space's
 checks are the kernel's own (`tree_attn.cuda.config_problem`: consumers, keys a block, stages, the register split
@@ -15,7 +15,7 @@ from __future__ import annotations
 from autotune import shape_key
 from autotune.tuner import SearchSpace
 
-from .configs import MMA_ROWS_SM90, SplitConfig, WSConfig, _heuristic, _ws_heuristic, ws_consumers
+from .configs import MMA_ROWS_SM90, SplitConfig, WSConfig, _heuristic, _ws_heuristic, split_key, ws_consumers
 
 __all__ = ["WGMMA_SPACE", "MMA_SPACE", "WS_SPACE", "split_flops_bytes", "split_valid", "ws_valid"]
 
@@ -58,7 +58,7 @@ def _space(variant: str) -> SearchSpace:
         params={"block_m": [32, 64, 128], "block_n": [16, 32, 64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3, 4],
                 "programs_per_sm": [1.0, 2.0, 3.0], "merge_warps": [1, 2, 4], "merge_parts": [8, 16, 32]},
         make_config=lambda p: SplitConfig(**p), flops_bytes=split_flops_bytes, valid=_valid(variant),
-        heuristic=lambda s: _heuristic(variant, s["D"], 9, False), key=lambda s: shape_key(D=s["D"], G=s["G"]))
+        heuristic=lambda s: _heuristic(variant, s["D"], 9, False), key=lambda s: split_key(s["D"], s["G"], s["N"]))
 
 
 WGMMA_SPACE = _space("wgmma")
