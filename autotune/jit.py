@@ -283,24 +283,27 @@ def _nvrtc_compile(nvrtc, source: Path, opts: list[str], cubin: bool = True) -> 
     try:
         raw = [o.encode() for o in opts]
         (res,) = nvrtc.nvrtcCompileProgram(prog, len(raw), raw)
+        # NVRTC writes into the buffers it is given: bytearrays, never bytes (b" " * 1 is the interpreter's one
+        # shared b" ", and an empty log, the size 1 of a PTX-only build, would overwrite it for the whole process)
         _, n = nvrtc.nvrtcGetProgramLogSize(prog)
-        log = b" " * n
+        log = bytearray(n)
         nvrtc.nvrtcGetProgramLog(prog, log)
-        log = log.rstrip(b"\0 ")
+        log = bytes(log).rstrip(b"\0 ")
         if res != ok:
             flags = " ".join(o for o in opts if not o.startswith("-I"))
             raise BuildError(f"autotune.jit: NVRTC {'.'.join(map(str, nvrtc_version()))} failed on {source.name} "
                              f"({flags}):\n{log.decode(errors='replace')[-4000:]}")
         if cubin:
             _, n = nvrtc.nvrtcGetCUBINSize(prog)
-            cubin = b" " * n
-            nvrtc.nvrtcGetCUBIN(prog, cubin)
+            buf = bytearray(n)
+            nvrtc.nvrtcGetCUBIN(prog, buf)
+            cubin = bytes(buf)
         else:  # a virtual target: PTX only
             cubin = b""
         _, n = nvrtc.nvrtcGetPTXSize(prog)
-        ptx = b" " * n
+        ptx = bytearray(n)
         nvrtc.nvrtcGetPTX(prog, ptx)
-        return cubin, ptx.rstrip(b"\0"), log
+        return cubin, bytes(ptx).rstrip(b"\0"), log
     finally:
         nvrtc.nvrtcDestroyProgram(prog)
 

@@ -56,6 +56,8 @@ def test_compile_ptx_skips_ptxas_and_gives_the_builds_instructions(src, tmp_path
     calls = _count_compiles(monkeypatch)
     p = jit.compile_ptx(src, arch="sm_80", defines={"SCALE": 3})
     assert p.suffix == ".ptx" and not p.with_suffix(".cubin").exists() and len(calls) == 1
+    # its NVRTC log is empty (one byte): the buffer NVRTC wrote it into was not the interpreter's shared b" "
+    assert b" " == bytes([32]) and b" ".join([b"a", b"b"]) == b"a b"
     assert ".target sm_80" in p.read_text() and ".entry tiny_kernel" in p.read_text()
     assert jit.compile_ptx(src, arch="sm_80", defines={"SCALE": 3}) == p and len(calls) == 1  # cached
 
