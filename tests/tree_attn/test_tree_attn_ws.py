@@ -291,7 +291,7 @@ def test_pingpong_builds(kv_ahead):
     """The consumers' turns: two named barriers, no spills (the turns cost no registers); with K issued ahead too."""
     ptx = _clean_ptx(WSConfig(pingpong=True, kv_ahead=kv_ahead))
     assert "bar.sync" in ptx and "bar.arrive" in ptx
-    assert "bar.arrive" not in tcuda.spec(WSConfig(), 256, 6).compile().ptx.read_text()
+    assert "bar.arrive" not in tcuda.spec(WSConfig(), 256, 6).ptx().read_text()
 
 
 @pytest.mark.parametrize("cfg", [WSConfig(consumers=1, block_n=64, num_stages=3, q_in_regs=True),
@@ -344,7 +344,7 @@ def test_phase_probes_build_what_they_time(rows):
     """The builds specpilot.bench.ws_phases times (TA_PHASE): the producer alone issues no wgmma; the consumers alone
     get no K/V copy (the producer arrives on plain mbarrier arrivals); the copies alone wait on no barrier."""
     cfg = _ws_heuristic(rows)
-    ptx = {p: tcuda.spec(cfg, 256, 6, defines={"TA_PHASE": p}).compile().ptx.read_text() for p in (0, 1, 2, 3)}
+    ptx = {p: tcuda.spec(cfg, 256, 6, defines={"TA_PHASE": p}).ptx().read_text() for p in (0, 1, 2, 3)}
     assert "wgmma.mma_async" in ptx[0] and "wgmma.mma_async" not in ptx[1]
     assert "cp.async.mbarrier.arrive" in ptx[0] and "cp.async.mbarrier.arrive" not in ptx[2]
     assert "mbarrier.try_wait" in ptx[0] and "mbarrier.try_wait" not in ptx[3]

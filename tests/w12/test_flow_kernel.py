@@ -554,9 +554,9 @@ def test_options_build(jit_cache):
     """The exact-base build (the default: no guard, no x range, no barrier at kw = 1), the build without the L2
     policy, and the shapes of the heuristic (kw 1, 8; 16 warps; 1 CTA per SM)."""
     arch = (9, 0)
-    exact = flow.build(FlowConfig(kw=1, fixed=False), 1, arch).ptx.read_text()
+    exact = flow.spec(FlowConfig(kw=1, fixed=False), 1, arch).ptx().read_text()
     assert "bar.sync" not in exact and "redux.sync" not in exact and "st.global.u16" in exact
-    keep = flow.build(FlowConfig(evict=False), 1, arch).ptx.read_text()
+    keep = flow.spec(FlowConfig(evict=False), 1, arch).ptx().read_text()
     assert "createpolicy" not in keep and "cache_hint" not in keep
     for cfg, nt in [(FlowConfig(warps=8, kw=8), 4), (FlowConfig(warps=16, kw=4, cps=1, stages=6), 2),
                     (FlowConfig(warps=8, kw=2, cps=1, rb=2), 4), (FlowConfig(warps=8, kw=8, rb=2), 1)]:
