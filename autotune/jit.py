@@ -192,13 +192,10 @@ def compile_ptx(source: Path | str, *, arch: str, defines: Mapping[str, object] 
     The instructions are those of the full build's PTX (its internal symbols' mangled names differ: NVRTC hashes
     the options into them); ptxas is most of a build's time, and a check of the instructions needs none of it.
     Raises BuildError."""
-    full = compile_stem(source, arch=arch, defines=defines, options=options, headers=headers, name=name)
+    full = _keyed(source, arch, defines, options, headers, name, ["-Xptxas=-v"])[2]  # (checks arch)
     if _built(Build(full.with_suffix(".cubin"), full.with_suffix(".ptx"), full.with_suffix(".log"))):
         return full.with_suffix(".ptx")
-    if not re.fullmatch(r"sm_\d+a?", arch):
-        raise ValueError(f"autotune.jit.compile_ptx: arch must be a real target such as 'sm_90', got {arch!r}")
-    virtual = "compute_" + arch[3:]
-    source, opts, stem = _keyed(source, virtual, defines, options, headers, name, [], check=False)
+    source, opts, stem = _keyed(source, "compute_" + arch[3:], defines, options, headers, name, [], check=False)
     out = stem.with_suffix(".ptx")
     if out.is_file():
         return out
@@ -210,18 +207,12 @@ def compile_ptx(source: Path | str, *, arch: str, defines: Mapping[str, object] 
     return out
 
 
-def compile_stem(source: Path | str, *, arch: str, defines: Mapping[str, object] | None = None,
-                 options: Sequence[str] = (), headers: Sequence[Path] | None = None, name: str | None = None) -> Path:
-    """The cache path, without suffix, of `compile(...)`'s files for these arguments."""
-    return _keyed(source, arch, defines, options, headers, name, ["-Xptxas=-v"])[2]
-
-
 def _keyed(source, arch, defines, options, headers, name, extra, check: bool = True):
     """(source path, NVRTC options, cache stem): the stem hashes the source, its headers, the options and NVRTC's
     version."""
     source = Path(source)
     if check and not re.fullmatch(r"sm_\d+a?", arch):
-        raise ValueError(f"autotune.jit.compile: arch must be a real target such as 'sm_90', got {arch!r}")
+        raise ValueError(f"autotune.jit: arch must be a real target such as 'sm_90', got {arch!r}")
     if headers is None:
         headers = sorted(p for p in source.parent.iterdir() if p.suffix in (".cuh", ".h"))
     items = _define_items(defines)
