@@ -508,6 +508,11 @@ class Spec:
         return compile_ptx(self.source, arch=self.arch, defines=dict(self.defines), options=self.options,
                            name=self.name or None)
 
+    def file(self, out: str) -> Path:
+        """The build's file `out`: "cubin", "ptx" (without ptxas: `ptx()`) or "log" (NVRTC's log with ptxas's
+        resource report)."""
+        return self.ptx() if out == "ptx" else getattr(self.compile(), out)
+
     def load(self, device: int) -> Kernel:
         """Compile (or take from the disk cache) and load into CUDA device `device`."""
         return load(self.compile().cubin.read_bytes(), self.kernel, device)

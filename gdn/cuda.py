@@ -103,11 +103,10 @@ def spec(cfg: CudaConfig, nt: int, K: int, *, l2: bool = True, vk: bool = False,
 def build(cfg: CudaConfig, nt: int, K: int, *, l2: bool = True, vk: bool = False, gdt: int = 0, bdt: int = 1,
           odt: int = 1, idx64: bool = False, pdl: bool = False, arch: tuple[int, int] = (9, 0), out: str = "cubin",
           defines: Mapping[str, object] | None = None) -> Path:
-    """Compile one specialisation (cached on disk) and return its file `out`: "cubin", "ptx"
-    (without ptxas: `autotune.jit.compile_ptx`) or "log" (NVRTC's log with ptxas's resource report). Raises
-    autotune.BuildError."""
+    """Compile one specialisation (cached on disk) and return its file `out` (`autotune.jit.Spec.file`: "cubin",
+    "ptx" or "log"). Raises autotune.BuildError."""
     s = spec(cfg, nt, K, l2=l2, vk=vk, gdt=gdt, bdt=bdt, odt=odt, idx64=idx64, pdl=pdl, arch=arch, defines=defines)
-    return s.ptx() if out == "ptx" else getattr(s.compile(), out)
+    return s.file(out)
 
 
 def _kernel(key: tuple) -> tuple[jit.Kernel, int]:

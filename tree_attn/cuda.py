@@ -111,11 +111,9 @@ def spec(cfg: WSConfig, head_dim: int, group: int, *, f16: bool = False, new: bo
 
 def build(cfg: WSConfig, head_dim: int, group: int, *, f16: bool = False, new: bool = False, out: str = "cubin",
           defines: Mapping[str, object] | None = None) -> Path:
-    """Compile one specialisation for sm_90a (cached on disk) and return its file `out`: "cubin", "ptx"
-    (without ptxas: `autotune.jit.compile_ptx`) or "log" (NVRTC's log with ptxas's resource report). Raises
-    autotune.BuildError."""
-    s = spec(cfg, head_dim, group, f16=f16, new=new, defines=defines)
-    return s.ptx() if out == "ptx" else getattr(s.compile(), out)
+    """Compile one specialisation for sm_90a (cached on disk) and return its file `out` (`autotune.jit.Spec.file`:
+    "cubin", "ptx" or "log"). Raises autotune.BuildError."""
+    return spec(cfg, head_dim, group, f16=f16, new=new, defines=defines).file(out)
 
 
 def _kernel(key: tuple) -> tuple[jit.Kernel, int]:

@@ -2,8 +2,8 @@
 variants "wgmma" and "mma") and the warp-specialised CUDA C++ kernel (`WSConfig`, variant "ws", sm_90).
 
 Shapes are dicts {"D" head dim, "G" query heads per KV head, "H" query heads, "Hkv" KV heads, "L" prefix keys,
-"N" tree nodes}; the tuned key is the one `split_config` looks up, `D<D>-G<G>-N<nodes bucket>`. Checks: the K/V ring and the
-q tile fit shared memory, the fp32 accumulator fits the registers, and the "mma" variant keeps its 32-row
+"N" tree nodes}; the tuned key is the one `split_config` looks up, `D<D>-G<G>-N<nodes bucket>`. Checks: the K/V
+ring and the q tile fit shared memory, the fp32 accumulator fits the registers, and the "mma" variant keeps its 32-row
 tile on sm_90 (`MMA_ROWS_SM90`: 64 rows there lower to wgmma, which "wgmma" already is). The "ws" space's
 checks are the kernel's own (`tree_attn.cuda.config_problem`: consumers, keys a block, stages, the register split
 of setmaxnreg, shared memory); its key adds C, the consumer warpgroups the shape's rows (N x G) call for by

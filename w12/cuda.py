@@ -80,11 +80,9 @@ def spec(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], *
 
 def build(cfg: MmaConfig | TmaConfig, nt: int, q8: bool, arch: tuple[int, int], *, out: str = "cubin",
           defines: Mapping[str, object] | None = None) -> Path:
-    """Compile `spec(cfg, nt, q8, arch, defines=defines)` (cached on disk) and return its file `out`:
-    "cubin", "ptx" (without ptxas: `autotune.jit.compile_ptx`) or "log" (NVRTC's log with ptxas's resource
-    report). Raises autotune.BuildError."""
-    s = spec(cfg, nt, q8, arch, defines=defines)
-    return s.ptx() if out == "ptx" else getattr(s.compile(), out)
+    """Compile `spec(cfg, nt, q8, arch, defines=defines)` (cached on disk) and return its file `out`
+    (`autotune.jit.Spec.file`: "cubin", "ptx" or "log"). Raises autotune.BuildError."""
+    return spec(cfg, nt, q8, arch, defines=defines).file(out)
 
 
 # --------------------------------------------------------------------------------------
