@@ -95,13 +95,17 @@ def engine_swiglu_kernel(gu_ptr, out_ptr, F, BLOCK: tl.constexpr, PDL: tl.conste
 
 
 @triton.jit
-def engine_sigmoid_mul_kernel(o_ptr, g_ptr, out_ptr, N, g_stride, BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+def engine_sigmoid_mul_kernel(o_ptr, g_ptr, out_ptr, N, g_stride, g_head_stride, HEAD: tl.constexpr,
+                              BLOCK: tl.constexpr, PDL: tl.constexpr = 0):
+    # the gate's column n is at (n // HEAD) * g_head_stride + n % HEAD of its row: a [T, H, HEAD] view with any
+    # head stride (attn_prep's, inside the projection's row), or a [T, N] row with HEAD = N
     _pdl_start(PDL)
     row = tl.program_id(0).to(tl.int64)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     m = offs < N
     o = tl.load(o_ptr + row * N + offs, mask=m, other=0.0).to(tl.float32)
-    g = tl.load(g_ptr + row * g_stride + offs, mask=m, other=0.0).to(tl.float32)
+    g_at = row * g_stride + (offs // HEAD).to(tl.int64) * g_head_stride + offs % HEAD
+    g = tl.load(g_ptr + g_at, mask=m, other=0.0).to(tl.float32)
     s = tl.sigmoid(g).to(tl.bfloat16).to(tl.float32)
     tl.store(out_ptr + row * N + offs, (o * s).to(tl.bfloat16), mask=m)
 
@@ -239,11 +243,20 @@ class FusedGlue:
         engine_attn_prep_kernel[(T, H + Hkv)](qkv, cos.reshape(T, r).contiguous(), sin.reshape(T, r).contiguous(),
                                               q_w1, k_w1, q, k_out, v_out, H, Hkv, qkv.stride(0), eps, D=D, R=r,
                                               **self._extra(qkv))
-        return q, qkv[:, :2 * H * D].reshape(T, H, 2 * D)[..., D:].reshape(T, H * D)
+        # the gate stays a [T, H, D] view of the projection (attn_gate reads its strides): no copy kernel
+        return q, qkv[:, :2 * H * D].unflatten(1, (H, 2 * D))[..., D:]
 
     def attn_gate(self, o, gate):
-        T, N = gate.shape
+        """o * sigmoid(gate) as [T, N]: gate [T, N] with unit column stride, or [T, H, D] with unit stride in D."""
+        T = gate.shape[0]
+        if gate.dim() == 3:
+            N, head, head_stride = gate.shape[1] * gate.shape[2], gate.shape[2], gate.stride(1)
+        else:
+            N, head, head_stride = gate.shape[1], gate.shape[1], 0
+        if gate.stride(-1) != 1:
+            gate = gate.contiguous()
+            head_stride = head if gate.dim() == 3 else 0
         out = torch.empty(T, N, dtype=o.dtype, device=o.device)
-        engine_sigmoid_mul_kernel[(T, triton.cdiv(N, 1024))](o.contiguous(), gate, out, N, gate.stride(0),
-                                                             BLOCK=1024, **self._extra(o))
+        engine_sigmoid_mul_kernel[(T, triton.cdiv(N, 1024))](o.contiguous(), gate, out, N, gate.stride(0), head_stride,
+                                                             HEAD=head, BLOCK=1024, **self._extra(o))
         return out

@@ -277,7 +277,8 @@ def attn_prep(qkv: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, q_w1: tor
 
 
 def attn_gate(o: torch.Tensor, gate: torch.Tensor) -> torch.Tensor:
-    return o.reshape(gate.shape) * torch.sigmoid(gate)
+    """o * sigmoid(gate) as [T, N], for a gate [T, N] or [T, H, D]."""
+    return (o.reshape(gate.shape) * torch.sigmoid(gate)).reshape(gate.shape[0], -1)
 
 
 class TorchGlue:

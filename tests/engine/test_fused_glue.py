@@ -41,9 +41,16 @@ def test_swiglu_and_gate():
     gu = _bf(4, 2 * 1500, g=g, scale=3)
     _close(F.swiglu(gu), M.swiglu(gu), "swiglu")
     qkv = _bf(3, 2 * 2 * 64 + 2 * 64, g=g)
-    gate = qkv[:, :256].reshape(3, 2, 128)[..., 64:].reshape(3, 128)
+    gate3 = qkv[:, :256].reshape(3, 2, 128)[..., 64:]  # attn_prep's gate: a [T, H, D] view of the projection
     o = _bf(3, 2, 64, g=g)
-    _close(F.attn_gate(o, gate), M.attn_gate(o, gate), "attn_gate")
+    want = M.attn_gate(o, gate3.reshape(3, 128))
+    assert want.shape == (3, 128)
+    first = F.attn_gate(o, gate3)
+    _close(first, want, "attn_gate")
+    # the same gate as a [T, N] copy and as a view whose rows are not the outer stride: the same bits
+    for gate in (gate3.reshape(3, 128), gate3.transpose(0, 1).contiguous().transpose(0, 1)):
+        assert torch.equal(F.attn_gate(o, gate), first)
+        assert torch.equal(M.attn_gate(o, gate), want)
 
 
 def test_gdn_gates_and_gated_norm():
@@ -83,7 +90,8 @@ def test_attn_prep(D, r):
     (q, gate, k, v), (rq, rgate, rk, rv) = res
     _close(q, rq, "q")
     _close(k, rk, "k")
-    assert torch.equal(v, rv) and torch.equal(gate, rgate)
+    assert torch.equal(v, rv) and torch.equal(gate.reshape(rgate.shape), rgate)
+    assert gate.data_ptr() == qkv.data_ptr() + D * qkv.element_size()  # a view of the projection: no copy
 
 
 def _engine_case(checkpoints, device, n, gen, record_property):
