@@ -58,7 +58,8 @@ def _space(variant: str) -> SearchSpace:
         params={"block_m": [32, 64, 128], "block_n": [16, 32, 64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3, 4],
                 "programs_per_sm": [1.0, 2.0, 3.0], "merge_warps": [1, 2, 4, 8], "merge_parts": [8, 16, 32, 64]},
         make_config=lambda p: SplitConfig(**p), flops_bytes=split_flops_bytes, valid=_valid(variant),
-        heuristic=lambda s: _heuristic(variant, s["D"], 9, False), key=lambda s: split_key(s["D"], s["G"], s["N"]))
+        heuristic=lambda s: _heuristic(variant, s["D"], 9, False, s["N"]),
+        key=lambda s: split_key(s["D"], s["G"], s["N"]))
 
 
 WGMMA_SPACE = _space("wgmma")

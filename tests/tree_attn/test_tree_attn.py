@@ -304,6 +304,28 @@ def test_split_items_store_the_rows_of_their_nodes_only(make_batch, check):
         assert torch.isnan(plan.po[i]).all(), f"unused item {i} was written"
 
 
+@pytest.mark.parametrize("parts,warps", [(64, 8), (8, 1)])
+def test_merge_shapes_over_many_partials(parts, warps, make_batch, check):
+    """One-token requests over long prefixes split into many partials per row; the merge loads them `parts` at a
+    time (more than a request has, and fewer) in `warps` warps. The few-node heuristic takes 64 in 8."""
+    import autotune
+    from tree_attn.configs import FEW_NODES, SplitConfig, _heuristic
+
+    h = _heuristic("wgmma", 256, 9, False, nodes=1)
+    assert (h.merge_parts, h.merge_warps) == (64, 8)
+    assert _heuristic("wgmma", 256, 9, False, nodes=FEW_NODES + 1).merge_parts == SplitConfig().merge_parts
+    b = make_batch([("single", 300), ("single", 71), ("chain2", 5)], H=4, Hkv=2, D=64, seed=17)
+    cfg = SplitConfig(block_m=16, block_n=16, num_warps=4, num_stages=1, programs_per_sm=8.0, merge_warps=warps,
+                      merge_parts=parts)
+    with autotune.force("tree_attn.tree_attention", config=cfg):
+        plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw(variant="wgmma"))
+    assert plan.dispatch.config == cfg
+    splits = int(plan.req_table.view(-1, 3)[0, 1])
+    assert splits > 8, f"the first request's prefix needs more than 8 partials a row, got {splits}"
+    out, lse = run_plan(plan, b)
+    check(b, out, lse, msg=f"{parts} partials, {warps} warps")
+
+
 STEP1 = [("draft9", 5), ("chain3", 0), ("single", 12), ("star8", 2)]  # T = 21, 19 prefix slots
 NEXT_STEPS = {
     # other trees of the same node counts, the same prefix lengths, other slots

@@ -424,10 +424,9 @@ def tree_attn_merge_kernel(
         ok = c < parts
         at = ((first + c * tiles + tile) * HKV + hk) * BM + row
         lse_c = tl.load(plse_ptr + at, mask=ok, other=float("-inf"))
-        # the partials' rows are loaded beside their LSEs, not after them: a partial of LSE -inf (a slot the "ws"
-        # kernel's halves items leave empty, never written) has weight 0 and its row is selected away
-        o_c = tl.load(po_ptr + at.to(tl.int64)[:, None] * D + offs_d[None, :], mask=ok[:, None], other=0.0)
-        o_c = tl.where((lse_c > float("-inf"))[:, None], o_c, 0.0)
+        # a partial of LSE -inf (a slot the "ws" kernel's halves items leave empty) has weight 0: not read
+        live = ok & (lse_c > float("-inf"))
+        o_c = tl.load(po_ptr + at.to(tl.int64)[:, None] * D + offs_d[None, :], mask=live[:, None], other=0.0)
         m_new = tl.maximum(m_run, tl.max(lse_c, 0))
         w = tl.exp2(lse_c - m_new)
         scale_old = tl.exp2(m_run - m_new)
