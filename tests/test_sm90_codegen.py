@@ -166,19 +166,13 @@ def _lmhead_prep_ptx(split: bool) -> str:
     return _ptx(lmhead_prep_kernel, types, dict(GP=64, GROUP=128, INT8=True, SPLIT=split), 4, 1)
 
 
-# kernels with PDL off or on (the glue's third mode, "early", launches the next grid before the wait)
-TWO_MODES = ("tree_conv", "w12_batch", "tree_attn_split", "tree_attn_merge")
-
-
 def _pdl_kernels() -> dict:
     """The engine's glue kernels and gdn's tree conv, built with PDL=True as a GPU launches them (launch_pdl)."""
     from gdn.kernels.conv import gdn_tree_conv_kernel
     from specpilot.engine import fused
-    from tree_attn.kernels.split import tree_attn_merge_kernel, tree_attn_split_kernel
     from w12.kernels.batch import w12_batch_kernel
 
-    bf, f32, i32 = "*bf16", "*fp32", "*i32"
-    ta = dict(qo_indptr=i32, kv_indptr=i32, kv_indices=i32, req_table=i32, status=i32, tree_mask="*i64")
+    bf = "*bf16"
     return {
         "add_rmsnorm": (fused.engine_add_rmsnorm_kernel, dict(h_ptr=bf, y_ptr=bf, w1_ptr="*fp32", h_out=bf, x_out=bf,
                                                               eps="fp32"), dict(HAS_Y=True, BLOCK=1024)),
@@ -200,13 +194,6 @@ def _pdl_kernels() -> dict:
                                              cnt_ptr="*i32", SB="i64"),
                       dict(HAS_BIAS=False, Q8=False, X_F16=False, SPLIT=True, BLOCK_N=64, BLOCK_T=64, GROUPS=1,
                            USE_ASM=True, FIXUP=False, KT=False)),
-        "tree_attn_split": (tree_attn_split_kernel, dict(ta, q_ptr=bf, k_ptr=bf, v_ptr=bf, kn_ptr=bf, vn_ptr=bf,
-                                                         po_ptr=f32, plse_ptr=f32, items=i32, sm_scale_log2="fp32"),
-                            dict(HKV=4, G=6, D=256, BM=64, BN=32, TN=32, PAGE=1, NEW=True, DEVICE=False, BB=1,
-                                 WAVES=4)),
-        "tree_attn_merge": (tree_attn_merge_kernel, dict(ta, po_ptr=f32, plse_ptr=f32, out_ptr=bf, lse_ptr=f32,
-                                                         node_req=i32),
-                            dict(HKV=4, G=6, D=256, BM=64, BP=64, WRITE_LSE=True, DEVICE=False, NEW=True, BB=1)),
     }
 
 
@@ -248,8 +235,7 @@ def _tree_attn_key_loops() -> dict:
 
     out = {}
     for device in (False, True):
-        # PDL=1: the build an sm_90 GPU launches (tree_attn.ops._pdl_kw)
-        ce = dict(HKV=4, G=6, D=256, BM=64, BN=32, TN=32, PAGE=1, NEW=True, DEVICE=device, BB=16, WAVES=4, PDL=1)
+        ce = dict(HKV=4, G=6, D=256, BM=64, BN=32, TN=32, PAGE=1, NEW=True, DEVICE=device, BB=16, WAVES=4)
         sig = {}
         for name, prm in inspect.signature(tree_attn_split_kernel.fn).parameters.items():
             if name in ce:
@@ -320,7 +306,7 @@ def _worker() -> None:
     for split in (False, True):
         out[f"lmhead-prep-{split}"] = _features(_lmhead_prep_ptx(split))
     for name, (kernel, types, ce) in _pdl_kernels().items():
-        for pdl in ((0, 1, 2) if name not in TWO_MODES else (False, True)):
+        for pdl in ((0, 1, 2) if name not in ("tree_conv", "w12_batch") else (False, True)):
             out[f"pdl-{name}-{int(pdl)}"] = _pdl_order(_ptx(kernel, types, dict(ce, PDL=pdl), 4, 1))
     out["gdn-b1"] = _features(_gdn_b1_ptx())
     for cap in (90, 80):
@@ -424,7 +410,7 @@ def test_lmhead_screen_compiles_for_sm90(int4, split):
 
 @pytest.mark.slow
 @pytest.mark.parametrize("name", ["add_rmsnorm", "gated_rmsnorm", "swiglu", "sigmoid_mul", "gdn_gates", "attn_prep",
-                                  *TWO_MODES])
+                                  "tree_conv", "w12_batch"])
 def test_pdl_kernels_wait_before_their_first_global_access(name):
     """A kernel launched with launch_pdl may start while the grid before it still writes its inputs: its
     griddepcontrol.wait must come before its first global load, store or atomic, and (PDL=1) it lets the next grid
@@ -433,7 +419,7 @@ def test_pdl_kernels_wait_before_their_first_global_access(name):
     on, off = _results()[f"pdl-{name}-1"], _results()[f"pdl-{name}-0"]
     assert off["wait"] == off["launch"] == -1 and off["global"] >= 0
     assert 0 <= on["wait"] < on["launch"] < on["global"], on
-    if name not in TWO_MODES:  # FusedGlue(pdl="early"): the next grid may launch before the wait
+    if name not in ("tree_conv", "w12_batch"):  # FusedGlue(pdl="early"): the next grid may launch before the wait
         early = _results()[f"pdl-{name}-2"]
         assert 0 <= early["launch"] < early["wait"] < early["global"], early
 

@@ -13,14 +13,13 @@ the shapes, dtypes and devices of its tensors against the plan.
 from __future__ import annotations
 
 import math
-import os
 import weakref
 from dataclasses import dataclass
 
 import torch
 
 import autotune
-from autotune.hardware import compute_capability, has_pdl, host_only, is_interpreter
+from autotune.hardware import compute_capability, host_only, is_interpreter
 
 from . import cuda
 from .configs import SplitConfig, WSConfig, split_config, ws_config
@@ -142,7 +141,7 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
         cuda.run(cfg, q, k_cache, v_cache, kn, vn, strides, page, new, qo_indptr, kv_indptr, kv_indices, tree_mask,
                  items, po, plse, sm_scale * 1.4426950408889634)
         merge_dev, merge_kw = _host_merge_args(cfg, qo_indptr, req_table, Hkv, G, D)
-        _merge(q, po, plse, out, lse, node_req, qo_indptr, req_table, merge_dev, {**merge_kw, **_pdl_kw(q.device)})
+        _merge(q, po, plse, out, lse, node_req, qo_indptr, req_table, merge_dev, merge_kw)
         return None
     if status is None:  # the plan's schedule: (item, KV head) programs
         grid, dev = (items.shape[0], Hkv), (kv_indptr, req_table, items, 0, 0, 0, 0, 0, 0, 0)
@@ -154,30 +153,11 @@ def _launch(kernel: str, cfg: SplitConfig | None, tn: int, q, k_cache, v_cache, 
                                        req_table, po, status, q.device)
         head, tail, split_kw, merge_dev, merge_kw = device_args
         grid, dev = (po.shape[0] * Hkv,), (*head, _cache_slots(k_cache), *tail)
-    pdl = _pdl_kw(q.device)
     handle = autotune.launch_triton(
         tree_attn_split_kernel, grid, q, k_cache, v_cache, kn, vn, qo_indptr, kv_indices, tree_mask, items, po, plse,
-        sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides, *dev, PAGE=page, **split_kw, **pdl)
-    _merge(q, po, plse, out, lse, node_req, qo_indptr, req_table, merge_dev, {**merge_kw, **pdl})
+        sm_scale * 1.4426950408889634, q.stride(0), q.stride(1), *strides, *dev, PAGE=page, **split_kw)
+    _merge(q, po, plse, out, lse, node_req, qo_indptr, req_table, merge_dev, merge_kw)
     return handle
-
-
-# Both kernels launch with programmatic dependent launch where the GPU has it (sm_90+): each program waits for the
-# grid before it at its start (kernels/split.py `_pdl_start`), so the merge is placed while the split kernel runs and
-# the split kernel while the kernel before it (the engine's attn_prep) ends. SPECPILOT_TREE_ATTN_PDL=0 (or PDL =
-# False) launches them plainly.
-PDL = os.environ.get("SPECPILOT_TREE_ATTN_PDL", "1") != "0"
-_PDL_KW: dict = {}
-
-
-def _pdl_kw(device: torch.device) -> dict:
-    """The launch keywords of programmatic dependent launch on `device`, or none."""
-    if not PDL or device.type != "cuda" or is_interpreter():
-        return {}
-    kw = _PDL_KW.get(device)
-    if kw is None:
-        kw = _PDL_KW[device] = {"PDL": 1, "launch_pdl": True} if has_pdl(device) else {}
-    return kw
 
 
 def _split_kw(cfg: SplitConfig, tn: int, Hkv: int, G: int, D: int, new: bool) -> dict:

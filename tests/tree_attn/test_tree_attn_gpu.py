@@ -197,40 +197,6 @@ def test_cuda_graph_replays_new_inputs_and_updated_plan(layout, nodes_in_cache, 
     check(b4, out, lse, msg="after an update from host tensors")
 
 
-@pytest.mark.parametrize("variant", KERNELS)
-def test_pdl_launches_equal_plain_ones(variant, make_batch, monkeypatch):
-    """Where the GPU has programmatic dependent launch, the split and merge kernels launch with it (each program
-    waits for the grid before it at its start). Three calls in a row, each call's q the call before's output (a
-    program that read q before its wait would read the last replay's or the poisoned values), give the bits of
-    plain launches, eagerly and replayed from a CUDA graph."""
-    import tree_attn.ops as ops
-    from autotune.hardware import has_pdl
-
-    if not has_pdl(torch.device(DEV)):
-        pytest.skip("programmatic dependent launch needs sm_90 or later")
-    b = make_batch(STEP1, seed=12, H=24, Hkv=4, D=128, device=DEV, cache_slots=4096)
-    plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw(variant=variant))
-    outs = [torch.empty_like(b.q) for _ in range(3)]
-
-    def chain():
-        q = b.q
-        for o in outs:
-            q = tree_attn.run(plan, q, b.k_cache, b.v_cache, **b.new_kw(), out=o)
-        return outs
-
-    monkeypatch.setattr(ops, "PDL", False)
-    assert ops._pdl_kw(torch.device(DEV)) == {}
-    plain = [o.clone() for o in chain()]
-    monkeypatch.setattr(ops, "PDL", True)
-    assert ops._pdl_kw(torch.device(DEV)).get("launch_pdl")
-    for o in outs:
-        o.fill_(float("nan"))
-    for got, want in zip(chain(), plain):
-        assert_bitwise_equal(got, want, "eager PDL launches")
-    graph = capture_graph(chain)
-    assert_replays_equal(graph, outs, plain, reps=5)
-
-
 STEP3 = [("rand32", 1200), ("star12", 33), ("single", 700), ("draft5", 0)]  # STEP1's nodes, 300 keys fewer
 
 

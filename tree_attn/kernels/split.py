@@ -29,17 +29,6 @@ whose mask word breaks the rules is NaN. Nothing is read out of bounds.
 
 import triton
 import triton.language as tl
-from triton.language.extra.cuda import gdc_launch_dependents, gdc_wait
-
-
-@triton.jit
-def _pdl_start(PDL: tl.constexpr):
-    """Programmatic dependent launch (PDL = 1, launched with `launch_pdl`): the program may start while the grid
-    before it runs; it waits for that grid (its stores visible) before any global access, then lets the next grid
-    launch, whose programs wait for this one in turn."""
-    if PDL:
-        gdc_wait()
-        gdc_launch_dependents()
 
 
 @triton.jit
@@ -313,13 +302,12 @@ def tree_attn_split_kernel(
     kv_indptr, req_table, status, B, T, NKV, slots, target, item_cost, cap,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr, TN: tl.constexpr,
     PAGE: tl.constexpr, NEW: tl.constexpr, DEVICE: tl.constexpr = False, BB: tl.constexpr = 1,
-    WAVES: tl.constexpr = 4, PDL: tl.constexpr = 0,
+    WAVES: tl.constexpr = 4,
 ):
     """One program per (work item, KV head). DEVICE false: the items come from the plan's `items` [grid, 4]; the
     arguments after stride_vnh are unused. DEVICE true: a grid of cap * HKV programs, item-major; program
     (i, hk) computes item i of the schedule for KV head hk (module docstring), `items` is scratch of
     [cap * HKV, 8] int32 and `cap` the bound on items."""
-    _pdl_start(PDL)
     pid = tl.program_id(0)
     if DEVICE:
         # items-major: every KV head of the schedule's items comes before the programs past its end
@@ -394,12 +382,11 @@ def tree_attn_merge_kernel(
     stride_ot, stride_oh,
     kv_indptr, tree_mask, status, B, T, NKV,
     HKV: tl.constexpr, G: tl.constexpr, D: tl.constexpr, BM: tl.constexpr, BP: tl.constexpr, WRITE_LSE: tl.constexpr,
-    DEVICE: tl.constexpr = False, NEW: tl.constexpr = True, BB: tl.constexpr = 1, PDL: tl.constexpr = 0,
+    DEVICE: tl.constexpr = False, NEW: tl.constexpr = True, BB: tl.constexpr = 1,
 ):
     """DEVICE false: node_req and req_table come from the plan; kv_indptr .. NKV are unused. DEVICE true: the
     node's request is found in qo_indptr, req_table is the split kernel's, and a node whose call has bad indptr
     arrays or whose mask breaks the rules gets NaN (node_req is unused)."""
-    _pdl_start(PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     hk = h // G
