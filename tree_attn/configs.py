@@ -80,7 +80,7 @@ class WSConfig:
 
 # trees of at most this many nodes merge in few programs (nodes x query heads), each over many partials: they load
 # 64 partials at a time in 8 warps (hybrid-27b at one token and 4k keys on an H100: 19.3 -> 16.0-16.7 us a call;
-# in the engine's step, 7.0 -> 3.4 us a merge)
+# in the engine's one-token step, 6.9-7.1 -> 5.2 us a merge)
 FEW_NODES = 4
 
 
