@@ -170,8 +170,9 @@ def compile(source: Path | str, *, arch: str, defines: Mapping[str, object] | No
     every *.cuh / *.h beside the source, whose directory is on the include path). The headers the operators share
     (`SHARED_HEADERS`, autotune/csrc: mbarrier.cuh) are on the include path of every build and always part of its
     key. Raises BuildError."""
-    source, opts, stem = _keyed(source, arch, defines, options, headers, name, ["-Xptxas=-v"])
-    out = Build(stem.with_suffix(".cubin"), stem.with_suffix(".ptx"), stem.with_suffix(".log"))
+    source = Path(source)
+    opts, stem = _stem(_content_key(source, arch, headers), source, arch, defines, options, name, ["-Xptxas=-v"])
+    out = _build_at(stem)
     if _built(out):
         return out
     stem.parent.mkdir(parents=True, exist_ok=True)
@@ -192,10 +193,12 @@ def compile_ptx(source: Path | str, *, arch: str, defines: Mapping[str, object] 
     The instructions are those of the full build's PTX (its internal symbols' mangled names differ: NVRTC hashes
     the options into them); ptxas is most of a build's time, and a check of the instructions needs none of it.
     Raises BuildError."""
-    full = _keyed(source, arch, defines, options, headers, name, ["-Xptxas=-v"])[2]  # (checks arch)
-    if _built(Build(full.with_suffix(".cubin"), full.with_suffix(".ptx"), full.with_suffix(".log"))):
-        return full.with_suffix(".ptx")
-    source, opts, stem = _keyed(source, "compute_" + arch[3:], defines, options, headers, name, [], check=False)
+    source = Path(source)
+    content = _content_key(source, arch, headers)  # the source and headers read and hashed once for both keys
+    full = _build_at(_stem(content, source, arch, defines, options, name, ["-Xptxas=-v"])[1])
+    if _built(full):
+        return full.ptx
+    opts, stem = _stem(content, source, "compute_" + arch[3:], defines, options, name, [])
     out = stem.with_suffix(".ptx")
     if out.is_file():
         return out
@@ -207,23 +210,32 @@ def compile_ptx(source: Path | str, *, arch: str, defines: Mapping[str, object] 
     return out
 
 
-def _keyed(source, arch, defines, options, headers, name, extra, check: bool = True):
-    """(source path, NVRTC options, cache stem): the stem hashes the source, its headers, the options and NVRTC's
-    version."""
-    source = Path(source)
-    if check and not re.fullmatch(r"sm_\d+a?", arch):
+def _content_key(source: Path, arch: str, headers: Sequence[Path] | None):
+    """The part of a build's cache key that every target shares: a sha256 over the source, its headers (default:
+    every *.cuh / *.h beside it) and the shared headers. Checks that `arch` is a real target."""
+    if not re.fullmatch(r"sm_\d+a?", arch):
         raise ValueError(f"autotune.jit: arch must be a real target such as 'sm_90', got {arch!r}")
     if headers is None:
         headers = sorted(p for p in source.parent.iterdir() if p.suffix in (".cuh", ".h"))
-    items = _define_items(defines)
-    opts = [f"-arch={arch}", "-std=c++17", *extra, *(f"-D{k}={v}" for k, v in items), *options]
-    version = _nvrtc()[1]
     key = hashlib.sha256()
     key.update(source.read_bytes())
     for h in [*headers, *_shared_headers()]:
         key.update(b"\0" + Path(h).name.encode() + b"\0" + Path(h).read_bytes())
+    return key
+
+
+def _stem(content, source: Path, arch: str, defines, options, name, extra) -> tuple[list[str], Path]:
+    """(NVRTC options, cache stem) of a build for `arch`: `content` (`_content_key`) with the options and NVRTC's
+    version."""
+    opts = [f"-arch={arch}", "-std=c++17", *extra, *(f"-D{k}={v}" for k, v in _define_items(defines)), *options]
+    version = _nvrtc()[1]
+    key = content.copy()
     key.update("\0".join([_FORMAT, *opts, f"nvrtc-{version[0]}.{version[1]}", _headers_fingerprint()]).encode())
-    return source, opts, cache_root() / "jit" / f"{name or source.stem}-{key.hexdigest()[:20]}"
+    return opts, cache_root() / "jit" / f"{name or source.stem}-{key.hexdigest()[:20]}"
+
+
+def _build_at(stem: Path) -> Build:
+    return Build(stem.with_suffix(".cubin"), stem.with_suffix(".ptx"), stem.with_suffix(".log"))
 
 
 def _include_opts(source: Path) -> list[str]:

@@ -248,14 +248,13 @@ class FusedGlue:
 
     def attn_gate(self, o, gate):
         """o * sigmoid(gate) as [T, N]: gate [T, N] with unit column stride, or [T, H, D] with unit stride in D."""
+        if gate.stride(-1) != 1:
+            gate = gate.contiguous()
         T = gate.shape[0]
         if gate.dim() == 3:
             N, head, head_stride = gate.shape[1] * gate.shape[2], gate.shape[2], gate.stride(1)
         else:
             N, head, head_stride = gate.shape[1], gate.shape[1], 0
-        if gate.stride(-1) != 1:
-            gate = gate.contiguous()
-            head_stride = head if gate.dim() == 3 else 0
         out = torch.empty(T, N, dtype=o.dtype, device=o.device)
         engine_sigmoid_mul_kernel[(T, triton.cdiv(N, 1024))](o.contiguous(), gate, out, N, gate.stride(0), head_stride,
                                                              HEAD=head, BLOCK=1024, **self._extra(o))
