@@ -799,6 +799,86 @@ def test_stream_k_graph_replay_and_pdl():
         _assert_graph_of_three_replays(cfg, x, t, want)
 
 
+# dynamic tasks (FlowConfig.dyn): the tuning space's candidates, the warpgroup ones on sm_90 only
+def _dyn_configs(M: int) -> list[FlowConfig]:
+    from w12.space import FLOW_DYN_CANDIDATES
+
+    hopper = torch.cuda.get_device_capability() == (9, 0)
+    return [FlowConfig.from_tag(t) for t in FLOW_DYN_CANDIDATES if hopper or "-g-" not in t]
+
+
+@pytest.mark.parametrize("M,N,K", [(1, 80, 192), (13, 48, 320), (32, 5120, 6144), (24, 1024, 64), (32, 128, 4096),
+                                   (9, 5120, 17408)], ids=lambda v: str(v))
+def test_dynamic_tasks_match_fp64(M, N, K):
+    """Against fp64, and bit for bit over 2 more runs (the CTAs take other tasks each run; the last of a row set adds
+    the pieces in piece order; the counters go back to zero between launches); K = 64 gives pieces without a unit,
+    48 and 80 rows a partial last row set; down_proj's shape at M = 9."""
+    for cfg in _dyn_configs(M):
+        _check_fp64_and_repeats(cfg, M, N, K, repeats=2)
+
+
+@pytest.mark.parametrize("ctas", [1, 3, 7, 40])
+def test_dynamic_tasks_at_any_grid(ctas):
+    """Grids of 1 CTA (every task in turn), 3 and 7 and up to one CTA a task: against fp64, the same bits at each
+    grid (the sum's order does not depend on which CTA runs a task)."""
+    N, K, M = 160, 256, 20
+    w = escaped_weight(N, K, seed=ctas + 50)
+    p = w12.pack(w, layout="planes")
+    t = layout.tile(p)
+    x = gaussian_x(M, K, seed=ctas + 51)
+    for cfg in _dyn_configs(M):
+        tasks = flow.sk_sets(cfg, N) * cfg.dyn
+        out = _run(cfg, x, t, ctas=min(ctas, tasks))
+        assert_close(out, w12.matmul_reference(x, p), F.linear(x, w))
+        assert torch.equal(out.view(torch.int16), _run(cfg, x, t, ctas=tasks).view(torch.int16)), cfg.tag()
+    with pytest.raises(ValueError, match="ctas must be"):
+        _run(_dyn_configs(M)[0], x, t, ctas=10**6)
+
+
+@pytest.mark.parametrize("M", [5, 11, 32])
+def test_dynamic_tasks_in_kc_pieces_equal_the_k_split_through_memory_bitwise(M):
+    """With K in kc x kw equal pieces, the dynamic tasks of kc pieces add the kg build's pieces in its order: its
+    bits, on hostile rows and x salted with NaN, +-Inf, +-0 and subnormals; one piece gives the one-CTA build's bits;
+    and the next task's prefetch (W12F_SK_PRE) changes no bit."""
+    p, x, _ = _hostile_case("nonfinite", seed=33, N=80, K=384)
+    x = torch.cat([x] * 3)[:M]
+    t = layout.tile(p)
+    pairs = [(FlowConfig(warps=4, kw=2, cps=4, dyn=3), FlowConfig(warps=4, kw=2, cps=4, kc=3, kg=True)),
+             (FlowConfig(warps=4, kw=2, cps=4, dyn=1), FlowConfig(warps=4, kw=2, cps=4))]
+    if torch.cuda.get_device_capability() == (9, 0) and M > 8:
+        pairs.append((FlowConfig(warps=8, kw=2, cps=2, dyn=3, wg=True),
+                      FlowConfig(warps=8, kw=2, cps=2, kc=3, kg=True, wg=True)))
+    for dyn, ref in pairs:
+        want = _run(ref, x, t, defines={"W12F_FULL": 1})
+        got = _run(dyn, x, t)
+        assert torch.equal(got.view(torch.int16), want.view(torch.int16)), dyn.tag()
+        few = _run(dyn, x, t, ctas=2, defines={"W12F_SK_PRE": 0})
+        assert torch.equal(few.view(torch.int16), want.view(torch.int16)), dyn.tag()
+
+
+@pytest.mark.parametrize("xkind", ["normal", "nonfinite"])
+def test_dynamic_tasks_on_hostile_rows(xkind):
+    """Against fp64 on hostile rows and hostile x (NaN and infinities where the reference has them), both formats."""
+    p, x, nan_at = _hostile_case(xkind, seed=34, N=96, K=320)
+    t = layout.tile(p)
+    for cfg in _dyn_configs(x.shape[0]):
+        _assert_close_hostile(_run(cfg, x, t), w12.matmul_reference(x, p), F.linear(x, w12.unpack(p)), nan_at)
+        _assert_close_hostile(_run(cfg, x, t, q8=True), w12.matmul_q8_reference(x, p),
+                              F.linear(x, w12.decode_q8(p)), nan_at)
+
+
+def test_dynamic_tasks_graph_replay_and_pdl():
+    """Three dynamic-task launches in one CUDA graph, under programmatic dependent launch (the next launch starts
+    only when every CTA of this one has left: the tickets, counters and workspace are free), replayed twice: the
+    eager bits."""
+    p, x, _ = _hostile_case("nonfinite", seed=35, N=5120, K=512)
+    x = torch.cat([x] * 3)[:32]
+    t = layout.tile(p)
+    for cfg in _dyn_configs(x.shape[0]):
+        want = _run(cfg, x, t)
+        _assert_graph_of_three_replays(cfg, x, t, want)
+
+
 @pytest.mark.parametrize("q8", [False, True], ids=["full", "q8"])
 @pytest.mark.parametrize("M", [1, 5, 16, 24, 32, 40])
 def test_swiglu_epilogue_equals_the_reference_bitwise(M, q8):
