@@ -57,9 +57,8 @@ seven linears, the LM head among them), e.g.
 
     python3 perf/w12_ladder.py --ab '[["gate_up", 32, [["s4", "w4-k1-s4-c4-q2-g", {}], ["nosync", "", {"W12F_WG_BAR": 0, "W12F_WG_FENCE": 0}]]]]'
 
-`--ab sk`, `--ab xh`, `--ab xs` and `--ab dyn` are presets (`ab_preset`; `--ab sk,xh` runs both): the stream-K
-candidates, x reloaded by halves, x through a shared ring and the dynamic tasks, on the layers and row counts given
-there.
+`--ab sk`, `--ab xh` and `--ab xs` are presets (`ab_preset`; `--ab sk,xh` runs both): the stream-K candidates, x
+reloaded by halves and x through a shared ring, on the layers and row counts given there.
 
 M runs to 64: above 32 rows the shipped path is `w12.matmul_tiled`'s, one launch per 32-row piece, and every
 candidate is a warpgroup config, built at 5-8 token tiles (`w12.flow.WG_MAX_M`) so that it takes the rows in one
@@ -1098,7 +1097,7 @@ def ab_write(report: dict, args, t0: float, name: str) -> Path:
     return out
 
 
-AB_PRESETS = ("sk", "xh", "xs", "dyn")
+AB_PRESETS = ("sk", "xh", "xs")
 
 
 def ab_preset(name: str) -> str | None:
@@ -1112,19 +1111,13 @@ def ab_preset(name: str) -> str | None:
     3 (one or two row blocks a warp; and split 4 ways through memory), of 2 warps in clusters of 4 (twice the CTAs,
     4-5 an SM on o_proj instead of 2-3) and the shipped 5120-row shape with it, at 16, 24 and 32 rows on o_proj and 16
     and 32 on down_proj; one-K-piece CTAs unsplit and in clusters of 2 at 32 rows on in_proj and qkv_proj, at 16, 24
-    and 32 on gate_up and at 32 on the LM head. "dyn": the dynamic-task candidates (`w12.space.FLOW_DYN_CANDIDATES`;
-    the warpgroup ones above 16 rows) at 16, 24 and 32 rows on o_proj, 16 and 32 on down_proj, 32 on in_proj and
-    gate_up."""
+    and 32 on gate_up and at 32 on the LM head."""
     names = name.split(",")
     if not all(n in AB_PRESETS for n in names):
         return None
-    from w12.space import FLOW_DYN_CANDIDATES, FLOW_SK_CANDIDATES
+    from w12.space import FLOW_SK_CANDIDATES
 
     cells = []
-    if "dyn" in names:
-        for layer, ms in (("o_proj", (16, 24, 32)), ("down_proj", (16, 32)), ("in_proj", (32,)), ("gate_up", (32,))):
-            cells += [[layer, m, [[tag, tag, {}] for tag in FLOW_DYN_CANDIDATES if m > 16 or "-g-" not in tag]]
-                      for m in ms]
     if "sk" in names:
         for layer, ms in (("o_proj", (16, 24, 32)), ("down_proj", (16, 24, 32)), ("in_proj", (16, 32)),
                           ("qkv_proj", (16, 32)), ("gate_up", (16, 32))):

@@ -210,11 +210,7 @@ class FlowConfig:
     `stages` slots per K piece, copied (cp.async through L1, in the commit group of the weight tiles, stages - 1 units
     ahead) by the warps of that piece, which meet at a named barrier per unit and read their fragments from the slot:
     x is fetched once per CTA and K piece instead of once per warp, holds no registers in flight, and with rb = 2
-    feeds both row blocks of a warp (tag `-xs`; the same bits). `dyn` (the conditions of stream-K, without it or
-    `xs`): each row set's K in `dyn` pieces, each a task; a grid of as many CTAs as the SMs hold at once takes them
-    as its CTAs come free (a ticket counter), so that the SMs' loads balance as the launch runs; with dyn > 1 the
-    pieces of a row set meet in a global workspace, the last of them adding all in piece order (tag `-d<dyn>`; the
-    kg build's bits at kc = dyn where the pieces coincide; dyn = 1 the one-CTA build's). `w12.matmul_tiled` (the engine's path) takes
+    feeds both row blocks of a warp (tag `-xs`; the same bits). `w12.matmul_tiled` (the engine's path) takes
     `flow_config`'s; under `w12.matmul` on the planes it runs only when forced."""
 
     warps: int = 8
@@ -233,7 +229,6 @@ class FlowConfig:
     xh: bool = False
     sk: bool = False
     xs: bool = False
-    dyn: int = 0
 
     def __post_init__(self):
         if self.warps not in (1, 2, 4, 8, 16) or self.kw not in (1, 2, 4, 8, 16) or self.warps % self.kw \
@@ -262,10 +257,6 @@ class FlowConfig:
         if self.sk and (self.fixed or self.kc != 1 or self.rb != 1 or self.escx):
             raise ValueError(f"FlowConfig(sk=True) (stream-K) needs the exact base (fixed=False), kc=1, rb=1 and "
                              f"escx=False; got {self}")
-        if not 0 <= self.dyn <= 256 or (self.dyn and (self.fixed or self.kc != 1 or self.rb != 1 or self.escx
-                                                       or self.sk or self.xs)):
-            raise ValueError(f"FlowConfig(dyn=...) (dynamic tasks: K pieces per row set, 0 to 256) needs the exact "
-                             f"base (fixed=False), kc=1, rb=1, escx=False, sk=False and xs=False; got {self}")
 
     @property
     def row_blocks(self) -> int:
@@ -281,20 +272,19 @@ class FlowConfig:
             ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "") + \
             (f"-{'p' if self.kg else 'q'}{self.kc}" if self.kc > 1 else "") + (f"-x{self.xd}" if self.xd else "") + \
             ("-l" if self.late else "") + ("-e" if self.escx else "") + ("-h" if self.xh else "") + \
-            ("-g" if self.wg else "") + ("-sk" if self.sk else "") + ("-xs" if self.xs else "") + \
-            (f"-d{self.dyn}" if self.dyn else "")
+            ("-g" if self.wg else "") + ("-sk" if self.sk else "") + ("-xs" if self.xs else "")
 
     @classmethod
     def from_tag(cls, tag: str) -> "FlowConfig":
         """The config whose `tag()` is `tag` (the leading "flow-" may be left out), e.g. "w4-k1-s6-c3-q4-g"."""
         m = re.fullmatch(r"(?:flow-)?w(\d+)-k(\d+)-s(\d+)-c(\d+)(-fixed)?(-keep)?(?:-r(\d+))?(?:-([qp])(\d+))?(?:-x(\d+))?"
-                         r"(-l)?(-e)?(-h)?(-g)?(-sk)?(-xs)?(?:-d(\d+))?", tag)
+                         r"(-l)?(-e)?(-h)?(-g)?(-sk)?(-xs)?", tag)
         if m is None:
             raise ValueError(f"FlowConfig.from_tag: {tag!r} is not a flow config tag (e.g. 'flow-w4-k1-s4-c4-q2-g')")
-        w, k, st, c, fixed, keep, rb, split, kc, xd, late, escx, xh, wg, sk, xs, dyn = m.groups()
+        w, k, st, c, fixed, keep, rb, split, kc, xd, late, escx, xh, wg, sk, xs = m.groups()
         return cls(warps=int(w), kw=int(k), stages=int(st), cps=int(c), fixed=bool(fixed), evict=not keep,
                    rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg), xd=int(xd or 0), kg=split == "p",
-                   late=bool(late), escx=bool(escx), xh=bool(xh), sk=bool(sk), xs=bool(xs), dyn=int(dyn or 0))
+                   late=bool(late), escx=bool(escx), xh=bool(xh), sk=bool(sk), xs=bool(xs))
 
 
 @dataclass(frozen=True)

@@ -20,7 +20,7 @@ from autotune.tuner import SearchSpace
 from .configs import (_MIN_ITERS_PER_SPLIT, _SMEM_PER_SM, FlowConfig, MmaConfig, TcConfig, TmaConfig, _pow2, flow_config,
                       flow_heuristic, mma_heuristic, tc_heuristic)
 
-__all__ = ["TC_SPACE", "MMA_SPACE", "TMA_SPACE", "FLOW_SPACE", "FLOW_SK_CANDIDATES", "FLOW_DYN_CANDIDATES", "tc_flops_bytes", "tc_valid",
+__all__ = ["TC_SPACE", "MMA_SPACE", "TMA_SPACE", "FLOW_SPACE", "FLOW_SK_CANDIDATES", "tc_flops_bytes", "tc_valid",
            "cuda_valid", "tma_current", "flow_valid"]
 
 _MAX_DECODED_PER_THREAD = 128  # int32 values of the decoded [BN, BK] tile per thread; past this it spills
@@ -144,7 +144,7 @@ def flow_valid(p: dict, shape) -> str | None:
     reloaded by halves, `xh`, only in the mma.sync build, `xh` with xd = 0; the K split through memory, `kg`, only
     with kc > 1), M fits, its CTAs' shared memory fits the SM at cps CTAs, a cluster split (kc > 1 without kg) has a
     GPU with clusters, the warpgroup build (wg) a GPU with wgmma, and every warp gets a 64-column unit of K; stream-K
-    (sk) and dynamic tasks (dyn) need N a multiple of 16 and K of 64."""
+    (sk) needs N a multiple of 16 and K of 64."""
     from . import flow
 
     m, k = shape["M"], shape["K"]
@@ -160,9 +160,8 @@ def flow_valid(p: dict, shape) -> str | None:
         return "config: the warpgroup build needs wgmma (sm_90)"
     if -(-k // 64) < cfg.kw * cfg.kc:
         return f"divisibility: {-(-k // 64)} units of K for {cfg.kw * cfg.kc} pieces"
-    if (cfg.sk or cfg.dyn) and (shape["N"] % 16 or k % 64):
-        return (f"divisibility: {'stream-K' if cfg.sk else 'dynamic tasks'} take N % 16 == 0 and K % 64 == 0, got "
-                f"N={shape['N']}, K={k}")
+    if cfg.sk and (shape["N"] % 16 or k % 64):
+        return f"divisibility: stream-K takes N % 16 == 0 and K % 64 == 0, got N={shape['N']}, K={k}"
     return None
 
 
@@ -174,16 +173,6 @@ def flow_valid(p: dict, shape) -> str | None:
 # (tests/w12/test_flow_kernel.py).
 FLOW_SK_CANDIDATES = ("w8-k2-s3-c2-g-sk", "w16-k4-s4-c1-g-sk", "w16-k2-s3-c1-g-sk", "w4-k1-s6-c4-g-sk",
                       "w4-k2-s3-c4-sk", "w4-k2-s3-c4-h-sk", "w8-k2-s3-c2-sk", "w4-k4-s3-c4-sk")
-
-
-# Dynamic-task shapes (FlowConfig.dyn) for the same layers: each row set's K in 3-12 pieces taken by the CTAs as they
-# come free, in the mma.sync build's 4-warp CTAs of one or two row blocks (and x reloaded by halves) and the warpgroup
-# build's 8-warp CTAs of one row group. On the 5120-row layers (320 row blocks) the 4-warp CTAs at 4 an SM hold 528
-# at once: 3 pieces of two row blocks is one task a CTA (the kg build's split, placed freely), 6-12 pieces 1.8-3.6
-# tasks a CTA. Each builds for sm_90 without spills at 4 token tiles (tests/w12/test_flow_kernel.py); some of their
-# neighbours spill at 3 or 4 (x one unit ahead, the warpgroup build in 6-12 pieces), and are not candidates.
-FLOW_DYN_CANDIDATES = ("w4-k2-s3-c4-d3", "w4-k2-s3-c4-d6", "w4-k2-s3-c4-d12", "w4-k4-s3-c4-d4", "w4-k4-s3-c4-d8",
-                       "w4-k2-s3-c4-h-d6", "w8-k2-s3-c2-g-d4")
 
 
 FLOW_SPACE = SearchSpace(

@@ -24,7 +24,7 @@ import torch
 from specpilot.testing import assert_bitwise_equal
 from w12.format import PLANES, W12Weight
 from w12.layout import Geometry, TiledW12
-from stream_k import run_dynamic, run_stream_k
+from stream_k import run_stream_k
 
 U32 = np.uint32
 
@@ -244,7 +244,7 @@ class _Round:
 def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Tensor | None = None,
             fixed: bool = True, esc: bool = True, red: bool = True, fp32: bool = False, guard: bool = True,
             rb: int = 1, kc: int = 1, q8: bool = False, wg: bool = False, swap: bool = False, sk: int | None = None,
-            sk_seed: int = 0, dyn: int = 0, dyn_ctas: int = 4):
+            sk_seed: int = 0):
     """The kernel's result before its final rounding, float64 [M, N], and counters {"fallback": warps that took
     the exact-base recomputation, "scaled": warps that scaled}. `esc` / `red`: the W12F_ESC / W12F_RED features
     (without `red` only warp ks = 0 of a row block stores, as the kernel does); `guard=False` scales every warp
@@ -257,15 +257,12 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     q8_dense(e0) (its hi byte 0 read as the view's value); `wg`: the
     warpgroup build (module doc), `swap` with its descriptor's two byte offsets swapped (W12F_WG_SWAP); `sk`: the
     stream-K build (W12F_SK; exact base, kc = 1, rb = 1, K a multiple of 64) on a grid of `sk` CTAs, run one after
-    another in a random order (`sk_seed`; stream_k.run_stream_k); `dyn`: the dynamic-task build (W12F_DYN; the
-    conditions of stream-K), each row set's K in `dyn` pieces taken by a grid of `dyn_ctas` CTAs in an order drawn
-    from `sk_seed` (stream_k.run_dynamic)."""
+    another in a random order (`sk_seed`; stream_k.run_stream_k)."""
     assert rb in (1, 2) and (rb == 1 or not fixed)
     assert not wg or (not fixed and rb == 1 and warps % (4 * kw) == 0)
     assert not (q8 and fixed)
     assert kc in (1, 2, 3, 4) and (kc == 1 or (not fixed and red))
     assert sk is None or (not fixed and red and kc == 1 and rb == 1)
-    assert not dyn or (sk is None and not fixed and red and kc == 1 and rb == 1)
     rnd = _Round(fp32)
     M, K = x.shape
     N = t.N
@@ -405,41 +402,30 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
             tile_mma(acc, h, lw, x_frag(c), kk, False, wgB)
         return acc
 
-    def segment(rs: int, s0: int, n: int) -> list:
-        """Stream-K's segment or a dynamic task: units s0 .. s0 + n - 1 of row set rs, split among the kw warps of
-        each row group as a CTA's K is, their shares added in warp order."""
-        sums = []
-        for rw in range(RW):
-            on = rs * RW + (rw & ~3) < NB if wg else rs * RW + rw < NB  # the warp streams (as warp_active)
-            shares = [row_share(rs * RW + rw, s0 + ks * n // kw, s0 + (ks + 1) * n // kw) if on
-                      else np.zeros((NT, 4, 32)) for ks in range(kw)]
-            acc = shares[0]
-            for w in range(1, kw):
-                acc = rnd(acc + shares[w])
-            sums.append(acc)
-        return sums
-
-    def finish_set(rs: int, sums: list) -> None:
-        for rw in range(RW):
-            if rs * RW + rw < NB:
-                finish(rs * RW + rw, sums[rw])
-
-    def add_sets(a: list, b: list) -> list:
-        return [rnd(u + v) for u, v in zip(a, b)]
-
-    if dyn:
-        # the dynamic tasks (stream_k.run_dynamic): task (row set, q) is the units [q KF / dyn, (q + 1) KF / dyn)
-        assert kr == 0 and KF > 0, "dynamic tasks: K a multiple of 64 (the launcher checks)"
-        run_dynamic(-(-NB // RW), dyn, dyn_ctas,
-                    lambda rs, q: segment(rs, q * KF // dyn, (q + 1) * KF // dyn - q * KF // dyn), finish_set,
-                    sk_seed, add=add_sets)
-        assert written.all(), f"{int((~written).sum())} outputs not written"
-        return out, stats
-
     if sk is not None:
-        # the stream-K build: the (row set, unit) split and fix-up of stream_k.run_stream_k
+        # the stream-K build: the (row set, unit) split and fix-up of stream_k.run_stream_k; a segment's units are
+        # split among the kw warps of each row group as a CTA's K is, and their shares added in warp order
         assert kr == 0 and KF > 0, "stream-K: K a multiple of 64 (the launcher checks)"
-        run_stream_k(-(-NB // RW), KF, sk, segment, finish_set, sk_seed, add=add_sets, from_zero=False)
+
+        def segment(rs: int, s0: int, n: int) -> list:
+            sums = []
+            for rw in range(RW):
+                on = rs * RW + (rw & ~3) < NB if wg else rs * RW + rw < NB  # the warp streams (as warp_active)
+                shares = [row_share(rs * RW + rw, s0 + ks * n // kw, s0 + (ks + 1) * n // kw) if on
+                          else np.zeros((NT, 4, 32)) for ks in range(kw)]
+                acc = shares[0]
+                for w in range(1, kw):
+                    acc = rnd(acc + shares[w])
+                sums.append(acc)
+            return sums
+
+        def finish_set(rs: int, sums: list) -> None:
+            for rw in range(RW):
+                if rs * RW + rw < NB:
+                    finish(rs * RW + rw, sums[rw])
+
+        run_stream_k(-(-NB // RW), KF, sk, segment, finish_set, sk_seed,
+                     add=lambda a, b: [rnd(u + v) for u, v in zip(a, b)], from_zero=False)
         assert written.all(), f"{int((~written).sum())} outputs not written"
         return out, stats
 

@@ -1,6 +1,6 @@
 """The stream-K unit split and deterministic fix-up of the W12 CUDA kernels (w12_common.cuh's sk_ctas / sk_slot /
-sk_arrive, used by w12_tma.cu's TmaConfig.sk path and w12_flow.cu's W12F_SK build), and the flow kernel's dynamic
-tasks (W12F_DYN: tickets, the row sets' counters and the piece-order sum), ported line by line for the CPU tests."""
+sk_arrive, used by w12_tma.cu's TmaConfig.sk path and w12_flow.cu's W12F_SK build), ported line by line for the CPU
+tests."""
 
 from __future__ import annotations
 
@@ -65,65 +65,3 @@ def run_stream_k(groups: int, per: int, ctas: int, share: Callable[[int, int, in
                     total = slot if total is None else add(total, slot)
                 finish(rg, total)
     assert not counters.any(), "a row group's counter was left non-zero"
-
-
-def run_dynamic(sets: int, pieces: int, ctas: int, task: Callable[[int, int], Any], finish: Callable[[int, Any], None],
-                seed: int = 0, *, add: Callable[[Any, Any], Any] = operator.add) -> list[int]:
-    """Run the dynamic tasks of w12_flow.cu's W12F_DYN build: T = sets x pieces tasks, task t = set pieces + q, on a
-    grid of P = ctas CTAs. CTA b takes task b first; at each task's start (after its wait for the previous kernel)
-    thread 0 draws a ticket, P + the ticket counter's value before its increment, which is the CTA's next task, read
-    at this task's end; the CTA stops at a ticket >= T. `task(set, q)` is what its units add up to. With pieces > 1
-    each task's sum goes to workspace slot t and the CTA that counts last in its row set's counter adds the set's
-    slots in piece order (from slot 0) and finishes the set; with 1 the task finishes its set at once. Each CTA's
-    two steps (a task's start, its end) are interleaved with the other CTAs' in a random order (`seed`), so that any
-    CTA may draw any ticket and count last anywhere. Checks that every task runs once, no slot is written twice,
-    and that every counter, the ticket counter and the count of CTAs done are zero at the end (the last CTA to
-    leave resets the latter two). Returns the tasks each CTA ran, in order (for the tests)."""
-    T, P = sets * pieces, ctas
-    assert P >= 1
-    rng = np.random.default_rng(seed)
-    ws, counters = {}, np.zeros(sets, dtype=np.int64)
-    tickets = done = 0
-    cur = list(range(P))          # each CTA's task (>= T: none)
-    drawn: list[int | None] = [None] * P  # its ticket drawn at that task's start
-    ran: list[list[int]] = [[] for _ in range(P)]
-    left = set(range(P))
-    for b in range(P):
-        if cur[b] >= T:  # a CTA without a task leaves at once
-            left.discard(b)
-            done += 1
-    seen = set()
-    while left:
-        b = int(rng.choice(sorted(left)))
-        if drawn[b] is None:  # the task's start: the ticket
-            drawn[b] = P + tickets
-            tickets += 1
-            continue
-        t = cur[b]
-        assert t not in seen, f"task {t} ran twice"
-        seen.add(t)
-        ran[b].append(t)
-        rs, q = divmod(t, pieces)
-        acc = task(rs, q)
-        if pieces == 1:
-            finish(rs, acc)
-        else:
-            assert t not in ws, f"workspace slot {t} written twice"
-            ws[t] = acc
-            last = counters[rs] == pieces - 1
-            counters[rs] += 1
-            if last:
-                counters[rs] = 0
-                total = ws[rs * pieces]
-                for r in range(1, pieces):
-                    total = add(total, ws[rs * pieces + r])
-                finish(rs, total)
-        cur[b], drawn[b] = drawn[b], None
-        if cur[b] >= T:
-            left.discard(b)
-            done += 1
-            if done == P:  # the last CTA to leave
-                tickets = done = 0
-    assert seen == set(range(T)), f"tasks {sorted(set(range(T)) - seen)} never ran"
-    assert not counters.any() and tickets == 0 and done == 0, "a counter was left non-zero"
-    return ran

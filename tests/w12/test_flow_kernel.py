@@ -30,7 +30,6 @@ from specpilot.testing import assert_close, mma_loop, sass
 
 from flow_emu import (dec_exact, dec_exact_hi, dec_fixed, emulate, hostile_weight, lanes_f64, one_unit_tiny_case,
                       wg_operand, wg_operand_split, wg_slot, wg_slot_stm, words)
-from stream_k import run_dynamic
 
 
 def _bf16_bits(v64: np.ndarray | torch.Tensor) -> torch.Tensor:
@@ -301,135 +300,8 @@ def test_stream_k_launch_contract():
     for bad in (0, 2 * 2 + 1):  # 2 row sets of 32 rows x 2 units
         with pytest.raises(ValueError, match=r"ctas must be 1\.\.4"):
             call(sk, 64, 128, ctas=bad)
-    with pytest.raises(ValueError, match="neither"):
+    with pytest.raises(ValueError, match="not one"):
         call(FlowConfig(), 64, 128, ctas=3)
-
-
-# M, N, K, warps, kw, pieces, ctas, wg: one CTA for every task, fewer CTAs than row sets, as many CTAs as tasks, a
-# partial last row set (48 rows in sets of 32), pieces with warps left without a unit (K = 128 in 4 pieces of 2 warps),
-# one piece (no workspace), the warpgroup build's 64-row sets, 1 to 4 token tiles
-DYN_CASES = [(5, 48, 320, 4, 2, 3, 1, False), (32, 48, 320, 4, 2, 5, 2, False), (13, 64, 128, 4, 2, 4, 8, False),
-             (1, 64, 256, 4, 4, 1, 3, False), (24, 80, 192, 4, 1, 3, 4, False), (20, 128, 320, 4, 1, 2, 3, True)]
-
-
-@pytest.mark.parametrize("M,N,K,warps,kw,pieces,ctas,wg", DYN_CASES,
-                         ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-w{c[3]}-k{c[4]}-d{c[5]}-P{c[6]}" + ("-g" if c[7] else "")
-                              for c in DYN_CASES])
-def test_dynamic_tasks_match_reference_bitwise(M, N, K, warps, kw, pieces, ctas, wg):
-    """W12F_DYN (each row set's K in pieces, taken by the CTAs as they come free, met in the workspace): the
-    reference's BF16 bits on hostile rows with a bias, whichever CTA takes which task and counts last (two orders);
-    in the fp32 model of the arithmetic the same bits in every order (the pieces are added in piece order)."""
-    w = hostile_weight(N, K, seed=5 * N + K)
-    p = w12.pack(w, layout="planes")
-    t = layout.tile(p)
-    x = _x(M, K, seed=K + 5 * M)
-    b = (torch.randn(N, generator=torch.Generator().manual_seed(N + 1)) * 0.1).to(torch.bfloat16)
-    want = w12.matmul_reference(x, p, b)
-    for seed in (0, 1):
-        _assert_bf16_equal(emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, wg=wg, dyn=pieces, dyn_ctas=ctas,
-                                   sk_seed=seed)[0], want)
-    runs = [emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, wg=wg, dyn=pieces, dyn_ctas=ctas, sk_seed=seed,
-                    fp32=True)[0] for seed in (0, 3)]
-    assert np.array_equal(runs[0], runs[1], equal_nan=True)
-
-
-@pytest.mark.parametrize("kw,pieces", [(2, 2), (1, 3), (4, 2)])
-def test_dynamic_tasks_in_kc_pieces_are_the_k_split_through_memory(kw, pieces):
-    """With K in pieces x kw equal parts, the dynamic tasks add the kg build's pieces in its order (each piece's kw
-    shares in warp order, then the pieces in order): its bits in the fp32 model; one piece is the one-CTA build's
-    order, and twice the pieces another order (other bits somewhere: the split is really taken)."""
-    M, N = 11, 64
-    K = 64 * pieces * kw * 2
-    w = hostile_weight(N, K, seed=K + 3 * kw)
-    p = w12.pack(w, layout="planes")
-    t = layout.tile(p)
-    x = _x(M, K, seed=pieces + 7)
-    warps = 2 * kw
-    kg, _ = emulate(x, t, warps=warps, kw=kw, fixed=False, fp32=True, kc=pieces)
-    dyn, _ = emulate(x, t, warps=warps, kw=kw, fixed=False, fp32=True, dyn=pieces, dyn_ctas=3)
-    assert np.array_equal(kg, dyn, equal_nan=True)
-    one, _ = emulate(x, t, warps=warps, kw=kw, fixed=False, fp32=True, dyn=1, dyn_ctas=2)
-    ref, _ = emulate(x, t, warps=warps, kw=kw, fixed=False, fp32=True)
-    assert np.array_equal(one, ref, equal_nan=True)
-    two, _ = emulate(x, t, warps=warps, kw=kw, fixed=False, fp32=True, dyn=2 * pieces, dyn_ctas=3)
-    assert not np.array_equal(two, ref, equal_nan=True)
-
-
-@pytest.mark.parametrize("sets,pieces,ctas", [(5, 3, 4), (2, 2, 9), (1, 1, 1), (7, 1, 3), (3, 4, 12)])
-def test_dynamic_tickets_run_every_task_once(sets, pieces, ctas):
-    """The tickets of the dynamic tasks: every task runs once, whatever the interleaving of the CTAs (run_dynamic
-    checks that and that every counter is back at zero); a CTA's first task is its own index; with more CTAs than
-    tasks the others run none; over orders the CTAs take different tasks (the assignment is really dynamic)."""
-    T = sets * pieces
-    seen = []
-    for seed in range(6):
-        sums = {}
-        ran = run_dynamic(sets, pieces, ctas, lambda rs, q: float(q + 1), lambda rs, tot: sums.__setitem__(rs, tot),
-                          seed)
-        assert sums == {rs: float(pieces * (pieces + 1) // 2) for rs in range(sets)}
-        assert sorted(t for r in ran for t in r) == list(range(T))
-        assert all((r[0] == b) if b < T else not r for b, r in enumerate(ran))
-        seen.append(tuple(map(tuple, ran)))
-    if T > ctas > 1:
-        assert len(set(seen)) > 1
-
-
-@pytest.mark.parametrize("wg", [False, True])
-def test_dynamic_tasks_build_without_local_memory(wg, jit_cache):
-    """The dynamic-task build for sm_90 at 2-4 token tiles (the mma.sync one for sm_80 at 2): the ticket and row
-    set counters, the workspace's loads and stores, no spills, no local memory; each CTA lets the next kernel in as
-    it exits; the shapes of the tuning space's dynamic-task candidates."""
-    from w12.space import FLOW_DYN_CANDIDATES
-
-    tags = [t for t in FLOW_DYN_CANDIDATES if ("-g-" in t) == wg]
-    assert tags
-    for i, tag in enumerate(tags):
-        cfg = FlowConfig.from_tag(tag)
-        assert cfg.dyn and FlowConfig.from_tag(cfg.tag()) == cfg
-        for nt in (2, 4) if i == 0 else (4,):
-            for arch in [(9, 0)] + ([] if wg or nt > 2 or i else [(8, 0)]):
-                b = flow.build(cfg, nt, arch)
-                r = b.resources()
-                assert r["spill_stores"] == 0 and r["stack"] == 0 and "serialized" not in b.log.read_text(), \
-                    (tag, nt, arch, r)
-                ptx = b.ptx.read_text()
-                assert ptx.count("atom.global.add") >= 2 or ptx.count("atom.add") >= 2, (tag, nt)  # tickets, sets
-                assert "ld.global.cg.f32" in ptx and "st.global.cg.f32" in ptx, (tag, nt)
-                assert "griddepcontrol.launch_dependents" not in ptx
-
-
-def test_dynamic_tasks_config_grid_and_contract():
-    cfg = FlowConfig.from_tag("w4-k2-s3-c4-d3")
-    assert cfg.dyn == 3 and cfg.tag() == "flow-w4-k2-s3-c4-d3"
-    assert flow.grid(cfg, 5120, 6144, 132) == 480  # 160 row sets x 3 pieces: fewer tasks than 4 CTAs a SM
-    assert flow.grid(dataclasses.replace(cfg, dyn=6), 5120, 6144, 132) == 528  # 4 a SM
-    assert flow.grid(cfg, 64, 128, 132) == 6  # at most one CTA a task: 2 row sets x 3 pieces
-    assert flow.grid(dataclasses.replace(cfg, dyn=0), 5120) == 160
-    with pytest.raises(ValueError, match="SM count"):
-        flow.grid(cfg, 5120)
-    for bad in (dict(kc=2, kg=True), dict(rb=2), dict(fixed=True), dict(escx=True), dict(sk=True), dict(xs=True),
-                dict(dyn=257)):
-        with pytest.raises(ValueError, match="dynamic tasks"):
-            dataclasses.replace(cfg, **bad)
-    d = dict(flow.spec(cfg, 4, (9, 0)).defines)
-    assert int(d["W12F_DYN"]) == 3 and int(d["W12F_FULL"]) == 1
-    with pytest.raises(ValueError, match="full row blocks"):
-        flow.spec(cfg, 4, (9, 0), defines={"W12F_FULL": 0})
-    with pytest.raises(ValueError, match="only with the reduction"):
-        flow.spec(cfg, 4, (9, 0), step="d")
-
-    def call(N, K, **kw):
-        t = layout.tile(w12.pack(torch.zeros(N, K, dtype=torch.bfloat16), layout="planes"))
-        flow.launch_tiled(cfg, torch.zeros(3, K, dtype=torch.bfloat16), t, None,
-                          torch.empty(3, N, dtype=torch.bfloat16), **kw)
-
-    with pytest.raises(ValueError, match="N a multiple of 16 and K of 64"):
-        call(40, 128)
-    with pytest.raises(ValueError, match="N a multiple of 16 and K of 64"):
-        call(64, 100)
-    for bad in (0, 2 * 3 + 1):  # 2 row sets of 32 rows x 3 pieces
-        with pytest.raises(ValueError, match=r"ctas must be 1\.\.6"):
-            call(64, 128, ctas=bad)
 
 
 @pytest.mark.parametrize("nt", [1, 4])

@@ -41,17 +41,6 @@
 // requests the next segment's first STAGES - 1 tiles before its current segment's epilogue, so that the reduction
 // and the workspace traffic overlap them.
 //
-// Dynamic tasks (W12F_DYN = KP > 0; the same conditions as stream-K). A task is one row set's units
-// [q KF / KP, (q + 1) KF / KP), piece q of KP, and task t = set KP + q. CTA b of the grid's P (the launcher's choice:
-// as many as the SMs hold at once) takes task b first, then the ticket it drew at its previous task's start:
-// P + atomicAdd(cnt[NS]), NS the row sets. So a CTA that comes free takes the next task, whichever SM it is on and
-// however the CTAs sharing that SM advance. A task is a segment as in stream-K (its units split among the KW warps
-// of each row group, their shares added in warp order, the next task's first tiles requested before this one's
-// epilogue); with KP > 1 its sums go to workspace slot t, and the CTA that counts last in the row set's counter adds
-// the KP slots in piece order (the same bits whichever CTA ran which task, and those of the W12F_KG build with
-// KC = KP where the pieces coincide), finishes the rows and sets the counter back to zero. The ticket counter and
-// the counter of CTAs done (cnt[NS + 1]) go back to zero when the last CTA leaves.
-//
 // Decode (FIXED = 1; the probe's V1). A lane (g = lane / 4, p = lane % 4) holds, per tile, rows g and g + 8:
 // hi bytes of columns 16 p .. 16 p + 15 (one LDS.128 per row) and their lo nibbles (one LDS.64 per row, byte j =
 // column j | column j + 8). Per bf16 pair of k-step s: y = prmt(hi word s, lo word, 0x1504 or 0x3726) puts
@@ -220,9 +209,6 @@ typedef __nv_bfloat16 w12f_out_t;
 #ifndef W12F_SK
 #define W12F_SK 0  // stream-K: equal runs of (row set, unit) pairs per CTA, partial row sets met in `ws` / `cnt`
 #endif
-#ifndef W12F_DYN
-#define W12F_DYN 0  // dynamic tasks: a row set's K in W12F_DYN pieces, each taken by the next CTA to come free
-#endif
 #ifndef W12F_SK_PRE
 #define W12F_SK_PRE 1  // stream-K: the next segment's first tiles requested before this segment's epilogue
 #endif
@@ -240,8 +226,6 @@ constexpr int KC = W12F_KC;     // CTAs splitting K (one cluster, or with KG thr
 constexpr bool KG = W12F_KG != 0 && KC > 1;
 constexpr bool CLUSTER = KC > 1 && !KG;
 constexpr bool SK = W12F_SK != 0;
-constexpr int DYN = W12F_DYN;
-constexpr bool SEG = SK || DYN > 0;  // the CTA runs a loop of segments (stream-K's runs, or dynamic tasks)
 constexpr int STAGES = W12F_STAGES;
 constexpr int NT = W12F_NT;
 constexpr bool FIXED = W12F_FIXED != 0;
@@ -298,7 +282,7 @@ static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
               "the warpgroup build: exact base, one row block per warp, x, and warpgroups of 4 warps per K piece");
 // The end of a segment's work: the next segment (SK), or the kernel's end. The builds without stream-K keep their one
 // segment in a plain block left by `return` (a one-pass loop left by `continue` compiles to other code for them).
-#if W12F_SK || W12F_DYN
+#if W12F_SK
 #define W12F_SEGMENT_DONE continue
 #else
 #define W12F_SEGMENT_DONE return
@@ -306,11 +290,6 @@ static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
 static_assert(!SK || (!FIXED && EPI && W12F_RED != 0 && KC == 1 && RB == 1 && FULL && W12F_ESCX == 0),
               "stream-K: exact base, with the epilogue and the reduction, no K split across CTAs, one row block per "
               "row group, full row blocks, no x copy at the escapes");
-static_assert(DYN == 0 || (!SK && !XS && !FIXED && EPI && W12F_RED != 0 && KC == 1 && RB == 1 && FULL &&
-                           W12F_ESCX == 0 && DYN <= 256),
-              "dynamic tasks: not with stream-K or x through a shared ring; exact base, with the epilogue and the "
-              "reduction, no K split across CTAs, one row block per row group, full row blocks, no x copy at the "
-              "escapes, 1 to 256 pieces");
 #if W12F_KC > 1 && !W12F_KG && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
 #error "W12F_KC > 1 needs thread-block clusters (sm_90)"
 #endif
@@ -507,12 +486,10 @@ w12_matmul_flow_kernel(
     int M, int N, int K,
     float* __restrict__ sink,             // [blockDim.x]: steps without the epilogue, a never-taken store
     float* __restrict__ ws, int* __restrict__ cnt) {  // KG: 128 RW RB NT floats per CTA, one counter per KC CTAs;
-                                                       // SK: two such slots per CTA, one counter per row set;
-                                                       // DYN: one slot per task, a counter per row set, two more
+                                                       // SK: two such slots per CTA, one counter per row set
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_emin[WARPS], s_emax[WARPS];
   __shared__ int s_last;
-  __shared__ int s_next[2];  // DYN: the next task of the CTA, by segment parity
   const int lane = threadIdx.x & 31, warp = threadIdx.x >> 5;
   const int g = lane >> 2, p = lane & 3;
   // the warp's row block (row group, for RB = 2) in the CTA and its K piece; the warpgroup build groups 4 warps
@@ -554,13 +531,13 @@ w12_matmul_flow_kernel(
     a = on ? s0 + q * n / (KC * KW) : 0;
     b = on ? s0 + (q + 1) * n / (KC * KW) : 0;
   };
-  if constexpr (SEG) {
+  if constexpr (SK) {
     if (kr != 0) __trap();  // K a multiple of 64 (the launcher checks): no masked tail
   }
   // The warp's ring (SLOT: one slot, the unit's tile of each row block) and the copies' L2 policy: here in the
   // stream-K build (computed inside the segments' loop, ptxas recomputes them in the main loop, 14 more instructions
   // a unit at 4 token tiles), in the segment's body otherwise (the place that keeps those builds' code as it was)
-#if W12F_SK || W12F_DYN
+#if W12F_SK
   constexpr int SLOT = RB * TILE;
   const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
   const uint64_t pol = evict_first_policy();
@@ -572,28 +549,16 @@ w12_matmul_flow_kernel(
   uint32_t xslot_next = 0;
 #if W12F_SK
   for (int su = u_beg; su < u_end;) {
-#elif W12F_DYN
-  const int T = NS * DYN;  // tasks
-  int seg = 0;             // the CTA's tasks so far (s_next's parity)
-  for (int task = blockIdx.x, su = 0; task < T;) {
 #else
   {  // one segment (W12F_SEGMENT_DONE above)
     int su = u_beg;
 #endif
-#if W12F_DYN
-    const int tcur = task;                           // this segment's task: row set tcur / DYN, piece tq
-    const int set = tcur / DYN, tq = tcur - set * DYN;
-    const int s0 = tq * KF / DYN, s1 = (tq + 1) * KF / DYN;
-    const bool part = DYN > 1;
-    const int sslot = tcur == (int)blockIdx.x ? 0 : 1;  // (the CTA's first task or not, for the trace)
-#else
     const int set = SK ? su / KF : cta;              // the row set, and the segment's units [s0, s1) of it
     const int s0 = SK ? su - set * KF : 0;
     const int s1 = SK ? min(KF, u_end - set * KF) : KF;
     // SK: whether the segment holds only part of its row set, and then its workspace slot (0 for the CTA's first)
     const bool part = SK && (s0 != 0 || s1 != KF);
     const int sslot = su == u_beg ? 0 : 1;
-#endif
     su = SK ? (set + 1) * KF : u_end;
     const int rb0 = (set * RW + rw) * RB;           // the first row block of this warp's row group
     const bool active = rb0 < NB;                    // a row group is active when its first block is
@@ -610,9 +575,9 @@ w12_matmul_flow_kernel(
     const int q = kc * KW + ks;                      // the warp's piece of the row group's K, of KC x KW
     int c0, c1;                                      // its units [c0, c1) of [s0, s1)
     piece(lactive, s0, s1, c0, c1);
-    const bool has_tail = !SEG && lactive && q == KC * KW - 1 && kr > 0;
+    const bool has_tail = !SK && lactive && q == KC * KW - 1 && kr > 0;
     const int cend = c1 + (has_tail ? 1 : 0);        // units c0 .. cend - 1; unit KF is the masked tail
-#if !W12F_SK && !W12F_DYN
+#if !W12F_SK
     constexpr int SLOT = RB * TILE;                  // (above, for stream-K)
     const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
     const uint64_t pol = evict_first_policy();
@@ -741,7 +706,7 @@ w12_matmul_flow_kernel(
         wst += SLOT;
       }
     };
-    if (SEG && pre) {
+    if (SK && pre) {
       srcl[0] += (STAGES - 1) * TILE;
       wst += (STAGES - 1) * SLOT;
     } else {
@@ -756,12 +721,6 @@ w12_matmul_flow_kernel(
     }
     grid_dep_wait();
     if (sslot == 0) stamp(2);
-#if W12F_DYN
-    // the CTA's next task, drawn now (the counters: after the wait, which orders this launch after the previous one's
-    // reset) into s_next, read by every thread at this task's end; thread 0 waits for the ticket here, while the
-    // task's first tiles are in flight, rather than holding a register through the main loop
-    if (threadIdx.x == 0) s_next[seg & 1] = (int)gridDim.x + atomicAdd(cnt + NS, 1);
-#endif
 
     // XS: the x ring of the warp's K piece, shared by its RW warps (a warp whose row group is past the last block
     // still copies its part and meets the barriers, below). Thread xt of them copies chunks xt + 32 RW r of a unit's
@@ -1004,7 +963,7 @@ w12_matmul_flow_kernel(
 
     uint32_t rst = ring;  // the slot of tile c
 #if W12F_WG
-    uint32_t xslot = SEG && xslot_next != 0 ? xslot_next : xring;  // unit c's x slot
+    uint32_t xslot = SK && xslot_next != 0 ? xslot_next : xring;  // unit c's x slot
     uint32_t areg[2][4][4] = {};  // A registers of even and odd units (one may be read by a wgmma in flight)
     if (c0 < cend) {
       if constexpr (STM)
@@ -1047,7 +1006,7 @@ w12_matmul_flow_kernel(
     }
     if (c < cend) wg_unit(c, areg[0], areg[1]);
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if constexpr (SEG) xslot_next = xslot;
+    if constexpr (SK) xslot_next = xslot;
     keep(acc[0]);
     keep(areg[0]);
     keep(areg[1]);
@@ -1194,33 +1153,15 @@ w12_matmul_flow_kernel(
       }
     }
 #endif
-#if W12F_DYN
-    // the ticket drawn at this task's start, to every thread (thread 0 writes the other parity's slot at the next
-    // task's start, after this barrier; this slot again only after the next task's barrier, which every thread
-    // reaches after its read here)
-    __syncthreads();
-    task = s_next[seg & 1];
-    ++seg;
-#endif
     // SK_PRE: the next segment's first tiles into the warp's ring, which the loop above has drained, so that they
     // land during this segment's epilogue
-    if constexpr (SEG && W12F_SK_PRE != 0) {
-#if W12F_DYN
-      pre = task < T;
-#else
+    if constexpr (SK && W12F_SK_PRE != 0) {
       pre = su < u_end;
-#endif
       if (pre) {
         __syncwarp();  // every lane's reads of the ring are done before the copies overwrite it
-#if W12F_DYN
-        const int nset = task / DYN, nq = task - nset * DYN;
-        int a, b;
-        piece(warp_active(nset), nq * KF / DYN, (nq + 1) * KF / DYN, a, b);
-#else
         const int nset = set + 1;
         int a, b;
         piece(warp_active(nset), 0, min(KF, u_end - nset * KF), a, b);
-#endif
         srcl[0] = tiles + (long long)min(nset * RW + rw, NB - 1) * SB + (long long)a * TILE + 16 * lane;
         wst = ring + 16 * lane;
         first_tiles(a, b);
@@ -1230,7 +1171,7 @@ w12_matmul_flow_kernel(
     // kernel's start instead, the 64-layer decode step on the H200 took 9,935 µs against 9,816 (docs/w12-kernels.md)
     stamp_last(4);
     // KG, SK: each CTA counts as letting it launch when it exits (the workspace and counters are then free)
-    if constexpr (!KG && !SEG) grid_dep_launch();
+    if constexpr (!KG && !SK) grid_dep_launch();
 
     if constexpr (!EPI) {
       float s = 0.0f;
@@ -1302,7 +1243,7 @@ w12_matmul_flow_kernel(
           for (int w = 1; w < KW; ++w)
             for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] += red[at(warp + KSTEP * w, i, j, u)]; });
         }
-        if constexpr (SEG) __syncthreads();  // read before any warp stores the next segment's shares
+        if constexpr (SK) __syncthreads();  // read before any warp stores the next segment's shares
       }
       // KG, SK: this CTA's sums into its workspace slot `mine`, then its count in `counter`, of `count` CTAs: whether
       // it counted last (it then adds the others' sums and finishes the rows; the counter goes back to zero for the
@@ -1364,25 +1305,6 @@ w12_matmul_flow_kernel(
           }
         }
       }
-#if W12F_DYN
-      // a task of KP > 1: the CTA that counts last of the row set's KP adds their slots in piece order (each from its
-      // slot, this CTA's own too, as stream-K does)
-      if (part) {
-        if (!publish(ws + (size_t)tcur * SHARE, cnt + set, DYN)) {
-          stamp_last(5);
-          W12F_SEGMENT_DONE;
-        }
-        __threadfence();
-        if (ks == 0) {
-          const float* slot = ws + (size_t)set * DYN * SHARE;
-          for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = __ldcg(slot + at(rw, i, j, u)); });
-          for (int r = 1; r < DYN; ++r) {
-            slot += SHARE;
-            for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] += __ldcg(slot + at(rw, i, j, u)); });
-          }
-        }
-      }
-#endif
       if constexpr (CLUSTER) {
         // the other CTAs' sums into rank 0's shared memory, one cluster barrier, then rank 0 adds them in rank order
         const uint32_t cred = (uint32_t)__cvta_generic_to_shared(smem + CRED_OFF);
@@ -1461,12 +1383,4 @@ w12_matmul_flow_kernel(
       stamp_last(5);
     }
   }
-#if W12F_DYN
-  // every ticket this CTA drew is in (each was read before the loop ended): the last CTA to leave sets the ticket
-  // counter and its own back to zero for the next launch
-  if (threadIdx.x == 0 && atomicAdd(cnt + NS + 1, 1) == (int)gridDim.x - 1) {
-    cnt[NS] = 0;
-    cnt[NS + 1] = 0;
-  }
-#endif
 }
