@@ -10,7 +10,8 @@
 # of WALL (default 490 s) minus RESERVE (30 s) for the report:
 #   lookup  python -m specpilot.bench.lookup: get_config / PlanCache ns per call, an eager call with its
 #           config looked up vs pre-resolved, and both as CUDA-graph replays.
-#   gdn     gdn.tree_verify, variants cuda (the default on sm_90) and wy, at B1-N32 and B24-N8.
+#   gdn     gdn.tree_verify, variants cuda (the default on sm_90) and wy, at B1-N32 and B24-N8 (GDN_VARIANT,
+#           GDN_ONLY: others, e.g. GDN_VARIANT=cuda GDN_ONLY=B1-N1, the engine's one-token step).
 #   w12     w12.matmul, variant tc (the Triton kernel) at M=64 on the six hybrid-27b linears (the verify pass's
 #           rows, where "tc" is the default on sm_90). W12_VARIANT=mma (or tma) W12_ONLY='*-M32' tunes the CUDA
 #           kernels (w12.space.MMA_SPACE / TMA_SPACE, the default at M <= 32) instead.
@@ -73,8 +74,8 @@ PY
 for s in $OPS; do
   case $s in
     lookup) stage lookup 45 python3 -m specpilot.bench.lookup --out "$OUT" ;;
-    gdn) stage gdn 120 "${TUNE[@]}" --op gdn.tree_verify --variant cuda,wy --only B1-N32,B24-N8 \
-           --time-budget "${GDN_S:-65}" ;;
+    gdn) stage gdn 120 "${TUNE[@]}" --op gdn.tree_verify --variant "${GDN_VARIANT:-cuda,wy}" \
+           --only "${GDN_ONLY:-B1-N32,B24-N8}" --time-budget "${GDN_S:-65}" ;;
     w12) stage w12 125 "${TUNE[@]}" --op w12.matmul --variant "${W12_VARIANT:-tc}" \
            --only "${W12_ONLY:-gdn.in_proj-M64,gdn.out_proj-M64,attn.qkv_proj-M64,attn.o_proj-M64,mlp.gate_up_proj-M64,mlp.down_proj-M64}" \
            --time-budget "${W12_S:-70}" ;;
