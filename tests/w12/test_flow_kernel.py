@@ -236,11 +236,12 @@ def test_stream_k_at_sets_times_kc_ctas_is_the_k_split_through_memory(kw, kc):
 @pytest.mark.parametrize("wg", [False, True])
 def test_stream_k_builds_without_local_memory(wg, jit_cache):
     """The stream-K build for sm_90 (and the mma.sync one for sm_80) at 1-4 token tiles: the workspace's loads and
-    stores and the row sets' counter, no spills, no local memory; the shapes of the tuning space's stream-K
-    candidates."""
+    stores and the row sets' counter, no spills, no local memory; the first two shapes of the tuning space's
+    stream-K candidates of each build (stream-K is opt-in and measured slower than the shipped configs; the GPU tests
+    build and run every candidate)."""
     from w12.space import FLOW_SK_CANDIDATES
 
-    tags = [t for t in FLOW_SK_CANDIDATES if t.endswith("-g-sk") == wg]
+    tags = [t for t in FLOW_SK_CANDIDATES if t.endswith("-g-sk") == wg][:2]
     assert tags
     tiles = (2, 4) if wg else (1, 4)
     for i, tag in enumerate(tags):
