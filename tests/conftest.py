@@ -44,6 +44,14 @@ from specpilot.testing import longest_first, poisoned_empty, poisoned_empty_like
 
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: the order is of the tests that run
 def pytest_collection_modifyitems(config, items):
+    # where the session collects all of tests/ with no -m or -k selection (nothing deselected), the modules holding
+    # GPU-marked tests: tests/test_gpu_selection.py reads them here instead of collecting tests/ again in a process
+    # of its own; None elsewhere
+    whole = [Path(a.split("::")[0]).resolve() for a in config.args] == [Path(config.rootpath, "tests").resolve()]
+    config.specpilot_gpu_modules = None
+    if whole and not config.option.markexpr and not config.option.keyword:
+        config.specpilot_gpu_modules = {item.nodeid.split("::")[0] for item in items
+                                        if item.get_closest_marker("gpu") or item.get_closest_marker("hopper")}
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_hopper = pytest.mark.skip(reason="needs sm_90 (wgmma)")
     for item in items:
