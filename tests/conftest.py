@@ -44,14 +44,6 @@ from specpilot.testing import longest_first, poisoned_empty, poisoned_empty_like
 
 @pytest.hookimpl(trylast=True)  # after -m/-k deselection: the order is of the tests that run
 def pytest_collection_modifyitems(config, items):
-    # where the session collects all of tests/ with no -m or -k selection (nothing deselected), the modules holding
-    # GPU-marked tests: tests/test_gpu_selection.py reads them here instead of collecting tests/ again in a process
-    # of its own; None elsewhere
-    whole = [Path(a.split("::")[0]).resolve() for a in config.args] == [Path(config.rootpath, "tests").resolve()]
-    config.specpilot_gpu_modules = None
-    if whole and not config.option.markexpr and not config.option.keyword:
-        config.specpilot_gpu_modules = {item.nodeid.split("::")[0] for item in items
-                                        if item.get_closest_marker("gpu") or item.get_closest_marker("hopper")}
     skip_gpu = pytest.mark.skip(reason="needs a CUDA device")
     skip_hopper = pytest.mark.skip(reason="needs sm_90 (wgmma)")
     for item in items:
@@ -112,6 +104,18 @@ def _cuda_in_use():
     return torch.cuda if torch is not None and torch.cuda.is_initialized() else None
 
 
+class _GpuModules:
+    """Where the session collects all of tests/, the modules holding GPU-marked tests, as `config.specpilot_gpu_modules`
+    (None elsewhere): tests/test_gpu_selection.py reads them there instead of collecting tests/ again in a process of
+    its own. Taken first among the collection hooks, before -m, -k, --deselect or --lf drop any item."""
+
+    @pytest.hookimpl(tryfirst=True)
+    def pytest_collection_modifyitems(self, config, items):
+        whole = [Path(a.split("::")[0]).resolve() for a in config.args] == [Path(config.rootpath, "tests").resolve()]
+        config.specpilot_gpu_modules = {item.nodeid.split("::")[0] for item in items if item.get_closest_marker("gpu")
+                                        or item.get_closest_marker("hopper")} if whole else None
+
+
 class _GpuPeak:
     """With SPECPILOT_TEST_TIMES, a test call's peak of GPU memory held by torch's allocator (GiB) travels with its
     report: the workers of `make test-gpu` share one GPU's memory, and the file says which tests need the most. A
@@ -129,6 +133,8 @@ class _GpuPeak:
 
 
 def pytest_configure(config):
+    config.specpilot_gpu_modules = None
+    config.pluginmanager.register(_GpuModules(), "specpilot-gpu-modules")
     if _TIMES:
         config.pluginmanager.register(_GpuPeak(), "specpilot-gpu-peak")
 

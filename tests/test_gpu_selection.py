@@ -18,8 +18,8 @@ def _listed(pkg: str = "") -> set[str]:
 
 
 def test_listed_modules_are_the_collected_gpu_modules(request):
-    """The modules of GPU-marked tests: this session's collection where it collected all of tests/ unfiltered
-    (tests/conftest.py), else a collection of all of tests/ in a process of its own."""
+    """The modules of GPU-marked tests: this session's collection where it collected all of tests/ (before any
+    selection drops items; tests/conftest.py), else a collection of all of tests/ in a process of its own."""
     collected = request.config.specpilot_gpu_modules
     if collected is None:
         out = subprocess.run([sys.executable, "-m", "pytest", "tests", "--collect-only", "-q", "-m", "gpu or hopper",
