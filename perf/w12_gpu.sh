@@ -9,8 +9,8 @@
 #   tests   the W12 GPU tests (tests/w12, tests/test_sm90_codegen.py; TEST_K, TEST_SHARD, TEST_TIMEOUT 240 s).
 #   ncu     Nsight Compute on NCU_COUNT W12 and cuBLAS launches of the benchmark, one line per kernel
 #           (perf/ncu_summary.py) in summary.txt.
-#   ab      perf/w12_ladder.py --ab "$AB" --promote (AB default sk,xh: the stream-K candidates and x reloaded by
-#           halves beside the shipped configs; AB_ROUNDS 20, AB_TIMEOUT 360 s); the promoted entries land in
+#   ab      perf/w12_ladder.py --ab "$AB" --promote (AB default xh,xs: x reloaded by halves and x through a shared
+#           ring beside the shipped configs; AB_ROUNDS 20, AB_TIMEOUT 360 s); the promoted entries land in
 #           autotune/configs/<gpu>.json, copied to $OUT/tuned.json. Before bench, so that the benchmark runs them.
 #   bench   specpilot bench --ops linear w12 (BENCH_SHAPES, default hybrid-27b; BENCH_TIMEOUT 240 s), and its
 #           summary (perf/bench_summary.py).
@@ -31,7 +31,7 @@ if has_stage ncu; then
   RC[ncu]=$?
 fi
 if has_stage ab; then
-  timeout "${AB_TIMEOUT:-360}" python3 perf/w12_ladder.py --ab "${AB:-sk,xh}" --rounds "${AB_ROUNDS:-20}" --promote \
+  timeout "${AB_TIMEOUT:-360}" python3 perf/w12_ladder.py --ab "${AB:-xh,xs}" --rounds "${AB_ROUNDS:-20}" --promote \
     >"$OUT/ab.log" 2>&1
   RC[ab]=$?
   tuned=$(python3 -c "import torch; from autotune.config import tuned_file; print(tuned_file(torch.device('cuda')))" \

@@ -57,8 +57,8 @@ seven linears, the LM head among them), e.g.
 
     python3 perf/w12_ladder.py --ab '[["gate_up", 32, [["s4", "w4-k1-s4-c4-q2-g", {}], ["nosync", "", {"W12F_WG_BAR": 0, "W12F_WG_FENCE": 0}]]]]'
 
-`--ab sk`, `--ab xh` and `--ab xs` are presets (`ab_preset`; `--ab sk,xh` runs both): the stream-K candidates, x
-reloaded by halves and x through a shared ring, on the layers and row counts given there.
+`--ab xh` and `--ab xs` are presets (`ab_preset`; `--ab xh,xs` runs both): x reloaded by halves and x through a
+shared ring, on the layers and row counts given there.
 
 M runs to 64: above 32 rows the shipped path is `w12.matmul_tiled`'s, one launch per 32-row piece, and every
 candidate is a warpgroup config, built at 5-8 token tiles (`w12.flow.WG_MAX_M`) so that it takes the rows in one
@@ -955,7 +955,7 @@ def parse(argv=None):
     ap.add_argument("--trace-reps", type=int, default=5, help="--trace: traced chain replays (medians)")
     ap.add_argument("--ab", metavar="CELLS", default=None,
                     help="instead of the ladder: candidates beside the shipped config, pairs interleaved (module doc); "
-                         "CELLS is the JSON, a file holding it, or presets' names, e.g. sk,xh (module doc)")
+                         "CELLS is the JSON, a file holding it, or presets' names, e.g. xh,xs (module doc)")
     ap.add_argument("--rounds", type=int, default=20, help="--ab / --batch: interleaved rounds a pair")
     ap.add_argument("--promote", action="store_true",
                     help="--ab / --batch: store the winning candidates as this GPU's tuned entries where "
@@ -1097,15 +1097,12 @@ def ab_write(report: dict, args, t0: float, name: str) -> Path:
     return out
 
 
-AB_PRESETS = ("sk", "xh", "xs")
+AB_PRESETS = ("xh", "xs")
 
 
 def ab_preset(name: str) -> str | None:
-    """The cells of named --ab presets as JSON (several joined by commas: "sk,xh"), or None where `name` is not a list
-    of them. "sk": the stream-K candidates (`w12.space.FLOW_SK_CANDIDATES`, the first also without the next-segment
-    prefetch, W12F_SK_PRE=0) beside the shipped config at 16, 24 and 32 rows on the 5120-row layers (o_proj's shape
-    is out_proj's) and at 16 and 32 on in_proj, qkv_proj and gate_up; the warpgroup candidates at 24 and 32 rows only
-    (the mma.sync build takes 9-16). "xh": x reloaded by halves (docs/w12-kernels.md, "x reloaded by halves"),
+    """The cells of named --ab presets as JSON (several joined by commas: "xh,xs"), or None where `name` is not a list
+    of them. "xh": x reloaded by halves (docs/w12-kernels.md, "x reloaded by halves"),
     `w4-k2-s3-c4-q3-h` and `w4-k2-s3-c5-q4-h`, at 16 and 32 rows on o_proj and down_proj. "xs": x through a shared
     ring per K piece (docs/w12-kernels.md, "x through a shared ring"): one-K-piece CTAs of 4 warps in clusters of 4 or
     3 (one or two row blocks a warp; and split 4 ways through memory), of 2 warps in clusters of 4 (twice the CTAs,
@@ -1115,16 +1112,7 @@ def ab_preset(name: str) -> str | None:
     names = name.split(",")
     if not all(n in AB_PRESETS for n in names):
         return None
-    from w12.space import FLOW_SK_CANDIDATES
-
     cells = []
-    if "sk" in names:
-        for layer, ms in (("o_proj", (16, 24, 32)), ("down_proj", (16, 24, 32)), ("in_proj", (16, 32)),
-                          ("qkv_proj", (16, 32)), ("gate_up", (16, 32))):
-            for m in ms:
-                cands = [[tag, tag, {}] for tag in FLOW_SK_CANDIDATES if m > 16 or not tag.endswith("-g-sk")]
-                cands.append([cands[0][1] + "-pre0", cands[0][1], {"W12F_SK_PRE": 0}])
-                cells.append([layer, m, cands])
     if "xs" in names:
         small = ("w4-k1-s3-c5-q4-xs", "w4-k1-s4-c5-q4-xs", "w4-k1-s3-c5-q3-xs", "w4-k1-s3-c4-r2-q4-xs",
                  "w4-k1-s3-c5-p4-xs", "w4-k2-s3-c4-q3-xs", "w2-k1-s3-c8-q4-xs")

@@ -201,12 +201,8 @@ class FlowConfig:
     previous kernel, and the epilogue's first escape reads it there instead of from global memory (tag `-e`; the same
     bits). `xh` (mma.sync build with xd = 0): one x set, each half of it (k-steps 0-1, 2-3) reloaded with the next
     unit's as soon as this unit's mma on it are issued, so that x takes half the registers of two sets while each
-    load still has about half a unit to land (tag `-h`; the same bits). `sk`: stream-K (exact base, kc = 1, rb = 1;
-    N a multiple of 16, K of 64, up to 32 rows): a grid of as many CTAs as the SMs hold at once (`cps` per SM)
-    splits the (row set of `rows` rows, 64-column unit) pairs into equal runs, so that every SM streams the same
-    bytes whatever the row count; a row set shared by several CTAs meets in a global workspace, the last of them
-    adding their shares in CTA order (tag `-sk`; other bits than the one-CTA build: another order of the fp32 sums).
-    `xs` (mma.sync build, one x set, exact base, no stream-K): each unit's x is staged in shared memory, one ring of
+    load still has about half a unit to land (tag `-h`; the same bits).
+    `xs` (mma.sync build, one x set, exact base): each unit's x is staged in shared memory, one ring of
     `stages` slots per K piece, copied (cp.async through L1, in the commit group of the weight tiles, stages - 1 units
     ahead) by the warps of that piece, which meet at a named barrier per unit and read their fragments from the slot:
     x is fetched once per CTA and K piece instead of once per warp, holds no registers in flight, and with rb = 2
@@ -227,7 +223,6 @@ class FlowConfig:
     late: bool = False
     escx: bool = False
     xh: bool = False
-    sk: bool = False
     xs: bool = False
 
     def __post_init__(self):
@@ -250,13 +245,9 @@ class FlowConfig:
         if self.xh and (self.xd or self.wg):
             raise ValueError(f"FlowConfig(xh=True) reloads the mma.sync build's one x set by halves: it needs xd=0 and "
                              f"wg=False; got {self}")
-        if self.xs and (self.xd or self.xh or self.wg or self.fixed or self.sk or self.kw > 15):
+        if self.xs and (self.xd or self.xh or self.wg or self.fixed or self.kw > 15):
             raise ValueError(f"FlowConfig(xs=True) stages the mma.sync build's one x set in shared memory: it needs "
-                             f"xd=0, xh=False, wg=False, the exact base (fixed=False), sk=False and kw <= 15; "
-                             f"got {self}")
-        if self.sk and (self.fixed or self.kc != 1 or self.rb != 1 or self.escx):
-            raise ValueError(f"FlowConfig(sk=True) (stream-K) needs the exact base (fixed=False), kc=1, rb=1 and "
-                             f"escx=False; got {self}")
+                             f"xd=0, xh=False, wg=False, the exact base (fixed=False) and kw <= 15; got {self}")
 
     @property
     def row_blocks(self) -> int:
@@ -272,19 +263,19 @@ class FlowConfig:
             ("" if self.evict else "-keep") + (f"-r{self.rb}" if self.rb > 1 else "") + \
             (f"-{'p' if self.kg else 'q'}{self.kc}" if self.kc > 1 else "") + (f"-x{self.xd}" if self.xd else "") + \
             ("-l" if self.late else "") + ("-e" if self.escx else "") + ("-h" if self.xh else "") + \
-            ("-g" if self.wg else "") + ("-sk" if self.sk else "") + ("-xs" if self.xs else "")
+            ("-g" if self.wg else "") + ("-xs" if self.xs else "")
 
     @classmethod
     def from_tag(cls, tag: str) -> "FlowConfig":
         """The config whose `tag()` is `tag` (the leading "flow-" may be left out), e.g. "w4-k1-s6-c3-q4-g"."""
         m = re.fullmatch(r"(?:flow-)?w(\d+)-k(\d+)-s(\d+)-c(\d+)(-fixed)?(-keep)?(?:-r(\d+))?(?:-([qp])(\d+))?(?:-x(\d+))?"
-                         r"(-l)?(-e)?(-h)?(-g)?(-sk)?(-xs)?", tag)
+                         r"(-l)?(-e)?(-h)?(-g)?(-xs)?", tag)
         if m is None:
             raise ValueError(f"FlowConfig.from_tag: {tag!r} is not a flow config tag (e.g. 'flow-w4-k1-s4-c4-q2-g')")
-        w, k, st, c, fixed, keep, rb, split, kc, xd, late, escx, xh, wg, sk, xs = m.groups()
+        w, k, st, c, fixed, keep, rb, split, kc, xd, late, escx, xh, wg, xs = m.groups()
         return cls(warps=int(w), kw=int(k), stages=int(st), cps=int(c), fixed=bool(fixed), evict=not keep,
                    rb=int(rb or 1), kc=int(kc or 1), wg=bool(wg), xd=int(xd or 0), kg=split == "p",
-                   late=bool(late), escx=bool(escx), xh=bool(xh), sk=bool(sk), xs=bool(xs))
+                   late=bool(late), escx=bool(escx), xh=bool(xh), xs=bool(xs))
 
 
 @dataclass(frozen=True)

@@ -36,7 +36,7 @@ from .layout import TiledW12, tile
 from .format import W12Weight, _codes, _to_int16, padded_k, unpack
 
 __all__ = ["SOURCE", "KERNEL", "STEPS", "ABLATIONS", "WG_VARIANTS", "WG_ABLATIONS", "MAX_M", "WG_MAX_M", "MAX_KP", "n_tiles",
-           "spec", "build", "smem_bytes", "grid", "sk_sets", "tiled", "launch", "full_rows", "launch_tiled",
+           "spec", "build", "smem_bytes", "grid", "tiled", "launch", "full_rows", "launch_tiled",
            "ladder_weight", "PDL_MAX_M"]
 
 SOURCE = Path(__file__).with_name("csrc") / "w12_flow.cu"
@@ -114,14 +114,9 @@ def spec(cfg: FlowConfig, nt: int, arch: tuple[int, int], *, step: str = "e",
         raise ValueError(f"w12.flow.spec: {cfg.tag()} splits K across the CTAs of a thread-block cluster, which needs "
                          f"sm_90; this GPU is sm_{arch[0]}{arch[1]} (use kc=1)")
     merged = _defines(cfg, nt, step, defines, q8)
-    if (cfg.kc > 1 or cfg.sk) and not merged["W12F_RED"]:
+    if cfg.kc > 1 and not merged["W12F_RED"]:
         raise ValueError(f"w12.flow.spec: {cfg.tag()} (a K split across CTAs) builds only with the reduction, step "
                          f"'e'; got step {step!r}")
-    if cfg.sk and not merged["W12F_FULL"]:
-        raise ValueError(f"w12.flow.spec: {cfg.tag()} (stream-K) builds with full row blocks only (W12F_FULL=1)")
-    if cfg.sk and nt > 4:
-        raise ValueError(f"w12.flow.spec: {cfg.tag()} (stream-K) builds 1-4 token tiles (up to 32 rows), got {nt}: at "
-                         "5-8 its warpgroup builds spill; use the config without sk above 32 rows")
     target = jit.arch_name(arch, wgmma=cfg.wg)
     # the kernel checks its shared-memory layout against the bytes the launch gives it (a static_assert)
     merged["W12F_SMEM"] = _smem(merged)
@@ -138,8 +133,6 @@ def _defines(cfg: FlowConfig, nt: int, step: str, defines: Mapping[str, object] 
                 W12F_ESCX=int(cfg.escx), W12F_XH=int(cfg.xh), **_check_step(step))
     if cfg.xs:  # (a define only where on: the other builds' sources stay as they were)
         base |= dict(W12F_XRING=1)
-    if cfg.sk:  # stream-K reads full row blocks only (launch_tiled checks N % 16 == 0)
-        base |= dict(W12F_SK=1, W12F_FULL=1)
     return base | _env_defines() | dict(defines or {})
 
 
@@ -198,21 +191,10 @@ def _smem(d: Mapping[str, int]) -> int:
     return rings + red + cred + stash + xring + escx
 
 
-def grid(cfg: FlowConfig, N: int, K: int | None = None, sms: int | None = None) -> int:
+def grid(cfg: FlowConfig, N: int) -> int:
     """CTAs of a launch: `cfg.kc` (one cluster, or with `kg` a group meeting in global memory) per `cfg.row_blocks`
-    row blocks of 16 rows. Stream-K (`cfg.sk`): `cfg.cps` per SM of `sms` SMs, at most one per (row set, 64-column
-    unit) pair of the K-column weight."""
-    sets = -(-(-(-N // 16)) // cfg.row_blocks)
-    if not cfg.sk:
-        return sets * cfg.kc
-    if K is None or sms is None or sms < 1:
-        raise ValueError(f"w12.flow.grid: {cfg.tag()} (stream-K) needs K and the GPU's SM count, got K={K}, sms={sms}")
-    return max(1, min(sets * (K // 64), sms * cfg.cps))
-
-
-def sk_sets(cfg: FlowConfig, N: int) -> int:
-    """Row sets of a stream-K launch (`cfg.rows` rows each, the last may have fewer): one counter each."""
-    return -(-N // cfg.rows)
+    row blocks of 16 rows."""
+    return -(-(-(-N // 16)) // cfg.row_blocks) * cfg.kc
 
 
 # --------------------------------------------------------------------------------------
@@ -260,9 +242,8 @@ _SPLIT_OLD: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 def _split_buffers(cfg: FlowConfig, nt: int, N: int, ctas: int, device: torch.device, idx: int, stream: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
-    """The workspace and counters of a launch of `ctas` CTAs: kg one slot per CTA and a counter per kc CTAs, sk two
-    slots per CTA and a counter per row set."""
-    slots, need_cnt = (2 * ctas, sk_sets(cfg, N)) if cfg.sk else (ctas, ctas // cfg.kc)
+    """The workspace and counters of a launch of `ctas` CTAs (kg): one slot per CTA and a counter per kc CTAs."""
+    slots, need_cnt = ctas, ctas // cfg.kc
     need_ws = slots * cfg.row_blocks * nt * 128
     have = _SPLIT.get((idx, stream))
     if have is None or have[0].numel() < need_ws or have[1].numel() < need_cnt:
@@ -306,7 +287,7 @@ def full_rows(N: int, nt: int) -> bool:
 def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Tensor | None, out: torch.Tensor, *,
                  step: str = "e", defines: Mapping[str, object] | None = None, smem: int | None = None,
                  q8: bool = False, pdl: bool | None = None, pdl_rows: int = PDL_MAX_M,
-                 trace: torch.Tensor | None = None, ctas: int | None = None, swiglu: bool = False) -> None:
+                 trace: torch.Tensor | None = None, swiglu: bool = False) -> None:
     """out[M, N] = x2d @ W^T (+ bias) from the runtime layout `t`, on torch's current stream (CUDA-graph capturable
     once the kernel is loaded). `step`: a ladder build (module doc; "a" and "b" leave `out` unwritten).
     `defines` add to the build's defines; `smem`: dynamic shared memory per CTA, at least what the config needs;
@@ -323,7 +304,6 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     `trace`: a diagnostic build (W12F_TRACE, csrc/w12_flow.cu) that writes 8 int64 per CTA into this zeroed
     int64 tensor of at least 8 `grid(cfg, N)` elements: %globaltimer stamps (ns) at entry, after the PDL wait, when
     warp 0's first tile landed, the last main loop's end and the last exit (0, 2, 3, 4, 5), and the SM id (1).
-    `ctas`: a stream-K config's grid (default `grid(cfg, N, K, SMs of the GPU)`), 1 to row sets x K / 64.
     `swiglu`: `t` holds gate and up rows paired (`w12.pair_rows`) and `out` is bf16 [M, N / 2]: SwiGLU of the two
     (the W12F_SWIGLU build, csrc/w12_flow.cu; `w12.matmul_swiglu`)."""
     M, K = x2d.shape
@@ -348,25 +328,7 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     if out.dtype == torch.float32:
         defines = dict(defines or {}) | {"W12F_OUT32": 1}
     nt = n_tiles(M, cfg.wg)
-    if cfg.sk:
-        if t.N % 16 or K % 64:
-            raise ValueError(f"w12.flow.launch_tiled: {cfg.tag()} (stream-K) needs N a multiple of 16 and K of 64, "
-                             f"got N={t.N}, K={K}")
-        units = sk_sets(cfg, t.N) * (K // 64)
-        if units >= 1 << 31:
-            raise ValueError(f"w12.flow.launch_tiled: {cfg.tag()} (stream-K) counts (row set, unit) pairs in 31 bits, "
-                             f"got {units} for N={t.N}, K={K}")
-        if ctas is None:
-            from .configs import sm_count
-
-            ctas = grid(cfg, t.N, K, sm_count(x2d.device))
-        elif not 1 <= ctas <= units:
-            raise ValueError(f"w12.flow.launch_tiled: ctas must be 1..{units} (row sets x K / 64) for {cfg.tag()}, "
-                             f"got {ctas}")
-    elif ctas is not None:
-        raise ValueError(f"w12.flow.launch_tiled: ctas is a stream-K config's grid; {cfg.tag()} is not one")
-    else:
-        ctas = grid(cfg, t.N)
+    ctas = grid(cfg, t.N)
     if trace is not None:
         if trace.dtype != torch.int64 or trace.device != x2d.device or not trace.is_contiguous() or \
                 trace.numel() < 8 * ctas:
@@ -387,7 +349,7 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
         sink = _SINKS[idx] = torch.zeros(32 * 16, device=x2d.device, dtype=torch.float32)
     stream = torch.cuda.current_stream(x2d.device).cuda_stream
     ws = cnt = None
-    if (cfg.kg or cfg.sk) and _check_step(step)["W12F_RED"]:  # the builds that meet in the workspace
+    if cfg.kg and _check_step(step)["W12F_RED"]:  # the builds that meet in the workspace
         ws, cnt = _split_buffers(cfg, nt, t.N, ctas, x2d.device, idx, stream)
     values = (xk.data_ptr(), ldx, t.tiles.data_ptr(), t.e0.data_ptr(), t.esc_rowptr.data_ptr(), t.esc_col.data_ptr(),
               t.esc_val.data_ptr(), 0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype],

@@ -569,9 +569,10 @@ def matmul_swiglu(x: torch.Tensor, tiled: TiledW12, *, q8: bool = False, out: to
                 and not torch.compiler.is_compiling()):
             from .kernels import w12_swiglu_pairs_kernel
 
-            w12_swiglu_pairs_kernel[(M, triton.cdiv(F, SWIGLU_BLOCK))](y, o2d, F, y.stride(0), o2d.stride(0),
-                                                                     BLOCK=SWIGLU_BLOCK,
-                                                                     EXPF=not autotune.is_interpreter(), num_warps=4)
+            rows = min(16, triton.next_power_of_2(M)) if autotune.is_interpreter() else 1
+            w12_swiglu_pairs_kernel[(triton.cdiv(M, rows), triton.cdiv(F, SWIGLU_BLOCK))](
+                y, o2d, M, F, y.stride(0), o2d.stride(0), BLOCK=SWIGLU_BLOCK, ROWS=rows,
+                EXPF=not autotune.is_interpreter(), num_warps=4)
         else:
             o2d.copy_(swiglu_reference(*unpair_cols(y)))
     return o2d.reshape(shape) if out is None else out

@@ -20,7 +20,7 @@ from autotune.tuner import SearchSpace
 from .configs import (_MIN_ITERS_PER_SPLIT, _SMEM_PER_SM, FlowConfig, MmaConfig, TcConfig, TmaConfig, _pow2, flow_config,
                       flow_heuristic, mma_heuristic, tc_heuristic)
 
-__all__ = ["TC_SPACE", "MMA_SPACE", "TMA_SPACE", "FLOW_SPACE", "FLOW_SK_CANDIDATES", "tc_flops_bytes", "tc_valid",
+__all__ = ["TC_SPACE", "MMA_SPACE", "TMA_SPACE", "FLOW_SPACE", "tc_flops_bytes", "tc_valid",
            "cuda_valid", "tma_current", "flow_valid"]
 
 _MAX_DECODED_PER_THREAD = 128  # int32 values of the decoded [BN, BK] tile per thread; past this it spills
@@ -143,8 +143,7 @@ def flow_valid(p: dict, shape) -> str | None:
     """The flow kernel's config at a shape: it builds (kw divides warps, warps x cps <= 32; x sets ahead, `xd`, and x
     reloaded by halves, `xh`, only in the mma.sync build, `xh` with xd = 0; the K split through memory, `kg`, only
     with kc > 1), M fits, its CTAs' shared memory fits the SM at cps CTAs, a cluster split (kc > 1 without kg) has a
-    GPU with clusters, the warpgroup build (wg) a GPU with wgmma, and every warp gets a 64-column unit of K; stream-K
-    (sk) needs N a multiple of 16 and K of 64."""
+    GPU with clusters, the warpgroup build (wg) a GPU with wgmma, and every warp gets a 64-column unit of K."""
     from . import flow
 
     m, k = shape["M"], shape["K"]
@@ -160,26 +159,14 @@ def flow_valid(p: dict, shape) -> str | None:
         return "config: the warpgroup build needs wgmma (sm_90)"
     if -(-k // 64) < cfg.kw * cfg.kc:
         return f"divisibility: {-(-k // 64)} units of K for {cfg.kw * cfg.kc} pieces"
-    if cfg.sk and (shape["N"] % 16 or k % 64):
-        return f"divisibility: stream-K takes N % 16 == 0 and K % 64 == 0, got N={shape['N']}, K={k}"
     return None
-
-
-# Stream-K shapes for the layers whose row sets do not spread evenly over the SMs (the 5120-row layers at 9-32
-# tokens) or whose CTAs fill a fractional number of waves (gate_up at 32 tokens: 1088 CTAs of the cluster split on 528
-# slots): the warpgroup build in sets of 64 rows (2 K pieces at 2 CTAs an SM, 4 at 1, 1 at 4 with gate_up's 6-slot
-# ring) or 128 (2 at 1), the mma.sync build in sets of 16 to 64 rows (one with x reloaded by halves: 186 SASS
-# instructions a unit at 4 token tiles against 249). Each builds for sm_90 without spills at 1-4 token tiles
-# (tests/w12/test_flow_kernel.py).
-FLOW_SK_CANDIDATES = ("w8-k2-s3-c2-g-sk", "w16-k4-s4-c1-g-sk", "w16-k2-s3-c1-g-sk", "w4-k1-s6-c4-g-sk",
-                      "w4-k2-s3-c4-sk", "w4-k2-s3-c4-h-sk", "w8-k2-s3-c2-sk", "w4-k4-s3-c4-sk")
 
 
 FLOW_SPACE = SearchSpace(
     op="w12.matmul", variant="flow",
     params={"warps": [2, 4, 8, 16], "kw": [1, 2, 4, 8], "stages": [3, 4, 6], "cps": [1, 2, 4, 8], "kc": [1, 2, 3],
             "wg": [False, True], "xd": [0, 1, 2], "kg": [False, True], "late": [False, True],
-            "escx": [False, True], "xh": [False, True], "sk": [False, True]},
+            "escx": [False, True], "xh": [False, True]},
     make_config=lambda p: FlowConfig(**p),
     flops_bytes=tc_flops_bytes, valid=flow_valid, key=_key,
     heuristic=lambda s: flow_heuristic(s["M"], s["N"], s["K"], torch.device("cuda" if autotune.has_cuda() else "cpu")),

@@ -24,7 +24,6 @@ import torch
 from specpilot.testing import assert_bitwise_equal
 from w12.format import PLANES, W12Weight
 from w12.layout import Geometry, TiledW12
-from stream_k import run_stream_k
 
 U32 = np.uint32
 
@@ -243,8 +242,7 @@ class _Round:
 
 def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Tensor | None = None,
             fixed: bool = True, esc: bool = True, red: bool = True, fp32: bool = False, guard: bool = True,
-            rb: int = 1, kc: int = 1, q8: bool = False, wg: bool = False, swap: bool = False, sk: int | None = None,
-            sk_seed: int = 0):
+            rb: int = 1, kc: int = 1, q8: bool = False, wg: bool = False, swap: bool = False):
     """The kernel's result before its final rounding, float64 [M, N], and counters {"fallback": warps that took
     the exact-base recomputation, "scaled": warps that scaled}. `esc` / `red`: the W12F_ESC / W12F_RED features
     (without `red` only warp ks = 0 of a row block stores, as the kernel does); `guard=False` scales every warp
@@ -255,14 +253,11 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     `q8`: the 8-bit view's build (W12F_Q8; exact base): only the hi pieces are copied into the ring, each pair is
     decoded by dec_pair_q8 with the row's q8_base constant, and an escape's correction adds x * escape less x times
     q8_dense(e0) (its hi byte 0 read as the view's value); `wg`: the
-    warpgroup build (module doc), `swap` with its descriptor's two byte offsets swapped (W12F_WG_SWAP); `sk`: the
-    stream-K build (W12F_SK; exact base, kc = 1, rb = 1, K a multiple of 64) on a grid of `sk` CTAs, run one after
-    another in a random order (`sk_seed`; stream_k.run_stream_k)."""
+    warpgroup build (module doc), `swap` with its descriptor's two byte offsets swapped (W12F_WG_SWAP)."""
     assert rb in (1, 2) and (rb == 1 or not fixed)
     assert not wg or (not fixed and rb == 1 and warps % (4 * kw) == 0)
     assert not (q8 and fixed)
     assert kc in (1, 2, 3, 4) and (kc == 1 or (not fixed and red))
-    assert sk is None or (not fixed and red and kc == 1 and rb == 1)
     rnd = _Round(fp32)
     M, K = x.shape
     N = t.N
@@ -384,50 +379,6 @@ def emulate(x: torch.Tensor, t: TiledW12, *, warps: int, kw: int, bias: torch.Te
     def finish(b: int, acc: np.ndarray) -> None:
         _finish_rows(b, acc, M=M, N=N, NT=NT, e0=e0, rowptr=rowptr, ecol=ecol, eval_=eval_, xf=xf, bias=bias, esc=esc,
                      q8=q8, rnd=rnd, out=out, written=written)
-
-    def row_share(b: int, c0: int, c1: int) -> np.ndarray:
-        """One warp's share: row block b's units c0 .. c1 - 1 from +0.0, in order (the exact base)."""
-        R = 16 if b < NF else (nr if b < NB else 0)
-        blk = min(b, NB - 1) * SB
-        rows = b * 16 + np.array([0, 8])[:, None] + G[None, :]
-        e0r = np.where((b < NB) & (rows < N), e0[np.minimum(rows, N - 1)], 0)
-        kk = [((e0r[r] << 7) | (e0r[r] << 23)).astype(U32) for r in (0, 1)]
-        if q8:
-            kk = [q8_base(k) for k in kk]
-        acc = np.zeros((NT, 4, 32))
-        lbo, sbo = (128, 128 * NT) if swap else (128 * NT, 128)
-        for c in range(c0, c1):
-            h, lw = ring_frag(blk, R, c)
-            wgB = [wg_operand_split(wg_slot(xw, M, NT, c), NT, s, lbo, sbo) for s in range(4)] if wg else None
-            tile_mma(acc, h, lw, x_frag(c), kk, False, wgB)
-        return acc
-
-    if sk is not None:
-        # the stream-K build: the (row set, unit) split and fix-up of stream_k.run_stream_k; a segment's units are
-        # split among the kw warps of each row group as a CTA's K is, and their shares added in warp order
-        assert kr == 0 and KF > 0, "stream-K: K a multiple of 64 (the launcher checks)"
-
-        def segment(rs: int, s0: int, n: int) -> list:
-            sums = []
-            for rw in range(RW):
-                on = rs * RW + (rw & ~3) < NB if wg else rs * RW + rw < NB  # the warp streams (as warp_active)
-                shares = [row_share(rs * RW + rw, s0 + ks * n // kw, s0 + (ks + 1) * n // kw) if on
-                          else np.zeros((NT, 4, 32)) for ks in range(kw)]
-                acc = shares[0]
-                for w in range(1, kw):
-                    acc = rnd(acc + shares[w])
-                sums.append(acc)
-            return sums
-
-        def finish_set(rs: int, sums: list) -> None:
-            for rw in range(RW):
-                if rs * RW + rw < NB:
-                    finish(rs * RW + rw, sums[rw])
-
-        run_stream_k(-(-NB // RW), KF, sk, segment, finish_set, sk_seed,
-                     add=lambda a, b: [rnd(u + v) for u, v in zip(a, b)], from_zero=False)
-        assert written.all(), f"{int((~written).sum())} outputs not written"
-        return out, stats
 
     for cta in range(grid):
         parts = {}

@@ -1,18 +1,15 @@
-"""The stream-K unit split and deterministic fix-up of the W12 CUDA kernels (w12_common.cuh's sk_ctas / sk_slot /
-sk_arrive, used by w12_tma.cu's TmaConfig.sk path and w12_flow.cu's W12F_SK build), ported line by line for the CPU
-tests."""
+"""The stream-K unit split and deterministic fix-up of the W12 TMA kernel (w12_common.cuh's sk_ctas / sk_slot /
+sk_arrive, used by w12_tma.cu's TmaConfig.sk path), ported line by line for the CPU tests."""
 
 from __future__ import annotations
 
-import operator
 from typing import Any, Callable
 
 import numpy as np
 
 
 def run_stream_k(groups: int, per: int, ctas: int, share: Callable[[int, int, int], Any],
-                 finish: Callable[[int, Any], None], seed: int = 0, *, add: Callable[[Any, Any], Any] = operator.add,
-                 from_zero: bool = True) -> None:
+                 finish: Callable[[int, Any], None], seed: int = 0) -> None:
     """Run the split of U = groups x per units over P = ctas CTAs (P <= U, as the launchers guarantee).
 
     CTA b takes units [b U / P, (b + 1) U / P); `share(rg, c0, n)` is what its units c0 .. c0 + n - 1 of row
@@ -21,8 +18,7 @@ def run_stream_k(groups: int, per: int, ctas: int, share: Callable[[int, int, in
     arrives once per such row group, and the arrival that brings the counter to the group's CTA count adds the
     slots of CTAs b0 .. b1 in CTA order and finishes the group. CTAs run one after another in a random order
     (`seed`), so any of them can be the last to arrive; checks that no slot is written twice and that every
-    counter ends at zero. The slots are added by `add`, from +0.0 (`from_zero`: the TMA kernel's sk_sum) or from the
-    first CTA's slot (the flow kernel)."""
+    counter ends at zero. The slots are added from +0.0 (the kernel's sk_sum)."""
     U, P = groups * per, ctas
     assert 0 < P <= U, "the launchers never make more CTAs than units"
 
@@ -59,9 +55,8 @@ def run_stream_k(groups: int, per: int, ctas: int, share: Callable[[int, int, in
             counters[rg] += 1
             if last:
                 counters[rg] = 0
-                total = 0.0 if from_zero else None  # in CTA order
+                total = 0.0  # in CTA order
                 for bb in range(b0, b1 + 1):
-                    slot = ws[(bb, sk_slot(bb, rg))]
-                    total = slot if total is None else add(total, slot)
+                    total = total + ws[(bb, sk_slot(bb, rg))]
                 finish(rg, total)
     assert not counters.any(), "a row group's counter was left non-zero"

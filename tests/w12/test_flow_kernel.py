@@ -180,131 +180,6 @@ def test_k_split_across_ctas_adds_in_rank_order():
     assert np.float32(np.float32(4.0 + 4.0) + 4.0) + np.float32(2.0 ** 26) == 2.0 ** 26 + 16  # the other order
 
 
-# M, N, K, warps, kw, ctas, wg: grids that put 1 to 3 row sets in a CTA's run (a CTA of the whole weight, runs that
-# cross a row set's end, one unit a CTA), a partial last row set (48 rows in sets of 32), K split among the warps of a
-# segment with warps left without a unit, the warpgroup build's 64-row sets, 1 to 4 token tiles
-SK_CASES = [(5, 48, 320, 4, 2, 3, False), (1, 48, 320, 4, 2, 1, False), (32, 48, 320, 4, 2, 10, False),
-            (13, 64, 256, 8, 4, 3, False), (9, 32, 448, 2, 1, 5, False), (24, 80, 192, 4, 1, 4, False),
-            (20, 128, 320, 4, 1, 3, True), (33, 80, 256, 8, 2, 5, True)]
-
-
-@pytest.mark.parametrize("M,N,K,warps,kw,ctas,wg", SK_CASES,
-                         ids=[f"M{c[0]}-N{c[1]}-K{c[2]}-w{c[3]}-k{c[4]}-P{c[5]}" + ("-g" if c[6] else "")
-                              for c in SK_CASES])
-def test_stream_k_matches_reference_bitwise(M, N, K, warps, kw, ctas, wg):
-    """W12F_SK (equal runs of (row set, unit) pairs per CTA, partial row sets met in the workspace): the reference's
-    BF16 bits on hostile rows with a bias, whichever CTA counts last (three CTA orders); in the fp32 model of the
-    arithmetic the same bits in every order (the last CTA adds the shares in CTA order)."""
-    if M > 32 and not wg:
-        pytest.skip("33 to 64 rows: the warpgroup build only")
-    w = hostile_weight(N, K, seed=7 * N + K)
-    p = w12.pack(w, layout="planes")
-    t = layout.tile(p)
-    x = _x(M, K, seed=K + 3 * M)
-    b = (torch.randn(N, generator=torch.Generator().manual_seed(N)) * 0.1).to(torch.bfloat16)
-    want = w12.matmul_reference(x, p, b)
-    for seed in (0, 1):
-        _assert_bf16_equal(emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, wg=wg, sk=ctas, sk_seed=seed)[0],
-                           want)
-    runs = [emulate(x, t, warps=warps, kw=kw, bias=b, fixed=False, wg=wg, sk=ctas, sk_seed=seed, fp32=True)[0]
-            for seed in (0, 2)]
-    assert np.array_equal(runs[0], runs[1], equal_nan=True)
-
-
-@pytest.mark.parametrize("kw,kc", [(2, 2), (1, 3), (4, 2)])
-def test_stream_k_at_sets_times_kc_ctas_is_the_k_split_through_memory(kw, kc):
-    """At ctas = row sets x kc, with K in kc x kw equal pieces, stream-K takes the K split's pieces and adds them in
-    its order (each CTA's kw shares in warp order, then the CTAs' sums in rank order): the kg build's bits in the fp32
-    model; at other grids another order, so other bits somewhere (the split is really taken)."""
-    M, N = 11, 64
-    K = 64 * kc * kw * 2
-    w = hostile_weight(N, K, seed=K + kw)
-    p = w12.pack(w, layout="planes")
-    t = layout.tile(p)
-    x = _x(M, K, seed=kc)
-    warps = 2 * kw
-    sets = -(-N // (16 * (warps // kw)))
-    kg, _ = emulate(x, t, warps=warps, kw=kw, fixed=False, fp32=True, kc=kc)
-    sk, _ = emulate(x, t, warps=warps, kw=kw, fixed=False, fp32=True, sk=sets * kc)
-    assert np.array_equal(kg, sk, equal_nan=True)
-    one, _ = emulate(x, t, warps=warps, kw=kw, fixed=False, fp32=True, sk=sets)  # one CTA a row set: its warps' order
-    ref, _ = emulate(x, t, warps=warps, kw=kw, fixed=False, fp32=True)
-    assert np.array_equal(one, ref, equal_nan=True)
-    assert not np.array_equal(sk, ref, equal_nan=True)
-
-
-@pytest.mark.parametrize("wg", [False, True])
-def test_stream_k_builds_without_local_memory(wg, jit_cache):
-    """The stream-K build for sm_90 (and the mma.sync one for sm_80) at 1-4 token tiles: the workspace's loads and
-    stores and the row sets' counter, no spills, no local memory; the first two shapes of the tuning space's
-    stream-K candidates of each build (stream-K is opt-in and measured slower than the shipped configs; the GPU tests
-    build and run every candidate)."""
-    from w12.space import FLOW_SK_CANDIDATES
-
-    tags = [t for t in FLOW_SK_CANDIDATES if t.endswith("-g-sk") == wg][:2]
-    assert tags
-    tiles = (2, 4) if wg else (1, 4)
-    for i, tag in enumerate(tags):
-        cfg = FlowConfig.from_tag(tag)
-        # every candidate at 4 token tiles (the most registers); the smaller tiles for the first one only
-        for nt in tiles if i == 0 else tiles[-1:]:
-            # sm_80 at 1 token tile: at 16 warps an SM (128 registers) its 4-tile builds spill, as the one-CTA-a-row-set
-            # build w4-k1-s3-c4 does there
-            for arch in [(9, 0)] + ([] if wg or nt > 1 else [(8, 0)]):
-                b = flow.build(cfg, nt, arch)
-                r = b.resources()
-                assert r["spill_stores"] == 0 and r["stack"] == 0 and "serialized" not in b.log.read_text(), \
-                    (tag, nt, arch, r)
-                ptx = b.ptx.read_text()
-                assert "atom.global.add.u32" in ptx or "red.global.add" in ptx or "atom.add" in ptx, (tag, nt)
-                assert "ld.global.cg.f32" in ptx and "st.global.cg.f32" in ptx, (tag, nt)
-                assert "griddepcontrol.launch_dependents" not in ptx  # each CTA lets the next kernel in as it exits
-
-
-def test_stream_k_config_and_grid():
-    cfg = FlowConfig.from_tag("w8-k2-s3-c2-g-sk")
-    assert cfg.sk and cfg.wg and cfg.tag() == "flow-w8-k2-s3-c2-g-sk" and FlowConfig.from_tag(cfg.tag()) == cfg
-    assert flow.grid(cfg, 5120, 6144, 132) == 264  # 2 a SM
-    assert flow.grid(cfg, 64, 128, 132) == 2  # at most one CTA a unit: 1 row set x 2 units
-    assert flow.sk_sets(cfg, 5120) == 80 and flow.sk_sets(cfg, 5130) == 81
-    with pytest.raises(ValueError, match="SM count"):
-        flow.grid(cfg, 5120)
-    assert flow.grid(dataclasses.replace(cfg, sk=False), 5120) == 80  # not stream-K: one CTA a row set
-    for bad in (dict(kc=2, kg=True), dict(rb=2, wg=False), dict(fixed=True, wg=False), dict(escx=True)):
-        with pytest.raises(ValueError, match="stream-K"):
-            dataclasses.replace(cfg, **bad)
-    spec = flow.spec(cfg, 4, (9, 0))
-    d = dict(spec.defines)
-    assert int(d["W12F_SK"]) == 1 and int(d["W12F_FULL"]) == 1
-    with pytest.raises(ValueError, match="full row blocks"):
-        flow.spec(cfg, 4, (9, 0), defines={"W12F_FULL": 0})
-    with pytest.raises(ValueError, match="only with the reduction"):
-        flow.spec(cfg, 4, (9, 0), step="d")
-    with pytest.raises(ValueError, match="1-4 token tiles"):
-        flow.spec(cfg, 5, (9, 0))
-
-
-def test_stream_k_launch_contract():
-    """launch_tiled refuses a stream-K launch outside its contract before it touches a GPU: N not a multiple of 16, K
-    not of 64, a grid outside 1..row sets x K / 64, and a grid given to a config without stream-K."""
-    sk = FlowConfig.from_tag("w4-k2-s3-c4-sk")
-
-    def call(cfg, N, K, **kw):
-        t = layout.tile(w12.pack(torch.zeros(N, K, dtype=torch.bfloat16), layout="planes"))
-        x = torch.zeros(3, K, dtype=torch.bfloat16)
-        flow.launch_tiled(cfg, x, t, None, torch.empty(3, N, dtype=torch.bfloat16), **kw)
-
-    with pytest.raises(ValueError, match="N a multiple of 16 and K of 64"):
-        call(sk, 40, 128)
-    with pytest.raises(ValueError, match="N a multiple of 16 and K of 64"):
-        call(sk, 64, 100)
-    for bad in (0, 2 * 2 + 1):  # 2 row sets of 32 rows x 2 units
-        with pytest.raises(ValueError, match=r"ctas must be 1\.\.4"):
-            call(sk, 64, 128, ctas=bad)
-    with pytest.raises(ValueError, match="not one"):
-        call(FlowConfig(), 64, 128, ctas=3)
-
-
 @pytest.mark.parametrize("nt", [1, 4])
 def test_k_split_across_ctas_builds_for_sm90_only(nt, jit_cache):
     cfg = FlowConfig(warps=4, kw=4, cps=4, kc=2)
@@ -627,8 +502,7 @@ def test_x_staged_in_shared_memory_config():
     s2 = dataclasses.replace(q4, stages=2)
     assert flow.smem_bytes(s2, 4) == 4 * 2 * 1536 + 2 * 4 * 1024 + 3 * 4 * 4 * 512 + 4 * 1024
     assert flow.smem_bytes(s2, 1) == 4 * 2 * 1536 + 2 * 1 * 1024
-    for bad in (dict(xd=1), dict(xh=True), dict(wg=True), dict(fixed=True, kc=1, kg=False),
-                dict(sk=True, kc=1, kg=False)):
+    for bad in (dict(xd=1), dict(xh=True), dict(wg=True), dict(fixed=True, kc=1, kg=False)):
         with pytest.raises(ValueError, match="xs=True"):
             dataclasses.replace(c, **bad)
 
@@ -696,7 +570,7 @@ def test_x_staged_in_shared_memory_builds_without_spills_and_reads_x_from_the_ri
                                             ("w4-k1-s3-c4-r2-q4-xs", 1, {}), ("w8-k2-s4-c2-xs", 3, {}),
                                             ("w4-k2-s3-c4-q3-x1", 4, {"W12F_FULL": 1}), ("w8-k2-s4-c2-q2-e", 4, {}),
                                             ("w4-k1-s6-c4-q2-g", 8, {"W12F_FULL": 1}), ("w8-k2-s3-c2-p3-g", 4, {}),
-                                            ("w4-k2-s3-c4-sk", 2, {}), ("w8-k2-s4-c2", 4, {"W12F_ESCX": 1})])
+                                            ("w8-k2-s4-c2", 4, {"W12F_ESCX": 1})])
 def test_shared_memory_layout_is_checked_by_the_build(tag, nt, defines, jit_cache, monkeypatch):
     """The kernel asserts at compile time that its shared-memory layout ends at the bytes w12.flow.smem_bytes gives
     the launch (W12F_SMEM, from the same defines): builds with each region (x rings, the cluster's sums in the rings

@@ -28,19 +28,6 @@
 // (docs/w12-kernels.md). The next kernel is let launch only when every CTA has left (its epilogue then cannot race
 // the next launch's use of the workspace).
 //
-// Stream-K (W12F_SK = 1; exact base, KC = 1, one row block per row group, full row blocks, K a multiple of 64). A
-// row set is the RW row groups a CTA holds; the grid of P CTAs (the launcher's choice: as many as the SMs hold at
-// once) splits the U = row sets x KF (row set, unit) pairs, in that order, into equal runs: CTA b takes the units
-// [b U / P, (b + 1) U / P) (w12_common.cuh's sk_* helpers), so that every CTA streams the same number of tiles
-// whatever the row count. It takes its run a row set at a time (a segment: the end of one row set, whole row sets,
-// the start of another), the KW warps of a row group splitting each segment's units as they split a CTA's K above.
-// A segment that holds its whole row set is finished at once; the share of a partial one goes to the CTA's
-// workspace slot (0 for its first segment, 1 for its last), and the CTA that counts last in the row set's counter
-// adds the shares of the CTAs b0 .. b1 that hold it in CTA order, each read from its slot (the same bits whichever
-// CTA counts last), finishes the rows and sets the counter back to zero. With W12F_SK_PRE = 1 (the default) a warp
-// requests the next segment's first STAGES - 1 tiles before its current segment's epilogue, so that the reduction
-// and the workspace traffic overlap them.
-//
 // Decode (FIXED = 1; the probe's V1). A lane (g = lane / 4, p = lane % 4) holds, per tile, rows g and g + 8:
 // hi bytes of columns 16 p .. 16 p + 15 (one LDS.128 per row) and their lo nibbles (one LDS.64 per row, byte j =
 // column j | column j + 8). Per bf16 pair of k-step s: y = prmt(hi word s, lo word, 0x1504 or 0x3726) puts
@@ -94,8 +81,7 @@
 // Steps without W12F_EPI write nothing but a never-taken store to `sink`, which keeps the work alive.
 // W12F_TRACE = 1 (diagnostic, perf/w12_ladder.py --trace): `sink` is 8 u64 per CTA, zeroed before the launch, that
 // thread 0 and the warps fill: 0 entry, 1 the SM id, 2 after griddepcontrol.wait, 3 warp 0's first tile landed,
-// 4 the last warp's main loop done (atomicMax), 5 the last warp's exit (atomicMax); %globaltimer nanoseconds. With
-// stream-K, 2 and 3 are the CTA's first segment's and 4 its last's.
+// 4 the last warp's main loop done (atomicMax), 5 the last warp's exit (atomicMax); %globaltimer nanoseconds.
 // One ablation exists for timing only (perf/w12_ladder.py --ablate), with wrong results:
 //   W12F_XSTEP=0  every unit reads the first unit's x (x always in L1), to price the x traffic
 
@@ -206,12 +192,6 @@ typedef __nv_bfloat16 w12f_out_t;
 #ifndef W12F_ESCX
 #define W12F_ESCX 0  // x at each finished row's first escape column copied into shared memory before the main loop
 #endif
-#ifndef W12F_SK
-#define W12F_SK 0  // stream-K: equal runs of (row set, unit) pairs per CTA, partial row sets met in `ws` / `cnt`
-#endif
-#ifndef W12F_SK_PRE
-#define W12F_SK_PRE 1  // stream-K: the next segment's first tiles requested before this segment's epilogue
-#endif
 #ifndef W12F_TRACE
 #define W12F_TRACE 0  // diagnostic (w12.flow.launch_tiled(trace=)): per-CTA %globaltimer stamps into `sink`
 #endif
@@ -225,7 +205,6 @@ constexpr int RB = W12F_RB;     // row blocks per row group
 constexpr int KC = W12F_KC;     // CTAs splitting K (one cluster, or with KG through global memory)
 constexpr bool KG = W12F_KG != 0 && KC > 1;
 constexpr bool CLUSTER = KC > 1 && !KG;
-constexpr bool SK = W12F_SK != 0;
 constexpr int STAGES = W12F_STAGES;
 constexpr int NT = W12F_NT;
 constexpr bool FIXED = W12F_FIXED != 0;
@@ -274,22 +253,12 @@ static_assert(KC == 1 || (!FIXED && EPI && W12F_RED != 0),
 static_assert(W12F_XD >= 0 && W12F_XD <= 2, "x loaded 0 to 2 units ahead");
 static_assert(!XH || XD == 0, "x reloaded by halves: the mma.sync build with one x set");
 static_assert(!XS || KW <= 15, "x through a shared ring: one named barrier (1 + K piece) per K piece");
-static_assert(!XS || (XD == 0 && !XH && !FIXED && !SK && W12F_XSTEP != 0),
-              "x through a shared ring: the mma.sync build's one x set, exact base, no stream-K");
+static_assert(!XS || (XD == 0 && !XH && !FIXED && W12F_XSTEP != 0),
+              "x through a shared ring: the mma.sync build's one x set, exact base");
 static_assert(W12F_WG_DEPTH == 1 || W12F_WG_DEPTH == 2, "wgmma groups in flight: 1 or 2");
 static_assert(!STM || W12F_WG_XCOPY != 0, "x through stmatrix: the timing-only x-copy ablation is not built for it");
 static_assert(!WG || (!FIXED && RB == 1 && XB && WARPS % (4 * KW) == 0),
               "the warpgroup build: exact base, one row block per warp, x, and warpgroups of 4 warps per K piece");
-// The end of a segment's work: the next segment (SK), or the kernel's end. The builds without stream-K keep their one
-// segment in a plain block left by `return` (a one-pass loop left by `continue` compiles to other code for them).
-#if W12F_SK
-#define W12F_SEGMENT_DONE continue
-#else
-#define W12F_SEGMENT_DONE return
-#endif
-static_assert(!SK || (!FIXED && EPI && W12F_RED != 0 && KC == 1 && RB == 1 && FULL && W12F_ESCX == 0),
-              "stream-K: exact base, with the epilogue and the reduction, no K split across CTAs, one row block per "
-              "row group, full row blocks, no x copy at the escapes");
 #if W12F_KC > 1 && !W12F_KG && (!defined(__CUDA_ARCH__) || __CUDA_ARCH__ < 900)
 #error "W12F_KC > 1 needs thread-block clusters (sm_90)"
 #endif
@@ -485,8 +454,7 @@ w12_matmul_flow_kernel(
     w12f_out_t* __restrict__ out,         // [M, N], bf16 (fp32 with W12F_OUT32)
     int M, int N, int K,
     float* __restrict__ sink,             // [blockDim.x]: steps without the epilogue, a never-taken store
-    float* __restrict__ ws, int* __restrict__ cnt) {  // KG: 128 RW RB NT floats per CTA, one counter per KC CTAs;
-                                                       // SK: two such slots per CTA, one counter per row set
+    float* __restrict__ ws, int* __restrict__ cnt) {  // KG: 128 RW RB NT floats per CTA, one counter per KC CTAs
   extern __shared__ __align__(16) uint8_t smem[];
   __shared__ int s_emin[WARPS], s_emax[WARPS];
   __shared__ int s_last;
@@ -515,51 +483,18 @@ w12_matmul_flow_kernel(
   stamp(0);
   stamp(1);
 
-  // The CTA's work: one row set (RW row groups) over the whole K, or with stream-K (SK) its run of units
-  // [u_beg, u_end) of the U = NS x KF (row set, unit) pairs, a segment (the part of the run in one row set) at a time
-  // (U < 2^31: NS <= 2^27 / 16 / RW row sets of K <= 2^18 columns' KF <= 2^12 units, as the launcher checks)
-  const int NS = (NB + RW * RB - 1) / (RW * RB);
-  const int U = NS * KF;
-  const int u_beg = SK ? (int)((long long)blockIdx.x * U / gridDim.x) : 0;
-  const int u_end = SK ? (int)(((long long)blockIdx.x + 1) * U / gridDim.x) : 1;
   // whether the warp's row group of row set `set` streams (WG: the range follows the warpgroup's first row block,
   // all 4 warps run every wgmma together)
   auto warp_active = [&](int set) { return WG ? (set * RW + (rw & ~3)) < NB : (set * RW + rw) * RB < NB; };
-  // the warp's units [a, b) of a segment's units [s0, s1): piece kc KW + ks of KC x KW
+  // the warp's units [a, b) of the row set's units [s0, s1): piece kc KW + ks of KC x KW
   auto piece = [&](bool on, int s0, int s1, int& a, int& b) {
     const int n = s1 - s0, q = kc * KW + ks;
     a = on ? s0 + q * n / (KC * KW) : 0;
     b = on ? s0 + (q + 1) * n / (KC * KW) : 0;
   };
-  if constexpr (SK) {
-    if (kr != 0) __trap();  // K a multiple of 64 (the launcher checks): no masked tail
-  }
-  // The warp's ring (SLOT: one slot, the unit's tile of each row block) and the copies' L2 policy: here in the
-  // stream-K build (computed inside the segments' loop, ptxas recomputes them in the main loop, 14 more instructions
-  // a unit at 4 token tiles), in the segment's body otherwise (the place that keeps those builds' code as it was)
-#if W12F_SK
-  constexpr int SLOT = RB * TILE;
-  const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
-  const uint64_t pol = evict_first_policy();
-#endif
-  bool pre = false;  // SK_PRE: this segment's first tiles were requested before the previous segment's epilogue
-  // SK, WG: the x slot of the segment's first unit, the one after the previous segment's last (0: the ring's first).
-  // The slots rotate across segments, so that a slot is written only after every warp of the warpgroup waited for the
-  // wgmma that read it before a barrier it passed (a segment of a whole row set at kw = 1 has no CTA barrier after it)
-  uint32_t xslot_next = 0;
-#if W12F_SK
-  for (int su = u_beg; su < u_end;) {
-#else
-  {  // one segment (W12F_SEGMENT_DONE above)
-    int su = u_beg;
-#endif
-    const int set = SK ? su / KF : cta;              // the row set, and the segment's units [s0, s1) of it
-    const int s0 = SK ? su - set * KF : 0;
-    const int s1 = SK ? min(KF, u_end - set * KF) : KF;
-    // SK: whether the segment holds only part of its row set, and then its workspace slot (0 for the CTA's first)
-    const bool part = SK && (s0 != 0 || s1 != KF);
-    const int sslot = su == u_beg ? 0 : 1;
-    su = SK ? (set + 1) * KF : u_end;
+  {  // the CTA's work: one row set (RW row groups) over the whole K
+    const int set = cta;
+    const int s0 = 0, s1 = KF;
     const int rb0 = (set * RW + rw) * RB;           // the first row block of this warp's row group
     const bool active = rb0 < NB;                    // a row group is active when its first block is
     const bool lactive = warp_active(set);
@@ -575,13 +510,11 @@ w12_matmul_flow_kernel(
     const int q = kc * KW + ks;                      // the warp's piece of the row group's K, of KC x KW
     int c0, c1;                                      // its units [c0, c1) of [s0, s1)
     piece(lactive, s0, s1, c0, c1);
-    const bool has_tail = !SK && lactive && q == KC * KW - 1 && kr > 0;
+    const bool has_tail = lactive && q == KC * KW - 1 && kr > 0;
     const int cend = c1 + (has_tail ? 1 : 0);        // units c0 .. cend - 1; unit KF is the masked tail
-#if !W12F_SK
-    constexpr int SLOT = RB * TILE;                  // (above, for stream-K)
+    constexpr int SLOT = RB * TILE;                  // the warp's ring: one slot, the unit's tile of each row block
     const uint32_t ring = (uint32_t)__cvta_generic_to_shared(smem) + warp * STAGES * SLOT;
-    const uint64_t pol = evict_first_policy();
-#endif
+    const uint64_t pol = evict_first_policy();       // the copies' L2 policy
 
     // The refill cursor: the lane's source of the next tiles to request (three 16-byte pieces per row block: hi rows
     // g, g + 8, then lo rows lane / 2; absent rows of a partial block read nothing and are zero-filled) and its slot.
@@ -696,8 +629,7 @@ w12_matmul_flow_kernel(
       if constexpr (W12F_LATE == 0) escape_entries();
     }
 
-    // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output); with SK_PRE a
-    // segment after the CTA's first had them requested before the previous segment's epilogue (below)
+    // the first STAGES - 1 tiles go out before the wait for the previous kernel (x may be its output)
     auto first_tiles = [&](int a, int b) {
 #pragma unroll
       for (int i = 0; i < STAGES - 1; ++i) {
@@ -706,12 +638,7 @@ w12_matmul_flow_kernel(
         wst += SLOT;
       }
     };
-    if (SK && pre) {
-      srcl[0] += (STAGES - 1) * TILE;
-      wst += (STAGES - 1) * SLOT;
-    } else {
-      first_tiles(c0, c1);
-    }
+    first_tiles(c0, c1);
     if constexpr (W12F_LATE != 0) {
 #pragma unroll
       for (int i = 0; i < RB; ++i)
@@ -720,7 +647,7 @@ w12_matmul_flow_kernel(
       if (esc_rows) escape_entries();
     }
     grid_dep_wait();
-    if (sslot == 0) stamp(2);
+    stamp(2);
 
     // XS: the x ring of the warp's K piece, shared by its RW warps (a warp whose row group is past the last block
     // still copies its part and meets the barriers, below). Thread xt of them copies chunks xt + 32 RW r of a unit's
@@ -963,7 +890,7 @@ w12_matmul_flow_kernel(
 
     uint32_t rst = ring;  // the slot of tile c
 #if W12F_WG
-    uint32_t xslot = SK && xslot_next != 0 ? xslot_next : xring;  // unit c's x slot
+    uint32_t xslot = xring;  // unit c's x slot
     uint32_t areg[2][4][4] = {};  // A registers of even and odd units (one may be read by a wgmma in flight)
     if (c0 < cend) {
       if constexpr (STM)
@@ -982,7 +909,7 @@ w12_matmul_flow_kernel(
         if (W12F_WG_XCOPY != 0 && c + 1 < cend) load_xw();
       }
       asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
-      if (c == c0 && sslot == 0) stamp(3);
+      if (c == c0) stamp(3);
       if constexpr (W12F_WG_FENCE != 0) asm volatile("fence.proxy.async.shared::cta;" ::: "memory");  // seen by wgmma
       if constexpr (W12F_WG_BAR != 0)  // the warpgroup's x and weight tiles landed
         asm volatile("bar.sync %0, 128;" ::"r"(1 + (warp >> 2)) : "memory");
@@ -1006,7 +933,6 @@ w12_matmul_flow_kernel(
     }
     if (c < cend) wg_unit(c, areg[0], areg[1]);
     asm volatile("wgmma.wait_group.sync.aligned 0;" ::: "memory");
-    if constexpr (SK) xslot_next = xslot;
     keep(acc[0]);
     keep(areg[0]);
     keep(areg[1]);
@@ -1030,7 +956,7 @@ w12_matmul_flow_kernel(
           xs_barrier();
         else
           __syncwarp();
-        if (c == c0 && sslot == 0) stamp(3);
+        if (c == c0) stamp(3);
         Frag f[RB];
 #pragma unroll
         for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
@@ -1085,7 +1011,7 @@ w12_matmul_flow_kernel(
       auto unit = [&](int c, const uint4 (&xc)[NT][2], uint4 (&xl)[NT][2]) {
         asm volatile("cp.async.wait_group %0;" ::"n"(STAGES - 2) : "memory");
         __syncwarp();
-        if (c == c0 && sslot == 0) stamp(3);
+        if (c == c0) stamp(3);
         Frag f[RB];
 #pragma unroll
         for (int i = 0; i < RB; ++i) ring_frag(f[i], rst + i * TILE);
@@ -1153,25 +1079,11 @@ w12_matmul_flow_kernel(
       }
     }
 #endif
-    // SK_PRE: the next segment's first tiles into the warp's ring, which the loop above has drained, so that they
-    // land during this segment's epilogue
-    if constexpr (SK && W12F_SK_PRE != 0) {
-      pre = su < u_end;
-      if (pre) {
-        __syncwarp();  // every lane's reads of the ring are done before the copies overwrite it
-        const int nset = set + 1;
-        int a, b;
-        piece(warp_active(nset), 0, min(KF, u_end - nset * KF), a, b);
-        srcl[0] = tiles + (long long)min(nset * RW + rw, NB - 1) * SB + (long long)a * TILE + 16 * lane;
-        wst = ring + 16 * lane;
-        first_tiles(a, b);
-      }
-    }
     // the next kernel's CTAs may launch (programmatic dependent launch) once every CTA's main loop is done; at the
     // kernel's start instead, the 64-layer decode step on the H200 took 9,935 µs against 9,816 (docs/w12-kernels.md)
     stamp_last(4);
-    // KG, SK: each CTA counts as letting it launch when it exits (the workspace and counters are then free)
-    if constexpr (!KG && !SK) grid_dep_launch();
+    // KG: each CTA counts as letting it launch when it exits (the workspace and counters are then free)
+    if constexpr (!KG) grid_dep_launch();
 
     if constexpr (!EPI) {
       float s = 0.0f;
@@ -1181,7 +1093,7 @@ w12_matmul_flow_kernel(
         for (int j = 0; j < NT; ++j) s += acc[i][j][0] + acc[i][j][1] + acc[i][j][2] + acc[i][j][3];
       if (W12F_TRACE == 0 && __float_as_uint(s) == 0x7FBADA55u) sink[threadIdx.x] = s;
       stamp_last(5);
-      W12F_SEGMENT_DONE;
+      return;
     } else {
       if constexpr (GUARD) {
         const int wmax = (int)__reduce_max_sync(0xFFFFFFFFu, (unsigned)xr.emax());
@@ -1243,9 +1155,8 @@ w12_matmul_flow_kernel(
           for (int w = 1; w < KW; ++w)
             for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] += red[at(warp + KSTEP * w, i, j, u)]; });
         }
-        if constexpr (SK) __syncthreads();  // read before any warp stores the next segment's shares
       }
-      // KG, SK: this CTA's sums into its workspace slot `mine`, then its count in `counter`, of `count` CTAs: whether
+      // KG: this CTA's sums into its workspace slot `mine`, then its count in `counter`, of `count` CTAs: whether
       // it counted last (it then adds the others' sums and finishes the rows; the counter goes back to zero for the
       // next launch)
       constexpr int SHARE = RW * RB * NT * 128;  // floats of a workspace slot
@@ -1265,7 +1176,7 @@ w12_matmul_flow_kernel(
         // the last of the KC CTAs adds the slots in rank order (its own from registers)
         if (!publish(ws + (size_t)blockIdx.x * SHARE, cnt + cta, KC)) {
           stamp_last(5);
-          W12F_SEGMENT_DONE;
+          return;
         }
         __threadfence();
         if (ks == 0) {
@@ -1279,30 +1190,6 @@ w12_matmul_flow_kernel(
             });
           }
           for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = sum[i][j][u]; });
-        }
-      }
-      if constexpr (SK) {
-        // a partial row set: the CTA that counts last of the CTAs b0 .. b1 holding it adds their shares in CTA order,
-        // from slot 0 of a CTA whose first row set it is, else slot 1
-        if (part) {
-          const int P = (int)gridDim.x;
-          int b0, b1;
-          sk_ctas(set, KF, U, P, b0, b1);
-          if (!publish(ws + ((size_t)blockIdx.x * 2 + sslot) * SHARE, cnt + set, b1 - b0 + 1)) {
-            stamp_last(5);
-            W12F_SEGMENT_DONE;
-          }
-          __threadfence();
-          if (ks == 0) {
-            // every share from its slot, this CTA's own too (the value it stored): holding the registers' copy
-            // beside the sum through the loop spills the 16-warp-an-SM builds
-            const float* slot = ws + ((size_t)b0 * 2 + sk_slot(b0, set, KF, U, P)) * SHARE;
-            for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] = __ldcg(slot + at(rw, i, j, u)); });
-            for (int b = b0 + 1; b <= b1; ++b) {
-              slot = ws + ((size_t)b * 2 + sk_slot(b, set, KF, U, P)) * SHARE;
-              for_acc<RB, NT>([&](int i, int j, int u) { acc[i][j][u] += __ldcg(slot + at(rw, i, j, u)); });
-            }
-          }
         }
       }
       if constexpr (CLUSTER) {
@@ -1323,7 +1210,7 @@ w12_matmul_flow_kernel(
         asm volatile("barrier.cluster.arrive.release;\n\tbarrier.cluster.wait.acquire;" ::: "memory");
         if (kc > 0) {
           stamp_last(5);
-          W12F_SEGMENT_DONE;
+          return;
         }
         if (ks == 0) {
           const float* cr = reinterpret_cast<const float*>(smem + CRED_OFF);
@@ -1334,7 +1221,7 @@ w12_matmul_flow_kernel(
       }
       if (ks != 0 || !active) {
         stamp_last(5);
-        W12F_SEGMENT_DONE;
+        return;
       }
       if constexpr (ESC_STASH) {
 #pragma unroll

@@ -27,13 +27,15 @@ def _widen(b):
 
 
 @triton.jit
-def w12_swiglu_pairs_kernel(y_ptr, out_ptr, F, stride_y, stride_o, BLOCK: tl.constexpr, EXPF: tl.constexpr = True):
-    """Program (m, j): row m of the bf16 product y [M, 2F] (paired columns), output columns j BLOCK .. j BLOCK +
-    BLOCK - 1 of out [M, F] (bf16). EXPF: e^-g by CUDA's expf (libdevice), as the epilogue; False (the interpreter,
-    which has no libdevice): tl.exp."""
-    m = tl.program_id(0).to(tl.int64)
-    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
-    ok = c < F
+def w12_swiglu_pairs_kernel(y_ptr, out_ptr, M, F, stride_y, stride_o, BLOCK: tl.constexpr, ROWS: tl.constexpr = 1,
+                            EXPF: tl.constexpr = True):
+    """Program (i, j): rows i ROWS .. i ROWS + ROWS - 1 (those below M) of the bf16 product y [M, 2F] (paired columns),
+    output columns j BLOCK .. j BLOCK + BLOCK - 1 of out [M, F] (bf16). ROWS: 1 on a GPU; more under the interpreter,
+    whose cost is per program (elementwise: the same bits either way). EXPF: e^-g by CUDA's expf (libdevice), as the
+    epilogue; False (the interpreter, which has no libdevice): tl.exp."""
+    m = tl.program_id(0).to(tl.int64) * ROWS + tl.arange(0, ROWS).to(tl.int64)[:, None]
+    c = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)[None, :]
+    ok = (c < F) & (m < M)
     col = (c // 8) * 16 + c % 8
     g = _widen(tl.load(y_ptr + m * stride_y + col, mask=ok, other=0.0))
     u = _widen(tl.load(y_ptr + m * stride_y + col + 8, mask=ok, other=0.0))
