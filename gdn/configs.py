@@ -12,8 +12,8 @@ import triton
 from autotune import bucket_m, get_config, shape_key
 from autotune.hardware import has_wgmma
 
-__all__ = ["WYConfig", "CudaConfig", "RecurrentConfig", "cuda_config", "ConvConfig", "CommitConfig", "wy_config", "recurrent_config",
-           "conv_config", "commit_config", "wy_constexprs", "WY_WGMMA",
+__all__ = ["WYConfig", "CudaConfig", "RecurrentConfig", "OneConfig", "one_config", "cuda_config", "ConvConfig",
+           "CommitConfig", "wy_config", "recurrent_config", "conv_config", "commit_config", "wy_constexprs", "WY_WGMMA",
            "wy_heuristic", "cuda_heuristic"]
 
 
@@ -104,6 +104,21 @@ class CudaConfig:
 class RecurrentConfig:
     BV: int = 32
     num_warps: int = 4
+
+
+@dataclass(frozen=True)
+class OneConfig:
+    """The one-node kernel (gdn/kernels/one.py), which `tree_verify` runs for plans of one node a request: one
+    program per (V block of BV columns, value head, request)."""
+
+    # H100, the engine's W12 AR step (hybrid-27b, 48 layers): BV = 16 with 1 or 2 warps and BV = 32 with 4 within
+    # 0.04 ms of each other, every one 0.24-0.27 ms below the CUDA tree kernel's step (docs/gdn.md)
+    BV: int = 16
+    num_warps: int = 1
+    # programmatic dependent launch (sm_90): the step's inputs are read after griddepcontrol.wait
+    pdl: bool = True
+    # the state block is loaded before that wait (while the kernel before still runs; the kernel's contract)
+    early: bool = True
 
 
 @dataclass(frozen=True)
@@ -232,6 +247,11 @@ def cuda_heuristic(V: int) -> CudaConfig:
 
 def recurrent_config(K: int, V: int, device=None) -> RecurrentConfig:
     return get_config("gdn.tree_verify", "recurrent", RecurrentConfig, lambda: RecurrentConfig(BV=_bv(V)),
+                      key=shape_key(K=K, V=V), device=device)
+
+
+def one_config(K: int, V: int, device=None) -> OneConfig:
+    return get_config("gdn.tree_verify", "one", OneConfig, lambda: OneConfig(BV=min(16, _bv(V))),
                       key=shape_key(K=K, V=V), device=device)
 
 

@@ -24,11 +24,12 @@ __all__ = ["tree_verify", "tree_conv1d", "commit", "validate_accepted", "check_e
 
 OP_VERIFY, OP_CONV, OP_COMMIT = "gdn.tree_verify", "gdn.tree_conv1d", "gdn.commit"
 # "cuda": gdn/csrc/gdn_tree.cu (mma.sync, sm_80+) where it takes the call (gdn/cuda.py: unsupported), else the
-# Triton WY kernel "wy" (tl.dot: wgmma on sm_90, mma.sync on sm_80). "recurrent" (no tensor cores) is the
+# Triton WY kernel "wy" (tl.dot: wgmma on sm_90, mma.sync on sm_80); either, chosen automatically, runs the one-node
+# kernel "one" (gdn/kernels/one.py) for plans of one node a request. "recurrent" (no tensor cores) is the
 # stock baseline; "reference" the torch code of gdn/reference.py, the only variant of CPU tensors without the
 # interpreter (Triton has no CPU backend: a kernel variant named there raises, autotune.Variants.choose).
-VARIANTS = autotune.Variants(OP_VERIFY, by_arch={9: "cuda", 8: "cuda"}, known=("cuda", "wy", "recurrent", "reference"),
-                             fallback="reference", portable="wy")
+VARIANTS = autotune.Variants(OP_VERIFY, by_arch={9: "cuda", 8: "cuda"},
+                             known=("cuda", "wy", "one", "recurrent", "reference"), fallback="reference", portable="wy")
 CONV_VARIANTS = autotune.Variants(OP_CONV, by_arch={8: "triton"}, known=("triton", "reference"), fallback="reference")
 COMMIT_VARIANTS = autotune.Variants(OP_COMMIT, by_arch={8: "triton"}, known=("triton", "reference"), fallback="reference")
 _PLANS = autotune.PlanCache()
@@ -92,6 +93,15 @@ def _make_verify_plan(variant, forced_cfg, q, k, v, g, beta, o, pool, state_idx,
     device = q.device
     variant, by_name = VARIANTS.choose(variant, device)
     K, HV, V, B = q.shape[-1], v.shape[1], v.shape[2], state_idx.numel()
+    if variant == "one" and max_nodes > 1:
+        raise ValueError(f"{OP_VERIFY}: variant 'one' takes plans of one node a request, and this plan allows "
+                         f"{max_nodes}; build it with max_nodes=1, or use variant='cuda' or 'wy'")
+    if (variant == "one" or (not by_name and variant in ("cuda", "wy") and max_nodes == 1
+                             and (forced_cfg is None or isinstance(forced_cfg, configs.OneConfig)))):
+        # one node a request: two state products and a rank-one correction (gdn/kernels/one.py)
+        if host_only(device):
+            return autotune.Plan(variant, "reference")
+        return autotune.Plan(variant, "one", configs.one_config(K, V, device))
     kernel = variant
     if variant == "cuda" and not by_name and isinstance(forced_cfg, configs.WYConfig):
         kernel = "wy"  # a pinned Triton config keeps the Triton kernel
@@ -143,6 +153,15 @@ def _launch_verify(plan: autotune.Plan, q, k, v, g, beta, o, pool, state_idx, cu
     BK = max(16, triton.next_power_of_2(K))
     common = (q.stride(0), q.stride(1), k.stride(0), k.stride(1), v.stride(0), v.stride(1), g.stride(0),
               g.stride(1), beta.stride(0), beta.stride(1), o.stride(0), o.stride(1), *_state_strides(pool, vk))
+    if plan.kernel == "one":
+        from .kernels.one import gdn_one_kernel
+
+        pdl = cfg.pdl and has_pdl(q.device)
+        gdn_one_kernel[(triton.cdiv(V, cfg.BV), HV, B)](
+            q, k, v, g, beta, o, pool, state_idx, cu, err, scale, pool.shape[0], *common, H=H, HV=HV, K=K, V=V, BK=BK,
+            BV=cfg.BV, USE_L2=use_l2, PDL=pdl, EARLY=cfg.early, num_warps=cfg.num_warps,
+            **({"launch_pdl": True} if pdl else {}))
+        return
     if plan.kernel == "wy":
         from .kernels.wy import gdn_tree_wy_kernel
 

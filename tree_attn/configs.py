@@ -8,7 +8,8 @@ from dataclasses import dataclass
 
 from autotune import bucket_m, get_config, shape_key
 
-__all__ = ["SplitConfig", "WSConfig", "split_config", "split_key", "ws_config", "ws_consumers", "MMA_ROWS_SM90"]
+__all__ = ["SplitConfig", "WSConfig", "split_config", "split_key", "ws_config", "ws_consumers", "MMA_ROWS_SM90",
+           "SMALL_ROWS"]
 
 # Triton lowers tl.dot to wgmma on sm_90 only when a program's tile has a multiple of 64 rows and a
 # multiple of 4 warps; the "mma" variant keeps its tile at 32 rows on sm_90 so that it runs the
@@ -84,10 +85,19 @@ class WSConfig:
 FEW_NODES = 4
 
 
-def _heuristic(variant: str, head_dim: int, cc_major: int, interpret: bool, nodes: int = 32) -> SplitConfig:
+# trees of at most this many rows (nodes x query heads of a KV head) take one 16-row tile on sm_90: tl.dot lowers
+# to mma.sync there, with a quarter of the 64-row tile's accumulator and softmax (H100, hybrid-27b at one token
+# over 4k keys, the engine's W12 AR step: tree attention 0.326 -> 0.261 ms a step; docs/tree_attn.md)
+SMALL_ROWS = 16
+
+
+def _heuristic(variant: str, head_dim: int, cc_major: int, interpret: bool, nodes: int = 32,
+               group: int | None = None) -> SplitConfig:
     if interpret:  # small tiles: several splits at the tiny lengths of CPU tests, quick interpreter steps
         return SplitConfig(block_m=16, block_n=16, num_warps=4, num_stages=1)
     merge = dict(merge_warps=8, merge_parts=64) if nodes <= FEW_NODES else {}
+    if variant == "wgmma" and cc_major == 9 and group is not None and nodes * group <= SMALL_ROWS:
+        return SplitConfig(block_m=SMALL_ROWS, block_n=64, num_warps=4, num_stages=2, programs_per_sm=1.0, **merge)
     # H200, hybrid-27b (D=256, G=6), one 32-node tree at 32k: 64 x 32 tiles, 3 stages and 2 programs per
     # SM were the fastest of 32 configs (docs/tree_attn.md)
     bn = 64 if head_dim <= 128 else 32
@@ -103,7 +113,7 @@ def split_config(variant: str, head_dim: int, group: int, cc_major: int, interpr
     """`nodes`: the step's largest tree (its node count bucketed to a power of two keys the tuned entries: a
     one-token step and a 32-node tree are different problems for the same kernel)."""
     return get_config("tree_attn.tree_attention", variant, SplitConfig,
-                      lambda: _heuristic(variant, head_dim, cc_major, interpret, nodes),
+                      lambda: _heuristic(variant, head_dim, cc_major, interpret, nodes, group),
                       key=split_key(head_dim, group, nodes), device=device)
 
 

@@ -15,7 +15,8 @@ from __future__ import annotations
 from autotune import shape_key
 from autotune.tuner import SearchSpace
 
-from .configs import MMA_ROWS_SM90, SplitConfig, WSConfig, _heuristic, _ws_heuristic, split_key, ws_consumers
+from .configs import (MMA_ROWS_SM90, SMALL_ROWS, SplitConfig, WSConfig, _heuristic, _ws_heuristic, split_key,
+                      ws_consumers)
 
 __all__ = ["WGMMA_SPACE", "MMA_SPACE", "WS_SPACE", "split_flops_bytes", "split_valid", "ws_valid"]
 
@@ -41,8 +42,11 @@ def _valid(variant: str):
             return f"registers: the [{p['block_m']}, {d}] fp32 accumulator is {acc} values per thread (> {_MAX_ACC_PER_THREAD})"
         if variant == "mma" and p["block_m"] != MMA_ROWS_SM90:
             return f"variant mma keeps {MMA_ROWS_SM90}-row tiles (64 rows lower to wgmma on sm_90)"
-        if variant == "wgmma" and (p["block_m"] % 64 or p["num_warps"] % 4):
-            return "wgmma needs a multiple of 64 rows and of 4 warps"
+        if variant == "wgmma" and p["block_m"] == SMALL_ROWS:
+            if shape["N"] * shape["G"] > SMALL_ROWS:
+                return f"{SMALL_ROWS}-row tiles (mma.sync) are for trees of at most {SMALL_ROWS} rows"
+        elif variant == "wgmma" and (p["block_m"] % 64 or p["num_warps"] % 4):
+            return f"wgmma needs a multiple of 64 rows and of 4 warps ({SMALL_ROWS} rows: small trees, mma.sync)"
         return None
     return valid
 
@@ -55,10 +59,10 @@ def split_valid(variant: str):
 def _space(variant: str) -> SearchSpace:
     return SearchSpace(
         op="tree_attn.tree_attention", variant=variant,
-        params={"block_m": [32, 64, 128], "block_n": [16, 32, 64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3, 4],
+        params={"block_m": [16, 32, 64, 128], "block_n": [16, 32, 64, 128], "num_warps": [4, 8], "num_stages": [1, 2, 3, 4],
                 "programs_per_sm": [1.0, 2.0, 3.0], "merge_warps": [1, 2, 4, 8], "merge_parts": [8, 16, 32, 64]},
         make_config=lambda p: SplitConfig(**p), flops_bytes=split_flops_bytes, valid=_valid(variant),
-        heuristic=lambda s: _heuristic(variant, s["D"], 9, False, s["N"]),
+        heuristic=lambda s: _heuristic(variant, s["D"], 9, False, s["N"], s["G"]),
         key=lambda s: split_key(s["D"], s["G"], s["N"]))
 
 

@@ -726,3 +726,75 @@ def test_recurrent_reference_states_are_the_root_path_walks_bitwise(dtype):
             assert torch.equal(o[i].nan_to_num(7.0), torch.einsum("hkv,hk->hv", W, qq[i]).nan_to_num(7.0)), (parents, i)
         assert o.isnan().any() and not o[[i for i in range(T) if 3 not in root_path(parents, i)
                                            and 6 not in root_path(parents, i)]].isnan().any()
+
+
+# ------------------------------------------------------------------------ one node a request
+
+
+def _verify_kernel(plan, q, k, v, g, beta, pool, idx, vk=False) -> str:
+    """The kernel the call's plan runs ("one", "wy", ...)."""
+    from gdn import ops as gops
+
+    return gops._plan_verify(None, q, k, v, g, beta, torch.empty_like(v), pool, idx, vk, plan.max_nodes).kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("layout, l2, h, hv, k, v", [("kv", True, H, HV, K, V), ("vk", False, 1, 3, 24, 20)],
+                         ids=["kv", "vk-odd"])
+def test_one_node_plans_take_the_one_node_kernel(dtype, layout, l2, h, hv, k, v):
+    """A plan of one node a request runs gdn/kernels/one.py (two state products and a rank-one correction) by
+    default, within the derived bound of the fp64 sequential step, requests in any pool row; odd head dims
+    (V not a multiple of the V block, K not a power of two) and the SGLang layout included."""
+    trees = [[-1]] * 4
+    plan = gdn.build_tree_plan(trees)
+    assert plan.max_nodes == 1
+    q, kk, vv, g, beta, pool = make_inputs(4, dtype, pool=6, seed=9, l2=l2, h=h, hv=hv, k=k, v=v)
+    pool_k = pool.transpose(-1, -2).contiguous() if layout == "vk" else pool
+    assert _verify_kernel(plan, q, kk, vv, g, beta, pool_k, torch.tensor([0, 1, 2, 3]), layout == "vk") == "one"
+    check_verify(trees, None, dtype=dtype, l2=l2, layout=layout, h=h, hv=hv, k=k, v=v, seed=9)
+    check_verify(trees, "one", dtype=dtype, l2=l2, layout=layout, h=h, hv=hv, k=k, v=v, seed=9)
+
+
+def test_one_node_kernel_guards_and_non_finite_inputs():
+    """A state index outside the pool (checked by the kernel: the registered op skips the host checks) skips its
+    request, outputs untouched, and raises VERIFY_STATE_INDEX; a NaN or Inf input reaches its own request's outputs
+    and value heads and no others."""
+    plan = gdn.build_tree_plan([[-1]] * 3)
+    q, kk, vv, g, beta, pool = make_inputs(3, pool=4, seed=2)
+    q[1, 0, 3] = float("nan")
+    vv[2, 1, 5] = float("inf")
+
+    def raw(idx):
+        o = torch.full_like(vv, 7.0)
+        torch.ops.specpilot_gdn.tree_verify(q, kk, vv, g, beta, o, pool, torch.tensor(idx, dtype=torch.int32),
+                                            plan.cu_seqlens, plan.anc, plan.depth, plan.max_depth, plan.node_req,
+                                            plan.sync, plan.err, K ** -0.5, True, False, "auto", plan.max_nodes)
+        return o
+
+    o = raw([3, 0, 1])
+    assert plan.err.item() == 0
+    rep = HV // H  # value heads 0 .. rep - 1 read key head 0
+    assert o[1, :rep].isnan().all() and torch.isfinite(o[1, rep:]).all() and torch.isfinite(o[0]).all()
+    assert not torch.isfinite(o[2, 1]).all() and torch.isfinite(o[2, 0]).all() and torch.isfinite(o[2, 2:]).all()
+    for bad in (-1, 4, 100000):
+        got = raw([3, bad, 1])
+        assert (got[1] == 7.0).all(), "the skipped request was written"
+        assert torch.equal(got[0], o[0])
+        assert torch.equal(got[2].nan_to_num(1.0, 2.0, 3.0), o[2].nan_to_num(1.0, 2.0, 3.0))
+        assert plan.err.item() == gdn.guard.VERIFY_STATE_INDEX
+        with pytest.raises(gdn.GuardError, match="gdn.tree_verify: a state index is outside"):
+            gdn.check_errors(plan)
+
+
+def test_one_node_variant_refuses_larger_plans():
+    """variant="one" by name takes plans of one node a request only; a forced Triton config keeps its kernel."""
+    from gdn.configs import WYConfig
+
+    plan = gdn.build_tree_plan([chain(2)])
+    q, kk, vv, g, beta, pool = make_inputs(2)
+    with pytest.raises(ValueError, match="one node a request"):
+        gdn.tree_verify(q, kk, vv, g, beta, pool, torch.tensor([0]), plan, variant="one")
+    one = gdn.build_tree_plan([[-1]])
+    with force("gdn.tree_verify", config=WYConfig()):
+        assert _verify_kernel(one, q[:1], kk[:1], vv[:1], g[:1], beta[:1], pool, torch.tensor([0])) == "wy"
+    assert _verify_kernel(one, q[:1], kk[:1], vv[:1], g[:1], beta[:1], pool, torch.tensor([0])) == "one"

@@ -480,3 +480,73 @@ def test_long_cycle_drift():
         S32, _ = gdn.commit_reference(S32, z, k, v, g, beta, xz, path, use_qk_l2norm=True)
     assert_close(torch.cat(got), torch.cat(want64), torch.cat(want32), msg="outputs")
     assert_close(pool[0, 0], S64, S32, msg="final state")
+
+
+# ------------------------------------------------------------------------ one node a request
+
+
+def _verify_kernel(plan, q, k, v, g, beta, pool, idx):
+    from gdn import ops as gops
+
+    return gops._plan_verify(None, q, k, v, g, beta, torch.empty_like(v), pool, idx, False, plan.max_nodes).kernel
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("layout", ["kv", "vk"])
+def test_one_node_plans_hybrid_dims(dtype, layout):
+    """Plans of one node a request (the engine's autoregressive step) run the one-node kernel by default: within
+    the derived bound of the fp64 sequential step at hybrid-27b dims, five requests in shuffled pool rows."""
+    B = 5
+    plan = gdn.build_tree_plan([[-1]] * B, device=DEV)
+    q, k, v, g, beta, pool = inputs(B, B, 11, dtype)
+    idx = torch.tensor([3, 0, 5, 1, 4], dtype=torch.int32, device=DEV)
+    assert _verify_kernel(plan, q, k, v, g, beta, pool, idx) == "one"
+    pool_k = pool.transpose(-1, -2).contiguous() if layout == "vk" else pool
+    o = gdn.tree_verify(q, k, v, g, beta, pool_k, idx, plan, use_qk_l2norm=True, state_layout=layout)
+    trees = [[-1]] * B
+    r64 = tree_reference(q, k, v, g, beta, pool.double(), idx.cpu(), trees, use_qk_l2norm=True, dtype=torch.float64)
+    r32 = tree_reference(q, k, v, g, beta, pool, idx.cpu(), trees, use_qk_l2norm=True, fn=recurrent_reference)
+    assert_close(o, r64, r32.to(o.dtype))
+    gdn.check_errors(plan)
+
+
+def test_one_node_pdl_after_verify_and_after_commit_in_graph():
+    """With PDL (sm_90) the one-node kernel reads q, k, v, g and beta after its wait and loads its state block
+    before it. (1) A chain of launches, each reading as v the output of the launch before; (2) commit, then verify
+    on the state commit just wrote (commit lets nothing launch early, so the state read before the wait is the new
+    one), twice. Both captured in a CUDA graph equal, bit for bit, the same launches without PDL."""
+    from gdn.configs import OneConfig
+
+    B, n = 2, 6
+    plan = gdn.build_tree_plan([[-1]] * B, device=DEV)
+    q, k, v, g, beta, pool = inputs(B, B, 12)
+    idx = torch.tensor([2, 0], dtype=torch.int32, device=DEV)
+    outs = [torch.empty_like(v) for _ in range(n)]
+    acc = torch.zeros(B, 1, dtype=torch.int32, device=DEV)
+    acc_len = torch.ones(B, dtype=torch.int32, device=DEV)
+    pool0 = pool.clone()
+
+    def launches():
+        src = v
+        for i, o in enumerate(outs):
+            if i in (3, 5):
+                gdn.commit(pool, None, idx, plan, acc, acc_len, k, src, g, beta, use_qk_l2norm=True)
+            gdn.tree_verify(q, k, src, g, beta, pool, idx, plan, use_qk_l2norm=True, out=o)
+            src = o
+
+    with force("gdn.tree_verify", config=OneConfig(pdl=False)):
+        launches()
+    want, want_pool = [o.clone() for o in outs], pool.clone()
+    assert not torch.equal(want_pool, pool0)
+    pool.copy_(pool0)
+    graph = capture_graph(launches)
+    for rep in range(10):
+        pool.copy_(pool0)
+        for o in outs:
+            o.fill_(float("nan"))
+        graph.replay()
+        torch.cuda.synchronize()
+        for i, (o, w) in enumerate(zip(outs, want)):
+            assert torch.equal(o, w), f"replay {rep}, launch {i}: differs from the launches without PDL"
+        assert torch.equal(pool, want_pool)
+    gdn.check_errors(plan)

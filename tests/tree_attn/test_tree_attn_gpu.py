@@ -77,6 +77,26 @@ def test_gqa_and_head_dims(G, D, variant, make_batch, check):
     check(b, out, lse, msg=f"G={G} D={D} {variant}")
 
 
+@pytest.mark.parametrize("layout, nodes_in_cache", [("slot", False), ("paged", True)])
+@pytest.mark.parametrize("reqs", [[("single", 4096)], [("chain2", 3001), ("single", 0), ("single", 517)]],
+                         ids=["one-token", "two-nodes-ragged"])
+def test_small_trees_take_one_16_row_tile(reqs, layout, nodes_in_cache, make_batch, check):
+    """Trees of at most 16 rows (nodes x G = 6 and 12 here) run 16-row tiles by default on sm_90 (mma.sync in place
+    of a 64-row wgmma tile): the plan and the one call, checked against fp64; a one-node tree over 4k keys as the
+    engine's autoregressive step calls it."""
+    b = make_batch(reqs, H=24, Hkv=4, D=256, layout=layout, nodes_in_cache=nodes_in_cache, seed=len(reqs),
+                   device=DEV)
+    plan = tree_attn.plan(b.qo_indptr, b.kv_indptr, b.kv_indices, b.tree_mask, **b.plan_kw())
+    if torch.cuda.get_device_capability()[0] == 9:
+        assert plan.dispatch.config.block_m == 16
+    out = b.poisoned_out()
+    got, lse = tree_attn.run(plan, b.q, b.k_cache, b.v_cache, **b.new_kw(), out=out, return_lse=True)
+    torch.cuda.synchronize()
+    check(b, got, lse, msg=f"run {layout}")
+    got, lse = attend(b)
+    check(b, got, lse, msg=f"one call {layout}")
+
+
 @pytest.mark.parametrize("variant", KERNELS)
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float16], ids=["bf16", "fp16"])
 def test_dtypes_and_peaked_scores(dtype, variant, make_batch, check):
