@@ -44,7 +44,7 @@ def _valid(variant: str):
             return f"variant mma keeps {MMA_ROWS_SM90}-row tiles (64 rows lower to wgmma on sm_90)"
         if variant == "wgmma" and p["block_m"] == SMALL_ROWS:
             if shape["N"] * shape["G"] > SMALL_ROWS:
-                return f"{SMALL_ROWS}-row tiles (mma.sync) are for trees of at most {SMALL_ROWS} rows"
+                return f"config: {SMALL_ROWS}-row tiles (mma.sync) are for trees of at most {SMALL_ROWS} rows"
         elif variant == "wgmma" and (p["block_m"] % 64 or p["num_warps"] % 4):
             return f"wgmma needs a multiple of 64 rows and of 4 warps ({SMALL_ROWS} rows: small trees, mma.sync)"
         return None
