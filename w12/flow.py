@@ -240,7 +240,7 @@ _SPLIT: dict[tuple[int, int], tuple[torch.Tensor, torch.Tensor]] = {}
 _SPLIT_OLD: list[tuple[torch.Tensor, torch.Tensor]] = []
 
 
-def _split_buffers(cfg: FlowConfig, nt: int, N: int, ctas: int, device: torch.device, idx: int, stream: int
+def _split_buffers(cfg: FlowConfig, nt: int, ctas: int, device: torch.device, idx: int, stream: int
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """The workspace and counters of a launch of `ctas` CTAs (kg): one slot per CTA and a counter per kc CTAs."""
     slots, need_cnt = ctas, ctas // cfg.kc
@@ -350,7 +350,7 @@ def launch_tiled(cfg: FlowConfig, x2d: torch.Tensor, t: TiledW12, bias: torch.Te
     stream = torch.cuda.current_stream(x2d.device).cuda_stream
     ws = cnt = None
     if cfg.kg and _check_step(step)["W12F_RED"]:  # the builds that meet in the workspace
-        ws, cnt = _split_buffers(cfg, nt, t.N, ctas, x2d.device, idx, stream)
+        ws, cnt = _split_buffers(cfg, nt, ctas, x2d.device, idx, stream)
     values = (xk.data_ptr(), ldx, t.tiles.data_ptr(), t.e0.data_ptr(), t.esc_rowptr.data_ptr(), t.esc_col.data_ptr(),
               t.esc_val.data_ptr(), 0 if bias is None else bias.data_ptr(), 0 if bias is None else _BIAS_KIND[bias.dtype],
               out.data_ptr(), M, t.N, K, sink.data_ptr(), 0 if ws is None else ws.data_ptr(),
