@@ -798,3 +798,18 @@ def test_one_node_variant_refuses_larger_plans():
     with force("gdn.tree_verify", config=WYConfig()):
         assert _verify_kernel(one, q[:1], kk[:1], vv[:1], g[:1], beta[:1], pool, torch.tensor([0])) == "wy"
     assert _verify_kernel(one, q[:1], kk[:1], vv[:1], g[:1], beta[:1], pool, torch.tensor([0])) == "one"
+
+
+def test_one_node_kernel_computes_a_gate_of_minus_inf():
+    """README: a gate of -inf (a full decay) is NaN in the WY forms and computed by the sequential ones; the one-node
+    kernel, which forms no WY product, computes it: the fp64 sequential step's value, within the derived bound."""
+    plan = gdn.build_tree_plan([[-1], [-1]])
+    q, kk, vv, g, beta, pool = make_inputs(2, pool=3, seed=4)
+    g[0, 1] = float("-inf")
+    idx = torch.tensor([2, 0])
+    o = gdn.tree_verify(q, kk, vv, g, beta, pool, idx, plan, use_qk_l2norm=True)
+    assert torch.isfinite(o).all()
+    trees = [[-1], [-1]]
+    r64 = tree_reference(q, kk, vv, g, beta, pool.double(), idx, trees, use_qk_l2norm=True, dtype=torch.float64)
+    r32 = tree_reference(q, kk, vv, g, beta, pool, idx, trees, use_qk_l2norm=True, fn=recurrent_reference)
+    assert_close(o, r64, r32)
