@@ -209,6 +209,24 @@ def _pdl_order(ptx: str) -> dict:
             "global": first("ld.global", "atom.global", "red.global", "st.global")}
 
 
+def _gdn_one_order(pdl: bool, early: bool) -> dict:
+    """gdn's one-node kernel at hybrid-27b dims (its default BV and warps) for sm_90: where its grid-dependency
+    instructions sit against its global loads, stores and atomics."""
+    from gdn.kernels.one import gdn_one_kernel
+
+    bf = "*bf16"
+    types = dict(q=bf, k=bf, v=bf, g="*fp32", beta=bf, o=bf, pool="*fp32", state_idx="*i32", cu="*i32", err="*i32",
+                 scale="fp32")
+    ce = dict(H=16, HV=48, K=128, V=128, BK=128, BV=16, USE_L2=True, PDL=pdl, EARLY=early)
+    lines = _ptx(gdn_one_kernel, types, ce, 1, 1).splitlines()
+    wait = next((i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln), -1)
+    launch = next((i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln), -1)
+    loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
+    writes = [i for i, ln in enumerate(lines) if any(k in ln for k in ("st.global", "atom.global", "red.global"))]
+    return {"wait": wait, "launch": launch, "loads_before": sum(i < wait for i in loads),
+            "loads_after": sum(i > wait for i in loads), "first_write": min(writes, default=-1)}
+
+
 def _features(ptx: str) -> dict:
     return {"wgmma": "wgmma.mma_async" in ptx, "mma_sync": "mma.sync" in ptx, "pk_asm": "0x07F007F0" in ptx,
             "pk_zero_asm": "0xBB99" in ptx, "pk4_asm": "0x800F800F" in ptx,
@@ -309,6 +327,8 @@ def _worker() -> None:
         for pdl in ((0, 1, 2) if name not in ("tree_conv", "w12_batch") else (False, True)):
             out[f"pdl-{name}-{int(pdl)}"] = _pdl_order(_ptx(kernel, types, dict(ce, PDL=pdl), 4, 1))
     out["gdn-b1"] = _features(_gdn_b1_ptx())
+    for pdl, early in ((False, False), (True, False), (True, True)):
+        out[f"gdn-one-{int(pdl)}{int(early)}"] = _gdn_one_order(pdl, early)
     for cap in (90, 80):
         ptx = _tree_attn_device_ptx(cap)
         before = ptx[:ptx.index("ld.volatile.global")]  # the work item read back (the split kernel comes first)
@@ -422,6 +442,20 @@ def test_pdl_kernels_wait_before_their_first_global_access(name):
     if name not in ("tree_conv", "w12_batch"):  # FusedGlue(pdl="early"): the next grid may launch before the wait
         early = _results()[f"pdl-{name}-2"]
         assert 0 <= early["launch"] < early["wait"] < early["global"], early
+
+
+@pytest.mark.slow
+def test_gdn_one_node_kernel_reads_the_step_after_its_wait():
+    """gdn's one-node kernel under PDL: with EARLY it loads the metadata and its state block before
+    griddepcontrol.wait and the step's inputs (q, k, v, g, beta) after it; without EARLY nothing global comes before
+    the wait; either way it writes (outputs, the error word) only after the wait, and lets the next grid launch after
+    it. Without PDL there is neither instruction."""
+    r = _results()
+    off, late, early = r["gdn-one-00"], r["gdn-one-10"], r["gdn-one-11"]
+    assert off["wait"] == off["launch"] == -1 and off["loads_after"] > 0
+    assert 0 <= late["wait"] < late["launch"] < late["first_write"] and late["loads_before"] == 0, late
+    assert 0 <= early["wait"] < early["launch"] < early["first_write"], early
+    assert early["loads_before"] >= 4 and early["loads_after"] >= 4, early  # cu, state_idx, S; then q, k, v, g, beta
 
 
 @pytest.mark.slow
