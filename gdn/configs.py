@@ -251,7 +251,7 @@ def recurrent_config(K: int, V: int, device=None) -> RecurrentConfig:
 
 
 def one_config(K: int, V: int, device=None) -> OneConfig:
-    return get_config("gdn.tree_verify", "one", OneConfig, lambda: OneConfig(BV=min(16, _bv(V))),
+    return get_config("gdn.tree_verify", "one", OneConfig, OneConfig,
                       key=shape_key(K=K, V=V), device=device)
 
 

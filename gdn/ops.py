@@ -93,19 +93,16 @@ def _make_verify_plan(variant, forced_cfg, q, k, v, g, beta, o, pool, state_idx,
     device = q.device
     variant, by_name = VARIANTS.choose(variant, device)
     K, HV, V, B = q.shape[-1], v.shape[1], v.shape[2], state_idx.numel()
-    if variant == "one" and max_nodes > 1:
+    kernel = variant
+    if (not by_name and variant in ("cuda", "wy") and max_nodes == 1
+            and (forced_cfg is None or isinstance(forced_cfg, configs.OneConfig))):
+        kernel = "one"  # one node a request: two state products and a rank-one correction (gdn/kernels/one.py)
+    elif variant == "one" and max_nodes > 1:
         raise ValueError(f"{OP_VERIFY}: variant 'one' takes plans of one node a request, and this plan allows "
                          f"{max_nodes}; build it with max_nodes=1, or use variant='cuda' or 'wy'")
-    if (variant == "one" or (not by_name and variant in ("cuda", "wy") and max_nodes == 1
-                             and (forced_cfg is None or isinstance(forced_cfg, configs.OneConfig)))):
-        # one node a request: two state products and a rank-one correction (gdn/kernels/one.py)
-        if host_only(device):
-            return autotune.Plan(variant, "reference")
-        return autotune.Plan(variant, "one", configs.one_config(K, V, device))
-    kernel = variant
-    if variant == "cuda" and not by_name and isinstance(forced_cfg, configs.WYConfig):
+    if kernel == "cuda" and not by_name and isinstance(forced_cfg, configs.WYConfig):
         kernel = "wy"  # a pinned Triton config keeps the Triton kernel
-    elif variant == "cuda":
+    elif kernel == "cuda":
         from . import cuda as gcuda
 
         cfg = configs.cuda_config(max_nodes, K, V, device, batch=B, HV=HV)
@@ -118,6 +115,8 @@ def _make_verify_plan(variant, forced_cfg, q, k, v, g, beta, o, pool, state_idx,
         kernel = "wy"
     if host_only(device):
         return autotune.Plan(variant, "reference")
+    if kernel == "one":
+        return autotune.Plan(variant, "one", configs.one_config(K, V, device))
     if kernel == "wy":
         return autotune.Plan(variant, "wy", configs.wy_config(max_nodes, K, V, device, batch=B, HV=HV))
     if kernel == "recurrent":
