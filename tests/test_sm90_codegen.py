@@ -198,33 +198,30 @@ def _pdl_kernels() -> dict:
 
 
 def _pdl_order(ptx: str) -> dict:
-    """Where the grid-dependency instructions sit: the wait before every global load and atomic, the launch of
-    dependents after the wait."""
+    """Where the grid-dependency instructions sit against the global accesses: the first of each, the first store
+    or atomic, and the global loads before and after the wait."""
     lines = ptx.splitlines()
 
     def first(*keys):
         return next((i for i, ln in enumerate(lines) if any(k in ln for k in keys)), -1)
 
-    return {"wait": first("griddepcontrol.wait"), "launch": first("griddepcontrol.launch_dependents"),
-            "global": first("ld.global", "atom.global", "red.global", "st.global")}
+    wait = first("griddepcontrol.wait")
+    loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
+    return {"wait": wait, "launch": first("griddepcontrol.launch_dependents"),
+            "global": first("ld.global", "atom.global", "red.global", "st.global"),
+            "first_write": first("st.global", "atom.global", "red.global"),
+            "loads_before": sum(i < wait for i in loads), "loads_after": sum(i > wait for i in loads)}
 
 
 def _gdn_one_order(pdl: bool, early: bool) -> dict:
-    """gdn's one-node kernel at hybrid-27b dims (its default BV and warps) for sm_90: where its grid-dependency
-    instructions sit against its global loads, stores and atomics."""
+    """gdn's one-node kernel at hybrid-27b dims (its default BV and warps) for sm_90: `_pdl_order` of its PTX."""
     from gdn.kernels.one import gdn_one_kernel
 
     bf = "*bf16"
     types = dict(q=bf, k=bf, v=bf, g="*fp32", beta=bf, o=bf, pool="*fp32", state_idx="*i32", cu="*i32", err="*i32",
                  scale="fp32")
     ce = dict(H=16, HV=48, K=128, V=128, BK=128, BV=16, USE_L2=True, PDL=pdl, EARLY=early)
-    lines = _ptx(gdn_one_kernel, types, ce, 1, 1).splitlines()
-    wait = next((i for i, ln in enumerate(lines) if "griddepcontrol.wait" in ln), -1)
-    launch = next((i for i, ln in enumerate(lines) if "griddepcontrol.launch_dependents" in ln), -1)
-    loads = [i for i, ln in enumerate(lines) if "ld.global" in ln]
-    writes = [i for i, ln in enumerate(lines) if any(k in ln for k in ("st.global", "atom.global", "red.global"))]
-    return {"wait": wait, "launch": launch, "loads_before": sum(i < wait for i in loads),
-            "loads_after": sum(i > wait for i in loads), "first_write": min(writes, default=-1)}
+    return _pdl_order(_ptx(gdn_one_kernel, types, ce, 1, 1))
 
 
 def _features(ptx: str) -> dict:
