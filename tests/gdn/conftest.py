@@ -1,4 +1,5 @@
 import pytest
+import torch
 
 
 @pytest.fixture
@@ -43,3 +44,16 @@ def _corrupt_commit(case, idx, cidx, acc, n):
 def corrupt_commit():
     """`_corrupt_commit`: the faults the commit guard tests (CPU and GPU) inject."""
     return _corrupt_commit
+
+
+def _verify_kernel(plan, q, k, v, g, beta, pool, idx, vk=False) -> str:
+    from gdn import ops as gops
+
+    return gops._plan_verify(None, q, k, v, g, beta, torch.empty_like(v), pool, idx, vk, plan.max_nodes).kernel
+
+
+@pytest.fixture
+def verify_kernel():
+    """`_verify_kernel`: the kernel a call's plan runs ("one", "wy", "cuda", ...), for the CPU and GPU tests of the
+    dispatch."""
+    return _verify_kernel

@@ -731,17 +731,10 @@ def test_recurrent_reference_states_are_the_root_path_walks_bitwise(dtype):
 # ------------------------------------------------------------------------ one node a request
 
 
-def _verify_kernel(plan, q, k, v, g, beta, pool, idx, vk=False) -> str:
-    """The kernel the call's plan runs ("one", "wy", ...)."""
-    from gdn import ops as gops
-
-    return gops._plan_verify(None, q, k, v, g, beta, torch.empty_like(v), pool, idx, vk, plan.max_nodes).kernel
-
-
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("layout, l2, h, hv, k, v", [("kv", True, H, HV, K, V), ("vk", False, 1, 3, 24, 20)],
                          ids=["kv", "vk-odd"])
-def test_one_node_plans_take_the_one_node_kernel(dtype, layout, l2, h, hv, k, v):
+def test_one_node_plans_take_the_one_node_kernel(dtype, layout, l2, h, hv, k, v, verify_kernel):
     """A plan of one node a request runs gdn/kernels/one.py (two state products and a rank-one correction) by
     default, within the derived bound of the fp64 sequential step, requests in any pool row; odd head dims
     (V not a multiple of the V block, K not a power of two) and the SGLang layout included."""
@@ -750,7 +743,7 @@ def test_one_node_plans_take_the_one_node_kernel(dtype, layout, l2, h, hv, k, v)
     assert plan.max_nodes == 1
     q, kk, vv, g, beta, pool = make_inputs(4, dtype, pool=6, seed=9, l2=l2, h=h, hv=hv, k=k, v=v)
     pool_k = pool.transpose(-1, -2).contiguous() if layout == "vk" else pool
-    assert _verify_kernel(plan, q, kk, vv, g, beta, pool_k, torch.tensor([0, 1, 2, 3]), layout == "vk") == "one"
+    assert verify_kernel(plan, q, kk, vv, g, beta, pool_k, torch.tensor([0, 1, 2, 3]), layout == "vk") == "one"
     check_verify(trees, None, dtype=dtype, l2=l2, layout=layout, h=h, hv=hv, k=k, v=v, seed=9)
     check_verify(trees, "one", dtype=dtype, l2=l2, layout=layout, h=h, hv=hv, k=k, v=v, seed=9)
 
@@ -786,7 +779,7 @@ def test_one_node_kernel_guards_and_non_finite_inputs():
             gdn.check_errors(plan)
 
 
-def test_one_node_variant_refuses_larger_plans():
+def test_one_node_variant_refuses_larger_plans(verify_kernel):
     """variant="one" by name takes plans of one node a request only; a forced Triton config keeps its kernel."""
     from gdn.configs import WYConfig
 
@@ -796,8 +789,8 @@ def test_one_node_variant_refuses_larger_plans():
         gdn.tree_verify(q, kk, vv, g, beta, pool, torch.tensor([0]), plan, variant="one")
     one = gdn.build_tree_plan([[-1]])
     with force("gdn.tree_verify", config=WYConfig()):
-        assert _verify_kernel(one, q[:1], kk[:1], vv[:1], g[:1], beta[:1], pool, torch.tensor([0])) == "wy"
-    assert _verify_kernel(one, q[:1], kk[:1], vv[:1], g[:1], beta[:1], pool, torch.tensor([0])) == "one"
+        assert verify_kernel(one, q[:1], kk[:1], vv[:1], g[:1], beta[:1], pool, torch.tensor([0])) == "wy"
+    assert verify_kernel(one, q[:1], kk[:1], vv[:1], g[:1], beta[:1], pool, torch.tensor([0])) == "one"
 
 
 def test_one_node_kernel_computes_a_gate_of_minus_inf():

@@ -485,22 +485,16 @@ def test_long_cycle_drift():
 # ------------------------------------------------------------------------ one node a request
 
 
-def _verify_kernel(plan, q, k, v, g, beta, pool, idx):
-    from gdn import ops as gops
-
-    return gops._plan_verify(None, q, k, v, g, beta, torch.empty_like(v), pool, idx, False, plan.max_nodes).kernel
-
-
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
 @pytest.mark.parametrize("layout", ["kv", "vk"])
-def test_one_node_plans_hybrid_dims(dtype, layout):
+def test_one_node_plans_hybrid_dims(dtype, layout, verify_kernel):
     """Plans of one node a request (the engine's autoregressive step) run the one-node kernel by default: within
     the derived bound of the fp64 sequential step at hybrid-27b dims, five requests in shuffled pool rows."""
     B = 5
     plan = gdn.build_tree_plan([[-1]] * B, device=DEV)
     q, k, v, g, beta, pool = inputs(B, B, 11, dtype)
     idx = torch.tensor([3, 0, 5, 1, 4], dtype=torch.int32, device=DEV)
-    assert _verify_kernel(plan, q, k, v, g, beta, pool, idx) == "one"
+    assert verify_kernel(plan, q, k, v, g, beta, pool, idx) == "one"
     pool_k = pool.transpose(-1, -2).contiguous() if layout == "vk" else pool
     o = gdn.tree_verify(q, k, v, g, beta, pool_k, idx, plan, use_qk_l2norm=True, state_layout=layout)
     trees = [[-1]] * B
