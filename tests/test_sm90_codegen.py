@@ -368,18 +368,57 @@ def _worker() -> None:
     print("RESULT " + json.dumps(out))
 
 
-@functools.cache
-def _results() -> dict:
-    """Every build's findings, compiled once per test run: under pytest-xdist the first worker to ask builds them
-    (a few minutes on a cold Triton cache) while the others wait on a file lock and read its JSON, instead of each
-    worker compiling the same kernels again."""
+def _shared_path() -> str | None:
+    """Where a test run's findings are shared between its pytest-xdist workers (None outside xdist)."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
     if not run:
-        return _build_results()
-    import fcntl
+        return None
     import tempfile
 
-    base = os.path.join(tempfile.gettempdir(), f"specpilot-sm90-codegen-{run}")
+    return os.path.join(tempfile.gettempdir(), f"specpilot-sm90-codegen-{run}")
+
+
+def start_build(items) -> None:
+    """Called by tests/conftest.py once a worker has collected: if this run selects tests of this module, the
+    first worker starts the builds in a background process that holds the run's file lock until it has written
+    their JSON, so that they compile beside the tests (about 80 s of one core on a cold Triton cache) instead of
+    holding a worker when its first test here needs them."""
+    base = _shared_path()
+    if base is None or os.environ.get("PYTEST_XDIST_WORKER") != "gw0":
+        return
+    if not any(getattr(item, "module", None) is sys.modules[__name__] for item in items):
+        return
+    import fcntl
+
+    lock = open(base + ".lock", "w")
+    fcntl.flock(lock, fcntl.LOCK_EX)  # taken before the child starts: no worker reads a missing file first
+    code = ("import sys; sys.path.insert(0, 'tests'); import test_sm90_codegen as t; "
+            f"t._write_results({base!r})")
+    subprocess.Popen([sys.executable, "-c", code], cwd=_ROOT, env=_build_env(), pass_fds=(lock.fileno(),),
+                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    lock.close()  # the child's copy of the descriptor keeps the lock until it exits
+
+
+def _write_results(base: str) -> None:
+    try:
+        out = _build_results()
+    except BaseException:  # the waiting worker builds again and reports the failure itself
+        return
+    with open(base + ".json.tmp", "w") as f:
+        json.dump(out, f)
+    os.replace(base + ".json.tmp", base + ".json")
+
+
+@functools.cache
+def _results() -> dict:
+    """Every build's findings, compiled once per test run. Under pytest-xdist they come from the background build
+    `start_build` started, or from the first worker that asks (the others wait on the run's file lock and read its
+    JSON) instead of each worker compiling the same kernels again."""
+    base = _shared_path()
+    if base is None:
+        return _build_results()
+    import fcntl
+
     with open(base + ".lock", "w") as lock:
         fcntl.flock(lock, fcntl.LOCK_EX)
         if os.path.exists(base + ".json"):
@@ -392,12 +431,19 @@ def _results() -> dict:
         return out
 
 
-def _build_results() -> dict:
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+
+def _build_env() -> dict:
     env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
-    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
-    env["PYTHONPATH"] = root + os.pathsep + env.get("PYTHONPATH", "")
+    env["PYTHONPATH"] = _ROOT + os.pathsep + env.get("PYTHONPATH", "")
+    return env
+
+
+def _build_results() -> dict:
     code = "import sys; sys.path.insert(0, 'tests'); import test_sm90_codegen as t; t._worker()"
-    p = subprocess.run([sys.executable, "-c", code], cwd=root, env=env, capture_output=True, text=True, timeout=900)
+    p = subprocess.run([sys.executable, "-c", code], cwd=_ROOT, env=_build_env(), capture_output=True, text=True,
+                       timeout=900)
     if p.returncode != 0:
         if "ptxas" in p.stderr.lower() and "not found" in p.stderr.lower():
             pytest.skip("this Triton build cannot compile for sm_90 (no ptxas)")
