@@ -368,6 +368,11 @@ def _worker() -> None:
     print("RESULT " + json.dumps(out))
 
 
+_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+# a child process's preamble: this module imported from tests/ (then the function to call)
+_CHILD = "import sys; sys.path.insert(0, 'tests'); import test_sm90_codegen as t; t."
+
+
 def _shared_path() -> str | None:
     """Where a test run's findings are shared between its pytest-xdist workers (None outside xdist)."""
     run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
@@ -378,24 +383,20 @@ def _shared_path() -> str | None:
     return os.path.join(tempfile.gettempdir(), f"specpilot-sm90-codegen-{run}")
 
 
-def start_build(items) -> None:
-    """Called by tests/conftest.py once a worker has collected: if this run selects tests of this module, the
-    first worker starts the builds in a background process that holds the run's file lock until it has written
-    their JSON, so that they compile beside the tests (about 80 s of one core on a cold Triton cache) instead of
-    holding a worker when its first test here needs them."""
+def start_build() -> None:
+    """Called by tests/conftest.py once a worker has collected a run that selects tests of this module: the first
+    worker starts the builds in a background process that holds the run's file lock until it has written their
+    JSON, so that they compile beside the tests (about 80 s of one core on a cold Triton cache) instead of holding a
+    worker when its first test here needs them."""
     base = _shared_path()
     if base is None or os.environ.get("PYTEST_XDIST_WORKER") != "gw0":
-        return
-    if not any(getattr(item, "module", None) is sys.modules[__name__] for item in items):
         return
     import fcntl
 
     lock = open(base + ".lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)  # taken before the child starts: no worker reads a missing file first
-    code = ("import sys; sys.path.insert(0, 'tests'); import test_sm90_codegen as t; "
-            f"t._write_results({base!r})")
-    subprocess.Popen([sys.executable, "-c", code], cwd=_ROOT, env=_build_env(), pass_fds=(lock.fileno(),),
-                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    subprocess.Popen([sys.executable, "-c", _CHILD + f"_write_results({base!r})"], cwd=_ROOT, env=_build_env(),
+                     pass_fds=(lock.fileno(),), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lock.close()  # the child's copy of the descriptor keeps the lock until it exits
 
 
@@ -404,9 +405,14 @@ def _write_results(base: str) -> None:
         out = _build_results()
     except BaseException:  # the waiting worker builds again and reports the failure itself
         return
+    _store(base, out)
+
+
+def _store(base: str, out: dict) -> dict:
     with open(base + ".json.tmp", "w") as f:
         json.dump(out, f)
     os.replace(base + ".json.tmp", base + ".json")
+    return out
 
 
 @functools.cache
@@ -424,14 +430,7 @@ def _results() -> dict:
         if os.path.exists(base + ".json"):
             with open(base + ".json") as f:
                 return json.load(f)
-        out = _build_results()
-        with open(base + ".json.tmp", "w") as f:
-            json.dump(out, f)
-        os.replace(base + ".json.tmp", base + ".json")
-        return out
-
-
-_ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+        return _store(base, _build_results())
 
 
 def _build_env() -> dict:
@@ -441,9 +440,8 @@ def _build_env() -> dict:
 
 
 def _build_results() -> dict:
-    code = "import sys; sys.path.insert(0, 'tests'); import test_sm90_codegen as t; t._worker()"
-    p = subprocess.run([sys.executable, "-c", code], cwd=_ROOT, env=_build_env(), capture_output=True, text=True,
-                       timeout=900)
+    p = subprocess.run([sys.executable, "-c", _CHILD + "_worker()"], cwd=_ROOT, env=_build_env(),
+                       capture_output=True, text=True, timeout=900)
     if p.returncode != 0:
         if "ptxas" in p.stderr.lower() and "not found" in p.stderr.lower():
             pytest.skip("this Triton build cannot compile for sm_90 (no ptxas)")
