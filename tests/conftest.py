@@ -57,7 +57,7 @@ def pytest_collection_modifyitems(config, items):
     modules = {getattr(item, "module", None) for item in items}
     for m in modules:  # a run that selects the sm_90 codegen tests starts their builds in the background
         if m is not None and m.__name__.rpartition(".")[2] == "test_sm90_codegen":
-            m.start_build()
+            m.start_build(config)
 
 
 @pytest.fixture(autouse=True)

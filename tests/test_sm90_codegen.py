@@ -373,29 +373,27 @@ _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 _CHILD = "import sys; sys.path.insert(0, 'tests'); import test_sm90_codegen as t; t."
 
 
-def _shared_path() -> str | None:
-    """Where a test run's findings are shared between its pytest-xdist workers (None outside xdist)."""
-    run = os.environ.get("PYTEST_XDIST_TESTRUNUID")
-    if not run:
-        return None
-    import tempfile
-
-    return os.path.join(tempfile.gettempdir(), f"specpilot-sm90-codegen-{run}")
+_SHARED: str | None = None  # where this test run's pytest-xdist workers share the findings (`start_build`)
 
 
-def start_build() -> None:
-    """Called by tests/conftest.py once a worker has collected a run that selects tests of this module: the first
-    worker starts the builds in a background process that holds the run's file lock until it has written their
-    JSON, so that they compile beside the tests (about 80 s of one core on a cold Triton cache) instead of holding a
-    worker when its first test here needs them."""
-    base = _shared_path()
-    if base is None or os.environ.get("PYTEST_XDIST_WORKER") != "gw0":
+def start_build(config) -> None:
+    """Called by tests/conftest.py once a worker has collected a run that selects tests of this module. Under
+    pytest-xdist the findings are shared in the run's temporary directory (the parent of the workers' basetemp, which
+    pytest removes with its older runs' directories), and the first worker starts the builds in a background process
+    that holds the run's file lock until it has written their JSON, so that they compile beside the tests (about 80 s
+    of one core on a cold Triton cache) instead of holding a worker when its first test here needs them."""
+    global _SHARED
+    worker, basetemp = os.environ.get("PYTEST_XDIST_WORKER"), config.option.basetemp
+    if worker is None or basetemp is None:  # one process, or no temporary directories: each process builds
+        return
+    _SHARED = os.path.join(os.path.dirname(os.path.abspath(basetemp)), "sm90-codegen")
+    if worker != "gw0":
         return
     import fcntl
 
-    lock = open(base + ".lock", "w")
+    lock = open(_SHARED + ".lock", "w")
     fcntl.flock(lock, fcntl.LOCK_EX)  # taken before the child starts: no worker reads a missing file first
-    subprocess.Popen([sys.executable, "-c", _CHILD + f"_write_results({base!r})"], cwd=_ROOT, env=_build_env(),
+    subprocess.Popen([sys.executable, "-c", _CHILD + f"_write_results({_SHARED!r})"], cwd=_ROOT, env=_build_env(),
                      pass_fds=(lock.fileno(),), stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     lock.close()  # the child's copy of the descriptor keeps the lock until it exits
 
@@ -420,7 +418,7 @@ def _results() -> dict:
     """Every build's findings, compiled once per test run. Under pytest-xdist they come from the background build
     `start_build` started, or from the first worker that asks (the others wait on the run's file lock and read its
     JSON) instead of each worker compiling the same kernels again."""
-    base = _shared_path()
+    base = _SHARED
     if base is None:
         return _build_results()
     import fcntl
