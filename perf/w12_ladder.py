@@ -100,6 +100,17 @@ each of them, and where it is promoted at all of them it becomes this GPU's tune
 which `w12.matmul_tiled` then runs in place of the flow kernel, its pieces or the decode. Files: $OUT/w12-batch.json
 and its table $OUT/w12-batch.md.
 
+`--even-split` times the even-split probe (w12/csrc/w12_probe.cu) instead of the ladder: at 32 rows of each of
+--probe-layers (default o_proj and down_proj, the 5120-row layers short of cuBLAS at 32 rows on the H200), cuBLAS,
+`w12.matmul_tiled` at the shipped config, and the probe's variants (PROBE_VARIANTS): the same tiles, decode and
+mma.sync work as the flow kernel at 4 n-tiles, no escapes, scale or output, under three assignments of tiles to warps
+(round robin; equal runs a warp, partial sums stored at row block boundaries; equal runs of group-units a CTA, all
+its warps on one unit) and three forms of x (held in registers; each warp's own loads; one shared ring a CTA). Each
+row is timed once a round (`--rounds`) over rotated weight copies, the rows' order rotating; the probe computes no
+product, so nothing is checked. What it answers: how near the copy rate an even split streams at 32 rows, and what x
+costs in each form, before a kernel is built on it (docs/w12-kernels.md, "M = 32 on the H200"). With --build-only it
+compiles the variants only. Files: $OUT/w12-even-split.json and its table $OUT/w12-even-split.md.
+
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
 skips the rows left once the run has taken that long. Files: $OUT/w12-ladder.json and $OUT/w12-ladder.md when $OUT
@@ -978,6 +989,11 @@ def parse(argv=None):
                     help="--batch: row counts")
     ap.add_argument("--batch-configs", nargs="*", default=[], metavar="TAG",
                     help="--batch: more BatchConfig tags to time in every cell, e.g. n64-t128-g1-k2-w4-s4")
+    ap.add_argument("--even-split", action="store_true",
+                    help="instead of the ladder: the even-split probe at 32 tokens (w12/csrc/w12_probe.cu) beside cuBLAS "
+                         "and the shipped flow kernel (module doc)")
+    ap.add_argument("--probe-layers", nargs="+", default=["o_proj", "down_proj"], metavar="LAYER",
+                    help="--even-split: layers (AB_LAYERS names whose rows fill their row blocks)")
     args = ap.parse_args(argv)
     from w12.configs import FlowConfig
 
@@ -1319,8 +1335,164 @@ def batch_main(args) -> int:
     return 0
 
 
+# --------------------------------------------------------------------------------------
+# --even-split: the even-split probe at 32 tokens (w12/csrc/w12_probe.cu)
+# --------------------------------------------------------------------------------------
+
+PROBE_KERNEL = "w12_probe_kernel"
+PROBE_STAGES = 4
+PROBE_XSLOT = 8 * 4 * 144  # one unit of x for 32 tokens in the probe's shared ring (rows padded to 144 bytes)
+# (name, warps, CTAs per SM, assignment, x): assignment 0 round robin, 1 equal runs a warp, 2 equal runs of
+# group-units a CTA; x 0 held in registers, 1 each warp's own loads from global memory, 2 one shared ring a CTA
+PROBE_VARIANTS = [
+    ("rr-x0-w8c2", 8, 2, 0, 0), ("rr-x1-w8c2", 8, 2, 0, 1),
+    ("runs-x0-w16c1", 16, 1, 1, 0), ("runs-x1-w16c1", 16, 1, 1, 1),
+    ("runs-x0-w8c2", 8, 2, 1, 0), ("runs-x1-w8c2", 8, 2, 1, 1),
+    ("groups-x0-w16c1", 16, 1, 2, 0), ("groups-x1-w16c1", 16, 1, 2, 1), ("groups-x2-w16c1", 16, 1, 2, 2),
+    ("groups-x1-w8c2", 8, 2, 2, 1), ("groups-x2-w8c2", 8, 2, 2, 2),
+]
+
+
+def probe_smem(warps: int, x: int) -> int:
+    """Dynamic shared memory of one probe CTA: each warp's ring of weight tiles, and with x = 2 the CTA's x ring."""
+    return warps * PROBE_STAGES * 1536 + (PROBE_STAGES * PROBE_XSLOT if x == 2 else 0)
+
+
+def probe_build(warps: int, cps: int, assign: int, x: int, arch: str = "sm_90"):
+    """The NVRTC build of one probe variant (autotune.jit, cached; w12_common.cuh is part of its key)."""
+    from autotune import jit
+    from w12.flow import SOURCE
+
+    defines = dict(W12P_WARPS=warps, W12P_CPS=cps, W12P_ASSIGN=assign, W12P_X=x, W12P_STAGES=PROBE_STAGES)
+    return jit.compile(SOURCE.with_name("w12_probe.cu"), arch=arch, defines=defines,
+                       name=f"w12_probe-w{warps}c{cps}-a{assign}-x{x}-s{PROBE_STAGES}")
+
+
+def probe_items(assign: int, R: int, U: int, ctas: int, warps: int) -> list[list[tuple[int, int]]]:
+    """The (row block, unit) pairs each warp of a probe grid multiplies, in order, as w12_probe.cu's cursors step
+    through them (row blocks past R included: the kernel skips their tiles); warp w of CTA b at index b warps + w."""
+    nw, total = ctas * warps, R * U
+    out = []
+    for b in range(ctas):
+        for w in range(warps):
+            gw = b * warps + w
+            if assign == 0:
+                first, n, rstep, cstep = gw, ((total - 1 - gw) // nw + 1 if gw < total else 0), nw // U, nw % U
+            elif assign == 1:
+                first, n, rstep, cstep = total * gw // nw, total * (gw + 1) // nw - total * gw // nw, 0, 1
+            else:
+                gu = -(-R // warps) * U
+                first, n, rstep, cstep = gu * b // ctas, gu * (b + 1) // ctas - gu * b // ctas, 0, 1
+            wrap = warps if assign == 2 else 1
+            rb, c = ((first // U) * warps + w, first % U) if assign == 2 else (first // U, first % U)
+            seq = []
+            for _ in range(n):
+                seq.append((rb, c))
+                rb, c = rb + rstep, c + cstep
+                if c >= U:
+                    c, rb = c - U, rb + wrap
+            out.append(seq)
+    return out
+
+
+def probe_run(layers: list[str], rounds: int) -> dict:
+    """Every probe variant, cuBLAS and `w12.matmul_tiled` (the shipped flow config) at 32 rows of each layer, every row
+    timed once a round over rotated weight copies (time_cuda), the order of the rows rotating between rounds."""
+    import statistics
+
+    import w12
+    from autotune import jit
+    from specpilot.bench.timing import time_cuda
+
+    M, dev = 32, torch.device("cuda")
+    sms, cc = torch.cuda.get_device_properties(dev).multi_processor_count, torch.cuda.get_device_capability(dev)
+    kernels = {}
+    for name, warps, cps, assign, x in PROBE_VARIANTS:
+        k = jit.load(probe_build(warps, cps, assign, x, f"sm_{cc[0]}{cc[1]}").cubin.read_bytes(), PROBE_KERNEL,
+                     torch.cuda.current_device())
+        k.set_max_dynamic_smem(probe_smem(warps, x))
+        kernels[name] = (k, warps, cps, x)
+    report = {"M": M, "sms": sms, "cells": []}
+    for layer in layers:
+        N, K = ab_layer_shape(layer)
+        if N % 16 or K % 64:
+            raise ValueError(f"w12_ladder --even-split: {layer} ({N} x {K}) has a partial row block or unit")
+        torch.manual_seed(_SEED)
+        wb = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
+        n_copies = weight_copies(N, K)
+        tiled = [w12.pack(wb)] + [w12.pack(wb.clone()) for _ in range(n_copies - 1)]
+        dense = [wb] + [wb.clone() for _ in range(n_copies - 1)]
+        x = torch.randn(M, K, device=dev).to(torch.bfloat16)
+        out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
+        ws = torch.empty(sms * 16 * 3 * 512, dtype=torch.float32, device=dev)  # 3 slots of partial sums a warp
+        sink = torch.empty(sms * 512, dtype=torch.float32, device=dev)
+        fns = {"cublas": [lambda d=d: torch.mm(x, d.T, out=out) for d in dense],
+               "flow": [lambda t=t: w12.matmul_tiled(x, t, out=out) for t in tiled]}
+        for name, (k, warps, cps, xf) in kernels.items():
+            fns[name] = [lambda k=k, t=t, warps=warps, cps=cps, xf=xf: k.launch(
+                (sms * cps, 1, 1), 32 * warps, probe_smem(warps, xf), torch.cuda.current_stream().cuda_stream,
+                (t.tiles.data_ptr(), x.data_ptr(), ws.data_ptr(), sink.data_ptr(), N // 16, K // 64),
+                (jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.I32, jit.I32)) for t in tiled]
+        samples = {r: [] for r in fns}
+        names = list(fns)
+        for i in range(rounds):
+            for r in names[i % len(names):] + names[:i % len(names)]:
+                samples[r].append(time_cuda(fns[r], reps=20, warmup=2).median * 1e6)
+            _sync(f"--even-split {layer}", dev)
+        w12_bytes, bf16_bytes = tiled[0].tiles.numel(), wb.numel() * 2
+        base = statistics.median(samples["cublas"])
+        rows = {}
+        for r, s in samples.items():
+            us, srt = statistics.median(s), sorted(s)
+            nbytes = bf16_bytes if r == "cublas" else w12_bytes
+            rows[r] = dict(us=us, p10=srt[len(s) // 10], p90=srt[9 * len(s) // 10], samples_us=s,
+                           tbs=nbytes / us / 1e6, vs_cublas=base / us)
+            print(f"{layer} M={M} {r}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s, {base / us:.3f}x cuBLAS", flush=True)
+        report["cells"].append(dict(layer=layer, N=N, K=K, w12_bytes=w12_bytes, bf16_bytes=bf16_bytes, rows=rows))
+    return report
+
+
+def probe_table(report: dict) -> str:
+    lines = ["| layer | row | µs (median) | p10-p90 | TB/s | % of 4.28 TB/s | x cuBLAS |",
+             "|---|---|---|---|---|---|---|"]
+    for cell in report["cells"]:
+        for r, c in cell["rows"].items():
+            lines.append(f"| {cell['layer']} | {r} | {c['us']:.1f} | {c['p10']:.1f}-{c['p90']:.1f} | {c['tbs']:.2f} | "
+                         f"{100 * c['tbs'] / COPY_TBS:.0f}% | {c['vs_cublas']:.3f} |")
+    return "\n".join(lines) + "\n"
+
+
+def probe_main(args) -> int:
+    """--even-split: the probe's builds (registers, spills), then on a GPU its rows beside cuBLAS and the shipped
+    flow kernel, into $OUT/w12-even-split.json and its table $OUT/w12-even-split.md."""
+    t0 = time.perf_counter()
+    builds = {}
+    for name, warps, cps, assign, x in PROBE_VARIANTS:
+        builds[name] = dict(probe_build(warps, cps, assign, x, f"sm_{args.arch}").resources(),
+                            smem=probe_smem(warps, x))
+        r = builds[name]
+        print(f"{name}: {r['registers']} registers, {r['spill_stores'] + r['spill_loads']} bytes spilled, "
+              f"{r['smem']} bytes of shared memory", flush=True)
+    if args.build_only:
+        return 0
+    if not torch.cuda.is_available():
+        print("w12_ladder: --even-split times on a CUDA GPU (sm_90); --build-only builds without one", file=sys.stderr)
+        return 2
+    for name in args.probe_layers:
+        ab_layer_shape(name)
+    report = probe_run(args.probe_layers, args.rounds)
+    report["builds"] = builds
+    out = ab_write(report, args, t0, "w12-even-split.json")
+    table = probe_table(report)
+    out.with_suffix(".md").write_text(table)
+    print(table + f"wrote {out} and {out.with_suffix('.md')}")
+    return 0
+
+
 def main(argv=None) -> int:
     args = parse(argv)
+    if args.even_split:
+        return probe_main(args)
     if args.batch:
         return batch_main(args)
     if args.forms:
