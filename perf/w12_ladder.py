@@ -105,9 +105,11 @@ and its table $OUT/w12-batch.md.
 `w12.matmul_tiled` at the shipped config, and the probe's variants (PROBE_VARIANTS): the same tiles, decode and
 mma.sync work as the flow kernel at 4 n-tiles, no escapes, scale or output, under three assignments of tiles to warps
 (round robin; equal runs a warp, partial sums stored at row block boundaries; equal runs of group-units a CTA, all
-its warps on one unit) and three forms of x (held in registers; each warp's own loads; one shared ring a CTA). Each
-row is timed once a round (`--rounds`) over rotated weight copies, the rows' order rotating; the probe computes no
-product, so nothing is checked. What it answers: how near the copy rate an even split streams at 32 rows, and what x
+its warps on one unit) and three forms of x (held in registers; each warp's own loads; one shared ring a CTA), and
+three builds of the whole product on those splits (`full-*`: window bases, escapes, the pieces met through a global
+workspace by the warp that counts last), each checked against fp64 on every 7th output column in two launches before
+it is timed (a failed check is a row of the report, not timed). Each row is timed once a round (`--rounds`) over
+rotated weight copies, the rows' order rotating. What it answers: how near the copy rate an even split streams at 32 rows, and what x
 costs in each form, before a kernel is built on it (docs/w12-kernels.md, "M = 32 on the H200"). With --build-only it
 compiles the variants only. Files: $OUT/w12-even-split.json and its table $OUT/w12-even-split.md.
 
@@ -1342,14 +1344,17 @@ def batch_main(args) -> int:
 PROBE_KERNEL = "w12_probe_kernel"
 PROBE_STAGES = 4
 PROBE_XSLOT = 8 * 4 * 144  # one unit of x for 32 tokens in the probe's shared ring (rows padded to 144 bytes)
-# (name, warps, CTAs per SM, assignment, x): assignment 0 round robin, 1 equal runs a warp, 2 equal runs of
-# group-units a CTA; x 0 held in registers, 1 each warp's own loads from global memory, 2 one shared ring a CTA
+# (name, warps, CTAs per SM, assignment, x, full): assignment 0 round robin, 1 equal runs a warp, 2 equal runs of
+# group-units a CTA; x 0 held in registers, 1 each warp's own loads from global memory, 2 one shared ring a CTA;
+# full: the whole product (W12P_FULL: window bases, escapes, the pieces met through the workspace, bf16 out)
 PROBE_VARIANTS = [
-    ("rr-x0-w8c2", 8, 2, 0, 0), ("rr-x1-w8c2", 8, 2, 0, 1),
-    ("runs-x0-w16c1", 16, 1, 1, 0), ("runs-x1-w16c1", 16, 1, 1, 1),
-    ("runs-x0-w8c2", 8, 2, 1, 0), ("runs-x1-w8c2", 8, 2, 1, 1),
-    ("groups-x0-w16c1", 16, 1, 2, 0), ("groups-x1-w16c1", 16, 1, 2, 1), ("groups-x2-w16c1", 16, 1, 2, 2),
-    ("groups-x1-w8c2", 8, 2, 2, 1), ("groups-x2-w8c2", 8, 2, 2, 2),
+    ("rr-x0-w8c2", 8, 2, 0, 0, 0), ("rr-x1-w8c2", 8, 2, 0, 1, 0),
+    ("runs-x0-w16c1", 16, 1, 1, 0, 0), ("runs-x1-w16c1", 16, 1, 1, 1, 0),
+    ("runs-x0-w8c2", 8, 2, 1, 0, 0), ("runs-x1-w8c2", 8, 2, 1, 1, 0),
+    ("groups-x0-w16c1", 16, 1, 2, 0, 0), ("groups-x1-w16c1", 16, 1, 2, 1, 0), ("groups-x2-w16c1", 16, 1, 2, 2, 0),
+    ("groups-x1-w8c2", 8, 2, 2, 1, 0), ("groups-x2-w8c2", 8, 2, 2, 2, 0),
+    ("full-runs-x1-w16c1", 16, 1, 1, 1, 1), ("full-groups-x2-w16c1", 16, 1, 2, 2, 1),
+    ("full-groups-x2-w8c2", 8, 2, 2, 2, 1),
 ]
 
 
@@ -1358,31 +1363,38 @@ def probe_smem(warps: int, x: int) -> int:
     return warps * PROBE_STAGES * 1536 + (PROBE_STAGES * PROBE_XSLOT if x == 2 else 0)
 
 
-def probe_build(warps: int, cps: int, assign: int, x: int, arch: str = "sm_90"):
+def probe_build(warps: int, cps: int, assign: int, x: int, full: int = 0, arch: str = "sm_90"):
     """The NVRTC build of one probe variant (autotune.jit, cached; w12_common.cuh is part of its key)."""
     from autotune import jit
     from w12.flow import SOURCE
 
-    defines = dict(W12P_WARPS=warps, W12P_CPS=cps, W12P_ASSIGN=assign, W12P_X=x, W12P_STAGES=PROBE_STAGES)
+    defines = dict(W12P_WARPS=warps, W12P_CPS=cps, W12P_ASSIGN=assign, W12P_X=x, W12P_STAGES=PROBE_STAGES,
+                   W12P_FULL=full)
     return jit.compile(SOURCE.with_name("w12_probe.cu"), arch=arch, defines=defines,
-                       name=f"w12_probe-w{warps}c{cps}-a{assign}-x{x}-s{PROBE_STAGES}")
+                       name=f"w12_probe-w{warps}c{cps}-a{assign}-x{x}-f{full}-s{PROBE_STAGES}")
+
+
+def _probe_workers(assign: int, R: int, U: int, ctas: int, warps: int) -> tuple[int, int]:
+    """(P workers, T items) of an assignment: the grid's warps and R U tiles (1), or its CTAs and the groups' units
+    (2)."""
+    return (ctas, -(-R // warps) * U) if assign == 2 else (ctas * warps, R * U)
 
 
 def probe_items(assign: int, R: int, U: int, ctas: int, warps: int) -> list[list[tuple[int, int]]]:
     """The (row block, unit) pairs each warp of a probe grid multiplies, in order, as w12_probe.cu's cursors step
     through them (row blocks past R included: the kernel skips their tiles); warp w of CTA b at index b warps + w."""
     nw, total = ctas * warps, R * U
+    P, T = _probe_workers(assign, R, U, ctas, warps)
     out = []
     for b in range(ctas):
         for w in range(warps):
             gw = b * warps + w
             if assign == 0:
                 first, n, rstep, cstep = gw, ((total - 1 - gw) // nw + 1 if gw < total else 0), nw // U, nw % U
-            elif assign == 1:
-                first, n, rstep, cstep = total * gw // nw, total * (gw + 1) // nw - total * gw // nw, 0, 1
             else:
-                gu = -(-R // warps) * U
-                first, n, rstep, cstep = gu * b // ctas, gu * (b + 1) // ctas - gu * b // ctas, 0, 1
+                me = b if assign == 2 else gw
+                first, rstep, cstep = T * me // P, 0, 1
+                n = T * (me + 1) // P - first
             wrap = warps if assign == 2 else 1
             rb, c = ((first // U) * warps + w, first % U) if assign == 2 else (first // U, first % U)
             seq = []
@@ -1395,9 +1407,39 @@ def probe_items(assign: int, R: int, U: int, ctas: int, warps: int) -> list[list
     return out
 
 
+def probe_pieces(assign: int, R: int, U: int, ctas: int, warps: int) -> dict[int, list[tuple[int, int]]]:
+    """The whole product's fix-up as w12_probe.cu computes it: for each row block, its pieces in the order the last
+    warp adds them, as (worker, workspace slot): workers p0..p1 from `worker_of` on the key's first and last items,
+    slot ((worker 2 + side) WPW + warp in worker), side 0 where the key is the worker's first."""
+    P, T = _probe_workers(assign, R, U, ctas, warps)
+    wpw = warps if assign == 2 else 1
+
+    def worker_of(t: int) -> int:
+        return (P * (t + 1) - 1) // T
+
+    out = {}
+    for rb in range(R):
+        key, wi = (rb // warps, rb % warps) if assign == 2 else (rb, 0)
+        p0, p1 = worker_of(key * U), worker_of(key * U + U - 1)
+        out[rb] = [(q, (q * 2 + (0 if key == T * q // P // U else 1)) * wpw + wi) for q in range(p0, p1 + 1)]
+    return out
+
+
+def probe_fits(assign: int, R: int, U: int, ctas: int, warps: int) -> str | None:
+    """Why the whole product cannot run a shape on this grid (None where it can): every worker needs an item, and a
+    run of at most U items (at most two keys, the workspace's two slots)."""
+    P, T = _probe_workers(assign, R, U, ctas, warps)
+    if T < P:
+        return f"{T} items for {P} workers: some would have none"
+    if -(-T // P) > U:
+        return f"runs of up to {-(-T // P)} items for {U} units a key: more than two keys a run"
+    return None
+
+
 def probe_run(layers: list[str], rounds: int) -> dict:
     """Every probe variant, cuBLAS and `w12.matmul_tiled` (the shipped flow config) at 32 rows of each layer, every row
-    timed once a round over rotated weight copies (time_cuda), the order of the rows rotating between rounds."""
+    timed once a round over rotated weight copies (time_cuda), the order of the rows rotating between rounds. The
+    whole-product builds are first checked against fp64 (every 7th output column) and run only where they pass."""
     import statistics
 
     import w12
@@ -1407,16 +1449,18 @@ def probe_run(layers: list[str], rounds: int) -> dict:
     M, dev = 32, torch.device("cuda")
     sms, cc = torch.cuda.get_device_properties(dev).multi_processor_count, torch.cuda.get_device_capability(dev)
     kernels = {}
-    for name, warps, cps, assign, x in PROBE_VARIANTS:
-        k = jit.load(probe_build(warps, cps, assign, x, f"sm_{cc[0]}{cc[1]}").cubin.read_bytes(), PROBE_KERNEL,
+    for name, warps, cps, assign, x, full in PROBE_VARIANTS:
+        k = jit.load(probe_build(warps, cps, assign, x, full, f"sm_{cc[0]}{cc[1]}").cubin.read_bytes(), PROBE_KERNEL,
                      torch.cuda.current_device())
         k.set_max_dynamic_smem(probe_smem(warps, x))
-        kernels[name] = (k, warps, cps, x)
+        kernels[name] = (k, warps, cps, assign, x, full)
     report = {"M": M, "sms": sms, "cells": []}
+    types = (jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.I32, jit.I32, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.PTR)
     for layer in layers:
         N, K = ab_layer_shape(layer)
         if N % 16 or K % 64:
             raise ValueError(f"w12_ladder --even-split: {layer} ({N} x {K}) has a partial row block or unit")
+        R, U = N // 16, K // 64
         torch.manual_seed(_SEED)
         wb = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
         n_copies = weight_copies(N, K)
@@ -1424,15 +1468,39 @@ def probe_run(layers: list[str], rounds: int) -> dict:
         dense = [wb] + [wb.clone() for _ in range(n_copies - 1)]
         x = torch.randn(M, K, device=dev).to(torch.bfloat16)
         out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
-        ws = torch.empty(sms * 16 * 3 * 512, dtype=torch.float32, device=dev)  # 3 slots of partial sums a warp
+        ws = torch.empty(sms * 16 * 3 * 512, dtype=torch.float32, device=dev)  # up to 3 slots of sums a warp
         sink = torch.empty(sms * 512, dtype=torch.float32, device=dev)
+        cols = torch.arange(0, N, 7, device=dev)
         fns = {"cublas": [lambda d=d: torch.mm(x, d.T, out=out) for d in dense],
                "flow": [lambda t=t: w12.matmul_tiled(x, t, out=out) for t in tiled]}
-        for name, (k, warps, cps, xf) in kernels.items():
-            fns[name] = [lambda k=k, t=t, warps=warps, cps=cps, xf=xf: k.launch(
-                (sms * cps, 1, 1), 32 * warps, probe_smem(warps, xf), torch.cuda.current_stream().cuda_stream,
-                (t.tiles.data_ptr(), x.data_ptr(), ws.data_ptr(), sink.data_ptr(), N // 16, K // 64),
-                (jit.PTR, jit.PTR, jit.PTR, jit.PTR, jit.I32, jit.I32)) for t in tiled]
+        errors = {}
+        for name, (k, warps, cps, assign, xf, full) in kernels.items():
+            why = probe_fits(assign, R, U, sms * cps, warps) if full else None
+            if why is not None:
+                errors[name] = f"not run: {why}"
+                continue
+            o = torch.empty(M, N, dtype=torch.bfloat16, device=dev) if full else out
+            counters = torch.zeros(R, dtype=torch.int32, device=dev)
+
+            def launch(t, k=k, warps=warps, cps=cps, xf=xf, o=o, counters=counters):
+                k.launch((sms * cps, 1, 1), 32 * warps, probe_smem(warps, xf), torch.cuda.current_stream().cuda_stream,
+                         (t.tiles.data_ptr(), x.data_ptr(), ws.data_ptr(), sink.data_ptr(), R, U, t.e0.data_ptr(),
+                          t.esc_rowptr.data_ptr(), t.esc_col.data_ptr(), t.esc_val.data_ptr(), o.data_ptr(),
+                          counters.data_ptr()), types)
+
+            if full:
+                try:
+                    launch(tiled[0])
+                    _sync(f"--even-split {layer} {name}", dev)
+                    _check(o, x, wb, cols, f"{layer} {name}")
+                    o.fill_(float("nan"))
+                    launch(tiled[1])  # again, on another copy: the counters were set back to zero
+                    _sync(f"--even-split {layer} {name}", dev)
+                    _check(o, x, wb, cols, f"{layer} {name}, second launch")
+                except AssertionError as e:
+                    errors[name] = f"check failed: {str(e).splitlines()[0][:300]}"
+                    continue
+            fns[name] = [lambda t=t, launch=launch: launch(t) for t in tiled]
         samples = {r: [] for r in fns}
         names = list(fns)
         for i in range(rounds):
@@ -1448,7 +1516,10 @@ def probe_run(layers: list[str], rounds: int) -> dict:
             rows[r] = dict(us=us, p10=srt[len(s) // 10], p90=srt[9 * len(s) // 10], samples_us=s,
                            tbs=nbytes / us / 1e6, vs_cublas=base / us)
             print(f"{layer} M={M} {r}: {us:.1f} us, {nbytes / us / 1e6:.2f} TB/s, {base / us:.3f}x cuBLAS", flush=True)
-        report["cells"].append(dict(layer=layer, N=N, K=K, w12_bytes=w12_bytes, bf16_bytes=bf16_bytes, rows=rows))
+        for r, e in errors.items():
+            print(f"{layer} M={M} {r}: {e}", flush=True)
+        report["cells"].append(dict(layer=layer, N=N, K=K, w12_bytes=w12_bytes, bf16_bytes=bf16_bytes, rows=rows,
+                                    errors=errors))
     return report
 
 
@@ -1459,6 +1530,8 @@ def probe_table(report: dict) -> str:
         for r, c in cell["rows"].items():
             lines.append(f"| {cell['layer']} | {r} | {c['us']:.1f} | {c['p10']:.1f}-{c['p90']:.1f} | {c['tbs']:.2f} | "
                          f"{100 * c['tbs'] / COPY_TBS:.0f}% | {c['vs_cublas']:.3f} |")
+        for r, e in cell.get("errors", {}).items():
+            lines.append(f"| {cell['layer']} | {r} | {e} | | | | |")
     return "\n".join(lines) + "\n"
 
 
@@ -1467,8 +1540,8 @@ def probe_main(args) -> int:
     flow kernel, into $OUT/w12-even-split.json and its table $OUT/w12-even-split.md."""
     t0 = time.perf_counter()
     builds = {}
-    for name, warps, cps, assign, x in PROBE_VARIANTS:
-        builds[name] = dict(probe_build(warps, cps, assign, x, f"sm_{args.arch}").resources(),
+    for name, warps, cps, assign, x, full in PROBE_VARIANTS:
+        builds[name] = dict(probe_build(warps, cps, assign, x, full, f"sm_{args.arch}").resources(),
                             smem=probe_smem(warps, x))
         r = builds[name]
         print(f"{name}: {r['registers']} registers, {r['spill_stores'] + r['spill_loads']} bytes spilled, "

@@ -55,8 +55,8 @@ def test_variants_build_and_read_x_as_named(ladder, jit_cache, capsys):
 
     assert ladder.main(["--even-split", "--build-only"]) == 0
     assert capsys.readouterr().out.count("0 bytes spilled") == len(ladder.PROBE_VARIANTS)
-    for name, warps, cps, assign, x in ladder.PROBE_VARIANTS:
-        b = ladder.probe_build(warps, cps, assign, x)
+    for name, warps, cps, assign, x, full in ladder.PROBE_VARIANTS:
+        b = ladder.probe_build(warps, cps, assign, x, full)
         r = b.resources()
         assert r["stack"] == 0 and r["spill_stores"] == 0 and r["spill_loads"] == 0, (name, r)
         assert r["registers"] <= 65536 // (32 * warps * cps), (name, r)
@@ -66,6 +66,37 @@ def test_variants_build_and_read_x_as_named(ladder, jit_cache, capsys):
         count = {op: sum(op in t for t in loop) / tiles for op in ("LDG.E.128", "BAR.SYNC", "LDS.128")}
         assert count == {"LDG.E.128": 8 if x == 1 else 0, "BAR.SYNC": 1 if x == 2 else 0,
                          "LDS.128": 2 + (8 if x == 2 else 0)}, (name, count)
+
+
+@pytest.mark.parametrize("assign,ctas,warps,R,U", [
+    (a, c, w, R, U) for a in (1, 2) for c, w in ((132, 16), (264, 8)) for R, U in ((320, 96), (320, 272))
+] + [(1, 11, 4, 40, 9), (2, 11, 4, 40, 9), (2, 7, 4, 26, 5)])
+def test_whole_product_pieces_cover_each_row_block_once_in_order(ladder, assign, ctas, warps, R, U):
+    """The whole-product build's fix-up (W12P_FULL), as probe_pieces ports it: a row block's pieces, from workers
+    p0..p1 in order, hold exactly its units, each worker's piece a contiguous range after the one before; no two
+    pieces share a workspace slot; and every worker has at most two keys, the slots' two sides."""
+    assert ladder.probe_fits(assign, R, U, ctas, warps) is None
+    seqs = ladder.probe_items(assign, R, U, ctas, warps)
+    per_worker = warps if assign == 2 else 1
+    pieces = ladder.probe_pieces(assign, R, U, ctas, warps)
+    used = Counter(slot for ps in pieces.values() for _, slot in ps)
+    assert set(used.values()) == {1}
+    assert max(used) < ctas * warps * 2
+    for rb, ps in pieces.items():
+        units = []
+        for worker, _ in ps:
+            warp = worker * per_worker + (rb % warps if assign == 2 else 0)
+            mine = [c for r, c in seqs[warp] if r == rb]
+            assert mine == list(range(mine[0], mine[0] + len(mine))), (rb, worker)
+            units += mine
+        assert units == list(range(U)), rb
+    keys = [{r // (warps if assign == 2 else 1) for r, _ in s} for s in seqs]
+    assert max(len(k) for k in keys) <= 2
+
+
+def test_whole_product_refuses_shapes_it_cannot_split(ladder):
+    assert "some would have none" in ladder.probe_fits(1, 2, 3, 132, 16)
+    assert "more than two keys" in ladder.probe_fits(2, 320, 4, 2, 16)
 
 
 def test_timing_needs_a_gpu(ladder, monkeypatch, capsys):
