@@ -109,7 +109,9 @@ its warps on one unit) and three forms of x (held in registers; each warp's own 
 three builds of the whole product on those splits (`full-*`: window bases, escapes, the pieces met through a global
 workspace by the warp that counts last), each checked against fp64 on every 7th output column in two launches before
 it is timed (a failed check is a row of the report, not timed). Each row is timed once a round (`--rounds`) over
-rotated weight copies, the rows' order rotating. What it answers: how near the copy rate an even split streams at 32 rows, and what x
+rotated weight copies, the rows' order rotating. `--only REGEX` keeps the variants whose name it matches in full
+(cuBLAS and the shipped config always run): the whole-product builds in a process of their own (`--only 'full-.*'`)
+keep an error of theirs that loses the CUDA context from costing the probe rows. What it answers: how near the copy rate an even split streams at 32 rows, and what x
 costs in each form, before a kernel is built on it (docs/w12-kernels.md, "M = 32 on the H200"). With --build-only it
 compiles the variants only. Files: $OUT/w12-even-split.json and its table $OUT/w12-even-split.md.
 
@@ -1436,7 +1438,7 @@ def probe_fits(assign: int, R: int, U: int, ctas: int, warps: int) -> str | None
     return None
 
 
-def probe_run(layers: list[str], rounds: int) -> dict:
+def probe_run(layers: list[str], rounds: int, variants=None) -> dict:
     """Every probe variant, cuBLAS and `w12.matmul_tiled` (the shipped flow config) at 32 rows of each layer, every row
     timed once a round over rotated weight copies (time_cuda), the order of the rows rotating between rounds. The
     whole-product builds are first checked against fp64 (every 7th output column) and run only where they pass."""
@@ -1449,7 +1451,7 @@ def probe_run(layers: list[str], rounds: int) -> dict:
     M, dev = 32, torch.device("cuda")
     sms, cc = torch.cuda.get_device_properties(dev).multi_processor_count, torch.cuda.get_device_capability(dev)
     kernels = {}
-    for name, warps, cps, assign, x, full in PROBE_VARIANTS:
+    for name, warps, cps, assign, x, full in PROBE_VARIANTS if variants is None else variants:
         k = jit.load(probe_build(warps, cps, assign, x, full, f"sm_{cc[0]}{cc[1]}").cubin.read_bytes(), PROBE_KERNEL,
                      torch.cuda.current_device())
         k.set_max_dynamic_smem(probe_smem(warps, x))
@@ -1538,9 +1540,12 @@ def probe_table(report: dict) -> str:
 def probe_main(args) -> int:
     """--even-split: the probe's builds (registers, spills), then on a GPU its rows beside cuBLAS and the shipped
     flow kernel, into $OUT/w12-even-split.json and its table $OUT/w12-even-split.md."""
+    import re
+
     t0 = time.perf_counter()
+    variants = [v for v in PROBE_VARIANTS if args.only is None or re.fullmatch(args.only, v[0])]
     builds = {}
-    for name, warps, cps, assign, x, full in PROBE_VARIANTS:
+    for name, warps, cps, assign, x, full in variants:
         builds[name] = dict(probe_build(warps, cps, assign, x, full, f"sm_{args.arch}").resources(),
                             smem=probe_smem(warps, x))
         r = builds[name]
@@ -1553,7 +1558,7 @@ def probe_main(args) -> int:
         return 2
     for name in args.probe_layers:
         ab_layer_shape(name)
-    report = probe_run(args.probe_layers, args.rounds)
+    report = probe_run(args.probe_layers, args.rounds, variants)
     report["builds"] = builds
     out = ab_write(report, args, t0, "w12-even-split.json")
     table = probe_table(report)

@@ -99,6 +99,20 @@ def test_whole_product_refuses_shapes_it_cannot_split(ladder):
     assert "more than two keys" in ladder.probe_fits(2, 320, 4, 2, 16)
 
 
+def test_only_picks_the_variants(ladder, monkeypatch, capsys):
+    built = []
+
+    class Build:
+        def resources(self):
+            return dict(registers=96, stack=0, spill_stores=0, spill_loads=0)
+
+    monkeypatch.setattr(ladder, "probe_build", lambda *a: built.append(a) or Build())
+    assert ladder.main(["--even-split", "--build-only", "--only", "full-.*"]) == 0
+    full = [v for v in ladder.PROBE_VARIANTS if v[0].startswith("full-")]
+    assert len(built) == len(full) >= 1 and all(a[4] == 1 for a in built)
+    assert capsys.readouterr().out.count("registers") == len(full)
+
+
 def test_timing_needs_a_gpu(ladder, monkeypatch, capsys):
     monkeypatch.setattr(ladder, "PROBE_VARIANTS", [])
     monkeypatch.setattr(ladder.torch.cuda, "is_available", lambda: False)
