@@ -4,28 +4,13 @@ checks, the builds it plans, --build-only, the timing path with the kernel stood
 
 from __future__ import annotations
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import pytest
 import torch
 
 from w12.configs import FlowConfig
 from w12.flow import ABLATIONS
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def ladder():
-    spec = importlib.util.spec_from_file_location("w12_ladder", ROOT / "perf" / "w12_ladder.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
 
 
 def test_plan_covers_the_ladder_and_the_sweep(ladder):

@@ -5,24 +5,9 @@ shared ring or held in registers), and the refusal to time without a GPU."""
 
 from __future__ import annotations
 
-import importlib.util
-import sys
 from collections import Counter
-from pathlib import Path
 
 import pytest
-
-ROOT = Path(__file__).resolve().parents[2]
-
-
-@pytest.fixture(scope="module")
-def ladder():
-    spec = importlib.util.spec_from_file_location("w12_ladder", ROOT / "perf" / "w12_ladder.py")
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # dataclasses look their module up there
-    spec.loader.exec_module(mod)
-    yield mod
-    sys.modules.pop(spec.name, None)
 
 
 @pytest.mark.parametrize("R,U", [(320, 96), (320, 272), (7, 5)])
