@@ -111,9 +111,10 @@ workspace by the warp that counts last), each checked against fp64 on every 7th 
 it is timed (a failed check is a row of the report, not timed). Each row is timed once a round (`--rounds`) over
 rotated weight copies, the rows' order rotating. `--only REGEX` keeps the variants whose name it matches in full
 (cuBLAS and the shipped config always run): the whole-product builds in a process of their own (`--only 'full-.*'`)
-keep an error of theirs that loses the CUDA context from costing the probe rows. What it answers: how near the copy rate an even split streams at 32 rows, and what x
-costs in each form, before a kernel is built on it (docs/w12-kernels.md, "M = 32 on the H200"). With --build-only it
-compiles the variants only. Files: $OUT/w12-even-split.json and its table $OUT/w12-even-split.md.
+keep an error of theirs that loses the CUDA context from costing the probe rows. What it answers: how near the copy
+rate an even split streams at 32 rows, and what x costs in each form, before a kernel is built on it
+(docs/w12-kernels.md, "M = 32 on the H200"). With --build-only it compiles the variants only. Files:
+$OUT/w12-even-split.json and its table $OUT/w12-even-split.md.
 
 Every launch error and every asynchronous CUDA error is caught per row and reported; an error that leaves the
 context unusable (an illegal address) stops the GPU work and the table so far is printed. --budget-s (default 200)
@@ -1463,11 +1464,9 @@ def probe_run(layers: list[str], rounds: int, variants=None) -> dict:
         if N % 16 or K % 64:
             raise ValueError(f"w12_ladder --even-split: {layer} ({N} x {K}) has a partial row block or unit")
         R, U = N // 16, K // 64
+        tiled, wb = ab_weights(N, K, dev)
+        dense = [wb] + [wb.clone() for _ in tiled[1:]]
         torch.manual_seed(_SEED)
-        wb = (torch.randn(N, K, device=dev) * 0.02).to(torch.bfloat16)
-        n_copies = weight_copies(N, K)
-        tiled = [w12.pack(wb)] + [w12.pack(wb.clone()) for _ in range(n_copies - 1)]
-        dense = [wb] + [wb.clone() for _ in range(n_copies - 1)]
         x = torch.randn(M, K, device=dev).to(torch.bfloat16)
         out = torch.empty(M, N, dtype=torch.bfloat16, device=dev)
         ws = torch.empty(sms * 16 * 3 * 512, dtype=torch.float32, device=dev)  # up to 3 slots of sums a warp
@@ -1496,7 +1495,7 @@ def probe_run(layers: list[str], rounds: int, variants=None) -> dict:
                     _sync(f"--even-split {layer} {name}", dev)
                     _check(o, x, wb, cols, f"{layer} {name}")
                     o.fill_(float("nan"))
-                    launch(tiled[1])  # again, on another copy: the counters were set back to zero
+                    launch(tiled[0])  # again: the first launch set the counters back to zero
                     _sync(f"--even-split {layer} {name}", dev)
                     _check(o, x, wb, cols, f"{layer} {name}, second launch")
                 except AssertionError as e:

@@ -260,7 +260,7 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12P_CPS)
     return ((long long)worker * 2 + side(worker, key)) * WPW + wi;
   };
 
-  int flush = 0, cur = -1;  // pieces stored so far; the row block being summed
+  int flush = 0, cur = -1;  // the probe builds' pieces stored so far; the row block being summed
   int pend0 = -1, pend1 = -1;  // the whole product: the row blocks of the pieces this warp stored (slots 0, 1)
   auto close = [&](int rb) {  // the end of this warp's share of row block rb
     if constexpr (FULL) {  // every piece through the workspace (a run of at most U items holds two keys at most)
@@ -268,8 +268,8 @@ extern "C" __global__ void __launch_bounds__(32 * WARPS, W12P_CPS)
       (side(me, key_of(rb)) == 0 ? pend0 : pend1) = rb;
     } else if constexpr (W12P_ASSIGN != 0) {
       store_piece(ws, (long long)gw * 3 + min(flush, 2), acc, lane);
+      ++flush;
     }
-    ++flush;
 #pragma unroll
     for (int j = 0; j < NT; ++j) acc[j][0] = acc[j][1] = acc[j][2] = acc[j][3] = 0.f;
   };
